@@ -1,0 +1,37 @@
+"""trainbus: a PyTorch trainer whose callback system is an async-first reactive event bus.
+
+This module only re-exports; see ``trainbus.events``, ``trainbus.commands``,
+``trainbus.operators`` and ``trainbus.testing`` for the topic modules.
+"""
+
+from ._bus import CommandError as CommandError
+from ._bus import EventBus as EventBus
+from ._exceptions import BusClosedError as BusClosedError
+from ._exceptions import ConfigError as ConfigError
+from ._exceptions import NonFiniteLossError as NonFiniteLossError
+from ._exceptions import SubscriberError as SubscriberError
+from ._exceptions import TrainbusError as TrainbusError
+from ._exceptions import TrainingError as TrainingError
+from ._observable import BusObservable as BusObservable
+from ._scheduler import AnyioScheduler as AnyioScheduler
+from ._subscription import AsyncSubscription as AsyncSubscription
+from ._subscription import BusStatistics as BusStatistics
+from ._subscription import Subscription as Subscription
+from ._subscription import SubscriptionStatistics as SubscriptionStatistics
+
+__all__ = [
+    "AnyioScheduler",
+    "AsyncSubscription",
+    "BusClosedError",
+    "BusObservable",
+    "BusStatistics",
+    "CommandError",
+    "ConfigError",
+    "EventBus",
+    "NonFiniteLossError",
+    "Subscription",
+    "SubscriptionStatistics",
+    "SubscriberError",
+    "TrainbusError",
+    "TrainingError",
+]

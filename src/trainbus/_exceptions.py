@@ -1,0 +1,65 @@
+"""Exceptions raised by trainbus.
+
+The hierarchy::
+
+    TrainbusError                       base of everything trainbus raises
+    ├── ConfigError (+ ValueError)      bad configuration or argument, raised at the call
+    ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
+    ├── SubscriberError                 a subscriber with ``on_error="raise"`` failed the run
+    └── TrainingError (+ RuntimeError)  a problem found while training, naming step and batch
+        └── NonFiniteLossError          the loss became NaN/inf and the policy is "raise"
+
+Every subclass that a user would naturally catch as a builtin also inherits that builtin, so
+``except ValueError`` keeps working around a ``Trainer(...)`` call (the httpx/anyio habit).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BusClosedError",
+    "ConfigError",
+    "NonFiniteLossError",
+    "SubscriberError",
+    "TrainbusError",
+    "TrainingError",
+]
+
+
+class TrainbusError(Exception):
+    """Base class of every exception trainbus raises."""
+
+
+class ConfigError(TrainbusError, ValueError):
+    """A configuration value or argument is invalid.
+
+    The message names the field, the value received and what is allowed.
+    """
+
+    @classmethod
+    def invalid(cls, field: str, value: object, allowed: str) -> ConfigError:
+        """Build the standard message: ``field=value is invalid: allowed``."""
+        return cls(f"{field}={value!r} is invalid: {allowed}")
+
+
+class BusClosedError(TrainbusError, RuntimeError):
+    """The bus is not running: it was never opened, or it has been closed."""
+
+
+class SubscriberError(TrainbusError):
+    """A subscriber whose policy is ``on_error="raise"`` failed, so the run fails.
+
+    The subscriber's own exception is the ``__cause__``.
+    """
+
+    def __init__(self, subscription: str, error: BaseException) -> None:
+        super().__init__(f"subscriber {subscription!r} failed: {error!r}")
+        self.subscription = subscription
+        self.error = error
+
+
+class TrainingError(TrainbusError, RuntimeError):
+    """Something went wrong inside the training loop; the message names step and batch."""
+
+
+class NonFiniteLossError(TrainingError):
+    """The loss is NaN or infinite."""

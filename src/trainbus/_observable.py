@@ -1,0 +1,134 @@
+"""The Observable the bus hands out, and the Observer that is its back-channel.
+
+RxPY passes the scheduler from the subscriber towards the source: the ``scheduler`` given to
+the *last* ``subscribe`` of a chain becomes the default of every time-based operator above it.
+A chain that starts at ``bus.events`` / ``bus.stream(...)`` is a :class:`BusObservable`, and so
+is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus scheduler and ends the chain
+in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)`` runs the
+throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from reactivex import Observable, abc
+
+from ._exceptions import ConfigError
+
+if TYPE_CHECKING:
+    from . import commands as cmd
+    from ._bus import EventBus
+    from ._subscription import ErrorPolicy, Subscription
+
+__all__ = ["BusObservable", "CommandSink", "normalize_observer"]
+
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class BusObservable(Observable[_T], Generic[_T]):
+    """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
+    the observer and hands the bus scheduler to the chain's time-based operators."""
+
+    def __init__(self, bus: EventBus, source: Observable[_T]) -> None:
+        super().__init__()
+        self.bus = bus
+        self.source = source
+
+    def _subscribe_core(
+        self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
+    ) -> abc.DisposableBase:
+        return self.source.subscribe(observer, scheduler=scheduler or self.bus.scheduler)
+
+    def pipe(self, *operators: Callable[[Any], Any]) -> Any:
+        """Compose operators left to right; the result is still a bus observable."""
+        # Operators subscribe to their source; give them the raw chain, not this guarded
+        # observable, so only the last subscribe of a pipeline is guarded and counted.
+        result = Observable(self._subscribe_core).pipe(*operators)
+        if isinstance(result, Observable) and not isinstance(result, BusObservable):
+            return BusObservable(self.bus, result)
+        return result
+
+    def subscribe(  # type: ignore[override]
+        self,
+        on_next: abc.ObserverBase[_T] | Callable[[_T], Any] | None = None,
+        on_error: Callable[[Exception], Any] | ErrorPolicy | None = None,
+        on_completed: Callable[[], Any] | None = None,
+        *,
+        scheduler: abc.SchedulerBase | None = None,
+        policy: ErrorPolicy | None = None,
+        name: str | None = None,
+    ) -> Subscription:
+        """Subscribe under the bus' guard.
+
+        Args:
+            on_next: A function of one item, or an Rx observer (``bus.commands`` included).
+            on_error: An Rx error callback, or an error policy string (``"log"``, ``"stop"``,
+                ``"raise"``) as a shorthand for ``policy``.
+            on_completed: Called when the bus closes.
+            scheduler: Overrides the bus scheduler for this chain.
+            policy: What a failure of ``on_next`` does (default: the bus' ``on_error``).
+            name: Name in logs and statistics.
+
+        Returns:
+            The :class:`~trainbus.Subscription` (an Rx disposable).
+
+        Raises:
+            ConfigError: ``on_next`` is neither callable nor an observer; unknown policy.
+        """
+        if isinstance(on_error, str):
+            policy, on_error = on_error, None  # type: ignore[assignment]
+        return self.bus._subscribe_guarded(
+            self.source,
+            on_next,
+            on_error,
+            on_completed,
+            policy=policy,
+            name=name,
+            scheduler=scheduler,
+        )
+
+    def _subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
+        """Subscribe an internal observer directly (async feeders), with the bus scheduler."""
+        return self.source.subscribe(observer, scheduler=self.bus.scheduler)
+
+
+class CommandSink(abc.ObserverBase[Any]):
+    """``bus.commands``: the back-channel as an Rx Observer of commands.
+
+    ``pipeline.subscribe(bus.commands)`` sends every command the pipeline emits; a non-command
+    is a ``ConfigError``, reported as that subscription's failure.
+    """
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+
+    def on_next(self, value: cmd.Command) -> None:
+        self._bus.send(value)
+
+    def on_error(self, error: Exception) -> None:
+        raise error
+
+    def on_completed(self) -> None:
+        return None
+
+
+def normalize_observer(
+    bus: EventBus, observer: Any, on_error: Any, on_completed: Any
+) -> tuple[Callable[[Any], Any], Any, Any]:
+    """Split an Rx observer or callbacks into (on_next, on_error, on_completed), validated."""
+    if isinstance(observer, CommandSink):
+        # Failures of a decision pipeline are the subscription's, under its policy.
+        return bus.send, on_error, on_completed
+    if isinstance(observer, abc.ObserverBase):
+        return observer.on_next, observer.on_error, observer.on_completed
+    if observer is None or not callable(observer):
+        raise ConfigError.invalid(
+            "on_next", observer, "a callable of one event, or an Rx observer"
+        )
+    for field, value in (("on_error", on_error), ("on_completed", on_completed)):
+        if value is not None and not callable(value):
+            raise ConfigError.invalid(field, value, "a callable or None")
+    return observer, on_error, on_completed

@@ -1,0 +1,108 @@
+"""The command vocabulary: what subscribers tell the loop.
+
+Commands are frozen dataclasses sent on the back-channel (``bus.commands`` / ``bus.send``). The
+loop drains them without blocking at its poll points (after each optimizer step, after
+evaluation, at epoch end), applies them in order, and acknowledges each with
+``events.CommandApplied``. ``Command`` is their union, dispatched with ``match``.
+
+Values are validated when the command is built: a bad learning rate is a ``ConfigError`` in the
+subscriber that made it, not a crash inside the training loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TypeAlias
+
+from ._exceptions import ConfigError
+
+__all__ = [
+    "COMMAND_TYPES",
+    "Command",
+    "Evaluate",
+    "SaveCheckpoint",
+    "ScaleLearningRate",
+    "SetLearningRate",
+    "StopEpoch",
+    "StopTraining",
+]
+
+
+def _check_group(value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 0):
+        raise ConfigError.invalid("param_group", value, "a parameter group index >= 0, or None")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopTraining:
+    """Stop the run after the current step; ``FitEnded(reason="stopped")`` follows."""
+
+    reason: str = "requested"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StopEpoch:
+    """End the current epoch now; training continues with the next one (if any)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SaveCheckpoint:
+    """Write a checkpoint now; answered by ``CheckpointSaved``."""
+
+    tag: str | None = None
+    """Name part of the checkpoint file (``step-<n>[-<tag>].pt``); letters, digits, ``-_.``."""
+
+    def __post_init__(self) -> None:
+        if self.tag is not None and (
+            not isinstance(self.tag, str)
+            or not self.tag
+            or not all(c.isalnum() or c in "-_." for c in self.tag)
+        ):
+            raise ConfigError.invalid(
+                "tag", self.tag, "a non-empty string of letters, digits, '-', '_' or '.'"
+            )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evaluate:
+    """Run evaluation now; answered by ``EvaluationEnded(trigger="command")``."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SetLearningRate:
+    """Set the learning rate of every parameter group (or of ``param_group``)."""
+
+    lr: float
+    param_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lr, int | float) or not math.isfinite(self.lr) or self.lr < 0:
+            raise ConfigError.invalid("lr", self.lr, "a finite number >= 0")
+        _check_group(self.param_group)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScaleLearningRate:
+    """Multiply the learning rate of every parameter group (or of ``param_group``)."""
+
+    factor: float
+    param_group: int | None = None
+
+    def __post_init__(self) -> None:
+        if (
+            not isinstance(self.factor, int | float)
+            or not math.isfinite(self.factor)
+            or self.factor <= 0
+        ):
+            raise ConfigError.invalid("factor", self.factor, "a finite number > 0")
+        _check_group(self.param_group)
+
+
+Command: TypeAlias = (
+    StopTraining | StopEpoch | SaveCheckpoint | Evaluate | SetLearningRate | ScaleLearningRate
+)
+"""Union of every command class."""
+
+COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
+"""Every command class."""

@@ -1,0 +1,386 @@
+"""Rx operators for training streams.
+
+Each operator is a plain function returning ``Callable[[Observable[A]], Observable[B]]``, for use
+in ``pipe(...)``. Arguments are validated when the operator is built, so a typo fails where it was
+written, not inside the event loop. State lives per subscription: one operator object can serve
+several pipelines.
+
+Marble diagrams read left to right in time; ``|`` is completion.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar, overload
+
+from reactivex import Observable, abc
+from reactivex import operators as ops
+
+from . import commands as cmd
+from . import events as ev
+from ._exceptions import ConfigError
+
+__all__ = [
+    "Span",
+    "every",
+    "metric",
+    "of_type",
+    "once",
+    "patience",
+    "plateau",
+    "span_durations",
+]
+
+_T = TypeVar("_T")
+_E = TypeVar("_E")
+_E2 = TypeVar("_E2")
+Mode = Literal["min", "max"]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError.invalid(name, value, f"an int >= {minimum}")
+    return value
+
+
+def _check_mode(mode: object) -> Mode:
+    if mode not in ("min", "max"):
+        raise ConfigError.invalid("mode", mode, "'min' (lower is better) or 'max'")
+    return mode  # type: ignore[return-value]
+
+
+def _check_number(name: str, value: object, *, positive: bool = False) -> float:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
+        raise ConfigError.invalid(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
+    return float(value)  # type: ignore[arg-type]
+
+
+def _check_metric(name: object) -> str:
+    if not isinstance(name, str) or not name:
+        raise ConfigError.invalid("metric", name, "a metric name such as 'val_loss'")
+    return name
+
+
+# ----------------------------------------------------------------------------- selection
+@overload
+def of_type(t: type[_E], /) -> Callable[[Observable[Any]], Observable[_E]]: ...
+@overload
+def of_type(
+    t: type[_E], t2: type[_E2], /
+) -> Callable[[Observable[Any]], Observable[_E | _E2]]: ...
+@overload
+def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]: ...
+def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]:
+    """Keep items that are instances of ``types``; the result is typed accordingly.
+
+    ::
+
+        source:             -A-b-A-c-|
+        of_type(A):         -A---A---|
+
+    Raises:
+        ConfigError: no type, or something that is not a class.
+    """
+    if not types or not all(isinstance(t, type) for t in types):
+        raise ConfigError.invalid("types", types, "one or more classes")
+    return ops.filter(lambda x: isinstance(x, types))
+
+
+def every(n: int) -> Callable[[Observable[_T]], Observable[_T]]:
+    """Keep every ``n``-th item (the n-th, the 2n-th, ...).
+
+    ::
+
+        source:             -1-2-3-4-5-6-|
+        every(3):           -----3-----6-|
+
+    Raises:
+        ConfigError: ``n`` is not an int >= 1.
+    """
+    n = _check_int("n", n, 1)
+
+    def _every(source: Observable[_T]) -> Observable[_T]:
+        return source.pipe(
+            ops.scan(lambda acc, x: (acc[0] + 1, x), (0, None)),  # type: ignore[arg-type,return-value]
+            ops.filter(lambda acc: acc[0] % n == 0),  # type: ignore[index]
+            ops.map(lambda acc: acc[1]),  # type: ignore[index]
+        )
+
+    return _every
+
+
+def once(at: int | Callable[[Any], bool] | None = None) -> Callable[[Observable[_T]], Observable[_T]]:
+    """Emit the first matching item, then complete.
+
+    ``at=None``: the first item; ``at=k`` (int): the first event whose ``step >= k``;
+    ``at=predicate``: the first item the predicate accepts.
+
+    ::
+
+        source (steps):     -1-2-3-4-|
+        once(at=3):         -----3|
+
+    Raises:
+        ConfigError: ``at`` is a negative int, or neither int, callable nor None.
+    """
+    if at is None:
+        return ops.take(1)
+    if isinstance(at, int) and not isinstance(at, bool):
+        step = _check_int("at", at, 0)
+        return ops.first(lambda e: e.step >= step)
+    if callable(at):
+        return ops.first(at)
+    raise ConfigError.invalid("at", at, "None, a step (int >= 0) or a predicate")
+
+
+def metric(name: str) -> Callable[[Observable[Any]], Observable[float]]:
+    """Map events carrying ``metrics`` (``EvaluationEnded``, ``MetricsLogged``) to one value.
+
+    Events without the metric are skipped.
+
+    ::
+
+        source:             -{loss:2}-{acc:1}-{loss:1}-|
+        metric("loss"):     -2-----------------1-------|
+    """
+    name = _check_metric(name)
+
+    def _metric(source: Observable[Any]) -> Observable[float]:
+        return source.pipe(
+            ops.filter(lambda e: name in getattr(e, "metrics", {})),
+            ops.map(lambda e: float(e.metrics[name])),
+        )
+
+    return _metric
+
+
+# ----------------------------------------------------------------------------- decisions
+class _Tracker:
+    """Best value seen and evaluations since it improved."""
+
+    def __init__(self, mode: Mode, min_delta: float) -> None:
+        self.mode, self.min_delta = mode, min_delta
+        self.best: float | None = None
+        self.bad = 0
+        self.cooling = 0
+
+    def update(self, value: float) -> bool:
+        if math.isnan(value):
+            improved = False
+        elif self.best is None:
+            improved = True
+        elif self.mode == "min":
+            improved = value < self.best - self.min_delta
+        else:
+            improved = value > self.best + self.min_delta
+        if improved:
+            self.best, self.bad = value, 0
+        else:
+            self.bad += 1
+        return improved
+
+
+def _read_metric(event: Any, name: str) -> float:
+    metrics: Mapping[str, float] | None = getattr(event, "metrics", None)
+    if metrics is None:
+        raise ConfigError.invalid(
+            "event", type(event).__name__, "an event with metrics (EvaluationEnded, MetricsLogged)"
+        )
+    if name not in metrics:
+        raise ConfigError.invalid("metric", name, f"one of the event's metrics {sorted(metrics)}")
+    return float(metrics[name])
+
+
+def _decide(
+    step: Callable[[_Tracker, float, Any], Any | None], mode: Mode, min_delta: float, name: str
+) -> Callable[[Observable[Any]], Observable[Any]]:
+    """Run ``step`` with per-subscription tracker state; emit what it returns (if not None)."""
+
+    def _operator(source: Observable[Any]) -> Observable[Any]:
+        def subscribe(
+            observer: abc.ObserverBase[Any], scheduler: abc.SchedulerBase | None = None
+        ) -> abc.DisposableBase:
+            tracker = _Tracker(mode, min_delta)
+
+            def on_next(event: Any) -> None:
+                try:
+                    out = step(tracker, _read_metric(event, name), event)
+                except Exception as exc:
+                    observer.on_error(exc)
+                    return
+                if out is not None:
+                    observer.on_next(out)
+
+            return source.subscribe(
+                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
+            )
+
+        return Observable(subscribe)
+
+    return _operator
+
+
+def patience(
+    metric: str, *, mode: Mode = "min", patience: int = 3, min_delta: float = 0.0
+) -> Callable[[Observable[Any]], Observable[cmd.StopTraining]]:
+    """Early stopping: emit ``StopTraining`` once ``metric`` has not improved for ``patience``
+    evaluations in a row, then complete. NaN never counts as an improvement.
+
+    ::
+
+        val_loss:           -3-2-2-2-2---
+        patience(p=3):      ---------S|      S = StopTraining(reason="early stopping: ...")
+
+    Args:
+        metric: Key in the events' ``metrics`` (``"val_loss"``).
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        patience: Evaluations without improvement before stopping (>= 1).
+        min_delta: Smallest change that counts as an improvement (>= 0).
+
+    Raises:
+        ConfigError: for an argument out of range (eagerly); the stream errors with a
+            ``ConfigError`` when an event lacks the metric.
+    """
+    metric = _check_metric(metric)
+    mode = _check_mode(mode)
+    patience = _check_int("patience", patience, 1)
+    min_delta = _check_number("min_delta", min_delta)
+
+    def step(tracker: _Tracker, value: float, event: Any) -> cmd.StopTraining | None:
+        tracker.update(value)
+        if tracker.bad < patience:
+            return None
+        return cmd.StopTraining(
+            reason=(
+                f"early stopping: {metric} did not improve for {patience} evaluations "
+                f"(best {tracker.best!r}, step {getattr(event, 'step', '?')})"
+            )
+        )
+
+    def _patience(source: Observable[Any]) -> Observable[cmd.StopTraining]:
+        return source.pipe(_decide(step, mode, min_delta, metric), ops.take(1))
+
+    return _patience
+
+
+def plateau(
+    metric: str,
+    *,
+    mode: Mode = "min",
+    patience: int = 2,
+    factor: float = 0.1,
+    min_delta: float = 0.0,
+    cooldown: int = 0,
+    max_reductions: int | None = None,
+) -> Callable[[Observable[Any]], Observable[cmd.ScaleLearningRate]]:
+    """Reduce the LR on a plateau: emit ``ScaleLearningRate(factor)`` each time ``metric`` has
+    not improved for ``patience`` evaluations; then wait ``cooldown`` evaluations before
+    counting again (like ``torch.optim.lr_scheduler.ReduceLROnPlateau``).
+
+    ::
+
+        val_loss:           -3-2-2-2-2-2-
+        plateau(p=2):       -------R---R-       R = ScaleLearningRate(factor)
+
+    Args:
+        metric: Key in the events' ``metrics``.
+        mode: ``"min"`` or ``"max"``.
+        patience: Evaluations without improvement before a reduction (>= 1).
+        factor: Multiplier applied to the LR, in (0, 1).
+        min_delta: Smallest change that counts as an improvement.
+        cooldown: Evaluations ignored after a reduction.
+        max_reductions: Stop (complete) after this many reductions; None for no limit.
+
+    Raises:
+        ConfigError: for an argument out of range.
+    """
+    metric = _check_metric(metric)
+    mode = _check_mode(mode)
+    patience = _check_int("patience", patience, 1)
+    cooldown = _check_int("cooldown", cooldown, 0)
+    min_delta = _check_number("min_delta", min_delta)
+    if not isinstance(factor, int | float) or not 0 < factor < 1:
+        raise ConfigError.invalid("factor", factor, "a number in (0, 1)")
+    if max_reductions is not None:
+        max_reductions = _check_int("max_reductions", max_reductions, 1)
+    def step(tracker: _Tracker, value: float, event: Any) -> cmd.ScaleLearningRate | None:
+        improved = tracker.update(value)
+        if tracker.cooling > 0:
+            tracker.cooling -= 1
+            tracker.bad = 0
+            return None
+        if improved or tracker.bad < patience:
+            return None
+        tracker.bad = 0
+        tracker.cooling = cooldown
+        return cmd.ScaleLearningRate(factor=float(factor))
+
+    def _plateau(source: Observable[Any]) -> Observable[cmd.ScaleLearningRate]:
+        out = source.pipe(_decide(step, mode, min_delta, metric))
+        return out.pipe(ops.take(max_reductions)) if max_reductions else out
+
+    return _plateau
+
+
+# ----------------------------------------------------------------------------- spans
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """A matched ``XStarted`` / ``XEnded`` pair."""
+
+    start: ev.BaseEvent
+    end: ev.BaseEvent
+    duration_s: float
+
+
+def span_durations(
+    start: type[ev.BaseEvent], end: type[ev.BaseEvent] | None = None
+) -> Callable[[Observable[Any]], Observable[Span]]:
+    """Pair each ``start`` event with the next ``end`` event and emit their :class:`Span`.
+
+    ``end`` defaults to the partner in :data:`trainbus.events.SPANS`. Works for any span
+    (forward, backward, optimizer step, evaluation, epoch, fit), because the loop guarantees
+    the pair even on failure.
+
+    ::
+
+        source:             -S---E--S-E-|
+        span_durations(S):  -----x----y-|     x, y = Span(start, end, duration_s)
+
+    Raises:
+        ConfigError: ``start`` is not a span start, or ``end`` is not an event class.
+    """
+    if end is None:
+        if start not in ev.SPANS:
+            raise ConfigError.invalid(
+                "start", start, f"one of {[t.__name__ for t in ev.SPANS]} or give end="
+            )
+        end = ev.SPANS[start]
+    if not (isinstance(end, type) and issubclass(end, ev.BaseEvent)):
+        raise ConfigError.invalid("end", end, "an event class")
+    end_type = end
+
+    def _spans(source: Observable[Any]) -> Observable[Span]:
+        def subscribe(
+            observer: abc.ObserverBase[Span], scheduler: abc.SchedulerBase | None = None
+        ) -> abc.DisposableBase:
+            opened: list[ev.BaseEvent] = []
+
+            def on_next(event: Any) -> None:
+                if isinstance(event, start):
+                    opened.append(event)
+                elif isinstance(event, end_type) and opened:
+                    first = opened.pop()
+                    observer.on_next(
+                        Span(start=first, end=event, duration_s=event.time - first.time)
+                    )
+
+            return source.subscribe(
+                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
+            )
+
+        return Observable(subscribe)
+
+    return _spans
