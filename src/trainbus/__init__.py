@@ -18,6 +18,13 @@ from ._subscription import AsyncSubscription as AsyncSubscription
 from ._subscription import BusStatistics as BusStatistics
 from ._subscription import Subscription as Subscription
 from ._subscription import SubscriptionStatistics as SubscriptionStatistics
+from ._hooks import HookHandle as HookHandle
+from ._hooks import StepContext as StepContext
+from .callbacks._base import Callback as Callback
+from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle
+from .callbacks._base import register_global_callback as register_global_callback
+from .trainer import FitResult as FitResult
+from .trainer import Trainer as Trainer
 
 __all__ = [
     "AnyioScheduler",
@@ -25,13 +32,20 @@ __all__ = [
     "BusClosedError",
     "BusObservable",
     "BusStatistics",
+    "Callback",
     "CommandError",
     "ConfigError",
     "EventBus",
+    "FitResult",
+    "GlobalCallbackHandle",
+    "HookHandle",
     "NonFiniteLossError",
+    "StepContext",
     "Subscription",
     "SubscriptionStatistics",
     "SubscriberError",
+    "Trainer",
     "TrainbusError",
     "TrainingError",
+    "register_global_callback",
 ]

@@ -126,6 +126,9 @@ class EventBus:
 
         self._roots: list[_Root] = []
         self._routes: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
+        self.routes_version = 0
+        """Bumped whenever a subscription comes or goes: a publisher caching :meth:`wants`
+        answers re-reads them when this changes (one int compare per step)."""
         self._seq = 0
         self._tier: Tier = "user"
         self._subscriptions: list[Subscription] = []
@@ -326,12 +329,14 @@ class EventBus:
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.order)
         self._routes = {}
+        self.routes_version += 1
         return root
 
     def _unregister_root(self, root: _Root) -> None:
         if root in self._roots:
             self._roots.remove(root)
             self._routes = {}
+            self.routes_version += 1
 
     def _resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         observers = tuple(r.observer for r in self._roots if issubclass(event_type, r.types))

@@ -1,0 +1,129 @@
+"""Forward + loss for both phases, and the evaluation pass."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from . import events as ev
+from ._checkpoint import TrainState
+from ._exceptions import TrainingError
+from ._tensors import batch_size, move_to_device
+
+if TYPE_CHECKING:
+    from ._bus import EventBus
+    from .trainer import Settings
+
+__all__ = ["Evaluator", "forward_loss", "split_batch"]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a two-element tuple/list batch, as ``loss_fn`` mode expects."""
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TrainingError(
+        f"with loss_fn, each batch must be (inputs, targets); got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
+    )
+
+
+def _extract_loss(outputs: Any) -> Any:
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "loss" in outputs:
+        return outputs["loss"]
+    loss = getattr(outputs, "loss", None)
+    if loss is not None:
+        return loss
+    raise TrainingError(
+        f"the model returned {type(outputs).__name__} with no loss: without loss_fn the model "
+        "must return the loss, a mapping with a 'loss' key, or an object with a .loss attribute"
+    )
+
+
+def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
+    """Run the model on ``batch`` and compute the loss (either convention)."""
+    model = s.model
+    if s.loss_fn is not None:
+        inputs, targets = split_batch(batch)
+        outputs = model(inputs)
+        return outputs, s.loss_fn(outputs, targets)
+    outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
+    return outputs, _extract_loss(outputs)
+
+
+class Evaluator:
+    """Scores ``eval_data`` and publishes the evaluation span.
+
+    Sums stay on the device during the pass; the metrics are read once at the end (one sync).
+    Metric functions are called as ``fn(outputs, targets)`` with ``loss_fn`` batches, and
+    ``fn(outputs, batch)`` otherwise; each returns a number or a scalar tensor, averaged over
+    samples and reported as ``val_<name>``.
+    """
+
+    def __init__(self, s: Settings, bus: EventBus, check_cancel: Callable[[], None]) -> None:
+        self.s, self.bus, self.check_cancel = s, bus, check_cancel
+
+    def run(self, st: TrainState, trigger: Any, want: dict[type, bool]) -> ev.EvaluationEnded:
+        s, pub = self.s, self.bus.publish
+        model = s.model
+        pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger))
+        metrics: dict[str, float] = {}
+        error: BaseException | None = None
+        was_training = model.training
+        model.eval()
+        try:
+            metrics = self._score(st, want)
+        except BaseException as exc:
+            error = exc
+            exc.add_note(f"trainbus: raised in evaluation at step {st.step}, epoch {st.epoch}")
+            raise
+        finally:
+            model.train(was_training)
+            ended = ev.EvaluationEnded(step=st.step, epoch=st.epoch, metrics=metrics,
+                                       trigger=trigger, error=error)  # fmt: skip
+            pub(ended)
+        return ended
+
+    def _score(self, st: TrainState, want: dict[type, bool]) -> dict[str, float]:
+        s, pub = self.s, self.bus.publish
+        assert s.eval_data is not None
+        names = list(s.metrics)
+        total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
+        sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in names]
+        count = 0
+        with torch.no_grad():
+            for bi, batch in enumerate(s.eval_data):
+                self.check_cancel()
+                if want[ev.BatchFetched]:
+                    pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="eval",
+                                        batch_index=bi, data_wait_s=0.0))  # fmt: skip
+                batch = move_to_device(batch, s.device)
+                if want[ev.ForwardStarted]:
+                    pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="eval",
+                                          batch_index=bi))  # fmt: skip
+                with s.autocast():
+                    outputs, loss = forward_loss(s, batch)
+                if want[ev.ForwardEnded]:
+                    pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval",
+                                        batch_index=bi))  # fmt: skip
+                n = batch_size(batch)
+                count += n
+                loss = loss.detach()
+                total_loss += loss.double() * n
+                if names:
+                    target = split_batch(batch)[1] if s.loss_fn is not None else batch
+                    for i, name in enumerate(names):
+                        value = torch.as_tensor(s.metrics[name](outputs, target), device=s.device)
+                        sums[i] += value.detach().double().mean() * n
+                if want[ev.EvalBatchEnded]:
+                    pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                          loss=loss, samples=n))  # fmt: skip
+        if count == 0:
+            raise TrainingError("eval_data yielded no batch: evaluation needs at least one")
+        read = (torch.stack([total_loss, *sums]) / count).tolist()  # the one device read
+        metrics = {"val_loss": read[0]}
+        metrics.update({f"val_{name}": v for name, v in zip(names, read[1:], strict=True)})
+        return metrics

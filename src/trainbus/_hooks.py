@@ -1,0 +1,115 @@
+"""Inline hooks: functions that run on the training thread and may change the step.
+
+Subscribers on the bus see frozen events after the fact; a hook runs *at* its point in the step
+with a mutable :class:`StepContext`, so it can scale the loss, replace the batch, edit gradients
+or skip the batch. A hook's run time is the loop's, and its exceptions propagate (it is part of
+the step). Hooks run in tier order: core, then user, then global.
+
+Points::
+
+    "batch"                  after the batch is fetched (and moved to the device), before forward
+    "loss"                   after the loss is computed, before backward
+    "before_optimizer_step"  gradients final (unscaled, before clipping); may edit or skip
+    "after_optimizer_step"   after the optimizer stepped (e.g. an EMA of the weights)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias
+
+import torch
+
+from ._exceptions import ConfigError
+
+__all__ = ["HOOK_POINTS", "HookHandle", "HookPoint", "Hooks", "StepContext"]
+
+HookPoint: TypeAlias = Literal["batch", "loss", "before_optimizer_step", "after_optimizer_step"]
+HOOK_POINTS: tuple[HookPoint, ...] = ("batch", "loss", "before_optimizer_step", "after_optimizer_step")
+_TIERS = ("core", "user", "global")
+
+
+@dataclass(slots=True, kw_only=True)
+class StepContext:
+    """The mutable state of the step a hook runs in.
+
+    Attributes:
+        step: Optimizer steps completed so far.
+        epoch: Current epoch.
+        batch_index: Index of the current batch in the epoch.
+        micro_batch: Position in the gradient-accumulation window.
+        batch: The batch (on the device); a ``"batch"`` hook may replace it.
+        outputs: Model outputs (from the ``"loss"`` point on).
+        loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.
+        model: The model being trained.
+        optimizer: Its optimizer.
+        skip: Set it (or call :meth:`skip_batch`) to skip the rest of this batch; at
+            ``"before_optimizer_step"`` it skips the optimizer step and drops the gradients.
+    """
+
+    step: int
+    epoch: int
+    batch_index: int
+    micro_batch: int
+    batch: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    skip: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def skip_batch(self) -> None:
+        """Skip the rest of this batch (or, before the optimizer step, the step)."""
+        self.skip = True
+
+
+HookFn: TypeAlias = Callable[[StepContext], Any]
+
+
+class HookHandle:
+    """Returned by :meth:`Hooks.add`; ``remove()`` unregisters the hook."""
+
+    def __init__(self, hooks: Hooks, point: HookPoint, entry: tuple[int, int, HookFn]) -> None:
+        self._hooks, self._point, self._entry = hooks, point, entry
+
+    def remove(self) -> None:
+        """Unregister the hook. Idempotent."""
+        self._hooks._remove(self._point, self._entry)
+
+
+class Hooks:
+    """The hook registry: per point, functions sorted by tier, then registration order."""
+
+    def __init__(self) -> None:
+        self._entries: dict[HookPoint, list[tuple[int, int, HookFn]]] = {p: [] for p in HOOK_POINTS}
+        self.by_point: dict[HookPoint, tuple[HookFn, ...]] = {p: () for p in HOOK_POINTS}
+        self._seq = 0
+
+    def add(self, point: HookPoint, fn: HookFn, *, tier: str = "user") -> HookHandle:
+        """Register ``fn(ctx)`` at ``point``.
+
+        Raises:
+            ConfigError: unknown point or tier, or ``fn`` not callable.
+        """
+        if point not in HOOK_POINTS:
+            raise ConfigError.invalid("point", point, f"one of {HOOK_POINTS}")
+        if tier not in _TIERS:
+            raise ConfigError.invalid("tier", tier, f"one of {_TIERS}")
+        if not callable(fn):
+            raise ConfigError.invalid("fn", fn, "a callable taking the StepContext")
+        self._seq += 1
+        entry = (_TIERS.index(tier), self._seq, fn)
+        self._entries[point].append(entry)
+        self._rebuild(point)
+        return HookHandle(self, point, entry)
+
+    def _remove(self, point: HookPoint, entry: tuple[int, int, HookFn]) -> None:
+        if entry in self._entries[point]:
+            self._entries[point].remove(entry)
+            self._rebuild(point)
+
+    def _rebuild(self, point: HookPoint) -> None:
+        # The loop reads by_point[...] once per use; a tuple swap keeps that read lock-free.
+        self.by_point = {**self.by_point, point: tuple(e[2] for e in sorted(self._entries[point]))}

@@ -1,0 +1,515 @@
+"""The training loop. It runs on a worker thread, publishes onto the bus, polls commands.
+
+Event order (pinned by tests/test_transcript.py, documented in docs/events.md)::
+
+    FitStarted                                   [CheckpointLoaded first, when resuming]
+    for epoch:
+        EpochStarted
+        for each optimizer step (a window of `accumulate` micro-batches):
+            for each micro-batch:
+                BatchFetched(phase="train")      hook "batch" (may skip)
+                ForwardStarted / ForwardEnded
+                LossComputed                     hook "loss" (may scale / skip)
+                BackwardStarted / BackwardEnded
+            hook "before_optimizer_step"         (may edit grads / skip the step)
+            OptimizerStepStarted / OptimizerStepEnded
+            hook "after_optimizer_step"
+            SchedulerStepped                     (interval "step")
+            StepEnded
+            MetricsLogged                        (every `log_every` steps)
+            -- poll commands --
+            EvaluationStarted / EvalBatchEnded* / EvaluationEnded   (every `eval_every` steps)
+            -- barrier, poll commands --
+        EvaluationStarted / ... / EvaluationEnded (at epoch end) -- barrier, poll --
+        SchedulerStepped                         (interval "epoch")
+        EpochEnded                               -- barrier, poll --
+    CheckpointSaved                              (final, when checkpoint_dir is set)
+    FitEnded
+
+Events nobody wants are never built: the loop caches ``bus.wants(T)`` and re-reads it only when
+the bus' routing changes. No value is read off the device on this thread unless a subscriber or
+the NaN check (every ``log_every`` steps, one sync for the whole window) needs it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, assert_never
+
+import torch
+
+from . import commands as cmd
+from . import events as ev
+from ._checkpoint import TrainState, save_checkpoint
+from ._evaluation import Evaluator, forward_loss
+from ._exceptions import ConfigError, NonFiniteLossError, TrainingError
+from ._hooks import Hooks, StepContext
+from ._tensors import batch_size, move_to_device
+
+if TYPE_CHECKING:
+    from ._bus import EventBus
+    from .trainer import Settings
+
+__all__ = ["Loop", "Outcome"]
+
+
+class Cancelled(BaseException):
+    """Raised inside the loop when fit() was cancelled or a second SIGINT arrived."""
+
+
+@dataclass(slots=True, kw_only=True)
+class Outcome:
+    reason: ev.EndReason
+    error: BaseException | None
+    stop_reason: str | None
+    state: TrainState
+    eval_metrics: dict[str, float]
+    train_metrics: dict[str, float]
+    last_checkpoint: str | None
+
+
+_WANTED = (
+    ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
+    ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.SchedulerStepped,
+    ev.StepEnded, ev.MetricsLogged, ev.EvalBatchEnded,
+)  # fmt: skip
+
+
+class Loop:
+    """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        hooks: Hooks,
+        barrier: Callable[[], None],
+        state: TrainState,
+    ) -> None:
+        self.s = settings
+        self.bus = bus
+        self.hooks = hooks
+        self.barrier = barrier
+        self.state = state
+        self.model = settings.model
+        self.optimizer = settings.optimizer
+        self.device = settings.device
+        self.scaler = settings.scaler
+        self.evaluator = Evaluator(settings, bus, self._check_cancel)
+        self.cancel_requested = False
+        self.stop_reason: str | None = None
+        self.stop_epoch = False
+        self.nonfinite = False
+        self.eval_metrics: dict[str, float] = {}
+        self.train_metrics: dict[str, float] = {}
+        self.last_checkpoint: str | None = None
+        self.last_checkpoint_step = -1
+        self._version = -1
+        self._want: dict[type, bool] = {}
+        self._window_losses: list[torch.Tensor] = []
+        self._window_norms: list[torch.Tensor] = []
+        self._window_samples = 0
+        self._window_t0 = time.monotonic()
+        self._loss_checked = False
+
+    # ================================================================== helpers
+    def _refresh_wants(self) -> None:
+        if self.bus.routes_version != self._version:
+            self._version = self.bus.routes_version
+            self._want = {t: self.bus.wants(t) for t in _WANTED}
+
+    def _check_cancel(self) -> None:
+        if self.cancel_requested:
+            raise Cancelled
+
+    def _annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
+        st = self.state
+        exc.add_note(
+            f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {batch_index}"
+        )
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    # ================================================================== run
+    def run(self) -> Outcome:
+        """Run to the end; always publishes FitEnded. Returns how it ended."""
+        pub = self.bus.publish
+        st = self.state
+        reason: ev.EndReason = "completed"
+        error: BaseException | None = None
+        self.model.train()
+        pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=self.s.max_steps,
+                          max_epochs=self.s.max_epochs, device=str(self.device),
+                          resumed_from=self.s.resumed_from))  # fmt: skip
+        try:
+            self._poll()
+            while not self._finished():
+                self._epoch()
+                if self.stop_reason is None:
+                    st.epoch += 1
+                    st.batch_in_epoch = 0
+            if self.s.checkpoint_dir is not None and not self.nonfinite:
+                if self.last_checkpoint_step != st.step:
+                    self._save("final")
+        except Cancelled:
+            reason = "cancelled"
+        except BaseException as exc:
+            reason, error = "failed", exc
+        else:
+            if self.stop_reason is not None:
+                reason = "stopped"
+        finally:
+            pub(ev.FitEnded(step=st.step, epoch=st.epoch, reason=reason, error=error,
+                            stop_reason=self.stop_reason))  # fmt: skip
+        return Outcome(
+            reason=reason,
+            error=error,
+            stop_reason=self.stop_reason,
+            state=st,
+            eval_metrics=self.eval_metrics,
+            train_metrics=self.train_metrics,
+            last_checkpoint=self.last_checkpoint,
+        )
+
+    def _finished(self) -> bool:
+        s, st = self.s, self.state
+        return (
+            self.stop_reason is not None
+            or (s.max_steps is not None and st.step >= s.max_steps)
+            or (s.max_epochs is not None and st.epoch >= s.max_epochs)
+        )
+
+    def _epoch(self) -> None:
+        pub, st, s = self.bus.publish, self.state, self.s
+        pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
+        self.stop_epoch = False
+        error: BaseException | None = None
+        try:
+            it: Iterator[Any] = iter(s.train_data)
+            for _ in range(st.batch_in_epoch):  # resuming mid-epoch: skip what was consumed
+                next(it, None)
+            total = s.train_len
+            while not (self.stop_epoch or self._finished()):
+                window = s.accumulate
+                if total is not None:
+                    window = min(window, total - st.batch_in_epoch)
+                    if window <= 0:
+                        break
+                if self._step(it, window) == 0:
+                    break
+            if st.batch_in_epoch == 0 and not self._finished():
+                raise TrainingError(
+                    f"train_data yielded no batch in epoch {st.epoch}: an empty loader cannot "
+                    "train; check its length, sampler and drop_last"
+                )
+            if self.stop_reason is None:
+                if s.eval_at_epoch_end and s.eval_data is not None:
+                    self._evaluate("epoch")
+                if s.scheduler is not None and s.scheduler_interval == "epoch":
+                    s.scheduler.step()
+                    pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self._lr()))
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            ended = ev.EpochEnded(step=st.step, epoch=st.epoch, batches=st.batch_in_epoch,
+                                  error=error)  # fmt: skip
+            pub(ended)
+            if error is None:
+                self._barrier_then_poll(ended)
+
+    # ================================================================== one optimizer step
+    def _step(self, it: Iterator[Any], window: int) -> int:
+        """Run one optimizer step over up to ``window`` micro-batches; return batches used."""
+        self._refresh_wants()
+        want, pub, st, s = self._want, self.bus.publish, self.state, self.s
+        hooks = self.hooks.by_point
+        model, opt = self.model, self.optimizer
+        t0 = time.monotonic()
+        losses: list[torch.Tensor] = []
+        samples = consumed = 0
+        for micro in range(window):
+            self._check_cancel()
+            tf = time.monotonic()
+            batch = next(it, _END)
+            if batch is _END:
+                break
+            bi = st.batch_in_epoch
+            st.batch_in_epoch = bi + 1
+            consumed += 1
+            if want[ev.BatchFetched]:
+                pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
+                                    data_wait_s=time.monotonic() - tf))  # fmt: skip
+            batch = move_to_device(batch, self.device)
+            ctx: StepContext | None = None
+            if hooks["batch"]:
+                ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
+                                  batch=batch, model=model, optimizer=opt)  # fmt: skip
+                for hook in hooks["batch"]:
+                    hook(ctx)
+                if ctx.skip:
+                    continue
+                batch = ctx.batch
+            samples += batch_size(batch)
+            loss = self._forward(batch, bi, want, ctx, micro)
+            if loss is None:
+                continue
+            detached = loss.detach()
+            losses.append(detached)
+            if want[ev.LossComputed]:
+                pub(ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached))
+            self._backward(loss, window, bi, micro, want)
+        if not losses:
+            opt.zero_grad(set_to_none=True)
+            return consumed
+        grad_norm = self._optimizer_step(want, bi)
+        if s.scheduler is not None and s.scheduler_interval == "step":
+            s.scheduler.step()
+            if want[ev.SchedulerStepped]:
+                pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self._lr()))
+        step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        if want[ev.StepEnded]:
+            pub(ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
+                             grad_norm=grad_norm, samples=samples,
+                             duration_s=time.monotonic() - t0))  # fmt: skip
+        self._window_losses.append(step_loss)
+        if grad_norm is not None:
+            self._window_norms.append(grad_norm)
+        self._window_samples += samples
+        if st.step % s.log_every == 0:
+            self._close_window(want[ev.MetricsLogged])
+        self._poll()
+        if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
+            self._evaluate("steps")
+        return consumed
+
+    def _forward(
+        self, batch: Any, bi: int, want: dict[type, bool], ctx: StepContext | None, micro: int
+    ) -> torch.Tensor | None:
+        pub, st = self.bus.publish, self.state
+        if want[ev.ForwardStarted]:
+            pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
+        try:
+            with self.s.autocast():
+                outputs, loss = forward_loss(self.s, batch)
+        except BaseException as exc:
+            if want[ev.ForwardEnded]:
+                pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
+                                    error=exc))  # fmt: skip
+            self._annotate(exc, "forward", bi)
+            raise
+        if want[ev.ForwardEnded]:
+            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
+        if not self._loss_checked:
+            self._check_loss(loss, bi)
+        hooks = self.hooks.by_point["loss"]
+        if hooks:
+            if ctx is None:
+                ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
+                                  batch=batch, model=self.model, optimizer=self.optimizer)  # fmt: skip
+            ctx.outputs, ctx.loss = outputs, loss
+            for hook in hooks:
+                hook(ctx)
+            if ctx.skip:
+                return None
+            loss = ctx.loss
+            self._check_loss(loss, bi)
+        return loss
+
+    def _check_loss(self, loss: Any, bi: int) -> None:
+        # Shape and dtype are metadata: checking them never syncs the device.
+        st = self.state
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(type(loss))
+            raise TrainingError(
+                f"the loss must be a scalar tensor; got {got} at step {st.step}, epoch "
+                f"{st.epoch}, batch {bi}. Reduce it (e.g. .mean()) in loss_fn or the model"
+            )
+        if not loss.requires_grad:
+            raise TrainingError(
+                f"the loss does not require grad at step {st.step}, epoch {st.epoch}, batch "
+                f"{bi}: it is detached from the model's parameters"
+            )
+        self._loss_checked = True
+
+    def _backward(
+        self, loss: torch.Tensor, window: int, bi: int, micro: int, want: dict[type, bool]
+    ) -> None:
+        pub, st = self.bus.publish, self.state
+        if want[ev.BackwardStarted]:
+            pub(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
+                                   micro_batch=micro, accumulation_steps=window))  # fmt: skip
+        try:
+            scaled = loss / window if window > 1 else loss
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        except BaseException as exc:
+            if want[ev.BackwardEnded]:
+                pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                     micro_batch=micro, accumulation_steps=window, error=exc))  # fmt: skip
+            self._annotate(exc, "backward", bi)
+            raise
+        if want[ev.BackwardEnded]:
+            pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                 micro_batch=micro, accumulation_steps=window))  # fmt: skip
+
+    def _optimizer_step(self, want: dict[type, bool], bi: int) -> torch.Tensor | None:
+        pub, st, s, opt = self.bus.publish, self.state, self.s, self.optimizer
+        if self.scaler is not None:
+            self.scaler.unscale_(opt)
+        hooks = self.hooks.by_point["before_optimizer_step"]
+        if hooks:
+            ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0,
+                              batch=None, model=self.model, optimizer=opt)  # fmt: skip
+            for hook in hooks:
+                hook(ctx)
+            if ctx.skip:
+                opt.zero_grad(set_to_none=True)
+                if self.scaler is not None:
+                    self.scaler.update()
+                return None
+        grad_norm: torch.Tensor | None = None
+        if s.clip_grad_norm is not None:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_grad_norm)
+        if want[ev.OptimizerStepStarted]:
+            pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
+        skipped = False
+        try:
+            if self.scaler is not None:
+                scale = self.scaler.get_scale() if want[ev.OptimizerStepEnded] else None
+                self.scaler.step(opt)
+                self.scaler.update()
+                # get_scale() syncs the device: read only when someone wants OptimizerStepEnded.
+                skipped = scale is not None and self.scaler.get_scale() < scale
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
+        except BaseException as exc:
+            if want[ev.OptimizerStepEnded]:
+                pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
+                                          error=exc))  # fmt: skip
+            self._annotate(exc, "optimizer step", bi)
+            raise
+        st.step += 1
+        for hook in self.hooks.by_point["after_optimizer_step"]:
+            hook(StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0,
+                             batch=None, model=self.model, optimizer=opt))  # fmt: skip
+        if want[ev.OptimizerStepEnded]:
+            pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
+                                      skipped=skipped))  # fmt: skip
+        return grad_norm
+
+    def _close_window(self, publish: bool) -> None:
+        """Every ``log_every`` steps: one device read for the window's mean loss and the NaN
+        check; publish MetricsLogged when wanted."""
+        st, s = self.state, self.s
+        losses = torch.stack(self._window_losses).float()
+        values = [losses.mean(), torch.isfinite(losses).all().float()]
+        if self._window_norms:
+            values.append(torch.stack(self._window_norms).float().mean())
+        read = torch.stack([v.to(losses.device) for v in values]).tolist()  # the one sync
+        now = time.monotonic()
+        elapsed = max(now - self._window_t0, 1e-9)
+        metrics = {
+            "loss": read[0],
+            "lr": self._lr(),
+            "steps_per_s": len(self._window_losses) / elapsed,
+            "samples_per_s": self._window_samples / elapsed,
+        }
+        if len(read) > 2:
+            metrics["grad_norm"] = read[2]
+        self.train_metrics = metrics
+        self._window_losses, self._window_norms = [], []
+        self._window_samples, self._window_t0 = 0, now
+        if publish:
+            self.bus.publish(ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics))
+        if read[1] < 1.0 and s.on_nonfinite != "ignore":
+            self.nonfinite = True
+            message = f"non-finite loss in the {s.log_every} steps up to step {st.step} (epoch {st.epoch})"
+            if s.on_nonfinite == "raise":
+                raise NonFiniteLossError(
+                    message + f"; last checkpoint: {self.last_checkpoint or 'none'}"
+                )
+            self.stop_reason = self.stop_reason or message
+
+    # ================================================================== evaluation
+    def _evaluate(self, trigger: str) -> ev.EvaluationEnded:
+        self._refresh_wants()
+        ended = self.evaluator.run(self.state, trigger, self._want)
+        self.eval_metrics = dict(ended.metrics)
+        self._barrier_then_poll(ended)
+        return ended
+
+    # ================================================================== commands
+    def _barrier_then_poll(self, event: ev.BaseEvent) -> None:
+        if type(event) in self.s.barriers:
+            self.barrier()
+        self._poll()
+
+    def _poll(self) -> None:
+        """A poll point: fail on a ``raise`` subscriber, stop on cancel, apply commands."""
+        bus = self.bus
+        if bus.failure is not None:
+            raise bus.failure
+        self._check_cancel()
+        rounds = 0
+        while bus._commands and rounds < 100:  # commands sent while applying are applied too
+            rounds += 1
+            for command in bus.poll_commands():
+                self._apply(command)
+
+    def _apply(self, command: cmd.Command) -> None:
+        st = self.state
+        result: ev.BaseEvent | None = None
+        error: BaseException | None = None
+        try:
+            match command:
+                case cmd.StopTraining(reason=reason):
+                    self.stop_reason = self.stop_reason or reason
+                case cmd.StopEpoch():
+                    self.stop_epoch = True
+                case cmd.SaveCheckpoint(tag=tag):
+                    result = self._save(tag)
+                case cmd.Evaluate():
+                    if self.s.eval_data is None:
+                        raise ConfigError.invalid("eval_data", None, "data to evaluate on")
+                    result = self._evaluate("command")
+                case cmd.SetLearningRate(lr=lr, param_group=group):
+                    for g in self._groups(group):
+                        g["lr"] = lr
+                case cmd.ScaleLearningRate(factor=factor, param_group=group):
+                    for g in self._groups(group):
+                        g["lr"] = g["lr"] * factor
+                case _:
+                    assert_never(command)
+        except (ConfigError, OSError) as exc:  # a refused command never kills the run
+            error = exc
+        self.bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+                                           result=result, error=error))  # fmt: skip
+
+    def _groups(self, group: int | None) -> list[dict[str, Any]]:
+        groups = self.optimizer.param_groups
+        if group is None:
+            return list(groups)
+        if group >= len(groups):
+            raise ConfigError.invalid("param_group", group, f"an index below {len(groups)}")
+        return [groups[group]]
+
+    def _save(self, tag: str | None) -> ev.CheckpointSaved:
+        s, st = self.s, self.state
+        if s.checkpoint_dir is None:
+            raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
+        path = save_checkpoint(Path(s.checkpoint_dir), tag=tag, state=st, model=self.model,
+                               optimizer=self.optimizer, scheduler=s.scheduler,
+                               scaler=self.scaler, metrics=self.eval_metrics)  # fmt: skip
+        self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
+        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
+                                   metrics=self.eval_metrics)  # fmt: skip
+        self.bus.publish(saved)
+        return saved
+
+
+_END = object()

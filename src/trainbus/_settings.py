@@ -1,0 +1,203 @@
+"""Validated, frozen trainer settings: every argument checked before anything runs.
+
+``Trainer.__init__`` hands its arguments to :func:`build_settings`; a bad value raises
+``ConfigError`` naming the field, the value and what is allowed, and nothing touches the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from . import events as ev
+from ._exceptions import ConfigError
+from ._tensors import resolve_device
+
+__all__ = ["NonFinitePolicy", "Precision", "Settings", "build_settings"]
+
+Precision = Literal["32", "bf16", "fp16"]
+NonFinitePolicy = Literal["raise", "stop", "ignore"]
+DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    """Everything the loop needs, validated. Built by :func:`build_settings`."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    train_data: Iterable[Any]
+    train_len: int | None
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
+    eval_data: Iterable[Any] | None
+    max_epochs: int | None
+    max_steps: int | None
+    scheduler: Any | None
+    scheduler_interval: Literal["step", "epoch"]
+    accumulate: int
+    clip_grad_norm: float | None
+    precision: Precision
+    device: torch.device
+    seed: int | None
+    metrics: Mapping[str, Callable[[Any, Any], Any]]
+    eval_every: int | None
+    eval_at_epoch_end: bool
+    log_every: int
+    checkpoint_dir: Path | None
+    resumed_from: str | None
+    barriers: frozenset[type[ev.BaseEvent]]
+    barrier_timeout: float
+    on_nonfinite: NonFinitePolicy
+    scaler: Any | None = field(default=None, compare=False)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed-precision context of a forward pass (a no-op at full precision)."""
+        if self.precision == "32":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
+        return torch.autocast(device_type=self.device.type, dtype=dtype)
+
+
+def _int(name: str, value: Any, minimum: int, *, optional: bool = True) -> int | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise ConfigError.invalid(name, value, allowed)
+    return value
+
+
+def _iterable(name: str, value: Any, *, optional: bool) -> int | None:
+    """Check an iterable data source; return its length when it has one."""
+    if value is None and optional:
+        return None
+    if isinstance(value, torch.Tensor) or not isinstance(value, Iterable):
+        raise ConfigError.invalid(
+            name, type(value).__name__, "an iterable of batches, such as a DataLoader or a list"
+        )
+    try:
+        length = len(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if length == 0:
+        raise ConfigError.invalid(name, f"<{type(value).__name__} of length 0>", "a non-empty loader")
+    return length
+
+
+def build_settings(
+    model: Any,
+    optimizer: Any,
+    train_data: Any,
+    *,
+    loss_fn: Any,
+    eval_data: Any,
+    max_epochs: Any,
+    max_steps: Any,
+    scheduler: Any,
+    scheduler_interval: Any,
+    accumulate: Any,
+    clip_grad_norm: Any,
+    precision: Any,
+    device: Any,
+    seed: Any,
+    metrics: Any,
+    eval_every: Any,
+    eval_at_epoch_end: Any,
+    log_every: Any,
+    checkpoint_dir: Any,
+    resume_from: Any,
+    barriers: Any,
+    barrier_timeout: Any,
+    on_nonfinite: Any,
+) -> Settings:
+    """Validate every trainer argument and build :class:`Settings`.
+
+    Raises:
+        ConfigError: naming the first bad field, its value and what is allowed.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ConfigError.invalid("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer")
+    params = {id(p) for p in model.parameters()}
+    if not any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+        raise ConfigError.invalid(
+            "optimizer", type(optimizer).__name__, "an optimizer over this model's parameters"
+        )
+    train_len = _iterable("train_data", train_data, optional=False)
+    _iterable("eval_data", eval_data, optional=True)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError.invalid("loss_fn", loss_fn, "a callable loss_fn(outputs, targets) or None")
+    max_epochs = _int("max_epochs", max_epochs, 1)
+    max_steps = _int("max_steps", max_steps, 1)
+    if max_epochs is None and max_steps is None:
+        raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
+    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
+        raise ConfigError.invalid("scheduler", type(scheduler).__name__, "an LR scheduler with .step()")
+    if scheduler_interval not in ("step", "epoch"):
+        raise ConfigError.invalid("scheduler_interval", scheduler_interval, "'step' or 'epoch'")
+    accumulate = _int("accumulate", accumulate, 1, optional=False)
+    if clip_grad_norm is not None and not (
+        isinstance(clip_grad_norm, int | float) and math.isfinite(clip_grad_norm) and clip_grad_norm > 0
+    ):
+        raise ConfigError.invalid("clip_grad_norm", clip_grad_norm, "a finite number > 0 or None")
+    if precision not in ("32", "bf16", "fp16"):
+        raise ConfigError.invalid("precision", precision, "'32', 'bf16' or 'fp16'")
+    try:
+        resolved = resolve_device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError.invalid("device", device, "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device") from exc
+    if precision == "fp16" and resolved.type != "cuda":
+        raise ConfigError.invalid(
+            "precision", precision, f"'32' or 'bf16' on {resolved.type}; fp16 with a grad scaler needs CUDA"
+        )
+    seed = _int("seed", seed, 0)
+    metrics = dict(metrics or {})
+    for name, fn in metrics.items():
+        if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
+            raise ConfigError.invalid(f"metrics[{name!r}]", fn, "an identifier mapped to fn(outputs, targets)")
+    eval_every = _int("eval_every", eval_every, 1)
+    if eval_every is not None and eval_data is None:
+        raise ConfigError.invalid("eval_every", eval_every, "None unless eval_data is given")
+    if not isinstance(eval_at_epoch_end, bool):
+        raise ConfigError.invalid("eval_at_epoch_end", eval_at_epoch_end, "True or False")
+    log_every = _int("log_every", log_every, 1, optional=False)
+    ckpt: Path | None = None
+    if checkpoint_dir is not None:
+        if not isinstance(checkpoint_dir, str | Path) or not str(checkpoint_dir):
+            raise ConfigError.invalid("checkpoint_dir", checkpoint_dir, "a folder path or None")
+        ckpt = Path(checkpoint_dir)
+        if ckpt.exists() and not ckpt.is_dir():
+            raise ConfigError.invalid("checkpoint_dir", str(ckpt), "a folder (this path is a file)")
+    if resume_from is not None and not isinstance(resume_from, str | Path):
+        raise ConfigError.invalid("resume_from", resume_from, "a checkpoint path, 'latest' or None")
+    if resume_from == "latest" and ckpt is None:
+        raise ConfigError.invalid("resume_from", resume_from, "'latest' only with a checkpoint_dir")
+    if resume_from not in (None, "latest") and not Path(resume_from).is_file():
+        raise ConfigError.invalid("resume_from", str(resume_from), "an existing checkpoint file")
+    barriers = tuple(barriers)
+    for b in barriers:
+        if not (isinstance(b, type) and issubclass(b, ev.BaseEvent)):
+            raise ConfigError.invalid("barriers", b, "event classes (e.g. ev.EvaluationEnded)")
+    if not (isinstance(barrier_timeout, int | float) and barrier_timeout > 0):
+        raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
+    if on_nonfinite not in ("raise", "stop", "ignore"):
+        raise ConfigError.invalid("on_nonfinite", on_nonfinite, "'raise', 'stop' or 'ignore'")
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    return Settings(
+        model=model, optimizer=optimizer, train_data=train_data, train_len=train_len,
+        loss_fn=loss_fn, eval_data=eval_data, max_epochs=max_epochs, max_steps=max_steps,
+        scheduler=scheduler, scheduler_interval=scheduler_interval, accumulate=accumulate,
+        clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
+        precision=precision, device=resolved, seed=seed, metrics=metrics, eval_every=eval_every,
+        eval_at_epoch_end=eval_at_epoch_end, log_every=log_every, checkpoint_dir=ckpt,
+        resumed_from=str(resume_from) if resume_from is not None else None,
+        barriers=frozenset(barriers), barrier_timeout=float(barrier_timeout),
+        on_nonfinite=on_nonfinite, scaler=scaler,
+    )  # fmt: skip

@@ -1,0 +1,151 @@
+"""Class-based callbacks: the habit users bring from Hugging Face, Lightning and Composer.
+
+A :class:`Callback` is sugar over the bus and the hooks, resolved once when it is attached (never
+a string dispatch per event):
+
+- ``on_<event>(self, event)`` (``on_step_ended`` -> ``StepEnded``) becomes a subscriber to that
+  typed stream; an ``async def`` one becomes an async subscriber; ``on_event`` takes every event;
+- ``hook_<point>(self, ctx)`` (``hook_loss``, ``hook_batch``, ``hook_before_optimizer_step``,
+  ``hook_after_optimizer_step``) becomes an inline hook on the training thread;
+- ``setup(self, bus)`` may build any Rx pipeline on the bus (``.subscribe(bus.commands)``...).
+
+Callbacks passed to the Trainer are the "user" tier; built-ins the "core" tier; process-wide
+ones (``with MyCallback():`` or :func:`register_global_callback`) the "global" tier. Every event
+reaches core, then user, then global subscribers; hooks run in the same order.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import threading
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from .. import events as ev
+from .._exceptions import ConfigError
+from .._hooks import HOOK_POINTS
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from .._subscription import ErrorPolicy, Overflow
+
+__all__ = ["Callback", "GlobalCallbackHandle", "global_callbacks", "register_global_callback"]
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+EVENT_METHODS: dict[str, type[ev.BaseEvent]] = {
+    f"on_{_snake(t.__name__)}": t for t in ev.EVENT_TYPES
+}
+EVENT_METHODS["on_event"] = ev.BaseEvent
+HOOK_METHODS: dict[str, str] = {f"hook_{p}": p for p in HOOK_POINTS}
+
+
+class Callback:
+    """Base class for class-based callbacks. Subclass it and define the methods you need.
+
+    Class attributes tune how ``on_*`` methods subscribe:
+
+    Attributes:
+        error_policy: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus default).
+        overflow: Overflow policy of ``async def on_*`` methods (default ``"block"``).
+        buffer: Buffer of ``async def on_*`` methods (None: the bus default).
+        concurrency: Concurrent calls of each ``async def on_*`` method.
+    """
+
+    error_policy: ClassVar[ErrorPolicy | None] = None
+    overflow: ClassVar[Overflow] = "block"
+    buffer: ClassVar[int | None] = None
+    concurrency: ClassVar[int] = 1
+
+    def setup(self, bus: EventBus) -> None:
+        """Build Rx pipelines on ``bus``. Called once when the callback is attached; the
+        subscriptions made here are disposed when the callback is removed. Default: none."""
+        return None
+
+    # Process-wide registration as a context manager: `with MyCallback(): trainer.run()`.
+    def __enter__(self) -> Callback:
+        self._global_handle = register_global_callback(self)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        handle: GlobalCallbackHandle | None = getattr(self, "_global_handle", None)
+        if handle is not None:
+            handle.remove()
+
+    @classmethod
+    def methods(cls) -> tuple[dict[str, type[ev.BaseEvent]], dict[str, str]]:
+        """The ``on_*`` and ``hook_*`` methods this class defines, resolved and checked.
+
+        Raises:
+            ConfigError: a method named ``on_*`` / ``hook_*`` that matches no event or point.
+        """
+        subs: dict[str, type[ev.BaseEvent]] = {}
+        hooks: dict[str, str] = {}
+        for name in dir(cls):
+            if name.startswith("on_") and callable(getattr(cls, name)):
+                if name not in EVENT_METHODS:
+                    raise ConfigError.invalid(
+                        f"{cls.__name__}.{name}", name,
+                        "on_<event in snake_case>, e.g. on_step_ended; known: "
+                        + ", ".join(sorted(EVENT_METHODS)),
+                    )  # fmt: skip
+                subs[name] = EVENT_METHODS[name]
+            elif name.startswith("hook_") and callable(getattr(cls, name)):
+                if name not in HOOK_METHODS:
+                    raise ConfigError.invalid(
+                        f"{cls.__name__}.{name}", name, "one of " + ", ".join(sorted(HOOK_METHODS))
+                    )
+                hooks[name] = HOOK_METHODS[name]
+        return subs, hooks
+
+    @staticmethod
+    def is_async(method: Callable[..., Any]) -> bool:
+        """True for ``async def`` methods."""
+        return inspect.iscoroutinefunction(method)
+
+
+class GlobalCallbackHandle:
+    """Returned by :func:`register_global_callback`; ``remove()`` unregisters."""
+
+    def __init__(self, callback: Callback) -> None:
+        self.callback = callback
+
+    def remove(self) -> None:
+        """Unregister the callback (idempotent). Runs already started keep it until they end."""
+        with _LOCK:
+            if self.callback in _GLOBAL:
+                _GLOBAL.remove(self.callback)
+
+
+_GLOBAL: list[Callback] = []
+_LOCK = threading.Lock()
+
+
+def register_global_callback(callback: Callback) -> GlobalCallbackHandle:
+    """Attach ``callback`` to every Trainer whose ``fit()`` starts from now on (global tier).
+
+    Raises:
+        ConfigError: ``callback`` is not a Callback instance.
+    """
+    if not isinstance(callback, Callback):
+        raise ConfigError.invalid("callback", callback, "a trainbus.Callback instance")
+    type(callback).methods()  # fail early on a misspelt on_/hook_ method
+    with _LOCK:
+        _GLOBAL.append(callback)
+    return GlobalCallbackHandle(callback)
+
+
+def global_callbacks() -> tuple[Callback, ...]:
+    """The callbacks registered process-wide, in registration order."""
+    with _LOCK:
+        return tuple(_GLOBAL)

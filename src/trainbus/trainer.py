@@ -1,0 +1,341 @@
+"""The Trainer: async-first ``fit()``, the loop in a worker thread, the bus on the event loop.
+
+::
+
+    trainer = Trainer(model, optimizer, train_loader, loss_fn=F.cross_entropy,
+                      eval_data=val_loader, max_epochs=3, checkpoint_dir="runs/demo")
+    trainer.bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(log_step)
+    result = await trainer.fit()        # or trainer.run() from synchronous code
+
+``fit()`` opens the bus' task group, runs the loop (see ``trainbus._loop`` for the event order)
+in a worker thread with ``anyio.to_thread``, turns SIGINT/SIGTERM into ``StopTraining`` (a second
+SIGINT aborts), and closes the bus, which delivers every event published before ``FitEnded``.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import anyio
+import anyio.from_thread
+import structlog
+import torch
+
+from . import commands as cmd
+from . import events as ev
+from ._bus import EventBus, Tier
+from ._checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from ._exceptions import ConfigError, TrainbusError
+from ._hooks import HookFn, HookHandle, HookPoint, Hooks
+from ._loop import Loop
+from ._settings import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, build_settings
+from ._subscription import BusStatistics, Subscription
+from .callbacks._base import Callback, global_callbacks
+
+__all__ = ["FitResult", "Trainer"]
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FitResult:
+    """What ``fit()`` returns (also kept as ``trainer.result``, failed runs included)."""
+
+    reason: ev.EndReason
+    stop_reason: str | None
+    steps: int
+    epochs: int
+    """Epochs completed."""
+    metrics: Mapping[str, float]
+    """Last evaluation metrics."""
+    train_metrics: Mapping[str, float]
+    """Last aggregated training metrics (loss, lr, steps_per_s, ...)."""
+    checkpoint: str | None
+    """Path of the last checkpoint written in this run."""
+    subscriber_failures: Mapping[str, int]
+    """Failures per subscription name (only those that failed)."""
+    statistics: BusStatistics
+    error: BaseException | None = None
+
+
+class _Attachment:
+    def __init__(self, subs: list[Subscription], hooks: list[HookHandle]) -> None:
+        self.subs, self.hooks = subs, hooks
+
+    def detach(self) -> None:
+        for s in self.subs:
+            s.dispose()
+        for h in self.hooks:
+            h.remove()
+
+
+class Trainer:
+    """A PyTorch trainer whose callbacks are subscribers on a reactive event bus.
+
+    Args:
+        model: The ``torch.nn.Module`` to train.
+        optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
+        train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches. Without
+            it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a mapping
+            with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
+        eval_data: Iterable of evaluation batches; enables ``EvaluationEnded`` metrics.
+        max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
+        max_steps: Optimizer steps to train.
+        scheduler: An LR scheduler, stepped every step or every epoch (``scheduler_interval``).
+        scheduler_interval: ``"step"`` or ``"epoch"``.
+        accumulate: Micro-batches per optimizer step (gradient accumulation).
+        clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
+            reported as ``grad_norm`` on the events.
+        precision: ``"32"``, ``"bf16"`` (autocast, any device) or ``"fp16"`` (autocast with a
+            grad scaler, CUDA only).
+        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
+        seed: Seeds Python's and torch's RNGs before training.
+        metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``.
+        eval_every: Also evaluate every N optimizer steps.
+        eval_at_epoch_end: Evaluate after each epoch (when ``eval_data`` is given).
+        log_every: Steps per ``MetricsLogged`` (and per NaN check: one device read).
+        checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
+            run completes or stops. Created at the first save, never before.
+        resume_from: A checkpoint path, or ``"latest"`` in ``checkpoint_dir``.
+        callbacks: Callback classes or instances (user tier).
+        barriers: Event types at which the loop waits for subscribers before going on.
+        barrier_timeout: Seconds the loop waits at a barrier.
+        on_nonfinite: A NaN/inf loss ``"raise"``s (the run fails), ``"stop"``s the run, or is
+            ``"ignore"``d.
+        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` (main thread only).
+        bus: A preconfigured :class:`EventBus` (default: a new one).
+
+    Raises:
+        ConfigError: for any invalid argument, before anything runs or touches the disk.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        train_data: Iterable[Any],
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        eval_data: Iterable[Any] | None = None,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        scheduler: Any | None = None,
+        scheduler_interval: Literal["step", "epoch"] = "step",
+        accumulate: int = 1,
+        clip_grad_norm: float | None = None,
+        precision: Precision = "32",
+        device: str | torch.device = "auto",
+        seed: int | None = None,
+        metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+        eval_every: int | None = None,
+        eval_at_epoch_end: bool = True,
+        log_every: int = 10,
+        checkpoint_dir: str | Path | None = None,
+        resume_from: str | Path | None = None,
+        callbacks: Iterable[Callback | type[Callback]] = (),
+        barriers: Iterable[type[ev.BaseEvent]] = DEFAULT_BARRIERS,
+        barrier_timeout: float = 60.0,
+        on_nonfinite: NonFinitePolicy = "raise",
+        handle_signals: bool = True,
+        bus: EventBus | None = None,
+    ) -> None:
+        self.settings: Settings = build_settings(
+            model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
+            max_epochs=max_epochs, max_steps=max_steps, scheduler=scheduler,
+            scheduler_interval=scheduler_interval, accumulate=accumulate,
+            clip_grad_norm=clip_grad_norm, precision=precision, device=device, seed=seed,
+            metrics=metrics, eval_every=eval_every, eval_at_epoch_end=eval_at_epoch_end,
+            log_every=log_every, checkpoint_dir=checkpoint_dir, resume_from=resume_from,
+            barriers=barriers, barrier_timeout=barrier_timeout, on_nonfinite=on_nonfinite,
+        )  # fmt: skip
+        if bus is not None and not isinstance(bus, EventBus):
+            raise ConfigError.invalid("bus", bus, "a trainbus.EventBus or None")
+        if not isinstance(handle_signals, bool):
+            raise ConfigError.invalid("handle_signals", handle_signals, "True or False")
+        self.handle_signals = handle_signals
+        self.bus: EventBus = bus if bus is not None else EventBus()
+        self.hooks = Hooks()
+        self.result: FitResult | None = None
+        self._attached: dict[int, tuple[Callback, _Attachment]] = {}
+        self._loop: Loop | None = None
+        self._aborted = False
+        for cb in self._instances(callbacks):
+            self.add_callback(cb)
+
+    # ================================================================== callbacks and hooks
+    @staticmethod
+    def _instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
+        if isinstance(callbacks, Callback | type):
+            callbacks = [callbacks]  # type: ignore[list-item]
+        out: list[Callback] = []
+        for cb in callbacks:
+            if isinstance(cb, type) and issubclass(cb, Callback):
+                cb = cb()
+            if not isinstance(cb, Callback):
+                raise ConfigError.invalid("callbacks", cb, "Callback subclasses or instances")
+            out.append(cb)
+        return out
+
+    def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
+        """Attach a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
+        and ``setup(bus)`` pipelines. While ``fit()`` runs, call it on the event-loop thread.
+
+        Returns:
+            The attached instance.
+
+        Raises:
+            ConfigError: not a Callback, or a misspelt ``on_*`` / ``hook_*`` method.
+        """
+        (cb,) = self._instances([callback])
+        if id(cb) in self._attached:
+            raise ConfigError.invalid("callback", cb, "a callback not attached yet")
+        subs_map, hooks_map = type(cb).methods()
+        bus = self.bus
+        mark = len(bus.subscriptions)
+        handles: list[HookHandle] = []
+        with bus.tier(tier):
+            for name, event_type in sorted(subs_map.items()):
+                method = getattr(cb, name)
+                label = f"{type(cb).__name__}.{name}"
+                if Callback.is_async(method):
+                    bus.subscribe_async(bus.stream(event_type), method, concurrency=cb.concurrency,
+                                        buffer=cb.buffer, overflow=cb.overflow,
+                                        on_error=cb.error_policy, name=label)  # fmt: skip
+                else:
+                    bus.subscribe(bus.stream(event_type), method, on_error=cb.error_policy,
+                                  name=label)  # fmt: skip
+            cb.setup(bus)
+        for name, point in sorted(hooks_map.items()):
+            handles.append(self.hooks.add(point, getattr(cb, name), tier=tier))  # type: ignore[arg-type]
+        self._attached[id(cb)] = (cb, _Attachment(list(bus.subscriptions[mark:]), handles))
+        return cb
+
+    def remove_callback(self, callback: Callback) -> None:
+        """Detach a callback: dispose its subscriptions and remove its hooks.
+
+        Raises:
+            ConfigError: the callback is not attached to this trainer.
+        """
+        entry = self._attached.pop(id(callback), None)
+        if entry is None:
+            raise ConfigError.invalid("callback", callback, "a callback attached to this trainer")
+        entry[1].detach()
+
+    @property
+    def callbacks(self) -> tuple[Callback, ...]:
+        """Attached callbacks, in attachment order."""
+        return tuple(cb for cb, _ in self._attached.values())
+
+    def add_hook(self, point: HookPoint, fn: HookFn) -> HookHandle:
+        """Run ``fn(ctx)`` inline at ``point`` of every step (user tier); ``.remove()`` it.
+
+        Raises:
+            ConfigError: unknown point or non-callable ``fn``.
+        """
+        return self.hooks.add(point, fn, tier="user")
+
+    # ================================================================== running
+    def run(self, *, backend: str = "asyncio") -> FitResult:
+        """Synchronous twin of :meth:`fit`: ``anyio.run(self.fit, backend=backend)``."""
+        return anyio.run(self.fit, backend=backend)
+
+    async def fit(self) -> FitResult:
+        """Train until ``max_epochs``/``max_steps``, a ``StopTraining``, a failure or a cancel.
+
+        Returns:
+            The :class:`FitResult` (completed or stopped runs).
+
+        Raises:
+            The training exception when the run fails (``FitEnded(reason="failed")`` was
+            published and delivered first; ``trainer.result`` holds the result);
+            ``SubscriberError`` when a subscriber with ``on_error="raise"`` failed;
+            ``KeyboardInterrupt`` after a second SIGINT; the cancellation when cancelled.
+        """
+        if self._loop is not None:
+            raise TrainbusError("fit() runs once per Trainer; build a new one (resume_from=...)")
+        s = self.settings
+        state = self._prepare(s)
+        loop = self._loop = Loop(s, self.bus, self.hooks, self._barrier, state)
+        globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
+                    if id(cb) not in self._attached]  # fmt: skip
+        try:
+            async with self.bus:
+                async with anyio.create_task_group() as tg:
+                    if self.handle_signals and threading.current_thread() is threading.main_thread():
+                        await tg.start(self._watch_signals, loop)
+                    tg.start_soon(self._watch_cancel, loop)
+                    outcome = await anyio.to_thread.run_sync(loop.run)
+                    tg.cancel_scope.cancel()
+        finally:
+            for cb in globals_:
+                self.remove_callback(cb)
+        stats = self.bus.statistics()
+        self.result = FitResult(
+            reason=outcome.reason, stop_reason=outcome.stop_reason, steps=outcome.state.step,
+            epochs=outcome.state.epoch, metrics=outcome.eval_metrics,
+            train_metrics=outcome.train_metrics, checkpoint=outcome.last_checkpoint,
+            subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
+            statistics=stats, error=outcome.error,
+        )  # fmt: skip
+        log.info("fit_ended", reason=outcome.reason, step=outcome.state.step,
+                 epoch=outcome.state.epoch, stop_reason=outcome.stop_reason)  # fmt: skip
+        if outcome.error is not None:
+            raise outcome.error
+        if self._aborted:
+            raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
+        return self.result
+
+    def _prepare(self, s: Settings) -> TrainState:
+        if s.seed is not None:
+            random.seed(s.seed)
+            torch.manual_seed(s.seed)
+        s.model.to(s.device)
+        state = TrainState()
+        path = s.resumed_from
+        if path == "latest":
+            assert s.checkpoint_dir is not None
+            found = latest_checkpoint(s.checkpoint_dir)
+            path = str(found) if found is not None else None
+            if found is None:
+                log.info("resume_skipped", reason="no checkpoint yet", checkpoint_dir=str(s.checkpoint_dir))
+        if path is not None:
+            state, _ = load_checkpoint(Path(path), model=s.model, optimizer=s.optimizer,
+                                       scheduler=s.scheduler, scaler=s.scaler,
+                                       map_location=s.device)  # fmt: skip
+            self.bus.publish(ev.CheckpointLoaded(step=state.step, epoch=state.epoch, path=path))
+        return state
+
+    def _barrier(self) -> None:
+        """Called on the training thread at a barrier event: wait for its subscribers."""
+        anyio.from_thread.run(self.bus.wait_delivered, self.settings.barrier_timeout)
+
+    @staticmethod
+    async def _watch_cancel(loop: Loop) -> None:
+        # If fit() is cancelled, this task is cancelled with it: tell the thread to stop at its
+        # next check (between micro-batches) so the worker returns and FitEnded is published.
+        try:
+            await anyio.sleep_forever()
+        finally:
+            loop.cancel_requested = True
+
+    async def _watch_signals(self, loop: Loop, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            task_status.started()
+            received = 0
+            async for signum in signals:
+                received += 1
+                name = signal.Signals(signum).name
+                if received == 1:
+                    log.warning("signal_received", signal=name, action="stop after this step")
+                    self.bus.send(cmd.StopTraining(reason="signal"))
+                else:
+                    log.warning("signal_received", signal=name, action="abort now")
+                    self._aborted = True
+                    loop.cancel_requested = True
