@@ -33,7 +33,7 @@ from ._bus import EventBus, Tier
 from ._checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from ._exceptions import ConfigError, TrainbusError
 from ._hooks import HookFn, HookHandle, HookPoint, Hooks
-from ._loop import Loop
+from ._loop import Loop, Outcome
 from ._settings import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, build_settings
 from ._subscription import BusStatistics, Subscription
 from .callbacks._base import Callback, global_callbacks
@@ -55,7 +55,9 @@ class FitResult:
     metrics: Mapping[str, float]
     """Last evaluation metrics."""
     train_metrics: Mapping[str, float]
-    """Last aggregated training metrics (loss, lr, steps_per_s, ...)."""
+    """Last aggregated training metrics (loss, lr, steps_per_s, ...). ``loss`` is the mean over
+    the last ``log_every`` steps when something subscribes to per-step or logged metrics;
+    otherwise the last log step's loss (the loop keeps no more than it needs)."""
     checkpoint: str | None
     """Path of the last checkpoint written in this run."""
     subscriber_failures: Mapping[str, int]
@@ -271,26 +273,34 @@ class Trainer:
                     if self.handle_signals and threading.current_thread() is threading.main_thread():
                         await tg.start(self._watch_signals, loop)
                     tg.start_soon(self._watch_cancel, loop)
-                    outcome = await anyio.to_thread.run_sync(loop.run)
+                    await anyio.to_thread.run_sync(loop.run)
                     tg.cancel_scope.cancel()
         finally:
             for cb in globals_:
                 self.remove_callback(cb)
+            # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
+            # the bus closed, so the result is complete.
+            if loop.outcome is not None:
+                self.result = self._result(loop.outcome)
+        outcome = loop.outcome
+        assert outcome is not None and self.result is not None
+        if outcome.error is not None:
+            raise outcome.error
+        if self._aborted:
+            raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
+        return self.result
+
+    def _result(self, outcome: Outcome) -> FitResult:
         stats = self.bus.statistics()
-        self.result = FitResult(
+        log.info("fit_ended", reason=outcome.reason, step=outcome.state.step,
+                 epoch=outcome.state.epoch, stop_reason=outcome.stop_reason)  # fmt: skip
+        return FitResult(
             reason=outcome.reason, stop_reason=outcome.stop_reason, steps=outcome.state.step,
             epochs=outcome.state.epoch, metrics=outcome.eval_metrics,
             train_metrics=outcome.train_metrics, checkpoint=outcome.last_checkpoint,
             subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
             statistics=stats, error=outcome.error,
         )  # fmt: skip
-        log.info("fit_ended", reason=outcome.reason, step=outcome.state.step,
-                 epoch=outcome.state.epoch, stop_reason=outcome.stop_reason)  # fmt: skip
-        if outcome.error is not None:
-            raise outcome.error
-        if self._aborted:
-            raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
-        return self.result
 
     def _prepare(self, s: Settings) -> TrainState:
         if s.seed is not None:
