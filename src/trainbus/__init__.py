@@ -12,14 +12,14 @@ from ._exceptions import NonFiniteLossError as NonFiniteLossError
 from ._exceptions import SubscriberError as SubscriberError
 from ._exceptions import TrainbusError as TrainbusError
 from ._exceptions import TrainingError as TrainingError
+from ._hooks import HookHandle as HookHandle
+from ._hooks import StepContext as StepContext
 from ._observable import BusObservable as BusObservable
 from ._scheduler import AnyioScheduler as AnyioScheduler
 from ._subscription import AsyncSubscription as AsyncSubscription
 from ._subscription import BusStatistics as BusStatistics
 from ._subscription import Subscription as Subscription
 from ._subscription import SubscriptionStatistics as SubscriptionStatistics
-from ._hooks import HookHandle as HookHandle
-from ._hooks import StepContext as StepContext
 from .callbacks._base import Callback as Callback
 from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle
 from .callbacks._base import register_global_callback as register_global_callback
@@ -41,11 +41,11 @@ __all__ = [
     "HookHandle",
     "NonFiniteLossError",
     "StepContext",
+    "SubscriberError",
     "Subscription",
     "SubscriptionStatistics",
-    "SubscriberError",
-    "Trainer",
     "TrainbusError",
+    "Trainer",
     "TrainingError",
     "register_global_callback",
 ]

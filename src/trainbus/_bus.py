@@ -32,7 +32,7 @@ from . import commands as cmd
 from . import events as ev
 from ._exceptions import BusClosedError, ConfigError, SubscriberError, TrainbusError
 from ._observable import BusObservable, CommandSink, normalize_observer
-from ._scheduler import AnyioScheduler
+from ._scheduler import AnyioScheduler, ChainScheduler
 from ._subscription import (
     ERROR_POLICIES,
     OVERFLOWS,
@@ -118,6 +118,8 @@ class EventBus:
         self.default_on_error: ErrorPolicy = on_error
         self._own_scheduler = scheduler is None
         self.scheduler: abc.SchedulerBase = scheduler or AnyioScheduler(self._scheduler_failed)
+        # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
+        self._chain_scheduler = ChainScheduler(self.scheduler)
 
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._queue: deque[ev.BaseEvent] = deque()
@@ -134,7 +136,10 @@ class EventBus:
         self._subscriptions: list[Subscription] = []
         self._requests: dict[int, tuple[cmd.Command, anyio.Event, list[Any]]] = {}
 
+        self._request_wake: anyio.Event | None = None
+        self._barrier_pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
         self._pressure = False
+        self._close_deadline: float | None = None  # loop time by which closing gives up waiting
         self._delivered = 0
         self._failed = 0
         self._scheduler_failures = 0
@@ -316,7 +321,8 @@ class EventBus:
         sub = Subscription(self, name or _name_of(on_next), self._check_policy(policy))
         self._subscriptions.append(sub)
         guard = GuardedObserver(sub, on_next, on_error_cb, on_completed)
-        sub.upstream = source.subscribe(guard, scheduler=scheduler or self.scheduler)
+        chain_scheduler = ChainScheduler(scheduler) if scheduler else self._chain_scheduler
+        sub.upstream = source.subscribe(guard, scheduler=chain_scheduler)
         return sub
 
     # ------------------------------------------------------------------ routing
@@ -393,6 +399,11 @@ class EventBus:
         q = self._queue
         remaining = len(q) if limit is None else limit
         while q and remaining > 0:
+            # Pressure is checked before dispatching too: when two drains run at once (the
+            # poller and close, or wait_delivered), the second must not push one more item into
+            # a "block" buffer that is already over capacity.
+            if self._pressure:
+                await self._relieve_pressure()
             remaining -= self._dispatch(min(remaining, len(q)))
             if self._pressure:
                 await self._relieve_pressure()
@@ -403,7 +414,17 @@ class EventBus:
     async def _relieve_pressure(self) -> None:
         for sub in self._subscriptions:
             if isinstance(sub, AsyncSubscription) and sub.over_capacity:
-                await sub.wait_for_room()
+                if self._close_deadline is None:
+                    await sub.wait_for_room()
+                    continue
+                # Closing: a "block" subscriber stalled on a full buffer must not hold the rest
+                # of the drain (and close itself) forever. Past close_timeout it is cancelled,
+                # like any async subscriber still busy then; its items count as cancelled.
+                with anyio.move_on_at(self._close_deadline):
+                    await sub.wait_for_room()
+                if sub.over_capacity and sub.scope is not None:
+                    sub.scope.cancel()
+                    await sub.wait_finished()
         self._pressure = False
 
     def flush(self) -> None:
@@ -425,27 +446,104 @@ class EventBus:
         self._pressure = False
         self._room.set()
 
-    async def wait_delivered(self, timeout: float | None = None) -> bool:
-        """Deliver everything queued, then wait for the async subscriptions that received an
-        item in that delivery to finish it. The loop calls this at barrier events.
+    async def wait_delivered(
+        self, timeout: float | None = None, event: ev.BaseEvent | None = None
+    ) -> bool:
+        """Deliver everything queued; then wait for the async subscriptions that received an
+        item from ``event`` (or, without ``event``, from anything in that delivery) to finish
+        it. So a slow async subscriber of some other event (a checkpoint upload, say) is not
+        waited for.
 
         Args:
             timeout: Seconds to wait for the async subscribers (None: no limit).
+            event: An already published event (found by identity in the queue).
 
         Returns:
             True when everything finished, False when the timeout expired first.
         """
+        targets = await self._deliver_for_barrier(event)
+        return await self._wait_targets(targets, timeout, interruptible=False) == "done"
+
+    async def _deliver_for_barrier(
+        self, event: ev.BaseEvent | None
+    ) -> list[tuple[AsyncSubscription, int]]:
         asyncs = [s for s in self._subscriptions if isinstance(s, AsyncSubscription)]
+        q = self._queue
+        if event is not None:
+            # What was published before the barrier event is delivered but not waited for.
+            before_event = next((i for i, e in enumerate(q) if e is event), None)
+            if before_event:
+                await self._drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
-        await self._drain()
-        targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-        with anyio.move_on_after(timeout) as scope:
-            for sub, target in targets:
-                await sub.wait_settled(target)
-        if scope.cancelled_caught:
-            log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
-            return False
-        return True
+        if event is not None and q and q[0] is event:
+            await self._drain(limit=1)
+            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+            await self._drain()
+        else:
+            await self._drain()
+            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        return targets
+
+    async def _wait_targets(
+        self,
+        targets: list[tuple[AsyncSubscription, int]],
+        timeout: float | None,
+        *,
+        interruptible: bool,
+        configured: float | None = None,
+    ) -> Literal["done", "timeout", "request"]:
+        status: Literal["done", "timeout", "request"] = "timeout"
+        wake = self._request_wake = anyio.Event()
+        with anyio.move_on_after(timeout):
+            async with anyio.create_task_group() as tg:
+
+                async def settle() -> None:
+                    nonlocal status
+                    for sub, target in targets:
+                        await sub.wait_settled(target)
+                    status = "done"
+                    tg.cancel_scope.cancel()
+
+                async def interrupted() -> None:
+                    nonlocal status
+                    await wake.wait()
+                    status = "request"
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(settle)
+                if interruptible:
+                    tg.start_soon(interrupted)
+        self._request_wake = None
+        if status == "timeout":
+            log.warning(
+                "barrier_timeout",
+                timeout=configured if configured is not None else timeout,
+                waiting=[s.name for s, _ in targets],
+            )
+        return status
+
+    async def _barrier_wait(
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool
+    ) -> Literal["done", "timeout", "request"]:
+        """The loop's barrier: deliver, then wait for the barrier event's async subscribers
+        until they finish (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives
+        (``"request"``: the loop applies it, then resumes the same wait with ``resume=True``).
+        """
+        if resume and self._barrier_pending is not None:
+            targets, deadline = self._barrier_pending
+            await self._drain()  # delivers the CommandApplied the requester is waiting for
+        else:
+            targets = await self._deliver_for_barrier(event)
+            deadline = anyio.current_time() + timeout
+        self._barrier_pending = None
+        if self._requests and self._commands:
+            status: Literal["done", "timeout", "request"] = "request"
+        else:
+            left = max(0.0, deadline - anyio.current_time())
+            status = await self._wait_targets(targets, left, interruptible=True, configured=timeout)
+        if status == "request":
+            self._barrier_pending = (targets, deadline)
+        return status
 
     # ================================================================== commands
     def send(self, command: cmd.Command) -> None:
@@ -487,6 +585,8 @@ class EventBus:
         self._requests[id(command)] = (command, done, slot)
         try:
             self.send(command)
+            if self._request_wake is not None:
+                self._request_wake.set()  # a barrier may be waiting on this very requester
             await done.wait()
         finally:
             self._requests.pop(id(command), None)
@@ -622,6 +722,8 @@ class EventBus:
 
     async def _close(self) -> None:
         self._state = "closing"
+        # One budget for the whole close, the drain included (see _relieve_pressure).
+        self._close_deadline = deadline = anyio.current_time() + self.close_timeout
         await self._drain()
         # Completing the roots lets buffering operators (buffer_with_time, ...) emit what they
         # hold, so a batched logger loses nothing at the end of a run.
@@ -635,7 +737,7 @@ class EventBus:
         asyncs = [s for s in self._subscriptions if isinstance(s, AsyncSubscription)]
         for sub in asyncs:
             sub.close_input()
-        with anyio.move_on_after(self.close_timeout):
+        with anyio.move_on_at(deadline):
             for sub in asyncs:
                 await sub.wait_finished()
         for sub in asyncs:
@@ -643,6 +745,9 @@ class EventBus:
                 sub.scope.cancel()
         for sub in asyncs:
             await sub.wait_finished()
+        if self._commands:
+            # Sent after the loop's last poll point: say so rather than drop them silently.
+            log.warning("commands_not_applied", commands=[repr(c) for c in self._commands])
         cancelled = {s.name: s.cancelled for s in asyncs if s.cancelled}
         stats = self.statistics()
         if cancelled or stats.failed or stats.dropped:

@@ -19,7 +19,13 @@ import torch
 
 from ._exceptions import ConfigError
 
-__all__ = ["TrainState", "checkpoint_name", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
+__all__ = [
+    "TrainState",
+    "checkpoint_name",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "save_checkpoint",
+]
 
 FORMAT_VERSION = 1
 
@@ -83,6 +89,10 @@ def save_checkpoint(
             torch.save(payload, f)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates 0600; give the checkpoint the mode a plain open() would (umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

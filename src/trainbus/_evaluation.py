@@ -47,7 +47,10 @@ def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
     """Run the model on ``batch`` and compute the loss (either convention)."""
     model = s.model
     if s.loss_fn is not None:
-        inputs, targets = split_batch(batch)
+        if type(batch) is tuple and len(batch) == 2:
+            inputs, targets = batch  # the common case, without a call
+        else:
+            inputs, targets = split_batch(batch)
         outputs = model(inputs)
         return outputs, s.loss_fn(outputs, targets)
     outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
@@ -104,8 +107,14 @@ class Evaluator:
                 if want[ev.ForwardStarted]:
                     pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="eval",
                                           batch_index=bi))  # fmt: skip
-                with s.autocast():
-                    outputs, loss = forward_loss(s, batch)
+                try:
+                    with s.autocast():
+                        outputs, loss = forward_loss(s, batch)
+                except BaseException as exc:
+                    if want[ev.ForwardEnded]:
+                        pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval",
+                                            batch_index=bi, error=exc))  # fmt: skip
+                    raise
                 if want[ev.ForwardEnded]:
                     pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval",
                                         batch_index=bi))  # fmt: skip

@@ -26,7 +26,12 @@ from ._exceptions import ConfigError
 __all__ = ["HOOK_POINTS", "HookHandle", "HookPoint", "Hooks", "StepContext"]
 
 HookPoint: TypeAlias = Literal["batch", "loss", "before_optimizer_step", "after_optimizer_step"]
-HOOK_POINTS: tuple[HookPoint, ...] = ("batch", "loss", "before_optimizer_step", "after_optimizer_step")
+HOOK_POINTS: tuple[HookPoint, ...] = (
+    "batch",
+    "loss",
+    "before_optimizer_step",
+    "after_optimizer_step",
+)
 _TIERS = ("core", "user", "global")
 
 

@@ -2,14 +2,15 @@
 
 Event order (pinned by tests/test_transcript.py, documented in docs/events.md)::
 
-    FitStarted                                   [CheckpointLoaded first, when resuming]
+    [CheckpointLoaded]                           (when resuming)
+    FitStarted                                   -- poll --
     for epoch:
         EpochStarted
         for each optimizer step (a window of `accumulate` micro-batches):
             for each micro-batch:
                 BatchFetched(phase="train")      hook "batch" (may skip)
-                ForwardStarted / ForwardEnded
-                LossComputed                     hook "loss" (may scale / skip)
+                ForwardStarted / ForwardEnded    hook "loss" (may scale / skip)
+                LossComputed
                 BackwardStarted / BackwardEnded
             hook "before_optimizer_step"         (may edit grads / skip the step)
             OptimizerStepStarted / OptimizerStepEnded
@@ -17,12 +18,13 @@ Event order (pinned by tests/test_transcript.py, documented in docs/events.md)::
             SchedulerStepped                     (interval "step")
             StepEnded
             MetricsLogged                        (every `log_every` steps)
-            -- poll commands --
+            -- [barrier, if StepEnded/MetricsLogged are barriers] poll commands --
             EvaluationStarted / EvalBatchEnded* / EvaluationEnded   (every `eval_every` steps)
             -- barrier, poll commands --
-        EvaluationStarted / ... / EvaluationEnded (at epoch end) -- barrier, poll --
-        SchedulerStepped                         (interval "epoch")
+        EvaluationStarted / ... / EvaluationEnded (epoch completed) -- barrier, poll --
+        SchedulerStepped                         (interval "epoch", epoch completed)
         EpochEnded                               -- barrier, poll --
+    -- final barrier, poll --
     CheckpointSaved                              (final, when checkpoint_dir is set)
     FitEnded
 
@@ -33,21 +35,22 @@ the NaN check (every ``log_every`` steps, one sync for the whole window) needs i
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, assert_never
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import commands as cmd
 from . import events as ev
-from ._checkpoint import TrainState, save_checkpoint
+from ._checkpoint import TrainState
+from ._control import ControlMixin
 from ._evaluation import Evaluator, forward_loss
-from ._exceptions import ConfigError, NonFiniteLossError, TrainingError
+from ._exceptions import TrainingError
 from ._hooks import Hooks, StepContext
 from ._tensors import batch_size, move_to_device
+from ._window import WindowMixin
 
 if TYPE_CHECKING:
     from ._bus import EventBus
@@ -71,6 +74,10 @@ class Outcome:
     last_checkpoint: str | None
 
 
+def _flag(t: type) -> str:
+    return "w_" + re.sub(r"(?<!^)(?=[A-Z])", "_", t.__name__).lower()
+
+
 _WANTED = (
     ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
     ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.SchedulerStepped,
@@ -78,7 +85,7 @@ _WANTED = (
 )  # fmt: skip
 
 
-class Loop:
+class Loop(ControlMixin, WindowMixin):
     """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable."""
 
     def __init__(
@@ -86,7 +93,7 @@ class Loop:
         settings: Settings,
         bus: EventBus,
         hooks: Hooks,
-        barrier: Callable[[], None],
+        barrier: Callable[[ev.BaseEvent | None, bool], str],
         state: TrainState,
     ) -> None:
         self.s = settings
@@ -110,6 +117,11 @@ class Loop:
         self.outcome: Outcome | None = None
         self._version = -1
         self._want: dict[type, bool] = {}
+        self.w_batch_fetched = self.w_forward_started = self.w_forward_ended = False
+        self.w_loss_computed = self.w_backward_started = self.w_backward_ended = False
+        self.w_optimizer_step_started = self.w_optimizer_step_ended = False
+        self.w_scheduler_stepped = self.w_step_ended = self.w_metrics_logged = False
+        self.w_eval_batch_ended = False
         self._window_losses: list[torch.Tensor] = []
         self._window_norms: list[torch.Tensor] = []
         self._window_samples = 0
@@ -124,6 +136,9 @@ class Loop:
         if self.bus.routes_version != self._version:
             self._version = self.bus.routes_version
             self._want = {t: self.bus.wants(t) for t in _WANTED}
+            # Plain attributes: the hot path reads ~16 of these a step.
+            for t, wanted in self._want.items():
+                setattr(self, _flag(t), wanted)
 
     def _check_cancel(self) -> None:
         if self.cancel_requested:
@@ -134,6 +149,11 @@ class Loop:
         exc.add_note(
             f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {batch_index}"
         )
+
+    def _context(self, bi: int, micro: int, batch: Any) -> StepContext:
+        st = self.state
+        return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
+                           batch=batch, model=self.model, optimizer=self.optimizer)  # fmt: skip
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -146,16 +166,21 @@ class Loop:
         reason: ev.EndReason = "completed"
         error: BaseException | None = None
         self.model.train()
+        if self.s.train_len is not None and st.batch_in_epoch >= self.s.train_len:
+            # Saved at EpochEnded (the epoch's batches all consumed): resume with the next one.
+            st.epoch, st.batch_in_epoch = st.epoch + 1, 0
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=self.s.max_steps,
                           max_epochs=self.s.max_epochs, device=str(self.device),
                           resumed_from=self.s.resumed_from))  # fmt: skip
         try:
             self._poll()
             while not self._finished():
-                self._epoch()
-                if self.stop_reason is None:
+                if self._epoch():
                     st.epoch += 1
                     st.batch_in_epoch = 0
+            # A last sync point: subscribers may still be answering the final steps (a
+            # SaveCheckpoint for the last StepEnded); deliver, wait, and apply what they sent.
+            self._barrier_then_poll(None)
             if self.s.checkpoint_dir is not None and not self.nonfinite:
                 if self.last_checkpoint_step != st.step:
                     self._save("final")
@@ -188,7 +213,8 @@ class Loop:
             or (s.max_epochs is not None and st.epoch >= s.max_epochs)
         )
 
-    def _epoch(self) -> None:
+    def _epoch(self) -> bool:
+        """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         pub, st, s = self.bus.publish, self.state, self.s
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         self.stop_epoch = False
@@ -198,20 +224,30 @@ class Loop:
             for _ in range(st.batch_in_epoch):  # resuming mid-epoch: skip what was consumed
                 next(it, None)
             total = s.train_len
-            while not (self.stop_epoch or self._finished()):
+            complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
+            while True:
+                if self.stop_epoch:
+                    complete = True
+                    break
+                if self._finished():
+                    break
                 window = s.accumulate
                 if total is not None:
                     window = min(window, total - st.batch_in_epoch)
                     if window <= 0:
+                        complete = True
                         break
                 if self._step(it, window) == 0:
+                    complete = True
                     break
+            if total is not None and st.batch_in_epoch >= total and self.stop_reason is None:
+                complete = True  # max_steps reached on the epoch's last batch
             if st.batch_in_epoch == 0 and not self._finished():
                 raise TrainingError(
                     f"train_data yielded no batch in epoch {st.epoch}: an empty loader cannot "
                     "train; check its length, sampler and drop_last"
                 )
-            if self.stop_reason is None:
+            if complete:
                 if s.eval_at_epoch_end and s.eval_data is not None:
                     self._evaluate("epoch")
                 if s.scheduler is not None and s.scheduler_interval == "epoch":
@@ -226,12 +262,15 @@ class Loop:
             pub(ended)
             if error is None:
                 self._barrier_then_poll(ended)
+        return complete
 
     # ================================================================== one optimizer step
     def _step(self, it: Iterator[Any], window: int) -> int:
         """Run one optimizer step over up to ``window`` micro-batches; return batches used."""
-        self._refresh_wants()
-        want, pub, st, s = self._want, self.bus.publish, self.state, self.s
+        bus = self.bus
+        if bus.routes_version != self._version:
+            self._refresh_wants()
+        pub, st, s = bus.publish, self.state, self.s
         hooks = self.hooks.by_point
         model, opt = self.model, self.optimizer
         t0 = time.monotonic()
@@ -243,9 +282,10 @@ class Loop:
         # weights persists, so checking every log_every steps still catches it). detach() and
         # stack() cost ~1-3 µs of a ~100 µs tiny step.
         log_step = (st.step + 1) % s.log_every == 0
-        keep = want[ev.StepEnded] or want[ev.LossComputed] or want[ev.MetricsLogged] or log_step
+        keep = self.w_step_ended or self.w_loss_computed or self.w_metrics_logged or log_step
         for micro in range(window):
-            self._check_cancel()
+            if self.cancel_requested:
+                raise Cancelled
             tf = time.monotonic()
             batch = next(it, _END)
             if batch is _END:
@@ -253,63 +293,76 @@ class Loop:
             bi = st.batch_in_epoch
             st.batch_in_epoch = bi + 1
             consumed += 1
-            if want[ev.BatchFetched]:
+            if self.w_batch_fetched:
                 pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
                                     data_wait_s=time.monotonic() - tf))  # fmt: skip
             if self._move:
                 batch = move_to_device(batch, self.device)
             ctx: StepContext | None = None
             if hooks["batch"]:
-                ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                                  batch=batch, model=model, optimizer=opt)  # fmt: skip
+                ctx = self._context(bi, micro, batch)
                 for hook in hooks["batch"]:
                     hook(ctx)
                 if ctx.skip:
                     continue
                 batch = ctx.batch
             samples += batch_size(batch)
-            loss = self._forward(batch, bi, want, ctx, micro)
+            loss = self._forward(batch, bi, ctx, micro)
             if loss is None:
                 continue
             stepped = True
             if keep:
                 detached = loss.detach()
                 losses.append(detached)
-                if want[ev.LossComputed]:
-                    pub(ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached))
-            self._backward(loss, window, bi, micro, want)
+                if self.w_loss_computed:
+                    pub(
+                        ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
+                    )
+            self._backward(loss, window, bi, micro)
         if not stepped:
             opt.zero_grad(set_to_none=True)
             return consumed
-        grad_norm = self._optimizer_step(want, bi)
+        grad_norm = self._optimizer_step(bi)
+        if grad_norm is _SKIPPED:
+            return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
+        assert grad_norm is None or isinstance(grad_norm, torch.Tensor)
         if s.scheduler is not None and s.scheduler_interval == "step":
             s.scheduler.step()
-            if want[ev.SchedulerStepped]:
+            if self.w_scheduler_stepped:
                 pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self._lr()))
         step_loss: torch.Tensor | None = None
         if losses:
             step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        if want[ev.StepEnded]:
-            pub(ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
-                             grad_norm=grad_norm, samples=samples,
-                             duration_s=time.monotonic() - t0))  # fmt: skip
+        barrier_event: ev.BaseEvent | None = None
+        if self.w_step_ended:
+            ended = ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
+                                 grad_norm=grad_norm, samples=samples,
+                                 duration_s=time.monotonic() - t0)  # fmt: skip
+            pub(ended)
+            if ev.StepEnded in s.barriers:
+                barrier_event = ended
         if step_loss is not None:
             self._window_losses.append(step_loss)
         if grad_norm is not None:
             self._window_norms.append(grad_norm)
         self._window_samples += samples
         if st.step % s.log_every == 0:
-            self._close_window(want[ev.MetricsLogged])
-        self._poll()
+            logged = self._close_window(self.w_metrics_logged)
+            if logged is not None and ev.MetricsLogged in s.barriers:
+                barrier_event = logged
+        if barrier_event is not None:
+            self._barrier_then_poll(barrier_event)
+        elif bus._fatal is not None or bus._commands or self.cancel_requested:
+            self._poll()  # the common case (nothing to do) costs three attribute reads
         if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
             self._evaluate("steps")
         return consumed
 
     def _forward(
-        self, batch: Any, bi: int, want: dict[type, bool], ctx: StepContext | None, micro: int
+        self, batch: Any, bi: int, ctx: StepContext | None, micro: int
     ) -> torch.Tensor | None:
         pub, st = self.bus.publish, self.state
-        if want[ev.ForwardStarted]:
+        if self.w_forward_started:
             pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
         try:
             if self._amp:
@@ -318,20 +371,19 @@ class Loop:
             else:
                 outputs, loss = forward_loss(self.s, batch)
         except BaseException as exc:
-            if want[ev.ForwardEnded]:
+            if self.w_forward_ended:
                 pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
                                     error=exc))  # fmt: skip
             self._annotate(exc, "forward", bi)
             raise
-        if want[ev.ForwardEnded]:
+        if self.w_forward_ended:
             pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
         if not self._loss_checked:
             self._check_loss(loss, bi)
         hooks = self.hooks.by_point["loss"]
         if hooks:
             if ctx is None:
-                ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                                  batch=batch, model=self.model, optimizer=self.optimizer)  # fmt: skip
+                ctx = self._context(bi, micro, batch)
             ctx.outputs, ctx.loss = outputs, loss
             for hook in hooks:
                 hook(ctx)
@@ -345,7 +397,11 @@ class Loop:
         # Shape and dtype are metadata: checking them never syncs the device.
         st = self.state
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else repr(type(loss))
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else repr(type(loss))
+            )
             raise TrainingError(
                 f"the loss must be a scalar tensor; got {got} at step {st.step}, epoch "
                 f"{st.epoch}, batch {bi}. Reduce it (e.g. .mean()) in loss_fn or the model"
@@ -357,50 +413,47 @@ class Loop:
             )
         self._loss_checked = True
 
-    def _backward(
-        self, loss: torch.Tensor, window: int, bi: int, micro: int, want: dict[type, bool]
-    ) -> None:
+    def _backward(self, loss: torch.Tensor, window: int, bi: int, micro: int) -> None:
         pub, st = self.bus.publish, self.state
-        if want[ev.BackwardStarted]:
+        if self.w_backward_started:
             pub(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
                                    micro_batch=micro, accumulation_steps=window))  # fmt: skip
         try:
             scaled = loss / window if window > 1 else loss
             (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
         except BaseException as exc:
-            if want[ev.BackwardEnded]:
-                pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                     micro_batch=micro, accumulation_steps=window, error=exc))  # fmt: skip
+            if self.w_backward_ended:
+                pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi, error=exc,
+                                     micro_batch=micro, accumulation_steps=window))  # fmt: skip
             self._annotate(exc, "backward", bi)
             raise
-        if want[ev.BackwardEnded]:
+        if self.w_backward_ended:
             pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                  micro_batch=micro, accumulation_steps=window))  # fmt: skip
 
-    def _optimizer_step(self, want: dict[type, bool], bi: int) -> torch.Tensor | None:
+    def _optimizer_step(self, bi: int) -> torch.Tensor | object | None:
         pub, st, s, opt = self.bus.publish, self.state, self.s, self.optimizer
         if self.scaler is not None:
             self.scaler.unscale_(opt)
         hooks = self.hooks.by_point["before_optimizer_step"]
         if hooks:
-            ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0,
-                              batch=None, model=self.model, optimizer=opt)  # fmt: skip
+            ctx = self._context(bi, 0, None)
             for hook in hooks:
                 hook(ctx)
             if ctx.skip:
                 opt.zero_grad(set_to_none=True)
                 if self.scaler is not None:
                     self.scaler.update()
-                return None
+                return _SKIPPED
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_grad_norm)
-        if want[ev.OptimizerStepStarted]:
+        if self.w_optimizer_step_started:
             pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
         skipped = False
         try:
             if self.scaler is not None:
-                scale = self.scaler.get_scale() if want[ev.OptimizerStepEnded] else None
+                scale = self.scaler.get_scale() if self.w_optimizer_step_ended else None
                 self.scaler.step(opt)
                 self.scaler.update()
                 # get_scale() syncs the device: read only when someone wants OptimizerStepEnded.
@@ -409,52 +462,18 @@ class Loop:
                 opt.step()
             opt.zero_grad(set_to_none=True)
         except BaseException as exc:
-            if want[ev.OptimizerStepEnded]:
+            if self.w_optimizer_step_ended:
                 pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
                                           error=exc))  # fmt: skip
             self._annotate(exc, "optimizer step", bi)
             raise
         st.step += 1
-        for hook in self.hooks.by_point["after_optimizer_step"]:
-            hook(StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0,
-                             batch=None, model=self.model, optimizer=opt))  # fmt: skip
-        if want[ev.OptimizerStepEnded]:
+        if self.w_optimizer_step_ended:
             pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
                                       skipped=skipped))  # fmt: skip
+        for hook in self.hooks.by_point["after_optimizer_step"]:
+            hook(self._context(bi, 0, None))  # fmt: skip
         return grad_norm
-
-    def _close_window(self, publish: bool) -> None:
-        """Every ``log_every`` steps: one device read for the window's mean loss and the NaN
-        check; publish MetricsLogged when wanted."""
-        st, s = self.state, self.s
-        losses = torch.stack(self._window_losses).float()
-        values = [losses.mean(), torch.isfinite(losses).all().float()]
-        if self._window_norms:
-            values.append(torch.stack(self._window_norms).float().mean())
-        read = torch.stack([v.to(losses.device) for v in values]).tolist()  # the one sync
-        now = time.monotonic()
-        elapsed = max(now - self._window_t0, 1e-9)
-        metrics = {
-            "loss": read[0],
-            "lr": self._lr(),
-            "steps_per_s": len(self._window_losses) / elapsed,
-            "samples_per_s": self._window_samples / elapsed,
-        }
-        if len(read) > 2:
-            metrics["grad_norm"] = read[2]
-        self.train_metrics = metrics
-        self._window_losses, self._window_norms = [], []
-        self._window_samples, self._window_t0 = 0, now
-        if publish:
-            self.bus.publish(ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics))
-        if read[1] < 1.0 and s.on_nonfinite != "ignore":
-            self.nonfinite = True
-            message = f"non-finite loss in the {s.log_every} steps up to step {st.step} (epoch {st.epoch})"
-            if s.on_nonfinite == "raise":
-                raise NonFiniteLossError(
-                    message + f"; last checkpoint: {self.last_checkpoint or 'none'}"
-                )
-            self.stop_reason = self.stop_reason or message
 
     # ================================================================== evaluation
     def _evaluate(self, trigger: str) -> ev.EvaluationEnded:
@@ -464,73 +483,6 @@ class Loop:
         self._barrier_then_poll(ended)
         return ended
 
-    # ================================================================== commands
-    def _barrier_then_poll(self, event: ev.BaseEvent) -> None:
-        if type(event) in self.s.barriers:
-            self.barrier()
-        self._poll()
-
-    def _poll(self) -> None:
-        """A poll point: fail on a ``raise`` subscriber, stop on cancel, apply commands."""
-        bus = self.bus
-        if bus.failure is not None:
-            raise bus.failure
-        self._check_cancel()
-        rounds = 0
-        while bus._commands and rounds < 100:  # commands sent while applying are applied too
-            rounds += 1
-            for command in bus.poll_commands():
-                self._apply(command)
-
-    def _apply(self, command: cmd.Command) -> None:
-        st = self.state
-        result: ev.BaseEvent | None = None
-        error: BaseException | None = None
-        try:
-            match command:
-                case cmd.StopTraining(reason=reason):
-                    self.stop_reason = self.stop_reason or reason
-                case cmd.StopEpoch():
-                    self.stop_epoch = True
-                case cmd.SaveCheckpoint(tag=tag):
-                    result = self._save(tag)
-                case cmd.Evaluate():
-                    if self.s.eval_data is None:
-                        raise ConfigError.invalid("eval_data", None, "data to evaluate on")
-                    result = self._evaluate("command")
-                case cmd.SetLearningRate(lr=lr, param_group=group):
-                    for g in self._groups(group):
-                        g["lr"] = lr
-                case cmd.ScaleLearningRate(factor=factor, param_group=group):
-                    for g in self._groups(group):
-                        g["lr"] = g["lr"] * factor
-                case _:
-                    assert_never(command)
-        except (ConfigError, OSError) as exc:  # a refused command never kills the run
-            error = exc
-        self.bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
-                                           result=result, error=error))  # fmt: skip
-
-    def _groups(self, group: int | None) -> list[dict[str, Any]]:
-        groups = self.optimizer.param_groups
-        if group is None:
-            return list(groups)
-        if group >= len(groups):
-            raise ConfigError.invalid("param_group", group, f"an index below {len(groups)}")
-        return [groups[group]]
-
-    def _save(self, tag: str | None) -> ev.CheckpointSaved:
-        s, st = self.s, self.state
-        if s.checkpoint_dir is None:
-            raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
-        path = save_checkpoint(Path(s.checkpoint_dir), tag=tag, state=st, model=self.model,
-                               optimizer=self.optimizer, scheduler=s.scheduler,
-                               scaler=self.scaler, metrics=self.eval_metrics)  # fmt: skip
-        self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
-        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
-                                   metrics=self.eval_metrics)  # fmt: skip
-        self.bus.publish(saved)
-        return saved
-
 
 _END = object()
+_SKIPPED = object()

@@ -40,7 +40,7 @@ class BusObservable(Observable[_T], Generic[_T]):
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
-        return self.source.subscribe(observer, scheduler=scheduler or self.bus.scheduler)
+        return self.source.subscribe(observer, scheduler=scheduler or self.bus._chain_scheduler)
 
     def pipe(self, *operators: Callable[[Any], Any]) -> Any:
         """Compose operators left to right; the result is still a bus observable."""
@@ -92,7 +92,7 @@ class BusObservable(Observable[_T], Generic[_T]):
 
     def _subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
         """Subscribe an internal observer directly (async feeders), with the bus scheduler."""
-        return self.source.subscribe(observer, scheduler=self.bus.scheduler)
+        return self.source.subscribe(observer, scheduler=self.bus._chain_scheduler)
 
 
 class CommandSink(abc.ObserverBase[Any]):

@@ -27,9 +27,10 @@ import structlog
 from anyio.abc import TaskStatus
 from reactivex import abc, typing
 from reactivex.disposable import Disposable, SingleAssignmentDisposable
+from reactivex.scheduler import CurrentThreadScheduler
 from reactivex.scheduler.periodicscheduler import PeriodicScheduler
 
-__all__ = ["AnyioScheduler"]
+__all__ = ["AnyioScheduler", "ChainScheduler"]
 
 _TState = TypeVar("_TState")
 log = structlog.get_logger(__name__)
@@ -120,9 +121,16 @@ class AnyioScheduler(PeriodicScheduler):
             wake.set()
         elif self._token is not None:
             try:
-                anyio.from_thread.run_sync(wake.set, token=self._token)
+                # _set_wake reads the event on the loop thread when it runs. An event read here
+                # may already be replaced: the timer makes a fresh one each round, right after
+                # it found the heap empty, and setting the stale one would strand this action.
+                anyio.from_thread.run_sync(self._set_wake, token=self._token)
             except anyio.RunFinishedError:
                 pass
+
+    def _set_wake(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
 
     # ------------------------------------------------------------------ the timer task
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -175,3 +183,56 @@ class AnyioScheduler(PeriodicScheduler):
     def pending(self) -> int:
         """Actions waiting in the heap (cancelled ones included until they come due)."""
         return len(self._heap)
+
+
+class ChainScheduler(PeriodicScheduler):
+    """The scheduler a bus subscription hands its chain: timed work on ``timed``, "now" inline.
+
+    Timed work (``schedule_relative`` / ``_absolute`` / ``_periodic``, ``now``) goes to
+    ``timed``: the bus scheduler, on the event loop (or virtual time in tests). Work scheduled
+    for "now" runs on the calling thread's trampoline, RxPY's own default: ``reactivex.merge``,
+    ``from_iterable``, ``start_with`` ... subscribe and emit within the ``subscribe`` call, as in
+    plain RxPY. Handed the loop scheduler instead, they would defer a merged pipeline's
+    subscription to the loop's next round (in virtual time, to the next advance): its streams
+    would miss what is delivered meanwhile, ``wants()`` would not see them, and they would
+    register outside the ``bus.tier(...)`` in force.
+    """
+
+    def __init__(self, timed: abc.SchedulerBase) -> None:
+        super().__init__()
+        self.timed = timed
+
+    @property
+    def now(self) -> Any:
+        return self.timed.now
+
+    def schedule(
+        self, action: typing.ScheduledAction[_TState], state: _TState | None = None
+    ) -> abc.DisposableBase:
+        return CurrentThreadScheduler.singleton().schedule(action, state)
+
+    def schedule_relative(
+        self,
+        duetime: typing.RelativeTime,
+        action: typing.ScheduledAction[_TState],
+        state: _TState | None = None,
+    ) -> abc.DisposableBase:
+        return self.timed.schedule_relative(duetime, action, state)
+
+    def schedule_absolute(
+        self,
+        duetime: typing.AbsoluteTime,
+        action: typing.ScheduledAction[_TState],
+        state: _TState | None = None,
+    ) -> abc.DisposableBase:
+        return self.timed.schedule_absolute(duetime, action, state)
+
+    def schedule_periodic(
+        self,
+        period: typing.RelativeTime,
+        action: typing.ScheduledPeriodicAction[_TState],
+        state: _TState | None = None,
+    ) -> abc.DisposableBase:
+        if isinstance(self.timed, abc.PeriodicSchedulerBase):
+            return self.timed.schedule_periodic(period, action, state)
+        return super().schedule_periodic(period, action, state)

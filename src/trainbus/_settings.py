@@ -24,6 +24,10 @@ __all__ = ["NonFinitePolicy", "Precision", "Settings", "build_settings"]
 Precision = Literal["32", "bf16", "fp16"]
 NonFinitePolicy = Literal["raise", "stop", "ignore"]
 DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
+BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
+    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
+)  # fmt: skip
+"""Events followed by a poll point: the only ones a barrier can make decisions exact on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -86,7 +90,9 @@ def _iterable(name: str, value: Any, *, optional: bool) -> int | None:
     except TypeError:
         return None
     if length == 0:
-        raise ConfigError.invalid(name, f"<{type(value).__name__} of length 0>", "a non-empty loader")
+        raise ConfigError.invalid(
+            name, f"<{type(value).__name__} of length 0>", "a non-empty loader"
+        )
     return length
 
 
@@ -133,18 +139,24 @@ def build_settings(
     train_len = _iterable("train_data", train_data, optional=False)
     _iterable("eval_data", eval_data, optional=True)
     if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError.invalid("loss_fn", loss_fn, "a callable loss_fn(outputs, targets) or None")
+        raise ConfigError.invalid(
+            "loss_fn", loss_fn, "a callable loss_fn(outputs, targets) or None"
+        )
     max_epochs = _int("max_epochs", max_epochs, 1)
     max_steps = _int("max_steps", max_steps, 1)
     if max_epochs is None and max_steps is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise ConfigError.invalid("scheduler", type(scheduler).__name__, "an LR scheduler with .step()")
+        raise ConfigError.invalid(
+            "scheduler", type(scheduler).__name__, "an LR scheduler with .step()"
+        )
     if scheduler_interval not in ("step", "epoch"):
         raise ConfigError.invalid("scheduler_interval", scheduler_interval, "'step' or 'epoch'")
     accumulate = _int("accumulate", accumulate, 1, optional=False)
     if clip_grad_norm is not None and not (
-        isinstance(clip_grad_norm, int | float) and math.isfinite(clip_grad_norm) and clip_grad_norm > 0
+        isinstance(clip_grad_norm, int | float)
+        and math.isfinite(clip_grad_norm)
+        and clip_grad_norm > 0
     ):
         raise ConfigError.invalid("clip_grad_norm", clip_grad_norm, "a finite number > 0 or None")
     if precision not in ("32", "bf16", "fp16"):
@@ -152,16 +164,26 @@ def build_settings(
     try:
         resolved = resolve_device(device)
     except (RuntimeError, TypeError) as exc:
-        raise ConfigError.invalid("device", device, "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device") from exc
+        raise ConfigError.invalid(
+            "device", device, "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
+        ) from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError.invalid("device", str(device), "'auto' or 'cpu': CUDA is not available")
     if precision == "fp16" and resolved.type != "cuda":
         raise ConfigError.invalid(
-            "precision", precision, f"'32' or 'bf16' on {resolved.type}; fp16 with a grad scaler needs CUDA"
+            "precision",
+            precision,
+            f"'32' or 'bf16' on {resolved.type}; fp16 with a grad scaler needs CUDA",
         )
     seed = _int("seed", seed, 0)
+    if metrics is not None and not isinstance(metrics, Mapping):
+        raise ConfigError.invalid("metrics", metrics, "a mapping of names to fn(outputs, targets)")
     metrics = dict(metrics or {})
     for name, fn in metrics.items():
         if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
-            raise ConfigError.invalid(f"metrics[{name!r}]", fn, "an identifier mapped to fn(outputs, targets)")
+            raise ConfigError.invalid(
+                f"metrics[{name!r}]", fn, "an identifier mapped to fn(outputs, targets)"
+            )
     eval_every = _int("eval_every", eval_every, 1)
     if eval_every is not None and eval_data is None:
         raise ConfigError.invalid("eval_every", eval_every, "None unless eval_data is given")
@@ -181,10 +203,15 @@ def build_settings(
         raise ConfigError.invalid("resume_from", resume_from, "'latest' only with a checkpoint_dir")
     if resume_from not in (None, "latest") and not Path(resume_from).is_file():
         raise ConfigError.invalid("resume_from", str(resume_from), "an existing checkpoint file")
+    if not isinstance(barriers, Iterable) or isinstance(barriers, str):
+        raise ConfigError.invalid("barriers", barriers, "an iterable of event classes")
     barriers = tuple(barriers)
     for b in barriers:
-        if not (isinstance(b, type) and issubclass(b, ev.BaseEvent)):
-            raise ConfigError.invalid("barriers", b, "event classes (e.g. ev.EvaluationEnded)")
+        if b not in BARRIER_TYPES:
+            raise ConfigError.invalid(
+                "barriers", b, "event classes followed by a poll point: "
+                + ", ".join(t.__name__ for t in BARRIER_TYPES),
+            )  # fmt: skip
     if not (isinstance(barrier_timeout, int | float) and barrier_timeout > 0):
         raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
     if on_nonfinite not in ("raise", "stop", "ignore"):

@@ -182,6 +182,9 @@ class GuardedObserver(abc.ObserverBase[Any]):
             return
         sub.failed += 1
         sub.last_error = repr(error)
+        # Counted on the bus too: its ``failed`` is the total over subscriptions, even when the
+        # user's on_error callback handles the error (it still ended the chain).
+        sub.bus._failed += 1
         try:
             self._on_error(error)
         except Exception as exc:
@@ -265,6 +268,11 @@ class AsyncSubscription(Subscription):
     def push(self, item: Any) -> None:
         """Accept one item from the observable (loop thread, never awaits)."""
         self.received += 1
+        if self.finished:
+            # Cancelled at close (past close_timeout) while the drain went on: no worker will
+            # run this item, so it is counted, not buffered where nobody would ever look.
+            self.cancelled += 1
+            return
         buf = self.buffer
         if len(buf) >= self.capacity and self.overflow != "block":
             buf.popleft()
@@ -329,10 +337,11 @@ class AsyncSubscription(Subscription):
                 await self.fn(item)
             except Exception as exc:
                 self.bus._subscriber_failed(self, exc, item)
-            finally:
-                self.running -= 1
-                self.completed += 1
-                self._notify(self._progress)
+            # Not in a ``finally``: an item whose await is cancelled (close timeout) did not
+            # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
+            self.running -= 1
+            self.completed += 1
+            self._notify(self._progress)
 
     @staticmethod
     def _notify(event: anyio.Event | None) -> None:

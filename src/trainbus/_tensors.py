@@ -42,6 +42,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if there is none)."""
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
+        return int(batch[0].shape[0])  # the (inputs, targets) case, without the walk
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() else 1

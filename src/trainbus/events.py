@@ -28,7 +28,7 @@ import time as _time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +79,10 @@ def _frozen_mapping(value: Mapping[str, float]) -> Mapping[str, float]:
     return value if isinstance(value, MappingProxyType) else MappingProxyType(dict(value))
 
 
+@overload
+def as_float(value: None) -> None: ...
+@overload
+def as_float(value: Scalar) -> float: ...
 def as_float(value: Scalar | None) -> float | None:
     """Read a scalar payload (a 0-dim tensor or a float) as a Python float.
 

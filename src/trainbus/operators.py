@@ -112,7 +112,9 @@ def every(n: int) -> Callable[[Observable[_T]], Observable[_T]]:
     return _every
 
 
-def once(at: int | Callable[[Any], bool] | None = None) -> Callable[[Observable[_T]], Observable[_T]]:
+def once(
+    at: int | Callable[[Any], bool] | None = None,
+) -> Callable[[Observable[_T]], Observable[_T]]:
     """Emit the first matching item, then complete.
 
     ``at=None``: the first item; ``at=k`` (int): the first event whose ``step >= k``;
@@ -126,13 +128,19 @@ def once(at: int | Callable[[Any], bool] | None = None) -> Callable[[Observable[
     Raises:
         ConfigError: ``at`` is a negative int, or neither int, callable nor None.
     """
+    # filter + take(1), not ops.first: first() errors with SequenceContainsNoElementsError when
+    # the source completes without a match, so a run ending before step k would count a
+    # subscriber failure at close (and fail the run under on_error="raise").
+    def first(predicate: Callable[[Any], bool]) -> Callable[[Observable[_T]], Observable[_T]]:
+        return lambda source: source.pipe(ops.filter(predicate), ops.take(1))
+
     if at is None:
         return ops.take(1)
     if isinstance(at, int) and not isinstance(at, bool):
         step = _check_int("at", at, 0)
-        return ops.first(lambda e: e.step >= step)
+        return first(lambda e: e.step >= step)
     if callable(at):
-        return ops.first(at)
+        return first(at)
     raise ConfigError.invalid("at", at, "None, a step (int >= 0) or a predicate")
 
 

@@ -18,6 +18,7 @@ from reactivex.scheduler import VirtualTimeScheduler as _RxVirtualTimeScheduler
 
 from . import events as ev
 from ._exceptions import ConfigError
+from ._observable import BusObservable
 
 if TYPE_CHECKING:
     import torch
@@ -61,12 +62,17 @@ class EventRecorder:
     def __init__(self, bus: EventBus, source: Observable[Any] | None = None) -> None:
         self.items: list[Any] = []
         self.completed = False
-        self.subscription: Subscription = bus.subscribe(
-            source if source is not None else bus.events, self._record, name="EventRecorder"
-        )
+        # Through BusObservable.subscribe, not bus.subscribe: only the former takes an
+        # on_completed callback, without which ``completed`` would never turn true.
+        self.subscription: Subscription = BusObservable(
+            bus, source if source is not None else bus.events
+        ).subscribe(self._record, on_completed=self._complete, name="EventRecorder")
 
     def _record(self, item: Any) -> None:
         self.items.append(item)
+
+    def _complete(self) -> None:
+        self.completed = True
 
     def of_type(self, event_type: type[_E]) -> list[_E]:
         """The recorded events of ``event_type`` (subclasses included)."""

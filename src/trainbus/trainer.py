@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import structlog
 import torch
 
@@ -33,7 +34,7 @@ from ._bus import EventBus, Tier
 from ._checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from ._exceptions import ConfigError, TrainbusError
 from ._hooks import HookFn, HookHandle, HookPoint, Hooks
-from ._loop import Loop, Outcome
+from ._loop import Cancelled, Loop, Outcome
 from ._settings import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, build_settings
 from ._subscription import BusStatistics, Subscription
 from .callbacks._base import Callback, global_callbacks
@@ -176,6 +177,8 @@ class Trainer:
     def _instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
         if isinstance(callbacks, Callback | type):
             callbacks = [callbacks]  # type: ignore[list-item]
+        if not isinstance(callbacks, Iterable):
+            raise ConfigError.invalid("callbacks", callbacks, "an iterable of Callbacks")
         out: list[Callback] = []
         for cb in callbacks:
             if isinstance(cb, type) and issubclass(cb, Callback):
@@ -263,6 +266,7 @@ class Trainer:
         if self._loop is not None:
             raise TrainbusError("fit() runs once per Trainer; build a new one (resume_from=...)")
         s = self.settings
+        self._cancelled_exc: type[BaseException] = anyio.get_cancelled_exc_class()
         state = self._prepare(s)
         loop = self._loop = Loop(s, self.bus, self.hooks, self._barrier, state)
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
@@ -270,7 +274,10 @@ class Trainer:
         try:
             async with self.bus:
                 async with anyio.create_task_group() as tg:
-                    if self.handle_signals and threading.current_thread() is threading.main_thread():
+                    if (
+                        self.handle_signals
+                        and threading.current_thread() is threading.main_thread()
+                    ):
                         await tg.start(self._watch_signals, loop)
                     tg.start_soon(self._watch_cancel, loop)
                     await anyio.to_thread.run_sync(loop.run)
@@ -288,11 +295,15 @@ class Trainer:
             raise outcome.error
         if self._aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
+        if outcome.reason == "cancelled":
+            # Cancelled from outside: the worker was waited for and the bus closed under a
+            # shield; let the pending cancellation out here instead of returning a result.
+            await anyio.lowlevel.checkpoint()
         return self.result
 
     def _result(self, outcome: Outcome) -> FitResult:
         stats = self.bus.statistics()
-        log.info("fit_ended", reason=outcome.reason, step=outcome.state.step,
+        log.debug("fit_ended", reason=outcome.reason, step=outcome.state.step,
                  epoch=outcome.state.epoch, stop_reason=outcome.stop_reason)  # fmt: skip
         return FitResult(
             reason=outcome.reason, stop_reason=outcome.stop_reason, steps=outcome.state.step,
@@ -314,7 +325,11 @@ class Trainer:
             found = latest_checkpoint(s.checkpoint_dir)
             path = str(found) if found is not None else None
             if found is None:
-                log.info("resume_skipped", reason="no checkpoint yet", checkpoint_dir=str(s.checkpoint_dir))
+                log.info(
+                    "resume_skipped",
+                    reason="no checkpoint yet",
+                    checkpoint_dir=str(s.checkpoint_dir),
+                )
         if path is not None:
             state, _ = load_checkpoint(Path(path), model=s.model, optimizer=s.optimizer,
                                        scheduler=s.scheduler, scaler=s.scaler,
@@ -322,9 +337,16 @@ class Trainer:
             self.bus.publish(ev.CheckpointLoaded(step=state.step, epoch=state.epoch, path=path))
         return state
 
-    def _barrier(self) -> None:
+    def _barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
         """Called on the training thread at a barrier event: wait for its subscribers."""
-        anyio.from_thread.run(self.bus.wait_delivered, self.settings.barrier_timeout)
+        try:
+            status: str = anyio.from_thread.run(
+                self.bus._barrier_wait, self.settings.barrier_timeout, event, resume
+            )
+        except self._cancelled_exc as exc:
+            # fit() was cancelled while the loop waited here: a cancellation, not a failure.
+            raise Cancelled from exc
+        return status
 
     @staticmethod
     async def _watch_cancel(loop: Loop) -> None:
@@ -335,7 +357,9 @@ class Trainer:
         finally:
             loop.cancel_requested = True
 
-    async def _watch_signals(self, loop: Loop, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
+    async def _watch_signals(
+        self, loop: Loop, *, task_status: Any = anyio.TASK_STATUS_IGNORED
+    ) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             task_status.started()
             received = 0

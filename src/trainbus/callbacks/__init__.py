@@ -4,5 +4,30 @@ from ._base import Callback as Callback
 from ._base import GlobalCallbackHandle as GlobalCallbackHandle
 from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
+from .checkpoint import Checkpointing as Checkpointing
+from .early_stopping import EarlyStopping as EarlyStopping
+from .logging import JsonlEventLog as JsonlEventLog
+from .logging import MetricsLogger as MetricsLogger
+from .lr import LearningRateMonitor as LearningRateMonitor
+from .lr import ReduceLROnPlateau as ReduceLROnPlateau
+from .plot import CurvePlot as CurvePlot
+from .progress import Progress as Progress
+from .throughput import Throughput as Throughput
+from .throughput import ThroughputMonitor as ThroughputMonitor
 
-__all__ = ["Callback", "GlobalCallbackHandle", "global_callbacks", "register_global_callback"]
+__all__ = [
+    "Callback",
+    "Checkpointing",
+    "CurvePlot",
+    "EarlyStopping",
+    "GlobalCallbackHandle",
+    "JsonlEventLog",
+    "LearningRateMonitor",
+    "MetricsLogger",
+    "Progress",
+    "ReduceLROnPlateau",
+    "Throughput",
+    "ThroughputMonitor",
+    "global_callbacks",
+    "register_global_callback",
+]

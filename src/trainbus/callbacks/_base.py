@@ -21,7 +21,7 @@ import re
 import threading
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 from .. import events as ev
 from .._exceptions import ConfigError
@@ -68,7 +68,7 @@ class Callback:
         return None
 
     # Process-wide registration as a context manager: `with MyCallback(): trainer.run()`.
-    def __enter__(self) -> Callback:
+    def __enter__(self) -> Self:
         self._global_handle = register_global_callback(self)
         return self
 

@@ -1,0 +1,80 @@
+"""Eager argument checks shared by the built-in callbacks.
+
+Each check raises :class:`~trainbus.ConfigError` naming the argument, the value received and what
+is allowed, at construction time: a typo fails where it was written, not inside the event loop.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Literal
+
+from .._exceptions import ConfigError
+
+__all__ = [
+    "check_int",
+    "check_metric",
+    "check_mode",
+    "check_optional_seconds",
+    "check_path",
+    "check_seconds",
+]
+
+
+def check_seconds(name: str, value: object) -> float:
+    """A finite number of seconds > 0."""
+    if (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
+        return float(value)
+    raise ConfigError.invalid(name, value, "seconds as a finite number > 0")
+
+
+def check_optional_seconds(name: str, value: object) -> float | None:
+    """None, or a finite number of seconds > 0."""
+    if value is None:
+        return None
+    try:
+        return check_seconds(name, value)
+    except ConfigError:
+        raise ConfigError.invalid(name, value, "None, or seconds as a finite number > 0") from None
+
+
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
+    """An int >= ``minimum`` (or None when ``optional``); bools are refused."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError.invalid(
+            name, value, f"an int >= {minimum}" + (", or None" if optional else "")
+        )
+    return value
+
+
+def check_mode(value: object) -> Literal["min", "max"]:
+    """``"min"`` (lower is better) or ``"max"``."""
+    if value == "min" or value == "max":
+        return value
+    raise ConfigError.invalid("mode", value, "'min' (lower is better) or 'max'")
+
+
+def check_metric(name: str, value: object) -> str:
+    """A non-empty metric name such as ``"val_loss"``."""
+    if not isinstance(value, str) or not value:
+        raise ConfigError.invalid(name, value, "a metric name such as 'val_loss'")
+    return value
+
+
+def check_path(name: str, value: object) -> Path:
+    """A file path (``str`` or ``os.PathLike``) that is not an existing directory."""
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ConfigError.invalid(name, value, "a file path (str or pathlib.Path)")
+    path = Path(value)
+    if path.is_dir():
+        raise ConfigError.invalid(name, value, "a file path, not an existing directory")
+    return path

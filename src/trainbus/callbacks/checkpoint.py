@@ -1,0 +1,161 @@
+"""When to save: checkpoint cadence and "best so far" as small pipelines ending in commands.
+
+The loop writes checkpoints (``Trainer(checkpoint_dir=...)``, atomically); this callback only
+decides when, by sending ``SaveCheckpoint`` on the back-channel.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias
+
+from reactivex import Observable
+from reactivex import operators as ops
+
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import ConfigError
+from ._base import Callback
+from ._checks import check_int, check_metric, check_mode
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+
+__all__ = ["Checkpointing"]
+
+_Best: TypeAlias = tuple[float | None, bool, Any]
+"""(best value so far, whether the last event improved it, the last event)"""
+_NO_BEST: _Best = (None, False, None)
+
+
+def _improved(acc: _Best) -> bool:
+    return acc[1]
+
+
+def _event(acc: _Best) -> Any:
+    return acc[2]
+
+
+def _improvements(
+    metric: str, *, mode: Literal["min", "max"] = "min", min_delta: float = 0.0
+) -> Callable[[Observable[Any]], Observable[Any]]:
+    """Keep the events whose ``metric`` beats the best value seen so far on this subscription.
+
+    ::
+
+        val_loss:             -3-4-2-2-1-|
+        _improvements(min):   -3---2---1-|
+
+    NaN never improves. Evaluations that failed (``error`` set) are skipped.
+
+    Args:
+        metric: Key in the events' ``metrics``.
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        min_delta: Smallest change that counts as an improvement (>= 0).
+
+    Raises:
+        ConfigError: for an argument out of range (eagerly); the stream errors with a
+            ``ConfigError`` naming the metric when an event lacks it.
+    """
+    metric = check_metric("metric", metric)
+    mode = check_mode(mode)
+    if not isinstance(min_delta, int | float) or not math.isfinite(min_delta) or min_delta < 0:
+        raise ConfigError.invalid("min_delta", min_delta, "a finite number >= 0")
+    delta = float(min_delta)
+
+    def read(e: Any) -> float:
+        metrics = getattr(e, "metrics", {})
+        if metric not in metrics:
+            raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
+        return float(metrics[metric])
+
+    def better(acc: _Best, e: Any) -> _Best:
+        best, value = acc[0], read(e)
+        if math.isnan(value):
+            return best, False, e
+        if best is None or (value < best - delta if mode == "min" else value > best + delta):
+            return value, True, e
+        return best, False, e
+
+    def _operator(source: Observable[Any]) -> Observable[Any]:
+        # scan with an immutable seed: each subscription starts from "no best yet".
+        return source.pipe(
+            ops.filter(lambda e: getattr(e, "error", None) is None),
+            ops.scan(better, _NO_BEST),
+            ops.filter(_improved),
+            ops.map(_event),
+        )
+
+    return _operator
+
+
+class Checkpointing(Callback):
+    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves.
+
+    Pipelines::
+
+        StepEnded       -> filter(step % every_steps == 0)         -> SaveCheckpoint()
+        EpochEnded      -> filter((epoch + 1) % every_epochs == 0) -> SaveCheckpoint()
+        EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
+        ... .subscribe(bus.commands)
+
+    Cadences count step and epoch *numbers*, not events seen, so a resumed run keeps saving at
+    the same multiples. ``EpochEnded`` and ``EvaluationEnded`` are barriers by default, so those
+    saves happen at exactly that step; a ``StepEnded`` save is applied at the loop's next poll
+    point after the bus delivers the event (within about one flush interval), and the file is
+    named after the step it was written at. Failed epochs and evaluations never trigger a save.
+
+    Args:
+        every_steps: Save every N optimizer steps (None: never on steps).
+        every_epochs: Save every N epochs (None: never on epochs).
+        monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
+            improves; None to disable.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
+        min_delta: Smallest change of ``monitor`` that counts as an improvement.
+
+    Raises:
+        ConfigError: for an argument out of range, or when nothing would ever be saved.
+    """
+
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_epochs: int | None = 1,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        *,
+        min_delta: float = 0.0,
+    ) -> None:
+        self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
+        self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
+        self.monitor = None if monitor is None else check_metric("monitor", monitor)
+        self.mode = check_mode(mode)
+        self._best = (
+            None
+            if self.monitor is None
+            else _improvements(self.monitor, mode=self.mode, min_delta=min_delta)
+        )
+        if self.every_steps is None and self.every_epochs is None and self.monitor is None:
+            raise ConfigError.invalid(
+                "every_epochs", None, "an int >= 1 when every_steps and monitor are None too "
+                "(otherwise Checkpointing never saves)",
+            )  # fmt: skip
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipelines to ``bus.commands``."""
+        if (n := self.every_steps) is not None:
+            bus.stream(ev.StepEnded).pipe(
+                ops.filter(lambda e: e.step % n == 0),
+                ops.map(lambda _: cmd.SaveCheckpoint()),
+            ).subscribe(bus.commands, name="Checkpointing.every_steps")
+        if (m := self.every_epochs) is not None:
+            bus.stream(ev.EpochEnded).pipe(
+                ops.filter(lambda e: e.error is None and (e.epoch + 1) % m == 0),
+                ops.map(lambda _: cmd.SaveCheckpoint()),
+            ).subscribe(bus.commands, name="Checkpointing.every_epochs")
+        if self._best is not None:
+            bus.stream(ev.EvaluationEnded).pipe(
+                self._best,
+                ops.map(lambda _: cmd.SaveCheckpoint(tag="best")),
+            ).subscribe(bus.commands, name="Checkpointing.best")

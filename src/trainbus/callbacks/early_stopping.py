@@ -1,0 +1,58 @@
+"""Early stopping: stop the run when an evaluation metric stops improving."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from reactivex import operators as ops
+
+from .. import events as ev
+from .. import operators as tbops
+from ._base import Callback
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+
+__all__ = ["EarlyStopping"]
+
+
+class EarlyStopping(Callback):
+    """Sends ``StopTraining`` once ``metric`` has not improved for ``patience`` evaluations.
+
+    Pipeline::
+
+        EvaluationEnded -> filter(no error) -> tbops.patience(metric, ...) -> bus.commands
+
+    ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
+    evaluation that decided it: the run ends at that exact step, with
+    ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
+    NaN never counts as an improvement. An evaluation lacking ``metric`` fails this
+    subscription (logged, with the metrics it had), it never stops the run by itself.
+
+    Args:
+        metric: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
+        patience: Evaluations without improvement before stopping (>= 1).
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        min_delta: Smallest change that counts as an improvement (>= 0).
+
+    Raises:
+        ConfigError: for an argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        metric: str = "val_loss",
+        patience: int = 3,
+        mode: Literal["min", "max"] = "min",
+        min_delta: float = 0.0,
+    ) -> None:
+        # Built now to validate now; its state is per subscription, so one instance is reusable.
+        self._decide = tbops.patience(metric, mode=mode, patience=patience, min_delta=min_delta)
+        self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipeline to ``bus.commands``."""
+        bus.stream(ev.EvaluationEnded).pipe(
+            ops.filter(lambda e: e.error is None),
+            self._decide,
+        ).subscribe(bus.commands, name="EarlyStopping")

@@ -1,0 +1,230 @@
+"""The ``trainbus`` command line.
+
+``trainbus demo`` trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; no
+download) with the default kit, and writes a run folder::
+
+    runs/demo-<timestamp>/
+        events.jsonl        every event of the run, one JSON record per line
+        checkpoints/        step-<n>.pt, step-<n>-best.pt (best val_loss so far), final
+        curves.png          training loss, val_loss and val_acc per step
+
+The CLI is the one place that configures structlog (a console renderer for humans, JSON lines
+with ``--json-logs``) and prints. Logs go to stderr (through ``tqdm.write`` when tqdm is there, so
+the progress bar stays intact); the summary goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["main"]
+
+
+# ----------------------------------------------------------------------------- logging setup
+class _StderrLogger:
+    """A structlog logger writing each rendered line to the current ``sys.stderr``."""
+
+    def __init__(self) -> None:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self._tqdm_write: Any = None
+        else:
+            self._tqdm_write = tqdm.write
+
+    def msg(self, message: str) -> None:
+        if self._tqdm_write is not None:  # clears and redraws active bars around the line
+            self._tqdm_write(message, file=sys.stderr)
+        else:
+            sys.stderr.write(message + "\n")
+            sys.stderr.flush()
+
+    log = debug = info = warn = warning = error = critical = exception = fatal = failure = msg
+
+
+def _round_floats(_: Any, __: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in event_dict.items()}
+
+
+def configure_logging(*, json_logs: bool) -> None:
+    """Configure structlog for the CLI: console lines for humans, or JSON lines."""
+    import structlog
+
+    shared: list[Any] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.processors.add_log_level,
+    ]
+    if json_logs:
+        processors = [
+            *shared,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ]
+    else:
+        processors = [
+            *shared,
+            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+            _round_floats,
+            structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
+        ]
+    structlog.configure(
+        processors=processors,
+        logger_factory=lambda *args: _StderrLogger(),
+        wrapper_class=structlog.make_filtering_bound_logger(20),  # INFO and above
+        cache_logger_on_first_use=False,
+    )
+
+
+# ----------------------------------------------------------------------------- demo
+def _digits_loaders(seed: int, batch_size: int = 64) -> tuple[Any, Any]:
+    import torch
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    from sklearn.preprocessing import StandardScaler
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_val, y_train, y_val = train_test_split(
+        x, y, test_size=0.2, random_state=seed, stratify=y
+    )
+    scaler = StandardScaler().fit(x_train)  # fitted on the training split only
+
+    def dataset(xs: Any, ys: Any) -> TensorDataset:
+        return TensorDataset(
+            torch.tensor(scaler.transform(xs), dtype=torch.float32),
+            torch.tensor(ys, dtype=torch.long),
+        )
+
+    gen = torch.Generator().manual_seed(seed)
+    train = DataLoader(dataset(x_train, y_train), batch_size=batch_size, shuffle=True,
+                       generator=gen)  # fmt: skip
+    val = DataLoader(dataset(x_val, y_val), batch_size=256)
+    return train, val
+
+
+def _accuracy(outputs: Any, targets: Any) -> Any:
+    return (outputs.argmax(dim=1) == targets).float().mean()
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Train the digits MLP with the default kit; return the exit code."""
+    import structlog
+    import torch
+    import torch.nn.functional as F
+
+    from . import Trainer
+    from .callbacks import (
+        Checkpointing,
+        CurvePlot,
+        EarlyStopping,
+        JsonlEventLog,
+        MetricsLogger,
+        Progress,
+    )
+
+    log = structlog.get_logger("trainbus.cli")
+    run_dir: Path = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    torch.manual_seed(args.seed)  # the model's initial weights
+    train, val = _digits_loaders(args.seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(128, 10)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    trainer = Trainer(
+        model, optimizer, train, loss_fn=F.cross_entropy, eval_data=val,
+        max_epochs=args.epochs, checkpoint_dir=run_dir / "checkpoints", seed=args.seed,
+        metrics={"acc": _accuracy}, device="cpu", log_every=10,
+        callbacks=[
+            Progress(bar=None if not args.json_logs else False),
+            MetricsLogger(every_s=2.0),
+            JsonlEventLog(run_dir / "events.jsonl"),
+            Checkpointing(every_epochs=5, monitor="val_loss"),
+            EarlyStopping(metric="val_loss", patience=3),
+            CurvePlot(run_dir / "curves.png", title="trainbus demo: digits MLP"),
+        ],
+    )  # fmt: skip
+    log.info("demo_started", run_dir=str(run_dir), max_epochs=args.epochs, seed=args.seed)
+    try:
+        result = trainer.run()
+    except KeyboardInterrupt:
+        print(f"aborted; run folder: {run_dir}", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        log.error("demo_failed", error=repr(exc), run_dir=str(run_dir))
+        return 1
+    acc = result.metrics.get("val_acc")
+    print(f"run folder: {run_dir}")
+    print(f"ended: {result.reason} after {result.steps} steps ({result.epochs} epochs)"
+          + (f" - {result.stop_reason}" if result.stop_reason else ""))  # fmt: skip
+    print("final val accuracy: " + (f"{acc:.2%}" if acc is not None else "n/a"))
+    return 0 if result.reason in ("completed", "stopped") else 1
+
+
+# ----------------------------------------------------------------------------- entry point
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``trainbus`` command."""
+    parser = argparse.ArgumentParser(
+        prog="trainbus",
+        description="A PyTorch trainer whose callbacks are an async reactive event bus.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train an MLP on scikit-learn's digits with the default callback kit",
+        description="Train an MLP on scikit-learn's bundled digits data set (no download) "
+        "with progress, logging, checkpoints, early stopping and a plot of the curves.",
+    )
+    demo.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=15,
+        help="maximum epochs (default: 15; early stopping may stop sooner)",
+    )
+    demo.add_argument("--run-dir", type=Path, default=None,
+                      help="run folder (default: runs/demo-<timestamp>)")  # fmt: skip
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--json-logs", action="store_true",
+                      help="log JSON lines instead of console lines (on stderr)")  # fmt: skip
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``trainbus`` command line.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 when the run completed or stopped (early stopping, Ctrl-C), 1 when it
+        failed, 130 when aborted by a second Ctrl-C; 2 for a usage error.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits on --help and on usage errors
+        return int(exc.code or 0)
+    configure_logging(json_logs=args.json_logs)
+    if args.command == "demo":
+        return run_demo(args)
+    parser.error(f"unknown command {args.command!r}")  # unreachable: subparsers are required
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

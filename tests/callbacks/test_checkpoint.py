@@ -1,0 +1,123 @@
+"""Checkpointing: cadence and "best" decisions as commands, and the files a run leaves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainbus import ConfigError, EventBus
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.callbacks import Checkpointing
+
+SAVE = cmd.SaveCheckpoint()
+BEST = cmd.SaveCheckpoint(tag="best")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"every_steps": 0}, "every_steps"),
+        ({"every_steps": 2.5}, "every_steps"),
+        ({"every_epochs": -1}, "every_epochs"),
+        ({"every_epochs": "2"}, "every_epochs"),
+        ({"every_epochs": True}, "every_epochs"),
+        ({"monitor": ""}, "monitor"),
+        ({"monitor": 3}, "monitor"),
+        ({"mode": "avg"}, "mode"),
+        ({"monitor": "val_loss", "min_delta": -0.1}, "min_delta"),
+        ({"every_epochs": None}, "every_epochs"),  # nothing would ever be saved
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        Checkpointing(**kwargs)
+
+
+def test_every_steps_saves_at_step_multiples(vbus: EventBus, step_event: Any) -> None:
+    Checkpointing(every_steps=3, every_epochs=None).setup(vbus)
+    for i in range(1, 8):
+        vbus.publish(step_event(i))
+    vbus.flush()
+    assert vbus.poll_commands() == [SAVE, SAVE]  # steps 3 and 6
+    for i in range(11, 14):  # a resumed run: still at multiples of 3 (12), not 3 events later
+        vbus.publish(step_event(i))
+    vbus.flush()
+    assert vbus.poll_commands() == [SAVE]
+
+
+def test_every_epochs_counts_epoch_numbers_and_skips_failed_epochs(vbus: EventBus) -> None:
+    Checkpointing(every_epochs=2).setup(vbus)
+    saves = []
+    for epoch in range(5):
+        error = RuntimeError("loader died") if epoch == 3 else None
+        vbus.publish(ev.EpochEnded(step=epoch, epoch=epoch, batches=1, error=error))
+        vbus.flush()
+        saves.append(len(vbus.poll_commands()))
+    assert saves == [0, 1, 0, 0, 0]  # epoch 1 (the 2nd); epoch 3 (the 4th) failed
+
+
+@pytest.mark.parametrize(
+    ("mode", "values", "expected"),
+    [
+        ("min", [3.0, 4.0, 2.0, 2.0, float("nan"), 1.0], [True, False, True, False, False, True]),
+        ("max", [0.5, 0.4, 0.7, 0.7, 0.8], [True, False, True, False, True]),
+    ],
+)
+def test_monitor_saves_best_on_improvement(
+    vbus: EventBus, eval_event: Any, mode: str, values: list[float], expected: list[bool]
+) -> None:
+    Checkpointing(every_epochs=None, monitor="m", mode=mode).setup(vbus)  # type: ignore[arg-type]
+    saved = []
+    for step, value in enumerate(values):
+        vbus.publish(eval_event({"m": value}, step=step))
+        vbus.flush()
+        commands = vbus.poll_commands()
+        assert commands in ([], [BEST])
+        saved.append(bool(commands))
+    assert saved == expected
+
+
+def test_monitor_min_delta(vbus: EventBus, eval_event: Any) -> None:
+    Checkpointing(every_epochs=None, monitor="val_loss", min_delta=0.1).setup(vbus)
+    for value in (1.0, 0.95, 0.91, 0.85):
+        vbus.publish(eval_event({"val_loss": value}))
+    vbus.flush()
+    assert vbus.poll_commands() == [BEST, BEST]  # 1.0, then 0.85 (< 1.0 - 0.1)
+
+
+def test_monitor_skips_failed_evaluations_and_reports_a_missing_metric(
+    vbus: EventBus, eval_event: Any
+) -> None:
+    Checkpointing(every_epochs=None, monitor="val_los").setup(vbus)  # a typo
+    vbus.publish(ev.EvaluationEnded(step=1, epoch=0, error=RuntimeError("eval failed")))
+    vbus.flush()
+    assert vbus.statistics().failed == 0  # a failed evaluation is skipped, not an error
+    vbus.publish(eval_event({"val_loss": 1.0}))
+    vbus.flush()
+    assert vbus.poll_commands() == []
+    (sub,) = vbus.statistics().subscriptions
+    assert sub.name == "Checkpointing.best" and sub.failed == 1
+    assert "monitor='val_los'" in (sub.last_error or "") and "val_loss" in (sub.last_error or "")
+
+
+def test_a_run_writes_epoch_and_best_checkpoints_at_exact_steps(
+    tmp_path: Path, trainer_factory: Any
+) -> None:
+    trainer = trainer_factory(
+        [Checkpointing(every_epochs=1, monitor="val_score")],
+        epochs=3, batches=4, score=[3.0, 2.0, 4.0], checkpoint_dir=tmp_path,
+    )  # fmt: skip
+    result = trainer.run()
+    assert result.reason == "completed" and result.steps == 12
+    # EvaluationEnded and EpochEnded are barriers: each save lands at the step that asked.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step-00000004-best.pt",
+        "step-00000004.pt",
+        "step-00000008-best.pt",
+        "step-00000008.pt",
+        "step-00000012.pt",  # epoch save; the loop's final save is skipped at the same step
+    ]
+    assert result.checkpoint == str(tmp_path / "step-00000012.pt")

@@ -1,0 +1,81 @@
+"""EarlyStopping: a patience pipeline on EvaluationEnded that stops the run at an exact step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from trainbus import ConfigError, EventBus
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.callbacks import EarlyStopping
+from trainbus.testing import EventRecorder
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"metric": ""}, "metric"),
+        ({"metric": None}, "metric"),
+        ({"patience": 0}, "patience"),
+        ({"patience": 1.5}, "patience"),
+        ({"mode": "lowest"}, "mode"),
+        ({"min_delta": -0.5}, "min_delta"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        EarlyStopping(**kwargs)
+
+
+def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any) -> None:
+    # Evaluations every 2 steps score 5, 4, 4, 4, ...: the best is at step 4, and the 2nd
+    # evaluation without improvement (step 8) decides. EvaluationEnded is a barrier, so the
+    # stop is applied before step 9 although 20 steps were planned.
+    trainer = trainer_factory(
+        [EarlyStopping(metric="val_score", patience=2)],
+        epochs=5, batches=4, score=[5.0, 4.0, 4.0, 4.0, 4.0, 4.0],
+        eval_every=2, eval_at_epoch_end=False,
+    )  # fmt: skip
+    recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.EvaluationEnded, ev.FitEnded))
+    result = trainer.run()
+    assert result.reason == "stopped"
+    assert result.steps == 8
+    assert result.stop_reason is not None and result.stop_reason.startswith("early stopping")
+    assert "val_score" in result.stop_reason
+    assert [e.step for e in recorder.of_type(ev.EvaluationEnded)] == [2, 4, 6, 8]
+    (ended,) = recorder.of_type(ev.FitEnded)
+    assert ended.reason == "stopped" and ended.stop_reason == result.stop_reason
+
+
+def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
+    # Accuracy creeping up by less than min_delta does not count: stop after 3 evaluations.
+    trainer = trainer_factory(
+        [EarlyStopping(metric="val_score", mode="max", patience=2, min_delta=0.05)],
+        epochs=6, batches=2, score=[0.80, 0.82, 0.84, 0.99],
+    )  # fmt: skip
+    result = trainer.run()
+    assert result.reason == "stopped" and result.steps == 6  # 3 epochs of 2 steps
+
+
+def test_keeps_training_while_the_metric_improves(trainer_factory: Any) -> None:
+    trainer = trainer_factory(
+        [EarlyStopping(metric="val_score", patience=1)],
+        epochs=4, batches=2, score=[4.0, 3.0, 2.0, 1.0],
+    )  # fmt: skip
+    result = trainer.run()
+    assert result.reason == "completed" and result.steps == 8 and result.stop_reason is None
+
+
+def test_failed_evaluations_neither_count_nor_fail(vbus: EventBus, eval_event: Any) -> None:
+    EarlyStopping(patience=1).setup(vbus)
+    vbus.publish(eval_event({"val_loss": 1.0}))
+    for _ in range(3):
+        vbus.publish(ev.EvaluationEnded(step=1, epoch=0, error=RuntimeError("eval failed")))
+    vbus.flush()
+    assert vbus.poll_commands() == [] and vbus.statistics().failed == 0
+    vbus.publish(eval_event({"val_loss": 1.0}))
+    vbus.flush()
+    (stop,) = vbus.poll_commands()
+    assert isinstance(stop, cmd.StopTraining) and "early stopping" in stop.reason

@@ -1,0 +1,62 @@
+"""CurvePlot: collects curves on the loop, renders a PNG off it when the run ends."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from trainbus import ConfigError
+from trainbus.callbacks import CurvePlot
+from trainbus.callbacks.plot import render
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_rejects_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^path=.*not an existing directory"):
+        CurvePlot(tmp_path)
+    with pytest.raises(ConfigError, match=r"^path="):
+        CurvePlot(None)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^title="):
+        CurvePlot(tmp_path / "c.png", title=3)  # type: ignore[arg-type]
+
+
+def test_a_run_writes_a_png(tmp_path: Path, trainer_factory: Any) -> None:
+    path = tmp_path / "plots" / "curves.png"
+    plot = CurvePlot(path)
+    trainer = trainer_factory([plot], epochs=3, batches=4, score=[0.5, 0.7, 0.9])
+    trainer.run()
+    assert plot.written == path
+    # Two panels (loss; val_score), 10 x 4 inches at 100 dpi; no temporary file left behind.
+    assert png_size(path) == (1000, 400)
+    assert [p.name for p in path.parent.iterdir()] == ["curves.png"]
+
+
+def test_a_failed_run_still_leaves_its_curves(tmp_path: Path, trainer_factory: Any) -> None:
+    path = tmp_path / "curves.png"
+    trainer = trainer_factory([CurvePlot(path)], epochs=2, batches=4)
+
+    def explode(ctx: Any) -> None:
+        if ctx.step == 5:
+            raise RuntimeError("bad batch")
+
+    trainer.add_hook("batch", explode)
+    with pytest.raises(RuntimeError, match="bad batch"):
+        trainer.run()
+    assert png_size(path) == (600, 400)  # val_loss only: one panel
+
+
+def test_render_without_points(tmp_path: Path) -> None:
+    path = tmp_path / "empty.png"
+    render(path, [], [])
+    assert png_size(path) == (600, 400)

@@ -1,0 +1,158 @@
+"""Progress: throttled display on the loop thread, set to the event's step, tqdm or log lines."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, ClassVar
+
+import pytest
+from structlog.testing import capture_logs
+
+from trainbus import ConfigError, EventBus
+from trainbus import events as ev
+from trainbus.callbacks import Progress
+from trainbus.testing import VirtualTimeScheduler
+
+
+def fit_started(max_steps: int | None = 100, max_epochs: int | None = None) -> ev.FitStarted:
+    return ev.FitStarted(step=0, epoch=0, max_steps=max_steps, max_epochs=max_epochs, device="cpu")
+
+
+def publish_steps(bus: EventBus, steps: range, step_event: Any) -> None:
+    for i in steps:
+        bus.publish(step_event(i, loss=float(i) / 10))
+    bus.flush()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"refresh_s": 0}, "refresh_s"),
+        ({"refresh_s": -1.0}, "refresh_s"),
+        ({"refresh_s": float("inf")}, "refresh_s"),
+        ({"refresh_s": "fast"}, "refresh_s"),
+        ({"refresh_s": True}, "refresh_s"),
+        ({"bar": "yes"}, "bar"),
+        ({"bar": 1}, "bar"),
+        ({"desc": 3}, "desc"),
+    ],
+)
+def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], name: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{name}="):
+        Progress(**kwargs)
+
+
+def test_bar_follows_the_event_step_when_steps_outrun_refreshes(
+    vbus: EventBus, vts: VirtualTimeScheduler, step_event: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    progress = Progress(refresh_s=1.0, bar=True)
+    progress.setup(vbus)
+    vbus.publish(fit_started(max_steps=100))
+    publish_steps(vbus, range(1, 41), step_event)  # 40 steps inside one refresh window
+    bar = progress.bar
+    assert bar is not None and bar.total == 100
+    assert bar.n == 1  # only the first step of the window got through the throttle
+    vts.advance_by(1.0)
+    publish_steps(vbus, range(41, 61), step_event)
+    assert bar.n == 41  # jumped to the event's step, not 1 + 1
+    assert progress.step == 41
+    vbus.publish(ev.FitEnded(step=60, epoch=0, reason="completed"))
+    vbus.flush()
+    assert bar.n == 60 and bar.disable  # the last step is shown, then the bar is closed
+    err = capsys.readouterr().err
+    assert "60/100" in err and "loss=4.1" in err
+
+
+def test_log_lines_when_bar_is_false(
+    vbus: EventBus, vts: VirtualTimeScheduler, step_event: Any
+) -> None:
+    progress = Progress(refresh_s=0.5, bar=False)
+    progress.setup(vbus)
+    with capture_logs() as logs:
+        vbus.publish(fit_started(max_steps=30))
+        publish_steps(vbus, range(1, 11), step_event)
+        vts.advance_by(0.5)
+        publish_steps(vbus, range(11, 21), step_event)
+        vbus.publish(ev.FitEnded(step=20, epoch=0, reason="completed"))
+        vbus.flush()
+    assert progress.bar is None
+    lines = [x for x in logs if x["event"] == "progress"]
+    assert [x["step"] for x in lines] == [1, 11, 20]
+    assert lines[1]["loss"] == pytest.approx(1.1) and lines[1]["total_steps"] == 30
+    assert lines[1]["epoch"] == 0 and lines[1]["lr"] == 0.1
+
+
+def test_without_tqdm_it_falls_back_to_log_lines(
+    monkeypatch: pytest.MonkeyPatch, vbus: EventBus, step_event: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # `import tqdm` now raises ImportError
+    with pytest.raises(ConfigError, match=r"^bar=True.*tqdm is not installed"):
+        Progress(bar=True).setup(EventBus())
+    progress = Progress()
+    progress.setup(vbus)
+    with capture_logs() as logs:
+        vbus.publish(fit_started())
+        publish_steps(vbus, range(1, 3), step_event)
+    assert progress.bar is None
+    assert [x["step"] for x in logs if x["event"] == "progress"] == [1]
+
+
+def test_total_is_estimated_from_the_first_epoch(
+    vbus: EventBus, step_event: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    progress = Progress(bar=True)
+    progress.setup(vbus)
+    vbus.publish(fit_started(max_steps=None, max_epochs=3))
+    vbus.publish(ev.EpochStarted(step=0, epoch=0))
+    publish_steps(vbus, range(1, 5), step_event)
+    assert progress.total_steps is None and progress.bar.total is None
+    vbus.publish(ev.EpochEnded(step=4, epoch=0, batches=4))
+    vbus.flush()
+    assert progress.total_steps == 12 and progress.bar.total == 12
+    assert progress.bar.n == 4  # EpochEnded shows its step too
+
+
+class _FakeBar:
+    """Stands in for tqdm.tqdm: records each call with the thread it ran on."""
+
+    instances: ClassVar[list[_FakeBar]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.kwargs = kwargs
+        self.total = kwargs["total"]
+        self.n = kwargs["initial"]
+        self.calls: list[tuple[str, int]] = [("init", threading.get_ident())]
+        self.closed = False
+        _FakeBar.instances.append(self)
+
+    def set_postfix(self, postfix: dict[str, Any], refresh: bool = True) -> None:
+        self.calls.append(("set_postfix", threading.get_ident()))
+
+    def update(self, n: int) -> None:
+        self.calls.append(("update", threading.get_ident()))
+        self.n += n
+
+    def refresh(self) -> None:
+        self.calls.append(("refresh", threading.get_ident()))
+
+    def close(self) -> None:
+        self.calls.append(("close", threading.get_ident()))
+        self.closed = True
+
+
+def test_in_a_run_the_bar_is_driven_from_the_loop_thread_only(
+    monkeypatch: pytest.MonkeyPatch, trainer_factory: Any
+) -> None:
+    monkeypatch.setattr("tqdm.tqdm", _FakeBar)  # what `from tqdm import tqdm` finds
+    _FakeBar.instances.clear()
+    trainer = trainer_factory([Progress(refresh_s=0.05)], epochs=3, batches=4)
+    training_threads: set[int] = set()
+    trainer.add_hook("batch", lambda ctx: training_threads.add(threading.get_ident()))
+    result = trainer.run()
+    (bar,) = _FakeBar.instances
+    assert bar.kwargs["file"] is sys.stderr and bar.kwargs["total"] is None
+    assert bar.n == result.steps == 12 and bar.total == 12 and bar.closed
+    threads = {t for _, t in bar.calls}
+    assert threads == {threading.get_ident()}  # the event loop ran on this (the main) thread
+    assert training_threads and not training_threads & threads

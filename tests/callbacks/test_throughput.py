@@ -1,0 +1,78 @@
+"""ThroughputMonitor: steps/s, samples/s and data wait per buffer_with_time window."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from structlog.testing import capture_logs
+
+from trainbus import ConfigError, EventBus
+from trainbus import events as ev
+from trainbus.callbacks import ThroughputMonitor
+from trainbus.testing import VirtualTimeScheduler
+
+
+@pytest.mark.parametrize("window_s", [0, -2.0, float("inf"), None, "5"])
+def test_rejects_bad_window(window_s: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^window_s="):
+        ThroughputMonitor(window_s=window_s)
+    with pytest.raises(ConfigError, match=r"^log="):
+        ThroughputMonitor(log="yes")  # type: ignore[arg-type]
+
+
+def fetched(step: int, wait: float, phase: str = "train") -> ev.BatchFetched:
+    return ev.BatchFetched(step=step, epoch=0, phase=phase, batch_index=step,  # type: ignore[arg-type]
+                           data_wait_s=wait)  # fmt: skip
+
+
+def test_figures_per_window(vbus: EventBus, vts: VirtualTimeScheduler, step_event: Any) -> None:
+    monitor = ThroughputMonitor(window_s=1.0)
+    monitor.setup(vbus)
+    t0 = 100.0
+
+    def steps(first: int, last: int) -> None:
+        for i in range(first, last + 1):
+            vbus.publish(fetched(i - 1, wait=0.01 if i % 2 else 0.03))
+            vbus.publish(fetched(i - 1, wait=9.0, phase="eval"))  # not a training wait
+            # Steps end every 0.1 s and each took 0.1 s, 32 samples.
+            vbus.publish(step_event(i, time=t0 + 0.1 * i, duration_s=0.1, samples=32))
+        vbus.flush()
+
+    with capture_logs() as logs:
+        steps(1, 4)
+        assert monitor.last is None  # the window is still open
+        vts.advance_by(1.0)
+        first = monitor.last
+        assert first is not None
+        assert (first.step, first.steps, first.samples) == (4, 4, 128)
+        # From the start of step 1 (t0 + 0.1 - 0.1) to the end of step 4 (t0 + 0.4).
+        assert first.elapsed_s == pytest.approx(0.4)
+        assert first.steps_per_s == pytest.approx(10.0)
+        assert first.samples_per_s == pytest.approx(320.0)
+        assert first.data_wait_s == pytest.approx(0.02)
+        vts.advance_by(1.0)  # an empty window: no figures, no line
+        assert monitor.last is first
+        steps(5, 10)
+        vts.advance_by(1.0)
+    second = monitor.last
+    assert second is not None and second.steps == 6
+    assert second.elapsed_s == pytest.approx(0.6)  # from the end of step 4
+    assert second.steps_per_s == pytest.approx(10.0)
+    lines = [x for x in logs if x["event"] == "throughput"]
+    assert [x["step"] for x in lines] == [4, 10]
+    assert lines[0]["steps_per_s"] == pytest.approx(10.0)
+    assert set(lines[0]) >= {"step", "epoch", "steps_per_s", "samples_per_s", "data_wait_s"}
+
+
+def test_in_a_run_every_step_is_counted_once(trainer_factory: Any) -> None:
+    monitor = ThroughputMonitor(window_s=0.05)
+    with capture_logs() as logs:
+        result = trainer_factory([monitor], epochs=3, batches=5).run()
+    windows = [x for x in logs if x["event"] == "throughput"]
+    # The last, partial window is emitted when the bus completes at the end of the run.
+    assert sum(x["steps"] for x in windows) == result.steps == 15
+    assert windows[-1]["step"] == 15
+    assert monitor.last is not None and monitor.last.step == 15 and monitor.last.steps_per_s > 0
+    # The first window holds the first BatchFetched (later ones may split a fetch from its step).
+    assert windows[0]["data_wait_s"] is not None and windows[0]["data_wait_s"] >= 0

@@ -1,0 +1,125 @@
+"""Shared fixtures: event factories, a virtual-time bus, and a condition waiter.
+
+Async tests run on asyncio through pytest-asyncio (strict mode, ``@pytest.mark.asyncio``); the
+trio backend is exercised from plain sync tests with ``anyio.run(main, backend="trio")``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import anyio
+import pytest
+
+from trainbus import EventBus
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.testing import VirtualTimeScheduler
+
+# A value for every required field of every event class, by field name. A new event class with a
+# new required field makes ``make_event`` raise KeyError: extend this table (and the tests).
+FIELD_VALUES: Mapping[str, Any] = {
+    "step": 1,
+    "epoch": 0,
+    "max_steps": None,
+    "max_epochs": None,
+    "device": "cpu",
+    "reason": "completed",
+    "batches": 3,
+    "phase": "train",
+    "batch_index": 0,
+    "data_wait_s": 0.0,
+    "loss": 1.0,
+    "micro_batch": 0,
+    "accumulation_steps": 1,
+    "grad_norm": None,
+    "lr": 0.1,
+    "samples": 32,
+    "duration_s": 0.01,
+    "trigger": "epoch",
+    "path": "runs/step-1.pt",
+    "metrics": {"val_loss": 1.0},
+    "command": cmd.StopTraining(reason="test"),
+}
+
+
+def build_event(cls: type[ev.BaseEvent], **overrides: Any) -> ev.BaseEvent:
+    """An instance of ``cls`` with every required field filled (``overrides`` win)."""
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            kwargs[f.name] = overrides[f.name]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            kwargs[f.name] = FIELD_VALUES[f.name]
+    return cls(**kwargs)
+
+
+def build_step(i: int, **overrides: Any) -> ev.StepEnded:
+    """``StepEnded`` number ``i`` (``step=i``, ``loss=float(i)``)."""
+    fields: dict[str, Any] = {
+        "step": i,
+        "epoch": 0,
+        "loss": float(i),
+        "lr": 0.1,
+        "grad_norm": None,
+        "samples": 32,
+        "duration_s": 0.01,
+    }
+    fields.update(overrides)
+    return ev.StepEnded(**fields)
+
+
+def build_eval(metrics: Mapping[str, float], step: int = 0, **overrides: Any) -> ev.EvaluationEnded:
+    """``EvaluationEnded`` carrying ``metrics``."""
+    return ev.EvaluationEnded(step=step, epoch=0, metrics=metrics, **overrides)
+
+
+@pytest.fixture
+def make_event() -> Callable[..., ev.BaseEvent]:
+    """Factory: ``make_event(ev.CheckpointSaved, path="x.pt")``."""
+    return build_event
+
+
+@pytest.fixture
+def step_event() -> Callable[..., ev.StepEnded]:
+    """Factory: ``step_event(i)`` builds ``ev.StepEnded(step=i, ...)``."""
+    return build_step
+
+
+@pytest.fixture
+def eval_event() -> Callable[..., ev.EvaluationEnded]:
+    """Factory: ``eval_event({"val_loss": 0.5}, step=3)``."""
+    return build_eval
+
+
+@pytest.fixture
+def vts() -> VirtualTimeScheduler:
+    """A fresh virtual-time scheduler (seconds from 0)."""
+    return VirtualTimeScheduler()
+
+
+@pytest.fixture
+def vbus(vts: VirtualTimeScheduler) -> EventBus:
+    """A bus on virtual time: ``publish`` + ``bus.flush()`` + ``vts.advance_by(s)``."""
+    return EventBus(scheduler=vts)
+
+
+async def until(condition: Callable[[], bool], *, limit_s: float = 10.0) -> None:
+    """Yield to the event loop until ``condition()`` holds; fail after ``limit_s`` (a deadlock
+    guard, not a timer).
+
+    Tests use it to wait for a state the bus reaches asynchronously (the poller has dispatched,
+    a worker picked an item), never to measure time. Polling, because most of these states
+    (counters in ``statistics()``) have no event to await.
+    """
+    with anyio.fail_after(limit_s):
+        while not condition():  # noqa: ASYNC110
+            await anyio.sleep(0.001)
+
+
+@pytest.fixture
+def wait_until() -> Callable[..., Awaitable[None]]:
+    """``await wait_until(lambda: cond)``: see :func:`until`."""
+    return until

@@ -1,0 +1,91 @@
+"""Run every script in examples/ as a user would, and check what it says it demonstrated.
+
+Each example is a subprocess (``sys.executable examples/<name>.py``) in a temporary working
+directory; it must exit 0, print its summary line, and log no subscriber failure. The table
+below must name every ``examples/*.py``, so a new example cannot go untested.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@dataclass(frozen=True)
+class Case:
+    script: str
+    pattern: str
+    """Regex the output must match (the example's summary line)."""
+    check: Callable[[re.Match[str]], bool] = lambda m: True
+    """Extra condition on the match, e.g. on the numbers it captured."""
+
+
+CASES = [
+    Case(
+        "throttled_logging.py",
+        r"throttled logging: (\d+) steps ran, (\d+) lines logged",
+        # Throttled: far fewer lines than steps, but not silent.
+        lambda m: 1 <= int(m[2]) and int(m[2]) * 10 < int(m[1]),
+    ),
+    Case(
+        "on_checkpoint.py",
+        r"on_checkpoint: (\d+) checkpoints saved in 90 steps .*each seen by filter\(is_save\) "
+        r"and of_type and loadable",
+        lambda m: int(m[1]) >= 2,
+    ),
+    Case(
+        "async_eval_service.py",
+        r"async eval service: (\d+) checkpoints, (\d+) replies before fit\(\) returned; "
+        r"training advanced during (\d+) of them",
+        lambda m: int(m[1]) == int(m[2]) >= 2 and int(m[3]) >= 1,
+    ),
+    Case(
+        "early_stopping_pipeline.py",
+        r"FitResult: reason='stopped' steps=50 stop_reason='early stopping: val_loss did not "
+        r"improve for 2 evaluations",
+    ),
+    Case(
+        "hooks_and_callbacks.py",
+        r"hooks and callbacks: 30 steps, loss scaled by 0\.5 in hook_loss .* 3 async "
+        r"evaluations; global EventCounter saw \d+ events; delivery order \['user', 'global'\]",
+    ),
+]
+
+
+def test_every_example_is_tested() -> None:
+    on_disk = {p.name for p in EXAMPLES.glob("*.py")}
+    assert on_disk == {c.script for c in CASES}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.script for c in CASES])
+def test_example_runs(case: Case, tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / case.script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    match = re.search(case.pattern, output)
+    assert match is not None, output
+    assert case.check(match), output
+    # The examples exercise the happy path: no subscriber may have failed, nothing was lost.
+    for marker in ("Traceback", "subscriber_failed", "bus_closed_with_losses", "barrier_timeout"):
+        assert marker not in output, output
+    # Examples write only under their own temporary directories.
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,359 @@
+"""trainbus.operators: selection, decisions (patience, plateau) and spans, on plain Rx sources."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import reactivex
+from hypothesis import given
+from hypothesis import strategies as st
+from reactivex import Observable
+from reactivex.subject import Subject
+
+from trainbus import ConfigError
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus import operators as tbops
+
+
+class Sink:
+    """Observer recording items, the error and completion."""
+
+    def __init__(self) -> None:
+        self.items: list[Any] = []
+        self.error: Exception | None = None
+        self.completed = False
+
+    def __call__(self, source: Observable[Any]) -> Sink:
+        source.subscribe(self.items.append, self._on_error, self._on_completed)
+        return self
+
+    def _on_error(self, error: Exception) -> None:
+        self.error = error
+
+    def _on_completed(self) -> None:
+        self.completed = True
+
+
+def run(source: Sequence[Any], *operators: Callable[[Observable[Any]], Observable[Any]]) -> Sink:
+    return Sink()(reactivex.from_iterable(source).pipe(*operators))
+
+
+def evals(*values: float, key: str = "val_loss") -> list[ev.EvaluationEnded]:
+    return [ev.EvaluationEnded(step=i, epoch=0, metrics={key: v}) for i, v in enumerate(values)]
+
+
+def step(i: int) -> ev.StepEnded:
+    return ev.StepEnded(step=i, epoch=0, loss=1.0, lr=0.1, grad_norm=None, samples=1, duration_s=0)
+
+
+# ----------------------------------------------------------------------------- of_type
+def test_of_type_keeps_instances_in_order() -> None:
+    items = [step(1), "x", ev.EpochStarted(step=1, epoch=1), step(2), 3]
+    out = run(items, tbops.of_type(ev.StepEnded))
+    assert out.items == [items[0], items[3]] and out.completed
+    out = run(items, tbops.of_type(ev.StepEnded, ev.EpochStarted))
+    assert out.items == [items[0], items[2], items[3]]
+    assert run(items, tbops.of_type(ev.BaseEvent)).items == [items[0], items[2], items[3]]
+
+
+@pytest.mark.parametrize("bad", [(), (ev.StepEnded, "x"), (3,)])
+def test_of_type_rejects_non_classes(bad: tuple[Any, ...]) -> None:
+    with pytest.raises(ConfigError, match=r"^types="):
+        tbops.of_type(*bad)
+
+
+# ----------------------------------------------------------------------------- every
+@given(st.lists(st.integers()), st.integers(min_value=1, max_value=10))
+def test_every_keeps_every_nth(values: list[int], n: int) -> None:
+    out = run(values, tbops.every(n))
+    assert out.items == values[n - 1 :: n]
+    assert out.completed
+
+
+def test_every_counts_per_subscription() -> None:
+    subject: Subject[int] = Subject()
+    pipeline = subject.pipe(tbops.every(2))
+    first = Sink()(pipeline)
+    subject.on_next(1)
+    second = Sink()(pipeline)
+    for v in (2, 3, 4):
+        subject.on_next(v)
+    assert first.items == [2, 4]
+    assert second.items == [3]
+
+
+@pytest.mark.parametrize("n", [0, -1, 1.5, True, "2"])
+def test_every_rejects_bad_n(n: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^n="):
+        tbops.every(n)
+
+
+# ----------------------------------------------------------------------------- once
+def test_once_none_takes_the_first_item() -> None:
+    out = run([5, 6, 7], tbops.once())
+    assert out.items == [5] and out.completed
+
+
+def test_once_at_step() -> None:
+    out = run([step(1), step(3), step(4), step(5)], tbops.once(at=3))
+    assert [e.step for e in out.items] == [3] and out.completed
+    out = run([step(1), step(7)], tbops.once(at=4))
+    assert [e.step for e in out.items] == [7]
+
+
+def test_once_with_predicate() -> None:
+    out = run([1, 2, 3, 4], tbops.once(lambda x: x % 2 == 0))
+    assert out.items == [2] and out.completed
+
+
+@pytest.mark.parametrize("at", [None, 100, lambda e: False])
+def test_once_without_a_match_just_completes(at: Any) -> None:
+    # A run can end before the step is reached: that is not an error of the subscriber.
+    source: list[Any] = [] if at is None else [step(1), step(2)]
+    out = run(source, tbops.once(at))
+    assert out.items == [] and out.completed and out.error is None
+
+
+@pytest.mark.parametrize("at", [-1, "3", 1.5])
+def test_once_rejects_bad_at(at: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^at="):
+        tbops.once(at)
+
+
+# ----------------------------------------------------------------------------- metric
+def test_metric_maps_and_skips() -> None:
+    items = [
+        ev.EvaluationEnded(step=1, epoch=0, metrics={"loss": 2}),
+        ev.MetricsLogged(step=2, epoch=0, metrics={"acc": 1.0}),
+        step(3),
+        ev.MetricsLogged(step=4, epoch=0, metrics={"loss": 1.0}),
+    ]
+    out = run(items, tbops.metric("loss"))
+    assert out.items == [2.0, 1.0] and all(type(v) is float for v in out.items)
+
+
+@pytest.mark.parametrize("name", ["", None, 3])
+def test_metric_rejects_bad_name(name: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^metric="):
+        tbops.metric(name)
+
+
+# ----------------------------------------------------------------------------- patience
+def expected_stop(
+    values: Sequence[float], patience: int, mode: str, min_delta: float
+) -> int | None:
+    """Index of the evaluation that triggers early stopping (reference model)."""
+    best: float | None = None
+    bad = 0
+    for i, v in enumerate(values):
+        better = not math.isnan(v) and (
+            best is None or (v < best - min_delta if mode == "min" else v > best + min_delta)
+        )
+        best, bad = (v, 0) if better else (best, bad + 1)
+        if bad >= patience:
+            return i
+    return None
+
+
+def stops(values: Sequence[float], **kwargs: Any) -> tuple[list[int], Sink]:
+    out = run(evals(*values), tbops.patience("val_loss", **kwargs))
+    for c in out.items:
+        assert isinstance(c, cmd.StopTraining)
+    return [int(c.reason.rsplit("step ", 1)[1].rstrip(")")) for c in out.items], out
+
+
+def test_patience_stops_after_patience_non_improving_evaluations() -> None:
+    steps, out = stops([3, 2, 2, 2, 2, 1, 1, 1], patience=3)
+    assert steps == [4]  # exactly one command, on the third non-improving evaluation
+    assert out.completed
+    assert "val_loss" in out.items[0].reason and "3 evaluations" in out.items[0].reason
+
+
+def test_patience_resets_on_improvement() -> None:
+    assert stops([3, 3, 2, 2, 1, 1, 1], patience=2)[0] == [6]
+    assert stops([3, 2, 1, 0], patience=1)[0] == []
+
+
+def test_patience_mode_max() -> None:
+    assert stops([0.5, 0.6, 0.6, 0.7, 0.7, 0.7], mode="max", patience=2)[0] == [5]
+    assert stops([0.5, 0.6, 0.7], mode="max", patience=1)[0] == []
+
+
+def test_patience_min_delta() -> None:
+    # 0.95 improves on 1.0 by less than min_delta: it does not count.
+    assert stops([1.0, 0.95, 0.92], patience=2, min_delta=0.1)[0] == [2]
+    assert stops([1.0, 0.85, 0.7], patience=2, min_delta=0.1)[0] == []
+
+
+def test_patience_nan_never_improves() -> None:
+    assert stops([1.0, math.nan, math.nan], patience=2)[0] == [2]
+    assert stops([math.nan, math.nan], patience=2)[0] == [1]
+    assert stops([1.0, math.nan, 0.5, math.nan], patience=2)[0] == []
+
+
+@given(
+    st.lists(st.one_of(st.floats(-10, 10), st.just(math.nan)), max_size=30),
+    st.integers(1, 5),
+    st.sampled_from(["min", "max"]),
+    st.sampled_from([0.0, 0.5]),
+)
+def test_patience_matches_reference(values: list[float], p: int, mode: str, delta: float) -> None:
+    expected = expected_stop(values, p, mode, delta)
+    got, out = stops(values, patience=p, mode=mode, min_delta=delta)
+    assert got == ([] if expected is None else [expected])
+    assert out.completed
+
+
+def test_patience_missing_metric_errors_the_stream() -> None:
+    out = run(
+        [ev.EvaluationEnded(step=1, epoch=0, metrics={"acc": 1.0})], tbops.patience("val_loss")
+    )
+    assert isinstance(out.error, ConfigError) and "val_loss" in str(out.error)
+    out = run([step(1)], tbops.patience("val_loss"))
+    assert isinstance(out.error, ConfigError) and "StepEnded" in str(out.error)
+
+
+def test_patience_state_is_per_subscription() -> None:
+    subject: Subject[ev.EvaluationEnded] = Subject()
+    pipeline = subject.pipe(tbops.patience("val_loss", patience=2))
+    a = Sink()(pipeline)
+    for e in evals(1.0, 1.0):
+        subject.on_next(e)
+    b = Sink()(pipeline)
+    subject.on_next(evals(1.0)[0])
+    assert len(a.items) == 1  # a saw 1, 1, 1
+    assert b.items == []  # b saw only one evaluation
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"patience": 0}, "patience"),
+        ({"patience": 1.5}, "patience"),
+        ({"mode": "best"}, "mode"),
+        ({"min_delta": -1}, "min_delta"),
+        ({"min_delta": math.nan}, "min_delta"),
+    ],
+)
+def test_patience_rejects_bad_arguments(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        tbops.patience("val_loss", **kwargs)
+    with pytest.raises(ConfigError, match=r"^metric="):
+        tbops.patience("")
+
+
+# ----------------------------------------------------------------------------- plateau
+def reductions(values: Sequence[float], **kwargs: Any) -> tuple[list[int], Sink]:
+    subject: Subject[ev.EvaluationEnded] = Subject()
+    at: list[int] = []
+    out = Sink()
+    current = [-1]
+    subject.pipe(tbops.plateau("val_loss", **kwargs)).subscribe(
+        lambda c: (out.items.append(c), at.append(current[0])),
+        out._on_error,
+        out._on_completed,
+    )
+    for i, e in enumerate(evals(*values)):
+        current[0] = i
+        subject.on_next(e)
+    return at, out
+
+
+def test_plateau_scales_the_learning_rate() -> None:
+    at, out = reductions([3, 2, 2, 2, 2, 2], patience=2, factor=0.5)
+    assert at == [3, 5]  # the marble diagram of the docstring
+    assert out.items == [cmd.ScaleLearningRate(factor=0.5)] * 2
+
+
+def test_plateau_cooldown() -> None:
+    at, _ = reductions([3] * 7, patience=2, cooldown=1)
+    assert at == [2, 5]
+    at, _ = reductions([3] * 7, patience=2, cooldown=0)
+    assert at == [2, 4, 6]
+
+
+def test_plateau_improvement_during_cooldown_updates_best() -> None:
+    # Reduction at index 2; index 3 falls in the cooldown but improves the best to 1, so 4 and 5
+    # are the two non-improving evaluations (were the best still 3, index 4 would improve).
+    at, _ = reductions([3, 3, 3, 1, 1, 1, 1], patience=2, cooldown=1)
+    assert at == [2, 5]
+
+
+def test_plateau_max_reductions_completes() -> None:
+    at, out = reductions([3] * 10, patience=1, max_reductions=2)
+    assert at == [1, 2] and out.completed
+
+
+def test_plateau_mode_max_and_min_delta() -> None:
+    at, _ = reductions([0.5, 0.55, 0.58], mode="max", patience=2, min_delta=0.1)
+    assert at == [2]
+
+
+def test_plateau_state_is_per_subscription() -> None:
+    op = tbops.plateau("val_loss", patience=2)
+    s1: Subject[ev.EvaluationEnded] = Subject()
+    s2: Subject[ev.EvaluationEnded] = Subject()
+    a, b = Sink()(s1.pipe(op)), Sink()(s2.pipe(op))
+    for e in evals(1, 1, 1):
+        s1.on_next(e)
+    s2.on_next(evals(1)[0])
+    assert len(a.items) == 1 and b.items == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"factor": 1.0}, "factor"),
+        ({"factor": 0}, "factor"),
+        ({"factor": "0.5"}, "factor"),
+        ({"patience": 0}, "patience"),
+        ({"cooldown": -1}, "cooldown"),
+        ({"max_reductions": 0}, "max_reductions"),
+        ({"mode": "up"}, "mode"),
+        ({"min_delta": -0.1}, "min_delta"),
+    ],
+)
+def test_plateau_rejects_bad_arguments(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        tbops.plateau("val_loss", **kwargs)
+
+
+# ----------------------------------------------------------------------------- spans
+def test_span_durations_pairs_start_and_end() -> None:
+    items = [
+        ev.EpochStarted(step=0, epoch=0, time=0.0),
+        ev.ForwardStarted(step=0, epoch=0, phase="train", batch_index=0, time=1.0),
+        ev.ForwardEnded(step=0, epoch=0, phase="train", batch_index=0, time=1.5),
+        ev.ForwardStarted(step=1, epoch=0, phase="train", batch_index=1, time=2.0),
+        ev.ForwardEnded(step=1, epoch=0, phase="train", batch_index=1, time=2.25),
+        ev.EpochEnded(step=2, epoch=0, batches=2, time=3.0),
+    ]
+    out = run(items, tbops.span_durations(ev.ForwardStarted))
+    assert [s.duration_s for s in out.items] == [0.5, 0.25]
+    assert [(s.start, s.end) for s in out.items] == [(items[1], items[2]), (items[3], items[4])]
+    assert out.completed
+    out = run(items, tbops.span_durations(ev.EpochStarted))
+    assert [s.duration_s for s in out.items] == [3.0]
+
+
+def test_span_durations_explicit_end_and_unmatched_end() -> None:
+    items = [
+        step(0),  # an end with no start: ignored
+        ev.BatchFetched(step=0, epoch=0, phase="train", batch_index=0, data_wait_s=0, time=1.0),
+        ev.StepEnded(
+            step=1, epoch=0, loss=1, lr=0, grad_norm=None, samples=1, duration_s=0, time=4
+        ),
+    ]
+    out = run(items, tbops.span_durations(ev.BatchFetched, ev.StepEnded))
+    assert [s.duration_s for s in out.items] == [3.0]
+
+
+def test_span_durations_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match=r"^start="):
+        tbops.span_durations(ev.StepEnded)
+    with pytest.raises(ConfigError, match=r"^end="):
+        tbops.span_durations(ev.ForwardStarted, int)  # type: ignore[arg-type]

@@ -1,0 +1,189 @@
+"""SIGINT/SIGTERM stop a run cleanly (final checkpoint, exit 0); a second SIGINT aborts.
+
+Each test runs a real training script in a subprocess, waits for its READY line (printed by a
+subscriber after the first StepEnded), then signals it. Timeouts are deadlock guards only.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+]
+
+GUARD_S = 60.0  # generous: only a hung process gets anywhere near it
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    from trainbus import Trainer
+    from trainbus import events as ev
+    from trainbus.testing import tiny_loader
+
+    mode, ckpt = sys.argv[1], sys.argv[2]
+    pace = {"sleep": 0.01}
+
+
+    class Slow(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 10)
+
+        def forward(self, x):
+            time.sleep(pace["sleep"])
+            return self.lin(x)
+
+
+    model = Slow()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), tiny_loader(4, 8),
+                      loss_fn=F.cross_entropy, max_steps=1_000_000, checkpoint_dir=ckpt)
+    bus = trainer.bus
+    ready = []
+
+
+    def on_step(event):
+        if not ready:
+            ready.append(event.step)
+            print("READY", flush=True)
+
+
+    bus.subscribe(bus.stream(ev.StepEnded), on_step)
+    bus.subscribe(bus.stream(ev.FitEnded),
+                  lambda e: print("FITENDED", e.reason, e.stop_reason, flush=True))
+    if mode == "slow":
+        # After the first step, each step takes long: a second signal lands mid-step.
+        def slow_down(ctx):
+            pace["sleep"] = 2.0
+
+        trainer.add_hook("after_optimizer_step", slow_down)
+    result = trainer.run()
+    print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+    """
+)
+
+
+class Proc:
+    def __init__(self, tmp_path: Path, mode: str) -> None:
+        script = tmp_path / "train.py"
+        script.write_text(SCRIPT)
+        self.ckpt = tmp_path / "ckpt"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.popen = subprocess.Popen(
+            [sys.executable, str(script), mode, str(self.ckpt)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.lines: queue.Queue[str | None] = queue.Queue()
+        self.output: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        with self.popen.stdout:
+            for line in self.popen.stdout:
+                self.lines.put(line.rstrip("\n"))
+        self.lines.put(None)
+
+    def wait_for(self, text: str) -> None:
+        while True:
+            try:
+                line = self.lines.get(timeout=GUARD_S)
+            except queue.Empty:
+                self.kill()
+                pytest.fail(f"no {text!r} line; output so far:\n" + "\n".join(self.output))
+            if line is None:
+                pytest.fail(f"exited before {text!r}:\n" + "\n".join(self.output))
+            self.output.append(line)
+            if line.strip() == text:
+                return
+
+    def finish(self) -> tuple[int, list[str]]:
+        try:
+            code = self.popen.wait(timeout=GUARD_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail("the process did not exit:\n" + "\n".join(self.output))
+        self.reader.join(timeout=GUARD_S)
+        while True:
+            line = self.lines.get_nowait() if not self.lines.empty() else None
+            if line is None:
+                break
+            self.output.append(line)
+        return code, self.output
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait()
+        self.reader.join(timeout=GUARD_S)  # the reader closes stdout at EOF
+
+
+@pytest.fixture
+def proc_factory(tmp_path: Path):  # type: ignore[no-untyped-def]
+    procs: list[Proc] = []
+
+    def make(mode: str) -> Proc:
+        p = Proc(tmp_path, mode)
+        procs.append(p)
+        return p
+
+    yield make
+    for p in procs:
+        p.kill()
+
+
+def _line(output: list[str], prefix: str) -> list[str]:
+    found = [line.split() for line in output if line.startswith(prefix + " ")]
+    assert len(found) == 1, "\n".join(output)
+    return found[0]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_one_signal_stops_cleanly_with_a_final_checkpoint(proc_factory, signum: int) -> None:  # type: ignore[no-untyped-def]
+    proc = proc_factory("fast")
+    proc.wait_for("READY")
+    proc.popen.send_signal(signum)
+    code, output = proc.finish()
+    text = "\n".join(output)
+    assert code == 0, text
+    assert _line(output, "FITENDED")[1:] == ["stopped", "signal"]
+    result = _line(output, "RESULT")
+    assert result[1:3] == ["stopped", "signal"]
+    final = Path(result[3])
+    assert final.parent == proc.ckpt and final.is_file(), text
+    assert final.name.startswith("step-") and final.name.endswith("-final.pt")
+    assert not any(p.name.endswith(".tmp") for p in proc.ckpt.iterdir())
+
+
+def test_second_sigint_aborts(proc_factory) -> None:  # type: ignore[no-untyped-def]
+    proc = proc_factory("slow")
+    proc.wait_for("READY")  # step 2's forward (2 s) is under way
+    proc.popen.send_signal(signal.SIGINT)
+    # The first signal's StopTraining waits for the end of the step; the second must not.
+    threading.Event().wait(0.2)
+    proc.popen.send_signal(signal.SIGINT)
+    code, output = proc.finish()  # returns well before GUARD_S, or fails the test
+    text = "\n".join(output)
+    assert code != 0, text
+    assert _line(output, "FITENDED")[1] == "cancelled", text
+    assert not any(line.startswith("RESULT ") for line in output), text
+    assert "KeyboardInterrupt" in text
