@@ -461,8 +461,17 @@ class EventBus:
         Returns:
             True when everything finished, False when the timeout expired first.
         """
-        targets = await self._deliver_for_barrier(event)
-        return await self._wait_targets(targets, timeout, interruptible=False) == "done"
+        # The timeout covers the delivery too: behind a full "block" buffer the drain itself
+        # waits for that subscriber, and the caller must still get its answer on time.
+        start = anyio.current_time()
+        with anyio.move_on_after(timeout) as scope:
+            targets = await self._deliver_for_barrier(event)
+        if scope.cancelled_caught:
+            log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+            return False
+        left = None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
+        status = await self._wait_targets(targets, left, interruptible=False, configured=timeout)
+        return status == "done"
 
     async def _deliver_for_barrier(
         self, event: ev.BaseEvent | None
