@@ -413,12 +413,6 @@ def test_delivery_order_is_core_then_user_then_global() -> None:
         assert len({point for _, point in group}) == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _loop.py Loop._step (after `grad_norm = self._optimizer_step(...)`): a step "
-    "skipped by hook_before_optimizer_step (_optimizer_step returns None without st.step += 1) "
-    "still steps the LR scheduler and publishes StepEnded with the same step number again",
-)
 def test_skipped_optimizer_step_does_not_step_the_scheduler_or_repeat_step_ended() -> None:
     class SkipOnce(Callback):
         def __init__(self) -> None:

@@ -122,13 +122,6 @@ def _full_run(steps: int = 4) -> list[torch.Tensor]:
     return _params(trainer.settings.model)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _loop.py Loop.run (`if self.stop_reason is None: st.epoch += 1; "
-    "st.batch_in_epoch = 0`): a run that reaches max_steps mid-epoch counts the epoch as "
-    "done (epoch += 1, batch_in_epoch = 0) before the final checkpoint, so resuming restarts "
-    "the epoch from batch 0 instead of batch 2 (also runs epoch-end eval/scheduler early)",
-)
 def test_run_of_2_plus_resumed_run_of_2_equals_run_of_4(tmp_path: Path) -> None:
     full = _full_run(4)
     first = _trainer(max_steps=2, checkpoint_dir=tmp_path)
@@ -168,12 +161,6 @@ def test_resume_continues_from_the_saved_step(tmp_path: Path, how: str) -> None:
     assert _close(_params(second.settings.model), full)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _loop.py Loop._epoch: resuming from a checkpoint saved at EpochEnded (state "
-    "epoch=e, batch_in_epoch=len) re-enters epoch e: EpochStarted/EpochEnded again, epoch-end "
-    "evaluation again and the epoch scheduler stepped a second time (LR and weights diverge)",
-)
 def test_resume_from_a_checkpoint_saved_at_epoch_end(tmp_path: Path) -> None:
     def epoch_trainer(**kwargs: Any) -> Trainer:
         model, opt, _ = _setup()

@@ -23,7 +23,7 @@ from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 BACKSTOP = 50_000  # steps: a run waiting for an async request ends long before this
 # Requests from async subscribers run without barriers, so these tests cannot stall on one (a
-# barrier subscriber awaiting a request does: see the xfail test at the end).
+# barrier subscriber awaiting a request is tested on its own at the end).
 NO_BARRIERS: tuple[type[ev.BaseEvent], ...] = ()
 
 
@@ -316,13 +316,6 @@ def _record_barrier_waits(trainer: Trainer) -> list[bool]:
     return results
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a barrier subscriber awaiting bus.request() deadlocks the barrier until "
-    "barrier_timeout (trainer.py:_barrier -> _bus.py wait_delivered waits for the subscriber, "
-    "which waits for a command the loop only polls after the barrier, _loop.py "
-    "_barrier_then_poll)",
-)
 @pytest.mark.asyncio
 async def test_request_from_a_barrier_subscriber_does_not_stall_the_barrier(tmp_path: Path) -> None:
     trainer = _trainer(max_epochs=2, data=tiny_loader(2, 8), checkpoint_dir=tmp_path,

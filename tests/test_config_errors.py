@@ -28,25 +28,6 @@ def _touch(path: Path) -> Path:
 # Positional arguments are passed as "model" / "optimizer" / "train_data" overrides.
 Case = tuple[Callable[[Path], dict[str, Any]], str]
 
-_bug_device = pytest.mark.xfail(
-    strict=True,
-    reason="bug: _settings.py:153 resolve_device accepts 'cuda' without CUDA; fails later in "
-    "fit() at trainer.py:309 model.to(device) instead of a ConfigError",
-)
-_bug_metrics = pytest.mark.xfail(
-    strict=True,
-    reason="bug: _settings.py:161 dict(metrics or {}) raises a bare TypeError/ValueError for a "
-    "non-mapping metrics, not ConfigError naming 'metrics'",
-)
-_bug_barriers = pytest.mark.xfail(
-    strict=True,
-    reason="bug: _settings.py:184 tuple(barriers) raises a bare TypeError for a non-iterable",
-)
-_bug_callbacks = pytest.mark.xfail(
-    strict=True,
-    reason="bug: trainer.py:180 iterates a non-iterable callbacks -> bare TypeError",
-)
-
 CASES = [
     pytest.param(lambda p: {"model": "not a module"}, "model", id="model-not-module"),
     pytest.param(lambda p: {"model": torch.nn.ReLU()}, "optimizer", id="model-without-params"),
@@ -80,10 +61,7 @@ CASES = [
         lambda p: {"device": "cuda"},
         "device",
         id="cuda-without-cuda",
-        marks=[
-            pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
-            _bug_device,
-        ],
+        marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available"),
     ),
     pytest.param(lambda p: {"log_every": 0}, "log_every", id="log-every-0"),
     pytest.param(lambda p: {"log_every": "10"}, "log_every", id="log-every-str"),
@@ -98,16 +76,14 @@ CASES = [
         lambda p: {"barrier_timeout": float("nan")}, "barrier_timeout", id="barrier-timeout-nan"
     ),
     pytest.param(lambda p: {"barriers": [int]}, "barriers", id="barriers-not-events"),
-    pytest.param(
-        lambda p: {"barriers": 5}, "barriers", id="barriers-not-iterable", marks=_bug_barriers
-    ),
+    pytest.param(lambda p: {"barriers": 5}, "barriers", id="barriers-not-iterable"),
     pytest.param(lambda p: {"on_nonfinite": "warn"}, "on_nonfinite", id="bad-on-nonfinite"),
     pytest.param(lambda p: {"metrics": {"acc": 3}}, "metrics", id="metric-not-callable"),
     pytest.param(
         lambda p: {"metrics": {"not an id": lambda o, t: 0.0}}, "metrics", id="metric-bad-name"
     ),
-    pytest.param(lambda p: {"metrics": 5}, "metrics", id="metrics-int", marks=_bug_metrics),
-    pytest.param(lambda p: {"metrics": "acc"}, "metrics", id="metrics-str", marks=_bug_metrics),
+    pytest.param(lambda p: {"metrics": 5}, "metrics", id="metrics-int"),
+    pytest.param(lambda p: {"metrics": "acc"}, "metrics", id="metrics-str"),
     pytest.param(lambda p: {"seed": -1}, "seed", id="seed-negative"),
     pytest.param(lambda p: {"scheduler": object()}, "scheduler", id="scheduler-without-step"),
     pytest.param(
@@ -130,9 +106,7 @@ CASES = [
     pytest.param(lambda p: {"checkpoint_dir": ""}, "checkpoint_dir", id="ckpt-dir-empty"),
     pytest.param(lambda p: {"callbacks": [object()]}, "callbacks", id="callback-not-callback"),
     pytest.param(lambda p: {"callbacks": [int]}, "callbacks", id="callback-class-not-callback"),
-    pytest.param(
-        lambda p: {"callbacks": 5}, "callbacks", id="callbacks-not-iterable", marks=_bug_callbacks
-    ),
+    pytest.param(lambda p: {"callbacks": 5}, "callbacks", id="callbacks-not-iterable"),
     pytest.param(lambda p: {"handle_signals": "yes"}, "handle_signals", id="handle-signals-str"),
     pytest.param(lambda p: {"bus": object()}, "bus", id="bus-not-eventbus"),
 ]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Awaitable, Callable
-from types import TracebackType
 from typing import Any, Literal, TypeVar, overload
 
 import anyio
@@ -30,14 +29,16 @@ from reactivex.disposable import Disposable
 
 from . import commands as cmd
 from . import events as ev
-from ._exceptions import BusClosedError, ConfigError, SubscriberError, TrainbusError
+from ._barrier import BarrierMixin
+from ._channel import CommandChannelMixin, CommandError, _AckObserver
+from ._exceptions import BusClosedError, ConfigError, SubscriberError
+from ._failures import FailureMixin, name_of
+from ._lifecycle import LifecycleMixin
 from ._observable import BusObservable, CommandSink, normalize_observer
 from ._scheduler import AnyioScheduler, ChainScheduler
 from ._subscription import (
-    ERROR_POLICIES,
     OVERFLOWS,
     AsyncSubscription,
-    BusStatistics,
     ErrorPolicy,
     GuardedObserver,
     Overflow,
@@ -53,10 +54,6 @@ Tier = Literal["internal", "core", "user", "global"]
 _TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
 
-class CommandError(TrainbusError):
-    """A requested command was acknowledged with an error (``CommandApplied.error``)."""
-
-
 class _Root:
     """One subscription at the top of a chain: the types it takes and the observer to feed."""
 
@@ -68,12 +65,7 @@ class _Root:
         self.order = order
 
 
-def _name_of(fn: object) -> str:
-    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-    return str(name) if name else type(fn).__name__
-
-
-class EventBus:
+class EventBus(BarrierMixin, CommandChannelMixin, FailureMixin, LifecycleMixin):
     """The reactive bus between the training loop and its subscribers.
 
     Args:
@@ -287,7 +279,7 @@ class EventBus:
         self._check_open_for_subscribers()
         sub = AsyncSubscription(
             self,
-            name or _name_of(fn),
+            name or name_of(fn),
             fn,
             concurrency=concurrency,
             buffer=buffer,
@@ -318,7 +310,7 @@ class EventBus:
         on_next, on_error_cb, on_completed = normalize_observer(
             self, observer, on_error_cb, on_completed
         )
-        sub = Subscription(self, name or _name_of(on_next), self._check_policy(policy))
+        sub = Subscription(self, name or name_of(on_next), self._check_policy(policy))
         self._subscriptions.append(sub)
         guard = GuardedObserver(sub, on_next, on_error_cb, on_completed)
         chain_scheduler = ChainScheduler(scheduler) if scheduler else self._chain_scheduler
@@ -430,8 +422,9 @@ class EventBus:
     def flush(self) -> None:
         """Deliver every queued event now, on the calling thread (the loop thread if running).
 
-        A full ``"block"`` buffer cannot be waited for here: its items wait one over capacity
-        until the next asynchronous dispatch. Use ``await wait_delivered()`` to also wait.
+        A full ``"block"`` buffer cannot be waited for here (this is synchronous): it takes
+        every item this flush hands it, beyond its capacity, and its workers catch up later.
+        Use ``await wait_delivered()`` to deliver with back-pressure and wait.
 
         Raises:
             BusClosedError: called from another thread while the bus runs.
@@ -446,366 +439,8 @@ class EventBus:
         self._pressure = False
         self._room.set()
 
-    async def wait_delivered(
-        self, timeout: float | None = None, event: ev.BaseEvent | None = None
-    ) -> bool:
-        """Deliver everything queued; then wait for the async subscriptions that received an
-        item from ``event`` (or, without ``event``, from anything in that delivery) to finish
-        it. So a slow async subscriber of some other event (a checkpoint upload, say) is not
-        waited for.
-
-        Args:
-            timeout: Seconds to wait for the async subscribers (None: no limit).
-            event: An already published event (found by identity in the queue).
-
-        Returns:
-            True when everything finished, False when the timeout expired first.
-        """
-        # The timeout covers the delivery too: behind a full "block" buffer the drain itself
-        # waits for that subscriber, and the caller must still get its answer on time.
-        start = anyio.current_time()
-        with anyio.move_on_after(timeout) as scope:
-            targets = await self._deliver_for_barrier(event)
-        if scope.cancelled_caught:
-            log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
-            return False
-        left = None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
-        status = await self._wait_targets(targets, left, interruptible=False, configured=timeout)
-        return status == "done"
-
-    async def _deliver_for_barrier(
-        self, event: ev.BaseEvent | None
-    ) -> list[tuple[AsyncSubscription, int]]:
-        asyncs = [s for s in self._subscriptions if isinstance(s, AsyncSubscription)]
-        q = self._queue
-        if event is not None:
-            # What was published before the barrier event is delivered but not waited for.
-            before_event = next((i for i, e in enumerate(q) if e is event), None)
-            if before_event:
-                await self._drain(limit=before_event)
-        before = {id(s): s.received for s in asyncs}
-        if event is not None and q and q[0] is event:
-            await self._drain(limit=1)
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-            await self._drain()
-        else:
-            await self._drain()
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-        return targets
-
-    async def _wait_targets(
-        self,
-        targets: list[tuple[AsyncSubscription, int]],
-        timeout: float | None,
-        *,
-        interruptible: bool,
-        configured: float | None = None,
-    ) -> Literal["done", "timeout", "request"]:
-        status: Literal["done", "timeout", "request"] = "timeout"
-        wake = self._request_wake = anyio.Event()
-        with anyio.move_on_after(timeout):
-            async with anyio.create_task_group() as tg:
-
-                async def settle() -> None:
-                    nonlocal status
-                    for sub, target in targets:
-                        await sub.wait_settled(target)
-                    status = "done"
-                    tg.cancel_scope.cancel()
-
-                async def interrupted() -> None:
-                    nonlocal status
-                    await wake.wait()
-                    status = "request"
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(settle)
-                if interruptible:
-                    tg.start_soon(interrupted)
-        self._request_wake = None
-        if status == "timeout":
-            log.warning(
-                "barrier_timeout",
-                timeout=configured if configured is not None else timeout,
-                waiting=[s.name for s, _ in targets],
-            )
-        return status
-
-    async def _barrier_wait(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool
-    ) -> Literal["done", "timeout", "request"]:
-        """The loop's barrier: deliver, then wait for the barrier event's async subscribers
-        until they finish (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives
-        (``"request"``: the loop applies it, then resumes the same wait with ``resume=True``).
-        """
-        if resume and self._barrier_pending is not None:
-            targets, deadline = self._barrier_pending
-            await self._drain()  # delivers the CommandApplied the requester is waiting for
-        else:
-            targets = await self._deliver_for_barrier(event)
-            deadline = anyio.current_time() + timeout
-        self._barrier_pending = None
-        if self._requests and self._commands:
-            status: Literal["done", "timeout", "request"] = "request"
-        else:
-            left = max(0.0, deadline - anyio.current_time())
-            status = await self._wait_targets(targets, left, interruptible=True, configured=timeout)
-        if status == "request":
-            self._barrier_pending = (targets, deadline)
-        return status
-
-    # ================================================================== commands
-    def send(self, command: cmd.Command) -> None:
-        """Put ``command`` on the back-channel. Safe from any thread; never blocks.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-        """
-        if not isinstance(command, cmd.COMMAND_TYPES):
-            raise ConfigError.invalid(
-                "command", command, "an instance of a trainbus.commands class"
-            )
-        self._commands.append(command)
-
-    def poll_commands(self) -> list[cmd.Command]:
-        """Take every command waiting on the back-channel, oldest first (never blocks)."""
-        q = self._commands
-        out: list[cmd.Command] = []
-        while q:
-            out.append(q.popleft())
-        return out
-
-    async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """Send ``command`` and wait until the loop applies it.
-
-        Returns:
-            The event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
-            ``EvaluationEnded`` for ``Evaluate``), else its ``CommandApplied``.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-            CommandError: the loop could not apply it (the cause is attached).
-            BusClosedError: the bus closed before the command was applied.
-        """
-        if self._state in ("closing", "closed"):
-            raise BusClosedError("the bus is closed: no loop will apply this command")
-        done = anyio.Event()
-        slot: list[Any] = []
-        self._requests[id(command)] = (command, done, slot)
-        try:
-            self.send(command)
-            if self._request_wake is not None:
-                self._request_wake.set()  # a barrier may be waiting on this very requester
-            await done.wait()
-        finally:
-            self._requests.pop(id(command), None)
-        if not slot:
-            raise BusClosedError(f"the bus closed before {command!r} was applied")
-        ack: ev.CommandApplied = slot[0]
-        if ack.error is not None:
-            raise CommandError(f"{command!r} failed: {ack.error!r}") from ack.error
-        return ack.result if ack.result is not None else ack
-
-    def _acknowledged(self, ack: ev.CommandApplied) -> None:
-        entry = self._requests.get(id(ack.command))
-        if entry is not None and entry[0] is ack.command:
-            entry[2].append(ack)
-            entry[1].set()
-
-    # ================================================================== failures
-    @staticmethod
-    def _check_policy(policy: ErrorPolicy | None) -> ErrorPolicy:
-        if policy is not None and policy not in ERROR_POLICIES:
-            raise ConfigError.invalid("on_error", policy, f"one of {ERROR_POLICIES}")
-        return policy  # type: ignore[return-value]
-
-    def _subscriber_failed(
-        self, sub: Subscription, exc: Exception, item: Any, *, ended: bool = False
-    ) -> None:
-        sub.failed += 1
-        sub.last_error = repr(exc)
-        self._failed += 1
-        policy = sub.on_error or self.default_on_error
-        # The first failure is logged with its traceback; repeats only at 10, 100, 1000, ...
-        # failures, so a subscriber that fails on every step cannot flood the log. Every
-        # failure is counted in statistics() either way.
-        n = sub.failed
-        if n == 1 or ended or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
-            fields: dict[str, Any] = {}
-            if isinstance(item, ev.BaseEvent):
-                fields = {"event_type": type(item).__name__, "step": item.step, "epoch": item.epoch}
-            log.error(
-                "subscriber_failed",
-                subscription=sub.name,
-                policy=policy,
-                failures=n,
-                ended=ended,
-                exc_info=exc if n == 1 or ended else None,
-                **fields,
-            )
-        if policy == "stop" and not sub.stop_sent:
-            sub.stop_sent = True
-            self.send(cmd.StopTraining(reason=f"subscriber {sub.name!r} failed: {exc!r}"))
-        elif policy == "raise" and self._fatal is None:
-            fatal = SubscriberError(sub.name, exc)
-            fatal.__cause__ = exc
-            self._fatal = fatal
-
-    def _chain_failed(self, observer: Any, exc: Exception, event: ev.BaseEvent) -> None:
-        self._failed += 1
-        log.error(
-            "subscriber_failed",
-            subscription=_name_of(observer),
-            policy="log",
-            event_type=type(event).__name__,
-            step=event.step,
-            epoch=event.epoch,
-            exc_info=exc,
-        )
-
-    def _scheduler_failed(self, exc: BaseException) -> None:
-        self._failed += 1
-
-    @property
-    def failure(self) -> SubscriberError | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any."""
-        return self._fatal
-
-    # ================================================================== lifecycle
-    def _check_open_for_subscribers(self) -> None:
-        if self._state in ("closing", "closed"):
-            raise BusClosedError("the bus is closed; subscribe before it closes")
-
-    @property
-    def running(self) -> bool:
-        """True between entering and leaving ``async with bus``."""
-        return self._state == "running"
-
-    async def __aenter__(self) -> EventBus:
-        if self._state != "new":
-            raise BusClosedError("an EventBus runs once; create a new one")
-        self._state = "running"
-        self._loop_thread = threading.get_ident()
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        if self._own_scheduler:
-            assert isinstance(self.scheduler, AnyioScheduler)
-            await tg.start(self.scheduler.run)
-        for sub in self._subscriptions:
-            if isinstance(sub, AsyncSubscription) and sub.active:
-                sub.start(tg)
-        tg.start_soon(self._poll, name="trainbus-bus-poller")
-        return self
-
-    async def _poll(self) -> None:
-        interval = self.flush_interval
-        q = self._queue
-        while True:
-            await anyio.sleep(interval)
-            if q:
-                await self._drain(limit=len(q))
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> bool | None:
-        assert self._tg is not None
-        try:
-            # Shielded: even when the caller is cancelled, what was published is delivered.
-            with anyio.CancelScope(shield=True):
-                await self._close()
-        finally:
-            self._state = "closed"
-            self._room.set()
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
-            self._loop_thread = None
-            for _, done, _slot in list(self._requests.values()):
-                done.set()
-        if exc_type is None and self._fatal is not None:
-            raise self._fatal
-        return None
-
-    async def _close(self) -> None:
-        self._state = "closing"
-        # One budget for the whole close, the drain included (see _relieve_pressure).
-        self._close_deadline = deadline = anyio.current_time() + self.close_timeout
-        await self._drain()
-        # Completing the roots lets buffering operators (buffer_with_time, ...) emit what they
-        # hold, so a batched logger loses nothing at the end of a run.
-        for root in list(self._roots):
-            try:
-                root.observer.on_completed()
-            except Exception as exc:
-                self._failed += 1
-                log.error("subscriber_failed", subscription=_name_of(root.observer), exc_info=exc)
-        await self._drain()
-        asyncs = [s for s in self._subscriptions if isinstance(s, AsyncSubscription)]
-        for sub in asyncs:
-            sub.close_input()
-        with anyio.move_on_at(deadline):
-            for sub in asyncs:
-                await sub.wait_finished()
-        for sub in asyncs:
-            if not sub.finished and sub.scope is not None:
-                sub.scope.cancel()
-        for sub in asyncs:
-            await sub.wait_finished()
-        if self._commands:
-            # Sent after the loop's last poll point: say so rather than drop them silently.
-            log.warning("commands_not_applied", commands=[repr(c) for c in self._commands])
-        cancelled = {s.name: s.cancelled for s in asyncs if s.cancelled}
-        stats = self.statistics()
-        if cancelled or stats.failed or stats.dropped:
-            log.warning(
-                "bus_closed_with_losses",
-                cancelled=cancelled,
-                failed=stats.failed,
-                dropped=stats.dropped,
-            )
-
-    def statistics(self) -> BusStatistics:
-        """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per
-        subscription counters."""
-        subs = tuple(s.statistics() for s in self._subscriptions)
-        depth = len(self._queue)
-        return BusStatistics(
-            published=self._delivered + depth,
-            delivered=self._delivered,
-            queue_depth=depth,
-            dropped=sum(s.dropped for s in subs),
-            failed=self._failed,
-            cancelled=sum(s.cancelled for s in subs),
-            publisher_waits=self._publisher_waits,
-            subscriptions=subs,
-        )
-
-    @property
-    def subscriptions(self) -> tuple[Subscription, ...]:
-        """Every subscription made through this bus, in order (inactive ones included)."""
-        return tuple(self._subscriptions)
-
     def __repr__(self) -> str:
         return f"<EventBus {self._state} queued={len(self._queue)}>"
-
-
-class _AckObserver(abc.ObserverBase[ev.CommandApplied]):
-    """Internal root resolving ``request()`` waiters from ``CommandApplied``."""
-
-    def __init__(self, bus: EventBus) -> None:
-        self._bus = bus
-
-    def on_next(self, value: ev.CommandApplied) -> None:
-        self._bus._acknowledged(value)
-
-    def on_error(self, error: Exception) -> None:  # never called: the root has no operators
-        pass
-
-    def on_completed(self) -> None:
-        pass
 
 
 class _AsyncFeeder(abc.ObserverBase[Any]):

@@ -272,7 +272,7 @@ class Loop(ControlMixin, WindowMixin):
             self._refresh_wants()
         pub, st, s = bus.publish, self.state, self.s
         hooks = self.hooks.by_point
-        model, opt = self.model, self.optimizer
+        opt = self.optimizer
         t0 = time.monotonic()
         losses: list[torch.Tensor] = []
         samples = consumed = 0
