@@ -1,7 +1,8 @@
 """Benchmark of the trainbus event bus: publish cost, cost to a tiny PyTorch loop, delivery lag.
 
 Run: ``.venv/bin/python benchmarks/bus.py`` (full, a few minutes) or ``--quick`` (< 30 s).
-Writes ``benchmarks/results/bus.json`` (``--out`` to change) and prints three tables.
+Writes ``benchmarks/results/bus.json`` (``bus_quick.json`` with ``--quick``; ``--out`` to
+change) and prints three tables, then the targets.
 
 1. Publish cost. A worker thread (``anyio.to_thread.run_sync``) publishes N events while the
    bus runs (``async with bus``) on the main thread's event loop, so dispatch happens on the loop
@@ -687,7 +688,11 @@ def print_report(pub: dict[str, Any], loop: dict[str, Any], tg: dict[str, Any]) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, < 30 s")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "bus.json")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="JSON file (default benchmarks/results/bus.json, or bus_quick.json with --quick)",
+    )
     parser.add_argument("--events", type=int, help="events per publish run")
     parser.add_argument("--steps", type=int, help="steps per tiny-loop run")
     parser.add_argument("--rounds", type=int, help="interleaved rounds (both parts)")
@@ -741,7 +746,8 @@ def main(argv: list[str] | None = None) -> int:
         "targets": tg,
         "raw": {"publish": pub["raw"], "tiny_loop": loop["raw"]},
     }
-    path = write_json(args.out, result)
+    out = args.out or RESULTS_DIR / ("bus_quick.json" if args.quick else "bus.json")
+    path = write_json(out, result)
     print(f"\nwrote {path} ({elapsed:.0f} s)")
     return 0
 

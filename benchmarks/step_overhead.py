@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from reactivex import operators as ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import (  # noqa: E402
+from _common import (
     RESULTS_DIR,
     format_table,
     interleaved_rounds,
@@ -47,9 +47,9 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-import trainbus._loop as _loop_module  # noqa: E402
-from trainbus import EventBus, Trainer  # noqa: E402
-from trainbus import events as ev  # noqa: E402
+import trainbus._loop as _loop_module
+from trainbus import EventBus, Trainer
+from trainbus import events as ev
 
 # The loop's own time, measured on the training thread (FitStarted .. FitEnded).
 _LOOP_SECONDS: list[float] = []

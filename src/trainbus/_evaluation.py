@@ -14,7 +14,7 @@ from ._tensors import batch_size, move_to_device
 
 if TYPE_CHECKING:
     from ._bus import EventBus
-    from .trainer import Settings
+    from ._settings import Settings
 
 __all__ = ["Evaluator", "forward_loss", "split_batch"]
 

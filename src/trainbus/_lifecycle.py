@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Self
 
 import anyio
 import structlog
@@ -26,7 +26,7 @@ from ._subscription import AsyncSubscription, BusStatistics, Subscription
 if TYPE_CHECKING:
     from reactivex import abc
 
-    from ._bus import EventBus, _Root
+    from ._bus import _Root
 
 __all__ = ["LifecycleMixin"]
 
@@ -68,7 +68,7 @@ class LifecycleMixin:
         """True between entering and leaving ``async with bus``."""
         return self._state == "running"
 
-    async def __aenter__(self) -> EventBus:
+    async def __aenter__(self) -> Self:
         if self._state != "new":
             raise BusClosedError("an EventBus runs once; create a new one")
         self._state = "running"

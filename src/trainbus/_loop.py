@@ -54,7 +54,7 @@ from ._window import WindowMixin
 
 if TYPE_CHECKING:
     from ._bus import EventBus
-    from .trainer import Settings
+    from ._settings import Settings
 
 __all__ = ["Loop", "Outcome"]
 
@@ -335,6 +335,7 @@ class Loop(ControlMixin, WindowMixin):
             step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         barrier_event: ev.BaseEvent | None = None
         if self.w_step_ended:
+            assert step_loss is not None  # kept: someone wants StepEnded
             ended = ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
                                  grad_norm=grad_norm, samples=samples,
                                  duration_s=time.monotonic() - t0)  # fmt: skip
@@ -389,8 +390,9 @@ class Loop(ControlMixin, WindowMixin):
                 hook(ctx)
             if ctx.skip:
                 return None
+            self._check_loss(ctx.loss, bi)
             loss = ctx.loss
-            self._check_loss(loss, bi)
+        assert isinstance(loss, torch.Tensor)
         return loss
 
     def _check_loss(self, loss: Any, bi: int) -> None:

@@ -51,7 +51,7 @@ class BusObservable(Observable[_T], Generic[_T]):
             return BusObservable(self.bus, result)
         return result
 
-    def subscribe(  # type: ignore[override]
+    def subscribe(
         self,
         on_next: abc.ObserverBase[_T] | Callable[[_T], Any] | None = None,
         on_error: Callable[[Exception], Any] | ErrorPolicy | None = None,
@@ -79,7 +79,7 @@ class BusObservable(Observable[_T], Generic[_T]):
             ConfigError: ``on_next`` is neither callable nor an observer; unknown policy.
         """
         if isinstance(on_error, str):
-            policy, on_error = on_error, None  # type: ignore[assignment]
+            policy, on_error = on_error, None
         return self.bus._subscribe_guarded(
             self.source,
             on_next,

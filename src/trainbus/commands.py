@@ -104,5 +104,5 @@ Command: TypeAlias = (
 )
 """Union of every command class."""
 
-COMMAND_TYPES: tuple[type, ...] = Command.__args__  # type: ignore[attr-defined]
+COMMAND_TYPES: tuple[type, ...] = Command.__args__
 """Every command class."""

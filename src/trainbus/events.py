@@ -349,7 +349,7 @@ Event: TypeAlias = (
 )
 """Union of every event class."""
 
-EVENT_TYPES: tuple[type[BaseEvent], ...] = Event.__args__  # type: ignore[attr-defined]
+EVENT_TYPES: tuple[type[BaseEvent], ...] = Event.__args__
 """Every concrete event class, in vocabulary order."""
 
 SPANS: Mapping[type[BaseEvent], type[BaseEvent]] = MappingProxyType(

@@ -48,7 +48,7 @@ def _check_int(name: str, value: object, minimum: int) -> int:
 def _check_mode(mode: object) -> Mode:
     if mode not in ("min", "max"):
         raise ConfigError.invalid("mode", mode, "'min' (lower is better) or 'max'")
-    return mode  # type: ignore[return-value]
+    return mode
 
 
 def _check_number(name: str, value: object, *, positive: bool = False) -> float:
@@ -103,11 +103,7 @@ def every(n: int) -> Callable[[Observable[_T]], Observable[_T]]:
     n = _check_int("n", n, 1)
 
     def _every(source: Observable[_T]) -> Observable[_T]:
-        return source.pipe(
-            ops.scan(lambda acc, x: (acc[0] + 1, x), (0, None)),  # type: ignore[arg-type,return-value]
-            ops.filter(lambda acc: acc[0] % n == 0),  # type: ignore[index]
-            ops.map(lambda acc: acc[1]),  # type: ignore[index]
-        )
+        return source.pipe(ops.filter_indexed(lambda _, i: (i + 1) % n == 0))
 
     return _every
 
@@ -156,11 +152,14 @@ def metric(name: str) -> Callable[[Observable[Any]], Observable[float]]:
     """
     name = _check_metric(name)
 
+    def has(e: Any) -> bool:
+        return name in getattr(e, "metrics", {})
+
+    def read(e: Any) -> float:
+        return float(e.metrics[name])
+
     def _metric(source: Observable[Any]) -> Observable[float]:
-        return source.pipe(
-            ops.filter(lambda e: name in getattr(e, "metrics", {})),
-            ops.map(lambda e: float(e.metrics[name])),
-        )
+        return source.pipe(ops.filter(has), ops.map(read))
 
     return _metric
 
