@@ -42,6 +42,7 @@ from _common import (
     format_table,
     interleaved_rounds,
     machine_info,
+    median,
     paired_ratios,
     percentile,
     write_json,
@@ -162,7 +163,7 @@ def overhead(kind: str, steps: int, rounds: int, device: torch.device) -> dict[s
     samples = interleaved_rounds(variants, rounds)
     loop = paired_ratios(samples, "bare", key="loop")
     fit = paired_ratios(samples, "bare", key="fit")
-    step_us = {n: 1e6 * sorted(r["loop"] for r in runs)[len(runs) // 2] / steps  # type: ignore[index]
+    step_us = {n: 1e6 * median([r["loop"] for r in runs]) / steps  # type: ignore[index]
                for n, runs in samples.items()}  # fmt: skip
     return {
         "steps": steps,

@@ -44,6 +44,7 @@ from ._subscription import (
     Overflow,
     Subscription,
 )
+from ._validate import check_int, check_number
 
 __all__ = ["CommandError", "EventBus", "Tier"]
 
@@ -95,12 +96,14 @@ class EventBus(BarrierMixin, CommandChannelMixin, FailureMixin, LifecycleMixin):
         on_error: ErrorPolicy = "log",
         scheduler: abc.SchedulerBase | None = None,
     ) -> None:
-        if not isinstance(flush_interval, int | float) or not (0 < flush_interval <= 10):
+        if (
+            isinstance(flush_interval, bool)
+            or not isinstance(flush_interval, int | float)
+            or not (0 < flush_interval <= 10)
+        ):
             raise ConfigError.invalid("flush_interval", flush_interval, "seconds in (0, 10]")
-        if not isinstance(max_queue, int) or max_queue < 1:
-            raise ConfigError.invalid("max_queue", max_queue, "an int >= 1")
-        if not isinstance(close_timeout, int | float) or not close_timeout >= 0:
-            raise ConfigError.invalid("close_timeout", close_timeout, "seconds >= 0")
+        check_int("max_queue", max_queue, 1)
+        check_number("close_timeout", close_timeout)
         self._check_policy(on_error)
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")

@@ -90,6 +90,8 @@ class Hooks:
     def __init__(self) -> None:
         self._entries: dict[HookPoint, list[tuple[int, int, HookFn]]] = {p: [] for p in HOOK_POINTS}
         self.by_point: dict[HookPoint, tuple[HookFn, ...]] = {p: () for p in HOOK_POINTS}
+        self.any = False
+        """True when some hook is registered: the loop takes its plain path otherwise."""
         self._seq = 0
 
     def add(self, point: HookPoint, fn: HookFn, *, tier: str = "user") -> HookHandle:
@@ -118,3 +120,4 @@ class Hooks:
     def _rebuild(self, point: HookPoint) -> None:
         # The loop reads by_point[...] once per use; a tuple swap keeps that read lock-free.
         self.by_point = {**self.by_point, point: tuple(e[2] for e in sorted(self._entries[point]))}
+        self.any = any(self.by_point.values())

@@ -39,7 +39,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -77,6 +77,11 @@ class Outcome:
 def _flag(t: type) -> str:
     return "w_" + re.sub(r"(?<!^)(?=[A-Z])", "_", t.__name__).lower()
 
+
+_PHASE_EVENTS = (
+    ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
+    ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded,
+)  # fmt: skip
 
 _WANTED = (
     ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
@@ -130,6 +135,7 @@ class Loop(ControlMixin, WindowMixin):
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
         self._move = self.device.type != "cpu"
         self._amp = settings.precision != "32"
+        self._plain = False
 
     # ================================================================== helpers
     def _refresh_wants(self) -> None:
@@ -139,6 +145,12 @@ class Loop(ControlMixin, WindowMixin):
             # Plain attributes: the hot path reads ~16 of these a step.
             for t, wanted in self._want.items():
                 setattr(self, _flag(t), wanted)
+            # The plain path: no per-phase event wanted and full precision. Then a step is
+            # fetch, forward, backward, step with no helper calls in between (a few µs less a
+            # step on a ~100 µs tiny model); hooks are checked per step (they may come and go).
+            self._plain = not self._amp and self.scaler is None and not any(
+                self._want[t] for t in _PHASE_EVENTS
+            )
 
     def _check_cancel(self) -> None:
         if self.cancel_requested:
@@ -224,19 +236,23 @@ class Loop(ControlMixin, WindowMixin):
             for _ in range(st.batch_in_epoch):  # resuming mid-epoch: skip what was consumed
                 next(it, None)
             total = s.train_len
+            accumulate = s.accumulate
+            max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
-            while True:
+            while True:  # per step: two attribute reads and an int compare decide to go on
                 if self.stop_epoch:
                     complete = True
                     break
-                if self._finished():
+                if self.stop_reason is not None or st.step == max_steps:
                     break
-                window = s.accumulate
+                window = accumulate
                 if total is not None:
-                    window = min(window, total - st.batch_in_epoch)
-                    if window <= 0:
-                        complete = True
-                        break
+                    left = total - st.batch_in_epoch
+                    if left < window:
+                        window = left
+                        if window <= 0:
+                            complete = True
+                            break
                 if self._step(it, window) == 0:
                     complete = True
                     break
@@ -276,7 +292,9 @@ class Loop(ControlMixin, WindowMixin):
         t0 = time.monotonic()
         losses: list[torch.Tensor] = []
         samples = consumed = 0
+        data_wait = 0.0
         stepped = False
+        plain = self._plain and not self.hooks.any
         # Every step's loss is kept (detached) only when a subscriber reads per-step or windowed
         # values; otherwise only the log step's loss is kept, for the NaN check (a NaN in the
         # weights persists, so checking every log_every steps still catches it). detach() and
@@ -288,6 +306,8 @@ class Loop(ControlMixin, WindowMixin):
                 raise Cancelled
             tf = time.monotonic()
             batch = next(it, _END)
+            fetched = time.monotonic()
+            data_wait += fetched - tf
             if batch is _END:
                 break
             bi = st.batch_in_epoch
@@ -295,7 +315,7 @@ class Loop(ControlMixin, WindowMixin):
             consumed += 1
             if self.w_batch_fetched:
                 pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                    data_wait_s=time.monotonic() - tf))  # fmt: skip
+                                    data_wait_s=fetched - tf))  # fmt: skip
             if self._move:
                 batch = move_to_device(batch, self.device)
             ctx: StepContext | None = None
@@ -307,6 +327,25 @@ class Loop(ControlMixin, WindowMixin):
                     continue
                 batch = ctx.batch
             samples += batch_size(batch)
+            if plain:
+                # The same forward/backward as _forward/_backward, minus the events and hooks
+                # this step does not have.
+                try:
+                    loss = forward_loss(s, batch)[1]
+                except BaseException as exc:
+                    self._annotate(exc, "forward", bi)
+                    raise
+                if not self._loss_checked:
+                    self._check_loss(loss, bi)
+                stepped = True
+                if keep:
+                    losses.append(loss.detach())
+                try:
+                    (loss / window if window > 1 else loss).backward()
+                except BaseException as exc:
+                    self._annotate(exc, "backward", bi)
+                    raise
+                continue
             loss = self._forward(batch, bi, ctx, micro)
             if loss is None:
                 continue
@@ -322,10 +361,23 @@ class Loop(ControlMixin, WindowMixin):
         if not stepped:
             opt.zero_grad(set_to_none=True)
             return consumed
-        grad_norm = self._optimizer_step(bi)
-        if grad_norm is _SKIPPED:
-            return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
-        assert grad_norm is None or isinstance(grad_norm, torch.Tensor)
+        grad_norm: torch.Tensor | None = None
+        if plain:
+            if s.clip_grad_norm is not None:
+                params = self.model.parameters()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm)
+            try:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            except BaseException as exc:
+                self._annotate(exc, "optimizer step", bi)
+                raise
+            st.step += 1
+        else:
+            stepped_norm = self._optimizer_step(bi)
+            if stepped_norm is _SKIPPED:
+                return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
+            grad_norm = cast("torch.Tensor | None", stepped_norm)
         if s.scheduler is not None and s.scheduler_interval == "step":
             s.scheduler.step()
             if self.w_scheduler_stepped:
@@ -337,7 +389,7 @@ class Loop(ControlMixin, WindowMixin):
         if self.w_step_ended:
             assert step_loss is not None  # kept: someone wants StepEnded
             ended = ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
-                                 grad_norm=grad_norm, samples=samples,
+                                 grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
                                  duration_s=time.monotonic() - t0)  # fmt: skip
             pub(ended)
             if ev.StepEnded in s.barriers:

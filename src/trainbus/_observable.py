@@ -125,9 +125,7 @@ def normalize_observer(
     if isinstance(observer, abc.ObserverBase):
         return observer.on_next, observer.on_error, observer.on_completed
     if observer is None or not callable(observer):
-        raise ConfigError.invalid(
-            "on_next", observer, "a callable of one event, or an Rx observer"
-        )
+        raise ConfigError.invalid("on_next", observer, "a callable of one event, or an Rx observer")
     for field, value in (("on_error", on_error), ("on_completed", on_completed)):
         if value is not None and not callable(value):
             raise ConfigError.invalid(field, value, "a callable or None")

@@ -18,6 +18,7 @@ import torch
 from . import events as ev
 from ._exceptions import ConfigError
 from ._tensors import resolve_device
+from ._validate import check_int
 
 __all__ = ["NonFinitePolicy", "Precision", "Settings", "build_settings"]
 
@@ -66,15 +67,6 @@ class Settings:
             return contextlib.nullcontext()
         dtype = torch.bfloat16 if self.precision == "bf16" else torch.float16
         return torch.autocast(device_type=self.device.type, dtype=dtype)
-
-
-def _int(name: str, value: Any, minimum: int, *, optional: bool = True) -> int | None:
-    if value is None and optional:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        allowed = f"an int >= {minimum}" + (" or None" if optional else "")
-        raise ConfigError.invalid(name, value, allowed)
-    return value
 
 
 def _iterable(name: str, value: Any, *, optional: bool) -> int | None:
@@ -142,8 +134,8 @@ def build_settings(
         raise ConfigError.invalid(
             "loss_fn", loss_fn, "a callable loss_fn(outputs, targets) or None"
         )
-    max_epochs = _int("max_epochs", max_epochs, 1)
-    max_steps = _int("max_steps", max_steps, 1)
+    max_epochs = check_int("max_epochs", max_epochs, 1, optional=True)
+    max_steps = check_int("max_steps", max_steps, 1, optional=True)
     if max_epochs is None and max_steps is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     if scheduler is not None and not callable(getattr(scheduler, "step", None)):
@@ -152,7 +144,7 @@ def build_settings(
         )
     if scheduler_interval not in ("step", "epoch"):
         raise ConfigError.invalid("scheduler_interval", scheduler_interval, "'step' or 'epoch'")
-    accumulate = _int("accumulate", accumulate, 1, optional=False)
+    accumulate = check_int("accumulate", accumulate, 1)
     if clip_grad_norm is not None and not (
         isinstance(clip_grad_norm, int | float)
         and math.isfinite(clip_grad_norm)
@@ -175,7 +167,7 @@ def build_settings(
             precision,
             f"'32' or 'bf16' on {resolved.type}; fp16 with a grad scaler needs CUDA",
         )
-    seed = _int("seed", seed, 0)
+    seed = check_int("seed", seed, 0, optional=True)
     if metrics is not None and not isinstance(metrics, Mapping):
         raise ConfigError.invalid("metrics", metrics, "a mapping of names to fn(outputs, targets)")
     metrics = dict(metrics or {})
@@ -184,12 +176,12 @@ def build_settings(
             raise ConfigError.invalid(
                 f"metrics[{name!r}]", fn, "an identifier mapped to fn(outputs, targets)"
             )
-    eval_every = _int("eval_every", eval_every, 1)
+    eval_every = check_int("eval_every", eval_every, 1, optional=True)
     if eval_every is not None and eval_data is None:
         raise ConfigError.invalid("eval_every", eval_every, "None unless eval_data is given")
     if not isinstance(eval_at_epoch_end, bool):
         raise ConfigError.invalid("eval_at_epoch_end", eval_at_epoch_end, "True or False")
-    log_every = _int("log_every", log_every, 1, optional=False)
+    log_every = check_int("log_every", log_every, 1)
     ckpt: Path | None = None
     if checkpoint_dir is not None:
         if not isinstance(checkpoint_dir, str | Path) or not str(checkpoint_dir):

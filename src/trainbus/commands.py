@@ -11,11 +11,11 @@ subscriber that made it, not a crash inside the training loop.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TypeAlias
 
 from ._exceptions import ConfigError
+from ._validate import check_int, check_number
 
 __all__ = [
     "COMMAND_TYPES",
@@ -30,8 +30,7 @@ __all__ = [
 
 
 def _check_group(value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or value < 0):
-        raise ConfigError.invalid("param_group", value, "a parameter group index >= 0, or None")
+    check_int("param_group", value, 0, optional=True)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -77,8 +76,7 @@ class SetLearningRate:
     param_group: int | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lr, int | float) or not math.isfinite(self.lr) or self.lr < 0:
-            raise ConfigError.invalid("lr", self.lr, "a finite number >= 0")
+        check_number("lr", self.lr)
         _check_group(self.param_group)
 
 
@@ -90,12 +88,7 @@ class ScaleLearningRate:
     param_group: int | None = None
 
     def __post_init__(self) -> None:
-        if (
-            not isinstance(self.factor, int | float)
-            or not math.isfinite(self.factor)
-            or self.factor <= 0
-        ):
-            raise ConfigError.invalid("factor", self.factor, "a finite number > 0")
+        check_number("factor", self.factor, positive=True)
         _check_group(self.param_group)
 
 

@@ -241,6 +241,8 @@ class StepEnded(BaseEvent):
     """Samples consumed by this step (all micro-batches)."""
     duration_s: float
     """Wall time of the step, from the first batch fetch to the end of the optimizer step."""
+    data_wait_s: float = 0.0
+    """Of ``duration_s``, the time spent waiting for the data iterable (all micro-batches)."""
 
 
 # --------------------------------------------------------------------------- evaluation

@@ -21,6 +21,7 @@ from reactivex import operators as ops
 from . import commands as cmd
 from . import events as ev
 from ._exceptions import ConfigError
+from ._validate import check_int, check_metric, check_mode, check_number
 
 __all__ = [
     "Span",
@@ -39,38 +40,11 @@ _E2 = TypeVar("_E2")
 Mode = Literal["min", "max"]
 
 
-def _check_int(name: str, value: object, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError.invalid(name, value, f"an int >= {minimum}")
-    return value
-
-
-def _check_mode(mode: object) -> Mode:
-    if mode not in ("min", "max"):
-        raise ConfigError.invalid("mode", mode, "'min' (lower is better) or 'max'")
-    return mode
-
-
-def _check_number(name: str, value: object, *, positive: bool = False) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
-        raise ConfigError.invalid(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
-    return float(value)  # type: ignore[arg-type]
-
-
-def _check_metric(name: object) -> str:
-    if not isinstance(name, str) or not name:
-        raise ConfigError.invalid("metric", name, "a metric name such as 'val_loss'")
-    return name
-
-
 # ----------------------------------------------------------------------------- selection
 @overload
 def of_type(t: type[_E], /) -> Callable[[Observable[Any]], Observable[_E]]: ...
 @overload
-def of_type(
-    t: type[_E], t2: type[_E2], /
-) -> Callable[[Observable[Any]], Observable[_E | _E2]]: ...
+def of_type(t: type[_E], t2: type[_E2], /) -> Callable[[Observable[Any]], Observable[_E | _E2]]: ...
 @overload
 def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]: ...
 def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]:
@@ -100,7 +74,7 @@ def every(n: int) -> Callable[[Observable[_T]], Observable[_T]]:
     Raises:
         ConfigError: ``n`` is not an int >= 1.
     """
-    n = _check_int("n", n, 1)
+    n = check_int("n", n, 1)
 
     def _every(source: Observable[_T]) -> Observable[_T]:
         return source.pipe(ops.filter_indexed(lambda _, i: (i + 1) % n == 0))
@@ -124,6 +98,7 @@ def once(
     Raises:
         ConfigError: ``at`` is a negative int, or neither int, callable nor None.
     """
+
     # filter + take(1), not ops.first: first() errors with SequenceContainsNoElementsError when
     # the source completes without a match, so a run ending before step k would count a
     # subscriber failure at close (and fail the run under on_error="raise").
@@ -133,7 +108,7 @@ def once(
     if at is None:
         return ops.take(1)
     if isinstance(at, int) and not isinstance(at, bool):
-        step = _check_int("at", at, 0)
+        step = check_int("at", at, 0)
         return first(lambda e: e.step >= step)
     if callable(at):
         return first(at)
@@ -150,7 +125,7 @@ def metric(name: str) -> Callable[[Observable[Any]], Observable[float]]:
         source:             -{loss:2}-{acc:1}-{loss:1}-|
         metric("loss"):     -2-----------------1-------|
     """
-    name = _check_metric(name)
+    name = check_metric("metric", name)
 
     def has(e: Any) -> bool:
         return name in getattr(e, "metrics", {})
@@ -251,10 +226,10 @@ def patience(
         ConfigError: for an argument out of range (eagerly); the stream errors with a
             ``ConfigError`` when an event lacks the metric.
     """
-    metric = _check_metric(metric)
-    mode = _check_mode(mode)
-    patience = _check_int("patience", patience, 1)
-    min_delta = _check_number("min_delta", min_delta)
+    metric = check_metric("metric", metric)
+    mode = check_mode(mode)
+    patience = check_int("patience", patience, 1)
+    min_delta = check_number("min_delta", min_delta)
 
     def step(tracker: _Tracker, value: float, event: Any) -> cmd.StopTraining | None:
         tracker.update(value)
@@ -304,15 +279,16 @@ def plateau(
     Raises:
         ConfigError: for an argument out of range.
     """
-    metric = _check_metric(metric)
-    mode = _check_mode(mode)
-    patience = _check_int("patience", patience, 1)
-    cooldown = _check_int("cooldown", cooldown, 0)
-    min_delta = _check_number("min_delta", min_delta)
+    metric = check_metric("metric", metric)
+    mode = check_mode(mode)
+    patience = check_int("patience", patience, 1)
+    cooldown = check_int("cooldown", cooldown, 0)
+    min_delta = check_number("min_delta", min_delta)
     if not isinstance(factor, int | float) or not 0 < factor < 1:
         raise ConfigError.invalid("factor", factor, "a number in (0, 1)")
     if max_reductions is not None:
-        max_reductions = _check_int("max_reductions", max_reductions, 1)
+        max_reductions = check_int("max_reductions", max_reductions, 1)
+
     def step(tracker: _Tracker, value: float, event: Any) -> cmd.ScaleLearningRate | None:
         improved = tracker.update(value)
         if tracker.cooling > 0:

@@ -16,8 +16,8 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
+from .._validate import check_int, check_metric, check_mode
 from ._base import Callback
-from ._checks import check_int, check_metric, check_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus

@@ -25,8 +25,8 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
+from .._validate import check_optional_seconds, check_path, check_seconds
 from ._base import Callback
-from ._checks import check_optional_seconds, check_path, check_seconds
 
 if TYPE_CHECKING:
     from .._bus import EventBus

@@ -10,8 +10,8 @@ from reactivex import operators as ops
 
 from .. import events as ev
 from .._exceptions import ConfigError
+from .._validate import check_seconds
 from ._base import Callback
-from ._checks import check_seconds
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -34,8 +34,11 @@ class Throughput:
     window, from the start of its first step) to this window's last step end."""
     steps_per_s: float
     samples_per_s: float
-    data_wait_s: float | None
-    """Mean seconds a training batch fetch waited for the data iterable (None: not seen)."""
+    data_wait_s: float
+    """Mean seconds a step waited for the data iterable (``StepEnded.data_wait_s``)."""
+    data_wait_fraction: float
+    """Share of the steps' own time spent waiting for data: above a few percent, the loader
+    is the bottleneck."""
 
 
 class _Meter:
@@ -45,9 +48,7 @@ class _Meter:
         self.last_end: float | None = None
 
     def __call__(self, window: list[Any]) -> Throughput | None:
-        steps = [e for e in window if isinstance(e, ev.StepEnded)]
-        waits = [e.data_wait_s for e in window
-                 if isinstance(e, ev.BatchFetched) and e.phase == "train"]  # fmt: skip
+        steps: list[ev.StepEnded] = window
         if not steps:
             return None  # nothing trained (an evaluation, or the run is over): no figures
         first, last = steps[0], steps[-1]
@@ -58,10 +59,12 @@ class _Meter:
             elapsed = sum(e.duration_s for e in steps)
         elapsed = max(elapsed, 1e-9)
         samples = sum(e.samples for e in steps)
+        wait = sum(e.data_wait_s for e in steps)
+        busy = sum(e.duration_s for e in steps)
         return Throughput(
             step=last.step, epoch=last.epoch, steps=len(steps), samples=samples,
             elapsed_s=elapsed, steps_per_s=len(steps) / elapsed, samples_per_s=samples / elapsed,
-            data_wait_s=sum(waits) / len(waits) if waits else None,
+            data_wait_s=wait / len(steps), data_wait_fraction=wait / busy if busy > 0 else 0.0,
         )  # fmt: skip
 
 
@@ -70,13 +73,13 @@ class ThroughputMonitor(Callback):
 
     Pipeline::
 
-        StepEnded | BatchFetched -> buffer_with_time(window_s) -> measure -> drop empty
-                                 -> "throughput" (step, epoch, steps, samples, elapsed_s,
-                                    steps_per_s, samples_per_s, data_wait_s)
+        StepEnded -> buffer_with_time(window_s) -> measure -> drop empty
+                  -> "throughput" (step, epoch, steps, samples, elapsed_s, steps_per_s,
+                                   samples_per_s, data_wait_s, data_wait_fraction)
 
     Rates use the events' own timestamps (``time``), so a window's figures do not depend on
-    when the bus delivered it. Subscribing to ``BatchFetched`` makes the loop publish one event
-    per training and evaluation batch (only ``phase="train"`` ones count here).
+    when the bus delivered it. Only ``StepEnded`` is needed (it carries the step's data wait),
+    so the monitor adds no per-batch event to the loop.
 
     Args:
         window_s: Seconds per window (> 0).
@@ -105,9 +108,10 @@ class ThroughputMonitor(Callback):
             if self.log:
                 logger.info("throughput", step=t.step, epoch=t.epoch, steps=t.steps,
                             samples=t.samples, elapsed_s=t.elapsed_s, steps_per_s=t.steps_per_s,
-                            samples_per_s=t.samples_per_s, data_wait_s=t.data_wait_s)  # fmt: skip
+                            samples_per_s=t.samples_per_s, data_wait_s=t.data_wait_s,
+                            data_wait_fraction=t.data_wait_fraction)  # fmt: skip
 
-        bus.stream(ev.StepEnded, ev.BatchFetched).pipe(
+        bus.stream(ev.StepEnded).pipe(
             ops.buffer_with_time(self.window_s),
             ops.map(_Meter()),  # one meter per setup (per run)
             ops.filter(lambda t: t is not None),

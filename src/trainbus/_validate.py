@@ -1,4 +1,4 @@
-"""Eager argument checks shared by the built-in callbacks.
+"""Eager argument checks shared by the trainer, the operators and the built-in callbacks.
 
 Each check raises :class:`~trainbus.ConfigError` naming the argument, the value received and what
 is allowed, at construction time: a typo fails where it was written, not inside the event loop.
@@ -9,14 +9,15 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Literal, overload
 
-from .._exceptions import ConfigError
+from ._exceptions import ConfigError
 
 __all__ = [
     "check_int",
     "check_metric",
     "check_mode",
+    "check_number",
     "check_optional_seconds",
     "check_path",
     "check_seconds",
@@ -45,6 +46,10 @@ def check_optional_seconds(name: str, value: object) -> float | None:
         raise ConfigError.invalid(name, value, "None, or seconds as a finite number > 0") from None
 
 
+@overload
+def check_int(name: str, value: object, minimum: int) -> int: ...
+@overload
+def check_int(name: str, value: object, minimum: int, *, optional: bool) -> int | None: ...
 def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> int | None:
     """An int >= ``minimum`` (or None when ``optional``); bools are refused."""
     if value is None and optional:
@@ -54,6 +59,14 @@ def check_int(name: str, value: object, minimum: int, *, optional: bool = False)
             name, value, f"an int >= {minimum}" + (", or None" if optional else "")
         )
     return value
+
+
+def check_number(name: str, value: object, *, positive: bool = False) -> float:
+    """A finite number >= 0 (> 0 when ``positive``); bools are refused."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
+        raise ConfigError.invalid(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
+    return float(value)  # type: ignore[arg-type]
 
 
 def check_mode(value: object) -> Literal["min", "max"]:
