@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         print(format_table(["variant", "µs/step", "loop ratio", "p25", "p75", "fit() ratio"], rows))
     print("\ndelivery lag of StepEnded (tiny model)")
-    print(format_table(["subscriber", "p50 ms", "p99 ms", "max ms"],
-                       [(k, v["p50_ms"], v["p99_ms"], v["max_ms"]) for k, v in results["lag"].items()]))  # fmt: skip
+    lag_rows = [(k, v["p50_ms"], v["p99_ms"], v["max_ms"]) for k, v in results["lag"].items()]
+    print(format_table(["subscriber", "p50 ms", "p99 ms", "max ms"], lag_rows))
     name = (
         "step_overhead"
         + ("_quick" if args.quick else "")

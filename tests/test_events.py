@@ -192,3 +192,28 @@ def test_exhaustive_match_covers_every_event(cls: type[ev.BaseEvent], make_event
 def test_exhaustive_match_rejects_a_foreign_object() -> None:
     with pytest.raises(AssertionError):
         describe(object())  # type: ignore[arg-type]
+
+
+def test_generated_init_keeps_dataclass_semantics() -> None:
+    """events.py swaps each event's __init__ for a faster generated one: same contract."""
+    import dataclasses
+    import time as _time
+
+    before = _time.monotonic()
+    e = ev.StepEnded(step=3, epoch=1, loss=0.5, lr=0.1, grad_norm=None, samples=32,
+                     duration_s=0.01)  # fmt: skip
+    assert (e.step, e.epoch, e.loss, e.samples, e.data_wait_s) == (3, 1, 0.5, 32, 0.0)
+    assert before <= e.time <= _time.monotonic()  # default factory ran
+    assert e == dataclasses.replace(e)  # replace() goes through the same __init__
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        e.step = 4  # type: ignore[misc]
+    with pytest.raises(TypeError, match="positional"):
+        ev.StepEnded(3, 1)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="missing"):
+        ev.StepEnded(step=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected"):
+        ev.EpochStarted(step=0, epoch=0, nope=1)  # type: ignore[call-arg]
+    ended = ev.EvaluationEnded(step=1, epoch=0, metrics={"val_loss": 1.0})
+    assert ended.trigger == "epoch" and ended.error is None
+    with pytest.raises(TypeError):
+        ended.metrics["val_loss"] = 2.0  # type: ignore[index]  # __post_init__ still runs
