@@ -384,14 +384,15 @@ def _install_fast_init(cls: type[BaseEvent]) -> None:
     if hasattr(cls, "__post_init__"):
         body.append("self.__post_init__()")
     source = f"def __init__(self, *, {', '.join(params)}):\n    " + "\n    ".join(body)
-    exec(source, ns)  # noqa: S102 - generated from the dataclass' own field list, as dataclasses do
+    exec(source, ns)  # generated from the dataclass' own field list, as dataclasses do
     init = ns["__init__"]
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     init.__doc__ = cls.__init__.__doc__
-    cls.__init__ = init  # type: ignore[misc]
+    cls.__init__ = init  # type: ignore[method-assign]
 
 
-for _cls in (BaseEvent, *EVENT_TYPES):
+_ALL: tuple[type[BaseEvent], ...] = (BaseEvent, *EVENT_TYPES)
+for _cls in _ALL:
     _install_fast_init(_cls)
 
 SPANS: Mapping[type[BaseEvent], type[BaseEvent]] = MappingProxyType(
