@@ -4,6 +4,7 @@ Two models: a tiny MLP (32-64-10, batch 32, ~100 µs a step here: where overhead
 wider MLP with a step of a few milliseconds (where the GIL is released inside kernels). Variants:
 
 - ``bare``: ``for x, y in data: loss = F.cross_entropy(model(x), y); backward; step; zero_grad``
+- ``bare_thread``: the same loop on a worker thread (where the Trainer runs its loop)
 - ``trainbus``: the Trainer with no subscriber (events nobody wants are never built)
 - ``typical``: progress, throttled metrics logging, LR and throughput monitoring, early stopping
 - ``every_event``: one no-op subscriber on ``bus.events`` (every event of every step built)
@@ -24,6 +25,7 @@ import argparse
 import io
 import logging
 import sys
+import threading
 import time
 from collections.abc import Callable
 from contextlib import redirect_stderr
@@ -109,6 +111,17 @@ def bare(kind: str, data: list[Any], device: torch.device) -> dict[str, float]:
     return {"loop": t, "fit": t}
 
 
+def bare_in_thread(kind: str, data: list[Any], device: torch.device) -> dict[str, float]:
+    """The bare loop on a worker thread, as the Trainer runs its loop: separates the cost of
+    trainbus from the difference between the main thread and a worker thread (glibc gives
+    each thread its own malloc arena, which shows with the wide model's multi-MB grads)."""
+    out: list[dict[str, float]] = []
+    worker = threading.Thread(target=lambda: out.append(bare(kind, data, device)))
+    worker.start()
+    worker.join()
+    return out[0]
+
+
 def _typical(trainer: Trainer) -> None:
     from trainbus.callbacks import (
         EarlyStopping,
@@ -155,6 +168,7 @@ def overhead(kind: str, steps: int, rounds: int, device: torch.device) -> dict[s
     data = make_data(kind, steps, device)
     variants: dict[str, Callable[[], Any]] = {
         "bare": lambda: bare(kind, data, device),
+        "bare_thread": lambda: bare_in_thread(kind, data, device),
         "trainbus": lambda: with_trainbus(kind, data, device, None),
         "typical": lambda: with_trainbus(kind, data, device, _typical),
         "every_event": lambda: with_trainbus(kind, data, device, _every_event),

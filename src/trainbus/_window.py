@@ -46,26 +46,21 @@ class WindowMixin:
         now = time.monotonic()
         elapsed = max(now - self._window_t0, 1e-9)
         steps = len(losses_kept) if publish else s.log_every
-        if publish or len(losses_kept) > 1 or self._window_norms:
-            losses = torch.stack(losses_kept).float()
-            values = [losses.mean(), torch.isfinite(losses).all().float()]
-            if self._window_norms:
-                values.append(torch.stack(self._window_norms).float().mean())
-            read = torch.stack([v.to(losses.device) for v in values]).tolist()  # the one sync
-            mean_loss, finite = read[0], read[1] >= 1.0
-        else:
-            # Nobody reads windowed metrics: check the log step's loss alone, in one read
-            # (a stack of eight small ops here cost ~10 µs a step on the tiny model).
-            mean_loss = float(losses_kept[0]) if losses_kept else math.nan
-            finite, read = math.isfinite(mean_loss), []
+        # One stack and one read of the window (the device sync), then plain Python: eight small
+        # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
+        values = [float(v) for v in torch.stack(losses_kept).tolist()] if losses_kept else []
+        mean_loss = sum(values) / len(values) if values else math.nan
+        finite = all(math.isfinite(v) for v in values)
+        norms = self._window_norms
+        norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         metrics = {
             "loss": mean_loss,
             "lr": self._lr(),
             "steps_per_s": steps / elapsed,
             "samples_per_s": self._window_samples / elapsed,
         }
-        if len(read) > 2:
-            metrics["grad_norm"] = read[2]
+        if norms_read:
+            metrics["grad_norm"] = sum(norms_read) / len(norms_read)
         self.train_metrics = metrics
         self._window_losses, self._window_norms = [], []
         self._window_samples, self._window_t0 = 0, now

@@ -139,7 +139,7 @@ class Trainer:
         metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
         eval_every: int | None = None,
         eval_at_epoch_end: bool = True,
-        log_every: int = 10,
+        log_every: int = 50,
         checkpoint_dir: str | Path | None = None,
         resume_from: str | Path | None = None,
         callbacks: Iterable[Callback | type[Callback]] = (),
