@@ -49,6 +49,7 @@ from ._control import ControlMixin
 from ._evaluation import Evaluator, forward_loss
 from ._exceptions import TrainingError
 from ._hooks import Hooks, StepContext
+from ._phases import SKIPPED, PhasesMixin
 from ._tensors import batch_size, move_to_device
 from ._window import WindowMixin
 
@@ -90,7 +91,7 @@ _WANTED = (
 )  # fmt: skip
 
 
-class Loop(ControlMixin, WindowMixin):
+class Loop(PhasesMixin, ControlMixin, WindowMixin):
     """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable."""
 
     def __init__(
@@ -148,24 +149,15 @@ class Loop(ControlMixin, WindowMixin):
             # The plain path: no per-phase event wanted and full precision. Then a step is
             # fetch, forward, backward, step with no helper calls in between (a few µs less a
             # step on a ~100 µs tiny model); hooks are checked per step (they may come and go).
-            self._plain = not self._amp and self.scaler is None and not any(
-                self._want[t] for t in _PHASE_EVENTS
+            self._plain = (
+                not self._amp
+                and self.scaler is None
+                and not any(self._want[t] for t in _PHASE_EVENTS)
             )
 
     def _check_cancel(self) -> None:
         if self.cancel_requested:
             raise Cancelled
-
-    def _annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
-        st = self.state
-        exc.add_note(
-            f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {batch_index}"
-        )
-
-    def _context(self, bi: int, micro: int, batch: Any) -> StepContext:
-        st = self.state
-        return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=batch, model=self.model, optimizer=self.optimizer)  # fmt: skip
 
     def _lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -375,7 +367,7 @@ class Loop(ControlMixin, WindowMixin):
             st.step += 1
         else:
             stepped_norm = self._optimizer_step(bi)
-            if stepped_norm is _SKIPPED:
+            if stepped_norm is SKIPPED:
                 return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
             grad_norm = cast("torch.Tensor | None", stepped_norm)
         if s.scheduler is not None and s.scheduler_interval == "step":
@@ -411,124 +403,6 @@ class Loop(ControlMixin, WindowMixin):
             self._evaluate("steps")
         return consumed
 
-    def _forward(
-        self, batch: Any, bi: int, ctx: StepContext | None, micro: int
-    ) -> torch.Tensor | None:
-        pub, st = self.bus.publish, self.state
-        if self.w_forward_started:
-            pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
-        try:
-            if self._amp:
-                with self.s.autocast():
-                    outputs, loss = forward_loss(self.s, batch)
-            else:
-                outputs, loss = forward_loss(self.s, batch)
-        except BaseException as exc:
-            if self.w_forward_ended:
-                pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                    error=exc))  # fmt: skip
-            self._annotate(exc, "forward", bi)
-            raise
-        if self.w_forward_ended:
-            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
-        if not self._loss_checked:
-            self._check_loss(loss, bi)
-        hooks = self.hooks.by_point["loss"]
-        if hooks:
-            if ctx is None:
-                ctx = self._context(bi, micro, batch)
-            ctx.outputs, ctx.loss = outputs, loss
-            for hook in hooks:
-                hook(ctx)
-            if ctx.skip:
-                return None
-            self._check_loss(ctx.loss, bi)
-            loss = ctx.loss
-        assert isinstance(loss, torch.Tensor)
-        return loss
-
-    def _check_loss(self, loss: Any, bi: int) -> None:
-        # Shape and dtype are metadata: checking them never syncs the device.
-        st = self.state
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = (
-                f"a tensor of shape {tuple(loss.shape)}"
-                if isinstance(loss, torch.Tensor)
-                else repr(type(loss))
-            )
-            raise TrainingError(
-                f"the loss must be a scalar tensor; got {got} at step {st.step}, epoch "
-                f"{st.epoch}, batch {bi}. Reduce it (e.g. .mean()) in loss_fn or the model"
-            )
-        if not loss.requires_grad:
-            raise TrainingError(
-                f"the loss does not require grad at step {st.step}, epoch {st.epoch}, batch "
-                f"{bi}: it is detached from the model's parameters"
-            )
-        self._loss_checked = True
-
-    def _backward(self, loss: torch.Tensor, window: int, bi: int, micro: int) -> None:
-        pub, st = self.bus.publish, self.state
-        if self.w_backward_started:
-            pub(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
-                                   micro_batch=micro, accumulation_steps=window))  # fmt: skip
-        try:
-            scaled = loss / window if window > 1 else loss
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
-        except BaseException as exc:
-            if self.w_backward_ended:
-                pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi, error=exc,
-                                     micro_batch=micro, accumulation_steps=window))  # fmt: skip
-            self._annotate(exc, "backward", bi)
-            raise
-        if self.w_backward_ended:
-            pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                 micro_batch=micro, accumulation_steps=window))  # fmt: skip
-
-    def _optimizer_step(self, bi: int) -> torch.Tensor | object | None:
-        pub, st, s, opt = self.bus.publish, self.state, self.s, self.optimizer
-        if self.scaler is not None:
-            self.scaler.unscale_(opt)
-        hooks = self.hooks.by_point["before_optimizer_step"]
-        if hooks:
-            ctx = self._context(bi, 0, None)
-            for hook in hooks:
-                hook(ctx)
-            if ctx.skip:
-                opt.zero_grad(set_to_none=True)
-                if self.scaler is not None:
-                    self.scaler.update()
-                return _SKIPPED
-        grad_norm: torch.Tensor | None = None
-        if s.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), s.clip_grad_norm)
-        if self.w_optimizer_step_started:
-            pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
-        skipped = False
-        try:
-            if self.scaler is not None:
-                scale = self.scaler.get_scale() if self.w_optimizer_step_ended else None
-                self.scaler.step(opt)
-                self.scaler.update()
-                # get_scale() syncs the device: read only when someone wants OptimizerStepEnded.
-                skipped = scale is not None and self.scaler.get_scale() < scale
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-        except BaseException as exc:
-            if self.w_optimizer_step_ended:
-                pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
-                                          error=exc))  # fmt: skip
-            self._annotate(exc, "optimizer step", bi)
-            raise
-        st.step += 1
-        if self.w_optimizer_step_ended:
-            pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
-                                      skipped=skipped))  # fmt: skip
-        for hook in self.hooks.by_point["after_optimizer_step"]:
-            hook(self._context(bi, 0, None))  # fmt: skip
-        return grad_norm
-
     # ================================================================== evaluation
     def _evaluate(self, trigger: str) -> ev.EvaluationEnded:
         self._refresh_wants()
@@ -539,4 +413,3 @@ class Loop(ControlMixin, WindowMixin):
 
 
 _END = object()
-_SKIPPED = object()
