@@ -35,7 +35,6 @@ the NaN check (every ``log_every`` steps, one sync for the whole window) needs i
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -73,22 +72,6 @@ class Outcome:
     eval_metrics: dict[str, float]
     train_metrics: dict[str, float]
     last_checkpoint: str | None
-
-
-def _flag(t: type) -> str:
-    return "w_" + re.sub(r"(?<!^)(?=[A-Z])", "_", t.__name__).lower()
-
-
-_PHASE_EVENTS = (
-    ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
-    ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded,
-)  # fmt: skip
-
-_WANTED = (
-    ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
-    ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.SchedulerStepped,
-    ev.StepEnded, ev.MetricsLogged, ev.EvalBatchEnded,
-)  # fmt: skip
 
 
 class Loop(PhasesMixin, ControlMixin, WindowMixin):
@@ -139,22 +122,6 @@ class Loop(PhasesMixin, ControlMixin, WindowMixin):
         self._plain = False
 
     # ================================================================== helpers
-    def _refresh_wants(self) -> None:
-        if self.bus.routes_version != self._version:
-            self._version = self.bus.routes_version
-            self._want = {t: self.bus.wants(t) for t in _WANTED}
-            # Plain attributes: the hot path reads ~16 of these a step.
-            for t, wanted in self._want.items():
-                setattr(self, _flag(t), wanted)
-            # The plain path: no per-phase event wanted and full precision. Then a step is
-            # fetch, forward, backward, step with no helper calls in between (a few µs less a
-            # step on a ~100 µs tiny model); hooks are checked per step (they may come and go).
-            self._plain = (
-                not self._amp
-                and self.scaler is None
-                and not any(self._want[t] for t in _PHASE_EVENTS)
-            )
-
     def _check_cancel(self) -> None:
         if self.cancel_requested:
             raise Cancelled
