@@ -347,9 +347,6 @@ class EventBus(DispatchMixin, BarrierMixin, CommandChannelMixin, FailureMixin, L
         self._routes = routes
         return observers
 
-    def _forget(self, sub: Subscription) -> None:
-        sub.active = False
-
     class _TierContext:
         def __init__(self, bus: EventBus, tier: Tier) -> None:
             self.bus, self.tier, self.previous = bus, tier, bus._tier

@@ -115,6 +115,7 @@ class Loop(PhasesMixin, ControlMixin, WindowMixin):
         self._window_norms: list[torch.Tensor] = []
         self._window_samples = 0
         self._window_t0 = time.monotonic()
+        self._window_step0 = state.step
         self._loss_checked = False
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
         self._move = self.device.type != "cpu"

@@ -107,7 +107,6 @@ class Subscription(abc.DisposableBase):
         self.active = False
         if self.upstream is not None:
             self.upstream.dispose()
-        self.bus._forget(self)
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""

@@ -33,6 +33,8 @@ class WindowMixin:
     _window_norms: list[torch.Tensor]
     _window_samples: int
     _window_t0: float
+    _window_step0: int
+    """Step count when the window opened: a window after a resume may be shorter."""
 
     if TYPE_CHECKING:
 
@@ -45,7 +47,7 @@ class WindowMixin:
         losses_kept = self._window_losses
         now = time.monotonic()
         elapsed = max(now - self._window_t0, 1e-9)
-        steps = len(losses_kept) if publish else s.log_every
+        steps = st.step - self._window_step0
         # One stack and one read of the window (the device sync), then plain Python: eight small
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
         values = [float(v) for v in torch.stack(losses_kept).tolist()] if losses_kept else []
@@ -63,7 +65,7 @@ class WindowMixin:
             metrics["grad_norm"] = sum(norms_read) / len(norms_read)
         self.train_metrics = metrics
         self._window_losses, self._window_norms = [], []
-        self._window_samples, self._window_t0 = 0, now
+        self._window_samples, self._window_t0, self._window_step0 = 0, now, st.step
         logged = None
         if publish:
             logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
