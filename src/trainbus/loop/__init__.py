@@ -3,6 +3,8 @@
 Objects, each owning its state (see docs/architecture.md for the table):
 
 - :class:`Loop` (``loop.py``): the run, the epoch and the step, in event order.
+- :class:`OrdinarySteps` (``ordinary.py``): stretches of steps with nothing to do but train,
+  run back to back in one tight loop (the same events and state as the step).
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
 - :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
@@ -25,6 +27,7 @@ from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
 from .hooks import StepContext as StepContext
 from .loop import Loop as Loop
+from .ordinary import OrdinarySteps as OrdinarySteps
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
@@ -52,6 +55,7 @@ __all__ = [
     "Loop",
     "MetricsWindow",
     "NonFinitePolicy",
+    "OrdinarySteps",
     "Outcome",
     "Precision",
     "Settings",

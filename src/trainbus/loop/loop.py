@@ -44,6 +44,11 @@ No value is read off the device on this thread unless a subscriber or the non-fi
 it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the window's
 losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
 under ``on_nonfinite="skip"``, which reads every step before the update (see ``nonfinite.py``).
+
+Most steps of a run have nothing to do but train (one micro-batch, no hook, no per-phase event,
+not a log, decision or evaluation step): ``_epoch`` hands stretches of them to
+:class:`~trainbus.loop.ordinary.OrdinarySteps`, which runs them back to back with the same
+events and state changes as :meth:`Loop._step` (pinned by tests/test_ordinary_steps.py).
 """
 
 from __future__ import annotations
@@ -66,6 +71,7 @@ from .data import EpochData
 from .evaluation import EvalTrigger, Evaluator, forward_loss
 from .hooks import Hooks, StepContext
 from .nonfinite import NonFiniteGuard
+from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
 from .phases import SKIPPED, StepPhases
 from .scheduler import SchedulerStepper
@@ -151,6 +157,9 @@ class Loop:
                                      reduce=None if sync is None else self._reduce_window)
         self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
+        self._ordinary = OrdinarySteps(settings, bus, state, self._wants, hooks, self._phases,
+                                       self._guard, self._window, scheduler_step=scheduler.step,
+                                       lr=scheduler.lr, cancelled=lambda: self._cancel)  # fmt: skip
         # The parts' methods the step calls, bound once: a step pays the same single attribute
         # lookup as for a method of its own.
         self._fetch_observed = self._data.fetch_observed
@@ -260,7 +269,8 @@ class Loop:
     # ================================================================== one epoch
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
-        pub, st, s, control = self._bus.publish, self._state, self._s, self._control
+        bus, st, s, control = self._bus, self._state, self._s, self._control
+        pub, ordinary = bus.publish, self._ordinary
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -284,6 +294,18 @@ class Loop:
                         if window <= 0:
                             complete = True
                             break
+                if window == 1:
+                    if self._bus.routes_version != self._routes_seen:
+                        self._reread_routes()
+                    limit = self._ordinary_limit() if ordinary.possible() else 0
+                    if limit > 0:  # a stretch of steps with nothing to do but train
+                        ordinary.run(it, limit)
+                        if ordinary.exhausted:
+                            complete = True
+                            break
+                        if bus.failure is not None or bus.has_commands() or self._cancel:
+                            control.poll()  # what the stretch stopped for
+                        continue
                 if self._step(it, window) == 0:
                     complete = True
                     break
@@ -318,9 +340,7 @@ class Loop:
         bus, w = self._bus, self._wants
         pub, st, s, phases = bus.publish, self._state, self._s, self._phases
         if bus.routes_version != self._routes_seen:  # the one int compare a step pays for its
-            self._routes_seen = bus.routes_version  # wants and decision steps
-            w.refresh()
-            self._decision_step = self._next_decision(st.step)
+            self._reread_routes()  # wants and decision steps
         hooks = self._hooks
         by_point = hooks.by_point
         opt = s.optimizer
@@ -469,6 +489,30 @@ class Loop:
         if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
             self._evaluate("steps")
         return consumed
+
+    def _reread_routes(self) -> None:
+        """The routing changed: re-read the wanted events and the next decision step."""
+        self._routes_seen = self._bus.routes_version
+        self._wants.refresh()
+        self._decision_step = self._next_decision(self._state.step)
+
+    def _ordinary_limit(self) -> int:
+        """How many of the next steps are ordinary by their number: the steps before the next
+        log step, declared decision step or evaluation step (those take :meth:`_step`), within
+        ``max_steps`` and the epoch's batches. 0: the next step is not ordinary."""
+        st, s = self._state, self._s
+        step = st.step
+        special = (step // s.log_every + 1) * s.log_every
+        if self._decision_step > step:
+            special = min(special, self._decision_step)
+        if s.eval_every is not None and s.eval_data is not None:
+            special = min(special, (step // s.eval_every + 1) * s.eval_every)
+        limit = special - 1 - step
+        if s.max_steps is not None:
+            limit = min(limit, s.max_steps - step)
+        if s.train_len is not None:
+            limit = min(limit, s.train_len - st.batch_in_epoch)
+        return limit
 
     def _next_decision(self, step: int) -> int:
         """The first declared decision step after ``step`` (-1: none)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -60,15 +60,20 @@ class MetricsWindow:
         self.metrics: dict[str, float] = {}
         self._checked = 0
         """Losses of the window already read by :meth:`check_pending`."""
-        self._losses: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor | float] = []
+        """The window's losses in step order: detached tensors (read at the close), or floats
+        where the step read the value already (on the CPU, where reading is free)."""
         self._norms: list[torch.Tensor] = []
         self._samples = 0
         self._t0 = time.monotonic()
         self._step0 = state.step
         """Step count when the window opened: a window after a resume may be shorter."""
 
-    def add(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None, samples: int) -> None:
-        """Add one optimizer step: its (detached) loss, grad norm and sample count."""
+    def add(
+        self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | None, samples: int
+    ) -> None:
+        """Add one optimizer step: its loss (a detached tensor, or the value already read),
+        grad norm and sample count."""
         if loss is not None:
             self._losses.append(loss)
         if grad_norm is not None:
@@ -94,7 +99,7 @@ class MetricsWindow:
         steps = st.step - self._step0
         # One stack and one read of the window (the device sync), then plain Python: eight small
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
-        values = [float(v) for v in torch.stack(losses_kept).tolist()] if losses_kept else []
+        values = _read(losses_kept)
         mean_loss = sum(values) / len(values) if values else math.nan
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         step0 = self._step0
@@ -140,9 +145,19 @@ class MetricsWindow:
         pending = self._losses[self._checked :]
         if not pending:
             return
-        values = torch.stack(pending).tolist()
+        values = _read(pending)
         first = self._checked
         self._checked = len(self._losses)
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         if bad is not None:
             guard.found(self._step0 + first + bad + 1)
+
+
+def _read(losses: list[torch.Tensor | float]) -> list[float]:
+    """The values of ``losses`` in order: the tensors among them read with one stack (one
+    device sync), the floats as they are."""
+    tensors = [v for v in losses if type(v) is not float]
+    if not tensors:
+        return cast("list[float]", losses[:])
+    read = iter(float(v) for v in torch.stack(cast("list[torch.Tensor]", tensors)).tolist())
+    return [v if type(v) is float else next(read) for v in losses]

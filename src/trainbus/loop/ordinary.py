@@ -1,0 +1,217 @@
+"""Ordinary steps: the common case of the step, run back to back in one tight loop.
+
+Most optimizer steps of a run have nothing to do but train: one micro-batch, no hook, no
+per-phase event wanted, full precision, and they are not the step a log window closes at, a
+declared decision step, an evaluation step or ``max_steps``. :class:`OrdinarySteps` runs a
+stretch of such steps without going back to the loop between them. Per step it pays what the
+step itself needs (fetch, forward, backward, optimizer step), the non-finite check, the
+window's bookkeeping, ``StepEnded`` when someone wants it, and one look at whether the bus
+needs attention (a routing change, a queued command, a subscriber failure, a cancel), which
+ends the stretch so the loop can poll. Everything else (the first step's loss check, the log
+step, decision steps, evaluations, accumulation, hooks, mixed precision, barriers on
+``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
+
+What a stretch publishes and changes is exactly what as many calls of ``Loop._step`` would:
+the same events with the same fields, in the same order (``SchedulerStepping`` /
+``SchedulerStepped``, then ``StepEnded``), the same train state. Pinned by the step tests and
+``tests/test_ordinary_steps.py``, which runs every option both ways.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .. import events as ev
+from .._tensors import batch_size, move_to_device
+from .data import END
+from .evaluation import forward_loss
+
+if TYPE_CHECKING:
+    from ..bus import EventBus
+    from ..checkpoint import TrainState
+    from .hooks import Hooks
+    from .nonfinite import NonFiniteGuard
+    from .phases import StepPhases
+    from .settings import Settings
+    from .wants import Wants
+    from .window import MetricsWindow
+
+__all__ = ["OrdinarySteps"]
+
+
+class OrdinarySteps:
+    """Runs consecutive ordinary optimizer steps (see the module's docstring).
+
+    Attributes:
+        exhausted: The last :meth:`run` found the epoch's iterator exhausted.
+
+    Args:
+        settings: The run's settings (model, loss, optimizer, scheduler, clipping, device).
+        bus: Where ``StepEnded`` goes; asked whether it needs the loop's attention.
+        state: The run's train state (step, epoch, batch in epoch, samples seen).
+        wants: Which events someone listens to (refreshed by the loop before each stretch).
+        hooks: The step's hooks (none may be registered for a step to be ordinary).
+        phases: The instrumented phases (precision; the exception notes).
+        guard: The non-finite guard (which losses are read, and when).
+        window: The metrics window each step is added to.
+        scheduler_step: Steps the scheduler with its events (interval ``"step"``).
+        lr: The current learning rate, for ``StepEnded``.
+        cancelled: True when a cancel was requested (read after each step).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        state: TrainState,
+        wants: Wants,
+        hooks: Hooks,
+        phases: StepPhases,
+        guard: NonFiniteGuard,
+        window: MetricsWindow,
+        *,
+        scheduler_step: Callable[..., None],
+        lr: Callable[[], float],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self._s, self._bus, self._state, self._wants = settings, bus, state, wants
+        self._hooks, self._phases, self._guard, self._window = hooks, phases, guard, window
+        self._scheduler_step, self._lr, self._cancelled = scheduler_step, lr, cancelled
+        self.exhausted = False
+
+    def possible(self) -> bool:
+        """True when the next step may be ordinary as far as the step's shape goes: one
+        micro-batch per step, no hook, no per-phase or step-extra event wanted, full precision,
+        the first loss checked, ``StepEnded`` not a barrier. (The loop adds the step-number
+        conditions: see :meth:`trainbus.loop.loop.Loop._ordinary_limit`.)"""
+        w, s = self._wants, self._s
+        return not (
+            s.accumulate != 1
+            or w.phases
+            or w.step_extras
+            or self._hooks.any
+            or self._phases.instrumented_precision
+            or not self._phases.loss_checked
+            or (w.step_ended and ev.StepEnded in s.barriers)
+        )
+
+    def run(self, it: Iterator[Any], limit: int) -> int:
+        """Run up to ``limit`` ordinary steps from ``it``.
+
+        Stops early when the iterator is exhausted (:attr:`exhausted`), after a step whose
+        loss was not finite (the guard applied its policy), or after a step at which the bus
+        needs attention (the loop then polls, as after any step).
+
+        Args:
+            it: The epoch's batch iterator.
+            limit: The most steps to run (the steps before the next step that is not
+                ordinary, and before the epoch's end).
+
+        Returns:
+            The batches consumed (each one step, or one skipped non-finite update).
+
+        Raises:
+            NonFiniteLossError: a non-finite loss under ``on_nonfinite="raise"``.
+            BaseException: Whatever the model, loss, backward or optimizer raised, with a note
+                naming the phase, step, epoch and batch.
+        """
+        s, st, w, bus, guard = self._s, self._state, self._wants, self._bus, self._guard
+        model, loss_fn, opt = s.model, s.loss_fn, s.optimizer
+        add, pub, phases = self._window.add, bus.publish, self._phases
+        move = s.device if s.device.type != "cpu" else None
+        clip = s.clip_grad_norm
+        schedule = s.scheduler is not None and s.scheduler_interval == "step"
+        # The guard reads every loss (the CPU, where it is free, or "skip"): the window keeps
+        # the float. Otherwise the window keeps the detached tensor and reads it at its close
+        # when the guard or a subscriber needs the losses (as Loop._step does).
+        read = guard.per_step
+        keep = guard.active or w.metrics_logged or w.step_ended
+        check = guard.per_step
+        step_ended = w.step_ended
+        version = bus.routes_version
+        isfinite, monotonic, is_tensor = math.isfinite, time.monotonic, torch.Tensor
+        self.exhausted = False
+        done = 0
+        loss: Any
+        while done < limit:
+            t0 = monotonic()
+            batch = next(it, END)
+            fetched = monotonic()
+            if batch is END:
+                self.exhausted = True
+                break
+            bi = st.batch_in_epoch
+            st.batch_in_epoch = bi + 1
+            done += 1
+            if move is not None:
+                batch = move_to_device(batch, move)
+            if type(batch) is tuple and len(batch) == 2 and type(batch[0]) is is_tensor:
+                samples = batch[0].shape[0] if batch[0].dim() else 1
+                if loss_fn is not None:
+                    inputs, targets = batch
+                    try:
+                        loss = loss_fn(model(inputs), targets)
+                    except BaseException as exc:
+                        phases.annotate(exc, "forward", bi)
+                        raise
+                else:
+                    loss = self._forward(batch, bi)
+            else:
+                samples = batch_size(batch)
+                loss = self._forward(batch, bi)
+            try:
+                loss.backward()
+            except BaseException as exc:
+                phases.annotate(exc, "backward", bi)
+                raise
+            st.samples_seen += samples
+            value: torch.Tensor | float | None = None
+            detached: torch.Tensor | None = None
+            if read:
+                value = loss.item()
+                if check and not isfinite(value) and guard.skip_update([loss.detach()]):
+                    opt.zero_grad(set_to_none=True)  # "skip" / "stop": no update, no StepEnded
+                    break
+            elif keep:
+                value = detached = loss.detach()
+            grad_norm: torch.Tensor | None = None
+            try:
+                if clip is not None:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            except BaseException as exc:
+                phases.annotate(exc, "optimizer step", bi)
+                raise
+            st.step += 1
+            if schedule:
+                self._scheduler_step(always=False)
+            if step_ended:
+                if detached is None:
+                    detached = loss.detach()
+                pub(ev.StepEnded(step=st.step, epoch=st.epoch, loss=detached, lr=self._lr(),
+                                 grad_norm=grad_norm, samples=samples, data_wait_s=fetched - t0,
+                                 duration_s=monotonic() - t0))  # fmt: skip
+            add(value, grad_norm, samples)
+            if (
+                bus.routes_version != version
+                or bus.failure is not None
+                or bus.has_commands()
+                or self._cancelled()
+            ):
+                break
+        return done
+
+    def _forward(self, batch: Any, bi: int) -> Any:
+        """The loss of a batch of another shape than ``(inputs, targets)`` tensors."""
+        try:
+            loss = forward_loss(self._s, batch)[1]
+        except BaseException as exc:
+            self._phases.annotate(exc, "forward", bi)
+            raise
+        return loss
