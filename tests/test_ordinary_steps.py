@@ -267,3 +267,28 @@ def test_a_command_sent_during_a_stretch_ends_it(monkeypatch: pytest.MonkeyPatch
     _, _, result, ran = _run(Path("."), make, tight=True, mp=monkeypatch)
     assert result[0] == "stopped" and result[1] == "from a thread"
     assert 50 < result[2] < 2000 and ran > 40
+
+
+def test_a_hook_added_during_a_stretch_runs_from_the_next_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A hook added mid-run (here by a subscriber) ends the stretch: it runs on every step
+    from then on, not from the next log step (there is none in this run)."""
+    ran_at: list[int] = []
+
+    def make(folder: Path) -> Trainer:
+        model = tiny_model()
+        trainer = Trainer(model, _sgd(model), tiny_loader(600, 8), loss_fn=F.cross_entropy,
+                          max_epochs=1, log_every=10_000, handle_signals=False,
+                          progress=False)  # fmt: skip
+        # A plain filter, not tbops.once(at=20): that would make step 20 a decision step,
+        # taken by Loop._step, and the hook would be there before the next stretch begins.
+        trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 20)).subscribe(
+            lambda e: trainer.add_hook("after_optimizer_step", lambda ctx: ran_at.append(ctx.step))
+        )
+        return trainer
+
+    _, _, result, ran = _run(Path("."), make, tight=True, mp=monkeypatch)
+    assert result[2] == 600 and ran > 0
+    assert ran_at, "the hook never ran"
+    assert ran_at == list(range(ran_at[0], 601))  # every step from the first on

@@ -6,10 +6,10 @@ declared decision step, an evaluation step or ``max_steps``. :class:`OrdinarySte
 stretch of such steps without going back to the loop between them. Per step it pays what the
 step itself needs (fetch, forward, backward, optimizer step), the non-finite check, the
 window's bookkeeping, ``StepEnded`` when someone wants it, and one look at whether the bus
-needs attention (a routing change, a queued command, a subscriber failure, a cancel), which
-ends the stretch so the loop can poll. Everything else (the first step's loss check, the log
-step, decision steps, evaluations, accumulation, hooks, mixed precision, barriers on
-``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
+needs attention (a routing change, a queued command, a subscriber failure, a cancel) or a hook
+was added, which ends the stretch so the loop can poll. Everything else (the first step's loss
+check, the log step, decision steps, evaluations, accumulation, hooks, mixed precision,
+barriers on ``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
 
 What a stretch publishes and changes is exactly what as many calls of ``Loop._step`` would:
 the same events with the same fields, in the same order (``SchedulerStepping`` /
@@ -105,7 +105,7 @@ class OrdinarySteps:
 
         Stops early when the iterator is exhausted (:attr:`exhausted`), after a step whose
         loss was not finite (the guard applied its policy), or after a step at which the bus
-        needs attention (the loop then polls, as after any step).
+        needs attention or a hook was added (the loop then polls, as after any step).
 
         Args:
             it: The epoch's batch iterator.
@@ -122,7 +122,7 @@ class OrdinarySteps:
         """
         s, st, w, bus, guard = self._s, self._state, self._wants, self._bus, self._guard
         model, loss_fn, opt = s.model, s.loss_fn, s.optimizer
-        add, pub, phases = self._window.add, bus.publish, self._phases
+        add, pub, phases, hooks = self._window.add, bus.publish, self._phases, self._hooks
         move = s.device if s.device.type != "cpu" else None
         clip = s.clip_grad_norm
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
@@ -200,6 +200,7 @@ class OrdinarySteps:
             add(value, grad_norm, samples)
             if (
                 bus.routes_version != version
+                or hooks.any  # a hook added during the stretch runs from the next step on
                 or bus.failure is not None
                 or bus.has_commands()
                 or self._cancelled()
