@@ -39,6 +39,7 @@ from .._validate import check_int, check_number
 from .barrier import Barrier, BarrierStatus
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
+from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .lifecycle import Lifecycle
 from .observable import BusObservable, CommandSink, normalize_observer
@@ -111,17 +112,19 @@ class EventBus:
         self.close_timeout = float(close_timeout)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
 
-        self._clock = StepClock()
+        self.doorbell = bell = Doorbell()
+        """Rung whenever the training loop must look at the bus (see :class:`Doorbell`)."""
+        self._clock = StepClock(bell)
         stamp = DecisionStamp()
-        self._channel = channel = CommandChannel(stamp)
-        self._ledger = ledger = FailureLedger(on_error, channel.send)
+        self._channel = channel = CommandChannel(stamp, bell)
+        self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
         if scheduler is None:
             scheduler = own = AnyioScheduler(ledger.scheduler_failed)
         self.scheduler: abc.SchedulerBase = scheduler
         # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
         self._chain_scheduler = ChainScheduler(self.scheduler)
-        self._routes = routes = RouteTable()
+        self._routes = routes = RouteTable(bell)
         self._subs = subs = SubscriptionSet(ledger)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,

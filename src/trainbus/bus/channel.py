@@ -20,6 +20,7 @@ from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError, TrainbusError
 from .._log import get_logger
 from .clock import DecisionStamp
+from .doorbell import Doorbell
 
 __all__ = ["AckObserver", "CommandChannel", "CommandError"]
 
@@ -38,8 +39,11 @@ class CommandChannel:
             ``decided_at`` when the sender did not set one.
     """
 
-    def __init__(self, stamp: DecisionStamp | None = None) -> None:
+    def __init__(
+        self, stamp: DecisionStamp | None = None, doorbell: Doorbell | None = None
+    ) -> None:
         self._stamp = stamp or DecisionStamp()
+        self._doorbell = doorbell or Doorbell()
         # deque.append/popleft are atomic under the GIL: senders on any thread need no lock.
         self._commands: deque[cmd.Command] = deque()
         self._requests: dict[int, tuple[cmd.Command, anyio.Event, list[Any]]] = {}
@@ -57,6 +61,7 @@ class CommandChannel:
                 "command", command, "an instance of a trainbus.commands class"
             )
         self._commands.append(self.stamped(command))
+        self._doorbell.ring()  # after the append: the loop that hears it finds the command
 
     def stamped(self, command: cmd.Command) -> cmd.Command:
         """``command`` with ``decided_at`` set to the step the caller is handling (a copy), or

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 from .._validate import check_int
+from .doorbell import Doorbell
 
 __all__ = ["At", "DecisionStamp", "Every", "Schedule", "StepClock"]
 
@@ -64,7 +65,8 @@ class StepClock:
     a consistent set) and re-reads it only when :attr:`version` changed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, doorbell: Doorbell | None = None) -> None:
+        self._doorbell = doorbell or Doorbell()
         self._ids = itertools.count()
         self._declared: dict[int, Schedule] = {}
         self._schedules: tuple[Schedule, ...] = ()
@@ -90,6 +92,7 @@ class StepClock:
     def _changed(self) -> None:
         self._schedules = tuple(self._declared.values())
         self.version += 1
+        self._doorbell.ring()
 
     @property
     def schedules(self) -> tuple[Schedule, ...]:

@@ -17,6 +17,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, SubscriberError
 from .._log import get_logger
+from .doorbell import Doorbell
 
 __all__ = [
     "ERROR_POLICIES",
@@ -77,8 +78,14 @@ class FailureLedger:
         send: Puts a command on the back-channel (the ``"stop"`` policy's ``StopTraining``).
     """
 
-    def __init__(self, default_policy: ErrorPolicy, send: Callable[[cmd.Command], None]) -> None:
+    def __init__(
+        self,
+        default_policy: ErrorPolicy,
+        send: Callable[[cmd.Command], None],
+        doorbell: Doorbell | None = None,
+    ) -> None:
         self.default_policy: ErrorPolicy = default_policy
+        self._doorbell = doorbell or Doorbell()
         self._send = send
         self._failed = 0
         self._fatal: SubscriberError | None = None
@@ -138,6 +145,7 @@ class FailureLedger:
             fatal = SubscriberError(sub.name, exc)
             fatal.__cause__ = exc
             self._fatal = fatal
+            self._doorbell.ring()
 
     def chain_failed(self, observer: Any, exc: Exception, event: ev.BaseEvent) -> None:
         """An operator raised past RxPY into the dispatch: count and log it (policy ``log``)."""

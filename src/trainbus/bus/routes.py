@@ -14,6 +14,7 @@ from typing import Any, Literal
 from reactivex import abc
 
 from .._exceptions import ConfigError
+from .doorbell import Doorbell
 
 __all__ = ["Root", "RouteTable", "Tier", "TierContext"]
 
@@ -51,7 +52,8 @@ class TierContext:
 class RouteTable:
     """Roots by tier, the per-type route cache, and the demand answers built on it."""
 
-    def __init__(self) -> None:
+    def __init__(self, doorbell: Doorbell | None = None) -> None:
+        self._doorbell = doorbell or Doorbell()
         self._roots: list[Root] = []
         self._seq = 0
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
@@ -90,6 +92,7 @@ class RouteTable:
         self._roots.sort(key=lambda r: r.order)
         self.cache = {}
         self.version += 1
+        self._doorbell.ring()
         return root
 
     def unregister(self, root: Root) -> None:
@@ -98,6 +101,7 @@ class RouteTable:
             self._roots.remove(root)
             self.cache = {}
             self.version += 1
+            self._doorbell.ring()
 
     def observers(self) -> list[abc.ObserverBase[Any]]:
         """Every root observer, in delivery order (a copy: closing completes them)."""

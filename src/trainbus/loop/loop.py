@@ -159,7 +159,8 @@ class Loop:
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
         self._ordinary = OrdinarySteps(settings, bus, state, self._wants, hooks, self._phases,
                                        self._guard, self._window, scheduler_step=scheduler.step,
-                                       lr=scheduler.lr, cancelled=lambda: self._cancel)  # fmt: skip
+                                       lr=scheduler.lr, cancelled=lambda: self._cancel,
+                                       prompt_commands=sync is None)  # fmt: skip
         # The parts' methods the step calls, bound once: a step pays the same single attribute
         # lookup as for a method of its own.
         self._fetch_observed = self._data.fetch_observed
@@ -181,6 +182,7 @@ class Loop:
         between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
         Safe from any thread."""
         self._cancel = True
+        self._bus.doorbell.ring()  # a stretch of ordinary steps hears it after its next step
 
     def check_cancel(self) -> None:
         """Raise :class:`Cancelled` when a cancel was requested."""

@@ -2,14 +2,14 @@
 
 Most optimizer steps of a run have nothing to do but train: one micro-batch, no hook, no
 per-phase event wanted, full precision, and they are not the step a log window closes at, a
-declared decision step, an evaluation step or ``max_steps``. :class:`OrdinarySteps` runs a
+declared decision step or an evaluation step. :class:`OrdinarySteps` runs a
 stretch of such steps without going back to the loop between them. Per step it pays what the
 step itself needs (fetch, forward, backward, optimizer step), the non-finite check, the
 window's bookkeeping, ``StepEnded`` when someone wants it, and one look at whether the bus
-needs attention (a routing change, a queued command, a subscriber failure, a cancel) or a hook
-was added, which ends the stretch so the loop can poll. Everything else (the first step's loss
-check, the log step, decision steps, evaluations, accumulation, hooks, mixed precision,
-barriers on ``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
+needs attention (its doorbell: a routing change, a command, a ``"raise"`` subscriber failure,
+a cancel) or a hook was added, which ends the stretch so the loop can poll. Everything else
+(the first step's loss check, the log step, decision steps, evaluations, accumulation, hooks,
+mixed precision, barriers on ``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
 
 What a stretch publishes and changes is exactly what as many calls of ``Loop._step`` would:
 the same events with the same fields, in the same order (``SchedulerStepping`` /
@@ -61,7 +61,11 @@ class OrdinarySteps:
         window: The metrics window each step is added to.
         scheduler_step: Steps the scheduler with its events (interval ``"step"``).
         lr: The current learning rate, for ``StepEnded``.
-        cancelled: True when a cancel was requested (read after each step).
+        cancelled: True when a cancel was requested (read before a stretch; a cancel rings the
+            bus' doorbell, heard after each step).
+        prompt_commands: Queued commands are applied at the next step (one process). False
+            under torchrun, where they wait for the next common sync point: a stretch then
+            does not stop for them.
     """
 
     def __init__(
@@ -78,10 +82,12 @@ class OrdinarySteps:
         scheduler_step: Callable[..., None],
         lr: Callable[[], float],
         cancelled: Callable[[], bool],
+        prompt_commands: bool = True,
     ) -> None:
         self._s, self._bus, self._state, self._wants = settings, bus, state, wants
         self._hooks, self._phases, self._guard, self._window = hooks, phases, guard, window
         self._scheduler_step, self._lr, self._cancelled = scheduler_step, lr, cancelled
+        self._prompt = prompt_commands
         self.exhausted = False
 
     def possible(self) -> bool:
@@ -133,7 +139,10 @@ class OrdinarySteps:
         keep = guard.active or w.metrics_logged or w.step_ended
         check = guard.per_step
         step_ended = w.step_ended
-        version = bus.routes_version
+        bell = bus.doorbell
+        seen = bell.rings  # read before the look below: a later ring is heard after a step
+        if bus.failure is not None or self._cancelled() or (self._prompt and bus.has_commands()):
+            return 0  # something to act on already: the loop polls first
         isfinite, monotonic, is_tensor = math.isfinite, time.monotonic, torch.Tensor
         self.exhausted = False
         done = 0
@@ -198,13 +207,9 @@ class OrdinarySteps:
                                  grad_norm=grad_norm, samples=samples, data_wait_s=fetched - t0,
                                  duration_s=monotonic() - t0))  # fmt: skip
             add(value, grad_norm, samples)
-            if (
-                bus.routes_version != version
-                or hooks.any  # a hook added during the stretch runs from the next step on
-                or bus.failure is not None
-                or bus.has_commands()
-                or self._cancelled()
-            ):
+            # One attribute read: the bus rings after a routing change, a command, a "raise"
+            # failure, a cancel; a hook added during the stretch runs from the next step on.
+            if bell.rings != seen or hooks.any:
                 break
         return done
 

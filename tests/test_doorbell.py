@@ -1,0 +1,84 @@
+"""The bus rings its doorbell after every change the training loop must act on between steps
+(a stretch of ordinary steps reads nothing else), and for nothing else."""
+
+from __future__ import annotations
+
+import threading
+
+from trainbus import EventBus
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.bus.doorbell import Doorbell
+
+
+def test_rings_from_many_threads_always_move_the_count() -> None:
+    bell = Doorbell()
+
+    def ring_1000() -> None:
+        for _ in range(1000):
+            bell.ring()
+
+    threads = [threading.Thread(target=ring_1000) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # Racing rings may merge (a read-modify-write), but the count moved, which is all the
+    # loop asks; on CPython it is usually exact.
+    assert 1000 <= bell.rings <= 4000
+
+
+def test_a_subscription_coming_and_going_rings() -> None:
+    bus = EventBus()
+    before = bus.doorbell.rings
+    sub = bus.stream(ev.StepEnded).subscribe(lambda e: None)
+    after_subscribe = bus.doorbell.rings
+    sub.dispose()
+    assert before < after_subscribe < bus.doorbell.rings
+
+
+def test_a_decision_schedule_rings() -> None:
+    bus = EventBus()
+    before = bus.doorbell.rings
+    declared = bus.decides(every=5)
+    declared_at = bus.doorbell.rings
+    declared.dispose()
+    assert before < declared_at < bus.doorbell.rings
+
+
+def test_a_command_rings_after_it_is_queued() -> None:
+    bus = EventBus()
+    heard: list[bool] = []
+    before = bus.doorbell.rings
+    bus.send(cmd.StopTraining(reason="test"))
+    heard.append(bus.has_commands())
+    assert bus.doorbell.rings == before + 1 and heard == [True]
+
+
+def test_a_raise_failure_rings_and_a_logged_one_does_not() -> None:
+    bus = EventBus()
+
+    def boom(e: ev.BaseEvent) -> None:
+        raise RuntimeError("boom")
+
+    bus.stream(ev.StepEnded).subscribe(boom, on_error="log")
+    logged = bus.doorbell.rings
+    bus.publish(ev.StepEnded(step=1, epoch=0, loss=1.0, lr=0.1, grad_norm=None, samples=1,
+                             data_wait_s=0.0, duration_s=0.0))  # fmt: skip
+    bus.flush()
+    assert bus.doorbell.rings == logged and bus.failure is None
+    bus.stream(ev.EpochEnded).subscribe(boom, on_error="raise")
+    raised = bus.doorbell.rings
+    bus.publish(ev.EpochEnded(step=1, epoch=0, batches=1))
+    bus.flush()
+    assert bus.failure is not None and bus.doorbell.rings == raised + 1
+
+
+def test_publishing_does_not_ring() -> None:
+    bus = EventBus()
+    bus.stream(ev.EpochEnded).subscribe(lambda e: None)
+    before = bus.doorbell.rings
+    for step in range(10):
+        bus.publish(ev.EpochEnded(step=step, epoch=0, batches=1))
+    bus.flush()
+    assert bus.doorbell.rings == before
