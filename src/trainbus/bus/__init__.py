@@ -46,7 +46,7 @@ from .observable import BusObservable, CommandSink, normalize_observer
 from .queue import PublishQueue
 from .ranks import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
-from .routes import RouteTable, Tier, TierContext
+from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
 from .statistics import BusStatistics
 from .subscriptions import AsyncSubscription, Backpressure, Overflow, Subscription
@@ -155,6 +155,18 @@ class EventBus:
         routes.register((ev.CommandApplied,), AckObserver(channel), "internal")
 
     # ================================================================== state
+    def wants_each(self, event_type: type[ev.BaseEvent]) -> bool:
+        """True when some subscription takes every event of ``event_type``; False when none
+        does or only sampled ones do (``stream(..., every_s=)``: see :meth:`due`)."""
+        return self._routes.wants_each(event_type)
+
+    def due(self, event_type: type[ev.BaseEvent]) -> Due:
+        """When a sampled subscription of ``event_type`` takes its next event: ``due.at`` is a
+        ``time.monotonic()`` value (``inf``: none waits). The same object for the bus'
+        lifetime, kept up to date on the event-loop thread; a publisher that builds events
+        only for subscribers reads ``due.at`` and skips building before then."""
+        return self._routes.due(event_type)
+
     @property
     def routes_version(self) -> int:
         """Changes whenever a subscription comes or goes or a decision schedule is declared or
@@ -239,17 +251,36 @@ class EventBus:
         return self._events
 
     @overload
-    def stream(self, event_type: type[_E], /) -> BusObservable[_E]: ...
+    def stream(
+        self, event_type: type[_E], /, *, every_s: float | None = None
+    ) -> BusObservable[_E]: ...
     @overload
-    def stream(self, *event_types: type[ev.BaseEvent]) -> BusObservable[ev.BaseEvent]: ...
-    def stream(self, *event_types: type[ev.BaseEvent]) -> BusObservable[Any]:
+    def stream(
+        self, *event_types: type[ev.BaseEvent], every_s: float | None = None
+    ) -> BusObservable[ev.BaseEvent]: ...
+    def stream(
+        self, *event_types: type[ev.BaseEvent], every_s: float | None = None
+    ) -> BusObservable[Any]:
         """Events of the given types (subclasses included), as a typed hot Observable.
 
         Subscribing registers demand, so :meth:`wants` turns true for those types.
 
+        Args:
+            event_types: The event classes to receive.
+            every_s: Sample: each subscription takes the first event, then none stamped less
+                than ``every_s`` seconds after the last one it took (``throttle_first`` on
+                the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
+                loop sees it: while only sampled subscriptions want ``StepEnded``, the loop
+                builds one when one is due, not every step.
+
         Raises:
-            ConfigError: no type given, or one that is not a trainbus event class.
+            ConfigError: no type given, one that is not a trainbus event class, or an
+                ``every_s`` that is not a positive number of seconds.
         """
+        if every_s is not None and (
+            isinstance(every_s, bool) or not isinstance(every_s, int | float) or not every_s > 0
+        ):
+            raise ConfigError.invalid("every_s", every_s, "a positive number of seconds, or None")
         if not event_types:
             raise ConfigError.invalid("event_types", (), "at least one event class")
         for t in event_types:
@@ -257,13 +288,17 @@ class EventBus:
                 raise ConfigError.invalid(
                     "event_types", t, "event classes from trainbus.events (e.g. ev.StepEnded)"
                 )
-        return self._make_stream(tuple(event_types))
+        return self._make_stream(
+            tuple(event_types), None if every_s is None else float(every_s)
+        )
 
-    def _make_stream(self, types: tuple[type, ...]) -> BusObservable[Any]:
+    def _make_stream(
+        self, types: tuple[type, ...], every_s: float | None = None
+    ) -> BusObservable[Any]:
         routes = self._routes
 
         def subscribe(observer: abc.ObserverBase[Any], _: Any = None) -> abc.DisposableBase:
-            root = routes.register(types, observer)
+            root = routes.register(types, observer, every_s=every_s)
             return Disposable(lambda: routes.unregister(root))
 
         # Decision schedules only count on streams that can carry the per-step events.

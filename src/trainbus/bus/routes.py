@@ -5,10 +5,19 @@ subscription): the event types it takes and the observer to feed. Roots are kept
 (internal, core, user, global), then by order of subscription. The per-type answer is cached in
 :attr:`RouteTable.cache`, a dict that is replaced (copy-on-write), never mutated in place, so a
 dispatch in progress keeps a consistent view while a subscriber subscribes.
+
+A *sampled* root (``bus.stream(T, every_s=s)``) takes the first event, then none whose
+``time`` is less than ``s`` seconds after the last one it took: ``throttle_first`` on the
+events' own clock, applied where the event is routed. The table keeps, per event type asked
+about, a :class:`Due`: the time from which some sampled root takes its next event. A publisher
+that builds events only for subscribers (the training loop) reads it and builds no event of that
+type before then, when no root takes every event.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 from reactivex import abc
@@ -16,14 +25,15 @@ from reactivex import abc
 from .._exceptions import ConfigError
 from .doorbell import Doorbell
 
-__all__ = ["Root", "RouteTable", "Tier", "TierContext"]
+__all__ = ["Due", "Root", "RouteTable", "Sampled", "Tier", "TierContext"]
 
 Tier = Literal["internal", "core", "user", "global"]
 TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
 
 class Root:
-    """One subscription at the top of a chain: the types it takes and the observer to feed."""
+    """One subscription at the top of a chain: the types it takes and the observer to feed
+    (for a sampled root, its :class:`Sampled` gate)."""
 
     __slots__ = ("observer", "order", "types")
 
@@ -31,6 +41,55 @@ class Root:
         self.types = types
         self.observer = observer
         self.order = order
+
+
+class Due:
+    """When a sampled subscription of one event type takes its next event.
+
+    Attributes:
+        at: A ``time.monotonic()`` value: an event stamped at or after it is taken by some
+            sampled root; ``inf`` when no sampled root takes this type.
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = math.inf
+
+
+class Sampled(abc.ObserverBase[Any]):
+    """The gate of a sampled root: passes an event whose ``time`` is at least ``every_s`` after
+    the last one it passed (the first always), then tells the table its next due time.
+
+    Args:
+        observer: The subscription's observer.
+        every_s: The least time between two events passed, in seconds.
+        passed: Called after each event passed (the table recomputes its due times).
+    """
+
+    __slots__ = ("_observer", "_passed", "every_s", "next_at")
+
+    def __init__(
+        self, observer: abc.ObserverBase[Any], every_s: float, passed: Callable[[], None]
+    ) -> None:
+        self._observer = observer
+        self._passed = passed
+        self.every_s = every_s
+        self.next_at = -math.inf
+
+    def on_next(self, value: Any) -> None:
+        t = value.time
+        if t < self.next_at:
+            return
+        self.next_at = t + self.every_s
+        self._passed()
+        self._observer.on_next(value)
+
+    def on_error(self, error: Exception) -> None:
+        self._observer.on_error(error)
+
+    def on_completed(self) -> None:
+        self._observer.on_completed()
 
 
 class TierContext:
@@ -64,6 +123,8 @@ class RouteTable:
         re-reads them when this changes (one int compare per step)."""
         self.current_tier: Tier = "user"
         """Tier of the roots registered now (see :meth:`tier`)."""
+        self._due: dict[type, Due] = {}
+        """Event type -> its Due, for the types a publisher asked about (:meth:`due`)."""
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
@@ -71,6 +132,31 @@ class RouteTable:
         if routes is None:
             routes = self.resolve(event_type)
         return bool(routes)
+
+    def wants_each(self, event_type: type) -> bool:
+        """True when some root takes every event of ``event_type`` (not only a sample)."""
+        return any(
+            not isinstance(r.observer, Sampled)
+            for r in self._roots
+            if issubclass(event_type, r.types)
+        )
+
+    def due(self, event_type: type) -> Due:
+        """The :class:`Due` of ``event_type``: kept up to date as sampled roots of that type
+        come, go and take events (the same object for the table's lifetime)."""
+        due = self._due.get(event_type)
+        if due is None:
+            due = self._due[event_type] = Due()
+            self._update_due()
+        return due
+
+    def _update_due(self) -> None:
+        for event_type, due in self._due.items():
+            due.at = min(
+                (r.observer.next_at for r in self._roots
+                 if isinstance(r.observer, Sampled) and issubclass(event_type, r.types)),
+                default=math.inf,
+            )  # fmt: skip
 
     def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         """The observers ``event_type`` goes to, computed and cached."""
@@ -81,16 +167,25 @@ class RouteTable:
         return observers
 
     def register(
-        self, types: tuple[type, ...], observer: abc.ObserverBase[Any], tier: Tier | None = None
+        self,
+        types: tuple[type, ...],
+        observer: abc.ObserverBase[Any],
+        tier: Tier | None = None,
+        *,
+        every_s: float | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier) and return it."""
+        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``,
+        a sampled root (see the module's docstring)."""
         # Sorted by tier, then by order of subscription: core -> user -> global.
         self._seq += 1
         rank = TIER_ORDER[tier or self.current_tier]
+        if every_s is not None:
+            observer = Sampled(observer, every_s, self._update_due)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.order)
         self.cache = {}
+        self._update_due()
         self.version += 1
         self._doorbell.ring()
         return root
@@ -100,6 +195,7 @@ class RouteTable:
         if root in self._roots:
             self._roots.remove(root)
             self.cache = {}
+            self._update_due()
             self.version += 1
             self._doorbell.ring()
 

@@ -362,7 +362,9 @@ class Loop:
         # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
         guard = self._guard
         log_step = (st.step + 1) % s.log_every == 0
-        keep = guard.active or w.step_ended or w.loss_computed or w.metrics_logged or log_step
+        # Sampled StepEnded subscribers only (stream(..., every_s=)): built when one is due.
+        step_ended = w.step_ended or (w.step_ended_sampled and w.step_ended_due.at <= t0)
+        keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
         # ---------------------------------------------------------------- micro-batches
         for micro in range(window):
             if self._cancel:
@@ -459,7 +461,7 @@ class Loop:
             step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
         barrier_event: ev.BaseEvent | None = None
         ended: ev.BaseEvent | None = None
-        if w.step_ended:
+        if step_ended:
             assert step_loss is not None  # kept: someone wants StepEnded
             ended = ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
                                  grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,

@@ -103,7 +103,7 @@ class OrdinarySteps:
             or self._hooks.any
             or self._phases.instrumented_precision
             or not self._phases.loss_checked
-            or (w.step_ended and ev.StepEnded in s.barriers)
+            or ((w.step_ended or w.step_ended_sampled) and ev.StepEnded in s.barriers)
         )
 
     def run(self, it: Iterator[Any], limit: int) -> int:
@@ -136,9 +136,9 @@ class OrdinarySteps:
         # the float. Otherwise the window keeps the detached tensor and reads it at its close
         # when the guard or a subscriber needs the losses (as Loop._step does).
         read = guard.per_step
-        keep = guard.active or w.metrics_logged or w.step_ended
+        keep = guard.active or w.metrics_logged or w.step_ended or w.step_ended_sampled
         check = guard.per_step
-        step_ended = w.step_ended
+        every, sampled, due = w.step_ended, w.step_ended_sampled, w.step_ended_due
         bell = bus.doorbell
         seen = bell.rings  # read before the look below: a later ring is heard after a step
         if bus.failure is not None or self._cancelled() or (self._prompt and bus.has_commands()):
@@ -200,7 +200,7 @@ class OrdinarySteps:
             st.step += 1
             if schedule:
                 self._scheduler_step(always=False)
-            if step_ended:
+            if every or (sampled and due.at <= t0):  # a sampled subscriber may take this one
                 if detached is None:
                     detached = loss.detach()
                 pub(ev.StepEnded(step=st.step, epoch=st.epoch, loss=detached, lr=self._lr(),

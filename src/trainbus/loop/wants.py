@@ -25,6 +25,10 @@ class Wants:
         phases: One of the events only the instrumented phases publish (``BatchFetched``
             through ``OptimizerStepEnded``, ``MicroBatchEnded``, ``ZeroGradStarted/Ended``) is
             wanted; while none is, the step can take its plain path.
+        step_ended: Some subscription takes every ``StepEnded``.
+        step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
+            one when ``step_ended_due.at`` (a ``time.monotonic()`` value) has come.
+        step_ended_due: The bus' :class:`~trainbus.bus.routes.Due` for ``StepEnded``.
         step_extras: ``StepBegan`` or the ``DataWaitStarted/Ended`` span is wanted: the
             step reads this one flag, and the single ones only when it is set.
         version: The ``bus.routes_version`` the flags were read at (-1: never read).
@@ -55,6 +59,8 @@ class Wants:
         "scheduler_stepping",
         "step_began",
         "step_ended",
+        "step_ended_due",
+        "step_ended_sampled",
         "step_extras",
         "version",
         "zero_grad_ended",
@@ -63,6 +69,8 @@ class Wants:
 
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
+        self.step_ended_due = bus.due(ev.StepEnded)
+        self.step_ended_sampled = False
         self.version = -1
         self.batch_fetched = self.forward_started = self.forward_ended = False
         self.loss_computed = self.backward_started = self.backward_ended = False
@@ -97,7 +105,10 @@ class Wants:
         self.optimizer_step_started = wants(ev.OptimizerStepStarted)
         self.optimizer_step_ended = wants(ev.OptimizerStepEnded)
         self.scheduler_stepped = wants(ev.SchedulerStepped)
-        self.step_ended = wants(ev.StepEnded)
+        # Sampled subscriptions only (stream(StepEnded, every_s=)): the step builds one when
+        # step_ended_due.at has come, not every step.
+        self.step_ended = bus.wants_each(ev.StepEnded)
+        self.step_ended_sampled = not self.step_ended and wants(ev.StepEnded)
         self.metrics_logged = wants(ev.MetricsLogged)
         self.eval_batch_ended = wants(ev.EvalBatchEnded)
         self.eval_batch_started = wants(ev.EvalBatchStarted)

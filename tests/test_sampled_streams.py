@@ -1,0 +1,108 @@
+"""``bus.stream(T, every_s=s)``: a sampled subscription takes the first event, then none stamped
+less than ``s`` seconds after the last one it took; the training loop sees the sample and, while
+nobody takes every ``StepEnded``, builds one only when one is due."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reactivex import operators as ops
+
+from trainbus import ConfigError, EventBus, Trainer
+from trainbus import events as ev
+from trainbus.testing import tiny_loader, tiny_model
+
+
+def _step(step: int, time: float) -> ev.StepEnded:
+    return ev.StepEnded(step=step, epoch=0, loss=1.0, lr=0.1, grad_norm=None, samples=1,
+                        data_wait_s=0.0, duration_s=0.0, time=time)  # fmt: skip
+
+
+def test_takes_the_first_event_then_none_closer_than_every_s() -> None:
+    bus = EventBus()
+    got: list[int] = []
+    bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: got.append(e.step))
+    for step, t in enumerate([10.0, 10.5, 10.99, 11.0, 11.2, 12.5, 12.6, 13.49, 13.5]):
+        bus.publish(_step(step, t))
+    bus.flush()
+    assert got == [0, 3, 5, 8]  # 10.0, 11.0, 12.5, 13.5
+
+
+def test_each_sampled_subscription_keeps_its_own_clock() -> None:
+    bus = EventBus()
+    slow: list[int] = []
+    fast: list[int] = []
+    every: list[int] = []
+    bus.stream(ev.StepEnded, every_s=2.0).subscribe(lambda e: slow.append(e.step))
+    bus.stream(ev.StepEnded, every_s=0.5).subscribe(lambda e: fast.append(e.step))
+    bus.stream(ev.StepEnded).subscribe(lambda e: every.append(e.step))
+    for step in range(10):
+        bus.publish(_step(step, step * 0.5))
+    bus.flush()
+    assert slow == [0, 4, 8] and fast == list(range(10)) and every == list(range(10))
+
+
+def test_due_follows_the_sampled_subscriptions() -> None:
+    bus = EventBus()
+    due = bus.due(ev.StepEnded)
+    assert due.at == math.inf  # nobody samples
+    sub = bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: None)
+    assert due.at == -math.inf  # the first event is always taken
+    bus.publish(_step(1, 100.0))
+    bus.flush()
+    assert due.at == 101.0
+    assert bus.due(ev.StepEnded) is due  # one object the loop can keep
+    sub.dispose()
+    assert due.at == math.inf
+
+
+def test_wants_each_tells_sampled_from_every_event() -> None:
+    bus = EventBus()
+    sampled = bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: None)
+    assert bus.wants(ev.StepEnded) and not bus.wants_each(ev.StepEnded)
+    piped = bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(lambda e: None)
+    assert bus.wants_each(ev.StepEnded)  # a pipe the bus cannot see into takes every event
+    piped.dispose()
+    sampled.dispose()
+    assert not bus.wants(ev.StepEnded) and not bus.wants_each(ev.StepEnded)
+
+
+@pytest.mark.parametrize("every_s", [0, -1.0, True, "1", math.nan])
+def test_a_bad_every_s_is_a_config_error(every_s: Any) -> None:
+    with pytest.raises(ConfigError, match="every_s"):
+        EventBus().stream(ev.StepEnded, every_s=every_s)
+
+
+def _trainer(steps: int) -> Trainer:
+    model = tiny_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(steps, 8),
+                   loss_fn=F.cross_entropy, max_epochs=1, handle_signals=False,
+                   progress=False)  # fmt: skip
+
+
+def test_the_loop_builds_step_ended_only_when_a_sample_is_due() -> None:
+    trainer = _trainer(600)
+    got: list[ev.StepEnded] = []
+    trainer.bus.stream(ev.StepEnded, every_s=0.05).subscribe(got.append)
+    result = trainer.run()
+    assert result.steps == 600
+    times = [e.time for e in got]
+    assert got and all(b - a >= 0.05 for a, b in zip(times, times[1:], strict=False))
+    # Built only when due (plus those built before the poller saw the last one taken): far
+    # fewer than one a step. Every other event of the run is a handful.
+    published = result.statistics.published
+    assert published < 600 // 2, published
+
+
+def test_a_subscriber_of_every_step_still_gets_every_step() -> None:
+    trainer = _trainer(200)
+    sampled: list[int] = []
+    every: list[int] = []
+    trainer.bus.stream(ev.StepEnded, every_s=10.0).subscribe(lambda e: sampled.append(e.step))
+    trainer.bus.stream(ev.StepEnded).subscribe(lambda e: every.append(e.step))
+    trainer.run()
+    assert every == list(range(1, 201)) and sampled == [1]
