@@ -218,6 +218,31 @@ def _typical(trainer: Trainer) -> None:
     bus.stream(ev.CheckpointSaved).subscribe(lambda e: _log.info("saved %s", e.path))
 
 
+def _typical_sampled(trainer: Trainer) -> None:
+    """The typical kit with the step logger sampled by the bus (``stream(..., every_s=1.0)``)
+    instead of ``ops.throttle_first(1.0)`` in a pipe: the loop then builds one ``StepEnded`` a
+    second instead of one a step."""
+    bus = trainer.bus
+    bus.stream(ev.StepEnded, every_s=1.0).subscribe(
+        lambda e: _log.info("step %d loss %.4f", e.step, float(e.loss))
+    )
+    bus.stream(ev.EpochEnded).subscribe(lambda e: _log.info("epoch %d ended", e.epoch))
+    bus.stream(ev.FitEnded).subscribe(lambda e: _log.info("fit ended at %d", e.step))
+    bus.stream(ev.CheckpointSaved).subscribe(lambda e: _log.info("saved %s", e.path))
+
+
+def _slow_async_sampled(trainer: Trainer) -> None:
+    """``slow_async`` with every 10th step taken by the bus' step sampling
+    (``stream(..., every_steps=10)``) instead of an ``ops.filter`` the loop cannot see: the
+    loop builds a ``StepEnded`` at those steps only."""
+
+    async def slow(e: ev.StepEnded) -> None:
+        await anyio.sleep(0.02)
+
+    bus = trainer.bus
+    bus.subscribe_async(bus.stream(ev.StepEnded, every_steps=10), slow, overflow="latest")
+
+
 def _every_event(trainer: Trainer) -> None:
     trainer.bus.events.subscribe(lambda e: None)
 
@@ -272,8 +297,10 @@ VARIANTS: dict[str, Callable[[str, list[Batch], torch.device], Times]] = {
     "ignite_typical": lambda k, d, dev: with_ignite(k, d, dev, _ignite_typical),
     "trainbus": lambda k, d, dev: with_trainbus(k, d, dev, None),
     "typical": lambda k, d, dev: with_trainbus(k, d, dev, _typical),
+    "typical_sampled": lambda k, d, dev: with_trainbus(k, d, dev, _typical_sampled),
     "every_event": lambda k, d, dev: with_trainbus(k, d, dev, _every_event),
     "slow_async": lambda k, d, dev: with_trainbus(k, d, dev, _slow_async),
+    "slow_async_sampled": lambda k, d, dev: with_trainbus(k, d, dev, _slow_async_sampled),
 }
 
 

@@ -139,6 +139,14 @@ def _typical(trainer: Trainer) -> None:
     bus.stream(ev.CheckpointSaved).subscribe(lambda e: None)
 
 
+def _typical_sampled(trainer: Trainer) -> None:
+    bus = trainer.bus
+    bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: None)
+    bus.stream(ev.EpochEnded).subscribe(lambda e: None)
+    bus.stream(ev.FitEnded).subscribe(lambda e: None)
+    bus.stream(ev.CheckpointSaved).subscribe(lambda e: None)
+
+
 def _slow_async(trainer: Trainer) -> None:
     import anyio
 
@@ -150,11 +158,23 @@ def _slow_async(trainer: Trainer) -> None:
     bus.subscribe_async(step_ended, slow, overflow="latest")
 
 
+def _slow_async_sampled(trainer: Trainer) -> None:
+    import anyio
+
+    async def slow(e: ev.StepEnded) -> None:
+        await anyio.sleep(0.02)
+
+    bus = trainer.bus
+    bus.subscribe_async(bus.stream(ev.StepEnded, every_steps=10), slow, overflow="latest")
+
+
 SETUPS: dict[str, Callable[[Trainer], Any] | None] = {
     "none": None,
     "noop": lambda t: t.bus.stream(ev.StepEnded).subscribe(lambda e: None),
     "typical": _typical,
+    "typical_sampled": _typical_sampled,
     "slow_async": _slow_async,
+    "slow_async_sampled": _slow_async_sampled,
 }
 
 

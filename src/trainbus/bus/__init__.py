@@ -161,10 +161,11 @@ class EventBus:
         return self._routes.wants_each(event_type)
 
     def due(self, event_type: type[ev.BaseEvent]) -> Due:
-        """When a sampled subscription of ``event_type`` takes its next event: ``due.at`` is a
-        ``time.monotonic()`` value (``inf``: none waits). The same object for the bus'
-        lifetime, kept up to date on the event-loop thread; a publisher that builds events
-        only for subscribers reads ``due.at`` and skips building before then."""
+        """When the sampled subscriptions of ``event_type`` take their next event: ``due.at``
+        is a ``time.monotonic()`` value (``inf``: none waits), ``due.periods`` the
+        ``every_steps`` of the step-sampled ones (``due.takes_step(step)``). The same object
+        for the bus' lifetime, kept up to date on the event-loop thread; a publisher that
+        builds events only for subscribers reads it and skips building what nobody takes."""
         return self._routes.due(event_type)
 
     @property
@@ -252,14 +253,25 @@ class EventBus:
 
     @overload
     def stream(
-        self, event_type: type[_E], /, *, every_s: float | None = None
+        self,
+        event_type: type[_E],
+        /,
+        *,
+        every_s: float | None = None,
+        every_steps: int | None = None,
     ) -> BusObservable[_E]: ...
     @overload
     def stream(
-        self, *event_types: type[ev.BaseEvent], every_s: float | None = None
+        self,
+        *event_types: type[ev.BaseEvent],
+        every_s: float | None = None,
+        every_steps: int | None = None,
     ) -> BusObservable[ev.BaseEvent]: ...
     def stream(
-        self, *event_types: type[ev.BaseEvent], every_s: float | None = None
+        self,
+        *event_types: type[ev.BaseEvent],
+        every_s: float | None = None,
+        every_steps: int | None = None,
     ) -> BusObservable[Any]:
         """Events of the given types (subclasses included), as a typed hot Observable.
 
@@ -272,15 +284,25 @@ class EventBus:
                 the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
                 loop sees it: while only sampled subscriptions want ``StepEnded``, the loop
                 builds one when one is due, not every step.
+            every_steps: Sample by step: only the events whose ``step`` is a multiple of
+                ``every_steps`` (the ``logging_steps`` of other trainers). The loop builds
+                ``StepEnded`` only at those steps while no subscription takes every one.
 
         Raises:
-            ConfigError: no type given, one that is not a trainbus event class, or an
-                ``every_s`` that is not a positive number of seconds.
+            ConfigError: no type given, one that is not a trainbus event class, an
+                ``every_s`` that is not a positive number of seconds, an ``every_steps`` that
+                is not a positive int, or both.
         """
         if every_s is not None and (
             isinstance(every_s, bool) or not isinstance(every_s, int | float) or not every_s > 0
         ):
             raise ConfigError.invalid("every_s", every_s, "a positive number of seconds, or None")
+        if every_steps is not None:
+            check_int("every_steps", every_steps, 1)
+            if every_s is not None:
+                raise ConfigError.invalid(
+                    "every_steps", every_steps, "None when every_s is given (one sampling, not two)"
+                )
         if not event_types:
             raise ConfigError.invalid("event_types", (), "at least one event class")
         for t in event_types:
@@ -289,16 +311,19 @@ class EventBus:
                     "event_types", t, "event classes from trainbus.events (e.g. ev.StepEnded)"
                 )
         return self._make_stream(
-            tuple(event_types), None if every_s is None else float(every_s)
+            tuple(event_types), None if every_s is None else float(every_s), every_steps
         )
 
     def _make_stream(
-        self, types: tuple[type, ...], every_s: float | None = None
+        self,
+        types: tuple[type, ...],
+        every_s: float | None = None,
+        every_steps: int | None = None,
     ) -> BusObservable[Any]:
         routes = self._routes
 
         def subscribe(observer: abc.ObserverBase[Any], _: Any = None) -> abc.DisposableBase:
-            root = routes.register(types, observer, every_s=every_s)
+            root = routes.register(types, observer, every_s=every_s, every_steps=every_steps)
             return Disposable(lambda: routes.unregister(root))
 
         # Decision schedules only count on streams that can carry the per-step events.

@@ -6,12 +6,14 @@ subscription): the event types it takes and the observer to feed. Roots are kept
 :attr:`RouteTable.cache`, a dict that is replaced (copy-on-write), never mutated in place, so a
 dispatch in progress keeps a consistent view while a subscriber subscribes.
 
-A *sampled* root (``bus.stream(T, every_s=s)``) takes the first event, then none whose
-``time`` is less than ``s`` seconds after the last one it took: ``throttle_first`` on the
-events' own clock, applied where the event is routed. The table keeps, per event type asked
-about, a :class:`Due`: the time from which some sampled root takes its next event. A publisher
-that builds events only for subscribers (the training loop) reads it and builds no event of that
-type before then, when no root takes every event.
+A *sampled* root takes only some events, decided where the event is routed:
+``bus.stream(T, every_s=s)`` the first event, then none whose ``time`` is less than ``s``
+seconds after the last one it took (``throttle_first`` on the events' own clock);
+``bus.stream(T, every_steps=n)`` the events whose ``step`` is a multiple of ``n``. The table
+keeps, per event type asked about, a :class:`Due`: the time from which a time-sampled root
+takes its next event, and the step periods of the step-sampled ones. A publisher that builds
+events only for subscribers (the training loop) reads it and builds no event nobody will take,
+when no root takes every event.
 """
 
 from __future__ import annotations
@@ -44,40 +46,61 @@ class Root:
 
 
 class Due:
-    """When a sampled subscription of one event type takes its next event.
+    """When the sampled subscriptions of one event type take their next event.
 
     Attributes:
         at: A ``time.monotonic()`` value: an event stamped at or after it is taken by some
-            sampled root; ``inf`` when no sampled root takes this type.
+            time-sampled root; ``inf`` when none takes this type.
+        periods: The ``every_steps`` of the step-sampled roots of this type (an event whose
+            step is a multiple of one of them is taken); empty when none.
     """
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "periods")
 
     def __init__(self) -> None:
         self.at = math.inf
+        self.periods: tuple[int, ...] = ()
+
+    def takes_step(self, step: int) -> bool:
+        """True when a step-sampled root takes the event of ``step``."""
+        return any(step % n == 0 for n in self.periods)
 
 
 class Sampled(abc.ObserverBase[Any]):
-    """The gate of a sampled root: passes an event whose ``time`` is at least ``every_s`` after
-    the last one it passed (the first always), then tells the table its next due time.
+    """The gate of a sampled root. Time-sampled (``every_s``): passes an event whose ``time``
+    is at least ``every_s`` after the last one it passed (the first always), then tells the
+    table its next due time. Step-sampled (``every_steps``): passes the events whose ``step``
+    is a multiple of it.
 
     Args:
         observer: The subscription's observer.
-        every_s: The least time between two events passed, in seconds.
-        passed: Called after each event passed (the table recomputes its due times).
+        every_s: The least time between two events passed, in seconds; or None.
+        every_steps: The step period; or None (exactly one of the two is given).
+        passed: Called after each time-sampled event passed (the table recomputes its due
+            times).
     """
 
-    __slots__ = ("_observer", "_passed", "every_s", "next_at")
+    __slots__ = ("_observer", "_passed", "every_s", "every_steps", "next_at")
 
     def __init__(
-        self, observer: abc.ObserverBase[Any], every_s: float, passed: Callable[[], None]
+        self,
+        observer: abc.ObserverBase[Any],
+        every_s: float | None,
+        every_steps: int | None,
+        passed: Callable[[], None],
     ) -> None:
         self._observer = observer
         self._passed = passed
         self.every_s = every_s
-        self.next_at = -math.inf
+        self.every_steps = every_steps
+        self.next_at = -math.inf if every_s is not None else math.inf
 
     def on_next(self, value: Any) -> None:
+        if self.every_steps is not None:
+            if value.step % self.every_steps == 0:
+                self._observer.on_next(value)
+            return
+        assert self.every_s is not None
         t = value.time
         if t < self.next_at:
             return
@@ -152,11 +175,13 @@ class RouteTable:
 
     def _update_due(self) -> None:
         for event_type, due in self._due.items():
-            due.at = min(
-                (r.observer.next_at for r in self._roots
-                 if isinstance(r.observer, Sampled) and issubclass(event_type, r.types)),
-                default=math.inf,
-            )  # fmt: skip
+            gates = [
+                r.observer
+                for r in self._roots
+                if isinstance(r.observer, Sampled) and issubclass(event_type, r.types)
+            ]
+            due.at = min((g.next_at for g in gates), default=math.inf)
+            due.periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
 
     def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         """The observers ``event_type`` goes to, computed and cached."""
@@ -173,14 +198,15 @@ class RouteTable:
         tier: Tier | None = None,
         *,
         every_s: float | None = None,
+        every_steps: int | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``,
-        a sampled root (see the module's docstring)."""
+        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
+        or ``every_steps``, a sampled root (see the module's docstring)."""
         # Sorted by tier, then by order of subscription: core -> user -> global.
         self._seq += 1
         rank = TIER_ORDER[tier or self.current_tier]
-        if every_s is not None:
-            observer = Sampled(observer, every_s, self._update_due)
+        if every_s is not None or every_steps is not None:
+            observer = Sampled(observer, every_s, every_steps, self._update_due)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.order)

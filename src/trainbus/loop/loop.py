@@ -362,8 +362,12 @@ class Loop:
         # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
         guard = self._guard
         log_step = (st.step + 1) % s.log_every == 0
-        # Sampled StepEnded subscribers only (stream(..., every_s=)): built when one is due.
-        step_ended = w.step_ended or (w.step_ended_sampled and w.step_ended_due.at <= t0)
+        # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built only
+        # when one of them takes it.
+        step_ended = w.step_ended
+        if w.step_ended_sampled:
+            due = w.step_ended_due
+            step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
         keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
         # ---------------------------------------------------------------- micro-batches
         for micro in range(window):

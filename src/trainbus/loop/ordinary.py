@@ -139,6 +139,7 @@ class OrdinarySteps:
         keep = guard.active or w.metrics_logged or w.step_ended or w.step_ended_sampled
         check = guard.per_step
         every, sampled, due = w.step_ended, w.step_ended_sampled, w.step_ended_due
+        by_step = due.takes_step if due.periods else None  # routes change: the stretch ends
         bell = bus.doorbell
         seen = bell.rings  # read before the look below: a later ring is heard after a step
         if bus.failure is not None or self._cancelled() or (self._prompt and bus.has_commands()):
@@ -200,7 +201,9 @@ class OrdinarySteps:
             st.step += 1
             if schedule:
                 self._scheduler_step(always=False)
-            if every or (sampled and due.at <= t0):  # a sampled subscriber may take this one
+            if every or (  # or a sampled subscriber takes this one
+                sampled and (due.at <= t0 or (by_step is not None and by_step(st.step)))
+            ):
                 if detached is None:
                     detached = loss.detach()
                 pub(ev.StepEnded(step=st.step, epoch=st.epoch, loss=detached, lr=self._lr(),

@@ -27,7 +27,8 @@ class Wants:
             wanted; while none is, the step can take its plain path.
         step_ended: Some subscription takes every ``StepEnded``.
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
-            one when ``step_ended_due.at`` (a ``time.monotonic()`` value) has come.
+            one when ``step_ended_due.at`` (a ``time.monotonic()`` value) has come or one of
+            ``step_ended_due.periods`` divides its step.
         step_ended_due: The bus' :class:`~trainbus.bus.routes.Due` for ``StepEnded``.
         step_extras: ``StepBegan`` or the ``DataWaitStarted/Ended`` span is wanted: the
             step reads this one flag, and the single ones only when it is set.
@@ -105,8 +106,8 @@ class Wants:
         self.optimizer_step_started = wants(ev.OptimizerStepStarted)
         self.optimizer_step_ended = wants(ev.OptimizerStepEnded)
         self.scheduler_stepped = wants(ev.SchedulerStepped)
-        # Sampled subscriptions only (stream(StepEnded, every_s=)): the step builds one when
-        # step_ended_due.at has come, not every step.
+        # Sampled subscriptions only (stream(StepEnded, every_s= / every_steps=)): the step
+        # builds one when step_ended_due says one of them takes it, not every step.
         self.step_ended = bus.wants_each(ev.StepEnded)
         self.step_ended_sampled = not self.step_ended and wants(ev.StepEnded)
         self.metrics_logged = wants(ev.MetricsLogged)
