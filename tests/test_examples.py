@@ -39,6 +39,13 @@ CASES = [
         lambda m: 1 <= int(m[2]) and int(m[2]) * 10 < int(m[1]),
     ),
     Case(
+        "sampled_logging.py",
+        r"sampled logging: 2000 steps, (\d+) timed lines, steps \[500, 1000, 1500, 2000\], "
+        r"(\d+) events published",
+        # Sampled: a few lines, and far fewer events published than steps.
+        lambda m: int(m[1]) >= 1 and int(m[2]) < 500,
+    ),
+    Case(
         "on_checkpoint.py",
         r"on_checkpoint: (\d+) checkpoints saved in 90 steps .*each seen by filter\(is_save\) "
         r"and of_type and loadable",
