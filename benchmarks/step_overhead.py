@@ -170,11 +170,10 @@ def _ignite_typical(engine: Engine) -> None:
     )
 
 
-def with_ignite(
-    kind: str, data: list[Batch], device: torch.device, setup: Callable[[Engine], None] | None
-) -> Times:
-    model = make_model(kind).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def ignite_update(
+    model: torch.nn.Module, opt: torch.optim.Optimizer
+) -> Callable[[Engine, Batch], torch.Tensor]:
+    """ignite's update function for the same step as the bare loop."""
 
     def update(engine: Engine, batch: Batch) -> torch.Tensor:
         x, y = batch
@@ -184,7 +183,15 @@ def with_ignite(
         opt.zero_grad(set_to_none=True)
         return loss.detach()  # no .item(): the bare loop and the Trainer never sync either
 
-    engine = Engine(update)
+    return update
+
+
+def with_ignite(
+    kind: str, data: list[Batch], device: torch.device, setup: Callable[[Engine], None] | None
+) -> Times:
+    model = make_model(kind).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = Engine(ignite_update(model, opt))
     stamps: dict[str, float] = {}
     engine.add_event_handler(
         Events.STARTED, lambda e: stamps.__setitem__("start", time.monotonic())

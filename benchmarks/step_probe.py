@@ -41,7 +41,7 @@ from reactivex import operators as ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved_rounds, load_average, median
-from step_overhead import make_data, make_model
+from step_overhead import ignite_update, make_data, make_model
 
 import trainbus.loop.loop as loop_module
 from trainbus import Trainer
@@ -116,18 +116,10 @@ def ignite(data: list[Any], new_model: Callable[[], torch.nn.Module]) -> dict[st
     from ignite.engine import Engine
 
     model = new_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-
-    def update(engine: Engine, batch: Any) -> torch.Tensor:
-        x, y = batch
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
     stamped = Stamped(data)
-    Engine(update).run(stamped, max_epochs=1)
+    Engine(ignite_update(model, torch.optim.SGD(model.parameters(), lr=0.01))).run(
+        stamped, max_epochs=1
+    )
     return stamped.per_step()
 
 

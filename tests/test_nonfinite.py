@@ -14,26 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from trainbus import CheckpointError, NonFiniteLossError, StepContext, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.checkpoint import load_checkpoint
 from trainbus.loop import nonfinite
-from trainbus.testing import EventRecorder, tiny_loader, tiny_model
-
-
-class NaNAt:
-    """A loss_fn whose ``n``-th calls (1-based) return NaN; the others cross-entropy."""
-
-    def __init__(self, *calls: int) -> None:
-        self.bad, self.calls = set(calls), 0
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        loss = F.cross_entropy(outputs, targets)
-        return loss * float("nan") if self.calls in self.bad else loss
+from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
 
 def _trainer(tmp_path: Path, loss_fn: Any, *, max_steps: int = 20, **kwargs: Any) -> Trainer:
@@ -80,7 +67,7 @@ def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Ite
 
 
 def test_raise_fails_the_run_naming_the_step_in_a_short_run(tmp_path: Path, mode: str) -> None:
-    trainer = _trainer(tmp_path, NaNAt(3), on_nonfinite="raise")
+    trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="raise")
     rec = EventRecorder(trainer.bus)
     with pytest.raises(NonFiniteLossError, match="at step 3 "):
         trainer.run()
@@ -93,7 +80,7 @@ def test_raise_fails_the_run_naming_the_step_in_a_short_run(tmp_path: Path, mode
 
 
 def test_raise_is_found_before_a_checkpoint_write(tmp_path: Path, mode: str) -> None:
-    trainer = _trainer(tmp_path, NaNAt(3), on_nonfinite="raise")
+    trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="raise")
     _save_at(trainer, 1, 5)
     with pytest.raises(NonFiniteLossError, match=r"at step 3 .*step-00000001\.pt"):
         trainer.run()
@@ -105,7 +92,7 @@ def test_raise_is_found_before_a_checkpoint_write(tmp_path: Path, mode: str) -> 
 def test_stop_keeps_the_last_good_checkpoint_and_writes_no_bad_state(
     tmp_path: Path, mode: str
 ) -> None:
-    trainer = _trainer(tmp_path, NaNAt(3), on_nonfinite="stop")
+    trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="stop")
     _save_at(trainer, 1, 5)
     rec = EventRecorder(trainer.bus)
     result = trainer.run()
@@ -126,14 +113,14 @@ def test_stop_keeps_the_last_good_checkpoint_and_writes_no_bad_state(
 
 def test_the_last_partial_log_window_is_checked(tmp_path: Path, mode: str) -> None:
     # log_every=8 over 10 steps: the NaN at step 10 is in a window no log step closes.
-    trainer = _trainer(tmp_path, NaNAt(10), max_steps=10, log_every=8, on_nonfinite="stop")
+    trainer = _trainer(tmp_path, NaNLossAt(10), max_steps=10, log_every=8, on_nonfinite="stop")
     result = trainer.run()
     assert result.reason == "stopped" and "step 10" in (result.stop_reason or "")
     assert _files(tmp_path) == []
 
 
 def test_a_nan_at_a_log_step_is_found_by_the_window(tmp_path: Path, mode: str) -> None:
-    trainer = _trainer(tmp_path, NaNAt(6), max_steps=20, log_every=4, on_nonfinite="raise")
+    trainer = _trainer(tmp_path, NaNLossAt(6), max_steps=20, log_every=4, on_nonfinite="raise")
     with pytest.raises(NonFiniteLossError, match="at step 6 "):
         trainer.run()
     assert trainer.result is not None
@@ -141,7 +128,7 @@ def test_a_nan_at_a_log_step_is_found_by_the_window(tmp_path: Path, mode: str) -
 
 
 def test_skip_skips_the_update_counts_it_and_finishes(tmp_path: Path, mode: str) -> None:
-    trainer = _trainer(tmp_path, NaNAt(3, 7), max_steps=10, log_every=5, on_nonfinite="skip")
+    trainer = _trainer(tmp_path, NaNLossAt(3, 7), max_steps=10, log_every=5, on_nonfinite="skip")
     rec = EventRecorder(trainer.bus)
     seen: list[int] = []
     trainer.add_hook("after_optimizer_step", lambda ctx: seen.append(ctx.step))
@@ -160,7 +147,7 @@ def test_skip_gives_up_after_too_many_in_a_row(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(nonfinite, "MAX_CONSECUTIVE_SKIPS", 4)
-    trainer = _trainer(tmp_path, NaNAt(*range(2, 100)), on_nonfinite="skip")
+    trainer = _trainer(tmp_path, NaNLossAt(*range(2, 100)), on_nonfinite="skip")
     with pytest.raises(NonFiniteLossError, match="4 non-finite losses in a row"):
         trainer.run()
     assert trainer.result is not None and trainer.result.skipped_nonfinite == 4
@@ -168,7 +155,7 @@ def test_skip_gives_up_after_too_many_in_a_row(
 
 def test_no_checkpoint_ever_holds_nonfinite_weights(tmp_path: Path) -> None:
     # "ignore" lets the NaN into the weights; the writer still refuses to save them.
-    trainer = _trainer(tmp_path, NaNAt(3), max_steps=6, on_nonfinite="ignore")
+    trainer = _trainer(tmp_path, NaNLossAt(3), max_steps=6, on_nonfinite="ignore")
     _save_at(trainer, 2, 4)
     rec = EventRecorder(trainer.bus)
     result = trainer.run()
@@ -181,7 +168,7 @@ def test_no_checkpoint_ever_holds_nonfinite_weights(tmp_path: Path) -> None:
 
 
 def test_ignore_runs_to_the_end_with_no_check(tmp_path: Path) -> None:
-    result = _trainer(tmp_path, NaNAt(2), max_steps=4, on_nonfinite="ignore").run()
+    result = _trainer(tmp_path, NaNLossAt(2), max_steps=4, on_nonfinite="ignore").run()
     assert result.reason == "completed" and result.steps == 4 and result.skipped_nonfinite == 0
 
 
@@ -190,7 +177,7 @@ def test_ignore_runs_to_the_end_with_no_check(tmp_path: Path) -> None:
 def test_cuda_paths(tmp_path: Path, policy: str) -> None:
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
-                      loss_fn=NaNAt(3), max_steps=10, device="cuda", on_nonfinite=policy,
+                      loss_fn=NaNLossAt(3), max_steps=10, device="cuda", on_nonfinite=policy,
                       checkpoint_dir=tmp_path / "ckpt", handle_signals=False)  # fmt: skip
     if policy == "raise":
         with pytest.raises(NonFiniteLossError, match="at step 3 "):

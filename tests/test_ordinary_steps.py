@@ -25,7 +25,7 @@ from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus.loop import ordinary
-from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
 # Everything but the per-phase events and the step's extras: wanting any of those makes every
 # step take Loop._step (their events are published from the instrumented phases).
@@ -41,18 +41,6 @@ _RECORDED = tuple(
 )  # fmt: skip
 _TIMING = {"time", "duration_s", "data_wait_s", "elapsed_s", "remaining_s", "steps_per_s"}
 _RATES = {"steps_per_s", "samples_per_s"}
-
-
-class NaNAt:
-    """A loss_fn whose ``n``-th calls (1-based) return NaN; the others cross-entropy."""
-
-    def __init__(self, *calls: int) -> None:
-        self.bad, self.calls = set(calls), 0
-
-    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        self.calls += 1
-        loss = F.cross_entropy(outputs, targets)
-        return loss * float("nan") if self.calls in self.bad else loss
 
 
 class DictModel(torch.nn.Module):
@@ -211,10 +199,10 @@ CASES: dict[str, Callable[[Path], Trainer]] = {
     "stop_at_a_decision_step": _stopped_at_a_decision,
     "mapping_batches_no_loss_fn": _mapping,
     "shuffled_loader": _shuffled,
-    "nan_skip": lambda f: _plain(f, loss_fn=NaNAt(5, 9, 30), on_nonfinite="skip"),
-    "nan_stop": lambda f: _subscribed(f, loss_fn=NaNAt(12), on_nonfinite="stop"),
-    "nan_raise": lambda f: _plain(f, loss_fn=NaNAt(27), on_nonfinite="raise", log_every=10),
-    "nan_ignore": lambda f: _subscribed(f, loss_fn=NaNAt(8), on_nonfinite="ignore"),
+    "nan_skip": lambda f: _plain(f, loss_fn=NaNLossAt(5, 9, 30), on_nonfinite="skip"),
+    "nan_stop": lambda f: _subscribed(f, loss_fn=NaNLossAt(12), on_nonfinite="stop"),
+    "nan_raise": lambda f: _plain(f, loss_fn=NaNLossAt(27), on_nonfinite="raise", log_every=10),
+    "nan_ignore": lambda f: _subscribed(f, loss_fn=NaNLossAt(8), on_nonfinite="ignore"),
     "ignore_nothing_subscribed": lambda f: _plain(f, on_nonfinite="ignore", log_every=6),
 }
 
@@ -243,16 +231,22 @@ def test_most_steps_of_a_plain_run_are_ordinary(monkeypatch: pytest.MonkeyPatch)
     assert ran == 48 - 1 - 4  # the first step; the log steps 10, 20, 30, 40
 
 
+def _one_long_stretch(batches: int) -> Trainer:
+    """One epoch with no log step inside it: the whole run is one stretch after the first
+    step, unless something ends it."""
+    model = tiny_model()
+    return Trainer(model, _sgd(model), tiny_loader(batches, 8), loss_fn=F.cross_entropy,
+                   max_epochs=1, log_every=10_000, handle_signals=False,
+                   progress=False)  # fmt: skip
+
+
 def test_a_command_sent_during_a_stretch_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stretch looks at the bus after every step: a command sent from another thread is
     applied within a few steps, not at the next log step."""
     started = threading.Event()
 
     def make(folder: Path) -> Trainer:
-        model = tiny_model()
-        trainer = Trainer(model, _sgd(model), tiny_loader(2000, 8), loss_fn=F.cross_entropy,
-                          max_epochs=1, log_every=10_000, handle_signals=False,
-                          progress=False)  # fmt: skip
+        trainer = _one_long_stretch(2000)
         trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 50)).subscribe(
             lambda e: started.set()
         )
@@ -277,10 +271,7 @@ def test_a_hook_added_during_a_stretch_runs_from_the_next_step(
     ran_at: list[int] = []
 
     def make(folder: Path) -> Trainer:
-        model = tiny_model()
-        trainer = Trainer(model, _sgd(model), tiny_loader(600, 8), loss_fn=F.cross_entropy,
-                          max_epochs=1, log_every=10_000, handle_signals=False,
-                          progress=False)  # fmt: skip
+        trainer = _one_long_stretch(600)
         # A plain filter, not tbops.once(at=20): that would make step 20 a decision step,
         # taken by Loop._step, and the hook would be there before the next stretch begins.
         trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 20)).subscribe(

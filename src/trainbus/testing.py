@@ -6,6 +6,8 @@
   ``advance_by`` it, with no sleeping.
 - :func:`tiny_model` / :func:`tiny_loader` build the 32-64-10 MLP and a generated data set used
   by the tests and benchmarks (no download).
+- :class:`NaNLossAt` is a ``loss_fn`` that returns NaN at chosen calls, to test what a run does
+  with a non-finite loss (``on_nonfinite``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ if TYPE_CHECKING:
     from .bus import EventBus
     from .bus.subscriptions import Subscription
 
-__all__ = ["EventRecorder", "VirtualTimeScheduler", "tiny_loader", "tiny_model"]
+__all__ = ["EventRecorder", "NaNLossAt", "VirtualTimeScheduler", "tiny_loader", "tiny_model"]
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
 
@@ -107,6 +109,27 @@ def tiny_model(
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
     return model
+
+
+class NaNLossAt:
+    """A ``loss_fn`` whose ``n``-th calls (1-based) return NaN; the others cross-entropy.
+
+    Args:
+        calls: The calls that return NaN (the evaluation's calls count too).
+
+    Attributes:
+        calls: How many times it was called.
+    """
+
+    def __init__(self, *calls: int) -> None:
+        self.bad, self.calls = set(calls), 0
+
+    def __call__(self, outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        self.calls += 1
+        loss = F.cross_entropy(outputs, targets)
+        return loss * float("nan") if self.calls in self.bad else loss
 
 
 def tiny_loader(

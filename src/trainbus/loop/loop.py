@@ -441,15 +441,7 @@ class Loop:
         # ---------------------------------------------------------------- optimizer step
         grad_norm: torch.Tensor | None = None
         if plain:
-            if s.clip_grad_norm is not None:
-                params = s.model.parameters()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm)
-            try:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            except BaseException as exc:
-                phases.annotate(exc, "optimizer step", bi)
-                raise
+            grad_norm = phases.plain_optimizer_step(bi)
             st.step += 1
         else:
             stepped_norm = phases.optimizer_step(bi)

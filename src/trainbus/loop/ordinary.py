@@ -129,8 +129,8 @@ class OrdinarySteps:
         s, st, w, bus, guard = self._s, self._state, self._wants, self._bus, self._guard
         model, loss_fn, opt = s.model, s.loss_fn, s.optimizer
         add, pub, phases, hooks = self._window.add, bus.publish, self._phases, self._hooks
+        optimizer_step = phases.plain_optimizer_step
         move = s.device if s.device.type != "cpu" else None
-        clip = s.clip_grad_norm
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
         # The guard reads every loss (the CPU, where it is free, or "skip"): the window keeps
         # the float. Otherwise the window keeps the detached tensor and reads it at its close
@@ -189,15 +189,7 @@ class OrdinarySteps:
                     break
             elif keep:
                 value = detached = loss.detach()
-            grad_norm: torch.Tensor | None = None
-            try:
-                if clip is not None:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            except BaseException as exc:
-                phases.annotate(exc, "optimizer step", bi)
-                raise
+            grad_norm = optimizer_step(bi)
             st.step += 1
             if schedule:
                 self._scheduler_step(always=False)

@@ -200,6 +200,30 @@ class StepPhases:
         if w.zero_grad_ended:
             pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
+    def plain_optimizer_step(self, bi: int) -> torch.Tensor | None:
+        """The optimizer step of a step with no hook, no optimizer event wanted and full
+        precision: clip (when configured), ``step()``, ``zero_grad``. Does not advance the
+        step (the caller does, with what follows).
+
+        Returns:
+            The pre-clip grad norm, or None without clipping.
+
+        Raises:
+            BaseException: Whatever clipping or the optimizer raised, with a note naming the
+                phase, step, epoch and batch.
+        """
+        s = self._s
+        grad_norm: torch.Tensor | None = None
+        try:
+            if s.clip_grad_norm is not None:
+                grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip_grad_norm)
+            s.optimizer.step()
+            s.optimizer.zero_grad(set_to_none=True)
+        except BaseException as exc:
+            self.annotate(exc, "optimizer step", bi)
+            raise
+        return grad_norm
+
     def optimizer_step(self, bi: int) -> torch.Tensor | object | None:
         """The optimizer step with its hooks and ``OptimizerStepStarted/Ended``; advances
         ``state.step``.
