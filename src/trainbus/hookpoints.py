@@ -21,7 +21,7 @@ Points, in the order a step reaches them::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, get_args
 
 import torch
 
@@ -38,15 +38,7 @@ HookPoint: TypeAlias = Literal[
 ]
 """One of the hook points."""
 
-HOOK_POINTS: tuple[HookPoint, ...] = (
-    "batch",
-    "after_forward",
-    "loss",
-    "after_backward",
-    "before_optimizer_step",
-    "after_optimizer_step",
-    "eval_batch",
-)
+HOOK_POINTS: tuple[HookPoint, ...] = get_args(HookPoint)
 """Every hook point, in the order a step reaches them."""
 
 

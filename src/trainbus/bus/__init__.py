@@ -35,7 +35,7 @@ from reactivex.disposable import Disposable
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, SubscriberError
-from .._validate import check_int, check_number
+from .._validate import check_int, check_number, check_optional_seconds
 from .barrier import Barrier, BarrierStatus
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
@@ -293,10 +293,7 @@ class EventBus:
                 ``every_s`` that is not a positive number of seconds, an ``every_steps`` that
                 is not a positive int, or both.
         """
-        if every_s is not None and (
-            isinstance(every_s, bool) or not isinstance(every_s, int | float) or not every_s > 0
-        ):
-            raise ConfigError.invalid("every_s", every_s, "a positive number of seconds, or None")
+        every_s = check_optional_seconds("every_s", every_s)
         if every_steps is not None:
             check_int("every_steps", every_steps, 1)
             if every_s is not None:
@@ -310,9 +307,7 @@ class EventBus:
                 raise ConfigError.invalid(
                     "event_types", t, "event classes from trainbus.events (e.g. ev.StepEnded)"
                 )
-        return self._make_stream(
-            tuple(event_types), None if every_s is None else float(every_s), every_steps
-        )
+        return self._make_stream(tuple(event_types), every_s, every_steps)
 
     def _make_stream(
         self,

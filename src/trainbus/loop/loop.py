@@ -299,14 +299,13 @@ class Loop:
                 if window == 1:
                     if self._bus.routes_version != self._routes_seen:
                         self._reread_routes()
-                    limit = self._ordinary_limit() if ordinary.possible() else 0
+                    limit = ordinary.limit(self._decision_step)
                     if limit > 0:  # a stretch of steps with nothing to do but train
                         ordinary.run(it, limit)
                         if ordinary.exhausted:
                             complete = True
                             break
-                        if bus.failure is not None or bus.has_commands() or self._cancel:
-                            control.poll()  # what the stretch stopped for
+                        self._poll_if_pending()  # what the stretch stopped for
                         continue
                 if self._step(it, window) == 0:
                     complete = True
@@ -480,8 +479,8 @@ class Loop:
             self._control.decide(ended or barrier_event, common=self._sync is not None)
         elif barrier_event is not None:
             self._control.barrier_then_poll(barrier_event)
-        elif bus.failure is not None or bus.has_commands() or self._cancel:
-            self._control.poll()  # the common case (nothing to do): a property, a call, a read
+        else:
+            self._poll_if_pending()
         if self._agree_pending:  # torchrun: a rank had commands at this log window's close
             self._agree_pending = False
             self._control.agree()
@@ -496,23 +495,12 @@ class Loop:
         self._wants.refresh()
         self._decision_step = self._next_decision(self._state.step)
 
-    def _ordinary_limit(self) -> int:
-        """How many of the next steps are ordinary by their number: the steps before the next
-        log step, declared decision step or evaluation step (those take :meth:`_step`), within
-        ``max_steps`` and the epoch's batches. 0: the next step is not ordinary."""
-        st, s = self._state, self._s
-        step = st.step
-        special = (step // s.log_every + 1) * s.log_every
-        if self._decision_step > step:
-            special = min(special, self._decision_step)
-        if s.eval_every is not None and s.eval_data is not None:
-            special = min(special, (step // s.eval_every + 1) * s.eval_every)
-        limit = special - 1 - step
-        if s.max_steps is not None:
-            limit = min(limit, s.max_steps - step)
-        if s.train_len is not None:
-            limit = min(limit, s.train_len - st.batch_in_epoch)
-        return limit
+    def _poll_if_pending(self) -> None:
+        """The poll point of a step with nothing special: poll only when a subscriber failed,
+        a command waits or a cancel was asked (a property, a call, a read otherwise)."""
+        bus = self._bus
+        if bus.failure is not None or bus.has_commands() or self._cancel:
+            self._control.poll()
 
     def _next_decision(self, step: int) -> int:
         """The first declared decision step after ``step`` (-1: none)."""

@@ -93,8 +93,8 @@ class OrdinarySteps:
     def possible(self) -> bool:
         """True when the next step may be ordinary as far as the step's shape goes: one
         micro-batch per step, no hook, no per-phase or step-extra event wanted, full precision,
-        the first loss checked, ``StepEnded`` not a barrier. (The loop adds the step-number
-        conditions: see :meth:`trainbus.loop.loop.Loop._ordinary_limit`.)"""
+        the first loss checked, ``StepEnded`` not a barrier. (:meth:`limit` adds the
+        step-number conditions.)"""
         w, s = self._wants, self._s
         return not (
             s.accumulate != 1
@@ -105,6 +105,30 @@ class OrdinarySteps:
             or not self._phases.loss_checked
             or ((w.step_ended or w.step_ended_sampled) and ev.StepEnded in s.barriers)
         )
+
+    def limit(self, decision_step: int) -> int:
+        """How many of the next steps are ordinary: 0 unless :meth:`possible`, else the steps
+        before the next log step, declared decision step or evaluation step (those take
+        ``Loop._step``), within ``max_steps`` and the epoch's batches.
+
+        Args:
+            decision_step: The next declared decision step (-1: none).
+        """
+        if not self.possible():
+            return 0
+        st, s = self._state, self._s
+        step = st.step
+        special = (step // s.log_every + 1) * s.log_every
+        if decision_step > step:
+            special = min(special, decision_step)
+        if s.eval_every is not None and s.eval_data is not None:
+            special = min(special, (step // s.eval_every + 1) * s.eval_every)
+        limit = special - 1 - step
+        if s.max_steps is not None:
+            limit = min(limit, s.max_steps - step)
+        if s.train_len is not None:
+            limit = min(limit, s.train_len - st.batch_in_epoch)
+        return limit
 
     def run(self, it: Iterator[Any], limit: int) -> int:
         """Run up to ``limit`` ordinary steps from ``it``.
