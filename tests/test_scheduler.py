@@ -186,7 +186,10 @@ async def from_another_thread() -> None:
         assert threading.get_ident() != loop_thread
         with frozen_clock(sched):
             for i, delay in enumerate([0.03, 0.0, 0.02, 0.01]):
-                sched.schedule_relative(delay, log.action(f"{delay}:{i}"))
+                # 0.3 s later than named: a foreign thread's schedule wakes the loop and waits
+                # for it, and under load that wait outlasted 0.03 s, so the first action came
+                # due and ran before the later, earlier ones were pushed.
+                sched.schedule_relative(0.3 + delay, log.action(f"{delay}:{i}"))
 
     async with running(sched):
         await anyio.to_thread.run_sync(schedule_many)

@@ -48,6 +48,7 @@ from .ranks import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
 from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
+from .spent import Spent
 from .statistics import BusStatistics
 from .subscriptions import AsyncSubscription, Backpressure, Overflow, Subscription
 
@@ -125,7 +126,9 @@ class EventBus:
         # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
         self._chain_scheduler = ChainScheduler(self.scheduler)
         self._routes = routes = RouteTable(bell)
-        self._subs = subs = SubscriptionSet(ledger)
+        # What the loop thread is done with, freed by the next publish (see spent.py).
+        spent = Spent()
+        self._subs = subs = SubscriptionSet(ledger, spent)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -133,6 +136,7 @@ class EventBus:
             subscriptions=subs,
             ledger=ledger,
             stamp=stamp,
+            spent=spent,
         )
         self._barrier = Barrier(queue, subs, channel)
         self._lifecycle = Lifecycle(

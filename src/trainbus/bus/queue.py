@@ -20,6 +20,10 @@ call into the event loop only on the first event after a quiet spell. The flag i
 the poller's last look at the queue, so an event appended in between is never stranded; a
 backstop timeout bounds the park anyway.
 
+Where events are freed: not on the loop thread. A dispatched event goes to :class:`Spent`, and
+the next ``publish`` frees it on the publishing thread, because freeing a tensor releases the GIL
+(see ``spent.py``).
+
 Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
 ``threading.Event`` the dispatcher sets after each drain), so a stalled ``"block"`` subscriber
 bounds memory instead of losing events.
@@ -41,6 +45,7 @@ from .clock import DecisionStamp
 from .failures import FailureLedger
 from .registry import SubscriptionSet
 from .routes import RouteTable
+from .spent import Spent
 
 __all__ = ["PublishQueue"]
 
@@ -64,6 +69,7 @@ class PublishQueue:
         subscriptions: Their back-pressure flag stops a slice; relieving it waits for them.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
+        spent: Where dispatched events wait to be freed by the next publish (``spent.py``).
 
     Derived events: an event a subscriber publishes on the loop thread while the slice
     dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
@@ -80,6 +86,7 @@ class PublishQueue:
         subscriptions: SubscriptionSet,
         ledger: FailureLedger,
         stamp: DecisionStamp | None = None,
+        spent: Spent | None = None,
     ) -> None:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
@@ -101,6 +108,9 @@ class PublishQueue:
         self._dispatching = False
         self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
+        # Dispatched events, freed by the next publish (spent.py). Only while the bus runs: a
+        # flush on the publishing thread itself has nobody to hand them to.
+        self._spent = Spent() if spent is None else spent
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
         self._unpark_event: anyio.Event | None = None
@@ -124,6 +134,8 @@ class PublishQueue:
             return
         q = self._events
         q.append(event)
+        if self._spent:  # free here what the loop thread is done with (spent.py)
+            self._spent.clear()
         if self.parked:  # the first event after a quiet spell: wake the poller, once
             self._wake_poller()
         if len(q) > self._max_queue:
@@ -200,6 +212,7 @@ class PublishQueue:
         refuses it, which costs the hot path nothing (no state check per publish)."""
         self._running = False
         self._events = _ClosedQueue(self._events)
+        self._spent.clear()
         self._room.set()
         self._loop_thread = None
 
@@ -216,6 +229,7 @@ class PublishQueue:
         derived = self._derived
         backpressure = self._backpressure
         stamp = self._stamp
+        keep = self._spent.append if self._running else None
         done = 0
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
@@ -237,6 +251,8 @@ class PublishQueue:
                         observer.on_next(event)
                     except Exception as exc:  # an operator that raised past RxPY: isolated
                         self._ledger.chain_failed(observer, exc, event)
+                if keep is not None:  # freed by the next publish, not here (spent.py)
+                    keep(event)
                 if derived:  # one truthiness test per event when nobody derives events
                     self._deliver_derived()
                 if backpressure.active:
@@ -270,6 +286,8 @@ class PublishQueue:
             stamp.step = event.step
             self._deliver(event)
             self._delivered += 1
+            if self._running:
+                self._spent.append(event)
 
     async def drain(self, limit: int | None = None) -> None:
         """Deliver queued events (all of them, or ``limit``), honouring block pressure."""

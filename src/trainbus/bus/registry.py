@@ -16,6 +16,7 @@ from reactivex import Observable, abc
 
 from .._exceptions import BusClosedError, ConfigError
 from .failures import ErrorPolicy, FailureLedger, check_policy, name_of
+from .spent import Spent
 from .statistics import SubscriptionStatistics
 from .subscriptions import (
     OVERFLOWS,
@@ -35,10 +36,12 @@ class SubscriptionSet:
 
     Args:
         ledger: Where the subscriptions report their failures.
+        spent: Where async subscriptions put the items they are done with (``spent.py``).
     """
 
-    def __init__(self, ledger: FailureLedger) -> None:
+    def __init__(self, ledger: FailureLedger, spent: Spent | None = None) -> None:
         self._ledger = ledger
+        self._spent = Spent() if spent is None else spent
         self._subs: list[Subscription] = []
         self._tg: TaskGroup | None = None
         self._open = True
@@ -131,6 +134,7 @@ class SubscriptionSet:
             overflow=overflow,
             on_error=policy,
             backpressure=self.backpressure,
+            spent=self._spent,
             decides=decides,
         )
         self._subs.append(sub)

@@ -19,6 +19,7 @@ from reactivex import abc
 
 from .clock import DecisionStamp
 from .failures import ErrorPolicy, FailureLedger
+from .spent import Spent
 from .statistics import SubscriptionStatistics
 
 __all__ = [
@@ -224,9 +225,12 @@ class AsyncSubscription(Subscription):
         on_error: ErrorPolicy | None,
         backpressure: Backpressure,
         decides: bool = False,
+        spent: Spent | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
+        # Items done with (run or dropped) are freed by the next publish, not here (spent.py).
+        self._spent = Spent() if spent is None else spent
         self.decides = decides
         """Whether it may send commands decided on per-step events: the step clock declares its
         schedules and a decision step's barrier waits for it (see ``EventBus.subscribe_async``)."""
@@ -281,7 +285,7 @@ class AsyncSubscription(Subscription):
             return
         buf = self.buffer
         if len(buf) >= self.capacity and self.overflow != "block":
-            buf.popleft()
+            self._spent.append(buf.popleft())
             self.dropped += 1
         buf.append(item)
         if len(buf) > self.capacity:
@@ -357,6 +361,8 @@ class AsyncSubscription(Subscription):
             # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
             self.running -= 1
             self.completed += 1
+            self._spent.append(item)
+            del item  # the spent deque holds the last reference: freed by the next publish
             self._notify(self._progress)
 
     @staticmethod
