@@ -119,3 +119,24 @@ async def test_a_subscriber_that_keeps_an_event_keeps_it() -> None:
     assert freed == {} and [e.step for e in kept] == [1, 2, 3, 4, 5]
     kept.clear()
     assert set(freed) == {1, 2, 3, 4, 5}
+
+
+@pytest.mark.asyncio
+async def test_events_a_subscriber_derives_are_freed_by_the_next_publish(wait_until) -> None:
+    freed: dict[int, int] = {}
+    derived: list[int] = []
+    with anyio.fail_after(20):
+        async with EventBus(flush_interval=0.002) as bus:
+            # Each StepEnded derives another event on the loop thread, delivered right after
+            # it; its payload must not die on the loop thread either.
+            def derive(e: ev.StepEnded) -> None:
+                bus.publish(ev.PredictionBatchEnded(step=e.step, epoch=0, batch_index=e.step,
+                                                    outputs=Tracked(freed, 100 + e.step),
+                                                    samples=1))  # fmt: skip
+
+            bus.stream(ev.StepEnded).subscribe(derive)
+            bus.stream(ev.PredictionBatchEnded).subscribe(lambda e: derived.append(e.step))
+            worker = await _publish_from_worker(bus, range(1, 5), freed)
+            assert derived == [1, 2, 3, 4]
+            await wait_until(lambda: {101, 102, 103} <= freed.keys())
+            assert {freed[k] for k in (101, 102, 103)} == {worker}
