@@ -1,9 +1,10 @@
 """Ordinary steps run back to back (``trainbus.loop.ordinary``) change nothing but the speed.
 
 Each configuration runs twice: as it ships (stretches of ordinary steps in one tight loop) and
-with every step taken by ``Loop._step``. Both runs must publish the same events with the same
-fields (times aside), end with bit-identical weights and return the same result. A counter
-proves the stretches really ran, so no case passes by never taking the tight loop.
+with every step taken by ``Step.run`` (``loop/step.py``). Both runs must publish the same
+events with the same fields (times aside), end with bit-identical weights and return the same
+result. A counter proves the stretches really ran, so no case passes by never taking the tight
+loop.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from trainbus.loop import ordinary
 from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
 # Everything but the per-phase events and the step's extras: wanting any of those makes every
-# step take Loop._step (their events are published from the instrumented phases).
+# step take Step.run (their events are published from the instrumented phases).
 _PER_PHASE = {
     ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
     ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.MicroBatchEnded,
@@ -273,7 +274,7 @@ def test_a_hook_added_during_a_stretch_runs_from_the_next_step(
     def make(folder: Path) -> Trainer:
         trainer = _one_long_stretch(600)
         # A plain filter, not tbops.once(at=20): that would make step 20 a decision step,
-        # taken by Loop._step, and the hook would be there before the next stretch begins.
+        # taken by Step.run, and the hook would be there before the next stretch begins.
         trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 20)).subscribe(
             lambda e: trainer.add_hook("after_optimizer_step", lambda ctx: ran_at.append(ctx.step))
         )

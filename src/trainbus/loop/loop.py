@@ -1,8 +1,10 @@
 """The training loop. It runs on a worker thread, publishes onto the bus, polls commands.
 
-:class:`Loop` is the run, the epoch and the step. The rest is owned by the parts it composes:
-``Wants`` (which events someone listens to), ``StepPhases`` (forward, backward and optimizer
-step with their events and hooks), ``MetricsWindow`` (aggregated metrics and the NaN check),
+:class:`Loop` is the run, the epoch and the poll point after each step. The rest is owned by
+the parts it composes: ``Step`` (one optimizer step with its hooks and events) and
+``OrdinarySteps`` (stretches of steps with nothing to do but train), ``Wants`` (which events
+someone listens to), ``StepPhases`` (forward, backward and optimizer step with their events and
+hooks), ``MetricsWindow`` (aggregated metrics and the NaN check),
 ``Evaluator``, ``CheckpointWriter``, ``CommandHandler`` (poll points, commands, stop state),
 ``EpochData`` (each epoch's iterator, the observed fetch) and ``SchedulerStepper``.
 
@@ -48,33 +50,30 @@ under ``on_nonfinite="skip"``, which reads every step before the update (see ``n
 Most steps of a run have nothing to do but train (one micro-batch, no hook, no per-phase event,
 not a log, decision or evaluation step): ``_epoch`` hands stretches of them to
 :class:`~trainbus.loop.ordinary.OrdinarySteps`, which runs them back to back with the same
-events and state changes as :meth:`Loop._step` (pinned by tests/test_ordinary_steps.py).
+events and state changes as :meth:`~trainbus.loop.step.Step.run` (pinned by
+tests/test_ordinary_steps.py).
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, cast
-
-import torch
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
 from .._exceptions import CheckpointError
 from .._log import get_logger
-from .._tensors import batch_size, move_to_device
 from ..checkpoint import Checkpoint, TrainState
 from .checkpoint import CheckpointWriter
 from .control import BarrierWait, CommandHandler
-from .data import END as _END
 from .data import EpochData
-from .evaluation import EvalTrigger, Evaluator, forward_loss
-from .hooks import Hooks, StepContext
+from .evaluation import EvalTrigger, Evaluator
+from .hooks import Hooks
 from .nonfinite import NonFiniteGuard
 from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
-from .phases import SKIPPED, StepPhases
+from .phases import StepPhases
 from .scheduler import SchedulerStepper
+from .step import Step
 from .wants import Wants
 from .window import MetricsWindow
 
@@ -161,13 +160,11 @@ class Loop:
                                        self._guard, self._window, scheduler_step=scheduler.step,
                                        lr=scheduler.lr, cancelled=lambda: self._cancel,
                                        prompt_commands=sync is None)  # fmt: skip
-        # The parts' methods the step calls, bound once: a step pays the same single attribute
-        # lookup as for a method of its own.
-        self._fetch_observed = self._data.fetch_observed
+        self._steps = Step(settings, bus, state, self._wants, hooks, self._phases, self._guard,
+                           self._window, fetch_observed=self._data.fetch_observed,
+                           scheduler_step=scheduler.step, lr=scheduler.lr,
+                           cancelled=lambda: self._cancel)  # fmt: skip
         self._scheduler_step = scheduler.step
-        self._lr = scheduler.lr
-        # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
-        self._move = settings.device.type != "cpu"
         # The step clock: the next declared decision step (-1: none), re-read with the wants
         # whenever bus.routes_version changes (it counts schedule changes too).
         self._routes_seen = -1
@@ -272,7 +269,7 @@ class Loop:
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         bus, st, s, control = self._bus, self._state, self._s, self._control
-        pub, ordinary = bus.publish, self._ordinary
+        pub, ordinary, step = bus.publish, self._ordinary, self._steps
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -296,9 +293,9 @@ class Loop:
                         if window <= 0:
                             complete = True
                             break
+                if bus.routes_version != self._routes_seen:  # the one int compare a step
+                    self._reread_routes()  # pays for its wants and decision steps
                 if window == 1:
-                    if self._bus.routes_version != self._routes_seen:
-                        self._reread_routes()
                     limit = ordinary.limit(self._decision_step)
                     if limit > 0:  # a stretch of steps with nothing to do but train
                         ordinary.run(it, limit)
@@ -307,9 +304,11 @@ class Loop:
                             break
                         self._poll_if_pending()  # what the stretch stopped for
                         continue
-                if self._step(it, window) == 0:
+                if step.run(it, window) == 0:
                     complete = True
                     break
+                if step.taken:
+                    self._after_step()
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.batch_in_epoch == 0 and not self._finished():
@@ -330,164 +329,28 @@ class Loop:
                 control.barrier_then_poll(ended, common=True)
         return complete
 
-    # ================================================================== one optimizer step
-    def _step(self, it: Iterator[Any], window: int) -> int:
-        """Run one optimizer step over up to ``window`` micro-batches; return batches used.
+    # ================================================================== after a step
+    def _after_step(self) -> None:
+        """The poll point after a step :class:`Step` took, then the evaluation if one is due.
 
-        Reads top to bottom in event order. The ``plain`` path (no hook, no per-phase event
-        wanted, full precision) inlines forward, backward and the optimizer step; otherwise
-        the instrumented :class:`StepPhases` run them with their events and hooks.
+        A declared decision step delivers everything, waits for ``StepEnded``'s async
+        subscribers and applies what they decided, before the next step (docs/events.md); a
+        barrier event (``StepEnded`` / ``MetricsLogged`` in ``barriers``) waits for its own
+        subscribers; any other step polls only when something is pending.
         """
-        bus, w = self._bus, self._wants
-        pub, st, s, phases = bus.publish, self._state, self._s, self._phases
-        if bus.routes_version != self._routes_seen:  # the one int compare a step pays for its
-            self._reread_routes()  # wants and decision steps
-        hooks = self._hooks
-        by_point = hooks.by_point
-        opt = s.optimizer
-        t0 = time.monotonic()
-        losses: list[torch.Tensor] = []
-        samples = consumed = 0
-        data_wait = 0.0
-        stepped = False
-        plain = not (w.phases or hooks.any or phases.instrumented_precision)
-        observe_wait = False
-        if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
-            observe_wait = w.data_wait_started or w.data_wait_ended
-            if w.step_began:
-                pub(ev.StepBegan(step=st.step, epoch=st.epoch, accumulation_steps=window))
-        # Every step's loss is kept (detached) for the non-finite guard (on_nonfinite other than
-        # "ignore") or when a subscriber reads per-step or windowed values; otherwise only the
-        # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
-        guard = self._guard
-        log_step = (st.step + 1) % s.log_every == 0
-        # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built only
-        # when one of them takes it.
-        step_ended = w.step_ended
-        if w.step_ended_sampled:
-            due = w.step_ended_due
-            step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
-        keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
-        # ---------------------------------------------------------------- micro-batches
-        for micro in range(window):
-            if self._cancel:
-                raise Cancelled
-            tf = time.monotonic()
-            batch = next(it, _END) if not observe_wait else self._fetch_observed(it, tf)
-            fetched = time.monotonic()
-            data_wait += fetched - tf
-            if batch is _END:
-                break
-            bi = st.batch_in_epoch
-            st.batch_in_epoch = bi + 1
-            consumed += 1
-            if w.batch_fetched:
-                pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                    data_wait_s=fetched - tf))  # fmt: skip
-            if self._move:
-                batch = move_to_device(batch, s.device)
-            ctx: StepContext | None = None
-            if by_point["batch"]:
-                ctx = phases.context(bi, micro, batch)
-                for hook in by_point["batch"]:
-                    hook(ctx)
-                if ctx.skip:
-                    phases.micro_batch_ended(bi, micro, window, skipped=True)
-                    continue
-                batch = ctx.batch
-            samples += batch_size(batch)
-            if plain:
-                # The same forward/backward as StepPhases.forward/backward, minus the events and
-                # hooks this step does not have.
-                try:
-                    loss = forward_loss(s, batch)[1]
-                except BaseException as exc:
-                    phases.annotate(exc, "forward", bi)
-                    raise
-                if not phases.loss_checked:
-                    phases.check_loss(loss, bi)
-                stepped = True
-                if keep:
-                    losses.append(loss.detach())
-                try:
-                    (loss / window if window > 1 else loss).backward()
-                except BaseException as exc:
-                    phases.annotate(exc, "backward", bi)
-                    raise
-                continue
-            loss = phases.forward(batch, bi, ctx, micro)
-            if loss is None:
-                phases.micro_batch_ended(bi, micro, window, skipped=True)
-                continue
-            stepped = True
-            if keep:
-                detached = loss.detach()
-                losses.append(detached)
-                if w.loss_computed:
-                    pub(
-                        ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
-                    )
-            phases.backward(loss, window, bi, micro)
-        st.samples_seen += samples
-        if not stepped:
-            opt.zero_grad(set_to_none=True)
-            return consumed
-        if guard.per_step and guard.skip_update(losses):
-            # A non-finite loss ("skip", or "stop" before the bad update): no optimizer step, no
-            # scheduler, no StepEnded, like a hook's skip. "raise" raised in skip_update.
-            opt.zero_grad(set_to_none=True)
-            return consumed
-        # ---------------------------------------------------------------- optimizer step
-        grad_norm: torch.Tensor | None = None
-        if plain:
-            grad_norm = phases.plain_optimizer_step(bi)
-            st.step += 1
-        else:
-            stepped_norm = phases.optimizer_step(bi)
-            if stepped_norm is SKIPPED:
-                return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
-            grad_norm = cast("torch.Tensor | None", stepped_norm)
-        # ---------------------------------------------------------------- scheduler
-        if s.scheduler is not None and s.scheduler_interval == "step":
-            self._scheduler_step(always=False)
-        # ---------------------------------------------------------------- StepEnded
-        step_loss: torch.Tensor | None = None
-        if losses:
-            step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        barrier_event: ev.BaseEvent | None = None
-        ended: ev.BaseEvent | None = None
-        if step_ended:
-            assert step_loss is not None  # kept: someone wants StepEnded
-            ended = ev.StepEnded(step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(),
-                                 grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
-                                 duration_s=time.monotonic() - t0)  # fmt: skip
-            pub(ended)
-            if ev.StepEnded in s.barriers:
-                barrier_event = ended
-        # ---------------------------------------------------------------- MetricsLogged
-        metrics_window = self._window
-        metrics_window.add(step_loss, grad_norm, samples)
-        if st.step % s.log_every == 0:
-            logged = metrics_window.close(w.metrics_logged)
-            if logged is not None and ev.MetricsLogged in s.barriers:
-                barrier_event = logged
-        # ---------------------------------------------------------------- poll point
+        st, s, step = self._state, self._s, self._steps
         if st.step == self._decision_step:  # the step clock: one int compare when not due
-            # A declared decision step: deliver everything, wait for StepEnded's async
-            # subscribers, apply what they decided, before the next step (docs/events.md).
             self._decision_step = self._next_decision(st.step)
-            self._control.decide(ended or barrier_event, common=self._sync is not None)
-        elif barrier_event is not None:
-            self._control.barrier_then_poll(barrier_event)
+            self._control.decide(step.ended or step.barrier_event, common=self._sync is not None)
+        elif step.barrier_event is not None:
+            self._control.barrier_then_poll(step.barrier_event)
         else:
             self._poll_if_pending()
         if self._agree_pending:  # torchrun: a rank had commands at this log window's close
             self._agree_pending = False
             self._control.agree()
-        # ---------------------------------------------------------------- evaluation
         if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
             self._evaluate("steps")
-        return consumed
 
     def _reread_routes(self) -> None:
         """The routing changed: re-read the wanted events and the next decision step."""

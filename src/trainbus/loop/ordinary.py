@@ -9,9 +9,9 @@ window's bookkeeping, ``StepEnded`` when someone wants it, and one look at wheth
 needs attention (its doorbell: a routing change, a command, a ``"raise"`` subscriber failure,
 a cancel) or a hook was added, which ends the stretch so the loop can poll. Everything else
 (the first step's loss check, the log step, decision steps, evaluations, accumulation, hooks,
-mixed precision, barriers on ``StepEnded``) stays with :meth:`trainbus.loop.loop.Loop._step`.
+mixed precision, barriers on ``StepEnded``) stays with :meth:`trainbus.loop.step.Step.run`.
 
-What a stretch publishes and changes is exactly what as many calls of ``Loop._step`` would:
+What a stretch publishes and changes is exactly what as many calls of ``Step.run`` would:
 the same events with the same fields, in the same order (``SchedulerStepping`` /
 ``SchedulerStepped``, then ``StepEnded``), the same train state. Pinned by the step tests and
 ``tests/test_ordinary_steps.py``, which runs every option both ways.
@@ -109,7 +109,7 @@ class OrdinarySteps:
     def limit(self, decision_step: int) -> int:
         """How many of the next steps are ordinary: 0 unless :meth:`possible`, else the steps
         before the next log step, declared decision step or evaluation step (those take
-        ``Loop._step``), within ``max_steps`` and the epoch's batches.
+        ``Step.run``), within ``max_steps`` and the epoch's batches.
 
         Args:
             decision_step: The next declared decision step (-1: none).
@@ -158,7 +158,7 @@ class OrdinarySteps:
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
         # The guard reads every loss (the CPU, where it is free, or "skip"): the window keeps
         # the float. Otherwise the window keeps the detached tensor and reads it at its close
-        # when the guard or a subscriber needs the losses (as Loop._step does).
+        # when the guard or a subscriber needs the losses (as Step.run does).
         read = guard.per_step
         keep = guard.active or w.metrics_logged or w.step_ended or w.step_ended_sampled
         check = guard.per_step

@@ -1,0 +1,244 @@
+"""One optimizer step with everything it may carry: hooks, per-phase events, accumulation.
+
+:class:`Step` runs a step over a window of micro-batches and reads top to bottom in the event
+order of docs/events.md: ``StepBegan``, per micro-batch ``BatchFetched`` (hook ``"batch"``),
+the forward and its loss (hook ``"loss"``), ``LossComputed``, the backward; then the optimizer
+step (hooks ``"before_optimizer_step"`` / ``"after_optimizer_step"``), the scheduler,
+``StepEnded`` and the log window's ``MetricsLogged``. What comes after a step that was taken
+(the poll point, a decision step's barrier, an evaluation) is the loop's: :class:`Step`
+reports what it published through :attr:`Step.ended` and :attr:`Step.barrier_event`.
+
+The common case of the step (one micro-batch, no hook, no per-phase event, not a special step)
+runs in :class:`~trainbus.loop.ordinary.OrdinarySteps` instead, with the same events and state
+changes (pinned by tests/test_ordinary_steps.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+
+from .. import events as ev
+from .._tensors import batch_size, move_to_device
+from .data import END
+from .evaluation import forward_loss
+from .outcome import Cancelled
+from .phases import SKIPPED
+
+if TYPE_CHECKING:
+    from ..bus import EventBus
+    from ..checkpoint import TrainState
+    from .hooks import Hooks, StepContext
+    from .nonfinite import NonFiniteGuard
+    from .phases import StepPhases
+    from .settings import Settings
+    from .wants import Wants
+    from .window import MetricsWindow
+
+__all__ = ["Step"]
+
+
+class Step:
+    """Runs one optimizer step at a time, with its hooks and events (see the module's
+    docstring).
+
+    Attributes:
+        taken: The last :meth:`run` took an optimizer step (False: the data ran out before a
+            loss, every micro-batch was skipped, the non-finite guard skipped the update, or a
+            hook skipped the optimizer step). Only a step taken has a poll point after it.
+        ended: The ``StepEnded`` the last :meth:`run` published (None: nobody wanted it).
+        barrier_event: The event of the last :meth:`run` that is a barrier (``StepEnded`` or
+            ``MetricsLogged`` listed in ``barriers``), None when neither is.
+
+    Args:
+        settings: The run's settings.
+        bus: Where the step's events go.
+        state: The run's train state (step, epoch, batch in epoch, samples seen).
+        wants: Which events someone listens to (refreshed by the loop when the routes change).
+        hooks: The inline hooks, read every step (they may come and go).
+        phases: The instrumented phases (forward, backward, optimizer step, their events).
+        guard: The non-finite guard (which losses are kept and checked).
+        window: The metrics window each step is added to, and closed at the log step.
+        fetch_observed: Fetches a batch publishing the data-wait span (when wanted).
+        scheduler_step: Steps the scheduler with its events (interval ``"step"``).
+        lr: The current learning rate, for ``StepEnded``.
+        cancelled: True when a cancel was requested (checked before each micro-batch).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: EventBus,
+        state: TrainState,
+        wants: Wants,
+        hooks: Hooks,
+        phases: StepPhases,
+        guard: NonFiniteGuard,
+        window: MetricsWindow,
+        *,
+        fetch_observed: Callable[[Iterator[Any], float], Any],
+        scheduler_step: Callable[..., None],
+        lr: Callable[[], float],
+        cancelled: Callable[[], bool],
+    ) -> None:
+        self._s, self._bus, self._state, self._wants = settings, bus, state, wants
+        self._hooks, self._phases, self._guard, self._window = hooks, phases, guard, window
+        self._fetch_observed, self._scheduler_step = fetch_observed, scheduler_step
+        self._lr, self._cancelled = lr, cancelled
+        # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
+        self._move = settings.device.type != "cpu"
+        self.taken = False
+        self.ended: ev.StepEnded | None = None
+        self.barrier_event: ev.BaseEvent | None = None
+
+    def run(self, it: Iterator[Any], window: int) -> int:
+        """Run one optimizer step over up to ``window`` micro-batches from ``it``.
+
+        Reads top to bottom in event order. The ``plain`` path (no hook, no per-phase event
+        wanted, full precision) inlines forward, backward and the optimizer step; otherwise
+        the instrumented :class:`~trainbus.loop.phases.StepPhases` run them with their events
+        and hooks.
+
+        Returns:
+            The batches consumed (0: the iterator was exhausted before the first).
+
+        Raises:
+            Cancelled: a cancel was requested.
+            BaseException: Whatever the model, loss, backward, optimizer or a hook raised,
+                with a note naming the phase, step, epoch and batch.
+        """
+        w, pub, st, s, phases = self._wants, self._bus.publish, self._state, self._s, self._phases
+        self.taken, self.ended, self.barrier_event = False, None, None
+        hooks = self._hooks
+        by_point = hooks.by_point
+        opt = s.optimizer
+        t0 = time.monotonic()
+        losses: list[torch.Tensor] = []
+        samples = consumed = 0
+        data_wait = 0.0
+        stepped = False
+        plain = not (w.phases or hooks.any or phases.instrumented_precision)
+        observe_wait = False
+        if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
+            observe_wait = w.data_wait_started or w.data_wait_ended
+            if w.step_began:
+                pub(ev.StepBegan(step=st.step, epoch=st.epoch, accumulation_steps=window))
+        # Every step's loss is kept (detached) for the non-finite guard (on_nonfinite other than
+        # "ignore") or when a subscriber reads per-step or windowed values; otherwise only the
+        # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
+        guard = self._guard
+        log_step = (st.step + 1) % s.log_every == 0
+        # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built only
+        # when one of them takes it.
+        step_ended = w.step_ended
+        if w.step_ended_sampled:
+            due = w.step_ended_due
+            step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
+        keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
+        # ---------------------------------------------------------------- micro-batches
+        for micro in range(window):
+            if self._cancelled():
+                raise Cancelled
+            tf = time.monotonic()
+            batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
+            fetched = time.monotonic()
+            data_wait += fetched - tf
+            if batch is END:
+                break
+            bi = st.batch_in_epoch
+            st.batch_in_epoch = bi + 1
+            consumed += 1
+            if w.batch_fetched:
+                pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
+                                    data_wait_s=fetched - tf))  # fmt: skip
+            if self._move:
+                batch = move_to_device(batch, s.device)
+            ctx: StepContext | None = None
+            if by_point["batch"]:
+                ctx = phases.context(bi, micro, batch)
+                for hook in by_point["batch"]:
+                    hook(ctx)
+                if ctx.skip:
+                    phases.micro_batch_ended(bi, micro, window, skipped=True)
+                    continue
+                batch = ctx.batch
+            samples += batch_size(batch)
+            if plain:
+                # The same forward/backward as StepPhases.forward/backward, minus the events and
+                # hooks this step does not have.
+                try:
+                    loss = forward_loss(s, batch)[1]
+                except BaseException as exc:
+                    phases.annotate(exc, "forward", bi)
+                    raise
+                if not phases.loss_checked:
+                    phases.check_loss(loss, bi)
+                stepped = True
+                if keep:
+                    losses.append(loss.detach())
+                try:
+                    (loss / window if window > 1 else loss).backward()
+                except BaseException as exc:
+                    phases.annotate(exc, "backward", bi)
+                    raise
+                continue
+            loss = phases.forward(batch, bi, ctx, micro)
+            if loss is None:
+                phases.micro_batch_ended(bi, micro, window, skipped=True)
+                continue
+            stepped = True
+            if keep:
+                detached = loss.detach()
+                losses.append(detached)
+                if w.loss_computed:
+                    pub(
+                        ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
+                    )
+            phases.backward(loss, window, bi, micro)
+        st.samples_seen += samples
+        if not stepped:
+            opt.zero_grad(set_to_none=True)
+            return consumed
+        if guard.per_step and guard.skip_update(losses):
+            # A non-finite loss ("skip", or "stop" before the bad update): no optimizer step, no
+            # scheduler, no StepEnded, like a hook's skip. "raise" raised in skip_update.
+            opt.zero_grad(set_to_none=True)
+            return consumed
+        # ---------------------------------------------------------------- optimizer step
+        grad_norm: torch.Tensor | None = None
+        if plain:
+            grad_norm = phases.plain_optimizer_step(bi)
+            st.step += 1
+        else:
+            stepped_norm = phases.optimizer_step(bi)
+            if stepped_norm is SKIPPED:
+                return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
+            grad_norm = cast("torch.Tensor | None", stepped_norm)
+        self.taken = True
+        # ---------------------------------------------------------------- scheduler
+        if s.scheduler is not None and s.scheduler_interval == "step":
+            self._scheduler_step(always=False)
+        # ---------------------------------------------------------------- StepEnded
+        step_loss: torch.Tensor | None = None
+        if losses:
+            step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+        if step_ended:
+            assert step_loss is not None  # kept: someone wants StepEnded
+            self.ended = ended = ev.StepEnded(
+                step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(), grad_norm=grad_norm,
+                samples=samples, data_wait_s=data_wait, duration_s=time.monotonic() - t0,
+            )  # fmt: skip
+            pub(ended)
+            if ev.StepEnded in s.barriers:
+                self.barrier_event = ended
+        # ---------------------------------------------------------------- MetricsLogged
+        metrics_window = self._window
+        metrics_window.add(step_loss, grad_norm, samples)
+        if st.step % s.log_every == 0:
+            logged = metrics_window.close(w.metrics_logged)
+            if logged is not None and ev.MetricsLogged in s.barriers:
+                self.barrier_event = logged
+        return consumed
