@@ -73,7 +73,7 @@ from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .scheduler import SchedulerStepper
-from .step import Step
+from .step import Step, StepParts
 from .wants import Wants
 from .window import MetricsWindow
 
@@ -156,14 +156,11 @@ class Loop:
                                      reduce=None if sync is None else self._reduce_window)
         self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
-        self._ordinary = OrdinarySteps(settings, bus, state, self._wants, hooks, self._phases,
-                                       self._guard, self._window, scheduler_step=scheduler.step,
-                                       lr=scheduler.lr, cancelled=lambda: self._cancel,
-                                       prompt_commands=sync is None)  # fmt: skip
-        self._steps = Step(settings, bus, state, self._wants, hooks, self._phases, self._guard,
-                           self._window, fetch_observed=self._data.fetch_observed,
-                           scheduler_step=scheduler.step, lr=scheduler.lr,
-                           cancelled=lambda: self._cancel)  # fmt: skip
+        parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
+                          self._window, scheduler_step=scheduler.step, lr=scheduler.lr,
+                          cancelled=lambda: self._cancel)  # fmt: skip
+        self._ordinary = OrdinarySteps(parts, prompt_commands=sync is None)
+        self._steps = Step(parts, fetch_observed=self._data.fetch_observed)
         self._scheduler_step = scheduler.step
         # The step clock: the next declared decision step (-1: none), re-read with the wants
         # whenever bus.routes_version changes (it counts schedule changes too).

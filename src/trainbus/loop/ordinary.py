@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,14 +32,7 @@ from .data import END
 from .evaluation import forward_loss
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
-    from ..checkpoint import TrainState
-    from .hooks import Hooks
-    from .nonfinite import NonFiniteGuard
-    from .phases import StepPhases
-    from .settings import Settings
-    from .wants import Wants
-    from .window import MetricsWindow
+    from .step import StepParts
 
 __all__ = ["OrdinarySteps"]
 
@@ -51,42 +44,19 @@ class OrdinarySteps:
         exhausted: The last :meth:`run` found the epoch's iterator exhausted.
 
     Args:
-        settings: The run's settings (model, loss, optimizer, scheduler, clipping, device).
-        bus: Where ``StepEnded`` goes; asked whether it needs the loop's attention.
-        state: The run's train state (step, epoch, batch in epoch, samples seen).
-        wants: Which events someone listens to (refreshed by the loop before each stretch).
-        hooks: The step's hooks (none may be registered for a step to be ordinary).
-        phases: The instrumented phases (precision; the exception notes).
-        guard: The non-finite guard (which losses are read, and when).
-        window: The metrics window each step is added to.
-        scheduler_step: Steps the scheduler with its events (interval ``"step"``).
-        lr: The current learning rate, for ``StepEnded``.
-        cancelled: True when a cancel was requested (read before a stretch; a cancel rings the
-            bus' doorbell, heard after each step).
+        parts: What the step works with (shared with :class:`~trainbus.loop.step.Step`). Its
+            ``cancelled`` is read before a stretch; a cancel rings the bus' doorbell, heard
+            after each step.
         prompt_commands: Queued commands are applied at the next step (one process). False
             under torchrun, where they wait for the next common sync point: a stretch then
             does not stop for them.
     """
 
-    def __init__(
-        self,
-        settings: Settings,
-        bus: EventBus,
-        state: TrainState,
-        wants: Wants,
-        hooks: Hooks,
-        phases: StepPhases,
-        guard: NonFiniteGuard,
-        window: MetricsWindow,
-        *,
-        scheduler_step: Callable[..., None],
-        lr: Callable[[], float],
-        cancelled: Callable[[], bool],
-        prompt_commands: bool = True,
-    ) -> None:
-        self._s, self._bus, self._state, self._wants = settings, bus, state, wants
-        self._hooks, self._phases, self._guard, self._window = hooks, phases, guard, window
-        self._scheduler_step, self._lr, self._cancelled = scheduler_step, lr, cancelled
+    def __init__(self, parts: StepParts, *, prompt_commands: bool = True) -> None:
+        p = parts
+        self._s, self._bus, self._state, self._wants = p.settings, p.bus, p.state, p.wants
+        self._hooks, self._phases, self._guard, self._window = p.hooks, p.phases, p.guard, p.window
+        self._scheduler_step, self._lr, self._cancelled = p.scheduler_step, p.lr, p.cancelled
         self._prompt = prompt_commands
         self.exhausted = False
 

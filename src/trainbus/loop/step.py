@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -38,7 +39,39 @@ if TYPE_CHECKING:
     from .wants import Wants
     from .window import MetricsWindow
 
-__all__ = ["Step"]
+__all__ = ["Step", "StepParts"]
+
+
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """What a step works with. The loop builds it once; :class:`Step` and
+    :class:`~trainbus.loop.ordinary.OrdinarySteps` both take it.
+
+    Attributes:
+        settings: The run's settings (model, loss, optimizer, scheduler, clipping, device).
+        bus: Where the step's events go; asked whether it needs the loop's attention.
+        state: The run's train state (step, epoch, batch in epoch, samples seen).
+        wants: Which events someone listens to (refreshed by the loop when the routes change).
+        hooks: The inline hooks, read every step (they may come and go).
+        phases: The instrumented phases (forward, backward, optimizer step, their events).
+        guard: The non-finite guard (which losses are kept, read and checked).
+        window: The metrics window each step is added to, and closed at the log step.
+        scheduler_step: Steps the scheduler with its events (interval ``"step"``).
+        lr: The current learning rate, for ``StepEnded``.
+        cancelled: True when a cancel was requested.
+    """
+
+    settings: Settings
+    bus: EventBus
+    state: TrainState
+    wants: Wants
+    hooks: Hooks
+    phases: StepPhases
+    guard: NonFiniteGuard
+    window: MetricsWindow
+    scheduler_step: Callable[..., None]
+    lr: Callable[[], float]
+    cancelled: Callable[[], bool]
 
 
 class Step:
@@ -54,42 +87,20 @@ class Step:
             ``MetricsLogged`` listed in ``barriers``), None when neither is.
 
     Args:
-        settings: The run's settings.
-        bus: Where the step's events go.
-        state: The run's train state (step, epoch, batch in epoch, samples seen).
-        wants: Which events someone listens to (refreshed by the loop when the routes change).
-        hooks: The inline hooks, read every step (they may come and go).
-        phases: The instrumented phases (forward, backward, optimizer step, their events).
-        guard: The non-finite guard (which losses are kept and checked).
-        window: The metrics window each step is added to, and closed at the log step.
+        parts: What the step works with (shared with ``OrdinarySteps``).
         fetch_observed: Fetches a batch publishing the data-wait span (when wanted).
-        scheduler_step: Steps the scheduler with its events (interval ``"step"``).
-        lr: The current learning rate, for ``StepEnded``.
-        cancelled: True when a cancel was requested (checked before each micro-batch).
     """
 
     def __init__(
-        self,
-        settings: Settings,
-        bus: EventBus,
-        state: TrainState,
-        wants: Wants,
-        hooks: Hooks,
-        phases: StepPhases,
-        guard: NonFiniteGuard,
-        window: MetricsWindow,
-        *,
-        fetch_observed: Callable[[Iterator[Any], float], Any],
-        scheduler_step: Callable[..., None],
-        lr: Callable[[], float],
-        cancelled: Callable[[], bool],
+        self, parts: StepParts, *, fetch_observed: Callable[[Iterator[Any], float], Any]
     ) -> None:
-        self._s, self._bus, self._state, self._wants = settings, bus, state, wants
-        self._hooks, self._phases, self._guard, self._window = hooks, phases, guard, window
-        self._fetch_observed, self._scheduler_step = fetch_observed, scheduler_step
-        self._lr, self._cancelled = lr, cancelled
+        p = parts
+        self._s, self._bus, self._state, self._wants = p.settings, p.bus, p.state, p.wants
+        self._hooks, self._phases, self._guard, self._window = p.hooks, p.phases, p.guard, p.window
+        self._scheduler_step, self._lr, self._cancelled = p.scheduler_step, p.lr, p.cancelled
+        self._fetch_observed = fetch_observed
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
-        self._move = settings.device.type != "cpu"
+        self._move = p.settings.device.type != "cpu"
         self.taken = False
         self.ended: ev.StepEnded | None = None
         self.barrier_event: ev.BaseEvent | None = None
