@@ -16,6 +16,8 @@ import reactivex.operators as ops
 
 from trainbus import EventBus
 from trainbus import events as ev
+from trainbus.bus.failures import FailureLedger
+from trainbus.bus.subscriptions import AsyncSubscription, Backpressure
 
 
 class Tracked:
@@ -140,3 +142,17 @@ async def test_events_a_subscriber_derives_are_freed_by_the_next_publish(wait_un
             assert derived == [1, 2, 3, 4]
             await wait_until(lambda: {101, 102, 103} <= freed.keys())
             assert {freed[k] for k in (101, 102, 103)} == {worker}
+
+
+def test_a_subscription_built_without_a_bus_keeps_nothing() -> None:
+    # Nobody would clear its deque: what it drops is freed at once, where it is.
+    async def fn(item: Any) -> None:
+        return None
+
+    freed: dict[int, int] = {}
+    sub = AsyncSubscription(FailureLedger("log", lambda command: None), "bare", fn,
+                            concurrency=1, buffer=1, overflow="latest", on_error=None,
+                            backpressure=Backpressure())  # fmt: skip
+    sub.push(Tracked(freed, 1))
+    sub.push(Tracked(freed, 2))  # "latest": 1 is dropped
+    assert sub.dropped == 1 and freed == {1: threading.get_ident()}

@@ -41,7 +41,7 @@ class SubscriptionSet:
 
     def __init__(self, ledger: FailureLedger, spent: Spent | None = None) -> None:
         self._ledger = ledger
-        self._spent = Spent() if spent is None else spent
+        self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
         self._tg: TaskGroup | None = None
         self._open = True

@@ -26,6 +26,8 @@ class Spent(deque[Any]):
     """Items the loop thread is done with. ``append`` on the loop thread; ``clear`` on the
     publishing thread. A deque: both are atomic under the GIL, and ``clear`` detaches every item
     before it drops them, so an append racing with a clear is kept for the next one.
+    ``Spent(maxlen=0)`` keeps nothing: what a part appends is freed at once, where it is (a part
+    built without a bus, in tests).
     """
 
     __slots__ = ()

@@ -230,7 +230,8 @@ class AsyncSubscription(Subscription):
         super().__init__(ledger, name, on_error)
         self.fn = fn
         # Items done with (run or dropped) are freed by the next publish, not here (spent.py).
-        self._spent = Spent() if spent is None else spent
+        # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
+        self._spent = Spent(maxlen=0) if spent is None else spent
         self.decides = decides
         """Whether it may send commands decided on per-step events: the step clock declares its
         schedules and a decision step's barrier waits for it (see ``EventBus.subscribe_async``)."""
