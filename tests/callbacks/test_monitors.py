@@ -131,6 +131,19 @@ def test_memory_is_published_every_n_steps(trainer_factory: Any) -> None:
     assert monitor.last is rec.items[-1]
 
 
+def test_the_memory_monitor_alone_has_step_ended_built_only_at_its_steps(
+    trainer_factory: Any,
+) -> None:
+    # Its stream is sampled by the bus (every_steps): the loop builds StepEnded at steps 10, 20
+    # and 30 only, not at each of the 30 steps.
+    trainer = trainer_factory([MemoryMonitor(every=10)], epochs=1, batches=30)
+    rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.MemoryMeasured))
+    result = trainer.run()
+    assert [e.step for e in rec.items] == [10, 20, 30]
+    # 3 StepEnded, 3 MemoryMeasured and a handful of run and epoch events: not 30 StepEnded.
+    assert result.statistics.published < 30, result.statistics.published
+
+
 def test_rss_fallbacks(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

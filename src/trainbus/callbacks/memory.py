@@ -6,8 +6,6 @@ import os
 import sys
 from typing import TYPE_CHECKING, Literal
 
-from reactivex import operators as ops
-
 from .. import events as ev
 from .._validate import check_int
 from ._base import Callback
@@ -74,12 +72,14 @@ class MemoryMonitor(Callback):
     Pipelines::
 
         FitStarted                                    -> remember the device
-        StepEnded -> filter(step % every == 0)        -> read memory -> publish MemoryMeasured
+        StepEnded, every_steps=every                  -> read memory -> publish MemoryMeasured
 
     RSS comes from psutil when installed (``pip install trainbus[monitors]``), else from
     ``/proc/self/statm`` (Linux), else from ``resource`` (peak RSS; ``rss_source`` says which).
     When the model trains on CUDA, ``torch.cuda.memory_allocated`` / ``memory_reserved`` /
-    ``max_memory_allocated`` of that device are added. Nothing runs on the training thread.
+    ``max_memory_allocated`` of that device are added. Nothing runs on the training thread,
+    and the stream is sampled by the bus (``every_steps``): when nothing else takes every
+    ``StepEnded``, the loop builds one only at the sampled steps.
 
     The event is published while the triggering ``StepEnded`` is delivered, so it reaches
     subscribers one delivery later (a few ms); the last ones of a run can arrive after
@@ -110,8 +110,5 @@ class MemoryMonitor(Callback):
             self.last = measure(e.step, e.epoch, device[0])
             bus.publish(self.last)
 
-        every = self.every
         bus.stream(ev.FitStarted).subscribe(started, name="MemoryMonitor.fit_started")
-        bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step % every == 0)).subscribe(
-            sample, name="MemoryMonitor"
-        )
+        bus.stream(ev.StepEnded, every_steps=self.every).subscribe(sample, name="MemoryMonitor")
