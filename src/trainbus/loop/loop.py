@@ -160,7 +160,7 @@ class Loop:
                           self._window, scheduler_step=scheduler.step, lr=scheduler.lr,
                           cancelled=lambda: self._cancel)  # fmt: skip
         self._ordinary = OrdinarySteps(parts, prompt_commands=sync is None)
-        self._steps = Step(parts, fetch_observed=self._data.fetch_observed)
+        self._step = Step(parts, fetch_observed=self._data.fetch_observed)
         self._scheduler_step = scheduler.step
         # The step clock: the next declared decision step (-1: none), re-read with the wants
         # whenever bus.routes_version changes (it counts schedule changes too).
@@ -266,7 +266,7 @@ class Loop:
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         bus, st, s, control = self._bus, self._state, self._s, self._control
-        pub, ordinary, step = bus.publish, self._ordinary, self._steps
+        pub, ordinary, step = bus.publish, self._ordinary, self._step
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -335,7 +335,7 @@ class Loop:
         barrier event (``StepEnded`` / ``MetricsLogged`` in ``barriers``) waits for its own
         subscribers; any other step polls only when something is pending.
         """
-        st, s, step = self._state, self._s, self._steps
+        st, s, step = self._state, self._s, self._step
         if st.step == self._decision_step:  # the step clock: one int compare when not due
             self._decision_step = self._next_decision(st.step)
             self._control.decide(step.ended or step.barrier_event, common=self._sync is not None)
