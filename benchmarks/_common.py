@@ -31,6 +31,7 @@ __all__ = [
     "load_average",
     "machine_info",
     "median",
+    "median_ci",
     "paired_ratios",
     "percentile",
     "ratio",
@@ -97,6 +98,29 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(vals) if vals else math.nan
 
 
+def median_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A bootstrap confidence interval of the median of ``values`` (scipy's percentile method,
+    2,000 resamples, a fixed seed: the same values give the same interval).
+
+    What a target read off a median of per-round ratios needs: on a shared machine the rounds
+    scatter by several percent, and a median of 15 rounds is good to a few points only. NaN,
+    NaN for fewer than 3 values, or without scipy (``pip install -e .[bench]``).
+    """
+    vals = [v for v in values if not math.isnan(v)]
+    if len(vals) < 3:
+        return math.nan, math.nan
+    if min(vals) == max(vals):  # the base against itself: nothing to resample
+        return vals[0], vals[0]
+    try:
+        import numpy as np
+        from scipy import stats
+    except ImportError:
+        return math.nan, math.nan
+    res = stats.bootstrap((np.asarray(vals),), np.median, confidence_level=level,
+                          n_resamples=2000, method="percentile", random_state=0)  # fmt: skip
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The ``q``-th percentile (0-100), linear interpolation; NaN for no values."""
     if not values:
@@ -154,6 +178,7 @@ def paired_ratios(
             "median": median(rs),
             "p25": percentile(rs, 25),
             "p75": percentile(rs, 75),
+            "ci95": median_ci(rs),
             "min": min(rs) if rs else math.nan,
             "max": max(rs) if rs else math.nan,
             "values": rs,

@@ -432,12 +432,15 @@ def main(argv: list[str] | None = None) -> int:
         headers = ["variant", "µs/step", "loop ratio [p25-p75]", "fit() ratio", "CPU ratio",
                    "ctx switches/step"]  # fmt: skip
         print(format_table(headers, rows))
-    print("\nsummary (loop ratio to bare: median of per-round ratios / ratio of the medians)")
+    print("\nsummary (loop ratio to bare: median of per-round ratios [its 95 % bootstrap interval]"
+          " / ratio of the medians)")  # fmt: skip
     print(
         format_table(
             ["variant", *models],
             [
-                (n, *(f"{results[k]['ratio_loop'][n]['median']:.3f} / "
+                (n, *(f"{results[k]['ratio_loop'][n]['median']:.3f} "
+                  f"[{results[k]['ratio_loop'][n]['ci95'][0]:.3f}-"
+                  f"{results[k]['ratio_loop'][n]['ci95'][1]:.3f}] / "
                       f"{results[k]['ratio_of_medians'][n]:.3f}" for k in models))
                 for n in VARIANTS
             ],
