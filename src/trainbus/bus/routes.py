@@ -62,8 +62,12 @@ class Due:
         self.periods: tuple[int, ...] = ()
 
     def takes_step(self, step: int) -> bool:
-        """True when a step-sampled root takes the event of ``step``."""
-        return any(step % n == 0 for n in self.periods)
+        """True when a step-sampled root takes the event of ``step``. (A loop, not ``any()``
+        over a generator: the training loop asks once a step.)"""
+        for n in self.periods:
+            if step % n == 0:
+                return True
+        return False
 
 
 class Sampled(abc.ObserverBase[Any]):

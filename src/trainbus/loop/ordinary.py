@@ -29,7 +29,6 @@ import torch
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .data import END
-from .evaluation import forward_loss
 
 if TYPE_CHECKING:
     from .step import StepParts
@@ -164,10 +163,10 @@ class OrdinarySteps:
                         phases.annotate(exc, "forward", bi)
                         raise
                 else:
-                    loss = self._forward(batch, bi)
+                    loss = phases.plain_loss(batch, bi)
             else:
                 samples = batch_size(batch)
-                loss = self._forward(batch, bi)
+                loss = phases.plain_loss(batch, bi)
             try:
                 loss.backward()
             except BaseException as exc:
@@ -201,12 +200,3 @@ class OrdinarySteps:
             if bell.rings != seen or hooks.any:
                 break
         return done
-
-    def _forward(self, batch: Any, bi: int) -> Any:
-        """The loss of a batch of another shape than ``(inputs, targets)`` tensors."""
-        try:
-            loss = forward_loss(self._s, batch)[1]
-        except BaseException as exc:
-            self._phases.annotate(exc, "forward", bi)
-            raise
-        return loss

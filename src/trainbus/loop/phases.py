@@ -18,7 +18,7 @@ import torch
 
 from .. import events as ev
 from .._exceptions import TrainingError
-from .evaluation import forward_outputs, loss_of
+from .evaluation import forward_loss, forward_outputs, loss_of
 from .hooks import Hooks, StepContext
 
 if TYPE_CHECKING:
@@ -199,6 +199,20 @@ class StepPhases:
             raise
         if w.zero_grad_ended:
             pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
+
+    def plain_loss(self, batch: Any, bi: int) -> Any:
+        """The loss of ``batch`` for a step with no hook, no forward event and full precision
+        (``forward_loss``), not yet checked.
+
+        Raises:
+            BaseException: Whatever the model or the loss raised, with a note naming the
+                phase, step, epoch and batch.
+        """
+        try:
+            return forward_loss(self._s, batch)[1]
+        except BaseException as exc:
+            self.annotate(exc, "forward", bi)
+            raise
 
     def plain_optimizer_step(self, bi: int) -> torch.Tensor | None:
         """The optimizer step of a step with no hook, no optimizer event wanted and full

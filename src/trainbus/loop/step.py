@@ -25,7 +25,6 @@ import torch
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .data import END
-from .evaluation import forward_loss
 from .outcome import Cancelled
 from .phases import SKIPPED
 
@@ -180,11 +179,7 @@ class Step:
             if plain:
                 # The same forward/backward as StepPhases.forward/backward, minus the events and
                 # hooks this step does not have.
-                try:
-                    loss = forward_loss(s, batch)[1]
-                except BaseException as exc:
-                    phases.annotate(exc, "forward", bi)
-                    raise
+                loss = phases.plain_loss(batch, bi)
                 if not phases.loss_checked:
                     phases.check_loss(loss, bi)
                 stepped = True
