@@ -13,6 +13,14 @@ SGD step, ``zero_grad(set_to_none=True)``) and no ``.item()`` on the hot path:
 - ``trainbus``: the Trainer with no subscriber (events nobody wants are never built)
 - ``typical``: what a user typically hangs on the bus: a ``StepEnded`` logger through
   ``ops.throttle_first(1.0)``, subscribers on ``EpochEnded``, ``FitEnded``, ``CheckpointSaved``
+- ``floor_tuple``, ``floor_event``, ``floor_async``: no trainbus, the floor under ``typical`` and
+  ``slow_async``. The bare loop on a worker thread while an anyio event loop runs on the main
+  thread and a task there empties a deque every 20 ms (what it takes is freed back on the
+  training thread, as the bus does). Each step appends ``(step, loss.detach())``
+  (``floor_tuple``), or a ``StepEnded`` built as the loop builds it (``floor_event``);
+  ``floor_async`` is ``floor_event`` plus a task awaiting 20 ms in a loop, the async
+  subscriber's timer. What any design that hands every step's event to an event-loop thread
+  pays on this machine before its own code runs
 - ``every_event``: one no-op subscriber on ``bus.events`` (every event of every step built)
 - ``slow_async``: an async subscriber awaiting 20 ms on every 10th ``StepEnded``
   (``ops.filter(step % 10 == 0)``, ``overflow="latest"``: a slow consumer that only wants the
@@ -43,6 +51,7 @@ import resource
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -212,6 +221,62 @@ def with_ignite(
     return {"loop": stamps["end"] - stamps["start"], "fit": fit, "cpu": cpu, "switches": switches}
 
 
+# --------------------------------------------------------------------------- the floor
+def floor(kind: str, data: list[Batch], device: torch.device, *, event: bool, timer: bool) -> Times:
+    """The bare loop handing each step's loss (a tuple, or a ``StepEnded`` when ``event``) to
+    an anyio event loop on another thread, with nothing else; ``timer`` adds a task awaiting
+    20 ms in a loop. What any thread-and-event-loop design pays (see the module docstring)."""
+    model = make_model(kind).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    handed: deque[object] = deque()
+    spent: deque[object] = deque()
+    out: list[Times] = []
+
+    def train() -> None:
+        s0 = _switches()
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        for step, (x, y) in enumerate(data, start=1):
+            start = time.monotonic()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if event:
+                handed.append(ev.StepEnded(step=step, epoch=0, loss=loss.detach(), lr=0.01,
+                                           grad_norm=None, samples=x.shape[0],
+                                           duration_s=time.monotonic() - start))  # fmt: skip
+            else:
+                handed.append((step, loss.detach()))
+            if spent:
+                spent.clear()  # freed here, not on the loop thread (trainbus/bus/spent.py)
+        _sync(device)
+        t = time.perf_counter() - t0
+        out.append({"loop": t, "fit": t, "cpu": time.process_time() - c0,
+                    "switches": _switches() - s0})  # fmt: skip
+
+    async def poll() -> None:
+        while True:
+            await anyio.sleep(0.02)
+            while handed:
+                spent.append(handed.popleft())
+
+    async def slow() -> None:  # the async subscriber's worker, always in its 20 ms await
+        while True:  # noqa: ASYNC110 - a timer on purpose, not a wait for a condition
+            await anyio.sleep(0.02)
+
+    async def main() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(poll)
+            if timer:
+                tg.start_soon(slow)
+            await anyio.to_thread.run_sync(train)
+            tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    return out[0]
+
+
 # --------------------------------------------------------------------------- trainbus
 def _typical(trainer: Trainer) -> None:
     """What a user typically hangs on the bus: a throttled step logger and subscribers on the
@@ -305,6 +370,9 @@ VARIANTS: dict[str, Callable[[str, list[Batch], torch.device], Times]] = {
     "trainbus": lambda k, d, dev: with_trainbus(k, d, dev, None),
     "typical": lambda k, d, dev: with_trainbus(k, d, dev, _typical),
     "typical_sampled": lambda k, d, dev: with_trainbus(k, d, dev, _typical_sampled),
+    "floor_tuple": lambda k, d, dev: floor(k, d, dev, event=False, timer=False),
+    "floor_event": lambda k, d, dev: floor(k, d, dev, event=True, timer=False),
+    "floor_async": lambda k, d, dev: floor(k, d, dev, event=True, timer=True),
     "every_event": lambda k, d, dev: with_trainbus(k, d, dev, _every_event),
     "slow_async": lambda k, d, dev: with_trainbus(k, d, dev, _slow_async),
     "slow_async_sampled": lambda k, d, dev: with_trainbus(k, d, dev, _slow_async_sampled),
