@@ -20,7 +20,8 @@ SGD step, ``zero_grad(set_to_none=True)``) and no ``.item()`` on the hot path:
   (``floor_tuple``), or a ``StepEnded`` built as the loop builds it (``floor_event``);
   ``floor_async`` is ``floor_event`` plus a task awaiting 20 ms in a loop, the async
   subscriber's timer. What any design that hands every step's event to an event-loop thread
-  pays on this machine before its own code runs
+  pays on this machine before its own code runs. The summary also prints each per-step variant
+  against its floor in the same round ("trainbus over the floor"): trainbus' own share
 - ``every_event``: one no-op subscriber on ``bus.events`` (every event of every step built)
 - ``slow_async``: an async subscriber awaiting 20 ms on every 10th ``StepEnded``
   (``ops.filter(step % 10 == 0)``, ``overflow="latest"``: a slow consumer that only wants the
@@ -392,6 +393,11 @@ def overhead(kind: str, steps: int, rounds: int, device: torch.device) -> dict[s
     loop = paired_ratios(samples, "bare", key="loop")
     fit = paired_ratios(samples, "bare", key="fit")
     cpu = paired_ratios(samples, "bare", key="cpu")
+    # trainbus' own share: each per-step variant against the floor under it, in the same round.
+    over_event = paired_ratios(samples, "floor_event", key="loop")
+    over_async = paired_ratios(samples, "floor_async", key="loop")
+    over_floor = {n: _strip(over_event[n]) for n in ("typical", "every_event")}
+    over_floor |= {n: _strip(over_async[n]) for n in ("slow_async", "slow_async_sampled")}
     return {
         "steps": steps,
         "rounds": rounds,
@@ -415,6 +421,7 @@ def overhead(kind: str, steps: int, rounds: int, device: torch.device) -> dict[s
         "ratio_loop": {n: _strip(r) for n, r in loop.items()},
         "ratio_fit": {n: _strip(r) for n, r in fit.items()},
         "ratio_cpu": {n: _strip(r) for n, r in cpu.items()},
+        "ratio_to_floor": over_floor,
         "ratio_loop_per_round": {n: r["values"] for n, r in loop.items()},
         "raw": {n: list(runs) for n, runs in samples.items()},
     }
@@ -511,6 +518,19 @@ def main(argv: list[str] | None = None) -> int:
                   f"{results[k]['ratio_loop'][n]['ci95'][1]:.3f}] / "
                       f"{results[k]['ratio_of_medians'][n]:.3f}" for k in models))
                 for n in VARIANTS
+            ],
+        )
+    )  # fmt: skip
+    print("\ntrainbus over the floor under it (typical, every_event: floor_event; slow_async*:"
+          " floor_async), median of per-round ratios [95 % bootstrap interval]")  # fmt: skip
+    print(
+        format_table(
+            ["variant", *models],
+            [
+                (n, *(f"{results[k]['ratio_to_floor'][n]['median']:.3f} "
+                      f"[{results[k]['ratio_to_floor'][n]['ci95'][0]:.3f}-"
+                      f"{results[k]['ratio_to_floor'][n]['ci95'][1]:.3f}]" for k in models))
+                for n in results[models[0]]["ratio_to_floor"]
             ],
         )
     )  # fmt: skip
