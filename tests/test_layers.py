@@ -185,6 +185,7 @@ BUS_ORDER = [
     "failures",
     "routes",
     "subscriptions",
+    "async_subscription",
     "registry",
     "observable",
     "channel",

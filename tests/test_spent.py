@@ -16,8 +16,9 @@ import reactivex.operators as ops
 
 from trainbus import EventBus
 from trainbus import events as ev
+from trainbus.bus.async_subscription import AsyncSubscription
 from trainbus.bus.failures import FailureLedger
-from trainbus.bus.subscriptions import AsyncSubscription, Backpressure
+from trainbus.bus.subscriptions import Backpressure
 
 
 class Tracked:

@@ -18,11 +18,11 @@ from ._exceptions import TrainbusError as TrainbusError
 from ._exceptions import TrainingError as TrainingError
 from .bus import CommandError as CommandError
 from .bus import EventBus as EventBus
+from .bus.async_subscription import AsyncSubscription as AsyncSubscription
 from .bus.observable import BusObservable as BusObservable
 from .bus.scheduler import AnyioScheduler as AnyioScheduler
 from .bus.statistics import BusStatistics as BusStatistics
 from .bus.statistics import SubscriptionStatistics as SubscriptionStatistics
-from .bus.subscriptions import AsyncSubscription as AsyncSubscription
 from .bus.subscriptions import Subscription as Subscription
 from .callbacks._base import Callback as Callback
 from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle

@@ -36,6 +36,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, SubscriberError
 from .._validate import check_int, check_number, check_optional_seconds
+from .async_subscription import AsyncSubscription, Overflow
 from .barrier import Barrier, BarrierStatus
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
@@ -50,7 +51,7 @@ from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
 from .spent import Spent
 from .statistics import BusStatistics
-from .subscriptions import AsyncSubscription, Backpressure, Overflow, Subscription
+from .subscriptions import Backpressure, Subscription
 
 __all__ = ["CommandError", "EventBus", "Tier"]
 

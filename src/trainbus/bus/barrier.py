@@ -13,10 +13,10 @@ import anyio
 
 from .. import events as ev
 from .._log import get_logger
+from .async_subscription import AsyncSubscription
 from .channel import CommandChannel
 from .queue import PublishQueue
 from .registry import SubscriptionSet
-from .subscriptions import AsyncSubscription
 
 __all__ = ["Barrier", "BarrierStatus"]
 

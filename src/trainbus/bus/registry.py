@@ -15,18 +15,11 @@ from anyio.abc import TaskGroup
 from reactivex import Observable, abc
 
 from .._exceptions import BusClosedError, ConfigError
+from .async_subscription import OVERFLOWS, AsyncFeeder, AsyncSubscription, Overflow
 from .failures import ErrorPolicy, FailureLedger, check_policy, name_of
 from .spent import Spent
 from .statistics import SubscriptionStatistics
-from .subscriptions import (
-    OVERFLOWS,
-    AsyncFeeder,
-    AsyncSubscription,
-    Backpressure,
-    GuardedObserver,
-    Overflow,
-    Subscription,
-)
+from .subscriptions import Backpressure, GuardedObserver, Subscription
 
 __all__ = ["SubscriptionSet"]
 

@@ -31,7 +31,8 @@ from ..hookpoints import HOOK_POINTS
 
 if TYPE_CHECKING:
     from ..bus import EventBus
-    from ..bus.subscriptions import ErrorPolicy, Overflow
+    from ..bus.async_subscription import Overflow
+    from ..bus.failures import ErrorPolicy
 
 __all__ = ["Callback", "GlobalCallbackHandle", "global_callbacks", "register_global_callback"]
 

@@ -1,0 +1,240 @@
+"""Async subscriptions: an ``async def fn(item)`` fed from a bounded buffer by worker tasks.
+
+The observer side (:class:`AsyncFeeder`, then :meth:`AsyncSubscription.push`) runs on the
+event-loop thread inside the bus' dispatch slice and never awaits; the workers run in the bus'
+task group. What the buffer does when full is the subscription's :data:`Overflow` policy. The
+barrier and the bus' close wait on :meth:`AsyncSubscription.wait_settled`,
+:meth:`~AsyncSubscription.wait_for_room` and :meth:`~AsyncSubscription.wait_finished`.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, TypeAlias
+
+import anyio
+from anyio.abc import TaskGroup
+from reactivex import abc
+
+from .clock import DecisionStamp
+from .failures import ErrorPolicy, FailureLedger
+from .spent import Spent
+from .subscriptions import Backpressure, Subscription
+
+__all__ = ["OVERFLOWS", "AsyncFeeder", "AsyncSubscription", "Overflow"]
+
+Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
+"""What an async subscription does when its buffer is full: make the bus wait (nothing is ever
+dropped); drop the oldest waiting item; keep only the newest waiting item."""
+OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
+
+
+class AsyncSubscription(Subscription):
+    """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
+
+    The observer side (``push``) runs on the event-loop thread inside the bus' dispatch and never
+    awaits. With ``overflow="block"`` a full buffer takes one item over capacity and signals
+    ``backpressure``; the dispatcher then awaits :meth:`wait_for_room` before it dispatches the
+    next event, so nothing is dropped and memory stays bounded (the publishing thread in turn
+    waits when the bus queue reaches ``max_queue``).
+    """
+
+    kind = "async"
+
+    def __init__(
+        self,
+        ledger: FailureLedger,
+        name: str,
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        concurrency: int,
+        buffer: int,
+        overflow: Overflow,
+        on_error: ErrorPolicy | None,
+        backpressure: Backpressure,
+        decides: bool = False,
+        spent: Spent | None = None,
+    ) -> None:
+        super().__init__(ledger, name, on_error)
+        self.fn = fn
+        # Items done with (run or dropped) are freed by the next publish, not here (spent.py).
+        # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
+        self._spent = Spent(maxlen=0) if spent is None else spent
+        self.decides = decides
+        """Whether it may send commands decided on per-step events: the step clock declares its
+        schedules and a decision step's barrier waits for it (see ``EventBus.subscribe_async``)."""
+        self.concurrency = concurrency
+        self.capacity = buffer
+        self.overflow = overflow
+        self.buffer: deque[Any] = deque()
+        self.started = 0
+        self.running = 0
+        self.input_closed = False
+        self._backpressure = backpressure
+        self._scope: anyio.CancelScope | None = None
+        self._ready: anyio.Event | None = None
+        self._room: anyio.Event | None = None
+        self._progress: anyio.Event | None = None
+        self._finished: anyio.Event | None = None
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def delivered(self) -> int:
+        return self.started
+
+    @property
+    def queued(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def in_flight(self) -> int:
+        return self.running
+
+    @property
+    def settled(self) -> int:
+        """Items that need no more work: dropped, finished or cancelled."""
+        return self.dropped + self.completed + self.cancelled
+
+    @property
+    def finished(self) -> bool:
+        return self._finished is not None and self._finished.is_set()
+
+    @property
+    def over_capacity(self) -> bool:
+        return len(self.buffer) > self.capacity
+
+    # ------------------------------------------------------------------ observer side
+    def push(self, item: Any) -> None:
+        """Accept one item from the observable (loop thread, never awaits)."""
+        self.received += 1
+        if self.finished:
+            # Cancelled at close (past close_timeout) while the drain went on: no worker will
+            # run this item, so it is counted, not buffered where nobody would ever look.
+            self.cancelled += 1
+            return
+        buf = self.buffer
+        if len(buf) >= self.capacity and self.overflow != "block":
+            self._spent.append(buf.popleft())
+            self.dropped += 1
+        buf.append(item)
+        if len(buf) > self.capacity:
+            self._backpressure.signal()
+        if self._ready is not None:
+            self._ready.set()
+
+    def close_input(self) -> None:
+        """No more items will come: workers finish the buffer and exit."""
+        self.input_closed = True
+        if self._ready is not None:
+            self._ready.set()
+
+    def dispose(self) -> None:
+        super().dispose()
+        self.close_input()
+
+    # ------------------------------------------------------------------ worker side
+    def start(self, tg: TaskGroup) -> None:
+        """Start the workers in the bus' task group (called once the bus runs)."""
+        self._ready = anyio.Event()
+        self._finished = anyio.Event()
+        self._scope = anyio.CancelScope()
+        tg.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
+
+    def cancel(self) -> None:
+        """Cancel the workers (close timeout); what they held is counted as cancelled."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _run(self) -> None:
+        assert self._scope is not None and self._finished is not None
+        try:
+            with self._scope:
+                async with anyio.create_task_group() as tg:
+                    for _ in range(self.concurrency):
+                        tg.start_soon(self._worker)
+        finally:
+            # Whatever is left was cancelled by the close timeout.
+            self.cancelled += len(self.buffer) + self.running
+            self.buffer.clear()
+            self.running = 0
+            self.active = False
+            self._notify(self._room)
+            self._notify(self._progress)
+            self._finished.set()
+
+    async def _worker(self) -> None:
+        buf = self.buffer
+        while True:
+            while not buf:
+                if self.input_closed:
+                    return
+                assert self._ready is not None
+                if self._ready.is_set():
+                    self._ready = anyio.Event()
+                await self._ready.wait()
+            item = buf.popleft()
+            if len(buf) <= self.capacity:
+                self._notify(self._room)
+            self.started += 1
+            self.running += 1
+            # A command sent while running the item is stamped with the item's step.
+            step = getattr(item, "step", None)
+            token = DecisionStamp.item(step if type(step) is int else None)
+            try:
+                await self.fn(item)
+            except Exception as exc:
+                self.fail(exc, item)
+            finally:
+                DecisionStamp.done(token)
+            # Not in a ``finally``: an item whose await is cancelled (close timeout) did not
+            # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
+            self.running -= 1
+            self.completed += 1
+            self._spent.append(item)
+            del item  # the spent deque holds the last reference: freed by the next publish
+            self._notify(self._progress)
+
+    @staticmethod
+    def _notify(event: anyio.Event | None) -> None:
+        if event is not None:
+            event.set()
+
+    async def wait_for_room(self) -> None:
+        """Wait until the buffer is back within capacity (``overflow="block"``)."""
+        while self.over_capacity and not self.finished:
+            if self._room is None or self._room.is_set():
+                self._room = anyio.Event()
+            await self._room.wait()
+
+    async def wait_settled(self, target: int) -> None:
+        """Wait until ``target`` items have been dropped, finished or cancelled."""
+        while self.settled < target and not self.finished:
+            # Waiters share one event, so a second waiter never strands the first.
+            if self._progress is None or self._progress.is_set():
+                self._progress = anyio.Event()
+            await self._progress.wait()
+
+    async def wait_finished(self) -> None:
+        """Wait until every worker has exited."""
+        if self._finished is not None:
+            await self._finished.wait()
+
+
+class AsyncFeeder(abc.ObserverBase[Any]):
+    """Observer end of an async subscription: hands items to its buffer."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: AsyncSubscription) -> None:
+        self._sub = sub
+
+    def on_next(self, value: Any) -> None:
+        self._sub.push(value)
+
+    def on_error(self, error: Exception) -> None:
+        self._sub.fail(error, None, ended=True)
+        self._sub.close_input()
+
+    def on_completed(self) -> None:
+        self._sub.close_input()
