@@ -2,9 +2,11 @@
 
 The observer side (:class:`AsyncFeeder`, then :meth:`AsyncSubscription.push`) runs on the
 event-loop thread inside the bus' dispatch slice and never awaits; the workers run in the bus'
-task group. What the buffer does when full is the subscription's :data:`Overflow` policy. The
-barrier and the bus' close wait on :meth:`AsyncSubscription.wait_settled`,
-:meth:`~AsyncSubscription.wait_for_room` and :meth:`~AsyncSubscription.wait_finished`.
+task group. What the buffer does when full is the subscription's :data:`Overflow` policy.
+Others wait on it: the subscription set relieves back-pressure with
+:meth:`AsyncSubscription.wait_for_room`, the barrier waits with
+:meth:`~AsyncSubscription.wait_settled`, and the bus' close with
+:meth:`~AsyncSubscription.wait_finished`.
 """
 
 from __future__ import annotations
