@@ -131,20 +131,30 @@ def _sync(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------- bare loops
-def bare(kind: str, data: list[Batch], device: torch.device) -> Times:
-    model = make_model(kind).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+def _timed(loop: Callable[[], None], device: torch.device) -> Times:
+    """Run a hand-written training loop; its wall time (to the device's last kernel), the
+    process' CPU time and its voluntary context switches."""
     s0 = _switches()
     c0 = time.process_time()
     t0 = time.perf_counter()
-    for x, y in data:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    loop()
     _sync(device)
     t = time.perf_counter() - t0
     return {"loop": t, "fit": t, "cpu": time.process_time() - c0, "switches": _switches() - s0}
+
+
+def bare(kind: str, data: list[Batch], device: torch.device) -> Times:
+    model = make_model(kind).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def loop() -> None:
+        for x, y in data:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    return _timed(loop, device)
 
 
 def bare_in_thread(kind: str, data: list[Batch], device: torch.device) -> Times:
@@ -231,12 +241,8 @@ def floor(kind: str, data: list[Batch], device: torch.device, *, event: bool, ti
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     handed: deque[object] = deque()
     spent: deque[object] = deque()
-    out: list[Times] = []
 
-    def train() -> None:
-        s0 = _switches()
-        c0 = time.process_time()
-        t0 = time.perf_counter()
+    def loop() -> None:
         for step, (x, y) in enumerate(data, start=1):
             start = time.monotonic()
             loss = F.cross_entropy(model(x), y)
@@ -251,10 +257,6 @@ def floor(kind: str, data: list[Batch], device: torch.device, *, event: bool, ti
                 handed.append((step, loss.detach()))
             if spent:
                 spent.clear()  # freed here, not on the loop thread (trainbus/bus/spent.py)
-        _sync(device)
-        t = time.perf_counter() - t0
-        out.append({"loop": t, "fit": t, "cpu": time.process_time() - c0,
-                    "switches": _switches() - s0})  # fmt: skip
 
     async def poll() -> None:
         while True:
@@ -266,16 +268,16 @@ def floor(kind: str, data: list[Batch], device: torch.device, *, event: bool, ti
         while True:  # noqa: ASYNC110 - a timer on purpose, not a wait for a condition
             await anyio.sleep(0.02)
 
-    async def main() -> None:
+    async def main() -> Times:
         async with anyio.create_task_group() as tg:
             tg.start_soon(poll)
             if timer:
                 tg.start_soon(slow)
-            await anyio.to_thread.run_sync(train)
+            times = await anyio.to_thread.run_sync(_timed, loop, device)
             tg.cancel_scope.cancel()
+        return times
 
-    anyio.run(main)
-    return out[0]
+    return anyio.run(main)
 
 
 # --------------------------------------------------------------------------- trainbus
@@ -456,6 +458,11 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{r['median']:.3f} [{r['p25']:.2f}-{r['p75']:.2f}]"
 
 
+def _ci_cell(r: dict[str, Any]) -> str:
+    """The median of per-round ratios with its 95 % bootstrap interval."""
+    return f"{r['median']:.3f} [{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}]"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="few steps and rounds (~1 min)")
@@ -513,9 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         format_table(
             ["variant", *models],
             [
-                (n, *(f"{results[k]['ratio_loop'][n]['median']:.3f} "
-                  f"[{results[k]['ratio_loop'][n]['ci95'][0]:.3f}-"
-                  f"{results[k]['ratio_loop'][n]['ci95'][1]:.3f}] / "
+                (n, *(f"{_ci_cell(results[k]['ratio_loop'][n])} / "
                       f"{results[k]['ratio_of_medians'][n]:.3f}" for k in models))
                 for n in VARIANTS
             ],
@@ -527,9 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         format_table(
             ["variant", *models],
             [
-                (n, *(f"{results[k]['ratio_to_floor'][n]['median']:.3f} "
-                      f"[{results[k]['ratio_to_floor'][n]['ci95'][0]:.3f}-"
-                      f"{results[k]['ratio_to_floor'][n]['ci95'][1]:.3f}]" for k in models))
+                (n, *(_ci_cell(results[k]['ratio_to_floor'][n]) for k in models))
                 for n in results[models[0]]["ratio_to_floor"]
             ],
         )
