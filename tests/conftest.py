@@ -134,3 +134,23 @@ async def until(condition: Callable[[], bool], *, limit_s: float = 10.0) -> None
 def wait_until() -> Callable[..., Awaitable[None]]:
     """``await wait_until(lambda: cond)``: see :func:`until`."""
     return until
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run only where a CUDA GPU is available (skipped elsewhere)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """Two pretend GPUs (``tests/_fake_cuda.py``): ``torch.cuda`` patched for this test."""
+    from tests._fake_cuda import FakeCuda
+
+    return FakeCuda(monkeypatch)

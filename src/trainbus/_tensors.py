@@ -1,32 +1,117 @@
-"""Small tensor utilities for the loop: device moves and batch sizes, without device syncs."""
+"""Small tensor utilities for the loop: the run's device, device moves and batch sizes, without
+device syncs."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-__all__ = ["batch_size", "move_to_device", "resolve_device"]
+from ._exceptions import ConfigError
+
+__all__ = ["batch_size", "bf16_supported", "move_to_device", "resolve_device", "use_device"]
+
+_DEVICE_FORMS = "'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device"
+
+
+def _cuda_devices(count: int) -> str:
+    """What exists, for an error message: ``"cuda:0, cuda:1 (2 CUDA devices)"``."""
+    if count == 0:
+        return "no CUDA device"
+    names = ", ".join(f"cuda:{i}" for i in range(count))
+    return f"{names} ({count} CUDA device{'s' if count != 1 else ''})"
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """``"auto"`` picks CUDA, then Apple MPS, then the CPU; anything else goes to torch."""
+    """The run's one device, resolved once, with its index when it is a CUDA device.
+
+    ``"auto"`` picks CUDA, then Apple MPS, then the CPU. ``"cuda"`` (also from ``"auto"``)
+    becomes ``cuda:N``, N being the calling thread's current CUDA device (0 unless
+    ``torch.cuda.set_device`` changed it), so every thread of the run can make that same
+    device current (:func:`use_device`).
+
+    Args:
+        device: ``"auto"``, a device string or a ``torch.device``.
+
+    Returns:
+        The device; a CUDA device always has an index.
+
+    Raises:
+        ConfigError: not a device torch knows, a CUDA device without CUDA, or a CUDA index this
+            process does not see (the message names what exists).
+    """
     if isinstance(device, str) and device == "auto":
         if torch.cuda.is_available():
-            return torch.device("cuda")
-        mps = getattr(torch.backends, "mps", None)
-        if mps is not None and mps.is_available():
-            return torch.device("mps")
-        return torch.device("cpu")
-    return torch.device(device)
+            resolved = torch.device("cuda")
+        else:
+            mps = getattr(torch.backends, "mps", None)
+            if mps is not None and mps.is_available():
+                return torch.device("mps")
+            return torch.device("cpu")
+    else:
+        try:
+            resolved = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ConfigError.invalid("device", device, _DEVICE_FORMS) from exc
+    if resolved.type != "cuda":
+        return resolved
+    if not torch.cuda.is_available():
+        raise ConfigError.invalid(
+            "device", str(device), "'auto' or 'cpu': CUDA is not available here "
+            "(torch.cuda.is_available() is False; no CUDA device or a CPU-only torch)",
+        )  # fmt: skip
+    count = torch.cuda.device_count()
+    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+    if index >= count:
+        raise ConfigError.invalid(
+            "device", str(device), f"a device this process sees: {_cuda_devices(count)}, "
+            "or 'auto' (CUDA_VISIBLE_DEVICES limits which GPUs a process sees)",
+        )  # fmt: skip
+    return torch.device("cuda", index)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether ``device`` computes in bfloat16 natively (``precision="bf16"``).
+
+    Every device but CUDA does (autocast on the CPU and MPS); on CUDA, ROCm GPUs and NVIDIA
+    GPUs of compute capability 8.0 (Ampere) and later. Older NVIDIA GPUs only emulate it,
+    slower than fp32.
+
+    Args:
+        device: A resolved device (a CUDA one with its index, see :func:`resolve_device`).
+    """
+    if device.type != "cuda":
+        return True
+    if torch.version.hip:
+        return True
+    return bool(torch.cuda.get_device_properties(device).major >= 8)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device; nothing off CUDA.
+
+    CUDA's current device is per thread and starts at 0 on every new thread: each thread that
+    runs the run's torch work (the loop, evaluate, predict) calls this first, so a hook, a
+    model or a kernel that uses the current device (or its current stream) works on the run's
+    device, not on GPU 0.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
     """Move every tensor in a (nested) batch to ``device``.
 
-    Copies to CUDA are ``non_blocking``: with a pinned-memory loader the copy overlaps with
-    compute instead of stalling the training thread. On the same device this is a no-op.
+    Tensors, tuples (named ones too), lists and mappings are walked; an object with a ``.to()``
+    method (PyG ``Data``, a custom batch class) is moved by ``batch.to(device)``; a dataclass
+    instance is copied with its fields moved. Anything else is returned as it is.
+
+    Copies of tensors to CUDA are ``non_blocking``: with a pinned-memory loader the copy
+    overlaps with compute instead of stalling the training thread. On the same device this is a
+    no-op.
     """
     if isinstance(batch, torch.Tensor):
         if batch.device == device:
@@ -37,7 +122,28 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
         return type(batch)(moved) if not hasattr(batch, "_fields") else type(batch)(*moved)
     if isinstance(batch, Mapping):
         return {k: move_to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, type | str | bytes):
+        return batch
+    to = getattr(batch, "to", None)
+    if callable(to):
+        return to(device)  # its own move: it knows its fields (and returns the moved batch)
+    if dataclasses.is_dataclass(batch):
+        return _move_dataclass(batch, device)
     return batch
+
+
+def _move_dataclass(batch: Any, device: torch.device) -> Any:
+    """A shallow copy of a dataclass instance with every field moved (frozen and slotted ones
+    too: the copy's fields are set directly, ``__post_init__`` does not run again)."""
+    names = [f.name for f in dataclasses.fields(batch)]
+    old = {name: getattr(batch, name) for name in names}
+    new = {name: move_to_device(value, device) for name, value in old.items()}
+    if all(new[name] is old[name] for name in names):
+        return batch
+    moved = copy.copy(batch)
+    for name, value in new.items():
+        object.__setattr__(moved, name, value)
+    return moved
 
 
 def batch_size(batch: Any) -> int:

@@ -321,7 +321,7 @@ class Evaluator:
                 hook(ctx)
             if ctx.skip:
                 return -1, None, None, batch
-            batch = ctx.batch
+            batch = move_to_device(ctx.batch, s.device)  # a hook may have replaced it
         if want.forward_started:
             pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
                                   dataset=dataset))  # fmt: skip

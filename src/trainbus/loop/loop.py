@@ -62,6 +62,7 @@ from typing import TYPE_CHECKING, Any
 from .. import events as ev
 from .._exceptions import CheckpointError
 from .._log import get_logger
+from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from .checkpoint import CheckpointWriter
 from .control import BarrierWait, CommandHandler
@@ -204,6 +205,7 @@ class Loop:
         st, s, control = self._state, self._s, self._control
         reason: ev.EndReason = "completed"
         error: BaseException | None = None
+        use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
         steps_per_epoch = self._data.start()
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,

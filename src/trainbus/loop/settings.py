@@ -17,7 +17,7 @@ import torch
 
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._tensors import resolve_device
+from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int
 from ..checkpoint import check_checkpoint_dir
 
@@ -197,14 +197,14 @@ def build_settings(
         raise ConfigError.invalid("clip_grad_norm", clip_grad_norm, "a finite number > 0 or None")
     if precision not in ("32", "bf16", "fp16"):
         raise ConfigError.invalid("precision", precision, "'32', 'bf16' or 'fp16'")
-    try:
-        resolved = resolve_device(device)
-    except (RuntimeError, TypeError) as exc:
+    resolved = resolve_device(device)  # "auto"/"cuda" -> "cuda:N", once for every thread
+    if precision == "bf16" and not bf16_supported(resolved):
+        props = torch.cuda.get_device_properties(resolved)
         raise ConfigError.invalid(
-            "device", device, "'auto', 'cpu', 'cuda', 'cuda:N' or a torch.device"
-        ) from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError.invalid("device", str(device), "'auto' or 'cpu': CUDA is not available")
+            "precision", precision, f"'32' or 'fp16' on {resolved} ({props.name}, compute "
+            f"capability {props.major}.{props.minor}): bf16 needs compute capability 8.0 or "
+            "later (torch would only emulate it, slower than fp32)",
+        )  # fmt: skip
     if precision == "fp16" and resolved.type != "cuda":
         raise ConfigError.invalid(
             "precision",

@@ -26,7 +26,7 @@ import torch
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._tensors import batch_size, move_to_device
+from .._tensors import batch_size, move_to_device, use_device
 from ..hookpoints import StepContext
 from .evaluation import Evaluator, predict_outputs
 from .outcome import Cancelled
@@ -131,6 +131,7 @@ class StandaloneRun:
         Raises:
             TrainingError: a set yielded no batch; or whatever the model raised.
         """
+        use_device(self._s.device)  # this worker thread's current CUDA device
         evaluator = Evaluator(self._s, self._bus, self._state, self._wants, self._check_cancel,
                               self._hooks, self.should_stop)  # fmt: skip
         evaluator.run("standalone", sets)
@@ -150,6 +151,7 @@ class StandaloneRun:
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
         """
         s, bus, st, w = self._s, self._bus, self._state, self._wants
+        use_device(s.device)  # this worker thread's current CUDA device
         pub = bus.publish
         w.refresh()
         try:
@@ -184,7 +186,7 @@ class StandaloneRun:
                             hook(ctx)
                         if ctx.skip:
                             continue
-                        batch = ctx.batch
+                        batch = move_to_device(ctx.batch, s.device)  # a hook may replace it
                     if w.forward_started:
                         pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="predict",
                                               batch_index=bi))  # fmt: skip

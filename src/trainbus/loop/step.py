@@ -175,6 +175,8 @@ class Step:
                     phases.micro_batch_ended(bi, micro, window, skipped=True)
                     continue
                 batch = ctx.batch
+                if self._move:  # a hook may replace the batch: the model sees the run's device
+                    batch = move_to_device(batch, s.device)
             samples += batch_size(batch)
             if plain:
                 # The same forward/backward as StepPhases.forward/backward, minus the events and
