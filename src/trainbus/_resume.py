@@ -121,23 +121,27 @@ class CallbackStates:
             group: This rank's process group (a world size change resumes at the next epoch).
 
         Returns:
-            The checkpoint, or None for ``"latest"`` with no checkpoint yet.
+            The checkpoint without its restored states (:meth:`Checkpoint.restored`), or None
+            for ``"latest"`` with no checkpoint yet.
 
         Raises:
             CheckpointError: damaged, foreign or incompatible checkpoint.
         """
+        # Loaded to the host: load_state_dict puts each tensor where the live model and
+        # optimizer keep it (Adam's "step" stays on the host unless fused/capturable, as in a
+        # straight run), and the RNG states are the CPU tensors torch's setters take.
         if resume == "latest":
             assert s.checkpoint_dir is not None
             # Read once: the newest file that loads and checks is the one restored.
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
-            checkpoint = CheckpointStore(s.checkpoint_dir).load_latest(map_location=s.device)
+            checkpoint = CheckpointStore(s.checkpoint_dir).load_latest(map_location="cpu")
             if checkpoint is None:
                 log.info("resume_skipped", reason="no checkpoint yet",
                          checkpoint_dir=str(s.checkpoint_dir))  # fmt: skip
                 return None
         else:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
-            checkpoint = read_checkpoint(resume, map_location=s.device)
+            checkpoint = read_checkpoint(resume, map_location="cpu")
         # The loop restores the RNG states itself, at the point of the epoch they were
         # captured at (replay_epoch), so a shuffled epoch draws the same permutation.
         world_size = group.world_size
@@ -159,4 +163,6 @@ class CallbackStates:
         self._bus.publish(ev.CheckpointLoaded(step=checkpoint.state.step,
                                               epoch=checkpoint.state.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
-        return checkpoint
+        # The loop needs the train state, data order and RNG states; the weights and optimizer
+        # state are in the live objects now: keep no second copy for the rest of the run.
+        return checkpoint.restored()

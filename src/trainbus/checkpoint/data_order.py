@@ -173,10 +173,11 @@ def replay_epoch(
         if skip == 0 and rng is not None:
             restore_rng(rng)
         state = order.get("state")
+        # Generator states are CPU byte tensors, whatever device the generator draws for.
         if generator is not None and state is not None:
-            generator.set_state(state)
+            generator.set_state(state.cpu())
         elif kind == "global" and state is not None:
-            torch.set_rng_state(state)
+            torch.set_rng_state(state.cpu())
     it = iter(data)
     for _ in range(skip):
         if next(it, _END) is _END:

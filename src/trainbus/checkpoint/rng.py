@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
+from .._log import get_logger
+
 __all__ = ["capture_rng", "restore_rng"]
+
+log = get_logger(__name__)
 
 
 def _numpy() -> Any:
@@ -59,8 +63,10 @@ def restore_rng(state: dict[str, Any]) -> None:
     """Set every generator from a :func:`capture_rng` result.
 
     A saved CUDA state is restored only when CUDA is available (a GPU run resumed on a CPU keeps
-    going, its CUDA draws are simply not reproduced); a saved NumPy state only when NumPy is
-    installed.
+    going, its CUDA draws are simply not reproduced), and only for the devices that exist: a
+    checkpoint from a host that saw more GPUs restores GPU ``i``'s state on GPU ``i`` for each
+    GPU this process sees, and logs ``rng_cuda_devices_differ`` naming both counts. A saved
+    NumPy state is restored only when NumPy is installed.
 
     Args:
         state: What :func:`capture_rng` returned (possibly after a save/load round trip).
@@ -73,9 +79,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     internal = tuple(int(x) for x in py["internal"].tolist())
     gauss = py["gauss"]
     random.setstate((int(py["version"]), internal, None if gauss is None else float(gauss)))
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].cpu())  # a no-op for a checkpoint loaded to the host
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        _restore_cuda(list(state["cuda"]))
     np = _numpy()
     if "numpy" in state and np is not None:
         n = state["numpy"]
@@ -83,3 +89,21 @@ def restore_rng(state: dict[str, Any]) -> None:
         np.random.set_state(
             (n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
         )
+
+
+def _restore_cuda(states: list[torch.Tensor]) -> None:
+    """Set each CUDA device's generator from its saved state, for the devices that exist.
+
+    The states are CPU byte tensors (checkpoints load to the host), the form
+    ``torch.cuda.set_rng_state`` takes.
+    """
+    count = torch.cuda.device_count()
+    if len(states) != count:
+        log.warning(
+            "rng_cuda_devices_differ", saved_devices=len(states), devices=count,
+            restored=min(len(states), count),
+            reason="the checkpoint was written where another number of GPUs was visible; "
+            "each GPU seen by both is restored, the others keep their state",
+        )  # fmt: skip
+    for index, saved in enumerate(states[:count]):
+        torch.cuda.set_rng_state(saved.cpu(), index)

@@ -18,7 +18,7 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -242,6 +242,18 @@ class Checkpoint:
             scaler.load_state_dict(self.scaler)
         if rng and self.rng is not None:
             restore_rng(self.rng)
+
+    def restored(self) -> Checkpoint:
+        """This checkpoint without the states :meth:`restore` loads into live objects.
+
+        What a resumed run keeps after restoring: the train state, data order, RNG and
+        callback states and metadata. The model, optimizer, scheduler and scaler states are
+        dropped (empty), so no second copy of the weights stays alive for the whole run.
+
+        Returns:
+            A copy with ``model`` and ``optimizer`` empty and no ``scheduler`` / ``scaler``.
+        """
+        return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
 
 
 def _need(payload: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
