@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-
 from tests._fake_cuda import FakeCuda, HostModel, Placed, placed_batches
+
 from trainbus import ConfigError, Trainer
 from trainbus._tensors import move_to_device, resolve_device
 
@@ -133,8 +133,9 @@ def test_a_batch_a_hook_replaced_is_moved(fake_cuda: FakeCuda) -> None:
 def test_an_eval_and_predict_batch_a_hook_replaced_is_moved(fake_cuda: FakeCuda) -> None:
     model = HostModel()
     trainer = host_trainer(model, device="cuda:1")
-    trainer.add_hook("eval_batch", lambda ctx: setattr(ctx, "batch", Placed(ctx.batch.x,
-                                                                            ctx.batch.y)))
+    trainer.add_hook(
+        "eval_batch", lambda ctx: setattr(ctx, "batch", Placed(ctx.batch.x, ctx.batch.y))
+    )
     trainer.predict_sync(placed_batches(2))
     assert [d for d, _, _ in model.seen] == [torch.device("cuda", 1)] * 2
 

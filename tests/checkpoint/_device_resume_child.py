@@ -16,11 +16,11 @@ from pathlib import Path
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import Trainer  # noqa: E402
+from trainbus import Trainer
 
 STEPS, STOP_AT = 10, 4  # 6 batches an epoch: the interrupted run stops mid-epoch
 

@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
+from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 
 import trainbus._resume
-from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 from trainbus import Trainer
 from trainbus.checkpoint import Checkpoint
 from trainbus.testing import tiny_loader, tiny_model
