@@ -26,6 +26,9 @@ from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 def _trainer(tmp_path: Path, loss_fn: Any, *, max_steps: int = 20, **kwargs: Any) -> Trainer:
     model = tiny_model()
     kwargs.setdefault("log_every", 50)
+    # The per-step read is the CPU's (the "mode" fixture adds the accelerator's read at the
+    # window close): pinned, so a GPU host tests the same paths.
+    kwargs.setdefault("device", "cpu")
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
                    loss_fn=loss_fn, max_steps=max_steps, checkpoint_dir=tmp_path / "ckpt",
                    handle_signals=False, **kwargs)  # fmt: skip
@@ -172,7 +175,7 @@ def test_ignore_runs_to_the_end_with_no_check(tmp_path: Path) -> None:
     assert result.reason == "completed" and result.steps == 4 and result.skipped_nonfinite == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["raise", "stop", "skip"])
 def test_cuda_paths(tmp_path: Path, policy: str) -> None:
     model = tiny_model()

@@ -30,9 +30,10 @@ pytestmark = pytest.mark.timeout(60)
 def _trainer(tmp_path: Path) -> Trainer:
     model = tiny_model()
     bus = EventBus(close_timeout=1.0)
+    # The tests compare with CPU copies of the model: pinned, so a GPU host runs them alike.
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(STEPS // 2, 8),
                    loss_fn=F.cross_entropy, max_epochs=2, checkpoint_dir=tmp_path / "ckpt",
-                   barrier_timeout=0.5, handle_signals=False, bus=bus)  # fmt: skip
+                   barrier_timeout=0.5, handle_signals=False, bus=bus, device="cpu")  # fmt: skip
 
 
 def _attach(trainer: Trainer, fault: str) -> None:

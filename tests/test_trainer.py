@@ -41,6 +41,7 @@ def _trainer(
 ) -> Trainer:
     model = model if model is not None else tiny_model()
     kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("device", "cpu")  # tests compare with CPU copies: same on a GPU host
     if "loss_fn" not in kwargs:
         kwargs["loss_fn"] = F.cross_entropy
     elif kwargs["loss_fn"] is None:

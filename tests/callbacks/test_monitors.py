@@ -120,7 +120,7 @@ def test_optimizer_stats_follow_lr_changes_sgd(trainer_factory: Any) -> None:
 
 def test_memory_is_published_every_n_steps(trainer_factory: Any) -> None:
     monitor = MemoryMonitor(every=2)
-    trainer = trainer_factory([monitor], epochs=1, batches=4)
+    trainer = trainer_factory([monitor], epochs=1, batches=4, device="cpu")
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.MemoryMeasured))
     trainer.run()
     assert [e.step for e in rec.items] == [2, 4]
