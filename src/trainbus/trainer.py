@@ -113,6 +113,9 @@ class Trainer:
         precision: ``"32"``, ``"bf16"`` (autocast, any device) or ``"fp16"`` (autocast with a
             grad scaler, CUDA only).
         device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
+            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
+            loop, evaluate and predict make it current on their own threads
+            (docs/trainer.md, "On a GPU").
         seed: Seeds Python's and torch's RNGs before training.
         metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``;
             ``targets`` is the second element of ``(inputs, targets)`` batches, a mapping
