@@ -41,7 +41,7 @@ class FakeCuda:
         monkeypatch.setattr(cuda, "current_device", self.current_device)
         monkeypatch.setattr(cuda, "set_device", self.set_device)
         monkeypatch.setattr(cuda, "get_device_properties", self.properties)
-        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: [s.clone() for s in self.rng])
+        monkeypatch.setattr(cuda, "get_rng_state_all", self.get_rng_state_all)
         monkeypatch.setattr(cuda, "set_rng_state", self.set_rng_state)
         monkeypatch.setattr(torch.version, "hip", None)
 
@@ -56,6 +56,9 @@ class FakeCuda:
 
     def properties(self, device: Any) -> SimpleNamespace:
         return SimpleNamespace(name="Fake GPU", major=self.major, minor=0)
+
+    def get_rng_state_all(self) -> list[torch.Tensor]:
+        return [s.clone() for s in self.rng[: self.count]]
 
     def set_rng_state(self, state: torch.Tensor, device: int | str = "cuda") -> None:
         assert isinstance(state, torch.Tensor) and state.device.type == "cpu", (

@@ -20,7 +20,7 @@ from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 
 import trainbus._resume
 from trainbus import Trainer
-from trainbus.checkpoint import Checkpoint
+from trainbus.checkpoint import Checkpoint, capture_rng, read_checkpoint, restore_rng
 from trainbus.testing import tiny_loader, tiny_model
 
 CHILD = Path(__file__).with_name("_device_resume_child.py")
@@ -109,3 +109,35 @@ def test_a_resumed_run_equals_a_straight_one(device: str, tmp_path: Path) -> Non
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "equal", (
         done.stdout + done.stderr
     )
+
+
+def test_a_checkpoint_from_fewer_gpus_restores_those_saying_so(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_cuda.count = 1
+    state = capture_rng()
+    assert len(state["cuda"]) == 1
+    fake_cuda.count = 2
+    with capture_logs() as logs:
+        restore_rng(state)
+    assert set(fake_cuda.restored) == {0}
+    assert torch.equal(fake_cuda.restored[0], fake_cuda.rng[0])
+    said = [e for e in logs if e["event"] == "rng_cuda_devices_differ"]
+    assert [(e["saved_devices"], e["devices"], e["restored"]) for e in said] == [(1, 2, 1)]
+
+
+def test_the_same_gpu_count_restores_silently(fake_cuda: FakeCuda) -> None:
+    state = capture_rng()
+    with capture_logs() as logs:
+        restore_rng(state)
+    assert set(fake_cuda.restored) == {0, 1} and not logs
+
+
+def test_restored_keeps_what_the_loop_needs_and_drops_the_weights(valid: Path) -> None:
+    checkpoint = read_checkpoint(valid)
+    light = checkpoint.restored()
+    assert light.model == {} and light.optimizer == {}
+    assert light.scheduler is None and light.scaler is None
+    assert light.state is checkpoint.state and light.rng is checkpoint.rng
+    assert light.data_order is checkpoint.data_order and light.meta is checkpoint.meta
+    assert light.callbacks is checkpoint.callbacks and light.path == checkpoint.path
