@@ -11,6 +11,7 @@ from collections import namedtuple
 from dataclasses import dataclass, field
 from typing import Any
 
+import anyio
 import pytest
 import torch
 import torch.nn.functional as F
@@ -211,8 +212,13 @@ def test_cuda_run_keeps_its_device_on_every_thread() -> None:
                       device=f"cuda:{index}", progress=False, handle_signals=False)  # fmt: skip
     # A dataclass batch is not (inputs, targets): unpack it in a hook, after the move.
     trainer.add_hook("batch", lambda ctx: setattr(ctx, "batch", (ctx.batch.x, ctx.batch.y)))
-    assert trainer.run().reason == "completed"
-    trainer.predict_sync([torch.randn(8, 4) for _ in range(2)])
-    trainer.evaluate_sync([(torch.randn(8, 4), torch.randint(0, 2, (8,)))])
+
+    async def session() -> None:  # fit, predict and evaluate: three worker threads, one bus
+        async with trainer.bus:
+            assert (await trainer.fit()).reason == "completed"
+            await trainer.predict([torch.randn(8, 4) for _ in range(2)])
+            await trainer.evaluate([(torch.randn(8, 4), torch.randint(0, 2, (8,)))])
+
+    anyio.run(session)
     device = torch.device("cuda", index)
-    assert seen and set(seen) == {(index, device)}
+    assert len(seen) == 4 + 2 + 1 and set(seen) == {(index, device)}
