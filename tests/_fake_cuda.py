@@ -37,6 +37,7 @@ class FakeCuda:
         """``{index: state}`` set by ``torch.cuda.set_rng_state``."""
         cuda = torch.cuda
         monkeypatch.setattr(cuda, "is_available", lambda: True)
+        monkeypatch.setattr(cuda, "is_initialized", lambda: True)
         monkeypatch.setattr(cuda, "device_count", lambda: self.count)
         monkeypatch.setattr(cuda, "current_device", self.current_device)
         monkeypatch.setattr(cuda, "set_device", self.set_device)

@@ -37,6 +37,17 @@ def test_auto_and_cuda_resolve_to_the_current_index(fake_cuda: FakeCuda, asked: 
     assert trainer.settings.device == torch.device("cuda", 1)
 
 
+def test_cuda_resolves_to_0_without_starting_cuda(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def current_device() -> int:
+        raise AssertionError("current_device() starts CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    assert resolve_device("cuda") == resolve_device("auto") == torch.device("cuda", 0)
+
+
 def test_an_index_is_kept(fake_cuda: FakeCuda) -> None:
     assert resolve_device("cuda:1") == torch.device("cuda", 1)
     assert resolve_device("cpu") == torch.device("cpu")

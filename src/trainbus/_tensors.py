@@ -64,7 +64,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
             "(torch.cuda.is_available() is False; no CUDA device or a CPU-only torch)",
         )  # fmt: skip
     count = torch.cuda.device_count()
-    index = resolved.index if resolved.index is not None else torch.cuda.current_device()
+    index = resolved.index
+    if index is None:
+        # Before CUDA starts nobody can have made another device current: 0, without starting
+        # CUDA here (a process that forks after building its Trainer stays fork-safe).
+        index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     if index >= count:
         raise ConfigError.invalid(
             "device", str(device), f"a device this process sees: {_cuda_devices(count)}, "
