@@ -188,7 +188,7 @@ def test_resume_with_another_world_size_is_refused(tmp_path: Path) -> None:
         _load_into(path, model, torch.optim.SGD(model.parameters(), lr=0.1), world_size=2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_rng_round_trips(tmp_path: Path) -> None:
     torch.cuda.manual_seed_all(4)
     path = _save(tmp_path)
