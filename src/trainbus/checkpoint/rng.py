@@ -63,10 +63,10 @@ def restore_rng(state: dict[str, Any]) -> None:
     """Set every generator from a :func:`capture_rng` result.
 
     A saved CUDA state is restored only when CUDA is available (a GPU run resumed on a CPU keeps
-    going, its CUDA draws are simply not reproduced), and only for the devices that exist: a
-    checkpoint from a host that saw more GPUs restores GPU ``i``'s state on GPU ``i`` for each
-    GPU this process sees, and logs ``rng_cuda_devices_differ`` naming both counts. A saved
-    NumPy state is restored only when NumPy is installed.
+    going, its CUDA draws are simply not reproduced), and only for the devices that exist: GPU
+    ``i``'s saved state goes to GPU ``i`` for each GPU both the saving and this process see; a
+    checkpoint from a host that saw more (or fewer) GPUs logs ``rng_cuda_devices_differ``
+    naming both counts. A saved NumPy state is restored only when NumPy is installed.
 
     Args:
         state: What :func:`capture_rng` returned (possibly after a save/load round trip).
