@@ -142,6 +142,7 @@ class Loop:
         self._guard = NonFiniteGuard(
             settings, state, stop=lambda reason: self._control.stop(reason),
             last_checkpoint=lambda: self._checkpoints.last_checkpoint,
+            agree=None if sync is None else sync.any_nonfinite,
         )  # fmt: skip
         self._checkpoints = CheckpointWriter(
             settings, bus, state, callback_states, before_save=self._before_save, sync=sync
@@ -153,7 +154,9 @@ class Loop:
                                        checkpoints=self._checkpoints,
                                        evaluator=self._evaluator, sync=sync)  # fmt: skip
         self._window = MetricsWindow(settings, bus, state, guard=self._guard,
-                                     reduce=None if sync is None else self._reduce_window)
+                                     reduce=None if sync is None else self._reduce_window,
+                                     first_nonfinite=None if sync is None
+                                     else sync.first_nonfinite)  # fmt: skip
         self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
         parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
@@ -189,13 +192,16 @@ class Loop:
         self._window.check_pending()
         self._guard.check_parameters(self._s.model)
 
-    def _reduce_window(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The window's metrics averaged across ranks; notes whether a rank has commands."""
+    def _reduce_window(
+        self, metrics: dict[str, float], nonfinite: int | None
+    ) -> tuple[dict[str, float], int | None]:
+        """The window's metrics averaged across ranks and the first non-finite step of any
+        rank; notes whether a rank has commands."""
         assert self._sync is not None
-        out, self._agree_pending = self._sync.reduce_window(
-            metrics, pending=self._bus.has_commands()
+        out, self._agree_pending, bad = self._sync.reduce_window(
+            metrics, pending=self._bus.has_commands(), nonfinite=nonfinite
         )
-        return out
+        return out, bad
 
     # ================================================================== run
     def run(self) -> Outcome:
