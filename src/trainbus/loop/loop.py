@@ -72,6 +72,7 @@ from .nonfinite import NonFiniteGuard
 from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
+from .pinning import hint_pin_memory
 from .scheduler import SchedulerStepper
 from .step import Step, StepParts
 from .wants import Wants
@@ -211,6 +212,7 @@ class Loop:
         reason: ev.EndReason = "completed"
         error: BaseException | None = None
         s.model.train()
+        hint_pin_memory(s.train_data, s.device)  # once per process, on CUDA
         steps_per_epoch = self._data.start()
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
                           max_epochs=s.max_epochs, device=str(s.device),
