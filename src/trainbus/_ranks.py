@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .bus import EventBus
 from .distributed.data import shard_loader, wrap_model
 from .distributed.group import ProcessGroup
@@ -28,13 +30,21 @@ class RankSetup:
         self._group: ProcessGroup | None = None
         self._link: WorkerLink | None = None
 
-    def join(self) -> ProcessGroup:
-        """Join the process group the environment describes.
+    def join(self, device: torch.device | None = None) -> ProcessGroup:
+        """Join the process group the environment describes, with the backend the run's
+        device asks for (gloo for a CPU run, NCCL for CUDA; see
+        :func:`~trainbus.distributed.group.choose_backend`).
+
+        Args:
+            device: The run's resolved device (None: NCCL when CUDA is available).
 
         Returns:
             The group (also kept for :meth:`close`).
+
+        Raises:
+            ConfigError: more local ranks than GPUs for a CUDA run (before any collective).
         """
-        self._group = ProcessGroup.from_env()
+        self._group = ProcessGroup.from_env(device=device)
         return self._group
 
     def place(self, s: Settings) -> Settings:

@@ -297,7 +297,7 @@ class Trainer:
                     if cb not in self._attached]  # fmt: skip
         ranks = RankSetup(self.bus, ddp=self.ddp)
         try:
-            group = ranks.join()
+            group = ranks.join(s.device)
             s = self.settings = ranks.place(s)
             if s.seed is not None:
                 random.seed(s.seed)

@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
-from trainbus import ConfigError
+from trainbus import ConfigError, EventBus
+from trainbus import events as ev
 from trainbus.callbacks import CurvePlot
+from trainbus.callbacks import plot as plot_module
 from trainbus.callbacks.plot import render
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -60,3 +62,23 @@ def test_render_without_points(tmp_path: Path) -> None:
     path = tmp_path / "empty.png"
     render(path, [], [])
     assert png_size(path) == (600, 400)
+
+
+def test_the_training_curve_comes_from_metrics_logged_not_each_step(
+    tmp_path: Path, trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No per-step device read: CurvePlot takes the log window's loss (read by the loop at the
+    window's close), so it does not even ask for StepEnded."""
+    bus = EventBus()
+    CurvePlot(tmp_path / "c.png").setup(bus)
+    assert bus.wants(ev.MetricsLogged) and not bus.wants(ev.StepEnded)
+
+    drawn: list[Any] = []
+    monkeypatch.setattr(plot_module, "render", lambda path, train, val, title: drawn.append(train))
+    trainer = trainer_factory([CurvePlot(tmp_path / "c.png")], epochs=2, batches=4, log_every=2,
+                              progress=False)  # fmt: skip
+    logged: list[ev.MetricsLogged] = []
+    trainer.bus.stream(ev.MetricsLogged).subscribe(logged.append)
+    trainer.run()
+    assert [s for s, _ in drawn[0]] == [2, 4, 6, 8]
+    assert drawn[0] == [(e.step, e.metrics["loss"]) for e in logged]

@@ -44,6 +44,10 @@ def test_single_process_needs_no_collective() -> None:
     agreed = agreement.exchange([stop, cmd.StopTraining(reason="again")])
     assert agreed == [stop] and agreed[0] is stop  # the sender's own object: request() resolves
     assert agreement.reduce_metrics_flagged({"loss": 2.0}, pending=True) == ({"loss": 2.0}, True)
+    flags = agreement.reduce_metrics_flags({"loss": 2.0}, (False, True))
+    assert flags == ({"loss": 2.0}, [False, True])
+    assert agreement.any_rank(True) and not agreement.any_rank(False)
+    assert agreement.min_step(7) == 7 and agreement.min_step(None) is None
     assert agreement.collectives == 0
 
 

@@ -33,8 +33,12 @@ class _Curves:
     train: _Train = field(default_factory=list)
     val: _Val = field(default_factory=list)
 
-    def add_step(self, e: ev.StepEnded) -> None:
-        self.train.append((e.step, float(e.loss)))  # a device read, off the training thread
+    def add_window(self, e: ev.MetricsLogged) -> None:
+        # The window's mean loss, already read on the training thread at its close: no device
+        # read here (a StepEnded loss read per step would wait for all queued GPU work).
+        loss = e.metrics.get("loss")
+        if loss is not None:
+            self.train.append((e.step, loss))
 
     def add_eval(self, e: ev.EvaluationEnded) -> None:
         if e.error is None and e.metrics:
@@ -107,9 +111,13 @@ class CurvePlot(Callback):
 
     Pipelines::
 
-        StepEnded       -> collect (step, float(loss))       (event-loop thread)
+        MetricsLogged   -> collect (step, metrics["loss"])   (the log window's mean loss)
         EvaluationEnded -> collect (step, metrics)
         FitEnded        -> snapshot -> async subscriber: render in anyio.to_thread
+
+    The training curve has one point per log window (``log_every`` steps): the mean loss the
+    loop read at the window's close. Nothing here reads the device (a per-step ``StepEnded``
+    loss would be one device read per step on the event-loop thread).
 
     The plot is drawn however the run ended (completed, stopped, failed), so a failed run
     still leaves its curves; the bus waits for the file before ``fit()`` returns. Requires
@@ -136,7 +144,7 @@ class CurvePlot(Callback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the collectors and the renderer."""
         curves = _Curves()
-        bus.stream(ev.StepEnded).subscribe(curves.add_step, name="CurvePlot.step_ended")
+        bus.stream(ev.MetricsLogged).subscribe(curves.add_window, name="CurvePlot.metrics_logged")
         bus.stream(ev.EvaluationEnded).subscribe(curves.add_eval, name="CurvePlot.evaluation_ended")
 
         async def draw(snap: tuple[_Train, _Val, ev.FitEnded]) -> None:

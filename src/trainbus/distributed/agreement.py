@@ -235,26 +235,74 @@ class CommandAgreement:
             DistributedError: the ranks passed different metric names.
             ConfigError: a metric value is not a number.
         """
+        out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
+        return out, flag
+
+    def reduce_metrics_flags(
+        self, metrics: Mapping[str, float], flags: Sequence[bool]
+    ) -> tuple[dict[str, float], list[bool]]:
+        """:meth:`reduce_metrics`, with ``flags`` carried in the same all-reduce (two float64s
+        of checksum and one per flag): flag ``i`` comes back True on every rank when some
+        rank's flag ``i`` was True.
+
+        Args:
+            metrics: Name -> float; every rank must pass the same names.
+            flags: This rank's flags (the same number on every rank).
+
+        Returns:
+            (name -> mean over ranks, for each flag whether any rank set it).
+
+        Raises:
+            DistributedError: the ranks passed different metric names.
+            ConfigError: a metric value is not a number.
+        """
         names = sorted(metrics)
         try:
             values = [float(metrics[k]) for k in names]
         except (TypeError, ValueError):
             raise ConfigError.invalid("metrics", dict(metrics), "a mapping of numbers") from None
         if not self.group.distributed:
-            return dict(zip(names, values, strict=True)), pending
+            return dict(zip(names, values, strict=True)), [bool(f) for f in flags]
         # A checksum of the names, and its square: the sums equal world*c and world*c^2 only
         # when every rank has the same c (equality case of Cauchy-Schwarz). 20 bits keep c^2
         # exact in float64.
         c = float(zlib.crc32("\x00".join(names).encode()) & 0xFFFFF)
-        t = torch.tensor([*values, c, c * c, 1.0 if pending else 0.0], dtype=torch.float64)
+        n = len(flags)
+        t = torch.tensor([*values, c, c * c, *(1.0 if f else 0.0 for f in flags)],
+                         dtype=torch.float64)  # fmt: skip
         t = t.to(self.group.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         self._collectives += 1
         out: list[Any] = t.cpu().tolist()
         world = self.group.world_size
-        if out[-3] != world * c or out[-2] != world * c * c:
+        if out[-2 - n] != world * c or out[-1 - n] != world * c * c:
             raise DistributedError(
                 f"rank {self.group.rank} reduced metrics {names}, and another rank other names: "
                 "every rank must log the same metrics"
             )
-        return {k: v / world for k, v in zip(names, out, strict=False)}, out[-1] > 0
+        summed = dict(zip(names, out[: len(names)], strict=True))
+        return {k: v / world for k, v in summed.items()}, [v > 0 for v in out[len(out) - n :]]
+
+    # ------------------------------------------------------------------ decisions
+    def any_rank(self, flag: bool) -> bool:
+        """Whether some rank's ``flag`` is True, the same answer on every rank: one all-reduce
+        (MAX) of one number; the flag itself on a single process."""
+        if not self.group.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.group.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self._collectives += 1
+        return bool(t.item())
+
+    def min_step(self, step: int | None) -> int | None:
+        """The smallest ``step`` any rank passed (None: this rank has none), the same on every
+        rank: one all-reduce (MIN) of one number; None when no rank had one."""
+        if not self.group.distributed:
+            return step
+        none = torch.iinfo(torch.int64).max
+        t = torch.tensor([none if step is None else step], dtype=torch.int64,
+                         device=self.group.device)  # fmt: skip
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        self._collectives += 1
+        got = int(t.item())
+        return None if got == none else got

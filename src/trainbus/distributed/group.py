@@ -11,6 +11,11 @@ ends ``torch.distributed``.
 Under ``python script.py`` (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) the group is a single process:
 ``world_size`` 1, no collectives, nothing initialised. When the application initialised
 ``torch.distributed`` itself, the group adopts it and never destroys it.
+
+The group follows the run's device (the Trainer's resolved ``device``): gloo for a CPU run, NCCL
+for a CUDA one, whatever the host has. A CUDA rank computes on ``cuda:<LOCAL_RANK>``; more local
+ranks than visible GPUs is a :class:`~trainbus.ConfigError` naming ``LOCAL_RANK`` and the device
+count, raised before any collective (rather than torch's ``invalid device ordinal`` mid-run).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from .._exceptions import ConfigError, DistributedError
 from .._log import get_logger
 from .._validate import check_seconds
 
-__all__ = ["ENV_VARS", "ProcessGroup"]
+__all__ = ["ENV_VARS", "ProcessGroup", "check_local_rank", "choose_backend"]
 
 log = get_logger(__name__)
 
@@ -50,6 +55,45 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
     if value < minimum:
         raise ConfigError.invalid(name, value, f"an integer >= {minimum}")
     return value
+
+
+def choose_backend(device: torch.device | None, backend: Backend | None = None) -> Backend:
+    """The backend for a run on ``device``: ``backend`` when given, else NCCL for a CUDA device
+    and gloo for any other (a CPU run on a GPU host gets gloo).
+
+    Args:
+        device: The run's device; None (no Trainer to follow): NCCL when CUDA is available.
+        backend: Force ``"gloo"`` or ``"nccl"``.
+
+    Returns:
+        ``"gloo"`` or ``"nccl"``.
+    """
+    if backend is not None:
+        return backend
+    if device is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def check_local_rank(local_rank: int, backend: str) -> None:
+    """A CUDA (NCCL) rank needs its own GPU: ``LOCAL_RANK`` must be below the device count.
+
+    Reads only ``torch.cuda.device_count()`` (no CUDA context, no collective).
+
+    Raises:
+        ConfigError: more local ranks than visible GPUs, naming ``LOCAL_RANK``, the device
+            count and what to do.
+    """
+    if backend != "nccl":
+        return
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise ConfigError(
+            f"LOCAL_RANK={local_rank} needs cuda:{local_rank}, but this host has "
+            f"{count} visible CUDA device(s) (torch.cuda.device_count()={count}); start at "
+            f"most {count} rank(s) per node (torchrun --nproc_per_node={max(count, 1)}), "
+            "or train on the CPU with Trainer(device='cpu') (gloo)"
+        )
 
 
 class ProcessGroup:
@@ -86,9 +130,14 @@ class ProcessGroup:
 
     # ------------------------------------------------------------------ building
     @classmethod
-    def single(cls) -> ProcessGroup:
-        """The single-process group: rank 0 of 1, no collectives, nothing initialised."""
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    def single(cls, device: torch.device | None = None) -> ProcessGroup:
+        """The single-process group: rank 0 of 1, no collectives, nothing initialised.
+
+        Args:
+            device: The run's device (default: CUDA when available, else the CPU).
+        """
+        if device is None:
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return cls(rank=0, world_size=1, local_rank=0, backend=None, device=device,
                    created=False)  # fmt: skip
 
@@ -99,6 +148,7 @@ class ProcessGroup:
         *,
         backend: Backend | None = None,
         timeout: float = 300.0,
+        device: torch.device | None = None,
     ) -> ProcessGroup:
         """The group this process belongs to, starting ``torch.distributed`` when needed.
 
@@ -106,7 +156,9 @@ class ProcessGroup:
           world size and backend from it; :meth:`close` leaves it alone).
         - ``WORLD_SIZE`` unset or 1: :meth:`single`.
         - Else ``init_process_group(backend, init_method="env://")`` with torchrun's variables:
-          ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
+          ``backend`` defaults to the run's device (:func:`choose_backend`: NCCL for CUDA,
+          gloo otherwise), and a CUDA rank's ``LOCAL_RANK`` is checked against the GPUs
+          (:func:`check_local_rank`) before anything is initialised.
 
         Args:
             env: The environment to read (default: ``os.environ``; ``env://`` always reads the
@@ -114,13 +166,15 @@ class ProcessGroup:
             backend: Force ``"gloo"`` or ``"nccl"``.
             timeout: Seconds to wait for every rank to join (and for collectives, as torch's
                 process-group timeout).
+            device: The run's device (``Trainer(device=...)`` resolved), which the backend
+                follows; None: NCCL when CUDA is available, else gloo.
 
         Returns:
             The :class:`ProcessGroup`.
 
         Raises:
             ConfigError: a torchrun variable is missing or not an integer, a bad ``backend``
-                or ``timeout``.
+                or ``timeout``, more local ranks than GPUs for a CUDA run.
             DistributedError: the group did not form within ``timeout`` (an unreachable
                 ``MASTER_ADDR:MASTER_PORT``, a rank that never started).
         """
@@ -131,11 +185,12 @@ class ProcessGroup:
         if dist.is_available() and dist.is_initialized():
             chosen = str(dist.get_backend())
             local = _env_int(env, "LOCAL_RANK", 0) if "LOCAL_RANK" in env else 0
+            check_local_rank(local, chosen)
             device = cls._device(chosen, local)
             return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local,
                        backend=chosen, device=device, created=False)  # fmt: skip
         if "WORLD_SIZE" not in env or _env_int(env, "WORLD_SIZE", 1) == 1:
-            return cls.single()
+            return cls.single(device)
         world_size = _env_int(env, "WORLD_SIZE", 1)
         rank = _env_int(env, "RANK", 0)
         if rank >= world_size:
@@ -145,9 +200,10 @@ class ProcessGroup:
             if not env.get(name):
                 raise ConfigError.invalid(name, env.get(name), "set (by torchrun)")
         port = _env_int(env, "MASTER_PORT", 1)
-        chosen = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        chosen = choose_backend(device, backend)
         if not dist.is_available():
             raise DistributedError("torch.distributed is not available in this torch build")
+        check_local_rank(local_rank, chosen)  # before set_device and any collective
         device = cls._device(chosen, local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)

@@ -73,14 +73,38 @@ class RankSync:
         return tuple(sorted(every_all)), tuple(sorted(at_all))
 
     def reduce_window(
-        self, metrics: Mapping[str, float], *, pending: bool
-    ) -> tuple[dict[str, float], bool]:
-        """A log window's metrics across ranks (means; ``samples_per_s`` summed) and whether
-        some rank has pending commands, in one all-reduce."""
-        out, flag = self.agreement.reduce_metrics_flagged(metrics, pending=pending)
+        self, metrics: Mapping[str, float], *, pending: bool, nonfinite: int | None = None
+    ) -> tuple[dict[str, float], bool, int | None]:
+        """A log window's metrics across ranks (means; ``samples_per_s`` summed), whether
+        some rank has pending commands and whether some rank saw a non-finite loss, in one
+        all-reduce; only when one did, a second agrees on the first such step.
+
+        Args:
+            metrics: The window's metrics (the same names on every rank).
+            pending: This rank has commands waiting.
+            nonfinite: This rank's first step with a non-finite loss in the window (None:
+                none).
+
+        Returns:
+            (metrics, any rank has pending commands, the first non-finite step of any rank
+            or None): the same on every rank.
+        """
+        out, (flag, bad) = self.agreement.reduce_metrics_flags(
+            metrics, (pending, nonfinite is not None)
+        )
         for name in _SUMMED & out.keys():
             out[name] *= self.world_size
-        return out, flag
+        return out, flag, (self.agreement.min_step(nonfinite) if bad else None)
+
+    def first_nonfinite(self, step: int | None) -> int | None:
+        """The first step with a non-finite loss on any rank, given this rank's (None: none):
+        one all-reduce, the same answer on every rank."""
+        return self.agreement.min_step(step)
+
+    def any_nonfinite(self, local: bool) -> bool:
+        """Whether some rank's step had a non-finite loss (``on_nonfinite="skip"``, every
+        step): one all-reduce, the same answer on every rank."""
+        return self.agreement.any_rank(local)
 
     def reduce_eval(self, metrics: Mapping[str, float], samples: int) -> dict[str, float]:
         """Sample-weighted means of per-rank evaluation means, in one all-reduce."""

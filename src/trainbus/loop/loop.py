@@ -73,6 +73,7 @@ from .nonfinite import NonFiniteGuard
 from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
+from .pinning import hint_pin_memory
 from .scheduler import SchedulerStepper
 from .step import Step, StepParts
 from .wants import Wants
@@ -143,6 +144,7 @@ class Loop:
         self._guard = NonFiniteGuard(
             settings, state, stop=lambda reason: self._control.stop(reason),
             last_checkpoint=lambda: self._checkpoints.last_checkpoint,
+            agree=None if sync is None else sync.any_nonfinite,
         )  # fmt: skip
         self._checkpoints = CheckpointWriter(
             settings, bus, state, callback_states, before_save=self._before_save, sync=sync
@@ -154,7 +156,9 @@ class Loop:
                                        checkpoints=self._checkpoints,
                                        evaluator=self._evaluator, sync=sync)  # fmt: skip
         self._window = MetricsWindow(settings, bus, state, guard=self._guard,
-                                     reduce=None if sync is None else self._reduce_window)
+                                     reduce=None if sync is None else self._reduce_window,
+                                     first_nonfinite=None if sync is None
+                                     else sync.first_nonfinite)  # fmt: skip
         self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
         parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
@@ -190,13 +194,16 @@ class Loop:
         self._window.check_pending()
         self._guard.check_parameters(self._s.model)
 
-    def _reduce_window(self, metrics: dict[str, float]) -> dict[str, float]:
-        """The window's metrics averaged across ranks; notes whether a rank has commands."""
+    def _reduce_window(
+        self, metrics: dict[str, float], nonfinite: int | None
+    ) -> tuple[dict[str, float], int | None]:
+        """The window's metrics averaged across ranks and the first non-finite step of any
+        rank; notes whether a rank has commands."""
         assert self._sync is not None
-        out, self._agree_pending = self._sync.reduce_window(
-            metrics, pending=self._bus.has_commands()
+        out, self._agree_pending, bad = self._sync.reduce_window(
+            metrics, pending=self._bus.has_commands(), nonfinite=nonfinite
         )
-        return out
+        return out, bad
 
     # ================================================================== run
     def run(self) -> Outcome:
@@ -207,6 +214,7 @@ class Loop:
         error: BaseException | None = None
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
+        hint_pin_memory(s.train_data, s.device)  # once per process, on CUDA
         steps_per_epoch = self._data.start()
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
                           max_epochs=s.max_epochs, device=str(s.device),

@@ -13,6 +13,18 @@ count of skipped updates. Where the loss is checked depends on what reading it c
 
 Before any checkpoint is written, :meth:`NonFiniteGuard.check_parameters` reads whether every
 parameter is finite (one read, at save time) and refuses the save otherwise.
+
+**Under several ranks** the decision is agreed, never taken by one rank alone (a rank that
+raises, stops or skips by itself leaves the others waiting in their next collective, or
+applying an update it did not):
+
+* ``"raise"`` / ``"stop"`` are decided where the metrics window closes (on the CPU too): the
+  "some rank saw a non-finite loss" flag rides on the window's existing all-reduce, and only
+  when it is set a second, tiny all-reduce agrees on the first bad step. Every rank raises or
+  stops at the same step. The checks before a checkpoint write and at the end of the run are
+  agreed the same way (one all-reduce there).
+* ``"skip"`` is decided for all ranks before anyone steps: one all-reduce of a flag per step,
+  only in that mode under several ranks (the price of skipping in lockstep).
 """
 
 from __future__ import annotations
@@ -50,12 +62,16 @@ class NonFiniteGuard:
         tripped: A non-finite value was found under ``"stop"``: the run stops and no checkpoint
             is written from now on (the state may hold the bad update).
         skipped: Optimizer steps skipped under ``"skip"`` in this run.
+        collective: :meth:`skip_update` must run on every rank at every step, finite or not
+            (``"skip"`` under several ranks: it agrees the decision in a collective).
 
     Args:
         settings: The run's settings (``on_nonfinite``, device).
         state: The run's train state (names the step in messages).
         stop: Stops the run with a reason (``on_nonfinite="stop"``).
         last_checkpoint: The path of the last checkpoint written, for the error message.
+        agree: Under several ranks: takes "this rank's losses are not all finite" and returns
+            whether any rank's are not (a collective). None: one process.
     """
 
     def __init__(
@@ -65,13 +81,18 @@ class NonFiniteGuard:
         *,
         stop: Callable[[str], None],
         last_checkpoint: Callable[[], str | None],
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         self.policy = settings.on_nonfinite
         self._state = state
         self._stop, self._last_checkpoint = stop, last_checkpoint
+        self._agree = agree
         self._cpu = settings.device.type == "cpu"
         self.active = self.policy != "ignore"
-        self.per_step = self.active and (self._cpu or self.policy == "skip")
+        # Several ranks: "raise"/"stop" wait for the window's all-reduce (agreed), even on the
+        # CPU where a per-step read would be free; "skip" agrees every step.
+        self.per_step = self.active and (self.policy == "skip" or (self._cpu and agree is None))
+        self.collective = self.policy == "skip" and agree is not None
         self.tripped = False
         self.skipped = 0
         self._consecutive = 0
@@ -93,6 +114,10 @@ class NonFiniteGuard:
         else:
             # Only under "skip" on an accelerator: one device sync per step, documented.
             finite = bool(torch.isfinite(torch.stack(losses)).all().item())
+        if self._agree is not None:
+            # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
+            # so all skip the same update, or none does.
+            finite = not self._agree(not finite)
         if finite:
             self._consecutive = 0
             return False

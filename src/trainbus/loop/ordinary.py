@@ -131,6 +131,7 @@ class OrdinarySteps:
         read = guard.per_step
         keep = guard.active or w.metrics_logged or w.step_ended or w.step_ended_sampled
         check = guard.per_step
+        agreed = guard.collective  # "skip" under several ranks: every rank asks every step
         every, sampled, due = w.step_ended, w.step_ended_sampled, w.step_ended_due
         by_step = due.takes_step if due.periods else None  # routes change: the stretch ends
         bell = bus.doorbell
@@ -177,7 +178,7 @@ class OrdinarySteps:
             detached: torch.Tensor | None = None
             if read:
                 value = loss.item()
-                if check and not isfinite(value) and guard.skip_update([loss.detach()]):
+                if check and (agreed or not isfinite(value)) and guard.skip_update([loss.detach()]):
                     opt.zero_grad(set_to_none=True)  # "skip" / "stop": no update, no StepEnded
                     break
             elif keep:

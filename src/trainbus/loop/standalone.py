@@ -29,6 +29,7 @@ from .._exceptions import ConfigError
 from .._tensors import batch_size, move_to_device, use_device
 from ..hookpoints import StepContext
 from .evaluation import Evaluator, predict_outputs
+from .host import HostOutputs
 from .outcome import Cancelled
 from .wants import Wants
 
@@ -145,7 +146,8 @@ class StandaloneRun:
             keep: Keep every batch's outputs and return them (else ``[]``).
 
         Returns:
-            The per-batch outputs (detached, on their device) when ``keep``.
+            The per-batch outputs (detached, copied to the host as they came: pinned and
+            non-blocking on CUDA; see :class:`~trainbus.loop.host.HostOutputs`) when ``keep``.
 
         Raises:
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
@@ -160,7 +162,7 @@ class StandaloneRun:
             total = None
         pub(ev.PredictionStarted(step=st.step, epoch=st.epoch, batches=total))
         hooks = self._hooks.by_point["eval_batch"]
-        kept: list[Any] = []
+        kept = HostOutputs(s.device)
         done = 0
         error: BaseException | None = None
         model = s.model
@@ -204,7 +206,7 @@ class StandaloneRun:
                                             batch_index=bi))  # fmt: skip
                     done += 1
                     if keep:
-                        kept.append(outputs)
+                        kept.add(outputs)  # to the host now: the device keeps no batch
                     if w.prediction_batch_ended:
                         pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                                     outputs=outputs,
@@ -217,4 +219,4 @@ class StandaloneRun:
             model.train(was_training)
             pub(ev.PredictionEnded(step=st.step, epoch=st.epoch, batches=done, error=error,
                                    stopped=self.stop_reason is not None))  # fmt: skip
-        return kept
+        return kept.batches()

@@ -25,6 +25,7 @@ import torch
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .data import END
+from .gradsync import GradSync
 from .outcome import Cancelled
 from .phases import SKIPPED
 
@@ -100,6 +101,8 @@ class Step:
         self._fetch_observed = fetch_observed
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
         self._move = p.settings.device.type != "cpu"
+        # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
+        self._grad_sync = GradSync(p.settings.model)
         self.taken = False
         self.ended: ev.StepEnded | None = None
         self.barrier_event: ev.BaseEvent | None = None
@@ -166,6 +169,8 @@ class Step:
                                     data_wait_s=fetched - tf))  # fmt: skip
             if self._move:
                 batch = move_to_device(batch, s.device)
+            if window > 1:
+                self._grad_sync.begin(micro, window)  # before the forward: DDP decides there
             ctx: StepContext | None = None
             if by_point["batch"]:
                 ctx = phases.context(bi, micro, batch)
@@ -192,6 +197,7 @@ class Step:
                 except BaseException as exc:
                     phases.annotate(exc, "backward", bi)
                     raise
+                self._grad_sync.backward_done()
                 continue
             loss = phases.forward(batch, bi, ctx, micro)
             if loss is None:
@@ -206,6 +212,8 @@ class Step:
                         ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
                     )
             phases.backward(loss, window, bi, micro)
+            self._grad_sync.backward_done()
+        self._grad_sync.finish()  # a window cut short after no_sync() backwards
         st.samples_seen += samples
         if not stepped:
             opt.zero_grad(set_to_none=True)

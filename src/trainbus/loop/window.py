@@ -41,8 +41,13 @@ class MetricsWindow:
         guard: Applies ``on_nonfinite``; while it is active the step adds every step's loss,
             so the i-th loss of the window is the loss of step ``window start + i + 1``.
         reduce: Under torchrun, averages the closed window's metrics across ranks (one
-            collective per window, see :class:`~trainbus.distributed.sync.RankSync`); None:
-            one process.
+            collective per window, see :class:`~trainbus.distributed.sync.RankSync`) and
+            agrees on the first non-finite step: it takes the metrics and this rank's first
+            non-finite step (None: none) and returns the reduced metrics and the first
+            non-finite step of any rank (the flag rides on the same all-reduce). None: one
+            process.
+        first_nonfinite: Under torchrun, the first non-finite step of any rank, given this
+            rank's (a collective; :meth:`check_pending` uses it). None: one process.
     """
 
     def __init__(
@@ -52,11 +57,14 @@ class MetricsWindow:
         state: TrainState,
         *,
         guard: NonFiniteGuard,
-        reduce: Callable[[dict[str, float]], dict[str, float]] | None = None,
+        reduce: Callable[[dict[str, float], int | None], tuple[dict[str, float], int | None]]
+        | None = None,
+        first_nonfinite: Callable[[int | None], int | None] | None = None,
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
         self._guard = guard
         self._reduce = reduce
+        self._first_nonfinite = first_nonfinite
         self.metrics: dict[str, float] = {}
         self._checked = 0
         """Losses of the window already read by :meth:`check_pending`."""
@@ -94,8 +102,6 @@ class MetricsWindow:
         """
         st, s, guard = self._state, self._s, self._guard
         losses_kept = self._losses
-        now = time.monotonic()
-        elapsed = max(now - self._t0, 1e-9)
         steps = st.step - self._step0
         # One stack and one read of the window (the device sync), then plain Python: eight small
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
@@ -105,6 +111,10 @@ class MetricsWindow:
         step0 = self._step0
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
+        # Timed after the read: the window's steps are done only once the device has run them
+        # (before it, the first window after a start or resume overstates steps/s by the queue).
+        now = time.monotonic()
+        elapsed = max(now - self._t0, 1e-9)
         metrics = {
             "loss": mean_loss,
             "lr": float(s.optimizer.param_groups[0]["lr"]),
@@ -115,8 +125,9 @@ class MetricsWindow:
             metrics["grad_norm"] = sum(norms_read) / len(norms_read)
         if guard.skipped or s.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(guard.skipped)
+        bad_step = None if bad is None or not guard.active else step0 + bad + 1
         if self._reduce is not None:
-            metrics = self._reduce(metrics)
+            metrics, bad_step = self._reduce(metrics, bad_step)
         self.metrics = metrics
         self._checked = 0
         self._losses, self._norms = [], []
@@ -125,8 +136,8 @@ class MetricsWindow:
         if publish:
             logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
             self._bus.publish(logged)
-        if bad is not None and guard.active:
-            guard.found(step0 + bad + 1)
+        if bad_step is not None and guard.active:
+            guard.found(bad_step)
         return logged
 
     def check_pending(self) -> None:
@@ -136,21 +147,25 @@ class MetricsWindow:
         accelerator): called where a sync happens anyway, before a checkpoint write and at the
         end of the run, so a short run and the last partial window are covered.
 
+        Under torchrun every rank calls it at the same points and the first non-finite step is
+        agreed (one all-reduce), so all raise or stop together.
+
         Raises:
             NonFiniteLossError: a NaN/inf loss and ``on_nonfinite="raise"``.
         """
         guard = self._guard
         if not guard.active or guard.per_step or guard.tripped:
-            return
+            return  # the same on every rank: the policy, and a stop that was agreed
         pending = self._losses[self._checked :]
-        if not pending:
-            return
-        values = _read(pending)
+        values = _read(pending) if pending else []
         first = self._checked
         self._checked = len(self._losses)
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        if bad is not None:
-            guard.found(self._step0 + first + bad + 1)
+        bad_step = None if bad is None else self._step0 + first + bad + 1
+        if self._first_nonfinite is not None:
+            bad_step = self._first_nonfinite(bad_step)  # a collective on every rank
+        if bad_step is not None:
+            guard.found(bad_step)
 
 
 def _read(losses: list[torch.Tensor | float]) -> list[float]:

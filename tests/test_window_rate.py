@@ -1,0 +1,55 @@
+"""The metrics window's rate is timed after its device read: the window's steps are done only
+once the device ran them, so the read's wait belongs to the window (before the fix, the first
+window after a start or resume overstated steps/s by the queued GPU work)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from trainbus.loop import window as window_module
+from trainbus.loop.window import MetricsWindow
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_steps_per_s_counts_the_wait_of_the_windows_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = Clock()
+    monkeypatch.setattr(window_module.time, "monotonic", clock.monotonic)
+    read = window_module._read
+
+    def slow_read(losses: list[Any]) -> list[float]:
+        clock.now += 3.0  # the device runs the queued steps: the read waits 3 s
+        return read(losses)
+
+    monkeypatch.setattr(window_module, "_read", slow_read)
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
+    settings = SimpleNamespace(optimizer=opt, on_nonfinite="raise")
+    state = SimpleNamespace(step=0, epoch=0)
+    guard = SimpleNamespace(active=True, skipped=0, per_step=False, tripped=False)
+    bus = SimpleNamespace(publish=lambda e: None)
+    window = MetricsWindow(settings, bus, state, guard=guard)  # type: ignore[arg-type]
+    for _ in range(10):  # launched in 1 s
+        clock.now += 0.1
+        state.step += 1
+        window.add(torch.tensor(1.0), None, 4)
+    window.close(publish=False)
+    # 10 steps in 1 s of launching + 3 s of running them: 2.5 steps/s, not 10
+    assert window.metrics["steps_per_s"] == pytest.approx(2.5)
+    assert window.metrics["samples_per_s"] == pytest.approx(10.0)
+    # the next window starts after the read
+    for _ in range(4):
+        clock.now += 0.5
+        state.step += 1
+        window.add(torch.tensor(1.0), None, 4)
+    window.close(publish=False)
+    assert window.metrics["steps_per_s"] == pytest.approx(4 / 5.0)
