@@ -174,8 +174,7 @@ class GuardedObserver(abc.ObserverBase[Any]):
             return
         watchdog = self._watchdog
         outer = watchdog.current  # a subscriber may flush(): the inner call restores it
-        watchdog.current = sub
-        watchdog.calls += 1
+        watchdog.current = sub  # with sub.received (just counted), it names this very call
         try:
             self._on_next(value)
         except Exception as exc:

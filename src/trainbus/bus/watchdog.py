@@ -7,11 +7,12 @@ writes per call (no lock, no clock: the cost is that of the writes)::
 
     loop thread (GuardedObserver.on_next)        watchdog thread (daemon, polls)
     ┌────────────────────────────────────┐       ┌──────────────────────────────────────────┐
-    │ prev = w.current                   │       │ every threshold/10 (at most 0.5 s):      │
-    │ w.current = sub; w.calls += 1      │ ───►  │   same call running since >= threshold?  │
-    │ fn(event)                          │ read  │   → warning: subscription, blocked_s,    │
-    │ w.current = prev                   │       │     the loop thread's stack (now)        │
-    └────────────────────────────────────┘       └──────────────────────────────────────────┘
+    │ sub.received += 1  (counted anyway)│       │ every threshold/10 (at most 0.5 s):      │
+    │ prev = w.current; w.current = sub  │ ───►  │   same call (sub, sub.received) running  │
+    │ fn(event)                          │ read  │   since >= threshold? → warning:         │
+    │ w.current = prev                   │       │   subscription, blocked_s, the loop      │
+    └────────────────────────────────────┘       │   thread's stack (now)                   │
+                                                 └──────────────────────────────────────────┘
 
 The warning comes while the call still blocks, with the loop thread's current stack
 (``sys._current_frames()``), once per blocked call; when the call returns, an info line says how
@@ -45,9 +46,11 @@ _STACK_FRAMES = 25
 
 
 class Watched(Protocol):
-    """What the watchdog needs of a subscription: its name, and where to count a stall."""
+    """What the watchdog needs of a subscription: its name, its call count (bumped before
+    each call: with the subscription, it names one call), and where to count a stall."""
 
     name: str
+    received: int
 
     def stalled(self, blocked_s: float, *, ended: bool) -> None:
         """A call blocked the event loop past the threshold (``ended``: it has returned)."""
@@ -56,23 +59,21 @@ class Watched(Protocol):
 class Watchdog:
     """Watches the event-loop thread from a daemon thread (see the module docstring).
 
-    The loop thread writes :attr:`current` and :attr:`calls`; nothing else does. The watchdog
-    thread only reads them (a torn read costs at most one poll of delay, never a false alarm:
-    a warning needs the same call seen on two polls ``threshold`` apart).
+    The loop thread writes :attr:`current`; nothing else does. The watchdog thread only reads it
+    and the subscription's ``received`` (a torn read costs at most one poll of delay, never a
+    false alarm: a warning needs the same call seen on polls ``threshold`` apart).
 
     Args:
         threshold: Seconds a call may block before the warning; None: no watchdog thread (the
             marks are still written, and cost the same).
     """
 
-    __slots__ = ("_loop_thread", "_stop", "_thread", "_warnings", "calls", "current", "threshold")
+    __slots__ = ("_loop_thread", "_stop", "_thread", "_warnings", "current", "threshold")
 
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
         self.current: Watched | None = None
         """The subscription whose function runs now on the loop thread (None: none does)."""
-        self.calls = 0
-        """Calls started; with :attr:`current` it tells one long call from many short ones."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._loop_thread = 0
@@ -116,7 +117,8 @@ class Watchdog:
         since = 0.0
         warned = False
         while not self._stop.wait(poll):
-            current, calls = self.current, self.calls
+            current = self.current
+            calls = current.received if current is not None else -1
             now = time.monotonic()
             if current is not seen or calls != seen_calls:
                 if warned and seen is not None:
