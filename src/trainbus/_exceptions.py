@@ -142,11 +142,20 @@ class RecordedError(TrainbusError):
 class LaunchError(TrainbusError, RuntimeError):
     """A launch failed: the workers could not start, a worker died, or the driver gave up.
 
+    The fields it shares with :class:`~trainbus.LaunchResult` are named and typed alike.
+
     Attributes:
         returncode: torchrun's exit status (None when it never started).
         events: The last events rank 0 streamed to the driver before the failure (oldest
             first; at most the launcher's ``keep_events``).
+        received: How many events rank 0 streamed to the driver in all.
+        last_event: The last of them, or None.
+        stop_reason: The workers' own stop reason (their ``FitEnded.stop_reason``), else
+            ``"signal"`` when Ctrl-C/SIGTERM stopped the launch before they said one; or None.
         stderr: The last lines torchrun and the workers wrote to standard error.
+        rank: The rank that failed first (torchrun's root cause), or None when unknown.
+        rank_exitcode: That rank's own exit status (negative: the signal that killed it).
+        rank_signal: The name of that signal (``"SIGKILL"``), or None.
     """
 
     def __init__(
@@ -155,9 +164,21 @@ class LaunchError(TrainbusError, RuntimeError):
         *,
         returncode: int | None = None,
         events: tuple[object, ...] = (),
+        received: int = 0,
+        last_event: object | None = None,
+        stop_reason: str | None = None,
         stderr: str = "",
+        rank: int | None = None,
+        rank_exitcode: int | None = None,
+        rank_signal: str | None = None,
     ) -> None:
         super().__init__(message + (f"; stderr tail:\n{stderr}" if stderr else ""))
         self.returncode = returncode
         self.events = events
+        self.received = received
+        self.last_event = last_event
+        self.stop_reason = stop_reason
         self.stderr = stderr
+        self.rank = rank
+        self.rank_exitcode = rank_exitcode
+        self.rank_signal = rank_signal

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from .bus import EventBus
-from .distributed.data import shard_loader, wrap_model
+from .distributed.data import release_model, shard_loader, wrap_model
 from .distributed.group import ProcessGroup
 from .distributed.link import WorkerLink
 from .loop import Outcome, Settings
@@ -29,6 +29,7 @@ class RankSetup:
         self._ddp = ddp
         self._group: ProcessGroup | None = None
         self._link: WorkerLink | None = None
+        self._wrapped: torch.nn.Module | None = None
 
     def join(self, device: torch.device | None = None) -> ProcessGroup:
         """Join the process group the environment describes, with the backend the run's
@@ -62,6 +63,8 @@ class RankSetup:
         if not group.distributed:
             return s
         model = wrap_model(s.model, group) if self._ddp else s.model
+        if model is not s.model:
+            self._wrapped = model  # ours: close() releases what it holds of the group
         seed = s.seed if s.seed is not None else 0
         train = shard_loader(s.train_data, group, seed=seed, train=True)
         evald = None if s.eval_data is None else shard_loader(s.eval_data, group, seed=seed,
@@ -94,4 +97,9 @@ class RankSetup:
             # Every rank ended at the same agreed step: meet once more, so no rank tears the
             # group down while a peer still reads its last collective.
             group.barrier()
+        if self._wrapped is not None:
+            # After the barrier (no collective in flight): the wrapper must not keep the group
+            # and gloo's threads alive until exit, where their teardown can abort the process.
+            release_model(self._wrapped)
+            self._wrapped = None
         group.close()  # destroys the process group only if from_env() created it

@@ -238,7 +238,7 @@ def run_launch(tokens: Sequence[str]) -> int:
         print(f"trainbus launch: {exc}", file=sys.stderr)
         return 1
     last = result.last_event
-    print(f"launch ended: {result.events} events from rank 0"
+    print(f"launch ended: {result.received} events from rank 0"
           + (f", last {type(last).__name__} at step {last.step}" if last else "")
           + (f" (stopped: {result.stop_reason})" if result.stop_reason else ""))  # fmt: skip
     return 0

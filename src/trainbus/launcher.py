@@ -31,7 +31,6 @@ import contextlib
 import hmac
 import json
 import os
-import re
 import secrets
 import signal
 import subprocess
@@ -56,6 +55,7 @@ from ._log import get_logger
 from ._validate import check_int, check_seconds
 from .bus import EventBus
 from .callbacks._base import Callback
+from .distributed.exits import RankExit, RankExits
 from .distributed.link import ADDR_ENV, TOKEN_ENV, control_record
 
 __all__ = ["LaunchResult", "Launcher", "launch"]
@@ -68,24 +68,28 @@ _MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
 _ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
                      ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
                      ev.CommandApplied})  # fmt: skip
-_SIGNALS = frozenset(s.value for s in signal.Signals)
 _TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--master-addr",
                         "--rdzv", "--standalone", "--nnodes")  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchResult:
-    """How a launch ended (returned when torchrun exited 0).
+    """How a launch ended (returned when torchrun exited 0). The fields it shares with
+    :class:`~trainbus.LaunchError` are named and typed alike.
 
     Attributes:
         returncode: torchrun's exit status (0).
-        events: Events rank 0 streamed to the driver.
+        events: The last events rank 0 streamed to the driver (oldest first; at most the
+            launcher's ``keep_events``).
+        received: How many events rank 0 streamed to the driver in all.
         last_event: The last of them (``FitEnded`` for a run that ended normally).
-        stop_reason: ``"signal"`` when Ctrl-C/SIGTERM stopped the workers, else None.
+        stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
+            ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
     """
 
     returncode: int
-    events: int
+    events: tuple[ev.BaseEvent, ...]
+    received: int
     last_event: ev.BaseEvent | None
     stop_reason: str | None = None
 
@@ -106,7 +110,8 @@ class Launcher:
         stop_timeout: Seconds between the graceful ``StopTraining`` of a Ctrl-C and the
             termination of the workers.
         connect_timeout: Seconds a connection has to present the token.
-        keep_events: How many of the last events a :class:`~trainbus.LaunchError` carries.
+        keep_events: How many of the last events a :class:`LaunchResult` or
+            :class:`~trainbus.LaunchError` carries (``events``; ``received`` counts them all).
         python: The interpreter running torchrun (default: this one).
         handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only).
 
@@ -156,6 +161,8 @@ class Launcher:
         self._events: deque[ev.BaseEvent] = deque(maxlen=max(self.keep_events, 1))
         self._count = 0
         self._stderr: deque[str] = deque(maxlen=40)
+        self._exits = RankExits()
+        self._ended: ev.FitEnded | None = None
         self._link: anyio.abc.SocketStream | None = None
         self._linked: anyio.Event | None = None
         self._link_done: anyio.Event | None = None
@@ -257,9 +264,20 @@ class Launcher:
                 await self._terminate()
         if returncode != 0:
             raise self._failure(returncode)
-        return LaunchResult(returncode=returncode, events=self._count,
+        return LaunchResult(returncode=returncode, events=self._kept(), received=self._count,
                             last_event=self._events[-1] if self._events else None,
-                            stop_reason=self._stop_reason)  # fmt: skip
+                            stop_reason=self.stop_reason)  # fmt: skip
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
+        the reason this driver asked them to stop with (``"signal"``), else None."""
+        if self._ended is not None and self._ended.reason != "completed":
+            return self._ended.stop_reason or self._stop_reason
+        return self._stop_reason
+
+    def _kept(self) -> tuple[ev.BaseEvent, ...]:
+        return tuple(self._events) if self.keep_events else ()
 
     # ------------------------------------------------------------------ tasks
     def _failure(self, returncode: int | None) -> LaunchError:
@@ -271,16 +289,20 @@ class Launcher:
             what = (f"after {self._count} events from rank 0 "
                     f"(last: {type(last).__name__ if last else None} at step "
                     f"{last.step if last else '?'})")  # fmt: skip
-        # torchrun's summary names the first failed rank and its exit code (-9: SIGKILL).
-        tail = "".join(self._stderr)
-        found = re.search(r"rank\s*:\s*(\d+).*?exitcode\s*:\s*(-?\d+)", tail, re.S)
-        if found:
-            code = int(found.group(2))
-            name = f" ({signal.Signals(-code).name})" if -code in _SIGNALS else ""
-            what += f"; rank {found.group(1)} exited with code {code}{name}"
+        # torchrun's summary: the first failed rank with its own exit code (-9: SIGKILL), and
+        # the ranks torchrun then stopped (-15: its SIGTERM), each block read on its own.
+        first: RankExit | None = self._exits.root_cause
+        if first is not None:
+            what += f"; {first.describe()}"
+            others = [e.describe() for e in self._exits.exits if e is not first]
+            if others:
+                what += f" (first; then {', '.join(others)})"
         return LaunchError(
             f"the workers failed: torchrun exited with code {returncode} {what}",
-            returncode=returncode, events=tuple(self._events), stderr="".join(self._stderr),
+            returncode=returncode, events=self._kept(), received=self._count,
+            last_event=last, stop_reason=self.stop_reason, stderr="".join(self._stderr),
+            rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
+            rank_signal=first.signal if first else None,
         )  # fmt: skip
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
@@ -291,8 +313,11 @@ class Launcher:
             sys.stderr.write(text)
             pending += text
             *lines, pending = pending.split("\n")
-            self._stderr.extend(line + "\n" for line in lines)
+            for line in lines:
+                self._exits.feed(line)
+                self._stderr.append(line + "\n")
         if pending:
+            self._exits.feed(pending)
             self._stderr.append(pending)
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
@@ -356,6 +381,8 @@ class Launcher:
                 if sent == message.command:
                     message = replace(message, command=self._inflight.pop(i))
                     break
+        if isinstance(message, ev.FitEnded):
+            self._ended = message
         self._count += 1
         self._events.append(message)
         self.bus.publish(message)

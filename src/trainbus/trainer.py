@@ -21,6 +21,7 @@ import random
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,6 +63,31 @@ from .loop import (
 __all__ = ["FitResult", "Trainer"]
 
 log = get_logger(__name__)
+
+
+class BusDefault(Enum):
+    """Default of a Trainer option that belongs to the bus: the bus' own default."""
+
+    DEFAULT = "the bus' default"
+
+
+def new_bus(bus: EventBus | None, *, watchdog_s: float | BusDefault | None) -> EventBus:
+    """The Trainer's bus: ``bus``, or a new one with the bus options the Trainer was given.
+
+    Raises:
+        ConfigError: ``bus`` is not an EventBus, or a bus option is given with ``bus=`` (it
+            belongs on that bus), or is out of range (the bus' own check).
+    """
+    if bus is None:
+        if watchdog_s is BusDefault.DEFAULT:
+            return EventBus()
+        return EventBus(watchdog_s=watchdog_s)
+    if not isinstance(bus, EventBus):
+        raise ConfigError.invalid("bus", bus, "a trainbus.EventBus or None")
+    if watchdog_s is not BusDefault.DEFAULT:
+        raise ConfigError.invalid("watchdog_s", watchdog_s, "left out when bus= is given "
+                                  "(set it on the bus: EventBus(watchdog_s=...))")  # fmt: skip
+    return bus
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -143,6 +169,9 @@ class Trainer:
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
             for a model you parallelise yourself (FSDP, a custom wrapper): trainbus then
             neither wraps it nor all-reduces its gradients (docs/distributed.md).
+        watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
+            before a warning names it, with its stack, while it blocks (default 5; None: no
+            watchdog). The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -178,6 +207,7 @@ class Trainer:
         handle_signals: bool = True,
         bus: EventBus | None = None,
         ddp: bool = True,
+        watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
     ) -> None:
         self.settings: Settings = build_settings(
             model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
@@ -188,8 +218,6 @@ class Trainer:
             log_every=log_every, checkpoint_dir=checkpoint_dir,
             barriers=barriers, barrier_timeout=barrier_timeout, on_nonfinite=on_nonfinite,
         )  # fmt: skip
-        if bus is not None and not isinstance(bus, EventBus):
-            raise ConfigError.invalid("bus", bus, "a trainbus.EventBus or None")
         if not isinstance(handle_signals, bool):
             raise ConfigError.invalid("handle_signals", handle_signals, "True or False")
         self.handle_signals = handle_signals
@@ -197,7 +225,7 @@ class Trainer:
             raise ConfigError.invalid("ddp", ddp, "True (wrap in DistributedDataParallel under "
                                       "torchrun) or False")  # fmt: skip
         self.ddp = ddp
-        self.bus: EventBus = bus if bus is not None else EventBus()
+        self.bus: EventBus = new_bus(bus, watchdog_s=watchdog_s)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)

@@ -62,7 +62,9 @@ async def test_every_event_reaches_the_driver_in_order_and_a_driver_stop_stops_b
     assert len(answers) == 1 and isinstance(answers[0], ev.CommandApplied)  # request() resolved
     ranks = read(tmp_path)
     assert [r["stop_step"] for r in ranks] == [ended.step, ended.step]  # both ranks, same step
-    assert ranks[0]["sent"] == len(received) == result.events
+    assert ranks[0]["sent"] == len(received) == result.received
+    assert result.events == tuple(received)[-100:] and result.last_event is received[-1]
+    assert result.stop_reason == "driver"  # the workers' own reason, from their FitEnded
     assert result.returncode == 0 and result.last_event == ended
 
 
@@ -88,6 +90,24 @@ async def test_a_killed_worker_ends_the_launch_with_a_clear_error(tmp_path: Path
 
 
 @pytest.mark.asyncio
+async def test_the_killed_rank_is_named_with_its_own_exit_code_and_signal(tmp_path: Path) -> None:
+    # Rank 1 SIGKILLs itself; torchrun then SIGTERMs rank 0. The error blames rank 1 with -9,
+    # never rank 1 with rank 0's -15 (what pairing the nearest "exitcode" used to report).
+    launcher = worker(tmp_path, "die1")
+    with pytest.raises(LaunchError) as info:
+        await launcher.launch()
+    err = info.value
+    assert err.rank == 1 and err.rank_exitcode == -9 and err.rank_signal == "SIGKILL"
+    message = str(err).split("; stderr tail:")[0]
+    assert "rank 1 exited with code -9 (SIGKILL)" in message
+    assert "rank 1 exited with code -15" not in message
+    # What the others did comes after, each rank with its own code.
+    assert "then rank 0 exited with code -15 (SIGTERM)" in message
+    assert err.received == len(err.events) > 0 and err.last_event is err.events[-1]
+    assert err.stop_reason is None
+
+
+@pytest.mark.asyncio
 async def test_a_script_that_fails_to_import_is_a_clear_error(tmp_path: Path) -> None:
     launcher = Launcher(SCRIPTS / "broken_import.py", handle_signals=False)
     with pytest.raises(LaunchError, match="before rank 0 linked") as info:
@@ -102,7 +122,7 @@ async def test_a_connection_without_the_token_is_refused_and_logged(tmp_path: Pa
         result = await launcher.launch()
     (rank0,) = read(tmp_path)
     assert "refused this worker's link" in rank0["impostor"]
-    assert launcher.refused == 1 and result.events == rank0["sent"] > 0
+    assert launcher.refused == 1 and result.received == rank0["sent"] > 0
     refused = [entry for entry in logs if entry["event"] == "driver_connection_refused"]
     assert len(refused) == 1 and refused[0]["reason"] == "wrong token"
 

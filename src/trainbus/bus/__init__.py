@@ -14,11 +14,13 @@ FailureLedger       ``failures.py``       failure counts, policies, the fatal fa
 CommandChannel      ``channel.py``        command deque, ``request()`` waiters
 Barrier             ``barrier.py``        the interrupted barrier wait
 Lifecycle           ``lifecycle.py``      new/running/closing/closed, the task group, poller
+Watchdog            ``watchdog.py``       which sync subscriber runs; warns when one blocks
 ==================  ====================  ==================================================
 
 Modules import only modules listed above them in this order: ``clock``, ``statistics``,
 ``scheduler``,
-``failures``, ``routes``, ``subscriptions``, ``registry``, ``observable``, ``channel``, ``queue``,
+``failures``, ``routes``, ``watchdog``, ``subscriptions``, ``registry``, ``observable``,
+``channel``, ``queue``,
 ``barrier``, ``lifecycle``; this package imports them all. None imports torch or the loop.
 """
 
@@ -52,6 +54,7 @@ from .scheduler import AnyioScheduler, ChainScheduler
 from .spent import Spent
 from .statistics import BusStatistics
 from .subscriptions import Backpressure, Subscription
+from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
 
 __all__ = ["CommandError", "EventBus", "Tier"]
 
@@ -74,6 +77,10 @@ class EventBus:
             scheduler (``trainbus.testing.VirtualTimeScheduler``).
         rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
             Subscriptions run on rank 0 unless made with ``ranks=`` (docs/distributed.md).
+        watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
+            before a warning names it, with the loop thread's stack, while it still blocks
+            (default 5; counted in its ``statistics()`` as ``stalls`` and ``blocked_s``).
+            None: no watchdog thread. See docs/reliability.md.
 
     Raises:
         ConfigError: for an argument out of range.
@@ -97,6 +104,7 @@ class EventBus:
         on_error: ErrorPolicy = "log",
         scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
+        watchdog_s: float | None = DEFAULT_WATCHDOG_S,
     ) -> None:
         if (
             isinstance(flush_interval, bool)
@@ -112,6 +120,8 @@ class EventBus:
         self.flush_interval = float(flush_interval)
         self.max_queue = max_queue
         self.close_timeout = float(close_timeout)
+        self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
+        watchdog = Watchdog(self.watchdog_s)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
 
         self.doorbell = bell = Doorbell()
@@ -129,7 +139,7 @@ class EventBus:
         self._routes = routes = RouteTable(bell)
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
-        self._subs = subs = SubscriptionSet(ledger, spent)
+        self._subs = subs = SubscriptionSet(ledger, spent, watchdog)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -149,6 +159,7 @@ class EventBus:
             own_scheduler=own,
             flush_interval=self.flush_interval,
             close_timeout=self.close_timeout,
+            watchdog=watchdog,
         )
         # The hot paths, bound once: bus.publish / bus.wants cost what the part's method costs.
         self.publish = queue.publish

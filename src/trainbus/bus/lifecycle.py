@@ -24,6 +24,7 @@ from .registry import SubscriptionSet
 from .routes import RouteTable
 from .scheduler import AnyioScheduler
 from .statistics import BusStatistics
+from .watchdog import Watchdog
 
 __all__ = ["Lifecycle", "State"]
 
@@ -45,6 +46,8 @@ class Lifecycle:
         own_scheduler: The scheduler to run in the task group (the bus made it), or None.
         flush_interval: Seconds between two drains of the queue.
         close_timeout: Seconds closing waits for async subscribers before cancelling them.
+        watchdog: Watches the event-loop thread while the bus runs (started at open, stopped
+            and joined at close), or None.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class Lifecycle:
         own_scheduler: AnyioScheduler | None,
         flush_interval: float,
         close_timeout: float,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self._queue = queue
         self._routes = routes
@@ -67,6 +71,7 @@ class Lifecycle:
         self._own_scheduler = own_scheduler
         self._flush_interval = flush_interval
         self._close_timeout = close_timeout
+        self._watchdog = watchdog
         self._state: State = "new"
         self._tg: TaskGroup | None = None
 
@@ -92,6 +97,8 @@ class Lifecycle:
             await tg.start(self._own_scheduler.run)
         self._subscriptions.start(tg)
         tg.start_soon(self._poll, name="trainbus-bus-poller")
+        if self._watchdog is not None:  # last: nothing after it can fail and leave it running
+            self._watchdog.start(threading.get_ident())
 
     async def _poll(self) -> None:
         interval = self._flush_interval
@@ -127,6 +134,8 @@ class Lifecycle:
                 await self._close()
         finally:
             self._state = "closed"
+            if self._watchdog is not None:
+                self._watchdog.stop()
             self._queue.close()
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)

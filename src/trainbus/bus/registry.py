@@ -20,6 +20,7 @@ from .failures import ErrorPolicy, FailureLedger, check_policy, name_of
 from .spent import Spent
 from .statistics import SubscriptionStatistics
 from .subscriptions import Backpressure, GuardedObserver, Subscription
+from .watchdog import Watchdog
 
 __all__ = ["SubscriptionSet"]
 
@@ -30,10 +31,15 @@ class SubscriptionSet:
     Args:
         ledger: Where the subscriptions report their failures.
         spent: Where async subscriptions put the items they are done with (``spent.py``).
+        watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one
+            that never watches).
     """
 
-    def __init__(self, ledger: FailureLedger, spent: Spent | None = None) -> None:
+    def __init__(
+        self, ledger: FailureLedger, spent: Spent | None = None, watchdog: Watchdog | None = None
+    ) -> None:
         self._ledger = ledger
+        self._watchdog = Watchdog(None) if watchdog is None else watchdog
         self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
         self._tg: TaskGroup | None = None
@@ -63,7 +69,7 @@ class SubscriptionSet:
         """Subscribe validated callbacks to ``source`` behind a :class:`GuardedObserver`."""
         sub = Subscription(self._ledger, name or name_of(on_next), policy)
         self._subs.append(sub)
-        guard = GuardedObserver(sub, on_next, on_error, on_completed)
+        guard = GuardedObserver(sub, on_next, on_error, on_completed, self._watchdog)
         sub.upstream = source.subscribe(guard, scheduler=scheduler)
         return sub
 

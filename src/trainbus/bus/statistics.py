@@ -30,6 +30,12 @@ class SubscriptionStatistics:
     cancelled: int
     """Items waiting or running when the bus closed past its timeout, then cancelled."""
     last_error: str | None
+    stalls: int = 0
+    """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (each warned
+    about while it blocked; sync only)."""
+    blocked_s: float = 0.0
+    """Seconds those calls blocked the event loop, once returned (measured by the watchdog's
+    polls: right to within ``watchdog_s / 10``, at most 0.5 s, per call)."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

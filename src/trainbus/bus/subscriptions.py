@@ -17,6 +17,7 @@ from reactivex import abc
 
 from .failures import ErrorPolicy, FailureLedger
 from .statistics import SubscriptionStatistics
+from .watchdog import Watchdog
 
 __all__ = ["Backpressure", "ErrorPolicy", "GuardedObserver", "Subscription"]
 
@@ -57,6 +58,8 @@ class Subscription(abc.DisposableBase):
         self.dropped = 0
         self.cancelled = 0
         self.last_error: str | None = None
+        self.stalls = 0
+        self.blocked_s = 0.0
         self.upstream: abc.DisposableBase | None = None
         self._stop_sent = False
         self._held: list[abc.DisposableBase] = []
@@ -77,6 +80,15 @@ class Subscription(abc.DisposableBase):
         self.failed += 1
         self.last_error = repr(exc)
         self._ledger.count()
+
+    def stalled(self, blocked_s: float, *, ended: bool) -> None:
+        """Count a call that blocked the event loop past the watchdog's threshold (called on
+        the watchdog thread, its only writer of these two counters): once when it is seen,
+        and its seconds once it has returned."""
+        if ended:
+            self.blocked_s += blocked_s
+        else:
+            self.stalls += 1
 
     def claim_stop(self) -> bool:
         """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
@@ -111,6 +123,8 @@ class Subscription(abc.DisposableBase):
             in_flight=self.in_flight,
             cancelled=self.cancelled,
             last_error=self.last_error,
+            stalls=self.stalls,
+            blocked_s=self.blocked_s,
         )
 
     @property
@@ -132,10 +146,11 @@ class GuardedObserver(abc.ObserverBase[Any]):
     reach the publisher's dispatch; here it is reported to the failure ledger instead, under the
     subscription's policy, and the subscription keeps receiving. ``on_error`` means an operator
     upstream failed and Rx has ended the chain: it is reported the same way unless the user gave
-    an ``on_error`` callback.
+    an ``on_error`` callback. Each call of ``on_next`` is marked on the bus' :class:`Watchdog`
+    (two attribute writes), which warns when one blocks the event loop too long.
     """
 
-    __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub")
+    __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
 
     def __init__(
         self,
@@ -143,11 +158,13 @@ class GuardedObserver(abc.ObserverBase[Any]):
         on_next: Callable[[Any], Any] | None,
         on_error: Callable[[Exception], Any] | None,
         on_completed: Callable[[], Any] | None,
+        watchdog: Watchdog | None = None,
     ) -> None:
         self._sub = sub
         self._on_next = on_next
         self._on_error = on_error
         self._on_completed = on_completed
+        self._watchdog = Watchdog(None) if watchdog is None else watchdog
 
     def on_next(self, value: Any) -> None:
         sub = self._sub
@@ -155,10 +172,15 @@ class GuardedObserver(abc.ObserverBase[Any]):
         if self._on_next is None:
             sub.completed += 1
             return
+        watchdog = self._watchdog
+        outer = watchdog.current  # a subscriber may flush(): the inner call restores it
+        watchdog.current = sub  # with sub.received (just counted), it names this very call
         try:
             self._on_next(value)
         except Exception as exc:
             sub.fail(exc, value)
+        finally:
+            watchdog.current = outer
         sub.completed += 1
 
     def on_error(self, error: Exception) -> None:

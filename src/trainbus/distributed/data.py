@@ -22,7 +22,10 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from .._log import get_logger
 from .group import ProcessGroup
 
-__all__ = ["shard_loader", "unwrap_model", "wrap_model"]
+__all__ = ["release_model", "shard_loader", "unwrap_model", "wrap_model"]
+
+# What a DistributedDataParallel holds that keeps the process group (and gloo's threads) alive.
+_GROUP_HOLDERS = ("logger", "reducer", "process_group")
 
 log = get_logger(__name__)
 
@@ -50,6 +53,28 @@ def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
         return model
     device_ids = [group.device] if group.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def release_model(model: torch.nn.Module) -> None:
+    """Let go of the process group a ``DistributedDataParallel`` made by :func:`wrap_model`
+    holds: its reducer (whose hooks sit on the user's parameters), its logger and its group.
+
+    ``destroy_process_group()`` only unregisters the group: while the wrapper lives (the
+    Trainer keeps it, often until the interpreter exits), the group's C++ object and gloo's
+    threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) keep running, and at exit they are torn
+    down by finalization or by static destructors, where a still-joinable thread aborts the
+    finished process (``terminate called without an active exception``, SIGABRT). Dropped
+    here, after the ranks' last barrier, they stop while Python is whole. The wrapper cannot
+    train afterwards (its group is gone either way); ``model.module`` is untouched.
+
+    Args:
+        model: The module :func:`wrap_model` returned (anything else is left alone).
+    """
+    if not isinstance(model, DistributedDataParallel):
+        return
+    for name in _GROUP_HOLDERS:
+        if name in model.__dict__:
+            del model.__dict__[name]
 
 
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:

@@ -2,7 +2,10 @@
 EventBus on each rank, rank 0's attached to the driver with a WorkerLink, a plain loop that
 publishes events and applies the agreed commands at sync points.
 
-argv: <out dir> <mode: run | die | token> <max steps>
+argv: <out dir> <mode: run | die | die1 | token> <max steps>
+
+die: every rank SIGKILLs itself at step 5; die1: only rank 1 does (torchrun then SIGTERMs rank
+0, blocked in its all-reduce).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def train(bus: EventBus, group: ProcessGroup, mode: str, max_steps: int) -> dict
             dist.all_reduce(torch.ones(1))  # what DDP does every step
         bus.publish(ev.StepEnded(step=step, epoch=0, loss=torch.tensor(1.0 / step), lr=0.1,
                                  grad_norm=None, samples=4, duration_s=0.01))  # fmt: skip
-        if mode == "die" and step == 5:
+        if step == 5 and (mode == "die" or (mode == "die1" and group.rank == 1)):
             time.sleep(0.5)  # what was published reaches the driver; then a hard death
             os.kill(os.getpid(), signal.SIGKILL)
         if step % 2 == 0:  # a sync point

@@ -18,6 +18,8 @@ Modes:
     full            the same run as save+resume, uninterrupted
     launched        a run for `trainbus launch` (events go to the driver)
     signal          a long run the test SIGTERMs on every rank
+    exit            a short run whose Trainer stays alive until exit (as a script's top-level
+                    ``t``); records the gloo threads still running after ``run()``
 """
 
 from __future__ import annotations
@@ -189,8 +191,25 @@ def run(mode: str) -> None:
         t.add_hook("after_optimizer_step", lambda ctx: time.sleep(0.005))
         t.run()
         record(t, "launched")
+    elif mode == "exit":
+        t = trainer(data, max_epochs=1)
+        t.run()
+        KEPT.append(t)  # alive until the interpreter exits, as a script's top-level trainer
+        record(t, "exit", threads=native_threads())
     else:
         raise SystemExit(f"unknown mode {mode}")
+
+
+KEPT: list[trainbus.Trainer] = []
+
+
+def native_threads() -> list[str]:
+    """The names of this process' OS threads besides the main one (Linux: /proc)."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return []
+    names = [(tasks / t / "comm").read_text().strip() for t in os.listdir(tasks)]
+    return sorted(n for n in names if n != Path("/proc/self/comm").read_text().strip())
 
 
 if __name__ == "__main__":

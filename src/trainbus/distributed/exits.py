@@ -1,0 +1,101 @@
+"""How each rank exited, read from torchrun's failure summary on standard error.
+
+When a worker fails, torchrun stops the others (SIGTERM) and prints one block per failed rank,
+the first failure last, under ``Root Cause``::
+
+    Failures:
+    [1]:
+      rank      : 0 (local_rank: 0)
+      exitcode  : -15 (pid: 4711)
+      ...
+    Root Cause (first observed failure):
+    [0]:
+      rank      : 1 (local_rank: 1)
+      exitcode  : -9 (pid: 4712)
+      traceback : Signal 9 (SIGKILL) received by PID 4712
+
+Each ``rank`` line is read together with the ``exitcode`` line right under it, never with one
+further down: a looser match paired an earlier ``failed (exitcode: -9) local_rank: 1`` log line
+with the next block's ``-15`` and blamed rank 1 for the signal torchrun sent rank 0. The reader
+takes lines as they stream, so a long worker traceback cannot push the blocks out of a tail.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from dataclasses import dataclass
+
+__all__ = ["RankExit", "RankExits"]
+
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*$")
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
+_ROOT = re.compile(r"^\s*Root Cause\b")
+_SIGNALS = {s.value: s.name for s in signal.Signals}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExit:
+    """One failed rank, as torchrun reported it.
+
+    Attributes:
+        rank: The global rank.
+        local_rank: Its rank on its machine.
+        exitcode: Its exit status; negative: killed by that signal (``-9``: SIGKILL).
+        root_cause: True for the first failure (torchrun's ``Root Cause``), False for a rank
+            torchrun stopped because another failed.
+    """
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    root_cause: bool
+
+    @property
+    def signal(self) -> str | None:
+        """The name of the signal that killed it (``"SIGKILL"``), or None."""
+        return _SIGNALS.get(-self.exitcode) if self.exitcode < 0 else None
+
+    def describe(self) -> str:
+        """``rank 1 exited with code -9 (SIGKILL)``."""
+        name = f" ({self.signal})" if self.signal else ""
+        return f"rank {self.rank} exited with code {self.exitcode}{name}"
+
+
+class RankExits:
+    """Reads torchrun's standard error line by line and keeps every rank's failure block."""
+
+    def __init__(self) -> None:
+        self._exits: list[RankExit] = []
+        self._pending: tuple[int, int] | None = None
+        self._in_root = False
+
+    def feed(self, line: str) -> None:
+        """Read one line of torchrun's standard error (with or without its newline)."""
+        if _ROOT.match(line):
+            self._in_root = True
+            return
+        rank = _RANK.match(line)
+        if rank:
+            self._pending = (int(rank.group(1)), int(rank.group(2)))
+            return
+        pending, self._pending = self._pending, None
+        code = _EXITCODE.match(line)
+        if pending is not None and code:
+            self._exits.append(RankExit(rank=pending[0], local_rank=pending[1],
+                                        exitcode=int(code.group(1)),
+                                        root_cause=self._in_root))  # fmt: skip
+
+    @property
+    def exits(self) -> tuple[RankExit, ...]:
+        """Every failed rank torchrun reported, in its order (the root cause last)."""
+        return tuple(self._exits)
+
+    @property
+    def root_cause(self) -> RankExit | None:
+        """The first failure: torchrun's ``Root Cause`` block, else the only block; None when
+        torchrun reported none (or several without naming the first)."""
+        roots = [e for e in self._exits if e.root_cause]
+        if roots:
+            return roots[-1]
+        return self._exits[0] if len(self._exits) == 1 else None
