@@ -6,6 +6,7 @@ This module only re-exports; see ``trainbus.events``, ``trainbus.commands``,
 
 from ._exceptions import BusClosedError as BusClosedError
 from ._exceptions import CheckpointError as CheckpointError
+from ._exceptions import CheckpointWriteError as CheckpointWriteError
 from ._exceptions import ConfigError as ConfigError
 from ._exceptions import DistributedError as DistributedError
 from ._exceptions import EvaluationJobError as EvaluationJobError
@@ -44,6 +45,7 @@ __all__ = [
     "BusStatistics",
     "Callback",
     "CheckpointError",
+    "CheckpointWriteError",
     "CommandError",
     "ConfigError",
     "DistributedError",
