@@ -27,6 +27,7 @@ from .bus.statistics import SubscriptionStatistics as SubscriptionStatistics
 from .bus.subscriptions import Subscription as Subscription
 from .callbacks._base import Callback as Callback
 from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle
+from .callbacks._base import RunPlan as RunPlan
 from .callbacks._base import register_global_callback as register_global_callback
 from .launcher import Launcher as Launcher
 from .launcher import LaunchResult as LaunchResult
@@ -60,6 +61,7 @@ __all__ = [
     "MissingExtraError",
     "NonFiniteLossError",
     "RecordedError",
+    "RunPlan",
     "StepContext",
     "SubscriberError",
     "Subscription",

@@ -38,13 +38,14 @@ from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics
-from .callbacks._base import Callback, global_callbacks
+from .callbacks._base import Callback, RunPlan, global_callbacks
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
 from .loop import (
     DEFAULT_BARRIERS,
+    TRAIN_METRIC_NAMES,
     HookFn,
     HookHandle,
     Hooks,
@@ -56,6 +57,7 @@ from .loop import (
     StandaloneRun,
     build_settings,
     eval_sets,
+    evaluation_metric_names,
     join_outputs,
 )
 
@@ -296,7 +298,9 @@ class Trainer:
         Raises:
             ConfigError: ``resume`` is not a path or ``"latest"``, names no file, or is
                 ``"latest"`` without a ``checkpoint_dir``; ``require_checkpoint`` without
-                ``resume``.
+                ``resume``; an attached callback refuses the run before it starts
+                (:meth:`Callback.check`: a monitored metric no evaluation produces,
+                ``Checkpointing`` without a ``checkpoint_dir``).
             CheckpointError: the checkpoint is damaged or foreign, or was written for another
                 model shape, optimizer type or world size (nothing is restored); or
                 ``require_checkpoint`` and ``"latest"`` found no valid checkpoint.
@@ -315,6 +319,12 @@ class Trainer:
         self._session.bind(anyio.get_cancelled_exc_class())
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._attached]  # fmt: skip
+        try:
+            self._check_callbacks()
+        except BaseException:
+            for cb in globals_:
+                self.remove_callback(cb)
+            raise
         ranks = RankSetup(self.bus, ddp=self.ddp)
         try:
             group = ranks.join()
@@ -371,6 +381,19 @@ class Trainer:
             # shield; let the pending cancellation out here instead of returning a result.
             await anyio.lowlevel.checkpoint()
         return self.result
+
+    def _check_callbacks(self) -> None:
+        """Let every attached callback refuse the run up front (:meth:`Callback.check`)."""
+        s = self.settings
+        callbacks = self.callbacks
+        plan = RunPlan(
+            eval_metrics=evaluation_metric_names(s), train_metrics=TRAIN_METRIC_NAMES,
+            checkpoint_dir=None if s.checkpoint_dir is None else str(s.checkpoint_dir),
+            external_evaluations=any(ev.ExternalEvaluationEnded in cb.publishes
+                                     for cb in callbacks),
+        )  # fmt: skip
+        for cb in callbacks:
+            cb.check(plan)
 
     async def _standalone(self, fn: Callable[[StandaloneRun], Any], settings: Settings) -> Any:
         if self._loop is not None and self._loop.outcome is None:

@@ -8,11 +8,12 @@ from reactivex import operators as ops
 
 from .. import events as ev
 from .. import operators as tbops
-from ._sets import reads_metric
+from ._sets import check_monitored, reads_metric
 from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["EarlyStopping"]
 
@@ -63,6 +64,15 @@ class EarlyStopping(TrackedCallback):
         self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
         # The tracker: best value and evaluations without improvement (fresh at each attach).
         super().__init__(state_key)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its evaluation does not produce.
+
+        Raises:
+            ConfigError: with ``eval_data``, ``metric`` is not among its metrics; without it,
+                no attached callback runs evaluation jobs (``EvaluateCheckpoints``) either.
+        """
+        check_monitored(plan, "EarlyStopping.metric", self.metric, external=True)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

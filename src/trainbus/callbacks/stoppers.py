@@ -17,9 +17,11 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_number, check_seconds
 from ._base import Callback
+from ._sets import check_monitored
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["ThresholdStopping", "TimeLimit"]
 
@@ -66,6 +68,16 @@ class ThresholdStopping(Callback):
         self.source: Literal["train", "eval"] = (
             source if source != "auto" else ("eval" if metric.startswith("val_") else "train")
         )
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its ``source`` never carries.
+
+        Raises:
+            ConfigError: ``source`` ``"train"`` and ``metric`` is not a ``MetricsLogged`` key;
+                ``"eval"`` and no ``eval_data``, or ``metric`` is not among its metrics.
+        """
+        check_monitored(plan, "ThresholdStopping.metric", self.metric,
+                        train=self.source == "train")  # fmt: skip
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
