@@ -29,15 +29,16 @@ class EarlyStopping(TrackedCallback):
     ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
     evaluation that decided it: the run ends at that exact step, with
     ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
-    NaN never counts as an improvement. An evaluation lacking ``metric`` fails this
-    subscription (logged, with the metrics it had), it never stops the run by itself.
+    NaN never counts as an improvement. A ``metric`` the run's evaluation does not produce is
+    a ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an
+    evaluation lacking it fails this subscription (logged, with the metrics it had).
 
     Results of evaluation jobs on checkpoints (``ExternalEvaluationEnded``, from
     :class:`~trainbus.callbacks.EvaluateCheckpoints`) count as evaluations too when they carry
     ``metric`` (a job may report other metrics than the loop's evaluation); they are not
     barriers, so a stop they decide is applied at the loop's next poll point. The loop's own
-    ``EvaluationEnded`` must still carry ``metric`` (a typo fails loudly): watch a job-only
-    metric with no ``eval_data``, or make the loop's metrics include it.
+    ``EvaluationEnded`` must still carry ``metric`` (a typo is refused up front): watch a
+    job-only metric with no ``eval_data``, or make the loop's metrics include it.
 
     Args:
         metric: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).

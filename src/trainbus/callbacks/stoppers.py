@@ -39,9 +39,10 @@ class ThresholdStopping(Callback):
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
     ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
     ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
-    after ``MetricsLogged`` at the next poll point. An event lacking ``metric`` fails this
-    subscription with a ``ConfigError`` naming the metric and the metrics the event had (logged
-    by the bus; the run goes on unless the bus' error policy says otherwise).
+    after ``MetricsLogged`` at the next poll point. A ``metric`` its source never carries is a
+    ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
+    lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
+    the event had (logged by the bus; the run goes on unless the bus' error policy says so).
 
     Args:
         metric: The metric to watch.
