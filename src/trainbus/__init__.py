@@ -6,6 +6,7 @@ This module only re-exports; see ``trainbus.events``, ``trainbus.commands``,
 
 from ._exceptions import BusClosedError as BusClosedError
 from ._exceptions import CheckpointError as CheckpointError
+from ._exceptions import CheckpointWriteError as CheckpointWriteError
 from ._exceptions import ConfigError as ConfigError
 from ._exceptions import DistributedError as DistributedError
 from ._exceptions import EvaluationJobError as EvaluationJobError
@@ -26,6 +27,7 @@ from .bus.statistics import SubscriptionStatistics as SubscriptionStatistics
 from .bus.subscriptions import Subscription as Subscription
 from .callbacks._base import Callback as Callback
 from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle
+from .callbacks._base import RunPlan as RunPlan
 from .callbacks._base import register_global_callback as register_global_callback
 from .launcher import Launcher as Launcher
 from .launcher import LaunchResult as LaunchResult
@@ -44,6 +46,7 @@ __all__ = [
     "BusStatistics",
     "Callback",
     "CheckpointError",
+    "CheckpointWriteError",
     "CommandError",
     "ConfigError",
     "DistributedError",
@@ -58,6 +61,7 @@ __all__ = [
     "MissingExtraError",
     "NonFiniteLossError",
     "RecordedError",
+    "RunPlan",
     "StepContext",
     "SubscriberError",
     "Subscription",

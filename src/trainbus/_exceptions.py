@@ -12,7 +12,9 @@ The hierarchy::
     ├── LaunchError (+ RuntimeError)    a launched worker died, or the launch could not start
     ├── RecordedError                   an exception of a recorded or remote run (its repr)
     ├── CheckpointError                 a checkpoint file is truncated, corrupt, foreign or does
-    │                                   not fit the model / optimizer / world size resuming it
+    │   │                               not fit the model / optimizer / world size resuming it
+    │   └── CheckpointWriteError (+ OSError) the disk refused a checkpoint (full, read-only):
+    │                                   names the file and the OS error
     └── TrainingError (+ RuntimeError)  a problem found while training, naming step and batch
         └── NonFiniteLossError          the loss became NaN/inf and the policy is "raise"
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "BusClosedError",
     "CheckpointError",
+    "CheckpointWriteError",
     "ConfigError",
     "DistributedError",
     "EvaluationJobError",
@@ -81,6 +84,32 @@ class CheckpointError(TrainbusError):
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(f"checkpoint {path}: {message}" if path is not None else message)
         self.path = path
+
+
+class CheckpointWriteError(CheckpointError, OSError):
+    """The disk refused a checkpoint write (no space, permission denied, a read-only file
+    system): the message names the file and the OS error, which is the ``__cause__``.
+
+    An ``OSError`` too, with the cause's ``errno`` and ``strerror`` and the file as
+    ``filename``, so ``except OSError`` and ``exc.errno == errno.ENOSPC`` keep working. The
+    write left no partial file and every earlier checkpoint is untouched.
+
+    Args:
+        path: The checkpoint file that was being written.
+        cause: The ``OSError`` the write raised.
+    """
+
+    def __init__(self, path: str, cause: OSError) -> None:
+        reason = cause.strerror or str(cause) or type(cause).__name__
+        super().__init__(f"could not be written: [Errno {cause.errno}] {reason}", path=path)
+        self.errno = cause.errno
+        self.strerror = cause.strerror
+        self.filename = path
+
+    def __str__(self) -> str:
+        # OSError's own __str__ would print "[Errno N] strerror: filename" without saying that a
+        # checkpoint failed; the message built above says both.
+        return str(self.args[0])
 
 
 class TrainingError(TrainbusError, RuntimeError):

@@ -11,7 +11,7 @@ from typing import Any
 import anyio.from_thread
 
 from . import events as ev
-from ._exceptions import ConfigError
+from ._exceptions import CheckpointError, ConfigError
 from ._log import get_logger
 from .bus import EventBus
 from .callbacks._base import Callback
@@ -25,21 +25,30 @@ __all__ = ["CallbackStates", "check_resume"]
 log = get_logger(__name__)
 
 
-def check_resume(resume: object, checkpoint_dir: Path | None) -> str | Path | None:
-    """Validate ``fit(resume=...)``.
+def check_resume(
+    resume: object, checkpoint_dir: Path | None, require_checkpoint: object = False
+) -> str | Path | None:
+    """Validate ``fit(resume=..., require_checkpoint=...)``.
 
     Args:
         resume: None, ``"latest"`` or a checkpoint path.
         checkpoint_dir: The trainer's ``checkpoint_dir`` (``"latest"`` needs one).
+        require_checkpoint: True: ``"latest"`` finding no valid checkpoint is an error, not a
+            fresh start (a path must name a file anyway).
 
     Returns:
         None, ``"latest"`` or the checkpoint's ``Path``.
 
     Raises:
-        ConfigError: not a path or ``"latest"``, no such file, or ``"latest"`` without a
-            ``checkpoint_dir``.
+        ConfigError: not a path or ``"latest"``, no such file, ``"latest"`` without a
+            ``checkpoint_dir``, or ``require_checkpoint`` not a bool or True without ``resume``.
     """
+    if not isinstance(require_checkpoint, bool):
+        raise ConfigError.invalid("require_checkpoint", require_checkpoint, "True or False")
     if resume is None:
+        if require_checkpoint:
+            raise ConfigError.invalid("require_checkpoint", True, "False unless resume is "
+                                      "given (resume='latest' or a checkpoint path)")  # fmt: skip
         return None
     if resume == "latest":
         if checkpoint_dir is None:
@@ -111,7 +120,9 @@ class CallbackStates:
         except self._cancelled_exc as exc:
             raise Cancelled from exc
 
-    def load(self, s: Settings, resume: str | Path, group: ProcessGroup) -> Checkpoint | None:
+    def load(
+        self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
+    ) -> Checkpoint | None:
         """Load the checkpoint to resume from and restore model, optimizer, scheduler, scaler
         and callback states (the loop restores the RNG states itself).
 
@@ -119,13 +130,16 @@ class CallbackStates:
             s: The run's settings (model already on its device).
             resume: ``"latest"`` (needs ``s.checkpoint_dir``) or a checkpoint path.
             group: This rank's process group (a world size change resumes at the next epoch).
+            required: ``"latest"`` finding no valid checkpoint raises instead of warning.
 
         Returns:
             The checkpoint without its restored states (:meth:`Checkpoint.restored`), or None
-            for ``"latest"`` with no checkpoint yet.
+            for ``"latest"`` with no valid checkpoint (a warning, ``resume_found_nothing``,
+            names the folder and what it held).
 
         Raises:
-            CheckpointError: damaged, foreign or incompatible checkpoint.
+            CheckpointError: damaged, foreign or incompatible checkpoint; or ``required`` and
+                ``"latest"`` found no valid checkpoint (naming the folder and what it held).
         """
         # Loaded to the host: load_state_dict puts each tensor where the live model and
         # optimizer keep it (Adam's "step" stays on the host unless fused/capturable, as in a
@@ -134,10 +148,19 @@ class CallbackStates:
             assert s.checkpoint_dir is not None
             # Read once: the newest file that loads and checks is the one restored.
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
-            checkpoint = CheckpointStore(s.checkpoint_dir).load_latest(map_location="cpu")
+            scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
+            checkpoint = scan.checkpoint
             if checkpoint is None:
-                log.info("resume_skipped", reason="no checkpoint yet",
-                         checkpoint_dir=str(s.checkpoint_dir))  # fmt: skip
+                found = scan.describe()
+                if required:
+                    raise CheckpointError(
+                        f"no valid checkpoint to resume from (resume='latest', "
+                        f"require_checkpoint=True); the folder held: {found}",
+                        path=str(s.checkpoint_dir),
+                    )  # fmt: skip
+                log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
+                            found=found, action="training from step 0; pass "
+                            "require_checkpoint=True to make this an error")  # fmt: skip
                 return None
         else:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))

@@ -157,7 +157,8 @@ class FitStarted(BaseEvent):
     max_epochs: int | None
     device: str
     resumed_from: str | None = None
-    """Checkpoint the run resumed from, if any."""
+    """The checkpoint file the run loaded (``fit(resume=...)``): the file itself, also for
+    ``resume="latest"``; None for a fresh start, ``"latest"`` finding nothing included."""
     steps_per_epoch: int | None = None
     """Optimizer steps in one full epoch (the training data's length with gradient accumulation
     applied), None when the data has no length."""

@@ -39,13 +39,14 @@ from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics
-from .callbacks._base import Callback, global_callbacks
+from .callbacks._base import Callback, RunPlan, global_callbacks
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
 from .loop import (
     DEFAULT_BARRIERS,
+    TRAIN_METRIC_NAMES,
     HookFn,
     HookHandle,
     Hooks,
@@ -57,6 +58,7 @@ from .loop import (
     StandaloneRun,
     build_settings,
     eval_sets,
+    evaluation_metric_names,
     join_outputs,
 )
 
@@ -113,6 +115,12 @@ class FitResult:
     error: BaseException | None = None
     skipped_nonfinite: int = 0
     """Optimizer steps skipped for a non-finite loss (``on_nonfinite="skip"``)."""
+    resumed_from: str | None = None
+    """The checkpoint file this run loaded (``fit(resume=...)``), None for a fresh start,
+    ``resume="latest"`` finding no valid checkpoint included."""
+    failed_saves: int = 0
+    """Checkpoint writes the disk refused (full, read-only): each logged as
+    ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
 
 
 class Trainer:
@@ -286,30 +294,49 @@ class Trainer:
 
     # ================================================================== running
     def run(
-        self, *, resume: str | os.PathLike[str] | None = None, backend: str = "asyncio"
+        self,
+        *,
+        resume: str | os.PathLike[str] | None = None,
+        backend: str = "asyncio",
+        require_checkpoint: bool = False,
     ) -> FitResult:
         """Synchronous twin of :meth:`fit`: ``anyio.run(self.fit, backend=backend)``."""
-        return anyio.run(lambda: self.fit(resume=resume), backend=backend)
+        return anyio.run(lambda: self.fit(resume=resume, require_checkpoint=require_checkpoint),
+                         backend=backend)  # fmt: skip
 
-    async def fit(self, *, resume: str | os.PathLike[str] | None = None) -> FitResult:
+    async def fit(
+        self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
+    ) -> FitResult:
         """Train until ``max_epochs``/``max_steps``, a ``StopTraining``, a failure or a cancel.
 
         Args:
             resume: Continue a run from a checkpoint: its path, or ``"latest"`` for the newest
                 valid one in ``checkpoint_dir`` (bad files are skipped with a
-                ``checkpoint_skipped`` warning; none at all starts a fresh run). Restores the
-                model, optimizer, scheduler, grad scaler, train state, callback states, the
+                ``checkpoint_skipped`` warning; none at all starts a fresh run with a
+                ``resume_found_nothing`` warning naming the folder and what it held). Restores
+                the model, optimizer, scheduler, grad scaler, train state, callback states, the
                 interrupted epoch's data order and the RNG states: the resumed run continues
                 as if it had never stopped (see ``docs/reliability.md``).
+                ``FitStarted.resumed_from`` and ``FitResult.resumed_from`` name the file
+                loaded (None when nothing was).
+            require_checkpoint: With ``resume="latest"``: finding no valid checkpoint is a
+                ``CheckpointError`` before anything trains, not a fresh start (a job restart
+                that must continue a run).
 
         Returns:
             The :class:`FitResult` (completed or stopped runs).
 
         Raises:
             ConfigError: ``resume`` is not a path or ``"latest"``, names no file, or is
-                ``"latest"`` without a ``checkpoint_dir``.
+                ``"latest"`` without a ``checkpoint_dir``; ``require_checkpoint`` without
+                ``resume``; an attached callback refuses the run before it starts
+                (:meth:`Callback.check`: a monitored metric no evaluation produces,
+                ``Checkpointing`` without a ``checkpoint_dir``).
             CheckpointError: the checkpoint is damaged or foreign, or was written for another
-                model shape, optimizer type or world size (nothing is restored).
+                model shape, optimizer type or world size (nothing is restored); or
+                ``require_checkpoint`` and ``"latest"`` found no valid checkpoint.
+            CheckpointWriteError: the final checkpoint could not be written (an ``OSError``
+                naming the file; the earlier checkpoints stay valid).
             The training exception when the run fails (``FitEnded(reason="failed")`` was
             published and delivered first; ``trainer.result`` holds the result);
             ``SubscriberError`` when a subscriber with ``on_error="raise"`` failed;
@@ -317,12 +344,18 @@ class Trainer:
         """
         if self._loop is not None:
             raise TrainbusError("fit() runs once per Trainer; build a new one (fit(resume=...))")
-        resume = check_resume(resume, self.settings.checkpoint_dir)
+        resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
         self._states.bind(anyio.get_cancelled_exc_class())
         self._session.bind(anyio.get_cancelled_exc_class())
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._attached]  # fmt: skip
+        try:
+            self._check_callbacks()
+        except BaseException:
+            for cb in globals_:
+                self.remove_callback(cb)
+            raise
         ranks = RankSetup(self.bus, ddp=self.ddp)
         try:
             group = ranks.join(s.device)
@@ -331,7 +364,8 @@ class Trainer:
                 random.seed(s.seed)
                 torch.manual_seed(s.seed)
             s.model.to(s.device)
-            checkpoint = None if resume is None else self._states.load(s, resume, group)
+            checkpoint = (None if resume is None
+                          else self._states.load(s, resume, group, required=require_checkpoint))
             s = ranks.distribute(s)
             ranks.connect()
         except BaseException:
@@ -342,7 +376,7 @@ class Trainer:
         state = checkpoint.state if checkpoint is not None else TrainState()
         loop = self._loop = Loop(
             s, self.bus, self.hooks, self._session.barrier, state, resume=checkpoint,
-            resumed_from=None if resume is None else str(resume),
+            resumed_from=None if checkpoint is None else str(checkpoint.path),
             callback_states=self._states.collect_from_thread if self._states.any_stateful
             else None,
             sync=RankSync(group) if group.distributed else None,
@@ -378,6 +412,19 @@ class Trainer:
             # shield; let the pending cancellation out here instead of returning a result.
             await anyio.lowlevel.checkpoint()
         return self.result
+
+    def _check_callbacks(self) -> None:
+        """Let every attached callback refuse the run up front (:meth:`Callback.check`)."""
+        s = self.settings
+        callbacks = self.callbacks
+        plan = RunPlan(
+            eval_metrics=evaluation_metric_names(s), train_metrics=TRAIN_METRIC_NAMES,
+            checkpoint_dir=None if s.checkpoint_dir is None else str(s.checkpoint_dir),
+            external_evaluations=any(ev.ExternalEvaluationEnded in cb.publishes
+                                     for cb in callbacks),
+        )  # fmt: skip
+        for cb in callbacks:
+            cb.check(plan)
 
     async def _standalone(self, fn: Callable[[StandaloneRun], Any], settings: Settings) -> Any:
         if self._loop is not None and self._loop.outcome is None:
@@ -479,4 +526,5 @@ class Trainer:
             train_metrics=outcome.train_metrics, checkpoint=outcome.last_checkpoint,
             subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
             statistics=stats, error=outcome.error, skipped_nonfinite=outcome.skipped_nonfinite,
+            resumed_from=outcome.resumed_from, failed_saves=outcome.failed_saves,
         )  # fmt: skip

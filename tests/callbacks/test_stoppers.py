@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import pytest
-from structlog.testing import capture_logs
 
 from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
@@ -56,14 +55,12 @@ def test_threshold_below_on_a_training_metric(trainer_factory: Any) -> None:
     assert result.steps < 12
 
 
-def test_unknown_metric_fails_at_the_first_event_naming_what_exists(trainer_factory: Any) -> None:
+def test_unknown_metric_fails_before_the_run_naming_what_exists(trainer_factory: Any) -> None:
     trainer = trainer_factory([ThresholdStopping("val_acc", above=0.5)], epochs=2, batches=2)
-    with capture_logs() as logs:
-        result = trainer.run()
-    assert result.reason == "completed"  # a failing subscriber does not stop the run
-    assert result.subscriber_failures == {"ThresholdStopping": 1}
-    text = repr(logs)
-    assert "metric='val_acc'" in text and "val_loss" in text
+    rec = EventRecorder(trainer.bus)
+    with pytest.raises(ConfigError, match=r"ThresholdStopping\.metric='val_acc'.*val_loss"):
+        trainer.run()
+    assert trainer.result is None and not rec.of_type(ev.FitStarted)  # nothing trained
 
 
 def commands_of(bus: EventBus) -> list[cmd.Command]:

@@ -415,7 +415,9 @@ class EventBus:
 
         Args:
             observable: A bus stream, possibly piped through operators.
-            fn: An ``async def`` function of one item.
+            fn: An ``async def`` function of one item (or a ``functools.partial`` of one, or
+                an object whose ``__call__`` is ``async def``); a plain function is refused
+                here (use :meth:`subscribe`), not found failing on every item.
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
             overflow: ``"block"`` never drops (the bus waits, then the publisher);
@@ -436,8 +438,8 @@ class EventBus:
             The subscription handle (dispose it to stop; ``statistics()`` for counters).
 
         Raises:
-            ConfigError: for a non-callable ``fn``, a non-bool ``decides`` or an argument out
-                of range.
+            ConfigError: for an ``fn`` that is not an async function, a non-bool ``decides`` or
+                an argument out of range.
             BusClosedError: the bus is closed.
         """
         if not isinstance(decides, bool):
@@ -559,6 +561,7 @@ class EventBus:
 
         Raises:
             ConfigError: ``command`` is not a trainbus command.
+            BusClosedError: the bus has closed (after the run): no loop would apply it.
         """
         self._channel.send(command)
 

@@ -49,16 +49,23 @@ class CommandChannel:
         self._requests: dict[int, tuple[cmd.Command, anyio.Event, list[Any]]] = {}
         self._wake: anyio.Event | None = None
         self._closed = False
+        self._sealed = False
 
     def send(self, command: cmd.Command) -> None:
         """Put ``command`` on the back-channel. Safe from any thread; never blocks.
 
         Raises:
             ConfigError: ``command`` is not a trainbus command.
+            BusClosedError: the bus has closed (its run is over): no loop would apply it.
         """
         if not isinstance(command, cmd.COMMAND_TYPES):
             raise ConfigError.invalid(
                 "command", command, "an instance of a trainbus.commands class"
+            )
+        if self._sealed:
+            raise BusClosedError(
+                f"the bus is closed (its run is over): no loop will apply {command!r}; send "
+                "commands while fit(), evaluate() or predict() runs"
             )
         self._commands.append(self.stamped(command))
         self._doorbell.ring()  # after the append: the loop that hears it finds the command
@@ -145,6 +152,11 @@ class CommandChannel:
     def close(self) -> None:
         """The bus is closing: ``request()`` refuses new commands."""
         self._closed = True
+
+    def seal(self) -> None:
+        """The bus has closed: :meth:`send` refuses commands from now on (while it closes,
+        a late command is still taken, and logged by :meth:`warn_unapplied`)."""
+        self._sealed = True
 
     def release_waiters(self) -> None:
         """The bus closed: wake every ``request()`` still waiting (it raises BusClosedError)."""

@@ -139,6 +139,7 @@ class Lifecycle:
             self._queue.close()
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
+            self._channel.seal()
             self._channel.release_waiters()
         fatal = self._ledger.fatal
         if raise_fatal and fatal is not None:

@@ -7,6 +7,7 @@ is given the bus' failure ledger), starts async workers once the bus runs, and w
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,6 +24,15 @@ from .subscriptions import Backpressure, GuardedObserver, Subscription
 from .watchdog import Watchdog
 
 __all__ = ["SubscriptionSet"]
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
+    object whose ``__call__`` is ``async def``."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)  # noqa: B004  (the class' own __call__)
+    return not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)
 
 
 class SubscriptionSet:
@@ -86,10 +96,17 @@ class SubscriptionSet:
         the subscription runs there or not); returns the buffer size (its default filled in).
 
         Raises:
-            ConfigError: for a non-callable ``fn`` or an argument out of range.
+            ConfigError: for an ``fn`` that is not an async function (a plain ``def`` would
+                fail with a ``TypeError`` on every item) or an argument out of range.
         """
         if not callable(fn):
             raise ConfigError.invalid("fn", fn, "an async function of one item")
+        if not _is_async(fn):
+            raise ConfigError.invalid(
+                "fn", getattr(fn, "__qualname__", repr(fn)), "an async def function of one "
+                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
+                "the event loop",
+            )  # fmt: skip
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError.invalid("concurrency", concurrency, "an int >= 1")
         if overflow not in OVERFLOWS:

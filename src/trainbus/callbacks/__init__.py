@@ -2,6 +2,7 @@
 
 from ._base import Callback as Callback
 from ._base import GlobalCallbackHandle as GlobalCallbackHandle
+from ._base import RunPlan as RunPlan
 from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
 from .checkpoint import Checkpointing as Checkpointing
@@ -42,6 +43,7 @@ __all__ = [
     "OptimizerMonitor",
     "Progress",
     "ReduceLROnPlateau",
+    "RunPlan",
     "RuntimeEstimator",
     "TensorBoardLogger",
     "ThresholdStopping",

@@ -22,6 +22,7 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 
@@ -34,7 +35,13 @@ if TYPE_CHECKING:
     from ..bus.async_subscription import Overflow
     from ..bus.failures import ErrorPolicy
 
-__all__ = ["Callback", "GlobalCallbackHandle", "global_callbacks", "register_global_callback"]
+__all__ = [
+    "Callback",
+    "GlobalCallbackHandle",
+    "RunPlan",
+    "global_callbacks",
+    "register_global_callback",
+]
 
 
 def _snake(name: str) -> str:
@@ -46,6 +53,28 @@ EVENT_METHODS: dict[str, type[ev.BaseEvent]] = {
 }
 EVENT_METHODS["on_event"] = ev.BaseEvent
 HOOK_METHODS: dict[str, str] = {f"hook_{p}": p for p in HOOK_POINTS}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunPlan:
+    """What a ``fit()`` is about to do, as :meth:`Callback.check` sees it before it starts.
+
+    Attributes:
+        eval_metrics: Every key this run's evaluations can put in ``EvaluationEnded.metrics``
+            (``val_loss``, ``val_<name>``, or ``<set>/loss``, ``<set>/<name>`` for named
+            sets); empty without ``eval_data``.
+        train_metrics: Every key ``MetricsLogged.metrics`` can carry (``loss``, ``lr``,
+            ``steps_per_s``, ...).
+        checkpoint_dir: Where the run saves checkpoints (None: ``SaveCheckpoint`` is refused).
+        external_evaluations: An attached callback publishes ``ExternalEvaluationEnded``
+            (:class:`~trainbus.callbacks.EvaluateCheckpoints`): metrics whose names only its
+            jobs know may come.
+    """
+
+    eval_metrics: frozenset[str]
+    train_metrics: frozenset[str]
+    checkpoint_dir: str | None
+    external_evaluations: bool = False
 
 
 class Callback:
@@ -81,6 +110,9 @@ class Callback:
     a decision step's barrier then waits for it (``EventBus.subscribe_async(decides=)``)."""
     state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
+    publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()
+    """Event types this callback publishes itself (``ExternalEvaluationEnded`` for
+    :class:`~trainbus.callbacks.EvaluateCheckpoints`): what :class:`RunPlan` tells the others."""
 
     @property
     def checkpoint_key(self) -> str:
@@ -100,6 +132,17 @@ class Callback:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (called before ``FitStarted`` of a resumed
         run). Default: nothing to restore."""
+        return None
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse a run this callback cannot work in, before it starts: ``Trainer.fit()`` calls
+        it for every attached callback before ``FitStarted`` (on every rank), so a monitored
+        metric no evaluation produces fails up front, not as a subscriber failure mid-run.
+        Default: nothing to check.
+
+        Raises:
+            ConfigError: naming the option, its value and what this run allows.
+        """
         return None
 
     def setup(self, bus: EventBus) -> None:

@@ -9,11 +9,15 @@ so a name no set has still fails loudly with the keys the event does have.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
+from .._exceptions import ConfigError
 
-__all__ = ["reads_metric"]
+if TYPE_CHECKING:
+    from ._base import RunPlan
+
+__all__ = ["check_monitored", "reads_metric"]
 
 
 def reads_metric(metric: str) -> Callable[[Any], bool]:
@@ -33,3 +37,40 @@ def reads_metric(metric: str) -> Callable[[Any], bool]:
         return event.dataset == dataset
 
     return reads
+
+
+def check_monitored(
+    plan: RunPlan, option: str, metric: str, *, external: bool = False, train: bool = False
+) -> None:
+    """Refuse a monitored ``metric`` that nothing in the run described by ``plan`` produces.
+
+    Args:
+        plan: The run about to start.
+        option: The option naming the metric, for the message (``"EarlyStopping.metric"``).
+        metric: The monitored key.
+        external: The monitor also reads ``ExternalEvaluationEnded``: without ``eval_data``
+            an attached evaluation job may produce any name.
+        train: The monitor reads ``MetricsLogged`` (training metrics), not evaluations.
+
+    Raises:
+        ConfigError: naming ``option``, ``metric`` and the names this run produces.
+    """
+    if train:
+        if metric not in plan.train_metrics:
+            raise ConfigError.invalid(option, metric, "a training metric of MetricsLogged: "
+                                      + ", ".join(sorted(plan.train_metrics)))  # fmt: skip
+        return
+    if plan.eval_metrics:
+        if metric not in plan.eval_metrics:
+            raise ConfigError.invalid(
+                option, metric, "a metric this run's evaluation produces: "
+                + ", ".join(sorted(plan.eval_metrics)) + " (the metrics= functions, per set)",
+            )  # fmt: skip
+        return
+    if external and plan.external_evaluations:
+        return  # only the evaluation jobs know their metrics' names
+    jobs = " or attach EvaluateCheckpoints" if external else ""
+    raise ConfigError.invalid(
+        option, metric, f"a metric some evaluation produces, but this run has no eval_data: "
+        f"give the Trainer eval_data{jobs}, or remove the callback",
+    )  # fmt: skip

@@ -27,10 +27,11 @@ from .._log import get_logger
 from .._validate import check_int, check_metric, check_mode, check_state_key
 from ..operators import Tracker
 from ._base import Callback
-from ._sets import reads_metric
+from ._sets import check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["Checkpointing"]
 
@@ -238,6 +239,21 @@ class Checkpointing(Callback):
         if best is not None and not isinstance(best, int | float):
             raise ConfigError.invalid("Checkpointing state", dict(state), "{'best': float | None}")
         self.tracker.best = None if best is None else float(best)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a run where it could never save what it promises.
+
+        Raises:
+            ConfigError: the Trainer has no ``checkpoint_dir`` (every save would be refused);
+                or ``monitor`` is not among the metrics of ``eval_data``, or there is no
+                ``eval_data`` and no evaluation job (``EvaluateCheckpoints``) either: no
+                ``"best"`` checkpoint would ever be written.
+        """
+        if plan.checkpoint_dir is None:
+            raise ConfigError.invalid("checkpoint_dir", None, "a folder when Checkpointing is "
+                                      "attached (Trainer(checkpoint_dir=...))")  # fmt: skip
+        if self.monitor is not None:
+            check_monitored(plan, "Checkpointing.monitor", self.monitor, external=True)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipelines to ``bus.commands``."""

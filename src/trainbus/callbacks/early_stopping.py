@@ -8,11 +8,12 @@ from reactivex import operators as ops
 
 from .. import events as ev
 from .. import operators as tbops
-from ._sets import reads_metric
+from ._sets import check_monitored, reads_metric
 from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["EarlyStopping"]
 
@@ -28,15 +29,16 @@ class EarlyStopping(TrackedCallback):
     ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
     evaluation that decided it: the run ends at that exact step, with
     ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
-    NaN never counts as an improvement. An evaluation lacking ``metric`` fails this
-    subscription (logged, with the metrics it had), it never stops the run by itself.
+    NaN never counts as an improvement. A ``metric`` the run's evaluation does not produce is
+    a ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an
+    evaluation lacking it fails this subscription (logged, with the metrics it had).
 
     Results of evaluation jobs on checkpoints (``ExternalEvaluationEnded``, from
     :class:`~trainbus.callbacks.EvaluateCheckpoints`) count as evaluations too when they carry
     ``metric`` (a job may report other metrics than the loop's evaluation); they are not
     barriers, so a stop they decide is applied at the loop's next poll point. The loop's own
-    ``EvaluationEnded`` must still carry ``metric`` (a typo fails loudly): watch a job-only
-    metric with no ``eval_data``, or make the loop's metrics include it.
+    ``EvaluationEnded`` must still carry ``metric`` (a typo is refused up front): watch a
+    job-only metric with no ``eval_data``, or make the loop's metrics include it.
 
     Args:
         metric: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
@@ -63,6 +65,15 @@ class EarlyStopping(TrackedCallback):
         self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
         # The tracker: best value and evaluations without improvement (fresh at each attach).
         super().__init__(state_key)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its evaluation does not produce.
+
+        Raises:
+            ConfigError: with ``eval_data``, ``metric`` is not among its metrics; without it,
+                no attached callback runs evaluation jobs (``EvaluateCheckpoints``) either.
+        """
+        check_monitored(plan, "EarlyStopping.metric", self.metric, external=True)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

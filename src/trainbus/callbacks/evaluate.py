@@ -108,6 +108,8 @@ class EvaluateCheckpoints(Callback):
         ConfigError: for a ``run`` that is neither, or an option out of range.
     """
 
+    publishes = (ev.ExternalEvaluationEnded,)
+
     def __init__(
         self,
         run: Sequence[str] | EvaluationFn,

@@ -11,11 +11,12 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from ._base import Callback
-from ._sets import reads_metric
+from ._sets import check_monitored, reads_metric
 from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["LearningRateMonitor", "ReduceLROnPlateau"]
 
@@ -67,6 +68,14 @@ class ReduceLROnPlateau(TrackedCallback):
         self.metric, self.patience, self.factor, self.mode = metric, patience, factor, mode
         # The tracker: best value, counters and reductions made (fresh at each attach).
         super().__init__(state_key)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` no evaluation of the run produces.
+
+        Raises:
+            ConfigError: no ``eval_data``, or ``metric`` is not among its metrics.
+        """
+        check_monitored(plan, "ReduceLROnPlateau.metric", self.metric)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

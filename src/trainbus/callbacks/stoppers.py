@@ -17,9 +17,11 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_number, check_seconds
 from ._base import Callback
+from ._sets import check_monitored
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ._base import RunPlan
 
 __all__ = ["ThresholdStopping", "TimeLimit"]
 
@@ -37,9 +39,10 @@ class ThresholdStopping(Callback):
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
     ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
     ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
-    after ``MetricsLogged`` at the next poll point. An event lacking ``metric`` fails this
-    subscription with a ``ConfigError`` naming the metric and the metrics the event had (logged
-    by the bus; the run goes on unless the bus' error policy says otherwise).
+    after ``MetricsLogged`` at the next poll point. A ``metric`` its source never carries is a
+    ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
+    lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
+    the event had (logged by the bus; the run goes on unless the bus' error policy says so).
 
     Args:
         metric: The metric to watch.
@@ -66,6 +69,16 @@ class ThresholdStopping(Callback):
         self.source: Literal["train", "eval"] = (
             source if source != "auto" else ("eval" if metric.startswith("val_") else "train")
         )
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its ``source`` never carries.
+
+        Raises:
+            ConfigError: ``source`` ``"train"`` and ``metric`` is not a ``MetricsLogged`` key;
+                ``"eval"`` and no ``eval_data``, or ``metric`` is not among its metrics.
+        """
+        check_monitored(plan, "ThresholdStopping.metric", self.metric,
+                        train=self.source == "train")  # fmt: skip
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

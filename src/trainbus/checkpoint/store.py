@@ -26,13 +26,14 @@ from typing import Any
 
 import torch
 
-from .._exceptions import CheckpointError, ConfigError
+from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .state import Checkpoint, parse_payload
 
 __all__ = [
     "TEMP_SUFFIX",
     "CheckpointStore",
+    "LatestScan",
     "check_checkpoint_dir",
     "checkpoint_name",
     "parse_checkpoint_name",
@@ -165,6 +166,79 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     return parse_payload(payload, p)
 
 
+class _Sink:
+    """The file ``torch.save`` writes to, remembering the ``OSError`` a write raised (torch
+    reports it as a ``RuntimeError`` without the errno)."""
+
+    __slots__ = ("_file", "error")
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._file.write(data))
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+class LatestScan:
+    """What :meth:`CheckpointStore.find_latest` found in a checkpoint folder.
+
+    Attributes:
+        directory: The folder scanned.
+        checkpoint: The newest valid checkpoint, or None.
+        exists: Whether the folder exists (a folder path).
+        skipped: ``(file name, reason)`` of each checkpoint file skipped as invalid, newest first.
+        others: Names of the other entries when no checkpoint was found (files not named like
+            a checkpoint, ``step-<n>.pt``: a folder of another tool, or a mistyped one).
+    """
+
+    __slots__ = ("checkpoint", "directory", "exists", "others", "skipped")
+
+    def __init__(
+        self,
+        directory: Path,
+        checkpoint: Checkpoint | None,
+        *,
+        exists: bool,
+        skipped: tuple[tuple[str, str], ...] = (),
+        others: tuple[str, ...] = (),
+    ) -> None:
+        self.directory, self.checkpoint, self.exists = directory, checkpoint, exists
+        self.skipped, self.others = skipped, others
+
+    def describe(self, *, limit: int = 5) -> str:
+        """What the folder held, in words: ``"no such folder"``, ``"an empty folder"``,
+        ``"3 checkpoint files, all invalid: ..."`` or ``"no checkpoint file (step-<n>.pt);
+        2 other entries: ..."``.
+
+        Args:
+            limit: Names listed at most (then ``"... and N more"``).
+        """
+        if not self.exists:
+            return "no such folder"
+        parts: list[str] = []
+        if self.skipped:
+            n = len(self.skipped)
+            names = [f"{name} ({reason})" for name, reason in self.skipped[:limit]]
+            more = f"; ... and {n - limit} more" if n > limit else ""
+            what = "file, invalid" if n == 1 else "files, all invalid"
+            parts.append(f"{n} checkpoint {what}: " + "; ".join(names) + more)
+        if self.checkpoint is None and self.others:
+            n = len(self.others)
+            more = f", ... and {n - limit} more" if n > limit else ""
+            prefix = "" if self.skipped else "no checkpoint file (step-<n>.pt); "
+            parts.append(f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
+                         + ", ".join(self.others[:limit]) + more)  # fmt: skip
+        return "; ".join(parts) if parts else "an empty folder"
+
+
 class CheckpointStore:
     """One checkpoint folder: writes files atomically, finds the newest valid one.
 
@@ -232,11 +306,22 @@ class CheckpointStore:
             The final path; it exists and is complete when this returns.
 
         Raises:
-            OSError: the folder cannot be created or written (disk full, permissions); the
-                temp file is removed and any earlier checkpoint is untouched.
+            CheckpointWriteError: an ``OSError`` naming the file: the folder cannot be created
+                or written (disk full, permissions); the temp file is removed and any earlier
+                checkpoint is untouched.
         """
-        self._directory.mkdir(parents=True, exist_ok=True)
         path = self._directory / checkpoint_name(step, tag)
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            self._write(payload, path)
+        except CheckpointWriteError:
+            raise
+        except OSError as exc:
+            # The OS error alone names no file (torch.save's ENOSPC names nothing at all).
+            raise CheckpointWriteError(str(path), exc) from exc
+        return path
+
+    def _write(self, payload: dict[str, Any], path: Path) -> None:
         tmp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
         tmp = self._directory / tmp_name
         with _in_flight_lock:
@@ -247,7 +332,17 @@ class CheckpointStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                          0o666)  # fmt: skip
             with os.fdopen(fd, "wb") as f:
-                torch.save(payload, f)
+                sink = _Sink(f)
+                try:
+                    torch.save(payload, sink)  # type: ignore[arg-type]  # write + flush suffice
+                except OSError:
+                    raise
+                except Exception as exc:
+                    # torch turns a refused write into "RuntimeError: [enforce fail at
+                    # inline_container.cc] unexpected pos": surface the disk's own error.
+                    if sink.error is not None:
+                        raise sink.error from exc
+                    raise
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
@@ -258,7 +353,6 @@ class CheckpointStore:
             with _in_flight_lock:
                 _in_flight.discard(tmp_name)
         self._sync_folder()
-        return path
 
     def _sync_folder(self) -> None:
         # The rename is durable only once the folder's entry is on disk; POSIX only (Windows
@@ -297,12 +391,30 @@ class CheckpointStore:
         Returns:
             The newest valid checkpoint, or None when the folder holds none.
         """
+        return self.find_latest(map_location=map_location).checkpoint
+
+    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
+        """:meth:`load_latest`, also reporting what the folder held: what a resume says when it
+        finds nothing to load (a mistyped folder, an empty one, only damaged files).
+
+        Returns:
+            The scan: the newest valid checkpoint (or None), the files skipped and why, and
+            what else the folder held.
+        """
+        if not self._directory.is_dir():
+            return LatestScan(self._directory, None, exists=False)
+        skipped: list[tuple[str, str]] = []
         for path in self.checkpoints():
             try:
-                return read_checkpoint(path, map_location=map_location)
+                found = read_checkpoint(path, map_location=map_location)
             except CheckpointError as exc:
                 log.warning("checkpoint_skipped", path=str(path), reason=str(exc))
-        return None
+                skipped.append((path.name, str(exc)))
+                continue
+            return LatestScan(self._directory, found, exists=True, skipped=tuple(skipped))
+        others = sorted(e.name for e in self._directory.iterdir() if _TEMP.match(e.name) is None)
+        return LatestScan(self._directory, None, exists=True, skipped=tuple(skipped),
+                          others=tuple(o for o in others if o not in dict(skipped)))  # fmt: skip
 
     def latest_valid(self) -> Path | None:
         """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""

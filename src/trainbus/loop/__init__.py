@@ -22,6 +22,7 @@ from .checkpoint import CheckpointWriter as CheckpointWriter
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
 from .evaluation import Evaluator as Evaluator
+from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
 from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
@@ -40,10 +41,12 @@ from .settings import eval_sets as eval_sets
 from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
 from .wants import Wants as Wants
+from .window import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 from .window import MetricsWindow as MetricsWindow
 
 __all__ = [
     "DEFAULT_BARRIERS",
+    "TRAIN_METRIC_NAMES",
     "BarrierWait",
     "Cancelled",
     "CheckpointWriter",
@@ -65,5 +68,6 @@ __all__ = [
     "Wants",
     "build_settings",
     "eval_sets",
+    "evaluation_metric_names",
     "join_outputs",
 ]

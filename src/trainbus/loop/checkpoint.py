@@ -13,7 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
-from .._exceptions import ConfigError
+from .._exceptions import CheckpointWriteError, ConfigError
+from .._log import get_logger
 from ..checkpoint import TrainState, capture_data_order, save_checkpoint
 
 if TYPE_CHECKING:
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 __all__ = ["CheckpointWriter"]
+
+log = get_logger(__name__)
+
+_LOGGED_FIRST = 3
+"""Refused saves each logged in full; after them, one line at 10, 100, 1000, ... refusals (a
+disk that stays full cannot flood the log; ``FitResult.failed_saves`` has the count)."""
+
+
+def _log_worthy(count: int) -> bool:
+    if count <= _LOGGED_FIRST:
+        return True
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
 
 
 class CheckpointWriter:
@@ -32,6 +47,7 @@ class CheckpointWriter:
     Attributes:
         last_checkpoint: Path of the last checkpoint written in this run (None: none yet).
         last_checkpoint_step: The step it was written at (-1: none yet).
+        failed_saves: Writes the disk refused (each logged, bounded: see ``_LOGGED_FIRST``).
 
     Args:
         settings: The run's settings (model, optimizer, scheduler, scaler, checkpoint_dir).
@@ -65,6 +81,7 @@ class CheckpointWriter:
         self._sync = sync
         self.last_checkpoint: str | None = None
         self.last_checkpoint_step = -1
+        self.failed_saves = 0
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
         """The epoch in progress draws its batches in ``data_order``
@@ -104,7 +121,8 @@ class CheckpointWriter:
             ConfigError: the run has no ``checkpoint_dir``.
             CheckpointError: ``before_save`` refused it (non-finite weights, a NaN stop).
             NonFiniteLossError: ``before_save`` found a NaN loss under ``on_nonfinite="raise"``.
-            OSError: the write failed (nothing is left half-written).
+            CheckpointWriteError: the disk refused the write (an ``OSError`` naming the file;
+                nothing is left half-written); counted in :attr:`failed_saves` and logged.
         """
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:
@@ -126,9 +144,26 @@ class CheckpointWriter:
                 world_size=1 if sync is None else sync.world_size,
             ))  # fmt: skip
 
-        path = write() if sync is None else sync.on_main(write)
+        try:
+            path = write() if sync is None else sync.on_main(write)
+        except CheckpointWriteError as exc:
+            self._refused(exc, tag)
+            raise
         self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
         saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
                                    metrics=metrics)  # fmt: skip
         self._bus.publish(saved)
         return saved
+
+    def _refused(self, exc: CheckpointWriteError, tag: str | None) -> None:
+        """Count a write the disk refused and say so (bounded)."""
+        self.failed_saves += 1
+        n, st = self.failed_saves, self._state
+        if not _log_worthy(n):
+            return
+        note = "no partial file is left; the earlier checkpoints stay valid"
+        if n >= _LOGGED_FIRST:
+            note += "; from now on logged at 10, 100, 1000, ... (FitResult.failed_saves)"
+        log.warning("checkpoint_save_failed", step=st.step, epoch=st.epoch, tag=tag,
+                    path=exc.path, error=f"[Errno {exc.errno}] {exc.strerror}",
+                    failed_saves=n, last_checkpoint=self.last_checkpoint, note=note)  # fmt: skip

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 __all__ = [
     "EvalTrigger",
     "Evaluator",
+    "evaluation_metric_names",
     "forward_loss",
     "forward_outputs",
     "loss_of",
@@ -126,6 +127,15 @@ def metric_name(dataset: str, name: str, *, named: bool) -> str:
     of named sets gives ``<set>/<name>`` (``val/loss``, ``test/acc``), one key per set.
     """
     return f"{dataset}/{name}" if named else f"val_{name}"
+
+
+def evaluation_metric_names(s: Settings) -> frozenset[str]:
+    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``: the loss and
+    each ``metrics=`` function, for each evaluation set (empty without ``eval_data``)."""
+    names = ("loss", *s.metrics)
+    named = s.eval_named
+    sets = [dataset for dataset, _ in s.eval_sets]
+    return frozenset(metric_name(dataset, n, named=named) for dataset in sets for n in names)
 
 
 class Evaluator:

@@ -60,7 +60,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
-from .._exceptions import CheckpointError
+from .._exceptions import CheckpointError, CheckpointWriteError
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
@@ -105,7 +105,8 @@ class Loop:
         resume: The checkpoint ``state`` was loaded from (already restored into the model,
             optimizer, scheduler and scaler): the loop replays its epoch's data order and
             restores its RNG states at the moment they were captured.
-        resumed_from: What ``FitStarted.resumed_from`` says (the path or ``"latest"``).
+        resumed_from: The checkpoint file loaded (``FitStarted.resumed_from``), None for a
+            fresh start.
         callback_states: Returns the stateful callbacks' states at each save (see
             :class:`~trainbus.loop.checkpoint.CheckpointWriter`).
         sync: Under torchrun with more than one rank: commands are agreed at the common sync
@@ -240,6 +241,8 @@ class Loop:
                 if checkpoints.last_checkpoint_step != st.step:
                     try:
                         checkpoints.save("final", self._evaluator.metrics)
+                    except CheckpointWriteError:  # the disk refused it: the run fails, naming
+                        raise  # the file (the earlier checkpoints stay valid)
                     except CheckpointError as exc:  # non-finite weights: keep the last good one
                         log.warning("final_checkpoint_refused", step=st.step, error=str(exc))
         except Cancelled:
@@ -261,6 +264,8 @@ class Loop:
             train_metrics=self._window.metrics,
             last_checkpoint=self._checkpoints.last_checkpoint,
             skipped_nonfinite=self._guard.skipped,
+            resumed_from=self._resumed_from,
+            failed_saves=self._checkpoints.failed_saves,
         )
         return self.outcome
 

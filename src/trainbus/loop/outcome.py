@@ -26,3 +26,7 @@ class Outcome:
     train_metrics: dict[str, float]
     last_checkpoint: str | None
     skipped_nonfinite: int = 0
+    resumed_from: str | None = None
+    """The checkpoint file the run loaded, None for a fresh start."""
+    failed_saves: int = 0
+    """Checkpoint writes the disk refused."""

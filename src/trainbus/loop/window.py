@@ -17,7 +17,14 @@ if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
 
-__all__ = ["MetricsWindow"]
+__all__ = ["TRAIN_METRIC_NAMES", "MetricsWindow"]
+
+
+TRAIN_METRIC_NAMES = frozenset(
+    {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
+)
+"""Every key ``MetricsLogged.metrics`` can carry (``grad_norm`` and ``skipped_nonfinite`` only
+in some runs)."""
 
 
 class MetricsWindow:

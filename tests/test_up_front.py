@@ -1,0 +1,220 @@
+"""Misconfiguration up front: what can never work fails before the run, naming the option, not as
+a silent no-op or a subscriber failure mid-run; a command sent after the run is an error; a plain
+function given to ``subscribe_async`` is refused at subscription."""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainbus import (
+    BusClosedError,
+    Callback,
+    ConfigError,
+    EventBus,
+    RunPlan,
+    Trainer,
+    register_global_callback,
+)
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.callbacks import (
+    Checkpointing,
+    EarlyStopping,
+    EvaluateCheckpoints,
+    ReduceLROnPlateau,
+    ThresholdStopping,
+)
+from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+
+DATA = tiny_loader(4, 8)
+
+
+def _acc(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return (outputs.argmax(-1) == targets).float().mean()
+
+
+def _trainer(callbacks: Any = (), **kwargs: Any) -> Trainer:
+    model = tiny_model()
+    kwargs.setdefault("max_epochs", 1)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DATA,
+                   loss_fn=F.cross_entropy, callbacks=callbacks, handle_signals=False,
+                   progress=False, **kwargs)  # fmt: skip
+
+
+def _refused(trainer: Trainer, pattern: str) -> ConfigError:
+    rec = EventRecorder(trainer.bus)
+    with pytest.raises(ConfigError, match=pattern) as info:
+        trainer.run()
+    # Refused before anything ran: no FitStarted, no step, no result.
+    assert not rec.of_type(ev.FitStarted) and trainer.result is None
+    return info.value
+
+
+# ====================================================================== monitored metrics
+def test_checkpointing_monitor_without_eval_data(tmp_path: Path) -> None:
+    folder = tmp_path / "ck"
+    trainer = _trainer([Checkpointing(monitor="val_loss")], checkpoint_dir=folder)
+    err = _refused(trainer, r"Checkpointing\.monitor='val_loss'.*no eval_data")
+    assert "EvaluateCheckpoints" in str(err)
+    assert not folder.exists()  # today's silent run would have saved cadence checkpoints
+
+
+def test_checkpointing_monitor_of_a_metric_eval_data_lacks(tmp_path: Path) -> None:
+    trainer = _trainer([Checkpointing(monitor="val_acc", mode="max")], eval_data=DATA,
+                       checkpoint_dir=tmp_path)  # fmt: skip
+    _refused(trainer, r"Checkpointing\.monitor='val_acc'.*produces: val_loss \(")
+
+
+def test_checkpointing_monitor_of_a_produced_metric_saves_best(tmp_path: Path) -> None:
+    trainer = _trainer([Checkpointing(monitor="val_acc", mode="max", every_epochs=None)],
+                       eval_data=DATA, metrics={"acc": _acc}, checkpoint_dir=tmp_path)  # fmt: skip
+    rec = EventRecorder(trainer.bus)
+    assert trainer.run().reason == "completed"
+    # Saved at the last step: the final checkpoint would be the same file, so none is written.
+    assert [s.tag for s in rec.of_type(ev.CheckpointSaved)] == ["best"]
+
+
+def test_checkpointing_without_a_checkpoint_dir() -> None:
+    # Every SaveCheckpoint would be refused (acknowledged with an error nobody reads).
+    _refused(_trainer([Checkpointing(every_epochs=1)]), r"checkpoint_dir=None.*Checkpointing")
+
+
+def test_checkpointing_monitor_with_evaluation_jobs_only_is_accepted(tmp_path: Path) -> None:
+    async def job(path: str) -> dict[str, float]:
+        return {"val_loss": 0.5}
+
+    jobs = EvaluateCheckpoints(job)
+    trainer = _trainer([Checkpointing(monitor="val_loss"), jobs], checkpoint_dir=tmp_path)
+    rec = EventRecorder(trainer.bus)
+    assert trainer.run().reason == "completed"
+    assert rec.of_type(ev.ExternalEvaluationEnded)  # the jobs do produce it
+
+
+def test_early_stopping_on_a_metric_no_evaluation_produces() -> None:
+    trainer = _trainer([EarlyStopping("val_acc")], eval_data=DATA)
+    _refused(trainer, r"EarlyStopping\.metric='val_acc'.*val_loss")
+
+
+def test_early_stopping_without_eval_data() -> None:
+    _refused(_trainer([EarlyStopping()]), r"EarlyStopping\.metric='val_loss'.*no eval_data")
+
+
+def test_early_stopping_on_a_named_set_metric() -> None:
+    sets = {"val": DATA, "test": DATA}
+    ok = _trainer([EarlyStopping("test/acc", mode="max")], eval_data=sets, metrics={"acc": _acc})
+    assert ok.run().reason == "completed"
+    bad = _trainer([EarlyStopping("test/acc", mode="max")], eval_data=sets)
+    _refused(bad, r"'test/acc'.*test/loss, val/loss")
+
+
+def test_reduce_lr_on_plateau_without_eval_data() -> None:
+    _refused(_trainer([ReduceLROnPlateau()]), r"ReduceLROnPlateau\.metric='val_loss'")
+
+
+@pytest.mark.parametrize(
+    ("stopper", "eval_data", "pattern"),
+    [
+        (ThresholdStopping("los", below=0.0), None, r"'los'.*grad_norm, loss, lr"),
+        (ThresholdStopping("val_acc", above=2.0), DATA, r"'val_acc'.*val_loss"),
+        (ThresholdStopping("val_loss", below=0.0), None, r"'val_loss'.*no eval_data"),
+        (ThresholdStopping("loss", below=0.0, source="eval"), DATA, r"'loss'.*val_loss"),
+    ],
+)
+def test_threshold_stopping_on_a_metric_its_source_lacks(
+    stopper: ThresholdStopping, eval_data: Any, pattern: str
+) -> None:
+    _refused(_trainer([stopper], eval_data=eval_data), r"ThresholdStopping\.metric=" + pattern)
+
+
+def test_threshold_stopping_on_training_metrics_is_accepted() -> None:
+    result = _trainer([ThresholdStopping("steps_per_s", below=0.0)], log_every=1).run()
+    assert result.reason == "completed"
+
+
+def test_a_refused_run_leaves_the_trainer_usable() -> None:
+    stopper = EarlyStopping("val_acc")
+    global_stopper = ThresholdStopping("val_typo", above=1.0)
+    handle = register_global_callback(global_stopper)
+    try:
+        trainer = _trainer([stopper], eval_data=DATA)
+        _refused(trainer, r"'val_acc'")
+        assert global_stopper not in trainer.callbacks  # detached again
+    finally:
+        handle.remove()
+    trainer.remove_callback(stopper)
+    assert trainer.run().reason == "completed"
+
+
+def test_the_plan_a_callback_sees() -> None:
+    seen: list[RunPlan] = []
+
+    class Probe(Callback):
+        def check(self, plan: RunPlan) -> None:
+            seen.append(plan)
+
+    _trainer([Probe()], eval_data={"a": DATA, "b": DATA}, metrics={"acc": _acc}).run()
+    (plan,) = seen
+    assert plan.eval_metrics == {"a/loss", "a/acc", "b/loss", "b/acc"}
+    assert {"loss", "lr", "steps_per_s", "samples_per_s"} <= plan.train_metrics
+    assert plan.checkpoint_dir is None and not plan.external_evaluations
+
+
+# ====================================================================== the bus
+def test_send_after_the_run_is_an_error() -> None:
+    trainer = _trainer(max_steps=1)
+    trainer.run()
+    with pytest.raises(BusClosedError, match=r"StopTraining.*while fit"):
+        trainer.bus.send(cmd.StopTraining(reason="late"))
+    with pytest.raises(BusClosedError):
+        trainer.bus.commands.on_next(cmd.SaveCheckpoint())
+
+
+def test_send_before_the_run_is_applied_at_its_start() -> None:
+    trainer = _trainer(max_steps=5)
+    trainer.bus.send(cmd.StopTraining(reason="early"))
+    result = trainer.run()
+    assert (result.reason, result.stop_reason, result.steps) == ("stopped", "early", 0)
+
+
+@pytest.mark.asyncio
+async def test_subscribe_async_refuses_a_plain_function() -> None:
+    bus = EventBus()
+
+    def plain(event: ev.BaseEvent) -> None:
+        pass
+
+    with pytest.raises(ConfigError, match=r"fn='.*plain' is invalid: an async def function.*"
+                                          r"bus\.subscribe"):  # fmt: skip
+        bus.subscribe_async(bus.stream(ev.StepEnded), plain)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="fn="):
+        bus.subscribe_async(bus.events, lambda e: None)  # type: ignore[arg-type,return-value]
+    assert bus.statistics().subscriptions == ()
+
+
+@pytest.mark.asyncio
+async def test_subscribe_async_accepts_every_async_callable() -> None:
+    got: list[tuple[str, int]] = []
+
+    async def record(tag: str, event: ev.StepEnded) -> None:
+        got.append((tag, event.step))
+
+    class Sink:
+        async def __call__(self, event: ev.StepEnded) -> None:
+            got.append(("object", event.step))
+
+        async def method(self, event: ev.StepEnded) -> None:
+            got.append(("method", event.step))
+
+    async with EventBus() as bus:
+        bus.subscribe_async(bus.stream(ev.StepEnded), functools.partial(record, "partial"))
+        bus.subscribe_async(bus.stream(ev.StepEnded), Sink())
+        bus.subscribe_async(bus.stream(ev.StepEnded), Sink().method)
+        bus.publish(ev.StepEnded(step=1, epoch=0, loss=torch.tensor(0.0), lr=0.1,
+                                 grad_norm=None, samples=1, duration_s=0.0))  # fmt: skip
+    assert sorted(got) == [("method", 1), ("object", 1), ("partial", 1)]
