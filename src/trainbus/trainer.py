@@ -31,13 +31,13 @@ import torch
 
 from . import events as ev
 from ._attach import Attached, as_instances
-from ._exceptions import ConfigError, TrainbusError
+from ._exceptions import ConfigError, LostWorkError, TrainbusError
 from ._log import get_logger
 from ._ranks import RankSetup
 from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier
-from .bus.statistics import BusStatistics
+from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, global_callbacks
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
@@ -87,6 +87,17 @@ class FitResult:
     error: BaseException | None = None
     skipped_nonfinite: int = 0
     """Optimizer steps skipped for a non-finite loss (``on_nonfinite="skip"``)."""
+    waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds training waited on each subscription that held it (an ``overflow="block"``
+    buffer that was full, a barrier or decision step it decides at); absent: never waited."""
+    lost: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
+    """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
+    ``cancel_pending()``, failed); only subscriptions that lost something."""
+
+    @property
+    def lost_work(self) -> int:
+        """Items lost by all subscriptions together (0: every item was handled)."""
+        return sum(x.total for x in self.lost.values())
 
 
 class Trainer:
@@ -140,6 +151,15 @@ class Trainer:
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
             for a model you parallelise yourself (FSDP, a custom wrapper): trainbus then
             neither wraps it nor all-reduces its gradients (docs/distributed.md).
+        close_timeout: Seconds the end of ``fit()`` waits for async subscribers' pending work
+            before cancelling it (counted in ``FitResult.lost``). None (default): wait as long
+            as it takes, with a ``bus_close_waiting`` warning naming what is pending and for
+            whom. Passed to the bus the Trainer builds (with ``bus=``, set it on that bus).
+        on_lost: What lost work does to the run (items dropped by an overflow policy,
+            cancelled at close, or failed; ``FitResult.lost``): ``"warn"`` (default) logs
+            ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
+            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
+            (``trainer.result`` holds the result).
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -175,6 +195,8 @@ class Trainer:
         handle_signals: bool = True,
         bus: EventBus | None = None,
         ddp: bool = True,
+        close_timeout: float | None = None,
+        on_lost: Literal["warn", "raise"] = "warn",
     ) -> None:
         self.settings: Settings = build_settings(
             model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
@@ -194,7 +216,13 @@ class Trainer:
             raise ConfigError.invalid("ddp", ddp, "True (wrap in DistributedDataParallel under "
                                       "torchrun) or False")  # fmt: skip
         self.ddp = ddp
-        self.bus: EventBus = bus if bus is not None else EventBus()
+        if on_lost not in ("warn", "raise"):
+            raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
+        self.on_lost: Literal["warn", "raise"] = on_lost
+        if bus is not None and close_timeout is not None:
+            raise ConfigError.invalid("close_timeout", close_timeout, "None when bus= is given "
+                                      "(set EventBus(close_timeout=...) on that bus)")  # fmt: skip
+        self.bus: EventBus = bus if bus is not None else EventBus(close_timeout=close_timeout)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
@@ -340,6 +368,8 @@ class Trainer:
         assert outcome is not None and self.result is not None
         if outcome.error is not None:
             raise outcome.error
+        if self.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
+            raise LostWorkError(self.result.lost, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         if outcome.reason == "cancelled":
@@ -448,4 +478,22 @@ class Trainer:
             train_metrics=outcome.train_metrics, checkpoint=outcome.last_checkpoint,
             subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
             statistics=stats, error=outcome.error, skipped_nonfinite=outcome.skipped_nonfinite,
+            waited_s=_by_name((x.name, x.waited_s) for x in stats.subscriptions if x.waited_s),
+            lost=_by_name((x.name, x.lost) for x in stats.subscriptions if x.lost),
         )  # fmt: skip
+
+
+def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``{name: value}``; two subscriptions with one name are summed (waits, lost work)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name not in out:
+            out[name] = value
+        elif isinstance(value, LostWork):
+            prev = out[name]
+            out[name] = LostWork(dropped=prev.dropped + value.dropped,
+                                 cancelled=prev.cancelled + value.cancelled,
+                                 failed=prev.failed + value.failed)  # fmt: skip
+        else:
+            out[name] = out[name] + value
+    return out
