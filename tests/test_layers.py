@@ -184,6 +184,7 @@ BUS_ORDER = [
     "scheduler",
     "failures",
     "routes",
+    "pressure",
     "subscriptions",
     "async_subscription",
     "registry",

@@ -142,7 +142,7 @@ class EventBus:
         self._routes = routes = RouteTable(bell)
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
-        self._subs = subs = SubscriptionSet(ledger, spent, bell)
+        self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp)
         self._pressure = subs.backpressure
         self._queue = queue = PublishQueue(
             max_queue=max_queue,

@@ -67,6 +67,7 @@ class AsyncSubscription(Subscription):
         decides: bool = False,
         spent: Spent | None = None,
         per_step: bool = True,
+        stamp: DecisionStamp | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
@@ -90,6 +91,10 @@ class AsyncSubscription(Subscription):
         self._scope: anyio.CancelScope | None = None
         self._ready: anyio.Event | None = None
         self._first_at: float | None = None  # monotonic time of the first item (for rates())
+        # Which dispatched event pushed the last item, and the count after it (received_from).
+        self._stamp = stamp or DecisionStamp()
+        self._source = 0
+        self._source_count = 0
         self._progress: anyio.Event | None = None
         self._finished: anyio.Event | None = None
 
@@ -124,6 +129,11 @@ class AsyncSubscription(Subscription):
         """Items waiting or running: the work a close waits for."""
         return len(self.buffer) + self.running
 
+    def received_from(self, event_id: int) -> int | None:
+        """When the last item this subscription received came from the dispatched event with
+        ``id() == event_id``: how many items it had received then; else None."""
+        return self._source_count if self._source == event_id else None
+
     def rates(self) -> tuple[float, float]:
         """(items finished per second, items received per second) since its first item."""
         if self._first_at is None:
@@ -135,6 +145,8 @@ class AsyncSubscription(Subscription):
     def push(self, item: Any) -> None:
         """Accept one item from the observable (loop thread, never awaits)."""
         self.received += 1
+        self._source = self._stamp.event_id
+        self._source_count = self.received
         if self._first_at is None:
             self._first_at = time.monotonic()
         if self.finished:

@@ -88,10 +88,12 @@ class Barrier:
             before_event = q.index(event)
             if before_event is None:
                 # The poller already dispatched the event (between its publish and this call):
-                # which async subscriptions received it is no longer known, so every one still
-                # busy is waited for (conservative: the decision it may be making is the point).
+                # each subscription noted which event fed its last item, so the ones it reached
+                # are still known (an event reaching one later would have been published after
+                # it: the loop waits here and publishes nothing meanwhile).
                 await q.drain()
-                return [(s, s.received) for s in asyncs if s.received > s.settled]
+                fed = [(s, s.received_from(id(event))) for s in asyncs]
+                return [(s, n) for s, n in fed if n is not None]
             if before_event:
                 await q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}

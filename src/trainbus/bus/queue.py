@@ -236,6 +236,7 @@ class PublishQueue:
                 event = popleft()
                 done += 1
                 stamp.step = event.step
+                stamp.event_id = id(event)
                 # table.cache is re-read per event: a subscriber may subscribe during the slice.
                 observers = table.cache.get(type(event))
                 if observers is None:
@@ -276,6 +277,7 @@ class PublishQueue:
         while derived:
             event = derived.popleft()
             stamp.step = event.step
+            stamp.event_id = id(event)
             self._deliver(event)
             self._delivered += 1
             if self._running:

@@ -21,6 +21,7 @@ from .async_subscription import (
     AsyncSubscription,
     Overflow,
 )
+from .clock import DecisionStamp
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy, name_of
 from .pressure import Backpressure
@@ -38,11 +39,17 @@ class SubscriptionSet:
         ledger: Where the subscriptions report their failures.
         spent: Where async subscriptions put the items they are done with (``spent.py``).
         doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
+        stamp: The dispatch's stamp: async subscriptions note which event fed them.
     """
 
     def __init__(
-        self, ledger: FailureLedger, spent: Spent | None = None, doorbell: Doorbell | None = None
+        self,
+        ledger: FailureLedger,
+        spent: Spent | None = None,
+        doorbell: Doorbell | None = None,
+        stamp: DecisionStamp | None = None,
     ) -> None:
+        self._stamp = stamp or DecisionStamp()
         self._ledger = ledger
         self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
@@ -144,6 +151,7 @@ class SubscriptionSet:
             spent=self._spent,
             decides=decides,
             per_step=per_step,
+            stamp=self._stamp,
         )
         self._subs.append(sub)
         if self._tg is not None:
