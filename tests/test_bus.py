@@ -454,7 +454,9 @@ async def test_overflow_latest(step_event, wait_until) -> None:
 
 
 @pytest.mark.asyncio
-async def test_overflow_block_drops_nothing_and_never_holds_dispatch(step_event, wait_until) -> None:
+async def test_overflow_block_drops_nothing_and_never_holds_dispatch(
+    step_event, wait_until
+) -> None:
     bus = EventBus(flush_interval=0.001)
     fn = Stalled()
     sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=4, overflow="block")
@@ -897,7 +899,7 @@ async def test_cancel_pending_ends_a_waiting_close_and_counts_cancelled(step_eve
             async with anyio.create_task_group() as tg:
 
                 async def cancel_when_closing() -> None:
-                    while not [x for x in logs if x["event"] == "bus_close_waiting"]:
+                    while not [x for x in logs if x["event"] == "bus_close_waiting"]:  # noqa: ASYNC110
                         await anyio.sleep(0.005)
                     assert bus.cancel_pending() == {"stuck": 5}
 

@@ -18,9 +18,9 @@ Lifecycle           ``lifecycle.py``      new/running/closing/closed, the task g
 ==================  ====================  ==================================================
 
 Modules import only modules listed above them in this order: ``clock``, ``statistics``,
-``scheduler``,
-``failures``, ``routes``, ``pressure``, ``subscriptions``, ``registry``, ``observable``, ``channel``, ``queue``,
-``barrier``, ``lifecycle``; this package imports them all. None imports torch or the loop.
+``scheduler``, ``failures``, ``routes``, ``pressure``, ``subscriptions``, ``registry``,
+``observable``, ``channel``, ``queue``, ``barrier``, ``lifecycle``; this package imports them
+all. None imports torch or the loop.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .lifecycle import Lifecycle
 from .observable import BusObservable, CommandSink, normalize_observer
+from .pressure import Backpressure
 from .queue import PublishQueue
 from .ranks import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
@@ -53,7 +54,6 @@ from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
 from .spent import Spent
 from .statistics import BusStatistics
-from .pressure import Backpressure
 from .subscriptions import Subscription
 
 __all__ = ["CommandError", "EventBus", "Tier"]
@@ -117,8 +117,11 @@ class EventBus:
             try:
                 check_number("close_timeout", close_timeout)
             except ConfigError:
-                raise ConfigError.invalid("close_timeout", close_timeout, "None (wait for "
-                                          "pending async work) or seconds >= 0") from None
+                raise ConfigError.invalid(
+                    "close_timeout",
+                    close_timeout,
+                    "None (wait for pending async work) or seconds >= 0",
+                ) from None
         check_policy(on_error)
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")

@@ -11,11 +11,10 @@ through :class:`~trainbus.bus.pressure.Backpressure`). Others wait on it: the ba
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeAlias
-
-import time
 
 import anyio
 from anyio.abc import TaskGroup
