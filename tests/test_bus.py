@@ -17,6 +17,7 @@ import anyio.lowlevel
 import pytest
 import reactivex
 from reactivex import operators as ops
+from structlog.testing import capture_logs
 
 from trainbus import (
     AnyioScheduler,
@@ -195,7 +196,7 @@ def test_end_to_end_under_trio(step_event) -> None:
             async_seen.append(e.step)
 
         bus.stream(ev.StepEnded).subscribe(on_step)
-        bus.subscribe_async(bus.stream(ev.StepEnded), on_step_async, buffer=8)
+        bus.subscribe_async(bus.stream(ev.StepEnded), on_step_async, buffer=8, overflow="block")
         bus.stream(ev.StepEnded).pipe(ops.buffer_with_time(0.01)).subscribe(
             lambda b: buffered.extend(steps_of(b))
         )
@@ -281,7 +282,7 @@ async def test_failing_subscribers_are_isolated_and_counted(step_event) -> None:
     bus = EventBus(flush_interval=0.001)
     bus.stream(ev.StepEnded).subscribe(lambda e: before.append(e.step))
     bad_sub = bus.stream(ev.StepEnded).subscribe(bad, name="bad")
-    bad_async_sub = bus.subscribe_async(bus.stream(ev.StepEnded), bad_async)
+    bad_async_sub = bus.subscribe_async(bus.stream(ev.StepEnded), bad_async, overflow="block")
     bus.events.subscribe(lambda e: after.append(e.step))
     async with bus:
         await anyio.to_thread.run_sync(publish_range, bus, step_event, 0, n)
@@ -453,44 +454,72 @@ async def test_overflow_latest(step_event, wait_until) -> None:
 
 
 @pytest.mark.asyncio
-async def test_overflow_block_drops_nothing_and_keeps_order(step_event, wait_until) -> None:
+async def test_overflow_block_drops_nothing_and_never_holds_dispatch(
+    step_event, wait_until
+) -> None:
     bus = EventBus(flush_interval=0.001)
     fn = Stalled()
     sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=4, overflow="block")
     depth = sample_depth(bus, sub)
     async with bus:
+        assert not bus.held
         await stall_then_publish(bus, fn, step_event, 50)
-        # The dispatcher takes one item over capacity, then waits: the rest stays queued.
-        await wait_until(lambda: sub.statistics().queued == 5)
-        assert bus.statistics().queue_depth == 45
-        # Events 0..5 were dispatched, no further (0 was still queued when sampled).
-        assert depth == [1, 1, 2, 3, 4, 5]
+        # The dispatcher never waits for the full buffer: every event was dispatched (the sync
+        # subscriber after it saw all 51), the buffer took them all, and the bus is "held".
+        await wait_until(lambda: len(depth) == 51)
+        assert bus.statistics().queue_depth == 0
+        assert sub.statistics().queued == 50 and bus.held
         fn.release.set()
+        await wait_until(lambda: not bus.held)
     assert fn.done == list(range(51))
-    assert max(depth) == 5  # capacity + 1
+    assert depth == [1, *range(1, 51)]  # 0 was still queued when sampled
     assert sub.statistics().dropped == bus.statistics().dropped == 0
 
 
 @pytest.mark.asyncio
-async def test_overflow_block_makes_the_publisher_wait(step_event, wait_until) -> None:
-    n = 200
-    bus = EventBus(flush_interval=0.001, max_queue=8)
+async def test_overflow_block_holds_a_thread_that_waits_for_room(step_event, wait_until) -> None:
+    """``wait_for_room`` (what the training loop calls at its poll points) blocks its thread
+    while the "block" buffer is over capacity, charges the wait to the subscription, and warns
+    once, naming it with its rates and the remedies."""
+    bus = EventBus(flush_interval=0.001)
     fn = Stalled()
-    sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=2)  # "block" by default
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=2, overflow="block",
+                              name="uploader")  # fmt: skip
+    waited: list[float] = []
     async with bus:
-        bus.publish(step_event(0))
-        with anyio.fail_after(10):
-            await fn.first.wait()
+        with capture_logs() as logs:
+            await stall_then_publish(bus, fn, step_event, 5)
+            await wait_until(lambda: bus.held)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(bus.wait_for_room()))
+                await wait_until(lambda: sub.statistics().waited_s > 0)
+                assert not waited  # still waiting: the buffer is over capacity
+                fn.release.set()
+            assert bus.wait_for_room() == 0.0  # nothing holds: returns at once
+    assert waited and waited[0] > 0 and fn.done == list(range(6))
+    assert sub.statistics().waited_s >= waited[0] * 0.99
+    (warning,) = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+    assert warning["subscription"] == "uploader" and warning["log_level"] == "warning"
+    assert warning["events_per_s"] > warning["rate_per_s"] == 0
+    assert "every_steps" in warning["remedies"] and "buffer" in warning["remedies"]
+
+
+@pytest.mark.asyncio
+async def test_wait_for_room_ends_when_the_doorbell_rings(step_event, wait_until) -> None:
+    bus = EventBus(flush_interval=0.001)
+    fn = Stalled()
+    bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1, overflow="block")
+    async with bus:
+        await stall_then_publish(bus, fn, step_event, 3)
+        await wait_until(lambda: bus.held)
+        waited: list[float] = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, publish_range, bus, step_event, 1, n + 1)
-            await wait_until(lambda: bus.statistics().publisher_waits > 0)
-            stats = bus.statistics()
-            assert stats.queue_depth <= 9  # max_queue + the one that made it wait
-            assert stats.dropped == 0 and sub.statistics().queued <= 3
-            fn.release.set()
-    assert fn.done == list(range(n + 1))
-    stats = bus.statistics()
-    assert stats.dropped == 0 and stats.delivered == n + 1 and stats.publisher_waits >= 1
+            tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(bus.wait_for_room()))
+            await anyio.sleep(0.1)
+            assert not waited
+            bus.send(cmd.StopTraining(reason="user"))  # rings: the loop must act on it
+        assert bus.held and waited  # released although the buffer is still full
+        fn.release.set()
 
 
 # ============================================================================ wants
@@ -683,11 +712,11 @@ async def test_wait_delivered(step_event, make_event) -> None:
 async def test_wait_delivered_times_out_behind_a_full_block_buffer(step_event) -> None:
     bus = EventBus(flush_interval=10)
     fn = Stalled()
-    bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1)  # "block"
+    bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1, overflow="block")
     async with bus:
         with anyio.fail_after(10):
             publish_range(bus, step_event, 0, 4)
-            # The dispatcher itself waits for room: the timeout must still hold.
+            # Delivery does not wait for room; waiting for the stalled items honours the timeout.
             assert await bus.wait_delivered(timeout=0.02) is False
             fn.release.set()
             assert await bus.wait_delivered(timeout=10)
@@ -838,13 +867,62 @@ async def test_close_cancels_a_never_finishing_subscriber(step_event) -> None:
 
 
 @pytest.mark.asyncio
+async def test_close_waits_by_default_and_says_what_is_pending(step_event) -> None:
+    done: list[int] = []
+
+    async def slow(e: ev.StepEnded) -> None:
+        await anyio.sleep(0.05)
+        done.append(e.step)
+
+    bus = EventBus(flush_interval=0.001)  # close_timeout=None: wait as long as it takes
+    assert bus.close_timeout is None
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), slow, buffer=100, name="slow")
+    with capture_logs() as logs:
+        async with bus:
+            publish_range(bus, step_event, 0, 20)
+            await bus.wait_delivered(timeout=0)  # delivered, not finished: 20 items pending
+    assert done == list(range(20))  # far longer than any old 10 s default would matter
+    assert (sub.statistics().cancelled, bus.statistics().cancelled) == (0, 0)
+    (notice,) = [x for x in logs if x["event"] == "bus_close_waiting"]
+    assert notice["log_level"] == "warning" and notice["close_timeout"] is None
+    assert 0 < notice["pending"]["slow"] <= 20
+    assert not [x for x in logs if x["event"] == "bus_closed_with_lost_work"]
+
+
+@pytest.mark.asyncio
+async def test_cancel_pending_ends_a_waiting_close_and_counts_cancelled(step_event) -> None:
+    bus = EventBus(flush_interval=0.001)
+    fn = Stalled()
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=10, name="stuck")
+    with capture_logs() as logs:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+
+                async def cancel_when_closing() -> None:
+                    while not [x for x in logs if x["event"] == "bus_close_waiting"]:  # noqa: ASYNC110
+                        await anyio.sleep(0.005)
+                    assert bus.cancel_pending() == {"stuck": 5}
+
+                async with bus:
+                    publish_range(bus, step_event, 0, 5)
+                    await fn.first.wait()
+                    tg.start_soon(cancel_when_closing)
+    s = sub.statistics()
+    assert (s.received, s.completed, s.cancelled) == (5, 0, 5)
+    assert s.lost.total == 5 and s.lost.cancelled == 5
+    (lost,) = [x for x in logs if x["event"] == "bus_closed_with_lost_work"]
+    assert lost["lost"] == {"stuck": {"dropped": 0, "cancelled": 5, "failed": 0}}
+    assert lost["lost_work"] == 5 and lost["log_level"] == "warning"
+
+
+@pytest.mark.asyncio
 async def test_close_cancels_a_stalled_block_subscriber(step_event) -> None:
-    # A "block" subscriber stuck with a full buffer holds the dispatcher: closing must still
-    # deliver everything to everyone else and return after close_timeout.
+    # A "block" subscriber stuck with a full buffer: closing delivers everything to everyone
+    # else and returns after close_timeout, its items counted as cancelled.
     seen: list[int] = []
     bus = EventBus(flush_interval=0.001, close_timeout=0.05)
     fn = Stalled()
-    sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1)
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1, overflow="block")
     bus.stream(ev.StepEnded).subscribe(lambda e: seen.append(e.step))
     with anyio.fail_after(10):
         async with bus:
@@ -961,6 +1039,7 @@ def test_bad_arguments_raise_config_error_naming_them(
         ({"max_queue": 0}, "max_queue"),
         ({"max_queue": 1.5}, "max_queue"),
         ({"close_timeout": -1}, "close_timeout"),
+        ({"close_timeout": "10"}, "close_timeout"),
         ({"close_timeout": math.nan}, "close_timeout"),
         ({"on_error": "ignore"}, "on_error"),
         ({"scheduler": object()}, "scheduler"),

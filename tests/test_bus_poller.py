@@ -13,7 +13,6 @@ from trainbus import EventBus
 from trainbus import events as ev
 from trainbus.bus.failures import FailureLedger
 from trainbus.bus.queue import PublishQueue
-from trainbus.bus.registry import SubscriptionSet
 from trainbus.bus.routes import RouteTable
 
 
@@ -24,7 +23,6 @@ def _queue() -> tuple[PublishQueue, RouteTable]:
         max_queue=1000,
         flush_interval=0.01,
         routes=routes,
-        subscriptions=SubscriptionSet(ledger),
         ledger=ledger,
     )
     return queue, routes

@@ -184,6 +184,7 @@ BUS_ORDER = [
     "scheduler",
     "failures",
     "routes",
+    "pressure",
     "watchdog",
     "subscriptions",
     "async_subscription",

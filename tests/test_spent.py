@@ -18,7 +18,7 @@ from trainbus import EventBus
 from trainbus import events as ev
 from trainbus.bus.async_subscription import AsyncSubscription
 from trainbus.bus.failures import FailureLedger
-from trainbus.bus.subscriptions import Backpressure
+from trainbus.bus.pressure import Backpressure
 
 
 class Tracked:

@@ -10,6 +10,7 @@ promise for it is in docs/reliability.md (it is not run here, since it would han
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,10 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+from structlog.testing import capture_logs
 
 from trainbus import EventBus, Trainer
+from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
@@ -75,7 +78,6 @@ def _attach(trainer: Trainer, fault: str) -> None:
 FAULTS = [
     "raises_sync",
     "raises_async",
-    "hangs_async_block",
     "hangs_async_latest",
     "hangs_async_drop_oldest",
     "slow_sync",
@@ -112,9 +114,49 @@ def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(
         # Awaiting forever: cancelled when the bus closed past close_timeout, and counted.
         assert sub.cancelled >= 1 and result.statistics.cancelled >= 1
         assert sub.completed == 0 and result.subscriber_failures == {}
-        if fault != "hangs_async_block":
-            assert sub.dropped > 0  # the buffer policy dropped what the hung worker never took
+        assert sub.dropped > 0  # the buffer policy dropped what the hung worker never took
+        assert result.lost == {"fault": sub.lost} and result.lost_work == sub.lost.total
+        # A dropping policy never holds training: only the two EpochEnded barriers (it takes
+        # every event, barrier events included) waited for it, each within barrier_timeout.
+        assert 0 < result.waited_s["fault"] < 2 * 0.5 + 0.5
     else:
         assert sub.failed == sub.cancelled == sub.dropped == 0
         assert sub.completed == sub.received == STEPS + 2  # every StepEnded and EpochEnded
         assert result.subscriber_failures == {}
+
+
+def test_a_hung_block_subscriber_holds_training_says_so_and_a_stop_still_ends_the_run(
+    tmp_path: Path,
+) -> None:
+    """``overflow="block"`` asks that nothing be dropped: a subscriber that never finishes then
+    holds training at its poll points (that is the policy), a warning names it, the wait is
+    counted, and a ``StopTraining`` (what a first Ctrl-C sends) still ends the run."""
+    trainer = _trainer(tmp_path)
+    bus = trainer.bus
+
+    async def hang(event: Any) -> None:
+        await anyio.sleep_forever()
+
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), hang, buffer=4, overflow="block",
+                              name="fault")  # fmt: skip
+
+    def stop_when_held() -> None:
+        while sub.statistics().waited_s < 0.2:
+            time.sleep(0.01)
+        bus.send(cmd.StopTraining(reason="user"))
+
+    watcher = threading.Thread(target=stop_when_held, daemon=True)
+    watcher.start()
+    with capture_logs() as logs:
+        result = trainer.run()
+    watcher.join(5)
+    assert result.reason == "stopped" and result.stop_reason == "user"
+    assert 0 < result.steps < STEPS  # held, then stopped
+    assert result.waited_s["fault"] >= 0.2
+    held = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+    assert [x["subscription"] for x in held] == ["fault"]
+    # Nothing dropped; what it never finished was cancelled at close_timeout, and reported.
+    lost = result.lost["fault"]
+    assert lost.dropped == 0 and lost.cancelled == sub.statistics().received >= 5
+    assert [x["lost"]["fault"]["cancelled"] for x in logs
+            if x["event"] == "bus_closed_with_lost_work"] == [lost.cancelled]  # fmt: skip

@@ -11,6 +11,7 @@ from ._exceptions import ConfigError as ConfigError
 from ._exceptions import DistributedError as DistributedError
 from ._exceptions import EvaluationJobError as EvaluationJobError
 from ._exceptions import LaunchError as LaunchError
+from ._exceptions import LostWorkError as LostWorkError
 from ._exceptions import MissingExtraError as MissingExtraError
 from ._exceptions import NonFiniteLossError as NonFiniteLossError
 from ._exceptions import RecordedError as RecordedError
@@ -23,6 +24,7 @@ from .bus.async_subscription import AsyncSubscription as AsyncSubscription
 from .bus.observable import BusObservable as BusObservable
 from .bus.scheduler import AnyioScheduler as AnyioScheduler
 from .bus.statistics import BusStatistics as BusStatistics
+from .bus.statistics import LostWork as LostWork
 from .bus.statistics import SubscriptionStatistics as SubscriptionStatistics
 from .bus.subscriptions import Subscription as Subscription
 from .callbacks._base import Callback as Callback
@@ -58,6 +60,8 @@ __all__ = [
     "LaunchError",
     "LaunchResult",
     "Launcher",
+    "LostWork",
+    "LostWorkError",
     "MissingExtraError",
     "NonFiniteLossError",
     "RecordedError",

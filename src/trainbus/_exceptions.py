@@ -6,6 +6,8 @@ The hierarchy::
     ├── ConfigError (+ ValueError)      bad configuration or argument, raised at the call
     ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
     ├── SubscriberError                 a subscriber with ``on_error="raise"`` failed the run
+    ├── LostWorkError (+ RuntimeError)  async work was dropped, cancelled or failed and the
+    │                                   Trainer was made with ``on_lost="raise"``
     ├── MissingExtraError (+ ImportError) an optional integration's package is not installed
     ├── EvaluationJobError (+ RuntimeError) an EvaluateCheckpoints job failed (in the event)
     ├── DistributedError (+ RuntimeError) the process group could not start, or ranks disagree
@@ -24,6 +26,9 @@ Every subclass that a user would naturally catch as a builtin also inherits that
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 __all__ = [
     "BusClosedError",
     "CheckpointError",
@@ -32,6 +37,7 @@ __all__ = [
     "DistributedError",
     "EvaluationJobError",
     "LaunchError",
+    "LostWorkError",
     "MissingExtraError",
     "NonFiniteLossError",
     "RecordedError",
@@ -71,6 +77,30 @@ class SubscriberError(TrainbusError):
         super().__init__(f"subscriber {subscription!r} failed: {error!r}")
         self.subscription = subscription
         self.error = error
+
+
+class LostWorkError(TrainbusError, RuntimeError):
+    """Subscribers lost work during a run made with ``Trainer(on_lost="raise")``: items dropped
+    by an overflow policy, cancelled at close, or whose call failed. Raised by ``fit()`` after
+    every event was delivered and the bus closed; the run's result is attached.
+
+    Attributes:
+        lost: ``{subscription name: LostWork}`` of the subscriptions that lost anything.
+        result: The run's ``FitResult`` (also ``trainer.result``).
+    """
+
+    def __init__(self, lost: Mapping[str, Any], result: object) -> None:
+        parts = ", ".join(
+            f"{name}: {x.dropped} dropped, {x.cancelled} cancelled, {x.failed} failed"
+            for name, x in lost.items()
+        )
+        super().__init__(
+            f"subscribers lost work: {parts}. Give them a larger buffer=, a higher "
+            "concurrency=, overflow='block' (never drops, can slow training) or a longer "
+            "close_timeout=; or pass on_lost='warn' to accept losses"
+        )
+        self.lost = dict(lost)
+        self.result = result
 
 
 class CheckpointError(TrainbusError):

@@ -32,13 +32,13 @@ import torch
 
 from . import events as ev
 from ._attach import Attached, as_instances
-from ._exceptions import ConfigError, TrainbusError
+from ._exceptions import ConfigError, LostWorkError, TrainbusError
 from ._log import get_logger
 from ._ranks import RankSetup
 from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier
-from .bus.statistics import BusStatistics
+from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
@@ -73,22 +73,28 @@ class BusDefault(Enum):
     DEFAULT = "the bus' default"
 
 
-def new_bus(bus: EventBus | None, *, watchdog_s: float | BusDefault | None) -> EventBus:
+def new_bus(
+    bus: EventBus | None,
+    *,
+    watchdog_s: float | BusDefault | None,
+    close_timeout: float | BusDefault | None,
+) -> EventBus:
     """The Trainer's bus: ``bus``, or a new one with the bus options the Trainer was given.
 
     Raises:
         ConfigError: ``bus`` is not an EventBus, or a bus option is given with ``bus=`` (it
             belongs on that bus), or is out of range (the bus' own check).
     """
+    options = {name: value for name, value in
+               (("watchdog_s", watchdog_s), ("close_timeout", close_timeout))
+               if value is not BusDefault.DEFAULT}  # fmt: skip
     if bus is None:
-        if watchdog_s is BusDefault.DEFAULT:
-            return EventBus()
-        return EventBus(watchdog_s=watchdog_s)
+        return EventBus(**options)
     if not isinstance(bus, EventBus):
         raise ConfigError.invalid("bus", bus, "a trainbus.EventBus or None")
-    if watchdog_s is not BusDefault.DEFAULT:
-        raise ConfigError.invalid("watchdog_s", watchdog_s, "left out when bus= is given "
-                                  "(set it on the bus: EventBus(watchdog_s=...))")  # fmt: skip
+    for name, value in options.items():
+        raise ConfigError.invalid(name, value, f"left out when bus= is given (set it on the "
+                                  f"bus: EventBus({name}=...))")  # fmt: skip
     return bus
 
 
@@ -121,6 +127,17 @@ class FitResult:
     failed_saves: int = 0
     """Checkpoint writes the disk refused (full, read-only): each logged as
     ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
+    waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds training waited on each subscription that held it (an ``overflow="block"``
+    buffer that was full, a barrier or decision step it decides at); absent: never waited."""
+    lost: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
+    """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
+    ``cancel_pending()``, failed); only subscriptions that lost something."""
+
+    @property
+    def lost_work(self) -> int:
+        """Items lost by all subscriptions together (0: every item was handled)."""
+        return sum(x.total for x in self.lost.values())
 
 
 class Trainer:
@@ -180,6 +197,15 @@ class Trainer:
         watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
             before a warning names it, with its stack, while it blocks (default 5; None: no
             watchdog). The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
+        close_timeout: Seconds the end of ``fit()`` waits for async subscribers' pending work
+            before cancelling it (counted in ``FitResult.lost``). None (the default): wait as
+            long as it takes, with a ``bus_close_waiting`` warning naming what is pending and
+            for whom. The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
+        on_lost: What lost work does to the run (items dropped by an overflow policy,
+            cancelled at close, or failed; ``FitResult.lost``): ``"warn"`` (default) logs
+            ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
+            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
+            (``trainer.result`` holds the result).
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -216,6 +242,8 @@ class Trainer:
         bus: EventBus | None = None,
         ddp: bool = True,
         watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
+        close_timeout: float | BusDefault | None = BusDefault.DEFAULT,
+        on_lost: Literal["warn", "raise"] = "warn",
     ) -> None:
         self.settings: Settings = build_settings(
             model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
@@ -233,7 +261,10 @@ class Trainer:
             raise ConfigError.invalid("ddp", ddp, "True (wrap in DistributedDataParallel under "
                                       "torchrun) or False")  # fmt: skip
         self.ddp = ddp
-        self.bus: EventBus = new_bus(bus, watchdog_s=watchdog_s)
+        if on_lost not in ("warn", "raise"):
+            raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
+        self.on_lost: Literal["warn", "raise"] = on_lost
+        self.bus: EventBus = new_bus(bus, watchdog_s=watchdog_s, close_timeout=close_timeout)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
@@ -405,6 +436,8 @@ class Trainer:
         assert outcome is not None and self.result is not None
         if outcome.error is not None:
             raise outcome.error
+        if self.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
+            raise LostWorkError(self.result.lost, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         if outcome.reason == "cancelled":
@@ -527,4 +560,22 @@ class Trainer:
             subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
             statistics=stats, error=outcome.error, skipped_nonfinite=outcome.skipped_nonfinite,
             resumed_from=outcome.resumed_from, failed_saves=outcome.failed_saves,
+            waited_s=_by_name((x.name, x.waited_s) for x in stats.subscriptions if x.waited_s),
+            lost=_by_name((x.name, x.lost) for x in stats.subscriptions if x.lost),
         )  # fmt: skip
+
+
+def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``{name: value}``; two subscriptions with one name are summed (waits, lost work)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        if name not in out:
+            out[name] = value
+        elif isinstance(value, LostWork):
+            prev = out[name]
+            out[name] = LostWork(dropped=prev.dropped + value.dropped,
+                                 cancelled=prev.cancelled + value.cancelled,
+                                 failed=prev.failed + value.failed)  # fmt: skip
+        else:
+            out[name] = out[name] + value
+    return out

@@ -7,9 +7,10 @@ part                module                owns
 ==================  ====================  ==================================================
 StepClock           ``clock.py``          declared decision schedules, ``version``
 DecisionStamp       ``clock.py``          the step being handled (``decided_at`` of commands)
-PublishQueue        ``queue.py``          the event deque, back-pressure, the dispatch slice
+PublishQueue        ``queue.py``          the event deque, max_queue, the dispatch slice
 RouteTable          ``routes.py``         roots by tier, route cache, ``version``
-SubscriptionSet     ``registry.py``       subscription records in order, async start, pressure
+SubscriptionSet     ``registry.py``       subscription records in order, async start
+Backpressure        ``pressure.py``       "block" buffers over capacity, the loop's wait
 FailureLedger       ``failures.py``       failure counts, policies, the fatal failure
 CommandChannel      ``channel.py``        command deque, ``request()`` waiters
 Barrier             ``barrier.py``        the interrupted barrier wait
@@ -18,10 +19,9 @@ Watchdog            ``watchdog.py``       which sync subscriber runs; warns when
 ==================  ====================  ==================================================
 
 Modules import only modules listed above them in this order: ``clock``, ``statistics``,
-``scheduler``,
-``failures``, ``routes``, ``watchdog``, ``subscriptions``, ``registry``, ``observable``,
-``channel``, ``queue``,
-``barrier``, ``lifecycle``; this package imports them all. None imports torch or the loop.
+``scheduler``, ``failures``, ``routes``, ``pressure``, ``watchdog``, ``subscriptions``,
+``registry``, ``observable``, ``channel``, ``queue``, ``barrier``, ``lifecycle``; this package
+imports them all. None imports torch or the loop.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from reactivex.disposable import Disposable
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, SubscriberError
+from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
-from .async_subscription import AsyncSubscription, Overflow
+from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
 from .barrier import Barrier, BarrierStatus
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
@@ -46,6 +47,7 @@ from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .lifecycle import Lifecycle
 from .observable import BusObservable, CommandSink, normalize_observer
+from .pressure import Backpressure
 from .queue import PublishQueue
 from .ranks import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
@@ -53,10 +55,12 @@ from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
 from .spent import Spent
 from .statistics import BusStatistics
-from .subscriptions import Backpressure, Subscription
+from .subscriptions import Subscription
 from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
 
 __all__ = ["CommandError", "EventBus", "Tier"]
+
+log = get_logger(__name__)
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
 
@@ -70,7 +74,10 @@ class EventBus:
         max_queue: Published events that may wait undelivered before ``publish`` makes its
             thread wait for the dispatcher; bounds memory when a ``"block"`` subscriber stalls.
         close_timeout: Seconds closing waits for async subscribers to finish their buffers
-            before cancelling them (what was cancelled is counted and logged).
+            before cancelling them (what was cancelled is counted, logged and reported as lost
+            work). Default None: closing waits as long as they take, with a
+            ``bus_close_waiting`` warning naming what is pending; :meth:`cancel_pending` ends
+            the wait.
         on_error: Default error policy of subscriptions made without one.
         scheduler: Scheduler handed to every subscription for time-based operators. Default: a
             new :class:`~trainbus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
@@ -100,7 +107,7 @@ class EventBus:
         *,
         flush_interval: float = 0.02,
         max_queue: int = 65_536,
-        close_timeout: float = 10.0,
+        close_timeout: float | None = None,
         on_error: ErrorPolicy = "log",
         scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
@@ -113,13 +120,21 @@ class EventBus:
         ):
             raise ConfigError.invalid("flush_interval", flush_interval, "seconds in (0, 10]")
         check_int("max_queue", max_queue, 1)
-        check_number("close_timeout", close_timeout)
+        if close_timeout is not None:
+            try:
+                check_number("close_timeout", close_timeout)
+            except ConfigError:
+                raise ConfigError.invalid(
+                    "close_timeout",
+                    close_timeout,
+                    "None (wait for pending async work) or seconds >= 0",
+                ) from None
         check_policy(on_error)
         if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
             raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")
         self.flush_interval = float(flush_interval)
         self.max_queue = max_queue
-        self.close_timeout = float(close_timeout)
+        self.close_timeout = None if close_timeout is None else float(close_timeout)
         self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
         watchdog = Watchdog(self.watchdog_s)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
@@ -139,12 +154,12 @@ class EventBus:
         self._routes = routes = RouteTable(bell)
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
-        self._subs = subs = SubscriptionSet(ledger, spent, watchdog)
+        self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
+        self._pressure = subs.backpressure
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
             routes=routes,
-            subscriptions=subs,
             ledger=ledger,
             stamp=stamp,
             spent=spent,
@@ -405,7 +420,7 @@ class EventBus:
         *,
         concurrency: int = 1,
         buffer: int | None = None,
-        overflow: Overflow = "block",
+        overflow: Overflow = DEFAULT_OVERFLOW,
         on_error: ErrorPolicy | None = None,
         name: str | None = None,
         decides: bool = False,
@@ -420,9 +435,14 @@ class EventBus:
                 here (use :meth:`subscribe`), not found failing on every item.
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
-            overflow: ``"block"`` never drops (the bus waits, then the publisher);
-                ``"drop_oldest"`` drops the oldest waiting item; ``"latest"`` keeps only the
-                newest waiting item. Every drop is counted.
+            overflow: What a full buffer does. ``"drop_oldest"`` (default) drops the oldest
+                waiting item, ``"latest"`` keeps only the newest waiting item: a slow ``fn``
+                never holds training back, and every drop is counted as lost work
+                (``FitResult.lost``). ``"block"`` never drops: the training loop waits at its
+                next poll point until the buffer has room, so it CAN slow training to ``fn``'s
+                pace (a ``training_waits_for_subscriber`` warning names it the first time,
+                ``FitResult.waited_s`` counts the seconds). Delivery to other subscribers
+                never waits for this one, whatever the policy.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
             decides: True when ``fn`` sends commands decided on per-step events (``StepEnded``,
@@ -447,11 +467,11 @@ class EventBus:
         source = observable if isinstance(observable, BusObservable) else None
         wrapped = source or BusObservable(self, observable)
         # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
-        size = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
-                                      overflow=overflow, policy=on_error)  # fmt: skip
+        size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
+                                              overflow=overflow, policy=on_error)  # fmt: skip
         if not self._ranks.runs_here(ranks):
             inert = AsyncSubscription(self._ledger, name or "inert", fn, concurrency=concurrency,
-                                      buffer=size, overflow=overflow, on_error=on_error,
+                                      buffer=size, overflow=policy, on_error=on_error,
                                       backpressure=Backpressure())  # fmt: skip
             inert.dispose()
             return inert
@@ -464,6 +484,7 @@ class EventBus:
             policy=on_error,
             name=name,
             decides=decides,
+            per_step=wrapped.per_step,
         )
         if decides and wrapped.schedules:
             sub.hold(self.declare(wrapped.schedules))
@@ -554,6 +575,41 @@ class EventBus:
             ``resume=True``).
         """
         return await self._barrier.wait_barrier(timeout, event, resume)
+
+    # ================================================================== back-pressure
+    @property
+    def held(self) -> bool:
+        """True while an ``overflow="block"`` subscription's buffer is over capacity: the
+        training loop then calls :meth:`wait_for_room` at its next poll point (one attribute
+        read; the bus rings :attr:`doorbell` when it turns true)."""
+        return self._pressure.active
+
+    def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
+        """Block the calling thread (the training loop's, at a poll point) while a ``"block"``
+        buffer is over capacity; return early when the doorbell rings (a command, a failure,
+        a cancel) or ``stop()`` is true. The first wait on a subscription logs a
+        ``training_waits_for_subscriber`` warning; every second is added to its ``waited_s``.
+        Never call it on the event-loop thread (nothing would make room).
+
+        Returns:
+            Seconds waited.
+        """
+        return self._pressure.wait_for_room(stop)
+
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscriber's pending work now: items waiting in buffers and
+        calls running. They are counted as cancelled (lost work in ``FitResult.lost``), and
+        so is anything those subscriptions receive later. Meant for a close that waits too
+        long (what a first Ctrl-C during the close does). Call it on the event-loop thread
+        (``anyio.from_thread.run_sync(bus.cancel_pending)`` from another one).
+
+        Returns:
+            Items pending per subscription when cancelled (only those that had any).
+        """
+        pending = self._subs.cancel_pending()
+        if pending:
+            log.warning("bus_pending_cancelled", cancelled=pending)
+        return pending
 
     # ================================================================== commands
     def send(self, command: cmd.Command) -> None:

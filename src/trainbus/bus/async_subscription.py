@@ -2,15 +2,16 @@
 
 The observer side (:class:`AsyncFeeder`, then :meth:`AsyncSubscription.push`) runs on the
 event-loop thread inside the bus' dispatch slice and never awaits; the workers run in the bus'
-task group. What the buffer does when full is the subscription's :data:`Overflow` policy.
-Others wait on it: the subscription set relieves back-pressure with
-:meth:`AsyncSubscription.wait_for_room`, the barrier waits with
-:meth:`~AsyncSubscription.wait_settled`, and the bus' close with
+task group. What the buffer does when full is the subscription's :data:`Overflow` policy; no
+policy ever makes the dispatcher wait (a ``"block"`` buffer pushes back on the training thread
+through :class:`~trainbus.bus.pressure.Backpressure`). Others wait on it: the barrier with
+:meth:`~AsyncSubscription.wait_settled`, the bus' close with
 :meth:`~AsyncSubscription.wait_finished`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeAlias
@@ -21,25 +22,32 @@ from reactivex import abc
 
 from .clock import DecisionStamp
 from .failures import ErrorPolicy, FailureLedger
+from .pressure import Backpressure
 from .spent import Spent
-from .subscriptions import Backpressure, Subscription
+from .subscriptions import Subscription
 
-__all__ = ["OVERFLOWS", "AsyncFeeder", "AsyncSubscription", "Overflow"]
+__all__ = ["DEFAULT_OVERFLOW", "OVERFLOWS", "AsyncFeeder", "AsyncSubscription", "Overflow"]
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
-"""What an async subscription does when its buffer is full: make the bus wait (nothing is ever
-dropped); drop the oldest waiting item; keep only the newest waiting item."""
+"""What an async subscription does when its buffer is full: ``"block"`` takes the item and
+makes the training thread wait at its next poll point until there is room (nothing is ever
+dropped; training goes at the subscriber's pace); ``"drop_oldest"`` drops the oldest waiting
+item; ``"latest"`` keeps only the newest waiting item. Drops are counted as lost work."""
 OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
+DEFAULT_OVERFLOW: Overflow = "drop_oldest"
+"""The default: a slow subscriber never holds training back; what it cannot keep up with is
+dropped oldest first, counted, and reported as lost work (``FitResult.lost``)."""
 
 
 class AsyncSubscription(Subscription):
     """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
 
     The observer side (``push``) runs on the event-loop thread inside the bus' dispatch and never
-    awaits. With ``overflow="block"`` a full buffer takes one item over capacity and signals
-    ``backpressure``; the dispatcher then awaits :meth:`wait_for_room` before it dispatches the
-    next event, so nothing is dropped and memory stays bounded (the publishing thread in turn
-    waits when the bus queue reaches ``max_queue``).
+    awaits. With ``overflow="block"`` a full buffer takes the item over capacity and signals
+    ``backpressure``: the dispatcher goes on delivering to everyone (this buffer included), and
+    the training loop waits at its next poll point until the buffer is back within capacity,
+    so nothing is dropped and memory stays bounded by the buffer plus one step's (or one
+    evaluation round's) events.
     """
 
     kind = "async"
@@ -57,6 +65,8 @@ class AsyncSubscription(Subscription):
         backpressure: Backpressure,
         decides: bool = False,
         spent: Spent | None = None,
+        per_step: bool = True,
+        stamp: DecisionStamp | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
@@ -66,6 +76,9 @@ class AsyncSubscription(Subscription):
         self.decides = decides
         """Whether it may send commands decided on per-step events: the step clock declares its
         schedules and a decision step's barrier waits for it (see ``EventBus.subscribe_async``)."""
+        self.per_step = per_step
+        """Whether its stream can carry per-step events (``StepEnded``, ``MetricsLogged``): the
+        run's last barrier waits only for deciders and for subscriptions of rarer events."""
         self.concurrency = concurrency
         self.capacity = buffer
         self.overflow = overflow
@@ -76,7 +89,11 @@ class AsyncSubscription(Subscription):
         self._backpressure = backpressure
         self._scope: anyio.CancelScope | None = None
         self._ready: anyio.Event | None = None
-        self._room: anyio.Event | None = None
+        self._first_at: float | None = None  # monotonic time of the first item (for rates())
+        # Which dispatched event pushed the last item, and the count after it (received_from).
+        self._stamp = stamp or DecisionStamp()
+        self._source = 0
+        self._source_count = 0
         self._progress: anyio.Event | None = None
         self._finished: anyio.Event | None = None
 
@@ -106,10 +123,31 @@ class AsyncSubscription(Subscription):
     def over_capacity(self) -> bool:
         return len(self.buffer) > self.capacity
 
+    @property
+    def pending(self) -> int:
+        """Items waiting or running: the work a close waits for."""
+        return len(self.buffer) + self.running
+
+    def received_from(self, event_id: int) -> int | None:
+        """When the last item this subscription received came from the dispatched event with
+        ``id() == event_id``: how many items it had received then; else None."""
+        return self._source_count if self._source == event_id else None
+
+    def rates(self) -> tuple[float, float]:
+        """(items finished per second, items received per second) since its first item."""
+        if self._first_at is None:
+            return 0.0, 0.0
+        span = max(time.monotonic() - self._first_at, 1e-9)
+        return self.completed / span, self.received / span
+
     # ------------------------------------------------------------------ observer side
     def push(self, item: Any) -> None:
         """Accept one item from the observable (loop thread, never awaits)."""
         self.received += 1
+        self._source = self._stamp.event_id
+        self._source_count = self.received
+        if self._first_at is None:
+            self._first_at = time.monotonic()
         if self.finished:
             # Cancelled at close (past close_timeout) while the drain went on: no worker will
             # run this item, so it is counted, not buffered where nobody would ever look.
@@ -121,7 +159,7 @@ class AsyncSubscription(Subscription):
             self.dropped += 1
         buf.append(item)
         if len(buf) > self.capacity:
-            self._backpressure.signal()
+            self._backpressure.signal(self)
         if self._ready is not None:
             self._ready.set()
 
@@ -144,7 +182,8 @@ class AsyncSubscription(Subscription):
         tg.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
 
     def cancel(self) -> None:
-        """Cancel the workers (close timeout); what they held is counted as cancelled."""
+        """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
+        arrives later is counted as cancelled."""
         if self._scope is not None:
             self._scope.cancel()
 
@@ -161,7 +200,7 @@ class AsyncSubscription(Subscription):
             self.buffer.clear()
             self.running = 0
             self.active = False
-            self._notify(self._room)
+            self._backpressure.relieve(self)
             self._notify(self._progress)
             self._finished.set()
 
@@ -177,7 +216,7 @@ class AsyncSubscription(Subscription):
                 await self._ready.wait()
             item = buf.popleft()
             if len(buf) <= self.capacity:
-                self._notify(self._room)
+                self._backpressure.relieve(self)
             self.started += 1
             self.running += 1
             # A command sent while running the item is stamped with the item's step.
@@ -201,13 +240,6 @@ class AsyncSubscription(Subscription):
     def _notify(event: anyio.Event | None) -> None:
         if event is not None:
             event.set()
-
-    async def wait_for_room(self) -> None:
-        """Wait until the buffer is back within capacity (``overflow="block"``)."""
-        while self.over_capacity and not self.finished:
-            if self._room is None or self._room.is_set():
-                self._room = anyio.Event()
-            await self._room.wait()
 
     async def wait_settled(self, target: int) -> None:
         """Wait until ``target`` items have been dropped, finished or cancelled."""

@@ -3,6 +3,13 @@
 The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
 ``EpochEnded`` by default) so a decision made on that event is applied before the next step.
 A ``request()`` arriving meanwhile interrupts the wait, so the loop can apply it first.
+
+Who is waited for: at a barrier event, the async subscriptions that received it; at a decision
+step (a per-step event), only those made with ``decides=True``; at the run's last barrier (no
+event), the deciders and the subscriptions of rarer events, never one that merely receives
+per-step events. Delivery itself never waits (a full ``"block"`` buffer pushes back on the
+training loop instead, see ``pressure.py``). The seconds the loop waits are added to each
+waited-for subscription's ``waited_s``.
 """
 
 from __future__ import annotations
@@ -60,8 +67,7 @@ class Barrier:
         Returns:
             True when everything finished, False when the timeout expired first.
         """
-        # The timeout covers the delivery too: behind a full "block" buffer the drain itself
-        # waits for that subscriber, and the caller must still get its answer on time.
+        # The timeout covers the delivery too (which never waits on a subscriber today).
         start = anyio.current_time()
         with anyio.move_on_after(timeout) as scope:
             targets = await self._deliver_for_barrier(event)
@@ -82,10 +88,12 @@ class Barrier:
             before_event = q.index(event)
             if before_event is None:
                 # The poller already dispatched the event (between its publish and this call):
-                # which async subscriptions received it is no longer known, so every one still
-                # busy is waited for (conservative: the decision it may be making is the point).
+                # each subscription noted which event fed its last item, so the ones it reached
+                # are still known (an event reaching one later would have been published after
+                # it: the loop waits here and publishes nothing meanwhile).
                 await q.drain()
-                return [(s, s.received) for s in asyncs if s.received > s.settled]
+                fed = [(s, s.received_from(id(event))) for s in asyncs]
+                return [(s, n) for s, n in fed if n is not None]
             if before_event:
                 await q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
@@ -105,16 +113,29 @@ class Barrier:
         *,
         interruptible: bool,
         configured: float | None = None,
+        account: bool = False,
     ) -> BarrierStatus:
         status: BarrierStatus = "timeout"
         wake = self._channel.arm_wake()
+        start = anyio.current_time()
+        # Only those not settled yet are waited for (and charged): a sub that finished its
+        # item before the barrier cost training nothing.
+        waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
+        unsettled = {id(sub) for sub, _ in waiting}
         with anyio.move_on_after(timeout):
             async with anyio.create_task_group() as tg:
 
+                async def settle_one(sub: AsyncSubscription, target: int) -> None:
+                    await sub.wait_settled(target)
+                    unsettled.discard(id(sub))
+                    if account:
+                        sub.add_waited(anyio.current_time() - start)
+
                 async def settle() -> None:
                     nonlocal status
-                    for sub, target in targets:
-                        await sub.wait_settled(target)
+                    async with anyio.create_task_group() as each:
+                        for sub, target in waiting:
+                            each.start_soon(settle_one, sub, target)
                     status = "done"
                     tg.cancel_scope.cancel()
 
@@ -128,6 +149,11 @@ class Barrier:
                 if interruptible:
                     tg.start_soon(interrupted)
         self._channel.disarm_wake()
+        if account and unsettled:  # timed out or interrupted: charged up to now
+            elapsed = anyio.current_time() - start
+            for sub, _ in waiting:
+                if id(sub) in unsettled:
+                    sub.add_waited(elapsed)
         if status == "timeout":
             log.warning(
                 "barrier_timeout",
@@ -148,7 +174,6 @@ class Barrier:
             await self._queue.drain()  # delivers the CommandApplied the requester is waiting for
         else:
             deadline = anyio.current_time() + timeout
-            # The timeout covers the delivery too (a full "block" buffer stalls the drain).
             with anyio.move_on_at(deadline) as scope:
                 targets = await self._deliver_for_barrier(event)
             if scope.cancelled_caught:
@@ -158,12 +183,18 @@ class Barrier:
                 # A decision step: wait for the async deciders only, never for a slow uploader
                 # or logger that merely receives every n-th StepEnded.
                 targets = [(s, n) for s, n in targets if s.decides]
+            elif event is None:
+                # The run's last barrier: deciders, and subscribers of rarer events (whose
+                # commands, e.g. an evaluation job's, the run still applies). One that only
+                # follows per-step events is not waited for here; the bus' close waits for it.
+                targets = [(s, n) for s, n in targets if s.decides or not s.per_step]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"
         else:
             left = max(0.0, deadline - anyio.current_time())
-            status = await self._wait_targets(targets, left, interruptible=True, configured=timeout)
+            status = await self._wait_targets(targets, left, interruptible=True,
+                                              configured=timeout, account=True)  # fmt: skip
         if status == "request":
             self._pending = (targets, deadline)
         return status

@@ -124,11 +124,16 @@ class DecisionStamp:
     thread, a signal handler) get None: "as soon as possible".
     """
 
-    __slots__ = ("loop_thread", "step")
+    __slots__ = ("event_id", "loop_thread", "step")
 
     def __init__(self) -> None:
         self.step: int | None = None
         """Step of the event the dispatch slice is delivering (None outside a slice)."""
+        self.event_id = 0
+        """``id()`` of the event the dispatch slice is delivering or delivered last: an async
+        subscription notes it with each item, so a barrier knows who received its event even
+        after the poller dispatched it (an id, not the event: holding the event here would
+        free its tensors on the event-loop thread, see ``spent.py``)."""
         self.loop_thread: int | None = None
         """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
 

@@ -3,12 +3,14 @@
 Opening starts the bus' task group: the scheduler's timer task (when the bus made its own
 scheduler), the async subscribers' workers and the poller that drains the queue every
 ``flush_interval``. Closing delivers every event published before the close, completes every
-stream (so buffering operators emit what they hold), waits for async subscribers within
-``close_timeout``, cancels what is left and reports it.
+stream (so buffering operators emit what they hold), waits for async subscribers (with a
+notice naming what is pending and for whom; for ever unless ``close_timeout`` is set, or until
+``EventBus.cancel_pending()``), cancels what is left and reports every lost item.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Literal
 
@@ -45,7 +47,8 @@ class Lifecycle:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
         own_scheduler: The scheduler to run in the task group (the bus made it), or None.
         flush_interval: Seconds between two drains of the queue.
-        close_timeout: Seconds closing waits for async subscribers before cancelling them.
+        close_timeout: Seconds closing waits for async subscribers before cancelling them
+            (None: as long as they take).
         watchdog: Watches the event-loop thread while the bus runs (started at open, stopped
             and joined at close), or None.
     """
@@ -60,7 +63,7 @@ class Lifecycle:
         ledger: FailureLedger,
         own_scheduler: AnyioScheduler | None,
         flush_interval: float,
-        close_timeout: float,
+        close_timeout: float | None,
         watchdog: Watchdog | None = None,
     ) -> None:
         self._queue = queue
@@ -149,9 +152,10 @@ class Lifecycle:
         self._state = "closing"
         self._subscriptions.close()
         self._channel.close()
-        # One budget for the whole close, the drain included (see relieve_pressure).
-        deadline = anyio.current_time() + self._close_timeout
-        self._queue.begin_close(deadline)
+        # One budget for the whole close (None: no limit; cancel_pending() ends the wait).
+        timeout = self._close_timeout
+        deadline = anyio.current_time() + (math.inf if timeout is None else timeout)
+        self._queue.begin_close()
         await self._queue.drain()
         # Completing the roots lets buffering operators (buffer_with_time, ...) emit what they
         # hold, so a batched logger loses nothing at the end of a run.
@@ -164,6 +168,14 @@ class Lifecycle:
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
             sub.close_input()
+        pending = self._subscriptions.pending()
+        if pending:
+            # Visible: a close that waits for a slow service is not a hang.
+            log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
+                        action="waiting for them" if timeout is None else
+                        f"waiting up to {timeout:g} s, then cancelling",
+                        hint="EventBus.cancel_pending() cancels them now (counted as lost "
+                        "work); Trainer(close_timeout=...) bounds the wait")  # fmt: skip
         with anyio.move_on_at(deadline):
             for sub in asyncs:
                 await sub.wait_finished()
@@ -173,18 +185,18 @@ class Lifecycle:
         for sub in asyncs:
             await sub.wait_finished()
         self._channel.warn_unapplied()
-        cancelled = {s.name: s.cancelled for s in asyncs if s.cancelled}
         stats = self.statistics()
-        if cancelled or stats.failed:
+        lost = {s.name: s.lost for s in stats.subscriptions if s.lost}
+        if lost:
             log.warning(
-                "bus_closed_with_losses",
-                cancelled=cancelled,
-                failed=stats.failed,
+                "bus_closed_with_lost_work",
+                lost_work=sum(x.total for x in lost.values()),
+                lost={name: {"dropped": x.dropped, "cancelled": x.cancelled, "failed": x.failed}
+                      for name, x in lost.items()},
                 dropped=stats.dropped,
-            )
-        elif stats.dropped:
-            # Drops are what "drop_oldest"/"latest" subscriptions asked for: counted, not alarming.
-            log.info("bus_closed", dropped=stats.dropped)
+                cancelled=stats.cancelled,
+                failed=stats.failed,
+            )  # fmt: skip
 
     def statistics(self) -> BusStatistics:
         """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per

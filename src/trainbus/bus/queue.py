@@ -7,7 +7,9 @@ How an event travels::
                 (nothing else)           take the n queued events and dispatch them in ONE slice:
                                          for each event, for each matching root observer (core,
                                          then user, then global tier), call on_next. No await
-                                         between events, unless a "block" async buffer is full.
+                                         between events, ever: a full "block" async buffer
+                                         takes the item and pushes back on the training loop
+                                         (pressure.py), not on dispatch.
 
 Why batching: every wake-up of the loop thread costs a tiny-model training thread 55-240 µs of
 wall time (the two threads hand the GIL over), about a whole 100 µs step. A poller that wakes at
@@ -25,8 +27,8 @@ the next ``publish`` frees it on the publishing thread, because freeing a tensor
 (see ``spent.py``).
 
 Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
-``threading.Event`` the dispatcher sets after each drain), so a stalled ``"block"`` subscriber
-bounds memory instead of losing events.
+``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
+(a slow sync subscriber holds the event-loop thread) bounds memory instead of losing events.
 """
 
 from __future__ import annotations
@@ -43,7 +45,6 @@ from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError
 from .clock import DecisionStamp
 from .failures import FailureLedger
-from .registry import SubscriptionSet
 from .routes import RouteTable
 from .spent import Spent
 
@@ -66,7 +67,6 @@ class PublishQueue:
         max_queue: Undelivered events past which ``publish`` waits for the dispatcher.
         flush_interval: Seconds a waiting publisher sleeps between checks for room.
         routes: Where each event type goes.
-        subscriptions: Their back-pressure flag stops a slice; relieving it waits for them.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
         spent: Where dispatched events wait to be freed by the next publish (``spent.py``).
@@ -83,7 +83,6 @@ class PublishQueue:
         max_queue: int,
         flush_interval: float,
         routes: RouteTable,
-        subscriptions: SubscriptionSet,
         ledger: FailureLedger,
         stamp: DecisionStamp | None = None,
         spent: Spent | None = None,
@@ -93,13 +92,10 @@ class PublishQueue:
         self._max_queue = max_queue
         self._flush_interval = flush_interval
         self._routes = routes
-        self._subscriptions = subscriptions
-        self._backpressure = subscriptions.backpressure
         self._ledger = ledger
         self._room = threading.Event()  # set by the dispatcher after each drain
         self._running = False
         self._loop_thread: int | None = None
-        self._close_deadline: float | None = None  # loop time by which closing gives up
         self._delivered = 0
         self._publisher_waits = 0
         self._stamp = stamp or DecisionStamp()
@@ -121,7 +117,7 @@ class PublishQueue:
         """Queue ``event`` for delivery. Safe from any thread; never waits for subscribers.
 
         Cost on the calling thread: a type check and a deque append. It waits only when
-        ``max_queue`` events are already waiting (a stalled ``"block"`` subscriber).
+        ``max_queue`` events are already waiting (the dispatcher cannot keep up).
 
         Raises:
             ConfigError: ``event`` is not a trainbus event.
@@ -201,11 +197,10 @@ class PublishQueue:
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
-    def begin_close(self, deadline: float) -> None:
-        """The bus is closing: publishers no longer wait; a stalled ``"block"`` subscriber is
-        cancelled past ``deadline`` (loop time) instead of holding the drain."""
+    def begin_close(self) -> None:
+        """The bus is closing: publishers no longer wait."""
         self._running = False
-        self._close_deadline = deadline
+        self._room.set()
 
     def close(self) -> None:
         """The bus closed: from now on ``publish`` raises. Its append lands on a queue that
@@ -218,7 +213,7 @@ class PublishQueue:
 
     # ================================================================== dispatch side
     def dispatch(self, n: int) -> int:
-        """Deliver up to ``n`` queued events; stop early under block pressure. Loop thread.
+        """Deliver up to ``n`` queued events. Loop thread.
 
         One slice: no await between events. Events published by subscribers during the slice
         (on this thread) are delivered right after the event that caused them, and do not count
@@ -227,7 +222,6 @@ class PublishQueue:
         popleft = self._events.popleft
         table = self._routes
         derived = self._derived
-        backpressure = self._backpressure
         stamp = self._stamp
         keep = self._spent.append if self._running else None
         done = 0
@@ -242,6 +236,7 @@ class PublishQueue:
                 event = popleft()
                 done += 1
                 stamp.step = event.step
+                stamp.event_id = id(event)
                 # table.cache is re-read per event: a subscriber may subscribe during the slice.
                 observers = table.cache.get(type(event))
                 if observers is None:
@@ -255,8 +250,6 @@ class PublishQueue:
                     keep(event)
                 if derived:  # one truthiness test per event when nobody derives events
                     self._deliver_derived()
-                if backpressure.active:
-                    break
         finally:
             self._dispatching = outer
             if not outer:
@@ -284,25 +277,21 @@ class PublishQueue:
         while derived:
             event = derived.popleft()
             stamp.step = event.step
+            stamp.event_id = id(event)
             self._deliver(event)
             self._delivered += 1
             if self._running:
                 self._spent.append(event)
 
     async def drain(self, limit: int | None = None) -> None:
-        """Deliver queued events (all of them, or ``limit``), honouring block pressure."""
+        """Deliver queued events (all of them, or ``limit``), never waiting for a subscriber.
+
+        No await inside: a drain is one slice, atomic with respect to other tasks (async so
+        callers keep one shape whether they wait afterwards or not)."""
         q = self._events
-        backpressure = self._backpressure
         remaining = len(q) if limit is None else limit
         while q and remaining > 0:
-            # Pressure is checked before dispatching too: when two drains run at once (the
-            # poller and close, or wait_delivered), the second must not push one more item into
-            # a "block" buffer that is already over capacity.
-            if backpressure.active:
-                await self._subscriptions.relieve_pressure(self._close_deadline)
             remaining -= self.dispatch(min(remaining, len(q)))
-            if backpressure.active:
-                await self._subscriptions.relieve_pressure(self._close_deadline)
             if limit is None:
                 remaining = len(q)
         self._room.set()
@@ -329,9 +318,9 @@ class PublishQueue:
     def flush(self) -> None:
         """Deliver every queued event now, on the calling thread (the loop thread if running).
 
-        A full ``"block"`` buffer cannot be waited for here (this is synchronous): it takes
-        every item this flush hands it, beyond its capacity, and its workers catch up later.
-        Use ``await wait_delivered()`` to deliver with back-pressure and wait.
+        Like every dispatch, it never waits for a subscriber: a full ``"block"`` buffer takes
+        every item beyond its capacity (the training loop waits for it at its next poll point).
+        Use ``await wait_delivered()`` to deliver and wait for async subscribers.
 
         Raises:
             BusClosedError: called from another thread while the bus runs.
@@ -344,7 +333,6 @@ class PublishQueue:
         q = self._events
         while q:
             self.dispatch(len(q))
-        self._backpressure.clear()
         self._room.set()
 
 

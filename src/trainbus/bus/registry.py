@@ -1,8 +1,8 @@
 """The subscriptions of one bus: the records in order, and the back-pressure they share.
 
 :class:`SubscriptionSet` creates every :class:`~trainbus.bus.subscriptions.Subscription` (so each
-is given the bus' failure ledger), starts async workers once the bus runs, and waits for
-``"block"`` buffers over capacity when the dispatcher asks it to.
+is given the bus' failure ledger), starts async workers once the bus runs, and holds the
+:class:`~trainbus.bus.pressure.Backpressure` their ``"block"`` buffers share.
 """
 
 from __future__ import annotations
@@ -11,16 +11,24 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-import anyio
 from anyio.abc import TaskGroup
 from reactivex import Observable, abc
 
 from .._exceptions import BusClosedError, ConfigError
-from .async_subscription import OVERFLOWS, AsyncFeeder, AsyncSubscription, Overflow
+from .async_subscription import (
+    DEFAULT_OVERFLOW,
+    OVERFLOWS,
+    AsyncFeeder,
+    AsyncSubscription,
+    Overflow,
+)
+from .clock import DecisionStamp
+from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy, name_of
+from .pressure import Backpressure
 from .spent import Spent
 from .statistics import SubscriptionStatistics
-from .subscriptions import Backpressure, GuardedObserver, Subscription
+from .subscriptions import GuardedObserver, Subscription
 from .watchdog import Watchdog
 
 __all__ = ["SubscriptionSet"]
@@ -41,20 +49,28 @@ class SubscriptionSet:
     Args:
         ledger: Where the subscriptions report their failures.
         spent: Where async subscriptions put the items they are done with (``spent.py``).
+        doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
+        stamp: The dispatch's stamp: async subscriptions note which event fed them.
         watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one
             that never watches).
     """
 
     def __init__(
-        self, ledger: FailureLedger, spent: Spent | None = None, watchdog: Watchdog | None = None
+        self,
+        ledger: FailureLedger,
+        spent: Spent | None = None,
+        doorbell: Doorbell | None = None,
+        stamp: DecisionStamp | None = None,
+        watchdog: Watchdog | None = None,
     ) -> None:
+        self._stamp = stamp or DecisionStamp()
         self._ledger = ledger
         self._watchdog = Watchdog(None) if watchdog is None else watchdog
         self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
         self._tg: TaskGroup | None = None
         self._open = True
-        self.backpressure = Backpressure()
+        self.backpressure = Backpressure(doorbell)
 
     def check_open(self) -> None:
         """Raises ``BusClosedError`` once the bus closes (no new subscription then)."""
@@ -89,11 +105,12 @@ class SubscriptionSet:
         *,
         concurrency: int,
         buffer: int | None,
-        overflow: Overflow,
+        overflow: Overflow | None,
         policy: ErrorPolicy | None,
-    ) -> int:
+    ) -> tuple[int, Overflow]:
         """Validate an async subscription's options (the same answer on every rank, whether
-        the subscription runs there or not); returns the buffer size (its default filled in).
+        the subscription runs there or not); returns the buffer size and the overflow policy
+        (defaults filled in: ``DEFAULT_OVERFLOW``, 64 items, 1 for ``"latest"``).
 
         Raises:
             ConfigError: for an ``fn`` that is not an async function (a plain ``def`` would
@@ -109,6 +126,8 @@ class SubscriptionSet:
             )  # fmt: skip
         if not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError.invalid("concurrency", concurrency, "an int >= 1")
+        if overflow is None:
+            overflow = DEFAULT_OVERFLOW
         if overflow not in OVERFLOWS:
             raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
         if buffer is None:
@@ -118,7 +137,7 @@ class SubscriptionSet:
         if overflow == "latest" and buffer != 1:
             raise ConfigError.invalid("buffer", buffer, "1 (or omitted) with overflow='latest'")
         check_policy(policy)
-        return buffer
+        return buffer, overflow
 
     def add_async(
         self,
@@ -127,10 +146,11 @@ class SubscriptionSet:
         *,
         concurrency: int,
         buffer: int | None,
-        overflow: Overflow,
+        overflow: Overflow | None,
         policy: ErrorPolicy | None,
         name: str | None,
         decides: bool = False,
+        per_step: bool = True,
     ) -> AsyncSubscription:
         """Validate and add an async subscription; ``connect`` subscribes its feeder upstream.
 
@@ -138,20 +158,22 @@ class SubscriptionSet:
             ConfigError: for a non-callable ``fn`` or an argument out of range.
             BusClosedError: the bus is closed.
         """
-        buffer = self.check_async(fn, concurrency=concurrency, buffer=buffer, overflow=overflow,
-                                  policy=policy)  # fmt: skip
+        size, policy_ = self.check_async(fn, concurrency=concurrency, buffer=buffer,
+                                         overflow=overflow, policy=policy)  # fmt: skip
         self.check_open()
         sub = AsyncSubscription(
             self._ledger,
             name or name_of(fn),
             fn,
             concurrency=concurrency,
-            buffer=buffer,
-            overflow=overflow,
+            buffer=size,
+            overflow=policy_,
             on_error=policy,
             backpressure=self.backpressure,
             spent=self._spent,
             decides=decides,
+            per_step=per_step,
+            stamp=self._stamp,
         )
         self._subs.append(sub)
         if self._tg is not None:
@@ -179,24 +201,18 @@ class SubscriptionSet:
         """Every subscription's snapshot, in order."""
         return tuple(s.statistics() for s in self._subs)
 
-    async def relieve_pressure(self, close_deadline: float | None) -> None:
-        """Wait until every ``"block"`` buffer is back within capacity, then clear the flag.
+    def pending(self) -> dict[str, int]:
+        """Items waiting or running per async subscription that has any (what a close waits
+        for)."""
+        return {s.name: s.pending for s in self.asyncs() if s.pending}
 
-        Args:
-            close_deadline: While closing, the loop time past which a stalled subscriber is
-                cancelled instead of waited for (None while running).
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscription's workers now; what they held counts as cancelled.
+
+        Returns:
+            Items pending per subscription when cancelled (only those with any).
         """
-        for sub in self._subs:
-            if isinstance(sub, AsyncSubscription) and sub.over_capacity:
-                if close_deadline is None:
-                    await sub.wait_for_room()
-                    continue
-                # Closing: a "block" subscriber stalled on a full buffer must not hold the rest
-                # of the drain (and close itself) forever. Past close_timeout it is cancelled,
-                # like any async subscriber still busy then; its items count as cancelled.
-                with anyio.move_on_at(close_deadline):
-                    await sub.wait_for_room()
-                if sub.over_capacity:
-                    sub.cancel()  # no-op (and nothing to wait for) if never started
-                    await sub.wait_finished()
-        self.backpressure.clear()
+        pending = self.pending()
+        for sub in self.asyncs():
+            sub.cancel()
+        return pending

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-__all__ = ["BusStatistics", "SubscriptionStatistics"]
+__all__ = ["BusStatistics", "LostWork", "SubscriptionStatistics"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -28,7 +28,8 @@ class SubscriptionStatistics:
     """Items waiting in the buffer (async only)."""
     in_flight: int
     cancelled: int
-    """Items waiting or running when the bus closed past its timeout, then cancelled."""
+    """Items waiting or running when the bus closed past its ``close_timeout``, or when
+    ``EventBus.cancel_pending()`` was called, then cancelled."""
     last_error: str | None
     stalls: int = 0
     """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (each warned
@@ -36,6 +37,38 @@ class SubscriptionStatistics:
     blocked_s: float = 0.0
     """Seconds those calls blocked the event loop, once returned (measured by the watchdog's
     polls: right to within ``watchdog_s / 10``, at most 0.5 s, per call)."""
+    waited_s: float = 0.0
+    """Seconds the training thread waited on this subscription: a full ``overflow="block"``
+    buffer, or a barrier or decision step it decides at. 0 for everything else."""
+
+    @property
+    def lost(self) -> LostWork:
+        """What this subscription lost: items dropped, cancelled, or whose call failed."""
+        return LostWork(dropped=self.dropped, cancelled=self.cancelled, failed=self.failed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LostWork:
+    """Work one subscription never did (``FitResult.lost``).
+
+    Attributes:
+        dropped: Items its overflow policy dropped (``"drop_oldest"``, ``"latest"``).
+        cancelled: Items waiting or running when they were cancelled (``close_timeout``,
+            ``EventBus.cancel_pending()``).
+        failed: Calls that raised (and upstream errors that ended its stream).
+    """
+
+    dropped: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+    @property
+    def total(self) -> int:
+        """dropped + cancelled + failed."""
+        return self.dropped + self.cancelled + self.failed
+
+    def __bool__(self) -> bool:
+        return self.total > 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -5,7 +5,7 @@ received, dropped and failed, and that is also the ``Disposable`` the subscribe 
 Counters are plain ints touched only on the event-loop thread, so they need no lock. Failures go
 to the :class:`~trainbus.bus.failures.FailureLedger` the record is given; a full ``"block"``
 buffer of an async subscription (``async_subscription.py``) raises the :class:`Backpressure`
-flag the dispatcher checks between events.
+flag the training loop checks at its poll points (``pressure.py``).
 """
 
 from __future__ import annotations
@@ -16,30 +16,11 @@ from typing import Any, Literal
 from reactivex import abc
 
 from .failures import ErrorPolicy, FailureLedger
+from .pressure import Backpressure
 from .statistics import SubscriptionStatistics
 from .watchdog import Watchdog
 
 __all__ = ["Backpressure", "ErrorPolicy", "GuardedObserver", "Subscription"]
-
-
-class Backpressure:
-    """Raised by a ``"block"`` buffer over capacity; the dispatcher stops its slice and waits.
-
-    ``active`` is read once per dispatched event, so it is a plain attribute.
-    """
-
-    __slots__ = ("active",)
-
-    def __init__(self) -> None:
-        self.active = False
-
-    def signal(self) -> None:
-        """A buffer went over capacity."""
-        self.active = True
-
-    def clear(self) -> None:
-        """Every buffer is back within capacity (or its overflow was accepted)."""
-        self.active = False
 
 
 class Subscription(abc.DisposableBase):
@@ -57,6 +38,9 @@ class Subscription(abc.DisposableBase):
         self.failed = 0
         self.dropped = 0
         self.cancelled = 0
+        self.waited_s = 0.0
+        """Seconds the training thread waited on this subscription (back-pressure, barriers,
+        decision steps)."""
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
@@ -89,6 +73,10 @@ class Subscription(abc.DisposableBase):
             self.blocked_s += blocked_s
         else:
             self.stalls += 1
+
+    def add_waited(self, seconds: float) -> None:
+        """Count ``seconds`` the training thread waited on this subscription."""
+        self.waited_s += seconds
 
     def claim_stop(self) -> bool:
         """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
@@ -125,6 +113,7 @@ class Subscription(abc.DisposableBase):
             last_error=self.last_error,
             stalls=self.stalls,
             blocked_s=self.blocked_s,
+            waited_s=self.waited_s,
         )
 
     @property

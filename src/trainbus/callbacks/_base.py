@@ -84,7 +84,9 @@ class Callback:
 
     Attributes:
         error_policy: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus default).
-        overflow: Overflow policy of ``async def on_*`` methods (default ``"block"``).
+        overflow: Overflow policy of ``async def on_*`` methods (default ``"drop_oldest"``, the
+            bus' default: a slow method never holds training back; drops are lost work.
+            ``"block"`` loses nothing but can slow training: see docs/bus.md).
         buffer: Buffer of ``async def on_*`` methods (None: the bus default).
         concurrency: Concurrent calls of each ``async def on_*`` method.
         state_key: The name of this callback's state in checkpoints (None: the class name).
@@ -102,7 +104,7 @@ class Callback:
     """
 
     error_policy: ClassVar[ErrorPolicy | None] = None
-    overflow: ClassVar[Overflow] = "block"
+    overflow: ClassVar[Overflow] = "drop_oldest"
     buffer: ClassVar[int | None] = None
     concurrency: ClassVar[int] = 1
     decides: ClassVar[bool] = False

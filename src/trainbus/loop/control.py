@@ -135,7 +135,12 @@ class CommandHandler:
             status = self._wait_barrier(event, True)
 
     def poll(self, *, common: bool = False) -> None:
-        """A poll point: fail on a ``raise`` subscriber, stop on cancel, apply commands.
+        """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,
+        stop on cancel, apply commands.
+
+        The wait (``bus.wait_for_room``) is where a ``"block"`` subscriber slows training; it
+        ends early when a command, failure or cancel arrives, and is skipped once the run
+        stops (the closing steps never wait on it).
 
         Under torchrun (a ``sync``), commands are applied only when ``common``: every rank's
         pending commands are exchanged and every rank applies the same list
@@ -149,6 +154,8 @@ class CommandHandler:
             The cancellation, when the run was cancelled.
         """
         bus = self._bus
+        if bus.held and self.stop_reason is None:
+            bus.wait_for_room()
         failure = bus.failure
         if failure is not None:
             raise failure

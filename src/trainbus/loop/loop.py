@@ -372,9 +372,10 @@ class Loop:
 
     def _poll_if_pending(self) -> None:
         """The poll point of a step with nothing special: poll only when a subscriber failed,
-        a command waits or a cancel was asked (a property, a call, a read otherwise)."""
+        a command waits, a cancel was asked or a ``"block"`` buffer is full (a few reads
+        otherwise)."""
         bus = self._bus
-        if bus.failure is not None or bus.has_commands() or self._cancel:
+        if bus.failure is not None or bus.has_commands() or self._cancel or bus.held:
             self._control.poll()
 
     def _next_decision(self, step: int) -> int:

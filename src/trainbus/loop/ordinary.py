@@ -136,7 +136,12 @@ class OrdinarySteps:
         by_step = due.takes_step if due.periods else None  # routes change: the stretch ends
         bell = bus.doorbell
         seen = bell.rings  # read before the look below: a later ring is heard after a step
-        if bus.failure is not None or self._cancelled() or (self._prompt and bus.has_commands()):
+        if (
+            bus.failure is not None
+            or self._cancelled()
+            or (self._prompt and bus.has_commands())
+            or bus.held  # a full "block" buffer: the loop's poll waits for it first
+        ):
             return 0  # something to act on already: the loop polls first
         isfinite, monotonic, is_tensor = math.isfinite, time.monotonic, torch.Tensor
         self.exhausted = False

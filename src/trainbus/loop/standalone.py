@@ -103,12 +103,15 @@ class StandaloneRun:
             raise Cancelled
 
     def should_stop(self) -> bool:
-        """Apply the queued commands; True once a ``StopTraining`` arrived.
+        """Wait while a ``"block"`` buffer is full, apply the queued commands; True once a
+        ``StopTraining`` arrived.
 
         Raises:
             SubscriberError: a subscriber with ``on_error="raise"`` failed.
         """
         bus, st = self._bus, self._state
+        if bus.held and self.stop_reason is None:
+            bus.wait_for_room(lambda: self._cancel)
         failure = bus.failure
         if failure is not None:
             raise failure

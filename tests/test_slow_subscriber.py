@@ -1,0 +1,301 @@
+"""A slow async subscriber slows only itself, and nothing it loses goes unsaid (issue 17).
+
+The scenario users write: an ``async def`` subscriber posting every 20th ``StepEnded`` to a
+real local HTTP service (stdlib ``ThreadingHTTPServer`` on 127.0.0.1, answering after 200 ms),
+next to a fast sync subscriber and ``Checkpointing`` with the default barriers. Everything is
+asserted structurally (counts, which subscription waited, what the server received), never on
+wall-clock ratios: those are in ``benchmarks/slow_subscriber.py``.
+
+The machines are noisy (a loaded runner trains slower than the service answers), so "the
+subscriber is behind" is made structural: the service holds its answers behind a gate the test
+opens at a known point (the end of the run, or the moment training first waits on it), then
+answers each post after 200 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.to_thread
+import pytest
+import torch
+import torch.nn.functional as F
+from reactivex import operators as ops
+from structlog.testing import capture_logs
+
+from trainbus import ConfigError, EventBus, LostWork, LostWorkError, Trainer
+from trainbus import events as ev
+from trainbus.callbacks import Checkpointing
+from trainbus.testing import tiny_loader, tiny_model
+
+pytestmark = pytest.mark.timeout(120)
+
+EPOCHS, BATCHES = 2, 100  # 200 optimizer steps: 10 posts, 2 EpochEnded barriers
+STEPS = EPOCHS * BATCHES
+POSTS = STEPS // 20
+DELAY = 0.2  # the service answers after 200 ms
+
+
+@dataclass
+class Service:
+    """A local HTTP service that answers each POST after ``DELAY`` and counts what arrived."""
+
+    url: str
+    arrived: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    gate: threading.Event = field(default_factory=threading.Event)
+    """Answers wait for it (then DELAY more); open unless a test closes it."""
+
+
+@pytest.fixture
+def service() -> Iterator[Service]:
+    box: list[Service] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            box[0].gate.wait(60)
+            threading.Event().wait(DELAY)  # the slow part of a real service
+            with box[0].lock:
+                box[0].arrived.append(json.loads(body)["step"])
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, format: str, *args: Any) -> None:  # quiet test output
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    box.append(Service(url=f"http://127.0.0.1:{server.server_address[1]}/steps"))
+    box[0].gate.set()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield box[0]
+    finally:
+        box[0].gate.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def _post(url: str, step: int) -> None:
+    request = urllib.request.Request(url, data=json.dumps({"step": step}).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=90) as response:
+        response.read()
+
+
+@dataclass
+class Run:
+    trainer: Trainer
+    fast: list[int]
+    """Steps the fast (sync) subscriber received, in order."""
+    behind: list[int]
+    """For each StepEnded the fast subscriber received: posts handed to the slow subscriber
+    and not finished yet (its backlog at that moment)."""
+    saved: list[int]
+    """Steps of every CheckpointSaved."""
+
+
+def _run(tmp_path: Path, service: Service, open_at: str = "fit_ended", **options: Any) -> Run:
+    """Build the scenario: the slow poster (``subscribe_async`` with ``options``), a fast
+    sync subscriber of every StepEnded, Checkpointing every 100 steps, default barriers.
+
+    ``open_at``: when the service starts answering: ``"fit_ended"`` (every post is published
+    while the first one is still unanswered) or ``"training_waits"`` (the first time the
+    training thread waits on the poster)."""
+    trainer_options = {k: options.pop(k) for k in ("on_lost", "close_timeout") if k in options}
+    service.gate.clear()
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      tiny_loader(BATCHES, batch_size=8), loss_fn=F.cross_entropy,
+                      max_epochs=EPOCHS, checkpoint_dir=tmp_path / "ckpt", device="cpu",
+                      callbacks=[Checkpointing(every_steps=100, every_epochs=None)],
+                      barrier_timeout=10, handle_signals=False, progress=False,
+                      **trainer_options)  # fmt: skip
+    bus = trainer.bus
+
+    async def poster(e: ev.StepEnded) -> None:
+        await anyio.to_thread.run_sync(_post, service.url, e.step)
+
+    every_20th = bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step % 20 == 0))
+    slow = bus.subscribe_async(every_20th, poster, name="poster", **options)
+    run = Run(trainer, [], [], [])
+
+    def fast(e: ev.StepEnded) -> None:
+        run.fast.append(e.step)
+        s = slow.statistics()
+        run.behind.append(s.received - s.completed - s.dropped - s.cancelled)
+
+    bus.subscribe(bus.stream(ev.StepEnded), fast, name="fast")
+    bus.subscribe(bus.stream(ev.CheckpointSaved), lambda e: run.saved.append(e.step))
+    if open_at == "fit_ended":
+        bus.subscribe(bus.stream(ev.FitEnded), lambda e: service.gate.set())
+    else:
+
+        def open_when_training_waits() -> None:
+            while slow.statistics().waited_s == 0 and not service.gate.is_set():
+                service.gate.wait(0.01)
+            service.gate.set()
+
+        threading.Thread(target=open_when_training_waits, daemon=True).start()
+    return run
+
+
+def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [x for x in logs if x["event"] == name]
+
+
+def test_default_policy_never_holds_training_and_reports_what_it_dropped(
+    tmp_path: Path, service: Service
+) -> None:
+    # A small buffer, the default policy; the service answers nothing before the run ends.
+    run = _run(tmp_path, service, buffer=2)
+    with capture_logs() as logs:
+        result = run.trainer.run()
+
+    assert result.reason == "completed" and result.steps == STEPS
+    # The fast subscriber received every event, in order, while the slow one was behind.
+    assert run.fast == list(range(1, STEPS + 1))
+    assert run.behind[-1] == 3  # one in flight, a full buffer of two
+    # Neither the EpochEnded barriers, the decision steps of Checkpointing, nor the last
+    # barrier waited for it: training never waited on the poster.
+    assert "poster" not in result.waited_s
+    assert _events(logs, "training_waits_for_subscriber") == []
+    assert run.saved == [100, 200]  # each save at its declared step
+    # What it could not keep up with was dropped, and the run says so.
+    lost = result.lost["poster"]
+    assert lost == LostWork(dropped=POSTS - 3)  # all but the one in flight and the buffer
+    assert result.lost_work == POSTS - 3
+    (warning,) = _events(logs, "bus_closed_with_lost_work")
+    assert warning["lost"]["poster"]["dropped"] == lost.dropped
+    # Everything not dropped was posted and arrived: the close waited for it.
+    stats = next(s for s in result.statistics.subscriptions if s.name == "poster")
+    assert stats.received == POSTS and stats.cancelled == 0
+    assert sorted(service.arrived) == sorted(set(service.arrived))
+    assert len(service.arrived) == stats.completed == POSTS - lost.dropped
+
+
+def test_block_holds_training_says_so_and_loses_nothing(tmp_path: Path, service: Service) -> None:
+    run = _run(tmp_path, service, "training_waits", buffer=2, overflow="block")
+    with capture_logs() as logs:
+        result = run.trainer.run()
+
+    assert result.reason == "completed" and result.steps == STEPS
+    # Lossless: every post arrived, in order (concurrency 1), nothing lost.
+    assert service.arrived == list(range(20, STEPS + 1, 20))
+    assert result.lost == {} and result.lost_work == 0
+    assert _events(logs, "bus_closed_with_lost_work") == []
+    # Training waited for it, was told, and the wait is counted.
+    assert result.waited_s["poster"] > 0
+    assert set(result.waited_s) == {"poster"}
+    (warning,) = _events(logs, "training_waits_for_subscriber")
+    assert warning["subscription"] == "poster" and warning["log_level"] == "warning"
+    assert warning["events_per_s"] > warning["rate_per_s"]
+    for remedy in ("buffer=", "concurrency=", "overflow=", "every_steps", "every_s"):
+        assert remedy in warning["remedies"]
+    # Delivery to the fast subscriber never waited for the poster's buffer.
+    assert run.fast == list(range(1, STEPS + 1))
+    assert run.saved == [100, 200]
+    stats = next(s for s in result.statistics.subscriptions if s.name == "poster")
+    assert stats.waited_s == result.waited_s["poster"]
+
+
+def test_on_lost_raise_fails_the_run_after_delivery(tmp_path: Path, service: Service) -> None:
+    run = _run(tmp_path, service, buffer=2, on_lost="raise")
+    with pytest.raises(LostWorkError, match=r"poster: \d+ dropped, 0 cancelled, 0 failed") as info:
+        run.trainer.run()
+    result = run.trainer.result
+    assert result is not None and info.value.result is result
+    assert result.reason == "completed" and info.value.lost == dict(result.lost)
+    assert result.lost["poster"] == LostWork(dropped=POSTS - 3)
+    assert run.fast == list(range(1, STEPS + 1))  # everything was delivered first
+    assert len(service.arrived) == 3  # and the close waited for what was not dropped
+
+
+def test_close_waits_for_every_post_by_default_and_says_so(
+    tmp_path: Path, service: Service
+) -> None:
+    run = _run(tmp_path, service, buffer=POSTS)  # room for all: nothing dropped
+    with capture_logs() as logs:
+        result = run.trainer.run()
+    assert result.reason == "completed" and result.lost == {}
+    assert service.arrived == list(range(20, STEPS + 1, 20))  # every post arrived
+    # The end of the run waited at the close, not at the last barrier nor the final save.
+    assert "poster" not in result.waited_s
+    (notice,) = _events(logs, "bus_close_waiting")
+    assert notice["log_level"] == "warning" and notice["close_timeout"] is None
+    assert notice["pending"] == {"poster": POSTS}  # none answered before the run ended
+
+
+def test_close_timeout_cancels_what_is_left_and_reports_it(
+    tmp_path: Path, service: Service
+) -> None:
+    run = _run(tmp_path, service, buffer=POSTS, close_timeout=0.3)
+    assert run.trainer.bus.close_timeout == 0.3
+    with capture_logs() as logs:
+        result = run.trainer.run()
+    lost = result.lost["poster"]
+    assert lost.cancelled > 0 and lost.dropped == lost.failed == 0
+    assert len(service.arrived) + lost.cancelled == POSTS
+    (warning,) = _events(logs, "bus_closed_with_lost_work")
+    assert warning["lost"]["poster"]["cancelled"] == lost.cancelled
+
+
+@pytest.mark.asyncio
+async def test_cancel_pending_during_the_close_counts_cancelled(
+    tmp_path: Path, service: Service
+) -> None:
+    run = _run(tmp_path, service, buffer=POSTS)
+    bus = run.trainer.bus
+    cancelled: dict[str, int] = {}
+    with capture_logs() as logs:
+        async with anyio.create_task_group() as tg:
+
+            async def first_ctrl_c_during_close() -> None:
+                while not _events(logs, "bus_close_waiting"):  # noqa: ASYNC110 (a log, not an event)
+                    await anyio.sleep(0.01)
+                cancelled.update(bus.cancel_pending())
+
+            tg.start_soon(first_ctrl_c_during_close)
+            result = await run.trainer.fit()
+    assert result.reason == "completed"
+    assert cancelled == {"poster": POSTS}  # pending when cancelled: none answered yet
+    # The post in flight ran in a worker thread, which cannot be interrupted: it may still
+    # have finished (and arrived); everything else was cancelled and is reported.
+    lost = result.lost["poster"]
+    assert lost == LostWork(cancelled=lost.cancelled) and lost.cancelled >= POSTS - 1
+    assert len(service.arrived) + lost.cancelled == POSTS
+    assert _events(logs, "bus_pending_cancelled")[0]["cancelled"] == cancelled
+
+
+@pytest.mark.parametrize("value", [-1, "10", float("nan"), True])
+def test_close_timeout_is_checked_up_front(value: Any) -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"^close_timeout="):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
+                loss_fn=F.cross_entropy, max_steps=1, close_timeout=value)  # fmt: skip
+
+
+def test_close_timeout_with_a_bus_of_ones_own_is_refused() -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"^close_timeout=5.*EventBus\(close_timeout"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
+                loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(), close_timeout=5)  # fmt: skip
+
+
+@pytest.mark.parametrize("value", ["ignore", None, True])
+def test_on_lost_is_checked_up_front(value: Any) -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"^on_lost="):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
+                loss_fn=F.cross_entropy, max_steps=1, on_lost=value)  # fmt: skip
