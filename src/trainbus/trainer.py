@@ -85,7 +85,7 @@ def new_bus(
         ConfigError: ``bus`` is not an EventBus, or a bus option is given with ``bus=`` (it
             belongs on that bus), or is out of range (the bus' own check).
     """
-    options = {name: value for name, value in
+    options: dict[str, Any] = {name: value for name, value in
                (("watchdog_s", watchdog_s), ("close_timeout", close_timeout))
                if value is not BusDefault.DEFAULT}  # fmt: skip
     if bus is None:
