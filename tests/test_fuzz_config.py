@@ -121,6 +121,10 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
     if config.get("eval_every") is not None or draw(st.booleans()):
         if "eval_data" not in bad and draw(st.booleans()):
             config["eval_data"] = "eval-loader"
+    # Checkpointing needs a folder (refused when fit() starts, not at construction).
+    if (config.get("callbacks") == [cbs.Checkpointing] and "checkpoint_dir" not in bad
+            and config.get("checkpoint_dir") is None):
+        config["checkpoint_dir"] = CKPT
     every = draw(st.sampled_from([None, None, None, 1, 2, 0, True, "2"] if n_bad else [None, 1]))
     if every is not None:
         config["eval_every"] = every
