@@ -223,6 +223,11 @@ def test_cuda_run_keeps_its_device_on_every_thread() -> None:
                       device=f"cuda:{index}", progress=False, handle_signals=False)  # fmt: skip
     # A dataclass batch is not (inputs, targets): unpack it in a hook, after the move.
     trainer.add_hook("batch", lambda ctx: setattr(ctx, "batch", (ctx.batch.x, ctx.batch.y)))
+    # An evaluation or prediction batch replaced by host copies: moved back before the model.
+    host = torch.device("cpu")
+    trainer.add_hook(
+        "eval_batch", lambda ctx: setattr(ctx, "batch", move_to_device(ctx.batch, host))
+    )
 
     async def session() -> None:  # fit, predict and evaluate: three worker threads, one bus
         async with trainer.bus:
