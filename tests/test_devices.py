@@ -59,6 +59,11 @@ def test_an_index_the_host_lacks_is_a_config_error(monkeypatch: pytest.MonkeyPat
         host_trainer(HostModel(), device="cuda:3")
 
 
+def test_a_torch_device_beyond_the_gpus_names_them_all(fake_cuda: FakeCuda) -> None:
+    with pytest.raises(ConfigError, match=r"device='cuda:5'.*cuda:0, cuda:1 \(2 CUDA devices\)"):
+        host_trainer(HostModel(), device=torch.device("cuda", 5))
+
+
 def test_cuda_without_cuda_is_a_config_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ConfigError, match=r"device='cuda'.*CUDA is not available"):
@@ -223,6 +228,11 @@ def test_cuda_run_keeps_its_device_on_every_thread() -> None:
                       device=f"cuda:{index}", progress=False, handle_signals=False)  # fmt: skip
     # A dataclass batch is not (inputs, targets): unpack it in a hook, after the move.
     trainer.add_hook("batch", lambda ctx: setattr(ctx, "batch", (ctx.batch.x, ctx.batch.y)))
+    # An evaluation or prediction batch replaced by host copies: moved back before the model.
+    host = torch.device("cpu")
+    trainer.add_hook(
+        "eval_batch", lambda ctx: setattr(ctx, "batch", move_to_device(ctx.batch, host))
+    )
 
     async def session() -> None:  # fit, predict and evaluate: three worker threads, one bus
         async with trainer.bus:

@@ -161,8 +161,8 @@ class Trainer:
         accumulate: Micro-batches per optimizer step (gradient accumulation).
         clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
             reported as ``grad_norm`` on the events.
-        precision: ``"32"``, ``"bf16"`` (autocast, any device) or ``"fp16"`` (autocast with a
-            grad scaler, CUDA only).
+        precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
+            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only).
         device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
             ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
             loop, evaluate and predict make it current on their own threads
