@@ -188,3 +188,20 @@ def test_the_command_line_adds_standalone_unless_addressed() -> None:
     addressed = Launcher(SCRIPTS / "link_worker.py", torchrun_args=["--master_port=29511"])
     assert "--standalone" not in addressed.command_line()
     assert os.fspath(SCRIPTS / "link_worker.py") in addressed.command_line()
+
+
+def test_launch_result_and_launch_error_share_their_fields_by_name_and_type() -> None:
+    import dataclasses
+    import inspect
+
+    from trainbus import LaunchResult
+
+    error_params = inspect.signature(LaunchError.__init__).parameters
+    for field in dataclasses.fields(LaunchResult):
+        assert field.name in error_params, field.name
+        if field.name == "returncode":
+            continue  # int on a result (0), None too on an error (torchrun never started)
+        result_type = str(field.type).replace("ev.BaseEvent", "object")
+        assert result_type == str(error_params[field.name].annotation), field.name
+    err = LaunchError("x", events=(1, 2), received=5, last_event=2, stop_reason="driver")
+    assert (err.events, err.received, err.last_event, err.stop_reason) == ((1, 2), 5, 2, "driver")
