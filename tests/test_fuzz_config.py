@@ -118,6 +118,10 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
     if "max_steps" not in config and config.get("max_epochs") is None:
         config["max_steps"] = 2  # keep every run short: a limit is always set
     # Couplings between fields.
+    if config.get("callbacks") == [cbs.Checkpointing] and "checkpoint_dir" not in bad:
+        # Checkpointing without a folder is refused when the run starts (Callback.check; its
+        # own test is tests/test_up_front.py), not at construction.
+        config["checkpoint_dir"] = CKPT
     if config.get("eval_every") is not None or draw(st.booleans()):
         if "eval_data" not in bad and draw(st.booleans()):
             config["eval_data"] = "eval-loader"

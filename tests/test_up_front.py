@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from structlog.testing import capture_logs
 
 from trainbus import (
     BusClosedError,
@@ -173,6 +174,19 @@ def test_send_after_the_run_is_an_error() -> None:
         trainer.bus.send(cmd.StopTraining(reason="late"))
     with pytest.raises(BusClosedError):
         trainer.bus.commands.on_next(cmd.SaveCheckpoint())
+
+
+def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
+    # A subscriber answering FitEnded runs while the bus closes: its command cannot be applied
+    # any more, which is logged; it is not a subscriber failure.
+    trainer = _trainer(max_steps=1)
+    trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
+                          lambda e: trainer.bus.send(cmd.StopTraining(reason="late")))  # fmt: skip
+    with capture_logs() as logs:
+        result = trainer.run()
+    assert result.reason == "completed" and result.subscriber_failures == {}
+    (late,) = [e for e in logs if e["event"] == "commands_not_applied"]
+    assert "late" in repr(late["commands"])
 
 
 def test_send_before_the_run_is_applied_at_its_start() -> None:

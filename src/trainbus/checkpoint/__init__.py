@@ -18,6 +18,7 @@ from .state import TrainState as TrainState
 from .state import build_payload as build_payload
 from .state import run_metadata as run_metadata
 from .store import CheckpointStore as CheckpointStore
+from .store import LatestScan as LatestScan
 from .store import check_checkpoint_dir as check_checkpoint_dir
 from .store import checkpoint_name as checkpoint_name
 from .store import parse_checkpoint_name as parse_checkpoint_name
@@ -27,6 +28,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointStore",
+    "LatestScan",
     "TrainState",
     "build_payload",
     "capture_data_order",
