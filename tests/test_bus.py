@@ -709,6 +709,33 @@ async def test_wait_delivered(step_event, make_event) -> None:
 
 
 @pytest.mark.asyncio
+async def test_a_barrier_waits_only_for_who_received_its_event_even_after_the_poller(
+    step_event, make_event, wait_until
+) -> None:
+    """The poller may dispatch the barrier event before the loop's barrier call: the barrier
+    still waits for the subscribers that received it, and not for a busy one that did not."""
+    bus = EventBus(flush_interval=0.001)
+    uploader, decider = Stalled(), Stalled()
+    up = bus.subscribe_async(bus.stream(ev.StepEnded), uploader, name="uploader")
+    dec = bus.subscribe_async(bus.stream(ev.EpochEnded), decider, name="decider")
+    async with bus:
+        publish_range(bus, step_event, 0, 3)
+        await wait_until(lambda: up.statistics().in_flight == 1)  # busy, not done
+        ended = make_event(ev.EpochEnded)
+        bus.publish(ended)
+        await wait_until(lambda: dec.statistics().received == 1)  # the poller dispatched it
+        assert await bus.wait_barrier(0.2, ended, False) == "timeout"  # the decider holds it
+        assert (up.statistics().waited_s, dec.statistics().waited_s > 0) == (0.0, True)
+        decider.release.set()
+        another = make_event(ev.EpochEnded)
+        bus.publish(another)
+        await wait_until(lambda: dec.statistics().received == 2)
+        assert await bus.wait_barrier(5, another, False) == "done"  # not the busy uploader
+        assert up.statistics().waited_s == 0.0
+        uploader.release.set()
+
+
+@pytest.mark.asyncio
 async def test_wait_delivered_times_out_behind_a_full_block_buffer(step_event) -> None:
     bus = EventBus(flush_interval=10)
     fn = Stalled()

@@ -515,8 +515,8 @@ class Trainer:
         (detached, on their device) so a subscriber can write them out as they come, and
         ``PredictionEnded`` (with the error, if any). Without ``return_outputs`` nothing keeps
         the outputs but the bus: a slow subscriber holds at most its buffer of them
-        (``subscribe_async(buffer=..., overflow=...)``), and the bus' ``max_queue`` makes
-        prediction wait behind a full ``"block"`` buffer. A ``StopTraining`` ends it between
+        (``subscribe_async(buffer=..., overflow=...)``); a full ``"block"`` buffer makes
+        prediction wait before its next batch until there is room. A ``StopTraining`` ends it between
         batches. ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
 
         With ``loss_fn``, ``(inputs, targets)`` batches give ``model(inputs)``; otherwise the
