@@ -24,6 +24,8 @@ Every subclass that a user would naturally catch as a builtin also inherits that
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "BusClosedError",
     "CheckpointError",
@@ -110,6 +112,10 @@ class CheckpointWriteError(CheckpointError, OSError):
         # OSError's own __str__ would print "[Errno N] strerror: filename" without saying that a
         # checkpoint failed; the message built above says both.
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable (a Ray worker's error crosses processes): rebuilt from path and OS error.
+        return (type(self), (self.path, OSError(self.errno, self.strerror)))
 
 
 class TrainingError(TrainbusError, RuntimeError):
