@@ -141,6 +141,10 @@ class CheckpointWriteError(CheckpointError, OSError):
         # checkpoint failed; the message built above says both.
         return str(self.args[0])
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Picklable (a Ray worker's error crosses processes): rebuilt from path and OS error.
+        return (type(self), (self.path, OSError(self.errno, self.strerror)))
+
 
 class TrainingError(TrainbusError, RuntimeError):
     """Something went wrong inside the training loop; the message names step and batch."""

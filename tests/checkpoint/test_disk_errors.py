@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -198,3 +199,11 @@ def test_a_read_only_folder_refuses_and_names_the_file(tmp_path: Path) -> None:
         folder.chmod(0o700)
     assert info.value.errno == errno.EACCES
     assert info.value.path == str(folder / "step-00000002.pt")
+
+
+def test_the_write_error_pickles_with_its_path_and_errno() -> None:
+    # A Ray worker's error crosses processes pickled.
+    err = CheckpointWriteError("/runs/x/step-00000002.pt", OSError(errno.ENOSPC, "No space"))
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, CheckpointWriteError) and str(back) == str(err)
+    assert (back.errno, back.filename, back.path) == (errno.ENOSPC, err.path, err.path)
