@@ -5,6 +5,12 @@ scheduler), the async subscribers' workers and the poller that drains the queue 
 ``flush_interval``. Closing delivers every event published before the close, completes every
 stream (so buffering operators emit what they hold), waits for async subscribers within
 ``close_timeout``, cancels what is left and reports it.
+
+Between the two a bus may *suspend*: a trainer call that found the bus not running opened it
+for itself, and at its end the bus delivers what the call published, fires the timers that
+are pending (so a ``buffer_with_time`` window emits its partial batch), waits for the async
+subscribers to finish what they hold (within ``close_timeout``), and stops its task group; the
+streams stay open, and the next call opens the bus again with the same subscribers.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ __all__ = ["Lifecycle", "State"]
 
 log = get_logger(__name__)
 
-State = Literal["new", "running", "closing", "closed"]
+State = Literal["new", "running", "suspended", "closing", "closed"]
 
 _IDLE_TICKS = 3
 """Empty flush intervals after which the poller parks until the next publish."""
@@ -38,7 +44,7 @@ _PARK_BACKSTOP = 1.0
 
 
 class Lifecycle:
-    """The bus' state (new, running, closing, closed) and its task group.
+    """The bus' state (new, running, suspended, closing, closed) and its task group.
 
     Args:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
@@ -72,17 +78,19 @@ class Lifecycle:
 
     @property
     def state(self) -> State:
-        """new, running, closing or closed."""
+        """new, running, suspended (between two trainer calls), closing or closed."""
         return self._state
 
     async def open(self) -> None:
-        """Start the task group, the scheduler, the async workers and the poller.
+        """Start the task group, the scheduler, the async workers and the poller (a new bus,
+        or a suspended one again).
 
         Raises:
-            BusClosedError: the bus ran already (a bus runs once).
+            BusClosedError: the bus runs already, or closed (a closed bus stays closed).
         """
-        if self._state != "new":
-            raise BusClosedError("an EventBus runs once; create a new one")
+        if self._state not in ("new", "suspended"):
+            raise BusClosedError(f"the EventBus is {self._state}: it cannot be opened again; "
+                                 "a closed bus stays closed, create a new one")  # fmt: skip
         self._state = "running"
         self._queue.open(threading.get_ident())
         tg = anyio.create_task_group()
@@ -110,6 +118,50 @@ class Lifecycle:
                 await q.drain(limit=len(q))
             else:
                 empty += 1
+
+    async def suspend(self, *, raise_fatal: bool) -> None:
+        """Deliver, fire pending timers, wait for the async subscribers (within
+        ``close_timeout``, then cancel what they still run), stop the task group; keep the
+        streams and subscriptions for the next :meth:`open`.
+
+        Args:
+            raise_fatal: Raise the ``"raise"`` policy's failure, if any, once suspended (it is
+                then cleared: the next call starts without it).
+
+        Raises:
+            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed.
+        """
+        assert self._tg is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._settle()
+        finally:
+            self._state = "suspended"
+            self._queue.suspend()
+            self._subscriptions.suspend()
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._tg = None
+        fatal = self._ledger.take_fatal()
+        if raise_fatal and fatal is not None:
+            raise fatal
+
+    async def _settle(self) -> None:
+        deadline = anyio.current_time() + self._close_timeout
+        await self._queue.drain()
+        if self._own_scheduler is not None:
+            # A call's end is a window's end: buffer_with_time emits its partial batch now,
+            # not at the next call (the next window's timer is due then).
+            self._own_scheduler.fire_pending()
+            await self._queue.drain()
+        asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
+        with anyio.move_on_at(deadline):
+            for sub in asyncs:
+                await sub.wait_settled(sub.received)
+        busy = {s.name: s.queued + s.in_flight for s in asyncs if s.queued + s.in_flight}
+        if busy:
+            log.warning("bus_suspended_with_losses", cancelled=busy,
+                        close_timeout=self._close_timeout)  # fmt: skip
 
     async def close(self, *, raise_fatal: bool) -> None:
         """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
