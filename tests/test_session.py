@@ -282,3 +282,29 @@ def test_bad_backend_is_a_config_error() -> None:
         trainer.run(backend="curio")
     assert trainer.run().reason == "completed"  # nothing was left behind
     trainer.close()
+
+
+def test_ctrl_c_during_a_sync_call_in_a_with_block_cancels_it_then_closes() -> None:
+    import signal
+    import time
+
+    trainer = make_trainer(eval_data=tiny_loader(1_000))
+    batches: list[int] = []
+
+    def slow_batch(ctx: Any) -> None:
+        batches.append(1)
+        if len(batches) == 2:
+            # Ctrl-C, to the main thread waiting on the portal (evaluate_sync installs no
+            # handler: Python's default raises KeyboardInterrupt there).
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        time.sleep(0.01)
+
+    trainer.add_hook("eval_batch", slow_batch)
+    recorder = EventRecorder(trainer.bus)
+    with pytest.raises(KeyboardInterrupt), trainer:
+        trainer.evaluate_sync()
+    # The block's end cancelled the interrupted call (between batches), then closed the bus.
+    assert trainer.bus.state == "closed" and recorder.completed
+    assert len(batches) < 1_000
+    started = recorder.of_type(ev.EvaluationRoundStarted)
+    assert len(started) == 1 and ends(recorder) == ["EvaluationRoundEnded"]

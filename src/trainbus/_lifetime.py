@@ -94,21 +94,25 @@ class Lifetime:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
             SubscriberError: a subscription with ``on_error="raise"`` failed at the close.
         """
-        state = self._bus.state
-        if state == "running":
+        stack, portal = self._stack, self._portal
+        if stack is not None and portal is not None:
+            self._stack = self._portal = None
+            with stack:
+                if self._bus.running:
+                    # A call interrupted on this thread (Ctrl-C while it waited) still runs in
+                    # the portal: cancel it; the portal's exit waits until it ended (its bus
+                    # suspended), and the bus is closed below.
+                    with contextlib.suppress(RuntimeError):
+                        portal.call(portal.stop, True)
+                elif not self.closed:
+                    portal.call(self._run_to_close)
+        if self._bus.running:
             raise TrainbusError("close(): the bus runs in an event loop (`async with trainer` "
                                 "or `async with trainer.bus`); leave that block, which closes "
                                 "it, or `await trainer.aclose()` after it")  # fmt: skip
-        stack, portal = self._stack, self._portal
-        self._stack = self._portal = None
-        if stack is None or portal is None:
-            if state not in ("closing", "closed"):
-                with anyio.from_thread.start_blocking_portal(self._backend) as temporary:
-                    temporary.call(self._run_to_close)
-            return
-        with stack:
-            if state not in ("closing", "closed"):
-                portal.call(self._run_to_close)
+        if not self.closed:
+            with anyio.from_thread.start_blocking_portal(self._backend) as temporary:
+                temporary.call(self._run_to_close)
 
     def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
         """Run ``fn()`` (a trainer call) through the portal: the ``with trainer:`` one, or one
