@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import ConfigError, TrainbusError, Trainer
+from trainbus import ConfigError, EventBus, TrainbusError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -308,3 +308,20 @@ def test_ctrl_c_during_a_sync_call_in_a_with_block_cancels_it_then_closes() -> N
     assert len(batches) < 1_000
     started = recorder.of_type(ev.EvaluationRoundStarted)
     assert len(started) == 1 and ends(recorder) == ["EvaluationRoundEnded"]
+
+
+def test_a_hung_block_subscriber_is_cut_off_at_the_call_end_and_reported() -> None:
+    trainer = make_trainer(bus=EventBus(close_timeout=0.5), barrier_timeout=0.5)
+    seen: list[int] = []
+
+    async def hang(event: ev.StepEnded) -> None:
+        seen.append(event.step)
+        await anyio.sleep_forever()
+
+    sub = trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, buffer=1,
+                                      overflow="block")  # fmt: skip
+    result = trainer.run()  # returns: the hung work is cancelled at close_timeout
+    assert result.steps == 3 and seen == [1]
+    assert sub.statistics().cancelled >= 1
+    assert trainer.evaluate_sync()["val_loss"] > 0  # the next call runs
+    trainer.close()

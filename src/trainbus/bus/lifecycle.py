@@ -75,6 +75,10 @@ class Lifecycle:
         self._close_timeout = close_timeout
         self._state: State = "new"
         self._tg: TaskGroup | None = None
+        # Counters at the last suspend: each suspend reports what its run lost, not the total.
+        self._reported: dict[str, int] = {}
+        self._reported_failed = 0
+        self._reported_dropped = 0
 
     @property
     def state(self) -> State:
@@ -142,12 +146,14 @@ class Lifecycle:
             self._tg.cancel_scope.cancel()
             await self._tg.__aexit__(None, None, None)
             self._tg = None
+            self._report_run()
         fatal = self._ledger.take_fatal()
         if raise_fatal and fatal is not None:
             raise fatal
 
     async def _settle(self) -> None:
         deadline = anyio.current_time() + self._close_timeout
+        self._queue.begin_suspend(deadline)
         await self._queue.drain()
         if self._own_scheduler is not None:
             # A call's end is a window's end: buffer_with_time emits its partial batch now,
@@ -158,10 +164,23 @@ class Lifecycle:
         with anyio.move_on_at(deadline):
             for sub in asyncs:
                 await sub.wait_settled(sub.received)
-        busy = {s.name: s.queued + s.in_flight for s in asyncs if s.queued + s.in_flight}
-        if busy:
-            log.warning("bus_suspended_with_losses", cancelled=busy,
-                        close_timeout=self._close_timeout)  # fmt: skip
+
+    def _report_run(self) -> None:
+        stats = self.statistics()
+        cancelled = {}
+        for sub in stats.subscriptions:
+            new = sub.cancelled - self._reported.get(sub.name, 0)
+            if new:
+                cancelled[sub.name] = new
+            self._reported[sub.name] = sub.cancelled
+        failed = stats.failed - self._reported_failed
+        dropped = stats.dropped - self._reported_dropped
+        self._reported_failed, self._reported_dropped = stats.failed, stats.dropped
+        if cancelled or failed:
+            log.warning("bus_suspended_with_losses", cancelled=cancelled, failed=failed,
+                        dropped=dropped, close_timeout=self._close_timeout)  # fmt: skip
+        elif dropped:
+            log.info("bus_suspended", dropped=dropped)
 
     async def close(self, *, raise_fatal: bool) -> None:
         """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.

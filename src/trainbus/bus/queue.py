@@ -201,9 +201,15 @@ class PublishQueue:
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
+    def begin_suspend(self, deadline: float) -> None:
+        """The bus is suspending: a stalled ``"block"`` subscriber is cancelled past
+        ``deadline`` (loop time) instead of holding the drain, as when closing."""
+        self._close_deadline = deadline
+
     def suspend(self) -> None:
         """The bus stopped dispatching until it opens again: ``publish`` keeps queueing (as
         before the first open), publishers no longer wait for room."""
+        self._close_deadline = None
         self._running = False
         self._loop_thread = None
         self._call_soon = None
