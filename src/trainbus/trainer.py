@@ -8,9 +8,11 @@
     result = await trainer.fit()        # or trainer.run() from synchronous code
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
-``fit()`` opens the bus' task group, runs the loop (see ``trainbus.loop.loop`` for the event order)
-in a worker thread with ``anyio.to_thread``, turns SIGINT/SIGTERM into ``StopTraining`` (a second
-SIGINT aborts), and closes the bus, which delivers every event published before ``FitEnded``.
+``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
+loop (see ``trainbus.loop.loop`` for the event order) in a worker thread with ``anyio.to_thread``,
+turns SIGINT/SIGTERM into ``StopTraining`` (a second SIGINT aborts), and suspends the bus, which
+delivers every event published before ``FitEnded``; ``evaluate()`` and ``predict()`` run on the
+same bus and subscribers, before or after it (docs/trainer.md, "One Trainer, many calls").
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class Trainer:
             ``"stop"``s the run (no checkpoint of the bad state), ``"skip"``s that batch's
             update (counted in ``FitResult.skipped_nonfinite``), or is ``"ignore"``d. Checked
             every step (docs/trainer.md); a checkpoint never holds non-finite weights.
-        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` (main thread only).
+        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``run()``
+            called on the main thread (a ``signal.signal`` handler, restored after).
         bus: A preconfigured :class:`EventBus` (default: a new one).
         ddp: Under ``torchrun`` with more than one rank, wrap the model in
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
