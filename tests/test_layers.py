@@ -38,7 +38,7 @@ ALLOWED: dict[str, set[str]] = {
 TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"}}
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_attach",
-       "_ranks", "_resume", "_session"}
+       "_ranks", "_resume", "_session", "_lifetime"}
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ SCRIPT = textwrap.dedent(
 
     mode, ckpt = sys.argv[1], sys.argv[2]
     pace = {"sleep": 0.01}
+    ready = []
 
 
     class Slow(torch.nn.Module):
@@ -46,6 +47,11 @@ SCRIPT = textwrap.dedent(
             self.lin = torch.nn.Linear(32, 10)
 
         def forward(self, x):
+            if pace["sleep"] > 1 and not ready:
+                # slow mode: READY once the slow forward has begun (the training thread says
+                # it: the first signal then lands mid-step, wherever the event loop is).
+                ready.append(0)
+                print("READY", flush=True)
             time.sleep(pace["sleep"])
             return self.lin(x)
 
@@ -54,11 +60,10 @@ SCRIPT = textwrap.dedent(
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), tiny_loader(4, 8),
                       loss_fn=F.cross_entropy, max_steps=1_000_000, checkpoint_dir=ckpt)
     bus = trainer.bus
-    ready = []
 
 
     def on_step(event):
-        if not ready:
+        if mode != "slow" and not ready:
             ready.append(event.step)
             print("READY", flush=True)
 
@@ -115,6 +120,39 @@ class Proc:
             self.output.append(line)
             if line.strip() == text:
                 return
+
+    def wait_for_prefix(self, prefix: str) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=GUARD_S)
+            except queue.Empty:
+                self.kill()
+                pytest.fail(f"no {prefix!r} line; output so far:\n" + "\n".join(self.output))
+            if line is None:
+                pytest.fail(f"exited before {prefix!r}:\n" + "\n".join(self.output))
+            self.output.append(line)
+            if line.startswith(prefix + " "):
+                return line
+
+    def wait_for_file(self, folder: Path, suffix: str) -> Path:
+        """Poll ``folder`` (reading output meanwhile) until a file ending in ``suffix``."""
+        for _ in range(int(GUARD_S / 0.05)):
+            found = sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else []
+            if found:
+                while not self.lines.empty():
+                    line = self.lines.get_nowait()
+                    if line is not None:
+                        self.output.append(line)
+                return found[0]
+            try:
+                line = self.lines.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if line is None:
+                pytest.fail(f"exited before a *{suffix} file:\n" + "\n".join(self.output))
+            self.output.append(line)
+        self.kill()
+        pytest.fail(f"no *{suffix} file in {folder}:\n" + "\n".join(self.output))
 
     def finish(self) -> tuple[int, list[str]]:
         try:
@@ -187,3 +225,105 @@ def test_second_sigint_aborts(proc_factory) -> None:  # type: ignore[no-untyped-
     assert _line(output, "FITENDED")[1] == "cancelled", text
     assert not any(line.startswith("RESULT ") for line in output), text
     assert "KeyboardInterrupt" in text
+
+
+BLOCKING_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+
+    import anyio
+    import torch
+    import torch.nn.functional as F
+
+    from trainbus import Trainer
+    from trainbus import events as ev
+    from trainbus.testing import tiny_loader
+
+    mode, ckpt = sys.argv[1], sys.argv[2]
+
+
+    class Paced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(32, 10)
+
+        def forward(self, x):
+            time.sleep(0.05)
+            return self.lin(x)
+
+
+    model = Paced()
+    # One long epoch: no epoch-end barrier waits for the blocked event loop meanwhile.
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
+                      tiny_loader(100_000, 2), loss_fn=F.cross_entropy, max_steps=100_000,
+                      checkpoint_dir=ckpt, progress=False)
+    blocked = []
+
+
+    def block(event):
+        # A sync subscriber that blocks the event-loop thread for 30 s, once.
+        if not blocked:
+            blocked.append(event.step)
+            print("BLOCKING", event.step, flush=True)
+            time.sleep(30)
+            print("WOKE", flush=True)
+
+
+    trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), block)
+    trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
+                          lambda e: print("FITENDED", e.reason, e.stop_reason, flush=True))
+    # The training thread says where it is, whatever the event loop does.
+    trainer.add_hook("after_optimizer_step", lambda ctx: print("STEP", ctx.step, flush=True))
+    if mode == "sync":
+        result = trainer.run()          # the event loop runs in a portal thread
+    else:
+        async def main():
+            return await trainer.fit()  # the event loop runs on the main thread itself
+        result = anyio.run(main)
+    print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sigint_stops_training_at_the_next_step_while_a_sync_subscriber_blocks(
+    tmp_path: Path, mode: str
+) -> None:
+    script = tmp_path / "blocked.py"
+    script.write_text(BLOCKING_SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    proc = Proc.__new__(Proc)  # the same reader, on another script
+    proc.ckpt = ckpt
+    proc.popen = subprocess.Popen(
+        [sys.executable, str(script), mode, str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    proc.lines = queue.Queue()
+    proc.output = []
+    proc.reader = threading.Thread(target=proc._read, daemon=True)
+    proc.reader.start()
+    try:
+        proc.wait_for_prefix("BLOCKING")
+        # Training goes on while the subscriber blocks: wait for a step after it.
+        seen = int(proc.wait_for_prefix("STEP").split()[1])
+        proc.popen.send_signal(signal.SIGINT)
+        # The final checkpoint is written while the subscriber still sleeps.
+        final = proc.wait_for_file(ckpt, "-final.pt")
+        assert not any(line == "WOKE" for line in proc.output), "\n".join(proc.output)
+        step = int(final.name.split("-")[1])
+        # Stopped at the next step: the signal came after step `seen`; a few steps may have
+        # been under way between the line and the signal (pipe lag), never thousands.
+        assert seen <= step <= seen + 5, (seen, step, "\n".join(proc.output))
+        code, output = proc.finish()
+    finally:
+        proc.kill()
+    text = "\n".join(output)
+    assert code == 0, text
+    assert "WOKE" in output, text  # the blocked subscriber ran to its end, then fit() returned
+    assert _line(output, "FITENDED")[1:] == ["stopped", "signal"]
+    result = _line(output, "RESULT")
+    assert result[1:3] == ["stopped", "signal"] and Path(result[3]) == final

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import signal
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -50,10 +52,19 @@ class BusSession:
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._cancelled_exc: tuple[type[BaseException], ...] = ()
+        self._interrupted = False
 
     def bind(self, cancelled_exc: type[BaseException]) -> None:
-        """Name the running event loop's cancellation exception (call in ``fit()``)."""
+        """Name the running event loop's cancellation exception (call in ``fit()``); the
+        call starts uninterrupted."""
         self._cancelled_exc = (cancelled_exc,)
+        self._interrupted = False
+
+    def interrupt(self) -> None:
+        """A signal asked the run to stop: from now on barriers do not wait for subscribers,
+        so the loop reaches its final checkpoint even while a sync subscriber blocks the
+        event loop. Safe from a signal handler (sets a flag)."""
+        self._interrupted = True
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
         """Called on the training thread at a barrier event: wait for its subscribers.
@@ -64,6 +75,10 @@ class BusSession:
         Raises:
             Cancelled: ``fit()`` was cancelled while the loop waited here.
         """
+        if self._interrupted:
+            # After Ctrl-C the user wants the run to end: what is published is still
+            # delivered before fit() returns, but the loop does not wait for it here.
+            return "done"
         try:
             status: str = anyio.from_thread.run(self._bus.wait_barrier, self._timeout, event,
                                                 resume)  # fmt: skip
@@ -74,30 +89,31 @@ class BusSession:
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[None]:
-        """Run the bus for one call, or use it as is when the caller runs it already (``async
-        with trainer.bus:`` around several calls); either way what the call published is
-        delivered before it returns.
+        """Run the bus for one call, or use it as is when something runs it already (``with
+        trainer:``, ``async with trainer:`` or ``async with trainer.bus:``); either way what the
+        call published is delivered before it returns. A bus this call opened is suspended at
+        its end (streams open, the same subscribers for the next call), not closed.
 
         Raises:
-            TrainbusError: the bus has run and closed already (with a note on what to do).
+            TrainbusError: the bus closed already (the message says what to do).
         """
         bus = self._bus
         if bus.running:
             yield
             await bus.wait_delivered(self._timeout)
             return
-        try:
-            await bus.__aenter__()
-        except TrainbusError as exc:
-            exc.add_note(
-                "trainbus: a bus runs once; to evaluate or predict before or after fit() on the "
-                "same bus, run it around all the calls: `async with trainer.bus: ...`"
+        if bus.state in ("closing", "closed"):
+            raise TrainbusError(
+                "this Trainer's bus is closed (trainer.close() or the end of its `with` / "
+                "`async with` block); build a new Trainer"
             )
-            raise
-        # What closes the bus is the bus' own __aexit__ (delivery, then completion).
-        async with contextlib.AsyncExitStack() as stack:
-            stack.push_async_exit(bus)
+        await bus.__aenter__()
+        try:
             yield
+        except BaseException:
+            await bus.suspend(raise_fatal=False)
+            raise
+        await bus.suspend()
 
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
@@ -144,31 +160,93 @@ class BusSession:
 class SignalWatcher:
     """Turns SIGINT/SIGTERM into ``StopTraining``; a second one cancels the loop (an abort).
 
+    A plain ``signal.signal`` handler, installed on the main thread for a call's duration and
+    restored after: Python runs it on the main thread between two bytecodes, so it acts
+    while the event loop runs elsewhere (a sync twin's portal thread) and while a sync
+    subscriber blocks the event-loop thread (even in ``time.sleep``). It only appends to the
+    command channel and sets flags (no lock, no await), which is safe in a signal handler.
+
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
+        on_signal: Called (in the handler) at the first signal, before the command is sent.
     """
 
-    def __init__(self, bus: EventBus) -> None:
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
+        self._on_signal = on_signal
         self._aborted = False
+        self._received = 0
+        self._cancels = 0
+        self._installed = False
+        self._run: Loop | None = None
 
     @property
     def aborted(self) -> bool:
         """Whether a second signal aborted the run."""
         return self._aborted
 
-    async def watch(self, loop: Loop, *, task_status: Any = anyio.TASK_STATUS_IGNORED) -> None:
-        """Receive signals until cancelled (start it with ``TaskGroup.start``)."""
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            task_status.started()
-            received = 0
-            async for signum in signals:
-                received += 1
-                name = signal.Signals(signum).name
-                if received == 1:
-                    log.warning("signal_received", signal=name, action="stop after this step")
-                    self._bus.send(cmd.StopTraining(reason="signal"))
-                else:
-                    log.warning("signal_received", signal=name, action="abort now")
-                    self._aborted = True
-                    loop.request_cancel()
+    def attach(self, run: Loop | None) -> None:
+        """The loop a second signal cancels (None once it ended)."""
+        self._run = run
+
+    @contextlib.contextmanager
+    def installed(self, enabled: bool) -> Iterator[None]:
+        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers.
+
+        Does nothing when ``enabled`` is False, off the main thread (where Python cannot set
+        a handler: a sync twin installs it on the caller's thread instead) or when an outer
+        block installed it already.
+        """
+        if (
+            not enabled
+            or self._installed
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            yield
+            return
+        self._aborted = False
+        self._received = 0
+        self._cancels = 0
+        previous = {signum: signal.getsignal(signum) for signum in self.SIGNALS}
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._handle)
+        self._installed = True
+        try:
+            yield
+        finally:
+            self._installed = False
+            for signum, handler in previous.items():
+                signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        run = self._run
+        if run is not None and run.outcome is not None:
+            # Training has ended and the call's end waits for async subscribers: a signal
+            # cancels what they still hold (counted as lost work) instead of waiting on.
+            # A signal after that one also makes fit() raise KeyboardInterrupt once it returns.
+            self._aborted = self._aborted or self._cancels > 0
+            self._cancels += 1
+            self._bus.request_cancel_pending()
+            with contextlib.suppress(Exception):
+                log.warning("signal_received", signal=signal.Signals(signum).name,
+                            action="cancel pending async work")  # fmt: skip
+            return
+        self._received += 1
+        if self._received == 1:
+            if self._on_signal is not None:
+                self._on_signal()
+            # Then the command (a deque append: the training thread sees it at its next step,
+            # whatever the event loop does), then the word about it.
+            self._bus.send(cmd.StopTraining(reason="signal"))
+            action = "stop after this step"
+        else:
+            self._aborted = True
+            run = self._run
+            if run is not None:
+                run.request_cancel()  # a flag and a doorbell ring
+            action = "abort now"
+        # The handler may interrupt a write to the same stream (a reentrant call raises).
+        with contextlib.suppress(Exception):
+            log.warning("signal_received", signal=signal.Signals(signum).name, action=action)

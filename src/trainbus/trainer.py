@@ -8,9 +8,11 @@
     result = await trainer.fit()        # or trainer.run() from synchronous code
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
-``fit()`` opens the bus' task group, runs the loop (see ``trainbus.loop.loop`` for the event order)
-in a worker thread with ``anyio.to_thread``, turns SIGINT/SIGTERM into ``StopTraining`` (a second
-SIGINT aborts), and closes the bus, which delivers every event published before ``FitEnded``.
+``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
+loop (see ``trainbus.loop.loop`` for the event order) in a worker thread with ``anyio.to_thread``,
+turns SIGINT/SIGTERM into ``StopTraining`` (a second SIGINT aborts), and suspends the bus, which
+delivers every event published before ``FitEnded``; ``evaluate()`` and ``predict()`` run on the
+same bus and subscribers, before or after it (docs/trainer.md, "One Trainer, many calls").
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from types import TracebackType
+from typing import Any, Literal, Self
 
 import anyio
 import anyio.from_thread
@@ -33,6 +35,7 @@ import torch
 from . import events as ev
 from ._attach import Attached, as_instances
 from ._exceptions import ConfigError, LostWorkError, TrainbusError
+from ._lifetime import Lifetime
 from ._log import get_logger
 from ._ranks import RankSetup
 from ._resume import CallbackStates, check_resume
@@ -188,7 +191,8 @@ class Trainer:
             ``"stop"``s the run (no checkpoint of the bad state), ``"skip"``s that batch's
             update (counted in ``FitResult.skipped_nonfinite``), or is ``"ignore"``d. Checked
             every step (docs/trainer.md); a checkpoint never holds non-finite weights.
-        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` (main thread only).
+        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``run()``
+            called on the main thread (a ``signal.signal`` handler, restored after).
         bus: A preconfigured :class:`EventBus` (default: a new one).
         ddp: Under ``torchrun`` with more than one rank, wrap the model in
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
@@ -270,8 +274,10 @@ class Trainer:
         self._attached = Attached(self.bus, self.hooks)
         self._states = CallbackStates(self.bus, lambda: self._attached.callbacks)
         self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout)
-        self._signals = SignalWatcher(self.bus)
-        self._loop: Loop | None = None
+        self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
+        self._lifetime = Lifetime(self.bus)
+        self._loop: Loop | None = None  # the last fit's, once it ran
+        self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError.invalid("progress", progress, "None (when stderr is a terminal), "
                                       "True or False")  # fmt: skip
@@ -323,6 +329,65 @@ class Trainer:
         """
         return self.hooks.add(point, fn, tier="user")
 
+    # ================================================================== lifetime
+    def __enter__(self) -> Self:
+        """``with Trainer(...) as t:``: run the bus (in a blocking portal: an event loop in a
+        thread) until the block ends; ``t.run()``, ``t.evaluate_sync()``, ``t.predict_sync()``
+        run through that one portal. The end of the block is :meth:`close`.
+
+        Raises:
+            TrainbusError: the trainer's bus runs already, or closed.
+        """
+        self._lifetime.enter()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the bus: deliver what is queued, complete the streams (buffering operators
+        emit what they hold), wait for async subscribers (``close_timeout``), then stop the
+        ``with`` block's portal. Idempotent; later calls raise ``TrainbusError``. A Trainer
+        never closed loses nothing of its calls (each delivers before it returns); closing
+        completes the streams and frees the subscribers.
+
+        Raises:
+            TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
+            SubscriberError: a subscription with ``on_error="raise"`` failed while closing.
+        """
+        self._lifetime.close()
+
+    async def __aenter__(self) -> Self:
+        """``async with Trainer(...) as t:``: run the bus in this event loop until the end of
+        the block, which closes it.
+
+        Raises:
+            TrainbusError: the trainer's bus runs already, or closed.
+        """
+        await self._lifetime.aenter()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._lifetime.aexit(exc_type)
+
+    async def aclose(self) -> None:
+        """Async twin of :meth:`close` for a trainer used without ``async with``.
+
+        Raises:
+            TrainbusError: the bus runs in a ``with`` / ``async with`` block (leave it).
+        """
+        await self._lifetime.aclose()
+
     # ================================================================== running
     def run(
         self,
@@ -331,9 +396,28 @@ class Trainer:
         backend: str = "asyncio",
         require_checkpoint: bool = False,
     ) -> FitResult:
-        """Synchronous twin of :meth:`fit`: ``anyio.run(self.fit, backend=backend)``."""
-        return anyio.run(lambda: self.fit(resume=resume, require_checkpoint=require_checkpoint),
-                         backend=backend)  # fmt: skip
+        """Synchronous twin of :meth:`fit`, run through one anyio blocking portal: the one of
+        ``with trainer:``, else one started for the call and stopped after it. Works in a plain
+        script and where an event loop already runs on this thread (a notebook). SIGINT and
+        SIGTERM are handled on this thread (the main one) while it waits.
+
+        Args:
+            resume: As for :meth:`fit`.
+            require_checkpoint: As for :meth:`fit`.
+            backend: ``"asyncio"`` or ``"trio"`` (inside ``with trainer:``, the one it runs).
+
+        Returns:
+            The :class:`FitResult`.
+
+        Raises:
+            As :meth:`fit`; ``ConfigError`` for an unknown ``backend``; ``TrainbusError`` when
+            the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
+        """
+        with self._signals.installed(self.handle_signals):
+            return self._lifetime.call(
+                lambda: self.fit(resume=resume, require_checkpoint=require_checkpoint),
+                backend, "fit",
+            )  # fmt: skip
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -373,8 +457,16 @@ class Trainer:
             ``SubscriberError`` when a subscriber with ``on_error="raise"`` failed;
             ``KeyboardInterrupt`` after a second SIGINT; the cancellation when cancelled.
         """
-        if self._loop is not None:
-            raise TrainbusError("fit() runs once per Trainer; build a new one (fit(resume=...))")
+        self._check_idle("fit()")
+        self._lifetime.check_open("fit()")
+        if self._loop is not None and resume is None:
+            assert self._loop.outcome is not None
+            raise TrainbusError(
+                f"fit() ran on this Trainer already (it ended {self._loop.outcome.reason!r} at "
+                f"step {self._loop.outcome.state.step}); a second fit() continues a run: "
+                "fit(resume='latest') or fit(resume=<checkpoint path>); to train anew, build a "
+                "new Trainer"
+            )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
         self._states.bind(anyio.get_cancelled_exc_class())
@@ -405,31 +497,32 @@ class Trainer:
             ranks.close(None)
             raise
         state = checkpoint.state if checkpoint is not None else TrainState()
-        loop = self._loop = Loop(
+        loop = Loop(
             s, self.bus, self.hooks, self._session.barrier, state, resume=checkpoint,
             resumed_from=None if checkpoint is None else str(checkpoint.path),
             callback_states=self._states.collect_from_thread if self._states.any_stateful
             else None,
             sync=RankSync(group) if group.distributed else None,
         )  # fmt: skip
+        self._call = "fit"
+        self._signals.attach(loop)
         try:
-            async with self._session.open():
-                async with anyio.create_task_group() as tg:
-                    if (
-                        self.handle_signals
-                        and threading.current_thread() is threading.main_thread()
-                    ):
-                        await tg.start(self._signals.watch, loop)
-                    tg.start_soon(watch_cancel, loop)
-                    await anyio.to_thread.run_sync(loop.run)
-                    tg.cancel_scope.cancel()
+            with self._signals.installed(self.handle_signals):
+                async with self._session.open():
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(watch_cancel, loop)
+                        await anyio.to_thread.run_sync(loop.run)
+                        tg.cancel_scope.cancel()
         finally:
+            self._call = None
+            self._signals.attach(None)
             for cb in globals_:
                 self.remove_callback(cb)
             ranks.close(loop.outcome)
             # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
             # the bus closed, so the result is complete.
-            if loop.outcome is not None:
+            if loop.outcome is not None:  # the loop ran: a later fit() must resume
+                self._loop = loop
                 self.result = self._result(loop.outcome)
                 self._state = loop.outcome.state
         outcome = loop.outcome
@@ -459,10 +552,21 @@ class Trainer:
         for cb in callbacks:
             cb.check(plan)
 
-    async def _standalone(self, fn: Callable[[StandaloneRun], Any], settings: Settings) -> Any:
-        if self._loop is not None and self._loop.outcome is None:
-            raise TrainbusError("evaluate()/predict() cannot run while fit() runs")
-        return await self._session.standalone(fn, settings, self._state)
+    def _check_idle(self, call: str) -> None:
+        if self._call is not None:
+            raise TrainbusError(f"{call} cannot run while {self._call}() runs on this Trainer "
+                                "(one call at a time: await it first)")  # fmt: skip
+
+    async def _standalone(
+        self, name: str, fn: Callable[[StandaloneRun], Any], settings: Settings
+    ) -> Any:
+        self._check_idle(f"{name}()")
+        self._lifetime.check_open(f"{name}()")
+        self._call = name
+        try:
+            return await self._session.standalone(fn, settings, self._state)
+        finally:
+            self._call = None
 
     async def evaluate(
         self, data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
@@ -496,7 +600,9 @@ class Trainer:
         else:
             sets, named = eval_sets(data)
         settings = dataclasses.replace(s, eval_sets=sets, eval_named=named)
-        metrics: dict[str, float] = await self._standalone(lambda run: run.evaluate(sets), settings)
+        metrics: dict[str, float] = await self._standalone(
+            "evaluate", lambda run: run.evaluate(sets), settings
+        )
         return metrics
 
     def evaluate_sync(
@@ -505,8 +611,12 @@ class Trainer:
         *,
         backend: str = "asyncio",
     ) -> dict[str, float]:
-        """Synchronous twin of :meth:`evaluate` (``anyio.run``)."""
-        return anyio.run(lambda: self.evaluate(data), backend=backend)
+        """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`run`.
+
+        Raises:
+            As :meth:`evaluate` and :meth:`run`.
+        """
+        return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
 
     async def predict(self, data: Iterable[Any], *, return_outputs: bool = False) -> Any:
         """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``.
@@ -538,16 +648,21 @@ class Trainer:
             raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
         if not isinstance(return_outputs, bool):
             raise ConfigError.invalid("return_outputs", return_outputs, "True or False")
-        kept = await self._standalone(lambda run: run.predict(data, keep=return_outputs),
+        kept = await self._standalone("predict",
+                                      lambda run: run.predict(data, keep=return_outputs),
                                       self.settings)  # fmt: skip
         return join_outputs(kept) if return_outputs else None
 
     def predict_sync(
         self, data: Iterable[Any], *, return_outputs: bool = False, backend: str = "asyncio"
     ) -> Any:
-        """Synchronous twin of :meth:`predict` (``anyio.run``)."""
-        return anyio.run(lambda: self.predict(data, return_outputs=return_outputs),
-                         backend=backend)  # fmt: skip
+        """Synchronous twin of :meth:`predict`, through the same portal as :meth:`run`.
+
+        Raises:
+            As :meth:`predict` and :meth:`run`.
+        """
+        return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs),
+                                   backend, "predict")  # fmt: skip
 
     def _result(self, outcome: Outcome) -> FitResult:
         stats = self.bus.statistics()

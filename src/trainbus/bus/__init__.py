@@ -92,7 +92,9 @@ class EventBus:
     Raises:
         ConfigError: for an argument out of range.
 
-    Use it as an async context manager: ``async with EventBus() as bus: ...``. A bus runs once.
+    Use it as an async context manager: ``async with EventBus() as bus: ...``; leaving it
+    closes the bus for good. A bus a trainer call ran for itself is suspended at the call's
+    end (:meth:`suspend`) and opened again by the next call.
     """
 
     publish: Callable[[ev.BaseEvent], None]
@@ -253,8 +255,14 @@ class EventBus:
 
     @property
     def running(self) -> bool:
-        """True between entering and leaving ``async with bus``."""
+        """True between entering and leaving ``async with bus`` (or a trainer call's run)."""
         return self._lifecycle.state == "running"
+
+    @property
+    def state(self) -> str:
+        """``"new"``, ``"running"``, ``"suspended"`` (between two trainer calls that ran it
+        for themselves), ``"closing"`` or ``"closed"``."""
+        return self._lifecycle.state
 
     @property
     def failure(self) -> SubscriberError | None:
@@ -606,10 +614,14 @@ class EventBus:
         Returns:
             Items pending per subscription when cancelled (only those that had any).
         """
-        pending = self._subs.cancel_pending()
-        if pending:
-            log.warning("bus_pending_cancelled", cancelled=pending)
-        return pending
+        return self._lifecycle.cancel_pending()
+
+    def request_cancel_pending(self) -> None:
+        """Ask a call's end or a close that waits for async subscribers to cancel their
+        pending work (:meth:`cancel_pending`) within about 0.1 s. Safe from any thread and from
+        a signal handler (it sets a flag): a first Ctrl-C while a call's end waits uses it.
+        Nothing happens when nothing waits."""
+        self._lifecycle.request_cancel_pending()
 
     # ================================================================== commands
     def send(self, command: cmd.Command) -> None:
@@ -656,6 +668,24 @@ class EventBus:
     ) -> bool | None:
         await self._lifecycle.close(raise_fatal=exc_type is None)
         return None
+
+    async def suspend(self, *, raise_fatal: bool = True) -> None:
+        """Stop running until the next ``async with bus`` (or trainer call), streams open:
+        deliver what was published, run the pending timers (time windows emit their partial
+        batch), wait for the async subscribers within ``close_timeout`` (what is left is
+        cancelled, counted and logged), stop the task group. A trainer call that found the
+        bus not running suspends it when it ends; closing it (``async with bus`` exit,
+        ``Trainer.close()``) completes the streams.
+
+        Args:
+            raise_fatal: Raise a ``"raise"`` subscription's failure (False while another
+                exception propagates); either way it is cleared for the next run.
+
+        Raises:
+            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"``
+                failed.
+        """
+        await self._lifecycle.suspend(raise_fatal=raise_fatal)
 
     def __repr__(self) -> str:
         return f"<EventBus {self._lifecycle.state} queued={len(self._queue)}>"

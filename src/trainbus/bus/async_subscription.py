@@ -96,6 +96,7 @@ class AsyncSubscription(Subscription):
         self._source_count = 0
         self._progress: anyio.Event | None = None
         self._finished: anyio.Event | None = None
+        self._suspending = False
 
     # ------------------------------------------------------------------ counters
     @property
@@ -179,7 +180,14 @@ class AsyncSubscription(Subscription):
         self._ready = anyio.Event()
         self._finished = anyio.Event()
         self._scope = anyio.CancelScope()
+        self._suspending = False
         tg.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
+
+    def suspend(self) -> None:
+        """The bus suspends (its task group stops): the workers end, the subscription stays
+        active and starts again when the bus opens again. Anything still buffered or in
+        flight then (past the close timeout) counts as cancelled."""
+        self._suspending = True
 
     def cancel(self) -> None:
         """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
@@ -199,7 +207,8 @@ class AsyncSubscription(Subscription):
             self.cancelled += len(self.buffer) + self.running
             self.buffer.clear()
             self.running = 0
-            self.active = False
+            if not self._suspending:
+                self.active = False
             self._backpressure.relieve(self)
             self._notify(self._progress)
             self._finished.set()

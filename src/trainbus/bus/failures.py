@@ -100,6 +100,11 @@ class FailureLedger:
         """The first failure of a subscription with ``on_error="raise"``, if any."""
         return self._fatal
 
+    def take_fatal(self) -> SubscriberError | None:
+        """The ``"raise"`` failure, if any, cleared: the bus' next run starts without it."""
+        fatal, self._fatal = self._fatal, None
+        return fatal
+
     def count(self) -> None:
         """Count a failure that needs no logging here (already reported by its owner)."""
         self._failed += 1

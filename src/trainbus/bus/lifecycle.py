@@ -6,12 +6,19 @@ scheduler), the async subscribers' workers and the poller that drains the queue 
 stream (so buffering operators emit what they hold), waits for async subscribers (with a
 notice naming what is pending and for whom; for ever unless ``close_timeout`` is set, or until
 ``EventBus.cancel_pending()``), cancels what is left and reports every lost item.
+
+Between the two a bus may *suspend*: a trainer call that found the bus not running opened it
+for itself, and at its end the bus delivers what the call published, fires the timers that
+are pending (so a ``buffer_with_time`` window emits its partial batch), waits for the async
+subscribers to finish what they hold (as closing does), and stops its task group; the
+streams stay open, and the next call opens the bus again with the same subscribers.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
@@ -25,23 +32,25 @@ from .queue import PublishQueue
 from .registry import SubscriptionSet
 from .routes import RouteTable
 from .scheduler import AnyioScheduler
-from .statistics import BusStatistics
+from .statistics import BusStatistics, LostWork
 from .watchdog import Watchdog
 
 __all__ = ["Lifecycle", "State"]
 
 log = get_logger(__name__)
 
-State = Literal["new", "running", "closing", "closed"]
+State = Literal["new", "running", "suspended", "closing", "closed"]
 
 _IDLE_TICKS = 3
 """Empty flush intervals after which the poller parks until the next publish."""
 _PARK_BACKSTOP = 1.0
+_CANCEL_POLL = 0.1
+"""Seconds between two looks at a cancel request while a call's end or a close waits."""
 """Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 
 
 class Lifecycle:
-    """The bus' state (new, running, closing, closed) and its task group.
+    """The bus' state (new, running, suspended, closing, closed) and its task group.
 
     Args:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
@@ -77,20 +86,25 @@ class Lifecycle:
         self._watchdog = watchdog
         self._state: State = "new"
         self._tg: TaskGroup | None = None
+        # Lost work at the last suspend: each suspend reports what its call lost, not the total.
+        self._reported: dict[str, LostWork] = {}
+        self._cancel_requested = False
 
     @property
     def state(self) -> State:
-        """new, running, closing or closed."""
+        """new, running, suspended (between two trainer calls), closing or closed."""
         return self._state
 
     async def open(self) -> None:
-        """Start the task group, the scheduler, the async workers and the poller.
+        """Start the task group, the scheduler, the async workers and the poller (a new bus,
+        or a suspended one again).
 
         Raises:
-            BusClosedError: the bus ran already (a bus runs once).
+            BusClosedError: the bus runs already, or closed (a closed bus stays closed).
         """
-        if self._state != "new":
-            raise BusClosedError("an EventBus runs once; create a new one")
+        if self._state not in ("new", "suspended"):
+            raise BusClosedError(f"the EventBus is {self._state}: it cannot be opened again; "
+                                 "a closed bus stays closed, create a new one")  # fmt: skip
         self._state = "running"
         self._queue.open(threading.get_ident())
         tg = anyio.create_task_group()
@@ -120,6 +134,124 @@ class Lifecycle:
                 await q.drain(limit=len(q))
             else:
                 empty += 1
+
+    async def suspend(self, *, raise_fatal: bool) -> None:
+        """Deliver, fire pending timers, wait for the async subscribers (within
+        ``close_timeout``, then cancel what they still run), stop the task group; keep the
+        streams and subscriptions for the next :meth:`open`.
+
+        Args:
+            raise_fatal: Raise the ``"raise"`` policy's failure, if any, once suspended (it is
+                then cleared: the next call starts without it).
+
+        Raises:
+            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed.
+        """
+        assert self._tg is not None
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._settle()
+        finally:
+            self._state = "suspended"
+            if self._watchdog is not None:
+                self._watchdog.stop()
+            self._queue.suspend()
+            self._subscriptions.suspend()
+            self._tg.cancel_scope.cancel()
+            await self._tg.__aexit__(None, None, None)
+            self._tg = None
+            self._report_lost()
+        fatal = self._ledger.take_fatal()
+        if raise_fatal and fatal is not None:
+            raise fatal
+
+    async def _settle(self) -> None:
+        # The same budget as a close (None: no limit; cancel_pending() ends the wait).
+        deadline = self._deadline()
+        await self._queue.drain()
+        if self._own_scheduler is not None:
+            # A call's end is a window's end: buffer_with_time emits its partial batch now,
+            # not at the next call (the next window's timer is due then).
+            self._own_scheduler.fire_pending()
+            await self._queue.drain()
+        asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
+        self._announce_wait()
+        async def settled() -> None:
+            for sub in asyncs:
+                await sub.wait_settled(sub.received)
+
+        await self._wait_pending(settled, deadline)
+        # Past the deadline, stopping the task group cancels what they still run or hold.
+
+    async def _wait_pending(self, wait: Callable[[], Awaitable[None]], deadline: float) -> None:
+        """Await ``wait()`` until ``deadline``, or until :meth:`request_cancel_pending` (a
+        signal handler's way in) asks to cancel what is pending."""
+        with anyio.move_on_at(deadline):
+            async with anyio.create_task_group() as tg:
+
+                async def on_request() -> None:
+                    # A flag polled only while a call's end or a close waits: a signal handler
+                    # may set it from any thread, and nothing else runs here meanwhile.
+                    while not self._cancel_requested:
+                        await anyio.sleep(_CANCEL_POLL)
+                    self.cancel_pending()
+
+                tg.start_soon(on_request)
+                await wait()
+                tg.cancel_scope.cancel()
+        self._cancel_requested = False  # answered, or nothing was left to cancel
+
+    def request_cancel_pending(self) -> None:
+        """Ask a waiting call's end or close to cancel the pending async work (at its next
+        look, within ``_CANCEL_POLL`` s). Safe from any thread and from a signal handler: it
+        only sets a flag. Nothing happens when nothing waits."""
+        self._cancel_requested = True
+
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscriber's pending work now (event-loop thread); see
+        :meth:`EventBus.cancel_pending`."""
+        pending = self._subscriptions.cancel_pending()
+        if pending:
+            log.warning("bus_pending_cancelled", cancelled=pending)
+        return pending
+
+    def _deadline(self) -> float:
+        timeout = self._close_timeout
+        return anyio.current_time() + (math.inf if timeout is None else timeout)
+
+    def _announce_wait(self) -> None:
+        pending = self._subscriptions.pending()
+        if pending:
+            # Visible: an end of a call that waits for a slow service is not a hang.
+            timeout = self._close_timeout
+            log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
+                        action="waiting for them" if timeout is None else
+                        f"waiting up to {timeout:g} s, then cancelling",
+                        hint="EventBus.cancel_pending() cancels them now (counted as lost "
+                        "work); Trainer(close_timeout=...) bounds the wait")  # fmt: skip
+
+    def _report_lost(self) -> None:
+        """Name what the subscribers lost since the last report (a call's end, or the close):
+        each loss is reported once, by the call it happened in."""
+        lost: dict[str, dict[str, int]] = {}
+        for sub in self.statistics().subscriptions:
+            now = sub.lost
+            before = self._reported.get(sub.name, LostWork())
+            self._reported[sub.name] = now
+            grown = {"dropped": now.dropped - before.dropped,
+                     "cancelled": now.cancelled - before.cancelled,
+                     "failed": now.failed - before.failed}  # fmt: skip
+            if any(grown.values()):
+                lost[sub.name] = grown
+        if lost:
+            log.warning(
+                "bus_closed_with_lost_work",
+                lost_work=sum(sum(x.values()) for x in lost.values()),
+                lost=lost,
+                dropped=sum(x["dropped"] for x in lost.values()),
+                cancelled=sum(x["cancelled"] for x in lost.values()),
+                failed=sum(x["failed"] for x in lost.values()),
+            )
 
     async def close(self, *, raise_fatal: bool) -> None:
         """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
@@ -153,8 +285,7 @@ class Lifecycle:
         self._subscriptions.close()
         self._channel.close()
         # One budget for the whole close (None: no limit; cancel_pending() ends the wait).
-        timeout = self._close_timeout
-        deadline = anyio.current_time() + (math.inf if timeout is None else timeout)
+        deadline = self._deadline()
         self._queue.begin_close()
         await self._queue.drain()
         # Completing the roots lets buffering operators (buffer_with_time, ...) emit what they
@@ -168,35 +299,19 @@ class Lifecycle:
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
             sub.close_input()
-        pending = self._subscriptions.pending()
-        if pending:
-            # Visible: a close that waits for a slow service is not a hang.
-            log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
-                        action="waiting for them" if timeout is None else
-                        f"waiting up to {timeout:g} s, then cancelling",
-                        hint="EventBus.cancel_pending() cancels them now (counted as lost "
-                        "work); Trainer(close_timeout=...) bounds the wait")  # fmt: skip
-        with anyio.move_on_at(deadline):
+        self._announce_wait()
+        async def finished() -> None:
             for sub in asyncs:
                 await sub.wait_finished()
+
+        await self._wait_pending(finished, deadline)
         for sub in asyncs:
             if not sub.finished:
                 sub.cancel()
         for sub in asyncs:
             await sub.wait_finished()
         self._channel.warn_unapplied()
-        stats = self.statistics()
-        lost = {s.name: s.lost for s in stats.subscriptions if s.lost}
-        if lost:
-            log.warning(
-                "bus_closed_with_lost_work",
-                lost_work=sum(x.total for x in lost.values()),
-                lost={name: {"dropped": x.dropped, "cancelled": x.cancelled, "failed": x.failed}
-                      for name, x in lost.items()},
-                dropped=stats.dropped,
-                cancelled=stats.cancelled,
-                failed=stats.failed,
-            )  # fmt: skip
+        self._report_lost()
 
     def statistics(self) -> BusStatistics:
         """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per

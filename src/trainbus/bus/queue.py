@@ -197,6 +197,15 @@ class PublishQueue:
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
+    def suspend(self) -> None:
+        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing (as
+        before the first open), publishers no longer wait for room."""
+        self._running = False
+        self._loop_thread = None
+        self._call_soon = None
+        self.parked = False
+        self._room.set()
+
     def begin_close(self) -> None:
         """The bus is closing: publishers no longer wait."""
         self._running = False

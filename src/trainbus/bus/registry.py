@@ -189,6 +189,13 @@ class SubscriptionSet:
             if sub.active:
                 sub.start(tg)
 
+    def suspend(self) -> None:
+        """The bus suspends: its task group is about to stop; the async subscriptions keep
+        their state (and start again with the next :meth:`start`)."""
+        self._tg = None
+        for sub in self.asyncs():
+            sub.suspend()
+
     def all(self) -> tuple[Subscription, ...]:
         """Every subscription, in order (inactive ones included)."""
         return tuple(self._subs)

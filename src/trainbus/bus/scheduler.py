@@ -170,6 +170,16 @@ class AnyioScheduler(PeriodicScheduler):
             self._wake = None
             self._thread = None
 
+    def fire_pending(self) -> None:
+        """Run every action scheduled so far now, whenever it was due (the bus calls it on
+        the loop thread when a trainer call ends, so time windows close with the call).
+        Actions these schedule wait for their own time."""
+        with self._lock:
+            items = [entry[2] for entry in sorted(self._heap)]
+            self._heap = []
+        for item in items:
+            self._invoke(item)
+
     def _invoke(self, item: _Item) -> None:
         if item.cancelled:
             return

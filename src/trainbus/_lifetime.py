@@ -1,0 +1,180 @@
+"""How long a Trainer's bus runs, and the one blocking portal its sync twins run through.
+
+Three ways to hold the bus, all on the same subscribers:
+
+* ``with Trainer(...) as t:`` starts an anyio blocking portal (an event loop in a thread) held
+  until the block ends (or ``t.close()``): ``t.run()``, ``t.evaluate_sync()`` and
+  ``t.predict_sync()`` run in that one portal, one after the other; each runs the bus and
+  suspends it at its end (as below); the block's end closes it.
+* ``async with Trainer(...) as t:`` runs the bus in the caller's event loop until the block ends.
+* Neither: each call runs the bus for itself and suspends it when it ends (what the call
+  published is delivered, time windows emit, async subscribers finish); a sync twin starts a
+  portal for the call and stops it, so no thread outlives the call. ``t.close()`` (or
+  ``await t.aclose()``) completes the streams at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+import anyio.from_thread
+from anyio.from_thread import BlockingPortal
+
+from ._exceptions import ConfigError, TrainbusError
+from .bus import EventBus
+
+__all__ = ["BACKENDS", "Lifetime"]
+
+BACKENDS = ("asyncio", "trio")
+
+_T = TypeVar("_T")
+
+
+def check_backend(backend: object) -> str:
+    """Raises ``ConfigError`` unless ``backend`` names an anyio backend."""
+    if backend not in BACKENDS:
+        raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
+    return str(backend)
+
+
+class Lifetime:
+    """The bus' lifetime over a Trainer's calls and the portal of its sync twins.
+
+    Args:
+        bus: The trainer's bus.
+    """
+
+    def __init__(self, bus: EventBus) -> None:
+        self._bus = bus
+        self._portal: BlockingPortal | None = None
+        self._backend = "asyncio"
+        self._stack: contextlib.ExitStack | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether the bus closed (``close()``, the end of ``with`` / ``async with``)."""
+        return self._bus.state in ("closing", "closed")
+
+    def check_open(self, call: str) -> None:
+        """Raises ``TrainbusError`` naming ``call`` when the bus closed."""
+        if self.closed:
+            raise TrainbusError(
+                f"{call}: this Trainer is closed (trainer.close() or the end of its `with` / "
+                "`async with` block completed its bus); build a new Trainer (to continue "
+                "training: fit(resume='latest'))"
+            )
+
+    # ================================================================== sync
+    def enter(self, backend: str = "asyncio") -> None:
+        """``with trainer:``: start the portal every sync call of the block runs through.
+
+        The bus runs for each call and is suspended between calls (so subscriptions can be
+        made from this thread between them); the block's end closes it.
+
+        Raises:
+            TrainbusError: the bus runs already, or closed, or a ``with`` block holds it.
+        """
+        backend = check_backend(backend)
+        self.check_open("with trainer")
+        if self._bus.running or self._portal is not None:
+            raise TrainbusError("with trainer: its bus runs already (an enclosing `with` or "
+                                "`async with`); enter it once")  # fmt: skip
+        stack = contextlib.ExitStack()
+        self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal(backend))
+        self._stack, self._backend = stack, backend
+
+    def close(self) -> None:
+        """Close the bus (deliver, complete the streams, wait for async subscribers), then
+        stop the ``with`` block's portal. Idempotent.
+
+        Raises:
+            TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
+            SubscriberError: a subscription with ``on_error="raise"`` failed at the close.
+        """
+        stack, portal = self._stack, self._portal
+        if stack is not None and portal is not None:
+            self._stack = self._portal = None
+            with stack:
+                if self._bus.running:
+                    # A call interrupted on this thread (Ctrl-C while it waited) still runs in
+                    # the portal: cancel it; the portal's exit waits until it ended (its bus
+                    # suspended), and the bus is closed below.
+                    with contextlib.suppress(RuntimeError):
+                        portal.call(portal.stop, True)
+                elif not self.closed:
+                    portal.call(self._run_to_close)
+        if self._bus.running:
+            raise TrainbusError("close(): the bus runs in an event loop (`async with trainer` "
+                                "or `async with trainer.bus`); leave that block, which closes "
+                                "it, or `await trainer.aclose()` after it")  # fmt: skip
+        if not self.closed:
+            with anyio.from_thread.start_blocking_portal(self._backend) as temporary:
+                temporary.call(self._run_to_close)
+
+    def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
+        """Run ``fn()`` (a trainer call) through the portal: the ``with trainer:`` one, or one
+        started for this call and stopped after it.
+
+        Raises:
+            ConfigError: ``backend`` is not an anyio backend, or not the one ``with`` runs.
+            TrainbusError: the bus runs in an event loop of an ``async with`` block (the
+                message says what to await instead).
+        """
+        backend = check_backend(backend)
+        if self._portal is not None:
+            if backend != self._backend:
+                raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "
+                                          "`with trainer:` runs")  # fmt: skip
+            return self._portal.call(fn)
+        if self._bus.running:
+            raise TrainbusError(
+                f"{name}_sync(): the trainer's bus runs in an event loop already (`async with "
+                f"trainer` or `async with trainer.bus`); there, `await trainer.{name}(...)`"
+            )
+        self.check_open(f"{name}()")
+        self._backend = backend  # close() closes the bus on the backend it ran on
+        with anyio.from_thread.start_blocking_portal(backend) as portal:
+            return portal.call(fn)
+
+    # ================================================================== async
+    async def aenter(self) -> None:
+        """``async with trainer:``: run the bus in the caller's event loop until the end.
+
+        Raises:
+            TrainbusError: the bus runs already, or closed.
+        """
+        self.check_open("async with trainer")
+        if self._bus.running or self._portal is not None:
+            raise TrainbusError("async with trainer: its bus runs already (an enclosing "
+                                "`with` or `async with`); enter it once")  # fmt: skip
+        await self._bus.__aenter__()
+
+    async def aexit(self, exc_type: type[BaseException] | None) -> None:
+        """Close the bus at the end of ``async with trainer``."""
+        await self._bus.__aexit__(exc_type, None, None)
+
+    async def aclose(self) -> None:
+        """Close a bus that does not run (new or suspended): deliver, complete the streams.
+        Idempotent.
+
+        Raises:
+            TrainbusError: the bus runs (in ``with`` or ``async with``: leave that instead).
+        """
+        state = self._bus.state
+        if state in ("closing", "closed"):
+            return
+        if state == "running" or self._portal is not None:
+            raise TrainbusError("aclose(): the bus runs in a `with` or `async with` block; "
+                                "leaving it closes the bus")  # fmt: skip
+        await self._run_to_close()
+
+    async def _run_to_close(self) -> None:
+        async with self._bus:
+            pass
+
+    def __repr__(self) -> str:
+        mode = "portal" if self._portal is not None else self._bus.state
+        return f"<Lifetime {mode}>"

@@ -1,0 +1,327 @@
+"""One Trainer, many calls: fit, evaluate and predict in any order, async and sync, in a
+notebook's running loop, with the bus' lifetime explicit (``with`` / ``async with`` /
+``close()``) or per call; a failed call leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from reactivex import operators as ops
+
+from trainbus import ConfigError, EventBus, TrainbusError, Trainer
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+
+CALL_ENDS = (ev.FitEnded, ev.EvaluationRoundEnded, ev.PredictionEnded)
+
+
+def make_trainer(**overrides: Any) -> Trainer:
+    model = overrides.pop("model", None) or tiny_model()
+    kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=3, device="cpu",
+                                  eval_data=tiny_loader(1, seed=1), handle_signals=False,
+                                  progress=False, eval_at_epoch_end=False)  # fmt: skip
+    kwargs.update(overrides)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3), **kwargs)
+
+
+def ends(recorder: EventRecorder) -> list[str]:
+    return [type(e).__name__ for e in recorder.items if isinstance(e, CALL_ENDS)]
+
+
+class AsyncCounter:
+    """An async subscriber on every call's closing event: what it finished, by call."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.done: list[str] = []
+        self.threads: set[int] = set()
+        trainer.bus.subscribe_async(trainer.bus.stream(*CALL_ENDS), self.take)
+
+    async def take(self, event: ev.BaseEvent) -> None:
+        await anyio.sleep(0.01)  # real async work: the call waits for it before returning
+        self.threads.add(threading.get_ident())
+        self.done.append(type(event).__name__)
+
+
+# ---------------------------------------------------------------------------- async, per call
+@pytest.mark.asyncio
+async def test_fit_then_evaluate_then_predict_then_evaluate_on_one_trainer() -> None:
+    trainer = make_trainer()
+    recorder = EventRecorder(trainer.bus)
+    counter = AsyncCounter(trainer)
+    result = await trainer.fit()
+    assert result.steps == 3 and counter.done == ["FitEnded"]  # delivered before fit returned
+    metrics = await trainer.evaluate()
+    assert set(metrics) == {"val_loss"} and counter.done[-1] == "EvaluationRoundEnded"
+    out = await trainer.predict(tiny_loader(2), return_outputs=True)
+    assert out.shape == (64, 10) and counter.done[-1] == "PredictionEnded"
+    await trainer.evaluate()
+    assert ends(recorder) == counter.done == [
+        "FitEnded", "EvaluationRoundEnded", "PredictionEnded", "EvaluationRoundEnded",
+    ]  # fmt: skip
+    assert trainer.bus.state == "suspended" and not recorder.completed
+    await trainer.aclose()
+    assert trainer.bus.state == "closed" and recorder.completed
+    with pytest.raises(TrainbusError, match=r"closed.*build a new Trainer"):
+        await trainer.evaluate()
+
+
+@pytest.mark.asyncio
+async def test_evaluate_then_predict_then_fit_on_a_fresh_trainer() -> None:
+    trainer = make_trainer()
+    recorder = EventRecorder(trainer.bus)
+    await trainer.evaluate()
+    await trainer.predict(tiny_loader(1))
+    result = await trainer.fit()
+    assert result.reason == "completed"
+    assert ends(recorder) == ["EvaluationRoundEnded", "PredictionEnded", "FitEnded"]
+
+
+@pytest.mark.asyncio
+async def test_a_call_ends_its_time_windows_before_it_returns() -> None:
+    trainer = make_trainer()
+    batches: list[list[ev.BaseEvent]] = []
+    # A window far longer than any call: only the call's end closes it.
+    trainer.bus.subscribe(
+        trainer.bus.stream(ev.StepEnded, ev.EvalBatchEnded).pipe(
+            ops.buffer_with_time(600.0), ops.filter(bool)
+        ),
+        batches.append,
+    )
+    await trainer.fit()
+    assert [e.step for e in batches[-1] if isinstance(e, ev.StepEnded)] == [1, 2, 3]
+    await trainer.evaluate()
+    assert batches[-1] and all(isinstance(e, ev.EvalBatchEnded) for e in batches[-1])
+
+
+# ---------------------------------------------------------------------------- sync, per call
+def test_sync_twins_in_any_order_without_leaving_a_thread() -> None:
+    before = set(threading.enumerate())
+    trainer = make_trainer()
+    recorder = EventRecorder(trainer.bus)
+    counter = AsyncCounter(trainer)
+    trainer.evaluate_sync()
+    trainer.run()
+    trainer.predict_sync(tiny_loader(1))
+    trainer.evaluate_sync()
+    assert ends(recorder) == counter.done == [
+        "EvaluationRoundEnded", "FitEnded", "PredictionEnded", "EvaluationRoundEnded",
+    ]  # fmt: skip
+    trainer.close()
+    trainer.close()  # idempotent
+    assert recorder.completed
+    leaked = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert leaked == []
+
+
+def test_a_second_fit_is_an_error_unless_it_resumes(tmp_path: Any) -> None:
+    trainer = make_trainer(max_steps=6, checkpoint_dir=tmp_path)
+    recorder = EventRecorder(trainer.bus)
+
+    def stop_at_2(ctx: Any) -> None:
+        if ctx.step == 2 and not recorder.of_type(ev.FitEnded):
+            trainer.bus.send(cmd.StopTraining(reason="pause"))
+
+    trainer.add_hook("after_optimizer_step", stop_at_2)
+    first = trainer.run()
+    assert (first.reason, first.steps) == ("stopped", 2)
+    with pytest.raises(TrainbusError, match=r"ran on this Trainer already.*fit\(resume="):
+        trainer.run()
+    second = trainer.run(resume="latest")
+    assert (second.reason, second.steps) == ("completed", 6)
+    started = recorder.of_type(ev.FitStarted)
+    assert len(started) == 2 and started[1].resumed_from is not None
+    assert [e.step for e in recorder.of_type(ev.StepEnded)] == [1, 2, 3, 4, 5, 6]
+    trainer.close()
+
+
+# ---------------------------------------------------------------------------- explicit lifetime
+def test_with_block_runs_every_sync_call_through_one_portal() -> None:
+    before = set(threading.enumerate())
+    with make_trainer() as trainer:
+        recorder = EventRecorder(trainer.bus)
+        counter = AsyncCounter(trainer)
+        trainer.run()
+        assert counter.done == ["FitEnded"]  # delivered before run() returned
+        trainer.evaluate_sync()
+        trainer.evaluate_sync()
+        trainer.predict_sync(tiny_loader(1))
+        assert trainer.bus.state == "suspended"  # between calls: subscribe freely here
+        assert len(counter.threads) == 1  # one event-loop thread: the with block's portal
+        with pytest.raises(ConfigError, match="backend"):
+            trainer.evaluate_sync(backend="trio")
+    assert counter.done == ends(recorder) and len(counter.done) == 4
+    assert recorder.completed and trainer.bus.state == "closed"
+    with pytest.raises(TrainbusError, match="closed"):
+        trainer.run()
+    leaked = [t for t in set(threading.enumerate()) - before if t.is_alive()]
+    assert leaked == []
+
+
+@pytest.mark.asyncio
+async def test_async_with_block_holds_the_bus_for_every_call() -> None:
+    trainer = make_trainer()
+    recorder = EventRecorder(trainer.bus)
+    async with trainer:
+        await trainer.fit()
+        await trainer.evaluate()
+        assert trainer.bus.running and not recorder.completed
+        # The loop runs here: a sync twin would block it. The error says what to do.
+        with pytest.raises(TrainbusError, match=r"await trainer.evaluate\("):
+            trainer.evaluate_sync()
+        with pytest.raises(TrainbusError, match="close"):
+            trainer.close()
+    assert recorder.completed and ends(recorder) == ["FitEnded", "EvaluationRoundEnded"]
+
+
+# ---------------------------------------------------------------------------- notebooks
+def test_sync_twins_work_where_an_asyncio_loop_runs_on_the_thread() -> None:
+    # A notebook cell: synchronous code called while the kernel's loop runs on this thread.
+    trainer = make_trainer()
+    recorder = EventRecorder(trainer.bus)
+
+    async def cell() -> tuple[Any, Any]:
+        asyncio.get_running_loop()  # there is one
+        return trainer.run(), trainer.evaluate_sync()
+
+    result, metrics = asyncio.run(cell())
+    assert result.reason == "completed" and "val_loss" in metrics
+    assert ends(recorder) == ["FitEnded", "EvaluationRoundEnded"]
+
+
+def test_sync_twin_from_a_running_loops_callback() -> None:
+    trainer = make_trainer()
+
+    async def main() -> Any:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def callback() -> None:
+            try:
+                fut.set_result(trainer.predict_sync(tiny_loader(1), return_outputs=True))
+            except BaseException as exc:  # handed to the awaiting test
+                fut.set_exception(exc)
+
+        loop.call_soon(callback)
+        return await fut
+
+    assert asyncio.run(main()).shape == (32, 10)
+    trainer.close()
+
+
+# ---------------------------------------------------------------------------- failures
+class FailOnce(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.fail = tiny_model(), True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fail:
+            self.fail = False
+            raise ValueError("boom")
+        out: torch.Tensor = self.inner(x)
+        return out
+
+
+def test_a_failed_call_leaves_no_state_behind(tmp_path: Any) -> None:
+    trainer = make_trainer(model=FailOnce())
+    recorder = EventRecorder(trainer.bus)
+    with pytest.raises(ValueError, match="boom"):
+        trainer.evaluate_sync()
+    assert trainer.evaluate_sync()["val_loss"] > 0  # the next call works
+    with pytest.raises(ConfigError):  # fit fails before it runs: no fit happened
+        trainer.run(resume=tmp_path / "missing.pt")
+    assert trainer.run().reason == "completed"
+    assert ends(recorder) == ["EvaluationRoundEnded", "EvaluationRoundEnded", "FitEnded"]
+    trainer.close()
+
+
+def test_a_raise_policy_failure_fails_its_call_only() -> None:
+    trainer = make_trainer()
+    calls: list[str] = []
+
+    def picky(event: ev.EvaluationRoundEnded) -> None:
+        calls.append("seen")
+        if len(calls) == 1:
+            raise RuntimeError("first time only")
+
+    trainer.bus.subscribe(trainer.bus.stream(ev.EvaluationRoundEnded), picky, on_error="raise")
+    with pytest.raises(Exception, match="first time only"):
+        trainer.evaluate_sync()
+    trainer.predict_sync(tiny_loader(1))  # no stale failure raised here
+    trainer.close()
+
+
+@pytest.mark.asyncio
+async def test_evaluate_while_fit_runs_is_a_clear_error() -> None:
+    trainer = make_trainer(max_steps=10_000)
+    errors: list[BaseException] = []
+
+    async def on_step(event: ev.StepEnded) -> None:
+        if event.step == 2 and not errors:
+            try:
+                await trainer.predict(tiny_loader(1))
+            except TrainbusError as exc:
+                errors.append(exc)
+            trainer.bus.send(cmd.StopTraining())
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), on_step)
+    await trainer.fit()
+    assert len(errors) == 1 and "predict() cannot run while fit() runs" in str(errors[0])
+
+
+def test_bad_backend_is_a_config_error() -> None:
+    trainer = make_trainer()
+    with pytest.raises(ConfigError, match=r"^backend='curio'.*asyncio"):
+        trainer.run(backend="curio")
+    assert trainer.run().reason == "completed"  # nothing was left behind
+    trainer.close()
+
+
+def test_ctrl_c_during_a_sync_call_in_a_with_block_cancels_it_then_closes() -> None:
+    import signal
+    import time
+
+    trainer = make_trainer(eval_data=tiny_loader(1_000))
+    batches: list[int] = []
+
+    def slow_batch(ctx: Any) -> None:
+        batches.append(1)
+        if len(batches) == 2:
+            # Ctrl-C, to the main thread waiting on the portal (evaluate_sync installs no
+            # handler: Python's default raises KeyboardInterrupt there).
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        time.sleep(0.01)
+
+    trainer.add_hook("eval_batch", slow_batch)
+    recorder = EventRecorder(trainer.bus)
+    with pytest.raises(KeyboardInterrupt), trainer:
+        trainer.evaluate_sync()
+    # The block's end cancelled the interrupted call (between batches), then closed the bus.
+    assert trainer.bus.state == "closed" and recorder.completed
+    assert len(batches) < 1_000
+    started = recorder.of_type(ev.EvaluationRoundStarted)
+    assert len(started) == 1 and ends(recorder) == ["EvaluationRoundEnded"]
+
+
+def test_a_hung_block_subscriber_is_cut_off_at_the_call_end_and_reported() -> None:
+    trainer = make_trainer(bus=EventBus(close_timeout=0.5), barrier_timeout=0.5)
+    seen: list[int] = []
+
+    async def hang(event: ev.StepEnded) -> None:
+        seen.append(event.step)
+        await anyio.sleep_forever()
+
+    sub = trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, buffer=1,
+                                      overflow="block")  # fmt: skip
+    result = trainer.run()  # returns: the hung work is cancelled at close_timeout
+    assert result.steps == 3 and seen == [1]
+    assert sub.statistics().cancelled >= 1
+    assert trainer.evaluate_sync()["val_loss"] > 0  # the next call runs
+    trainer.close()
