@@ -191,8 +191,8 @@ class Lifecycle:
 
                 async def on_request() -> None:
                     # A flag polled only while a call's end or a close waits: a signal handler
-                    # may set it from any thread, and nothing else runs here meanwhile.
-                    while not self._cancel_requested:
+                    # on any thread may set it, where an anyio.Event could not be set safely.
+                    while not self._cancel_requested:  # noqa: ASYNC110
                         await anyio.sleep(_CANCEL_POLL)
                     self.cancel_pending()
 
