@@ -170,6 +170,7 @@ def test_the_plan_a_callback_sees() -> None:
 def test_send_after_the_run_is_an_error() -> None:
     trainer = _trainer(max_steps=1)
     trainer.run()
+    trainer.close()  # the bus outlives a call (the next may resume); closing ends it
     with pytest.raises(BusClosedError, match=r"StopTraining.*while fit"):
         trainer.bus.send(cmd.StopTraining(reason="late"))
     with pytest.raises(BusClosedError):
@@ -187,6 +188,14 @@ def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
     assert result.reason == "completed" and result.subscriber_failures == {}
     (late,) = [e for e in logs if e["event"] == "commands_not_applied"]
     assert "late" in repr(late["commands"])
+    # Dropped at the call's end, not carried into the next call: an evaluation after it scores
+    # every batch and applies no command.
+    applied: list[ev.CommandApplied] = []
+    trainer.bus.subscribe(trainer.bus.stream(ev.CommandApplied), applied.append)
+    scored: list[ev.EvalBatchEnded] = []
+    trainer.bus.subscribe(trainer.bus.stream(ev.EvalBatchEnded), scored.append)
+    trainer.evaluate_sync(DATA)
+    assert applied == [] and len(scored) == len(DATA)
 
 
 def test_send_before_the_run_is_applied_at_its_start() -> None:

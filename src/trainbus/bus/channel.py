@@ -163,10 +163,13 @@ class CommandChannel:
         for _, done, _slot in list(self._requests.values()):
             done.set()
 
-    def warn_unapplied(self) -> None:
-        """Log the commands still queued at close (sent after the loop's last poll point)."""
+    def drop_unapplied(self) -> None:
+        """Log and drop the commands still queued at a call's end or the close (sent after the
+        loop's last poll point): they were decided on that call's events, so they never reach
+        the next call (a StopTraining sent on ``FitEnded`` must not end the next evaluate)."""
         if self._commands:
             log.warning("commands_not_applied", commands=[repr(c) for c in self._commands])
+            self._commands.clear()
 
 
 class AckObserver(abc.ObserverBase[ev.CommandApplied]):

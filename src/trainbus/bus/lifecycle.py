@@ -174,6 +174,9 @@ class Lifecycle:
             # not at the next call (the next window's timer is due then).
             self._own_scheduler.fire_pending()
             await self._queue.drain()
+        # Commands sent on this call's last events (after its last poll point) are not
+        # carried into the next call.
+        self._channel.drop_unapplied()
         asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
         self._announce_wait()
         async def settled() -> None:
@@ -310,7 +313,7 @@ class Lifecycle:
                 sub.cancel()
         for sub in asyncs:
             await sub.wait_finished()
-        self._channel.warn_unapplied()
+        self._channel.drop_unapplied()
         self._report_lost()
 
     def statistics(self) -> BusStatistics:
