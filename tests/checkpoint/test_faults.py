@@ -1,5 +1,6 @@
 """Faults: a writer SIGKILLed mid-write (at chosen points) or at random moments never leaves the
-folder without a loadable checkpoint, and no mutation of a checkpoint's bytes escapes as anything but CheckpointError."""
+folder without a loadable checkpoint, and no mutation of a checkpoint's bytes escapes as
+anything but CheckpointError."""
 
 from __future__ import annotations
 
