@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,34 +64,53 @@ class Order:
         assert at == sorted(at), f"expected {items} in this order; got {self.items}"
 
 
-async def run_with_slow_evaluation_subscriber(**overrides: Any) -> Order:
-    trainer = make_trainer(**overrides)
-    order = Order(trainer)
+GAVE_UP = "SubscriberGaveUp"
 
-    async def slow(e: ev.EvaluationEnded) -> None:
-        await anyio.sleep(0.2)
-        order.items.append((DONE, e.step))
 
-    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), slow)
-    result = await trainer.fit()
-    assert result.reason == "completed" and result.steps == 5
-    return order
+def waited_s(trainer: Trainer, name: str) -> float:
+    """Seconds the training thread waited on subscription ``name`` (its public statistics)."""
+    (sub,) = [s for s in trainer.bus.statistics().subscriptions if s.name == name]
+    return sub.waited_s
 
 
 @pytest.mark.asyncio
 async def test_the_loop_waits_at_a_barrier() -> None:
-    order = await run_with_slow_evaluation_subscriber()
+    trainer = make_trainer()
+    order = Order(trainer)
+
+    async def slow(e: ev.EvaluationEnded) -> None:
+        for _ in range(100):  # yield to the event loop many times: room for a loop not held
+            await anyio.lowlevel.checkpoint()
+        order.items.append((DONE, e.step))
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), slow, name="slow")
+    result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
     # The subscriber's side effect lands between the evaluation and the next step.
     # (Not even the next fetch happened before it.)
     order.assert_order(
         ("EvaluationEnded", 3), (DONE, 3), ("BatchFetched(train)", 3), ("StepEnded", 4)
     )
+    # And the training thread did wait for it (a loop that never waited has 0 here, however
+    # fast or slow the machine).
+    assert waited_s(trainer, "slow") > 0
 
 
 @pytest.mark.asyncio
 async def test_without_barriers_the_loop_does_not_wait() -> None:
-    order = await run_with_slow_evaluation_subscriber(barriers=())
-    # Same subscriber, same run: the loop went on while it slept.
+    trainer = make_trainer(barriers=())
+    order = Order(trainer)
+
+    async def slow(e: ev.EvaluationEnded) -> None:
+        # Finishes only once the loop has published a later step: a loop that waited here for
+        # it would never get there (the subscriber gives up after 30 s and says so).
+        with anyio.move_on_after(30):
+            await order.went_on.wait()
+        order.items.append((DONE if order.went_on.is_set() else GAVE_UP, e.step))
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), slow, name="slow")
+    result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
     order.assert_order(("EvaluationEnded", 3), ("StepEnded", 4), (DONE, 3))
 
 

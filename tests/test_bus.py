@@ -987,16 +987,23 @@ async def test_flush_from_another_thread_is_refused() -> None:
 
 
 @pytest.mark.asyncio
-async def test_subscribe_async_while_running(step_event, wait_until) -> None:
+async def test_subscribe_async_while_running(step_event) -> None:
     got: list[int] = []
 
     async def on_step(e: ev.StepEnded) -> None:
+        await anyio.lowlevel.checkpoint()  # a real await: the handler runs as a task, not inline
         got.append(e.step)
 
     async with EventBus(flush_interval=0.001) as bus:
-        bus.subscribe_async(bus.stream(ev.StepEnded), on_step)
-        bus.publish(step_event(7))
-        await wait_until(lambda: got == [7])
+        assert bus.running
+        bus.subscribe_async(bus.stream(ev.StepEnded), on_step, name="late")
+        for step in (7, 8, 9):
+            bus.publish(step_event(step))
+        # Delivers what is queued and waits for the late subscription to finish it.
+        assert await bus.wait_delivered(timeout=10)
+        assert got == [7, 8, 9]
+        (late,) = bus.statistics().subscriptions
+        assert (late.name, late.kind, late.received, late.delivered) == ("late", "async", 3, 3)
 
 
 def test_statistics_before_dispatch(vbus: EventBus, step_event) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import anyio
 import pytest
+import trio
+import trio.testing
 
 from trainbus import EventBus
 from trainbus import events as ev
@@ -67,15 +69,58 @@ async def test_the_poller_does_not_park_while_something_is_queued(step_event) ->
     assert not queue.parked and len(queue) == 1
 
 
-@pytest.mark.asyncio
-async def test_events_after_quiet_spells_are_all_delivered_in_order(step_event, wait_until) -> None:
+class PollerSteps(trio.abc.Instrument):
+    """Counts the steps of the bus' poller task (trio's public instrument hook): each time the
+    task resumes is one step, so a poller that wakes every flush interval takes one per
+    interval, and a parked one only when woken."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task.name == "trainbus-bus-poller":
+            self.steps += 1
+
+
+INTERVAL = 0.01
+QUIET_S = 100.0  # 10,000 flush intervals with nothing published
+
+
+def test_the_poller_parks_in_quiet_spells_and_each_publish_wakes_it_at_once(step_event) -> None:
+    # Virtual time (trio's MockClock, autojump): a quiet spell of 100 s passes at once, and the
+    # loop time between a publish and its delivery is exactly what the poller waited.
+    poller = PollerSteps()
+    quiet_steps: list[int] = []
+    waited: list[float] = []
     got: list[int] = []
-    async with EventBus(flush_interval=0.002) as bus:
-        bus.stream(ev.StepEnded).subscribe(lambda e: got.append(e.step))
-        for spell in range(5):
-            # Many intervals with nothing published: the poller parks in between.
-            await anyio.sleep(0.03)
-            steps = range(10 * spell, 10 * spell + 10)
-            await anyio.to_thread.run_sync(lambda s=steps: [bus.publish(step_event(i)) for i in s])
-            await wait_until(lambda n=10 * spell + 10: len(got) == n)
+
+    async def main() -> None:
+        async with EventBus(flush_interval=INTERVAL) as bus:
+            arrived = anyio.Event()
+
+            def on_step(e: ev.StepEnded) -> None:
+                got.append(e.step)
+                if len(got) % 10 == 0:
+                    arrived.set()
+
+            bus.stream(ev.StepEnded).subscribe(on_step)
+            for spell in range(5):
+                before = poller.steps
+                await anyio.sleep(QUIET_S)
+                quiet_steps.append(poller.steps - before)
+                published_at = anyio.current_time()
+                for i in range(10 * spell, 10 * spell + 10):
+                    bus.publish(step_event(i))
+                await arrived.wait()  # every task blocked: the clock jumps to the next wake
+                waited.append(anyio.current_time() - published_at)
+                arrived = anyio.Event()
+
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    anyio.run(main, backend="trio", backend_options={"clock": clock, "instruments": [poller]})
     assert got == list(range(50))
+    # Parked: one wake per 1 s backstop (docs/performance.md) plus the 3 empty intervals
+    # before parking. A poller that never parked would have taken 10,000 steps per spell.
+    assert all(steps <= QUIET_S + 10 for steps in quiet_steps), quiet_steps
+    # The publish woke the parked poller: delivered with no loop time passing (not at the
+    # next backstop, not even at the next flush interval).
+    assert waited == [0.0] * 5

@@ -119,13 +119,28 @@ def test_schedule_relative_exact_times_trio_virtual() -> None:
     run_trio(body, virtual=True)
 
 
+class StillWall(AnyioScheduler):
+    """An ``AnyioScheduler`` whose wall clock (``now``, the public reactivex face) stands still:
+    an absolute due time is then an exact delay, whatever the machine does between two lines."""
+
+    WALL = datetime(2026, 1, 1, tzinfo=UTC)
+
+    @property
+    def now(self) -> datetime:
+        return self.WALL
+
+
 async def absolute() -> None:
-    sched, log = AnyioScheduler(), Log()
+    sched, log = StillWall(), Log()
     async with running(sched):
-        sched.schedule_absolute(datetime.now(UTC) + timedelta(seconds=0.02), log.action("abs"))
+        # The relative action goes in first: however long the machine stalls before the
+        # absolute one is pushed, the absolute one is due at least 0.01 s after it. Had the
+        # absolute time been taken as "now" (or as a loop time), it would run first.
         sched.schedule_relative(0.01, log.action("rel"))
-        await log.wait(2)
-    assert log.names == ["rel", "abs"]
+        sched.schedule_absolute(StillWall.WALL + timedelta(seconds=0.02), log.action("abs"))
+        sched.schedule_absolute(StillWall.WALL - timedelta(seconds=5), log.action("past"))
+        await log.wait(3)
+    assert log.names == ["past", "rel", "abs"]
 
 
 @pytest.mark.asyncio
@@ -135,6 +150,24 @@ async def test_schedule_absolute_asyncio() -> None:
 
 def test_schedule_absolute_trio() -> None:
     run_trio(absolute)
+
+
+def test_schedule_absolute_exact_times_trio_virtual() -> None:
+    # Virtual loop time and a still wall clock: an absolute due time lands at exactly its
+    # distance from ``now``, interleaved with relative ones, whatever the real machine does.
+    async def body() -> None:
+        sched, log = StillWall(), Log()
+        async with running(sched):
+            t0 = anyio.current_time()
+            sched.schedule_absolute(StillWall.WALL + timedelta(seconds=2), log.action("abs2"))
+            sched.schedule_relative(3.0, log.action("rel3"))
+            sched.schedule_absolute(StillWall.WALL + timedelta(seconds=1), log.action("abs1"))
+            sched.schedule_relative(1.5, log.action("rel1.5"))
+            await log.wait(4)
+        assert log.names == ["abs1", "rel1.5", "abs2", "rel3"]
+        assert [t - t0 for _, t, _ in log.entries] == pytest.approx([1.0, 1.5, 2.0, 3.0])
+
+    run_trio(body, virtual=True)
 
 
 def test_schedule_periodic_trio_virtual() -> None:

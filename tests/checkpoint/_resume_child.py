@@ -5,17 +5,19 @@ model with dropout, gradient accumulation over an epoch whose length is not a mu
 step scheduler, and ``Checkpointing(every_steps=...)``.
 
 Usage as a script: ``python _resume_child.py DIRECTORY OUT``. Imports torch once, then for each
-``go`` line on stdin forks a child that resumes the run from DIRECTORY (``resume="latest"``)
-and trains to the end, saving a checkpoint every step; a child that completes writes the final
-parameters to OUT. This process prints ``child <pid>`` and, once the child is gone (killed or
-done), ``reaped <pid> <status>``. EOF on stdin ends it.
+``go [STEP WHERE]`` line on stdin forks a child that resumes the run from DIRECTORY
+(``resume="latest"``) and trains to the end, saving a checkpoint every step; a child that
+completes writes the final parameters to OUT. With ``STEP WHERE`` the child SIGKILLs itself in
+optimizer step STEP (counted from 1), at one of :data:`KILL_POINTS`: a chosen moment, not a
+timer's. This process prints ``child <pid>`` and, once the child is gone (killed or done),
+``reaped <pid> <status>``. EOF on stdin ends it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import Trainer
+from trainbus import StepContext, Trainer
 from trainbus.callbacks import Checkpointing
 
 SAMPLES, BATCH, ACCUMULATE = 38, 4, 3  # 10 batches per epoch: windows of 3, 3, 3 and 1
 KILLED_EPOCHS = 5
-"""Epochs of the run the SIGKILL test kills: 20 steps of at least 50 ms."""
+"""Epochs of the run the SIGKILL test kills: 20 steps."""
+KILL_POINTS = ("mid-window", "after-step", "mid-write")
+"""Where a child kills itself in its step: after the window's second micro-batch's backward
+(gradients half accumulated), after the optimizer step (before that step's checkpoint), or
+inside that step's checkpoint write (the temp file written, not yet fsynced nor renamed)."""
 
 
 def build(
@@ -38,7 +44,6 @@ def build(
     generator: bool,
     max_epochs: int = 3,
     every_steps: int | None = None,
-    step_pause: float = 0.0,
     **kwargs: Any,
 ) -> Trainer:
     """The run under test, built identically by every process that trains it."""
@@ -59,10 +64,35 @@ def build(
                       scheduler=sched, accumulate=ACCUMULATE, seed=5, device="cpu",
                       checkpoint_dir=checkpoint_dir, callbacks=callbacks, handle_signals=False,
                       **kwargs)  # fmt: skip
-    if step_pause:
-        # Slows the run so that random kills land inside it; sleeping draws no random number.
-        trainer.add_hook("after_optimizer_step", lambda ctx: time.sleep(step_pause))
     return trainer
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_in_step(trainer: Trainer, step: int, where: str) -> None:
+    """Make this process SIGKILL itself in optimizer step ``step`` at ``where`` (one of
+    :data:`KILL_POINTS`). Hooks draw no random number: the run stays the one under test."""
+    if where == "mid-window":
+
+        def mid_window(ctx: StepContext) -> None:
+            if ctx.step == step - 1 and ctx.micro_batch == 1:
+                _die()
+
+        trainer.add_hook("after_backward", mid_window)
+    elif where in ("after-step", "mid-write"):
+
+        def after_step(ctx: StepContext) -> None:
+            if ctx.step == step:
+                if where == "after-step":
+                    _die()
+                # The next fsync is the one of this step's checkpoint file, before its rename.
+                os.fsync = lambda fd: _die()
+
+        trainer.add_hook("after_optimizer_step", after_step)
+    else:
+        raise ValueError(f"where: {where!r} is not one of {KILL_POINTS}")
 
 
 def main() -> None:
@@ -71,12 +101,15 @@ def main() -> None:
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
     torch.set_num_threads(1)  # no intra-op thread pool to inherit across fork
     build(None, generator=True)  # imports and warms everything here, once
-    for _line in sys.stdin:
+    for line in sys.stdin:
+        words = line.split()
         pid = os.fork()
         if pid == 0:
             try:
                 trainer = build(directory, generator=True, max_epochs=KILLED_EPOCHS,
-                                every_steps=1, step_pause=0.05)
+                                every_steps=1)  # fmt: skip
+                if len(words) == 3:
+                    kill_in_step(trainer, int(words[1]), words[2])
                 trainer.run(resume="latest")
                 torch.save([p.detach().clone() for p in trainer.settings.model.parameters()], out)
                 os._exit(0)

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
-import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,8 @@ from trainbus import CheckpointError, ConfigError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping, ReduceLROnPlateau
-from trainbus.checkpoint import read_checkpoint
+from trainbus.checkpoint import CheckpointStore, read_checkpoint
+from trainbus.checkpoint.store import TEMP_SUFFIX
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 from ._resume_child import KILLED_EPOCHS, build
@@ -93,44 +91,51 @@ def test_without_the_data_order_a_shuffled_resume_diverges(tmp_path: Path) -> No
     )
 
 
+# Where each child SIGKILLs itself (optimizer step, moment in it): three kinds of moment, at
+# the start, middle and end of epochs, mid-window only where a window has a second batch.
+KILLS = [(2, "mid-window"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"),
+         (9, "mid-window"), (12, "after-step"), (13, "mid-write"), (18, "mid-window")]  # fmt: skip
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the training children are forked")
-def test_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path: Path) -> None:
+def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path: Path) -> None:
     reference = build(None, generator=True, max_epochs=KILLED_EPOCHS)
     reference.run()
-    out = tmp_path / "final.pt"
+    out, folder = tmp_path / "final.pt", tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    zygote = subprocess.Popen([sys.executable, str(CHILD), str(tmp_path / "ck"), str(out)],
+    zygote = subprocess.Popen([sys.executable, str(CHILD), str(folder), str(out)],
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=env)  # fmt: skip
     assert zygote.stdin is not None and zygote.stdout is not None
-    rng = random.Random(2024)
-    killed = 0
 
-    def go(kill_after: float | None) -> int:
+    def go(line: str) -> int:
         assert zygote.stdin is not None and zygote.stdout is not None
-        zygote.stdin.write("go\n")
+        zygote.stdin.write(line + "\n")
         zygote.stdin.flush()
-        word, pid = zygote.stdout.readline().split()
-        assert word == "child"
-        if kill_after is not None:
-            time.sleep(kill_after)
-            with contextlib.suppress(ProcessLookupError):  # it may have finished already
-                os.kill(int(pid), signal.SIGKILL)
+        assert zygote.stdout.readline().split()[0] == "child"
         word, _, status = zygote.stdout.readline().split()
         assert word == "reaped"
         return int(status)
 
     try:
-        for _ in range(6):
-            status = go(rng.uniform(0.05, 0.3))
-            killed += os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-        assert go(None) == 0
+        for step, where in KILLS:
+            status = go(f"go {step} {where}")
+            # Each child died where it was told to, not by finishing first.
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (step, where)
+            names = sorted(p.name for p in folder.iterdir())
+            left = [n for n in names if n.endswith(TEMP_SUFFIX)]
+            # A kill inside the write leaves its temp file (removed by the next start), and only
+            # that kill does; at every kill point the newest complete checkpoint is the step
+            # before the killed one, so the next child redoes the killed step from there.
+            assert len(left) == (where == "mid-write"), (step, where, names)
+            latest = CheckpointStore(folder, clean=False).latest_valid()
+            assert latest is not None and read_checkpoint(latest).state.step == step - 1
+        assert go("go") == 0
     finally:
         zygote.stdin.close()
         zygote.wait(timeout=60)
         zygote.stdout.close()
-    assert killed >= 3  # most kills landed in a running child, not after it was done
     got = torch.load(out, weights_only=True)
     for a, b in zip(got, _params(reference), strict=True):
         assert torch.equal(a, b)

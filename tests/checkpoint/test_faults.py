@@ -1,5 +1,6 @@
-"""Faults: a writer SIGKILLed at random moments never leaves the folder without a loadable
-checkpoint, and no mutation of a checkpoint's bytes escapes as anything but CheckpointError."""
+"""Faults: a writer SIGKILLed mid-write (at chosen points) or at random moments never leaves the
+folder without a loadable checkpoint, and no mutation of a checkpoint's bytes escapes as
+anything but CheckpointError."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -22,6 +24,8 @@ from trainbus import CheckpointError
 from trainbus.checkpoint import CheckpointStore, TrainState, read_checkpoint, save_checkpoint
 from trainbus.checkpoint.store import TEMP_SUFFIX
 from trainbus.testing import tiny_model
+
+from ._writer import KILL_POINTS
 
 WRITER = Path(__file__).with_name("_writer.py")
 SRC = str(Path(trainbus.__file__).resolve().parents[1])
@@ -40,44 +44,92 @@ def _expect(child: subprocess.Popen[str], word: str) -> str:
     return line
 
 
+def _check_folder(folder: Path) -> int:
+    """What the next start finds: stale temp files removed, every checkpoint complete, the
+    newest one the one resumed. Returns its step."""
+    store = CheckpointStore(folder)  # the next start: stale temps are removed
+    assert not [p for p in folder.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+    # Atomic writes: no file under a checkpoint name is ever partial (a direct write to the
+    # final name fails this), so the newest file is the one resumed.
+    for path in store.checkpoints():
+        ck = read_checkpoint(path)
+        assert ck.metrics == {"loss": float(ck.state.step)}
+    latest = store.latest_valid()
+    assert latest is not None and latest == store.checkpoints()[0]
+    return read_checkpoint(latest).state.step
+
+
+def _temps(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name.endswith(TEMP_SUFFIX)]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the writers are forked")
-def test_sigkill_at_random_moments_always_leaves_a_loadable_checkpoint(tmp_path: Path) -> None:
-    rng = random.Random(1234)
-    step, kills_mid_write = 0, 0
+def test_sigkill_mid_write_and_at_random_moments_always_leaves_a_loadable_checkpoint(
+    tmp_path: Path,
+) -> None:
     zygote = _start_writers(tmp_path)
     assert zygote.stdin is not None
+
+    def start(line: str) -> int:
+        assert zygote.stdin is not None
+        zygote.stdin.write(line + "\n")
+        zygote.stdin.flush()
+        pid = int(_expect(zygote, "child").split()[1])
+        _expect(zygote, "ready")  # this writer's first checkpoint is complete
+        return pid
+
+    def reaped() -> int:
+        return int(_expect(zygote, "reaped").split()[2])  # its pid no longer runs
+
+    step = 0
     try:
-        for _ in range(10):
-            zygote.stdin.write(f"go {step}\n")
-            zygote.stdin.flush()
-            pid = int(_expect(zygote, "child").split()[1])
+        # Chosen moments: the writer kills itself there in its second save (from a patched
+        # torch.save / os.replace), so where each kill landed is known, not hoped for.
+        for point in KILL_POINTS:
+            pid = start(f"go {step} {point}")
+            # A guard, not a timer: a writer that never reached its kill point is stopped by
+            # SIGTERM after 60 s, which the status check below reports.
+            guard = threading.Timer(60, os.kill, (pid, signal.SIGTERM))
+            guard.start()
             try:
-                _expect(zygote, "ready")  # this writer's first checkpoint is complete
+                status = reaped()
+            finally:
+                guard.cancel()
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, point
+            temps = _temps(tmp_path)
+            if point == "after-rename":
+                # Renamed: the second save is complete and is the newest.
+                assert not temps
+                assert _check_folder(tmp_path) == step + 1
+            else:
+                # Killed mid-write: its temp file is left (stale: its pid is gone), the
+                # checkpoint names hold only complete files, the first save is the newest.
+                assert len(temps) == 1, [p.name for p in tmp_path.iterdir()]
+                if point == "mid-bytes":
+                    with pytest.raises(CheckpointError):
+                        read_checkpoint(temps[0])  # half a file
+                else:
+                    assert read_checkpoint(temps[0]).state.step == step + 1  # complete
+                assert _check_folder(tmp_path) == step
+            step += 1_000  # the next writer writes newer steps
+
+        # Random moments (seeded): wherever the kill lands, the same holds.
+        rng = random.Random(1234)
+        for _ in range(6):
+            pid = start(f"go {step}")
+            try:
                 time.sleep(rng.uniform(0.0, 1.0))
             finally:
                 os.kill(pid, signal.SIGKILL)
-            _expect(zygote, "reaped")  # its pid no longer runs: its temp file is stale
-            kills_mid_write += any(p.name.endswith(TEMP_SUFFIX) for p in tmp_path.iterdir())
-            store = CheckpointStore(tmp_path)  # the next start: stale temps are removed
-            assert not [p for p in tmp_path.iterdir() if p.name.endswith(TEMP_SUFFIX)]
-            # Atomic writes: no file under a checkpoint name is ever partial (a direct write to
-            # the final name fails this at most kills), so the newest file is the one resumed.
-            for path in store.checkpoints():
-                ck = read_checkpoint(path)
-                assert ck.metrics == {"loss": float(ck.state.step)}
-            latest = store.latest_valid()
-            assert latest is not None and latest == store.checkpoints()[0]
-            ck = read_checkpoint(latest)
-            step = ck.state.step + 1_000  # the next writer writes newer steps
+            reaped()
+            assert _check_folder(tmp_path) >= step
+            step = _check_folder(tmp_path) + 1_000
     finally:
         zygote.stdin.close()
         zygote.wait(timeout=60)
         assert zygote.stdout is not None
         zygote.stdout.close()
-    # Not an assertion on timing: it shows the kills did land mid-write (each save is mostly
-    # fsync, so most random moments are inside one).
-    print(f"kills that left a temp file behind: {kills_mid_write}/10")
 
 
 # ---------------------------------------------------------------------------- fuzzing

@@ -243,17 +243,6 @@ class EventBus:
         return self._clock
 
     @property
-    def default_on_error(self) -> ErrorPolicy:
-        """Error policy of subscriptions made without one (the ``on_error`` argument)."""
-        return self._ledger.default_policy
-
-    @default_on_error.setter
-    def default_on_error(self, policy: ErrorPolicy) -> None:
-        if check_policy(policy) is None:
-            raise ConfigError.invalid("on_error", policy, "one of ('log', 'stop', 'raise')")
-        self._ledger.default_policy = policy
-
-    @property
     def running(self) -> bool:
         """True between entering and leaving ``async with bus`` (or a trainer call's run)."""
         return self._lifecycle.state == "running"

@@ -6,11 +6,14 @@ bell after each change the loop must act on: a subscription came or went (``Rout
 decision schedule was declared or removed (``StepClock``), a command was sent
 (``CommandChannel``), a ``"raise"`` subscriber failed (``FailureLedger``), a cancel was
 requested. The loop then re-reads the real state (routes version, commands, failure), so a
-ring carries no data and two rings racing on different threads lose nothing: each rings after
-its own change is visible, and whichever value the loop sees next differs from the one it had.
+ring carries no data. Each ring adds exactly one under a lock (rings are rare: a change, never
+a publish), so rings racing on different threads all count and the count never goes back; the
+loop's read stays one plain attribute read.
 """
 
 from __future__ import annotations
+
+import threading
 
 __all__ = ["Doorbell"]
 
@@ -22,11 +25,15 @@ class Doorbell:
         rings: How many times the bell rang (read by the loop between steps).
     """
 
-    __slots__ = ("rings",)
+    __slots__ = ("_lock", "rings")
 
     def __init__(self) -> None:
         self.rings = 0
+        self._lock = threading.Lock()
 
     def ring(self) -> None:
-        """Tell the loop to look at the bus. Any thread; never blocks."""
-        self.rings += 1
+        """Tell the loop to look at the bus: add one to :attr:`rings`. Any thread; waits only
+        for another thread's ring (a read-modify-write racing without the lock could lose a
+        ring, or write back an older count)."""
+        with self._lock:
+            self.rings += 1

@@ -255,11 +255,6 @@ class CheckpointStore:
         if clean:
             self.clean_stale()
 
-    @property
-    def directory(self) -> Path:
-        """The checkpoint folder."""
-        return self._directory
-
     def clean_stale(self) -> list[Path]:
         """Remove temp files whose writer is gone (killed mid-write).
 

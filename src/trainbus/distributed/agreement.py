@@ -126,18 +126,12 @@ class CommandAgreement:
     def __init__(self, group: ProcessGroup, *, capacity: int = 512) -> None:
         self.group = group
         self.capacity = check_int("capacity", capacity, 64)
-        self._exchanges = 0
         self._collectives = 0
 
     @property
     def collectives(self) -> int:
         """Collectives this object has run (for tests and benchmarks)."""
         return self._collectives
-
-    @property
-    def exchanges(self) -> int:
-        """Calls of :meth:`exchange` that communicated."""
-        return self._exchanges
 
     # ------------------------------------------------------------------ commands
     def exchange(self, local: Sequence[cmd.Command]) -> list[cmd.Command]:
@@ -157,7 +151,6 @@ class CommandAgreement:
         mine = list(local)
         if not self.group.distributed:
             return merge([mine])
-        self._exchanges += 1
         blobs = self._gather_payloads(_encode(mine))
         per_rank = [
             mine if r == self.group.rank else (_decode(blob, r) if blob else [])

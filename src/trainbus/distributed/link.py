@@ -127,11 +127,6 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ queries
     @property
-    def wanted(self) -> tuple[type[ev.BaseEvent], ...]:
-        """The event types the driver asked for (after :meth:`connect`)."""
-        return self._wanted
-
-    @property
     def sent(self) -> int:
         """Events written to the driver so far."""
         return self._sent
