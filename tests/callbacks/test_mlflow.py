@@ -129,3 +129,24 @@ def test_missing_extra_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(builtins, "__import__", no_mlflow)
     with pytest.raises(MissingExtraError, match=r"pip install 'trainbus\[mlflow\]'"):
         MLflowLogger("runs")
+
+
+def test_experiment_id_that_is_not_the_named_experiments_is_refused(
+    trainer_factory: Any, tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+    from structlog.testing import capture_logs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    client.create_experiment("named")
+    other = client.create_experiment("other")
+    clean_env.setenv("MLFLOW_TRACKING_URI", uri)
+    clean_env.setenv("MLFLOW_EXPERIMENT_NAME", "named")
+    clean_env.setenv("MLFLOW_EXPERIMENT_ID", other)
+    logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
+    with capture_logs() as logs:
+        trainer_factory([logger], epochs=1, batches=2).run()
+    assert logger.run_id is None  # no run written into the wrong experiment
+    assert "MLFLOW_EXPERIMENT_ID" in repr(logs), logs
+    assert client.search_runs([other]) == []
