@@ -76,3 +76,47 @@ def test_the_installed_command(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     check_run_folder(tmp_path / "run")
     assert accuracy_of(proc.stdout) > 0.85
+
+
+def test_demo_default_folder_latest_pointer_and_few_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["demo", "--epochs", "12"]) == 0
+    out, err = capsys.readouterr()
+    (first,) = set((tmp_path / "runs" / "demo").iterdir()) - {tmp_path / "runs" / "demo" / "latest"}
+    # The folder is logged at the start, printed at the end, and named by the docs.
+    assert f"run folder: {Path('runs') / 'demo' / first.name}" in out
+    assert str(Path("runs") / "demo" / first.name) in err.split("demo_started")[1]
+    assert re.fullmatch(r"\d{8}-\d{6}", first.name)
+    latest = tmp_path / "runs" / "demo" / "latest"
+    assert latest.resolve() == first.resolve()
+    # No tqdm bar drawn into a log (stderr is not a terminal here): the default progress rule.
+    assert "\r" not in err and "it/s" not in err and "train:" not in err
+    # A few files, not one per improvement: 2 best, 2 newest cadence saves, the final one.
+    ckpts = sorted(p.name for p in (first / "checkpoints").glob("*.pt"))
+    assert sum(name.endswith("-best.pt") for name in ckpts) <= 2, ckpts
+    assert len(ckpts) <= 5, ckpts
+
+    # A second run moves the pointer; `trainbus replay runs/demo` reads the newest.
+    assert main(["demo", "--epochs", "1"]) == 0
+    capsys.readouterr()
+    second = latest.resolve()
+    assert second != first.resolve() and second.parent == first.parent.resolve()
+    assert main(["replay", "runs/demo", "--type", "EpochEnded"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 1  # the one-epoch run, not the first
+
+
+def test_a_pointer_file_where_links_fail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from trainbus._rundirs import new_run_dir, resolve_run
+
+    def no_links(self: Path, *args: object, **kwargs: object) -> None:
+        raise OSError("symbolic links are not supported here")
+
+    monkeypatch.setattr(Path, "symlink_to", no_links)
+    run = new_run_dir(tmp_path / "runs")
+    assert (tmp_path / "runs" / "latest").read_text().strip() == run.name
+    assert resolve_run(tmp_path / "runs") == run / "events.jsonl"
+    assert new_run_dir(tmp_path / "runs").name == f"{run.name}-2"  # same second: a suffix

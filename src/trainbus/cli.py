@@ -1,12 +1,20 @@
 """The ``trainbus`` command line.
 
 ``trainbus demo`` trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; no
-download) with the default kit, and writes a run folder::
+download) with the default kit, and writes a run folder (logged as ``demo_started run_dir=``
+at the start, printed at the end)::
 
-    runs/demo-<timestamp>/
-        events.jsonl        every event of the run, one JSON record per line
-        checkpoints/        step-<n>.pt, step-<n>-best.pt (best val_loss so far), final
-        curves.png          training loss, val_loss and val_acc per step
+    runs/demo/
+        latest -> <timestamp>   the newest run (a symbolic link, or a file naming it)
+        <timestamp>/            one run (YYYYmmdd-HHMMSS)
+            events.jsonl        every event of the run, one JSON record per line
+            checkpoints/        the 2 newest epoch-<n>.pt, the 2 best *-best.pt by val_loss,
+                                and the final one
+            curves.png          training loss, val_loss and val_acc per step
+
+so ``trainbus replay runs/demo`` and ``trainbus plot runs/demo`` read the newest run.
+``--run-dir DIR`` writes one run into DIR instead (no ``latest`` pointer). Progress follows
+the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs progress lines.
 
 ``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
 process as the driver (see :mod:`trainbus.launcher`).
@@ -20,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -132,7 +139,9 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     log = structlog.get_logger("trainbus.cli")
-    run_dir: Path = args.run_dir or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    from ._rundirs import new_run_dir
+
+    run_dir: Path = args.run_dir or new_run_dir(Path("runs") / "demo")
     torch.manual_seed(args.seed)  # the model's initial weights
     train, val = _digits_loaders(args.seed)
     model = torch.nn.Sequential(
@@ -143,11 +152,14 @@ def run_demo(args: argparse.Namespace) -> int:
         model, optimizer, train, loss_fn=F.cross_entropy, eval_data=val,
         max_epochs=args.epochs, checkpoint_dir=run_dir / "checkpoints", seed=args.seed,
         metrics={"acc": _accuracy}, device="cpu", log_every=10,
+        progress=False if args.json_logs else None,
         callbacks=[
-            Progress(bar=None if not args.json_logs else False),
+            # A terminal gets the Trainer's default bar (progress=None); a log gets no bar,
+            # JSON logs get progress lines.
+            *([Progress(bar=False)] if args.json_logs else []),
             MetricsLogger(every_s=2.0),
             JsonlEventLog(run_dir / "events.jsonl"),
-            Checkpointing(every_epochs=5, monitor="val_loss"),
+            Checkpointing(every_epochs=5, monitor="val_loss", keep_last=2, keep_best=2),
             EarlyStopping(metric="val_loss", patience=3),
             CurvePlot(run_dir / "curves.png", title="trainbus demo: digits MLP"),
         ],
@@ -246,12 +258,14 @@ def run_launch(tokens: Sequence[str]) -> int:
 
 # ----------------------------------------------------------------------------- replay, plot
 def run_replay(args: argparse.Namespace) -> int:
-    """Print a recorded run, one line per event: offset in seconds, class, fields."""
-    from .replay import load_events
+    """Print a recorded run, one line per event: offset in seconds, class, fields; only the
+    events ``--type`` and ``--steps`` select (offsets stay relative to the run's start)."""
+    from .replay import EventFilter, load_events
 
+    keep = EventFilter.parse(args.type or (), args.steps)  # refused before reading the file
     events = list(load_events(args.run_dir))
     t0 = events[0].time if events else 0.0
-    for e in events:
+    for e in filter(keep.matches, events):
         fields = " ".join(
             f"{k}={v!r}" for k, v in _fields(e).items() if k not in ("time", "step", "epoch")
         )
@@ -269,6 +283,7 @@ def _fields(event: Any) -> dict[str, Any]:
 def run_plot(args: argparse.Namespace) -> int:
     """Draw the curves of a recorded run with CurvePlot's renderer."""
     from . import events as ev
+    from ._rundirs import resolve_run
     from .callbacks.plot import render
     from .replay import load_events
 
@@ -276,9 +291,7 @@ def run_plot(args: argparse.Namespace) -> int:
     train = [(e.step, float(e.loss)) for e in events if isinstance(e, ev.StepEnded)]
     val = [(e.step, e.metrics) for e in events
            if isinstance(e, ev.EvaluationEnded) and e.error is None and e.metrics]  # fmt: skip
-    out: Path = args.output or (
-        args.run_dir if args.run_dir.is_dir() else args.run_dir.parent
-    ) / "curves.png"
+    out: Path = args.output or resolve_run(args.run_dir).parent / "curves.png"
     render(out, train, val, f"trainbus: {args.run_dir}")
     print(f"wrote {out}")
     return 0
@@ -315,7 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="maximum epochs (default: 15; early stopping may stop sooner)",
     )
     demo.add_argument("--run-dir", type=Path, default=None,
-                      help="run folder (default: runs/demo-<timestamp>)")  # fmt: skip
+                      help="run folder (default: runs/demo/<timestamp>, with "
+                      "runs/demo/latest pointing at it)")  # fmt: skip
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     demo.add_argument("--json-logs", action="store_true",
                       help="log JSON lines instead of console lines (on stderr)")  # fmt: skip
@@ -329,10 +343,18 @@ def build_parser() -> argparse.ArgumentParser:
                        ("plot", "draw the curves PNG of a recorded run")):  # fmt: skip
         p = sub.add_parser(name, help=text, description=text + " (its events.jsonl).")
         p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                       help="run folder holding events.jsonl, or the .jsonl file")  # fmt: skip
+                       help="run folder holding events.jsonl, the .jsonl file, or a folder "
+                       "of runs (runs/demo: its latest run)")  # fmt: skip
         if name == "plot":
             p.add_argument("--output", type=Path, default=None,
                            help="PNG to write (default: RUN_DIR/curves.png)")  # fmt: skip
+        else:
+            p.add_argument("--type", action="append", metavar="EVENT",
+                           help="only events of this class (StepEnded; repeat or use commas "
+                           "for several)")  # fmt: skip
+            p.add_argument("--steps", metavar="START:END", default=None,
+                           help="only events with START <= step <= END "
+                           "(10:20, 10:, :20)")  # fmt: skip
         p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
     return parser
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator, Mapping
-from pathlib import Path
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import reactivex
@@ -29,8 +29,9 @@ from reactivex.scheduler import CurrentThreadScheduler
 from . import events as ev
 from . import wire
 from ._exceptions import ConfigError, RecordedError
+from ._rundirs import resolve_run
 
-__all__ = ["RecordedError", "load_events", "replay"]
+__all__ = ["EventFilter", "RecordedError", "load_events", "replay"]
 
 
 def _event(record: Mapping[str, Any]) -> ev.BaseEvent:
@@ -40,21 +41,80 @@ def _event(record: Mapping[str, Any]) -> ev.BaseEvent:
     return message
 
 
+@dataclass(frozen=True, slots=True)
+class EventFilter:
+    """Which recorded events to keep: by class and by step (``trainbus replay`` options).
+
+    Attributes:
+        types: Event classes kept (empty: all).
+        first_step: Smallest ``step`` kept (None: from the start).
+        last_step: Largest ``step`` kept, inclusive (None: to the end).
+    """
+
+    types: tuple[type[ev.BaseEvent], ...] = ()
+    first_step: int | None = None
+    last_step: int | None = None
+
+    @classmethod
+    def parse(cls, types: Iterable[str] = (), steps: str | None = None) -> EventFilter:
+        """Build a filter from option text: class names (``StepEnded``; a comma-separated
+        list counts as several) and a step range ``START:END`` (inclusive; either side may be
+        left out: ``10:``, ``:20``; a single ``N`` is ``N:N``).
+
+        Raises:
+            ConfigError: an unknown event class (named ``--type``) or a bad or inverted range
+                (named ``--steps``).
+        """
+        known = {t.__name__: t for t in ev.EVENT_TYPES}
+        chosen: list[type[ev.BaseEvent]] = []
+        for name in (n.strip() for text in types for n in text.split(",")):
+            if name not in known:
+                raise ConfigError.invalid(
+                    "--type", name, "an event class name: " + ", ".join(sorted(known))
+                )
+            chosen.append(known[name])
+        first = last = None
+        if steps is not None:
+            start, colon, end = steps.partition(":")
+            try:
+                first = int(start) if start.strip() else None
+                last = (int(end) if end.strip() else None) if colon else first
+            except ValueError:
+                raise ConfigError.invalid(
+                    "--steps", steps, "START:END with integers, either side may be left out"
+                ) from None
+            if first is not None and last is not None and first > last:
+                raise ConfigError.invalid(
+                    "--steps", steps, f"START <= END (the range is inverted: {first} > {last})"
+                )
+        return cls(tuple(chosen), first, last)
+
+    def matches(self, event: ev.BaseEvent) -> bool:
+        """Whether ``event`` passes the filter."""
+        if self.types and not isinstance(event, self.types):
+            return False
+        if self.first_step is not None and event.step < self.first_step:
+            return False
+        return self.last_step is None or event.step <= self.last_step
+
+
 def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
     """The events of a ``JsonlEventLog`` file (or of ``<run dir>/events.jsonl``), rebuilt as
     their event classes: tensors were recorded as numbers, exceptions as :class:`RecordedError`.
 
     Args:
-        path: The ``.jsonl`` file, or a run folder holding ``events.jsonl``.
+        path: The ``.jsonl`` file, a run folder holding ``events.jsonl``, or a folder of runs
+            whose ``latest`` pointer names the newest (``trainbus demo`` writes one).
 
     Raises:
         ConfigError: no such file, a record of an unknown format version or event type.
     """
-    file = Path(path)
-    if file.is_dir():
-        file = file / "events.jsonl"
+    file = resolve_run(path)
     if not file.is_file():
-        raise ConfigError.invalid("path", os.fspath(path), "a JsonlEventLog file or run folder")
+        raise ConfigError.invalid(
+            "path", os.fspath(path),
+            "a JsonlEventLog file, a run folder, or a folder of runs with a 'latest' pointer",
+        )  # fmt: skip
     with open(file, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -42,7 +42,7 @@ from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics, LostWork
-from .callbacks._base import Callback, RunPlan, global_callbacks
+from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
 from .distributed.sync import RankSync
@@ -548,6 +548,7 @@ class Trainer:
             checkpoint_dir=None if s.checkpoint_dir is None else str(s.checkpoint_dir),
             external_evaluations=any(ev.ExternalEvaluationEnded in cb.publishes
                                      for cb in callbacks),
+            config=plain_settings(s),
         )  # fmt: skip
         for cb in callbacks:
             cb.check(plan)

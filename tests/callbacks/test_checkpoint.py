@@ -123,3 +123,21 @@ def test_a_run_writes_epoch_and_best_checkpoints_at_exact_steps(
         "step-00000012.pt",  # epoch save; the loop's final save is skipped at the same step
     ]
     assert result.checkpoint == str(tmp_path / "step-00000012.pt")
+
+
+def test_every_steps_alone_also_saves_every_epoch_as_documented(
+    tmp_path: Path, trainer_factory: Any
+) -> None:
+    # every_epochs=1 is the default beside every_steps (docs/callbacks/checkpointing.md).
+    both = tmp_path / "both"
+    trainer_factory([Checkpointing(every_steps=3)], epochs=2, batches=4,
+                    checkpoint_dir=both).run()  # fmt: skip
+    assert sorted(p.name for p in both.iterdir()) == [
+        "step-00000003.pt", "step-00000004.pt", "step-00000006.pt", "step-00000008.pt",
+    ]  # fmt: skip
+    steps_only = tmp_path / "steps"
+    trainer_factory([Checkpointing(every_steps=3, every_epochs=None)], epochs=2, batches=4,
+                    checkpoint_dir=steps_only).run()  # fmt: skip
+    assert sorted(p.name for p in steps_only.iterdir()) == [
+        "step-00000003.pt", "step-00000006.pt", "step-00000008-final.pt",  # the loop's final save
+    ]  # fmt: skip

@@ -42,9 +42,78 @@ def test_params_metrics_and_checkpoints_read_back(trainer_factory: Any, tmp_path
     assert saved and saved <= artifacts
 
 
+_MLFLOW_ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME", "MLFLOW_EXPERIMENT_ID")
+
+
+@pytest.fixture
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    """No MLflow variable from the machine running the tests leaks in."""
+    for name in _MLFLOW_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_environment_chooses_store_and_experiment(
+    trainer_factory: Any, tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+
+    # A user who points MLflow at a file store (as MLflow's docs show) finds the run there.
+    store = (tmp_path / "mlruns").as_uri()
+    clean_env.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    clean_env.setenv("MLFLOW_TRACKING_URI", store)
+    clean_env.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
+    assert (logger.tracking_uri, logger.experiment) == (store, "from-env")
+    assert trainer_factory([logger], epochs=1, batches=4, log_every=2).run().reason == "completed"
+
+    assert not (tmp_path / "run" / "mlflow.db").exists()
+    client = MlflowClient(tracking_uri=store)
+    exp = client.get_experiment_by_name("from-env")
+    assert exp is not None and logger.run_id is not None
+    run = client.get_run(logger.run_id)
+    assert run.info.experiment_id == exp.experiment_id and run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(logger.run_id, "loss")] == [2, 4]
+
+
+def test_arguments_beat_the_environment(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    clean_env.setenv("MLFLOW_TRACKING_URI", "sqlite:///elsewhere.db")
+    clean_env.setenv("MLFLOW_EXPERIMENT_NAME", "env-name")
+    clean_env.setenv("MLFLOW_EXPERIMENT_ID", "7")
+    uri = f"sqlite:///{tmp_path / 'mine.db'}"
+    logger = MLflowLogger(tmp_path, tracking_uri=uri, experiment="mine")
+    assert (logger.tracking_uri, logger.experiment, logger.experiment_id) == (uri, "mine", None)
+
+
+def test_defaults_without_environment(tmp_path: Path, clean_env: pytest.MonkeyPatch) -> None:
+    logger = MLflowLogger(tmp_path)
+    assert logger.tracking_uri == f"sqlite:///{(tmp_path / 'mlflow.db').resolve()}"
+    assert (logger.experiment, logger.experiment_id) == ("trainbus", None)
+    clean_env.setenv("MLFLOW_TRACKING_URI", "")  # empty counts as unset, as in MLflow
+    assert MLflowLogger(tmp_path).tracking_uri.startswith("sqlite:")
+
+
+def test_experiment_id_from_the_environment(
+    trainer_factory: Any, tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    exp_id = MlflowClient(tracking_uri=uri).create_experiment("made-by-hand")
+    clean_env.setenv("MLFLOW_TRACKING_URI", uri)
+    clean_env.setenv("MLFLOW_EXPERIMENT_ID", exp_id)
+    logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
+    assert (logger.experiment, logger.experiment_id) == (None, exp_id)
+    trainer_factory([logger], epochs=1, batches=2).run()
+    assert logger.run_id is not None
+    assert MlflowClient(tracking_uri=uri).get_run(logger.run_id).info.experiment_id == exp_id
+
+
 def test_bad_arguments(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"^experiment="):
         MLflowLogger(tmp_path, experiment="")
+    with pytest.raises(ConfigError, match=r"^tracking_uri="):
+        MLflowLogger(tmp_path, tracking_uri="")
     with pytest.raises(ConfigError, match=r"^buffer="):
         MLflowLogger(tmp_path, buffer=0)
 
@@ -60,3 +129,24 @@ def test_missing_extra_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(builtins, "__import__", no_mlflow)
     with pytest.raises(MissingExtraError, match=r"pip install 'trainbus\[mlflow\]'"):
         MLflowLogger("runs")
+
+
+def test_experiment_id_that_is_not_the_named_experiments_is_refused(
+    trainer_factory: Any, tmp_path: Path, clean_env: pytest.MonkeyPatch
+) -> None:
+    from mlflow import MlflowClient
+    from structlog.testing import capture_logs
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    client.create_experiment("named")
+    other = client.create_experiment("other")
+    clean_env.setenv("MLFLOW_TRACKING_URI", uri)
+    clean_env.setenv("MLFLOW_EXPERIMENT_NAME", "named")
+    clean_env.setenv("MLFLOW_EXPERIMENT_ID", other)
+    logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
+    with capture_logs() as logs:
+        trainer_factory([logger], epochs=1, batches=2).run()
+    assert logger.run_id is None  # no run written into the wrong experiment
+    assert "MLFLOW_EXPERIMENT_ID" in repr(logs), logs
+    assert client.search_runs([other]) == []

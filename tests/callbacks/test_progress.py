@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 from typing import Any, ClassVar
@@ -205,3 +206,54 @@ def test_in_a_run_the_total_is_known_during_the_first_epoch(
     trainer_factory([Progress(refresh_s=0.05)], epochs=3, batches=4).run()
     (bar,) = _FakeBar.instances
     assert bar.kwargs["total"] == 12
+
+
+class _TerminalStderr:
+    """A stand-in stderr that is 'a terminal' (fd 2) whose text the test reads."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def write(self, text: str) -> int:
+        self.text += text
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def fileno(self) -> int:
+        return 2
+
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(("columns", "width"), [(0, 100), (60, None)])
+def test_bar_width_on_a_terminal_reporting_zero_columns(
+    vbus: EventBus, vts: VirtualTimeScheduler, step_event: Any,
+    monkeypatch: pytest.MonkeyPatch, columns: int, width: int | None,
+) -> None:  # fmt: skip
+    import os
+
+    import trainbus.callbacks.progress as progress_module
+
+    stderr = _TerminalStderr()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.setattr(os, "get_terminal_size", lambda fd=None: os.terminal_size((columns, 24)))
+    assert progress_module.terminal_columns(stderr) == columns
+    progress = Progress(refresh_s=1.0, bar=True)
+    progress.setup(vbus)
+    vbus.publish(fit_started(max_steps=100))
+    publish_steps(vbus, range(1, 11), step_event)
+    vts.advance_by(1.0)
+    bar = progress.bar
+    assert bar is not None
+    # The visible text of the last redraw (another test's open bar can add cursor moves).
+    text = re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", stderr.text)
+    line = next(p for p in reversed(re.split(r"[\r\n]", text)) if "10/100" in p)
+    if width is None:  # a real width: the bar follows the terminal
+        assert bar.dynamic_ncols and bar.ncols == columns - 1
+    else:  # zero columns: a fixed-width bar that still shows the step
+        assert "10/100" in line and "|" in line and len(line) <= width, repr(line)
+        assert not bar.dynamic_ncols and bar.ncols == width
+    bar.close()

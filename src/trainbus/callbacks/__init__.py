@@ -26,6 +26,7 @@ from .stoppers import TimeLimit as TimeLimit
 from .tensorboard import TensorBoardLogger as TensorBoardLogger
 from .throughput import Throughput as Throughput
 from .throughput import ThroughputMonitor as ThroughputMonitor
+from .wandb import WandbLogger as WandbLogger
 
 __all__ = [
     "Callback",
@@ -50,6 +51,7 @@ __all__ = [
     "Throughput",
     "ThroughputMonitor",
     "TimeLimit",
+    "WandbLogger",
     "global_callbacks",
     "register_global_callback",
 ]

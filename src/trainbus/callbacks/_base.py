@@ -22,9 +22,12 @@ import inspect
 import re
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import PurePath
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+
+import torch
 
 from .. import events as ev
 from .._exceptions import ConfigError
@@ -69,12 +72,59 @@ class RunPlan:
         external_evaluations: An attached callback publishes ``ExternalEvaluationEnded``
             (:class:`~trainbus.callbacks.EvaluateCheckpoints`): metrics whose names only its
             jobs know may come.
+        config: The Trainer's settings that are plain values (``max_epochs``, ``accumulate``,
+            ``precision``, ``log_every``...; devices and paths as strings), for loggers that
+            record a run's configuration (:func:`plain_settings`).
     """
 
     eval_metrics: frozenset[str]
     train_metrics: frozenset[str]
     checkpoint_dir: str | None
     external_evaluations: bool = False
+    config: Mapping[str, PlainValue] = field(default_factory=dict)
+
+
+PlainValue = str | int | float | bool | None
+"""A configuration value a tracking service stores as it is."""
+_PLAIN_TYPES = frozenset({"int", "float", "str", "bool", "None", "Path"})
+
+
+def _plain_annotation(annotation: object) -> bool:
+    """A field annotated with plain types only (``int | None``), as a string or a type."""
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return all(part.strip() in _PLAIN_TYPES for part in str(text).split("|"))
+
+
+def plain_settings(settings: object) -> dict[str, PlainValue]:
+    """The fields of a settings dataclass that are plain values, by name.
+
+    Numbers, strings and booleans are kept; paths and ``torch.device`` become strings; None is
+    kept where the field holds only such values (``max_steps=None``), not where it stands for
+    an absent object (``scheduler=None``); models, optimizers, data, callables and collections
+    are left out.
+
+    Args:
+        settings: A dataclass instance (the Trainer's ``settings``).
+
+    Returns:
+        ``{field name: value}`` in field order.
+
+    Raises:
+        TypeError: ``settings`` is not a dataclass instance.
+    """
+    if not is_dataclass(settings) or isinstance(settings, type):
+        raise TypeError(f"plain_settings() needs a dataclass instance, got {settings!r}")
+    out: dict[str, PlainValue] = {}
+    for f in fields(settings):
+        value = getattr(settings, f.name)
+        if value is None:
+            if _plain_annotation(f.type):
+                out[f.name] = None
+        elif isinstance(value, str | int | float | bool):
+            out[f.name] = value
+        elif isinstance(value, PurePath | torch.device):
+            out[f.name] = str(value)
+    return out
 
 
 class Callback:

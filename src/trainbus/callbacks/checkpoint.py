@@ -172,7 +172,9 @@ class Checkpointing(Callback):
 
     Args:
         every_steps: Save every N optimizer steps (None: never on steps).
-        every_epochs: Save every N epochs (None: never on epochs).
+        every_epochs: Save every N epochs (None: never on epochs). **The default, 1, also
+            applies beside** ``every_steps``: ``Checkpointing(every_steps=40)`` saves every 40
+            steps *and* at every epoch's end; pass ``every_epochs=None`` for steps only.
         monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
             improves; None to disable.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.

@@ -48,15 +48,28 @@ class MLflowLogger(Callback):
                         worker thread (anyio.to_thread), one log_batch per batch of metrics
 
     MLflow calls are slow and blocking (file or HTTP I/O): none runs on the training thread or
-    the event loop. The tracking store defaults to a local SQLite file, ``<run_dir>/mlflow.db``
-    (artifacts in ``<run_dir>/mlartifacts``), which needs no server and works offline (MLflow 3
-    refuses its old ``file:`` store); pass ``tracking_uri`` for a server.
-    :attr:`run_id` is the MLflow run of the last ``fit()``.
+    the event loop. :attr:`run_id` is the MLflow run of the last ``fit()``.
+
+    Where the run goes, first match wins (MLflow's own environment variables, as its fluent
+    client and the Hugging Face and Lightning integrations read them):
+
+    - tracking store: ``tracking_uri=`` > ``MLFLOW_TRACKING_URI`` > a local SQLite file,
+      ``<run_dir>/mlflow.db`` (artifacts in ``<run_dir>/mlartifacts``), which needs no server
+      and works offline (MLflow 3 refuses its old ``file:`` store unless
+      ``MLFLOW_ALLOW_FILE_STORE=true``);
+    - experiment: ``experiment=`` > ``MLFLOW_EXPERIMENT_NAME`` (created when missing; if
+      ``MLFLOW_EXPERIMENT_ID`` is also set it must be that experiment's id, as in MLflow) >
+      ``MLFLOW_EXPERIMENT_ID`` (an existing experiment) > ``"trainbus"``.
+
+    The environment is read when the logger is built (:attr:`tracking_uri`,
+    :attr:`experiment`, :attr:`experiment_id` show the outcome).
 
     Args:
         run_dir: Folder for the default local store (``<run_dir>/mlflow.db``).
-        tracking_uri: MLflow tracking URI (overrides the default store).
-        experiment: Experiment name (created when missing).
+        tracking_uri: MLflow tracking URI (default: ``MLFLOW_TRACKING_URI``, else the local
+            SQLite file).
+        experiment: Experiment name, created when missing (default: ``MLFLOW_EXPERIMENT_NAME``,
+            else the experiment ``MLFLOW_EXPERIMENT_ID`` names, else ``"trainbus"``).
         run_name: MLflow run name (default: MLflow's).
         params: Parameters to record at the start (values are stringified by MLflow).
         log_checkpoints: Upload each ``CheckpointSaved.path`` as an artifact.
@@ -65,7 +78,7 @@ class MLflowLogger(Callback):
 
     Raises:
         MissingExtraError: the ``mlflow`` (or ``mlflow-skinny``) package is not installed.
-        ConfigError: for an argument out of range.
+        ConfigError: for an argument out of range, or an empty ``tracking_uri``/``experiment``.
     """
 
     def __init__(
@@ -73,7 +86,7 @@ class MLflowLogger(Callback):
         run_dir: str | os.PathLike[str] = "runs",
         *,
         tracking_uri: str | None = None,
-        experiment: str = "trainbus",
+        experiment: str | None = None,
         run_name: str | None = None,
         params: Mapping[str, Any] | None = None,
         log_checkpoints: bool = True,
@@ -91,11 +104,22 @@ class MLflowLogger(Callback):
             raise ConfigError.invalid("tracking_uri", tracking_uri, "a non-empty URI or None")
         # MLflow 3 refuses its file: store (maintenance mode); a SQLite file is as local and
         # offline. Artifacts go next to it (the default root would be relative to the cwd).
-        self.tracking_uri = tracking_uri or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+        self.tracking_uri: str = (
+            tracking_uri
+            or _env("MLFLOW_TRACKING_URI")
+            or f"sqlite:///{(self.run_dir / 'mlflow.db').resolve()}"
+        )
+        """The tracking URI the runs go to (argument, environment, or the local default)."""
         self.artifact_location = (self.run_dir / "mlartifacts").resolve().as_uri()
-        if not isinstance(experiment, str) or not experiment:
-            raise ConfigError.invalid("experiment", experiment, "a non-empty name")
-        self.experiment = experiment
+        if experiment is not None and (not isinstance(experiment, str) or not experiment):
+            raise ConfigError.invalid("experiment", experiment, "a non-empty name or None")
+        env_id = _env("MLFLOW_EXPERIMENT_ID")
+        self.experiment: str | None = experiment or _env("MLFLOW_EXPERIMENT_NAME")
+        """The experiment name (None when only ``MLFLOW_EXPERIMENT_ID`` chose it)."""
+        self.experiment_id: str | None = env_id if experiment is None else None
+        """``MLFLOW_EXPERIMENT_ID`` when no ``experiment=`` was given (checked at the start)."""
+        if self.experiment is None and self.experiment_id is None:
+            self.experiment = "trainbus"
         self.run_name = run_name
         self.params = dict(params or {})
         if not isinstance(log_checkpoints, bool):
@@ -124,13 +148,27 @@ class MLflowLogger(Callback):
             record, buffer=self.job_buffer, overflow="block", name="MLflowLogger",
         )  # fmt: skip
 
+    def _experiment_id(self, client: Any) -> str:
+        # MLflow's order (mlflow.tracking.fluent): a name wins, and an id set beside it must
+        # be that experiment's; an id alone must exist (get_experiment raises otherwise).
+        if self.experiment is None:
+            assert self.experiment_id is not None
+            return str(client.get_experiment(self.experiment_id).experiment_id)
+        found = client.get_experiment_by_name(self.experiment)
+        if found is None:
+            return str(client.create_experiment(
+                self.experiment, artifact_location=self.artifact_location
+            ))  # fmt: skip
+        if self.experiment_id is not None and self.experiment_id != found.experiment_id:
+            raise ConfigError.invalid(
+                "MLFLOW_EXPERIMENT_ID", self.experiment_id,
+                f"the id of experiment {self.experiment!r} ({found.experiment_id}), or unset",
+            )  # fmt: skip
+        return str(found.experiment_id)
+
     def _start(self, started: ev.FitStarted) -> None:
         client = self._client = self._client_type(tracking_uri=self.tracking_uri)
-        found = client.get_experiment_by_name(self.experiment)
-        exp_id = found.experiment_id if found is not None else client.create_experiment(
-            self.experiment, artifact_location=self.artifact_location
-        )
-        run = client.create_run(exp_id, run_name=self.run_name)
+        run = client.create_run(self._experiment_id(client), run_name=self.run_name)
         self.run_id = run.info.run_id
         run_params = {"max_steps": started.max_steps, "max_epochs": started.max_epochs,
                       "device": started.device}  # fmt: skip
@@ -172,3 +210,8 @@ class MLflowLogger(Callback):
         if metrics and self._client is not None and self.run_id is not None:
             self._client.log_batch(self.run_id, metrics=list(metrics))
         metrics.clear()
+
+
+def _env(name: str) -> str | None:
+    """An MLflow environment variable, None when unset or empty (as MLflow treats it)."""
+    return os.environ.get(name) or None

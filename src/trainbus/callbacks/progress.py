@@ -23,7 +23,7 @@ from ._estimate import RunLength, StepRate
 if TYPE_CHECKING:
     from ..bus import EventBus
 
-__all__ = ["Progress", "progress_by_default"]
+__all__ = ["FALLBACK_COLUMNS", "Progress", "progress_by_default", "terminal_columns"]
 
 log = structlog.get_logger("trainbus")
 
@@ -44,6 +44,25 @@ def progress_by_default() -> bool:
         return bool(sys.stderr.isatty())
     except (AttributeError, ValueError):  # stderr replaced by an object without isatty, or closed
         return False
+
+
+FALLBACK_COLUMNS = 100
+"""The bar's width on a terminal that reports zero columns."""
+
+
+def terminal_columns(stream: Any) -> int | None:
+    """The columns of the terminal ``stream`` writes to, None when it is not one.
+
+    Args:
+        stream: A file object (``sys.stderr``).
+
+    Returns:
+        The reported width (which can be 0 on some pseudo-terminals), or None.
+    """
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, ValueError, OSError):  # no fileno, closed, or not a terminal
+        return None
 
 
 class Progress(Callback):
@@ -195,10 +214,15 @@ class _View:
     def _open(self, initial: int) -> None:
         if self.tqdm_cls is None or self.bar is not None:
             return
-        # mininterval=0: the sampling upstream already decides when to draw.
+        # mininterval=0: the sampling upstream already decides when to draw. A terminal that
+        # reports zero columns (some CI pseudo-terminals) would get a bar of no width, so
+        # nothing: draw it at a fixed width there instead of following the terminal.
+        width = terminal_columns(sys.stderr)
+        fixed = width is not None and width <= 0
         self.bar = self.tqdm_cls(
             total=self.total, initial=initial, desc=self.desc, unit="step",
-            file=sys.stderr, dynamic_ncols=True, mininterval=0,
+            file=sys.stderr, mininterval=0, dynamic_ncols=not fixed,
+            ncols=FALLBACK_COLUMNS if fixed else None,
         )  # fmt: skip
 
     def _values(self) -> dict[str, Any]:

@@ -1,0 +1,73 @@
+"""Folders of runs: ``runs/demo/<timestamp>`` with a ``latest`` pointer to the newest.
+
+``trainbus demo`` creates them (:func:`new_run_dir`); ``trainbus replay``/``plot`` and
+:func:`trainbus.replay` read a path through :func:`resolve_run`, so ``runs/demo`` means its
+newest run.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+__all__ = ["LATEST", "new_run_dir", "resolve_run"]
+
+LATEST = "latest"
+"""The pointer in a folder of runs (``runs/demo/latest``) to its newest run: a symbolic link,
+or a text file naming the run's folder where links cannot be made."""
+
+
+def resolve_run(path: str | os.PathLike[str]) -> Path:
+    """The event log a path names: the ``.jsonl`` file itself, ``<run dir>/events.jsonl``, or
+    for a folder of runs (``runs/demo``, as ``trainbus demo`` writes) the newest run's log, by
+    its ``latest`` pointer.
+
+    Args:
+        path: A ``JsonlEventLog`` file, a run folder, or a folder of runs with ``latest``.
+
+    Returns:
+        The ``.jsonl`` file (which may not exist when no run folder matched).
+    """
+    file = Path(path)
+    if not file.is_dir():
+        return file
+    latest = file / LATEST
+    if not (file / "events.jsonl").exists() and latest.is_file():  # a pointer file
+        name = latest.read_text(encoding="utf-8").strip()
+        if name and Path(name).name == name:  # a folder beside it, never a path elsewhere
+            return file / name / "events.jsonl"
+    if not (file / "events.jsonl").exists() and latest.is_dir():  # a symbolic link
+        return latest / "events.jsonl"
+    return file / "events.jsonl"
+
+
+def new_run_dir(root: Path) -> Path:
+    """Create ``root/<timestamp>`` (``-2``, ``-3``... on a clash) and point ``root/latest`` at
+    it: a relative symbolic link, or a text file naming the folder where links cannot be
+    made (:func:`resolve_run` reads both).
+
+    Args:
+        root: The folder of runs (``runs/demo``).
+
+    Returns:
+        The new, empty run folder.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    run_dir, n = root / stamp, 1
+    while True:
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            n += 1
+            run_dir = root / f"{stamp}-{n}"
+    latest = root / LATEST
+    if latest.is_symlink() or latest.is_file():
+        latest.unlink()
+    try:
+        latest.symlink_to(run_dir.name, target_is_directory=True)
+    except OSError:  # no symbolic links here (Windows without the privilege)
+        latest.write_text(run_dir.name + "\n", encoding="utf-8")
+    return run_dir
