@@ -10,8 +10,8 @@ position (step, epoch, batch in epoch, samples seen) is the ``TrainState``'s: th
 step advance it through its methods (``batch_taken``, ``samples_done``, ``step_done``,
 ``epoch_done``) and nowhere else.
 
-The event order is written once, in docs/events.md (pinned by tests/test_transcript.py and
-checked against what the loop publishes by tests/test_events.py). In short: ``FitStarted``;
+The event order is written once, in docs/events.md (tests/test_transcript.py pins a recorded
+run against it and checks its pseudocode against what the loop publishes). In short: ``FitStarted``;
 per epoch ``EpochStarted``, then per optimizer step :meth:`Step.run
 <trainbus.loop.step.Step.run>` (its module docstring lists the step's events), the poll point
 (a barrier at a declared decision step or a barrier event), an evaluation every
