@@ -29,8 +29,6 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
     Raises:
         TrainingError: the batch is not a two-element tuple or list.
     """
-    if type(batch) is tuple and len(batch) == 2:
-        return batch  # the common case, without an isinstance walk
     if isinstance(batch, tuple | list) and len(batch) == 2:
         return batch[0], batch[1]
     raise TrainingError(
@@ -80,7 +78,8 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
     """
     model = s.model
     if s.loss_fn is not None and (targets or (isinstance(batch, tuple | list) and len(batch) == 2)):
-        inputs, wanted = split_batch(batch)
+        # The common batch, an (inputs, targets) tuple, unpacked without a call.
+        inputs, wanted = batch if type(batch) is tuple and len(batch) == 2 else split_batch(batch)
         return model(inputs), wanted
     return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
 

@@ -11,6 +11,7 @@ Every span is closed with the error when its phase raises.
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .wants import Wants
 
-__all__ = ["SKIPPED", "StepPhases"]
+__all__ = ["StepPhases"]
 
-SKIPPED = object()
-"""Returned by :meth:`StepPhases.optimizer_step` when a hook skipped the step."""
+_FULL_PRECISION = contextlib.nullcontext()
+"""The forward's context at full precision: one shared no-op, not one built per step."""
 
 
 class StepPhases:
@@ -53,6 +54,7 @@ class StepPhases:
         self._s, self._bus, self._state = settings, bus, state
         self._hooks, self._wants = hooks, wants
         self._scaler = settings.scaler
+        self._mixed = settings.precision != "32"
         self.loss_checked = False
 
     def annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
@@ -84,7 +86,7 @@ class StepPhases:
             pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
         after_forward = self._hooks.by_point["after_forward"]
         try:
-            with self._s.autocast():
+            with self._s.autocast() if self._mixed else _FULL_PRECISION:
                 outputs, targets = model_outputs(self._s, batch)
                 if after_forward:
                     # May replace the outputs: the loss is computed from what the hooks leave.
@@ -195,13 +197,14 @@ class StepPhases:
         if w.zero_grad_ended:
             pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
-    def optimizer_step(self, bi: int) -> torch.Tensor | object | None:
+    def optimizer_step(self, bi: int) -> tuple[bool, torch.Tensor | None]:
         """The optimizer step with its hooks and ``OptimizerStepStarted/Ended``; advances
         ``state.step``.
 
         Returns:
-            The pre-clip grad norm (None without clipping), or :data:`SKIPPED` when a
-            ``before_optimizer_step`` hook skipped the step (gradients dropped, step unchanged).
+            ``(taken, grad_norm)``: taken is False when a ``before_optimizer_step`` hook
+            skipped the step (gradients dropped, step unchanged); grad_norm is the pre-clip
+            norm (None without clipping).
         """
         pub, st, s, w = self._bus.publish, self._state, self._s, self._wants
         opt, scaler = s.optimizer, self._scaler
@@ -216,7 +219,7 @@ class StepPhases:
                 self.zero_grad(bi)
                 if scaler is not None:
                     scaler.update()
-                return SKIPPED
+                return False, None
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip_grad_norm)
@@ -245,4 +248,4 @@ class StepPhases:
         self.zero_grad(bi)
         for hook in self._hooks.by_point["after_optimizer_step"]:
             hook(self.context(bi, 0, None))
-        return grad_norm
+        return True, grad_norm

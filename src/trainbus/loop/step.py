@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,7 +30,6 @@ from .._tensors import batch_size, move_to_device
 from .data import END
 from .gradsync import GradSync
 from .outcome import Cancelled
-from .phases import SKIPPED
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -148,7 +147,7 @@ class Step:
             due = w.step_ended_due
             step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
         keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
-        bi = st.batch_in_epoch
+        bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
         # ---------------------------------------------------------------- micro-batches
         for micro in range(window):
             if self._cancelled():
@@ -193,8 +192,10 @@ class Step:
                         ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
                     )
             phases.backward(loss, window, bi, micro)
-            self._grad_sync.backward_done()
-        self._grad_sync.finish()  # a window cut short after no_sync() backwards
+            if window > 1:  # only a window of several micro-batches defers DDP's all-reduce
+                self._grad_sync.backward_done()
+        if window > 1:
+            self._grad_sync.finish()  # a window cut short after no_sync() backwards
         st.samples_done(samples)
         opt = s.optimizer
         if not stepped:
@@ -207,10 +208,9 @@ class Step:
             opt.zero_grad(set_to_none=True)
             return consumed
         # ---------------------------------------------------------------- optimizer step
-        stepped_norm = phases.optimizer_step(bi)
-        if stepped_norm is SKIPPED:
+        took, grad_norm = phases.optimizer_step(bi)
+        if not took:
             return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
-        grad_norm = cast("torch.Tensor | None", stepped_norm)
         self.taken = True
         # ---------------------------------------------------------------- scheduler
         if s.scheduler is not None and s.scheduler_interval == "step":
