@@ -5,14 +5,13 @@ the steps alone: the training data is wrapped in an iterator that stamps the wal
 training thread's CPU clock and the process' CPU clock at the first and at the last batch
 fetched, so run start and end (the bus opening, the final barrier) stay out, and the
 event-loop thread's CPU per step ("loop thr") is the process' CPU minus the training thread's.
-Each variant is also run with the tight loop of ordinary steps switched off
-(``--ab``: ``OrdinarySteps.possible`` patched to False), which shows what it saves in the same
-run.
+(``--ab``, which ran each variant without the tight loop of ordinary steps, went with that
+loop: every step is now ``Step.run``; compare two trees with ``step_overhead.py`` instead.)
 
 Run: ``.venv/bin/python benchmarks/step_probe.py`` (the tiny 32-64-10 MLP, batch 32, torch 1
 thread, 2,000 steps, 12 interleaved rounds; about 2 minutes). ``--model null`` uses a 2-2
 linear layer on batches of 2, whose step is almost all framework overhead: the place to read
-the trainbus µs per step with the least noise. ``--rounds``, ``--steps``, ``--ab``,
+the trainbus µs per step with the least noise. ``--rounds``, ``--steps``,
 ``VARIANT ...`` to choose. ``--profile KIND`` prints a cProfile of one run's training thread.
 
 Figures: the median µs per step over rounds, and two ratios to ``bare_thread`` (the same loop
@@ -46,7 +45,6 @@ from step_overhead import ignite_update, make_data, make_model
 import trainbus.loop.loop as loop_module
 from trainbus import Trainer
 from trainbus import events as ev
-from trainbus.loop import ordinary
 
 CPU = torch.device("cpu")
 Stamps = tuple[float, float, float]  # wall, training-thread CPU, process CPU
@@ -171,7 +169,7 @@ SETUPS: dict[str, Callable[[Trainer], Any] | None] = {
 
 
 def trainbus_run(
-    data: list[Any], new_model: Callable[[], torch.nn.Module], kind: str, *, tight: bool = True
+    data: list[Any], new_model: Callable[[], torch.nn.Module], kind: str
 ) -> dict[str, float]:
     model = new_model()
     stamped = Stamped(data)
@@ -181,15 +179,7 @@ def trainbus_run(
     setup = SETUPS[kind]
     if setup is not None:
         setup(trainer)
-    if tight:
-        trainer.run()
-    else:
-        real = ordinary.OrdinarySteps.possible
-        ordinary.OrdinarySteps.possible = lambda self: False  # type: ignore[method-assign]
-        try:
-            trainer.run()
-        finally:
-            ordinary.OrdinarySteps.possible = real  # type: ignore[method-assign]
+    trainer.run()
     return stamped.per_step()
 
 
@@ -220,9 +210,6 @@ def main() -> None:
     parser.add_argument("--model", choices=["tiny", "null"], default="tiny")
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument(
-        "--ab", action="store_true", help="also run each kind without the tight loop"
-    )
     parser.add_argument("--no-ignite", action="store_true")
     parser.add_argument("--profile", metavar="KIND")
     args = parser.parse_args()
@@ -241,10 +228,6 @@ def main() -> None:
         variants["ignite"] = lambda: ignite(data, new_model)
     for kind in args.kinds:
         variants[kind] = lambda kind=kind: trainbus_run(data, new_model, kind)
-        if args.ab:
-            variants[f"{kind} (no tight loop)"] = lambda kind=kind: trainbus_run(
-                data, new_model, kind, tight=False
-            )
     load = load_average()
     samples = interleaved_rounds(variants, args.rounds)
     base = samples["bare_thread"]

@@ -177,7 +177,7 @@ class CallbackStates:
                         world_size=world_size, epoch=st.epoch, batch_in_epoch=st.batch_in_epoch,
                         action="resume at the next epoch boundary")  # fmt: skip
             if st.batch_in_epoch > 0:
-                st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+                st.epoch_done()  # the next epoch boundary
             world_size = saved_world
         checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
                            scheduler=s.scheduler, scaler=s.scaler, world_size=world_size,

@@ -197,3 +197,23 @@ def test_cuda_rng_round_trips(tmp_path: Path) -> None:
     model, opt, _ = trained()
     load_checkpoint(path, model=model, optimizer=opt, scheduler=None, scaler=None)
     assert torch.equal(torch.rand(4, device="cuda"), expected)
+
+
+def test_the_train_state_advances_only_through_its_methods() -> None:
+    """The run's position has one owner: its fields are read-only; the loop's four moves are
+    its methods, and a checkpoint writes and reads it through ``as_dict`` / ``from_dict``."""
+    st = TrainState(step=4, epoch=1, batch_in_epoch=2, samples_seen=40)
+    for name in TrainState.FIELDS:
+        with pytest.raises(AttributeError):
+            setattr(st, name, 0)
+    assert st.batch_taken() == 2 and st.batch_in_epoch == 3
+    st.samples_done(8)
+    st.step_done()
+    assert (st.step, st.epoch, st.batch_in_epoch, st.samples_seen) == (5, 1, 3, 48)
+    st.epoch_done()
+    assert (st.step, st.epoch, st.batch_in_epoch, st.samples_seen) == (5, 2, 0, 48)
+    saved = st.as_dict()
+    assert saved == {"step": 5, "epoch": 2, "batch_in_epoch": 0, "samples_seen": 48}
+    assert TrainState.from_dict(saved) == st and TrainState.from_dict(saved) is not st
+    assert repr(st) == "TrainState(step=5, epoch=2, batch_in_epoch=0, samples_seen=48)"
+    assert st != TrainState(step=5)

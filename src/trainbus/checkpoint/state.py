@@ -18,7 +18,7 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -46,18 +46,106 @@ FORMAT_VERSION = 2
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 
 
-@dataclass(slots=True, kw_only=True)
 class TrainState:
-    """Where the loop is: enough to resume exactly."""
+    """Where the loop is: enough to resume exactly. The one owner of the run's position.
 
-    step: int = 0
-    """Optimizer steps completed."""
-    epoch: int = 0
-    """The epoch in progress (or about to start)."""
-    batch_in_epoch: int = 0
-    """Training batches of ``epoch`` already consumed (a mid-epoch save resumes after them)."""
-    samples_seen: int = 0
-    """Training samples consumed since the run began (across resumes)."""
+    The fields are read-only; the position advances only through the methods below (the loop
+    calls them at the points docs/events.md names), and a checkpoint reads and restores it
+    through :meth:`as_dict` / :meth:`from_dict`.
+
+    Args:
+        step: Optimizer steps completed.
+        epoch: The epoch in progress (or about to start).
+        batch_in_epoch: Training batches of ``epoch`` already consumed.
+        samples_seen: Training samples consumed since the run began (across resumes).
+    """
+
+    __slots__ = ("_batch_in_epoch", "_epoch", "_samples_seen", "_step")
+
+    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen")
+    """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
+
+    def __init__(
+        self, *, step: int = 0, epoch: int = 0, batch_in_epoch: int = 0, samples_seen: int = 0
+    ) -> None:
+        self._step, self._epoch = step, epoch
+        self._batch_in_epoch, self._samples_seen = batch_in_epoch, samples_seen
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self._step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress (or about to start)."""
+        return self._epoch
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """Training batches of ``epoch`` already consumed (a mid-epoch save resumes after
+        them)."""
+        return self._batch_in_epoch
+
+    @property
+    def samples_seen(self) -> int:
+        """Training samples consumed since the run began (across resumes)."""
+        return self._samples_seen
+
+    def batch_taken(self) -> int:
+        """A training batch was fetched: count it in the epoch.
+
+        Returns:
+            Its index in the epoch (``batch_in_epoch`` before the call).
+        """
+        bi = self._batch_in_epoch
+        self._batch_in_epoch = bi + 1
+        return bi
+
+    def samples_done(self, samples: int) -> None:
+        """``samples`` training samples went through a forward and backward."""
+        self._samples_seen += samples
+
+    def step_done(self) -> None:
+        """An optimizer step was taken."""
+        self._step += 1
+
+    def epoch_done(self) -> None:
+        """The epoch's batches are all consumed (or a resume moves on to the next epoch's
+        boundary): the next epoch starts at its first batch."""
+        self._epoch += 1
+        self._batch_in_epoch = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The position as a checkpoint stores it: ``{name: int}`` for :attr:`FIELDS`."""
+        return {
+            "step": self._step,
+            "epoch": self._epoch,
+            "batch_in_epoch": self._batch_in_epoch,
+            "samples_seen": self._samples_seen,
+        }
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, int]) -> TrainState:
+        """The position a checkpoint stored (:meth:`as_dict`'s output).
+
+        Raises:
+            KeyError: a field is missing (the reader checks the names first).
+        """
+        return cls(step=saved["step"], epoch=saved["epoch"],
+                   batch_in_epoch=saved["batch_in_epoch"],
+                   samples_seen=saved["samples_seen"])  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TrainState):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: equal by value, not hashable
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"TrainState({fields})"
 
 
 def _trainbus_version() -> str:
@@ -143,7 +231,7 @@ def build_payload(
         "magic": MAGIC,
         "format": FORMAT_VERSION,
         "meta": run_metadata(model, optimizer, world_size=world_size),
-        "state": asdict(state),
+        "state": state.as_dict(),
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
@@ -301,7 +389,7 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
     for key, kind in (("param_shapes", dict), ("optimizer", str), ("world_size", int)):
         _need(meta, key, kind, path)
     raw_state = _need(payload, "state", dict, path)
-    names = ("step", "epoch", "batch_in_epoch", "samples_seen")
+    names = TrainState.FIELDS
     if set(raw_state) != set(names) or not all(
         isinstance(raw_state[n], int) and not isinstance(raw_state[n], bool) and raw_state[n] >= 0
         for n in names
@@ -326,7 +414,7 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
         raise CheckpointError("the 'callbacks' entry is not {name: state dict}", path=str(path))
     return Checkpoint(
         path=path,
-        state=TrainState(**raw_state),
+        state=TrainState.from_dict(raw_state),
         metrics=dict(metrics),
         model=model,
         optimizer=optimizer,

@@ -2,15 +2,16 @@
 
 Objects, each owning its state (see docs/architecture.md for the table):
 
-- :class:`Loop` (``loop.py``): the run, the epoch and the step, in event order.
-- :class:`OrdinarySteps` (``ordinary.py``): stretches of steps with nothing to do but train,
-  run back to back in one tight loop (the same events and state as the step).
+- :class:`Loop` (``loop.py``): the run, the epoch and the poll point after each step.
+- :class:`Step` (``step.py``): one optimizer step, written once, in event order.
+- :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
+- ``forward.py``: the forward (model outputs, then the loss) for training, evaluation and
+  prediction.
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
 - :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
 - :class:`StandaloneRun` (``standalone.py``): ``evaluate()`` and ``predict()`` outside ``fit()``.
 - :class:`CheckpointWriter` (``checkpoint.py``): saves and remembers the last checkpoint.
-- :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
 - :class:`Settings` (``settings.py``): the validated, frozen configuration.
@@ -28,7 +29,6 @@ from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
 from .hooks import StepContext as StepContext
 from .loop import Loop as Loop
-from .ordinary import OrdinarySteps as OrdinarySteps
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
@@ -40,6 +40,7 @@ from .settings import build_settings as build_settings
 from .settings import eval_sets as eval_sets
 from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
+from .step import Step as Step
 from .wants import Wants as Wants
 from .window import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 from .window import MetricsWindow as MetricsWindow
@@ -58,11 +59,11 @@ __all__ = [
     "Loop",
     "MetricsWindow",
     "NonFinitePolicy",
-    "OrdinarySteps",
     "Outcome",
     "Precision",
     "Settings",
     "StandaloneRun",
+    "Step",
     "StepContext",
     "StepPhases",
     "Wants",

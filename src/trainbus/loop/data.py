@@ -70,7 +70,7 @@ class EpochData:
         """
         s, st = self._s, self._state
         if s.train_len is not None and st.batch_in_epoch >= s.train_len:
-            st.epoch, st.batch_in_epoch = st.epoch + 1, 0
+            st.epoch_done()
         return None if s.train_len is None else math.ceil(s.train_len / s.accumulate)
 
     def empty_error(self) -> TrainingError:

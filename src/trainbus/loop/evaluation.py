@@ -1,9 +1,9 @@
-"""Forward + loss for both phases, and the evaluation pass."""
+"""The evaluation pass: every evaluation set scored with the forward of ``forward.py``."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
@@ -12,6 +12,7 @@ from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
 from ..hookpoints import StepContext
+from .forward import forward_loss, metric_targets
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -24,100 +25,11 @@ __all__ = [
     "EvalTrigger",
     "Evaluator",
     "evaluation_metric_names",
-    "forward_loss",
-    "forward_outputs",
-    "loss_of",
     "metric_name",
-    "metric_targets",
-    "predict_outputs",
-    "split_batch",
 ]
 
 EvalTrigger: TypeAlias = ev.EvalTrigger
 """Why an evaluation runs (``EvaluationStarted.trigger``)."""
-
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of a two-element tuple/list batch, as ``loss_fn`` mode expects."""
-    if isinstance(batch, tuple | list) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TrainingError(
-        f"with loss_fn, each batch must be (inputs, targets); got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
-    )
-
-
-def metric_targets(batch: Any) -> Any:
-    """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md).
-
-    ``(inputs, targets)`` 2-tuples/lists give ``targets``; mappings (Hugging Face style) give
-    ``batch["labels"]``; any other batch is passed whole.
-
-    Raises:
-        TrainingError: a mapping batch without a ``"labels"`` key.
-    """
-    if isinstance(batch, tuple | list) and len(batch) == 2:
-        return batch[1]
-    if isinstance(batch, Mapping):
-        if "labels" not in batch:
-            raise TrainingError(
-                "metric functions get batch['labels'] for mapping batches, but this batch has "
-                f"only the keys {sorted(map(str, batch))}: add a 'labels' entry"
-            )
-        return batch["labels"]
-    return batch
-
-
-def _extract_loss(outputs: Any) -> Any:
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, Mapping) and "loss" in outputs:
-        return outputs["loss"]
-    loss = getattr(outputs, "loss", None)
-    if loss is not None:
-        return loss
-    raise TrainingError(
-        f"the model returned {type(outputs).__name__} with no loss: without loss_fn the model "
-        "must return the loss, a mapping with a 'loss' key, or an object with a .loss attribute"
-    )
-
-
-def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
-    """Run the model on ``batch`` and compute the loss (either convention)."""
-    model = s.model
-    if s.loss_fn is not None:
-        if type(batch) is tuple and len(batch) == 2:
-            inputs, targets = batch  # the common case, without a call
-        else:
-            inputs, targets = split_batch(batch)
-        outputs = model(inputs)
-        return outputs, s.loss_fn(outputs, targets)
-    outputs = model(**batch) if isinstance(batch, Mapping) else model(batch)
-    return outputs, _extract_loss(outputs)
-
-
-def forward_outputs(s: Settings, batch: Any) -> tuple[Any, Any]:
-    """The model's outputs for ``batch`` and the targets the loss needs (None without
-    ``loss_fn``): the first half of :func:`forward_loss`, so a hook can replace the outputs."""
-    if s.loss_fn is not None:
-        inputs, targets = split_batch(batch)
-        return s.model(inputs), targets
-    return (s.model(**batch) if isinstance(batch, Mapping) else s.model(batch)), None
-
-
-def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
-    """The loss of ``outputs`` (:func:`forward_outputs`' second half)."""
-    if s.loss_fn is not None:
-        return s.loss_fn(outputs, targets)
-    return _extract_loss(outputs)
-
-
-def predict_outputs(s: Settings, batch: Any) -> Any:
-    """The model's outputs for a prediction batch: ``inputs`` of an ``(inputs, targets)``
-    batch when ``loss_fn`` is set, else the batch (a mapping as keyword arguments)."""
-    if s.loss_fn is not None and isinstance(batch, tuple | list) and len(batch) == 2:
-        return s.model(batch[0])
-    return s.model(**batch) if isinstance(batch, Mapping) else s.model(batch)
 
 
 def metric_name(dataset: str, name: str, *, named: bool) -> str:

@@ -1,57 +1,34 @@
 """The training loop. It runs on a worker thread, publishes onto the bus, polls commands.
 
 :class:`Loop` is the run, the epoch and the poll point after each step. The rest is owned by
-the parts it composes: ``Step`` (one optimizer step with its hooks and events) and
-``OrdinarySteps`` (stretches of steps with nothing to do but train), ``Wants`` (which events
-someone listens to), ``StepPhases`` (forward, backward and optimizer step with their events and
-hooks), ``MetricsWindow`` (aggregated metrics and the NaN check),
+the parts it composes: ``Step`` (one optimizer step with its hooks and events, the only one),
+``StepPhases`` (its forward, backward and optimizer step), ``Wants`` (which events someone
+listens to), ``MetricsWindow`` (aggregated metrics and the NaN check), ``NonFiniteGuard``,
 ``Evaluator``, ``CheckpointWriter``, ``CommandHandler`` (poll points, commands, stop state),
-``EpochData`` (each epoch's iterator, the observed fetch) and ``SchedulerStepper``.
+``EpochData`` (each epoch's iterator, the observed fetch) and ``SchedulerStepper``. The run's
+position (step, epoch, batch in epoch, samples seen) is the ``TrainState``'s: the loop and the
+step advance it through its methods (``batch_taken``, ``samples_done``, ``step_done``,
+``epoch_done``) and nowhere else.
 
-Event order (pinned by tests/test_transcript.py, documented in docs/events.md)::
+The event order is written once, in docs/events.md (tests/test_transcript.py pins a recorded
+run against it and checks its pseudocode against what the loop publishes). In short: ``FitStarted``;
+per epoch ``EpochStarted``, then per optimizer step :meth:`Step.run
+<trainbus.loop.step.Step.run>` (its module docstring lists the step's events), the poll point
+(a barrier at a declared decision step or a barrier event), an evaluation every
+``eval_every`` steps; the epoch-end evaluation, the per-epoch scheduler step and
+``EpochEnded``; a final barrier and poll, the final ``CheckpointSaved``, ``FitEnded``. Each
+poll applies the queued commands in order, each acknowledged by ``CommandApplied`` after its
+own events (``CheckpointSaved``, an evaluation span).
 
-    [CheckpointLoaded]                           (when resuming; published by the Trainer)
-    FitStarted                                   -- poll --
-    for epoch:
-        EpochStarted
-        for each optimizer step (a window of `accumulate` micro-batches):
-            for each micro-batch:
-                BatchFetched(phase="train")      hook "batch" (may skip)
-                ForwardStarted / ForwardEnded    hook "loss" (may scale / skip)
-                LossComputed
-                BackwardStarted / BackwardEnded
-            hook "before_optimizer_step"         (may edit grads / skip the step)
-            OptimizerStepStarted / OptimizerStepEnded
-            hook "after_optimizer_step"
-            SchedulerStepped                     (interval "step")
-            StepEnded
-            MetricsLogged                        (every `log_every` steps)
-            -- [barrier, if StepEnded/MetricsLogged are barriers or at a decision step] poll --
-            EvaluationStarted / EvalBatchEnded* / EvaluationEnded   (every `eval_every` steps)
-            -- barrier, poll commands --
-        EvaluationStarted / ... / EvaluationEnded (epoch completed) -- barrier, poll --
-        SchedulerStepped                         (interval "epoch", epoch completed)
-        EpochEnded                               -- barrier, poll --
-    -- final barrier, poll --
-    CheckpointSaved                              (final: checkpoint_dir set, none saved at this
-                                                  step yet, no non-finite stop, finite weights)
-    FitEnded
-
-Each poll applies the queued commands in order, each acknowledged by ``CommandApplied`` after
-its own events (``CheckpointSaved``, an evaluation span).
-
-Events nobody wants are never built: the step compares ``bus.routes_version`` with the version
-its ``Wants`` were read at (one int compare) and re-reads them only when the routing changed.
+Events nobody wants are never built: the loop compares ``bus.routes_version`` with the version
+its ``Wants`` were read at (one int compare a step) and re-reads them only when the routing
+changed; the step's event and hook points are branches on those flags. The poll point after a
+step with nothing special reads one attribute, the bus' doorbell, which rings after a command,
+a failure, a full ``"block"`` buffer, a routing change or a cancel.
 No value is read off the device on this thread unless a subscriber or the non-finite guard needs
 it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the window's
 losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
 under ``on_nonfinite="skip"``, which reads every step before the update (see ``nonfinite.py``).
-
-Most steps of a run have nothing to do but train (one micro-batch, no hook, no per-phase event,
-not a log, decision or evaluation step): ``_epoch`` hands stretches of them to
-:class:`~trainbus.loop.ordinary.OrdinarySteps`, which runs them back to back with the same
-events and state changes as :meth:`~trainbus.loop.step.Step.run` (pinned by
-tests/test_ordinary_steps.py).
 """
 
 from __future__ import annotations
@@ -70,7 +47,6 @@ from .data import EpochData
 from .evaluation import EvalTrigger, Evaluator
 from .hooks import Hooks
 from .nonfinite import NonFiniteGuard
-from .ordinary import OrdinarySteps
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .pinning import hint_pin_memory
@@ -165,12 +141,15 @@ class Loop:
         parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
                           self._window, scheduler_step=scheduler.step, lr=scheduler.lr,
                           cancelled=lambda: self._cancel)  # fmt: skip
-        self._ordinary = OrdinarySteps(parts, prompt_commands=sync is None)
         self._step = Step(parts, fetch_observed=self._data.fetch_observed)
         self._scheduler_step = scheduler.step
         # The step clock: the next declared decision step (-1: none), re-read with the wants
         # whenever bus.routes_version changes (it counts schedule changes too).
         self._routes_seen = -1
+        # The bus' doorbell count at the last look: the poll point after a plain step reads
+        # one attribute; the bus rings after a command, a failure, a full "block" buffer, a
+        # routing change, and a cancel rings it too.
+        self._rings_seen = -1
         self._decision_step = -1
         # Under torchrun: the union of every rank's decision schedules, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.
@@ -182,7 +161,7 @@ class Loop:
         between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
         Safe from any thread."""
         self._cancel = True
-        self._bus.doorbell.ring()  # a stretch of ordinary steps hears it after its next step
+        self._bus.doorbell.ring()  # the poll point after the current step hears it
 
     def check_cancel(self) -> None:
         """Raise :class:`Cancelled` when a cancel was requested."""
@@ -230,8 +209,7 @@ class Loop:
             control.poll(common=True)
             while not self._finished():
                 if self._epoch():
-                    st.epoch += 1
-                    st.batch_in_epoch = 0
+                    st.epoch_done()
             # A last sync point: subscribers may still be answering the final steps (a
             # SaveCheckpoint for the last StepEnded); deliver, wait, and apply what they sent.
             control.barrier_then_poll(None, common=True)
@@ -281,7 +259,7 @@ class Loop:
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         bus, st, s, control = self._bus, self._state, self._s, self._control
-        pub, ordinary, step = bus.publish, self._ordinary, self._step
+        pub, step = bus.publish, self._step
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -307,15 +285,6 @@ class Loop:
                             break
                 if bus.routes_version != self._routes_seen:  # the one int compare a step
                     self._reread_routes()  # pays for its wants and decision steps
-                if window == 1:
-                    limit = ordinary.limit(self._decision_step)
-                    if limit > 0:  # a stretch of steps with nothing to do but train
-                        ordinary.run(it, limit)
-                        if ordinary.exhausted:
-                            complete = True
-                            break
-                        self._poll_if_pending()  # what the stretch stopped for
-                        continue
                 if step.run(it, window) == 0:
                     complete = True
                     break
@@ -372,11 +341,17 @@ class Loop:
 
     def _poll_if_pending(self) -> None:
         """The poll point of a step with nothing special: poll only when a subscriber failed,
-        a command waits, a cancel was asked or a ``"block"`` buffer is full (a few reads
-        otherwise)."""
+        a command waits, a cancel was asked or a ``"block"`` buffer is full. Each of those rings
+        the bus' doorbell: while it has not rung since the last look, one attribute read."""
         bus = self._bus
+        rings = bus.doorbell.rings
+        if rings == self._rings_seen:
+            return
+        # Read before the checks: a ring after this read is heard at the next step.
+        self._rings_seen = rings
         if bus.failure is not None or bus.has_commands() or self._cancel or bus.held:
             self._control.poll()
+            self._rings_seen = -1  # look again next step: the poll may have left some pending
 
     def _next_decision(self, step: int) -> int:
         """The first declared decision step after ``step`` (-1: none)."""

@@ -110,7 +110,11 @@ class NonFiniteGuard:
         """
         if self._cpu:
             # .item() on a CPU scalar is a plain read (~0.3 µs), no sync to pay for.
-            finite = all(math.isfinite(loss.item()) for loss in losses)
+            finite = True
+            for loss in losses:
+                if not math.isfinite(loss.item()):
+                    finite = False
+                    break
         else:
             # Only under "skip" on an accelerator: one device sync per step, documented.
             finite = bool(torch.isfinite(torch.stack(losses)).all().item())

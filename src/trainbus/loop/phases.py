@@ -1,24 +1,24 @@
-"""The phases of one optimizer step with their events and hooks.
+"""The phases of one optimizer step, each written once with its events and hooks.
 
-The step's plain path (no hook, no per-phase event wanted, full precision) runs forward,
-backward and the optimizer step inline; :class:`StepPhases` holds the instrumented versions:
-``ForwardStarted/Ended`` with the ``after_forward`` hook inside, ``LossComputed`` and the ``loss``
-hook, ``BackwardStarted/Ended``, the ``after_backward`` hook, ``MicroBatchEnded``, the
-``before/after_optimizer_step`` hooks, ``OptimizerStepStarted/Ended`` and
-``ZeroGradStarted/Ended``. Every span is closed
-with the error when its phase raises. Both paths share :meth:`StepPhases.check_loss` and
-:meth:`StepPhases.annotate`.
+:class:`StepPhases` is the forward (``ForwardStarted/Ended`` with the ``after_forward`` hook
+inside, then the ``loss`` hook), the backward (``BackwardStarted/Ended``, the ``after_backward``
+hook, ``MicroBatchEnded``) and the optimizer step (the ``before/after_optimizer_step`` hooks,
+clipping, ``OptimizerStepStarted/Ended``, ``ZeroGradStarted/Ended``). Every event and hook is a
+branch on a flag the loop resolved when the routing changed (:class:`~trainbus.loop.wants.Wants`)
+or on the hook tuple of its point: a step nobody observes takes the same code and skips them.
+Every span is closed with the error when its phase raises.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import events as ev
 from .._exceptions import TrainingError
-from .evaluation import forward_loss, forward_outputs, loss_of
+from .forward import loss_of, model_outputs
 from .hooks import Hooks, StepContext
 
 if TYPE_CHECKING:
@@ -27,20 +27,18 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .wants import Wants
 
-__all__ = ["SKIPPED", "StepPhases"]
+__all__ = ["StepPhases"]
 
-SKIPPED = object()
-"""Returned by :meth:`StepPhases.optimizer_step` when a hook skipped the step."""
+_FULL_PRECISION = contextlib.nullcontext()
+"""The forward's context at full precision: one shared no-op, not one built per step."""
 
 
 class StepPhases:
-    """Forward, backward and optimizer step of the training step, instrumented.
+    """Forward, backward and optimizer step of the training step, with their events and hooks.
 
     Attributes:
-        loss_checked: The first loss was checked (a scalar tensor that requires grad); the
-            plain path checks until then, a ``loss`` hook's replacement is always checked.
-        instrumented_precision: Mixed precision (autocast or a grad scaler) is on: the step
-            always takes these instrumented phases.
+        loss_checked: The first loss was checked (a scalar tensor that requires grad); a
+            ``loss`` hook's replacement is always checked.
 
     Args:
         settings: The run's settings (model, optimizer, scaler, precision, clip_grad_norm).
@@ -55,9 +53,8 @@ class StepPhases:
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
         self._hooks, self._wants = hooks, wants
-        self._amp = settings.precision != "32"
         self._scaler = settings.scaler
-        self.instrumented_precision = self._amp or self._scaler is not None
+        self._mixed = settings.precision != "32"
         self.loss_checked = False
 
     def annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
@@ -89,8 +86,8 @@ class StepPhases:
             pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
         after_forward = self._hooks.by_point["after_forward"]
         try:
-            with self._s.autocast():
-                outputs, targets = forward_outputs(self._s, batch)
+            with self._s.autocast() if self._mixed else _FULL_PRECISION:
+                outputs, targets = model_outputs(self._s, batch)
                 if after_forward:
                     # May replace the outputs: the loss is computed from what the hooks leave.
                     if ctx is None:
@@ -200,51 +197,14 @@ class StepPhases:
         if w.zero_grad_ended:
             pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
-    def plain_loss(self, batch: Any, bi: int) -> Any:
-        """The loss of ``batch`` for a step with no hook, no forward event and full precision
-        (``forward_loss``), not yet checked.
-
-        Raises:
-            BaseException: Whatever the model or the loss raised, with a note naming the
-                phase, step, epoch and batch.
-        """
-        try:
-            return forward_loss(self._s, batch)[1]
-        except BaseException as exc:
-            self.annotate(exc, "forward", bi)
-            raise
-
-    def plain_optimizer_step(self, bi: int) -> torch.Tensor | None:
-        """The optimizer step of a step with no hook, no optimizer event wanted and full
-        precision: clip (when configured), ``step()``, ``zero_grad``. Does not advance the
-        step (the caller does, with what follows).
-
-        Returns:
-            The pre-clip grad norm, or None without clipping.
-
-        Raises:
-            BaseException: Whatever clipping or the optimizer raised, with a note naming the
-                phase, step, epoch and batch.
-        """
-        s = self._s
-        grad_norm: torch.Tensor | None = None
-        try:
-            if s.clip_grad_norm is not None:
-                grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip_grad_norm)
-            s.optimizer.step()
-            s.optimizer.zero_grad(set_to_none=True)
-        except BaseException as exc:
-            self.annotate(exc, "optimizer step", bi)
-            raise
-        return grad_norm
-
-    def optimizer_step(self, bi: int) -> torch.Tensor | object | None:
+    def optimizer_step(self, bi: int) -> tuple[bool, torch.Tensor | None]:
         """The optimizer step with its hooks and ``OptimizerStepStarted/Ended``; advances
         ``state.step``.
 
         Returns:
-            The pre-clip grad norm (None without clipping), or :data:`SKIPPED` when a
-            ``before_optimizer_step`` hook skipped the step (gradients dropped, step unchanged).
+            ``(taken, grad_norm)``: taken is False when a ``before_optimizer_step`` hook
+            skipped the step (gradients dropped, step unchanged); grad_norm is the pre-clip
+            norm (None without clipping).
         """
         pub, st, s, w = self._bus.publish, self._state, self._s, self._wants
         opt, scaler = s.optimizer, self._scaler
@@ -259,7 +219,7 @@ class StepPhases:
                 self.zero_grad(bi)
                 if scaler is not None:
                     scaler.update()
-                return SKIPPED
+                return False, None
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip_grad_norm)
@@ -281,11 +241,11 @@ class StepPhases:
                                           error=exc))  # fmt: skip
             self.annotate(exc, "optimizer step", bi)
             raise
-        st.step += 1
+        st.step_done()
         if w.optimizer_step_ended:
             pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
                                       skipped=skipped))  # fmt: skip
         self.zero_grad(bi)
         for hook in self._hooks.by_point["after_optimizer_step"]:
             hook(self.context(bi, 0, None))
-        return grad_norm
+        return True, grad_norm

@@ -28,7 +28,8 @@ from .. import events as ev
 from .._exceptions import ConfigError
 from .._tensors import batch_size, move_to_device, use_device
 from ..hookpoints import StepContext
-from .evaluation import Evaluator, predict_outputs
+from .evaluation import Evaluator
+from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
 from .wants import Wants
@@ -197,7 +198,7 @@ class StandaloneRun:
                                               batch_index=bi))  # fmt: skip
                     try:
                         with s.autocast():
-                            outputs = detach_outputs(predict_outputs(s, batch))
+                            outputs = detach_outputs(model_outputs(s, batch, targets=False)[0])
                     except BaseException as exc:
                         if w.forward_ended:
                             pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="predict",

@@ -1,16 +1,19 @@
-"""One optimizer step with everything it may carry: hooks, per-phase events, accumulation.
+"""One optimizer step, written once, with everything it may carry.
 
-:class:`Step` runs a step over a window of micro-batches and reads top to bottom in the event
-order of docs/events.md: ``StepBegan``, per micro-batch ``BatchFetched`` (hook ``"batch"``),
-the forward and its loss (hook ``"loss"``), ``LossComputed``, the backward; then the optimizer
-step (hooks ``"before_optimizer_step"`` / ``"after_optimizer_step"``), the scheduler,
-``StepEnded`` and the log window's ``MetricsLogged``. What comes after a step that was taken
-(the poll point, a decision step's barrier, an evaluation) is the loop's: :class:`Step`
-reports what it published through :attr:`Step.ended` and :attr:`Step.barrier_event`.
+:class:`Step` runs one optimizer step over a window of micro-batches and reads top to bottom
+in the event order of docs/events.md: ``StepBegan``, per micro-batch the fetch (the data-wait
+span), ``BatchFetched`` (hook ``"batch"``), the forward and its loss (hooks ``"after_forward"``,
+``"loss"``), ``LossComputed``, the backward (hook ``"after_backward"``, ``MicroBatchEnded``);
+the non-finite check; the optimizer step (hooks ``"before_optimizer_step"`` /
+``"after_optimizer_step"``); the scheduler, ``StepEnded`` and the log window's
+``MetricsLogged``. What comes after a step that was taken (the poll point, a decision step's
+barrier, an evaluation) is the loop's: :class:`Step` reports what it published through
+:attr:`Step.ended` and :attr:`Step.barrier_event`.
 
-The common case of the step (one micro-batch, no hook, no per-phase event, not a special step)
-runs in :class:`~trainbus.loop.ordinary.OrdinarySteps` instead, with the same events and state
-changes (pinned by tests/test_ordinary_steps.py).
+Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` (resolved once
+per routing change, when ``bus.routes_version`` moves) or the hook tuple of its point. A step
+nobody observes runs the same code and pays those reads, nothing else: there is no second
+copy of the step.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +30,6 @@ from .._tensors import batch_size, move_to_device
 from .data import END
 from .gradsync import GradSync
 from .outcome import Cancelled
-from .phases import SKIPPED
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -44,8 +46,7 @@ __all__ = ["Step", "StepParts"]
 
 @dataclass(frozen=True, slots=True)
 class StepParts:
-    """What a step works with. The loop builds it once; :class:`Step` and
-    :class:`~trainbus.loop.ordinary.OrdinarySteps` both take it.
+    """What a step works with. The loop builds it once and hands it to :class:`Step`.
 
     Attributes:
         settings: The run's settings (model, loss, optimizer, scheduler, clipping, device).
@@ -53,7 +54,7 @@ class StepParts:
         state: The run's train state (step, epoch, batch in epoch, samples seen).
         wants: Which events someone listens to (refreshed by the loop when the routes change).
         hooks: The inline hooks, read every step (they may come and go).
-        phases: The instrumented phases (forward, backward, optimizer step, their events).
+        phases: The step's phases (forward, backward, optimizer step, with their events).
         guard: The non-finite guard (which losses are kept, read and checked).
         window: The metrics window each step is added to, and closed at the log step.
         scheduler_step: Steps the scheduler with its events (interval ``"step"``).
@@ -87,7 +88,7 @@ class Step:
             ``MetricsLogged`` listed in ``barriers``), None when neither is.
 
     Args:
-        parts: What the step works with (shared with ``OrdinarySteps``).
+        parts: What the step works with.
         fetch_observed: Fetches a batch publishing the data-wait span (when wanted).
     """
 
@@ -110,10 +111,8 @@ class Step:
     def run(self, it: Iterator[Any], window: int) -> int:
         """Run one optimizer step over up to ``window`` micro-batches from ``it``.
 
-        Reads top to bottom in event order. The ``plain`` path (no hook, no per-phase event
-        wanted, full precision) inlines forward, backward and the optimizer step; otherwise
-        the instrumented :class:`~trainbus.loop.phases.StepPhases` run them with their events
-        and hooks.
+        Reads top to bottom in event order; the forward, backward and optimizer step are
+        :class:`~trainbus.loop.phases.StepPhases`', each publishing only what is wanted.
 
         Returns:
             The batches consumed (0: the iterator was exhausted before the first).
@@ -125,15 +124,12 @@ class Step:
         """
         w, pub, st, s, phases = self._wants, self._bus.publish, self._state, self._s, self._phases
         self.taken, self.ended, self.barrier_event = False, None, None
-        hooks = self._hooks
-        by_point = hooks.by_point
-        opt = s.optimizer
+        by_point = self._hooks.by_point
         t0 = time.monotonic()
         losses: list[torch.Tensor] = []
         samples = consumed = 0
         data_wait = 0.0
         stepped = False
-        plain = not (w.phases or hooks.any or phases.instrumented_precision)
         observe_wait = False
         if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
             observe_wait = w.data_wait_started or w.data_wait_ended
@@ -151,6 +147,7 @@ class Step:
             due = w.step_ended_due
             step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
         keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
+        bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
         # ---------------------------------------------------------------- micro-batches
         for micro in range(window):
             if self._cancelled():
@@ -161,8 +158,7 @@ class Step:
             data_wait += fetched - tf
             if batch is END:
                 break
-            bi = st.batch_in_epoch
-            st.batch_in_epoch = bi + 1
+            bi = st.batch_taken()
             consumed += 1
             if w.batch_fetched:
                 pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
@@ -183,24 +179,8 @@ class Step:
                 if self._move:  # a hook may replace the batch: the model sees the run's device
                     batch = move_to_device(batch, s.device)
             samples += batch_size(batch)
-            if plain:
-                # The same forward/backward as StepPhases.forward/backward, minus the events and
-                # hooks this step does not have.
-                loss = phases.plain_loss(batch, bi)
-                if not phases.loss_checked:
-                    phases.check_loss(loss, bi)
-                stepped = True
-                if keep:
-                    losses.append(loss.detach())
-                try:
-                    (loss / window if window > 1 else loss).backward()
-                except BaseException as exc:
-                    phases.annotate(exc, "backward", bi)
-                    raise
-                self._grad_sync.backward_done()
-                continue
             loss = phases.forward(batch, bi, ctx, micro)
-            if loss is None:
+            if loss is None:  # a hook skipped the micro-batch
                 phases.micro_batch_ended(bi, micro, window, skipped=True)
                 continue
             stepped = True
@@ -212,27 +192,25 @@ class Step:
                         ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
                     )
             phases.backward(loss, window, bi, micro)
-            self._grad_sync.backward_done()
-        self._grad_sync.finish()  # a window cut short after no_sync() backwards
-        st.samples_seen += samples
+            if window > 1:  # only a window of several micro-batches defers DDP's all-reduce
+                self._grad_sync.backward_done()
+        if window > 1:
+            self._grad_sync.finish()  # a window cut short after no_sync() backwards
+        st.samples_done(samples)
+        opt = s.optimizer
         if not stepped:
             opt.zero_grad(set_to_none=True)
             return consumed
+        # ---------------------------------------------------------------- non-finite check
         if guard.per_step and guard.skip_update(losses):
             # A non-finite loss ("skip", or "stop" before the bad update): no optimizer step, no
             # scheduler, no StepEnded, like a hook's skip. "raise" raised in skip_update.
             opt.zero_grad(set_to_none=True)
             return consumed
         # ---------------------------------------------------------------- optimizer step
-        grad_norm: torch.Tensor | None = None
-        if plain:
-            grad_norm = phases.plain_optimizer_step(bi)
-            st.step += 1
-        else:
-            stepped_norm = phases.optimizer_step(bi)
-            if stepped_norm is SKIPPED:
-                return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
-            grad_norm = cast("torch.Tensor | None", stepped_norm)
+        took, grad_norm = phases.optimizer_step(bi)
+        if not took:
+            return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
         self.taken = True
         # ---------------------------------------------------------------- scheduler
         if s.scheduler is not None and s.scheduler_interval == "step":

@@ -1,10 +1,12 @@
-"""Ordinary steps run back to back (``trainbus.loop.ordinary``) change nothing but the speed.
+"""The one step: observing it (subscribers on every per-phase event, a no-op hook at every
+point) changes nothing but what is published.
 
-Each configuration runs twice: as it ships (stretches of ordinary steps in one tight loop) and
-with every step taken by ``Step.run`` (``loop/step.py``). Both runs must publish the same
-events with the same fields (times aside), end with bit-identical weights and return the same
-result. A counter proves the stretches really ran, so no case passes by never taking the tight
-loop.
+Each configuration runs twice: with nobody observing the step (the step's event and hook
+branches all skipped, which a counting ``publish`` proves) and with every per-phase event
+subscribed and a no-op hook at every training point (every branch taken). Both runs must
+publish the same other events with the same fields (times aside), end with bit-identical
+weights and return the same result: accumulation, clipping, a scheduler, mixed precision,
+evaluations, checkpoints, decision steps and every non-finite policy included.
 """
 
 from __future__ import annotations
@@ -25,11 +27,10 @@ from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus.loop import ordinary
+from trainbus.hookpoints import HOOK_POINTS
 from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
-# Everything but the per-phase events and the step's extras: wanting any of those makes every
-# step take Step.run (their events are published from the instrumented phases).
+# The events of the step's own branches: published only when someone wants them.
 _PER_PHASE = {
     ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
     ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.MicroBatchEnded,
@@ -86,24 +87,27 @@ def _transcript(events: list[ev.BaseEvent]) -> list[tuple[str, dict[str, Any]]]:
 
 
 def _run(
-    tmp_path: Path, make: Callable[[Path], Trainer], *, tight: bool, mp: pytest.MonkeyPatch
+    tmp_path: Path, make: Callable[[Path], Trainer], *, observed: bool, mp: pytest.MonkeyPatch
 ) -> tuple[list[Any], list[torch.Tensor], Any, int]:
-    """One run; returns the transcript, the weights, the result and the steps the tight loop
-    ran."""
-    ran = [0]
-    real_run = ordinary.OrdinarySteps.run
-
-    def counting(self: ordinary.OrdinarySteps, it: Any, limit: int) -> int:
-        n = real_run(self, it, limit)
-        ran[0] += n
-        return n
-
+    """One run; returns the transcript, the weights, the result and how many per-phase
+    events were published."""
+    per_phase = [0]
     with mp.context() as m:
-        m.setattr(ordinary.OrdinarySteps, "run", counting)
-        if not tight:
-            m.setattr(ordinary.OrdinarySteps, "possible", lambda self: False)
-        trainer = make(tmp_path / ("tight" if tight else "step"))
-        rec = EventRecorder(trainer.bus, trainer.bus.stream(*_RECORDED))
+        trainer = make(tmp_path / ("observed" if observed else "plain"))
+        bus = trainer.bus
+        real_publish = bus.publish
+
+        def counting(event: ev.BaseEvent) -> None:
+            if type(event) in _PER_PHASE:
+                per_phase[0] += 1
+            real_publish(event)
+
+        m.setattr(bus, "publish", counting)
+        if observed:
+            bus.stream(*_PER_PHASE).subscribe(lambda e: None)
+            for point in HOOK_POINTS:
+                trainer.add_hook(point, lambda ctx: None)
+        rec = EventRecorder(bus, bus.stream(*_RECORDED))
         error: BaseException | None = None
         try:
             trainer.run()
@@ -116,7 +120,7 @@ def _run(
                None if result.checkpoint is None else Path(result.checkpoint).name,
                None if error is None else (type(error).__name__, str(error)))  # fmt: skip
     weights = [p.detach().clone() for p in trainer.settings.model.parameters()]
-    return _transcript(rec.items), weights, summary, ran[0]
+    return _transcript(rec.items), weights, summary, per_phase[0]
 
 
 def _sgd(model: torch.nn.Module) -> torch.optim.Optimizer:
@@ -147,6 +151,15 @@ def _scheduled(folder: Path) -> Trainer:
                       handle_signals=False, progress=False)  # fmt: skip
     trainer.bus.stream(ev.StepEnded, ev.SchedulerStepped).subscribe(lambda e: None)
     return trainer
+
+
+def _accumulated(folder: Path, **kwargs: Any) -> Trainer:
+    """Windows of 3 micro-batches, the epoch's last one shorter (20 batches), clipped."""
+    model = tiny_model()
+    kwargs.setdefault("loss_fn", F.cross_entropy)
+    return Trainer(model, _sgd(model), tiny_loader(20, 8),
+                   max_epochs=2, accumulate=3, clip_grad_norm=0.1, log_every=4,
+                   handle_signals=False, progress=False, **kwargs)  # fmt: skip
 
 
 def _evaluated(folder: Path) -> Trainer:
@@ -200,6 +213,11 @@ CASES: dict[str, Callable[[Path], Trainer]] = {
     "stop_at_a_decision_step": _stopped_at_a_decision,
     "mapping_batches_no_loss_fn": _mapping,
     "shuffled_loader": _shuffled,
+    "accumulation_and_clipping": _accumulated,
+    "accumulation_bf16": lambda f: _accumulated(f, precision="bf16"),
+    "accumulation_nan_skip": lambda f: _accumulated(
+        f, loss_fn=NaNLossAt(5, 9), on_nonfinite="skip"
+    ),
     "nan_skip": lambda f: _plain(f, loss_fn=NaNLossAt(5, 9, 30), on_nonfinite="skip"),
     "nan_stop": lambda f: _subscribed(f, loss_fn=NaNLossAt(12), on_nonfinite="stop"),
     "nan_raise": lambda f: _plain(f, loss_fn=NaNLossAt(27), on_nonfinite="raise", log_every=10),
@@ -209,45 +227,39 @@ CASES: dict[str, Callable[[Path], Trainer]] = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_the_tight_loop_publishes_and_trains_exactly_like_the_step(
+def test_observing_the_step_changes_nothing_but_what_is_published(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str
 ) -> None:
     make = CASES[case]
-    events, weights, result, ran = _run(tmp_path, make, tight=True, mp=monkeypatch)
-    ref_events, ref_weights, ref_result, ref_ran = _run(tmp_path, make, tight=False, mp=monkeypatch)
-    assert ref_ran == 0
-    assert ran > 0, "the tight loop never ran: the case tests nothing"
+    events, weights, result, published = _run(tmp_path, make, observed=False, mp=monkeypatch)
+    ref_events, ref_weights, ref_result, ref_published = _run(
+        tmp_path, make, observed=True, mp=monkeypatch
+    )
+    assert published == 0, "a step nobody observes built a per-phase event"
+    assert ref_published > 0, "the observed run took no event branch: the case tests nothing"
     assert result == ref_result
     assert events == ref_events
     for a, b in zip(weights, ref_weights, strict=True):  # bit-identical (NaN where both are)
         torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
 
 
-def test_most_steps_of_a_plain_run_are_ordinary(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Only the first step (its loss is checked), the log steps and the epoch's edges leave
-    the tight loop."""
-    _, _, result, ran = _run(Path("."), lambda f: _plain(f, log_every=10), tight=True,
-                             mp=monkeypatch)  # fmt: skip
-    assert result[2] == 48
-    assert ran == 48 - 1 - 4  # the first step; the log steps 10, 20, 30, 40
-
-
-def _one_long_stretch(batches: int) -> Trainer:
-    """One epoch with no log step inside it: the whole run is one stretch after the first
-    step, unless something ends it."""
+def _one_long_epoch(batches: int) -> Trainer:
+    """One epoch with no log, decision or evaluation step inside it."""
     model = tiny_model()
     return Trainer(model, _sgd(model), tiny_loader(batches, 8), loss_fn=F.cross_entropy,
                    max_epochs=1, log_every=10_000, handle_signals=False,
                    progress=False)  # fmt: skip
 
 
-def test_a_command_sent_during_a_stretch_ends_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A stretch looks at the bus after every step: a command sent from another thread is
-    applied within a few steps, not at the next log step."""
+def test_a_command_sent_from_a_thread_is_heard_after_a_plain_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The poll point after a plain step reads the bus' doorbell: a command sent from another
+    thread is applied within a few steps, not at the next log step (there is none)."""
     started = threading.Event()
 
     def make(folder: Path) -> Trainer:
-        trainer = _one_long_stretch(2000)
+        trainer = _one_long_epoch(2000)
         trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 50)).subscribe(
             lambda e: started.set()
         )
@@ -259,28 +271,25 @@ def test_a_command_sent_during_a_stretch_ends_it(monkeypatch: pytest.MonkeyPatch
         threading.Thread(target=stop_soon, daemon=True).start()
         return trainer
 
-    _, _, result, ran = _run(Path("."), make, tight=True, mp=monkeypatch)
+    _, _, result, _ = _run(Path("."), make, observed=False, mp=monkeypatch)
     assert result[0] == "stopped" and result[1] == "from a thread"
-    assert 50 < result[2] < 2000 and ran > 40
+    assert 50 < result[2] < 2000
 
 
-def test_a_hook_added_during_a_stretch_runs_from_the_next_step(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A hook added mid-run (here by a subscriber) ends the stretch: it runs on every step
-    from then on, not from the next log step (there is none in this run)."""
+def test_a_hook_added_mid_run_runs_from_the_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hook added mid-run (here by a subscriber) runs on every step from then on, not from
+    the next log step (there is none in this run)."""
     ran_at: list[int] = []
 
     def make(folder: Path) -> Trainer:
-        trainer = _one_long_stretch(600)
-        # A plain filter, not tbops.once(at=20): that would make step 20 a decision step,
-        # taken by Step.run, and the hook would be there before the next stretch begins.
+        trainer = _one_long_epoch(600)
+        # A plain filter, not tbops.once(at=20): that would make step 20 a decision step.
         trainer.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == 20)).subscribe(
             lambda e: trainer.add_hook("after_optimizer_step", lambda ctx: ran_at.append(ctx.step))
         )
         return trainer
 
-    _, _, result, ran = _run(Path("."), make, tight=True, mp=monkeypatch)
-    assert result[2] == 600 and ran > 0
+    _, _, result, _ = _run(Path("."), make, observed=False, mp=monkeypatch)
+    assert result[2] == 600
     assert ran_at, "the hook never ran"
     assert ran_at == list(range(ran_at[0], 601))  # every step from the first on
