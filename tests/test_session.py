@@ -322,11 +322,12 @@ def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> No
 
     sub = trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, buffer=1)
     result = trainer.run()  # returns: the hung work is cancelled at close_timeout
-    # One item started and hung; the other two were dropped while it hung (which one started
-    # depends on how the three events fell into dispatch slices); the hung one was cancelled.
+    # One item started and hung; of the other two, what waited in the buffer at the call's
+    # end was cancelled with it and the rest dropped (how many of each depends on how the
+    # three events fell into dispatch slices): all three are lost work, none is silent.
     assert result.steps == 3 and len(seen) == 1
     stats = sub.statistics()
-    assert (stats.dropped, stats.cancelled) == (2, 1)
+    assert stats.cancelled >= 1 and stats.dropped + stats.cancelled == 3
     assert result.lost_work == 3
     assert trainer.evaluate_sync()["val_loss"] > 0  # the next call runs
     trainer.close()
