@@ -46,6 +46,8 @@ _IDLE_TICKS = 3
 _PARK_BACKSTOP = 1.0
 _CANCEL_POLL = 0.1
 """Seconds between two looks at a cancel request while a call's end or a close waits."""
+_NOTICE_AFTER = 0.5
+"""Seconds a call's end or a close waits for async subscribers before it says so."""
 """Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 
 
@@ -178,7 +180,7 @@ class Lifecycle:
         # carried into the next call.
         self._channel.drop_unapplied()
         asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
-        self._announce_wait()
+
         async def settled() -> None:
             for sub in asyncs:
                 await sub.wait_settled(sub.received)
@@ -199,7 +201,14 @@ class Lifecycle:
                         await anyio.sleep(_CANCEL_POLL)
                     self.cancel_pending()
 
+                async def notice() -> None:
+                    # Only a wait that lasts is announced: most calls' ends find the async
+                    # subscribers done within a few milliseconds, and say nothing.
+                    await anyio.sleep(_NOTICE_AFTER)
+                    self._announce_wait()
+
                 tg.start_soon(on_request)
+                tg.start_soon(notice)
                 await wait()
                 tg.cancel_scope.cancel()
         self._cancel_requested = False  # answered, or nothing was left to cancel
@@ -302,7 +311,6 @@ class Lifecycle:
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
             sub.close_input()
-        self._announce_wait()
         async def finished() -> None:
             for sub in asyncs:
                 await sub.wait_finished()
