@@ -208,7 +208,12 @@ def native_threads() -> list[str]:
     tasks = Path("/proc/self/task")
     if not tasks.is_dir():
         return []
-    names = [(tasks / t / "comm").read_text().strip() for t in os.listdir(tasks)]
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            names.append((tasks / task / "comm").read_text().strip())
+        except FileNotFoundError:  # the thread ended between the listing and the read
+            continue
     return sorted(n for n in names if n != Path("/proc/self/comm").read_text().strip())
 
 
