@@ -80,6 +80,8 @@ def count_suspensions(backend: str, tmp: Path) -> int:
     return anyio.run(main, backend=backend)
 
 
+# One fit per await point (about 30-60 of them): minutes on a loaded 2-core machine.
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cancel_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> None:
     total = count_suspensions(backend, tmp_path / "count")
@@ -104,6 +106,7 @@ def test_cancel_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> Non
     assert outcomes.get("cancellation", 0) >= total - 2, outcomes
 
 
+@pytest.mark.timeout(360)
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_sigint_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> None:
     total = count_suspensions(backend, tmp_path / "count")
