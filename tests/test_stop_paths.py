@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import SubscriberError, Trainer
+from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -374,10 +374,14 @@ def test_subscriber_with_on_error_raise_fails_the_run(kind: str) -> None:
         bus.subscribe(bus.stream(ev.StepEnded), bad, on_error="raise", name="bad")
     else:
         bus.subscribe_async(bus.stream(ev.StepEnded), bad_async, on_error="raise", name="bad")
-    with pytest.raises(SubscriberError) as caught:
+    # The user's exception comes out as itself (``except KeyError`` matches), with a note
+    # naming the subscription and the event it handled.
+    with pytest.raises(KeyError) as caught:
         trainer.run()
 
-    assert caught.value.__cause__ is oops and caught.value.subscription == "bad"
+    assert caught.value is oops
+    (note,) = [n for n in caught.value.__notes__ if n.startswith("trainbus:")]
+    assert "subscriber 'bad'" in note and "StepEnded (step 2" in note
     end = assert_well_formed(recorder.items)
     assert end.reason == "failed" and end.error is caught.value
     # Raised at the first poll point after the failure: at the latest after the evaluation

@@ -5,7 +5,7 @@ The hierarchy::
     TrainbusError                       base of everything trainbus raises
     ├── ConfigError (+ ValueError)      bad configuration or argument, raised at the call
     ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
-    ├── SubscriberError                 a subscriber with ``on_error="raise"`` failed the run
+    ├── SubscriberError                 no longer raised (kept importable; see its docstring)
     ├── LostWorkError (+ RuntimeError)  async work was dropped, cancelled or failed and the
     │                                   Trainer was made with ``on_lost="raise"``
     ├── MissingExtraError (+ ImportError) an optional integration's package is not installed
@@ -68,9 +68,11 @@ class BusClosedError(TrainbusError, RuntimeError):
 
 
 class SubscriberError(TrainbusError):
-    """A subscriber whose policy is ``on_error="raise"`` failed, so the run fails.
+    """No longer raised: kept importable for code that names it.
 
-    The subscriber's own exception is the ``__cause__``.
+    A subscriber with ``on_error="raise"`` now fails the run with its own exception, which
+    ``fit()`` / ``run()`` / closing the bus raise as itself (``except MyError`` matches), with a
+    note (``add_note``) naming the subscription and the event it handled.
     """
 
     def __init__(self, subscription: str, error: BaseException) -> None:

@@ -92,7 +92,8 @@ class Lifetime:
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
-            SubscriberError: a subscription with ``on_error="raise"`` failed at the close.
+            Exception: a subscription with ``on_error="raise"`` failed at the close (the
+                subscriber's own exception).
         """
         stack, portal = self._stack, self._portal
         if stack is not None and portal is not None:

@@ -217,6 +217,10 @@ class SignalWatcher:
             yield
         finally:
             self._installed = False
+            if self._received:
+                # A signal after the loop's last look at the commands left its StopTraining
+                # queued: it was for this call, not for the next one.
+                self._bus.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
@@ -250,3 +254,7 @@ class SignalWatcher:
         # The handler may interrupt a write to the same stream (a reentrant call raises).
         with contextlib.suppress(Exception):
             log.warning("signal_received", signal=signal.Signals(signum).name, action=action)
+
+
+def _is_signal_stop(command: cmd.Command) -> bool:
+    return isinstance(command, cmd.StopTraining) and command.reason == "signal"

@@ -222,8 +222,8 @@ class Launcher:
         Raises:
             LaunchError: torchrun exited non-zero (a worker died or failed, the script failed
                 to import), naming the exit code, the events that arrived and stderr's tail.
-            SubscriberError: a driver subscriber with ``on_error="raise"`` failed (the workers
-                are stopped first).
+            Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
+                (the workers are stopped first).
         """
         if self._linked is not None:
             raise LaunchError("a Launcher launches once; build a new one")

@@ -358,7 +358,8 @@ class Trainer:
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
-            SubscriberError: a subscription with ``on_error="raise"`` failed while closing.
+            Exception: a subscription with ``on_error="raise"`` failed while closing (the
+                subscriber's own exception).
         """
         self._lifetime.close()
 
@@ -454,7 +455,8 @@ class Trainer:
                 naming the file; the earlier checkpoints stay valid).
             The training exception when the run fails (``FitEnded(reason="failed")`` was
             published and delivered first; ``trainer.result`` holds the result);
-            ``SubscriberError`` when a subscriber with ``on_error="raise"`` failed;
+            a subscriber's own exception when it has ``on_error="raise"`` (a note names the
+            subscription and event; ``except MyError`` matches);
             ``KeyboardInterrupt`` after a second SIGINT; the cancellation when cancelled.
         """
         self._check_idle("fit()")

@@ -36,7 +36,7 @@ from reactivex.disposable import Disposable
 
 from .. import commands as cmd
 from .. import events as ev
-from .._exceptions import ConfigError, SubscriberError
+from .._exceptions import ConfigError
 from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
 from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
@@ -254,8 +254,9 @@ class EventBus:
         return self._lifecycle.state
 
     @property
-    def failure(self) -> SubscriberError | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any."""
+    def failure(self) -> Exception | None:
+        """The first failure of a subscription with ``on_error="raise"``, if any: the
+        subscriber's own exception (a note names the subscription and event)."""
         return self._ledger.fatal
 
     @property
@@ -622,6 +623,16 @@ class EventBus:
         """
         self._channel.send(command)
 
+    def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
+        """Remove the queued commands that ``match`` accepts, before any loop applies them
+        (between two trainer calls: a signal's ``StopTraining`` that arrived once the loop had
+        polled for the last time must not stop the next call).
+
+        Returns:
+            How many commands were removed.
+        """
+        return self._channel.withdraw(match)
+
     def has_commands(self) -> bool:
         """True when a command waits on the back-channel (never blocks; the loop asks per step)."""
         return self._channel.has_commands()
@@ -671,8 +682,8 @@ class EventBus:
                 exception propagates); either way it is cleared for the next run.
 
         Raises:
-            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"``
-                failed.
+            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed:
+                the subscriber's own exception.
         """
         await self._lifecycle.suspend(raise_fatal=raise_fatal)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -90,6 +91,16 @@ class CommandChannel:
         while q:
             out.append(q.popleft())
         return out
+
+    def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
+        """Remove the queued commands ``match`` accepts (call only while no loop polls: between
+        two calls); returns how many were removed."""
+        kept = [c for c in self._commands if not match(c)]
+        removed = len(self._commands) - len(kept)
+        if removed:
+            self._commands.clear()
+            self._commands.extend(kept)
+        return removed
 
     def request_waiting(self) -> bool:
         """True when a ``request()`` waits and a command is queued (a barrier lets the loop

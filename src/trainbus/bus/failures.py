@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol, TypeAlias
 
 from .. import commands as cmd
 from .. import events as ev
-from .._exceptions import ConfigError, SubscriberError
+from .._exceptions import ConfigError
 from .._log import get_logger
 from .doorbell import Doorbell
 
@@ -32,7 +32,8 @@ log = get_logger(__name__)
 
 ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
 """What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
-run (``SubscriberError`` from ``fit()`` / from closing the bus)."""
+run (the subscriber's exception itself, with a note naming it, from ``fit()`` / from
+closing the bus)."""
 ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
 
 
@@ -88,7 +89,7 @@ class FailureLedger:
         self._doorbell = doorbell or Doorbell()
         self._send = send
         self._failed = 0
-        self._fatal: SubscriberError | None = None
+        self._fatal: Exception | None = None
 
     @property
     def failed(self) -> int:
@@ -96,11 +97,12 @@ class FailureLedger:
         return self._failed
 
     @property
-    def fatal(self) -> SubscriberError | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any."""
+    def fatal(self) -> Exception | None:
+        """The first failure of a subscription with ``on_error="raise"``, if any: the
+        subscriber's own exception, with a note naming the subscription (and event)."""
         return self._fatal
 
-    def take_fatal(self) -> SubscriberError | None:
+    def take_fatal(self) -> Exception | None:
         """The ``"raise"`` failure, if any, cleared: the bus' next run starts without it."""
         fatal, self._fatal = self._fatal, None
         return fatal
@@ -147,9 +149,14 @@ class FailureLedger:
             if sub.claim_stop():
                 self._send(cmd.StopTraining(reason=f"subscriber {sub.name!r} failed: {exc!r}"))
         elif policy == "raise" and self._fatal is None:
-            fatal = SubscriberError(sub.name, exc)
-            fatal.__cause__ = exc
-            self._fatal = fatal
+            # The user's exception itself fails the run (``except MyError`` matches at fit()),
+            # with a note saying where trainbus caught it.
+            where = ""
+            if isinstance(item, ev.BaseEvent):
+                where = f" handling {type(item).__name__} (step {item.step}, epoch {item.epoch})"
+            exc.add_note(f"trainbus: raised by subscriber {sub.name!r}{where}; its on_error="
+                         "'raise' policy failed the run")  # fmt: skip
+            self._fatal = exc
             self._doorbell.ring()
 
     def chain_failed(self, observer: Any, exc: Exception, event: ev.BaseEvent) -> None:

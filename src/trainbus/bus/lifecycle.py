@@ -16,6 +16,7 @@ streams stay open, and the next call opens the bus again with the same subscribe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 from collections.abc import Awaitable, Callable
@@ -88,6 +89,10 @@ class Lifecycle:
         self._watchdog = watchdog
         self._state: State = "new"
         self._tg: TaskGroup | None = None
+        # The task group is entered with `async with` through this stack (never by hand), so
+        # that a cancellation at any await of open() unwinds it in open() itself, and the
+        # cancel scopes of the caller nest as anyio expects.
+        self._stack: contextlib.AsyncExitStack | None = None
         # Lost work at the last suspend: each suspend reports what its call lost, not the total.
         self._reported: dict[str, LostWork] = {}
         self._cancel_requested = False
@@ -107,17 +112,42 @@ class Lifecycle:
         if self._state not in ("new", "suspended"):
             raise BusClosedError(f"the EventBus is {self._state}: it cannot be opened again; "
                                  "a closed bus stays closed, create a new one")  # fmt: skip
+        previous = self._state
         self._state = "running"
         self._queue.open(threading.get_ident())
-        tg = anyio.create_task_group()
-        await tg.__aenter__()
-        self._tg = tg
-        if self._own_scheduler is not None:
-            await tg.start(self._own_scheduler.run)
-        self._subscriptions.start(tg)
-        tg.start_soon(self._poll, name="trainbus-bus-poller")
+        stack = contextlib.AsyncExitStack()
+        self._stack = stack
+        try:
+            tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
+            if self._own_scheduler is not None:
+                await tg.start(self._own_scheduler.run)
+            self._subscriptions.start(tg)
+            tg.start_soon(self._poll, name="trainbus-bus-poller")
+        except BaseException:
+            # Cancelled (or failed) half-way: nothing has run yet, so stop what started, leave
+            # the task group here (the caller's scopes stay well nested) and the bus as it was.
+            self._state = previous
+            await self._stop_task_group(closing=False)
+            raise
         if self._watchdog is not None:  # last: nothing after it can fail and leave it running
             self._watchdog.start(threading.get_ident())
+
+    async def _stop_task_group(self, *, closing: bool) -> None:
+        """Stop the watchdog, the queue's dispatching, the async workers and the task group
+        (its tasks are cancelled and waited for); the bus is then suspended or closed."""
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if closing:
+            self._queue.close()
+        else:
+            self._queue.suspend()
+            self._subscriptions.suspend()
+        stack, tg = self._stack, self._tg
+        self._stack = self._tg = None
+        if tg is not None:
+            tg.cancel_scope.cancel()
+        if stack is not None:
+            await stack.aclose()
 
     async def _poll(self) -> None:
         interval = self._flush_interval
@@ -147,7 +177,8 @@ class Lifecycle:
                 then cleared: the next call starts without it).
 
         Raises:
-            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed.
+            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
+                subscriber's own exception).
         """
         assert self._tg is not None
         try:
@@ -155,13 +186,7 @@ class Lifecycle:
                 await self._settle()
         finally:
             self._state = "suspended"
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            self._queue.suspend()
-            self._subscriptions.suspend()
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
-            self._tg = None
+            await self._stop_task_group(closing=False)
             self._report_lost()
         fatal = self._ledger.take_fatal()
         if raise_fatal and fatal is not None:
@@ -272,7 +297,8 @@ class Lifecycle:
             raise_fatal: Raise the ``"raise"`` policy's failure, if any, once closed.
 
         Raises:
-            SubscriberError: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed.
+            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
+                subscriber's own exception).
         """
         assert self._tg is not None
         try:
@@ -281,11 +307,7 @@ class Lifecycle:
                 await self._close()
         finally:
             self._state = "closed"
-            if self._watchdog is not None:
-                self._watchdog.stop()
-            self._queue.close()
-            self._tg.cancel_scope.cancel()
-            await self._tg.__aexit__(None, None, None)
+            await self._stop_task_group(closing=True)
             self._channel.seal()
             self._channel.release_waiters()
         fatal = self._ledger.fatal
@@ -311,6 +333,7 @@ class Lifecycle:
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
             sub.close_input()
+
         async def finished() -> None:
             for sub in asyncs:
                 await sub.wait_finished()

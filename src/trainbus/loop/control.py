@@ -150,7 +150,7 @@ class CommandHandler:
             common: Every rank reaches this point at the same step.
 
         Raises:
-            SubscriberError: a subscriber with ``on_error="raise"`` failed.
+            Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
             The cancellation, when the run was cancelled.
         """
         bus = self._bus

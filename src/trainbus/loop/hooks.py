@@ -69,6 +69,31 @@ class Hooks:
             self._entries[point].remove(entry)
             self._rebuild(point)
 
+    def which(self, exc: BaseException) -> tuple[HookPoint, str] | None:
+        """The point and name of the hook that raised ``exc``, or None when no hook did.
+
+        Found from the traceback after the fact (a hook's code object in a frame), so the hot
+        path pays nothing for it. A callable without a code object of its own (a partial, an
+        object with ``__call__``) is matched through what it wraps when it can be.
+        """
+        codes: dict[Any, tuple[HookPoint, str]] = {}
+        for point, fns in self.by_point.items():
+            for fn in fns:
+                target = getattr(fn, "__func__", getattr(fn, "func", fn))
+                code = getattr(target, "__code__", None)
+                if code is None:
+                    call = type(fn).__call__
+                    code = getattr(call, "__code__", None)
+                if code is not None:
+                    codes.setdefault(code, (point, getattr(fn, "__qualname__", repr(fn))))
+        tb = exc.__traceback__
+        while tb is not None:
+            found = codes.get(tb.tb_frame.f_code)
+            if found is not None:
+                return found
+            tb = tb.tb_next
+        return None
+
     def _rebuild(self, point: HookPoint) -> None:
         # The loop reads by_point[...] once per use; a tuple swap keeps that read lock-free.
         self.by_point = {**self.by_point, point: tuple(e[2] for e in sorted(self._entries[point]))}

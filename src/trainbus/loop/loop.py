@@ -227,6 +227,10 @@ class Loop:
             reason = "cancelled"
         except BaseException as exc:
             reason, error = "failed", exc
+            hook = self._hooks.which(exc)
+            if hook is not None:  # the user's exception reaches the caller as itself, noted
+                exc.add_note(f"trainbus: raised by hook {hook[1]!r} at {hook[0]!r} (step "
+                             f"{st.step}, epoch {st.epoch}); the run failed")  # fmt: skip
         else:
             if control.stop_reason is not None:
                 reason = "stopped"

@@ -108,7 +108,7 @@ class StandaloneRun:
         ``StopTraining`` arrived.
 
         Raises:
-            SubscriberError: a subscriber with ``on_error="raise"`` failed.
+            Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
         """
         bus, st = self._bus, self._state
         if bus.held and self.stop_reason is None:
