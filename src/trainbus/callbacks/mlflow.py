@@ -8,13 +8,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anyio.to_thread
-from reactivex import operators as ops
-
 from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_int, check_seconds
 from ._base import Callback
+from ._batched import write_in_batches
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -140,13 +138,8 @@ class MLflowLogger(Callback):
         if self.log_checkpoints:
             types.append(ev.CheckpointSaved)
 
-        async def record(batch: list[ev.BaseEvent]) -> None:
-            await anyio.to_thread.run_sync(self._record, batch)
-
-        bus.subscribe_async(
-            bus.stream(*types).pipe(ops.buffer_with_time(self.flush_s), ops.filter(bool)),
-            record, buffer=self.job_buffer, overflow="block", name="MLflowLogger",
-        )  # fmt: skip
+        write_in_batches(bus, bus.stream(*types), self._record, flush_s=self.flush_s,
+                         name="MLflowLogger", buffer=self.job_buffer)  # fmt: skip
 
     def _experiment_id(self, client: Any) -> str:
         # MLflow's order (mlflow.tracking.fluent): a name wins, and an id set beside it must

@@ -6,13 +6,11 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-import anyio.to_thread
-from reactivex import operators as ops
-
 from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_seconds
 from ._base import Callback
+from ._batched import write_in_batches
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -98,15 +96,7 @@ class TensorBoardLogger(Callback):
             ev.SchedulerStepped, ev.FitEnded,
         )  # fmt: skip
 
-        async def write(batch: list[ev.BaseEvent]) -> None:
-            await anyio.to_thread.run_sync(self._write, batch)
-
-        bus.subscribe_async(
-            source.pipe(ops.buffer_with_time(self.flush_s), ops.filter(bool)),
-            write,
-            overflow="block",
-            name="TensorBoardLogger",
-        )
+        write_in_batches(bus, source, self._write, flush_s=self.flush_s, name="TensorBoardLogger")
 
     def _write(self, batch: list[ev.BaseEvent]) -> None:
         # Worker thread only; batches come one at a time (concurrency 1), so no lock.
