@@ -234,7 +234,8 @@ def test_close_waits_for_every_post_by_default_and_says_so(
     assert "poster" not in result.waited_s
     (notice,) = _events(logs, "bus_close_waiting")
     assert notice["log_level"] == "warning" and notice["close_timeout"] is None
-    assert notice["pending"] == {"poster": POSTS}  # none answered before the run ended
+    # Said once the wait lasted 0.5 s: what was still pending then (each post takes 200 ms).
+    assert set(notice["pending"]) == {"poster"} and 0 < notice["pending"]["poster"] <= POSTS
 
 
 def test_close_timeout_cancels_what_is_left_and_reports_it(
@@ -269,11 +270,13 @@ async def test_cancel_pending_during_the_close_counts_cancelled(
             tg.start_soon(first_ctrl_c_during_close)
             result = await run.trainer.fit()
     assert result.reason == "completed"
-    assert cancelled == {"poster": POSTS}  # pending when cancelled: none answered yet
+    # Cancelled once the wait had lasted 0.5 s (the notice): what was pending then.
+    assert set(cancelled) == {"poster"} and 0 < cancelled["poster"] <= POSTS
     # The post in flight ran in a worker thread, which cannot be interrupted: it may still
-    # have finished (and arrived); everything else was cancelled and is reported.
+    # have finished (and arrived); everything else pending was cancelled and is reported.
     lost = result.lost["poster"]
-    assert lost == LostWork(cancelled=lost.cancelled) and lost.cancelled >= POSTS - 1
+    assert lost == LostWork(cancelled=lost.cancelled)
+    assert cancelled["poster"] - 1 <= lost.cancelled <= cancelled["poster"]
     assert len(service.arrived) + lost.cancelled == POSTS
     assert _events(logs, "bus_pending_cancelled")[0]["cancelled"] == cancelled
 
