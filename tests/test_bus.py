@@ -896,7 +896,7 @@ async def test_close_waits_by_default_and_says_what_is_pending(step_event) -> No
     done: list[int] = []
 
     async def slow(e: ev.StepEnded) -> None:
-        await anyio.sleep(0.1)  # 20 of them: 2 s at least, past the notice's 0.5 s
+        await anyio.sleep(0.1)  # 20 of them: 2 s at least, past the notice's 1 s
         done.append(e.step)
 
     bus = EventBus(flush_interval=0.001)  # close_timeout=None: wait as long as it takes
@@ -916,7 +916,7 @@ async def test_close_waits_by_default_and_says_what_is_pending(step_event) -> No
 
 @pytest.mark.asyncio
 async def test_a_close_that_finds_quick_async_work_says_nothing(step_event) -> None:
-    # Only a wait that lasts (0.5 s) is announced: a run whose async subscriber keeps up
+    # Only a wait that lasts (1 s) is announced: a run whose async subscriber keeps up
     # ends without a bus_close_waiting warning.
     done: list[int] = []
 

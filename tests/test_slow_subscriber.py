@@ -234,7 +234,7 @@ def test_close_waits_for_every_post_by_default_and_says_so(
     assert "poster" not in result.waited_s
     (notice,) = _events(logs, "bus_close_waiting")
     assert notice["log_level"] == "warning" and notice["close_timeout"] is None
-    # Said once the wait lasted 0.5 s: what was still pending then (each post takes 200 ms).
+    # Said once the wait lasted 1 s: what was still pending then (each post takes 200 ms).
     assert set(notice["pending"]) == {"poster"} and 0 < notice["pending"]["poster"] <= POSTS
 
 
@@ -270,7 +270,7 @@ async def test_cancel_pending_during_the_close_counts_cancelled(
             tg.start_soon(first_ctrl_c_during_close)
             result = await run.trainer.fit()
     assert result.reason == "completed"
-    # Cancelled once the wait had lasted 0.5 s (the notice): what was pending then.
+    # Cancelled once the wait had lasted 1 s (the notice): what was pending then.
     assert set(cancelled) == {"poster"} and 0 < cancelled["poster"] <= POSTS
     # The post in flight ran in a worker thread, which cannot be interrupted: it may still
     # have finished (and arrived); everything else pending was cancelled and is reported.

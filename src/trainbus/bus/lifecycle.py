@@ -47,7 +47,7 @@ _IDLE_TICKS = 3
 _PARK_BACKSTOP = 1.0
 _CANCEL_POLL = 0.1
 """Seconds between two looks at a cancel request while a call's end or a close waits."""
-_NOTICE_AFTER = 0.5
+_NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
 """Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 
