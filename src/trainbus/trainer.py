@@ -435,8 +435,8 @@ class Trainer:
         ``PredictionEnded`` (with the error, if any). Without ``return_outputs`` nothing keeps
         the outputs but the bus: a slow subscriber holds at most its buffer of them
         (``subscribe_async(buffer=..., overflow=...)``); a full ``"block"`` buffer makes
-        prediction wait before its next batch until there is room. A ``StopTraining`` ends it between
-        batches. ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
+        prediction wait before its next batch until there is room. A ``StopTraining`` ends it
+        between batches. ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
 
         With ``loss_fn``, ``(inputs, targets)`` batches give ``model(inputs)``; otherwise the
         model gets the batch (a mapping as keyword arguments).
