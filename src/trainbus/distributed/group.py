@@ -16,12 +16,26 @@ The group follows the run's device (the Trainer's resolved ``device``): gloo for
 for a CUDA one, whatever the host has. A CUDA rank computes on ``cuda:<LOCAL_RANK>``; more local
 ranks than visible GPUs is a :class:`~trainbus.ConfigError` naming ``LOCAL_RANK`` and the device
 count, raised before any collective (rather than torch's ``invalid device ordinal`` mid-run).
+
+Nothing may hold the default group past :meth:`ProcessGroup.close`: a group that outlives
+``destroy_process_group()`` keeps gloo's threads (``gloo_tcp_loop``, ``pt_gloo_runloop``)
+running into interpreter teardown, where they can abort a finished process (``terminate called
+without an active exception``, SIGABRT). One holder is torch's own: the ten collectives of
+``torch.distributed.nn.functional`` take ``group=group.WORLD`` as a default argument, evaluated
+when the module is first imported, so an import after ``init_process_group`` binds the live group
+into them for good; and the first ``torch.optim`` optimizer imports it (through
+``torch._dynamo``). This module imports it first, while no group exists, so those defaults bind
+None (torch's "the default group"). :meth:`ProcessGroup.close` checks that the group it destroyed
+is gone and logs ``process_group_outlives_destroy`` when something still holds it.
 """
 
 from __future__ import annotations
 
 import datetime
+import gc
+import importlib
 import os
+import weakref
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Literal, Self
@@ -41,6 +55,18 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 """The environment variables torchrun sets and :meth:`ProcessGroup.from_env` reads."""
 
 Backend = Literal["gloo", "nccl"]
+
+
+def _import_collectives_before_any_group() -> None:
+    """Import ``torch.distributed.nn.functional`` while no process group exists, so the default
+    arguments its collectives bind at import are None rather than the live default group (see
+    the module docstring: torch 2.13; an import after ``init_process_group`` keeps the group and
+    its gloo threads alive until exit). Idempotent and cheap (~5 ms once, 9 small modules)."""
+    if dist.is_available() and not dist.is_initialized():
+        importlib.import_module("torch.distributed.nn.functional")
+
+
+_import_collectives_before_any_group()
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
@@ -262,13 +288,37 @@ class ProcessGroup:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the default process group if this object created it; idempotent."""
+        """Destroy the default process group if this object created it; idempotent.
+
+        Then check that the group is gone: a group something still holds keeps gloo's threads
+        running into interpreter exit (see the module docstring), which is logged as a
+        ``process_group_outlives_destroy`` warning.
+        """
         if self._closed:
             return
         self._closed = True
         if self._created and dist.is_initialized():
+            world = dist.group.WORLD
+            held = None if world is None else weakref.ref(world)
+            del world
             dist.destroy_process_group()
             log.debug("process_group_destroyed", rank=self.rank, world_size=self.world_size)
+            if held is not None:
+                self._check_released(held)
+
+    def _check_released(self, held: weakref.ref[dist.ProcessGroup]) -> None:
+        if held() is None:
+            return
+        gc.collect()  # only here, where something held it: a reference cycle may be all it is
+        if held() is None:
+            return
+        log.warning("process_group_outlives_destroy", rank=self.rank,
+                    reason="something still holds the destroyed default process group (a "
+                    "DistributedDataParallel model of your own, or torch.distributed.nn."
+                    "functional first imported after init_process_group); its gloo threads "
+                    "run on into interpreter exit, where they can abort the process "
+                    "(SIGABRT): drop the holder, or import trainbus before "
+                    "init_process_group")  # fmt: skip
 
     def __enter__(self) -> Self:
         return self

@@ -7,7 +7,8 @@ Several modes in one launch run one after the other in the same processes: the s
 owns the process group and each Trainer adopts it (and leaves it alone at the end).
 
 Each rank writes ``OUT/<mode>-rank<r>[-<run>].json``: the steps it took, its final parameters'
-checksum and exact bytes' hash, the events its bus delivered, and the FitResult.
+checksum and exact bytes' hash, the events its bus delivered, and the FitResult; with several
+modes also ``OUT/owned-rank<r>.json``: the OS threads left after the script destroyed its group.
 
 Modes:
     shards          train 2 epochs; record each rank's sample indices
@@ -103,8 +104,11 @@ def main() -> None:
     for mode in MODES:
         run(mode)
     if own:
+        rank = torch.distributed.get_rank()
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        # The script's own group, destroyed: nothing may keep it (and gloo's threads) alive.
+        (OUT / f"owned-rank{rank}.json").write_text(json.dumps({"threads": native_threads()}))
 
 
 def run(mode: str) -> None:
