@@ -37,7 +37,7 @@ from ._attach import Attached, as_instances
 from ._exceptions import ConfigError, LostWorkError, TrainbusError
 from ._lifetime import Lifetime
 from ._log import get_logger
-from ._ranks import RankSetup
+from ._rank_setup import RankSetup
 from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
 from .bus import EventBus, Tier

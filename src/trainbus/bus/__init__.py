@@ -49,7 +49,7 @@ from .lifecycle import Lifecycle
 from .observable import BusObservable, CommandSink, normalize_observer
 from .pressure import Backpressure
 from .queue import PublishQueue
-from .ranks import RankFilter, Ranks, env_rank
+from .rank_filter import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
 from .routes import Due, RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler

@@ -46,11 +46,11 @@ from .control import BarrierWait, CommandHandler
 from .data import EpochData
 from .evaluation import EvalTrigger, Evaluator
 from .hooks import Hooks
+from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .pinning import hint_pin_memory
-from .scheduler import SchedulerStepper
 from .step import Step, StepParts
 from .wants import Wants
 from .window import MetricsWindow
