@@ -2,26 +2,36 @@
 
 :class:`EventBus` is a thin facade over parts that each own their state (see docs/bus.md):
 
-==================  ====================  ==================================================
-part                module                owns
-==================  ====================  ==================================================
-StepClock           ``clock.py``          declared decision schedules, ``version``
-DecisionStamp       ``clock.py``          the step being handled (``decided_at`` of commands)
-PublishQueue        ``queue.py``          the event deque, max_queue, the dispatch slice
-RouteTable          ``routes.py``         roots by tier, route cache, ``version``
-SubscriptionSet     ``registry.py``       subscription records in order, async start
-Backpressure        ``pressure.py``       "block" buffers over capacity, the loop's wait
-FailureLedger       ``failures.py``       failure counts, policies, the fatal failure
-CommandChannel      ``channel.py``        command deque, ``request()`` waiters
-Barrier             ``barrier.py``        the interrupted barrier wait
-Lifecycle           ``lifecycle.py``      new/running/closing/closed, the task group, poller
-Watchdog            ``watchdog.py``       which sync subscriber runs; warns when one blocks
-==================  ====================  ==================================================
+=================  =========================  ======================================================
+part               module                     owns
+=================  =========================  ======================================================
+Doorbell           ``doorbell.py``            ``rings``, rung when the loop must look
+Spent              ``spent.py``               what the loop thread is done with (freed at publish)
+RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
+StepClock          ``clock.py``               declared decision schedules, ``version``
+DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
+BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
+AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
+ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
+FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
+RouteTable         ``routes.py``              roots by tier, route cache, ``version``
+Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
+Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
+Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
+AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and workers
+SubscriptionSet    ``registry.py``            subscription records in order, async start
+BusObservable      ``observable.py``          the chain users pipe and subscribe to
+CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
+CommandChannel     ``channel.py``             command deque, ``request()`` waiters
+PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
+Barrier            ``barrier.py``             the interrupted barrier wait
+Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
+=================  =========================  ======================================================
 
-Modules import only modules listed above them in this order: ``clock``, ``statistics``,
-``scheduler``, ``failures``, ``routes``, ``pressure``, ``watchdog``, ``subscriptions``,
-``registry``, ``observable``, ``channel``, ``queue``, ``barrier``, ``lifecycle``; this package
-imports them all. None imports torch or the loop.
+The rows follow the import order: a module imports only modules of the rows above it, so no
+cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
+and that this table lists every module of the package, each part defined where it says). None
+imports torch or the loop.
 """
 
 from __future__ import annotations

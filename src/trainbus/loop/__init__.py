@@ -1,19 +1,27 @@
 """The training thread's side: the step, command handling, metrics window, evaluation.
 
-Objects, each owning its state (see docs/architecture.md for the table):
+Objects, each owning its state (see docs/architecture.md for the table); every module of the
+package is listed, and each name where it is defined (``tests/test_layers.py`` checks both):
 
 - :class:`Loop` (``loop.py``): the run, the epoch and the poll point after each step.
 - :class:`Step` (``step.py``): one optimizer step, written once, in event order.
 - :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
-- ``forward.py``: the forward (model outputs, then the loss) for training, evaluation and
-  prediction.
+- :func:`forward_loss`, :func:`model_outputs` (``forward.py``): the forward (model outputs,
+  then the loss) for training, evaluation and prediction.
+- :class:`GradSync` (``gradsync.py``): DDP gradient synchronisation under accumulation.
+- :class:`NonFiniteGuard` (``nonfinite.py``): a NaN/inf loss noticed, never checkpointed.
+- :class:`SchedulerStepper` (``lr_schedule.py``): the learning-rate scheduler's step.
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
 - :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
+- :class:`EpochData` (``data.py``): each epoch's batch iterator and the observed fetch.
 - :class:`StandaloneRun` (``standalone.py``): ``evaluate()`` and ``predict()`` outside ``fit()``.
+- :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.
 - :class:`CheckpointWriter` (``checkpoint.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
+- :class:`Outcome`, :class:`Cancelled` (``outcome.py``): how a run of the loop ends.
+- :func:`hint_pin_memory` (``pinning.py``): the one-time hint to pin a CUDA run's batches.
 - :class:`Settings` (``settings.py``): the validated, frozen configuration.
 
 This package imports the bus only for types and uses it through its public methods.

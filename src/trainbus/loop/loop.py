@@ -10,15 +10,9 @@ position (step, epoch, batch in epoch, samples seen) is the ``TrainState``'s: th
 step advance it through its methods (``batch_taken``, ``samples_done``, ``step_done``,
 ``epoch_done``) and nowhere else.
 
-The event order is written once, in docs/events.md (tests/test_transcript.py pins a recorded
-run against it and checks its pseudocode against what the loop publishes). In short: ``FitStarted``;
-per epoch ``EpochStarted``, then per optimizer step :meth:`Step.run
-<trainbus.loop.step.Step.run>` (its module docstring lists the step's events), the poll point
-(a barrier at a declared decision step or a barrier event), an evaluation every
-``eval_every`` steps; the epoch-end evaluation, the per-epoch scheduler step and
-``EpochEnded``; a final barrier and poll, the final ``CheckpointSaved``, ``FitEnded``. Each
-poll applies the queued commands in order, each acknowledged by ``CommandApplied`` after its
-own events (``CheckpointSaved``, an evaluation span).
+The event order is written once, in docs/events.md ("Event order"), and nowhere else: read it
+there. tests/test_transcript.py pins a recorded run against that pseudocode and checks its
+event names against what the loop publishes, so it cannot drift; a copy here could.
 
 Events nobody wants are never built: the loop compares ``bus.routes_version`` with the version
 its ``Wants`` were read at (one int compare a step) and re-reads them only when the routing
