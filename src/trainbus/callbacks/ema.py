@@ -58,20 +58,23 @@ class _Tensors:
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        module = unwrapped(model)
         seen: dict[int, str] = {}
         self.unique: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
-        # keep_vars: the live parameters and buffers, not detached copies.
-        for key, value in module.state_dict(keep_vars=True).items():
+        params: list[str] = []
+        # keep_vars: the live parameters (as Parameters) and buffers, not detached copies. One
+        # walk of the modules, at every update and swap: a model moved with .to() (its buffers
+        # replaced) or a buffer reassigned is followed, never a stale tensor averaged.
+        for key, value in unwrapped(model).state_dict(keep_vars=True).items():
             if not isinstance(value, torch.Tensor):
                 continue  # a module's extra state: not a weight
             name = seen.setdefault(id(value), key)
             self.aliases[key] = name
             if name == key:
                 self.unique[key] = value
-        param_ids = {id(p) for p in module.parameters()}
-        self.params = frozenset(n for n, t in self.unique.items() if id(t) in param_ids)
+                if isinstance(value, torch.nn.Parameter):
+                    params.append(key)
+        self.params = frozenset(params)
 
     def mismatch(self, other: Mapping[str, torch.Tensor]) -> str | None:
         """What differs between these tensors and ``other`` (names, shapes, dtypes), or None."""
