@@ -174,12 +174,12 @@ def test_after_evaluation_runs_when_the_round_raises_and_every_hook_runs() -> No
         raise Broken("first after_evaluation hook")
 
     trainer.add_hook("eval_batch", fail_batch)
-    trainer.add_hook("after_evaluation", first)
     trainer.add_hook("after_evaluation", lambda ctx: calls.append(("second", ctx.error)))
+    trainer.add_hook("after_evaluation", first)  # added last: runs first
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(Broken, match="first after_evaluation hook") as info:
         trainer.run()
-    # Both ran, with the round's error; the first hook's failure is raised, chained to it.
+    # Both ran, in reverse order, with the round's error; the failure is raised, chained to it.
     assert [name for name, _ in calls] == ["first", "second"]
     assert all(str(error) == "eval batch" for _, error in calls)
     assert str(info.value.__context__) == "eval batch"
@@ -223,3 +223,24 @@ def test_callback_methods_reach_the_round_points() -> None:
     trainer = make_trainer(eval_data=tiny_loader(2, seed=1), callbacks=[Swapper()])
     trainer.run()
     assert calls == ["before", "batch", "batch", "after"]
+
+
+def test_after_evaluation_hooks_unwind_in_reverse_order_across_tiers() -> None:
+    order: list[str] = []
+
+    class Core(Callback):
+        def hook_before_evaluation(self, ctx: StepContext) -> None:
+            order.append("core in")
+
+        def hook_after_evaluation(self, ctx: StepContext) -> None:
+            order.append("core out")
+
+    trainer = make_trainer()
+    trainer.add_callback(Core(), tier="core")
+    trainer.add_hook("before_evaluation", lambda ctx: order.append("a in"))
+    trainer.add_hook("before_evaluation", lambda ctx: order.append("b in"))
+    trainer.add_hook("after_evaluation", lambda ctx: order.append("a out"))
+    trainer.add_hook("after_evaluation", lambda ctx: order.append("b out"))
+    trainer.evaluate_sync(tiny_loader(1))
+    trainer.close()
+    assert order == ["core in", "a in", "b in", "b out", "a out", "core out"]

@@ -25,8 +25,9 @@ Points, in the order a step reaches them::
 
 The two evaluation points pair up like a context manager: every ``"after_evaluation"`` hook runs
 (each one, even when another raised) once the ``"before_evaluation"`` hooks started, so a hook
-that swapped weights in gets to restore them. A hook there must cope with its
-``"before_evaluation"`` twin not having finished (another hook before it raised).
+that swapped weights in gets to restore them; they run in reverse order (the last added first,
+global before user before core), so nested swaps unwind in the right order. A hook there must
+cope with its ``"before_evaluation"`` twin not having finished (another hook before it raised).
 """
 
 from __future__ import annotations

@@ -368,3 +368,53 @@ def test_a_checkpoint_average_that_does_not_fit_the_model_is_refused(tmp_path: P
         other.update(Net())
     with pytest.raises(CheckpointError, match="not an EMA state"):
         other.load_state_dict({"updates": 2})
+
+
+# ====================================================================== several, wrappers
+def test_two_averages_nest_and_the_last_added_is_evaluated(tmp_path: Path) -> None:
+    fast, slow = EMA(0.5, state_key="fast"), EMA(0.9, state_key="slow")
+    trainer = make_trainer(callbacks=[fast, slow], checkpoint_dir=tmp_path)
+    trainer.run()
+    raw = weights(trainer.settings.model)
+    fast_avg = {k: v.clone() for k, v in fast.averaged_state_dict().items()}
+    slow_avg = {k: v.clone() for k, v in slow.averaged_state_dict().items()}
+    in_eval: list[dict[str, torch.Tensor]] = []
+    trainer.add_hook("eval_batch", lambda ctx: in_eval.append(weights(ctx.model)))
+    trainer.evaluate_sync(tiny_loader(1, seed=2))
+    # The swaps unwound in reverse: every tensor back where it was.
+    assert_equal(in_eval[0], slow_avg)
+    assert_equal(weights(trainer.settings.model), raw)
+    assert_equal(fast.averaged_state_dict(), fast_avg)
+    assert_equal(slow.averaged_state_dict(), slow_avg)
+    (path,) = tmp_path.glob("*.pt")
+    saved = read_checkpoint(path).callbacks
+    assert_equal(saved["fast"]["weights"], fast_avg)
+    assert_equal(saved["slow"]["weights"], slow_avg)
+
+
+def test_wrapped_models_are_averaged_by_the_original_modules_names() -> None:
+    class Compiled(torch.nn.Module):  # what torch.compile returns: the module as _orig_mod
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self._orig_mod = module
+
+    model = Net()
+    compiled = Compiled(model)
+    assert set(compiled.state_dict()) != set(model.state_dict())  # "_orig_mod." keys
+    ema = EMA(0.5)
+    ema.update(compiled)
+    ema.update(torch.nn.DataParallel(model))
+    assert set(ema.averaged_state_dict()) == set(model.state_dict())
+    assert_equal(ema.averaged_state_dict(), weights(model))
+    fresh = Net(seed=9)
+    ema.copy_to(torch.nn.DataParallel(fresh))
+    assert_equal(weights(fresh), weights(model))
+
+
+def test_the_average_can_live_on_another_device_than_the_model() -> None:
+    ema = EMA(0.5, device="cpu")
+    model = Net().double()  # another dtype than the default: kept as the model's
+    ema.update(model)
+    assert all(v.device.type == "cpu" for v in ema.averaged_state_dict().values())
+    assert ema.averaged_state_dict()["inp.weight"].dtype == torch.float64
+    assert ema.averaged_state_dict()["inp.weight"] is not model.inp.weight

@@ -158,8 +158,10 @@ class Evaluator:
         """Run the ``point`` hooks of the round (``"before_evaluation"`` or
         ``"after_evaluation"``), each with one shared context.
 
-        At ``"after_evaluation"`` every hook runs even when one raises (each restores its
-        own swap); the first exception is raised after the last hook, chained to ``error``.
+        ``"after_evaluation"`` unwinds like nested context managers: its hooks run in reverse
+        order (global, user, core; the last added first), so two swaps nest, and every one
+        runs even when one raises (each restores its own swap); the first exception is raised
+        after the last hook, chained to ``error``.
         """
         hooks = () if self._hooks is None else self._hooks.by_point[point]
         if not hooks:
@@ -173,7 +175,7 @@ class Evaluator:
                 hook(ctx)
             return
         first: BaseException | None = None
-        for hook in hooks:
+        for hook in reversed(hooks):
             try:
                 hook(ctx)
             except BaseException as exc:
