@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus.callbacks import EMA
-from trainbus.callbacks.ema import _Tensors
+from trainbus.callbacks._weights import ModelTensors
 from trainbus.testing import tiny_model
 
 
@@ -86,7 +86,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"step": [], "walk": [], "update": [], "swap": []}
         for _ in range(args.rounds):
             times["step"].append(timed(step, device))
-            times["walk"].append(timed(lambda m=model: _Tensors(m), device))
+            times["walk"].append(timed(lambda m=model: ModelTensors(m), device))
             times["update"].append(timed(lambda e=ema, m=model: e.update(m), device))
             times["swap"].append(timed(swap, device))
         med = {k: statistics.median(v) for k, v in times.items()}

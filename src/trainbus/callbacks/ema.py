@@ -25,6 +25,7 @@ import torch
 from .._exceptions import CheckpointError, ConfigError, TrainingError
 from .._validate import check_int, check_state_key
 from ._base import Callback
+from ._weights import ModelTensors, exchange, unwrapped
 
 if TYPE_CHECKING:
     from ..bus import EventBus
@@ -33,85 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["EMA"]
 
 Buffers = Literal["average", "copy"]
-
-
-def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose weights a checkpoint holds: ``DistributedDataParallel`` /
-    ``DataParallel``'s ``.module`` and ``torch.compile``'s original module, unwrapped."""
-    while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
-            model = model.module
-            continue
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
-
-class _Tensors:
-    """The model's tensors a state dict holds, each once (tied weights share one entry).
-
-    Attributes:
-        unique: ``{name: tensor}`` of the distinct tensors, first name of each.
-        aliases: ``{state dict key: name in unique}`` for every key, in the state dict's order.
-        params: The names in ``unique`` that are parameters (the rest are buffers).
-    """
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        seen: dict[int, str] = {}
-        self.unique: dict[str, torch.Tensor] = {}
-        self.aliases: dict[str, str] = {}
-        params: list[str] = []
-        # keep_vars: the live parameters (as Parameters) and buffers, not detached copies. One
-        # walk of the modules, at every update and swap: a model moved with .to() (its buffers
-        # replaced) or a buffer reassigned is followed, never a stale tensor averaged.
-        for key, value in unwrapped(model).state_dict(keep_vars=True).items():
-            if not isinstance(value, torch.Tensor):
-                continue  # a module's extra state: not a weight
-            name = seen.setdefault(id(value), key)
-            self.aliases[key] = name
-            if name == key:
-                self.unique[key] = value
-                if isinstance(value, torch.nn.Parameter):
-                    params.append(key)
-        self.params = frozenset(params)
-
-    def mismatch(self, other: Mapping[str, torch.Tensor]) -> str | None:
-        """What differs between these tensors and ``other`` (names, shapes, dtypes), or None."""
-        missing = sorted(set(self.unique) - set(other))
-        extra = sorted(set(other) - set(self.unique))
-        problems = []
-        if missing:
-            problems.append(f"{missing[:5]} are in the model but not in the average")
-        if extra:
-            problems.append(f"{extra[:5]} are in the average but not in the model")
-        for name in sorted(set(self.unique) & set(other)):
-            a, b = self.unique[name], other[name]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                problems.append(f"{name!r} is {tuple(a.shape)} {a.dtype} in the model but "
-                                f"{tuple(b.shape)} {b.dtype} in the average")  # fmt: skip
-        return "; ".join(problems[:6]) or None
-
-
-@torch.no_grad()
-def _exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the contents of each pair, bit for bit (either may be on another device).
-
-    All or nothing: when one exchange fails (out of memory), the ones done are undone first.
-    """
-    done = 0
-    try:
-        for a, b in pairs:
-            held = a.clone()  # one tensor's worth of extra memory at a time
-            a.copy_(b)
-            b.copy_(held)
-            done += 1
-    except BaseException:
-        for a, b in pairs[:done]:
-            held = a.clone()
-            a.copy_(b)
-            b.copy_(held)
-        raise
 
 
 class EMA(Callback):
@@ -338,7 +260,7 @@ class EMA(Callback):
         if self._swapped is not None:
             raise TrainingError("EMA.update() during an evaluation round (the average is in "
                                 "the model)")  # fmt: skip
-        tensors = _Tensors(model)
+        tensors = ModelTensors(model)
         average = self._current(tensors)
         update = self._updates + 1
         if average is None:
@@ -369,12 +291,12 @@ class EMA(Callback):
         """
         if self._swapped is not None:
             return
-        tensors = _Tensors(model)
+        tensors = ModelTensors(model)
         average = self._current(tensors)
         if average is None:
             return
         pairs = [(avg, t.detach()) for _, t, avg in self._pairs(tensors, average)]
-        _exchange(pairs)
+        exchange(pairs)
         self._swapped = pairs
 
     def swap_out(self) -> None:
@@ -383,13 +305,13 @@ class EMA(Callback):
         pairs = self._swapped
         if pairs is None:
             return
-        _exchange(pairs)
+        exchange(pairs)
         self._swapped = None
 
     def _copy(self, t: torch.Tensor) -> torch.Tensor:
         return t.detach().to(device=self.device or t.device, copy=True)
 
-    def _current(self, tensors: _Tensors) -> dict[str, torch.Tensor] | None:
+    def _current(self, tensors: ModelTensors) -> dict[str, torch.Tensor] | None:
         """The average, a checkpoint's put on its device first; checked against ``tensors``."""
         loaded = self._loaded
         if loaded is not None:
@@ -418,7 +340,7 @@ class EMA(Callback):
 
     @staticmethod
     def _pairs(
-        tensors: _Tensors, average: dict[str, torch.Tensor]
+        tensors: ModelTensors, average: dict[str, torch.Tensor]
     ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
         """``(name, model tensor, averaged tensor)`` for every distinct tensor."""
         for name, t in tensors.unique.items():
