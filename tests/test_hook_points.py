@@ -1,4 +1,5 @@
-"""The inline hook points added for ported callbacks: after_forward, after_backward, eval_batch."""
+"""The inline hook points added for ported callbacks: after_forward, after_backward, eval_batch,
+and the evaluation round's before_evaluation / after_evaluation."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus import Callback, ConfigError, Trainer
+from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -126,4 +128,119 @@ def test_an_unknown_point_lists_the_valid_ones() -> None:
     message = str(info.value)
     assert message.startswith("point='after_step'")
     assert all(repr(p) in message for p in HOOK_POINTS)
-    assert len(HOOK_POINTS) == 7
+    assert len(HOOK_POINTS) == 9
+
+
+# ====================================================================== around every evaluation
+class Broken(Exception):
+    pass
+
+
+def test_the_round_hooks_wrap_every_trigger_with_its_context() -> None:
+    trainer = make_trainer(eval_data=tiny_loader(2, seed=1), eval_every=2)
+    seen: list[tuple[str, int, str | None, str, Any, BaseException | None]] = []
+
+    def record(point: str) -> Any:
+        def hook(ctx: StepContext) -> None:
+            seen.append((point, ctx.step, ctx.trigger, ctx.phase, ctx.batch, ctx.error))
+
+        return hook
+
+    trainer.add_hook("before_evaluation", record("before"))
+    trainer.add_hook("after_evaluation", record("after"))
+    trainer.add_hook(
+        "after_optimizer_step",
+        lambda ctx: trainer.bus.send(cmd.Evaluate()) if ctx.step == 3 else None,
+    )
+    trainer.run()
+    trainer.evaluate_sync()
+    expected = [(2, "steps"), (3, "command"), (4, "steps"), (4, "epoch"), (4, "standalone")]
+    assert seen == [
+        (point, step, trigger, "eval", None, None)
+        for step, trigger in expected
+        for point in ("before", "after")
+    ]
+
+
+def test_after_evaluation_runs_when_the_round_raises_and_every_hook_runs() -> None:
+    trainer = make_trainer(eval_data=tiny_loader(2, seed=1))
+    calls: list[tuple[str, BaseException | None]] = []
+
+    def fail_batch(ctx: StepContext) -> None:
+        raise Broken("eval batch")
+
+    def first(ctx: StepContext) -> None:
+        calls.append(("first", ctx.error))
+        raise Broken("first after_evaluation hook")
+
+    trainer.add_hook("eval_batch", fail_batch)
+    trainer.add_hook("after_evaluation", lambda ctx: calls.append(("second", ctx.error)))
+    trainer.add_hook("after_evaluation", first)  # added last: runs first
+    recorder = EventRecorder(trainer.bus)
+    with pytest.raises(Broken, match="first after_evaluation hook") as info:
+        trainer.run()
+    # Both ran, in reverse order, with the round's error; the failure is raised, chained to it.
+    assert [name for name, _ in calls] == ["first", "second"]
+    assert all(str(error) == "eval batch" for _, error in calls)
+    assert str(info.value.__context__) == "eval batch"
+    assert any("'after_evaluation'" in note for note in info.value.__notes__)
+    (end,) = recorder.of_type(ev.EvaluationRoundEnded)
+    assert end.error is info.value
+
+
+def test_after_evaluation_runs_when_a_before_evaluation_hook_raises() -> None:
+    trainer = make_trainer()
+    after: list[BaseException | None] = []
+
+    def refuse(ctx: StepContext) -> None:
+        raise Broken("before")
+
+    trainer.add_hook("before_evaluation", refuse)
+    trainer.add_hook("after_evaluation", lambda ctx: after.append(ctx.error))
+    recorder = EventRecorder(trainer.bus)
+    with pytest.raises(Broken):
+        trainer.evaluate_sync(tiny_loader(1))
+    trainer.close()
+    assert len(after) == 1 and isinstance(after[0], Broken)
+    # No set was scored; the round's span still closes, with the error.
+    assert recorder.names()[1:] == ["EvaluationRoundStarted", "EvaluationRoundEnded"]
+    assert isinstance(recorder.of_type(ev.EvaluationRoundEnded)[0].error, Broken)
+
+
+def test_callback_methods_reach_the_round_points() -> None:
+    calls: list[str] = []
+
+    class Swapper(Callback):
+        def hook_before_evaluation(self, ctx: StepContext) -> None:
+            calls.append("before")
+
+        def hook_eval_batch(self, ctx: StepContext) -> None:
+            calls.append("batch")
+
+        def hook_after_evaluation(self, ctx: StepContext) -> None:
+            calls.append("after")
+
+    trainer = make_trainer(eval_data=tiny_loader(2, seed=1), callbacks=[Swapper()])
+    trainer.run()
+    assert calls == ["before", "batch", "batch", "after"]
+
+
+def test_after_evaluation_hooks_unwind_in_reverse_order_across_tiers() -> None:
+    order: list[str] = []
+
+    class Core(Callback):
+        def hook_before_evaluation(self, ctx: StepContext) -> None:
+            order.append("core in")
+
+        def hook_after_evaluation(self, ctx: StepContext) -> None:
+            order.append("core out")
+
+    trainer = make_trainer()
+    trainer.add_callback(Core(), tier="core")
+    trainer.add_hook("before_evaluation", lambda ctx: order.append("a in"))
+    trainer.add_hook("before_evaluation", lambda ctx: order.append("b in"))
+    trainer.add_hook("after_evaluation", lambda ctx: order.append("a out"))
+    trainer.add_hook("after_evaluation", lambda ctx: order.append("b out"))
+    trainer.evaluate_sync(tiny_loader(1))
+    trainer.close()
+    assert order == ["core in", "a in", "b in", "b out", "a out", "core out"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "events.md"
@@ -398,3 +400,70 @@ def test_docs_cover_every_event_and_span() -> None:
     doc = set(pseudocode_names(every_block=True))
     missing = {t.__name__ for t in ev.EVENT_TYPES} - doc
     assert not missing, f"events missing from the pseudocode: {missing}"
+
+
+# ====================================================================== hooks where the page says
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HookRan(ev.BaseEvent):
+    """Published by a test hook at its point: the hook's place in the event stream."""
+
+    point: str
+
+
+def pseudocode_tokens(block: int) -> list[str]:
+    """Event names and ``hook "<point>"`` marks of one ```text block of docs/events.md's
+    "Event order", in order."""
+    text = DOCS.read_text(encoding="utf-8")
+    section = text.split("## Event order", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```text\n(.*?)```", section, re.S)
+    known = {t.__name__ for t in ev.EVENT_TYPES}
+    tokens = re.findall(r'hook "[a-z_]+"|\b[A-Z][A-Za-z]+\b', blocks[block])
+    return [w for w in tokens if w.startswith("hook ") or w in known]
+
+
+def marking_hooks(trainer: Trainer) -> None:
+    """A hook at every point that publishes ``HookRan``: hooks and events in one stream."""
+    for point in HOOK_POINTS:
+
+        def mark(ctx: StepContext, point: str = point) -> None:
+            trainer.bus.publish(HookRan(step=ctx.step, epoch=ctx.epoch, point=point))
+
+        trainer.add_hook(point, mark)
+
+
+def tokens(recorder: EventRecorder) -> list[str]:
+    return [f'hook "{e.point}"' if isinstance(e, HookRan) else type(e).__name__
+            for e in recorder.items]  # fmt: skip
+
+
+def test_docs_pseudocode_places_every_hook_point_where_the_loop_runs_it() -> None:
+    """Every hook point runs where docs/events.md's pseudocode puts it among the events: the
+    run's block for fit() (eval_every and the epoch end), the standalone block for
+    evaluate(); before_evaluation and after_evaluation wrap every round's sets."""
+    trainer = make_trainer(eval_every=1)
+    marking_hooks(trainer)
+    recorder, _ = record_run(trainer)
+    run = tokens(recorder)
+    assert {f'hook "{p}"' for p in HOOK_POINTS} <= set(run), set(run)
+    doc = pseudocode_tokens(0)
+    assert is_subsequence(first_appearances(run), doc), (first_appearances(run), doc)
+    # Every round, whatever triggered it: its sets between the two hooks, once each.
+    rounds = [i for i, n in enumerate(run) if n == "EvaluationRoundStarted"]
+    assert len(rounds) == 6  # eval_every=1 at steps 1..4, the two epoch ends
+    for i in rounds:
+        end = run.index("EvaluationRoundEnded", i)
+        inside = run[i : end + 1]
+        assert inside[1] == 'hook "before_evaluation"' and inside[-2] == 'hook "after_evaluation"'
+        assert (
+            inside.count('hook "before_evaluation"') == inside.count('hook "after_evaluation"') == 1
+        )
+
+    standalone = make_trainer()
+    marking_hooks(standalone)
+    recorder = EventRecorder(standalone.bus)
+    standalone.evaluate_sync()
+    standalone.close()
+    got = tokens(recorder)[1:]  # after TrainerBuilt
+    assert got[:2] == ["EvaluationRoundStarted", 'hook "before_evaluation"']
+    assert got[-2:] == ['hook "after_evaluation"', "EvaluationRoundEnded"]
+    assert is_subsequence(first_appearances(got), pseudocode_tokens(1))

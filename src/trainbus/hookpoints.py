@@ -14,8 +14,20 @@ Points, in the order a step reaches them::
                              accumulated so far), before unscaling and clipping
     "before_optimizer_step"  gradients final (unscaled, before clipping); may edit or skip
     "after_optimizer_step"   after the optimizer stepped (e.g. an EMA of the weights)
+    "before_evaluation"      an evaluation round begins (every round: at ``eval_every``, at the
+                             epoch's end, on ``Evaluate``, in ``trainer.evaluate()``), before
+                             its first set: may swap other weights into ``ctx.model``
     "eval_batch"             an evaluation or prediction batch (on the device), before forward:
                              may replace ``ctx.batch`` or skip it (``ctx.phase`` says which)
+    "after_evaluation"       the round's sets are done, before ``EvaluationRoundEnded``; runs
+                             whenever ``"before_evaluation"`` began, also when the round raised
+                             or was cancelled (``ctx.error``): restore what was swapped in
+
+The two evaluation points pair up like a context manager: every ``"after_evaluation"`` hook runs
+(each one, even when another raised) once the ``"before_evaluation"`` hooks started, so a hook
+that swapped weights in gets to restore them; they run in reverse order (the last added first,
+global before user before core), so nested swaps unwind in the right order. A hook there must
+cope with its ``"before_evaluation"`` twin not having finished (another hook before it raised).
 """
 
 from __future__ import annotations
@@ -34,7 +46,9 @@ HookPoint: TypeAlias = Literal[
     "after_backward",
     "before_optimizer_step",
     "after_optimizer_step",
+    "before_evaluation",
     "eval_batch",
+    "after_evaluation",
 ]
 """One of the hook points."""
 
@@ -61,6 +75,11 @@ class StepContext:
             ``"before_optimizer_step"`` it skips the optimizer step and drops the gradients.
         phase: ``"train"``, ``"eval"`` or ``"predict"``.
         dataset: The evaluation set's name at ``"eval_batch"`` in evaluation, else None.
+        trigger: Why the evaluation round runs (``"epoch"``, ``"steps"``, ``"command"``,
+            ``"standalone"``) at ``"before_evaluation"``, ``"eval_batch"`` and
+            ``"after_evaluation"`` in evaluation; None elsewhere.
+        error: At ``"after_evaluation"``: the exception the round is ending with (the model's,
+            a hook's, a cancellation), None when it completed. None elsewhere.
     """
 
     step: int
@@ -75,6 +94,8 @@ class StepContext:
     skip: bool = False
     phase: str = "train"
     dataset: str | None = None
+    trigger: str | None = None
+    error: BaseException | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def skip_batch(self) -> None:

@@ -7,6 +7,7 @@ from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
 from .checkpoint import Checkpointing as Checkpointing
 from .early_stopping import EarlyStopping as EarlyStopping
+from .ema import EMA as EMA
 from .evaluate import EvaluateCheckpoints as EvaluateCheckpoints
 
 # kit monitors and stoppers
@@ -29,6 +30,7 @@ from .throughput import ThroughputMonitor as ThroughputMonitor
 from .wandb import WandbLogger as WandbLogger
 
 __all__ = [
+    "EMA",
     "Callback",
     "Checkpointing",
     "CurvePlot",

@@ -11,7 +11,7 @@ import torch
 from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
-from ..hookpoints import StepContext
+from ..hookpoints import HookPoint, StepContext
 from .forward import forward_loss, metric_targets
 
 if TYPE_CHECKING:
@@ -98,10 +98,14 @@ class Evaluator:
     def run(
         self, trigger: ev.EvalTrigger, sets: Sequence[tuple[str, Iterable[Any]]] | None = None
     ) -> tuple[ev.EvaluationEnded, ...]:
-        """One evaluation round: ``EvaluationRoundStarted``, each set's span, the round's end.
+        """One evaluation round: ``EvaluationRoundStarted``, the ``"before_evaluation"`` hooks,
+        each set's span, the ``"after_evaluation"`` hooks, the round's end.
 
         Every ``XEnded`` is published even when the pass raises (with the error); the sets after
-        a failed one are not scored.
+        a failed one are not scored. Every evaluation of a run and of ``trainer.evaluate()``
+        passes here, so the round's hook points (a callback swapping averaged weights in and
+        back) apply to all of them; ``"after_evaluation"`` runs also when the round raised or
+        was cancelled.
 
         Args:
             trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
@@ -122,12 +126,21 @@ class Evaluator:
         merged: dict[str, float] = {}
         error: BaseException | None = None
         try:
-            for name, data in sets:
-                ended = self._run_set(trigger, name, data)
-                ends.append(ended)
-                merged.update(ended.metrics)
-                if self._should_stop is not None and self._should_stop():
-                    break
+            # The round's hook points pair up like a context manager (weights swapped in and
+            # restored): once "before_evaluation" began, "after_evaluation" runs, however the
+            # round ends.
+            try:
+                self._round_hooks("before_evaluation", trigger, None)
+                for name, data in sets:
+                    ended = self._run_set(trigger, name, data)
+                    ends.append(ended)
+                    merged.update(ended.metrics)
+                    if self._should_stop is not None and self._should_stop():
+                        break
+            except BaseException as exc:
+                self._round_hooks("after_evaluation", trigger, exc)
+                raise
+            self._round_hooks("after_evaluation", trigger, None)
         except BaseException as exc:
             error = exc
             raise
@@ -138,6 +151,37 @@ class Evaluator:
             self.last_round = done
         self.metrics = merged
         return tuple(ends)
+
+    def _round_hooks(
+        self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
+    ) -> None:
+        """Run the ``point`` hooks of the round (``"before_evaluation"`` or
+        ``"after_evaluation"``), each with one shared context.
+
+        ``"after_evaluation"`` unwinds like nested context managers: its hooks run in reverse
+        order (global, user, core; the last added first), so two swaps nest, and every one
+        runs even when one raises (each restores its own swap); the first exception is raised
+        after the last hook, chained to ``error``.
+        """
+        hooks = () if self._hooks is None else self._hooks.by_point[point]
+        if not hooks:
+            return
+        s, st = self._s, self._state
+        ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=0, micro_batch=0,
+                          batch=None, model=s.model, optimizer=s.optimizer, phase="eval",
+                          trigger=trigger, error=error)  # fmt: skip
+        if point == "before_evaluation":
+            for hook in hooks:
+                hook(ctx)
+            return
+        first: BaseException | None = None
+        for hook in reversed(hooks):
+            try:
+                hook(ctx)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
 
     def _run_set(
         self, trigger: ev.EvalTrigger, name: str, data: Iterable[Any]
@@ -150,7 +194,7 @@ class Evaluator:
         was_training = model.training
         model.eval()
         try:
-            metrics = self._score(name, data)
+            metrics = self._score(trigger, name, data)
         except BaseException as exc:
             error = exc
             exc.add_note(
@@ -164,7 +208,9 @@ class Evaluator:
             pub(ended)
         return ended
 
-    def _score(self, dataset: str, data: Iterable[Any]) -> dict[str, float]:
+    def _score(
+        self, trigger: ev.EvalTrigger, dataset: str, data: Iterable[Any]
+    ) -> dict[str, float]:
         s, pub, st, want = self._s, self._bus.publish, self._state, self._wants
         names = list(s.metrics)
         hooks = () if self._hooks is None else self._hooks.by_point["eval_batch"]
@@ -185,7 +231,7 @@ class Evaluator:
                     pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
                                             dataset=dataset))  # fmt: skip
                 try:
-                    n, loss, outputs, batch = self._batch(dataset, bi, batch, hooks)
+                    n, loss, outputs, batch = self._batch(trigger, dataset, bi, batch, hooks)
                     if n >= 0 and names:  # the metric functions run inside the batch's span
                         target = metric_targets(batch)
                         values = [torch.as_tensor(s.metrics[name](outputs, target),
@@ -228,7 +274,7 @@ class Evaluator:
         return metrics
 
     def _batch(
-        self, dataset: str, bi: int, batch: Any, hooks: tuple[Any, ...]
+        self, trigger: ev.EvalTrigger, dataset: str, bi: int, batch: Any, hooks: tuple[Any, ...]
     ) -> tuple[int, Any, Any, Any]:
         """Score one batch: ``(samples, detached loss, outputs, batch)``; samples -1 when an
         ``eval_batch`` hook skipped it."""
@@ -238,7 +284,7 @@ class Evaluator:
             ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
                               micro_batch=0, batch=batch, model=s.model,
                               optimizer=s.optimizer, phase="eval",
-                              dataset=dataset)  # fmt: skip
+                              dataset=dataset, trigger=trigger)  # fmt: skip
             for hook in hooks:
                 hook(ctx)
             if ctx.skip:

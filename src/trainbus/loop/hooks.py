@@ -3,7 +3,8 @@
 Subscribers on the bus see frozen events after the fact; a hook runs *at* its point in the step
 with a mutable :class:`StepContext`, so it can scale the loss, replace the batch, edit gradients
 or skip the batch. A hook's run time is the loop's, and its exceptions propagate (it is part of
-the step). Hooks run in tier order: core, then user, then global.
+the step). Hooks run in tier order: core, then user, then global; ``after_evaluation`` hooks
+unwind in reverse (the evaluator runs them as nested context-manager exits).
 
 The points and their names are in :mod:`trainbus.hookpoints` (shared with the callbacks).
 """
