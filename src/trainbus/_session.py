@@ -4,11 +4,12 @@ standalone evaluate/predict runs, and the watchers for cancellation and SIGINT/S
 from __future__ import annotations
 
 import contextlib
+import multiprocessing.resource_tracker
 import signal
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from types import FrameType
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -25,6 +26,8 @@ from .loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 __all__ = ["BusSession", "SignalWatcher", "watch_cancel"]
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 
 async def watch_cancel(run: Loop | StandaloneRun) -> None:
@@ -223,6 +226,42 @@ class SignalWatcher:
                 self._bus.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+
+    def masked(self, fn: Callable[[], T], spawns: bool = False) -> Callable[[], T]:
+        """``fn`` to run on the training thread: SIGINT blocked on that thread while
+        :meth:`installed` handles it.
+
+        DataLoader workers start from the training thread (its first ``iter(loader)``) and
+        inherit that thread's signal mask, forked or spawned. With SIGINT blocked there, a
+        Ctrl-C sent to the whole process group (a terminal does) reaches only the main
+        process' handler: a forked worker would otherwise run a copy of this handler (and poke
+        the parent's event-loop wake-up socket), and a spawned one would raise
+        ``KeyboardInterrupt``, exit, and fail the run's next fetch ("DataLoader worker exited
+        unexpectedly") before the final checkpoint. The workers end with the loader's iterator
+        as usual. The handler itself runs on the main thread either way. The mask is restored
+        after ``fn`` (the thread is a pooled one).
+
+        Args:
+            fn: What the training thread runs.
+            spawns: The run's loaders spawn their workers (``trainbus._workers``): start
+                multiprocessing's resource tracker first, whose start would unblock SIGINT.
+
+        Returns:
+            ``fn`` wrapped.
+        """
+
+        def run_masked() -> T:
+            if not self._installed or not hasattr(signal, "pthread_sigmask"):
+                return fn()
+            if spawns:
+                multiprocessing.resource_tracker.ensure_running()
+            previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                return fn()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+        return run_masked
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         run = self._run

@@ -65,7 +65,11 @@ class StepContext:
         epoch: Current epoch.
         batch_index: Index of the current batch in the epoch.
         micro_batch: Position in the gradient-accumulation window.
-        batch: The batch (on the device); a ``"batch"`` hook may replace it.
+        batch: The batch (on the device); a ``"batch"`` hook may replace it. Every point of
+            a step sees one: the micro-batch itself from ``"batch"`` to ``"after_backward"``,
+            and the window's last micro-batch (the one the model saw last) at
+            ``"before_optimizer_step"`` and ``"after_optimizer_step"``: under gradient
+            accumulation the earlier ones of the window are gone by then.
         outputs: Model outputs (from the ``"after_forward"`` point on); an ``"after_forward"``
             hook may replace them (the loss is computed from the replacement).
         loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.

@@ -40,6 +40,7 @@ from ._log import get_logger
 from ._rank_setup import RankSetup
 from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
+from ._workers import spawns_workers
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -165,7 +166,8 @@ class Trainer:
         clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
             reported as ``grad_norm`` on the events.
         precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
-            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only).
+            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only); Lightning's
+            ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
         device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
             ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
             loop, evaluate and predict make it current on their own threads
@@ -513,7 +515,8 @@ class Trainer:
                 async with self._session.open():
                     async with anyio.create_task_group() as tg:
                         tg.start_soon(watch_cancel, loop)
-                        await anyio.to_thread.run_sync(loop.run)
+                        spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
+                        await anyio.to_thread.run_sync(self._signals.masked(loop.run, spawns))
                         tg.cancel_scope.cancel()
         finally:
             self._call = None

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from .._exceptions import CheckpointError, ConfigError
+from .keys import canonical_names, canonical_state, live_state
 from .rng import restore_rng
 
 __all__ = [
@@ -172,7 +173,10 @@ def run_metadata(
         "trainbus_version": _trainbus_version(),
         "torch_version": str(torch.__version__),
         "world_size": int(world_size),
-        "param_shapes": {n: list(p.shape) for n, p in model.named_parameters()},
+        # The original module's names: a torch.compile'd model's are the same (keys.py).
+        "param_shapes": {
+            n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
+        },
         "optimizer": type(optimizer).__name__,
     }
 
@@ -232,7 +236,7 @@ def build_payload(
         "format": FORMAT_VERSION,
         "meta": run_metadata(model, optimizer, world_size=world_size),
         "state": state.as_dict(),
-        "model": model.state_dict(),
+        "model": canonical_state(model.state_dict()),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
@@ -273,7 +277,7 @@ class Checkpoint:
         """
         now = run_metadata(model, optimizer, world_size=world_size)
         problems: list[str] = []
-        saved_shapes: dict[str, list[int]] = self.meta["param_shapes"]
+        saved_shapes: dict[str, list[int]] = canonical_names(self.meta["param_shapes"].items())
         shapes: dict[str, list[int]] = now["param_shapes"]
         missing = sorted(set(saved_shapes) - set(shapes))
         extra = sorted(set(shapes) - set(saved_shapes))
@@ -322,7 +326,7 @@ class Checkpoint:
             CheckpointError: the checkpoint does not fit the model, optimizer or world size.
         """
         self.check_compatible(model=model, optimizer=optimizer, world_size=world_size)
-        model.load_state_dict(self.model)
+        model.load_state_dict(live_state(self.model, model))
         optimizer.load_state_dict(self.optimizer)
         if scheduler is not None and self.scheduler is not None:
             scheduler.load_state_dict(self.scheduler)

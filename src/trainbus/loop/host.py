@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from .outputs import map_tensors
+
 __all__ = ["HostOutputs"]
 
 
@@ -36,18 +38,15 @@ class HostOutputs:
         self._batches.append(self._to_host(outputs))
 
     def _to_host(self, outputs: Any) -> Any:
-        if isinstance(outputs, torch.Tensor):
-            if outputs.device.type == "cpu":
-                return outputs
-            host = torch.empty(outputs.shape, dtype=outputs.dtype, pin_memory=self._pin)
-            host.copy_(outputs, non_blocking=self._pin)
-            self._queued = self._queued or self._pin
-            return host
-        if isinstance(outputs, tuple | list):
-            return type(outputs)(self._to_host(o) for o in outputs)
-        if isinstance(outputs, dict):
-            return {k: self._to_host(v) for k, v in outputs.items()}
-        return outputs
+        return map_tensors(self._tensor_to_host, outputs)  # containers keep their type
+
+    def _tensor_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        host.copy_(tensor, non_blocking=self._pin)
+        self._queued = self._queued or self._pin
+        return host
 
     def batches(self) -> list[Any]:
         """The host copies of every batch added, in order, complete: waits once for the

@@ -208,6 +208,7 @@ class Loop:
             # SaveCheckpoint for the last StepEnded); deliver, wait, and apply what they sent.
             control.barrier_then_poll(None, common=True)
             self._window.check_pending()  # the end of the run: a short run, the last window
+            self._window.finish()  # FitResult.train_metrics: the partial last window too
             checkpoints = self._checkpoints
             if checkpoints.enabled and not self._guard.tripped:
                 if checkpoints.last_checkpoint_step != st.step:

@@ -56,6 +56,9 @@ class StepPhases:
         self._scaler = settings.scaler
         self._mixed = settings.precision != "32"
         self.loss_checked = False
+        # The batch the model saw last: the step's later hooks (after_backward, before and
+        # after the optimizer step) see it as ctx.batch. Dropped after the step's last hook.
+        self._batch: Any = None
 
     def annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
         """Add a note naming the phase, step, epoch and batch to an exception from the step."""
@@ -65,8 +68,11 @@ class StepPhases:
         )
 
     def context(self, bi: int, micro: int, batch: Any) -> StepContext:
-        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step."""
+        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step;
+        ``batch`` None: the batch the model saw last (the window's last micro-batch)."""
         st, s = self._state, self._s
+        if batch is None:
+            batch = self._batch
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
                            batch=batch, model=s.model, optimizer=s.optimizer)  # fmt: skip
 
@@ -82,6 +88,7 @@ class StepPhases:
             TrainingError: the loss is not a scalar tensor that requires grad.
         """
         pub, st, w = self._bus.publish, self._state, self._wants
+        self._batch = batch
         if w.forward_started:
             pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
         after_forward = self._hooks.by_point["after_forward"]
@@ -219,6 +226,7 @@ class StepPhases:
                 self.zero_grad(bi)
                 if scaler is not None:
                     scaler.update()
+                self._batch = None
                 return False, None
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
@@ -248,4 +256,5 @@ class StepPhases:
         self.zero_grad(bi)
         for hook in self._hooks.by_point["after_optimizer_step"]:
             hook(self.context(bi, 0, None))
+        self._batch = None
         return True, grad_norm

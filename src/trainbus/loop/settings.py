@@ -101,6 +101,35 @@ def _iterable(name: str, value: Any, *, optional: bool) -> int | None:
     return length
 
 
+PRECISION_SPELLINGS: Mapping[str, Precision] = {
+    "32": "32", "bf16": "bf16", "fp16": "fp16",
+    # Lightning's spellings of the same three (a user's Trainer(precision=...) carried over).
+    "32-true": "32", "bf16-mixed": "bf16", "16-mixed": "fp16",
+}  # fmt: skip
+"""Every accepted ``precision`` and what it means here."""
+
+_TRUE_HALF = ("16-true", "bf16-true", "64-true")
+
+
+def _precision(value: Any) -> Precision:
+    """``value`` as one of ``"32"``, ``"bf16"``, ``"fp16"``.
+
+    Raises:
+        ConfigError: an unknown spelling (listing the accepted ones), or Lightning's
+            ``"*-true"`` half/double precision, which trainbus does not do by casting.
+    """
+    allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
+    if isinstance(value, str) and value in PRECISION_SPELLINGS:
+        return PRECISION_SPELLINGS[value]
+    if value in _TRUE_HALF:
+        raise ConfigError.invalid(
+            "precision", value,
+            f"one of {allowed}; trainbus does not cast the model: for weights in another "
+            "dtype cast it yourself (model.to(torch.bfloat16)) and train with precision='32'",
+        )  # fmt: skip
+    raise ConfigError.invalid("precision", value, f"one of {allowed}")
+
+
 def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bool]:
     """Check ``eval_data`` (None, one iterable, or a mapping of set names to iterables).
 
@@ -195,8 +224,7 @@ def build_settings(
         and clip_grad_norm > 0
     ):
         raise ConfigError.invalid("clip_grad_norm", clip_grad_norm, "a finite number > 0 or None")
-    if precision not in ("32", "bf16", "fp16"):
-        raise ConfigError.invalid("precision", precision, "'32', 'bf16' or 'fp16'")
+    precision = _precision(precision)
     resolved = resolve_device(device)  # "auto"/"cuda" -> "cuda:N", once for every thread
     if precision == "bf16" and not bf16_supported(resolved):
         props = torch.cuda.get_device_properties(resolved)

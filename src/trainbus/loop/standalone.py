@@ -32,6 +32,7 @@ from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
+from .outputs import detach_outputs, join_outputs
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -41,39 +42,6 @@ if TYPE_CHECKING:
     from .settings import Settings
 
 __all__ = ["StandaloneRun", "detach_outputs", "join_outputs"]
-
-
-def detach_outputs(outputs: Any) -> Any:
-    """``outputs`` with every tensor detached (kept on its device), through tuples, lists and
-    mappings; anything else as is."""
-    if isinstance(outputs, torch.Tensor):
-        return outputs.detach()
-    if isinstance(outputs, tuple | list):
-        return type(outputs)(detach_outputs(o) for o in outputs)
-    if isinstance(outputs, dict):
-        return {k: detach_outputs(v) for k, v in outputs.items()}
-    return outputs
-
-
-def join_outputs(batches: Sequence[Any]) -> Any:
-    """Concatenate per-batch outputs along the first dimension.
-
-    Tensors are concatenated; tuples/lists and dicts of tensors are joined element by element;
-    anything else comes back as the list of per-batch outputs. No batch gives ``[]``.
-    """
-    if not batches:
-        return []
-    first = batches[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(list(batches))
-    if isinstance(first, tuple | list) and all(
-        isinstance(b, type(first)) and len(b) == len(first) for b in batches
-    ):
-        return type(first)(join_outputs([b[i] for b in batches]) for i in range(len(first)))
-    if isinstance(first, dict) and all(isinstance(b, dict) and b.keys() == first.keys()
-                                       for b in batches):  # fmt: skip
-        return {k: join_outputs([b[k] for b in batches]) for k in first}
-    return list(batches)
 
 
 class StandaloneRun:

@@ -107,6 +107,50 @@ class MetricsWindow:
         Raises:
             NonFiniteLossError: a NaN/inf loss in the window and ``on_nonfinite="raise"``.
         """
+        st, guard = self._state, self._guard
+        metrics, bad = self._measure()
+        step0 = self._step0
+        bad_step = None if bad is None or not guard.active else step0 + bad + 1
+        if self._reduce is not None:
+            metrics, bad_step = self._reduce(metrics, bad_step)
+        self.metrics = metrics
+        self._checked = 0
+        self._losses, self._norms = [], []
+        self._samples, self._t0, self._step0 = 0, time.monotonic(), st.step
+        logged = None
+        if publish:
+            logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
+            self._bus.publish(logged)
+        if bad_step is not None and guard.active:
+            guard.found(bad_step)
+        return logged
+
+    def finish(self) -> None:
+        """At the normal end of a run: the partial last window (steps taken since the last log
+        step, or a run shorter than ``log_every``) sets :attr:`metrics` too, so
+        ``FitResult.train_metrics`` holds the last training loss for any run length. Nothing
+        is published (``MetricsLogged`` stays every ``log_every`` steps) and the NaN check is
+        :meth:`check_pending`'s, called before.
+
+        Under torchrun the partial window is averaged across ranks like a closed one (one
+        collective, reached by every rank: the guard keeps every step's loss on all of them);
+        with ``on_nonfinite="ignore"`` there, and wherever no loss of the window was kept
+        (``"ignore"`` with nobody listening to the steps), the last closed window stays.
+        """
+        if self._state.step == self._step0:
+            return
+        if self._reduce is not None and not self._guard.active:
+            return  # which ranks kept losses is not agreed: no collective
+        if not self._losses:
+            return
+        metrics, _ = self._measure()
+        if self._reduce is not None:
+            metrics, _ = self._reduce(metrics, None)
+        self.metrics = metrics
+
+    def _measure(self) -> tuple[dict[str, float], int | None]:
+        """The open window's metrics (one device read) and the index of its first non-finite
+        loss (None: none)."""
         st, s, guard = self._state, self._s, self._guard
         losses_kept = self._losses
         steps = st.step - self._step0
@@ -115,7 +159,6 @@ class MetricsWindow:
         values = _read(losses_kept)
         mean_loss = sum(values) / len(values) if values else math.nan
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-        step0 = self._step0
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done only once the device has run them
@@ -132,20 +175,7 @@ class MetricsWindow:
             metrics["grad_norm"] = sum(norms_read) / len(norms_read)
         if guard.skipped or s.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(guard.skipped)
-        bad_step = None if bad is None or not guard.active else step0 + bad + 1
-        if self._reduce is not None:
-            metrics, bad_step = self._reduce(metrics, bad_step)
-        self.metrics = metrics
-        self._checked = 0
-        self._losses, self._norms = [], []
-        self._samples, self._t0, self._step0 = 0, now, st.step
-        logged = None
-        if publish:
-            logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
-            self._bus.publish(logged)
-        if bad_step is not None and guard.active:
-            guard.found(bad_step)
-        return logged
+        return metrics, bad
 
     def check_pending(self) -> None:
         """Read the losses added since the last read (one sync) and report a non-finite one.
