@@ -5,6 +5,11 @@ Objects, each owning its state (see docs/architecture.md for the table):
 - :class:`Loop` (``loop.py``): the run, the epoch and the poll point after each step.
 - :class:`Step` (``step.py``): one optimizer step, written once, in event order.
 - :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
+- :class:`CustomStep`, :class:`TrainContext` (``custom.py``): the user's ``train_step`` inside
+  the one step.
+- :class:`OptimizerSet`, :class:`SchedulerSet` (``optimizers.py``): several named optimizers
+  and schedulers as one.
+- :class:`UserMetrics` (``logged.py``): values users log (``ctx.log``, ``LogMetric``).
 - ``forward.py``: the forward (model outputs, then the loss) for training, evaluation and
   prediction.
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
@@ -22,13 +27,18 @@ This package imports the bus only for types and uses it through its public metho
 from .checkpoint import CheckpointWriter as CheckpointWriter
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
+from .custom import CustomStep as CustomStep
+from .custom import TrainContext as TrainContext
 from .evaluation import Evaluator as Evaluator
 from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
 from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
 from .hooks import StepContext as StepContext
+from .logged import UserMetrics as UserMetrics
 from .loop import Loop as Loop
+from .optimizers import OptimizerSet as OptimizerSet
+from .optimizers import SchedulerSet as SchedulerSet
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
@@ -52,6 +62,7 @@ __all__ = [
     "Cancelled",
     "CheckpointWriter",
     "CommandHandler",
+    "CustomStep",
     "Evaluator",
     "HookFn",
     "HookHandle",
@@ -59,13 +70,17 @@ __all__ = [
     "Loop",
     "MetricsWindow",
     "NonFinitePolicy",
+    "OptimizerSet",
     "Outcome",
     "Precision",
+    "SchedulerSet",
     "Settings",
     "StandaloneRun",
     "Step",
     "StepContext",
     "StepPhases",
+    "TrainContext",
+    "UserMetrics",
     "Wants",
     "build_settings",
     "eval_sets",
