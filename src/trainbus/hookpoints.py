@@ -99,7 +99,7 @@ class StepContext:
         """
         if self.metrics_sink is None:
             raise TrainingError(
-                f"ctx.log({name!r}, ...) in a {self.phase} hook: only training hooks and "
+                f"ctx.log({name!r}, ...) in a hook of phase {self.phase!r}: only training hooks and "
                 "custom steps log metrics (evaluation metrics come from metrics=)"
             )
         self.metrics_sink(name, value)
