@@ -62,6 +62,8 @@ class StepPhases:
         self._s, self._bus, self._state = settings, bus, state
         self._hooks, self._wants = hooks, wants
         self._sink = None if user is None else user.log
+        # What the grad scaler unscales and steps: the optimizer, or each of several.
+        self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._scaler = settings.scaler
         self._mixed = settings.precision != "32"
         self.loss_checked = False
@@ -237,9 +239,8 @@ class StepPhases:
         pub, st, s, w = self._bus.publish, self._state, self._s, self._wants
         custom = optimizer is not None
         opt, scaler = s.optimizer if optimizer is None else optimizer, self._scaler
-        each = (opt,) if custom or len(s.optimizers) == 1 else tuple(s.optimizers.values())
         if scaler is not None:
-            for o in each:
+            for o in (opt,) if custom else self._each:
                 scaler.unscale_(o)
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
@@ -262,7 +263,7 @@ class StepPhases:
         try:
             if scaler is not None:
                 scale = scaler.get_scale() if w.optimizer_step_ended and not custom else None
-                for o in each:
+                for o in (opt,) if custom else self._each:
                     scaler.step(o)
                 if not custom:
                     scaler.update()
