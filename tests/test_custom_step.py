@@ -4,6 +4,7 @@ bit-identically; the events, hooks and commands around them; and the bad inputs.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +315,61 @@ def test_a_checkpoint_of_two_optimizers_does_not_load_into_other_names(tmp_path:
                       checkpoint_dir=tmp_path, progress=False)  # fmt: skip
     with pytest.raises(CheckpointError, match=r"optimizers \['d', 'g'\] but this run has"):
         trainer.run(resume="latest")
+
+
+class RecordingScaler:
+    """A grad scaler that scales by 1 and records its calls (fp16 needs CUDA: this checks the
+    order trainbus drives a scaler in under several optimizers, on the CPU)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names, self.calls = names, []
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        self.calls.append("scale")
+        return loss
+
+    def unscale_(self, opt: torch.optim.Optimizer) -> None:
+        self.calls.append(f"unscale {self.names[id(opt)]}")
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        self.calls.append(f"step {self.names[id(opt)]}")
+        opt.step()
+
+    def update(self) -> None:
+        self.calls.append("update")
+
+    def get_scale(self) -> float:
+        return 1.0
+
+
+def test_the_grad_scaler_unscales_and_steps_each_optimizer_and_updates_once() -> None:
+    model, opts, data = gan_parts()
+    scaler = RecordingScaler({id(o): n for n, o in opts.items()})
+    trainer = Trainer(model, opts, data, train_step=gan_step, max_steps=1, progress=False)
+    trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
+    trainer.run()
+    assert scaler.calls == ["scale", "unscale d", "step d", "scale", "unscale g", "step g",
+                            "update"]  # fmt: skip
+
+
+class TwoParts(nn.Module):
+    """A model trained by two optimizers under the default step (it returns its loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(2, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).pow(2).mean()
+
+
+def test_the_default_step_drives_the_grad_scaler_over_every_optimizer() -> None:
+    model = TwoParts()
+    opts = {"body": torch.optim.SGD(model.body.parameters(), lr=0.1),
+            "head": torch.optim.SGD(model.head.parameters(), lr=0.1)}  # fmt: skip
+    scaler = RecordingScaler({id(o): n for n, o in opts.items()})
+    trainer = Trainer(model, opts, [torch.randn(4, 2)], max_steps=1, progress=False)
+    trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
+    trainer.run()
+    assert scaler.calls == ["scale", "unscale body", "unscale head", "step body", "step head",
+                            "update"]  # fmt: skip
