@@ -72,6 +72,15 @@ CASES = [
         r"replay alerting: 60 steps, (\d+) alerts live, (\d+) on the replay, same steps: True",
         lambda m: int(m[1]) == int(m[2]) >= 1,
     ),
+    Case(
+        "gan.py",
+        r"gan: 12 steps, d_loss (\d+\.\d+), lr/g 0\.00025, resumed at step 6 bit-identical: True",
+    ),
+    Case(
+        "contrastive.py",
+        r"contrastive: 8 steps of 2 micro-batches, pos_sim (-?\d+\.\d+), grad_norm logged: "
+        r"True, resumed at step 4 bit-identical: True",
+    ),
 ]
 
 

@@ -34,6 +34,7 @@ from .callbacks._base import register_global_callback as register_global_callbac
 from .launcher import Launcher as Launcher
 from .launcher import LaunchResult as LaunchResult
 from .launcher import launch as launch
+from .loop.custom import TrainContext as TrainContext
 from .loop.hooks import HookHandle as HookHandle
 from .loop.hooks import StepContext as StepContext
 from .replay import replay as replay
@@ -70,6 +71,7 @@ __all__ = [
     "SubscriberError",
     "Subscription",
     "SubscriptionStatistics",
+    "TrainContext",
     "TrainbusError",
     "Trainer",
     "TrainingError",

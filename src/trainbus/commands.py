@@ -21,6 +21,7 @@ __all__ = [
     "COMMAND_TYPES",
     "Command",
     "Evaluate",
+    "LogMetric",
     "SaveCheckpoint",
     "ScaleLearningRate",
     "SetLearningRate",
@@ -31,6 +32,11 @@ __all__ = [
 
 def _check_group(value: int | None) -> None:
     check_int("param_group", value, 0, optional=True)
+
+
+def _check_optimizer(value: str | None) -> None:
+    if value is not None and (not isinstance(value, str) or not value.isidentifier()):
+        raise ConfigError.invalid("optimizer", value, "an optimizer's name or None")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -90,10 +96,13 @@ class Evaluate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SetLearningRate:
-    """Set the learning rate of every parameter group (or of ``param_group``)."""
+    """Set the learning rate of every parameter group (or of ``param_group``) of every
+    optimizer (or of the one named ``optimizer``, with several)."""
 
     lr: float
     param_group: int | None = None
+    optimizer: str | None = None
+    """The optimizer's name in ``Trainer(optimizer={name: ...})``; None: all of them."""
 
     decided_at: int | None = field(default=None, compare=False)
     """Step of the event being handled when the command was sent (stamped by ``bus.send``);
@@ -103,14 +112,18 @@ class SetLearningRate:
     def __post_init__(self) -> None:
         check_number("lr", self.lr)
         _check_group(self.param_group)
+        _check_optimizer(self.optimizer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ScaleLearningRate:
-    """Multiply the learning rate of every parameter group (or of ``param_group``)."""
+    """Multiply the learning rate of every parameter group (or of ``param_group``) of every
+    optimizer (or of the one named ``optimizer``, with several)."""
 
     factor: float
     param_group: int | None = None
+    optimizer: str | None = None
+    """The optimizer's name in ``Trainer(optimizer={name: ...})``; None: all of them."""
 
     decided_at: int | None = field(default=None, compare=False)
     """Step of the event being handled when the command was sent (stamped by ``bus.send``);
@@ -120,10 +133,39 @@ class ScaleLearningRate:
     def __post_init__(self) -> None:
         check_number("factor", self.factor, positive=True)
         _check_group(self.param_group)
+        _check_optimizer(self.optimizer)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LogMetric:
+    """Add a named value to the training metrics: a subscriber's way to log (hooks and custom
+    steps call ``ctx.log``). Applied at the poll point it reaches, in the log window open
+    there: its mean over the window reaches ``MetricsLogged``, ``FitResult.train_metrics`` and
+    the loggers."""
+
+    name: str
+    value: float
+
+    decided_at: int | None = field(default=None, compare=False)
+    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
+    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
+    command equals the command it was made from."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError.invalid("name", self.name, "a non-empty string")
+        if isinstance(self.value, bool) or not isinstance(self.value, int | float):
+            raise ConfigError.invalid("value", self.value, "a number")
 
 
 Command: TypeAlias = (
-    StopTraining | StopEpoch | SaveCheckpoint | Evaluate | SetLearningRate | ScaleLearningRate
+    StopTraining
+    | StopEpoch
+    | SaveCheckpoint
+    | Evaluate
+    | SetLearningRate
+    | ScaleLearningRate
+    | LogMetric
 )
 """Union of every command class."""
 

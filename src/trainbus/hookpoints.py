@@ -32,10 +32,13 @@ cope with its ``"before_evaluation"`` twin not having finished (another hook bef
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeAlias, get_args
 
 import torch
+
+from ._exceptions import TrainingError
 
 __all__ = ["HOOK_POINTS", "HookPoint", "StepContext"]
 
@@ -84,6 +87,8 @@ class StepContext:
             ``"after_evaluation"`` in evaluation; None elsewhere.
         error: At ``"after_evaluation"``: the exception the round is ending with (the model's,
             a hook's, a cancellation), None when it completed. None elsewhere.
+        metrics_sink: Where :meth:`log` puts a value (set by the training loop; None in
+            evaluation and prediction).
     """
 
     step: int
@@ -101,6 +106,28 @@ class StepContext:
     trigger: str | None = None
     error: BaseException | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    metrics_sink: Callable[[str, Any], None] | None = field(default=None, repr=False)
+
+    def log(self, name: str, value: torch.Tensor | float) -> None:
+        """Log a named value of this training step: its mean over the log window reaches
+        ``MetricsLogged``, ``FitResult.train_metrics`` and every logger (averaged across ranks
+        like the loss). A tensor is kept as it is (no device read) until the window closes.
+
+        Args:
+            name: The metric's name (not one of the window's own: ``loss``, ``lr``, ...).
+            value: A number or a one-element tensor (detached here).
+
+        Raises:
+            ConfigError: a reserved name or a value that is not a number / one-element tensor.
+            TrainingError: called from an evaluation or prediction hook (their metrics come
+                from the Trainer's ``metrics=``).
+        """
+        if self.metrics_sink is None:
+            raise TrainingError(
+                f"ctx.log({name!r}, ...) in a hook of phase {self.phase!r}: only training hooks and "
+                "custom steps log metrics (evaluation metrics come from metrics=)"
+            )
+        self.metrics_sink(name, value)
 
     def skip_batch(self) -> None:
         """Skip the rest of this batch (or, before the optimizer step, the step)."""

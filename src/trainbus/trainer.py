@@ -60,6 +60,7 @@ from .loop import (
     Precision,
     Settings,
     StandaloneRun,
+    TrainContext,
     build_settings,
     eval_sets,
     evaluation_metric_names,
@@ -149,8 +150,15 @@ class Trainer:
 
     Args:
         model: The ``torch.nn.Module`` to train.
-        optimizer: A ``torch.optim.Optimizer`` over the model's parameters.
+        optimizer: A ``torch.optim.Optimizer`` over the model's parameters, or a mapping of
+            names to optimizers over disjoint parameters (``{"g": opt_g, "d": opt_d}``): the
+            default step steps them all, a ``train_step`` steps them by name; each one's state
+            is saved and restored (docs/trainer.md, "Several optimizers").
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
+        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` called per micro-batch:
+            any forwards, ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps
+            the events, hooks, accumulation, clipping, precision, non-finite checks and
+            checkpoints (docs/recipes.md). None: the default step.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches. Without
             it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a mapping
             with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
@@ -160,7 +168,8 @@ class Trainer:
             named sets ``<set>/loss``/``<set>/<name>`` (``"test/acc"``).
         max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
         max_steps: Optimizer steps to train.
-        scheduler: An LR scheduler, stepped every step or every epoch (``scheduler_interval``).
+        scheduler: An LR scheduler, stepped every step or every epoch (``scheduler_interval``);
+            with several optimizers a mapping of optimizer names to schedulers.
         scheduler_interval: ``"step"`` or ``"epoch"``.
         accumulate: Micro-batches per optimizer step (gradient accumulation).
         clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
@@ -220,9 +229,10 @@ class Trainer:
     def __init__(
         self,
         model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
         train_data: Iterable[Any],
         *,
+        train_step: Callable[[TrainContext], Any] | None = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
         max_epochs: int | None = None,
@@ -259,6 +269,7 @@ class Trainer:
             metrics=metrics, eval_every=eval_every, eval_at_epoch_end=eval_at_epoch_end,
             log_every=log_every, checkpoint_dir=checkpoint_dir,
             barriers=barriers, barrier_timeout=barrier_timeout, on_nonfinite=on_nonfinite,
+            train_step=train_step,
         )  # fmt: skip
         if not isinstance(handle_signals, bool):
             raise ConfigError.invalid("handle_signals", handle_signals, "True or False")

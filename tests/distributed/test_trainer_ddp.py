@@ -55,6 +55,8 @@ def test_each_rank_trains_on_its_shard_and_the_ranks_end_identical(out: Path) ->
     assert r0["digest"] == r1["digest"]
     # metrics averaged across ranks: the same numbers on both
     assert r0["metrics"] == r1["metrics"] and r0["train_metrics"] == r1["train_metrics"]
+    # a value a hook logged (ctx.log): each rank its rank, the mean of both on both
+    assert r0["train_metrics"]["rank_logged"] == 0.5
 
 
 def test_a_rank0_stop_at_random_steps_stops_every_rank_at_the_same_step(out: Path) -> None:

@@ -26,13 +26,18 @@ COMMANDS: dict[type[Any], st.SearchStrategy[Any]] = {
     cmd.SaveCheckpoint: st.builds(cmd.SaveCheckpoint, tag=st.none() | tags),
     cmd.Evaluate: st.just(cmd.Evaluate()),
     cmd.SetLearningRate: st.builds(
-        cmd.SetLearningRate, lr=st.floats(0, 10), param_group=st.none() | st.integers(0, 9)
+        cmd.SetLearningRate,
+        lr=st.floats(0, 10),
+        param_group=st.none() | st.integers(0, 9),
+        optimizer=st.none() | st.sampled_from(["g", "d"]),
     ),
     cmd.ScaleLearningRate: st.builds(
         cmd.ScaleLearningRate,
         factor=st.floats(min_value=1e-3, max_value=1e3),
         param_group=st.none() | st.integers(0, 9),
+        optimizer=st.none() | st.sampled_from(["g", "d"]),
     ),
+    cmd.LogMetric: st.builds(cmd.LogMetric, name=names, value=finite),
 }
 any_command = st.one_of(*COMMANDS.values())
 scalar = finite | finite.map(lambda x: torch.tensor(x))

@@ -228,13 +228,7 @@ class Callback:
         hooks: dict[str, str] = {}
         for name in dir(cls):
             if name.startswith("on_") and callable(getattr(cls, name)):
-                if name not in EVENT_METHODS:
-                    raise ConfigError.invalid(
-                        f"{cls.__name__}.{name}", name,
-                        "on_<event in snake_case>, e.g. on_step_ended; known: "
-                        + ", ".join(sorted(EVENT_METHODS)),
-                    )  # fmt: skip
-                subs[name] = EVENT_METHODS[name]
+                subs[name] = EVENT_METHODS.get(name) or _user_event(cls, name)
             elif name.startswith("hook_") and callable(getattr(cls, name)):
                 if name not in HOOK_METHODS:
                     raise ConfigError.invalid(
@@ -271,6 +265,36 @@ class Callback:
                     bus.subscribe(bus.stream(event_type), method, on_error=self.error_policy,
                                   name=label)  # fmt: skip
             self.setup(bus)
+
+
+def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
+    """The user's own event class (a subclass of ``trainbus.events.BaseEvent``, defined by
+    the time the callback is attached) that ``on_<its name in snake_case>`` names.
+
+    Raises:
+        ConfigError: no event class has that name, or several do (in different modules).
+    """
+    found: dict[str, type[ev.BaseEvent]] = {}
+    stack: list[type[ev.BaseEvent]] = [ev.BaseEvent]
+    while stack:
+        for sub in stack.pop().__subclasses__():
+            stack.append(sub)
+            if f"on_{_snake(sub.__name__)}" == name:
+                found[f"{sub.__module__}.{sub.__qualname__}"] = sub
+    if len(found) == 1:
+        return next(iter(found.values()))
+    if found:
+        raise ConfigError.invalid(
+            f"{cls.__name__}.{name}", name,
+            "a method naming one event class; several match: " + ", ".join(sorted(found))
+            + " (rename one, or subscribe with bus.stream(TheClass))",
+        )  # fmt: skip
+    raise ConfigError.invalid(
+        f"{cls.__name__}.{name}", name,
+        "on_<event in snake_case>, e.g. on_step_ended, or of your own event class (a "
+        "subclass of trainbus.events.BaseEvent, defined before the callback is attached); "
+        "known: " + ", ".join(sorted(EVENT_METHODS)),
+    )  # fmt: skip
 
 
 class GlobalCallbackHandle:

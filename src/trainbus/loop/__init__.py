@@ -11,6 +11,11 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`GradSync` (``gradsync.py``): DDP gradient synchronisation under accumulation.
 - :class:`NonFiniteGuard` (``nonfinite.py``): a NaN/inf loss noticed, never checkpointed.
 - :class:`SchedulerStepper` (``lr_schedule.py``): the learning-rate scheduler's step.
+- :class:`CustomStep`, :class:`TrainContext` (``custom.py``): the user's ``train_step`` inside
+  the one step.
+- :class:`OptimizerSet`, :class:`SchedulerSet` (``optimizers.py``): several named optimizers
+  and schedulers as one.
+- :class:`UserMetrics` (``logged.py``): values users log (``ctx.log``, ``LogMetric``).
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
 - :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
@@ -30,13 +35,18 @@ This package imports the bus only for types and uses it through its public metho
 from .checkpoint import CheckpointWriter as CheckpointWriter
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
+from .custom import CustomStep as CustomStep
+from .custom import TrainContext as TrainContext
 from .evaluation import Evaluator as Evaluator
 from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
 from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
 from .hooks import StepContext as StepContext
+from .logged import UserMetrics as UserMetrics
 from .loop import Loop as Loop
+from .optimizers import OptimizerSet as OptimizerSet
+from .optimizers import SchedulerSet as SchedulerSet
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
@@ -60,6 +70,7 @@ __all__ = [
     "Cancelled",
     "CheckpointWriter",
     "CommandHandler",
+    "CustomStep",
     "Evaluator",
     "HookFn",
     "HookHandle",
@@ -67,13 +78,17 @@ __all__ = [
     "Loop",
     "MetricsWindow",
     "NonFinitePolicy",
+    "OptimizerSet",
     "Outcome",
     "Precision",
+    "SchedulerSet",
     "Settings",
     "StandaloneRun",
     "Step",
     "StepContext",
     "StepPhases",
+    "TrainContext",
+    "UserMetrics",
     "Wants",
     "build_settings",
     "eval_sets",

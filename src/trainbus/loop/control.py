@@ -56,6 +56,7 @@ class CommandHandler:
             applied only at **common** poll points (every rank reaches them at the same step),
             through :meth:`RankSync.agree`; the other poll points only check failures and
             cancellation (docs/distributed.md).
+        log_metric: Adds a ``LogMetric``'s value to the open metrics window (None: refused).
     """
 
     def __init__(
@@ -69,8 +70,10 @@ class CommandHandler:
         checkpoints: CheckpointWriter,
         evaluator: Evaluator,
         sync: RankSync | None = None,
+        log_metric: Callable[[str, float], None] | None = None,
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
+        self._log_metric = log_metric
         self._wait_barrier, self._check_cancel = wait_barrier, check_cancel
         self._checkpoints, self._evaluator = checkpoints, evaluator
         self._sync = sync
@@ -207,12 +210,16 @@ class CommandHandler:
                     self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
                     # One set: its EvaluationEnded (as before named sets); several: the round.
                     result = ends[0] if len(ends) == 1 else self._evaluator.last_round
-                case cmd.SetLearningRate(lr=lr, param_group=group):
-                    for g in self._groups(group):
+                case cmd.SetLearningRate(lr=lr, param_group=group, optimizer=name):
+                    for g in self._groups(group, name):
                         g["lr"] = lr
-                case cmd.ScaleLearningRate(factor=factor, param_group=group):
-                    for g in self._groups(group):
+                case cmd.ScaleLearningRate(factor=factor, param_group=group, optimizer=name):
+                    for g in self._groups(group, name):
                         g["lr"] = g["lr"] * factor
+                case cmd.LogMetric(name=name, value=value):
+                    if self._log_metric is None:
+                        raise ConfigError.invalid("LogMetric", name, "a training run")
+                    self._log_metric(name, value)
                 case _:
                     assert_never(command)
         except (ConfigError, CheckpointError, OSError) as exc:  # refused: never kills the run
@@ -220,8 +227,19 @@ class CommandHandler:
         self._bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
                                             result=result, error=error))  # fmt: skip
 
-    def _groups(self, group: int | None) -> list[dict[str, Any]]:
-        groups = self._s.optimizer.param_groups
+    def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:
+        """The parameter groups a learning-rate command sets: every optimizer's (or only
+        ``optimizer``'s), all of them or index ``group`` (within that optimizer, or counted
+        across them in name order).
+
+        Raises:
+            ConfigError: an unknown optimizer name or a group index out of range.
+        """
+        opts = self._s.optimizers
+        if optimizer is not None and optimizer not in opts:
+            allowed = "one of the optimizers: " + ", ".join(map(repr, opts))
+            raise ConfigError.invalid("optimizer", optimizer, allowed)
+        groups = (self._s.optimizer if optimizer is None else opts[optimizer]).param_groups
         if group is None:
             return list(groups)
         if group >= len(groups):

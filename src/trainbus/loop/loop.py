@@ -37,9 +37,11 @@ from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from .checkpoint import CheckpointWriter
 from .control import BarrierWait, CommandHandler
+from .custom import CustomStep
 from .data import EpochData
 from .evaluation import EvalTrigger, Evaluator
 from .hooks import Hooks
+from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
 from .outcome import Cancelled, Outcome
@@ -109,7 +111,8 @@ class Loop:
         """Set by the last log window's reduction: some rank has commands to agree on."""
         self.outcome: Outcome | None = None
         self._wants = Wants(bus)
-        self._phases = StepPhases(settings, bus, state, hooks, self._wants)
+        user = UserMetrics()  # ctx.log, LogMetric: joined to the window's metrics
+        self._phases = StepPhases(settings, bus, state, hooks, self._wants, user)
         # The guard stops through the command handler and names the writer's last checkpoint;
         # both are built after it, hence the late-bound lambdas.
         self._guard = NonFiniteGuard(
@@ -125,16 +128,20 @@ class Loop:
         self._control = CommandHandler(settings, bus, state, wait_barrier=barrier,
                                        check_cancel=self.check_cancel,
                                        checkpoints=self._checkpoints,
-                                       evaluator=self._evaluator, sync=sync)  # fmt: skip
+                                       evaluator=self._evaluator, sync=sync,
+                                       log_metric=user.log)  # fmt: skip
         self._window = MetricsWindow(settings, bus, state, guard=self._guard,
                                      reduce=None if sync is None else self._reduce_window,
                                      first_nonfinite=None if sync is None
-                                     else sync.first_nonfinite)  # fmt: skip
+                                     else sync.first_nonfinite, user=user)  # fmt: skip
         self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, bus, state, self._wants)
         parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
                           self._window, scheduler_step=scheduler.step, lr=scheduler.lr,
-                          cancelled=lambda: self._cancel)  # fmt: skip
+                          cancelled=lambda: self._cancel,
+                          custom=None if settings.train_step is None
+                          else CustomStep(settings, state, self._phases, self._guard, user),
+                          )  # fmt: skip
         self._step = Step(parts, fetch_observed=self._data.fetch_observed)
         self._scheduler_step = scheduler.step
         # The step clock: the next declared decision step (-1: none), re-read with the wants

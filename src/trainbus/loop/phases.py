@@ -24,6 +24,7 @@ from .hooks import Hooks, StepContext
 if TYPE_CHECKING:
     from ..bus import EventBus
     from ..checkpoint import TrainState
+    from .logged import UserMetrics
     from .settings import Settings
     from .wants import Wants
 
@@ -46,13 +47,23 @@ class StepPhases:
         state: The run's train state (stamps the events; ``step`` advances here).
         hooks: The inline hooks.
         wants: The loop's cache of wanted events.
+        user: Where a training hook's ``ctx.log`` puts its values (None: ``ctx.log`` refuses).
     """
 
     def __init__(
-        self, settings: Settings, bus: EventBus, state: TrainState, hooks: Hooks, wants: Wants
+        self,
+        settings: Settings,
+        bus: EventBus,
+        state: TrainState,
+        hooks: Hooks,
+        wants: Wants,
+        user: UserMetrics | None = None,
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
         self._hooks, self._wants = hooks, wants
+        self._sink = None if user is None else user.log
+        # What the grad scaler unscales and steps: the optimizer, or each of several.
+        self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._scaler = settings.scaler
         self._mixed = settings.precision != "32"
         self.loss_checked = False
@@ -67,6 +78,11 @@ class StepPhases:
             f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {batch_index}"
         )
 
+    def hold_batch(self, batch: Any) -> None:
+        """Make ``batch`` what the step's later hooks see as ``ctx.batch`` (a custom step's
+        micro-batch; None drops it at the window's end)."""
+        self._batch = batch
+
     def context(self, bi: int, micro: int, batch: Any) -> StepContext:
         """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step;
         ``batch`` None: the batch the model saw last (the window's last micro-batch)."""
@@ -74,7 +90,8 @@ class StepPhases:
         if batch is None:
             batch = self._batch
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=batch, model=s.model, optimizer=s.optimizer)  # fmt: skip
+                           batch=batch, model=s.model, optimizer=s.optimizer,
+                           metrics_sink=self._sink)  # fmt: skip
 
     def forward(
         self, batch: Any, bi: int, ctx: StepContext | None, micro: int
@@ -155,8 +172,15 @@ class StepPhases:
             )
         self.loss_checked = True
 
-    def backward(self, loss: torch.Tensor, window: int, bi: int, micro: int) -> None:
-        """Backward of one micro-batch (scaled by the window) with ``BackwardStarted/Ended``."""
+    def backward(
+        self, loss: torch.Tensor, window: int, bi: int, micro: int, *, ended: bool = True
+    ) -> None:
+        """Backward of one micro-batch (scaled by the window) with ``BackwardStarted/Ended``.
+
+        Args:
+            ended: Publish ``MicroBatchEnded`` after it (False: a custom step's backward, one
+                of several in its micro-batch; the step publishes it once).
+        """
         pub, st, w, scaler = self._bus.publish, self._state, self._wants, self._scaler
         if w.backward_started:
             pub(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -179,7 +203,8 @@ class StepPhases:
             ctx.loss = loss
             for hook in hooks:
                 hook(ctx)
-        self.micro_batch_ended(bi, micro, window)
+        if ended:
+            self.micro_batch_ended(bi, micro, window)
 
     def micro_batch_ended(self, bi: int, micro: int, window: int, *, skipped: bool = False) -> None:
         """Publish ``MicroBatchEnded`` for batch ``bi`` when someone wants it."""
@@ -189,13 +214,14 @@ class StepPhases:
                                                  micro_batch=micro, accumulation_steps=window,
                                                  skipped=skipped))  # fmt: skip
 
-    def zero_grad(self, bi: int) -> None:
-        """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended``."""
+    def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended`` (the
+        run's optimizer, every one of several, unless ``optimizer`` names one)."""
         pub, st, w = self._bus.publish, self._state, self._wants
         if w.zero_grad_started:
             pub(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
         try:
-            self._s.optimizer.zero_grad(set_to_none=True)
+            (self._s.optimizer if optimizer is None else optimizer).zero_grad(set_to_none=True)
         except BaseException as exc:
             if w.zero_grad_ended:
                 pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
@@ -204,9 +230,18 @@ class StepPhases:
         if w.zero_grad_ended:
             pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
-    def optimizer_step(self, bi: int) -> tuple[bool, torch.Tensor | None]:
+    def optimizer_step(
+        self, bi: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> tuple[bool, torch.Tensor | None]:
         """The optimizer step with its hooks and ``OptimizerStepStarted/Ended``; advances
         ``state.step``.
+
+        Args:
+            bi: The batch index (for an error's note).
+            optimizer: One optimizer of a custom step (:mod:`~trainbus.loop.custom`): only it
+                is unscaled, clipped (its own parameters), stepped and zeroed, the grad scaler
+                is not updated and ``state.step`` does not advance (the custom step does both
+                once for all its optimizers). None: the run's optimizer (every one of several).
 
         Returns:
             ``(taken, grad_norm)``: taken is False when a ``before_optimizer_step`` hook
@@ -214,31 +249,38 @@ class StepPhases:
             norm (None without clipping).
         """
         pub, st, s, w = self._bus.publish, self._state, self._s, self._wants
-        opt, scaler = s.optimizer, self._scaler
+        custom = optimizer is not None
+        opt, scaler = s.optimizer if optimizer is None else optimizer, self._scaler
         if scaler is not None:
-            scaler.unscale_(opt)
+            for o in (opt,) if custom else self._each:
+                scaler.unscale_(o)
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
             ctx = self.context(bi, 0, None)
+            ctx.optimizer = opt
             for hook in hooks:
                 hook(ctx)
             if ctx.skip:
-                self.zero_grad(bi)
-                if scaler is not None:
+                self.zero_grad(bi, opt)
+                if scaler is not None and not custom:
                     scaler.update()
-                self._batch = None
+                if not custom:
+                    self._batch = None
                 return False, None
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
-            grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), s.clip_grad_norm)
+            params = s.model.parameters() if not custom else _params_of(opt)
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm)
         if w.optimizer_step_started:
             pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
         skipped = False
         try:
             if scaler is not None:
-                scale = scaler.get_scale() if w.optimizer_step_ended else None
-                scaler.step(opt)
-                scaler.update()
+                scale = scaler.get_scale() if w.optimizer_step_ended and not custom else None
+                for o in (opt,) if custom else self._each:
+                    scaler.step(o)
+                if not custom:
+                    scaler.update()
                 # get_scale() syncs the device: read only when someone wants OptimizerStepEnded.
                 skipped = scale is not None and scaler.get_scale() < scale
             else:
@@ -249,12 +291,21 @@ class StepPhases:
                                           error=exc))  # fmt: skip
             self.annotate(exc, "optimizer step", bi)
             raise
-        st.step_done()
-        if w.optimizer_step_ended:
-            pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
-                                      skipped=skipped))  # fmt: skip
-        self.zero_grad(bi)
+        if not custom:
+            st.step_done()
+        if w.optimizer_step_ended:  # the step this update completes (a custom step's: st.step+1)
+            pub(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step, epoch=st.epoch,
+                                      grad_norm=grad_norm, skipped=skipped))  # fmt: skip
+        self.zero_grad(bi, opt)
         for hook in self._hooks.by_point["after_optimizer_step"]:
-            hook(self.context(bi, 0, None))
-        self._batch = None
+            ctx = self.context(bi, 0, None)
+            ctx.optimizer = opt
+            hook(ctx)
+        if not custom:  # a custom step's later optimizers still see it (CustomStep.finish)
+            self._batch = None
         return True, grad_norm
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates (what a custom step's clipping clips)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]

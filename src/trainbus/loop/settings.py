@@ -20,6 +20,7 @@ from .._exceptions import ConfigError
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int
 from ..checkpoint import check_checkpoint_dir
+from .optimizers import check_optimizers, check_schedulers
 
 __all__ = [
     "BARRIER_TYPES",
@@ -72,6 +73,14 @@ class Settings:
     """``(name, data)`` of each evaluation set, in order: a single loader is ``("val", it)``."""
     eval_named: bool = False
     """``eval_data`` was a mapping of named sets: metrics are keyed ``<set>/<name>``."""
+    optimizers: Mapping[str, torch.optim.Optimizer] = field(default_factory=dict, compare=False)
+    """Every optimizer by name: ``{"default": optimizer}`` for one, the mapping given for
+    several (then ``optimizer`` is their :class:`~trainbus.loop.optimizers.OptimizerSet`)."""
+    schedulers: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    """Every scheduler by the name of its optimizer (``scheduler`` steps them all)."""
+    train_step: Callable[..., Any] | None = field(default=None, compare=False)
+    """The user's step (``train_step=``): called per micro-batch with a
+    :class:`~trainbus.loop.custom.TrainContext`; None: the default step."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of a forward pass (a no-op at full precision)."""
@@ -185,6 +194,7 @@ def build_settings(
     barriers: Any,
     barrier_timeout: Any,
     on_nonfinite: Any,
+    train_step: Any = None,
 ) -> Settings:
     """Validate every trainer argument and build :class:`Settings`.
 
@@ -193,12 +203,10 @@ def build_settings(
     """
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise ConfigError.invalid("optimizer", type(optimizer).__name__, "a torch.optim.Optimizer")
-    params = {id(p) for p in model.parameters()}
-    if not any(id(p) in params for g in optimizer.param_groups for p in g["params"]):
+    optimizer, optimizers = check_optimizers(model, optimizer)
+    if train_step is not None and not callable(train_step):
         raise ConfigError.invalid(
-            "optimizer", type(optimizer).__name__, "an optimizer over this model's parameters"
+            "train_step", type(train_step).__name__, "a callable step(ctx) or None"
         )
     train_len = _iterable("train_data", train_data, optional=False)
     sets, named = eval_sets(eval_data)
@@ -210,10 +218,7 @@ def build_settings(
     max_steps = check_int("max_steps", max_steps, 1, optional=True)
     if max_epochs is None and max_steps is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
-    if scheduler is not None and not callable(getattr(scheduler, "step", None)):
-        raise ConfigError.invalid(
-            "scheduler", type(scheduler).__name__, "an LR scheduler with .step()"
-        )
+    scheduler, schedulers = check_schedulers(scheduler, optimizers)
     if scheduler_interval not in ("step", "epoch"):
         raise ConfigError.invalid("scheduler_interval", scheduler_interval, "'step' or 'epoch'")
     accumulate = check_int("accumulate", accumulate, 1)
@@ -285,4 +290,5 @@ def build_settings(
         eval_at_epoch_end=eval_at_epoch_end, log_every=log_every, checkpoint_dir=ckpt,
         barriers=frozenset(barriers), barrier_timeout=float(barrier_timeout),
         on_nonfinite=on_nonfinite, scaler=scaler, eval_sets=sets, eval_named=named,
+        optimizers=optimizers, schedulers=schedulers, train_step=train_step,
     )  # fmt: skip

@@ -34,6 +34,7 @@ from .outcome import Cancelled
 if TYPE_CHECKING:
     from ..bus import EventBus
     from ..checkpoint import TrainState
+    from .custom import CustomStep
     from .hooks import Hooks, StepContext
     from .nonfinite import NonFiniteGuard
     from .phases import StepPhases
@@ -60,6 +61,9 @@ class StepParts:
         scheduler_step: Steps the scheduler with its events (interval ``"step"``).
         lr: The current learning rate, for ``StepEnded``.
         cancelled: True when a cancel was requested.
+        custom: The user's ``train_step`` (:mod:`~trainbus.loop.custom`): it replaces the
+            forward, loss and backward of each micro-batch and the optimizer step; None: the
+            default step.
     """
 
     settings: Settings
@@ -73,6 +77,7 @@ class StepParts:
     scheduler_step: Callable[..., None]
     lr: Callable[[], float]
     cancelled: Callable[[], bool]
+    custom: CustomStep | None = None
 
 
 class Step:
@@ -100,6 +105,7 @@ class Step:
         self._hooks, self._phases, self._guard, self._window = p.hooks, p.phases, p.guard, p.window
         self._scheduler_step, self._lr, self._cancelled = p.scheduler_step, p.lr, p.cancelled
         self._fetch_observed = fetch_observed
+        self._custom = p.custom
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
         self._move = p.settings.device.type != "cpu"
         # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
@@ -148,6 +154,9 @@ class Step:
             step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
         keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
         bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
+        custom = self._custom
+        if custom is not None:
+            custom.begin()
         # ---------------------------------------------------------------- micro-batches
         for micro in range(window):
             if self._cancelled():
@@ -179,10 +188,13 @@ class Step:
                 if self._move:  # a hook may replace the batch: the model sees the run's device
                     batch = move_to_device(batch, s.device)
             samples += batch_size(batch)
-            loss = phases.forward(batch, bi, ctx, micro)
-            if loss is None:  # a hook skipped the micro-batch
-                phases.micro_batch_ended(bi, micro, window, skipped=True)
-                continue
+            if custom is None:
+                loss = phases.forward(batch, bi, ctx, micro)
+                if loss is None:  # a hook skipped the micro-batch
+                    phases.micro_batch_ended(bi, micro, window, skipped=True)
+                    continue
+            else:  # the user's forwards, backwards and (at the window's end) optimizer steps
+                loss = custom.micro_batch(batch, bi, micro, window)
             stepped = True
             if keep:
                 detached = loss.detach()
@@ -191,7 +203,10 @@ class Step:
                     pub(
                         ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
                     )
-            phases.backward(loss, window, bi, micro)
+            if custom is None:
+                phases.backward(loss, window, bi, micro)
+            else:
+                phases.micro_batch_ended(bi, micro, window)
             if window > 1:  # only a window of several micro-batches defers DDP's all-reduce
                 self._grad_sync.backward_done()
         if window > 1:
@@ -201,14 +216,18 @@ class Step:
         if not stepped:
             opt.zero_grad(set_to_none=True)
             return consumed
-        # ---------------------------------------------------------------- non-finite check
-        if guard.per_step and guard.skip_update(losses):
-            # A non-finite loss ("skip", or "stop" before the bad update): no optimizer step, no
-            # scheduler, no StepEnded, like a hook's skip. "raise" raised in skip_update.
-            opt.zero_grad(set_to_none=True)
-            return consumed
-        # ---------------------------------------------------------------- optimizer step
-        took, grad_norm = phases.optimizer_step(bi)
+        if custom is None:
+            # ------------------------------------------------------------ non-finite check
+            if guard.per_step and guard.skip_update(losses):
+                # A non-finite loss ("skip", or "stop" before the bad update): no optimizer
+                # step, no scheduler, no StepEnded, like a hook's skip. "raise" raised in
+                # skip_update.
+                opt.zero_grad(set_to_none=True)
+                return consumed
+            # ------------------------------------------------------------ optimizer step
+            took, grad_norm = phases.optimizer_step(bi)
+        else:  # the user's optimizer steps, checked on ctx.backward's losses before each
+            took, grad_norm = self._custom_end(custom, losses, bi)
         if not took:
             return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
         self.taken = True
@@ -236,3 +255,26 @@ class Step:
             if logged is not None and ev.MetricsLogged in s.barriers:
                 self.barrier_event = logged
         return consumed
+
+    def _custom_end(
+        self, custom: CustomStep, losses: list[torch.Tensor], bi: int
+    ) -> tuple[bool, torch.Tensor | None]:
+        """A custom step's window is done: its deferred optimizer steps, the returned losses'
+        non-finite check (``"raise"`` / ``"stop"``; the update is already taken), and the
+        step count.
+
+        Returns:
+            ``(some optimizer stepped, grad norm)``.
+        """
+        took, grad_norm = custom.finish(bi)
+        if not took:
+            return False, None
+        guard = self._guard
+        if guard.per_step and guard.policy != "skip" and losses:
+            try:
+                guard.skip_update(losses)
+            except BaseException as exc:
+                exc.add_note(f"trainbus: the loss train_step {custom.name} returned")
+                raise
+        self._state.step_done()
+        return True, grad_norm

@@ -14,6 +14,7 @@ from .. import events as ev
 if TYPE_CHECKING:
     from ..bus import EventBus
     from ..checkpoint import TrainState
+    from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
 
@@ -23,8 +24,9 @@ __all__ = ["TRAIN_METRIC_NAMES", "MetricsWindow"]
 TRAIN_METRIC_NAMES = frozenset(
     {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
 )
-"""Every key ``MetricsLogged.metrics`` can carry (``grad_norm`` and ``skipped_nonfinite`` only
-in some runs)."""
+"""Every key of the window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
+``skipped_nonfinite`` only in some runs); with several optimizers also ``lr/<name>`` each, and
+the names users log (:mod:`~trainbus.loop.logged`)."""
 
 
 class MetricsWindow:
@@ -67,11 +69,13 @@ class MetricsWindow:
         reduce: Callable[[dict[str, float], int | None], tuple[dict[str, float], int | None]]
         | None = None,
         first_nonfinite: Callable[[int | None], int | None] | None = None,
+        user: UserMetrics | None = None,
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
         self._guard = guard
         self._reduce = reduce
         self._first_nonfinite = first_nonfinite
+        self._user = user
         self.metrics: dict[str, float] = {}
         self._checked = 0
         """Losses of the window already read by :meth:`check_pending`."""
@@ -175,6 +179,11 @@ class MetricsWindow:
             metrics["grad_norm"] = sum(norms_read) / len(norms_read)
         if guard.skipped or s.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(guard.skipped)
+        if len(s.optimizers) > 1:
+            for name, opt in s.optimizers.items():
+                metrics[f"lr/{name}"] = float(opt.param_groups[0]["lr"])
+        if self._user is not None:
+            metrics.update(self._user.take())
         return metrics, bad
 
     def check_pending(self) -> None:

@@ -11,7 +11,7 @@ checksum and exact bytes' hash, the events its bus delivered, and the FitResult;
 modes also ``OUT/owned-rank<r>.json``: the OS threads left after the script destroyed its group.
 
 Modes:
-    shards          train 2 epochs; record each rank's sample indices
+    shards          train 2 epochs; record each rank's sample indices (and log its rank)
     stop SEEDS      for each seed: a rank-0 subscriber sends StopTraining at a random step
     rank1           a ranks="all" subscriber sends SetLearningRate on rank 1 only
     save            train with checkpoint_dir OUT/ckpt, stopped mid-epoch (step 11)
@@ -117,6 +117,8 @@ def run(mode: str) -> None:
         t = trainer(data)
         started: list[ev.FitStarted] = []
         t.bus.stream(ev.FitStarted).subscribe(started.append, ranks="all")
+        rank = int(os.environ["RANK"])  # a metric of each rank's own: averaged like the loss
+        t.add_hook("after_optimizer_step", lambda ctx: ctx.log("rank_logged", float(rank)))
         t.run()
         fs = started[0]
         record(t, "shards", seen=data.seen, rank_field=fs.rank, world_size=fs.world_size)

@@ -1,0 +1,94 @@
+"""Metrics of the user's own: named values logged from a hook, a custom step or a subscriber.
+
+``ctx.log("d_loss", value)`` in a hook or a custom step, or ``bus.send(LogMetric(name=...,
+value=...))`` from a subscriber, hands a value to :class:`UserMetrics`; the metrics window
+closes it with its own metrics every ``log_every`` steps: the mean of the values logged in the
+window, averaged across ranks like the loss, in ``MetricsLogged.metrics``,
+``FitResult.train_metrics`` and every logger.
+
+Values stay on their device until the window closes: a tensor is detached and kept, and the
+window reads them all with its own read (one stack per name), so logging never syncs the step.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .._exceptions import ConfigError
+from .window import TRAIN_METRIC_NAMES
+
+__all__ = ["RESERVED_NAMES", "UserMetrics", "check_metric"]
+
+RESERVED_NAMES = TRAIN_METRIC_NAMES
+"""The window's own metric names: a logged value may not take them."""
+
+
+def check_metric(name: object, value: object) -> None:
+    """Check a logged metric's name and value.
+
+    Raises:
+        ConfigError: a name that is not a non-empty string or is one of the window's own
+            (:data:`RESERVED_NAMES`, ``lr/<optimizer>``), or a value that is not a real number
+            or a one-element tensor.
+    """
+    if not isinstance(name, str) or not name or name in RESERVED_NAMES or name.startswith("lr/"):
+        raise ConfigError.invalid(
+            "name", name, "a non-empty string other than the window's own metrics ("
+            + ", ".join(sorted(RESERVED_NAMES)) + ", lr/<optimizer>)",
+        )  # fmt: skip
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ConfigError.invalid(
+                f"value of {name!r}", f"a tensor of shape {tuple(value.shape)}",
+                "a number or a one-element tensor",
+            )  # fmt: skip
+    elif isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError.invalid(
+            f"value of {name!r}", type(value).__name__, "a number or a one-element tensor"
+        )
+
+
+class UserMetrics:
+    """The values logged since the last window close, per name, in the order logged.
+
+    Used on the training thread only (hooks, the custom step and command application all run
+    there), so it needs no lock.
+    """
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[Any]] = {}
+
+    def log(self, name: str, value: torch.Tensor | float) -> None:
+        """Add one value of ``name`` to the open window.
+
+        Raises:
+            ConfigError: as :func:`check_metric`.
+        """
+        check_metric(name, value)
+        kept = value.detach().reshape(()) if isinstance(value, torch.Tensor) else float(value)
+        values = self._values.get(name)
+        if values is None:
+            self._values[name] = [kept]
+        else:
+            values.append(kept)
+
+    def take(self) -> dict[str, float]:
+        """The mean of each name's values since the last call, and forget them.
+
+        Reads the tensors (one stack per name: one device read each, at the window's close).
+
+        Returns:
+            ``{name: mean}`` in the order the names were first logged; NaN stays NaN.
+        """
+        out: dict[str, float] = {}
+        for name, values in self._values.items():
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            floats = [v for v in values if not isinstance(v, torch.Tensor)]
+            if tensors:
+                floats += [float(x) for x in torch.stack([t.float() for t in tensors]).tolist()]
+            out[name] = math.fsum(floats) / len(floats)
+        self._values = {}
+        return out

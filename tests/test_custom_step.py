@@ -1,0 +1,375 @@
+"""Custom steps (``train_step=``) and several optimizers, as a researcher meets them: a GAN with
+two optimizers and schedulers, a two-view contrastive step under accumulation, both resumed
+bit-identically; the events, hooks and commands around them; and the bad inputs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainbus import (
+    CheckpointError,
+    ConfigError,
+    NonFiniteLossError,
+    StepContext,
+    TrainContext,
+    Trainer,
+    TrainingError,
+)
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+
+bce = F.binary_cross_entropy_with_logits
+
+
+def gan_parts(seed: int = 0, batches: int = 10) -> tuple[nn.ModuleDict, dict[str, Any], list]:
+    torch.manual_seed(seed)
+    model = nn.ModuleDict({
+        "g": nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)),
+        "d": nn.Sequential(nn.Linear(2, 8), nn.ReLU(), nn.Linear(8, 1)),
+    })  # fmt: skip
+    opts = {
+        "g": torch.optim.Adam(model["g"].parameters(), lr=1e-2),
+        "d": torch.optim.SGD(model["d"].parameters(), lr=1e-2, momentum=0.9),
+    }
+    data = [torch.randn(6, 2) + 1.0 for _ in range(batches)]
+    return model, opts, data
+
+
+def gan_step(ctx: TrainContext) -> dict[str, torch.Tensor]:
+    g, d = ctx.model["g"], ctx.model["d"]  # type: ignore[index]
+    real = ctx.batch
+    fake = g(torch.randn(len(real), 4))
+    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+    d_loss = bce(d(real), ones) + bce(d(fake.detach()), zeros)
+    ctx.backward(d_loss)
+    ctx.optimizer_step("d")
+    g_loss = bce(d(fake), ones)
+    ctx.backward(g_loss)
+    ctx.optimizer_step("g")
+    return {"loss": g_loss, "d_loss": d_loss}
+
+
+def gan_trainer(tmp: Path | None, **kw: Any) -> Trainer:
+    model, opts, data = gan_parts()
+    scheds = {n: torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+              for n, o in opts.items()}  # fmt: skip
+    kw.setdefault("max_steps", 10)
+    trainer = Trainer(model, opts, data, train_step=gan_step, scheduler=scheds, log_every=2,
+                      seed=7, checkpoint_dir=tmp, progress=False, **kw)  # fmt: skip
+    return trainer
+
+
+def weights(trainer: Trainer) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in trainer.settings.model.state_dict().values()]
+
+
+def states_equal(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(states_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(states_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+# ------------------------------------------------------------------------------ GAN, resume
+def test_gan_resumes_bit_identically(tmp_path: Path) -> None:
+    whole = gan_trainer(tmp_path / "whole")
+    result = whole.run()
+    assert result.reason == "completed" and result.steps == 10
+
+    stopped = gan_trainer(tmp_path / "split", max_steps=4)  # ends with a checkpoint at 4
+    assert stopped.run().steps == 4
+    resumed = gan_trainer(tmp_path / "split")
+    again = resumed.run(resume="latest")
+    assert again.steps == 10 and again.resumed_from is not None
+    assert all(torch.equal(x, y) for x, y in zip(weights(whole), weights(resumed), strict=True))
+    for name in ("g", "d"):  # every optimizer and scheduler, not only the first
+        assert states_equal(whole.settings.optimizers[name].state_dict(),
+                            resumed.settings.optimizers[name].state_dict())  # fmt: skip
+        assert states_equal(whole.settings.schedulers[name].state_dict(),
+                            resumed.settings.schedulers[name].state_dict())  # fmt: skip
+    # The returned mapping's other entries are metrics, with each optimizer's lr.
+    assert set(result.train_metrics) >= {"loss", "d_loss", "lr", "lr/g", "lr/d"}
+    assert result.train_metrics["lr/g"] == pytest.approx(1e-2 * 0.5**3)
+
+
+def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Path) -> None:
+    def two_views(ctx: TrainContext) -> torch.Tensor:
+        x = ctx.batch
+        z1 = F.normalize(ctx.model(x + 0.1 * torch.randn_like(x)), dim=1)
+        z2 = F.normalize(ctx.model(x + 0.1 * torch.randn_like(x)), dim=1)
+        logits = z1 @ z2.T / 0.5
+        loss = F.cross_entropy(logits, torch.arange(len(x)))
+        ctx.backward(loss)
+        assert ctx.optimizer_step() is ctx.last_micro_batch
+        return loss
+
+    def run(directory: Path, max_steps: int | None = None, resume: str | None = None) -> Trainer:
+        torch.manual_seed(0)
+        model = nn.Linear(8, 8)
+        data = [torch.randn(5, 8) for _ in range(9)]  # 9 batches, accumulate 2: a short window
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
+                          train_step=two_views, accumulate=2, clip_grad_norm=1.0, max_epochs=2,
+                          max_steps=max_steps, seed=1, checkpoint_dir=directory,
+                          progress=False)  # fmt: skip
+        trainer.run(resume=resume)
+        return trainer
+
+    whole = run(tmp_path / "a")
+    assert whole.result is not None and whole.result.steps == 10  # 5 windows an epoch, 2 epochs
+    run(tmp_path / "b", max_steps=3)  # mid-epoch: the data order is replayed
+    resumed = run(tmp_path / "b", resume="latest")
+    assert all(torch.equal(x, y) for x, y in zip(weights(whole), weights(resumed), strict=True))
+
+
+# ------------------------------------------------------------------------------ events, hooks
+def test_custom_step_publishes_the_steps_events_and_runs_the_hooks() -> None:
+    trainer = gan_trainer(None, max_steps=3)
+    rec = EventRecorder(trainer.bus)
+    seen: list[tuple[str, int]] = []
+
+    def before(ctx: StepContext) -> None:
+        name = next(n for n, o in trainer.settings.optimizers.items() if o is ctx.optimizer)
+        seen.append((name, ctx.step))
+
+    trainer.add_hook("before_optimizer_step", before)
+    trainer.add_hook("after_backward", lambda ctx: ctx.log("backwards", 1.0))
+    trainer.run()
+    assert seen == [("d", 0), ("g", 0), ("d", 1), ("g", 1), ("d", 2), ("g", 2)]
+    assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
+    assert [e.step for e in rec.of_type(ev.OptimizerStepEnded)] == [1, 1, 2, 2, 3, 3]
+    assert len(rec.of_type(ev.BackwardEnded)) == 6
+    assert len(rec.of_type(ev.MicroBatchEnded)) == 3  # one per micro-batch, not per backward
+    assert [e.step for e in rec.of_type(ev.SchedulerStepped)] == [1, 2, 3]
+    logged = rec.of_type(ev.MetricsLogged)
+    assert logged and logged[0].metrics["backwards"] == 1.0
+    assert "d_loss" in logged[0].metrics
+
+
+def test_default_step_steps_every_optimizer_of_a_mapping() -> None:
+    model = tiny_model()
+    *_, head = model.children()
+    body = next(iter(model.children()))
+    opts = {"body": torch.optim.SGD(body.parameters(), lr=0.1),
+            "head": torch.optim.SGD(head.parameters(), lr=0.1)}  # fmt: skip
+    before = [p.detach().clone() for p in model.parameters()]
+    result = Trainer(model, opts, tiny_loader(4), loss_fn=F.cross_entropy, max_steps=2,
+                     log_every=1, progress=False).run()  # fmt: skip
+    assert result.steps == 2
+    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert {"lr/body", "lr/head"} <= set(result.train_metrics)
+
+
+def test_learning_rate_commands_name_one_optimizer_or_apply_to_all() -> None:
+    model, opts, data = gan_parts()
+    trainer = Trainer(model, opts, data, train_step=gan_step, max_steps=4, progress=False)
+    rec = EventRecorder(trainer.bus)
+    sent = [cmd.SetLearningRate(lr=0.5, optimizer="d"), cmd.ScaleLearningRate(factor=2.0),
+            cmd.SetLearningRate(lr=0.1, optimizer="nope")]  # fmt: skip
+
+    def send(e: ev.StepEnded) -> None:
+        if e.step == 1:
+            for c in sent:
+                trainer.bus.send(c)
+
+    trainer.bus.stream(ev.StepEnded).subscribe(send)
+    trainer.run()
+    assert opts["d"].param_groups[0]["lr"] == 1.0
+    assert opts["g"].param_groups[0]["lr"] == pytest.approx(2e-2)
+    applied = rec.of_type(ev.CommandApplied)
+    refused = [a for a in applied if a.error is not None]
+    assert len(refused) == 1 and "'nope'" in str(refused[0].error)
+    assert "'g', 'd'" in str(refused[0].error)
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_a_step_that_returns_nothing_names_itself() -> None:
+    def forgetful(ctx: TrainContext) -> None:
+        loss = ctx.model(ctx.batch[0]).sum()
+        ctx.backward(loss)
+        ctx.optimizer_step()
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                      train_step=forgetful, max_steps=1, progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"train_step .*forgetful returned None"):
+        trainer.run()
+
+
+def test_a_non_finite_loss_names_the_step() -> None:
+    def nan_step(ctx: TrainContext) -> torch.Tensor:
+        loss = ctx.model(ctx.batch[0]).sum() * float("nan")
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                      train_step=nan_step, max_steps=2, progress=False)  # fmt: skip
+    with pytest.raises(NonFiniteLossError) as info:
+        trainer.run()
+    assert any("nan_step" in note and "'default'" in note for note in info.value.__notes__)
+
+
+def test_a_non_finite_loss_skips_every_optimizer_of_the_window() -> None:
+    calls = []
+
+    def step(ctx: TrainContext) -> dict[str, torch.Tensor]:
+        out = gan_step(ctx)
+        calls.append(ctx.step)
+        return out
+
+    model, opts, data = gan_parts()  # the second batch makes the discriminator's loss NaN
+    trainer = Trainer(model, opts, [*data[:1], torch.full((6, 2), float("nan")), *data[2:]],
+                      train_step=step, max_steps=3, on_nonfinite="skip",
+                      progress=False)  # fmt: skip
+    result = trainer.run()
+    assert result.skipped_nonfinite == 1 and result.steps == 3
+    assert calls == [0, 1, 1, 2]  # the skipped window took no step: step 1 ran again
+
+
+def test_forgetting_to_step_a_declared_optimizer_warns_naming_it() -> None:
+    def only_d(ctx: TrainContext) -> torch.Tensor:
+        d = ctx.model["d"]  # type: ignore[index]
+        loss = bce(d(ctx.batch), torch.ones(len(ctx.batch), 1))
+        ctx.backward(loss)
+        ctx.optimizer_step("d")
+        return loss
+
+    model, opts, data = gan_parts()
+    trainer = Trainer(model, opts, data, train_step=only_d, max_steps=3, progress=False)
+    with pytest.warns(RuntimeWarning, match=r"only_d did not step optimizer 'g'") as record:
+        trainer.run()
+    assert len([w for w in record if "did not step" in str(w.message)]) == 1  # warned once
+
+
+def test_an_unknown_optimizer_name_in_the_step_is_refused() -> None:
+    def typo(ctx: TrainContext) -> torch.Tensor:
+        loss = ctx.model["d"](ctx.batch).mean()  # type: ignore[index]
+        ctx.backward(loss)
+        ctx.optimizer_step("disc")
+        return loss
+
+    model, opts, data = gan_parts()
+    trainer = Trainer(model, opts, data, train_step=typo, max_steps=1, progress=False)
+    with pytest.raises(ConfigError, match=r"'disc'.*'g', 'd'"):
+        trainer.run()
+
+
+def test_one_scheduler_with_several_optimizers_names_its_optimizer() -> None:
+    model, opts, data = gan_parts()
+    sched = torch.optim.lr_scheduler.StepLR(opts["d"], step_size=1)
+    with pytest.raises(ConfigError, match=r"belongs to optimizer 'd'.*=\{'d': scheduler\}"):
+        Trainer(model, opts, data, train_step=gan_step, scheduler=sched, max_steps=1)
+    wrong = {"g": torch.optim.lr_scheduler.StepLR(opts["d"], step_size=1)}
+    with pytest.raises(ConfigError, match=r"scheduler\['g'\].*drives optimizer 'd'"):
+        Trainer(model, opts, data, train_step=gan_step, scheduler=wrong, max_steps=1)
+    with pytest.raises(ConfigError, match=r"names of the optimizers"):
+        Trainer(model, opts, data, train_step=gan_step, scheduler={"x": sched}, max_steps=1)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "match"),
+    [
+        ("list", r"a torch\.optim\.Optimizer, or a mapping of names to optimizers"),
+        ("empty", r"at least one optimizer"),
+        ("shared", r"disjoint parameters .*optimizer\['a'\]"),
+        ("badname", r"names that are identifiers"),
+    ],
+)
+def test_bad_optimizer_mappings_are_refused(optimizer: str, match: str) -> None:
+    model = tiny_model()
+    a = torch.optim.SGD(model.parameters(), lr=0.1)
+    b = torch.optim.SGD(model.parameters(), lr=0.1)
+    value = {"list": [a, b], "empty": {}, "shared": {"a": a, "b": b}, "badname": {"a-b": a}}
+    with pytest.raises(ConfigError, match=match):
+        Trainer(model, value[optimizer], tiny_loader(2), loss_fn=F.cross_entropy, max_steps=1)
+
+
+def test_a_train_step_that_is_not_callable_is_refused() -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"train_step.*a callable step\(ctx\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                train_step="gan", max_steps=1)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_checkpoint_of_two_optimizers_does_not_load_into_other_names(tmp_path: Path) -> None:
+    gan_trainer(tmp_path, max_steps=2).run()
+    model, opts, data = gan_parts()
+    renamed = {"gen": opts["g"], "disc": opts["d"]}
+
+    def step(ctx: TrainContext) -> torch.Tensor:
+        raise AssertionError("never reached")
+
+    trainer = Trainer(model, renamed, data, train_step=step, max_steps=4,
+                      checkpoint_dir=tmp_path, progress=False)  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"optimizers \['d', 'g'\] but this run has"):
+        trainer.run(resume="latest")
+
+
+class RecordingScaler:
+    """A grad scaler that scales by 1 and records its calls (fp16 needs CUDA: this checks the
+    order trainbus drives a scaler in under several optimizers, on the CPU)."""
+
+    def __init__(self, names: dict[int, str]) -> None:
+        self.names, self.calls = names, []
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        self.calls.append("scale")
+        return loss
+
+    def unscale_(self, opt: torch.optim.Optimizer) -> None:
+        self.calls.append(f"unscale {self.names[id(opt)]}")
+
+    def step(self, opt: torch.optim.Optimizer) -> None:
+        self.calls.append(f"step {self.names[id(opt)]}")
+        opt.step()
+
+    def update(self) -> None:
+        self.calls.append("update")
+
+    def get_scale(self) -> float:
+        return 1.0
+
+
+def test_the_grad_scaler_unscales_and_steps_each_optimizer_and_updates_once() -> None:
+    model, opts, data = gan_parts()
+    scaler = RecordingScaler({id(o): n for n, o in opts.items()})
+    trainer = Trainer(model, opts, data, train_step=gan_step, max_steps=1, progress=False)
+    trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
+    trainer.run()
+    assert scaler.calls == ["scale", "unscale d", "step d", "scale", "unscale g", "step g",
+                            "update"]  # fmt: skip
+
+
+class TwoParts(nn.Module):
+    """A model trained by two optimizers under the default step (it returns its loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(2, 4), nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x)).pow(2).mean()
+
+
+def test_the_default_step_drives_the_grad_scaler_over_every_optimizer() -> None:
+    model = TwoParts()
+    opts = {"body": torch.optim.SGD(model.body.parameters(), lr=0.1),
+            "head": torch.optim.SGD(model.head.parameters(), lr=0.1)}  # fmt: skip
+    scaler = RecordingScaler({id(o): n for n, o in opts.items()})
+    trainer = Trainer(model, opts, [torch.randn(4, 2)], max_steps=1, progress=False)
+    trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
+    trainer.run()
+    assert scaler.calls == ["scale", "unscale body", "unscale head", "step body", "step head",
+                            "update"]  # fmt: skip

@@ -1,0 +1,150 @@
+"""Metrics from anywhere: a hook's or custom step's ``ctx.log``, a subscriber's ``LogMetric``,
+averaged over the log window into ``MetricsLogged``, ``FitResult.train_metrics`` and the
+loggers; and ``Callback.on_<snake_case>`` for a user's own event class."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainbus import Callback, ConfigError, StepContext, Trainer, TrainingError
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus.callbacks import JsonlEventLog
+from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+
+
+def trainer(**kw: Any) -> Trainer:
+    model = tiny_model()
+    kw.setdefault("max_steps", 8)
+    kw.setdefault("log_every", 4)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(8),
+                   loss_fn=F.cross_entropy, progress=False, **kw)  # fmt: skip
+
+
+def test_a_hooks_values_are_averaged_over_the_log_window() -> None:
+    t = trainer()
+    rec = EventRecorder(t.bus)
+    # steps 0..3 log 0..3 in the first window (mean 1.5), steps 4..7 in the second (5.5)
+    t.add_hook("after_optimizer_step", lambda ctx: ctx.log("step_seen", float(ctx.step - 1)))
+    # a tensor stays on its device until the window closes
+    t.add_hook("loss", lambda ctx: ctx.log("loss_x2", ctx.loss.detach() * 2))
+    result = t.run()
+    logged = rec.of_type(ev.MetricsLogged)
+    assert [m.metrics["step_seen"] for m in logged] == [1.5, 5.5]
+    assert result.train_metrics["step_seen"] == 5.5
+    for m in logged:  # the loss of the window, twice
+        assert m.metrics["loss_x2"] == pytest.approx(2 * m.metrics["loss"], rel=1e-6)
+
+
+def test_a_subscribers_log_metric_lands_in_the_window_it_is_applied_in() -> None:
+    # StepEnded as a barrier: the subscriber's command is applied right after its step
+    t = trainer(log_every=1, max_steps=4, barriers=(ev.StepEnded,))
+    rec = EventRecorder(t.bus)
+    t.bus.stream(ev.StepEnded).subscribe(
+        lambda e: t.bus.send(cmd.LogMetric(name="from_sub", value=10.0 * e.step))
+    )
+    t.run()
+    by_step = {m.step: m.metrics.get("from_sub") for m in rec.of_type(ev.MetricsLogged)}
+    # applied at step k's poll point: in the window that closes at step k + 1
+    assert by_step == {1: None, 2: 10.0, 3: 20.0, 4: 30.0}
+    applied = [a for a in rec.of_type(ev.CommandApplied) if isinstance(a.command, cmd.LogMetric)]
+    assert len(applied) == 4 and all(a.error is None for a in applied)
+
+
+def test_logged_values_reach_the_loggers(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    t = trainer(callbacks=[JsonlEventLog(path, events=[ev.MetricsLogged])])
+    t.add_hook("after_backward", lambda ctx: ctx.log("backward_seen", 1.0))
+    t.run()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    logged = [r for r in records if r.get("type", r.get("event")) == "MetricsLogged"]
+    assert logged, records[:3]
+    assert all(r["metrics"]["backward_seen"] == 1.0 for r in logged)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "match"),
+    [
+        ("loss", 1.0, r"other than the window's own metrics"),
+        ("lr/g", 1.0, r"lr/<optimizer>"),
+        ("", 1.0, r"a non-empty string"),
+        ("x", torch.ones(3), r"a tensor of shape \(3,\).*one-element tensor"),
+        ("x", "1.0", r"a number or a one-element tensor"),
+    ],
+)
+def test_bad_names_and_values_are_refused(name: str, value: Any, match: str) -> None:
+    t = trainer(max_steps=1)
+    t.add_hook("batch", lambda ctx: ctx.log(name, value))
+    with pytest.raises(ConfigError, match=match):
+        t.run()
+
+
+def test_log_metric_commands_are_checked_when_built() -> None:
+    with pytest.raises(ConfigError, match="name"):
+        cmd.LogMetric(name="", value=1.0)
+    with pytest.raises(ConfigError, match="value"):
+        cmd.LogMetric(name="x", value="high")  # type: ignore[arg-type]
+
+
+def test_an_evaluation_hook_cannot_log() -> None:
+    t = trainer(max_steps=1, eval_data=tiny_loader(1), eval_every=1)
+    t.add_hook("eval_batch", lambda ctx: ctx.log("x", 1.0))
+    with pytest.raises(TrainingError, match=r"ctx.log\('x', \.\.\.\) in a hook of phase 'eval'"):
+        t.run()
+
+
+# ------------------------------------------------------------------------------ own events
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerStats(ev.BaseEvent):
+    """A user's own event: per-layer weight norms."""
+
+    norms: tuple[float, ...]
+
+
+def test_a_callback_method_receives_a_users_own_event_class() -> None:
+    class StatsCallback(Callback):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[LayerStats] = []
+
+        def setup(self, bus: Any) -> None:
+            self._bus = bus
+
+        def hook_after_optimizer_step(self, ctx: StepContext) -> None:
+            norms = tuple(float(p.detach().norm()) for p in ctx.model.parameters())
+            self._bus.publish(LayerStats(step=ctx.step, epoch=ctx.epoch, norms=norms))
+
+        def on_layer_stats(self, e: LayerStats) -> None:
+            self.seen.append(e)
+
+    cb = StatsCallback()
+    trainer(max_steps=3, callbacks=[cb]).run()
+    assert [e.step for e in cb.seen] == [1, 2, 3]
+    assert len(cb.seen[0].norms) == 4
+
+
+def test_an_on_method_naming_no_event_class_is_still_refused() -> None:
+    class Typo(Callback):
+        def on_layer_stat(self, e: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"Typo\.on_layer_stat.*your own event class"):
+        trainer(callbacks=[Typo()])
+
+
+def test_an_on_method_naming_two_event_classes_is_refused() -> None:
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class LayerStats(ev.BaseEvent):  # the same name as the module's, in another scope
+        pass
+
+    class Stats(Callback):
+        def on_layer_stats(self, e: Any) -> None: ...
+
+    with pytest.raises(ConfigError, match=r"several match: .*LayerStats.*LayerStats"):
+        trainer(callbacks=[Stats()])
