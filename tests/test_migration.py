@@ -50,7 +50,11 @@ def render(data: dict[str, Any]) -> str:
         "`bus.stream(ev.X)`), an inline **hook** point (`hook_<point>` on a `Callback`, or "
         "`trainer.add_hook(point, fn)`, when you must change the step), or a **command** (send "
         "it on `bus.commands`). A row with none of them has no equivalent yet; its note says "
-        "what to use instead. See [events.md](events.md) and [trainer.md](trainer.md).",
+        "what to use instead. An event `where` a field has a value narrows the row to those "
+        "events. A **differs** note says where the framework's own calls differ from the row's "
+        "in count or order: tests/test_parity.py replays Hugging Face's and Composer's own hook "
+        "tests against trainbus through this table, and fails on a difference not stated here. "
+        "See [events.md](events.md) and [trainer.md](trainer.md).",
     ]
     for key, fw in data["frameworks"].items():
         lines += ["", f"## {fw['title']}", "", f"Names: {fw['source']}.", ""]

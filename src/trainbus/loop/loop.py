@@ -110,7 +110,6 @@ class Loop:
         self._hooks = hooks
         self._state = state
         self._resumed_from = resumed_from
-        self._start_step = state.step  # a run that takes no step has nothing new to evaluate
         self._cancel = False
         self._sync = sync
         self._agree_pending = False
@@ -390,13 +389,12 @@ class Loop:
     # ================================================================== evaluation
     def _end_evaluation_due(self, complete: bool) -> bool:
         """True at the end of the run's last epoch when ``eval_at_end`` asks for one more
-        evaluation: the run completes here (not stopped), it took a step, evaluation is
-        configured, and the last step was not evaluated (by ``eval_every``, the epoch end or an
-        ``Evaluate`` command)."""
+        evaluation: the run completes here (not stopped), evaluation is configured, and the last
+        step was not evaluated (by ``eval_every``, the epoch end or an ``Evaluate`` command)."""
         s, st = self._s, self._state
         if not s.eval_at_end or s.eval_data is None or self._control.stop_reason is not None:
             return False
-        if (s.eval_every is None and not s.eval_at_epoch_end) or st.step == self._start_step:
+        if s.eval_every is None and not s.eval_at_epoch_end:
             return False
         last = (s.max_steps is not None and st.step >= s.max_steps) or (
             complete and s.max_epochs is not None and st.epoch + 1 >= s.max_epochs
