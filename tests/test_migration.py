@@ -26,6 +26,18 @@ def load() -> dict[str, Any]:
         return tomllib.load(f)
 
 
+def events_of(entry: dict[str, Any]) -> list[str]:
+    """The event class names of a row (``event`` is one name or a list)."""
+    event = entry.get("event", [])
+    return [event] if isinstance(event, str) else list(event)
+
+
+def _match_text(match: dict[str, Any]) -> str:
+    parts = [f"{k}={v!r}" if not isinstance(v, list) else f"{k} in {tuple(v)!r}"
+             for k, v in match.items()]  # fmt: skip
+    return " where " + ", ".join(f"`{p}`".replace("'", '"') for p in parts)
+
+
 def render(data: dict[str, Any]) -> str:
     """docs/migration.md from the table: one section per framework."""
     lines = [
@@ -38,7 +50,11 @@ def render(data: dict[str, Any]) -> str:
         "`bus.stream(ev.X)`), an inline **hook** point (`hook_<point>` on a `Callback`, or "
         "`trainer.add_hook(point, fn)`, when you must change the step), or a **command** (send "
         "it on `bus.commands`). A row with none of them has no equivalent yet; its note says "
-        "what to use instead. See [events.md](events.md) and [trainer.md](trainer.md).",
+        "what to use instead. An event `where` a field has a value narrows the row to those "
+        "events. A **differs** note says where the framework's own calls differ from the row's "
+        "in count or order: tests/test_parity.py replays Hugging Face's and Composer's own hook "
+        "tests against trainbus through this table, and fails on a difference not stated here. "
+        "See [events.md](events.md) and [trainer.md](trainer.md).",
     ]
     for key, fw in data["frameworks"].items():
         lines += ["", f"## {fw['title']}", "", f"Names: {fw['source']}.", ""]
@@ -46,11 +62,21 @@ def render(data: dict[str, Any]) -> str:
         for e in data["entries"]:
             if e["framework"] != key:
                 continue
-            parts = [f"event `{e['event']}`" if "event" in e else "",
+            names = events_of(e)
+            event = ""
+            if names:
+                event = ("event " if len(names) == 1 else "events ") + ", ".join(
+                    f"`{n}`" for n in names
+                )
+                event += _match_text(e["match"]) if "match" in e else ""
+            parts = [event,
                      f"hook `{e['hook']}`" if "hook" in e else "",
                      f"command `{e['command']}`" if "command" in e else ""]  # fmt: skip
             target = ", ".join(p for p in parts if p) or "none yet"
-            lines.append(f"| `{e['name']}` | {target} | {e.get('note', '')} |")
+            note = e.get("note", "")
+            for d in e.get("differs", []):
+                note += ("; " if note else "") + f"**differs:** {d['text']}"
+            lines.append(f"| `{e['name']}` | {target} | {note} |")
     return "\n".join(lines) + "\n"
 
 
@@ -70,10 +96,18 @@ def test_every_framework_is_covered() -> None:
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['framework']}:{e['name']}" for e in ENTRIES])
 def test_entry_names_exist_in_trainbus(entry: dict[str, Any]) -> None:
-    assert set(entry) <= {"framework", "name", "event", "hook", "command", "note"}
-    if "event" in entry:
-        cls = getattr(events, entry["event"], None)
+    assert set(entry) <= {"framework", "name", "event", "hook", "command", "note", "match",
+                          "differs"}  # fmt: skip
+    for name in events_of(entry):
+        cls = getattr(events, name, None)
         assert isinstance(cls, type) and issubclass(cls, events.BaseEvent), entry
+        for field, value in entry.get("match", {}).items():
+            assert field in cls.__dataclass_fields__, (entry["name"], name, field)
+            assert isinstance(value, str | list), entry
+    if "match" in entry:
+        assert events_of(entry), f"{entry['name']}: a match narrows the row's events"
+    for d in entry.get("differs", []):
+        assert set(d) == {"kind", "text"} and d["kind"] and d["text"], entry
     if "hook" in entry:
         assert entry["hook"] in HOOK_POINTS, entry
     if "command" in entry:
@@ -95,7 +129,7 @@ def test_every_hook_of_the_framework_has_a_row(framework: str) -> None:
 
 def test_the_new_events_and_points_are_mapped() -> None:
     """Every event and hook point added for the users of these frameworks is named by a row."""
-    mapped_events = {e["event"] for e in ENTRIES if "event" in e}
+    mapped_events = {n for e in ENTRIES for n in events_of(e)}
     mapped_hooks = {e["hook"] for e in ENTRIES if "hook" in e}
     for name in ("TrainerBuilt", "StepBegan", "DataWaitStarted", "MicroBatchEnded",
                  "ZeroGradStarted", "ZeroGradEnded", "SchedulerStepping", "EvalBatchStarted",

@@ -229,8 +229,8 @@ def test_exception_in_forward_fails_the_run(tmp_path: Path) -> None:
     assert "trainbus: raised in forward at step 4, epoch 1, batch 1" in caught.value.__notes__
     end = assert_well_formed(recorder.items)
     assert (end.reason, end.error, end.step, end.epoch) == ("failed", boom, 4, 1)
-    assert names(recorder.items)[-5:] == [
-        "BatchFetched", "ForwardStarted", "ForwardEnded", "EpochEnded", "FitEnded",
+    assert names(recorder.items)[-6:] == [
+        "BatchFetched", "StepBegan", "ForwardStarted", "ForwardEnded", "EpochEnded", "FitEnded",
     ]  # fmt: skip
     fwd = recorder.items[-3]
     assert (fwd.phase, fwd.batch_index, fwd.error) == ("train", 1, boom)

@@ -96,9 +96,10 @@ __all__ = [
 
 Phase: TypeAlias = Literal["train", "eval", "predict"]
 EndReason: TypeAlias = Literal["completed", "stopped", "failed", "cancelled"]
-EvalTrigger: TypeAlias = Literal["epoch", "steps", "command", "standalone"]
-"""Why an evaluation runs: at an epoch end, every ``eval_every`` steps, an ``Evaluate`` command,
-or a standalone ``trainer.evaluate()`` outside ``fit()``."""
+EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
+"""Why an evaluation runs: at an epoch end, every ``eval_every`` steps, at the end of a completed
+run whose last step was not evaluated (``eval_at_end``), an ``Evaluate`` command, or a
+standalone ``trainer.evaluate()`` outside ``fit()``."""
 _EMPTY: Mapping[str, float] = MappingProxyType({})
 
 

@@ -187,6 +187,10 @@ class Trainer:
             batch's ``"labels"``, else the batch (docs/trainer.md, "Metric functions").
         eval_every: Also evaluate every N optimizer steps.
         eval_at_epoch_end: Evaluate after each epoch (when ``eval_data`` is given).
+        eval_at_end: When the run completes (``max_steps`` or ``max_epochs`` reached) and its
+            last step was not evaluated, evaluate the final weights once more
+            (``trigger="end"``, before the final checkpoint), as Hugging Face does. Only when
+            ``eval_every`` or ``eval_at_epoch_end`` evaluates during the run; False: never.
         log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
         checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
             run completes or stops. Checked now (creatable, writable, not under a file),
@@ -247,6 +251,7 @@ class Trainer:
         metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
         eval_every: int | None = None,
         eval_at_epoch_end: bool = True,
+        eval_at_end: bool = True,
         log_every: int = 50,
         checkpoint_dir: str | Path | None = None,
         callbacks: Iterable[Callback | type[Callback]] = (),
@@ -270,6 +275,7 @@ class Trainer:
             log_every=log_every, checkpoint_dir=checkpoint_dir,
             barriers=barriers, barrier_timeout=barrier_timeout, on_nonfinite=on_nonfinite,
             train_step=train_step,
+            eval_at_end=eval_at_end,
         )  # fmt: skip
         if not isinstance(handle_signals, bool):
             raise ConfigError.invalid("handle_signals", handle_signals, "True or False")

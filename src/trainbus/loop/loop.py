@@ -291,11 +291,15 @@ class Loop:
                             break
                 if bus.routes_version != self._routes_seen:  # the one int compare a step
                     self._reread_routes()  # pays for its wants and decision steps
-                if step.run(it, window) == 0:
+                consumed = step.run(it, window)
+                if consumed == 0:
                     complete = True
                     break
                 if step.taken:
                     self._after_step()
+                if consumed < window:  # the data ran out inside the window: probe it once only
+                    complete = control.stop_reason is None
+                    break
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.batch_in_epoch == 0 and not self._finished():
@@ -305,6 +309,8 @@ class Loop:
                     self._evaluate("epoch")
                 if s.scheduler is not None and s.scheduler_interval == "epoch":
                     self._scheduler_step(always=True)
+            if self._end_evaluation_due(complete):
+                self._evaluate("end")
         except BaseException as exc:
             error = exc
             raise
@@ -382,6 +388,21 @@ class Loop:
         self._decision_step = self._next_decision(self._state.step)
 
     # ================================================================== evaluation
+    def _end_evaluation_due(self, complete: bool) -> bool:
+        """True at the end of the run's last epoch when ``eval_at_end`` asks for one more
+        evaluation: the run completes here (not stopped), evaluation is configured, and the last
+        step was not evaluated (by ``eval_every``, the epoch end or an ``Evaluate`` command)."""
+        s, st = self._s, self._state
+        if not s.eval_at_end or s.eval_data is None or self._control.stop_reason is not None:
+            return False
+        if s.eval_every is None and not s.eval_at_epoch_end:
+            return False
+        last = (s.max_steps is not None and st.step >= s.max_steps) or (
+            complete and s.max_epochs is not None and st.epoch + 1 >= s.max_epochs
+        )
+        evaluated = self._evaluator.last_round
+        return last and (evaluated is None or evaluated.step != st.step)
+
     def _evaluate(self, trigger: EvalTrigger) -> None:
         ends = self._evaluator.run(trigger)
         # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then the

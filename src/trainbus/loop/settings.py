@@ -64,6 +64,9 @@ class Settings:
     eval_every: int | None
     eval_at_epoch_end: bool
     log_every: int
+    eval_at_end: bool = True
+    """Evaluate the final weights once more when a completed run's last step was not evaluated
+    (only when ``eval_every`` or ``eval_at_epoch_end`` evaluates during the run)."""
     checkpoint_dir: Path | None
     barriers: frozenset[type[ev.BaseEvent]]
     barrier_timeout: float
@@ -195,6 +198,7 @@ def build_settings(
     barrier_timeout: Any,
     on_nonfinite: Any,
     train_step: Any = None,
+    eval_at_end: Any = True,
 ) -> Settings:
     """Validate every trainer argument and build :class:`Settings`.
 
@@ -258,6 +262,8 @@ def build_settings(
         raise ConfigError.invalid("eval_every", eval_every, "None unless eval_data is given")
     if not isinstance(eval_at_epoch_end, bool):
         raise ConfigError.invalid("eval_at_epoch_end", eval_at_epoch_end, "True or False")
+    if not isinstance(eval_at_end, bool):
+        raise ConfigError.invalid("eval_at_end", eval_at_end, "True or False")
     log_every = check_int("log_every", log_every, 1)
     # Creatable and writable, not under a file: found now, not at the first save.
     ckpt = None if checkpoint_dir is None else check_checkpoint_dir(checkpoint_dir)
@@ -291,4 +297,5 @@ def build_settings(
         barriers=frozenset(barriers), barrier_timeout=float(barrier_timeout),
         on_nonfinite=on_nonfinite, scaler=scaler, eval_sets=sets, eval_named=named,
         optimizers=optimizers, schedulers=schedulers, train_step=train_step,
+        eval_at_end=eval_at_end,
     )  # fmt: skip

@@ -1,14 +1,14 @@
 """One optimizer step, written once, with everything it may carry.
 
 :class:`Step` runs one optimizer step over a window of micro-batches and reads top to bottom
-in the event order of docs/events.md: ``StepBegan``, per micro-batch the fetch (the data-wait
-span), ``BatchFetched`` (hook ``"batch"``), the forward and its loss (hooks ``"after_forward"``,
-``"loss"``), ``LossComputed``, the backward (hook ``"after_backward"``, ``MicroBatchEnded``);
-the non-finite check; the optimizer step (hooks ``"before_optimizer_step"`` /
-``"after_optimizer_step"``); the scheduler, ``StepEnded`` and the log window's
-``MetricsLogged``. What comes after a step that was taken (the poll point, a decision step's
-barrier, an evaluation) is the loop's: :class:`Step` reports what it published through
-:attr:`Step.ended` and :attr:`Step.barrier_event`.
+in the event order of docs/events.md: per micro-batch the fetch (the data-wait span),
+``BatchFetched``, ``StepBegan`` (once, when the step's first batch is there), hook
+``"batch"``, the forward and its loss (hooks ``"after_forward"``, ``"loss"``), ``LossComputed``,
+the backward (hook ``"after_backward"``, ``MicroBatchEnded``); the non-finite check; the
+optimizer step (hooks ``"before_optimizer_step"`` / ``"after_optimizer_step"``); the scheduler,
+``StepEnded`` and the log window's ``MetricsLogged``. What comes after a step that was taken
+(the poll point, a decision step's barrier, an evaluation) is the loop's: :class:`Step` reports
+what it published through :attr:`Step.ended` and :attr:`Step.barrier_event`.
 
 Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` (resolved once
 per routing change, when ``bus.routes_version`` moves) or the hook tuple of its point. A step
@@ -136,11 +136,12 @@ class Step:
         samples = consumed = 0
         data_wait = 0.0
         stepped = False
-        observe_wait = False
+        observe_wait, began = False, True  # began: StepBegan published, or nobody wants it
         if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
             observe_wait = w.data_wait_started or w.data_wait_ended
-            if w.step_began:
-                pub(ev.StepBegan(step=st.step, epoch=st.epoch, accumulation_steps=window))
+            # StepBegan waits for the step's first batch: data without a length may be
+            # exhausted, and then no step begins (Hugging Face and Composer fetch first too).
+            began = not w.step_began
         # Every step's loss is kept (detached) for the non-finite guard (on_nonfinite other than
         # "ignore") or when a subscriber reads per-step or windowed values; otherwise only the
         # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
@@ -172,6 +173,9 @@ class Step:
             if w.batch_fetched:
                 pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
                                     data_wait_s=fetched - tf))  # fmt: skip
+            if not began:
+                began = True
+                pub(ev.StepBegan(step=st.step, epoch=st.epoch, accumulation_steps=window))
             if self._move:
                 batch = move_to_device(batch, s.device)
             if window > 1:

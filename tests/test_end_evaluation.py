@@ -1,0 +1,163 @@
+"""The end-of-training evaluation (``Trainer(eval_at_end=True)``) and the step that begins only
+once its first batch is there (data without a length)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from reactivex import operators as ops
+
+from trainbus import ConfigError, Trainer
+from trainbus import commands as cmd
+from trainbus import events as ev
+from trainbus import operators as tbops
+from trainbus.testing import EventRecorder, tiny_loader, tiny_model
+
+
+class Stream:
+    """Batches without ``__len__``, as an iterable data set yields them."""
+
+    def __init__(self, batches: Sequence[Any]) -> None:
+        self._batches = list(batches)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._batches)
+
+
+def make(train: Any = None, **kwargs: Any) -> Trainer:
+    model = tiny_model()
+    kwargs.setdefault("eval_data", tiny_loader(2, seed=1))
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                   tiny_loader(8) if train is None else train, loss_fn=F.cross_entropy,
+                   device="cpu", progress=False, handle_signals=False, **kwargs)  # fmt: skip
+
+
+def record(trainer: Trainer) -> tuple[EventRecorder, Any]:
+    recorder = EventRecorder(trainer.bus)
+    result = trainer.run()
+    trainer.close()
+    return recorder, result
+
+
+def rounds(recorder: EventRecorder) -> list[tuple[str, int]]:
+    return [(e.trigger, e.step) for e in recorder.of_type(ev.EvaluationRoundEnded)]
+
+
+def test_max_steps_mid_epoch_evaluates_the_final_weights_before_the_final_save(
+    tmp_path: Path,
+) -> None:
+    recorder, result = record(make(max_steps=5, checkpoint_dir=tmp_path))
+    assert result.reason == "completed"
+    assert rounds(recorder) == [("end", 5)]
+    names = recorder.names()
+    start = names.index("EvaluationRoundStarted")
+    assert names[start - 1] == "StepEnded"  # right after the last step, in its epoch
+    assert names.index("EvaluationRoundEnded") < names.index("EpochEnded")
+    (final,) = recorder.of_type(ev.CheckpointSaved)
+    (end,) = recorder.of_type(ev.EvaluationRoundEnded)
+    assert final.tag == "final" and final.step == 5
+    assert dict(final.metrics) == dict(end.metrics) and "val_loss" in final.metrics
+    assert recorder.of_type(ev.EvaluationRoundStarted)[0].trigger == "end"
+    assert [e.trigger for e in recorder.of_type(ev.EvaluationEnded)] == ["end"]
+
+
+def test_an_eval_every_that_does_not_divide_the_last_step() -> None:
+    recorder, _ = record(make(max_epochs=1, eval_every=3, eval_at_epoch_end=False))
+    assert rounds(recorder) == [("steps", 3), ("steps", 6), ("end", 8)]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        (dict(max_epochs=1, eval_every=4, eval_at_epoch_end=False), [("steps", 4), ("steps", 8)]),
+        (dict(max_epochs=2), [("epoch", 8), ("epoch", 16)]),
+        (dict(max_steps=8), [("epoch", 8)]),  # max_steps on the epoch's last batch
+        (dict(max_steps=5, eval_every=5), [("steps", 5)]),
+    ],
+)
+def test_a_last_step_already_evaluated_is_not_evaluated_again(
+    kwargs: dict[str, Any], expected: list[tuple[str, int]]
+) -> None:
+    recorder, _ = record(make(**kwargs))
+    assert rounds(recorder) == expected
+
+
+def test_eval_at_end_false_turns_it_off() -> None:
+    recorder, _ = record(make(max_steps=5, eval_at_end=False))
+    assert rounds(recorder) == []
+    recorder, _ = record(make(max_epochs=1, eval_every=3, eval_at_epoch_end=False,
+                              eval_at_end=False))  # fmt: skip
+    assert rounds(recorder) == [("steps", 3), ("steps", 6)]
+
+
+def test_no_evaluation_configured_means_none_at_the_end() -> None:
+    # eval_data only for Evaluate commands: nothing evaluates during the run, nor at its end.
+    recorder, _ = record(make(max_steps=5, eval_at_epoch_end=False))
+    assert rounds(recorder) == []
+    recorder, _ = record(make(max_steps=5, eval_data=None))
+    assert rounds(recorder) == []
+
+
+def test_a_stopped_run_is_not_evaluated_again() -> None:
+    trainer = make(max_steps=7)
+    bus = trainer.bus
+    bus.stream(ev.StepEnded).pipe(
+        tbops.once(at=3), ops.map(lambda e: cmd.StopTraining(reason="enough"))
+    ).subscribe(bus.commands)
+    recorder, result = record(trainer)
+    assert result.reason == "stopped" and result.steps == 3
+    assert rounds(recorder) == []
+
+
+def test_an_evaluate_command_at_the_last_step_counts_as_its_evaluation() -> None:
+    trainer = make(max_steps=5)
+    bus = trainer.bus
+    evaluate = ops.map(lambda e: cmd.Evaluate())
+    bus.stream(ev.StepEnded).pipe(tbops.once(at=5), evaluate).subscribe(bus.commands)
+    recorder, _ = record(trainer)
+    assert rounds(recorder) == [("command", 5)]
+
+
+def test_the_end_evaluation_runs_the_eval_batch_hooks() -> None:
+    seen: list[tuple[str, int]] = []
+    trainer = make(max_steps=3)
+    trainer.add_hook("eval_batch", lambda ctx: seen.append((ctx.phase, ctx.step)))
+    record(trainer)
+    assert seen == [("eval", 3), ("eval", 3)]
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_eval_at_end_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ConfigError, match="eval_at_end") as info:
+        make(max_steps=5, eval_at_end=value)
+    assert "True or False" in str(info.value)
+
+
+# ---------------------------------------------------------------- data without a length
+@pytest.mark.parametrize(("batches", "accumulate"), [(5, 1), (5, 2), (4, 2)])
+def test_data_without_a_length_begins_only_steps_that_run(batches: int, accumulate: int) -> None:
+    recorder, result = record(make(Stream(tiny_loader(batches)), max_epochs=2,
+                                   accumulate=accumulate, eval_data=None))  # fmt: skip
+    steps_per_epoch = -(-batches // accumulate)
+    assert result.steps == 2 * steps_per_epoch
+    began = recorder.of_type(ev.StepBegan)
+    assert [e.step for e in began] == [e.step - 1 for e in recorder.of_type(ev.StepEnded)]
+    # Each StepBegan follows its step's first BatchFetched and is closed by its StepEnded.
+    names = recorder.names()
+    for i, name in enumerate(names):
+        if name == "StepBegan":
+            assert names[i - 1] == "BatchFetched"
+            assert names.index("StepEnded", i) < (
+                names.index("StepBegan", i + 1) if "StepBegan" in names[i + 1 :] else len(names)
+            )
+    # One probe per epoch finds the data exhausted, as Composer's extra BEFORE_DATALOADER.
+    waits = recorder.of_type(ev.DataWaitEnded)
+    assert [e.epoch for e in waits if e.exhausted] == [0, 1]
+    assert len(recorder.of_type(ev.DataWaitStarted)) == 2 * batches + 2
+    # The length is unknown: each step plans a full window, the last one gets what is left.
+    assert [e.accumulation_steps for e in began] == [accumulate] * (2 * steps_per_epoch)
