@@ -33,7 +33,8 @@ ROOT = Path(__file__).resolve().parent
 # What a page may create under the repository without being blamed: caches and environments.
 _IGNORED_DIRS = {".git", "__pycache__", "node_modules"}
 
-_INVISIBLE = re.compile(r"<!--\s*invisible-code(-block)?\s*:", re.IGNORECASE)
+# Anchored at a line start as Sybil's own directives are, so prose may name them in `code`.
+_INVISIBLE = re.compile(r"^[ \t]*<!--+\s*invisible-code(-block)?\b", re.IGNORECASE | re.MULTILINE)
 _UNRUN_LABEL = re.compile(r"^[ \t]*(`{3,}|~{3,})[ \t]*(py|python3|pycon|ipython|py3)\b", re.M)
 _COMMENT = re.compile(r"<!--.*?-->", re.DOTALL)
 
