@@ -27,7 +27,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/step_overhead.py
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff check src tests examples benchmarks conftest.py
 	$(BIN)/mypy
 
 clean:
