@@ -181,6 +181,12 @@ class SignalWatcher:
         self._cancels = 0
         self._installed = False
         self._run: Loop | None = None
+        self._first: signal.Signals | None = None
+
+    @property
+    def received(self) -> signal.Signals | None:
+        """The first signal received while installed (None: none); reset at each install."""
+        return self._first
 
     @property
     def aborted(self) -> bool:
@@ -209,6 +215,7 @@ class SignalWatcher:
         self._aborted = False
         self._received = 0
         self._cancels = 0
+        self._first = None
         previous = {signum: signal.getsignal(signum) for signum in self.SIGNALS}
         for signum in self.SIGNALS:
             signal.signal(signum, self._handle)
@@ -225,6 +232,8 @@ class SignalWatcher:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self._first is None:
+            self._first = signal.Signals(signum)
         run = self._run
         if run is not None and run.outcome is not None:
             # Training has ended and the call's end waits for async subscribers: a signal

@@ -72,6 +72,8 @@ class Settings:
     """``(name, data)`` of each evaluation set, in order: a single loader is ``("val", it)``."""
     eval_named: bool = False
     """``eval_data`` was a mapping of named sets: metrics are keyed ``<set>/<name>``."""
+    skip_final_checkpoint: frozenset[ev.Ending] = frozenset()
+    """Stopped runs (``Ending.STOPPED``/``PRUNED``/``SIGNAL``) that write no final checkpoint."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of a forward pass (a no-op at full precision)."""
