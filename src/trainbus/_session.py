@@ -185,7 +185,9 @@ class SignalWatcher:
 
     @property
     def received(self) -> signal.Signals | None:
-        """The first signal received while installed (None: none); reset at each install."""
+        """The signal that asked the run to stop while installed (None: none, or only ones
+        that came once training had ended, which cancel pending work); reset at each
+        install."""
         return self._first
 
     @property
@@ -232,8 +234,6 @@ class SignalWatcher:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self._first is None:
-            self._first = signal.Signals(signum)
         run = self._run
         if run is not None and run.outcome is not None:
             # Training has ended and the call's end waits for async subscribers: a signal
@@ -248,6 +248,7 @@ class SignalWatcher:
             return
         self._received += 1
         if self._received == 1:
+            self._first = signal.Signals(signum)
             if self._on_signal is not None:
                 self._on_signal()
             # Then the command (a deque append: the training thread sees it at its next step,

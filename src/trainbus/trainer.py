@@ -439,10 +439,14 @@ class Trainer:
             the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
         """
         with self._signals.installed(self.handle_signals):
-            return self._lifetime.call(
-                lambda: self.fit(resume=resume, require_checkpoint=require_checkpoint),
+            result: FitResult = self._lifetime.call(
+                lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
             )  # fmt: skip
+            # Raised here, on the caller's thread: a KeyboardInterrupt or SystemExit raised in
+            # the portal's event loop would end that loop, not reach this caller.
+            self._raise_interrupt(result)
+            return result
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -486,6 +490,19 @@ class Trainer:
             ``on_signal="return"``; what a callback's :meth:`Callback.after_fit` raised
             (``optuna.TrialPruned`` for a pruned trial); the cancellation when cancelled.
         """
+        result = await self._fit(resume=resume, require_checkpoint=require_checkpoint)
+        self._raise_interrupt(result)
+        return result
+
+    def _raise_interrupt(self, result: FitResult) -> None:
+        """After a graceful stop by a signal (``on_signal="raise"``): its interrupt."""
+        signum = self._signals.received
+        if signum is not None and self.on_signal == "raise" and result.reason != "cancelled":
+            raise interrupt_for(signum, result.steps, result.checkpoint)
+
+    async def _fit(
+        self, *, resume: str | os.PathLike[str] | None, require_checkpoint: bool
+    ) -> FitResult:
         self._check_idle("fit()")
         self._lifetime.check_open("fit()")
         if self._loop is not None and resume is None:
@@ -559,10 +576,8 @@ class Trainer:
             raise LostWorkError(self.result.lost, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
-        signum = self._signals.received
-        if signum is not None and self.on_signal == "raise" and outcome.reason != "cancelled":
-            raise interrupt_for(signum, outcome.state.step, outcome.last_checkpoint)
-        if outcome.reason != "cancelled":
+        interrupted = self._signals.received is not None and self.on_signal == "raise"
+        if outcome.reason != "cancelled" and not interrupted:  # the interrupt goes first
             for cb in self.callbacks:
                 cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
         if outcome.reason == "cancelled":
