@@ -97,7 +97,7 @@ def test_skip_final_checkpoint_refuses_what_is_not_a_stop(bad: object) -> None:
 
 
 def test_on_signal_is_checked() -> None:
-    with pytest.raises(ConfigError, match="on_signal.*'raise'.*'return'"):
+    with pytest.raises(ConfigError, match=r"on_signal.*'raise'.*'return'"):
         make(on_signal="ignore")
 
 

@@ -221,14 +221,14 @@ def test_a_pruner_that_raises_fails_the_trial_clearly() -> None:
             raise ZeroDivisionError("bad pruner")
 
     s = study(Broken())
-    with pytest.raises(PrunerError, match="reporting val_loss=.* at step 4 .*ZeroDivisionError"):
+    with pytest.raises(PrunerError, match=r"reporting val_loss=.* at step 4 .*ZeroDivisionError"):
         s.optimize(lambda trial: trainer_for(trial).run().metrics["val_loss"], n_trials=1)
     assert s.trials[0].state == optuna.trial.TrialState.FAIL
 
 
 @pytest.mark.parametrize("trial", [None, "trial", object()])
 def test_not_an_optuna_trial_is_refused(trial: object) -> None:
-    with pytest.raises(ConfigError, match="trial.*an optuna.Trial"):
+    with pytest.raises(ConfigError, match=r"trial.*an optuna\.Trial"):
         OptunaPruning(trial)
 
 
