@@ -114,7 +114,8 @@ def test_sigint_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> Non
 
     async def main() -> None:
         for k in range(1, total + 1):
-            trainer = make_trainer(tmp_path / str(k), handle_signals=True)
+            # on_signal="return": the result, not the interrupt (tests/test_signals.py)
+            trainer = make_trainer(tmp_path / str(k), handle_signals=True, on_signal="return")
             result = await AtSuspension(trainer.fit(), k,
                                         lambda: signal.raise_signal(signal.SIGINT))  # fmt: skip
             assert result.reason in ("stopped", "completed"), (k, result)

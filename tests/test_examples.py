@@ -81,6 +81,14 @@ CASES = [
         r"contrastive: 8 steps of 2 micro-batches, pos_sim (-?\d+\.\d+), grad_norm logged: "
         r"True, resumed at step 4 bit-identical: True",
     ),
+    Case(
+        "sweep_optuna.py",
+        r"optuna sweep: 8 trials, (\d+) pruned, (\d+) complete; best val_loss [\d.]+ at lr "
+        r"[\d.e-]+; final checkpoints of (\d+) trials \(none of the pruned ones\)",
+        # The four tiny learning rates at least are pruned; every trial ended; only the
+        # completed ones kept a final checkpoint.
+        lambda m: int(m[1]) >= 4 and int(m[1]) + int(m[2]) == 8 and int(m[3]) == int(m[2]),
+    ),
 ]
 
 

@@ -33,15 +33,19 @@ ALLOWED: dict[str, set[str]] = {
     "wire": {"events", "commands"},
     "distributed": {"events", "commands", "wire"},
     "callbacks": {"bus", "events", "commands", "operators", "wire"},
+    # trainbus.integrations.<tool>: callbacks for other tools (Optuna), built like callbacks/.
+    "integrations": {"callbacks", "bus", "events", "commands", "operators"},
     # "top": the facades and tools (trainer, cli, testing, replay, __init__; _rundirs, the run
     # folders they share) may use every layer.
 }
 # Edges allowed only inside `if TYPE_CHECKING:` (annotations): the loop is handed a bus.
 # (events name the Command type of CommandApplied.)
-TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"}}
+# (Callback.after_fit names the FitResult the Trainer hands it.)
+TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"},
+                                   "callbacks": {"top"}, "integrations": {"top"}}
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_attach",
-       "_rank_setup", "_resume", "_session", "_lifetime", "_rundirs"}
+       "_rank_setup", "_resume", "_session", "_lifetime", "_rundirs", "_endings", "seeding"}
 
 
 @dataclass(frozen=True)

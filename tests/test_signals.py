@@ -1,4 +1,5 @@
-"""SIGINT/SIGTERM stop a run cleanly (final checkpoint, exit 0); a second SIGINT aborts.
+"""SIGINT/SIGTERM stop a run cleanly (final checkpoint), then the interrupt reaches the caller
+(KeyboardInterrupt, SystemExit(143)) unless on_signal="return"; a second SIGINT aborts.
 
 Each test runs a real training script in a subprocess, waits for its READY line (printed by a
 subscriber after the first StepEnded), then signals it. Timeouts are deadlock guards only.
@@ -77,8 +78,17 @@ SCRIPT = textwrap.dedent(
             pace["sleep"] = 2.0
 
         trainer.add_hook("after_optimizer_step", slow_down)
-    result = trainer.run()
-    print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+    if mode == "uncaught":  # the interrupt as Python delivers it: nothing catches it
+        trainer.run()
+    try:
+        result = trainer.run()
+    except (KeyboardInterrupt, SystemExit) as exc:
+        print("RAISED", type(exc).__name__, getattr(exc, "code", None), flush=True)
+        if trainer.result is None or trainer.result.reason == "cancelled":
+            raise  # aborted by a second SIGINT
+        result = trainer.result
+    print("RESULT", result.reason, result.stop_reason, result.checkpoint, result.ending,
+          flush=True)
     """
 )
 
@@ -204,12 +214,37 @@ def test_one_signal_stops_cleanly_with_a_final_checkpoint(proc_factory, signum: 
     text = "\n".join(output)
     assert code == 0, text
     assert _line(output, "FITENDED")[1:] == ["stopped", "signal"]
+    # After the graceful stop the interrupt reached the caller (on_signal="raise").
+    expected = (["KeyboardInterrupt", "None"] if signum == signal.SIGINT
+                else ["SystemExit", str(128 + signal.SIGTERM)])  # fmt: skip
+    assert _line(output, "RAISED")[1:] == expected, text
     result = _line(output, "RESULT")
-    assert result[1:3] == ["stopped", "signal"]
+    assert result[1:3] == ["stopped", "signal"] and result[4] == "signal"
     final = Path(result[3])
     assert final.parent == proc.ckpt and final.is_file(), text
     assert final.name.startswith("step-") and final.name.endswith("-final.pt")
     assert not any(p.name.endswith(".tmp") for p in proc.ckpt.iterdir())
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_an_uncaught_interrupt_ends_the_process_as_the_signal_would(  # type: ignore[no-untyped-def]
+    proc_factory, signum: int
+) -> None:
+    proc = proc_factory("uncaught")
+    proc.wait_for("READY")
+    proc.popen.send_signal(signum)
+    code, output = proc.finish()
+    text = "\n".join(output)
+    assert _line(output, "FITENDED")[1:] == ["stopped", "signal"], text
+    assert not any(line.startswith("RESULT ") for line in output), text
+    # The final checkpoint was written before the interrupt went on.
+    assert any(p.name.endswith("-final.pt") for p in proc.ckpt.iterdir()), text
+    if signum == signal.SIGTERM:
+        assert code == 128 + signal.SIGTERM, text  # SystemExit(143): a SIGTERM'd process' status
+    else:
+        # An uncaught KeyboardInterrupt: Python ends the process by SIGINT (-2) after the
+        # traceback, as for any program on Ctrl-C.
+        assert code == -signal.SIGINT and "KeyboardInterrupt" in text, text
 
 
 def test_second_sigint_aborts(proc_factory) -> None:  # type: ignore[no-untyped-def]
@@ -257,7 +292,7 @@ BLOCKING_SCRIPT = textwrap.dedent(
     # One long epoch: no epoch-end barrier waits for the blocked event loop meanwhile.
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
                       tiny_loader(100_000, 2), loss_fn=F.cross_entropy, max_steps=100_000,
-                      checkpoint_dir=ckpt, progress=False)
+                      checkpoint_dir=ckpt, progress=False, on_signal="return")
     blocked = []
 
 

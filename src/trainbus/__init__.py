@@ -31,6 +31,7 @@ from .callbacks._base import Callback as Callback
 from .callbacks._base import GlobalCallbackHandle as GlobalCallbackHandle
 from .callbacks._base import RunPlan as RunPlan
 from .callbacks._base import register_global_callback as register_global_callback
+from .events import Ending as Ending
 from .launcher import Launcher as Launcher
 from .launcher import LaunchResult as LaunchResult
 from .launcher import launch as launch
@@ -38,6 +39,7 @@ from .loop.custom import TrainContext as TrainContext
 from .loop.hooks import HookHandle as HookHandle
 from .loop.hooks import StepContext as StepContext
 from .replay import replay as replay
+from .seeding import seed_everything as seed_everything
 from .trainer import FitResult as FitResult
 from .trainer import Trainer as Trainer
 
@@ -53,6 +55,7 @@ __all__ = [
     "CommandError",
     "ConfigError",
     "DistributedError",
+    "Ending",
     "EvaluationJobError",
     "EventBus",
     "FitResult",
@@ -78,4 +81,5 @@ __all__ = [
     "launch",
     "register_global_callback",
     "replay",
+    "seed_everything",
 ]

@@ -184,6 +184,14 @@ class SignalWatcher:
         self._cancels = 0
         self._installed = False
         self._run: Loop | None = None
+        self._first: signal.Signals | None = None
+
+    @property
+    def received(self) -> signal.Signals | None:
+        """The signal that asked the run to stop while installed (None: none, or only ones
+        that came once training had ended, which cancel pending work); reset at each
+        install."""
+        return self._first
 
     @property
     def aborted(self) -> bool:
@@ -212,6 +220,7 @@ class SignalWatcher:
         self._aborted = False
         self._received = 0
         self._cancels = 0
+        self._first = None
         previous = {signum: signal.getsignal(signum) for signum in self.SIGNALS}
         for signum in self.SIGNALS:
             signal.signal(signum, self._handle)
@@ -278,6 +287,7 @@ class SignalWatcher:
             return
         self._received += 1
         if self._received == 1:
+            self._first = signal.Signals(signum)
             if self._on_signal is not None:
                 self._on_signal()
             # Then the command (a deque append: the training thread sees it at its next step,

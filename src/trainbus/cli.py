@@ -128,7 +128,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from . import Trainer
+    from . import Ending, Trainer, seed_everything
     from .callbacks import (
         Checkpointing,
         CurvePlot,
@@ -142,7 +142,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ._rundirs import new_run_dir
 
     run_dir: Path = args.run_dir or new_run_dir(Path("runs") / "demo")
-    torch.manual_seed(args.seed)  # the model's initial weights
+    seed_everything(args.seed)  # first: the model's initial weights
     train, val = _digits_loaders(args.seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(128, 10)
@@ -167,15 +167,20 @@ def run_demo(args: argparse.Namespace) -> int:
     log.info("demo_started", run_dir=str(run_dir), max_epochs=args.epochs, seed=args.seed)
     try:
         result = trainer.run()
-    except KeyboardInterrupt:
-        print(f"aborted; run folder: {run_dir}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C: after the graceful stop (on_signal="raise"), or aborted
+        stopped = trainer.result
+        if stopped is not None and stopped.ending is Ending.SIGNAL:
+            print(f"stopped by Ctrl-C after {stopped.steps} steps; checkpoint: "
+                  f"{stopped.checkpoint}; run folder: {run_dir}", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"aborted; run folder: {run_dir}", file=sys.stderr)
         return 130
     except Exception as exc:
         log.error("demo_failed", error=repr(exc), run_dir=str(run_dir))
         return 1
     acc = result.metrics.get("val_acc")
     print(f"run folder: {run_dir}")
-    print(f"ended: {result.reason} after {result.steps} steps ({result.epochs} epochs)"
+    print(f"ended: {result.ending} after {result.steps} steps ({result.epochs} epochs)"
           + (f" - {result.stop_reason}" if result.stop_reason else ""))  # fmt: skip
     print("final val accuracy: " + (f"{acc:.2%}" if acc is not None else "n/a"))
     return 0 if result.reason in ("completed", "stopped") else 1
@@ -235,7 +240,7 @@ def run_launch(tokens: Sequence[str]) -> int:
         print(f"trainbus launch: {exc}\n{LAUNCH_USAGE}", file=sys.stderr)
         return 2
     configure_logging(json_logs=json_logs)
-    from ._exceptions import ConfigError, LaunchError, SubscriberError
+    from ._exceptions import ConfigError, LaunchError
     from .callbacks import MetricsLogger
     from .launcher import Launcher
 
@@ -246,14 +251,16 @@ def run_launch(tokens: Sequence[str]) -> int:
     except ConfigError as exc:
         print(f"trainbus launch: {exc}", file=sys.stderr)
         return 2
-    except (LaunchError, SubscriberError) as exc:
+    except LaunchError as exc:
         print(f"trainbus launch: {exc}", file=sys.stderr)
         return 1
     last = result.last_event
     print(f"launch ended: {result.received} events from rank 0"
           + (f", last {type(last).__name__} at step {last.step}" if last else "")
           + (f" (stopped: {result.stop_reason})" if result.stop_reason else ""))  # fmt: skip
-    return 0
+    # Stopped gracefully by Ctrl-C/SIGTERM: the shell's convention, 128 + the signal's number
+    # (a script that runs launches in turn sees the interrupt, as with any program).
+    return 0 if result.signal is None else 128 + result.signal
 
 
 # ----------------------------------------------------------------------------- replay, plot

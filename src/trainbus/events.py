@@ -27,6 +27,7 @@ from __future__ import annotations
 import time as _time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
@@ -56,6 +57,7 @@ __all__ = [
     "DataWaitEnded",
     "DataWaitStarted",
     "EndReason",
+    "Ending",
     "EpochEnded",
     "EpochStarted",
     "EvalBatchEnded",
@@ -96,6 +98,40 @@ __all__ = [
 
 Phase: TypeAlias = Literal["train", "eval", "predict"]
 EndReason: TypeAlias = Literal["completed", "stopped", "failed", "cancelled"]
+
+
+class Ending(StrEnum):
+    """How a run ended, as one typed value: ``FitEnded.reason`` with a stop's cause told apart.
+
+    ``PRUNED`` and ``SIGNAL`` are stops (``reason == "stopped"``) whose ``StopTraining.reason``
+    was ``"pruned"`` (a pruner's, e.g. :mod:`trainbus.integrations.optuna`) or ``"signal"``
+    (SIGINT/SIGTERM); any other stop is ``STOPPED``. A ``StrEnum``: members equal their
+    strings (``Ending.PRUNED == "pruned"``), so logs and JSON keep plain words.
+    """
+
+    COMPLETED = "completed"
+    STOPPED = "stopped"
+    PRUNED = "pruned"
+    SIGNAL = "signal"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @classmethod
+    def of(cls, reason: str, stop_reason: str | None) -> Ending:
+        """The ending of a run that ended with ``reason`` (``FitEnded.reason``) and
+        ``stop_reason`` (``FitEnded.stop_reason``).
+
+        Raises:
+            ValueError: ``reason`` is not an :data:`EndReason`.
+        """
+        if reason == "stopped" and stop_reason in (cls.PRUNED, cls.SIGNAL):
+            return cls(stop_reason)
+        if reason not in ("completed", "stopped", "failed", "cancelled"):
+            raise ValueError(f"{reason!r} is not an end reason (completed, stopped, failed, "
+                             "cancelled)")  # fmt: skip
+        return cls(reason)
+
+
 EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
 """Why an evaluation runs: at an epoch end, every ``eval_every`` steps, at the end of a completed
 run whose last step was not evaluated (``eval_at_end``), an ``Evaluate`` command, or a
@@ -177,6 +213,11 @@ class FitEnded(BaseEvent):
     error: BaseException | None = None
     stop_reason: str | None = None
     """The ``StopTraining.reason`` when ``reason == "stopped"``."""
+
+    @property
+    def ending(self) -> Ending:
+        """``reason`` with a stop's cause told apart (:class:`Ending`)."""
+        return Ending.of(self.reason, self.stop_reason)
 
 
 # --------------------------------------------------------------------------- epoch

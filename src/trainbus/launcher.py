@@ -85,6 +85,10 @@ class LaunchResult:
         last_event: The last of them (``FitEnded`` for a run that ended normally).
         stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
             ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
+        ending: How rank 0's run ended, typed (:class:`~trainbus.Ending`: ``SIGNAL`` after
+            Ctrl-C/SIGTERM, ``PRUNED``, ``STOPPED``...), None when its ``FitEnded`` never
+            arrived.
+        signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 
     returncode: int
@@ -92,6 +96,8 @@ class LaunchResult:
     received: int
     last_event: ev.BaseEvent | None
     stop_reason: str | None = None
+    ending: ev.Ending | None = None
+    signal: int | None = None
 
 
 class Launcher:
@@ -163,6 +169,7 @@ class Launcher:
         self._stderr: deque[str] = deque(maxlen=40)
         self._exits = RankExits()
         self._ended: ev.FitEnded | None = None
+        self._signal: int | None = None  # the first signal the driver received
         self._link: anyio.abc.SocketStream | None = None
         self._linked: anyio.Event | None = None
         self._link_done: anyio.Event | None = None
@@ -266,7 +273,9 @@ class Launcher:
             raise self._failure(returncode)
         return LaunchResult(returncode=returncode, events=self._kept(), received=self._count,
                             last_event=self._events[-1] if self._events else None,
-                            stop_reason=self.stop_reason)  # fmt: skip
+                            stop_reason=self.stop_reason, signal=self._signal,
+                            ending=None if self._ended is None
+                            else self._ended.ending)  # fmt: skip
 
     @property
     def stop_reason(self) -> str | None:
@@ -406,6 +415,8 @@ class Launcher:
     async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
+                if self._signal is None:
+                    self._signal = int(signum)
                 if self._stop_reason == "signal":  # the second one: no more patience
                     log.warning("launch_aborted", signal=signum)
                     await self._terminate()

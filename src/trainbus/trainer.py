@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import random
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -34,6 +33,7 @@ import torch
 
 from . import events as ev
 from ._attach import Attached, as_instances
+from ._endings import OnSignal, check_on_signal, check_skip_final, interrupt_for
 from ._exceptions import ConfigError, LostWorkError, TrainbusError
 from ._lifetime import Lifetime
 from ._log import get_logger
@@ -66,6 +66,7 @@ from .loop import (
     evaluation_metric_names,
     join_outputs,
 )
+from .seeding import seeded_run
 
 __all__ = ["FitResult", "Trainer"]
 
@@ -140,6 +141,12 @@ class FitResult:
     ``cancel_pending()``, failed); only subscriptions that lost something."""
 
     @property
+    def ending(self) -> ev.Ending:
+        """How the run ended, typed: ``reason`` with a stop's cause told apart
+        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~trainbus.Ending`)."""
+        return ev.Ending.of(self.reason, self.stop_reason)
+
+    @property
     def lost_work(self) -> int:
         """Items lost by all subscriptions together (0: every item was handled)."""
         return sum(x.total for x in self.lost.values())
@@ -181,7 +188,11 @@ class Trainer:
             ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
             loop, evaluate and predict make it current on their own threads
             (docs/trainer.md, "On a GPU").
-        seed: Seeds Python's and torch's RNGs before training.
+        seed: At the start of ``fit()``, seeds Python's, NumPy's and torch's process-wide
+            generators (:func:`~trainbus.seed_everything`; call that one before building the
+            model for equal initial weights), and gives a ``DataLoader(shuffle=True)`` without
+            a ``generator`` a data order of ``(seed, epoch)`` that no other thread's draws
+            change (docs/trainer.md, "Seeds").
         metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``;
             ``targets`` is the second element of ``(inputs, targets)`` batches, a mapping
             batch's ``"labels"``, else the batch (docs/trainer.md, "Metric functions").
@@ -195,6 +206,9 @@ class Trainer:
         checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
             run completes or stops. Checked now (creatable, writable, not under a file),
             created at the first save, never before. Resume with ``fit(resume=...)``.
+        skip_final_checkpoint: Stopped runs that write no final checkpoint: any of
+            ``"stopped"``, ``"pruned"`` (a pruner's stop: a sweep's pruned trials keep their
+            disk and time), ``"signal"`` (:class:`~trainbus.Ending`). Default: none skipped.
         callbacks: Callback classes or instances (user tier). Stateful ones (overriding
             ``state_dict``) need distinct ``state_key``s.
         progress: Show a :class:`~trainbus.callbacks.Progress` bar: ``None`` (default) when
@@ -208,6 +222,10 @@ class Trainer:
             every step (docs/trainer.md); a checkpoint never holds non-finite weights.
         handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``run()``
             called on the main thread (a ``signal.signal`` handler, restored after).
+        on_signal: After such a graceful stop (final checkpoint written, events delivered):
+            ``"raise"`` (default) lets the interrupt reach the caller, ``KeyboardInterrupt``
+            for SIGINT, ``SystemExit(143)`` for SIGTERM (``trainer.result`` holds the result,
+            ``ending == Ending.SIGNAL``); ``"return"`` returns the result instead.
         bus: A preconfigured :class:`EventBus` (default: a new one).
         ddp: Under ``torchrun`` with more than one rank, wrap the model in
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
@@ -254,12 +272,14 @@ class Trainer:
         eval_at_end: bool = True,
         log_every: int = 50,
         checkpoint_dir: str | Path | None = None,
+        skip_final_checkpoint: Iterable[ev.Ending | str] = (),
         callbacks: Iterable[Callback | type[Callback]] = (),
         progress: bool | None = None,
         barriers: Iterable[type[ev.BaseEvent]] = DEFAULT_BARRIERS,
         barrier_timeout: float = 60.0,
         on_nonfinite: NonFinitePolicy = "raise",
         handle_signals: bool = True,
+        on_signal: OnSignal = "raise",
         bus: EventBus | None = None,
         ddp: bool = True,
         watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
@@ -277,9 +297,13 @@ class Trainer:
             train_step=train_step,
             eval_at_end=eval_at_end,
         )  # fmt: skip
+        self.settings = dataclasses.replace(
+            self.settings, skip_final_checkpoint=check_skip_final(skip_final_checkpoint)
+        )
         if not isinstance(handle_signals, bool):
             raise ConfigError.invalid("handle_signals", handle_signals, "True or False")
         self.handle_signals = handle_signals
+        self.on_signal: OnSignal = check_on_signal(on_signal)
         if not isinstance(ddp, bool):
             raise ConfigError.invalid("ddp", ddp, "True (wrap in DistributedDataParallel under "
                                       "torchrun) or False")  # fmt: skip
@@ -434,10 +458,14 @@ class Trainer:
             the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
         """
         with self._signals.installed(self.handle_signals):
-            return self._lifetime.call(
-                lambda: self.fit(resume=resume, require_checkpoint=require_checkpoint),
+            result: FitResult = self._lifetime.call(
+                lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
             )  # fmt: skip
+            # Raised here, on the caller's thread: a KeyboardInterrupt or SystemExit raised in
+            # the portal's event loop would end that loop, not reach this caller.
+            self._raise_interrupt(result)
+            return result
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -476,8 +504,24 @@ class Trainer:
             published and delivered first; ``trainer.result`` holds the result);
             a subscriber's own exception when it has ``on_error="raise"`` (a note names the
             subscription and event; ``except MyError`` matches);
-            ``KeyboardInterrupt`` after a second SIGINT; the cancellation when cancelled.
+            ``KeyboardInterrupt`` after a second SIGINT; after a graceful stop by SIGINT
+            (``KeyboardInterrupt``) or SIGTERM (``SystemExit(143)``) unless
+            ``on_signal="return"``; what a callback's :meth:`Callback.after_fit` raised
+            (``optuna.TrialPruned`` for a pruned trial); the cancellation when cancelled.
         """
+        result = await self._fit(resume=resume, require_checkpoint=require_checkpoint)
+        self._raise_interrupt(result)
+        return result
+
+    def _raise_interrupt(self, result: FitResult) -> None:
+        """After a graceful stop by a signal (``on_signal="raise"``): its interrupt."""
+        signum = self._signals.received
+        if signum is not None and self.on_signal == "raise" and result.reason != "cancelled":
+            raise interrupt_for(signum, result.steps, result.checkpoint)
+
+    async def _fit(
+        self, *, resume: str | os.PathLike[str] | None, require_checkpoint: bool
+    ) -> FitResult:
         self._check_idle("fit()")
         self._lifetime.check_open("fit()")
         if self._loop is not None and resume is None:
@@ -503,10 +547,7 @@ class Trainer:
         ranks = RankSetup(self.bus, ddp=self.ddp)
         try:
             group = ranks.join(s.device)
-            s = self.settings = ranks.place(s)
-            if s.seed is not None:
-                random.seed(s.seed)
-                torch.manual_seed(s.seed)
+            s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order
             s.model.to(s.device)
             checkpoint = (None if resume is None
                           else self._states.load(s, resume, group, required=require_checkpoint))
@@ -555,6 +596,10 @@ class Trainer:
             raise LostWorkError(self.result.lost, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
+        interrupted = self._signals.received is not None and self.on_signal == "raise"
+        if outcome.reason != "cancelled" and not interrupted:  # the interrupt goes first
+            for cb in self.callbacks:
+                cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
         if outcome.reason == "cancelled":
             # Cancelled from outside: the worker was waited for and the bus closed under a
             # shield; let the pending cancellation out here instead of returning a result.

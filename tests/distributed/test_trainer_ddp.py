@@ -186,4 +186,7 @@ def test_sigterm_on_every_rank_stops_them_at_the_same_step(tmp_path: Path) -> No
     r0, r1 = read(tmp_path, "signal")
     assert r0["reason"] == r1["reason"] == "stopped"
     assert r0["stop_reason"] == r1["stop_reason"] == "signal"
+    # Each rank's run() raised SystemExit(128 + SIGTERM) after the graceful, agreed stop.
+    assert r0["raised"] == r1["raised"] == 128 + signal.SIGTERM
+    assert r0["ending"] == r1["ending"] == "signal"
     assert r0["steps"] == r1["steps"] < 200 * 8 and r0["digest"] == r1["digest"]

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from ..bus import EventBus
     from ..bus.async_subscription import Overflow
     from ..bus.failures import ErrorPolicy
+    from ..trainer import FitResult
 
 __all__ = [
     "Callback",
@@ -194,6 +195,18 @@ class Callback:
 
         Raises:
             ConfigError: naming the option, its value and what this run allows.
+        """
+        return None
+
+    def after_fit(self, result: FitResult) -> None:
+        """Called by ``Trainer.fit()`` on the caller's side once a run that ended without an
+        exception (completed or stopped) has delivered every event, before ``fit()`` returns;
+        on every rank. It may raise to end the call with an exception of the caller's world
+        (:class:`~trainbus.integrations.optuna.OptunaPruning` raises ``optuna.TrialPruned``
+        after a pruned run); ``trainer.result`` then holds ``result``. Default: nothing.
+
+        Args:
+            result: The run's result.
         """
         return None
 

@@ -7,6 +7,7 @@ Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions
 from .api import latest_checkpoint as latest_checkpoint
 from .api import load_checkpoint as load_checkpoint
 from .api import save_checkpoint as save_checkpoint
+from .data_order import EpochSampler as EpochSampler
 from .data_order import capture_data_order as capture_data_order
 from .data_order import replay_epoch as replay_epoch
 from .data_order import set_sampler_epoch as set_sampler_epoch
@@ -28,6 +29,7 @@ __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointStore",
+    "EpochSampler",
     "LatestScan",
     "TrainState",
     "build_payload",

@@ -12,6 +12,10 @@ loader                                                 kind            exact
 =====================================================  ==============  ====================
 ``DataLoader(shuffle=True, generator=g)``               ``generator``   yes (``g``'s state)
 ``DataLoader(sampler=RandomSampler(ds, generator=g))``  ``sampler``     yes (``g``'s state)
+``DataLoader(shuffle=True)`` with ``Trainer(seed=)``     ``global``      yes: rebuilt around an
+                                                                        :class:`EpochSampler`,
+                                                                        whose order is
+                                                                        ``(seed, epoch)``
 ``DataLoader(shuffle=True)`` (no generator)             ``global``      yes: the permutation
                                                                         comes from the global
                                                                         torch RNG, whose state
@@ -55,7 +59,7 @@ from .._exceptions import CheckpointError
 from .._log import get_logger
 from .rng import restore_rng
 
-__all__ = ["capture_data_order", "replay_epoch", "set_sampler_epoch"]
+__all__ = ["EpochSampler", "capture_data_order", "replay_epoch", "set_sampler_epoch"]
 
 log = get_logger(__name__)
 
@@ -82,6 +86,34 @@ def _kind(data: Iterable[Any]) -> tuple[str, torch.Generator | None]:
     if isinstance(data, Sequence):
         return "sequence", None
     return "iterable", None
+
+
+class EpochSampler(RandomSampler):
+    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only.
+
+    What ``Trainer(seed=)`` puts in place of a ``DataLoader(shuffle=True)``'s sampler: the
+    order never reads the process-wide torch generator, so another thread's draws (a second
+    trial of an ``n_jobs=2`` sweep) cannot change it, and an epoch's order is the same after a
+    resume at any point (:func:`set_sampler_epoch` gives it the epoch).
+
+    Args:
+        data_source: The dataset.
+        seed: The run's seed.
+    """
+
+    def __init__(self, data_source: Any, seed: int) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """The epoch whose order the next ``iter()`` draws."""
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        # Python's hash of a tuple of ints is the same in every process (no hash seed).
+        gen = torch.Generator().manual_seed(hash((self.seed, self.epoch)) & (2**63 - 1))
+        yield from torch.randperm(len(self.data_source), generator=gen).tolist()
 
 
 def capture_data_order(data: Iterable[Any], *, epoch: int) -> dict[str, Any]:
@@ -112,9 +144,11 @@ def capture_data_order(data: Iterable[Any], *, epoch: int) -> dict[str, Any]:
 
 def set_sampler_epoch(data: Iterable[Any], epoch: int) -> None:
     """``sampler.set_epoch(epoch)`` when ``data`` is a ``DataLoader`` over a
-    ``DistributedSampler`` (its shuffle is seeded by ``seed + epoch``); nothing otherwise.
+    ``DistributedSampler`` (its shuffle is seeded by ``seed + epoch``) or an
+    :class:`EpochSampler`; nothing otherwise.
     Call it before ``iter(data)``."""
-    if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler):
+    if isinstance(data, DataLoader) and isinstance(data.sampler,
+                                                   DistributedSampler | EpochSampler):
         data.sampler.set_epoch(epoch)
 
 

@@ -217,7 +217,10 @@ class Loop:
             self._window.check_pending()  # the end of the run: a short run, the last window
             self._window.finish()  # FitResult.train_metrics: the partial last window too
             checkpoints = self._checkpoints
-            if checkpoints.enabled and not self._guard.tripped:
+            ending = ev.Ending.of("completed" if control.stop_reason is None else "stopped",
+                                  control.stop_reason)  # fmt: skip
+            if (checkpoints.enabled and not self._guard.tripped
+                    and ending not in s.skip_final_checkpoint):  # fmt: skip
                 if checkpoints.last_checkpoint_step != st.step:
                     try:
                         checkpoints.save("final", self._evaluator.metrics)

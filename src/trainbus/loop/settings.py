@@ -84,6 +84,8 @@ class Settings:
     train_step: Callable[..., Any] | None = field(default=None, compare=False)
     """The user's step (``train_step=``): called per micro-batch with a
     :class:`~trainbus.loop.custom.TrainContext`; None: the default step."""
+    skip_final_checkpoint: frozenset[ev.Ending] = frozenset()
+    """Stopped runs (``Ending.STOPPED``/``PRUNED``/``SIGNAL``) that write no final checkpoint."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of a forward pass (a no-op at full precision)."""

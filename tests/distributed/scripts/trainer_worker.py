@@ -188,8 +188,12 @@ def run(mode: str) -> None:
                 (OUT / f"ready-{rank}").write_text(str(os.getpid()))
 
         t.bus.stream(ev.StepEnded).subscribe(ready, ranks="all")
-        t.run()
-        record(t, "signal")
+        try:
+            t.run()
+        except SystemExit as exc:  # on_signal="raise": after the graceful stop, 128 + SIGTERM
+            record(t, "signal", raised=exc.code, ending=str(t.result.ending if t.result else None))
+        else:
+            record(t, "signal", raised=None)
     elif mode == "launched":
         # Under `trainbus launch`: rank 0's events go to the driver, whose StopTraining stops
         # both ranks. A slow step (5 ms) leaves the driver time to answer.

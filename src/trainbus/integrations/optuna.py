@@ -1,0 +1,202 @@
+"""Optuna pruning from the bus: :class:`OptunaPruning` (``pip install 'trainbus[optuna]'``).
+
+::
+
+    import optuna
+    from trainbus.integrations.optuna import OptunaPruning
+
+    def objective(trial):
+        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader, eval_every=20,
+                          max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
+        return trainer.run().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+
+The callback reports the monitored metric at the trainbus step of every evaluation that carries
+it (``EvaluationEnded``) and of every ``MetricsLogged`` that carries it (training metrics, or
+values logged from anywhere), asks the study's pruner, and when it says so sends
+``StopTraining(reason="pruned")``. A decision on an evaluation is applied before the next step
+(``EvaluationEnded`` is a barrier); one on ``MetricsLogged`` too (the callback declares the log
+steps as decision steps). The run then stops as any stopped run does (the final checkpoint,
+unless ``Trainer(skip_final_checkpoint={"pruned"})``; ``FitEnded``; ``FitResult.ending ==
+Ending.PRUNED``), and ``fit()``/``run()`` raise ``optuna.TrialPruned``: Optuna stores the
+trial PRUNED with no code in the objective. See docs/sweeps.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from reactivex.abc import DisposableBase
+
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import ConfigError, MissingExtraError, TrainbusError
+from .._log import get_logger
+from ..callbacks._base import Callback, RunPlan
+from ..callbacks._sets import reads_metric
+
+if TYPE_CHECKING:
+    from ..bus import EventBus
+    from ..bus.failures import ErrorPolicy
+    from ..trainer import FitResult
+
+__all__ = ["OptunaPruning", "PrunerError"]
+
+log = get_logger(__name__)
+
+PRUNED = "pruned"
+"""The ``StopTraining.reason`` of a pruned trial (``Ending.PRUNED``)."""
+
+
+class PrunerError(TrainbusError, RuntimeError):
+    """The study's pruner (``trial.should_prune()``) or ``trial.report()`` raised; the original
+    exception is the ``__cause__``."""
+
+
+def _optuna() -> Any:
+    try:  # imported here: trainbus never needs optuna unless this callback is used
+        import optuna
+    except ImportError as exc:
+        raise MissingExtraError("OptunaPruning", "optuna", "optuna") from exc
+    return optuna
+
+
+class OptunaPruning(Callback):
+    """Reports ``monitor`` to an Optuna trial, prunes it through the bus, ends it PRUNED.
+
+    Runs on rank 0 under torchrun (the one that talks to the study); the stop it sends is
+    agreed by every rank, which all stop at the same step. Only rank 0's ``fit()`` raises
+    ``optuna.TrialPruned``; the other ranks return their result (``ending == "pruned"``).
+
+    Args:
+        trial: The objective's ``optuna.Trial`` (any ``optuna.trial.BaseTrial``).
+        monitor: The metric to report: a key of ``EvaluationEnded.metrics`` (``"val_loss"``,
+            ``"test/acc"``) or of ``MetricsLogged.metrics`` (``"loss"``, or a value logged
+            from anywhere).
+
+    Raises:
+        MissingExtraError: optuna is not installed (names ``pip install 'trainbus[optuna]'``).
+        ConfigError: ``trial`` is not an Optuna trial, or ``monitor`` is not a non-empty str.
+
+    During the run (the run fails with it, ``on_error="raise"``):
+        ConfigError: the first evaluation round ended and ``monitor`` was in neither it nor
+            any ``MetricsLogged`` so far (the message names the metrics that exist).
+        PrunerError: the pruner or ``trial.report`` raised.
+    After a pruned run, ``fit()``/``run()`` raise ``optuna.TrialPruned`` (from
+    :meth:`after_fit`, once the run ended and every event was delivered).
+    """
+
+    error_policy: ClassVar[ErrorPolicy | None] = "raise"
+
+    def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
+        optuna = _optuna()
+        if not isinstance(trial, optuna.trial.BaseTrial):
+            raise ConfigError.invalid("trial", type(trial).__name__,
+                                      "an optuna.Trial (the argument Optuna passes to the "
+                                      "objective)")  # fmt: skip
+        if not isinstance(monitor, str) or not monitor:
+            raise ConfigError.invalid("monitor", monitor, "a metric name such as 'val_loss'")
+        self.trial = trial
+        self.monitor = monitor
+        self._pruned_exc: type[BaseException] = optuna.TrialPruned
+        self._reads = reads_metric(monitor)
+        self._bus: EventBus | None = None
+        self._decides: DisposableBase | None = None
+        self._known: set[str] = set()  # metric names seen in this run's events
+        self._train_names: frozenset[str] = frozenset()
+        self._found = False
+        self._checked = False
+        self._reported: set[int] = set()
+        self.pruned_at: int | None = None
+        """The step at which the pruner said prune (None: not pruned)."""
+
+    def setup(self, bus: EventBus) -> None:
+        """Keep the bus: the stop is sent on it, the log steps declared to it."""
+        self._bus = bus
+
+    def check(self, plan: RunPlan) -> None:
+        """Start a run: declare the log steps as decision steps when ``monitor`` may come in
+        ``MetricsLogged`` (not one of this run's evaluation metrics)."""
+        self._known, self._found, self._checked, self.pruned_at = set(), False, False, None
+        self._train_names = plan.train_metrics
+        if self._decides is not None:
+            self._decides.dispose()
+            self._decides = None
+        log_every = plan.config.get("log_every")
+        if (self.monitor not in plan.eval_metrics and self._bus is not None
+                and isinstance(log_every, int)):  # fmt: skip
+            self._decides = self._bus.decides(every=log_every)
+
+    def on_metrics_logged(self, event: ev.MetricsLogged) -> None:
+        """Report ``monitor`` when this window carries it."""
+        self._known.update(event.metrics)
+        if self.monitor in event.metrics:
+            self._report(event.metrics[self.monitor], event.step)
+
+    def on_evaluation_ended(self, event: ev.EvaluationEnded) -> None:
+        """Report ``monitor`` when this evaluation carries it (a barrier: decided here)."""
+        if event.error is not None or not self._reads(event):
+            return
+        self._known.update(event.metrics)
+        if self.monitor in event.metrics:
+            self._report(event.metrics[self.monitor], event.step)
+
+    def on_evaluation_round_ended(self, event: ev.EvaluationRoundEnded) -> None:
+        """At the first round: fail the run when ``monitor`` appeared nowhere so far.
+
+        Raises:
+            ConfigError: naming ``monitor`` and the metrics that exist.
+        """
+        if self._checked or event.error is not None or event.trigger == "standalone":
+            return
+        self._checked = True
+        self._known.update(event.metrics)
+        if not self._found and self.monitor not in self._train_names | self._known:
+            raise ConfigError.invalid(
+                "OptunaPruning.monitor", self.monitor,
+                "a metric of the run's evaluations or MetricsLogged; the first evaluation "
+                f"(step {event.step}) found none of that name; metrics that exist: "
+                + ", ".join(sorted(self._train_names | self._known)),
+            )  # fmt: skip
+
+    def on_fit_ended(self, event: ev.FitEnded) -> None:
+        """The run ended: release the decision steps."""
+        if self._decides is not None:
+            self._decides.dispose()
+            self._decides = None
+
+    def after_fit(self, result: FitResult) -> None:
+        """After a run this callback pruned, end ``fit()`` with ``optuna.TrialPruned``.
+
+        Raises:
+            optuna.TrialPruned: the pruner said prune and the run ended
+                ``Ending.PRUNED`` (its final checkpoint written or skipped, events delivered).
+        """
+        if self.pruned_at is not None and result.ending is ev.Ending.PRUNED:
+            raise self._pruned_exc(f"trainbus: trial {getattr(self.trial, 'number', '?')} "
+                                   f"pruned at step {self.pruned_at} on {self.monitor}; the "
+                                   f"run stopped at step {result.steps}")  # fmt: skip
+
+    def _report(self, value: float, step: int) -> None:
+        self._found = True
+        if step in self._reported or self.pruned_at is not None:
+            return  # one value per step (an evaluation and a log window of one step)
+        self._reported.add(step)
+        try:
+            self.trial.report(float(value), step)
+            prune = bool(self.trial.should_prune())
+        except Exception as exc:
+            raise PrunerError(
+                f"OptunaPruning: reporting {self.monitor}={value} at step {step} to trial "
+                f"{getattr(self.trial, 'number', '?')} failed: {type(exc).__name__}: {exc} "
+                "(the study's pruner or storage raised)"
+            ) from exc
+        log.debug("optuna_reported", step=step, metric=self.monitor, value=value,
+                  prune=prune)  # fmt: skip
+        if prune:
+            self.pruned_at = step
+            assert self._bus is not None
+            self._bus.send(cmd.StopTraining(reason=PRUNED))
+            log.info("trial_pruned", step=step, metric=self.monitor,
+                     value=value if math.isfinite(value) else str(value),
+                     trial=getattr(self.trial, "number", None))  # fmt: skip
