@@ -170,7 +170,9 @@ def ray_cluster() -> Iterator[Any]:
     # The workers import this checkout's trainbus (the driver's sys.path is not theirs).
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
     path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # A report collective a rank never joins fails in a minute instead of hanging.
+    env = {"PYTHONPATH": path, "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": "60"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         yield ray
     finally:

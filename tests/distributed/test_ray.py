@@ -33,6 +33,7 @@ def train_fn(config: dict[str, Any]) -> None:
     from torch.utils.data import DataLoader, Dataset
 
     import trainbus
+    import trainbus.ray
 
     class Indexed(Dataset[tuple[torch.Tensor, torch.Tensor]]):
         def __init__(self) -> None:
@@ -56,7 +57,8 @@ def train_fn(config: dict[str, Any]) -> None:
     t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
                          max_epochs=config["epochs"], log_every=3, seed=0, progress=False,
-                         checkpoint_dir=config["ckpt"], handle_signals=False)  # fmt: skip
+                         checkpoint_dir=config["ckpt"], handle_signals=False,
+                         callbacks=[report := trainbus.ray.ReportToRay()])  # fmt: skip
     saved: list[str] = []
     t.bus.stream(ev.CheckpointSaved).subscribe(lambda e: saved.append(e.tag), ranks="all")
     r = t.run()
@@ -65,7 +67,7 @@ def train_fn(config: dict[str, Any]) -> None:
         h.update(p.detach().numpy().tobytes())
     out = {"rank": t.bus.rank, "steps": r.steps, "reason": r.reason,
            "stop_reason": r.stop_reason, "digest": h.hexdigest(), "seen": data.seen,
-           "saved": saved}  # fmt: skip
+           "saved": saved, "reports": report.reports}  # fmt: skip
     (Path(config["out"]) / f"rank{t.bus.rank}.json").write_text(json.dumps(out))
 
 
@@ -122,6 +124,9 @@ async def test_driver_sees_the_run_and_its_commands_reach_every_rank_at_the_same
     assert isinstance(answer, ev.CheckpointSaved) and answer.tag == "from-driver"
     assert Path(answer.path).is_file()  # noqa: ASYNC240
     assert all("from-driver" in r["saved"] for r in ranks)
+    # ReportToRay: every rank reported at every checkpoint (the driver's and the final one),
+    # the same number of times; Ray's Result holds the latest checkpoint and its metrics.
+    assert ranks[0]["reports"] == ranks[1]["reports"] == len(ranks[0]["saved"]) >= 1
     # The driver saw rank 0's run, in order, and the result says how it ended.
     (started,) = [e for e in received if isinstance(e, ev.FitStarted)]
     assert started.world_size == 2 and started.rank == 0
@@ -131,6 +136,8 @@ async def test_driver_sees_the_run_and_its_commands_reach_every_rank_at_the_same
     assert result.received == len(received) and result.last_event == received[-1]
     assert result.stop_reason == "driver" and result.returncode == 0
     assert result.result is not None and result.result.error is None
+    assert result.result.checkpoint is not None
+    assert result.result.metrics["step"] == ranks[0]["steps"]
 
 
 @pytest.mark.asyncio

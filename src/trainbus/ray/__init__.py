@@ -22,8 +22,9 @@ from ..distributed.link import WorkerTransport, register_transport
 from ._launcher import RayLauncher as RayLauncher
 from ._launcher import RayLaunchResult as RayLaunchResult
 from ._launcher import launch as launch
+from ._report import ReportToRay as ReportToRay
 
-__all__ = ["RayLaunchResult", "RayLauncher", "launch"]
+__all__ = ["RayLaunchResult", "RayLauncher", "ReportToRay", "launch"]
 
 
 def _transport(address: str, timeout: float) -> WorkerTransport:
