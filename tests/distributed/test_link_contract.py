@@ -33,9 +33,11 @@ def transport(request: pytest.FixtureRequest) -> str:
 
 
 @asynccontextmanager
-async def driver_side(kind: str, bus: EventBus) -> AsyncIterator[tuple[str, DriverLink]]:
+async def driver_side(
+    kind: str, bus: EventBus, *, relink: bool = False
+) -> AsyncIterator[tuple[str, DriverLink]]:
     """The driver's end on ``kind``, served until the block ends: (address, link)."""
-    link = DriverLink(bus, TOKEN)
+    link = DriverLink(bus, TOKEN, relink=relink)
     driver: Any
     if kind == "socket":
         driver = await SocketDriver.listen(connect_timeout=5)
@@ -126,6 +128,34 @@ async def test_one_link_per_run_a_second_worker_is_refused(transport: str) -> No
             await in_thread(second.connect)
         assert dlink.refused == 1
         await in_thread(first.close)
+
+
+@pytest.mark.asyncio
+async def test_with_relink_a_restarted_rank_0_replaces_the_link(
+    transport: str, step_event: Callable[..., ev.StepEnded], wait_until: Until
+) -> None:
+    # What Ray does after a failure (FailureConfig): a new rank 0 of the same run says hello
+    # again while the old one never said bye; its events go on on the same driver bus.
+    bus = EventBus(flush_interval=0.005)
+    received: list[int] = []
+    bus.stream(ev.StepEnded).subscribe(lambda e: received.append(e.step))
+    async with bus, driver_side(transport, bus, relink=True) as (address, dlink):
+        links: list[WorkerLink] = []
+        for attempt in (1, 2):
+            worker_bus = EventBus(flush_interval=0.005)
+            wlink = WorkerLink(address, TOKEN, timeout=10)
+            links.append(wlink)
+            await in_thread(wlink.connect)
+            wlink.attach(worker_bus)
+            async with worker_bus:
+                worker_bus.publish(step_event(attempt))
+                await wait_until(lambda n=attempt: len(received) == n, limit_s=10)  # type: ignore[misc]
+            if attempt == 2:
+                await in_thread(wlink.close)  # the first one just vanished (no bye)
+        assert dlink.links == 2 and dlink.refused == 0
+        assert await dlink.wait_unlinked(10)
+        await in_thread(links[0].close)  # not leaked past the test
+    assert received == [1, 2]
 
 
 def test_an_unreachable_driver_is_a_launch_error(transport: str) -> None:

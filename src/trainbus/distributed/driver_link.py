@@ -77,10 +77,18 @@ class DriverLink:
         bus: The driver's bus.
         token: The run's token (what a worker's hello must carry).
         keep_events: How many of the last events :attr:`events` keeps.
+        relink: Accept a hello with the token while a worker is linked, as the same run's
+            rank 0 started again (Ray restarting its workers after a failure): the new link
+            replaces the old one (counted in :attr:`links`, logged as ``driver_relinked``).
+            False (``trainbus launch``): one link per run, a second hello is refused.
     """
 
-    def __init__(self, bus: DriverBus, token: str, *, keep_events: int = 100) -> None:
+    def __init__(
+        self, bus: DriverBus, token: str, *, keep_events: int = 100, relink: bool = False
+    ) -> None:
         self.bus = bus
+        self._relink = relink
+        self._links = 0
         self._token = token
         self._keep = keep_events
         self._events: deque[ev.BaseEvent] = deque(maxlen=max(keep_events, 1))
@@ -102,6 +110,11 @@ class DriverLink:
     def unlinked(self) -> bool:
         """The linked worker said bye (or its transport ended)."""
         return self._unlinked.is_set()
+
+    @property
+    def links(self) -> int:
+        """Hellos accepted so far (more than 1: the workers were restarted, with ``relink``)."""
+        return self._links
 
     @property
     def refused(self) -> int:
@@ -158,7 +171,7 @@ class DriverLink:
         reason = None
         if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
             reason = "wrong token"
-        elif self.linked:
+        elif self.linked and not self._relink:
             reason = "a worker is already linked"
         if reason is not None:
             self._refused += 1
@@ -166,6 +179,10 @@ class DriverLink:
             return None
         assert isinstance(record, dict)
         wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
+        self._links += 1
+        if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
+            log.warning("driver_relinked", peer=peer, pid=record.get("pid"), links=self._links)
+            self._unlinked = anyio.Event()
         self._linked.set()
         log.info("driver_linked", peer=peer, pid=record.get("pid"))
         return control_record("welcome", events=wanted)

@@ -46,9 +46,11 @@ class RayLaunchResult(LaunchResult):
     Attributes:
         result: The ``ray.train.Result`` of ``TorchTrainer.fit()`` (its metrics, checkpoint,
             path).
+        links: How many times rank 0 linked: 1, plus one per restart of the workers by Ray.
     """
 
     result: Any = None
+    links: int = 1
 
 
 class _WorkerEntry:
@@ -200,7 +202,10 @@ class RayLauncher:
             raise LaunchError("a RayLauncher launches once; build a new one")
         if not ray.is_initialized():
             await anyio.to_thread.run_sync(ray.init)
-        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events)
+        # relink: after a failure Ray restarts the worker group (FailureConfig.max_failures);
+        # the new rank 0 links again and the driver's bus goes on, one run for one launch.
+        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events,
+                                       relink=True)  # fmt: skip
         driver = await RayDriver.start()
         trainer = TorchTrainer(
             _WorkerEntry(self.train_fn, driver.address, self._token),
@@ -235,7 +240,7 @@ class RayLauncher:
             )
         return RayLaunchResult(returncode=0, events=link.events, received=link.received,
                                last_event=link.last_event, stop_reason=self.stop_reason,
-                               result=result)  # fmt: skip
+                               result=result, links=link.links)  # fmt: skip
 
     def _failure(self, what: str) -> LaunchError:
         link = self._link
