@@ -7,7 +7,7 @@ trio backend is exercised from plain sync tests with ``anyio.run(main, backend="
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
 import anyio
@@ -154,3 +154,26 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
     from tests._fake_cuda import FakeCuda
 
     return FakeCuda(monkeypatch)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster() -> Iterator[Any]:
+    """One local Ray for the session (``num_cpus=2``: Ray Train's 2 workers of 1 CPU each, no
+    dashboard), shut down at its end; skipped when the ``ray`` extra is not installed."""
+    pytest.importorskip(
+        "ray.train.torch", reason="Ray Train is missing: pip install 'trainbus[ray]'"
+    )
+    import os
+
+    import ray
+
+    # The workers import this checkout's trainbus (the driver's sys.path is not theirs).
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    path = os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    # A report collective a rank never joins fails in a minute instead of hanging.
+    env = {"PYTHONPATH": path, "RAY_TRAIN_COLLECTIVE_TIMEOUT_S": "60"}
+    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

@@ -28,8 +28,6 @@ group, which is killed if it outlives the launch.
 from __future__ import annotations
 
 import contextlib
-import hmac
-import json
 import os
 import secrets
 import signal
@@ -38,36 +36,31 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 import anyio
 import anyio.abc
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from . import commands as cmd
 from . import events as ev
-from . import wire
+from ._driver import attach_driver_callback, workers_stop_reason
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
 from ._validate import check_int, check_seconds
 from .bus import EventBus
 from .callbacks._base import Callback
+from .distributed.driver_link import DriverLink
 from .distributed.exits import RankExit, RankExits
-from .distributed.link import ADDR_ENV, TOKEN_ENV, control_record
+from .distributed.link import ADDR_ENV, TOKEN_ENV
+from .distributed.socket_link import SocketDriver
 
 __all__ = ["LaunchResult", "Launcher", "launch"]
 
 log = get_logger(__name__)
 
-_MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
-# Cheap (not per step) and what a failure report names, streamed even with no subscriber for them;
-# every other type only when a driver subscriber wants it (the loop never builds unwanted ones).
-_ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
-                     ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
-                     ev.CommandApplied})  # fmt: skip
 _TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--master-addr",
                         "--rdzv", "--standalone", "--nnodes")  # fmt: skip
 
@@ -164,42 +157,21 @@ class Launcher:
         if setup is not None:
             setup(self.bus)
         self._token = secrets.token_urlsafe(32)
-        self._events: deque[ev.BaseEvent] = deque(maxlen=max(self.keep_events, 1))
-        self._count = 0
         self._stderr: deque[str] = deque(maxlen=40)
         self._exits = RankExits()
-        self._ended: ev.FitEnded | None = None
+        self._link: DriverLink | None = None
         self._signal: int | None = None  # the first signal the driver received
-        self._link: anyio.abc.SocketStream | None = None
-        self._linked: anyio.Event | None = None
-        self._link_done: anyio.Event | None = None
-        self._inflight: list[cmd.Command] = []
-        self._outbox: list[cmd.Command] = []
         self._stop_reason: str | None = None
-        self._refused = 0
         self._process: anyio.abc.Process | None = None
 
     def _attach(self, callback: Callback | type[Callback]) -> None:
-        # As Trainer.add_callback, minus the hooks: those run on a training thread, and there
-        # is none in the driver.
-        cb = callback() if isinstance(callback, type) and issubclass(callback, Callback) else (
-            callback
-        )
-        if not isinstance(cb, Callback):
-            raise ConfigError.invalid("callbacks", callback, "Callback subclasses or instances")
-        _, hooks_map = type(cb).methods()
-        if hooks_map:
-            raise ConfigError.invalid(
-                "callbacks", cb, "callbacks without hook_* methods (hooks change the step on the "
-                f"training thread, which is in the workers: {sorted(hooks_map)})",
-            )  # fmt: skip
-        cb.subscribe_to(self.bus)
+        attach_driver_callback(self.bus, callback)
 
     # ------------------------------------------------------------------ queries
     @property
     def refused(self) -> int:
         """Connections refused so far (wrong token, or a second link)."""
-        return self._refused
+        return 0 if self._link is None else self._link.refused
 
     def command_line(self) -> list[str]:
         """The torchrun command this launcher runs."""
@@ -232,12 +204,11 @@ class Launcher:
             Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
                 (the workers are stopped first).
         """
-        if self._linked is not None:
+        if self._link is not None:
             raise LaunchError("a Launcher launches once; build a new one")
-        self._linked, self._link_done = anyio.Event(), anyio.Event()
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
-        port = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)
-        env = dict(os.environ) | {ADDR_ENV: f"127.0.0.1:{port}", TOKEN_ENV: self._token}
+        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events)
+        driver = await SocketDriver.listen(connect_timeout=self.connect_timeout)
+        env = dict(os.environ) | {ADDR_ENV: driver.address, TOKEN_ENV: self._token}
         returncode: int | None = None
         try:
             async with self.bus:
@@ -253,49 +224,45 @@ class Launcher:
                 assert process.stderr is not None
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._pump_stderr, process.stderr)
-                    tg.start_soon(listener.serve, self._handle, tg)
-                    tg.start_soon(self._forward_commands, tg)
+                    tg.start_soon(driver.serve, link)
+                    on_failure = partial(tg.start_soon, self._terminate_after, self.stop_timeout)
+                    tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
                     main = threading.current_thread() is threading.main_thread()
                     if self.handle_signals and main:
                         tg.start_soon(self._watch_signals, tg)
                     returncode = await process.wait()
-                    if self._linked.is_set():  # the last events still in the socket
-                        assert self._link_done is not None
-                        with anyio.move_on_after(5):
-                            await self._link_done.wait()
+                    if link.linked:  # the last events still in the socket
+                        await link.wait_unlinked(5)
                     await self.bus.wait_delivered(5)
                     tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
-                await listener.aclose()
+                await driver.aclose()
                 await self._terminate()
         if returncode != 0:
             raise self._failure(returncode)
-        return LaunchResult(returncode=returncode, events=self._kept(), received=self._count,
-                            last_event=self._events[-1] if self._events else None,
-                            stop_reason=self.stop_reason, signal=self._signal,
-                            ending=None if self._ended is None
-                            else self._ended.ending)  # fmt: skip
+        return LaunchResult(returncode=returncode, events=link.events, received=link.received,
+                            last_event=link.last_event, stop_reason=self.stop_reason,
+                            signal=self._signal,
+                            ending=None if link.ended is None else link.ended.ending)  # fmt: skip
 
     @property
     def stop_reason(self) -> str | None:
         """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
         the reason this driver asked them to stop with (``"signal"``), else None."""
-        if self._ended is not None and self._ended.reason != "completed":
-            return self._ended.stop_reason or self._stop_reason
-        return self._stop_reason
-
-    def _kept(self) -> tuple[ev.BaseEvent, ...]:
-        return tuple(self._events) if self.keep_events else ()
+        ended = None if self._link is None else self._link.ended
+        return workers_stop_reason(ended, self._stop_reason)
 
     # ------------------------------------------------------------------ tasks
     def _failure(self, returncode: int | None) -> LaunchError:
-        last = self._events[-1] if self._events else None
-        if self._linked is None or not self._linked.is_set():
+        link = self._link
+        assert link is not None
+        last = link.last_event
+        if not link.linked:
             what = ("before rank 0 linked to the driver (did the script fail to import, or "
                     "never attach a WorkerLink?)")  # fmt: skip
         else:
-            what = (f"after {self._count} events from rank 0 "
+            what = (f"after {link.received} events from rank 0 "
                     f"(last: {type(last).__name__ if last else None} at step "
                     f"{last.step if last else '?'})")  # fmt: skip
         # torchrun's summary: the first failed rank with its own exit code (-9: SIGKILL), and
@@ -308,7 +275,7 @@ class Launcher:
                 what += f" (first; then {', '.join(others)})"
         return LaunchError(
             f"the workers failed: torchrun exited with code {returncode} {what}",
-            returncode=returncode, events=self._kept(), received=self._count,
+            returncode=returncode, events=link.events, received=link.received,
             last_event=last, stop_reason=self.stop_reason, stderr="".join(self._stderr),
             rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
             rank_signal=first.signal if first else None,
@@ -329,89 +296,6 @@ class Launcher:
             self._exits.feed(pending)
             self._stderr.append(pending)
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
-        peer = stream.extra(anyio.abc.SocketAttribute.remote_address, None)
-        reader = BufferedByteReceiveStream(stream)
-        try:
-            with anyio.fail_after(self.connect_timeout):
-                hello = json.loads(await reader.receive_until(b"\n", 4096))
-        except (TimeoutError, ValueError, anyio.IncompleteRead, anyio.DelimiterNotFound,
-                anyio.EndOfStream, OSError, anyio.BrokenResourceError):  # fmt: skip
-            hello = None
-        token = hello.get("token") if isinstance(hello, dict) else None
-        reason = None
-        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
-            reason = "wrong token"
-        elif self._link is not None:
-            reason = "a worker is already linked"
-        if reason is not None:
-            self._refused += 1
-            log.warning("driver_connection_refused", peer=str(peer), reason=reason)
-            await stream.aclose()
-            return
-        wanted = [t.__name__ for t in ev.EVENT_TYPES if t in _ALWAYS or self.bus.wants(t)]
-        await stream.send(control_record("welcome", events=wanted))
-        assert self._linked is not None and self._link_done is not None
-        self._link = stream
-        self._linked.set()
-        log.info("driver_linked", peer=str(peer), pid=hello.get("pid") if hello else None)
-        try:
-            while True:
-                line = await reader.receive_until(b"\n", _MAX_LINE)
-                self._receive(line)
-                if self._count % 256 == 0:
-                    # Driver subscribers behind: stop reading, so TCP holds rank 0's sender
-                    # back instead of this process' memory growing without bound. (Polled: the
-                    # bus has no "room" event for the loop thread.)
-                    while self.bus.statistics().queue_depth > self.bus.max_queue:  # noqa: ASYNC110
-                        await anyio.sleep(0.01)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError):  # fmt: skip
-            pass
-        finally:
-            self._link_done.set()
-            await stream.aclose()
-
-    def _receive(self, line: bytes) -> None:
-        try:
-            rec = json.loads(line)
-            if isinstance(rec, dict) and rec.get("type") == "bye":
-                return
-            message = wire.decode(rec)
-        except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
-            log.warning("driver_record_refused", error=str(exc)[:500])
-            return
-        if not isinstance(message, ev.BaseEvent):
-            log.warning("driver_record_refused", type=rec.get("type"))
-            return
-        if isinstance(message, ev.CommandApplied):
-            # request() resolves by identity: hand back the driver's own command object.
-            for i, sent in enumerate(self._inflight):
-                if sent == message.command:
-                    message = replace(message, command=self._inflight.pop(i))
-                    break
-        if isinstance(message, ev.FitEnded):
-            self._ended = message
-        self._count += 1
-        self._events.append(message)
-        self.bus.publish(message)
-
-    async def _forward_commands(self, tg: anyio.abc.TaskGroup) -> None:
-        failed = False
-        while True:
-            await anyio.sleep(0.01)
-            self._outbox.extend(self.bus.poll_commands())
-            if self.bus.failure is not None and not failed:
-                failed = True  # a driver subscriber failed the run: stop the workers
-                self._outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
-                tg.start_soon(self._terminate_after, self.stop_timeout)
-            if self._outbox and self._link is not None:
-                batch, self._outbox = self._outbox, []
-                with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    await self._link.send(b"".join(wire.dumps(c) for c in batch))
-                self._inflight.extend(batch)
-                del self._inflight[:-1000]  # acks never coming (a dead worker) must not pile up
-
     async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for signum in signals:
@@ -422,7 +306,7 @@ class Launcher:
                     await self._terminate()
                     continue
                 log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
-                if self._link is None:
+                if self._link is None or not self._link.linked:
                     self._stop_reason = "signal"
                     await self._terminate()
                 else:

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 from .._log import get_logger
 from .group import ProcessGroup
 
-__all__ = ["release_model", "shard_loader", "unwrap_model", "wrap_model"]
+__all__ = ["is_ray_data_shard", "release_model", "shard_loader", "unwrap_model", "wrap_model"]
 
 # What a DistributedDataParallel holds that keeps the process group (and gloo's threads) alive.
 _GROUP_HOLDERS = ("logger", "reducer", "process_group")
@@ -77,6 +77,15 @@ def release_model(model: torch.nn.Module) -> None:
             del model.__dict__[name]
 
 
+def is_ray_data_shard(data: object) -> bool:
+    """Whether ``data`` is a Ray Data iterable (a ``DataIterator`` from
+    ``ray.train.get_dataset_shard(name)``, or what its ``iter_torch_batches()`` /
+    ``iter_batches()`` return): Ray Data already gives each worker its own shard. Told by the
+    type's module (``ray.data...``), so Ray is never imported here."""
+    module = type(data).__module__
+    return module == "ray.data" or module.startswith("ray.data.")
+
+
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:
     """Each rank's shard of ``data``.
 
@@ -84,7 +93,9 @@ def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: 
     with ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last=False)``
     (``shuffle`` when its sampler was a ``RandomSampler`` and ``train``); anything else (an
     ``IterableDataset``, a list of batches, a loader with a custom batch sampler) is returned
-    unchanged with a ``data_not_sharded`` warning: every rank then reads all of it.
+    unchanged with a ``data_not_sharded`` warning: every rank then reads all of it. A Ray Data
+    shard (:func:`is_ray_data_shard`) is returned unchanged without a warning: it is this
+    rank's part already.
 
     Args:
         data: The training or evaluation data.
@@ -97,6 +108,8 @@ def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: 
     """
     if not group.distributed:
         return data
+    if is_ray_data_shard(data):
+        return data  # ray.train.get_dataset_shard(...): each rank's own rows already
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         log.warning("data_not_sharded", kind=type(data).__name__, rank=group.rank,
                     reason="only a map-style DataLoader can be sharded; every rank reads all "

@@ -1,22 +1,30 @@
-"""Rank 0's side of the launcher: stream the bus' events to the driver, feed its commands back.
+"""The link between rank 0 and a driver: the protocol, apart from what carries it.
 
-``trainbus launch`` (:mod:`trainbus.launcher`) starts torchrun with two environment variables:
-:data:`ADDR_ENV` (``127.0.0.1:<port>``, loopback only) and :data:`TOKEN_ENV` (a per-run random
-token). Rank 0 connects, proves the token, and learns which event types the driver's
-subscribers want; then::
+A driver (``trainbus launch``'s :mod:`trainbus.launcher`, or :mod:`trainbus.ray`) runs the
+user's subscribers; rank 0's bus streams its events there and receives the driver's commands.
+The same protocol runs over every transport (the loopback socket of
+:mod:`~trainbus.distributed.socket_link`, the Ray actor of :mod:`trainbus.ray`)::
 
-    rank 0's bus --stream(wanted)--> sender thread --JSON lines--> driver's bus (subscribers)
-    rank 0's bus <--bus.send(c)----- reader thread <--JSON lines-- driver's commands
+    worker (rank 0)                                     driver
+    hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
+                                    ◄───────────────    welcome {events: wanted types} | refused
+    events (trainbus.wire records)  ───────────────►    published on the driver's bus
+                                    ◄───────────────    commands (trainbus.wire records)
+    bye {sent}                      ───────────────►    the link ended
 
-The protocol is JSON lines (:mod:`trainbus.wire` records, plus three control
-records): ``{"v":1,"type":"hello","token":...,"rank":0,"pid":...}`` from the worker,
-``{"v":1,"type":"welcome","events":[<class names>]}`` from the driver (or the connection is
-closed: refused), events from the worker in publication order, commands from the driver, and
-``{"v":1,"type":"bye"}`` when the worker closes the link after its run.
+Every message is JSON lines: :mod:`trainbus.wire` records plus three control records
+(``{"v":1,"type":"hello"|"welcome"|"bye",...}``). Data only: never pickles, never code.
 
-Events are encoded on the sender thread (reading a tensor waits for the device: never on the
-training thread nor the event loop). The commands the driver sends enter rank 0's bus like any
-subscriber's, so the loop's command agreement spreads them to every rank.
+A transport is told where to go by :data:`ADDR_ENV` (``127.0.0.1:<port>`` for the socket,
+``ray:<namespace>/<name>`` for Ray: the scheme picks the transport, see
+:func:`register_transport`) and the run's token by :data:`TOKEN_ENV`.
+
+On the worker, :class:`WorkerLink` is the protocol: the handshake, the wanted types, a sender
+thread that encodes events (reading a tensor waits for the device: never on the training thread
+nor the event loop) and batches them (a transport may ask to wait ``linger`` seconds for more:
+one call per batch where each call costs), and a reader thread that feeds the driver's
+commands to ``bus.send`` (rank 0's command agreement spreads them to every rank). The driver's
+end of the protocol is :class:`~trainbus.distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations
@@ -24,9 +32,9 @@ from __future__ import annotations
 import json
 import os
 import queue
-import socket
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol, Self
 
@@ -37,18 +45,27 @@ from .._exceptions import ConfigError, LaunchError
 from .._log import get_logger
 from .._validate import check_seconds
 
-__all__ = ["ADDR_ENV", "TOKEN_ENV", "BusLike", "WorkerLink", "control_record"]
+__all__ = [
+    "ADDR_ENV",
+    "TOKEN_ENV",
+    "BusLike",
+    "WorkerLink",
+    "WorkerTransport",
+    "control_record",
+    "register_transport",
+    "transport_for",
+]
 
 log = get_logger(__name__)
 
 ADDR_ENV = "TRAINBUS_DRIVER_ADDR"
-"""Environment variable holding the driver's ``host:port`` (loopback)."""
+"""Environment variable holding where the driver is (``host:port``, or ``<scheme>:...``)."""
 TOKEN_ENV = "TRAINBUS_DRIVER_TOKEN"
 """Environment variable holding the run's token."""
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 
 _EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
 _CLOSE = object()  # sender-queue sentinel
+_MAX_BATCH = 4096  # events per transport call
 
 
 class BusLike(Protocol):
@@ -63,43 +80,124 @@ class BusLike(Protocol):
         ...
 
 
+class WorkerTransport(Protocol):
+    """What carries the worker's end of the link (blocking calls, from the link's threads).
+
+    Attributes:
+        where: Where the driver is, for messages.
+        linger: Seconds the sender waits after an event for more to join its batch (0: send
+            what is queued at once; a transport whose every call costs asks for more).
+    """
+
+    where: str
+    linger: float
+
+    def open(self, hello: bytes) -> bytes:
+        """Reach the driver, send the hello line, return its one-line answer (``b""``: the
+        driver closed the link, i.e. refused it).
+
+        Raises:
+            LaunchError: the driver is unreachable or did not answer in time.
+        """
+        ...
+
+    def send(self, data: bytes) -> None:
+        """Write event lines to the driver.
+
+        Raises:
+            OSError: the driver is gone.
+        """
+        ...
+
+    def receive(self) -> bytes:
+        """Block until command lines arrive (whole lines); ``b""`` once the link is closed."""
+        ...
+
+    def close(self, bye: bytes) -> None:
+        """Send the bye line (best effort) and close; a blocked :meth:`receive` returns."""
+        ...
+
+
+TransportFactory = Callable[[str, float], WorkerTransport]
+_TRANSPORTS: dict[str, TransportFactory] = {}
+
+
+def register_transport(scheme: str, factory: TransportFactory) -> None:
+    """Make addresses ``<scheme>:...`` build their worker transport with ``factory(address,
+    timeout)`` (:mod:`trainbus.ray` registers ``"ray"`` when imported; an address without a
+    registered scheme is a loopback ``host:port``).
+
+    Args:
+        scheme: The address prefix before the first ``:`` (letters only).
+        factory: Builds the transport; may raise ConfigError for a malformed address.
+
+    Raises:
+        ConfigError: a scheme that is not a word of letters.
+    """
+    if not (isinstance(scheme, str) and scheme.isalpha()):
+        raise ConfigError.invalid("scheme", scheme, "a word of letters (e.g. 'ray')")
+    _TRANSPORTS[scheme] = factory
+
+
+def transport_for(address: str, timeout: float) -> WorkerTransport:
+    """The worker transport an :data:`ADDR_ENV` value names.
+
+    Raises:
+        ConfigError: a malformed address (naming :data:`ADDR_ENV`).
+    """
+    scheme = address.split(":", 1)[0]
+    factory = _TRANSPORTS.get(scheme)
+    if factory is not None:
+        return factory(address, timeout)
+    from .socket_link import SocketTransport  # the default transport; imports link
+
+    return SocketTransport(address, timeout)
+
+
 def control_record(kind: str, **fields: Any) -> bytes:
     """One control line of the link protocol (``hello``, ``welcome``, ``bye``)."""
     return (json.dumps({"v": wire.FORMAT_VERSION, "type": kind, **fields}) + "\n").encode()
 
 
+def hello_record(token: str) -> bytes:
+    """The worker's first line: the token, its rank and pid."""
+    return control_record("hello", token=token, rank=0, pid=os.getpid())
+
+
 class WorkerLink:
-    """The worker end of the launcher's socket (see the module docstring).
+    """The worker end of the link (see the module docstring).
 
     ::
 
-        link = WorkerLink.from_env()      # None when not launched by `trainbus launch`
+        link = WorkerLink.from_env()      # None when no driver started this process
         if link is not None and group.is_main:
-            link.connect()
-            link.attach(bus)              # before the bus publishes its first event
+            link.attach(bus)              # connects; before the bus publishes its first event
         ... run ...                       # the bus closes: every event was delivered
         link.close()                      # flush, say bye, join the threads
 
     Args:
-        address: The driver's ``host:port``; the host must be a loopback address.
+        transport: What carries the link (see :class:`WorkerTransport`), or an address as in
+            :data:`ADDR_ENV` (see :func:`transport_for`).
         token: The run's token.
-        timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush.
+        timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
+            join its threads.
 
     Raises:
-        ConfigError: a malformed or non-loopback address, an empty token, a bad timeout.
+        ConfigError: a malformed address, an empty token, a bad timeout.
     """
 
-    def __init__(self, address: str, token: str, *, timeout: float = 10.0) -> None:
-        host, _, port = address.rpartition(":")
-        host = host.strip("[]")
-        if host not in LOOPBACK or not port.isdigit():
-            raise ConfigError.invalid(ADDR_ENV, address, "127.0.0.1:<port> (loopback only)")
+    def __init__(
+        self, transport: WorkerTransport | str, token: str, *, timeout: float = 10.0
+    ) -> None:
+        self.timeout = check_seconds("timeout", timeout)
+        if isinstance(transport, str):
+            transport = transport_for(transport, self.timeout)
         if not isinstance(token, str) or not token:
             raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
-        self.host, self.port = host, int(port)
+        self.transport = transport
         self._token = token
-        self.timeout = check_seconds("timeout", timeout)
-        self._sock: socket.socket | None = None
+        self._open = False
+        self._closed = False
         self._wanted: tuple[type[ev.BaseEvent], ...] = ()
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -111,10 +209,11 @@ class WorkerLink:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
         """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this
-        process was not started by the launcher.
+        process was not started by a driver.
 
         Raises:
-            ConfigError: one variable is set without the other, or see :class:`WorkerLink`.
+            ConfigError: one variable is set without the other, a malformed address, or see
+                :class:`WorkerLink`.
         """
         env = os.environ if env is None else env
         addr, token = env.get(ADDR_ENV), env.get(TOKEN_ENV)
@@ -136,38 +235,33 @@ class WorkerLink:
         """Commands received from the driver so far."""
         return self._received
 
+    @property
+    def wanted(self) -> tuple[type[ev.BaseEvent], ...]:
+        """The event types the driver asked for (after :meth:`connect`)."""
+        return self._wanted
+
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        """Connect to the driver and prove the token.
+        """Reach the driver, prove the token, learn the wanted event types.
 
         Raises:
             LaunchError: the driver is unreachable, refused the token, or did not answer
-                within ``timeout``.
+                in time.
         """
-        where = f"{self.host}:{self.port}"
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError as exc:
-            raise LaunchError(f"cannot reach the trainbus driver at {where}: {exc}") from exc
-        try:
-            sock.sendall(control_record("hello", token=self._token, rank=0, pid=os.getpid()))
-            reply = sock.makefile("rb").readline()
-        except OSError as exc:
-            sock.close()
-            raise LaunchError(f"the trainbus driver at {where} did not answer: {exc}") from exc
+        where = self.transport.where
+        reply = self.transport.open(hello_record(self._token))
         try:
             welcome = json.loads(reply) if reply else {}
         except ValueError:
             welcome = {}
-        if welcome.get("type") != "welcome":
-            sock.close()
+        if not isinstance(welcome, dict) or welcome.get("type") != "welcome":
+            self.transport.close(b"")
             raise LaunchError(
                 f"the trainbus driver at {where} refused this worker's link (wrong "
                 f"{TOKEN_ENV}, or another rank already linked)"
             )
         self._wanted = tuple(_EVENTS[n] for n in welcome.get("events", ()) if n in _EVENTS)
-        sock.settimeout(None)
-        self._sock = sock
+        self._open = True
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
     def attach(self, bus: BusLike) -> None:
@@ -179,7 +273,7 @@ class WorkerLink:
         Raises:
             LaunchError: see :meth:`connect`; already attached.
         """
-        if self._sock is None:
+        if not self._open:
             self.connect()
         if self._threads:
             raise LaunchError("WorkerLink.attach() was already called")
@@ -197,22 +291,17 @@ class WorkerLink:
             t.start()
 
     def close(self) -> None:
-        """Write every queued event, say bye, close the socket and join the threads (each
-        bounded by ``timeout``). Idempotent."""
-        sock, self._sock = self._sock, None
-        if sock is None:
+        """Write every queued event, say bye, close the transport and join the threads (each
+        bounded by ``timeout``). Idempotent; nothing to do when never connected."""
+        if not self._open or self._closed:
             return
+        self._closed = True
         if self._subscription is not None:
             self._subscription.dispose()
         self._queue.put(_CLOSE)
         if self._threads:
             self._threads[0].join(self.timeout)
-        try:
-            sock.sendall(control_record("bye", sent=self._sent))
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
+        self.transport.close(control_record("bye", sent=self._sent))
         for t in self._threads[1:]:
             t.join(self.timeout)
         log.debug("driver_unlinked", sent=self._sent, received=self._received)
@@ -229,19 +318,32 @@ class WorkerLink:
         self.close()
 
     # ------------------------------------------------------------------ threads
+    def _batch(self) -> tuple[list[Any], bool]:
+        """The next batch of queued events (waiting ``linger`` for more), and whether the
+        close sentinel came."""
+        batch = [self._queue.get()]
+        linger = self.transport.linger
+        deadline = time.monotonic() + linger
+        while batch[-1] is not _CLOSE and len(batch) < _MAX_BATCH:
+            try:
+                if linger > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    batch.append(self._queue.get(timeout=left))
+                else:
+                    batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        done = batch[-1] is _CLOSE
+        return (batch[:-1] if done else batch), done
+
     def _send_loop(self) -> None:
-        sock = self._sock
-        assert sock is not None
         while True:
-            item = self._queue.get()
-            batch = [item]
-            while not self._queue.empty() and len(batch) < 256:  # one write per burst
-                batch.append(self._queue.get_nowait())
-            done = any(x is _CLOSE for x in batch)
-            events = [x for x in batch if x is not _CLOSE]
+            events, done = self._batch()
             if events and not self._broken:
                 try:
-                    sock.sendall(b"".join(wire.dumps(e) for e in events))
+                    self.transport.send(b"".join(wire.dumps(e) for e in events))
                     self._sent += len(events)
                 except OSError as exc:
                     # The driver is gone: it ends the launch itself; training is not ours to
@@ -252,19 +354,16 @@ class WorkerLink:
                 return
 
     def _read_loop(self, bus: BusLike) -> None:
-        sock = self._sock
-        assert sock is not None
         try:
-            for line in sock.makefile("rb"):
-                try:
-                    message = wire.loads(line)
-                except ConfigError as exc:
-                    log.warning("driver_record_refused", error=str(exc))
-                    continue
-                if isinstance(message, cmd.COMMAND_TYPES):
-                    self._received += 1
-                    bus.send(message)  # type: ignore[arg-type]
-        except OSError:
-            pass  # closed by close() or by the driver
+            while data := self.transport.receive():
+                for line in data.splitlines():
+                    try:
+                        message = wire.loads(line)
+                    except ConfigError as exc:
+                        log.warning("driver_record_refused", error=str(exc))
+                        continue
+                    if isinstance(message, cmd.COMMAND_TYPES):
+                        self._received += 1
+                        bus.send(message)  # type: ignore[arg-type]
         except Exception as exc:  # a bus that refuses: never an unhandled thread exception
             log.warning("driver_command_dropped", error=repr(exc))

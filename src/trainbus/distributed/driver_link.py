@@ -1,0 +1,265 @@
+"""The driver's end of the link protocol (see :mod:`trainbus.distributed.link`), whatever
+carries it.
+
+A transport's driver side hands :class:`DriverLink` what arrives and sends what it returns:
+
+- :meth:`DriverLink.greet` the hello line: the token is checked (``hmac.compare_digest``), one
+  link per run; the answer is the welcome line naming the wanted event types, or None (refused,
+  counted and logged as ``driver_connection_refused``).
+- :meth:`DriverLink.receive` event lines: decoded (data only) and published on the driver's bus
+  in rank 0's order; a ``CommandApplied`` gets the driver's own command object back, so
+  ``await bus.request(c)`` resolves; a ``bye`` line ends the link.
+- :meth:`DriverLink.forward` (a task): the commands of the driver's bus, batched, to the
+  transport's ``send``; a driver subscriber that failed the run (``on_error="raise"``) sends
+  ``StopTraining(reason="driver_subscriber_failed")``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+import anyio
+
+from .. import commands as cmd
+from .. import events as ev
+from .. import wire
+from .._log import get_logger
+from .link import control_record
+
+__all__ = ["ALWAYS", "DriverBus", "DriverLink"]
+
+log = get_logger(__name__)
+
+ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
+                    ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
+                    ev.CommandApplied})  # fmt: skip
+"""Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
+report names. Every other type only when a driver subscriber wants it (the loop never builds
+unwanted ones)."""
+
+
+class DriverBus(Protocol):
+    """What the driver's end needs of a bus (a :class:`trainbus.EventBus` is one)."""
+
+    max_queue: int
+
+    def wants(self, event_type: type[ev.BaseEvent]) -> bool:
+        """Some subscription wants the type."""
+        ...
+
+    def publish(self, event: ev.BaseEvent) -> None:
+        """Queue an event for delivery."""
+        ...
+
+    def poll_commands(self) -> list[cmd.Command]:
+        """Take the commands sent so far."""
+        ...
+
+    @property
+    def failure(self) -> Exception | None:
+        """The exception of a subscriber that failed the run, if any."""
+        ...
+
+    def statistics(self) -> Any:
+        """A record with ``queue_depth``."""
+        ...
+
+
+class DriverLink:
+    """The driver's end of one run's link (see the module docstring).
+
+    Args:
+        bus: The driver's bus.
+        token: The run's token (what a worker's hello must carry).
+        keep_events: How many of the last events :attr:`events` keeps.
+        relink: Accept a hello with the token while a worker is linked, as the same run's
+            rank 0 started again (Ray restarting its workers after a failure): the new link
+            replaces the old one (counted in :attr:`links`, logged as ``driver_relinked``).
+            False (``trainbus launch``): one link per run, a second hello is refused.
+    """
+
+    def __init__(
+        self, bus: DriverBus, token: str, *, keep_events: int = 100, relink: bool = False
+    ) -> None:
+        self.bus = bus
+        self._relink = relink
+        self._links = 0
+        self._token = token
+        self._keep = keep_events
+        self._events: deque[ev.BaseEvent] = deque(maxlen=max(keep_events, 1))
+        self._count = 0
+        self._ended: ev.FitEnded | None = None
+        self._inflight: list[cmd.Command] = []
+        self._refused = 0
+        self._linked = anyio.Event()
+        self._unlinked = anyio.Event()
+        self._failed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def linked(self) -> bool:
+        """A worker linked (its hello was accepted)."""
+        return self._linked.is_set()
+
+    @property
+    def unlinked(self) -> bool:
+        """The linked worker said bye (or its transport ended)."""
+        return self._unlinked.is_set()
+
+    @property
+    def links(self) -> int:
+        """Hellos accepted so far (more than 1: the workers were restarted, with ``relink``)."""
+        return self._links
+
+    @property
+    def refused(self) -> int:
+        """Hellos refused so far (wrong token, or a second link)."""
+        return self._refused
+
+    @property
+    def received(self) -> int:
+        """Events received so far."""
+        return self._count
+
+    @property
+    def events(self) -> tuple[ev.BaseEvent, ...]:
+        """The last events received (at most ``keep_events``, oldest first)."""
+        return tuple(self._events) if self._keep else ()
+
+    @property
+    def last_event(self) -> ev.BaseEvent | None:
+        """The last event received."""
+        return self._events[-1] if self._events else None
+
+    @property
+    def ended(self) -> ev.FitEnded | None:
+        """Rank 0's ``FitEnded``, once it arrived."""
+        return self._ended
+
+    @property
+    def failed(self) -> bool:
+        """A driver subscriber failed the run (the workers were told to stop)."""
+        return self._failed
+
+    def backlogged(self) -> bool:
+        """The driver's subscribers are behind: a transport should stop reading for a while
+        (so the worker's side holds the events, not this process' memory)."""
+        depth: int = self.bus.statistics().queue_depth
+        return depth > self.bus.max_queue
+
+    # ------------------------------------------------------------------ protocol
+    def greet(self, hello: bytes, peer: str) -> bytes | None:
+        """Answer a worker's hello line.
+
+        Args:
+            hello: The worker's first line.
+            peer: Who sent it (logged when refused).
+
+        Returns:
+            The welcome line, or None: refused (counted, logged with ``peer`` and the reason).
+        """
+        try:
+            record = json.loads(hello)
+        except ValueError:
+            record = None
+        token = record.get("token") if isinstance(record, dict) else None
+        reason = None
+        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
+            reason = "wrong token"
+        elif self.linked and not self._relink:
+            reason = "a worker is already linked"
+        if reason is not None:
+            self._refused += 1
+            log.warning("driver_connection_refused", peer=peer, reason=reason)
+            return None
+        assert isinstance(record, dict)
+        wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
+        self._links += 1
+        if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
+            log.warning("driver_relinked", peer=peer, pid=record.get("pid"), links=self._links)
+            self._unlinked = anyio.Event()
+        self._linked.set()
+        log.info("driver_linked", peer=peer, pid=record.get("pid"))
+        return control_record("welcome", events=wanted)
+
+    def receive(self, data: bytes) -> None:
+        """Publish the events of ``data`` (JSON lines) on the driver's bus; a refused record
+        is logged (``driver_record_refused``) and skipped; ``bye`` ends the link."""
+        for line in data.splitlines():
+            if line.strip():
+                self._receive_line(line)
+
+    def _receive_line(self, line: bytes) -> None:
+        try:
+            rec = json.loads(line)
+            if isinstance(rec, dict) and rec.get("type") == "bye":
+                self.end()
+                return
+            message = wire.decode(rec)
+        except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
+            log.warning("driver_record_refused", error=str(exc)[:500])
+            return
+        if not isinstance(message, ev.BaseEvent):
+            log.warning("driver_record_refused", type=rec.get("type"))
+            return
+        if isinstance(message, ev.CommandApplied):
+            # request() resolves by identity: hand back the driver's own command object.
+            for i, sent in enumerate(self._inflight):
+                if sent == message.command:
+                    message = replace(message, command=self._inflight.pop(i))
+                    break
+        if isinstance(message, ev.FitEnded):
+            self._ended = message
+        self._count += 1
+        self._events.append(message)
+        self.bus.publish(message)
+
+    def end(self) -> None:
+        """The link ended (a bye, or the transport closed). Idempotent."""
+        self._unlinked.set()
+
+    async def wait_unlinked(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait (at most ``timeout`` seconds) for the link to end: True when it did."""
+        with anyio.move_on_after(timeout):
+            await self._unlinked.wait()
+        return self.unlinked
+
+    async def forward(
+        self,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        on_failure: Callable[[], object] | None = None,
+        interval: float = 0.01,
+    ) -> None:
+        """Send the driver bus' commands to the worker, every ``interval`` seconds, until
+        cancelled. Commands sent before the worker linked wait for it.
+
+        Args:
+            send: The transport's send (JSON lines); an ``OSError`` or a closed stream drops
+                the batch (the worker is gone; the launch ends without it).
+            on_failure: Called once when a driver subscriber fails the run (after
+                ``StopTraining(reason="driver_subscriber_failed")`` was queued).
+            interval: Seconds between polls of the bus.
+        """
+        outbox: list[cmd.Command] = []
+        while True:
+            await anyio.sleep(interval)
+            outbox.extend(self.bus.poll_commands())
+            if self.bus.failure is not None and not self._failed:
+                self._failed = True  # a driver subscriber failed the run: stop the workers
+                outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
+                if on_failure is not None:
+                    on_failure()
+            if outbox and self.linked and not self.unlinked:
+                batch, outbox = outbox, []
+                try:
+                    await send(b"".join(wire.dumps(c) for c in batch))
+                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+                self._inflight.extend(batch)
+                del self._inflight[:-1000]  # acks never coming (a dead worker) must not pile up

@@ -1,0 +1,188 @@
+"""The loopback socket transport of the link (``trainbus launch``): JSON lines over TCP on
+127.0.0.1.
+
+- :class:`SocketTransport`, the worker's side: ``TRAINBUS_DRIVER_ADDR=127.0.0.1:<port>``
+  (a non-loopback host is refused), a blocking socket used by the link's two threads.
+- :class:`SocketDriver`, the driver's side: an anyio listener on 127.0.0.1, an ephemeral port;
+  each connection's first line goes to :meth:`DriverLink.greet` (refused: closed), then its
+  lines to :meth:`DriverLink.receive`. When the driver's subscribers fall behind it stops
+  reading, so TCP holds rank 0's sender back instead of this process' memory growing.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import anyio.abc
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from .._exceptions import ConfigError, LaunchError
+from .._validate import check_seconds
+from .driver_link import DriverLink
+from .link import ADDR_ENV
+
+__all__ = ["LOOPBACK", "SocketDriver", "SocketTransport"]
+
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+_MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
+
+
+class SocketTransport:
+    """The worker's side of the socket transport (a :class:`~.link.WorkerTransport`).
+
+    Args:
+        address: The driver's ``host:port``; the host must be a loopback address.
+        timeout: Seconds for connecting and the handshake.
+
+    Raises:
+        ConfigError: a malformed or non-loopback address (naming ``TRAINBUS_DRIVER_ADDR``).
+    """
+
+    linger = 0.0  # a socket write is cheap: send what is queued at once
+
+    def __init__(self, address: str, timeout: float = 10.0) -> None:
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        if host not in LOOPBACK or not port.isdigit():
+            raise ConfigError.invalid(ADDR_ENV, address, "127.0.0.1:<port> (loopback only)")
+        self.host, self.port = host, int(port)
+        self.where = f"{host}:{port}"
+        self.timeout = check_seconds("timeout", timeout)
+        self._sock: socket.socket | None = None
+        self._file: Any = None
+
+    def open(self, hello: bytes) -> bytes:
+        """Connect, send ``hello``, return the driver's answer line.
+
+        Raises:
+            LaunchError: the driver is unreachable or did not answer within ``timeout``.
+        """
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as exc:
+            raise LaunchError(f"cannot reach the trainbus driver at {self.where}: {exc}") from exc
+        self._sock, self._file = sock, sock.makefile("rb")
+        try:
+            sock.sendall(hello)
+            reply: bytes = self._file.readline()
+        except OSError as exc:
+            self.close(b"")
+            raise LaunchError(f"the trainbus driver at {self.where} did not answer: {exc}") from exc
+        sock.settimeout(None)
+        return reply
+
+    def send(self, data: bytes) -> None:
+        """Write event lines (blocks while the driver does not read).
+
+        Raises:
+            OSError: the connection is gone.
+        """
+        if self._sock is None:
+            raise OSError("the link is closed")
+        self._sock.sendall(data)
+
+    def receive(self) -> bytes:
+        """The next command line, ``b""`` at the end of the connection."""
+        file = self._file
+        if file is None:
+            return b""
+        try:
+            line: bytes = file.readline()
+        except (OSError, ValueError, AttributeError):  # closed under us by close()
+            return b""
+        return line
+
+    def close(self, bye: bytes) -> None:
+        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            if bye:
+                sock.sendall(bye)
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        sock.close()
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()  # the socket is only released once its file is closed
+
+
+class SocketDriver:
+    """The driver's side of the socket transport: listens on 127.0.0.1 for one link.
+
+    ::
+
+        driver = await SocketDriver.listen(connect_timeout=10)
+        env[ADDR_ENV] = driver.address
+        tg.start_soon(driver.serve, link)           # accepts, reads into the DriverLink
+        tg.start_soon(link.forward, driver.send)    # the driver's commands to the worker
+        ...
+        await driver.aclose()
+
+    Args:
+        listener: A bound listener (use :meth:`listen`).
+        connect_timeout: Seconds a connection has to send its hello.
+    """
+
+    def __init__(self, listener: anyio.abc.Listener[Any], *, connect_timeout: float) -> None:
+        self._listener = listener
+        self.connect_timeout = connect_timeout
+        port = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_port)  # type: ignore[attr-defined]
+        self.address = f"127.0.0.1:{port}"
+        self._stream: anyio.abc.SocketStream | None = None
+
+    @classmethod
+    async def listen(cls, *, connect_timeout: float = 10.0) -> SocketDriver:
+        """A listener on 127.0.0.1, on an ephemeral port."""
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        return cls(listener, connect_timeout=check_seconds("connect_timeout", connect_timeout))
+
+    async def serve(self, link: DriverLink) -> None:
+        """Accept connections until cancelled (each handled by the link's protocol)."""
+        async with anyio.create_task_group() as tg:
+            await self._listener.serve(lambda stream: self._handle(stream, link), tg)
+
+    async def send(self, data: bytes) -> None:
+        """Write command lines to the linked worker (dropped when none is linked)."""
+        if self._stream is not None:
+            await self._stream.send(data)
+
+    async def aclose(self) -> None:
+        """Stop listening."""
+        await self._listener.aclose()
+
+    async def _handle(self, stream: anyio.abc.SocketStream, link: DriverLink) -> None:
+        peer = stream.extra(anyio.abc.SocketAttribute.remote_address, None)
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            with anyio.fail_after(self.connect_timeout):
+                hello = await reader.receive_until(b"\n", 4096)
+        except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound,
+                anyio.EndOfStream, OSError, anyio.BrokenResourceError):  # fmt: skip
+            hello = b""
+        welcome = link.greet(hello, str(peer))
+        if welcome is None:
+            await stream.aclose()
+            return
+        await stream.send(welcome)
+        self._stream = stream
+        try:
+            count = 0
+            while True:
+                link.receive(await reader.receive_until(b"\n", _MAX_LINE))
+                count += 1
+                if count % 256 == 0:
+                    # Driver subscribers behind: stop reading, so TCP holds rank 0's sender
+                    # back. (Polled: the bus has no "room" event for the loop thread.)
+                    while link.backlogged():  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                anyio.ClosedResourceError, OSError):  # fmt: skip
+            pass
+        finally:
+            link.end()
+            await stream.aclose()

@@ -1,0 +1,284 @@
+"""The Ray driver: a ``TorchTrainer`` run whose rank 0 streams to this process' bus."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import secrets
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from .. import commands as cmd
+from .._driver import attach_driver_callback, workers_stop_reason
+from .._exceptions import ConfigError, LaunchError, MissingExtraError
+from .._log import get_logger
+from .._validate import check_int
+from ..bus import EventBus
+from ..callbacks._base import Callback
+from ..distributed.driver_link import DriverLink
+from ..distributed.link import ADDR_ENV, TOKEN_ENV
+from ..launcher import LaunchResult
+
+__all__ = ["RayLaunchResult", "RayLauncher", "launch"]
+
+log = get_logger(__name__)
+
+
+def _require_ray(feature: str) -> Any:
+    try:
+        import ray
+        import ray.train
+        import ray.train.torch
+    except ImportError as exc:
+        raise MissingExtraError(feature, "ray[train]", "ray") from exc
+    return ray
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RayLaunchResult(LaunchResult):
+    """A :class:`~trainbus.LaunchResult` (``returncode`` 0) plus Ray's own.
+
+    Attributes:
+        result: The ``ray.train.Result`` of ``TorchTrainer.fit()`` (its metrics, checkpoint,
+            path).
+        links: How many times rank 0 linked: 1, plus one per restart of the workers by Ray.
+    """
+
+    result: Any = None
+    links: int = 1
+
+
+class _WorkerEntry:
+    """What every Ray Train worker runs: the user's ``train_fn`` with the driver's address
+    and token in its environment (so rank 0's Trainer links by itself), restored after."""
+
+    def __init__(self, train_fn: Callable[..., Any], address: str, token: str) -> None:
+        self.train_fn = train_fn
+        self.address = address
+        self.token = token
+        self.takes_config = _required_params(train_fn) == 1
+
+    def __call__(self, config: dict[str, Any]) -> Any:
+        import trainbus.ray  # noqa: F401  registers the "ray" transport in this worker
+
+        saved = {k: os.environ.get(k) for k in (ADDR_ENV, TOKEN_ENV)}
+        os.environ[ADDR_ENV], os.environ[TOKEN_ENV] = self.address, self.token
+        try:
+            return self.train_fn(config) if self.takes_config else self.train_fn()
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+
+
+def _required_params(fn: Callable[..., Any]) -> int:
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return 1
+    return sum(
+        1
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    )
+
+
+class RayLauncher:
+    """Runs ``train_fn`` on a Ray Train ``TorchTrainer``; rank 0's events feed :attr:`bus`.
+
+    Inside ``train_fn`` build a :class:`~trainbus.Trainer` and call ``run()`` / ``await fit()``
+    as in any script: Ray sets up the process group (adopted), rank 0 links to this driver by
+    itself, and the commands of this bus are agreed across ranks as under torchrun.
+
+    Args:
+        train_fn: The function every worker runs (no argument, or the ``config`` dict).
+        scaling_config: A ``ray.train.ScalingConfig`` (workers, resources).
+        run_config: A ``ray.train.RunConfig``, or None.
+        train_loop_config: The dict ``train_fn`` receives, or None (an empty one).
+        setup: A function of the bus, called once before the launch.
+        callbacks: Callbacks set up on the driver's bus (instances or classes; no hooks).
+        bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
+        keep_events: How many of the last events the result or error carries.
+
+    Raises:
+        MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
+        ConfigError: a bad argument, naming it.
+    """
+
+    def __init__(
+        self,
+        train_fn: Callable[..., Any],
+        *,
+        scaling_config: Any,
+        run_config: Any = None,
+        train_loop_config: Mapping[str, Any] | None = None,
+        setup: Callable[[EventBus], Any] | None = None,
+        callbacks: Iterable[Callback | type[Callback]] = (),
+        bus: EventBus | None = None,
+        keep_events: int = 100,
+    ) -> None:
+        ray = _require_ray("trainbus.ray")
+        if not callable(train_fn):
+            raise ConfigError.invalid("train_fn", train_fn, "a function of 0 or 1 arguments")
+        if _required_params(train_fn) > 1:
+            raise ConfigError.invalid(
+                "train_fn", train_fn, "a function of no argument or of the config dict"
+            )
+        if not isinstance(scaling_config, ray.train.ScalingConfig):
+            raise ConfigError.invalid(
+                "scaling_config", scaling_config,
+                "a ray.train.ScalingConfig, e.g. ScalingConfig(num_workers=2)",
+            )  # fmt: skip
+        if run_config is not None and not isinstance(run_config, ray.train.RunConfig):
+            raise ConfigError.invalid("run_config", run_config, "None or a ray.train.RunConfig")
+        if train_loop_config is not None and not isinstance(train_loop_config, Mapping):
+            raise ConfigError.invalid("train_loop_config", train_loop_config, "None or a dict")
+        if setup is not None and not callable(setup):
+            raise ConfigError.invalid("setup", setup, "None or a function of the bus")
+        self.train_fn = train_fn
+        self.scaling_config = scaling_config
+        self.run_config = run_config
+        self.train_loop_config = dict(train_loop_config or {})
+        self.keep_events = check_int("keep_events", keep_events, 0)
+        self.bus = bus if bus is not None else EventBus()
+        for cb in callbacks:
+            attach_driver_callback(self.bus, cb)
+        if setup is not None:
+            setup(self.bus)
+        self._token = secrets.token_urlsafe(32)
+        self._link: DriverLink | None = None
+        self._stop_reason: str | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def refused(self) -> int:
+        """Hellos refused so far (wrong token, or a second link)."""
+        return 0 if self._link is None else self._link.refused
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
+        the reason this driver asked them to stop with, else None."""
+        return workers_stop_reason(None if self._link is None else self._link.ended,
+                                   self._stop_reason)  # fmt: skip
+
+    # ------------------------------------------------------------------ control
+    def stop(self, reason: str = "requested") -> None:
+        """Ask the workers to stop gracefully (every rank at its next sync point). Safe from
+        the event loop only."""
+        self._stop_reason = reason
+        self.bus.send(cmd.StopTraining(reason=reason))
+
+    def run(self, *, backend: str = "asyncio") -> RayLaunchResult:
+        """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
+        return anyio.run(self.launch, backend=backend)
+
+    async def launch(self) -> RayLaunchResult:
+        """Run the ``TorchTrainer`` (``ray.init()`` first when Ray is not initialised), serve
+        rank 0's link, and wait until it ends.
+
+        Returns:
+            The :class:`RayLaunchResult`.
+
+        Raises:
+            LaunchError: Ray reported the training failed (the workers' error in the message),
+                or the run ended with no worker linked (``train_fn`` never built a Trainer).
+            Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
+                (the workers are stopped first).
+        """
+        ray = _require_ray("trainbus.ray")
+        from ray.train.torch import TorchTrainer
+
+        from ._transport import RayDriver
+
+        if self._link is not None:
+            raise LaunchError("a RayLauncher launches once; build a new one")
+        if not ray.is_initialized():
+            await anyio.to_thread.run_sync(ray.init)
+        # relink: after a failure Ray restarts the worker group (FailureConfig.max_failures);
+        # the new rank 0 links again and the driver's bus goes on, one run for one launch.
+        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events,
+                                       relink=True)  # fmt: skip
+        driver = await RayDriver.start()
+        trainer = TorchTrainer(
+            _WorkerEntry(self.train_fn, driver.address, self._token),
+            scaling_config=self.scaling_config, run_config=self.run_config,
+            train_loop_config=self.train_loop_config,
+        )  # fmt: skip
+        failure: BaseException | None = None
+        result: Any = None
+        try:
+            async with self.bus, anyio.create_task_group() as tg:
+                tg.start_soon(driver.serve, link)
+                tg.start_soon(partial(link.forward, driver.send))
+                log.info("launch_started", workers=self.scaling_config.num_workers,
+                         address=driver.address)  # fmt: skip
+                try:
+                    result = await anyio.to_thread.run_sync(trainer.fit, abandon_on_cancel=True)
+                except Exception as exc:  # Ray's TrainingFailedError and kin
+                    failure = exc
+                if link.linked:  # the last events still in the mailbox
+                    await link.wait_unlinked(5)
+                await self.bus.wait_delivered(5)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await driver.aclose()
+        if failure is not None:
+            raise self._failure(f"Ray reported the training failed: {failure}") from failure
+        if not link.linked:
+            raise self._failure(
+                "the Ray workers finished but no worker linked to the driver: train_fn must "
+                "build a trainbus Trainer and call its run() or fit() (rank 0 links then)"
+            )
+        return RayLaunchResult(returncode=0, events=link.events, received=link.received,
+                               last_event=link.last_event, stop_reason=self.stop_reason,
+                               result=result, links=link.links)  # fmt: skip
+
+    def _failure(self, what: str) -> LaunchError:
+        link = self._link
+        assert link is not None
+        last = link.last_event
+        if link.linked:
+            what += (f" (after {link.received} events from rank 0, last: "
+                     f"{type(last).__name__ if last else None} at step "
+                     f"{last.step if last else '?'})")  # fmt: skip
+        return LaunchError(what, returncode=None, events=link.events, received=link.received,
+                           last_event=last, stop_reason=self.stop_reason)  # fmt: skip
+
+
+def launch(
+    train_fn: Callable[..., Any],
+    *,
+    scaling_config: Any,
+    run_config: Any = None,
+    train_loop_config: Mapping[str, Any] | None = None,
+    setup: Callable[[EventBus], Any] | None = None,
+    callbacks: Iterable[Callback | type[Callback]] = (),
+    bus: EventBus | None = None,
+    backend: str = "asyncio",
+    **kwargs: Any,
+) -> RayLaunchResult:
+    """Run ``train_fn`` on Ray Train with the subscribers in this process: a
+    :class:`RayLauncher` (same arguments) run to the end.
+
+    Returns:
+        The :class:`RayLaunchResult` (``result``: Ray's ``Result``).
+
+    Raises:
+        MissingExtraError: Ray Train is not installed.
+        ConfigError: a bad argument.
+        LaunchError: the training failed, or no worker linked (see
+            :meth:`RayLauncher.launch`).
+    """
+    launcher = RayLauncher(train_fn, scaling_config=scaling_config, run_config=run_config,
+                           train_loop_config=train_loop_config, setup=setup,
+                           callbacks=callbacks, bus=bus, **kwargs)  # fmt: skip
+    return launcher.run(backend=backend)
