@@ -35,3 +35,27 @@ def test_an_unreachable_driver_is_a_launch_error() -> None:
     with pytest.raises(LaunchError, match="cannot reach the trainbus driver"):
         link.connect()
     link.close()  # nothing to close: idempotent
+
+
+@pytest.mark.asyncio
+async def test_the_driver_end_refuses_what_is_not_an_event_and_goes_on() -> None:
+    import structlog
+
+    from trainbus import EventBus, wire
+    from trainbus import commands as cmd
+    from trainbus import events as ev
+    from trainbus.distributed.driver_link import DriverLink
+
+    bus = EventBus()
+    link = DriverLink(bus, "t")
+    assert link.greet(b'{"v":1,"type":"hello","token":"t","rank":0}', "test") is not None
+    step = ev.StepEnded(step=1, epoch=0, loss=0.5, lr=0.1, grad_norm=None, samples=4,
+                        duration_s=0.1)  # fmt: skip
+    data = b"".join([b"not json\n", wire.dumps(cmd.StopTraining(reason="x")),
+                     b'{"v":9,"type":"StepEnded"}\n', wire.dumps(step)])  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        link.receive(data)
+    assert [e["event"] for e in logs] == ["driver_record_refused"] * 3
+    assert link.received == 1 and link.last_event == step  # the good one still arrived
+    link.receive(b'{"v":1,"type":"bye","sent":1}\n')
+    assert link.unlinked
