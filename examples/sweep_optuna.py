@@ -18,6 +18,8 @@ Run: ``python examples/sweep_optuna.py`` (needs ``pip install 'trainbus[optuna]'
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +34,7 @@ from trainbus.testing import tiny_loader, tiny_model
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-RUNS = Path("sweep_runs")
+RUNS = Path(tempfile.mkdtemp(prefix="sweep_runs-"))  # removed at the end
 
 
 def loaders() -> tuple[DataLoader[Any], list[Any]]:
@@ -70,6 +72,7 @@ def main() -> None:
     print(f"optuna sweep: {len(states)} trials, {pruned} pruned, {complete} complete; "
           f"best val_loss {study.best_value:.3f} at lr {study.best_params['lr']:g}; "
           f"final checkpoints of {len(kept)} trials (none of the pruned ones)")  # fmt: skip
+    shutil.rmtree(RUNS)
 
 
 if __name__ == "__main__":
