@@ -1,22 +1,25 @@
 """An Optuna sweep with trainbus as the engine: pruning with no code in the objective.
 
-Eight trials of a small MLP, two at a time (``n_jobs=2``), stored in SQLite (``sweep.db`` in
-the working directory, so ``optuna-dashboard sqlite:///sweep.db`` can show it). Each trial
-evaluates every 10 steps; :class:`~trainbus.integrations.optuna.OptunaPruning` reports
+Four trials of a small MLP, two at a time (``n_jobs=2``), in Optuna's in-memory storage
+(with SQLite and ``n_jobs > 1``, Optuna 5.0 may hand one enqueued trial to both threads:
+``ValueError: Cannot tell a COMPLETE trial``; docs/sweeps.md shows SQLite with ``n_jobs=1``).
+Each trial evaluates every 10 steps; :class:`~trainbus.integrations.optuna.OptunaPruning` reports
 ``val_loss`` at the trainbus step, asks the study's ``MedianPruner``, and stops a hopeless
 trial through the bus at that very step. ``run()`` then raises ``optuna.TrialPruned`` and the
 study stores the trial PRUNED. ``Trainer(seed=)`` gives each trial a data order of its own
 (the other thread's draws cannot change it), and ``skip_final_checkpoint={"pruned"}`` keeps
 pruned trials from writing a checkpoint nobody will resume.
 
-The first two configurations are good (the pruner's reference), the last four have a learning
-rate far too small: they are pruned at their first evaluations.
+The first two configurations are good (the pruner's reference), the other two have a learning
+rate far too small: they are pruned at their first evaluation.
 
 Run: ``python examples/sweep_optuna.py`` (needs ``pip install 'trainbus[optuna]'``)
 """
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,7 @@ from trainbus.testing import tiny_loader, tiny_model
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
-RUNS = Path("sweep_runs")
+RUNS = Path(tempfile.mkdtemp(prefix="sweep_runs-"))  # removed at the end
 
 
 def loaders() -> tuple[DataLoader[Any], list[Any]]:
@@ -46,7 +49,7 @@ def objective(trial: optuna.Trial) -> float:
     train, val = loaders()
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=lr), train, loss_fn=F.cross_entropy,
-        eval_data=val, eval_every=10, max_steps=60, seed=trial.number, progress=False,
+        eval_data=val, eval_every=10, max_steps=30, seed=trial.number, progress=False,
         checkpoint_dir=RUNS / f"trial-{trial.number}", skip_final_checkpoint={"pruned"},
         callbacks=[OptunaPruning(trial, "val_loss")],
     )  # fmt: skip
@@ -55,13 +58,13 @@ def objective(trial: optuna.Trial) -> float:
 
 def main() -> None:
     study = optuna.create_study(
-        study_name="trainbus-example", storage="sqlite:///sweep.db", load_if_exists=True,
+        study_name="trainbus-example",
         sampler=optuna.samplers.TPESampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=2, n_warmup_steps=10),
     )  # fmt: skip
-    for lr in (0.3, 0.1, 0.05, 0.2, 1e-5, 2e-5, 1e-5, 3e-5):
+    for lr in (0.3, 0.1, 1e-5, 2e-5):
         study.enqueue_trial({"lr": lr})
-    study.optimize(objective, n_trials=8, n_jobs=2)
+    study.optimize(objective, n_trials=4, n_jobs=2)
     states = [t.state for t in study.trials]
     pruned = states.count(optuna.trial.TrialState.PRUNED)
     complete = states.count(optuna.trial.TrialState.COMPLETE)
@@ -69,6 +72,7 @@ def main() -> None:
     print(f"optuna sweep: {len(states)} trials, {pruned} pruned, {complete} complete; "
           f"best val_loss {study.best_value:.3f} at lr {study.best_params['lr']:g}; "
           f"final checkpoints of {len(kept)} trials (none of the pruned ones)")  # fmt: skip
+    shutil.rmtree(RUNS)
 
 
 if __name__ == "__main__":

@@ -315,11 +315,12 @@ class Trainer:
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
-        self._states = CallbackStates(self.bus, lambda: self._attached.callbacks)
+        attached = self._attached  # not self: no cycle through the trainer (freed without gc)
+        self._states = CallbackStates(self.bus, lambda: attached.callbacks)
         self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout)
         self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
         self._lifetime = Lifetime(self.bus)
-        self._loop: Loop | None = None  # the last fit's, once it ran
+        self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         if progress is not None and not isinstance(progress, bool):
             raise ConfigError.invalid("progress", progress, "None (when stderr is a terminal), "
@@ -524,11 +525,10 @@ class Trainer:
     ) -> FitResult:
         self._check_idle("fit()")
         self._lifetime.check_open("fit()")
-        if self._loop is not None and resume is None:
-            assert self._loop.outcome is not None
+        if self._ran is not None and resume is None:
             raise TrainbusError(
-                f"fit() ran on this Trainer already (it ended {self._loop.outcome.reason!r} at "
-                f"step {self._loop.outcome.state.step}); a second fit() continues a run: "
+                f"fit() ran on this Trainer already (it ended {self._ran.reason!r} at "
+                f"step {self._ran.state.step}); a second fit() continues a run: "
                 "fit(resume='latest') or fit(resume=<checkpoint path>); to train anew, build a "
                 "new Trainer"
             )
@@ -585,10 +585,13 @@ class Trainer:
             # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
             # the bus closed, so the result is complete.
             if loop.outcome is not None:  # the loop ran: a later fit() must resume
-                self._loop = loop
+                self._ran = loop.outcome
                 self.result = self._result(loop.outcome)
                 self._state = loop.outcome.state
-        outcome = loop.outcome
+            outcome = loop.outcome
+            # The run's parts refer back to the loop (late-bound callbacks): dropped now, a
+            # Trainer the caller drops frees its model, optimizer and data without a gc pass.
+            loop.release()
         assert outcome is not None and self.result is not None
         if outcome.error is not None:
             raise outcome.error

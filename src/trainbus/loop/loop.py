@@ -102,6 +102,7 @@ class Loop:
     ) -> None:
         self._s = settings
         self._bus = bus
+        self._released = False  # release() dropped the run's parts
         self._hooks = hooks
         self._state = state
         self._resumed_from = resumed_from
@@ -156,13 +157,25 @@ class Loop:
         # start ((every periods), (at steps)); None: the bus' own clock decides.
         self._agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
+    def release(self) -> None:
+        """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
+        to the loop (late-bound callbacks), a cycle that would keep the model, optimizer and
+        data alive until the next garbage collection. A released loop cannot run again;
+        :meth:`request_cancel` is then a no-op."""
+        outcome = self.outcome
+        self.__dict__.clear()
+        self.outcome = outcome
+        self._cancel = True
+        self._released = True
+
     # ================================================================== cancellation
     def request_cancel(self) -> None:
         """Ask the loop to stop at its next check (between micro-batches, at poll points and
         between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
         Safe from any thread."""
         self._cancel = True
-        self._bus.doorbell.ring()  # the poll point after the current step hears it
+        if not self._released:  # a released loop has no bus
+            self._bus.doorbell.ring()  # the poll point after the current step hears it
 
     def check_cancel(self) -> None:
         """Raise :class:`Cancelled` when a cancel was requested."""
