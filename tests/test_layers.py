@@ -39,7 +39,7 @@ ALLOWED: dict[str, set[str]] = {
 TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"}}
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_attach",
-       "_ranks", "_resume", "_session", "_lifetime", "_rundirs"}
+       "_ranks", "_resume", "_session", "_lifetime", "_rundirs", "_workers"}
 
 
 @dataclass(frozen=True)
