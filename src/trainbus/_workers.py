@@ -1,4 +1,14 @@
-"""DataLoader worker processes seen from the trainer: which start method a run's loaders use.
+"""DataLoader worker processes seen from the trainer: which start method a run's loaders use,
+and ending the workers a call started.
+
+Persistent workers (``persistent_workers=True``) outlive the iterator that started them: the
+loader keeps its iterator for the next ``iter()``. A sweep of runs in one process (a notebook)
+then piles up worker processes, and every later fork copies the old iterators into the new
+workers, where their ``__del__`` fails (``AssertionError: can only test a child process``,
+printed once per copy). :func:`end_workers` shuts them down when a call ends, as a plain
+loop's iterator would be at the end of its ``for``. Torch has no public method for it: the
+loader's ``_iterator`` and the iterator's ``_shutdown_workers()`` (idempotent, the one its own
+``__del__`` calls) are used, guarded so another torch only leaves the workers running.
 
 A Ctrl-C in a terminal is sent to the whole process group, DataLoader workers included.
 :meth:`SignalWatcher.masked` keeps it from them by blocking SIGINT on the training thread,
@@ -17,7 +27,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-__all__ = ["spawns_workers"]
+__all__ = ["end_workers", "spawns_workers"]
 
 
 def _start_method(loader: DataLoader[Any]) -> str:
@@ -46,3 +56,27 @@ def spawns_workers(loaders: Iterable[object]) -> bool:
         and _start_method(loader) != "fork"
         for loader in loaders
     )
+
+
+def end_workers(loaders: Iterable[object]) -> None:
+    """Shut down the persistent workers of ``loaders`` (see the module docstring); the next
+    ``iter()`` of a loader starts fresh ones. Loaders without persistent workers, and
+    anything that is not a ``DataLoader``, are left alone (their iterators end with the loop
+    that held them).
+
+    Args:
+        loaders: The data a call used (train, eval sets, prediction data).
+    """
+    seen: set[int] = set()
+    for loader in loaders:
+        if not isinstance(loader, DataLoader) or id(loader) in seen:
+            continue
+        seen.add(id(loader))
+        if not (loader.persistent_workers and loader.num_workers > 0):
+            continue
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is None:
+            continue
+        loader._iterator = None
+        shutdown()

@@ -40,7 +40,7 @@ from ._log import get_logger
 from ._rank_setup import RankSetup
 from ._resume import CallbackStates, check_resume
 from ._session import BusSession, SignalWatcher, watch_cancel
-from ._workers import spawns_workers
+from ._workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -578,6 +578,7 @@ class Trainer:
                         tg.cancel_scope.cancel()
         finally:
             self._call = None
+            end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too
             self._signals.attach(None)
             for cb in globals_:
                 self.remove_callback(cb)
@@ -629,7 +630,8 @@ class Trainer:
                                 "(one call at a time: await it first)")  # fmt: skip
 
     async def _standalone(
-        self, name: str, fn: Callable[[StandaloneRun], Any], settings: Settings
+        self, name: str, fn: Callable[[StandaloneRun], Any], settings: Settings,
+        data: Iterable[object],
     ) -> Any:
         self._check_idle(f"{name}()")
         self._lifetime.check_open(f"{name}()")
@@ -638,6 +640,7 @@ class Trainer:
             return await self._session.standalone(fn, settings, self._state)
         finally:
             self._call = None
+            end_workers(data)  # the call's persistent DataLoader workers end with it
 
     async def evaluate(
         self, data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
@@ -672,7 +675,7 @@ class Trainer:
             sets, named = eval_sets(data)
         settings = dataclasses.replace(s, eval_sets=sets, eval_named=named)
         metrics: dict[str, float] = await self._standalone(
-            "evaluate", lambda run: run.evaluate(sets), settings
+            "evaluate", lambda run: run.evaluate(sets), settings, [d for _, d in sets]
         )
         return metrics
 
@@ -721,7 +724,7 @@ class Trainer:
             raise ConfigError.invalid("return_outputs", return_outputs, "True or False")
         kept = await self._standalone("predict",
                                       lambda run: run.predict(data, keep=return_outputs),
-                                      self.settings)  # fmt: skip
+                                      self.settings, [data])  # fmt: skip
         return join_outputs(kept) if return_outputs else None
 
     def predict_sync(
