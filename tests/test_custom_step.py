@@ -373,3 +373,16 @@ def test_the_default_step_drives_the_grad_scaler_over_every_optimizer() -> None:
     trainer.run()
     assert scaler.calls == ["scale", "unscale body", "unscale head", "step body", "step head",
                             "update"]  # fmt: skip
+
+
+def test_an_error_in_the_step_reaches_the_caller_as_itself_with_a_note() -> None:
+    def broken(ctx: TrainContext) -> torch.Tensor:
+        raise KeyError("no such layer")
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                      train_step=broken, max_steps=1, progress=False)  # fmt: skip
+    with pytest.raises(KeyError, match="no such layer") as info:
+        trainer.run()
+    assert any("train_step" in n and "broken at step 0" in n for n in info.value.__notes__)
+    assert trainer.result is not None and trainer.result.reason == "failed"

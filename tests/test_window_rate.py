@@ -33,7 +33,7 @@ def test_steps_per_s_counts_the_wait_of_the_windows_read(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(window_module, "_read", slow_read)
     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
-    settings = SimpleNamespace(optimizer=opt, on_nonfinite="raise")
+    settings = SimpleNamespace(optimizer=opt, optimizers={"default": opt}, on_nonfinite="raise")
     state = SimpleNamespace(step=0, epoch=0)
     guard = SimpleNamespace(active=True, skipped=0, per_step=False, tripped=False)
     bus = SimpleNamespace(publish=lambda e: None)

@@ -124,8 +124,8 @@ class StepContext:
         """
         if self.metrics_sink is None:
             raise TrainingError(
-                f"ctx.log({name!r}, ...) in a hook of phase {self.phase!r}: only training hooks and "
-                "custom steps log metrics (evaluation metrics come from metrics=)"
+                f"ctx.log({name!r}, ...) in a hook of phase {self.phase!r}: only training hooks "
+                "and custom steps log metrics (evaluation metrics come from metrics=)"
             )
         self.metrics_sink(name, value)
 

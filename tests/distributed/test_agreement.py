@@ -69,7 +69,9 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 def test_a_command_on_rank_1_only_is_applied_by_both(ranks: list[dict[str, Any]]) -> None:
     for r in ranks:
         assert r["world_size"] == 2 and r["owns_group"]
-        assert r["rank1_only"] == ["SetLearningRate(lr=0.5, param_group=None, decided_at=None)"]
+        assert r["rank1_only"] == [
+            "SetLearningRate(lr=0.5, param_group=None, optimizer=None, decided_at=None)"
+        ]
         assert r["both"] == [
             "Evaluate(decided_at=None)",
             "StopTraining(reason='r0', decided_at=None)",

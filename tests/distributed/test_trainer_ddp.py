@@ -37,7 +37,8 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """One launch for the in-process modes (the script owns the group; Trainers adopt it),
     then save and resume as two launches (a new process resumes the checkpoint)."""
     out: Path = tmp_path_factory.mktemp("ddp")
-    torchrun("trainer_worker.py", str(out), "shards,rank1,full,decided,stop", *SEEDS, timeout=120)
+    torchrun("trainer_worker.py", str(out), "shards,rank1,full,decided,stop,custom", *SEEDS,
+             timeout=150)  # fmt: skip
     torchrun("trainer_worker.py", str(out), "save", timeout=60)
     torchrun("trainer_worker.py", str(out), "resume", timeout=60)
     return out
@@ -57,6 +58,13 @@ def test_each_rank_trains_on_its_shard_and_the_ranks_end_identical(out: Path) ->
     assert r0["metrics"] == r1["metrics"] and r0["train_metrics"] == r1["train_metrics"]
     # a value a hook logged (ctx.log): each rank its rank, the mean of both on both
     assert r0["train_metrics"]["rank_logged"] == 0.5
+
+
+def test_a_custom_step_under_ddp_with_accumulation_keeps_the_ranks_identical(out: Path) -> None:
+    r0, r1 = read(out, "custom")
+    assert r0["steps"] == r1["steps"] == 8  # 8 batches a rank an epoch, 2 a step, 2 epochs
+    assert r0["digest"] == r1["digest"]
+    assert r0["train_metrics"]["rank_logged"] == r1["train_metrics"]["rank_logged"] == 0.5
 
 
 def test_a_rank0_stop_at_random_steps_stops_every_rank_at_the_same_step(out: Path) -> None:

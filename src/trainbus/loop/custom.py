@@ -176,9 +176,16 @@ class CustomStep:
         Raises:
             TrainingError: it returned no loss (None, or a mapping without ``"loss"``) or a
                 loss that is not a one-element tensor or a number.
+            BaseException: whatever ``train_step`` raised, with a note naming it and where.
         """
         self._phases.hold_batch(batch)
-        out = self._fn(TrainContext(self, batch, bi, micro, window))
+        try:
+            out = self._fn(TrainContext(self, batch, bi, micro, window))
+        except BaseException as exc:
+            st = self.state
+            exc.add_note(f"trainbus: raised in train_step {self.name} at step {st.step}, epoch "
+                         f"{st.epoch}, batch {bi}")  # fmt: skip
+            raise
         loss: Any = out
         if isinstance(out, Mapping):
             loss = out.get("loss")

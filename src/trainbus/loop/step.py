@@ -10,6 +10,10 @@ optimizer step (hooks ``"before_optimizer_step"`` / ``"after_optimizer_step"``);
 (the poll point, a decision step's barrier, an evaluation) is the loop's: :class:`Step` reports
 what it published through :attr:`Step.ended` and :attr:`Step.barrier_event`.
 
+A custom step (``train_step=``, :mod:`~trainbus.loop.custom`) is two more branches of the same
+code: the user's function where the forward, loss and backward of a micro-batch are, and
+:meth:`CustomStep.finish <trainbus.loop.custom.CustomStep.finish>` where the optimizer step is.
+
 Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` (resolved once
 per routing change, when ``bus.routes_version`` moves) or the hook tuple of its point. A step
 nobody observes runs the same code and pays those reads, nothing else: there is no second

@@ -12,6 +12,7 @@ modes also ``OUT/owned-rank<r>.json``: the OS threads left after the script dest
 
 Modes:
     shards          train 2 epochs; record each rank's sample indices (and log its rank)
+    custom          a custom step (train_step=) with accumulation under DDP
     stop SEEDS      for each seed: a rank-0 subscriber sends StopTraining at a random step
     rank1           a ranks="all" subscriber sends SetLearningRate on rank 1 only
     save            train with checkpoint_dir OUT/ckpt, stopped mid-epoch (step 11)
@@ -122,6 +123,20 @@ def run(mode: str) -> None:
         t.run()
         fs = started[0]
         record(t, "shards", seen=data.seen, rank_field=fs.rank, world_size=fs.world_size)
+    elif mode == "custom":
+        # A custom step under DDP with accumulation: the ranks see different shards, so they
+        # end identical only if the step's backwards were reduced (no_sync but the last).
+        def step(ctx: trainbus.TrainContext) -> torch.Tensor:
+            x, y = ctx.batch
+            loss = F.cross_entropy(ctx.model(x), y) + F.cross_entropy(ctx.model(x * 0.5), y)
+            ctx.backward(loss)
+            ctx.optimizer_step()
+            ctx.log("rank_logged", float(os.environ["RANK"]))
+            return loss
+
+        t = trainer(data, train_step=step, accumulate=2, clip_grad_norm=1.0)
+        t.run()
+        record(t, "custom")
     elif mode == "stop":
         for seed in [int(a) for a in ARGS]:
             at = random.Random(seed).randint(1, 15)
