@@ -418,3 +418,30 @@ def test_the_average_can_live_on_another_device_than_the_model() -> None:
     assert all(v.device.type == "cpu" for v in ema.averaged_state_dict().values())
     assert ema.averaged_state_dict()["inp.weight"].dtype == torch.float64
     assert ema.averaged_state_dict()["inp.weight"] is not model.inp.weight
+
+
+def test_a_custom_step_with_two_optimizers_moves_the_average_once_a_step() -> None:
+    """``after_optimizer_step`` runs once per optimizer a custom step steps, each with the step
+    the update completes; the average moves once a step, not once per optimizer."""
+    torch.manual_seed(0)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(32, 10), "b": torch.nn.Linear(10, 10)})
+    opts = {name: torch.optim.SGD(model[name].parameters(), lr=0.1) for name in ("a", "b")}
+
+    def two_updates(ctx: Any) -> torch.Tensor:
+        x, y = ctx.batch
+        loss = F.cross_entropy(ctx.model["b"](ctx.model["a"](x)), y)
+        ctx.backward(loss)
+        ctx.optimizer_step("a")
+        ctx.optimizer_step("b")
+        return loss
+
+    seen: list[tuple[int, int]] = []
+    ema = EMA(decay=0.5)
+    trainer = Trainer(model, opts, tiny_loader(5), train_step=two_updates, callbacks=[ema],
+                      max_epochs=1, device="cpu", handle_signals=False, progress=False,
+                      eval_at_end=False)  # fmt: skip
+    trainer.add_hook("after_optimizer_step", lambda ctx: seen.append((ctx.step, id(ctx.optimizer))))
+    trainer.run()
+    assert [step for step, _ in seen] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
+    assert {opt for _, opt in seen} == {id(opts["a"]), id(opts["b"])}
+    assert ema.updates == 5

@@ -138,6 +138,9 @@ class EMA(Callback):
         self._loaded: Mapping[str, torch.Tensor] | None = None
         """A checkpoint's average, put on the model's device at its first use."""
         self._swapped: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last_step = -1
+        """The step the hook last updated at: a custom step stepping several optimizers runs
+        ``after_optimizer_step`` once per optimizer, and the average moves once a step."""
 
     # ================================================================== what users read
     @property
@@ -235,6 +238,9 @@ class EMA(Callback):
     def hook_after_optimizer_step(self, ctx: StepContext) -> None:
         """Fold the weights into the average at the steps it updates at."""
         step = ctx.step
+        if step == self._last_step:
+            return
+        self._last_step = step
         if step > self.start_step and step % self.every == 0:
             self.update(ctx.model)
 

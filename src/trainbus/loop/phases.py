@@ -300,6 +300,8 @@ class StepPhases:
         for hook in self._hooks.by_point["after_optimizer_step"]:
             ctx = self.context(bi, 0, None)
             ctx.optimizer = opt
+            if custom:  # the step this update completes, as OptimizerStepEnded says
+                ctx.step = st.step + 1
             hook(ctx)
         if not custom:  # a custom step's later optimizers still see it (CustomStep.finish)
             self._batch = None
