@@ -20,7 +20,7 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainbus"
 
 # Leaf utilities every layer may use: they import nothing of trainbus but each other.
-LEAF = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "hookpoints"}
+LEAF = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders", "hookpoints"}
 
 # layer -> the trainbus layers it may import (besides itself and LEAF).
 ALLOWED: dict[str, set[str]] = {

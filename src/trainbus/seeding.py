@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
 from ._exceptions import ConfigError
+from ._loaders import with_sampler
 from .checkpoint import EpochSampler
 from .loop import Settings
 
@@ -82,22 +82,7 @@ def seeded_run(s: Settings) -> Settings:
     if not _shuffles_globally(data):
         return s
     assert isinstance(data, DataLoader)
-    loader: DataLoader[Any] = DataLoader(
-        data.dataset,
-        batch_size=data.batch_size,
-        sampler=EpochSampler(data.dataset, s.seed),
-        num_workers=data.num_workers,
-        collate_fn=data.collate_fn,
-        pin_memory=data.pin_memory,
-        drop_last=data.drop_last,
-        timeout=data.timeout,
-        worker_init_fn=data.worker_init_fn,
-        multiprocessing_context=data.multiprocessing_context,
-        prefetch_factor=data.prefetch_factor if data.num_workers > 0 else None,
-        persistent_workers=data.persistent_workers if data.num_workers > 0 else False,
-        pin_memory_device=data.pin_memory_device,
-        in_order=data.in_order,
-    )  # fmt: skip
+    loader = with_sampler(data, EpochSampler(data.dataset, s.seed))
     return dataclasses.replace(s, train_data=loader)
 
 

@@ -19,6 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from .._loaders import with_sampler
 from .._log import get_logger
 from .group import ProcessGroup
 
@@ -126,16 +127,4 @@ def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: 
         data.dataset, num_replicas=group.world_size, rank=group.rank, shuffle=shuffle,
         seed=seed, drop_last=False,
     )  # fmt: skip
-    return DataLoader(
-        data.dataset,
-        batch_size=data.batch_size,
-        sampler=sampler,
-        num_workers=data.num_workers,
-        collate_fn=data.collate_fn,
-        pin_memory=data.pin_memory,
-        drop_last=data.drop_last,
-        timeout=data.timeout,
-        worker_init_fn=data.worker_init_fn,
-        persistent_workers=data.persistent_workers if data.num_workers > 0 else False,
-        generator=data.generator,
-    )
+    return with_sampler(data, sampler)

@@ -22,6 +22,8 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`EpochData` (``data.py``): each epoch's batch iterator and the observed fetch.
 - :class:`StandaloneRun` (``standalone.py``): ``evaluate()`` and ``predict()`` outside ``fit()``.
 - :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.
+- :func:`map_tensors`, :func:`detach_outputs`, :func:`join_outputs` (``outputs.py``): model
+  outputs of any type (a mapping, a ``ModelOutput``, a tuple) walked and joined per key.
 - :class:`CheckpointWriter` (``checkpoint.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
