@@ -206,6 +206,21 @@ def test_a_step_that_returns_nothing_names_itself() -> None:
         trainer.run()
 
 
+def test_a_mapping_without_a_loss_names_its_keys() -> None:
+    def misspelt(ctx: TrainContext) -> dict[str, torch.Tensor]:
+        loss = ctx.model(ctx.batch[0]).sum()
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return {"los": loss}
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                      train_step=misspelt, max_steps=1, progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"misspelt returned a mapping without a 'loss' "
+                       r"entry \(keys: 'los'\) at step 1"):  # fmt: skip
+        trainer.run()
+
+
 def test_a_non_finite_loss_names_the_step() -> None:
     def nan_step(ctx: TrainContext) -> torch.Tensor:
         loss = ctx.model(ctx.batch[0]).sum() * float("nan")
@@ -384,5 +399,5 @@ def test_an_error_in_the_step_reaches_the_caller_as_itself_with_a_note() -> None
                       train_step=broken, max_steps=1, progress=False)  # fmt: skip
     with pytest.raises(KeyError, match="no such layer") as info:
         trainer.run()
-    assert any("train_step" in n and "broken at step 0" in n for n in info.value.__notes__)
+    assert any("train_step" in n and "broken at step 1" in n for n in info.value.__notes__)
     assert trainer.result is not None and trainer.result.reason == "failed"

@@ -102,4 +102,7 @@ def test_an_unknown_precision_lists_the_accepted_spellings(spelling: object) -> 
     for accepted in ("'32'", "'bf16'", "'fp16'", "'32-true'", "'bf16-mixed'", "'16-mixed'"):
         assert accepted in message
     if isinstance(spelling, str) and spelling.endswith("-true"):
-        assert "cast it yourself" in message
+        dtype = {"16-true": "float16", "bf16-true": "bfloat16", "64-true": "float64"}[spelling]
+        assert f"cast it yourself (model.to(torch.{dtype}))" in message
+    if spelling == 32:
+        assert "strings: precision='32'" in message

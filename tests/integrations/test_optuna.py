@@ -206,7 +206,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
 # ----------------------------------------------------------------------------- bad input
 def test_a_metric_that_never_appears_fails_at_the_first_evaluation_naming_those_that_do() -> None:
     def objective(trial: Any) -> float:
-        return trainer_for(trial, monitor="val_los").run().metrics["val_loss"]
+        return trainer_for(trial, monitor="val_los", log_every=4).run().metrics["val_loss"]
 
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError) as info:
@@ -214,6 +214,35 @@ def test_a_metric_that_never_appears_fails_at_the_first_evaluation_naming_those_
     message = str(info.value)
     assert "OptunaPruning.monitor='val_los'" in message and "step 4" in message
     assert "val_loss" in message and "loss" in message  # the metrics that exist
+    assert s.trials[0].state == optuna.trial.TrialState.FAIL
+
+
+def test_a_metric_logged_after_the_first_evaluation_is_not_taken_for_missing() -> None:
+    """``ctx.log`` values first come with a log window; one closing after the first
+    evaluation (``log_every > eval_every``) still counts: the trial reports and completes."""
+
+    def objective(trial: Any) -> float:
+        trainer = trainer_for(trial, monitor="train_acc", eval_every=2, log_every=4)
+        trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("train_acc", 0.5))
+        return trainer.run().metrics["val_loss"]
+
+    s = study(optuna.pruners.NopPruner())
+    s.optimize(objective, n_trials=1, catch=())
+    trial = s.trials[0]
+    assert trial.state == optuna.trial.TrialState.COMPLETE
+    assert sorted(trial.intermediate_values) == [4, 8, 12, 16, 20, 24]
+
+
+def test_a_metric_that_never_appears_in_a_run_without_evaluations_fails_at_its_end() -> None:
+    """No evaluation, no log window carrying ``monitor``: nothing could ever be reported, so
+    the trial fails when the run ends instead of completing as if pruning had been on."""
+
+    def objective(trial: Any) -> float:
+        return trainer_for(trial, eval_data=None, eval_every=None).run().metrics.get("loss", 0.0)
+
+    s = study(optuna.pruners.NopPruner())
+    with pytest.raises(ConfigError, match=r"OptunaPruning\.monitor='val_loss'.*the whole run"):
+        s.optimize(objective, n_trials=1, catch=())
     assert s.trials[0].state == optuna.trial.TrialState.FAIL
 
 

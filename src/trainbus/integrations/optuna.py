@@ -79,8 +79,10 @@ class OptunaPruning(Callback):
         ConfigError: ``trial`` is not an Optuna trial, or ``monitor`` is not a non-empty str.
 
     During the run (the run fails with it, ``on_error="raise"``):
-        ConfigError: the first evaluation round ended and ``monitor`` was in neither it nor
-            any ``MetricsLogged`` so far (the message names the metrics that exist).
+        ConfigError: ``monitor`` was in neither the first evaluation round nor the first
+            ``MetricsLogged`` (checked once both have come), or, in a run without one of
+            them, nowhere in the whole run (checked when it ends); the message names the
+            metrics that exist.
         PrunerError: the pruner or ``trial.report`` raised.
     After a pruned run, ``fit()``/``run()`` raise ``optuna.TrialPruned`` (from
     :meth:`after_fit`, once the run ended and every event was delivered).
@@ -106,6 +108,8 @@ class OptunaPruning(Callback):
         self._train_names: frozenset[str] = frozenset()
         self._found = False
         self._checked = False
+        self._evaluated = False  # a training evaluation round ended
+        self._logged = False  # a MetricsLogged came
         self._reported: set[int] = set()
         self.pruned_at: int | None = None
         """The step at which the pruner said prune (None: not pruned)."""
@@ -118,6 +122,7 @@ class OptunaPruning(Callback):
         """Start a run: declare the log steps as decision steps when ``monitor`` may come in
         ``MetricsLogged`` (not one of this run's evaluation metrics)."""
         self._known, self._found, self._checked, self.pruned_at = set(), False, False, None
+        self._evaluated = self._logged = False
         self._train_names = plan.train_metrics
         if self._decides is not None:
             self._decides.dispose()
@@ -130,8 +135,12 @@ class OptunaPruning(Callback):
     def on_metrics_logged(self, event: ev.MetricsLogged) -> None:
         """Report ``monitor`` when this window carries it."""
         self._known.update(event.metrics)
+        self._logged = True
         if self.monitor in event.metrics:
             self._report(event.metrics[self.monitor], event.step)
+        if self._evaluated and not self._checked:
+            self._check_exists(f"the first evaluation and the first log window (step "
+                               f"{event.step})")  # fmt: skip
 
     def on_evaluation_ended(self, event: ev.EvaluationEnded) -> None:
         """Report ``monitor`` when this evaluation carries it (a barrier: decided here)."""
@@ -142,21 +151,34 @@ class OptunaPruning(Callback):
             self._report(event.metrics[self.monitor], event.step)
 
     def on_evaluation_round_ended(self, event: ev.EvaluationRoundEnded) -> None:
-        """At the first round: fail the run when ``monitor`` appeared nowhere so far.
+        """At the first round, once a log window closed too: fail the run when ``monitor``
+        appeared in neither (a value logged from anywhere first comes with a log window, which
+        may close after the first evaluation: then the window decides).
 
         Raises:
             ConfigError: naming ``monitor`` and the metrics that exist.
         """
         if self._checked or event.error is not None or event.trigger == "standalone":
             return
-        self._checked = True
+        self._evaluated = True
         self._known.update(event.metrics)
+        if self._logged:
+            self._check_exists(f"the first evaluation (step {event.step}) and the log windows "
+                               "before it")  # fmt: skip
+
+    def _check_exists(self, where: str) -> None:
+        """Fail when ``monitor`` was never reported and is no metric seen in ``where``.
+
+        Raises:
+            ConfigError: naming ``monitor``, ``where`` and the metrics that exist.
+        """
+        self._checked = True
         if not self._found and self.monitor not in self._train_names | self._known:
             raise ConfigError.invalid(
                 "OptunaPruning.monitor", self.monitor,
-                "a metric of the run's evaluations or MetricsLogged; the first evaluation "
-                f"(step {event.step}) found none of that name; metrics that exist: "
-                + ", ".join(sorted(self._train_names | self._known)),
+                f"a metric of the run's evaluations or MetricsLogged; {where} found none of "
+                "that name; metrics that exist: "
+                + (", ".join(sorted(self._train_names | self._known)) or "none"),
             )  # fmt: skip
 
     def on_fit_ended(self, event: ev.FitEnded) -> None:
@@ -171,7 +193,11 @@ class OptunaPruning(Callback):
         Raises:
             optuna.TrialPruned: the pruner said prune and the run ended
                 ``Ending.PRUNED`` (its final checkpoint written or skipped, events delivered).
+            ConfigError: a run without an evaluation or without a log window ended without
+                ``monitor`` anywhere (nothing was ever reported: pruning could not happen).
         """
+        if not self._checked and result.ending in (ev.Ending.COMPLETED, ev.Ending.STOPPED):
+            self._check_exists("the whole run")
         if self.pruned_at is not None and result.ending is ev.Ending.PRUNED:
             raise self._pruned_exc(f"trainbus: trial {getattr(self.trial, 'number', '?')} "
                                    f"pruned at step {self.pruned_at} on {self.monitor}; the "

@@ -183,9 +183,15 @@ class CustomStep:
             out = self._fn(TrainContext(self, batch, bi, micro, window))
         except BaseException as exc:
             st = self.state
-            exc.add_note(f"trainbus: raised in train_step {self.name} at step {st.step}, epoch "
-                         f"{st.epoch}, batch {bi}")  # fmt: skip
+            exc.add_note(f"trainbus: raised in train_step {self.name} at step {st.step + 1}, "
+                         f"epoch {st.epoch}, batch {bi}")  # fmt: skip
             raise
+        if isinstance(out, Mapping) and "loss" not in out:
+            raise TrainingError(
+                f"train_step {self.name} returned a mapping without a 'loss' entry (keys: "
+                f"{', '.join(map(repr, out))}) at step {self.state.step + 1}, batch {bi}: "
+                "return the step's loss (a scalar tensor) or a mapping with a 'loss' entry"
+            )
         loss: Any = out
         if isinstance(out, Mapping):
             loss = out.get("loss")

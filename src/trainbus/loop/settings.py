@@ -122,7 +122,9 @@ PRECISION_SPELLINGS: Mapping[str, Precision] = {
 }  # fmt: skip
 """Every accepted ``precision`` and what it means here."""
 
-_TRUE_HALF = ("16-true", "bf16-true", "64-true")
+_TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
+                "64-true": "torch.float64"}
+"""Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
 
 
 def _precision(value: Any) -> Precision:
@@ -135,12 +137,17 @@ def _precision(value: Any) -> Precision:
     allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
     if isinstance(value, str) and value in PRECISION_SPELLINGS:
         return PRECISION_SPELLINGS[value]
-    if value in _TRUE_HALF:
+    if isinstance(value, str) and value in _TRUE_DTYPES:
         raise ConfigError.invalid(
             "precision", value,
             f"one of {allowed}; trainbus does not cast the model: for weights in another "
-            "dtype cast it yourself (model.to(torch.bfloat16)) and train with precision='32'",
+            f"dtype cast it yourself (model.to({_TRUE_DTYPES[value]})) and train with "
+            "precision='32'",
         )  # fmt: skip
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ConfigError.invalid("precision", value,
+                                  f"one of {allowed} (strings: precision='{value}' if that is "
+                                  "one of them)")  # fmt: skip
     raise ConfigError.invalid("precision", value, f"one of {allowed}")
 
 
