@@ -221,6 +221,9 @@ class LaunchError(TrainbusError, RuntimeError):
         rank: The rank that failed first (torchrun's root cause), or None when unknown.
         rank_exitcode: That rank's own exit status (negative: the signal that killed it).
         rank_signal: The name of that signal (``"SIGKILL"``), or None.
+        ending: How rank 0's run ended when its ``FitEnded`` arrived before the failure (a
+            :class:`~trainbus.Ending`, a ``str``), else None.
+        signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 
     def __init__(
@@ -236,6 +239,8 @@ class LaunchError(TrainbusError, RuntimeError):
         rank: int | None = None,
         rank_exitcode: int | None = None,
         rank_signal: str | None = None,
+        ending: str | None = None,
+        signal: int | None = None,
     ) -> None:
         super().__init__(message + (f"; stderr tail:\n{stderr}" if stderr else ""))
         self.returncode = returncode
@@ -247,3 +252,5 @@ class LaunchError(TrainbusError, RuntimeError):
         self.rank = rank
         self.rank_exitcode = rank_exitcode
         self.rank_signal = rank_signal
+        self.ending = ending
+        self.signal = signal

@@ -278,7 +278,8 @@ class Launcher:
             returncode=returncode, events=link.events, received=link.received,
             last_event=last, stop_reason=self.stop_reason, stderr="".join(self._stderr),
             rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
-            rank_signal=first.signal if first else None,
+            rank_signal=first.signal if first else None, signal=self._signal,
+            ending=None if link.ended is None else link.ended.ending,
         )  # fmt: skip
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:

@@ -240,6 +240,7 @@ class RayLauncher:
             )
         return RayLaunchResult(returncode=0, events=link.events, received=link.received,
                                last_event=link.last_event, stop_reason=self.stop_reason,
+                               ending=None if link.ended is None else link.ended.ending,
                                result=result, links=link.links)  # fmt: skip
 
     def _failure(self, what: str) -> LaunchError:
@@ -251,7 +252,8 @@ class RayLauncher:
                      f"{type(last).__name__ if last else None} at step "
                      f"{last.step if last else '?'})")  # fmt: skip
         return LaunchError(what, returncode=None, events=link.events, received=link.received,
-                           last_event=last, stop_reason=self.stop_reason)  # fmt: skip
+                           last_event=last, stop_reason=self.stop_reason,
+                           ending=None if link.ended is None else link.ended.ending)  # fmt: skip
 
 
 def launch(
