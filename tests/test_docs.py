@@ -189,7 +189,9 @@ def test_make_test_collects_the_readme_and_every_docs_page(tmp_path: Path) -> No
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        # The project's configuration alone: options from the caller's PYTEST_ADDOPTS (-v
+        # changes what --collect-only prints) do not belong to what make test runs.
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "PYTEST_ADDOPTS": ""},
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     collected = {line.split("::")[0] for line in proc.stdout.splitlines() if "::sybil:" in line}

@@ -67,8 +67,13 @@ SCRIPT = textwrap.dedent(
                 print("READY", flush=True)
 
         trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), on_step)
-        result = trainer.run()
-        print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+        try:
+            trainer.run()
+            raised = "returned"
+        except KeyboardInterrupt:  # on_signal="raise", the default: after the graceful stop
+            raised = "KeyboardInterrupt"
+        result = trainer.result
+        print("RESULT", result.reason, result.stop_reason, result.checkpoint, raised, flush=True)
     """
 )
 
@@ -104,8 +109,8 @@ def test_one_sigint_to_the_process_group_stops_gracefully(tmp_path: Path, method
     assert proc.returncode == 0, text
     results = [line.split() for line in output if line.startswith("RESULT ")]
     assert len(results) == 1, text
-    _, reason, stop_reason, checkpoint = results[0]
-    assert (reason, stop_reason) == ("stopped", "signal"), text
+    _, reason, stop_reason, checkpoint, raised = results[0]
+    assert (reason, stop_reason, raised) == ("stopped", "signal", "KeyboardInterrupt"), text
     assert checkpoint.endswith("-final.pt") and Path(checkpoint).is_file(), text
     # One Ctrl-C is one signal to the trainer: no worker ran its handler, nothing aborted.
     received = [line for line in output if "signal_received" in line]
