@@ -29,7 +29,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import wire
 from .._log import get_logger
-from .link import control_record
+from .protocol import control_record
 
 __all__ = ["ALWAYS", "DriverBus", "DriverLink"]
 

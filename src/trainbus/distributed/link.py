@@ -44,6 +44,11 @@ from .. import wire
 from .._exceptions import ConfigError, LaunchError
 from .._log import get_logger
 from .._validate import check_seconds
+from .protocol import ADDR_ENV as ADDR_ENV
+from .protocol import TOKEN_ENV as TOKEN_ENV
+from .protocol import control_record as control_record
+from .protocol import hello_record
+from .socket_link import SocketTransport
 
 __all__ = [
     "ADDR_ENV",
@@ -57,11 +62,6 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
-
-ADDR_ENV = "TRAINBUS_DRIVER_ADDR"
-"""Environment variable holding where the driver is (``host:port``, or ``<scheme>:...``)."""
-TOKEN_ENV = "TRAINBUS_DRIVER_TOKEN"
-"""Environment variable holding the run's token."""
 
 _EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
 _CLOSE = object()  # sender-queue sentinel
@@ -149,19 +149,7 @@ def transport_for(address: str, timeout: float) -> WorkerTransport:
     factory = _TRANSPORTS.get(scheme)
     if factory is not None:
         return factory(address, timeout)
-    from .socket_link import SocketTransport  # the default transport; imports link
-
     return SocketTransport(address, timeout)
-
-
-def control_record(kind: str, **fields: Any) -> bytes:
-    """One control line of the link protocol (``hello``, ``welcome``, ``bye``)."""
-    return (json.dumps({"v": wire.FORMAT_VERSION, "type": kind, **fields}) + "\n").encode()
-
-
-def hello_record(token: str) -> bytes:
-    """The worker's first line: the token, its rank and pid."""
-    return control_record("hello", token=token, rank=0, pid=os.getpid())
 
 
 class WorkerLink:

@@ -21,7 +21,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from .._exceptions import ConfigError, LaunchError
 from .._validate import check_seconds
 from .driver_link import DriverLink
-from .link import ADDR_ENV
+from .protocol import ADDR_ENV
 
 __all__ = ["LOOPBACK", "SocketDriver", "SocketTransport"]
 
