@@ -219,7 +219,7 @@ def test_request_under_trio(make_event) -> None:
         async with EventBus(flush_interval=0.002) as bus, anyio.create_task_group() as tg:
 
             async def fake_loop() -> None:  # the training loop polls; it has no event to await
-                while not (commands := bus.poll_commands()):  # noqa: ASYNC110
+                while not (commands := bus.port().poll_commands()):  # noqa: ASYNC110
                     await anyio.sleep(0.001)
                 (c,) = commands
                 saved = make_event(ev.CheckpointSaved)
@@ -294,7 +294,7 @@ async def test_failing_subscribers_are_isolated_and_counted(step_event) -> None:
     a = bad_async_sub.statistics()
     assert (a.kind, a.received, a.completed, a.failed) == ("async", n, n, n)
     assert bus.statistics().failed == 2 * n
-    assert bus.poll_commands() == []  # policy "log" sends nothing
+    assert bus.port().poll_commands() == []  # policy "log" sends nothing
     assert bus.failure is None
 
 
@@ -305,7 +305,7 @@ def test_stop_policy_sends_one_stop_training(vbus: EventBus, step_event) -> None
     sub = vbus.stream(ev.StepEnded).subscribe(bad, "stop", name="guard")  # policy shorthand
     publish_range(vbus, step_event, 0, 5)
     vbus.flush()
-    (command,) = vbus.poll_commands()
+    (command,) = vbus.port().poll_commands()
     assert isinstance(command, cmd.StopTraining) and "guard" in command.reason
     assert sub.statistics().failed == 5
 
@@ -321,7 +321,7 @@ async def test_stop_policy_by_bus_default_and_for_async(step_event, wait_until) 
     async with bus:
         publish_range(bus, step_event, 0, 3)
         await wait_until(lambda: sub.statistics().failed == 3)
-        (command,) = bus.poll_commands()
+        (command,) = bus.port().poll_commands()
     assert isinstance(command, cmd.StopTraining) and "async-guard" in command.reason
 
 
@@ -333,7 +333,7 @@ async def test_raise_policy_fails_the_bus_on_close(step_event) -> None:
         raise RuntimeError("fatal")
 
     bus = EventBus(flush_interval=0.001)
-    bus.stream(ev.StepEnded).subscribe(bad, policy="raise", name="fatal-sub")
+    bus.stream(ev.StepEnded).subscribe(bad, on_error="raise", name="fatal-sub")
     bus.stream(ev.StepEnded).subscribe(lambda e: seen.append(e.step))
     with pytest.raises(RuntimeError, match="fatal") as exc_info:
         async with bus:
@@ -460,15 +460,15 @@ async def test_overflow_block_drops_nothing_and_never_holds_dispatch(
     sub = bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=4, overflow="block")
     depth = sample_depth(bus, sub)
     async with bus:
-        assert not bus.held
+        assert not bus.port().held
         await stall_then_publish(bus, fn, step_event, 50)
         # The dispatcher never waits for the full buffer: every event was dispatched (the sync
         # subscriber after it saw all 51), the buffer took them all, and the bus is "held".
         await wait_until(lambda: len(depth) == 51)
         assert bus.statistics().queue_depth == 0
-        assert sub.statistics().queued == 50 and bus.held
+        assert sub.statistics().queued == 50 and bus.port().held
         fn.release.set()
-        await wait_until(lambda: not bus.held)
+        await wait_until(lambda: not bus.port().held)
     assert fn.done == list(range(51))
     assert depth == [1, *range(1, 51)]  # 0 was still queued when sampled
     assert sub.statistics().dropped == bus.statistics().dropped == 0
@@ -487,13 +487,14 @@ async def test_overflow_block_holds_a_thread_that_waits_for_room(step_event, wai
     async with bus:
         with capture_logs() as logs:
             await stall_then_publish(bus, fn, step_event, 5)
-            await wait_until(lambda: bus.held)
+            await wait_until(lambda: bus.port().held)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(bus.wait_for_room()))
+                wait = bus.port().wait_for_room
+                tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(wait()))
                 await wait_until(lambda: sub.statistics().waited_s > 0)
                 assert not waited  # still waiting: the buffer is over capacity
                 fn.release.set()
-            assert bus.wait_for_room() == 0.0  # nothing holds: returns at once
+            assert bus.port().wait_for_room() == 0.0  # nothing holds: returns at once
     assert waited and waited[0] > 0 and fn.done == list(range(6))
     assert sub.statistics().waited_s >= waited[0] * 0.99
     (warning,) = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
@@ -509,14 +510,15 @@ async def test_wait_for_room_ends_when_the_doorbell_rings(step_event, wait_until
     bus.subscribe_async(bus.stream(ev.StepEnded), fn, buffer=1, overflow="block")
     async with bus:
         await stall_then_publish(bus, fn, step_event, 3)
-        await wait_until(lambda: bus.held)
+        await wait_until(lambda: bus.port().held)
         waited: list[float] = []
         async with anyio.create_task_group() as tg:
-            tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(bus.wait_for_room()))
+            wait = bus.port().wait_for_room
+            tg.start_soon(anyio.to_thread.run_sync, lambda: waited.append(wait()))
             await anyio.sleep(0.1)
             assert not waited
             bus.send(cmd.StopTraining(reason="user"))  # rings: the loop must act on it
-        assert bus.held and waited  # released although the buffer is still full
+        assert bus.port().held and waited  # released although the buffer is still full
         fn.release.set()
 
 
@@ -601,7 +603,7 @@ async def test_request_resolves_with_the_acknowledging_event(make_event) -> None
 
         async def fake_loop() -> None:  # the training loop's poll points, simulated
             while True:
-                for c in bus.poll_commands():
+                for c in bus.port().poll_commands():
                     bus.publish(respond(c))
                 await anyio.sleep(0.001)
 
@@ -629,7 +631,7 @@ async def test_request_matches_the_command_object_not_an_equal_one(wait_until) -
         tg.start_soon(requester, "first", first)
         tg.start_soon(requester, "second", second)
         sent: list[cmd.Command] = []
-        await wait_until(lambda: bool(sent.extend(bus.poll_commands())) or len(sent) == 2)
+        await wait_until(lambda: bool(sent.extend(bus.port().poll_commands())) or len(sent) == 2)
         assert sent[0] is not sent[1]
         bus.publish(ack(cmd.Evaluate()))  # equal to both, but neither: resolves nothing
         by_id = {id(c): c for c in sent}
@@ -657,7 +659,8 @@ async def test_request_raises_bus_closed_when_the_bus_closes_first(wait_until) -
         async with anyio.create_task_group() as tg:
             async with bus:
                 tg.start_soon(requester)
-                await wait_until(lambda: bool(bus.poll_commands()))  # sent, never acknowledged
+                # Sent, never acknowledged.
+                await wait_until(lambda: bool(bus.port().poll_commands()))
     assert len(errors) == 1
     with pytest.raises(BusClosedError):
         await bus.request(cmd.StopTraining())
@@ -722,13 +725,13 @@ async def test_a_barrier_waits_only_for_who_received_its_event_even_after_the_po
         ended = make_event(ev.EpochEnded)
         bus.publish(ended)
         await wait_until(lambda: dec.statistics().received == 1)  # the poller dispatched it
-        assert await bus.wait_barrier(0.2, ended, False) == "timeout"  # the decider holds it
+        assert await bus.port().wait_barrier(0.2, ended, False) == "timeout"  # the decider holds it
         assert (up.statistics().waited_s, dec.statistics().waited_s > 0) == (0.0, True)
         decider.release.set()
         another = make_event(ev.EpochEnded)
         bus.publish(another)
         await wait_until(lambda: dec.statistics().received == 2)
-        assert await bus.wait_barrier(5, another, False) == "done"  # not the busy uploader
+        assert await bus.port().wait_barrier(5, another, False) == "done"  # not the busy uploader
         assert up.statistics().waited_s == 0.0
         uploader.release.set()
 
@@ -754,10 +757,10 @@ def test_pipeline_subscribed_to_bus_commands(vbus: EventBus, step_event) -> None
         ops.filter(lambda e: e.step == 3), ops.map(lambda e: cmd.StopTraining(reason="step 3"))
     ).subscribe(vbus.commands)
     publish_range(vbus, step_event, 0, 6)
-    assert vbus.poll_commands() == []  # nothing before delivery
+    assert vbus.port().poll_commands() == []  # nothing before delivery
     vbus.flush()
-    assert vbus.poll_commands() == [cmd.StopTraining(reason="step 3")]
-    assert vbus.poll_commands() == []
+    assert vbus.port().poll_commands() == [cmd.StopTraining(reason="step 3")]
+    assert vbus.port().poll_commands() == []
 
 
 def test_non_command_through_a_pipeline_is_a_counted_failure(vbus: EventBus, step_event) -> None:
@@ -767,7 +770,7 @@ def test_non_command_through_a_pipeline_is_a_counted_failure(vbus: EventBus, ste
     s = sub.statistics()
     assert s.failed == 2 and s.active and "ConfigError" in (s.last_error or "")
     assert vbus.statistics().failed == 2
-    assert vbus.poll_commands() == []
+    assert vbus.port().poll_commands() == []
 
 
 def test_send_validates_and_keeps_order(vbus: EventBus) -> None:
@@ -778,14 +781,14 @@ def test_send_validates_and_keeps_order(vbus: EventBus) -> None:
     commands = [cmd.Evaluate(), cmd.SaveCheckpoint(tag="a"), cmd.StopTraining()]
     reactivex.from_iterable(commands[:2]).subscribe(vbus.commands)  # a plain Rx observable
     vbus.send(commands[2])
-    assert vbus.poll_commands() == commands
+    assert vbus.port().poll_commands() == commands
 
 
 @pytest.mark.asyncio
 async def test_send_from_another_thread() -> None:
     bus = EventBus()
     await anyio.to_thread.run_sync(bus.send, cmd.StopEpoch())
-    assert bus.poll_commands() == [cmd.StopEpoch()]
+    assert bus.port().poll_commands() == [cmd.StopEpoch()]
 
 
 # ============================================================================ tiers
@@ -1063,8 +1066,9 @@ async def anoop(e: Any) -> None:
         (lambda b: b.subscribe_async(b.events, "fn"), "fn"),
         (lambda b: b.subscribe_async(b.events, anoop, on_error="ignore"), "on_error"),
         (lambda b: b.subscribe(b.events, noop, on_error="ignore"), "on_error"),
-        (lambda b: b.events.subscribe(noop, "ignore"), "on_error"),
-        (lambda b: b.events.subscribe(noop, policy="warn"), "on_error"),
+        (lambda b: b.events.subscribe(noop, on_error="ignore"), "on_error"),
+        (lambda b: b.events.subscribe(noop, "raise"), "on_rx_error"),
+        (lambda b: b.events.subscribe(noop, 3), "on_rx_error"),
         (lambda b: b.publish("event"), "event"),
         (lambda b: b.publish(cmd.StopTraining()), "event"),
     ],

@@ -301,10 +301,11 @@ async def test_request_evaluate_without_eval_data_raises_command_error_and_run_g
 
 
 def _recordwait_barriers(trainer: Trainer) -> list[bool]:
-    """Wrap ``bus.wait_barrier`` (what the loop calls at a barrier): True = the wait ended
-    without timing out ("done", or interrupted by a request to apply), False = it timed out."""
-    bus = trainer.bus
-    original = bus.wait_barrier
+    """Wrap the port's ``wait_barrier`` (what the loop calls at a barrier): True = the wait
+    ended without timing out ("done", or interrupted by a request to apply), False = it timed
+    out."""
+    port = trainer.bus.port()
+    original = port.wait_barrier
     results: list[bool] = []
 
     async def wrapped(*args: Any, **kwargs: Any) -> str:
@@ -312,7 +313,7 @@ def _recordwait_barriers(trainer: Trainer) -> list[bool]:
         results.append(status != "timeout")
         return status
 
-    bus.wait_barrier = wrapped  # type: ignore[method-assign]
+    port.wait_barrier = wrapped  # type: ignore[method-assign]
     return results
 
 

@@ -38,29 +38,29 @@ def test_rings_from_many_threads_all_count() -> None:
 
 def test_a_subscription_coming_and_going_rings() -> None:
     bus = EventBus()
-    before = bus.doorbell.rings
+    before = bus.port().doorbell.rings
     sub = bus.stream(ev.StepEnded).subscribe(lambda e: None)
-    after_subscribe = bus.doorbell.rings
+    after_subscribe = bus.port().doorbell.rings
     sub.dispose()
-    assert before < after_subscribe < bus.doorbell.rings
+    assert before < after_subscribe < bus.port().doorbell.rings
 
 
 def test_a_decision_schedule_rings() -> None:
     bus = EventBus()
-    before = bus.doorbell.rings
+    before = bus.port().doorbell.rings
     declared = bus.decides(every=5)
-    declared_at = bus.doorbell.rings
+    declared_at = bus.port().doorbell.rings
     declared.dispose()
-    assert before < declared_at < bus.doorbell.rings
+    assert before < declared_at < bus.port().doorbell.rings
 
 
 def test_a_command_rings_after_it_is_queued() -> None:
     bus = EventBus()
     heard: list[bool] = []
-    before = bus.doorbell.rings
+    before = bus.port().doorbell.rings
     bus.send(cmd.StopTraining(reason="test"))
-    heard.append(bus.has_commands())
-    assert bus.doorbell.rings == before + 1 and heard == [True]
+    heard.append(bus.port().has_commands())
+    assert bus.port().doorbell.rings == before + 1 and heard == [True]
 
 
 def test_a_raise_failure_rings_and_a_logged_one_does_not() -> None:
@@ -70,23 +70,23 @@ def test_a_raise_failure_rings_and_a_logged_one_does_not() -> None:
         raise RuntimeError("boom")
 
     bus.stream(ev.StepEnded).subscribe(boom, on_error="log")
-    logged = bus.doorbell.rings
+    logged = bus.port().doorbell.rings
     bus.publish(ev.StepEnded(step=1, epoch=0, loss=1.0, lr=0.1, grad_norm=None, samples=1,
                              data_wait_s=0.0, duration_s=0.0))  # fmt: skip
     bus.flush()
-    assert bus.doorbell.rings == logged and bus.failure is None
+    assert bus.port().doorbell.rings == logged and bus.failure is None
     bus.stream(ev.EpochEnded).subscribe(boom, on_error="raise")
-    raised = bus.doorbell.rings
+    raised = bus.port().doorbell.rings
     bus.publish(ev.EpochEnded(step=1, epoch=0, batches=1))
     bus.flush()
-    assert bus.failure is not None and bus.doorbell.rings == raised + 1
+    assert bus.failure is not None and bus.port().doorbell.rings == raised + 1
 
 
 def test_publishing_does_not_ring() -> None:
     bus = EventBus()
     bus.stream(ev.EpochEnded).subscribe(lambda e: None)
-    before = bus.doorbell.rings
+    before = bus.port().doorbell.rings
     for step in range(10):
         bus.publish(ev.EpochEnded(step=step, epoch=0, batches=1))
     bus.flush()
-    assert bus.doorbell.rings == before
+    assert bus.port().doorbell.rings == before

@@ -198,10 +198,12 @@ BUS_ORDER = [
     "async_subscription",
     "registry",
     "observable",
+    "host",
     "channel",
     "queue",
     "barrier",
     "lifecycle",
+    "port",
 ]
 
 

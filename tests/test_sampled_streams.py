@@ -47,29 +47,31 @@ def test_each_sampled_subscription_keeps_its_own_clock() -> None:
     assert slow == [0, 4, 8] and fast == list(range(10)) and every == list(range(10))
 
 
-def test_due_follows_the_sampled_subscriptions() -> None:
+def test_the_demand_follows_the_sampled_subscriptions() -> None:
     bus = EventBus()
-    due = bus.due(ev.StepEnded)
-    assert due.at == math.inf  # nobody samples
+    demand = bus.port().demand(ev.StepEnded)
+    assert not demand.sampled and not demand.takes(1, 1e9)  # nobody samples
     sub = bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: None)
-    assert due.at == -math.inf  # the first event is always taken
+    assert demand.sampled and demand.takes(1, -1e9)  # the first event is always taken
     bus.publish(_step(1, 100.0))
     bus.flush()
-    assert due.at == 101.0
-    assert bus.due(ev.StepEnded) is due  # one object the loop can keep
+    assert not demand.takes(2, 100.5) and demand.takes(2, 101.0)  # every_s after the last
+    assert bus.port().demand(ev.StepEnded) is demand  # one object the loop can keep
     sub.dispose()
-    assert due.at == math.inf
+    assert not demand.sampled and not demand.takes(3, 1e9)
 
 
-def test_wants_each_tells_sampled_from_every_event() -> None:
+def test_the_demand_tells_sampled_from_every_event() -> None:
     bus = EventBus()
+    demand = bus.port().demand(ev.StepEnded)
     sampled = bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: None)
-    assert bus.wants(ev.StepEnded) and not bus.wants_each(ev.StepEnded)
+    assert bus.wants(ev.StepEnded) and demand.sampled and not demand.each
     piped = bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(lambda e: None)
-    assert bus.wants_each(ev.StepEnded)  # a pipe the bus cannot see into takes every event
+    # A pipe the bus cannot see into takes every event.
+    assert demand.each and not demand.sampled and demand.takes(7, -1e9)
     piped.dispose()
     sampled.dispose()
-    assert not bus.wants(ev.StepEnded) and not bus.wants_each(ev.StepEnded)
+    assert not bus.wants(ev.StepEnded) and not demand.each and not demand.sampled
 
 
 @pytest.mark.parametrize("every_s", [0, -1.0, True, "1", math.nan])
@@ -112,16 +114,15 @@ def test_a_subscriber_of_every_step_still_gets_every_step() -> None:
 def test_every_steps_takes_the_multiples() -> None:
     bus = EventBus()
     got: list[int] = []
-    due = bus.due(ev.StepEnded)
+    demand = bus.port().demand(ev.StepEnded)
     sub = bus.stream(ev.StepEnded, every_steps=4).subscribe(lambda e: got.append(e.step))
-    assert due.periods == (4,) and due.at == math.inf
-    assert due.takes_step(8) and not due.takes_step(9)
+    assert demand.sampled and demand.takes(8, 0.0) and not demand.takes(9, 1e9)
     for step in range(1, 14):
         bus.publish(_step(step, float(step)))
     bus.flush()
     assert got == [4, 8, 12]
     sub.dispose()
-    assert due.periods == ()
+    assert not demand.sampled and not demand.takes(8, 1e9)
 
 
 @pytest.mark.parametrize("every_steps", [0, -2, 1.5, True])

@@ -26,6 +26,7 @@ from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus.bus.clock import At, Every, StepClock
+from trainbus.bus.doorbell import Doorbell
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
@@ -44,15 +45,14 @@ def test_next_decision_is_the_smallest_declared_step_after() -> None:
     ]  # fmt: skip
 
 
-def test_removing_a_schedule_bumps_the_version() -> None:
-    clock = StepClock()
-    v0 = clock.version
+def test_declaring_or_removing_a_schedule_rings_the_doorbell() -> None:
+    bell = Doorbell()
+    clock = StepClock(bell)
     keys = clock.declare(Every(10))
     other = clock.declare(At(15))
-    assert clock.version > v0 and clock.next_decision(10) == 15
-    v1 = clock.version
+    assert bell.rings == 2 and clock.next_decision(10) == 15
     clock.remove(other)
-    assert clock.version > v1 and clock.next_decision(10) == 20
+    assert bell.rings == 3 and clock.next_decision(10) == 20
     clock.remove(keys)
     clock.remove(keys)  # idempotent
     assert clock.next_decision(10) is None and clock.schedules == ()
@@ -75,16 +75,17 @@ async def test_subscribing_a_scheduled_pipeline_declares_it_for_its_lifetime() -
         asub = bus.subscribe_async(
             bus.stream(ev.StepEnded).pipe(tbops.once(at=7)), _noop, decides=True
         )
-        assert set(bus.clock.schedules) == {Every(20), At(7)}
-        assert bus.next_decision(7) == 20
-        version = bus.routes_version
+        port = bus.port()
+        assert set(port.schedules) == {Every(20), At(7)}
+        assert port.next_decision(7) == 20
+        rings = port.doorbell.rings
         handle = bus.decides(every=3, at=[4, 5])
-        assert bus.routes_version != version  # the loop re-reads its decision step
-        assert bus.next_decision(0) == 3
+        assert port.doorbell.rings != rings  # the loop re-reads its decision step
+        assert port.next_decision(0) == 3
         handle.dispose()
         sub.dispose()
         asub.dispose()
-        assert bus.clock.schedules == ()
+        assert port.schedules == ()
         with pytest.raises(ConfigError):
             bus.decides()
 
@@ -95,7 +96,7 @@ async def test_a_stream_without_per_step_events_declares_nothing() -> None:
         bus.stream(ev.EpochEnded).pipe(tbops.every(2)).subscribe(lambda _: None)
         bus.stream(ev.EvaluationEnded, ev.StepEnded).pipe(tbops.every(3)).subscribe(lambda _: None)
         bus.events.pipe(tbops.every(5)).subscribe(lambda _: None)
-        assert bus.clock.schedules == (Every(3), Every(5))
+        assert bus.port().schedules == (Every(3), Every(5))
 
 
 async def _noop(_: Any) -> None:
@@ -126,7 +127,7 @@ async def test_decided_at_is_the_step_of_the_event_being_handled() -> None:
         bus.send(cmd.SaveCheckpoint(tag="x"))
         own = cmd.SetLearningRate(lr=0.5, decided_at=3)
         bus.send(own)
-        got = {type(c): c for c in bus.poll_commands()}
+        got = {type(c): c for c in bus.port().poll_commands()}
     assert got[cmd.StopEpoch].decided_at == 12
     assert got[cmd.Evaluate].decided_at == 12
     assert got[cmd.StopTraining].decided_at is None
@@ -143,7 +144,7 @@ def test_a_thread_sending_during_a_dispatch_is_not_stamped() -> None:
         t = threading.Thread(target=lambda: bus.send(cmd.StopEpoch()))
         t.start()
         t.join()
-        seen.extend(bus.poll_commands())
+        seen.extend(bus.port().poll_commands())
 
     bus.subscribe(bus.stream(ev.StepEnded), during)
     bus.publish(build_step(5))
@@ -268,7 +269,7 @@ def test_a_slow_async_subscriber_that_does_not_decide_is_never_waited_for() -> N
     bus.stream(ev.FitEnded).subscribe(lambda _: run_over.set())
     bus.subscribe_async(bus.stream(ev.StepEnded).pipe(tbops.every(4)), upload, overflow="latest")
     bus.decides(every=4)  # decision steps at 4, 8, ...: the uploader is not a decider
-    assert bus.clock.schedules == (Every(4),)  # only the explicit declaration
+    assert bus.port().schedules == (Every(4),)  # only the explicit declaration
     with capture_logs() as logs:
         result = trainer.run()
     assert result.steps == 40

@@ -19,7 +19,7 @@ from . import commands as cmd
 from . import events as ev
 from ._exceptions import TrainbusError
 from ._log import get_logger
-from .bus import EventBus
+from .bus import EventBus, LoopPort
 from .checkpoint import TrainState
 from .loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 
@@ -46,16 +46,22 @@ class BusSession:
     """The bus' lifetime around one trainer call, and the standalone runs on it.
 
     Args:
-        bus: The trainer's bus.
+        bus: The trainer's bus (the session takes its loop face, :attr:`port`, once).
         hooks: The trainer's hooks (run by standalone runs too).
     """
 
     def __init__(self, bus: EventBus, hooks: Hooks, barrier_timeout: float) -> None:
         self._bus = bus
+        self._port = bus.port()
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._cancelled_exc: tuple[type[BaseException], ...] = ()
         self._interrupted = False
+
+    @property
+    def port(self) -> LoopPort:
+        """The bus' loop face, handed to the training loop and the standalone runs."""
+        return self._port
 
     def bind(self, cancelled_exc: type[BaseException]) -> None:
         """Name the running event loop's cancellation exception (call in ``fit()``); the
@@ -83,7 +89,7 @@ class BusSession:
             # delivered before fit() returns, but the loop does not wait for it here.
             return "done"
         try:
-            status: str = anyio.from_thread.run(self._bus.wait_barrier, self._timeout, event,
+            status: str = anyio.from_thread.run(self._port.wait_barrier, self._timeout, event,
                                                 resume)  # fmt: skip
         except self._cancelled_exc as exc:
             # A cancellation, not a failure.
@@ -135,7 +141,7 @@ class BusSession:
             Whatever ``fn`` raised, after the bus delivered the closing events.
         """
         settings.model.to(settings.device)
-        run = StandaloneRun(settings, self._bus, self._hooks,
+        run = StandaloneRun(settings, self._port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
         box: dict[str, Any] = {}
 
@@ -178,6 +184,7 @@ class SignalWatcher:
 
     def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
+        self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
         self._on_signal = on_signal
         self._aborted = False
         self._received = 0
@@ -232,7 +239,7 @@ class SignalWatcher:
             if self._received:
                 # A signal after the loop's last look at the commands left its StopTraining
                 # queued: it was for this call, not for the next one.
-                self._bus.withdraw(_is_signal_stop)
+                self._port.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
@@ -280,7 +287,7 @@ class SignalWatcher:
             # A signal after that one also makes fit() raise KeyboardInterrupt once it returns.
             self._aborted = self._aborted or self._cancels > 0
             self._cancels += 1
-            self._bus.request_cancel_pending()
+            self._port.request_cancel_pending()
             with contextlib.suppress(Exception):
                 log.warning("signal_received", signal=signal.Signals(signum).name,
                             action="cancel pending async work")  # fmt: skip

@@ -20,7 +20,6 @@ from reactivex.scheduler import VirtualTimeScheduler as _RxVirtualTimeScheduler
 
 from . import events as ev
 from ._exceptions import ConfigError
-from .bus.observable import BusObservable
 
 if TYPE_CHECKING:
     import torch
@@ -64,11 +63,13 @@ class EventRecorder:
     def __init__(self, bus: EventBus, source: Observable[Any] | None = None) -> None:
         self.items: list[Any] = []
         self.completed = False
-        # Through BusObservable.subscribe, not bus.subscribe: only the former takes an
-        # on_completed callback, without which ``completed`` would never turn true.
-        self.subscription: Subscription = BusObservable(
-            bus, source if source is not None else bus.events
-        ).subscribe(self._record, on_completed=self._complete, name="EventRecorder")
+        # With on_completed, without which ``completed`` would never turn true.
+        self.subscription: Subscription = bus.subscribe(
+            source if source is not None else bus.events,
+            self._record,
+            on_completed=self._complete,
+            name="EventRecorder",
+        )
 
     def _record(self, item: Any) -> None:
         self.items.append(item)

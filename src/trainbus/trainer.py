@@ -560,7 +560,7 @@ class Trainer:
             raise
         state = checkpoint.state if checkpoint is not None else TrainState()
         loop = Loop(
-            s, self.bus, self.hooks, self._session.barrier, state, resume=checkpoint,
+            s, self._session.port, self.hooks, self._session.barrier, state, resume=checkpoint,
             resumed_from=None if checkpoint is None else str(checkpoint.path),
             callback_states=self._states.collect_from_thread if self._states.any_stateful
             else None,

@@ -41,11 +41,11 @@ def test_every_steps_saves_at_step_multiples(vbus: EventBus, step_event: Any) ->
     for i in range(1, 8):
         vbus.publish(step_event(i))
     vbus.flush()
-    assert vbus.poll_commands() == [SAVE, SAVE]  # steps 3 and 6
+    assert vbus.port().poll_commands() == [SAVE, SAVE]  # steps 3 and 6
     for i in range(11, 14):  # a resumed run: still at multiples of 3 (12), not 3 events later
         vbus.publish(step_event(i))
     vbus.flush()
-    assert vbus.poll_commands() == [SAVE]
+    assert vbus.port().poll_commands() == [SAVE]
 
 
 def test_every_epochs_counts_epoch_numbers_and_skips_failed_epochs(vbus: EventBus) -> None:
@@ -55,7 +55,7 @@ def test_every_epochs_counts_epoch_numbers_and_skips_failed_epochs(vbus: EventBu
         error = RuntimeError("loader died") if epoch == 3 else None
         vbus.publish(ev.EpochEnded(step=epoch, epoch=epoch, batches=1, error=error))
         vbus.flush()
-        saves.append(len(vbus.poll_commands()))
+        saves.append(len(vbus.port().poll_commands()))
     assert saves == [0, 1, 0, 0, 0]  # epoch 1 (the 2nd); epoch 3 (the 4th) failed
 
 
@@ -74,7 +74,7 @@ def test_monitor_saves_best_on_improvement(
     for step, value in enumerate(values):
         vbus.publish(eval_event({"m": value}, step=step))
         vbus.flush()
-        commands = vbus.poll_commands()
+        commands = vbus.port().poll_commands()
         assert commands in ([], [BEST])
         saved.append(bool(commands))
     assert saved == expected
@@ -85,7 +85,7 @@ def test_monitor_min_delta(vbus: EventBus, eval_event: Any) -> None:
     for value in (1.0, 0.95, 0.91, 0.85):
         vbus.publish(eval_event({"val_loss": value}))
     vbus.flush()
-    assert vbus.poll_commands() == [BEST, BEST]  # 1.0, then 0.85 (< 1.0 - 0.1)
+    assert vbus.port().poll_commands() == [BEST, BEST]  # 1.0, then 0.85 (< 1.0 - 0.1)
 
 
 def test_monitor_skips_failed_evaluations_and_reports_a_missing_metric(
@@ -97,7 +97,7 @@ def test_monitor_skips_failed_evaluations_and_reports_a_missing_metric(
     assert vbus.statistics().failed == 0  # a failed evaluation is skipped, not an error
     vbus.publish(eval_event({"val_loss": 1.0}))
     vbus.flush()
-    assert vbus.poll_commands() == []
+    assert vbus.port().poll_commands() == []
     subs = {s.name: s for s in vbus.statistics().subscriptions}
     assert set(subs) == {"Checkpointing.best", "Checkpointing.best_external"}
     sub = subs["Checkpointing.best"]

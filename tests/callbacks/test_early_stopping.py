@@ -74,8 +74,8 @@ def test_failed_evaluations_neither_count_nor_fail(vbus: EventBus, eval_event: A
     for _ in range(3):
         vbus.publish(ev.EvaluationEnded(step=1, epoch=0, error=RuntimeError("eval failed")))
     vbus.flush()
-    assert vbus.poll_commands() == [] and vbus.statistics().failed == 0
+    assert vbus.port().poll_commands() == [] and vbus.statistics().failed == 0
     vbus.publish(eval_event({"val_loss": 1.0}))
     vbus.flush()
-    (stop,) = vbus.poll_commands()
+    (stop,) = vbus.port().poll_commands()
     assert isinstance(stop, cmd.StopTraining) and "early stopping" in stop.reason

@@ -64,7 +64,7 @@ def test_unknown_metric_fails_before_the_run_naming_what_exists(trainer_factory:
 
 
 def commands_of(bus: EventBus) -> list[cmd.Command]:
-    return bus.poll_commands()
+    return bus.port().poll_commands()
 
 
 def test_time_limit_leaves_a_margin_from_the_measured_step_time(

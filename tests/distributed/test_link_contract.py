@@ -86,7 +86,7 @@ async def test_events_arrive_in_order_and_commands_come_back(
             driver_bus.send(cmd.StopTraining(reason="driver"))
             driver_bus.send(request)
             await wait_until(lambda: wlink.received == 2, limit_s=10)
-            assert worker_bus.poll_commands() == [cmd.StopTraining(reason="driver"), request]
+            assert worker_bus.port().poll_commands() == [cmd.StopTraining(reason="driver"), request]
             # The worker's acknowledgement hands the driver its own command object back.
             worker_bus.publish(ev.CommandApplied(step=n, epoch=0, command=request))
             await wait_until(lambda: dlink.received == n + 1, limit_s=10)

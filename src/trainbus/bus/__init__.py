@@ -1,11 +1,14 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is a thin facade over parts that each own their state (see docs/bus.md):
+:class:`EventBus` is the users' face: a thin facade over parts that each own their state (see
+docs/bus.md). The training loop, the session and the distributed code hold the other face, the
+:class:`~trainbus.bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
+receive end:
 
 =================  =========================  ======================================================
 part               module                     owns
 =================  =========================  ======================================================
-Doorbell           ``doorbell.py``            ``rings``, rung when the loop must look
+Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
 Spent              ``spent.py``               what the loop thread is done with (freed at publish)
 RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
 StepClock          ``clock.py``               declared decision schedules, ``version``
@@ -14,7 +17,8 @@ BusStatistics      ``statistics.py``          frozen snapshots of the counters (
 AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
 ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
 FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
-RouteTable         ``routes.py``              roots by tier, route cache, ``version``
+Demand             ``routes.py``              what one event type's subscriptions take (``takes``)
+RouteTable         ``routes.py``              roots by tier, route cache, each type's ``Demand``
 Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
 Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
 Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
@@ -22,10 +26,12 @@ AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and w
 SubscriptionSet    ``registry.py``            subscription records in order, async start
 BusObservable      ``observable.py``          the chain users pipe and subscribe to
 CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
+ChainHost          ``host.py``                the guard a chain ends in, its schedules' declaration
 CommandChannel     ``channel.py``             command deque, ``request()`` waiters
 PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
 Barrier            ``barrier.py``             the interrupted barrier wait
 Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
+LoopPort           ``port.py``                the loop's face: publish, demand, poll, barrier, clock
 =================  =========================  ======================================================
 
 The rows follow the import order: a module imports only modules of the rows above it, so no
@@ -50,25 +56,27 @@ from .._exceptions import ConfigError
 from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
 from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
-from .barrier import Barrier, BarrierStatus
+from .barrier import Barrier
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
+from .host import ChainHost
 from .lifecycle import Lifecycle
-from .observable import BusObservable, CommandSink, normalize_observer
+from .observable import BusObservable, CommandSink
+from .port import LoopPort
 from .pressure import Backpressure
 from .queue import PublishQueue
 from .rank_filter import RankFilter, Ranks, env_rank
 from .registry import SubscriptionSet
-from .routes import Due, RouteTable, Tier, TierContext
+from .routes import RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
 from .spent import Spent
 from .statistics import BusStatistics
 from .subscriptions import Subscription
 from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
 
-__all__ = ["CommandError", "EventBus", "Tier"]
+__all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
 
 log = get_logger(__name__)
 
@@ -109,10 +117,11 @@ class EventBus:
 
     publish: Callable[[ev.BaseEvent], None]
     """Queue an event for delivery (:meth:`PublishQueue.publish`): a type check and a deque
-    append, safe from any thread. Bound at construction, so a call costs no extra frame."""
+    append, safe from any thread (a callback publishing its own events uses it). Bound at
+    construction, so a call costs no extra frame."""
     wants: Callable[[type[ev.BaseEvent]], bool]
     """True when some subscription would receive events of the given type
-    (:meth:`RouteTable.wants`); the loop asks before building an event."""
+    (:meth:`RouteTable.wants`): ask before building an event nobody may want."""
 
     def __init__(
         self,
@@ -151,9 +160,8 @@ class EventBus:
         watchdog = Watchdog(self.watchdog_s)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
 
-        self.doorbell = bell = Doorbell()
-        """Rung whenever the training loop must look at the bus (see :class:`Doorbell`)."""
-        self._clock = StepClock(bell)
+        bell = Doorbell()  # rung whenever the training loop must look (the port's doorbell)
+        clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
         self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
@@ -167,7 +175,8 @@ class EventBus:
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
         self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
-        self._pressure = subs.backpressure
+        # What every chain subscribes through (the guard, its schedules' declaration).
+        self._host = host = ChainHost(subs, self._ranks, ledger, clock, self._chain_scheduler)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -176,8 +185,8 @@ class EventBus:
             stamp=stamp,
             spent=spent,
         )
-        self._barrier = Barrier(queue, subs, channel)
-        self._lifecycle = Lifecycle(
+        self._barrier = barrier = Barrier(queue, subs, channel)
+        self._lifecycle = lifecycle = Lifecycle(
             queue=queue,
             routes=routes,
             subscriptions=subs,
@@ -191,6 +200,9 @@ class EventBus:
         # The hot paths, bound once: bus.publish / bus.wants cost what the part's method costs.
         self.publish = queue.publish
         self.wants = routes.wants
+        self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
+                              channel=channel, ledger=ledger, pressure=subs.backpressure,
+                              barrier=barrier, lifecycle=lifecycle, host=host)  # fmt: skip
 
         self._events: BusObservable[ev.BaseEvent] = self._make_stream((ev.BaseEvent,))
         self.commands: CommandSink = CommandSink(channel.send)
@@ -198,25 +210,12 @@ class EventBus:
         routes.register((ev.CommandApplied,), AckObserver(channel), "internal")
 
     # ================================================================== state
-    def wants_each(self, event_type: type[ev.BaseEvent]) -> bool:
-        """True when some subscription takes every event of ``event_type``; False when none
-        does or only sampled ones do (``stream(..., every_s=)``: see :meth:`due`)."""
-        return self._routes.wants_each(event_type)
-
-    def due(self, event_type: type[ev.BaseEvent]) -> Due:
-        """When the sampled subscriptions of ``event_type`` take their next event: ``due.at``
-        is a ``time.monotonic()`` value (``inf``: none waits), ``due.periods`` the
-        ``every_steps`` of the step-sampled ones (``due.takes_step(step)``). The same object
-        for the bus' lifetime, kept up to date on the event-loop thread; a publisher that
-        builds events only for subscribers reads it and skips building what nobody takes."""
-        return self._routes.due(event_type)
-
-    @property
-    def routes_version(self) -> int:
-        """Changes whenever a subscription comes or goes or a decision schedule is declared or
-        removed: the loop, caching :meth:`wants` answers and :meth:`next_decision`, re-reads
-        them when this changes (one int compare per step)."""
-        return self._routes.version + self._clock.version  # both only grow
+    def port(self) -> LoopPort:
+        """The loop's face of this bus (:class:`~trainbus.bus.port.LoopPort`): publish, the
+        demand, the doorbell, commands, barriers, decision steps. For loop implementers (the
+        training loop, the session, the distributed link), who obtain it once; a user never
+        needs it. The same object for the bus' lifetime."""
+        return self._port
 
     @property
     def rank(self) -> int:
@@ -241,17 +240,6 @@ class EventBus:
         """
         return self._ranks.default(ranks)
 
-    def _inert(self, name: str | None, policy: ErrorPolicy | None) -> Subscription:
-        # A subscription for other ranks: registered nowhere, so it costs nothing.
-        sub = Subscription(self._ledger, name or "inert", policy)
-        sub.dispose()
-        return sub
-
-    @property
-    def clock(self) -> StepClock:
-        """The step clock: the decision steps subscriptions declared (see :meth:`decides`)."""
-        return self._clock
-
     @property
     def running(self) -> bool:
         """True between entering and leaving ``async with bus`` (or a trainer call's run)."""
@@ -268,11 +256,6 @@ class EventBus:
         """The first failure of a subscription with ``on_error="raise"``, if any: the
         subscriber's own exception (a note names the subscription and event)."""
         return self._ledger.fatal
-
-    @property
-    def chain_scheduler(self) -> abc.SchedulerBase:
-        """The scheduler bus chains get: timers on :attr:`scheduler`, "now" work inline."""
-        return self._chain_scheduler
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:
@@ -362,7 +345,7 @@ class EventBus:
 
         # Decision schedules only count on streams that can carry the per-step events.
         per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
-        return BusObservable(self, Observable(subscribe), per_step=per_step)
+        return BusObservable(self._host, Observable(subscribe), per_step=per_step)
 
     def subscribe(
         self,
@@ -372,54 +355,33 @@ class EventBus:
         on_error: ErrorPolicy | None = None,
         name: str | None = None,
         ranks: Ranks = None,
+        on_completed: Callable[[], Any] | None = None,
     ) -> Subscription:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
         Works with any Observable built from bus streams (``reactivex.merge(...)`` included):
-        the bus scheduler is handed to its time-based operators. ``ranks``: where it runs
-        under torchrun (default rank 0; ``"all"``, a rank or ranks).
+        the bus scheduler is handed to its time-based operators.
+
+        Args:
+            observable: A bus stream, possibly piped through operators, or any Observable
+                built from bus streams.
+            on_next: A function of one item, or an Rx observer (``bus.commands`` included).
+            on_error: The error policy: what a failure of ``on_next`` does (``"log"``,
+                ``"stop"``, ``"raise"``; default: the bus').
+            name: Name in logs and statistics (default: the function's qualified name).
+            ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
+            on_completed: Called when the stream completes (the bus closes).
+
+        Returns:
+            The subscription handle (dispose it to stop; ``statistics()`` for counters).
 
         Raises:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self, observable)
-        return wrapped.subscribe(on_next, policy=on_error, name=name, ranks=ranks)
-
-    def subscribe_observer(
-        self,
-        source: Observable[Any],
-        observer: Any,
-        on_error: Any = None,
-        on_completed: Any = None,
-        *,
-        policy: ErrorPolicy | None = None,
-        name: str | None = None,
-        scheduler: abc.SchedulerBase | None = None,
-        ranks: Ranks = None,
-    ) -> Subscription:
-        """Subscribe ``observer`` (function or Rx observer) to ``source`` behind the guard.
-
-        What :meth:`BusObservable.subscribe` calls; most code wants :meth:`subscribe`.
-
-        Raises:
-            ConfigError: ``observer`` is neither callable nor an observer; unknown policy.
-            BusClosedError: the bus is closed.
-        """
-        self._subs.check_open()
-        on_next, on_error, on_completed = normalize_observer(observer, on_error, on_completed)
-        if not self._ranks.runs_here(ranks):
-            return self._inert(name, check_policy(policy))
-        chain = ChainScheduler(scheduler) if scheduler else self._chain_scheduler
-        return self._subs.add_guarded(
-            source,
-            on_next,
-            on_error,
-            on_completed,
-            policy=check_policy(policy),
-            name=name,
-            scheduler=chain,
-        )
+        wrapped = source or BusObservable(self._host, observable)
+        return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
+                                 name=name, ranks=ranks)  # fmt: skip
 
     def subscribe_async(
         self,
@@ -473,7 +435,7 @@ class EventBus:
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self, observable)
+        wrapped = source or BusObservable(self._host, observable)
         # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
         size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
                                               overflow=overflow, policy=on_error)  # fmt: skip
@@ -495,20 +457,10 @@ class EventBus:
             per_step=wrapped.per_step,
         )
         if decides and wrapped.schedules:
-            sub.hold(self.declare(wrapped.schedules))
+            sub.hold(self._host.declare(wrapped.schedules))
         return sub
 
     # ================================================================== decision steps
-    def declare(self, schedules: tuple[Schedule, ...]) -> abc.DisposableBase:
-        """Declare decision schedules to the step clock until the result is disposed.
-
-        What subscribing a pipeline with ``tbops.every(n)`` / ``tbops.once(at=k)`` does; most
-        code wants :meth:`decides`.
-        """
-        clock = self._clock
-        keys = clock.declare(*schedules)
-        return Disposable(lambda: clock.remove(keys))
-
     def decides(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
@@ -535,11 +487,7 @@ class EventBus:
             schedules.extend(At(check_int("at", k, 0)) for k in steps)
         if not schedules:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self.declare(tuple(schedules))
-
-    def next_decision(self, after_step: int) -> int | None:
-        """The first declared decision step after ``after_step`` (None: none declared)."""
-        return self._clock.next_decision(after_step)
+        return self._host.declare(tuple(schedules))
 
     def tier(self, tier: Tier) -> TierContext:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier.
@@ -573,37 +521,7 @@ class EventBus:
         """
         return await self._barrier.wait_delivered(timeout, event)
 
-    async def wait_barrier(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool
-    ) -> BarrierStatus:
-        """The loop's barrier (see :meth:`Barrier.wait_barrier`).
-
-        Returns:
-            ``"done"``, ``"timeout"``, or ``"request"`` (apply it, then call again with
-            ``resume=True``).
-        """
-        return await self._barrier.wait_barrier(timeout, event, resume)
-
-    # ================================================================== back-pressure
-    @property
-    def held(self) -> bool:
-        """True while an ``overflow="block"`` subscription's buffer is over capacity: the
-        training loop then calls :meth:`wait_for_room` at its next poll point (one attribute
-        read; the bus rings :attr:`doorbell` when it turns true)."""
-        return self._pressure.active
-
-    def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the calling thread (the training loop's, at a poll point) while a ``"block"``
-        buffer is over capacity; return early when the doorbell rings (a command, a failure,
-        a cancel) or ``stop()`` is true. The first wait on a subscription logs a
-        ``training_waits_for_subscriber`` warning; every second is added to its ``waited_s``.
-        Never call it on the event-loop thread (nothing would make room).
-
-        Returns:
-            Seconds waited.
-        """
-        return self._pressure.wait_for_room(stop)
-
+    # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
         """Cancel every async subscriber's pending work now: items waiting in buffers and
         calls running. They are counted as cancelled (lost work in ``FitResult.lost``), and
@@ -616,13 +534,6 @@ class EventBus:
         """
         return self._lifecycle.cancel_pending()
 
-    def request_cancel_pending(self) -> None:
-        """Ask a call's end or a close that waits for async subscribers to cancel their
-        pending work (:meth:`cancel_pending`) within about 0.1 s. Safe from any thread and from
-        a signal handler (it sets a flag): a first Ctrl-C while a call's end waits uses it.
-        Nothing happens when nothing waits."""
-        self._lifecycle.request_cancel_pending()
-
     # ================================================================== commands
     def send(self, command: cmd.Command) -> None:
         """Put ``command`` on the back-channel. Safe from any thread; never blocks.
@@ -632,24 +543,6 @@ class EventBus:
             BusClosedError: the bus has closed (after the run): no loop would apply it.
         """
         self._channel.send(command)
-
-    def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands that ``match`` accepts, before any loop applies them
-        (between two trainer calls: a signal's ``StopTraining`` that arrived once the loop had
-        polled for the last time must not stop the next call).
-
-        Returns:
-            How many commands were removed.
-        """
-        return self._channel.withdraw(match)
-
-    def has_commands(self) -> bool:
-        """True when a command waits on the back-channel (never blocks; the loop asks per step)."""
-        return self._channel.has_commands()
-
-    def poll_commands(self) -> list[cmd.Command]:
-        """Take every command waiting on the back-channel, oldest first (never blocks)."""
-        return self._channel.poll_commands()
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
         """Send ``command`` and wait until the loop applies it (see

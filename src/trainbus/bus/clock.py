@@ -62,7 +62,7 @@ class StepClock:
 
     Declarations come and go on the event-loop thread; the training thread reads
     :meth:`next_decision` (the schedules are a tuple replaced on change, so a reader always sees
-    a consistent set) and re-reads it only when :attr:`version` changed.
+    a consistent set) and re-reads it only when the doorbell rang (every change rings it).
     """
 
     def __init__(self, doorbell: Doorbell | None = None) -> None:
@@ -70,8 +70,6 @@ class StepClock:
         self._ids = itertools.count()
         self._declared: dict[int, Schedule] = {}
         self._schedules: tuple[Schedule, ...] = ()
-        self.version = 0
-        """Bumped whenever a schedule is declared or removed."""
 
     def declare(self, *schedules: Schedule) -> list[int]:
         """Add ``schedules``; returns their keys for :meth:`remove`."""
@@ -91,8 +89,7 @@ class StepClock:
 
     def _changed(self) -> None:
         self._schedules = tuple(self._declared.values())
-        self.version += 1
-        self._doorbell.ring()
+        self._doorbell.ring()  # after the change: the loop that hears it reads the new set
 
     @property
     def schedules(self) -> tuple[Schedule, ...]:

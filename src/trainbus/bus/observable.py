@@ -10,6 +10,7 @@ throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -28,7 +29,7 @@ _T_co = TypeVar("_T_co", covariant=True)
 
 
 class BusHost(Protocol):
-    """What a :class:`BusObservable` needs of its bus (``EventBus`` provides it)."""
+    """What a :class:`BusObservable` needs of its bus (the bus' ``ChainHost`` provides it)."""
 
     @property
     def chain_scheduler(self) -> abc.SchedulerBase:
@@ -39,10 +40,10 @@ class BusHost(Protocol):
         self,
         source: Observable[Any],
         observer: Any,
-        on_error: Any = None,
+        on_rx_error: Any = None,
         on_completed: Any = None,
         *,
-        policy: ErrorPolicy | None = None,
+        on_error: ErrorPolicy | None = None,
         name: str | None = None,
         scheduler: abc.SchedulerBase | None = None,
         ranks: Any = None,
@@ -68,14 +69,14 @@ class BusObservable(Observable[_T], Generic[_T]):
 
     def __init__(
         self,
-        bus: BusHost,
+        host: BusHost,
         source: Observable[_T],
         schedules: tuple[Schedule, ...] = (),
         *,
         per_step: bool = True,
     ) -> None:
         super().__init__()
-        self.bus = bus
+        self.host = host
         self.source = source
         self.schedules = schedules
         self.per_step = per_step
@@ -83,7 +84,7 @@ class BusObservable(Observable[_T], Generic[_T]):
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
-        return self.source.subscribe(observer, scheduler=scheduler or self.bus.chain_scheduler)
+        return self.source.subscribe(observer, scheduler=scheduler or self.host.chain_scheduler)
 
     def pipe(self, *operators: Callable[[Any], Any]) -> Any:
         """Compose operators left to right; the result is still a bus observable."""
@@ -96,58 +97,76 @@ class BusObservable(Observable[_T], Generic[_T]):
                 s for op in operators if (s := getattr(op, "schedule", None)) is not None
             )
         if isinstance(result, Observable) and not isinstance(result, BusObservable):
-            return BusObservable(self.bus, result, schedules, per_step=self.per_step)
+            return BusObservable(self.host, result, schedules, per_step=self.per_step)
         return result
 
-    def subscribe(
+    def subscribe(  # type: ignore[override]  # on_error= is the policy, as on the bus
         self,
         on_next: abc.ObserverBase[_T] | Callable[[_T], Any] | None = None,
-        on_error: Callable[[Exception], Any] | ErrorPolicy | None = None,
+        on_rx_error: Callable[[Exception], Any] | None = None,
         on_completed: Callable[[], Any] | None = None,
         *,
+        on_error: ErrorPolicy | None = None,
         scheduler: abc.SchedulerBase | None = None,
-        policy: ErrorPolicy | None = None,
         name: str | None = None,
         ranks: Any = None,
+        policy: ErrorPolicy | None = None,
     ) -> Subscription:
         """Subscribe under the bus' guard.
 
+        The positional slots are RxPY's (``subscribe(on_next, on_error, on_completed)``), so
+        reactivex operators that subscribe to a bus chain with callbacks keep working; by
+        keyword, ``on_error=`` is the error policy, as in ``bus.subscribe`` and
+        ``bus.subscribe_async``.
+
         Args:
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
-            on_error: An Rx error callback, or an error policy string (``"log"``, ``"stop"``,
-                ``"raise"``) as a shorthand for ``policy``.
+            on_rx_error: The Rx error callback of a function ``on_next``: called with an
+                error the chain itself emits (RxPY's second positional argument).
             on_completed: Called when the bus closes.
+            on_error: What a failure of ``on_next`` does: ``"log"``, ``"stop"`` or
+                ``"raise"`` (default: the bus' ``on_error``).
             scheduler: Overrides the bus scheduler for this chain.
-            policy: What a failure of ``on_next`` does (default: the bus' ``on_error``).
             name: Name in logs and statistics.
             ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
                 default), ``"all"``, a rank or an iterable of ranks.
+            policy: Deprecated spelling of ``on_error`` (a ``DeprecationWarning``).
 
         Returns:
             The :class:`~trainbus.Subscription` (an Rx disposable).
 
         Raises:
-            ConfigError: ``on_next`` is neither callable nor an observer; unknown policy.
+            ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
+                ``on_completed`` is not callable; unknown policy; both ``on_error`` and
+                ``policy``.
         """
-        if isinstance(on_error, str):
-            policy, on_error = on_error, None
-        sub = self.bus.subscribe_observer(
+        if policy is not None:
+            warnings.warn(
+                "BusObservable.subscribe(policy=...) is deprecated: the error policy is "
+                "on_error=..., as in bus.subscribe",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if on_error is not None:
+                raise ConfigError.invalid("policy", policy, "None when on_error is given")
+            on_error = policy
+        sub = self.host.subscribe_observer(
             self.source,
             on_next,
-            on_error,
+            on_rx_error,
             on_completed,
-            policy=policy,
+            on_error=on_error,
             name=name,
             scheduler=scheduler,
             ranks=ranks,
         )
         if self.schedules and sub.active:
-            sub.hold(self.bus.declare(self.schedules))
+            sub.hold(self.host.declare(self.schedules))
         return sub
 
     def subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
         """Subscribe an internal observer directly (async feeders), with the bus scheduler."""
-        return self.source.subscribe(observer, scheduler=self.bus.chain_scheduler)
+        return self.source.subscribe(observer, scheduler=self.host.chain_scheduler)
 
 
 class CommandSink(abc.ObserverBase[Any]):
@@ -175,9 +194,9 @@ class CommandSink(abc.ObserverBase[Any]):
 
 
 def normalize_observer(
-    observer: Any, on_error: Any, on_completed: Any
+    observer: Any, on_rx_error: Any, on_completed: Any
 ) -> tuple[Callable[[Any], Any], Any, Any]:
-    """Split an Rx observer or callbacks into (on_next, on_error, on_completed), validated.
+    """Split an Rx observer or callbacks into (on_next, on_rx_error, on_completed), validated.
 
     Raises:
         ConfigError: ``observer`` is neither callable nor an observer, or a callback is not
@@ -186,12 +205,17 @@ def normalize_observer(
     if isinstance(observer, CommandSink):
         # Failures of a decision pipeline are the subscription's, under its policy (a
         # ConfigError from send() is reported, not re-raised into the pipeline).
-        return observer.send, on_error, on_completed
+        return observer.send, on_rx_error, on_completed
     if isinstance(observer, abc.ObserverBase):
         return observer.on_next, observer.on_error, observer.on_completed
     if observer is None or not callable(observer):
         raise ConfigError.invalid("on_next", observer, "a callable of one event, or an Rx observer")
-    for field, value in (("on_error", on_error), ("on_completed", on_completed)):
+    if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
+        raise ConfigError.invalid(
+            "on_rx_error", on_rx_error,
+            "an Rx error callback or None; an error policy goes in on_error=",
+        )  # fmt: skip
+    for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
         if value is not None and not callable(value):
             raise ConfigError.invalid(field, value, "a callable or None")
-    return observer, on_error, on_completed
+    return observer, on_rx_error, on_completed

@@ -85,7 +85,7 @@ class SubscriptionSet:
         self,
         source: Observable[Any],
         on_next: Callable[[Any], Any],
-        on_error: Callable[[Exception], Any] | None,
+        on_rx_error: Callable[[Exception], Any] | None,
         on_completed: Callable[[], Any] | None,
         *,
         policy: ErrorPolicy | None,
@@ -95,7 +95,7 @@ class SubscriptionSet:
         """Subscribe validated callbacks to ``source`` behind a :class:`GuardedObserver`."""
         sub = Subscription(self._ledger, name or name_of(on_next), policy)
         self._subs.append(sub)
-        guard = GuardedObserver(sub, on_next, on_error, on_completed, self._watchdog)
+        guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
         sub.upstream = source.subscribe(guard, scheduler=scheduler)
         return sub
 

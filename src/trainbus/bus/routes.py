@@ -10,10 +10,10 @@ A *sampled* root takes only some events, decided where the event is routed:
 ``bus.stream(T, every_s=s)`` the first event, then none whose ``time`` is less than ``s``
 seconds after the last one it took (``throttle_first`` on the events' own clock);
 ``bus.stream(T, every_steps=n)`` the events whose ``step`` is a multiple of ``n``. The table
-keeps, per event type asked about, a :class:`Due`: the time from which a time-sampled root
-takes its next event, and the step periods of the step-sampled ones. A publisher that builds
-events only for subscribers (the training loop) reads it and builds no event nobody will take,
-when no root takes every event.
+keeps, per event type asked about, a :class:`Demand`: whether some root takes every event,
+and otherwise which event a sampled one takes next. A publisher that builds events only for
+subscribers (the training loop) asks it (:meth:`Demand.takes`) and builds no event nobody
+will take; the sampling itself stays in here.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from reactivex import abc
 from .._exceptions import ConfigError
 from .doorbell import Doorbell
 
-__all__ = ["Due", "Root", "RouteTable", "Sampled", "Tier", "TierContext"]
+__all__ = ["Demand", "Root", "RouteTable", "Sampled", "Tier", "TierContext"]
 
 Tier = Literal["internal", "core", "user", "global"]
 TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
@@ -45,29 +45,46 @@ class Root:
         self.order = order
 
 
-class Due:
-    """When the sampled subscriptions of one event type take their next event.
+class Demand:
+    """What the subscriptions of one event type take: every event, a sample, or nothing.
+
+    Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
+    the table's lifetime); the publisher reads it from its own thread and never sees how the
+    sampling is done.
 
     Attributes:
-        at: A ``time.monotonic()`` value: an event stamped at or after it is taken by some
-            time-sampled root; ``inf`` when none takes this type.
-        periods: The ``every_steps`` of the step-sampled roots of this type (an event whose
-            step is a multiple of one of them is taken); empty when none.
+        each: Some subscription takes every event of the type.
+        sampled: No subscription takes every event, but a sampled one (``every_s`` /
+            ``every_steps``) takes some: ask :meth:`takes` for each event.
     """
 
-    __slots__ = ("at", "periods")
+    __slots__ = ("_at", "_periods", "each", "sampled")
 
     def __init__(self) -> None:
-        self.at = math.inf
-        self.periods: tuple[int, ...] = ()
+        self.each = False
+        self.sampled = False
+        self._at = math.inf
+        self._periods: tuple[int, ...] = ()
 
-    def takes_step(self, step: int) -> bool:
-        """True when a step-sampled root takes the event of ``step``. (A loop, not ``any()``
-        over a generator: the training loop asks once a step.)"""
-        for n in self.periods:
+    def takes(self, step: int, now: float) -> bool:
+        """True when some subscription takes the event of ``step`` stamped ``now`` (a
+        ``time.monotonic()`` value). One call, asked only while :attr:`sampled`: a time-sampled
+        subscription whose next event is due by ``now``, or a step-sampled one whose
+        ``every_steps`` divides ``step``."""
+        if self.each or now >= self._at:
+            return True
+        for n in self._periods:  # a loop, not any() over a generator: asked once a step
             if step % n == 0:
                 return True
         return False
+
+    def update(self, each: bool, gates: list[Sampled]) -> None:
+        """Set the demand from the type's roots: ``each`` (some root takes every event) and
+        the gates of its sampled roots (the table calls it on every change)."""
+        self._at = min((g.next_at for g in gates), default=math.inf)
+        self._periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
+        self.sampled = not each and bool(gates)
+        self.each = each
 
 
 class Sampled(abc.ObserverBase[Any]):
@@ -145,13 +162,10 @@ class RouteTable:
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
         read it, never write it; a miss is answered by :meth:`resolve`."""
-        self.version = 0
-        """Bumped whenever a root comes or goes: a publisher caching :meth:`wants` answers
-        re-reads them when this changes (one int compare per step)."""
         self.current_tier: Tier = "user"
         """Tier of the roots registered now (see :meth:`tier`)."""
-        self._due: dict[type, Due] = {}
-        """Event type -> its Due, for the types a publisher asked about (:meth:`due`)."""
+        self._demands: dict[type, Demand] = {}
+        """Event type -> its Demand, for the types a publisher asked about (:meth:`demand`)."""
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
@@ -160,32 +174,20 @@ class RouteTable:
             routes = self.resolve(event_type)
         return bool(routes)
 
-    def wants_each(self, event_type: type) -> bool:
-        """True when some root takes every event of ``event_type`` (not only a sample)."""
-        return any(
-            not isinstance(r.observer, Sampled)
-            for r in self._roots
-            if issubclass(event_type, r.types)
-        )
+    def demand(self, event_type: type) -> Demand:
+        """The :class:`Demand` of ``event_type``: kept up to date as roots of that type come,
+        go and take events (the same object for the table's lifetime)."""
+        demand = self._demands.get(event_type)
+        if demand is None:
+            demand = self._demands[event_type] = Demand()
+            self._update_demands()
+        return demand
 
-    def due(self, event_type: type) -> Due:
-        """The :class:`Due` of ``event_type``: kept up to date as sampled roots of that type
-        come, go and take events (the same object for the table's lifetime)."""
-        due = self._due.get(event_type)
-        if due is None:
-            due = self._due[event_type] = Due()
-            self._update_due()
-        return due
-
-    def _update_due(self) -> None:
-        for event_type, due in self._due.items():
-            gates = [
-                r.observer
-                for r in self._roots
-                if isinstance(r.observer, Sampled) and issubclass(event_type, r.types)
-            ]
-            due.at = min((g.next_at for g in gates), default=math.inf)
-            due.periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
+    def _update_demands(self) -> None:
+        for event_type, demand in self._demands.items():
+            roots = [r.observer for r in self._roots if issubclass(event_type, r.types)]
+            gates = [o for o in roots if isinstance(o, Sampled)]
+            demand.update(len(gates) < len(roots), gates)
 
     def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         """The observers ``event_type`` goes to, computed and cached."""
@@ -210,14 +212,13 @@ class RouteTable:
         self._seq += 1
         rank = TIER_ORDER[tier or self.current_tier]
         if every_s is not None or every_steps is not None:
-            observer = Sampled(observer, every_s, every_steps, self._update_due)
+            observer = Sampled(observer, every_s, every_steps, self._update_demands)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.order)
         self.cache = {}
-        self._update_due()
-        self.version += 1
-        self._doorbell.ring()
+        self._update_demands()
+        self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
         return root
 
     def unregister(self, root: Root) -> None:
@@ -225,8 +226,7 @@ class RouteTable:
         if root in self._roots:
             self._roots.remove(root)
             self.cache = {}
-            self._update_due()
-            self.version += 1
+            self._update_demands()
             self._doorbell.ring()
 
     def observers(self) -> list[abc.ObserverBase[Any]]:

@@ -31,7 +31,7 @@ from .. import wire
 from .._log import get_logger
 from .protocol import control_record
 
-__all__ = ["ALWAYS", "DriverBus", "DriverLink"]
+__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink"]
 
 log = get_logger(__name__)
 
@@ -41,6 +41,15 @@ ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
 """Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
 report names. Every other type only when a driver subscriber wants it (the loop never builds
 unwanted ones)."""
+
+
+class CommandSource(Protocol):
+    """What the driver's end takes commands from: the bus' loop face
+    (:class:`trainbus.bus.LoopPort`), as the training loop does."""
+
+    def poll_commands(self) -> list[cmd.Command]:
+        """Take the commands sent so far."""
+        ...
 
 
 class DriverBus(Protocol):
@@ -56,8 +65,8 @@ class DriverBus(Protocol):
         """Queue an event for delivery."""
         ...
 
-    def poll_commands(self) -> list[cmd.Command]:
-        """Take the commands sent so far."""
+    def port(self) -> CommandSource:
+        """The bus' loop face (obtained once: the driver forwards its commands)."""
         ...
 
     @property
@@ -87,6 +96,7 @@ class DriverLink:
         self, bus: DriverBus, token: str, *, keep_events: int = 100, relink: bool = False
     ) -> None:
         self.bus = bus
+        self._commands = bus.port()  # the loop face: the link drains the commands, as a loop
         self._relink = relink
         self._links = 0
         self._token = token
@@ -249,7 +259,7 @@ class DriverLink:
         outbox: list[cmd.Command] = []
         while True:
             await anyio.sleep(interval)
-            outbox.extend(self.bus.poll_commands())
+            outbox.extend(self._commands.poll_commands())
             if self.bus.failure is not None and not self._failed:
                 self._failed = True  # a driver subscriber failed the run: stop the workers
                 outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))

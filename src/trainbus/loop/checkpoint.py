@@ -18,7 +18,7 @@ from .._log import get_logger
 from ..checkpoint import TrainState, capture_data_order, save_checkpoint
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..distributed.sync import RankSync
     from .settings import Settings
 
@@ -67,7 +67,7 @@ class CheckpointWriter:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         *,

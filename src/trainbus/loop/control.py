@@ -17,7 +17,7 @@ from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from ..distributed.sync import RankSync
     from .checkpoint import CheckpointWriter
@@ -62,7 +62,7 @@ class CommandHandler:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         *,
         wait_barrier: BarrierWait,

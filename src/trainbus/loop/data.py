@@ -19,7 +19,7 @@ from .._exceptions import TrainingError
 from ..checkpoint import Checkpoint, TrainState, capture_data_order, replay_epoch, set_sampler_epoch
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from .checkpoint import CheckpointWriter
     from .settings import Settings
     from .wants import Wants
@@ -47,7 +47,7 @@ class EpochData:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         wants: Wants,
         checkpoints: CheckpointWriter,

@@ -15,7 +15,7 @@ from ..hookpoints import HookPoint, StepContext
 from .forward import forward_loss, metric_targets
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .hooks import Hooks
     from .settings import Settings
@@ -80,7 +80,7 @@ class Evaluator:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         wants: Wants,
         check_cancel: Callable[[], None],

@@ -14,11 +14,14 @@ The event order is written once, in docs/events.md ("Event order"), and nowhere 
 there. tests/test_transcript.py pins a recorded run against that pseudocode and checks its
 event names against what the loop publishes, so it cannot drift; a copy here could.
 
-Events nobody wants are never built: the loop compares ``bus.routes_version`` with the version
-its ``Wants`` were read at (one int compare a step) and re-reads them only when the routing
-changed; the step's event and hook points are branches on those flags. The poll point after a
-step with nothing special reads one attribute, the bus' doorbell, which rings after a command,
-a failure, a full ``"block"`` buffer, a routing change or a cancel.
+The loop holds the bus' loop face, its :class:`~trainbus.bus.port.LoopPort`, and one signal
+tells it to look: the port's doorbell, which rings after a routing change, a declared or
+removed decision schedule, a command, a failure, a full ``"block"`` buffer or a cancel.
+Events nobody wants are never built: before a step the loop compares the doorbell's count with
+the one its ``Wants`` and decision step were read at (one attribute read, one int compare) and
+re-reads them only after a ring; the step's event and hook points are branches on those flags.
+The poll point after a step with nothing special reads the same count against the one it last
+polled at.
 No value is read off the device on this thread unless a subscriber or the non-finite guard needs
 it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the window's
 losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
@@ -52,7 +55,7 @@ from .wants import Wants
 from .window import MetricsWindow
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..distributed.sync import RankSync
     from .settings import Settings
 
@@ -90,7 +93,7 @@ class Loop:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         hooks: Hooks,
         barrier: BarrierWait,
         state: TrainState,
@@ -145,9 +148,9 @@ class Loop:
                           )  # fmt: skip
         self._step = Step(parts, fetch_observed=self._data.fetch_observed)
         self._scheduler_step = scheduler.step
-        # The step clock: the next declared decision step (-1: none), re-read with the wants
-        # whenever bus.routes_version changes (it counts schedule changes too).
-        self._routes_seen = -1
+        # The doorbell's count when the wants and the next decision step were last read: they
+        # are re-read before a step after any ring (a routing or schedule change rings it).
+        self._demand_rings = -1
         # The bus' doorbell count at the last look: the poll point after a plain step reads
         # one attribute; the bus rings after a command, a failure, a full "block" buffer, a
         # routing change, and a cancel rings it too.
@@ -281,7 +284,7 @@ class Loop:
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         bus, st, s, control = self._bus, self._state, self._s, self._control
-        pub, step = bus.publish, self._step
+        pub, step, bell = bus.publish, self._step, bus.doorbell
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -305,7 +308,7 @@ class Loop:
                         if window <= 0:
                             complete = True
                             break
-                if bus.routes_version != self._routes_seen:  # the one int compare a step
+                if bell.rings != self._demand_rings:  # the one signal: an int compare a step
                     self._reread_routes()  # pays for its wants and decision steps
                 consumed = step.run(it, window)
                 if consumed == 0:
@@ -362,8 +365,8 @@ class Loop:
             self._evaluate("steps")
 
     def _reread_routes(self) -> None:
-        """The routing changed: re-read the wanted events and the next decision step."""
-        self._routes_seen = self._bus.routes_version
+        """The doorbell rang: re-read the wanted events and the next decision step."""
+        self._demand_rings = self._bus.doorbell.rings  # first: a ring from now on is heard
         self._wants.refresh()
         self._decision_step = self._next_decision(self._state.step)
 
@@ -397,7 +400,7 @@ class Loop:
         declared step is agreed and applied at that step on every rank. Later declarations
         do not join: a step only some ranks treated as a sync point would hang the others."""
         assert self._sync is not None
-        schedules = self._bus.clock.schedules
+        schedules = self._bus.schedules
         every = [int(n) for n in (getattr(x, "n", None) for x in schedules) if n is not None]
         at = [int(k) for k in (getattr(x, "step", None) for x in schedules) if k is not None]
         self._agreed = self._sync.agree_schedules(every, at)

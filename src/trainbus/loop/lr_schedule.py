@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .settings import Settings
     from .wants import Wants
@@ -29,7 +29,7 @@ class SchedulerStepper:
         wants: Which events someone listens to (refreshed by the loop).
     """
 
-    def __init__(self, settings: Settings, bus: EventBus, state: TrainState, wants: Wants) -> None:
+    def __init__(self, settings: Settings, bus: LoopPort, state: TrainState, wants: Wants) -> None:
         self._s = settings
         self._bus = bus
         self._state = state

@@ -22,7 +22,7 @@ from .forward import loss_of, model_outputs
 from .hooks import Hooks, StepContext
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .logged import UserMetrics
     from .settings import Settings
@@ -53,7 +53,7 @@ class StepPhases:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         hooks: Hooks,
         wants: Wants,

@@ -36,7 +36,7 @@ from .outputs import detach_outputs, join_outputs
 from .wants import Wants
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .hooks import Hooks
     from .settings import Settings
@@ -57,7 +57,7 @@ class StandaloneRun:
         state: Stamps the events (the trainer's last train state, or a fresh one).
     """
 
-    def __init__(self, settings: Settings, bus: EventBus, hooks: Hooks, state: TrainState) -> None:
+    def __init__(self, settings: Settings, bus: LoopPort, hooks: Hooks, state: TrainState) -> None:
         self._s, self._bus, self._hooks, self._state = settings, bus, hooks, state
         self._wants = Wants(bus)
         self._cancel = False
@@ -146,7 +146,7 @@ class StandaloneRun:
                     self._check_cancel()
                     if self.should_stop():
                         break
-                    if bus.routes_version != w.version:
+                    if bus.doorbell.rings != w.rings:  # the port's one signal
                         w.refresh()
                     if w.batch_fetched:
                         pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="predict",

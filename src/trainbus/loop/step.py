@@ -15,7 +15,7 @@ code: the user's function where the forward, loss and backward of a micro-batch 
 :meth:`CustomStep.finish <trainbus.loop.custom.CustomStep.finish>` where the optimizer step is.
 
 Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` (resolved once
-per routing change, when ``bus.routes_version`` moves) or the hook tuple of its point. A step
+per routing change, when the port's doorbell rang) or the hook tuple of its point. A step
 nobody observes runs the same code and pays those reads, nothing else: there is no second
 copy of the step.
 """
@@ -36,7 +36,7 @@ from .gradsync import GradSync
 from .outcome import Cancelled
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .custom import CustomStep
     from .hooks import Hooks, StepContext
@@ -71,7 +71,7 @@ class StepParts:
     """
 
     settings: Settings
-    bus: EventBus
+    bus: LoopPort
     state: TrainState
     wants: Wants
     hooks: Hooks
@@ -154,9 +154,8 @@ class Step:
         # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built only
         # when one of them takes it.
         step_ended = w.step_ended
-        if w.step_ended_sampled:
-            due = w.step_ended_due
-            step_ended = due.at <= t0 or (bool(due.periods) and due.takes_step(st.step + 1))
+        if w.step_ended_sampled:  # the port's demand answers; the sampling stays in the bus
+            step_ended = w.step_ended_demand.takes(st.step + 1, t0)
         keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
         bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
         custom = self._custom

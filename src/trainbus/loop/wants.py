@@ -1,8 +1,9 @@
 """Which per-step events someone listens to: the loop builds no event nobody wants.
 
-``bus.wants(T)`` walks the bus' routing table; the step would pay for that a dozen times. The
-:class:`Wants` record caches one flag per per-step event type and re-reads them only when
-``bus.routes_version`` changes (a subscription came or went): one int compare per step.
+``port.wants(T)`` walks the bus' routing table; the step would pay for that a dozen times. The
+:class:`Wants` record caches one flag per per-step event type; the loop re-reads them only when
+the port's doorbell rang (a subscription came or went, among the other changes it rings for):
+one attribute read and an int compare per step.
 """
 
 from __future__ import annotations
@@ -12,30 +13,29 @@ from typing import TYPE_CHECKING
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
 
 __all__ = ["Wants"]
 
 
 class Wants:
-    """Cached ``bus.wants(T)`` for every event the loop publishes per step or per eval batch.
+    """Cached ``port.wants(T)`` for every event the loop publishes per step or per eval batch.
 
     Attributes (read on the hot path; written only by :meth:`refresh`):
-        batch_fetched ... eval_batch_ended: ``bus.wants`` of the event of that name.
+        batch_fetched ... eval_batch_ended: ``port.wants`` of the event of that name.
         phases: One of the events only the instrumented phases publish (``BatchFetched``
             through ``OptimizerStepEnded``, ``MicroBatchEnded``, ``ZeroGradStarted/Ended``) is
             wanted; while none is, the step can take its plain path.
         step_ended: Some subscription takes every ``StepEnded``.
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
-            one when ``step_ended_due.at`` (a ``time.monotonic()`` value) has come or one of
-            ``step_ended_due.periods`` divides its step.
-        step_ended_due: The bus' :class:`~trainbus.bus.routes.Due` for ``StepEnded``.
+            one when ``step_ended_demand.takes(step, now)`` says one of them takes it.
+        step_ended_demand: The port's :class:`~trainbus.bus.routes.Demand` for ``StepEnded``.
         step_extras: ``StepBegan`` or the ``DataWaitStarted/Ended`` span is wanted: the
             step reads this one flag, and the single ones only when it is set.
-        version: The ``bus.routes_version`` the flags were read at (-1: never read).
+        rings: The doorbell's count the flags were read at (-1: never read).
 
     Args:
-        bus: The bus whose routing is cached.
+        bus: The port whose demand is cached.
     """
 
     __slots__ = (
@@ -56,23 +56,23 @@ class Wants:
         "optimizer_step_started",
         "phases",
         "prediction_batch_ended",
+        "rings",
         "scheduler_stepped",
         "scheduler_stepping",
         "step_began",
         "step_ended",
-        "step_ended_due",
+        "step_ended_demand",
         "step_ended_sampled",
         "step_extras",
-        "version",
         "zero_grad_ended",
         "zero_grad_started",
     )  # fmt: skip
 
-    def __init__(self, bus: EventBus) -> None:
+    def __init__(self, bus: LoopPort) -> None:
         self._bus = bus
-        self.step_ended_due = bus.due(ev.StepEnded)
+        self.step_ended_demand = bus.demand(ev.StepEnded)
         self.step_ended_sampled = False
-        self.version = -1
+        self.rings = -1
         self.batch_fetched = self.forward_started = self.forward_ended = False
         self.loss_computed = self.backward_started = self.backward_ended = False
         self.optimizer_step_started = self.optimizer_step_ended = False
@@ -84,18 +84,18 @@ class Wants:
         self.phases = False
 
     def refresh(self) -> None:
-        """Re-read the flags if the bus' routing changed since the last read (else nothing).
+        """Re-read the flags if the port's doorbell rang since the last read (else nothing).
 
-        The step calls it only after its own ``bus.routes_version != wants.version`` compare,
-        so a step without a routing change pays one int compare.
+        The doorbell is the port's one signal that something changed (a subscription among
+        others); a step without a ring pays one compare.
         """
         bus = self._bus
-        version = bus.routes_version
-        if version == self.version:
+        rings = bus.doorbell.rings
+        if rings == self.rings:
             return
-        # The version is read first: a subscription made while the flags are read bumps it
-        # again, and the next compare catches that.
-        self.version = version
+        # The count is read first: a subscription made while the flags are read rings again,
+        # and the next compare catches that.
+        self.rings = rings
         wants = bus.wants
         self.batch_fetched = wants(ev.BatchFetched)
         self.forward_started = wants(ev.ForwardStarted)
@@ -107,9 +107,10 @@ class Wants:
         self.optimizer_step_ended = wants(ev.OptimizerStepEnded)
         self.scheduler_stepped = wants(ev.SchedulerStepped)
         # Sampled subscriptions only (stream(StepEnded, every_s= / every_steps=)): the step
-        # builds one when step_ended_due says one of them takes it, not every step.
-        self.step_ended = bus.wants_each(ev.StepEnded)
-        self.step_ended_sampled = not self.step_ended and wants(ev.StepEnded)
+        # builds one when the demand says one of them takes it, not every step.
+        demand = self.step_ended_demand
+        self.step_ended = demand.each
+        self.step_ended_sampled = demand.sampled
         self.metrics_logged = wants(ev.MetricsLogged)
         self.eval_batch_ended = wants(ev.EvalBatchEnded)
         self.eval_batch_started = wants(ev.EvalBatchStarted)

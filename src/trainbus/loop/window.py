@@ -12,7 +12,7 @@ import torch
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
+    from ..bus import LoopPort
     from ..checkpoint import TrainState
     from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
@@ -62,7 +62,7 @@ class MetricsWindow:
     def __init__(
         self,
         settings: Settings,
-        bus: EventBus,
+        bus: LoopPort,
         state: TrainState,
         *,
         guard: NonFiniteGuard,

@@ -45,7 +45,7 @@ def train(bus: EventBus, group: ProcessGroup, mode: str, max_steps: int) -> dict
             time.sleep(0.5)  # what was published reaches the driver; then a hard death
             os.kill(os.getpid(), signal.SIGKILL)
         if step % 2 == 0:  # a sync point
-            for c in agreement.exchange(bus.poll_commands()):
+            for c in agreement.exchange(bus.port().poll_commands()):
                 bus.publish(ev.CommandApplied(step=step, epoch=0, command=c))
                 if isinstance(c, cmd.StopTraining):
                     reason, stop_reason = "stopped", c.reason
