@@ -139,7 +139,7 @@ class CommandAgreement:
         every rank. Every rank must call it at the same sync point (it is a collective).
 
         Args:
-            local: This rank's pending commands, in send order (``bus.poll_commands()``).
+            local: This rank's pending commands, in send order (``port.poll_commands()``).
 
         Returns:
             The merged commands (see :func:`merge`).
@@ -219,7 +219,7 @@ class CommandAgreement:
 
         Args:
             metrics: Name -> float; every rank must pass the same names.
-            pending: This rank has commands waiting (``bus.has_commands()``).
+            pending: This rank has commands waiting (``port.has_commands()``).
 
         Returns:
             (name -> mean over ranks, whether any rank has pending commands).

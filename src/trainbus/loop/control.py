@@ -141,7 +141,7 @@ class CommandHandler:
         """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,
         stop on cancel, apply commands.
 
-        The wait (``bus.wait_for_room``) is where a ``"block"`` subscriber slows training; it
+        The wait (``port.wait_for_room``) is where a ``"block"`` subscriber slows training; it
         ends early when a command, failure or cancel arrives, and is skipped once the run
         stops (the closing steps never wait on it).
 
