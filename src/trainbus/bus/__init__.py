@@ -11,7 +11,7 @@ part               module                     owns
 Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
 Spent              ``spent.py``               what the loop thread is done with (freed at publish)
 RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
-StepClock          ``clock.py``               declared decision schedules, ``version``
+StepClock          ``clock.py``               declared decision schedules (each change rings)
 DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
 BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
 AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
