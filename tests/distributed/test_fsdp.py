@@ -4,7 +4,8 @@ An MLP 16-64-64-H, every Linear then the root sharded, AdamW: H=5 splits the hea
 (uneven), H=6 3 + 3 (even). One launch trains (parity with a hand-written FSDP2 loop, the grad norm
 monitor, a NaN in one rank's shard, straight runs and runs stopped mid-epoch with sharded
 checkpoints); a second launch (new processes) resumes them, fails to load a damaged folder,
-refuses a one-file checkpoint and exports a folder to one plain file.
+refuses a one-file checkpoint and exports a folder to one plain file; a third (1 rank)
+resumes a 2-rank folder through DCP's resharding.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out: Path = tmp_path_factory.mktemp("fsdp")
     torchrun("fsdp_worker.py", str(out), TRAIN, timeout=240)
     torchrun("fsdp_worker.py", str(out), RESUME, timeout=240)
+    torchrun("fsdp_worker.py", str(out), "reshard", nproc=1, timeout=240)
     return out
 
 
@@ -111,6 +113,14 @@ def test_a_load_failure_on_one_rank_stops_every_rank_with_a_checkpoint_error(out
     assert r0["error"] == r1["error"] == "CheckpointError"
     assert "rank-1.pt cannot be read" in r1["message"]
     assert "rank 1" in r0["message"] and "rank-1.pt" in r0["message"]
+
+
+def test_another_world_size_resumes_through_dcp_resharding(out: Path) -> None:
+    # The 2-rank checkpoint of step 7 on 1 rank: every parameter as saved (the exported full
+    # tensors), then the next epoch boundary (epoch 2, all 40 samples: 10 steps).
+    (r,) = [json.loads((out / "reshard-rank0.json").read_text())]
+    assert r["world"] == 1 and r["same"]
+    assert r["steps"] == 7 + 10
 
 
 def test_bad_input_is_refused_before_any_step(out: Path) -> None:

@@ -24,6 +24,7 @@ Modes:
     earlyopt      an optimizer built before fully_shard: a ConfigError
     onefile       resume a sharded run from a one-file checkpoint: a CheckpointError
     export        export_full of save5's last folder (rank 0), compared with full_tensor()
+    reshard       (1 rank) resume save5's 2-rank folder: DCP reshards; train a third epoch
 """
 
 from __future__ import annotations
@@ -233,9 +234,7 @@ def refused(mode: str) -> None:
 def export() -> None:
     folder = OUT / "ckpt5" / "step-00000007-final"
     model, opt = build()
-    t = trainer(
-        model, opt, DataLoader(dataset(5), batch_size=4), checkpoint_dir=OUT / "ckpt5", max_steps=7
-    )
+    t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_steps=7)
     t.run(resume=folder)  # the model now holds the saved state (nothing left to train)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
@@ -245,6 +244,25 @@ def export() -> None:
         same = all(torch.equal(full[n], p) for n, p in plain.named_parameters())
         write("export", same=same, keys=sorted(torch.load(target, weights_only=True)))
     dist.barrier()
+
+
+def reshard() -> None:
+    """On 1 rank: resume the 2-rank checkpoint (DCP reshards it), then train on."""
+    folder = OUT / "ckpt5" / "step-00000007-final"
+    model, opt = build()
+    t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_epochs=3)
+    first: dict[str, torch.Tensor] = {}
+
+    def keep(ctx: Any) -> None:
+        if not first:
+            first.update({n: local(p.detach()).clone() for n, p in model.named_parameters()})
+
+    t.add_hook("batch", keep)  # before the first update: the state resumed
+    t.run(resume=folder)
+    assert t.result is not None
+    exported = torch.load(OUT / "exported.pt", weights_only=True)
+    write("reshard", steps=t.result.steps, world=dist.get_world_size(),
+          same=all(torch.equal(first[n], exported[n]) for n in exported))  # fmt: skip
 
 
 def main() -> None:
@@ -264,6 +282,8 @@ def main() -> None:
             refused(mode)
         elif mode == "export":
             export()
+        elif mode == "reshard":
+            reshard()
         else:
             raise SystemExit(f"unknown mode {mode}")
         dist.barrier()
