@@ -29,6 +29,8 @@ class Case:
     """Regex the output must match (the example's summary line)."""
     check: Callable[[re.Match[str]], bool] = lambda m: True
     """Extra condition on the match, e.g. on the numbers it captured."""
+    timeout: float = 60
+    """Seconds the script may run (one that starts torchrun ranks needs more)."""
 
 
 CASES = [
@@ -89,6 +91,13 @@ CASES = [
         # completed ones kept a final checkpoint.
         lambda m: int(m[1]) >= 2 and int(m[1]) + int(m[2]) == 4 and int(m[3]) == int(m[2]),
     ),
+    Case(
+        "fsdp2.py",
+        r"fsdp2: 2 ranks, folder step-00000007-final holds \['\.metadata', '__0_0\.distcp', "
+        r"'__1_0\.distcp', 'rank-0\.pt', 'rank-1\.pt', 'trainbus\.pt'\]; resumed at step 7 "
+        r"bit-identical: True; exported model loads: True",
+        timeout=240,  # two torchrun ranks, three fits
+    ),
 ]
 
 
@@ -97,7 +106,11 @@ def test_every_example_is_tested() -> None:
     assert on_disk == {c.script for c in CASES}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.script for c in CASES])
+@pytest.mark.parametrize(
+    "case",
+    [pytest.param(c, marks=pytest.mark.timeout(c.timeout + 60)) for c in CASES],
+    ids=[c.script for c in CASES],
+)
 def test_example_runs(case: Case, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
@@ -106,7 +119,7 @@ def test_example_runs(case: Case, tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=case.timeout,
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output

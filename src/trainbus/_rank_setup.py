@@ -11,6 +11,7 @@ from .bus import EventBus
 from .distributed.data import release_model, shard_loader, wrap_model
 from .distributed.group import ProcessGroup
 from .distributed.link import WorkerLink
+from .distributed.sharding import check_mesh
 from .loop import Outcome, Settings
 
 __all__ = ["RankSetup"]
@@ -60,6 +61,7 @@ class RankSetup:
         """The settings one rank trains with: DDP model, sharded data (same on one process)."""
         group = self._group
         assert group is not None, "join() first"
+        check_mesh(s.model, group.world_size)
         if not group.distributed:
             return s
         model = wrap_model(s.model, group) if self._ddp else s.model

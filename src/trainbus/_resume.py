@@ -13,9 +13,10 @@ import anyio.from_thread
 from . import events as ev
 from ._exceptions import CheckpointError, ConfigError
 from ._log import get_logger
+from ._tensors import is_sharded_model
 from .bus import EventBus
 from .callbacks._base import Callback
-from .checkpoint import Checkpoint, CheckpointStore, read_checkpoint
+from .checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
 from .distributed.data import unwrap_model
 from .distributed.group import ProcessGroup
 from .loop import Cancelled, Settings
@@ -57,8 +58,9 @@ def check_resume(
     if not isinstance(resume, str | os.PathLike) or not os.fspath(resume):
         raise ConfigError.invalid("resume", resume, "a checkpoint path, 'latest' or None")
     path = Path(resume)
-    if not path.is_file():
-        raise ConfigError.invalid("resume", str(path), "an existing checkpoint file")
+    if not path.exists():
+        raise ConfigError.invalid("resume", str(path), "an existing checkpoint file (or a "
+                                  "sharded run's checkpoint folder)")  # fmt: skip
     return path
 
 
@@ -141,6 +143,8 @@ class CallbackStates:
             CheckpointError: damaged, foreign or incompatible checkpoint; or ``required`` and
                 ``"latest"`` found no valid checkpoint (naming the folder and what it held).
         """
+        if is_sharded_model(unwrap_model(s.model)):
+            return self._load_sharded(s, resume, group, required=required)
         # Loaded to the host: load_state_dict puts each tensor where the live model and
         # optimizer keep it (Adam's "step" stays on the host unless fused/capturable, as in a
         # straight run), and the RNG states are the CPU tensors torch's setters take.
@@ -151,16 +155,7 @@ class CallbackStates:
             scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
             checkpoint = scan.checkpoint
             if checkpoint is None:
-                found = scan.describe()
-                if required:
-                    raise CheckpointError(
-                        f"no valid checkpoint to resume from (resume='latest', "
-                        f"require_checkpoint=True); the folder held: {found}",
-                        path=str(s.checkpoint_dir),
-                    )  # fmt: skip
-                log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
-                            found=found, action="training from step 0; pass "
-                            "require_checkpoint=True to make this an error")  # fmt: skip
+                self._found_nothing(s, scan.describe(), required=required)
                 return None
         else:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
@@ -188,4 +183,48 @@ class CallbackStates:
                                               path=str(checkpoint.path)))  # fmt: skip
         # The loop needs the train state, data order and RNG states; the weights and optimizer
         # state are in the live objects now: keep no second copy for the rest of the run.
+        return checkpoint.restored()
+
+    @staticmethod
+    def _found_nothing(s: Settings, found: str, *, required: bool) -> None:
+        """``resume="latest"`` found no valid checkpoint: an error when required, else a
+        warning naming the folder and what it held."""
+        if required:
+            raise CheckpointError(
+                f"no valid checkpoint to resume from (resume='latest', "
+                f"require_checkpoint=True); the folder held: {found}",
+                path=str(s.checkpoint_dir),
+            )  # fmt: skip
+        log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
+                    found=found, action="training from step 0; pass "
+                    "require_checkpoint=True to make this an error")  # fmt: skip
+
+    def _load_sharded(
+        self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool
+    ) -> Checkpoint | None:
+        """:meth:`load` for a sharded (FSDP2) model: every rank restores its own shards and
+        RNG from a checkpoint folder, agreed across ranks (:func:`load_sharded`)."""
+        where = s.checkpoint_dir if resume == "latest" else resume
+        self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(where)))
+        checkpoint, found = load_sharded(resume, s.checkpoint_dir, model=s.model,
+                                         optimizer=s.optimizer, scheduler=s.scheduler,
+                                         scaler=s.scaler)  # fmt: skip
+        if checkpoint is None:
+            self._found_nothing(s, found, required=required)
+            return None
+        saved_world = int(checkpoint.meta["world_size"])
+        st = checkpoint.state
+        if saved_world != group.world_size:
+            # DCP resharded the weights; the interrupted epoch's shards of the data differ:
+            # resume at the next epoch boundary (docs/distributed.md).
+            log.warning("resume_world_size_changed", saved_world_size=saved_world,
+                        world_size=group.world_size, epoch=st.epoch,
+                        batch_in_epoch=st.batch_in_epoch,
+                        action="resharded through DCP; resume at the next epoch "
+                        "boundary")  # fmt: skip
+            if st.batch_in_epoch > 0:
+                st.epoch_done()
+        self.restore(checkpoint)
+        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
+                                              path=str(checkpoint.path)))  # fmt: skip
         return checkpoint.restored()

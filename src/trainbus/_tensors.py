@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -12,7 +13,17 @@ import torch
 
 from ._exceptions import ConfigError
 
-__all__ = ["batch_size", "bf16_supported", "move_to_device", "resolve_device", "use_device"]
+__all__ = [
+    "batch_size",
+    "bf16_supported",
+    "is_dtensor",
+    "is_sharded_model",
+    "local_part",
+    "move_to_device",
+    "plain_value",
+    "resolve_device",
+    "use_device",
+]
 
 _DEVICE_FORMS = "'auto', 'cpu', 'cuda', 'cuda:N', 'mps' or a torch.device"
 
@@ -163,3 +174,49 @@ def batch_size(batch: Any) -> int:
             batch = next(iter(batch.values()))
         else:
             return 1
+
+
+def _dtensor_class() -> type | None:
+    # Only a process that built a DTensor has imported the module: no import cost for others.
+    module = sys.modules.get("torch.distributed.tensor")
+    return None if module is None else getattr(module, "DTensor", None)
+
+
+def is_dtensor(value: object) -> bool:
+    """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, its
+    gradient, or a norm computed over them)."""
+    cls = _dtensor_class()
+    return cls is not None and isinstance(value, cls)
+
+
+def is_sharded_model(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is sharded with FSDP2 (``fully_shard``): it or a submodule is an
+    ``FSDPModule``, or a parameter is a DTensor.
+
+    Args:
+        model: The model the run trains.
+    """
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    module_cls = None if fsdp is None else getattr(fsdp, "FSDPModule", None)
+    if module_cls is not None and any(isinstance(m, module_cls) for m in model.modules()):
+        return True
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def plain_value(value: torch.Tensor) -> torch.Tensor:
+    """The whole value of a DTensor as a plain tensor (``full_tensor()``: no communication when
+    it is replicated, as a clipped norm is; a collective otherwise, so every rank must call
+    it); any other tensor as it is."""
+    if is_dtensor(value):
+        full: torch.Tensor = value.full_tensor()  # type: ignore[attr-defined]
+        return full
+    return value
+
+
+def local_part(value: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor as a plain tensor (``to_local()``); any other tensor as
+    it is. Reads nothing from the other ranks."""
+    if is_dtensor(value):
+        local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
+        return local
+    return value

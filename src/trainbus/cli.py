@@ -19,6 +19,9 @@ the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs 
 ``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
 process as the driver (see :mod:`trainbus.launcher`).
 
+``trainbus export FOLDER OUTPUT`` writes a sharded (FSDP2) run's checkpoint folder as one plain
+file an unsharded model loads (see :func:`trainbus.checkpoint.export_full`).
+
 The CLI is the one place that configures structlog (a console renderer for humans, JSON lines
 with ``--json-logs``) and prints. Logs go to stderr (through ``tqdm.write`` when tqdm is there, so
 the progress bar stays intact); the summary goes to stdout.
@@ -31,6 +34,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from ._export_cli import add_export_parser, run_export
 
 __all__ = ["main"]
 
@@ -363,6 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
                            help="only events with START <= step <= END "
                            "(10:20, 10:, :20)")  # fmt: skip
         p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
+    add_export_parser(sub)
     return parser
 
 
@@ -387,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_logging(json_logs=args.json_logs)
     if args.command == "demo":
         return run_demo(args)
+    if args.command == "export":
+        return run_export(args)
     if args.command in ("replay", "plot"):
         from ._exceptions import ConfigError
 

@@ -46,6 +46,7 @@ from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
+from .distributed.sharding import check_ddp
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
 from .loop import (
@@ -229,8 +230,11 @@ class Trainer:
         bus: A preconfigured :class:`EventBus` (default: a new one).
         ddp: Under ``torchrun`` with more than one rank, wrap the model in
             ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
-            for a model you parallelise yourself (FSDP, a custom wrapper): trainbus then
-            neither wraps it nor all-reduces its gradients (docs/distributed.md).
+            for a model you parallelise yourself (a custom wrapper): trainbus then neither
+            wraps it nor all-reduces its gradients (docs/distributed.md). None (the default):
+            DDP, except for a model sharded with FSDP2 (``fully_shard``), which reduces its
+            own gradients and is never wrapped; ``True`` for such a model is a
+            ``ConfigError``.
         watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
             before a warning names it, with its stack, while it blocks (default 5; None: no
             watchdog). The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
@@ -281,7 +285,7 @@ class Trainer:
         handle_signals: bool = True,
         on_signal: OnSignal = "raise",
         bus: EventBus | None = None,
-        ddp: bool = True,
+        ddp: bool | None = None,
         watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
         close_timeout: float | BusDefault | None = BusDefault.DEFAULT,
         on_lost: Literal["warn", "raise"] = "warn",
@@ -304,10 +308,7 @@ class Trainer:
             raise ConfigError.invalid("handle_signals", handle_signals, "True or False")
         self.handle_signals = handle_signals
         self.on_signal: OnSignal = check_on_signal(on_signal)
-        if not isinstance(ddp, bool):
-            raise ConfigError.invalid("ddp", ddp, "True (wrap in DistributedDataParallel under "
-                                      "torchrun) or False")  # fmt: skip
-        self.ddp = ddp
+        self.ddp = check_ddp(ddp, self.settings.model)
         if on_lost not in ("warn", "raise"):
             raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
         self.on_lost: Literal["warn", "raise"] = on_lost

@@ -104,6 +104,17 @@ def copy_as_best(source: Path, step: int) -> Path:
     return target
 
 
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: a file, or a sharded run's folder (renamed to a hidden name first,
+    so a removal cut short never leaves a half folder under a checkpoint's name)."""
+    if not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    doomed = path.with_name(f".{path.name}.{secrets.token_hex(4)}.removed-tmp")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 class _Retention:
     """Which checkpoint files to delete after each ``CheckpointSaved``: pure bookkeeping.
 
@@ -300,6 +311,6 @@ class Checkpointing(Callback):
 
     def _prune(self, event: ev.CheckpointSaved) -> None:
         for path in self._retention.saved(event):
-            Path(path).unlink(missing_ok=True)
+            _remove(Path(path))
             log.info("checkpoint_removed", step=event.step, path=path,
                      reason="keep_last" if event.tag is None else "keep_best")  # fmt: skip

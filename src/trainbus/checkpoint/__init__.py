@@ -11,8 +11,12 @@ from .data_order import EpochSampler as EpochSampler
 from .data_order import capture_data_order as capture_data_order
 from .data_order import replay_epoch as replay_epoch
 from .data_order import set_sampler_epoch as set_sampler_epoch
+from .export import export_full as export_full
 from .rng import capture_rng as capture_rng
 from .rng import restore_rng as restore_rng
+from .sharded import load_sharded as load_sharded
+from .sharded import read_folder as read_folder
+from .sharded import save_sharded as save_sharded
 from .state import FORMAT_VERSION as FORMAT_VERSION
 from .state import Checkpoint as Checkpoint
 from .state import TrainState as TrainState
@@ -37,13 +41,17 @@ __all__ = [
     "capture_rng",
     "check_checkpoint_dir",
     "checkpoint_name",
+    "export_full",
     "latest_checkpoint",
     "load_checkpoint",
+    "load_sharded",
     "parse_checkpoint_name",
     "read_checkpoint",
+    "read_folder",
     "replay_epoch",
     "restore_rng",
     "run_metadata",
     "save_checkpoint",
+    "save_sharded",
     "set_sampler_epoch",
 ]

@@ -323,8 +323,17 @@ class Checkpoint:
                 itself through :func:`~trainbus.checkpoint.replay_epoch` (mid-epoch resume).
 
         Raises:
-            CheckpointError: the checkpoint does not fit the model, optimizer or world size.
+            CheckpointError: the checkpoint does not fit the model, optimizer or world size,
+                or is a sharded checkpoint folder (restored by a sharded run only).
         """
+        if self.meta.get("sharded"):
+            raise CheckpointError(
+                "a sharded checkpoint folder (written by a fully_shard run through "
+                "torch.distributed.checkpoint): resume it with the model sharded the same way, "
+                "or turn it into one file an unsharded model loads with "
+                "trainbus.checkpoint.export_full(folder, path) (CLI: trainbus export)",
+                path=str(self.path),
+            )  # fmt: skip
         self.check_compatible(model=model, optimizer=optimizer, world_size=world_size)
         model.load_state_dict(live_state(self.model, model))
         optimizer.load_state_dict(self.optimizer)

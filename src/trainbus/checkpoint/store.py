@@ -19,6 +19,7 @@ import os
 import pickle
 import re
 import secrets
+import shutil
 import threading
 import zipfile
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
+from .sharded import read_folder
 from .state import Checkpoint, parse_payload
 
 __all__ = [
@@ -44,6 +46,7 @@ log = get_logger(__name__)
 
 TEMP_SUFFIX = ".trainbus-tmp"
 _NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?\.pt$")
+_FOLDER = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?$")  # a sharded run's checkpoint
 _TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+" + re.escape(TEMP_SUFFIX) + "$")
 
 # Temp files this process is writing right now: the same pid can belong to a killed writer of
@@ -136,6 +139,8 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
             names the file; the low-level error is the ``__cause__``.
     """
     p = Path(path)
+    if p.is_dir():  # a sharded run's checkpoint folder (sharded.py)
+        return read_folder(p)
     if not p.is_file():
         raise _refuse(p, "no such file")
     if p.stat().st_size == 0:
@@ -269,9 +274,14 @@ class CheckpointStore:
         removed: list[Path] = []
         for entry in self._directory.iterdir():
             m = _TEMP.match(entry.name)
-            if m is None or not entry.is_file() or not self._stale(entry.name, int(m.group(1))):
+            if m is None or not self._stale(entry.name, int(m.group(1))):
                 continue
-            entry.unlink(missing_ok=True)
+            if entry.is_dir():  # a sharded save's temporary folder
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_file():
+                entry.unlink(missing_ok=True)
+            else:
+                continue
             removed.append(entry)
             log.info("checkpoint_temp_removed", path=str(entry), reason="writer is gone")
         return removed
@@ -366,14 +376,19 @@ class CheckpointStore:
             return []
         found: list[tuple[int, int, Path]] = []
         for entry in self._directory.iterdir():
-            parsed = parse_checkpoint_name(entry.name)
-            if parsed is None or not entry.is_file():
-                continue
+            folder = _FOLDER.match(entry.name)
+            if folder is not None and entry.is_dir():  # a sharded checkpoint (sharded.py)
+                step = int(folder.group(1))
+            else:
+                parsed = parse_checkpoint_name(entry.name)
+                if parsed is None or not entry.is_file():
+                    continue
+                step = parsed[0]
             try:
                 mtime = entry.stat().st_mtime_ns
             except FileNotFoundError:  # removed meanwhile (retention)
                 continue
-            found.append((parsed[0], mtime, entry))
+            found.append((step, mtime, entry))
         found.sort(key=lambda t: (t[0], t[1]), reverse=True)
         return [p for _, _, p in found]
 

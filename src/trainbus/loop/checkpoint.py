@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 from .. import events as ev
 from .._exceptions import CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ..checkpoint import TrainState, capture_data_order, save_checkpoint
+from .._tensors import is_sharded_model
+from ..checkpoint import TrainState, capture_data_order, save_checkpoint, save_sharded
+from ..checkpoint.sharded import folder_name
 
 if TYPE_CHECKING:
     from ..bus import LoopPort
@@ -61,7 +63,8 @@ class CheckpointWriter:
             ``CheckpointSaved`` (its path); None: one process.
 
     The model is saved unwrapped (``DistributedDataParallel``'s ``.module``), so a checkpoint
-    is the same with or without DDP.
+    is the same with or without DDP. A sharded (FSDP2) model is saved by every rank into one
+    checkpoint folder (:mod:`trainbus.checkpoint.sharded`).
     """
 
     def __init__(
@@ -82,6 +85,7 @@ class CheckpointWriter:
         self.last_checkpoint: str | None = None
         self.last_checkpoint_step = -1
         self.failed_saves = 0
+        self._sharded = is_sharded_model(settings.model)
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
         """The epoch in progress draws its batches in ``data_order``
@@ -144,8 +148,19 @@ class CheckpointWriter:
                 world_size=1 if sync is None else sync.world_size,
             ))  # fmt: skip
 
+        def write_sharded() -> str:  # every rank writes its shards (a collective)
+            states = None if self._callback_states is None else self._callback_states()
+            return str(save_sharded(
+                checkpoint_dir, name=folder_name(st.step, tag), state=st, model=s.model,
+                optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
+                data_order=self._order_to_save(), callback_states=states,
+            ))  # fmt: skip
+
         try:
-            path = write() if sync is None else sync.on_main(write)
+            if self._sharded:
+                path = write_sharded()
+            else:
+                path = write() if sync is None else sync.on_main(write)
         except CheckpointWriteError as exc:
             self._refused(exc, tag)
             raise

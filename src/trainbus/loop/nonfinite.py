@@ -37,6 +37,7 @@ import torch
 
 from .._exceptions import CheckpointError, NonFiniteLossError
 from .._log import get_logger
+from .._tensors import local_part
 
 if TYPE_CHECKING:
     from ..checkpoint import TrainState
@@ -172,15 +173,23 @@ class NonFiniteGuard:
                 f"not writing a checkpoint at step {st.step}: a non-finite loss stopped the run "
                 "(on_nonfinite='stop'); the last checkpoint written is the last good one"
             )
-        params = [p.detach() for p in model.parameters()]
-        if not params:
+        # A sharded (FSDP2) parameter is checked on this rank's shard; under several ranks the
+        # answer is agreed (one all-reduce), so a NaN in one rank's shard refuses the save on
+        # every rank instead of leaving the others waiting in the write's collectives.
+        params = [local_part(p.detach()) for p in model.parameters()]
+        finite = True
+        if params:
+            flags = torch.stack([torch.isfinite(p).all().to(params[0].device) for p in params])
+            finite = bool(flags.all().item())
+        if self._agree is not None:
+            finite = not self._agree(not finite)
+        if finite:
             return
-        flags = torch.stack([torch.isfinite(p).all().to(params[0].device) for p in params])
-        if bool(flags.all().item()):
-            return
-        names = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+        names = [n for n, p in model.named_parameters()
+                 if not bool(torch.isfinite(local_part(p.detach())).all())]  # fmt: skip
+        where = (f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+                 if names else "another rank's shard of the parameters")  # fmt: skip
         raise CheckpointError(
-            f"not writing a checkpoint at step {st.step}: non-finite values in parameter(s) "
-            f"{', '.join(names[:5])}{' ...' if len(names) > 5 else ''}; a checkpoint never "
-            "holds NaN/inf weights"
+            f"not writing a checkpoint at step {st.step}: non-finite values in {where}; a "
+            "checkpoint never holds NaN/inf weights"
         )

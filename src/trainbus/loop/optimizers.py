@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from .._exceptions import CheckpointError, ConfigError
+from .._tensors import is_sharded_model
 
 __all__ = ["OptimizerSet", "SchedulerSet", "check_optimizers", "check_schedulers"]
 
@@ -145,13 +146,17 @@ class SchedulerSet:
             sched.load_state_dict(state_dict[name])
 
 
-def _over_model(name: str, opt: Any, params: set[int]) -> None:
+def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool = False) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError.invalid(name, type(opt).__name__, "a torch.optim.Optimizer")
     if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
         raise ConfigError.invalid(
-            name, type(opt).__name__, "an optimizer over this model's parameters"
-        )
+            name, type(opt).__name__,
+            "an optimizer built after fully_shard(model), over its sharded (DTensor) "
+            "parameters: fully_shard replaces every parameter, so an optimizer built before "
+            "it would step the old, unsharded ones" if sharded
+            else "an optimizer over this model's parameters",
+        )  # fmt: skip
 
 
 def check_optimizers(
@@ -171,7 +176,7 @@ def check_optimizers(
     params = {id(p) for p in model.parameters()}
     if not isinstance(optimizer, Mapping):
         if isinstance(optimizer, torch.optim.Optimizer):
-            _over_model("optimizer", optimizer, params)
+            _over_model("optimizer", optimizer, params, sharded=is_sharded_model(model))
             return optimizer, {DEFAULT_NAME: optimizer}
         raise ConfigError.invalid(
             "optimizer", type(optimizer).__name__,
@@ -185,7 +190,7 @@ def check_optimizers(
     for name, opt in optimizer.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError.invalid("optimizer", name, "names that are identifiers")
-        _over_model(f"optimizer[{name!r}]", opt, params)
+        _over_model(f"optimizer[{name!r}]", opt, params, sharded=is_sharded_model(model))
         if id(opt) in seen:
             raise ConfigError.invalid(
                 f"optimizer[{name!r}]", type(opt).__name__,

@@ -18,6 +18,7 @@ import torch
 
 from .. import events as ev
 from .._exceptions import TrainingError
+from .._tensors import plain_value
 from .forward import loss_of, model_outputs
 from .hooks import Hooks, StepContext
 
@@ -270,7 +271,9 @@ class StepPhases:
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             params = s.model.parameters() if not custom else _params_of(opt)
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm)
+            # Sharded (FSDP2) parameters give a replicated DTensor: its plain value, the
+            # same on every rank (no communication), so events and the window hold tensors.
+            grad_norm = plain_value(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm))
         if w.optimizer_step_started:
             pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
         skipped = False

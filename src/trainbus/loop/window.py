@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from .. import events as ev
+from .._tensors import plain_value
 
 if TYPE_CHECKING:
     from ..bus import LoopPort
@@ -96,7 +97,7 @@ class MetricsWindow:
         if loss is not None:
             self._losses.append(loss)
         if grad_norm is not None:
-            self._norms.append(grad_norm)
+            self._norms.append(plain_value(grad_norm))  # a DTensor norm read as one tensor
         self._samples += samples
 
     def close(self, publish: bool) -> ev.MetricsLogged | None:

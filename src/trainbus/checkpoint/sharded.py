@@ -1,0 +1,519 @@
+"""Sharded checkpoints: one folder per save, written by every rank of an FSDP2 run.
+
+A model sharded with ``fully_shard`` holds DTensor parameters: each rank keeps its own part of
+every parameter and optimizer moment, so no single rank can write the run's state. Every rank
+writes its part through ``torch.distributed.checkpoint`` (DCP) into one folder::
+
+    step-00000042[-tag]/
+        .metadata            DCP's index: which file holds which shard of which tensor
+        __0_0.distcp ...     DCP's per-rank files: model and optimizer state ("model.<name>",
+                             "optimizer.state.<name>.<moment>", ...)
+        trainbus.pt          rank 0: the train state, metrics, scheduler, grad scaler, data
+                             order, callback states and metadata (``world_size``,
+                             ``param_shapes`` (full shapes), ``optimizer``, ``sharded``); its
+                             ``model`` and ``optimizer`` entries are empty, as the weights are
+                             in the DCP files
+        rank-<r>.pt          each rank's RNG states and data order
+
+The write is atomic like a one-file checkpoint's: every rank writes into a hidden temporary
+folder (``.<name>.<pid>.<random>.trainbus-tmp``) beside the final one, the ranks agree that every
+part was written, and rank 0 renames the folder into place and fsyncs the parent. A failure on
+any rank removes the temporary folder and is raised on every rank.
+
+Reading checks the folder before anything is loaded: the DCP index parses, every file it names
+is present and long enough, ``trainbus.pt`` is a valid trainbus payload and every rank's
+``rank-<r>.pt`` is there. Unsharded runs keep the one-file format (:mod:`.store`).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._exceptions import CheckpointError, CheckpointWriteError
+from .._log import get_logger
+from .rng import capture_rng
+from .state import FORMAT_VERSION, MAGIC, Checkpoint, TrainState, check_plain, run_metadata
+
+__all__ = [
+    "STATE_FILE",
+    "find_sharded",
+    "folder_name",
+    "gather_errors",
+    "load_sharded",
+    "rank_file",
+    "read_folder",
+    "read_rank_file",
+    "save_sharded",
+]
+
+log = get_logger(__name__)
+
+STATE_FILE = "trainbus.pt"
+"""The file of a checkpoint folder holding trainbus' own state (rank 0 writes it)."""
+
+_METADATA = ".metadata"
+_TEMP_SUFFIX = ".trainbus-tmp"
+
+
+def folder_name(step: int, tag: str | None) -> str:
+    """``step-00000042`` or ``step-00000042-best``: a sharded checkpoint's folder name."""
+    return f"step-{step:08d}" + (f"-{tag}" if tag else "")
+
+
+def rank_file(rank: int) -> str:
+    """The name of rank ``rank``'s own file in a checkpoint folder (``rank-<r>.pt``)."""
+    return f"rank-{rank}.pt"
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def gather_errors(error: BaseException | None) -> list[tuple[int, str]]:
+    """Every rank's error, as ``(rank, message)`` for the ranks that had one: a collective
+    (every rank calls it at the same point), the same list on every rank.
+
+    Args:
+        error: This rank's error, or None.
+    """
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    rank, world = _world()
+    if world == 1:
+        return [] if text is None else [(rank, text)]
+    found: list[str | None] = [None] * world
+    dist.all_gather_object(found, text)
+    return [(r, t) for r, t in enumerate(found) if t is not None]
+
+
+def _broadcast(value: str) -> str:
+    _, world = _world()
+    if world == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_folder(path: Path) -> None:
+    if os.name != "posix":  # Windows cannot open a folder for fsync; NTFS journals renames
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save(obj: object, path: Path) -> None:
+    torch.save(obj, path)
+    _fsync_file(path)
+
+
+def _dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optim_state}
+
+
+def save_sharded(
+    directory: Path,
+    *,
+    name: str,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    metrics: Mapping[str, float],
+    data_order: dict[str, Any] | None = None,
+    callback_states: Mapping[str, Mapping[str, Any]] | None = None,
+) -> Path:
+    """Write a sharded checkpoint folder ``directory / name``; every rank calls it.
+
+    Args:
+        directory: The checkpoint folder (created on the first save).
+        name: The checkpoint's folder name (``step-<n>[-<tag>]``).
+        state: Where the loop is.
+        model, optimizer: The sharded model and its optimizer (saved through DCP).
+        scheduler, scaler: Saved through their ``state_dict()`` by rank 0 (None: absent).
+        metrics: The last evaluation's metrics.
+        data_order: This rank's :func:`~trainbus.checkpoint.capture_data_order`.
+        callback_states: ``{name: state dict}`` (rank 0's are written).
+
+    Returns:
+        The folder's path, the same on every rank; complete when this returns.
+
+    Raises:
+        ConfigError: a callback state or the data order cannot be saved safely (on every rank).
+        CheckpointWriteError: this rank's part could not be written (an ``OSError``).
+        CheckpointError: another rank's part could not be written (naming it). Nothing is
+            left half-written: the temporary folder is removed, earlier checkpoints stay.
+    """
+    rank, world = _world()
+    final = directory / name
+    payload: dict[str, Any] | None = None
+    tmp_name = ""
+    error: BaseException | None = None
+    try:  # the local part that may fail, agreed before the first collective write
+        check_plain(data_order, "data_order")
+        if rank == 0:
+            payload = _state_payload(state=state, model=model, optimizer=optimizer,
+                                     scheduler=scheduler, scaler=scaler, metrics=metrics,
+                                     data_order=data_order, callback_states=callback_states,
+                                     world_size=world)  # fmt: skip
+            try:
+                directory.mkdir(parents=True, exist_ok=True)
+                tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+                (directory / tmp_name).mkdir()
+            except OSError as exc:
+                raise CheckpointWriteError(str(final), exc) from exc
+    except BaseException as exc:  # raised below on this rank, after the others heard of it
+        error = exc
+    _raise_agreed(error, gather_errors(error), final, None)
+    tmp = directory / _broadcast(tmp_name)
+    try:
+        from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+        # A collective: DCP gathers every rank's failure and raises it on every rank.
+        dcp_save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+        _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / rank_file(rank))
+        if payload is not None:
+            _torch_save(payload, tmp / STATE_FILE)
+    except OSError as exc:
+        error = CheckpointWriteError(str(final), exc)
+    except BaseException as exc:
+        error = exc
+    _raise_agreed(error, gather_errors(error), final, tmp)
+    if rank == 0:
+        try:
+            _publish(tmp, final)
+        except OSError as exc:
+            error = CheckpointWriteError(str(final), exc)
+    _raise_agreed(error, gather_errors(error), final, tmp)
+    return final
+
+
+def _raise_agreed(
+    error: BaseException | None, failed: list[tuple[int, str]], final: Path, tmp: Path | None
+) -> None:
+    """After an agreement: when any rank failed, remove the temporary folder (rank 0) and
+    raise on every rank (this rank's own error, or a ``CheckpointError`` naming the others')."""
+    if not failed:
+        return
+    rank, _ = _world()
+    if rank == 0 and tmp is not None:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if error is not None:
+        raise error
+    what = "; ".join(f"rank {r}: {t}" for r, t in failed)
+    raise CheckpointError(f"not written: another rank's part failed ({what}); the earlier "
+                          "checkpoints are untouched", path=str(final))  # fmt: skip
+
+
+def _state_payload(
+    *,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    metrics: Mapping[str, float],
+    data_order: dict[str, Any] | None,
+    callback_states: Mapping[str, Mapping[str, Any]] | None,
+    world_size: int,
+) -> dict[str, Any]:
+    """``trainbus.pt``: a one-file payload (:mod:`.state`) whose model and optimizer entries
+    are empty (their state is in the DCP files) and whose metadata says so (``sharded``)."""
+    callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
+    check_plain(callbacks, "callback_states")
+    # A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
+    meta = run_metadata(model, optimizer, world_size=world_size)
+    meta["sharded"] = True
+    return {
+        "magic": MAGIC,
+        "format": FORMAT_VERSION,
+        "meta": meta,
+        "state": state.as_dict(),
+        "model": {},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "metrics": {str(k): float(v) for k, v in metrics.items()},
+        "rng": None,
+        "data_order": data_order,
+        "callbacks": callbacks,
+    }
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the complete temporary folder into place (rank 0), replacing an older folder of
+    the same name (a final save at a step saved before) only once the new one is complete."""
+    _fsync_folder(tmp)
+    old: Path | None = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.old-tmp")
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_folder(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception in one line: torch.load's refusals are a page of advice around one line
+    of diagnosis (``WeightsUnpickler error: ...``)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            return " ".join(lines[i : i + 2])
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def _check_dcp_files(folder: Path) -> None:
+    """The DCP index parses and names files that are all present and long enough."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    if not (folder / _METADATA).is_file():
+        raise CheckpointError("no DCP index (.metadata): not a complete sharded checkpoint",
+                              path=str(folder))  # fmt: skip
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"its DCP index (.metadata) cannot be read: {_reason(exc)}",
+                              path=str(folder)) from exc  # fmt: skip
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for relative, end in sorted(needed.items()):
+        file = folder / relative
+        if not file.is_file():
+            raise CheckpointError(f"missing the shard file {relative} (a rank's part of the "
+                                  "model and optimizer state)", path=str(folder))  # fmt: skip
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(f"the shard file {relative} is truncated ({size} bytes, the "
+                                  f"index needs {end})", path=str(folder))  # fmt: skip
+
+
+def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
+    """Read and check a sharded checkpoint folder; nothing is applied to a model yet.
+
+    Args:
+        folder: The checkpoint folder (``step-<n>[-<tag>]/``).
+
+    Returns:
+        The :class:`~trainbus.checkpoint.Checkpoint` of ``trainbus.pt`` (``meta["sharded"]``
+        True; empty ``model`` and ``optimizer``: they are in the DCP files).
+
+    Raises:
+        CheckpointError: not a folder, the DCP index is missing or unreadable, a shard file
+            or a rank's ``rank-<r>.pt`` is missing or truncated, or ``trainbus.pt`` is not a
+            valid trainbus payload. The message names the folder.
+    """
+    from .store import read_checkpoint
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointError("no such checkpoint folder", path=str(path))
+    _check_dcp_files(path)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"missing {STATE_FILE} (trainbus' own state, written by rank 0)",
+                              path=str(path))  # fmt: skip
+    inner = read_checkpoint(path / STATE_FILE)
+    checkpoint = replace(inner, path=path)
+    if not checkpoint.meta.get("sharded"):
+        raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",
+                              path=str(path))  # fmt: skip
+    world = int(checkpoint.meta["world_size"])
+    missing = [rank_file(r) for r in range(world) if not (path / rank_file(r)).is_file()]
+    if missing:
+        raise CheckpointError(f"missing {', '.join(missing)} (each rank's RNG and data order; "
+                              f"written by {world} ranks)", path=str(path))  # fmt: skip
+    return checkpoint
+
+
+def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s RNG states and data order from a checkpoint folder.
+
+    Raises:
+        CheckpointError: the file is missing, damaged or not what trainbus writes.
+    """
+    path = folder / rank_file(rank)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"missing {rank_file(rank)}", path=str(folder)) from exc
+    except Exception as exc:
+        raise CheckpointError(f"{rank_file(rank)} cannot be read (damaged, or not written by "
+                              f"trainbus): {_reason(exc)}", path=str(folder)) from exc  # fmt: skip
+    if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
+        raise CheckpointError(f"{rank_file(rank)} is not a trainbus rank file", path=str(folder))
+    return saved
+
+
+def _agree_path(path: str) -> None:
+    """Every rank resumes the same checkpoint (a collective)."""
+    _, world = _world()
+    if world == 1:
+        return
+    paths: list[str | None] = [None] * world
+    dist.all_gather_object(paths, path)
+    if len(set(paths)) > 1:
+        raise CheckpointError("the ranks found different checkpoints to resume ("
+                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
+                              + "): every rank must see the same checkpoint folder")  # fmt: skip
+
+
+def find_sharded(
+    resume: str | os.PathLike[str], checkpoint_dir: Path | None
+) -> tuple[Checkpoint | None, str]:
+    """The sharded checkpoint to resume (this rank's view; :func:`load_sharded` agrees).
+
+    Args:
+        resume: ``"latest"`` (newest valid checkpoint in ``checkpoint_dir``) or a folder.
+        checkpoint_dir: The run's checkpoint folder.
+
+    Returns:
+        The checkpoint (None: ``"latest"`` found none) and what the folder held, in words.
+
+    Raises:
+        CheckpointError: a one-file checkpoint (an unsharded run's) where a folder is needed,
+            or a damaged folder.
+    """
+    from .store import CheckpointStore
+
+    advice = ("a sharded (fully_shard) model resumes from a checkpoint folder written by a "
+              "sharded run; to start from an unsharded run's weights, load them into the model "
+              "before fully_shard and start a fresh run")  # fmt: skip
+    if resume == "latest":
+        assert checkpoint_dir is not None
+        scan = CheckpointStore(checkpoint_dir).find_latest(map_location="cpu")
+        found = scan.checkpoint
+        if found is not None and not found.meta.get("sharded"):
+            raise CheckpointError(f"the newest checkpoint is a one-file checkpoint (an "
+                                  f"unsharded run's): {advice}", path=str(found.path))  # fmt: skip
+        return found, scan.describe()
+    path = Path(resume)
+    if path.is_file():
+        raise CheckpointError(f"a one-file checkpoint (an unsharded run's): {advice}",
+                              path=str(path))  # fmt: skip
+    return read_folder(path), ""
+
+
+def load_sharded(
+    resume: str | os.PathLike[str],
+    checkpoint_dir: Path | None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+) -> tuple[Checkpoint | None, str]:
+    """Find, check and restore a sharded checkpoint on every rank (every rank calls it).
+
+    Each rank reads and checks the folder and its own ``rank-<r>.pt``; the ranks agree that
+    every one succeeded and found the same folder; then DCP loads each rank's shards of the
+    model and optimizer state (resharded when the world size changed), and the scheduler and
+    grad scaler are restored.
+
+    Args:
+        resume: ``"latest"`` or a checkpoint folder.
+        checkpoint_dir: The run's checkpoint folder (for ``"latest"``).
+        model, optimizer: The sharded model and its optimizer, restored in place.
+        scheduler, scaler: Restored when present here and in the checkpoint.
+
+    Returns:
+        ``(checkpoint, found)``: the checkpoint with this rank's RNG states and data order
+        (None when ``"latest"`` found none on every rank), and what the folder held.
+
+    Raises:
+        CheckpointError: on every rank, when any rank could not read or check its part
+            (naming the rank and why), the ranks found different checkpoints, or DCP could
+            not load the state; nothing is trained from a half-restored model.
+    """
+    rank, world = _world()
+    checkpoint: Checkpoint | None = None
+    found = ""
+    own: dict[str, Any] | None = None
+    error: BaseException | None = None
+    try:
+        checkpoint, found = find_sharded(resume, checkpoint_dir)
+        if checkpoint is not None:
+            saved_world = int(checkpoint.meta["world_size"])
+            checkpoint.check_compatible(model=model, optimizer=optimizer, world_size=saved_world)
+            if rank < saved_world:
+                own = read_rank_file(checkpoint.path, rank)
+    except BaseException as exc:  # agreed below, then raised on every rank
+        error = exc
+    _raise_load(error, gather_errors(error))
+    _agree_path("" if checkpoint is None else str(checkpoint.path))
+    if checkpoint is None:
+        return None, found
+    try:
+        _restore_state(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
+                       scaler=scaler)  # fmt: skip
+    except BaseException as exc:
+        error = exc
+    _raise_load(error, gather_errors(error), checkpoint.path)
+    if own is None:
+        log.warning("resume_rng_not_saved", rank=rank, world_size=world,
+                    saved_world_size=int(checkpoint.meta["world_size"]),
+                    action="this rank keeps its seeded random state")  # fmt: skip
+        return replace(checkpoint, rng=None), found
+    order = own["data_order"] if own["data_order"] is not None else checkpoint.data_order
+    return replace(checkpoint, rng=own["rng"], data_order=order), found
+
+
+def _raise_load(
+    error: BaseException | None, failed: list[tuple[int, str]], path: Path | None = None
+) -> None:
+    if not failed:
+        return
+    if isinstance(error, CheckpointError):
+        raise error
+    what = "; ".join(f"rank {r}: {t}" for r, t in failed)
+    raise CheckpointError(f"cannot resume: {what}",
+                          path=None if path is None else str(path)) from error  # fmt: skip
+
+
+def _restore_state(
+    checkpoint: Checkpoint,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    state = _dcp_state(model, optimizer)
+    try:
+        dcp_load(state, checkpoint_id=str(checkpoint.path))  # a collective, errors agreed
+    except Exception as exc:
+        raise CheckpointError(f"DCP could not load the model and optimizer shards: "
+                              f"{_reason(exc)}", path=str(checkpoint.path)) from exc  # fmt: skip
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])  # fmt: skip
+    if scheduler is not None and checkpoint.scheduler is not None:
+        scheduler.load_state_dict(checkpoint.scheduler)
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)

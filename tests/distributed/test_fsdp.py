@@ -1,0 +1,174 @@
+"""FSDP2 (fully_shard) under trainbus: 2 gloo ranks running scripts/fsdp_worker.py.
+
+An MLP 16-64-64-H, every Linear then the root sharded, AdamW: H=5 splits the head 3 + 2
+(uneven), H=6 3 + 3 (even). One launch trains (parity with a hand-written FSDP2 loop, the grad norm
+monitor, a NaN in one rank's shard, straight runs and runs stopped mid-epoch with sharded
+checkpoints); a second launch (new processes) resumes them, fails to load a damaged folder,
+refuses a one-file checkpoint and exports a folder to one plain file; a third (1 rank)
+resumes a 2-rank folder through DCP's resharding.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+import trainbus
+
+from ._torchrun import env, torchrun
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+TRAIN = "ddp,earlyopt,parity,gradmon,nan,full5,save5,full6,save6"
+RESUME = "resume5,resume6,loadfail,onefile,export"
+
+
+def read(out: Path, name: str) -> list[dict[str, Any]]:
+    ranks = [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    return ranks
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out: Path = tmp_path_factory.mktemp("fsdp")
+    torchrun("fsdp_worker.py", str(out), TRAIN, timeout=240)
+    torchrun("fsdp_worker.py", str(out), RESUME, timeout=240)
+    torchrun("fsdp_worker.py", str(out), "reshard", nproc=1, timeout=240)
+    return out
+
+
+def test_trainbus_with_the_default_ddp_equals_a_hand_written_fsdp2_loop(out: Path) -> None:
+    for r in read(out, "parity"):
+        assert r["wrapped"] == "FSDPSequential"  # never wrapped in DDP
+        assert r["steps"] == 10
+        assert r["losses"] == r["hand_losses"]  # every loss, exactly
+        assert r["norms"] == r["hand_norms"]  # clip_grad_norm's pre-clip norm, exactly
+        assert r["same_params"]  # torch.equal on every parameter and optimizer moment
+        assert r["norm_types"] == ["Tensor"]  # StepEnded.grad_norm: a plain tensor
+
+
+def test_clipping_reads_dtensor_norms_in_a_partial_last_window(out: Path) -> None:
+    # 10 steps, log_every=4: the last window holds steps 9 and 10 only.
+    for r in read(out, "parity"):
+        last = r["hand_norms"][8:]
+        assert r["train_grad_norm"] == pytest.approx(sum(last) / 2, rel=1e-6)
+
+
+def test_grad_norm_monitor_with_the_default_subscriber_runs_on_every_rank(out: Path) -> None:
+    r0, r1 = read(out, "gradmon")
+    assert r0["steps"] == r1["steps"] == 10  # no deadlock: rank 1 measured too
+    assert r0["measured"] == [1, 3, 5, 7, 9]  # every 2nd update, on rank 0's subscriber
+    assert r1["measured"] == []  # nobody subscribes there; it still took part
+    assert r0["types"] == ["Tensor"] and all(v > 0 for v in r0["values"])
+
+
+def test_a_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(out: Path) -> None:
+    for r in read(out, "nan"):
+        assert r["reason"] == "completed"
+        assert r["checkpoint"] is None and r["written"] == []
+
+
+@pytest.mark.parametrize("head", [5, 6])
+def test_sharded_checkpoints_are_folders_with_retention(out: Path, head: int) -> None:
+    for r in read(out, f"save{head}"):
+        assert r["steps"] == 7
+        folder = out / f"ckpt{head}"
+        assert [Path(p).name for p in r["saved"]] == [
+            "step-00000002", "step-00000004", "step-00000006", "step-00000007-final",
+        ]  # fmt: skip
+        assert r["checkpoint"] == str(folder / "step-00000007-final")
+    final = out / f"ckpt{head}" / "step-00000007-final"
+    assert sorted(p.name for p in final.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "rank-0.pt", "rank-1.pt", "trainbus.pt",
+    ]  # fmt: skip
+    # keep_last=2 removed step 2; no temporary folder is left
+    assert not (out / f"ckpt{head}" / "step-00000002").exists()
+    assert not [p for p in (out / f"ckpt{head}").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("head", [5, 6])
+def test_resume_latest_equals_the_uninterrupted_run(out: Path, head: int) -> None:
+    for rank, r in enumerate(read(out, f"resume{head}")):
+        assert r["steps"] == 10
+        straight = torch.load(out / f"full{head}-rank{rank}.pt", weights_only=True)
+        resumed = torch.load(out / f"resume{head}-rank{rank}.pt", weights_only=True)
+        assert sorted(straight) == sorted(resumed)
+        assert len(straight) == 6 * 4  # 6 parameters, each with step, exp_avg, exp_avg_sq
+        for key, value in straight.items():
+            assert torch.equal(value, resumed[key]), key
+
+
+def test_a_load_failure_on_one_rank_stops_every_rank_with_a_checkpoint_error(out: Path) -> None:
+    r0, r1 = read(out, "loadfail")
+    assert r0["error"] == r1["error"] == "CheckpointError"
+    assert "rank-1.pt cannot be read" in r1["message"]
+    assert "rank 1" in r0["message"] and "rank-1.pt" in r0["message"]
+
+
+def test_another_world_size_resumes_through_dcp_resharding(out: Path) -> None:
+    # The 2-rank checkpoint of step 7 on 1 rank: every parameter as saved (the exported full
+    # tensors), then the next epoch boundary (epoch 2, all 40 samples: 10 steps).
+    (r,) = [json.loads((out / "reshard-rank0.json").read_text())]
+    assert r["world"] == 1 and r["same"]
+    assert r["steps"] == 7 + 10
+
+
+def test_bad_input_is_refused_before_any_step(out: Path) -> None:
+    for r in read(out, "ddp"):
+        assert r["error"] == "ConfigError" and "ddp=True" in r["message"]
+        assert "None (the default) or False" in r["message"]
+    for r in read(out, "earlyopt"):
+        assert r["error"] == "ConfigError" and "after fully_shard" in r["message"]
+    for r in read(out, "onefile"):
+        assert r["error"] == "CheckpointError" and "one-file checkpoint" in r["message"]
+
+
+def test_export_writes_one_file_equal_to_full_tensor(out: Path) -> None:
+    (r,) = [json.loads((out / "export-rank0.json").read_text())]
+    assert r["same"]
+    assert r["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight", "4.bias", "4.weight"]
+
+
+def test_the_export_cli_writes_the_same_file(out: Path) -> None:
+    folder = out / "ckpt5" / "step-00000007-final"
+    target = out / "cli.pt"
+    done = subprocess.run([sys.executable, "-m", "trainbus", "export", str(folder), str(target)],
+                          env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(target)
+    exported = torch.load(target, weights_only=True)
+    expected = torch.load(out / "exported.pt", weights_only=True)
+    assert sorted(exported) == sorted(expected)
+    assert all(torch.equal(exported[k], expected[k]) for k in expected)
+    # a folder missing a rank's shard file: refused, naming the file
+    broken = out / "missing-shard"
+    shutil.copytree(folder, broken)
+    (broken / "__1_0.distcp").unlink()
+    done = subprocess.run([sys.executable, "-m", "trainbus", "export", str(broken), str(target)],
+                          env=env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 1
+    assert "missing the shard file __1_0.distcp" in done.stderr
+
+
+def test_an_unsharded_run_refuses_a_checkpoint_folder(out: Path) -> None:
+    folder = out / "ckpt5" / "step-00000007-final"
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                          nn.Linear(64, 5))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = [(torch.randn(4, 16), torch.randint(0, 5, (4,)))]
+    t = trainbus.Trainer(model, opt, data, loss_fn=F.cross_entropy, max_epochs=1,
+                         progress=False, handle_signals=False)  # fmt: skip
+    with pytest.raises(trainbus.CheckpointError, match=r"sharded checkpoint folder.*export_full"):
+        t.run(resume=folder)
+    assert t.result is None  # before any step
