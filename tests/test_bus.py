@@ -302,7 +302,7 @@ def test_stop_policy_sends_one_stop_training(vbus: EventBus, step_event) -> None
     def bad(e: ev.StepEnded) -> None:
         raise RuntimeError("nope")
 
-    sub = vbus.stream(ev.StepEnded).subscribe(bad, "stop", name="guard")  # policy shorthand
+    sub = vbus.stream(ev.StepEnded).subscribe(bad, on_error="stop", name="guard")
     publish_range(vbus, step_event, 0, 5)
     vbus.flush()
     (command,) = vbus.port().poll_commands()
@@ -368,7 +368,7 @@ def test_operator_error_ends_only_that_subscription(vbus: EventBus, step_event) 
     with_cb = (
         vbus.stream(ev.StepEnded)
         .pipe(ops.map(mapper))
-        .subscribe(lambda x: None, on_error=errors.append)
+        .subscribe(lambda x: None, on_rx_error=errors.append)
     )
     other_sub = vbus.stream(ev.StepEnded).subscribe(lambda e: other.append(e.step))
     publish_range(vbus, step_event, 0, 5)

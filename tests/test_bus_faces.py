@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
 import pytest
 import reactivex
 import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import ConfigError, EventBus, Trainer
+from trainbus import AnyioScheduler, ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.bus import LoopPort
@@ -182,3 +183,27 @@ def test_bad_error_arguments_name_their_field(call: Any, field: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{field}="):
         call(bus)
     assert bus.subscriptions == ()
+
+
+@pytest.mark.asyncio
+async def test_the_scheduler_s_deprecated_on_error_still_reaches_its_failure_callback() -> None:
+    failures: list[BaseException] = []
+    reported = anyio.Event()
+
+    def failed(exc: BaseException) -> None:
+        failures.append(exc)
+        reported.set()
+
+    with pytest.warns(DeprecationWarning, match="on_failure"):
+        sched = AnyioScheduler(on_error=failed)
+
+    def boom(_s: Any, _st: Any) -> None:
+        raise RuntimeError("boom")
+
+    async with anyio.create_task_group() as tg:
+        await tg.start(sched.run)
+        sched.schedule(boom)
+        with anyio.fail_after(10):
+            await reported.wait()
+        tg.cancel_scope.cancel()
+    assert [str(e) for e in failures] == ["boom"]

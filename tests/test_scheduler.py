@@ -367,7 +367,7 @@ def test_actions_scheduled_before_the_loop_keep_their_delay_trio_virtual() -> No
 # ----------------------------------------------------------------------------- failures
 async def raising_action() -> None:
     errors: list[BaseException] = []
-    sched, log = AnyioScheduler(on_error=errors.append), Log()
+    sched, log = AnyioScheduler(on_failure=errors.append), Log()
 
     def boom(_s: Any, _st: Any) -> None:
         raise RuntimeError("boom")

@@ -28,7 +28,7 @@ from ._torchrun import env, torchrun
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
-TRAIN = "ddp,earlyopt,parity,gradmon,nan,full5,save5,full6,save6"
+TRAIN = "ddp,earlyopt,mesh,saveapi,parity,gradmon,nan,badstate,mixed,full5,save5,full6,save6"
 RESUME = "resume5,resume6,loadfail,onefile,export"
 
 
@@ -76,6 +76,23 @@ def test_a_nan_in_one_ranks_shard_refuses_the_save_on_every_rank(out: Path) -> N
     for r in read(out, "nan"):
         assert r["reason"] == "completed"
         assert r["checkpoint"] is None and r["written"] == []
+
+
+def test_a_save_failing_on_one_rank_fails_every_rank_alike_and_leaves_nothing(out: Path) -> None:
+    # Only rank 0 writes the callback states: its refusal reaches rank 1 as the same error.
+    r0, r1 = read(out, "badstate")
+    assert r0["error"] == r1["error"] == "ConfigError"
+    assert "callback_states" in r0["message"] and "(on rank 0)" in r1["message"]
+    assert r0["left"] == r1["left"] == []  # no folder, no temporary folder
+
+
+def test_mixed_precision_and_activation_checkpointing_train_and_save(out: Path) -> None:
+    for r in read(out, "mixed"):
+        assert (r["reason"], r["steps"]) == ("completed", 10)
+        assert r["checkpoint"] == str(out / "mixed" / "step-00000010-final")
+        assert r["forwards"] == 20  # each step's forward, and its recomputation in the backward
+        assert r["dtype"] == "torch.float32"  # the sharded parameters: bf16 only for compute
+        assert r["loss"] == r["loss"]  # finite: not NaN
 
 
 @pytest.mark.parametrize("head", [5, 6])
@@ -131,6 +148,12 @@ def test_bad_input_is_refused_before_any_step(out: Path) -> None:
         assert r["error"] == "ConfigError" and "after fully_shard" in r["message"]
     for r in read(out, "onefile"):
         assert r["error"] == "CheckpointError" and "one-file checkpoint" in r["message"]
+    for r in read(out, "mesh"):
+        assert r["error"] == "ConfigError" and "a device mesh of 1 rank(s)" in r["message"]
+        assert "all 2 ranks" in r["message"]
+    for r in read(out, "saveapi"):
+        assert r["error"] == "ConfigError" and "save_sharded" in r["message"]
+    assert not (out / "never").exists()
 
 
 def test_export_writes_one_file_equal_to_full_tensor(out: Path) -> None:
@@ -172,3 +195,33 @@ def test_an_unsharded_run_refuses_a_checkpoint_folder(out: Path) -> None:
     with pytest.raises(trainbus.CheckpointError, match=r"sharded checkpoint folder.*export_full"):
         t.run(resume=folder)
     assert t.result is None  # before any step
+
+
+def test_latest_skips_a_damaged_folder_and_stale_temporary_folders_go(
+    out: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "ckpt"
+    shutil.copytree(out / "ckpt5", folder)
+    good = folder / "step-00000010-final"  # resume5's final save
+    # newer, but missing rank 1's own file: skipped as invalid
+    shutil.copytree(good, folder / "step-00000011")
+    (folder / "step-00000011" / "rank-1.pt").unlink()
+    # newer still, one shard file truncated
+    shutil.copytree(good, folder / "step-00000012")
+    shard = folder / "step-00000012" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    # a temporary folder a killed writer left (its pid is not running)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    stale = folder / f".step-00000013.{int(dead.stdout)}.0a1b2c3d.trainbus-tmp"
+    shutil.copytree(good, stale)
+    with pytest.raises(trainbus.CheckpointError, match=r"missing rank-1\.pt"):
+        trainbus.checkpoint.read_checkpoint(folder / "step-00000011")
+    with pytest.raises(trainbus.CheckpointError, match=r"__0_0\.distcp is truncated"):
+        trainbus.checkpoint.read_checkpoint(folder / "step-00000012")
+    assert trainbus.checkpoint.latest_checkpoint(folder) == good
+    assert not stale.exists()
+    loaded = trainbus.checkpoint.read_checkpoint(good)
+    assert loaded.meta["sharded"] and loaded.meta["world_size"] == 2
+    assert loaded.meta["param_shapes"]["4.weight"] == [5, 64]  # the full shape
+    assert loaded.state.step == 10

@@ -135,7 +135,7 @@ async def test_a_driver_subscriber_that_raises_stops_the_workers(tmp_path: Path)
         if e.step == 3:
             raise RuntimeError("driver-side bug")
 
-    launcher.bus.stream(ev.StepEnded).subscribe(boom, policy="raise")
+    launcher.bus.stream(ev.StepEnded).subscribe(boom, on_error="raise")
     with pytest.raises(RuntimeError, match="driver-side bug"):
         await launcher.launch()
     (rank0,) = read(tmp_path)

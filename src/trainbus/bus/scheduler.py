@@ -17,6 +17,7 @@ import heapq
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -52,10 +53,29 @@ class AnyioScheduler(PeriodicScheduler):
 
     Actions may be scheduled before the loop runs (they wait in the heap) and from any thread
     (a foreign thread wakes the loop through anyio's thread portal). An action that raises is
-    reported to ``on_error`` and logged; it never stops the timer task.
+    reported to ``on_failure`` and logged; it never stops the timer task.
+
+    Args:
+        on_failure: Called with the exception of an action that raised (the bus passes its
+            failure ledger's).
+        on_error: Deprecated spelling of ``on_failure`` (a ``DeprecationWarning``): in
+            trainbus ``on_error`` is an error policy.
     """
 
-    def __init__(self, on_error: Callable[[BaseException], None] | None = None) -> None:
+    def __init__(
+        self,
+        on_failure: Callable[[BaseException], None] | None = None,
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        if on_error is not None:
+            warnings.warn(
+                "AnyioScheduler(on_error=...) is deprecated: pass on_failure=... (in trainbus "
+                "on_error is an error policy)",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            on_failure = on_failure or on_error
         super().__init__()
         self._heap: list[tuple[float, int, _Item]] = []
         self._seq = itertools.count()
@@ -66,7 +86,7 @@ class AnyioScheduler(PeriodicScheduler):
         # Loop clock minus time.monotonic(): trio's clock carries a random offset, so a time read
         # off the loop thread is rebased with the offset measured when run() started.
         self._offset = 0.0
-        self._on_error = on_error
+        self._on_failure = on_failure
 
     # ------------------------------------------------------------------ scheduling
     def schedule(
@@ -187,8 +207,8 @@ class AnyioScheduler(PeriodicScheduler):
             item.disposable.disposable = self.invoke_action(item.action, item.state)
         except Exception as exc:
             log.error("scheduled_action_failed", exc_info=exc)
-            if self._on_error is not None:
-                self._on_error(exc)
+            if self._on_failure is not None:
+                self._on_failure(exc)
 
     @property
     def pending(self) -> int:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from .._exceptions import ConfigError
+from .._tensors import is_sharded_model
 from .rng import capture_rng
 from .state import TrainState, build_payload
 from .store import CheckpointStore, read_checkpoint
@@ -48,9 +50,17 @@ def save_checkpoint(
         The checkpoint's path; the file is complete when this returns.
 
     Raises:
-        ConfigError: a callback state or the data order cannot be saved safely.
+        ConfigError: a callback state or the data order cannot be saved safely, or the
+            model is sharded (FSDP2: each rank holds only its shards; every rank saves a
+            folder with :func:`~trainbus.checkpoint.save_sharded`, as the Trainer does).
         OSError: the folder cannot be written; earlier checkpoints are untouched.
     """
+    if is_sharded_model(model):
+        raise ConfigError.invalid(
+            "model", type(model).__name__, "an unsharded model: a fully_shard model's "
+            "state_dict holds only this rank's shards; save it from every rank with "
+            "trainbus.checkpoint.save_sharded (the Trainer does)",
+        )  # fmt: skip
     payload = build_payload(
         state=state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         metrics=metrics, rng=capture_rng() if rng is None else rng, data_order=data_order,

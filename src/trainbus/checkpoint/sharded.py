@@ -33,18 +33,19 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._exceptions import CheckpointError, CheckpointWriteError
+from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .rng import capture_rng
 from .state import FORMAT_VERSION, MAGIC, Checkpoint, TrainState, check_plain, run_metadata
 
 __all__ = [
     "STATE_FILE",
+    "RankFailure",
     "find_sharded",
     "folder_name",
     "gather_errors",
@@ -80,20 +81,41 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def gather_errors(error: BaseException | None) -> list[tuple[int, str]]:
-    """Every rank's error, as ``(rank, message)`` for the ranks that had one: a collective
-    (every rank calls it at the same point), the same list on every rank.
+class RankFailure(NamedTuple):
+    """One rank's failure, as every rank hears of it (:func:`gather_errors`).
+
+    Attributes:
+        rank: The rank that failed.
+        text: ``"<exception type>: <message>"``.
+        errno: For a write the disk refused (``CheckpointWriteError``), its ``errno``; else
+            None.
+        strerror: That write's ``strerror``.
+    """
+
+    rank: int
+    text: str
+    errno: int | None = None
+    strerror: str | None = None
+
+
+def gather_errors(error: BaseException | None) -> list[RankFailure]:
+    """Every rank's error, for the ranks that had one: a collective (every rank calls it at
+    the same point), the same list on every rank.
 
     Args:
         error: This rank's error, or None.
     """
-    text = None if error is None else f"{type(error).__name__}: {error}"
     rank, world = _world()
+    mine: tuple[str, int | None, str | None] | None = None
+    if isinstance(error, CheckpointWriteError):
+        mine = (f"{type(error).__name__}: {error}", error.errno, error.strerror)
+    elif error is not None:
+        mine = (f"{type(error).__name__}: {error}", None, None)
     if world == 1:
-        return [] if text is None else [(rank, text)]
-    found: list[str | None] = [None] * world
-    dist.all_gather_object(found, text)
-    return [(r, t) for r, t in enumerate(found) if t is not None]
+        return [] if mine is None else [RankFailure(rank, *mine)]
+    found: list[tuple[str, int | None, str | None] | None] = [None] * world
+    dist.all_gather_object(found, mine)
+    return [RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
 
 
 def _broadcast(value: str) -> str:
@@ -162,8 +184,9 @@ def save_sharded(
 
     Raises:
         ConfigError: a callback state or the data order cannot be saved safely (on every rank).
-        CheckpointWriteError: this rank's part could not be written (an ``OSError``).
-        CheckpointError: another rank's part could not be written (naming it). Nothing is
+        CheckpointWriteError: this rank's or another rank's part could not be written (an
+            ``OSError``, on every rank).
+        CheckpointError: another rank's part failed otherwise (naming it). Nothing is
             left half-written: the temporary folder is removed, earlier checkpoints stay.
     """
     rank, world = _world()
@@ -211,10 +234,13 @@ def save_sharded(
 
 
 def _raise_agreed(
-    error: BaseException | None, failed: list[tuple[int, str]], final: Path, tmp: Path | None
+    error: BaseException | None, failed: list[RankFailure], final: Path, tmp: Path | None
 ) -> None:
     """After an agreement: when any rank failed, remove the temporary folder (rank 0) and
-    raise on every rank (this rank's own error, or a ``CheckpointError`` naming the others')."""
+    raise on every rank, of the same kind, so every rank's loop takes the same path: this
+    rank's own error; else the disk's refusal on another rank as a ``CheckpointWriteError``, a
+    state that cannot be saved as a ``ConfigError``, anything else as a ``CheckpointError``
+    naming the others' errors."""
     if not failed:
         return
     rank, _ = _world()
@@ -222,7 +248,14 @@ def _raise_agreed(
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
         raise error
-    what = "; ".join(f"rank {r}: {t}" for r, t in failed)
+    for f in failed:
+        if f.errno is not None:
+            raise CheckpointWriteError(str(final), OSError(f.errno, f"{f.strerror} (on rank "
+                                                                    f"{f.rank})"))  # fmt: skip
+    for f in failed:
+        if f.text.startswith("ConfigError: "):  # a state that cannot be saved: the same error
+            raise ConfigError(f"{f.text.removeprefix('ConfigError: ')} (on rank {f.rank})")
+    what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
     raise CheckpointError(f"not written: another rank's part failed ({what}); the earlier "
                           "checkpoints are untouched", path=str(final))  # fmt: skip
 
@@ -483,13 +516,13 @@ def load_sharded(
 
 
 def _raise_load(
-    error: BaseException | None, failed: list[tuple[int, str]], path: Path | None = None
+    error: BaseException | None, failed: list[RankFailure], path: Path | None = None
 ) -> None:
     if not failed:
         return
     if isinstance(error, CheckpointError):
         raise error
-    what = "; ".join(f"rank {r}: {t}" for r, t in failed)
+    what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
     raise CheckpointError(f"cannot resume: {what}",
                           path=None if path is None else str(path)) from error  # fmt: skip
 

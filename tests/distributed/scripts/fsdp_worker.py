@@ -23,7 +23,11 @@ Modes:
     ddp           Trainer(ddp=True) for a sharded model: a ConfigError
     earlyopt      an optimizer built before fully_shard: a ConfigError
     onefile       resume a sharded run from a one-file checkpoint: a CheckpointError
+    mesh          a model sharded over a 1-rank mesh on 2 ranks: a ConfigError at fit()
+    saveapi       the one-file save_checkpoint() given a sharded model: a ConfigError
     export        export_full of save5's last folder (rank 0), compared with full_tensor()
+    mixed         MixedPrecisionPolicy(bf16) + activation checkpointing + clipping, saved
+    badstate      a callback state that cannot be saved: a ConfigError on every rank
     reshard       (1 rank) resume save5's 2-rank folder: DCP reshards; train a third epoch
 """
 
@@ -37,8 +41,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import trainbus
@@ -216,6 +222,21 @@ def refused(mode: str) -> None:
                 fully_shard(layer)
             fully_shard(model)
             trainer(model, opt, data)
+        elif mode == "mesh":
+            # each rank shards over a mesh of itself alone: the run's collectives span 2
+            groups = [dist.new_group([0]), dist.new_group([1])]
+            mesh = DeviceMesh.from_group(groups[dist.get_rank()], "cpu")
+            torch.manual_seed(1)
+            model = nn.Sequential(nn.Linear(16, 5))
+            fully_shard(model, mesh=mesh)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            trainer(model, opt, data).run()
+        elif mode == "saveapi":
+            model, opt = build()
+            trainbus.checkpoint.save_checkpoint(
+                OUT / "never", tag=None, state=trainbus.checkpoint.TrainState(), model=model,
+                optimizer=opt, scheduler=None, scaler=None, metrics={},
+            )  # fmt: skip
         elif mode == "onefile":
             plain, popt = build(shard=False)
             folder = OUT / f"plain{dist.get_rank()}"
@@ -265,6 +286,60 @@ def reshard() -> None:
           same=all(torch.equal(first[n], exported[n]) for n in exported))  # fmt: skip
 
 
+class Block(nn.Module):
+    """A Linear + ReLU recomputed in the backward (activation checkpointing)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = checkpoint(lambda t: F.relu(self.lin(t)), x, use_reentrant=False)
+        return out
+
+
+def mixed() -> None:
+    """MixedPrecisionPolicy(bf16) and activation checkpointing, clipped, with a save."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(16, 64), Block(), Block(), nn.Linear(64, 5))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    recomputed: list[int] = []
+    model[1].lin.register_forward_hook(lambda *_: recomputed.append(1))
+    t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), clip_grad_norm=1.0,
+                checkpoint_dir=OUT / "mixed")  # fmt: skip
+    t.run()
+    assert t.result is not None
+    write("mixed", steps=t.result.steps, reason=t.result.reason, checkpoint=t.result.checkpoint,
+          forwards=len(recomputed), loss=t.result.train_metrics["loss"],
+          dtype=str(next(model.parameters()).dtype))  # fmt: skip
+
+
+class Unsavable(trainbus.Callback):
+    """A callback whose state holds an object ``weights_only`` cannot load back."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"handle": object()}
+
+
+def badstate() -> None:
+    """The final save's callback state cannot be saved: refused on every rank alike."""
+    model, opt = build()
+    t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_steps=2,
+                checkpoint_dir=OUT / "badstate", callbacks=[Unsavable()])  # fmt: skip
+    try:
+        t.run()
+    except trainbus.ConfigError as exc:
+        folder = OUT / "badstate"
+        left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
+        write("badstate", error=type(exc).__name__, message=str(exc), left=left)
+    else:
+        write("badstate", error=None, message="", left=[])
+
+
 def main() -> None:
     dist.init_process_group("gloo")
     for mode in MODES:
@@ -278,12 +353,16 @@ def main() -> None:
             straight(mode)
         elif mode == "loadfail":
             loadfail()
-        elif mode in ("ddp", "earlyopt", "onefile"):
+        elif mode in ("ddp", "earlyopt", "mesh", "saveapi", "onefile"):
             refused(mode)
         elif mode == "export":
             export()
         elif mode == "reshard":
             reshard()
+        elif mode == "mixed":
+            mixed()
+        elif mode == "badstate":
+            badstate()
         else:
             raise SystemExit(f"unknown mode {mode}")
         dist.barrier()
