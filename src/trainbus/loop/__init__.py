@@ -56,7 +56,6 @@ from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
-from .settings import build_settings as build_settings
 from .settings import eval_sets as eval_sets
 from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
@@ -92,7 +91,6 @@ __all__ = [
     "TrainContext",
     "UserMetrics",
     "Wants",
-    "build_settings",
     "eval_sets",
     "evaluation_metric_names",
     "join_outputs",
