@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 
-import trainbus._resume
+import trainbus._trainer.resume
 from trainbus import Trainer
 from trainbus.checkpoint import Checkpoint, capture_rng, read_checkpoint, restore_rng
 from trainbus.testing import tiny_loader, tiny_model
@@ -76,7 +76,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
     path = trainer(2).run().checkpoint
     assert path is not None
     loaded: list[weakref.ref[torch.Tensor]] = []
-    read = trainbus._resume.read_checkpoint
+    read = trainbus._trainer.resume.read_checkpoint
 
     def read_and_watch(*args: Any, **kwargs: Any) -> Checkpoint:
         checkpoint = read(*args, **kwargs)
@@ -84,7 +84,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
         loaded.extend(weakref.ref(s["exp_avg"]) for s in checkpoint.optimizer["state"].values())
         return checkpoint
 
-    monkeypatch.setattr(trainbus._resume, "read_checkpoint", read_and_watch)
+    monkeypatch.setattr(trainbus._trainer.resume, "read_checkpoint", read_and_watch)
     alive: list[int] = []
 
     def count_copies(ctx: Any) -> None:

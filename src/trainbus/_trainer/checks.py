@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from .. import events as ev
-from .._endings import OnSignal, check_on_signal, check_skip_final
 from .._exceptions import ConfigError
 from .._tensors import resolve_device
 from .._validate import check_int
@@ -24,6 +23,7 @@ from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
 from ..loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
+from .endings import OnSignal, check_on_signal, check_skip_final
 
 Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""

@@ -33,7 +33,6 @@ from typing import Annotated, Any, Literal, TypedDict, get_args, get_type_hints
 import torch
 
 from .. import events as ev
-from .._endings import OnSignal
 from .._exceptions import ConfigError
 from .._tensors import bf16_supported
 from ..bus import EventBus
@@ -42,6 +41,7 @@ from ..loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, Train
 from ..loop.optimizers import check_optimizers, check_schedulers
 from ..loop.settings import check_loader, eval_sets
 from . import checks
+from .endings import OnSignal
 
 __all__ = [
     "OPTIONS",

@@ -23,8 +23,8 @@ import anyio
 import anyio.from_thread
 from anyio.from_thread import BlockingPortal
 
-from ._exceptions import ConfigError, TrainbusError
-from .bus import EventBus
+from .._exceptions import ConfigError, TrainbusError
+from ..bus import EventBus
 
 __all__ = ["BACKENDS", "Lifetime"]
 
