@@ -5,7 +5,7 @@
     trainer = Trainer(model, optimizer, train_loader, loss_fn=F.cross_entropy,
                       eval_data=val_loader, max_epochs=3, checkpoint_dir="runs/demo")
     trainer.bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(log_step)
-    result = await trainer.fit()        # or trainer.run() from synchronous code
+    result = await trainer.fit()        # or trainer.fit_sync() from synchronous code
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
 ``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, Unpack
@@ -161,7 +162,7 @@ class Trainer:
     # ================================================================== lifetime
     def __enter__(self) -> Self:
         """``with Trainer(...) as t:``: run the bus (in a blocking portal: an event loop in a
-        thread) until the block ends; ``t.run()``, ``t.evaluate_sync()``, ``t.predict_sync()``
+        thread) until the block ends; ``t.fit_sync()``, ``t.evaluate_sync()``, ``t.predict_sync()``
         run through that one portal. The end of the block is :meth:`close`.
 
         Raises:
@@ -219,7 +220,7 @@ class Trainer:
         await self._lifetime.aclose()
 
     # ================================================================== running
-    def run(
+    def fit_sync(
         self,
         *,
         resume: str | os.PathLike[str] | None = None,
@@ -252,6 +253,23 @@ class Trainer:
             # the portal's event loop would end that loop, not reach this caller.
             self._raise_interrupt(result)
             return result
+
+    def run(
+        self,
+        *,
+        resume: str | os.PathLike[str] | None = None,
+        backend: str = "asyncio",
+        require_checkpoint: bool = False,
+    ) -> FitResult:
+        """Deprecated spelling of :meth:`fit_sync` (each sync twin is ``<call>_sync``).
+
+        Raises:
+            As :meth:`fit_sync`, after a ``DeprecationWarning``.
+        """
+        warnings.warn("Trainer.run() is deprecated: call Trainer.fit_sync(), the synchronous "
+                      "twin of fit() as evaluate_sync() and predict_sync() are of evaluate() "
+                      "and predict()", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.fit_sync(resume=resume, backend=backend, require_checkpoint=require_checkpoint)
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -476,10 +494,10 @@ class Trainer:
         *,
         backend: str = "asyncio",
     ) -> dict[str, float]:
-        """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`run`.
+        """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`evaluate` and :meth:`run`.
+            As :meth:`evaluate` and :meth:`fit_sync`.
         """
         return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
 
@@ -521,10 +539,10 @@ class Trainer:
     def predict_sync(
         self, data: Iterable[Any], *, return_outputs: bool = False, backend: str = "asyncio"
     ) -> Any:
-        """Synchronous twin of :meth:`predict`, through the same portal as :meth:`run`.
+        """Synchronous twin of :meth:`predict`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`predict` and :meth:`run`.
+            As :meth:`predict` and :meth:`fit_sync`.
         """
         return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs),
                                    backend, "predict")  # fmt: skip

@@ -328,7 +328,7 @@ class TrainerOptions(TypedDict, total=False):
         Option(
             True,
             checks.boolean(),
-            "Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``run()`` called on "
+            "Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``fit_sync()`` called on "
             "the main thread (a ``signal.signal`` handler, restored after).",
         ),
     ]

@@ -24,7 +24,7 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.
 - :func:`map_tensors`, :func:`detach_outputs`, :func:`join_outputs` (``outputs.py``): model
   outputs of any type (a mapping, a ``ModelOutput``, a tuple) walked and joined per key.
-- :class:`CheckpointWriter` (``checkpoint.py``): saves and remembers the last checkpoint.
+- :class:`CheckpointWriter` (``saving.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
 - :class:`Outcome`, :class:`Cancelled` (``outcome.py``): how a run of the loop ends.
@@ -34,7 +34,6 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 This package imports the bus only for types and uses it through its public methods.
 """
 
-from .checkpoint import CheckpointWriter as CheckpointWriter
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
 from .custom import CustomStep as CustomStep
@@ -52,6 +51,7 @@ from .optimizers import SchedulerSet as SchedulerSet
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
+from .saving import CheckpointWriter as CheckpointWriter
 from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
