@@ -13,7 +13,7 @@ collectives pair up), median µs per optimizer step on rank 0:
 - ``plain DDP + agreement``: the same loop plus exactly what the Trainer's protocol adds: every
   ``log_every`` (50) steps one ``reduce_metrics_flagged`` (the window's loss and the pending
   flag) and, never here, an exchange (nothing is pending).
-- ``Trainer``: ``Trainer(ddp_model, ...).run()`` with ``log_every=50`` and no subscriber: the
+- ``Trainer``: ``Trainer(ddp_model, ...).fit_sync()`` with ``log_every=50`` and no subscriber: the
   whole trainer (bus, loop, agreement) over the same batches.
 
 Models as ``step_overhead.py``: ``tiny`` (32-64-10, batch 32) and ``wide`` (256-768-768-10,
@@ -88,7 +88,7 @@ def trainer(kind: str, steps: int) -> float:
                 progress=False, handle_signals=False, device="cpu")  # fmt: skip
     dist.barrier()
     t0 = time.perf_counter()
-    t.run()
+    t.fit_sync()
     return (time.perf_counter() - t0) / steps * 1e6
 
 

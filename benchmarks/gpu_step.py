@@ -13,7 +13,7 @@ Without a GPU it says so and exits 0 (nothing to measure). Workloads (issue 25's
 
 Variants, timed in interleaved rounds (``_common.interleaved_rounds``, order rotated each
 round): ``plain`` (forward, loss, backward, step, zero_grad by hand; ``loss.item()`` every
-``log_every`` steps as a logging loop does), ``trainbus`` (``Trainer.run()``, loop time from
+``log_every`` steps as a logging loop does), ``trainbus`` (``Trainer.fit_sync()``, loop time from
 ``FitStarted.time`` to ``FitEnded.time``), ``trainbus+throttled`` (a ``StepEnded`` subscriber
 through ``ops.throttle_first(0.5)`` reading the loss), ``ignite`` (``Engine`` over the same step
 function; returns ``loss.item()`` per step as ignite's supervised trainer does) and
@@ -151,7 +151,7 @@ def trainbus_run(workload: str, n: int, device: torch.device, throttled: bool = 
         t.bus.stream(ev.StepEnded).pipe(ops.throttle_first(0.5)).subscribe(
             lambda e: seen.append(float(e.loss))  # a device read, twice a second
         )
-    t.run()
+    t.fit_sync()
     # n is a multiple of log_every: the last window's read waited for the device.
     return (stamps[ev.FitEnded] - stamps[ev.FitStarted]) / n * 1e3
 
@@ -212,7 +212,7 @@ def lightning_run(workload: str, n: int, device: torch.device) -> float:
 
 
 def guarded(name: str, run: Callable[[], float]) -> Callable[[], float]:
-    """``run``, with a failure reported once and measured as NaN (a third-party trainer that
+    """``fit_sync``, with a failure reported once and measured as NaN (a third-party trainer that
     breaks on this host must not cost the other figures)."""
     failed: list[str] = []
 
@@ -237,7 +237,7 @@ def installed(name: str) -> bool:
 
 # --------------------------------------------------------------------------- host syncs
 def count_syncs(run: Callable[[], object]) -> int:
-    """Synchronising CUDA calls during ``run()``: sync debug mode warns once per call (on any
+    """Synchronising CUDA calls during ``fit_sync()``: sync debug mode warns once per call (on any
     thread); the warnings are counted."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -263,7 +263,7 @@ def resume_check(device: torch.device) -> dict[str, Any]:
         t = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
                     loss_fn=F.cross_entropy, max_epochs=epochs, device=device, seed=0,
                     checkpoint_dir=folder, progress=False, handle_signals=False)  # fmt: skip
-        return t, t.run(resume=resume)
+        return t, t.fit_sync(resume=resume)
 
     torch.use_deterministic_algorithms(True)
     try:

@@ -112,7 +112,7 @@ def train_fn(config: dict[str, Any]) -> None:
     durations: list[float] = []
     t.bus.stream(ev.StepEnded).subscribe(lambda e: durations.append(e.duration_s), ranks="all")
     t0 = time.perf_counter()
-    r = t.run()
+    r = t.fit_sync()
     wall = time.perf_counter() - t0
     if t.bus.rank == 0:
         out = {"steps": r.steps, "median_step_s": statistics.median(durations[50:]),

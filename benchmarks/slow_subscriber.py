@@ -14,7 +14,7 @@ local stdlib ``ThreadingHTTPServer`` answering each POST after 200 ms (``urllib`
 
 Reported per variant: ``loop`` steps/s (``FitStarted.time`` to ``FitEnded.time``, stamped on the
 training thread: the training itself) and its ratio to ``bare`` in the same round; ``fit_s``, the
-whole ``trainer.run()`` (adds the close, which by default waits for the posts still pending);
+whole ``trainer.fit_sync()`` (adds the close, which by default waits for the posts still pending);
 posts sent (items the poster received), arrived (counted by the server), dropped, and the
 seconds training waited on the poster (``FitResult.waited_s``).
 
@@ -145,7 +145,7 @@ def trainbus_run(steps: int, url: str, counter: _Counter, poster: str | None) ->
             bus.subscribe_async(every_20th, post, name="poster", **options)
         before = counter.n
         t0 = time.perf_counter()
-        result = trainer.run()
+        result = trainer.fit_sync()
         fit_s = time.perf_counter() - t0
     assert seen[0] == steps, (seen[0], steps)  # the fast subscriber got every step
     loop = span["FitEnded"] - span["FitStarted"]

@@ -47,7 +47,7 @@ def profiled(subscribed: bool) -> dict[Any, Any]:
 
     loop_module.Loop.run = run  # type: ignore[method-assign]
     try:
-        trainer.run()
+        trainer.fit_sync()
     finally:
         loop_module.Loop.run = original  # type: ignore[method-assign]
     return pstats.Stats(prof).stats  # type: ignore[attr-defined, no-any-return]

@@ -32,7 +32,7 @@ Each variant runs once per round, the order rotated each round; the figure quote
 over rounds of the ratio to ``bare`` in the same round. Two times per run: ``loop`` (the
 training loop alone: for trainbus ``FitStarted.time`` to ``FitEnded.time``, both stamped on the
 training thread; for ignite ``STARTED`` to ``COMPLETED``) and ``fit`` (the whole
-``trainer.run()`` / ``engine.run()``: adds trainbus' bus start and close and the thread
+``trainer.fit_sync()`` / ``engine.run()``: adds trainbus' bus start and close and the thread
 hand-off, a fixed cost per run); and ``cpu``, the process' CPU time over the whole run, all
 threads (a busy neighbour inflates it less, as it excludes time spent waiting for a core; GIL
 waits are excluded too, so it is a cross-check, not the figure). No trainbus internals are
@@ -357,7 +357,7 @@ def with_trainbus(
     c0 = time.process_time()
     t0 = time.perf_counter()
     with redirect_stderr(io.StringIO()):  # any progress output: not measured noise on the tty
-        trainer.run()
+        trainer.fit_sync()
     _sync(device)
     fit = time.perf_counter() - t0
     cpu = time.process_time() - c0
@@ -445,7 +445,7 @@ def lag(kind: str, steps: int, device: torch.device, busy_us: float) -> dict[str
             pass
 
     trainer.bus.stream(ev.StepEnded).pipe(ops.map(lambda e: e)).subscribe(on_step)
-    trainer.run()
+    trainer.fit_sync()
     return {
         "p50_ms": 1e3 * percentile(lags, 50),
         "p99_ms": 1e3 * percentile(lags, 99),

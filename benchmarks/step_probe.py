@@ -179,7 +179,7 @@ def trainbus_run(
     setup = SETUPS[kind]
     if setup is not None:
         setup(trainer)
-    trainer.run()
+    trainer.fit_sync()
     return stamped.per_step()
 
 

@@ -56,7 +56,7 @@ def train(directory: str, *, steps: int = STEPS, resume: str | None = None) -> T
     trainer = Trainer(encoder, opt, data, train_step=contrastive_step, accumulate=ACCUMULATE,
                       clip_grad_norm=5.0, max_steps=steps, log_every=2, seed=3,
                       checkpoint_dir=directory, progress=False)  # fmt: skip
-    trainer.run(resume=resume)
+    trainer.fit_sync(resume=resume)
     return trainer
 
 

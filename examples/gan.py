@@ -64,7 +64,7 @@ def train(directory: str, *, steps: int = STEPS, resume: str | None = None) -> T
     trainer = Trainer(model, opts, real, train_step=gan_step, scheduler=scheds,
                       max_steps=steps, log_every=3, seed=1, checkpoint_dir=directory,
                       progress=False)  # fmt: skip
-    trainer.run(resume=resume)
+    trainer.fit_sync(resume=resume)
     return trainer
 
 

@@ -103,7 +103,7 @@ def main() -> None:
     # Registered for the runs started inside the block only; removed on exit.
     counter = EventCounter()
     with counter:
-        result = trainer.run()
+        result = trainer.fit_sync()
 
     # The hook really changed the step: every reported loss is the scaled raw loss.
     assert scaled.reported.keys() == scaled.raw_losses.keys()

@@ -88,7 +88,7 @@ def main() -> None:
             ops.map(lambda e: cmd.SaveCheckpoint(tag=f"asked-at-{e.step}")),
         ).subscribe(bus.commands)
 
-        result = trainer.run()
+        result = trainer.fit_sync()
 
         # Every save was reported to both subscribers before run() returned, and each path is a
         # complete checkpoint (written atomically) that torch can load.

@@ -56,7 +56,7 @@ def main() -> None:
         )  # fmt: skip
         live: list[tuple[int, float, float]] = []
         trainer.bus.subscribe(divergence_alerts(trainer.bus.events), live.append, name="alerts")
-        result = trainer.run()
+        result = trainer.fit_sync()
 
         replayed: list[tuple[int, float, float]] = []
         scheduler = VirtualTimeScheduler()

@@ -47,7 +47,7 @@ def main() -> None:
     bus.stream(ev.StepEnded, every_s=0.25).subscribe(log_timed)
     bus.stream(ev.StepEnded, every_steps=500).subscribe(lambda e: stepped.append(e.step))
 
-    result = trainer.run()
+    result = trainer.fit_sync()
 
     assert stepped == [500, 1000, 1500, 2000], stepped
     published = result.statistics.published

@@ -5,7 +5,7 @@ Four trials of a small MLP, two at a time (``n_jobs=2``), in Optuna's in-memory 
 ``ValueError: Cannot tell a COMPLETE trial``; docs/sweeps.md shows SQLite with ``n_jobs=1``).
 Each trial evaluates every 10 steps; :class:`~trainbus.integrations.optuna.OptunaPruning` reports
 ``val_loss`` at the trainbus step, asks the study's ``MedianPruner``, and stops a hopeless
-trial through the bus at that very step. ``run()`` then raises ``optuna.TrialPruned`` and the
+trial through the bus at that very step. ``fit_sync()`` then raises ``optuna.TrialPruned`` and the
 study stores the trial PRUNED. ``Trainer(seed=)`` gives each trial a data order of its own
 (the other thread's draws cannot change it), and ``skip_final_checkpoint={"pruned"}`` keeps
 pruned trials from writing a checkpoint nobody will resume.
@@ -53,7 +53,7 @@ def objective(trial: optuna.Trial) -> float:
         checkpoint_dir=RUNS / f"trial-{trial.number}", skip_final_checkpoint={"pruned"},
         callbacks=[OptunaPruning(trial, "val_loss")],
     )  # fmt: skip
-    return trainer.run().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+    return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 
 def main() -> None:

@@ -78,7 +78,7 @@ def main() -> None:
         ops.map(lambda e: cmd.StopTraining(reason=f"time budget of {BUDGET_S} s")),
     ).subscribe(bus.commands)
 
-    result = trainer.run()
+    result = trainer.fit_sync()
 
     # Every step reached the counter (the bus drains before fit() returns), yet the logger
     # wrote about one line per 0.5 s of training.

@@ -78,7 +78,7 @@ def test_sync_and_async_on_methods_become_subscribers() -> None:
     kinds = {s.name: s.statistics().kind for s in trainer.bus.subscriptions}
     assert kinds["Listener.on_step_ended"] == "sync"
     assert kinds["Listener.on_epoch_ended"] == "async"
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert cb.steps == [1, 2, 3, 4]
     assert cb.epochs == [0, 1]
@@ -96,7 +96,7 @@ def test_on_event_receives_every_event() -> None:
     cb = All()
     trainer = _trainer(callbacks=[cb])
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert cb.names == rec.names() and cb.names[:2] == ["TrainerBuilt", "FitStarted"]
 
 
@@ -104,7 +104,7 @@ def test_callback_class_is_instantiated() -> None:
     trainer = _trainer(callbacks=[Listener])
     (cb,) = trainer.callbacks
     assert isinstance(cb, Listener)
-    trainer.run()
+    trainer.fit_sync()
     assert cb.steps == [1, 2, 3]  # type: ignore[attr-defined]
 
 
@@ -117,7 +117,7 @@ def test_setup_builds_pipelines_on_the_bus() -> None:
             bus.stream(ev.StepEnded).subscribe(lambda e: self.losses.append(float(e.loss)))
 
     cb = Piped()
-    _trainer(callbacks=[cb]).run()
+    _trainer(callbacks=[cb]).fit_sync()
     assert len(cb.losses) == 3
 
 
@@ -163,13 +163,13 @@ def test_hook_loss_scaling_by_zero_freezes_the_parameters() -> None:
     cb = Zero()
     trainer = _trainer(model, callbacks=[cb])
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 3 and len(cb.seen) == 3 and cb.seen[0] > 0
     assert _equal(_params(model), before)
     assert all(float(e.loss) == 0.0 for e in rec.of_type(ev.StepEnded))
 
     control = tiny_model()  # without the hook, the same run moves the parameters
-    _trainer(control).run()
+    _trainer(control).fit_sync()
     assert not _equal(_params(control), before)
 
 
@@ -183,13 +183,13 @@ def test_hook_batch_skips_a_batch() -> None:
     model = tiny_model()
     trainer = _trainer(model, callbacks=[SkipSecond()], max_epochs=1, data=data)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 2
     assert [e.batch_index for e in rec.of_type(ev.ForwardStarted)] == [0, 2]
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)] == [0, 1, 2]
 
     ref = tiny_model()
-    _trainer(ref, max_epochs=1, data=[data[0], data[2]]).run()
+    _trainer(ref, max_epochs=1, data=[data[0], data[2]]).fit_sync()
     assert _close(_params(model), _params(ref))
 
 
@@ -201,9 +201,9 @@ def test_hook_batch_may_replace_the_batch() -> None:
             ctx.batch = data[1]
 
     model = tiny_model()
-    _trainer(model, callbacks=[Replace()], max_steps=1, data=data).run()
+    _trainer(model, callbacks=[Replace()], max_steps=1, data=data).fit_sync()
     ref = tiny_model()
-    _trainer(ref, max_steps=1, data=[data[1]]).run()
+    _trainer(ref, max_steps=1, data=[data[1]]).fit_sync()
     assert _close(_params(model), _params(ref))
 
 
@@ -216,7 +216,7 @@ def test_hook_before_optimizer_step_zeroing_grads_freezes_parameters() -> None:
 
     model = tiny_model()
     before = _params(model)
-    result = _trainer(model, callbacks=[ZeroGrads()]).run()
+    result = _trainer(model, callbacks=[ZeroGrads()]).fit_sync()
     assert result.steps == 3
     assert _equal(_params(model), before)
 
@@ -235,7 +235,7 @@ def test_hook_before_optimizer_step_skips_the_step() -> None:
     cb = Skip()
     trainer = _trainer(model, callbacks=[cb], max_epochs=1)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert cb.calls == 3
     assert _equal(_params(model), before)
     assert not rec.of_type(ev.OptimizerStepStarted)
@@ -254,7 +254,7 @@ def test_hook_after_optimizer_step_sees_the_updated_model() -> None:
 
     model = tiny_model()
     cb = Ema()
-    _trainer(model, callbacks=[cb]).run()
+    _trainer(model, callbacks=[cb]).fit_sync()
     assert cb.steps == [1, 2, 3]
     assert _equal(cb.snapshots[-1], _params(model))
     assert not _equal(cb.snapshots[0], cb.snapshots[1])
@@ -282,7 +282,7 @@ def test_remove_callback_before_fit_receives_nothing() -> None:
     assert trainer.callbacks == ()
     with pytest.raises(ConfigError):
         trainer.remove_callback(cb)  # not attached any more
-    trainer.run()
+    trainer.fit_sync()
     assert cb.steps == [] and cb.epochs == [] and cb.fit_ended == [] and cb.hooked == 0
 
 
@@ -314,7 +314,7 @@ def test_remove_callback_during_the_run_stops_delivery() -> None:
 
     trainer.bus.subscribe(trainer.bus.stream(ev.EpochEnded), remover)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert removed == [0]
     assert len(rec.of_type(ev.StepEnded)) == 4
     assert sorted(cb.events) == [("batch", 0), ("batch", 0), ("step", 0), ("step", 0)]
@@ -331,11 +331,11 @@ def test_global_callback_with_context_manager() -> None:
         assert entered is cb
         assert global_callbacks() == (cb,)
         trainer = _trainer()
-        trainer.run()
+        trainer.fit_sync()
         assert trainer.callbacks == ()  # detached when the run ended
     assert global_callbacks() == ()
     assert cb.steps == [1, 2, 3] and cb.fit_ended == ["completed"]
-    _trainer().run()  # after the with-block: not attached any more
+    _trainer().fit_sync()  # after the with-block: not attached any more
     assert cb.steps == [1, 2, 3]
 
 
@@ -346,8 +346,8 @@ def test_register_global_callback_and_remove() -> None:
     handle_removed.remove()
     handle_removed.remove()  # idempotent
     try:
-        _trainer().run()
-        _trainer(max_steps=1).run()
+        _trainer().fit_sync()
+        _trainer(max_steps=1).fit_sync()
     finally:
         handle_kept.remove()
     assert kept.steps == [1, 2, 3, 1]
@@ -359,7 +359,7 @@ def test_register_global_callback_and_remove() -> None:
 def test_a_callback_both_user_and_global_is_attached_once() -> None:
     cb = Listener()
     with cb:
-        _trainer(callbacks=[cb]).run()
+        _trainer(callbacks=[cb]).fit_sync()
     assert cb.steps == [1, 2, 3]
 
 
@@ -397,7 +397,7 @@ def test_delivery_order_is_core_then_user_then_global() -> None:
     trainer.add_callback(core, tier="core")  # added after the user one: still first
     trainer.add_callback(user2)  # user tier, after `user`
     with glob:
-        trainer.run()
+        trainer.fit_sync()
 
     order = ["core", "user", "user2", "global"]
     assert len(log) % 4 == 0 and len(log) >= 4 * 20
@@ -431,7 +431,7 @@ def test_skipped_optimizer_step_does_not_step_the_scheduler_or_repeat_step_ended
                       scheduler=sched, callbacks=[SkipOnce()], handle_signals=False,
                       device="cpu")  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 3
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert len(rec.of_type(ev.SchedulerStepped)) == 3  # one per optimizer step taken

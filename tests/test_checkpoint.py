@@ -124,18 +124,18 @@ def test_latest_checkpoint_is_the_highest_step(tmp_path: Path) -> None:
 
 def _full_run(steps: int = 4) -> list[torch.Tensor]:
     trainer = _trainer(max_steps=steps)
-    trainer.run()
+    trainer.fit_sync()
     return _params(trainer.settings.model)
 
 
 def test_run_of_2_plus_resumed_run_of_2_equals_run_of_4(tmp_path: Path) -> None:
     full = _full_run(4)
     first = _trainer(max_steps=2, checkpoint_dir=tmp_path)
-    r1 = first.run()
+    r1 = first.fit_sync()
     assert r1.reason == "completed" and r1.checkpoint is not None
     second = _trainer(seed=1, max_steps=4, checkpoint_dir=tmp_path)
     rec = EventRecorder(second.bus)
-    r2 = second.run(resume=r1.checkpoint)
+    r2 = second.fit_sync(resume=r1.checkpoint)
     assert r2.steps == 4
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)] == [2, 3]
     assert _close(_params(second.settings.model), full)
@@ -146,14 +146,14 @@ def test_resume_continues_from_the_saved_step(tmp_path: Path, how: str) -> None:
     full = _full_run(4)
     first = _trainer(max_steps=4, checkpoint_dir=tmp_path)
     _stop_at(first, 2)
-    r1 = first.run()
+    r1 = first.fit_sync()
     assert (r1.reason, r1.steps) == ("stopped", 2)
     assert r1.checkpoint == str(tmp_path / "step-00000002-final.pt")
 
     resume = r1.checkpoint if how == "path" else "latest"
     second = _trainer(seed=1, max_steps=4, checkpoint_dir=tmp_path)
     rec = EventRecorder(second.bus)
-    r2 = second.run(resume=resume)
+    r2 = second.fit_sync(resume=resume)
     assert (r2.reason, r2.steps) == ("completed", 4)
     (loaded,) = rec.of_type(ev.CheckpointLoaded)
     assert loaded.path == r1.checkpoint and loaded.step == 2
@@ -185,13 +185,13 @@ def test_resume_from_a_checkpoint_saved_at_epoch_end(tmp_path: Path) -> None:
             full.bus.send(cmd.SaveCheckpoint(tag="epoch"))
 
     full.bus.subscribe(full.bus.stream(ev.EpochEnded), save_after_first_epoch)
-    full.run()
+    full.fit_sync()
     saved = tmp_path / "step-00000002-epoch.pt"
     assert saved.is_file()
 
     resumed = epoch_trainer()
     rec = EventRecorder(resumed.bus)
-    resumed.run(resume=saved)
+    resumed.fit_sync(resume=saved)
     assert [e.epoch for e in rec.of_type(ev.EpochStarted)] == [1, 2]
     assert [e.lr for e in rec.of_type(ev.SchedulerStepped)] == pytest.approx([0.025, 0.0125])
     assert _close(_params(resumed.settings.model), _params(full.settings.model))
@@ -200,7 +200,7 @@ def test_resume_from_a_checkpoint_saved_at_epoch_end(tmp_path: Path) -> None:
 def test_resume_latest_without_checkpoint_starts_fresh(tmp_path: Path) -> None:
     trainer = _trainer(max_steps=2, checkpoint_dir=tmp_path / "new")
     rec = EventRecorder(trainer.bus)
-    result = trainer.run(resume="latest")
+    result = trainer.fit_sync(resume="latest")
     assert result.steps == 2 and not rec.of_type(ev.CheckpointLoaded)
     assert _close(_params(trainer.settings.model), _full_run(2))
 
@@ -211,7 +211,7 @@ def test_resume_latest_without_checkpoint_starts_fresh(tmp_path: Path) -> None:
 def test_final_checkpoint_of_a_completed_run(tmp_path: Path) -> None:
     trainer = _trainer(max_epochs=1, checkpoint_dir=tmp_path / "ck")
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     expected = tmp_path / "ck" / "step-00000004-final.pt"
     assert result.reason == "completed" and result.checkpoint == str(expected)
     assert expected.is_file()
@@ -228,7 +228,7 @@ def test_final_checkpoint_of_a_completed_run(tmp_path: Path) -> None:
 def test_final_checkpoint_of_a_stopped_run(tmp_path: Path) -> None:
     trainer = _trainer(max_steps=10, checkpoint_dir=tmp_path)
     _stop_at(trainer, 3)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.checkpoint == str(tmp_path / "step-00000003-final.pt")
     assert read_checkpoint(result.checkpoint).state == TrainState(step=3, batch_in_epoch=3,
@@ -238,7 +238,7 @@ def test_final_checkpoint_of_a_stopped_run(tmp_path: Path) -> None:
 def test_no_duplicate_final_checkpoint_after_a_save_at_the_last_step(tmp_path: Path) -> None:
     trainer = _trainer(max_steps=2, checkpoint_dir=tmp_path)
     _send_at(trainer, 2, cmd.SaveCheckpoint(tag="last"))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002-last.pt"]
     assert result.checkpoint == str(tmp_path / "step-00000002-last.pt")
 
@@ -268,7 +268,7 @@ def test_checkpoint_dir_not_created_by_a_failed_run(tmp_path: Path) -> None:
 
     trainer.add_hook("loss", boom)
     with pytest.raises(RuntimeError, match="boom"):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.reason == "failed"
     assert trainer.result.checkpoint is None
     assert not target.exists()

@@ -16,7 +16,7 @@ def test_replay_prints_a_line_per_event_and_plot_writes_the_png(
 ) -> None:
     pytest.importorskip("matplotlib")
     log = tmp_path / "events.jsonl"
-    make_trainer([JsonlEventLog(log, flush_s=0.05)], epochs=1, batches=3).run()
+    make_trainer([JsonlEventLog(log, flush_s=0.05)], epochs=1, batches=3).fit_sync()
     capsys.readouterr()
     assert main(["replay", str(tmp_path)]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -33,7 +33,7 @@ def test_replay_filters_by_type_and_step_range(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     log = tmp_path / "events.jsonl"
-    make_trainer([JsonlEventLog(log, flush_s=0.05)], epochs=2, batches=4).run()
+    make_trainer([JsonlEventLog(log, flush_s=0.05)], epochs=2, batches=4).fit_sync()
     capsys.readouterr()
     assert main(["replay", str(tmp_path), "--type", "StepEnded", "--steps", "3:6"]) == 0
     lines = capsys.readouterr().out.splitlines()

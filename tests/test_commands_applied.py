@@ -70,7 +70,7 @@ def test_set_learning_rate_all_groups() -> None:
     command = cmd.SetLearningRate(lr=0.01)
     _send_at(trainer, 2, command)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 4
     ack = _ack(rec, command)
     assert ack.step == 2 and ack.error is None
@@ -84,7 +84,7 @@ def test_set_learning_rate_one_group() -> None:
     command = cmd.SetLearningRate(lr=0.05, param_group=1)
     _send_at(trainer, 1, command)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert _ack(rec, command).error is None
     assert [g["lr"] for g in trainer.settings.optimizer.param_groups] == [0.1, 0.05]
 
@@ -96,7 +96,7 @@ def test_scale_learning_rate() -> None:
     _send_at(trainer, 1, both)
     _send_at(trainer, 3, second)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert _ack(rec, both).step == 1 and _ack(rec, second).step == 3
     assert [g["lr"] for g in trainer.settings.optimizer.param_groups] == pytest.approx([0.05, 0.01])
     assert [e.lr for e in rec.of_type(ev.StepEnded)] == pytest.approx([0.1, 0.05, 0.05, 0.05])
@@ -113,7 +113,7 @@ def test_learning_rate_change_takes_effect_on_the_next_update() -> None:
 
     trainer.add_hook("after_optimizer_step", snapshot)
     _send_at(trainer, 2, cmd.SetLearningRate(lr=0.0))
-    trainer.run()
+    trainer.fit_sync()
     assert not all(torch.equal(a, b) for a, b in zip(snapshots[1], snapshots[2], strict=True))
     assert all(torch.equal(a, b) for a, b in zip(snapshots[2], snapshots[4], strict=True))
 
@@ -123,7 +123,7 @@ def test_bad_param_group_is_refused_and_the_run_goes_on() -> None:
     command = cmd.SetLearningRate(lr=0.5, param_group=5)
     _send_at(trainer, 1, command)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 4
     ack = _ack(rec, command)
     assert isinstance(ack.error, ConfigError) and "param_group" in str(ack.error)
@@ -138,7 +138,7 @@ def test_stop_epoch_ends_the_epoch_only() -> None:
     command = cmd.StopEpoch()
     _send_at(trainer, 1, command)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert _ack(rec, command).step == 1
     assert [(e.epoch, e.batches) for e in rec.of_type(ev.EpochEnded)] == [(0, 1), (1, 4)]
@@ -150,7 +150,7 @@ def test_stop_training_stops_after_the_step() -> None:
     command = cmd.StopTraining(reason="enough")
     _send_at(trainer, 3, command)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert _ack(rec, command).step == 3
     assert result.reason == "stopped" and result.stop_reason == "enough" and result.steps == 3
     (ended,) = rec.of_type(ev.FitEnded)
@@ -166,7 +166,7 @@ def test_save_checkpoint_writes_atomically_named_files(tmp_path: Path) -> None:
     _send_at(trainer, 2, tagged)
     _send_at(trainer, 3, plain)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     saved = rec.of_type(ev.CheckpointSaved)
     by_step = {(e.step, e.tag): e for e in saved}
     assert by_step[(2, "best")].path == str(tmp_path / "ckpt" / "step-00000002-best.pt")
@@ -186,7 +186,7 @@ def test_save_checkpoint_without_dir_is_refused_and_the_run_goes_on() -> None:
     command = cmd.SaveCheckpoint()
     _send_at(trainer, 1, command)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 4
     ack = _ack(rec, command)
     assert isinstance(ack.error, ConfigError) and "checkpoint_dir" in str(ack.error)
@@ -198,7 +198,7 @@ def test_evaluate_command_applied_at_the_poll_point() -> None:
     command = cmd.Evaluate()
     _send_at(trainer, 2, command)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     (ended,) = rec.of_type(ev.EvaluationEnded)
     assert (ended.step, ended.trigger) == (2, "command") and "val_loss" in ended.metrics
     assert _ack(rec, command).result is ended

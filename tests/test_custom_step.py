@@ -84,13 +84,13 @@ def states_equal(a: Any, b: Any) -> bool:
 # ------------------------------------------------------------------------------ GAN, resume
 def test_gan_resumes_bit_identically(tmp_path: Path) -> None:
     whole = gan_trainer(tmp_path / "whole")
-    result = whole.run()
+    result = whole.fit_sync()
     assert result.reason == "completed" and result.steps == 10
 
     stopped = gan_trainer(tmp_path / "split", max_steps=4)  # ends with a checkpoint at 4
-    assert stopped.run().steps == 4
+    assert stopped.fit_sync().steps == 4
     resumed = gan_trainer(tmp_path / "split")
-    again = resumed.run(resume="latest")
+    again = resumed.fit_sync(resume="latest")
     assert again.steps == 10 and again.resumed_from is not None
     assert all(torch.equal(x, y) for x, y in zip(weights(whole), weights(resumed), strict=True))
     for name in ("g", "d"):  # every optimizer and scheduler, not only the first
@@ -122,7 +122,7 @@ def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Pa
                           train_step=two_views, accumulate=2, clip_grad_norm=1.0, max_epochs=2,
                           max_steps=max_steps, seed=1, checkpoint_dir=directory,
                           progress=False)  # fmt: skip
-        trainer.run(resume=resume)
+        trainer.fit_sync(resume=resume)
         return trainer
 
     whole = run(tmp_path / "a")
@@ -144,7 +144,7 @@ def test_custom_step_publishes_the_steps_events_and_runs_the_hooks() -> None:
 
     trainer.add_hook("before_optimizer_step", before)
     trainer.add_hook("after_backward", lambda ctx: ctx.log("backwards", 1.0))
-    trainer.run()
+    trainer.fit_sync()
     assert seen == [("d", 0), ("g", 0), ("d", 1), ("g", 1), ("d", 2), ("g", 2)]
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert [e.step for e in rec.of_type(ev.OptimizerStepEnded)] == [1, 1, 2, 2, 3, 3]
@@ -164,7 +164,7 @@ def test_default_step_steps_every_optimizer_of_a_mapping() -> None:
             "head": torch.optim.SGD(head.parameters(), lr=0.1)}  # fmt: skip
     before = [p.detach().clone() for p in model.parameters()]
     result = Trainer(model, opts, tiny_loader(4), loss_fn=F.cross_entropy, max_steps=2,
-                     log_every=1, progress=False).run()  # fmt: skip
+                     log_every=1, progress=False).fit_sync()  # fmt: skip
     assert result.steps == 2
     assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert {"lr/body", "lr/head"} <= set(result.train_metrics)
@@ -183,7 +183,7 @@ def test_learning_rate_commands_name_one_optimizer_or_apply_to_all() -> None:
                 trainer.bus.send(c)
 
     trainer.bus.stream(ev.StepEnded).subscribe(send)
-    trainer.run()
+    trainer.fit_sync()
     assert opts["d"].param_groups[0]["lr"] == 1.0
     assert opts["g"].param_groups[0]["lr"] == pytest.approx(2e-2)
     applied = rec.of_type(ev.CommandApplied)
@@ -203,7 +203,7 @@ def test_a_step_that_returns_nothing_names_itself() -> None:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
                       train_step=forgetful, max_steps=1, progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match=r"train_step .*forgetful returned None"):
-        trainer.run()
+        trainer.fit_sync()
 
 
 def test_a_mapping_without_a_loss_names_its_keys() -> None:
@@ -218,7 +218,7 @@ def test_a_mapping_without_a_loss_names_its_keys() -> None:
                       train_step=misspelt, max_steps=1, progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match=r"misspelt returned a mapping without a 'loss' "
                        r"entry \(keys: 'los'\) at step 1"):  # fmt: skip
-        trainer.run()
+        trainer.fit_sync()
 
 
 def test_a_non_finite_loss_names_the_step() -> None:
@@ -232,7 +232,7 @@ def test_a_non_finite_loss_names_the_step() -> None:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
                       train_step=nan_step, max_steps=2, progress=False)  # fmt: skip
     with pytest.raises(NonFiniteLossError) as info:
-        trainer.run()
+        trainer.fit_sync()
     assert any("nan_step" in note and "'default'" in note for note in info.value.__notes__)
 
 
@@ -248,7 +248,7 @@ def test_a_non_finite_loss_skips_every_optimizer_of_the_window() -> None:
     trainer = Trainer(model, opts, [*data[:1], torch.full((6, 2), float("nan")), *data[2:]],
                       train_step=step, max_steps=3, on_nonfinite="skip",
                       progress=False)  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.skipped_nonfinite == 1 and result.steps == 3
     assert calls == [0, 1, 1, 2]  # the skipped window took no step: step 1 ran again
 
@@ -264,7 +264,7 @@ def test_forgetting_to_step_a_declared_optimizer_warns_naming_it() -> None:
     model, opts, data = gan_parts()
     trainer = Trainer(model, opts, data, train_step=only_d, max_steps=3, progress=False)
     with pytest.warns(RuntimeWarning, match=r"only_d did not step optimizer 'g'") as record:
-        trainer.run()
+        trainer.fit_sync()
     assert len([w for w in record if "did not step" in str(w.message)]) == 1  # warned once
 
 
@@ -278,7 +278,7 @@ def test_an_unknown_optimizer_name_in_the_step_is_refused() -> None:
     model, opts, data = gan_parts()
     trainer = Trainer(model, opts, data, train_step=typo, max_steps=1, progress=False)
     with pytest.raises(ConfigError, match=r"'disc'.*'g', 'd'"):
-        trainer.run()
+        trainer.fit_sync()
 
 
 def test_one_scheduler_with_several_optimizers_names_its_optimizer() -> None:
@@ -319,7 +319,7 @@ def test_a_train_step_that_is_not_callable_is_refused() -> None:
 
 
 def test_a_checkpoint_of_two_optimizers_does_not_load_into_other_names(tmp_path: Path) -> None:
-    gan_trainer(tmp_path, max_steps=2).run()
+    gan_trainer(tmp_path, max_steps=2).fit_sync()
     model, opts, data = gan_parts()
     renamed = {"gen": opts["g"], "disc": opts["d"]}
 
@@ -329,7 +329,7 @@ def test_a_checkpoint_of_two_optimizers_does_not_load_into_other_names(tmp_path:
     trainer = Trainer(model, renamed, data, train_step=step, max_steps=4,
                       checkpoint_dir=tmp_path, progress=False)  # fmt: skip
     with pytest.raises(CheckpointError, match=r"optimizers \['d', 'g'\] but this run has"):
-        trainer.run(resume="latest")
+        trainer.fit_sync(resume="latest")
 
 
 class RecordingScaler:
@@ -362,7 +362,7 @@ def test_the_grad_scaler_unscales_and_steps_each_optimizer_and_updates_once() ->
     scaler = RecordingScaler({id(o): n for n, o in opts.items()})
     trainer = Trainer(model, opts, data, train_step=gan_step, max_steps=1, progress=False)
     trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
-    trainer.run()
+    trainer.fit_sync()
     assert scaler.calls == ["scale", "unscale d", "step d", "scale", "unscale g", "step g",
                             "update"]  # fmt: skip
 
@@ -385,7 +385,7 @@ def test_the_default_step_drives_the_grad_scaler_over_every_optimizer() -> None:
     scaler = RecordingScaler({id(o): n for n, o in opts.items()})
     trainer = Trainer(model, opts, [torch.randn(4, 2)], max_steps=1, progress=False)
     trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
-    trainer.run()
+    trainer.fit_sync()
     assert scaler.calls == ["scale", "unscale body", "unscale head", "step body", "step head",
                             "update"]  # fmt: skip
 
@@ -398,6 +398,6 @@ def test_an_error_in_the_step_reaches_the_caller_as_itself_with_a_note() -> None
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
                       train_step=broken, max_steps=1, progress=False)  # fmt: skip
     with pytest.raises(KeyError, match="no such layer") as info:
-        trainer.run()
+        trainer.fit_sync()
     assert any("train_step" in n and "broken at step 1" in n for n in info.value.__notes__)
     assert trainer.result is not None and trainer.result.reason == "failed"

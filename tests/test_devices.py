@@ -92,7 +92,7 @@ def test_bf16_on_a_gpu_with_bf16_is_accepted(fake_cuda: FakeCuda) -> None:
 # ------------------------------------------------------------------ the device on every thread
 def test_the_loop_thread_makes_the_run_device_current(fake_cuda: FakeCuda) -> None:
     model = HostModel()
-    result = host_trainer(model, device="cuda:1").run()
+    result = host_trainer(model, device="cuda:1").fit_sync()
     assert result.reason == "completed" and result.steps == 4
     main = threading.current_thread().name
     assert {(device, current) for device, current, _ in model.seen} == {
@@ -143,7 +143,7 @@ def test_a_batch_a_hook_replaced_is_moved(fake_cuda: FakeCuda) -> None:
         ctx.batch = Placed(fresh.x, fresh.y)  # built on the host, as a hook would
 
     trainer.add_hook("batch", replace)
-    trainer.run()
+    trainer.fit_sync()
     assert [d for d, _, _ in model.seen] == [torch.device("cuda", 1)] * 4
 
 

@@ -39,7 +39,7 @@ def make(train: Any = None, **kwargs: Any) -> Trainer:
 
 def record(trainer: Trainer) -> tuple[EventRecorder, Any]:
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     trainer.close()
     return recorder, result
 

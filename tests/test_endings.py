@@ -64,7 +64,7 @@ def test_fit_result_ending(stop: str | None) -> None:
     trainer = make()
     if stop is not None:
         stop_at(trainer, 2, stop)
-    result = trainer.run()
+    result = trainer.fit_sync()
     expected = {"pruned": Ending.PRUNED, "budget": Ending.STOPPED, None: Ending.COMPLETED}[stop]
     assert result.ending is expected
     assert result.reason == ("completed" if stop is None else "stopped")  # the old field holds
@@ -75,19 +75,19 @@ def test_skip_final_checkpoint_of_a_pruned_run_only(tmp_path: Path) -> None:
     pruned = make(tmp_path / "pruned", skip_final_checkpoint={"pruned"})
     stop_at(pruned, 2, "pruned")
     recorder = EventRecorder(pruned.bus)
-    result = pruned.run()
+    result = pruned.fit_sync()
     assert result.ending is Ending.PRUNED and result.checkpoint is None
     assert recorder.of_type(ev.CheckpointSaved) == []
     assert not (tmp_path / "pruned").exists()  # created at the first save, never before
 
     stopped = make(tmp_path / "stopped", skip_final_checkpoint={Ending.PRUNED})
     stop_at(stopped, 2, "early stopping")
-    result = stopped.run()
+    result = stopped.fit_sync()
     assert result.ending is Ending.STOPPED
     assert result.checkpoint is not None and result.checkpoint.endswith("-final.pt")
 
     completed = make(tmp_path / "completed", skip_final_checkpoint={"pruned", "stopped"})
-    assert completed.run().checkpoint is not None  # a completed run always writes it
+    assert completed.fit_sync().checkpoint is not None  # a completed run always writes it
 
 
 @pytest.mark.parametrize("bad", ["pruned", ["completed"], ["finished"], 3])
@@ -121,7 +121,7 @@ def test_sigint_stops_gracefully_then_raises_keyboard_interrupt(tmp_path: Path) 
     raise_signal_at(trainer, 3, signal.SIGINT)
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(KeyboardInterrupt, match="SIGINT stopped the run gracefully at step"):
-        trainer.run()
+        trainer.fit_sync()
     result = trainer.result
     assert result is not None and result.ending is Ending.SIGNAL
     assert result.checkpoint is not None and Path(result.checkpoint).is_file()  # written first
@@ -135,7 +135,7 @@ def test_sigterm_stops_gracefully_then_raises_system_exit_143(tmp_path: Path) ->
     trainer = make(tmp_path, max_steps=1_000)
     raise_signal_at(trainer, 3, signal.SIGTERM)
     with pytest.raises(SystemExit) as info:
-        trainer.run()
+        trainer.fit_sync()
     assert info.value.code == 128 + signal.SIGTERM
     assert trainer.result is not None and trainer.result.ending is Ending.SIGNAL
     assert trainer.result.checkpoint is not None
@@ -146,7 +146,7 @@ def test_sigterm_stops_gracefully_then_raises_system_exit_143(tmp_path: Path) ->
 def test_on_signal_return_keeps_the_result(tmp_path: Path) -> None:
     trainer = make(tmp_path, max_steps=1_000, on_signal="return")
     raise_signal_at(trainer, 3, signal.SIGINT)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.ending is Ending.SIGNAL and result.reason == "stopped"
     # The handler runs when the main thread next gets the GIL: after step 3, a step or so later.
     assert 3 <= result.steps < 1_000 and result.checkpoint is not None
@@ -158,5 +158,5 @@ def test_handle_signals_off_leaves_sigint_to_python(tmp_path: Path) -> None:
     trainer = make(tmp_path, max_steps=1_000, handle_signals=False)
     raise_signal_at(trainer, 3, signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.ending is Ending.CANCELLED

@@ -38,7 +38,7 @@ def two_sets() -> dict[str, Any]:
 def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
     trainer = make_trainer(two_sets())
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert set(result.metrics) == {"val/loss", "val/acc", "test/loss", "test/acc"}
     ends = recorder.of_type(ev.EvaluationEnded)
     assert [e.dataset for e in ends] == ["val", "test"] * 2
@@ -60,7 +60,7 @@ def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
 def test_a_single_loader_keeps_todays_keys() -> None:
     trainer = make_trainer(tiny_loader(2, seed=1))
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert set(result.metrics) == {"val_loss", "val_acc"}
     assert {e.dataset for e in recorder.of_type(ev.EvaluationEnded)} == {"val"}
     assert all(r.datasets == ("val",) for r in recorder.of_type(ev.EvaluationRoundStarted))
@@ -75,7 +75,7 @@ def test_evaluate_command_with_named_sets_answers_with_the_round() -> None:
 
     trainer.add_hook("after_optimizer_step", send)
     recorder = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     (ack,) = recorder.of_type(ev.CommandApplied)
     assert isinstance(ack.result, ev.EvaluationRoundEnded) and ack.result.trigger == "command"
     assert set(ack.result.metrics) == {"val/loss", "val/acc", "test/loss", "test/acc"}
@@ -88,7 +88,7 @@ def test_early_stopping_and_checkpointing_name_one_set(tmp_path: Path) -> None:
     trainer = make_trainer(two_sets(), max_epochs=5, lr=0.0, checkpoint_dir=tmp_path,
                            callbacks=[stopper, saver])  # fmt: skip
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.subscriber_failures == {}
     assert (result.reason, result.steps) == ("stopped", 6)  # after the second evaluation
     best = [s for s in recorder.of_type(ev.CheckpointSaved) if s.tag == "best"]
@@ -98,7 +98,7 @@ def test_early_stopping_and_checkpointing_name_one_set(tmp_path: Path) -> None:
 def test_a_key_no_set_has_fails_before_the_run_with_the_keys() -> None:
     trainer = make_trainer(two_sets(), max_epochs=1, callbacks=[EarlyStopping(metric="val_loss")])
     with pytest.raises(ConfigError, match=r"EarlyStopping\.metric='val_loss'.*test/acc.*val/loss"):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is None
 
 
@@ -128,7 +128,7 @@ def test_a_failing_metric_function_closes_the_batch_set_and_round_spans() -> Non
     trainer = make_trainer(two_sets(), metrics={"broken": broken})
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(RuntimeError, match="metric bug") as info:
-        trainer.run()
+        trainer.fit_sync()
     assert any("evaluation of 'val'" in note for note in info.value.__notes__)
     names = recorder.names()
     i = names.index("EvalBatchStarted")

@@ -189,7 +189,7 @@ def test_trainer_configuration_fuzz(case: tuple[dict[str, Any], set[str]]) -> No
         )
         event("ran" if not bad else "refused")
         if not bad:
-            result = Trainer(model, optimizer, data, **kwargs).run()
+            result = Trainer(model, optimizer, data, **kwargs).fit_sync()
             assert result.reason == "completed", (config, result)
             return
         try:
@@ -274,7 +274,7 @@ def test_callback_options_fuzz(case: tuple[type[Callback], dict[str, Any]]) -> N
                           callbacks=[callback])  # fmt: skip
         event(f"ran {cls.__name__}")
         try:
-            result = trainer.run()
+            result = trainer.fit_sync()
         except TrainbusError:
             return
         assert result.reason in ("completed", "stopped"), result

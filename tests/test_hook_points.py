@@ -35,7 +35,7 @@ def test_after_forward_may_replace_the_outputs_the_loss_is_computed_from() -> No
 
     trainer.add_hook("after_forward", zero_logits)
     recorder = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     # Uniform logits over 10 classes: the cross-entropy is exactly ln(10), whatever the model.
     losses = [float(e.loss) for e in recorder.of_type(ev.LossComputed)]
     assert losses == pytest.approx([math.log(10)] * 4)
@@ -48,7 +48,7 @@ def test_after_forward_may_skip_the_batch() -> None:
         "after_forward", lambda ctx: ctx.skip_batch() if ctx.batch_index == 1 else None
     )
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert [e.batch_index for e in recorder.of_type(ev.LossComputed)] == [0, 2, 3]
     skipped = [e.batch_index for e in recorder.of_type(ev.MicroBatchEnded) if e.skipped]
     assert skipped == [1] and result.steps == 3
@@ -66,7 +66,7 @@ def test_after_backward_sees_each_micro_batchs_gradients_before_clipping() -> No
 
     trainer.add_hook("after_backward", measure)
     recorder = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert [m for m, _ in norms] == [0, 1, 0, 1]
     # The last micro-batch's gradients are the step's, before clipping: OptimizerStepStarted
     # reports the same pre-clip norm, far above the clip threshold.
@@ -85,7 +85,7 @@ def test_eval_batch_may_replace_the_batch() -> None:
         ctx.batch = fixed
 
     trainer.add_hook("eval_batch", replace)
-    result = trainer.run()
+    result = trainer.fit_sync()
     with torch.no_grad():
         expected = F.cross_entropy(trainer.settings.model(fixed[0]), fixed[1]).item()
     assert result.metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
@@ -96,7 +96,7 @@ def test_eval_batch_may_skip_a_batch() -> None:
     trainer = make_trainer(eval_data=tiny_loader(3, seed=1))
     trainer.add_hook("eval_batch", lambda ctx: ctx.skip_batch() if ctx.batch_index == 0 else None)
     recorder = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     ended = recorder.of_type(ev.EvalBatchEnded)
     assert [(e.batch_index, e.samples) for e in ended] == [(0, 0), (1, 32), (2, 32)]
     assert math.isnan(float(ended[0].loss))
@@ -118,7 +118,7 @@ def test_callback_methods_reach_the_new_points() -> None:
             calls.append("eval_batch")
 
     trainer = make_trainer(eval_data=tiny_loader(1, seed=1), callbacks=[Ported()])
-    trainer.run()
+    trainer.fit_sync()
     assert calls == ["after_forward", "after_backward"] * 4 + ["eval_batch"]
 
 
@@ -152,7 +152,7 @@ def test_the_round_hooks_wrap_every_trigger_with_its_context() -> None:
         "after_optimizer_step",
         lambda ctx: trainer.bus.send(cmd.Evaluate()) if ctx.step == 3 else None,
     )
-    trainer.run()
+    trainer.fit_sync()
     trainer.evaluate_sync()
     expected = [(2, "steps"), (3, "command"), (4, "steps"), (4, "epoch"), (4, "standalone")]
     assert seen == [
@@ -178,7 +178,7 @@ def test_after_evaluation_runs_when_the_round_raises_and_every_hook_runs() -> No
     trainer.add_hook("after_evaluation", first)  # added last: runs first
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(Broken, match="first after_evaluation hook") as info:
-        trainer.run()
+        trainer.fit_sync()
     # Both ran, in reverse order, with the round's error; the failure is raised, chained to it.
     assert [name for name, _ in calls] == ["first", "second"]
     assert all(str(error) == "eval batch" for _, error in calls)
@@ -221,7 +221,7 @@ def test_callback_methods_reach_the_round_points() -> None:
             calls.append("after")
 
     trainer = make_trainer(eval_data=tiny_loader(2, seed=1), callbacks=[Swapper()])
-    trainer.run()
+    trainer.fit_sync()
     assert calls == ["before", "batch", "batch", "after"]
 
 

@@ -44,9 +44,12 @@ ALLOWED: dict[str, set[str]] = {
 TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"},
                                    "callbacks": {"top"}, "integrations": {"top"}}
 NO_TORCH = {"bus", "events", "commands", "operators"}
-TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_attach",
-       "_rank_setup", "_resume", "_session", "_lifetime", "_rundirs", "_endings", "seeding",
-       "_driver", "ray", "_workers", "_export_cli"}
+TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_rundirs",
+       "seeding", "_driver", "ray", "_trainer", "_export_cli"}
+# The Trainer's own rooms live in trainbus/_trainer/ (one package of the top layer); the
+# package's hall holds public modules and the internals several layers share.
+HALL_INTERNALS = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders",
+                  "_rundirs", "_driver", "_export_cli"}
 
 
 @dataclass(frozen=True)
@@ -278,3 +281,15 @@ def test_the_loop_module_keeps_no_copy_of_the_event_order() -> None:
     doc = importlib.import_module("trainbus.loop.loop").__doc__ or ""
     named = set(re.findall(r"\b[A-Z]\w+\b", doc)) & {t.__name__ for t in events.EVENT_TYPES}
     assert "docs/events.md" in doc and not named, named
+
+
+def test_the_hall_holds_public_modules_and_shared_internals_only() -> None:
+    # A private module of the Trainer alone belongs in trainbus/_trainer/, not beside the
+    # public modules.
+    private = {p.stem for p in SRC.glob("_*.py")} - {"__init__", "__main__"}
+    assert private == HALL_INTERNALS, private ^ HALL_INTERNALS
+
+
+def test_the_trainer_package_lists_its_modules() -> None:
+    doc = importlib.import_module("trainbus._trainer").__doc__ or ""
+    assert set(_MODULE.findall(doc)) == package_modules("_trainer"), "_trainer/__init__.py"

@@ -21,7 +21,7 @@ _RUN = textwrap.dedent(
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(),
                       loss_fn=torch.nn.functional.cross_entropy,
                       max_steps=3)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed", result
     """
 )

@@ -35,7 +35,7 @@ def test_a_hooks_values_are_averaged_over_the_log_window() -> None:
     t.add_hook("after_optimizer_step", lambda ctx: ctx.log("step_seen", float(ctx.step - 1)))
     # a tensor stays on its device until the window closes
     t.add_hook("loss", lambda ctx: ctx.log("loss_x2", ctx.loss.detach() * 2))
-    result = t.run()
+    result = t.fit_sync()
     logged = rec.of_type(ev.MetricsLogged)
     assert [m.metrics["step_seen"] for m in logged] == [1.5, 5.5]
     assert result.train_metrics["step_seen"] == 5.5
@@ -50,7 +50,7 @@ def test_a_subscribers_log_metric_lands_in_the_window_it_is_applied_in() -> None
     t.bus.stream(ev.StepEnded).subscribe(
         lambda e: t.bus.send(cmd.LogMetric(name="from_sub", value=10.0 * e.step))
     )
-    t.run()
+    t.fit_sync()
     by_step = {m.step: m.metrics.get("from_sub") for m in rec.of_type(ev.MetricsLogged)}
     # applied at step k's poll point: in the window that closes at step k + 1
     assert by_step == {1: None, 2: 10.0, 3: 20.0, 4: 30.0}
@@ -62,7 +62,7 @@ def test_logged_values_reach_the_loggers(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     t = trainer(callbacks=[JsonlEventLog(path, events=[ev.MetricsLogged])])
     t.add_hook("after_backward", lambda ctx: ctx.log("backward_seen", 1.0))
-    t.run()
+    t.fit_sync()
     records = [json.loads(line) for line in path.read_text().splitlines()]
     logged = [r for r in records if r.get("type", r.get("event")) == "MetricsLogged"]
     assert logged, records[:3]
@@ -83,7 +83,7 @@ def test_bad_names_and_values_are_refused(name: str, value: Any, match: str) -> 
     t = trainer(max_steps=1)
     t.add_hook("batch", lambda ctx: ctx.log(name, value))
     with pytest.raises(ConfigError, match=match):
-        t.run()
+        t.fit_sync()
 
 
 def test_log_metric_commands_are_checked_when_built() -> None:
@@ -97,7 +97,7 @@ def test_an_evaluation_hook_cannot_log() -> None:
     t = trainer(max_steps=1, eval_data=tiny_loader(1), eval_every=1)
     t.add_hook("eval_batch", lambda ctx: ctx.log("x", 1.0))
     with pytest.raises(TrainingError, match=r"ctx.log\('x', \.\.\.\) in a hook of phase 'eval'"):
-        t.run()
+        t.fit_sync()
 
 
 # ------------------------------------------------------------------------------ own events
@@ -125,7 +125,7 @@ def test_a_callback_method_receives_a_users_own_event_class() -> None:
             self.seen.append(e)
 
     cb = StatsCallback()
-    trainer(max_steps=3, callbacks=[cb]).run()
+    trainer(max_steps=3, callbacks=[cb]).fit_sync()
     assert [e.step for e in cb.seen] == [1, 2, 3]
     assert len(cb.seen[0].norms) == 4
 

@@ -58,7 +58,7 @@ def test_tuple_batches_give_the_targets() -> None:
                       loss_fn=F.cross_entropy, eval_data=data, max_epochs=1, device="cpu",
                       metrics={"acc": _accuracy_seen(seen)}, handle_signals=False,
                       progress=False)  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert [t.tolist() for t in seen] == [y.tolist() for _, y in data]
     assert 0.0 <= result.metrics["val_acc"] <= 1.0
 
@@ -70,7 +70,7 @@ def test_mapping_batches_give_the_labels() -> None:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, eval_data=data,
                       max_epochs=1, device="cpu", metrics={"acc": _accuracy_seen(seen)},
                       handle_signals=False, progress=False)  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert [t.tolist() for t in seen] == [b["labels"].tolist() for b in data]
     with torch.no_grad():
         expected = sum(
@@ -94,4 +94,4 @@ def test_mapping_batch_without_labels_fails_the_evaluation() -> None:
                       max_epochs=1, device="cpu", metrics={"acc": lambda o, t: 1.0},
                       handle_signals=False, progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match="labels"):
-        trainer.run()
+        trainer.fit_sync()

@@ -73,7 +73,7 @@ def test_raise_fails_the_run_naming_the_step_in_a_short_run(tmp_path: Path, mode
     trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="raise")
     rec = EventRecorder(trainer.bus)
     with pytest.raises(NonFiniteLossError, match="at step 3 "):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.reason == "failed"
     (ended,) = rec.of_type(ev.FitEnded)
     assert ended.reason == "failed" and isinstance(ended.error, NonFiniteLossError)
@@ -86,7 +86,7 @@ def test_raise_is_found_before_a_checkpoint_write(tmp_path: Path, mode: str) -> 
     trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="raise")
     _save_at(trainer, 1, 5)
     with pytest.raises(NonFiniteLossError, match=r"at step 3 .*step-00000001\.pt"):
-        trainer.run()
+        trainer.fit_sync()
     assert _files(tmp_path) == ["step-00000001.pt"]
     assert trainer.result is not None
     assert trainer.result.steps == (2 if mode == "per_step" else 5)
@@ -98,7 +98,7 @@ def test_stop_keeps_the_last_good_checkpoint_and_writes_no_bad_state(
     trainer = _trainer(tmp_path, NaNLossAt(3), on_nonfinite="stop")
     _save_at(trainer, 1, 5)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.stop_reason is not None and "non-finite loss at step 3" in result.stop_reason
     assert _files(tmp_path) == ["step-00000001.pt"]
@@ -117,7 +117,7 @@ def test_stop_keeps_the_last_good_checkpoint_and_writes_no_bad_state(
 def test_the_last_partial_log_window_is_checked(tmp_path: Path, mode: str) -> None:
     # log_every=8 over 10 steps: the NaN at step 10 is in a window no log step closes.
     trainer = _trainer(tmp_path, NaNLossAt(10), max_steps=10, log_every=8, on_nonfinite="stop")
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped" and "step 10" in (result.stop_reason or "")
     assert _files(tmp_path) == []
 
@@ -125,7 +125,7 @@ def test_the_last_partial_log_window_is_checked(tmp_path: Path, mode: str) -> No
 def test_a_nan_at_a_log_step_is_found_by_the_window(tmp_path: Path, mode: str) -> None:
     trainer = _trainer(tmp_path, NaNLossAt(6), max_steps=20, log_every=4, on_nonfinite="raise")
     with pytest.raises(NonFiniteLossError, match="at step 6 "):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None
     assert trainer.result.steps == (5 if mode == "per_step" else 8)  # at_sync: the log step
 
@@ -135,7 +135,7 @@ def test_skip_skips_the_update_counts_it_and_finishes(tmp_path: Path, mode: str)
     rec = EventRecorder(trainer.bus)
     seen: list[int] = []
     trainer.add_hook("after_optimizer_step", lambda ctx: seen.append(ctx.step))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 10
     assert result.skipped_nonfinite == 2
     assert seen == list(range(1, 11))  # the skipped batches made no optimizer step
@@ -152,7 +152,7 @@ def test_skip_gives_up_after_too_many_in_a_row(
     monkeypatch.setattr(nonfinite, "MAX_CONSECUTIVE_SKIPS", 4)
     trainer = _trainer(tmp_path, NaNLossAt(*range(2, 100)), on_nonfinite="skip")
     with pytest.raises(NonFiniteLossError, match="4 non-finite losses in a row"):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.skipped_nonfinite == 4
 
 
@@ -161,7 +161,7 @@ def test_no_checkpoint_ever_holds_nonfinite_weights(tmp_path: Path) -> None:
     trainer = _trainer(tmp_path, NaNLossAt(3), max_steps=6, on_nonfinite="ignore")
     _save_at(trainer, 2, 4)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert _files(tmp_path) == ["step-00000002.pt"]
     assert _all_finite(tmp_path / "ckpt" / "step-00000002.pt")
@@ -171,7 +171,7 @@ def test_no_checkpoint_ever_holds_nonfinite_weights(tmp_path: Path) -> None:
 
 
 def test_ignore_runs_to_the_end_with_no_check(tmp_path: Path) -> None:
-    result = _trainer(tmp_path, NaNLossAt(2), max_steps=4, on_nonfinite="ignore").run()
+    result = _trainer(tmp_path, NaNLossAt(2), max_steps=4, on_nonfinite="ignore").fit_sync()
     assert result.reason == "completed" and result.steps == 4 and result.skipped_nonfinite == 0
 
 
@@ -184,10 +184,10 @@ def test_cuda_paths(tmp_path: Path, policy: str) -> None:
                       checkpoint_dir=tmp_path / "ckpt", handle_signals=False)  # fmt: skip
     if policy == "raise":
         with pytest.raises(NonFiniteLossError, match="at step 3 "):
-            trainer.run()
+            trainer.fit_sync()
         assert _files(tmp_path) == []
     elif policy == "stop":
-        assert trainer.run().reason == "stopped" and _files(tmp_path) == []
+        assert trainer.fit_sync().reason == "stopped" and _files(tmp_path) == []
     else:
-        result = trainer.run()
+        result = trainer.fit_sync()
         assert result.skipped_nonfinite == 1 and result.steps == 10

@@ -122,7 +122,7 @@ def run_trainbus(tmp: Path, train: Sequence[Any], *, sized: bool, hook_points: I
     for point in hook_points:
         trainer.add_hook(point, counter(point))  # type: ignore[arg-type]
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     trainer.close()
     assert result.reason == "completed" and recorder.completed
     return Run(list(recorder.items), hooks)

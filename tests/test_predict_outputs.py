@@ -83,7 +83,7 @@ def test_a_transformers_model_output_keeps_its_type_and_logits() -> None:
                for _ in range(3)]  # fmt: skip
     trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches,
                       max_steps=2, progress=False)  # fmt: skip
-    trainer.run()  # trains on the labelled batches: the model returns the loss
+    trainer.fit_sync()  # trains on the labelled batches: the model returns the loss
     streamed: list[Any] = []
 
     def on_batch(event: ev.PredictionBatchEnded) -> None:

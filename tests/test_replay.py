@@ -36,7 +36,7 @@ def test_live_and_replayed_decisions_agree(tmp_path: Path) -> None:
     )  # fmt: skip
     live: list[str] = []
     decide(trainer.bus.events).subscribe(live.append)
-    trainer.run()
+    trainer.fit_sync()
     assert live, "the live pipeline decided nothing: the test would prove nothing"
 
     recorded = list(load_events(path))
@@ -61,7 +61,7 @@ def test_live_and_replayed_decisions_agree(tmp_path: Path) -> None:
 
 def test_events_are_rebuilt_as_their_classes(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    make_trainer([JsonlEventLog(path, flush_s=0.05)], epochs=1, batches=2).run()
+    make_trainer([JsonlEventLog(path, flush_s=0.05)], epochs=1, batches=2).fit_sync()
     assert all(json.loads(line)["v"] == 1 for line in path.read_text().splitlines())
     events = list(load_events(path))
     assert isinstance(events[0], ev.TrainerBuilt) and isinstance(events[-1], ev.FitEnded)

@@ -91,7 +91,7 @@ def test_the_loop_builds_step_ended_only_when_a_sample_is_due() -> None:
     trainer = _trainer(600)
     got: list[ev.StepEnded] = []
     trainer.bus.stream(ev.StepEnded, every_s=0.05).subscribe(got.append)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 600
     times = [e.time for e in got]
     assert got and all(b - a >= 0.05 for a, b in itertools.pairwise(times))
@@ -107,7 +107,7 @@ def test_a_subscriber_of_every_step_still_gets_every_step() -> None:
     every: list[int] = []
     trainer.bus.stream(ev.StepEnded, every_s=10.0).subscribe(lambda e: sampled.append(e.step))
     trainer.bus.stream(ev.StepEnded).subscribe(lambda e: every.append(e.step))
-    trainer.run()
+    trainer.fit_sync()
     assert every == list(range(1, 201)) and sampled == [1]
 
 
@@ -142,7 +142,7 @@ def test_the_loop_builds_step_ended_only_at_the_sampled_steps() -> None:
     sevens: list[int] = []
     trainer.bus.stream(ev.StepEnded, every_steps=10).subscribe(lambda e: tens.append(e.step))
     trainer.bus.stream(ev.StepEnded, every_steps=7).subscribe(lambda e: sevens.append(e.step))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert tens == list(range(10, 301, 10)) and sevens == list(range(7, 301, 7))
     # 30 + 42 - 4 (multiples of 70) StepEnded, plus a handful of other events: not 300.
     assert result.statistics.published < 100, result.statistics.published

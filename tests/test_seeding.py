@@ -37,7 +37,7 @@ def train(model: torch.nn.Module, data: Any, *, resume: str | None = None,
                                 handle_signals=False, seed=5)  # fmt: skip
     args.update(kw)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, **args)
-    trainer.run(resume=resume)
+    trainer.fit_sync(resume=resume)
     return trainer
 
 

@@ -117,7 +117,7 @@ def test_sync_twins_in_any_order_without_leaving_a_thread() -> None:
     recorder = EventRecorder(trainer.bus)
     counter = AsyncCounter(trainer)
     trainer.evaluate_sync()
-    trainer.run()
+    trainer.fit_sync()
     trainer.predict_sync(tiny_loader(1))
     trainer.evaluate_sync()
     assert ends(recorder) == counter.done == [
@@ -138,11 +138,11 @@ def test_a_second_fit_is_an_error_unless_it_resumes(tmp_path: Any) -> None:
             trainer.bus.send(cmd.StopTraining(reason="pause"))
 
     trainer.add_hook("after_optimizer_step", stop_at_2)
-    first = trainer.run()
+    first = trainer.fit_sync()
     assert (first.reason, first.steps) == ("stopped", 2)
     with pytest.raises(TrainbusError, match=r"ran on this Trainer already.*fit\(resume="):
-        trainer.run()
-    second = trainer.run(resume="latest")
+        trainer.fit_sync()
+    second = trainer.fit_sync(resume="latest")
     assert (second.reason, second.steps) == ("completed", 6)
     started = recorder.of_type(ev.FitStarted)
     assert len(started) == 2 and started[1].resumed_from is not None
@@ -156,7 +156,7 @@ def test_with_block_runs_every_sync_call_through_one_portal() -> None:
     with make_trainer() as trainer:
         recorder = EventRecorder(trainer.bus)
         counter = AsyncCounter(trainer)
-        trainer.run()
+        trainer.fit_sync()
         assert counter.done == ["FitEnded"]  # delivered before run() returned
         trainer.evaluate_sync()
         trainer.evaluate_sync()
@@ -168,7 +168,7 @@ def test_with_block_runs_every_sync_call_through_one_portal() -> None:
     assert counter.done == ends(recorder) and len(counter.done) == 4
     assert recorder.completed and trainer.bus.state == "closed"
     with pytest.raises(TrainbusError, match="closed"):
-        trainer.run()
+        trainer.fit_sync()
     assert _leaked(before) == []
 
 
@@ -196,7 +196,7 @@ def test_sync_twins_work_where_an_asyncio_loop_runs_on_the_thread() -> None:
 
     async def cell() -> tuple[Any, Any]:
         asyncio.get_running_loop()  # there is one
-        return trainer.run(), trainer.evaluate_sync()
+        return trainer.fit_sync(), trainer.evaluate_sync()
 
     result, metrics = asyncio.run(cell())
     assert result.reason == "completed" and "val_loss" in metrics
@@ -244,8 +244,8 @@ def test_a_failed_call_leaves_no_state_behind(tmp_path: Any) -> None:
         trainer.evaluate_sync()
     assert trainer.evaluate_sync()["val_loss"] > 0  # the next call works
     with pytest.raises(ConfigError):  # fit fails before it runs: no fit happened
-        trainer.run(resume=tmp_path / "missing.pt")
-    assert trainer.run().reason == "completed"
+        trainer.fit_sync(resume=tmp_path / "missing.pt")
+    assert trainer.fit_sync().reason == "completed"
     assert ends(recorder) == ["EvaluationRoundEnded", "EvaluationRoundEnded", "FitEnded"]
     trainer.close()
 
@@ -287,8 +287,8 @@ async def test_evaluate_while_fit_runs_is_a_clear_error() -> None:
 def test_bad_backend_is_a_config_error() -> None:
     trainer = make_trainer()
     with pytest.raises(ConfigError, match=r"^backend='curio'.*asyncio"):
-        trainer.run(backend="curio")
-    assert trainer.run().reason == "completed"  # nothing was left behind
+        trainer.fit_sync(backend="curio")
+    assert trainer.fit_sync().reason == "completed"  # nothing was left behind
     trainer.close()
 
 
@@ -329,7 +329,7 @@ def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> No
         await anyio.sleep_forever()
 
     sub = trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, buffer=1)
-    result = trainer.run()  # returns: the hung work is cancelled at close_timeout
+    result = trainer.fit_sync()  # returns: the hung work is cancelled at close_timeout
     # One item started and hung; of the other two, what waited in the buffer at the call's
     # end was cancelled with it and the rest dropped (how many of each depends on how the
     # three events fell into dispatch slices): all three are lost work, none is silent.

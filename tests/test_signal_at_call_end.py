@@ -56,7 +56,7 @@ SCRIPT = textwrap.dedent(
 
     trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, name="hang",
                                 buffer=100)
-    result = trainer.run()
+    result = trainer.fit_sync()
     print("RESULT", result.reason, result.steps, result.lost["hang"].cancelled,
           result.lost_work, flush=True)
     """

@@ -68,7 +68,7 @@ SCRIPT = textwrap.dedent(
 
         trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), on_step)
         try:
-            trainer.run()
+            trainer.fit_sync()
             raised = "returned"
         except KeyboardInterrupt:  # on_signal="raise", the default: after the graceful stop
             raised = "KeyboardInterrupt"

@@ -79,9 +79,9 @@ SCRIPT = textwrap.dedent(
 
         trainer.add_hook("after_optimizer_step", slow_down)
     if mode == "uncaught":  # the interrupt as Python delivers it: nothing catches it
-        trainer.run()
+        trainer.fit_sync()
     try:
-        result = trainer.run()
+        result = trainer.fit_sync()
     except (KeyboardInterrupt, SystemExit) as exc:
         print("RAISED", type(exc).__name__, getattr(exc, "code", None), flush=True)
         if trainer.result is None or trainer.result.reason == "cancelled":
@@ -311,7 +311,7 @@ BLOCKING_SCRIPT = textwrap.dedent(
     # The training thread says where it is, whatever the event loop does.
     trainer.add_hook("after_optimizer_step", lambda ctx: print("STEP", ctx.step, flush=True))
     if mode == "sync":
-        result = trainer.run()          # the event loop runs in a portal thread
+        result = trainer.fit_sync()          # the event loop runs in a portal thread
     else:
         async def main():
             return await trainer.fit()  # the event loop runs on the main thread itself

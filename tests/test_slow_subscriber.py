@@ -161,7 +161,7 @@ def test_default_policy_never_holds_training_and_reports_what_it_dropped(
     # A small buffer, the default policy; the service answers nothing before the run ends.
     run = _run(tmp_path, service, buffer=2)
     with capture_logs() as logs:
-        result = run.trainer.run()
+        result = run.trainer.fit_sync()
 
     assert result.reason == "completed" and result.steps == STEPS
     # The fast subscriber received every event, in order, while the slow one was behind.
@@ -188,7 +188,7 @@ def test_default_policy_never_holds_training_and_reports_what_it_dropped(
 def test_block_holds_training_says_so_and_loses_nothing(tmp_path: Path, service: Service) -> None:
     run = _run(tmp_path, service, "training_waits", buffer=2, overflow="block")
     with capture_logs() as logs:
-        result = run.trainer.run()
+        result = run.trainer.fit_sync()
 
     assert result.reason == "completed" and result.steps == STEPS
     # Lossless: every post arrived, in order (concurrency 1), nothing lost.
@@ -213,7 +213,7 @@ def test_block_holds_training_says_so_and_loses_nothing(tmp_path: Path, service:
 def test_on_lost_raise_fails_the_run_after_delivery(tmp_path: Path, service: Service) -> None:
     run = _run(tmp_path, service, buffer=2, on_lost="raise")
     with pytest.raises(LostWorkError, match=r"poster: \d+ dropped, 0 cancelled, 0 failed") as info:
-        run.trainer.run()
+        run.trainer.fit_sync()
     result = run.trainer.result
     assert result is not None and info.value.result is result
     assert result.reason == "completed" and info.value.lost == dict(result.lost)
@@ -227,7 +227,7 @@ def test_close_waits_for_every_post_by_default_and_says_so(
 ) -> None:
     run = _run(tmp_path, service, buffer=POSTS)  # room for all: nothing dropped
     with capture_logs() as logs:
-        result = run.trainer.run()
+        result = run.trainer.fit_sync()
     assert result.reason == "completed" and result.lost == {}
     assert service.arrived == list(range(20, STEPS + 1, 20))  # every post arrived
     # The end of the run waited at the close, not at the last barrier nor the final save.
@@ -244,7 +244,7 @@ def test_close_timeout_cancels_what_is_left_and_reports_it(
     run = _run(tmp_path, service, buffer=POSTS, close_timeout=0.3)
     assert run.trainer.bus.close_timeout == 0.3
     with capture_logs() as logs:
-        result = run.trainer.run()
+        result = run.trainer.fit_sync()
     lost = result.lost["poster"]
     assert lost.cancelled > 0 and lost.dropped == lost.failed == 0
     assert len(service.arrived) + lost.cancelled == POSTS

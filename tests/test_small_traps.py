@@ -39,7 +39,7 @@ def test_every_hook_point_of_a_step_sees_its_batch(accumulate: int) -> None:
 
     for point in TRAIN_POINTS:
         trainer.add_hook(point, hook_at(point))
-    trainer.run()
+    trainer.fit_sync()
     steps = 4
     assert len(seen["batch"]) == len(seen["after_backward"]) == steps * accumulate
     assert len(seen["before_optimizer_step"]) == len(seen["after_optimizer_step"]) == steps
@@ -62,7 +62,7 @@ def test_train_metrics_hold_the_last_loss_for_any_run_length(
     trainer = _trainer(max_steps=max_steps, log_every=log_every, on_nonfinite=on_nonfinite)
     losses: list[float] = []
     trainer.add_hook("loss", lambda ctx: losses.append(float(ctx.loss.detach())))  # type: ignore[arg-type]
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == max_steps
     # The partial last window: the mean of the steps after the last log step.
     tail = losses[(max_steps // log_every) * log_every :]
@@ -75,7 +75,7 @@ def test_a_run_ending_on_a_log_step_keeps_that_windows_metrics() -> None:
     trainer = _trainer(max_steps=4, log_every=2)
     losses: list[float] = []
     trainer.add_hook("loss", lambda ctx: losses.append(float(ctx.loss.detach())))  # type: ignore[arg-type]
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.train_metrics["loss"] == pytest.approx(sum(losses[2:]) / 2, rel=1e-6)
 
 
@@ -85,7 +85,7 @@ def test_a_run_ending_on_a_log_step_keeps_that_windows_metrics() -> None:
 def test_lightning_precision_spellings_are_accepted(spelling: str, meant: str) -> None:
     trainer = _trainer(precision=spelling, max_steps=2)
     assert trainer.settings.precision == meant
-    assert trainer.run().steps == 2
+    assert trainer.fit_sync().steps == 2
 
 
 def test_16_mixed_means_fp16_which_needs_cuda() -> None:

@@ -72,7 +72,7 @@ def test_evaluate_without_any_data_is_a_config_error() -> None:
 
 def test_after_a_run_evaluate_runs_on_the_same_trainer() -> None:
     trainer = make_trainer()
-    trainer.run()
+    trainer.fit_sync()
     metrics = trainer.evaluate_sync(tiny_loader(1))
     assert set(metrics) == {"val_loss"}
 

@@ -110,7 +110,7 @@ def _run(
         rec = EventRecorder(bus, bus.stream(*_RECORDED))
         error: BaseException | None = None
         try:
-            trainer.run()
+            trainer.fit_sync()
         except Exception as exc:  # the NaN "raise" case: compared like the rest
             error = exc
     result = trainer.result

@@ -209,7 +209,7 @@ def test_checkpointing_every_steps_saves_at_exactly_the_multiples(tmp_path: Path
         Checkpointing(every_steps=25, every_epochs=None)])  # fmt: skip
     _slow_subscriber(trainer)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     assert _saves(rec) == [(k, None) for k in range(25, 151, 25)]  # no duplicate final save
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"step-{k:08d}.pt" for k in range(25, 151, 25)
@@ -225,7 +225,7 @@ def test_every_pipeline_sending_save_applies_at_the_decided_step(tmp_path: Path,
         lambda e: bus.send(cmd.SaveCheckpoint())
     )
     rec = EventRecorder(bus)
-    trainer.run()
+    trainer.fit_sync()
     assert _saves(rec) == [*((k, None) for k in range(20, 141, 20)), (150, "final")]
     applied = [
         e for e in rec.of_type(ev.CommandApplied) if isinstance(e.command, cmd.SaveCheckpoint)
@@ -246,7 +246,7 @@ def test_async_decision_on_a_declared_step_stops_at_that_step(run: int) -> None:
 
     bus.subscribe_async(bus.stream(ev.StepEnded).pipe(tbops.every(10)), decide, decides=True)
     rec = EventRecorder(bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert (result.reason, result.steps, result.stop_reason) == ("stopped", 30, "enough")
     (applied,) = rec.of_type(ev.CommandApplied)
     assert applied.step == applied.command.decided_at == 30
@@ -271,7 +271,7 @@ def test_a_slow_async_subscriber_that_does_not_decide_is_never_waited_for() -> N
     bus.decides(every=4)  # decision steps at 4, 8, ...: the uploader is not a decider
     assert bus.port().schedules == (Every(4),)  # only the explicit declaration
     with capture_logs() as logs:
-        result = trainer.run()
+        result = trainer.fit_sync()
     assert result.steps == 40
     assert not [entry for entry in logs if entry["event"] == "barrier_timeout"]
     assert handled  # the uploads ran, after the run, off the training thread
@@ -290,7 +290,7 @@ def test_bus_decides_makes_a_merged_pipeline_deterministic(tmp_path: Path) -> No
     # A plain filter declares nothing: bus.decides() did.
     bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step in (17, 40))).subscribe(on_step)
     rec = EventRecorder(bus)
-    trainer.run()
+    trainer.fit_sync()
     assert [(a.step, a.command.decided_at) for a in rec.of_type(ev.CommandApplied)] == [
         (17, 17), (40, 40)]  # fmt: skip
 

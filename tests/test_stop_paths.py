@@ -98,7 +98,7 @@ def make_trainer(
 def test_completed(tmp_path: Path) -> None:
     trainer = make_trainer(checkpoint_dir=tmp_path)
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     end = assert_well_formed(recorder.items)
     assert (end.reason, end.error, end.stop_reason) == ("completed", None, None)
     assert (result.reason, result.stop_reason, result.error) == ("completed", None, None)
@@ -189,7 +189,7 @@ def test_stop_epoch_ends_the_epoch_and_the_next_one_runs() -> None:
             bus.send(cmd.StopEpoch())
 
     bus.subscribe(bus.stream(ev.EvaluationEnded), decide)
-    result = trainer.run()
+    result = trainer.fit_sync()
 
     end = assert_well_formed(recorder.items)
     assert (end.reason, result.reason, result.steps, result.epochs) == ("completed",) * 2 + (7, 2)
@@ -223,7 +223,7 @@ def test_exception_in_forward_fails_the_run(tmp_path: Path) -> None:
     trainer = make_trainer(model, checkpoint_dir=tmp_path)
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(ValueError) as caught:
-        trainer.run()
+        trainer.fit_sync()
 
     assert caught.value is boom
     assert "trainbus: raised in forward at step 4, epoch 1, batch 1" in caught.value.__notes__
@@ -248,7 +248,7 @@ def test_exception_in_eval_forward_pairs_the_spans() -> None:
     trainer = make_trainer(FailingModel(fail_at=1, error=boom, in_eval=True))
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(ValueError):
-        trainer.run()
+        trainer.fit_sync()
     (evaluation_end,) = recorder.of_type(ev.EvaluationEnded)
     assert evaluation_end.error is boom
     assert_well_formed(recorder.items)
@@ -264,7 +264,7 @@ def test_exception_in_after_optimizer_step_hook_pairs_the_spans() -> None:
 
     trainer.add_hook("after_optimizer_step", hook)
     with pytest.raises(RuntimeError):
-        trainer.run()
+        trainer.fit_sync()
     assert_well_formed(recorder.items)
 
 
@@ -377,7 +377,7 @@ def test_subscriber_with_on_error_raise_fails_the_run(kind: str) -> None:
     # The user's exception comes out as itself (``except KeyError`` matches), with a note
     # naming the subscription and the event it handled.
     with pytest.raises(KeyError) as caught:
-        trainer.run()
+        trainer.fit_sync()
 
     assert caught.value is oops
     (note,) = [n for n in caught.value.__notes__ if n.startswith("trainbus:")]
@@ -398,11 +398,11 @@ def test_max_steps_mid_epoch_resumes_where_it_stopped(tmp_path: Path) -> None:
     first = make_trainer(batches=5, max_steps=2, max_epochs=None, eval_data=None,
                          checkpoint_dir=tmp_path)  # fmt: skip
     recorder = EventRecorder(first.bus)
-    first.run()
+    first.fit_sync()
     assert_well_formed(recorder.items)
     second = make_trainer(batches=5, max_steps=4, max_epochs=None, eval_data=None,
                           checkpoint_dir=tmp_path)  # fmt: skip
     recorder = EventRecorder(second.bus)
-    second.run(resume="latest")
+    second.fit_sync(resume="latest")
     fetched = [(e.epoch, e.batch_index) for e in recorder.of_type(ev.BatchFetched)]
     assert fetched == [(0, 2), (0, 3)]

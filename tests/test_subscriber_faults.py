@@ -93,7 +93,7 @@ def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(
     _attach(trainer, fault)
     rec = EventRecorder(trainer.bus)
     before = [p.detach().clone() for p in trainer.settings.model.parameters()]
-    result = trainer.run()  # returns: a hang would trip the test's timeout
+    result = trainer.fit_sync()  # returns: a hang would trip the test's timeout
 
     # Training went on to the end, as without the subscriber.
     assert result.reason == "completed" and result.steps == STEPS and result.epochs == 2
@@ -148,7 +148,7 @@ def test_a_hung_block_subscriber_holds_training_says_so_and_a_stop_still_ends_th
     watcher = threading.Thread(target=stop_when_held, daemon=True)
     watcher.start()
     with capture_logs() as logs:
-        result = trainer.run()
+        result = trainer.fit_sync()
     watcher.join(5)
     assert result.reason == "stopped" and result.stop_reason == "user"
     assert 0 < result.steps < STEPS  # held, then stopped

@@ -78,7 +78,7 @@ def test_loss_fn_mode_trains_like_plain_pytorch() -> None:
     before = _params(model)
     trainer = _trainer(model, data, max_steps=3)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert result.steps == 3
     assert not _same(_params(model), before)
@@ -122,7 +122,7 @@ def test_model_returns_loss_mode(mode: str) -> None:
     before = _params(model)
     trainer = _trainer(model, data, loss_fn=None, max_steps=3)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 3
     assert set(model.calls) == {"kwargs" if mode == "kwargs" else "positional"}
     assert not _same(_params(model), before)
@@ -145,9 +145,9 @@ def test_gradient_accumulation_equals_one_big_batch() -> None:
     accumulated = tiny_model()
     t1 = _trainer(accumulated, halves, lr=0.5, max_steps=1, accumulate=2)
     rec = EventRecorder(t1.bus)
-    r1 = t1.run()
+    r1 = t1.fit_sync()
     big = tiny_model()
-    r2 = _trainer(big, [(x, y)], lr=0.5, max_steps=1).run()
+    r2 = _trainer(big, [(x, y)], lr=0.5, max_steps=1).fit_sync()
 
     assert r1.steps == r2.steps == 1
     assert not _same(_params(big), _params(tiny_model()))
@@ -175,7 +175,7 @@ def test_clip_grad_norm_reports_pre_clip_norm_and_clips() -> None:
     before = _params(model)
     trainer = _trainer(model, data, lr=1.0, max_steps=1, clip_grad_norm=clip)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     (step,) = rec.of_type(ev.StepEnded)
     assert step.grad_norm is not None
     assert float(step.grad_norm) == pytest.approx(pre_clip, rel=1e-4)
@@ -191,7 +191,7 @@ def test_clip_grad_norm_reports_pre_clip_norm_and_clips() -> None:
 def test_no_clip_reports_no_grad_norm() -> None:
     trainer = _trainer(max_steps=1)
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     (step,) = rec.of_type(ev.StepEnded)
     assert step.grad_norm is None
 
@@ -217,7 +217,7 @@ def test_scheduler_stepped_every_step() -> None:
     trainer = Trainer(model, opt, tiny_loader(3, 8), loss_fn=F.cross_entropy, max_steps=5,
                       scheduler=sched, handle_signals=False)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     stepped = rec.of_type(ev.SchedulerStepped)
     assert [e.step for e in stepped] == [1, 2, 3, 4, 5]
     assert [e.lr for e in stepped] == pytest.approx(_expected_lrs(5))
@@ -232,7 +232,7 @@ def test_scheduler_stepped_every_epoch() -> None:
                       scheduler=sched, scheduler_interval="epoch",
                       handle_signals=False)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     stepped = rec.of_type(ev.SchedulerStepped)
     assert [(e.step, e.epoch) for e in stepped] == [(2, 0), (4, 1), (6, 2)]
     assert [e.lr for e in stepped] == pytest.approx(_expected_lrs(3))
@@ -255,7 +255,7 @@ def test_eval_every_and_metrics_match_a_hand_computation() -> None:
     trainer = _trainer(model, tiny_loader(4, 8), max_steps=4, eval_data=eval_data, eval_every=2,
                        eval_at_epoch_end=False, metrics={"acc": _accuracy})  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
 
     ended = rec.of_type(ev.EvaluationEnded)
     assert [(e.step, e.trigger) for e in ended] == [(2, "steps"), (4, "steps")]
@@ -279,7 +279,7 @@ def test_eval_every_and_metrics_match_a_hand_computation() -> None:
 def test_eval_at_epoch_end() -> None:
     trainer = _trainer(max_epochs=2, data=tiny_loader(2, 8), eval_data=tiny_loader(1, 8))
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     ended = rec.of_type(ev.EvaluationEnded)
     assert [(e.step, e.epoch, e.trigger) for e in ended] == [(2, 0, "epoch"), (4, 1, "epoch")]
     assert "val_loss" in result.metrics
@@ -304,7 +304,7 @@ def test_max_steps_and_max_epochs(
 ) -> None:
     trainer = _trainer(data=tiny_loader(3, 4), max_epochs=max_epochs, max_steps=max_steps)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert result.steps == steps
     assert len(rec.of_type(ev.StepEnded)) == steps
@@ -320,7 +320,7 @@ def _seeded_run(seed: int) -> list[torch.Tensor]:
     x = torch.cat([b[0] for b in tiny_loader(4, 8)])
     y = torch.cat([b[1] for b in tiny_loader(4, 8)])
     loader = DataLoader(TensorDataset(x, y), batch_size=8, shuffle=True)
-    _trainer(model, loader, max_steps=6, seed=seed).run()
+    _trainer(model, loader, max_steps=6, seed=seed).fit_sync()
     return _params(model)
 
 
@@ -351,7 +351,7 @@ def test_bf16_runs_on_cpu_under_autocast_and_trains() -> None:
     trainer = _trainer(model, tiny_loader(4, 16), max_steps=8, precision="bf16", device="cpu",
                        lr=0.5, log_every=1)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert model.seen and all(on and dt == torch.bfloat16 for on, dt in model.seen)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights stay fp32
@@ -363,7 +363,7 @@ def test_bf16_runs_on_cpu_under_autocast_and_trains() -> None:
 
 def test_full_precision_has_no_autocast() -> None:
     model = _AutocastProbe()
-    _trainer(model, max_steps=1).run()
+    _trainer(model, max_steps=1).fit_sync()
     assert model.seen == [(False, model.seen[0][1])]
 
 
@@ -373,7 +373,7 @@ def test_device_auto_resolves_to_cpu_here() -> None:
     trainer = _trainer(device="auto", max_steps=1)
     rec = EventRecorder(trainer.bus)
     assert trainer.settings.device == torch.device("cpu")
-    trainer.run()
+    trainer.fit_sync()
     (started,) = rec.of_type(ev.FitStarted)
     assert started.device == "cpu"
 
@@ -392,7 +392,7 @@ def test_unwanted_step_events_are_never_built(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(ev.StepEnded, "__init__", counting)
 
     trainer = _trainer(data=tiny_loader(3, 4), max_steps=6)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 6
     assert built == []
     # Only the unconditional events: TrainerBuilt, FitStarted, 2 x (EpochStarted, EpochEnded),
@@ -403,7 +403,7 @@ def test_unwanted_step_events_are_never_built(monkeypatch: pytest.MonkeyPatch) -
     trainer = _trainer(data=tiny_loader(3, 4), max_steps=6)
     got: list[ev.StepEnded] = []
     trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), got.append)
-    trainer.run()
+    trainer.fit_sync()
     assert built == [1, 2, 3, 4, 5, 6]
     assert [e.step for e in got] == built
 
@@ -431,7 +431,7 @@ def test_events_carry_detached_tensors_and_never_the_model(tmp_path: Path) -> No
                        clip_grad_norm=1.0, log_every=1, checkpoint_dir=tmp_path)  # fmt: skip
     _send_at(trainer, 1, cmd.Evaluate())
     rec = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     kinds = {type(e) for e in rec.items}
     assert {ev.StepEnded, ev.LossComputed, ev.EvalBatchEnded, ev.CommandApplied,
             ev.CheckpointSaved, ev.MetricsLogged} <= kinds  # fmt: skip
@@ -467,7 +467,7 @@ def test_model_output_without_loss_is_a_training_error() -> None:
     trainer = _trainer(_NoLossModel(), loss_fn=None)
     rec = EventRecorder(trainer.bus)
     with pytest.raises(TrainingError, match="loss"):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.reason == "failed"
     (ended,) = rec.of_type(ev.FitEnded)
     assert ended.reason == "failed" and isinstance(ended.error, TrainingError)
@@ -479,7 +479,7 @@ def test_non_scalar_loss_names_step_and_batch() -> None:
 
     trainer = _trainer(loss_fn=per_sample)
     with pytest.raises(TrainingError) as info:
-        trainer.run()
+        trainer.fit_sync()
     message = str(info.value)
     assert "scalar" in message and "step 0" in message and "batch 0" in message
     assert "(8,)" in message
@@ -501,7 +501,7 @@ def test_nonfinite_raise(tmp_path: Path) -> None:
     trainer = _trainer(loss_fn=_NaNAfter(3), max_steps=10, log_every=1, on_nonfinite="raise",
                        checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
     with pytest.raises(NonFiniteLossError):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None
     # Checked before the update on the CPU: the NaN step (3) is never applied.
     assert trainer.result.reason == "failed" and trainer.result.steps == 2
@@ -514,7 +514,7 @@ def test_nonfinite_stop_writes_no_checkpoint_of_the_nan_state(tmp_path: Path) ->
                        checkpoint_dir=ckpt)  # fmt: skip
     _send_at(trainer, 1, cmd.SaveCheckpoint())
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.steps == 2
     assert result.stop_reason is not None and "non-finite" in result.stop_reason
@@ -526,7 +526,8 @@ def test_nonfinite_stop_writes_no_checkpoint_of_the_nan_state(tmp_path: Path) ->
 
 
 def test_nonfinite_ignore_runs_to_the_end() -> None:
-    result = _trainer(loss_fn=_NaNAfter(2), max_steps=4, log_every=1, on_nonfinite="ignore").run()
+    trainer = _trainer(loss_fn=_NaNAfter(2), max_steps=4, log_every=1, on_nonfinite="ignore")
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 4
 
 
@@ -535,9 +536,9 @@ def test_nonfinite_ignore_runs_to_the_end() -> None:
 
 def test_fit_runs_once() -> None:
     trainer = _trainer(max_steps=1)
-    trainer.run()
+    trainer.fit_sync()
     with pytest.raises(TrainbusError, match=r"ran on this Trainer already.*resume="):
-        trainer.run()
+        trainer.fit_sync()
 
 
 def test_run_on_trio() -> None:
@@ -546,7 +547,7 @@ def test_run_on_trio() -> None:
     trainer = _trainer(model, max_steps=3, eval_data=tiny_loader(1, 8), eval_every=3,
                        eval_at_epoch_end=False, handle_signals=True)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    result = trainer.run(backend="trio")  # with signal handling: pytest runs on the main thread
+    result = trainer.fit_sync(backend="trio")  # signal handling: pytest runs on the main thread
     assert result.reason == "completed" and result.steps == 3
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert rec.names()[:2] == ["TrainerBuilt", "FitStarted"] and rec.names()[-1] == "FitEnded"
@@ -569,7 +570,7 @@ def test_training_reduces_the_loss() -> None:
     model = copy.deepcopy(tiny_model())
     trainer = _trainer(model, tiny_loader(8, 32), max_epochs=4, lr=0.5, log_every=8)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     logged = rec.of_type(ev.MetricsLogged)
     assert len(logged) == 4
     assert logged[-1].metrics["loss"] < logged[0].metrics["loss"] * 0.8

@@ -189,7 +189,7 @@ def make_trainer(**overrides: Any) -> Trainer:
 
 def record_run(trainer: Trainer, resume: str | None = None) -> tuple[EventRecorder, Any]:
     recorder = EventRecorder(trainer.bus)
-    result = trainer.run(resume=resume)
+    result = trainer.fit_sync(resume=resume)
     trainer.close()  # the run suspended the bus; closing completes its streams
     assert recorder.completed
     return recorder, result

@@ -51,7 +51,7 @@ def _trainer(callbacks: Any = (), **kwargs: Any) -> Trainer:
 def _refused(trainer: Trainer, pattern: str) -> ConfigError:
     rec = EventRecorder(trainer.bus)
     with pytest.raises(ConfigError, match=pattern) as info:
-        trainer.run()
+        trainer.fit_sync()
     # Refused before anything ran: no FitStarted, no step, no result.
     assert not rec.of_type(ev.FitStarted) and trainer.result is None
     return info.value
@@ -76,7 +76,7 @@ def test_checkpointing_monitor_of_a_produced_metric_saves_best(tmp_path: Path) -
     trainer = _trainer([Checkpointing(monitor="val_acc", mode="max", every_epochs=None)],
                        eval_data=DATA, metrics={"acc": _acc}, checkpoint_dir=tmp_path)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    assert trainer.run().reason == "completed"
+    assert trainer.fit_sync().reason == "completed"
     # Saved at the last step: the final checkpoint would be the same file, so none is written.
     assert [s.tag for s in rec.of_type(ev.CheckpointSaved)] == ["best"]
 
@@ -93,7 +93,7 @@ def test_checkpointing_monitor_with_evaluation_jobs_only_is_accepted(tmp_path: P
     jobs = EvaluateCheckpoints(job)
     trainer = _trainer([Checkpointing(monitor="val_loss"), jobs], checkpoint_dir=tmp_path)
     rec = EventRecorder(trainer.bus)
-    assert trainer.run().reason == "completed"
+    assert trainer.fit_sync().reason == "completed"
     assert rec.of_type(ev.ExternalEvaluationEnded)  # the jobs do produce it
 
 
@@ -109,7 +109,7 @@ def test_early_stopping_without_eval_data() -> None:
 def test_early_stopping_on_a_named_set_metric() -> None:
     sets = {"val": DATA, "test": DATA}
     ok = _trainer([EarlyStopping("test/acc", mode="max")], eval_data=sets, metrics={"acc": _acc})
-    assert ok.run().reason == "completed"
+    assert ok.fit_sync().reason == "completed"
     bad = _trainer([EarlyStopping("test/acc", mode="max")], eval_data=sets)
     _refused(bad, r"'test/acc'.*test/loss, val/loss")
 
@@ -134,7 +134,7 @@ def test_threshold_stopping_on_a_metric_its_source_lacks(
 
 
 def test_threshold_stopping_on_training_metrics_is_accepted() -> None:
-    result = _trainer([ThresholdStopping("steps_per_s", below=0.0)], log_every=1).run()
+    result = _trainer([ThresholdStopping("steps_per_s", below=0.0)], log_every=1).fit_sync()
     assert result.reason == "completed"
 
 
@@ -149,7 +149,7 @@ def test_a_refused_run_leaves_the_trainer_usable() -> None:
     finally:
         handle.remove()
     trainer.remove_callback(stopper)
-    assert trainer.run().reason == "completed"
+    assert trainer.fit_sync().reason == "completed"
 
 
 def test_the_plan_a_callback_sees() -> None:
@@ -159,7 +159,7 @@ def test_the_plan_a_callback_sees() -> None:
         def check(self, plan: RunPlan) -> None:
             seen.append(plan)
 
-    _trainer([Probe()], eval_data={"a": DATA, "b": DATA}, metrics={"acc": _acc}).run()
+    _trainer([Probe()], eval_data={"a": DATA, "b": DATA}, metrics={"acc": _acc}).fit_sync()
     (plan,) = seen
     assert plan.eval_metrics == {"a/loss", "a/acc", "b/loss", "b/acc"}
     assert {"loss", "lr", "steps_per_s", "samples_per_s"} <= plan.train_metrics
@@ -169,7 +169,7 @@ def test_the_plan_a_callback_sees() -> None:
 # ====================================================================== the bus
 def test_send_after_the_run_is_an_error() -> None:
     trainer = _trainer(max_steps=1)
-    trainer.run()
+    trainer.fit_sync()
     trainer.close()  # the bus outlives a call (the next may resume); closing ends it
     with pytest.raises(BusClosedError, match=r"StopTraining.*while fit"):
         trainer.bus.send(cmd.StopTraining(reason="late"))
@@ -184,7 +184,7 @@ def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
     trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
                           lambda e: trainer.bus.send(cmd.StopTraining(reason="late")))  # fmt: skip
     with capture_logs() as logs:
-        result = trainer.run()
+        result = trainer.fit_sync()
     assert result.reason == "completed" and result.subscriber_failures == {}
     (late,) = [e for e in logs if e["event"] == "commands_not_applied"]
     assert "late" in repr(late["commands"])
@@ -201,7 +201,7 @@ def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
 def test_send_before_the_run_is_applied_at_its_start() -> None:
     trainer = _trainer(max_steps=5)
     trainer.bus.send(cmd.StopTraining(reason="early"))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert (result.reason, result.stop_reason, result.steps) == ("stopped", "early", 0)
 
 

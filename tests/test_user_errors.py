@@ -86,7 +86,7 @@ def test_a_hooks_exception_comes_out_of_run_as_itself(tmp_path: Path) -> None:
 
     trainer.add_hook("loss", scale_loss)
     with pytest.raises(TrialPruned, match="from a hook") as caught:
-        trainer.run()
+        trainer.fit_sync()
     (note,) = trainbus_notes(caught.value)
     assert "hook" in note and "scale_loss" in note and "'loss'" in note and "step 3" in note
     (end,) = recorder.of_type(ev.FitEnded)

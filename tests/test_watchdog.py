@@ -158,7 +158,7 @@ def test_a_trainer_run_names_its_blocking_subscriber_and_still_completes() -> No
         slow = blocking_until_warned(logs, seen)
         once = t.bus.stream(ev.StepEnded).pipe(ops.take(1))
         t.bus.subscribe(once, slow, name="blocking-on-step")
-        result = t.run()
+        result = t.fit_sync()
     assert result.reason == "completed" and result.steps == 3
     assert len(seen) == 1 and [w["subscription"] for w in seen[0]] == ["blocking-on-step"]
     assert "in slow_subscriber" in seen[0][0]["stack"]

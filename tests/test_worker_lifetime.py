@@ -59,7 +59,7 @@ SCRIPT = textwrap.dedent(
             trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loader(4),
                               loss_fn=F.cross_entropy, eval_data=loader(8), max_steps=20,
                               eval_every=10, progress=False)
-            result = trainer.run()
+            result = trainer.fit_sync()
             print("FIT", run, result.reason, workers(), flush=True)
             trainer.evaluate_sync()
             print("EVALUATE", run, workers(), flush=True)

@@ -71,8 +71,8 @@ class SubscriberError(TrainbusError):
     """No longer raised: kept importable for code that names it.
 
     A subscriber with ``on_error="raise"`` now fails the run with its own exception, which
-    ``fit()`` / ``run()`` / closing the bus raise as itself (``except MyError`` matches), with a
-    note (``add_note``) naming the subscription and the event it handled.
+    ``fit()`` / ``fit_sync()`` / closing the bus raise as itself (``except MyError`` matches),
+    with a note (``add_note``) naming the subscription and the event it handled.
     """
 
     def __init__(self, subscription: str, error: BaseException) -> None:

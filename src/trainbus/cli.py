@@ -171,7 +171,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )  # fmt: skip
     log.info("demo_started", run_dir=str(run_dir), max_epochs=args.epochs, seed=args.seed)
     try:
-        result = trainer.run()
+        result = trainer.fit_sync()
     except KeyboardInterrupt:  # Ctrl-C: after the graceful stop (on_signal="raise"), or aborted
         stopped = trainer.result
         if stopped is not None and stopped.ending is Ending.SIGNAL:

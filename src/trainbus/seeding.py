@@ -4,7 +4,7 @@
 
     trainbus.seed_everything(0)          # first: before the model is built
     model = build_model()                # its initial weights come from the seeded generators
-    Trainer(model, ..., seed=0).run()    # the run's own data order and generators
+    Trainer(model, ..., seed=0).fit_sync()    # the run's own data order and generators
 
 What each part covers (docs/trainer.md, "Seeds"):
 

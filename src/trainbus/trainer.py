@@ -5,7 +5,7 @@
     trainer = Trainer(model, optimizer, train_loader, loss_fn=F.cross_entropy,
                       eval_data=val_loader, max_epochs=3, checkpoint_dir="runs/demo")
     trainer.bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(log_step)
-    result = await trainer.fit()        # or trainer.run() from synchronous code
+    result = await trainer.fit()        # or trainer.fit_sync() from synchronous code
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
 ``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
@@ -19,12 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from enum import Enum
-from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, Self, Unpack
 
 import anyio
 import anyio.from_thread
@@ -32,17 +30,19 @@ import anyio.lowlevel
 import torch
 
 from . import events as ev
-from ._attach import Attached, as_instances
-from ._endings import OnSignal, check_on_signal, check_skip_final, interrupt_for
 from ._exceptions import ConfigError, LostWorkError, TrainbusError
-from ._lifetime import Lifetime
 from ._log import get_logger
-from ._rank_setup import RankSetup
-from ._resume import CallbackStates, check_resume
-from ._session import BusSession, SignalWatcher, watch_cancel
-from ._workers import end_workers, spawns_workers
+from ._trainer.attached import Attached
+from ._trainer.endings import OnSignal, interrupt_for
+from ._trainer.lifetime import Lifetime
+from ._trainer.options import TrainerOptions, build_settings, check_options, new_bus, options_doc
+from ._trainer.options import signature as options_signature
+from ._trainer.rank_setup import RankSetup
+from ._trainer.result import FitResult, fit_result
+from ._trainer.resume import CallbackStates, check_resume
+from ._trainer.session import BusSession, SignalWatcher, watch_cancel
+from ._trainer.workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
-from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
@@ -50,107 +50,23 @@ from .distributed.sharding import check_ddp
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
 from .loop import (
-    DEFAULT_BARRIERS,
     TRAIN_METRIC_NAMES,
     HookFn,
     HookHandle,
     Hooks,
     Loop,
-    NonFinitePolicy,
     Outcome,
-    Precision,
     Settings,
     StandaloneRun,
-    TrainContext,
-    build_settings,
     eval_sets,
     evaluation_metric_names,
     join_outputs,
 )
 from .seeding import seeded_run
 
-__all__ = ["FitResult", "Trainer"]
+__all__ = ["FitResult", "Trainer", "TrainerOptions"]
 
 log = get_logger(__name__)
-
-
-class BusDefault(Enum):
-    """Default of a Trainer option that belongs to the bus: the bus' own default."""
-
-    DEFAULT = "the bus' default"
-
-
-def new_bus(
-    bus: EventBus | None,
-    *,
-    watchdog_s: float | BusDefault | None,
-    close_timeout: float | BusDefault | None,
-) -> EventBus:
-    """The Trainer's bus: ``bus``, or a new one with the bus options the Trainer was given.
-
-    Raises:
-        ConfigError: ``bus`` is not an EventBus, or a bus option is given with ``bus=`` (it
-            belongs on that bus), or is out of range (the bus' own check).
-    """
-    options: dict[str, Any] = {name: value for name, value in
-               (("watchdog_s", watchdog_s), ("close_timeout", close_timeout))
-               if value is not BusDefault.DEFAULT}  # fmt: skip
-    if bus is None:
-        return EventBus(**options)
-    if not isinstance(bus, EventBus):
-        raise ConfigError.invalid("bus", bus, "a trainbus.EventBus or None")
-    for name, value in options.items():
-        raise ConfigError.invalid(name, value, f"left out when bus= is given (set it on the "
-                                  f"bus: EventBus({name}=...))")  # fmt: skip
-    return bus
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class FitResult:
-    """What ``fit()`` returns (also kept as ``trainer.result``, failed runs included)."""
-
-    reason: ev.EndReason
-    stop_reason: str | None
-    steps: int
-    epochs: int
-    """Epochs completed."""
-    metrics: Mapping[str, float]
-    """Last evaluation metrics."""
-    train_metrics: Mapping[str, float]
-    """Last aggregated training metrics (loss, lr, steps_per_s, ...). ``loss`` is the mean over
-    the last ``log_every`` steps (with ``on_nonfinite="ignore"`` and nothing subscribed to
-    per-step or logged metrics, the last log step's loss: the loop keeps no more than it needs)."""
-    checkpoint: str | None
-    """Path of the last checkpoint written in this run."""
-    subscriber_failures: Mapping[str, int]
-    """Failures per subscription name (only those that failed)."""
-    statistics: BusStatistics
-    error: BaseException | None = None
-    skipped_nonfinite: int = 0
-    """Optimizer steps skipped for a non-finite loss (``on_nonfinite="skip"``)."""
-    resumed_from: str | None = None
-    """The checkpoint file this run loaded (``fit(resume=...)``), None for a fresh start,
-    ``resume="latest"`` finding no valid checkpoint included."""
-    failed_saves: int = 0
-    """Checkpoint writes the disk refused (full, read-only): each logged as
-    ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
-    waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds training waited on each subscription that held it (an ``overflow="block"``
-    buffer that was full, a barrier or decision step it decides at); absent: never waited."""
-    lost: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
-    """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
-    ``cancel_pending()``, failed); only subscriptions that lost something."""
-
-    @property
-    def ending(self) -> ev.Ending:
-        """How the run ended, typed: ``reason`` with a stop's cause told apart
-        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~trainbus.Ending`)."""
-        return ev.Ending.of(self.reason, self.stop_reason)
-
-    @property
-    def lost_work(self) -> int:
-        """Items lost by all subscriptions together (0: every item was handled)."""
-        return sum(x.total for x in self.lost.values())
 
 
 class Trainer:
@@ -163,90 +79,9 @@ class Trainer:
             default step steps them all, a ``train_step`` steps them by name; each one's state
             is saved and restored (docs/trainer.md, "Several optimizers").
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
-        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` called per micro-batch:
-            any forwards, ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps
-            the events, hooks, accumulation, clipping, precision, non-finite checks and
-            checkpoints (docs/recipes.md). None: the default step.
-        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches. Without
-            it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a mapping
-            with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
-        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
-            (``{"val": val_loader, "test": test_loader}``), scored one after the other in one
-            evaluation round. Metrics of a single loader are ``val_loss``/``val_<name>``; of
-            named sets ``<set>/loss``/``<set>/<name>`` (``"test/acc"``).
-        max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
-        max_steps: Optimizer steps to train.
-        scheduler: An LR scheduler, stepped every step or every epoch (``scheduler_interval``);
-            with several optimizers a mapping of optimizer names to schedulers.
-        scheduler_interval: ``"step"`` or ``"epoch"``.
-        accumulate: Micro-batches per optimizer step (gradient accumulation).
-        clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
-            reported as ``grad_norm`` on the events.
-        precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
-            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only); Lightning's
-            ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
-        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
-            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
-            loop, evaluate and predict make it current on their own threads
-            (docs/trainer.md, "On a GPU").
-        seed: At the start of ``fit()``, seeds Python's, NumPy's and torch's process-wide
-            generators (:func:`~trainbus.seed_everything`; call that one before building the
-            model for equal initial weights), and gives a ``DataLoader(shuffle=True)`` without
-            a ``generator`` a data order of ``(seed, epoch)`` that no other thread's draws
-            change (docs/trainer.md, "Seeds").
-        metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``;
-            ``targets`` is the second element of ``(inputs, targets)`` batches, a mapping
-            batch's ``"labels"``, else the batch (docs/trainer.md, "Metric functions").
-        eval_every: Also evaluate every N optimizer steps.
-        eval_at_epoch_end: Evaluate after each epoch (when ``eval_data`` is given).
-        eval_at_end: When the run completes (``max_steps`` or ``max_epochs`` reached) and its
-            last step was not evaluated, evaluate the final weights once more
-            (``trigger="end"``, before the final checkpoint), as Hugging Face does. Only when
-            ``eval_every`` or ``eval_at_epoch_end`` evaluates during the run; False: never.
-        log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
-        checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
-            run completes or stops. Checked now (creatable, writable, not under a file),
-            created at the first save, never before. Resume with ``fit(resume=...)``.
-        skip_final_checkpoint: Stopped runs that write no final checkpoint: any of
-            ``"stopped"``, ``"pruned"`` (a pruner's stop: a sweep's pruned trials keep their
-            disk and time), ``"signal"`` (:class:`~trainbus.Ending`). Default: none skipped.
-        callbacks: Callback classes or instances (user tier). Stateful ones (overriding
-            ``state_dict``) need distinct ``state_key``s.
-        progress: Show a :class:`~trainbus.callbacks.Progress` bar: ``None`` (default) when
-            stderr is a terminal on rank 0 (the ``RANK`` variable torchrun sets, default 0),
-            ``True`` always, ``False`` never. A ``Progress`` in ``callbacks`` replaces it.
-        barriers: Event types at which the loop waits for subscribers before going on.
-        barrier_timeout: Seconds the loop waits at a barrier.
-        on_nonfinite: A NaN/inf loss ``"raise"``s ``NonFiniteLossError`` (the run fails),
-            ``"stop"``s the run (no checkpoint of the bad state), ``"skip"``s that batch's
-            update (counted in ``FitResult.skipped_nonfinite``), or is ``"ignore"``d. Checked
-            every step (docs/trainer.md); a checkpoint never holds non-finite weights.
-        handle_signals: Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``run()``
-            called on the main thread (a ``signal.signal`` handler, restored after).
-        on_signal: After such a graceful stop (final checkpoint written, events delivered):
-            ``"raise"`` (default) lets the interrupt reach the caller, ``KeyboardInterrupt``
-            for SIGINT, ``SystemExit(143)`` for SIGTERM (``trainer.result`` holds the result,
-            ``ending == Ending.SIGNAL``); ``"return"`` returns the result instead.
-        bus: A preconfigured :class:`EventBus` (default: a new one).
-        ddp: Under ``torchrun`` with more than one rank, wrap the model in
-            ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
-            for a model you parallelise yourself (a custom wrapper): trainbus then neither
-            wraps it nor all-reduces its gradients (docs/distributed.md). None (the default):
-            DDP, except for a model sharded with FSDP2 (``fully_shard``), which reduces its
-            own gradients and is never wrapped; ``True`` for such a model is a
-            ``ConfigError``.
-        watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
-            before a warning names it, with its stack, while it blocks (default 5; None: no
-            watchdog). The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
-        close_timeout: Seconds the end of ``fit()`` waits for async subscribers' pending work
-            before cancelling it (counted in ``FitResult.lost``). None (the default): wait as
-            long as it takes, with a ``bus_close_waiting`` warning naming what is pending and
-            for whom. The new bus' option (:class:`EventBus`); with ``bus=`` set it there.
-        on_lost: What lost work does to the run (items dropped by an overflow policy,
-            cancelled at close, or failed; ``FitResult.lost``): ``"warn"`` (default) logs
-            ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
-            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
-            (``trainer.result`` holds the result).
+        **options: The keyword options (``max_steps=``, ``eval_data=``, ``callbacks=``...),
+            declared once in :class:`TrainerOptions` (type, default, check and meaning of
+            each; the table in docs/trainer.md). ``help(Trainer)`` lists them under "Options".
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -257,62 +92,15 @@ class Trainer:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
         train_data: Iterable[Any],
-        *,
-        train_step: Callable[[TrainContext], Any] | None = None,
-        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-        eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
-        max_epochs: int | None = None,
-        max_steps: int | None = None,
-        scheduler: Any | None = None,
-        scheduler_interval: Literal["step", "epoch"] = "step",
-        accumulate: int = 1,
-        clip_grad_norm: float | None = None,
-        precision: Precision = "32",
-        device: str | torch.device = "auto",
-        seed: int | None = None,
-        metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
-        eval_every: int | None = None,
-        eval_at_epoch_end: bool = True,
-        eval_at_end: bool = True,
-        log_every: int = 50,
-        checkpoint_dir: str | Path | None = None,
-        skip_final_checkpoint: Iterable[ev.Ending | str] = (),
-        callbacks: Iterable[Callback | type[Callback]] = (),
-        progress: bool | None = None,
-        barriers: Iterable[type[ev.BaseEvent]] = DEFAULT_BARRIERS,
-        barrier_timeout: float = 60.0,
-        on_nonfinite: NonFinitePolicy = "raise",
-        handle_signals: bool = True,
-        on_signal: OnSignal = "raise",
-        bus: EventBus | None = None,
-        ddp: bool | None = None,
-        watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
-        close_timeout: float | BusDefault | None = BusDefault.DEFAULT,
-        on_lost: Literal["warn", "raise"] = "warn",
+        **options: Unpack[TrainerOptions],
     ) -> None:
-        self.settings: Settings = build_settings(
-            model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
-            max_epochs=max_epochs, max_steps=max_steps, scheduler=scheduler,
-            scheduler_interval=scheduler_interval, accumulate=accumulate,
-            clip_grad_norm=clip_grad_norm, precision=precision, device=device, seed=seed,
-            metrics=metrics, eval_every=eval_every, eval_at_epoch_end=eval_at_epoch_end,
-            log_every=log_every, checkpoint_dir=checkpoint_dir,
-            barriers=barriers, barrier_timeout=barrier_timeout, on_nonfinite=on_nonfinite,
-            train_step=train_step,
-            eval_at_end=eval_at_end,
-        )  # fmt: skip
-        self.settings = dataclasses.replace(
-            self.settings, skip_final_checkpoint=check_skip_final(skip_final_checkpoint)
-        )
-        if not isinstance(handle_signals, bool):
-            raise ConfigError.invalid("handle_signals", handle_signals, "True or False")
-        self.handle_signals = handle_signals
-        self.on_signal: OnSignal = check_on_signal(on_signal)
-        self.ddp = check_ddp(ddp, self.settings.model)
-        if on_lost not in ("warn", "raise"):
-            raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
-        self.on_lost: Literal["warn", "raise"] = on_lost
-        self.bus: EventBus = new_bus(bus, watchdog_s=watchdog_s, close_timeout=close_timeout)
+        checked = check_options(options)
+        self.settings: Settings = build_settings(model, optimizer, train_data, checked)
+        self.handle_signals: bool = checked["handle_signals"]
+        self.on_signal: OnSignal = checked["on_signal"]
+        self.ddp: bool = check_ddp(checked["ddp"], self.settings.model)
+        self.on_lost: Literal["warn", "raise"] = checked["on_lost"]
+        self.bus: EventBus = new_bus(checked)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
@@ -323,12 +111,10 @@ class Trainer:
         self._lifetime = Lifetime(self.bus)
         self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
-        if progress is not None and not isinstance(progress, bool):
-            raise ConfigError.invalid("progress", progress, "None (when stderr is a terminal), "
-                                      "True or False")  # fmt: skip
-        instances = as_instances(callbacks)
+        instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
         for cb in instances:
             self.add_callback(cb)
+        progress = checked["progress"]
         if (progress if progress is not None else progress_by_default()) and not any(
             isinstance(cb, Progress) for cb in instances
         ):
@@ -377,7 +163,7 @@ class Trainer:
     # ================================================================== lifetime
     def __enter__(self) -> Self:
         """``with Trainer(...) as t:``: run the bus (in a blocking portal: an event loop in a
-        thread) until the block ends; ``t.run()``, ``t.evaluate_sync()``, ``t.predict_sync()``
+        thread) until the block ends; ``t.fit_sync()``, ``t.evaluate_sync()``, ``t.predict_sync()``
         run through that one portal. The end of the block is :meth:`close`.
 
         Raises:
@@ -435,7 +221,7 @@ class Trainer:
         await self._lifetime.aclose()
 
     # ================================================================== running
-    def run(
+    def fit_sync(
         self,
         *,
         resume: str | os.PathLike[str] | None = None,
@@ -468,6 +254,23 @@ class Trainer:
             # the portal's event loop would end that loop, not reach this caller.
             self._raise_interrupt(result)
             return result
+
+    def run(
+        self,
+        *,
+        resume: str | os.PathLike[str] | None = None,
+        backend: str = "asyncio",
+        require_checkpoint: bool = False,
+    ) -> FitResult:
+        """Deprecated spelling of :meth:`fit_sync` (each sync twin is ``<call>_sync``).
+
+        Raises:
+            As :meth:`fit_sync`, after a ``DeprecationWarning``.
+        """
+        warnings.warn("Trainer.run() is deprecated: call Trainer.fit_sync(), the synchronous "
+                      "twin of fit() as evaluate_sync() and predict_sync() are of evaluate() "
+                      "and predict()", DeprecationWarning, stacklevel=2)  # fmt: skip
+        return self.fit_sync(resume=resume, backend=backend, require_checkpoint=require_checkpoint)
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -550,8 +353,11 @@ class Trainer:
             group = ranks.join(s.device)
             s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order
             s.model.to(s.device)
-            checkpoint = (None if resume is None
-                          else self._states.load(s, resume, group, required=require_checkpoint))
+            checkpoint = (
+                None
+                if resume is None
+                else self._states.load(s, resume, group, required=require_checkpoint)
+            )
             s = ranks.distribute(s)
             ranks.connect()
         except BaseException:
@@ -588,7 +394,7 @@ class Trainer:
             # the bus closed, so the result is complete.
             if loop.outcome is not None:  # the loop ran: a later fit() must resume
                 self._ran = loop.outcome
-                self.result = self._result(loop.outcome)
+                self.result = fit_result(loop.outcome, self.bus.statistics())
                 self._state = loop.outcome.state
             outcome = loop.outcome
             # The run's parts refer back to the loop (late-bound callbacks): dropped now, a
@@ -631,7 +437,10 @@ class Trainer:
                                 "(one call at a time: await it first)")  # fmt: skip
 
     async def _standalone(
-        self, name: str, fn: Callable[[StandaloneRun], Any], settings: Settings,
+        self,
+        name: str,
+        fn: Callable[[StandaloneRun], Any],
+        settings: Settings,
         data: Iterable[object],
     ) -> Any:
         self._check_idle(f"{name}()")
@@ -686,10 +495,10 @@ class Trainer:
         *,
         backend: str = "asyncio",
     ) -> dict[str, float]:
-        """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`run`.
+        """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`evaluate` and :meth:`run`.
+            As :meth:`evaluate` and :meth:`fit_sync`.
         """
         return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
 
@@ -731,41 +540,16 @@ class Trainer:
     def predict_sync(
         self, data: Iterable[Any], *, return_outputs: bool = False, backend: str = "asyncio"
     ) -> Any:
-        """Synchronous twin of :meth:`predict`, through the same portal as :meth:`run`.
+        """Synchronous twin of :meth:`predict`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`predict` and :meth:`run`.
+            As :meth:`predict` and :meth:`fit_sync`.
         """
         return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs),
                                    backend, "predict")  # fmt: skip
 
-    def _result(self, outcome: Outcome) -> FitResult:
-        stats = self.bus.statistics()
-        log.debug("fit_ended", reason=outcome.reason, step=outcome.state.step,
-                 epoch=outcome.state.epoch, stop_reason=outcome.stop_reason)  # fmt: skip
-        return FitResult(
-            reason=outcome.reason, stop_reason=outcome.stop_reason, steps=outcome.state.step,
-            epochs=outcome.state.epoch, metrics=outcome.eval_metrics,
-            train_metrics=outcome.train_metrics, checkpoint=outcome.last_checkpoint,
-            subscriber_failures={x.name: x.failed for x in stats.subscriptions if x.failed},
-            statistics=stats, error=outcome.error, skipped_nonfinite=outcome.skipped_nonfinite,
-            resumed_from=outcome.resumed_from, failed_saves=outcome.failed_saves,
-            waited_s=_by_name((x.name, x.waited_s) for x in stats.subscriptions if x.waited_s),
-            lost=_by_name((x.name, x.lost) for x in stats.subscriptions if x.lost),
-        )  # fmt: skip
 
-
-def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
-    """``{name: value}``; two subscriptions with one name are summed (waits, lost work)."""
-    out: dict[str, Any] = {}
-    for name, value in pairs:
-        if name not in out:
-            out[name] = value
-        elif isinstance(value, LostWork):
-            prev = out[name]
-            out[name] = LostWork(dropped=prev.dropped + value.dropped,
-                                 cancelled=prev.cancelled + value.cancelled,
-                                 failed=prev.failed + value.failed)  # fmt: skip
-        else:
-            out[name] = out[name] + value
-    return out
+# The signature and docstring as users read them (help(Trainer), inspect.signature, an IDE's
+# runtime introspection): **options spelt out from their one declaration.
+vars(Trainer.__init__)["__signature__"] = options_signature(Trainer.__init__)
+Trainer.__doc__ = f"{Trainer.__doc__}\n    Options:\n{options_doc(8)}\n"

@@ -112,7 +112,7 @@ def test_a_run_writes_epoch_and_best_checkpoints_at_exact_steps(
         [Checkpointing(every_epochs=1, monitor="val_score")],
         epochs=3, batches=4, score=[3.0, 2.0, 4.0], checkpoint_dir=tmp_path,
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 12
     # EvaluationEnded and EpochEnded are barriers: each save lands at the step that asked.
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -131,13 +131,13 @@ def test_every_steps_alone_also_saves_every_epoch_as_documented(
     # every_epochs=1 is the default beside every_steps (docs/callbacks/checkpointing.md).
     both = tmp_path / "both"
     trainer_factory([Checkpointing(every_steps=3)], epochs=2, batches=4,
-                    checkpoint_dir=both).run()  # fmt: skip
+                    checkpoint_dir=both).fit_sync()  # fmt: skip
     assert sorted(p.name for p in both.iterdir()) == [
         "step-00000003.pt", "step-00000004.pt", "step-00000006.pt", "step-00000008.pt",
     ]  # fmt: skip
     steps_only = tmp_path / "steps"
     trainer_factory([Checkpointing(every_steps=3, every_epochs=None)], epochs=2, batches=4,
-                    checkpoint_dir=steps_only).run()  # fmt: skip
+                    checkpoint_dir=steps_only).fit_sync()  # fmt: skip
     assert sorted(p.name for p in steps_only.iterdir()) == [
         "step-00000003.pt", "step-00000006.pt", "step-00000008-final.pt",  # the loop's final save
     ]  # fmt: skip

@@ -18,7 +18,7 @@ def test_a_run_keeps_the_last_and_the_best(tmp_path: Path, trainer_factory: Any)
         [Checkpointing(every_epochs=1, monitor="val_score", keep_last=2, keep_best=1)],
         epochs=5, batches=2, score=[3.0, 2.0, 4.0, 1.0, 5.0], checkpoint_dir=tmp_path,
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 10
     # Cadence saves at 2, 4, 6, 8, 10 (keep 8, 10); best at 2, 4, 8 (keep 8).
     assert sorted(p.name for p in tmp_path.iterdir()) == [

@@ -68,7 +68,7 @@ def test_default_progress_draws_the_run(
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # capsys' stderr, a "terminal"
     monkeypatch.delenv("RANK", raising=False)
     trainer = make_trainer(epochs=1, batches=3, eval_data=None)
-    trainer.run()
+    trainer.fit_sync()
     (bar,) = _progress(trainer)
     assert bar.step == 3 and bar.total_steps == 3
     assert "3/3" in capsys.readouterr().err

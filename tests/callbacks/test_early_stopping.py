@@ -39,7 +39,7 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
         eval_every=2, eval_at_epoch_end=False,
     )  # fmt: skip
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.EvaluationEnded, ev.FitEnded))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.steps == 8
     assert result.stop_reason is not None and result.stop_reason.startswith("early stopping")
@@ -55,7 +55,7 @@ def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
         [EarlyStopping(metric="val_score", mode="max", patience=2, min_delta=0.05)],
         epochs=6, batches=2, score=[0.80, 0.82, 0.84, 0.99],
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped" and result.steps == 6  # 3 epochs of 2 steps
 
 
@@ -64,7 +64,7 @@ def test_keeps_training_while_the_metric_improves(trainer_factory: Any) -> None:
         [EarlyStopping(metric="val_score", patience=1)],
         epochs=4, batches=2, score=[4.0, 3.0, 2.0, 1.0],
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 8 and result.stop_reason is None
 
 

@@ -104,7 +104,7 @@ def test_the_average_equals_a_hand_computed_ema(options: dict[str, Any]) -> None
     ema = EMA(**options)
     trainer = make_trainer(callbacks=[ema])
     history = record_steps(trainer)
-    trainer.run()
+    trainer.fit_sync()
     expected = hand_ema(history, ema, buffers=options.get("buffers", "average"))
     got = ema.averaged_state_dict()
     assert_equal(got, expected)
@@ -151,7 +151,7 @@ def test_no_average_before_the_first_update() -> None:
     ema = EMA(start_step=100)
     trainer = make_trainer(callbacks=[ema], eval_data=tiny_loader(2, seed=1))
     before = weights(trainer.settings.model)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert ema.updates == 0 and ema.state_dict() == {"updates": 0}
     with pytest.raises(RuntimeError, match="no average yet"):
         ema.averaged_state_dict()
@@ -175,7 +175,7 @@ def test_evaluations_score_the_average_and_training_goes_on_with_its_own_weights
     recorder = EventRecorder(trainer.bus)
     history = record_steps(trainer)
     trainer.add_hook("batch", lambda ctx: raw_after.append(weights(ctx.model)))
-    result = trainer.run()
+    result = trainer.fit_sync()
 
     # Evaluations at steps 3, 6 (eval_every), 8 (end of epoch 0), 9, 12, 15 and 16.
     assert [(s, t) for s, t, _ in seen] == [
@@ -212,11 +212,11 @@ def test_training_with_the_swaps_equals_training_without_them() -> None:
     """The raw weights of a run whose every evaluation swapped the average in and out are
     bit-identical to a run with no EMA at all."""
     plain = make_trainer(eval_data=tiny_loader(2, seed=1), eval_every=2, max_epochs=2)
-    plain.run()
+    plain.fit_sync()
     ema = EMA(0.5)
     swapped = make_trainer(callbacks=[ema], eval_data=tiny_loader(2, seed=1), eval_every=2,
                            max_epochs=2)  # fmt: skip
-    swapped.run()
+    swapped.fit_sync()
     assert_equal(weights(swapped.settings.model), weights(plain.settings.model))
     assert_equal(swapped.settings.optimizer.state_dict()["state"][0],
                  plain.settings.optimizer.state_dict()["state"][0])  # fmt: skip
@@ -227,7 +227,7 @@ def test_trainer_evaluate_scores_the_average_and_restores_the_model() -> None:
     eval_data = tiny_loader(3, seed=2)
     ema = EMA(0.7)
     trainer = make_trainer(callbacks=[ema])
-    trainer.run()
+    trainer.fit_sync()
     raw = weights(trainer.settings.model)
     metrics = trainer.evaluate_sync(eval_data)
     assert_equal(weights(trainer.settings.model), raw)
@@ -241,7 +241,7 @@ def test_trainer_evaluate_scores_the_average_and_restores_the_model() -> None:
 def test_evaluate_false_averages_without_swapping() -> None:
     ema = EMA(0.7, evaluate=False)
     trainer = make_trainer(callbacks=[ema])
-    trainer.run()
+    trainer.fit_sync()
     raw_metrics = make_trainer(trainer.settings.model).evaluate_sync(tiny_loader(2, seed=2))
     assert trainer.evaluate_sync(tiny_loader(2, seed=2)) == raw_metrics
     assert ema.updates == 8
@@ -266,7 +266,7 @@ def test_the_swap_is_undone_when_the_evaluation_raises() -> None:
     trainer.add_hook("eval_batch", fail_on_second_batch)
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(Boom):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.reason == "failed"
     step, raw = history[-1]
     assert step == 4
@@ -280,7 +280,7 @@ def test_the_swap_is_undone_when_the_evaluation_raises() -> None:
 def test_the_swap_is_undone_when_a_later_before_evaluation_hook_raises() -> None:
     ema = EMA(0.5)
     trainer = make_trainer(callbacks=[ema])
-    trainer.run()
+    trainer.fit_sync()
     raw = weights(trainer.settings.model)
     after: list[BaseException | None] = []
 
@@ -298,7 +298,7 @@ def test_the_swap_is_undone_when_a_later_before_evaluation_hook_raises() -> None
 def test_the_swap_is_undone_when_the_evaluation_is_cancelled() -> None:
     ema = EMA(0.5)
     trainer = make_trainer(callbacks=[ema])
-    trainer.run()
+    trainer.fit_sync()
     raw = weights(trainer.settings.model)
     reached = threading.Event()
     release = threading.Event()
@@ -334,7 +334,7 @@ def test_checkpoints_hold_the_average_and_a_resume_continues_it_exactly(tmp_path
         if resume is None:
             trainer.add_hook("after_optimizer_step", lambda ctx: trainer.bus.send(
                 cmd.SaveCheckpoint(tag="mid")) if ctx.step == 5 else None)  # fmt: skip
-        trainer.run(resume=resume)
+        trainer.fit_sync(resume=resume)
         return trainer, ema
 
     straight, straight_ema = run(tmp_path / "a")
@@ -359,7 +359,7 @@ def test_checkpoints_hold_the_average_and_a_resume_continues_it_exactly(tmp_path
 def test_a_checkpoint_average_that_does_not_fit_the_model_is_refused(tmp_path: Path) -> None:
     ema = EMA(0.9)
     trainer = make_trainer(callbacks=[ema], checkpoint_dir=tmp_path)
-    trainer.run()
+    trainer.fit_sync()
     (path,) = tmp_path.glob("*.pt")
     state = dict(read_checkpoint(path).callbacks["EMA"])
     other = EMA(0.9)
@@ -374,7 +374,7 @@ def test_a_checkpoint_average_that_does_not_fit_the_model_is_refused(tmp_path: P
 def test_two_averages_nest_and_the_last_added_is_evaluated(tmp_path: Path) -> None:
     fast, slow = EMA(0.5, state_key="fast"), EMA(0.9, state_key="slow")
     trainer = make_trainer(callbacks=[fast, slow], checkpoint_dir=tmp_path)
-    trainer.run()
+    trainer.fit_sync()
     raw = weights(trainer.settings.model)
     fast_avg = {k: v.clone() for k, v in fast.averaged_state_dict().items()}
     slow_avg = {k: v.clone() for k, v in slow.averaged_state_dict().items()}
@@ -441,7 +441,7 @@ def test_a_custom_step_with_two_optimizers_moves_the_average_once_a_step() -> No
                       max_epochs=1, device="cpu", handle_signals=False, progress=False,
                       eval_at_end=False)  # fmt: skip
     trainer.add_hook("after_optimizer_step", lambda ctx: seen.append((ctx.step, id(ctx.optimizer))))
-    trainer.run()
+    trainer.fit_sync()
     assert [step for step, _ in seen] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]
     assert {opt for _, opt in seen} == {id(opts["a"]), id(opts["b"])}
     assert ema.updates == 5

@@ -50,7 +50,7 @@ def test_command_runs_on_every_checkpoint_and_reports_on_the_bus(
         [Checkpointing(every_epochs=1), evaluate], epochs=2, batches=3, checkpoint_dir=tmp_path
     )
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.CheckpointSaved))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     saved = recorder.of_type(ev.CheckpointSaved)
     # Every started job ended before fit() returned (the bus drains async subscribers).
@@ -67,7 +67,7 @@ def test_results_are_published_while_training_goes_on(trainer_factory: Any, tmp_
         [Checkpointing(every_epochs=1), evaluate], epochs=4, batches=3, checkpoint_dir=tmp_path
     )
     recorder = EventRecorder(trainer.bus)
-    trainer.run()
+    trainer.fit_sync()
     delivered = recorder.of_type(ev.ExternalEvaluationEnded)
     assert delivered, "no result was delivered on the bus during the run"
     assert all(e.metrics == {"ext": 1.5} and e.error is None for e in delivered)
@@ -86,7 +86,7 @@ def test_failing_commands_are_reported_and_training_goes_on(
         [Checkpointing(every_epochs=1), failing, no_json], epochs=2, batches=3,
         checkpoint_dir=tmp_path,
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed" and result.steps == 6
     assert failing.results and no_json.results
     for r in failing.results:
@@ -102,7 +102,7 @@ def test_failing_commands_are_reported_and_training_goes_on(
 def test_timeout_kills_the_job_and_reports_it(trainer_factory: Any, tmp_path: Path) -> None:
     evaluate = EvaluateCheckpoints([PY, "-c", "import time; time.sleep(60)"], timeout=0.3)
     trainer = trainer_factory([evaluate], epochs=1, batches=2, checkpoint_dir=tmp_path)
-    result = trainer.run()  # the final checkpoint starts one job; fit() waits for its timeout
+    result = trainer.fit_sync()  # the final checkpoint starts one job; fit() waits for its timeout
     assert result.reason == "completed"
     (r,) = evaluate.results
     assert isinstance(r.error, EvaluationJobError) and "timed out" in str(r.error)
@@ -120,7 +120,7 @@ def test_async_function_job(trainer_factory: Any, tmp_path: Path) -> None:
     trainer = trainer_factory(
         [Checkpointing(every_epochs=1), evaluate], epochs=2, batches=2, checkpoint_dir=tmp_path
     )
-    trainer.run()
+    trainer.fit_sync()
     assert seen and [r.checkpoint for r in evaluate.results] == seen
     assert all(r.metrics == {"ext_loss": float(r.step)} for r in evaluate.results)
 
@@ -137,7 +137,7 @@ def test_early_stopping_acts_on_external_results(trainer_factory: Any, tmp_path:
          EarlyStopping(metric="ext_loss", patience=1)],
         epochs=30, batches=2, checkpoint_dir=tmp_path, eval_data=None,
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.stop_reason is not None and "ext_loss" in result.stop_reason
     assert result.steps < 60
@@ -157,7 +157,7 @@ def test_checkpointing_marks_the_evaluated_checkpoint_as_best(
         [Checkpointing(every_epochs=1, monitor="ext_loss"), EvaluateCheckpoints(score)],
         epochs=3, batches=2, checkpoint_dir=tmp_path, eval_data=None,
     )  # fmt: skip
-    trainer.run()
+    trainer.fit_sync()
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == [
         "step-00000002-best.pt", "step-00000002.pt", "step-00000004-best.pt",

@@ -88,7 +88,7 @@ def test_metrics_logger_every_s_throttles_metric_lines_only(
 
 def test_metrics_logger_in_a_run(trainer_factory: Any) -> None:
     with capture_logs() as logs:
-        result = trainer_factory([MetricsLogger()], epochs=2, batches=4, log_every=2).run()
+        result = trainer_factory([MetricsLogger()], epochs=2, batches=4, log_every=2).fit_sync()
     lines = logs
     metric_steps = [x["step"] for x in lines if x["event"] == "metrics_logged"]
     assert metric_steps == [2, 4, 6, 8]
@@ -132,7 +132,7 @@ def test_jsonl_writes_every_event_of_a_run_and_loses_nothing_at_close(
     trainer = trainer_factory([JsonlEventLog(path, flush_s=3600)], epochs=2, batches=3)
     recorder = EventRecorder(trainer.bus)
     assert not path.parent.exists()  # nothing is created before the first write
-    trainer.run()
+    trainer.fit_sync()
     records = read_jsonl(path)
     assert [r["type"] for r in records] == recorder.names()
     assert [r["type"] for r in records[:2]] == ["TrainerBuilt", "FitStarted"]
@@ -149,7 +149,7 @@ def test_jsonl_writes_every_event_of_a_run_and_loses_nothing_at_close(
 def test_jsonl_records_only_the_chosen_events(tmp_path: Path, trainer_factory: Any) -> None:
     path = tmp_path / "events.jsonl"
     log = JsonlEventLog(path, events=[ev.StepEnded, ev.FitEnded], flush_s=0.01)
-    trainer_factory([log], epochs=1, batches=5).run()
+    trainer_factory([log], epochs=1, batches=5).fit_sync()
     assert [r["type"] for r in read_jsonl(path)] == ["StepEnded"] * 5 + ["FitEnded"]
 
 

@@ -48,7 +48,7 @@ def test_plateau_reduces_the_optimizer_lr(trainer_factory: Any) -> None:
         epochs=5, batches=2, score=[1.0], lr=0.1,
     )  # fmt: skip
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.StepEnded))
-    trainer.run()
+    trainer.fit_sync()
     optimizer: torch.optim.Optimizer = trainer.settings.optimizer
     assert optimizer.param_groups[0]["lr"] == pytest.approx(0.025)
     # Applied at the evaluation barrier: epoch 3 already trains at the reduced rate.
@@ -60,7 +60,7 @@ def test_plateau_max_reductions(trainer_factory: Any) -> None:
         [ReduceLROnPlateau(metric="val_score", patience=1, factor=0.1, max_reductions=1)],
         epochs=4, batches=1, score=[1.0], lr=0.1,
     )  # fmt: skip
-    trainer.run()
+    trainer.fit_sync()
     assert trainer.settings.optimizer.param_groups[0]["lr"] == pytest.approx(0.01)
 
 
@@ -109,7 +109,7 @@ def test_lr_monitor_in_a_run_with_plateau(trainer_factory: Any) -> None:
         epochs=3, batches=2, score=[1.0], lr=0.1,
     )  # fmt: skip
     with capture_logs() as logs:
-        trainer.run()
+        trainer.fit_sync()
     # Reductions after evaluations 2 and 3; the last one happens after the last step.
     applied = [x for x in logs if x["event"] == "lr_command_applied"]
     assert [(x["step"], x["factor"]) for x in applied] == [(4, 0.5), (6, 0.5)]

@@ -22,7 +22,7 @@ def test_params_metrics_and_checkpoints_read_back(trainer_factory: Any, tmp_path
         [Checkpointing(every_epochs=1), logger], epochs=2, batches=4, log_every=2,
         checkpoint_dir=tmp_path / "ckpt",
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert logger.tracking_uri.startswith("sqlite:") and (tmp_path / "mlflow.db").is_file()
 
@@ -65,7 +65,8 @@ def test_environment_chooses_store_and_experiment(
     clean_env.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
     assert (logger.tracking_uri, logger.experiment) == (store, "from-env")
-    assert trainer_factory([logger], epochs=1, batches=4, log_every=2).run().reason == "completed"
+    result = trainer_factory([logger], epochs=1, batches=4, log_every=2).fit_sync()
+    assert result.reason == "completed"
 
     assert not (tmp_path / "run" / "mlflow.db").exists()
     client = MlflowClient(tracking_uri=store)
@@ -104,7 +105,7 @@ def test_experiment_id_from_the_environment(
     clean_env.setenv("MLFLOW_EXPERIMENT_ID", exp_id)
     logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
     assert (logger.experiment, logger.experiment_id) == (None, exp_id)
-    trainer_factory([logger], epochs=1, batches=2).run()
+    trainer_factory([logger], epochs=1, batches=2).fit_sync()
     assert logger.run_id is not None
     assert MlflowClient(tracking_uri=uri).get_run(logger.run_id).info.experiment_id == exp_id
 
@@ -146,7 +147,7 @@ def test_experiment_id_that_is_not_the_named_experiments_is_refused(
     clean_env.setenv("MLFLOW_EXPERIMENT_ID", other)
     logger = MLflowLogger(tmp_path / "run", flush_s=0.05)
     with capture_logs() as logs:
-        trainer_factory([logger], epochs=1, batches=2).run()
+        trainer_factory([logger], epochs=1, batches=2).fit_sync()
     assert logger.run_id is None  # no run written into the wrong experiment
     assert "MLFLOW_EXPERIMENT_ID" in repr(logs), logs
     assert client.search_runs([other]) == []

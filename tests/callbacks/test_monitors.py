@@ -52,7 +52,7 @@ def test_gradient_norm_is_measured_on_sampled_steps_as_a_device_tensor(
             expected[ctx.step] = float(torch.cat(grads).norm())
 
     trainer.add_hook("before_optimizer_step", reference)
-    trainer.run()
+    trainer.fit_sync()
     events = rec.items
     assert [e.step for e in events] == [2, 5]  # updates that end steps 3 and 6
     for e in events:
@@ -71,7 +71,7 @@ def test_gradient_norm_costs_nothing_without_a_subscriber(trainer_factory: Any) 
         real_publish(event)
 
     trainer.bus.publish = spy  # type: ignore[method-assign]
-    trainer.run()
+    trainer.fit_sync()
     assert not any(isinstance(e, ev.GradientNormMeasured) for e in published)
 
 
@@ -100,7 +100,7 @@ def test_optimizer_stats_per_group() -> None:
     trainer = Trainer(model, opt, tiny_loader(4), loss_fn=F.cross_entropy, max_epochs=1,
                       handle_signals=False, callbacks=[OptimizerMonitor(every=2)])  # fmt: skip
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.OptimizerStatsMeasured))
-    trainer.run()
+    trainer.fit_sync()
     assert [e.step for e in rec.items] == [2, 4]
     e = rec.items[0]
     assert dict(e.lr_by_group) == {"group0": 0.001, "group1": 0.01}
@@ -112,7 +112,7 @@ def test_optimizer_stats_per_group() -> None:
 def test_optimizer_stats_follow_lr_changes_sgd(trainer_factory: Any) -> None:
     trainer = trainer_factory([OptimizerMonitor(every=1)], epochs=1, batches=2, lr=0.2)
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.OptimizerStatsMeasured))
-    trainer.run()
+    trainer.fit_sync()
     assert [dict(e.lr_by_group) for e in rec.items] == [{"group0": 0.2}] * 2
     assert dict(rec.items[0].momentum_by_group) == {"group0": 0.0}
     assert dict(rec.items[0].beta2_by_group) == {}  # SGD has no betas
@@ -122,7 +122,7 @@ def test_memory_is_published_every_n_steps(trainer_factory: Any) -> None:
     monitor = MemoryMonitor(every=2)
     trainer = trainer_factory([monitor], epochs=1, batches=4, device="cpu")
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.MemoryMeasured))
-    trainer.run()
+    trainer.fit_sync()
     assert [e.step for e in rec.items] == [2, 4]
     _, source = read_rss()
     for e in rec.items:
@@ -138,7 +138,7 @@ def test_the_memory_monitor_alone_has_step_ended_built_only_at_its_steps(
     # and 30 only, not at each of the 30 steps.
     trainer = trainer_factory([MemoryMonitor(every=10)], epochs=1, batches=30)
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.MemoryMeasured))
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert [e.step for e in rec.items] == [10, 20, 30]
     # 3 StepEnded, 3 MemoryMeasured and a handful of run and epoch events: not 30 StepEnded.
     assert result.statistics.published < 30, result.statistics.published
@@ -183,6 +183,6 @@ def test_runtime_estimate_in_virtual_time(
 def test_runtime_estimate_in_a_run(trainer_factory: Any) -> None:
     trainer = trainer_factory([RuntimeEstimator(every_s=1e-6)], epochs=1, batches=4, max_steps=4)
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.RuntimeEstimated))
-    trainer.run()
+    trainer.fit_sync()
     assert rec.items and all(e.total_steps == 4 for e in rec.items)
     assert all(e.remaining_s is not None and e.steps_per_s > 0 for e in rec.items)

@@ -37,7 +37,7 @@ def test_a_run_writes_a_png(tmp_path: Path, trainer_factory: Any) -> None:
     path = tmp_path / "plots" / "curves.png"
     plot = CurvePlot(path)
     trainer = trainer_factory([plot], epochs=3, batches=4, score=[0.5, 0.7, 0.9])
-    trainer.run()
+    trainer.fit_sync()
     assert plot.written == path
     # Two panels (loss; val_score), 10 x 4 inches at 100 dpi; no temporary file left behind.
     assert png_size(path) == (1000, 400)
@@ -54,7 +54,7 @@ def test_a_failed_run_still_leaves_its_curves(tmp_path: Path, trainer_factory: A
 
     trainer.add_hook("batch", explode)
     with pytest.raises(RuntimeError, match="bad batch"):
-        trainer.run()
+        trainer.fit_sync()
     assert png_size(path) == (600, 400)  # val_loss only: one panel
 
 
@@ -79,6 +79,6 @@ def test_the_training_curve_comes_from_metrics_logged_not_each_step(
                               progress=False)  # fmt: skip
     logged: list[ev.MetricsLogged] = []
     trainer.bus.stream(ev.MetricsLogged).subscribe(logged.append)
-    trainer.run()
+    trainer.fit_sync()
     assert [s for s, _ in drawn[0]] == [2, 4, 6, 8]
     assert drawn[0] == [(e.step, e.metrics["loss"]) for e in logged]

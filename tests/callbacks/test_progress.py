@@ -189,7 +189,7 @@ def test_in_a_run_the_bar_is_driven_from_the_loop_thread_only(
     trainer = trainer_factory([Progress(refresh_s=0.05)], epochs=3, batches=4)
     training_threads: set[int] = set()
     trainer.add_hook("batch", lambda ctx: training_threads.add(threading.get_ident()))
-    result = trainer.run()
+    result = trainer.fit_sync()
     (bar,) = _FakeBar.instances
     assert bar.kwargs["file"] is sys.stderr
     assert bar.n == result.steps == 12 and bar.total == 12 and bar.closed
@@ -203,7 +203,7 @@ def test_in_a_run_the_total_is_known_during_the_first_epoch(
 ) -> None:
     monkeypatch.setattr("tqdm.tqdm", _FakeBar)
     _FakeBar.instances.clear()
-    trainer_factory([Progress(refresh_s=0.05)], epochs=3, batches=4).run()
+    trainer_factory([Progress(refresh_s=0.05)], epochs=3, batches=4).fit_sync()
     (bar,) = _FakeBar.instances
     assert bar.kwargs["total"] == 12
 

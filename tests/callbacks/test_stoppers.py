@@ -41,7 +41,7 @@ def test_invalid_options_fail_at_construction(build: Any, name: str) -> None:
 def test_threshold_on_an_evaluation_metric_stops_at_that_evaluation(trainer_factory: Any) -> None:
     stopper = ThresholdStopping("val_score", above=0.8)
     trainer = trainer_factory([stopper], epochs=5, batches=4, score=[0.1, 0.5, 0.9, 0.95])
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped" and result.steps == 12  # the third evaluation, a barrier
     assert result.stop_reason.startswith("threshold: val_score=0.9 went above 0.8 at step 12")
 
@@ -50,7 +50,7 @@ def test_threshold_below_on_a_training_metric(trainer_factory: Any) -> None:
     trainer = trainer_factory(
         [ThresholdStopping("lr", below=0.15)], epochs=3, batches=4, lr=0.1, log_every=2
     )
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped" and result.stop_reason.startswith("threshold: lr=0.1")
     assert result.steps < 12
 
@@ -59,7 +59,7 @@ def test_unknown_metric_fails_before_the_run_naming_what_exists(trainer_factory:
     trainer = trainer_factory([ThresholdStopping("val_acc", above=0.5)], epochs=2, batches=2)
     rec = EventRecorder(trainer.bus)
     with pytest.raises(ConfigError, match=r"ThresholdStopping\.metric='val_acc'.*val_loss"):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is None and not rec.of_type(ev.FitStarted)  # nothing trained
 
 
@@ -106,7 +106,7 @@ def test_time_limit_with_a_past_deadline_saves_then_stops_a_real_run(
     trainer = trainer_factory([TimeLimit(deadline=past, margin_s=0)], epochs=50, batches=4,
                               checkpoint_dir=tmp_path)  # fmt: skip
     rec = EventRecorder(trainer.bus)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "stopped" and result.stop_reason.startswith("time limit")
     assert result.steps < 200
     saved = [e for e in rec.of_type(ev.CheckpointSaved) if e.tag == "time_limit"]

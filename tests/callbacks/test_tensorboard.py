@@ -21,7 +21,7 @@ def test_scalars_and_hparams_read_back(trainer_factory: Any, tmp_path: Path) -> 
     log_dir = tmp_path / "tb"
     tb = TensorBoardLogger(log_dir, hparams={"lr": 0.1, "model": "mlp"}, flush_s=0.05)
     trainer = trainer_factory([tb], epochs=2, batches=4, log_every=2)
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
 
     acc = EventAccumulator(str(log_dir))

@@ -66,7 +66,7 @@ def test_figures_per_window(vbus: EventBus, vts: VirtualTimeScheduler, step_even
 def test_in_a_run_every_step_is_counted_once(trainer_factory: Any) -> None:
     monitor = ThroughputMonitor(window_s=0.05)
     with capture_logs() as logs:
-        result = trainer_factory([monitor], epochs=3, batches=5).run()
+        result = trainer_factory([monitor], epochs=3, batches=5).fit_sync()
     windows = [x for x in logs if x["event"] == "throughput"]
     # The last, partial window is emitted when the bus completes at the end of the run.
     assert sum(x["steps"] for x in windows) == result.steps == 15

@@ -137,7 +137,7 @@ def test_config_metrics_evaluations_and_checkpoints_read_back(
         [Checkpointing(every_epochs=1), logger], epochs=2, batches=4, log_every=2,
         accumulate=1, checkpoint_dir=offline / "ckpt",
     )  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.reason == "completed"
     assert logger.run_dir is not None and logger.run_dir.parent == offline / "wandb"
     assert logger.run_dir.name.startswith("offline-run-") and logger.run_id is not None
@@ -169,7 +169,7 @@ def test_checkpoints_not_uploaded_by_default(trainer_factory: Any, offline: Path
     trainer_factory(
         [Checkpointing(every_epochs=1), logger], epochs=1, batches=2,
         checkpoint_dir=offline / "ckpt",
-    ).run()  # fmt: skip
+    ).fit_sync()  # fmt: skip
     assert logger.run_dir is not None
     run = OfflineRun(logger.run_dir)
     assert list((offline / "ckpt").glob("*.pt")) and run.artifacts == []
@@ -178,9 +178,9 @@ def test_checkpoints_not_uploaded_by_default(trainer_factory: Any, offline: Path
 
 def test_each_fit_is_its_own_run(trainer_factory: Any, offline: Path) -> None:
     logger = WandbLogger(flush_s=0.05)
-    trainer_factory([logger], epochs=1, batches=2, log_every=1).run()
+    trainer_factory([logger], epochs=1, batches=2, log_every=1).fit_sync()
     first = logger.run_id
-    trainer_factory([logger], epochs=1, batches=2, log_every=1).run()
+    trainer_factory([logger], epochs=1, batches=2, log_every=1).fit_sync()
     assert first is not None and logger.run_id is not None and logger.run_id != first
     assert len(list((offline / "wandb").glob("offline-run-*"))) == 2
 

@@ -44,11 +44,11 @@ def main() -> int:
     device, folder = sys.argv[1], Path(sys.argv[2])
     torch.use_deterministic_algorithms(True)
     straight, straight_opt = build(device, folder / "straight", STEPS)
-    assert straight.run().steps == STEPS
+    assert straight.fit_sync().steps == STEPS
     first, _ = build(device, folder / "resumed", STOP_AT)
-    assert first.run().steps == STOP_AT
+    assert first.fit_sync().steps == STOP_AT
     resumed, resumed_opt = build(device, folder / "resumed", STEPS)
-    assert resumed.run(resume="latest").steps == STEPS
+    assert resumed.fit_sync(resume="latest").steps == STEPS
     ok = True
     a, b = straight.settings.model.state_dict(), resumed.settings.model.state_dict()
     params = all(torch.equal(a[k], b[k]) for k in a)

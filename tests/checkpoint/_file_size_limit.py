@@ -43,7 +43,7 @@ def main(directory: Path) -> None:
     error: BaseException | None = None
     with capture_logs() as logs:
         try:
-            trainer.run()
+            trainer.fit_sync()
         except BaseException as exc:
             error = exc
     resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))

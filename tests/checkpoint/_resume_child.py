@@ -110,7 +110,7 @@ def main() -> None:
                                 every_steps=1)  # fmt: skip
                 if len(words) == 3:
                     kill_in_step(trainer, int(words[1]), words[2])
-                trainer.run(resume="latest")
+                trainer.fit_sync(resume="latest")
                 torch.save([p.detach().clone() for p in trainer.settings.model.parameters()], out)
                 os._exit(0)
             finally:

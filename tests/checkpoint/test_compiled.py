@@ -26,7 +26,7 @@ def _fit(model: torch.nn.Module, ckpt: Path, steps: int, resume: Path | None = N
     trainer = Trainer(model, torch.optim.Adam(model.parameters(), lr=0.01), tiny_loader(8, 4),
                       loss_fn=F.cross_entropy, max_steps=steps, checkpoint_dir=ckpt,
                       progress=False)  # fmt: skip
-    result = trainer.run(resume=resume)
+    result = trainer.fit_sync(resume=resume)
     assert result.checkpoint is not None
     return Path(result.checkpoint)
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 
-import trainbus._resume
+import trainbus._trainer.resume
 from trainbus import Trainer
 from trainbus.checkpoint import Checkpoint, capture_rng, read_checkpoint, restore_rng
 from trainbus.testing import tiny_loader, tiny_model
@@ -37,11 +37,11 @@ def test_a_cuda_run_resumes_from_a_host_loaded_checkpoint(
     fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
     first, _ = host_trainer(tmp_path, 2)
-    assert first.run().steps == 6
+    assert first.fit_sync().steps == 6
     saved = [s.clone() for s in fake_cuda.rng]
     fake_cuda.rng = [s + 1 for s in saved]  # the generators moved on since the save
     resumed, opt = host_trainer(tmp_path, 3)
-    result = resumed.run(resume="latest")  # loaded to the GPU, the RNG states were refused
+    result = resumed.fit_sync(resume="latest")  # loaded to the GPU, the RNG states were refused
     assert result.reason == "completed" and result.steps == 9
     assert set(fake_cuda.restored) == {0, 1}
     assert all(torch.equal(fake_cuda.restored[i], saved[i]) for i in (0, 1))
@@ -53,12 +53,12 @@ def test_a_checkpoint_from_more_gpus_restores_on_fewer_saying_so(
     fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
     first, _ = host_trainer(tmp_path, 1)
-    first.run()
+    first.fit_sync()
     saved = [s.clone() for s in fake_cuda.rng]
     fake_cuda.count = 1  # the same run, resumed where one GPU is visible
     resumed, _ = host_trainer(tmp_path, 2)
     with capture_logs() as logs:
-        assert resumed.run(resume="latest").reason == "completed"
+        assert resumed.fit_sync(resume="latest").reason == "completed"
     assert set(fake_cuda.restored) == {0} and torch.equal(fake_cuda.restored[0], saved[0])
     said = [e for e in logs if e["event"] == "rng_cuda_devices_differ"]
     assert [(e["saved_devices"], e["devices"], e["restored"]) for e in said] == [(2, 1, 1)]
@@ -73,10 +73,10 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
                        loss_fn=F.cross_entropy, max_steps=max_steps, device="cpu",
                        checkpoint_dir=tmp_path, progress=False, handle_signals=False)  # fmt: skip
 
-    path = trainer(2).run().checkpoint
+    path = trainer(2).fit_sync().checkpoint
     assert path is not None
     loaded: list[weakref.ref[torch.Tensor]] = []
-    read = trainbus._resume.read_checkpoint
+    read = trainbus._trainer.resume.read_checkpoint
 
     def read_and_watch(*args: Any, **kwargs: Any) -> Checkpoint:
         checkpoint = read(*args, **kwargs)
@@ -84,7 +84,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
         loaded.extend(weakref.ref(s["exp_avg"]) for s in checkpoint.optimizer["state"].values())
         return checkpoint
 
-    monkeypatch.setattr(trainbus._resume, "read_checkpoint", read_and_watch)
+    monkeypatch.setattr(trainbus._trainer.resume, "read_checkpoint", read_and_watch)
     alive: list[int] = []
 
     def count_copies(ctx: Any) -> None:
@@ -97,7 +97,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
 
     resumed = trainer(4)
     resumed.add_hook("batch", count_copies)
-    assert resumed.run(resume=path).steps == 4
+    assert resumed.fit_sync(resume=path).steps == 4
     assert loaded and alive == [0, 0]
 
 

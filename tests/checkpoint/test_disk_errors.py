@@ -79,7 +79,7 @@ def test_refused_periodic_saves_are_logged_counted_and_the_run_goes_on(
     trainer.add_hook("after_optimizer_step", fill)
     rec = EventRecorder(trainer.bus)
     with capture_logs() as logs:
-        result = trainer.run()
+        result = trainer.fit_sync()
     assert result.reason == "completed" and result.failed_saves == 2
     warned = _failures(logs)
     assert [(w["path"], w["step"], w["log_level"]) for w in warned] == [
@@ -105,7 +105,7 @@ def test_a_refused_final_save_fails_the_run_naming_the_file(
     trainer.add_hook("after_optimizer_step", lambda ctx: setattr(disk, "full", ctx.step > 2))
     rec = EventRecorder(trainer.bus)
     with capture_logs() as logs, pytest.raises(CheckpointWriteError) as info:
-        trainer.run()
+        trainer.fit_sync()
     final = str(tmp_path / "step-00000004-final.pt")
     # The periodic save of step 4 and then the final one: both refused, both named.
     assert [w["path"] for w in _failures(logs)] == [str(tmp_path / "step-00000004.pt"), final]
@@ -131,7 +131,7 @@ def test_refusals_are_logged_bounded_and_all_counted(
     trainer = _trainer(tmp_path, max_steps=24,
                        callbacks=[Checkpointing(every_steps=1, every_epochs=None)])  # fmt: skip
     with capture_logs() as logs, pytest.raises(CheckpointWriteError):
-        trainer.run()
+        trainer.fit_sync()
     assert trainer.result is not None and trainer.result.failed_saves == 25  # 24 + the final
     assert [w["failed_saves"] for w in _failures(logs)] == [1, 2, 3, 10]  # not 20
     assert "from now on logged at 10, 100, 1000" in _failures(logs)[2]["note"]

@@ -50,18 +50,18 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
     tmp_path: Path, generator: bool
 ) -> None:
     reference = build(None, generator=generator)
-    full = reference.run()
+    full = reference.fit_sync()
     assert full.steps == 12  # 3 epochs of 4 steps: windows of 3, 3, 3 and 1 batches
 
     # 2: mid-epoch; 4: the epoch's last (1-batch) window; 5 and 7: mid-epoch of a resumed run.
     for k in (2, 4, 5, 7):
         run = build(tmp_path, generator=generator, barriers=BARRIERS)
         _stop_at(run, k)
-        result = run.run(resume="latest")
+        result = run.fit_sync(resume="latest")
         assert (result.reason, result.steps) == ("stopped", k)
     last = build(tmp_path, generator=generator)
     rec = EventRecorder(last.bus)
-    result = last.run(resume="latest")
+    result = last.fit_sync(resume="latest")
     assert (result.reason, result.steps) == ("completed", 12)
     # Saved after step 7 = batch 9 of epoch 1: the resumed epoch goes on with its batch 9.
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)][:2] == [9, 0]
@@ -75,17 +75,17 @@ def test_without_the_data_order_a_shuffled_resume_diverges(tmp_path: Path) -> No
     # The control: the same interruption resumed by a fresh iterator (a loader whose state is
     # not replayed) differs, so the test above can fail.
     reference = build(None, generator=True)
-    reference.run()
+    reference.fit_sync()
     first = build(tmp_path, generator=True, barriers=BARRIERS)
     _stop_at(first, 2)
-    first.run()
+    first.fit_sync()
     second = build(None, generator=True)
     path = tmp_path / "step-00000002-final.pt"
     checkpoint = read_checkpoint(path)
     checkpoint.restore(model=second.settings.model, optimizer=second.settings.optimizer,
                        scheduler=second.settings.scheduler, scaler=None)  # fmt: skip
     # Start a fresh run from the restored weights: the epoch order is drawn anew.
-    second.run()
+    second.fit_sync()
     assert any(
         not torch.equal(a, b) for a, b in zip(_params(second), _params(reference), strict=True)
     )
@@ -101,7 +101,7 @@ KILLS = [(2, "mid-window"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="the training children are forked")
 def test_sigkill_at_chosen_moments_then_resume_is_bit_identical(tmp_path: Path) -> None:
     reference = build(None, generator=True, max_epochs=KILLED_EPOCHS)
-    reference.run()
+    reference.fit_sync()
     out, folder = tmp_path / "final.pt", tmp_path / "ck"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     zygote = subprocess.Popen([sys.executable, str(CHILD), str(folder), str(out)],
@@ -174,7 +174,7 @@ def _callbacks() -> list[Any]:
 def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
     first = _scored([1.0, 2.0, 2.0], _callbacks(), tmp_path, epochs=3)
     rec1 = EventRecorder(first.bus)
-    assert first.run().reason == "completed"
+    assert first.fit_sync().reason == "completed"
     assert [s.tag for s in rec1.of_type(ev.CheckpointSaved)] == ["best", None, None, None]
     reductions = [a for a in rec1.of_type(ev.CommandApplied)
                   if isinstance(a.command, cmd.ScaleLearningRate)]  # fmt: skip
@@ -186,7 +186,7 @@ def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
     cbs = _callbacks()
     second = _scored([1.5, 2.0, 2.0], cbs, tmp_path, epochs=6)
     rec2 = EventRecorder(second.bus)
-    result = second.run(resume="latest")
+    result = second.fit_sync(resume="latest")
     # 1.5 is no better than the restored best 1.0: not tagged best; the restored patience
     # counter reaches 3 at the resumed run's first evaluation; no second LR reduction.
     assert "best" not in [s.tag for s in rec2.of_type(ev.CheckpointSaved)]
@@ -199,16 +199,16 @@ def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
 
 def test_a_fresh_run_does_not_carry_that_state(tmp_path: Path) -> None:
     # The control for the test above: without the resume, the same scores never stop the run.
-    result = _scored([1.5, 2.0, 2.0], _callbacks(), tmp_path, epochs=3).run()
+    result = _scored([1.5, 2.0, 2.0], _callbacks(), tmp_path, epochs=3).fit_sync()
     assert result.reason == "completed"
 
 
 def test_a_saved_state_without_its_callback_is_a_warning(tmp_path: Path) -> None:
     first = _scored([1.0], [EarlyStopping("val_score", state_key="stopper")], tmp_path, 1)
-    first.run()
+    first.fit_sync()
     second = _scored([1.0], [], tmp_path, 2)
     with structlog.testing.capture_logs() as logs:
-        assert second.run(resume="latest").reason == "completed"
+        assert second.fit_sync(resume="latest").reason == "completed"
     unmatched = [e for e in logs if e["event"] == "callback_state_unmatched"]
     assert [(e["name"], e["log_level"]) for e in unmatched] == [("stopper", "warning")]
 
@@ -232,7 +232,7 @@ def _saved(tmp_path: Path) -> Path:
     run = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
                   loss_fn=F.cross_entropy, max_steps=1, checkpoint_dir=tmp_path,
                   handle_signals=False)  # fmt: skip
-    return Path(run.run().checkpoint or "")
+    return Path(run.fit_sync().checkpoint or "")
 
 
 def test_resume_into_another_model_shape_or_optimizer_says_what_differs(tmp_path: Path) -> None:
@@ -241,13 +241,13 @@ def test_resume_into_another_model_shape_or_optimizer_says_what_differs(tmp_path
     trainer = Trainer(wide, torch.optim.SGD(wide.parameters(), lr=0.1), tiny_loader(2, 4),
                       loss_fn=F.cross_entropy, max_steps=2, handle_signals=False)  # fmt: skip
     with pytest.raises(CheckpointError, match="shape") as info:
-        trainer.run(resume=path)
+        trainer.fit_sync(resume=path)
     assert str(path) in str(info.value)
     model = tiny_model(seed=0)
     trainer = Trainer(model, torch.optim.Adam(model.parameters()), tiny_loader(2, 4),
                       loss_fn=F.cross_entropy, max_steps=2, handle_signals=False)  # fmt: skip
     with pytest.raises(CheckpointError, match="optimizer is SGD in the checkpoint but Adam"):
-        trainer.run(resume=path)
+        trainer.fit_sync(resume=path)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ def test_a_bad_resume_argument_is_a_config_error_naming_it(
     if resume == "missing.pt":
         resume = tmp_path / resume
     with pytest.raises(ConfigError, match="resume"):
-        trainer.run(resume=resume)
+        trainer.fit_sync(resume=resume)
     assert trainer.result is None  # nothing ran
 
 

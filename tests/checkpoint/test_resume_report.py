@@ -35,12 +35,12 @@ def _nothing_found(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def test_latest_names_the_file_it_loaded(tmp_path: Path) -> None:
-    first = _trainer(tmp_path, max_steps=2).run()
+    first = _trainer(tmp_path, max_steps=2).fit_sync()
     assert first.resumed_from is None
     assert first.checkpoint == str(tmp_path / "step-00000002-final.pt")
     second = _trainer(tmp_path, max_steps=4)
     rec = EventRecorder(second.bus)
-    result = second.run(resume="latest")
+    result = second.fit_sync(resume="latest")
     (started,) = rec.of_type(ev.FitStarted)
     # The file, not the word "latest": what a person needs to know which run continued.
     assert started.resumed_from == first.checkpoint == result.resumed_from
@@ -53,13 +53,13 @@ def test_latest_skipping_a_damaged_file_names_the_one_loaded(tmp_path: Path) -> 
     (tmp_path / "step-00000009.pt").write_bytes(b"not a zip")
     trainer = _trainer(tmp_path, max_steps=4)
     rec = EventRecorder(trainer.bus)
-    result = trainer.run(resume="latest")
+    result = trainer.fit_sync(resume="latest")
     assert rec.of_type(ev.FitStarted)[0].resumed_from == str(good) == result.resumed_from
 
 
 def test_an_explicit_path_is_reported_as_given(tmp_path: Path) -> None:
     path = write(tmp_path / "ck", step=1)
-    result = _trainer(tmp_path / "ck", max_steps=2).run(resume=path)
+    result = _trainer(tmp_path / "ck", max_steps=2).fit_sync(resume=path)
     assert result.resumed_from == str(path)
 
 
@@ -83,7 +83,7 @@ def test_latest_finding_nothing_warns_naming_the_folder(
     trainer = _trainer(folder)
     rec = EventRecorder(trainer.bus)
     with capture_logs() as logs:
-        result = trainer.run(resume="latest")
+        result = trainer.fit_sync(resume="latest")
     (warning,) = _nothing_found(logs)
     assert warning["log_level"] == "warning"
     assert warning["checkpoint_dir"] == str(folder) and warning["found"] == found
@@ -96,7 +96,7 @@ def test_latest_with_only_invalid_files_lists_them_with_reasons(tmp_path: Path) 
     (tmp_path / "step-00000005.pt").write_bytes(b"")
     (tmp_path / "step-00000004-best.pt").write_bytes(b"not a zip")
     with capture_logs() as logs:
-        result = _trainer(tmp_path).run(resume="latest")
+        result = _trainer(tmp_path).fit_sync(resume="latest")
     (warning,) = _nothing_found(logs)
     found = warning["found"]
     assert found.startswith("2 checkpoint files, all invalid: step-00000005.pt (")
@@ -109,7 +109,7 @@ def test_require_checkpoint_makes_finding_nothing_an_error(tmp_path: Path) -> No
     trainer = _trainer(folder)
     rec = EventRecorder(trainer.bus)
     with pytest.raises(CheckpointError, match="no valid checkpoint") as info:
-        trainer.run(resume="latest", require_checkpoint=True)
+        trainer.fit_sync(resume="latest", require_checkpoint=True)
     assert info.value.path == str(folder) and "no such folder" in str(info.value)
     assert trainer.result is None and not rec.of_type(ev.StepEnded)  # nothing trained
     assert not folder.exists()
@@ -118,7 +118,7 @@ def test_require_checkpoint_makes_finding_nothing_an_error(tmp_path: Path) -> No
 def test_require_checkpoint_lists_the_invalid_files(tmp_path: Path) -> None:
     (tmp_path / "step-00000005.pt").write_bytes(b"broken")
     with pytest.raises(CheckpointError, match=r"1 checkpoint file, invalid: step-00000005\.pt"):
-        _trainer(tmp_path).run(resume="latest", require_checkpoint=True)
+        _trainer(tmp_path).fit_sync(resume="latest", require_checkpoint=True)
 
 
 @pytest.mark.asyncio
@@ -135,7 +135,7 @@ def test_require_checkpoint_bad_input_is_a_config_error(
     tmp_path: Path, resume: str | None, require: object
 ) -> None:
     with pytest.raises(ConfigError, match="require_checkpoint"):
-        _trainer(tmp_path).run(resume=resume, require_checkpoint=require)  # type: ignore[arg-type]
+        _trainer(tmp_path).fit_sync(resume=resume, require_checkpoint=require)  # type: ignore[arg-type]
 
 
 def test_find_latest_describes_what_it_skipped(tmp_path: Path) -> None:

@@ -160,7 +160,7 @@ def test_the_trainer_device_cpu_under_torchrun_on_a_gpu_host_gets_gloo_and_a_cpu
     trainer = Trainer(*tiny(), loss_fn=F.cross_entropy, max_steps=1, device="cpu",
                       progress=False, handle_signals=False)  # fmt: skip
     with pytest.raises(_Joined):
-        trainer.run()
+        trainer.fit_sync()
     assert gpu_host == [("init", "gloo")]
     group = ProcessGroup(rank=1, world_size=2, local_rank=1, backend="gloo",
                          device=torch.device("cpu"), created=False)  # fmt: skip

@@ -61,7 +61,7 @@ def train_fn(config: dict[str, Any]) -> None:
                          callbacks=[report := trainbus.ray.ReportToRay()])  # fmt: skip
     saved: list[str] = []
     t.bus.stream(ev.CheckpointSaved).subscribe(lambda e: saved.append(e.tag), ranks="all")
-    r = t.run()
+    r = t.fit_sync()
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())

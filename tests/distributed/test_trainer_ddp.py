@@ -155,7 +155,7 @@ def test_a_2_rank_checkpoint_resumes_on_one_process_at_the_next_epoch_boundary(
     started: list[ev.FitStarted] = []
     t.bus.stream(ev.FitStarted).subscribe(started.append)
     with structlog.testing.capture_logs() as logs:
-        result = t.run(resume=out / "ckpt" / "step-00000011-final.pt")
+        result = t.fit_sync(resume=out / "ckpt" / "step-00000011-final.pt")
     warned = [e for e in logs if e["event"] == "resume_world_size_changed"]
     assert warned and warned[0]["saved_world_size"] == 2 and warned[0]["world_size"] == 1
     # saved at step 11 = epoch 1, batch 3 of 8: the rest of epoch 1 is not replayed

@@ -71,7 +71,7 @@ def test_a_pruned_trial_is_stored_pruned_with_no_code_in_the_objective(tmp_path:
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, tmp_path / f"t{trial.number}")
         stops[trial.number] = trainer
-        return trainer.run().metrics["val_loss"]  # nothing about pruning here
+        return trainer.fit_sync().metrics["val_loss"]  # nothing about pruning here
 
     s = study(pruner_at(8), tmp_path)
     s.optimize(objective, n_trials=2)
@@ -86,7 +86,7 @@ def test_a_pruned_trial_is_stored_pruned_with_no_code_in_the_objective(tmp_path:
 
 def test_an_unpruned_trial_completes_with_its_value(tmp_path: Path) -> None:
     s = study(optuna.pruners.NopPruner(), tmp_path)
-    s.optimize(lambda trial: trainer_for(trial).run().metrics["val_loss"], n_trials=1)
+    s.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
     (t,) = s.get_trials()
     assert t.state == optuna.trial.TrialState.COMPLETE
     assert sorted(t.intermediate_values) == [4, 8, 12, 16, 20, 24]
@@ -96,7 +96,7 @@ def test_an_unpruned_trial_completes_with_its_value(tmp_path: Path) -> None:
 def test_pruned_trials_can_skip_their_final_checkpoint(tmp_path: Path) -> None:
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, tmp_path / "ckpt", skip_final_checkpoint={"pruned"})
-        return trainer.run().metrics["val_loss"]
+        return trainer.fit_sync().metrics["val_loss"]
 
     s = study(pruner_at(4))
     s.optimize(objective, n_trials=1)
@@ -107,7 +107,7 @@ def test_pruned_trials_can_skip_their_final_checkpoint(tmp_path: Path) -> None:
 def test_every_epoch_evaluation_reports_at_epoch_ends() -> None:
     def objective(trial: Any) -> float:
         # 8 batches an epoch, no eval_every: one evaluation per epoch (steps 8, 16, 24).
-        return trainer_for(trial, eval_every=None).run().metrics["val_loss"]
+        return trainer_for(trial, eval_every=None).fit_sync().metrics["val_loss"]
 
     s = study(pruner_at(16))
     s.optimize(objective, n_trials=1)
@@ -123,7 +123,7 @@ def test_a_training_metric_is_reported_at_each_log_window_and_pruned_there() -> 
         trainer = trainer_for(trial, monitor="loss", log_every=5, eval_data=None,
                               eval_every=None)  # fmt: skip
         seen.append(EventRecorder(trainer.bus))
-        return trainer.run().train_metrics["loss"]
+        return trainer.fit_sync().train_metrics["loss"]
 
     s = study(pruner_at(10))
     s.optimize(objective, n_trials=1)
@@ -148,7 +148,7 @@ def losses_by_params(n_jobs: int, tmp_path: Path) -> dict[float, tuple[str, dict
         data = TensorDataset(*(torch.cat(t) for t in zip(*tiny_loader(8, 16), strict=True)))
         trainer = trainer_for(trial, seed=7, model=tiny_model(seed=0),
                               train=DataLoader(data, batch_size=16, shuffle=True))  # fmt: skip
-        return trainer.run().metrics["val_loss"]
+        return trainer.fit_sync().metrics["val_loss"]
 
     # In memory: with SQLite and n_jobs=2, Optuna 5.0 may give one enqueued trial to both
     # threads ("Cannot tell a COMPLETE trial"), a race of its own.
@@ -177,7 +177,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
         trainer = trainer_for(trial, ckpt, max_steps=24)
         trainer.add_hook("after_optimizer_step", lambda ctx: ctx.step == 10 and trainer.bus.send(
             cmd.StopTraining(reason="preempted")))  # fmt: skip
-        trainer.run()
+        trainer.fit_sync()
         raise RuntimeError("preempted")
 
     s = study(optuna.pruners.NopPruner(), tmp_path)
@@ -188,7 +188,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
 
     # The same configuration again, resumed from the checkpoint: it reports from there on.
     s.enqueue_trial(failed.params)
-    s.optimize(lambda trial: trainer_for(trial, ckpt).run(resume="latest").metrics["val_loss"],
+    s.optimize(lambda trial: trainer_for(trial, ckpt).fit_sync(resume="latest").metrics["val_loss"],
                n_trials=1)  # fmt: skip
     resumed = s.trials[1]
     assert resumed.state == optuna.trial.TrialState.COMPLETE
@@ -197,7 +197,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
     # ...with the value of a run that was never interrupted (exact resume).
     fresh = study(optuna.pruners.NopPruner())
     fresh.enqueue_trial(failed.params)
-    fresh.optimize(lambda trial: trainer_for(trial).run().metrics["val_loss"], n_trials=1)
+    fresh.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
     assert resumed.value == fresh.trials[0].value
     assert resumed.intermediate_values == {k: v for k, v in fresh.trials[0].intermediate_values
                                            .items() if k > 10}  # fmt: skip
@@ -206,7 +206,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
 # ----------------------------------------------------------------------------- bad input
 def test_a_metric_that_never_appears_fails_at_the_first_evaluation_naming_those_that_do() -> None:
     def objective(trial: Any) -> float:
-        return trainer_for(trial, monitor="val_los", log_every=4).run().metrics["val_loss"]
+        return trainer_for(trial, monitor="val_los", log_every=4).fit_sync().metrics["val_loss"]
 
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError) as info:
@@ -224,7 +224,7 @@ def test_a_metric_logged_after_the_first_evaluation_is_not_taken_for_missing() -
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, monitor="train_acc", eval_every=2, log_every=4)
         trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("train_acc", 0.5))
-        return trainer.run().metrics["val_loss"]
+        return trainer.fit_sync().metrics["val_loss"]
 
     s = study(optuna.pruners.NopPruner())
     s.optimize(objective, n_trials=1, catch=())
@@ -238,7 +238,8 @@ def test_a_metric_that_never_appears_in_a_run_without_evaluations_fails_at_its_e
     the trial fails when the run ends instead of completing as if pruning had been on."""
 
     def objective(trial: Any) -> float:
-        return trainer_for(trial, eval_data=None, eval_every=None).run().metrics.get("loss", 0.0)
+        result = trainer_for(trial, eval_data=None, eval_every=None).fit_sync()
+        return result.metrics.get("loss", 0.0)
 
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError, match=r"OptunaPruning\.monitor='val_loss'.*the whole run"):
@@ -253,7 +254,7 @@ def test_a_pruner_that_raises_fails_the_trial_clearly() -> None:
 
     s = study(Broken())
     with pytest.raises(PrunerError, match=r"reporting val_loss=.* at step 4 .*ZeroDivisionError"):
-        s.optimize(lambda trial: trainer_for(trial).run().metrics["val_loss"], n_trials=1)
+        s.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
     assert s.trials[0].state == optuna.trial.TrialState.FAIL
 
 

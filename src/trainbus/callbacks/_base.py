@@ -215,7 +215,7 @@ class Callback:
         subscriptions made here are disposed when the callback is removed. Default: none."""
         return None
 
-    # Process-wide registration as a context manager: `with MyCallback(): trainer.run()`.
+    # Process-wide registration as a context manager: `with MyCallback(): trainer.fit_sync()`.
     def __enter__(self) -> Self:
         self._global_handle = register_global_callback(self)
         return self

@@ -8,7 +8,7 @@
     def objective(trial):
         trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader, eval_every=20,
                           max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
-        return trainer.run().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+        return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 The callback reports the monitored metric at the trainbus step of every evaluation that carries
 it (``EvaluationEnded``) and of every ``MetricsLogged`` that carries it (training metrics, or
@@ -17,7 +17,7 @@ values logged from anywhere), asks the study's pruner, and when it says so sends
 (``EvaluationEnded`` is a barrier); one on ``MetricsLogged`` too (the callback declares the log
 steps as decision steps). The run then stops as any stopped run does (the final checkpoint,
 unless ``Trainer(skip_final_checkpoint={"pruned"})``; ``FitEnded``; ``FitResult.ending ==
-Ending.PRUNED``), and ``fit()``/``run()`` raise ``optuna.TrialPruned``: Optuna stores the
+Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned``: Optuna stores the
 trial PRUNED with no code in the objective. See docs/sweeps.md.
 """
 
@@ -84,7 +84,7 @@ class OptunaPruning(Callback):
             them, nowhere in the whole run (checked when it ends); the message names the
             metrics that exist.
         PrunerError: the pruner or ``trial.report`` raised.
-    After a pruned run, ``fit()``/``run()`` raise ``optuna.TrialPruned`` (from
+    After a pruned run, ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned`` (from
     :meth:`after_fit`, once the run ended and every event was delivered).
     """
 

@@ -24,7 +24,7 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.
 - :func:`map_tensors`, :func:`detach_outputs`, :func:`join_outputs` (``outputs.py``): model
   outputs of any type (a mapping, a ``ModelOutput``, a tuple) walked and joined per key.
-- :class:`CheckpointWriter` (``checkpoint.py``): saves and remembers the last checkpoint.
+- :class:`CheckpointWriter` (``saving.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
 - :class:`Outcome`, :class:`Cancelled` (``outcome.py``): how a run of the loop ends.
@@ -34,7 +34,6 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 This package imports the bus only for types and uses it through its public methods.
 """
 
-from .checkpoint import CheckpointWriter as CheckpointWriter
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
 from .custom import CustomStep as CustomStep
@@ -52,11 +51,11 @@ from .optimizers import SchedulerSet as SchedulerSet
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
 from .phases import StepPhases as StepPhases
+from .saving import CheckpointWriter as CheckpointWriter
 from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
-from .settings import build_settings as build_settings
 from .settings import eval_sets as eval_sets
 from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
@@ -92,7 +91,6 @@ __all__ = [
     "TrainContext",
     "UserMetrics",
     "Wants",
-    "build_settings",
     "eval_sets",
     "evaluation_metric_names",
     "join_outputs",

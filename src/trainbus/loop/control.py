@@ -3,7 +3,7 @@
 :class:`CommandHandler` drains the bus' command queue at the loop's poll points, applies each
 command with an exhaustive ``match`` and acknowledges it with ``CommandApplied``. It owns the
 stop state (``stop_reason``, ``stop_epoch``) and reaches the loop's other parts only through
-their public methods: the :class:`~trainbus.loop.checkpoint.CheckpointWriter` for
+their public methods: the :class:`~trainbus.loop.saving.CheckpointWriter` for
 ``SaveCheckpoint``, the :class:`~trainbus.loop.evaluation.Evaluator` for ``Evaluate``.
 """
 
@@ -20,8 +20,8 @@ if TYPE_CHECKING:
     from ..bus import LoopPort
     from ..checkpoint import TrainState
     from ..distributed.sync import RankSync
-    from .checkpoint import CheckpointWriter
     from .evaluation import Evaluator
+    from .saving import CheckpointWriter
     from .settings import Settings
 
 __all__ = ["BarrierWait", "CommandHandler"]

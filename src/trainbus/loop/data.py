@@ -20,7 +20,7 @@ from ..checkpoint import Checkpoint, TrainState, capture_data_order, replay_epoc
 
 if TYPE_CHECKING:
     from ..bus import LoopPort
-    from .checkpoint import CheckpointWriter
+    from .saving import CheckpointWriter
     from .settings import Settings
     from .wants import Wants
 

@@ -38,7 +38,6 @@ from .._exceptions import CheckpointError, CheckpointWriteError
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
-from .checkpoint import CheckpointWriter
 from .control import BarrierWait, CommandHandler
 from .custom import CustomStep
 from .data import EpochData
@@ -50,6 +49,7 @@ from .nonfinite import NonFiniteGuard
 from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .pinning import hint_pin_memory
+from .saving import CheckpointWriter
 from .step import Step, StepParts
 from .wants import Wants
 from .window import MetricsWindow
@@ -83,7 +83,7 @@ class Loop:
         resumed_from: The checkpoint file loaded (``FitStarted.resumed_from``), None for a
             fresh start.
         callback_states: Returns the stateful callbacks' states at each save (see
-            :class:`~trainbus.loop.checkpoint.CheckpointWriter`).
+            :class:`~trainbus.loop.saving.CheckpointWriter`).
         sync: Under torchrun with more than one rank: commands are agreed at the common sync
             points (start, log-window close when a rank has some pending, evaluations, epoch
             ends, end of run), metrics averaged, checkpoints written by rank 0

@@ -1,13 +1,13 @@
 """Validated, frozen trainer settings: every argument checked before anything runs.
 
-``Trainer.__init__`` hands its arguments to :func:`build_settings`; a bad value raises
-``ConfigError`` naming the field, the value and what is allowed, and nothing touches the disk.
+The Trainer's options are declared once (``trainbus._trainer.options``); their checks build
+:class:`Settings` there, with the loop's checks of data and precision from here. A bad value
+raises ``ConfigError`` naming the field, the value and what is allowed, before anything runs.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +17,6 @@ import torch
 
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._tensors import bf16_supported, resolve_device
-from .._validate import check_int
-from ..checkpoint import check_checkpoint_dir
-from .optimizers import check_optimizers, check_schedulers
 
 __all__ = [
     "BARRIER_TYPES",
@@ -28,7 +24,8 @@ __all__ = [
     "NonFinitePolicy",
     "Precision",
     "Settings",
-    "build_settings",
+    "check_loader",
+    "check_precision",
     "eval_sets",
 ]
 
@@ -43,7 +40,8 @@ BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """Everything the loop needs, validated. Built by :func:`build_settings`."""
+    """Everything the loop needs, validated. Built by the Trainer's options
+    (``trainbus._trainer.options.build_settings``)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -95,8 +93,12 @@ class Settings:
         return torch.autocast(device_type=self.device.type, dtype=dtype)
 
 
-def _iterable(name: str, value: Any, *, optional: bool) -> int | None:
-    """Check an iterable data source; return its length when it has one."""
+def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
+    """Check an iterable data source; return its length when it has one.
+
+    Raises:
+        ConfigError: a tensor, a string, a non-iterable or an empty loader.
+    """
     if value is None and optional:
         return None
     # A string is iterable (of characters) but never a loader: refuse it here, not at step 0.
@@ -123,11 +125,11 @@ PRECISION_SPELLINGS: Mapping[str, Precision] = {
 """Every accepted ``precision`` and what it means here."""
 
 _TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
-                "64-true": "torch.float64"}
+                "64-true": "torch.float64"}  # fmt: skip
 """Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
 
 
-def _precision(value: Any) -> Precision:
+def check_precision(value: Any) -> Precision:
     """``value`` as one of ``"32"``, ``"bf16"``, ``"fp16"``.
 
     Raises:
@@ -175,136 +177,8 @@ def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bo
                     "eval_data", name, "set names that are non-empty strings without '/' "
                     "(metrics are keyed '<set>/<metric>')",
                 )  # fmt: skip
-            _iterable(f"eval_data[{name!r}]", data, optional=False)
+            check_loader(f"eval_data[{name!r}]", data, optional=False)
             sets.append((name, data))
         return tuple(sets), True
-    _iterable("eval_data", eval_data, optional=False)
+    check_loader("eval_data", eval_data, optional=False)
     return (("val", eval_data),), False
-
-
-def build_settings(
-    model: Any,
-    optimizer: Any,
-    train_data: Any,
-    *,
-    loss_fn: Any,
-    eval_data: Any,
-    max_epochs: Any,
-    max_steps: Any,
-    scheduler: Any,
-    scheduler_interval: Any,
-    accumulate: Any,
-    clip_grad_norm: Any,
-    precision: Any,
-    device: Any,
-    seed: Any,
-    metrics: Any,
-    eval_every: Any,
-    eval_at_epoch_end: Any,
-    log_every: Any,
-    checkpoint_dir: Any,
-    barriers: Any,
-    barrier_timeout: Any,
-    on_nonfinite: Any,
-    train_step: Any = None,
-    eval_at_end: Any = True,
-) -> Settings:
-    """Validate every trainer argument and build :class:`Settings`.
-
-    Raises:
-        ConfigError: naming the first bad field, its value and what is allowed.
-    """
-    if not isinstance(model, torch.nn.Module):
-        raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
-    optimizer, optimizers = check_optimizers(model, optimizer)
-    if train_step is not None and not callable(train_step):
-        raise ConfigError.invalid(
-            "train_step", type(train_step).__name__, "a callable step(ctx) or None"
-        )
-    train_len = _iterable("train_data", train_data, optional=False)
-    sets, named = eval_sets(eval_data)
-    if loss_fn is not None and not callable(loss_fn):
-        raise ConfigError.invalid(
-            "loss_fn", loss_fn, "a callable loss_fn(outputs, targets) or None"
-        )
-    max_epochs = check_int("max_epochs", max_epochs, 1, optional=True)
-    max_steps = check_int("max_steps", max_steps, 1, optional=True)
-    if max_epochs is None and max_steps is None:
-        raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
-    scheduler, schedulers = check_schedulers(scheduler, optimizers)
-    if scheduler_interval not in ("step", "epoch"):
-        raise ConfigError.invalid("scheduler_interval", scheduler_interval, "'step' or 'epoch'")
-    accumulate = check_int("accumulate", accumulate, 1)
-    if clip_grad_norm is not None and not (
-        isinstance(clip_grad_norm, int | float)
-        and not isinstance(clip_grad_norm, bool)
-        and math.isfinite(clip_grad_norm)
-        and clip_grad_norm > 0
-    ):
-        raise ConfigError.invalid("clip_grad_norm", clip_grad_norm, "a finite number > 0 or None")
-    precision = _precision(precision)
-    resolved = resolve_device(device)  # "auto"/"cuda" -> "cuda:N", once for every thread
-    if precision == "bf16" and not bf16_supported(resolved):
-        props = torch.cuda.get_device_properties(resolved)
-        raise ConfigError.invalid(
-            "precision", precision, f"'32' or 'fp16' on {resolved} ({props.name}, compute "
-            f"capability {props.major}.{props.minor}): bf16 needs compute capability 8.0 or "
-            "later (torch would only emulate it, slower than fp32)",
-        )  # fmt: skip
-    if precision == "fp16" and resolved.type != "cuda":
-        raise ConfigError.invalid(
-            "precision",
-            precision,
-            f"'32' or 'bf16' on {resolved.type}; fp16 with a grad scaler needs CUDA",
-        )
-    seed = check_int("seed", seed, 0, optional=True)
-    if metrics is not None and not isinstance(metrics, Mapping):
-        raise ConfigError.invalid("metrics", metrics, "a mapping of names to fn(outputs, targets)")
-    metrics = dict(metrics or {})
-    for name, fn in metrics.items():
-        if not isinstance(name, str) or not name.isidentifier() or not callable(fn):
-            raise ConfigError.invalid(
-                f"metrics[{name!r}]", fn, "an identifier mapped to fn(outputs, targets)"
-            )
-    eval_every = check_int("eval_every", eval_every, 1, optional=True)
-    if eval_every is not None and eval_data is None:
-        raise ConfigError.invalid("eval_every", eval_every, "None unless eval_data is given")
-    if not isinstance(eval_at_epoch_end, bool):
-        raise ConfigError.invalid("eval_at_epoch_end", eval_at_epoch_end, "True or False")
-    if not isinstance(eval_at_end, bool):
-        raise ConfigError.invalid("eval_at_end", eval_at_end, "True or False")
-    log_every = check_int("log_every", log_every, 1)
-    # Creatable and writable, not under a file: found now, not at the first save.
-    ckpt = None if checkpoint_dir is None else check_checkpoint_dir(checkpoint_dir)
-    if not isinstance(barriers, Iterable) or isinstance(barriers, str):
-        raise ConfigError.invalid("barriers", barriers, "an iterable of event classes")
-    barriers = tuple(barriers)
-    for b in barriers:
-        if b not in BARRIER_TYPES:
-            raise ConfigError.invalid(
-                "barriers", b, "event classes followed by a poll point: "
-                + ", ".join(t.__name__ for t in BARRIER_TYPES),
-            )  # fmt: skip
-    if not (
-        isinstance(barrier_timeout, int | float)
-        and not isinstance(barrier_timeout, bool)
-        and barrier_timeout > 0  # NaN compares False; inf waits without a deadline
-    ):
-        raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
-    if on_nonfinite not in ("raise", "stop", "skip", "ignore"):
-        raise ConfigError.invalid(
-            "on_nonfinite", on_nonfinite, "'raise', 'stop', 'skip' or 'ignore'"
-        )
-    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    return Settings(
-        model=model, optimizer=optimizer, train_data=train_data, train_len=train_len,
-        loss_fn=loss_fn, eval_data=eval_data, max_epochs=max_epochs, max_steps=max_steps,
-        scheduler=scheduler, scheduler_interval=scheduler_interval, accumulate=accumulate,
-        clip_grad_norm=float(clip_grad_norm) if clip_grad_norm is not None else None,
-        precision=precision, device=resolved, seed=seed, metrics=metrics, eval_every=eval_every,
-        eval_at_epoch_end=eval_at_epoch_end, log_every=log_every, checkpoint_dir=ckpt,
-        barriers=frozenset(barriers), barrier_timeout=float(barrier_timeout),
-        on_nonfinite=on_nonfinite, scaler=scaler, eval_sets=sets, eval_named=named,
-        optimizers=optimizers, schedulers=schedulers, train_step=train_step,
-        eval_at_end=eval_at_end,
-    )  # fmt: skip

@@ -7,7 +7,7 @@
 
     def train_fn(config):                       # runs on every Ray Train worker
         trainer = Trainer(model, optimizer, loader, ...)
-        trainer.run()                           # rank 0 links to the driver by itself
+        trainer.fit_sync()                           # rank 0 links to the driver by itself
 
     result = trainbus.ray.launch(train_fn, scaling_config=ScalingConfig(num_workers=2),
                                  setup=lambda bus: bus.stream(ev.MetricsLogged).subscribe(print))

@@ -81,7 +81,7 @@ def run(mode: str) -> None:
         t.add_hook("batch", skip_second)
     error = None
     try:
-        t.run()
+        t.fit_sync()
     except trainbus.NonFiniteLossError as exc:
         error = str(exc)
     r = t.result

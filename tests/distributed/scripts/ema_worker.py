@@ -69,7 +69,7 @@ def main() -> None:
     rank = torch.distributed.get_rank()
 
     plain = trainer([])
-    plain.run()
+    plain.fit_sync()
     raw = digest(params(module(plain.settings.model).state_dict()))
     (OUT / f"plain-rank{rank}.json").write_text(json.dumps({"raw": raw}))
 
@@ -81,7 +81,7 @@ def main() -> None:
         in_eval.append((ctx.step, digest(params(module(ctx.model).state_dict()))))
 
     t.add_hook("before_evaluation", seen)
-    result = t.run()
+    result = t.fit_sync()
     again = t.evaluate_sync()
     out: dict[str, Any] = {
         "rank": rank,

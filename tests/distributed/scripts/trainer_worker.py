@@ -21,7 +21,7 @@ Modes:
     launched        a run for `trainbus launch` (events go to the driver)
     signal          a long run the test SIGTERMs on every rank
     exit            a short run whose Trainer stays alive until exit (as a script's top-level
-                    ``t``); records the gloo threads still running after ``run()``
+                    ``t``); records the gloo threads still running after ``fit_sync()``
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def run(mode: str) -> None:
         t.bus.stream(ev.FitStarted).subscribe(started.append, ranks="all")
         rank = int(os.environ["RANK"])  # a metric of each rank's own: averaged like the loss
         t.add_hook("after_optimizer_step", lambda ctx: ctx.log("rank_logged", float(rank)))
-        t.run()
+        t.fit_sync()
         fs = started[0]
         record(t, "shards", seen=data.seen, rank_field=fs.rank, world_size=fs.world_size)
     elif mode == "custom":
@@ -135,7 +135,7 @@ def run(mode: str) -> None:
             return loss
 
         t = trainer(data, train_step=step, accumulate=2, clip_grad_norm=1.0)
-        t.run()
+        t.fit_sync()
         record(t, "custom")
     elif mode == "stop":
         for seed in [int(a) for a in ARGS]:
@@ -149,7 +149,7 @@ def run(mode: str) -> None:
                     t.bus.send(cmd.StopTraining(reason=f"at {at}"))
 
             t.bus.stream(ev.StepEnded).subscribe(stop)  # rank 0 only (the default)
-            t.run()
+            t.fit_sync()
             record(t, f"stop{seed}", at=at, last=steps[-1].step if steps else None)
     elif mode == "decided":
         # A rank-0 pipeline declaring its decision steps (tbops.every(5)) stops at step 10:
@@ -162,7 +162,7 @@ def run(mode: str) -> None:
                 t.bus.send(cmd.StopTraining(reason="decided at 10"))
 
         t.bus.stream(ev.StepEnded).pipe(tbops.every(5)).subscribe(stop_at_10)
-        t.run()
+        t.fit_sync()
         record(t, "decided")
     elif mode == "rank1":
         t = trainer(data)
@@ -176,7 +176,7 @@ def run(mode: str) -> None:
         t.bus.stream(ev.StepEnded).subscribe(on_step, ranks="all")
         applied: list[int] = []
         t.bus.stream(ev.CommandApplied).subscribe(lambda e: applied.append(e.step), ranks="all")
-        t.run()
+        t.fit_sync()
         record(t, "rank1", lrs=lrs, applied=applied)
     elif mode in ("save", "full"):
         # save: stopped mid-epoch (max_steps=11, batch 3 of epoch 1) with its final checkpoint
@@ -184,12 +184,12 @@ def run(mode: str) -> None:
         if mode == "save":
             kw = {"checkpoint_dir": OUT / "ckpt", "max_steps": 11}
         t = trainer(data, **kw)
-        t.run()
+        t.fit_sync()
         saved = sorted(p.name for p in (OUT / "ckpt").glob("*.pt")) if mode == "save" else []
         record(t, mode, saved=saved)
     elif mode == "resume":
         t = trainer(data, checkpoint_dir=OUT / "ckpt")
-        t.run(resume="latest")
+        t.fit_sync(resume="latest")
         record(t, "resume")
     elif mode == "signal":
         # SIGTERM on every rank (what torchrun forwards): each rank's Trainer sends
@@ -204,7 +204,7 @@ def run(mode: str) -> None:
 
         t.bus.stream(ev.StepEnded).subscribe(ready, ranks="all")
         try:
-            t.run()
+            t.fit_sync()
         except SystemExit as exc:  # on_signal="raise": after the graceful stop, 128 + SIGTERM
             record(t, "signal", raised=exc.code, ending=str(t.result.ending if t.result else None))
         else:
@@ -214,11 +214,11 @@ def run(mode: str) -> None:
         # both ranks. A slow step (5 ms) leaves the driver time to answer.
         t = trainer(data, max_epochs=20)
         t.add_hook("after_optimizer_step", lambda ctx: time.sleep(0.005))
-        t.run()
+        t.fit_sync()
         record(t, "launched")
     elif mode == "exit":
         t = trainer(data, max_epochs=1)
-        t.run()
+        t.fit_sync()
         KEPT.append(t)  # alive until the interpreter exits, as a script's top-level trainer
         record(t, "exit", threads=native_threads())
     else:

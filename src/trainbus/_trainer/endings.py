@@ -22,8 +22,8 @@ import signal
 from collections.abc import Iterable
 from typing import Literal
 
-from ._exceptions import ConfigError
-from .events import Ending
+from .._exceptions import ConfigError
+from ..events import Ending
 
 __all__ = ["OnSignal", "check_on_signal", "check_skip_final", "interrupt_for"]
 

@@ -3,7 +3,7 @@
 Three ways to hold the bus, all on the same subscribers:
 
 * ``with Trainer(...) as t:`` starts an anyio blocking portal (an event loop in a thread) held
-  until the block ends (or ``t.close()``): ``t.run()``, ``t.evaluate_sync()`` and
+  until the block ends (or ``t.close()``): ``t.fit_sync()``, ``t.evaluate_sync()`` and
   ``t.predict_sync()`` run in that one portal, one after the other; each runs the bus and
   suspends it at its end (as below); the block's end closes it.
 * ``async with Trainer(...) as t:`` runs the bus in the caller's event loop until the block ends.
@@ -23,8 +23,8 @@ import anyio
 import anyio.from_thread
 from anyio.from_thread import BlockingPortal
 
-from ._exceptions import ConfigError, TrainbusError
-from .bus import EventBus
+from .._exceptions import ConfigError, TrainbusError
+from ..bus import EventBus
 
 __all__ = ["BACKENDS", "Lifetime"]
 

@@ -10,16 +10,16 @@ from typing import Any
 
 import anyio.from_thread
 
-from . import events as ev
-from ._exceptions import CheckpointError, ConfigError
-from ._log import get_logger
-from ._tensors import is_sharded_model
-from .bus import EventBus
-from .callbacks._base import Callback
-from .checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
-from .distributed.data import unwrap_model
-from .distributed.group import ProcessGroup
-from .loop import Cancelled, Settings
+from .. import events as ev
+from .._exceptions import CheckpointError, ConfigError
+from .._log import get_logger
+from .._tensors import is_sharded_model
+from ..bus import EventBus
+from ..callbacks._base import Callback
+from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
+from ..distributed.data import unwrap_model
+from ..distributed.group import ProcessGroup
+from ..loop import Cancelled, Settings
 
 __all__ = ["CallbackStates", "check_resume"]
 

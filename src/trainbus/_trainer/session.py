@@ -15,13 +15,13 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from . import commands as cmd
-from . import events as ev
-from ._exceptions import TrainbusError
-from ._log import get_logger
-from .bus import EventBus, LoopPort
-from .checkpoint import TrainState
-from .loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import TrainbusError
+from .._log import get_logger
+from ..bus import EventBus, LoopPort
+from ..checkpoint import TrainState
+from ..loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 
 __all__ = ["BusSession", "SignalWatcher", "watch_cancel"]
 
@@ -259,7 +259,7 @@ class SignalWatcher:
 
         Args:
             fn: What the training thread runs.
-            spawns: The run's loaders spawn their workers (``trainbus._workers``): start
+            spawns: The run's loaders spawn their workers (``trainbus._trainer.workers``): start
                 multiprocessing's resource tracker first, whose start would unblock SIGINT.
 
         Returns:

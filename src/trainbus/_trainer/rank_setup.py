@@ -7,12 +7,12 @@ import dataclasses
 
 import torch
 
-from .bus import EventBus
-from .distributed.data import release_model, shard_loader, wrap_model
-from .distributed.group import ProcessGroup
-from .distributed.link import WorkerLink
-from .distributed.sharding import check_mesh
-from .loop import Outcome, Settings
+from ..bus import EventBus
+from ..distributed.data import release_model, shard_loader, wrap_model
+from ..distributed.group import ProcessGroup
+from ..distributed.link import WorkerLink
+from ..distributed.sharding import check_mesh
+from ..loop import Outcome, Settings
 
 __all__ = ["RankSetup"]
 

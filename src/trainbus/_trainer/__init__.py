@@ -1,0 +1,16 @@
+"""The Trainer's own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
+
+Every module of the package, each once (``tests/test_layers.py`` checks the list):
+
+- ``options.py``: the options, declared once (``TrainerOptions``), the Trainer's signature and
+  docstring from them, the bus they configure, the loop's ``Settings`` built from them.
+- ``checks.py``: the check of each single option, named in its declaration.
+- ``attached.py``: the attached callbacks, their subscriptions and hooks (``Attached``).
+- ``session.py``: a call's bus session, the standalone runs, cancellation and SIGINT/SIGTERM.
+- ``resume.py``: ``fit(resume=...)`` checked and loaded; the callbacks' states at each save.
+- ``rank_setup.py``: one rank's part of a ``fit()``: process group, device, DDP, sharded data.
+- ``lifetime.py``: how long the bus runs; the one blocking portal of the sync twins.
+- ``endings.py``: what ``fit()`` raises after a signal's graceful stop; skipped final saves.
+- ``workers.py``: DataLoader worker processes ended with the call that started them.
+- ``result.py``: what ``fit()`` returns (``FitResult``).
+"""

@@ -1,0 +1,195 @@
+"""The checks of single Trainer options, named in their declaration (``options.py``).
+
+Each takes the option's name and value, returns the value the run uses, and raises
+:class:`~trainbus.ConfigError` naming the option, the value and what is allowed. Checks that
+need two options (a scheduler and its optimizers, a precision and its device) live in
+:func:`~trainbus._trainer.options.build_settings`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .. import events as ev
+from .._exceptions import ConfigError
+from .._tensors import resolve_device
+from .._validate import check_int
+from ..bus import EventBus
+from ..callbacks._base import Callback
+from ..checkpoint import check_checkpoint_dir
+from ..loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
+from .endings import OnSignal, check_on_signal, check_skip_final
+
+Check = Callable[[str, Any], Any]
+"""``check(name, value) -> the value the run uses``; raises ConfigError."""
+
+
+def callable_or_none(allowed: str, *, show_type: bool = False) -> Check:
+    """A callable or None (``show_type``: the message shows the value's type, not the value)."""
+
+    def check(name: str, value: Any) -> Any:
+        if value is not None and not callable(value):
+            raise ConfigError.invalid(name, type(value).__name__ if show_type else value, allowed)
+        return value
+
+    return check
+
+
+def int_at_least(minimum: int, *, optional: bool = False) -> Check:
+    """An int >= ``minimum`` (or None when ``optional``)."""
+    return lambda name, value: check_int(name, value, minimum, optional=optional)
+
+
+def boolean(allowed: str = "True or False") -> Check:
+    """True or False."""
+
+    def check(name: str, value: Any) -> bool:
+        if not isinstance(value, bool):
+            raise ConfigError.invalid(name, value, allowed)
+        return value
+
+    return check
+
+
+def one_of(*choices: str, allowed: str) -> Check:
+    """One of the strings ``choices``."""
+
+    def check(name: str, value: Any) -> Any:
+        if value not in choices:
+            raise ConfigError.invalid(name, value, allowed)
+        return value
+
+    return check
+
+
+def as_given(name: str, value: Any) -> Any:
+    """No check of its own: the part that takes it checks it (the bus, the scheduler check)."""
+    return value
+
+
+def eval_data(name: str, value: Any) -> Any:
+    """None, an iterable of batches, or a mapping of set names to them."""
+    eval_sets(value)  # raises on a bad set; the settings build the sets
+    return value
+
+
+def clip_grad_norm(name: str, value: Any) -> float | None:
+    """A finite number > 0, or None."""
+    if value is None:
+        return None
+    if not (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):  # fmt: skip
+        raise ConfigError.invalid(name, value, "a finite number > 0 or None")
+    return float(value)
+
+
+def precision(name: str, value: Any) -> Precision:
+    """One of the precision spellings, as ``"32"``, ``"bf16"`` or ``"fp16"``."""
+    return check_precision(value)
+
+
+def device(name: str, value: Any) -> torch.device:
+    """``"auto"``, a device string or ``torch.device``, resolved once for every thread."""
+    return resolve_device(value)
+
+
+def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
+    """None or a mapping of identifiers to ``fn(outputs, targets)``."""
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError.invalid(name, value, "a mapping of names to fn(outputs, targets)")
+    out = dict(value or {})
+    for key, fn in out.items():
+        if not isinstance(key, str) or not key.isidentifier() or not callable(fn):
+            raise ConfigError.invalid(
+                f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
+            )
+    return out
+
+
+def checkpoint_dir(name: str, value: Any) -> Path | None:
+    """None, or a folder creatable and writable, not under a file: found now, not at the
+    first save (nothing is created)."""
+    return None if value is None else check_checkpoint_dir(value)
+
+
+def skip_final_checkpoint(name: str, value: Any) -> frozenset[ev.Ending]:
+    """An iterable of the stopped endings that skip their final checkpoint."""
+    return check_skip_final(value)
+
+
+def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
+    """Callback classes or instances (one alone too), checked, not instantiated."""
+    if isinstance(value, Callback | type):
+        value = [value]
+    if not isinstance(value, Iterable):
+        raise ConfigError.invalid(name, value, "an iterable of Callbacks")
+    out = tuple(value)
+    for cb in out:
+        if not (isinstance(cb, Callback) or (isinstance(cb, type) and issubclass(cb, Callback))):
+            raise ConfigError.invalid(name, cb, "Callback subclasses or instances")
+    return out
+
+
+def progress(name: str, value: Any) -> bool | None:
+    """None, True or False."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError.invalid(name, value, "None (when stderr is a terminal), True or False")
+    return value
+
+
+def barriers(name: str, value: Any) -> frozenset[type[ev.BaseEvent]]:
+    """An iterable of the event classes a barrier can follow."""
+    if not isinstance(value, Iterable) or isinstance(value, str):
+        raise ConfigError.invalid(name, value, "an iterable of event classes")
+    found = tuple(value)
+    for b in found:
+        if b not in BARRIER_TYPES:
+            raise ConfigError.invalid(
+                name, b, "event classes followed by a poll point: "
+                + ", ".join(t.__name__ for t in BARRIER_TYPES),
+            )  # fmt: skip
+    return frozenset(found)
+
+
+def barrier_timeout(name: str, value: Any) -> float:
+    """Seconds > 0 (inf: no deadline)."""
+    if not (isinstance(value, int | float) and not isinstance(value, bool)
+            and value > 0):  # NaN compares False; inf waits without a deadline  # fmt: skip
+        raise ConfigError.invalid(name, value, "seconds > 0")
+    return float(value)
+
+
+def on_signal(name: str, value: Any) -> OnSignal:
+    """``"raise"`` or ``"return"``."""
+    return check_on_signal(value)
+
+
+def bus(name: str, value: Any) -> EventBus | None:
+    """An EventBus or None."""
+    if value is not None and not isinstance(value, EventBus):
+        raise ConfigError.invalid(name, value, "a trainbus.EventBus or None")
+    return value
+
+
+train_step = callable_or_none("a callable step(ctx) or None", show_type=True)
+loss_fn = callable_or_none("a callable loss_fn(outputs, targets) or None")
+scheduler_interval = one_of("step", "epoch", allowed="'step' or 'epoch'")
+on_nonfinite = one_of("raise", "stop", "skip", "ignore",
+                      allowed="'raise', 'stop', 'skip' or 'ignore'")  # fmt: skip
+
+
+def ddp(name: str, value: Any) -> bool | None:
+    """None (DDP unless the model is sharded), True or False; the model decides None later."""
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError.invalid(
+            name, value, "None (DDP unless the model is sharded with fully_shard), True or False"
+        )
+    return value
+
+
+on_lost = one_of("warn", "raise", allowed="'warn' or 'raise'")
