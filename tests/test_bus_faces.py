@@ -109,7 +109,7 @@ def test_a_subscription_made_mid_run_is_heard_at_the_next_step() -> None:
             bus.stream(ev.ForwardStarted).subscribe(lambda f: forwards.append(f.step))
 
     bus.stream(ev.EpochEnded).subscribe(at_epoch_end)  # a barrier: delivered before epoch 1
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.steps == 16
     assert sorted(set(forwards)) == list(range(8, 16))  # every step of epoch 1, none before
 

@@ -125,7 +125,7 @@ def parity() -> None:
     t = trainer(model2, opt2, DataLoader(data, batch_size=4), clip_grad_norm=1.0, log_every=4)
     steps: list[ev.StepEnded] = []
     t.bus.stream(ev.StepEnded).subscribe(steps.append, ranks="all")
-    t.run()
+    t.fit_sync()
     assert t.result is not None
     ours = shards(model2, opt2)
     wrapped = type(t.settings.model).__name__
@@ -145,7 +145,7 @@ def gradmon() -> None:
     )
     got: list[ev.GradientNormMeasured] = []
     t.bus.stream(ev.GradientNormMeasured).subscribe(got.append)  # the default: rank 0 only
-    t.run()
+    t.fit_sync()
     assert t.result is not None
     write("gradmon", steps=t.result.steps, measured=[e.step for e in got],
           values=[float(e.grad_norm) for e in got],
@@ -164,7 +164,7 @@ def nan() -> None:
     t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_steps=3,
                 checkpoint_dir=OUT / "nan")  # fmt: skip
     t.add_hook("after_optimizer_step", poison)
-    t.run()
+    t.fit_sync()
     assert t.result is not None
     written = sorted(p.name for p in (OUT / "nan").iterdir()) if (OUT / "nan").exists() else []
     write("nan", reason=t.result.reason, checkpoint=t.result.checkpoint, written=written)
@@ -230,7 +230,7 @@ def refused(mode: str) -> None:
             model = nn.Sequential(nn.Linear(16, 5))
             fully_shard(model, mesh=mesh)
             opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            trainer(model, opt, data).run()
+            trainer(model, opt, data).fit_sync()
         elif mode == "saveapi":
             model, opt = build()
             trainbus.checkpoint.save_checkpoint(
@@ -311,7 +311,7 @@ def mixed() -> None:
     model[1].lin.register_forward_hook(lambda *_: recomputed.append(1))
     t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), clip_grad_norm=1.0,
                 checkpoint_dir=OUT / "mixed")  # fmt: skip
-    t.run()
+    t.fit_sync()
     assert t.result is not None
     write("mixed", steps=t.result.steps, reason=t.result.reason, checkpoint=t.result.checkpoint,
           forwards=len(recomputed), loss=t.result.train_metrics["loss"],
@@ -331,7 +331,7 @@ def badstate() -> None:
     t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_steps=2,
                 checkpoint_dir=OUT / "badstate", callbacks=[Unsavable()])  # fmt: skip
     try:
-        t.run()
+        t.fit_sync()
     except trainbus.ConfigError as exc:
         folder = OUT / "badstate"
         left = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
