@@ -46,6 +46,7 @@ from .bus.statistics import BusStatistics, LostWork
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
+from .distributed.attach_server import attach_folder
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
 from .loop import (
@@ -243,6 +244,11 @@ class Trainer:
             ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
             :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
             (``trainer.result`` holds the result).
+        attach: Let other processes of your user attach to ``fit()`` (``trainbus attach
+            RUN_DIR``, :func:`trainbus.attach`): rank 0 listens on ``attach.sock`` in the run
+            folder, with ``attach.token`` beside it, both removed at the end. True (default):
+            in ``checkpoint_dir`` when set (on platforms with Unix domain sockets); a folder:
+            there; False: never. Free while nobody is attached (docs/attach.md).
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -285,6 +291,7 @@ class Trainer:
         watchdog_s: float | BusDefault | None = BusDefault.DEFAULT,
         close_timeout: float | BusDefault | None = BusDefault.DEFAULT,
         on_lost: Literal["warn", "raise"] = "warn",
+        attach: bool | str | os.PathLike[str] = True,
     ) -> None:
         self.settings: Settings = build_settings(
             model, optimizer, train_data, loss_fn=loss_fn, eval_data=eval_data,
@@ -312,6 +319,7 @@ class Trainer:
             raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
         self.on_lost: Literal["warn", "raise"] = on_lost
         self.bus: EventBus = new_bus(bus, watchdog_s=watchdog_s, close_timeout=close_timeout)
+        self._attach_folder = attach_folder(attach, self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
@@ -544,7 +552,7 @@ class Trainer:
             for cb in globals_:
                 self.remove_callback(cb)
             raise
-        ranks = RankSetup(self.bus, ddp=self.ddp)
+        ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
         try:
             group = ranks.join(s.device)
             s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order

@@ -1,0 +1,61 @@
+"""Starting the attach tests' training job (scripts/job.py) as a real process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+SCRIPT = Path(__file__).resolve().parent / "scripts" / "job.py"
+
+
+def env() -> dict[str, str]:
+    """The environment for child processes: this checkout's src first on the path."""
+    out = dict(os.environ)
+    out["PYTHONPATH"] = os.pathsep.join([str(SRC), *filter(None, [out.get("PYTHONPATH")])])
+    return out
+
+
+class Job:
+    """``scripts/job.py`` running in a subprocess (killed at the end of the test if alive)."""
+
+    def __init__(self, run_dir: Path, *args: str) -> None:
+        self.run_dir = run_dir
+        self.process = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(run_dir), *args],
+            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def wait_for(self, name: str, limit_s: float = 60) -> Path:
+        """Wait until ``run_dir/name`` exists (the job got there); fail if the job exited."""
+        path = self.run_dir / name
+        deadline = time.monotonic() + limit_s
+        while not os.path.lexists(path):
+            if self.process.poll() is not None:
+                raise AssertionError(f"the job exited ({self.process.returncode}) before "
+                                     f"{name}:\n{self.process.stderr.read()[-4000:]}")  # type: ignore[union-attr]
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the job did not write {name} within {limit_s} s")
+            time.sleep(0.02)
+        return path
+
+    def release(self, step: int) -> None:
+        """Let a job paused at ``step`` go on without a command."""
+        (self.run_dir / f"release-{step}").write_text("")
+
+    def finish(self, limit_s: float = 90) -> dict[str, Any]:
+        """Wait for the job's exit (0) and return rank 0's result."""
+        _, err = self.process.communicate(timeout=limit_s)
+        assert self.process.returncode == 0, err[-4000:]
+        self.stderr = err
+        return dict(json.loads((self.run_dir / "result-rank0.json").read_text()))
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.communicate()
