@@ -44,13 +44,27 @@ class Job:
             time.sleep(0.02)
         return path
 
+    def wait_log(self, word: str, limit_s: float = 60) -> str:
+        """Read the job's stdout (its structlog lines) until a line containing ``word``."""
+        stdout = self.process.stdout
+        assert stdout is not None
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            line = stdout.readline()
+            if not line:
+                raise AssertionError(f"the job's output ended before {word!r}")
+            if word in line:
+                return line
+        raise AssertionError(f"no {word!r} in the job's output within {limit_s} s")
+
     def release(self, step: int) -> None:
         """Let a job paused at ``step`` go on without a command."""
         (self.run_dir / f"release-{step}").write_text("")
 
     def finish(self, limit_s: float = 90) -> dict[str, Any]:
         """Wait for the job's exit (0) and return rank 0's result."""
-        _, err = self.process.communicate(timeout=limit_s)
+        out, err = self.process.communicate(timeout=limit_s)
+        self.stdout = out
         assert self.process.returncode == 0, err[-4000:]
         self.stderr = err
         return dict(json.loads((self.run_dir / "result-rank0.json").read_text()))

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +37,7 @@ def main() -> None:
     p.add_argument("--pause-at", type=int, action="append", default=[])
     p.add_argument("--attach", default="on")
     a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout)  # trainbus' info lines: stdout
     run = Path(a.run_dir)
     rank = int(os.environ.get("RANK", "0"))
     torch.manual_seed(0)
