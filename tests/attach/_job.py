@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -24,10 +25,17 @@ def env() -> dict[str, str]:
 class Job:
     """``scripts/job.py`` running in a subprocess (killed at the end of the test if alive)."""
 
-    def __init__(self, run_dir: Path, *args: str) -> None:
+    def __init__(self, run_dir: Path, *args: str, nproc: int = 0) -> None:
         self.run_dir = run_dir
+        launcher = []
+        if nproc:  # under torchrun: gloo ranks on localhost
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+                        "--master_addr=127.0.0.1", f"--master_port={port}"]  # fmt: skip
         self.process = subprocess.Popen(
-            [sys.executable, str(SCRIPT), str(run_dir), *args],
+            [sys.executable, *launcher, str(SCRIPT), str(run_dir), *args],
             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -37,8 +45,10 @@ class Job:
         deadline = time.monotonic() + limit_s
         while not os.path.lexists(path):
             if self.process.poll() is not None:
-                raise AssertionError(f"the job exited ({self.process.returncode}) before "
-                                     f"{name}:\n{self.process.stderr.read()[-4000:]}")  # type: ignore[union-attr]
+                raise AssertionError(
+                    f"the job exited ({self.process.returncode}) before "
+                    f"{name}:\n{self.process.stderr.read()[-4000:]}"
+                )  # type: ignore[union-attr]
             if time.monotonic() > deadline:
                 raise AssertionError(f"the job did not write {name} within {limit_s} s")
             time.sleep(0.02)
@@ -61,13 +71,17 @@ class Job:
         """Let a job paused at ``step`` go on without a command."""
         (self.run_dir / f"release-{step}").write_text("")
 
-    def finish(self, limit_s: float = 90) -> dict[str, Any]:
-        """Wait for the job's exit (0) and return rank 0's result."""
+    def finish(self, limit_s: float = 90, rank: int = 0) -> dict[str, Any]:
+        """Wait for the job's exit (0) and return ``rank``'s result."""
         out, err = self.process.communicate(timeout=limit_s)
         self.stdout = out
         assert self.process.returncode == 0, err[-4000:]
         self.stderr = err
-        return dict(json.loads((self.run_dir / "result-rank0.json").read_text()))
+        return self.result(rank)
+
+    def result(self, rank: int) -> dict[str, Any]:
+        """What ``rank`` wrote at its end."""
+        return dict(json.loads((self.run_dir / f"result-rank{rank}.json").read_text()))
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -13,8 +13,8 @@ def job(tmp_path: Path) -> Iterator[Callable[..., Job]]:
     """Start ``scripts/job.py`` in ``tmp_path/run`` (args as its command line)."""
     jobs: list[Job] = []
 
-    def start(*args: str, run_dir: Path | None = None) -> Job:
-        j = Job(run_dir or tmp_path / "run", *args)
+    def start(*args: str, run_dir: Path | None = None, nproc: int = 0) -> Job:
+        j = Job(run_dir or tmp_path / "run", *args, nproc=nproc)
         jobs.append(j)
         return j
 

@@ -6,7 +6,6 @@ import os
 from collections.abc import Callable
 
 import anyio
-
 import pytest
 
 import trainbus

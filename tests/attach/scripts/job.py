@@ -67,7 +67,7 @@ def main() -> None:
     result = t.run()
     out = {"steps": result.steps, "stop_reason": result.stop_reason,
            "last_step": steps[-1] if steps else None, "lr": opt.param_groups[0]["lr"],
-           "files": sorted(f.name for f in run.iterdir()) if run.is_dir() else None, **seen}  # fmt: skip
+           "files": sorted(f.name for f in run.iterdir()), **seen}  # fmt: skip
     (run / f"result-rank{rank}.json").write_text(json.dumps(out))
 
 
