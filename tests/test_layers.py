@@ -46,7 +46,7 @@ TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"c
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_attach",
        "_rank_setup", "_resume", "_session", "_lifetime", "_rundirs", "_endings", "seeding",
-       "_driver", "ray", "_workers"}
+       "_driver", "ray", "_workers", "attachment", "_attach_cli"}
 
 
 @dataclass(frozen=True)

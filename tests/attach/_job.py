@@ -39,7 +39,7 @@ class Job:
             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
-    def wait_for(self, name: str, limit_s: float = 60) -> Path:
+    def wait_for(self, name: str, limit_s: float = 240) -> Path:
         """Wait until ``run_dir/name`` exists (the job got there); fail if the job exited."""
         path = self.run_dir / name
         deadline = time.monotonic() + limit_s
@@ -54,7 +54,7 @@ class Job:
             time.sleep(0.02)
         return path
 
-    def wait_log(self, word: str, limit_s: float = 60) -> str:
+    def wait_log(self, word: str, limit_s: float = 240) -> str:
         """Read the job's stdout (its structlog lines) until a line containing ``word``."""
         stdout = self.process.stdout
         assert stdout is not None
@@ -71,7 +71,7 @@ class Job:
         """Let a job paused at ``step`` go on without a command."""
         (self.run_dir / f"release-{step}").write_text("")
 
-    def finish(self, limit_s: float = 90, rank: int = 0) -> dict[str, Any]:
+    def finish(self, limit_s: float = 240, rank: int = 0) -> dict[str, Any]:
         """Wait for the job's exit (0) and return ``rank``'s result."""
         out, err = self.process.communicate(timeout=limit_s)
         self.stdout = out

@@ -16,9 +16,13 @@ from trainbus.cli import main
 
 from ._job import Job, env
 
+# Real processes on a loaded machine: each job starts Python and torch (tens of seconds).
+pytestmark = pytest.mark.timeout(600)
+
 
 def attach_cli(*args: str, stdin: int | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "trainbus", "attach", *args], env=env(),
+    argv = [sys.executable, "-m", "trainbus", "attach", "--timeout", "30", *args]
+    return subprocess.Popen(argv, env=env(),
                             stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
 
@@ -36,7 +40,7 @@ def read_until(p: subprocess.Popen[str], word: str) -> list[str]:
 def test_stop_as_an_option_lands_at_the_paused_step(job: Callable[..., Job]) -> None:
     j = job("--max-steps", "40", "--pause-at", "8")
     j.wait_for("paused-8")
-    out, err = attach_cli(str(j.run_dir), "--stop").communicate(timeout=60)
+    out, err = attach_cli(str(j.run_dir), "--stop").communicate(timeout=240)
     assert "applied: StopTraining(reason='attach'" in out and "at step 8" in out, (out, err)
     assert "run ended at step 8: stopped (attach)" in out
     assert j.finish()["steps"] == 8
@@ -49,7 +53,7 @@ async def test_the_prompt_steers_while_a_second_attachment_watches(
     j = job("--max-steps", "20", "--pause-at", "4", "--pause-at", "9")
     await anyio.to_thread.run_sync(j.wait_for, "paused-4")
     applied: list[ev.CommandApplied] = []
-    watcher = trainbus.attach(j.run_dir)
+    watcher = trainbus.attach(j.run_dir, timeout=30)
     watcher.subscribe(watcher.stream(ev.CommandApplied), applied.append)
     async with watcher:
         p = attach_cli(str(j.run_dir), stdin=subprocess.PIPE)

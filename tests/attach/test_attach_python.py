@@ -14,6 +14,9 @@ from trainbus import events as ev
 
 from ._job import Job
 
+# Real processes on a loaded machine: each job starts Python and torch (tens of seconds).
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.mark.asyncio
 async def test_attach_sees_the_events_in_order_and_the_files_go_at_the_end(
@@ -22,7 +25,7 @@ async def test_attach_sees_the_events_in_order_and_the_files_go_at_the_end(
     j = job("--max-steps", "30", "--pause-at", "2")
     j.wait_for("paused-2")
     seen: list[ev.BaseEvent] = []
-    att = trainbus.attach(j.run_dir)
+    att = trainbus.attach(j.run_dir, timeout=30)
     att.subscribe(att.stream(ev.StepEnded, ev.MetricsLogged, ev.FitEnded), seen.append)
     async with att:
         assert att.job["pid"] == j.process.pid
@@ -45,7 +48,7 @@ async def test_save_lr_evaluate_and_stop_are_acknowledged_at_their_step(
 ) -> None:
     j = job("--max-steps", "40", *(a for k in (5, 10, 15, 20) for a in ("--pause-at", str(k))))
     j.wait_for("paused-5")
-    async with trainbus.attach(j.run_dir) as att:
+    async with trainbus.attach(j.run_dir, timeout=30) as att:
         saved = await att.request(cmd.SaveCheckpoint(tag="now"))
         assert isinstance(saved, ev.CheckpointSaved)
         assert saved.step == 5 and saved.tag == "now"
@@ -73,7 +76,7 @@ async def test_nothing_is_built_for_a_listener_nobody_attached_to(
 ) -> None:
     j = job("--max-steps", "12", "--pause-at", "3", "--pause-at", "6", "--pause-at", "9")
     j.wait_for("paused-3")
-    att = trainbus.attach(j.run_dir)
+    att = trainbus.attach(j.run_dir, timeout=30)
     att.subscribe(att.stream(ev.OptimizerStepStarted), lambda e: None)
     async with att:
         j.release(3)

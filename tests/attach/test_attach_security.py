@@ -18,6 +18,9 @@ from trainbus import AttachError
 
 from ._job import Job, env
 
+# Real processes on a loaded machine: each job starts Python and torch (tens of seconds).
+pytestmark = pytest.mark.timeout(600)
+
 HOLD = """
 import sys, time, trainbus
 with trainbus.attach(sys.argv[1]) as job:
@@ -27,7 +30,7 @@ with trainbus.attach(sys.argv[1]) as job:
 
 
 def attach_once(run_dir: Path) -> None:
-    with trainbus.attach(run_dir, timeout=10) as att:
+    with trainbus.attach(run_dir, timeout=30) as att:
         assert att.linked
 
 
@@ -51,6 +54,7 @@ def test_wrong_token_refused_and_a_killed_attachment_leaves_the_job_alone(
     assert holder.stdout.readline().split() == ["attached", str(j.process.pid)]
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait()
+    holder.stdout.close()
     j.wait_log("attach_detached")
     attach_once(j.run_dir)  # the job still takes attachments
     j.release(3)

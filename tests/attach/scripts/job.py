@@ -3,7 +3,7 @@
     job.py RUN_DIR [--max-steps N] [--log-every N] [--pause-at K ...] [--attach FOLDER|off]
 
 ``--pause-at K``: rank 0's ``after_optimizer_step`` hook at step K waits until a command is on
-its bus (one an attachment sent) or the file ``RUN_DIR/release-K`` exists (at most 60 s):
+its bus (one an attachment sent) or the file ``RUN_DIR/release-K`` exists (at most 240 s):
 the tests are deterministic without sleeping as verdicts. Before waiting it writes
 ``RUN_DIR/paused-K``. Other ranks never wait (the collectives hold them).
 
@@ -59,7 +59,7 @@ def main() -> None:
         seen["wanted_while_paused"].append(t.bus.wants(ev.OptimizerStepStarted))
         (run / f"paused-{ctx.step}").write_text(str(os.getpid()))
         release = run / f"release-{ctx.step}"
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240
         while not (t.bus.has_commands() or release.exists()) and time.monotonic() < deadline:
             time.sleep(0.01)
 
