@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import trainbus
 from trainbus import ConfigError
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus._attach_cli import CommandSyntaxError, parse_command
+from trainbus._attach_cli import CommandSyntaxError, View, parse_command
 from trainbus.distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
 
@@ -76,3 +78,37 @@ def test_a_run_folder_too_long_for_af_unix_listens_through_a_symlink(tmp_path: P
     assert t.result is not None and t.result.stop_reason == "long path"
     assert not os.path.lexists(folder / "attach.sock") and not private.exists()
     assert not folder.exists()  # created for the socket only: removed again
+
+
+def test_a_subscriber_blocking_the_job_shows_as_a_warning(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    folder = tmp_path
+    t = trainer(max_steps=100_000, attach=folder, watchdog_s=0.05)
+    started = threading.Event()
+
+    def slow(e: ev.StepEnded) -> None:
+        started.set()
+        time.sleep(0.2)  # blocks the job's event loop: the watchdog counts a stall
+
+    t.bus.subscribe(t.bus.stream(ev.StepEnded), slow, name="slow_uploader")
+    worker = threading.Thread(target=t.run)
+    worker.start()
+    try:
+        assert started.wait(60)
+        with trainbus.attach(folder, timeout=30) as att:
+            deadline = time.monotonic() + 60
+            while not att.status.get("stalled") and time.monotonic() < deadline:
+                time.sleep(0.05)
+            status = att.status
+            att.request_sync(cmd.StopTraining())
+    finally:
+        t.bus.send(cmd.StopTraining())
+        worker.join(60)
+    assert [s["name"] for s in status["stalled"]] == ["slow_uploader"]
+    view = View(sys.stdout, json_records=False)
+    view.status(status)
+    view.status(status)  # said once, not at every status record
+    out = capsys.readouterr().out
+    assert out.count("warning: sync subscriber slow_uploader blocked the job's event loop") == 1
