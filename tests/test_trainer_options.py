@@ -138,7 +138,7 @@ REFUSED: dict[str, Any] = {
     "checkpoint_dir": Path(__file__), "skip_final_checkpoint": "pruned", "callbacks": [3],
     "progress": "auto", "barriers": [ev.FitEnded], "barrier_timeout": 0,
     "on_nonfinite": "warn", "handle_signals": None, "on_signal": "exit", "bus": object(),
-    "ddp": "yes", "on_lost": "ignore",
+    "ddp": "yes", "on_lost": "ignore", "attach": 3,
 }  # fmt: skip
 CHECKED_ELSEWHERE = {"scheduler": "check_schedulers, with the optimizers",
                      "watchdog_s": "EventBus", "close_timeout": "EventBus"}  # fmt: skip

@@ -18,6 +18,9 @@ from ._exceptions import RecordedError as RecordedError
 from ._exceptions import SubscriberError as SubscriberError
 from ._exceptions import TrainbusError as TrainbusError
 from ._exceptions import TrainingError as TrainingError
+from .attachment import AttachError as AttachError
+from .attachment import Attachment as Attachment
+from .attachment import attach as attach
 from .bus import CommandError as CommandError
 from .bus import EventBus as EventBus
 from .bus.async_subscription import AsyncSubscription as AsyncSubscription
@@ -46,6 +49,8 @@ from .trainer import Trainer as Trainer
 __all__ = [
     "AnyioScheduler",
     "AsyncSubscription",
+    "AttachError",
+    "Attachment",
     "BusClosedError",
     "BusObservable",
     "BusStatistics",
@@ -78,6 +83,7 @@ __all__ = [
     "TrainbusError",
     "Trainer",
     "TrainingError",
+    "attach",
     "launch",
     "register_global_callback",
     "replay",

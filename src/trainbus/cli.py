@@ -17,7 +17,8 @@ so ``trainbus replay runs/demo`` and ``trainbus plot runs/demo`` read the newest
 the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs progress lines.
 
 ``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
-process as the driver (see :mod:`trainbus.launcher`).
+process as the driver (see :mod:`trainbus.launcher`). ``trainbus attach RUN_DIR`` watches and
+steers a running job (see :mod:`trainbus._attach_cli`).
 
 ``trainbus export FOLDER OUTPUT`` writes a sharded (FSDP2) run's checkpoint folder as one plain
 file an unsharded model loads (see :func:`trainbus.checkpoint.export_full`).
@@ -351,6 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=LAUNCH_USAGE,
         add_help=False,
     )
+    sub.add_parser("attach", help="watch a running job live and steer it (stop, save, "
+                   "evaluate, lr)", add_help=False)  # fmt: skip
     for name, text in (("replay", "print a recorded run, one line per event"),
                        ("plot", "draw the curves PNG of a recorded run")):  # fmt: skip
         p = sub.add_parser(name, help=text, description=text + " (its events.jsonl).")
@@ -385,6 +388,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tokens = list(sys.argv[1:] if argv is None else argv)
     if tokens[:1] == ["launch"]:  # torchrun's options are not ours to parse: split by hand
         return run_launch(tokens[1:])
+    if tokens[:1] == ["attach"]:
+        from ._attach_cli import main as attach_main
+
+        configure_logging(json_logs=False)
+        return attach_main(tokens[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(tokens)

@@ -46,6 +46,7 @@ from .bus import EventBus, Tier
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
+from .distributed.attach_server import attach_folder
 from .distributed.sharding import check_ddp
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
@@ -101,6 +102,7 @@ class Trainer:
         self.ddp: bool = check_ddp(checked["ddp"], self.settings.model)
         self.on_lost: Literal["warn", "raise"] = checked["on_lost"]
         self.bus: EventBus = new_bus(checked)
+        self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
@@ -348,7 +350,7 @@ class Trainer:
             for cb in globals_:
                 self.remove_callback(cb)
             raise
-        ranks = RankSetup(self.bus, ddp=self.ddp)
+        ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
         try:
             group = ranks.join(s.device)
             s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order

@@ -9,6 +9,7 @@ need two options (a scheduler and its optimizers, a precision and its device) li
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -193,3 +194,14 @@ def ddp(name: str, value: Any) -> bool | None:
 
 
 on_lost = one_of("warn", "raise", allowed="'warn' or 'raise'")
+
+
+def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
+    """True, False or a folder; the folder itself is checked with the run's checkpoint_dir
+    (:func:`~trainbus.distributed.attach_server.attach_folder`)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ConfigError.invalid(name, value, "True (listen in checkpoint_dir), False, or a "
+                                  "folder to listen in")  # fmt: skip
+    return value

@@ -22,6 +22,7 @@ A new option is one entry here (plus a ``Settings`` field when the loop reads it
 import dataclasses
 import difflib
 import inspect
+import os
 import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
@@ -401,6 +402,18 @@ class TrainerOptions(TypedDict, total=False):
             "(``trainer.result`` holds the result).",
         ),
     ]
+    attach: Annotated[
+        bool | str | os.PathLike[str],
+        Option(
+            True,
+            checks.attach,
+            "Let other processes of your user attach to ``fit()`` (``trainbus attach "
+            "RUN_DIR``, :func:`trainbus.attach`): rank 0 listens on ``attach.sock`` in the run "
+            "folder, with ``attach.token`` beside it, both removed at the end. True (default): "
+            "in ``checkpoint_dir`` when set (on platforms with Unix domain sockets); a folder: "
+            "there; False: never. Free while nobody is attached (docs/attach.md).",
+        ),
+    ]
 
 
 def _declared() -> tuple[dict[str, Option], dict[str, Any]]:
@@ -418,7 +431,7 @@ OPTIONS, _TYPES = _declared()
 """Every option's :class:`Option`, in declaration order (the signature's and the checks')."""
 
 TRAINER_ONLY = frozenset({"callbacks", "progress", "handle_signals", "on_signal", "bus", "ddp",
-                          "watchdog_s", "close_timeout", "on_lost"})  # fmt: skip
+                          "watchdog_s", "close_timeout", "on_lost", "attach"})  # fmt: skip
 """Options the Trainer itself reads; every other option is a :class:`Settings` field."""
 
 _SETTINGS_FIELDS = frozenset(f.name for f in dataclasses.fields(Settings))

@@ -1,13 +1,16 @@
 """One rank's part of a ``fit()``: the process group, the rank's device, the DDP model and
-sharded data, the link to a ``trainbus launch`` driver, and their teardown."""
+sharded data, the link to a ``trainbus launch`` driver, the attach listener, and their
+teardown."""
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import torch
 
 from ..bus import EventBus
+from ..distributed.attach_server import AttachServer
 from ..distributed.data import release_model, shard_loader, wrap_model
 from ..distributed.group import ProcessGroup
 from ..distributed.link import WorkerLink
@@ -23,11 +26,15 @@ class RankSetup:
     Args:
         bus: The trainer's bus (streamed to the driver on the main rank under ``launch``).
         ddp: Wrap the model in ``DistributedDataParallel`` with more than one rank.
+        attach: The folder the main rank listens in for attachments (``trainbus attach``),
+            or None.
     """
 
-    def __init__(self, bus: EventBus, *, ddp: bool) -> None:
+    def __init__(self, bus: EventBus, *, ddp: bool, attach: Path | None = None) -> None:
         self._bus = bus
         self._ddp = ddp
+        self._attach = attach
+        self._server: AttachServer | None = None
         self._group: ProcessGroup | None = None
         self._link: WorkerLink | None = None
         self._wrapped: torch.nn.Module | None = None
@@ -76,20 +83,26 @@ class RankSetup:
                                    train_len=train_len)  # fmt: skip
 
     def connect(self) -> None:
-        """On the main rank started by ``trainbus launch``: stream the bus to the driver."""
+        """On the main rank: stream the bus to the driver of ``trainbus launch``, and listen
+        for attachments in the run folder (call on the event-loop thread)."""
         assert self._group is not None, "join() first"
         if self._group.is_main:
             self._link = WorkerLink.from_env()
             if self._link is not None:
                 self._link.attach(self._bus)
+            if self._attach is not None:
+                self._server = AttachServer.start(self._bus, self._attach)
 
     def close(self, outcome: Outcome | None) -> None:
-        """Close the driver link and leave the group (after the bus closed: every event was
-        queued for the driver). After a completed or stopped run the ranks meet once more.
+        """Close the attach listener and the driver link, and leave the group (after the bus
+        closed: every event was queued for the driver). After a completed or stopped run the
+        ranks meet once more.
 
         Args:
             outcome: The run's outcome, or None when it never ran.
         """
+        if self._server is not None:
+            self._server.close()
         if self._link is not None:
             self._link.close()
         group = self._group

@@ -16,7 +16,6 @@ A transport's driver side hands :class:`DriverLink` what arrives and sends what 
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -29,7 +28,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import wire
 from .._log import get_logger
-from .protocol import control_record
+from .protocol import check_hello, control_record
 
 __all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink"]
 
@@ -173,21 +172,16 @@ class DriverLink:
         Returns:
             The welcome line, or None: refused (counted, logged with ``peer`` and the reason).
         """
-        try:
-            record = json.loads(hello)
-        except ValueError:
-            record = None
-        token = record.get("token") if isinstance(record, dict) else None
+        record = check_hello(hello, self._token)
         reason = None
-        if not isinstance(token, str) or not hmac.compare_digest(token, self._token):
+        if record is None:
             reason = "wrong token"
         elif self.linked and not self._relink:
             reason = "a worker is already linked"
-        if reason is not None:
+        if reason is not None or record is None:
             self._refused += 1
             log.warning("driver_connection_refused", peer=peer, reason=reason)
             return None
-        assert isinstance(record, dict)
         wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
         self._links += 1
         if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
@@ -196,6 +190,13 @@ class DriverLink:
         self._linked.set()
         log.info("driver_linked", peer=peer, pid=record.get("pid"))
         return control_record("welcome", events=wanted)
+
+    def welcomed(self, peer: str) -> None:
+        """The link is up, its handshake done by the other side (an attachment connected to a
+        run's listener and was welcomed): events and commands flow from now on."""
+        self._links += 1
+        self._linked.set()
+        log.debug("attach_linked", peer=peer)
 
     def receive(self, data: bytes) -> None:
         """Publish the events of ``data`` (JSON lines) on the driver's bus; a refused record

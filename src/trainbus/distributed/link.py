@@ -29,7 +29,6 @@ end of the protocol is :class:`~trainbus.distributed.driver_link.DriverLink`.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -47,7 +46,7 @@ from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
 from .protocol import control_record as control_record
-from .protocol import hello_record
+from .protocol import hello_record, welcome_types
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -63,7 +62,6 @@ __all__ = [
 
 log = get_logger(__name__)
 
-_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
 _CLOSE = object()  # sender-queue sentinel
 _MAX_BATCH = 4096  # events per transport call
 
@@ -169,13 +167,24 @@ class WorkerLink:
         token: The run's token.
         timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
             join its threads.
+        source: Who the peer is, for the log: each command it sends is logged
+            (``link_command_received`` with ``source``) before it reaches ``bus.send``. None
+            (a driver): not logged.
+        on_end: Called once from the reader thread when the peer closed the link (not when
+            :meth:`close` closed it): a listener with several peers lets that one go.
 
     Raises:
         ConfigError: a malformed address, an empty token, a bad timeout.
     """
 
     def __init__(
-        self, transport: WorkerTransport | str, token: str, *, timeout: float = 10.0
+        self,
+        transport: WorkerTransport | str,
+        token: str,
+        *,
+        timeout: float = 10.0,
+        source: str | None = None,
+        on_end: Callable[[], object] | None = None,
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         if isinstance(transport, str):
@@ -193,6 +202,31 @@ class WorkerLink:
         self._sent = 0
         self._received = 0
         self._broken = False
+        self.source = source
+        self._on_end = on_end
+
+    @classmethod
+    def accepted(
+        cls,
+        transport: WorkerTransport,
+        token: str,
+        wanted: tuple[type[ev.BaseEvent], ...],
+        **kw: Any,
+    ) -> WorkerLink:
+        """A link whose handshake the listening side already did (an attachment connected
+        to rank 0's listener, :mod:`~trainbus.distributed.attach_server`): :meth:`attach` then
+        streams ``wanted`` without connecting. One listener holds one such link per peer.
+
+        Args:
+            transport: The accepted connection (its ``open`` is never called).
+            token: The run's token.
+            wanted: The event types the peer asked for.
+            kw: See :class:`WorkerLink`.
+        """
+        link = cls(transport, token, **kw)
+        link._wanted = tuple(wanted)
+        link._open = True
+        return link
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
@@ -224,6 +258,17 @@ class WorkerLink:
         return self._received
 
     @property
+    def ended(self) -> bool:
+        """The link is over: closed, or the peer went away."""
+        return self._closed or self._broken
+
+    def post(self, line: bytes) -> None:
+        """Queue a control line (e.g. a ``status`` record) to go out between the events, in
+        order, from the sender thread (never two writers on one transport)."""
+        if not self._closed:
+            self._queue.put(line)
+
+    @property
     def wanted(self) -> tuple[type[ev.BaseEvent], ...]:
         """The event types the driver asked for (after :meth:`connect`)."""
         return self._wanted
@@ -238,17 +283,14 @@ class WorkerLink:
         """
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
-        try:
-            welcome = json.loads(reply) if reply else {}
-        except ValueError:
-            welcome = {}
-        if not isinstance(welcome, dict) or welcome.get("type") != "welcome":
+        wanted = welcome_types(reply)
+        if wanted is None:
             self.transport.close(b"")
             raise LaunchError(
                 f"the trainbus driver at {where} refused this worker's link (wrong "
                 f"{TOKEN_ENV}, or another rank already linked)"
             )
-        self._wanted = tuple(_EVENTS[n] for n in welcome.get("events", ()) if n in _EVENTS)
+        self._wanted = wanted
         self._open = True
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
@@ -267,7 +309,7 @@ class WorkerLink:
             raise LaunchError("WorkerLink.attach() was already called")
         if self._wanted:
             self._subscription = bus.stream(*self._wanted).subscribe(
-                self._queue.put, name="WorkerLink"
+                self._queue.put, name=self.source or "WorkerLink"
             )
         self._threads = [
             threading.Thread(target=self._send_loop, name="trainbus-link-send", daemon=True),
@@ -278,20 +320,27 @@ class WorkerLink:
         for t in self._threads:
             t.start()
 
+    def unsubscribe(self) -> None:
+        """Stop taking the bus' events (call on the thread that may subscribe: the event
+        loop's); what was queued still goes out at :meth:`close`. Idempotent."""
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            subscription.dispose()
+
     def close(self) -> None:
         """Write every queued event, say bye, close the transport and join the threads (each
         bounded by ``timeout``). Idempotent; nothing to do when never connected."""
         if not self._open or self._closed:
             return
         self._closed = True
-        if self._subscription is not None:
-            self._subscription.dispose()
+        self.unsubscribe()
         self._queue.put(_CLOSE)
         if self._threads:
             self._threads[0].join(self.timeout)
         self.transport.close(control_record("bye", sent=self._sent))
         for t in self._threads[1:]:
-            t.join(self.timeout)
+            if t is not threading.current_thread():  # close() from the reader (peer left)
+                t.join(self.timeout)
         log.debug("driver_unlinked", sent=self._sent, received=self._received)
 
     def __enter__(self) -> Self:
@@ -331,7 +380,9 @@ class WorkerLink:
             events, done = self._batch()
             if events and not self._broken:
                 try:
-                    self.transport.send(b"".join(wire.dumps(e) for e in events))
+                    self.transport.send(
+                        b"".join(e if isinstance(e, bytes) else wire.dumps(e) for e in events)
+                    )
                     self._sent += len(events)
                 except OSError as exc:
                     # The driver is gone: it ends the launch itself; training is not ours to
@@ -352,6 +403,13 @@ class WorkerLink:
                         continue
                     if isinstance(message, cmd.COMMAND_TYPES):
                         self._received += 1
+                        if self.source is not None:
+                            log.info("link_command_received", source=self.source,
+                                     command=repr(message))  # fmt: skip
                         bus.send(message)  # type: ignore[arg-type]
         except Exception as exc:  # a bus that refuses: never an unhandled thread exception
-            log.warning("driver_command_dropped", error=repr(exc))
+            log.warning("driver_command_dropped", error=repr(exc), source=self.source)
+        if not self._closed:
+            self._broken = True  # the peer closed its end: nothing more goes out
+            if self._on_end is not None:
+                self._on_end()

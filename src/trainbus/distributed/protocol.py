@@ -1,31 +1,86 @@
-"""The link protocol's shared vocabulary: where the driver is, the run's token, and the three
-control records (``hello``, ``welcome``, ``bye``). Both ends of the link
-(:mod:`~trainbus.distributed.link`, :mod:`~trainbus.distributed.driver_link`) and every
-transport (:mod:`~trainbus.distributed.socket_link`, :mod:`trainbus.ray`) import it, and it
-imports none of them.
+"""The link protocol's shared vocabulary: where the driver is, the run's token, the control
+records (``hello``, ``welcome``, ``bye``, and ``status`` for attachments), and the two halves
+of the handshake. Both ends of the link (:mod:`~trainbus.distributed.link`,
+:mod:`~trainbus.distributed.driver_link`), every transport
+(:mod:`~trainbus.distributed.socket_link`, :mod:`trainbus.ray`) and the attach listener
+(:mod:`~trainbus.distributed.attach_server`, :mod:`trainbus.attach`) import it, and it imports
+none of them.
+
+The handshake is the same whichever side listens: the side that connects sends ``hello`` with
+the token (:func:`hello_record`), the other checks it (:func:`check_hello`) and answers
+``welcome`` naming the event types that will flow (:func:`welcome_types`), or closes.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
+from .. import events as ev
 from .. import wire
 
-__all__ = ["ADDR_ENV", "TOKEN_ENV", "control_record", "hello_record"]
+__all__ = [
+    "ADDR_ENV",
+    "TOKEN_ENV",
+    "check_hello",
+    "control_record",
+    "event_names",
+    "hello_record",
+    "welcome_types",
+]
 
 ADDR_ENV = "TRAINBUS_DRIVER_ADDR"
 """Environment variable holding where the driver is (``host:port``, or ``<scheme>:...``)."""
 TOKEN_ENV = "TRAINBUS_DRIVER_TOKEN"
 """Environment variable holding the run's token."""
 
+_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
+
 
 def control_record(kind: str, **fields: Any) -> bytes:
-    """One control line of the link protocol (``hello``, ``welcome``, ``bye``)."""
+    """One control line of the link protocol (``hello``, ``welcome``, ``bye``, ``status``)."""
     return (json.dumps({"v": wire.FORMAT_VERSION, "type": kind, **fields}) + "\n").encode()
 
 
-def hello_record(token: str) -> bytes:
-    """The worker's first line: the token, its rank and pid."""
-    return control_record("hello", token=token, rank=0, pid=os.getpid())
+def hello_record(token: str, **fields: Any) -> bytes:
+    """The connecting side's first line: the token, its rank and pid, and ``fields`` (an
+    attachment names the event types it wants: ``events=[...]``)."""
+    return control_record("hello", token=token, rank=0, pid=os.getpid(), **fields)
+
+
+def check_hello(hello: bytes, token: str) -> dict[str, Any] | None:
+    """The hello record when ``hello`` is one carrying ``token`` (compared with
+    ``hmac.compare_digest``), else None (malformed, or a wrong token)."""
+    try:
+        record = json.loads(hello)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("type") != "hello":
+        return None
+    sent = record.get("token")
+    if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), token.encode()):
+        return None
+    return record
+
+
+def welcome_types(reply: bytes) -> tuple[type[ev.BaseEvent], ...] | None:
+    """The event types a ``welcome`` line names (unknown names skipped), or None when
+    ``reply`` is not a welcome (empty: the other side closed, i.e. refused)."""
+    try:
+        welcome = json.loads(reply) if reply else None
+    except ValueError:
+        return None
+    if not isinstance(welcome, dict) or welcome.get("type") != "welcome":
+        return None
+    names = welcome.get("events", ())
+    return tuple(_EVENTS[n] for n in names if isinstance(n, str) and n in _EVENTS)
+
+
+def event_names(types: Any) -> list[str]:
+    """The names of the trainbus event types among ``types``' names (unknown ones dropped),
+    in :data:`trainbus.events.EVENT_TYPES` order."""
+    wanted = {n for n in types if isinstance(n, str)} if isinstance(types, list) else set()
+    return [t.__name__ for t in ev.EVENT_TYPES if t.__name__ in wanted]
