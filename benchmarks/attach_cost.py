@@ -57,7 +57,7 @@ def trainer(steps: int, attach: bool | Path) -> float:
     t = trainbus.Trainer(model, opt, batches(steps), loss_fn=F.cross_entropy, max_steps=steps,
                          progress=False, attach=attach, handle_signals=False)  # fmt: skip
     t0 = time.perf_counter()
-    t.run()
+    t.fit_sync()
     elapsed = time.perf_counter() - t0
     if isinstance(attach, Path):
         assert not (attach / "attach.sock").exists()

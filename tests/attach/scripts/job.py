@@ -64,7 +64,7 @@ def main() -> None:
             time.sleep(0.01)
 
     t.add_hook("after_optimizer_step", pause)
-    result = t.run()
+    result = t.fit_sync()
     out = {"steps": result.steps, "stop_reason": result.stop_reason,
            "last_step": steps[-1] if steps else None, "lr": opt.param_groups[0]["lr"],
            "files": sorted(f.name for f in run.iterdir()), **seen}  # fmt: skip
