@@ -1,5 +1,8 @@
 """The Ray transport's cost: events/s end to end, and rank 0's step time with the driver.
 
+0. **codec**: no Ray; what each end spends per event: the worker's encoding
+   (``wire.dumps`` of a ``StepEnded`` with a tensor loss) and the driver's
+   ``DriverLink.receive`` (batches of 1,000 lines: parse, decode, publish).
 1. **events/s**: a Ray task (1 CPU) links to a driver in this process over the Ray mailbox
    transport (``trainbus/ray/_transport.py``) and publishes ``EVENTS`` ``StepEnded`` events as
    fast as its bus takes them; the driver's bus counts them. Events/s = events / (time of the
@@ -29,6 +32,33 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import RESULTS_DIR, machine_info, write_json
 
 EVENTS = 50_000
+CODEC_EVENTS = 20_000
+
+
+def codec() -> dict[str, float]:
+    """Microseconds per event: the worker's encoding, the driver's receive (best of 3)."""
+    import torch
+
+    from trainbus import EventBus, wire
+    from trainbus import events as ev
+    from trainbus.distributed.driver_link import DriverLink
+
+    events = [ev.StepEnded(step=i, epoch=0, loss=torch.tensor(0.5), lr=0.1, grad_norm=None,
+                           samples=32, duration_s=0.001) for i in range(CODEC_EVENTS)]  # fmt: skip
+    encode, receive = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        lines = [wire.dumps(e) for e in events]
+        encode.append((time.perf_counter() - t0) / CODEC_EVENTS)
+        chunks = [b"".join(lines[i : i + 1000]) for i in range(0, CODEC_EVENTS, 1000)]
+        bus = EventBus(max_queue=CODEC_EVENTS * 2)
+        bus.stream(ev.StepEnded).subscribe(lambda e: None)
+        link = DriverLink(bus, "bench-token")
+        t0 = time.perf_counter()
+        for chunk in chunks:
+            link.receive(chunk)
+        receive.append((time.perf_counter() - t0) / CODEC_EVENTS)
+    return {"encode_us": min(encode) * 1e6, "driver_receive_us": min(receive) * 1e6}
 
 
 def publish_over_ray(address: str, token: str, n: int) -> float:
@@ -169,7 +199,8 @@ def main() -> None:
     src = str(Path(__file__).resolve().parents[1] / "src")
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": src}})  # fmt: skip
-    result: dict[str, Any] = {"machine": machine_info()}
+    result: dict[str, Any] = {"machine": machine_info(), "codec": codec()}
+    print("codec", result["codec"], flush=True)
     try:
         result["events"] = events_per_second(ray)
         print("events", result["events"], flush=True)

@@ -50,7 +50,7 @@ def train(folder: Path, *, max_steps: int | None = None, resume: str | None = No
         model, opt, DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
         max_epochs=2, max_steps=max_steps, seed=0, checkpoint_dir=folder, progress=False,
     )  # fmt: skip
-    trainer.run(resume=resume)
+    trainer.fit_sync(resume=resume)
     return model
 
 

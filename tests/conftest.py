@@ -45,6 +45,7 @@ FIELD_VALUES: Mapping[str, Any] = {
     "command": cmd.StopTraining(reason="test"),
     "datasets": ("val",),
     "outputs": 1.0,
+    "attempt": 2,
     # kit monitors
     "norm_type": 2.0,
     "lr_by_group": {"group0": 0.1},

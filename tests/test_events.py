@@ -191,6 +191,8 @@ def describe(e: ev.Event) -> str:
             return "metrics"
         case ev.CommandApplied():
             return "control"
+        case ev.WorkersRestarted():
+            return "control"
         case ev.GradientNormMeasured():
             return "metrics"
         case ev.OptimizerStatsMeasured():

@@ -85,12 +85,14 @@ __all__ = [
     "PredictionBatchEnded",
     "PredictionEnded",
     "PredictionStarted",
+    "ResumeSource",
     "RuntimeEstimated",
     "SchedulerStepped",
     "SchedulerStepping",
     "StepBegan",
     "StepEnded",
     "TrainerBuilt",
+    "WorkersRestarted",
     "ZeroGradEnded",
     "ZeroGradStarted",
     "as_float",
@@ -98,6 +100,7 @@ __all__ = [
 
 Phase: TypeAlias = Literal["train", "eval", "predict"]
 EndReason: TypeAlias = Literal["completed", "stopped", "failed", "cancelled"]
+ResumeSource: TypeAlias = Literal["path", "checkpoint_dir", "ray"]
 
 
 class Ending(StrEnum):
@@ -196,6 +199,11 @@ class FitStarted(BaseEvent):
     resumed_from: str | None = None
     """The checkpoint file the run loaded (``fit(resume=...)``): the file itself, also for
     ``resume="latest"``; None for a fresh start, ``"latest"`` finding nothing included."""
+    resume_source: ResumeSource | None = None
+    """Where ``resumed_from`` was found: ``"path"`` (``fit(resume=<path>)``), ``"ray"``
+    (``resume="latest"`` in a Ray Train worker that Ray handed a checkpoint,
+    ``ray.train.get_checkpoint()``), ``"checkpoint_dir"`` (``resume="latest"``: the newest
+    valid file there); None for a fresh start."""
     steps_per_epoch: int | None = None
     """Optimizer steps in one full epoch (the training data's length with gradient accumulation
     applied), None when the data has no length."""
@@ -583,6 +591,24 @@ class CommandApplied(BaseEvent):
     error: BaseException | None = None
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WorkersRestarted(BaseEvent):
+    """A driver's workers were started again within one launch (``trainbus.ray``: Ray
+    restarted the worker group after a failure, ``FailureConfig(max_failures=...)``).
+
+    Published on the driver's bus only, never by a loop, when the restarted rank 0 links
+    again; its ``FitStarted`` follows (``resumed_from`` / ``resume_source`` say from where).
+    ``step`` and ``epoch`` are those of the last event the previous attempt streamed.
+    """
+
+    attempt: int
+    """The attempt starting now: 2 after the first restart, 3 after the second..."""
+    reason: str | None = None
+    """Why the previous attempt ended, as far as the driver saw it: its ``FitEnded.error``
+    when that arrived, else a sentence saying its rank 0 vanished without one (a worker
+    died); None when nothing is known."""
+
+
 # =========================================================================== monitors (kit)
 # Events published by the monitor callbacks (trainbus.callbacks), never by the loop itself.
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -709,6 +735,7 @@ Event: TypeAlias = (
     | CheckpointLoaded
     | MetricsLogged
     | CommandApplied
+    | WorkersRestarted
     | GradientNormMeasured
     | OptimizerStatsMeasured
     | MemoryMeasured

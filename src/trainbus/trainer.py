@@ -371,6 +371,7 @@ class Trainer:
         loop = Loop(
             s, self._session.port, self.hooks, self._session.barrier, state, resume=checkpoint,
             resumed_from=None if checkpoint is None else str(checkpoint.path),
+            resume_source=None if checkpoint is None else self._states.resume_source,
             callback_states=self._states.collect_from_thread if self._states.any_stateful
             else None,
             sync=RankSync(group) if group.distributed else None,

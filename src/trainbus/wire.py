@@ -58,10 +58,22 @@ _FIELDS: Mapping[str, frozenset[str]] = {
     name: frozenset(f.name for f in dataclasses.fields(kind))
     for name, kind in {**_EVENTS, **_COMMANDS}.items()
 }
+# The fields whose JSON value is not the field's value (see _field); every other field is taken
+# as it reads. Both tables are built once: dataclasses.fields() per message costs as much as
+# the rest of encoding a small event.
+_CONVERTED = frozenset({"error", "command", "result"})
+_ORDER: dict[type[Any], tuple[str, ...]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (*_EVENTS.values(),
+                                                                       *_COMMANDS.values())
+}  # fmt: skip
+_ENCODER = json.JSONEncoder(allow_nan=True, separators=(",", ":"))
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})  # what most fields hold: taken as is
 
 
 def _value(v: Any) -> Any:
-    if v is None or isinstance(v, bool | int | float | str):
+    if type(v) in _PLAIN or isinstance(v, bool | int | float | str):
         return v
     if isinstance(v, torch.Tensor):
         # Reads the device: callers run this off the training thread (the JSONL writer's
@@ -92,9 +104,15 @@ def record(message: Message) -> dict[str, Any]:
     Returns:
         A dict of JSON values.
     """
-    out: dict[str, Any] = {"type": type(message).__name__}
-    for f in dataclasses.fields(message):
-        out[f.name] = _value(getattr(message, f.name))
+    return _fill({"type": type(message).__name__}, message)
+
+
+def _fill(out: dict[str, Any], message: Message) -> dict[str, Any]:
+    names = _ORDER.get(type(message))
+    if names is None:  # a subclass or foreign dataclass: its own fields
+        names = tuple(f.name for f in dataclasses.fields(message))
+    for name in names:
+        out[name] = _value(getattr(message, name))
     return out
 
 
@@ -107,7 +125,7 @@ def encode(message: Message) -> dict[str, Any]:
     Returns:
         ``{"v": FORMAT_VERSION, "type": ..., <fields>...}``.
     """
-    return {"v": FORMAT_VERSION, **record(message)}
+    return _fill({"v": FORMAT_VERSION, "type": type(message).__name__}, message)
 
 
 def _field(name: str, value: Any) -> Any:
@@ -126,8 +144,11 @@ def _build(rec: Mapping[str, Any]) -> Message:
     if kind is None:
         raise ConfigError.invalid("type", name, "a trainbus event or command class name")
     names = _FIELDS[kind.__name__]
+    kwargs = {k: v for k, v in rec.items() if k in names}
+    for k in _CONVERTED.intersection(kwargs):
+        kwargs[k] = _field(k, kwargs[k])
     try:
-        return cast("Message", kind(**{k: _field(k, v) for k, v in rec.items() if k in names}))
+        return cast("Message", kind(**kwargs))
     except TypeError as exc:  # a required field is missing
         raise ConfigError.invalid(str(name), dict(rec), f"a complete record ({exc})") from None
 
@@ -157,7 +178,7 @@ def decode(rec: Mapping[str, Any]) -> Message:
 
 def dumps(message: Message) -> bytes:
     """One JSON line (UTF-8, ending in ``\\n``) of ``encode(message)``."""
-    return (json.dumps(encode(message), allow_nan=True, separators=(",", ":")) + "\n").encode()
+    return (_ENCODER.encode(encode(message)) + "\n").encode()
 
 
 def loads(line: bytes | str) -> Message:

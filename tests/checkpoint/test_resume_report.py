@@ -4,6 +4,10 @@ held, and ``require_checkpoint=True`` makes that an error before anything trains
 
 from __future__ import annotations
 
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ def test_latest_names_the_file_it_loaded(tmp_path: Path) -> None:
     (started,) = rec.of_type(ev.FitStarted)
     # The file, not the word "latest": what a person needs to know which run continued.
     assert started.resumed_from == first.checkpoint == result.resumed_from
+    assert started.resume_source == "checkpoint_dir"
     assert rec.of_type(ev.CheckpointLoaded)[0].path == first.checkpoint
     assert result.steps == 4
 
@@ -59,8 +64,70 @@ def test_latest_skipping_a_damaged_file_names_the_one_loaded(tmp_path: Path) -> 
 
 def test_an_explicit_path_is_reported_as_given(tmp_path: Path) -> None:
     path = write(tmp_path / "ck", step=1)
-    result = _trainer(tmp_path / "ck", max_steps=2).fit_sync(resume=path)
+    trainer = _trainer(tmp_path / "ck", max_steps=2)
+    rec = EventRecorder(trainer.bus)
+    result = trainer.fit_sync(resume=path)
     assert result.resumed_from == str(path)
+    assert rec.of_type(ev.FitStarted)[0].resume_source == "path"
+
+
+class HandedCheckpoint:
+    """What ``ray.train.get_checkpoint()`` returns, as far as resuming reads it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = str(path)
+
+    @contextmanager
+    def as_directory(self) -> Iterator[str]:
+        yield self.path
+
+
+@pytest.mark.parametrize("readable", [True, False])
+def test_latest_in_a_ray_worker_takes_rays_checkpoint_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, readable: bool
+) -> None:
+    # In a Ray Train worker that Ray handed a checkpoint, resume="latest" restores it, not
+    # the newer file of checkpoint_dir; one that holds no trainbus checkpoint is said and
+    # skipped. (tests/distributed/test_ray.py runs this under a real Ray restart.)
+    handed = tmp_path / "ray" / "checkpoint_000001"
+    if readable:
+        write(handed, step=2)
+    else:
+        handed.mkdir(parents=True)
+        (handed / "model.pt").write_bytes(b"a user's own format")
+    newer = write(tmp_path / "ck", step=3)
+    train = types.ModuleType("ray.train")
+    train.get_checkpoint = lambda: HandedCheckpoint(handed)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray.train", train)
+    trainer = _trainer(tmp_path / "ck", max_steps=4)
+    rec = EventRecorder(trainer.bus)
+    with capture_logs() as logs:
+        trainer.fit_sync(resume="latest")
+    (started,) = rec.of_type(ev.FitStarted)
+    unreadable = [e for e in logs if e["event"] == "resume_ray_checkpoint_unreadable"]
+    if readable:
+        assert started.resume_source == "ray" and started.step == 2 and not unreadable
+        assert started.resumed_from == str(handed / "step-00000002.pt")
+    else:
+        assert started.resume_source == "checkpoint_dir" and started.step == 3
+        assert started.resumed_from == str(newer) and len(unreadable) == 1
+
+
+def test_latest_outside_a_ray_worker_reads_checkpoint_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def not_a_worker() -> None:
+        raise RuntimeError("Ray Train function utilities not initialized.")
+
+    train = types.ModuleType("ray.train")
+    train.get_checkpoint = not_a_worker  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "ray.train", train)  # Ray Train imported, not a worker
+    path = write(tmp_path, step=1)
+    trainer = _trainer(tmp_path, max_steps=2)
+    rec = EventRecorder(trainer.bus)
+    trainer.fit_sync(resume="latest")
+    (started,) = rec.of_type(ev.FitStarted)
+    assert (started.resume_source, started.resumed_from) == ("checkpoint_dir", str(path))
 
 
 @pytest.mark.parametrize(

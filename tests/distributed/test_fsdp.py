@@ -193,7 +193,7 @@ def test_an_unsharded_run_refuses_a_checkpoint_folder(out: Path) -> None:
     t = trainbus.Trainer(model, opt, data, loss_fn=F.cross_entropy, max_epochs=1,
                          progress=False, handle_signals=False)  # fmt: skip
     with pytest.raises(trainbus.CheckpointError, match=r"sharded checkpoint folder.*export_full"):
-        t.run(resume=folder)
+        t.fit_sync(resume=folder)
     assert t.result is None  # before any step
 
 

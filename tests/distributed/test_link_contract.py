@@ -13,7 +13,7 @@ import anyio.to_thread
 import pytest
 import structlog
 
-from trainbus import EventBus, LaunchError
+from trainbus import EventBus, LaunchError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.distributed.driver_link import DriverLink
@@ -138,7 +138,9 @@ async def test_with_relink_a_restarted_rank_0_replaces_the_link(
     # again while the old one never said bye; its events go on on the same driver bus.
     bus = EventBus(flush_interval=0.005)
     received: list[int] = []
+    restarts: list[ev.WorkersRestarted] = []
     bus.stream(ev.StepEnded).subscribe(lambda e: received.append(e.step))
+    bus.stream(ev.WorkersRestarted).subscribe(restarts.append)
     async with bus, driver_side(transport, bus, relink=True) as (address, dlink):
         links: list[WorkerLink] = []
         for attempt in (1, 2):
@@ -150,12 +152,51 @@ async def test_with_relink_a_restarted_rank_0_replaces_the_link(
             async with worker_bus:
                 worker_bus.publish(step_event(attempt))
                 await wait_until(lambda n=attempt: len(received) == n, limit_s=10)  # type: ignore[misc]
+                if attempt == 1:  # the first attempt fails: its FitEnded says why
+                    worker_bus.publish(ev.FitEnded(step=1, epoch=0, reason="failed",
+                                                   error=RuntimeError("boom")))  # fmt: skip
+                    await wait_until(lambda: dlink.ended is not None, limit_s=10)
             if attempt == 2:
                 await in_thread(wlink.close)  # the first one just vanished (no bye)
         assert dlink.links == 2 and dlink.refused == 0
         assert await dlink.wait_unlinked(10)
         await in_thread(links[0].close)  # not leaked past the test
     assert received == [1, 2]
+    # One WorkersRestarted, between the attempts, saying which attempt starts and why the
+    # last one ended (its FitEnded's error).
+    (restart,) = restarts
+    assert restart.attempt == 2 and restart.step == 1
+    assert restart.reason == "rank 0's fit failed: RuntimeError('boom')"
+
+
+@pytest.mark.asyncio
+async def test_a_restart_after_a_vanished_rank_0_says_so() -> None:
+    bus = EventBus(flush_interval=0.005)
+    restarts: list[ev.WorkersRestarted] = []
+    bus.stream(ev.WorkersRestarted).subscribe(restarts.append)
+    link = DriverLink(bus, TOKEN, relink=True)
+    hello = b'{"v":1,"type":"hello","token":"%s","rank":0,"pid":1}\n' % TOKEN.encode()
+    async with bus:
+        for attempt in (1, 2, 3):
+            assert link.greet(hello, f"attempt {attempt}") is not None
+            link.receive(
+                wire.dumps(
+                    ev.StepEnded(
+                        step=attempt,
+                        epoch=0,
+                        loss=1.0,
+                        lr=0.1,
+                        grad_norm=None,
+                        samples=4,
+                        duration_s=0.1,
+                    )
+                )
+            )
+        await bus.wait_delivered(5)
+    assert [(r.attempt, r.step) for r in restarts] == [(2, 1), (3, 2)]
+    assert {r.reason for r in restarts} == {
+        "rank 0 streamed no FitEnded: a worker died or was killed"
+    }
 
 
 def test_an_unreachable_driver_is_a_launch_error(transport: str) -> None:

@@ -71,6 +71,58 @@ def train_fn(config: dict[str, Any]) -> None:
     (Path(config["out"]) / f"rank{t.bus.rank}.json").write_text(json.dumps(out))
 
 
+def restart_fn(config: dict[str, Any]) -> None:
+    """Two epochs, a checkpoint every 4 steps reported to Ray, ``resume="latest"``; with
+    ``config["crash"]`` one rank fails once at step 10 (a marker file makes it once):
+    ``"raise"`` (rank 0 raises from a hook) or ``"exit"`` (rank 1's process dies)."""
+    import os
+    import time
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import trainbus
+    import trainbus.ray
+    from trainbus.callbacks import Checkpointing
+
+    class Crash(trainbus.Callback):
+        def hook_after_optimizer_step(self, ctx: Any) -> None:
+            crash, marker = config.get("crash"), Path(config["out"]) / "crashed"
+            rank = 0 if crash == "raise" else 1
+            if crash is None or ctx.step != 10 or t.bus.rank != rank or marker.exists():
+                return
+            marker.touch()
+            # Fail once Ray holds the step-8 checkpoint (reported at steps 4 and 8 by
+            # ReportToRay on its own thread): what it hands the restarted workers is known.
+            import ray.train
+
+            while report.reports < 2:
+                time.sleep(0.01)
+            ray.train.get_all_reported_checkpoints()  # waits for Ray to take in the reports
+            if crash == "raise":
+                raise RuntimeError("boom at step 10")
+            os._exit(1)
+
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randint(0, 3, (64,), generator=g))
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                         DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
+                         max_epochs=2, seed=0, progress=False, checkpoint_dir=config["ckpt"],
+                         handle_signals=False,
+                         callbacks=[Checkpointing(every_steps=4),
+                                    report := trainbus.ray.ReportToRay(), Crash()])  # fmt: skip
+    r = t.fit_sync(resume="latest")
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    out = {"steps": r.steps, "digest": h.hexdigest(), "resumed_from": r.resumed_from}
+    (Path(config["out"]) / f"rank{t.bus.rank}.json").write_text(json.dumps(out))
+
+
 def no_trainer(config: dict[str, Any]) -> None:
     """A train function that never builds a Trainer."""
 
@@ -173,6 +225,33 @@ def test_a_ray_data_shard_is_already_sharded(ray_cluster: Any) -> None:
     assert warned == ["list"]  # the plain list only: Ray Data's shards are this rank's rows
 
 
+@pytest.mark.asyncio
+async def test_a_driver_subscriber_that_raises_stops_the_workers_and_the_launch_raises_it(
+    ray_train: Any, tmp_path: Path
+) -> None:
+    import trainbus.ray
+
+    scaling, run_config = ray_train
+
+    def boom(e: ev.StepEnded) -> None:
+        if e.step == 3:
+            raise RuntimeError("driver-side bug")
+
+    launcher = trainbus.ray.RayLauncher(
+        train_fn, scaling_config=scaling,
+        setup=lambda bus: bus.stream(ev.StepEnded).subscribe(boom, policy="raise"),
+        run_config=run_config(storage_path=str(tmp_path / "ray"), name="raise"),
+        train_loop_config={"epochs": 200, "ckpt": str(tmp_path / "ckpt"), "out": str(tmp_path)},
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="driver-side bug"):
+        await launcher.launch()
+    # Stopped, not killed: every rank ended its run at the same step, long before its end.
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["reason"] for r in ranks] == ["stopped", "stopped"]
+    assert [r["stop_reason"] for r in ranks] == ["driver_subscriber_failed"] * 2
+    assert ranks[0]["steps"] == ranks[1]["steps"] < 200 * 8
+
+
 def test_bad_arguments(ray_cluster: Any) -> None:
     from ray.train import ScalingConfig
 
@@ -193,3 +272,73 @@ def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError
     with pytest.raises(MissingExtraError, match=r"pip install 'trainbus\[ray\]'"):
         trainbus.ray.launch(train_fn, scaling_config=object())
+
+
+def restart_launch(scaling: Any, tmp_path: Path, crash: str | None) -> tuple[Any, list[Any]]:
+    """``restart_fn`` launched with ``FailureConfig(max_failures=1)``: (result, the driver's
+    FitStarted and WorkersRestarted events)."""
+    from ray.train import FailureConfig, RunConfig
+
+    import trainbus.ray
+
+    seen: list[Any] = []
+
+    def setup(bus: EventBus) -> None:
+        bus.stream(ev.FitStarted, ev.WorkersRestarted).subscribe(seen.append)
+
+    result = trainbus.ray.launch(
+        restart_fn, scaling_config=scaling, setup=setup,
+        run_config=RunConfig(storage_path=str(tmp_path / "ray"), name=f"restart-{crash}",
+                             failure_config=FailureConfig(max_failures=1)),
+        train_loop_config={"ckpt": str(tmp_path / "ckpt"), "out": str(tmp_path),
+                           "crash": crash},
+    )  # fmt: skip
+    return result, seen
+
+
+def rank_files(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads((folder / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The parameters' digest of ``restart_fn`` run through without a failure."""
+    from ray import cloudpickle
+    from ray.train import ScalingConfig
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1})
+    result, seen = restart_launch(scaling, folder, None)
+    ranks = rank_files(folder)
+    assert result.links == 1 and not any(isinstance(e, ev.WorkersRestarted) for e in seen)
+    assert ranks[0]["steps"] == 16 and ranks[0]["digest"] == ranks[1]["digest"]
+    return str(ranks[0]["digest"])
+
+
+@pytest.mark.parametrize("crash", ["raise", "exit"])
+def test_a_restart_by_ray_resumes_from_rays_checkpoint_and_ends_as_an_uninterrupted_run(
+    ray_train: Any, uninterrupted: str, tmp_path: Path, crash: str
+) -> None:
+    # One rank fails at step 10 (rank 0 raises, or rank 1's process dies); Ray restarts the
+    # worker group; the new workers resume from the checkpoint Ray hands them (step 8,
+    # reported by ReportToRay), and the run ends bit-identical to one that never failed.
+    scaling, _ = ray_train
+    result, seen = restart_launch(scaling, tmp_path, crash)
+    assert (tmp_path / "crashed").exists()
+    ranks = rank_files(tmp_path)
+    assert [r["digest"] for r in ranks] == [uninterrupted, uninterrupted]
+    assert [r["steps"] for r in ranks] == [16, 16]
+    # The driver's bus lived across the restart: one launch, two links, one restart event
+    # between the attempts' FitStarted, the second resumed from Ray's checkpoint of step 8.
+    assert result.links == 2 and result.returncode == 0
+    kinds = [type(e).__name__ for e in seen]
+    assert kinds == ["FitStarted", "WorkersRestarted", "FitStarted"], kinds
+    first, restart, second = seen
+    assert first.resumed_from is None and first.resume_source is None
+    assert restart.attempt == 2 and 8 <= restart.step <= 10
+    if crash == "raise":
+        assert restart.reason is not None and "boom at step 10" in restart.reason
+    assert second.resume_source == "ray" and second.step == 8
+    assert second.resumed_from is not None and str(tmp_path / "ray") in second.resumed_from
+    assert ranks[0]["resumed_from"] == second.resumed_from

@@ -76,6 +76,7 @@ class CallbackStates:
         self._bus = bus
         self._callbacks = callbacks
         self._cancelled_exc: tuple[type[BaseException], ...] = ()
+        self._source: ev.ResumeSource | None = None
 
     @property
     def any_stateful(self) -> bool:
@@ -122,6 +123,32 @@ class CallbackStates:
         except self._cancelled_exc as exc:
             raise Cancelled from exc
 
+    def _latest(self, s: Settings, *, required: bool) -> Checkpoint | None:
+        """``resume="latest"``: Ray's checkpoint when Ray handed one, else the newest valid
+        file in ``checkpoint_dir``, else None (a warning; an error when ``required``)."""
+        assert s.checkpoint_dir is not None
+        from ..ray._resume import read_ray_checkpoint  # asks Ray only inside a Ray worker
+
+        handed = read_ray_checkpoint()
+        if handed is not None:
+            self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(handed.path)))
+            self._source = "ray"
+            return handed
+        # Read once: the newest file that loads and checks is the one restored.
+        self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
+        scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
+        if scan.checkpoint is not None:
+            self._source = "checkpoint_dir"
+            return scan.checkpoint
+        self._found_nothing(s, scan.describe(), required=required)
+        return None
+
+    @property
+    def resume_source(self) -> ev.ResumeSource | None:
+        """Where the last :meth:`load` found its checkpoint (``FitStarted.resume_source``):
+        ``"path"``, ``"ray"`` or ``"checkpoint_dir"``; None before a load found one."""
+        return self._source
+
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
     ) -> Checkpoint | None:
@@ -143,23 +170,20 @@ class CallbackStates:
             CheckpointError: damaged, foreign or incompatible checkpoint; or ``required`` and
                 ``"latest"`` found no valid checkpoint (naming the folder and what it held).
         """
+        self._source = None
         if is_sharded_model(unwrap_model(s.model)):
             return self._load_sharded(s, resume, group, required=required)
         # Loaded to the host: load_state_dict puts each tensor where the live model and
         # optimizer keep it (Adam's "step" stays on the host unless fused/capturable, as in a
         # straight run), and the RNG states are the CPU tensors torch's setters take.
         if resume == "latest":
-            assert s.checkpoint_dir is not None
-            # Read once: the newest file that loads and checks is the one restored.
-            self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
-            scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
-            checkpoint = scan.checkpoint
+            checkpoint = self._latest(s, required=required)
             if checkpoint is None:
-                self._found_nothing(s, scan.describe(), required=required)
                 return None
         else:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
             checkpoint = read_checkpoint(resume, map_location="cpu")
+            self._source = "path"
         # The loop restores the RNG states itself, at the point of the epoch they were
         # captured at (replay_epoch), so a shuffled epoch draws the same permutation.
         world_size = group.world_size
@@ -212,6 +236,7 @@ class CallbackStates:
         if checkpoint is None:
             self._found_nothing(s, found, required=required)
             return None
+        self._source = "checkpoint_dir" if resume == "latest" else "path"
         saved_world = int(checkpoint.meta["world_size"])
         st = checkpoint.state
         if saved_world != group.world_size:

@@ -82,6 +82,7 @@ class Loop:
             restores its RNG states at the moment they were captured.
         resumed_from: The checkpoint file loaded (``FitStarted.resumed_from``), None for a
             fresh start.
+        resume_source: Where it was found (``FitStarted.resume_source``).
         callback_states: Returns the stateful callbacks' states at each save (see
             :class:`~trainbus.loop.saving.CheckpointWriter`).
         sync: Under torchrun with more than one rank: commands are agreed at the common sync
@@ -100,6 +101,7 @@ class Loop:
         *,
         resume: Checkpoint | None = None,
         resumed_from: str | None = None,
+        resume_source: ev.ResumeSource | None = None,
         callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         sync: RankSync | None = None,
     ) -> None:
@@ -109,6 +111,7 @@ class Loop:
         self._hooks = hooks
         self._state = state
         self._resumed_from = resumed_from
+        self._resume_source = resume_source
         self._cancel = False
         self._sync = sync
         self._agree_pending = False
@@ -216,6 +219,7 @@ class Loop:
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
                           max_epochs=s.max_epochs, device=str(s.device),
                           resumed_from=self._resumed_from,
+                          resume_source=self._resume_source,
                           steps_per_epoch=steps_per_epoch,
                           rank=0 if self._sync is None else self._sync.rank,
                           world_size=1 if self._sync is None else self._sync.world_size,

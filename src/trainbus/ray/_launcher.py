@@ -5,19 +5,22 @@ from __future__ import annotations
 import inspect
 import os
 import secrets
+import signal
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
 import anyio
+import anyio.abc
 import anyio.to_thread
 
 from .. import commands as cmd
 from .._driver import attach_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
 from .._log import get_logger
-from .._validate import check_int
+from .._validate import check_int, check_seconds
 from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..distributed.driver_link import DriverLink
@@ -66,6 +69,11 @@ class _WorkerEntry:
     def __call__(self, config: dict[str, Any]) -> Any:
         import trainbus.ray  # noqa: F401  registers the "ray" transport in this worker
 
+        from ._transport import register_worker
+
+        if register_worker(self.address):  # a worker Ray started after the driver aborted
+            log.warning("ray_worker_not_started", reason="the driver aborted the run")
+            return None
         saved = {k: os.environ.get(k) for k in (ADDR_ENV, TOKEN_ENV)}
         os.environ[ADDR_ENV], os.environ[TOKEN_ENV] = self.address, self.token
         try:
@@ -106,6 +114,12 @@ class RayLauncher:
         callbacks: Callbacks set up on the driver's bus (instances or classes; no hooks).
         bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
         keep_events: How many of the last events the result or error carries.
+        stop_timeout: Seconds between the graceful stop of a Ctrl-C (or of a driver
+            subscriber failing the run) and killing the workers.
+        handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only): the
+            first one sends ``StopTraining(reason="signal")`` (every rank stops at the same
+            step and writes its final checkpoint; the launch returns with ``signal`` set), a
+            second one kills the workers at once (the launch raises).
 
     Raises:
         MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
@@ -123,6 +137,8 @@ class RayLauncher:
         callbacks: Iterable[Callback | type[Callback]] = (),
         bus: EventBus | None = None,
         keep_events: int = 100,
+        stop_timeout: float = 60.0,
+        handle_signals: bool = True,
     ) -> None:
         ray = _require_ray("trainbus.ray")
         if not callable(train_fn):
@@ -147,6 +163,8 @@ class RayLauncher:
         self.run_config = run_config
         self.train_loop_config = dict(train_loop_config or {})
         self.keep_events = check_int("keep_events", keep_events, 0)
+        self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
+        self.handle_signals = bool(handle_signals)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
             attach_driver_callback(self.bus, cb)
@@ -155,6 +173,9 @@ class RayLauncher:
         self._token = secrets.token_urlsafe(32)
         self._link: DriverLink | None = None
         self._stop_reason: str | None = None
+        self._signal: int | None = None  # the first signal the driver received
+        self._aborted = False  # the workers were killed (second signal, stop_timeout passed)
+        self._driver: Any = None  # the RayDriver while launched
 
     # ------------------------------------------------------------------ queries
     @property
@@ -189,7 +210,8 @@ class RayLauncher:
 
         Raises:
             LaunchError: Ray reported the training failed (the workers' error in the message),
-                or the run ended with no worker linked (``train_fn`` never built a Trainer).
+                the run ended with no worker linked (``train_fn`` never built a Trainer), or
+                the workers were killed (a second signal; ``signal`` says which).
             Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
                 (the workers are stopped first).
         """
@@ -206,7 +228,7 @@ class RayLauncher:
         # the new rank 0 links again and the driver's bus goes on, one run for one launch.
         link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events,
                                        relink=True)  # fmt: skip
-        driver = await RayDriver.start()
+        driver = self._driver = await RayDriver.start()
         trainer = TorchTrainer(
             _WorkerEntry(self.train_fn, driver.address, self._token),
             scaling_config=self.scaling_config, run_config=self.run_config,
@@ -217,7 +239,10 @@ class RayLauncher:
         try:
             async with self.bus, anyio.create_task_group() as tg:
                 tg.start_soon(driver.serve, link)
-                tg.start_soon(partial(link.forward, driver.send))
+                on_failure = partial(tg.start_soon, self._abort_after, self.stop_timeout)
+                tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
+                if self.handle_signals and threading.current_thread() is threading.main_thread():
+                    tg.start_soon(self._watch_signals, tg)
                 log.info("launch_started", workers=self.scaling_config.num_workers,
                          address=driver.address)  # fmt: skip
                 try:
@@ -231,6 +256,10 @@ class RayLauncher:
         finally:
             with anyio.CancelScope(shield=True):
                 await driver.aclose()
+        if self._aborted:
+            raise self._failure("the workers were killed (a second signal, or the graceful "
+                                f"stop took longer than stop_timeout={self.stop_timeout} s)"
+                                ) from failure  # fmt: skip
         if failure is not None:
             raise self._failure(f"Ray reported the training failed: {failure}") from failure
         if not link.linked:
@@ -241,7 +270,8 @@ class RayLauncher:
         return RayLaunchResult(returncode=0, events=link.events, received=link.received,
                                last_event=link.last_event, stop_reason=self.stop_reason,
                                ending=None if link.ended is None else link.ended.ending,
-                               result=result, links=link.links)  # fmt: skip
+                               result=result, links=link.links,
+                               signal=self._signal)  # fmt: skip
 
     def _failure(self, what: str) -> LaunchError:
         link = self._link
@@ -252,8 +282,37 @@ class RayLauncher:
                      f"{type(last).__name__ if last else None} at step "
                      f"{last.step if last else '?'})")  # fmt: skip
         return LaunchError(what, returncode=None, events=link.events, received=link.received,
-                           last_event=last, stop_reason=self.stop_reason,
+                           last_event=last, stop_reason=self.stop_reason, signal=self._signal,
                            ending=None if link.ended is None else link.ended.ending)  # fmt: skip
+
+    # ------------------------------------------------------------------ stopping
+    async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                if self._signal is None:
+                    self._signal = int(signum)
+                if self._stop_reason == "signal" or self._link is None or not self._link.linked:
+                    # The second one, or nothing linked to stop gracefully: no more patience.
+                    log.warning("launch_aborted", signal=signum)
+                    self._stop_reason = "signal"
+                    await self._abort()
+                    continue
+                log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
+                self.stop("signal")
+                tg.start_soon(self._abort_after, self.stop_timeout)
+
+    async def _abort_after(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+        await self._abort()
+
+    async def _abort(self) -> None:
+        """Kill the Ray Train workers (Ray then ends the run as failed, or, restarting them,
+        the new ones return at once)."""
+        if self._driver is None or self._aborted:
+            return
+        self._aborted = True
+        killed = await self._driver.abort_workers()
+        log.warning("launch_workers_killed", workers=killed)
 
 
 def launch(

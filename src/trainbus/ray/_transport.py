@@ -38,7 +38,7 @@ from .._validate import check_seconds
 from ..distributed.driver_link import DriverLink
 from ..distributed.link import ADDR_ENV
 
-__all__ = ["LINGER", "RayDriver", "RayTransport"]
+__all__ = ["LINGER", "RayDriver", "RayTransport", "register_worker"]
 
 LINGER = 0.05
 """Seconds the worker's sender waits after an event for more to join its batch."""
@@ -57,6 +57,8 @@ class _Mailbox:
         self._commands: list[bytes] = []
         self._wake = asyncio.Event()
         self._released: set[str] = set()
+        self._workers: list[Any] = []
+        self._aborted = False
 
     # ------------------------------------------------------------------ the worker's calls
     async def hello(self, link_id: str, line: bytes, wait: float) -> bytes:
@@ -92,9 +94,22 @@ class _Mailbox:
         self._released.add(link_id)
         self._wake.set()
 
+    def register(self, worker: Any) -> bool:
+        """A Ray Train worker (its actor handle) starts ``train_fn``: False, or True when the
+        driver already aborted the run (the worker must not start it)."""
+        if not self._aborted:
+            self._workers.append(worker)
+        return self._aborted
+
     # ------------------------------------------------------------------ the driver's calls
     def ready(self) -> bool:
         return True
+
+    def abort(self) -> list[Any]:
+        """The registered workers' handles (for the driver to kill); later ones are refused."""
+        self._aborted = True
+        workers, self._workers = self._workers, []
+        return workers
 
     def take(self) -> tuple[list[tuple[str, bytes]], list[bytes]]:
         hellos, self._hellos = self._hellos, []
@@ -131,6 +146,26 @@ def parse_address(address: str) -> tuple[str, str]:
     if scheme != "ray" or not name or not namespace:
         raise ConfigError.invalid(ADDR_ENV, address, "ray:<namespace>/<actor name>")
     return namespace, name
+
+
+def register_worker(address: str) -> bool:
+    """In a Ray Train worker, before ``train_fn``: hand the driver's mailbox this worker's
+    actor (so the driver can end it at once, :meth:`RayDriver.abort_workers`).
+
+    Returns:
+        True when the driver already aborted the run: do not start ``train_fn``.
+
+    Raises:
+        ConfigError: a malformed address.
+        LaunchError: the driver's mailbox is gone.
+    """
+    namespace, name = parse_address(address)
+    try:
+        mailbox = ray.get_actor(name, namespace=namespace)
+    except ValueError as exc:
+        raise LaunchError(f"cannot reach the trainbus driver at {address}: {exc}") from exc
+    me = ray.get_runtime_context().current_actor
+    return bool(ray.get(mailbox.register.remote(me)))
 
 
 class RayTransport:
@@ -234,11 +269,11 @@ class RayDriver:
         while True:
             ref = self._actor.take.remote()
             hellos, chunks = await anyio.to_thread.run_sync(ray.get, ref)
+            for data in chunks:  # the linked worker's, before a hello that may replace it
+                link.receive(data)
             for link_id, line in hellos:
                 reply = link.greet(line, f"ray worker {link_id}")
                 self._actor.answer.remote(link_id, reply or b"")
-            for data in chunks:
-                link.receive(data)
             while link.backlogged():  # noqa: ASYNC110  (the bus has no "room" event)
                 await anyio.sleep(0.01)
             if not hellos and not chunks:
@@ -247,6 +282,21 @@ class RayDriver:
     async def send(self, data: bytes) -> None:
         """Queue command lines for the linked worker (a non-waiting call)."""
         self._actor.put_commands.remote(data)
+
+    async def abort_workers(self) -> int:
+        """End every Ray Train worker of the run at once (``ray.kill``, no graceful stop), and
+        make any worker Ray starts after this return without running ``train_fn``.
+
+        Returns:
+            How many workers were killed.
+        """
+        workers = await anyio.to_thread.run_sync(ray.get, self._actor.abort.remote())
+        for worker in workers:
+            try:
+                ray.kill(worker, no_restart=True)
+            except (ValueError, RayError):  # already gone
+                pass
+        return len(workers)
 
     async def aclose(self) -> None:
         """End the mailbox actor."""

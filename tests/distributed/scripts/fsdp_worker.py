@@ -182,7 +182,7 @@ def straight(mode: str) -> None:
         kw = {"checkpoint_dir": OUT / f"ckpt{head}"}
     t = trainer(model, opt, DataLoader(dataset(head), batch_size=4, shuffle=True), **kw)
     t.bus.stream(ev.CheckpointSaved).subscribe(lambda e: saved.append(e.path), ranks="all")
-    t.run(resume="latest" if mode.startswith("resume") else None)
+    t.fit_sync(resume="latest" if mode.startswith("resume") else None)
     assert t.result is not None
     torch.save(shards(model, opt), OUT / f"{mode}-rank{dist.get_rank()}.pt")
     folder = OUT / f"ckpt{head}"
@@ -202,7 +202,7 @@ def loadfail() -> None:
     model, opt = build()
     t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), checkpoint_dir=OUT / "unused")
     try:
-        t.run(resume=OUT / "broken")
+        t.fit_sync(resume=OUT / "broken")
     except trainbus.CheckpointError as exc:
         write("loadfail", error=type(exc).__name__, message=str(exc))
     else:
@@ -256,7 +256,7 @@ def export() -> None:
     folder = OUT / "ckpt5" / "step-00000007-final"
     model, opt = build()
     t = trainer(model, opt, DataLoader(dataset(5), batch_size=4), max_steps=7)
-    t.run(resume=folder)  # the model now holds the saved state (nothing left to train)
+    t.fit_sync(resume=folder)  # the model now holds the saved state (nothing left to train)
     full = {n: p.full_tensor() for n, p in model.named_parameters()}
     if dist.get_rank() == 0:
         target = trainbus.checkpoint.export_full(folder, OUT / "exported.pt")
@@ -279,7 +279,7 @@ def reshard() -> None:
             first.update({n: local(p.detach()).clone() for n, p in model.named_parameters()})
 
     t.add_hook("batch", keep)  # before the first update: the state resumed
-    t.run(resume=folder)
+    t.fit_sync(resume=folder)
     assert t.result is not None
     exported = torch.load(OUT / "exported.pt", weights_only=True)
     write("reshard", steps=t.result.steps, world=dist.get_world_size(),
