@@ -60,7 +60,8 @@ def main() -> None:
         (run / f"paused-{ctx.step}").write_text(str(os.getpid()))
         release = run / f"release-{ctx.step}"
         deadline = time.monotonic() + 240
-        while not (t.bus.has_commands() or release.exists()) and time.monotonic() < deadline:
+        port = t.bus.port()  # the loop's face: a command waiting for the next poll point
+        while not (port.has_commands() or release.exists()) and time.monotonic() < deadline:
             time.sleep(0.01)
 
     t.add_hook("after_optimizer_step", pause)
