@@ -225,3 +225,16 @@ def test_latest_skips_a_damaged_folder_and_stale_temporary_folders_go(
     assert loaded.meta["sharded"] and loaded.meta["world_size"] == 2
     assert loaded.meta["param_shapes"]["4.weight"] == [5, 64]  # the full shape
     assert loaded.state.step == 10
+
+
+def test_a_folder_marked_best_is_copied_whole(out: Path, tmp_path: Path) -> None:
+    from trainbus.callbacks.checkpoint import copy_as_best
+
+    source = tmp_path / "step-00000007"
+    shutil.copytree(out / "ckpt5" / "step-00000007-final", source)
+    best = copy_as_best(source, 7)
+    assert best == tmp_path / "step-00000007-best"
+    assert sorted(p.name for p in best.iterdir()) == sorted(p.name for p in source.iterdir())
+    assert trainbus.checkpoint.read_checkpoint(best).state.step == 7
+    assert copy_as_best(source, 7) == best  # again: the older copy replaced
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000007", "step-00000007-best"]

@@ -87,9 +87,15 @@ def copy_as_best(source: Path, step: int) -> Path:
     ``.trainbus-tmp`` pattern, whose cleanup at each save would race with this copy), fsynced,
     then renamed over the final name. A process killed mid-copy leaves only that hidden file.
 
+    A sharded run's checkpoint folder is copied whole to ``step-<step>-best`` the same way (a
+    hidden temporary folder renamed into place; an older ``-best`` folder of that step is
+    replaced only then).
+
     Returns:
         The path of the copy (``source`` itself when it already is that file).
     """
+    if source.is_dir():
+        return _copy_folder_as_best(source, step)
     target = source.with_name(f"step-{step:08d}-best.pt")
     if target == source:
         return target
@@ -101,6 +107,21 @@ def copy_as_best(source: Path, step: int) -> Path:
         os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
+    return target
+
+
+def _copy_folder_as_best(source: Path, step: int) -> Path:
+    target = source.with_name(f"step-{step:08d}-best")
+    if target == source:
+        return target
+    tmp = source.with_name(f".{target.name}.{secrets.token_hex(4)}.copy-tmp")
+    try:
+        shutil.copytree(source, tmp)
+        if target.exists():
+            _remove(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return target
 
 

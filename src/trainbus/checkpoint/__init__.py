@@ -14,9 +14,9 @@ from .data_order import set_sampler_epoch as set_sampler_epoch
 from .export import export_full as export_full
 from .rng import capture_rng as capture_rng
 from .rng import restore_rng as restore_rng
-from .sharded import load_sharded as load_sharded
 from .sharded import read_folder as read_folder
 from .sharded import save_sharded as save_sharded
+from .sharded_resume import load_sharded as load_sharded
 from .state import FORMAT_VERSION as FORMAT_VERSION
 from .state import Checkpoint as Checkpoint
 from .state import TrainState as TrainState
