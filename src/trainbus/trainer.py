@@ -39,7 +39,7 @@ from ._lifetime import Lifetime
 from ._log import get_logger
 from ._rank_setup import RankSetup
 from ._resume import CallbackStates, check_resume
-from ._session import BusSession, SignalWatcher, watch_cancel
+from ._session import BusSession, SignalWatcher, watching_cancel
 from ._workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
 from .bus.statistics import BusStatistics, LostWork
@@ -571,11 +571,9 @@ class Trainer:
         try:
             with self._signals.installed(self.handle_signals):
                 async with self._session.open():
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(watch_cancel, loop)
+                    async with watching_cancel(loop):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
                         await anyio.to_thread.run_sync(self._signals.masked(loop.run, spawns))
-                        tg.cancel_scope.cancel()
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too
