@@ -192,6 +192,7 @@ BUS_ORDER = [
     "doorbell",
     "spent",
     "rank_filter",
+    "tasks",
     "clock",
     "statistics",
     "scheduler",

@@ -40,7 +40,7 @@ from ._trainer.options import signature as options_signature
 from ._trainer.rank_setup import RankSetup
 from ._trainer.result import FitResult, fit_result
 from ._trainer.resume import CallbackStates, check_resume
-from ._trainer.session import BusSession, SignalWatcher, watch_cancel
+from ._trainer.session import BusSession, SignalWatcher, watching_cancel
 from ._trainer.workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -381,11 +381,9 @@ class Trainer:
         try:
             with self._signals.installed(self.handle_signals):
                 async with self._session.open():
-                    async with anyio.create_task_group() as tg:
-                        tg.start_soon(watch_cancel, loop)
+                    async with watching_cancel(loop):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
                         await anyio.to_thread.run_sync(self._signals.masked(loop.run, spawns))
-                        tg.cancel_scope.cancel()
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import ConfigError, Ending, MissingExtraError, Trainer
+from trainbus import ConfigError, Ending, EventBus, MissingExtraError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -264,15 +264,44 @@ def test_not_an_optuna_trial_is_refused(trial: object) -> None:
         OptunaPruning(trial)
 
 
+@pytest.mark.parametrize("rank", [None, "0"])
+def test_no_trial_is_refused_on_rank_0(monkeypatch: pytest.MonkeyPatch, rank: str | None) -> None:
+    if rank is None:
+        monkeypatch.delenv("RANK", raising=False)
+    else:
+        monkeypatch.setenv("RANK", rank)
+    with pytest.raises(ConfigError, match=r"None only on the ranks other than 0"):
+        OptunaPruning(None)
+
+
+def test_no_trial_on_another_rank_is_accepted_and_its_run_returns(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Rank 1 of a torchrun job: the trial lives on rank 0, where the callback decides; here
+    # its subscribers do not run, and the end of the run neither prunes nor calls the metric
+    # missing (it was never looked for on this rank).
+    monkeypatch.setenv("RANK", "1")
+    callback = OptunaPruning(None, "val_loss")
+    monkeypatch.delenv("RANK")
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
+                      loss_fn=F.cross_entropy, max_steps=4, progress=False,
+                      handle_signals=False, bus=EventBus(rank=1),
+                      callbacks=[callback])  # fmt: skip
+    result = trainer.run()
+    assert result.ending is Ending.COMPLETED and callback.pruned_at is None
+
+
 def test_a_bad_monitor_is_refused() -> None:
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError, match="monitor"):
         OptunaPruning(s.ask(), "")
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
 @pytest.mark.parametrize("budget", [0.0, -5.0])
 def test_a_zero_or_negative_budget_cancels_the_fit_and_the_objective_goes_on(
-    budget: float,
+    budget: float, backend: str
 ) -> None:
     seen: list[Any] = []
 
@@ -284,7 +313,7 @@ def test_a_zero_or_negative_budget_cancels_the_fit_and_the_objective_goes_on(
                 await trainer.fit()
             seen.append(scope.cancelled_caught)
 
-        anyio.run(within_budget)
+        anyio.run(within_budget, backend=backend)
         result = trainer.result
         if result is None or result.ending is Ending.CANCELLED:  # never started, or cut short
             raise optuna.TrialPruned(f"no time left (budget {budget} s)")

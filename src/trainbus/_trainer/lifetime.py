@@ -33,6 +33,40 @@ BACKENDS = ("asyncio", "trio")
 _T = TypeVar("_T")
 
 
+class _Raised:
+    """What a call raised in the portal's event loop, carried out of it as a value."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+async def _captured(fn: Callable[[], Awaitable[_T]]) -> _T | _Raised:
+    try:
+        return await fn()
+    except Exception as exc:  # raised again on the caller's thread (portal_call)
+        return _Raised(exc)
+
+
+def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
+    """``portal.call(fn)``, an exception raised on the caller's thread, not through the portal.
+
+    anyio's portal keeps the exception in a future held by a frame of its traceback (a
+    reference cycle): a failed or pruned call's frames, and the Trainer in them, would wait
+    for a garbage-collector pass after the caller dropped the exception.
+    """
+    outcome = portal.call(_captured, fn)
+    if isinstance(outcome, _Raised):
+        error = outcome.error
+        del outcome
+        try:
+            raise error
+        finally:
+            del error  # this frame is in its traceback: nothing of it refers back
+    return outcome
+
+
 def check_backend(backend: object) -> str:
     """Raises ``ConfigError`` unless ``backend`` names an anyio backend."""
     if backend not in BACKENDS:
@@ -129,7 +163,7 @@ class Lifetime:
             if backend != self._backend:
                 raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "
                                           "`with trainer:` runs")  # fmt: skip
-            return self._portal.call(fn)
+            return portal_call(self._portal, fn)
         if self._bus.running:
             raise TrainbusError(
                 f"{name}_sync(): the trainer's bus runs in an event loop already (`async with "
@@ -138,7 +172,7 @@ class Lifetime:
         self.check_open(f"{name}()")
         self._backend = backend  # close() closes the bus on the backend it ran on
         with anyio.from_thread.start_blocking_portal(backend) as portal:
-            return portal.call(fn)
+            return portal_call(portal, fn)
 
     # ================================================================== async
     async def aenter(self) -> None:

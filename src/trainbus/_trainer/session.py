@@ -20,10 +20,11 @@ from .. import events as ev
 from .._exceptions import TrainbusError
 from .._log import get_logger
 from ..bus import EventBus, LoopPort
+from ..bus.tasks import TaskSet
 from ..checkpoint import TrainState
 from ..loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 
-__all__ = ["BusSession", "SignalWatcher", "watch_cancel"]
+__all__ = ["BusSession", "SignalWatcher", "watch_cancel", "watching_cancel"]
 
 log = get_logger(__name__)
 
@@ -40,6 +41,20 @@ async def watch_cancel(run: Loop | StandaloneRun) -> None:
         await anyio.sleep_forever()
     finally:
         run.request_cancel()
+
+
+@contextlib.asynccontextmanager
+async def watching_cancel(run: Loop | StandaloneRun) -> AsyncIterator[None]:
+    """While the block runs, a cancellation of the caller asks ``run`` to stop
+    (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
+    cancelled when nothing cancelled the call (``bus/tasks.py``: no reference cycle left)."""
+    async with anyio.create_task_group() as tg:
+        tasks = TaskSet(tg)
+        tasks.start_soon(watch_cancel, run)
+        try:
+            yield
+        finally:
+            tasks.stop()
 
 
 class BusSession:
@@ -153,11 +168,8 @@ class BusSession:
             except BaseException as exc:
                 box["error"] = exc
 
-        async with self.open():
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(watch_cancel, run)
-                await anyio.to_thread.run_sync(call)
-                tg.cancel_scope.cancel()
+        async with self.open(), watching_cancel(run):
+            await anyio.to_thread.run_sync(call)
         error = box.get("error")
         if isinstance(error, Cancelled):
             await anyio.lowlevel.checkpoint()  # let the pending cancellation out

@@ -11,6 +11,7 @@ part               module                     owns
 Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
 Spent              ``spent.py``               what the loop thread is done with (freed at publish)
 RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
+TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
 StepClock          ``clock.py``               declared decision schedules (each change rings)
 DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
 BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
@@ -204,7 +205,6 @@ class EventBus:
                               channel=channel, ledger=ledger, pressure=subs.backpressure,
                               barrier=barrier, lifecycle=lifecycle, host=host)  # fmt: skip
 
-        self._events: BusObservable[ev.BaseEvent] = self._make_stream((ev.BaseEvent,))
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
         routes.register((ev.CommandApplied,), AckObserver(channel), "internal")
@@ -271,7 +271,9 @@ class EventBus:
     @property
     def events(self) -> BusObservable[ev.BaseEvent]:
         """Every event, as a hot Observable whose subscribers run on the event-loop thread."""
-        return self._events
+        # Made at each call, not kept: a stream refers to its bus, so a kept one would be a
+        # reference cycle (a dropped bus then waits for a garbage-collector pass).
+        return self._make_stream((ev.BaseEvent,))
 
     @overload
     def stream(

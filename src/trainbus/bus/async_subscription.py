@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Literal, TypeAlias
 
 import anyio
-from anyio.abc import TaskGroup
 from reactivex import abc
 
 from .clock import DecisionStamp
@@ -25,6 +24,7 @@ from .failures import ErrorPolicy, FailureLedger
 from .pressure import Backpressure
 from .spent import Spent
 from .subscriptions import Subscription
+from .tasks import TaskSet
 
 __all__ = ["DEFAULT_OVERFLOW", "OVERFLOWS", "AsyncFeeder", "AsyncSubscription", "Overflow"]
 
@@ -87,7 +87,8 @@ class AsyncSubscription(Subscription):
         self.running = 0
         self.input_closed = False
         self._backpressure = backpressure
-        self._scope: anyio.CancelScope | None = None
+        self._workers: TaskSet | None = None
+        self._cancelling = False  # cancel() came: the workers stop (when they start)
         self._ready: anyio.Event | None = None
         self._first_at: float | None = None  # monotonic time of the first item (for rates())
         # Which dispatched event pushed the last item, and the count after it (received_from).
@@ -175,33 +176,39 @@ class AsyncSubscription(Subscription):
         self.close_input()
 
     # ------------------------------------------------------------------ worker side
-    def start(self, tg: TaskGroup) -> None:
-        """Start the workers in the bus' task group (called once the bus runs)."""
+    def start(self, tasks: TaskSet) -> None:
+        """Start the workers among the bus' tasks (called once the bus runs)."""
         self._ready = anyio.Event()
         self._finished = anyio.Event()
-        self._scope = anyio.CancelScope()
+        self._cancelling = False
         self._suspending = False
-        tg.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
+        self._workers = None
+        tasks.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
 
     def suspend(self) -> None:
         """The bus suspends (its task group stops): the workers end, the subscription stays
         active and starts again when the bus opens again. Anything still buffered or in
         flight then (past the close timeout) counts as cancelled."""
         self._suspending = True
+        self.cancel()
 
     def cancel(self) -> None:
         """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
         arrives later is counted as cancelled."""
-        if self._scope is not None:
-            self._scope.cancel()
+        # Each worker ends by its own scope (tasks.py); _run then ends as they have.
+        self._cancelling = True
+        if self._workers is not None:
+            self._workers.stop()
 
     async def _run(self) -> None:
-        assert self._scope is not None and self._finished is not None
+        assert self._finished is not None
         try:
-            with self._scope:
-                async with anyio.create_task_group() as tg:
-                    for _ in range(self.concurrency):
-                        tg.start_soon(self._worker)
+            async with anyio.create_task_group() as tg:
+                workers = self._workers = TaskSet(tg)
+                if self._cancelling:
+                    workers.stop()
+                for _ in range(self.concurrency):
+                    workers.start_soon(self._worker)
         finally:
             # Whatever is left was cancelled by the close timeout.
             self.cancelled += len(self.buffer) + self.running

@@ -24,6 +24,7 @@ from .async_subscription import AsyncSubscription
 from .channel import CommandChannel
 from .queue import PublishQueue
 from .registry import SubscriptionSet
+from .tasks import TaskSet
 
 __all__ = ["Barrier", "BarrierStatus"]
 
@@ -122,32 +123,44 @@ class Barrier:
         # item before the barrier cost training nothing.
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        with anyio.move_on_after(timeout):
-            async with anyio.create_task_group() as tg:
+        # A race of tasks that each end by their own scope (tasks.py), not by cancelling the
+        # task group: all settled ("done"), a request ("request") or the timeout.
+        async with anyio.create_task_group() as tg:
+            tasks = TaskSet(tg)
 
-                async def settle_one(sub: AsyncSubscription, target: int) -> None:
-                    await sub.wait_settled(target)
-                    unsettled.discard(id(sub))
-                    if account:
-                        sub.add_waited(anyio.current_time() - start)
+            async def settle_one(sub: AsyncSubscription, target: int) -> None:
+                await sub.wait_settled(target)
+                unsettled.discard(id(sub))
+                if account:
+                    sub.add_waited(anyio.current_time() - start)
+                if not unsettled:
+                    settled()
 
-                async def settle() -> None:
-                    nonlocal status
-                    async with anyio.create_task_group() as each:
-                        for sub, target in waiting:
-                            each.start_soon(settle_one, sub, target)
+            def settled() -> None:
+                nonlocal status
+                if not tasks.stopped:
                     status = "done"
-                    tg.cancel_scope.cancel()
+                    tasks.stop()
 
-                async def interrupted() -> None:
-                    nonlocal status
-                    await wake.wait()
+            async def interrupted() -> None:
+                nonlocal status
+                await wake.wait()
+                if not tasks.stopped:
                     status = "request"
-                    tg.cancel_scope.cancel()
+                    tasks.stop()
 
-                tg.start_soon(settle)
-                if interruptible:
-                    tg.start_soon(interrupted)
+            async def timer(seconds: float) -> None:
+                await anyio.sleep(seconds)
+                tasks.stop()  # status stays "timeout"
+
+            if not waiting:
+                settled()
+            for sub, target in waiting:
+                tasks.start_soon(settle_one, sub, target)
+            if interruptible:
+                tasks.start_soon(interrupted)
+            if timeout is not None:
+                tasks.start_soon(timer, timeout)
         self._channel.disarm_wake()
         if account and unsettled:  # timed out or interrupted: charged up to now
             elapsed = anyio.current_time() - start

@@ -34,6 +34,7 @@ from .registry import SubscriptionSet
 from .routes import RouteTable
 from .scheduler import AnyioScheduler
 from .statistics import BusStatistics, LostWork
+from .tasks import TaskSet
 from .watchdog import Watchdog
 
 __all__ = ["Lifecycle", "State"]
@@ -89,6 +90,7 @@ class Lifecycle:
         self._watchdog = watchdog
         self._state: State = "new"
         self._tg: TaskGroup | None = None
+        self._tasks: TaskSet | None = None  # the poller, the scheduler's timer, async workers
         # The task group is entered with `async with` through this stack (never by hand), so
         # that a cancellation at any await of open() unwinds it in open() itself, and the
         # cancel scopes of the caller nest as anyio expects.
@@ -119,10 +121,11 @@ class Lifecycle:
         self._stack = stack
         try:
             tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
+            tasks = self._tasks = TaskSet(tg)
             if self._own_scheduler is not None:
-                await tg.start(self._own_scheduler.run)
-            self._subscriptions.start(tg)
-            tg.start_soon(self._poll, name="trainbus-bus-poller")
+                await tasks.start(self._own_scheduler.run)
+            self._subscriptions.start(tasks)
+            tasks.start_soon(self._poll, name="trainbus-bus-poller")
         except BaseException:
             # Cancelled (or failed) half-way: nothing has run yet, so stop what started, leave
             # the task group here (the caller's scopes stay well nested) and the bus as it was.
@@ -142,10 +145,17 @@ class Lifecycle:
         else:
             self._queue.suspend()
             self._subscriptions.suspend()
-        stack, tg = self._stack, self._tg
-        self._stack = self._tg = None
-        if tg is not None:
-            tg.cancel_scope.cancel()
+        stack, tasks = self._stack, self._tasks
+        self._stack, self._tg, self._tasks = None, None, None
+        if tasks is not None:
+            # The async workers first (suspend() or the close stopped them): a scope around
+            # them cancelled while they end would make their own scopes let it through.
+            with anyio.CancelScope(shield=True):
+                for sub in self._subscriptions.asyncs():
+                    await sub.wait_finished()
+            # Each task ends by its own scope, the task group without a cancellation (see
+            # tasks.py: a cancelled child task stays in a reference cycle on asyncio).
+            tasks.stop()
         if stack is not None:
             await stack.aclose()
 
@@ -216,26 +226,29 @@ class Lifecycle:
     async def _wait_pending(self, wait: Callable[[], Awaitable[None]], deadline: float) -> None:
         """Await ``wait()`` until ``deadline``, or until :meth:`request_cancel_pending` (a
         signal handler's way in) asks to cancel what is pending."""
-        with anyio.move_on_at(deadline):
-            async with anyio.create_task_group() as tg:
 
-                async def on_request() -> None:
-                    # A flag polled only while a call's end or a close waits: a signal handler
-                    # on any thread may set it, where an anyio.Event could not be set safely.
-                    while not self._cancel_requested:  # noqa: ASYNC110
-                        await anyio.sleep(_CANCEL_POLL)
-                    self.cancel_pending()
+        async def on_request() -> None:
+            # A flag polled only while a call's end or a close waits: a signal handler on any
+            # thread may set it, where an anyio.Event could not be set safely.
+            while not self._cancel_requested:  # noqa: ASYNC110
+                await anyio.sleep(_CANCEL_POLL)
+            self.cancel_pending()
 
-                async def notice() -> None:
-                    # Only a wait that lasts is announced: most calls' ends find the async
-                    # subscribers done within a few milliseconds, and say nothing.
-                    await anyio.sleep(_NOTICE_AFTER)
-                    self._announce_wait()
+        async def notice() -> None:
+            # Only a wait that lasts is announced: most calls' ends find the async subscribers
+            # done within a few milliseconds, and say nothing.
+            await anyio.sleep(_NOTICE_AFTER)
+            self._announce_wait()
 
-                tg.start_soon(on_request)
-                tg.start_soon(notice)
-                await wait()
-                tg.cancel_scope.cancel()
+        async with anyio.create_task_group() as tg:
+            tasks = TaskSet(tg)
+            tasks.start_soon(on_request)
+            tasks.start_soon(notice)
+            try:
+                with anyio.move_on_at(deadline):
+                    await wait()
+            finally:
+                tasks.stop()  # they end by their own scopes (tasks.py)
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:

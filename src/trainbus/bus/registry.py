@@ -11,7 +11,6 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from anyio.abc import TaskGroup
 from reactivex import Observable, abc
 
 from .._exceptions import BusClosedError, ConfigError
@@ -29,6 +28,7 @@ from .pressure import Backpressure
 from .spent import Spent
 from .statistics import SubscriptionStatistics
 from .subscriptions import GuardedObserver, Subscription
+from .tasks import TaskSet
 from .watchdog import Watchdog
 
 __all__ = ["SubscriptionSet"]
@@ -68,7 +68,7 @@ class SubscriptionSet:
         self._watchdog = Watchdog(None) if watchdog is None else watchdog
         self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
-        self._tg: TaskGroup | None = None
+        self._tasks: TaskSet | None = None
         self._open = True
         self.backpressure = Backpressure(doorbell)
 
@@ -176,23 +176,23 @@ class SubscriptionSet:
             stamp=self._stamp,
         )
         self._subs.append(sub)
-        if self._tg is not None:
-            sub.start(self._tg)
+        if self._tasks is not None:
+            sub.start(self._tasks)
         sub.upstream = connect(AsyncFeeder(sub))
         return sub
 
-    def start(self, tg: TaskGroup) -> None:
+    def start(self, tasks: TaskSet) -> None:
         """The bus runs: start the active async subscriptions (and later ones at once) in
-        ``tg``."""
-        self._tg = tg
+        ``tasks`` (the bus' :class:`TaskSet`)."""
+        self._tasks = tasks
         for sub in self.asyncs():
             if sub.active:
-                sub.start(tg)
+                sub.start(tasks)
 
     def suspend(self) -> None:
         """The bus suspends: its task group is about to stop; the async subscriptions keep
         their state (and start again with the next :meth:`start`)."""
-        self._tg = None
+        self._tasks = None
         for sub in self.asyncs():
             sub.suspend()
 

@@ -24,6 +24,7 @@ trial PRUNED with no code in the objective. See docs/sweeps.md.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from reactivex.abc import DisposableBase
@@ -32,6 +33,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
+from ..bus.rank_filter import env_rank
 from ..callbacks._base import Callback, RunPlan
 from ..callbacks._sets import reads_metric
 
@@ -67,16 +69,19 @@ class OptunaPruning(Callback):
     Runs on rank 0 under torchrun (the one that talks to the study); the stop it sends is
     agreed by every rank, which all stop at the same step. Only rank 0's ``fit()`` raises
     ``optuna.TrialPruned``; the other ranks return their result (``ending == "pruned"``).
+    The other ranks, which have no trial, pass ``None`` (docs/sweeps.md, "Under torchrun").
 
     Args:
-        trial: The objective's ``optuna.Trial`` (any ``optuna.trial.BaseTrial``).
+        trial: The objective's ``optuna.Trial`` (any ``optuna.trial.BaseTrial``); ``None`` on
+            the ranks other than 0 under torchrun (``RANK`` set and not 0).
         monitor: The metric to report: a key of ``EvaluationEnded.metrics`` (``"val_loss"``,
             ``"test/acc"``) or of ``MetricsLogged.metrics`` (``"loss"``, or a value logged
             from anywhere).
 
     Raises:
         MissingExtraError: optuna is not installed (names ``pip install 'trainbus[optuna]'``).
-        ConfigError: ``trial`` is not an Optuna trial, or ``monitor`` is not a non-empty str.
+        ConfigError: ``trial`` is not an Optuna trial (nor None on a rank other than 0), or
+            ``monitor`` is not a non-empty str.
 
     During the run (the run fails with it, ``on_error="raise"``):
         ConfigError: ``monitor`` was in neither the first evaluation round nor the first
@@ -92,17 +97,20 @@ class OptunaPruning(Callback):
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
         optuna = _optuna()
-        if not isinstance(trial, optuna.trial.BaseTrial):
+        if trial is None and env_rank() != 0:
+            pass  # under torchrun the trial lives on rank 0, where this callback decides
+        elif not isinstance(trial, optuna.trial.BaseTrial):
             raise ConfigError.invalid("trial", type(trial).__name__,
                                       "an optuna.Trial (the argument Optuna passes to the "
-                                      "objective)")  # fmt: skip
+                                      "objective); None only on the ranks other than 0 "
+                                      "under torchrun")  # fmt: skip
         if not isinstance(monitor, str) or not monitor:
             raise ConfigError.invalid("monitor", monitor, "a metric name such as 'val_loss'")
         self.trial = trial
         self.monitor = monitor
         self._pruned_exc: type[BaseException] = optuna.TrialPruned
         self._reads = reads_metric(monitor)
-        self._bus: EventBus | None = None
+        self._bus: weakref.ref[EventBus] | None = None
         self._decides: DisposableBase | None = None
         self._known: set[str] = set()  # metric names seen in this run's events
         self._train_names: frozenset[str] = frozenset()
@@ -115,8 +123,9 @@ class OptunaPruning(Callback):
         """The step at which the pruner said prune (None: not pruned)."""
 
     def setup(self, bus: EventBus) -> None:
-        """Keep the bus: the stop is sent on it, the log steps declared to it."""
-        self._bus = bus
+        """Keep the bus (weakly: it holds this callback's subscriptions, so a strong reference
+        would be a cycle): the stop is sent on it, the log steps declared to it."""
+        self._bus = weakref.ref(bus)
 
     def check(self, plan: RunPlan) -> None:
         """Start a run: declare the log steps as decision steps when ``monitor`` may come in
@@ -128,9 +137,9 @@ class OptunaPruning(Callback):
             self._decides.dispose()
             self._decides = None
         log_every = plan.config.get("log_every")
-        if (self.monitor not in plan.eval_metrics and self._bus is not None
-                and isinstance(log_every, int)):  # fmt: skip
-            self._decides = self._bus.decides(every=log_every)
+        bus = None if self._bus is None else self._bus()
+        if self.monitor not in plan.eval_metrics and bus is not None and isinstance(log_every, int):
+            self._decides = bus.decides(every=log_every)
 
     def on_metrics_logged(self, event: ev.MetricsLogged) -> None:
         """Report ``monitor`` when this window carries it."""
@@ -196,6 +205,9 @@ class OptunaPruning(Callback):
             ConfigError: a run without an evaluation or without a log window ended without
                 ``monitor`` anywhere (nothing was ever reported: pruning could not happen).
         """
+        bus = None if self._bus is None else self._bus()
+        if bus is not None and not bus.runs_here(self.ranks):
+            return  # a rank other than 0: its subscribers did not run, rank 0 decided
         if not self._checked and result.ending in (ev.Ending.COMPLETED, ev.Ending.STOPPED):
             self._check_exists("the whole run")
         if self.pruned_at is not None and result.ending is ev.Ending.PRUNED:
@@ -221,8 +233,9 @@ class OptunaPruning(Callback):
                   prune=prune)  # fmt: skip
         if prune:
             self.pruned_at = step
-            assert self._bus is not None
-            self._bus.send(cmd.StopTraining(reason=PRUNED))
+            bus = None if self._bus is None else self._bus()
+            assert bus is not None  # attached: the bus delivers this very event
+            bus.send(cmd.StopTraining(reason=PRUNED))
             log.info("trial_pruned", step=step, metric=self.monitor,
                      value=value if math.isfinite(value) else str(value),
                      trial=getattr(self.trial, "number", None))  # fmt: skip
