@@ -288,7 +288,7 @@ def test_no_trial_on_another_rank_is_accepted_and_its_run_returns(
                       loss_fn=F.cross_entropy, max_steps=4, progress=False,
                       handle_signals=False, bus=EventBus(rank=1),
                       callbacks=[callback])  # fmt: skip
-    result = trainer.run()
+    result = trainer.fit_sync()
     assert result.ending is Ending.COMPLETED and callback.pruned_at is None
 
 
