@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
 import sys
 import threading
@@ -13,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import trainbus
-from trainbus import ConfigError
+from trainbus import ConfigError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._attach_cli import CommandSyntaxError, View, parse_command
@@ -112,3 +114,17 @@ def test_a_subscriber_blocking_the_job_shows_as_a_warning(
     view.status(status)  # said once, not at every status record
     out = capsys.readouterr().out
     assert out.count("warning: sync subscriber slow_uploader blocked the job's event loop") == 1
+
+
+def test_json_view_prints_wire_records_that_read_back() -> None:
+    out = io.StringIO()
+    view = View(out, json_records=True)
+    event = ev.CommandApplied(step=7, epoch=0, command=cmd.SetLearningRate(lr=0.5))
+    view.show(event)
+    view.status({"holding": [{"name": "uploader", "waited_s": 1.5}], "attached": 2})
+    first, second = out.getvalue().splitlines()
+    back = wire.loads(first.encode())
+    assert isinstance(back, ev.CommandApplied) and back.step == 7
+    assert back.command == cmd.SetLearningRate(lr=0.5)
+    assert json.loads(second) == {"v": 1, "type": "status", "attached": 2,
+                                  "holding": [{"name": "uploader", "waited_s": 1.5}]}  # fmt: skip
