@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from trainbus import ConfigError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._attach_cli import CommandSyntaxError, View, parse_command
+from trainbus.attachment import locate
 from trainbus.distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
 
@@ -128,3 +130,14 @@ def test_json_view_prints_wire_records_that_read_back() -> None:
     assert back.command == cmd.SetLearningRate(lr=0.5)
     assert json.loads(second) == {"v": 1, "type": "status", "attached": 2,
                                   "holding": [{"name": "uploader", "waited_s": 1.5}]}  # fmt: skip
+
+
+def test_without_af_unix_attach_is_off_or_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(socket, "AF_UNIX")  # what Python on Windows has
+    assert attach_folder(True, tmp_path) is None  # the default: silently off
+    with pytest.raises(ConfigError, match="no Unix domain sockets"):
+        attach_folder(tmp_path, None)
+    with pytest.raises(trainbus.AttachError, match="this platform has no Unix domain sockets"):
+        locate(tmp_path)  # what entering an Attachment checks first
