@@ -26,11 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import format_table, interleaved_rounds, machine_info, paired_ratios, summarize
 
 import trainbus
 from trainbus.testing import tiny_model
-
-from _common import format_table, interleaved_rounds, machine_info, paired_ratios, summarize
 
 
 def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

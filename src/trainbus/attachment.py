@@ -2,9 +2,10 @@
 
 ::
 
-    async with trainbus.attach("runs/demo") as job:       # a notebook (top-level await)
-        job.subscribe(job.stream(ev.MetricsLogged), print)   # before entering: see below
-        applied = await job.request(cmd.SaveCheckpoint(tag="now"))
+    job = trainbus.attach("runs/demo")                   # not connected yet
+    job.subscribe(job.stream(ev.MetricsLogged), print)   # subscribe first: the job streams
+    async with job:                                      # what this side wants when it connects
+        applied = await job.request(cmd.SaveCheckpoint(tag="now"))   # a notebook: top-level await
 
     with trainbus.attach("runs/demo") as job:             # a script: a background thread
         job.send(cmd.StopTraining())

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
+import structlog
 
 import trainbus
 from trainbus import events as ev
@@ -84,6 +85,14 @@ async def test_the_prompt_steers_while_a_second_attachment_watches(
     assert result["steps"] == 20 and result["lr"] == 0.05
 
 
+@pytest.fixture
+def _restore_structlog() -> Iterator[None]:
+    # main() configures structlog process-wide; later tests must not inherit it.
+    yield
+    structlog.reset_defaults()
+
+
+@pytest.mark.usefixtures("_restore_structlog")
 def test_bad_folders_are_clear_errors_naming_the_folder(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

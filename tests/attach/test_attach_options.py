@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -13,10 +16,11 @@ import torch
 import torch.nn.functional as F
 
 import trainbus
-from trainbus import ConfigError
+from trainbus import ConfigError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._attach_cli import CommandSyntaxError, View, parse_command
+from trainbus.attachment import locate
 from trainbus.distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
 
@@ -112,3 +116,28 @@ def test_a_subscriber_blocking_the_job_shows_as_a_warning(
     view.status(status)  # said once, not at every status record
     out = capsys.readouterr().out
     assert out.count("warning: sync subscriber slow_uploader blocked the job's event loop") == 1
+
+
+def test_json_view_prints_wire_records_that_read_back() -> None:
+    out = io.StringIO()
+    view = View(out, json_records=True)
+    event = ev.CommandApplied(step=7, epoch=0, command=cmd.SetLearningRate(lr=0.5))
+    view.show(event)
+    view.status({"holding": [{"name": "uploader", "waited_s": 1.5}], "attached": 2})
+    first, second = out.getvalue().splitlines()
+    back = wire.loads(first.encode())
+    assert isinstance(back, ev.CommandApplied) and back.step == 7
+    assert back.command == cmd.SetLearningRate(lr=0.5)
+    assert json.loads(second) == {"v": 1, "type": "status", "attached": 2,
+                                  "holding": [{"name": "uploader", "waited_s": 1.5}]}  # fmt: skip
+
+
+def test_without_af_unix_attach_is_off_or_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(socket, "AF_UNIX")  # what Python on Windows has
+    assert attach_folder(True, tmp_path) is None  # the default: silently off
+    with pytest.raises(ConfigError, match="no Unix domain sockets"):
+        attach_folder(tmp_path, None)
+    with pytest.raises(trainbus.AttachError, match="this platform has no Unix domain sockets"):
+        locate(tmp_path)  # what entering an Attachment checks first
