@@ -264,7 +264,8 @@ class TrainerOptions(TypedDict, total=False):
             checks.checkpoint_dir,
             "Where ``SaveCheckpoint`` writes; a final checkpoint is written when a run "
             "completes or stops. Checked now (creatable, writable, not under a file), created "
-            "at the first save, never before. Resume with ``fit(resume=...)``.",
+            "at the first save (or when ``fit()`` starts, with ``attach`` listening there; "
+            "removed at the end if still empty). Resume with ``fit(resume=...)``.",
         ),
     ]
     skip_final_checkpoint: Annotated[
