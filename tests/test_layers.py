@@ -45,13 +45,11 @@ TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"c
                                    "callbacks": {"top"}, "integrations": {"top"}}
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_rundirs",
-       "seeding", "_driver", "ray", "_trainer", "_export_cli",
-       "attachment", "_attach_cli"}
+       "seeding", "_driver", "ray", "_trainer", "attachment"}
 # The Trainer's own rooms live in trainbus/_trainer/ (one package of the top layer); the
 # package's hall holds public modules and the internals several layers share.
 HALL_INTERNALS = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders",
-                  "_rundirs", "_driver", "_export_cli",
-                  "_attach_cli"}
+                  "_rundirs", "_driver"}
 
 
 @dataclass(frozen=True)

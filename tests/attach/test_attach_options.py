@@ -19,7 +19,7 @@ import trainbus
 from trainbus import ConfigError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus._attach_cli import CommandSyntaxError, View, parse_command
+from trainbus.cli.attach import CommandSyntaxError, View, parse_command
 from trainbus.attachment import locate
 from trainbus.distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
@@ -64,7 +64,7 @@ def test_a_run_folder_too_long_for_af_unix_listens_through_a_symlink(tmp_path: P
     t = trainer(max_steps=100_000, attach=folder)
     started = threading.Event()
     t.add_hook("after_optimizer_step", lambda ctx: started.set())
-    worker = threading.Thread(target=t.run)
+    worker = threading.Thread(target=t.fit_sync)
     worker.start()
     try:
         assert started.wait(60)
@@ -97,7 +97,7 @@ def test_a_subscriber_blocking_the_job_shows_as_a_warning(
         time.sleep(0.2)  # blocks the job's event loop: the watchdog counts a stall
 
     t.bus.subscribe(t.bus.stream(ev.StepEnded), slow, name="slow_uploader")
-    worker = threading.Thread(target=t.run)
+    worker = threading.Thread(target=t.fit_sync)
     worker.start()
     try:
         assert started.wait(60)

@@ -34,8 +34,8 @@ def add_export_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run_export(args: argparse.Namespace) -> int:
     """Run ``trainbus export``: print the file written; return the exit code (1: the folder
     is not a valid sharded checkpoint, or the file cannot be written)."""
-    from ._exceptions import CheckpointError
-    from .checkpoint import export_full
+    from .._exceptions import CheckpointError
+    from ..checkpoint import export_full
 
     try:
         path = export_full(args.folder, args.output)

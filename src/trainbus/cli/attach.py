@@ -24,12 +24,12 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 
-from . import commands as cmd
-from . import events as ev
-from . import wire
-from ._exceptions import BusClosedError, ConfigError
-from .attachment import AttachError, Attachment
-from .bus import CommandError
+from .. import commands as cmd
+from .. import events as ev
+from .. import wire
+from .._exceptions import BusClosedError, ConfigError
+from ..attachment import AttachError, Attachment
+from ..bus import CommandError
 
 __all__ = ["COMMANDS", "main", "parse_command"]
 

@@ -18,7 +18,7 @@ the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs 
 
 ``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
 process as the driver (see :mod:`trainbus.launcher`). ``trainbus attach RUN_DIR`` watches and
-steers a running job (see :mod:`trainbus._attach_cli`).
+steers a running job (see :mod:`trainbus.cli.attach`).
 
 ``trainbus export FOLDER OUTPUT`` writes a sharded (FSDP2) run's checkpoint folder as one plain
 file an unsharded model loads (see :func:`trainbus.checkpoint.export_full`).
@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ._export_cli import add_export_parser, run_export
+from .export import add_export_parser, run_export
 
 __all__ = ["main"]
 
@@ -134,8 +134,8 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from . import Ending, Trainer, seed_everything
-    from .callbacks import (
+    from .. import Ending, Trainer, seed_everything
+    from ..callbacks import (
         Checkpointing,
         CurvePlot,
         EarlyStopping,
@@ -145,7 +145,7 @@ def run_demo(args: argparse.Namespace) -> int:
     )
 
     log = structlog.get_logger("trainbus.cli")
-    from ._rundirs import new_run_dir
+    from .._rundirs import new_run_dir
 
     run_dir: Path = args.run_dir or new_run_dir(Path("runs") / "demo")
     seed_everything(args.seed)  # first: the model's initial weights
@@ -246,9 +246,9 @@ def run_launch(tokens: Sequence[str]) -> int:
         print(f"trainbus launch: {exc}\n{LAUNCH_USAGE}", file=sys.stderr)
         return 2
     configure_logging(json_logs=json_logs)
-    from ._exceptions import ConfigError, LaunchError
-    from .callbacks import MetricsLogger
-    from .launcher import Launcher
+    from .._exceptions import ConfigError, LaunchError
+    from ..callbacks import MetricsLogger
+    from ..launcher import Launcher
 
     try:
         launcher = Launcher(script, *args, nproc_per_node=nproc, torchrun_args=options,
@@ -273,7 +273,7 @@ def run_launch(tokens: Sequence[str]) -> int:
 def run_replay(args: argparse.Namespace) -> int:
     """Print a recorded run, one line per event: offset in seconds, class, fields; only the
     events ``--type`` and ``--steps`` select (offsets stay relative to the run's start)."""
-    from .replay import EventFilter, load_events
+    from ..replay import EventFilter, load_events
 
     keep = EventFilter.parse(args.type or (), args.steps)  # refused before reading the file
     events = list(load_events(args.run_dir))
@@ -295,10 +295,10 @@ def _fields(event: Any) -> dict[str, Any]:
 
 def run_plot(args: argparse.Namespace) -> int:
     """Draw the curves of a recorded run with CurvePlot's renderer."""
-    from . import events as ev
-    from ._rundirs import resolve_run
-    from .callbacks.plot import render
-    from .replay import load_events
+    from .. import events as ev
+    from .._rundirs import resolve_run
+    from ..callbacks.plot import render
+    from ..replay import load_events
 
     events = list(load_events(args.run_dir))
     train = [(e.step, float(e.loss)) for e in events if isinstance(e, ev.StepEnded)]
@@ -389,7 +389,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if tokens[:1] == ["launch"]:  # torchrun's options are not ours to parse: split by hand
         return run_launch(tokens[1:])
     if tokens[:1] == ["attach"]:
-        from ._attach_cli import main as attach_main
+        from .attach import main as attach_main
 
         configure_logging(json_logs=False)
         return attach_main(tokens[1:])
@@ -404,7 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "export":
         return run_export(args)
     if args.command in ("replay", "plot"):
-        from ._exceptions import ConfigError
+        from .._exceptions import ConfigError
 
         try:
             return run_replay(args) if args.command == "replay" else run_plot(args)
