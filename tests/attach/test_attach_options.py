@@ -19,8 +19,8 @@ import trainbus
 from trainbus import ConfigError, wire
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.cli.attach import CommandSyntaxError, View, parse_command
 from trainbus.attachment import locate
+from trainbus.cli.attach import CommandSyntaxError, View, parse_command
 from trainbus.distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
 
