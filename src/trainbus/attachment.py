@@ -89,7 +89,8 @@ def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
         raise AttachError(f"cannot attach to {folder}: this platform has no Unix domain "
                           "sockets (AF_UNIX), which attaching needs")  # fmt: skip
     if not folder.is_dir():
-        raise AttachError(f"cannot attach to {folder}: no such folder")
+        what = "not a folder (a file)" if folder.exists() else "no such folder"
+        raise AttachError(f"cannot attach to {folder}: {what}")
     _owned(folder, folder, "folder")
     sock, token_file = folder / SOCKET_NAME, folder / TOKEN_NAME
     if not os.path.lexists(sock):
