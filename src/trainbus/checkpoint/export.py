@@ -15,6 +15,7 @@ state is not exported (it belongs to the sharded run).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import warnings
@@ -24,6 +25,7 @@ import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError
 from .sharded import read_folder
+from .store import _Sink
 
 __all__ = ["export_full"]
 
@@ -82,12 +84,24 @@ def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     target = Path(path)
     tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.export-tmp")
     try:
-        torch.save(model, tmp)
-        with open(tmp, "rb") as f:
+        # Written through a file we open (as CheckpointStore does): a missing folder or a full
+        # disk is then an OSError, which torch.save(model, path) reports as a RuntimeError.
+        with open(tmp, "xb") as f:
+            sink = _Sink(f)
+            try:
+                torch.save(model, sink)  # type: ignore[arg-type]  # write + flush suffice
+            except OSError:
+                raise
+            except Exception as exc:
+                if sink.error is not None:
+                    raise sink.error from exc
+                raise
+            f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except OSError as exc:
         raise CheckpointWriteError(str(target), exc) from exc
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # also NotADirectoryError: OUTPUT under a file
+            tmp.unlink(missing_ok=True)
     return target
