@@ -296,4 +296,6 @@ def main(argv: Sequence[str]) -> int:
         print(f"trainbus attach: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if not args.json:  # as the prompt's detach and Ctrl-D say it (docs/attach.md)
+            print("detached (the run goes on)", flush=True)
         return 0  # Ctrl-C detaches; the run goes on
