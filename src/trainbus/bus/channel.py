@@ -51,6 +51,7 @@ class CommandChannel:
         self._wake: anyio.Event | None = None
         self._closed = False
         self._sealed = False
+        self._polls_over = False
 
     def send(self, command: cmd.Command) -> None:
         """Put ``command`` on the back-channel. Safe from any thread; never blocks.
@@ -121,6 +122,11 @@ class CommandChannel:
         """
         if self._closed:
             raise BusClosedError("the bus is closed: no loop will apply this command")
+        if self._polls_over:
+            raise BusClosedError(
+                "the call has made its last poll point (it is ending): no loop will apply this "
+                "command in it; request it while fit(), evaluate() or predict() runs"
+            )
         if not isinstance(command, cmd.COMMAND_TYPES):
             raise ConfigError.invalid(
                 "command", command, "an instance of a trainbus.commands class"
@@ -138,7 +144,8 @@ class CommandChannel:
         finally:
             self._requests.pop(id(command), None)
         if not slot:
-            raise BusClosedError(f"the bus closed before {command!r} was applied")
+            raise BusClosedError(f"{command!r} was not applied: the call ended (its last poll "
+                                 "point passed) or the bus closed first")  # fmt: skip
         ack: ev.CommandApplied = slot[0]
         if ack.error is not None:
             raise CommandError(f"{command!r} failed: {ack.error!r}") from ack.error
@@ -173,6 +180,20 @@ class CommandChannel:
         """The bus closed: wake every ``request()`` still waiting (it raises BusClosedError)."""
         for _, done, _slot in list(self._requests.values()):
             done.set()
+
+    def end_polls(self) -> None:
+        """The loop made its last poll point (a call's end, or the close) and every
+        acknowledgement it published was delivered: drop (and log) the commands still queued,
+        wake every ``request()`` still waiting (it raises BusClosedError: nothing would ever
+        apply its command, and an async subscriber awaiting it would hold the end of the call
+        forever), and refuse new requests until :meth:`resume_polls`."""
+        self._polls_over = True
+        self.drop_unapplied()
+        self.release_waiters()
+
+    def resume_polls(self) -> None:
+        """The call's end is over: requests wait for the next call's loop again."""
+        self._polls_over = False
 
     def drop_unapplied(self) -> None:
         """Log and drop the commands still queued at a call's end or the close (sent after the

@@ -212,15 +212,20 @@ class Lifecycle:
             self._own_scheduler.fire_pending()
             await self._queue.drain()
         # Commands sent on this call's last events (after its last poll point) are not
-        # carried into the next call.
-        self._channel.drop_unapplied()
+        # carried into the next call; a request() waiting for one, or made while the async
+        # subscribers finish, raises BusClosedError instead of holding this wait.
+        self._channel.end_polls()
         asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
 
         async def settled() -> None:
             for sub in asyncs:
                 await sub.wait_settled(sub.received)
 
-        await self._wait_pending(settled, deadline)
+        try:
+            await self._wait_pending(settled, deadline)
+        finally:
+            self._channel.drop_unapplied()  # sent (not requested) while they finished
+            self._channel.resume_polls()
         # Past the deadline, stopping the task group cancels what they still run or hold.
 
     async def _wait_pending(self, wait: Callable[[], Awaitable[None]], deadline: float) -> None:
@@ -343,6 +348,9 @@ class Lifecycle:
             except Exception as exc:
                 self._ledger.completion_failed(observer, exc)
         await self._queue.drain()
+        # No loop polls any more: a request() still waiting raises now rather than hold the
+        # wait below (an async subscriber awaiting it would never finish).
+        self._channel.end_polls()
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
             sub.close_input()
