@@ -239,7 +239,7 @@ async def test_a_driver_subscriber_that_raises_stops_the_workers_and_the_launch_
 
     launcher = trainbus.ray.RayLauncher(
         train_fn, scaling_config=scaling,
-        setup=lambda bus: bus.stream(ev.StepEnded).subscribe(boom, policy="raise"),
+        setup=lambda bus: bus.stream(ev.StepEnded).subscribe(boom, on_error="raise"),
         run_config=run_config(storage_path=str(tmp_path / "ray"), name="raise"),
         train_loop_config={"epochs": 200, "ckpt": str(tmp_path / "ckpt"), "out": str(tmp_path)},
     )  # fmt: skip
