@@ -112,12 +112,6 @@ def drive(out: Path, temp_dir: str, signals: int, slow: float) -> tuple[int, str
     return driver.returncode, rest + log.read_text()[-3000:], below
 
 
-@pytest.mark.xfail(
-    reason="on the merged tree (attach listening in checkpoint_dir, the bus' loop port), a driver "
-    "whose workers run without a per-step sleep sees no StepEnded before the run ends, so no "
-    "signal is sent: a real defect, open on #20 (the 2-signal test below, with slow steps, passes)",
-    strict=False,
-)
 def test_ctrl_c_stops_every_rank_gracefully_and_leaves_nothing_running(
     tmp_path: Path, temp_dir: str
 ) -> None:

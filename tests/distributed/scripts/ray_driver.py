@@ -72,7 +72,7 @@ def main() -> int:
 
     try:
         result = trainbus.ray.launch(
-            train_fn, scaling_config=ScalingConfig(num_workers=2),
+            train_fn, scaling_config=ScalingConfig(num_workers=2), setup=setup,
             run_config=RunConfig(storage_path=str(out / "ray"), name="signals"),
             train_loop_config={"out": str(out), "slow": slow},
         )  # fmt: skip
