@@ -141,3 +141,12 @@ def test_without_af_unix_attach_is_off_or_a_clear_error(
         attach_folder(tmp_path, None)
     with pytest.raises(trainbus.AttachError, match="this platform has no Unix domain sockets"):
         locate(tmp_path)  # what entering an Attachment checks first
+
+
+def test_a_file_given_as_the_run_folder_is_named_as_a_file(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    with pytest.raises(trainbus.AttachError, match=r"afile: not a folder \(a file\)"):
+        locate(afile)
+    with pytest.raises(trainbus.AttachError, match="no such folder"):
+        locate(tmp_path / "missing")

@@ -238,3 +238,15 @@ def test_a_folder_marked_best_is_copied_whole(out: Path, tmp_path: Path) -> None
     assert trainbus.checkpoint.read_checkpoint(best).state.step == 7
     assert copy_as_best(source, 7) == best  # again: the older copy replaced
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000007", "step-00000007-best"]
+
+
+@pytest.mark.parametrize("where", ["missing/m.pt", "afile/m.pt"])
+def test_export_to_an_unwritable_place_is_a_checkpoint_write_error(out: Path, where: str) -> None:
+    from trainbus import CheckpointWriteError
+    from trainbus.checkpoint import export_full
+
+    (out / "afile").write_text("")
+    target = out / where
+    with pytest.raises(CheckpointWriteError, match=target.parent.name):
+        export_full(out / "ckpt5" / "step-00000007-final", target)
+    assert not target.parent.is_dir() or not any(target.parent.iterdir())

@@ -25,7 +25,7 @@ import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError
 from .sharded import read_folder
-from .store import _Sink
+from .store import save_synced
 
 __all__ = ["export_full"]
 
@@ -87,17 +87,7 @@ def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) ->
         # Written through a file we open (as CheckpointStore does): a missing folder or a full
         # disk is then an OSError, which torch.save(model, path) reports as a RuntimeError.
         with open(tmp, "xb") as f:
-            sink = _Sink(f)
-            try:
-                torch.save(model, sink)  # type: ignore[arg-type]  # write + flush suffice
-            except OSError:
-                raise
-            except Exception as exc:
-                if sink.error is not None:
-                    raise sink.error from exc
-                raise
-            f.flush()
-            os.fsync(f.fileno())
+            save_synced(model, f)
         os.replace(tmp, target)
     except OSError as exc:
         raise CheckpointWriteError(str(target), exc) from exc

@@ -40,6 +40,7 @@ __all__ = [
     "checkpoint_name",
     "parse_checkpoint_name",
     "read_checkpoint",
+    "save_synced",
 ]
 
 log = get_logger(__name__)
@@ -169,6 +170,26 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     except Exception as exc:
         raise _refuse(p, f"torch.load cannot read it: {_first_line(exc)}", exc) from exc
     return parse_payload(payload, p)
+
+
+def save_synced(obj: Any, file: Any) -> None:
+    """``torch.save`` ``obj`` into the open binary ``file``, then flush and fsync it.
+
+    Raises:
+        OSError: the disk refused a write (its own error: torch turns a refused write into
+            "RuntimeError: [enforce fail at inline_container.cc] unexpected pos").
+    """
+    sink = _Sink(file)
+    try:
+        torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
+    except OSError:
+        raise
+    except Exception as exc:
+        if sink.error is not None:
+            raise sink.error from exc
+        raise
+    file.flush()
+    os.fsync(file.fileno())
 
 
 class _Sink:
@@ -337,19 +358,7 @@ class CheckpointStore:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                          0o666)  # fmt: skip
             with os.fdopen(fd, "wb") as f:
-                sink = _Sink(f)
-                try:
-                    torch.save(payload, sink)  # type: ignore[arg-type]  # write + flush suffice
-                except OSError:
-                    raise
-                except Exception as exc:
-                    # torch turns a refused write into "RuntimeError: [enforce fail at
-                    # inline_container.cc] unexpected pos": surface the disk's own error.
-                    if sink.error is not None:
-                        raise sink.error from exc
-                    raise
-                f.flush()
-                os.fsync(f.fileno())
+                save_synced(payload, f)
             os.replace(tmp, path)
         except BaseException:
             tmp.unlink(missing_ok=True)
