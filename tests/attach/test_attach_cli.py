@@ -51,7 +51,7 @@ def test_stop_as_an_option_lands_at_the_paused_step(job: Callable[..., Job]) -> 
 async def test_the_prompt_steers_while_a_second_attachment_watches(
     job: Callable[..., Job],
 ) -> None:
-    j = job("--max-steps", "20", "--pause-at", "4", "--pause-at", "9")
+    j = job("--max-steps", "20", "--pause-at", "4", "--pause-at", "9", "--pause-at", "15")
     await anyio.to_thread.run_sync(j.wait_for, "paused-4")
     applied: list[ev.CommandApplied] = []
     watcher = trainbus.attach(j.run_dir, timeout=30)
@@ -73,10 +73,15 @@ async def test_the_prompt_steers_while_a_second_attachment_watches(
         p.stdin.flush()
         lines = await anyio.to_thread.run_sync(read_until, p, "applied: SetLearningRate")
         assert "at step 9" in lines[-1]
+        # Detach while the run is held at step 15, so the prompt's "detach" cannot race the
+        # run's end (unheld, steps 10 to 20 take well under a second).
+        await anyio.to_thread.run_sync(j.wait_for, "paused-15")
         p.stdin.write("detach\n")
         p.stdin.flush()
         out, _ = p.communicate(timeout=30)
-        assert p.returncode == 0 and "detached (the run goes on)" in out
+        assert p.returncode == 0 and "detached (the run goes on)" in out, out
+        assert "run ended" not in out
+        j.release(15)
         ended = await watcher.wait(60)
     assert ended is not None and ended.step == 20  # detaching left the run alone
     assert [(type(a.command).__name__, a.step) for a in applied] == [
