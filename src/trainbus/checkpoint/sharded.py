@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
+from .reading import one_line_reason, read_file
 from .rng import capture_rng
 from .state import FORMAT_VERSION, MAGIC, Checkpoint, TrainState, check_plain, run_metadata
 
@@ -49,7 +50,6 @@ __all__ = [
     "dcp_state",
     "folder_name",
     "gather_errors",
-    "one_line_reason",
     "rank_and_world",
     "rank_file",
     "read_folder",
@@ -310,16 +310,6 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def one_line_reason(exc: BaseException) -> str:
-    """An exception in one line: torch.load's refusals are a page of advice around one line
-    of diagnosis (``WeightsUnpickler error: ...``)."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    for i, line in enumerate(lines):
-        if "WeightsUnpickler error" in line:
-            return " ".join(lines[i : i + 2])
-    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
-
-
 def _check_dcp_files(folder: Path) -> None:
     """The DCP index parses and names files that are all present and long enough."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -362,8 +352,6 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
             or a rank's ``rank-<r>.pt`` is missing or truncated, or ``trainbus.pt`` is not a
             valid trainbus payload. The message names the folder.
     """
-    from .store import read_checkpoint
-
     path = Path(folder)
     if not path.is_dir():
         raise CheckpointError("no such checkpoint folder", path=str(path))
@@ -371,7 +359,7 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
     if not (path / STATE_FILE).is_file():
         raise CheckpointError(f"missing {STATE_FILE} (trainbus' own state, written by rank 0)",
                               path=str(path))  # fmt: skip
-    inner = read_checkpoint(path / STATE_FILE)
+    inner = read_file(path / STATE_FILE)
     checkpoint = replace(inner, path=path)
     if not checkpoint.meta.get("sharded"):
         raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",

@@ -17,11 +17,11 @@ import torch.distributed as dist
 
 from .._exceptions import CheckpointError
 from .._log import get_logger
+from .reading import one_line_reason
 from .sharded import (
     RankFailure,
     dcp_state,
     gather_errors,
-    one_line_reason,
     rank_and_world,
     read_folder,
     read_rank_file,

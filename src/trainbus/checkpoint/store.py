@@ -16,12 +16,10 @@ with ``torch.load(weights_only=True)`` and its structure checked. Whatever is wr
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import secrets
 import shutil
 import threading
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,9 @@ import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
+from .reading import read_file
 from .sharded import read_folder
-from .state import Checkpoint, parse_payload
+from .state import Checkpoint
 
 __all__ = [
     "TEMP_SUFFIX",
@@ -104,30 +103,13 @@ def check_checkpoint_dir(path: object) -> Path:
     return folder
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def _unpickler_reason(exc: BaseException) -> str:
-    # torch's message is a page of advice on loading unsafely; keep only its diagnosis.
-    for line in str(exc).splitlines():
-        if "WeightsUnpickler error" in line:
-            return line.strip()
-    return type(exc).__name__
-
-
-def _refuse(path: Path, what: str, cause: BaseException | None = None) -> CheckpointError:
-    error = CheckpointError(what, path=str(path))
-    error.__cause__ = cause
-    return error
-
-
 def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
-    """Read and check a checkpoint file; nothing is applied to a model yet.
+    """Read and check a checkpoint: a ``.pt`` file, or a sharded run's checkpoint folder.
+
+    Nothing is applied to a model yet.
 
     Args:
-        path: The ``.pt`` file.
+        path: The ``.pt`` file, or a ``step-<n>[-<tag>]/`` folder a sharded run wrote.
         map_location: Where tensors are loaded (as in ``torch.load``).
 
     Returns:
@@ -136,40 +118,14 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     Raises:
         CheckpointError: the file is missing, empty, truncated, corrupt (a CRC fails), holds
             anything but tensors and plain containers (``weights_only`` refuses it, so crafted
-            code never runs), or is not a trainbus checkpoint of this format. The message
-            names the file; the low-level error is the ``__cause__``.
+            code never runs), or is not a trainbus checkpoint of this format; a folder is not a
+            complete sharded checkpoint. The message names the file or folder; the low-level
+            error is the ``__cause__``.
     """
     p = Path(path)
-    if p.is_dir():  # a sharded run's checkpoint folder (sharded.py)
+    if p.is_dir():
         return read_folder(p)
-    if not p.is_file():
-        raise _refuse(p, "no such file")
-    if p.stat().st_size == 0:
-        raise _refuse(p, "empty file (0 bytes): a write that never completed")
-    # Exceptions from a damaged zip are many (BadZipFile, EOFError, struct.error, ValueError,
-    # zlib.error, ...): each one means the same thing here, so each becomes a CheckpointError.
-    try:
-        with zipfile.ZipFile(p) as z:
-            bad = z.testzip()
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise _refuse(p, f"not a complete checkpoint archive (truncated or not a torch "
-                         f"file): {exc}", exc) from exc  # fmt: skip
-    if bad is not None:
-        raise _refuse(p, f"corrupt: the archive member {bad!r} fails its CRC check")
-    try:
-        payload = torch.load(p, map_location=map_location, weights_only=True)
-    except pickle.UnpicklingError as exc:
-        what = ("refused by safe loading (weights_only=True): it holds objects other than "
-                "tensors and plain containers, so it is not a trainbus checkpoint and may be "
-                f"crafted to run code ({_unpickler_reason(exc)})")  # fmt: skip
-        raise _refuse(p, what, exc) from exc
-    except MemoryError:
-        raise
-    except Exception as exc:
-        raise _refuse(p, f"torch.load cannot read it: {_first_line(exc)}", exc) from exc
-    return parse_payload(payload, p)
+    return read_file(p, map_location=map_location)
 
 
 def save_synced(obj: Any, file: Any) -> None:
