@@ -15,8 +15,11 @@ rank 0 and the driver.
   more (a Ray call costs about as much as a tiny training step; one per event would slow
   rank 0 by tens of percent). Each batch carries a sequence number, so the driver reads them
   in rank 0's order whatever order the actor ran them in.
-- The driver polls :meth:`_Mailbox.take` every ``poll_interval`` seconds (one call for every
-  hello and every batch queued since).
+- The driver long-polls :meth:`_Mailbox.take`: the call returns as soon as a hello or the next
+  batch is there (with everything queued since), or after ``poll_interval`` seconds with
+  nothing. So the driver makes one Ray call per batch while events stream and about two a
+  second while none do: on a machine whose cores the workers fill, every call the driver
+  makes takes CPU from a worker (and under gloo, from every rank waiting for it).
 - Only the accepted link's pushes are kept; a refused worker's are dropped. What crosses is
   bytes of :mod:`trainbus.wire` JSON lines: Ray pickles the call's arguments, but never an
   event or a command object.
@@ -56,6 +59,7 @@ class _Mailbox:
         self._next = 0
         self._commands: list[bytes] = []
         self._wake = asyncio.Event()
+        self._arrived = asyncio.Event()  # a hello or a batch: the driver's take() returns
         self._released: set[str] = set()
         self._workers: list[Any] = []
         self._aborted = False
@@ -65,6 +69,7 @@ class _Mailbox:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._replies[link_id] = future
         self._hellos.append((link_id, line))
+        self._arrived.set()
         try:
             return await asyncio.wait_for(future, wait)
         except TimeoutError:
@@ -75,6 +80,7 @@ class _Mailbox:
     def push(self, link_id: str, seq: int, data: bytes) -> None:
         if link_id == self._linked:
             self._chunks[seq] = data
+            self._arrived.set()
 
     async def commands(self, link_id: str, wait: float) -> bytes | None:
         if link_id != self._linked or link_id in self._released:
@@ -111,7 +117,15 @@ class _Mailbox:
         workers, self._workers = self._workers, []
         return workers
 
-    def take(self) -> tuple[list[tuple[str, bytes]], list[bytes]]:
+    async def take(self, wait: float) -> tuple[list[tuple[str, bytes]], list[bytes]]:
+        """The hellos and the batches in order queued since the last take; waits up to
+        ``wait`` seconds for one when there is none."""
+        if not self._hellos and self._next not in self._chunks:
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), wait)
+            except TimeoutError:
+                pass
         hellos, self._hellos = self._hellos, []
         out: list[bytes] = []
         while self._next in self._chunks:
@@ -246,16 +260,17 @@ class RayDriver:
     Args:
         actor: The mailbox actor's handle.
         address: ``ray:<namespace>/<name>``.
-        poll_interval: Seconds between the driver's reads of the mailbox when it was empty.
+        poll_interval: The longest one read of the mailbox waits for a hello or a batch (it
+            returns as soon as one is there).
     """
 
-    def __init__(self, actor: Any, address: str, *, poll_interval: float = 0.02) -> None:
+    def __init__(self, actor: Any, address: str, *, poll_interval: float = 0.5) -> None:
         self._actor = actor
         self.address = address
         self.poll_interval = check_seconds("poll_interval", poll_interval)
 
     @classmethod
-    async def start(cls, *, poll_interval: float = 0.02) -> RayDriver:
+    async def start(cls, *, poll_interval: float = 0.5) -> RayDriver:
         """Start the mailbox actor and wait until it runs (so a worker's handshake never
         waits for an actor still starting)."""
         namespace = ray.get_runtime_context().namespace
@@ -267,8 +282,9 @@ class RayDriver:
     async def serve(self, link: DriverLink) -> None:
         """Read the mailbox into the link until cancelled."""
         while True:
-            ref = self._actor.take.remote()
-            hellos, chunks = await anyio.to_thread.run_sync(ray.get, ref)
+            ref = self._actor.take.remote(self.poll_interval)
+            # Abandoned on cancel: the long poll ends by itself, or with the actor (aclose).
+            hellos, chunks = await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
             for data in chunks:  # the linked worker's, before a hello that may replace it
                 link.receive(data)
             for link_id, line in hellos:
@@ -276,8 +292,6 @@ class RayDriver:
                 self._actor.answer.remote(link_id, reply or b"")
             while link.backlogged():  # noqa: ASYNC110  (the bus has no "room" event)
                 await anyio.sleep(0.01)
-            if not hellos and not chunks:
-                await anyio.sleep(self.poll_interval)
 
     async def send(self, data: bytes) -> None:
         """Queue command lines for the linked worker (a non-waiting call)."""
