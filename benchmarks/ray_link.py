@@ -7,13 +7,14 @@
    transport (``trainbus/ray/_transport.py``) and publishes ``EVENTS`` ``StepEnded`` events as
    fast as its bus takes them; the driver's bus counts them. Events/s = events / (time of the
    last arrival - time of the first).
-2. **step time**: ``TorchTrainer`` with 2 workers of 1 CPU (gloo) runs the same tiny-MLP
+2. **step time**: ``TorchTrainer`` with ``--workers`` workers of 1 CPU (gloo) runs the same tiny-MLP
    Trainer (``STEPS`` steps) with and without the driver (``trainbus.ray.launch`` with a
    driver ``StepEnded`` subscriber, so every step's event streams; a plain ``TorchTrainer``,
    so rank 0 has no link). Rank 0's median ``StepEnded.duration_s`` and its fit wall time per
    step, alternating the two arms for ``--rounds`` rounds.
 
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/ray_link.py [--rounds 2] [--steps 1500]``.
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/ray_link.py [--rounds 2] [--steps 1500]
+[--workers 2] [--skip-events | --skip-steps]``.
 Writes ``benchmarks/results/ray_link.json``. A Ray Train launch takes 40-70 s on a loaded
 2-core machine: each round is two of them.
 """
@@ -150,7 +151,7 @@ def train_fn(config: dict[str, Any]) -> None:
         Path(config["out"]).write_text(json.dumps(out))
 
 
-def step_times(ray: Any, steps: int, rounds: int) -> dict[str, Any]:
+def step_times(ray: Any, steps: int, rounds: int, workers: int) -> dict[str, Any]:
     import json
 
     from ray.train import RunConfig, ScalingConfig
@@ -159,7 +160,7 @@ def step_times(ray: Any, steps: int, rounds: int) -> dict[str, Any]:
     import trainbus.ray
     from trainbus import events as ev
 
-    scaling = ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1})
+    scaling = ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 1})
     arms: dict[str, list[dict[str, float]]] = {"without_driver": [], "with_driver": []}
     tmp = Path(tempfile.mkdtemp(prefix="ray_link_"))
     for i in range(rounds):
@@ -178,7 +179,7 @@ def step_times(ray: Any, steps: int, rounds: int) -> dict[str, Any]:
                              train_loop_config=config).fit()  # fmt: skip
             arms[arm].append(json.loads(out.read_text()))
             print(arm, i, arms[arm][-1], flush=True)
-    summary: dict[str, Any] = {"rounds": arms}
+    summary: dict[str, Any] = {"workers": workers, "rounds": arms}
     for key in ("median_step_s", "wall_per_step_s"):
         base = statistics.median(r[key] for r in arms["without_driver"])
         driven = statistics.median(r[key] for r in arms["with_driver"])
@@ -190,7 +191,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--workers", type=int, default=2,
+                        help="Ray Train workers of 1 CPU (1 leaves a core of a 2-core machine "
+                        "to the driver, its mailbox actor and Ray itself)")  # fmt: skip
     parser.add_argument("--skip-steps", action="store_true", help="only the events/s part")
+    parser.add_argument("--skip-events", action="store_true", help="only the step-time part")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "ray_link.json")
     args = parser.parse_args()
     import ray
     from ray import cloudpickle
@@ -202,15 +208,16 @@ def main() -> None:
     result: dict[str, Any] = {"machine": machine_info(), "codec": codec()}
     print("codec", result["codec"], flush=True)
     try:
-        result["events"] = events_per_second(ray)
-        print("events", result["events"], flush=True)
+        if not args.skip_events:
+            result["events"] = events_per_second(ray)
+            print("events", result["events"], flush=True)
         if not args.skip_steps:
-            result["steps"] = step_times(ray, args.steps, args.rounds)
+            result["steps"] = step_times(ray, args.steps, args.rounds, args.workers)
             for key in ("median_step_s", "wall_per_step_s"):
                 print(key, result["steps"][key], flush=True)
     finally:
         ray.shutdown()
-    print(write_json(RESULTS_DIR / "ray_link.json", result))
+    print(write_json(args.out, result))
 
 
 if __name__ == "__main__":

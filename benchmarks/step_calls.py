@@ -1,11 +1,18 @@
-"""Python calls per training step: a count, not a timing, so a loaded machine cannot move it.
+"""Python work per training step: counts, not timings, so a loaded machine cannot move them.
 
-cProfile over ``Loop.run`` of a tiny-model run (``tiny_model``, ``tiny_loader(400, 8)``, one
-epoch, no subscriber; then with one ``StepEnded`` subscriber), primitive calls divided by the
-steps: every Python function and builtin the training thread calls per step, and how many of
-them are trainbus functions. Compare two trees by running it with each on ``PYTHONPATH``.
+A tiny-model run (``tiny_model``, ``tiny_loader(400, 8)``, one epoch, no subscriber; then
+with one ``StepEnded`` subscriber), observed over ``Loop.run`` on the training thread:
 
-Run: ``PYTHONPATH=src .venv/bin/python benchmarks/step_calls.py [--top N]``.
+- **calls**: cProfile's primitive calls divided by the steps: every Python function and
+  builtin the training thread calls per step, and how many of them are trainbus functions;
+- **bytecodes** (``--bytecodes``): the bytecode instructions the training thread executes per
+  step (``sys.settrace`` with ``f_trace_opcodes``), all of them and those in trainbus code.
+  This is the closer proxy for the Python time a step costs: a call is one count whether it
+  runs 5 instructions or 50.
+
+Compare two trees by running it with each on ``PYTHONPATH``.
+
+Run: ``PYTHONPATH=src .venv/bin/python benchmarks/step_calls.py [--top N] [--bytecodes]``.
 """
 
 from __future__ import annotations
@@ -13,6 +20,10 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
+import sys
+from collections import Counter
+from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -26,8 +37,8 @@ from trainbus.testing import tiny_loader, tiny_model
 STEPS = 400
 
 
-def profiled(subscribed: bool) -> dict[Any, Any]:
-    """One run's cProfile stats of the training thread (``Loop.run``)."""
+def _observed(subscribed: bool, start: Callable[[], None], stop: Callable[[], None]) -> None:
+    """One run with ``start()`` / ``stop()`` around ``Loop.run`` (on the training thread)."""
     torch.manual_seed(0)
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
@@ -35,38 +46,61 @@ def profiled(subscribed: bool) -> dict[Any, Any]:
                       handle_signals=False, progress=False)  # fmt: skip
     if subscribed:
         trainer.bus.stream(ev.StepEnded).subscribe(lambda e: None)
-    prof = cProfile.Profile()
     original = loop_module.Loop.run
 
     def run(self: Any) -> Any:
-        prof.enable()
+        start()
         try:
             return original(self)
         finally:
-            prof.disable()
+            stop()
 
     loop_module.Loop.run = run  # type: ignore[method-assign]
     try:
         trainer.fit_sync()
     finally:
         loop_module.Loop.run = original  # type: ignore[method-assign]
-    return pstats.Stats(prof).stats  # type: ignore[attr-defined, no-any-return]
+
+
+def calls(subscribed: bool) -> Counter[str]:
+    """Primitive calls per function (``file:function``) over one run."""
+    prof = cProfile.Profile()
+    _observed(subscribed, prof.enable, prof.disable)
+    stats = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    return Counter({f"{k[0]}:{k[2]}": v[1] for k, v in stats.items()})
+
+
+def bytecodes(subscribed: bool) -> Counter[str]:
+    """Bytecode instructions executed per function (``file:function``) over one run."""
+    counts: Counter[str] = Counter()
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts[f"{frame.f_code.co_filename}:{frame.f_code.co_name}"] += 1
+        return trace
+
+    _observed(subscribed, lambda: sys.settrace(trace), lambda: sys.settrace(None))
+    return counts
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--top", type=int, default=0, help="also list the N most called")
+    parser.add_argument("--top", type=int, default=0, help="also list the N largest counts")
+    parser.add_argument("--bytecodes", action="store_true",
+                        help="count bytecode instructions instead of calls")  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)
+    count, what = (bytecodes, "bytecodes") if args.bytecodes else (calls, "calls")
     for subscribed in (False, True):
-        stats = profiled(subscribed)
-        total = sum(v[1] for v in stats.values())
-        ours = sum(v[1] for k, v in stats.items() if "trainbus" in k[0])
+        counts = count(subscribed)
+        total = sum(counts.values())
+        ours = sum(n for k, n in counts.items() if "trainbus" in k)
         name = "one StepEnded subscriber" if subscribed else "no subscriber"
-        print(f"{name}: {total / STEPS:.1f} calls/step, {ours / STEPS:.1f} in trainbus functions")
+        print(f"{name}: {total / STEPS:.1f} {what}/step, {ours / STEPS:.1f} in trainbus code")
         if args.top and not subscribed:
-            for n, k in sorted(((v[1], k) for k, v in stats.items()), reverse=True)[: args.top]:
-                print(f"  {n / STEPS:6.2f}  {k[0]}:{k[2]}")
+            for k, n in counts.most_common(args.top):
+                print(f"  {n / STEPS:7.2f}  {k}")
 
 
 if __name__ == "__main__":
