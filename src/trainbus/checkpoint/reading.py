@@ -43,20 +43,11 @@ def _refuse(path: Path, what: str, cause: BaseException | None = None) -> Checkp
 
 
 def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
-    """Read and check one checkpoint file; nothing is applied to a model yet.
-
-    Args:
-        path: The ``.pt`` file.
-        map_location: Where tensors are loaded (as in ``torch.load``).
-
-    Returns:
-        The :class:`~trainbus.checkpoint.Checkpoint`; call its ``restore(...)`` to apply it.
+    """Read and check one checkpoint file, as :func:`trainbus.checkpoint.read_checkpoint` does
+    for a file (its docstring says what is refused); nothing is applied to a model yet.
 
     Raises:
-        CheckpointError: the file is missing, empty, truncated, corrupt (a CRC fails), holds
-            anything but tensors and plain containers (``weights_only`` refuses it, so crafted
-            code never runs), or is not a trainbus checkpoint of this format. The message
-            names the file; the low-level error is the ``__cause__``.
+        CheckpointError: naming the file; the low-level error is the ``__cause__``.
     """
     p = path
     if not p.is_file():
