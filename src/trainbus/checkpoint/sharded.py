@@ -42,7 +42,7 @@ from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .reading import one_line_reason, read_file
 from .rng import capture_rng
-from .state import FORMAT_VERSION, MAGIC, Checkpoint, TrainState, check_plain, run_metadata
+from .state import Checkpoint, TrainState, build_payload, check_plain
 
 __all__ = [
     "STATE_FILE",
@@ -198,10 +198,11 @@ def save_sharded(
     try:  # the local part that may fail, agreed before the first collective write
         check_plain(data_order, "data_order")
         if rank == 0:
-            payload = _state_payload(state=state, model=model, optimizer=optimizer,
-                                     scheduler=scheduler, scaler=scaler, metrics=metrics,
-                                     data_order=data_order, callback_states=callback_states,
-                                     world_size=world)  # fmt: skip
+            payload = build_payload(state=state, model=model, optimizer=optimizer,
+                                    scheduler=scheduler, scaler=scaler, metrics=metrics,
+                                    rng=None, data_order=data_order,
+                                    callback_states=callback_states, world_size=world,
+                                    sharded=True)  # fmt: skip
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
@@ -259,41 +260,6 @@ def _raise_agreed(
     what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
     raise CheckpointError(f"not written: another rank's part failed ({what}); the earlier "
                           "checkpoints are untouched", path=str(final))  # fmt: skip
-
-
-def _state_payload(
-    *,
-    state: TrainState,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    scaler: Any | None,
-    metrics: Mapping[str, float],
-    data_order: dict[str, Any] | None,
-    callback_states: Mapping[str, Mapping[str, Any]] | None,
-    world_size: int,
-) -> dict[str, Any]:
-    """``trainbus.pt``: a one-file payload (:mod:`.state`) whose model and optimizer entries
-    are empty (their state is in the DCP files) and whose metadata says so (``sharded``)."""
-    callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
-    check_plain(callbacks, "callback_states")
-    # A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
-    meta = run_metadata(model, optimizer, world_size=world_size)
-    meta["sharded"] = True
-    return {
-        "magic": MAGIC,
-        "format": FORMAT_VERSION,
-        "meta": meta,
-        "state": state.as_dict(),
-        "model": {},
-        "optimizer": {"state": {}, "param_groups": []},
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "scaler": scaler.state_dict() if scaler is not None else None,
-        "metrics": {str(k): float(v) for k, v in metrics.items()},
-        "rng": None,
-        "data_order": data_order,
-        "callbacks": callbacks,
-    }
 
 
 def _publish(tmp: Path, final: Path) -> None:

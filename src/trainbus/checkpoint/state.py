@@ -221,8 +221,14 @@ def build_payload(
     data_order: dict[str, Any] | None = None,
     callback_states: Mapping[str, Mapping[str, Any]] | None = None,
     world_size: int = 1,
+    sharded: bool = False,
 ) -> dict[str, Any]:
     """The dictionary written to a checkpoint file (see the module docstring).
+
+    Args:
+        sharded: A sharded run's ``trainbus.pt`` (:mod:`.sharded`): the model and optimizer
+            entries are empty (their state is in the DCP files) and the metadata says so.
+            A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
 
     Raises:
         ConfigError: a callback state or the data order holds a value that
@@ -231,13 +237,16 @@ def build_payload(
     callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
     check_plain(callbacks, "callback_states")
     check_plain(data_order, "data_order")
+    meta = run_metadata(model, optimizer, world_size=world_size)
+    if sharded:
+        meta["sharded"] = True
     return {
         "magic": MAGIC,
         "format": FORMAT_VERSION,
-        "meta": run_metadata(model, optimizer, world_size=world_size),
+        "meta": meta,
         "state": state.as_dict(),
-        "model": canonical_state(model.state_dict()),
-        "optimizer": optimizer.state_dict(),
+        "model": {} if sharded else canonical_state(model.state_dict()),
+        "optimizer": {"state": {}, "param_groups": []} if sharded else optimizer.state_dict(),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "scaler": scaler.state_dict() if scaler is not None else None,
         "metrics": {str(k): float(v) for k, v in metrics.items()},
