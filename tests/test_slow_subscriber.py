@@ -217,9 +217,13 @@ def test_on_lost_raise_fails_the_run_after_delivery(tmp_path: Path, service: Ser
     result = run.trainer.result
     assert result is not None and info.value.result is result
     assert result.reason == "completed" and info.value.lost == dict(result.lost)
-    assert result.lost["poster"] == LostWork(dropped=POSTS - 3)
+    # Posts were dropped (how many depends on when the poster's worker took its first one: the
+    # exact count of a full buffer is test_default_policy_...'s) and nothing else was lost.
+    dropped = result.lost["poster"].dropped
+    assert result.lost["poster"] == LostWork(dropped=dropped) and 0 < dropped < POSTS
     assert run.fast == list(range(1, STEPS + 1))  # everything was delivered first
-    assert len(service.arrived) == 3  # and the close waited for what was not dropped
+    # ...and the close waited for every post that was not dropped.
+    assert len(service.arrived) == POSTS - dropped
 
 
 def test_close_waits_for_every_post_by_default_and_says_so(
