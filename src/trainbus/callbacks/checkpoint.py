@@ -94,34 +94,22 @@ def copy_as_best(source: Path, step: int) -> Path:
     Returns:
         The path of the copy (``source`` itself when it already is that file).
     """
-    if source.is_dir():
-        return _copy_folder_as_best(source, step)
-    target = source.with_name(f"step-{step:08d}-best.pt")
+    folder = source.is_dir()
+    target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
     if target == source:
         return target
     tmp = source.with_name(f".{target.name}.{secrets.token_hex(4)}.copy-tmp")
     try:
-        shutil.copyfile(source, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        if folder:
+            shutil.copytree(source, tmp)
+            _remove(target)  # os.replace renames a folder only onto none or an empty one
+        else:
+            shutil.copyfile(source, tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, target)
     finally:
-        tmp.unlink(missing_ok=True)
-    return target
-
-
-def _copy_folder_as_best(source: Path, step: int) -> Path:
-    target = source.with_name(f"step-{step:08d}-best")
-    if target == source:
-        return target
-    tmp = source.with_name(f".{target.name}.{secrets.token_hex(4)}.copy-tmp")
-    try:
-        shutil.copytree(source, tmp)
-        if target.exists():
-            _remove(target)
-        os.replace(tmp, target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        _remove(tmp)  # only left when the copy failed
     return target
 
 
