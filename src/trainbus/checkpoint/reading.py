@@ -21,11 +21,6 @@ from .state import Checkpoint, parse_payload
 __all__ = ["one_line_reason", "read_file"]
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
 def one_line_reason(exc: BaseException) -> str:
     """An exception in one line: torch.load's refusals are a page of advice around one line
     of diagnosis (``WeightsUnpickler error: ...``)."""
@@ -76,5 +71,5 @@ def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
     except MemoryError:
         raise
     except Exception as exc:
-        raise _refuse(p, f"torch.load cannot read it: {_first_line(exc)}", exc) from exc
+        raise _refuse(p, f"torch.load cannot read it: {one_line_reason(exc)}", exc) from exc
     return parse_payload(payload, p)
