@@ -294,3 +294,46 @@ def test_a_hook_added_mid_run_runs_from_the_next_step(monkeypatch: pytest.Monkey
     assert result[2] == 600
     assert ran_at, "the hook never ran"
     assert ran_at == list(range(ran_at[0], 601))  # every step from the first on
+
+
+def test_a_subscription_made_mid_run_gets_every_step_from_the_next_one() -> None:
+    """The steps between two the loop must look after run back to back with the wanted events
+    read once; a subscription rings the doorbell, which ends that run after its step, so a
+    ``StepEnded`` subscriber added at step 20 (no log step, decision step or evaluation in
+    this run) gets step 21 and every later one."""
+    trainer = _one_long_epoch(300)
+    got: list[int] = []
+    subscribed: list[Any] = []
+
+    def subscribe_once(ctx: Any) -> None:
+        if ctx.step == 20 and not subscribed:
+            stream = trainer.bus.stream(ev.StepEnded)
+            subscribed.append(stream.subscribe(lambda e: got.append(e.step)))
+
+    trainer.add_hook("after_optimizer_step", subscribe_once)
+    result = trainer.fit_sync()
+    assert result.steps == 300 and subscribed
+    assert got == list(range(21, 301))
+
+
+def test_a_stop_inside_a_custom_step_ends_the_run_at_that_step() -> None:
+    """A non-finite loss under ``on_nonfinite="stop"`` returned by a ``train_step`` (the loss it
+    stepped on was finite: the update is taken) stops the run after that step, though the
+    steps around it run back to back: the stop rings the doorbell."""
+    calls: list[int] = []
+
+    def nan_at_5(ctx: Any) -> torch.Tensor:
+        calls.append(ctx.step)
+        x, y = ctx.batch
+        loss = F.cross_entropy(ctx.model(x), y)
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss * float("nan") if ctx.step == 4 else loss
+
+    model = tiny_model()
+    trainer = Trainer(model, _sgd(model), tiny_loader(100, 8), train_step=nan_at_5,
+                      max_epochs=1, log_every=10_000, on_nonfinite="stop",
+                      handle_signals=False, progress=False)  # fmt: skip
+    result = trainer.fit_sync()
+    assert result.reason == "stopped" and "non-finite loss at step 5" in str(result.stop_reason)
+    assert result.steps == 5 and calls == [0, 1, 2, 3, 4]

@@ -163,8 +163,11 @@ def _move_dataclass(batch: Any, device: torch.device) -> Any:
 
 def batch_size(batch: Any) -> int:
     """Samples in a batch: the leading dimension of its first tensor (1 if there is none)."""
-    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor and batch[0].dim():
-        return int(batch[0].shape[0])  # the (inputs, targets) case, without the walk
+    if type(batch) is tuple and batch and type(batch[0]) is torch.Tensor:  # (inputs, targets)
+        try:
+            return batch[0].size(0)  # one call, where dim() then shape[0] are two
+        except IndexError:
+            return 1  # a 0-d tensor
     while True:
         if isinstance(batch, torch.Tensor):
             return int(batch.shape[0]) if batch.dim() else 1

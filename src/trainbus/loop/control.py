@@ -85,8 +85,10 @@ class CommandHandler:
 
     # ================================================================== stop state
     def stop(self, reason: str) -> None:
-        """Stop the run after the current step; the first reason given is kept."""
+        """Stop the run after the current step; the first reason given is kept. Rings the
+        port's doorbell: a run of steps (:class:`~trainbus.loop.step.Step`) ends there."""
         self.stop_reason = self.stop_reason or reason
+        self._bus.doorbell.ring()
 
     def begin_epoch(self) -> None:
         """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""

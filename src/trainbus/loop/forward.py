@@ -77,10 +77,12 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
             ``(inputs, targets)``.
     """
     model = s.model
-    if s.loss_fn is not None and (targets or (isinstance(batch, tuple | list) and len(batch) == 2)):
-        # The common batch, an (inputs, targets) tuple, unpacked without a call.
-        inputs, wanted = batch if type(batch) is tuple and len(batch) == 2 else split_batch(batch)
-        return model(inputs), wanted
+    if s.loss_fn is not None:
+        if type(batch) is tuple and len(batch) == 2:  # the common batch, without a call
+            return model(batch[0]), batch[1]
+        if targets or (isinstance(batch, tuple | list) and len(batch) == 2):
+            inputs, wanted = split_batch(batch)
+            return model(inputs), wanted
     return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
 
 

@@ -17,11 +17,12 @@ event names against what the loop publishes, so it cannot drift; a copy here cou
 The loop holds the bus' loop face, its :class:`~trainbus.bus.port.LoopPort`, and one signal
 tells it to look: the port's doorbell, which rings after a routing change, a declared or
 removed decision schedule, a command, a failure, a full ``"block"`` buffer or a cancel.
-Events nobody wants are never built: before a step the loop compares the doorbell's count with
-the one its ``Wants`` and decision step were read at (one attribute read, one int compare) and
-re-reads them only after a ring; the step's event and hook points are branches on those flags.
-The poll point after a step with nothing special reads the same count against the one it last
-polled at.
+Events nobody wants are never built: before a run of steps the loop compares the doorbell's
+count with the one its ``Wants`` and decision step were read at (one attribute read, one int
+compare) and re-reads them only after a ring; the step's event and hook points are branches on
+those flags. ``Step.run`` takes the steps up to the next one after which the loop has more to
+do (``_steps_before_look``) back to back and ends its run early when the doorbell rings; the
+poll point after a run reads the same count against the one it last polled at.
 No value is read off the device on this thread unless a subscriber or the non-finite guard needs
 it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the window's
 losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
@@ -62,6 +63,9 @@ if TYPE_CHECKING:
 __all__ = ["Cancelled", "Loop", "Outcome"]
 
 log = get_logger(__name__)
+
+_NO_END = 2**62
+"""A step number no run reaches: the end of a run of steps when nothing else bounds it."""
 
 
 class Loop:
@@ -298,29 +302,30 @@ class Loop:
             accumulate = s.accumulate
             max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
-            while True:  # per step: two attribute reads and an int compare decide to go on
+            while True:  # per run of steps: a few attribute reads decide to go on
                 if control.stop_epoch:
                     complete = True
                     break
                 if control.stop_reason is not None or st.step == max_steps:
                     break
-                window = accumulate
+                if bell.rings != self._demand_rings:  # the one signal: an int compare
+                    self._reread_routes()  # pays for its wants and decision steps
+                window, steps = accumulate, self._steps_before_look()
                 if total is not None:
                     left = total - st.batch_in_epoch
-                    if left < window:
-                        window = left
+                    if left < window:  # the epoch's last, short window
+                        window, steps = left, 1
                         if window <= 0:
                             complete = True
                             break
-                if bell.rings != self._demand_rings:  # the one signal: an int compare a step
-                    self._reread_routes()  # pays for its wants and decision steps
-                consumed = step.run(it, window)
-                if consumed == 0:
+                    elif left < window * steps:
+                        steps = left // window
+                if step.run(it, window, steps) == 0:
                     complete = True
                     break
                 if step.taken:
                     self._after_step()
-                if consumed < window:  # the data ran out inside the window: probe it once only
+                if step.exhausted:  # the data ran out inside the window: probe it once only
                     complete = control.stop_reason is None
                     break
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
@@ -367,6 +372,19 @@ class Loop:
             self._control.agree()
         if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
             self._evaluate("steps")
+
+    def _steps_before_look(self) -> int:
+        """How many steps :class:`Step` may run back to back: up to and including the next
+        step after which the loop has more to do than hear the doorbell (a declared decision
+        step, an evaluation step, ``max_steps``). The step itself ends its run earlier for
+        what it sees (the log step, a barrier, a ring, the data's end)."""
+        s, step = self._s, self._state.step
+        end = self._decision_step if self._decision_step > step else _NO_END
+        if s.max_steps is not None and s.max_steps < end:
+            end = s.max_steps
+        if s.eval_every is not None and s.eval_data is not None:
+            end = min(end, (step // s.eval_every + 1) * s.eval_every)
+        return end - step
 
     def _reread_routes(self) -> None:
         """The doorbell rang: re-read the wanted events and the next decision step."""

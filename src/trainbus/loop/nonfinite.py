@@ -88,44 +88,57 @@ class NonFiniteGuard:
         self._state = state
         self._stop, self._last_checkpoint = stop, last_checkpoint
         self._agree = agree
-        self._cpu = settings.device.type == "cpu"
+        cpu = settings.device.type == "cpu"
         self.active = self.policy != "ignore"
         # Several ranks: "raise"/"stop" wait for the window's all-reduce (agreed), even on the
         # CPU where a per-step read would be free; "skip" agrees every step.
-        self.per_step = self.active and (self.policy == "skip" or (self._cpu and agree is None))
+        self.per_step = self.active and (self.policy == "skip" or (cpu and agree is None))
         self.collective = self.policy == "skip" and agree is not None
         self.tripped = False
         self.skipped = 0
         self._consecutive = 0
 
     def skip_update(self, losses: list[torch.Tensor]) -> bool:
-        """Per-step check of one step's (detached) micro-batch losses, before its update.
+        """Per-step check of one step's (detached) micro-batch losses, before its update:
+        :meth:`read_step` when only the decision matters (a custom step's ``ctx.backward``
+        losses).
 
         Returns:
-            True when the update must not be applied (``"skip"``, or ``"stop"``: the run stops
-            with the model as it was before this step).
+            True when the update must not be applied.
+
+        Raises:
+            NonFiniteLossError: as :meth:`read_step`.
+        """
+        return self.read_step(losses) is None
+
+    def read_step(self, losses: list[torch.Tensor]) -> float | None:
+        """Per-step check of one step's micro-batch losses, before its update (only their
+        values are read: they need not be detached).
+
+        Returns:
+            The step's loss (the mean of the values read), which the metrics window keeps
+            instead of the tensor; None when the update must not be applied (``"skip"``, or
+            ``"stop"``: the run stops with the model as it was before this step).
 
         Raises:
             NonFiniteLossError: a non-finite loss under ``"raise"``, or
                 :data:`MAX_CONSECUTIVE_SKIPS` in a row under ``"skip"``.
         """
-        if self._cpu:
-            # .item() on a CPU scalar is a plain read (~0.3 µs), no sync to pay for.
-            finite = True
-            for loss in losses:
-                if not math.isfinite(loss.item()):
-                    finite = False
-                    break
+        # On the CPU a plain read (~0.3 µs); on an accelerator (only under "skip") one device
+        # sync per step, documented.
+        if len(losses) == 1:
+            value = losses[0].item()
         else:
-            # Only under "skip" on an accelerator: one device sync per step, documented.
-            finite = bool(torch.isfinite(torch.stack(losses)).all().item())
+            values = torch.stack(losses).tolist()
+            value = sum(values) / len(values)
+        finite = math.isfinite(value)  # a mean of floats is finite only when each one is
         if self._agree is not None:
             # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
             # so all skip the same update, or none does.
             finite = not self._agree(not finite)
         if finite:
             self._consecutive = 0
-            return False
+            return value
         step = self._state.step + 1  # the step these losses belong to
         if self.policy == "skip":
             self.skipped += 1
@@ -138,9 +151,9 @@ class NonFiniteGuard:
                     f"(epoch {self._state.epoch}) with on_nonfinite='skip': the model or the "
                     f"data is broken; last checkpoint: {self._last_checkpoint() or 'none'}"
                 )
-            return True
+            return None
         self.found(step)
-        return True
+        return None
 
     def found(self, step: int) -> None:
         """A non-finite loss was seen at ``step``: apply the policy (``"raise"`` / ``"stop"``).

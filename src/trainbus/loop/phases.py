@@ -11,7 +11,6 @@ Every span is closed with the error when its phase raises.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -30,9 +29,6 @@ if TYPE_CHECKING:
     from .wants import Wants
 
 __all__ = ["StepPhases"]
-
-_FULL_PRECISION = contextlib.nullcontext()
-"""The forward's context at full precision: one shared no-op, not one built per step."""
 
 
 class StepPhases:
@@ -100,36 +96,34 @@ class StepPhases:
         """Forward and loss with ``ForwardStarted/Ended`` and the ``loss`` hooks.
 
         Returns:
-            The loss, or None when a ``loss`` hook skipped the batch.
+            The loss, or None when a hook (``after_forward`` or ``loss``) skipped the batch.
 
         Raises:
             TrainingError: the loss is not a scalar tensor that requires grad.
         """
-        pub, st, w = self._bus.publish, self._state, self._wants
+        w = self._wants
         self._batch = batch
         if w.forward_started:
-            pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
-        after_forward = self._hooks.by_point["after_forward"]
+            st = self._state
+            self._bus.publish(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train",
+                                                batch_index=bi))  # fmt: skip
         try:
-            with self._s.autocast() if self._mixed else _FULL_PRECISION:
-                outputs, targets = model_outputs(self._s, batch)
-                if after_forward:
-                    # May replace the outputs: the loss is computed from what the hooks leave.
-                    if ctx is None:
-                        ctx = self.context(bi, micro, batch)
-                    ctx.outputs = outputs
-                    for hook in after_forward:
-                        hook(ctx)
-                    outputs = ctx.outputs
-                loss = None if ctx is not None and ctx.skip else loss_of(self._s, outputs, targets)
+            if self._mixed:
+                with self._s.autocast():
+                    outputs, loss, ctx = self._outputs_and_loss(batch, bi, ctx, micro)
+            else:
+                outputs, loss, ctx = self._outputs_and_loss(batch, bi, ctx, micro)
         except BaseException as exc:
             if w.forward_ended:
-                pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                    error=exc))  # fmt: skip
+                st = self._state
+                self._bus.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
+                                                  batch_index=bi, error=exc))  # fmt: skip
             self.annotate(exc, "forward", bi)
             raise
         if w.forward_ended:
-            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
+            st = self._state
+            self._bus.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
+                                              batch_index=bi))  # fmt: skip
         if loss is None:
             return None  # an after_forward hook skipped the batch
         if not self.loss_checked:
@@ -145,8 +139,33 @@ class StepPhases:
                 return None
             self.check_loss(ctx.loss, bi)
             loss = ctx.loss
-        assert isinstance(loss, torch.Tensor)
         return loss
+
+    def _outputs_and_loss(
+        self, batch: Any, bi: int, ctx: StepContext | None, micro: int
+    ) -> tuple[Any, torch.Tensor | None, StepContext | None]:
+        """The forward's inside (under autocast when the run is mixed precision): the model's
+        outputs, the ``after_forward`` hooks, the loss.
+
+        Returns:
+            ``(outputs, loss, ctx)``: loss None when a hook skipped the batch; ctx the hooks'
+            context when one was made.
+        """
+        s = self._s
+        outputs, targets = model_outputs(s, batch)
+        after_forward = self._hooks.by_point["after_forward"]
+        if after_forward:
+            # May replace the outputs: the loss is computed from what the hooks leave.
+            if ctx is None:
+                ctx = self.context(bi, micro, batch)
+            ctx.outputs = outputs
+            for hook in after_forward:
+                hook(ctx)
+            outputs = ctx.outputs
+            if ctx.skip:
+                return outputs, None, ctx
+        loss: torch.Tensor = loss_of(s, outputs, targets)  # checked by the caller
+        return outputs, loss, ctx
 
     def check_loss(self, loss: Any, bi: int) -> None:
         """Check that ``loss`` is a scalar tensor that requires grad (never syncs the device).
@@ -182,29 +201,35 @@ class StepPhases:
             ended: Publish ``MicroBatchEnded`` after it (False: a custom step's backward, one
                 of several in its micro-batch; the step publishes it once).
         """
-        pub, st, w, scaler = self._bus.publish, self._state, self._wants, self._scaler
+        w, scaler = self._wants, self._scaler
         if w.backward_started:
-            pub(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
-                                   micro_batch=micro, accumulation_steps=window))  # fmt: skip
+            st = self._state
+            self._bus.publish(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
+                                                 micro_batch=micro,
+                                                 accumulation_steps=window))  # fmt: skip
         try:
             scaled = loss / window if window > 1 else loss
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         except BaseException as exc:
             if w.backward_ended:
-                pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi, error=exc,
-                                     micro_batch=micro, accumulation_steps=window))  # fmt: skip
+                st = self._state
+                self._bus.publish(ev.BackwardEnded(step=st.step, epoch=st.epoch,
+                                                   batch_index=bi, error=exc, micro_batch=micro,
+                                                   accumulation_steps=window))  # fmt: skip
             self.annotate(exc, "backward", bi)
             raise
         if w.backward_ended:
-            pub(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                 micro_batch=micro, accumulation_steps=window))  # fmt: skip
+            st = self._state
+            self._bus.publish(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                               micro_batch=micro,
+                                               accumulation_steps=window))  # fmt: skip
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
             ctx = self.context(bi, micro, None)
             ctx.loss = loss
             for hook in hooks:
                 hook(ctx)
-        if ended:
+        if ended and w.micro_batch_ended:
             self.micro_batch_ended(bi, micro, window)
 
     def micro_batch_ended(self, bi: int, micro: int, window: int, *, skipped: bool = False) -> None:
@@ -215,21 +240,23 @@ class StepPhases:
                                                  micro_batch=micro, accumulation_steps=window,
                                                  skipped=skipped))  # fmt: skip
 
-    def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended`` (the
-        run's optimizer, every one of several, unless ``optimizer`` names one)."""
-        pub, st, w = self._bus.publish, self._state, self._wants
+    def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended``."""
+        w = self._wants
         if w.zero_grad_started:
-            pub(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
+            st = self._state
+            self._bus.publish(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
         try:
-            (self._s.optimizer if optimizer is None else optimizer).zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
             if w.zero_grad_ended:
-                pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
+                st = self._state
+                self._bus.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
             self.annotate(exc, "zero_grad", bi)
             raise
         if w.zero_grad_ended:
-            pub(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
+            st = self._state
+            self._bus.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
     def optimizer_step(
         self, bi: int, optimizer: torch.optim.Optimizer | None = None
@@ -249,9 +276,9 @@ class StepPhases:
             skipped the step (gradients dropped, step unchanged); grad_norm is the pre-clip
             norm (None without clipping).
         """
-        pub, st, s, w = self._bus.publish, self._state, self._s, self._wants
+        st, s, w, scaler = self._state, self._s, self._wants, self._scaler
         custom = optimizer is not None
-        opt, scaler = s.optimizer if optimizer is None else optimizer, self._scaler
+        opt = s.optimizer if optimizer is None else optimizer
         if scaler is not None:
             for o in (opt,) if custom else self._each:
                 scaler.unscale_(o)
@@ -275,7 +302,8 @@ class StepPhases:
             # same on every rank (no communication), so events and the window hold tensors.
             grad_norm = plain_value(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm))
         if w.optimizer_step_started:
-            pub(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch, grad_norm=grad_norm))
+            self._bus.publish(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch,
+                                                      grad_norm=grad_norm))  # fmt: skip
         skipped = False
         try:
             if scaler is not None:
@@ -290,15 +318,17 @@ class StepPhases:
                 opt.step()
         except BaseException as exc:
             if w.optimizer_step_ended:
-                pub(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch, grad_norm=grad_norm,
-                                          error=exc))  # fmt: skip
+                self._bus.publish(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch,
+                                                        grad_norm=grad_norm,
+                                                        error=exc))  # fmt: skip
             self.annotate(exc, "optimizer step", bi)
             raise
         if not custom:
             st.step_done()
         if w.optimizer_step_ended:  # the step this update completes (a custom step's: st.step+1)
-            pub(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step, epoch=st.epoch,
-                                      grad_norm=grad_norm, skipped=skipped))  # fmt: skip
+            self._bus.publish(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step,
+                                                    epoch=st.epoch, grad_norm=grad_norm,
+                                                    skipped=skipped))  # fmt: skip
         self.zero_grad(bi, opt)
         for hook in self._hooks.by_point["after_optimizer_step"]:
             ctx = self.context(bi, 0, None)

@@ -18,6 +18,11 @@ Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` 
 per routing change, when the port's doorbell rang) or the hook tuple of its point. A step
 nobody observes runs the same code and pays those reads, nothing else: there is no second
 copy of the step.
+
+:meth:`Step.run` runs the steps between two the loop must look after back to back (a run of
+steps ends at the log step, a declared decision step, an evaluation step, a barrier, a step
+not taken, the data's end, or when the port's doorbell rings), so what is the same for all of
+them (the wanted events, the settings) is read once per run, not once per step.
 """
 
 from __future__ import annotations
@@ -64,7 +69,8 @@ class StepParts:
         window: The metrics window each step is added to, and closed at the log step.
         scheduler_step: Steps the scheduler with its events (interval ``"step"``).
         lr: The current learning rate, for ``StepEnded``.
-        cancelled: True when a cancel was requested.
+        cancelled: True when a cancel was requested (a cancel also rings the port's
+            doorbell, which the step reads between micro-batches).
         custom: The user's ``train_step`` (:mod:`~trainbus.loop.custom`): it replaces the
             forward, loss and backward of each micro-batch and the optimizer step; None: the
             default step.
@@ -85,16 +91,16 @@ class StepParts:
 
 
 class Step:
-    """Runs one optimizer step at a time, with its hooks and events (see the module's
-    docstring).
+    """Runs optimizer steps, with their hooks and events (see the module's docstring).
 
-    Attributes:
-        taken: The last :meth:`run` took an optimizer step (False: the data ran out before a
-            loss, every micro-batch was skipped, the non-finite guard skipped the update, or a
-            hook skipped the optimizer step). Only a step taken has a poll point after it.
-        ended: The ``StepEnded`` the last :meth:`run` published (None: nobody wanted it).
-        barrier_event: The event of the last :meth:`run` that is a barrier (``StepEnded`` or
-            ``MetricsLogged`` listed in ``barriers``), None when neither is.
+    Attributes (of the last step of the last :meth:`run`):
+        taken: It took an optimizer step (False: the data ran out before a loss, every
+            micro-batch was skipped, the non-finite guard skipped the update, or a hook skipped
+            the optimizer step). Only a step taken has a poll point after it.
+        exhausted: It found the data exhausted (fewer batches than its window).
+        ended: The ``StepEnded`` it published (None: nobody wanted it).
+        barrier_event: Its event that is a barrier (``StepEnded`` or ``MetricsLogged`` listed
+            in ``barriers``), None when neither is.
 
     Args:
         parts: What the step works with.
@@ -114,15 +120,25 @@ class Step:
         self._move = p.settings.device.type != "cpu"
         # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(p.settings.model)
-        self.taken = False
+        self.taken = self.exhausted = False
         self.ended: ev.StepEnded | None = None
         self.barrier_event: ev.BaseEvent | None = None
 
-    def run(self, it: Iterator[Any], window: int) -> int:
-        """Run one optimizer step over up to ``window`` micro-batches from ``it``.
+    def run(self, it: Iterator[Any], window: int, steps: int = 1) -> int:
+        """Run up to ``steps`` optimizer steps of up to ``window`` micro-batches each from
+        ``it``, back to back.
 
-        Reads top to bottom in event order; the forward, backward and optimizer step are
-        :class:`~trainbus.loop.phases.StepPhases`', each publishing only what is wanted.
+        The loop gives as ``steps`` the steps up to and including the next one it must look
+        after (a declared decision step, an evaluation step, ``max_steps``; only full windows
+        of the epoch). The run also ends after a step that was not taken, one that found the
+        data exhausted, the log step, a barrier event, or a step after which the port's
+        doorbell rang (a command, a failure, a routing change, a cancel, a stop): what the loop
+        does after a step is then its own. Between the steps of one run there is nothing for
+        the loop to do, so the flags it resolved for the run
+        (:class:`~trainbus.loop.wants.Wants`, re-read after a ring) are read once here.
+
+        Each step reads top to bottom in event order; the forward, backward and optimizer step
+        are :class:`~trainbus.loop.phases.StepPhases`', each publishing only what is wanted.
 
         Returns:
             The batches consumed (0: the iterator was exhausted before the first).
@@ -133,135 +149,165 @@ class Step:
                 with a note naming the phase, step, epoch and batch.
         """
         w, pub, st, s, phases = self._wants, self._bus.publish, self._state, self._s, self._phases
-        self.taken, self.ended, self.barrier_event = False, None, None
-        by_point = self._hooks.by_point
-        t0 = time.monotonic()
-        losses: list[torch.Tensor] = []
-        samples = consumed = 0
-        data_wait = 0.0
-        stepped = False
-        observe_wait, began = False, True  # began: StepBegan published, or nobody wants it
+        guard, custom, hooks, opt = self._guard, self._custom, self._hooks, s.optimizer
+        bell, cancelled = self._bus.doorbell, self._cancelled
+        monotonic, move = time.monotonic, self._move
+        rings = bell.rings  # read first: a ring from here on ends the run after its step
+        if cancelled():  # asked before the read above; a later cancel rings the doorbell
+            raise Cancelled
+        # The wants change only after a ring, which ends the run: read once for all its steps.
+        observe_wait = begins = False
         if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
             observe_wait = w.data_wait_started or w.data_wait_ended
             # StepBegan waits for the step's first batch: data without a length may be
             # exhausted, and then no step begins (Hugging Face and Composer fetch first too).
-            began = not w.step_began
-        # Every step's loss is kept (detached) for the non-finite guard (on_nonfinite other than
-        # "ignore") or when a subscriber reads per-step or windowed values; otherwise only the
-        # log step's. detach() and stack() cost ~1-3 µs of a ~100 µs tiny step.
-        guard = self._guard
-        log_step = (st.step + 1) % s.log_every == 0
-        # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built only
-        # when one of them takes it.
-        step_ended = w.step_ended
-        if w.step_ended_sampled:  # the port's demand answers; the sampling stays in the bus
-            step_ended = w.step_ended_demand.takes(st.step + 1, t0)
-        keep = guard.active or step_ended or w.loss_computed or w.metrics_logged or log_step
-        bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
-        custom = self._custom
-        if custom is not None:
-            custom.begin()
-        # ---------------------------------------------------------------- micro-batches
-        for micro in range(window):
-            if self._cancelled():
-                raise Cancelled
-            tf = time.monotonic()
-            batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
-            fetched = time.monotonic()
-            data_wait += fetched - tf
-            if batch is END:
-                break
-            bi = st.batch_taken()
-            consumed += 1
-            if w.batch_fetched:
-                pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                    data_wait_s=fetched - tf))  # fmt: skip
-            if not began:
-                began = True
-                pub(ev.StepBegan(step=st.step, epoch=st.epoch, accumulation_steps=window))
-            if self._move:
-                batch = move_to_device(batch, s.device)
-            if window > 1:
-                self._grad_sync.begin(micro, window)  # before the forward: DDP decides there
-            ctx: StepContext | None = None
-            if by_point["batch"]:
-                ctx = phases.context(bi, micro, batch)
-                for hook in by_point["batch"]:
-                    hook(ctx)
-                if ctx.skip:
-                    phases.micro_batch_ended(bi, micro, window, skipped=True)
-                    continue
-                batch = ctx.batch
-                if self._move:  # a hook may replace the batch: the model sees the run's device
+            begins = w.step_began
+        batch_fetched, loss_computed = w.batch_fetched, w.loss_computed
+        each_step_ended, sampled, demand = w.step_ended, w.step_ended_sampled, w.step_ended_demand
+        # Every step's loss is kept for the non-finite guard (on_nonfinite other than "ignore")
+        # or when a subscriber reads per-step or windowed values; otherwise only the log step's.
+        # A loss that goes on (in an event, to the metrics window) is kept detached; one only
+        # the guard reads stays as it is: detach() costs ~1 µs, read() does not need it.
+        keep_each = guard.active or each_step_ended or loss_computed or w.metrics_logged
+        read_each = guard.per_step and custom is None  # the guard reads the losses: CPU, "skip"
+        hand_on_each = loss_computed or not read_each  # else the window takes the value read
+        schedule = s.scheduler is not None and s.scheduler_interval == "step"
+        log_every, barriers, add = s.log_every, s.barriers, self._window.add
+        taken = False
+        ended: ev.StepEnded | None = None
+        barrier: ev.BaseEvent | None = None
+        done = consumed = 0
+        several = window > 1  # a window of micro-batches: DDP's all-reduce waits for its last
+        for _ in range(steps):
+            taken, ended, barrier = False, None, None
+            by_point = hooks.by_point  # hooks may come and go between steps
+            step = st.step
+            t0 = tf = monotonic()  # the step's first fetch starts with it
+            losses: list[torch.Tensor] = []
+            samples = consumed = 0
+            data_wait = 0.0
+            stepped = False
+            began = not begins  # True: StepBegan published, or nobody wants it
+            log_step = (step + 1) % log_every == 0
+            # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built
+            # only when one of them takes it; the port's demand answers, the sampling stays in
+            # the bus.
+            step_ended = each_step_ended or (sampled and demand.takes(step + 1, t0))
+            keep = keep_each or step_ended or log_step
+            hand_on = hand_on_each or step_ended
+            bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
+            if custom is not None:
+                custom.begin()
+            # ------------------------------------------------------------ micro-batches
+            for micro in range(window):
+                if bell.rings != rings and cancelled():
+                    raise Cancelled
+                if micro:
+                    tf = monotonic()
+                batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
+                fetched = monotonic()
+                data_wait += fetched - tf
+                if batch is END:
+                    break
+                bi = st.batch_taken()
+                consumed += 1
+                if batch_fetched:
+                    pub(ev.BatchFetched(step=step, epoch=st.epoch, phase="train", batch_index=bi,
+                                        data_wait_s=fetched - tf))  # fmt: skip
+                if not began:
+                    began = True
+                    pub(ev.StepBegan(step=step, epoch=st.epoch, accumulation_steps=window))
+                if move:
                     batch = move_to_device(batch, s.device)
-            samples += batch_size(batch)
-            if custom is None:
-                loss = phases.forward(batch, bi, ctx, micro)
-                if loss is None:  # a hook skipped the micro-batch
-                    phases.micro_batch_ended(bi, micro, window, skipped=True)
-                    continue
-            else:  # the user's forwards, backwards and (at the window's end) optimizer steps
-                loss = custom.micro_batch(batch, bi, micro, window)
-            stepped = True
-            if keep:
-                detached = loss.detach()
-                losses.append(detached)
-                if w.loss_computed:
-                    pub(
-                        ev.LossComputed(step=st.step, epoch=st.epoch, batch_index=bi, loss=detached)
-                    )
-            if custom is None:
-                phases.backward(loss, window, bi, micro)
-            else:
-                phases.micro_batch_ended(bi, micro, window)
-            if window > 1:  # only a window of several micro-batches defers DDP's all-reduce
-                self._grad_sync.backward_done()
-        if window > 1:
-            self._grad_sync.finish()  # a window cut short after no_sync() backwards
-        st.samples_done(samples)
-        opt = s.optimizer
-        if not stepped:
-            opt.zero_grad(set_to_none=True)
-            return consumed
-        if custom is None:
-            # ------------------------------------------------------------ non-finite check
-            if guard.per_step and guard.skip_update(losses):
-                # A non-finite loss ("skip", or "stop" before the bad update): no optimizer
-                # step, no scheduler, no StepEnded, like a hook's skip. "raise" raised in
-                # skip_update.
+                if several:
+                    self._grad_sync.begin(micro, window)  # before the forward: DDP decides there
+                ctx: StepContext | None = None
+                if by_point["batch"]:
+                    ctx = phases.context(bi, micro, batch)
+                    for hook in by_point["batch"]:
+                        hook(ctx)
+                    if ctx.skip:
+                        phases.micro_batch_ended(bi, micro, window, skipped=True)
+                        continue
+                    batch = ctx.batch
+                    if move:  # a hook may replace the batch: the model sees the run's device
+                        batch = move_to_device(batch, s.device)
+                samples += batch_size(batch)
+                if custom is None:
+                    loss = phases.forward(batch, bi, ctx, micro)
+                    if loss is None:  # a hook skipped the micro-batch
+                        phases.micro_batch_ended(bi, micro, window, skipped=True)
+                        continue
+                else:  # the user's forwards, backwards and (at the window's end) optimizer steps
+                    loss = custom.micro_batch(batch, bi, micro, window)
+                stepped = True
+                if keep:
+                    kept = loss.detach() if hand_on else loss
+                    losses.append(kept)
+                    if loss_computed:
+                        pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
+                                            loss=kept))  # fmt: skip
+                if custom is None:
+                    phases.backward(loss, window, bi, micro)
+                else:
+                    phases.micro_batch_ended(bi, micro, window)
+                if several:
+                    self._grad_sync.backward_done()
+            if several:
+                self._grad_sync.finish()  # a window cut short after no_sync() backwards
+            st.samples_done(samples)
+            done += consumed
+            if not stepped:
                 opt.zero_grad(set_to_none=True)
-                return consumed
-            # ------------------------------------------------------------ optimizer step
-            took, grad_norm = phases.optimizer_step(bi)
-        else:  # the user's optimizer steps, checked on ctx.backward's losses before each
-            took, grad_norm = self._custom_end(custom, losses, bi)
-        if not took:
-            return consumed  # a hook skipped the step: no step, no scheduler, no StepEnded
-        self.taken = True
-        # ---------------------------------------------------------------- scheduler
-        if s.scheduler is not None and s.scheduler_interval == "step":
-            self._scheduler_step(always=False)
-        # ---------------------------------------------------------------- StepEnded
-        step_loss: torch.Tensor | None = None
-        if losses:
-            step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
-        if step_ended:
-            assert step_loss is not None  # kept: someone wants StepEnded
-            self.ended = ended = ev.StepEnded(
-                step=st.step, epoch=st.epoch, loss=step_loss, lr=self._lr(), grad_norm=grad_norm,
-                samples=samples, data_wait_s=data_wait, duration_s=time.monotonic() - t0,
-            )  # fmt: skip
-            pub(ended)
-            if ev.StepEnded in s.barriers:
-                self.barrier_event = ended
-        # ---------------------------------------------------------------- MetricsLogged
-        metrics_window = self._window
-        metrics_window.add(step_loss, grad_norm, samples)
-        if st.step % s.log_every == 0:
-            logged = metrics_window.close(w.metrics_logged)
-            if logged is not None and ev.MetricsLogged in s.barriers:
-                self.barrier_event = logged
-        return consumed
+                break
+            value: torch.Tensor | float | None = None  # the step's loss for the metrics window
+            if custom is None:
+                # -------------------------------------------------------- non-finite check
+                if read_each:
+                    # The guard reads the losses (free on the CPU); the window keeps the value.
+                    value = guard.read_step(losses)
+                    if value is None:
+                        # A non-finite loss ("skip", or "stop" before the bad update): no
+                        # optimizer step, no scheduler, no StepEnded, like a hook's skip.
+                        # "raise" raised in read_step.
+                        opt.zero_grad(set_to_none=True)
+                        break
+                # -------------------------------------------------------- optimizer step
+                took, grad_norm = phases.optimizer_step(bi)
+            else:  # the user's optimizer steps, checked on ctx.backward's losses before each
+                took, grad_norm = self._custom_end(custom, losses, bi)
+            if not took:
+                break  # a hook skipped the step: no step, no scheduler, no StepEnded
+            taken = True
+            # ------------------------------------------------------------ scheduler
+            if schedule:
+                self._scheduler_step(always=False)
+            # ------------------------------------------------------------ StepEnded
+            step_loss: torch.Tensor | None = None  # the mean of the kept losses, when needed
+            if losses and (step_ended or value is None):
+                step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+            if step_ended:
+                assert step_loss is not None  # kept: someone wants StepEnded
+                ended = ev.StepEnded(
+                    step=step + 1, epoch=st.epoch, loss=step_loss, lr=self._lr(),
+                    grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
+                    duration_s=monotonic() - t0,
+                )  # fmt: skip
+                pub(ended)
+                if ev.StepEnded in barriers:
+                    barrier = ended
+            # ------------------------------------------------------------ MetricsLogged
+            add(step_loss if value is None else value, grad_norm, samples)
+            if log_step:
+                logged = self._window.close(w.metrics_logged)
+                if logged is not None and ev.MetricsLogged in barriers:
+                    barrier = logged
+                break
+            if barrier is not None or consumed < window or bell.rings != rings:
+                break
+        self.taken, self.ended, self.barrier_event = taken, ended, barrier
+        self.exhausted = consumed < window
+        return done
 
     def _custom_end(
         self, custom: CustomStep, losses: list[torch.Tensor], bi: int

@@ -23,9 +23,6 @@ class Wants:
 
     Attributes (read on the hot path; written only by :meth:`refresh`):
         batch_fetched ... eval_batch_ended: ``port.wants`` of the event of that name.
-        phases: One of the events only the instrumented phases publish (``BatchFetched``
-            through ``OptimizerStepEnded``, ``MicroBatchEnded``, ``ZeroGradStarted/Ended``) is
-            wanted; while none is, the step can take its plain path.
         step_ended: Some subscription takes every ``StepEnded``.
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
             one when ``step_ended_demand.takes(step, now)`` says one of them takes it.
@@ -54,7 +51,6 @@ class Wants:
         "micro_batch_ended",
         "optimizer_step_ended",
         "optimizer_step_started",
-        "phases",
         "prediction_batch_ended",
         "rings",
         "scheduler_stepped",
@@ -81,7 +77,6 @@ class Wants:
         self.step_began = self.data_wait_started = self.data_wait_ended = False
         self.micro_batch_ended = self.zero_grad_started = self.zero_grad_ended = False
         self.scheduler_stepping = self.step_extras = False
-        self.phases = False
 
     def refresh(self) -> None:
         """Re-read the flags if the port's doorbell rang since the last read (else nothing).
@@ -123,9 +118,3 @@ class Wants:
         self.zero_grad_ended = wants(ev.ZeroGradEnded)
         self.scheduler_stepping = wants(ev.SchedulerStepping)
         self.step_extras = self.step_began or self.data_wait_started or self.data_wait_ended
-        self.phases = (
-            self.batch_fetched or self.forward_started or self.forward_ended
-            or self.loss_computed or self.backward_started or self.backward_ended
-            or self.optimizer_step_started or self.optimizer_step_ended
-            or self.micro_batch_ended or self.zero_grad_started or self.zero_grad_ended
-        )  # fmt: skip

@@ -163,7 +163,9 @@ class MetricsWindow:
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
         values = _read(losses_kept)
         mean_loss = sum(values) / len(values) if values else math.nan
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        bad = None  # a mean of floats is finite only when each one is: then no search
+        if values and not math.isfinite(mean_loss):
+            bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done only once the device has run them
