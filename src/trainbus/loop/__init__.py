@@ -3,8 +3,9 @@
 Objects, each owning its state (see docs/architecture.md for the table); every module of the
 package is listed, and each name where it is defined (``tests/test_layers.py`` checks both):
 
-- :class:`Loop` (``loop.py``): the run, the epoch and the poll point after each step.
-- :class:`Step` (``step.py``): one optimizer step, written once, in event order.
+- :class:`Loop` (``loop.py``): the run, the epoch and the poll point after a run of steps.
+- :class:`Step` (``step.py``): one optimizer step, written once, in event order (the steps
+  before the next one the loop must look after run back to back).
 - :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
 - :func:`forward_loss`, :func:`model_outputs` (``forward.py``): the forward (model outputs,
   then the loss) for training, evaluation and prediction.
