@@ -191,3 +191,42 @@ def test_cuda_paths(tmp_path: Path, policy: str) -> None:
     else:
         result = trainer.fit_sync()
         assert result.skipped_nonfinite == 1 and result.steps == 10
+
+
+@pytest.mark.parametrize("kwargs", [{"log_every": 2}, {"accumulate": 2}])
+def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any]) -> None:
+    """Each loss finite (float64, 1e308), their sum not: no ``NonFiniteLossError``, no crash
+    at the window's close; the window's mean is what the sum gives (inf)."""
+    model = tiny_model().double()
+    data = [(x.double(), y) for x, y in tiny_loader(4, 4)]
+
+    def huge(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(outputs, targets) * 0 + 1e308
+
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=huge,
+                      max_epochs=1, handle_signals=False, progress=False,
+                      **kwargs)  # fmt: skip
+    result = trainer.fit_sync()
+    assert result.reason == "completed" and result.skipped_nonfinite == 0
+    assert result.steps == 4 // kwargs.get("accumulate", 1)
+    assert result.train_metrics["loss"] == float("inf")
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_a_one_element_loss_of_shape_1_is_a_scalar(policy: str, accumulate: int) -> None:
+    """``loss_fn`` returning shape ``(1,)`` (one element, as the docs' "scalar" allows): every
+    policy and window reads it as one value, a short last window (5 batches, windows of 2)
+    beside means included; the logged loss is the mean of the steps' losses."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5, 4),
+                      loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o, y).reshape(1),
+                      max_epochs=1, accumulate=accumulate, on_nonfinite=policy, log_every=10,
+                      handle_signals=False, progress=False)  # fmt: skip
+    ended: list[ev.StepEnded] = []
+    trainer.bus.stream(ev.StepEnded).subscribe(ended.append)  # "ignore": the window holds them
+    result = trainer.fit_sync()
+    assert result.reason == "completed"
+    losses = [float(e.loss.reshape(())) for e in ended]
+    assert len(losses) == result.steps == (5 if accumulate == 1 else 3)
+    assert result.train_metrics["loss"] == pytest.approx(sum(losses) / len(losses))

@@ -125,13 +125,14 @@ class NonFiniteGuard:
                 :data:`MAX_CONSECUTIVE_SKIPS` in a row under ``"skip"``.
         """
         # On the CPU a plain read (~0.3 µs); on an accelerator (only under "skip") one device
-        # sync per step, documented.
+        # sync per step, documented. A loss is one element: 0-d, or of shape (1,).
         if len(losses) == 1:
             value = losses[0].item()
+            finite = math.isfinite(value)
         else:
-            values = torch.stack(losses).tolist()
+            values = torch.stack(losses).flatten().tolist()
+            finite = all(map(math.isfinite, values))  # each: finite values' sum may overflow
             value = sum(values) / len(values)
-        finite = math.isfinite(value)  # a mean of floats is finite only when each one is
         if self._agree is not None:
             # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
             # so all skip the same update, or none does.

@@ -163,9 +163,9 @@ class MetricsWindow:
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
         values = _read(losses_kept)
         mean_loss = sum(values) / len(values) if values else math.nan
-        bad = None  # a mean of floats is finite only when each one is: then no search
-        if values and not math.isfinite(mean_loss):
-            bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
+        bad = None  # a finite mean has only finite values: then no search (an infinite one
+        if values and not math.isfinite(mean_loss):  # may be the sum of finite values)
+            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done only once the device has run them
@@ -223,5 +223,7 @@ def _read(losses: list[torch.Tensor | float]) -> list[float]:
     tensors = [v for v in losses if type(v) is not float]
     if not tensors:
         return cast("list[float]", losses[:])
-    read = iter(float(v) for v in torch.stack(cast("list[torch.Tensor]", tensors)).tolist())
+    # A loss is one element, 0-d or of shape (1,) (a window may hold both: a short last
+    # window's single loss beside means): each reshaped to (1,), read as one float.
+    read = iter(torch.cat([t.reshape(1) for t in cast("list[torch.Tensor]", tensors)]).tolist())
     return [v if type(v) is float else next(read) for v in losses]
