@@ -160,3 +160,31 @@ def test_a_hung_block_subscriber_holds_training_says_so_and_a_stop_still_ends_th
     assert lost.dropped == 0 and lost.cancelled == sub.statistics().received >= 5
     assert [x["lost"]["fault"]["cancelled"] for x in logs
             if x["event"] == "bus_closed_with_lost_work"] == [lost.cancelled]  # fmt: skip
+
+
+def test_lost_work_of_subscriptions_sharing_a_name_is_reported_once_in_full() -> None:
+    """Two subscriptions with the same name (two lambdas), the first failing once under
+    ``on_error="log"``: the end of ``fit`` reports that one failure under the name, and the
+    close after it reports nothing more (no negative counts from one overwriting the other)."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(6, 4),
+                      loss_fn=F.cross_entropy, max_epochs=1, handle_signals=False,
+                      progress=False)  # fmt: skip
+    failed: list[int] = []
+
+    def fail_once(e: ev.StepEnded) -> None:
+        if not failed:
+            failed.append(e.step)
+            raise RuntimeError("once")
+
+    trainer.bus.stream(ev.StepEnded).subscribe(lambda e: fail_once(e), on_error="log")
+    trainer.bus.stream(ev.StepEnded).subscribe(lambda e: None, on_error="log")
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+        trainer.close()
+    assert result.reason == "completed" and failed == [1]
+    (report,) = [x for x in logs if x["event"] == "bus_closed_with_lost_work"]
+    ((name, counts),) = report["lost"].items()  # both lambdas' qualified name
+    assert name.endswith("<lambda>")
+    assert counts == {"dropped": 0, "cancelled": 0, "failed": 1}
+    assert report["lost_work"] == 1 and report["failed"] == 1

@@ -288,16 +288,21 @@ class Lifecycle:
     def _report_lost(self) -> None:
         """Name what the subscribers lost since the last report (a call's end, or the close):
         each loss is reported once, by the call it happened in."""
-        lost: dict[str, dict[str, int]] = {}
+        totals: dict[str, LostWork] = {}  # by name: subscriptions may share one (two lambdas)
         for sub in self.statistics().subscriptions:
-            now = sub.lost
-            before = self._reported.get(sub.name, LostWork())
-            self._reported[sub.name] = now
+            t, s = totals.get(sub.name, LostWork()), sub.lost
+            totals[sub.name] = LostWork(dropped=t.dropped + s.dropped,
+                                        cancelled=t.cancelled + s.cancelled,
+                                        failed=t.failed + s.failed)  # fmt: skip
+        lost: dict[str, dict[str, int]] = {}
+        for name, now in totals.items():
+            before = self._reported.get(name, LostWork())
+            self._reported[name] = now
             grown = {"dropped": now.dropped - before.dropped,
                      "cancelled": now.cancelled - before.cancelled,
                      "failed": now.failed - before.failed}  # fmt: skip
             if any(grown.values()):
-                lost[sub.name] = grown
+                lost[name] = grown
         if lost:
             log.warning(
                 "bus_closed_with_lost_work",
