@@ -91,13 +91,5 @@ def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     """``{name: value}``; two subscriptions with one name are summed (waits, lost work)."""
     out: dict[str, Any] = {}
     for name, value in pairs:
-        if name not in out:
-            out[name] = value
-        elif isinstance(value, LostWork):
-            prev = out[name]
-            out[name] = LostWork(dropped=prev.dropped + value.dropped,
-                                 cancelled=prev.cancelled + value.cancelled,
-                                 failed=prev.failed + value.failed)  # fmt: skip
-        else:
-            out[name] = out[name] + value
+        out[name] = value if name not in out else out[name] + value
     return out

@@ -290,10 +290,7 @@ class Lifecycle:
         each loss is reported once, by the call it happened in."""
         totals: dict[str, LostWork] = {}  # by name: subscriptions may share one (two lambdas)
         for sub in self.statistics().subscriptions:
-            t, s = totals.get(sub.name, LostWork()), sub.lost
-            totals[sub.name] = LostWork(dropped=t.dropped + s.dropped,
-                                        cancelled=t.cancelled + s.cancelled,
-                                        failed=t.failed + s.failed)  # fmt: skip
+            totals[sub.name] = totals.get(sub.name, LostWork()) + sub.lost
         lost: dict[str, dict[str, int]] = {}
         for name, now in totals.items():
             before = self._reported.get(name, LostWork())

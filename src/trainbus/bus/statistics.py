@@ -70,6 +70,12 @@ class LostWork:
     def __bool__(self) -> bool:
         return self.total > 0
 
+    def __add__(self, other: LostWork) -> LostWork:
+        """The lost work of two subscriptions (or two calls) together, count by count."""
+        return LostWork(dropped=self.dropped + other.dropped,
+                        cancelled=self.cancelled + other.cancelled,
+                        failed=self.failed + other.failed)  # fmt: skip
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BusStatistics:
