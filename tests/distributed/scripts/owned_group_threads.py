@@ -16,6 +16,7 @@ import os
 import sys
 import weakref
 
+from _threads import thread_names  # the scripts' folder is sys.path[0]
 from structlog.testing import capture_logs
 
 import trainbus  # first, as a script imports it: before any process group exists
@@ -44,14 +45,7 @@ with capture_logs() as logs:
 
 
 def gloo_threads() -> list[str]:
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # ended between the listing and the read
-            continue
-    return sorted(n for n in names if "gloo" in n)
+    return [n for n in thread_names() if "gloo" in n]
 
 
 threads = gloo_threads()

@@ -22,6 +22,8 @@ import os
 import sys
 import weakref
 
+from _threads import thread_names  # the scripts' folder is sys.path[0]
+
 # One rank unless torchrun (or the caller) says otherwise.
 for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": "29512"}.items():  # fmt: skip
@@ -45,14 +47,7 @@ dist.destroy_process_group()
 
 
 def gloo_threads() -> list[str]:
-    names = []
-    for task in os.listdir("/proc/self/task"):
-        try:
-            with open(f"/proc/self/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except FileNotFoundError:  # ended between the listing and the read
-            continue
-    return sorted(n for n in names if "gloo" in n)
+    return [n for n in thread_names() if "gloo" in n]
 
 
 fn = sys.modules.get("torch.distributed.nn.functional")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _threads import TASKS, thread_names  # the scripts' folder is sys.path[0]
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
@@ -230,16 +231,8 @@ KEPT: list[trainbus.Trainer] = []
 
 def native_threads() -> list[str]:
     """The names of this process' OS threads besides the main one (Linux: /proc)."""
-    tasks = Path("/proc/self/task")
-    if not tasks.is_dir():
-        return []
-    names = []
-    for task in os.listdir(tasks):
-        try:
-            names.append((tasks / task / "comm").read_text().strip())
-        except FileNotFoundError:  # the thread ended between the listing and the read
-            continue
-    return sorted(n for n in names if n != Path("/proc/self/comm").read_text().strip())
+    main_name = Path("/proc/self/comm").read_text().strip() if TASKS.is_dir() else ""
+    return [n for n in thread_names() if n != main_name]
 
 
 if __name__ == "__main__":
