@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 from trainbus import Trainer
+from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import tiny_loader, tiny_model
 
@@ -165,3 +166,34 @@ async def test_a_sync_subscriber_runs_before_the_loop_goes_on() -> None:
                           lambda e: order.items.append((DONE, e.step)))  # fmt: skip
     await trainer.fit()
     order.assert_order(("EvaluationEnded", 3), (DONE, 3), ("BatchFetched(train)", 3))
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("barrier", [ev.StepEnded, ev.MetricsLogged])
+@pytest.mark.parametrize("decision_step", [False, True], ids=["plain", "decision"])
+async def test_an_async_subscriber_of_a_per_step_barrier_is_waited_for(
+    barrier: type[ev.BaseEvent], decision_step: bool
+) -> None:
+    """``barriers=(StepEnded,)`` (or ``MetricsLogged``) makes the loop wait for every async
+    subscription that received the event, not only for deciders: a stop it sends at step 3
+    is applied at step 3, also when step 3 is a declared decision step (whose own barrier
+    waits only for deciders)."""
+    trainer = make_trainer(barriers=(barrier,), eval_data=None, eval_every=None, max_epochs=3)
+    order = Order(trainer)
+    if decision_step:
+        trainer.bus.decides(at=[3])
+
+    async def stopper(e: ev.BaseEvent) -> None:
+        if e.step == 3:
+            # A service's answer: a loop not held has published its next steps by then (the
+            # barrier's delivery alone runs a subscriber that only yields to the event loop).
+            await anyio.sleep(0.2)
+            order.items.append((DONE, e.step))
+            trainer.bus.send(cmd.StopTraining(reason="seen step 3"))
+
+    trainer.bus.subscribe_async(trainer.bus.stream(barrier), stopper, name="stopper")
+    result = await trainer.fit()
+    assert (result.reason, result.steps) == ("stopped", 3)
+    order.assert_order((barrier.__name__, 3), (DONE, 3), ("CommandApplied", 3))
+    assert ("StepEnded", 4) not in order.items
+    assert waited_s(trainer, "stopper") > 0

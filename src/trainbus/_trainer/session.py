@@ -90,8 +90,9 @@ class BusSession:
         event loop. Safe from a signal handler (sets a flag)."""
         self._interrupted = True
 
-    def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
-        """Called on the training thread at a barrier event: wait for its subscribers.
+    def barrier(self, event: ev.BaseEvent | None, resume: bool, deciders_only: bool) -> str:
+        """Called on the training thread at a barrier event: wait for its subscribers (only
+        its deciders at a decision step's own barrier, ``deciders_only``).
 
         Returns:
             The bus' barrier status.
@@ -105,7 +106,7 @@ class BusSession:
             return "done"
         try:
             status: str = anyio.from_thread.run(self._port.wait_barrier, self._timeout, event,
-                                                resume)  # fmt: skip
+                                                resume, deciders_only)  # fmt: skip
         except self._cancelled_exc as exc:
             # A cancellation, not a failure.
             raise Cancelled from exc

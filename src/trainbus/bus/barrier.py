@@ -4,9 +4,10 @@ The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded
 ``EpochEnded`` by default) so a decision made on that event is applied before the next step.
 A ``request()`` arriving meanwhile interrupts the wait, so the loop can apply it first.
 
-Who is waited for: at a barrier event, the async subscriptions that received it; at a decision
-step (a per-step event), only those made with ``decides=True``; at the run's last barrier (no
-event), the deciders and the subscriptions of rarer events, never one that merely receives
+Who is waited for: at a barrier event (one of ``Trainer(barriers=...)``, ``StepEnded`` and
+``MetricsLogged`` included), the async subscriptions that received it; at a decision step's own
+barrier (``deciders_only``: its ``StepEnded`` when that is not a barrier event), only those made
+with ``decides=True``; at the run's last barrier (no event), the deciders and the subscriptions of rarer events, never one that merely receives
 per-step events. Delivery itself never waits (a full ``"block"`` buffer pushes back on the
 training loop instead, see ``pressure.py``). The seconds the loop waits are added to each
 waited-for subscription's ``waited_s``.
@@ -29,8 +30,6 @@ from .tasks import TaskSet
 __all__ = ["Barrier", "BarrierStatus"]
 
 log = get_logger(__name__)
-
-_PER_STEP = (ev.StepEnded, ev.MetricsLogged)
 
 BarrierStatus = Literal["done", "timeout", "request"]
 
@@ -176,11 +175,14 @@ class Barrier:
         return status
 
     async def wait_barrier(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool, deciders_only: bool = False
     ) -> BarrierStatus:
         """The loop's barrier: deliver, then wait for the barrier event's async subscribers
         until they finish (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives
         (``"request"``: the loop applies it, then resumes the same wait with ``resume=True``).
+
+        ``deciders_only``: a decision step's barrier on an event that is not a barrier event
+        waits only for the subscriptions made with ``decides=True`` that received it.
         """
         if resume and self._pending is not None:
             targets, deadline = self._pending
@@ -192,15 +194,15 @@ class Barrier:
             if scope.cancelled_caught:
                 log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
                 return "timeout"
-            if isinstance(event, _PER_STEP):
-                # A decision step: wait for the async deciders only, never for a slow uploader
-                # or logger that merely receives every n-th StepEnded.
-                targets = [(s, n) for s, n in targets if s.decides]
-            elif event is None:
+            if event is None:
                 # The run's last barrier: deciders, and subscribers of rarer events (whose
                 # commands, e.g. an evaluation job's, the run still applies). One that only
                 # follows per-step events is not waited for here; the bus' close waits for it.
                 targets = [(s, n) for s, n in targets if s.decides or not s.per_step]
+            elif deciders_only:
+                # A decision step: wait for the async deciders only, never for a slow uploader
+                # or logger that merely receives every n-th StepEnded.
+                targets = [(s, n) for s, n in targets if s.decides]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"

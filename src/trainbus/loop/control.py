@@ -26,10 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BarrierWait", "CommandHandler"]
 
-BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
-"""``wait(event, resume) -> status``: waits on the event-loop thread until the barrier event
-(None: the end of the run) was delivered and its subscribers finished; ``"request"`` when a
-``bus.request`` interrupted the wait (apply it, then call again with ``resume=True``)."""
+BarrierWait = Callable[[ev.BaseEvent | None, bool, bool], str]
+"""``wait(event, resume, deciders_only) -> status``: waits on the event-loop thread until the
+barrier event (None: the end of the run) was delivered and its subscribers finished (only the
+``decides=True`` ones with ``deciders_only``: a decision step's own barrier); ``"request"`` when
+a ``bus.request`` interrupted the wait (apply it, then call again with ``resume=True``)."""
 
 _MAX_ROUNDS = 100
 """Commands sent while commands are applied are applied too, up to this many drains."""
@@ -120,24 +121,40 @@ class CommandHandler:
                 self._barrier(e)
         self.poll(common=common)
 
-    def decide(self, event: ev.BaseEvent | None, *, common: bool = False) -> None:
-        """A barrier on ``event`` whatever the configured barrier types, then poll: what a
-        decision step runs (``event`` is its ``StepEnded``; None: everything published so far).
+    def decide(
+        self,
+        ended: ev.StepEnded | None,
+        barrier: ev.BaseEvent | None = None,
+        *,
+        common: bool = False,
+    ) -> None:
+        """What a decision step runs: a barrier on its ``StepEnded`` (``ended``; None: nobody
+        wanted it, everything published so far) for the async deciders, whatever the configured
+        barrier types, then poll.
+
+        Args:
+            ended: The step's ``StepEnded``.
+            barrier: The step's barrier event (``StepEnded`` or ``MetricsLogged`` listed in
+                ``barriers``), whose async subscribers are all waited for, deciders or not.
+            common: Every rank reaches this point at the same step (see :meth:`poll`).
 
         Raises:
             Whatever :meth:`poll` raises.
         """
-        self._barrier(event)
+        if barrier is not None:
+            self._barrier(barrier)
+        if barrier is None or (ended is not None and ended is not barrier):
+            self._barrier(ended, deciders_only=True)
         self.poll(common=common)
 
-    def _barrier(self, event: ev.BaseEvent | None) -> None:
+    def _barrier(self, event: ev.BaseEvent | None, *, deciders_only: bool = False) -> None:
         # A request() arriving during the wait is applied, then the same wait resumes. Under
         # torchrun a request cannot be applied here (only at a common point): the wait ends and
         # the request is agreed at the next common point.
-        status = self._wait_barrier(event, False)
+        status = self._wait_barrier(event, False, deciders_only)
         while status == "request" and self._sync is None:
             self.poll()
-            status = self._wait_barrier(event, True)
+            status = self._wait_barrier(event, True, deciders_only)
 
     def poll(self, *, common: bool = False) -> None:
         """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,

@@ -362,7 +362,7 @@ class Loop:
         st, s, step = self._state, self._s, self._step
         if st.step == self._decision_step:  # the step clock: one int compare when not due
             self._decision_step = self._next_decision(st.step)
-            self._control.decide(step.ended or step.barrier_event, common=self._sync is not None)
+            self._control.decide(step.ended, step.barrier_event, common=self._sync is not None)
         elif step.barrier_event is not None:
             self._control.barrier_then_poll(step.barrier_event)
         else:
