@@ -54,7 +54,14 @@ def test_every_hook_point_of_a_step_sees_its_batch(accumulate: int) -> None:
 
 @pytest.mark.parametrize(
     ("max_steps", "log_every", "on_nonfinite"),
-    [(3, 50, "raise"), (7, 5, "raise"), (3, 50, "skip"), (1, 2, "raise")],
+    [
+        (3, 50, "raise"),
+        (7, 5, "raise"),
+        (3, 50, "skip"),
+        (1, 2, "raise"),
+        (3, 50, "ignore"),
+        (7, 5, "ignore"),
+    ],
 )
 def test_train_metrics_hold_the_last_loss_for_any_run_length(
     max_steps: int, log_every: int, on_nonfinite: str
@@ -71,8 +78,10 @@ def test_train_metrics_hold_the_last_loss_for_any_run_length(
     assert result.train_metrics["steps_per_s"] > 0
 
 
-def test_a_run_ending_on_a_log_step_keeps_that_windows_metrics() -> None:
-    trainer = _trainer(max_steps=4, log_every=2)
+@pytest.mark.parametrize("on_nonfinite", ["raise", "ignore"])
+def test_a_run_ending_on_a_log_step_keeps_that_windows_metrics(on_nonfinite: str) -> None:
+    # The window's mean over its steps, also when no guard and no subscriber reads each step.
+    trainer = _trainer(max_steps=4, log_every=2, on_nonfinite=on_nonfinite)
     losses: list[float] = []
     trainer.add_hook("loss", lambda ctx: losses.append(float(ctx.loss.detach())))  # type: ignore[arg-type]
     result = trainer.fit_sync()

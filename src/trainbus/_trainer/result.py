@@ -31,8 +31,8 @@ class FitResult:
     """Last evaluation metrics."""
     train_metrics: Mapping[str, float]
     """Last aggregated training metrics (loss, lr, steps_per_s, ...). ``loss`` is the mean over
-    the last ``log_every`` steps (with ``on_nonfinite="ignore"`` and nothing subscribed to
-    per-step or logged metrics, the last log step's loss: the loop keeps no more than it needs)."""
+    the last ``log_every`` steps, or over the steps after the last log step when the run ended
+    between two (a run shorter than ``log_every`` included)."""
     checkpoint: str | None
     """Path of the last checkpoint written in this run."""
     subscriber_failures: Mapping[str, int]

@@ -164,11 +164,10 @@ class Step:
             begins = w.step_began
         batch_fetched, loss_computed = w.batch_fetched, w.loss_computed
         each_step_ended, sampled, demand = w.step_ended, w.step_ended_sampled, w.step_ended_demand
-        # Every step's loss is kept for the non-finite guard (on_nonfinite other than "ignore")
-        # or when a subscriber reads per-step or windowed values; otherwise only the log step's.
-        # A loss that goes on (in an event, to the metrics window) is kept detached; one only
-        # the guard reads stays as it is: detach() costs ~1 µs, read() does not need it.
-        keep_each = guard.active or each_step_ended or loss_computed or w.metrics_logged
+        # Every step's loss is kept: the metrics window's mean (and FitResult.train_metrics, for
+        # any run length) is over all of them. A loss that goes on (in an event, to the window)
+        # is kept detached; one only the guard reads stays as it is: detach() costs ~1 µs, and
+        # the guard's read does not need it (the window then takes the value read).
         read_each = guard.per_step and custom is None  # the guard reads the losses: CPU, "skip"
         hand_on_each = loss_computed or not read_each  # else the window takes the value read
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
@@ -193,7 +192,6 @@ class Step:
             # only when one of them takes it; the port's demand answers, the sampling stays in
             # the bus.
             step_ended = each_step_ended or (sampled and demand.takes(step + 1, t0))
-            keep = keep_each or step_ended or log_step
             hand_on = hand_on_each or step_ended
             bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
             if custom is not None:
@@ -241,12 +239,11 @@ class Step:
                 else:  # the user's forwards, backwards and (at the window's end) optimizer steps
                     loss = custom.micro_batch(batch, bi, micro, window)
                 stepped = True
-                if keep:
-                    kept = loss.detach() if hand_on else loss
-                    losses.append(kept)
-                    if loss_computed:
-                        pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
-                                            loss=kept))  # fmt: skip
+                kept = loss.detach() if hand_on else loss
+                losses.append(kept)
+                if loss_computed:
+                    pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
+                                        loss=kept))  # fmt: skip
                 if custom is None:
                     phases.backward(loss, window, bi, micro)
                 else:

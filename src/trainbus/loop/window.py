@@ -138,14 +138,10 @@ class MetricsWindow:
         :meth:`check_pending`'s, called before.
 
         Under torchrun the partial window is averaged across ranks like a closed one (one
-        collective, reached by every rank: the guard keeps every step's loss on all of them);
-        with ``on_nonfinite="ignore"`` there, and wherever no loss of the window was kept
-        (``"ignore"`` with nobody listening to the steps), the last closed window stays.
+        collective, reached by every rank: each keeps every step's loss).
         """
         if self._state.step == self._step0:
             return
-        if self._reduce is not None and not self._guard.active:
-            return  # which ranks kept losses is not agreed: no collective
         if not self._losses:
             return
         metrics, _ = self._measure()
