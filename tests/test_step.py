@@ -316,6 +316,39 @@ def test_a_subscription_made_mid_run_gets_every_step_from_the_next_one() -> None
     assert got == list(range(21, 301))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["hook", "thread"])
+def test_an_async_subscription_made_off_the_event_loop_mid_run_works(where: str) -> None:
+    """``subscribe_async`` from the training thread (a hook) or from a user's thread while the
+    run goes: its workers start on the event loop, it gets every step from the next one, and
+    the run ends (it raised anyio's ``NoEventLoopError`` and left a subscription whose close
+    waited forever)."""
+    trainer = _one_long_epoch(300)
+    got: list[int] = []
+    subscribed: list[Any] = []
+
+    async def record(e: ev.StepEnded) -> None:
+        got.append(e.step)
+
+    def subscribe() -> None:
+        subscribed.append(trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), record))
+
+    def at_step_20(ctx: Any) -> None:
+        if ctx.step == 20 and not subscribed:
+            if where == "hook":
+                subscribe()
+            else:
+                thread = threading.Thread(target=subscribe)
+                thread.start()
+                thread.join()
+
+    trainer.add_hook("after_optimizer_step", at_step_20)
+    result = trainer.fit_sync()
+    assert result.steps == 300 and result.reason == "completed" and subscribed
+    assert sorted(got) == list(range(21, 301))
+    assert subscribed[0].statistics().failed == 0
+
+
 def test_a_stop_inside_a_custom_step_ends_the_run_at_that_step() -> None:
     """A non-finite loss under ``on_nonfinite="stop"`` returned by a ``train_step`` (the loss it
     stepped on was finite: the update is taken) stops the run after that step, though the

@@ -175,9 +175,11 @@ class SubscriptionSet:
             per_step=per_step,
             stamp=self._stamp,
         )
-        self._subs.append(sub)
         if self._tasks is not None:
-            sub.start(self._tasks)
+            # Its workers' events and tasks belong to the event loop, whichever thread
+            # subscribes (a hook's subscription comes from the training thread).
+            self._tasks.on_loop(sub.start, self._tasks)
+        self._subs.append(sub)
         sub.upstream = connect(AsyncFeeder(sub))
         return sub
 

@@ -18,10 +18,13 @@ delivers it.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
+import anyio.from_thread
+import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 
 __all__ = ["TaskSet"]
@@ -31,13 +34,28 @@ class TaskSet:
     """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly.
 
     Args:
-        tg: The task group the tasks run in (it waits for them when its block ends).
+        tg: The task group the tasks run in (it waits for them when its block ends). Made on
+            the event loop that runs it, as the task group itself.
     """
 
     def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
         self._scopes: list[anyio.CancelScope] = []
         self._stopped = False
+        self._token = anyio.lowlevel.current_token()
+        self._thread = threading.get_ident()
+
+    def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Call ``fn(*args)`` on the tasks' event-loop thread: at once when called there;
+        from another thread (a hook on the training thread, a user's thread) through anyio's
+        portal, waiting for it. What makes anyio objects (events, tasks) must run there.
+
+        Returns:
+            What ``fn`` returned.
+        """
+        if threading.get_ident() == self._thread:
+            return fn(*args)
+        return anyio.from_thread.run_sync(fn, *args, token=self._token)
 
     @property
     def stopped(self) -> bool:
