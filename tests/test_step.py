@@ -370,3 +370,24 @@ def test_a_stop_inside_a_custom_step_ends_the_run_at_that_step() -> None:
     result = trainer.fit_sync()
     assert result.reason == "stopped" and "non-finite loss at step 5" in str(result.stop_reason)
     assert result.steps == 5 and calls == [0, 1, 2, 3, 4]
+
+
+def test_a_forward_nobody_observes_fails_with_the_same_note() -> None:
+    """The step calls the forward itself when nothing observes it: an exception from the model
+    still carries the note naming the phase, step, epoch and batch, as under observation."""
+    boom = ValueError("boom")
+    model = tiny_model()
+    calls = [0]
+
+    def fail_at_4(module: Any, args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 5:
+            raise boom
+
+    model.register_forward_pre_hook(fail_at_4)
+    trainer = Trainer(model, _sgd(model), tiny_loader(8, 8), loss_fn=F.cross_entropy,
+                      max_epochs=1, handle_signals=False, progress=False)  # fmt: skip
+    with pytest.raises(ValueError) as caught:
+        trainer.fit_sync()
+    assert caught.value is boom
+    assert "trainbus: raised in forward at step 4, epoch 0, batch 4" in caught.value.__notes__

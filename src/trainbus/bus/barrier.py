@@ -7,10 +7,10 @@ A ``request()`` arriving meanwhile interrupts the wait, so the loop can apply it
 Who is waited for: at a barrier event (one of ``Trainer(barriers=...)``, ``StepEnded`` and
 ``MetricsLogged`` included), the async subscriptions that received it; at a decision step's own
 barrier (``deciders_only``: its ``StepEnded`` when that is not a barrier event), only those made
-with ``decides=True``; at the run's last barrier (no event), the deciders and the subscriptions of rarer events, never one that merely receives
-per-step events. Delivery itself never waits (a full ``"block"`` buffer pushes back on the
-training loop instead, see ``pressure.py``). The seconds the loop waits are added to each
-waited-for subscription's ``waited_s``.
+with ``decides=True``; at the run's last barrier (no event), the deciders and the subscriptions
+of rarer events, never one that merely receives per-step events. Delivery itself never waits (a
+full ``"block"`` buffer pushes back on the training loop instead, see ``pressure.py``). The
+seconds the loop waits are added to each waited-for subscription's ``waited_s``.
 """
 
 from __future__ import annotations
