@@ -50,7 +50,9 @@ class Demand:
 
     Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
     the table's lifetime); the publisher reads it from its own thread and never sees how the
-    sampling is done.
+    sampling is done. A time-sampled event the publisher is told to build moves the due time
+    on by the shortest ``every_s`` at once, on the publisher's thread: however late the event
+    loop delivers it (when the gates set the exact due times), no other is built meanwhile.
 
     Attributes:
         each: Some subscription takes every event of the type.
@@ -58,12 +60,13 @@ class Demand:
             ``every_steps``) takes some: ask :meth:`takes` for each event.
     """
 
-    __slots__ = ("_at", "_periods", "each", "sampled")
+    __slots__ = ("_at", "_every_s", "_periods", "each", "sampled")
 
     def __init__(self) -> None:
         self.each = False
         self.sampled = False
         self._at = math.inf
+        self._every_s = math.inf
         self._periods: tuple[int, ...] = ()
 
     def takes(self, step: int, now: float) -> bool:
@@ -71,7 +74,12 @@ class Demand:
         ``time.monotonic()`` value). One call, asked only while :attr:`sampled`: a time-sampled
         subscription whose next event is due by ``now``, or a step-sampled one whose
         ``every_steps`` divides ``step``."""
-        if self.each or now >= self._at:
+        if self.each:
+            return True
+        if now >= self._at:
+            # A gate takes it: none is due before every_s from now. (A delivery's exact due
+            # time racing this write costs at most one event more, or one a little later.)
+            self._at = now + self._every_s
             return True
         for n in self._periods:  # a loop, not any() over a generator: asked once a step
             if step % n == 0:
@@ -82,6 +90,7 @@ class Demand:
         """Set the demand from the type's roots: ``each`` (some root takes every event) and
         the gates of its sampled roots (the table calls it on every change)."""
         self._at = min((g.next_at for g in gates), default=math.inf)
+        self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
         self._periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
         self.sampled = not each and bool(gates)
         self.each = each
