@@ -103,8 +103,7 @@ class Trainer:
         self.on_lost: Literal["warn", "raise"] = checked["on_lost"]
         self.bus: EventBus = new_bus(checked)
         self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
-        # A hook added or removed rings the port's doorbell: the loop looks from the next step.
-        self.hooks = Hooks(changed=self.bus.port().doorbell.ring)
+        self.hooks = Hooks()
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
         attached = self._attached  # not self: no cycle through the trainer (freed without gc)

@@ -41,18 +41,12 @@ class Hooks:
 
     Attributes:
         by_point: Per point, the hooks in the order they run (swapped whole on a change, so
-            one read of it is one consistent view).
-
-    Args:
-        changed: Called after each change (a hook added or removed): the Trainer rings its
-            bus port's doorbell, so the training loop, which resolves the hooks once per run of
-            steps, looks again from the next step.
+            one read of it is one consistent view; the step reads it every step).
     """
 
-    def __init__(self, changed: Callable[[], None] | None = None) -> None:
+    def __init__(self) -> None:
         self._entries: dict[HookPoint, list[tuple[int, int, HookFn]]] = {p: [] for p in HOOK_POINTS}
         self.by_point: dict[HookPoint, tuple[HookFn, ...]] = {p: () for p in HOOK_POINTS}
-        self._changed = changed
         self._seq = 0
 
     def add(self, point: HookPoint, fn: HookFn, *, tier: str = "user") -> HookHandle:
@@ -105,7 +99,5 @@ class Hooks:
         return None
 
     def _rebuild(self, point: HookPoint) -> None:
-        # A swap of the whole mapping keeps the loop's read of by_point lock-free.
+        # The loop reads by_point[...] once per use; a tuple swap keeps that read lock-free.
         self.by_point = {**self.by_point, point: tuple(e[2] for e in sorted(self._entries[point]))}
-        if self._changed is not None:
-            self._changed()

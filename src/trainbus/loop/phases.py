@@ -90,28 +90,6 @@ class StepPhases:
                            batch=batch, model=s.model, optimizer=s.optimizer,
                            metrics_sink=self._sink)  # fmt: skip
 
-    def observes_forward(self) -> bool:
-        """Whether the forward carries more than itself: a forward event someone wants, an
-        ``after_forward`` or ``loss`` hook, a later hook of the step that sees its batch
-        (``ctx.batch``), or mixed precision (autocast).
-
-        When it does not, :meth:`forward` would only run the model and the loss (and check the
-        first loss), so the step calls :func:`~trainbus.loop.forward.forward_loss` (the same two
-        calls) itself. The answer changes only after the port's doorbell rang (wanted events,
-        hooks).
-        """
-        w, by_point = self._wants, self._hooks.by_point
-        return bool(
-            w.forward_started
-            or w.forward_ended
-            or self._mixed
-            or by_point["after_forward"]
-            or by_point["loss"]
-            or by_point["after_backward"]
-            or by_point["before_optimizer_step"]
-            or by_point["after_optimizer_step"]
-        )
-
     def forward(
         self, batch: Any, bi: int, ctx: StepContext | None, micro: int
     ) -> torch.Tensor | None:

@@ -15,12 +15,9 @@ code: the user's function where the forward, loss and backward of a micro-batch 
 :meth:`CustomStep.finish <trainbus.loop.custom.CustomStep.finish>` where the optimizer step is.
 
 Every event and hook is a branch: a flag of :class:`~trainbus.loop.wants.Wants` (resolved once
-per routing change, when the port's doorbell rang) or the hook tuple of its point. A step nobody
-observes runs the same code and pays those reads, nothing else: there is no second copy of the
-step. One of those branches is resolved per run of steps: when nothing observes the forward
-(:meth:`~trainbus.loop.phases.StepPhases.observes_forward`), the step calls
-:func:`~trainbus.loop.forward.forward_loss` (the model, then the loss: the one forward, which
-the phase wraps with its events and hooks) itself.
+per routing change, when the port's doorbell rang) or the hook tuple of its point. A step
+nobody observes runs the same code and pays those reads, nothing else: there is no second
+copy of the step.
 
 :meth:`Step.run` runs the steps between two the loop must look after back to back (a run of
 steps ends at the log step, a declared decision step, an evaluation step, a barrier, a step
@@ -40,7 +37,6 @@ import torch
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .data import END
-from .forward import forward_loss
 from .gradsync import GradSync
 from .outcome import Cancelled
 
@@ -67,8 +63,7 @@ class StepParts:
         bus: Where the step's events go; asked whether it needs the loop's attention.
         state: The run's train state (step, epoch, batch in epoch, samples seen).
         wants: Which events someone listens to (refreshed by the loop when the routes change).
-        hooks: The inline hooks, read once per run of steps (a change rings the port's
-            doorbell, which ends the run).
+        hooks: The inline hooks, read every step (they may come and go).
         phases: The step's phases (forward, backward, optimizer step, with their events).
         guard: The non-finite guard (which losses are kept, read and checked).
         window: The metrics window each step is added to, and closed at the log step.
@@ -160,12 +155,7 @@ class Step:
         rings = bell.rings  # read first: a ring from here on ends the run after its step
         if cancelled():  # asked before the read above; a later cancel rings the doorbell
             raise Cancelled
-        # The wants and the hooks change only after a ring, which ends the run: read once for
-        # all its steps.
-        by_point = hooks.by_point
-        # A forward nobody observes is forward_loss, which the step calls itself: the phase
-        # would add only its checks (see StepPhases.observes_forward).
-        observed_forward = custom is None and phases.observes_forward()
+        # The wants change only after a ring, which ends the run: read once for all its steps.
         observe_wait = begins = False
         if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
             observe_wait = w.data_wait_started or w.data_wait_ended
@@ -189,6 +179,7 @@ class Step:
         several = window > 1  # a window of micro-batches: DDP's all-reduce waits for its last
         for _ in range(steps):
             taken, ended, barrier = False, None, None
+            by_point = hooks.by_point  # hooks may come and go between steps
             step = st.step
             t0 = tf = monotonic()  # the step's first fetch starts with it
             losses: list[torch.Tensor] = []
@@ -240,19 +231,11 @@ class Step:
                     if move:  # a hook may replace the batch: the model sees the run's device
                         batch = move_to_device(batch, s.device)
                 samples += batch_size(batch)
-                if observed_forward:
+                if custom is None:
                     loss = phases.forward(batch, bi, ctx, micro)
                     if loss is None:  # a hook skipped the micro-batch
                         phases.micro_batch_ended(bi, micro, window, skipped=True)
                         continue
-                elif custom is None:  # nobody observes the forward: the model and the loss
-                    try:
-                        loss = forward_loss(s, batch)[1]
-                    except BaseException as exc:
-                        phases.annotate(exc, "forward", bi)
-                        raise
-                    if not phases.loss_checked:
-                        phases.check_loss(loss, bi)
                 else:  # the user's forwards, backwards and (at the window's end) optimizer steps
                     loss = custom.micro_batch(batch, bi, micro, window)
                 stepped = True
