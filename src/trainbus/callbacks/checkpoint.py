@@ -22,6 +22,7 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
+from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
 from .._validate import check_int, check_metric, check_mode, check_state_key
@@ -85,11 +86,12 @@ def copy_as_best(source: Path, step: int) -> Path:
     """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it,
     atomically: a hidden temporary file (``.<name>.<hex>.copy-tmp``, not the store's own
     ``.trainbus-tmp`` pattern, whose cleanup at each save would race with this copy), fsynced,
-    then renamed over the final name. A process killed mid-copy leaves only that hidden file.
+    then renamed over the final name, and the folder fsynced. A process killed mid-copy
+    leaves only that hidden file.
 
     A sharded run's checkpoint folder is copied whole to ``step-<step>-best`` the same way (a
-    hidden temporary folder renamed into place; an older ``-best`` folder of that step is
-    replaced only then).
+    hidden temporary folder, every file and folder of it fsynced, renamed into place; an older
+    ``-best`` folder of that step is replaced only then).
 
     Returns:
         The path of the copy (``source`` itself when it already is that file).
@@ -102,12 +104,13 @@ def copy_as_best(source: Path, step: int) -> Path:
     try:
         if folder:
             shutil.copytree(source, tmp)
+            fsync_tree(tmp)
             _remove(target)  # os.replace renames a folder only onto none or an empty one
         else:
             shutil.copyfile(source, tmp)
-            with open(tmp, "rb") as f:
-                os.fsync(f.fileno())
+            fsync_file(tmp)
         os.replace(tmp, target)
+        fsync_folder(target.parent)  # the new name is durable once its folder's entry is
     finally:
         _remove(tmp)  # only left when the copy failed
     return target

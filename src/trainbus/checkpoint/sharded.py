@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .._durable import fsync_file, fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .reading import one_line_reason, read_file
@@ -128,24 +129,9 @@ def _broadcast(value: str) -> str:
     return str(box[0])
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_folder(path: Path) -> None:
-    if os.name != "posix":  # Windows cannot open a folder for fsync; NTFS journals renames
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _torch_save(obj: object, path: Path) -> None:
     torch.save(obj, path)
-    _fsync_file(path)
+    fsync_file(path)
 
 
 def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -265,13 +251,13 @@ def _raise_agreed(
 def _publish(tmp: Path, final: Path) -> None:
     """Rename the complete temporary folder into place (rank 0), replacing an older folder of
     the same name (a final save at a step saved before) only once the new one is complete."""
-    _fsync_folder(tmp)
+    fsync_folder(tmp)
     old: Path | None = None
     if final.exists():
         old = final.with_name(f".{final.name}.{os.getpid()}.{secrets.token_hex(4)}.old-tmp")
         os.replace(final, old)
     os.replace(tmp, final)
-    _fsync_folder(final.parent)
+    fsync_folder(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

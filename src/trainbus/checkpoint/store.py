@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from .._durable import fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .reading import read_file
@@ -322,18 +323,7 @@ class CheckpointStore:
         finally:
             with _in_flight_lock:
                 _in_flight.discard(tmp_name)
-        self._sync_folder()
-
-    def _sync_folder(self) -> None:
-        # The rename is durable only once the folder's entry is on disk; POSIX only (Windows
-        # cannot open a folder for fsync, and its rename is journaled by NTFS).
-        if os.name != "posix":
-            return
-        fd = os.open(self._directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_folder(self._directory)  # the rename is durable once the folder is
 
     def checkpoints(self) -> list[Path]:
         """Files named like checkpoints, newest first (highest step, then latest written)."""
