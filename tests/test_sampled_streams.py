@@ -63,6 +63,28 @@ def test_the_demand_follows_the_sampled_subscriptions() -> None:
     assert not demand.sampled and not demand.takes(3, 1e9)
 
 
+def test_a_refused_event_puts_the_demand_back_on_the_exact_due_time() -> None:
+    """The publisher's own estimate of the next due time (set when it is told to build) can
+    get ahead of the gate's exact one, and the event it built then be refused (stamped short
+    of it, or racing the delivery that set it): the refusal tells the table, so the next
+    step's event is built at the exact due time, not an interval later."""
+    bus = EventBus()
+    demand = bus.port().demand(ev.StepEnded)
+    got: list[int] = []
+    bus.stream(ev.StepEnded, every_s=1.0).subscribe(lambda e: got.append(e.step))
+    assert demand.takes(1, 100.0)
+    bus.publish(_step(1, 100.5))
+    bus.flush()  # passed: due again at 101.5
+    assert demand.takes(2, 101.5)  # the estimate moves on to 102.5
+    bus.publish(_step(2, 101.45))  # short of 101.5: refused
+    bus.flush()
+    assert got == [1]
+    assert demand.takes(3, 101.6)  # at the exact due time again
+    bus.publish(_step(3, 101.6))
+    bus.flush()
+    assert got == [1, 3]
+
+
 def test_the_demand_tells_sampled_from_every_event() -> None:
     bus = EventBus()
     demand = bus.port().demand(ev.StepEnded)

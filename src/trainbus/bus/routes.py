@@ -102,15 +102,21 @@ class Sampled(abc.ObserverBase[Any]):
     table its next due time. Step-sampled (``every_steps``): passes the events whose ``step``
     is a multiple of it.
 
+    The publisher builds an event when its own estimate of the due time (``Demand.takes``:
+    the step's start plus ``every_s``) says so; an event stamped at the step's end can still
+    fall short of the exact due time and be refused. The first refusal after a pass tells the
+    table too, so the publisher builds again at the exact due time rather than an interval
+    later.
+
     Args:
         observer: The subscription's observer.
         every_s: The least time between two events passed, in seconds; or None.
         every_steps: The step period; or None (exactly one of the two is given).
-        passed: Called after each time-sampled event passed (the table recomputes its due
-            times).
+        passed: Called after a time-sampled event passed, and after the first one refused
+            since (the table recomputes its due times).
     """
 
-    __slots__ = ("_observer", "_passed", "every_s", "every_steps", "next_at")
+    __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
 
     def __init__(
         self,
@@ -121,6 +127,7 @@ class Sampled(abc.ObserverBase[Any]):
     ) -> None:
         self._observer = observer
         self._passed = passed
+        self._told = False  # the table was told of a refusal since the last pass
         self.every_s = every_s
         self.every_steps = every_steps
         self.next_at = -math.inf if every_s is not None else math.inf
@@ -133,8 +140,12 @@ class Sampled(abc.ObserverBase[Any]):
         assert self.every_s is not None
         t = value.time
         if t < self.next_at:
+            if not self._told:
+                self._told = True
+                self._passed()
             return
         self.next_at = t + self.every_s
+        self._told = False
         self._passed()
         self._observer.on_next(value)
 
