@@ -194,9 +194,11 @@ def test_cuda_paths(tmp_path: Path, policy: str) -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"log_every": 2}, {"accumulate": 2}])
-def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any]) -> None:
+def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any], mode: str) -> None:
     """Each loss finite (float64, 1e308), their sum not: no ``NonFiniteLossError``, no crash
-    at the window's close; the window's mean is what the sum gives (inf)."""
+    at the window's close; the window's mean is what the sum gives (inf). At sync (CUDA's
+    read), a step of 2 micro-batches is judged by its micro-batches too: its mean divides each
+    loss before the sum (a plain mean read inf and failed the run on the first GPU run)."""
     model = tiny_model().double()
     data = [(x.double(), y) for x, y in tiny_loader(4, 4)]
 

@@ -132,7 +132,7 @@ class NonFiniteGuard:
         else:
             values = torch.stack(losses).flatten().tolist()
             finite = all(map(math.isfinite, values))  # each: finite values' sum may overflow
-            value = sum(values) / len(values)
+            value = sum(v / len(values) for v in values)  # as the step's mean on a device
         if self._agree is not None:
             # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
             # so all skip the same update, or none does.

@@ -282,7 +282,7 @@ class Step:
             # ------------------------------------------------------------ StepEnded
             step_loss: torch.Tensor | None = None  # the mean of the kept losses, when needed
             if losses and (step_ended or value is None):
-                step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).mean()
+                step_loss = losses[0] if len(losses) == 1 else _mean(losses)
             if step_ended:
                 assert step_loss is not None  # kept: someone wants StepEnded
                 ended = ev.StepEnded(
@@ -328,3 +328,11 @@ class Step:
                 raise
         self._state.step_done()
         return True, grad_norm
+
+
+def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
+    """The mean of one step's micro-batch losses, each divided before the sum: finite losses
+    then never sum to inf, so the step's loss is non-finite only when one of them is (the check
+    that reads it later, on an accelerator, judges the micro-batches as the per-step read does).
+    """
+    return torch.stack(losses).div(len(losses)).sum()
