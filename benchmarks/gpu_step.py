@@ -207,7 +207,10 @@ def lightning_run(workload: str, n: int, device: torch.device) -> float:
                          enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[Clock()],
                          log_every_n_steps=LOG_EVERY)  # fmt: skip
-    trainer.fit(Module(), train_dataloaders=steps_of(batches, n))
+    # A DataLoader yielding the batches as they are: a plain list here is read by Lightning as
+    # a list of loaders (each batch a "loader"), which failed every run of the first GPU run.
+    loader = torch.utils.data.DataLoader(steps_of(batches, n), batch_size=None)
+    trainer.fit(Module(), train_dataloaders=loader)
     return (stamps["t1"] - stamps["t0"]) / n * 1e3
 
 

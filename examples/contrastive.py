@@ -42,7 +42,7 @@ def contrastive_step(ctx: TrainContext) -> torch.Tensor:
         z1 = nn.functional.normalize(ctx.model(augment(x)), dim=1)
         z2 = nn.functional.normalize(ctx.model(augment(x)), dim=1)
         logits = z1 @ z2.T / 0.2
-        labels = torch.arange(len(x))
+        labels = torch.arange(len(x), device=ctx.device)  # made here: on the run's device
         loss = (nn.functional.cross_entropy(logits, labels)
                 + nn.functional.cross_entropy(logits.T, labels)) / 2  # fmt: skip
     ctx.backward(loss)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -36,9 +37,12 @@ def build() -> tuple[nn.Module, torch.optim.Optimizer]:
     model = nn.Sequential(
         nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 5)
     )
+    # A CPU mesh, named: fully_shard's default mesh is on the GPU when there is one (one GPU
+    # per rank, with NCCL: then drop mesh= here and device= below).
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)  # each layer its own unit: its parameters gather only around it
-    fully_shard(model)  # then the root
+        fully_shard(layer, mesh=mesh)  # each layer its own unit: gathered only around it
+    fully_shard(model, mesh=mesh)  # then the root
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)  # after sharding
 
 
@@ -48,7 +52,8 @@ def train(folder: Path, *, max_steps: int | None = None, resume: str | None = No
     model, opt = build()
     trainer = trainbus.Trainer(
         model, opt, DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
-        max_epochs=2, max_steps=max_steps, seed=0, checkpoint_dir=folder, progress=False,
+        max_epochs=2, max_steps=max_steps, seed=0, checkpoint_dir=folder, device="cpu",
+        progress=False,
     )  # fmt: skip
     trainer.fit_sync(resume=resume)
     return model

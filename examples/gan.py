@@ -44,16 +44,17 @@ def gan_step(ctx: TrainContext) -> dict[str, torch.Tensor]:
     g, d = ctx.model["g"], ctx.model["d"]  # type: ignore[index]
     real = ctx.batch
     bce = nn.functional.binary_cross_entropy_with_logits
-    noise = torch.randn(real.shape[0], 4)
+    # Tensors made inside the step go on the run's device (a GPU when there is one).
+    noise = torch.randn(real.shape[0], 4, device=ctx.device)
+    ones = torch.ones(len(real), 1, device=ctx.device)
+    zeros = torch.zeros(len(real), 1, device=ctx.device)
     with ctx.autocast():
         fake = g(noise)
-        d_loss = bce(d(real), torch.ones(len(real), 1)) + bce(
-            d(fake.detach()), torch.zeros(len(real), 1)
-        )
+        d_loss = bce(d(real), ones) + bce(d(fake.detach()), zeros)
     ctx.backward(d_loss)
     ctx.optimizer_step("d")
     with ctx.autocast():
-        g_loss = bce(d(fake), torch.ones(len(real), 1))
+        g_loss = bce(d(fake), ones)
     ctx.backward(g_loss)
     ctx.optimizer_step("g")
     return {"loss": g_loss, "d_loss": d_loss}
