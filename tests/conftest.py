@@ -150,6 +150,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture
+def cpu_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Child processes started by the test see no GPU (``CUDA_VISIBLE_DEVICES=""``): tests that
+    start 2 torchrun ranks on localhost mean gloo ranks on the CPU. On a host with one GPU, rank 1
+    would otherwise default to ``cuda:1`` (a ``ConfigError``, tests/distributed/test_group.py
+    pins it) and FSDP2 to a CUDA mesh. This process is not affected: it read the visible devices
+    when collection asked ``torch.cuda.is_available()``."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+
+
+@pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Any:
     """Two pretend GPUs (``tests/_fake_cuda.py``): ``torch.cuda`` patched for this test."""
     from tests._fake_cuda import FakeCuda

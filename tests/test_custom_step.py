@@ -46,8 +46,9 @@ def gan_parts(seed: int = 0, batches: int = 10) -> tuple[nn.ModuleDict, dict[str
 def gan_step(ctx: TrainContext) -> dict[str, torch.Tensor]:
     g, d = ctx.model["g"], ctx.model["d"]  # type: ignore[index]
     real = ctx.batch
-    fake = g(torch.randn(len(real), 4))
-    ones, zeros = torch.ones(len(real), 1), torch.zeros(len(real), 1)
+    fake = g(torch.randn(len(real), 4, device=ctx.device))  # tensors made here: the run's device
+    ones = torch.ones(len(real), 1, device=ctx.device)
+    zeros = torch.zeros(len(real), 1, device=ctx.device)
     d_loss = bce(d(real), ones) + bce(d(fake.detach()), zeros)
     ctx.backward(d_loss)
     ctx.optimizer_step("d")
@@ -109,7 +110,7 @@ def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Pa
         z1 = F.normalize(ctx.model(x + 0.1 * torch.randn_like(x)), dim=1)
         z2 = F.normalize(ctx.model(x + 0.1 * torch.randn_like(x)), dim=1)
         logits = z1 @ z2.T / 0.5
-        loss = F.cross_entropy(logits, torch.arange(len(x)))
+        loss = F.cross_entropy(logits, torch.arange(len(x), device=ctx.device))
         ctx.backward(loss)
         assert ctx.optimizer_step() is ctx.last_micro_batch
         return loss
@@ -166,7 +167,8 @@ def test_default_step_steps_every_optimizer_of_a_mapping() -> None:
     result = Trainer(model, opts, tiny_loader(4), loss_fn=F.cross_entropy, max_steps=2,
                      log_every=1, progress=False).fit_sync()  # fmt: skip
     assert result.steps == 2
-    assert all(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    after = [p.detach().cpu() for p in model.parameters()]  # on the run's device
+    assert all(not torch.equal(a, p) for a, p in zip(before, after, strict=True))
     assert {"lr/body", "lr/head"} <= set(result.train_metrics)
 
 
@@ -229,8 +231,10 @@ def test_a_non_finite_loss_names_the_step() -> None:
         return loss
 
     model = tiny_model()
+    # The CPU reads each step's losses before its update, where the note is added; a GPU reads
+    # them at the next sync (docs/trainer.md, Custom steps), so the device is named.
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
-                      train_step=nan_step, max_steps=2, progress=False)  # fmt: skip
+                      train_step=nan_step, max_steps=2, device="cpu", progress=False)  # fmt: skip
     with pytest.raises(NonFiniteLossError) as info:
         trainer.fit_sync()
     assert any("nan_step" in note and "'default'" in note for note in info.value.__notes__)
@@ -256,7 +260,7 @@ def test_a_non_finite_loss_skips_every_optimizer_of_the_window() -> None:
 def test_forgetting_to_step_a_declared_optimizer_warns_naming_it() -> None:
     def only_d(ctx: TrainContext) -> torch.Tensor:
         d = ctx.model["d"]  # type: ignore[index]
-        loss = bce(d(ctx.batch), torch.ones(len(ctx.batch), 1))
+        loss = bce(d(ctx.batch), torch.ones(len(ctx.batch), 1, device=ctx.device))
         ctx.backward(loss)
         ctx.optimizer_step("d")
         return loss

@@ -49,7 +49,8 @@ def test_outputs_with_a_scalar_loss_join_per_key_one_loss_per_batch() -> None:
     assert type(out) is OrderedDict and list(out) == ["loss", "logits"]
     assert out["logits"].shape == (12, 10) and out["loss"].shape == (3,)
     assert [type(o) for o in streamed] == [OrderedDict] * 3
-    assert torch.equal(out["loss"], torch.stack([o["loss"] for o in streamed]))
+    # predict returns its outputs on the host; the events carry them on the run's device.
+    assert torch.equal(out["loss"], torch.stack([o["loss"] for o in streamed]).cpu())
 
 
 def test_join_keeps_named_tuples_and_mapping_types() -> None:
@@ -94,8 +95,11 @@ def test_a_transformers_model_output_keeps_its_type_and_logits() -> None:
     out = trainer.predict_sync(batches, return_outputs=True)
     assert isinstance(out, transformers.modeling_outputs.SequenceClassifierOutput)
     assert out.logits.shape == (12, 3) and out.loss.shape == (3,)
-    assert torch.equal(out.logits.argmax(-1), torch.cat(streamed))
+    assert torch.equal(out.logits.argmax(-1), torch.cat(streamed).cpu())  # host vs device
     model.eval()
+    device = next(model.parameters()).device  # the run's device
     with torch.no_grad():
-        expected = torch.cat([model(**b).logits for b in batches])
+        expected = torch.cat(
+            [model(**{k: v.to(device) for k, v in b.items()}).logits.cpu() for b in batches]
+        )
     torch.testing.assert_close(out.logits, expected)

@@ -365,8 +365,9 @@ def test_a_stop_inside_a_custom_step_ends_the_run_at_that_step() -> None:
 
     model = tiny_model()
     trainer = Trainer(model, _sgd(model), tiny_loader(100, 8), train_step=nan_at_5,
-                      max_epochs=1, log_every=10_000, on_nonfinite="stop",
+                      max_epochs=1, log_every=10_000, on_nonfinite="stop", device="cpu",
                       handle_signals=False, progress=False)  # fmt: skip
+    # device="cpu": the per-step read (a GPU reads at the next sync, here the run's end).
     result = trainer.fit_sync()
     assert result.reason == "stopped" and "non-finite loss at step 5" in str(result.stop_reason)
     assert result.steps == 5 and calls == [0, 1, 2, 3, 4]

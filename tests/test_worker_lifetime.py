@@ -45,8 +45,10 @@ SCRIPT = textwrap.dedent(
 
 
     def loader(batch_size):
+        # Pinned where the batches go to a GPU, as a CUDA run asks (its one-time hint otherwise).
         return DataLoader(data, batch_size=batch_size, num_workers=2, persistent_workers=True,
-                          worker_init_fn=collect, multiprocessing_context=method)
+                          worker_init_fn=collect, multiprocessing_context=method,
+                          pin_memory=torch.cuda.is_available())
 
 
     def workers():

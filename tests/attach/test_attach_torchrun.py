@@ -12,8 +12,9 @@ from trainbus import events as ev
 
 from ._job import Job
 
-# Real processes on a loaded machine: each job starts Python and torch (tens of seconds).
-pytestmark = pytest.mark.timeout(600)
+# Real processes on a loaded machine: each job starts Python and torch (tens of seconds). The
+# ranks are gloo processes on the CPU on any host (``cpu_ranks``, tests/conftest.py).
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("cpu_ranks")]
 
 
 @pytest.mark.asyncio

@@ -58,7 +58,7 @@ def weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def assert_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
-        assert torch.equal(a[k], b[k]), k
+        assert torch.equal(a[k].cpu(), b[k].cpu()), k  # values: DataParallel moves to a GPU
 
 
 def hand_ema(

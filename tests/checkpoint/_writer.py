@@ -21,6 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+
+# The forked writers save CPU tensors only. On a GPU host the zygote's capture_rng() would start
+# CUDA, which a forked child cannot use (its RNG read then fails): hide the GPU before torch.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import torch
 
 from trainbus.checkpoint import TrainState, capture_rng, save_checkpoint

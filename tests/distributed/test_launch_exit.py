@@ -95,7 +95,9 @@ def test_torch_binds_the_live_group_into_collective_defaults() -> None:
         "torch.distributed.nn.functional's defaults: the early import in "
         f"trainbus/distributed/group.py may go ({after})"
     )
-    assert after["threads"] == ["gloo_tcp_loop", "pt_gloo_runloop", "pt_gloo_runloop"]
+    # gloo's threads by name: torch 2.13 runs gloo_tcp_loop and two pt_gloo_runloop, 2.11 only
+    # the two pt_gloo_runloop.
+    assert "pt_gloo_runloop" in after["threads"], after
     first = one_rank("torch_gloo_threads.py", "--import-first")
     assert first["threads"] == [] and not first["group_alive"], first
 
@@ -113,5 +115,5 @@ def test_trainbus_imported_first_the_closed_group_is_gone() -> None:
 def test_a_group_held_past_close_is_logged() -> None:
     record = one_rank("owned_group_threads.py", "--hold")
     threads = record["threads"]
-    assert record["group_alive"] and isinstance(threads, list) and "gloo_tcp_loop" in threads
+    assert record["group_alive"] and isinstance(threads, list) and "pt_gloo_runloop" in threads
     assert record["logs"] == ["process_group_destroyed", "process_group_outlives_destroy"]
