@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def _cpu_ranks(cpu_ranks: None) -> None:
-    """The torchrun ranks these tests start see no GPU (see ``cpu_ranks`` in tests/conftest.py)."""
+@pytest.fixture(scope="package", autouse=True)
+def _cpu_ranks() -> Iterator[None]:
+    """``cpu_ranks`` (tests/conftest.py) for the whole package: package-scoped, so the ranks
+    that the module-scoped fixtures start (test_fsdp, test_agreement, test_trainer_ddp) see no
+    GPU either; a function-scoped fixture would only be set up after them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")
+        yield
