@@ -51,8 +51,10 @@ class Demand:
     Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
     the table's lifetime); the publisher reads it from its own thread and never sees how the
     sampling is done. A time-sampled event the publisher is told to build moves the due time
-    on by the shortest ``every_s`` at once, on the publisher's thread: however late the event
-    loop delivers it (when the gates set the exact due times), no other is built meanwhile.
+    on by the shortest ``every_s`` at once, on the publisher's thread, and again from the
+    event's stamp once it is built (:meth:`built`), the time the gates measure from: however
+    late the event loop delivers it (when the gates set the exact due times), no other is
+    built meanwhile, and the next one built is not refused for being stamped short of it.
 
     Attributes:
         each: Some subscription takes every event of the type.
@@ -60,7 +62,7 @@ class Demand:
             ``every_steps``) takes some: ask :meth:`takes` for each event.
     """
 
-    __slots__ = ("_at", "_every_s", "_periods", "each", "sampled")
+    __slots__ = ("_at", "_every_s", "_periods", "_timed", "each", "sampled")
 
     def __init__(self) -> None:
         self.each = False
@@ -68,6 +70,7 @@ class Demand:
         self._at = math.inf
         self._every_s = math.inf
         self._periods: tuple[int, ...] = ()
+        self._timed = False  # the last yes was a time gate's: built() moves its due time
 
     def takes(self, step: int, now: float) -> bool:
         """True when some subscription takes the event of ``step`` stamped ``now`` (a
@@ -80,16 +83,38 @@ class Demand:
             # A gate takes it: none is due before every_s from now. (A delivery's exact due
             # time racing this write costs at most one event more, or one a little later.)
             self._at = now + self._every_s
+            self._timed = True
             return True
         for n in self._periods:  # a loop, not any() over a generator: asked once a step
             if step % n == 0:
                 return True
         return False
 
-    def update(self, each: bool, gates: list[Sampled]) -> None:
+    def built(self, at: float) -> None:
+        """The event :meth:`takes` said yes to is stamped ``at`` (its ``time``, at the step's
+        end): a time gate measures the next one from there, so the next is due ``every_s``
+        after it. Until a delivery sets the exact due time (a held event loop delivers late),
+        the next event is then built where the gate passes it, not short of it, refused, and
+        its sample left to the interval after."""
+        if self._timed:
+            self._timed = False
+            self._at = at + self._every_s
+
+    def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
         """Set the demand from the type's roots: ``each`` (some root takes every event) and
-        the gates of its sampled roots (the table calls it on every change)."""
-        self._at = min((g.next_at for g in gates), default=math.inf)
+        the gates of its sampled roots (the table calls it on every change).
+
+        Args:
+            each: Some root takes every event of the type.
+            gates: The gates of its sampled roots.
+            passed: Called because a gate passed an event. The due time then only moves on:
+                the publisher may have built newer events than the one delivered (a held
+                event loop delivers late), and going back to the delivered one's due time
+                would have it build events the gates then refuse. After a refusal or a change
+                of the roots it is the gates' exact due time, earlier or not.
+        """
+        exact = min((g.next_at for g in gates), default=math.inf)
+        self._at = max(exact, self._at) if passed else exact
         self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
         self._periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
         self.sampled = not each and bool(gates)
@@ -112,8 +137,8 @@ class Sampled(abc.ObserverBase[Any]):
         observer: The subscription's observer.
         every_s: The least time between two events passed, in seconds; or None.
         every_steps: The step period; or None (exactly one of the two is given).
-        passed: Called after a time-sampled event passed, and after the first one refused
-            since (the table recomputes its due times).
+        passed: Called after a time-sampled event passed (with True), and after the first
+            one refused since (with False): the table recomputes its due times.
     """
 
     __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
@@ -123,7 +148,7 @@ class Sampled(abc.ObserverBase[Any]):
         observer: abc.ObserverBase[Any],
         every_s: float | None,
         every_steps: int | None,
-        passed: Callable[[], None],
+        passed: Callable[[bool], None],
     ) -> None:
         self._observer = observer
         self._passed = passed
@@ -142,11 +167,11 @@ class Sampled(abc.ObserverBase[Any]):
         if t < self.next_at:
             if not self._told:
                 self._told = True
-                self._passed()
+                self._passed(False)
             return
         self.next_at = t + self.every_s
         self._told = False
-        self._passed()
+        self._passed(True)
         self._observer.on_next(value)
 
     def on_error(self, error: Exception) -> None:
@@ -203,11 +228,11 @@ class RouteTable:
             self._update_demands()
         return demand
 
-    def _update_demands(self) -> None:
+    def _update_demands(self, passed: bool = False) -> None:
         for event_type, demand in self._demands.items():
             roots = [r.observer for r in self._roots if issubclass(event_type, r.types)]
             gates = [o for o in roots if isinstance(o, Sampled)]
-            demand.update(len(gates) < len(roots), gates)
+            demand.update(len(gates) < len(roots), gates, passed=passed)
 
     def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         """The observers ``event_type`` goes to, computed and cached."""

@@ -290,6 +290,8 @@ class Step:
                     grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
                     duration_s=monotonic() - t0,
                 )  # fmt: skip
+                if sampled:  # the sampled streams measure the next one from its stamp
+                    demand.built(ended.time)
                 pub(ended)
                 if ev.StepEnded in barriers:
                     barrier = ended

@@ -25,7 +25,8 @@ class Wants:
         batch_fetched ... eval_batch_ended: ``port.wants`` of the event of that name.
         step_ended: Some subscription takes every ``StepEnded``.
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
-            one when ``step_ended_demand.takes(step, now)`` says one of them takes it.
+            one when ``step_ended_demand.takes(step, now)`` says one of them takes it, and
+            tells it the event's stamp (``built``).
         step_ended_demand: The port's :class:`~trainbus.bus.routes.Demand` for ``StepEnded``.
         step_extras: ``StepBegan`` or the ``DataWaitStarted/Ended`` span is wanted: the
             step reads this one flag, and the single ones only when it is set.
