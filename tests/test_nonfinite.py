@@ -196,9 +196,10 @@ def test_cuda_paths(tmp_path: Path, policy: str) -> None:
 @pytest.mark.parametrize("kwargs", [{"log_every": 2}, {"accumulate": 2}])
 def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any], mode: str) -> None:
     """Each loss finite (float64, 1e308), their sum not: no ``NonFiniteLossError``, no crash
-    at the window's close; the window's mean is what the sum gives (inf). At sync (CUDA's
-    read), a step of 2 micro-batches is judged by its micro-batches too: its mean divides each
-    loss before the sum (a plain mean read inf and failed the run on the first GPU run)."""
+    at the window's close, and every mean (a step's over its micro-batches, the window's loss,
+    a metric of the user's) is 1e308: each value is divided before the sum. At sync (CUDA's
+    read) a plain mean read inf and failed the run (the first GPU run); the window's loss read
+    inf, and a metric's ``math.fsum`` raised ``OverflowError`` at the window's close."""
     model = tiny_model().double()
     data = [(x.double(), y) for x, y in tiny_loader(4, 4)]
 
@@ -208,10 +209,63 @@ def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any], mo
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=huge,
                       max_epochs=1, handle_signals=False, progress=False,
                       **kwargs)  # fmt: skip
+    trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("huge", 1e308))
     result = trainer.fit_sync()
     assert result.reason == "completed" and result.skipped_nonfinite == 0
     assert result.steps == 4 // kwargs.get("accumulate", 1)
-    assert result.train_metrics["loss"] == float("inf")
+    assert result.train_metrics["loss"] == 1e308
+    assert result.train_metrics["huge"] == 1e308
+
+
+def _custom_trainer(step_fn: Any, **kwargs: Any) -> Trainer:
+    model = tiny_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
+                   train_step=step_fn, max_steps=5, device="cpu", handle_signals=False,
+                   progress=False, **kwargs)  # fmt: skip
+
+
+def _nan_at(bad: int, *, backward: bool) -> Any:
+    """A custom step whose loss at step ``bad`` is NaN: the one given to ``ctx.backward`` (its
+    returned loss finite), or the one it returns (the one given to ``ctx.backward`` finite)."""
+
+    def step(ctx: Any) -> torch.Tensor:
+        x, y = ctx.batch
+        loss = torch.nn.functional.cross_entropy(ctx.model(x), y)
+        nan = loss * float("nan") if ctx.step + 1 == bad else loss
+        ctx.backward(nan if backward else loss)
+        ctx.optimizer_step()
+        return loss.detach() if backward else nan
+
+    return step
+
+
+@pytest.mark.parametrize("policy", ["raise", "stop"])
+def test_a_non_finite_loss_given_to_ctx_backward_is_found_at_sync_too(
+    tmp_path: Path, mode: str, policy: str
+) -> None:
+    """A custom step gives ``ctx.backward`` a NaN at step 2 and returns a finite loss. Read at
+    sync (CUDA, or several ranks), the window keeps what ``ctx.backward`` was given as well:
+    before, only the returned loss was read, and the run completed with NaN weights (found by
+    a new-user trial)."""
+    trainer = _custom_trainer(_nan_at(2, backward=True), on_nonfinite=policy, log_every=50,
+                              checkpoint_dir=tmp_path / "ckpt")  # fmt: skip
+    if policy == "raise":
+        with pytest.raises(NonFiniteLossError, match="at step 2 "):
+            trainer.fit_sync()
+        return
+    result = trainer.fit_sync()
+    assert (result.reason, result.stop_reason) == ("stopped", "non-finite loss at step 2 (epoch 0)")
+    assert _files(tmp_path) == []  # no final checkpoint of the bad state
+
+
+def test_skip_with_a_non_finite_returned_loss_neither_stops_nor_skips(mode: str) -> None:
+    """Under ``"skip"`` a custom step's update was taken on finite ``ctx.backward`` losses; a
+    NaN it returns is logged (the window's loss is NaN) and the run goes on. Before, the
+    window's close tripped the guard and stopped the run, but only when a log step came after
+    it (``log_every=2`` here; a new-user trial)."""
+    trainer = _custom_trainer(_nan_at(2, backward=False), on_nonfinite="skip", log_every=2)
+    result = trainer.fit_sync()
+    assert (result.reason, result.steps, result.skipped_nonfinite) == ("completed", 5, 0)
 
 
 @pytest.mark.parametrize("policy", ["raise", "skip", "ignore"])

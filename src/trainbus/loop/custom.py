@@ -31,6 +31,7 @@ discriminator).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -260,6 +261,16 @@ class CustomStep:
         if took:
             self._stepped[name] = grad_norm
         return took
+
+    def checked(self, loss: torch.Tensor) -> torch.Tensor:
+        """The step's ``loss`` as the metrics window keeps it where the guard reads at the next
+        sync (``"raise"`` / ``"stop"`` on an accelerator, or under several ranks): NaN when a
+        loss given to ``ctx.backward`` in the window was not finite, so that read finds this
+        step (it reads only what the window keeps). On the device: no sync."""
+        if not self._losses:
+            return loss
+        finite = torch.isfinite(torch.stack(self._losses)).all()
+        return torch.where(finite, loss, loss.new_full((), math.nan))
 
     def finish(self, bi: int) -> tuple[bool, torch.Tensor | None]:
         """After the window: the steps deferred by a window cut short, the grad scaler's

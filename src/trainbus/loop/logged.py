@@ -12,12 +12,12 @@ window reads them all with its own read (one stack per name), so logging never s
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from .._exceptions import ConfigError
+from .nonfinite import mean
 from .window import TRAIN_METRIC_NAMES
 
 __all__ = ["RESERVED_NAMES", "UserMetrics", "check_metric"]
@@ -89,6 +89,6 @@ class UserMetrics:
             floats = [v for v in values if not isinstance(v, torch.Tensor)]
             if tensors:
                 floats += [float(x) for x in torch.stack([t.float() for t in tensors]).tolist()]
-            out[name] = math.fsum(floats) / len(floats)
+            out[name] = mean(floats)
         self._values = {}
         return out

@@ -43,13 +43,28 @@ if TYPE_CHECKING:
     from ..checkpoint import TrainState
     from .settings import Settings
 
-__all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard"]
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "mean", "mean_tensor"]
 
 log = get_logger(__name__)
 
 MAX_CONSECUTIVE_SKIPS = 100
 """With ``on_nonfinite="skip"``, this many non-finite steps in a row fail the run: the model
 (or the data) is broken and skipping would only spin through the loader."""
+
+
+def mean(values: list[float]) -> float:
+    """The mean of ``values`` (not empty), each divided before the sum: finite values never
+    average to inf or fail (two losses of 1e308 sum to inf, and ``math.fsum`` raises
+    ``OverflowError`` on them), so the mean is non-finite only when a value is. The window's
+    loss, grad norm and user metrics, and a step's loss read on the CPU."""
+    n = len(values)
+    return sum(v / n for v in values)
+
+
+def mean_tensor(losses: list[torch.Tensor]) -> torch.Tensor:
+    """:func:`mean` on the device, of one step's micro-batch losses (no sync): the read at sync
+    (CUDA) then judges the micro-batches as the per-step read does."""
+    return torch.stack(losses).div(len(losses)).sum()
 
 
 class NonFiniteGuard:
@@ -132,7 +147,7 @@ class NonFiniteGuard:
         else:
             values = torch.stack(losses).flatten().tolist()
             finite = all(map(math.isfinite, values))  # each: finite values' sum may overflow
-            value = sum(v / len(values) for v in values)  # as the step's mean on a device
+            value = mean(values)  # as the step's mean on a device: no overflow
         if self._agree is not None:
             # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
             # so all skip the same update, or none does.
@@ -163,6 +178,12 @@ class NonFiniteGuard:
             NonFiniteLossError: under ``"raise"``, naming the step and the last checkpoint.
         """
         if not self.active or self.tripped:
+            return
+        if self.policy == "skip":
+            # Only a custom step's returned loss gets here: "skip" read every loss given to
+            # ctx.backward (and the default step's) before its update, so this step's update
+            # was taken on finite losses and nothing is left to skip. Logged, not a stop.
+            log.warning("nonfinite_returned_loss", step=step, epoch=self._state.epoch)
             return
         message = f"non-finite loss at step {step} (epoch {self._state.epoch})"
         if self.policy == "raise":

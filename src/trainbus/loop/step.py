@@ -38,6 +38,7 @@ from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .data import END
 from .gradsync import GradSync
+from .nonfinite import mean_tensor
 from .outcome import Cancelled
 
 if TYPE_CHECKING:
@@ -169,6 +170,8 @@ class Step:
         # is kept detached; one only the guard reads stays as it is: detach() costs ~1 µs, and
         # the guard's read does not need it (the window then takes the value read).
         read_each = guard.per_step and custom is None  # the guard reads the losses: CPU, "skip"
+        # Read at sync, a custom step's window keeps what ctx.backward was given as well.
+        check_backward = custom is not None and guard.active and not guard.per_step
         hand_on_each = loss_computed or not read_each  # else the window takes the value read
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
         log_every, barriers, add = s.log_every, s.barriers, self._window.add
@@ -282,7 +285,9 @@ class Step:
             # ------------------------------------------------------------ StepEnded
             step_loss: torch.Tensor | None = None  # the mean of the kept losses, when needed
             if losses and (step_ended or value is None):
-                step_loss = losses[0] if len(losses) == 1 else _mean(losses)
+                step_loss = losses[0] if len(losses) == 1 else mean_tensor(losses)
+                if check_backward and custom is not None:  # its ctx.backward losses too
+                    step_loss = custom.checked(step_loss)
             if step_ended:
                 assert step_loss is not None  # kept: someone wants StepEnded
                 ended = ev.StepEnded(
@@ -331,10 +336,3 @@ class Step:
         self._state.step_done()
         return True, grad_norm
 
-
-def _mean(losses: list[torch.Tensor]) -> torch.Tensor:
-    """The mean of one step's micro-batch losses, each divided before the sum: finite losses
-    then never sum to inf, so the step's loss is non-finite only when one of them is (the check
-    that reads it later, on an accelerator, judges the micro-batches as the per-step read does).
-    """
-    return torch.stack(losses).div(len(losses)).sum()

@@ -11,6 +11,7 @@ import torch
 
 from .. import events as ev
 from .._tensors import plain_value
+from .nonfinite import mean
 
 if TYPE_CHECKING:
     from ..bus import LoopPort
@@ -158,10 +159,10 @@ class MetricsWindow:
         # One stack and one read of the window (the device sync), then plain Python: eight small
         # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
         values = _read(losses_kept)
-        mean_loss = sum(values) / len(values) if values else math.nan
-        bad = None  # a finite mean has only finite values: then no search (an infinite one
-        if values and not math.isfinite(mean_loss):  # may be the sum of finite values)
-            bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        mean_loss = mean(values) if values else math.nan
+        bad = None  # a finite mean has only finite values: then no search
+        if values and not math.isfinite(mean_loss):
+            bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done only once the device has run them
@@ -175,7 +176,7 @@ class MetricsWindow:
             "samples_per_s": self._samples / elapsed,
         }
         if norms_read:
-            metrics["grad_norm"] = sum(norms_read) / len(norms_read)
+            metrics["grad_norm"] = mean(norms_read)
         if guard.skipped or s.on_nonfinite == "skip":
             metrics["skipped_nonfinite"] = float(guard.skipped)
         if len(s.optimizers) > 1:
