@@ -45,6 +45,7 @@ from .hooks import HookFn as HookFn
 from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
 from .hooks import StepContext as StepContext
+from .logged import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 from .logged import UserMetrics as UserMetrics
 from .loop import Loop as Loop
 from .optimizers import OptimizerSet as OptimizerSet
@@ -62,7 +63,6 @@ from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
 from .step import Step as Step
 from .wants import Wants as Wants
-from .window import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 from .window import MetricsWindow as MetricsWindow
 
 __all__ = [

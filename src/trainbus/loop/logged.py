@@ -18,12 +18,15 @@ import torch
 
 from .._exceptions import ConfigError
 from .nonfinite import mean
-from .window import TRAIN_METRIC_NAMES
 
-__all__ = ["RESERVED_NAMES", "UserMetrics", "check_metric"]
+__all__ = ["TRAIN_METRIC_NAMES", "UserMetrics", "check_metric"]
 
-RESERVED_NAMES = TRAIN_METRIC_NAMES
-"""The window's own metric names: a logged value may not take them."""
+TRAIN_METRIC_NAMES = frozenset(
+    {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
+)
+"""Every key of the metrics window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
+``skipped_nonfinite`` only in some runs); with several optimizers also ``lr/<name>`` each. A
+value users log may take none of them."""
 
 
 def check_metric(name: object, value: object) -> None:
@@ -31,13 +34,14 @@ def check_metric(name: object, value: object) -> None:
 
     Raises:
         ConfigError: a name that is not a non-empty string or is one of the window's own
-            (:data:`RESERVED_NAMES`, ``lr/<optimizer>``), or a value that is not a real number
+            (:data:`TRAIN_METRIC_NAMES`, ``lr/<optimizer>``), or a value that is not a real number
             or a one-element tensor.
     """
-    if not isinstance(name, str) or not name or name in RESERVED_NAMES or name.startswith("lr/"):
+    reserved = isinstance(name, str) and (name in TRAIN_METRIC_NAMES or name.startswith("lr/"))
+    if not isinstance(name, str) or not name or reserved:
         raise ConfigError.invalid(
             "name", name, "a non-empty string other than the window's own metrics ("
-            + ", ".join(sorted(RESERVED_NAMES)) + ", lr/<optimizer>)",
+            + ", ".join(sorted(TRAIN_METRIC_NAMES)) + ", lr/<optimizer>)",
         )  # fmt: skip
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:

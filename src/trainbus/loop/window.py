@@ -20,15 +20,7 @@ if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
 
-__all__ = ["TRAIN_METRIC_NAMES", "MetricsWindow"]
-
-
-TRAIN_METRIC_NAMES = frozenset(
-    {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
-)
-"""Every key of the window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
-``skipped_nonfinite`` only in some runs); with several optimizers also ``lr/<name>`` each, and
-the names users log (:mod:`~trainbus.loop.logged`)."""
+__all__ = ["MetricsWindow"]
 
 
 class MetricsWindow:
