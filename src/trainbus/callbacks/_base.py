@@ -34,10 +34,10 @@ from .._exceptions import ConfigError
 from ..hookpoints import HOOK_POINTS
 
 if TYPE_CHECKING:
+    from .._trainer.result import FitResult  # where it is defined: no circle through trainer
     from ..bus import EventBus
     from ..bus.async_subscription import Overflow
     from ..bus.failures import ErrorPolicy
-    from ..trainer import FitResult
 
 __all__ = [
     "Callback",
