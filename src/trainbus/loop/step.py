@@ -335,4 +335,3 @@ class Step:
                 raise
         self._state.step_done()
         return True, grad_norm
-
