@@ -52,15 +52,18 @@ def import_before(src: Path, into: Path) -> ModuleType:
     package = src / "trainbus"
     if not (package / "__init__.py").is_file():
         raise SystemExit(f"step_ab.py: {src} has no trainbus package (give the tree's src/)")
+    # A module-level absolute import would run the current tree's code inside the earlier
+    # one. (Indented ones are in functions the step never calls, such as the Ray launcher's,
+    # or in docstrings.)
     absolute = [
         str(p.relative_to(src))
         for p in package.rglob("*.py")
         if any(
-            line.lstrip().startswith(("import trainbus", "from trainbus"))
+            line.startswith(("import trainbus", "from trainbus"))
             for line in p.read_text().splitlines()
         )
     ]
-    if absolute:  # such a module would run the current tree's code inside the earlier one
+    if absolute:
         raise SystemExit(f"step_ab.py: these modules import trainbus absolutely: {absolute}")
     shutil.copytree(package, into / BEFORE)
     sys.path.insert(0, str(into))
@@ -109,6 +112,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--kit", choices=["none", "sampled", "each"], default="none")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="the JSON to write (default: benchmarks/results/step_ab_<kit>.json)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     data = list(tiny_loader(args.steps, 32))
@@ -136,7 +141,7 @@ def main() -> int:
     print(f"paired difference (after - before): {summary['diff_points']:+.2f} points, "
           f"quartiles {summary['diff_quartiles'][0]:+.2f}..{summary['diff_quartiles'][1]:+.2f}, "
           f"95 % interval of the median {low:+.2f}..{high:+.2f}")  # fmt: skip
-    write_json(RESULTS_DIR / f"step_ab_{args.kit}.json", {
+    write_json(args.out or RESULTS_DIR / f"step_ab_{args.kit}.json", {
         "command": " ".join(sys.argv), "machine": machine_info(), "kit": args.kit,
         "before_src": str(args.before_src), "summary": summary, "ratios": ratios,
         "diffs": diffs,
