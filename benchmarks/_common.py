@@ -26,6 +26,7 @@ from typing import Any
 __all__ = [
     "RESULTS_DIR",
     "Stopwatch",
+    "bare_loop_s",
     "format_table",
     "interleaved_rounds",
     "load_average",
@@ -90,6 +91,22 @@ def interleaved_rounds(
             if r >= 0:
                 out[name].append(value)
     return out
+
+
+def bare_loop_s(model: Any, data: Iterable[tuple[Any, Any]], lr: float) -> float:
+    """Seconds of the hand-written training loop the benchmarks compare against, on the calling
+    thread: per batch the forward, cross-entropy, backward, an SGD step (``lr``) and
+    ``zero_grad(set_to_none=True)``."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    start = time.perf_counter()
+    for x, y in data:
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
 
 
 def median(values: Iterable[float]) -> float:

@@ -26,7 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import format_table, interleaved_rounds, machine_info, paired_ratios, summarize
+from _common import (
+    bare_loop_s,
+    format_table,
+    interleaved_rounds,
+    machine_info,
+    paired_ratios,
+    summarize,
+)
 
 import trainbus
 from trainbus.testing import tiny_model
@@ -39,15 +46,7 @@ def batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def bare(steps: int) -> float:
-    model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    data = batches(steps)
-    t0 = time.perf_counter()
-    for x, y in data:
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return (time.perf_counter() - t0) / steps
+    return bare_loop_s(tiny_model(), batches(steps), lr=0.01) / steps
 
 
 def trainer(steps: int, attach: bool | Path) -> float:

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from _common import (
     RESULTS_DIR,
+    bare_loop_s,
     format_table,
     interleaved_rounds,
     machine_info,
@@ -104,16 +105,7 @@ def _post(url: str, step: int) -> None:
 
 
 def bare(steps: int) -> dict[str, float]:
-    model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    data = tiny_loader(steps, batch_size=32)
-    t0 = time.perf_counter()
-    for x, y in data:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    loop = time.perf_counter() - t0
+    loop = bare_loop_s(tiny_model(), tiny_loader(steps, batch_size=32), lr=0.1)
     return {"steps_per_s": steps / loop, "fit_s": loop}
 
 

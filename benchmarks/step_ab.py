@@ -30,7 +30,6 @@ import importlib
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -39,7 +38,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import RESULTS_DIR, machine_info, median, median_ci, percentile, write_json
+from _common import (
+    RESULTS_DIR,
+    bare_loop_s,
+    machine_info,
+    median,
+    median_ci,
+    percentile,
+    write_json,
+)
 
 import trainbus
 from trainbus.testing import tiny_loader, tiny_model
@@ -73,15 +80,7 @@ def import_before(src: Path, into: Path) -> ModuleType:
 def bare(data: list[Any]) -> float:
     """µs a step of the hand-written loop, on this thread."""
     torch.manual_seed(0)
-    model = tiny_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    start = time.perf_counter()
-    for x, y in data:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return (time.perf_counter() - start) / len(data) * 1e6
+    return bare_loop_s(tiny_model(), data, lr=0.01) / len(data) * 1e6
 
 
 def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
