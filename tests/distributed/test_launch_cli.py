@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainbus.cli import main, split_launch_args
+from trainbus.cli import main
+from trainbus.cli.launch import split_launch_args
 
 from ._torchrun import SCRIPTS, env
 
