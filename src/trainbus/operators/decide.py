@@ -1,192 +1,27 @@
-"""Rx operators for training streams.
+"""Operators that decide: patience, plateau and threshold, each emitting a command.
 
-Each operator is a plain function returning ``Callable[[Observable[A]], Observable[B]]``, for use
-in ``pipe(...)``. Arguments are validated when the operator is built, so a typo fails where it was
-written, not inside the event loop. State lives per subscription: one operator object can serve
-several pipelines.
-
-Marble diagrams read left to right in time; ``|`` is completion.
-"""
+They share :class:`Tracker` (the best value so far and the steps since it improved) and one
+way to read a metric from an event."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Literal
 
 import reactivex
 from reactivex import Observable, abc
 from reactivex import operators as ops
 
-from . import commands as cmd
-from . import events as ev
-from ._exceptions import ConfigError
-from ._validate import check_int, check_metric, check_mode, check_number
-from .bus.clock import At, Every, Schedule
+from .. import commands as cmd
+from .._exceptions import ConfigError
+from .._validate import check_int, check_metric, check_mode, check_number
 
-__all__ = [
-    "Scheduled",
-    "Span",
-    "Tracker",
-    "every",
-    "metric",
-    "of_type",
-    "once",
-    "patience",
-    "plateau",
-    "span_durations",
-    "threshold",
-]
+__all__ = ["Tracker", "patience", "plateau", "threshold"]
 
-_T = TypeVar("_T")
-_E = TypeVar("_E")
-_E2 = TypeVar("_E2")
 Mode = Literal["min", "max"]
 
 
-# ----------------------------------------------------------------------------- selection
-@overload
-def of_type(t: type[_E], /) -> Callable[[Observable[Any]], Observable[_E]]: ...
-@overload
-def of_type(t: type[_E], t2: type[_E2], /) -> Callable[[Observable[Any]], Observable[_E | _E2]]: ...
-@overload
-def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]: ...
-def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]:
-    """Keep items that are instances of ``types``; the result is typed accordingly.
-
-    ::
-
-        source:             -A-b-A-c-|
-        of_type(A):         -A---A---|
-
-    Raises:
-        ConfigError: no type, or something that is not a class.
-    """
-    if not types or not all(isinstance(t, type) for t in types):
-        raise ConfigError.invalid("types", types, "one or more classes")
-    return ops.filter(lambda x: isinstance(x, types))
-
-
-class Scheduled(Generic[_T]):
-    """An operator that declares decision steps: ``pipe()`` on a bus stream reads its
-    ``schedule``, and subscribing declares it to the bus' step clock, so the loop applies the
-    pipeline's commands at exactly those steps (docs/events.md, "When a command takes effect").
-
-    Args:
-        operator: The operator itself.
-        schedule: The steps at which its items pass.
-    """
-
-    __slots__ = ("_operator", "schedule")
-
-    def __init__(
-        self, operator: Callable[[Observable[_T]], Observable[_T]], schedule: Schedule
-    ) -> None:
-        self._operator = operator
-        self.schedule = schedule
-
-    def __call__(self, source: Observable[_T]) -> Observable[_T]:
-        return self._operator(source)
-
-    def __repr__(self) -> str:
-        return f"<Scheduled {self.schedule!r}>"
-
-
-def _step_of(event: Any) -> int:
-    step = getattr(event, "step", None)
-    if type(step) is not int:
-        raise ConfigError.invalid(
-            "item", event, "an event with a step (put every/once before operators that map "
-            "events to values)",
-        )  # fmt: skip
-    return step
-
-
-def every(n: int) -> Scheduled[_T]:
-    """Keep the events of every ``n``-th step (``step % n == 0``: n, 2n, ...).
-
-    ::
-
-        source (steps):     -1-2-3-4-5-6-|
-        every(3):           -----3-----6-|
-
-    Step-based, not counting items: a resumed run, or one whose hooks skipped steps, passes the
-    same steps. On a bus stream it declares the decision steps ``Every(n)``: commands the
-    pipeline sends are applied at exactly that step.
-
-    Raises:
-        ConfigError: ``n`` is not an int >= 1 (eagerly); the stream errors with a
-            ``ConfigError`` on an item without an int ``step``.
-    """
-    n = check_int("n", n, 1)
-
-    def _every(source: Observable[_T]) -> Observable[_T]:
-        return source.pipe(ops.filter(lambda e: _step_of(e) % n == 0))
-
-    return Scheduled(_every, Every(n))
-
-
-def once(
-    at: int | Callable[[Any], bool] | None = None,
-) -> Callable[[Observable[_T]], Observable[_T]]:
-    """Emit the first matching item, then complete.
-
-    ``at=None``: the first item; ``at=k`` (int): the first event whose ``step >= k`` (on a bus
-    stream this declares the decision step ``At(k)``); ``at=predicate``: the first item the
-    predicate accepts.
-
-    ::
-
-        source (steps):     -1-2-3-4-|
-        once(at=3):         -----3|
-
-    Raises:
-        ConfigError: ``at`` is a negative int, or neither int, callable nor None.
-    """
-
-    # filter + take(1), not ops.first: first() errors with SequenceContainsNoElementsError when
-    # the source completes without a match, so a run ending before step k would count a
-    # subscriber failure at close (and fail the run under on_error="raise").
-    def first(predicate: Callable[[Any], bool]) -> Callable[[Observable[_T]], Observable[_T]]:
-        return lambda source: source.pipe(ops.filter(predicate), ops.take(1))
-
-    if at is None:
-        return ops.take(1)
-    if isinstance(at, int) and not isinstance(at, bool):
-        step = check_int("at", at, 0)
-        scheduled: Scheduled[Any] = Scheduled(first(lambda e: e.step >= step), At(step))
-        return scheduled
-    if callable(at):
-        return first(at)
-    raise ConfigError.invalid("at", at, "None, a step (int >= 0) or a predicate")
-
-
-def metric(name: str) -> Callable[[Observable[Any]], Observable[float]]:
-    """Map events carrying ``metrics`` (``EvaluationEnded``, ``MetricsLogged``) to one value.
-
-    Events without the metric are skipped.
-
-    ::
-
-        source:             -{loss:2}-{acc:1}-{loss:1}-|
-        metric("loss"):     -2-----------------1-------|
-    """
-    name = check_metric("metric", name)
-
-    def has(e: Any) -> bool:
-        return name in getattr(e, "metrics", {})
-
-    def read(e: Any) -> float:
-        return float(e.metrics[name])
-
-    def _metric(source: Observable[Any]) -> Observable[float]:
-        return source.pipe(ops.filter(has), ops.map(read))
-
-    return _metric
-
-
-# ----------------------------------------------------------------------------- decisions
 class Tracker:
     """The state of a metric decision (:func:`patience`, :func:`plateau`): the best value seen,
     evaluations since it improved, the cooldown left and the reductions made.
@@ -428,85 +263,6 @@ def plateau(
     return _tracked(tracker, lambda t: _decide(step, t, metric, done))
 
 
-# ----------------------------------------------------------------------------- spans
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Span:
-    """A matched ``XStarted`` / ``XEnded`` pair."""
-
-    start: ev.BaseEvent
-    end: ev.BaseEvent
-    duration_s: float
-
-
-def span_durations(
-    start: type[ev.BaseEvent] | None = None, end: type[ev.BaseEvent] | None = None
-) -> Callable[[Observable[Any]], Observable[Span]]:
-    """Pair each ``XStarted`` event with its ``XEnded`` event and emit their :class:`Span`.
-
-    ``start=None`` times every span of :data:`trainbus.events.SPANS` (each kind paired with
-    its own partner); ``start=X`` only that kind, ``end`` defaulting to its partner in
-    ``SPANS`` (give ``end`` to time from any event to any other). Works for any span (forward,
-    backward, optimizer step, evaluation, epoch, fit), because the loop guarantees the pair even
-    on failure (``span.end.error`` then holds the exception). Nested spans of one kind pair
-    innermost first; an end without a start (subscribed mid-span) is dropped. Durations come
-    from the events' ``time`` stamps, not from when they were delivered.
-
-    ::
-
-        source:             -S---E--S-E-|
-        span_durations(S):  -----x----y-|     x, y = Span(start, end, duration_s)
-
-        source:             -F-f-B-b-|        F/f ForwardStarted/Ended, B/b BackwardStarted/Ended
-        span_durations():   ---x---y-|        x = forward span, y = backward span
-
-    Raises:
-        ConfigError: ``start`` is not a span start (without ``end``), or ``end`` is not an
-            event class.
-    """
-    pairs: dict[type[ev.BaseEvent], type[ev.BaseEvent]]
-    if start is None:
-        if end is not None:
-            raise ConfigError.invalid("end", end, "None when start is None (all of ev.SPANS)")
-        pairs = dict(ev.SPANS)
-    else:
-        if end is None:
-            if start not in ev.SPANS:
-                raise ConfigError.invalid(
-                    "start", start, f"one of {[t.__name__ for t in ev.SPANS]} or give end="
-                )
-            end = ev.SPANS[start]
-        if not (isinstance(end, type) and issubclass(end, ev.BaseEvent)):
-            raise ConfigError.invalid("end", end, "an event class")
-        pairs = {start: end}
-    ends = {e: s for s, e in pairs.items()}
-    starts = tuple(pairs)
-
-    def _spans(source: Observable[Any]) -> Observable[Span]:
-        def subscribe(
-            observer: abc.ObserverBase[Span], scheduler: abc.SchedulerBase | None = None
-        ) -> abc.DisposableBase:
-            opened: dict[type[ev.BaseEvent], list[ev.BaseEvent]] = {s: [] for s in starts}
-
-            def on_next(event: Any) -> None:
-                kind = type(event)
-                if kind in pairs:
-                    opened[kind].append(event)
-                if kind in ends and opened[ends[kind]]:
-                    first = opened[ends[kind]].pop()
-                    observer.on_next(
-                        Span(start=first, end=event, duration_s=event.time - first.time)
-                    )
-
-            return source.subscribe(
-                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
-            )
-
-        return Observable(subscribe)
-
-    return _spans
-
-
-# ----------------------------------------------------------------------------- thresholds
 def threshold(
     metric: str, *, above: float | None = None, below: float | None = None
 ) -> Callable[[Observable[Any]], Observable[cmd.StopTraining]]:

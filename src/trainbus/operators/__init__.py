@@ -1,0 +1,27 @@
+"""Rx operators for training streams.
+
+Each operator is a plain function returning ``Callable[[Observable[A]], Observable[B]]``, for use
+in ``pipe(...)``. Arguments are validated when the operator is built, so a typo fails where it was
+written, not inside the event loop. State lives per subscription: one operator object can serve
+several pipelines.
+
+Marble diagrams read left to right in time; ``|`` is completion.
+"""
+
+from .decide import Tracker, patience, plateau, threshold
+from .select import Scheduled, every, metric, of_type, once
+from .spans import Span, span_durations
+
+__all__ = [
+    "Scheduled",
+    "Span",
+    "Tracker",
+    "every",
+    "metric",
+    "of_type",
+    "once",
+    "patience",
+    "plateau",
+    "span_durations",
+    "threshold",
+]

@@ -1,0 +1,91 @@
+"""Operators over span events: the duration of each phase span."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from reactivex import Observable, abc
+
+from .. import events as ev
+from .._exceptions import ConfigError
+
+__all__ = ["Span", "span_durations"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Span:
+    """A matched ``XStarted`` / ``XEnded`` pair."""
+
+    start: ev.BaseEvent
+    end: ev.BaseEvent
+    duration_s: float
+
+
+def span_durations(
+    start: type[ev.BaseEvent] | None = None, end: type[ev.BaseEvent] | None = None
+) -> Callable[[Observable[Any]], Observable[Span]]:
+    """Pair each ``XStarted`` event with its ``XEnded`` event and emit their :class:`Span`.
+
+    ``start=None`` times every span of :data:`trainbus.events.SPANS` (each kind paired with
+    its own partner); ``start=X`` only that kind, ``end`` defaulting to its partner in
+    ``SPANS`` (give ``end`` to time from any event to any other). Works for any span (forward,
+    backward, optimizer step, evaluation, epoch, fit), because the loop guarantees the pair even
+    on failure (``span.end.error`` then holds the exception). Nested spans of one kind pair
+    innermost first; an end without a start (subscribed mid-span) is dropped. Durations come
+    from the events' ``time`` stamps, not from when they were delivered.
+
+    ::
+
+        source:             -S---E--S-E-|
+        span_durations(S):  -----x----y-|     x, y = Span(start, end, duration_s)
+
+        source:             -F-f-B-b-|        F/f ForwardStarted/Ended, B/b BackwardStarted/Ended
+        span_durations():   ---x---y-|        x = forward span, y = backward span
+
+    Raises:
+        ConfigError: ``start`` is not a span start (without ``end``), or ``end`` is not an
+            event class.
+    """
+    pairs: dict[type[ev.BaseEvent], type[ev.BaseEvent]]
+    if start is None:
+        if end is not None:
+            raise ConfigError.invalid("end", end, "None when start is None (all of ev.SPANS)")
+        pairs = dict(ev.SPANS)
+    else:
+        if end is None:
+            if start not in ev.SPANS:
+                raise ConfigError.invalid(
+                    "start", start, f"one of {[t.__name__ for t in ev.SPANS]} or give end="
+                )
+            end = ev.SPANS[start]
+        if not (isinstance(end, type) and issubclass(end, ev.BaseEvent)):
+            raise ConfigError.invalid("end", end, "an event class")
+        pairs = {start: end}
+    ends = {e: s for s, e in pairs.items()}
+    starts = tuple(pairs)
+
+    def _spans(source: Observable[Any]) -> Observable[Span]:
+        def subscribe(
+            observer: abc.ObserverBase[Span], scheduler: abc.SchedulerBase | None = None
+        ) -> abc.DisposableBase:
+            opened: dict[type[ev.BaseEvent], list[ev.BaseEvent]] = {s: [] for s in starts}
+
+            def on_next(event: Any) -> None:
+                kind = type(event)
+                if kind in pairs:
+                    opened[kind].append(event)
+                if kind in ends and opened[ends[kind]]:
+                    first = opened[ends[kind]].pop()
+                    observer.on_next(
+                        Span(start=first, end=event, duration_s=event.time - first.time)
+                    )
+
+            return source.subscribe(
+                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
+            )
+
+        return Observable(subscribe)
+
+    return _spans
