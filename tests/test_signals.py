@@ -64,6 +64,8 @@ SCRIPT = textwrap.dedent(
 
 
     def on_step(event):
+        if mode == "counted":
+            print("STEP", event.step, flush=True)
         if mode != "slow" and not ready:
             ready.append(event.step)
             print("READY", flush=True)
@@ -93,14 +95,23 @@ SCRIPT = textwrap.dedent(
 )
 
 
+# What a shell does for a script's background job (`python train.py &`): SIGINT ignored, then
+# the program started (an ignored signal stays ignored across exec).
+IGNORING_SIGINT = (
+    "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_IGN); "
+    "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+)
+
+
 class Proc:
-    def __init__(self, tmp_path: Path, mode: str) -> None:
+    def __init__(self, tmp_path: Path, mode: str, *, sigint_ignored: bool = False) -> None:
         script = tmp_path / "train.py"
         script.write_text(SCRIPT)
         self.ckpt = tmp_path / "ckpt"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        start = [sys.executable, "-c", IGNORING_SIGINT] if sigint_ignored else [sys.executable]
         self.popen = subprocess.Popen(
-            [sys.executable, str(script), mode, str(self.ckpt)],
+            [*start, str(script), mode, str(self.ckpt)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -245,6 +256,24 @@ def test_an_uncaught_interrupt_ends_the_process_as_the_signal_would(  # type: ig
         # An uncaught KeyboardInterrupt: Python ends the process by SIGINT (-2) after the
         # traceback, as for any program on Ctrl-C.
         assert code == -signal.SIGINT and "KeyboardInterrupt" in text, text
+
+
+def test_a_sigint_the_process_ignores_stays_ignored(tmp_path: Path) -> None:
+    """Started as a script's background job (SIGINT ignored), the run trains on through a
+    SIGINT, as any program would; SIGTERM still stops it gracefully."""
+    proc = Proc(tmp_path, "counted", sigint_ignored=True)
+    proc.wait_for("READY")
+    proc.popen.send_signal(signal.SIGINT)
+    # Handled, the SIGINT would have stopped the run at the next step (a step is ~10 ms).
+    proc.wait_for("STEP 100")
+    proc.popen.send_signal(signal.SIGTERM)
+    code, output = proc.finish()
+    text = "\n".join(output)
+    assert code == 0, text  # SystemExit(143) caught by the script, which printed its result
+    assert _line(output, "RESULT")[1:3] == ["stopped", "signal"], text
+    assert "signal='SIGTERM'" in text and "signal='SIGINT'" not in text, text
+    steps = [int(line.split()[1]) for line in output if line.startswith("STEP ")]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 100, text
 
 
 def test_second_sigint_aborts(proc_factory) -> None:  # type: ignore[no-untyped-def]

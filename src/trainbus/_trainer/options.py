@@ -331,7 +331,8 @@ class TrainerOptions(TypedDict, total=False):
             True,
             checks.boolean(),
             "Turn SIGINT/SIGTERM into ``StopTraining`` during ``fit()`` / ``fit_sync()`` called on "
-            "the main thread (a ``signal.signal`` handler, restored after).",
+            "the main thread (a ``signal.signal`` handler, restored after; a signal the process "
+            "ignores stays ignored).",
         ),
     ]
     on_signal: Annotated[

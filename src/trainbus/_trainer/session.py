@@ -224,7 +224,8 @@ class SignalWatcher:
 
     @contextlib.contextmanager
     def installed(self, enabled: bool) -> Iterator[None]:
-        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers.
+        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers. A
+        signal the process ignores (``SIG_IGN``) when the block starts is left ignored.
 
         Does nothing when ``enabled`` is False, off the main thread (where Python cannot set
         a handler: a sync twin installs it on the caller's thread instead) or when an outer
@@ -241,8 +242,15 @@ class SignalWatcher:
         self._received = 0
         self._cancels = 0
         self._first = None
-        previous = {signum: signal.getsignal(signum) for signum in self.SIGNALS}
-        for signum in self.SIGNALS:
+        # A signal the process ignores stays ignored, as Python leaves an ignored SIGINT alone
+        # at start-up: a script's background job (`train.py &`) ignores SIGINT so that a
+        # Ctrl-C meant for the script's foreground does not reach it.
+        previous = {
+            signum: handler
+            for signum in self.SIGNALS
+            if (handler := signal.getsignal(signum)) is not signal.SIG_IGN
+        }
+        for signum in previous:
             signal.signal(signum, self._handle)
         self._installed = True
         try:
