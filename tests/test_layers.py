@@ -21,7 +21,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "trainbus"
 
 # Leaf utilities every layer may use: they import nothing of trainbus but each other.
 LEAF = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders", "hookpoints",
-        "_durable"}
+        "_durable", "_signals"}
 
 # layer -> the trainbus layers it may import (besides itself and LEAF).
 ALLOWED: dict[str, set[str]] = {
@@ -50,7 +50,7 @@ TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher"
 # The Trainer's own rooms live in trainbus/_trainer/ (one package of the top layer); the
 # package's hall holds public modules and the internals several layers share.
 HALL_INTERNALS = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders",
-                  "_rundirs", "_driver", "_durable"}
+                  "_rundirs", "_driver", "_durable", "_signals"}
 
 
 @dataclass(frozen=True)

@@ -391,3 +391,16 @@ def test_sigint_stops_training_at_the_next_step_while_a_sync_subscriber_blocks(
     assert _line(output, "FITENDED")[1:] == ["stopped", "signal"]
     result = _line(output, "RESULT")
     assert result[1:3] == ["stopped", "signal"] and Path(result[3]) == final
+
+
+def test_the_drivers_and_the_trainer_take_over_only_the_signals_not_ignored() -> None:
+    """`not_ignored` is what `fit()`'s handler and the launch drivers' signal receivers use."""
+    from trainbus._signals import STOP_SIGNALS, not_ignored
+
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert not_ignored() == STOP_SIGNALS == (signal.SIGINT, signal.SIGTERM)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        assert not_ignored() == (signal.SIGTERM,)
+    finally:
+        signal.signal(signal.SIGINT, before)

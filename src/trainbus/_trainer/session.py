@@ -19,6 +19,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import TrainbusError
 from .._log import get_logger
+from .._signals import STOP_SIGNALS, not_ignored
 from ..bus import EventBus, LoopPort
 from ..bus.tasks import TaskSet
 from ..checkpoint import TrainState
@@ -193,7 +194,7 @@ class SignalWatcher:
         on_signal: Called (in the handler) at the first signal, before the command is sent.
     """
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+    SIGNALS = STOP_SIGNALS
 
     def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
@@ -242,14 +243,7 @@ class SignalWatcher:
         self._received = 0
         self._cancels = 0
         self._first = None
-        # A signal the process ignores stays ignored, as Python leaves an ignored SIGINT alone
-        # at start-up: a script's background job (`train.py &`) ignores SIGINT so that a
-        # Ctrl-C meant for the script's foreground does not reach it.
-        previous = {
-            signum: handler
-            for signum in self.SIGNALS
-            if (handler := signal.getsignal(signum)) is not signal.SIG_IGN
-        }
+        previous = {signum: signal.getsignal(signum) for signum in not_ignored(self.SIGNALS)}
         for signum in previous:
             signal.signal(signum, self._handle)
         self._installed = True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import os
 import secrets
-import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from .. import commands as cmd
 from .._driver import attach_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
 from .._log import get_logger
+from .._signals import not_ignored
 from .._validate import check_int, check_seconds
 from ..bus import EventBus
 from ..callbacks._base import Callback
@@ -287,7 +287,10 @@ class RayLauncher:
 
     # ------------------------------------------------------------------ stopping
     async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        signums = not_ignored()  # an ignored one stays ignored (a script's background job)
+        if not signums:
+            await anyio.sleep_forever()
+        with anyio.open_signal_receiver(*signums) as signals:
             async for signum in signals:
                 if self._signal is None:
                     self._signal = int(signum)
