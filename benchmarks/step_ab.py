@@ -19,8 +19,9 @@ Run (the earlier tree in a worktree or a clone at that commit)::
     .venv/bin/python benchmarks/step_ab.py --before-src /tmp/before/src [--rounds 16]
 
 Prints the median ratio to the bare loop of each side and the paired difference (after minus
-before) in points, with its quartiles and a 95 % bootstrap interval of the median; writes
-``benchmarks/results/step_ab_<kit>.json``.
+before) in points, with its quartiles and a 95 % bootstrap interval of the median (3 rounds at
+least); writes ``benchmarks/results/step_ab_<kit>.json``, the file docs/performance.md quotes,
+or ``--out PATH`` (a short trial run should name one).
 """
 
 from __future__ import annotations
@@ -108,12 +109,14 @@ def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before-src", type=Path, required=True, help="the earlier tree's src/")
-    parser.add_argument("--rounds", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=16, help="at least 3")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--kit", choices=["none", "sampled", "each"], default="none")
     parser.add_argument("--out", type=Path, default=None,
                         help="the JSON to write (default: benchmarks/results/step_ab_<kit>.json)")
     args = parser.parse_args()
+    if args.rounds < 3 or args.steps < 1:
+        parser.error("--rounds takes 3 or more (a median and its interval), --steps 1 or more")
     torch.set_num_threads(1)
     data = list(tiny_loader(args.steps, 32))
     with tempfile.TemporaryDirectory() as tmp:
