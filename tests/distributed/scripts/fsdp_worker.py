@@ -76,6 +76,9 @@ def build(head: int = 5, *, shard: bool = True) -> tuple[nn.Module, torch.optim.
 
 def trainer(model: nn.Module, opt: torch.optim.Optimizer, data: Any, **kw: Any) -> trainbus.Trainer:
     kw.setdefault("max_epochs", 2)
+    # No attach server: rank 0's attach.sock and attach.token live in the checkpoint folder
+    # until its fit() ends, and the other rank may list the folder before then (seen under load).
+    kw.setdefault("attach", False)
     return trainbus.Trainer(model, opt, data, loss_fn=F.cross_entropy, seed=0, progress=False,
                             handle_signals=False, **kw)  # fmt: skip
 
