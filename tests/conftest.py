@@ -7,6 +7,7 @@ trio backend is exercised from plain sync tests with ``anyio.run(main, backend="
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from typing import Any
 
@@ -17,6 +18,14 @@ from trainbus import EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import VirtualTimeScheduler
+
+# The tests that signal a training process expect it to take SIGINT, as a terminal's
+# foreground job does. A suite started as a script's background job (`make test &`, or a CI
+# runner that does the same) inherits SIGINT ignored, and a run leaves an ignored signal
+# ignored (docs/trainer.md, "Signals"): give this process a handler, so that every process the
+# tests start begins with SIGINT at its default, whatever started the suite.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # A value for every required field of every event class, by field name. A new event class with a
 # new required field makes ``make_event`` raise KeyError: extend this table (and the tests).

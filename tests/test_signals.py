@@ -397,10 +397,13 @@ def test_the_drivers_and_the_trainer_take_over_only_the_signals_not_ignored() ->
     """`not_ignored` is what `fit()`'s handler and the launch drivers' signal receivers use."""
     from trainbus._signals import STOP_SIGNALS, not_ignored
 
-    before = signal.getsignal(signal.SIGINT)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         assert not_ignored() == STOP_SIGNALS == (signal.SIGINT, signal.SIGTERM)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         assert not_ignored() == (signal.SIGTERM,)
     finally:
-        signal.signal(signal.SIGINT, before)
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
