@@ -74,6 +74,7 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "max_steps": ([1, 3], [0, -1, 2.5, True, "3", NAN, [], torch.tensor(2)]),
     "max_epochs": ([None, 1], [0, -2, 1.0, "1", False, INF]),
     "accumulate": ([1, 2], [0, -1, 1.5, True, "2", None]),
+    "accumulate_by": (["batches", "items"], ["tokens", None, 3, "", str]),
     "clip_grad_norm": ([None, 0.5, 1, 1e3], [0, -1, NAN, INF, "1", True, [1.0]]),
     "precision": (["32", "bf16"], ["fp16", "16", 32, None, "", ["32"]]),
     "device": (["cpu", torch.device("cpu")], ["gpu", None, 5, "", "cpu:x", ["cpu"]]),

@@ -99,6 +99,16 @@ def device(name: str, value: Any) -> torch.device:
     return resolve_device(value)
 
 
+def accumulate_by(name: str, value: Any) -> Any:
+    """``"batches"``, ``"items"`` or a function ``fn(batch) -> items``."""
+    if (value in ("batches", "items") if isinstance(value, str) else callable(value)
+            and not isinstance(value, type)):
+        return value
+    raise ConfigError.invalid(
+        name, value, "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int"
+    )
+
+
 def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
     """None or a mapping of identifiers to ``fn(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):

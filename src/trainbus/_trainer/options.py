@@ -170,6 +170,20 @@ class TrainerOptions(TypedDict, total=False):
             "Micro-batches per optimizer step (gradient accumulation).",
         ),
     ]
+    accumulate_by: Annotated[
+        Literal["batches", "items"] | Callable[[Any], int],
+        Option(
+            "batches",
+            checks.accumulate_by,
+            'How the micro-batches of a window weigh: ``"batches"``, each its loss divided by '
+            'the window\'s length; ``"items"``, each by its items over the window\'s (the '
+            'labels ``!= -100`` of a mapping batch\'s ``"labels"`` or of the targets of '
+            "``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a token-level "
+            "mean loss accumulates the gradient of one batch of the window's items; or "
+            "``fn(batch) -> items`` counting them your way. By items, a window's batches are "
+            'fetched before its first forward (docs/trainer.md, "Gradient accumulation").',
+        ),
+    ]
     clip_grad_norm: Annotated[
         float | None,
         Option(

@@ -54,6 +54,9 @@ class Settings:
     scheduler: Any | None
     scheduler_interval: Literal["step", "epoch"]
     accumulate: int
+    accumulate_by: Any = "batches"
+    """How a window's micro-batches weigh: ``"batches"`` (``1 / window`` each), ``"items"`` or
+    ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus.loop.accumulation`)."""
     clip_grad_norm: float | None
     precision: Precision
     device: torch.device
