@@ -175,7 +175,7 @@ def test_bad_values() -> None:
     model = TokenModel()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     for bad in ("tokens", 3, None, int):
-        with pytest.raises(ConfigError, match="accumulate_by=.*'batches', 'items'"):
+        with pytest.raises(ConfigError, match=r"accumulate_by=.*'batches', 'items'"):
             Trainer(model, sgd, MICRO, max_steps=1, accumulate_by=bad)
 
 
@@ -195,7 +195,7 @@ def test_items_of_a_batch_without_labels_is_a_clear_error() -> None:
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,
                       accumulate=2, accumulate_by="items", progress=False, attach=False,
                       device="cpu")  # fmt: skip
-    with pytest.raises(TrainingError, match="no labels tensor.*accumulate_by=fn"):
+    with pytest.raises(TrainingError, match=r"no labels tensor.*accumulate_by=fn"):
         trainer.fit_sync()
 
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,

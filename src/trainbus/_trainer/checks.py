@@ -23,6 +23,7 @@ from .._validate import check_int
 from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
+from ..loop.set_metrics import SetMetric
 from ..loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
 from .endings import OnSignal, check_on_signal, check_skip_final
 
@@ -119,6 +120,23 @@ def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
             raise ConfigError.invalid(
                 f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
             )
+    return out
+
+
+def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
+    """None or a mapping of identifiers to objects with ``update`` and ``compute``."""
+    allowed = "a mapping of names to set metrics (update(outputs, targets), compute(totals))"
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError.invalid(name, value, allowed)
+    out = dict(value or {})
+    for key, metric in out.items():
+        if (not isinstance(key, str) or not key.isidentifier()
+                or isinstance(metric, type) or not isinstance(metric, SetMetric)):  # fmt: skip
+            raise ConfigError.invalid(
+                f"{name}[{key!r}]", metric, "an identifier mapped to an object with "
+                "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
+                "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
+            )  # fmt: skip
     return out
 
 

@@ -62,6 +62,9 @@ class Settings:
     device: torch.device
     seed: int | None
     metrics: Mapping[str, Callable[[Any, Any], Any]]
+    set_metrics: Mapping[str, Any] = field(default_factory=dict)
+    """Metrics of the whole evaluation set by name
+    (:class:`~trainbus.loop.set_metrics.SetMetric`)."""
     eval_every: int | None
     eval_at_epoch_end: bool
     log_every: int
