@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trainbus import Callback, ConfigError, EventBus, TrainbusError, Trainer
+from trainbus import Callback, ConfigError, EventBus, Perplexity, TrainbusError, Trainer
 from trainbus import callbacks as cbs
 from trainbus import events as ev
 from trainbus.testing import tiny_loader, tiny_model
@@ -84,6 +84,8 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "eval_data": ([None], [5, [], "abc", b"xy", torch.zeros(4), {}]),
     "eval_at_epoch_end": ([True, False], [1, None, "yes", 0.0]),
     "metrics": ([None, {}, {"acc": _acc}], [{"1x": _acc}, {"acc": 5}, [("acc", _acc)], "acc", 5]),
+    "set_metrics": ([None, {}, {"ppl": Perplexity()}], [{"1x": Perplexity()}, {"ppl": _acc},
+                                                         [Perplexity()], "ppl", 5]),
     "checkpoint_dir": ([None, CKPT], ["", 5, _FILE, _FILE / "sub", ["runs"], True]),
     "barriers": ([(), [ev.EpochEnded], (ev.EvaluationEnded, ev.EpochEnded)],
                  ["EpochEnded", [ev.FitStarted], 5, [5], None, [Callback]]),
