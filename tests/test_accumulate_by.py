@@ -155,8 +155,10 @@ def test_a_short_last_window_and_a_window_of_one() -> None:
     t = Trainer(model, sgd, [*MICRO, third], max_epochs=1, accumulate=2, accumulate_by="items",
                 progress=False, attach=False, device="cpu")  # fmt: skip
     grads: list[list[torch.Tensor]] = []
-    t.add_hook("before_optimizer_step",
-               lambda ctx: grads.append([p.grad.clone() for p in ctx.model.parameters()]))
+    t.add_hook(
+        "before_optimizer_step",
+        lambda ctx: grads.append([p.grad.clone() for p in ctx.model.parameters()]),
+    )
     result = t.fit_sync()
     assert result.steps == 2
     # Replay: the weights after step 1, then the third batch alone.

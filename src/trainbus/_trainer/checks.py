@@ -102,8 +102,11 @@ def device(name: str, value: Any) -> torch.device:
 
 def accumulate_by(name: str, value: Any) -> Any:
     """``"batches"``, ``"items"`` or a function ``fn(batch) -> items``."""
-    if (value in ("batches", "items") if isinstance(value, str) else callable(value)
-            and not isinstance(value, type)):
+    if (
+        value in ("batches", "items")
+        if isinstance(value, str)
+        else callable(value) and not isinstance(value, type)
+    ):
         return value
     raise ConfigError.invalid(
         name, value, "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int"

@@ -177,7 +177,7 @@ class TrainerOptions(TypedDict, total=False):
             "batches",
             checks.accumulate_by,
             'How the micro-batches of a window weigh: ``"batches"``, each its loss divided by '
-            'the window\'s length; ``"items"``, each by its items over the window\'s (the '
+            "the window's length; ``\"items\"``, each by its items over the window's (the "
             'labels ``!= -100`` of a mapping batch\'s ``"labels"`` or of the targets of '
             "``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a token-level "
             "mean loss accumulates the gradient of one batch of the window's items; or "

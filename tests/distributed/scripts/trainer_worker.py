@@ -239,15 +239,17 @@ def run(mode: str) -> None:
             def compute(self, totals: dict[str, float]) -> float:
                 return totals["n"]
 
-        t = trainer(data, max_epochs=1, set_metrics={
-            "n": Counted(), "acc": trainbus.TokenAccuracy(), "flaky": Rank1Fails()})
+        t = trainer(
+            data,
+            max_epochs=1,
+            set_metrics={"n": Counted(), "acc": trainbus.TokenAccuracy(), "flaky": Rank1Fails()},
+        )
         evals: list[dict[str, float]] = []
         t.bus.stream(ev.EvaluationEnded).subscribe(lambda e: evals.append(dict(e.metrics)),
                                                    ranks="all")  # fmt: skip
         t.fit_sync()
         assert t.result is not None
-        record(t, "setmetric", local=local, evals=evals,
-               failures=dict(t.result.metric_failures))
+        record(t, "setmetric", local=local, evals=evals, failures=dict(t.result.metric_failures))
     elif mode == "exit":
         t = trainer(data, max_epochs=1)
         t.fit_sync()
