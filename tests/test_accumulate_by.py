@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, Trainer, TrainingError
+from trainbus import ConfigError, TrainContext, Trainer, TrainingError
 from trainbus import events as ev
 from trainbus.testing import EventRecorder
 
@@ -205,3 +205,16 @@ def test_items_of_a_batch_without_labels_is_a_clear_error() -> None:
                       attach=False, device="cpu")  # fmt: skip
     with pytest.raises(TrainingError, match="returned -1 for a batch"):
         trainer.fit_sync()
+
+
+def test_a_custom_steps_backward_is_weighed_too() -> None:
+    def step(ctx: TrainContext) -> torch.Tensor:
+        loss = ctx.model(**ctx.batch)["loss"]
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss
+
+    want = whole_batch_grads()
+    got, _ = accumulated_grads(MICRO, accumulate_by="items", train_step=step)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

@@ -221,3 +221,21 @@ def test_shifted_labels_score_a_causal_lm() -> None:
     want = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1),
                            ignore_index=-100, reduction="sum")  # fmt: skip
     torch.testing.assert_close(sums["nll"], want)
+
+
+def test_tensorboard_reads_the_set_metrics_back(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from trainbus.callbacks import TensorBoardLogger
+
+    t = trainer(set_metrics={"ppl": Perplexity()}, eval_every=2, eval_at_epoch_end=False,
+                callbacks=[TensorBoardLogger(tmp_path / "tb", flush_s=0.05)])  # fmt: skip
+    rec = EventRecorder(t.bus)
+    t.fit_sync()
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    scalars = acc.Scalars("eval/val_ppl")
+    assert [s.step for s in scalars] == [2, 4]
+    want = [e.metrics["val_ppl"] for e in rec.of_type(ev.EvaluationEnded)]
+    assert [s.value for s in scalars] == pytest.approx(want, rel=1e-6)  # stored as float32
