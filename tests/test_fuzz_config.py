@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trainbus import Callback, ConfigError, EventBus, TrainbusError, Trainer
+from trainbus import Callback, ConfigError, EventBus, Perplexity, TrainbusError, Trainer
 from trainbus import callbacks as cbs
 from trainbus import events as ev
 from trainbus.testing import tiny_loader, tiny_model
@@ -74,6 +74,7 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "max_steps": ([1, 3], [0, -1, 2.5, True, "3", NAN, [], torch.tensor(2)]),
     "max_epochs": ([None, 1], [0, -2, 1.0, "1", False, INF]),
     "accumulate": ([1, 2], [0, -1, 1.5, True, "2", None]),
+    "accumulate_by": (["batches", "items"], ["tokens", None, 3, "", str]),
     "clip_grad_norm": ([None, 0.5, 1, 1e3], [0, -1, NAN, INF, "1", True, [1.0]]),
     "precision": (["32", "bf16"], ["fp16", "16", 32, None, "", ["32"]]),
     "device": (["cpu", torch.device("cpu")], ["gpu", None, 5, "", "cpu:x", ["cpu"]]),
@@ -83,6 +84,8 @@ FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "eval_data": ([None], [5, [], "abc", b"xy", torch.zeros(4), {}]),
     "eval_at_epoch_end": ([True, False], [1, None, "yes", 0.0]),
     "metrics": ([None, {}, {"acc": _acc}], [{"1x": _acc}, {"acc": 5}, [("acc", _acc)], "acc", 5]),
+    "set_metrics": ([None, {}, {"ppl": Perplexity()}], [{"1x": Perplexity()}, {"ppl": _acc},
+                                                         [Perplexity()], "ppl", 5]),
     "checkpoint_dir": ([None, CKPT], ["", 5, _FILE, _FILE / "sub", ["runs"], True]),
     "barriers": ([(), [ev.EpochEnded], (ev.EvaluationEnded, ev.EpochEnded)],
                  ["EpochEnded", [ev.FitStarted], 5, [5], None, [Callback]]),

@@ -132,8 +132,10 @@ def test_a_misspelt_option_is_a_type_error_naming_the_nearest() -> None:
 # One refused value per option: every declared check refuses something, naming its option.
 REFUSED: dict[str, Any] = {
     "train_step": 3, "loss_fn": "mse", "eval_data": "val", "max_epochs": 0, "max_steps": 0,
-    "scheduler_interval": "batch", "accumulate": 0, "clip_grad_norm": math.nan,
-    "precision": "16", "device": "gpu", "seed": -1, "metrics": [1], "eval_every": 0,
+    "scheduler_interval": "batch", "accumulate": 0, "accumulate_by": "tokens",
+    "clip_grad_norm": math.nan,
+    "precision": "16", "device": "gpu", "seed": -1, "metrics": [1], "set_metrics": [1],
+    "eval_every": 0,
     "eval_at_epoch_end": 1, "eval_at_end": "yes", "log_every": 0,
     "checkpoint_dir": Path(__file__), "skip_final_checkpoint": "pruned", "callbacks": [3],
     "progress": "auto", "barriers": [ev.FitEnded], "barrier_timeout": 0,

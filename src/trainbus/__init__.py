@@ -41,6 +41,9 @@ from .launcher import launch as launch
 from .loop.custom import TrainContext as TrainContext
 from .loop.hooks import HookHandle as HookHandle
 from .loop.hooks import StepContext as StepContext
+from .loop.set_metrics import Perplexity as Perplexity
+from .loop.set_metrics import SetMetric as SetMetric
+from .loop.set_metrics import TokenAccuracy as TokenAccuracy
 from .replay import replay as replay
 from .seeding import seed_everything as seed_everything
 from .trainer import FitResult as FitResult
@@ -73,12 +76,15 @@ __all__ = [
     "LostWorkError",
     "MissingExtraError",
     "NonFiniteLossError",
+    "Perplexity",
     "RecordedError",
     "RunPlan",
+    "SetMetric",
     "StepContext",
     "SubscriberError",
     "Subscription",
     "SubscriptionStatistics",
+    "TokenAccuracy",
     "TrainContext",
     "TrainbusError",
     "Trainer",

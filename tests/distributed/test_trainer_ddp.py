@@ -198,3 +198,19 @@ def test_sigterm_on_every_rank_stops_them_at_the_same_step(tmp_path: Path) -> No
     assert r0["raised"] == r1["raised"] == 128 + signal.SIGTERM
     assert r0["ending"] == r1["ending"] == "signal"
     assert r0["steps"] == r1["steps"] < 200 * 8 and r0["digest"] == r1["digest"]
+
+
+def test_set_metrics_add_every_ranks_sums(tmp_path: Path) -> None:
+    torchrun("trainer_worker.py", str(tmp_path), "setmetric", timeout=90)
+    r0, r1 = read(tmp_path, "setmetric")
+    assert r0["evals"] == r1["evals"] and len(r0["evals"]) == 1  # the epoch's end
+    (metrics,) = r0["evals"]
+    # Each rank summed its own evaluation batches; every rank sees both ranks' sums.
+    n0, n1 = sum(r0["local"]), sum(r1["local"])
+    assert n0 > 0 and n1 > 0
+    assert metrics["val_n"] == n0 + n1 + n1 / 1000  # rank 1's samples weigh 1 in "rank"
+    assert 0.0 <= metrics["val_acc"] <= 1.0
+    # Raised on rank 1 only: left out on both ranks, counted on both.
+    assert "val_flaky" not in metrics
+    assert r0["failures"] == r1["failures"] == {"flaky": 1}
+    assert r0["metrics"] == r1["metrics"] == metrics

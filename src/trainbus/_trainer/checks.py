@@ -23,6 +23,7 @@ from .._validate import check_int
 from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
+from ..loop.set_metrics import SetMetric
 from ..loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
 from .endings import OnSignal, check_on_signal, check_skip_final
 
@@ -99,6 +100,19 @@ def device(name: str, value: Any) -> torch.device:
     return resolve_device(value)
 
 
+def accumulate_by(name: str, value: Any) -> Any:
+    """``"batches"``, ``"items"`` or a function ``fn(batch) -> items``."""
+    if (
+        value in ("batches", "items")
+        if isinstance(value, str)
+        else callable(value) and not isinstance(value, type)
+    ):
+        return value
+    raise ConfigError.invalid(
+        name, value, "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int"
+    )
+
+
 def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
     """None or a mapping of identifiers to ``fn(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):
@@ -109,6 +123,23 @@ def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
             raise ConfigError.invalid(
                 f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
             )
+    return out
+
+
+def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
+    """None or a mapping of identifiers to objects with ``update`` and ``compute``."""
+    allowed = "a mapping of names to set metrics (update(outputs, targets), compute(totals))"
+    if value is not None and not isinstance(value, Mapping):
+        raise ConfigError.invalid(name, value, allowed)
+    out = dict(value or {})
+    for key, metric in out.items():
+        if (not isinstance(key, str) or not key.isidentifier()
+                or isinstance(metric, type) or not isinstance(metric, SetMetric)):  # fmt: skip
+            raise ConfigError.invalid(
+                f"{name}[{key!r}]", metric, "an identifier mapped to an object with "
+                "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
+                "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
+            )  # fmt: skip
     return out
 
 

@@ -40,6 +40,7 @@ from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, TrainContext
 from ..loop.optimizers import check_optimizers, check_schedulers
+from ..loop.set_metrics import SetMetric
 from ..loop.settings import check_loader, eval_sets
 from . import checks
 from .endings import OnSignal
@@ -170,6 +171,20 @@ class TrainerOptions(TypedDict, total=False):
             "Micro-batches per optimizer step (gradient accumulation).",
         ),
     ]
+    accumulate_by: Annotated[
+        Literal["batches", "items"] | Callable[[Any], int],
+        Option(
+            "batches",
+            checks.accumulate_by,
+            'How the micro-batches of a window weigh: ``"batches"``, each its loss divided by '
+            "the window's length; ``\"items\"``, each by its items over the window's (the "
+            'labels ``!= -100`` of a mapping batch\'s ``"labels"`` or of the targets of '
+            "``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a token-level "
+            "mean loss accumulates the gradient of one batch of the window's items; or "
+            "``fn(batch) -> items`` counting them your way. By items, a window's batches are "
+            'fetched before its first forward (docs/trainer.md, "Gradient accumulation").',
+        ),
+    ]
     clip_grad_norm: Annotated[
         float | None,
         Option(
@@ -220,6 +235,19 @@ class TrainerOptions(TypedDict, total=False):
             '``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``; '
             "``targets`` is the second element of ``(inputs, targets)`` batches, a mapping "
             'batch\'s ``"labels"``, else the batch (docs/trainer.md, "Metric functions").',
+        ),
+    ]
+    set_metrics: Annotated[
+        Mapping[str, SetMetric] | None,
+        Option(
+            None,
+            checks.set_metrics,
+            'Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as ``val_ppl``: '
+            "each sums ``update(outputs, targets)``'s values over the set (and the ranks) and "
+            "``compute(totals)`` gives the value (:class:`~trainbus.SetMetric`; "
+            ":class:`~trainbus.Perplexity`, :class:`~trainbus.TokenAccuracy`). One that raises "
+            "is counted in ``FitResult.metric_failures`` and left out; the run goes on "
+            '(docs/trainer.md, "Metrics of the whole set").',
         ),
     ]
     eval_every: Annotated[
@@ -499,6 +527,13 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         raise ConfigError.invalid("eval_every", options["eval_every"],
                                   "None unless eval_data is given")  # fmt: skip
     sets, named = eval_sets(options["eval_data"])
+    for name in options["set_metrics"]:
+        if name == "loss" or name in options["metrics"]:
+            raise ConfigError.invalid(
+                f"set_metrics[{name!r}]", options["set_metrics"][name],
+                f"a name that is neither 'loss' nor one of metrics= ({sorted(options['metrics'])}):"
+                " both would be the same key in EvaluationEnded.metrics",
+            )  # fmt: skip
     loop_options = {k: v for k, v in options.items() if k in _SETTINGS_FIELDS}
     loop_options["scheduler"] = scheduler
     return Settings(

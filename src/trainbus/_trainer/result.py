@@ -53,6 +53,10 @@ class FitResult:
     lost: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
     """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
     ``cancel_pending()``, failed); only subscriptions that lost something."""
+    metric_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Evaluations in which each ``set_metrics`` metric raised (in ``update`` or
+    ``compute``, here or on another rank), logged as ``set_metric_failed``; it was left out of
+    those evaluations' metrics and the run went on. Only metrics that failed."""
 
     @property
     def ending(self) -> ev.Ending:
@@ -84,6 +88,7 @@ def fit_result(outcome: Outcome, stats: BusStatistics) -> FitResult:
         resumed_from=outcome.resumed_from, failed_saves=outcome.failed_saves,
         waited_s=_by_name((x.name, x.waited_s) for x in stats.subscriptions if x.waited_s),
         lost=_by_name((x.name, x.lost) for x in stats.subscriptions if x.lost),
+        metric_failures=outcome.metric_failures,
     )  # fmt: skip
 
 

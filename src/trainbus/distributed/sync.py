@@ -20,10 +20,26 @@ from .agreement import CommandAgreement
 from .data import unwrap_model
 from .group import ProcessGroup
 
-__all__ = ["RankSync"]
+__all__ = ["RankSync", "add_totals"]
 
 _SUMMED = frozenset({"samples_per_s"})
 """Window metrics summed across ranks (throughput of the whole run), not averaged."""
+
+
+def add_totals(
+    per_rank: Sequence[Mapping[str, Mapping[str, float] | None]], names: Sequence[str]
+) -> dict[str, dict[str, float] | None]:
+    """Each metric's sums added over ``per_rank`` (every rank's totals, in rank order); None
+    for a metric that is None on some rank or whose sums are named differently on two."""
+    out: dict[str, dict[str, float] | None] = {}
+    for name in names:
+        parts = [rank.get(name) for rank in per_rank]
+        first = parts[0]
+        if first is None or any(p is None or p.keys() != first.keys() for p in parts):
+            out[name] = None
+            continue
+        out[name] = {key: sum(float(p[key]) for p in parts if p is not None) for key in first}
+    return out
 
 
 class RankSync:
@@ -113,6 +129,23 @@ class RankSync:
         out = self.agreement.reduce_metrics(weighted)
         total = out.pop("\x00samples")
         return {k: v / total for k, v in out.items()}
+
+    def sum_eval(
+        self, totals: Mapping[str, Mapping[str, float] | None]
+    ) -> dict[str, dict[str, float] | None]:
+        """Every rank's totals of the evaluation set's metrics (``set_metrics=``) added, in
+        one all-gather; the same floats on every rank (added in rank order).
+
+        Args:
+            totals: Per metric, this rank's sums by name; None for a metric that raised here.
+
+        Returns:
+            Per metric, each sum added over the ranks; None where the metric raised on some
+            rank (or the ranks' sums have different names), so every rank leaves it out.
+        """
+        per_rank = self.agreement.gather_json({k: None if v is None else dict(v)
+                                               for k, v in totals.items()})  # fmt: skip
+        return add_totals(per_rank, names=list(totals))
 
     def on_main(self, write: Callable[[], str]) -> str:
         """Run ``write`` on rank 0 and hand its result (a path) to every rank: a collective,

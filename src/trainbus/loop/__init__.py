@@ -9,6 +9,8 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`StepPhases` (``phases.py``): forward, backward, optimizer step with events and hooks.
 - :func:`forward_loss`, :func:`model_outputs` (``forward.py``): the forward (model outputs,
   then the loss) for training, evaluation and prediction.
+- :class:`ItemWeights`, :func:`count_items` (``accumulation.py``): micro-batches weighed by
+  their items (``accumulate_by="items"``).
 - :class:`GradSync` (``gradsync.py``): DDP gradient synchronisation under accumulation.
 - :class:`NonFiniteGuard` (``nonfinite.py``): a NaN/inf loss noticed, never checkpointed.
 - :class:`SchedulerStepper` (``lr_schedule.py``): the learning-rate scheduler's step.
@@ -20,6 +22,8 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
 - :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
+- :class:`SetMetric`, :class:`SetTotals`, :class:`MetricFailures` (``set_metrics.py``): metrics
+  of the whole evaluation set, from running sums.
 - :class:`EpochData` (``data.py``): each epoch's batch iterator and the observed fetch.
 - :class:`StandaloneRun` (``standalone.py``): ``evaluate()`` and ``predict()`` outside ``fit()``.
 - :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.

@@ -13,6 +13,7 @@ from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
 from ..hookpoints import HookPoint, StepContext
 from .forward import forward_loss, metric_targets
+from .set_metrics import MetricFailures, SetTotals, Totals
 
 if TYPE_CHECKING:
     from ..bus import LoopPort
@@ -42,9 +43,10 @@ def metric_name(dataset: str, name: str, *, named: bool) -> str:
 
 
 def evaluation_metric_names(s: Settings) -> frozenset[str]:
-    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``: the loss and
-    each ``metrics=`` function, for each evaluation set (empty without ``eval_data``)."""
-    names = ("loss", *s.metrics)
+    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``: the loss,
+    each ``metrics=`` function and each ``set_metrics=`` metric, for each evaluation set (empty
+    without ``eval_data``)."""
+    names = ("loss", *s.metrics, *s.set_metrics)
     named = s.eval_named
     sets = [dataset for dataset, _ in s.eval_sets]
     return frozenset(metric_name(dataset, n, named=named) for dataset in sets for n in names)
@@ -57,11 +59,16 @@ class Evaluator:
     sync). Metric functions are called as ``fn(outputs, targets)``, ``targets`` from
     :func:`metric_targets` (the second element of an ``(inputs, targets)`` batch, a mapping
     batch's ``"labels"``, else the batch); each returns a number or a tensor, averaged over
-    samples and keyed by :func:`metric_name`.
+    samples and keyed by :func:`metric_name`. The ``set_metrics=`` metrics sum what their
+    ``update(outputs, targets)`` returns over the set
+    (:class:`~trainbus.loop.set_metrics.SetTotals`) and ``compute`` their value from the
+    totals at the set's end; one that raises is counted in :attr:`failures` and left out of
+    that evaluation's metrics.
 
     Attributes:
         metrics: The merged metrics of the last round (empty before the first).
         last_round: The last published ``EvaluationRoundEnded`` (None before the first).
+        failures: The set metrics that raised, counted per name over the evaluator's life.
 
     Args:
         settings: The run's settings (model, eval sets, metrics, device, precision).
@@ -75,6 +82,9 @@ class Evaluator:
         reduce: Under torchrun, ``reduce(metrics, samples)`` averages this rank's metrics with
             the other ranks' (sample-weighted, one collective per evaluation); None: one
             process.
+        sum_totals: Under torchrun, ``sum_totals(totals)`` adds every rank's set-metric totals
+            (a metric failed on one rank is None on all; one collective per set, only with
+            ``set_metrics``); None: one process.
     """
 
     def __init__(
@@ -87,11 +97,13 @@ class Evaluator:
         hooks: Hooks | None = None,
         should_stop: Callable[[], bool] | None = None,
         reduce: Callable[[dict[str, float], int], dict[str, float]] | None = None,
+        sum_totals: Callable[[Totals], Totals] | None = None,
     ) -> None:
         self._s, self._bus, self._state = settings, bus, state
         self._wants, self._check_cancel = wants, check_cancel
         self._hooks, self._should_stop = hooks, should_stop
-        self._reduce = reduce
+        self._reduce, self._sum_totals = reduce, sum_totals
+        self.failures = MetricFailures()
         self.metrics: dict[str, float] = {}
         self.last_round: ev.EvaluationRoundEnded | None = None
 
@@ -217,6 +229,7 @@ class Evaluator:
         should_stop = self._should_stop
         total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
         sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in names]
+        totals = SetTotals(s.set_metrics, s.device) if s.set_metrics else None
         count = batches = 0
         with torch.no_grad():
             for bi, batch in enumerate(data):
@@ -236,6 +249,8 @@ class Evaluator:
                         target = metric_targets(batch)
                         values = [torch.as_tensor(s.metrics[name](outputs, target),
                                                   device=s.device) for name in names]  # fmt: skip
+                    if n >= 0 and totals is not None:  # never raises: a failure is counted
+                        totals.update(outputs, batch)
                 except BaseException as exc:
                     if want.eval_batch_ended:
                         pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -271,7 +286,33 @@ class Evaluator:
                         for name, v in zip(names, read[1:], strict=True)})  # fmt: skip
         if self._reduce is not None:
             metrics = self._reduce(metrics, count)
+        if totals is not None:
+            metrics.update(self._set_metrics(dataset, totals))
         return metrics
+
+    def _set_metrics(self, dataset: str, totals: SetTotals) -> dict[str, float]:
+        """The set metrics' values from the pass' totals (every rank's, under torchrun); a
+        metric that raised in ``update`` (here or on another rank) or in ``compute`` is counted
+        in :attr:`failures` and left out."""
+        s, step, fail = self._s, self._state.step, self.failures.failed
+        read = totals.read()
+        if self._sum_totals is not None:
+            read = self._sum_totals(read)
+        out: dict[str, float] = {}
+        for name, metric in s.set_metrics.items():
+            summed = read[name]
+            if summed is None:
+                error = totals.errors.get(name)
+                fail(name, error, dataset=dataset, step=step,
+                     stage="update" if error is not None else "another rank")  # fmt: skip
+                continue
+            try:
+                value = float(metric.compute(summed))
+            except Exception as exc:  # the metric's failure, not the run's
+                fail(name, exc, dataset=dataset, step=step, stage="compute")
+                continue
+            out[metric_name(dataset, name, named=s.eval_named)] = value
+        return out
 
     def _batch(
         self, trigger: ev.EvalTrigger, dataset: str, bi: int, batch: Any, hooks: tuple[Any, ...]

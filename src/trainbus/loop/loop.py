@@ -135,7 +135,8 @@ class Loop:
             settings, bus, state, callback_states, before_save=self._before_save, sync=sync
         )
         self._evaluator = Evaluator(settings, bus, state, self._wants, self.check_cancel, hooks,
-                                    reduce=None if sync is None else sync.reduce_eval)  # fmt: skip
+                                    reduce=None if sync is None else sync.reduce_eval,
+                                    sum_totals=None if sync is None else sync.sum_eval)  # fmt: skip
         self._control = CommandHandler(settings, bus, state, wait_barrier=barrier,
                                        check_cancel=self.check_cancel,
                                        checkpoints=self._checkpoints,
@@ -277,6 +278,7 @@ class Loop:
             skipped_nonfinite=self._guard.skipped,
             resumed_from=self._resumed_from,
             failed_saves=self._checkpoints.failed_saves,
+            metric_failures=self._evaluator.failures.counts,
         )
         return self.outcome
 

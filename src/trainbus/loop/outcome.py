@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .. import events as ev
 from ..checkpoint import TrainState
@@ -30,3 +30,5 @@ class Outcome:
     """The checkpoint file the run loaded, None for a fresh start."""
     failed_saves: int = 0
     """Checkpoint writes the disk refused."""
+    metric_failures: dict[str, int] = field(default_factory=dict)
+    """Failures of each ``set_metrics`` metric that raised."""

@@ -67,6 +67,9 @@ class StepPhases:
         # The batch the model saw last: the step's later hooks (after_backward, before and
         # after the optimizer step) see it as ctx.batch. Dropped after the step's last hook.
         self._batch: Any = None
+        # The current micro-batch's share of the window's items (accumulate_by="items"; set
+        # by the step before each micro-batch); None: 1 / window, every micro-batch the same.
+        self._weight: float | None = None
 
     def annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
         """Add a note naming the phase, step, epoch and batch to an exception from the step."""
@@ -79,6 +82,11 @@ class StepPhases:
         """Make ``batch`` what the step's later hooks see as ``ctx.batch`` (a custom step's
         micro-batch; None drops it at the window's end)."""
         self._batch = batch
+
+    def weigh(self, weight: float) -> None:
+        """Scale the coming backward(s) of this micro-batch by ``weight`` (its items over the
+        window's: ``accumulate_by="items"``) instead of ``1 / window``."""
+        self._weight = weight
 
     def context(self, bi: int, micro: int, batch: Any) -> StepContext:
         """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step;
@@ -195,7 +203,8 @@ class StepPhases:
     def backward(
         self, loss: torch.Tensor, window: int, bi: int, micro: int, *, ended: bool = True
     ) -> None:
-        """Backward of one micro-batch (scaled by the window) with ``BackwardStarted/Ended``.
+        """Backward of one micro-batch with ``BackwardStarted/Ended``, scaled by ``1 / window``
+        (or by its items' share of the window's, see :meth:`weigh`).
 
         Args:
             ended: Publish ``MicroBatchEnded`` after it (False: a custom step's backward, one
@@ -208,7 +217,11 @@ class StepPhases:
                                                  micro_batch=micro,
                                                  accumulation_steps=window))  # fmt: skip
         try:
-            scaled = loss / window if window > 1 else loss
+            weight = self._weight
+            if weight is None:
+                scaled = loss / window if window > 1 else loss
+            else:
+                scaled = loss * weight
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         except BaseException as exc:
             if w.backward_ended:

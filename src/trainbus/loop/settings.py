@@ -54,11 +54,17 @@ class Settings:
     scheduler: Any | None
     scheduler_interval: Literal["step", "epoch"]
     accumulate: int
+    accumulate_by: Any = "batches"
+    """How a window's micro-batches weigh: ``"batches"`` (``1 / window`` each), ``"items"`` or
+    ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus.loop.accumulation`)."""
     clip_grad_norm: float | None
     precision: Precision
     device: torch.device
     seed: int | None
     metrics: Mapping[str, Callable[[Any, Any], Any]]
+    set_metrics: Mapping[str, Any] = field(default_factory=dict)
+    """Metrics of the whole evaluation set by name
+    (:class:`~trainbus.loop.set_metrics.SetMetric`)."""
     eval_every: int | None
     eval_at_epoch_end: bool
     log_every: int

@@ -28,6 +28,7 @@ them (the wanted events, the settings) is read once per run, not once per step.
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,6 +37,7 @@ import torch
 
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
+from .accumulation import ItemWeights, count_items
 from .data import END
 from .gradsync import GradSync
 from .nonfinite import mean_tensor
@@ -121,6 +123,9 @@ class Step:
         self._move = p.settings.device.type != "cpu"
         # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(p.settings.model)
+        by = p.settings.accumulate_by
+        # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / window each).
+        self._items = None if by == "batches" else ItemWeights(count_items if by == "items" else by)
         self.taken = self.exhausted = False
         self.ended: ev.StepEnded | None = None
         self.barrier_event: ev.BaseEvent | None = None
@@ -180,6 +185,10 @@ class Step:
         barrier: ev.BaseEvent | None = None
         done = consumed = 0
         several = window > 1  # a window of micro-batches: DDP's all-reduce waits for its last
+        # Weighed by items, a window's batches are all fetched before its first forward (the
+        # window's item count scales the first backward already); None: fetched one by one.
+        # Also for a window of one (an epoch's short last window): its weight is then 1.
+        items = self._items
         for _ in range(steps):
             taken, ended, barrier = False, None, None
             by_point = hooks.by_point  # hooks may come and go between steps
@@ -197,6 +206,8 @@ class Step:
             step_ended = each_step_ended or (sampled and demand.takes(step + 1, t0))
             hand_on = hand_on_each or step_ended
             bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
+            ahead: deque[Any] | None = None  # the window's prefetched batches (by items)
+            weights: list[float] = []
             if custom is not None:
                 custom.begin()
             # ------------------------------------------------------------ micro-batches
@@ -205,7 +216,12 @@ class Step:
                     raise Cancelled
                 if micro:
                     tf = monotonic()
-                batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
+                if ahead is None:
+                    batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
+                    if items is not None and batch is not END:
+                        ahead, weights = self._prefetch(it, batch, window, items)
+                else:
+                    batch = ahead.popleft() if ahead else END
                 fetched = monotonic()
                 data_wait += fetched - tf
                 if batch is END:
@@ -234,6 +250,8 @@ class Step:
                     if move:  # a hook may replace the batch: the model sees the run's device
                         batch = move_to_device(batch, s.device)
                 samples += batch_size(batch)
+                if weights:  # the backward's scale (a custom step's ctx.backward too)
+                    phases.weigh(weights[micro])
                 if custom is None:
                     loss = phases.forward(batch, bi, ctx, micro)
                     if loss is None:  # a hook skipped the micro-batch
@@ -243,7 +261,9 @@ class Step:
                     loss = custom.micro_batch(batch, bi, micro, window)
                 stepped = True
                 kept = loss.detach() if hand_on else loss
-                losses.append(kept)
+                # The step's loss (the mean of `losses`) is then the window's item-weighted
+                # mean, what one batch of the window's items reports.
+                losses.append(kept if not weights else kept * (weights[micro] * len(weights)))
                 if loss_computed:
                     pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
                                         loss=kept))  # fmt: skip
@@ -312,6 +332,23 @@ class Step:
         self.taken, self.ended, self.barrier_event = taken, ended, barrier
         self.exhausted = consumed < window
         return done
+
+    def _prefetch(
+        self, it: Iterator[Any], first: Any, window: int, items: ItemWeights
+    ) -> tuple[deque[Any], list[float]]:
+        """The window's batches after ``first``, fetched now (plain ``next``: the data-wait
+        span of the window's first fetch covers them), and the weight of each micro-batch.
+
+        Returns:
+            ``(the batches after the first, [n_i / N for the first and those])``.
+        """
+        ahead: deque[Any] = deque()
+        for _ in range(window - 1):
+            batch = next(it, END)
+            if batch is END:
+                break
+            ahead.append(batch)
+        return ahead, items.weights([first, *ahead])
 
     def _custom_end(
         self, custom: CustomStep, losses: list[torch.Tensor], bi: int

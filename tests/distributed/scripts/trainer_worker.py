@@ -20,6 +20,7 @@ Modes:
     full            the same run as save+resume, uninterrupted
     launched        a run for `trainbus launch` (events go to the driver)
     signal          a long run the test SIGTERMs on every rank
+    setmetric       set_metrics over the sharded eval set; one metric raises on rank 1 only
     exit            a short run whose Trainer stays alive until exit (as a script's top-level
                     ``t``); records the gloo threads still running after ``fit_sync()``
 """
@@ -217,6 +218,38 @@ def run(mode: str) -> None:
         t.add_hook("after_optimizer_step", lambda ctx: time.sleep(0.005))
         t.fit_sync()
         record(t, "launched")
+    elif mode == "setmetric":
+        rank = int(os.environ["RANK"])
+        local: list[int] = []  # the eval samples this rank summed
+
+        class Counted:
+            def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+                local.append(len(targets))
+                return {"n": len(targets), "rank": float(rank) * len(targets)}
+
+            def compute(self, totals: dict[str, float]) -> float:
+                return totals["n"] + totals["rank"] / 1000
+
+        class Rank1Fails:
+            def update(self, outputs: torch.Tensor, targets: torch.Tensor) -> dict[str, Any]:
+                if rank == 1:
+                    raise ValueError("rank 1 only")
+                return {"n": len(targets)}
+
+            def compute(self, totals: dict[str, float]) -> float:
+                return totals["n"]
+
+        t = trainer(
+            data,
+            max_epochs=1,
+            set_metrics={"n": Counted(), "acc": trainbus.TokenAccuracy(), "flaky": Rank1Fails()},
+        )
+        evals: list[dict[str, float]] = []
+        t.bus.stream(ev.EvaluationEnded).subscribe(lambda e: evals.append(dict(e.metrics)),
+                                                   ranks="all")  # fmt: skip
+        t.fit_sync()
+        assert t.result is not None
+        record(t, "setmetric", local=local, evals=evals, failures=dict(t.result.metric_failures))
     elif mode == "exit":
         t = trainer(data, max_epochs=1)
         t.fit_sync()

@@ -1,0 +1,88 @@
+"""How the micro-batches of an accumulation window are weighed (``accumulate_by``).
+
+By default (``"batches"``) each micro-batch's loss is divided by the window's length: every
+micro-batch weighs the same, whatever it holds. With ``"items"`` (or a counting function) each
+micro-batch weighs by the items it holds, as Hugging Face's ``num_items_in_batch`` does: its
+loss, a mean over its ``n_i`` items, is multiplied by ``n_i / N`` where ``N`` counts the items of
+the whole window. For a loss that is a mean over items (token-level cross-entropy with
+``ignore_index=-100``) the accumulated gradient then equals the gradient of one batch made of the
+window's micro-batches. ``N`` must be known before the first micro-batch's backward, so the step
+fetches the window's batches before its first forward when the weighing is by items
+(:class:`ItemWeights`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+import torch
+
+from .._exceptions import TrainingError
+
+__all__ = ["IGNORE_INDEX", "AccumulateBy", "ItemWeights", "count_items"]
+
+AccumulateBy: TypeAlias = Literal["batches", "items"] | Callable[[Any], int]
+"""``accumulate_by``: ``"batches"``, ``"items"`` or ``fn(batch) -> items``."""
+
+IGNORE_INDEX = -100
+"""The label value that marks an item the loss ignores (PyTorch's and Hugging Face's)."""
+
+
+def count_items(batch: Any) -> int:
+    """The items of ``batch`` that a token-level loss counts: its labels ``!= -100``.
+
+    The labels are a mapping batch's ``"labels"`` (Hugging Face style) or the targets of an
+    ``(inputs, targets)`` batch. Read on the batch as the loader yields it (before the move to
+    the run's device): on CPU tensors it costs no device sync.
+
+    Raises:
+        TrainingError: the batch has no labels tensor there (pass ``accumulate_by=fn``).
+    """
+    labels: Any = None
+    if isinstance(batch, Mapping):
+        labels = batch.get("labels")
+    elif isinstance(batch, tuple | list) and len(batch) == 2:
+        labels = batch[1]
+    if not isinstance(labels, torch.Tensor):
+        raise TrainingError(
+            'accumulate_by="items" counts the labels != -100 of a mapping batch\'s "labels" or '
+            "of the targets of an (inputs, targets) batch; this batch "
+            f"({type(batch).__name__}) has no labels tensor there: pass accumulate_by=fn, "
+            "fn(batch) -> the number of items its loss averages over"
+        )
+    return int((labels != IGNORE_INDEX).sum())
+
+
+class ItemWeights:
+    """The weight of each micro-batch of a window weighed by items.
+
+    Args:
+        count: ``count(batch) -> items`` (:func:`count_items` for ``"items"``).
+    """
+
+    def __init__(self, count: Callable[[Any], int]) -> None:
+        self._count = count
+
+    def weights(self, batches: Sequence[Any]) -> list[float]:
+        """``n_i / N`` for each of the window's fetched ``batches`` (0 for all of them when
+        the window holds no item: no gradient, as a summed loss over nothing gives).
+
+        Raises:
+            TrainingError: the count is not a non-negative int (naming the function), or
+                :func:`count_items` found no labels.
+        """
+        counts = [self._checked(self._count(batch)) for batch in batches]
+        total = sum(counts)
+        return [n / total if total else 0.0 for n in counts]
+
+    def _checked(self, n: Any) -> int:
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            name = getattr(self._count, "__qualname__", repr(self._count))
+            raise TrainingError(
+                f"accumulate_by={name} returned {n!r} for a batch: it must return the number "
+                "of items the batch's loss averages over, an int >= 0"
+            )
+        return n

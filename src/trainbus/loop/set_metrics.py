@@ -1,0 +1,229 @@
+"""Metrics of the whole evaluation set (``set_metrics=``): running sums, read once per set.
+
+A metric of the whole set (perplexity: ``exp(total loss / total tokens)``; token accuracy:
+correct tokens / tokens) is not a mean of per-batch values. A :class:`SetMetric` says what to
+sum per batch (``update(outputs, targets) -> {name: sum}``) and what the set's totals give
+(``compute(totals) -> float``); the evaluator owns the sums (:class:`SetTotals`, new for each
+set of each evaluation), keeps them on the device during the pass, reads them once at the set's
+end and, under torchrun, adds every rank's before ``compute``. A metric that raises is counted
+and logged (:class:`MetricFailures`) and left out of that evaluation; the run goes on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from .._exceptions import TrainingError
+from .._log import get_logger
+from .forward import metric_targets
+
+__all__ = ["MetricFailures", "Perplexity", "SetMetric", "SetTotals", "TokenAccuracy", "Totals"]
+
+log = get_logger(__name__)
+
+Totals = dict[str, dict[str, float] | None]
+"""Each metric's totals of one set (None: the metric failed in this pass)."""
+
+
+@runtime_checkable
+class SetMetric(Protocol):
+    """A metric of the whole evaluation set: the sums it needs per batch, and its value from
+    the set's totals. It keeps no state (the evaluator keeps the sums), so one object serves
+    every evaluation, set and rank."""
+
+    def update(self, outputs: Any, targets: Any) -> Mapping[str, torch.Tensor | float]:
+        """This batch's sums (scalars; tensors stay on the device), ``{name: sum}``: the same
+        names for every batch.
+
+        Args:
+            outputs: What the model returned for the batch.
+            targets: As for ``metrics=`` functions: the second element of an
+                ``(inputs, targets)`` batch, a mapping batch's ``"labels"``, else the batch.
+        """
+        ...
+
+    def compute(self, totals: Mapping[str, float]) -> float:
+        """The metric from the set's totals (each name summed over the batches, and over the
+        ranks under torchrun)."""
+        ...
+
+
+def _logits(outputs: Any) -> torch.Tensor:
+    """The logits of ``outputs``: a tensor, a mapping's ``"logits"`` or ``.logits``."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(
+        outputs, "logits", None
+    )  # fmt: skip
+    if not isinstance(logits, torch.Tensor):
+        raise TrainingError(
+            f"the model returned {type(outputs).__name__} without logits: a token metric "
+            "needs the logits as the outputs, a mapping's 'logits' or an object's .logits"
+        )
+    return logits
+
+
+def _aligned(
+    outputs: Any, targets: Any, shift: bool, ignore_index: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits (n, vocab), labels (n,), counted mask (n,))`` of a token batch."""
+    logits = _logits(outputs)
+    if not isinstance(targets, torch.Tensor):
+        raise TrainingError(f"a token metric needs the labels as a tensor; got {type(targets)}")
+    labels = targets
+    if shift:  # a causal LM's labels are its inputs: token t predicts label t + 1
+        logits, labels = logits[..., :-1, :], labels[..., 1:]
+    logits = logits.reshape(-1, logits.shape[-1])
+    labels = labels.reshape(-1)
+    return logits, labels, labels != ignore_index
+
+
+@dataclass(frozen=True, slots=True)
+class Perplexity:
+    """``exp(summed token cross-entropy / counted tokens)`` over the whole set.
+
+    The logits are the model's outputs (a tensor, a mapping's ``"logits"`` or ``.logits``),
+    the labels the batch's targets; tokens labelled ``ignore_index`` are not counted.
+
+    Args:
+        ignore_index: The label of tokens left out (padding), ``-100`` as PyTorch and Hugging
+            Face use.
+        shift: The labels are the inputs (a Hugging Face causal LM, which shifts inside its
+            loss): logits at ``t`` are scored against the label at ``t + 1``.
+    """
+
+    ignore_index: int = -100
+    shift: bool = False
+
+    def update(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
+        """``{"nll": summed cross-entropy, "tokens": counted tokens}`` of the batch."""
+        logits, labels, counted = _aligned(outputs, targets, self.shift, self.ignore_index)
+        nll = F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index,
+                              reduction="sum")  # fmt: skip
+        return {"nll": nll, "tokens": counted.sum()}
+
+    def compute(self, totals: Mapping[str, float]) -> float:
+        """``exp(nll / tokens)`` (NaN for a set without a counted token)."""
+        tokens = totals["tokens"]
+        return math.exp(totals["nll"] / tokens) if tokens else math.nan
+
+
+@dataclass(frozen=True, slots=True)
+class TokenAccuracy:
+    """Correctly predicted tokens over counted tokens, over the whole set (not a mean of
+    per-batch accuracies: a batch of few tokens weighs by its tokens). Arguments as
+    :class:`Perplexity`'s."""
+
+    ignore_index: int = -100
+    shift: bool = False
+
+    def update(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
+        """``{"correct": ..., "tokens": ...}`` of the batch."""
+        logits, labels, counted = _aligned(outputs, targets, self.shift, self.ignore_index)
+        return {"correct": ((logits.argmax(-1) == labels) & counted).sum(),
+                "tokens": counted.sum()}  # fmt: skip
+
+    def compute(self, totals: Mapping[str, float]) -> float:
+        """``correct / tokens`` (NaN for a set without a counted token)."""
+        tokens = totals["tokens"]
+        return totals["correct"] / tokens if tokens else math.nan
+
+
+class MetricFailures:
+    """Set metrics that raised, counted per metric name and logged as a failing subscriber is
+    (``set_metric_failed``: the first failure of a metric with its traceback, then at 10, 100,
+    ... failures, so one failing at every evaluation cannot flood the log)."""
+
+    def __init__(self) -> None:
+        self._counts: dict[str, int] = {}
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Failures per metric name (a copy; only metrics that failed)."""
+        return dict(self._counts)
+
+    def failed(
+        self,
+        name: str,
+        exc: BaseException | None,
+        *,
+        dataset: str,
+        step: int,
+        stage: Literal["update", "compute", "another rank"],
+    ) -> None:
+        """Count and log one failure of metric ``name`` in an evaluation of ``dataset``.
+
+        Args:
+            exc: What it raised; None when it failed on another rank (under torchrun).
+            stage: Where: a batch's ``update``, the set's ``compute``, or another rank.
+        """
+        n = self._counts[name] = self._counts.get(name, 0) + 1
+        if n == 1 or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
+            log.error("set_metric_failed", metric=name, dataset=dataset, step=step, stage=stage,
+                      failures=n, exc_info=exc if n == 1 and exc is not None else None,
+                      error=None if exc is None else repr(exc))  # fmt: skip
+
+
+class SetTotals:
+    """The running sums of each set metric over one pass of one evaluation set.
+
+    Args:
+        metrics: The set metrics by name.
+        device: Where the sums are kept (the run's device: adding a batch's sums never syncs).
+    """
+
+    def __init__(self, metrics: Mapping[str, SetMetric], device: torch.device) -> None:
+        self._metrics = dict(metrics)
+        self._device = device
+        self._sums: dict[str, dict[str, torch.Tensor]] = {name: {} for name in metrics}
+        self.errors: dict[str, BaseException] = {}
+        """The metrics that raised in this pass, and what (they are not updated again)."""
+
+    def update(self, outputs: Any, batch: Any) -> None:
+        """Add each metric's sums of one batch; a metric that raises is set aside (its error
+        kept in :attr:`errors`), the others go on."""
+        targets: Any = None
+        found: BaseException | None = None
+        try:
+            targets = metric_targets(batch)
+        except TrainingError as exc:
+            found = exc
+        for name, metric in self._metrics.items():
+            if name in self.errors:
+                continue
+            if found is not None:
+                self.errors[name] = found
+                continue
+            try:
+                sums = self._sums[name]
+                for key, value in metric.update(outputs, targets).items():
+                    value = torch.as_tensor(value).detach()
+                    if value.numel() != 1:
+                        raise TrainingError(
+                            f"set_metrics[{name!r}].update returned {key!r} of shape "
+                            f"{tuple(value.shape)}: each sum must be a scalar"
+                        )
+                    value = value.to(self._device, torch.float64).reshape(())
+                    sums[key] = value if key not in sums else sums[key] + value
+            except Exception as exc:  # the metric's failure, not the run's
+                self.errors[name] = exc
+
+    def read(self) -> Totals:
+        """Every metric's totals as floats (one device read for all of them); None for a
+        metric that raised."""
+        keys = [(name, key) for name, sums in self._sums.items() if name not in self.errors
+                for key in sums]  # fmt: skip
+        values = (torch.stack([self._sums[n][k] for n, k in keys]).tolist() if keys
+                  else [])  # fmt: skip
+        out: Totals = {name: None if name in self.errors else {} for name in self._metrics}
+        for (name, key), value in zip(keys, values, strict=True):
+            totals = out[name]
+            assert totals is not None
+            totals[key] = value
+        return out
