@@ -7,10 +7,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
+from reactivex import operators as ops
 
 from trainbus import ConfigError, EventBus
+from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
+from trainbus.testing import EventRecorder
 
 
 def test_a_run_keeps_the_last_and_the_best(tmp_path: Path, trainer_factory: Any) -> None:
@@ -83,3 +87,115 @@ def test_without_keep_nothing_is_deleted(vbus: EventBus, tmp_path: Path) -> None
 def test_invalid_keep_arguments(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=field):
         Checkpointing(**kwargs)
+
+
+# ---------------------------------------------------------------- retention across a resume
+# 4 batches an epoch, 12 steps, saves every 2 steps, evaluations at 3, 6, 9, 12: val_loss is
+# best at 6 (after 3), so a run resumed at 4 or 5 must delete the "best" file of step 3 that it
+# wrote before it was stopped.
+RUN = {"epochs": 10, "batches": 4, "max_steps": 12, "eval_every": 3, "eval_at_epoch_end": False,
+       "barriers": (ev.StepEnded, ev.EvaluationEnded, ev.EpochEnded)}  # fmt: skip
+
+
+def _keeping(**kwargs: Any) -> Checkpointing:
+    kwargs = {"keep_last": 2, "keep_best": 1, **kwargs}
+    return Checkpointing(every_steps=2, every_epochs=None, monitor="val_loss", **kwargs)
+
+
+def _stop_at(trainer: Any, step: int) -> None:
+    # StepEnded is a barrier (RUN): the stop lands at exactly that step.
+    bus = trainer.bus
+    bus.stream(ev.StepEnded).pipe(
+        ops.filter(lambda e: e.step == step),
+        ops.map(lambda _: cmd.StopTraining(reason=f"preempted at {step}")),
+    ).subscribe(bus.commands, name="preempt")
+
+
+def _uninterrupted(trainer_factory: Any, folder: Path) -> list[str]:
+    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    rec = EventRecorder(trainer.bus)
+    assert trainer.fit_sync().steps == 12
+    # The control: a "best" is written before step 4 and after step 5, so a resumed run that
+    # forgot its earlier files would end with two.
+    assert [e.step for e in rec.of_type(ev.CheckpointSaved) if e.tag == "best"] == [3, 6]
+    return _names(folder)
+
+
+@pytest.mark.parametrize("stops", [(4,), (5,), (4, 7)], ids=["cadence", "final", "twice"])
+def test_a_resumed_run_keeps_what_an_uninterrupted_run_keeps(
+    tmp_path: Path, trainer_factory: Any, stops: tuple[int, ...]
+) -> None:
+    want = _uninterrupted(trainer_factory, tmp_path / "straight")
+    assert want == ["step-00000006-best.pt", "step-00000010.pt", "step-00000012.pt"]
+    folder = tmp_path / "resumed"
+    for k in stops:  # a stop off the cadence (5, 7) writes a "final" file the resume starts from
+        trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+        _stop_at(trainer, k)
+        assert trainer.fit_sync(resume="latest").steps == k
+    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    assert trainer.fit_sync(resume="latest").steps == 12
+    assert _names(folder) == want
+
+
+def test_another_runs_files_are_never_touched(tmp_path: Path, trainer_factory: Any) -> None:
+    folder = tmp_path / "run"
+    # Another run (fresh, never resumed) wrote step 3 into the same folder first.
+    other = trainer_factory([Checkpointing(every_steps=3, every_epochs=None)],
+                            checkpoint_dir=folder, **{**RUN, "max_steps": 3})  # fmt: skip
+    other.fit_sync()
+    theirs = {p.name: p.read_bytes() for p in folder.iterdir()}
+    assert list(theirs) == ["step-00000003.pt"]
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    _stop_at(first, 4)
+    first.fit_sync()
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    second.fit_sync(resume=folder / "step-00000004.pt")
+    assert _names(folder) == ["step-00000003.pt", "step-00000006-best.pt", "step-00000010.pt",
+                              "step-00000012.pt"]  # fmt: skip
+    assert (folder / "step-00000003.pt").read_bytes() == theirs["step-00000003.pt"]
+
+    # A run in another folder resumed from this one's file: this folder's files are not its.
+    before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
+    elsewhere = tmp_path / "elsewhere"
+    third = trainer_factory([_keeping(keep_last=1)], checkpoint_dir=elsewhere,
+                            **{**RUN, "max_steps": 16})  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        third.fit_sync(resume=folder / "step-00000010.pt")
+    assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
+    assert _names(elsewhere) == ["step-00000016.pt"]  # its own files only, keep_last=1
+    assert [e["event"] for e in logs if e["event"] == "checkpoint_lineage_left"] == [
+        "checkpoint_lineage_left"
+    ]
+
+
+def test_files_after_the_resumed_checkpoint_are_left_and_rewritten(
+    tmp_path: Path, trainer_factory: Any
+) -> None:
+    # Stopped after writing step 10, resumed from step 8 (an explicit earlier path, or a
+    # damaged 10 skipped by resume="latest"): 10 is named in no lineage, so it is left (and
+    # logged); the resumed run writes it again and from then on counts it as its own.
+    want = _uninterrupted(trainer_factory, tmp_path / "straight")
+    folder = tmp_path / "resumed"
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    _stop_at(first, 10)
+    first.fit_sync()
+    assert _names(folder) == ["step-00000006-best.pt", "step-00000008.pt", "step-00000010.pt"]
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    with structlog.testing.capture_logs() as logs:
+        second.fit_sync(resume=folder / "step-00000008.pt")
+    assert _names(folder) == want
+    left = [e for e in logs if e["event"] == "checkpoint_newer_left"]
+    assert [e["names"] for e in left] == [["step-00000010.pt"]]
+
+
+def test_a_file_deleted_by_hand_is_no_error(tmp_path: Path, trainer_factory: Any) -> None:
+    want = _uninterrupted(trainer_factory, tmp_path / "straight")
+    folder = tmp_path / "resumed"
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    _stop_at(first, 4)
+    first.fit_sync()
+    (folder / "step-00000002.pt").unlink()
+    (folder / "step-00000003-best.pt").unlink()
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    assert second.fit_sync(resume="latest").subscriber_failures == {}
+    assert _names(folder) == want
