@@ -1,5 +1,6 @@
-"""Checkpointing(keep_last=..., keep_best=...): which files a run keeps, and that the file just
-saved (the newest complete checkpoint) is never the one deleted."""
+"""Checkpointing(keep_last=..., keep_best=...): which files a run keeps (across resumes too),
+that the file just saved (the newest complete checkpoint) is never the one deleted, and the
+best weights loaded at the end (load_best_at_end)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,13 @@ from typing import Any
 
 import pytest
 import structlog
+import torch
 from reactivex import operators as ops
 
-from trainbus import ConfigError, EventBus
+from trainbus import CheckpointError, ConfigError, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.callbacks import Checkpointing
+from trainbus.callbacks import Checkpointing, EarlyStopping, RunPlan
 from trainbus.testing import EventRecorder
 
 
@@ -199,3 +201,100 @@ def test_a_file_deleted_by_hand_is_no_error(tmp_path: Path, trainer_factory: Any
     second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
     assert second.fit_sync(resume="latest").subscriber_failures == {}
     assert _names(folder) == want
+
+
+# ---------------------------------------------------------------- the best weights at the end
+def _saved_weights(path: Path) -> dict[str, torch.Tensor]:
+    return dict(torch.load(path, weights_only=True)["model"])
+
+
+def _same_weights(trainer: Any, path: Path) -> bool:
+    live = trainer.settings.model.state_dict()
+    saved = _saved_weights(path)
+    return live.keys() == saved.keys() and all(torch.equal(live[k], saved[k]) for k in live)
+
+
+@pytest.mark.parametrize("stopper", [False, True], ids=["completed", "early-stopped"])
+def test_load_best_at_end_leaves_the_best_weights(
+    tmp_path: Path, trainer_factory: Any, stopper: bool
+) -> None:
+    best = _keeping(load_best_at_end=True)
+    callbacks = [best, EarlyStopping("val_loss", patience=1)] if stopper else [best]
+    trainer = trainer_factory(callbacks, checkpoint_dir=tmp_path, **RUN)
+    with structlog.testing.capture_logs() as logs:
+        result = trainer.fit_sync()
+    # val_loss is best at step 6; patience=1 stops at the evaluation of step 9.
+    assert (result.reason, result.steps) == (("stopped", 9) if stopper else ("completed", 12))
+    assert best.best_path == str(tmp_path / "step-00000006-best.pt")
+    assert _same_weights(trainer, tmp_path / "step-00000006-best.pt")
+    last = tmp_path / ("step-00000009-final.pt" if stopper else "step-00000012.pt")
+    assert not _same_weights(trainer, last)  # the control: training moved on after step 6
+    loaded = [e for e in logs if e["event"] == "weights_loaded"]
+    assert [(e["path"], e["step"]) for e in loaded] == [(best.best_path, 6)]
+
+
+def test_without_load_best_at_end_the_last_weights_stay(
+    tmp_path: Path, trainer_factory: Any
+) -> None:
+    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **RUN)
+    trainer.fit_sync()
+    assert _same_weights(trainer, tmp_path / "step-00000012.pt")
+    assert not _same_weights(trainer, tmp_path / "step-00000006-best.pt")
+
+
+def test_load_best_at_end_after_a_resume(tmp_path: Path, trainer_factory: Any) -> None:
+    # The best (step 6) was written before the run was stopped at 7 and resumed.
+    first = trainer_factory([_keeping(load_best_at_end=True)], checkpoint_dir=tmp_path, **RUN)
+    _stop_at(first, 7)
+    first.fit_sync()
+    assert _same_weights(first, tmp_path / "step-00000006-best.pt")  # a stopped run loads too
+    best = _keeping(load_best_at_end=True)
+    second = trainer_factory([best], checkpoint_dir=tmp_path, **RUN)
+    assert second.fit_sync(resume="latest").steps == 12
+    assert best.best_path == str(tmp_path / "step-00000006-best.pt")
+    assert _same_weights(second, tmp_path / "step-00000006-best.pt")
+    assert _names(tmp_path) == ["step-00000006-best.pt", "step-00000010.pt", "step-00000012.pt"]
+    # The final checkpoint still holds the last weights (what a resume continues from).
+    assert not torch.equal(_saved_weights(tmp_path / "step-00000012.pt")["0.weight"],
+                           _saved_weights(tmp_path / "step-00000006-best.pt")["0.weight"])
+
+
+def test_trainer_load_weights(tmp_path: Path, trainer_factory: Any) -> None:
+    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **RUN)
+    trainer.fit_sync()
+    assert trainer.load_weights(tmp_path / "step-00000006-best.pt") == 6
+    assert _same_weights(trainer, tmp_path / "step-00000006-best.pt")
+    with pytest.raises(CheckpointError, match=r"step-00000005\.pt"):
+        trainer.load_weights(tmp_path / "step-00000005.pt")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"load_best_at_end": True}, r"load_best_at_end.*monitor"),
+        ({"monitor": "val_loss", "load_best_at_end": 1}, "load_best_at_end"),
+    ],
+)
+def test_load_best_at_end_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        Checkpointing(**kwargs)
+
+
+def test_load_best_at_end_refuses_a_sharded_model() -> None:
+    plan = RunPlan(eval_metrics=frozenset({"val_loss"}), train_metrics=frozenset(),
+                   checkpoint_dir="runs", sharded=True)  # fmt: skip
+    _keeping().check(plan)  # without load_best_at_end a sharded run is fine
+    with pytest.raises(ConfigError, match=r"load_best_at_end.*sharded"):
+        _keeping(load_best_at_end=True).check(plan)
+
+
+def test_no_best_file_leaves_the_last_weights_and_says_so(
+    tmp_path: Path, trainer_factory: Any
+) -> None:
+    best = Checkpointing(every_epochs=None, monitor="val_loss", load_best_at_end=True)
+    trainer = trainer_factory([best], checkpoint_dir=tmp_path, **{**RUN, "eval_every": None})
+    with structlog.testing.capture_logs() as logs:
+        trainer.fit_sync()
+    assert best.best_path is None
+    assert [e["event"] for e in logs if e["event"] in ("best_checkpoint_none", "weights_loaded")
+            ] == ["best_checkpoint_none"]  # fmt: skip
