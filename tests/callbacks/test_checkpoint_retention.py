@@ -298,3 +298,15 @@ def test_no_best_file_leaves_the_last_weights_and_says_so(
     assert best.best_path is None
     assert [e["event"] for e in logs if e["event"] in ("best_checkpoint_none", "weights_loaded")
             ] == ["best_checkpoint_none"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "files",
+    [{"last": "step-00000002.pt", "best": [], "saving": None},
+     {"last": [], "best": [[1.0, "2", "step-00000002-best.pt"]], "saving": None},
+     {"last": [], "best": [], "saving": [2, None]}],
+    ids=["last-not-a-list", "best-step-not-an-int", "saving-short"],
+)  # fmt: skip
+def test_a_malformed_files_state_is_a_config_error(files: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="Checkpointing state"):
+        _keeping().load_state_dict({"best": None, "files": files})

@@ -225,19 +225,22 @@ class _Retention:
         Raises:
             ConfigError: ``state`` is not what :meth:`state_dict` returns.
         """
-        last, best, saving = state.get("last"), state.get("best"), state.get("saving")
+        last: Any = state.get("last")
+        best: Any = state.get("best")
+        saving: Any = state.get("saving")
         ok = (
             isinstance(last, list) and all(isinstance(n, str) for n in last)
             and isinstance(best, list)
-            and all(isinstance(e, list | tuple) and len(e) == 3 for e in best)
-            and (saving is None or (isinstance(saving, list | tuple) and len(saving) == 3))
+            and all(isinstance(e, list | tuple) and len(e) == 3 and isinstance(e[0], float | int)
+                    and isinstance(e[1], int) and isinstance(e[2], str) for e in best)
+            and (saving is None or (isinstance(saving, list | tuple) and len(saving) == 3
+                                    and isinstance(saving[0], int)))
         )  # fmt: skip
         if not ok:
             raise ConfigError.invalid("Checkpointing state", dict(state),
                                       "{'last': [name], 'best': [[score, step, name]], "
                                       "'saving': [step, tag, value] | None}")  # fmt: skip
-        self._restored = {"last": list(last), "best": [tuple(e) for e in best],  # type: ignore[arg-type, union-attr]
-                          "saving": saving}  # fmt: skip
+        self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> bool:
         """The run resumed from ``resumed``: take over the lineage its state named.
@@ -520,16 +523,10 @@ class Checkpointing(Callback):
         if self._retention.tracking:
             # Every rank keeps the books (load_best_at_end loads on every rank); rank 0, the
             # one that writes the files, deletes.
-            deletes = bus.rank == 0
-            retention = self._retention
-            bus.subscribe(bus.stream(ev.EvaluationEnded), retention.evaluated, ranks="all",
-                          name="Checkpointing.retention_metric")  # fmt: skip
-            bus.subscribe(bus.stream(ev.CheckpointSaving), retention.saving, ranks="all",
-                          name="Checkpointing.retention_saving")  # fmt: skip
-            bus.subscribe(bus.stream(ev.CheckpointLoaded), self._resumed, ranks="all",
-                          name="Checkpointing.retention_resumed")  # fmt: skip
-            bus.subscribe(bus.stream(ev.CheckpointSaved), partial(self._prune, delete=deletes),
-                          ranks="all", name="Checkpointing.retention")  # fmt: skip
+            books = bus.stream(ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved,
+                               ev.CheckpointLoaded)  # fmt: skip
+            bus.subscribe(books, partial(self._keep_books, delete=bus.rank == 0), ranks="all",
+                          name="Checkpointing.retention")  # fmt: skip
 
     async def _mark_best(self, event: ev.ExternalEvaluationEnded) -> None:
         source = Path(event.checkpoint)
@@ -537,14 +534,22 @@ class Checkpointing(Callback):
         log.info("checkpoint_marked_best", step=event.step, path=str(best), source=str(source),
                  metrics=dict(event.metrics))  # fmt: skip
 
-    def _resumed(self, event: ev.CheckpointLoaded) -> None:
-        self._retention.adopt(Path(event.path), self._checkpoint_dir)
+    def _keep_books(self, event: ev.BaseEvent, *, delete: bool) -> None:
+        retention = self._retention
+        match event:
+            case ev.EvaluationEnded():
+                retention.evaluated(event)
+            case ev.CheckpointSaving():
+                retention.saving(event)
+            case ev.CheckpointLoaded(path=path):
+                retention.adopt(Path(path), self._checkpoint_dir)
+            case ev.CheckpointSaved() if delete:
+                self._prune(event)
+            case ev.CheckpointSaved():
+                retention.saved(event)  # the books only: rank 0 deletes
 
-    def _prune(self, event: ev.CheckpointSaved, *, delete: bool) -> None:
-        surplus = self._retention.saved(event)
-        if not delete:
-            return
-        for path in surplus:
+    def _prune(self, event: ev.CheckpointSaved) -> None:
+        for path in self._retention.saved(event):
             _remove(Path(path))
             log.info("checkpoint_removed", step=event.step, path=path,
                      reason="keep_last" if event.tag is None else "keep_best")  # fmt: skip
