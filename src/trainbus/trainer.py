@@ -32,6 +32,7 @@ import torch
 from . import events as ev
 from ._exceptions import ConfigError, LostWorkError, TrainbusError
 from ._log import get_logger
+from ._tensors import is_sharded_model
 from ._trainer.attached import Attached
 from ._trainer.endings import OnSignal, interrupt_for
 from ._trainer.lifetime import Lifetime
@@ -39,7 +40,7 @@ from ._trainer.options import TrainerOptions, build_settings, check_options, new
 from ._trainer.options import signature as options_signature
 from ._trainer.rank_setup import RankSetup
 from ._trainer.result import FitResult, fit_result
-from ._trainer.resume import CallbackStates, check_resume
+from ._trainer.resume import CallbackStates, check_resume, load_weights
 from ._trainer.session import BusSession, SignalWatcher, watching_cancel
 from ._trainer.workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
@@ -47,6 +48,7 @@ from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from .callbacks.progress import Progress, progress_by_default
 from .checkpoint import TrainState
 from .distributed.attach_server import attach_folder
+from .distributed.data import unwrap_model
 from .distributed.sharding import check_ddp
 from .distributed.sync import RankSync
 from .hookpoints import HookPoint
@@ -410,6 +412,8 @@ class Trainer:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         interrupted = self._signals.received is not None and self.on_signal == "raise"
         if outcome.reason != "cancelled" and not interrupted:  # the interrupt goes first
+            # Every event is delivered and the loop has ended: nothing reads the model now.
+            self._load_weights_at_end()
             for cb in self.callbacks:
                 cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
         if outcome.reason == "cancelled":
@@ -417,6 +421,48 @@ class Trainer:
             # shield; let the pending cancellation out here instead of returning a result.
             await anyio.lowlevel.checkpoint()
         return self.result
+
+    def load_weights(self, path: str | os.PathLike[str]) -> int:
+        """Load the model weights of the checkpoint ``path`` into the Trainer's model (only
+        the weights: optimizer, scheduler and train state stay), on this rank; between calls,
+        never while one runs. What ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do.
+
+        Args:
+            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.checkpoint``).
+
+        Returns:
+            The step the weights are of.
+
+        Raises:
+            TrainbusError: a call runs on this Trainer.
+            CheckpointError: the file is missing, damaged or foreign, a sharded run's folder,
+                or its weights do not fit the model.
+        """
+        self._check_idle("load_weights()")
+        checkpoint = load_weights(self.settings.model, path)
+        log.info("weights_loaded", path=str(checkpoint.path), step=checkpoint.state.step)
+        return checkpoint.state.step
+
+    def _load_weights_at_end(self) -> None:
+        """Load the weights an attached callback asks for at the end of ``fit()``
+        (:meth:`Callback.weights_at_end`), on every rank; a file gone meanwhile is a warning,
+        the model keeping its last weights."""
+        asked = [(cb, p) for cb in self.callbacks if (p := cb.weights_at_end()) is not None]
+        if not asked:
+            return
+        cb, path = asked[0]
+        if len(asked) > 1:
+            log.warning("weights_at_end_ignored", path=str(path),
+                        ignored=[str(p) for _, p in asked[1:]],
+                        reason="several callbacks ask for weights at the end; the first "
+                        "attached wins")  # fmt: skip
+        if not os.path.exists(path):
+            log.warning("weights_at_end_missing", path=str(path), callback=type(cb).__name__,
+                        action="the model keeps its last weights")  # fmt: skip
+            return
+        step = load_weights(self.settings.model, path).state.step
+        log.info("weights_loaded", path=str(path), step=step, callback=type(cb).__name__,
+                 reason="weights_at_end")  # fmt: skip
 
     def _check_callbacks(self) -> None:
         """Let every attached callback refuse the run up front (:meth:`Callback.check`)."""
@@ -428,6 +474,7 @@ class Trainer:
             external_evaluations=any(ev.ExternalEvaluationEnded in cb.publishes
                                      for cb in callbacks),
             config=plain_settings(s),
+            sharded=is_sharded_model(unwrap_model(s.model)),
         )  # fmt: skip
         for cb in callbacks:
             cb.check(plan)

@@ -180,7 +180,7 @@ def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
                   if isinstance(a.command, cmd.ScaleLearningRate)]  # fmt: skip
     assert len(reductions) == 1  # after the second evaluation; max_reductions=1 is spent
     saved = read_checkpoint(first.result.checkpoint if first.result else "")
-    assert saved.callbacks["Checkpointing"] == {"best": 1.0}
+    assert saved.callbacks["Checkpointing"]["best"] == 1.0
     assert saved.callbacks["EarlyStopping"]["bad"] == 2
 
     cbs = _callbacks()

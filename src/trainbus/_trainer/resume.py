@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
+import torch
 
 from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
@@ -21,7 +22,7 @@ from ..distributed.data import unwrap_model
 from ..distributed.group import ProcessGroup
 from ..loop import Cancelled, Settings
 
-__all__ = ["CallbackStates", "check_resume"]
+__all__ = ["CallbackStates", "check_resume", "load_weights"]
 
 log = get_logger(__name__)
 
@@ -62,6 +63,22 @@ def check_resume(
         raise ConfigError.invalid("resume", str(path), "an existing checkpoint file (or a "
                                   "sharded run's checkpoint folder)")  # fmt: skip
     return path
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkpoint:
+    """Read the checkpoint ``path`` and load its model weights into ``model`` (unwrapped from
+    DDP first), nothing else.
+
+    Returns:
+        The checkpoint read (its ``state.step`` names the step the weights are of).
+
+    Raises:
+        CheckpointError: the file is missing, damaged or foreign, a sharded folder, or its
+            weights do not fit the model.
+    """
+    checkpoint = read_checkpoint(path, map_location="cpu")  # load_state_dict copies in place
+    checkpoint.restore_weights(unwrap_model(model))
+    return checkpoint
 
 
 class CallbackStates:

@@ -76,6 +76,8 @@ class RunPlan:
         config: The Trainer's settings that are plain values (``max_epochs``, ``accumulate``,
             ``precision``, ``log_every``...; devices and paths as strings), for loggers that
             record a run's configuration (:func:`plain_settings`).
+        sharded: The model is sharded (FSDP2 ``fully_shard``): each rank holds only its
+            shards and checkpoints are folders of every rank's files.
     """
 
     eval_metrics: frozenset[str]
@@ -83,6 +85,7 @@ class RunPlan:
     checkpoint_dir: str | None
     external_evaluations: bool = False
     config: Mapping[str, PlainValue] = field(default_factory=dict)
+    sharded: bool = False
 
 
 PlainValue = str | int | float | bool | None
@@ -195,6 +198,16 @@ class Callback:
 
         Raises:
             ConfigError: naming the option, its value and what this run allows.
+        """
+        return None
+
+    def weights_at_end(self) -> str | None:
+        """The checkpoint whose model weights the model should hold when ``fit()`` returns
+        (:class:`~trainbus.callbacks.Checkpointing` with ``load_best_at_end=True`` names its
+        best file), or None to keep the last weights. ``Trainer.fit()`` asks every attached
+        callback once a run that ended without an exception (completed or stopped) has
+        delivered every event, before :meth:`after_fit`, and loads the first path given into
+        the model on every rank (``Trainer.load_weights``). Default: None.
         """
         return None
 

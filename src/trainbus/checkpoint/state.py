@@ -353,6 +353,24 @@ class Checkpoint:
         if rng and self.rng is not None:
             restore_rng(self.rng)
 
+    def restore_weights(self, model: torch.nn.Module) -> None:
+        """Load only the saved model weights into ``model`` (optimizer, scheduler, train state
+        and RNG untouched): the best weights at the end of a run, or a file to deploy.
+
+        Raises:
+            CheckpointError: a sharded checkpoint folder, or the saved parameters do not fit
+                ``model`` (names or shapes; the message names what differs).
+        """
+        if self.meta.get("sharded"):
+            raise CheckpointError(
+                "a sharded checkpoint folder: load its weights into an unsharded model with "
+                "trainbus.checkpoint.export_full(folder, path) first", path=str(self.path),
+            )  # fmt: skip
+        try:
+            model.load_state_dict(live_state(self.model, model))
+        except RuntimeError as exc:  # missing, unexpected or mis-shaped keys
+            raise CheckpointError(f"does not fit the model: {exc}", path=str(self.path)) from exc
+
     def restored(self) -> Checkpoint:
         """This checkpoint without the states :meth:`restore` loads into live objects.
 
