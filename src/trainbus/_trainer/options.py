@@ -40,7 +40,7 @@ from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, TrainContext
 from ..loop.optimizers import check_optimizers, check_schedulers
-from ..loop.settings import check_loader, eval_sets
+from ..loop.settings import check_loader, check_reiterable, eval_sets
 from . import checks
 from .endings import OnSignal
 
@@ -499,6 +499,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         raise ConfigError.invalid("eval_every", options["eval_every"],
                                   "None unless eval_data is given")  # fmt: skip
     sets, named = eval_sets(options["eval_data"])
+    _check_passes(train_data, sets, named, options)
     loop_options = {k: v for k, v in options.items() if k in _SETTINGS_FIELDS}
     loop_options["scheduler"] = scheduler
     return Settings(
@@ -507,6 +508,26 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         schedulers=schedulers,
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
     )  # fmt: skip
+
+
+def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
+                  options: Mapping[str, Any]) -> None:  # fmt: skip
+    """Refuse a one-shot iterator where the run would iterate it twice: as ``eval_data`` (every
+    evaluation is a new pass: the second would score nothing) or as ``train_data`` for more
+    than one epoch. A generator training for one epoch, or for ``max_steps`` alone (a stream),
+    is fine: the run then ends when it is spent (docs/trainer.md).
+
+    Raises:
+        ConfigError: naming the option and what to pass instead.
+    """
+    epochs = options["max_epochs"]
+    if epochs is not None and epochs > 1:
+        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass per "
+                         "epoch; or drop max_epochs and train for max_steps within its one "
+                         "pass")  # fmt: skip
+    for name, data in sets:
+        check_reiterable(f"eval_data[{name!r}]" if named else "eval_data", data,
+                         "each evaluation makes a new pass")  # fmt: skip
 
 
 def new_bus(options: Mapping[str, Any]) -> EventBus:
