@@ -228,12 +228,21 @@ def test_outputs_padding_cannot_join_fail_at_that_batch_naming_key_and_shapes() 
         ({torch.float16: 1e6}, r"^pad_value\[torch\.float16\]=1000000\.0 is invalid"),
         ("0", r"^pad_value='0' is invalid: a number or a bool"),
         ({3: 0}, r"^pad_value=3 is invalid: keys that are output keys"),
-        ({"logit": 0.0}, r"^pad_value\['logit'\]=0\.0 is invalid: keys of the outputs "
-                         r"\(logits, loss, mask, tokens\)"),
-        (-100, r"^pad_value=-100 is invalid: a value torch\.uint8 can hold \(output 'mask' "
-               r"is torch\.uint8\)"),
-        (float("inf"), r"^pad_value=inf is invalid: a value torch\.int64 can hold \(output "
-                       r"'tokens'"),
+        (
+            {"logit": 0.0},
+            r"^pad_value\['logit'\]=0\.0 is invalid: keys of the outputs "
+            r"\(logits, loss, mask, tokens\)",
+        ),
+        (
+            -100,
+            r"^pad_value=-100 is invalid: a value torch\.uint8 can hold \(output 'mask' "
+            r"is torch\.uint8\)",
+        ),
+        (
+            float("inf"),
+            r"^pad_value=inf is invalid: a value torch\.int64 can hold \(output "
+            r"'tokens'",
+        ),
         ({"tokens": 2.5}, r"^pad_value\['tokens'\]=2\.5 is invalid: a value torch\.int64"),
     ],
 )

@@ -231,8 +231,11 @@ def test_a_one_shot_iterator_trains_within_its_one_pass() -> None:
     assert _train_on(_generator(4), max_epochs=1).steps == 4
     assert _train_on(_generator(4), max_steps=3).steps == 3
     # Spent before max_steps: the error says so, not "an empty loader".
-    with pytest.raises(TrainingError, match=r"train_data, a one-shot generator, was spent "
-                                            r"after epoch 0 at step 4, before max_steps=6"):
+    with pytest.raises(
+        TrainingError,
+        match=r"train_data, a one-shot generator, was spent "
+        r"after epoch 0 at step 4, before max_steps=6",
+    ):
         _train_on(_generator(4), max_steps=6)
 
 

@@ -43,6 +43,7 @@ from ..loop.optimizers import check_optimizers, check_schedulers
 from ..loop.settings import check_loader, check_reiterable, eval_sets
 from . import checks
 from .endings import OnSignal
+from .hf_options import hf_hint
 
 __all__ = [
     "OPTIONS",
@@ -449,13 +450,15 @@ def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
         ``{name: the value the run uses}`` for every option.
 
     Raises:
-        TypeError: a keyword that is no option (as Python says it, with the nearest option).
+        TypeError: a keyword that is no option (as Python says it, with the trainbus
+            equivalent of a Hugging Face name, else the nearest option).
         ConfigError: the first option (in declaration order) whose value its check refuses.
     """
     for name in given:
         if name not in OPTIONS:
+            hf = hf_hint(name)  # a Hugging Face habit: name what replaces it
             near = difflib.get_close_matches(name, OPTIONS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = f": {hf}" if hf else f" (did you mean {near[0]!r}?)" if near else ""
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
     return {name: option.check(name, given.get(name, option.default))
             for name, option in OPTIONS.items()}  # fmt: skip

@@ -234,8 +234,10 @@ def check_schedulers(
     if not isinstance(scheduler, Mapping):
         _stepper("scheduler", scheduler)
         if len(optimizers) == 1:
-            (name, only), target = next(iter(optimizers.items())), getattr(scheduler,
-                                                                         "optimizer", None)
+            (name, only), target = (
+                next(iter(optimizers.items())),
+                getattr(scheduler, "optimizer", None),
+            )
             # A scheduler built on another optimizer object (a second AdamW over the same
             # model, say) would step that one's LR: the run's would never change.
             if target is not None and target is not only:
