@@ -518,16 +518,16 @@ def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
     """Refuse a one-shot iterator where the run would iterate it twice: as ``eval_data`` (every
     evaluation is a new pass: the second would score nothing) or as ``train_data`` for more
     than one epoch. A generator training for one epoch, or for ``max_steps`` alone (a stream),
-    is fine: the run then ends when it is spent (docs/trainer.md).
+    is fine; spent before ``max_steps``, the run fails saying so (docs/trainer.md).
 
     Raises:
         ConfigError: naming the option and what to pass instead.
     """
     epochs = options["max_epochs"]
     if epochs is not None and epochs > 1:
-        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass per "
-                         "epoch; or drop max_epochs and train for max_steps within its one "
-                         "pass")  # fmt: skip
+        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass "
+                         "per epoch", alternative="; or keep it, leave max_epochs out and set "
+                         "a max_steps within its one pass")  # fmt: skip
     for name, data in sets:
         check_reiterable(f"eval_data[{name!r}]" if named else "eval_data", data,
                          "each evaluation makes a new pass")  # fmt: skip

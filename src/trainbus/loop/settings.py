@@ -118,7 +118,7 @@ def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
     return length
 
 
-def check_reiterable(name: str, value: Any, why: str) -> None:
+def check_reiterable(name: str, value: Any, why: str, *, alternative: str = "") -> None:
     """Refuse a one-shot iterator (``iter(x) is x``: a generator, ``map(...)``, ``iter(list)``)
     where the data is iterated more than once.
 
@@ -130,6 +130,7 @@ def check_reiterable(name: str, value: Any, why: str) -> None:
         name: The option, as the message names it.
         value: The data given.
         why: When it would be iterated a second time (the message says so).
+        alternative: Another way out, appended to the message (``"; or ..."``).
 
     Raises:
         ConfigError: ``value`` is an iterator.
@@ -139,7 +140,7 @@ def check_reiterable(name: str, value: Any, why: str) -> None:
             name, f"<one-shot {type(value).__name__}>",
             f"data that can be iterated again ({why}, and a {type(value).__name__} is spent "
             "after its first pass): a list of batches, a DataLoader, or an IterableDataset "
-            "whose __iter__ starts a new pass (wrapped in a DataLoader)",
+            f"whose __iter__ starts a new pass (wrapped in a DataLoader){alternative}",
         )  # fmt: skip
 
 
