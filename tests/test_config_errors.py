@@ -87,6 +87,23 @@ CASES = [
     pytest.param(lambda p: {"seed": -1}, "seed", id="seed-negative"),
     pytest.param(lambda p: {"scheduler": object()}, "scheduler", id="scheduler-without-step"),
     pytest.param(
+        lambda p: {
+            "scheduler": torch.optim.lr_scheduler.StepLR(
+                torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), 1
+            )
+        },
+        "scheduler",
+        id="scheduler-of-another-optimizer",
+    ),
+    pytest.param(
+        lambda p: {"eval_data": iter(tiny_loader(1))}, "eval_data", id="eval-data-one-shot"
+    ),
+    pytest.param(
+        lambda p: {"train_data": iter(tiny_loader(2)), "max_epochs": 2},
+        "train_data",
+        id="train-data-one-shot-for-two-epochs",
+    ),
+    pytest.param(
         lambda p: {"scheduler_interval": "batch"}, "scheduler_interval", id="bad-interval"
     ),
     pytest.param(lambda p: {"eval_at_epoch_end": 1}, "eval_at_epoch_end", id="eval-at-end-int"),

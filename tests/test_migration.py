@@ -1,4 +1,6 @@
-"""docs/migration.toml: every trainbus name it gives exists, and docs/migration.md is its rendering.
+"""docs/migration.toml: every trainbus name it gives exists, and docs/migration.md is its rendering
+(with the ``TrainingArguments`` table from ``trainbus._trainer.hf_options``, which the Trainer's
+``TypeError`` for a Hugging Face option name reads too).
 
 Run ``python tests/test_migration.py`` to rewrite docs/migration.md after editing the data.
 """
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 
 from trainbus import commands, events
+from trainbus._trainer.hf_options import HF_OPTIONS
 from trainbus.hookpoints import HOOK_POINTS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -77,7 +80,28 @@ def render(data: dict[str, Any]) -> str:
             for d in e.get("differs", []):
                 note += ("; " if note else "") + f"**differs:** {d['text']}"
             lines.append(f"| `{e['name']}` | {target} | {note} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + render_hf_options()) + "\n"
+
+
+def render_hf_options() -> list[str]:
+    """The ``TrainingArguments`` section, from the table the Trainer's ``TypeError`` reads."""
+    lines = [
+        "",
+        "## Hugging Face `TrainingArguments`",
+        "",
+        "Each `transformers.TrainingArguments` field you are likely to set (and the `Trainer` "
+        "arguments and `EarlyStoppingCallback`'s patience) next to what replaces it. Passed to "
+        "trainbus' `Trainer`, such a name is a `TypeError` that names the replacement (from "
+        "this same table, `trainbus/_trainer/hf_options.py`).",
+        "",
+        "| Hugging Face | trainbus |",
+        "|---|---|",
+    ]
+    for hf in HF_OPTIONS:
+        where = "" if hf.source == "TrainingArguments" else f" ({hf.source})"
+        old = "" if hf.current else " (an older spelling)"
+        lines.append(f"| `{hf.name}`{where}{old} | {hf.use} |")
+    return lines
 
 
 ENTRIES = load()["entries"]

@@ -411,3 +411,16 @@ def test_threshold_operator() -> None:
     assert "['loss']" in str(missing.error)
     with pytest.raises(ConfigError, match=r"^above="):
         tbops.threshold("loss")
+
+
+def test_tracker_keeps_the_best_values_step_across_its_state() -> None:
+    tracker = tbops.Tracker()
+    assert tracker.update(3.0, mode="min", min_delta=0.0, step=2)
+    assert not tracker.update(4.0, mode="min", min_delta=0.0, step=4)
+    assert (tracker.best, tracker.best_step, tracker.bad) == (3.0, 2, 1)
+    restored = tbops.Tracker()
+    restored.load_state_dict(tracker.state_dict())
+    assert (restored.best, restored.best_step, restored.bad) == (3.0, 2, 1)
+    # A state saved before the step was kept loads with the step unknown.
+    restored.load_state_dict({"best": 1.0, "bad": 0, "cooling": 0, "reductions": 0})
+    assert (restored.best, restored.best_step) == (1.0, None)

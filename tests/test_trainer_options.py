@@ -18,6 +18,7 @@ import torch
 from trainbus import ConfigError, EventBus, Trainer
 from trainbus import events as ev
 from trainbus._trainer import checks
+from trainbus._trainer.hf_options import HF_OPTIONS, HfOption
 from trainbus._trainer.options import OPTIONS, TRAINER_ONLY, BusDefault, check_options
 from trainbus.loop import Settings
 from trainbus.testing import tiny_loader, tiny_model
@@ -127,6 +128,54 @@ def test_a_misspelt_option_is_a_type_error_naming_the_nearest() -> None:
         _trainer(max_step=3)
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'zzz'$"):
         _trainer(zzz=3)
+
+
+HF_UNKNOWN = [o for o in HF_OPTIONS if o.name not in OPTIONS]
+
+
+@pytest.mark.parametrize("hf", HF_UNKNOWN, ids=[o.name for o in HF_UNKNOWN])
+def test_a_hugging_face_option_name_is_a_type_error_naming_the_trainbus_one(hf: HfOption
+                                                                           ) -> None:  # fmt: skip
+    with pytest.raises(TypeError) as info:
+        _trainer(**{hf.name: 1})
+    message = str(info.value)
+    assert message.startswith(
+        f"Trainer() got an unexpected keyword argument {hf.name!r}: "
+        f"that is Hugging Face's {hf.source}.{hf.name}; in trainbus: "
+    )
+    assert message.endswith(hf.plain_use) and "`" not in message
+    if hf.option is not None:
+        assert hf.option in message
+
+
+def test_the_hugging_face_table_names_real_options() -> None:
+    names = [o.name for o in HF_OPTIONS]
+    assert len(names) == len(set(names))
+    for hf in HF_OPTIONS:
+        assert hf.option is None or hf.option in OPTIONS, hf
+        # A name trainbus shares (max_steps, seed) means the same there.
+        assert hf.name not in OPTIONS or hf.option == hf.name, hf
+    for name in ("gradient_accumulation_steps", "max_grad_norm", "num_train_epochs",
+                 "per_device_train_batch_size", "learning_rate", "logging_steps", "eval_steps",
+                 "save_steps", "warmup_steps", "fp16", "bf16", "output_dir", "eval_strategy",
+                 "evaluation_strategy", "save_total_limit", "load_best_model_at_end",
+                 "metric_for_best_model", "greater_is_better", "seed", "report_to",
+                 "dataloader_num_workers", "early_stopping_patience"):  # fmt: skip
+        assert name in names, name
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)  # importing transformers takes over a minute on a loaded machine
+def test_the_hugging_face_names_are_its_own() -> None:
+    transformers = pytest.importorskip("transformers")
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    trainer_args = set(inspect.signature(transformers.Trainer).parameters)
+    patience = set(inspect.signature(transformers.EarlyStoppingCallback).parameters)
+    for hf in HF_OPTIONS:
+        if hf.source == "TrainingArguments":
+            assert (hf.name in fields) == hf.current, hf.name  # an older spelling: gone
+        else:
+            assert hf.name in (trainer_args if hf.source == "Trainer" else patience), hf.name
 
 
 # One refused value per option: every declared check refuses something, naming its option.

@@ -5,6 +5,7 @@ function given to ``subscribe_async`` is refused at subscription."""
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from trainbus import (
     EventBus,
     RunPlan,
     Trainer,
+    TrainingError,
     register_global_callback,
 )
 from trainbus import commands as cmd
@@ -164,6 +166,77 @@ def test_the_plan_a_callback_sees() -> None:
     assert plan.eval_metrics == {"a/loss", "a/acc", "b/loss", "b/acc"}
     assert {"loss", "lr", "steps_per_s", "samples_per_s"} <= plan.train_metrics
     assert plan.checkpoint_dir is None and not plan.external_evaluations
+
+
+# ====================================================================== silent mistakes
+def test_a_scheduler_of_another_optimizer_is_refused() -> None:
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    other = torch.optim.SGD(model.parameters(), lr=0.1)  # a second optimizer, same model
+    with pytest.raises(ConfigError, match=r"^scheduler='StepLR' is invalid: a scheduler of "
+                                          r"the Trainer's optimizer.*never change"):  # fmt: skip
+        Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
+                scheduler=torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.5))  # fmt: skip
+    # Control: on the Trainer's own optimizer the learning rate moves.
+    trainer = Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
+                      scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
+                      handle_signals=False, progress=False)  # fmt: skip
+    trainer.fit_sync()
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
+
+
+def test_a_scheduler_of_another_optimizer_under_a_name_is_refused() -> None:
+    model = torch.nn.Sequential(tiny_model(), torch.nn.Linear(10, 10))
+    g = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    d = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    stray = torch.optim.SGD(model[1].parameters(), lr=0.1)
+    with pytest.raises(ConfigError, match=r"^scheduler\['d'\]="):
+        Trainer(model, {"g": g, "d": d}, DATA, loss_fn=F.cross_entropy, max_steps=2,
+                scheduler={"d": torch.optim.lr_scheduler.StepLR(stray, 1)})  # fmt: skip
+
+
+def _generator(n: int = 4) -> Any:
+    return (batch for batch in tiny_loader(n, 8))
+
+
+@pytest.mark.parametrize(
+    ("eval_data", "field"),
+    [(_generator, "eval_data"), (lambda: {"val": DATA, "test": iter(DATA)}, "eval_data['test']")],
+)
+def test_a_one_shot_iterator_as_eval_data_is_refused(eval_data: Any, field: str) -> None:
+    # It would pass the first evaluation and score nothing at the second.
+    with pytest.raises(ConfigError, match=rf"^{re.escape(field)}='<one-shot \w+>' is invalid: "
+                                          r"data that can be iterated again \(each evaluation "
+                                          r".*a list of batches, a DataLoader"):  # fmt: skip
+        _trainer(eval_data=eval_data(), max_epochs=2)
+    # One pass of a generator is fine where only one is made: a standalone evaluation.
+    metrics = _trainer(eval_data=DATA).evaluate_sync(_generator())
+    assert set(metrics) == {"val_loss"}
+
+
+def test_a_one_shot_iterator_as_train_data_for_several_epochs_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^train_data='<one-shot generator>' is invalid: .*"
+                                          r"max_epochs=2 makes a new pass per epoch"):  # fmt: skip
+        _train_on(_generator(), max_epochs=2)
+
+
+def _train_on(data: Any, **kwargs: Any) -> Any:
+    model = tiny_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                   loss_fn=F.cross_entropy, handle_signals=False, progress=False,
+                   **kwargs).fit_sync()  # fmt: skip
+
+
+def test_a_one_shot_iterator_trains_within_its_one_pass() -> None:
+    assert _train_on(_generator(4), max_epochs=1).steps == 4
+    assert _train_on(_generator(4), max_steps=3).steps == 3
+    # Spent before max_steps: the error says so, not "an empty loader".
+    with pytest.raises(
+        TrainingError,
+        match=r"train_data, a one-shot generator, was spent "
+        r"after epoch 0 at step 4, before max_steps=6",
+    ):
+        _train_on(_generator(4), max_steps=6)
 
 
 # ====================================================================== the bus

@@ -59,6 +59,8 @@ from .loop import (
     Hooks,
     Loop,
     Outcome,
+    PadValue,
+    PadValues,
     Settings,
     StandaloneRun,
     eval_sets,
@@ -550,7 +552,13 @@ class Trainer:
         """
         return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
 
-    async def predict(self, data: Iterable[Any], *, return_outputs: bool = False) -> Any:
+    async def predict(
+        self,
+        data: Iterable[Any],
+        *,
+        return_outputs: bool = False,
+        pad_value: PadValue | Mapping[str | torch.dtype, PadValue] | None = None,
+    ) -> Any:
         """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``.
 
         Publishes ``PredictionStarted``, one ``PredictionBatchEnded`` per batch with its outputs
@@ -567,33 +575,53 @@ class Trainer:
         Args:
             data: An iterable of batches.
             return_outputs: Return the outputs, concatenated along the first dimension (tensors,
-                or tuples/dicts of tensors; anything else as a list per batch).
+                or tuples/dicts of tensors; anything else as a list per batch). Tensors whose
+                other dimensions differ between batches (batches padded per batch) are padded
+                at the end of each dimension to the largest size.
+            pad_value: What pads them: None for the defaults (``-100`` for signed integer and
+                floating tensors, as Hugging Face pads; ``0`` for unsigned integers, ``False``
+                for ``bool``); one number for every tensor; or a mapping of output keys and
+                dtypes to numbers (``{"logits": float("nan"), torch.int64: -100}``; a key wins
+                over a dtype, the defaults fill the rest).
 
         Returns:
             The outputs when ``return_outputs``, else None. An empty ``data`` gives ``[]``.
 
         Raises:
-            ConfigError: ``data`` is not an iterable of batches.
+            ConfigError: ``data`` is not an iterable of batches; ``pad_value`` is not a number
+                nor such a mapping, names a key no output has, or is a value the dtype of a
+                tensor it pads cannot hold (``-100`` for ``uint8``, ``0.5`` for ``int64``).
+            TrainingError: with ``return_outputs``, outputs padding cannot join (another
+                number of dimensions or dtype than the first batch's), raised at that batch,
+                naming the key and both shapes.
             Whatever the model raised (``PredictionEnded.error`` carried it first).
         """
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):
             raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
         if not isinstance(return_outputs, bool):
             raise ConfigError.invalid("return_outputs", return_outputs, "True or False")
+        pad = PadValues.check(pad_value)
         kept = await self._standalone("predict",
-                                      lambda run: run.predict(data, keep=return_outputs),
+                                      lambda run: run.predict(data, keep=return_outputs,
+                                                              pad=pad),
                                       self.settings, [data])  # fmt: skip
-        return join_outputs(kept) if return_outputs else None
+        return join_outputs(kept, pad) if return_outputs else None
 
     def predict_sync(
-        self, data: Iterable[Any], *, return_outputs: bool = False, backend: str = "asyncio"
+        self,
+        data: Iterable[Any],
+        *,
+        return_outputs: bool = False,
+        pad_value: PadValue | Mapping[str | torch.dtype, PadValue] | None = None,
+        backend: str = "asyncio",
     ) -> Any:
         """Synchronous twin of :meth:`predict`, through the same portal as :meth:`fit_sync`.
 
         Raises:
             As :meth:`predict` and :meth:`fit_sync`.
         """
-        return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs),
+        return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs,
+                                                        pad_value=pad_value),
                                    backend, "predict")  # fmt: skip
 
 

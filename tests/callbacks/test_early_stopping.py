@@ -44,6 +44,8 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
     assert result.steps == 8
     assert result.stop_reason is not None and result.stop_reason.startswith("early stopping")
     assert "val_score" in result.stop_reason
+    # The reason names the best value's own step (4), and the deciding one's (8) apart.
+    assert "(best 4.0 at step 4; 4.0 at step 8)" in result.stop_reason
     assert [e.step for e in recorder.of_type(ev.EvaluationEnded)] == [2, 4, 6, 8]
     (ended,) = recorder.of_type(ev.FitEnded)
     assert ended.reason == "stopped" and ended.stop_reason == result.stop_reason
@@ -79,3 +81,24 @@ def test_failed_evaluations_neither_count_nor_fail(vbus: EventBus, eval_event: A
     vbus.flush()
     (stop,) = vbus.port().poll_commands()
     assert isinstance(stop, cmd.StopTraining) and "early stopping" in stop.reason
+
+
+def test_the_best_step_survives_a_resume(trainer_factory: Any, tmp_path: Any) -> None:
+    # Best 3.0 at step 2; a resume from step 3's checkpoint still names step 2 when it stops
+    # (saves every 3 steps: none at an evaluation step).
+    from trainbus.callbacks import Checkpointing
+
+    def run(score: list[float], **kwargs: Any) -> Any:
+        trainer = trainer_factory(
+            [EarlyStopping(metric="val_score", patience=3),
+             Checkpointing(every_steps=3, every_epochs=None)],
+            epochs=5, batches=4, score=score, eval_every=2, eval_at_epoch_end=False,
+            checkpoint_dir=tmp_path,
+        )  # fmt: skip
+        return trainer.fit_sync(**kwargs)
+
+    first = run([3.0, 4.0, 4.0, 4.0])
+    assert first.steps == 8 and first.stop_reason is not None
+    assert "(best 3.0 at step 2; 4.0 at step 8)" in first.stop_reason
+    resumed = run([4.0], resume=tmp_path / "step-00000003.pt")
+    assert resumed.steps == 8 and resumed.stop_reason == first.stop_reason

@@ -41,9 +41,10 @@ from ..callbacks._base import Callback
 from ..loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, TrainContext
 from ..loop.optimizers import check_optimizers, check_schedulers
 from ..loop.set_metrics import SetMetric
-from ..loop.settings import check_loader, eval_sets
+from ..loop.settings import check_loader, check_reiterable, eval_sets
 from . import checks
 from .endings import OnSignal
+from .hf_options import hf_hint
 
 __all__ = [
     "OPTIONS",
@@ -477,13 +478,15 @@ def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
         ``{name: the value the run uses}`` for every option.
 
     Raises:
-        TypeError: a keyword that is no option (as Python says it, with the nearest option).
+        TypeError: a keyword that is no option (as Python says it, with the trainbus
+            equivalent of a Hugging Face name, else the nearest option).
         ConfigError: the first option (in declaration order) whose value its check refuses.
     """
     for name in given:
         if name not in OPTIONS:
+            hf = hf_hint(name)  # a Hugging Face habit: name what replaces it
             near = difflib.get_close_matches(name, OPTIONS, n=1)
-            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            hint = f": {hf}" if hf else f" (did you mean {near[0]!r}?)" if near else ""
             raise TypeError(f"Trainer() got an unexpected keyword argument {name!r}{hint}")
     return {name: option.check(name, given.get(name, option.default))
             for name, option in OPTIONS.items()}  # fmt: skip
@@ -534,6 +537,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
                 f"a name that is neither 'loss' nor one of metrics= ({sorted(options['metrics'])}):"
                 " both would be the same key in EvaluationEnded.metrics",
             )  # fmt: skip
+    _check_passes(train_data, sets, named, options)
     loop_options = {k: v for k, v in options.items() if k in _SETTINGS_FIELDS}
     loop_options["scheduler"] = scheduler
     return Settings(
@@ -542,6 +546,26 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         schedulers=schedulers,
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
     )  # fmt: skip
+
+
+def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
+                  options: Mapping[str, Any]) -> None:  # fmt: skip
+    """Refuse a one-shot iterator where the run would iterate it twice: as ``eval_data`` (every
+    evaluation is a new pass: the second would score nothing) or as ``train_data`` for more
+    than one epoch. A generator training for one epoch, or for ``max_steps`` alone (a stream),
+    is fine; spent before ``max_steps``, the run fails saying so (docs/trainer.md).
+
+    Raises:
+        ConfigError: naming the option and what to pass instead.
+    """
+    epochs = options["max_epochs"]
+    if epochs is not None and epochs > 1:
+        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass "
+                         "per epoch", alternative="; or keep it, leave max_epochs out and set "
+                         "a max_steps within its one pass")  # fmt: skip
+    for name, data in sets:
+        check_reiterable(f"eval_data[{name!r}]" if named else "eval_data", data,
+                         "each evaluation makes a new pass")  # fmt: skip
 
 
 def new_bus(options: Mapping[str, Any]) -> EventBus:

@@ -73,7 +73,8 @@ def _improvements(
         metrics = getattr(e, "metrics", {})
         if metric not in metrics:
             raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
-        return tracker.update(float(metrics[metric]), mode=mode, min_delta=delta)
+        return tracker.update(float(metrics[metric]), mode=mode, min_delta=delta,
+                              step=getattr(e, "step", None))
 
     def _operator(source: Observable[Any]) -> Observable[Any]:
         return source.pipe(

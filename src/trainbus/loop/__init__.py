@@ -27,8 +27,10 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`EpochData` (``data.py``): each epoch's batch iterator and the observed fetch.
 - :class:`StandaloneRun` (``standalone.py``): ``evaluate()`` and ``predict()`` outside ``fit()``.
 - :class:`HostOutputs` (``host.py``): prediction outputs kept on the host as they come.
-- :func:`map_tensors`, :func:`detach_outputs`, :func:`join_outputs` (``outputs.py``): model
-  outputs of any type (a mapping, a ``ModelOutput``, a tuple) walked and joined per key.
+- :func:`map_tensors`, :func:`detach_outputs`, :func:`join_outputs`, :class:`PadValues`,
+  :class:`OutputsCheck` (``outputs.py``): model outputs of any type (a mapping, a
+  ``ModelOutput``, a tuple) walked and joined per key, padded where batches differ in size,
+  each batch checked as it comes.
 - :class:`CheckpointWriter` (``saving.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
@@ -56,6 +58,9 @@ from .optimizers import OptimizerSet as OptimizerSet
 from .optimizers import SchedulerSet as SchedulerSet
 from .outcome import Cancelled as Cancelled
 from .outcome import Outcome as Outcome
+from .outputs import OutputsCheck as OutputsCheck
+from .outputs import PadValue as PadValue
+from .outputs import PadValues as PadValues
 from .phases import StepPhases as StepPhases
 from .saving import CheckpointWriter as CheckpointWriter
 from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
@@ -86,6 +91,9 @@ __all__ = [
     "NonFinitePolicy",
     "OptimizerSet",
     "Outcome",
+    "OutputsCheck",
+    "PadValue",
+    "PadValues",
     "Precision",
     "SchedulerSet",
     "Settings",

@@ -77,10 +77,21 @@ class EpochData:
         """The error for an epoch whose iterator yielded no batch at all.
 
         Returns:
-            A :class:`~trainbus.TrainingError` naming the epoch and what to check.
+            A :class:`~trainbus.TrainingError` naming the epoch and what to check; for a
+            one-shot iterator spent by an earlier epoch, saying so and what to pass instead.
         """
+        st, data = self._state, self._s.train_data
+        if isinstance(data, Iterator) and st.epoch > 0:
+            # A generator with max_steps alone (max_epochs > 1 is refused up front): spent
+            # before max_steps, and a new pass over it yields nothing.
+            return TrainingError(
+                f"train_data, a one-shot {type(data).__name__}, was spent after epoch "
+                f"{st.epoch - 1} at step {st.step}, before max_steps={self._s.max_steps}: pass "
+                "data that can be iterated again (a list of batches, a DataLoader), or a "
+                "max_steps within its one pass"
+            )
         return TrainingError(
-            f"train_data yielded no batch in epoch {self._state.epoch}: an empty loader cannot "
+            f"train_data yielded no batch in epoch {st.epoch}: an empty loader cannot "
             "train; check its length, sampler and drop_last"
         )
 

@@ -224,7 +224,8 @@ def check_schedulers(
         :class:`SchedulerSet`.
 
     Raises:
-        ConfigError: not a scheduler (no ``.step()``); a single scheduler with several
+        ConfigError: not a scheduler (no ``.step()``); a scheduler whose ``.optimizer`` is not
+            the run's optimizer; a single scheduler with several
             optimizers (naming the optimizer it belongs to); a mapping whose names are not the
             optimizers' or whose scheduler drives another optimizer.
     """
@@ -233,7 +234,21 @@ def check_schedulers(
     if not isinstance(scheduler, Mapping):
         _stepper("scheduler", scheduler)
         if len(optimizers) == 1:
-            return scheduler, {next(iter(optimizers)): scheduler}
+            (name, only), target = (
+                next(iter(optimizers.items())),
+                getattr(scheduler, "optimizer", None),
+            )
+            # A scheduler built on another optimizer object (a second AdamW over the same
+            # model, say) would step that one's LR: the run's would never change.
+            if target is not None and target is not only:
+                raise ConfigError.invalid(
+                    "scheduler", type(scheduler).__name__,
+                    f"a scheduler of the Trainer's optimizer ({type(only).__name__} at "
+                    f"{id(only):#x}); this one drives another {type(target).__name__} (at "
+                    f"{id(target):#x}), so the run's learning rate would never change: build "
+                    "it on the optimizer you pass to the Trainer",
+                )  # fmt: skip
+            return scheduler, {name: scheduler}
         target = getattr(scheduler, "optimizer", None)
         belongs = next((n for n, o in optimizers.items() if o is target), None)
         where = (

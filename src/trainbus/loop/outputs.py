@@ -7,17 +7,36 @@ them to the host and concatenating a prediction's batches all walk that structur
 each container as its own type (a ``ModelOutput`` stays one, so ``.logits`` works on a streamed
 ``PredictionBatchEnded.outputs`` and on what ``predict(return_outputs=True)`` returns), and a
 scalar per batch (the loss) is stacked into one value per batch instead of concatenated.
+
+Batches padded per batch (the usual collate: logits ``[B, T_i, V]`` with ``T_i`` the batch's
+longest sequence) give tensors whose sizes past the first dimension differ: they are padded to
+the largest size of each dimension, at its end, with a value per dtype (:class:`PadValues`:
+``-100`` by default, as Hugging Face's ``nested_concat`` pads everything, so ``labels != -100``
+masks padded positions of labels and logits alike; ``0`` for unsigned integers, ``False`` for
+``bool``). Tensors that padding cannot join (another number of dimensions, another dtype, a
+scalar beside a tensor) are an error naming the key and both shapes; :class:`OutputsCheck`
+raises it at the first such batch instead of after the whole pass.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
-__all__ = ["detach_outputs", "join_outputs", "map_tensors"]
+from .._exceptions import ConfigError, TrainingError
+
+__all__ = ["OutputsCheck", "PadValue", "PadValues", "detach_outputs", "join_outputs",
+           "map_tensors"]  # fmt: skip
+
+PadValue = bool | int | float
+"""A value to pad a tensor with."""
+
+DEFAULT_PAD = -100
+"""The pad of signed integer and floating tensors (Hugging Face's ``padding_index``)."""
 
 
 def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
@@ -76,34 +95,277 @@ def detach_outputs(outputs: Any) -> Any:
     return map_tensors(torch.Tensor.detach, outputs)
 
 
-def join_outputs(batches: Sequence[Any]) -> Any:
+def _representable(value: PadValue, dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` holds ``value`` exactly (a float beyond the dtype's range does not)."""
+    if dtype == torch.bool:
+        return isinstance(value, bool) or value in (0, 1)
+    if dtype.is_complex:
+        return True
+    if dtype.is_floating_point:
+        return not math.isfinite(value) or abs(value) <= torch.finfo(dtype).max
+    if isinstance(value, float) and not value.is_integer():
+        return False  # 0.5, inf and nan included
+    info = torch.iinfo(dtype)
+    return info.min <= int(value) <= info.max
+
+
+def _check_scalar(field: str, value: Any) -> PadValue:
+    if not isinstance(value, bool | int | float):
+        raise ConfigError.invalid(field, value, "a number or a bool")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PadValues:
+    """What ``predict(return_outputs=True)`` pads each output tensor with (see the module
+    docstring): for a tensor under the mapping key ``k`` (its innermost one) of dtype ``d``,
+    ``by_key[k]``, else ``by_dtype[d]``, else ``value``, else the default of ``d``.
+
+    Build it with :meth:`check`.
+    """
+
+    value: PadValue | None = None
+    by_key: Mapping[str, PadValue] = dataclasses.field(default_factory=dict)
+    by_dtype: Mapping[torch.dtype, PadValue] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def check(cls, pad_value: Any) -> PadValues:
+        """``predict``'s ``pad_value`` checked: None (the defaults), one number for every
+        tensor, or a mapping of output keys (``str``) and dtypes to numbers.
+
+        Raises:
+            ConfigError: anything else, or a dtype's value that the dtype cannot hold.
+        """
+        if pad_value is None:
+            return cls()
+        if not isinstance(pad_value, Mapping):
+            return cls(value=_check_scalar("pad_value", pad_value))
+        by_key: dict[str, PadValue] = {}
+        by_dtype: dict[torch.dtype, PadValue] = {}
+        for key, value in pad_value.items():
+            field = f"pad_value[{key!r}]"
+            if isinstance(key, torch.dtype):
+                by_dtype[key] = _check_scalar(field, value)
+                if not _representable(value, key):
+                    raise ConfigError.invalid(field, value, f"a value {key} can hold")
+            elif isinstance(key, str):
+                by_key[key] = _check_scalar(field, value)
+            else:
+                raise ConfigError.invalid("pad_value", key, "keys that are output keys (str) "
+                                          "or torch dtypes")  # fmt: skip
+        return cls(by_key=by_key, by_dtype=by_dtype)
+
+    def for_tensor(self, key: str | None, dtype: torch.dtype) -> PadValue:
+        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``.
+
+        Raises:
+            ConfigError: the value chosen is one ``dtype`` cannot hold (-100 for ``uint8``,
+                0.5 for ``int64``), naming the option that gave it.
+        """
+        if key is not None and key in self.by_key:
+            value, field = self.by_key[key], f"pad_value[{key!r}]"
+        elif dtype in self.by_dtype:
+            return self.by_dtype[dtype]  # checked by check()
+        elif self.value is not None:
+            value, field = self.value, "pad_value"
+        elif dtype == torch.bool:
+            return False
+        elif not dtype.is_floating_point and not dtype.is_complex and torch.iinfo(dtype).min == 0:
+            return 0  # unsigned: -100 does not fit
+        else:
+            return DEFAULT_PAD
+        if not _representable(value, dtype):
+            where = f"output {key!r}" if key is not None else "an output"
+            raise ConfigError.invalid(
+                field, value, f"a value {dtype} can hold ({where} is {dtype}); give that "
+                f"output its own: pad_value={{{(key or dtype)!r}: ...}}",
+            )  # fmt: skip
+        return value
+
+
+def _join_error(path: str, index: int, first: Any, other: Any) -> TrainingError:
+    def layout(x: Any) -> str:
+        if isinstance(x, torch.Tensor):
+            return f"shape {tuple(x.shape)}, {x.dtype}"
+        return f"a {type(x).__name__}, not a tensor"
+
+    return TrainingError(
+        f"predict(return_outputs=True) cannot join {path}: batch {index} gives {layout(other)} "
+        f"where batch 0 gave {layout(first)}; padding joins tensors whose sizes differ, not "
+        "their number of dimensions or dtype. Return one layout per batch, or leave "
+        "return_outputs False and collect PredictionBatchEnded.outputs yourself"
+    )
+
+
+def _joinable(path: str, index: int, first: torch.Tensor, other: Any) -> None:
+    """Raise the join error unless ``other`` is a tensor padding can join to ``first``."""
+    if (not isinstance(other, torch.Tensor) or other.dim() != first.dim()
+            or other.dtype != first.dtype):  # fmt: skip
+        raise _join_error(path, index, first, other)
+
+
+def _concat(tensors: list[torch.Tensor], pad: PadValues, key: str | None) -> torch.Tensor:
+    """Concatenate along the first dimension, each other dimension padded at its end to the
+    largest size among ``tensors`` (with ``pad``'s value for ``key`` and their dtype)."""
+    tail = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors), strict=True)]
+    if all(list(t.shape[1:]) == tail for t in tensors):
+        return torch.cat(tensors)
+    first = tensors[0]
+    value = pad.for_tensor(key, first.dtype)
+    out = first.new_full((sum(len(t) for t in tensors), *tail), value)
+    row = 0
+    for t in tensors:
+        out[(slice(row, row + len(t)), *(slice(0, n) for n in t.shape[1:]))] = t
+        row += len(t)
+    return out
+
+
+def join_outputs(
+    batches: Sequence[Any],
+    pad: PadValues | None = None,
+    *,
+    _path: str = "outputs",
+    _key: str | None = None,
+) -> Any:
     """Concatenate per-batch outputs along the first dimension.
 
-    Tensors are concatenated, scalars (a batch's loss) stacked into one value per batch;
+    Tensors are concatenated, padded where their other dimensions differ (``pad``; see the
+    module docstring); scalars (a batch's loss) stacked into one value per batch;
     tuples/lists and mappings of them are joined element by element, per key, and keep their
     type (a ``ModelOutput`` stays one); anything else comes back as the list of per-batch
     outputs. No batch gives ``[]``.
 
     Args:
         batches: One output per batch, in order.
+        pad: The pad values; None: the defaults.
 
     Returns:
         The joined outputs.
+
+    Raises:
+        TrainingError: tensors under one key that padding cannot join (another number of
+            dimensions or dtype, a scalar beside a tensor, a tensor beside something else),
+            naming the key, the batch and both shapes.
+        ConfigError: a pad value the tensor's dtype cannot hold.
     """
     if not batches:
         return []
+    pad = pad or PadValues()
     first = batches[0]
     if isinstance(first, torch.Tensor):
-        if all(isinstance(b, torch.Tensor) and b.dim() == 0 for b in batches):
+        for i, b in enumerate(batches):
+            _joinable(_path, i, first, b)
+        if first.dim() == 0:
             return torch.stack(list(batches))
-        return torch.cat(list(batches))
+        return _concat(list(batches), pad, _key)
     if isinstance(first, tuple | list) and all(
         isinstance(b, type(first)) and len(b) == len(first) for b in batches
     ):
-        return _sequence_like(first, [join_outputs([b[i] for b in batches])
+        return _sequence_like(first, [join_outputs([b[i] for b in batches], pad,
+                                                   _path=f"{_path}[{i}]", _key=_key)
                                       for i in range(len(first))])  # fmt: skip
     if isinstance(first, Mapping) and all(
         isinstance(b, Mapping) and b.keys() == first.keys() for b in batches
     ):
-        return _mapping_like(first, {k: join_outputs([b[k] for b in batches]) for k in first})
+        return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad,
+                                                     _path=f"{_path}[{k!r}]", _key=str(k))
+                                     for k in first})  # fmt: skip
     return list(batches)
+
+
+class OutputsCheck:
+    """Checks each batch's outputs as they come against the first batch's, so that outputs
+    :func:`join_outputs` could not join fail at the first such batch, not after the pass.
+
+    It keeps the first batch's layout only (types, keys, dtypes and shapes: no tensor). A
+    container whose type, length or keys change between batches is joined as a list per batch
+    (as :func:`join_outputs` does) and no longer checked. A tensor's pad value is checked
+    against its dtype at the first batch whose sizes differ from the first's (where padding
+    becomes needed), so a pad that no output needs is never refused.
+
+    Args:
+        pad: The pad values.
+    """
+
+    def __init__(self, pad: PadValues) -> None:
+        self._pad = pad
+        self._layout: Any = None
+
+    def add(self, outputs: Any, index: int) -> None:
+        """Check one batch's outputs.
+
+        Args:
+            outputs: The batch's outputs.
+            index: Its batch index (the error names it).
+
+        Raises:
+            TrainingError: a tensor that padding cannot join to the first batch's, naming its
+                key and both shapes.
+            ConfigError: a ``pad_value`` key no output of the first batch has; the first time
+                a tensor needs padding, a pad value its dtype cannot hold.
+        """
+        if self._layout is not None:
+            self._layout = self._compare(self._layout, outputs, "outputs", None, index)
+            return
+        self._layout = _layout(outputs)
+        keys = _keys(self._layout)
+        unknown = sorted(set(self._pad.by_key) - keys)
+        if unknown:
+            raise ConfigError.invalid(
+                f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
+                f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
+                "torch dtypes",
+            )  # fmt: skip
+
+    def _compare(self, layout: Any, outputs: Any, path: str, key: str | None, index: int
+                 ) -> Any:  # fmt: skip
+        """``layout`` checked against a later batch's ``outputs`` by :func:`join_outputs`'
+        rules; returns the layout for the next batches (opaque where it became a list)."""
+        kind = layout[0]
+        if kind == "tensor":
+            _, dtype, shape, padded = layout
+            if (not isinstance(outputs, torch.Tensor) or outputs.dim() != len(shape)
+                    or outputs.dtype != dtype):  # fmt: skip
+                raise _join_error(path, index, torch.empty(shape, dtype=dtype, device="meta"),
+                                  outputs)  # fmt: skip
+            if padded or outputs.shape[1:] == shape[1:]:
+                return layout
+            self._pad.for_tensor(key, dtype)  # padding is needed from here: can it pad?
+            return ("tensor", dtype, shape, True)
+        if kind == "sequence":
+            _, cls, children = layout
+            if not isinstance(outputs, cls) or len(outputs) != len(children):
+                return _OPAQUE
+            return ("sequence", cls, [self._compare(c, o, f"{path}[{i}]", key, index)
+                                      for i, (c, o) in enumerate(zip(children, outputs,
+                                                                     strict=True))])  # fmt: skip
+        if kind == "mapping":
+            children = layout[1]
+            if not isinstance(outputs, Mapping) or outputs.keys() != children.keys():
+                return _OPAQUE
+            return ("mapping", {k: self._compare(c, outputs[k], f"{path}[{k!r}]", str(k), index)
+                                for k, c in children.items()})  # fmt: skip
+        return layout
+
+
+_OPAQUE = ("opaque",)
+
+
+def _layout(outputs: Any) -> Any:
+    """The layout of one batch's outputs, as tuples (no tensor kept)."""
+    if isinstance(outputs, torch.Tensor):
+        return ("tensor", outputs.dtype, tuple(outputs.shape), False)
+    if isinstance(outputs, tuple | list):
+        return ("sequence", type(outputs), [_layout(o) for o in outputs])
+    if isinstance(outputs, Mapping):
+        return ("mapping", {k: _layout(v) for k, v in outputs.items()})
+    return _OPAQUE
+
+
+def _keys(layout: Any) -> set[str]:
+    """Every mapping key in ``layout``, at any depth."""
+    if layout[0] == "sequence":
+        return set().union(*(_keys(c) for c in layout[2]))
+    if layout[0] == "mapping":
+        return {str(k) for k in layout[1]}.union(*(_keys(c) for c in layout[1].values()))
+    return set()

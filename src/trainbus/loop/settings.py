@@ -8,7 +8,7 @@ raises ``ConfigError`` naming the field, the value and what is allowed, before a
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -26,6 +26,7 @@ __all__ = [
     "Settings",
     "check_loader",
     "check_precision",
+    "check_reiterable",
     "eval_sets",
 ]
 
@@ -121,6 +122,32 @@ def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
             name, f"<{type(value).__name__} of length 0>", "a non-empty loader"
         )
     return length
+
+
+def check_reiterable(name: str, value: Any, why: str, *, alternative: str = "") -> None:
+    """Refuse a one-shot iterator (``iter(x) is x``: a generator, ``map(...)``, ``iter(list)``)
+    where the data is iterated more than once.
+
+    The test is the iterator protocol (``__next__`` beside ``__iter__``), not a call of
+    ``iter()``: opening a ``DataLoader``'s iterator would start its workers and draw a seed from
+    torch's global generator, a draw the run would not otherwise make.
+
+    Args:
+        name: The option, as the message names it.
+        value: The data given.
+        why: When it would be iterated a second time (the message says so).
+        alternative: Another way out, appended to the message (``"; or ..."``).
+
+    Raises:
+        ConfigError: ``value`` is an iterator.
+    """
+    if isinstance(value, Iterator):
+        raise ConfigError.invalid(
+            name, f"<one-shot {type(value).__name__}>",
+            f"data that can be iterated again ({why}, and a {type(value).__name__} is spent "
+            "after its first pass): a list of batches, a DataLoader, or an IterableDataset "
+            f"whose __iter__ starts a new pass (wrapped in a DataLoader){alternative}",
+        )  # fmt: skip
 
 
 PRECISION_SPELLINGS: Mapping[str, Precision] = {

@@ -32,7 +32,7 @@ from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
-from .outputs import detach_outputs, join_outputs
+from .outputs import OutputsCheck, PadValues, detach_outputs, join_outputs
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -110,21 +110,29 @@ class StandaloneRun:
         evaluator.run("standalone", sets)
         return evaluator.metrics
 
-    def predict(self, data: Iterable[Any], *, keep: bool) -> list[Any]:
+    def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None
+                ) -> list[Any]:  # fmt: skip
         """Run the model on every batch of ``data`` inside ``PredictionStarted/Ended``.
 
         Args:
             data: The batches (``(inputs, targets)`` with ``loss_fn``: ``inputs`` are used).
-            keep: Keep every batch's outputs and return them (else ``[]``).
+            keep: Keep every batch's outputs and return them (else ``[]``); each batch is
+                checked as it comes to be joinable with the first (:class:`OutputsCheck`).
+            pad: The pad values the outputs will be joined with (None: the defaults).
 
         Returns:
             The per-batch outputs (detached, copied to the host as they came: pinned and
             non-blocking on CUDA; see :class:`~trainbus.loop.host.HostOutputs`) when ``keep``.
 
         Raises:
+            TrainingError: with ``keep``, a batch's outputs that cannot be joined to the first
+                batch's (naming the key and both shapes), at that batch.
+            ConfigError: with ``keep``, a pad value that cannot be used (see
+                :meth:`OutputsCheck.add`).
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
         """
         s, bus, st, w = self._s, self._bus, self._state, self._wants
+        check = OutputsCheck(pad or PadValues()) if keep else None
         use_device(s.device)  # this worker thread's current CUDA device
         pub = bus.publish
         w.refresh()
@@ -177,7 +185,8 @@ class StandaloneRun:
                         pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="predict",
                                             batch_index=bi))  # fmt: skip
                     done += 1
-                    if keep:
+                    if check is not None:
+                        check.add(outputs, bi)  # fail at this batch, not after the pass
                         kept.add(outputs)  # to the host now: the device keeps no batch
                     if w.prediction_batch_ended:
                         pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,

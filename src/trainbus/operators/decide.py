@@ -33,12 +33,17 @@ class Tracker:
 
     def __init__(self) -> None:
         self.best: float | None = None
+        self.best_step: int | None = None
+        """The step of the event that gave :attr:`best` (None when unknown)."""
         self.bad = 0
         self.cooling = 0
         self.reductions = 0
 
-    def update(self, value: float, *, mode: Mode, min_delta: float) -> bool:
-        """Record ``value``; return True when it improves on the best (NaN never does)."""
+    def update(
+        self, value: float, *, mode: Mode, min_delta: float, step: int | None = None
+    ) -> bool:
+        """Record ``value`` (of the event at ``step``); return True when it improves on the
+        best (NaN never does), which then remembers ``step`` as :attr:`best_step`."""
         if math.isnan(value):
             improved = False
         elif self.best is None:
@@ -48,15 +53,15 @@ class Tracker:
         else:
             improved = value > self.best + min_delta
         if improved:
-            self.best, self.bad = value, 0
+            self.best, self.best_step, self.bad = value, step, 0
         else:
             self.bad += 1
         return improved
 
     def state_dict(self) -> dict[str, Any]:
         """The state as plain values (``weights_only``-safe)."""
-        return {"best": self.best, "bad": self.bad, "cooling": self.cooling,
-                "reductions": self.reductions}  # fmt: skip
+        return {"best": self.best, "best_step": self.best_step, "bad": self.bad,
+                "cooling": self.cooling, "reductions": self.reductions}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
@@ -66,8 +71,11 @@ class Tracker:
         """
         try:
             best = state["best"]
+            # A state saved before best_step was kept has none: the step stays unknown.
+            best_step = state.get("best_step")
             values = (
                 None if best is None else float(best),
+                None if best_step is None else int(best_step),
                 int(state["bad"]), int(state["cooling"]), int(state["reductions"]),
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
@@ -75,7 +83,7 @@ class Tracker:
                 "tracker state", dict(state), "a Tracker.state_dict(): best, bad, cooling, "
                 "reductions",
             ) from exc
-        self.best, self.bad, self.cooling, self.reductions = values
+        self.best, self.best_step, self.bad, self.cooling, self.reductions = values
 
 
 def _read_metric(event: Any, name: str) -> float:
@@ -185,13 +193,15 @@ def patience(
     min_delta = check_number("min_delta", min_delta)
 
     def step(tracker: Tracker, value: float, event: Any) -> cmd.StopTraining | None:
-        tracker.update(value, mode=mode, min_delta=min_delta)
+        now = getattr(event, "step", None)
+        tracker.update(value, mode=mode, min_delta=min_delta, step=now)
         if tracker.bad < patience:
             return None
+        at = "" if tracker.best_step is None else f" at step {tracker.best_step}"
         return cmd.StopTraining(
             reason=(
                 f"early stopping: {metric} did not improve for {patience} evaluations "
-                f"(best {tracker.best!r}, step {getattr(event, 'step', '?')})"
+                f"(best {tracker.best!r}{at}; {value!r} at step {now})"
             )
         )
 
@@ -245,7 +255,8 @@ def plateau(
     def step(tracker: Tracker, value: float, event: Any) -> cmd.ScaleLearningRate | None:
         if done(tracker):  # a restored tracker that already made every reduction
             return None
-        improved = tracker.update(value, mode=mode, min_delta=min_delta)
+        improved = tracker.update(value, mode=mode, min_delta=min_delta,
+                                  step=getattr(event, "step", None))
         if tracker.cooling > 0:
             tracker.cooling -= 1
             tracker.bad = 0

@@ -1,0 +1,167 @@
+"""Hugging Face's option names and what replaces each in trainbus: :data:`HF_OPTIONS`.
+
+A user coming from ``transformers.Trainer`` writes ``Trainer(..., gradient_accumulation_steps=4,
+max_grad_norm=1.0)``. Python's ``TypeError`` for an unknown keyword says nothing useful there;
+:func:`check_options <trainbus._trainer.options.check_options>` adds the trainbus equivalent
+from this table (:func:`hf_hint`). The same table is docs/migration.md's ``TrainingArguments``
+section (``tests/test_migration.py`` renders it from here), so the message and the page cannot
+disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["HF_OPTIONS", "HfOption", "hf_hint"]
+
+Source = Literal["TrainingArguments", "Trainer", "EarlyStoppingCallback"]
+
+
+@dataclass(frozen=True, slots=True)
+class HfOption:
+    """One Hugging Face option name and its trainbus equivalent.
+
+    Args:
+        name: The name as Hugging Face spells it.
+        use: What to write in trainbus instead (Markdown: code in backticks).
+        option: The trainbus ``Trainer`` option that replaces it, when one does.
+        source: Where Hugging Face takes it.
+        current: False for a spelling the current ``TrainingArguments`` no longer has (still
+            in the code people bring).
+    """
+
+    name: str
+    use: str
+    option: str | None = None
+    source: Source = "TrainingArguments"
+    current: bool = True
+
+    @property
+    def plain_use(self) -> str:
+        """:attr:`use` without Markdown (for an error message)."""
+        return self.use.replace("`", "")
+
+
+_OPT = "the optimizer you build: "
+
+
+def _ckpt(args: str) -> str:
+    return f"`callbacks=[Checkpointing({args})]`"
+
+
+# fmt: off
+HF_OPTIONS: tuple[HfOption, ...] = (
+    HfOption("output_dir", "`checkpoint_dir=...`", "checkpoint_dir"),
+    HfOption("overwrite_output_dir", "not needed: a run writes its own step-numbered files in "
+             "`checkpoint_dir`", current=False),
+    HfOption("num_train_epochs", "`max_epochs=N` (a whole number)", "max_epochs"),
+    HfOption("max_steps", "`max_steps=N` (the same name)", "max_steps"),
+    HfOption("per_device_train_batch_size", "pass a `DataLoader(dataset, batch_size=N, "
+             "shuffle=True)` as `train_data` (under torchrun, N per rank)"),
+    HfOption("per_device_eval_batch_size",
+             "pass a `DataLoader(dataset, batch_size=N)` as `eval_data`"),
+    HfOption("gradient_accumulation_steps", "`accumulate=N`; `accumulate_by=\"items\"` weighs "
+             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does",
+             "accumulate"),
+    HfOption("max_grad_norm", "`clip_grad_norm=...`", "clip_grad_norm"),
+    HfOption("learning_rate", _OPT + "`torch.optim.AdamW(model.parameters(), lr=...)`"),
+    HfOption("weight_decay", _OPT + "`torch.optim.AdamW(..., weight_decay=...)`"),
+    HfOption("adam_beta1", _OPT + "`torch.optim.AdamW(..., betas=(b1, b2))`"),
+    HfOption("adam_beta2", _OPT + "`torch.optim.AdamW(..., betas=(b1, b2))`"),
+    HfOption("adam_epsilon", _OPT + "`torch.optim.AdamW(..., eps=...)`"),
+    HfOption("optim", _OPT + "pass any `torch.optim.Optimizer` as `optimizer`"),
+    HfOption("lr_scheduler_type", "`scheduler=...`, e.g. `transformers."
+             "get_cosine_schedule_with_warmup(optimizer, warmup, total)` (stepped every "
+             "optimizer step)", "scheduler"),
+    HfOption("warmup_steps", "a scheduler with warmup as `scheduler=...`, e.g. `transformers."
+             "get_linear_schedule_with_warmup(optimizer, warmup_steps, total_steps)`",
+             "scheduler"),
+    HfOption("warmup_ratio", "a scheduler with warmup as `scheduler=...` (warmup steps = "
+             "ratio x total steps)", "scheduler", current=False),
+    HfOption("fp16", '`precision="fp16"` (CUDA)', "precision"),
+    HfOption("bf16", '`precision="bf16"`', "precision"),
+    HfOption("use_cpu", '`device="cpu"`', "device"),
+    HfOption("no_cuda", '`device="cpu"`', "device", current=False),
+    HfOption("seed", "`seed=N` (the same name)", "seed"),
+    HfOption("data_seed", "`seed=N` (also gives a shuffled DataLoader its data order)", "seed"),
+    HfOption("logging_steps", "`log_every=N`", "log_every"),
+    HfOption("logging_strategy", "`log_every=N` (steps); `MetricsLogged` every N steps",
+             "log_every"),
+    HfOption("logging_first_step", "subscribe to `StepEnded` (every step's loss, no device "
+             "read) or `MetricsLogged`"),
+    HfOption("logging_dir", "`callbacks=[TensorBoardLogger(log_dir)]`", current=False),
+    HfOption("report_to", "`callbacks=[TensorBoardLogger(...)]`, `MLflowLogger(...)`, "
+             "`WandbLogger(...)` or `JsonlEventLog(...)`", "callbacks"),
+    HfOption("disable_tqdm", "`progress=False`", "progress"),
+    HfOption("eval_strategy", '`eval_every=N` for `"steps"`, `eval_at_epoch_end=True` (the '
+             'default, with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`',
+             "eval_every"),
+    HfOption("evaluation_strategy", '`eval_every=N` for `"steps"`, `eval_at_epoch_end=True` '
+             '(the default, with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`',
+             "eval_every", current=False),
+    HfOption("eval_steps", "`eval_every=N`", "eval_every"),
+    HfOption("eval_on_start", "call `trainer.evaluate_sync()` before `fit_sync()`"),
+    HfOption("eval_accumulation_steps", "not needed: `predict()` copies each batch's outputs "
+             "to the host as it comes"),
+    HfOption("save_steps", _ckpt("every_steps=N"), "callbacks"),
+    HfOption("save_strategy", _ckpt("every_steps=N") + ' for `"steps"`, '
+             '`Checkpointing(every_epochs=1)` for `"epoch"`', "callbacks"),
+    HfOption("save_total_limit", _ckpt("keep_last=N"), "callbacks"),
+    HfOption("load_best_model_at_end", _ckpt('monitor="val_loss", load_best_at_end=True'),
+             "callbacks"),
+    HfOption("metric_for_best_model", _ckpt('monitor="val_<metric>"') + ", "
+             '`EarlyStopping(metric="val_<metric>")`', "callbacks"),
+    HfOption("greater_is_better", '`mode="max"` of `Checkpointing` / `EarlyStopping` in '
+             "`callbacks=[...]`", "callbacks"),
+    HfOption("early_stopping_patience", "`callbacks=[EarlyStopping(metric, patience=N)]`",
+             "callbacks", source="EarlyStoppingCallback"),
+    HfOption("resume_from_checkpoint", '`trainer.fit(resume="latest")` or `fit(resume=path)`'),
+    HfOption("dataloader_num_workers", "pass a `DataLoader(..., num_workers=N)`"),
+    HfOption("dataloader_drop_last", "pass a `DataLoader(..., drop_last=True)`"),
+    HfOption("dataloader_pin_memory", "pass a `DataLoader(..., pin_memory=True)`"),
+    HfOption("gradient_checkpointing", "`model.gradient_checkpointing_enable()` before "
+             "building the Trainer"),
+    HfOption("torch_compile", "`model = torch.compile(model)` before building the Trainer"),
+    HfOption("label_smoothing_factor", "`loss_fn=lambda out, y: F.cross_entropy(out, y, "
+             "label_smoothing=...)`", "loss_fn"),
+    HfOption("do_train", "call `trainer.fit_sync()`"),
+    HfOption("do_eval", "call `trainer.evaluate_sync()`, or give `eval_data`", "eval_data"),
+    HfOption("do_predict", "call `trainer.predict_sync(data)`"),
+    HfOption("local_rank", "run under `torchrun`: trainbus reads the rank from its variables"),
+    HfOption("args", "keyword options of `Trainer` itself, one per `TrainingArguments` field "
+             "you set (docs/migration.md)", source="Trainer"),
+    HfOption("train_dataset", "pass a `DataLoader` over it as `train_data` (the third "
+             "positional argument)", source="Trainer"),
+    HfOption("eval_dataset", "`eval_data=DataLoader(...)` (or a mapping of set names to "
+             "loaders)", "eval_data", source="Trainer"),
+    HfOption("data_collator", "pass a `DataLoader(..., collate_fn=...)`", source="Trainer"),
+    HfOption("compute_metrics", '`metrics={"acc": fn(outputs, targets)}` (averaged over '
+             'samples), or `set_metrics={"ppl": Perplexity()}` for a metric of the whole set',
+             "metrics", source="Trainer"),
+    HfOption("optimizers", "pass the optimizer as `optimizer` (second positional argument) and "
+             "`scheduler=...`", "scheduler", source="Trainer"),
+    HfOption("model_init", "build the model and pass it as `model`", source="Trainer"),
+    HfOption("processing_class", "not needed: tokenize in your dataset or collate_fn",
+             source="Trainer"),
+)
+# fmt: on
+"""Every Hugging Face name trainbus knows, with its trainbus equivalent."""
+
+_BY_NAME = {o.name: o for o in HF_OPTIONS}
+
+
+def hf_hint(name: str) -> str | None:
+    """What replaces the Hugging Face option ``name`` in trainbus (plain text), or None.
+
+    Args:
+        name: A keyword given to ``Trainer`` that is no trainbus option.
+
+    Returns:
+        ``"Hugging Face's TrainingArguments.<name>; in trainbus: <use>"``, or None when
+        ``name`` is no Hugging Face name this table has.
+    """
+    option = _BY_NAME.get(name)
+    if option is None:
+        return None
+    return f"that is Hugging Face's {option.source}.{name}; in trainbus: {option.plain_use}"
