@@ -417,13 +417,16 @@ class EventBus:
                 never waits for this one, whatever the policy.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
-            decides: True when ``fn`` sends commands decided on per-step events (``StepEnded``,
-                ``MetricsLogged``): the pipeline's schedules (``tbops.every(n)``, ``once(at=)``)
-                are declared to the step clock, and at those decision steps the loop waits for
-                ``fn`` (within ``barrier_timeout``) so its command lands on the step it was
-                decided for. False (default): a slow uploader or logger piped through
-                ``tbops.every(n)`` never makes training wait; its commands, if any, land at the
-                next poll point.
+            decides: True when ``fn`` sends commands that must land on the step they were
+                decided for: at every barrier that delivers it an item (a barrier event such
+                as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
+                for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
+                names it once it has held training for about half a second), and the
+                pipeline's schedules (``tbops.every(n)``, ``once(at=)``) are declared to the
+                step clock. False (default): ``fn`` never makes training wait at a barrier,
+                whatever events it receives (a poster of the metrics, an uploader, a logger);
+                its commands, if any, land at the next poll point. See docs/bus.md,
+                "Barriers".
             ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
@@ -456,7 +459,6 @@ class EventBus:
             policy=on_error,
             name=name,
             decides=decides,
-            per_step=wrapped.per_step,
         )
         if decides and wrapped.schedules:
             sub.hold(self._host.declare(wrapped.schedules))
