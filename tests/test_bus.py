@@ -714,11 +714,11 @@ async def test_a_barrier_waits_only_for_who_received_its_event_even_after_the_po
     step_event, make_event, wait_until
 ) -> None:
     """The poller may dispatch the barrier event before the loop's barrier call: the barrier
-    still waits for the subscribers that received it, and not for a busy one that did not."""
+    still waits for the deciders that received it, and not for a busy one that did not."""
     bus = EventBus(flush_interval=0.001)
     uploader, decider = Stalled(), Stalled()
     up = bus.subscribe_async(bus.stream(ev.StepEnded), uploader, name="uploader")
-    dec = bus.subscribe_async(bus.stream(ev.EpochEnded), decider, name="decider")
+    dec = bus.subscribe_async(bus.stream(ev.EpochEnded), decider, name="decider", decides=True)
     async with bus:
         publish_range(bus, step_event, 0, 3)
         await wait_until(lambda: up.statistics().in_flight == 1)  # busy, not done
