@@ -63,7 +63,7 @@ from .clock import At, DecisionStamp, Every, Schedule, StepClock
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .host import ChainHost
-from .lifecycle import Lifecycle
+from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .observable import BusObservable, CommandSink
 from .port import LoopPort
 from .pressure import Backpressure
@@ -92,11 +92,14 @@ class EventBus:
             when the loop thread gets the GIL on time). Default 0.02, measured best here.
         max_queue: Published events that may wait undelivered before ``publish`` makes its
             thread wait for the dispatcher; bounds memory when a ``"block"`` subscriber stalls.
-        close_timeout: Seconds closing waits for async subscribers to finish their buffers
-            before cancelling them (what was cancelled is counted, logged and reported as lost
-            work). Default None: closing waits as long as they take, with a
-            ``bus_close_waiting`` warning naming what is pending; :meth:`cancel_pending` ends
-            the wait.
+        close_timeout: Seconds closing (and a trainer call's end) waits for async subscribers
+            to finish their buffers before cancelling them (what was cancelled is counted,
+            logged and reported as lost work). Default :data:`DEFAULT_CLOSE_TIMEOUT` (300 s):
+            long enough for a real upload, short enough that a hung one cannot hold a job's
+            machines for hours. While it waits, a ``bus_close_waiting`` warning names what is
+            pending after 1 s and again every 30 s (every tenth of a shorter
+            ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
+            they take (still warning every 30 s).
         on_error: Default error policy of subscriptions made without one.
         scheduler: Scheduler handed to every subscription for time-based operators. Default: a
             new :class:`~trainbus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
@@ -129,7 +132,7 @@ class EventBus:
         *,
         flush_interval: float = 0.02,
         max_queue: int = 65_536,
-        close_timeout: float | None = None,
+        close_timeout: float | None = DEFAULT_CLOSE_TIMEOUT,
         on_error: ErrorPolicy = "log",
         scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
