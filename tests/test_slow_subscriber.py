@@ -361,3 +361,54 @@ def test_a_subscriber_that_never_returns_is_said_again_then_cancelled_and_report
     assert waited == sorted(waited) and len(set(waited)) == len(waited)
     # Every notice came before the cancel was reported.
     assert logs.index(notices[-1]) < logs.index(lost)
+
+
+def test_a_metrics_poster_over_http_never_holds_training_while_best_and_stopping_decide(
+    tmp_path: Path, service: Service
+) -> None:
+    """The HF-style job: a poster of ``MetricsLogged`` + ``EvaluationEnded`` (log_every=1) to a
+    real HTTP service that answers nothing before the run ends, beside ``Checkpointing``
+    choosing the best and ``EarlyStopping``, default barriers. The deciders decide at each
+    evaluation's own step; the poster, stuck for the whole run, never made training wait (a
+    loop waiting for it at a barrier would count ``barrier_timeout`` there)."""
+    from trainbus.callbacks import EarlyStopping
+
+    service.gate.clear()
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(20),
+                      loss_fn=F.cross_entropy, eval_data=tiny_loader(1, seed=1), eval_every=5,
+                      eval_at_epoch_end=False, max_epochs=1, log_every=1, device="cpu",
+                      checkpoint_dir=tmp_path / "ckpt", barrier_timeout=10, progress=False,
+                      handle_signals=False,
+                      callbacks=[Checkpointing(every_epochs=None, monitor="val_loss"),
+                                 EarlyStopping("val_loss", patience=2)])  # fmt: skip
+    bus = trainer.bus
+
+    async def post(e: ev.BaseEvent) -> None:
+        await anyio.to_thread.run_sync(_post, service.url, e.step)
+
+    bus.subscribe_async(bus.stream(ev.MetricsLogged, ev.EvaluationEnded), post, name="poster",
+                        concurrency=4)  # fmt: skip
+    evaluations: list[tuple[int, float]] = []
+    best: list[int] = []
+    bus.subscribe(bus.stream(ev.EvaluationEnded),
+                  lambda e: evaluations.append((e.step, e.metrics["val_loss"])))  # fmt: skip
+    bus.subscribe(bus.stream(ev.CheckpointSaved),
+                  lambda e: best.append(e.step) if e.tag == "best" else None)  # fmt: skip
+    bus.subscribe(bus.stream(ev.FitEnded), lambda e: service.gate.set())
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+
+    assert result.steps in (20, *(step for step, _ in evaluations))
+    # Every post arrived (the close waited for them), none while training ran.
+    assert len(service.arrived) == result.steps + len(evaluations) and result.lost == {}
+    # Training never waited for the poster, nor for anything else; nothing was said.
+    assert result.waited_s == {}
+    assert _events(logs, "barrier_timeout") == _events(logs, "training_waits_for_subscriber") == []
+    # The best checkpoint was written at each improving evaluation's own step.
+    improving, low = [], float("inf")
+    for step, loss in evaluations:
+        if loss < low:
+            improving.append(step)
+            low = loss
+    assert best == improving and best
