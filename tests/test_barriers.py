@@ -339,3 +339,22 @@ async def test_a_decider_is_waited_for_and_named_while_training_waits() -> None:
     assert warning["log_level"] == "warning" and warning["subscription"] == "judge"
     assert "decides=True" in warning["reason"] and "decides=False" in warning["remedies"]
     assert not [x for x in logs if x["event"] == "barrier_timeout"]
+
+
+@pytest.mark.asyncio
+async def test_short_waits_on_a_decider_add_up_to_one_warning() -> None:
+    """A decider answering each evaluation in 0.2 s: no single wait is long, but together they
+    hold training, and it is named once (not at every barrier)."""
+    trainer = make_trainer(eval_every=1)  # five evaluations, five barriers
+    bus = trainer.bus
+
+    async def judge(e: ev.EvaluationEnded) -> None:
+        await anyio.sleep(0.2)
+
+    bus.subscribe_async(bus.stream(ev.EvaluationEnded), judge, name="judge", decides=True)
+    with capture_logs() as logs:
+        result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
+    assert result.waited_s["judge"] >= 0.5  # five waits of about 0.2 s each
+    (warning,) = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+    assert warning["subscription"] == "judge"

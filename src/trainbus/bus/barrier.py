@@ -75,6 +75,7 @@ class Barrier:
         # A wait interrupted by a request: its targets and deadline, resumed by the next call.
         self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
         self._announced: set[int] = set()  # subscriptions named in a warning already
+        self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
 
     async def wait_delivered(
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
@@ -155,7 +156,7 @@ class Barrier:
                 await sub.wait_settled(target)
                 unsettled.discard(id(sub))
                 if account:
-                    sub.add_waited(anyio.current_time() - start)
+                    self._charge(sub, anyio.current_time() - start)
                 if not unsettled:
                     settled()
 
@@ -199,12 +200,12 @@ class Barrier:
             elapsed = anyio.current_time() - start
             for sub, _ in waiting:
                 if id(sub) in unsettled:
-                    sub.add_waited(elapsed)
+                    self._charge(sub, elapsed)
         if account:
             # Many short waits add up: named once they have cost training as much as one
             # long wait would have before its warning.
             for sub, _ in waiting:
-                if sub.waited_s >= _ANNOUNCE_AFTER:
+                if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
                     self._announce(sub)
         if status == "timeout":
             log.warning(
@@ -213,6 +214,10 @@ class Barrier:
                 waiting=[s.name for s, _ in targets],
             )
         return status
+
+    def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
+        sub.add_waited(seconds)  # what the user reads (back-pressure's waits included)
+        self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
 
     def _announce(self, sub: AsyncSubscription) -> None:
         if id(sub) not in self._announced:
