@@ -7,7 +7,8 @@ held-out data and replies ``{"path": ..., "accuracy": ..., "loss": ...}``. It ta
 
 ``bus.subscribe_async(bus.stream(ev.CheckpointSaved), ask_service, concurrency=2)`` runs
 ``ask_service`` in the bus' task group with at most two requests in flight. The training thread
-never waits for it: the script records the training step when each request went out and when
+never waits for it, not even at a barrier (only ``decides=True`` subscriptions hold training
+there): the script records the training step when each request went out and when
 its reply came back. When the run ends, the bus drains its async subscribers, so every
 checkpoint (the final one included) has its reply before ``fit()`` returns.
 
@@ -113,12 +114,6 @@ async def main() -> None:
             loss_fn=F.cross_entropy,
             max_steps=900,
             checkpoint_dir=Path(tmp),
-            # WORKAROUND, remove once trainbus is fixed: at a barrier (EpochEnded here) the
-            # loop currently waits for *every* async subscription that got an item in the same
-            # delivery, not only for the barrier event's subscribers, so a CheckpointSaved
-            # delivered together with an EpochEnded makes training wait for the service. This
-            # run makes no barrier decisions, so turning barriers off changes nothing else.
-            barriers=(),
         )
         bus = trainer.bus
         current_step = 0
@@ -160,9 +155,11 @@ async def main() -> None:
     assert all(x.reply["step"] == x.checkpoint_step for x in exchanges)
     stats = sub.statistics()
     assert stats.failed == stats.dropped == stats.cancelled == 0, stats
-    # ...and the training thread kept stepping while requests were out.
+    # ...and the training thread kept stepping while requests were out: ask_service does not
+    # decide (no decides=True), so no barrier (EpochEnded, the final one) waited for it.
     overlapped = [x for x in exchanges if x.step_at_reply > x.step_at_request]
     assert overlapped, exchanges
+    assert result.waited_s == {}, result.waited_s
     print(
         f"async eval service: {len(saved)} checkpoints, {len(exchanges)} replies before fit() "
         f"returned; training advanced during {len(overlapped)} of them (e.g. request at step "

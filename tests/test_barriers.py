@@ -1,11 +1,13 @@
-"""Barriers: where the loop waits for its subscribers, and where it never does.
+"""Barriers: where the loop waits for its subscribers, for whom, and where it never does.
 
 Every assertion is on the *order* in which things happened (one list, appended to on the
-event-loop thread by a recorder and by the subscribers), never on durations.
+event-loop thread by a recorder and by the subscribers) or on the seconds the bus counted as
+waited (``FitResult.waited_s``, zero for a loop that never waited), never on durations.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -84,7 +86,8 @@ async def test_the_loop_waits_at_a_barrier() -> None:
             await anyio.lowlevel.checkpoint()
         order.items.append((DONE, e.step))
 
-    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), slow, name="slow")
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), slow, name="slow",
+                                decides=True)  # fmt: skip
     result = await trainer.fit()
     assert result.reason == "completed" and result.steps == 5
     # The subscriber's side effect lands between the evaluation and the next step.
@@ -126,7 +129,8 @@ async def test_barrier_timeout_lets_the_loop_go_on_with_a_warning() -> None:
             await order.went_on.wait()
         order.items.append((DONE, e.step))
 
-    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), stuck, name="stuck")
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), stuck, name="stuck",
+                                decides=True)  # fmt: skip
     with capture_logs() as logs:
         result = await trainer.fit()
 
@@ -171,13 +175,12 @@ async def test_a_sync_subscriber_runs_before_the_loop_goes_on() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("barrier", [ev.StepEnded, ev.MetricsLogged])
 @pytest.mark.parametrize("decision_step", [False, True], ids=["plain", "decision"])
-async def test_an_async_subscriber_of_a_per_step_barrier_is_waited_for(
+async def test_an_async_decider_of_a_per_step_barrier_is_waited_for(
     barrier: type[ev.BaseEvent], decision_step: bool
 ) -> None:
-    """``barriers=(StepEnded,)`` (or ``MetricsLogged``) makes the loop wait for every async
-    subscription that received the event, not only for deciders: a stop it sends at step 3
-    is applied at step 3, also when step 3 is a declared decision step (whose own barrier
-    waits only for deciders)."""
+    """``barriers=(StepEnded,)`` (or ``MetricsLogged``) makes the loop wait for the async
+    deciders that received the event: a stop one sends at step 3 is applied at step 3, also
+    when step 3 is a declared decision step."""
     trainer = make_trainer(barriers=(barrier,), eval_data=None, eval_every=None, max_epochs=3)
     order = Order(trainer)
     if decision_step:
@@ -191,9 +194,167 @@ async def test_an_async_subscriber_of_a_per_step_barrier_is_waited_for(
             order.items.append((DONE, e.step))
             trainer.bus.send(cmd.StopTraining(reason="seen step 3"))
 
-    trainer.bus.subscribe_async(trainer.bus.stream(barrier), stopper, name="stopper")
+    trainer.bus.subscribe_async(trainer.bus.stream(barrier), stopper, name="stopper",
+                                decides=True)  # fmt: skip
     result = await trainer.fit()
     assert (result.reason, result.steps) == ("stopped", 3)
     order.assert_order((barrier.__name__, 3), (DONE, 3), ("CommandApplied", 3))
     assert ("StepEnded", 4) not in order.items
     assert waited_s(trainer, "stopper") > 0
+
+
+# ------------------------------------------------------------------ who is never waited for
+@pytest.mark.asyncio
+@pytest.mark.parametrize("barrier", [ev.EvaluationEnded, ev.StepEnded, ev.MetricsLogged])
+async def test_an_async_subscriber_that_does_not_decide_is_never_waited_for(
+    barrier: type[ev.BaseEvent],
+) -> None:
+    """Whatever barrier event it receives: it finishes only once the loop has gone past the
+    barrier (a loop that waited for it would reach the barrier's timeout, 30 s, first)."""
+    trainer = make_trainer(barriers=(barrier,), barrier_timeout=30)
+    order = Order(trainer)
+
+    async def slow(e: ev.BaseEvent) -> None:
+        if e.step == 3:
+            with anyio.move_on_after(30):
+                await order.went_on.wait()
+            order.items.append((DONE if order.went_on.is_set() else GAVE_UP, e.step))
+
+    trainer.bus.subscribe_async(trainer.bus.stream(barrier), slow, name="slow")
+    with capture_logs() as logs:
+        result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
+    order.assert_order((barrier.__name__, 3), ("StepEnded", 4), (DONE, 3))
+    assert "slow" not in result.waited_s
+    assert not [x for x in logs if x["event"] in ("barrier_timeout",
+                                                 "training_waits_for_subscriber")]  # fmt: skip
+
+
+POST_S = 0.1
+"""What a remote metrics service takes per request (an HTTP poster: ~100 ms)."""
+
+
+@pytest.mark.asyncio
+async def test_a_metrics_poster_never_holds_training_nor_hands_it_its_backlog() -> None:
+    """The poster of ``MetricsLogged`` + ``EvaluationEnded`` (log_every=1) receives every
+    barrier event; its backlog at each evaluation is several requests long. Training never
+    waits for it: the bus counts no wait at all, against the poster's seconds of work."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(12),
+                      loss_fn=F.cross_entropy, eval_data=tiny_loader(1, seed=1), eval_every=4,
+                      eval_at_epoch_end=False, max_epochs=1, log_every=1, device="cpu",
+                      handle_signals=False)  # fmt: skip
+    bus = trainer.bus
+    posted: list[str] = []
+    behind_at_barrier: list[int] = []
+
+    async def post(e: ev.BaseEvent) -> None:
+        await anyio.sleep(POST_S)  # the request
+        posted.append(type(e).__name__)
+
+    poster = bus.subscribe_async(bus.stream(ev.MetricsLogged, ev.EvaluationEnded), post,
+                                 name="poster")  # fmt: skip
+
+    def backlog(e: ev.EvaluationEnded) -> None:  # a sync subscriber: runs in the barrier
+        s = poster.statistics()
+        behind_at_barrier.append(s.received - s.completed - s.dropped)
+
+    bus.subscribe(bus.stream(ev.EvaluationEnded), backlog)
+    with capture_logs() as logs:
+        result = await trainer.fit()
+
+    assert result.reason == "completed" and result.steps == 12
+    # Everything was posted (the close waited for it), nothing lost...
+    assert posted.count("MetricsLogged") == 12
+    assert posted.count("EvaluationEnded") == len(behind_at_barrier) == 3  # steps 4, 8, 12
+    assert result.lost == {}
+    # ...the poster was behind at every barrier (the first already has 4 metrics + 1 eval)...
+    assert min(behind_at_barrier) >= 1
+    # ...and none of its 1.5 s of requests was training's: no wait counted, nothing said.
+    assert POST_S * len(posted) >= 1.5
+    assert result.waited_s == {}
+    assert not [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScoresPublished(ev.BaseEvent):
+    """A user's own event: the evaluation's metrics, re-published for a reporting service."""
+
+    scores: dict[str, float]
+
+
+@pytest.mark.asyncio
+async def test_metrics_republished_by_a_sync_subscriber_are_not_waited_for() -> None:
+    trainer = make_trainer()
+    bus = trainer.bus
+    order = Order(trainer)
+
+    def republish(e: ev.EvaluationEnded) -> None:
+        bus.publish(ScoresPublished(step=e.step, epoch=e.epoch, scores=dict(e.metrics)))
+
+    async def report(e: ScoresPublished) -> None:
+        # Finishes only once the loop went on: a loop that waited would hit the 60 s timeout.
+        with anyio.move_on_after(30):
+            await order.went_on.wait()
+        order.items.append((DONE if order.went_on.is_set() else GAVE_UP, e.step))
+
+    bus.subscribe(bus.stream(ev.EvaluationEnded), republish)
+    bus.subscribe_async(bus.stream(ScoresPublished), report, name="report")
+    result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
+    order.assert_order(("EvaluationEnded", 3), ("ScoresPublished", 3), ("StepEnded", 4),
+                       (DONE, 3))  # fmt: skip
+    assert result.waited_s == {}
+
+
+@pytest.mark.asyncio
+async def test_a_decider_is_waited_for_and_named_while_training_waits() -> None:
+    """A ``decides=True`` subscriber of ``EvaluationEnded`` holds training until it answers;
+    it answers only once the warning naming it was logged, so the warning came during the wait
+    (within about a second of it), not after."""
+    trainer = make_trainer(barrier_timeout=60)
+    bus = trainer.bus
+    order = Order(trainer)
+    with capture_logs() as logs:
+
+        def named() -> list[dict[str, Any]]:
+            return [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+
+        async def judge(e: ev.EvaluationEnded) -> None:
+            with anyio.fail_after(30):
+                while not named():  # noqa: ASYNC110 (a log line, not an event)
+                    await anyio.sleep(0.02)
+            order.items.append((DONE, e.step))
+            bus.send(cmd.StopTraining(reason="judged"))
+
+        bus.subscribe_async(bus.stream(ev.EvaluationEnded), judge, name="judge", decides=True)
+        result = await trainer.fit()
+
+    # Its decision landed on the evaluation's step: training waited for it.
+    assert (result.reason, result.steps) == ("stopped", 3)
+    order.assert_order(("EvaluationEnded", 3), (DONE, 3), ("CommandApplied", 3))
+    assert ("StepEnded", 4) not in order.items
+    assert result.waited_s["judge"] >= 0.5  # at least until the warning (0.5 s into the wait)
+    (warning,) = named()
+    assert warning["log_level"] == "warning" and warning["subscription"] == "judge"
+    assert "decides=True" in warning["reason"] and "decides=False" in warning["remedies"]
+    assert not [x for x in logs if x["event"] == "barrier_timeout"]
+
+
+@pytest.mark.asyncio
+async def test_short_waits_on_a_decider_add_up_to_one_warning() -> None:
+    """A decider answering each evaluation in 0.2 s: no single wait is long, but together they
+    hold training, and it is named once (not at every barrier)."""
+    trainer = make_trainer(eval_every=1)  # five evaluations, five barriers
+    bus = trainer.bus
+
+    async def judge(e: ev.EvaluationEnded) -> None:
+        await anyio.sleep(0.2)
+
+    bus.subscribe_async(bus.stream(ev.EvaluationEnded), judge, name="judge", decides=True)
+    with capture_logs() as logs:
+        result = await trainer.fit()
+    assert result.reason == "completed" and result.steps == 5
+    assert result.waited_s["judge"] >= 0.5  # five waits of about 0.2 s each
+    (warning,) = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+    assert warning["subscription"] == "judge"

@@ -327,7 +327,7 @@ async def test_request_from_a_barrier_subscriber_does_not_stall_the_barrier(tmp_
     async def on_epoch_ended(event: ev.EpochEnded) -> None:
         saved.append(await trainer.bus.request(cmd.SaveCheckpoint(tag=f"epoch{event.epoch}")))
 
-    trainer.bus.subscribe_async(trainer.bus.stream(ev.EpochEnded), on_epoch_ended)
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.EpochEnded), on_epoch_ended, decides=True)
     result = await trainer.fit()
     assert result.reason == "completed"
     assert [e.step for e in saved] == [2, 4]  # each applied right after its epoch

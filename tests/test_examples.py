@@ -106,6 +106,13 @@ def test_every_example_is_tested() -> None:
     assert on_disk == {c.script for c in CASES}
 
 
+def test_no_example_works_around_trainbus() -> None:
+    """Each example runs as shipped (nothing is patched before it runs), so what a user copies
+    is what was tested: none carries a workaround for a trainbus defect."""
+    for path in EXAMPLES.glob("*.py"):
+        assert "WORKAROUND" not in path.read_text(), path.name
+
+
 @pytest.mark.parametrize(
     "case",
     [pytest.param(c, marks=pytest.mark.timeout(c.timeout + 60)) for c in CASES],

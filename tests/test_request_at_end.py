@@ -1,5 +1,5 @@
 """A ``request()`` the loop can no longer apply raises ``BusClosedError`` at the call's end: it
-never holds ``fit()`` (close_timeout=None waits for async subscribers as long as they run)."""
+never holds ``fit()`` (whose end waits for async subscribers up to ``close_timeout``, 300 s)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """A Ctrl-C while a call's end waits for async subscribers cancels their pending work.
 
-By default the end of ``fit()`` waits as long as async subscribers take (``close_timeout=None``),
+By default the end of ``fit()`` waits up to ``close_timeout`` (300 s) for async subscribers,
 with a ``bus_close_waiting`` notice. A real subprocess runs a short fit whose async subscriber
 never finishes an item; once the notice is printed, the test sends SIGINT: the pending items
 are cancelled, counted as lost work in ``FitResult.lost``, and the process ends normally.

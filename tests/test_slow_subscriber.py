@@ -236,8 +236,8 @@ def test_close_waits_for_every_post_by_default_and_says_so(
     assert service.arrived == list(range(20, STEPS + 1, 20))  # every post arrived
     # The end of the run waited at the close, not at the last barrier nor the final save.
     assert "poster" not in result.waited_s
-    (notice,) = _events(logs, "bus_close_waiting")
-    assert notice["log_level"] == "warning" and notice["close_timeout"] is None
+    (notice,) = _events(logs, "bus_close_waiting")  # the next would come 30 s later
+    assert notice["log_level"] == "warning" and notice["close_timeout"] == 300.0
     # Said once the wait lasted 1 s: what was still pending then (each post takes 200 ms).
     assert set(notice["pending"]) == {"poster"} and 0 < notice["pending"]["poster"] <= POSTS
 
@@ -306,3 +306,109 @@ def test_on_lost_is_checked_up_front(value: Any) -> None:
     with pytest.raises(ConfigError, match=r"^on_lost="):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
                 loss_fn=F.cross_entropy, max_steps=1, on_lost=value)  # fmt: skip
+
+
+# ------------------------------------------------------------------ a bounded end
+def test_the_end_of_a_call_waits_a_bounded_time_by_default() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
+                      loss_fn=F.cross_entropy, max_steps=1)  # fmt: skip
+    assert trainer.bus.close_timeout == EventBus().close_timeout == 300.0
+
+
+@pytest.mark.parametrize("on_lost", ["warn", "raise"])
+def test_a_subscriber_that_never_returns_is_said_again_then_cancelled_and_reported(
+    on_lost: str,
+) -> None:
+    """An upload awaiting a call that never returns (an HTTP client without a timeout): the
+    end of ``fit()`` says what it waits for, again and again while it waits, cancels it at
+    ``close_timeout`` and reports it; ``on_lost="raise"`` fails the run."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
+                      loss_fn=F.cross_entropy, max_epochs=1, device="cpu", progress=False,
+                      handle_signals=False, close_timeout=0.6, on_lost=on_lost)  # fmt: skip
+    started: list[int] = []
+    never = anyio.Event()  # never set
+
+    async def upload(e: ev.StepEnded) -> None:
+        started.append(e.step)
+        await never.wait()
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), upload, name="upload",
+                                buffer=8)  # fmt: skip
+    with capture_logs() as logs:
+        if on_lost == "raise":
+            with pytest.raises(LostWorkError, match=r"upload: 0 dropped, 4 cancelled, 0 failed"):
+                trainer.fit_sync()
+        else:
+            trainer.fit_sync()
+    result = trainer.result
+    assert result is not None and result.reason == "completed" and result.steps == 4
+    # Training never waited for it; the end of the call did, then cancelled it: the item in
+    # flight and the three behind it.
+    assert started == [1] and "upload" not in result.waited_s
+    assert result.lost == {"upload": LostWork(cancelled=4)} and result.lost_work == 4
+    (lost,) = _events(logs, "bus_closed_with_lost_work")
+    assert lost["lost"]["upload"] == {"dropped": 0, "cancelled": 4, "failed": 0}
+    # Said more than once while it waited (every tenth of close_timeout), each time naming
+    # what was pending, how long it had waited and that it would cancel.
+    notices = _events(logs, "bus_close_waiting")
+    assert len(notices) >= 2, notices
+    for notice in notices:
+        assert notice["log_level"] == "warning" and notice["pending"] == {"upload": 4}
+        assert notice["close_timeout"] == 0.6 and "then cancelling" in notice["action"]
+    waited = [notice["waited_s"] for notice in notices]
+    assert waited == sorted(waited) and len(set(waited)) == len(waited)
+    # Every notice came before the cancel was reported.
+    assert logs.index(notices[-1]) < logs.index(lost)
+
+
+def test_a_metrics_poster_over_http_never_holds_training_while_best_and_stopping_decide(
+    tmp_path: Path, service: Service
+) -> None:
+    """The HF-style job: a poster of ``MetricsLogged`` + ``EvaluationEnded`` (log_every=1) to a
+    real HTTP service that answers nothing before the run ends, beside ``Checkpointing``
+    choosing the best and ``EarlyStopping``, default barriers. The deciders decide at each
+    evaluation's own step; the poster, stuck for the whole run, never made training wait (a
+    loop waiting for it at a barrier would count ``barrier_timeout`` there)."""
+    from trainbus.callbacks import EarlyStopping
+
+    service.gate.clear()
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(20),
+                      loss_fn=F.cross_entropy, eval_data=tiny_loader(1, seed=1), eval_every=5,
+                      eval_at_epoch_end=False, max_epochs=1, log_every=1, device="cpu",
+                      checkpoint_dir=tmp_path / "ckpt", barrier_timeout=10, progress=False,
+                      handle_signals=False,
+                      callbacks=[Checkpointing(every_epochs=None, monitor="val_loss"),
+                                 EarlyStopping("val_loss", patience=2)])  # fmt: skip
+    bus = trainer.bus
+
+    async def post(e: ev.BaseEvent) -> None:
+        await anyio.to_thread.run_sync(_post, service.url, e.step)
+
+    bus.subscribe_async(bus.stream(ev.MetricsLogged, ev.EvaluationEnded), post, name="poster",
+                        concurrency=4)  # fmt: skip
+    evaluations: list[tuple[int, float]] = []
+    best: list[int] = []
+    bus.subscribe(bus.stream(ev.EvaluationEnded),
+                  lambda e: evaluations.append((e.step, e.metrics["val_loss"])))  # fmt: skip
+    bus.subscribe(bus.stream(ev.CheckpointSaved),
+                  lambda e: best.append(e.step) if e.tag == "best" else None)  # fmt: skip
+    bus.subscribe(bus.stream(ev.FitEnded), lambda e: service.gate.set())
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+
+    assert result.steps in (20, *(step for step, _ in evaluations))
+    # Every post arrived (the close waited for them), none while training ran.
+    assert len(service.arrived) == result.steps + len(evaluations) and result.lost == {}
+    # Training never waited for the poster, nor for anything else; nothing was said.
+    assert result.waited_s == {}
+    assert _events(logs, "barrier_timeout") == _events(logs, "training_waits_for_subscriber") == []
+    # The best checkpoint was written at each improving evaluation's own step.
+    improving, low = [], float("inf")
+    for step, loss in evaluations:
+        if loss < low:
+            improving.append(step)
+            low = loss
+    assert best == improving and best

@@ -159,7 +159,7 @@ async def test_stop_training_at_an_evaluation_barrier_is_deterministic() -> None
             if e.step == 4:
                 bus.send(cmd.StopTraining(reason="plateau"))
 
-        bus.subscribe_async(bus.stream(ev.EvaluationEnded), decide)
+        bus.subscribe_async(bus.stream(ev.EvaluationEnded), decide, decides=True)
         result = await trainer.fit()
 
         end = assert_well_formed(recorder.items)
@@ -344,7 +344,7 @@ async def test_cancel_while_waiting_at_a_barrier_reports_cancelled() -> None:
     async def slow(e: ev.EvaluationEnded) -> None:
         await anyio.sleep(0.5)
 
-    bus.subscribe_async(bus.stream(ev.EvaluationEnded), slow)
+    bus.subscribe_async(bus.stream(ev.EvaluationEnded), slow, decides=True)  # the loop waits
     with anyio.CancelScope() as scope:
         bus.subscribe(bus.stream(ev.EvaluationEnded), lambda e: scope.cancel())
         try:

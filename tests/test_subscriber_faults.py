@@ -70,7 +70,10 @@ def _attach(trainer: Trainer, fault: str) -> None:
         case "slow_sync":
             bus.subscribe(bus.stream(ev.StepEnded, ev.EpochEnded), slow, name="fault")
         case "slow_async":
-            bus.subscribe_async(bus.stream(ev.StepEnded, ev.EpochEnded), aslow, name="fault")
+            # A buffer for the whole run: no barrier drains its backlog (it does not decide),
+            # so with the default 64 a loaded machine would drop (and report) some of it.
+            bus.subscribe_async(bus.stream(ev.StepEnded, ev.EpochEnded), aslow, name="fault",
+                                buffer=STEPS + 2)  # fmt: skip
         case _:
             raise AssertionError(fault)
 
@@ -116,13 +119,13 @@ def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(
         assert sub.completed == 0 and result.subscriber_failures == {}
         assert sub.dropped > 0  # the buffer policy dropped what the hung worker never took
         assert result.lost == {"fault": sub.lost} and result.lost_work == sub.lost.total
-        # A dropping policy never holds training: only the two EpochEnded barriers (it takes
-        # every event, barrier events included) waited for it, each within barrier_timeout.
-        assert 0 < result.waited_s["fault"] < 2 * 0.5 + 0.5
+        # A dropping policy never holds training, nor does any barrier: it takes every event,
+        # barrier events included, but does not decide (decides=False).
+        assert "fault" not in result.waited_s
     else:
         assert sub.failed == sub.cancelled == sub.dropped == 0
         assert sub.completed == sub.received == STEPS + 2  # every StepEnded and EpochEnded
-        assert result.subscriber_failures == {}
+        assert result.subscriber_failures == {} and "fault" not in result.waited_s
 
 
 def test_a_hung_block_subscriber_holds_training_says_so_and_a_stop_still_ends_the_run(

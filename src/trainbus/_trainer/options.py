@@ -415,10 +415,13 @@ class TrainerOptions(TypedDict, total=False):
             BusDefault.DEFAULT,
             checks.as_given,
             "Seconds the end of ``fit()`` waits for async subscribers' pending work before "
-            "cancelling it (counted in ``FitResult.lost``). None (the default): wait as long as "
-            "it takes, with a ``bus_close_waiting`` warning naming what is pending and for "
-            "whom. The new bus' option (:class:`EventBus`); with ``bus=`` set it there.",
-            shown="the bus': `None`",
+            "cancelling it (counted in ``FitResult.lost``; ``on_lost='raise'`` fails the run). "
+            "Default 300: long enough for a real upload, short enough that a hung one cannot "
+            "hold the job for hours. A ``bus_close_waiting`` warning names what is pending "
+            "after 1 s and again every 30 s (every tenth of a shorter timeout). None: wait as "
+            "long as it takes. The new bus' option (:class:`EventBus`); with ``bus=`` set it "
+            "there.",
+            shown="the bus': `300.0`",
         ),
     ]
     on_lost: Annotated[

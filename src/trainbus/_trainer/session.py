@@ -91,9 +91,9 @@ class BusSession:
         event loop. Safe from a signal handler (sets a flag)."""
         self._interrupted = True
 
-    def barrier(self, event: ev.BaseEvent | None, resume: bool, deciders_only: bool) -> str:
-        """Called on the training thread at a barrier event: wait for its subscribers (only
-        its deciders at a decision step's own barrier, ``deciders_only``).
+    def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
+        """Called on the training thread at a barrier event: wait for its deciders (the
+        ``decides=True`` async subscriptions that received it).
 
         Returns:
             The bus' barrier status.
@@ -107,7 +107,7 @@ class BusSession:
             return "done"
         try:
             status: str = anyio.from_thread.run(self._port.wait_barrier, self._timeout, event,
-                                                resume, deciders_only)  # fmt: skip
+                                                resume)  # fmt: skip
         except self._cancelled_exc as exc:
             # A cancellation, not a failure.
             raise Cancelled from exc

@@ -63,7 +63,7 @@ from .clock import At, DecisionStamp, Every, Schedule, StepClock
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .host import ChainHost
-from .lifecycle import Lifecycle
+from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .observable import BusObservable, CommandSink
 from .port import LoopPort
 from .pressure import Backpressure
@@ -92,11 +92,14 @@ class EventBus:
             when the loop thread gets the GIL on time). Default 0.02, measured best here.
         max_queue: Published events that may wait undelivered before ``publish`` makes its
             thread wait for the dispatcher; bounds memory when a ``"block"`` subscriber stalls.
-        close_timeout: Seconds closing waits for async subscribers to finish their buffers
-            before cancelling them (what was cancelled is counted, logged and reported as lost
-            work). Default None: closing waits as long as they take, with a
-            ``bus_close_waiting`` warning naming what is pending; :meth:`cancel_pending` ends
-            the wait.
+        close_timeout: Seconds closing (and a trainer call's end) waits for async subscribers
+            to finish their buffers before cancelling them (what was cancelled is counted,
+            logged and reported as lost work). Default :data:`DEFAULT_CLOSE_TIMEOUT` (300 s):
+            long enough for a real upload, short enough that a hung one cannot hold a job's
+            machines for hours. While it waits, a ``bus_close_waiting`` warning names what is
+            pending after 1 s and again every 30 s (every tenth of a shorter
+            ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
+            they take (still warning every 30 s).
         on_error: Default error policy of subscriptions made without one.
         scheduler: Scheduler handed to every subscription for time-based operators. Default: a
             new :class:`~trainbus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
@@ -129,7 +132,7 @@ class EventBus:
         *,
         flush_interval: float = 0.02,
         max_queue: int = 65_536,
-        close_timeout: float | None = None,
+        close_timeout: float | None = DEFAULT_CLOSE_TIMEOUT,
         on_error: ErrorPolicy = "log",
         scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
@@ -417,13 +420,16 @@ class EventBus:
                 never waits for this one, whatever the policy.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
-            decides: True when ``fn`` sends commands decided on per-step events (``StepEnded``,
-                ``MetricsLogged``): the pipeline's schedules (``tbops.every(n)``, ``once(at=)``)
-                are declared to the step clock, and at those decision steps the loop waits for
-                ``fn`` (within ``barrier_timeout``) so its command lands on the step it was
-                decided for. False (default): a slow uploader or logger piped through
-                ``tbops.every(n)`` never makes training wait; its commands, if any, land at the
-                next poll point.
+            decides: True when ``fn`` sends commands that must land on the step they were
+                decided for: at every barrier that delivers it an item (a barrier event such
+                as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
+                for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
+                names it once it has held training for about half a second), and the
+                pipeline's schedules (``tbops.every(n)``, ``once(at=)``) are declared to the
+                step clock. False (default): ``fn`` never makes training wait at a barrier,
+                whatever events it receives (a poster of the metrics, an uploader, a logger);
+                its commands, if any, land at the next poll point. See docs/bus.md,
+                "Barriers".
             ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
@@ -456,7 +462,6 @@ class EventBus:
             policy=on_error,
             name=name,
             decides=decides,
-            per_step=wrapped.per_step,
         )
         if decides and wrapped.schedules:
             sub.hold(self._host.declare(wrapped.schedules))

@@ -65,7 +65,6 @@ class AsyncSubscription(Subscription):
         backpressure: Backpressure,
         decides: bool = False,
         spent: Spent | None = None,
-        per_step: bool = True,
         stamp: DecisionStamp | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
@@ -74,11 +73,9 @@ class AsyncSubscription(Subscription):
         # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
         self._spent = Spent(maxlen=0) if spent is None else spent
         self.decides = decides
-        """Whether it may send commands decided on per-step events: the step clock declares its
-        schedules and a decision step's barrier waits for it (see ``EventBus.subscribe_async``)."""
-        self.per_step = per_step
-        """Whether its stream can carry per-step events (``StepEnded``, ``MetricsLogged``): the
-        run's last barrier waits only for deciders and for subscriptions of rarer events."""
+        """Whether its commands must land on the step they were decided for: the step clock
+        declares its schedules, and every barrier that delivers it an item waits for it; no
+        other async subscription is ever waited for (see ``EventBus.subscribe_async``)."""
         self.concurrency = concurrency
         self.capacity = buffer
         self.overflow = overflow

@@ -1,16 +1,23 @@
-"""Barriers: deliver now, then wait for the async subscribers of one event.
+"""Barriers: deliver now, then wait for the deciders among the async subscribers of one event.
 
 The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
-``EpochEnded`` by default) so a decision made on that event is applied before the next step.
-A ``request()`` arriving meanwhile interrupts the wait, so the loop can apply it first.
+``EpochEnded`` by default, or ``Trainer(barriers=...)``), at the decision steps of the step
+clock (their ``StepEnded``) and once after the last step (no event), so that a decision made
+there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
+so the loop can apply it first.
 
-Who is waited for: at a barrier event (one of ``Trainer(barriers=...)``, ``StepEnded`` and
-``MetricsLogged`` included), the async subscriptions that received it; at a decision step's own
-barrier (``deciders_only``: its ``StepEnded`` when that is not a barrier event), only those made
-with ``decides=True``; at the run's last barrier (no event), the deciders and the subscriptions
-of rarer events, never one that merely receives per-step events. Delivery itself never waits (a
-full ``"block"`` buffer pushes back on the training loop instead, see ``pressure.py``). The
-seconds the loop waits are added to each waited-for subscription's ``waited_s``.
+Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber
+of what was queued runs during the delivery, as always; of the async subscriptions, only those
+made with ``decides=True`` (``Callback.decides``) that received the event, or an event derived
+from it in the same dispatch (at the last barrier: anything delivered then), and only until
+they finished what they had received by then. Any other async subscription (a poster of the
+metrics, an uploader, a logger) is never waited for, whatever events it receives: its backlog
+stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself never
+waits (a full ``"block"`` buffer pushes back on the training loop instead, see ``pressure.py``).
+The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
+subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
+``training_waits_for_subscriber`` warning names it (:func:`~.pressure.announce_wait`, as for a
+full ``"block"`` buffer), during the wait that crosses it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from .. import events as ev
 from .._log import get_logger
 from .async_subscription import AsyncSubscription
 from .channel import CommandChannel
+from .pressure import announce_wait
 from .queue import PublishQueue
 from .registry import SubscriptionSet
 from .tasks import TaskSet
@@ -32,6 +40,21 @@ __all__ = ["Barrier", "BarrierStatus"]
 log = get_logger(__name__)
 
 BarrierStatus = Literal["done", "timeout", "request"]
+
+_ANNOUNCE_AFTER = 0.5
+"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it:
+a decider that answers within milliseconds is not worth a line; one that holds training is
+named within about a second of the wait that makes it so."""
+_REASON = (
+    "it was made with decides=True and received this barrier's event: training waits until "
+    "it has finished what it received, so that its commands apply before the next step"
+)
+_REMEDIES = (
+    "decides=False (the default) when its commands need not land on this step (an async "
+    "subscriber that only posts, uploads or logs never holds training); a faster fn; "
+    "Trainer(barrier_timeout=...) bounds each wait; Trainer(barriers=...) names the events "
+    "the loop waits at"
+)
 
 
 class Barrier:
@@ -51,6 +74,8 @@ class Barrier:
         self._channel = channel
         # A wait interrupted by a request: its targets and deadline, resumed by the next call.
         self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
+        self._announced: set[int] = set()  # subscriptions named in a warning already
+        self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
 
     async def wait_delivered(
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
@@ -131,7 +156,7 @@ class Barrier:
                 await sub.wait_settled(target)
                 unsettled.discard(id(sub))
                 if account:
-                    sub.add_waited(anyio.current_time() - start)
+                    self._charge(sub, anyio.current_time() - start)
                 if not unsettled:
                     settled()
 
@@ -152,6 +177,14 @@ class Barrier:
                 await anyio.sleep(seconds)
                 tasks.stop()  # status stays "timeout"
 
+            async def announce() -> None:
+                # Said while training waits, not after: a decider stuck for minutes is named
+                # within about a second. Ends with the wait (its own scope, tasks.py).
+                await anyio.sleep(_ANNOUNCE_AFTER)
+                for sub, _ in waiting:
+                    if id(sub) in unsettled:
+                        self._announce(sub)
+
             if not waiting:
                 settled()
             for sub, target in waiting:
@@ -160,12 +193,20 @@ class Barrier:
                 tasks.start_soon(interrupted)
             if timeout is not None:
                 tasks.start_soon(timer, timeout)
+            if account and waiting and not tasks.stopped:
+                tasks.start_soon(announce)
         self._channel.disarm_wake()
         if account and unsettled:  # timed out or interrupted: charged up to now
             elapsed = anyio.current_time() - start
             for sub, _ in waiting:
                 if id(sub) in unsettled:
-                    sub.add_waited(elapsed)
+                    self._charge(sub, elapsed)
+        if account:
+            # Many short waits add up: named once they have cost training as much as one
+            # long wait would have before its warning.
+            for sub, _ in waiting:
+                if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
+                    self._announce(sub)
         if status == "timeout":
             log.warning(
                 "barrier_timeout",
@@ -174,15 +215,23 @@ class Barrier:
             )
         return status
 
-    async def wait_barrier(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool, deciders_only: bool = False
-    ) -> BarrierStatus:
-        """The loop's barrier: deliver, then wait for the barrier event's async subscribers
-        until they finish (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives
-        (``"request"``: the loop applies it, then resumes the same wait with ``resume=True``).
+    def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
+        sub.add_waited(seconds)  # what the user reads (back-pressure's waits included)
+        self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
 
-        ``deciders_only``: a decision step's barrier on an event that is not a barrier event
-        waits only for the subscriptions made with ``decides=True`` that received it.
+    def _announce(self, sub: AsyncSubscription) -> None:
+        if id(sub) not in self._announced:
+            self._announced.add(id(sub))
+            announce_wait(sub, reason=_REASON, remedies=_REMEDIES)
+
+    async def wait_barrier(
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool
+    ) -> BarrierStatus:
+        """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
+        that received the event (None: anything delivered now) until they finish
+        (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives (``"request"``:
+        the loop applies it, then resumes the same wait with ``resume=True``). No other async
+        subscription is waited for.
         """
         if resume and self._pending is not None:
             targets, deadline = self._pending
@@ -194,15 +243,10 @@ class Barrier:
             if scope.cancelled_caught:
                 log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
                 return "timeout"
-            if event is None:
-                # The run's last barrier: deciders, and subscribers of rarer events (whose
-                # commands, e.g. an evaluation job's, the run still applies). One that only
-                # follows per-step events is not waited for here; the bus' close waits for it.
-                targets = [(s, n) for s, n in targets if s.decides or not s.per_step]
-            elif deciders_only:
-                # A decision step: wait for the async deciders only, never for a slow uploader
-                # or logger that merely receives every n-th StepEnded.
-                targets = [(s, n) for s, n in targets if s.decides]
+            # Only the deciders: a poster, uploader or logger that received the event (or one
+            # derived from it, e.g. metrics a sync subscriber re-published) never holds
+            # training, and its backlog stays its own; the bus' close waits for it.
+            targets = [(s, n) for s, n in targets if s.decides]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"

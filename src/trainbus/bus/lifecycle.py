@@ -3,9 +3,10 @@
 Opening starts the bus' task group: the scheduler's timer task (when the bus made its own
 scheduler), the async subscribers' workers and the poller that drains the queue every
 ``flush_interval``. Closing delivers every event published before the close, completes every
-stream (so buffering operators emit what they hold), waits for async subscribers (with a
-notice naming what is pending and for whom; for ever unless ``close_timeout`` is set, or until
-``EventBus.cancel_pending()``), cancels what is left and reports every lost item.
+stream (so buffering operators emit what they hold), waits for async subscribers (at most
+``close_timeout``, 300 s by default, or until ``EventBus.cancel_pending()``; a
+``bus_close_waiting`` warning names what is pending and for whom after a second, and again
+while the wait goes on), cancels what is left and reports every lost item.
 
 Between the two a bus may *suspend*: a trainer call that found the bus not running opened it
 for itself, and at its end the bus delivers what the call published, fires the timers that
@@ -37,20 +38,32 @@ from .statistics import BusStatistics, LostWork
 from .tasks import TaskSet
 from .watchdog import Watchdog
 
-__all__ = ["Lifecycle", "State"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle", "State"]
 
 log = get_logger(__name__)
 
 State = Literal["new", "running", "suspended", "closing", "closed"]
 
+DEFAULT_CLOSE_TIMEOUT = 300.0
+"""Seconds a close or a call's end waits for pending async work by default. Long enough for a
+real upload at the end of a run (a few GB of checkpoint to object storage, a last batch of
+metrics to a tracking service, an evaluation job on the final checkpoint); short enough that
+an ``async def`` subscriber awaiting a call that never returns (an HTTP client without a
+timeout) holds an unattended job's machines for minutes, not hours. Past it the work is
+cancelled and reported as lost (``FitResult.lost``; ``on_lost="raise"`` fails the run)."""
+
 _IDLE_TICKS = 3
 """Empty flush intervals after which the poller parks until the next publish."""
 _PARK_BACKSTOP = 1.0
+"""Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 _CANCEL_POLL = 0.1
 """Seconds between two looks at a cancel request while a call's end or a close waits."""
 _NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
-"""Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
+_NOTICE_EVERY = 30.0
+"""Seconds between two ``bus_close_waiting`` warnings of one wait, at most: a wait that lasts
+minutes says so in every screenful of a job's log. With a ``close_timeout`` under 300 s the
+warning repeats every tenth of it (a short timeout is watched closely)."""
 
 
 class Lifecycle:
@@ -60,8 +73,8 @@ class Lifecycle:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
         own_scheduler: The scheduler to run in the task group (the bus made it), or None.
         flush_interval: Seconds between two drains of the queue.
-        close_timeout: Seconds closing waits for async subscribers before cancelling them
-            (None: as long as they take).
+        close_timeout: Seconds closing (or a call's end) waits for async subscribers before
+            cancelling them (None: as long as they take).
         watchdog: Watches the event-loop thread while the bus runs (started at open, stopped
             and joined at close), or None.
     """
@@ -239,11 +252,18 @@ class Lifecycle:
                 await anyio.sleep(_CANCEL_POLL)
             self.cancel_pending()
 
+        start = anyio.current_time()
+        every = self._notice_every()
+
         async def notice() -> None:
             # Only a wait that lasts is announced: most calls' ends find the async subscribers
-            # done within a few milliseconds, and say nothing.
-            await anyio.sleep(_NOTICE_AFTER)
-            self._announce_wait()
+            # done within a few milliseconds, and say nothing. One that lasts says so again
+            # and again: a job stuck on a hung service is visible in its log's last lines.
+            await anyio.sleep(min(_NOTICE_AFTER, every))
+            while True:
+                now = anyio.current_time()
+                self._announce_wait(waited_s=now - start, left_s=deadline - now)
+                await anyio.sleep(every)
 
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
@@ -271,19 +291,25 @@ class Lifecycle:
         return pending
 
     def _deadline(self) -> float:
+        # None: as long as they take (opted into; the default is DEFAULT_CLOSE_TIMEOUT).
         timeout = self._close_timeout
         return anyio.current_time() + (math.inf if timeout is None else timeout)
 
-    def _announce_wait(self) -> None:
+    def _notice_every(self) -> float:
+        timeout = self._close_timeout
+        return _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
+
+    def _announce_wait(self, *, waited_s: float, left_s: float) -> None:
         pending = self._subscriptions.pending()
         if pending:
             # Visible: an end of a call that waits for a slow service is not a hang.
             timeout = self._close_timeout
             log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
+                        waited_s=round(waited_s, 3),
                         action="waiting for them" if timeout is None else
-                        f"waiting up to {timeout:g} s, then cancelling",
-                        hint="EventBus.cancel_pending() cancels them now (counted as lost "
-                        "work); Trainer(close_timeout=...) bounds the wait")  # fmt: skip
+                        f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
+                        hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
+                        "as lost work; Trainer(close_timeout=...) bounds the wait")  # fmt: skip
 
     def _report_lost(self) -> None:
         """Name what the subscribers lost since the last report (a call's end, or the close):

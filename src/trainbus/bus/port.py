@@ -146,7 +146,7 @@ class LoopPort:
         return self._channel.withdraw(match)
 
     async def wait_barrier(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool, deciders_only: bool = False
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool
     ) -> BarrierStatus:
         """The loop's barrier, on the event-loop thread (see :meth:`Barrier.wait_barrier`).
 
@@ -154,7 +154,7 @@ class LoopPort:
             ``"done"``, ``"timeout"``, or ``"request"`` (apply it, then call again with
             ``resume=True``).
         """
-        return await self._barrier.wait_barrier(timeout, event, resume, deciders_only)
+        return await self._barrier.wait_barrier(timeout, event, resume)
 
     def request_cancel_pending(self) -> None:
         """Ask a call's end or a close that waits for async subscribers to cancel their

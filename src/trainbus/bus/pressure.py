@@ -12,7 +12,9 @@ publishes.
 
 The first time the training thread waits on a subscription, a warning names it, with how fast
 it finishes items against how fast they come, and the remedies. Every second waited is counted
-per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``).
+per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``). The barrier
+(``barrier.py``), the other place training may wait on a subscriber, says so through the same
+:func:`announce_wait`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Protocol
 from .._log import get_logger
 from .doorbell import Doorbell
 
-__all__ = ["Backpressure", "Holder"]
+__all__ = ["Backpressure", "Holder", "announce_wait"]
 
 log = get_logger(__name__)
 
@@ -49,6 +51,27 @@ class Holder(Protocol):
 
     def rates(self) -> tuple[float, float]:
         """(items finished per second, items received per second) since its first item."""
+
+
+def announce_wait(sub: Holder, *, reason: str, remedies: str) -> None:
+    """Say that the training thread waits on ``sub`` (the ``training_waits_for_subscriber``
+    warning), with how fast it finishes items against how fast they come. Its callers say it
+    once per subscription: the first wait that matters.
+
+    Args:
+        sub: The subscription training waits on.
+        reason: Why training waits on it.
+        remedies: What the user can change so that it does not.
+    """
+    done_rate, in_rate = sub.rates()
+    log.warning(
+        "training_waits_for_subscriber",
+        subscription=sub.name,
+        rate_per_s=round(done_rate, 3),
+        events_per_s=round(in_rate, 3),
+        reason=reason,
+        remedies=remedies,
+    )
 
 
 class Backpressure:
@@ -130,12 +153,8 @@ class Backpressure:
 
     @staticmethod
     def _warn(sub: Holder) -> None:
-        done_rate, in_rate = sub.rates()
-        log.warning(
-            "training_waits_for_subscriber",
-            subscription=sub.name,
-            rate_per_s=round(done_rate, 3),
-            events_per_s=round(in_rate, 3),
+        announce_wait(
+            sub,
             reason="its overflow='block' buffer is full: training goes at its pace so that "
             "nothing is dropped",
             remedies=REMEDIES,

@@ -150,7 +150,6 @@ class SubscriptionSet:
         policy: ErrorPolicy | None,
         name: str | None,
         decides: bool = False,
-        per_step: bool = True,
     ) -> AsyncSubscription:
         """Validate and add an async subscription; ``connect`` subscribes its feeder upstream.
 
@@ -172,7 +171,6 @@ class SubscriptionSet:
             backpressure=self.backpressure,
             spent=self._spent,
             decides=decides,
-            per_step=per_step,
             stamp=self._stamp,
         )
         if self._tasks is not None:

@@ -162,8 +162,10 @@ class Callback:
     buffer: ClassVar[int | None] = None
     concurrency: ClassVar[int] = 1
     decides: ClassVar[bool] = False
-    """Set True when an ``async def on_*`` method sends commands decided on per-step events:
-    a decision step's barrier then waits for it (``EventBus.subscribe_async(decides=)``)."""
+    """Set True when an ``async def on_*`` method sends commands that must land on the step
+    they were decided for: every barrier that delivers it an event then waits for it
+    (``EventBus.subscribe_async(decides=)``, docs/bus.md "Barriers"). False (default): its
+    async methods never hold training."""
     state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
     publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()

@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["BarrierWait", "CommandHandler"]
 
-BarrierWait = Callable[[ev.BaseEvent | None, bool, bool], str]
-"""``wait(event, resume, deciders_only) -> status``: waits on the event-loop thread until the
-barrier event (None: the end of the run) was delivered and its subscribers finished (only the
-``decides=True`` ones with ``deciders_only``: a decision step's own barrier); ``"request"`` when
-a ``bus.request`` interrupted the wait (apply it, then call again with ``resume=True``)."""
+BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
+"""``wait(event, resume) -> status``: waits on the event-loop thread until the barrier event
+(None: the end of the run) was delivered and its deciders (the ``decides=True`` async
+subscriptions that received it) finished; ``"request"`` when a ``bus.request`` interrupted the
+wait (apply it, then call again with ``resume=True``)."""
 
 _MAX_ROUNDS = 100
 """Commands sent while commands are applied are applied too, up to this many drains."""
@@ -135,7 +135,7 @@ class CommandHandler:
         Args:
             ended: The step's ``StepEnded``.
             barrier: The step's barrier event (``StepEnded`` or ``MetricsLogged`` listed in
-                ``barriers``), whose async subscribers are all waited for, deciders or not.
+                ``barriers``), whose async deciders are waited for first.
             common: Every rank reaches this point at the same step (see :meth:`poll`).
 
         Raises:
@@ -144,17 +144,17 @@ class CommandHandler:
         if barrier is not None:
             self._barrier(barrier)
         if barrier is None or (ended is not None and ended is not barrier):
-            self._barrier(ended, deciders_only=True)
+            self._barrier(ended)
         self.poll(common=common)
 
-    def _barrier(self, event: ev.BaseEvent | None, *, deciders_only: bool = False) -> None:
+    def _barrier(self, event: ev.BaseEvent | None) -> None:
         # A request() arriving during the wait is applied, then the same wait resumes. Under
         # torchrun a request cannot be applied here (only at a common point): the wait ends and
         # the request is agreed at the next common point.
-        status = self._wait_barrier(event, False, deciders_only)
+        status = self._wait_barrier(event, False)
         while status == "request" and self._sync is None:
             self.poll()
-            status = self._wait_barrier(event, True, deciders_only)
+            status = self._wait_barrier(event, True)
 
     def poll(self, *, common: bool = False) -> None:
         """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,
