@@ -88,3 +88,37 @@ async def test_nothing_is_built_for_a_listener_nobody_attached_to(
     result = j.finish()
     assert result["wanted_while_paused"] == [False, True, False]
     assert result["steps"] == 12
+
+
+@pytest.mark.asyncio
+async def test_a_subscription_made_while_attached_is_streamed_from_then_on(
+    job: Callable[..., Job],
+) -> None:
+    j = job("--max-steps", "16", *(a for k in (4, 8, 12) for a in ("--pause-at", str(k))))
+    j.wait_for("paused-4")
+    async with trainbus.attach(j.run_dir, timeout=30) as att:
+        assert "OptimizerStepStarted" not in att.job["events"]
+        late: list[ev.OptimizerStepStarted] = []
+        sub = att.subscribe(att.stream(ev.OptimizerStepStarted), late.append)
+        assert await att.wait_streaming(60)  # the job was told, and confirmed
+        assert "OptimizerStepStarted" in att.job["events"]
+        j.release(4)
+        await anyio.to_thread.run_sync(j.wait_for, "paused-8")
+        with anyio.fail_after(60):  # step 8's, published before the job paused in it
+            while not late or late[-1].step < 7:
+                await anyio.sleep(0.01)
+        sub.dispose()  # the job is told again, and stops building them
+        with anyio.fail_after(60):
+            while "OptimizerStepStarted" in att.job["events"]:
+                await anyio.sleep(0.01)
+        j.release(8)
+        await anyio.to_thread.run_sync(j.wait_for, "paused-12")
+        j.release(12)
+        ended = await att.wait(60)
+    assert ended is not None and ended.step == 16
+    # Steps 5 to 8 (their events carry the steps completed before them), none after.
+    assert [e.step for e in late] == [4, 5, 6, 7]
+    result = j.finish()
+    assert result["wanted_while_paused"] == [False, True, False]
+    told = [line for line in j.stdout.splitlines() if "link_wants_received" in line]
+    assert len(told) == 2 and all(f"attach:pid={os.getpid()}" in t for t in told)
