@@ -198,7 +198,10 @@ class Attachment:
     def subscribe(self, observable: Any, on_next: Any, **kw: Any) -> Subscription:
         """See :meth:`EventBus.subscribe` (inside ``with attach(...)``, from another thread:
         made on the bus' thread)."""
-        return self._on_bus_thread(partial(self.bus.subscribe, observable, on_next, **kw))
+        made: Subscription = self._on_bus_thread(
+            partial(self.bus.subscribe, observable, on_next, **kw)
+        )
+        return made
 
     def subscribe_async(
         self, observable: Any, fn: Callable[[Any], Awaitable[Any]], **kw: Any
@@ -290,6 +293,9 @@ class Attachment:
         Returns:
             True when it does, False when ``timeout`` seconds passed first (or the link
             ended).
+
+        Raises:
+            TrainbusError: not connected (outside ``async with attach(...)``).
         """
         if self._link is None:
             raise TrainbusError("not attached: use `async with attach(...)` first")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -107,8 +108,8 @@ def test_json_reader_closing_the_pipe_detaches_quietly(job: Callable[..., Job]) 
 async def test_each_json_record_is_in_the_pipe_when_it_is_shown() -> None:
     read_end, write_end = os.pipe()
     os.set_blocking(read_end, False)  # an empty pipe raises instead of waiting
-    # A pipe: block-buffered, as a script's stdout.
-    with os.fdopen(write_end, "w") as out, open(os.devnull, "w") as err:
+    err = io.StringIO()
+    with os.fdopen(write_end, "w") as out:  # a pipe: block-buffered, as a script's stdout
         try:
             view = View(out, json_records=True, err=err)
             step = ev.StepEnded(step=3, epoch=0, loss=0.5, lr=0.1, grad_norm=None, samples=8,
@@ -122,6 +123,7 @@ async def test_each_json_record_is_in_the_pipe_when_it_is_shown() -> None:
             view.line("error: shown on stderr")  # stdout stays records only
             with pytest.raises(BlockingIOError):
                 os.read(read_end, 1 << 16)
+            assert err.getvalue() == "error: shown on stderr\n"
         finally:
             os.close(read_end)  # the reader goes away
         view.show(step)

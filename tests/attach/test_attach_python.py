@@ -96,29 +96,32 @@ async def test_a_subscription_made_while_attached_is_streamed_from_then_on(
 ) -> None:
     j = job("--max-steps", "16", *(a for k in (4, 8, 12) for a in ("--pause-at", str(k))))
     j.wait_for("paused-4")
+    late: list[ev.OptimizerStepStarted] = []
+    step_8 = anyio.Event()
+
+    def receive(e: ev.OptimizerStepStarted) -> None:
+        late.append(e)
+        if e.step >= 7:  # step 8's (events carry the steps completed before them)
+            step_8.set()
+
     async with trainbus.attach(j.run_dir, timeout=30) as att:
         assert "OptimizerStepStarted" not in att.job["events"]
-        late: list[ev.OptimizerStepStarted] = []
-        sub = att.subscribe(att.stream(ev.OptimizerStepStarted), late.append)
+        sub = att.subscribe(att.stream(ev.OptimizerStepStarted), receive)
         assert await att.wait_streaming(60)  # the job was told, and confirmed
         assert "OptimizerStepStarted" in att.job["events"]
+        told = [await anyio.to_thread.run_sync(j.wait_log, "link_wants_received")]
         j.release(4)
-        await anyio.to_thread.run_sync(j.wait_for, "paused-8")
-        with anyio.fail_after(60):  # step 8's, published before the job paused in it
-            while not late or late[-1].step < 7:
-                await anyio.sleep(0.01)
+        with anyio.fail_after(120):
+            await step_8.wait()  # published before the job paused in step 8
         sub.dispose()  # the job is told again, and stops building them
-        with anyio.fail_after(60):
-            while "OptimizerStepStarted" in att.job["events"]:
-                await anyio.sleep(0.01)
+        told.append(await anyio.to_thread.run_sync(j.wait_log, "link_wants_received"))
         j.release(8)
         await anyio.to_thread.run_sync(j.wait_for, "paused-12")
         j.release(12)
         ended = await att.wait(60)
     assert ended is not None and ended.step == 16
-    # Steps 5 to 8 (their events carry the steps completed before them), none after.
-    assert [e.step for e in late] == [4, 5, 6, 7]
+    assert [e.step for e in late] == [4, 5, 6, 7]  # steps 5 to 8, none after the dispose
+    assert "OptimizerStepStarted" in told[0] and "OptimizerStepStarted" not in told[1]
+    assert all(f"attach:pid={os.getpid()}" in t for t in told)
     result = j.finish()
     assert result["wanted_while_paused"] == [False, True, False]
-    told = [line for line in j.stdout.splitlines() if "link_wants_received" in line]
-    assert len(told) == 2 and all(f"attach:pid={os.getpid()}" in t for t in told)

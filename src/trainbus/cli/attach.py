@@ -6,9 +6,9 @@ subscriber holding training back) and a prompt on stdin taking ``stop [reason]``
 ``save [tag]``, ``evaluate``, ``lr VALUE``, ``help`` and ``detach``. ``--json`` prints wire
 records instead (one JSON object per line, ``status`` records included, each written whole and
 flushed as it comes; other messages go to stderr). A reader that closes the pipe detaches
-(exit 0). Commands given as
-options (``--stop``, ``--save [TAG]``, ``--evaluate``, ``--lr VALUE``) are sent in that order,
-each waited for, then the command detaches. Detaching never touches the run.
+(exit 0). Commands given as options (``--stop``, ``--save [TAG]``, ``--evaluate``,
+``--lr VALUE``) are sent in that order, each waited for, then the command detaches. Detaching
+never touches the run.
 """
 
 from __future__ import annotations

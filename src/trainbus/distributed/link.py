@@ -423,6 +423,8 @@ class WorkerLink:
 
     def _rewant(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
         """From the reader thread: the peer's wanted types changed (a ``wants`` record)."""
+        if self._closed:
+            return  # close() is joining this thread: the loop would not run want() now
         names = [t.__name__ for t in wanted]
         if self._loop is None:
             log.warning("link_wants_refused", source=self.source, events=names,
