@@ -3,9 +3,10 @@
 ::
 
     job = trainbus.attach("runs/demo")                   # not connected yet
-    job.subscribe(job.stream(ev.MetricsLogged), print)   # subscribe first: the job streams
-    async with job:                                      # what this side wants when it connects
+    job.subscribe(job.stream(ev.MetricsLogged), print)   # the job streams what this side
+    async with job:                                      # wants when it connects
         applied = await job.request(cmd.SaveCheckpoint(tag="now"))   # a notebook: top-level await
+        job.subscribe(job.stream(ev.StepEnded), print)   # later ones: the job is told
 
     with trainbus.attach("runs/demo") as job:             # a script: a background thread
         job.send(cmd.StopTraining())
@@ -18,7 +19,10 @@ arrives on this process' own :class:`~trainbus.EventBus` and forwards its comman
 user face is the driver bus' of :func:`trainbus.launch`: ``events``, ``stream``,
 ``subscribe``, ``subscribe_async``, ``send``, ``await request(...)``. The job streams the
 types this bus' subscriptions want when it connects, plus the cheap ones every driver gets
-(fit and epoch boundaries, metrics, evaluations, checkpoints, command acknowledgements).
+(fit and epoch boundaries, metrics, evaluations, checkpoints, command acknowledgements). When
+this bus' wants change while connected (a subscription made or disposed), the job is sent the
+new set (a ``wants`` record, within 10 ms) and streams it from the moment it hears
+of it; :attr:`Attachment.job`'s ``events`` names what it streams once it confirmed.
 
 Detaching (leaving the block, or this process dying) leaves the run untouched.
 """
@@ -30,7 +34,9 @@ import json
 import os
 import socket
 import stat
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from functools import partial
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -44,6 +50,7 @@ from . import commands as cmd
 from . import events as ev
 from ._driver import attach_driver_callback
 from ._exceptions import ConfigError, TrainbusError
+from ._log import get_logger
 from ._validate import check_seconds
 from .bus import EventBus
 from .bus.observable import BusObservable
@@ -51,11 +58,15 @@ from .bus.subscriptions import Subscription
 from .callbacks._base import Callback
 from .distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
 from .distributed.driver_link import ALWAYS, DriverLink
-from .distributed.protocol import control_record, hello_record, welcome_types
+from .distributed.protocol import control_record, control_types, hello_record, welcome_types
 
 __all__ = ["AttachError", "Attachment", "attach"]
 
+log = get_logger(__name__)
+
 _MAX_LINE = 16 * 1024 * 1024
+_WANTS_POLL_S = 0.01  # how often a connected attachment looks whether its wants changed
+_CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are compact)
 
 
 class AttachError(TrainbusError, ConnectionError):
@@ -167,6 +178,8 @@ class Attachment:
         self._stream: anyio.abc.SocketStream | None = None
         self._welcome: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
+        self._told: list[str] = []  # the event types the job was last asked for
+        self._loop_thread: int | None = None  # where the bus runs while connected
         self._portal: Any = None
         self._portal_cm: Any = None
         self._cm: Any = None
@@ -178,18 +191,31 @@ class Attachment:
         return self.bus.events
 
     def stream(self, *event_types: type[ev.BaseEvent], **kw: Any) -> BusObservable[Any]:
-        """See :meth:`EventBus.stream`; subscribe before connecting for the job to send them."""
+        """See :meth:`EventBus.stream`. Subscribed before connecting, the job streams the types
+        from the start; subscribed while connected, from when the job hears of it."""
         return self.bus.stream(*event_types, **kw)
 
     def subscribe(self, observable: Any, on_next: Any, **kw: Any) -> Subscription:
-        """See :meth:`EventBus.subscribe`."""
-        return self.bus.subscribe(observable, on_next, **kw)
+        """See :meth:`EventBus.subscribe` (inside ``with attach(...)``, from another thread:
+        made on the bus' thread)."""
+        made: Subscription = self._on_bus_thread(
+            partial(self.bus.subscribe, observable, on_next, **kw)
+        )
+        return made
 
     def subscribe_async(
         self, observable: Any, fn: Callable[[Any], Awaitable[Any]], **kw: Any
     ) -> Any:
-        """See :meth:`EventBus.subscribe_async`."""
-        return self.bus.subscribe_async(observable, fn, **kw)
+        """See :meth:`EventBus.subscribe_async` (inside ``with attach(...)``, from another
+        thread: made on the bus' thread)."""
+        return self._on_bus_thread(partial(self.bus.subscribe_async, observable, fn, **kw))
+
+    def _on_bus_thread(self, fn: Callable[[], Any]) -> Any:
+        # A script's `with attach(...)` runs the bus in a portal thread: a subscription made
+        # from the script's thread is made there, where the bus changes its routes.
+        if self._portal is not None and threading.get_ident() != self._loop_thread:
+            return self._portal.call(fn)
+        return fn()
 
     def send(self, command: cmd.Command) -> None:
         """Send a command to the job (applied at its next step; thread-safe)."""
@@ -221,7 +247,8 @@ class Attachment:
     @property
     def job(self) -> dict[str, Any]:
         """What the job said when it welcomed this attachment: ``pid``, ``rank``, ``folder``,
-        ``events`` (the types it streams here)."""
+        ``events`` (the names of the types it streams here; updated when the job confirms a
+        change of this side's wants)."""
         return dict(self._welcome)
 
     @property
@@ -258,16 +285,50 @@ class Attachment:
         """Synchronous twin of :meth:`wait`."""
         return self._sync().call(self.wait, timeout)  # type: ignore[no-any-return]
 
+    async def wait_streaming(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Wait until the job streams every event type this side wants now: after a
+        subscription made while connected, until the job confirmed it (milliseconds), so
+        that every event of those types it publishes from then on arrives here.
+
+        Returns:
+            True when it does, False when ``timeout`` seconds passed first (or the link
+            ended).
+
+        Raises:
+            TrainbusError: not connected (outside ``async with attach(...)``).
+        """
+        if self._link is None:
+            raise TrainbusError("not attached: use `async with attach(...)` first")
+        with anyio.move_on_after(float("inf") if timeout is None else timeout):
+            while set(self._wanted()) - set(self._welcome.get("events", ())):
+                if not self.linked:
+                    return False
+                await anyio.sleep(_WANTS_POLL_S)
+            return True
+        return False
+
+    def wait_streaming_sync(self, timeout: float | None = None) -> bool:
+        """Synchronous twin of :meth:`wait_streaming`."""
+        return self._sync().call(self.wait_streaming, timeout)  # type: ignore[no-any-return]
+
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[Self]:
         target, token = locate(self.run_dir)
         stream, reader = await self._connect(target, token)
         link = self._link = DriverLink(self.bus, token, keep_events=self._keep)
         link.welcomed(target)
+        self._loop_thread = threading.get_ident()
+        lock = anyio.Lock()
+
+        async def send(data: bytes) -> None:  # commands and wants: one writer at a time
+            async with lock:
+                await stream.send(data)
+
         try:
             async with self.bus, anyio.create_task_group() as tg:
                 tg.start_soon(self._read, reader, link)
-                tg.start_soon(link.forward, stream.send)
+                tg.start_soon(link.forward, send)
+                tg.start_soon(self._tell_wants, send)
                 try:
                     yield self
                 finally:
@@ -278,9 +339,10 @@ class Attachment:
             with anyio.CancelScope(shield=True):
                 with contextlib.suppress(Exception):
                     if not link.unlinked:
-                        await stream.send(control_record("bye", sent=0))
+                        await send(control_record("bye", sent=0))
                 await stream.aclose()
             link.end()
+            self._loop_thread = None
 
     async def _connect(
         self, target: str, token: str
@@ -297,9 +359,7 @@ class Attachment:
                               f"{self.timeout} s") from None  # fmt: skip
         except OSError as exc:
             raise AttachError(f"cannot attach to {folder}: {exc}") from None
-        wanted = {t for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)}
-        wanted.update(self._extra)
-        names = [t.__name__ for t in ev.EVENT_TYPES if t in wanted]
+        names = self._told = self._wanted()
         reader = BufferedByteReceiveStream(stream)
         try:
             await stream.send(hello_record(token, events=names))
@@ -321,15 +381,46 @@ class Attachment:
         self._stream = stream
         return stream, reader
 
+    def _wanted(self) -> list[str]:
+        """The names of the event types to ask the job for: what this bus' subscriptions want,
+        the ``events`` given, and the cheap ones every driver gets."""
+        wanted = {t for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)}
+        wanted.update(self._extra)
+        return [t.__name__ for t in ev.EVENT_TYPES if t in wanted]
+
+    async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """While connected: when this bus' subscriptions changed (its doorbell rang), send the
+        job the types wanted now, if they differ from what it was last asked for."""
+        doorbell = self.bus.port().doorbell
+        rings = -1  # compare once at the start: a subscription made while connecting counts
+        while True:
+            await anyio.sleep(_WANTS_POLL_S)
+            if doorbell.rings == rings:
+                continue
+            rings = doorbell.rings
+            names = self._wanted()
+            if names == self._told:
+                continue
+            self._told = names
+            try:
+                await send(control_record("wants", events=names))
+            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # the job went away: the reader ends the link
+            log.debug("attach_wants_sent", events=names)
+
     async def _read(self, reader: BufferedByteReceiveStream, link: DriverLink) -> None:
         try:
             while True:
                 line = await reader.receive_until(b"\n", _MAX_LINE)
-                if line.startswith(b'{"v": 1, "type": "status"'):
+                if line.startswith(_CONTROL + b"status"):
                     record = json.loads(line)
                     record.pop("v", None)
                     record.pop("type", None)
                     self._status = record
+                    continue
+                if line.startswith(_CONTROL + b"streams"):
+                    streamed = control_types(line, "streams") or ()
+                    self._welcome["events"] = [t.__name__ for t in streamed]
                     continue
                 link.receive(line)
                 if link.unlinked:  # bye: the run ended

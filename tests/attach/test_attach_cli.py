@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import io
+import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -13,7 +17,9 @@ import structlog
 
 import trainbus
 from trainbus import events as ev
+from trainbus import wire
 from trainbus.cli import main
+from trainbus.cli.attach import View
 
 from ._job import Job, env
 
@@ -36,6 +42,93 @@ def read_until(p: subprocess.Popen[str], word: str) -> list[str]:
         if word in line:
             return lines
     raise AssertionError(f"no {word!r} in {lines} (stderr: {p.stderr.read() if p.stderr else ''})")
+
+
+def read_records(
+    p: subprocess.Popen[str], records: list[dict[str, Any]], until: Callable[[Any], bool]
+) -> None:
+    """Read ``--json`` output record by record (each line must be one whole JSON record) into
+    ``records`` until one satisfies ``until``."""
+    assert p.stdout is not None
+    while line := p.stdout.readline():
+        record = json.loads(line)
+        assert line.endswith("\n") and record["v"] == wire.FORMAT_VERSION, line
+        records.append(record)
+        if until(record):
+            return
+    raise AssertionError(f"the output ended after {records[-3:]} (stderr: "
+                         f"{p.stderr.read() if p.stderr else ''})")  # fmt: skip
+
+
+def test_json_records_arrive_one_by_one_and_a_kill_loses_none(job: Callable[..., Job]) -> None:
+    j = job("--max-steps", "40", "--pause-at", "2", "--pause-at", "12")
+    j.wait_for("paused-2")
+    p = attach_cli(str(j.run_dir), "--json", stdin=subprocess.DEVNULL)
+    records: list[dict[str, Any]] = []
+    # The job sends status records (every second) only to an attachment it subscribed for:
+    # once one is read, none of the job's events after step 2 can be missed.
+    read_records(p, records, until=lambda r: r["type"] == "status")
+    j.release(2)
+    read_records(p, records, until=lambda r: r["type"] == "StepEnded" and r["step"] == 11)
+    # Each record came through the pipe as it was printed: the job is held in step 12, its
+    # run not over, and step 11's record is here already.
+    assert j.process.poll() is None and not (j.run_dir / "result-rank0.json").exists()
+    p.kill()  # SIGKILL: no exit handler flushes anything
+    rest, _ = p.communicate(timeout=60)  # what it printed before the kill, not read yet
+    assert rest == "" or rest.endswith("\n")
+    after = [json.loads(line) for line in rest.splitlines()]
+    assert all(r["type"] == "status" for r in after), after  # the job is held: no events
+    events = [r for r in records + after if r["type"] != "status"]
+    steps = [r["step"] for r in events if r["type"] == "StepEnded"]
+    assert steps == list(range(steps[0], 12)) and steps[0] <= 3  # none lost, none twice
+    logged = [r["step"] for r in events if r["type"] == "MetricsLogged"]
+    assert logged == [s for s in (5, 10) if s >= steps[0]]
+    j.release(12)
+    assert j.finish()["steps"] == 40  # the killed attachment left the run alone
+
+
+def test_json_reader_closing_the_pipe_detaches_quietly(job: Callable[..., Job]) -> None:
+    j = job("--max-steps", "30", "--pause-at", "2", "--pause-at", "20")
+    j.wait_for("paused-2")
+    p = attach_cli(str(j.run_dir), "--json", stdin=subprocess.DEVNULL)
+    read_records(p, [], until=lambda r: r["type"] == "status")
+    assert p.stdout is not None
+    p.stdout.close()  # the reader goes away, as `| head -n 1` does
+    j.release(2)  # events flow: the next record finds the pipe closed
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert "Traceback" not in err and "BrokenPipeError" not in err, err
+    assert "subscriber_failed" not in err, err
+    j.wait_for("paused-20")
+    j.release(20)
+    assert j.finish()["steps"] == 30  # detaching left the run alone
+
+
+@pytest.mark.asyncio
+async def test_each_json_record_is_in_the_pipe_when_it_is_shown() -> None:
+    read_end, write_end = os.pipe()
+    os.set_blocking(read_end, False)  # an empty pipe raises instead of waiting
+    err = io.StringIO()
+    with os.fdopen(write_end, "w") as out:  # a pipe: block-buffered, as a script's stdout
+        try:
+            view = View(out, json_records=True, err=err)
+            step = ev.StepEnded(step=3, epoch=0, loss=0.5, lr=0.1, grad_norm=None, samples=8,
+                                duration_s=0.01)  # fmt: skip
+            view.show(step)
+            assert os.read(read_end, 1 << 16) == wire.dumps(step)
+            view.status({"queue_depth": 0, "holding": []})
+            status = json.loads(os.read(read_end, 1 << 16))
+            assert status == {"v": wire.FORMAT_VERSION, "type": "status", "queue_depth": 0,
+                              "holding": []}  # fmt: skip
+            view.line("error: shown on stderr")  # stdout stays records only
+            with pytest.raises(BlockingIOError):
+                os.read(read_end, 1 << 16)
+            assert err.getvalue() == "error: shown on stderr\n"
+        finally:
+            os.close(read_end)  # the reader goes away
+        view.show(step)
+        assert view.gone.is_set()
+        view.show(step)  # nothing more is written, nothing raises
 
 
 def test_stop_as_an_option_lands_at_the_paused_step(job: Callable[..., Job]) -> None:

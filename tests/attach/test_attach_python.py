@@ -88,3 +88,40 @@ async def test_nothing_is_built_for_a_listener_nobody_attached_to(
     result = j.finish()
     assert result["wanted_while_paused"] == [False, True, False]
     assert result["steps"] == 12
+
+
+@pytest.mark.asyncio
+async def test_a_subscription_made_while_attached_is_streamed_from_then_on(
+    job: Callable[..., Job],
+) -> None:
+    j = job("--max-steps", "16", *(a for k in (4, 8, 12) for a in ("--pause-at", str(k))))
+    j.wait_for("paused-4")
+    late: list[ev.OptimizerStepStarted] = []
+    step_8 = anyio.Event()
+
+    def receive(e: ev.OptimizerStepStarted) -> None:
+        late.append(e)
+        if e.step >= 7:  # step 8's (events carry the steps completed before them)
+            step_8.set()
+
+    async with trainbus.attach(j.run_dir, timeout=30) as att:
+        assert "OptimizerStepStarted" not in att.job["events"]
+        sub = att.subscribe(att.stream(ev.OptimizerStepStarted), receive)
+        assert await att.wait_streaming(60)  # the job was told, and confirmed
+        assert "OptimizerStepStarted" in att.job["events"]
+        told = [await anyio.to_thread.run_sync(j.wait_log, "link_wants_received")]
+        j.release(4)
+        with anyio.fail_after(120):
+            await step_8.wait()  # published before the job paused in step 8
+        sub.dispose()  # the job is told again, and stops building them
+        told.append(await anyio.to_thread.run_sync(j.wait_log, "link_wants_received"))
+        j.release(8)
+        await anyio.to_thread.run_sync(j.wait_for, "paused-12")
+        j.release(12)
+        ended = await att.wait(60)
+    assert ended is not None and ended.step == 16
+    assert [e.step for e in late] == [4, 5, 6, 7]  # steps 5 to 8, none after the dispose
+    assert "OptimizerStepStarted" in told[0] and "OptimizerStepStarted" not in told[1]
+    assert all(f"attach:pid={os.getpid()}" in t for t in told)
+    result = j.finish()
+    assert result["wanted_while_paused"] == [False, True, False]

@@ -4,16 +4,20 @@ A line-based live view on stdout (progress at most once a second, metrics, evalu
 checkpoints, every applied command with its step, warnings from the job's status such as a
 subscriber holding training back) and a prompt on stdin taking ``stop [reason]``,
 ``save [tag]``, ``evaluate``, ``lr VALUE``, ``help`` and ``detach``. ``--json`` prints wire
-records instead (one JSON object per line, ``status`` records included). Commands given as
-options (``--stop``, ``--save [TAG]``, ``--evaluate``, ``--lr VALUE``) are sent in that order,
-each waited for, then the command detaches. Detaching never touches the run.
+records instead (one JSON object per line, ``status`` records included, each written whole and
+flushed as it comes; other messages go to stderr). A reader that closes the pipe detaches
+(exit 0). Commands given as options (``--stop``, ``--save [TAG]``, ``--evaluate``,
+``--lr VALUE``) are sent in that order, each waited for, then the command detaches. Detaching
+never touches the run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import os
 import sys
 import threading
 import time
@@ -89,23 +93,50 @@ def _fmt(values: Any) -> str:
 
 
 class View:
-    """What the attachment prints: human lines, or wire records with ``json``."""
+    """What the attachment prints: human lines, or wire records with ``json`` (then stdout
+    carries records only: other lines go to ``err``).
 
-    def __init__(self, out: TextIO, *, json_records: bool) -> None:
+    Every line is flushed as soon as it is written, whatever the buffering of ``out`` (a pipe
+    is block-buffered): a reader sees each record as it comes, and a killed process loses
+    nothing it printed. When the reader closes the pipe, :attr:`gone` is set and nothing more
+    is written.
+    """
+
+    def __init__(self, out: TextIO, *, json_records: bool, err: TextIO | None = None) -> None:
         self.out = out
+        self.err = err if err is not None else sys.stderr
         self.json = json_records
+        self.gone = anyio.Event()
         self._max_steps: int | None = None
         self._last_progress = 0.0
         self._warned: dict[str, Any] = {}
 
+    def _write(self, text: str) -> None:
+        if self.gone.is_set():
+            return
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except BrokenPipeError:
+            # The reader went away (`| head`): detach. What is left in the buffer goes to
+            # /dev/null, so the interpreter's flush at exit has nowhere to fail.
+            with contextlib.suppress(OSError, ValueError):
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, self.out.fileno())
+                os.close(devnull)
+            self.gone.set()
+
     def line(self, text: str) -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
+        """A human line: on ``out``, or on ``err`` with ``json`` (stdout is records only)."""
+        if self.json:
+            self.err.write(text + "\n")
+            self.err.flush()
+        else:
+            self._write(text + "\n")
 
     def show(self, e: ev.BaseEvent) -> None:
         if self.json:
-            self.out.write(wire.dumps(e).decode())
-            self.out.flush()
+            self._write(wire.dumps(e).decode())
             return
         if isinstance(e, ev.FitStarted):
             self._max_steps = e.max_steps
@@ -138,9 +169,8 @@ class View:
         """Warnings from the job's status record, each when it changes."""
         if self.json:
             if status:
-                self.out.write(json.dumps({"v": wire.FORMAT_VERSION, "type": "status",
-                                           **status}) + "\n")  # fmt: skip
-                self.out.flush()
+                self._write(json.dumps({"v": wire.FORMAT_VERSION, "type": "status",
+                                        **status}) + "\n")  # fmt: skip
             return
         for s in status.get("holding", ()):
             self._warn(f"hold:{s['name']}", s["waited_s"], f"warning: training waits for "
@@ -239,7 +269,12 @@ async def _attach(args: argparse.Namespace, commands: list[cmd.Command]) -> int:
                 await att.wait()
                 done.set()
 
+            async def reader_gone() -> None:  # the pipe's reader closed it: detach
+                await view.gone.wait()
+                done.set()
+
             tg.start_soon(ended)
+            tg.start_soon(reader_gone)
             await done.wait()
             tg.cancel_scope.cancel()
         if att.ended is None and not args.json:

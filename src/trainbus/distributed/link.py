@@ -23,8 +23,10 @@ On the worker, :class:`WorkerLink` is the protocol: the handshake, the wanted ty
 thread that encodes events (reading a tensor waits for the device: never on the training thread
 nor the event loop) and batches them (a transport may ask to wait ``linger`` seconds for more:
 one call per batch where each call costs), and a reader thread that feeds the driver's
-commands to ``bus.send`` (rank 0's command agreement spreads them to every rank). The driver's
-end of the protocol is :class:`~trainbus.distributed.driver_link.DriverLink`.
+commands to ``bus.send`` (rank 0's command agreement spreads them to every rank) and takes a
+``wants`` record (the peer's wanted types changed: :meth:`WorkerLink.want`, on the event loop
+the link was attached on). The driver's end of the protocol is
+:class:`~trainbus.distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Protocol, Self
 
+import anyio.from_thread
+import anyio.lowlevel
+
 from .. import commands as cmd
 from .. import events as ev
 from .. import wire
@@ -46,7 +51,7 @@ from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
 from .protocol import control_record as control_record
-from .protocol import hello_record, welcome_types
+from .protocol import control_types, hello_record, welcome_types
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -199,6 +204,8 @@ class WorkerLink:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._subscription: Any = None
+        self._bus: BusLike | None = None
+        self._loop: Any = None  # the event loop attach() ran on: where subscriptions change
         self._sent = 0
         self._received = 0
         self._broken = False
@@ -307,10 +314,12 @@ class WorkerLink:
             self.connect()
         if self._threads:
             raise LaunchError("WorkerLink.attach() was already called")
-        if self._wanted:
-            self._subscription = bus.stream(*self._wanted).subscribe(
-                self._queue.put, name=self.source or "WorkerLink"
-            )
+        self._bus = bus
+        try:
+            self._loop = anyio.lowlevel.current_token()
+        except RuntimeError:  # no event loop here: a later `wants` record is refused
+            self._loop = None
+        self._subscribe(self._wanted)
         self._threads = [
             threading.Thread(target=self._send_loop, name="trainbus-link-send", daemon=True),
             threading.Thread(
@@ -319,6 +328,26 @@ class WorkerLink:
         ]
         for t in self._threads:
             t.start()
+
+    def want(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        """Stream ``wanted`` from now on instead of what the peer asked for before (its
+        ``wants`` record; call on the event-loop thread, as subscriptions are made there),
+        then tell the peer with a ``streams`` record: every event after that line in the
+        stream is of the new set. Nothing once the link ended."""
+        if self._closed or self._broken or self._bus is None:
+            return
+        self.unsubscribe()
+        self._wanted = tuple(wanted)
+        self._subscribe(self._wanted)
+        # Queued after the dispose and before any event of the new subscription: the peer
+        # knows from which line on the new set flows.
+        self.post(control_record("streams", events=[t.__name__ for t in self._wanted]))
+
+    def _subscribe(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        if wanted and self._bus is not None:
+            self._subscription = self._bus.stream(*wanted).subscribe(
+                self._queue.put, name=self.source or "WorkerLink"
+            )
 
     def unsubscribe(self) -> None:
         """Stop taking the bus' events (call on the thread that may subscribe: the event
@@ -392,6 +421,21 @@ class WorkerLink:
             if done:
                 return
 
+    def _rewant(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        """From the reader thread: the peer's wanted types changed (a ``wants`` record)."""
+        if self._closed:
+            return  # close() is joining this thread: the loop would not run want() now
+        names = [t.__name__ for t in wanted]
+        if self._loop is None:
+            log.warning("link_wants_refused", source=self.source, events=names,
+                        reason="the link was attached outside an event loop")  # fmt: skip
+            return
+        log.info("link_wants_received", source=self.source, events=names)
+        try:
+            anyio.from_thread.run_sync(self.want, wanted, token=self._loop)
+        except RuntimeError:  # the run's event loop ended: nothing more goes out anyway
+            return
+
     def _read_loop(self, bus: BusLike) -> None:
         try:
             while data := self.transport.receive():
@@ -399,7 +443,11 @@ class WorkerLink:
                     try:
                         message = wire.loads(line)
                     except ConfigError as exc:
-                        log.warning("driver_record_refused", error=str(exc))
+                        wanted = control_types(line, "wants")
+                        if wanted is None:
+                            log.warning("driver_record_refused", error=str(exc))
+                        else:
+                            self._rewant(wanted)
                         continue
                     if isinstance(message, cmd.COMMAND_TYPES):
                         self._received += 1

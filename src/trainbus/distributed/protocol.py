@@ -1,7 +1,7 @@
 """The link protocol's shared vocabulary: where the driver is, the run's token, the control
-records (``hello``, ``welcome``, ``bye``, and ``status`` for attachments), and the two halves
-of the handshake. Both ends of the link (:mod:`~trainbus.distributed.link`,
-:mod:`~trainbus.distributed.driver_link`), every transport
+records (``hello``, ``welcome``, ``bye``, and for attachments ``status``, ``wants`` and
+``streams``), and the two halves of the handshake. Both ends of the link
+(:mod:`~trainbus.distributed.link`, :mod:`~trainbus.distributed.driver_link`), every transport
 (:mod:`~trainbus.distributed.socket_link`, :mod:`trainbus.ray`) and the attach listener
 (:mod:`~trainbus.distributed.attach_server`, :mod:`trainbus.attach`) import it, and it imports
 none of them.
@@ -9,6 +9,10 @@ none of them.
 The handshake is the same whichever side listens: the side that connects sends ``hello`` with
 the token (:func:`hello_record`), the other checks it (:func:`check_hello`) and answers
 ``welcome`` naming the event types that will flow (:func:`welcome_types`), or closes.
+
+An attachment may change its mind after the handshake: ``wants {events}`` names every type it
+wants from then on, and the job answers ``streams {events}`` between its events, at the point
+where the new set took effect (:func:`control_types` reads either).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ __all__ = [
     "TOKEN_ENV",
     "check_hello",
     "control_record",
+    "control_types",
     "event_names",
     "hello_record",
     "welcome_types",
@@ -69,14 +74,23 @@ def check_hello(hello: bytes, token: str) -> dict[str, Any] | None:
 def welcome_types(reply: bytes) -> tuple[type[ev.BaseEvent], ...] | None:
     """The event types a ``welcome`` line names (unknown names skipped), or None when
     ``reply`` is not a welcome (empty: the other side closed, i.e. refused)."""
+    return control_types(reply, "welcome")
+
+
+def control_types(line: bytes, kind: str) -> tuple[type[ev.BaseEvent], ...] | None:
+    """The event types a control line of ``kind`` (``welcome``, ``wants``, ``streams``)
+    names, in :data:`trainbus.events.EVENT_TYPES` order (unknown names skipped), or None when
+    ``line`` is not such a record."""
     try:
-        welcome = json.loads(reply) if reply else None
+        record = json.loads(line) if line else None
     except ValueError:
         return None
-    if not isinstance(welcome, dict) or welcome.get("type") != "welcome":
+    if not isinstance(record, dict) or record.get("type") != kind:
         return None
-    names = welcome.get("events", ())
-    return tuple(_EVENTS[n] for n in names if isinstance(n, str) and n in _EVENTS)
+    names = record.get("events", ())
+    if not isinstance(names, list):
+        return ()
+    return tuple(_EVENTS[n] for n in event_names(names))
 
 
 def event_names(types: Any) -> list[str]:
