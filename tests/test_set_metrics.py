@@ -6,7 +6,6 @@ goes on."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import re
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from structlog.testing import capture_logs
 from torch.utils.data import DataLoader
 
 from trainbus import ConfigError, Perplexity, SetMetric, TokenAccuracy, Trainer
@@ -152,15 +152,13 @@ class Fails:
         return float(totals["n"])
 
 
-def test_a_raising_metric_is_counted_and_reported_and_the_run_goes_on(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
+def test_a_raising_metric_is_counted_and_reported_and_the_run_goes_on() -> None:
     assert isinstance(Fails("update"), SetMetric)
     t = trainer(set_metrics={"bad_update": Fails("update"), "bad_compute": Fails("compute"),
                              "n": Fails("never"), "ppl": Perplexity()},
                 eval_every=1, eval_at_epoch_end=False, max_steps=3)  # fmt: skip
     rec = EventRecorder(t.bus)
-    with caplog.at_level(logging.ERROR):
+    with capture_logs() as logs:
         result = t.fit_sync()
     assert result.reason == "completed" and result.steps == 3
     ends = rec.of_type(ev.EvaluationEnded)
@@ -169,11 +167,13 @@ def test_a_raising_metric_is_counted_and_reported_and_the_run_goes_on(
         assert set(e.metrics) == {"val_loss", "val_n", "val_ppl"}
         assert e.metrics["val_n"] == 10.0  # the other metrics of the set are whole
     assert result.metric_failures == {"bad_update": 3, "bad_compute": 3}
-    failed = [r for r in caplog.records if "set_metric_failed" in r.getMessage()]
+    failed = [e for e in logs if e["event"] == "set_metric_failed"]
     # The first failure of each metric is logged with its traceback; repeats are counted only.
     assert len(failed) == 2
-    text = "\n".join(r.getMessage() + str(r.exc_info and r.exc_info[1]) for r in failed)
+    assert {e["metric"] for e in failed} == {"bad_update", "bad_compute"}
+    text = "\n".join(e["error"] for e in failed)
     assert "update broke" in text and "compute broke" in text
+    assert all(e.get("exc_info") for e in failed)
 
 
 def test_standalone_evaluate_has_the_set_metrics() -> None:
