@@ -40,7 +40,7 @@ from ._trainer.options import signature as options_signature
 from ._trainer.rank_setup import RankSetup
 from ._trainer.result import FitResult, fit_result
 from ._trainer.resume import CallbackStates, check_resume
-from ._trainer.session import BusSession, SignalWatcher, watching_cancel
+from ._trainer.session import BusSession, SignalWatcher, TrainingThread, watching_cancel
 from ._trainer.workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -107,10 +107,14 @@ class Trainer:
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
         attached = self._attached  # not self: no cycle through the trainer (freed without gc)
-        self._states = CallbackStates(self.bus, lambda: attached.callbacks)
-        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout)
+        # Every call's loop runs on this one thread, from the first call to close() or the
+        # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
+        self._thread = TrainingThread()
+        self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
+        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout,
+                                   self._thread)  # fmt: skip
         self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
-        self._lifetime = Lifetime(self.bus)
+        self._lifetime = Lifetime(self.bus, self._thread)
         self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
@@ -340,8 +344,7 @@ class Trainer:
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._states.bind(anyio.get_cancelled_exc_class())
-        self._session.bind(anyio.get_cancelled_exc_class())
+        self._session.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._attached]  # fmt: skip
         try:
@@ -381,9 +384,9 @@ class Trainer:
         try:
             with self._signals.installed(self.handle_signals):
                 async with self._session.open():
-                    async with watching_cancel(loop):
+                    async with watching_cancel(loop, self._thread):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
-                        await anyio.to_thread.run_sync(self._signals.masked(loop.run, spawns))
+                        await self._thread.run(self._signals.masked(loop.run, spawns))
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too
