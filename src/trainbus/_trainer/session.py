@@ -90,7 +90,9 @@ class TrainingThread:
         token = anyio.lowlevel.current_token()
         self._token, self._cancelled = token, False
         # The future is not waited on: the job reports through ``done`` on the event loop.
-        self._pool.submit(self._job, contextvars.copy_context(), fn, box, done, token)
+        # What it runs goes in a list the job empties: the pool's work item holds its
+        # arguments until after ``done`` is set, and must not hold the run (the model) then.
+        self._pool.submit(self._job, [contextvars.copy_context(), fn], box, done, token)
         try:
             with anyio.CancelScope(shield=True):
                 await done.wait()
@@ -105,20 +107,19 @@ class TrainingThread:
             del value  # this frame is in its traceback: nothing of it refers back
 
     def _job(
-        self,
-        context: contextvars.Context,
-        fn: Callable[[], T],
-        box: list[tuple[bool, Any]],
-        done: anyio.Event,
-        token: EventLoopToken,
+        self, work: list[Any], box: list[tuple[bool, Any]], done: anyio.Event, token: EventLoopToken
     ) -> None:
         self._ident = threading.get_ident()
+        context, fn = work
+        work.clear()
         try:
             box.append((True, context.run(fn)))
         except BaseException as exc:  # raised by run() on the event loop
             box.append((False, exc))
-        finally:
-            anyio.from_thread.run_sync(done.set, token=token)
+        # Nothing of the call left on this thread once the caller resumes (a dropped Trainer
+        # is freed at once, without waiting for this thread to get the GIL back).
+        del context, fn
+        anyio.from_thread.run_sync(done.set, token=token)
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """From the training thread: ``await fn(*args)`` on the running call's event loop and

@@ -32,7 +32,7 @@ from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
-from .outputs import detach_outputs, join_outputs
+from .outputs import detach_outputs, join_outputs, map_tensors
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -125,7 +125,7 @@ class StandaloneRun:
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
         """
         s, bus, st, w = self._s, self._bus, self._state, self._wants
-        use_device(s.device)  # this worker thread's current CUDA device
+        use_device(s.device)  # the training thread's current CUDA device
         pub = bus.publish
         w.refresh()
         try:
@@ -135,6 +135,7 @@ class StandaloneRun:
         pub(ev.PredictionStarted(step=st.step, epoch=st.epoch, batches=total))
         hooks = self._hooks.by_point["eval_batch"]
         kept = HostOutputs(s.device)
+        on_cpu = s.device.type == "cpu"
         done = 0
         error: BaseException | None = None
         model = s.model
@@ -180,6 +181,12 @@ class StandaloneRun:
                     if keep:
                         kept.add(outputs)  # to the host now: the device keeps no batch
                     if w.prediction_batch_ended:
+                        if not on_cpu:
+                            # The next replay of a CUDA graph that returned them (torch.compile's
+                            # mode="reduce-overhead") overwrites them before a subscriber reads
+                            # them: it gets a copy (docs/compile.md). The host copy above was
+                            # queued first, on the same stream.
+                            outputs = map_tensors(torch.Tensor.clone, outputs)
                         pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                                     outputs=outputs,
                                                     samples=batch_size(batch)))  # fmt: skip
