@@ -183,10 +183,12 @@ def test_a_dynamo_setting_made_on_the_callers_thread_reaches_the_training_thread
 
     trainer = make_trainer(tmp_path)
     seen: list[tuple[int, bool]] = []
-    trainer.add_hook("after_optimizer_step", lambda ctx: seen.append(
-        (torch._dynamo.config.cache_size_limit, torch._dynamo.config.suppress_errors)))
-    trainer.add_hook("eval_batch", lambda ctx: seen.append(
-        (torch._dynamo.config.cache_size_limit, torch._dynamo.config.suppress_errors)))
+
+    def look(ctx: Any) -> None:  # on the training thread
+        seen.append((torch._dynamo.config.cache_size_limit, torch._dynamo.config.suppress_errors))
+
+    trainer.add_hook("after_optimizer_step", look)
+    trainer.add_hook("eval_batch", look)
     default = torch._dynamo.config.cache_size_limit
     with torch._dynamo.config.patch(cache_size_limit=default + 3, suppress_errors=True):
         trainer.fit_sync()  # a sync twin: through the portal's event loop to the thread

@@ -9,7 +9,8 @@
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
 ``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
-loop (see ``trainbus.loop.loop`` for the event order) in a worker thread with ``anyio.to_thread``,
+loop (see ``trainbus.loop.loop`` for the event order) on the Trainer's training thread (one for
+all its calls, ended by ``close()`` or the Trainer's drop; docs/compile.md),
 turns SIGINT/SIGTERM into ``StopTraining`` (a second SIGINT aborts), and suspends the bus, which
 delivers every event published before ``FitEnded``; ``evaluate()`` and ``predict()`` run on the
 same bus and subscribers, before or after it (docs/trainer.md, "One Trainer, many calls").
@@ -189,9 +190,10 @@ class Trainer:
     def close(self) -> None:
         """Close the bus: deliver what is queued, complete the streams (buffering operators
         emit what they hold), wait for async subscribers (``close_timeout``), then stop the
-        ``with`` block's portal. Idempotent; later calls raise ``TrainbusError``. A Trainer
-        never closed loses nothing of its calls (each delivers before it returns); closing
-        completes the streams and frees the subscribers.
+        ``with`` block's portal and end the training thread. Idempotent; later calls raise
+        ``TrainbusError``. A Trainer never closed loses nothing of its calls (each delivers
+        before it returns); closing completes the streams and frees the subscribers (dropping
+        the Trainer ends its training thread too).
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
