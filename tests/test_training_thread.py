@@ -306,3 +306,33 @@ def test_reduce_overhead_losses_survive_the_next_replay(tmp_path: Path) -> None:
     assert published == pytest.approx(values) and len(set(published)) == 8
     logged = [e.metrics["loss"] for e in recorder.of_type(ev.MetricsLogged)]
     assert logged == pytest.approx([sum(values[:4]) / 4, sum(values[4:]) / 4], rel=1e-5)
+
+
+# ------------------------------------------------------------------ cancelled with the caller
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_a_cancel_reaches_the_barrier_the_training_thread_waits_at(
+    tmp_path: Path, backend: str
+) -> None:
+    """The loop waits at a barrier through the training thread: the caller's cancellation ends
+    that wait at once (not after the hour-long barrier timeout) and the fit ends cancelled,
+    though the subscriber waited for runs on in the bus (``async with trainer`` holds it
+    outside the cancelled scope)."""
+    trainer = make_trainer(tmp_path, eval_every=2, barrier_timeout=3600, close_timeout=1)
+    threads = Threads(trainer)
+
+    async def main() -> bool:
+        async with trainer:
+            with anyio.CancelScope() as scope:
+
+                async def hold(e: ev.EvaluationEnded) -> None:
+                    scope.cancel()  # the caller gives up while the loop waits for this one
+                    await anyio.sleep_forever()
+
+                trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), hold)
+                await trainer.fit()
+        return scope.cancelled_caught
+
+    assert anyio.run(main, backend=backend)
+    assert trainer.result is not None and trainer.result.reason == "cancelled"
+    assert trainer.result.steps == 2
+    assert not alive(threads.one())
