@@ -56,24 +56,20 @@ class TrainingThread:
     without a gc pass), shut down, or at interpreter exit (before non-daemon threads are
     joined). Between calls it idles and holds nothing of the last one.
 
-    As ``anyio.to_thread.run_sync`` did before it, each call runs in a copy of the caller's
-    context (contextvars: per-thread torch settings kept in them, dynamo's config since torch
-    2.12, reach the thread), and its wait cannot be cancelled: a cancellation of the caller
-    asks the run to stop (:func:`watching_cancel`) and waits for it. What the loop awaits on the
-    event loop from the thread (:meth:`call`) is cancelled with the caller.
+    As with ``anyio.to_thread.run_sync`` (which cannot pin a thread), each call runs in a copy
+    of the caller's context (contextvars: per-thread torch settings kept in them, dynamo's
+    config since torch 2.12, reach the thread), and its wait cannot be cancelled: a
+    cancellation of the caller asks the run to stop (:func:`watching_cancel`) and waits for
+    it. What the loop awaits on the event loop from the thread (:meth:`call`) is cancelled
+    with the caller.
     """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
-        self._ident: int | None = None
+        self._ident: int | None = None  # the thread's, once it ran a call
         self._token: EventLoopToken | None = None  # the running call's event loop
         self._scopes: set[anyio.CancelScope] = set()  # what the thread awaits there now
         self._cancelled = False
-
-    @property
-    def ident(self) -> int | None:
-        """The thread's ``threading.get_ident()`` (None before the first call)."""
-        return self._ident
 
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn()`` on the training thread in a copy of the caller's context; wait for it,

@@ -1,6 +1,6 @@
 """Evaluation and prediction outside ``fit()``: ``trainer.evaluate()`` and ``trainer.predict()``.
 
-:class:`StandaloneRun` runs on a worker thread like the loop, on the same bus and with the same
+:class:`StandaloneRun` runs on the training thread like the loop, on the same bus and with the same
 hooks, and polls the command queue between batches: ``StopTraining`` ends the pass early (the
 spans still close), any other command is acknowledged with a ``ConfigError`` (there is no step
 to save or evaluate at). Event order::
@@ -45,7 +45,7 @@ __all__ = ["StandaloneRun", "detach_outputs", "join_outputs"]
 
 
 class StandaloneRun:
-    """One ``evaluate()`` or ``predict()`` call, on the calling worker thread.
+    """One ``evaluate()`` or ``predict()`` call, on the training thread.
 
     Attributes:
         stop_reason: The ``StopTraining`` reason that ended the pass early, else None.
@@ -104,7 +104,7 @@ class StandaloneRun:
         Raises:
             TrainingError: a set yielded no batch; or whatever the model raised.
         """
-        use_device(self._s.device)  # this worker thread's current CUDA device
+        use_device(self._s.device)  # the training thread's current CUDA device
         evaluator = Evaluator(self._s, self._bus, self._state, self._wants, self._check_cancel,
                               self._hooks, self.should_stop)  # fmt: skip
         evaluator.run("standalone", sets)
