@@ -202,6 +202,31 @@ def test_a_dynamo_setting_made_on_the_callers_thread_reaches_the_training_thread
     assert torch._dynamo.config.cache_size_limit == default  # the patch ended
 
 
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_no_async_library_runs_on_the_training_thread(tmp_path: Path, backend: str) -> None:
+    """The caller's context is copied, not its event loop: on the thread, anyio and sniffio see
+    no async library (as on anyio's worker threads)."""
+    import sniffio
+
+    trainer = make_trainer(tmp_path)
+    seen: list[str | None] = []
+
+    def look(ctx: Any) -> None:
+        try:
+            seen.append(sniffio.current_async_library())
+        except sniffio.AsyncLibraryNotFoundError:
+            seen.append(None)
+
+    trainer.add_hook("after_optimizer_step", look)
+
+    async def main() -> None:
+        await trainer.fit()
+        await trainer.aclose()
+
+    anyio.run(main, backend=backend)
+    assert seen == [None] * 4
+
+
 def test_grad_mode_is_the_training_threads_own(tmp_path: Path) -> None:
     """Grad mode is per thread in torch and not carried: a fit() called under no_grad() or
     inference_mode() trains all the same (docs/compile.md, "Per-thread state")."""

@@ -19,6 +19,11 @@ import anyio.from_thread
 import anyio.lowlevel
 from anyio.lowlevel import EventLoopToken
 
+try:  # what anyio and trio ask which async library runs here (anyio can do without it)
+    import sniffio
+except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
+    sniffio = None  # type: ignore[assignment]
+
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import TrainbusError
@@ -88,7 +93,12 @@ class TrainingThread:
         # The future is not waited on: the job reports through ``done`` on the event loop.
         # What it runs goes in a list the job empties: the pool's work item holds its
         # arguments until after ``done`` is set, and must not hold the run (the model) then.
-        self._pool.submit(self._job, [contextvars.copy_context(), fn], box, done, token)
+        context = contextvars.copy_context()
+        if sniffio is not None:
+            # No event loop runs on the training thread, though the copied context names the
+            # caller's library: cleared, as anyio's worker threads clear it.
+            context.run(sniffio.current_async_library_cvar.set, None)
+        self._pool.submit(self._job, [context, fn], box, done, token)
         try:
             with anyio.CancelScope(shield=True):
                 await done.wait()
