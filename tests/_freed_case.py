@@ -2,8 +2,9 @@
 
 Each case calls a Trainer once to warm up the process' lazy state (imports, caches), then
 builds one with the garbage collector off, calls it, drops it, and reports which of its objects
-are still alive, and which objects of that kind a garbage-collector pass then finds in
-reference cycles. Prints one JSON object: ``{case: {"alive": [...], "in_cycles": [...]}}``.
+are still alive, which objects of that kind a garbage-collector pass then finds in reference
+cycles, and whether its training thread outlived the drop. Prints one JSON object:
+``{case: {"alive": [...], "in_cycles": [...], "threads": [...]}}``.
 """
 
 from __future__ import annotations
@@ -138,9 +139,12 @@ def main(case: str) -> dict[str, Any]:
         trainer = build(str(Path(tmp) / "run"), case)
         threads = set(threading.enumerate())
         call(trainer, case)
-        for thread in set(threading.enumerate()) - threads:
-            # The call's event-loop and worker threads end after it returned: until they have,
-            # their last frames may still refer to what they ran.
+        new = set(threading.enumerate()) - threads
+        training = {t for t in new if t.name.startswith("trainbus-training")}
+        for thread in new - training:
+            # The call's event-loop threads end after it returned: until they have, their last
+            # frames may still refer to what they ran. The training thread idles until the
+            # trainer closes or is dropped, holding nothing of the call.
             thread.join(timeout=30)
         settings = trainer.settings
         optimizer = settings.optimizers["default"]
@@ -152,6 +156,10 @@ def main(case: str) -> dict[str, Any]:
                 "buffer": weakref.ref(buffer)}  # fmt: skip
         del trainer, settings, optimizer, buffer
         alive = sorted(name for name, ref in refs.items() if ref() is not None)
+        if "trainer" not in alive:  # dropped: its training thread ends (no gc pass either)
+            for thread in training:
+                thread.join(timeout=30)
+        left = sorted(t.name for t in training if t.is_alive())
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         heavy = (Trainer, EventBus, torch.nn.Module, torch.Tensor, torch.optim.Optimizer)
@@ -159,7 +167,7 @@ def main(case: str) -> dict[str, Any]:
         gc.set_debug(0)
         gc.garbage.clear()
         gc.enable()
-    return {"alive": alive, "in_cycles": cyclic}
+    return {"alive": alive, "in_cycles": cyclic, "threads": left}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A dropped Trainer frees its model, optimizer, buffers and bus without a garbage-collector
-pass (#27): no reference cycle through the bus, the hooks, the callbacks' subscriptions, the
-results or the event loop's tasks, whichever way it ran. A sweep's previous trials' weights
-must not wait for the next gc pass (on a GPU above all).
+pass, and ends its training thread (#27): no reference cycle through the bus, the hooks, the
+callbacks' subscriptions, the results or the event loop's tasks, whichever way it ran. A
+sweep's previous trials' weights must not wait for the next gc pass (on a GPU above all).
 
 Every case runs in one fresh interpreter (tests/_freed_case.py) with the collector off, each
 after a warm-up call of its own: the verdict depends on no other test's state or order.
@@ -52,3 +52,5 @@ def test_a_dropped_trainer_is_freed_without_gc(verdicts: dict[str, Any], case: s
     assert verdict["alive"] == [], f"{case}: still alive without a gc pass: {verdict['alive']}"
     # ...and none of them is in a cycle a gc pass would have had to break.
     assert verdict["in_cycles"] == [], f"{case}: in reference cycles: {verdict['in_cycles']}"
+    # ...and its training thread, idle since the call, ended with it (or with the close).
+    assert verdict["threads"] == [], f"{case}: training thread left: {verdict['threads']}"

@@ -9,7 +9,8 @@
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
 
 ``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
-loop (see ``trainbus.loop.loop`` for the event order) in a worker thread with ``anyio.to_thread``,
+loop (see ``trainbus.loop.loop`` for the event order) on the Trainer's training thread (one for
+all its calls, ended by ``close()`` or the Trainer's drop; docs/compile.md),
 turns SIGINT/SIGTERM into ``StopTraining`` (a second SIGINT aborts), and suspends the bus, which
 delivers every event published before ``FitEnded``; ``evaluate()`` and ``predict()`` run on the
 same bus and subscribers, before or after it (docs/trainer.md, "One Trainer, many calls").
@@ -41,7 +42,7 @@ from ._trainer.options import signature as options_signature
 from ._trainer.rank_setup import RankSetup
 from ._trainer.result import FitResult, fit_result
 from ._trainer.resume import CallbackStates, check_resume, load_weights
-from ._trainer.session import BusSession, SignalWatcher, watching_cancel
+from ._trainer.session import BusSession, SignalWatcher, TrainingThread, watching_cancel
 from ._trainer.workers import end_workers, spawns_workers
 from .bus import EventBus, Tier
 from .callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -111,10 +112,14 @@ class Trainer:
         self.result: FitResult | None = None
         self._attached = Attached(self.bus, self.hooks)
         attached = self._attached  # not self: no cycle through the trainer (freed without gc)
-        self._states = CallbackStates(self.bus, lambda: attached.callbacks)
-        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout)
+        # Every call's loop runs on this one thread, from the first call to close() or the
+        # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
+        self._thread = TrainingThread()
+        self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
+        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout,
+                                   self._thread)  # fmt: skip
         self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
-        self._lifetime = Lifetime(self.bus)
+        self._lifetime = Lifetime(self.bus, self._thread)
         self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
@@ -189,9 +194,10 @@ class Trainer:
     def close(self) -> None:
         """Close the bus: deliver what is queued, complete the streams (buffering operators
         emit what they hold), wait for async subscribers (``close_timeout``), then stop the
-        ``with`` block's portal. Idempotent; later calls raise ``TrainbusError``. A Trainer
-        never closed loses nothing of its calls (each delivers before it returns); closing
-        completes the streams and frees the subscribers.
+        ``with`` block's portal and end the training thread. Idempotent; later calls raise
+        ``TrainbusError``. A Trainer never closed loses nothing of its calls (each delivers
+        before it returns); closing completes the streams and frees the subscribers (dropping
+        the Trainer ends its training thread too).
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
@@ -344,8 +350,7 @@ class Trainer:
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._states.bind(anyio.get_cancelled_exc_class())
-        self._session.bind(anyio.get_cancelled_exc_class())
+        self._session.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._attached]  # fmt: skip
         try:
@@ -385,9 +390,9 @@ class Trainer:
         try:
             with self._signals.installed(self.handle_signals):
                 async with self._session.open():
-                    async with watching_cancel(loop):
+                    async with watching_cancel(loop, self._thread):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
-                        await anyio.to_thread.run_sync(self._signals.masked(loop.run, spawns))
+                        await self._thread.run(self._signals.masked(loop.run, spawns))
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too

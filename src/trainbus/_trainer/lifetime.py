@@ -9,8 +9,11 @@ Three ways to hold the bus, all on the same subscribers:
 * ``async with Trainer(...) as t:`` runs the bus in the caller's event loop until the block ends.
 * Neither: each call runs the bus for itself and suspends it when it ends (what the call
   published is delivered, time windows emit, async subscribers finish); a sync twin starts a
-  portal for the call and stops it, so no thread outlives the call. ``t.close()`` (or
-  ``await t.aclose()``) completes the streams at the end.
+  portal for the call and stops it, so no event-loop thread outlives the call. ``t.close()``
+  (or ``await t.aclose()``) completes the streams at the end.
+
+The training thread (:class:`~trainbus._trainer.session.TrainingThread`) that runs every call's
+loop lives from the first call until the bus closes (whichever way) or the Trainer is dropped.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from anyio.from_thread import BlockingPortal
 
 from .._exceptions import ConfigError, TrainbusError
 from ..bus import EventBus
+from .session import TrainingThread
 
 __all__ = ["BACKENDS", "Lifetime"]
 
@@ -79,10 +83,12 @@ class Lifetime:
 
     Args:
         bus: The trainer's bus.
+        thread: The trainer's training thread, ended when the bus closes.
     """
 
-    def __init__(self, bus: EventBus) -> None:
+    def __init__(self, bus: EventBus, thread: TrainingThread) -> None:
         self._bus = bus
+        self._thread = thread
         self._portal: BlockingPortal | None = None
         self._backend = "asyncio"
         self._stack: contextlib.ExitStack | None = None
@@ -122,13 +128,25 @@ class Lifetime:
 
     def close(self) -> None:
         """Close the bus (deliver, complete the streams, wait for async subscribers), then
-        stop the ``with`` block's portal. Idempotent.
+        stop the ``with`` block's portal and end the training thread. Idempotent.
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
             Exception: a subscription with ``on_error="raise"`` failed at the close (the
                 subscriber's own exception).
         """
+        try:
+            self._close()
+        finally:
+            self._end_thread()
+
+    def _end_thread(self) -> None:
+        """End the training thread once the bus closed (also when a subscriber's failure at
+        the close is raised: the bus is closed all the same)."""
+        if self.closed:
+            self._thread.close()
+
+    def _close(self) -> None:
         stack, portal = self._stack, self._portal
         if stack is not None and portal is not None:
             self._stack = self._portal = None
@@ -188,23 +206,30 @@ class Lifetime:
         await self._bus.__aenter__()
 
     async def aexit(self, exc_type: type[BaseException] | None) -> None:
-        """Close the bus at the end of ``async with trainer``."""
-        await self._bus.__aexit__(exc_type, None, None)
+        """Close the bus at the end of ``async with trainer``, then end the training thread."""
+        try:
+            await self._bus.__aexit__(exc_type, None, None)
+        finally:
+            self._end_thread()
 
     async def aclose(self) -> None:
-        """Close a bus that does not run (new or suspended): deliver, complete the streams.
-        Idempotent.
+        """Close a bus that does not run (new or suspended): deliver, complete the streams;
+        then end the training thread. Idempotent.
 
         Raises:
             TrainbusError: the bus runs (in ``with`` or ``async with``: leave that instead).
         """
         state = self._bus.state
         if state in ("closing", "closed"):
+            self._end_thread()
             return
         if state == "running" or self._portal is not None:
             raise TrainbusError("aclose(): the bus runs in a `with` or `async with` block; "
                                 "leaving it closes the bus")  # fmt: skip
-        await self._run_to_close()
+        try:
+            await self._run_to_close()
+        finally:
+            self._end_thread()
 
     async def _run_to_close(self) -> None:
         async with self._bus:

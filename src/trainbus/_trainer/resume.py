@@ -8,7 +8,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import anyio.from_thread
 import torch
 
 from .. import events as ev
@@ -20,7 +19,8 @@ from ..callbacks._base import Callback
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
 from ..distributed.data import unwrap_model
 from ..distributed.group import ProcessGroup
-from ..loop import Cancelled, Settings
+from ..loop import Settings
+from .session import TrainingThread
 
 __all__ = ["CallbackStates", "check_resume", "load_weights"]
 
@@ -87,12 +87,18 @@ class CallbackStates:
     Args:
         bus: The trainer's bus (flushed before a collection; carries the load events).
         callbacks: Returns the attached callbacks, in attachment order.
+        thread: The training thread, which collects the states at a save.
     """
 
-    def __init__(self, bus: EventBus, callbacks: Callable[[], tuple[Callback, ...]]) -> None:
+    def __init__(
+        self,
+        bus: EventBus,
+        callbacks: Callable[[], tuple[Callback, ...]],
+        thread: TrainingThread,
+    ) -> None:
         self._bus = bus
         self._callbacks = callbacks
-        self._cancelled_exc: tuple[type[BaseException], ...] = ()
+        self._thread = thread
         self._source: ev.ResumeSource | None = None
 
     @property
@@ -125,20 +131,13 @@ class CallbackStates:
         self._bus.flush()
         return {cb.checkpoint_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
 
-    def bind(self, cancelled_exc: type[BaseException]) -> None:
-        """Name the running event loop's cancellation exception (call in ``fit()``)."""
-        self._cancelled_exc = (cancelled_exc,)
-
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
         """:meth:`collect`, called by the loop on the training thread at each save.
 
         Raises:
             Cancelled: ``fit()`` was cancelled meanwhile.
         """
-        try:
-            return anyio.from_thread.run_sync(self.collect)
-        except self._cancelled_exc as exc:
-            raise Cancelled from exc
+        return self._thread.call_sync(self.collect)
 
     def _latest(self, s: Settings, *, required: bool) -> Checkpoint | None:
         """``resume="latest"``: Ray's checkpoint when Ray handed one, else the newest valid

@@ -1,19 +1,28 @@
-"""Running work on a worker thread while the bus runs: the bus session of one call, the
-standalone evaluate/predict runs, and the watchers for cancellation and SIGINT/SIGTERM."""
+"""Running work on the training thread while the bus runs: the thread itself (one per Trainer),
+the bus session of one call, the standalone evaluate/predict runs, and the watchers for
+cancellation and SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import multiprocessing.resource_tracker
 import signal
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
+from anyio.lowlevel import EventLoopToken
+
+try:  # what anyio and trio ask which async library runs here (anyio can do without it)
+    import sniffio
+except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
+    sniffio = None  # type: ignore[assignment]
 
 from .. import commands as cmd
 from .. import events as ev
@@ -25,33 +34,173 @@ from ..bus.tasks import TaskSet
 from ..checkpoint import TrainState
 from ..loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 
-__all__ = ["BusSession", "SignalWatcher", "watch_cancel", "watching_cancel"]
+__all__ = ["BusSession", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
 
+THREAD_NAME = "trainbus-training"
+"""The training thread's name prefix (``threading.current_thread().name`` starts with it)."""
 
-async def watch_cancel(run: Loop | StandaloneRun) -> None:
+
+class TrainingThread:
+    """The one thread every call of a Trainer runs its loop on: ``fit``, ``evaluate``,
+    ``predict``, their sync twins and a resumed ``fit`` all run on it, one at a time.
+
+    Why one thread for the whole session, not a worker per call: torch keeps state per thread
+    that a compiled model's traces use, and a later trace on a new thread may meet what an
+    ended one left (torch 2.11 kept dynamo's fake CUDA device guard in a thread-local of the
+    first thread that traced but published its address process-wide: once that thread had
+    exited, the next compiling call read freed memory and crashed). A model traces, recompiles
+    and replays on one thread for as long as the Trainer lives.
+
+    The thread starts with the first call and ends with :meth:`close` (the Trainer's close), or
+    when the Trainer is dropped: it is the one worker of a ``ThreadPoolExecutor``, whose worker
+    exits when the executor is freed (a weakref callback, no cycle: a dropped Trainer ends it
+    without a gc pass), shut down, or at interpreter exit (before non-daemon threads are
+    joined). Between calls it idles and holds nothing of the last one.
+
+    As with ``anyio.to_thread.run_sync`` (which cannot pin a thread), each call runs in a copy
+    of the caller's context (contextvars: per-thread torch settings kept in them, dynamo's
+    config since torch 2.12, reach the thread), and its wait cannot be cancelled: a
+    cancellation of the caller asks the run to stop (:func:`watching_cancel`) and waits for
+    it. What the loop awaits on the event loop from the thread (:meth:`call`) is cancelled
+    with the caller.
+    """
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._ident: int | None = None  # the thread's, once it ran a call
+        self._token: EventLoopToken | None = None  # the running call's event loop
+        self._scopes: set[anyio.CancelScope] = set()  # what the thread awaits there now
+        self._cancelled = False
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the training thread in a copy of the caller's context; wait for it,
+        through a cancellation of the caller too (raised at the caller's next checkpoint).
+
+        Returns:
+            What ``fn`` returned.
+
+        Raises:
+            What ``fn`` raised.
+        """
+        done = anyio.Event()
+        box: list[tuple[bool, Any]] = []
+        token = anyio.lowlevel.current_token()
+        self._token, self._cancelled = token, False
+        # The future is not waited on: the job reports through ``done`` on the event loop.
+        # What it runs goes in a list the job empties: the pool's work item holds its
+        # arguments until after ``done`` is set, and must not hold the run (the model) then.
+        context = contextvars.copy_context()
+        if sniffio is not None:
+            # No event loop runs on the training thread, though the copied context names the
+            # caller's library: cleared, as anyio's worker threads clear it.
+            context.run(sniffio.current_async_library_cvar.set, None)
+        self._pool.submit(self._job, [context, fn], box, done, token)
+        try:
+            with anyio.CancelScope(shield=True):
+                await done.wait()
+        finally:
+            self._token = None
+        ok, value = box.pop()
+        if ok:
+            return value  # type: ignore[no-any-return]
+        try:
+            raise value
+        finally:
+            del value  # this frame is in its traceback: nothing of it refers back
+
+    def _job(
+        self, work: list[Any], box: list[tuple[bool, Any]], done: anyio.Event, token: EventLoopToken
+    ) -> None:
+        self._ident = threading.get_ident()
+        context, fn = work
+        work.clear()
+        try:
+            box.append((True, context.run(fn)))
+        except BaseException as exc:  # raised by run() on the event loop
+            box.append((False, exc))
+        # Nothing of the call left on this thread once the caller resumes (a dropped Trainer
+        # is freed at once, without waiting for this thread to get the GIL back).
+        del context, fn
+        anyio.from_thread.run_sync(done.set, token=token)
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """From the training thread: ``await fn(*args)`` on the running call's event loop and
+        return its value; cancelled when the caller is (:meth:`cancel`).
+
+        Raises:
+            Cancelled: the caller was cancelled (before or while ``fn`` ran).
+        """
+        token = self._token
+        if token is None or self._cancelled:
+            raise Cancelled
+        finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=token)
+        if not finished:
+            raise Cancelled
+        return value  # type: ignore[return-value]  # finished: what fn returned
+
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """From the training thread: ``fn(*args)`` on the running call's event loop.
+
+        Raises:
+            Cancelled: the caller was cancelled.
+        """
+        token = self._token
+        if token is None or self._cancelled:
+            raise Cancelled
+        return anyio.from_thread.run_sync(fn, *args, token=token)
+
+    async def _cancellable(
+        self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]
+    ) -> tuple[bool, T | None]:
+        with anyio.CancelScope() as scope:
+            if self._cancelled:
+                scope.cancel()
+            self._scopes.add(scope)
+            try:
+                return True, await fn(*args)
+            finally:
+                self._scopes.discard(scope)
+        return False, None  # its own scope caught the cancellation: no exception left behind
+
+    def cancel(self) -> None:
+        """On the event loop: the caller was cancelled; what the thread awaits there now, or
+        later in this call, is cancelled (:meth:`call` raises ``Cancelled`` on the thread)."""
+        self._cancelled = True
+        for scope in list(self._scopes):
+            scope.cancel()
+
+    def close(self) -> None:
+        """End the thread (it idles: no call runs). Idempotent. Called on the training thread
+        itself (a hook closing its Trainer), the thread ends once the call returns."""
+        self._pool.shutdown(wait=self._ident != threading.get_ident())
+
+
+async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
     """Sleep until cancelled, then ask ``run`` to stop at its next check.
 
     If the calling call is cancelled, this task is cancelled with it: the thread stops between
-    micro-batches, so the worker returns and the closing events are published.
+    micro-batches (and what it awaits on the event loop, a barrier, is cancelled), so the
+    worker returns and the closing events are published.
     """
     try:
         await anyio.sleep_forever()
     finally:
         run.request_cancel()
+        thread.cancel()
 
 
 @contextlib.asynccontextmanager
-async def watching_cancel(run: Loop | StandaloneRun) -> AsyncIterator[None]:
+async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
     """While the block runs, a cancellation of the caller asks ``run`` to stop
     (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
     cancelled when nothing cancelled the call (``bus/tasks.py``: no reference cycle left)."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
-        tasks.start_soon(watch_cancel, run)
+        tasks.start_soon(watch_cancel, run, thread)
         try:
             yield
         finally:
@@ -64,14 +213,19 @@ class BusSession:
     Args:
         bus: The trainer's bus (the session takes its loop face, :attr:`port`, once).
         hooks: The trainer's hooks (run by standalone runs too).
+        barrier_timeout: How long a barrier waits for its subscribers.
+        thread: The trainer's training thread (standalone runs run on it, barriers wait
+            through it).
     """
 
-    def __init__(self, bus: EventBus, hooks: Hooks, barrier_timeout: float) -> None:
+    def __init__(
+        self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
+    ) -> None:
         self._bus = bus
         self._port = bus.port()
         self._hooks = hooks
         self._timeout = barrier_timeout
-        self._cancelled_exc: tuple[type[BaseException], ...] = ()
+        self._thread = thread
         self._interrupted = False
 
     @property
@@ -79,10 +233,8 @@ class BusSession:
         """The bus' loop face, handed to the training loop and the standalone runs."""
         return self._port
 
-    def bind(self, cancelled_exc: type[BaseException]) -> None:
-        """Name the running event loop's cancellation exception (call in ``fit()``); the
-        call starts uninterrupted."""
-        self._cancelled_exc = (cancelled_exc,)
+    def begin(self) -> None:
+        """A ``fit()`` begins: uninterrupted."""
         self._interrupted = False
 
     def interrupt(self) -> None:
@@ -105,12 +257,8 @@ class BusSession:
             # After Ctrl-C the user wants the run to end: what is published is still
             # delivered before fit() returns, but the loop does not wait for it here.
             return "done"
-        try:
-            status: str = anyio.from_thread.run(self._port.wait_barrier, self._timeout, event,
-                                                resume)  # fmt: skip
-        except self._cancelled_exc as exc:
-            # A cancellation, not a failure.
-            raise Cancelled from exc
+        # Cancelled with the call (a cancellation, not a failure): Cancelled.
+        status: str = self._thread.call(self._port.wait_barrier, self._timeout, event, resume)
         return status
 
     @contextlib.asynccontextmanager
@@ -144,7 +292,7 @@ class BusSession:
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
     ) -> Any:
-        """Run ``fn(run)`` on a worker thread with the bus running (evaluate/predict).
+        """Run ``fn(run)`` on the training thread with the bus running (evaluate/predict).
 
         Args:
             fn: What to do with the :class:`StandaloneRun`.
@@ -170,8 +318,8 @@ class BusSession:
             except BaseException as exc:
                 box["error"] = exc
 
-        async with self.open(), watching_cancel(run):
-            await anyio.to_thread.run_sync(call)
+        async with self.open(), watching_cancel(run, self._thread):
+            await self._thread.run(call)
         error = box.get("error")
         if isinstance(error, Cancelled):
             await anyio.lowlevel.checkpoint()  # let the pending cancellation out
@@ -270,7 +418,7 @@ class SignalWatcher:
         ``KeyboardInterrupt``, exit, and fail the run's next fetch ("DataLoader worker exited
         unexpectedly") before the final checkpoint. The workers end with the loader's iterator
         as usual. The handler itself runs on the main thread either way. The mask is restored
-        after ``fn`` (the thread is a pooled one).
+        after ``fn`` (the thread runs the Trainer's later calls too).
 
         Args:
             fn: What the training thread runs.

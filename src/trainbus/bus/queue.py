@@ -336,8 +336,9 @@ class PublishQueue:
         """
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise BusClosedError(
-                "flush() runs on the bus' event-loop thread; from another thread use "
-                "anyio.from_thread.run(bus.wait_delivered)"
+                "flush() runs on the bus' event-loop thread; from another thread (a hook on "
+                "the training thread included) use anyio.from_thread.run(bus.wait_delivered, "
+                "token=token), the token taken on that loop by anyio.lowlevel.current_token()"
             )
         q = self._events
         while q:

@@ -228,6 +228,7 @@ class Evaluator:
         hooks = () if self._hooks is None else self._hooks.by_point["eval_batch"]
         should_stop = self._should_stop
         total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
+        on_cpu = s.device.type == "cpu"
         sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in names]
         totals = SetTotals(s.set_metrics, s.device) if s.set_metrics else None
         count = batches = 0
@@ -269,8 +270,11 @@ class Evaluator:
                 for i, value in enumerate(values if names else ()):
                     sums[i] += value.detach().double().mean() * n
                 if want.eval_batch_ended:
+                    # A copy off the CPU: the next replay of a CUDA graph that returned the
+                    # loss overwrites it before a subscriber reads it (docs/compile.md).
                     pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                          loss=loss, samples=n, dataset=dataset))  # fmt: skip
+                                          loss=loss if on_cpu else loss.clone(), samples=n,
+                                          dataset=dataset))  # fmt: skip
         if count == 0:
             if batches == 0 and should_stop is not None and should_stop():
                 return {}  # stopped before the first batch: nothing to report

@@ -1,4 +1,4 @@
-"""The training loop. It runs on a worker thread, publishes onto the bus, polls commands.
+"""The training loop. It runs on the training thread, publishes onto the bus, polls commands.
 
 :class:`Loop` is the run, the epoch and the poll point after each step. The rest is owned by
 the parts it composes: ``Step`` (one optimizer step with its hooks and events, the only one),

@@ -1,6 +1,6 @@
 """Evaluation and prediction outside ``fit()``: ``trainer.evaluate()`` and ``trainer.predict()``.
 
-:class:`StandaloneRun` runs on a worker thread like the loop, on the same bus and with the same
+:class:`StandaloneRun` runs on the training thread like the loop, on the same bus and with the same
 hooks, and polls the command queue between batches: ``StopTraining`` ends the pass early (the
 spans still close), any other command is acknowledged with a ``ConfigError`` (there is no step
 to save or evaluate at). Event order::
@@ -32,7 +32,7 @@ from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
-from .outputs import OutputsCheck, PadValues, detach_outputs, join_outputs
+from .outputs import OutputsCheck, PadValues, detach_outputs, join_outputs, map_tensors
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ __all__ = ["StandaloneRun", "detach_outputs", "join_outputs"]
 
 
 class StandaloneRun:
-    """One ``evaluate()`` or ``predict()`` call, on the calling worker thread.
+    """One ``evaluate()`` or ``predict()`` call, on the training thread.
 
     Attributes:
         stop_reason: The ``StopTraining`` reason that ended the pass early, else None.
@@ -104,7 +104,7 @@ class StandaloneRun:
         Raises:
             TrainingError: a set yielded no batch; or whatever the model raised.
         """
-        use_device(self._s.device)  # this worker thread's current CUDA device
+        use_device(self._s.device)  # the training thread's current CUDA device
         evaluator = Evaluator(self._s, self._bus, self._state, self._wants, self._check_cancel,
                               self._hooks, self.should_stop)  # fmt: skip
         evaluator.run("standalone", sets)
@@ -133,7 +133,7 @@ class StandaloneRun:
         """
         s, bus, st, w = self._s, self._bus, self._state, self._wants
         check = OutputsCheck(pad or PadValues()) if keep else None
-        use_device(s.device)  # this worker thread's current CUDA device
+        use_device(s.device)  # the training thread's current CUDA device
         pub = bus.publish
         w.refresh()
         try:
@@ -143,6 +143,7 @@ class StandaloneRun:
         pub(ev.PredictionStarted(step=st.step, epoch=st.epoch, batches=total))
         hooks = self._hooks.by_point["eval_batch"]
         kept = HostOutputs(s.device)
+        on_cpu = s.device.type == "cpu"
         done = 0
         error: BaseException | None = None
         model = s.model
@@ -189,6 +190,12 @@ class StandaloneRun:
                         check.add(outputs, bi)  # fail at this batch, not after the pass
                         kept.add(outputs)  # to the host now: the device keeps no batch
                     if w.prediction_batch_ended:
+                        if not on_cpu:
+                            # The next replay of a CUDA graph that returned them (torch.compile's
+                            # mode="reduce-overhead") overwrites them before a subscriber reads
+                            # them: it gets a copy (docs/compile.md). The host copy above was
+                            # queued first, on the same stream.
+                            outputs = map_tensors(torch.Tensor.clone, outputs)
                         pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                                     outputs=outputs,
                                                     samples=batch_size(batch)))  # fmt: skip

@@ -178,6 +178,11 @@ class Step:
         # Read at sync, a custom step's window keeps what ctx.backward was given as well.
         check_backward = custom is not None and guard.active and not guard.per_step
         hand_on_each = loss_computed or not read_each  # else the window takes the value read
+        # On an accelerator the loss handed on is a copy: a loss a CUDA graph returns
+        # (torch.compile's mode="reduce-overhead", a graph the step replays itself) lives in
+        # the graph's output buffer, which the next replay overwrites before a subscriber or
+        # the window reads it. One small device copy per step; none on the CPU.
+        copy = s.device.type != "cpu"
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
         log_every, barriers, add = s.log_every, s.barriers, self._window.add
         taken = False
@@ -261,6 +266,8 @@ class Step:
                     loss = custom.micro_batch(batch, bi, micro, window)
                 stepped = True
                 kept = loss.detach() if hand_on else loss
+                if copy and hand_on:
+                    kept = kept.clone()
                 # The step's loss (the mean of `losses`) is then the window's item-weighted
                 # mean, what one batch of the window's items reports.
                 losses.append(kept if not weights else kept * (weights[micro] * len(weights)))
