@@ -128,10 +128,10 @@ def test_early_stopping_and_keep_best_come_out_the_same_from_every_checkpoint(
     whole.fit_sync()
     assert whole.result is not None and whole.result.reason == "stopped"  # early stopping fired
     stopped_at = whole.result.steps
-    # The files written at the stopping step itself are left out: the stop is a command, not
-    # state, and a run resumed from them trains on (see docs/reliability.md).
-    written = [e for e in rec.of_type(ev.CheckpointSaved) if e.step < stopped_at]
+    written = [e for e in rec.of_type(ev.CheckpointSaved) if e.tag != "final"]
     assert any(e.tag == "best" for e in written) and any(e.tag is None for e in written)
+    # Files written at the stopping step too: resumed from them, the run stops at once.
+    assert any(e.step == stopped_at for e in written)
     for saved in written:
         folder = tmp_path / f"from-{saved.step}-{saved.tag}"
         resumed, again, rec2 = _trainer(folder, eval_every=2, max_steps=40, eval_shuffle=True,
