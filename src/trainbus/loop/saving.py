@@ -151,12 +151,15 @@ class CheckpointWriter:
     def _order_to_save(self) -> dict[str, Any] | None:
         """The order the resumed run replays: the epoch in progress', or the next epoch's.
 
-        Past an epoch's last batch (a save at ``EpochEnded``) or between epochs (the final
-        save), the resumed run starts the next epoch: its order is captured now, because the
-        loader's own generator has moved on since the epoch began (its permutation is drawn).
+        Past an epoch's last batch or its end work (a save at ``EpochEnded``, after a
+        ``StopEpoch`` too) or between epochs (the final save), the resumed run starts the next
+        epoch: its order is captured now, because the loader's own generator has moved on
+        since the epoch began (its permutation is drawn).
         """
         s, st, order = self._settings, self._state, self._data_order
-        if s.train_len is not None and st.batch_in_epoch >= s.train_len:
+        if st.closed_epoch == st.epoch or (
+            s.train_len is not None and st.batch_in_epoch >= s.train_len
+        ):
             return capture_data_order(s.train_data, epoch=st.epoch + 1)
         if st.batch_in_epoch == 0 and (order is None or order.get("epoch") != st.epoch):
             return capture_data_order(s.train_data, epoch=st.epoch)
