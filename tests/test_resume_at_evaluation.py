@@ -23,6 +23,7 @@ from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping
+from trainbus.checkpoint import read_checkpoint
 from trainbus.testing import EventRecorder
 
 _X = torch.randn(64, 4, generator=torch.Generator().manual_seed(3))
@@ -261,9 +262,11 @@ def test_resuming_with_another_configuration_says_what_exactness_is_lost(
 def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
     tmp_path: Path,
 ) -> None:
-    """Data without a length, an epoch scheduler, a save at each EpochEnded: the train state
-    says the epoch's end work ran, so the resumed run starts the next epoch without stepping
-    the scheduler or evaluating again, and ends as the uninterrupted run."""
+    """Data without a length, an epoch scheduler, a save every 4 steps and at each EpochEnded:
+    step 8's file is written again at EpochEnded (the epoch's end work changed the state since
+    its StepEnded save) and says the epoch's end work ran, so the resumed run starts the next
+    epoch without stepping the scheduler or evaluating again, and ends as the uninterrupted
+    run."""
 
     def run(folder: Path) -> tuple[Trainer, nn.Module, EventRecorder]:
         torch.manual_seed(0)
@@ -272,7 +275,7 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
         trainer = Trainer(
             model, optimizer, _Stream(), loss_fn=nn.functional.cross_entropy,
             eval_data=DataLoader(TensorDataset(_X[:24], _Y[:24]), batch_size=8, shuffle=True),
-            max_epochs=3, checkpoint_dir=folder, callbacks=[Checkpointing(every_epochs=1)],
+            max_epochs=3, checkpoint_dir=folder, callbacks=[Checkpointing(every_steps=4)],
             scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
             scheduler_interval="epoch",
         )  # fmt: skip
@@ -283,9 +286,11 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
     assert [(e.step, e.triggers) for e in rec.of_type(ev.EvaluationEnded)] == [
         (8, ("epoch",)), (16, ("epoch",)), (24, ("epoch", "end"))
     ]  # fmt: skip
-    at_8 = next(e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8)
+    at_8 = [e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8]
+    assert len(at_8) == 2 and at_8[0].path == at_8[1].path
+    assert read_checkpoint(at_8[1].path).state.closed_epoch == 0
     resumed, again, rec2 = run(tmp_path / "resumed")
-    resumed.fit_sync(resume=at_8.path)
+    resumed.fit_sync(resume=at_8[1].path)
     assert [e.epoch for e in rec2.of_type(ev.EpochStarted)] == [1, 2]
     assert [e.step for e in rec2.of_type(ev.EvaluationEnded)] == [16, 24]
     lr = [t.settings.optimizer.param_groups[0]["lr"] for t in (whole, resumed)]
