@@ -268,7 +268,7 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
     epoch without stepping the scheduler or evaluating again, and ends as the uninterrupted
     run."""
 
-    def run(folder: Path) -> tuple[Trainer, nn.Module, EventRecorder]:
+    def run(folder: Path, mid: bool = False) -> tuple[Trainer, nn.Module, EventRecorder]:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
@@ -279,14 +279,17 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
             scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
             scheduler_interval="epoch",
         )  # fmt: skip
+        if mid:  # a tagged save at the epoch's last step, before its end is found
+            trainer.add_hook("after_optimizer_step", lambda ctx: trainer.bus.send(
+                cmd.SaveCheckpoint(tag="mid")) if ctx.step == 8 else None)  # fmt: skip
         return trainer, model, EventRecorder(trainer.bus)
 
-    whole, model, rec = run(tmp_path / "whole")
+    whole, model, rec = run(tmp_path / "whole", mid=True)
     whole.fit_sync()
     assert [(e.step, e.triggers) for e in rec.of_type(ev.EvaluationEnded)] == [
         (8, ("epoch",)), (16, ("epoch",)), (24, ("epoch", "end"))
     ]  # fmt: skip
-    at_8 = [e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8]
+    at_8 = [e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8 and e.tag is None]
     assert len(at_8) == 2 and at_8[0].path == at_8[1].path
     assert read_checkpoint(at_8[1].path).state.closed_epoch == 0
     resumed, again, rec2 = run(tmp_path / "resumed")
@@ -297,3 +300,14 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
     assert lr[0] == lr[1] == 0.05 * 0.5**3
     _same_weights(model, again)
     assert _after(rec2, 8) == _after(rec, 8)
+
+    # The tagged file holds the state before the epoch's end: the resumed run replays the
+    # epoch, finds its end, evaluates it and steps the scheduler (before any optimizer step
+    # of its own: no torch warning, which this suite would turn into an error).
+    (mid,) = [e for e in rec.of_type(ev.CheckpointSaved) if e.tag == "mid"]
+    assert read_checkpoint(mid.path).state.closed_epoch == -1
+    replayed, again, rec3 = run(tmp_path / "replayed")
+    replayed.fit_sync(resume=mid.path)
+    assert [e.step for e in rec3.of_type(ev.EvaluationEnded)] == [8, 16, 24]
+    _same_weights(model, again)
+    assert _after(rec3, 8) == _after(rec, 8)

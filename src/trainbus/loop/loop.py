@@ -170,6 +170,7 @@ class Loop:
         # closes its evaluation (and the epoch's work) before its decision poll (_close_step).
         self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
+        self._first_step = state.step  # no optimizer step in this process before it
 
     def release(self) -> None:
         """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
@@ -478,7 +479,7 @@ class Loop:
         if ends_epoch:
             st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":
-                self._scheduler_step(always=True)
+                self._scheduler_step(always=True, replayed=st.step == self._first_step)
         if ends:
             # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then
             # the commands they sent are applied once, after the whole round and the epoch's
