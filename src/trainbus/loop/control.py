@@ -80,9 +80,12 @@ class CommandHandler:
         self._sync = sync
         self.stop_reason: str | None = None
         self.stop_epoch = False
-        # The last checkpoint a SaveCheckpoint wrote: a second one at the same step and tag is
-        # answered with it instead of writing the same state twice.
+        # The last checkpoint a SaveCheckpoint wrote and the train state it holds: a second one
+        # at the same step and tag, the state unchanged, is answered with it instead of
+        # writing the same state twice (a save at EpochEnded after one at the epoch's last
+        # StepEnded, when the data's length is known and that step did the epoch's end work).
         self._saved: ev.CheckpointSaved | None = None
+        self._saved_state: dict[str, int] = {}
 
     # ================================================================== stop state
     def stop(self, reason: str) -> None:
@@ -217,16 +220,22 @@ class CommandHandler:
                 case cmd.StopEpoch():
                     self.stop_epoch = True
                 case cmd.SaveCheckpoint(tag=tag):
-                    saved = self._saved
-                    if saved is None or saved.step != st.step or saved.tag != tag:
+                    saved, now = self._saved, st.as_dict()
+                    if (saved is None or saved.step != st.step or saved.tag != tag
+                            or self._saved_state != now):  # fmt: skip
                         saved = self._saved = self._checkpoints.save(tag, self._evaluator.metrics)
+                        self._saved_state = now
                     result = saved
                 case cmd.Evaluate():
                     if self._s.eval_data is None:
                         raise ConfigError.invalid("eval_data", None, "data to evaluate on")
-                    ends = self._evaluator.run("command")
-                    # applied on every rank alike
-                    self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+                    ends = self._evaluator.last_ends
+                    if st.evaluated_step != st.step or not ends:
+                        ends = self._evaluator.run("command")
+                        # applied on every rank alike
+                        self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+                    # else: this step's weights were evaluated already (one evaluation per
+                    # step): the command is answered with that evaluation, not run again.
                     # One set: its EvaluationEnded (as before named sets); several: the round.
                     result = ends[0] if len(ends) == 1 else self._evaluator.last_round
                 case cmd.SetLearningRate(lr=lr, param_group=group, optimizer=name):

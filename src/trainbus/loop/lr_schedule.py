@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 from .. import events as ev
@@ -17,6 +18,10 @@ if TYPE_CHECKING:
     from .wants import Wants
 
 __all__ = ["SchedulerStepper"]
+
+_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+"""torch's warning for a scheduler stepped before its optimizer in this process: a resumed run
+that replays the end of the epoch its checkpoint was written in does that on purpose."""
 
 
 class SchedulerStepper:
@@ -43,12 +48,17 @@ class SchedulerStepper:
         """
         return float(self._s.optimizer.param_groups[0]["lr"])
 
-    def step(self, *, always: bool) -> None:
+    def step(self, *, always: bool, replayed: bool = False) -> None:
         """``scheduler.step()`` inside ``SchedulerStepping``/``SchedulerStepped``.
 
         Args:
             always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step,
                 rare enough not to need the cache).
+            replayed: The step ends an epoch a resumed run replays before its first optimizer
+                step (the checkpoint was written at the epoch's last step, before its end was
+                found): torch's warning about a scheduler stepped before its optimizer is
+                silenced for this call only (the uninterrupted run stepped the optimizer
+                first), so ``-W error`` does not fail an exact resume.
 
         Raises:
             BaseException: Whatever ``scheduler.step()`` raised, after
@@ -59,7 +69,12 @@ class SchedulerStepper:
         if w.scheduler_stepping:
             pub(ev.SchedulerStepping(step=st.step, epoch=st.epoch, lr=self.lr()))
         try:
-            s.scheduler.step()
+            if replayed:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+                    s.scheduler.step()
+            else:
+                s.scheduler.step()
         except BaseException as exc:
             if always or w.scheduler_stepped:
                 pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))
