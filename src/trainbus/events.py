@@ -138,8 +138,18 @@ class Ending(StrEnum):
 EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
 """Why an evaluation runs: at an epoch end, every ``eval_every`` steps, at the end of a completed
 run whose last step was not evaluated (``eval_at_end``), an ``Evaluate`` command, or a
-standalone ``trainer.evaluate()`` outside ``fit()``."""
+standalone ``trainer.evaluate()`` outside ``fit()``.
+
+A step is evaluated once however many of these ask for it: the evaluation events carry the one
+that named the round (``trigger``, the first in the order steps, command, epoch, end) and
+``triggers``, every cadence the round stands for (docs/events.md, "One evaluation per step")."""
 _EMPTY: Mapping[str, float] = MappingProxyType({})
+
+
+def _triggers(trigger: EvalTrigger, triggers: tuple[EvalTrigger, ...]) -> tuple[EvalTrigger, ...]:
+    """An evaluation event's ``triggers``: as given (a tuple again after a JSON round trip),
+    ``(trigger,)`` when none were."""
+    return tuple(triggers) if triggers else (trigger,)
 
 
 def _frozen_mapping(value: Mapping[str, float]) -> Mapping[str, float]:
@@ -431,9 +441,13 @@ class EvaluationRoundStarted(BaseEvent):
     trigger: EvalTrigger
     datasets: tuple[str, ...]
     """The sets the round scores, in order."""
+    triggers: tuple[EvalTrigger, ...] = ()
+    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
+    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "datasets", tuple(self.datasets))
+        object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -443,6 +457,12 @@ class EvaluationStarted(BaseEvent):
     trigger: EvalTrigger
     dataset: str = "val"
     """The set's name: its key in an ``eval_data`` mapping, ``"val"`` for a single loader."""
+    triggers: tuple[EvalTrigger, ...] = ()
+    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
+    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -478,9 +498,13 @@ class EvaluationEnded(BaseEvent):
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
     dataset: str = "val"
+    triggers: tuple[EvalTrigger, ...] = ()
+    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
+    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
+        object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -490,9 +514,13 @@ class EvaluationRoundEnded(BaseEvent):
     metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
+    triggers: tuple[EvalTrigger, ...] = ()
+    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
+    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
+        object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
 
 
 # --------------------------------------------------------------------------- prediction

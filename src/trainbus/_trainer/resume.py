@@ -20,6 +20,7 @@ from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpo
 from ..distributed.data import unwrap_model
 from ..distributed.group import ProcessGroup
 from ..loop import Cancelled, Settings
+from ..loop.saving import config_differences, run_config
 
 __all__ = ["CallbackStates", "check_resume"]
 
@@ -202,12 +203,29 @@ class CallbackStates:
                            scheduler=s.scheduler, scaler=s.scaler, world_size=world_size,
                            rng=False)  # fmt: skip
         self.restore(checkpoint)
+        self._warn_differences(s, checkpoint)
         self._bus.publish(ev.CheckpointLoaded(step=checkpoint.state.step,
                                               epoch=checkpoint.state.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
         # The loop needs the train state, data order and RNG states; the weights and optimizer
         # state are in the live objects now: keep no second copy for the rest of the run.
         return checkpoint.restored()
+
+    @staticmethod
+    def _warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
+        """Resuming with other cadences, accumulation or data than the run that wrote the
+        checkpoint: the run goes on, but not as the interrupted one would have; a
+        ``resume_config_differs`` warning says what differs and what is lost. A checkpoint of
+        an earlier version records no run configuration: nothing to compare."""
+        saved = checkpoint.meta.get("run")
+        if not isinstance(saved, dict):
+            return
+        differences = config_differences(saved, run_config(s))
+        if differences:
+            log.warning("resume_config_differs", path=str(checkpoint.path),
+                        step=checkpoint.state.step, differences=differences,
+                        action="resuming anyway; the run will not match an uninterrupted run "
+                        "of the checkpoint's configuration")  # fmt: skip
 
     @staticmethod
     def _found_nothing(s: Settings, found: str, *, required: bool) -> None:
@@ -250,6 +268,7 @@ class CallbackStates:
             if st.batch_in_epoch > 0:
                 st.epoch_done()
         self.restore(checkpoint)
+        self._warn_differences(s, checkpoint)
         self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
         return checkpoint.restored()

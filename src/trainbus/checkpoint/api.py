@@ -31,6 +31,7 @@ def save_checkpoint(
     data_order: dict[str, Any] | None = None,
     callback_states: Mapping[str, Mapping[str, Any]] | None = None,
     world_size: int = 1,
+    run: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a checkpoint atomically and return its path.
 
@@ -45,6 +46,7 @@ def save_checkpoint(
         data_order: :func:`~trainbus.checkpoint.capture_data_order` of the epoch in progress.
         callback_states: ``{name: state dict}`` of tensors and plain containers.
         world_size: Processes training together.
+        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
 
     Returns:
         The checkpoint's path; the file is complete when this returns.
@@ -64,7 +66,7 @@ def save_checkpoint(
     payload = build_payload(
         state=state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
         metrics=metrics, rng=capture_rng() if rng is None else rng, data_order=data_order,
-        callback_states=callback_states, world_size=world_size,
+        callback_states=callback_states, world_size=world_size, run=run,
     )  # fmt: skip
     return CheckpointStore(directory).save(payload, step=state.step, tag=tag)
 

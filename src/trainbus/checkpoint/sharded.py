@@ -153,6 +153,7 @@ def save_sharded(
     metrics: Mapping[str, float],
     data_order: dict[str, Any] | None = None,
     callback_states: Mapping[str, Mapping[str, Any]] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write a sharded checkpoint folder ``directory / name``; every rank calls it.
 
@@ -165,6 +166,7 @@ def save_sharded(
         metrics: The last evaluation's metrics.
         data_order: This rank's :func:`~trainbus.checkpoint.capture_data_order`.
         callback_states: ``{name: state dict}`` (rank 0's are written).
+        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
 
     Returns:
         The folder's path, the same on every rank; complete when this returns.
@@ -188,7 +190,7 @@ def save_sharded(
                                     scheduler=scheduler, scaler=scaler, metrics=metrics,
                                     rng=None, data_order=data_order,
                                     callback_states=callback_states, world_size=world,
-                                    sharded=True)  # fmt: skip
+                                    sharded=True, run=run)  # fmt: skip
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"

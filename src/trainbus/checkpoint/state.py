@@ -6,8 +6,10 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 
     magic        "trainbus-checkpoint"
     format       FORMAT_VERSION
-    meta         trainbus_version, torch_version, world_size, param_shapes, optimizer
-    state        TrainState as a dict: step, epoch, batch_in_epoch, samples_seen
+    meta         trainbus_version, torch_version, world_size, param_shapes, optimizer,
+                 run (the cadences and data shape a resume compares: ``run_config``)
+    state        TrainState as a dict: step, epoch, batch_in_epoch, samples_seen,
+                 evaluated_step (absent in files of earlier versions: read as -1)
     model, optimizer, scheduler, scaler      their state_dict() (None when absent)
     metrics      {name: float}, the last evaluation's
     rng          capture_rng(): python, torch, cuda (when present), numpy (when installed)
@@ -59,18 +61,29 @@ class TrainState:
         epoch: The epoch in progress (or about to start).
         batch_in_epoch: Training batches of ``epoch`` already consumed.
         samples_seen: Training samples consumed since the run began (across resumes).
+        evaluated_step: The step whose evaluation round ran last (-1: none yet).
     """
 
-    __slots__ = ("_batch_in_epoch", "_epoch", "_samples_seen", "_step")
+    __slots__ = ("_batch_in_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step")
 
-    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen")
+    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step")
     """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
 
+    OPTIONAL = {"evaluated_step": -1}
+    """Fields a checkpoint of an earlier version lacks, with the value read for them."""
+
     def __init__(
-        self, *, step: int = 0, epoch: int = 0, batch_in_epoch: int = 0, samples_seen: int = 0
+        self,
+        *,
+        step: int = 0,
+        epoch: int = 0,
+        batch_in_epoch: int = 0,
+        samples_seen: int = 0,
+        evaluated_step: int = -1,
     ) -> None:
         self._step, self._epoch = step, epoch
         self._batch_in_epoch, self._samples_seen = batch_in_epoch, samples_seen
+        self._evaluated_step = evaluated_step
 
     @property
     def step(self) -> int:
@@ -92,6 +105,17 @@ class TrainState:
     def samples_seen(self) -> int:
         """Training samples consumed since the run began (across resumes)."""
         return self._samples_seen
+
+    @property
+    def evaluated_step(self) -> int:
+        """The step whose evaluation round ran last (-1: none yet). A step is evaluated once:
+        a cadence that comes due at a step already evaluated is skipped, also after a resume
+        from a checkpoint written after that evaluation."""
+        return self._evaluated_step
+
+    def evaluated(self) -> None:
+        """An evaluation round of the current step ran."""
+        self._evaluated_step = self._step
 
     def batch_taken(self) -> int:
         """A training batch was fetched: count it in the epoch.
@@ -124,6 +148,7 @@ class TrainState:
             "epoch": self._epoch,
             "batch_in_epoch": self._batch_in_epoch,
             "samples_seen": self._samples_seen,
+            "evaluated_step": self._evaluated_step,
         }
 
     @classmethod
@@ -135,7 +160,8 @@ class TrainState:
         """
         return cls(step=saved["step"], epoch=saved["epoch"],
                    batch_in_epoch=saved["batch_in_epoch"],
-                   samples_seen=saved["samples_seen"])  # fmt: skip
+                   samples_seen=saved["samples_seen"],
+                   evaluated_step=saved.get("evaluated_step", -1))  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrainState):
@@ -222,6 +248,7 @@ def build_payload(
     callback_states: Mapping[str, Mapping[str, Any]] | None = None,
     world_size: int = 1,
     sharded: bool = False,
+    run: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The dictionary written to a checkpoint file (see the module docstring).
 
@@ -229,6 +256,8 @@ def build_payload(
         sharded: A sharded run's ``trainbus.pt`` (:mod:`.sharded`): the model and optimizer
             entries are empty (their state is in the DCP files) and the metadata says so.
             A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
+        run: The run's cadences and data shape (``meta["run"]``), which a resume compares with
+            its own to warn when exactness is lost; None: not recorded.
 
     Raises:
         ConfigError: a callback state or the data order holds a value that
@@ -240,6 +269,9 @@ def build_payload(
     meta = run_metadata(model, optimizer, world_size=world_size)
     if sharded:
         meta["sharded"] = True
+    if run is not None:
+        meta["run"] = dict(run)
+        check_plain(meta["run"], "meta['run']")
     return {
         "magic": MAGIC,
         "format": FORMAT_VERSION,
@@ -412,10 +444,12 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
         _need(meta, key, kind, path)
     raw_state = _need(payload, "state", dict, path)
     names = TrainState.FIELDS
+    raw_state = {**TrainState.OPTIONAL, **raw_state}  # an earlier version's file lacks these
     if set(raw_state) != set(names) or not all(
-        isinstance(raw_state[n], int) and not isinstance(raw_state[n], bool) and raw_state[n] >= 0
+        isinstance(raw_state[n], int) and not isinstance(raw_state[n], bool)
+        and raw_state[n] >= TrainState.OPTIONAL.get(n, 0)
         for n in names
-    ):
+    ):  # fmt: skip
         raise CheckpointError(f"the 'state' entry {raw_state!r} is not a train state",
                               path=str(path))  # fmt: skip
     model = _need(payload, "model", dict, path)

@@ -224,9 +224,13 @@ class CommandHandler:
                 case cmd.Evaluate():
                     if self._s.eval_data is None:
                         raise ConfigError.invalid("eval_data", None, "data to evaluate on")
-                    ends = self._evaluator.run("command")
-                    # applied on every rank alike
-                    self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+                    ends = self._evaluator.last_ends
+                    if st.evaluated_step != st.step or not ends:
+                        ends = self._evaluator.run("command")
+                        # applied on every rank alike
+                        self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+                    # else: this step's weights were evaluated already (one evaluation per
+                    # step): the command is answered with that evaluation, not run again.
                     # One set: its EvaluationEnded (as before named sets); several: the round.
                     result = ends[0] if len(ends) == 1 else self._evaluator.last_round
                 case cmd.SetLearningRate(lr=lr, param_group=group, optimizer=name):

@@ -11,6 +11,7 @@ import torch
 from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
+from ..checkpoint.rng import isolated_rng
 from ..hookpoints import HookPoint, StepContext
 from .forward import forward_loss, metric_targets
 
@@ -59,9 +60,15 @@ class Evaluator:
     batch's ``"labels"``, else the batch); each returns a number or a tensor, averaged over
     samples and keyed by :func:`metric_name`.
 
+    Every round runs under :func:`~trainbus.checkpoint.rng.isolated_rng`: its random draws
+    (a ``DataLoader``'s iterator seed, a metric's sampling) never move the training's
+    generators. A round of a run (not a standalone one) that completes marks its step evaluated
+    in the train state (``TrainState.evaluated``), which a checkpoint keeps.
+
     Attributes:
         metrics: The merged metrics of the last round (empty before the first).
         last_round: The last published ``EvaluationRoundEnded`` (None before the first).
+        last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).
 
     Args:
         settings: The run's settings (model, eval sets, metrics, device, precision).
@@ -94,9 +101,14 @@ class Evaluator:
         self._reduce = reduce
         self.metrics: dict[str, float] = {}
         self.last_round: ev.EvaluationRoundEnded | None = None
+        self.last_ends: tuple[ev.EvaluationEnded, ...] = ()
 
     def run(
-        self, trigger: ev.EvalTrigger, sets: Sequence[tuple[str, Iterable[Any]]] | None = None
+        self,
+        trigger: ev.EvalTrigger,
+        sets: Sequence[tuple[str, Iterable[Any]]] | None = None,
+        *,
+        triggers: tuple[ev.EvalTrigger, ...] = (),
     ) -> tuple[ev.EvaluationEnded, ...]:
         """One evaluation round: ``EvaluationRoundStarted``, the ``"before_evaluation"`` hooks,
         each set's span, the ``"after_evaluation"`` hooks, the round's end.
@@ -110,6 +122,8 @@ class Evaluator:
         Args:
             trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
             sets: ``(name, data)`` pairs to score; default the settings' evaluation sets.
+            triggers: Every cadence the round stands for, ``trigger`` first (the events'
+                ``triggers``); default ``(trigger,)``.
 
         Returns:
             The published ``EvaluationEnded`` of each set, in order.
@@ -119,38 +133,45 @@ class Evaluator:
         """
         s, pub, st = self._s, self._bus.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
+        triggers = triggers or (trigger,)
         self._wants.refresh()
         pub(ev.EvaluationRoundStarted(step=st.step, epoch=st.epoch, trigger=trigger,
-                                      datasets=tuple(n for n, _ in sets)))  # fmt: skip
+                                      datasets=tuple(n for n, _ in sets),
+                                      triggers=triggers))  # fmt: skip
         ends: list[ev.EvaluationEnded] = []
         merged: dict[str, float] = {}
         error: BaseException | None = None
         try:
             # The round's hook points pair up like a context manager (weights swapped in and
             # restored): once "before_evaluation" began, "after_evaluation" runs, however the
-            # round ends.
-            try:
-                self._round_hooks("before_evaluation", trigger, None)
-                for name, data in sets:
-                    ended = self._run_set(trigger, name, data)
-                    ends.append(ended)
-                    merged.update(ended.metrics)
-                    if self._should_stop is not None and self._should_stop():
-                        break
-            except BaseException as exc:
-                self._round_hooks("after_evaluation", trigger, exc)
-                raise
-            self._round_hooks("after_evaluation", trigger, None)
+            # round ends. The generators are the training's again once the round ends.
+            with isolated_rng(s.device):
+                try:
+                    self._round_hooks("before_evaluation", trigger, None)
+                    for name, data in sets:
+                        ended = self._run_set(trigger, triggers, name, data)
+                        ends.append(ended)
+                        merged.update(ended.metrics)
+                        if self._should_stop is not None and self._should_stop():
+                            break
+                except BaseException as exc:
+                    self._round_hooks("after_evaluation", trigger, exc)
+                    raise
+                self._round_hooks("after_evaluation", trigger, None)
         except BaseException as exc:
             error = exc
             raise
         finally:
             done = ev.EvaluationRoundEnded(step=st.step, epoch=st.epoch, metrics=merged,
-                                           trigger=trigger, error=error)  # fmt: skip
+                                           trigger=trigger, error=error,
+                                           triggers=triggers)  # fmt: skip
             pub(done)
             self.last_round = done
         self.metrics = merged
-        return tuple(ends)
+        self.last_ends = tuple(ends)
+        if trigger != "standalone":
+            st.evaluated()
+        return self.last_ends
 
     def _round_hooks(
         self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
@@ -184,11 +205,16 @@ class Evaluator:
             raise first
 
     def _run_set(
-        self, trigger: ev.EvalTrigger, name: str, data: Iterable[Any]
+        self,
+        trigger: ev.EvalTrigger,
+        triggers: tuple[ev.EvalTrigger, ...],
+        name: str,
+        data: Iterable[Any],
     ) -> ev.EvaluationEnded:
         s, pub, st = self._s, self._bus.publish, self._state
         model = s.model
-        pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name))
+        pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
+                                 triggers=triggers))  # fmt: skip
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         was_training = model.training
@@ -204,7 +230,8 @@ class Evaluator:
         finally:
             model.train(was_training)
             ended = ev.EvaluationEnded(step=st.step, epoch=st.epoch, metrics=metrics,
-                                       trigger=trigger, error=error, dataset=name)  # fmt: skip
+                                       trigger=trigger, error=error, dataset=name,
+                                       triggers=triggers)  # fmt: skip
             pub(ended)
         return ended
 

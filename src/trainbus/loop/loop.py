@@ -166,6 +166,12 @@ class Loop:
         # Under torchrun: the union of every rank's decision schedules, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.
         self._agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+        # The batch count that ends an epoch and the last step: the step that reaches either
+        # closes its evaluation (and the epoch's work) before its decision poll (_close_step).
+        self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
+        self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
+        self._epoch_closed = False
+        """The epoch's end work (evaluation, epoch scheduler step) ran after its last step."""
 
     def release(self) -> None:
         """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
@@ -295,6 +301,7 @@ class Loop:
         pub, step, bell = bus.publish, self._step, bus.doorbell
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
+        self._epoch_closed = False
         error: BaseException | None = None
         try:
             it = self._data.open()
@@ -332,13 +339,9 @@ class Loop:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.batch_in_epoch == 0 and not self._finished():
                 raise self._data.empty_error()
-            if complete:
-                if s.eval_at_epoch_end and s.eval_data is not None:
-                    self._evaluate("epoch")
-                if s.scheduler is not None and s.scheduler_interval == "epoch":
-                    self._scheduler_step(always=True)
-            if self._end_evaluation_due(complete):
-                self._evaluate("end")
+            # The epoch's end found only now (data of unknown length, a StopEpoch), or the
+            # end of the run: what no step closed yet (one evaluation per step).
+            self._close_step(ends_epoch=complete and not self._epoch_closed, cadence=False)
         except BaseException as exc:
             error = exc
             raise
@@ -352,7 +355,13 @@ class Loop:
 
     # ================================================================== after a step
     def _after_step(self) -> None:
-        """The poll point after a step :class:`Step` took, then the evaluation if one is due.
+        """After a step :class:`Step` took: its evaluation if one is due, then its poll point.
+
+        The evaluation comes first, so that what the step's poll applies (a checkpoint decided
+        on its ``StepEnded``) comes after it: a step's checkpoint holds the state after the
+        step's evaluation and, for the step that ends an epoch of known length, after the
+        epoch's end work too (:meth:`_close_step`); a resume from it starts after them and
+        never repeats them (docs/reliability.md).
 
         A declared decision step delivers everything, waits for ``StepEnded``'s async
         subscribers and applies what they decided, before the next step (docs/events.md); a
@@ -360,6 +369,11 @@ class Loop:
         subscribers; any other step polls only when something is pending.
         """
         st, s, step = self._state, self._s, self._step
+        ends_epoch = st.batch_in_epoch >= self._epoch_len
+        if ends_epoch or st.step == self._last_step or (
+            s.eval_every is not None and st.step % s.eval_every == 0
+        ):  # a few int compares on the other steps
+            self._close_step(ends_epoch=ends_epoch, cadence=True)
         if st.step == self._decision_step:  # the step clock: one int compare when not due
             self._decision_step = self._next_decision(st.step)
             self._control.decide(step.ended, step.barrier_event, common=self._sync is not None)
@@ -370,8 +384,6 @@ class Loop:
         if self._agree_pending:  # torchrun: a rank had commands at this log window's close
             self._agree_pending = False
             self._control.agree()
-        if s.eval_every is not None and st.step % s.eval_every == 0 and s.eval_data is not None:
-            self._evaluate("steps")
 
     def _steps_before_look(self) -> int:
         """How many steps :class:`Step` may run back to back: up to and including the next
@@ -429,23 +441,47 @@ class Loop:
         self._decision_step = self._next_decision(self._state.step)
 
     # ================================================================== evaluation
-    def _end_evaluation_due(self, complete: bool) -> bool:
-        """True at the end of the run's last epoch when ``eval_at_end`` asks for one more
-        evaluation: the run completes here (not stopped), evaluation is configured, and the last
-        step was not evaluated (by ``eval_every``, the epoch end or an ``Evaluate`` command)."""
-        s, st = self._s, self._state
-        if not s.eval_at_end or s.eval_data is None or self._control.stop_reason is not None:
-            return False
-        if s.eval_every is None and not s.eval_at_epoch_end:
-            return False
-        last = (s.max_steps is not None and st.step >= s.max_steps) or (
-            complete and s.max_epochs is not None and st.epoch + 1 >= s.max_epochs
-        )
-        evaluated = self._evaluator.last_round
-        return last and (evaluated is None or evaluated.step != st.step)
+    def _close_step(self, *, ends_epoch: bool, cadence: bool) -> None:
+        """The step's evaluation, once for every cadence that asks for it, then, when the step
+        ends the epoch, the epoch scheduler's step.
 
-    def _evaluate(self, trigger: EvalTrigger) -> None:
-        ends = self._evaluator.run(trigger)
-        # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then the
-        # commands they sent are applied once, after the whole round.
-        self._control.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+        One rule for every cadence: a step already evaluated (by another cadence, an
+        ``Evaluate`` command, or before the checkpoint a run resumed from) is not evaluated
+        again (``TrainState.evaluated_step``). The round's ``triggers`` name every cadence
+        due here: ``"steps"`` (``eval_every``), ``"epoch"`` (``eval_at_epoch_end``, the epoch
+        completed and the run not stopping) and ``"end"`` (``eval_at_end``, with ``eval_every``
+        or ``eval_at_epoch_end`` set: the run completes with this step).
+
+        Args:
+            ends_epoch: The step completed the epoch's batches and its end work has not run
+                yet (ignored once the run is stopping).
+            cadence: Ask the ``eval_every`` cadence too (after a step; not at an epoch's end
+                found later).
+        """
+        s, st = self._s, self._state
+        running = self._control.stop_reason is None
+        ends_epoch = ends_epoch and running
+        ends: tuple[ev.EvaluationEnded, ...] = ()
+        if s.eval_data is not None and st.evaluated_step != st.step:
+            triggers: list[EvalTrigger] = []
+            if cadence and s.eval_every is not None and st.step % s.eval_every == 0:
+                triggers.append("steps")
+            if ends_epoch and s.eval_at_epoch_end:
+                triggers.append("epoch")
+            last = st.step >= self._last_step or (
+                ends_epoch and s.max_epochs is not None and st.epoch + 1 >= s.max_epochs
+            )
+            if (last and running and s.eval_at_end
+                    and (s.eval_every is not None or s.eval_at_epoch_end)):  # fmt: skip
+                triggers.append("end")
+            if triggers:
+                ends = self._evaluator.run(triggers[0], triggers=tuple(triggers))
+        if ends_epoch:
+            self._epoch_closed = True
+            if s.scheduler is not None and s.scheduler_interval == "epoch":
+                self._scheduler_step(always=True)
+        if ends:
+            # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then
+            # the commands they sent are applied once, after the whole round and the epoch's
+            # scheduler step: a checkpoint saved here holds both.
+            self._control.barrier_then_poll(ends[-1], *ends[:-1], common=True)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..distributed.sync import RankSync
     from .settings import Settings
 
-__all__ = ["CheckpointWriter"]
+__all__ = ["CheckpointWriter", "config_differences", "run_config"]
 
 log = get_logger(__name__)
 
@@ -39,6 +39,62 @@ def _log_worthy(count: int) -> bool:
     while count % 10 == 0:
         count //= 10
     return count == 1
+
+
+_LOST = {
+    "eval_every": "the evaluations after the checkpoint's step come at other steps than in the "
+    "run that wrote it, so early stopping and keep_best decide on other evaluations",
+    "eval_at_epoch_end": "the evaluations after the checkpoint's step come at other steps than "
+    "in the run that wrote it, so early stopping and keep_best decide on other evaluations",
+    "accumulate": "a step takes another number of batches: the steps, the batches each one "
+    "sees and so the weights differ from the run that wrote it",
+    "train_data": "the interrupted epoch's batches cannot be replayed in the saved order: the "
+    "batches after the checkpoint's step differ",
+    "scheduler_interval": "the learning rate steps at other points than in the run that wrote "
+    "it",
+}
+"""What a resume loses when an entry of :func:`run_config` differs."""
+
+
+def run_config(settings: Settings) -> dict[str, Any]:
+    """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
+    resume needs unchanged: a resume compares them with its own (:func:`config_differences`).
+
+    Args:
+        settings: The run's settings.
+
+    Returns:
+        ``{"eval_every", "eval_at_epoch_end", "accumulate", "train_data", "scheduler_interval"}``
+        as plain values (``train_data``: ``"iterable"`` or ``"<n> batches"``).
+    """
+    s = settings
+    return {
+        "eval_every": s.eval_every if s.eval_data is not None else None,
+        "eval_at_epoch_end": bool(s.eval_at_epoch_end and s.eval_data is not None),
+        "accumulate": s.accumulate,
+        "train_data": "iterable" if s.train_len is None else f"{s.train_len} batches",
+        "scheduler_interval": s.scheduler_interval if s.scheduler is not None else None,
+    }
+
+
+def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between the run that wrote a checkpoint and the one resuming from it, and
+    what exactness each difference costs.
+
+    Args:
+        saved: The checkpoint's ``meta["run"]`` (:func:`run_config` of the writing run).
+        now: :func:`run_config` of the resuming run.
+
+    Returns:
+        One sentence per differing entry (empty: the resume can be exact); entries only one
+        side records are not compared.
+    """
+    out = []
+    for key, lost in _LOST.items():
+        if key in saved and key in now and saved[key] != now[key]:
+            out.append(f"{key} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} "
+                       f"now: {lost}")  # fmt: skip
+    return out
 
 
 class CheckpointWriter:
@@ -86,6 +142,7 @@ class CheckpointWriter:
         self.last_checkpoint_step = -1
         self.failed_saves = 0
         self._sharded = is_sharded_model(settings.model)
+        self._run = run_config(settings)
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
         """The epoch in progress draws its batches in ``data_order``
@@ -145,7 +202,7 @@ class CheckpointWriter:
                 checkpoint_dir, tag=tag, state=st, model=model,
                 optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
                 data_order=self._order_to_save(), callback_states=states,
-                world_size=1 if sync is None else sync.world_size,
+                world_size=1 if sync is None else sync.world_size, run=self._run,
             ))  # fmt: skip
 
         def write_sharded() -> str:  # every rank writes its shards (a collective)
@@ -153,7 +210,7 @@ class CheckpointWriter:
             return str(save_sharded(
                 checkpoint_dir, name=folder_name(st.step, tag), state=st, model=s.model,
                 optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
-                data_order=self._order_to_save(), callback_states=states,
+                data_order=self._order_to_save(), callback_states=states, run=self._run,
             ))  # fmt: skip
 
         try:
