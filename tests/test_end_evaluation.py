@@ -114,13 +114,18 @@ def test_a_stopped_run_is_not_evaluated_again() -> None:
     assert rounds(recorder) == []
 
 
-def test_an_evaluate_command_at_the_last_step_counts_as_its_evaluation() -> None:
+def test_an_evaluate_command_at_the_last_step_is_answered_by_its_evaluation() -> None:
+    """The last step's evaluation runs before its poll; an Evaluate decided on its StepEnded
+    is answered with it, not run a second time (one evaluation per step)."""
     trainer = make(max_steps=5)
     bus = trainer.bus
     evaluate = ops.map(lambda e: cmd.Evaluate())
     bus.stream(ev.StepEnded).pipe(tbops.once(at=5), evaluate).subscribe(bus.commands)
     recorder, _ = record(trainer)
-    assert rounds(recorder) == [("command", 5)]
+    assert rounds(recorder) == [("end", 5)]
+    (ack,) = recorder.of_type(ev.CommandApplied)
+    (ended,) = recorder.of_type(ev.EvaluationEnded)
+    assert ack.step == 5 and ack.result is ended and ended.triggers == ("end",)
 
 
 def test_the_end_evaluation_runs_the_eval_batch_hooks() -> None:

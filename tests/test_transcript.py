@@ -105,17 +105,21 @@ def expected_run(
 
     ``start`` is ``(step, epoch, batches already consumed in that epoch)`` when resuming;
     ``commands`` maps a step to the commands applied at the poll after it (``"save"`` or
-    ``"evaluate"``); ``eval_sets`` the evaluation sets (default one, ``"val"``);
+    ``"evaluate"``, answered without a round at a step evaluated already); ``eval_sets`` the
+    evaluation sets (default one, ``"val"``);
     ``built``: the transcript starts with the Trainer's ``TrainerBuilt``.
     """
     out: list[Entry] = []
     step, epoch, consumed = start
-    last_saved = -1
+    last_saved = evaluated = -1
     commands = commands or {}
     sets = eval_sets if eval_sets is not None else [("val", eval_batches)]
 
     def evaluate() -> None:
-        out.extend(expected_evaluation(step, epoch, sets))
+        nonlocal evaluated
+        if evaluated != step:  # one evaluation per step
+            out.extend(expected_evaluation(step, epoch, sets))
+            evaluated = step
 
     if built:
         out.append(Entry("TrainerBuilt", 0, 0))
@@ -149,6 +153,8 @@ def expected_run(
             out.append(Entry("StepEnded", step, epoch))
             if step % log_every == 0:
                 out.append(Entry("MetricsLogged", step, epoch))
+            if bi == batches:  # the epoch's last step (known length): eval_at_epoch_end
+                evaluate()
             for command in commands.get(step, ()):  # -- poll --
                 if command == "save":
                     out.append(Entry("CheckpointSaving", step, epoch))
@@ -159,7 +165,6 @@ def expected_run(
                 else:  # pragma: no cover - a typo in this test
                     raise AssertionError(command)
                 out.append(Entry("CommandApplied", step, epoch))
-        evaluate()  # eval_at_epoch_end
         out.append(Entry("EpochEnded", step, epoch))
         epoch += 1
         consumed = 0
@@ -450,7 +455,8 @@ def test_docs_pseudocode_places_every_hook_point_where_the_loop_runs_it() -> Non
     assert is_subsequence(first_appearances(run), doc), (first_appearances(run), doc)
     # Every round, whatever triggered it: its sets between the two hooks, once each.
     rounds = [i for i, n in enumerate(run) if n == "EvaluationRoundStarted"]
-    assert len(rounds) == 6  # eval_every=1 at steps 1..4, the two epoch ends
+    # eval_every=1 at steps 1..4; steps 2 and 4 end the epochs: one round each, not two
+    assert len(rounds) == 4
     for i in rounds:
         end = run.index("EvaluationRoundEnded", i)
         inside = run[i : end + 1]

@@ -181,10 +181,18 @@ def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> l
     while want and want[0][0] == "CheckpointSaved" and want[0][1] == k:
         want.pop(0)
     got = _keys(recorder.items)
-    if k == end.step and got and got[0][:3] == ("CheckpointSaved", k, "final"):
+    if k == end.step:
         # Nothing was left to train: the resumed run writes its final checkpoint into its own
         # empty folder, where the uninterrupted run had just saved that step.
-        got.pop(0)
+        got = [key for key in got if key[:3] != ("CheckpointSaved", k, "final")]
+    stop = next((e.command for e in ref.events[:at] if isinstance(e, ev.CommandApplied)
+                 and isinstance(e.command, cmd.StopTraining)), None)  # fmt: skip
+    if stop is not None and got and got[0][:2] == ("StopTraining", k):
+        # Saved after the stop (the stopped run's final checkpoint): the resumed run applies
+        # the stop its EarlyStopping state holds, with the same reason, at its first poll.
+        again = got.pop(0)[2]
+        if again.reason != stop.reason:
+            problems.append(f"stopped again for {again.reason!r}, not {stop.reason!r}")
     want, got = ([key for key in keys if not (key[0] == "EpochEnded" and key[1] <= k)]
                  for keys in (want, got))  # fmt: skip
     if want != got:
@@ -210,40 +218,8 @@ def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> l
     return problems
 
 
-def _resumable(ref: Reference) -> tuple[list[tuple[int, Path]], list[tuple[int, Path]]]:
-    """The copies to resume from: ``(exact, stopping)``.
-
-    ``stopping``: the saves of the poll that applied the run's stop, before it (a cadence
-    save and a ``"best"`` one at the step whose evaluation decided an early stop). Their
-    callback states hold the decision's cause (patience spent) but not the decision: a run
-    resumed from one trains on to the next evaluation. Copies saved after the stop (the
-    stopped run's final one) are left out: a stop is a decision, not state, and a run resumed
-    from them trains on by design, as after a preemption's ``StopTraining``.
-    """
-    stops = [
-        i
-        for i, e in enumerate(ref.events)
-        if isinstance(e, ev.CommandApplied) and isinstance(e.command, cmd.StopTraining)
-    ]
-    if not stops:
-        return list(ref.copies), []
-    stop = ref.events[stops[0]]
-    before = [(at, copy) for at, copy in ref.copies if at < stops[0]]
-    polled = [(at, copy) for at, copy in before if ref.events[at].step == stop.step]
-    return [c for c in before if c not in polled], polled
-
-
-_REFERENCES: dict[Cell, Reference] = {}
-
-
-def _reference(cell: Cell, factory: pytest.TempPathFactory) -> Reference:
-    """The cell's uninterrupted run, made once per session for both tests below."""
-    if cell not in _REFERENCES:
-        _REFERENCES[cell] = run_uninterrupted(cell, factory.mktemp("reference"))
-    return _REFERENCES[cell]
-
-
 def _failures(cell: Cell, ref: Reference, copies: list[tuple[int, Path]], tmp: Path) -> str:
+    """What differs after resuming from each of ``copies``, one line per checkpoint."""
     failures = {}
     for at, copy in copies:
         problems = resume_from(cell, ref, at, copy, tmp)
@@ -253,48 +229,22 @@ def _failures(cell: Cell, ref: Reference, copies: list[tuple[int, Path]], tmp: P
 
 
 @pytest.mark.parametrize("cell", CELLS, ids=[c.id for c in CELLS])
-def test_resume_from_every_checkpoint_is_exact(
-    cell: Cell, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    ref = _reference(cell, tmp_path_factory)
-    copies, _ = _resumable(ref)
-    assert len(copies) >= 4, [c.name for _, c in ref.copies]
-    failures = _failures(cell, ref, copies, tmp_path)
-    assert not failures, failures
-
-
-STOPPING = [c for c in CELLS if c.stopping]
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="a save in the poll that applies an early stop (the cadence's or the 'best' one at "
-    "the step whose evaluation spent the patience) comes before the stop is applied: a run "
-    "resumed from it trains on to the next evaluation instead of stopping at that step",
-)
-@pytest.mark.parametrize("cell", STOPPING, ids=[c.id for c in STOPPING])
-def test_resume_from_a_save_of_the_stopping_poll_is_exact(
-    cell: Cell, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    ref = _reference(cell, tmp_path_factory)
-    _, polled = _resumable(ref)
-    if not polled:
-        pytest.skip("this cell saves nothing at the step it stops at")
-    failures = _failures(cell, ref, polled, tmp_path)
+def test_resume_from_every_checkpoint_is_exact(cell: Cell, tmp_path: Path) -> None:
+    ref = run_uninterrupted(cell, tmp_path)
+    assert len(ref.copies) >= 4, [c.name for _, c in ref.copies]
+    failures = _failures(cell, ref, ref.copies, tmp_path)
     assert not failures, failures
 
 
 # ------------------------------------------------------------------------------------ SIGKILL
 
 # A few cells, each killed at random moments: the issue's own setup (saves at evaluation steps,
-# dropout, a DataLoader to evaluate on), a streaming one with an epoch scheduler, and a
-# shuffled training set evaluated on a factory. No early-stopping cell: a kill that lands
-# after the saves of the stopping step (test_resume_from_a_save_of_the_stopping_poll_is_exact)
-# would resume past the stop.
+# dropout, a DataLoader to evaluate on), a streaming one with an epoch scheduler, and one that
+# stops early and keeps its best checkpoint.
 KILLED = [
     Cell("coincide", True, "loader", "map", 2, "step", False, "32"),
     Cell("staggered", True, "shuffled-loader", "iterable", 1, "epoch", False, "bf16"),
-    Cell("coincide", False, "factory", "map", 1, "epoch", False, "bf16"),
+    Cell("coincide", True, "factory", "map", 1, "step", True, "32"),
 ]
 KILLS = 3
 

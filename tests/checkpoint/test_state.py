@@ -201,7 +201,8 @@ def test_cuda_rng_round_trips(tmp_path: Path) -> None:
 
 def test_the_train_state_advances_only_through_its_methods() -> None:
     """The run's position has one owner: its fields are read-only; the loop's four moves are
-    its methods, and a checkpoint writes and reads it through ``as_dict`` / ``from_dict``."""
+    its methods, and a checkpoint writes and reads it through ``as_dict`` / ``from_dict``
+    (a file of an earlier version, without ``evaluated_step``, reads as never evaluated)."""
     st = TrainState(step=4, epoch=1, batch_in_epoch=2, samples_seen=40)
     for name in TrainState.FIELDS:
         with pytest.raises(AttributeError):
@@ -213,7 +214,15 @@ def test_the_train_state_advances_only_through_its_methods() -> None:
     st.epoch_done()
     assert (st.step, st.epoch, st.batch_in_epoch, st.samples_seen) == (5, 2, 0, 48)
     saved = st.as_dict()
-    assert saved == {"step": 5, "epoch": 2, "batch_in_epoch": 0, "samples_seen": 48}
+    assert saved == {"step": 5, "epoch": 2, "batch_in_epoch": 0, "samples_seen": 48,
+                     "evaluated_step": -1}  # fmt: skip
+    earlier = {k: v for k, v in saved.items() if k != "evaluated_step"}
+    assert TrainState.from_dict(earlier) == st
+    st.evaluated()
+    assert st.evaluated_step == 5 and st.as_dict()["evaluated_step"] == 5
+    saved = st.as_dict()
     assert TrainState.from_dict(saved) == st and TrainState.from_dict(saved) is not st
-    assert repr(st) == "TrainState(step=5, epoch=2, batch_in_epoch=0, samples_seen=48)"
+    assert repr(st) == (
+        "TrainState(step=5, epoch=2, batch_in_epoch=0, samples_seen=48, evaluated_step=5)"
+    )
     assert st != TrainState(step=5)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 from reactivex import operators as ops
 
+from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from ._sets import check_monitored, reads_metric
@@ -45,8 +47,12 @@ class EarlyStopping(TrackedCallback):
         patience: Evaluations without improvement before stopping (>= 1).
         mode: ``"min"`` if lower is better, ``"max"`` otherwise.
         min_delta: Smallest change that counts as an improvement (>= 0).
-        state_key: Name of its state (best value, evaluations without improvement) in
-            checkpoints; None: ``"EarlyStopping"``. A resumed run keeps counting its patience.
+        state_key: Name of its state (best value, evaluations without improvement, the stop
+            it decided) in checkpoints; None: ``"EarlyStopping"``. A resumed run keeps
+            counting its patience; resumed from a checkpoint written after it decided to stop
+            (at the stopping step), it stops again at its start with the same reason, as the
+            run that wrote the checkpoint did, unless ``patience`` is now larger than the
+            evaluations the checkpoint counted without improvement.
 
     Raises:
         ConfigError: for an argument out of range, naming it.
@@ -65,6 +71,9 @@ class EarlyStopping(TrackedCallback):
         self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
         # The tracker: best value and evaluations without improvement (fresh at each attach).
         super().__init__(state_key)
+        self._bus: EventBus | None = None
+        self._stop: cmd.StopTraining | None = None
+        """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
 
     def check(self, plan: RunPlan) -> None:
         """Refuse, before the run starts, a ``metric`` its evaluation does not produce.
@@ -80,6 +89,7 @@ class EarlyStopping(TrackedCallback):
         metric = self.metric
         # One run, one tracker: an instance attached to a second trainer starts afresh.
         tracker = self.fresh_tracker()
+        self._bus, self._stop = bus, None
         decide = tbops.patience(metric, mode=self.mode, patience=self.patience,
                                 min_delta=self.min_delta, tracker=tracker)  # fmt: skip
         bus.stream(ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
@@ -89,4 +99,30 @@ class EarlyStopping(TrackedCallback):
             ),
             ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
             decide,
+            ops.do_action(self._decided),
         ).subscribe(bus.commands, name="EarlyStopping")
+
+    def _decided(self, stop: cmd.StopTraining) -> None:
+        self._stop = stop
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker's state and the reason of the stop it decided (None: none yet)."""
+        return {**super().state_dict(),
+                "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`. A state saved after the stop was decided sends that
+        stop again (applied at the resumed run's first poll point, before its first step), so
+        the resumed run ends where the run that wrote it did; not when ``patience`` now allows
+        more evaluations than the state counted without improvement.
+
+        Raises:
+            ConfigError: ``state`` is not a tracker state.
+        """
+        super().load_state_dict(state)
+        reason = state.get("stop_reason")
+        self._stop = None
+        if isinstance(reason, str) and self.tracker.bad >= self.patience:
+            self._stop = cmd.StopTraining(reason=reason)
+            if self._bus is not None:  # attached: the resumed run applies it first
+                self._bus.send(self._stop)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -69,7 +70,7 @@ class TrainState:
     FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step")
     """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
 
-    OPTIONAL = {"evaluated_step": -1}
+    OPTIONAL: Mapping[str, int] = MappingProxyType({"evaluated_step": -1})
     """Fields a checkpoint of an earlier version lacks, with the value read for them."""
 
     def __init__(

@@ -352,6 +352,8 @@ class Loop:
                     break
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
+            if self._epoch_closed:  # its last step did the epoch's end work: it is complete,
+                complete = True  # also when a stop was applied at that step's poll
             if st.batch_in_epoch == 0 and not self._finished():
                 raise self._data.empty_error()
             # The epoch's end found only now (data of unknown length, a StopEpoch), or the

@@ -50,8 +50,7 @@ _LOST = {
     "sees and so the weights differ from the run that wrote it",
     "train_data": "the interrupted epoch's batches cannot be replayed in the saved order: the "
     "batches after the checkpoint's step differ",
-    "scheduler_interval": "the learning rate steps at other points than in the run that wrote "
-    "it",
+    "scheduler_interval": "the learning rate steps at other points than in the run that wrote it",
 }
 """What a resume loses when an entry of :func:`run_config` differs."""
 
