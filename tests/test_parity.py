@@ -176,7 +176,7 @@ HF_CONFIGS = {
 
 HF_KINDS = frozenset({
     "substep-last-micro-batch", "log-evaluation", "log-train-summary",
-    "save-before-evaluation", "final-save-after-epoch-end", "epoch-eval-before-epoch-end",
+    "final-save-after-epoch-end", "epoch-eval-before-epoch-end",
 })  # fmt: skip
 """The differences :func:`hugging_face_expected` knows how to apply."""
 
@@ -206,7 +206,8 @@ def hugging_face_expected(c: HF, differs: frozenset[str] = frozenset()) -> list[
         # _inner_training_loop: groups of gradient_accumulation_steps batches, the last one
         # of the epoch shorter; on_substep_end after each micro-batch but the group's last.
         groups = [min(c.accumulate, c.batches - i) for i in range(0, c.batches, c.accumulate)]
-        for group in groups:
+        evaluated_epoch = False
+        for index, group in enumerate(groups):
             step += 1
             substeps = group if "substep-last-micro-batch" in differs else group - 1
             expected += ["on_step_begin", *["on_substep_end"] * substeps,
@@ -215,23 +216,26 @@ def hugging_face_expected(c: HF, differs: frozenset[str] = frozenset()) -> list[
                 expected.append("on_log")
             interval_save = step % c.save_steps == 0
             last = step == max_steps
-            save_first = interval_save and "save-before-evaluation" in differs
-            if save_first:
-                expected.append("on_save")
+            # trainbus evaluates an epoch at its last step, before the step's save, when that
+            # step is known to end it: the data has a length, or max_steps ends the run there.
+            ends_epoch = (c.sized and index == len(groups) - 1) or last
+            if "epoch-eval-before-epoch-end" in differs and ends_epoch:
+                expected += evaluation if c.eval_strategy == "epoch" else []
+                evaluated_epoch = True
             if steps_strategy and step % eval_steps == 0:
                 expected += evaluation
             # End-of-training evaluation: triggers if step-based eval strategy and final step
             # isn't already an eval step (to avoid duplicate evaluation)
             if last and steps_strategy and step % eval_steps != 0:
                 expected += evaluation
-            if (interval_save or last) and not save_first:
+            if interval_save or last:
                 if last and not interval_save and "final-save-after-epoch-end" in differs:
                     final_save_later = True
                 else:
                     expected.append("on_save")
             if last:  # DefaultFlowCallback: should_training_stop at max_steps
                 break
-        at_epoch_end = evaluation if c.eval_strategy == "epoch" else []
+        at_epoch_end = evaluation if c.eval_strategy == "epoch" and not evaluated_epoch else []
         if "epoch-eval-before-epoch-end" in differs:
             expected += [*at_epoch_end, "on_epoch_end"]
         else:

@@ -256,3 +256,39 @@ def test_resuming_with_another_configuration_says_what_exactness_is_lost(
     with structlog.testing.capture_logs() as logs:
         same.fit_sync(resume=at_4.path)
     assert not [e for e in logs if e["event"] == "resume_config_differs"]
+
+
+def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
+    tmp_path: Path,
+) -> None:
+    """Data without a length, an epoch scheduler, a save at each EpochEnded: the train state
+    says the epoch's end work ran, so the resumed run starts the next epoch without stepping
+    the scheduler or evaluating again, and ends as the uninterrupted run."""
+
+    def run(folder: Path) -> tuple[Trainer, nn.Module, EventRecorder]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 2))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+        trainer = Trainer(
+            model, optimizer, _Stream(), loss_fn=nn.functional.cross_entropy,
+            eval_data=DataLoader(TensorDataset(_X[:24], _Y[:24]), batch_size=8, shuffle=True),
+            max_epochs=3, checkpoint_dir=folder, callbacks=[Checkpointing(every_epochs=1)],
+            scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
+            scheduler_interval="epoch",
+        )  # fmt: skip
+        return trainer, model, EventRecorder(trainer.bus)
+
+    whole, model, rec = run(tmp_path / "whole")
+    whole.fit_sync()
+    assert [(e.step, e.triggers) for e in rec.of_type(ev.EvaluationEnded)] == [
+        (8, ("epoch",)), (16, ("epoch",)), (24, ("epoch", "end"))
+    ]  # fmt: skip
+    at_8 = next(e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8)
+    resumed, again, rec2 = run(tmp_path / "resumed")
+    resumed.fit_sync(resume=at_8.path)
+    assert [e.epoch for e in rec2.of_type(ev.EpochStarted)] == [1, 2]
+    assert [e.step for e in rec2.of_type(ev.EvaluationEnded)] == [16, 24]
+    lr = [t.settings.optimizer.param_groups[0]["lr"] for t in (whole, resumed)]
+    assert lr[0] == lr[1] == 0.05 * 0.5**3
+    _same_weights(model, again)
+    assert _after(rec2, 8) == _after(rec, 8)

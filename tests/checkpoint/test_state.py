@@ -215,14 +215,16 @@ def test_the_train_state_advances_only_through_its_methods() -> None:
     assert (st.step, st.epoch, st.batch_in_epoch, st.samples_seen) == (5, 2, 0, 48)
     saved = st.as_dict()
     assert saved == {"step": 5, "epoch": 2, "batch_in_epoch": 0, "samples_seen": 48,
-                     "evaluated_step": -1}  # fmt: skip
-    earlier = {k: v for k, v in saved.items() if k != "evaluated_step"}
+                     "evaluated_step": -1, "closed_epoch": -1}  # fmt: skip
+    earlier = {k: v for k, v in saved.items() if k not in ("evaluated_step", "closed_epoch")}
     assert TrainState.from_dict(earlier) == st
     st.evaluated()
-    assert st.evaluated_step == 5 and st.as_dict()["evaluated_step"] == 5
+    st.epoch_closed()
+    assert (st.evaluated_step, st.closed_epoch) == (5, 2)
     saved = st.as_dict()
     assert TrainState.from_dict(saved) == st and TrainState.from_dict(saved) is not st
     assert repr(st) == (
-        "TrainState(step=5, epoch=2, batch_in_epoch=0, samples_seen=48, evaluated_step=5)"
+        "TrainState(step=5, epoch=2, batch_in_epoch=0, samples_seen=48, evaluated_step=5, "
+        "closed_epoch=2)"
     )
     assert st != TrainState(step=5)

@@ -9,7 +9,8 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
     meta         trainbus_version, torch_version, world_size, param_shapes, optimizer,
                  run (the cadences and data shape a resume compares: ``run_config``)
     state        TrainState as a dict: step, epoch, batch_in_epoch, samples_seen,
-                 evaluated_step (absent in files of earlier versions: read as -1)
+                 evaluated_step, closed_epoch (the last two absent in files of earlier
+                 versions: read as -1)
     model, optimizer, scheduler, scaler      their state_dict() (None when absent)
     metrics      {name: float}, the last evaluation's
     rng          capture_rng(): python, torch, cuda (when present), numpy (when installed)
@@ -63,14 +64,18 @@ class TrainState:
         batch_in_epoch: Training batches of ``epoch`` already consumed.
         samples_seen: Training samples consumed since the run began (across resumes).
         evaluated_step: The step whose evaluation round ran last (-1: none yet).
+        closed_epoch: The last epoch whose end work (its evaluation, an epoch scheduler's
+            step) ran (-1: none yet).
     """
 
-    __slots__ = ("_batch_in_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step")
+    __slots__ = (
+        "_batch_in_epoch", "_closed_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step"
+    )  # fmt: skip
 
-    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step")
+    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step", "closed_epoch")
     """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
 
-    OPTIONAL: Mapping[str, int] = MappingProxyType({"evaluated_step": -1})
+    OPTIONAL: Mapping[str, int] = MappingProxyType({"evaluated_step": -1, "closed_epoch": -1})
     """Fields a checkpoint of an earlier version lacks, with the value read for them."""
 
     def __init__(
@@ -81,10 +86,11 @@ class TrainState:
         batch_in_epoch: int = 0,
         samples_seen: int = 0,
         evaluated_step: int = -1,
+        closed_epoch: int = -1,
     ) -> None:
         self._step, self._epoch = step, epoch
         self._batch_in_epoch, self._samples_seen = batch_in_epoch, samples_seen
-        self._evaluated_step = evaluated_step
+        self._evaluated_step, self._closed_epoch = evaluated_step, closed_epoch
 
     @property
     def step(self) -> int:
@@ -118,6 +124,17 @@ class TrainState:
         """An evaluation round of the current step ran."""
         self._evaluated_step = self._step
 
+    @property
+    def closed_epoch(self) -> int:
+        """The last epoch whose end work ran (-1: none yet). Equal to :attr:`epoch`: the epoch
+        in progress is over, its end work done (a checkpoint written at its ``EpochEnded``);
+        a resume starts the next one, also when the data has no length to tell."""
+        return self._closed_epoch
+
+    def epoch_closed(self) -> None:
+        """The current epoch's end work (evaluation, epoch scheduler step) ran."""
+        self._closed_epoch = self._epoch
+
     def batch_taken(self) -> int:
         """A training batch was fetched: count it in the epoch.
 
@@ -150,6 +167,7 @@ class TrainState:
             "batch_in_epoch": self._batch_in_epoch,
             "samples_seen": self._samples_seen,
             "evaluated_step": self._evaluated_step,
+            "closed_epoch": self._closed_epoch,
         }
 
     @classmethod
@@ -162,7 +180,8 @@ class TrainState:
         return cls(step=saved["step"], epoch=saved["epoch"],
                    batch_in_epoch=saved["batch_in_epoch"],
                    samples_seen=saved["samples_seen"],
-                   evaluated_step=saved.get("evaluated_step", -1))  # fmt: skip
+                   evaluated_step=saved.get("evaluated_step", -1),
+                   closed_epoch=saved.get("closed_epoch", -1))  # fmt: skip
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrainState):

@@ -61,15 +61,18 @@ class EpochData:
         self._resume = resume
 
     def start(self) -> int | None:
-        """Before the first epoch: a run resumed from a checkpoint saved at ``EpochEnded`` (the
-        epoch's batches all consumed) moves the state on to the next epoch's first batch.
+        """Before the first epoch: a run resumed from a checkpoint saved after an epoch's end
+        work (its batches all consumed, or its end work recorded in the state: data without a
+        length) moves the state on to the next epoch's first batch.
 
         Returns:
             The optimizer steps per epoch (``FitStarted.steps_per_epoch``); None when the
             training data has no length.
         """
         s, st = self._s, self._state
-        if s.train_len is not None and st.batch_in_epoch >= s.train_len:
+        if st.closed_epoch == st.epoch or (
+            s.train_len is not None and st.batch_in_epoch >= s.train_len
+        ):
             st.epoch_done()
         return None if s.train_len is None else math.ceil(s.train_len / s.accumulate)
 

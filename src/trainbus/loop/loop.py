@@ -172,8 +172,6 @@ class Loop:
         # closes its evaluation (and the epoch's work) before its decision poll (_close_step).
         self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
-        self._epoch_closed = False
-        """The epoch's end work (evaluation, epoch scheduler step) ran after its last step."""
 
     def release(self) -> None:
         """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
@@ -316,7 +314,6 @@ class Loop:
         pub, step, bell = bus.publish, self._step, bus.doorbell
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
-        self._epoch_closed = False
         error: BaseException | None = None
         try:
             it = self._data.open()
@@ -352,13 +349,13 @@ class Loop:
                     break
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
-            if self._epoch_closed:  # its last step did the epoch's end work: it is complete,
-                complete = True  # also when a stop was applied at that step's poll
+            if st.closed_epoch == st.epoch:  # its last step did the epoch's end work: it is
+                complete = True  # complete, also when a stop was applied at that step's poll
             if st.batch_in_epoch == 0 and not self._finished():
                 raise self._data.empty_error()
             # The epoch's end found only now (data of unknown length, a StopEpoch), or the
             # end of the run: what no step closed yet (one evaluation per step).
-            self._close_step(ends_epoch=complete and not self._epoch_closed, cadence=False)
+            self._close_step(ends_epoch=complete and st.closed_epoch != st.epoch, cadence=False)
         except BaseException as exc:
             error = exc
             raise
@@ -494,8 +491,7 @@ class Loop:
             if triggers:
                 ends = self._evaluator.run(triggers[0], triggers=tuple(triggers))
         if ends_epoch:
-            self._epoch_closed = True
-            self._checkpoints.end_epoch()
+            st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":
                 self._scheduler_step(always=True)
         if ends:

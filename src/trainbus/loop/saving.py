@@ -135,7 +135,6 @@ class CheckpointWriter:
         self._settings, self._bus, self._state = settings, bus, state
         self._callback_states = callback_states
         self._data_order: dict[str, Any] | None = None
-        self._ended_epoch = -1  # the epoch whose batches ran out and whose end work ran
         self._before_save = before_save
         self._sync = sync
         self.last_checkpoint: str | None = None
@@ -149,37 +148,17 @@ class CheckpointWriter:
         (:func:`~trainbus.checkpoint.capture_data_order`): saved with its checkpoints."""
         self._data_order = data_order
 
-    def end_epoch(self) -> None:
-        """The epoch in progress has no batch left and its end work ran (its evaluation, the
-        epoch scheduler's step): a save from now until the next epoch begins resumes at the
-        next epoch's first batch.
-
-        With data of known length the saved batch count says so already; an iterable of
-        unknown length would otherwise be replayed to its end on resume and its end work
-        repeated (the epoch scheduler stepped twice).
-        """
-        self._ended_epoch = self._state.epoch
-
-    def _state_to_save(self) -> TrainState:
-        """The position the resumed run starts from: the train state, or past an ended epoch
-        of unknown length (:meth:`end_epoch`) the next epoch's first batch."""
-        st = self._state
-        if self._settings.train_len is not None or self._ended_epoch != st.epoch:
-            return st
-        after = TrainState.from_dict(st.as_dict())
-        after.epoch_done()
-        return after
-
     def _order_to_save(self) -> dict[str, Any] | None:
         """The order the resumed run replays: the epoch in progress', or the next epoch's.
 
-        Past an epoch's last batch (a save at ``EpochEnded``) or between epochs (the final
-        save), the resumed run starts the next epoch: its order is captured now, because the
-        loader's own generator has moved on since the epoch began (its permutation is drawn).
+        Past an epoch's last batch or its end work (a save at ``EpochEnded``, after a
+        ``StopEpoch`` too) or between epochs (the final save), the resumed run starts the next
+        epoch: its order is captured now, because the loader's own generator has moved on
+        since the epoch began (its permutation is drawn).
         """
         s, st, order = self._settings, self._state, self._data_order
-        if (s.train_len is not None and st.batch_in_epoch >= s.train_len) or (
-            self._ended_epoch == st.epoch
+        if st.closed_epoch == st.epoch or (
+            s.train_len is not None and st.batch_in_epoch >= s.train_len
         ):
             return capture_data_order(s.train_data, epoch=st.epoch + 1)
         if st.batch_in_epoch == 0 and (order is None or order.get("epoch") != st.epoch):
@@ -222,7 +201,7 @@ class CheckpointWriter:
         def write() -> str:
             states = None if self._callback_states is None else self._callback_states()
             return str(save_checkpoint(
-                checkpoint_dir, tag=tag, state=self._state_to_save(), model=model,
+                checkpoint_dir, tag=tag, state=st, model=model,
                 optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
                 data_order=self._order_to_save(), callback_states=states,
                 world_size=1 if sync is None else sync.world_size, run=self._run,
@@ -231,8 +210,7 @@ class CheckpointWriter:
         def write_sharded() -> str:  # every rank writes its shards (a collective)
             states = None if self._callback_states is None else self._callback_states()
             return str(save_sharded(
-                checkpoint_dir, name=folder_name(st.step, tag), state=self._state_to_save(),
-                model=s.model,
+                checkpoint_dir, name=folder_name(st.step, tag), state=st, model=s.model,
                 optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
                 data_order=self._order_to_save(), callback_states=states, run=self._run,
             ))  # fmt: skip
