@@ -361,6 +361,8 @@ class Trainer:
                 else self._states.load(s, resume, group, required=require_checkpoint)
             )
             s = ranks.distribute(s)
+            if checkpoint is not None:
+                self._states.warn_differences(s, checkpoint)
             ranks.connect()
         except BaseException:
             for cb in globals_:

@@ -203,7 +203,6 @@ class CallbackStates:
                            scheduler=s.scheduler, scaler=s.scaler, world_size=world_size,
                            rng=False)  # fmt: skip
         self.restore(checkpoint)
-        self._warn_differences(s, checkpoint)
         self._bus.publish(ev.CheckpointLoaded(step=checkpoint.state.step,
                                               epoch=checkpoint.state.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
@@ -212,11 +211,17 @@ class CallbackStates:
         return checkpoint.restored()
 
     @staticmethod
-    def _warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
+    def warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
         """Resuming with other cadences, accumulation or data than the run that wrote the
         checkpoint: the run goes on, but not as the interrupted one would have; a
         ``resume_config_differs`` warning says what differs and what is lost. A checkpoint of
-        an earlier version records no run configuration: nothing to compare."""
+        an earlier version records no run configuration: nothing to compare.
+
+        Args:
+            s: The settings this rank trains with (after the data is sharded: the writer
+                recorded its rank's batches per epoch).
+            checkpoint: The checkpoint loaded (its ``meta["run"]``).
+        """
         saved = checkpoint.meta.get("run")
         if not isinstance(saved, dict):
             return
@@ -268,7 +273,6 @@ class CallbackStates:
             if st.batch_in_epoch > 0:
                 st.epoch_done()
         self.restore(checkpoint)
-        self._warn_differences(s, checkpoint)
         self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
         return checkpoint.restored()
