@@ -87,6 +87,12 @@ class CommandHandler:
         self._saved: ev.CheckpointSaved | None = None
         self._saved_state: dict[str, int] = {}
 
+    def resumed_from(self, saved: ev.CheckpointSaved) -> None:
+        """The run resumed from ``saved``, a checkpoint of its current step: a
+        ``SaveCheckpoint`` of that step and tag (an epoch's end whose step saved already) is
+        answered with it, as in the run that wrote it, instead of writing that state again."""
+        self._saved = saved
+
     # ================================================================== stop state
     def stop(self, reason: str) -> None:
         """Stop the run after the current step; the first reason given is kept. Rings the

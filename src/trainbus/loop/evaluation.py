@@ -72,7 +72,8 @@ class Evaluator:
     in the train state (``TrainState.evaluated``), which a checkpoint keeps.
 
     Attributes:
-        metrics: The merged metrics of the last round (empty before the first).
+        metrics: The merged metrics of the last round (empty before the first; the loop of a
+            resumed run sets the checkpoint's).
         last_round: The last published ``EvaluationRoundEnded`` (None before the first).
         failures: The set metrics that raised, counted per name over the evaluator's life.
         last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).

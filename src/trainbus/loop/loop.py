@@ -38,7 +38,7 @@ from .. import events as ev
 from .._exceptions import CheckpointError, CheckpointWriteError
 from .._log import get_logger
 from .._tensors import use_device
-from ..checkpoint import Checkpoint, TrainState
+from ..checkpoint import Checkpoint, TrainState, parse_checkpoint_name
 from .control import BarrierWait, CommandHandler
 from .custom import CustomStep
 from .data import EpochData
@@ -142,6 +142,8 @@ class Loop:
                                        checkpoints=self._checkpoints,
                                        evaluator=self._evaluator, sync=sync,
                                        log_metric=user.log)  # fmt: skip
+        if resume is not None:
+            self._resumed(resume)
         self._window = MetricsWindow(settings, bus, state, guard=self._guard,
                                      reduce=None if sync is None else self._reduce_window,
                                      first_nonfinite=None if sync is None
@@ -216,6 +218,19 @@ class Loop:
         return out, bad
 
     # ================================================================== run
+    def _resumed(self, resume: Checkpoint) -> None:
+        """Carry on from ``resume`` what the run that wrote it had: the last evaluation's
+        metrics (its later saves and the result carry them) and that save itself, of this
+        step (a ``SaveCheckpoint`` of the same step and tag is answered with it)."""
+        st = self._state
+        self._evaluator.metrics = dict(resume.metrics)
+        name = parse_checkpoint_name(resume.path.name)
+        if name is not None and name[0] == st.step:
+            self._control.resumed_from(ev.CheckpointSaved(
+                step=st.step, epoch=st.epoch, path=str(resume.path), tag=name[1],
+                metrics=resume.metrics,
+            ))  # fmt: skip
+
     def run(self) -> Outcome:
         """Run to the end; always publishes FitEnded. Returns how it ended."""
         pub = self._bus.publish
