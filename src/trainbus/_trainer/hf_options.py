@@ -62,7 +62,9 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("per_device_eval_batch_size",
              "pass a `DataLoader(dataset, batch_size=N)` as `eval_data`"),
     HfOption("gradient_accumulation_steps", "`accumulate=N`; `accumulate_by=\"items\"` weighs "
-             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does",
+             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does "
+             "(a causal LM, whose loss shifts its labels: count `labels[..., 1:]`, "
+             "docs/trainer.md#gradient-accumulation)",
              "accumulate"),
     HfOption("max_grad_norm", "`clip_grad_norm=...`", "clip_grad_norm"),
     HfOption("learning_rate", _OPT + "`torch.optim.AdamW(model.parameters(), lr=...)`"),
