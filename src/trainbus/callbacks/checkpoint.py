@@ -243,7 +243,7 @@ class _Retention:
                                       "'saving': [step, tag, value] | None}")  # fmt: skip
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
-    def adopt(self, resumed: Path, directory: Path | None) -> bool:
+    def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
         """The run resumed from ``resumed``: take over the lineage its state named.
 
         Only when ``resumed`` lies in ``directory`` (the run's ``checkpoint_dir``): the names
@@ -251,18 +251,21 @@ class _Retention:
         another run's folder, a copy) leaves the lineage behind: those files are not this
         folder's to delete. Files already gone (deleted by hand) are dropped silently.
 
+        The state was collected while ``resumed`` was written, before its ``CheckpointSaved``
+        pruned what it made surplus: that pruning is done again here, so the books are those
+        the uninterrupted run kept after that save.
+
         Returns:
-            Whether the lineage was adopted.
+            The paths now surplus (oldest or worst first); empty when nothing was adopted.
         """
         restored, self._restored = self._restored, None
         if restored is None:
-            return False
+            return []
         if directory is None or not _same_folder(resumed.parent, directory):
             log.info("checkpoint_lineage_left", path=str(resumed), checkpoint_dir=str(directory),
                      reason="the resumed checkpoint is not in this run's checkpoint_dir: "
                      "retention starts afresh and deletes none of the earlier files")  # fmt: skip
-            return False
-        # Nothing is deleted here: surplus (a smaller keep_last now) goes at the next save.
+            return []
         self._last = [str(directory / n) for n in restored["last"]
                       if self.keep_last is not None and (directory / n).exists()]  # fmt: skip
         self._best = sorted(
@@ -273,18 +276,30 @@ class _Retention:
         )  # fmt: skip
         saving = restored["saving"]
         parsed = _parse_checkpoint_entry(resumed.name)
+        surplus: list[str] = []
         if saving is not None and parsed == (int(saving[0]), saving[1]):
             step, tag, value = parsed[0], parsed[1], saving[2]
-            # A "final" checkpoint the run resumed from no longer ends the run.
-            if tag in (None, "final") and self.keep_last is not None:
-                self._last.append(str(resumed))
-            elif tag == "best" and self.monitor is not None and value is not None:
-                score = value if self.mode == "min" else -value
-                self._best.append((score, step, str(resumed)))
-                self._best.sort(key=lambda e: (e[0], -e[1]))
+            # A "final" checkpoint the run resumed from no longer ends the run: it counts as
+            # an untagged one.
+            surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
+            if tag is None:
+                surplus += self._adopt_best_sibling(directory, step, value)
         if parsed is not None:
             self._report_newer(directory, parsed[0])
-        return True
+        return surplus
+
+    def _adopt_best_sibling(self, directory: Path, step: int, value: float | None) -> list[str]:
+        """A cadence save and a ``"best"`` save of one step are written in the same poll, the
+        cadence's first, so its lineage cannot name the other. Resumed from the cadence's file,
+        the ``"best"`` file of its step in the same folder is this run's too, and its score is
+        the value the resumed state holds: the step's evaluation comes before its saves."""
+        if self.monitor is None or value is None:
+            return []
+        named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))  # file, folder
+        sibling = next((p for p in named if p.exists()), None)
+        if sibling is None:
+            return []
+        return self._record(str(sibling), step, "best", value)
 
     @staticmethod
     def _report_newer(directory: Path, step: int) -> None:
@@ -543,14 +558,20 @@ class Checkpointing(Callback):
             case ev.CheckpointSaving():
                 retention.saving(event)
             case ev.CheckpointLoaded(path=path):
-                retention.adopt(Path(path), self._checkpoint_dir)
+                surplus = retention.adopt(Path(path), self._checkpoint_dir)
+                if delete:
+                    self._remove_surplus(surplus, event.step, "resume")
             case ev.CheckpointSaved() if delete:
                 self._prune(event)
             case ev.CheckpointSaved():
                 retention.saved(event)  # the books only: rank 0 deletes
 
     def _prune(self, event: ev.CheckpointSaved) -> None:
-        for path in self._retention.saved(event):
+        self._remove_surplus(self._retention.saved(event), event.step,
+                             "keep_last" if event.tag is None else "keep_best")  # fmt: skip
+
+    @staticmethod
+    def _remove_surplus(paths: list[str], step: int, reason: str) -> None:
+        for path in paths:
             _remove(Path(path))
-            log.info("checkpoint_removed", step=event.step, path=path,
-                     reason="keep_last" if event.tag is None else "keep_best")  # fmt: skip
+            log.info("checkpoint_removed", step=step, path=path, reason=reason)

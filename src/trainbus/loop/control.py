@@ -91,7 +91,7 @@ class CommandHandler:
         """The run resumed from ``saved``, a checkpoint of its current step: a
         ``SaveCheckpoint`` of that step and tag (an epoch's end whose step saved already) is
         answered with it, as in the run that wrote it, instead of writing that state again."""
-        self._saved = saved
+        self._saved, self._saved_state = saved, self._state.as_dict()
 
     # ================================================================== stop state
     def stop(self, reason: str) -> None:
