@@ -109,7 +109,8 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("save_steps", _ckpt("every_steps=N"), "callbacks"),
     HfOption("save_strategy", _ckpt("every_steps=N") + ' for `"steps"`, '
              '`Checkpointing(every_epochs=1)` for `"epoch"`', "callbacks"),
-    HfOption("save_total_limit", _ckpt("keep_last=N"), "callbacks"),
+    HfOption("save_total_limit", _ckpt("keep_last=N") + "; with `monitor`, the `-best` files "
+             "count apart: `keep_best=1` keeps one", "callbacks"),
     HfOption("load_best_model_at_end", _ckpt('monitor="val_loss", load_best_at_end=True'),
              "callbacks"),
     HfOption("metric_for_best_model", _ckpt('monitor="val_<metric>"') + ", "
