@@ -119,6 +119,53 @@ def test_loss_fn_batches_and_a_counting_function() -> None:
         assert torch.equal(g, m)
 
 
+class CausalLM(TokenModel):
+    """A Hugging Face style causal LM: ``labels`` are the inputs, shifted inside the loss."""
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        logits = self.out(self.emb(input_ids))
+        assert labels is not None
+        return {"loss": token_loss(logits[:, :-1], labels[:, 1:]), "logits": logits}
+
+
+def causal(lengths: list[int], seed: int, width: int) -> dict[str, torch.Tensor]:
+    """A padding collate's batch of a causal LM: labels = input_ids, -100 on padding."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (len(lengths), width), generator=g)
+    labels = ids.clone()
+    for row, n in enumerate(lengths):
+        labels[row, n:] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def next_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """The items a causal LM's loss averages over: the labels after the first position."""
+    return int((batch["labels"][..., 1:] != -100).sum())
+
+
+def test_a_causal_lm_counts_its_shifted_labels() -> None:
+    """A loss that shifts its labels averages over one item fewer per sequence than
+    ``"items"`` counts: the counting function docs/trainer.md gives for it is exact."""
+    micro = [causal([3, 2], seed=1, width=9), causal([9, 8], seed=2, width=9)]
+
+    def grads(data: list[Any], accumulate: int, by: Any) -> list[torch.Tensor]:
+        model = CausalLM()
+        kept: list[torch.Tensor] = []
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
+                          max_steps=1, accumulate=accumulate, accumulate_by=by,
+                          progress=False, attach=False, device="cpu")  # fmt: skip
+        trainer.add_hook("before_optimizer_step",
+                         lambda ctx: kept.extend(p.grad.clone() for p in ctx.model.parameters()))
+        trainer.fit_sync()
+        return kept
+
+    whole = grads([{k: torch.cat([b[k] for b in micro]) for k in micro[0]}], 1, "batches")
+    for g, w in zip(grads(micro, 2, next_tokens), whole, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+    assert not all(torch.allclose(g, w, rtol=1e-3, atol=1e-5)
+                   for g, w in zip(grads(micro, 2, "items"), whole, strict=True))  # fmt: skip
+
+
 def test_step_loss_is_the_windows_token_mean() -> None:
     """``StepEnded.loss`` is the loss one batch of the window's tokens reports; each
     ``LossComputed`` keeps its micro-batch's own mean."""

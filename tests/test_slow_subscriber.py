@@ -412,3 +412,30 @@ def test_a_metrics_poster_over_http_never_holds_training_while_best_and_stopping
             improving.append(step)
             low = loss
     assert best == improving and best
+
+
+def test_a_dropping_subscriber_says_so_at_its_first_drop() -> None:
+    # A poster of every step, slower than training, with the default overflow: it drops, and
+    # says so when it starts to (once), not only in the end's lost-work report. A "latest"
+    # subscription drops by design and says nothing.
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(12),
+                      loss_fn=F.cross_entropy, max_steps=12, progress=False,
+                      handle_signals=False, attach=False)  # fmt: skip
+    ended = threading.Event()
+    bus = trainer.bus
+    bus.stream(ev.FitEnded).subscribe(lambda _: ended.set())
+
+    async def post(e: ev.StepEnded) -> None:  # held until the run has ended
+        while not ended.is_set():  # noqa: ASYNC110
+            await anyio.sleep(0.001)
+
+    bus.subscribe_async(bus.stream(ev.StepEnded), post, buffer=2, name="poster")
+    bus.subscribe_async(bus.stream(ev.StepEnded), post, overflow="latest", name="dashboard")
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert result.steps == 12 and result.lost["poster"].dropped >= 9  # 12 - 2 - (0 or 1) running
+    (said,) = [x for x in logs if x["event"] == "subscriber_dropping"]
+    assert said["subscription"] == "poster" and said["buffer"] == 2
+    assert "overflow='block'" in said["remedies"]
+    assert said["log_level"] == "warning"

@@ -314,3 +314,22 @@ async def test_subscribe_async_accepts_every_async_callable() -> None:
         bus.publish(ev.StepEnded(step=1, epoch=0, loss=torch.tensor(0.0), lr=0.1,
                                  grad_norm=None, samples=1, duration_s=0.0))  # fmt: skip
     assert sorted(got) == [("method", 1), ("object", 1), ("partial", 1)]
+
+
+def test_a_dataset_of_samples_is_refused_naming_the_dataloader_that_batches_it() -> None:
+    # A Hugging Face habit: the Trainer there takes a Dataset (train_dataset, eval_dataset).
+    class Pairs(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.full((32,), float(i)), torch.tensor(i % 10)
+
+    batches = r"a Dataset gives single samples; wrap it, DataLoader\(dataset, batch_size=N"
+    with pytest.raises(ConfigError, match=rf"^train_data='Pairs' is invalid: .*{batches}"):
+        _train_on(Pairs(), max_steps=1)
+    with pytest.raises(ConfigError, match=rf"^eval_data\['test'\]='Pairs' is invalid: .*{batches}"):
+        _train_on(DATA, max_steps=1, eval_data={"val": DATA, "test": Pairs()})
+    # Wrapped as the message says, it trains.
+    loader = torch.utils.data.DataLoader(Pairs(), batch_size=4)
+    assert _train_on(loader, max_steps=2, eval_data=loader).steps == 2

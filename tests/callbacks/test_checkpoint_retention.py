@@ -139,6 +139,28 @@ def test_a_resumed_run_keeps_what_an_uninterrupted_run_keeps(
     assert _names(folder) == want
 
 
+@pytest.mark.parametrize("stopped", [False, True], ids=["completed", "early-stopped"])
+def test_a_job_started_again_after_its_end_leaves_its_files_as_they_were(
+    tmp_path: Path, trainer_factory: Any, stopped: bool
+) -> None:
+    # A scheduler requeues a job that had already ended: the same script, resume="latest".
+    # The last step has its file already; the restarted run writes no "final" copy of it.
+    def job() -> Any:
+        callbacks: list[Any] = [_keeping()]
+        if stopped:  # val_score worse at 6 than at 3: stops at step 6, a cadence step
+            callbacks.append(EarlyStopping("val_score", patience=1))
+        return trainer_factory(callbacks, checkpoint_dir=tmp_path, score=[1.0, 2.0], **RUN)
+
+    first = job().fit_sync()
+    assert (first.reason, first.steps) == (("stopped", 6) if stopped else ("completed", 12))
+    files = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert not [name for name in files if name.endswith("-final.pt")]
+    again = job().fit_sync(resume="latest")
+    assert (again.reason, again.steps) == (first.reason, first.steps)
+    assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == files
+    assert again.checkpoint == str(again.resumed_from)
+
+
 def test_another_runs_files_are_never_touched(tmp_path: Path, trainer_factory: Any) -> None:
     folder = tmp_path / "run"
     # Another run (fresh, never resumed) wrote step 3 into the same folder first.

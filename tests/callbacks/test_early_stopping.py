@@ -59,6 +59,11 @@ def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
     )  # fmt: skip
     result = trainer.fit_sync()
     assert result.reason == "stopped" and result.steps == 6  # 3 epochs of 2 steps
+    # 0.84 beats 0.80 but not by min_delta: the reason says why it did not count.
+    assert result.stop_reason is not None and result.stop_reason.startswith(
+        "early stopping: val_score did not improve by more than min_delta=0.05 for 2 "
+        "evaluations (best 0.80"
+    )
 
 
 def test_keeps_training_while_the_metric_improves(trainer_factory: Any) -> None:

@@ -209,10 +209,6 @@ def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> l
     while want and want[0][0] == "CheckpointSaved" and want[0][1] == k:
         want.pop(0)
     got = _keys(recorder.items)
-    if k == end.step:
-        # Nothing was left to train: the resumed run writes its final checkpoint into its own
-        # empty folder, where the uninterrupted run had just saved that step.
-        got = [key for key in got if key[:3] != ("CheckpointSaved", k, "final")]
     stop = next((e.command for e in ref.events[:at] if isinstance(e, ev.CommandApplied)
                  and isinstance(e.command, cmd.StopTraining)), None)  # fmt: skip
     if stop is not None and got and got[0][:2] == ("StopTraining", k):

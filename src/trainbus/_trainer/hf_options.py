@@ -62,7 +62,9 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("per_device_eval_batch_size",
              "pass a `DataLoader(dataset, batch_size=N)` as `eval_data`"),
     HfOption("gradient_accumulation_steps", "`accumulate=N`; `accumulate_by=\"items\"` weighs "
-             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does",
+             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does "
+             "(a causal LM, whose loss shifts its labels: count `labels[..., 1:]`, "
+             "docs/trainer.md#gradient-accumulation)",
              "accumulate"),
     HfOption("max_grad_norm", "`clip_grad_norm=...`", "clip_grad_norm"),
     HfOption("learning_rate", _OPT + "`torch.optim.AdamW(model.parameters(), lr=...)`"),
@@ -107,7 +109,8 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("save_steps", _ckpt("every_steps=N"), "callbacks"),
     HfOption("save_strategy", _ckpt("every_steps=N") + ' for `"steps"`, '
              '`Checkpointing(every_epochs=1)` for `"epoch"`', "callbacks"),
-    HfOption("save_total_limit", _ckpt("keep_last=N"), "callbacks"),
+    HfOption("save_total_limit", _ckpt("keep_last=N") + "; with `monitor`, the `-best` files "
+             "count apart: `keep_best=1` keeps one", "callbacks"),
     HfOption("load_best_model_at_end", _ckpt('monitor="val_loss", load_best_at_end=True'),
              "callbacks"),
     HfOption("metric_for_best_model", _ckpt('monitor="val_<metric>"') + ", "

@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias
 import anyio
 from reactivex import abc
 
+from .._log import get_logger
 from .clock import DecisionStamp
 from .failures import ErrorPolicy, FailureLedger
 from .pressure import Backpressure
@@ -27,6 +28,14 @@ from .subscriptions import Subscription
 from .tasks import TaskSet
 
 __all__ = ["DEFAULT_OVERFLOW", "OVERFLOWS", "AsyncFeeder", "AsyncSubscription", "Overflow"]
+
+log = get_logger(__name__)
+
+DROP_REMEDIES = (
+    "a larger buffer=, a higher concurrency=, overflow='block' (training then waits for it, "
+    "said and counted), or sample at the stream: bus.stream(T, every_steps=n) / "
+    "bus.stream(T, every_s=x)"
+)
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What an async subscription does when its buffer is full: ``"block"`` takes the item and
@@ -156,11 +165,28 @@ class AsyncSubscription(Subscription):
         if len(buf) >= self.capacity and self.overflow != "block":
             self._spent.append(buf.popleft())
             self.dropped += 1
+            if self.dropped == 1 and self.overflow == "drop_oldest":
+                self._announce_drops()
         buf.append(item)
         if len(buf) > self.capacity:
             self._backpressure.signal(self)
         if self._ready is not None:
             self._ready.set()
+
+    def _announce_drops(self) -> None:
+        """Say, at its first drop, that this subscription has begun dropping (once: the end
+        of the run reports how many). ``"latest"`` drops by design and is not announced."""
+        done_rate, in_rate = self.rates()
+        log.warning(
+            "subscriber_dropping",
+            subscription=self.name,
+            buffer=self.capacity,
+            rate_per_s=round(done_rate, 3),
+            events_per_s=round(in_rate, 3),
+            action="its oldest waiting items are dropped from now on, counted as lost work "
+            "(FitResult.lost, bus_closed_with_lost_work at the end)",
+            remedies=DROP_REMEDIES,
+        )
 
     def close_input(self) -> None:
         """No more items will come: workers finish the buffer and exit."""

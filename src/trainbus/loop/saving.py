@@ -10,6 +10,7 @@ checkpoint the run wrote last.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
@@ -142,6 +143,19 @@ class CheckpointWriter:
         self.failed_saves = 0
         self._sharded = is_sharded_model(settings.model)
         self._run = run_config(settings)
+
+    def resumed_from(self, path: Path, step: int) -> None:
+        """The run resumed from ``path``, a checkpoint of its current ``step``: when it lies in
+        this run's ``checkpoint_dir`` it is the run's last checkpoint, so a run that ends at
+        that step (a completed run started again, a stop sent again) writes no final copy.
+
+        Args:
+            path: The checkpoint file (or sharded folder) loaded.
+            step: Its step, the run's current one.
+        """
+        folder = self._settings.checkpoint_dir
+        if folder is not None and path.parent.resolve() == folder.resolve():
+            self.last_checkpoint, self.last_checkpoint_step = str(path), step
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
         """The epoch in progress draws its batches in ``data_order``

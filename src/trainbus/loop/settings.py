@@ -108,6 +108,14 @@ def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
     """
     if value is None and optional:
         return None
+    # A map-style Dataset (Hugging Face's Trainer takes one) yields samples, not batches, and
+    # has no __iter__: say how to batch it rather than only that it is not iterable.
+    if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
+        raise ConfigError.invalid(
+            name, type(value).__name__,
+            "an iterable of batches: a Dataset gives single samples; wrap it, "
+            "DataLoader(dataset, batch_size=N, shuffle=..., collate_fn=...)",
+        )  # fmt: skip
     # A string is iterable (of characters) but never a loader: refuse it here, not at step 0.
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Iterable):
         raise ConfigError.invalid(

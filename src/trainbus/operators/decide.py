@@ -198,9 +198,11 @@ def patience(
         if tracker.bad < patience:
             return None
         at = "" if tracker.best_step is None else f" at step {tracker.best_step}"
+        # With min_delta a value better than the best may still not count: say by how much.
+        by = f" by more than min_delta={min_delta!r}" if min_delta else ""
         return cmd.StopTraining(
             reason=(
-                f"early stopping: {metric} did not improve for {patience} evaluations "
+                f"early stopping: {metric} did not improve{by} for {patience} evaluations "
                 f"(best {tracker.best!r}{at}; {value!r} at step {now})"
             )
         )
