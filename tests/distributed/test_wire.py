@@ -66,6 +66,9 @@ BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
     ),
     "Phase": st.sampled_from(["train", "eval", "predict"]),
     "EvalTrigger": st.sampled_from(["epoch", "steps", "command", "standalone"]),
+    "tuple[EvalTrigger, ...]": st.lists(
+        st.sampled_from(["steps", "command", "epoch", "end"]), min_size=1, max_size=3, unique=True
+    ).map(tuple),
     "tuple[str, ...]": st.lists(names, max_size=3).map(tuple),
     "Any": scalar,  # PredictionBatchEnded.outputs: a tensor reads back as numbers
     "ResumeSource | None": st.sampled_from([None, "path", "checkpoint_dir", "ray"]),

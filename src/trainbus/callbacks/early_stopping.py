@@ -15,6 +15,7 @@ from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from ..bus import EventBus
+    from ..bus.observable import CommandSink
     from ._base import RunPlan
 
 __all__ = ["EarlyStopping"]
@@ -71,7 +72,9 @@ class EarlyStopping(TrackedCallback):
         self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
         # The tracker: best value and evaluations without improvement (fresh at each attach).
         super().__init__(state_key)
-        self._bus: EventBus | None = None
+        # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
+        # holding the bus would be a cycle that keeps a dropped Trainer until a gc pass.
+        self._commands: CommandSink | None = None
         self._stop: cmd.StopTraining | None = None
         """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
 
@@ -89,7 +92,7 @@ class EarlyStopping(TrackedCallback):
         metric = self.metric
         # One run, one tracker: an instance attached to a second trainer starts afresh.
         tracker = self.fresh_tracker()
-        self._bus, self._stop = bus, None
+        self._commands, self._stop = bus.commands, None
         decide = tbops.patience(metric, mode=self.mode, patience=self.patience,
                                 min_delta=self.min_delta, tracker=tracker)  # fmt: skip
         bus.stream(ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
@@ -124,5 +127,5 @@ class EarlyStopping(TrackedCallback):
         self._stop = None
         if isinstance(reason, str) and self.tracker.bad >= self.patience:
             self._stop = cmd.StopTraining(reason=reason)
-            if self._bus is not None:  # attached: the resumed run applies it first
-                self._bus.send(self._stop)
+            if self._commands is not None:  # attached: the resumed run applies it first
+                self._commands.send(self._stop)
