@@ -331,7 +331,10 @@ def test_an_async_subscription_made_off_the_event_loop_mid_run_works(where: str)
         got.append(e.step)
 
     def subscribe() -> None:
-        subscribed.append(trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), record))
+        # A buffer for every step: a loaded machine may run all 280 before the workers start,
+        # and what this pins is the subscription, not the default buffer's drops.
+        subscribed.append(trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), record,
+                                                      buffer=400))  # fmt: skip
 
     def at_step_20(ctx: Any) -> None:
         if ctx.step == 20 and not subscribed:
