@@ -262,3 +262,30 @@ def test_a_pad_no_output_needs_is_not_refused() -> None:
     flags = [torch.tensor([True, False]), torch.tensor([False])]
     joined = join_outputs(flags, PadValues.check(-100))
     assert joined.tolist() == [True, False, False]
+
+
+@pytest.mark.timeout(600)  # importing transformers takes over a minute on a loaded machine
+def test_a_causal_lms_cache_is_dropped_as_its_config_says() -> None:
+    """A GPT-2 returns its key-value ``cache`` (an object per batch, on the device) beside its
+    logits; predict drops it from what it keeps and publishes, as Hugging Face's own predict
+    does (a config's ``keys_to_ignore_at_inference``, else ``["cache"]``); ``ignore_keys``
+    says otherwise."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=8, n_layer=1,
+                                     n_head=2)  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config)
+    batches = [{"input_ids": torch.randint(0, 40, (2, n))} for n in (5, 7, 6)]
+    trainer = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), batches,
+                      max_steps=1, progress=False, device="cpu")  # fmt: skip
+    streamed: list[Any] = []
+    trainer.bus.subscribe(trainer.bus.stream(ev.PredictionBatchEnded),
+                          lambda e: streamed.append(set(e.outputs)),
+                          on_error="raise")  # fmt: skip
+    out = trainer.predict_sync(batches, return_outputs=True)
+    assert set(out) == {"logits"} and out.logits.shape == (6, 7, 40)
+    assert streamed == [{"logits"}] * 3
+    kept = trainer.predict_sync(batches, return_outputs=True, ignore_keys=[])
+    assert "cache" in kept  # one cache object per batch, as asked
+    with pytest.raises(ConfigError, match="ignore_keys"):
+        trainer.predict_sync(batches, ignore_keys="cache")

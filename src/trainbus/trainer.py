@@ -68,6 +68,7 @@ from .loop import (
     evaluation_metric_names,
     join_outputs,
 )
+from .loop.outputs import ignored_keys
 from .seeding import seeded_run
 
 __all__ = ["FitResult", "Trainer", "TrainerOptions"]
@@ -565,6 +566,7 @@ class Trainer:
         *,
         return_outputs: bool = False,
         pad_value: PadValue | Mapping[str | torch.dtype, PadValue] | None = None,
+        ignore_keys: Iterable[str] | None = None,
     ) -> Any:
         """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``.
 
@@ -590,6 +592,11 @@ class Trainer:
                 for ``bool``); one number for every tensor; or a mapping of output keys and
                 dtypes to numbers (``{"logits": float("nan"), torch.int64: -100}``; a key wins
                 over a dtype, the defaults fill the rest).
+            ignore_keys: Keys of mapping outputs (a ``ModelOutput`` included) dropped from
+                every batch before it is kept or published, as Hugging Face's
+                ``predict(ignore_keys=...)``. None: the model's
+                ``config.keys_to_ignore_at_inference`` when it has one (a causal LM's
+                ``past_key_values``: a cache per batch, not outputs to keep), else none.
 
         Returns:
             The outputs when ``return_outputs``, else None. An empty ``data`` gives ``[]``.
@@ -608,9 +615,10 @@ class Trainer:
         if not isinstance(return_outputs, bool):
             raise ConfigError.invalid("return_outputs", return_outputs, "True or False")
         pad = PadValues.check(pad_value)
+        ignore = ignored_keys(self.settings.model, ignore_keys)
         kept = await self._standalone("predict",
                                       lambda run: run.predict(data, keep=return_outputs,
-                                                              pad=pad),
+                                                              pad=pad, ignore=ignore),
                                       self.settings, [data])  # fmt: skip
         return join_outputs(kept, pad) if return_outputs else None
 
@@ -620,6 +628,7 @@ class Trainer:
         *,
         return_outputs: bool = False,
         pad_value: PadValue | Mapping[str | torch.dtype, PadValue] | None = None,
+        ignore_keys: Iterable[str] | None = None,
         backend: str = "asyncio",
     ) -> Any:
         """Synchronous twin of :meth:`predict`, through the same portal as :meth:`fit_sync`.
@@ -628,7 +637,8 @@ class Trainer:
             As :meth:`predict` and :meth:`fit_sync`.
         """
         return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs,
-                                                        pad_value=pad_value),
+                                                        pad_value=pad_value,
+                                                        ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip
 
 

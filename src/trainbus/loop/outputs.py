@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["OutputsCheck", "PadValue", "PadValues", "detach_outputs", "join_outputs",
-           "map_tensors"]  # fmt: skip
+__all__ = ["OutputsCheck", "PadValue", "PadValues", "detach_outputs", "ignored_keys",
+           "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
 
 PadValue = bool | int | float
 """A value to pad a tensor with."""
@@ -87,6 +87,35 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
     if isinstance(outputs, Mapping):
         return _mapping_like(outputs, {k: map_tensors(fn, v) for k, v in outputs.items()})
     return outputs
+
+
+def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str]:
+    """The output keys ``predict`` drops: ``ignore_keys`` as given; with None, as Hugging
+    Face's own ``predict`` decides: for a model with a ``config``, its
+    ``keys_to_ignore_at_inference``, else ``["cache"]`` (a causal LM's key-value cache, one per
+    batch, on the device); for any other model none.
+
+    Raises:
+        ConfigError: ``ignore_keys`` is not None nor an iterable of strings.
+    """
+    if ignore_keys is None:
+        config = getattr(model, "config", None)
+        keys = () if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
+        return frozenset(k for k in keys or () if isinstance(k, str))
+    if isinstance(ignore_keys, str) or not isinstance(ignore_keys, Iterable):
+        raise ConfigError.invalid("ignore_keys", ignore_keys, "None or a list of output keys")
+    keys = list(ignore_keys)
+    if not all(isinstance(k, str) for k in keys):
+        raise ConfigError.invalid("ignore_keys", keys, "None or a list of output keys (str)")
+    return frozenset(keys)
+
+
+def without_keys(outputs: Any, keys: frozenset[str]) -> Any:
+    """A mapping's ``outputs`` (a ``ModelOutput`` included, kept as its type) without
+    ``keys``; anything else as is."""
+    if not keys or not isinstance(outputs, Mapping) or not keys.intersection(outputs):
+        return outputs
+    return _mapping_like(outputs, {k: v for k, v in outputs.items() if k not in keys})
 
 
 def detach_outputs(outputs: Any) -> Any:

@@ -32,7 +32,14 @@ from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
 from .outcome import Cancelled
-from .outputs import OutputsCheck, PadValues, detach_outputs, join_outputs, map_tensors
+from .outputs import (
+    OutputsCheck,
+    PadValues,
+    detach_outputs,
+    join_outputs,
+    map_tensors,
+    without_keys,
+)
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -110,8 +117,8 @@ class StandaloneRun:
         evaluator.run("standalone", sets)
         return evaluator.metrics
 
-    def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None
-                ) -> list[Any]:  # fmt: skip
+    def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None,
+                ignore: frozenset[str] = frozenset()) -> list[Any]:  # fmt: skip
         """Run the model on every batch of ``data`` inside ``PredictionStarted/Ended``.
 
         Args:
@@ -119,6 +126,9 @@ class StandaloneRun:
             keep: Keep every batch's outputs and return them (else ``[]``); each batch is
                 checked as it comes to be joinable with the first (:class:`OutputsCheck`).
             pad: The pad values the outputs will be joined with (None: the defaults).
+            ignore: Output keys dropped from every batch's outputs before they are kept or
+                published (a causal LM's ``past_key_values``: see
+                :func:`~trainbus.loop.outputs.ignored_keys`).
 
         Returns:
             The per-batch outputs (detached, copied to the host as they came: pinned and
@@ -175,7 +185,9 @@ class StandaloneRun:
                                               batch_index=bi))  # fmt: skip
                     try:
                         with s.autocast():
-                            outputs = detach_outputs(model_outputs(s, batch, targets=False)[0])
+                            outputs = without_keys(
+                                detach_outputs(model_outputs(s, batch, targets=False)[0]), ignore
+                            )
                     except BaseException as exc:
                         if w.forward_ended:
                             pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="predict",
