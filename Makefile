@@ -26,8 +26,10 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bus.py
 	$(BIN)/python benchmarks/step_overhead.py
 
+# What CI runs before the suite: ruff's lint and format check, mypy strict (pyproject.toml).
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks conftest.py
+	$(BIN)/ruff format --check src tests examples benchmarks conftest.py
 	$(BIN)/mypy
 
 clean:

@@ -66,7 +66,7 @@ def main() -> None:
     names = list(variants)
     results: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             fn = variants[name]
             for _ in range(50):  # warm-up
@@ -83,9 +83,20 @@ def main() -> None:
         for n, us in table.items():
             print(f"{n:<{width}}  {us:8.1f}")
         out = Path(__file__).resolve().parent / "results" / "agreement.json"
-        out.write_text(json.dumps({"world_size": group.world_size, "backend": group.backend,
-                                   "rounds": args.rounds, "iters": args.iters,
-                                   "median_us": table, "all_us": results}, indent=2) + "\n")
+        out.write_text(
+            json.dumps(
+                {
+                    "world_size": group.world_size,
+                    "backend": group.backend,
+                    "rounds": args.rounds,
+                    "iters": args.iters,
+                    "median_us": table,
+                    "all_us": results,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     group.close()
 
 

@@ -112,8 +112,12 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=16, help="at least 3")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--kit", choices=["none", "sampled", "each"], default="none")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="the JSON to write (default: benchmarks/results/step_ab_<kit>.json)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="the JSON to write (default: benchmarks/results/step_ab_<kit>.json)",
+    )
     args = parser.parse_args()
     if args.rounds < 3 or args.steps < 1:
         parser.error("--rounds takes 3 or more (a median and its interval), --steps 1 or more")

@@ -154,8 +154,10 @@ def test_a_causal_lm_counts_its_shifted_labels() -> None:
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                           max_steps=1, accumulate=accumulate, accumulate_by=by,
                           progress=False, attach=False, device="cpu")  # fmt: skip
-        trainer.add_hook("before_optimizer_step",
-                         lambda ctx: kept.extend(p.grad.clone() for p in ctx.model.parameters()))
+        trainer.add_hook(
+            "before_optimizer_step",
+            lambda ctx: kept.extend(p.grad.clone() for p in ctx.model.parameters()),
+        )
         trainer.fit_sync()
         return kept
 

@@ -157,8 +157,12 @@ def test_resume_continues_from_the_saved_step(tmp_path: Path, how: str) -> None:
     assert (r2.reason, r2.steps) == ("completed", 4)
     (loaded,) = rec.of_type(ev.CheckpointLoaded)
     assert loaded.path == r1.checkpoint and loaded.step == 2
-    assert rec.names()[:4] == ["TrainerBuilt", "CheckpointLoading", "CheckpointLoaded",
-                              "FitStarted"]
+    assert rec.names()[:4] == [
+        "TrainerBuilt",
+        "CheckpointLoading",
+        "CheckpointLoaded",
+        "FitStarted",
+    ]
     assert rec.of_type(ev.FitStarted)[0].step == 2
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [3, 4]
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)] == [2, 3]  # mid-epoch resume
@@ -234,8 +238,9 @@ def test_final_checkpoint_of_a_stopped_run(tmp_path: Path) -> None:
     result = trainer.fit_sync()
     assert result.reason == "stopped"
     assert result.checkpoint == str(tmp_path / "step-00000003-final.pt")
-    assert read_checkpoint(result.checkpoint).state == TrainState(step=3, batch_in_epoch=3,
-                                                                  samples_seen=24)
+    assert read_checkpoint(result.checkpoint).state == TrainState(
+        step=3, batch_in_epoch=3, samples_seen=24
+    )
 
 
 def test_no_duplicate_final_checkpoint_after_a_save_at_the_last_step(tmp_path: Path) -> None:

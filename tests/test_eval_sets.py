@@ -45,7 +45,8 @@ def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
     assert all(set(e.metrics) == {f"{e.dataset}/loss", f"{e.dataset}/acc"} for e in ends)
     assert [b.dataset for b in recorder.of_type(ev.EvalBatchEnded)] == ["val", "val", "test"] * 2
     assert {e.dataset for e in recorder.of_type(ev.ForwardStarted) if e.phase == "eval"} == {
-        "val", "test"
+        "val",
+        "test",
     }
     assert all(e.dataset is None for e in recorder.of_type(ev.ForwardStarted) if e.phase == "train")
     rounds = recorder.of_type(ev.EvaluationRoundEnded)

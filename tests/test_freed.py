@@ -19,10 +19,10 @@ import pytest
 from tests.distributed._torchrun import env
 
 CASES = ["completed", "stopped", "asyncio", "trio", "evaluated", "with", "pruned", "raised"]
-"""``run()`` to the end (callbacks with an async subscriber and a hook, a hook and subscribers
+"""``fit_sync()`` to the end (callbacks with an async subscriber and a hook, a hook and subscribers
 closing over the bus); stopped by a hook's ``StopTraining``; ``fit()`` + ``evaluate()`` in the
 caller's own event loop (asyncio, trio); ``evaluate_sync()`` + ``predict_sync()`` only; inside
-``with trainer:``; an Optuna trial pruned (``run()`` raised ``TrialPruned``); a hook raised."""
+``with trainer:``; an Optuna trial pruned (``fit_sync()`` raised ``TrialPruned``); a hook raised."""
 
 
 @pytest.fixture(scope="module")

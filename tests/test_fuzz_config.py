@@ -129,8 +129,11 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
         if "eval_data" not in bad and draw(st.booleans()):
             config["eval_data"] = "eval-loader"
     # Checkpointing needs a folder (refused when fit() starts, not at construction).
-    if (config.get("callbacks") == [cbs.Checkpointing] and "checkpoint_dir" not in bad
-            and config.get("checkpoint_dir") is None):
+    if (
+        config.get("callbacks") == [cbs.Checkpointing]
+        and "checkpoint_dir" not in bad
+        and config.get("checkpoint_dir") is None
+    ):
         config["checkpoint_dir"] = CKPT
     every = draw(st.sampled_from([None, None, None, 1, 2, 0, True, "2"] if n_bad else [None, 1]))
     if every is not None:
@@ -187,8 +190,10 @@ def test_trainer_configuration_fuzz(case: tuple[dict[str, Any], set[str]]) -> No
     config, bad = case
     with tempfile.TemporaryDirectory(dir=_TMP) as tmp:
         kwargs = _build(config, Path(tmp))
-        model, optimizer, data = kwargs.pop("model"), kwargs.pop("optimizer"), kwargs.pop(
-            "train_data"
+        model, optimizer, data = (
+            kwargs.pop("model"),
+            kwargs.pop("optimizer"),
+            kwargs.pop("train_data"),
         )
         event("ran" if not bad else "refused")
         if not bad:
@@ -281,4 +286,3 @@ def test_callback_options_fuzz(case: tuple[type[Callback], dict[str, Any]]) -> N
         except TrainbusError:
             return
         assert result.reason in ("completed", "stopped"), result
-

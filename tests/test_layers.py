@@ -20,8 +20,17 @@ import pytest
 SRC = Path(__file__).resolve().parents[1] / "src" / "trainbus"
 
 # Leaf utilities every layer may use: they import nothing of trainbus but each other.
-LEAF = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders", "hookpoints",
-        "_durable", "_signals"}
+LEAF = {
+    "_exceptions",
+    "_validate",
+    "_log",
+    "_fastinit",
+    "_tensors",
+    "_loaders",
+    "hookpoints",
+    "_durable",
+    "_signals",
+}
 
 # layer -> the trainbus layers it may import (besides itself and LEAF).
 ALLOWED: dict[str, set[str]] = {
@@ -42,15 +51,42 @@ ALLOWED: dict[str, set[str]] = {
 # Edges allowed only inside `if TYPE_CHECKING:` (annotations): the loop is handed a bus.
 # (events name the Command type of CommandApplied.)
 # (Callback.after_fit names the FitResult the Trainer hands it.)
-TYPES_ONLY: dict[str, set[str]] = {"loop": {"bus", "distributed"}, "events": {"commands"},
-                                   "callbacks": {"top"}, "integrations": {"top"}}
+TYPES_ONLY: dict[str, set[str]] = {
+    "loop": {"bus", "distributed"},
+    "events": {"commands"},
+    "callbacks": {"top"},
+    "integrations": {"top"},
+}
 NO_TORCH = {"bus", "events", "commands", "operators"}
-TOP = {"__init__", "trainer", "cli", "testing", "replay", "__main__", "launcher", "_rundirs",
-       "seeding", "_driver", "ray", "_trainer", "attachment"}
+TOP = {
+    "__init__",
+    "trainer",
+    "cli",
+    "testing",
+    "replay",
+    "__main__",
+    "launcher",
+    "_rundirs",
+    "seeding",
+    "_driver",
+    "ray",
+    "_trainer",
+    "attachment",
+}
 # The Trainer's own rooms live in trainbus/_trainer/ (one package of the top layer); the
 # package's hall holds public modules and the internals several layers share.
-HALL_INTERNALS = {"_exceptions", "_validate", "_log", "_fastinit", "_tensors", "_loaders",
-                  "_rundirs", "_driver", "_durable", "_signals"}
+HALL_INTERNALS = {
+    "_exceptions",
+    "_validate",
+    "_log",
+    "_fastinit",
+    "_tensors",
+    "_loaders",
+    "_rundirs",
+    "_driver",
+    "_durable",
+    "_signals",
+}
 
 
 @dataclass(frozen=True)
@@ -108,8 +144,9 @@ def imports_of(path: Path) -> list[Import]:
                 target = node.module or ""
             if node.module is None or target in {"trainbus"}:
                 # `from . import events` / `from trainbus import events`: the names are modules
-                found.extend(Import(f"{target}.{a.name}", type_only, node.lineno)
-                             for a in node.names)
+                found.extend(
+                    Import(f"{target}.{a.name}", type_only, node.lineno) for a in node.names
+                )
             else:
                 found.append(Import(target, type_only, node.lineno))
         else:

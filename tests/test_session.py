@@ -22,7 +22,6 @@ from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 CALL_ENDS = (ev.FitEnded, ev.EvaluationRoundEnded, ev.PredictionEnded)
 
 
-
 def _leaked(before: set[threading.Thread]) -> list[threading.Thread]:
     """Threads started since ``before`` that are still alive once given 10 s to end: a stopped
     portal's idle anyio worker threads are told to exit, not joined, so they may take a
@@ -31,6 +30,7 @@ def _leaked(before: set[threading.Thread]) -> list[threading.Thread]:
     for thread in new:
         thread.join(timeout=10)
     return [t for t in new if t.is_alive()]
+
 
 def make_trainer(**overrides: Any) -> Trainer:
     model = overrides.pop("model", None) or tiny_model()

@@ -25,6 +25,7 @@ from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 _ENDS = {end: start for start, end in ev.SPANS.items()}
 
+
 def assert_well_formed(items: Sequence[Any]) -> ev.FitEnded:
     """Spans paired and nested, one FitEnded, last; returns it."""
     assert items, "nothing was recorded"

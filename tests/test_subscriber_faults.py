@@ -89,9 +89,7 @@ FAULTS = [
 
 
 @pytest.mark.parametrize("fault", FAULTS)
-def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(
-    tmp_path: Path, fault: str
-) -> None:
+def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(tmp_path: Path, fault: str) -> None:
     trainer = _trainer(tmp_path)
     _attach(trainer, fault)
     rec = EventRecorder(trainer.bus)

@@ -1,6 +1,6 @@
 """One name, one meaning: each async call of the Trainer has one synchronous twin, spelt
-``<call>_sync`` with the same parameters plus ``backend``; the old ``run()`` spelling of
-``fit_sync()`` still works, with a ``DeprecationWarning`` pointing at the caller's line."""
+``<call>_sync`` with the same parameters plus ``backend``; there is no other spelling (no
+``run()``)."""
 
 from __future__ import annotations
 
@@ -36,14 +36,11 @@ def test_every_async_call_has_its_twin_named_call_sync() -> None:
         assert twin_params == params, name
 
 
-def test_run_is_a_deprecated_spelling_of_fit_sync() -> None:
+def test_run_is_not_a_second_name_for_fit_sync() -> None:
     trainer = _trainer()
-    with pytest.warns(DeprecationWarning, match=r"Trainer\.run\(\) is deprecated: call "
-                      r"Trainer\.fit_sync\(\)") as caught:  # fmt: skip
-        result = trainer.run()
-    assert result.reason == "completed" and result.steps == 1
-    assert caught[0].filename == __file__  # the warning names the caller's line
-    assert inspect.signature(Trainer.run) == inspect.signature(Trainer.fit_sync)
+    with pytest.raises(AttributeError, match="'run'"):
+        trainer.run()  # type: ignore[attr-defined]
+    assert trainer.fit_sync().steps == 1
 
 
 def test_fit_sync_trains() -> None:

@@ -263,7 +263,8 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
     assert all(r.datasets == ("val", "test") for r in rounds)
     ends = recorder.of_type(ev.EvaluationEnded)
     assert [(e.dataset, set(e.metrics)) for e in ends[:2]] == [
-        ("val", {"val/loss"}), ("test", {"test/loss"})
+        ("val", {"val/loss"}),
+        ("test", {"test/loss"}),
     ]
     (last_round,) = recorder.of_type(ev.EvaluationRoundEnded)[-1:]
     assert dict(last_round.metrics) == dict(result.metrics)

@@ -571,6 +571,7 @@ class CheckpointLoading(BaseEvent):
 
     path: str
 
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CheckpointSaved(BaseEvent):
     """A checkpoint was written (atomically: the path exists and is complete)."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self, Unpack
@@ -267,23 +266,6 @@ class Trainer:
             # the portal's event loop would end that loop, not reach this caller.
             self._raise_interrupt(result)
             return result
-
-    def run(
-        self,
-        *,
-        resume: str | os.PathLike[str] | None = None,
-        backend: str = "asyncio",
-        require_checkpoint: bool = False,
-    ) -> FitResult:
-        """Deprecated spelling of :meth:`fit_sync` (each sync twin is ``<call>_sync``).
-
-        Raises:
-            As :meth:`fit_sync`, after a ``DeprecationWarning``.
-        """
-        warnings.warn("Trainer.run() is deprecated: call Trainer.fit_sync(), the synchronous "
-                      "twin of fit() as evaluate_sync() and predict_sync() are of evaluate() "
-                      "and predict()", DeprecationWarning, stacklevel=2)  # fmt: skip
-        return self.fit_sync(resume=resume, backend=backend, require_checkpoint=require_checkpoint)
 
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False

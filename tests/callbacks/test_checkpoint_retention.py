@@ -277,8 +277,10 @@ def test_load_best_at_end_after_a_resume(tmp_path: Path, trainer_factory: Any) -
     assert _same_weights(second, tmp_path / "step-00000006-best.pt")
     assert _names(tmp_path) == ["step-00000006-best.pt", "step-00000010.pt", "step-00000012.pt"]
     # The final checkpoint still holds the last weights (what a resume continues from).
-    assert not torch.equal(_saved_weights(tmp_path / "step-00000012.pt")["0.weight"],
-                           _saved_weights(tmp_path / "step-00000006-best.pt")["0.weight"])
+    assert not torch.equal(
+        _saved_weights(tmp_path / "step-00000012.pt")["0.weight"],
+        _saved_weights(tmp_path / "step-00000006-best.pt")["0.weight"],
+    )
 
 
 def test_trainer_load_weights(tmp_path: Path, trainer_factory: Any) -> None:

@@ -236,8 +236,11 @@ def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> l
     if result.checkpoint is None:
         problems.append("no final checkpoint")
     else:
-        differ = [p for p in _differences(ref.final, Path(result.checkpoint),
-                                          same_point=k == end.step) if p in parts]
+        differ = [
+            p
+            for p in _differences(ref.final, Path(result.checkpoint), same_point=k == end.step)
+            if p in parts
+        ]
         if differ:
             problems.append(f"final checkpoints differ in {', '.join(differ)}")
 

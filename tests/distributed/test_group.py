@@ -37,8 +37,16 @@ def test_without_torchrun_the_group_is_one_process(environ: dict[str, str]) -> N
         ({"WORLD_SIZE": "2"}, "RANK"),
         ({"WORLD_SIZE": "2", "RANK": "2", "LOCAL_RANK": "0"}, "RANK"),
         ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}, "MASTER_ADDR"),
-        ({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-          "MASTER_PORT": "x"}, "MASTER_PORT"),
+        (
+            {
+                "WORLD_SIZE": "2",
+                "RANK": "1",
+                "LOCAL_RANK": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "x",
+            },
+            "MASTER_PORT",
+        ),
     ],
 )
 def test_bad_torchrun_variables_name_the_variable(environ: dict[str, str], field: str) -> None:

@@ -20,10 +20,18 @@ from ._torchrun import SCRIPTS, env
 
 def test_split_launch_args() -> None:
     assert split_launch_args(["--nproc_per_node=2", "--standalone", "t.py", "--lr", "1"]) == (
-        ["--standalone"], 2, False, "t.py", ["--lr", "1"]
+        ["--standalone"],
+        2,
+        False,
+        "t.py",
+        ["--lr", "1"],
     )
     assert split_launch_args(["--json-logs", "--nproc-per-node", "3", "t.py"]) == (
-        [], 3, True, "t.py", []
+        [],
+        3,
+        True,
+        "t.py",
+        [],
     )
     with pytest.raises(ValueError, match=r"no script\.py"):
         split_launch_args(["--nproc_per_node=2"])

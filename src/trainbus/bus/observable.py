@@ -10,7 +10,6 @@ throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -110,7 +109,6 @@ class BusObservable(Observable[_T], Generic[_T]):
         scheduler: abc.SchedulerBase | None = None,
         name: str | None = None,
         ranks: Any = None,
-        policy: ErrorPolicy | None = None,
     ) -> Subscription:
         """Subscribe under the bus' guard.
 
@@ -130,26 +128,14 @@ class BusObservable(Observable[_T], Generic[_T]):
             name: Name in logs and statistics.
             ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
                 default), ``"all"``, a rank or an iterable of ranks.
-            policy: Deprecated spelling of ``on_error`` (a ``DeprecationWarning``).
 
         Returns:
             The :class:`~trainbus.Subscription` (an Rx disposable).
 
         Raises:
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
-                ``on_completed`` is not callable; unknown policy; both ``on_error`` and
-                ``policy``.
+                ``on_completed`` is not callable; unknown policy.
         """
-        if policy is not None:
-            warnings.warn(
-                "BusObservable.subscribe(policy=...) is deprecated: the error policy is "
-                "on_error=..., as in bus.subscribe",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            if on_error is not None:
-                raise ConfigError.invalid("policy", policy, "None when on_error is given")
-            on_error = policy
         sub = self.host.subscribe_observer(
             self.source,
             on_next,

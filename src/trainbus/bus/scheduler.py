@@ -17,7 +17,6 @@ import heapq
 import itertools
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -58,24 +57,9 @@ class AnyioScheduler(PeriodicScheduler):
     Args:
         on_failure: Called with the exception of an action that raised (the bus passes its
             failure ledger's).
-        on_error: Deprecated spelling of ``on_failure`` (a ``DeprecationWarning``): in
-            trainbus ``on_error`` is an error policy.
     """
 
-    def __init__(
-        self,
-        on_failure: Callable[[BaseException], None] | None = None,
-        *,
-        on_error: Callable[[BaseException], None] | None = None,
-    ) -> None:
-        if on_error is not None:
-            warnings.warn(
-                "AnyioScheduler(on_error=...) is deprecated: pass on_failure=... (in trainbus "
-                "on_error is an error policy)",
-                DeprecationWarning,
-                stacklevel=2,
-            )
-            on_failure = on_failure or on_error
+    def __init__(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
         super().__init__()
         self._heap: list[tuple[float, int, _Item]] = []
         self._seq = itertools.count()

@@ -41,6 +41,7 @@ __all__ = ["Checkpointing"]
 
 log = get_logger(__name__)
 
+
 def _improvements(
     metric: str, tracker: Tracker, *, mode: Literal["min", "max"] = "min", min_delta: float = 0.0
 ) -> Callable[[Observable[Any]], Observable[Any]]:
@@ -73,8 +74,9 @@ def _improvements(
         metrics = getattr(e, "metrics", {})
         if metric not in metrics:
             raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
-        return tracker.update(float(metrics[metric]), mode=mode, min_delta=delta,
-                              step=getattr(e, "step", None))
+        return tracker.update(
+            float(metrics[metric]), mode=mode, min_delta=delta, step=getattr(e, "step", None)
+        )
 
     def _operator(source: Observable[Any]) -> Observable[Any]:
         return source.pipe(

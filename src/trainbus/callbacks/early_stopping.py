@@ -97,8 +97,9 @@ class EarlyStopping(TrackedCallback):
                                 min_delta=self.min_delta, tracker=tracker)  # fmt: skip
         bus.stream(ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
             ops.filter(
-                lambda e: e.error is None
-                and (isinstance(e, ev.EvaluationEnded) or metric in e.metrics)
+                lambda e: (
+                    e.error is None and (isinstance(e, ev.EvaluationEnded) or metric in e.metrics)
+                )
             ),
             ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
             decide,

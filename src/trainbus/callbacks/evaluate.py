@@ -121,11 +121,7 @@ class EvaluateCheckpoints(Callback):
     ) -> None:
         if isinstance(run, str) or not (
             inspect.iscoroutinefunction(run)
-            or (
-                isinstance(run, Sequence)
-                and len(run) > 0
-                and all(isinstance(a, str) for a in run)
-            )
+            or (isinstance(run, Sequence) and len(run) > 0 and all(isinstance(a, str) for a in run))
         ):
             raise ConfigError.invalid(
                 "run", run, "a command as a list of strings (e.g. ['python', 'eval.py', "

@@ -131,10 +131,7 @@ class _Writer:
         await anyio.to_thread.run_sync(self._write, batch)
 
     def _write(self, batch: list[ev.BaseEvent]) -> None:
-        text = "".join(
-            json.dumps(wire.encode(e), allow_nan=True) + "\n"
-            for e in batch
-        )
+        text = "".join(json.dumps(wire.encode(e), allow_nan=True) + "\n" for e in batch)
         if not self.opened:  # lazily: a run that logs nothing creates nothing
             self.path.parent.mkdir(parents=True, exist_ok=True)
         # Reopened per batch (about once per flush_s): nothing to close when the run ends.

@@ -63,9 +63,7 @@ __all__ = ["EpochSampler", "capture_data_order", "replay_epoch", "set_sampler_ep
 
 log = get_logger(__name__)
 
-EXACT_KINDS = frozenset(
-    {"generator", "sampler", "global", "sequential", "sequence", "distributed"}
-)
+EXACT_KINDS = frozenset({"generator", "sampler", "global", "sequential", "sequence", "distributed"})
 
 
 def _kind(data: Iterable[Any]) -> tuple[str, torch.Generator | None]:
@@ -147,8 +145,7 @@ def set_sampler_epoch(data: Iterable[Any], epoch: int) -> None:
     ``DistributedSampler`` (its shuffle is seeded by ``seed + epoch``) or an
     :class:`EpochSampler`; nothing otherwise.
     Call it before ``iter(data)``."""
-    if isinstance(data, DataLoader) and isinstance(data.sampler,
-                                                   DistributedSampler | EpochSampler):
+    if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler | EpochSampler):
         data.sampler.set_epoch(epoch)
 
 

@@ -388,8 +388,10 @@ class Loop:
         """
         st, s, step = self._state, self._s, self._step
         ends_epoch = st.batch_in_epoch >= self._epoch_len
-        if ends_epoch or st.step == self._last_step or (
-            s.eval_every is not None and st.step % s.eval_every == 0
+        if (
+            ends_epoch
+            or st.step == self._last_step
+            or (s.eval_every is not None and st.step % s.eval_every == 0)
         ):  # a few int compares on the other steps
             self._close_step(ends_epoch=ends_epoch, cadence=True)
         if st.step == self._decision_step:  # the step clock: one int compare when not due

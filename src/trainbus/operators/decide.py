@@ -80,8 +80,9 @@ class Tracker:
             )  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError.invalid(
-                "tracker state", dict(state), "a Tracker.state_dict(): best, bad, cooling, "
-                "reductions",
+                "tracker state",
+                dict(state),
+                "a Tracker.state_dict(): best, bad, cooling, reductions",
             ) from exc
         self.best, self.best_step, self.bad, self.cooling, self.reductions = values
 
@@ -257,8 +258,9 @@ def plateau(
     def step(tracker: Tracker, value: float, event: Any) -> cmd.ScaleLearningRate | None:
         if done(tracker):  # a restored tracker that already made every reduction
             return None
-        improved = tracker.update(value, mode=mode, min_delta=min_delta,
-                                  step=getattr(event, "step", None))
+        improved = tracker.update(
+            value, mode=mode, min_delta=min_delta, step=getattr(event, "step", None)
+        )
         if tracker.cooling > 0:
             tracker.cooling -= 1
             tracker.bad = 0

@@ -49,10 +49,20 @@ def simulated_run(agreement: CommandAgreement, group: ProcessGroup, seed: int) -
             agreed = agreement.exchange(pending)
             pending = []
         if any(isinstance(c, cmd.StopTraining) for c in agreed):
-            return {"stop_step": step, "stop_at": stop_at or -1, "flagged": flagged,
-                    "syncs": syncs, "collectives": agreement.collectives - before}
-    return {"stop_step": -1, "stop_at": stop_at or -1, "flagged": flagged, "syncs": syncs,
-            "collectives": agreement.collectives - before}
+            return {
+                "stop_step": step,
+                "stop_at": stop_at or -1,
+                "flagged": flagged,
+                "syncs": syncs,
+                "collectives": agreement.collectives - before,
+            }
+    return {
+        "stop_step": -1,
+        "stop_at": stop_at or -1,
+        "flagged": flagged,
+        "syncs": syncs,
+        "collectives": agreement.collectives - before,
+    }
 
 
 def main() -> None:
@@ -60,8 +70,11 @@ def main() -> None:
     runs = int(sys.argv[2])
     group = ProcessGroup.from_env(timeout=30)
     agreement = CommandAgreement(group)
-    result: dict[str, object] = {"rank": group.rank, "world_size": group.world_size,
-                                 "owns_group": group.owns_group}
+    result: dict[str, object] = {
+        "rank": group.rank,
+        "world_size": group.world_size,
+        "owns_group": group.owns_group,
+    }
     # 1. a command on rank 1 only is applied by both
     only = [cmd.SetLearningRate(lr=0.5)] if group.rank == 1 else []
     result["rank1_only"] = [repr(c) for c in agreement.exchange(only)]

@@ -248,7 +248,7 @@ def refused(mode: str) -> None:
                 optimizer=popt, scheduler=None, scaler=None, metrics={},
             )  # fmt: skip
             model, opt = build()
-            trainer(model, opt, data, checkpoint_dir=folder).run(resume="latest")
+            trainer(model, opt, data, checkpoint_dir=folder).fit_sync(resume="latest")
     except (trainbus.ConfigError, trainbus.CheckpointError) as exc:
         write(mode, error=type(exc).__name__, message=str(exc))
     else:
