@@ -13,6 +13,7 @@ to OUT. The parent SIGKILLs it at random moments and starts it again.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -157,7 +158,11 @@ def main() -> None:
     trainer.bus.subscribe(trainer.bus.stream(ev.FitStarted),
                           lambda _: print("training", flush=True), name="started")  # fmt: skip
     trainer.fit_sync(resume="latest")
-    torch.save([p.detach().clone() for p in trainer.settings.model.parameters()], out)
+    # Written whole or not at all: a kill during the write leaves no OUT, so the parent starts
+    # the run again (resumed from its final checkpoint) instead of reading half a file.
+    partial = out.with_name(out.name + ".partial")
+    torch.save([p.detach().clone() for p in trainer.settings.model.parameters()], partial)
+    os.replace(partial, out)
 
 
 if __name__ == "__main__":
