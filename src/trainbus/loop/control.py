@@ -80,18 +80,6 @@ class CommandHandler:
         self._sync = sync
         self.stop_reason: str | None = None
         self.stop_epoch = False
-        # The last checkpoint a SaveCheckpoint wrote and the train state it holds: a second one
-        # at the same step and tag, the state unchanged, is answered with it instead of
-        # writing the same state twice (a save at EpochEnded after one at the epoch's last
-        # StepEnded, when the data's length is known and that step did the epoch's end work).
-        self._saved: ev.CheckpointSaved | None = None
-        self._saved_state: dict[str, int] = {}
-
-    def resumed_from(self, saved: ev.CheckpointSaved) -> None:
-        """The run resumed from ``saved``, a checkpoint of its current step: a
-        ``SaveCheckpoint`` of that step and tag (an epoch's end whose step saved already) is
-        answered with it, as in the run that wrote it, instead of writing that state again."""
-        self._saved, self._saved_state = saved, self._state.as_dict()
 
     # ================================================================== stop state
     def stop(self, reason: str) -> None:
@@ -226,12 +214,7 @@ class CommandHandler:
                 case cmd.StopEpoch():
                     self.stop_epoch = True
                 case cmd.SaveCheckpoint(tag=tag):
-                    saved, now = self._saved, st.as_dict()
-                    if (saved is None or saved.step != st.step or saved.tag != tag
-                            or self._saved_state != now):  # fmt: skip
-                        saved = self._saved = self._checkpoints.save(tag, self._evaluator.metrics)
-                        self._saved_state = now
-                    result = saved
+                    result = self._checkpoints.save_once(tag, self._evaluator.metrics)
                 case cmd.Evaluate():
                     if self._s.eval_data is None:
                         raise ConfigError.invalid("eval_data", None, "data to evaluate on")

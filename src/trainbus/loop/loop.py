@@ -226,8 +226,7 @@ class Loop:
         self._evaluator.metrics = dict(resume.metrics)
         name = parse_checkpoint_name(resume.path.name)
         if name is not None and name[0] == st.step:
-            self._checkpoints.resumed_from(resume.path, st.step)
-            self._control.resumed_from(ev.CheckpointSaved(
+            self._checkpoints.resumed_from(ev.CheckpointSaved(
                 step=st.step, epoch=st.epoch, path=str(resume.path), tag=name[1],
                 metrics=resume.metrics,
             ))  # fmt: skip

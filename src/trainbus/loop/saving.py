@@ -139,23 +139,50 @@ class CheckpointWriter:
         self._before_save = before_save
         self._sync = sync
         self.last_checkpoint: str | None = None
+        # The last checkpoint a SaveCheckpoint wrote (or the run resumed from) and the train
+        # state it holds (see save_once).
+        self._once: tuple[ev.CheckpointSaved, dict[str, int]] | None = None
         self.last_checkpoint_step = -1
         self.failed_saves = 0
         self._sharded = is_sharded_model(settings.model)
         self._run = run_config(settings)
 
-    def resumed_from(self, path: Path, step: int) -> None:
-        """The run resumed from ``path``, a checkpoint of its current ``step``: when it lies in
-        this run's ``checkpoint_dir`` it is the run's last checkpoint, so a run that ends at
-        that step (a completed run started again, a stop sent again) writes no final copy.
+    def resumed_from(self, saved: ev.CheckpointSaved) -> None:
+        """The run resumed from ``saved``, a checkpoint of its current step. When it lies in
+        this run's ``checkpoint_dir`` it is the run's last checkpoint: a run that ends at that
+        step (a completed run started again, a stop sent again) writes no final copy, and a
+        ``SaveCheckpoint`` of that step and tag is answered with it (:meth:`save_once`), as in
+        the run that wrote it.
 
         Args:
-            path: The checkpoint file (or sharded folder) loaded.
-            step: Its step, the run's current one.
+            saved: The checkpoint loaded, as the ``CheckpointSaved`` that announced it.
         """
-        folder = self._settings.checkpoint_dir
+        path, folder = Path(saved.path), self._settings.checkpoint_dir
         if folder is not None and path.parent.resolve() == folder.resolve():
-            self.last_checkpoint, self.last_checkpoint_step = str(path), step
+            self.last_checkpoint, self.last_checkpoint_step = saved.path, saved.step
+            self._once = (saved, self._state.as_dict())
+
+    def save_once(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
+        """:meth:`save` for a ``SaveCheckpoint``: a second one of the same step and tag, the
+        train state unchanged since, is answered with the first instead of writing the same
+        state twice (a save at ``EpochEnded`` after one at the epoch's last ``StepEnded``, when
+        that step did the epoch's end work). Changed state (the epoch's end work of data
+        without a length, after that step's save) is written again.
+
+        Returns:
+            The ``CheckpointSaved`` of the file that holds the state.
+
+        Raises:
+            As :meth:`save`.
+        """
+        now = self._state.as_dict()
+        if self._once is not None:
+            saved, state = self._once
+            if saved.step == self._state.step and saved.tag == tag and state == now:
+                return saved
+        saved = self.save(tag, metrics)
+        self._once = (saved, now)
+        return saved
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
         """The epoch in progress draws its batches in ``data_order``
