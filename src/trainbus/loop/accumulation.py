@@ -19,6 +19,7 @@ from typing import Any, Literal, TypeAlias
 import torch
 
 from .._exceptions import TrainingError
+from .forward import metric_targets
 
 __all__ = ["IGNORE_INDEX", "AccumulateBy", "ItemWeights", "count_items"]
 
@@ -40,10 +41,11 @@ def count_items(batch: Any) -> int:
         TrainingError: the batch has no labels tensor there (pass ``accumulate_by=fn``).
     """
     labels: Any = None
-    if isinstance(batch, Mapping):
-        labels = batch.get("labels")
-    elif isinstance(batch, tuple | list) and len(batch) == 2:
-        labels = batch[1]
+    if isinstance(batch, Mapping | tuple | list):  # where metric functions find their targets
+        try:
+            labels = metric_targets(batch)
+        except TrainingError:  # a mapping without "labels"
+            labels = None
     if not isinstance(labels, torch.Tensor):
         raise TrainingError(
             'accumulate_by="items" counts the labels != -100 of a mapping batch\'s "labels" or '
