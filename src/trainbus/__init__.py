@@ -46,10 +46,15 @@ from .loop.set_metrics import SetMetric as SetMetric
 from .loop.set_metrics import TokenAccuracy as TokenAccuracy
 from .replay import replay as replay
 from .seeding import seed_everything as seed_everything
+from .trainer import Accumulate as Accumulate
+from .trainer import CheckpointDir as CheckpointDir
+from .trainer import EvalSchedule as EvalSchedule
 from .trainer import FitResult as FitResult
+from .trainer import PerEpoch as PerEpoch
 from .trainer import Trainer as Trainer
 
 __all__ = [
+    "Accumulate",
     "AnyioScheduler",
     "AsyncSubscription",
     "AttachError",
@@ -58,12 +63,14 @@ __all__ = [
     "BusObservable",
     "BusStatistics",
     "Callback",
+    "CheckpointDir",
     "CheckpointError",
     "CheckpointWriteError",
     "CommandError",
     "ConfigError",
     "DistributedError",
     "Ending",
+    "EvalSchedule",
     "EvaluationJobError",
     "EventBus",
     "FitResult",
@@ -76,6 +83,7 @@ __all__ = [
     "LostWorkError",
     "MissingExtraError",
     "NonFiniteLossError",
+    "PerEpoch",
     "Perplexity",
     "RecordedError",
     "RunPlan",

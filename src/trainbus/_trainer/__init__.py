@@ -2,11 +2,12 @@
 
 Every module of the package, each once (``tests/test_layers.py`` checks the list):
 
-- ``options.py``: the options, declared once (``TrainerOptions``), the Trainer's signature and
-  docstring from them, the bus they configure, the loop's ``Settings`` built from them.
-- ``checks.py``: the check of each single option, named in its declaration.
-- ``hf_options.py``: Hugging Face's option names and their trainbus equivalents (the
-  ``TypeError`` for one, docs/migration.md's ``TrainingArguments`` table).
+- ``options.py``: the groups of options (``EvalSchedule``...), the check of each option of
+  ``Trainer.__init__``'s signature, the loop's ``Settings`` built from them, the ``TypeError``
+  for a keyword that is no option.
+- ``checks.py``: the check of each single option, named by ``options.CHECKS``.
+- ``hf_options.py``: Hugging Face's option names and the removed trainbus ones, with what
+  replaces each (the ``TypeError`` for one, docs/migration.md's ``TrainingArguments`` table).
 - ``attached.py``: the attached callbacks, their subscriptions and hooks (``Attached``).
 - ``session.py``: a call's bus session, the standalone runs, cancellation and SIGINT/SIGTERM.
 - ``resume.py``: ``fit(resume=...)`` checked and loaded; the callbacks' states at each save.
