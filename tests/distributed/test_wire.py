@@ -12,7 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbus import ConfigError, RecordedError, wire
+from trainbus import ConfigError, RecordedError
+from trainbus import _wire as wire
 from trainbus import commands as cmd
 from trainbus import events as ev
 

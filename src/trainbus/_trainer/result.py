@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import events as ev
+from .._bus.statistics import BusStatistics, LostWork
 from .._log import get_logger
-from ..bus.statistics import BusStatistics, LostWork
-from ..loop import Outcome
+from .._loop import Outcome
 
 __all__ = ["FitResult", "fit_result"]
 
-log = get_logger("trainbus.trainer")
+log = get_logger("trainbus._trainer.trainer")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
