@@ -30,6 +30,7 @@ LEAF = {
     "_hookpoints",
     "_durable",
     "_signals",
+    "_moved",
 }
 
 # layer -> the trainbus layers it may import (besides itself and LEAF).
@@ -86,6 +87,7 @@ HALL_INTERNALS = {
     "_driver",
     "_durable",
     "_signals",
+    "_moved",
     "_hookpoints",
     "_attachment",
     "_launcher",

@@ -79,7 +79,7 @@ class LaunchResult:
         last_event: The last of them (``FitEnded`` for a run that ended normally).
         stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
             ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
-        ending: How rank 0's run ended, typed (:class:`~trainbus.Ending`: ``SIGNAL`` after
+        ending: How rank 0's run ended, typed (:class:`~trainbus.events.Ending`: ``SIGNAL`` after
             Ctrl-C/SIGTERM, ``PRUNED``, ``STOPPED``...), None when its ``FitEnded`` never
             arrived.
         signal: The signal the driver received (SIGINT or SIGTERM), None: none.

@@ -10,9 +10,9 @@ driver, and the command exchange between ranks. A record is a JSON object::
 - ``v``: the format version (:data:`FORMAT_VERSION`); a reader refuses versions it does not
   know. ``type``: the event or command class name; then every dataclass field by name.
 - Tensors become numbers (a float, or nested lists when not scalar); exceptions their ``repr``
-  (rebuilt as :class:`~trainbus.RecordedError`); a nested command or event (``CommandApplied``)
-  its record without ``v``; mappings JSON objects; paths strings. ``NaN`` and infinities are
-  written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them back).
+  (rebuilt as :class:`~trainbus.events.RecordedError`); a nested command or event
+  (``CommandApplied``) its record without ``v``; mappings JSON objects; paths strings. ``NaN``
+  and infinities are written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them back).
 - Nothing is ever pickled and no code crosses: decoding only builds the event and command
   classes of :data:`trainbus.events.EVENT_TYPES` and :data:`trainbus.commands.COMMAND_TYPES`,
   through their constructors (so a command's validation runs on what arrives). Unknown fields
@@ -162,7 +162,7 @@ def decode(rec: Mapping[str, Any]) -> Message:
 
     Returns:
         The event or command: tensors come back as numbers, exceptions as
-        :class:`~trainbus.RecordedError`.
+        :class:`~trainbus.events.RecordedError`.
 
     Raises:
         ConfigError: not a mapping, an unknown version or type, a missing field, or a

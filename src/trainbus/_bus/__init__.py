@@ -102,7 +102,7 @@ class EventBus:
             they take (still warning every 30 s).
         on_error: Default error policy of subscriptions made without one.
         scheduler: Scheduler handed to every subscription for time-based operators. Default: a
-            new :class:`~trainbus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
+            new :class:`~trainbus.bus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
             scheduler (``trainbus.testing.VirtualTimeScheduler``).
         rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
             Subscriptions run on rank 0 unless made with ``ranks=`` (docs/distributed.md).

@@ -130,7 +130,7 @@ class BusObservable(Observable[_T], Generic[_T]):
                 default), ``"all"``, a rank or an iterable of ranks.
 
         Returns:
-            The :class:`~trainbus.Subscription` (an Rx disposable).
+            The :class:`~trainbus.bus.Subscription` (an Rx disposable).
 
         Raises:
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or

@@ -46,7 +46,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
     import torch.nn.functional as F
 
-    from .. import Ending, Trainer, seed_everything
+    from .. import Trainer, seed_everything
     from ..callbacks import (
         Checkpointing,
         CurvePlot,
@@ -55,6 +55,7 @@ def run_demo(args: argparse.Namespace) -> int:
         MetricsLogger,
         Progress,
     )
+    from ..events import Ending
 
     log = structlog.get_logger("trainbus._cli")
     from .._rundirs import new_run_dir

@@ -38,7 +38,8 @@ from .. import events as ev
 from .._exceptions import CheckpointError, CheckpointWriteError
 from .._log import get_logger
 from .._tensors import use_device
-from ..checkpoint import Checkpoint, TrainState, parse_checkpoint_name
+from ..checkpoint import Checkpoint, TrainState
+from ..checkpoint._store import parse_checkpoint_name
 from .control import BarrierWait, CommandHandler
 from .custom import CustomStep
 from .data import EpochData

@@ -304,7 +304,7 @@ class TrainerOptions(TypedDict, total=False):
             checks.skip_final_checkpoint,
             'Stopped runs that write no final checkpoint: any of ``"stopped"``, '
             "``\"pruned\"`` (a pruner's stop: a sweep's pruned trials keep their disk and "
-            'time), ``"signal"`` (:class:`~trainbus.Ending`). Default: none skipped.',
+            'time), ``"signal"`` (:class:`~trainbus.events.Ending`). Default: none skipped.',
         ),
     ]
     callbacks: Annotated[

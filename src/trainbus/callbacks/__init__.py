@@ -1,5 +1,6 @@
 """Built-in callbacks, one module each, and the :class:`Callback` base class."""
 
+from .._exceptions import EvaluationJobError as EvaluationJobError
 from ._base import Callback as Callback
 from ._base import GlobalCallbackHandle as GlobalCallbackHandle
 from ._base import RunPlan as RunPlan
@@ -36,6 +37,7 @@ __all__ = [
     "CurvePlot",
     "EarlyStopping",
     "EvaluateCheckpoints",
+    "EvaluationJobError",
     "GlobalCallbackHandle",
     "GradientNormMonitor",
     "JsonlEventLog",

@@ -89,8 +89,8 @@ class EvaluateCheckpoints(Callback):
     ``fit()`` returns only after every started job has ended, or was cancelled at the bus'
     ``close_timeout`` (reported by the bus as cancelled). A job that fails (non-zero exit: its
     stderr tail is in the message; no JSON; an exception; the timeout) gives an event whose
-    ``error`` is an :class:`~trainbus.EvaluationJobError`; the run goes on. The result of a job
-    that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
+    ``error`` is an :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. The result of
+    a job that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
     it is logged and kept in :attr:`results` like every other.
 
     ``EarlyStopping(metric=...)`` acts on these events when they carry its metric.

@@ -4,6 +4,7 @@ Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions
 ``_validate``, ``events``) only, never the bus, the loop or the trainer.
 """
 
+from .._exceptions import CheckpointWriteError as CheckpointWriteError
 from ._api import latest_checkpoint as latest_checkpoint
 from ._api import load_checkpoint as load_checkpoint
 from ._api import save_checkpoint as save_checkpoint
@@ -20,37 +21,30 @@ from ._sharded_resume import load_sharded as load_sharded
 from ._state import FORMAT_VERSION as FORMAT_VERSION
 from ._state import Checkpoint as Checkpoint
 from ._state import TrainState as TrainState
-from ._state import build_payload as build_payload
-from ._state import run_metadata as run_metadata
 from ._store import CheckpointStore as CheckpointStore
 from ._store import LatestScan as LatestScan
 from ._store import check_checkpoint_dir as check_checkpoint_dir
-from ._store import checkpoint_name as checkpoint_name
-from ._store import parse_checkpoint_name as parse_checkpoint_name
 from ._store import read_checkpoint as read_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointStore",
+    "CheckpointWriteError",
     "EpochSampler",
     "LatestScan",
     "TrainState",
-    "build_payload",
     "capture_data_order",
     "capture_rng",
     "check_checkpoint_dir",
-    "checkpoint_name",
     "export_full",
     "latest_checkpoint",
     "load_checkpoint",
     "load_sharded",
-    "parse_checkpoint_name",
     "read_checkpoint",
     "read_folder",
     "replay_epoch",
     "restore_rng",
-    "run_metadata",
     "save_checkpoint",
     "save_sharded",
     "set_sampler_epoch",
