@@ -1,7 +1,8 @@
-"""The Trainer's own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
+"""The Trainer and its own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
 
 Every module of the package, each once (``tests/test_layers.py`` checks the list):
 
+- ``trainer.py``: the :class:`~trainbus.Trainer` itself, which ``trainbus`` re-exports.
 - ``options.py``: the groups of options (``EvalSchedule``...), the check of each option of
   ``Trainer.__init__``'s signature, the loop's ``Settings`` built from them, the ``TypeError``
   for a keyword that is no option.

@@ -81,7 +81,7 @@ def check_skip_final(value: object, name: str = "CheckpointDir.skip_final") -> f
 
     Args:
         value: An iterable of ``"stopped"``, ``"pruned"``, ``"signal"`` (or those
-            :class:`~trainbus.Ending` members); empty: every stopped run writes one.
+            :class:`~trainbus.events.Ending` members); empty: every stopped run writes one.
         name: The field, as the message names it.
 
     Returns:

@@ -1,5 +1,5 @@
 """The Trainer's options: the groups of related ones, each option's check, and the loop's
-:class:`~trainbus.loop.Settings` built from them.
+:class:`~trainbus._loop.Settings` built from them.
 
 The options are declared once, in ``Trainer.__init__``'s keyword-only signature (type, default)
 and its docstring (meaning): what ``help(Trainer)``, ``inspect.signature``, mypy and an IDE read.
@@ -35,13 +35,13 @@ from typing import Any, Literal, ParamSpec
 import torch
 
 from .. import events as ev
+from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._loop import Settings
+from .._loop.optimizers import check_optimizers, check_schedulers
+from .._loop.settings import check_loader, check_reiterable, eval_sets
 from .._tensors import bf16_supported
 from .._validate import check_int
-from ..bus import EventBus
-from ..loop import Settings
-from ..loop.optimizers import check_optimizers, check_schedulers
-from ..loop.settings import check_loader, check_reiterable, eval_sets
 from . import checks
 from .endings import check_skip_final
 from .hf_options import hf_hint, removed_hint
@@ -125,7 +125,7 @@ class CheckpointDir:
             created.
         skip_final: Stopped runs that write no final checkpoint: any of ``"stopped"``,
             ``"pruned"`` (a pruner's stop: a sweep's pruned trials keep their disk and time),
-            ``"signal"`` (:class:`~trainbus.Ending`). Default: none skipped.
+            ``"signal"`` (:class:`~trainbus.events.Ending`). Default: none skipped.
 
     Raises:
         ConfigError: naming the field (``CheckpointDir.path``, ``CheckpointDir.skip_final``).
@@ -161,7 +161,7 @@ class PerEpoch:
 
 def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
     """``(the scheduler, its interval)``; the scheduler itself is checked with the optimizers
-    (:func:`~trainbus.loop.optimizers.check_schedulers`)."""
+    (:func:`~trainbus._loop.optimizers.check_schedulers`)."""
     if isinstance(value, PerEpoch):
         return value.scheduler, "epoch"
     return value, "step"
