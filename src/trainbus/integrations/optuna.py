@@ -34,12 +34,11 @@ from .. import events as ev
 from .._bus.rank_filter import env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
-from ..callbacks._base import Callback, RunPlan
+from ..callbacks._base import Callback, RunPlan, SubscribeOptions
 from ..callbacks._sets import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.failures import ErrorPolicy
     from .._trainer.trainer import FitResult
 
 __all__ = ["OptunaPruning", "PrunerError"]
@@ -93,7 +92,7 @@ class OptunaPruning(Callback):
     :meth:`after_fit`, once the run ended and every event was delivered).
     """
 
-    error_policy: ClassVar[ErrorPolicy | None] = "raise"
+    subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions(on_error="raise")
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
         optuna = _optuna()
