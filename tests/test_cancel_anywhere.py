@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import FitResult, Trainer
+from trainbus import EvalSchedule, FitResult, Trainer
 from trainbus.testing import tiny_loader, tiny_model
 
 BACKENDS = ["asyncio", "trio"]
@@ -51,9 +51,16 @@ class AtSuspension:
 
 def make_trainer(tmp: Path, **overrides: Any) -> Trainer:
     model = tiny_model()
-    kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=4, device="cpu",
-                                  eval_data=tiny_loader(1, seed=1), handle_signals=False,
-                                  progress=False, eval_every=2, checkpoint_dir=tmp)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        loss_fn=F.cross_entropy,
+        max_steps=4,
+        device="cpu",
+        eval_data=tiny_loader(1, seed=1),
+        on_signal=None,
+        progress=False,
+        eval_schedule=EvalSchedule(every_steps=2),
+        checkpoint_dir=tmp,
+    )
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2), **kwargs)
 
@@ -115,7 +122,7 @@ def test_sigint_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> Non
     async def main() -> None:
         for k in range(1, total + 1):
             # on_signal="return": the result, not the interrupt (tests/test_signals.py)
-            trainer = make_trainer(tmp_path / str(k), handle_signals=True, on_signal="return")
+            trainer = make_trainer(tmp_path / str(k), on_signal="return")
             result = await AtSuspension(trainer.fit(), k,
                                         lambda: signal.raise_signal(signal.SIGINT))  # fmt: skip
             assert result.reason in ("stopped", "completed"), (k, result)

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, ConfigError, Trainer
+from trainbus import Callback, ConfigError, EvalSchedule, Trainer
 from trainbus.testing import tiny_loader, tiny_model
 
 
@@ -48,10 +48,12 @@ CASES = [
     pytest.param(lambda p: {"max_steps": True}, "max_steps", id="max-steps-bool"),
     pytest.param(lambda p: {"max_epochs": 0}, "max_epochs", id="max-epochs-zero"),
     pytest.param(lambda p: {"max_steps": None, "max_epochs": None}, "max_steps", id="no-limit"),
-    pytest.param(lambda p: {"eval_every": 2}, "eval_every", id="eval-every-without-eval-data"),
     pytest.param(
-        lambda p: {"eval_every": 0, "eval_data": tiny_loader(1)}, "eval_every", id="eval-every-0"
+        lambda p: {"eval_schedule": EvalSchedule(every_steps=2)},
+        "eval_schedule.every_steps",
+        id="eval-every-without-eval-data",
     ),
+    pytest.param(lambda p: {"eval_schedule": 2}, "eval_schedule", id="eval-schedule-int"),
     pytest.param(lambda p: {"precision": "16"}, "precision", id="bad-precision"),
     pytest.param(lambda p: {"precision": 32}, "precision", id="precision-int"),
     pytest.param(lambda p: {"precision": "fp16", "device": "cpu"}, "precision", id="fp16-cpu"),
@@ -71,12 +73,6 @@ CASES = [
     pytest.param(lambda p: {"clip_grad_norm": -1.0}, "clip_grad_norm", id="clip-negative"),
     pytest.param(lambda p: {"clip_grad_norm": float("inf")}, "clip_grad_norm", id="clip-inf"),
     pytest.param(lambda p: {"clip_grad_norm": "1.0"}, "clip_grad_norm", id="clip-str"),
-    pytest.param(lambda p: {"barrier_timeout": 0}, "barrier_timeout", id="barrier-timeout-0"),
-    pytest.param(
-        lambda p: {"barrier_timeout": float("nan")}, "barrier_timeout", id="barrier-timeout-nan"
-    ),
-    pytest.param(lambda p: {"barriers": [int]}, "barriers", id="barriers-not-events"),
-    pytest.param(lambda p: {"barriers": 5}, "barriers", id="barriers-not-iterable"),
     pytest.param(lambda p: {"on_nonfinite": "warn"}, "on_nonfinite", id="bad-on-nonfinite"),
     pytest.param(lambda p: {"metrics": {"acc": 3}}, "metrics", id="metric-not-callable"),
     pytest.param(
@@ -103,10 +99,8 @@ CASES = [
         "train_data",
         id="train-data-one-shot-for-two-epochs",
     ),
-    pytest.param(
-        lambda p: {"scheduler_interval": "batch"}, "scheduler_interval", id="bad-interval"
-    ),
-    pytest.param(lambda p: {"eval_at_epoch_end": 1}, "eval_at_epoch_end", id="eval-at-end-int"),
+    pytest.param(lambda p: {"accumulate": 0}, "accumulate", id="accumulate-zero"),
+    pytest.param(lambda p: {"accumulate": "2"}, "accumulate", id="accumulate-str"),
     pytest.param(
         lambda p: {"checkpoint_dir": _touch(p / "afile")}, "checkpoint_dir", id="ckpt-dir-is-file"
     ),
@@ -115,7 +109,8 @@ CASES = [
     pytest.param(lambda p: {"callbacks": [object()]}, "callbacks", id="callback-not-callback"),
     pytest.param(lambda p: {"callbacks": [int]}, "callbacks", id="callback-class-not-callback"),
     pytest.param(lambda p: {"callbacks": 5}, "callbacks", id="callbacks-not-iterable"),
-    pytest.param(lambda p: {"handle_signals": "yes"}, "handle_signals", id="handle-signals-str"),
+    pytest.param(lambda p: {"on_signal": "yes"}, "on_signal", id="on-signal-str"),
+    pytest.param(lambda p: {"on_signal": False}, "on_signal", id="on-signal-false"),
     pytest.param(lambda p: {"bus": object()}, "bus", id="bus-not-eventbus"),
 ]
 
@@ -132,7 +127,7 @@ def test_bad_argument_is_a_config_error_naming_the_field(
         "loss_fn": F.cross_entropy,
         "max_steps": 2,
         "checkpoint_dir": tmp_path / "run",
-        "handle_signals": False,
+        "on_signal": None,
     }
     kwargs.update(overrides(tmp_path))
     before = sorted(tmp_path.rglob("*"))
@@ -156,7 +151,7 @@ def test_valid_arguments_construct(tmp_path: Path) -> None:
         loss_fn=F.cross_entropy,
         max_steps=2,
         checkpoint_dir=tmp_path / "run",
-        handle_signals=False,
+        on_signal=None,
         callbacks=[_Noop],
     )
     assert trainer.settings.max_steps == 2

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -87,7 +87,7 @@ def make_trainer(
         max_epochs=2,
         log_every=1,
         device="cpu",
-        handle_signals=False,
+        on_signal=None,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -151,7 +151,7 @@ async def test_stop_training_from_an_async_subscriber() -> None:
 async def test_stop_training_at_an_evaluation_barrier_is_deterministic() -> None:
     transcripts = []
     for _ in range(3):
-        trainer = make_trainer(batches=10, eval_every=2)
+        trainer = make_trainer(batches=10, eval_schedule=EvalSchedule(every_steps=2))
         bus = trainer.bus
         recorder = EventRecorder(bus)
 
@@ -181,7 +181,7 @@ async def test_stop_training_at_an_evaluation_barrier_is_deterministic() -> None
 
 # ====================================================================== StopEpoch
 def test_stop_epoch_ends_the_epoch_and_the_next_one_runs() -> None:
-    trainer = make_trainer(batches=5, eval_every=2)
+    trainer = make_trainer(batches=5, eval_schedule=EvalSchedule(every_steps=2))
     bus = trainer.bus
     recorder = EventRecorder(bus)
 

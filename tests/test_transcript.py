@@ -18,7 +18,7 @@ import anyio
 import torch
 import torch.nn.functional as F
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._hookpoints import HOOK_POINTS, StepContext
@@ -184,7 +184,7 @@ def make_trainer(**overrides: Any) -> Trainer:
         accumulate=ACCUMULATE,
         log_every=LOG_EVERY,
         device="cpu",
-        handle_signals=False,
+        on_signal=None,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -447,7 +447,7 @@ def test_docs_pseudocode_places_every_hook_point_where_the_loop_runs_it() -> Non
     """Every hook point runs where docs/events.md's pseudocode puts it among the events: the
     run's block for fit() (eval_every and the epoch end), the standalone block for
     evaluate(); before_evaluation and after_evaluation wrap every round's sets."""
-    trainer = make_trainer(eval_every=1)
+    trainer = make_trainer(eval_schedule=EvalSchedule(every_steps=1))
     marking_hooks(trainer)
     recorder, _ = record_run(trainer)
     run = tokens(recorder)

@@ -40,7 +40,7 @@ def _trainer(callbacks: Any = (), **kwargs: Any) -> Trainer:
     model = tiny_model()
     kwargs.setdefault("max_epochs", 1)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DATA,
-                   loss_fn=F.cross_entropy, callbacks=callbacks, handle_signals=False,
+                   loss_fn=F.cross_entropy, callbacks=callbacks, on_signal=None,
                    progress=False, **kwargs)  # fmt: skip
 
 
@@ -174,7 +174,7 @@ def test_a_scheduler_of_another_optimizer_is_refused() -> None:
     # Control: on the Trainer's own optimizer the learning rate moves.
     trainer = Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     trainer.fit_sync()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
@@ -217,7 +217,7 @@ def test_a_one_shot_iterator_as_train_data_for_several_epochs_is_refused() -> No
 def _train_on(data: Any, **kwargs: Any) -> Any:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                   loss_fn=F.cross_entropy, handle_signals=False, progress=False,
+                   loss_fn=F.cross_entropy, on_signal=None, progress=False,
                    **kwargs).fit_sync()  # fmt: skip
 
 

@@ -25,7 +25,7 @@ class TrialPruned(Exception):
 def make_trainer(tmp: Path, **overrides: Any) -> Trainer:
     model = tiny_model()
     kwargs: dict[str, Any] = dict(
-        loss_fn=F.cross_entropy, max_steps=6, device="cpu", handle_signals=False,
+        loss_fn=F.cross_entropy, max_steps=6, device="cpu", on_signal=None,
         progress=False, checkpoint_dir=tmp,
     )  # fmt: skip
     kwargs.update(overrides)

@@ -176,7 +176,7 @@ def hf_hint(name: str) -> str | None:
 
 
 def _bus(name: str) -> Callable[[Any], str]:
-    return lambda value: f"an option of the bus: bus=EventBus({name}={value!r})"
+    return lambda value: f"bus=EventBus({name}={value!r}) (an option of the bus)"
 
 
 def _signals(value: Any) -> str:
