@@ -7,8 +7,8 @@ Each trial evaluates every 10 steps; :class:`~trainbus.integrations.optuna.Optun
 ``val_loss`` at the trainbus step, asks the study's ``MedianPruner``, and stops a hopeless
 trial through the bus at that very step. ``fit_sync()`` then raises ``optuna.TrialPruned`` and the
 study stores the trial PRUNED. ``Trainer(seed=)`` gives each trial a data order of its own
-(the other thread's draws cannot change it), and ``skip_final_checkpoint={"pruned"}`` keeps
-pruned trials from writing a checkpoint nobody will resume.
+(the other thread's draws cannot change it), and ``CheckpointDir(path, skip_final={"pruned"})``
+keeps pruned trials from writing a checkpoint nobody will resume.
 
 The first two configurations are good (the pruner's reference), the other two have a learning
 rate far too small: they are pruned at their first evaluation.

@@ -6,7 +6,8 @@
     from trainbus.integrations.optuna import OptunaPruning
 
     def objective(trial):
-        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader, eval_every=20,
+        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader,
+                          eval_schedule=EvalSchedule(every_steps=20),
                           max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
         return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
@@ -16,9 +17,10 @@ values logged from anywhere), asks the study's pruner, and when it says so sends
 ``StopTraining(reason="pruned")``. A decision on an evaluation is applied before the next step
 (``EvaluationEnded`` is a barrier); one on ``MetricsLogged`` too (the callback declares the log
 steps as decision steps). The run then stops as any stopped run does (the final checkpoint,
-unless ``Trainer(skip_final_checkpoint={"pruned"})``; ``FitEnded``; ``FitResult.ending ==
-Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned``: Optuna stores the
-trial PRUNED with no code in the objective. See docs/sweeps.md.
+unless ``checkpoint_dir=CheckpointDir(path, skip_final={"pruned"})``; ``FitEnded``;
+``FitResult.ending == Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise
+``optuna.TrialPruned``: Optuna stores the trial PRUNED with no code in the objective. See
+docs/sweeps.md.
 """
 
 from __future__ import annotations
