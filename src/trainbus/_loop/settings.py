@@ -17,12 +17,9 @@ from typing import Any, Literal
 import torch
 
 from .. import events as ev
-from .._bus.barrier import BARRIER_TYPES, DEFAULT_BARRIERS
 from .._exceptions import ConfigError
 
 __all__ = [
-    "BARRIER_TYPES",
-    "DEFAULT_BARRIERS",
     "NonFinitePolicy",
     "Precision",
     "Settings",
