@@ -324,7 +324,7 @@ COMPOSER_CONFIGS = {
     "1ba": Composer(eval_unit="ba"),
     # the configurations
     "accumulation with a partial last group": Composer(
-        batches=(4, 4, 2), epochs=2, eval_schedule=EvalSchedule(every_steps=4), eval_unit="ba"
+        batches=(4, 4, 2), epochs=2, eval_every=4, eval_unit="ba"
     ),
     "max_duration mid-epoch": Composer(batches=(4, 4), max_batches=3),
     "one step": Composer(batches=(4, 4), max_batches=1, eval_unit="ba"),

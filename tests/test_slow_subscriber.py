@@ -114,15 +114,15 @@ def _run(tmp_path: Path, service: Service, open_at: str = "fit_ended", **options
     ``open_at``: when the service starts answering: ``"fit_ended"`` (every post is published
     while the first one is still unanswered) or ``"training_waits"`` (the first time the
     training thread waits on the poster)."""
-    trainer_options = {k: options.pop(k) for k in ("on_lost", "close_timeout") if k in options}
+    bus_options = {k: options.pop(k) for k in ("on_lost", "close_timeout") if k in options}
     service.gate.clear()
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       tiny_loader(BATCHES, batch_size=8), loss_fn=F.cross_entropy,
                       max_epochs=EPOCHS, checkpoint_dir=tmp_path / "ckpt", device="cpu",
                       callbacks=[Checkpointing(every_steps=100, every_epochs=None)],
-                      bus=EventBus(barrier_timeout=10), on_signal=None, progress=False,
-                      **trainer_options)  # fmt: skip
+                      bus=EventBus(barrier_timeout=10, **bus_options), on_signal=None,
+                      progress=False)  # fmt: skip
     bus = trainer.bus
 
     async def poster(e: ev.StepEnded) -> None:
@@ -212,7 +212,7 @@ def test_block_holds_training_says_so_and_loses_nothing(tmp_path: Path, service:
 
 
 def test_on_lost_raise_fails_the_run_after_delivery(tmp_path: Path, service: Service) -> None:
-    run = _run(tmp_path, service, buffer=2, bus=EventBus(on_lost="raise"))
+    run = _run(tmp_path, service, buffer=2, on_lost="raise")
     with pytest.raises(LostWorkError, match=r"poster: \d+ dropped, 0 cancelled, 0 failed") as info:
         run.trainer.fit_sync()
     result = run.trainer.result
@@ -246,7 +246,7 @@ def test_close_waits_for_every_post_by_default_and_says_so(
 def test_close_timeout_cancels_what_is_left_and_reports_it(
     tmp_path: Path, service: Service
 ) -> None:
-    run = _run(tmp_path, service, buffer=POSTS, bus=EventBus(close_timeout=0.3))
+    run = _run(tmp_path, service, buffer=POSTS, close_timeout=0.3)
     assert run.trainer.bus.close_timeout == 0.3
     with capture_logs() as logs:
         result = run.trainer.fit_sync()
@@ -300,11 +300,11 @@ def test_close_timeout_is_checked_up_front(value: Any) -> None:
         )
 
 
-def test_close_timeout_with_a_bus_of_ones_own_is_refused() -> None:
+def test_close_timeout_given_to_the_trainer_names_the_bus() -> None:
     model = tiny_model()
-    with pytest.raises(ConfigError, match=r"^close_timeout=5.*EventBus\(close_timeout"):
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
-                loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(close_timeout=5))  # fmt: skip
+    with pytest.raises(TypeError, match=r"'close_timeout'.*bus=EventBus\(close_timeout=5\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),  # type: ignore[call-arg]
+                loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(), close_timeout=5)  # fmt: skip
 
 
 @pytest.mark.parametrize("value", ["ignore", None, True])

@@ -35,7 +35,7 @@ from trainbus import (
 from trainbus import events as ev
 from trainbus._loop import Settings
 from trainbus._trainer import options as options_module
-from trainbus._trainer.hf_options import HF_OPTIONS, REMOVED_OPTIONS, HfOption
+from trainbus._trainer.hf_options import HF_OPTIONS, LIGHTNING_OPTIONS, REMOVED_OPTIONS, HfOption
 from trainbus._trainer.options import CHECKS, check_options
 from trainbus.callbacks import SubscribeOptions
 from trainbus.testing import tiny_loader, tiny_model
@@ -402,3 +402,14 @@ def test_a_callback_with_subscribe_options_of_another_type_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"^Wrong\.subscribe_options="):
         Wrong().subscribe_to(EventBus())
+
+
+@pytest.mark.parametrize("name", sorted(LIGHTNING_OPTIONS))
+def test_a_lightning_option_name_is_a_type_error_naming_the_trainbus_one(name: str) -> None:
+    option, use = LIGHTNING_OPTIONS[name]
+    assert name not in PARAMS and option in PARAMS
+    with pytest.raises(TypeError) as info:
+        _trainer(**{name: 1})
+    assert str(info.value) == (f"Trainer() got an unexpected keyword argument {name!r}: that is "
+                               f"Lightning's Trainer.{name}; in trainbus: {use}")  # fmt: skip
+    assert f"{option}=" in use

@@ -16,7 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-__all__ = ["HF_OPTIONS", "REMOVED_OPTIONS", "HfOption", "hf_hint", "removed_hint"]
+__all__ = [
+    "HF_OPTIONS",
+    "LIGHTNING_OPTIONS",
+    "REMOVED_OPTIONS",
+    "HfOption",
+    "hf_hint",
+    "lightning_hint",
+    "removed_hint",
+]
 
 Source = Literal["TrainingArguments", "Trainer", "EarlyStoppingCallback"]
 
@@ -230,3 +238,39 @@ def removed_hint(name: str, value: Any) -> str | None:
     if removed is None:
         return None
     return f"{name} is no Trainer option now; in trainbus: {removed[1](value)}"
+
+
+LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
+    "accumulate_grad_batches": ("accumulate", "accumulate=N"),
+    "gradient_clip_val": ("clip_grad_norm", "clip_grad_norm=..."),
+    "val_check_interval": ("eval_schedule", "eval_schedule=EvalSchedule(every_steps=N)"),
+    "check_val_every_n_epoch": (
+        "eval_schedule",
+        "eval_schedule=EvalSchedule(epoch_end=True) (every epoch)",
+    ),
+    "default_root_dir": ("checkpoint_dir", "checkpoint_dir=..."),
+    "enable_checkpointing": ("callbacks", "callbacks=[Checkpointing(...)] with checkpoint_dir="),
+    "enable_progress_bar": ("progress", "progress=True or False"),
+    "log_every_n_steps": ("log_every", "log_every=N"),
+    "accelerator": ("device", "device='cuda', 'mps', 'cpu' or 'auto'"),
+    "devices": ("device", "device=...; several GPUs: run under torchrun (docs/distributed.md)"),
+    "strategy": ("ddp", "ddp=None (DDP under torchrun, FSDP2 models left as they are)"),
+}
+"""Lightning's ``Trainer`` option names that trainbus spells otherwise: ``{name: (the trainbus
+option, what to write)}``. Names both share (``max_epochs``, ``max_steps``, ``precision``,
+``callbacks``) mean the same in both."""
+
+
+def lightning_hint(name: str) -> str | None:
+    """What replaces the Lightning ``Trainer`` option ``name`` in trainbus, or None.
+
+    Args:
+        name: A keyword given to ``Trainer`` that is no trainbus option.
+
+    Returns:
+        ``"that is Lightning's Trainer.<name>; in trainbus: <use>"``, or None.
+    """
+    found = LIGHTNING_OPTIONS.get(name)
+    if found is None:
+        return None
+    return f"that is Lightning's Trainer.{name}; in trainbus: {found[1]}"

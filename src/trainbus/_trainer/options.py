@@ -44,7 +44,7 @@ from .._tensors import bf16_supported
 from .._validate import check_int
 from . import checks
 from .endings import check_skip_final
-from .hf_options import hf_hint, removed_hint
+from .hf_options import hf_hint, lightning_hint, removed_hint
 
 __all__ = [
     "CHECKS",
@@ -276,7 +276,8 @@ def explains_unknown_options(init: Callable[P, None]) -> Callable[P, None]:
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
     """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
     known = list(options)
-    hint = hf_hint(name) or removed_hint(name, value)  # a habit to unlearn: name its successor
+    # A habit to unlearn (Hugging Face's, Lightning's, an earlier trainbus'): its successor.
+    hint = hf_hint(name) or lightning_hint(name) or removed_hint(name, value)
     near = difflib.get_close_matches(name, known, n=1)
     tail = f": {hint}" if hint else f" (did you mean {near[0]!r}?)" if near else ""
     return f"Trainer() got an unexpected keyword argument {name!r}{tail}"
