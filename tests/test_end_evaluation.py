@@ -146,8 +146,8 @@ def test_the_end_evaluation_runs_the_eval_batch_hooks() -> None:
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
-def test_eval_at_end_must_be_a_bool(value: Any) -> None:
-    with pytest.raises(ConfigError, match="eval_at_end") as info:
+def test_at_end_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^EvalSchedule\.at_end=") as info:
         make(max_steps=5, eval_schedule=EvalSchedule(at_end=value))
     assert "True or False" in str(info.value)
 

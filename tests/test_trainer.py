@@ -562,6 +562,7 @@ def test_run_on_trio() -> None:
         max_steps=3,
         eval_data=tiny_loader(1, 8),
         eval_schedule=EvalSchedule(every_steps=3, epoch_end=False),
+        on_signal="raise",
     )
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync(backend="trio")  # signal handling: pytest runs on the main thread

@@ -196,7 +196,7 @@ def run(mode: str) -> None:
     elif mode == "signal":
         # SIGTERM on every rank (what torchrun forwards): each rank's Trainer sends
         # StopTraining("signal"), agreed like any command. The test signals once OUT/ready-<r>.
-        t = trainer(data, max_epochs=200)
+        t = trainer(data, max_epochs=200, on_signal="raise")
         t.add_hook("after_optimizer_step", lambda ctx: time.sleep(0.005))
         rank = t.bus.rank
 
