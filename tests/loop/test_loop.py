@@ -24,7 +24,7 @@ from trainbus import events as ev
 from trainbus._hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "events.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "events.md"
 
 EPOCHS, BATCHES, ACCUMULATE, EVAL_BATCHES, LOG_EVERY = 2, 3, 2, 2, 1
 SETS = [("val", EVAL_BATCHES), ("test", 1)]
