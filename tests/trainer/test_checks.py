@@ -498,3 +498,43 @@ def test_a_dataset_of_samples_is_refused_naming_the_dataloader_that_batches_it()
     # Wrapped as the message says, it trains.
     loader = torch.utils.data.DataLoader(Pairs(), batch_size=4)
     assert _train_on(loader, max_steps=2, eval_data=loader).steps == 2
+
+
+# Lightning's precision spellings: each one trainbus means is accepted, every other one is
+# refused with the accepted spellings listed.
+
+
+def _precision_trainer(**kwargs: Any) -> Trainer:
+    model = tiny_model()
+    kwargs.setdefault("max_steps", 4)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 4),
+                   loss_fn=F.cross_entropy, progress=False, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("spelling", "meant"), [("32-true", "32"), ("bf16-mixed", "bf16"), ("32", "32")]
+)
+def test_lightning_precision_spellings_are_accepted(spelling: str, meant: str) -> None:
+    trainer = _precision_trainer(precision=spelling, max_steps=2)
+    assert trainer.settings.precision == meant
+    assert trainer.fit_sync().steps == 2
+
+
+def test_16_mixed_means_fp16_which_needs_cuda() -> None:
+    with pytest.raises(ConfigError, match=r"precision='fp16'.*needs CUDA"):
+        _precision_trainer(precision="16-mixed", device="cpu")
+
+
+@pytest.mark.parametrize("spelling", ["16", "float16", "bf16-true", "16-true", "64-true", 32])
+def test_an_unknown_precision_lists_the_accepted_spellings(spelling: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        _precision_trainer(precision=spelling)
+    message = str(info.value)
+    assert f"precision={spelling!r}" in message
+    for accepted in ("'32'", "'bf16'", "'fp16'", "'32-true'", "'bf16-mixed'", "'16-mixed'"):
+        assert accepted in message
+    if isinstance(spelling, str) and spelling.endswith("-true"):
+        dtype = {"16-true": "float16", "bf16-true": "bfloat16", "64-true": "float64"}[spelling]
+        assert f"cast it yourself (model.to(torch.{dtype}))" in message
+    if spelling == 32:
+        assert "strings: precision='32'" in message
