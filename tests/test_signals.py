@@ -491,7 +491,7 @@ def test_ctrl_c_while_a_call_end_waits_cancels_the_pending_work(tmp_path: Path) 
     assert result == ["RESULT", "completed", "6", "6", "6"], text
 
 
-# One Ctrl-C is one Ctrl-C with DataLoader workers (issue 22 item 3).
+# One Ctrl-C is one Ctrl-C with DataLoader workers.
 #
 # A terminal sends SIGINT to the whole foreground process group: the training process and its
 # DataLoader workers. The run must stop as for one SIGINT (a final checkpoint, a normal exit),

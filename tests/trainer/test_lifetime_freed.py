@@ -1,5 +1,5 @@
 """A dropped Trainer frees its model, optimizer, buffers and bus without a garbage-collector
-pass, and ends its training thread (#27): no reference cycle through the bus, the hooks, the
+pass, and ends its training thread: no reference cycle through the bus, the hooks, the
 callbacks' subscriptions, the results or the event loop's tasks, whichever way it ran. A
 sweep's previous trials' weights must not wait for the next gc pass (on a GPU above all).
 
