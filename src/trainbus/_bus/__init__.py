@@ -1,44 +1,14 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face: a thin facade over parts that each own their state (see
-docs/bus.md). The training loop, the session and the distributed code hold the other face, the
+:class:`EventBus` is the users' face: a thin facade over parts that each own their state (the
+publish queue, the route table, the subscriptions, the failure ledger, the command channel, the
+barrier, the lifecycle; docs/bus.md lists them with what each owns). The training loop, the
+session and the distributed code hold the other face, the
 :class:`~trainbus._bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
-receive end:
+receive end.
 
-=================  =========================  ======================================================
-part               module                     owns
-=================  =========================  ======================================================
-Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
-Spent              ``spent.py``               what the loop thread is done with (freed at publish)
-RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
-TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
-StepClock          ``clock.py``               declared decision schedules (each change rings)
-DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
-BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
-AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
-ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
-FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
-Demand             ``routes.py``              what one event type's subscriptions take (``takes``)
-RouteTable         ``routes.py``              roots by tier, route cache, each type's ``Demand``
-Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
-Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
-Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
-AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and workers
-SubscriptionSet    ``registry.py``            subscription records in order, async start
-BusObservable      ``observable.py``          the chain users pipe and subscribe to
-CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
-ChainHost          ``host.py``                the guard a chain ends in, its schedules' declaration
-CommandChannel     ``channel.py``             command deque, ``request()`` waiters
-PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
-Barrier            ``barrier.py``             the interrupted barrier wait
-Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
-LoopPort           ``port.py``                the loop's face: publish, demand, poll, barrier, clock
-=================  =========================  ======================================================
-
-The rows follow the import order: a module imports only modules of the rows above it, so no
-cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
-and that this table lists every module of the package, each part defined where it says). None
-imports torch or the loop.
+Each module imports only modules below it in the import order ``tests/test_layers.py`` pins, so
+no cycle can form, and this package imports them all. None imports torch or the loop.
 """
 
 from __future__ import annotations

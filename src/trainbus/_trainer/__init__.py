@@ -1,20 +1,7 @@
 """The Trainer and its own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
 
-Every module of the package, each once (``tests/test_layers.py`` checks the list):
-
-- ``trainer.py``: the :class:`~trainbus.Trainer` itself, which ``trainbus`` re-exports.
-- ``options.py``: the groups of options (``EvalSchedule``...), the check of each option of
-  ``Trainer.__init__``'s signature, the loop's ``Settings`` built from them, the ``TypeError``
-  for a keyword that is no option.
-- ``checks.py``: the check of each single option, named by ``options.CHECKS``.
-- ``hf_options.py``: Hugging Face's option names and the removed trainbus ones, with what
-  replaces each (the ``TypeError`` for one, docs/migration.md's ``TrainingArguments`` table).
-- ``attached.py``: the attached callbacks, their subscriptions and hooks (``Attached``).
-- ``session.py``: a call's bus session, the standalone runs, cancellation and SIGINT/SIGTERM.
-- ``resume.py``: ``fit(resume=...)`` checked and loaded; the callbacks' states at each save.
-- ``rank_setup.py``: one rank's part of a ``fit()``: process group, device, DDP, sharded data.
-- ``lifetime.py``: how long the bus runs; the one blocking portal of the sync twins.
-- ``endings.py``: what ``fit()`` raises after a signal's graceful stop; skipped final saves.
-- ``workers.py``: DataLoader worker processes ended with the call that started them.
-- ``result.py``: what ``fit()`` returns (``FitResult``).
+``trainer.py`` holds the :class:`~trainbus.Trainer` itself, which ``trainbus`` re-exports; the
+other modules are the rooms it hands its work to (its options and their checks, the attached
+callbacks, a call's session, resume, one rank's setup, the bus' lifetime, how a run ends, the
+result), each named for what it holds.
 """

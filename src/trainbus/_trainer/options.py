@@ -6,7 +6,7 @@ and its docstring (meaning): what ``help(Trainer)``, ``inspect.signature``, mypy
 From there:
 
 - :data:`CHECKS` holds the check of each keyword option, by name, in the signature's order
-  (``tests/test_trainer_options.py`` holds the two to each other);
+  (``tests/trainer/test_options.py`` holds the two to each other);
 - :func:`check_options` runs them on the arguments of a call (``Trainer.__init__`` hands over
   its ``locals()``: no second list of the options or of their defaults);
 - :func:`build_settings` builds the loop's ``Settings`` from the checked options, the bus' own

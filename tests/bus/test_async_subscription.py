@@ -1,4 +1,4 @@
-"""A slow async subscriber slows only itself, and nothing it loses goes unsaid (issue 17).
+"""A slow async subscriber slows only itself, and nothing it loses goes unsaid.
 
 The scenario users write: an ``async def`` subscriber posting every 20th ``StepEnded`` to a
 real local HTTP service (stdlib ``ThreadingHTTPServer`` on 127.0.0.1, answering after 200 ms),

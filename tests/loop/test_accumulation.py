@@ -259,7 +259,7 @@ def test_items_of_a_batch_without_labels_is_a_clear_error() -> None:
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,
                       accumulate=Accumulate(2, by="items"), progress=False, attach=False,
                       device="cpu")  # fmt: skip
-    with pytest.raises(TrainingError, match=r"no labels tensor.*accumulate_by=fn"):
+    with pytest.raises(TrainingError, match=r"no labels tensor.*Accumulate\(n, by=fn\)"):
         trainer.fit_sync()
 
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,

@@ -40,7 +40,7 @@ from trainbus._trainer.options import CHECKS, check_options
 from trainbus.callbacks import SubscribeOptions
 from trainbus.testing import tiny_loader, tiny_model
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs" / "trainer.md"
 POSITIONAL = ["model", "optimizer", "train_data"]
 PARAMS = inspect.signature(Trainer).parameters
