@@ -53,7 +53,7 @@ def trainer(steps: int, attach: bool | Path) -> float:
     model = tiny_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     t = trainbus.Trainer(model, opt, batches(steps), loss_fn=F.cross_entropy, max_steps=steps,
-                         progress=False, attach=attach, handle_signals=False)  # fmt: skip
+                         progress=False, attach=attach, on_signal=None)  # fmt: skip
     t0 = time.perf_counter()
     t.fit_sync()
     elapsed = time.perf_counter() - t0

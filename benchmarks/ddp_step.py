@@ -85,7 +85,7 @@ def trainer(kind: str, steps: int) -> float:
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     data = [batches[i % len(batches)] for i in range(1, steps + 1)]
     t = Trainer(ddp, opt, data, loss_fn=F.cross_entropy, max_steps=steps, log_every=LOG_EVERY,
-                progress=False, handle_signals=False, device="cpu")  # fmt: skip
+                progress=False, on_signal=None, device="cpu")  # fmt: skip
     dist.barrier()
     t0 = time.perf_counter()
     t.fit_sync()

@@ -141,7 +141,7 @@ def trainbus_run(workload: str, n: int, device: torch.device, throttled: bool = 
     t = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-4), steps_of(batches, n),
                 loss_fn=F.cross_entropy, max_steps=n, log_every=LOG_EVERY, device=device,
                 precision="bf16" if bf16 else "32", progress=False,
-                handle_signals=False)  # fmt: skip
+                on_signal=None)  # fmt: skip
     stamps: dict[type, float] = {}
     t.bus.stream(ev.FitStarted, ev.FitEnded).subscribe(
         lambda e: stamps.__setitem__(type(e), e.time)
@@ -265,7 +265,7 @@ def resume_check(device: torch.device) -> dict[str, Any]:
                 for _ in range(8)]  # fmt: skip
         t = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), data,
                     loss_fn=F.cross_entropy, max_epochs=epochs, device=device, seed=0,
-                    checkpoint_dir=folder, progress=False, handle_signals=False)  # fmt: skip
+                    checkpoint_dir=folder, progress=False, on_signal=None)  # fmt: skip
         return t, t.fit_sync(resume=resume)
 
     torch.use_deterministic_algorithms(True)

@@ -140,7 +140,7 @@ def train_fn(config: dict[str, Any]) -> None:
     model = tiny_model()
     t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
                 tiny_loader(config["steps"] * 2, 32), loss_fn=F.cross_entropy, max_epochs=1,
-                handle_signals=False, progress=False)  # fmt: skip
+                on_signal=None, progress=False)  # fmt: skip
     durations: list[float] = []
     t.bus.stream(ev.StepEnded).subscribe(lambda e: durations.append(e.duration_s), ranks="all")
     t0 = time.perf_counter()

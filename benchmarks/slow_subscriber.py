@@ -116,7 +116,7 @@ def trainbus_run(steps: int, url: str, counter: _Counter, poster: str | None) ->
                           tiny_loader(steps, batch_size=32), loss_fn=F.cross_entropy,
                           max_epochs=1, checkpoint_dir=Path(tmp),
                           callbacks=[Checkpointing(every_steps=500, every_epochs=None)],
-                          device="cpu", handle_signals=False, progress=False)  # fmt: skip
+                          device="cpu", on_signal=None, progress=False)  # fmt: skip
         bus = trainer.bus
         span: dict[str, float] = {}
         seen = [0]

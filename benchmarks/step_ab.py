@@ -90,7 +90,7 @@ def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
     torch.manual_seed(0)
     model = tiny_model()
     trainer = package.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), data,
-                              loss_fn=F.cross_entropy, max_epochs=1, handle_signals=False,
+                              loss_fn=F.cross_entropy, max_epochs=1, on_signal=None,
                               progress=False)  # fmt: skip
     bus = trainer.bus
     if kit == "sampled":

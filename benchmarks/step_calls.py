@@ -43,7 +43,7 @@ def _observed(subscribed: bool, start: Callable[[], None], stop: Callable[[], No
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
                       tiny_loader(STEPS, 8), loss_fn=F.cross_entropy, max_epochs=1,
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     if subscribed:
         trainer.bus.stream(ev.StepEnded).subscribe(lambda e: None)
     original = loop_module.Loop.run

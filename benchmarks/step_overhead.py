@@ -78,7 +78,7 @@ from _common import (
     write_json,
 )
 
-from trainbus import EventBus, Trainer
+from trainbus import EvalSchedule, EventBus, Trainer
 from trainbus import events as ev
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -343,7 +343,7 @@ def with_trainbus(
     model = make_model(kind).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     trainer = Trainer(model, opt, data, loss_fn=F.cross_entropy, max_epochs=1, device=device,
-                      handle_signals=False, eval_at_epoch_end=False)  # fmt: skip
+                      on_signal=None, eval_schedule=EvalSchedule(epoch_end=False))  # fmt: skip
     # The loop's time from the public events: both are stamped (time.monotonic) on the training
     # thread when built, whenever the subscriber sees them. Two once-per-run events: no
     # per-step cost, and wants(StepEnded) stays false for the "no subscriber" variant.
@@ -434,8 +434,17 @@ def lag(kind: str, steps: int, device: torch.device, busy_us: float) -> dict[str
     data = make_data(kind, steps, device)
     model = make_model(kind).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    trainer = Trainer(model, opt, data, loss_fn=F.cross_entropy, max_epochs=1, device=device,
-                      handle_signals=False, eval_at_epoch_end=False, bus=EventBus())  # fmt: skip
+    trainer = Trainer(
+        model,
+        opt,
+        data,
+        loss_fn=F.cross_entropy,
+        max_epochs=1,
+        device=device,
+        on_signal=None,
+        eval_schedule=EvalSchedule(epoch_end=False),
+        bus=EventBus(),
+    )
     lags: list[float] = []
 
     def on_step(e: ev.StepEnded) -> None:

@@ -175,7 +175,7 @@ def trainbus_run(
     stamped = Stamped(data)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), stamped,
                       loss_fn=F.cross_entropy, max_epochs=1, progress=False,
-                      handle_signals=False)  # fmt: skip
+                      on_signal=None)  # fmt: skip
     setup = SETUPS[kind]
     if setup is not None:
         setup(trainer)

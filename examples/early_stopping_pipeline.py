@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
@@ -51,8 +51,8 @@ async def main() -> None:
         data[:32],
         loss_fn=F.cross_entropy,
         eval_data=data[32:],
-        eval_every=EVAL_EVERY,
-        eval_at_epoch_end=False,  # evaluations every 10 steps only, for a regular rhythm
+        eval_schedule=EvalSchedule(every_steps=EVAL_EVERY, epoch_end=False),
+        # evaluations every 10 steps only, for a regular rhythm
         max_steps=1_000,  # never reached: early stopping ends the run
     )
     bus = trainer.bus

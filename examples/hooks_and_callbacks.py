@@ -5,9 +5,9 @@ A ``Callback`` subclass is sugar over the bus and the hooks:
 - ``on_step_ended(self, e)`` becomes a subscriber to ``StepEnded`` (event-loop thread, sees a
   frozen event after the fact);
 - ``async def on_evaluation_ended(self, e)`` becomes an async subscriber: training never waits
-  for it (``decides = True`` on the class would make each ``EvaluationEnded`` barrier wait, for a
-  method whose commands must land on that evaluation's step), and ``fit()`` returns once it has
-  run for every evaluation;
+  for it (``subscribe_options = SubscribeOptions(decides=True)`` on the class would make each
+  ``EvaluationEnded`` barrier wait, for a method whose commands must land on that evaluation's
+  step), and ``fit()`` returns once it has run for every evaluation;
 - ``hook_loss(self, ctx)`` runs inline on the training thread, between the loss and backward,
   and may change the step: here it scales the loss by 0.5.
 

@@ -7,8 +7,8 @@ Each trial evaluates every 10 steps; :class:`~trainbus.integrations.optuna.Optun
 ``val_loss`` at the trainbus step, asks the study's ``MedianPruner``, and stops a hopeless
 trial through the bus at that very step. ``fit_sync()`` then raises ``optuna.TrialPruned`` and the
 study stores the trial PRUNED. ``Trainer(seed=)`` gives each trial a data order of its own
-(the other thread's draws cannot change it), and ``skip_final_checkpoint={"pruned"}`` keeps
-pruned trials from writing a checkpoint nobody will resume.
+(the other thread's draws cannot change it), and ``CheckpointDir(path, skip_final={"pruned"})``
+keeps pruned trials from writing a checkpoint nobody will resume.
 
 The first two configurations are good (the pruner's reference), the other two have a learning
 rate far too small: they are pruned at their first evaluation.
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import Trainer
+from trainbus import CheckpointDir, EvalSchedule, Trainer
 from trainbus.integrations.optuna import OptunaPruning
 from trainbus.testing import tiny_loader, tiny_model
 
@@ -48,11 +48,18 @@ def objective(trial: optuna.Trial) -> float:
     model = tiny_model(seed=0)  # built from its own generator: the same start for every trial
     train, val = loaders()
     trainer = Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=lr), train, loss_fn=F.cross_entropy,
-        eval_data=val, eval_every=10, max_steps=30, seed=trial.number, progress=False,
-        checkpoint_dir=RUNS / f"trial-{trial.number}", skip_final_checkpoint={"pruned"},
+        model,
+        torch.optim.SGD(model.parameters(), lr=lr),
+        train,
+        loss_fn=F.cross_entropy,
+        eval_data=val,
+        eval_schedule=EvalSchedule(every_steps=10),
+        max_steps=30,
+        seed=trial.number,
+        progress=False,
+        checkpoint_dir=CheckpointDir(RUNS / f"trial-{trial.number}", skip_final={"pruned"}),
         callbacks=[OptunaPruning(trial, "val_loss")],
-    )  # fmt: skip
+    )
     return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, Trainer
+from trainbus import Callback, EvalSchedule, Trainer
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -113,7 +113,7 @@ def run_trainbus(tmp: Path, train: Sequence[Any], *, sized: bool, hook_points: I
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                       train if sized else _Unsized(train), loss_fn=F.cross_entropy,
                       checkpoint_dir=tmp, callbacks=[save], device="cpu", progress=False,
-                      handle_signals=False, **kwargs)  # fmt: skip
+                      on_signal=None, **kwargs)  # fmt: skip
     hooks: Counter[str] = Counter()
 
     def counter(point: str) -> Callable[[Any], None]:
@@ -265,13 +265,21 @@ def run_hf(c: HF, tmp: Path) -> Run:
         eval_data = sets[0] if len(sets) == 1 else {f"set{i}": s for i, s in enumerate(sets)}
     eval_steps = c.eval_steps if c.eval_steps is not None else c.logging_steps
     return run_trainbus(
-        tmp, tiny_loader(c.batches, batch_size=8), sized=c.sized, hook_points=(),
+        tmp,
+        tiny_loader(c.batches, batch_size=8),
+        sized=c.sized,
+        hook_points=(),
         save=Checkpointing(every_steps=c.save_steps, every_epochs=None),
-        max_epochs=c.epochs if c.max_steps is None else None, max_steps=c.max_steps,
-        accumulate=c.accumulate, log_every=c.logging_steps, eval_data=eval_data,
-        eval_every=eval_steps if c.eval_strategy == "steps" else None,
-        eval_at_epoch_end=c.eval_strategy == "epoch",
-    )  # fmt: skip
+        max_epochs=c.epochs if c.max_steps is None else None,
+        max_steps=c.max_steps,
+        accumulate=c.accumulate,
+        log_every=c.logging_steps,
+        eval_data=eval_data,
+        eval_schedule=EvalSchedule(
+            every_steps=eval_steps if c.eval_strategy == "steps" else None,
+            epoch_end=c.eval_strategy == "epoch",
+        ),
+    )
 
 
 def first_difference(got: Sequence[str], want: Sequence[str]) -> str:
@@ -402,13 +410,22 @@ def run_composer(c: Composer, tmp: Path) -> Run:
     hook_points = {r["hook"] for r in rows("composer") if "hook" in r and not row_events(r)}
     by_steps = c.eval_unit == "ba"
     return run_trainbus(
-        tmp, _batches(microbatches, seed=0), sized=c.sized, hook_points=hook_points,
-        save=Checkpointing(every_steps=c.eval_every if by_steps else None,
-                           every_epochs=None if by_steps else c.eval_every),
-        max_epochs=c.epochs if c.max_batches is None else None, max_steps=c.max_batches,
-        accumulate=accumulate, eval_data=sets, eval_every=c.eval_every if by_steps else None,
-        eval_at_epoch_end=not by_steps,
-    )  # fmt: skip
+        tmp,
+        _batches(microbatches, seed=0),
+        sized=c.sized,
+        hook_points=hook_points,
+        save=Checkpointing(
+            every_steps=c.eval_every if by_steps else None,
+            every_epochs=None if by_steps else c.eval_every,
+        ),
+        max_epochs=c.epochs if c.max_batches is None else None,
+        max_steps=c.max_batches,
+        accumulate=accumulate,
+        eval_data=sets,
+        eval_schedule=EvalSchedule(
+            every_steps=c.eval_every if by_steps else None, epoch_end=not by_steps
+        ),
+    )
 
 
 @pytest.mark.parametrize("config", list(COMPOSER_CONFIGS), ids=list(COMPOSER_CONFIGS))

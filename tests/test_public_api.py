@@ -21,12 +21,15 @@ SRC = Path(trainbus.__file__).parent
 
 EXPORTS: dict[str, set[str]] = {
     "trainbus": {
+        "Accumulate",
         "AttachError",
         "Attachment",
         "Callback",
+        "CheckpointDir",
         "CheckpointError",
         "ConfigError",
         "DistributedError",
+        "EvalSchedule",
         "EventBus",
         "FitResult",
         "HookHandle",
@@ -36,6 +39,7 @@ EXPORTS: dict[str, set[str]] = {
         "LostWorkError",
         "MissingExtraError",
         "NonFiniteLossError",
+        "PerEpoch",
         "Perplexity",
         "SetMetric",
         "StepContext",
@@ -106,6 +110,7 @@ EXPORTS: dict[str, set[str]] = {
         "ReduceLROnPlateau",
         "RunPlan",
         "RuntimeEstimator",
+        "SubscribeOptions",
         "TensorBoardLogger",
         "ThresholdStopping",
         "Throughput",

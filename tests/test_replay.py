@@ -10,7 +10,7 @@ import pytest
 from reactivex import operators as ops
 from tests.callbacks.conftest import make_trainer
 
-from trainbus import ConfigError, replay
+from trainbus import ConfigError, EvalSchedule, replay
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus._replay import RecordedError, load_events
@@ -31,9 +31,12 @@ def decide(source: Any) -> Any:
 def test_live_and_replayed_decisions_agree(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
     trainer = make_trainer(
-        [JsonlEventLog(path, flush_s=0.05)], epochs=3, batches=2, eval_every=1,
-        eval_at_epoch_end=False, score=[5.0, 4.0, 4.5, 4.2, 3.9, 4.0, 4.1, 4.0],
-    )  # fmt: skip
+        [JsonlEventLog(path, flush_s=0.05)],
+        epochs=3,
+        batches=2,
+        eval_schedule=EvalSchedule(every_steps=1, epoch_end=False),
+        score=[5.0, 4.0, 4.5, 4.2, 3.9, 4.0, 4.1, 4.0],
+    )
     live: list[str] = []
     decide(trainer.bus.events).subscribe(live.append)
     trainer.fit_sync()

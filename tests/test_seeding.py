@@ -34,7 +34,7 @@ def params(model: torch.nn.Module) -> list[torch.Tensor]:
 def train(model: torch.nn.Module, data: Any, *, resume: str | None = None,
           **kw: Any) -> Trainer:  # fmt: skip
     args: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_epochs=3, progress=False,
-                                handle_signals=False, seed=5)  # fmt: skip
+                                on_signal=None, seed=5)  # fmt: skip
     args.update(kw)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, **args)
     trainer.fit_sync(resume=resume)

@@ -26,7 +26,7 @@ META = torch.device("meta")  # a second device every CPU host has: shows a move 
 def host_trainer(model: HostModel, **kwargs: Any) -> Trainer:
     kwargs.setdefault("max_steps", 4)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), placed_batches(4),
-                   progress=False, handle_signals=False, **kwargs)  # fmt: skip
+                   progress=False, on_signal=None, **kwargs)  # fmt: skip
 
 
 # ------------------------------------------------------------------ resolving the device
@@ -225,7 +225,7 @@ def test_cuda_run_keeps_its_device_on_every_thread() -> None:
     data = [Batch(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(4)]
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                       loss_fn=lambda out, y: F.cross_entropy(out, y), max_steps=4,
-                      device=f"cuda:{index}", progress=False, handle_signals=False)  # fmt: skip
+                      device=f"cuda:{index}", progress=False, on_signal=None)  # fmt: skip
     # A dataclass batch is not (inputs, targets): unpack it in a hook, after the move.
     trainer.add_hook("batch", lambda ctx: setattr(ctx, "batch", (ctx.batch.x, ctx.batch.y)))
     # An evaluation or prediction batch replaced by host copies: moved back before the model.

@@ -32,17 +32,24 @@ from ._loop.set_metrics import TokenAccuracy as TokenAccuracy
 from ._moved import moved_name, report_moved_modules
 from ._replay import replay as replay
 from ._seeding import seed_everything as seed_everything
+from ._trainer.trainer import Accumulate as Accumulate
+from ._trainer.trainer import CheckpointDir as CheckpointDir
+from ._trainer.trainer import EvalSchedule as EvalSchedule
 from ._trainer.trainer import FitResult as FitResult
+from ._trainer.trainer import PerEpoch as PerEpoch
 from ._trainer.trainer import Trainer as Trainer
 from .callbacks import Callback as Callback
 
 __all__ = [
+    "Accumulate",
     "AttachError",
     "Attachment",
     "Callback",
+    "CheckpointDir",
     "CheckpointError",
     "ConfigError",
     "DistributedError",
+    "EvalSchedule",
     "EventBus",
     "FitResult",
     "HookHandle",
@@ -52,6 +59,7 @@ __all__ = [
     "LostWorkError",
     "MissingExtraError",
     "NonFiniteLossError",
+    "PerEpoch",
     "Perplexity",
     "SetMetric",
     "StepContext",

@@ -7,7 +7,7 @@ The hierarchy::
     ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
     ├── SubscriberError                 no longer raised (kept importable; see its docstring)
     ├── LostWorkError (+ RuntimeError)  async work was dropped, cancelled or failed and the
-    │                                   Trainer was made with ``on_lost="raise"``
+    │                                   bus was made with ``on_lost="raise"``
     ├── MissingExtraError (+ ImportError) an optional integration's package is not installed
     ├── EvaluationJobError (+ RuntimeError) an EvaluateCheckpoints job failed (in the event)
     ├── DistributedError (+ RuntimeError) the process group could not start, or ranks disagree
@@ -82,9 +82,9 @@ class SubscriberError(TrainbusError):
 
 
 class LostWorkError(TrainbusError, RuntimeError):
-    """Subscribers lost work during a run made with ``Trainer(on_lost="raise")``: items dropped
-    by an overflow policy, cancelled at close, or whose call failed. Raised by ``fit()`` after
-    every event was delivered and the bus closed; the run's result is attached.
+    """Subscribers lost work during a run on a bus made with ``EventBus(on_lost="raise")``: items
+    dropped by an overflow policy, cancelled at close, or whose call failed. Raised by ``fit()``
+    after every event was delivered and the bus closed; the run's result is attached.
 
     Attributes:
         lost: ``{subscription name: LostWork}`` of the subscriptions that lost anything.
@@ -99,7 +99,7 @@ class LostWorkError(TrainbusError, RuntimeError):
         super().__init__(
             f"subscribers lost work: {parts}. Give them a larger buffer=, a higher "
             "concurrency=, overflow='block' (never drops, can slow training) or a longer "
-            "close_timeout=; or pass on_lost='warn' to accept losses"
+            "EventBus(close_timeout=); or EventBus(on_lost='warn') to accept losses"
         )
         self.lost = dict(lost)
         self.result = result

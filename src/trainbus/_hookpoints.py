@@ -14,9 +14,9 @@ Points, in the order a step reaches them::
                              accumulated so far), before unscaling and clipping
     "before_optimizer_step"  gradients final (unscaled, before clipping); may edit or skip
     "after_optimizer_step"   after the optimizer stepped (e.g. an EMA of the weights)
-    "before_evaluation"      an evaluation round begins (every round: at ``eval_every``, at the
-                             epoch's end, on ``Evaluate``, in ``trainer.evaluate()``), before
-                             its first set: may swap other weights into ``ctx.model``
+    "before_evaluation"      an evaluation round begins (every round: at ``every_steps``, at the
+                             epoch's end, on ``Evaluate``, in ``trainer.evaluate()``),
+                             before its first set: may swap other weights into ``ctx.model``
     "eval_batch"             an evaluation or prediction batch (on the device), before forward:
                              may replace ``ctx.batch`` or skip it (``ctx.phase`` says which)
     "after_evaluation"       the round's sets are done, before ``EvaluationRoundEnded``; runs

@@ -138,9 +138,9 @@ class Ending(StrEnum):
 
 
 EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
-"""Why an evaluation runs: at an epoch end, every ``eval_every`` steps, at the end of a completed
-run whose last step was not evaluated (``eval_at_end``), an ``Evaluate`` command, or a
-standalone ``trainer.evaluate()`` outside ``fit()``.
+"""Why an evaluation runs: at an epoch end, every ``EvalSchedule.every_steps`` steps, at the end
+of a completed run whose last step was not evaluated (``EvalSchedule.at_end``), an ``Evaluate``
+command, or a standalone ``trainer.evaluate()`` outside ``fit()``.
 
 A step is evaluated once however many of these ask for it: the evaluation events carry the one
 that named the round (``trigger``, the first in the order steps, command, epoch, end) and

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import trainbus
-from trainbus import ConfigError
+from trainbus import ConfigError, EventBus
 from trainbus import _wire as wire
 from trainbus import commands as cmd
 from trainbus import events as ev
@@ -90,7 +90,7 @@ def test_a_subscriber_blocking_the_job_shows_as_a_warning(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     folder = tmp_path
-    t = trainer(max_steps=100_000, attach=folder, watchdog_s=0.05)
+    t = trainer(max_steps=100_000, attach=folder, bus=EventBus(watchdog_s=0.05))
     started = threading.Event()
 
     def slow(e: ev.StepEnded) -> None:

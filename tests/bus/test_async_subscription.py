@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from reactivex import operators as ops
 from structlog.testing import capture_logs
 
-from trainbus import ConfigError, EventBus, LostWorkError, Trainer
+from trainbus import ConfigError, EvalSchedule, EventBus, LostWorkError, Trainer
 from trainbus import events as ev
 from trainbus.bus import LostWork
 from trainbus.callbacks import Checkpointing
@@ -114,15 +114,15 @@ def _run(tmp_path: Path, service: Service, open_at: str = "fit_ended", **options
     ``open_at``: when the service starts answering: ``"fit_ended"`` (every post is published
     while the first one is still unanswered) or ``"training_waits"`` (the first time the
     training thread waits on the poster)."""
-    trainer_options = {k: options.pop(k) for k in ("on_lost", "close_timeout") if k in options}
+    bus_options = {k: options.pop(k) for k in ("on_lost", "close_timeout") if k in options}
     service.gate.clear()
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                       tiny_loader(BATCHES, batch_size=8), loss_fn=F.cross_entropy,
                       max_epochs=EPOCHS, checkpoint_dir=tmp_path / "ckpt", device="cpu",
                       callbacks=[Checkpointing(every_steps=100, every_epochs=None)],
-                      barrier_timeout=10, handle_signals=False, progress=False,
-                      **trainer_options)  # fmt: skip
+                      bus=EventBus(barrier_timeout=10, **bus_options), on_signal=None,
+                      progress=False)  # fmt: skip
     bus = trainer.bus
 
     async def poster(e: ev.StepEnded) -> None:
@@ -290,14 +290,20 @@ async def test_cancel_pending_during_the_close_counts_cancelled(
 def test_close_timeout_is_checked_up_front(value: Any) -> None:
     model = tiny_model()
     with pytest.raises(ConfigError, match=r"^close_timeout="):
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
-                loss_fn=F.cross_entropy, max_steps=1, close_timeout=value)  # fmt: skip
+        Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            tiny_loader(1),
+            loss_fn=F.cross_entropy,
+            max_steps=1,
+            bus=EventBus(close_timeout=value),
+        )
 
 
-def test_close_timeout_with_a_bus_of_ones_own_is_refused() -> None:
+def test_close_timeout_given_to_the_trainer_names_the_bus() -> None:
     model = tiny_model()
-    with pytest.raises(ConfigError, match=r"^close_timeout=5.*EventBus\(close_timeout"):
-        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
+    with pytest.raises(TypeError, match=r"'close_timeout'.*bus=EventBus\(close_timeout=5\)"):
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),  # type: ignore[call-arg]
                 loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(), close_timeout=5)  # fmt: skip
 
 
@@ -306,7 +312,7 @@ def test_on_lost_is_checked_up_front(value: Any) -> None:
     model = tiny_model()
     with pytest.raises(ConfigError, match=r"^on_lost="):
         Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(1),
-                loss_fn=F.cross_entropy, max_steps=1, on_lost=value)  # fmt: skip
+                loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(on_lost=value))  # fmt: skip
 
 
 # ------------------------------------------------------------------ a bounded end
@@ -327,7 +333,7 @@ def test_a_subscriber_that_never_returns_is_said_again_then_cancelled_and_report
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
                       loss_fn=F.cross_entropy, max_epochs=1, device="cpu", progress=False,
-                      handle_signals=False, close_timeout=0.6, on_lost=on_lost)  # fmt: skip
+                      on_signal=None, bus=EventBus(close_timeout=0.6, on_lost=on_lost))  # fmt: skip
     started: list[int] = []
     never = anyio.Event()  # never set
 
@@ -376,13 +382,25 @@ def test_a_metrics_poster_over_http_never_holds_training_while_best_and_stopping
 
     service.gate.clear()
     model = tiny_model()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(20),
-                      loss_fn=F.cross_entropy, eval_data=tiny_loader(1, seed=1), eval_every=5,
-                      eval_at_epoch_end=False, max_epochs=1, log_every=1, device="cpu",
-                      checkpoint_dir=tmp_path / "ckpt", barrier_timeout=10, progress=False,
-                      handle_signals=False,
-                      callbacks=[Checkpointing(every_epochs=None, monitor="val_loss"),
-                                 EarlyStopping("val_loss", patience=2)])  # fmt: skip
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_loader(20),
+        loss_fn=F.cross_entropy,
+        eval_data=tiny_loader(1, seed=1),
+        eval_schedule=EvalSchedule(every_steps=5, epoch_end=False),
+        max_epochs=1,
+        log_every=1,
+        device="cpu",
+        checkpoint_dir=tmp_path / "ckpt",
+        bus=EventBus(barrier_timeout=10),
+        progress=False,
+        on_signal=None,
+        callbacks=[
+            Checkpointing(every_epochs=None, monitor="val_loss"),
+            EarlyStopping("val_loss", patience=2),
+        ],
+    )
     bus = trainer.bus
 
     async def post(e: ev.BaseEvent) -> None:
@@ -422,7 +440,7 @@ def test_a_dropping_subscriber_says_so_at_its_first_drop() -> None:
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(12),
                       loss_fn=F.cross_entropy, max_steps=12, progress=False,
-                      handle_signals=False, attach=False)  # fmt: skip
+                      on_signal=None, attach=False)  # fmt: skip
     ended = threading.Event()
     bus = trainer.bus
     bus.stream(ev.FitEnded).subscribe(lambda _: ended.set())

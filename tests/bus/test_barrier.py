@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import tiny_loader, tiny_model
@@ -31,12 +31,11 @@ def make_trainer(**overrides: Any) -> Trainer:
     kwargs: dict[str, Any] = dict(
         loss_fn=F.cross_entropy,
         eval_data=tiny_loader(1, seed=1),
-        eval_every=3,
-        eval_at_epoch_end=False,
+        eval_schedule=EvalSchedule(every_steps=3, epoch_end=False),
         max_epochs=1,
         log_every=1,
         device="cpu",
-        handle_signals=False,
+        on_signal=None,
     )
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5), **kwargs)
@@ -102,7 +101,7 @@ async def test_the_loop_waits_at_a_barrier() -> None:
 
 @pytest.mark.asyncio
 async def test_without_barriers_the_loop_does_not_wait() -> None:
-    trainer = make_trainer(barriers=())
+    trainer = make_trainer(bus=EventBus(barriers=()))
     order = Order(trainer)
 
     async def slow(e: ev.EvaluationEnded) -> None:
@@ -120,7 +119,7 @@ async def test_without_barriers_the_loop_does_not_wait() -> None:
 
 @pytest.mark.asyncio
 async def test_barrier_timeout_lets_the_loop_go_on_with_a_warning() -> None:
-    trainer = make_trainer(barrier_timeout=0.05)
+    trainer = make_trainer(bus=EventBus(barrier_timeout=0.05))
     order = Order(trainer)
 
     async def stuck(e: ev.EvaluationEnded) -> None:
@@ -181,7 +180,12 @@ async def test_an_async_decider_of_a_per_step_barrier_is_waited_for(
     """``barriers=(StepEnded,)`` (or ``MetricsLogged``) makes the loop wait for the async
     deciders that received the event: a stop one sends at step 3 is applied at step 3, also
     when step 3 is a declared decision step."""
-    trainer = make_trainer(barriers=(barrier,), eval_data=None, eval_every=None, max_epochs=3)
+    trainer = make_trainer(
+        bus=EventBus(barriers=(barrier,)),
+        eval_data=None,
+        eval_schedule=EvalSchedule(every_steps=None),
+        max_epochs=3,
+    )
     order = Order(trainer)
     if decision_step:
         trainer.bus.decides(at=[3])
@@ -211,7 +215,7 @@ async def test_an_async_subscriber_that_does_not_decide_is_never_waited_for(
 ) -> None:
     """Whatever barrier event it receives: it finishes only once the loop has gone past the
     barrier (a loop that waited for it would reach the barrier's timeout, 30 s, first)."""
-    trainer = make_trainer(barriers=(barrier,), barrier_timeout=30)
+    trainer = make_trainer(bus=EventBus(barriers=(barrier,), barrier_timeout=30))
     order = Order(trainer)
 
     async def slow(e: ev.BaseEvent) -> None:
@@ -240,10 +244,18 @@ async def test_a_metrics_poster_never_holds_training_nor_hands_it_its_backlog() 
     barrier event; its backlog at each evaluation is several requests long. Training never
     waits for it: the bus counts no wait at all, against the poster's seconds of work."""
     model = tiny_model()
-    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(12),
-                      loss_fn=F.cross_entropy, eval_data=tiny_loader(1, seed=1), eval_every=4,
-                      eval_at_epoch_end=False, max_epochs=1, log_every=1, device="cpu",
-                      handle_signals=False)  # fmt: skip
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_loader(12),
+        loss_fn=F.cross_entropy,
+        eval_data=tiny_loader(1, seed=1),
+        eval_schedule=EvalSchedule(every_steps=4, epoch_end=False),
+        max_epochs=1,
+        log_every=1,
+        device="cpu",
+        on_signal=None,
+    )
     bus = trainer.bus
     posted: list[str] = []
     behind_at_barrier: list[int] = []
@@ -312,7 +324,7 @@ async def test_a_decider_is_waited_for_and_named_while_training_waits() -> None:
     """A ``decides=True`` subscriber of ``EvaluationEnded`` holds training until it answers;
     it answers only once the warning naming it was logged, so the warning came during the wait
     (within about a second of it), not after."""
-    trainer = make_trainer(barrier_timeout=60)
+    trainer = make_trainer(bus=EventBus(barrier_timeout=60))
     bus = trainer.bus
     order = Order(trainer)
     with capture_logs() as logs:
@@ -345,7 +357,9 @@ async def test_a_decider_is_waited_for_and_named_while_training_waits() -> None:
 async def test_short_waits_on_a_decider_add_up_to_one_warning() -> None:
     """A decider answering each evaluation in 0.2 s: no single wait is long, but together they
     hold training, and it is named once (not at every barrier)."""
-    trainer = make_trainer(eval_every=1)  # five evaluations, five barriers
+    trainer = make_trainer(
+        eval_schedule=EvalSchedule(every_steps=1)
+    )  # five evaluations, five barriers
     bus = trainer.bus
 
     async def judge(e: ev.EvaluationEnded) -> None:

@@ -147,7 +147,7 @@ def test_a_bad_every_s_is_a_config_error(every_s: Any) -> None:
 def _trainer(steps: int) -> Trainer:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(steps, 8),
-                   loss_fn=F.cross_entropy, max_epochs=1, handle_signals=False,
+                   loss_fn=F.cross_entropy, max_epochs=1, on_signal=None,
                    progress=False)  # fmt: skip
 
 

@@ -181,7 +181,7 @@ def test_derived_events_are_delivered_right_after_their_cause() -> None:
 # ---------------------------------------------------------------------------- the loop
 def _trainer(tmp_path: Path | None = None, **kwargs: Any) -> Trainer:
     model = tiny_model()
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     return Trainer(
         model,
         torch.optim.SGD(model.parameters(), lr=0.05),
@@ -257,7 +257,7 @@ def test_a_slow_async_subscriber_that_does_not_decide_is_never_waited_for() -> N
     and a decision step declared by someone else does not wait for it either. The upload
     blocks until the run has ended: a barrier that waited for it would time out (and log
     ``barrier_timeout``) at every decision step."""
-    trainer = _trainer(max_steps=40, barrier_timeout=0.2)
+    trainer = _trainer(max_steps=40, bus=EventBus(barrier_timeout=0.2))
     bus = trainer.bus
     run_over = anyio.Event()
     handled: list[int] = []

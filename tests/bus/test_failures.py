@@ -34,11 +34,11 @@ pytestmark = pytest.mark.timeout(60)
 
 def _trainer(tmp_path: Path) -> Trainer:
     model = tiny_model()
-    bus = EventBus(close_timeout=1.0)
+    bus = EventBus(close_timeout=1.0, barrier_timeout=0.5)
     # The tests compare with CPU copies of the model: pinned, so a GPU host runs them alike.
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(STEPS // 2, 8),
                    loss_fn=F.cross_entropy, max_epochs=2, checkpoint_dir=tmp_path / "ckpt",
-                   barrier_timeout=0.5, handle_signals=False, bus=bus, device="cpu")  # fmt: skip
+                   on_signal=None, bus=bus, device="cpu")  # fmt: skip
 
 
 def _attach(trainer: Trainer, fault: str) -> None:
@@ -171,7 +171,7 @@ def test_lost_work_of_subscriptions_sharing_a_name_is_reported_once_in_full() ->
     close after it reports nothing more (no negative counts from one overwriting the other)."""
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(6, 4),
-                      loss_fn=F.cross_entropy, max_epochs=1, handle_signals=False,
+                      loss_fn=F.cross_entropy, max_epochs=1, on_signal=None,
                       progress=False)  # fmt: skip
     failed: list[int] = []
 
@@ -205,7 +205,7 @@ class TrialPruned(Exception):
 def make_trainer(tmp: Path, **overrides: Any) -> Trainer:
     model = tiny_model()
     kwargs: dict[str, Any] = dict(
-        loss_fn=F.cross_entropy, max_steps=6, device="cpu", handle_signals=False,
+        loss_fn=F.cross_entropy, max_steps=6, device="cpu", on_signal=None,
         progress=False, checkpoint_dir=tmp,
     )  # fmt: skip
     kwargs.update(overrides)

@@ -99,7 +99,7 @@ def test_a_subscription_made_mid_run_is_heard_at_the_next_step() -> None:
     # nobody wanted, made by a subscriber at a barrier, gets the later steps' events.
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(8, 8),
-                      loss_fn=F.cross_entropy, max_epochs=2, handle_signals=False,
+                      loss_fn=F.cross_entropy, max_epochs=2, on_signal=None,
                       progress=False)  # fmt: skip
     bus = trainer.bus
     forwards: list[int] = []

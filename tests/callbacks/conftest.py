@@ -47,7 +47,7 @@ def make_trainer(
     kwargs.setdefault("eval_data", tiny_loader(1, seed=1))
     return Trainer(
         model, torch.optim.SGD(model.parameters(), lr=lr), tiny_loader(batches),
-        loss_fn=F.cross_entropy, max_epochs=epochs, metrics=metrics, handle_signals=False,
+        loss_fn=F.cross_entropy, max_epochs=epochs, metrics=metrics, on_signal=None,
         callbacks=list(callbacks), **kwargs,
     )  # fmt: skip
 

@@ -43,7 +43,7 @@ def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def _trainer(model: torch.nn.Module | None = None, **kwargs: Any) -> Trainer:
     model = model if model is not None else tiny_model()
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     kwargs.setdefault("device", "cpu")  # tests compare with CPU copies: same on a GPU host
     if "max_steps" not in kwargs and "max_epochs" not in kwargs:
         kwargs["max_steps"] = 3
@@ -428,7 +428,7 @@ def test_skipped_optimizer_step_does_not_step_the_scheduler_or_repeat_step_ended
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     trainer = Trainer(model, opt, tiny_loader(4, 8), loss_fn=F.cross_entropy, max_steps=3,
-                      scheduler=sched, callbacks=[SkipOnce()], handle_signals=False,
+                      scheduler=sched, callbacks=[SkipOnce()], on_signal=None,
                       device="cpu")  # fmt: skip
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync()

@@ -12,7 +12,7 @@ import structlog
 import torch
 from reactivex import operators as ops
 
-from trainbus import CheckpointError, ConfigError, EventBus
+from trainbus import CheckpointError, ConfigError, EvalSchedule, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping, RunPlan
@@ -95,8 +95,12 @@ def test_invalid_keep_arguments(kwargs: dict[str, Any], field: str) -> None:
 # 4 batches an epoch, 12 steps, saves every 2 steps, evaluations at 3, 6, 9, 12: val_loss is
 # best at 6 (after 3), so a run resumed at 4 or 5 must delete the "best" file of step 3 that it
 # wrote before it was stopped.
-RUN = {"epochs": 10, "batches": 4, "max_steps": 12, "eval_every": 3, "eval_at_epoch_end": False,
-       "barriers": (ev.StepEnded, ev.EvaluationEnded, ev.EpochEnded)}  # fmt: skip
+def run() -> dict[str, Any]:
+    """The runs' options (a new bus each: a bus belongs to one trainer)."""
+    return {"epochs": 10, "batches": 4, "max_steps": 12,
+            "eval_schedule": EvalSchedule(every_steps=3, epoch_end=False),
+            "bus": EventBus(barriers=(ev.StepEnded, ev.EvaluationEnded,
+                                      ev.EpochEnded))}  # fmt: skip
 
 
 def _keeping(**kwargs: Any) -> Checkpointing:
@@ -105,7 +109,7 @@ def _keeping(**kwargs: Any) -> Checkpointing:
 
 
 def _stop_at(trainer: Any, step: int) -> None:
-    # StepEnded is a barrier (RUN): the stop lands at exactly that step.
+    # StepEnded is a barrier (run()): the stop lands at exactly that step.
     bus = trainer.bus
     bus.stream(ev.StepEnded).pipe(
         ops.filter(lambda e: e.step == step),
@@ -114,7 +118,7 @@ def _stop_at(trainer: Any, step: int) -> None:
 
 
 def _uninterrupted(trainer_factory: Any, folder: Path) -> list[str]:
-    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     rec = EventRecorder(trainer.bus)
     assert trainer.fit_sync().steps == 12
     # The control: a "best" is written before step 4 and after step 5, so a resumed run that
@@ -131,10 +135,10 @@ def test_a_resumed_run_keeps_what_an_uninterrupted_run_keeps(
     assert want == ["step-00000006-best.pt", "step-00000010.pt", "step-00000012.pt"]
     folder = tmp_path / "resumed"
     for k in stops:  # a stop off the cadence (5, 7) writes a "final" file the resume starts from
-        trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+        trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
         _stop_at(trainer, k)
         assert trainer.fit_sync(resume="latest").steps == k
-    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    trainer = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     assert trainer.fit_sync(resume="latest").steps == 12
     assert _names(folder) == want
 
@@ -149,7 +153,7 @@ def test_a_job_started_again_after_its_end_leaves_its_files_as_they_were(
         callbacks: list[Any] = [_keeping()]
         if stopped:  # val_score worse at 6 than at 3: stops at step 6, a cadence step
             callbacks.append(EarlyStopping("val_score", patience=1))
-        return trainer_factory(callbacks, checkpoint_dir=tmp_path, score=[1.0, 2.0], **RUN)
+        return trainer_factory(callbacks, checkpoint_dir=tmp_path, score=[1.0, 2.0], **run())
 
     first = job().fit_sync()
     assert (first.reason, first.steps) == (("stopped", 6) if stopped else ("completed", 12))
@@ -165,14 +169,14 @@ def test_another_runs_files_are_never_touched(tmp_path: Path, trainer_factory: A
     folder = tmp_path / "run"
     # Another run (fresh, never resumed) wrote step 3 into the same folder first.
     other = trainer_factory([Checkpointing(every_steps=3, every_epochs=None)],
-                            checkpoint_dir=folder, **{**RUN, "max_steps": 3})  # fmt: skip
+                            checkpoint_dir=folder, **{**run(), "max_steps": 3})  # fmt: skip
     other.fit_sync()
     theirs = {p.name: p.read_bytes() for p in folder.iterdir()}
     assert list(theirs) == ["step-00000003.pt"]
-    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     _stop_at(first, 4)
     first.fit_sync()
-    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     second.fit_sync(resume=folder / "step-00000004.pt")
     assert _names(folder) == ["step-00000003.pt", "step-00000006-best.pt", "step-00000010.pt",
                               "step-00000012.pt"]  # fmt: skip
@@ -182,7 +186,7 @@ def test_another_runs_files_are_never_touched(tmp_path: Path, trainer_factory: A
     before = {p.name: p.stat().st_mtime_ns for p in folder.iterdir()}
     elsewhere = tmp_path / "elsewhere"
     third = trainer_factory([_keeping(keep_last=1)], checkpoint_dir=elsewhere,
-                            **{**RUN, "max_steps": 16})  # fmt: skip
+                            **{**run(), "max_steps": 16})  # fmt: skip
     with structlog.testing.capture_logs() as logs:
         third.fit_sync(resume=folder / "step-00000010.pt")
     assert {p.name: p.stat().st_mtime_ns for p in folder.iterdir()} == before
@@ -200,11 +204,11 @@ def test_files_after_the_resumed_checkpoint_are_left_and_rewritten(
     # logged); the resumed run writes it again and from then on counts it as its own.
     want = _uninterrupted(trainer_factory, tmp_path / "straight")
     folder = tmp_path / "resumed"
-    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     _stop_at(first, 10)
     first.fit_sync()
     assert _names(folder) == ["step-00000006-best.pt", "step-00000008.pt", "step-00000010.pt"]
-    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     with structlog.testing.capture_logs() as logs:
         second.fit_sync(resume=folder / "step-00000008.pt")
     assert _names(folder) == want
@@ -215,12 +219,12 @@ def test_files_after_the_resumed_checkpoint_are_left_and_rewritten(
 def test_a_file_deleted_by_hand_is_no_error(tmp_path: Path, trainer_factory: Any) -> None:
     want = _uninterrupted(trainer_factory, tmp_path / "straight")
     folder = tmp_path / "resumed"
-    first = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    first = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     _stop_at(first, 4)
     first.fit_sync()
     (folder / "step-00000002.pt").unlink()
     (folder / "step-00000003-best.pt").unlink()
-    second = trainer_factory([_keeping()], checkpoint_dir=folder, **RUN)
+    second = trainer_factory([_keeping()], checkpoint_dir=folder, **run())
     assert second.fit_sync(resume="latest").subscriber_failures == {}
     assert _names(folder) == want
 
@@ -242,7 +246,7 @@ def test_load_best_at_end_leaves_the_best_weights(
 ) -> None:
     best = _keeping(load_best_at_end=True)
     callbacks = [best, EarlyStopping("val_loss", patience=1)] if stopper else [best]
-    trainer = trainer_factory(callbacks, checkpoint_dir=tmp_path, **RUN)
+    trainer = trainer_factory(callbacks, checkpoint_dir=tmp_path, **run())
     with structlog.testing.capture_logs() as logs:
         result = trainer.fit_sync()
     # val_loss is best at step 6; patience=1 stops at the evaluation of step 9.
@@ -258,7 +262,7 @@ def test_load_best_at_end_leaves_the_best_weights(
 def test_without_load_best_at_end_the_last_weights_stay(
     tmp_path: Path, trainer_factory: Any
 ) -> None:
-    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **RUN)
+    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **run())
     trainer.fit_sync()
     assert _same_weights(trainer, tmp_path / "step-00000012.pt")
     assert not _same_weights(trainer, tmp_path / "step-00000006-best.pt")
@@ -266,12 +270,12 @@ def test_without_load_best_at_end_the_last_weights_stay(
 
 def test_load_best_at_end_after_a_resume(tmp_path: Path, trainer_factory: Any) -> None:
     # The best (step 6) was written before the run was stopped at 7 and resumed.
-    first = trainer_factory([_keeping(load_best_at_end=True)], checkpoint_dir=tmp_path, **RUN)
+    first = trainer_factory([_keeping(load_best_at_end=True)], checkpoint_dir=tmp_path, **run())
     _stop_at(first, 7)
     first.fit_sync()
     assert _same_weights(first, tmp_path / "step-00000006-best.pt")  # a stopped run loads too
     best = _keeping(load_best_at_end=True)
-    second = trainer_factory([best], checkpoint_dir=tmp_path, **RUN)
+    second = trainer_factory([best], checkpoint_dir=tmp_path, **run())
     assert second.fit_sync(resume="latest").steps == 12
     assert best.best_path == str(tmp_path / "step-00000006-best.pt")
     assert _same_weights(second, tmp_path / "step-00000006-best.pt")
@@ -284,7 +288,7 @@ def test_load_best_at_end_after_a_resume(tmp_path: Path, trainer_factory: Any) -
 
 
 def test_trainer_load_weights(tmp_path: Path, trainer_factory: Any) -> None:
-    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **RUN)
+    trainer = trainer_factory([_keeping()], checkpoint_dir=tmp_path, **run())
     trainer.fit_sync()
     assert trainer.load_weights(tmp_path / "step-00000006-best.pt") == 6
     assert _same_weights(trainer, tmp_path / "step-00000006-best.pt")
@@ -316,7 +320,9 @@ def test_no_best_file_leaves_the_last_weights_and_says_so(
     tmp_path: Path, trainer_factory: Any
 ) -> None:
     best = Checkpointing(every_epochs=None, monitor="val_loss", load_best_at_end=True)
-    trainer = trainer_factory([best], checkpoint_dir=tmp_path, **{**RUN, "eval_every": None})
+    trainer = trainer_factory(
+        [best], checkpoint_dir=tmp_path, **{**run(), "eval_schedule": EvalSchedule(epoch_end=False)}
+    )
     with structlog.testing.capture_logs() as logs:
         trainer.fit_sync()
     assert best.best_path is None

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from trainbus import ConfigError, EventBus
+from trainbus import ConfigError, EvalSchedule, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import EarlyStopping
@@ -36,8 +36,7 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
     trainer = trainer_factory(
         [EarlyStopping(metric="val_score", patience=2)],
         epochs=5, batches=4, score=[5.0, 4.0, 4.0, 4.0, 4.0, 4.0],
-        eval_every=2, eval_at_epoch_end=False,
-    )  # fmt: skip
+        eval_schedule=EvalSchedule(every_steps=2, epoch_end=False), )  # fmt: skip
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.EvaluationEnded, ev.FitEnded))
     result = trainer.fit_sync()
     assert result.reason == "stopped"
@@ -95,11 +94,16 @@ def test_the_best_step_survives_a_resume(trainer_factory: Any, tmp_path: Any) ->
 
     def run(score: list[float], **kwargs: Any) -> Any:
         trainer = trainer_factory(
-            [EarlyStopping(metric="val_score", patience=3),
-             Checkpointing(every_steps=3, every_epochs=None)],
-            epochs=5, batches=4, score=score, eval_every=2, eval_at_epoch_end=False,
+            [
+                EarlyStopping(metric="val_score", patience=3),
+                Checkpointing(every_steps=3, every_epochs=None),
+            ],
+            epochs=5,
+            batches=4,
+            score=score,
+            eval_schedule=EvalSchedule(every_steps=2, epoch_end=False),
             checkpoint_dir=tmp_path,
-        )  # fmt: skip
+        )
         return trainer.fit_sync(**kwargs)
 
     first = run([3.0, 4.0, 4.0, 4.0])

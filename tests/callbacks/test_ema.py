@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import CheckpointError, ConfigError, Trainer
+from trainbus import CheckpointError, ConfigError, EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._hookpoints import StepContext
@@ -45,7 +45,7 @@ class Net(torch.nn.Module):
 def make_trainer(model: torch.nn.Module | None = None, **overrides: Any) -> Trainer:
     model = model if model is not None else Net()
     kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_epochs=1, device="cpu",
-                                  handle_signals=False, progress=False)  # fmt: skip
+                                  on_signal=None, progress=False)  # fmt: skip
     kwargs.update(overrides)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return Trainer(model, opt, tiny_loader(kwargs.pop("batches", 8)), **kwargs)
@@ -163,7 +163,12 @@ def test_no_average_before_the_first_update() -> None:
 def test_evaluations_score_the_average_and_training_goes_on_with_its_own_weights() -> None:
     eval_data = tiny_loader(2, seed=1)
     ema = EMA(0.8)
-    trainer = make_trainer(callbacks=[ema], eval_data=eval_data, eval_every=3, max_epochs=2)
+    trainer = make_trainer(
+        callbacks=[ema],
+        eval_data=eval_data,
+        eval_schedule=EvalSchedule(every_steps=3),
+        max_epochs=2,
+    )
     seen: list[tuple[int, str | None, dict[str, torch.Tensor]]] = []
     raw_after: list[dict[str, torch.Tensor]] = []
 
@@ -211,11 +216,17 @@ def test_evaluations_score_the_average_and_training_goes_on_with_its_own_weights
 def test_training_with_the_swaps_equals_training_without_them() -> None:
     """The raw weights of a run whose every evaluation swapped the average in and out are
     bit-identical to a run with no EMA at all."""
-    plain = make_trainer(eval_data=tiny_loader(2, seed=1), eval_every=2, max_epochs=2)
+    plain = make_trainer(
+        eval_data=tiny_loader(2, seed=1), eval_schedule=EvalSchedule(every_steps=2), max_epochs=2
+    )
     plain.fit_sync()
     ema = EMA(0.5)
-    swapped = make_trainer(callbacks=[ema], eval_data=tiny_loader(2, seed=1), eval_every=2,
-                           max_epochs=2)  # fmt: skip
+    swapped = make_trainer(
+        callbacks=[ema],
+        eval_data=tiny_loader(2, seed=1),
+        eval_schedule=EvalSchedule(every_steps=2),
+        max_epochs=2,
+    )
     swapped.fit_sync()
     assert_equal(weights(swapped.settings.model), weights(plain.settings.model))
     assert_equal(swapped.settings.optimizer.state_dict()["state"][0],
@@ -254,7 +265,9 @@ class Boom(Exception):
 
 def test_the_swap_is_undone_when_the_evaluation_raises() -> None:
     ema = EMA(0.5)
-    trainer = make_trainer(callbacks=[ema], eval_data=tiny_loader(3, seed=1), eval_every=4)
+    trainer = make_trainer(
+        callbacks=[ema], eval_data=tiny_loader(3, seed=1), eval_schedule=EvalSchedule(every_steps=4)
+    )
     history = record_steps(trainer)
     in_eval: list[dict[str, torch.Tensor]] = []
 
@@ -329,8 +342,13 @@ def test_the_swap_is_undone_when_the_evaluation_is_cancelled() -> None:
 def test_checkpoints_hold_the_average_and_a_resume_continues_it_exactly(tmp_path: Path) -> None:
     def run(folder: Path, resume: str | None = None) -> tuple[Trainer, EMA]:
         ema = EMA(0.9, warmup=True, every=2)
-        trainer = make_trainer(callbacks=[ema], checkpoint_dir=folder, max_epochs=2,
-                               eval_data=tiny_loader(2, seed=1), eval_every=3)  # fmt: skip
+        trainer = make_trainer(
+            callbacks=[ema],
+            checkpoint_dir=folder,
+            max_epochs=2,
+            eval_data=tiny_loader(2, seed=1),
+            eval_schedule=EvalSchedule(every_steps=3),
+        )
         if resume is None:
             trainer.add_hook("after_optimizer_step", lambda ctx: trainer.bus.send(
                 cmd.SaveCheckpoint(tag="mid")) if ctx.step == 5 else None)  # fmt: skip
@@ -438,8 +456,8 @@ def test_a_custom_step_with_two_optimizers_moves_the_average_once_a_step() -> No
     seen: list[tuple[int, int]] = []
     ema = EMA(decay=0.5)
     trainer = Trainer(model, opts, tiny_loader(5), train_step=two_updates, callbacks=[ema],
-                      max_epochs=1, device="cpu", handle_signals=False, progress=False,
-                      eval_at_end=False)  # fmt: skip
+                      max_epochs=1, device="cpu", on_signal=None, progress=False,
+                      eval_schedule=EvalSchedule(at_end=False))  # fmt: skip
     trainer.add_hook("after_optimizer_step", lambda ctx: seen.append((ctx.step, id(ctx.optimizer))))
     trainer.fit_sync()
     assert [step for step, _ in seen] == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5]

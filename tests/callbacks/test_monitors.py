@@ -98,7 +98,7 @@ def test_optimizer_stats_per_group() -> None:
         lr=0.001, betas=(0.8, 0.95), weight_decay=0.1,
     )  # fmt: skip
     trainer = Trainer(model, opt, tiny_loader(4), loss_fn=F.cross_entropy, max_epochs=1,
-                      handle_signals=False, callbacks=[OptimizerMonitor(every=2)])  # fmt: skip
+                      on_signal=None, callbacks=[OptimizerMonitor(every=2)])  # fmt: skip
     rec = EventRecorder(trainer.bus, trainer.bus.stream(ev.OptimizerStatsMeasured))
     trainer.fit_sync()
     assert [e.step for e in rec.items] == [2, 4]

@@ -36,7 +36,7 @@ def build(device: str, folder: Path, max_steps: int) -> tuple[Trainer, torch.opt
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     trainer = Trainer(model, opt, loader, loss_fn=F.cross_entropy, max_steps=max_steps, seed=5,
                       device=device, checkpoint_dir=folder, progress=False,
-                      handle_signals=False)  # fmt: skip
+                      on_signal=None)  # fmt: skip
     return trainer, opt
 
 

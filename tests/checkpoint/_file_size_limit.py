@@ -32,7 +32,7 @@ def main(directory: Path) -> None:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(16, 8),
                       loss_fn=F.cross_entropy, max_steps=15, checkpoint_dir=directory,
                       callbacks=[Checkpointing(every_steps=1, every_epochs=None)],
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
 
     def fill_disk(ctx: StepContext) -> None:
         if ctx.step == 2:  # after step 1's save was applied, before step 2's

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, PerEpoch, Trainer
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping
 
@@ -138,12 +138,25 @@ def build(cell: Cell, checkpoint_dir: Path) -> Trainer:
         ]
     else:
         callbacks = [Checkpointing(every_steps=every_steps, every_epochs=1)]
-    return Trainer(model, opt, train, loss_fn=F.cross_entropy, eval_data=evaluation,
-                   eval_every=eval_every, max_epochs=EPOCHS, scheduler=sched,
-                   scheduler_interval=cell.scheduler, accumulate=cell.accumulate,
-                   precision=cell.precision, seed=5, device="cpu", log_every=4,
-                   checkpoint_dir=checkpoint_dir, callbacks=callbacks, handle_signals=False,
-                   attach=False)  # fmt: skip
+    return Trainer(
+        model,
+        opt,
+        train,
+        loss_fn=F.cross_entropy,
+        eval_data=evaluation,
+        eval_schedule=EvalSchedule(every_steps=eval_every),
+        max_epochs=EPOCHS,
+        scheduler=PerEpoch(sched) if cell.scheduler == "epoch" else sched,
+        accumulate=cell.accumulate,
+        precision=cell.precision,
+        seed=5,
+        device="cpu",
+        log_every=4,
+        checkpoint_dir=checkpoint_dir,
+        callbacks=callbacks,
+        on_signal=None,
+        attach=False,
+    )
 
 
 def main() -> None:

@@ -62,7 +62,7 @@ def build(
         callbacks.append(Checkpointing(every_steps=every_steps, every_epochs=None))
     trainer = Trainer(model, opt, loader, loss_fn=F.cross_entropy, max_epochs=max_epochs,
                       scheduler=sched, accumulate=ACCUMULATE, seed=5, device="cpu",
-                      checkpoint_dir=checkpoint_dir, callbacks=callbacks, handle_signals=False,
+                      checkpoint_dir=checkpoint_dir, callbacks=callbacks, on_signal=None,
                       **kwargs)  # fmt: skip
     return trainer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import CheckpointError, ConfigError, StepContext, Trainer
+from trainbus import CheckpointError, ConfigError, PerEpoch, StepContext, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.checkpoint import (
@@ -43,7 +43,7 @@ def _setup(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, Any]:
 
 def _trainer(seed: int = 0, **kwargs: Any) -> Trainer:
     model, opt, sched = _setup(seed)
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     return Trainer(model, opt, DATA, loss_fn=F.cross_entropy, scheduler=sched, **kwargs)
 
 
@@ -177,7 +177,7 @@ def test_resume_from_a_checkpoint_saved_at_epoch_end(tmp_path: Path) -> None:
         model, opt, _ = _setup()
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
         return Trainer(model, opt, DATA[:2], loss_fn=F.cross_entropy, max_epochs=3,
-                       scheduler=sched, scheduler_interval="epoch", handle_signals=False,
+                       scheduler=PerEpoch(sched), on_signal=None,
                        **kwargs)  # fmt: skip
 
     full = epoch_trainer(checkpoint_dir=tmp_path)

@@ -30,7 +30,7 @@ def host_trainer(folder: Path, max_epochs: int) -> tuple[Trainer, torch.optim.Op
     model = HostModel()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     return Trainer(model, opt, placed_batches(3), max_epochs=max_epochs, device="cuda:0",
-                   checkpoint_dir=folder, progress=False, handle_signals=False), opt  # fmt: skip
+                   checkpoint_dir=folder, progress=False, on_signal=None), opt  # fmt: skip
 
 
 def test_a_cuda_run_resumes_from_a_host_loaded_checkpoint(
@@ -71,7 +71,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
         model = tiny_model()
         return Trainer(model, torch.optim.Adam(model.parameters()), tiny_loader(3, 8),
                        loss_fn=F.cross_entropy, max_steps=max_steps, device="cpu",
-                       checkpoint_dir=tmp_path, progress=False, handle_signals=False)  # fmt: skip
+                       checkpoint_dir=tmp_path, progress=False, on_signal=None)  # fmt: skip
 
     path = trainer(2).fit_sync().checkpoint
     assert path is not None

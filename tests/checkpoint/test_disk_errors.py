@@ -36,7 +36,7 @@ SRC = str(Path(trainbus.__file__).resolve().parents[1])
 def _trainer(folder: Path, **kwargs: Any) -> Trainer:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
-                   loss_fn=F.cross_entropy, checkpoint_dir=folder, handle_signals=False,
+                   loss_fn=F.cross_entropy, checkpoint_dir=folder, on_signal=None,
                    progress=False, **kwargs)  # fmt: skip
 
 

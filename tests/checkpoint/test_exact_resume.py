@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from reactivex import operators as ops
 
 import trainbus
-from trainbus import CheckpointError, ConfigError, Trainer
+from trainbus import CheckpointError, ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping, ReduceLROnPlateau
@@ -55,7 +55,7 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
 
     # 2: mid-epoch; 4: the epoch's last (1-batch) window; 5 and 7: mid-epoch of a resumed run.
     for k in (2, 4, 5, 7):
-        run = build(tmp_path, generator=generator, barriers=BARRIERS)
+        run = build(tmp_path, generator=generator, bus=EventBus(barriers=BARRIERS))
         _stop_at(run, k)
         result = run.fit_sync(resume="latest")
         assert (result.reason, result.steps) == ("stopped", k)
@@ -76,7 +76,7 @@ def test_without_the_data_order_a_shuffled_resume_diverges(tmp_path: Path) -> No
     # not replayed) differs, so the test above can fail.
     reference = build(None, generator=True)
     reference.fit_sync()
-    first = build(tmp_path, generator=True, barriers=BARRIERS)
+    first = build(tmp_path, generator=True, bus=EventBus(barriers=BARRIERS))
     _stop_at(first, 2)
     first.fit_sync()
     second = build(None, generator=True)
@@ -160,7 +160,7 @@ def _scored(values: list[float], callbacks: list[Any], tmp_path: Path, epochs: i
     return Trainer(model, opt, tiny_loader(2, 4), loss_fn=F.cross_entropy,
                    eval_data=tiny_loader(1, 4), metrics={"score": _Script(values)},
                    max_epochs=epochs, checkpoint_dir=tmp_path, callbacks=callbacks,
-                   handle_signals=False)  # fmt: skip
+                   on_signal=None)  # fmt: skip
 
 
 def _callbacks() -> list[Any]:
@@ -231,7 +231,7 @@ def _saved(tmp_path: Path) -> Path:
     model = tiny_model(seed=0)
     run = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
                   loss_fn=F.cross_entropy, max_steps=1, checkpoint_dir=tmp_path,
-                  handle_signals=False)  # fmt: skip
+                  on_signal=None)  # fmt: skip
     return Path(run.fit_sync().checkpoint or "")
 
 
@@ -239,13 +239,13 @@ def test_resume_into_another_model_shape_or_optimizer_says_what_differs(tmp_path
     path = _saved(tmp_path)
     wide = tiny_model(8, 32, 4)
     trainer = Trainer(wide, torch.optim.SGD(wide.parameters(), lr=0.1), tiny_loader(2, 4),
-                      loss_fn=F.cross_entropy, max_steps=2, handle_signals=False)  # fmt: skip
+                      loss_fn=F.cross_entropy, max_steps=2, on_signal=None)  # fmt: skip
     with pytest.raises(CheckpointError, match="shape") as info:
         trainer.fit_sync(resume=path)
     assert str(path) in str(info.value)
     model = tiny_model(seed=0)
     trainer = Trainer(model, torch.optim.Adam(model.parameters()), tiny_loader(2, 4),
-                      loss_fn=F.cross_entropy, max_steps=2, handle_signals=False)  # fmt: skip
+                      loss_fn=F.cross_entropy, max_steps=2, on_signal=None)  # fmt: skip
     with pytest.raises(CheckpointError, match="optimizer is SGD in the checkpoint but Adam"):
         trainer.fit_sync(resume=path)
 
@@ -261,7 +261,7 @@ def test_a_bad_resume_argument_is_a_config_error_naming_it(
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
                       loss_fn=F.cross_entropy, max_steps=1, checkpoint_dir=checkpoint_dir,
-                      handle_signals=False)  # fmt: skip
+                      on_signal=None)  # fmt: skip
     if resume == "missing.pt":
         resume = tmp_path / resume
     with pytest.raises(ConfigError, match="resume"):

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 import trainbus
-from trainbus import Trainer
+from trainbus import EvalSchedule, PerEpoch, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
@@ -340,9 +340,9 @@ def _streamed(folder: Path, **checkpointing: Any) -> Trainer:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     return Trainer(model, opt, _Numbers(), loss_fn=F.cross_entropy, max_epochs=3,
-                   eval_data=[next(iter(_Numbers()))], scheduler=sched,
-                   scheduler_interval="epoch", device="cpu", checkpoint_dir=folder,
-                   callbacks=[Checkpointing(**checkpointing)], handle_signals=False,
+                   eval_data=[next(iter(_Numbers()))], scheduler=PerEpoch(sched),
+                   device="cpu", checkpoint_dir=folder,
+                   callbacks=[Checkpointing(**checkpointing)], on_signal=None,
                    attach=False)  # fmt: skip
 
 
@@ -364,11 +364,20 @@ def test_a_save_at_the_end_of_a_streamed_epoch_resumes_at_the_next_epoch(tmp_pat
 
 def _evaluated(folder: Path) -> Trainer:
     model = tiny_model(seed=0)
-    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(10, 4),
-                   loss_fn=F.cross_entropy, eval_data=tiny_loader(2, 4), eval_every=4,
-                   eval_at_epoch_end=False, eval_at_end=False, max_steps=8, device="cpu",
-                   checkpoint_dir=folder, handle_signals=False, attach=False,
-                   callbacks=[Checkpointing(every_steps=2, every_epochs=None)])  # fmt: skip
+    return Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_loader(10, 4),
+        loss_fn=F.cross_entropy,
+        eval_data=tiny_loader(2, 4),
+        eval_schedule=EvalSchedule(every_steps=4, epoch_end=False, at_end=False),
+        max_steps=8,
+        device="cpu",
+        checkpoint_dir=folder,
+        on_signal=None,
+        attach=False,
+        callbacks=[Checkpointing(every_steps=2, every_epochs=None)],
+    )
 
 
 def test_a_resumed_run_carries_the_last_evaluation_metrics(tmp_path: Path) -> None:

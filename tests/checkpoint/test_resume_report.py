@@ -31,7 +31,7 @@ def _trainer(checkpoint_dir: Path, **kwargs: Any) -> Trainer:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     kwargs.setdefault("max_steps", 2)
     return Trainer(model, opt, DATA, loss_fn=F.cross_entropy, checkpoint_dir=checkpoint_dir,
-                   handle_signals=False, progress=False, **kwargs)  # fmt: skip
+                   on_signal=None, progress=False, **kwargs)  # fmt: skip
 
 
 def _nothing_found(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -191,7 +191,7 @@ def test_an_unsharded_run_refuses_a_checkpoint_folder(out: Path) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = [(torch.randn(4, 16), torch.randint(0, 5, (4,)))]
     t = trainbus.Trainer(model, opt, data, loss_fn=F.cross_entropy, max_epochs=1,
-                         progress=False, handle_signals=False)  # fmt: skip
+                         progress=False, on_signal=None)  # fmt: skip
     with pytest.raises(trainbus.CheckpointError, match=r"sharded checkpoint folder.*export_full"):
         t.fit_sync(resume=folder)
     assert t.result is None  # before any step

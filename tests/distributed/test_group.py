@@ -166,7 +166,7 @@ def test_the_trainer_device_cpu_under_torchrun_on_a_gpu_host_gets_gloo_and_a_cpu
     for name, value in TORCHRUN_ENV.items():
         monkeypatch.setenv(name, value)
     trainer = Trainer(*tiny(), loss_fn=F.cross_entropy, max_steps=1, device="cpu",
-                      progress=False, handle_signals=False)  # fmt: skip
+                      progress=False, on_signal=None)  # fmt: skip
     with pytest.raises(_Joined):
         trainer.fit_sync()
     assert gpu_host == [("init", "gloo")]

@@ -57,7 +57,7 @@ def train_fn(config: dict[str, Any]) -> None:
     t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
                          max_epochs=config["epochs"], log_every=3, seed=0, progress=False,
-                         checkpoint_dir=config["ckpt"], handle_signals=False,
+                         checkpoint_dir=config["ckpt"], on_signal=None,
                          callbacks=[report := trainbus.ray.ReportToRay()])  # fmt: skip
     saved: list[str] = []
     t.bus.stream(ev.CheckpointSaved).subscribe(lambda e: saved.append(e.tag), ranks="all")
@@ -112,7 +112,7 @@ def restart_fn(config: dict[str, Any]) -> None:
     t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
                          DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
                          max_epochs=2, seed=0, progress=False, checkpoint_dir=config["ckpt"],
-                         handle_signals=False,
+                         on_signal=None,
                          callbacks=[Checkpointing(every_steps=4),
                                     report := trainbus.ray.ReportToRay(), Crash()])  # fmt: skip
     r = t.fit_sync(resume="latest")

@@ -151,7 +151,7 @@ def test_a_2_rank_checkpoint_resumes_on_one_process_at_the_next_epoch_boundary(
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                          DataLoader(data, batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
-                         max_epochs=3, progress=False, handle_signals=False)  # fmt: skip
+                         max_epochs=3, progress=False, on_signal=None)  # fmt: skip
     started: list[ev.FitStarted] = []
     t.bus.stream(ev.FitStarted).subscribe(started.append)
     with structlog.testing.capture_logs() as logs:

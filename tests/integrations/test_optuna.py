@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import ConfigError, EventBus, MissingExtraError, Trainer
+from trainbus import CheckpointDir, ConfigError, EvalSchedule, EventBus, MissingExtraError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.events import Ending
@@ -26,14 +26,20 @@ from trainbus.integrations.optuna import OptunaPruning, PrunerError  # noqa: E40
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
-def trainer_for(trial: Any, tmp: Path | None = None, *, monitor: str = "val_loss",
+def trainer_for(trial: Any, tmp: Path | CheckpointDir | None = None, *, monitor: str = "val_loss",
                 model: torch.nn.Module | None = None, train: Any = None,
                 **kw: Any) -> Trainer:  # fmt: skip
     model = model if model is not None else tiny_model(seed=trial.number)
-    args: dict[str, Any] = dict(loss_fn=F.cross_entropy, eval_data=tiny_loader(2, seed=1),
-                                eval_every=4, max_steps=24, progress=False,
-                                checkpoint_dir=tmp, handle_signals=False,
-                                callbacks=[OptunaPruning(trial, monitor)])  # fmt: skip
+    args: dict[str, Any] = dict(
+        loss_fn=F.cross_entropy,
+        eval_data=tiny_loader(2, seed=1),
+        eval_schedule=EvalSchedule(every_steps=4),
+        max_steps=24,
+        progress=False,
+        checkpoint_dir=tmp,
+        on_signal=None,
+        callbacks=[OptunaPruning(trial, monitor)],
+    )
     args.update(kw)
     lr = trial.suggest_float("lr", 1e-3, 1.0, log=True)
     train = train if train is not None else tiny_loader(8)
@@ -96,7 +102,7 @@ def test_an_unpruned_trial_completes_with_its_value(tmp_path: Path) -> None:
 
 def test_pruned_trials_can_skip_their_final_checkpoint(tmp_path: Path) -> None:
     def objective(trial: Any) -> float:
-        trainer = trainer_for(trial, tmp_path / "ckpt", skip_final_checkpoint={"pruned"})
+        trainer = trainer_for(trial, CheckpointDir(tmp_path / "ckpt", skip_final={"pruned"}))
         return trainer.fit_sync().metrics["val_loss"]
 
     s = study(pruner_at(4))
@@ -108,7 +114,11 @@ def test_pruned_trials_can_skip_their_final_checkpoint(tmp_path: Path) -> None:
 def test_every_epoch_evaluation_reports_at_epoch_ends() -> None:
     def objective(trial: Any) -> float:
         # 8 batches an epoch, no eval_every: one evaluation per epoch (steps 8, 16, 24).
-        return trainer_for(trial, eval_every=None).fit_sync().metrics["val_loss"]
+        return (
+            trainer_for(trial, eval_schedule=EvalSchedule(every_steps=None))
+            .fit_sync()
+            .metrics["val_loss"]
+        )
 
     s = study(pruner_at(16))
     s.optimize(objective, n_trials=1)
@@ -122,7 +132,7 @@ def test_a_training_metric_is_reported_at_each_log_window_and_pruned_there() -> 
 
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, monitor="loss", log_every=5, eval_data=None,
-                              eval_every=None)  # fmt: skip
+                              eval_schedule=EvalSchedule(every_steps=None))  # fmt: skip
         seen.append(EventRecorder(trainer.bus))
         return trainer.fit_sync().train_metrics["loss"]
 
@@ -223,7 +233,9 @@ def test_a_metric_logged_after_the_first_evaluation_is_not_taken_for_missing() -
     evaluation (``log_every > eval_every``) still counts: the trial reports and completes."""
 
     def objective(trial: Any) -> float:
-        trainer = trainer_for(trial, monitor="train_acc", eval_every=2, log_every=4)
+        trainer = trainer_for(
+            trial, monitor="train_acc", eval_schedule=EvalSchedule(every_steps=2), log_every=4
+        )
         trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("train_acc", 0.5))
         return trainer.fit_sync().metrics["val_loss"]
 
@@ -239,7 +251,9 @@ def test_a_metric_that_never_appears_in_a_run_without_evaluations_fails_at_its_e
     the trial fails when the run ends instead of completing as if pruning had been on."""
 
     def objective(trial: Any) -> float:
-        result = trainer_for(trial, eval_data=None, eval_every=None).fit_sync()
+        result = trainer_for(
+            trial, eval_data=None, eval_schedule=EvalSchedule(every_steps=None)
+        ).fit_sync()
         return result.metrics.get("loss", 0.0)
 
     s = study(optuna.pruners.NopPruner())
@@ -287,7 +301,7 @@ def test_no_trial_on_another_rank_is_accepted_and_its_run_returns(
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
                       loss_fn=F.cross_entropy, max_steps=4, progress=False,
-                      handle_signals=False, bus=EventBus(rank=1),
+                      on_signal=None, bus=EventBus(rank=1),
                       callbacks=[callback])  # fmt: skip
     result = trainer.fit_sync()
     assert result.ending is Ending.COMPLETED and callback.pruned_at is None

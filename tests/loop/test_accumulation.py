@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, TrainContext, Trainer, TrainingError
+from trainbus import Accumulate, ConfigError, TrainContext, Trainer, TrainingError
 from trainbus import events as ev
 from trainbus.testing import EventRecorder
 
@@ -73,9 +73,9 @@ def accumulated_grads(data: list[Any], **options: Any) -> tuple[list[torch.Tenso
     def keep(ctx: Any) -> None:
         grads.extend(p.grad.clone() for p in ctx.model.parameters())
 
+    options.setdefault("accumulate", 2)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, max_steps=1,
-                      accumulate=2, progress=False, attach=False, device="cpu",
-                      **options)  # fmt: skip
+                      progress=False, attach=False, device="cpu", **options)  # fmt: skip
     trainer.add_hook("before_optimizer_step", keep)
     trainer.fit_sync()
     return grads, trainer
@@ -83,7 +83,7 @@ def accumulated_grads(data: list[Any], **options: Any) -> tuple[list[torch.Tenso
 
 def test_items_weighing_gives_the_whole_batch_gradient() -> None:
     want = whole_batch_grads()
-    got, _ = accumulated_grads(MICRO, accumulate_by="items")
+    got, _ = accumulated_grads(MICRO, accumulate=Accumulate(2, by="items"))
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
@@ -95,7 +95,7 @@ def test_batches_weighing_is_the_default_and_differs() -> None:
     # Each micro-batch's mean loss divided by 2: the short one's tokens weigh more.
     assert not all(torch.allclose(g, w, rtol=1e-3, atol=1e-5)
                    for g, w in zip(got, want, strict=True))  # fmt: skip
-    same, _ = accumulated_grads(MICRO, accumulate_by="batches")
+    same, _ = accumulated_grads(MICRO, accumulate=Accumulate(2, by="batches"))
     for a, b in zip(got, same, strict=True):
         assert torch.equal(a, b)
 
@@ -105,14 +105,14 @@ def test_loss_fn_batches_and_a_counting_function() -> None:
     ``fn(batch) -> int`` counts the same and gives the same gradient."""
     want = whole_batch_grads()
     pairs = [(b["input_ids"], b["labels"]) for b in MICRO]
-    got, _ = accumulated_grads(pairs, accumulate_by="items", loss_fn=token_loss)
+    got, _ = accumulated_grads(pairs, accumulate=Accumulate(2, by="items"), loss_fn=token_loss)
     counted: list[int] = []
 
     def count(batch: Any) -> int:
         counted.append(int((batch[1] != -100).sum()))
         return counted[-1]
 
-    mine, _ = accumulated_grads(pairs, accumulate_by=count, loss_fn=token_loss)
+    mine, _ = accumulated_grads(pairs, accumulate=Accumulate(2, by=count), loss_fn=token_loss)
     assert counted == [5, 17]
     for g, m, w in zip(got, mine, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
@@ -151,9 +151,16 @@ def test_a_causal_lm_counts_its_shifted_labels() -> None:
     def grads(data: list[Any], accumulate: int, by: Any) -> list[torch.Tensor]:
         model = CausalLM()
         kept: list[torch.Tensor] = []
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                          max_steps=1, accumulate=accumulate, accumulate_by=by,
-                          progress=False, attach=False, device="cpu")  # fmt: skip
+        trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            data,
+            max_steps=1,
+            accumulate=Accumulate(accumulate, by=by),
+            progress=False,
+            attach=False,
+            device="cpu",
+        )
         trainer.add_hook(
             "before_optimizer_step",
             lambda ctx: kept.extend(p.grad.clone() for p in ctx.model.parameters()),
@@ -183,7 +190,7 @@ def test_step_loss_is_the_windows_token_mean() -> None:
         micro = [model(**b)["loss"] for b in MICRO]
     model = TokenModel()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), MICRO, max_steps=1,
-                      accumulate=2, accumulate_by="items", progress=False, attach=False,
+                      accumulate=Accumulate(2, by="items"), progress=False, attach=False,
                       device="cpu")  # fmt: skip
     rec = EventRecorder(trainer.bus)
     trainer.fit_sync()
@@ -197,12 +204,20 @@ def test_a_short_last_window_and_a_window_of_one() -> None:
     """Three batches with ``accumulate=2``: the epoch's last window holds one batch, weighed 1
     (its gradient is its own mean loss's)."""
     third = padded([4, 1], seed=3)
-    got, _ = accumulated_grads([*MICRO, third], accumulate_by="items", max_epochs=1)
+    got, _ = accumulated_grads([*MICRO, third], accumulate=Accumulate(2, by="items"), max_epochs=1)
     assert got  # the first window's gradient; the run trained two steps
     model = TokenModel()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
-    t = Trainer(model, sgd, [*MICRO, third], max_epochs=1, accumulate=2, accumulate_by="items",
-                progress=False, attach=False, device="cpu")  # fmt: skip
+    t = Trainer(
+        model,
+        sgd,
+        [*MICRO, third],
+        max_epochs=1,
+        accumulate=Accumulate(2, by="items"),
+        progress=False,
+        attach=False,
+        device="cpu",
+    )
     grads: list[list[torch.Tensor]] = []
     t.add_hook(
         "before_optimizer_step",
@@ -223,11 +238,9 @@ def test_a_short_last_window_and_a_window_of_one() -> None:
 
 
 def test_bad_values() -> None:
-    model = TokenModel()
-    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     for bad in ("tokens", 3, None, int):
-        with pytest.raises(ConfigError, match=r"accumulate_by=.*'batches', 'items'"):
-            Trainer(model, sgd, MICRO, max_steps=1, accumulate_by=bad)
+        with pytest.raises(ConfigError, match=r"^Accumulate\.by=.*'batches', 'items'"):
+            Accumulate(2, by=bad)
 
 
 def test_items_of_a_batch_without_labels_is_a_clear_error() -> None:
@@ -244,13 +257,13 @@ def test_items_of_a_batch_without_labels_is_a_clear_error() -> None:
 
     lossy = Lossy()
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,
-                      accumulate=2, accumulate_by="items", progress=False, attach=False,
+                      accumulate=Accumulate(2, by="items"), progress=False, attach=False,
                       device="cpu")  # fmt: skip
-    with pytest.raises(TrainingError, match=r"no labels tensor.*accumulate_by=fn"):
+    with pytest.raises(TrainingError, match=r"no labels tensor.*Accumulate\(n, by=fn\)"):
         trainer.fit_sync()
 
     trainer = Trainer(lossy, torch.optim.SGD(lossy.parameters(), lr=0.1), data, max_steps=1,
-                      accumulate=2, accumulate_by=lambda batch: -1, progress=False,
+                      accumulate=Accumulate(2, by=lambda batch: -1), progress=False,
                       attach=False, device="cpu")  # fmt: skip
     with pytest.raises(TrainingError, match="returned -1 for a batch"):
         trainer.fit_sync()
@@ -264,6 +277,6 @@ def test_a_custom_steps_backward_is_weighed_too() -> None:
         return loss
 
     want = whole_batch_grads()
-    got, _ = accumulated_grads(MICRO, accumulate_by="items", train_step=step)
+    got, _ = accumulated_grads(MICRO, accumulate=Accumulate(2, by="items"), train_step=step)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)

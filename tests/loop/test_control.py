@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, StepContext, Trainer
+from trainbus import ConfigError, EvalSchedule, EventBus, StepContext, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.bus import CommandError
@@ -40,7 +40,7 @@ def _trainer(
     else:
         params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=0.1)
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     kwargs.setdefault("loss_fn", F.cross_entropy)
     if "max_steps" not in kwargs and "max_epochs" not in kwargs:
         kwargs["max_steps"] = 4
@@ -195,7 +195,7 @@ def test_save_checkpoint_without_dir_is_refused_and_the_run_goes_on() -> None:
 
 
 def test_evaluate_command_applied_at_the_poll_point() -> None:
-    trainer = _trainer(eval_data=tiny_loader(1, 8), eval_at_epoch_end=False)
+    trainer = _trainer(eval_data=tiny_loader(1, 8), eval_schedule=EvalSchedule(epoch_end=False))
     command = cmd.Evaluate()
     _send_at(trainer, 2, command)
     rec = EventRecorder(trainer.bus)
@@ -235,7 +235,9 @@ async def _request_then_stop(trainer: Trainer, command: cmd.Command, box: dict[s
 
 @pytest.mark.asyncio
 async def test_request_save_checkpoint_returns_checkpoint_saved(tmp_path: Path) -> None:
-    trainer = _trainer(checkpoint_dir=tmp_path, max_steps=BACKSTOP, barriers=NO_BARRIERS)
+    trainer = _trainer(
+        checkpoint_dir=tmp_path, max_steps=BACKSTOP, bus=EventBus(barriers=NO_BARRIERS)
+    )
     box: dict[str, Any] = {}
     await _request_then_stop(trainer, cmd.SaveCheckpoint(tag="req"), box)
     rec = EventRecorder(trainer.bus)
@@ -254,9 +256,9 @@ async def test_request_save_checkpoint_returns_checkpoint_saved(tmp_path: Path) 
 async def test_request_evaluate_returns_evaluation_ended() -> None:
     trainer = _trainer(
         eval_data=tiny_loader(1, 8),
-        eval_at_epoch_end=False,
+        eval_schedule=EvalSchedule(epoch_end=False),
         max_steps=BACKSTOP,
-        barriers=NO_BARRIERS,
+        bus=EventBus(barriers=NO_BARRIERS),
     )
     box: dict[str, Any] = {}
     await _request_then_stop(trainer, cmd.Evaluate(), box)
@@ -269,7 +271,7 @@ async def test_request_evaluate_returns_evaluation_ended() -> None:
 
 @pytest.mark.asyncio
 async def test_request_save_without_dir_raises_command_error_and_the_run_goes_on() -> None:
-    trainer = _trainer(max_steps=BACKSTOP, barriers=NO_BARRIERS)
+    trainer = _trainer(max_steps=BACKSTOP, bus=EventBus(barriers=NO_BARRIERS))
     box: dict[str, Any] = {}
     await _request_then_stop(trainer, cmd.SaveCheckpoint(), box)
     rec = EventRecorder(trainer.bus)
@@ -285,7 +287,7 @@ async def test_request_save_without_dir_raises_command_error_and_the_run_goes_on
 
 @pytest.mark.asyncio
 async def test_request_evaluate_without_eval_data_raises_command_error_and_run_goes_on() -> None:
-    trainer = _trainer(max_steps=BACKSTOP, barriers=NO_BARRIERS)
+    trainer = _trainer(max_steps=BACKSTOP, bus=EventBus(barriers=NO_BARRIERS))
     box: dict[str, Any] = {}
     await _request_then_stop(trainer, cmd.Evaluate(), box)
     rec = EventRecorder(trainer.bus)
@@ -321,7 +323,7 @@ def _recordwait_barriers(trainer: Trainer) -> list[bool]:
 @pytest.mark.asyncio
 async def test_request_from_a_barrier_subscriber_does_not_stall_the_barrier(tmp_path: Path) -> None:
     trainer = _trainer(max_epochs=2, data=tiny_loader(2, 8), checkpoint_dir=tmp_path,
-                       barrier_timeout=1.0)  # fmt: skip
+                       bus=EventBus(barrier_timeout=1.0))  # fmt: skip
     waits = _recordwait_barriers(trainer)
     saved: list[ev.BaseEvent] = []
 
@@ -342,8 +344,9 @@ async def test_barrier_does_not_wait_for_subscribers_of_other_events() -> None:
     from trainbus import EventBus
 
     release = __import__("anyio").Event()
-    bus = EventBus(flush_interval=10.0, close_timeout=0.1)  # only barriers/close deliver
-    trainer = _trainer(max_epochs=2, data=tiny_loader(2, 8), barrier_timeout=1.0, bus=bus)
+    bus = EventBus(flush_interval=10.0, close_timeout=0.1, barrier_timeout=1.0)  # only
+    # barriers and the close deliver
+    trainer = _trainer(max_epochs=2, data=tiny_loader(2, 8), bus=bus)
     waits = _recordwait_barriers(trainer)
 
     async def slow_logger(event: ev.StepEnded) -> None:

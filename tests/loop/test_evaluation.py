@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import ConfigError, Trainer
+from trainbus import ConfigError, EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
@@ -34,7 +34,7 @@ def make(train: Any = None, **kwargs: Any) -> Trainer:
     kwargs.setdefault("eval_data", tiny_loader(2, seed=1))
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
                    tiny_loader(8) if train is None else train, loss_fn=F.cross_entropy,
-                   device="cpu", progress=False, handle_signals=False, **kwargs)  # fmt: skip
+                   device="cpu", progress=False, on_signal=None, **kwargs)  # fmt: skip
 
 
 def record(trainer: Trainer) -> tuple[EventRecorder, Any]:
@@ -67,17 +67,22 @@ def test_max_steps_mid_epoch_evaluates_the_final_weights_before_the_final_save(
 
 
 def test_an_eval_every_that_does_not_divide_the_last_step() -> None:
-    recorder, _ = record(make(max_epochs=1, eval_every=3, eval_at_epoch_end=False))
+    recorder, _ = record(
+        make(max_epochs=1, eval_schedule=EvalSchedule(every_steps=3, epoch_end=False))
+    )
     assert rounds(recorder) == [("steps", 3), ("steps", 6), ("end", 8)]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        (dict(max_epochs=1, eval_every=4, eval_at_epoch_end=False), [("steps", 4), ("steps", 8)]),
+        (
+            dict(max_epochs=1, eval_schedule=EvalSchedule(every_steps=4, epoch_end=False)),
+            [("steps", 4), ("steps", 8)],
+        ),
         (dict(max_epochs=2), [("epoch", 8), ("epoch", 16)]),
         (dict(max_steps=8), [("epoch", 8)]),  # max_steps on the epoch's last batch
-        (dict(max_steps=5, eval_every=5), [("steps", 5)]),
+        (dict(max_steps=5, eval_schedule=EvalSchedule(every_steps=5)), [("steps", 5)]),
     ],
 )
 def test_a_last_step_already_evaluated_is_not_evaluated_again(
@@ -88,16 +93,20 @@ def test_a_last_step_already_evaluated_is_not_evaluated_again(
 
 
 def test_eval_at_end_false_turns_it_off() -> None:
-    recorder, _ = record(make(max_steps=5, eval_at_end=False))
+    recorder, _ = record(make(max_steps=5, eval_schedule=EvalSchedule(at_end=False)))
     assert rounds(recorder) == []
-    recorder, _ = record(make(max_epochs=1, eval_every=3, eval_at_epoch_end=False,
-                              eval_at_end=False))  # fmt: skip
+    recorder, _ = record(
+        make(
+            max_epochs=1,
+            eval_schedule=EvalSchedule(every_steps=3, epoch_end=False, at_end=False),
+        )
+    )
     assert rounds(recorder) == [("steps", 3), ("steps", 6)]
 
 
 def test_no_evaluation_configured_means_none_at_the_end() -> None:
     # eval_data only for Evaluate commands: nothing evaluates during the run, nor at its end.
-    recorder, _ = record(make(max_steps=5, eval_at_epoch_end=False))
+    recorder, _ = record(make(max_steps=5, eval_schedule=EvalSchedule(epoch_end=False)))
     assert rounds(recorder) == []
     recorder, _ = record(make(max_steps=5, eval_data=None))
     assert rounds(recorder) == []
@@ -137,9 +146,9 @@ def test_the_end_evaluation_runs_the_eval_batch_hooks() -> None:
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])
-def test_eval_at_end_must_be_a_bool(value: Any) -> None:
-    with pytest.raises(ConfigError, match="eval_at_end") as info:
-        make(max_steps=5, eval_at_end=value)
+def test_at_end_must_be_a_bool(value: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^EvalSchedule\.at_end=") as info:
+        make(max_steps=5, eval_schedule=EvalSchedule(at_end=value))
     assert "True or False" in str(info.value)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, Trainer
+from trainbus import ConfigError, EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping
@@ -24,7 +24,7 @@ def make_trainer(eval_data: Any, **overrides: Any) -> Trainer:
     model = tiny_model()
     kwargs: dict[str, Any] = dict(
         loss_fn=F.cross_entropy, eval_data=eval_data, max_epochs=2, device="cpu",
-        handle_signals=False, progress=False, metrics={"acc": accuracy},
+        on_signal=None, progress=False, metrics={"acc": accuracy},
     )  # fmt: skip
     kwargs.update(overrides)
     lr = kwargs.pop("lr", 0.1)
@@ -68,7 +68,7 @@ def test_a_single_loader_keeps_todays_keys() -> None:
 
 
 def test_evaluate_command_with_named_sets_answers_with_the_round() -> None:
-    trainer = make_trainer(two_sets(), max_epochs=1, eval_at_epoch_end=False)
+    trainer = make_trainer(two_sets(), max_epochs=1, eval_schedule=EvalSchedule(epoch_end=False))
 
     def send(ctx: Any) -> None:
         if ctx.step == 1:

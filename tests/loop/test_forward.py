@@ -56,7 +56,7 @@ def test_tuple_batches_give_the_targets() -> None:
     data = _batches()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
                       loss_fn=F.cross_entropy, eval_data=data, max_epochs=1, device="cpu",
-                      metrics={"acc": _accuracy_seen(seen)}, handle_signals=False,
+                      metrics={"acc": _accuracy_seen(seen)}, on_signal=None,
                       progress=False)  # fmt: skip
     result = trainer.fit_sync()
     assert [t.tolist() for t in seen] == [y.tolist() for _, y in data]
@@ -69,7 +69,7 @@ def test_mapping_batches_give_the_labels() -> None:
     data = [{"inputs": x, "labels": y} for x, y in _batches()]
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, eval_data=data,
                       max_epochs=1, device="cpu", metrics={"acc": _accuracy_seen(seen)},
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     result = trainer.fit_sync()
     assert [t.tolist() for t in seen] == [b["labels"].tolist() for b in data]
     with torch.no_grad():
@@ -92,6 +92,6 @@ def test_mapping_batch_without_labels_fails_the_evaluation() -> None:
     data = [{"inputs": x, "target": y} for x, y in _batches(1)]
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, eval_data=data,
                       max_epochs=1, device="cpu", metrics={"acc": lambda o, t: 1.0},
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match="labels"):
         trainer.fit_sync()

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, ConfigError, Trainer
+from trainbus import Callback, ConfigError, EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._hookpoints import HOOK_POINTS, StepContext
@@ -20,7 +20,7 @@ from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 def make_trainer(**overrides: Any) -> Trainer:
     model = tiny_model()
     kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_epochs=1, device="cpu",
-                                  handle_signals=False, progress=False)  # fmt: skip
+                                  on_signal=None, progress=False)  # fmt: skip
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4), **kwargs)
 
@@ -137,7 +137,9 @@ class Broken(Exception):
 
 
 def test_the_round_hooks_wrap_every_trigger_with_its_context() -> None:
-    trainer = make_trainer(eval_data=tiny_loader(2, seed=1), eval_every=2)
+    trainer = make_trainer(
+        eval_data=tiny_loader(2, seed=1), eval_schedule=EvalSchedule(every_steps=2)
+    )
     seen: list[tuple[str, int, str | None, str, Any, BaseException | None]] = []
 
     def record(point: str) -> Any:

@@ -18,7 +18,7 @@ def trainer(device: str) -> Trainer:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
                    loss_fn=F.cross_entropy, max_steps=1, device=device, progress=False,
-                   handle_signals=False)  # fmt: skip
+                   on_signal=None)  # fmt: skip
 
 
 def test_host_outputs_keep_cpu_tensors_and_structures_without_waiting(

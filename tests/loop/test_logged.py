@@ -13,7 +13,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, ConfigError, StepContext, Trainer, TrainingError
+from trainbus import (
+    Callback,
+    ConfigError,
+    EvalSchedule,
+    EventBus,
+    StepContext,
+    Trainer,
+    TrainingError,
+)
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import JsonlEventLog
@@ -45,7 +53,7 @@ def test_a_hooks_values_are_averaged_over_the_log_window() -> None:
 
 def test_a_subscribers_log_metric_lands_in_the_window_it_is_applied_in() -> None:
     # StepEnded as a barrier: the subscriber's command is applied right after its step
-    t = trainer(log_every=1, max_steps=4, barriers=(ev.StepEnded,))
+    t = trainer(log_every=1, max_steps=4, bus=EventBus(barriers=(ev.StepEnded,)))
     rec = EventRecorder(t.bus)
     t.bus.stream(ev.StepEnded).subscribe(
         lambda e: t.bus.send(cmd.LogMetric(name="from_sub", value=10.0 * e.step))
@@ -94,7 +102,7 @@ def test_log_metric_commands_are_checked_when_built() -> None:
 
 
 def test_an_evaluation_hook_cannot_log() -> None:
-    t = trainer(max_steps=1, eval_data=tiny_loader(1), eval_every=1)
+    t = trainer(max_steps=1, eval_data=tiny_loader(1), eval_schedule=EvalSchedule(every_steps=1))
     t.add_hook("eval_batch", lambda ctx: ctx.log("x", 1.0))
     with pytest.raises(TrainingError, match=r"ctx.log\('x', \.\.\.\) in a hook of phase 'eval'"):
         t.fit_sync()

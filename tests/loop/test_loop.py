@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._hookpoints import HOOK_POINTS, StepContext
@@ -187,7 +187,7 @@ def make_trainer(**overrides: Any) -> Trainer:
         accumulate=ACCUMULATE,
         log_every=LOG_EVERY,
         device="cpu",
-        handle_signals=False,
+        on_signal=None,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -450,7 +450,7 @@ def test_docs_pseudocode_places_every_hook_point_where_the_loop_runs_it() -> Non
     """Every hook point runs where docs/events.md's pseudocode puts it among the events: the
     run's block for fit() (eval_every and the epoch end), the standalone block for
     evaluate(); before_evaluation and after_evaluation wrap every round's sets."""
-    trainer = make_trainer(eval_every=1)
+    trainer = make_trainer(eval_schedule=EvalSchedule(every_steps=1))
     marking_hooks(trainer)
     recorder, _ = record_run(trainer)
     run = tokens(recorder)
@@ -551,7 +551,7 @@ def make_short_trainer(
         max_epochs=2,
         log_every=1,
         device="cpu",
-        handle_signals=False,
+        on_signal=None,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -615,7 +615,7 @@ async def test_stop_training_from_an_async_subscriber() -> None:
 async def test_stop_training_at_an_evaluation_barrier_is_deterministic() -> None:
     transcripts = []
     for _ in range(3):
-        trainer = make_short_trainer(batches=10, eval_every=2)
+        trainer = make_short_trainer(batches=10, eval_schedule=EvalSchedule(every_steps=2))
         bus = trainer.bus
         recorder = EventRecorder(bus)
 
@@ -645,7 +645,7 @@ async def test_stop_training_at_an_evaluation_barrier_is_deterministic() -> None
 
 # ====================================================================== StopEpoch
 def test_stop_epoch_ends_the_epoch_and_the_next_one_runs() -> None:
-    trainer = make_short_trainer(batches=5, eval_every=2)
+    trainer = make_short_trainer(batches=5, eval_schedule=EvalSchedule(every_steps=2))
     bus = trainer.bus
     recorder = EventRecorder(bus)
 

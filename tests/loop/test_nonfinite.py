@@ -31,7 +31,7 @@ def _trainer(tmp_path: Path, loss_fn: Any, *, max_steps: int = 20, **kwargs: Any
     kwargs.setdefault("device", "cpu")
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
                    loss_fn=loss_fn, max_steps=max_steps, checkpoint_dir=tmp_path / "ckpt",
-                   handle_signals=False, **kwargs)  # fmt: skip
+                   on_signal=None, **kwargs)  # fmt: skip
 
 
 def _save_at(trainer: Trainer, *steps: int) -> None:
@@ -181,7 +181,7 @@ def test_cuda_paths(tmp_path: Path, policy: str) -> None:
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
                       loss_fn=NaNLossAt(3), max_steps=10, device="cuda", on_nonfinite=policy,
-                      checkpoint_dir=tmp_path / "ckpt", handle_signals=False)  # fmt: skip
+                      checkpoint_dir=tmp_path / "ckpt", on_signal=None)  # fmt: skip
     if policy == "raise":
         with pytest.raises(NonFiniteLossError, match="at step 3 "):
             trainer.fit_sync()
@@ -207,7 +207,7 @@ def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any], mo
         return torch.nn.functional.cross_entropy(outputs, targets) * 0 + 1e308
 
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=huge,
-                      max_epochs=1, handle_signals=False, progress=False,
+                      max_epochs=1, on_signal=None, progress=False,
                       **kwargs)  # fmt: skip
     trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("huge", 1e308))
     result = trainer.fit_sync()
@@ -220,7 +220,7 @@ def test_finite_losses_whose_sum_overflows_are_finite(kwargs: dict[str, Any], mo
 def _custom_trainer(step_fn: Any, **kwargs: Any) -> Trainer:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 8),
-                   train_step=step_fn, max_steps=5, device="cpu", handle_signals=False,
+                   train_step=step_fn, max_steps=5, device="cpu", on_signal=None,
                    progress=False, **kwargs)  # fmt: skip
 
 
@@ -278,7 +278,7 @@ def test_a_one_element_loss_of_shape_1_is_a_scalar(policy: str, accumulate: int)
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5, 4),
                       loss_fn=lambda o, y: torch.nn.functional.cross_entropy(o, y).reshape(1),
                       max_epochs=1, accumulate=accumulate, on_nonfinite=policy, log_every=10,
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     ended: list[ev.StepEnded] = []
     trainer.bus.stream(ev.StepEnded).subscribe(ended.append)  # "ignore": the window holds them
     result = trainer.fit_sync()

@@ -159,7 +159,7 @@ def _loader(data: Sequences) -> torch.utils.data.DataLoader[Any]:
 def _token_trainer(model: TokenModel) -> Trainer:
     data = Sequences([3, 3])
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _loader(data),
-                   max_steps=1, progress=False, handle_signals=False)  # fmt: skip
+                   max_steps=1, progress=False, on_signal=None)  # fmt: skip
 
 
 def test_outputs_of_batches_padded_per_batch_are_padded_to_the_longest() -> None:

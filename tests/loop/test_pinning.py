@@ -64,5 +64,5 @@ def test_the_loop_asks_for_the_hint_with_the_runs_data_and_device(
     model = tiny_model()
     data = DataLoader(TensorDataset(torch.randn(8, 32), torch.randint(0, 10, (8,))), batch_size=4)
     Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
-            max_steps=1, device="cpu", progress=False, handle_signals=False).fit_sync()  # fmt: skip
+            max_steps=1, device="cpu", progress=False, on_signal=None).fit_sync()  # fmt: skip
     assert seen == [(data, torch.device("cpu"))]

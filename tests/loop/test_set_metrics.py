@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 from torch.utils.data import DataLoader
 
-from trainbus import ConfigError, Perplexity, SetMetric, TokenAccuracy, Trainer
+from trainbus import ConfigError, EvalSchedule, Perplexity, SetMetric, TokenAccuracy, Trainer
 from trainbus import events as ev
 from trainbus._distributed.sync import add_totals
 from trainbus.callbacks import EarlyStopping, JsonlEventLog
@@ -90,9 +90,11 @@ def trainer(**options: Any) -> Trainer:
 
 def test_perplexity_and_token_accuracy_join_the_metrics_and_the_loggers(tmp_path: Path) -> None:
     path = tmp_path / "events.jsonl"
-    t = trainer(set_metrics={"ppl": Perplexity(), "tok_acc": TokenAccuracy()}, eval_every=2,
-                eval_at_epoch_end=False,
-                callbacks=[JsonlEventLog(path, events=(ev.EvaluationEnded,))])  # fmt: skip
+    t = trainer(
+        set_metrics={"ppl": Perplexity(), "tok_acc": TokenAccuracy()},
+        eval_schedule=EvalSchedule(every_steps=2, epoch_end=False),
+        callbacks=[JsonlEventLog(path, events=(ev.EvaluationEnded,))],
+    )
     rec = EventRecorder(t.bus)
     result = t.fit_sync()
     ends = rec.of_type(ev.EvaluationEnded)
@@ -125,8 +127,12 @@ def test_early_stopping_monitors_a_set_metric() -> None:
     # Accepted up front (the name is declared), and it decides on it: an improvement smaller
     # than min_delta is none, so with patience 1 the second evaluation stops the run.
     stopper = EarlyStopping(metric="val_ppl", patience=1, min_delta=1e6)
-    t = trainer(set_metrics={"ppl": Perplexity()}, eval_every=1, eval_at_epoch_end=False,
-                max_steps=8, callbacks=[stopper])  # fmt: skip
+    t = trainer(
+        set_metrics={"ppl": Perplexity()},
+        eval_schedule=EvalSchedule(every_steps=1, epoch_end=False),
+        max_steps=8,
+        callbacks=[stopper],
+    )
     result = t.fit_sync()
     assert result.reason == "stopped" and result.steps == 2
     assert "val_ppl" in (result.stop_reason or "")
@@ -154,9 +160,16 @@ class Fails:
 
 def test_a_raising_metric_is_counted_and_reported_and_the_run_goes_on() -> None:
     assert isinstance(Fails("update"), SetMetric)
-    t = trainer(set_metrics={"bad_update": Fails("update"), "bad_compute": Fails("compute"),
-                             "n": Fails("never"), "ppl": Perplexity()},
-                eval_every=1, eval_at_epoch_end=False, max_steps=3)  # fmt: skip
+    t = trainer(
+        set_metrics={
+            "bad_update": Fails("update"),
+            "bad_compute": Fails("compute"),
+            "n": Fails("never"),
+            "ppl": Perplexity(),
+        },
+        eval_schedule=EvalSchedule(every_steps=1, epoch_end=False),
+        max_steps=3,
+    )
     rec = EventRecorder(t.bus)
     with capture_logs() as logs:
         result = t.fit_sync()
@@ -229,8 +242,11 @@ def test_tensorboard_reads_the_set_metrics_back(tmp_path: Path) -> None:
 
     from trainbus.callbacks import TensorBoardLogger
 
-    t = trainer(set_metrics={"ppl": Perplexity()}, eval_every=2, eval_at_epoch_end=False,
-                callbacks=[TensorBoardLogger(tmp_path / "tb", flush_s=0.05)])  # fmt: skip
+    t = trainer(
+        set_metrics={"ppl": Perplexity()},
+        eval_schedule=EvalSchedule(every_steps=2, epoch_end=False),
+        callbacks=[TensorBoardLogger(tmp_path / "tb", flush_s=0.05)],
+    )
     rec = EventRecorder(t.bus)
     t.fit_sync()
     acc = EventAccumulator(str(tmp_path / "tb"))

@@ -19,7 +19,7 @@ from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 def make_trainer(**overrides: Any) -> Trainer:
     model = overrides.pop("model", None) or tiny_model()
     kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_epochs=1, device="cpu",
-                                  handle_signals=False, progress=False)  # fmt: skip
+                                  on_signal=None, progress=False)  # fmt: skip
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3), **kwargs)
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
@@ -132,7 +132,7 @@ def _plain(folder: Path, **kwargs: Any) -> Trainer:
     model = tiny_model()
     kwargs.setdefault("loss_fn", F.cross_entropy)
     kwargs.setdefault("max_epochs", 2)
-    return Trainer(model, _sgd(model), tiny_loader(24, 8), handle_signals=False, progress=False,
+    return Trainer(model, _sgd(model), tiny_loader(24, 8), on_signal=None, progress=False,
                    **kwargs)  # fmt: skip
 
 
@@ -148,8 +148,8 @@ def _scheduled(folder: Path) -> Trainer:
     opt = _sgd(model)
     trainer = Trainer(model, opt, tiny_loader(24, 8), loss_fn=F.cross_entropy, max_epochs=2,
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.7),
-                      scheduler_interval="step", clip_grad_norm=0.05, log_every=9,
-                      handle_signals=False, progress=False)  # fmt: skip
+                      clip_grad_norm=0.05, log_every=9,
+                      on_signal=None, progress=False)  # fmt: skip
     trainer.bus.stream(ev.StepEnded, ev.SchedulerStepped).subscribe(lambda e: None)
     return trainer
 
@@ -160,12 +160,18 @@ def _accumulated(folder: Path, **kwargs: Any) -> Trainer:
     kwargs.setdefault("loss_fn", F.cross_entropy)
     return Trainer(model, _sgd(model), tiny_loader(20, 8),
                    max_epochs=2, accumulate=3, clip_grad_norm=0.1, log_every=4,
-                   handle_signals=False, progress=False, **kwargs)  # fmt: skip
+                   on_signal=None, progress=False, **kwargs)  # fmt: skip
 
 
 def _evaluated(folder: Path) -> Trainer:
-    return _plain(folder, eval_data=tiny_loader(3, 8, seed=1), eval_every=7, log_every=5,
-                  checkpoint_dir=folder, max_epochs=3)  # fmt: skip
+    return _plain(
+        folder,
+        eval_data=tiny_loader(3, 8, seed=1),
+        eval_schedule=EvalSchedule(every_steps=7),
+        log_every=5,
+        checkpoint_dir=folder,
+        max_epochs=3,
+    )
 
 
 def _decided(folder: Path) -> Trainer:
@@ -187,7 +193,7 @@ def _stopped_at_a_decision(folder: Path) -> Trainer:
 def _mapping(folder: Path) -> Trainer:
     model = DictModel()
     data = [{"x": x, "labels": y} for x, y in tiny_loader(20, 8)]
-    return Trainer(model, _sgd(model), data, max_steps=33, log_every=6, handle_signals=False,
+    return Trainer(model, _sgd(model), data, max_steps=33, log_every=6, on_signal=None,
                    progress=False)  # fmt: skip
 
 
@@ -200,7 +206,7 @@ def _shuffled(folder: Path) -> Trainer:
         generator=torch.Generator().manual_seed(5),
     )  # fmt: skip
     return Trainer(model, _sgd(model), loader, loss_fn=F.cross_entropy, max_epochs=3,
-                   log_every=4, checkpoint_dir=folder, handle_signals=False,
+                   log_every=4, checkpoint_dir=folder, on_signal=None,
                    progress=False)  # fmt: skip
 
 
@@ -248,7 +254,7 @@ def _one_long_epoch(batches: int) -> Trainer:
     """One epoch with no log, decision or evaluation step inside it."""
     model = tiny_model()
     return Trainer(model, _sgd(model), tiny_loader(batches, 8), loss_fn=F.cross_entropy,
-                   max_epochs=1, log_every=10_000, handle_signals=False,
+                   max_epochs=1, log_every=10_000, on_signal=None,
                    progress=False)  # fmt: skip
 
 
@@ -369,7 +375,7 @@ def test_a_stop_inside_a_custom_step_ends_the_run_at_that_step() -> None:
     model = tiny_model()
     trainer = Trainer(model, _sgd(model), tiny_loader(100, 8), train_step=nan_at_5,
                       max_epochs=1, log_every=10_000, on_nonfinite="stop", device="cpu",
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     # device="cpu": the per-step read (a GPU reads at the next sync, here the run's end).
     result = trainer.fit_sync()
     assert result.reason == "stopped" and "non-finite loss at step 5" in str(result.stop_reason)
@@ -390,7 +396,7 @@ def test_a_forward_nobody_observes_fails_with_the_same_note() -> None:
 
     model.register_forward_pre_hook(fail_at_4)
     trainer = Trainer(model, _sgd(model), tiny_loader(8, 8), loss_fn=F.cross_entropy,
-                      max_epochs=1, handle_signals=False, progress=False)  # fmt: skip
+                      max_epochs=1, on_signal=None, progress=False)  # fmt: skip
     with pytest.raises(ValueError) as caught:
         trainer.fit_sync()
     assert caught.value is boom

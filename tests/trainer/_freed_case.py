@@ -24,7 +24,7 @@ import anyio.lowlevel
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, EventBus, Trainer
+from trainbus import Callback, EvalSchedule, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import EarlyStopping
@@ -59,10 +59,19 @@ def build(tmp: str, case: str) -> Trainer:
         from trainbus.integrations.optuna import OptunaPruning
 
         callbacks.append(OptunaPruning(study.ask(), "val_loss"))
-    trainer = Trainer(model, optimizer, tiny_loader(4), loss_fn=F.cross_entropy,
-                      eval_data=tiny_loader(1, seed=1), eval_every=2, max_steps=6,
-                      checkpoint_dir=tmp, progress=False, handle_signals=False,
-                      callbacks=callbacks)  # fmt: skip
+    trainer = Trainer(
+        model,
+        optimizer,
+        tiny_loader(4),
+        loss_fn=F.cross_entropy,
+        eval_data=tiny_loader(1, seed=1),
+        eval_schedule=EvalSchedule(every_steps=2),
+        max_steps=6,
+        checkpoint_dir=tmp,
+        progress=False,
+        on_signal=None,
+        callbacks=callbacks,
+    )
     bus: EventBus = trainer.bus
     # The habits of a user's program: a hook and subscribers that close over the bus.
     trainer.add_hook("after_optimizer_step", lambda ctx: bus.wants(ev.StepEnded) and None)

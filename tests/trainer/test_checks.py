@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from trainbus import Callback, ConfigError, EventBus, Trainer, TrainingError
+from trainbus import Callback, ConfigError, EvalSchedule, EventBus, Trainer, TrainingError
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.bus import BusClosedError
@@ -63,10 +63,12 @@ CASES = [
     pytest.param(lambda p: {"max_steps": True}, "max_steps", id="max-steps-bool"),
     pytest.param(lambda p: {"max_epochs": 0}, "max_epochs", id="max-epochs-zero"),
     pytest.param(lambda p: {"max_steps": None, "max_epochs": None}, "max_steps", id="no-limit"),
-    pytest.param(lambda p: {"eval_every": 2}, "eval_every", id="eval-every-without-eval-data"),
     pytest.param(
-        lambda p: {"eval_every": 0, "eval_data": tiny_loader(1)}, "eval_every", id="eval-every-0"
+        lambda p: {"eval_schedule": EvalSchedule(every_steps=2)},
+        "eval_schedule.every_steps",
+        id="eval-every-without-eval-data",
     ),
+    pytest.param(lambda p: {"eval_schedule": 2}, "eval_schedule", id="eval-schedule-int"),
     pytest.param(lambda p: {"precision": "16"}, "precision", id="bad-precision"),
     pytest.param(lambda p: {"precision": 32}, "precision", id="precision-int"),
     pytest.param(lambda p: {"precision": "fp16", "device": "cpu"}, "precision", id="fp16-cpu"),
@@ -86,12 +88,6 @@ CASES = [
     pytest.param(lambda p: {"clip_grad_norm": -1.0}, "clip_grad_norm", id="clip-negative"),
     pytest.param(lambda p: {"clip_grad_norm": float("inf")}, "clip_grad_norm", id="clip-inf"),
     pytest.param(lambda p: {"clip_grad_norm": "1.0"}, "clip_grad_norm", id="clip-str"),
-    pytest.param(lambda p: {"barrier_timeout": 0}, "barrier_timeout", id="barrier-timeout-0"),
-    pytest.param(
-        lambda p: {"barrier_timeout": float("nan")}, "barrier_timeout", id="barrier-timeout-nan"
-    ),
-    pytest.param(lambda p: {"barriers": [int]}, "barriers", id="barriers-not-events"),
-    pytest.param(lambda p: {"barriers": 5}, "barriers", id="barriers-not-iterable"),
     pytest.param(lambda p: {"on_nonfinite": "warn"}, "on_nonfinite", id="bad-on-nonfinite"),
     pytest.param(lambda p: {"metrics": {"acc": 3}}, "metrics", id="metric-not-callable"),
     pytest.param(
@@ -118,10 +114,8 @@ CASES = [
         "train_data",
         id="train-data-one-shot-for-two-epochs",
     ),
-    pytest.param(
-        lambda p: {"scheduler_interval": "batch"}, "scheduler_interval", id="bad-interval"
-    ),
-    pytest.param(lambda p: {"eval_at_epoch_end": 1}, "eval_at_epoch_end", id="eval-at-end-int"),
+    pytest.param(lambda p: {"accumulate": 0}, "accumulate", id="accumulate-zero"),
+    pytest.param(lambda p: {"accumulate": "2"}, "accumulate", id="accumulate-str"),
     pytest.param(
         lambda p: {"checkpoint_dir": _touch(p / "afile")}, "checkpoint_dir", id="ckpt-dir-is-file"
     ),
@@ -130,7 +124,8 @@ CASES = [
     pytest.param(lambda p: {"callbacks": [object()]}, "callbacks", id="callback-not-callback"),
     pytest.param(lambda p: {"callbacks": [int]}, "callbacks", id="callback-class-not-callback"),
     pytest.param(lambda p: {"callbacks": 5}, "callbacks", id="callbacks-not-iterable"),
-    pytest.param(lambda p: {"handle_signals": "yes"}, "handle_signals", id="handle-signals-str"),
+    pytest.param(lambda p: {"on_signal": "yes"}, "on_signal", id="on-signal-str"),
+    pytest.param(lambda p: {"on_signal": False}, "on_signal", id="on-signal-false"),
     pytest.param(lambda p: {"bus": object()}, "bus", id="bus-not-eventbus"),
 ]
 
@@ -147,7 +142,7 @@ def test_bad_argument_is_a_config_error_naming_the_field(
         "loss_fn": F.cross_entropy,
         "max_steps": 2,
         "checkpoint_dir": tmp_path / "run",
-        "handle_signals": False,
+        "on_signal": None,
     }
     kwargs.update(overrides(tmp_path))
     before = sorted(tmp_path.rglob("*"))
@@ -171,7 +166,7 @@ def test_valid_arguments_construct(tmp_path: Path) -> None:
         loss_fn=F.cross_entropy,
         max_steps=2,
         checkpoint_dir=tmp_path / "run",
-        handle_signals=False,
+        on_signal=None,
         callbacks=[_Noop],
     )
     assert trainer.settings.max_steps == 2
@@ -211,7 +206,7 @@ def _trainer(callbacks: Any = (), **kwargs: Any) -> Trainer:
     model = tiny_model()
     kwargs.setdefault("max_epochs", 1)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), DATA,
-                   loss_fn=F.cross_entropy, callbacks=callbacks, handle_signals=False,
+                   loss_fn=F.cross_entropy, callbacks=callbacks, on_signal=None,
                    progress=False, **kwargs)  # fmt: skip
 
 
@@ -345,7 +340,7 @@ def test_a_scheduler_of_another_optimizer_is_refused() -> None:
     # Control: on the Trainer's own optimizer the learning rate moves.
     trainer = Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
                       scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5),
-                      handle_signals=False, progress=False)  # fmt: skip
+                      on_signal=None, progress=False)  # fmt: skip
     trainer.fit_sync()
     assert opt.param_groups[0]["lr"] == pytest.approx(0.025)
 
@@ -388,7 +383,7 @@ def test_a_one_shot_iterator_as_train_data_for_several_epochs_is_refused() -> No
 def _train_on(data: Any, **kwargs: Any) -> Any:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data,
-                   loss_fn=F.cross_entropy, handle_signals=False, progress=False,
+                   loss_fn=F.cross_entropy, on_signal=None, progress=False,
                    **kwargs).fit_sync()  # fmt: skip
 
 

@@ -26,9 +26,17 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from trainbus import Callback, ConfigError, EventBus, Perplexity, TrainbusError, Trainer
+from trainbus import (
+    Accumulate,
+    Callback,
+    ConfigError,
+    EvalSchedule,
+    EventBus,
+    Perplexity,
+    TrainbusError,
+    Trainer,
+)
 from trainbus import callbacks as cbs
-from trainbus import events as ev
 from trainbus.testing import tiny_loader, tiny_model
 
 pytestmark = pytest.mark.timeout(300)
@@ -73,25 +81,20 @@ JUNK = [None, True, False, 0, -1, 2.5, NAN, INF, "", "x", [], {}, (), object(), 
 FIELDS: dict[str, tuple[list[Any], list[Any]]] = {
     "max_steps": ([1, 3], [0, -1, 2.5, True, "3", NAN, [], torch.tensor(2)]),
     "max_epochs": ([None, 1], [0, -2, 1.0, "1", False, INF]),
-    "accumulate": ([1, 2], [0, -1, 1.5, True, "2", None]),
-    "accumulate_by": (["batches", "items"], ["tokens", None, 3, "", str]),
+    "accumulate": ([1, 2, Accumulate(2, by="items")], [0, -1, 1.5, True, "2", None]),
     "clip_grad_norm": ([None, 0.5, 1, 1e3], [0, -1, NAN, INF, "1", True, [1.0]]),
     "precision": (["32", "bf16"], ["fp16", "16", 32, None, "", ["32"]]),
     "device": (["cpu", torch.device("cpu")], ["gpu", None, 5, "", "cpu:x", ["cpu"]]),
     "seed": ([None, 0, 7], [-1, 1.5, True, "1", NAN]),
-    "scheduler_interval": (["step", "epoch"], ["batch", None, 1, "", ["step"]]),
     "log_every": ([1, 3], [0, -4, True, 1.0, None, "1"]),
     "eval_data": ([None], [5, [], "abc", b"xy", torch.zeros(4), {}]),
-    "eval_at_epoch_end": ([True, False], [1, None, "yes", 0.0]),
+    "eval_schedule": ([EvalSchedule(), EvalSchedule(epoch_end=False)], [1, None, "yes", {}]),
     "metrics": ([None, {}, {"acc": _acc}], [{"1x": _acc}, {"acc": 5}, [("acc", _acc)], "acc", 5]),
     "set_metrics": ([None, {}, {"ppl": Perplexity()}], [{"1x": Perplexity()}, {"ppl": _acc},
                                                          [Perplexity()], "ppl", 5]),
     "checkpoint_dir": ([None, CKPT], ["", 5, _FILE, _FILE / "sub", ["runs"], True]),
-    "barriers": ([(), [ev.EpochEnded], (ev.EvaluationEnded, ev.EpochEnded)],
-                 ["EpochEnded", [ev.FitStarted], 5, [5], None, [Callback]]),
-    "barrier_timeout": ([0.5, 60], [0, -1, NAN, True, "1", None]),
     "on_nonfinite": (["raise", "stop", "skip", "ignore"], ["warn", None, 1, ["raise"], ""]),
-    "handle_signals": ([False], [0, "no", None, 1]),
+    "on_signal": ([None, "return"], [0, "no", False, 1]),
     # A single callback (class or instance) is accepted as a one-item list.
     "callbacks": ([(), [cbs.Checkpointing], [cbs.LearningRateMonitor], cbs.LearningRateMonitor],
                   [5, [5], [int], "x", [None]]),
@@ -125,7 +128,7 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
         # Checkpointing without a folder is refused when the run starts (Callback.check; its
         # own test is in tests/trainer/test_checks.py), not at construction.
         config["checkpoint_dir"] = CKPT
-    if config.get("eval_every") is not None or draw(st.booleans()):
+    if draw(st.booleans()):
         if "eval_data" not in bad and draw(st.booleans()):
             config["eval_data"] = "eval-loader"
     # Checkpointing needs a folder (refused when fit() starts, not at construction).
@@ -135,11 +138,11 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
         and config.get("checkpoint_dir") is None
     ):
         config["checkpoint_dir"] = CKPT
-    every = draw(st.sampled_from([None, None, None, 1, 2, 0, True, "2"] if n_bad else [None, 1]))
-    if every is not None:
-        config["eval_every"] = every
-        if every in (0, "2") or every is True or config.get("eval_data") is None:
-            bad.add("eval_every")
+    every = draw(st.sampled_from([None, None, None, 1, 2] if n_bad else [None, 1]))
+    if every is not None and "eval_schedule" not in bad:
+        config["eval_schedule"] = EvalSchedule(every_steps=every, epoch_end=draw(st.booleans()))
+        if config.get("eval_data") is None:
+            bad.add("eval_schedule.every_steps")
     return config, bad
 
 
@@ -168,7 +171,7 @@ def _build(config: dict[str, Any], folder: Path) -> dict[str, Any]:
         )
     if kwargs.get("bus") == "new":
         kwargs["bus"] = EventBus()
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     kwargs.setdefault("loss_fn", F.cross_entropy)
     return {"model": model, "optimizer": optimizer, "train_data": train_data, **kwargs}
 
@@ -276,10 +279,18 @@ def test_callback_options_fuzz(case: tuple[type[Callback], dict[str, Any]]) -> N
         except TypeError as exc:  # only a missing/unknown argument, never a type error inside
             pytest.fail(f"{cls.__name__}(**{kwargs!r}) raised TypeError: {exc}")
         model = tiny_model()
-        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3, 8),
-                          loss_fn=F.cross_entropy, eval_data=tiny_loader(2, 8), max_steps=4,
-                          eval_every=2, checkpoint_dir=folder / "ckpt", handle_signals=False,
-                          callbacks=[callback])  # fmt: skip
+        trainer = Trainer(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            tiny_loader(3, 8),
+            loss_fn=F.cross_entropy,
+            eval_data=tiny_loader(2, 8),
+            max_steps=4,
+            eval_schedule=EvalSchedule(every_steps=2),
+            checkpoint_dir=folder / "ckpt",
+            on_signal=None,
+            callbacks=[callback],
+        )
         event(f"ran {cls.__name__}")
         try:
             result = trainer.fit_sync()

@@ -1,5 +1,5 @@
 """How a run's ending reaches its caller: typed endings (``Ending``), the interrupt after a
-signal's graceful stop (``on_signal``), and ``skip_final_checkpoint``."""
+signal's graceful stop (``on_signal``), and ``CheckpointDir(skip_final=)``."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, Trainer
+from trainbus import CheckpointDir, ConfigError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.events import Ending
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 
-def make(tmp: Path | None = None, **kw: Any) -> Trainer:
+def make(tmp: Path | CheckpointDir | None = None, **kw: Any) -> Trainer:
     model = tiny_model()
     args: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=6, progress=False,
                                 checkpoint_dir=tmp)  # fmt: skip
@@ -73,7 +73,7 @@ def test_fit_result_ending(stop: str | None) -> None:
 
 
 def test_skip_final_checkpoint_of_a_pruned_run_only(tmp_path: Path) -> None:
-    pruned = make(tmp_path / "pruned", skip_final_checkpoint={"pruned"})
+    pruned = make(CheckpointDir(tmp_path / "pruned", skip_final={"pruned"}))
     stop_at(pruned, 2, "pruned")
     recorder = EventRecorder(pruned.bus)
     result = pruned.fit_sync()
@@ -81,24 +81,24 @@ def test_skip_final_checkpoint_of_a_pruned_run_only(tmp_path: Path) -> None:
     assert recorder.of_type(ev.CheckpointSaved) == []
     assert not (tmp_path / "pruned").exists()  # created at the first save, never before
 
-    stopped = make(tmp_path / "stopped", skip_final_checkpoint={Ending.PRUNED})
+    stopped = make(CheckpointDir(tmp_path / "stopped", skip_final={Ending.PRUNED}))
     stop_at(stopped, 2, "early stopping")
     result = stopped.fit_sync()
     assert result.ending is Ending.STOPPED
     assert result.checkpoint is not None and result.checkpoint.endswith("-final.pt")
 
-    completed = make(tmp_path / "completed", skip_final_checkpoint={"pruned", "stopped"})
+    completed = make(CheckpointDir(tmp_path / "completed", skip_final={"pruned", "stopped"}))
     assert completed.fit_sync().checkpoint is not None  # a completed run always writes it
 
 
 @pytest.mark.parametrize("bad", ["pruned", ["completed"], ["finished"], 3])
-def test_skip_final_checkpoint_refuses_what_is_not_a_stop(bad: object) -> None:
-    with pytest.raises(ConfigError, match="skip_final_checkpoint"):
-        make(skip_final_checkpoint=bad)
+def test_skip_final_refuses_what_is_not_a_stop(bad: object, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^CheckpointDir\.skip_final="):
+        CheckpointDir(tmp_path, skip_final=bad)  # type: ignore[arg-type]
 
 
 def test_on_signal_is_checked() -> None:
-    with pytest.raises(ConfigError, match=r"on_signal.*'raise'.*'return'"):
+    with pytest.raises(ConfigError, match=r"on_signal.*'raise'.*'return'.*None"):
         make(on_signal="ignore")
 
 
@@ -156,7 +156,7 @@ def test_on_signal_return_keeps_the_result(tmp_path: Path) -> None:
 @pytestmark_posix
 def test_handle_signals_off_leaves_sigint_to_python(tmp_path: Path) -> None:
     # No handler of trainbus: Python's own raises KeyboardInterrupt in the main thread at once.
-    trainer = make(tmp_path, max_steps=1_000, handle_signals=False)
+    trainer = make(tmp_path, max_steps=1_000, on_signal=None)
     raise_signal_at(trainer, 3, signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):
         trainer.fit_sync()

@@ -20,7 +20,7 @@ def _trainer() -> Trainer:
     model = tiny_model()
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(batches=2),
                    loss_fn=F.cross_entropy, max_steps=1, device="cpu", progress=False,
-                   handle_signals=False)  # fmt: skip
+                   on_signal=None)  # fmt: skip
 
 
 def test_every_async_call_has_its_twin_named_call_sync() -> None:

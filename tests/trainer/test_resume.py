@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-from trainbus import Trainer
+from trainbus import EvalSchedule, PerEpoch, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping
@@ -97,7 +97,9 @@ def test_a_checkpoint_written_at_an_evaluation_step_resumes_exactly(
     """8 steps, an evaluation and a save every 4, dropout, a DataLoader to evaluate on: the
     run resumed from step 4's file does not evaluate step 4 again and ends as the run that
     went through."""
-    whole, model, rec = _trainer(tmp_path / "whole", eval_shuffle=eval_shuffle, eval_every=4)
+    whole, model, rec = _trainer(
+        tmp_path / "whole", eval_shuffle=eval_shuffle, eval_schedule=EvalSchedule(every_steps=4)
+    )
     whole.fit_sync()
     assert [e.step for e in rec.of_type(ev.EvaluationEnded)] == [4, 8]
     saved = {e.step: e for e in rec.of_type(ev.CheckpointSaved)}
@@ -105,7 +107,7 @@ def test_a_checkpoint_written_at_an_evaluation_step_resumes_exactly(
     assert dict(saved[4].metrics) == dict(rec.of_type(ev.EvaluationEnded)[0].metrics)
 
     resumed, again, rec2 = _trainer(tmp_path / "resumed", eval_shuffle=eval_shuffle,
-                                    eval_every=4)  # fmt: skip
+                                    eval_schedule=EvalSchedule(every_steps=4))  # fmt: skip
     resumed.fit_sync(resume=saved[4].path)
     assert [e.step for e in rec2.of_type(ev.EvaluationEnded)] == [8]
     _same_weights(model, again)
@@ -125,8 +127,13 @@ def test_early_stopping_and_keep_best_come_out_the_same_from_every_checkpoint(
         return [Checkpointing(every_steps=every, monitor="val_loss", keep_best=20),
                 EarlyStopping("val_loss", patience=2, min_delta=0.02)]  # fmt: skip
 
-    whole, model, rec = _trainer(tmp_path / "whole", eval_every=2, max_steps=40,
-                                 eval_shuffle=True, callbacks=kit())  # fmt: skip
+    whole, model, rec = _trainer(
+        tmp_path / "whole",
+        eval_schedule=EvalSchedule(every_steps=2),
+        max_steps=40,
+        eval_shuffle=True,
+        callbacks=kit(),
+    )
     whole.fit_sync()
     assert whole.result is not None and whole.result.reason == "stopped"  # early stopping fired
     stopped_at = whole.result.steps
@@ -136,8 +143,13 @@ def test_early_stopping_and_keep_best_come_out_the_same_from_every_checkpoint(
     assert any(e.step == stopped_at for e in written)
     for saved in written:
         folder = tmp_path / f"from-{saved.step}-{saved.tag}"
-        resumed, again, rec2 = _trainer(folder, eval_every=2, max_steps=40, eval_shuffle=True,
-                                        callbacks=kit())  # fmt: skip
+        resumed, again, rec2 = _trainer(
+            folder,
+            eval_schedule=EvalSchedule(every_steps=2),
+            max_steps=40,
+            eval_shuffle=True,
+            callbacks=kit(),
+        )
         resumed.fit_sync(resume=saved.path)
         _same_weights(model, again)
         _same_optimizer(whole, resumed)
@@ -174,23 +186,41 @@ def _epoch_scheduled(folder: Path, **options: Any) -> tuple[Trainer, nn.Module, 
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     trainer = Trainer(
-        model, optimizer, train, loss_fn=nn.functional.cross_entropy, eval_data=val,
-        eval_every=4, max_epochs=2, checkpoint_dir=folder, scheduler=scheduler,
-        scheduler_interval="epoch", callbacks=[Checkpointing(every_steps=4)], **options,
-    )  # fmt: skip
+        model,
+        optimizer,
+        train,
+        loss_fn=nn.functional.cross_entropy,
+        eval_data=val,
+        eval_schedule=EvalSchedule(every_steps=4),
+        max_epochs=2,
+        checkpoint_dir=folder,
+        scheduler=PerEpoch(scheduler),
+        callbacks=[Checkpointing(every_steps=4)],
+        **options,
+    )
     return trainer, model, EventRecorder(trainer.bus)
 
 
 def test_data_of_unknown_length_does_not_evaluate_the_last_step_twice(tmp_path: Path) -> None:
     """An iterable dataset's epoch end is found after its last step was evaluated: the epoch's
     evaluation is that one, also in a run resumed from the step's checkpoint."""
-    whole, model, rec = _trainer(tmp_path / "whole", stream=True, eval_every=4,
-                                 max_steps=None, max_epochs=2)  # fmt: skip
+    whole, model, rec = _trainer(
+        tmp_path / "whole",
+        stream=True,
+        eval_schedule=EvalSchedule(every_steps=4),
+        max_steps=None,
+        max_epochs=2,
+    )
     whole.fit_sync()
     assert [e.step for e in rec.of_type(ev.EvaluationEnded)] == [4, 8, 12, 16]
     at_8 = next(e for e in rec.of_type(ev.CheckpointSaved) if e.step == 8)
-    resumed, again, rec2 = _trainer(tmp_path / "resumed", stream=True, eval_every=4,
-                                    max_steps=None, max_epochs=2)  # fmt: skip
+    resumed, again, rec2 = _trainer(
+        tmp_path / "resumed",
+        stream=True,
+        eval_schedule=EvalSchedule(every_steps=4),
+        max_steps=None,
+        max_epochs=2,
+    )
     resumed.fit_sync(resume=at_8.path)
     assert [e.step for e in rec2.of_type(ev.EvaluationEnded)] == [12, 16]
     _same_weights(model, again)
@@ -200,7 +230,9 @@ def test_data_of_unknown_length_does_not_evaluate_the_last_step_twice(tmp_path: 
 def test_evaluation_never_moves_the_training_generators(tmp_path: Path) -> None:
     """Dropout and a shuffled training loader draw from torch's generator; evaluating on a
     shuffled DataLoader every 2 steps trains exactly as the same run without evaluation."""
-    with_eval, a, _ = _trainer(tmp_path / "a", eval_every=2, eval_shuffle=True, callbacks=[])
+    with_eval, a, _ = _trainer(
+        tmp_path / "a", eval_schedule=EvalSchedule(every_steps=2), eval_shuffle=True, callbacks=[]
+    )
     with_eval.fit_sync()
     without, b, _ = _trainer(tmp_path / "b", eval_data=False, callbacks=[])
     without.fit_sync()
@@ -211,8 +243,13 @@ def test_one_evaluation_per_step_whatever_asks_for_it(tmp_path: Path) -> None:
     """eval_every=4 over an 8-step epoch, two epochs: step 8 ends the epoch and step 16 the
     run; each is evaluated once, the event naming every cadence it stands for. An Evaluate
     command at an evaluated step is answered with that evaluation."""
-    trainer, _, rec = _trainer(tmp_path, eval_every=4, max_steps=None, max_epochs=2,
-                               callbacks=[])  # fmt: skip
+    trainer, _, rec = _trainer(
+        tmp_path,
+        eval_schedule=EvalSchedule(every_steps=4),
+        max_steps=None,
+        max_epochs=2,
+        callbacks=[],
+    )
     trainer.add_hook(  # sent before the step's poll: applied there
         "after_optimizer_step",
         lambda ctx: trainer.bus.send(cmd.Evaluate()) if ctx.step in (8, 10) else None,
@@ -239,10 +276,12 @@ def test_resuming_with_another_configuration_says_what_exactness_is_lost(
 ) -> None:
     """A checkpoint written with eval_every=4 and no accumulation, resumed with eval_every=2
     and accumulation 2: a warning names both and what each costs; the run goes on."""
-    whole, _, rec = _trainer(tmp_path / "whole", eval_every=4)
+    whole, _, rec = _trainer(tmp_path / "whole", eval_schedule=EvalSchedule(every_steps=4))
     whole.fit_sync()
     at_4 = next(e for e in rec.of_type(ev.CheckpointSaved) if e.step == 4)
-    resumed, _, _ = _trainer(tmp_path / "resumed", eval_every=2, accumulate=2)
+    resumed, _, _ = _trainer(
+        tmp_path / "resumed", eval_schedule=EvalSchedule(every_steps=2), accumulate=2
+    )
     with structlog.testing.capture_logs() as logs:
         resumed.fit_sync(resume=at_4.path)
     warned = [e for e in logs if e["event"] == "resume_config_differs"]
@@ -253,7 +292,7 @@ def test_resuming_with_another_configuration_says_what_exactness_is_lost(
     assert "weights differ" in differences[1]
     assert resumed.result is not None and resumed.result.reason == "completed"
 
-    same, _, _ = _trainer(tmp_path / "same", eval_every=4)
+    same, _, _ = _trainer(tmp_path / "same", eval_schedule=EvalSchedule(every_steps=4))
     with structlog.testing.capture_logs() as logs:
         same.fit_sync(resume=at_4.path)
     assert not [e for e in logs if e["event"] == "resume_config_differs"]
@@ -276,9 +315,8 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
             model, optimizer, _Stream(), loss_fn=nn.functional.cross_entropy,
             eval_data=DataLoader(TensorDataset(_X[:24], _Y[:24]), batch_size=8, shuffle=True),
             max_epochs=3, checkpoint_dir=folder, callbacks=[Checkpointing(every_steps=4)],
-            scheduler=torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5),
-            scheduler_interval="epoch",
-        )  # fmt: skip
+            scheduler=PerEpoch(torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)),
+            )  # fmt: skip
         if mid:  # a tagged save at the epoch's last step, before its end is found
             trainer.add_hook("after_optimizer_step", lambda ctx: trainer.bus.send(
                 cmd.SaveCheckpoint(tag="mid")) if ctx.step == 8 else None)  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import ConfigError, EventBus, FitResult, TrainbusError, Trainer
+from trainbus import ConfigError, EvalSchedule, EventBus, FitResult, TrainbusError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -37,9 +37,15 @@ def _leaked(before: set[threading.Thread]) -> list[threading.Thread]:
 
 def make_trainer(**overrides: Any) -> Trainer:
     model = overrides.pop("model", None) or tiny_model()
-    kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=3, device="cpu",
-                                  eval_data=tiny_loader(1, seed=1), handle_signals=False,
-                                  progress=False, eval_at_epoch_end=False)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        loss_fn=F.cross_entropy,
+        max_steps=3,
+        device="cpu",
+        eval_data=tiny_loader(1, seed=1),
+        on_signal=None,
+        progress=False,
+        eval_schedule=EvalSchedule(epoch_end=False),
+    )
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3), **kwargs)
 
@@ -324,7 +330,7 @@ def test_ctrl_c_during_a_sync_call_in_a_with_block_cancels_it_then_closes() -> N
 def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> None:
     # (A hung "block" subscriber holds training itself until a stop: see
     # tests/bus/test_failures.py::test_a_hung_block_subscriber_holds_training_says_so_...)
-    trainer = make_trainer(bus=EventBus(close_timeout=0.5), barrier_timeout=0.5)
+    trainer = make_trainer(bus=EventBus(close_timeout=0.5, barrier_timeout=0.5))
     seen: list[int] = []
 
     async def hang(event: ev.StepEnded) -> None:
@@ -383,9 +389,16 @@ class AtSuspension:
 
 def make_cancelled_trainer(tmp: Path, **overrides: Any) -> Trainer:
     model = tiny_model()
-    kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=4, device="cpu",
-                                  eval_data=tiny_loader(1, seed=1), handle_signals=False,
-                                  progress=False, eval_every=2, checkpoint_dir=tmp)  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        loss_fn=F.cross_entropy,
+        max_steps=4,
+        device="cpu",
+        eval_data=tiny_loader(1, seed=1),
+        on_signal=None,
+        progress=False,
+        eval_schedule=EvalSchedule(every_steps=2),
+        checkpoint_dir=tmp,
+    )
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2), **kwargs)
 
@@ -447,9 +460,7 @@ def test_sigint_at_every_await_point_of_fit(backend: str, tmp_path: Path) -> Non
     async def main() -> None:
         for k in range(1, total + 1):
             # on_signal="return": the result, not the interrupt (tests/test_signals.py)
-            trainer = make_cancelled_trainer(
-                tmp_path / str(k), handle_signals=True, on_signal="return"
-            )
+            trainer = make_cancelled_trainer(tmp_path / str(k), on_signal="return")
             result = await AtSuspension(trainer.fit(), k,
                                         lambda: signal.raise_signal(signal.SIGINT))  # fmt: skip
             assert result.reason in ("stopped", "completed"), (k, result)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from tests._fake_cuda import FakeCuda, HostModel, placed_batches
 
-from trainbus import TrainbusError, Trainer
+from trainbus import EvalSchedule, EventBus, TrainbusError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -28,8 +28,8 @@ def make_trainer(tmp: Path, model: torch.nn.Module | None = None, **overrides: A
     model = model if model is not None else tiny_model()
     kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=4, device="cpu",
                                   eval_data=tiny_loader(1, seed=1), checkpoint_dir=tmp,
-                                  handle_signals=False, progress=False,
-                                  eval_at_epoch_end=False)  # fmt: skip
+                                  on_signal=None, progress=False,
+                                  eval_schedule=EvalSchedule(epoch_end=False))  # fmt: skip
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4), **kwargs)
 
@@ -289,7 +289,7 @@ def test_on_an_accelerator_the_loss_handed_on_is_a_copy_the_next_step_cannot_ove
     # on_nonfinite="ignore": no guard masking the step's loss into a fresh tensor of its own.
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), placed_batches(6),
                       device="cuda:0", max_steps=6, log_every=3, on_nonfinite="ignore",
-                      progress=False, handle_signals=False,
+                      progress=False, on_signal=None,
                       train_step=static_loss_step(static, values))  # fmt: skip
     recorder = EventRecorder(trainer.bus)
     trainer.fit_sync()
@@ -324,7 +324,7 @@ def test_reduce_overhead_losses_survive_the_next_replay(tmp_path: Path) -> None:
     compiled = torch.compile(model, mode="reduce-overhead")
     trainer = Trainer(compiled, torch.optim.SGD(model.parameters(), lr=0.1), data,
                       device="cuda", max_steps=8, log_every=4, progress=False,
-                      handle_signals=False)  # fmt: skip
+                      on_signal=None)  # fmt: skip
     values: list[float] = []
     trainer.add_hook("loss", lambda ctx: values.append(ctx.loss.item()))
     recorder = EventRecorder(trainer.bus)
@@ -345,7 +345,11 @@ def test_a_cancel_reaches_the_barrier_the_training_thread_waits_at(
     that wait at once (not after the hour-long barrier timeout) and the fit ends cancelled,
     though the subscriber waited for runs on in the bus (``async with trainer`` holds it
     outside the cancelled scope)."""
-    trainer = make_trainer(tmp_path, eval_every=2, barrier_timeout=3600, close_timeout=1)
+    trainer = make_trainer(
+        tmp_path,
+        eval_schedule=EvalSchedule(every_steps=2),
+        bus=EventBus(close_timeout=1, barrier_timeout=3600),
+    )
     threads = Threads(trainer)
 
     async def main() -> bool:

@@ -16,7 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import NonFiniteLossError, StepContext, TrainbusError, Trainer, TrainingError
+from trainbus import (
+    EvalSchedule,
+    NonFiniteLossError,
+    PerEpoch,
+    StepContext,
+    TrainbusError,
+    Trainer,
+    TrainingError,
+)
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
@@ -40,7 +48,7 @@ def _trainer(
     **kwargs: Any,
 ) -> Trainer:
     model = model if model is not None else tiny_model()
-    kwargs.setdefault("handle_signals", False)
+    kwargs.setdefault("on_signal", None)
     kwargs.setdefault("device", "cpu")  # tests compare with CPU copies: same on a GPU host
     if "loss_fn" not in kwargs:
         kwargs["loss_fn"] = F.cross_entropy
@@ -215,7 +223,7 @@ def test_scheduler_stepped_every_step() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     trainer = Trainer(model, opt, tiny_loader(3, 8), loss_fn=F.cross_entropy, max_steps=5,
-                      scheduler=sched, handle_signals=False)  # fmt: skip
+                      scheduler=sched, on_signal=None)  # fmt: skip
     rec = EventRecorder(trainer.bus)
     trainer.fit_sync()
     stepped = rec.of_type(ev.SchedulerStepped)
@@ -229,8 +237,7 @@ def test_scheduler_stepped_every_epoch() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     trainer = Trainer(model, opt, tiny_loader(2, 8), loss_fn=F.cross_entropy, max_epochs=3,
-                      scheduler=sched, scheduler_interval="epoch",
-                      handle_signals=False)  # fmt: skip
+                      scheduler=PerEpoch(sched), on_signal=None)  # fmt: skip
     rec = EventRecorder(trainer.bus)
     trainer.fit_sync()
     stepped = rec.of_type(ev.SchedulerStepped)
@@ -252,8 +259,14 @@ def test_eval_every_and_metrics_match_a_hand_computation() -> None:
     ((xe, ye),) = tiny_loader(1, 8, seed=7)
     eval_data = [(xe[:5], ye[:5]), (xe[5:], ye[5:])]  # unequal sizes: averages are per sample
     model = tiny_model()
-    trainer = _trainer(model, tiny_loader(4, 8), max_steps=4, eval_data=eval_data, eval_every=2,
-                       eval_at_epoch_end=False, metrics={"acc": _accuracy})  # fmt: skip
+    trainer = _trainer(
+        model,
+        tiny_loader(4, 8),
+        max_steps=4,
+        eval_data=eval_data,
+        eval_schedule=EvalSchedule(every_steps=2, epoch_end=False),
+        metrics={"acc": _accuracy},
+    )
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
 
@@ -544,8 +557,13 @@ def test_fit_runs_once() -> None:
 def test_run_on_trio() -> None:
     model = tiny_model()
     before = _params(model)
-    trainer = _trainer(model, max_steps=3, eval_data=tiny_loader(1, 8), eval_every=3,
-                       eval_at_epoch_end=False, handle_signals=True)  # fmt: skip
+    trainer = _trainer(
+        model,
+        max_steps=3,
+        eval_data=tiny_loader(1, 8),
+        eval_schedule=EvalSchedule(every_steps=3, epoch_end=False),
+        on_signal="raise",
+    )
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync(backend="trio")  # signal handling: pytest runs on the main thread
     assert result.reason == "completed" and result.steps == 3

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    from trainbus import Trainer
+    from trainbus import EvalSchedule, Trainer
 
     method = sys.argv[1]
     data = TensorDataset(torch.randn(64, 8), torch.randint(0, 3, (64,)))
@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent(
             model = torch.nn.Linear(8, 3)
             trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), loader(4),
                               loss_fn=F.cross_entropy, eval_data=loader(8), max_steps=20,
-                              eval_every=10, progress=False)
+                              eval_schedule=EvalSchedule(every_steps=10), progress=False)
             result = trainer.fit_sync()
             print("FIT", run, result.reason, workers(), flush=True)
             trainer.evaluate_sync()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
-from typing import Any, Self, TypeVar, overload
+from typing import Any, Literal, Self, TypeVar, overload
 
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
@@ -27,7 +27,7 @@ from .._exceptions import ConfigError
 from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
 from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
-from .barrier import Barrier
+from .barrier import DEFAULT_BARRIERS, Barrier, check_barriers
 from .channel import AckObserver, CommandChannel, CommandError
 from .clock import At, DecisionStamp, Every, Schedule, StepClock
 from .doorbell import Doorbell
@@ -80,6 +80,17 @@ class EventBus:
             before a warning names it, with the loop thread's stack, while it still blocks
             (default 5; counted in its ``statistics()`` as ``stalls`` and ``blocked_s``).
             None: no watchdog thread. See docs/reliability.md.
+        barriers: Event types at which a training loop waits for the deciders among their
+            async subscribers before going on (:data:`~trainbus.bus.barrier.BARRIER_TYPES`
+            are allowed: ``StepEnded``, ``MetricsLogged``, ``EvaluationEnded``,
+            ``EpochEnded``). Default ``(EvaluationEnded, EpochEnded)``; docs/bus.md,
+            "Barriers".
+        barrier_timeout: Seconds a training loop waits at one barrier (inf: no deadline).
+        on_lost: What lost work does to a trainer's run (items dropped by an overflow
+            policy, cancelled at close, or failed; ``FitResult.lost``): ``"warn"`` (default)
+            logs ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
+            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
+            (``trainer.result`` holds the result).
 
     Raises:
         ConfigError: for an argument out of range.
@@ -107,6 +118,9 @@ class EventBus:
         scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
         watchdog_s: float | None = DEFAULT_WATCHDOG_S,
+        barriers: Iterable[type[ev.BaseEvent]] = DEFAULT_BARRIERS,
+        barrier_timeout: float = 60.0,
+        on_lost: Literal["warn", "raise"] = "warn",
     ) -> None:
         if (
             isinstance(flush_interval, bool)
@@ -131,6 +145,15 @@ class EventBus:
         self.max_queue = max_queue
         self.close_timeout = None if close_timeout is None else float(close_timeout)
         self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
+        self.barriers: frozenset[type[ev.BaseEvent]] = check_barriers(barriers)
+        """The event types a training loop waits at (``barriers=``)."""
+        if not (isinstance(barrier_timeout, int | float) and not isinstance(barrier_timeout, bool)
+                and barrier_timeout > 0):  # NaN compares False; inf: no deadline  # fmt: skip
+            raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
+        self.barrier_timeout = float(barrier_timeout)
+        if on_lost not in ("warn", "raise"):
+            raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
+        self.on_lost: Literal["warn", "raise"] = on_lost
         watchdog = Watchdog(self.watchdog_s)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
 

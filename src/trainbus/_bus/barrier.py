@@ -1,7 +1,7 @@
 """Barriers: deliver now, then wait for the deciders among the async subscribers of one event.
 
 The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
-``EpochEnded`` by default, or ``Trainer(barriers=...)``), at the decision steps of the step
+``EpochEnded`` by default, or ``EventBus(barriers=...)``), at the decision steps of the step
 clock (their ``StepEnded``) and once after the last step (no event), so that a decision made
 there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
 so the loop can apply it first.
@@ -22,11 +22,13 @@ full ``"block"`` buffer), during the wait that crosses it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Literal
 
 import anyio
 
 from .. import events as ev
+from .._exceptions import ConfigError
 from .._log import get_logger
 from .async_subscription import AsyncSubscription
 from .channel import CommandChannel
@@ -35,11 +37,37 @@ from .queue import PublishQueue
 from .registry import SubscriptionSet
 from .tasks import TaskSet
 
-__all__ = ["Barrier", "BarrierStatus"]
+__all__ = ["BARRIER_TYPES", "DEFAULT_BARRIERS", "Barrier", "BarrierStatus", "check_barriers"]
 
 log = get_logger(__name__)
 
 BarrierStatus = Literal["done", "timeout", "request"]
+
+DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
+"""The events the loop waits at unless ``EventBus(barriers=...)`` says otherwise."""
+BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
+    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
+)  # fmt: skip
+"""Events followed by a poll point: the only ones a barrier can make decisions exact on."""
+
+
+def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
+    """``EventBus(barriers=)``: an iterable of the event classes a barrier can follow.
+
+    Raises:
+        ConfigError: not an iterable of classes of :data:`BARRIER_TYPES`.
+    """
+    if not isinstance(value, Iterable) or isinstance(value, str):
+        raise ConfigError.invalid("barriers", value, "an iterable of event classes")
+    found = tuple(value)
+    for b in found:
+        if b not in BARRIER_TYPES:
+            raise ConfigError.invalid(
+                "barriers", b, "event classes followed by a poll point: "
+                + ", ".join(t.__name__ for t in BARRIER_TYPES),
+            )  # fmt: skip
+    return frozenset(found)
+
 
 _ANNOUNCE_AFTER = 0.5
 """Seconds of waiting on a decider (one wait, or all of them) after which a warning names it:
@@ -52,7 +80,7 @@ _REASON = (
 _REMEDIES = (
     "decides=False (the default) when its commands need not land on this step (an async "
     "subscriber that only posts, uploads or logs never holds training); a faster fn; "
-    "Trainer(barrier_timeout=...) bounds each wait; Trainer(barriers=...) names the events "
+    "EventBus(barrier_timeout=...) bounds each wait; EventBus(barriers=...) names the events "
     "the loop waits at"
 )
 

@@ -309,7 +309,7 @@ class Lifecycle:
                         action="waiting for them" if timeout is None else
                         f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
                         hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
-                        "as lost work; Trainer(close_timeout=...) bounds the wait")  # fmt: skip
+                        "as lost work; EventBus(close_timeout=...) bounds the wait")  # fmt: skip
 
     def _report_lost(self) -> None:
         """Name what the subscribers lost since the last report (a call's end, or the close):

@@ -30,7 +30,6 @@ from .outputs import PadValue as PadValue
 from .outputs import PadValues as PadValues
 from .phases import StepPhases as StepPhases
 from .saving import CheckpointWriter as CheckpointWriter
-from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
@@ -42,7 +41,6 @@ from .wants import Wants as Wants
 from .window import MetricsWindow as MetricsWindow
 
 __all__ = [
-    "DEFAULT_BARRIERS",
     "TRAIN_METRIC_NAMES",
     "BarrierWait",
     "Cancelled",

@@ -1,4 +1,4 @@
-"""How the micro-batches of an accumulation window are weighed (``accumulate_by``).
+"""How the micro-batches of an accumulation window are weighed (``Accumulate(n, by=...)``).
 
 By default (``"batches"``) each micro-batch's loss is divided by the window's length: every
 micro-batch weighs the same, whatever it holds. With ``"items"`` (or a counting function) each
@@ -24,7 +24,7 @@ from .forward import metric_targets
 __all__ = ["IGNORE_INDEX", "AccumulateBy", "ItemWeights", "count_items"]
 
 AccumulateBy: TypeAlias = Literal["batches", "items"] | Callable[[Any], int]
-"""``accumulate_by``: ``"batches"``, ``"items"`` or ``fn(batch) -> items``."""
+"""``Accumulate.by``: ``"batches"``, ``"items"`` or ``fn(batch) -> items``."""
 
 IGNORE_INDEX = -100
 """The label value that marks an item the loss ignores (PyTorch's and Hugging Face's)."""
@@ -38,7 +38,7 @@ def count_items(batch: Any) -> int:
     the run's device): on CPU tensors it costs no device sync.
 
     Raises:
-        TrainingError: the batch has no labels tensor there (pass ``accumulate_by=fn``).
+        TrainingError: the batch has no labels tensor there (pass ``Accumulate(n, by=fn)``).
     """
     labels: Any = None
     if isinstance(batch, Mapping | tuple | list):  # where metric functions find their targets
@@ -48,9 +48,9 @@ def count_items(batch: Any) -> int:
             labels = None
     if not isinstance(labels, torch.Tensor):
         raise TrainingError(
-            'accumulate_by="items" counts the labels != -100 of a mapping batch\'s "labels" or '
+            'Accumulate(n, by="items") counts the labels != -100 of a mapping batch\'s "labels" or '
             "of the targets of an (inputs, targets) batch; this batch "
-            f"({type(batch).__name__}) has no labels tensor there: pass accumulate_by=fn, "
+            f"({type(batch).__name__}) has no labels tensor there: pass Accumulate(n, by=fn), "
             "fn(batch) -> the number of items its loss averages over"
         )
     return int((labels != IGNORE_INDEX).sum())
@@ -84,7 +84,7 @@ class ItemWeights:
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             name = getattr(self._count, "__qualname__", repr(self._count))
             raise TrainingError(
-                f"accumulate_by={name} returned {n!r} for a batch: it must return the number "
+                f"Accumulate(by={name}) returned {n!r} for a batch: it must return the number "
                 "of items the batch's loss averages over, an int >= 0"
             )
         return n

@@ -1,8 +1,9 @@
 """Validated, frozen trainer settings: every argument checked before anything runs.
 
-The Trainer's options are declared once (``trainbus._trainer.options``); their checks build
-:class:`Settings` there, with the loop's checks of data and precision from here. A bad value
-raises ``ConfigError`` naming the field, the value and what is allowed, before anything runs.
+The Trainer's options are declared once (``Trainer.__init__``'s signature); their checks
+(``trainbus._trainer.options``) build :class:`Settings`, with the loop's checks of data and
+precision from here. A bad value raises ``ConfigError`` naming the field, the value and what is
+allowed, before anything runs.
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ from .. import events as ev
 from .._exceptions import ConfigError
 
 __all__ = [
-    "BARRIER_TYPES",
-    "DEFAULT_BARRIERS",
     "NonFinitePolicy",
     "Precision",
     "Settings",
@@ -32,17 +31,13 @@ __all__ = [
 
 Precision = Literal["32", "bf16", "fp16"]
 NonFinitePolicy = Literal["raise", "stop", "skip", "ignore"]
-DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
-BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
-    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
-)  # fmt: skip
-"""Events followed by a poll point: the only ones a barrier can make decisions exact on."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """Everything the loop needs, validated. Built by the Trainer's options
-    (``trainbus._trainer.options.build_settings``)."""
+    """Everything the loop needs, validated. Built from the Trainer's checked arguments
+    (``trainbus._trainer.options.build_settings``): no field has a default, each option's
+    default is declared once, in ``Trainer.__init__``'s signature (or its group's class)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -54,8 +49,9 @@ class Settings:
     max_steps: int | None
     scheduler: Any | None
     scheduler_interval: Literal["step", "epoch"]
+    """``"epoch"`` for ``scheduler=PerEpoch(...)``, else ``"step"``."""
     accumulate: int
-    accumulate_by: Any = "batches"
+    accumulate_by: Any
     """How a window's micro-batches weigh: ``"batches"`` (``1 / window`` each), ``"items"`` or
     ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus._loop.accumulation`)."""
     clip_grad_norm: float | None
@@ -63,34 +59,37 @@ class Settings:
     device: torch.device
     seed: int | None
     metrics: Mapping[str, Callable[[Any, Any], Any]]
-    set_metrics: Mapping[str, Any] = field(default_factory=dict)
+    set_metrics: Mapping[str, Any]
     """Metrics of the whole evaluation set by name
     (:class:`~trainbus._loop.set_metrics.SetMetric`)."""
     eval_every: int | None
+    """``EvalSchedule.every_steps``."""
     eval_at_epoch_end: bool
+    """``EvalSchedule.epoch_end``."""
+    eval_at_end: bool
+    """``EvalSchedule.at_end``: evaluate the final weights once more when a completed run's last
+    step was not evaluated (only when the run evaluates during it)."""
     log_every: int
-    eval_at_end: bool = True
-    """Evaluate the final weights once more when a completed run's last step was not evaluated
-    (only when ``eval_every`` or ``eval_at_epoch_end`` evaluates during the run)."""
     checkpoint_dir: Path | None
+    skip_final_checkpoint: frozenset[ev.Ending]
+    """``CheckpointDir.skip_final``: stopped runs (``Ending.STOPPED``/``PRUNED``/``SIGNAL``)
+    that write no final checkpoint."""
     barriers: frozenset[type[ev.BaseEvent]]
-    barrier_timeout: float
+    """The bus' ``barriers``: the event types the loop waits at."""
     on_nonfinite: NonFinitePolicy
-    scaler: Any | None = field(default=None, compare=False)
-    eval_sets: tuple[tuple[str, Iterable[Any]], ...] = ()
+    scaler: Any | None = field(compare=False)
+    eval_sets: tuple[tuple[str, Iterable[Any]], ...]
     """``(name, data)`` of each evaluation set, in order: a single loader is ``("val", it)``."""
-    eval_named: bool = False
+    eval_named: bool
     """``eval_data`` was a mapping of named sets: metrics are keyed ``<set>/<name>``."""
-    optimizers: Mapping[str, torch.optim.Optimizer] = field(default_factory=dict, compare=False)
+    optimizers: Mapping[str, torch.optim.Optimizer] = field(compare=False)
     """Every optimizer by name: ``{"default": optimizer}`` for one, the mapping given for
     several (then ``optimizer`` is their :class:`~trainbus._loop.optimizers.OptimizerSet`)."""
-    schedulers: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    schedulers: Mapping[str, Any] = field(compare=False)
     """Every scheduler by the name of its optimizer (``scheduler`` steps them all)."""
-    train_step: Callable[..., Any] | None = field(default=None, compare=False)
+    train_step: Callable[..., Any] | None = field(compare=False)
     """The user's step (``train_step=``): called per micro-batch with a
     :class:`~trainbus._loop.custom.TrainContext`; None: the default step."""
-    skip_final_checkpoint: frozenset[ev.Ending] = frozenset()
-    """Stopped runs (``Ending.STOPPED``/``PRUNED``/``SIGNAL``) that write no final checkpoint."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of a forward pass (a no-op at full precision)."""

@@ -1,9 +1,9 @@
-"""The checks of single Trainer options, named in their declaration (``options.py``).
+"""The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`.
 
-Each takes the option's name and value, returns the value the run uses, and raises
-:class:`~trainbus.ConfigError` naming the option, the value and what is allowed. Checks that
-need two options (a scheduler and its optimizers, a precision and its device) live in
-:func:`~trainbus._trainer.options.build_settings`.
+Each takes the option's (or a group field's) name and value, returns the value the run uses,
+and raises :class:`~trainbus.ConfigError` naming the option, the value and what is allowed.
+Checks that need two options (a scheduler and its optimizers, a precision and its device) and
+those of the groups of options (``EvalSchedule``...) live in :mod:`~trainbus._trainer.options`.
 """
 
 from __future__ import annotations
@@ -16,16 +16,15 @@ from typing import Any
 
 import torch
 
-from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop.set_metrics import SetMetric
-from .._loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
+from .._loop.settings import Precision, check_precision, eval_sets
 from .._tensors import resolve_device
 from .._validate import check_int
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
-from .endings import OnSignal, check_on_signal, check_skip_final
+from .endings import OnSignal, check_on_signal
 
 Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""
@@ -67,11 +66,6 @@ def one_of(*choices: str, allowed: str) -> Check:
         return value
 
     return check
-
-
-def as_given(name: str, value: Any) -> Any:
-    """No check of its own: the part that takes it checks it (the bus, the scheduler check)."""
-    return value
 
 
 def eval_data(name: str, value: Any) -> Any:
@@ -149,11 +143,6 @@ def checkpoint_dir(name: str, value: Any) -> Path | None:
     return None if value is None else check_checkpoint_dir(value)
 
 
-def skip_final_checkpoint(name: str, value: Any) -> frozenset[ev.Ending]:
-    """An iterable of the stopped endings that skip their final checkpoint."""
-    return check_skip_final(value)
-
-
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
     """Callback classes or instances (one alone too), checked, not instantiated."""
     if isinstance(value, Callback | type):
@@ -174,30 +163,8 @@ def progress(name: str, value: Any) -> bool | None:
     return value
 
 
-def barriers(name: str, value: Any) -> frozenset[type[ev.BaseEvent]]:
-    """An iterable of the event classes a barrier can follow."""
-    if not isinstance(value, Iterable) or isinstance(value, str):
-        raise ConfigError.invalid(name, value, "an iterable of event classes")
-    found = tuple(value)
-    for b in found:
-        if b not in BARRIER_TYPES:
-            raise ConfigError.invalid(
-                name, b, "event classes followed by a poll point: "
-                + ", ".join(t.__name__ for t in BARRIER_TYPES),
-            )  # fmt: skip
-    return frozenset(found)
-
-
-def barrier_timeout(name: str, value: Any) -> float:
-    """Seconds > 0 (inf: no deadline)."""
-    if not (isinstance(value, int | float) and not isinstance(value, bool)
-            and value > 0):  # NaN compares False; inf waits without a deadline  # fmt: skip
-        raise ConfigError.invalid(name, value, "seconds > 0")
-    return float(value)
-
-
-def on_signal(name: str, value: Any) -> OnSignal:
-    """``"raise"`` or ``"return"``."""
+def on_signal(name: str, value: Any) -> OnSignal | None:
+    """``"raise"``, ``"return"`` or None (no signal handler)."""
     return check_on_signal(value)
 
 
@@ -210,7 +177,6 @@ def bus(name: str, value: Any) -> EventBus | None:
 
 train_step = callable_or_none("a callable step(ctx) or None", show_type=True)
 loss_fn = callable_or_none("a callable loss_fn(outputs, targets) or None")
-scheduler_interval = one_of("step", "epoch", allowed="'step' or 'epoch'")
 on_nonfinite = one_of("raise", "stop", "skip", "ignore",
                       allowed="'raise', 'stop', 'skip' or 'ignore'")  # fmt: skip
 
@@ -222,9 +188,6 @@ def ddp(name: str, value: Any) -> bool | None:
             name, value, "None (DDP unless the model is sharded with fully_shard), True or False"
         )
     return value
-
-
-on_lost = one_of("warn", "raise", allowed="'warn' or 'raise'")
 
 
 def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:

@@ -32,12 +32,14 @@ SKIPPABLE = (Ending.STOPPED, Ending.PRUNED, Ending.SIGNAL)
 OnSignal = Literal["raise", "return"]
 
 
-def check_on_signal(value: object) -> OnSignal:
-    """``value`` as an :data:`OnSignal`.
+def check_on_signal(value: object) -> OnSignal | None:
+    """``Trainer(on_signal=)``: an :data:`OnSignal`, or None for no signal handler.
 
     Raises:
-        ConfigError: ``value`` is neither ``"raise"`` nor ``"return"``.
+        ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
     """
+    if value is None:
+        return None
     if value == "raise":
         return "raise"
     if value == "return":
@@ -45,8 +47,8 @@ def check_on_signal(value: object) -> OnSignal:
     raise ConfigError.invalid(
         "on_signal",
         value,
-        "'raise' (the interrupt reaches the caller "
-        "after the graceful stop) or 'return' (fit() returns the result)",
+        "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
+        "(fit() returns the result) or None (no handler: Python's own SIGINT and SIGTERM)",
     )
 
 
@@ -74,12 +76,13 @@ def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> 
     return exit_
 
 
-def check_skip_final(value: object) -> frozenset[Ending]:
-    """``skip_final_checkpoint`` as a set of endings.
+def check_skip_final(value: object, name: str = "CheckpointDir.skip_final") -> frozenset[Ending]:
+    """``CheckpointDir(skip_final=)`` as a set of endings.
 
     Args:
         value: An iterable of ``"stopped"``, ``"pruned"``, ``"signal"`` (or those
             :class:`~trainbus.events.Ending` members); empty: every stopped run writes one.
+        name: The field, as the message names it.
 
     Returns:
         The endings whose final checkpoint is skipped.
@@ -92,10 +95,10 @@ def check_skip_final(value: object) -> frozenset[Ending]:
         "checkpoint to skip), e.g. {'pruned'}; empty: always write it"
     )
     if isinstance(value, str) or not isinstance(value, Iterable):
-        raise ConfigError.invalid("skip_final_checkpoint", value, allowed)
+        raise ConfigError.invalid(name, value, allowed)
     out = set()
     for item in value:
         if item not in SKIPPABLE:
-            raise ConfigError.invalid("skip_final_checkpoint", item, allowed)
+            raise ConfigError.invalid(name, item, allowed)
         out.add(Ending(item))
     return frozenset(out)

@@ -1,19 +1,30 @@
-"""Hugging Face's option names and what replaces each in trainbus: :data:`HF_OPTIONS`.
+"""Hugging Face's option names and what replaces each in trainbus (:data:`HF_OPTIONS`), and the
+same for the trainbus options that moved or were grouped (:data:`REMOVED_OPTIONS`).
 
 A user coming from ``transformers.Trainer`` writes ``Trainer(..., gradient_accumulation_steps=4,
 max_grad_norm=1.0)``. Python's ``TypeError`` for an unknown keyword says nothing useful there;
 :func:`check_options <trainbus._trainer.options.check_options>` adds the trainbus equivalent
 from this table (:func:`hf_hint`). The same table is docs/migration.md's ``TrainingArguments``
 section (``tests/test_migration.py`` renders it from here), so the message and the page cannot
-disagree.
+disagree. A removed trainbus name gets the spelling that replaces it, with the value given
+(``Trainer(watchdog_s=5)``: ``bus=EventBus(watchdog_s=5)``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["HF_OPTIONS", "HfOption", "hf_hint"]
+__all__ = [
+    "HF_OPTIONS",
+    "LIGHTNING_OPTIONS",
+    "REMOVED_OPTIONS",
+    "HfOption",
+    "hf_hint",
+    "lightning_hint",
+    "removed_hint",
+]
 
 Source = Literal["TrainingArguments", "Trainer", "EarlyStoppingCallback"]
 
@@ -61,8 +72,9 @@ HF_OPTIONS: tuple[HfOption, ...] = (
              "shuffle=True)` as `train_data` (under torchrun, N per rank)"),
     HfOption("per_device_eval_batch_size",
              "pass a `DataLoader(dataset, batch_size=N)` as `eval_data`"),
-    HfOption("gradient_accumulation_steps", "`accumulate=N`; `accumulate_by=\"items\"` weighs "
-             "the micro-batches by their labels as Hugging Face's `num_items_in_batch` does "
+    HfOption("gradient_accumulation_steps", "`accumulate=N`; `accumulate=Accumulate(N, "
+             "by=\"items\")` weighs the micro-batches by their labels as Hugging Face's "
+             "`num_items_in_batch` does "
              "(a causal LM, whose loss shifts its labels: count `labels[..., 1:]`, "
              "docs/trainer.md#gradient-accumulation)",
              "accumulate"),
@@ -96,13 +108,14 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("report_to", "`callbacks=[TensorBoardLogger(...)]`, `MLflowLogger(...)`, "
              "`WandbLogger(...)` or `JsonlEventLog(...)`", "callbacks"),
     HfOption("disable_tqdm", "`progress=False`", "progress"),
-    HfOption("eval_strategy", '`eval_every=N` for `"steps"`, `eval_at_epoch_end=True` (the '
-             'default, with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`',
-             "eval_every"),
-    HfOption("evaluation_strategy", '`eval_every=N` for `"steps"`, `eval_at_epoch_end=True` '
-             '(the default, with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`',
-             "eval_every", current=False),
-    HfOption("eval_steps", "`eval_every=N`", "eval_every"),
+    HfOption("eval_strategy", '`eval_schedule=EvalSchedule(every_steps=N, epoch_end=False)` '
+             'for `"steps"`, `EvalSchedule(epoch_end=True)` (the default, with `eval_data`) '
+             'for `"epoch"`; no `eval_data` for `"no"`', "eval_schedule"),
+    HfOption("evaluation_strategy", '`eval_schedule=EvalSchedule(every_steps=N, '
+             'epoch_end=False)` for `"steps"`, `EvalSchedule(epoch_end=True)` (the default, '
+             'with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`', "eval_schedule",
+             current=False),
+    HfOption("eval_steps", "`eval_schedule=EvalSchedule(every_steps=N)`", "eval_schedule"),
     HfOption("eval_on_start", "call `trainer.evaluate_sync()` before `fit_sync()`"),
     HfOption("eval_accumulation_steps", "not needed: `predict()` copies each batch's outputs "
              "to the host as it comes"),
@@ -168,3 +181,96 @@ def hf_hint(name: str) -> str | None:
     if option is None:
         return None
     return f"that is Hugging Face's {option.source}.{name}; in trainbus: {option.plain_use}"
+
+
+def _bus(name: str) -> Callable[[Any], str]:
+    return lambda value: f"bus=EventBus({name}={value!r}) (an option of the bus)"
+
+
+def _signals(value: Any) -> str:
+    if value is False:
+        return "on_signal=None (no signal handler)"
+    return "on_signal='raise' (the default) or 'return'; on_signal=None for no signal handler"
+
+
+def _interval(value: Any) -> str:
+    if value == "epoch":
+        return "scheduler=PerEpoch(scheduler) (stepped once per epoch)"
+    return "scheduler=scheduler (stepped every optimizer step, the default)"
+
+
+REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "watchdog_s": ("bus", _bus("watchdog_s")),
+    "close_timeout": ("bus", _bus("close_timeout")),
+    "on_lost": ("bus", _bus("on_lost")),
+    "barriers": ("bus", _bus("barriers")),
+    "barrier_timeout": ("bus", _bus("barrier_timeout")),
+    "eval_every": ("eval_schedule", lambda v: f"eval_schedule=EvalSchedule(every_steps={v!r})"),
+    "eval_at_epoch_end": (
+        "eval_schedule",
+        lambda v: f"eval_schedule=EvalSchedule(epoch_end={v!r})",
+    ),
+    "eval_at_end": ("eval_schedule", lambda v: f"eval_schedule=EvalSchedule(at_end={v!r})"),
+    "handle_signals": ("on_signal", _signals),
+    "scheduler_interval": ("scheduler", _interval),
+    "accumulate_by": ("accumulate", lambda v: f"accumulate=Accumulate(n, by={v!r})"),
+    "skip_final_checkpoint": (
+        "checkpoint_dir",
+        lambda v: f"checkpoint_dir=CheckpointDir(path, skip_final={v!r})",
+    ),
+}
+"""Every trainbus option name the Trainer no longer takes: ``{name: (the option that replaces
+it, value -> what to write instead)}``."""
+
+
+def removed_hint(name: str, value: Any) -> str | None:
+    """What replaces the removed trainbus option ``name`` given ``value``, or None.
+
+    Args:
+        name: A keyword given to ``Trainer`` that is no option.
+        value: The value given (shown in the spelling that replaces it).
+
+    Returns:
+        ``"<name> is no Trainer option now; in trainbus: <spelling>"``, or None when ``name``
+        is no removed trainbus option.
+    """
+    removed = REMOVED_OPTIONS.get(name)
+    if removed is None:
+        return None
+    return f"{name} is no Trainer option now; in trainbus: {removed[1](value)}"
+
+
+LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
+    "accumulate_grad_batches": ("accumulate", "accumulate=N"),
+    "gradient_clip_val": ("clip_grad_norm", "clip_grad_norm=..."),
+    "val_check_interval": ("eval_schedule", "eval_schedule=EvalSchedule(every_steps=N)"),
+    "check_val_every_n_epoch": (
+        "eval_schedule",
+        "eval_schedule=EvalSchedule(epoch_end=True) (every epoch)",
+    ),
+    "default_root_dir": ("checkpoint_dir", "checkpoint_dir=..."),
+    "enable_checkpointing": ("callbacks", "callbacks=[Checkpointing(...)] with checkpoint_dir="),
+    "enable_progress_bar": ("progress", "progress=True or False"),
+    "log_every_n_steps": ("log_every", "log_every=N"),
+    "accelerator": ("device", "device='cuda', 'mps', 'cpu' or 'auto'"),
+    "devices": ("device", "device=...; several GPUs: run under torchrun (docs/distributed.md)"),
+    "strategy": ("ddp", "ddp=None (DDP under torchrun, FSDP2 models left as they are)"),
+}
+"""Lightning's ``Trainer`` option names that trainbus spells otherwise: ``{name: (the trainbus
+option, what to write)}``. Names both share (``max_epochs``, ``max_steps``, ``precision``,
+``callbacks``) mean the same in both."""
+
+
+def lightning_hint(name: str) -> str | None:
+    """What replaces the Lightning ``Trainer`` option ``name`` in trainbus, or None.
+
+    Args:
+        name: A keyword given to ``Trainer`` that is no trainbus option.
+
+    Returns:
+        ``"that is Lightning's Trainer.<name>; in trainbus: <use>"``, or None.
+    """
+    found = LIGHTNING_OPTIONS.get(name)
+    if found is None:
+        return None
+    return f"that is Lightning's Trainer.{name}; in trainbus: {found[1]}"

@@ -22,7 +22,7 @@ import dataclasses
 import os
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any, Literal, Self, Unpack
+from typing import Any, Self
 
 import anyio
 import anyio.from_thread
@@ -44,16 +44,20 @@ from .._loop import (
     HookHandle,
     Hooks,
     Loop,
+    NonFinitePolicy,
     Outcome,
     PadValue,
     PadValues,
+    Precision,
     Settings,
     StandaloneRun,
+    TrainContext,
     eval_sets,
     evaluation_metric_names,
     join_outputs,
 )
 from .._loop.outputs import ignored_keys
+from .._loop.set_metrics import SetMetric
 from .._seeding import seeded_run
 from .._tensors import is_sharded_model
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
@@ -62,15 +66,22 @@ from ..checkpoint import TrainState
 from .attached import Attached
 from .endings import OnSignal, interrupt_for
 from .lifetime import Lifetime
-from .options import TrainerOptions, build_settings, check_options, new_bus, options_doc
-from .options import signature as options_signature
+from .options import (
+    Accumulate,
+    CheckpointDir,
+    EvalSchedule,
+    PerEpoch,
+    build_settings,
+    check_options,
+    explains_unknown_options,
+)
 from .rank_setup import RankSetup
 from .result import FitResult, fit_result
 from .resume import CallbackStates, check_resume, load_weights
 from .session import BusSession, SignalWatcher, TrainingThread, watching_cancel
 from .workers import end_workers, spawns_workers
 
-__all__ = ["FitResult", "Trainer", "TrainerOptions"]
+__all__ = ["Accumulate", "CheckpointDir", "EvalSchedule", "FitResult", "PerEpoch", "Trainer"]
 
 log = get_logger(__name__)
 
@@ -85,28 +96,130 @@ class Trainer:
             default step steps them all, a ``train_step`` steps them by name; each one's state
             is saved and restored (docs/trainer.md, "Several optimizers").
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
-        **options: The keyword options (``max_steps=``, ``eval_data=``, ``callbacks=``...),
-            declared once in :class:`TrainerOptions` (type, default, check and meaning of
-            each; the table in docs/trainer.md). ``help(Trainer)`` lists them under "Options".
+        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` called per micro-batch:
+            any forwards, ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps
+            the events, hooks, accumulation, clipping, precision, non-finite checks and
+            checkpoints (docs/recipes.md). None: the default step.
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
+            Without it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a
+            mapping with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
+        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
+            (``{"val": val_loader, "test": test_loader}``), scored one after the other in one
+            evaluation round. Metrics of a single loader are ``val_loss``/``val_<name>``; of
+            named sets ``<set>/loss``/``<set>/<name>`` (``"test/acc"``).
+        max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
+        max_steps: Optimizer steps to train.
+        scheduler: An LR scheduler, stepped every optimizer step; with several optimizers a
+            mapping of optimizer names to schedulers. ``PerEpoch(scheduler)``: stepped once
+            per epoch instead.
+        accumulate: Micro-batches per optimizer step (gradient accumulation), or
+            ``Accumulate(n, by="items")`` to weigh them by their items (:class:`Accumulate`).
+        clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
+            reported as ``grad_norm`` on the events.
+        precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
+            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only); Lightning's
+            ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
+        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
+            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
+            loop, evaluate and predict make it current on their own threads (docs/trainer.md,
+            "On a GPU").
+        seed: At the start of ``fit()``, seeds Python's, NumPy's and torch's process-wide
+            generators (:func:`~trainbus.seed_everything`; call that one before building the
+            model for equal initial weights), and gives a ``DataLoader(shuffle=True)`` without
+            a ``generator`` a data order of ``(seed, epoch)`` that no other thread's draws
+            change (docs/trainer.md, "Seeds").
+        metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``;
+            ``targets`` is the second element of ``(inputs, targets)`` batches, a mapping
+            batch's ``"labels"``, else the batch (docs/trainer.md, "Metric functions").
+        set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as
+            ``val_ppl``: each sums ``update(outputs, targets)``'s values over the set (and the
+            ranks) and ``compute(totals)`` gives the value (:class:`~trainbus.SetMetric`;
+            :class:`~trainbus.Perplexity`, :class:`~trainbus.TokenAccuracy`). One that raises
+            is counted in ``FitResult.metric_failures`` and left out; the run goes on
+            (docs/trainer.md, "Metrics of the whole set").
+        eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`): every N
+            optimizer steps (``every_steps``), after each epoch (``epoch_end``, default) and
+            once more at the end of a completed run whose last step was not evaluated
+            (``at_end``, default).
+        log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
+        checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
+            run completes or stops (``CheckpointDir(path, skip_final={"pruned"})``: stopped
+            runs that write none). Checked now (creatable, writable, not under a file),
+            created at the first save (or when ``fit()`` starts, with ``attach`` listening
+            there; removed at the end if still empty). Resume with ``fit(resume=...)``.
+        callbacks: Callback classes or instances (user tier). Stateful ones (overriding
+            ``state_dict``) need distinct ``state_key``s.
+        progress: Show a :class:`~trainbus.callbacks.Progress` bar: ``None`` (default) when
+            stderr is a terminal on rank 0 (the ``RANK`` variable torchrun sets, default 0),
+            ``True`` always, ``False`` never. A ``Progress`` in ``callbacks`` replaces it.
+        on_nonfinite: A NaN/inf loss ``"raise"``s ``NonFiniteLossError`` (the run fails),
+            ``"stop"``s the run (no checkpoint of the bad state), ``"skip"``s that batch's
+            update (counted in ``FitResult.skipped_nonfinite``), or is ``"ignore"``d. Checked
+            every step (docs/trainer.md); a checkpoint never holds non-finite weights.
+        on_signal: SIGINT/SIGTERM during ``fit()`` / ``fit_sync()`` called on the main thread
+            become a graceful stop (``StopTraining``: final checkpoint written, events
+            delivered; a second SIGINT aborts; a signal the process ignores stays ignored).
+            Then ``"raise"`` (default) lets the interrupt reach the caller,
+            ``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM
+            (``trainer.result`` holds the result, ``ending == Ending.SIGNAL``); ``"return"``
+            returns the result instead. None: no handler (Python's own behaviour).
+        bus: The :class:`EventBus` to run on (default: a new ``EventBus()``). The bus' own
+            options are set there: ``bus=EventBus(close_timeout=..., watchdog_s=...,
+            barriers=..., barrier_timeout=..., on_lost="raise")``.
+        ddp: Under ``torchrun`` with more than one rank, wrap the model in
+            ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
+            for a model you parallelise yourself (a custom wrapper): trainbus then neither
+            wraps it nor all-reduces its gradients (docs/distributed.md). None (the default):
+            DDP, except for a model sharded with FSDP2 (``fully_shard``), which reduces its own
+            gradients and is never wrapped; ``True`` for such a model is a ``ConfigError``.
+        attach: Let other processes of your user attach to ``fit()`` (``trainbus attach
+            RUN_DIR``, :func:`trainbus.attach`): rank 0 listens on ``attach.sock`` in the run
+            folder, with ``attach.token`` beside it, both removed at the end. True (default):
+            in ``checkpoint_dir`` when set (on platforms with Unix domain sockets); a folder:
+            there; False: never. Free while nobody is attached (docs/attach.md).
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
+        TypeError: a keyword that is no option, naming what replaces it (a Hugging Face name,
+            an option of the bus, a trainbus name that was grouped) or the nearest option.
     """
 
+    @explains_unknown_options
     def __init__(
         self,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer | Mapping[str, torch.optim.Optimizer],
         train_data: Iterable[Any],
-        **options: Unpack[TrainerOptions],
+        *,
+        train_step: Callable[[TrainContext], Any] | None = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        eval_data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        scheduler: Any | PerEpoch | None = None,
+        accumulate: int | Accumulate = 1,
+        clip_grad_norm: float | None = None,
+        precision: Precision = "32",
+        device: str | torch.device = "auto",
+        seed: int | None = None,
+        metrics: Mapping[str, Callable[[Any, Any], Any]] | None = None,
+        set_metrics: Mapping[str, SetMetric] | None = None,
+        eval_schedule: EvalSchedule = EvalSchedule(),
+        log_every: int = 50,
+        checkpoint_dir: str | os.PathLike[str] | CheckpointDir | None = None,
+        callbacks: Iterable[Callback | type[Callback]] = (),
+        progress: bool | None = None,
+        on_nonfinite: NonFinitePolicy = "raise",
+        on_signal: OnSignal | None = "raise",
+        bus: EventBus | None = None,
+        ddp: bool | None = None,
+        attach: bool | str | os.PathLike[str] = True,
     ) -> None:
-        checked = check_options(options)
-        self.settings: Settings = build_settings(model, optimizer, train_data, checked)
-        self.handle_signals: bool = checked["handle_signals"]
-        self.on_signal: OnSignal = checked["on_signal"]
+        checked = check_options(locals())  # the keyword options, as the signature declares them
+        self.bus: EventBus = checked["bus"] or EventBus()
+        self.settings: Settings = build_settings(model, optimizer, train_data, checked, self.bus)
+        self.on_signal: OnSignal | None = checked["on_signal"]
         self.ddp: bool = check_ddp(checked["ddp"], self.settings.model)
-        self.on_lost: Literal["warn", "raise"] = checked["on_lost"]
-        self.bus: EventBus = new_bus(checked)
         self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
@@ -116,8 +229,7 @@ class Trainer:
         # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
-        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout,
-                                   self._thread)  # fmt: skip
+        self._session = BusSession(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
         self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
         self._lifetime = Lifetime(self.bus, self._thread)
         self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
@@ -257,7 +369,7 @@ class Trainer:
             As :meth:`fit`; ``ConfigError`` for an unknown ``backend``; ``TrainbusError`` when
             the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
         """
-        with self._signals.installed(self.handle_signals):
+        with self._signals.installed(self.on_signal is not None):
             result: FitResult = self._lifetime.call(
                 lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
@@ -373,7 +485,7 @@ class Trainer:
         self._call = "fit"
         self._signals.attach(loop)
         try:
-            with self._signals.installed(self.handle_signals):
+            with self._signals.installed(self.on_signal is not None):
                 async with self._session.open():
                     async with watching_cancel(loop, self._thread):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
@@ -398,7 +510,7 @@ class Trainer:
         assert outcome is not None and self.result is not None
         if outcome.error is not None:
             raise outcome.error
-        if self.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
+        if self.bus.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
             raise LostWorkError(self.result.lost, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
@@ -622,9 +734,3 @@ class Trainer:
                                                         pad_value=pad_value,
                                                         ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip
-
-
-# The signature and docstring as users read them (help(Trainer), inspect.signature, an IDE's
-# runtime introspection): **options spelt out from their one declaration.
-vars(Trainer.__init__)["__signature__"] = options_signature(Trainer.__init__)
-Trainer.__doc__ = f"{Trainer.__doc__}\n    Options:\n{options_doc(8)}\n"

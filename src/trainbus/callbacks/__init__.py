@@ -4,6 +4,7 @@ from .._exceptions import EvaluationJobError as EvaluationJobError
 from ._base import Callback as Callback
 from ._base import GlobalCallbackHandle as GlobalCallbackHandle
 from ._base import RunPlan as RunPlan
+from ._base import SubscribeOptions as SubscribeOptions
 from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
 from ._checkpoint import Checkpointing as Checkpointing
@@ -50,6 +51,7 @@ __all__ = [
     "ReduceLROnPlateau",
     "RunPlan",
     "RuntimeEstimator",
+    "SubscribeOptions",
     "TensorBoardLogger",
     "ThresholdStopping",
     "Throughput",

@@ -30,19 +30,20 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 import torch
 
 from .. import events as ev
+from .._bus.async_subscription import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
+from .._bus.failures import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.async_subscription import Overflow
-    from .._bus.failures import ErrorPolicy
     from .._trainer.result import FitResult  # where it is defined: no circle through trainer
 
 __all__ = [
     "Callback",
     "GlobalCallbackHandle",
     "RunPlan",
+    "SubscribeOptions",
     "global_callbacks",
     "register_global_callback",
 ]
@@ -131,18 +132,61 @@ def plain_settings(settings: object) -> dict[str, PlainValue]:
     return out
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubscribeOptions:
+    """How a :class:`Callback`'s ``on_*`` methods subscribe: the options of
+    :meth:`EventBus.subscribe_async <trainbus.bus.EventBus.subscribe_async>` (``on_error`` also
+    of ``subscribe``, for its plain ``def on_*`` methods), by the same names and with the same
+    defaults. ``subscribe_options = SubscribeOptions(overflow="block")`` on the class.
+
+    Args:
+        on_error: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus' default).
+        concurrency: Concurrent calls of each ``async def on_*`` method.
+        buffer: Items each ``async def on_*`` method may have waiting (None: the bus'
+            default, 64).
+        overflow: What a full buffer does (default ``"drop_oldest"``: a slow method never
+            holds training back; drops are lost work. ``"block"`` loses nothing but can slow
+            training: see docs/bus.md).
+        decides: True when an ``async def on_*`` method sends commands that must land on the
+            step they were decided for: every barrier that delivers it an event then waits for
+            it (docs/bus.md, "Barriers"). False (default): its async methods never hold
+            training.
+
+    Raises:
+        ConfigError: naming the field (``SubscribeOptions.overflow``...), the value and what
+            is allowed.
+    """
+
+    on_error: ErrorPolicy | None = None
+    concurrency: int = 1
+    buffer: int | None = None
+    overflow: Overflow = DEFAULT_OVERFLOW
+    decides: bool = False
+
+    def __post_init__(self) -> None:
+        if self.on_error is not None and self.on_error not in ERROR_POLICIES:
+            raise ConfigError.invalid("SubscribeOptions.on_error", self.on_error,
+                                      f"None or one of {ERROR_POLICIES}")  # fmt: skip
+        for name in ("concurrency", "buffer"):
+            value = getattr(self, name)
+            if not (value is None and name == "buffer") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ConfigError.invalid(f"SubscribeOptions.{name}", value, "an int >= 1"
+                                          + (" or None" if name == "buffer" else ""))  # fmt: skip
+        if self.overflow not in OVERFLOWS:
+            raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
+                                      f"one of {OVERFLOWS}")  # fmt: skip
+        if not isinstance(self.decides, bool):
+            raise ConfigError.invalid("SubscribeOptions.decides", self.decides, "True or False")
+
+
 class Callback:
     """Base class for class-based callbacks. Subclass it and define the methods you need.
 
-    Class attributes tune how ``on_*`` methods subscribe:
-
     Attributes:
-        error_policy: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus default).
-        overflow: Overflow policy of ``async def on_*`` methods (default ``"drop_oldest"``, the
-            bus' default: a slow method never holds training back; drops are lost work.
-            ``"block"`` loses nothing but can slow training: see docs/bus.md).
-        buffer: Buffer of ``async def on_*`` methods (None: the bus default).
-        concurrency: Concurrent calls of each ``async def on_*`` method.
+        subscribe_options: How its ``on_*`` methods subscribe (:class:`SubscribeOptions`: the
+            options of ``EventBus.subscribe_async``, with its defaults), a class attribute.
         state_key: The name of this callback's state in checkpoints (None: the class name).
             Only callbacks that override :meth:`state_dict` keep state; two of them with one
             key in a Trainer are a ``ConfigError``, so give each instance of a class its own.
@@ -157,15 +201,7 @@ class Callback:
     ``FitStarted`` of a resumed run.
     """
 
-    error_policy: ClassVar[ErrorPolicy | None] = None
-    overflow: ClassVar[Overflow] = "drop_oldest"
-    buffer: ClassVar[int | None] = None
-    concurrency: ClassVar[int] = 1
-    decides: ClassVar[bool] = False
-    """Set True when an ``async def on_*`` method sends commands that must land on the step
-    they were decided for: every barrier that delivers it an event then waits for it
-    (``EventBus.subscribe_async(decides=)``, docs/bus.md "Barriers"). False (default): its
-    async methods never hold training."""
+    subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions()
     state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
     publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()
@@ -271,8 +307,8 @@ class Callback:
         return inspect.iscoroutinefunction(method)
 
     def subscribe_to(self, bus: EventBus) -> None:
-        """Subscribe this callback's ``on_*`` methods to ``bus`` (with its ``error_policy``,
-        ``concurrency``, ``buffer`` and ``overflow``) and call :meth:`setup`, all on its
+        """Subscribe this callback's ``on_*`` methods to ``bus`` (with its
+        ``subscribe_options``) and call :meth:`setup`, all on its
         ``ranks``. Its ``hook_*`` methods are not attached here (a Trainer adds them). What
         ``Trainer.add_callback`` and the launcher's driver both do.
 
@@ -280,17 +316,21 @@ class Callback:
             ConfigError: a misspelt ``on_*`` / ``hook_*`` method, or bad ``ranks``.
         """
         subs_map, _ = type(self).methods()
+        options = self.subscribe_options
+        if not isinstance(options, SubscribeOptions):
+            raise ConfigError.invalid(f"{type(self).__name__}.subscribe_options", options,
+                                      "a trainbus.callbacks.SubscribeOptions")  # fmt: skip
         with bus.on_ranks(self.ranks):
             for name, event_type in sorted(subs_map.items()):
                 method = getattr(self, name)
                 label = f"{type(self).__name__}.{name}"
                 if Callback.is_async(method):
                     bus.subscribe_async(bus.stream(event_type), method,
-                                        concurrency=self.concurrency, buffer=self.buffer,
-                                        overflow=self.overflow, on_error=self.error_policy,
-                                        decides=self.decides, name=label)  # fmt: skip
+                                        concurrency=options.concurrency, buffer=options.buffer,
+                                        overflow=options.overflow, on_error=options.on_error,
+                                        decides=options.decides, name=label)  # fmt: skip
                 else:
-                    bus.subscribe(bus.stream(event_type), method, on_error=self.error_policy,
+                    bus.subscribe(bus.stream(event_type), method, on_error=options.on_error,
                                   name=label)  # fmt: skip
             self.setup(bus)
 

@@ -7,7 +7,7 @@ evaluation). Everything happens in inline hooks on the training thread, at exact
 - ``after_optimizer_step``: fold the weights into the average (every ``every`` steps);
 - ``before_evaluation`` / ``after_evaluation``: swap the average into the model for the whole
   evaluation round, and the training weights back afterwards (also when the round raised or
-  was cancelled), so every evaluation (``eval_every``, the epoch's end, ``Evaluate``,
+  was cancelled), so every evaluation (``EvalSchedule.every_steps``, the epoch's end, ``Evaluate``,
   ``trainer.evaluate()``) scores the averaged model and training goes on with its own weights.
 
 The average is the callback's checkpoint state (``state_dict``), so it is saved with every

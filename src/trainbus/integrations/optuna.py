@@ -6,7 +6,8 @@
     from trainbus.integrations.optuna import OptunaPruning
 
     def objective(trial):
-        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader, eval_every=20,
+        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader,
+                          eval_schedule=EvalSchedule(every_steps=20),
                           max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
         return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
@@ -16,9 +17,10 @@ values logged from anywhere), asks the study's pruner, and when it says so sends
 ``StopTraining(reason="pruned")``. A decision on an evaluation is applied before the next step
 (``EvaluationEnded`` is a barrier); one on ``MetricsLogged`` too (the callback declares the log
 steps as decision steps). The run then stops as any stopped run does (the final checkpoint,
-unless ``Trainer(skip_final_checkpoint={"pruned"})``; ``FitEnded``; ``FitResult.ending ==
-Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned``: Optuna stores the
-trial PRUNED with no code in the objective. See docs/sweeps.md.
+unless ``checkpoint_dir=CheckpointDir(path, skip_final={"pruned"})``; ``FitEnded``;
+``FitResult.ending == Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise
+``optuna.TrialPruned``: Optuna stores the trial PRUNED with no code in the objective. See
+docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -34,12 +36,11 @@ from .. import events as ev
 from .._bus.rank_filter import env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
-from ..callbacks._base import Callback, RunPlan
+from ..callbacks._base import Callback, RunPlan, SubscribeOptions
 from ..callbacks._sets import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.failures import ErrorPolicy
     from .._trainer.trainer import FitResult
 
 __all__ = ["OptunaPruning", "PrunerError"]
@@ -93,7 +94,7 @@ class OptunaPruning(Callback):
     :meth:`after_fit`, once the run ended and every event was delivered).
     """
 
-    error_policy: ClassVar[ErrorPolicy | None] = "raise"
+    subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions(on_error="raise")
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
         optuna = _optuna()

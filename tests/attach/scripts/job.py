@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 import trainbus
+from trainbus import EvalSchedule
 from trainbus import events as ev
 
 
@@ -47,7 +48,7 @@ def main() -> None:
     attach: Any = {"on": True, "off": False}.get(a.attach, a.attach)
     t = trainbus.Trainer(model, opt, data, loss_fn=nn.functional.mse_loss, max_steps=a.max_steps,
                          log_every=a.log_every, checkpoint_dir=run, eval_data=data[:2],
-                         eval_at_epoch_end=False, eval_at_end=False, progress=False,
+                         eval_schedule=EvalSchedule(epoch_end=False, at_end=False), progress=False,
                          attach=attach)  # fmt: skip
     seen: dict[str, Any] = {"wanted_while_paused": []}
     steps: list[int] = []

@@ -54,7 +54,7 @@ def build(**kw: Any) -> tuple[nn.Module, torch.optim.Optimizer, DataLoader[Any]]
 def run(mode: str) -> None:
     rank = dist.get_rank()
     model, opt, loader = build()
-    kw: dict[str, Any] = {"max_epochs": 2, "log_every": 3, "handle_signals": False,
+    kw: dict[str, Any] = {"max_epochs": 2, "log_every": 3, "on_signal": None,
                           "progress": False, "device": "cpu", "seed": 0}  # fmt: skip
     calls = [0]
     loss_fn: Any = F.cross_entropy

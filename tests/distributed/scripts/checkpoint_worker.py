@@ -22,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainbus
+from trainbus import EvalSchedule
 from trainbus.callbacks import Checkpointing
 
 OUT = Path(sys.argv[1])
@@ -42,12 +43,20 @@ def trainer(best: Checkpointing, **kw: Any) -> trainbus.Trainer:
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     return trainbus.Trainer(
-        model, opt, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
-        loss_fn=F.cross_entropy, seed=0, progress=False, handle_signals=False, max_epochs=5,
-        eval_data=DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8), eval_every=3,
-        eval_at_epoch_end=False, eval_at_end=False, checkpoint_dir=OUT / "ckpt",
-        callbacks=[best], **kw,
-    )  # fmt: skip
+        model,
+        opt,
+        DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+        loss_fn=F.cross_entropy,
+        seed=0,
+        progress=False,
+        on_signal=None,
+        max_epochs=5,
+        eval_data=DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8),
+        eval_schedule=EvalSchedule(every_steps=3, epoch_end=False, at_end=False),
+        checkpoint_dir=OUT / "ckpt",
+        callbacks=[best],
+        **kw,
+    )
 
 
 def checkpointing() -> Checkpointing:

@@ -23,6 +23,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainbus
+from trainbus import EvalSchedule
 from trainbus._hookpoints import StepContext
 from trainbus.callbacks import EMA
 from trainbus.checkpoint import read_checkpoint
@@ -57,11 +58,19 @@ def trainer(callbacks: list[trainbus.Callback], **kw: Any) -> trainbus.Trainer:
     model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return trainbus.Trainer(
-        model, opt, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
-        loss_fn=F.cross_entropy, seed=0, progress=False, handle_signals=False, max_epochs=2,
-        eval_data=DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8), eval_every=5,
-        callbacks=callbacks, **kw,
-    )  # fmt: skip
+        model,
+        opt,
+        DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+        loss_fn=F.cross_entropy,
+        seed=0,
+        progress=False,
+        on_signal=None,
+        max_epochs=2,
+        eval_data=DataLoader(TensorDataset(x[:32], y[:32]), batch_size=8),
+        eval_schedule=EvalSchedule(every_steps=5),
+        callbacks=callbacks,
+        **kw,
+    )
 
 
 def main() -> None:

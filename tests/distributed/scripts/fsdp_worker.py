@@ -80,7 +80,7 @@ def trainer(model: nn.Module, opt: torch.optim.Optimizer, data: Any, **kw: Any) 
     # until its fit() ends, and the other rank may list the folder before then (seen under load).
     kw.setdefault("attach", False)
     return trainbus.Trainer(model, opt, data, loss_fn=F.cross_entropy, seed=0, progress=False,
-                            handle_signals=False, **kw)  # fmt: skip
+                            on_signal=None, **kw)  # fmt: skip
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainbus
+from trainbus import EvalSchedule
 from trainbus.integrations.optuna import OptunaPruning
 
 OUT = Path(sys.argv[1])
@@ -45,12 +46,18 @@ def objective(trial: optuna.Trial | None) -> float:
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
     trainer = trainbus.Trainer(
-        model, torch.optim.SGD(model.parameters(), lr=0.1),
-        DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True), loss_fn=F.cross_entropy,
-        eval_data=DataLoader(TensorDataset(x, y), batch_size=16), eval_every=2, max_steps=40,
-        seed=0, progress=False, handle_signals=False,
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        DataLoader(TensorDataset(x, y), batch_size=4, shuffle=True),
+        loss_fn=F.cross_entropy,
+        eval_data=DataLoader(TensorDataset(x, y), batch_size=16),
+        eval_schedule=EvalSchedule(every_steps=2),
+        max_steps=40,
+        seed=0,
+        progress=False,
+        on_signal=None,
         callbacks=[OptunaPruning(trial, "val_loss")],
-    )  # fmt: skip
+    )
     steps: list[int] = []
     trainer.add_hook("after_optimizer_step", lambda ctx: steps.append(ctx.step))
     out: dict[str, Any] = {"rank": RANK, "raised": None}

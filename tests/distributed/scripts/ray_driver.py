@@ -41,7 +41,7 @@ def train_fn(config: dict[str, Any]) -> None:
     model = tiny_model()
     t = trainbus.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01),
                          tiny_loader(20_000, 8), loss_fn=F.cross_entropy, max_epochs=1,
-                         checkpoint_dir=out / "ckpt", progress=False, handle_signals=False,
+                         checkpoint_dir=out / "ckpt", progress=False, on_signal=None,
                          callbacks=[Slow()])  # fmt: skip
     (out / f"pid{t.bus.rank}").write_text(str(os.getpid()))
     saved: list[str | None] = []

@@ -83,7 +83,7 @@ def trainer(data: Indexed, **kw: Any) -> trainbus.Trainer:
     loader = DataLoader(data, batch_size=4, shuffle=True)
     kw.setdefault("max_epochs", 2)
     kw.setdefault("log_every", 3)
-    kw.setdefault("handle_signals", False)
+    kw.setdefault("on_signal", None)
     return trainbus.Trainer(model, opt, loader, loss_fn=F.cross_entropy, seed=0, progress=False,
                             eval_data=DataLoader(Indexed(), batch_size=8),
                             **kw)  # fmt: skip
@@ -196,7 +196,7 @@ def run(mode: str) -> None:
     elif mode == "signal":
         # SIGTERM on every rank (what torchrun forwards): each rank's Trainer sends
         # StopTraining("signal"), agreed like any command. The test signals once OUT/ready-<r>.
-        t = trainer(data, max_epochs=200, handle_signals=True)
+        t = trainer(data, max_epochs=200, on_signal="raise")
         t.add_hook("after_optimizer_step", lambda ctx: time.sleep(0.005))
         rank = t.bus.rank
 
