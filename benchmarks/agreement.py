@@ -35,8 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainbus import commands as cmd
-from trainbus.distributed.agreement import CommandAgreement
-from trainbus.distributed.group import ProcessGroup
+from trainbus._distributed.agreement import CommandAgreement
+from trainbus._distributed.group import ProcessGroup
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved_rounds, load_average, median, write_json
 
 from trainbus import Trainer
-from trainbus.distributed.agreement import CommandAgreement
-from trainbus.distributed.group import ProcessGroup
+from trainbus._distributed.agreement import CommandAgreement
+from trainbus._distributed.group import ProcessGroup
 
 LOG_EVERY = 50
 

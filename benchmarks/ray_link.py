@@ -40,9 +40,10 @@ def codec() -> dict[str, float]:
     """Microseconds per event: the worker's encoding, the driver's receive (best of 3)."""
     import torch
 
-    from trainbus import EventBus, wire
+    from trainbus import EventBus
+    from trainbus import _wire as wire
     from trainbus import events as ev
-    from trainbus.distributed.driver_link import DriverLink
+    from trainbus._distributed.driver_link import DriverLink
 
     events = [ev.StepEnded(step=i, epoch=0, loss=torch.tensor(0.5), lr=0.1, grad_norm=None,
                            samples=32, duration_s=0.001) for i in range(CODEC_EVENTS)]  # fmt: skip
@@ -69,7 +70,7 @@ def publish_over_ray(address: str, token: str, n: int) -> float:
     import trainbus.ray  # noqa: F401  registers the transport
     from trainbus import EventBus
     from trainbus import events as ev
-    from trainbus.distributed.link import WorkerLink
+    from trainbus._distributed.link import WorkerLink
 
     link = WorkerLink(address, token, timeout=30)
     bus = EventBus(flush_interval=0.02)
@@ -97,7 +98,7 @@ def events_per_second(ray: Any) -> dict[str, float]:
 
     from trainbus import EventBus
     from trainbus import events as ev
-    from trainbus.distributed.driver_link import DriverLink
+    from trainbus._distributed.driver_link import DriverLink
     from trainbus.ray._transport import RayDriver
 
     arrivals: list[float] = []

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from trainbus import Trainer
 from trainbus import events as ev
-from trainbus.loop import loop as loop_module
+from trainbus._loop import loop as loop_module
 from trainbus.testing import tiny_loader, tiny_model
 
 STEPS = 400

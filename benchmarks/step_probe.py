@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved_rounds, load_average, median
 from step_overhead import ignite_update, make_data, make_model
 
-import trainbus.loop.loop as loop_module
+import trainbus._loop.loop as loop_module
 from trainbus import Trainer
 from trainbus import events as ev
 

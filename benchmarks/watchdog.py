@@ -3,7 +3,7 @@
 Run: ``.venv/bin/python benchmarks/watchdog.py`` (about 20 s; ``--rounds``, ``--calls``).
 
 Every sync subscriber call goes through ``GuardedObserver.on_next``, which now marks the running
-subscription on the bus' :class:`~trainbus.bus.watchdog.Watchdog` (read the outer mark, write
+subscription on the bus' :class:`~trainbus._bus.watchdog.Watchdog` (read the outer mark, write
 the subscription, restore the mark in a ``finally``; the call is named by the subscription's
 ``received`` count, which the guard bumps anyway). Variants, in
 interleaved rounds (see ``_common.py``), each calling ``on_next`` ``--calls`` times with a
@@ -25,9 +25,9 @@ from typing import Any
 
 from _common import format_table, interleaved_rounds, median, ratio
 
-from trainbus.bus.failures import FailureLedger
-from trainbus.bus.subscriptions import GuardedObserver, Subscription
-from trainbus.bus.watchdog import Watchdog
+from trainbus._bus.failures import FailureLedger
+from trainbus._bus.subscriptions import GuardedObserver, Subscription
+from trainbus._bus.watchdog import Watchdog
 
 
 class Unmarked(GuardedObserver):

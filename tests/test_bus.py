@@ -19,16 +19,11 @@ import reactivex
 from reactivex import operators as ops
 from structlog.testing import capture_logs
 
-from trainbus import (
-    AnyioScheduler,
-    BusClosedError,
-    CommandError,
-    ConfigError,
-    EventBus,
-)
+from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
+from trainbus.bus import AnyioScheduler, BusClosedError, CommandError
 from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
 

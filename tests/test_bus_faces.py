@@ -11,10 +11,11 @@ import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
 
-from trainbus import AnyioScheduler, ConfigError, EventBus, Trainer
+from trainbus import ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.bus import LoopPort
+from trainbus._bus import LoopPort
+from trainbus.bus import AnyioScheduler
 from trainbus.testing import tiny_loader, tiny_model
 
 # What only the loop, the session and the distributed link call: on the port, not on the bus.

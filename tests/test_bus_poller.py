@@ -14,9 +14,9 @@ import trio.testing
 
 from trainbus import EventBus
 from trainbus import events as ev
-from trainbus.bus.failures import FailureLedger
-from trainbus.bus.queue import PublishQueue
-from trainbus.bus.routes import RouteTable
+from trainbus._bus.failures import FailureLedger
+from trainbus._bus.queue import PublishQueue
+from trainbus._bus.routes import RouteTable
 
 
 def _queue() -> tuple[PublishQueue, RouteTable]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, ConfigError, StepContext, Trainer, register_global_callback
+from trainbus import Callback, ConfigError, StepContext, Trainer
 from trainbus import events as ev
-from trainbus.callbacks import global_callbacks
+from trainbus.callbacks import global_callbacks, register_global_callback
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 

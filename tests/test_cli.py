@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import structlog
 
-from trainbus.cli import main
+from trainbus._cli import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

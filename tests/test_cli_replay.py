@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from tests.callbacks.conftest import make_trainer
 
+from trainbus._cli import main
 from trainbus.callbacks import JsonlEventLog
-from trainbus.cli import main
 
 
 def test_replay_prints_a_line_per_event_and_plot_writes_the_png(

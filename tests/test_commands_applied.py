@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import CommandError, ConfigError, StepContext, Trainer
+from trainbus import ConfigError, StepContext, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.bus import CommandError
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 BACKSTOP = 50_000  # steps: a run waiting for an async request ends long before this

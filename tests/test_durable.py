@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbus.callbacks.checkpoint import copy_as_best
+from trainbus.callbacks._checkpoint import copy_as_best
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/fd")
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import ConfigError, Ending, Trainer
+from trainbus import ConfigError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.events import Ending
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 

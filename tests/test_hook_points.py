@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from trainbus import Callback, ConfigError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.hookpoints import HOOK_POINTS, StepContext
+from trainbus._hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus import Trainer
-from trainbus.loop.host import HostOutputs
+from trainbus._loop.host import HostOutputs
 from trainbus.testing import tiny_loader, tiny_model
 
 

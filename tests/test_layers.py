@@ -27,9 +27,10 @@ LEAF = {
     "_fastinit",
     "_tensors",
     "_loaders",
-    "hookpoints",
+    "_hookpoints",
     "_durable",
     "_signals",
+    "_moved",
 }
 
 # layer -> the trainbus layers it may import (besides itself and LEAF).
@@ -61,17 +62,17 @@ NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {
     "__init__",
     "trainer",
-    "cli",
+    "_cli",
     "testing",
-    "replay",
+    "_replay",
     "__main__",
-    "launcher",
+    "_launcher",
     "_rundirs",
-    "seeding",
+    "_seeding",
     "_driver",
     "ray",
     "_trainer",
-    "attachment",
+    "_attachment",
 }
 # The Trainer's own rooms live in trainbus/_trainer/ (one package of the top layer); the
 # package's hall holds public modules and the internals several layers share.
@@ -86,7 +87,16 @@ HALL_INTERNALS = {
     "_driver",
     "_durable",
     "_signals",
+    "_moved",
+    "_hookpoints",
+    "_attachment",
+    "_launcher",
+    "_replay",
+    "_seeding",
+    "_wire",
 }
+# The private packages of a layer: trainbus._bus is the bus layer (trainbus.bus its public face).
+PRIVATE_LAYERS = {"_bus": "bus", "_loop": "loop", "_distributed": "distributed", "_wire": "wire"}
 
 
 @dataclass(frozen=True)
@@ -97,9 +107,10 @@ class Import:
 
 
 def layer_of(module: str) -> str:
-    """``trainbus.bus.queue`` -> ``bus``; ``trainbus.trainer`` -> ``top``; leaf -> its name."""
+    """``trainbus._bus.queue`` -> ``bus``; ``trainbus._trainer.trainer`` -> ``top``."""
     parts = module.split(".")
     head = parts[1] if len(parts) > 1 else "__init__"
+    head = PRIVATE_LAYERS.get(head, head)
     if head in LEAF:
         return "leaf"
     if head in TOP:
@@ -202,11 +213,11 @@ def test_every_layer_is_known() -> None:
 @pytest.mark.parametrize(
     ("source", "statement", "rule"),
     [
-        ("bus/queue.py", "import torch", "knows no torch"),
-        ("bus/queue.py", "from ..loop import loop", "bus may import only"),
+        ("_bus/queue.py", "import torch", "knows no torch"),
+        ("_bus/queue.py", "from .._loop import loop", "bus may import only"),
         ("events.py", "from .bus import EventBus", "events may import only"),
-        ("callbacks/x.py", "from ..loop.control import CommandHandler", "callbacks may import"),
-        ("loop/x.py", "from ..bus import EventBus", "loop may import only"),
+        ("callbacks/x.py", "from .._loop.control import CommandHandler", "callbacks may import"),
+        ("_loop/x.py", "from .._bus import EventBus", "loop may import only"),
     ],
 )
 def test_the_checker_catches_a_forbidden_edge(
@@ -250,16 +261,16 @@ BUS_ORDER = [
 
 
 def test_every_bus_module_is_in_the_order() -> None:
-    modules = {p.stem for p in (SRC / "bus").glob("*.py")} - {"__init__"}
+    modules = {p.stem for p in (SRC / "_bus").glob("*.py")} - {"__init__"}
     assert modules == set(BUS_ORDER)
 
 
 def test_bus_modules_import_only_modules_below_them() -> None:
     for i, stem in enumerate(BUS_ORDER):
-        below = {f"trainbus.bus.{m}" for m in BUS_ORDER[:i]}
-        for imp in imports_of(SRC / "bus" / f"{stem}.py"):
-            if imp.target.startswith("trainbus.bus"):
-                assert imp.target in below, f"bus/{stem}.py imports {imp.target}, not below it"
+        below = {f"trainbus._bus.{m}" for m in BUS_ORDER[:i]}
+        for imp in imports_of(SRC / "_bus" / f"{stem}.py"):
+            if imp.target.startswith("trainbus._bus"):
+                assert imp.target in below, f"_bus/{stem}.py imports {imp.target}, not below it"
 
 
 # The part tables of the bus' and the loop's package docstrings are maps a reader trusts: each
@@ -275,13 +286,13 @@ def package_modules(package: str) -> set[str]:
 
 def bus_table() -> list[tuple[str, str]]:
     """(part, module) for each row of ``trainbus.bus``'s docstring table, in order."""
-    doc = importlib.import_module("trainbus.bus").__doc__ or ""
+    doc = importlib.import_module("trainbus._bus").__doc__ or ""
     return re.findall(r"^(\w+)\s+``(\w+)\.py``\s", doc, re.M)
 
 
 def loop_list() -> list[tuple[list[str], list[str]]]:
-    """(names, modules) for each bullet of ``trainbus.loop``'s docstring."""
-    doc = importlib.import_module("trainbus.loop").__doc__ or ""
+    """(names, modules) for each bullet of ``trainbus._loop``'s docstring."""
+    doc = importlib.import_module("trainbus._loop").__doc__ or ""
     bullets = re.findall(r"^- (.*?)(?=^- |^$)", doc, re.M | re.S)
     return [(_NAME.findall(b), _MODULE.findall(b)) for b in bullets]
 
@@ -289,20 +300,20 @@ def loop_list() -> list[tuple[list[str], list[str]]]:
 def test_bus_table_lists_every_module_in_the_import_order() -> None:
     rows = bus_table()
     listed = list(dict.fromkeys(module for _, module in rows))
-    assert set(listed) == package_modules("bus"), "bus/__init__.py's table vs bus/*.py"
-    assert listed == BUS_ORDER, "bus/__init__.py's table rows follow the import order"
+    assert set(listed) == package_modules("_bus"), "_bus/__init__.py's table vs _bus/*.py"
+    assert listed == BUS_ORDER, "_bus/__init__.py's table rows follow the import order"
     for part, module in rows:
-        found = getattr(importlib.import_module(f"trainbus.bus.{module}"), part, None)
-        assert found is not None and found.__module__ == f"trainbus.bus.{module}", (part, module)
+        found = getattr(importlib.import_module(f"trainbus._bus.{module}"), part, None)
+        assert found is not None and found.__module__ == f"trainbus._bus.{module}", (part, module)
 
 
 def test_loop_list_names_every_module_once_with_its_parts() -> None:
     bullets = loop_list()
     modules = [m for _, ms in bullets for m in ms]
-    assert sorted(modules) == sorted(package_modules("loop")), "loop/__init__.py's list"
+    assert sorted(modules) == sorted(package_modules("_loop")), "_loop/__init__.py's list"
     for names, ms in bullets:
         assert len(ms) == 1 and names, (names, ms)
-        module = importlib.import_module(f"trainbus.loop.{ms[0]}")
+        module = importlib.import_module(f"trainbus._loop.{ms[0]}")
         for name in names:
             assert name in getattr(module, "__all__", ()), f"{name} is not public in {ms[0]}.py"
 
@@ -311,13 +322,13 @@ def test_the_part_tables_are_read_as_written() -> None:
     # The parsers above must see the tables (an empty parse would pass vacuously).
     assert ("Doorbell", "doorbell.py"[:-3]) in bus_table()
     assert (["Hooks", "StepContext", "HookHandle"], ["hooks"]) in loop_list()
-    assert len(loop_list()) == len(package_modules("loop"))
+    assert len(loop_list()) == len(package_modules("_loop"))
 
 
 def test_the_loop_module_keeps_no_copy_of_the_event_order() -> None:
     # docs/events.md is the one written event order; loop.py's docstring points to it.
     events = importlib.import_module("trainbus.events")
-    doc = importlib.import_module("trainbus.loop.loop").__doc__ or ""
+    doc = importlib.import_module("trainbus._loop.loop").__doc__ or ""
     named = set(re.findall(r"\b[A-Z]\w+\b", doc)) & {t.__name__ for t in events.EVENT_TYPES}
     assert "docs/events.md" in doc and not named, named
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus import Trainer, TrainingError
-from trainbus.loop.forward import metric_targets
+from trainbus._loop.forward import metric_targets
 from trainbus.testing import tiny_model
 
 

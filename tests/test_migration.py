@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from trainbus import commands, events
+from trainbus._hookpoints import HOOK_POINTS
 from trainbus._trainer.hf_options import HF_OPTIONS
-from trainbus.hookpoints import HOOK_POINTS
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 DATA = DOCS / "migration.toml"

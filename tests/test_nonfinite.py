@@ -18,8 +18,8 @@ import torch
 from trainbus import CheckpointError, NonFiniteLossError, StepContext, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus._loop import nonfinite
 from trainbus.checkpoint import load_checkpoint
-from trainbus.loop import nonfinite
 from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
 

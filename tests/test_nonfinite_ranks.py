@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainbus import NonFiniteLossError
-from trainbus.loop.nonfinite import NonFiniteGuard
+from trainbus._loop.nonfinite import NonFiniteGuard
 
 
 def guard(policy: str, agree: Any, device: str = "cpu") -> NonFiniteGuard:

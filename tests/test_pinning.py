@@ -10,8 +10,8 @@ import torch
 from structlog.testing import capture_logs
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus.loop import pinning
-from trainbus.loop.pinning import hint_pin_memory
+from trainbus._loop import pinning
+from trainbus._loop.pinning import hint_pin_memory
 
 CUDA = torch.device("cuda", 0)
 
@@ -56,7 +56,7 @@ def test_the_loop_asks_for_the_hint_with_the_runs_data_and_device(
     import torch.nn.functional as F
 
     from trainbus import Trainer
-    from trainbus.loop import loop as loop_module
+    from trainbus._loop import loop as loop_module
     from trainbus.testing import tiny_model
 
     seen: list[tuple[Any, torch.device]] = []

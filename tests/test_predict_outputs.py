@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from trainbus import ConfigError, Trainer, TrainingError
 from trainbus import events as ev
-from trainbus.loop.outputs import PadValues, join_outputs
+from trainbus._loop.outputs import PadValues, join_outputs
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 

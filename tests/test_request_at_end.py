@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import BusClosedError, Trainer
+from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.bus import BusClosedError
 from trainbus.testing import tiny_loader, tiny_model
 
 pytestmark = pytest.mark.timeout(60)  # the bug this pins was a hang

@@ -21,7 +21,7 @@ import pytest
 import trio
 import trio.testing
 
-from trainbus import AnyioScheduler
+from trainbus.bus import AnyioScheduler
 
 
 @asynccontextmanager

@@ -19,8 +19,8 @@ from torch.utils.data import DataLoader
 
 from trainbus import ConfigError, Perplexity, SetMetric, TokenAccuracy, Trainer
 from trainbus import events as ev
+from trainbus._distributed.sync import add_totals
 from trainbus.callbacks import EarlyStopping, JsonlEventLog
-from trainbus.distributed.sync import add_totals
 from trainbus.testing import EventRecorder
 
 VOCAB = 13

@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from reactivex import operators as ops
 from structlog.testing import capture_logs
 
-from trainbus import ConfigError, EventBus, LostWork, LostWorkError, Trainer
+from trainbus import ConfigError, EventBus, LostWorkError, Trainer
 from trainbus import events as ev
+from trainbus.bus import LostWork
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import tiny_loader, tiny_model
 

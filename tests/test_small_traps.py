@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus import ConfigError, Trainer
-from trainbus.hookpoints import HOOK_POINTS, StepContext
+from trainbus._hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import tiny_loader, tiny_model
 
 TRAIN_POINTS = [p for p in HOOK_POINTS if p != "eval_batch"]

@@ -27,7 +27,7 @@ from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus.hookpoints import HOOK_POINTS
+from trainbus._hookpoints import HOOK_POINTS
 from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
 # The events of the step's own branches: published only when someone wants them.

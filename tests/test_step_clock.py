@@ -25,8 +25,8 @@ from trainbus import ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus.bus.clock import At, Every, StepClock
-from trainbus.bus.doorbell import Doorbell
+from trainbus._bus.clock import At, Every, StepClock
+from trainbus._bus.doorbell import Doorbell
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 

@@ -17,12 +17,12 @@ import torch
 
 from trainbus import ConfigError, EventBus, Trainer
 from trainbus import events as ev
+from trainbus._loop import Settings
 from trainbus._trainer import checks
 from trainbus._trainer.hf_options import HF_OPTIONS, HfOption
 from trainbus._trainer.options import OPTIONS, TRAINER_ONLY, BusDefault, check_options
-from trainbus.loop import Settings
+from trainbus._trainer.trainer import TrainerOptions
 from trainbus.testing import tiny_loader, tiny_model
-from trainbus.trainer import TrainerOptions
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
 POSITIONAL = ["model", "optimizer", "train_data"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from trainbus import Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.hookpoints import HOOK_POINTS, StepContext
+from trainbus._hookpoints import HOOK_POINTS, StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "events.md"

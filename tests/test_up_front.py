@@ -14,24 +14,18 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from trainbus import (
-    BusClosedError,
-    Callback,
-    ConfigError,
-    EventBus,
-    RunPlan,
-    Trainer,
-    TrainingError,
-    register_global_callback,
-)
+from trainbus import Callback, ConfigError, EventBus, Trainer, TrainingError
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.bus import BusClosedError
 from trainbus.callbacks import (
     Checkpointing,
     EarlyStopping,
     EvaluateCheckpoints,
     ReduceLROnPlateau,
+    RunPlan,
     ThresholdStopping,
+    register_global_callback,
 )
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from trainbus import Trainer
 from trainbus import events as ev
-from trainbus.hookpoints import StepContext
+from trainbus._hookpoints import StepContext
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 

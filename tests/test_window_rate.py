@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from trainbus.loop import window as window_module
-from trainbus.loop.window import MetricsWindow
+from trainbus._loop import window as window_module
+from trainbus._loop.window import MetricsWindow
 
 
 class Clock:

@@ -1,8 +1,8 @@
-"""``python -m trainbus``: the command line (see :mod:`trainbus.cli`)."""
+"""``python -m trainbus``: the command line (see :mod:`trainbus._cli`)."""
 
 import sys
 
-from .cli import main
+from ._cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

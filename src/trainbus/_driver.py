@@ -4,8 +4,8 @@ callbacks and the workers' ending."""
 from __future__ import annotations
 
 from . import events as ev
+from ._bus import EventBus
 from ._exceptions import ConfigError
-from .bus import EventBus
 from .callbacks._base import Callback
 
 __all__ = ["attach_driver_callback", "workers_stop_reason"]

@@ -222,7 +222,7 @@ class LaunchError(TrainbusError, RuntimeError):
         rank_exitcode: That rank's own exit status (negative: the signal that killed it).
         rank_signal: The name of that signal (``"SIGKILL"``), or None.
         ending: How rank 0's run ended when its ``FitEnded`` arrived before the failure (a
-            :class:`~trainbus.Ending`, a ``str``), else None.
+            :class:`~trainbus.events.Ending`, a ``str``), else None.
         signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 

@@ -1,8 +1,8 @@
 """A DataLoader rebuilt around another sampler, every other option kept.
 
 Two places hand a run a loader of their own in place of the user's (who keeps theirs as it is):
-a shard per rank under torchrun (:func:`trainbus.distributed.data.shard_loader`) and a seeded data
-order (:func:`trainbus.seeding.seeded_run`). Both need the same copy of the loader's options.
+a shard per rank under torchrun (:func:`trainbus._distributed.data.shard_loader`) and a seeded data
+order (:func:`trainbus._seeding.seeded_run`). Both need the same copy of the loader's options.
 """
 
 from __future__ import annotations

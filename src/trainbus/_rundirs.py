@@ -1,7 +1,7 @@
 """Folders of runs: ``runs/demo/<timestamp>`` with a ``latest`` pointer to the newest.
 
 ``trainbus demo`` creates them (:func:`new_run_dir`); ``trainbus replay``/``plot`` and
-:func:`trainbus.replay` read a path through :func:`resolve_run`, so ``runs/demo`` means its
+:func:`trainbus._replay` read a path through :func:`resolve_run`, so ``runs/demo`` means its
 newest run.
 """
 

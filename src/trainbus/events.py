@@ -31,6 +31,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
+from ._exceptions import RecordedError as RecordedError
 from ._fastinit import install_fast_init
 
 if TYPE_CHECKING:
@@ -85,6 +86,7 @@ __all__ = [
     "PredictionBatchEnded",
     "PredictionEnded",
     "PredictionStarted",
+    "RecordedError",
     "ResumeSource",
     "RuntimeEstimated",
     "SchedulerStepped",

@@ -24,8 +24,8 @@ from ._exceptions import ConfigError
 if TYPE_CHECKING:
     import torch
 
-    from .bus import EventBus
-    from .bus.subscriptions import Subscription
+    from ._bus import EventBus
+    from ._bus.subscriptions import Subscription
 
 __all__ = ["EventRecorder", "NaNLossAt", "VirtualTimeScheduler", "tiny_loader", "tiny_model"]
 

@@ -16,10 +16,10 @@ import pytest
 import structlog
 
 import trainbus
+from trainbus import _wire as wire
 from trainbus import events as ev
-from trainbus import wire
-from trainbus.cli import main
-from trainbus.cli.attach import View
+from trainbus._cli import main
+from trainbus._cli.attach import View
 
 from ._job import Job, env
 

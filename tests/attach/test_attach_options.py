@@ -16,12 +16,13 @@ import torch
 import torch.nn.functional as F
 
 import trainbus
-from trainbus import ConfigError, wire
+from trainbus import ConfigError
+from trainbus import _wire as wire
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.attachment import locate
-from trainbus.cli.attach import CommandSyntaxError, View, parse_command
-from trainbus.distributed.attach_server import attach_folder, max_socket_path
+from trainbus._attachment import locate
+from trainbus._cli.attach import CommandSyntaxError, View, parse_command
+from trainbus._distributed.attach_server import attach_folder, max_socket_path
 from trainbus.testing import tiny_model
 
 

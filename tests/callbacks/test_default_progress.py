@@ -8,7 +8,7 @@ import pytest
 
 from trainbus import ConfigError
 from trainbus.callbacks import Progress
-from trainbus.callbacks.progress import progress_by_default
+from trainbus.callbacks._progress import progress_by_default
 
 from .conftest import make_trainer
 

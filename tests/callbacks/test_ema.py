@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from trainbus import CheckpointError, ConfigError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus._hookpoints import StepContext
 from trainbus.callbacks import EMA
 from trainbus.checkpoint import read_checkpoint
-from trainbus.hookpoints import StepContext
 from trainbus.testing import EventRecorder, tiny_loader
 
 

@@ -11,9 +11,9 @@ from typing import Any
 import anyio
 import pytest
 
-from trainbus import ConfigError, EvaluationJobError
+from trainbus import ConfigError
 from trainbus import events as ev
-from trainbus.callbacks import Checkpointing, EarlyStopping, EvaluateCheckpoints
+from trainbus.callbacks import Checkpointing, EarlyStopping, EvaluateCheckpoints, EvaluationJobError
 from trainbus.testing import EventRecorder
 
 PY = sys.executable

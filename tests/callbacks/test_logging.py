@@ -14,7 +14,7 @@ from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import JsonlEventLog, MetricsLogger
-from trainbus.callbacks.logging import event_record
+from trainbus.callbacks._logging import event_record
 from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
 

@@ -16,8 +16,8 @@ from trainbus.callbacks import (
     OptimizerMonitor,
     RuntimeEstimator,
 )
-from trainbus.callbacks.grad_norm import total_grad_norm
-from trainbus.callbacks.memory import read_rss
+from trainbus.callbacks._grad_norm import total_grad_norm
+from trainbus.callbacks._memory import read_rss
 from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
 

@@ -11,8 +11,8 @@ import pytest
 from trainbus import ConfigError, EventBus
 from trainbus import events as ev
 from trainbus.callbacks import CurvePlot
-from trainbus.callbacks import plot as plot_module
-from trainbus.callbacks.plot import render
+from trainbus.callbacks import _plot as plot_module
+from trainbus.callbacks._plot import render
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

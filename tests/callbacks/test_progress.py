@@ -235,7 +235,7 @@ def test_bar_width_on_a_terminal_reporting_zero_columns(
 ) -> None:  # fmt: skip
     import os
 
-    import trainbus.callbacks.progress as progress_module
+    import trainbus.callbacks._progress as progress_module
 
     stderr = _TerminalStderr()
     monkeypatch.setattr(sys, "stderr", stderr)

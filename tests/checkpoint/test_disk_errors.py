@@ -19,12 +19,12 @@ import torch.nn.functional as F
 from structlog.testing import capture_logs
 
 import trainbus
-from trainbus import CheckpointError, CheckpointWriteError, StepContext, Trainer
+from trainbus import CheckpointError, StepContext, Trainer
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
-from trainbus.checkpoint import CheckpointStore, read_checkpoint
-from trainbus.checkpoint import store as store_module
-from trainbus.checkpoint.store import TEMP_SUFFIX
+from trainbus.checkpoint import CheckpointStore, CheckpointWriteError, read_checkpoint
+from trainbus.checkpoint import _store as store_module
+from trainbus.checkpoint._store import TEMP_SUFFIX
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 from .conftest import write

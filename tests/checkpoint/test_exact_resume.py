@@ -21,7 +21,7 @@ from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping, ReduceLROnPlateau
 from trainbus.checkpoint import CheckpointStore, read_checkpoint
-from trainbus.checkpoint.store import TEMP_SUFFIX
+from trainbus.checkpoint._store import TEMP_SUFFIX
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 from ._resume_child import KILLED_EPOCHS, build

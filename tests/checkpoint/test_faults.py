@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import trainbus
 from trainbus import CheckpointError
 from trainbus.checkpoint import CheckpointStore, TrainState, read_checkpoint, save_checkpoint
-from trainbus.checkpoint.store import TEMP_SUFFIX
+from trainbus.checkpoint._store import TEMP_SUFFIX
 from trainbus.testing import tiny_model
 
 from ._writer import KILL_POINTS

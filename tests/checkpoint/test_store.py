@@ -21,7 +21,7 @@ from trainbus.checkpoint import (
     latest_checkpoint,
     read_checkpoint,
 )
-from trainbus.checkpoint.store import TEMP_SUFFIX
+from trainbus.checkpoint._store import TEMP_SUFFIX
 
 from .conftest import trained, write
 

@@ -11,8 +11,8 @@ import pytest
 
 from trainbus import ConfigError
 from trainbus import commands as cmd
-from trainbus.distributed.agreement import CommandAgreement, merge
-from trainbus.distributed.group import ProcessGroup
+from trainbus._distributed.agreement import CommandAgreement, merge
+from trainbus._distributed.group import ProcessGroup
 
 from ._torchrun import torchrun
 

@@ -228,7 +228,7 @@ def test_latest_skips_a_damaged_folder_and_stale_temporary_folders_go(
 
 
 def test_a_folder_marked_best_is_copied_whole(out: Path, tmp_path: Path) -> None:
-    from trainbus.callbacks.checkpoint import copy_as_best
+    from trainbus.callbacks._checkpoint import copy_as_best
 
     source = tmp_path / "step-00000007"
     shutil.copytree(out / "ckpt5" / "step-00000007-final", source)
@@ -242,8 +242,7 @@ def test_a_folder_marked_best_is_copied_whole(out: Path, tmp_path: Path) -> None
 
 @pytest.mark.parametrize("where", ["missing/m.pt", "afile/m.pt"])
 def test_export_to_an_unwritable_place_is_a_checkpoint_write_error(out: Path, where: str) -> None:
-    from trainbus import CheckpointWriteError
-    from trainbus.checkpoint import export_full
+    from trainbus.checkpoint import CheckpointWriteError, export_full
 
     (out / "afile").write_text("")
     target = out / where

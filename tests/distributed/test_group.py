@@ -13,8 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainbus import ConfigError, Trainer
-from trainbus.distributed import data as data_module
-from trainbus.distributed.group import ProcessGroup, choose_backend
+from trainbus._distributed import data as data_module
+from trainbus._distributed.group import ProcessGroup, choose_backend
 from trainbus.testing import tiny_loader, tiny_model
 
 from ._torchrun import env, free_port
@@ -64,7 +64,7 @@ def test_bad_backend_and_timeout() -> None:
 UNREACHABLE = """
 import sys
 from trainbus import DistributedError
-from trainbus.distributed.group import ProcessGroup
+from trainbus._distributed.group import ProcessGroup
 try:
     ProcessGroup.from_env(timeout=1)
 except DistributedError as exc:

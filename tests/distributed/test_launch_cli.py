@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from trainbus.cli import main
-from trainbus.cli.launch import split_launch_args
+from trainbus._cli import main
+from trainbus._cli.launch import split_launch_args
 
 from ._torchrun import SCRIPTS, env
 

@@ -9,7 +9,7 @@ tears them down at exit. Two holders were found:
   workers here keep their Trainer alive until exit, as a script's top-level ``t``);
 - torch itself: ``torch.distributed.nn.functional`` binds the live default group as a default
   argument when first imported after ``init_process_group``, which the first optimizer does
-  (scripts/torch_gloo_threads.py, pure torch). ``trainbus.distributed.group`` imports it before
+  (scripts/torch_gloo_threads.py, pure torch). ``trainbus._distributed.group`` imports it before
   any group exists, so a script that imports trainbus, owns its group and builds its
   optimizers afterwards (test_trainer_ddp.py's fixture) leaves nothing running either.
 """
@@ -93,7 +93,7 @@ def test_torch_binds_the_live_group_into_collective_defaults() -> None:
     assert after["bound_in_defaults"] and after["group_alive"], (
         f"torch {after['torch']} no longer binds the live group into "
         "torch.distributed.nn.functional's defaults: the early import in "
-        f"trainbus/distributed/group.py may go ({after})"
+        f"trainbus/_distributed/group.py may go ({after})"
     )
     # gloo's threads by name: torch 2.13 runs gloo_tcp_loop and two pt_gloo_runloop, 2.11 only
     # the two pt_gloo_runloop.

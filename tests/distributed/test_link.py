@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from trainbus import ConfigError, LaunchError
-from trainbus.distributed.link import ADDR_ENV, TOKEN_ENV, WorkerLink
+from trainbus._distributed.link import ADDR_ENV, TOKEN_ENV, WorkerLink
 
 from ._torchrun import free_port
 
@@ -41,10 +41,11 @@ def test_an_unreachable_driver_is_a_launch_error() -> None:
 async def test_the_driver_end_refuses_what_is_not_an_event_and_goes_on() -> None:
     import structlog
 
-    from trainbus import EventBus, wire
+    from trainbus import EventBus
+    from trainbus import _wire as wire
     from trainbus import commands as cmd
     from trainbus import events as ev
-    from trainbus.distributed.driver_link import DriverLink
+    from trainbus._distributed.driver_link import DriverLink
 
     bus = EventBus()
     link = DriverLink(bus, "t")

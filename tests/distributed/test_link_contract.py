@@ -13,12 +13,13 @@ import anyio.to_thread
 import pytest
 import structlog
 
-from trainbus import EventBus, LaunchError, wire
+from trainbus import EventBus, LaunchError
+from trainbus import _wire as wire
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.distributed.driver_link import DriverLink
-from trainbus.distributed.link import WorkerLink
-from trainbus.distributed.socket_link import SocketDriver
+from trainbus._distributed.driver_link import DriverLink
+from trainbus._distributed.link import WorkerLink
+from trainbus._distributed.socket_link import SocketDriver
 
 TOKEN = "the-run-token"
 Until = Callable[..., Awaitable[None]]

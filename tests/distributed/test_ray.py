@@ -211,8 +211,8 @@ def test_a_ray_data_shard_is_already_sharded(ray_cluster: Any) -> None:
     import ray.data
     import torch
 
-    from trainbus.distributed.data import shard_loader
-    from trainbus.distributed.group import ProcessGroup
+    from trainbus._distributed.data import shard_loader
+    from trainbus._distributed.group import ProcessGroup
 
     group = ProcessGroup(rank=1, world_size=2, local_rank=1, backend="gloo",
                          device=torch.device("cpu"), created=False)  # fmt: skip

@@ -12,9 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from trainbus import ConfigError, RecordedError, wire
+from trainbus import ConfigError
+from trainbus import _wire as wire
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.events import RecordedError
 
 finite = st.floats(allow_nan=False, allow_infinity=False, width=32)
 names = st.text(min_size=1, max_size=8)

@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus import ConfigError, Ending, EventBus, MissingExtraError, Trainer
+from trainbus import ConfigError, EventBus, MissingExtraError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.events import Ending
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 optuna = pytest.importorskip("optuna")

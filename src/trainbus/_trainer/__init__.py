@@ -1,7 +1,8 @@
-"""The Trainer's own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
+"""The Trainer and its own rooms: the parts of :class:`~trainbus.Trainer` no other layer uses.
 
 Every module of the package, each once (``tests/test_layers.py`` checks the list):
 
+- ``trainer.py``: the :class:`~trainbus.Trainer` itself, which ``trainbus`` re-exports.
 - ``options.py``: the options, declared once (``TrainerOptions``), the Trainer's signature and
   docstring from them, the bus they configure, the loop's ``Settings`` built from them.
 - ``checks.py``: the check of each single option, named in its declaration.

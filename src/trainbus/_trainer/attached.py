@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from .._bus import EventBus, Tier
+from .._bus.subscriptions import Subscription
 from .._exceptions import ConfigError
-from ..bus import EventBus, Tier
-from ..bus.subscriptions import Subscription
+from .._loop import HookHandle, Hooks
 from ..callbacks._base import Callback
-from ..loop import HookHandle, Hooks
 
 __all__ = ["Attached", "as_instances"]
 

@@ -17,14 +17,14 @@ from typing import Any
 import torch
 
 from .. import events as ev
+from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._loop.set_metrics import SetMetric
+from .._loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
 from .._tensors import resolve_device
 from .._validate import check_int
-from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
-from ..loop.set_metrics import SetMetric
-from ..loop.settings import BARRIER_TYPES, Precision, check_precision, eval_sets
 from .endings import OnSignal, check_on_signal, check_skip_final
 
 Check = Callable[[str, Any], Any]
@@ -229,7 +229,7 @@ on_lost = one_of("warn", "raise", allowed="'warn' or 'raise'")
 
 def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
     """True, False or a folder; the folder itself is checked with the run's checkpoint_dir
-    (:func:`~trainbus.distributed.attach_server.attach_folder`)."""
+    (:func:`~trainbus._distributed.attach_server.attach_folder`)."""
     if isinstance(value, bool):
         return value
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):

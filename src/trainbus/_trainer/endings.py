@@ -79,7 +79,7 @@ def check_skip_final(value: object) -> frozenset[Ending]:
 
     Args:
         value: An iterable of ``"stopped"``, ``"pruned"``, ``"signal"`` (or those
-            :class:`~trainbus.Ending` members); empty: every stopped run writes one.
+            :class:`~trainbus.events.Ending` members); empty: every stopped run writes one.
 
     Returns:
         The endings whose final checkpoint is skipped.

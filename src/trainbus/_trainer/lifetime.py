@@ -26,8 +26,8 @@ import anyio
 import anyio.from_thread
 from anyio.from_thread import BlockingPortal
 
+from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
-from ..bus import EventBus
 from .session import TrainingThread
 
 __all__ = ["BACKENDS", "Lifetime"]

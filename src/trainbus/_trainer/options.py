@@ -8,7 +8,7 @@ Each keyword option of ``Trainer(model, optimizer, train_data, **options)`` is o
 - the Trainer's signature as ``help(Trainer)`` and ``inspect.signature`` show it
   (:func:`signature`), and the options part of its docstring (:func:`options_doc`);
 - the checks, in declaration order (:func:`check_options`), then those of two options at once
-  and the loop's :class:`~trainbus.loop.Settings` (:func:`build_settings`: each option that
+  and the loop's :class:`~trainbus._loop.Settings` (:func:`build_settings`: each option that
   is a ``Settings`` field goes there by its name);
 - the option table of docs/trainer.md, which ``tests/test_trainer_options.py`` holds to it.
 
@@ -34,14 +34,14 @@ from typing import Annotated, Any, Literal, TypedDict, get_args, get_type_hints
 import torch
 
 from .. import events as ev
+from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, TrainContext
+from .._loop.optimizers import check_optimizers, check_schedulers
+from .._loop.set_metrics import SetMetric
+from .._loop.settings import check_loader, check_reiterable, eval_sets
 from .._tensors import bf16_supported
-from ..bus import EventBus
 from ..callbacks._base import Callback
-from ..loop import DEFAULT_BARRIERS, NonFinitePolicy, Precision, Settings, TrainContext
-from ..loop.optimizers import check_optimizers, check_schedulers
-from ..loop.set_metrics import SetMetric
-from ..loop.settings import check_loader, check_reiterable, eval_sets
 from . import checks
 from .endings import OnSignal
 from .hf_options import hf_hint
@@ -304,7 +304,7 @@ class TrainerOptions(TypedDict, total=False):
             checks.skip_final_checkpoint,
             'Stopped runs that write no final checkpoint: any of ``"stopped"``, '
             "``\"pruned\"`` (a pruner's stop: a sweep's pruned trials keep their disk and "
-            'time), ``"signal"`` (:class:`~trainbus.Ending`). Default: none skipped.',
+            'time), ``"signal"`` (:class:`~trainbus.events.Ending`). Default: none skipped.',
         ),
     ]
     callbacks: Annotated[

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from ..bus import EventBus
-from ..distributed.attach_server import AttachServer
-from ..distributed.data import release_model, shard_loader, wrap_model
-from ..distributed.group import ProcessGroup
-from ..distributed.link import WorkerLink
-from ..distributed.sharding import check_mesh
-from ..loop import Outcome, Settings
+from .._bus import EventBus
+from .._distributed.attach_server import AttachServer
+from .._distributed.data import release_model, shard_loader, wrap_model
+from .._distributed.group import ProcessGroup
+from .._distributed.link import WorkerLink
+from .._distributed.sharding import check_mesh
+from .._loop import Outcome, Settings
 
 __all__ = ["RankSetup"]
 
@@ -42,7 +42,7 @@ class RankSetup:
     def join(self, device: torch.device | None = None) -> ProcessGroup:
         """Join the process group the environment describes, with the backend the run's
         device asks for (gloo for a CPU run, NCCL for CUDA; see
-        :func:`~trainbus.distributed.group.choose_backend`).
+        :func:`~trainbus._distributed.group.choose_backend`).
 
         Args:
             device: The run's resolved device (None: NCCL when CUDA is available).

@@ -9,13 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import events as ev
+from .._bus.statistics import BusStatistics, LostWork
 from .._log import get_logger
-from ..bus.statistics import BusStatistics, LostWork
-from ..loop import Outcome
+from .._loop import Outcome
 
 __all__ = ["FitResult", "fit_result"]
 
-log = get_logger("trainbus.trainer")
+log = get_logger("trainbus._trainer.trainer")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -61,7 +61,8 @@ class FitResult:
     @property
     def ending(self) -> ev.Ending:
         """How the run ended, typed: ``reason`` with a stop's cause told apart
-        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~trainbus.Ending`)."""
+        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``;
+        :class:`~trainbus.events.Ending`)."""
         return ev.Ending.of(self.reason, self.stop_reason)
 
     @property

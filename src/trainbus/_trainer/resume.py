@@ -11,16 +11,16 @@ from typing import Any
 import torch
 
 from .. import events as ev
+from .._bus import EventBus
+from .._distributed.data import unwrap_model
+from .._distributed.group import ProcessGroup
 from .._exceptions import CheckpointError, ConfigError
 from .._log import get_logger
+from .._loop import Settings
+from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
-from ..bus import EventBus
 from ..callbacks._base import Callback
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
-from ..distributed.data import unwrap_model
-from ..distributed.group import ProcessGroup
-from ..loop import Settings
-from ..loop.saving import config_differences, run_config
 from .session import TrainingThread
 
 __all__ = ["CallbackStates", "check_resume", "load_weights"]

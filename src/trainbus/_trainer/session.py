@@ -26,13 +26,13 @@ except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
 
 from .. import commands as cmd
 from .. import events as ev
+from .._bus import EventBus, LoopPort
+from .._bus.tasks import TaskSet
 from .._exceptions import TrainbusError
 from .._log import get_logger
+from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
-from ..bus import EventBus, LoopPort
-from ..bus.tasks import TaskSet
 from ..checkpoint import TrainState
-from ..loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 
 __all__ = ["BusSession", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
 
@@ -197,7 +197,7 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
     """While the block runs, a cancellation of the caller asks ``run`` to stop
     (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
-    cancelled when nothing cancelled the call (``bus/tasks.py``: no reference cycle left)."""
+    cancelled when nothing cancelled the call (``_bus/tasks.py``: no reference cycle left)."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
         tasks.start_soon(watch_cancel, run, thread)

@@ -7,7 +7,7 @@ a string dispatch per event):
   typed stream; an ``async def`` one becomes an async subscriber; ``on_event`` takes every event;
 - ``hook_<point>(self, ctx)`` (``hook_batch``, ``hook_after_forward``, ``hook_loss``,
   ``hook_after_backward``, ``hook_before_optimizer_step``, ``hook_after_optimizer_step``,
-  ``hook_eval_batch``: see :mod:`trainbus.hookpoints`) becomes an inline hook on the training
+  ``hook_eval_batch``: see :mod:`trainbus._hookpoints`) becomes an inline hook on the training
   thread;
 - ``setup(self, bus)`` may build any Rx pipeline on the bus (``.subscribe(bus.commands)``...).
 
@@ -31,13 +31,13 @@ import torch
 
 from .. import events as ev
 from .._exceptions import ConfigError
-from ..hookpoints import HOOK_POINTS
+from .._hookpoints import HOOK_POINTS
 
 if TYPE_CHECKING:
+    from .._bus import EventBus
+    from .._bus.async_subscription import Overflow
+    from .._bus.failures import ErrorPolicy
     from .._trainer.result import FitResult  # where it is defined: no circle through trainer
-    from ..bus import EventBus
-    from ..bus.async_subscription import Overflow
-    from ..bus.failures import ErrorPolicy
 
 __all__ = [
     "Callback",

@@ -15,7 +15,7 @@ import anyio.to_thread
 from reactivex import Observable
 from reactivex import operators as ops
 
-from ..bus import EventBus
+from .._bus import EventBus
 
 __all__ = ["write_in_batches"]
 

@@ -4,53 +4,47 @@ Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions
 ``_validate``, ``events``) only, never the bus, the loop or the trainer.
 """
 
-from .api import latest_checkpoint as latest_checkpoint
-from .api import load_checkpoint as load_checkpoint
-from .api import save_checkpoint as save_checkpoint
-from .data_order import EpochSampler as EpochSampler
-from .data_order import capture_data_order as capture_data_order
-from .data_order import replay_epoch as replay_epoch
-from .data_order import set_sampler_epoch as set_sampler_epoch
-from .export import export_full as export_full
-from .rng import capture_rng as capture_rng
-from .rng import restore_rng as restore_rng
-from .sharded import read_folder as read_folder
-from .sharded import save_sharded as save_sharded
-from .sharded_resume import load_sharded as load_sharded
-from .state import FORMAT_VERSION as FORMAT_VERSION
-from .state import Checkpoint as Checkpoint
-from .state import TrainState as TrainState
-from .state import build_payload as build_payload
-from .state import run_metadata as run_metadata
-from .store import CheckpointStore as CheckpointStore
-from .store import LatestScan as LatestScan
-from .store import check_checkpoint_dir as check_checkpoint_dir
-from .store import checkpoint_name as checkpoint_name
-from .store import parse_checkpoint_name as parse_checkpoint_name
-from .store import read_checkpoint as read_checkpoint
+from .._exceptions import CheckpointWriteError as CheckpointWriteError
+from ._api import latest_checkpoint as latest_checkpoint
+from ._api import load_checkpoint as load_checkpoint
+from ._api import save_checkpoint as save_checkpoint
+from ._data_order import EpochSampler as EpochSampler
+from ._data_order import capture_data_order as capture_data_order
+from ._data_order import replay_epoch as replay_epoch
+from ._data_order import set_sampler_epoch as set_sampler_epoch
+from ._export import export_full as export_full
+from ._rng import capture_rng as capture_rng
+from ._rng import restore_rng as restore_rng
+from ._sharded import read_folder as read_folder
+from ._sharded import save_sharded as save_sharded
+from ._sharded_resume import load_sharded as load_sharded
+from ._state import FORMAT_VERSION as FORMAT_VERSION
+from ._state import Checkpoint as Checkpoint
+from ._state import TrainState as TrainState
+from ._store import CheckpointStore as CheckpointStore
+from ._store import LatestScan as LatestScan
+from ._store import check_checkpoint_dir as check_checkpoint_dir
+from ._store import read_checkpoint as read_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",
     "Checkpoint",
     "CheckpointStore",
+    "CheckpointWriteError",
     "EpochSampler",
     "LatestScan",
     "TrainState",
-    "build_payload",
     "capture_data_order",
     "capture_rng",
     "check_checkpoint_dir",
-    "checkpoint_name",
     "export_full",
     "latest_checkpoint",
     "load_checkpoint",
     "load_sharded",
-    "parse_checkpoint_name",
     "read_checkpoint",
     "read_folder",
     "replay_epoch",
     "restore_rng",
-    "run_metadata",
     "save_checkpoint",
     "save_sharded",
     "set_sampler_epoch",

@@ -31,16 +31,16 @@ from reactivex.abc import DisposableBase
 
 from .. import commands as cmd
 from .. import events as ev
+from .._bus.rank_filter import env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
-from ..bus.rank_filter import env_rank
 from ..callbacks._base import Callback, RunPlan
 from ..callbacks._sets import reads_metric
 
 if TYPE_CHECKING:
-    from ..bus import EventBus
-    from ..bus.failures import ErrorPolicy
-    from ..trainer import FitResult
+    from .._bus import EventBus
+    from .._bus.failures import ErrorPolicy
+    from .._trainer.trainer import FitResult
 
 __all__ = ["OptunaPruning", "PrunerError"]
 

@@ -8,9 +8,9 @@ several pipelines.
 Marble diagrams read left to right in time; ``|`` is completion.
 """
 
-from .decide import Tracker, patience, plateau, threshold
-from .select import Scheduled, every, metric, of_type, once
-from .spans import Span, span_durations
+from ._decide import Tracker, patience, plateau, threshold
+from ._select import Scheduled, every, metric, of_type, once
+from ._spans import Span, span_durations
 
 __all__ = [
     "Scheduled",

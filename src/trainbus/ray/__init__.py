@@ -18,7 +18,7 @@ Needs the ``ray`` extra (``pip install 'trainbus[ray]'``); without it, :func:`la
 
 from __future__ import annotations
 
-from ..distributed.link import WorkerTransport, register_transport
+from .._distributed.link import WorkerTransport, register_transport
 from ._launcher import RayLauncher as RayLauncher
 from ._launcher import RayLaunchResult as RayLaunchResult
 from ._launcher import launch as launch

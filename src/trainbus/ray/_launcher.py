@@ -16,16 +16,16 @@ import anyio.abc
 import anyio.to_thread
 
 from .. import commands as cmd
+from .._bus import EventBus
+from .._distributed.driver_link import DriverLink
+from .._distributed.link import ADDR_ENV, TOKEN_ENV
 from .._driver import attach_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
+from .._launcher import LaunchResult
 from .._log import get_logger
 from .._signals import not_ignored
 from .._validate import check_int, check_seconds
-from ..bus import EventBus
 from ..callbacks._base import Callback
-from ..distributed.driver_link import DriverLink
-from ..distributed.link import ADDR_ENV, TOKEN_ENV
-from ..launcher import LaunchResult
 
 __all__ = ["RayLaunchResult", "RayLauncher", "launch"]
 

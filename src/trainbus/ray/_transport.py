@@ -1,4 +1,4 @@
-"""The Ray transport of the link (:mod:`trainbus.distributed.link`): a mailbox actor between
+"""The Ray transport of the link (:mod:`trainbus._distributed.link`): a mailbox actor between
 rank 0 and the driver.
 
 ::
@@ -21,7 +21,7 @@ rank 0 and the driver.
   second while none do: on a machine whose cores the workers fill, every call the driver
   makes takes CPU from a worker (and under gloo, from every rank waiting for it).
 - Only the accepted link's pushes are kept; a refused worker's are dropped. What crosses is
-  bytes of :mod:`trainbus.wire` JSON lines: Ray pickles the call's arguments, but never an
+  bytes of :mod:`trainbus._wire` JSON lines: Ray pickles the call's arguments, but never an
   event or a command object.
 """
 
@@ -36,10 +36,10 @@ import anyio.to_thread
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from .._distributed.driver_link import DriverLink
+from .._distributed.link import ADDR_ENV
 from .._exceptions import ConfigError, LaunchError
 from .._validate import check_seconds
-from ..distributed.driver_link import DriverLink
-from ..distributed.link import ADDR_ENV
 
 __all__ = ["LINGER", "RayDriver", "RayTransport", "register_worker"]
 
@@ -183,7 +183,7 @@ def register_worker(address: str) -> bool:
 
 
 class RayTransport:
-    """The worker's side of the Ray transport (a :class:`~trainbus.distributed.link.
+    """The worker's side of the Ray transport (a :class:`~trainbus._distributed.link.
     WorkerTransport`), built from ``TRAINBUS_DRIVER_ADDR=ray:<namespace>/<name>``.
 
     Args:

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from trainbus import commands as cmd
-from trainbus.distributed.agreement import CommandAgreement
-from trainbus.distributed.group import ProcessGroup
+from trainbus._distributed.agreement import CommandAgreement
+from trainbus._distributed.group import ProcessGroup
 
 LOG_EVERY = 4
 DECIDE_EVERY = 7

@@ -23,9 +23,9 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import trainbus
+from trainbus._hookpoints import StepContext
 from trainbus.callbacks import EMA
 from trainbus.checkpoint import read_checkpoint
-from trainbus.hookpoints import StepContext
 
 OUT = Path(sys.argv[1])
 

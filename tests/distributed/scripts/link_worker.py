@@ -25,9 +25,9 @@ import torch.distributed as dist
 from trainbus import EventBus, LaunchError
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.distributed.agreement import CommandAgreement
-from trainbus.distributed.group import ProcessGroup
-from trainbus.distributed.link import ADDR_ENV, WorkerLink
+from trainbus._distributed.agreement import CommandAgreement
+from trainbus._distributed.group import ProcessGroup
+from trainbus._distributed.link import ADDR_ENV, WorkerLink
 
 
 def train(bus: EventBus, group: ProcessGroup, mode: str, max_steps: int) -> dict[str, object]:

@@ -28,7 +28,7 @@ for name, value in {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from trainbus.distributed.group import ProcessGroup  # noqa: E402
+from trainbus._distributed.group import ProcessGroup  # noqa: E402
 
 dist.init_process_group("gloo")
 world = dist.group.WORLD

@@ -1,0 +1,495 @@
+"""Attach to a running job: watch its events and steer it from another process.
+
+::
+
+    job = trainbus.attach("runs/demo")                   # not connected yet
+    job.subscribe(job.stream(ev.MetricsLogged), print)   # the job streams what this side
+    async with job:                                      # wants when it connects
+        applied = await job.request(cmd.SaveCheckpoint(tag="now"))   # a notebook: top-level await
+        job.subscribe(job.stream(ev.StepEnded), print)   # later ones: the job is told
+
+    with trainbus.attach("runs/demo") as job:             # a script: a background thread
+        job.send(cmd.StopTraining())
+        job.wait_sync()                                    # until the run ends
+
+The job's rank 0 listens on ``attach.sock`` in its run folder
+(:mod:`trainbus._distributed.attach_server`); an :class:`Attachment` is the driver's end of
+the same link protocol (:class:`~trainbus._distributed.driver_link.DriverLink` publishes what
+arrives on this process' own :class:`~trainbus.EventBus` and forwards its commands), so its
+user face is the driver bus' of :func:`trainbus.launch`: ``events``, ``stream``,
+``subscribe``, ``subscribe_async``, ``send``, ``await request(...)``. The job streams the
+types this bus' subscriptions want when it connects, plus the cheap ones every driver gets
+(fit and epoch boundaries, metrics, evaluations, checkpoints, command acknowledgements). When
+this bus' wants change while connected (a subscription made or disposed), the job is sent the
+new set (a ``wants`` record, within 10 ms) and streams it from the moment it hears
+of it; :attr:`Attachment.job`'s ``events`` names what it streams once it confirmed.
+
+Detaching (leaving the block, or this process dying) leaves the run untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import stat
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from functools import partial
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Self
+
+import anyio
+import anyio.abc
+import anyio.from_thread
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from . import commands as cmd
+from . import events as ev
+from ._bus import EventBus
+from ._bus.observable import BusObservable
+from ._bus.subscriptions import Subscription
+from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
+from ._distributed.driver_link import ALWAYS, DriverLink
+from ._distributed.protocol import control_record, control_types, hello_record, welcome_types
+from ._driver import attach_driver_callback
+from ._exceptions import ConfigError, TrainbusError
+from ._log import get_logger
+from ._validate import check_seconds
+from .callbacks._base import Callback
+
+__all__ = ["AttachError", "Attachment", "attach"]
+
+log = get_logger(__name__)
+
+_MAX_LINE = 16 * 1024 * 1024
+_WANTS_POLL_S = 0.01  # how often a connected attachment looks whether its wants changed
+_CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are compact)
+
+
+class AttachError(TrainbusError, ConnectionError):
+    """Attaching to a run failed: no running job in the folder, a stale socket, another
+    user's folder, a refused token. The message names the folder."""
+
+
+def _owned(path: Path, folder: Path, what: str) -> os.stat_result:
+    """``path``'s lstat, when it is this user's and not writable by others."""
+    info = os.lstat(path)
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise AttachError(
+            f"cannot attach to {folder}: its {what} belongs to uid {info.st_uid}, not you "
+            f"(uid {os.getuid()}); only the run's owner may attach"
+        )
+    return info
+
+
+def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """Where to connect for the job in ``run_dir``, and its token, after every check.
+
+    Returns:
+        The socket's path (a symbolic link followed) and the token.
+
+    Raises:
+        AttachError: no such folder, no job listening there, another user's folder or socket,
+            a token file others may read, a platform without ``AF_UNIX``.
+    """
+    folder = Path(run_dir)
+    if not hasattr(socket, "AF_UNIX"):
+        raise AttachError(f"cannot attach to {folder}: this platform has no Unix domain "
+                          "sockets (AF_UNIX), which attaching needs")  # fmt: skip
+    if not folder.is_dir():
+        what = "not a folder (a file)" if folder.exists() else "no such folder"
+        raise AttachError(f"cannot attach to {folder}: {what}")
+    _owned(folder, folder, "folder")
+    sock, token_file = folder / SOCKET_NAME, folder / TOKEN_NAME
+    if not os.path.lexists(sock):
+        raise AttachError(f"cannot attach to {folder}: no running job there (no {SOCKET_NAME}: "
+                          "the run ended, has not started, runs without a run folder, or "
+                          "with attach=False)")  # fmt: skip
+    info = _owned(sock, folder, SOCKET_NAME)
+    target = Path(os.path.realpath(sock))
+    if stat.S_ISLNK(info.st_mode):  # a long run-folder path: the socket lives elsewhere
+        if not target.exists():
+            raise AttachError(f"cannot attach to {folder}: stale {SOCKET_NAME} (it points to "
+                              f"{target}, which is gone: the job that made it died)")  # fmt: skip
+        info = _owned(target, folder, f"socket {target}")
+    if not stat.S_ISSOCK(info.st_mode):
+        raise AttachError(f"cannot attach to {folder}: {SOCKET_NAME} is not a socket")
+    if len(os.fsencode(str(target))) > max_socket_path():
+        raise AttachError(f"cannot attach to {folder}: the socket's path is longer than "
+                          f"AF_UNIX allows ({max_socket_path()} bytes)")  # fmt: skip
+    try:
+        token_info = _owned(token_file, folder, TOKEN_NAME)
+        if token_info.st_mode & 0o077:
+            mode = stat.S_IMODE(token_info.st_mode)
+            raise AttachError(
+                f"cannot attach to {folder}: {TOKEN_NAME} is readable by others (mode "
+                f"{mode:o}); not trusted"
+            )
+        token = token_file.read_text().strip()
+    except FileNotFoundError:
+        raise AttachError(
+            f"cannot attach to {folder}: {TOKEN_NAME} is missing beside {SOCKET_NAME} (a stale "
+            "socket from a job that died?)"
+        ) from None
+    except PermissionError as exc:
+        raise AttachError(f"cannot attach to {folder}: cannot read {TOKEN_NAME}: {exc}") from None
+    return str(target), token
+
+
+class Attachment:
+    """One attachment to the job running in ``run_dir`` (see the module docstring).
+
+    Args:
+        run_dir: The job's run folder (where ``attach.sock`` is).
+        callbacks: Callbacks run here on the job's events (as with ``trainbus.launch``).
+        bus: This side's bus (default: a new one).
+        events: Extra event types to stream even without a subscriber for them.
+        timeout: Seconds for connecting and the handshake.
+        keep_events: How many of the last events :attr:`received_events` keeps.
+
+    Raises:
+        ConfigError: a bad argument (checked now; the folder is checked when connecting).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        *,
+        callbacks: Iterable[Callback | type[Callback]] = (),
+        bus: EventBus | None = None,
+        events: Iterable[type[ev.BaseEvent]] = (),
+        timeout: float = 5.0,
+        keep_events: int = 100,
+    ) -> None:
+        self.run_dir = Path(run_dir)
+        self.bus = bus if bus is not None else EventBus()
+        self.timeout = check_seconds("timeout", timeout)
+        self._extra = tuple(events)
+        for t in self._extra:
+            if not (isinstance(t, type) and issubclass(t, ev.BaseEvent)):
+                raise ConfigError.invalid("events", t, "trainbus event classes")
+        for callback in callbacks:
+            attach_driver_callback(self.bus, callback)
+        self._keep = keep_events
+        self._link: DriverLink | None = None
+        self._stream: anyio.abc.SocketStream | None = None
+        self._welcome: dict[str, Any] = {}
+        self._status: dict[str, Any] = {}
+        self._told: list[str] = []  # the event types the job was last asked for
+        self._loop_thread: int | None = None  # where the bus runs while connected
+        self._portal: Any = None
+        self._portal_cm: Any = None
+        self._cm: Any = None
+
+    # ------------------------------------------------------------------ the bus' face
+    @property
+    def events(self) -> BusObservable[ev.BaseEvent]:
+        """Every event received (see :attr:`EventBus.events`)."""
+        return self.bus.events
+
+    def stream(self, *event_types: type[ev.BaseEvent], **kw: Any) -> BusObservable[Any]:
+        """See :meth:`EventBus.stream`. Subscribed before connecting, the job streams the types
+        from the start; subscribed while connected, from when the job hears of it."""
+        return self.bus.stream(*event_types, **kw)
+
+    def subscribe(self, observable: Any, on_next: Any, **kw: Any) -> Subscription:
+        """See :meth:`EventBus.subscribe` (inside ``with attach(...)``, from another thread:
+        made on the bus' thread)."""
+        made: Subscription = self._on_bus_thread(
+            partial(self.bus.subscribe, observable, on_next, **kw)
+        )
+        return made
+
+    def subscribe_async(
+        self, observable: Any, fn: Callable[[Any], Awaitable[Any]], **kw: Any
+    ) -> Any:
+        """See :meth:`EventBus.subscribe_async` (inside ``with attach(...)``, from another
+        thread: made on the bus' thread)."""
+        return self._on_bus_thread(partial(self.bus.subscribe_async, observable, fn, **kw))
+
+    def _on_bus_thread(self, fn: Callable[[], Any]) -> Any:
+        # A script's `with attach(...)` runs the bus in a portal thread: a subscription made
+        # from the script's thread is made there, where the bus changes its routes.
+        if self._portal is not None and threading.get_ident() != self._loop_thread:
+            return self._portal.call(fn)
+        return fn()
+
+    def send(self, command: cmd.Command) -> None:
+        """Send a command to the job (applied at its next step; thread-safe)."""
+        self.bus.send(command)
+
+    async def request(self, command: cmd.Command) -> ev.BaseEvent:
+        """Send a command and wait until the job applied it.
+
+        Returns:
+            The event it produced (``CheckpointSaved``, ``EvaluationEnded``), else its
+            ``CommandApplied``; either carries the step at which it took effect.
+
+        Raises:
+            CommandError: the job could not apply it.
+            BusClosedError: the job ended (or this attachment closed) before applying it.
+        """
+        return await self.bus.request(command)
+
+    def request_sync(self, command: cmd.Command) -> ev.BaseEvent:
+        """Synchronous twin of :meth:`request` (inside ``with attach(...)``)."""
+        return self._sync().call(self.bus.request, command)  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def linked(self) -> bool:
+        """Connected and welcomed, and the job has not ended the link."""
+        return self._link is not None and self._link.linked and not self._link.unlinked
+
+    @property
+    def job(self) -> dict[str, Any]:
+        """What the job said when it welcomed this attachment: ``pid``, ``rank``, ``folder``,
+        ``events`` (the names of the types it streams here; updated when the job confirms a
+        change of this side's wants)."""
+        return dict(self._welcome)
+
+    @property
+    def status(self) -> dict[str, Any]:
+        """The job's latest status record (sent every second): ``holding`` (subscribers the
+        training loop waited for, with ``waited_s``), ``stalled`` (sync subscribers that
+        blocked its event loop), ``failed``, ``queue_depth``, ``attached``."""
+        return dict(self._status)
+
+    @property
+    def received_events(self) -> tuple[ev.BaseEvent, ...]:
+        """The last events received (at most ``keep_events``)."""
+        return () if self._link is None else self._link.events
+
+    @property
+    def ended(self) -> ev.FitEnded | None:
+        """The job's ``FitEnded``, once it arrived."""
+        return None if self._link is None else self._link.ended
+
+    # ------------------------------------------------------------------ lifecycle
+    async def wait(self, timeout: float | None = None) -> ev.FitEnded | None:  # noqa: ASYNC109
+        """Wait until the job ends the link (its run ended) or ``timeout`` seconds passed.
+
+        Returns:
+            The job's ``FitEnded``, or None (timed out, or the job went away without one).
+        """
+        link = self._link
+        if link is None:
+            raise TrainbusError("not attached: use `async with attach(...)` first")
+        await link.wait_unlinked(float("inf") if timeout is None else timeout)
+        return link.ended
+
+    def wait_sync(self, timeout: float | None = None) -> ev.FitEnded | None:
+        """Synchronous twin of :meth:`wait`."""
+        return self._sync().call(self.wait, timeout)  # type: ignore[no-any-return]
+
+    async def wait_streaming(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
+        """Wait until the job streams every event type this side wants now: after a
+        subscription made while connected, until the job confirmed it (milliseconds), so
+        that every event of those types it publishes from then on arrives here.
+
+        Returns:
+            True when it does, False when ``timeout`` seconds passed first (or the link
+            ended).
+
+        Raises:
+            TrainbusError: not connected (outside ``async with attach(...)``).
+        """
+        if self._link is None:
+            raise TrainbusError("not attached: use `async with attach(...)` first")
+        with anyio.move_on_after(float("inf") if timeout is None else timeout):
+            while set(self._wanted()) - set(self._welcome.get("events", ())):
+                if not self.linked:
+                    return False
+                await anyio.sleep(_WANTS_POLL_S)
+            return True
+        return False
+
+    def wait_streaming_sync(self, timeout: float | None = None) -> bool:
+        """Synchronous twin of :meth:`wait_streaming`."""
+        return self._sync().call(self.wait_streaming, timeout)  # type: ignore[no-any-return]
+
+    @contextlib.asynccontextmanager
+    async def _session(self) -> AsyncIterator[Self]:
+        target, token = locate(self.run_dir)
+        stream, reader = await self._connect(target, token)
+        link = self._link = DriverLink(self.bus, token, keep_events=self._keep)
+        link.welcomed(target)
+        self._loop_thread = threading.get_ident()
+        lock = anyio.Lock()
+
+        async def send(data: bytes) -> None:  # commands and wants: one writer at a time
+            async with lock:
+                await stream.send(data)
+
+        try:
+            async with self.bus, anyio.create_task_group() as tg:
+                tg.start_soon(self._read, reader, link)
+                tg.start_soon(link.forward, send)
+                tg.start_soon(self._tell_wants, send)
+                try:
+                    yield self
+                finally:
+                    with anyio.CancelScope(shield=True):
+                        await self.bus.wait_delivered(self.timeout)
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                with contextlib.suppress(Exception):
+                    if not link.unlinked:
+                        await send(control_record("bye", sent=0))
+                await stream.aclose()
+            link.end()
+            self._loop_thread = None
+
+    async def _connect(
+        self, target: str, token: str
+    ) -> tuple[anyio.abc.SocketStream, BufferedByteReceiveStream]:
+        folder = self.run_dir
+        try:
+            with anyio.fail_after(self.timeout):
+                stream = await anyio.connect_unix(target)
+        except ConnectionRefusedError:
+            raise AttachError(f"cannot attach to {folder}: stale {SOCKET_NAME} (nobody listens: "
+                              "the job that made it died)") from None  # fmt: skip
+        except TimeoutError:
+            raise AttachError(f"cannot attach to {folder}: the job did not accept within "
+                              f"{self.timeout} s") from None  # fmt: skip
+        except OSError as exc:
+            raise AttachError(f"cannot attach to {folder}: {exc}") from None
+        names = self._told = self._wanted()
+        reader = BufferedByteReceiveStream(stream)
+        try:
+            await stream.send(hello_record(token, events=names))
+            with anyio.fail_after(self.timeout):
+                reply = await reader.receive_until(b"\n", 1 << 20)
+        except TimeoutError:
+            await stream.aclose()
+            raise AttachError(f"cannot attach to {folder}: the job did not answer within "
+                              f"{self.timeout} s") from None  # fmt: skip
+        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            reply = b""
+        if welcome_types(reply) is None:
+            await stream.aclose()
+            raise AttachError(f"cannot attach to {folder}: the job refused this attachment "
+                              f"(wrong token: {TOKEN_NAME} changed?)")  # fmt: skip
+        self._welcome = json.loads(reply)
+        self._welcome.pop("type", None)
+        self._welcome.pop("v", None)
+        self._stream = stream
+        return stream, reader
+
+    def _wanted(self) -> list[str]:
+        """The names of the event types to ask the job for: what this bus' subscriptions want,
+        the ``events`` given, and the cheap ones every driver gets."""
+        wanted = {t for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)}
+        wanted.update(self._extra)
+        return [t.__name__ for t in ev.EVENT_TYPES if t in wanted]
+
+    async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
+        """While connected: when this bus' subscriptions changed (its doorbell rang), send the
+        job the types wanted now, if they differ from what it was last asked for."""
+        doorbell = self.bus.port().doorbell
+        rings = -1  # compare once at the start: a subscription made while connecting counts
+        while True:
+            await anyio.sleep(_WANTS_POLL_S)
+            if doorbell.rings == rings:
+                continue
+            rings = doorbell.rings
+            names = self._wanted()
+            if names == self._told:
+                continue
+            self._told = names
+            try:
+                await send(control_record("wants", events=names))
+            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                return  # the job went away: the reader ends the link
+            log.debug("attach_wants_sent", events=names)
+
+    async def _read(self, reader: BufferedByteReceiveStream, link: DriverLink) -> None:
+        try:
+            while True:
+                line = await reader.receive_until(b"\n", _MAX_LINE)
+                if line.startswith(_CONTROL + b"status"):
+                    record = json.loads(line)
+                    record.pop("v", None)
+                    record.pop("type", None)
+                    self._status = record
+                    continue
+                if line.startswith(_CONTROL + b"streams"):
+                    streamed = control_types(line, "streams") or ()
+                    self._welcome["events"] = [t.__name__ for t in streamed]
+                    continue
+                link.receive(line)
+                if link.unlinked:  # bye: the run ended
+                    return
+        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                anyio.ClosedResourceError, OSError):  # fmt: skip
+            pass
+        finally:
+            link.end()
+
+    async def __aenter__(self) -> Self:
+        if self._cm is not None:
+            raise TrainbusError("this Attachment is in use already; make a new one")
+        self._cm = self._session()
+        return await self._cm.__aenter__()  # type: ignore[no-any-return]
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        return await self._cm.__aexit__(exc_type, exc, tb)  # type: ignore[no-any-return]
+
+    def __enter__(self) -> Self:
+        """Attach from synchronous code: the bus and the link run in a background thread
+        (subscribers run there), until the ``with`` block ends."""
+        self._portal_cm = anyio.from_thread.start_blocking_portal()
+        self._portal = self._portal_cm.__enter__()
+        self._cm = self._portal.wrap_async_context_manager(self._session())
+        try:
+            self._cm.__enter__()
+        except BaseException as exc:
+            self._portal_cm.__exit__(type(exc), exc, exc.__traceback__)
+            self._portal = None
+            raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        try:
+            self._cm.__exit__(exc_type, exc, tb)
+        finally:
+            self._portal = None
+            self._portal_cm.__exit__(None, None, None)
+
+    def _sync(self) -> Any:
+        if self._portal is None:
+            raise TrainbusError("the *_sync methods work inside `with attach(...)`; in async "
+                                "code use `async with` and await request()/wait()")  # fmt: skip
+        return self._portal
+
+
+def attach(run_dir: str | os.PathLike[str], **kw: Any) -> Attachment:
+    """An :class:`Attachment` to the job running in ``run_dir`` (connects on entering its
+    ``with`` / ``async with`` block).
+
+    Args:
+        run_dir: The job's run folder (its ``checkpoint_dir``, or its ``attach=`` folder).
+        kw: See :class:`Attachment`.
+
+    Returns:
+        The attachment, not yet connected.
+
+    Raises:
+        ConfigError: a bad argument.
+    """
+    return Attachment(run_dir, **kw)

@@ -1,0 +1,601 @@
+"""The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
+
+:class:`EventBus` is the users' face: a thin facade over parts that each own their state (see
+docs/bus.md). The training loop, the session and the distributed code hold the other face, the
+:class:`~trainbus._bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
+receive end:
+
+=================  =========================  ======================================================
+part               module                     owns
+=================  =========================  ======================================================
+Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
+Spent              ``spent.py``               what the loop thread is done with (freed at publish)
+RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
+TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
+StepClock          ``clock.py``               declared decision schedules (each change rings)
+DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
+BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
+AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
+ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
+FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
+Demand             ``routes.py``              what one event type's subscriptions take (``takes``)
+RouteTable         ``routes.py``              roots by tier, route cache, each type's ``Demand``
+Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
+Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
+Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
+AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and workers
+SubscriptionSet    ``registry.py``            subscription records in order, async start
+BusObservable      ``observable.py``          the chain users pipe and subscribe to
+CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
+ChainHost          ``host.py``                the guard a chain ends in, its schedules' declaration
+CommandChannel     ``channel.py``             command deque, ``request()`` waiters
+PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
+Barrier            ``barrier.py``             the interrupted barrier wait
+Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
+LoopPort           ``port.py``                the loop's face: publish, demand, poll, barrier, clock
+=================  =========================  ======================================================
+
+The rows follow the import order: a module imports only modules of the rows above it, so no
+cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
+and that this table lists every module of the package, each part defined where it says). None
+imports torch or the loop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable
+from contextlib import AbstractContextManager
+from types import TracebackType
+from typing import Any, Self, TypeVar, overload
+
+from reactivex import Observable, abc
+from reactivex.disposable import Disposable
+
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import ConfigError
+from .._log import get_logger
+from .._validate import check_int, check_number, check_optional_seconds
+from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
+from .barrier import Barrier
+from .channel import AckObserver, CommandChannel, CommandError
+from .clock import At, DecisionStamp, Every, Schedule, StepClock
+from .doorbell import Doorbell
+from .failures import ErrorPolicy, FailureLedger, check_policy
+from .host import ChainHost
+from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
+from .observable import BusObservable, CommandSink
+from .port import LoopPort
+from .pressure import Backpressure
+from .queue import PublishQueue
+from .rank_filter import RankFilter, Ranks, env_rank
+from .registry import SubscriptionSet
+from .routes import RouteTable, Tier, TierContext
+from .scheduler import AnyioScheduler, ChainScheduler
+from .spent import Spent
+from .statistics import BusStatistics
+from .subscriptions import Subscription
+from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
+
+__all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
+
+log = get_logger(__name__)
+
+_E = TypeVar("_E", bound=ev.BaseEvent)
+
+
+class EventBus:
+    """The reactive bus between the training loop and its subscribers.
+
+    Args:
+        flush_interval: Seconds between two dispatches of the queue (the bound on delivery lag
+            when the loop thread gets the GIL on time). Default 0.02, measured best here.
+        max_queue: Published events that may wait undelivered before ``publish`` makes its
+            thread wait for the dispatcher; bounds memory when a ``"block"`` subscriber stalls.
+        close_timeout: Seconds closing (and a trainer call's end) waits for async subscribers
+            to finish their buffers before cancelling them (what was cancelled is counted,
+            logged and reported as lost work). Default :data:`DEFAULT_CLOSE_TIMEOUT` (300 s):
+            long enough for a real upload, short enough that a hung one cannot hold a job's
+            machines for hours. While it waits, a ``bus_close_waiting`` warning names what is
+            pending after 1 s and again every 30 s (every tenth of a shorter
+            ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
+            they take (still warning every 30 s).
+        on_error: Default error policy of subscriptions made without one.
+        scheduler: Scheduler handed to every subscription for time-based operators. Default: a
+            new :class:`~trainbus.bus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
+            scheduler (``trainbus.testing.VirtualTimeScheduler``).
+        rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
+            Subscriptions run on rank 0 unless made with ``ranks=`` (docs/distributed.md).
+        watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
+            before a warning names it, with the loop thread's stack, while it still blocks
+            (default 5; counted in its ``statistics()`` as ``stalls`` and ``blocked_s``).
+            None: no watchdog thread. See docs/reliability.md.
+
+    Raises:
+        ConfigError: for an argument out of range.
+
+    Use it as an async context manager: ``async with EventBus() as bus: ...``; leaving it
+    closes the bus for good. A bus a trainer call ran for itself is suspended at the call's
+    end (:meth:`suspend`) and opened again by the next call.
+    """
+
+    publish: Callable[[ev.BaseEvent], None]
+    """Queue an event for delivery (:meth:`PublishQueue.publish`): a type check and a deque
+    append, safe from any thread (a callback publishing its own events uses it). Bound at
+    construction, so a call costs no extra frame."""
+    wants: Callable[[type[ev.BaseEvent]], bool]
+    """True when some subscription would receive events of the given type
+    (:meth:`RouteTable.wants`): ask before building an event nobody may want."""
+
+    def __init__(
+        self,
+        *,
+        flush_interval: float = 0.02,
+        max_queue: int = 65_536,
+        close_timeout: float | None = DEFAULT_CLOSE_TIMEOUT,
+        on_error: ErrorPolicy = "log",
+        scheduler: abc.SchedulerBase | None = None,
+        rank: int | None = None,
+        watchdog_s: float | None = DEFAULT_WATCHDOG_S,
+    ) -> None:
+        if (
+            isinstance(flush_interval, bool)
+            or not isinstance(flush_interval, int | float)
+            or not (0 < flush_interval <= 10)
+        ):
+            raise ConfigError.invalid("flush_interval", flush_interval, "seconds in (0, 10]")
+        check_int("max_queue", max_queue, 1)
+        if close_timeout is not None:
+            try:
+                check_number("close_timeout", close_timeout)
+            except ConfigError:
+                raise ConfigError.invalid(
+                    "close_timeout",
+                    close_timeout,
+                    "None (wait for pending async work) or seconds >= 0",
+                ) from None
+        check_policy(on_error)
+        if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
+            raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")
+        self.flush_interval = float(flush_interval)
+        self.max_queue = max_queue
+        self.close_timeout = None if close_timeout is None else float(close_timeout)
+        self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
+        watchdog = Watchdog(self.watchdog_s)
+        self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
+
+        bell = Doorbell()  # rung whenever the training loop must look (the port's doorbell)
+        clock = StepClock(bell)
+        stamp = DecisionStamp()
+        self._channel = channel = CommandChannel(stamp, bell)
+        self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
+        own: AnyioScheduler | None = None
+        if scheduler is None:
+            scheduler = own = AnyioScheduler(ledger.scheduler_failed)
+        self.scheduler: abc.SchedulerBase = scheduler
+        # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
+        self._chain_scheduler = ChainScheduler(self.scheduler)
+        self._routes = routes = RouteTable(bell)
+        # What the loop thread is done with, freed by the next publish (see spent.py).
+        spent = Spent()
+        self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
+        # What every chain subscribes through (the guard, its schedules' declaration).
+        self._host = host = ChainHost(subs, self._ranks, ledger, clock, self._chain_scheduler)
+        self._queue = queue = PublishQueue(
+            max_queue=max_queue,
+            flush_interval=self.flush_interval,
+            routes=routes,
+            ledger=ledger,
+            stamp=stamp,
+            spent=spent,
+        )
+        self._barrier = barrier = Barrier(queue, subs, channel)
+        self._lifecycle = lifecycle = Lifecycle(
+            queue=queue,
+            routes=routes,
+            subscriptions=subs,
+            channel=channel,
+            ledger=ledger,
+            own_scheduler=own,
+            flush_interval=self.flush_interval,
+            close_timeout=self.close_timeout,
+            watchdog=watchdog,
+        )
+        # The hot paths, bound once: bus.publish / bus.wants cost what the part's method costs.
+        self.publish = queue.publish
+        self.wants = routes.wants
+        self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
+                              channel=channel, ledger=ledger, pressure=subs.backpressure,
+                              barrier=barrier, lifecycle=lifecycle, host=host)  # fmt: skip
+
+        self.commands: CommandSink = CommandSink(channel.send)
+        """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
+        routes.register((ev.CommandApplied,), AckObserver(channel), "internal")
+
+    # ================================================================== state
+    def port(self) -> LoopPort:
+        """The loop's face of this bus (:class:`~trainbus._bus.port.LoopPort`): publish, the
+        demand, the doorbell, commands, barriers, decision steps. For loop implementers (the
+        training loop, the session, the distributed link), who obtain it once; a user never
+        needs it. The same object for the bus' lifetime."""
+        return self._port
+
+    @property
+    def rank(self) -> int:
+        """This process' rank (0 on a single process): subscriptions run on rank 0 unless
+        made with ``ranks=``."""
+        return self._ranks.rank
+
+    def runs_here(self, ranks: Ranks) -> bool:
+        """True when a subscription made with ``ranks`` runs on this rank.
+
+        Raises:
+            ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
+        """
+        return self._ranks.runs_here(ranks)
+
+    def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
+        """Subscriptions made inside ``with bus.on_ranks("all"):`` without ``ranks=`` run on
+        those ranks (what ``Trainer.add_callback`` does with a callback's ``ranks``).
+
+        Raises:
+            ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
+        """
+        return self._ranks.default(ranks)
+
+    @property
+    def running(self) -> bool:
+        """True between entering and leaving ``async with bus`` (or a trainer call's run)."""
+        return self._lifecycle.state == "running"
+
+    @property
+    def state(self) -> str:
+        """``"new"``, ``"running"``, ``"suspended"`` (between two trainer calls that ran it
+        for themselves), ``"closing"`` or ``"closed"``."""
+        return self._lifecycle.state
+
+    @property
+    def failure(self) -> Exception | None:
+        """The first failure of a subscription with ``on_error="raise"``, if any: the
+        subscriber's own exception (a note names the subscription and event)."""
+        return self._ledger.fatal
+
+    @property
+    def subscriptions(self) -> tuple[Subscription, ...]:
+        """Every subscription made through this bus, in order (inactive ones included)."""
+        return self._subs.all()
+
+    def statistics(self) -> BusStatistics:
+        """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per
+        subscription counters."""
+        return self._lifecycle.statistics()
+
+    # ================================================================== subscribing side
+    @property
+    def events(self) -> BusObservable[ev.BaseEvent]:
+        """Every event, as a hot Observable whose subscribers run on the event-loop thread."""
+        # Made at each call, not kept: a stream refers to its bus, so a kept one would be a
+        # reference cycle (a dropped bus then waits for a garbage-collector pass).
+        return self._make_stream((ev.BaseEvent,))
+
+    @overload
+    def stream(
+        self,
+        event_type: type[_E],
+        /,
+        *,
+        every_s: float | None = None,
+        every_steps: int | None = None,
+    ) -> BusObservable[_E]: ...
+    @overload
+    def stream(
+        self,
+        *event_types: type[ev.BaseEvent],
+        every_s: float | None = None,
+        every_steps: int | None = None,
+    ) -> BusObservable[ev.BaseEvent]: ...
+    def stream(
+        self,
+        *event_types: type[ev.BaseEvent],
+        every_s: float | None = None,
+        every_steps: int | None = None,
+    ) -> BusObservable[Any]:
+        """Events of the given types (subclasses included), as a typed hot Observable.
+
+        Subscribing registers demand, so :meth:`wants` turns true for those types.
+
+        Args:
+            event_types: The event classes to receive.
+            every_s: Sample: each subscription takes the first event, then none stamped less
+                than ``every_s`` seconds after the last one it took (``throttle_first`` on
+                the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
+                loop sees it: while only sampled subscriptions want ``StepEnded``, the loop
+                builds one when one is due, not every step.
+            every_steps: Sample by step: only the events whose ``step`` is a multiple of
+                ``every_steps`` (the ``logging_steps`` of other trainers). The loop builds
+                ``StepEnded`` only at those steps while no subscription takes every one.
+
+        Raises:
+            ConfigError: no type given, one that is not a trainbus event class, an
+                ``every_s`` that is not a positive number of seconds, an ``every_steps`` that
+                is not a positive int, or both.
+        """
+        every_s = check_optional_seconds("every_s", every_s)
+        if every_steps is not None:
+            check_int("every_steps", every_steps, 1)
+            if every_s is not None:
+                raise ConfigError.invalid(
+                    "every_steps", every_steps, "None when every_s is given (one sampling, not two)"
+                )
+        if not event_types:
+            raise ConfigError.invalid("event_types", (), "at least one event class")
+        for t in event_types:
+            if not (isinstance(t, type) and issubclass(t, ev.BaseEvent)):
+                raise ConfigError.invalid(
+                    "event_types", t, "event classes from trainbus.events (e.g. ev.StepEnded)"
+                )
+        return self._make_stream(tuple(event_types), every_s, every_steps)
+
+    def _make_stream(
+        self,
+        types: tuple[type, ...],
+        every_s: float | None = None,
+        every_steps: int | None = None,
+    ) -> BusObservable[Any]:
+        routes = self._routes
+
+        def subscribe(observer: abc.ObserverBase[Any], _: Any = None) -> abc.DisposableBase:
+            root = routes.register(types, observer, every_s=every_s, every_steps=every_steps)
+            return Disposable(lambda: routes.unregister(root))
+
+        # Decision schedules only count on streams that can carry the per-step events.
+        per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
+        return BusObservable(self._host, Observable(subscribe), per_step=per_step)
+
+    def subscribe(
+        self,
+        observable: Observable[Any],
+        on_next: Callable[[Any], Any] | abc.ObserverBase[Any],
+        *,
+        on_error: ErrorPolicy | None = None,
+        name: str | None = None,
+        ranks: Ranks = None,
+        on_completed: Callable[[], Any] | None = None,
+    ) -> Subscription:
+        """Subscribe a sync observer (function or Rx observer) under the bus' guard.
+
+        Works with any Observable built from bus streams (``reactivex.merge(...)`` included):
+        the bus scheduler is handed to its time-based operators.
+
+        Args:
+            observable: A bus stream, possibly piped through operators, or any Observable
+                built from bus streams.
+            on_next: A function of one item, or an Rx observer (``bus.commands`` included).
+            on_error: The error policy: what a failure of ``on_next`` does (``"log"``,
+                ``"stop"``, ``"raise"``; default: the bus').
+            name: Name in logs and statistics (default: the function's qualified name).
+            ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
+            on_completed: Called when the stream completes (the bus closes).
+
+        Returns:
+            The subscription handle (dispose it to stop; ``statistics()`` for counters).
+
+        Raises:
+            ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
+        """
+        source = observable if isinstance(observable, BusObservable) else None
+        wrapped = source or BusObservable(self._host, observable)
+        return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
+                                 name=name, ranks=ranks)  # fmt: skip
+
+    def subscribe_async(
+        self,
+        observable: Observable[Any],
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        concurrency: int = 1,
+        buffer: int | None = None,
+        overflow: Overflow = DEFAULT_OVERFLOW,
+        on_error: ErrorPolicy | None = None,
+        name: str | None = None,
+        decides: bool = False,
+        ranks: Ranks = None,
+    ) -> AsyncSubscription:
+        """Run ``async def fn(item)`` for each item, in the bus' task group.
+
+        Args:
+            observable: A bus stream, possibly piped through operators.
+            fn: An ``async def`` function of one item (or a ``functools.partial`` of one, or
+                an object whose ``__call__`` is ``async def``); a plain function is refused
+                here (use :meth:`subscribe`), not found failing on every item.
+            concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
+            buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
+            overflow: What a full buffer does. ``"drop_oldest"`` (default) drops the oldest
+                waiting item, ``"latest"`` keeps only the newest waiting item: a slow ``fn``
+                never holds training back, and every drop is counted as lost work
+                (``FitResult.lost``). ``"block"`` never drops: the training loop waits at its
+                next poll point until the buffer has room, so it CAN slow training to ``fn``'s
+                pace (a ``training_waits_for_subscriber`` warning names it the first time,
+                ``FitResult.waited_s`` counts the seconds). Delivery to other subscribers
+                never waits for this one, whatever the policy.
+            on_error: Error policy for exceptions from ``fn`` (default: the bus').
+            name: Name in logs and statistics (default: the function's qualified name).
+            decides: True when ``fn`` sends commands that must land on the step they were
+                decided for: at every barrier that delivers it an item (a barrier event such
+                as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
+                for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
+                names it once it has held training for about half a second), and the
+                pipeline's schedules (``tbops.every(n)``, ``once(at=)``) are declared to the
+                step clock. False (default): ``fn`` never makes training wait at a barrier,
+                whatever events it receives (a poster of the metrics, an uploader, a logger);
+                its commands, if any, land at the next poll point. See docs/bus.md,
+                "Barriers".
+            ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
+
+        Returns:
+            The subscription handle (dispose it to stop; ``statistics()`` for counters).
+
+        Raises:
+            ConfigError: for an ``fn`` that is not an async function, a non-bool ``decides`` or
+                an argument out of range.
+            BusClosedError: the bus is closed.
+        """
+        if not isinstance(decides, bool):
+            raise ConfigError.invalid("decides", decides, "True or False")
+        source = observable if isinstance(observable, BusObservable) else None
+        wrapped = source or BusObservable(self._host, observable)
+        # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
+        size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
+                                              overflow=overflow, policy=on_error)  # fmt: skip
+        if not self._ranks.runs_here(ranks):
+            inert = AsyncSubscription(self._ledger, name or "inert", fn, concurrency=concurrency,
+                                      buffer=size, overflow=policy, on_error=on_error,
+                                      backpressure=Backpressure())  # fmt: skip
+            inert.dispose()
+            return inert
+        sub = self._subs.add_async(
+            fn,
+            wrapped.subscribe_raw,
+            concurrency=concurrency,
+            buffer=buffer,
+            overflow=overflow,
+            policy=on_error,
+            name=name,
+            decides=decides,
+        )
+        if decides and wrapped.schedules:
+            sub.hold(self._host.declare(wrapped.schedules))
+        return sub
+
+    # ================================================================== decision steps
+    def decides(
+        self, *, every: int | None = None, at: int | Iterable[int] | None = None
+    ) -> abc.DisposableBase:
+        """Declare that some pipeline decides at these steps (one the bus cannot see, such as a
+        ``reactivex.merge`` of bus streams): at each, the loop delivers everything, waits for
+        the async subscribers of that step's ``StepEnded`` and applies their commands before
+        the next step.
+
+        Args:
+            every: Decide at every multiple of this step count.
+            at: Decide at this step, or at each of these steps.
+
+        Returns:
+            A disposable: ``.dispose()`` removes the declaration.
+
+        Raises:
+            ConfigError: neither given, or a value out of range.
+        """
+        schedules: list[Schedule] = []
+        if every is not None:
+            schedules.append(Every(check_int("every", every, 1)))
+        if at is not None:
+            steps = list(at) if isinstance(at, Iterable) else [at]
+            schedules.extend(At(check_int("at", k, 0)) for k in steps)
+        if not schedules:
+            raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
+        return self._host.declare(tuple(schedules))
+
+    def tier(self, tier: Tier) -> TierContext:
+        """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier.
+
+        Every event reaches core subscribers first, then user ones, then global ones.
+
+        Raises:
+            ConfigError: ``tier`` is not one of internal, core, user, global.
+        """
+        return self._routes.tier(tier)
+
+    # ================================================================== delivery
+    def flush(self) -> None:
+        """Deliver every queued event now, on the calling thread (see
+        :meth:`PublishQueue.flush`).
+
+        Raises:
+            BusClosedError: called from another thread while the bus runs.
+        """
+        self._queue.flush()
+
+    async def wait_delivered(
+        self, timeout: float | None = None, event: ev.BaseEvent | None = None
+    ) -> bool:
+        """Deliver everything queued, then wait for the async subscriptions that received
+        something from ``event`` (or from anything) to finish it (see
+        :meth:`Barrier.wait_delivered`).
+
+        Returns:
+            True when everything finished, False when the timeout expired first.
+        """
+        return await self._barrier.wait_delivered(timeout, event)
+
+    # ================================================================== cancelling
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscriber's pending work now: items waiting in buffers and
+        calls running. They are counted as cancelled (lost work in ``FitResult.lost``), and
+        so is anything those subscriptions receive later. Meant for a close that waits too
+        long (what a first Ctrl-C during the close does). Call it on the event-loop thread
+        (``anyio.from_thread.run_sync(bus.cancel_pending)`` from another one).
+
+        Returns:
+            Items pending per subscription when cancelled (only those that had any).
+        """
+        return self._lifecycle.cancel_pending()
+
+    # ================================================================== commands
+    def send(self, command: cmd.Command) -> None:
+        """Put ``command`` on the back-channel. Safe from any thread; never blocks.
+
+        Raises:
+            ConfigError: ``command`` is not a trainbus command.
+            BusClosedError: the bus has closed (after the run): no loop would apply it.
+        """
+        self._channel.send(command)
+
+    async def request(self, command: cmd.Command) -> ev.BaseEvent:
+        """Send ``command`` and wait until the loop applies it (see
+        :meth:`CommandChannel.request`).
+
+        Returns:
+            The event the command produced, else its ``CommandApplied``.
+
+        Raises:
+            ConfigError: ``command`` is not a trainbus command.
+            CommandError: the loop could not apply it (the cause is attached).
+            BusClosedError: the bus closed before the command was applied.
+        """
+        return await self._channel.request(command)
+
+    # ================================================================== lifecycle
+    async def __aenter__(self) -> Self:
+        await self._lifecycle.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool | None:
+        await self._lifecycle.close(raise_fatal=exc_type is None)
+        return None
+
+    async def suspend(self, *, raise_fatal: bool = True) -> None:
+        """Stop running until the next ``async with bus`` (or trainer call), streams open:
+        deliver what was published, run the pending timers (time windows emit their partial
+        batch), wait for the async subscribers within ``close_timeout`` (what is left is
+        cancelled, counted and logged), stop the task group. A trainer call that found the
+        bus not running suspends it when it ends; closing it (``async with bus`` exit,
+        ``Trainer.close()``) completes the streams.
+
+        Args:
+            raise_fatal: Raise a ``"raise"`` subscription's failure (False while another
+                exception propagates); either way it is cleared for the next run.
+
+        Raises:
+            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed:
+                the subscriber's own exception.
+        """
+        await self._lifecycle.suspend(raise_fatal=raise_fatal)
+
+    def __repr__(self) -> str:
+        return f"<EventBus {self._lifecycle.state} queued={len(self._queue)}>"

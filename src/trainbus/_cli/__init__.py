@@ -1,0 +1,194 @@
+"""The ``trainbus`` command line.
+
+``trainbus demo`` trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; no
+download) with the default kit, and writes a run folder (logged as ``demo_started run_dir=``
+at the start, printed at the end)::
+
+    runs/demo/
+        latest -> <timestamp>   the newest run (a symbolic link, or a file naming it)
+        <timestamp>/            one run (YYYYmmdd-HHMMSS)
+            events.jsonl        every event of the run, one JSON record per line
+            checkpoints/        the 2 newest epoch-<n>.pt, the 2 best *-best.pt by val_loss,
+                                and the final one
+            curves.png          training loss, val_loss and val_acc per step
+
+so ``trainbus replay runs/demo`` and ``trainbus plot runs/demo`` read the newest run.
+``--run-dir DIR`` writes one run into DIR instead (no ``latest`` pointer). Progress follows
+the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs progress lines.
+
+``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
+process as the driver (see :mod:`trainbus._launcher`). ``trainbus attach RUN_DIR`` watches and
+steers a running job (see :mod:`trainbus._cli.attach`).
+
+``trainbus export FOLDER OUTPUT`` writes a sharded (FSDP2) run's checkpoint folder as one plain
+file an unsharded model loads (see :func:`trainbus.checkpoint.export_full`).
+
+The CLI is the one place that configures structlog (a console renderer for humans, JSON lines
+with ``--json-logs``) and prints. Logs go to stderr (through ``tqdm.write`` when tqdm is there, so
+the progress bar stays intact); the summary goes to stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .demo import run_demo
+from .export import add_export_parser, run_export
+from .launch import LAUNCH_USAGE, run_launch
+from .logs import configure_logging
+
+__all__ = ["main"]
+
+
+# ----------------------------------------------------------------------------- replay, plot
+def run_replay(args: argparse.Namespace) -> int:
+    """Print a recorded run, one line per event: offset in seconds, class, fields; only the
+    events ``--type`` and ``--steps`` select (offsets stay relative to the run's start)."""
+    from .._replay import EventFilter, load_events
+
+    keep = EventFilter.parse(args.type or (), args.steps)  # refused before reading the file
+    events = list(load_events(args.run_dir))
+    t0 = events[0].time if events else 0.0
+    for e in filter(keep.matches, events):
+        fields = " ".join(
+            f"{k}={v!r}" for k, v in _fields(e).items() if k not in ("time", "step", "epoch")
+        )
+        print(f"{e.time - t0:9.3f}s step={e.step:<6} epoch={e.epoch:<3} "
+              f"{type(e).__name__} {fields}".rstrip())  # fmt: skip
+    return 0
+
+
+def _fields(event: Any) -> dict[str, Any]:
+    import dataclasses
+
+    return {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
+
+
+def run_plot(args: argparse.Namespace) -> int:
+    """Draw the curves of a recorded run with CurvePlot's renderer."""
+    from .. import events as ev
+    from .._replay import load_events
+    from .._rundirs import resolve_run
+    from ..callbacks._plot import render
+
+    events = list(load_events(args.run_dir))
+    train = [(e.step, float(e.loss)) for e in events if isinstance(e, ev.StepEnded)]
+    val = [(e.step, e.metrics) for e in events
+           if isinstance(e, ev.EvaluationEnded) and e.error is None and e.metrics]  # fmt: skip
+    out: Path = args.output or resolve_run(args.run_dir).parent / "curves.png"
+    render(out, train, val, f"trainbus: {args.run_dir}")
+    print(f"wrote {out}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- entry point
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``trainbus`` command."""
+    parser = argparse.ArgumentParser(
+        prog="trainbus",
+        description="A PyTorch trainer whose callbacks are an async reactive event bus.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = sub.add_parser(
+        "demo",
+        help="train an MLP on scikit-learn's digits with the default callback kit",
+        description="Train an MLP on scikit-learn's bundled digits data set (no download) "
+        "with progress, logging, checkpoints, early stopping and a plot of the curves.",
+    )
+    demo.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=15,
+        help="maximum epochs (default: 15; early stopping may stop sooner)",
+    )
+    demo.add_argument("--run-dir", type=Path, default=None,
+                      help="run folder (default: runs/demo/<timestamp>, with "
+                      "runs/demo/latest pointing at it)")  # fmt: skip
+    demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    demo.add_argument("--json-logs", action="store_true",
+                      help="log JSON lines instead of console lines (on stderr)")  # fmt: skip
+    sub.add_parser(
+        "launch",
+        help="run a script under torchrun with the subscribers in this driver process",
+        description=LAUNCH_USAGE,
+        add_help=False,
+    )
+    sub.add_parser("attach", help="watch a running job live and steer it (stop, save, "
+                   "evaluate, lr)", add_help=False)  # fmt: skip
+    for name, text in (("replay", "print a recorded run, one line per event"),
+                       ("plot", "draw the curves PNG of a recorded run")):  # fmt: skip
+        p = sub.add_parser(name, help=text, description=text + " (its events.jsonl).")
+        p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
+                       help="run folder holding events.jsonl, the .jsonl file, or a folder "
+                       "of runs (runs/demo: its latest run)")  # fmt: skip
+        if name == "plot":
+            p.add_argument("--output", type=Path, default=None,
+                           help="PNG to write (default: RUN_DIR/curves.png)")  # fmt: skip
+        else:
+            p.add_argument("--type", action="append", metavar="EVENT",
+                           help="only events of this class (StepEnded; repeat or use commas "
+                           "for several)")  # fmt: skip
+            p.add_argument("--steps", metavar="START:END", default=None,
+                           help="only events with START <= step <= END "
+                           "(10:20, 10:, :20)")  # fmt: skip
+        p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
+    add_export_parser(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``trainbus`` command line.
+
+    Args:
+        argv: Arguments without the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code: 0 when the run completed or stopped (early stopping, Ctrl-C), 1 when it
+        failed, 130 when aborted by a second Ctrl-C; 2 for a usage error.
+    """
+    tokens = list(sys.argv[1:] if argv is None else argv)
+    if tokens[:1] == ["launch"]:  # torchrun's options are not ours to parse: split by hand
+        return run_launch(tokens[1:])
+    if tokens[:1] == ["attach"]:
+        from .attach import main as attach_main
+
+        configure_logging(json_logs=False)
+        return attach_main(tokens[1:])
+    parser = build_parser()
+    try:
+        args = parser.parse_args(tokens)
+    except SystemExit as exc:  # argparse exits on --help and on usage errors
+        return int(exc.code or 0)
+    configure_logging(json_logs=args.json_logs)
+    if args.command == "demo":
+        return run_demo(args)
+    if args.command == "export":
+        return run_export(args)
+    if args.command in ("replay", "plot"):
+        from .._exceptions import ConfigError
+
+        try:
+            return run_replay(args) if args.command == "replay" else run_plot(args)
+        except ConfigError as exc:
+            print(f"trainbus {args.command}: {exc}", file=sys.stderr)
+            return 2
+    parser.error(f"unknown command {args.command!r}")  # unreachable: subparsers are required
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

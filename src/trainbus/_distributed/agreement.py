@@ -1,0 +1,301 @@
+"""Rank-agreed commands: every rank applies the same commands at the same step.
+
+A command sent on one rank (a rank-0 subscriber's ``StopTraining``, the launcher's driver, a
+per-rank monitor) must not act on that rank alone: a rank that stops while the others wait in
+the next all-reduce hangs the run. So under ``torchrun`` the loop never applies the commands of
+its own bus directly; it hands them to :meth:`CommandAgreement.exchange` at a **sync point**,
+a step every rank reaches in the same order (the step clock's decision steps, the barrier
+events, the close of a ``log_every`` window), and applies what comes back, the same list on
+every rank.
+
+::
+
+    rank 0: pending [StopTraining]        rank 1: pending [SaveCheckpoint(tag="a")]
+        \\                                   /
+         all_gather(uint8[capacity])  (one collective: length header + JSON records)
+         (a second all_gather only when some rank's records exceed the capacity)
+                         |
+    every rank: merge(rank 0's, rank 1's) = [StopTraining, SaveCheckpoint(tag="a")]
+
+**Merge order**: by rank, then in send order. **De-duplication**: the same command sent by
+several ranks in one exchange (a ``ranks="all"`` subscriber sends it from each) is applied as
+many times as the rank that sent it most often sent it, not once per rank; and only the first
+``StopTraining`` is kept (stopping twice is one stop, whatever the reasons).
+
+**Zero extra collectives when nothing is pending**: at the ``log_every`` close the loop reduces
+the window's loss anyway; :meth:`CommandAgreement.reduce_metrics_flagged` adds one "some rank
+has pending commands" number to that same all-reduce, and only when it is set does the loop
+call :meth:`exchange`. At sync points without a reduction, :meth:`exchange` is one all-gather.
+
+**Latency**: a command sent at step ``k`` is applied by every rank at the first sync point at or
+after ``k`` (with ``log_every=n`` and no other sync point: at most ``n`` steps later).
+
+Commands cross ranks as :mod:`~trainbus._wire` records: JSON, never pickles. The
+local rank's own commands come back as the very objects it sent (so ``bus.request(c)`` on that
+rank resolves by identity); other ranks' as equal, rebuilt objects.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import _wire as wire
+from .. import commands as cmd
+from .._exceptions import ConfigError, DistributedError
+from .._validate import check_int
+from .group import ProcessGroup
+
+__all__ = ["CommandAgreement", "merge"]
+
+_HEADER = 4  # bytes of the big-endian payload length at the front of each rank's buffer
+
+
+def merge(per_rank: Sequence[Sequence[cmd.Command]]) -> list[cmd.Command]:
+    """The commands every rank applies, from each rank's contribution (see the module
+    docstring: rank order, then send order; equal commands from several ranks applied as often
+    as one rank sent them; only the first ``StopTraining``).
+
+    Args:
+        per_rank: Rank ``r``'s commands at index ``r``, each in send order.
+
+    Returns:
+        The merged list.
+    """
+    merged: list[cmd.Command] = []
+    counts: Counter[cmd.Command] = Counter()
+    stopped = False
+    for commands in per_rank:
+        seen: Counter[cmd.Command] = Counter()
+        for c in commands:
+            if isinstance(c, cmd.StopTraining):
+                if not stopped:
+                    stopped = True
+                    merged.append(c)
+                continue
+            seen[c] += 1
+            if seen[c] > counts[c]:
+                counts[c] += 1
+                merged.append(c)
+    return merged
+
+
+def _encode(commands: Sequence[cmd.Command]) -> bytes:
+    if not commands:
+        return b""
+    return json.dumps([wire.encode(c) for c in commands], separators=(",", ":")).encode()
+
+
+def _decode(payload: bytes, rank: int) -> list[cmd.Command]:
+    out: list[cmd.Command] = []
+    for rec in json.loads(payload):
+        message = wire.decode(rec)
+        if not isinstance(message, cmd.COMMAND_TYPES):
+            raise DistributedError(f"rank {rank} sent {rec.get('type')!r}, not a command")
+        out.append(message)  # type: ignore[arg-type]
+    return out
+
+
+def _buffer(data: bytes, size: int) -> torch.Tensor:
+    buf = torch.zeros(size, dtype=torch.uint8)
+    if data:
+        buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+class CommandAgreement:
+    """The command exchange and metric reduction of one process group (see the module
+    docstring). On a single process nothing is communicated: :meth:`exchange` returns the
+    local commands (merged), :meth:`reduce_metrics` the metrics.
+
+    Args:
+        group: The :class:`ProcessGroup`.
+        capacity: Bytes per rank in the first all-gather (header included): a few commands fit
+            in the default; more cost a second all-gather of the needed size.
+
+    Raises:
+        ConfigError: ``capacity`` is not an integer >= 64.
+    """
+
+    def __init__(self, group: ProcessGroup, *, capacity: int = 512) -> None:
+        self.group = group
+        self.capacity = check_int("capacity", capacity, 64)
+        self._collectives = 0
+
+    @property
+    def collectives(self) -> int:
+        """Collectives this object has run (for tests and benchmarks)."""
+        return self._collectives
+
+    # ------------------------------------------------------------------ commands
+    def exchange(self, local: Sequence[cmd.Command]) -> list[cmd.Command]:
+        """Contribute ``local`` and return the commands every rank applies, the same list on
+        every rank. Every rank must call it at the same sync point (it is a collective).
+
+        Args:
+            local: This rank's pending commands, in send order (``port.poll_commands()``).
+
+        Returns:
+            The merged commands (see :func:`merge`).
+
+        Raises:
+            DistributedError: a rank sent something that is not a command record.
+            ConfigError: a rank sent a command its class refuses.
+        """
+        mine = list(local)
+        if not self.group.distributed:
+            return merge([mine])
+        blobs = self._gather_payloads(_encode(mine))
+        per_rank = [
+            mine if r == self.group.rank else (_decode(blob, r) if blob else [])
+            for r, blob in enumerate(blobs)
+        ]
+        return merge(per_rank)
+
+    def gather_json(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (plain JSON data), in rank order: a collective, like
+        :meth:`exchange` (what the step clock's schedules are agreed with at the run's start).
+
+        Raises:
+            DistributedError: a rank sent something that is not JSON.
+        """
+        payload = json.dumps(value, separators=(",", ":")).encode()
+        if not self.group.distributed:
+            return [value]
+        out: list[Any] = []
+        for rank, blob in enumerate(self._gather_payloads(payload)):
+            try:
+                out.append(json.loads(blob))
+            except ValueError as exc:
+                raise DistributedError(f"rank {rank} sent no JSON: {exc}") from None
+        return out
+
+    def _gather_payloads(self, payload: bytes) -> list[bytes]:
+        """Every rank's ``payload`` bytes: one all-gather of ``capacity`` bytes, and a second of
+        the needed size only when some rank's payload did not fit."""
+        room = self.capacity - _HEADER
+        header = len(payload).to_bytes(_HEADER, "big")
+        rows = self._all_gather(_buffer(header + payload[:room], self.capacity))
+        lengths = [int.from_bytes(r[:_HEADER], "big") for r in rows]
+        if max(lengths) <= room:
+            return [r[_HEADER : _HEADER + n] for r, n in zip(rows, lengths, strict=True)]
+        rows = self._all_gather(_buffer(payload, max(lengths)))
+        return [r[:n] for r, n in zip(rows, lengths, strict=True)]
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[bytes]:
+        t = tensor.to(self.group.device)
+        rows = [torch.empty_like(t) for _ in range(self.group.world_size)]
+        dist.all_gather(rows, t)
+        self._collectives += 1
+        return [r.cpu().numpy().tobytes() for r in rows]
+
+    # ------------------------------------------------------------------ metrics
+    def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
+        """The mean of each metric across ranks, in one all-reduce.
+
+        Args:
+            metrics: Name -> float; every rank must pass the same names.
+
+        Returns:
+            Name -> mean over ranks (the metrics themselves on a single process).
+
+        Raises:
+            DistributedError: the ranks passed different metric names.
+        """
+        return self.reduce_metrics_flagged(metrics, pending=False)[0]
+
+    def reduce_metrics_flagged(
+        self, metrics: Mapping[str, float], *, pending: bool
+    ) -> tuple[dict[str, float], bool]:
+        """:meth:`reduce_metrics`, with a "this rank has pending commands" flag carried in the
+        same all-reduce (three more float64s): when the returned flag is True, every rank got
+        True and must call :meth:`exchange` next.
+
+        Args:
+            metrics: Name -> float; every rank must pass the same names.
+            pending: This rank has commands waiting (``port.has_commands()``).
+
+        Returns:
+            (name -> mean over ranks, whether any rank has pending commands).
+
+        Raises:
+            DistributedError: the ranks passed different metric names.
+            ConfigError: a metric value is not a number.
+        """
+        out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
+        return out, flag
+
+    def reduce_metrics_flags(
+        self, metrics: Mapping[str, float], flags: Sequence[bool]
+    ) -> tuple[dict[str, float], list[bool]]:
+        """:meth:`reduce_metrics`, with ``flags`` carried in the same all-reduce (two float64s
+        of checksum and one per flag): flag ``i`` comes back True on every rank when some
+        rank's flag ``i`` was True.
+
+        Args:
+            metrics: Name -> float; every rank must pass the same names.
+            flags: This rank's flags (the same number on every rank).
+
+        Returns:
+            (name -> mean over ranks, for each flag whether any rank set it).
+
+        Raises:
+            DistributedError: the ranks passed different metric names.
+            ConfigError: a metric value is not a number.
+        """
+        names = sorted(metrics)
+        try:
+            values = [float(metrics[k]) for k in names]
+        except (TypeError, ValueError):
+            raise ConfigError.invalid("metrics", dict(metrics), "a mapping of numbers") from None
+        if not self.group.distributed:
+            return dict(zip(names, values, strict=True)), [bool(f) for f in flags]
+        # A checksum of the names, and its square: the sums equal world*c and world*c^2 only
+        # when every rank has the same c (equality case of Cauchy-Schwarz). 20 bits keep c^2
+        # exact in float64.
+        c = float(zlib.crc32("\x00".join(names).encode()) & 0xFFFFF)
+        n = len(flags)
+        t = torch.tensor([*values, c, c * c, *(1.0 if f else 0.0 for f in flags)],
+                         dtype=torch.float64)  # fmt: skip
+        t = t.to(self.group.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        self._collectives += 1
+        out: list[Any] = t.cpu().tolist()
+        world = self.group.world_size
+        if out[-2 - n] != world * c or out[-1 - n] != world * c * c:
+            raise DistributedError(
+                f"rank {self.group.rank} reduced metrics {names}, and another rank other names: "
+                "every rank must log the same metrics"
+            )
+        summed = dict(zip(names, out[: len(names)], strict=True))
+        return {k: v / world for k, v in summed.items()}, [v > 0 for v in out[len(out) - n :]]
+
+    # ------------------------------------------------------------------ decisions
+    def any_rank(self, flag: bool) -> bool:
+        """Whether some rank's ``flag`` is True, the same answer on every rank: one all-reduce
+        (MAX) of one number; the flag itself on a single process."""
+        if not self.group.distributed:
+            return flag
+        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.group.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        self._collectives += 1
+        return bool(t.item())
+
+    def min_step(self, step: int | None) -> int | None:
+        """The smallest ``step`` any rank passed (None: this rank has none), the same on every
+        rank: one all-reduce (MIN) of one number; None when no rank had one."""
+        if not self.group.distributed:
+            return step
+        none = torch.iinfo(torch.int64).max
+        t = torch.tensor([none if step is None else step], dtype=torch.int64,
+                         device=self.group.device)  # fmt: skip
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        self._collectives += 1
+        got = int(t.item())
+        return None if got == none else got

@@ -1,0 +1,483 @@
+"""Rank 0's attach listener: other processes of the same user attach to a running job.
+
+The link protocol of :mod:`~trainbus._distributed.link` with the roles reversed: rank 0 listens
+on a Unix domain socket in the run folder and any number of attachments connect in::
+
+    attachment (trainbus.attach)                        rank 0 (AttachServer)
+    hello {token, pid, events: wanted}  ────────────►   token checked (hmac), peer uid checked
+                                        ◄────────────   welcome {events, pid, rank, folder} | closed
+                                        ◄────────────   events (trainbus._wire records), status
+    commands (trainbus._wire records)    ────────────►   logged with their source, bus.send
+                                        ◄────────────   bye {sent} at the end of the run
+
+Each attachment is one :class:`~trainbus._distributed.link.WorkerLink` made with
+:meth:`~trainbus._distributed.link.WorkerLink.accepted` (its own sender thread, queue, wanted
+types and reader thread); its subscription exists only while it is connected, so with nobody
+attached the loop builds no event for it (``bus.wants`` stays False). Subscriptions come and go
+on the event-loop thread (through the loop's token), never from the listener's threads.
+
+Files, in the run folder: ``attach.sock`` (mode 0600; a symbolic link to a socket in a private
+temporary folder when the folder's path is too long for ``AF_UNIX``) and ``attach.token``
+(0600), both removed when the run ends. A folder owned by another user is never listened in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import stat
+import struct
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import anyio.from_thread
+import anyio.lowlevel
+
+from .. import events as ev
+from .._exceptions import ConfigError
+from .._log import get_logger
+from .driver_link import ALWAYS
+from .link import BusLike, WorkerLink
+from .protocol import check_hello, control_record, event_names
+
+__all__ = [
+    "SOCKET_NAME",
+    "TOKEN_NAME",
+    "AttachServer",
+    "attach_folder",
+    "max_socket_path",
+    "peer_credentials",
+]
+
+log = get_logger(__name__)
+
+SOCKET_NAME = "attach.sock"
+"""The listener's file in the run folder."""
+TOKEN_NAME = "attach.token"
+"""The run's token file, beside the socket."""
+_HANDSHAKE_S = 5.0
+_SEND_TIMEOUT_S = 30  # an attachment that stops reading for this long is let go
+_STATUS_EVERY_S = 1.0
+_EVENTS = {t.__name__: t for t in ev.EVENT_TYPES}
+
+
+def max_socket_path() -> int:
+    """The longest ``AF_UNIX`` path in bytes on this platform (``sun_path`` less its NUL)."""
+    return 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
+    """The ``(pid, uid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``),
+    or None where the platform does not say."""
+    option = getattr(socket, "SO_PEERCRED", None)
+    if option is None:
+        return None
+    try:
+        pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, option, 12))
+    except OSError:
+        return None
+    return pid, uid
+
+
+def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None) -> Path | None:
+    """The folder a run listens in, from ``Trainer(attach=...)``.
+
+    Args:
+        attach: True (the default): the ``checkpoint_dir``, when there is one and the
+            platform has Unix domain sockets (else nothing, silently); a folder: that one
+            (created at ``fit()`` when missing); False: never.
+        checkpoint_dir: The run's checkpoint folder.
+
+    Returns:
+        The folder, or None: the run is not attachable.
+
+    Raises:
+        ConfigError: ``attach`` is neither a bool nor a path; a folder given on a platform
+            without ``AF_UNIX`` (Windows), one that is a file, or one owned by another user.
+    """
+    if isinstance(attach, bool):
+        if not attach or checkpoint_dir is None or not hasattr(socket, "AF_UNIX"):
+            return None
+        return Path(checkpoint_dir)
+    if not isinstance(attach, str | os.PathLike) or not os.fspath(attach):
+        raise ConfigError.invalid("attach", attach, "True (listen in checkpoint_dir), False, "
+                                  "or a folder to listen in")  # fmt: skip
+    if not hasattr(socket, "AF_UNIX"):
+        raise ConfigError.invalid("attach", os.fspath(attach), "False on this platform (no Unix "
+                                  "domain sockets: attaching needs AF_UNIX)")  # fmt: skip
+    folder = Path(attach)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError.invalid("attach", os.fspath(attach), "a folder (this is a file)")
+    if folder.is_dir() and hasattr(os, "getuid") and folder.stat().st_uid != os.getuid():
+        raise ConfigError.invalid("attach", os.fspath(attach), "a folder you own (this one is "
+                                  f"owned by uid {folder.stat().st_uid})")  # fmt: skip
+    return folder
+
+
+class _Unavailable(Exception):
+    """The run cannot listen in its folder (the reason is the message)."""
+
+
+class _Connection:
+    """One accepted attachment's socket as a :class:`~.link.WorkerTransport` (``open`` is never
+    called: the listener did the handshake)."""
+
+    linger = 0.0
+
+    def __init__(self, conn: socket.socket, reader: Any, where: str) -> None:
+        self.where = where
+        self._conn: socket.socket | None = conn
+        self._reader = reader
+
+    def open(self, hello: bytes) -> bytes:  # pragma: no cover - the listener greets
+        raise OSError("an accepted attachment is already open")
+
+    def send(self, data: bytes) -> None:
+        conn = self._conn
+        if conn is None:
+            raise OSError("the attachment is closed")
+        conn.sendall(data)
+
+    def receive(self) -> bytes:
+        reader = self._reader
+        if reader is None:
+            return b""
+        try:
+            line: bytes = reader.readline()
+        except (OSError, ValueError, AttributeError):
+            return b""
+        return line
+
+    def close(self, bye: bytes) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            if bye:
+                conn.sendall(bye)
+            conn.shutdown(socket.SHUT_RDWR)
+        conn.close()
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
+
+
+class AttachServer:
+    """Rank 0's listener for attachments (see the module docstring).
+
+    ::
+
+        server = AttachServer.start(bus, folder)   # on the event-loop thread; None: unavailable
+        ... run ...                                # attachments come and go
+        server.close()                             # after the bus delivered the run's events
+
+    Args:
+        bus: Rank 0's bus.
+        folder: The run folder.
+    """
+
+    def __init__(self, bus: BusLike, folder: Path) -> None:
+        self._bus = bus
+        self.folder = folder
+        self.path = folder / SOCKET_NAME
+        self.token_path = folder / TOKEN_NAME
+        self._token = secrets.token_urlsafe(32)
+        self._loop: Any = None
+        self._sock: socket.socket | None = None
+        self._private: Path | None = None  # the temporary folder of a too-long path's socket
+        self._created: Path | None = None  # the topmost folder this server created
+        self._links: list[WorkerLink] = []
+        self._lock = threading.Lock()
+        self._someone = threading.Event()
+        self._closed = threading.Event()
+        self._accepted = 0
+        self._refused = 0
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def attached(self) -> int:
+        """Attachments connected now."""
+        with self._lock:
+            return len(self._links)
+
+    @property
+    def accepted(self) -> int:
+        """Attachments welcomed so far."""
+        return self._accepted
+
+    @property
+    def refused(self) -> int:
+        """Connections refused so far (wrong token, another user)."""
+        return self._refused
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, bus: BusLike, folder: Path) -> AttachServer | None:
+        """Listen in ``folder``; call on the event-loop thread the bus runs on.
+
+        Returns:
+            The server, or None when the run cannot listen there (logged as
+            ``attach_unavailable`` with the folder and the reason; the run goes on).
+        """
+        server = cls(bus, folder)
+        try:
+            server._listen()
+        except _Unavailable as exc:
+            server._remove_files()
+            log.warning("attach_unavailable", folder=str(folder), reason=str(exc))
+            return None
+        log.info("attach_listening", socket=str(server.path))
+        return server
+
+    def close(self) -> None:
+        """Stop listening, remove the socket and the token, and end every attachment (each
+        gets what was queued for it, then ``bye``). Call on the event-loop thread, after the
+        bus delivered the run's events. Idempotent."""
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._someone.set()  # the status thread ends
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (Linux)
+            sock.close()
+        self._remove_files()
+        with self._lock:
+            links, self._links = self._links, []
+        for link in links:
+            link.close()
+        log.info("attach_closed", folder=str(self.folder), accepted=self._accepted,
+                 refused=self._refused)  # fmt: skip
+
+    # ------------------------------------------------------------------ setting up
+    def _listen(self) -> None:
+        self._loop = anyio.lowlevel.current_token()
+        folder = self.folder
+        if not folder.exists():
+            top = folder
+            while not top.parent.exists() and top.parent != top:
+                top = top.parent
+            try:
+                folder.mkdir(parents=True)
+            except OSError as exc:
+                raise _Unavailable(f"cannot create the folder: {exc}") from exc
+            self._created = top
+        if hasattr(os, "getuid") and folder.stat().st_uid != os.getuid():
+            raise _Unavailable(f"the folder is owned by uid {folder.stat().st_uid}, not this user")
+        self._clear_stale()
+        self._write_token()
+        target = self.path
+        if len(os.fsencode(os.path.abspath(target))) > max_socket_path():
+            # AF_UNIX paths are short: the socket lives in a private temporary folder and the
+            # run folder holds a symbolic link to it (what `trainbus attach` follows).
+            self._private = Path(tempfile.mkdtemp(prefix="trainbus-attach-"))
+            target = self._private / SOCKET_NAME
+            if len(os.fsencode(str(target))) > max_socket_path():
+                raise _Unavailable(f"the temporary folder's path {target} is too long too")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.bind(str(target))
+            os.chmod(target, 0o600)
+            sock.listen(16)
+        except OSError as exc:
+            sock.close()
+            raise _Unavailable(f"cannot listen on {target}: {exc}") from exc
+        if self._private is not None:
+            os.symlink(target, self.path)
+        self._sock = sock
+        for name, fn in (("accept", self._accept_loop), ("status", self._status_loop)):
+            threading.Thread(target=fn, name=f"trainbus-attach-{name}", daemon=True).start()
+
+    def _clear_stale(self) -> None:
+        """A socket left by a job that died is removed; a live one means another job listens
+        in this folder (this run then does not)."""
+        path = self.path
+        if not os.path.lexists(path):
+            return
+        mode = os.lstat(path).st_mode
+        if not (stat.S_ISSOCK(mode) or stat.S_ISLNK(mode)):
+            raise _Unavailable(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.settimeout(2)
+            probe.connect(os.path.realpath(path))
+        except OSError:
+            pass  # nobody listens: a dead job's socket
+        else:
+            raise _Unavailable(f"another job listens on {path}")
+        finally:
+            probe.close()
+        log.info("attach_stale_socket_removed", socket=str(path))
+        if stat.S_ISLNK(mode):
+            stale = Path(os.path.realpath(path))
+            with contextlib.suppress(OSError):
+                stale.unlink()
+                stale.parent.rmdir()
+        path.unlink()
+
+    def _write_token(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.token_path.unlink()
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(self.token_path, flags, 0o600)
+        except OSError as exc:
+            raise _Unavailable(f"cannot write {self.token_path}: {exc}") from exc
+        with os.fdopen(fd, "w") as f:
+            f.write(self._token)
+
+    def _remove_files(self) -> None:
+        for path in (self.path, self.token_path):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        if self._private is not None:
+            shutil.rmtree(self._private, ignore_errors=True)
+            self._private = None
+        created, self._created = self._created, None
+        if created is not None:
+            # A folder made only to listen in, still empty (no checkpoint written): removed,
+            # so the run leaves the disk as a run without attach would.
+            folder = self.folder
+            while True:
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+                if folder == created:
+                    break
+                folder = folder.parent
+
+    # ------------------------------------------------------------------ threads
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            sock = self._sock
+            if sock is None:
+                return
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            threading.Thread(target=self._greet, args=(conn,), name="trainbus-attach-greet",
+                             daemon=True).start()  # fmt: skip
+
+    def _greet(self, conn: socket.socket) -> None:
+        credentials = peer_credentials(conn)
+        pid = credentials[0] if credentials else None
+        try:
+            conn.settimeout(_HANDSHAKE_S)
+            reader = conn.makefile("rb")
+            hello = reader.readline(4096)
+        except OSError:
+            hello, reader = b"", None
+        record = check_hello(hello, self._token)
+        reason = None
+        if credentials is not None and hasattr(os, "getuid") and credentials[1] != os.getuid():
+            reason = f"another user (uid {credentials[1]})"
+        elif record is None:
+            reason = "wrong token" if hello else "no hello"
+        if reason is not None or record is None:
+            self._refused += 1
+            log.warning("attach_refused", folder=str(self.folder), peer_pid=pid, reason=reason)
+            if reader is not None:
+                reader.close()
+            conn.close()
+            return
+        if pid is None and isinstance(record.get("pid"), int):
+            pid = record["pid"]
+        names = event_names(record.get("events"))
+        wanted = tuple(_EVENTS[n] for n in names) or tuple(t for t in ev.EVENT_TYPES
+                                                           if t in ALWAYS)  # fmt: skip
+        source = f"attach:pid={pid}"
+        transport = _Connection(conn, reader, source)
+        link: WorkerLink
+
+        def left() -> None:
+            self._left(link)
+
+        link = WorkerLink.accepted(transport, self._token, wanted, timeout=5.0, source=source,
+                                   on_end=left)  # fmt: skip
+        try:
+            conn.settimeout(None)
+            with contextlib.suppress(OSError, AttributeError):  # a platform without it
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                struct.pack("ll", _SEND_TIMEOUT_S, 0))  # fmt: skip
+            conn.sendall(control_record("welcome", events=[t.__name__ for t in wanted],
+                                        pid=os.getpid(), rank=self._bus_rank(),
+                                        folder=str(self.folder)))  # fmt: skip
+            anyio.from_thread.run_sync(self._admit, link, token=self._loop)
+        except (OSError, RuntimeError) as exc:  # the peer left, or the run's loop is gone
+            log.debug("attach_not_admitted", source=source, error=repr(exc))
+            transport.close(b"")
+
+    def _bus_rank(self) -> int:
+        rank = getattr(self._bus, "rank", 0)
+        return rank if isinstance(rank, int) else 0
+
+    def _admit(self, link: WorkerLink) -> None:
+        """On the event-loop thread: subscribe the attachment's wanted types."""
+        if self._closed.is_set():
+            link.transport.close(control_record("bye", sent=0))
+            return
+        link.attach(self._bus)
+        with self._lock:
+            self._links.append(link)
+        self._accepted += 1
+        self._someone.set()
+        log.info("attach_connected", source=link.source, events=len(link.wanted),
+                 attached=len(self._links))  # fmt: skip
+
+    def _left(self, link: WorkerLink) -> None:
+        """From the attachment's reader thread: it went away (detached, or died)."""
+        with self._lock:
+            if link not in self._links:
+                return  # close() is ending it
+            self._links.remove(link)
+            if not self._links:
+                self._someone.clear()
+        with contextlib.suppress(RuntimeError):  # the run's loop ended: close() disposes
+            anyio.from_thread.run_sync(link.unsubscribe, token=self._loop)
+        link.close()
+        log.info("attach_detached", source=link.source, sent=link.sent, received=link.received)
+
+    def _status_loop(self) -> None:
+        """While someone is attached: every second, a ``status`` record from the bus'
+        statistics (what holds training back, which sync subscriber blocked)."""
+        while True:
+            self._someone.wait()
+            if self._closed.wait(_STATUS_EVERY_S):
+                return
+            with self._lock:
+                links = list(self._links)
+            if not links:
+                continue
+            try:
+                stats = anyio.from_thread.run_sync(self._bus_statistics, token=self._loop)
+            except RuntimeError:
+                return
+            line = control_record("status", **stats)
+            for link in links:
+                link.post(line)
+
+    def _bus_statistics(self) -> dict[str, Any]:
+        statistics = getattr(self._bus, "statistics", None)
+        if statistics is None:
+            return {}
+        snapshot = statistics()
+        subs = [s for s in snapshot.subscriptions if not s.name.startswith("attach:")]
+        return {
+            "queue_depth": snapshot.queue_depth,
+            "holding": [{"name": s.name, "waited_s": round(s.waited_s, 3)}
+                        for s in subs if s.waited_s > 0],
+            "stalled": [{"name": s.name, "stalls": s.stalls, "blocked_s": round(s.blocked_s, 3)}
+                        for s in subs if s.stalls > 0],
+            "failed": [{"name": s.name, "failed": s.failed, "last_error": s.last_error}
+                       for s in subs if s.failed > 0],
+            "attached": self.attached,
+        }  # fmt: skip

@@ -1,0 +1,310 @@
+"""The driver's end of the link protocol (see :mod:`trainbus._distributed.link`), whatever
+carries it.
+
+A transport's driver side hands :class:`DriverLink` what arrives and sends what it returns:
+
+- :meth:`DriverLink.greet` the hello line: the token is checked (``hmac.compare_digest``), one
+  link per run; the answer is the welcome line naming the wanted event types, or None (refused,
+  counted and logged as ``driver_connection_refused``).
+- :meth:`DriverLink.receive` event lines: decoded (data only) and published on the driver's bus
+  in rank 0's order; a ``CommandApplied`` gets the driver's own command object back, so
+  ``await bus.request(c)`` resolves; a ``bye`` line ends the link.
+- :meth:`DriverLink.forward` (a task): the commands of the driver's bus, batched, to the
+  transport's ``send``; a driver subscriber that failed the run (``on_error="raise"``) sends
+  ``StopTraining(reason="driver_subscriber_failed")``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any, Protocol
+
+import anyio
+
+from .. import _wire as wire
+from .. import commands as cmd
+from .. import events as ev
+from .._log import get_logger
+from .protocol import check_hello, control_record
+
+__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink"]
+
+log = get_logger(__name__)
+
+ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
+                    ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
+                    ev.CommandApplied})  # fmt: skip
+"""Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
+report names. Every other type only when a driver subscriber wants it (the loop never builds
+unwanted ones)."""
+
+
+class CommandSource(Protocol):
+    """What the driver's end takes commands from: the bus' loop face
+    (:class:`trainbus._bus.LoopPort`), as the training loop does."""
+
+    def poll_commands(self) -> list[cmd.Command]:
+        """Take the commands sent so far."""
+        ...
+
+
+_NOT_JSON = object()
+
+
+def _parse(line: bytes) -> Any:
+    """One line's JSON value, or ``_NOT_JSON`` (logged as ``driver_record_refused``)."""
+    try:
+        return json.loads(line)
+    except ValueError as exc:
+        log.warning("driver_record_refused", error=str(exc)[:500])
+        return _NOT_JSON
+
+
+class DriverBus(Protocol):
+    """What the driver's end needs of a bus (a :class:`trainbus.EventBus` is one)."""
+
+    max_queue: int
+
+    def wants(self, event_type: type[ev.BaseEvent]) -> bool:
+        """Some subscription wants the type."""
+        ...
+
+    def publish(self, event: ev.BaseEvent) -> None:
+        """Queue an event for delivery."""
+        ...
+
+    def port(self) -> CommandSource:
+        """The bus' loop face (obtained once: the driver forwards its commands)."""
+        ...
+
+    @property
+    def failure(self) -> Exception | None:
+        """The exception of a subscriber that failed the run, if any."""
+        ...
+
+    def statistics(self) -> Any:
+        """A record with ``queue_depth``."""
+        ...
+
+
+class DriverLink:
+    """The driver's end of one run's link (see the module docstring).
+
+    Args:
+        bus: The driver's bus.
+        token: The run's token (what a worker's hello must carry).
+        keep_events: How many of the last events :attr:`events` keeps.
+        relink: Accept a hello with the token while a worker is linked, as the same run's
+            rank 0 started again (Ray restarting its workers after a failure): the new link
+            replaces the old one (counted in :attr:`links`, logged as ``driver_relinked``,
+            and a :class:`~trainbus.events.WorkersRestarted` is published on the bus).
+            False (``trainbus launch``): one link per run, a second hello is refused.
+    """
+
+    def __init__(
+        self, bus: DriverBus, token: str, *, keep_events: int = 100, relink: bool = False
+    ) -> None:
+        self.bus = bus
+        self._commands = bus.port()  # the loop face: the link drains the commands, as a loop
+        self._relink = relink
+        self._links = 0
+        self._token = token
+        self._keep = keep_events
+        self._events: deque[ev.BaseEvent] = deque(maxlen=max(keep_events, 1))
+        self._count = 0
+        self._ended: ev.FitEnded | None = None
+        self._attempt_ended: ev.FitEnded | None = None  # the current attempt's FitEnded
+        self._inflight: list[cmd.Command] = []
+        self._refused = 0
+        self._linked = anyio.Event()
+        self._unlinked = anyio.Event()
+        self._failed = False
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def linked(self) -> bool:
+        """A worker linked (its hello was accepted)."""
+        return self._linked.is_set()
+
+    @property
+    def unlinked(self) -> bool:
+        """The linked worker said bye (or its transport ended)."""
+        return self._unlinked.is_set()
+
+    @property
+    def links(self) -> int:
+        """Hellos accepted so far (more than 1: the workers were restarted, with ``relink``)."""
+        return self._links
+
+    @property
+    def refused(self) -> int:
+        """Hellos refused so far (wrong token, or a second link)."""
+        return self._refused
+
+    @property
+    def received(self) -> int:
+        """Events received so far."""
+        return self._count
+
+    @property
+    def events(self) -> tuple[ev.BaseEvent, ...]:
+        """The last events received (at most ``keep_events``, oldest first)."""
+        return tuple(self._events) if self._keep else ()
+
+    @property
+    def last_event(self) -> ev.BaseEvent | None:
+        """The last event received."""
+        return self._events[-1] if self._events else None
+
+    @property
+    def ended(self) -> ev.FitEnded | None:
+        """Rank 0's ``FitEnded``, once it arrived."""
+        return self._ended
+
+    @property
+    def failed(self) -> bool:
+        """A driver subscriber failed the run (the workers were told to stop)."""
+        return self._failed
+
+    def backlogged(self) -> bool:
+        """The driver's subscribers are behind: a transport should stop reading for a while
+        (so the worker's side holds the events, not this process' memory)."""
+        depth: int = self.bus.statistics().queue_depth
+        return depth > self.bus.max_queue
+
+    # ------------------------------------------------------------------ protocol
+    def greet(self, hello: bytes, peer: str) -> bytes | None:
+        """Answer a worker's hello line.
+
+        Args:
+            hello: The worker's first line.
+            peer: Who sent it (logged when refused).
+
+        Returns:
+            The welcome line, or None: refused (counted, logged with ``peer`` and the reason).
+        """
+        record = check_hello(hello, self._token)
+        reason = None
+        if record is None:
+            reason = "wrong token"
+        elif self.linked and not self._relink:
+            reason = "a worker is already linked"
+        if reason is not None or record is None:
+            self._refused += 1
+            log.warning("driver_connection_refused", peer=peer, reason=reason)
+            return None
+        wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
+        self._links += 1
+        if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
+            log.warning("driver_relinked", peer=peer, pid=record.get("pid"), links=self._links)
+            self._unlinked = anyio.Event()
+            self.bus.publish(self._restarted())
+        self._linked.set()
+        log.info("driver_linked", peer=peer, pid=record.get("pid"))
+        return control_record("welcome", events=wanted)
+
+    def welcomed(self, peer: str) -> None:
+        """The link is up, its handshake done by the other side (an attachment connected to a
+        run's listener and was welcomed): events and commands flow from now on."""
+        self._links += 1
+        self._linked.set()
+        log.debug("attach_linked", peer=peer)
+
+    def _restarted(self) -> ev.WorkersRestarted:
+        """The event of a relink: the attempt starting, and why the last one ended."""
+        ended, self._attempt_ended = self._attempt_ended, None
+        last = self.last_event
+        if ended is not None and ended.error is not None:
+            reason: str | None = f"rank 0's fit {ended.reason}: {ended.error}"
+        elif ended is not None:
+            reason = f"rank 0's fit {ended.reason}; another worker failed"
+        else:
+            reason = "rank 0 streamed no FitEnded: a worker died or was killed"
+        return ev.WorkersRestarted(step=last.step if last else 0, epoch=last.epoch if last else 0,
+                                   attempt=self._links, reason=reason)  # fmt: skip
+
+    def receive(self, data: bytes) -> None:
+        """Publish the events of ``data`` (JSON lines) on the driver's bus; a refused record
+        is logged (``driver_record_refused``) and skipped; ``bye`` ends the link."""
+        lines = [line for line in data.splitlines() if line.strip()]
+        try:
+            # One parse for the whole batch (a parse per line cost a third of the driver's
+            # time per event); a batch holding a line that is not JSON is read line by line.
+            records: list[Any] = json.loads(b"[" + b",".join(lines) + b"]")
+        except ValueError:
+            records = [_parse(line) for line in lines]
+        for rec in records:
+            if rec is not _NOT_JSON:
+                self._receive_record(rec)
+
+    def _receive_record(self, rec: Any) -> None:
+        try:
+            if isinstance(rec, dict) and rec.get("type") == "bye":
+                self.end()
+                return
+            message = wire.decode(rec)
+        except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
+            log.warning("driver_record_refused", error=str(exc)[:500])
+            return
+        if not isinstance(message, ev.BaseEvent):
+            log.warning("driver_record_refused", type=rec.get("type"))
+            return
+        if isinstance(message, ev.CommandApplied):
+            # request() resolves by identity: hand back the driver's own command object.
+            for i, sent in enumerate(self._inflight):
+                if sent == message.command:
+                    message = replace(message, command=self._inflight.pop(i))
+                    break
+        if isinstance(message, ev.FitEnded):
+            self._ended = self._attempt_ended = message
+        self._count += 1
+        self._events.append(message)
+        self.bus.publish(message)
+
+    def end(self) -> None:
+        """The link ended (a bye, or the transport closed). Idempotent."""
+        self._unlinked.set()
+
+    async def wait_unlinked(self, timeout: float) -> bool:  # noqa: ASYNC109
+        """Wait (at most ``timeout`` seconds) for the link to end: True when it did."""
+        with anyio.move_on_after(timeout):
+            await self._unlinked.wait()
+        return self.unlinked
+
+    async def forward(
+        self,
+        send: Callable[[bytes], Awaitable[None]],
+        *,
+        on_failure: Callable[[], object] | None = None,
+        interval: float = 0.01,
+    ) -> None:
+        """Send the driver bus' commands to the worker, every ``interval`` seconds, until
+        cancelled. Commands sent before the worker linked wait for it.
+
+        Args:
+            send: The transport's send (JSON lines); an ``OSError`` or a closed stream drops
+                the batch (the worker is gone; the launch ends without it).
+            on_failure: Called once when a driver subscriber fails the run (after
+                ``StopTraining(reason="driver_subscriber_failed")`` was queued).
+            interval: Seconds between polls of the bus.
+        """
+        outbox: list[cmd.Command] = []
+        while True:
+            await anyio.sleep(interval)
+            outbox.extend(self._commands.poll_commands())
+            if self.bus.failure is not None and not self._failed:
+                self._failed = True  # a driver subscriber failed the run: stop the workers
+                outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
+                if on_failure is not None:
+                    on_failure()
+            if outbox and self.linked and not self.unlinked:
+                batch, outbox = outbox, []
+                try:
+                    await send(b"".join(wire.dumps(c) for c in batch))
+                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    pass
+                self._inflight.extend(batch)
+                del self._inflight[:-1000]  # acks never coming (a dead worker) must not pile up

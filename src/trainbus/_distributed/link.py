@@ -1,0 +1,463 @@
+"""The link between rank 0 and a driver: the protocol, apart from what carries it.
+
+A driver (``trainbus launch``'s :mod:`trainbus._launcher`, or :mod:`trainbus.ray`) runs the
+user's subscribers; rank 0's bus streams its events there and receives the driver's commands.
+The same protocol runs over every transport (the loopback socket of
+:mod:`~trainbus._distributed.socket_link`, the Ray actor of :mod:`trainbus.ray`)::
+
+    worker (rank 0)                                     driver
+    hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
+                                    ◄───────────────    welcome {events: wanted types} | refused
+    events (trainbus._wire records)  ───────────────►    published on the driver's bus
+                                    ◄───────────────    commands (trainbus._wire records)
+    bye {sent}                      ───────────────►    the link ended
+
+Every message is JSON lines: :mod:`trainbus._wire` records plus three control records
+(``{"v":1,"type":"hello"|"welcome"|"bye",...}``). Data only: never pickles, never code.
+
+A transport is told where to go by :data:`ADDR_ENV` (``127.0.0.1:<port>`` for the socket,
+``ray:<namespace>/<name>`` for Ray: the scheme picks the transport, see
+:func:`register_transport`) and the run's token by :data:`TOKEN_ENV`.
+
+On the worker, :class:`WorkerLink` is the protocol: the handshake, the wanted types, a sender
+thread that encodes events (reading a tensor waits for the device: never on the training thread
+nor the event loop) and batches them (a transport may ask to wait ``linger`` seconds for more:
+one call per batch where each call costs), and a reader thread that feeds the driver's
+commands to ``bus.send`` (rank 0's command agreement spreads them to every rank) and takes a
+``wants`` record (the peer's wanted types changed: :meth:`WorkerLink.want`, on the event loop
+the link was attached on). The driver's end of the protocol is
+:class:`~trainbus._distributed.driver_link.DriverLink`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, Protocol, Self
+
+import anyio.from_thread
+import anyio.lowlevel
+
+from .. import _wire as wire
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import ConfigError, LaunchError
+from .._log import get_logger
+from .._validate import check_seconds
+from .protocol import ADDR_ENV as ADDR_ENV
+from .protocol import TOKEN_ENV as TOKEN_ENV
+from .protocol import control_record as control_record
+from .protocol import control_types, hello_record, welcome_types
+from .socket_link import SocketTransport
+
+__all__ = [
+    "ADDR_ENV",
+    "TOKEN_ENV",
+    "BusLike",
+    "WorkerLink",
+    "WorkerTransport",
+    "control_record",
+    "register_transport",
+    "transport_for",
+]
+
+log = get_logger(__name__)
+
+_CLOSE = object()  # sender-queue sentinel
+_MAX_BATCH = 4096  # events per transport call
+
+
+class BusLike(Protocol):
+    """What the link needs of a bus (a :class:`trainbus.EventBus` is one)."""
+
+    def stream(self, *event_types: type[ev.BaseEvent]) -> Any:
+        """An observable of those event types."""
+        ...
+
+    def send(self, command: cmd.Command) -> None:
+        """Put a command on the back-channel; thread-safe."""
+        ...
+
+
+class WorkerTransport(Protocol):
+    """What carries the worker's end of the link (blocking calls, from the link's threads).
+
+    Attributes:
+        where: Where the driver is, for messages.
+        linger: Seconds the sender waits after an event for more to join its batch (0: send
+            what is queued at once; a transport whose every call costs asks for more).
+    """
+
+    where: str
+    linger: float
+
+    def open(self, hello: bytes) -> bytes:
+        """Reach the driver, send the hello line, return its one-line answer (``b""``: the
+        driver closed the link, i.e. refused it).
+
+        Raises:
+            LaunchError: the driver is unreachable or did not answer in time.
+        """
+        ...
+
+    def send(self, data: bytes) -> None:
+        """Write event lines to the driver.
+
+        Raises:
+            OSError: the driver is gone.
+        """
+        ...
+
+    def receive(self) -> bytes:
+        """Block until command lines arrive (whole lines); ``b""`` once the link is closed."""
+        ...
+
+    def close(self, bye: bytes) -> None:
+        """Send the bye line (best effort) and close; a blocked :meth:`receive` returns."""
+        ...
+
+
+TransportFactory = Callable[[str, float], WorkerTransport]
+_TRANSPORTS: dict[str, TransportFactory] = {}
+
+
+def register_transport(scheme: str, factory: TransportFactory) -> None:
+    """Make addresses ``<scheme>:...`` build their worker transport with ``factory(address,
+    timeout)`` (:mod:`trainbus.ray` registers ``"ray"`` when imported; an address without a
+    registered scheme is a loopback ``host:port``).
+
+    Args:
+        scheme: The address prefix before the first ``:`` (letters only).
+        factory: Builds the transport; may raise ConfigError for a malformed address.
+
+    Raises:
+        ConfigError: a scheme that is not a word of letters.
+    """
+    if not (isinstance(scheme, str) and scheme.isalpha()):
+        raise ConfigError.invalid("scheme", scheme, "a word of letters (e.g. 'ray')")
+    _TRANSPORTS[scheme] = factory
+
+
+def transport_for(address: str, timeout: float) -> WorkerTransport:
+    """The worker transport an :data:`ADDR_ENV` value names.
+
+    Raises:
+        ConfigError: a malformed address (naming :data:`ADDR_ENV`).
+    """
+    scheme = address.split(":", 1)[0]
+    factory = _TRANSPORTS.get(scheme)
+    if factory is not None:
+        return factory(address, timeout)
+    return SocketTransport(address, timeout)
+
+
+class WorkerLink:
+    """The worker end of the link (see the module docstring).
+
+    ::
+
+        link = WorkerLink.from_env()      # None when no driver started this process
+        if link is not None and group.is_main:
+            link.attach(bus)              # connects; before the bus publishes its first event
+        ... run ...                       # the bus closes: every event was delivered
+        link.close()                      # flush, say bye, join the threads
+
+    Args:
+        transport: What carries the link (see :class:`WorkerTransport`), or an address as in
+            :data:`ADDR_ENV` (see :func:`transport_for`).
+        token: The run's token.
+        timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
+            join its threads.
+        source: Who the peer is, for the log: each command it sends is logged
+            (``link_command_received`` with ``source``) before it reaches ``bus.send``. None
+            (a driver): not logged.
+        on_end: Called once from the reader thread when the peer closed the link (not when
+            :meth:`close` closed it): a listener with several peers lets that one go.
+
+    Raises:
+        ConfigError: a malformed address, an empty token, a bad timeout.
+    """
+
+    def __init__(
+        self,
+        transport: WorkerTransport | str,
+        token: str,
+        *,
+        timeout: float = 10.0,
+        source: str | None = None,
+        on_end: Callable[[], object] | None = None,
+    ) -> None:
+        self.timeout = check_seconds("timeout", timeout)
+        if isinstance(transport, str):
+            transport = transport_for(transport, self.timeout)
+        if not isinstance(token, str) or not token:
+            raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
+        self.transport = transport
+        self._token = token
+        self._open = False
+        self._closed = False
+        self._wanted: tuple[type[ev.BaseEvent], ...] = ()
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._subscription: Any = None
+        self._bus: BusLike | None = None
+        self._loop: Any = None  # the event loop attach() ran on: where subscriptions change
+        self._sent = 0
+        self._received = 0
+        self._broken = False
+        self.source = source
+        self._on_end = on_end
+
+    @classmethod
+    def accepted(
+        cls,
+        transport: WorkerTransport,
+        token: str,
+        wanted: tuple[type[ev.BaseEvent], ...],
+        **kw: Any,
+    ) -> WorkerLink:
+        """A link whose handshake the listening side already did (an attachment connected
+        to rank 0's listener, :mod:`~trainbus._distributed.attach_server`): :meth:`attach` then
+        streams ``wanted`` without connecting. One listener holds one such link per peer.
+
+        Args:
+            transport: The accepted connection (its ``open`` is never called).
+            token: The run's token.
+            wanted: The event types the peer asked for.
+            kw: See :class:`WorkerLink`.
+        """
+        link = cls(transport, token, **kw)
+        link._wanted = tuple(wanted)
+        link._open = True
+        return link
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
+        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this
+        process was not started by a driver.
+
+        Raises:
+            ConfigError: one variable is set without the other, a malformed address, or see
+                :class:`WorkerLink`.
+        """
+        env = os.environ if env is None else env
+        addr, token = env.get(ADDR_ENV), env.get(TOKEN_ENV)
+        if addr is None and token is None:
+            return None
+        if not addr or not token:
+            missing = ADDR_ENV if not addr else TOKEN_ENV
+            raise ConfigError.invalid(missing, None, "set together with the other variable")
+        return cls(addr, token, **kw)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def sent(self) -> int:
+        """Events written to the driver so far."""
+        return self._sent
+
+    @property
+    def received(self) -> int:
+        """Commands received from the driver so far."""
+        return self._received
+
+    @property
+    def ended(self) -> bool:
+        """The link is over: closed, or the peer went away."""
+        return self._closed or self._broken
+
+    def post(self, line: bytes) -> None:
+        """Queue a control line (e.g. a ``status`` record) to go out between the events, in
+        order, from the sender thread (never two writers on one transport)."""
+        if not self._closed:
+            self._queue.put(line)
+
+    @property
+    def wanted(self) -> tuple[type[ev.BaseEvent], ...]:
+        """The event types the driver asked for (after :meth:`connect`)."""
+        return self._wanted
+
+    # ------------------------------------------------------------------ lifecycle
+    def connect(self) -> None:
+        """Reach the driver, prove the token, learn the wanted event types.
+
+        Raises:
+            LaunchError: the driver is unreachable, refused the token, or did not answer
+                in time.
+        """
+        where = self.transport.where
+        reply = self.transport.open(hello_record(self._token))
+        wanted = welcome_types(reply)
+        if wanted is None:
+            self.transport.close(b"")
+            raise LaunchError(
+                f"the trainbus driver at {where} refused this worker's link (wrong "
+                f"{TOKEN_ENV}, or another rank already linked)"
+            )
+        self._wanted = wanted
+        self._open = True
+        log.debug("driver_linked", address=where, events=len(self._wanted))
+
+    def attach(self, bus: BusLike) -> None:
+        """Stream ``bus``' wanted events to the driver and feed the driver's commands into
+        ``bus.send``. Connects first when :meth:`connect` was not called.
+
+        Call it before the bus publishes the first event the driver should see.
+
+        Raises:
+            LaunchError: see :meth:`connect`; already attached.
+        """
+        if not self._open:
+            self.connect()
+        if self._threads:
+            raise LaunchError("WorkerLink.attach() was already called")
+        self._bus = bus
+        try:
+            self._loop = anyio.lowlevel.current_token()
+        except RuntimeError:  # no event loop here: a later `wants` record is refused
+            self._loop = None
+        self._subscribe(self._wanted)
+        self._threads = [
+            threading.Thread(target=self._send_loop, name="trainbus-link-send", daemon=True),
+            threading.Thread(
+                target=self._read_loop, args=(bus,), name="trainbus-link-read", daemon=True
+            ),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def want(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        """Stream ``wanted`` from now on instead of what the peer asked for before (its
+        ``wants`` record; call on the event-loop thread, as subscriptions are made there),
+        then tell the peer with a ``streams`` record: every event after that line in the
+        stream is of the new set. Nothing once the link ended."""
+        if self._closed or self._broken or self._bus is None:
+            return
+        self.unsubscribe()
+        self._wanted = tuple(wanted)
+        self._subscribe(self._wanted)
+        # Queued after the dispose and before any event of the new subscription: the peer
+        # knows from which line on the new set flows.
+        self.post(control_record("streams", events=[t.__name__ for t in self._wanted]))
+
+    def _subscribe(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        if wanted and self._bus is not None:
+            self._subscription = self._bus.stream(*wanted).subscribe(
+                self._queue.put, name=self.source or "WorkerLink"
+            )
+
+    def unsubscribe(self) -> None:
+        """Stop taking the bus' events (call on the thread that may subscribe: the event
+        loop's); what was queued still goes out at :meth:`close`. Idempotent."""
+        subscription, self._subscription = self._subscription, None
+        if subscription is not None:
+            subscription.dispose()
+
+    def close(self) -> None:
+        """Write every queued event, say bye, close the transport and join the threads (each
+        bounded by ``timeout``). Idempotent; nothing to do when never connected."""
+        if not self._open or self._closed:
+            return
+        self._closed = True
+        self.unsubscribe()
+        self._queue.put(_CLOSE)
+        if self._threads:
+            self._threads[0].join(self.timeout)
+        self.transport.close(control_record("bye", sent=self._sent))
+        for t in self._threads[1:]:
+            if t is not threading.current_thread():  # close() from the reader (peer left)
+                t.join(self.timeout)
+        log.debug("driver_unlinked", sent=self._sent, received=self._received)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ threads
+    def _batch(self) -> tuple[list[Any], bool]:
+        """The next batch of queued events (waiting ``linger`` for more), and whether the
+        close sentinel came."""
+        batch = [self._queue.get()]
+        linger = self.transport.linger
+        deadline = time.monotonic() + linger
+        while batch[-1] is not _CLOSE and len(batch) < _MAX_BATCH:
+            try:
+                if linger > 0:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    batch.append(self._queue.get(timeout=left))
+                else:
+                    batch.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        done = batch[-1] is _CLOSE
+        return (batch[:-1] if done else batch), done
+
+    def _send_loop(self) -> None:
+        while True:
+            events, done = self._batch()
+            if events and not self._broken:
+                try:
+                    self.transport.send(
+                        b"".join(e if isinstance(e, bytes) else wire.dumps(e) for e in events)
+                    )
+                    self._sent += len(events)
+                except OSError as exc:
+                    # The driver is gone: it ends the launch itself; training is not ours to
+                    # stop from here, so the events are dropped and said so once.
+                    self._broken = True
+                    log.warning("driver_link_broken", error=repr(exc), sent=self._sent)
+            if done:
+                return
+
+    def _rewant(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
+        """From the reader thread: the peer's wanted types changed (a ``wants`` record)."""
+        if self._closed:
+            return  # close() is joining this thread: the loop would not run want() now
+        names = [t.__name__ for t in wanted]
+        if self._loop is None:
+            log.warning("link_wants_refused", source=self.source, events=names,
+                        reason="the link was attached outside an event loop")  # fmt: skip
+            return
+        log.info("link_wants_received", source=self.source, events=names)
+        try:
+            anyio.from_thread.run_sync(self.want, wanted, token=self._loop)
+        except RuntimeError:  # the run's event loop ended: nothing more goes out anyway
+            return
+
+    def _read_loop(self, bus: BusLike) -> None:
+        try:
+            while data := self.transport.receive():
+                for line in data.splitlines():
+                    try:
+                        message = wire.loads(line)
+                    except ConfigError as exc:
+                        wanted = control_types(line, "wants")
+                        if wanted is None:
+                            log.warning("driver_record_refused", error=str(exc))
+                        else:
+                            self._rewant(wanted)
+                        continue
+                    if isinstance(message, cmd.COMMAND_TYPES):
+                        self._received += 1
+                        if self.source is not None:
+                            log.info("link_command_received", source=self.source,
+                                     command=repr(message))  # fmt: skip
+                        bus.send(message)  # type: ignore[arg-type]
+        except Exception as exc:  # a bus that refuses: never an unhandled thread exception
+            log.warning("driver_command_dropped", error=repr(exc), source=self.source)
+        if not self._closed:
+            self._broken = True  # the peer closed its end: nothing more goes out
+            if self._on_end is not None:
+                self._on_end()

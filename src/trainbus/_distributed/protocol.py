@@ -1,0 +1,100 @@
+"""The link protocol's shared vocabulary: where the driver is, the run's token, the control
+records (``hello``, ``welcome``, ``bye``, and for attachments ``status``, ``wants`` and
+``streams``), and the two halves of the handshake. Both ends of the link
+(:mod:`~trainbus._distributed.link`, :mod:`~trainbus._distributed.driver_link`), every transport
+(:mod:`~trainbus._distributed.socket_link`, :mod:`trainbus.ray`) and the attach listener
+(:mod:`~trainbus._distributed.attach_server`, :mod:`trainbus.attach`) import it, and it imports
+none of them.
+
+The handshake is the same whichever side listens: the side that connects sends ``hello`` with
+the token (:func:`hello_record`), the other checks it (:func:`check_hello`) and answers
+``welcome`` naming the event types that will flow (:func:`welcome_types`), or closes.
+
+An attachment may change its mind after the handshake: ``wants {events}`` names every type it
+wants from then on, and the job answers ``streams {events}`` between its events, at the point
+where the new set took effect (:func:`control_types` reads either).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .. import _wire as wire
+from .. import events as ev
+
+__all__ = [
+    "ADDR_ENV",
+    "TOKEN_ENV",
+    "check_hello",
+    "control_record",
+    "control_types",
+    "event_names",
+    "hello_record",
+    "welcome_types",
+]
+
+ADDR_ENV = "TRAINBUS_DRIVER_ADDR"
+"""Environment variable holding where the driver is (``host:port``, or ``<scheme>:...``)."""
+TOKEN_ENV = "TRAINBUS_DRIVER_TOKEN"
+"""Environment variable holding the run's token."""
+
+_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
+
+
+def control_record(kind: str, **fields: Any) -> bytes:
+    """One control line of the link protocol (``hello``, ``welcome``, ``bye``, ``status``)."""
+    return (json.dumps({"v": wire.FORMAT_VERSION, "type": kind, **fields}) + "\n").encode()
+
+
+def hello_record(token: str, **fields: Any) -> bytes:
+    """The connecting side's first line: the token, its rank and pid, and ``fields`` (an
+    attachment names the event types it wants: ``events=[...]``)."""
+    return control_record("hello", token=token, rank=0, pid=os.getpid(), **fields)
+
+
+def check_hello(hello: bytes, token: str) -> dict[str, Any] | None:
+    """The hello record when ``hello`` is one carrying ``token`` (compared with
+    ``hmac.compare_digest``), else None (malformed, or a wrong token)."""
+    try:
+        record = json.loads(hello)
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("type") != "hello":
+        return None
+    sent = record.get("token")
+    if not isinstance(sent, str) or not hmac.compare_digest(sent.encode(), token.encode()):
+        return None
+    return record
+
+
+def welcome_types(reply: bytes) -> tuple[type[ev.BaseEvent], ...] | None:
+    """The event types a ``welcome`` line names (unknown names skipped), or None when
+    ``reply`` is not a welcome (empty: the other side closed, i.e. refused)."""
+    return control_types(reply, "welcome")
+
+
+def control_types(line: bytes, kind: str) -> tuple[type[ev.BaseEvent], ...] | None:
+    """The event types a control line of ``kind`` (``welcome``, ``wants``, ``streams``)
+    names, in :data:`trainbus.events.EVENT_TYPES` order (unknown names skipped), or None when
+    ``line`` is not such a record."""
+    try:
+        record = json.loads(line) if line else None
+    except ValueError:
+        return None
+    if not isinstance(record, dict) or record.get("type") != kind:
+        return None
+    names = record.get("events", ())
+    if not isinstance(names, list):
+        return ()
+    return tuple(_EVENTS[n] for n in event_names(names))
+
+
+def event_names(types: Any) -> list[str]:
+    """The names of the trainbus event types among ``types``' names (unknown ones dropped),
+    in :data:`trainbus.events.EVENT_TYPES` order."""
+    wanted = {n for n in types if isinstance(n, str)} if isinstance(types, list) else set()
+    return [t.__name__ for t in ev.EVENT_TYPES if t.__name__ in wanted]

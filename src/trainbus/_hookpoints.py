@@ -1,0 +1,134 @@
+"""The names of the inline hook points: where in a step a hook runs.
+
+What a hook sees: the point names and the mutable :class:`StepContext`. A leaf module (it imports
+nothing of trainbus), so that both the loop (``trainbus._loop.hooks``, which runs the hooks) and
+the callbacks (``trainbus.callbacks``, which map ``hook_<point>`` methods onto them) use them
+without the callbacks layer importing the loop.
+
+Points, in the order a step reaches them::
+
+    "batch"                  after the batch is fetched (and moved to the device), before forward
+    "after_forward"          after the model ran, before the loss: may replace ``ctx.outputs``
+    "loss"                   after the loss is computed, before backward
+    "after_backward"         after each micro-batch's backward: gradients (scaled under fp16,
+                             accumulated so far), before unscaling and clipping
+    "before_optimizer_step"  gradients final (unscaled, before clipping); may edit or skip
+    "after_optimizer_step"   after the optimizer stepped (e.g. an EMA of the weights)
+    "before_evaluation"      an evaluation round begins (every round: at ``eval_every``, at the
+                             epoch's end, on ``Evaluate``, in ``trainer.evaluate()``), before
+                             its first set: may swap other weights into ``ctx.model``
+    "eval_batch"             an evaluation or prediction batch (on the device), before forward:
+                             may replace ``ctx.batch`` or skip it (``ctx.phase`` says which)
+    "after_evaluation"       the round's sets are done, before ``EvaluationRoundEnded``; runs
+                             whenever ``"before_evaluation"`` began, also when the round raised
+                             or was cancelled (``ctx.error``): restore what was swapped in
+
+The two evaluation points pair up like a context manager: every ``"after_evaluation"`` hook runs
+(each one, even when another raised) once the ``"before_evaluation"`` hooks started, so a hook
+that swapped weights in gets to restore them; they run in reverse order (the last added first,
+global before user before core), so nested swaps unwind in the right order. A hook there must
+cope with its ``"before_evaluation"`` twin not having finished (another hook before it raised).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeAlias, get_args
+
+import torch
+
+from ._exceptions import TrainingError
+
+__all__ = ["HOOK_POINTS", "HookPoint", "StepContext"]
+
+HookPoint: TypeAlias = Literal[
+    "batch",
+    "after_forward",
+    "loss",
+    "after_backward",
+    "before_optimizer_step",
+    "after_optimizer_step",
+    "before_evaluation",
+    "eval_batch",
+    "after_evaluation",
+]
+"""One of the hook points."""
+
+HOOK_POINTS: tuple[HookPoint, ...] = get_args(HookPoint)
+"""Every hook point, in the order a step reaches them."""
+
+
+@dataclass(slots=True, kw_only=True)
+class StepContext:
+    """The mutable state of the step a hook runs in.
+
+    Attributes:
+        step: Optimizer steps completed so far.
+        epoch: Current epoch.
+        batch_index: Index of the current batch in the epoch.
+        micro_batch: Position in the gradient-accumulation window.
+        batch: The batch (on the device); a ``"batch"`` hook may replace it. Every point of
+            a step sees one: the micro-batch itself from ``"batch"`` to ``"after_backward"``,
+            and the window's last micro-batch (the one the model saw last) at
+            ``"before_optimizer_step"`` and ``"after_optimizer_step"``: under gradient
+            accumulation the earlier ones of the window are gone by then.
+        outputs: Model outputs (from the ``"after_forward"`` point on); an ``"after_forward"``
+            hook may replace them (the loss is computed from the replacement).
+        loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.
+        model: The model being trained.
+        optimizer: Its optimizer.
+        skip: Set it (or call :meth:`skip_batch`) to skip the rest of this batch; at
+            ``"before_optimizer_step"`` it skips the optimizer step and drops the gradients.
+        phase: ``"train"``, ``"eval"`` or ``"predict"``.
+        dataset: The evaluation set's name at ``"eval_batch"`` in evaluation, else None.
+        trigger: Why the evaluation round runs (``"epoch"``, ``"steps"``, ``"command"``,
+            ``"standalone"``) at ``"before_evaluation"``, ``"eval_batch"`` and
+            ``"after_evaluation"`` in evaluation; None elsewhere.
+        error: At ``"after_evaluation"``: the exception the round is ending with (the model's,
+            a hook's, a cancellation), None when it completed. None elsewhere.
+        metrics_sink: Where :meth:`log` puts a value (set by the training loop; None in
+            evaluation and prediction).
+    """
+
+    step: int
+    epoch: int
+    batch_index: int
+    micro_batch: int
+    batch: Any
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    outputs: Any = None
+    loss: torch.Tensor | None = None
+    skip: bool = False
+    phase: str = "train"
+    dataset: str | None = None
+    trigger: str | None = None
+    error: BaseException | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    metrics_sink: Callable[[str, Any], None] | None = field(default=None, repr=False)
+
+    def log(self, name: str, value: torch.Tensor | float) -> None:
+        """Log a named value of this training step: its mean over the log window reaches
+        ``MetricsLogged``, ``FitResult.train_metrics`` and every logger (averaged across ranks
+        like the loss). A tensor is kept as it is (no device read) until the window closes.
+
+        Args:
+            name: The metric's name (not one of the window's own: ``loss``, ``lr``, ...).
+            value: A number or a one-element tensor (detached here).
+
+        Raises:
+            ConfigError: a reserved name or a value that is not a number / one-element tensor.
+            TrainingError: called from an evaluation or prediction hook (their metrics come
+                from the Trainer's ``metrics=``).
+        """
+        if self.metrics_sink is None:
+            raise TrainingError(
+                f"ctx.log({name!r}, ...) in a hook of phase {self.phase!r}: only training hooks "
+                "and custom steps log metrics (evaluation metrics come from metrics=)"
+            )
+        self.metrics_sink(name, value)
+
+    def skip_batch(self) -> None:
+        """Skip the rest of this batch (or, before the optimizer step, the step)."""
+        self.skip = True

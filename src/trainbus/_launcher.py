@@ -1,0 +1,362 @@
+"""The launcher: run a training script under torchrun while the subscribers run in the driver.
+
+::
+
+    trainbus.launch("train.py", "--lr", "0.1", nproc_per_node=2, callbacks=[MyCallback()])
+
+    driver (this process)                           torchrun --nproc_per_node=2 train.py ...
+    ┌────────────────────────────────┐  events   ┌───────────────────────────────────────┐
+    │ EventBus: the user's callbacks,│ ◄──────── │ rank 0: WorkerLink (its bus' events)  │
+    │ async subscribers, request(),  │  commands │ rank 1..: no link; the command        │
+    │ operators                      │ ────────► │ agreement spreads rank 0's commands   │
+    └────────────────────────────────┘ 127.0.0.1 └───────────────────────────────────────┘
+
+Security model: the driver listens on 127.0.0.1 only, on an ephemeral port, and hands the
+workers a per-run random token (``TRAINBUS_DRIVER_TOKEN``) in their environment; a connection
+that does not present it first is refused and logged. Only JSON records cross (see
+:mod:`trainbus._wire`): never pickles, never code, so callbacks stay in the driver
+with their arguments and closures.
+
+Event order in the driver is rank 0's publication order. A worker that dies ends the launch
+with a :class:`~trainbus.LaunchError` (torchrun's exit code, the last events, the stderr tail);
+Ctrl-C (or SIGTERM) sends ``StopTraining(reason="signal")`` to the workers (they stop after the
+current step and write their final checkpoint), and after ``stop_timeout`` terminates them; a
+second Ctrl-C terminates at once. Nothing is left running: torchrun runs in its own process
+group, which is killed if it outlives the launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from . import commands as cmd
+from . import events as ev
+from ._bus import EventBus
+from ._distributed.driver_link import DriverLink
+from ._distributed.exits import RankExit, RankExits
+from ._distributed.link import ADDR_ENV, TOKEN_ENV
+from ._distributed.socket_link import SocketDriver
+from ._driver import attach_driver_callback, workers_stop_reason
+from ._exceptions import ConfigError, LaunchError
+from ._log import get_logger
+from ._signals import not_ignored
+from ._validate import check_int, check_seconds
+from .callbacks._base import Callback
+
+__all__ = ["LaunchResult", "Launcher", "launch"]
+
+log = get_logger(__name__)
+
+_TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--master-addr",
+                        "--rdzv", "--standalone", "--nnodes")  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LaunchResult:
+    """How a launch ended (returned when torchrun exited 0). The fields it shares with
+    :class:`~trainbus.LaunchError` are named and typed alike.
+
+    Attributes:
+        returncode: torchrun's exit status (0).
+        events: The last events rank 0 streamed to the driver (oldest first; at most the
+            launcher's ``keep_events``).
+        received: How many events rank 0 streamed to the driver in all.
+        last_event: The last of them (``FitEnded`` for a run that ended normally).
+        stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
+            ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
+        ending: How rank 0's run ended, typed (:class:`~trainbus.events.Ending`: ``SIGNAL`` after
+            Ctrl-C/SIGTERM, ``PRUNED``, ``STOPPED``...), None when its ``FitEnded`` never
+            arrived.
+        signal: The signal the driver received (SIGINT or SIGTERM), None: none.
+    """
+
+    returncode: int
+    events: tuple[ev.BaseEvent, ...]
+    received: int
+    last_event: ev.BaseEvent | None
+    stop_reason: str | None = None
+    ending: ev.Ending | None = None
+    signal: int | None = None
+
+
+class Launcher:
+    """Runs ``script`` under torchrun; rank 0's events feed this process' :attr:`bus`.
+
+    Args:
+        script: The training script (a path; run as ``torchrun ... script args``).
+        *args: The script's arguments.
+        nproc_per_node: Worker processes (torchrun's ``--nproc_per_node``).
+        torchrun_args: More torchrun options (``["--master_port=29501"]``); without any
+            addressing option (master, rendezvous, nnodes) ``--standalone`` is added, which
+            picks a free port.
+        callbacks: Callbacks set up on the driver's bus (instances or classes).
+        setup: A function of the bus, called once before the launch (subscriptions, operators).
+        bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
+        stop_timeout: Seconds between the graceful ``StopTraining`` of a Ctrl-C and the
+            termination of the workers.
+        connect_timeout: Seconds a connection has to present the token.
+        keep_events: How many of the last events a :class:`LaunchResult` or
+            :class:`~trainbus.LaunchError` carries (``events``; ``received`` counts them all).
+        python: The interpreter running torchrun (default: this one).
+        handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only).
+
+    Raises:
+        ConfigError: a bad argument, naming it.
+    """
+
+    def __init__(
+        self,
+        script: str | os.PathLike[str],
+        *args: str,
+        nproc_per_node: int = 1,
+        torchrun_args: Sequence[str] = (),
+        callbacks: Iterable[Callback | type[Callback]] = (),
+        setup: Callable[[EventBus], Any] | None = None,
+        bus: EventBus | None = None,
+        stop_timeout: float = 60.0,
+        connect_timeout: float = 10.0,
+        keep_events: int = 100,
+        python: str | None = None,
+        handle_signals: bool = True,
+    ) -> None:
+        path = Path(script)
+        if not path.is_file():
+            raise ConfigError.invalid("script", os.fspath(script), "an existing Python file")
+        self.script = path
+        if not all(isinstance(a, str) for a in args):
+            raise ConfigError.invalid("args", args, "strings (the script's command line)")
+        self.args = tuple(args)
+        self.nproc_per_node = check_int("nproc_per_node", nproc_per_node, 1)
+        if isinstance(torchrun_args, str) or not all(isinstance(a, str) for a in torchrun_args):
+            raise ConfigError.invalid("torchrun_args", torchrun_args, "a sequence of strings")
+        self.torchrun_args = tuple(torchrun_args)
+        if setup is not None and not callable(setup):
+            raise ConfigError.invalid("setup", setup, "None or a function of the bus")
+        self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
+        self.connect_timeout = check_seconds("connect_timeout", connect_timeout)
+        self.keep_events = check_int("keep_events", keep_events, 0)
+        self.python = python or sys.executable
+        self.handle_signals = bool(handle_signals)
+        self.bus = bus if bus is not None else EventBus()
+        for cb in callbacks:
+            self._attach(cb)
+        if setup is not None:
+            setup(self.bus)
+        self._token = secrets.token_urlsafe(32)
+        self._stderr: deque[str] = deque(maxlen=40)
+        self._exits = RankExits()
+        self._link: DriverLink | None = None
+        self._signal: int | None = None  # the first signal the driver received
+        self._stop_reason: str | None = None
+        self._process: anyio.abc.Process | None = None
+
+    def _attach(self, callback: Callback | type[Callback]) -> None:
+        attach_driver_callback(self.bus, callback)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def refused(self) -> int:
+        """Connections refused so far (wrong token, or a second link)."""
+        return 0 if self._link is None else self._link.refused
+
+    def command_line(self) -> list[str]:
+        """The torchrun command this launcher runs."""
+        addressed = any(a.startswith(_TORCHRUN_ADDRESSING) for a in self.torchrun_args)
+        extra = [] if addressed else ["--standalone"]
+        nproc = f"--nproc_per_node={self.nproc_per_node}"
+        return [self.python, "-m", "torch.distributed.run", *extra, *self.torchrun_args, nproc,
+                str(self.script), *self.args]  # fmt: skip
+
+    # ------------------------------------------------------------------ control
+    def stop(self, reason: str = "requested") -> None:
+        """Ask the workers to stop gracefully: ``StopTraining(reason)`` to rank 0 (applied by
+        every rank at the next sync point). Safe from the event loop only."""
+        self._stop_reason = reason
+        self.bus.send(cmd.StopTraining(reason=reason))
+
+    def run(self, *, backend: str = "asyncio") -> LaunchResult:
+        """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
+        return anyio.run(self.launch, backend=backend)
+
+    async def launch(self) -> LaunchResult:
+        """Start torchrun, serve rank 0's link, and wait until the workers exit.
+
+        Returns:
+            The :class:`LaunchResult` when torchrun exits 0.
+
+        Raises:
+            LaunchError: torchrun exited non-zero (a worker died or failed, the script failed
+                to import), naming the exit code, the events that arrived and stderr's tail.
+            Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
+                (the workers are stopped first).
+        """
+        if self._link is not None:
+            raise LaunchError("a Launcher launches once; build a new one")
+        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events)
+        driver = await SocketDriver.listen(connect_timeout=self.connect_timeout)
+        env = dict(os.environ) | {ADDR_ENV: driver.address, TOKEN_ENV: self._token}
+        returncode: int | None = None
+        try:
+            async with self.bus:
+                try:
+                    process = self._process = await anyio.open_process(
+                        self.command_line(), env=env, stdin=subprocess.DEVNULL, stdout=None,
+                        stderr=subprocess.PIPE, start_new_session=True,
+                    )  # fmt: skip
+                except OSError as exc:
+                    raise LaunchError(f"cannot start torchrun with {self.python!r}: {exc}") from exc
+                log.info("launch_started", pid=process.pid, nproc_per_node=self.nproc_per_node,
+                         script=str(self.script))  # fmt: skip
+                assert process.stderr is not None
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._pump_stderr, process.stderr)
+                    tg.start_soon(driver.serve, link)
+                    on_failure = partial(tg.start_soon, self._terminate_after, self.stop_timeout)
+                    tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
+                    main = threading.current_thread() is threading.main_thread()
+                    if self.handle_signals and main:
+                        tg.start_soon(self._watch_signals, tg)
+                    returncode = await process.wait()
+                    if link.linked:  # the last events still in the socket
+                        await link.wait_unlinked(5)
+                    await self.bus.wait_delivered(5)
+                    tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await driver.aclose()
+                await self._terminate()
+        if returncode != 0:
+            raise self._failure(returncode)
+        return LaunchResult(returncode=returncode, events=link.events, received=link.received,
+                            last_event=link.last_event, stop_reason=self.stop_reason,
+                            signal=self._signal,
+                            ending=None if link.ended is None else link.ended.ending)  # fmt: skip
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
+        the reason this driver asked them to stop with (``"signal"``), else None."""
+        ended = None if self._link is None else self._link.ended
+        return workers_stop_reason(ended, self._stop_reason)
+
+    # ------------------------------------------------------------------ tasks
+    def _failure(self, returncode: int | None) -> LaunchError:
+        link = self._link
+        assert link is not None
+        last = link.last_event
+        if not link.linked:
+            what = ("before rank 0 linked to the driver (did the script fail to import, or "
+                    "never attach a WorkerLink?)")  # fmt: skip
+        else:
+            what = (f"after {link.received} events from rank 0 "
+                    f"(last: {type(last).__name__ if last else None} at step "
+                    f"{last.step if last else '?'})")  # fmt: skip
+        # torchrun's summary: the first failed rank with its own exit code (-9: SIGKILL), and
+        # the ranks torchrun then stopped (-15: its SIGTERM), each block read on its own.
+        first: RankExit | None = self._exits.root_cause
+        if first is not None:
+            what += f"; {first.describe()}"
+            others = [e.describe() for e in self._exits.exits if e is not first]
+            if others:
+                what += f" (first; then {', '.join(others)})"
+        return LaunchError(
+            f"the workers failed: torchrun exited with code {returncode} {what}",
+            returncode=returncode, events=link.events, received=link.received,
+            last_event=last, stop_reason=self.stop_reason, stderr="".join(self._stderr),
+            rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
+            rank_signal=first.signal if first else None, signal=self._signal,
+            ending=None if link.ended is None else link.ended.ending,
+        )  # fmt: skip
+
+    async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
+        # Passed through to our stderr (the user sees the workers), the tail kept for errors.
+        pending = ""
+        async for chunk in stream:
+            text = chunk.decode(errors="replace")
+            sys.stderr.write(text)
+            pending += text
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                self._exits.feed(line)
+                self._stderr.append(line + "\n")
+        if pending:
+            self._exits.feed(pending)
+            self._stderr.append(pending)
+
+    async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
+        signums = not_ignored()  # an ignored one stays ignored (a script's background job)
+        if not signums:
+            await anyio.sleep_forever()
+        with anyio.open_signal_receiver(*signums) as signals:
+            async for signum in signals:
+                if self._signal is None:
+                    self._signal = int(signum)
+                if self._stop_reason == "signal":  # the second one: no more patience
+                    log.warning("launch_aborted", signal=signum)
+                    await self._terminate()
+                    continue
+                log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
+                if self._link is None or not self._link.linked:
+                    self._stop_reason = "signal"
+                    await self._terminate()
+                else:
+                    self.stop("signal")
+                    tg.start_soon(self._terminate_after, self.stop_timeout)
+
+    async def _terminate_after(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+        await self._terminate()
+
+    async def _terminate(self) -> None:
+        """SIGTERM torchrun's process group (torchrun forwards it to the workers), then
+        SIGKILL whatever is left after a grace period."""
+        process = self._process
+        if process is None:
+            return
+        for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(process.pid, sig)
+            except ProcessLookupError:
+                return
+            with anyio.move_on_after(grace):
+                await process.wait()
+                # torchrun is gone; its workers may not be (a SIGKILLed torchrun forwards
+                # nothing): the group still names them.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, 0)
+                continue
+            return
+
+
+def launch(
+    script: str | os.PathLike[str],
+    *args: str,
+    backend: str = "asyncio",
+    **kwargs: Any,
+) -> LaunchResult:
+    """Run ``script`` under torchrun with the subscribers in this process: a
+    :class:`Launcher` (same arguments) run to the end.
+
+    Returns:
+        The :class:`LaunchResult`.
+
+    Raises:
+        ConfigError: a bad argument.
+        LaunchError: the workers failed (see :meth:`Launcher.launch`).
+    """
+    return anyio.run(partial(Launcher(script, *args, **kwargs).launch), backend=backend)

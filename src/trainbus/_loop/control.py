@@ -1,0 +1,264 @@
+"""Poll points and command application: how the loop obeys the back-channel.
+
+:class:`CommandHandler` drains the bus' command queue at the loop's poll points, applies each
+command with an exhaustive ``match`` and acknowledges it with ``CommandApplied``. It owns the
+stop state (``stop_reason``, ``stop_epoch``) and reaches the loop's other parts only through
+their public methods: the :class:`~trainbus._loop.saving.CheckpointWriter` for
+``SaveCheckpoint``, the :class:`~trainbus._loop.evaluation.Evaluator` for ``Evaluate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, assert_never
+
+from .. import commands as cmd
+from .. import events as ev
+from .._exceptions import CheckpointError, ConfigError
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from .._distributed.sync import RankSync
+    from ..checkpoint import TrainState
+    from .evaluation import Evaluator
+    from .saving import CheckpointWriter
+    from .settings import Settings
+
+__all__ = ["BarrierWait", "CommandHandler"]
+
+BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
+"""``wait(event, resume) -> status``: waits on the event-loop thread until the barrier event
+(None: the end of the run) was delivered and its deciders (the ``decides=True`` async
+subscriptions that received it) finished; ``"request"`` when a ``bus.request`` interrupted the
+wait (apply it, then call again with ``resume=True``)."""
+
+_MAX_ROUNDS = 100
+"""Commands sent while commands are applied are applied too, up to this many drains."""
+
+
+class CommandHandler:
+    """Applies commands at the loop's poll points and owns the run's stop state.
+
+    Attributes:
+        stop_reason: Why the run stops (the first ``StopTraining`` reason or a NaN stop);
+            None while it goes on. Read by the loop between steps; set through :meth:`stop`.
+        stop_epoch: A ``StopEpoch`` arrived: the loop ends the epoch before the next step.
+            Cleared by :meth:`begin_epoch`.
+
+    Args:
+        settings: The run's settings (barriers, eval_data).
+        bus: Source of commands and failures; where ``CommandApplied`` is published.
+        state: The run's train state (its step and epoch stamp the events).
+        wait_barrier: Waits at a barrier event (see :data:`BarrierWait`).
+        check_cancel: Raises when the run was cancelled.
+        checkpoints: Saves for ``SaveCheckpoint``.
+        evaluator: Runs ``Evaluate``.
+        sync: The ranks' agreement under torchrun (None: one process). With it, commands are
+            applied only at **common** poll points (every rank reaches them at the same step),
+            through :meth:`RankSync.agree`; the other poll points only check failures and
+            cancellation (docs/distributed.md).
+        log_metric: Adds a ``LogMetric``'s value to the open metrics window (None: refused).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: LoopPort,
+        state: TrainState,
+        *,
+        wait_barrier: BarrierWait,
+        check_cancel: Callable[[], None],
+        checkpoints: CheckpointWriter,
+        evaluator: Evaluator,
+        sync: RankSync | None = None,
+        log_metric: Callable[[str, float], None] | None = None,
+    ) -> None:
+        self._s, self._bus, self._state = settings, bus, state
+        self._log_metric = log_metric
+        self._wait_barrier, self._check_cancel = wait_barrier, check_cancel
+        self._checkpoints, self._evaluator = checkpoints, evaluator
+        self._sync = sync
+        self.stop_reason: str | None = None
+        self.stop_epoch = False
+
+    # ================================================================== stop state
+    def stop(self, reason: str) -> None:
+        """Stop the run after the current step; the first reason given is kept. Rings the
+        port's doorbell: a run of steps (:class:`~trainbus._loop.step.Step`) ends there."""
+        self.stop_reason = self.stop_reason or reason
+        self._bus.doorbell.ring()
+
+    def begin_epoch(self) -> None:
+        """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""
+        self.stop_epoch = False
+
+    # ================================================================== poll points
+    def barrier_then_poll(
+        self, event: ev.BaseEvent | None, *earlier: ev.BaseEvent, common: bool = False
+    ) -> None:
+        """At a barrier event (``None``: the end of the run), wait for its subscribers, then poll.
+
+        ``earlier`` barrier events (the other sets of an evaluation round) are waited for
+        first, and the poll comes once, after all of them.
+
+        A barrier subscriber that awaits ``bus.request(...)`` would wait for a command the loop
+        applies only after the barrier: the bus interrupts the wait when a request arrives, the
+        loop applies it here, and the wait resumes with the same subscribers and deadline.
+
+        Args:
+            event: The barrier event.
+            earlier: Barrier events of the same round, waited for before ``event``.
+            common: Every rank reaches this point at the same step (see :meth:`poll`).
+
+        Raises:
+            Whatever :meth:`poll` raises.
+        """
+        for e in (*earlier, event):
+            if e is None or type(e) in self._s.barriers:
+                self._barrier(e)
+        self.poll(common=common)
+
+    def decide(
+        self,
+        ended: ev.StepEnded | None,
+        barrier: ev.BaseEvent | None = None,
+        *,
+        common: bool = False,
+    ) -> None:
+        """What a decision step runs: a barrier on its ``StepEnded`` (``ended``; None: nobody
+        wanted it, everything published so far) for the async deciders, whatever the configured
+        barrier types, then poll.
+
+        Args:
+            ended: The step's ``StepEnded``.
+            barrier: The step's barrier event (``StepEnded`` or ``MetricsLogged`` listed in
+                ``barriers``), whose async deciders are waited for first.
+            common: Every rank reaches this point at the same step (see :meth:`poll`).
+
+        Raises:
+            Whatever :meth:`poll` raises.
+        """
+        if barrier is not None:
+            self._barrier(barrier)
+        if barrier is None or (ended is not None and ended is not barrier):
+            self._barrier(ended)
+        self.poll(common=common)
+
+    def _barrier(self, event: ev.BaseEvent | None) -> None:
+        # A request() arriving during the wait is applied, then the same wait resumes. Under
+        # torchrun a request cannot be applied here (only at a common point): the wait ends and
+        # the request is agreed at the next common point.
+        status = self._wait_barrier(event, False)
+        while status == "request" and self._sync is None:
+            self.poll()
+            status = self._wait_barrier(event, True)
+
+    def poll(self, *, common: bool = False) -> None:
+        """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,
+        stop on cancel, apply commands.
+
+        The wait (``port.wait_for_room``) is where a ``"block"`` subscriber slows training; it
+        ends early when a command, failure or cancel arrives, and is skipped once the run
+        stops (the closing steps never wait on it).
+
+        Under torchrun (a ``sync``), commands are applied only when ``common``: every rank's
+        pending commands are exchanged and every rank applies the same list
+        (:meth:`agree`); elsewhere they stay queued.
+
+        Args:
+            common: Every rank reaches this point at the same step.
+
+        Raises:
+            Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
+            The cancellation, when the run was cancelled.
+        """
+        bus = self._bus
+        if bus.held and self.stop_reason is None:
+            bus.wait_for_room()
+        failure = bus.failure
+        if failure is not None:
+            raise failure
+        self._check_cancel()
+        if self._sync is not None:
+            if common:
+                self.agree()
+            return
+        rounds = 0
+        while bus.has_commands() and rounds < _MAX_ROUNDS:
+            rounds += 1
+            for command in bus.poll_commands():
+                self.apply(command)
+
+    def agree(self) -> None:
+        """Exchange every rank's pending commands and apply the agreed list (a collective:
+        every rank calls it at the same step). One round: what the applied commands make
+        subscribers send waits for the next common point."""
+        assert self._sync is not None
+        for command in self._sync.agree(self._bus.poll_commands()):
+            self.apply(command)
+
+    # ================================================================== commands
+    def apply(self, command: cmd.Command) -> None:
+        """Apply one command and publish ``CommandApplied`` (with its result or error).
+
+        A refused command (``ConfigError``, ``OSError``) is acknowledged with the error and never
+        ends the run; anything else (a failing evaluation) propagates.
+        """
+        st = self._state
+        result: ev.BaseEvent | None = None
+        error: BaseException | None = None
+        try:
+            match command:
+                case cmd.StopTraining(reason=reason):
+                    self.stop(reason)
+                case cmd.StopEpoch():
+                    self.stop_epoch = True
+                case cmd.SaveCheckpoint(tag=tag):
+                    result = self._checkpoints.save_once(tag, self._evaluator.metrics)
+                case cmd.Evaluate():
+                    if self._s.eval_data is None:
+                        raise ConfigError.invalid("eval_data", None, "data to evaluate on")
+                    ends = self._evaluator.last_ends
+                    if st.evaluated_step != st.step or not ends:
+                        ends = self._evaluator.run("command")
+                        # applied on every rank alike
+                        self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
+                    # else: this step's weights were evaluated already (one evaluation per
+                    # step): the command is answered with that evaluation, not run again.
+                    # One set: its EvaluationEnded (as before named sets); several: the round.
+                    result = ends[0] if len(ends) == 1 else self._evaluator.last_round
+                case cmd.SetLearningRate(lr=lr, param_group=group, optimizer=name):
+                    for g in self._groups(group, name):
+                        g["lr"] = lr
+                case cmd.ScaleLearningRate(factor=factor, param_group=group, optimizer=name):
+                    for g in self._groups(group, name):
+                        g["lr"] = g["lr"] * factor
+                case cmd.LogMetric(name=name, value=value):
+                    if self._log_metric is None:
+                        raise ConfigError.invalid("LogMetric", name, "a training run")
+                    self._log_metric(name, value)
+                case _:
+                    assert_never(command)
+        except (ConfigError, CheckpointError, OSError) as exc:  # refused: never kills the run
+            error = exc
+        self._bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+                                            result=result, error=error))  # fmt: skip
+
+    def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:
+        """The parameter groups a learning-rate command sets: every optimizer's (or only
+        ``optimizer``'s), all of them or index ``group`` (within that optimizer, or counted
+        across them in name order).
+
+        Raises:
+            ConfigError: an unknown optimizer name or a group index out of range.
+        """
+        opts = self._s.optimizers
+        if optimizer is not None and optimizer not in opts:
+            allowed = "one of the optimizers: " + ", ".join(map(repr, opts))
+            raise ConfigError.invalid("optimizer", optimizer, allowed)
+        groups = (self._s.optimizer if optimizer is None else opts[optimizer]).param_groups
+        if group is None:
+            return list(groups)
+        if group >= len(groups):
+            raise ConfigError.invalid("param_group", group, f"an index below {len(groups)}")
+        return [groups[group]]

@@ -1,0 +1,152 @@
+"""The training data's side of the run: each epoch's batch iterator and the observed fetch.
+
+:class:`EpochData` builds the epoch's iterator (the sampler's epoch, the data order captured for
+the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume)
+and fetches a batch inside ``DataWaitStarted``/``DataWaitEnded`` when someone wants that span.
+It also starts the run past an epoch a checkpoint saved completed, and names an empty loader.
+The step's plain fetch stays ``next(it, END)`` in the loop: this object is not on the hot path.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from .. import events as ev
+from .._exceptions import TrainingError
+from ..checkpoint import Checkpoint, TrainState, capture_data_order, replay_epoch, set_sampler_epoch
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from .saving import CheckpointWriter
+    from .settings import Settings
+    from .wants import Wants
+
+__all__ = ["END", "EpochData"]
+
+END = object()
+"""What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
+
+
+class EpochData:
+    """Opens each epoch's batch iterator and fetches batches with their data-wait events.
+
+    Args:
+        settings: The validated settings (``train_data`` is read).
+        bus: Where the data-wait events go.
+        state: The run's train state (epoch, batch in epoch, step); read, and moved past a
+            completed epoch by :meth:`start`.
+        wants: Which events someone listens to (refreshed by the loop).
+        checkpoints: Told each epoch's data order, saved with the epoch's checkpoints.
+        resume: The checkpoint the run resumes from: the first epoch opened replays its data
+            order and RNG states; None for a fresh run.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: LoopPort,
+        state: TrainState,
+        wants: Wants,
+        checkpoints: CheckpointWriter,
+        resume: Checkpoint | None,
+    ) -> None:
+        self._s = settings
+        self._bus = bus
+        self._state = state
+        self._wants = wants
+        self._checkpoints = checkpoints
+        self._resume = resume
+
+    def start(self) -> int | None:
+        """Before the first epoch: a run resumed from a checkpoint saved after an epoch's end
+        work (its batches all consumed, or its end work recorded in the state: data without a
+        length) moves the state on to the next epoch's first batch.
+
+        Returns:
+            The optimizer steps per epoch (``FitStarted.steps_per_epoch``); None when the
+            training data has no length.
+        """
+        s, st = self._s, self._state
+        if st.closed_epoch == st.epoch or (
+            s.train_len is not None and st.batch_in_epoch >= s.train_len
+        ):
+            st.epoch_done()
+        return None if s.train_len is None else math.ceil(s.train_len / s.accumulate)
+
+    def empty_error(self) -> TrainingError:
+        """The error for an epoch whose iterator yielded no batch at all.
+
+        Returns:
+            A :class:`~trainbus.TrainingError` naming the epoch and what to check; for a
+            one-shot iterator spent by an earlier epoch, saying so and what to pass instead.
+        """
+        st, data = self._state, self._s.train_data
+        if isinstance(data, Iterator) and st.epoch > 0:
+            # A generator with max_steps alone (max_epochs > 1 is refused up front): spent
+            # before max_steps, and a new pass over it yields nothing.
+            return TrainingError(
+                f"train_data, a one-shot {type(data).__name__}, was spent after epoch "
+                f"{st.epoch - 1} at step {st.step}, before max_steps={self._s.max_steps}: pass "
+                "data that can be iterated again (a list of batches, a DataLoader), or a "
+                "max_steps within its one pass"
+            )
+        return TrainingError(
+            f"train_data yielded no batch in epoch {st.epoch}: an empty loader cannot "
+            "train; check its length, sampler and drop_last"
+        )
+
+    def open(self) -> Iterator[Any]:
+        """The epoch's batch iterator; its data order is kept for the epoch's checkpoints.
+
+        The first epoch of a resumed run replays the saved order, skips the consumed batches
+        and restores the saved RNG states where they were captured (``replay_epoch``); any
+        other epoch captures its order right before ``iter()`` draws the permutation.
+
+        Returns:
+            The iterator over the epoch's (remaining) batches.
+        """
+        s, st, resume = self._s, self._state, self._resume
+        set_sampler_epoch(s.train_data, st.epoch)  # a DistributedSampler's shuffle per epoch
+        if resume is not None:
+            self._resume = None
+            it, order = replay_epoch(s.train_data, resume.data_order, epoch=st.epoch,
+                                     skip=st.batch_in_epoch, rng=resume.rng)  # fmt: skip
+        else:
+            order = capture_data_order(s.train_data, epoch=st.epoch)
+            it = iter(s.train_data)
+        self._checkpoints.begin_epoch(order)
+        return it
+
+    def fetch_observed(self, it: Iterator[Any], started: float) -> Any:
+        """``next(it)`` inside ``DataWaitStarted/Ended`` (someone wants the data-wait span).
+
+        Args:
+            it: The epoch's iterator (from :meth:`open`).
+            started: ``time.monotonic()`` when the step began waiting for this batch.
+
+        Returns:
+            The next batch, or :data:`END` when the iterator is exhausted.
+
+        Raises:
+            BaseException: Whatever the iterator raised, after ``DataWaitEnded(error=...)``.
+        """
+        pub, st, w = self._bus.publish, self._state, self._wants
+        bi = st.batch_in_epoch
+        if w.data_wait_started:
+            pub(ev.DataWaitStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
+        try:
+            batch = next(it, END)
+        except BaseException as exc:
+            if w.data_wait_ended:
+                pub(ev.DataWaitEnded(step=st.step, epoch=st.epoch, phase="train",
+                                     batch_index=bi, error=exc,
+                                     data_wait_s=time.monotonic() - started))  # fmt: skip
+            raise
+        if w.data_wait_ended:
+            pub(ev.DataWaitEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
+                                 exhausted=batch is END,
+                                 data_wait_s=time.monotonic() - started))  # fmt: skip
+        return batch

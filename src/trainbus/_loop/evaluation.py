@@ -1,0 +1,380 @@
+"""The evaluation pass: every evaluation set scored with the forward of ``forward.py``."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+import torch
+
+from .. import events as ev
+from .._exceptions import TrainingError
+from .._hookpoints import HookPoint, StepContext
+from .._tensors import batch_size, move_to_device
+from ..checkpoint._rng import isolated_rng
+from .forward import forward_loss, metric_targets
+from .set_metrics import MetricFailures, SetTotals, Totals
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from ..checkpoint import TrainState
+    from .hooks import Hooks
+    from .settings import Settings
+    from .wants import Wants
+
+__all__ = [
+    "EvalTrigger",
+    "Evaluator",
+    "evaluation_metric_names",
+    "metric_name",
+]
+
+EvalTrigger: TypeAlias = ev.EvalTrigger
+"""Why an evaluation runs (``EvaluationStarted.trigger``)."""
+
+
+def metric_name(dataset: str, name: str, *, named: bool) -> str:
+    """The key of metric ``name`` of evaluation set ``dataset`` in ``EvaluationEnded.metrics``.
+
+    A single ``eval_data`` loader keeps the historical ``val_<name>`` (``val_loss``); a mapping
+    of named sets gives ``<set>/<name>`` (``val/loss``, ``test/acc``), one key per set.
+    """
+    return f"{dataset}/{name}" if named else f"val_{name}"
+
+
+def evaluation_metric_names(s: Settings) -> frozenset[str]:
+    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``: the loss,
+    each ``metrics=`` function and each ``set_metrics=`` metric, for each evaluation set (empty
+    without ``eval_data``)."""
+    names = ("loss", *s.metrics, *s.set_metrics)
+    named = s.eval_named
+    sets = [dataset for dataset, _ in s.eval_sets]
+    return frozenset(metric_name(dataset, n, named=named) for dataset in sets for n in names)
+
+
+class Evaluator:
+    """Scores the evaluation sets and publishes the evaluation round and its spans.
+
+    Sums stay on the device during the pass; the metrics are read once per set at the end (one
+    sync). Metric functions are called as ``fn(outputs, targets)``, ``targets`` from
+    :func:`metric_targets` (the second element of an ``(inputs, targets)`` batch, a mapping
+    batch's ``"labels"``, else the batch); each returns a number or a tensor, averaged over
+    samples and keyed by :func:`metric_name`. The ``set_metrics=`` metrics sum what their
+    ``update(outputs, targets)`` returns over the set
+    (:class:`~trainbus._loop.set_metrics.SetTotals`) and ``compute`` their value from the
+    totals at the set's end; one that raises is counted in :attr:`failures` and left out of
+    that evaluation's metrics.
+
+    Every round runs under :func:`~trainbus.checkpoint._rng.isolated_rng`: its random draws
+    (a ``DataLoader``'s iterator seed, a metric's sampling) never move the training's
+    generators. A round of a run (not a standalone one) that completes marks its step evaluated
+    in the train state (``TrainState.evaluated``), which a checkpoint keeps.
+
+    Attributes:
+        metrics: The merged metrics of the last round (empty before the first; the loop of a
+            resumed run sets the checkpoint's).
+        last_round: The last published ``EvaluationRoundEnded`` (None before the first).
+        failures: The set metrics that raised, counted per name over the evaluator's life.
+        last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).
+
+    Args:
+        settings: The run's settings (model, eval sets, metrics, device, precision).
+        bus: Where the evaluation events are published.
+        state: The run's train state (its step and epoch stamp the events).
+        wants: The loop's cache of wanted events (refreshed at the start of each round).
+        check_cancel: Called before each batch; raises when the run was cancelled.
+        hooks: The inline hooks (the ``eval_batch`` point); None for none.
+        should_stop: Called before each batch; True ends the set's pass early (standalone
+            evaluation, on ``StopTraining``) and the round after it. None: never.
+        reduce: Under torchrun, ``reduce(metrics, samples)`` averages this rank's metrics with
+            the other ranks' (sample-weighted, one collective per evaluation); None: one
+            process.
+        sum_totals: Under torchrun, ``sum_totals(totals)`` adds every rank's set-metric totals
+            (a metric failed on one rank is None on all; one collective per set, only with
+            ``set_metrics``); None: one process.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: LoopPort,
+        state: TrainState,
+        wants: Wants,
+        check_cancel: Callable[[], None],
+        hooks: Hooks | None = None,
+        should_stop: Callable[[], bool] | None = None,
+        reduce: Callable[[dict[str, float], int], dict[str, float]] | None = None,
+        sum_totals: Callable[[Totals], Totals] | None = None,
+    ) -> None:
+        self._s, self._bus, self._state = settings, bus, state
+        self._wants, self._check_cancel = wants, check_cancel
+        self._hooks, self._should_stop = hooks, should_stop
+        self._reduce, self._sum_totals = reduce, sum_totals
+        self.failures = MetricFailures()
+        self.metrics: dict[str, float] = {}
+        self.last_round: ev.EvaluationRoundEnded | None = None
+        self.last_ends: tuple[ev.EvaluationEnded, ...] = ()
+
+    def run(
+        self,
+        trigger: ev.EvalTrigger,
+        sets: Sequence[tuple[str, Iterable[Any]]] | None = None,
+        *,
+        triggers: tuple[ev.EvalTrigger, ...] = (),
+    ) -> tuple[ev.EvaluationEnded, ...]:
+        """One evaluation round: ``EvaluationRoundStarted``, the ``"before_evaluation"`` hooks,
+        each set's span, the ``"after_evaluation"`` hooks, the round's end.
+
+        Every ``XEnded`` is published even when the pass raises (with the error); the sets after
+        a failed one are not scored. Every evaluation of a run and of ``trainer.evaluate()``
+        passes here, so the round's hook points (a callback swapping averaged weights in and
+        back) apply to all of them; ``"after_evaluation"`` runs also when the round raised or
+        was cancelled.
+
+        Args:
+            trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
+            sets: ``(name, data)`` pairs to score; default the settings' evaluation sets.
+            triggers: Every cadence the round stands for, ``trigger`` first (the events'
+                ``triggers``); default ``(trigger,)``.
+
+        Returns:
+            The published ``EvaluationEnded`` of each set, in order.
+
+        Raises:
+            TrainingError: a set yielded no batch; or whatever the model raised.
+        """
+        s, pub, st = self._s, self._bus.publish, self._state
+        sets = s.eval_sets if sets is None else tuple(sets)
+        triggers = triggers or (trigger,)
+        self._wants.refresh()
+        pub(ev.EvaluationRoundStarted(step=st.step, epoch=st.epoch, trigger=trigger,
+                                      datasets=tuple(n for n, _ in sets),
+                                      triggers=triggers))  # fmt: skip
+        ends: list[ev.EvaluationEnded] = []
+        merged: dict[str, float] = {}
+        error: BaseException | None = None
+        try:
+            # The round's hook points pair up like a context manager (weights swapped in and
+            # restored): once "before_evaluation" began, "after_evaluation" runs, however the
+            # round ends. The generators are the training's again once the round ends.
+            with isolated_rng(s.device):
+                try:
+                    self._round_hooks("before_evaluation", trigger, None)
+                    for name, data in sets:
+                        ended = self._run_set(trigger, triggers, name, data)
+                        ends.append(ended)
+                        merged.update(ended.metrics)
+                        if self._should_stop is not None and self._should_stop():
+                            break
+                except BaseException as exc:
+                    self._round_hooks("after_evaluation", trigger, exc)
+                    raise
+                self._round_hooks("after_evaluation", trigger, None)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            done = ev.EvaluationRoundEnded(step=st.step, epoch=st.epoch, metrics=merged,
+                                           trigger=trigger, error=error,
+                                           triggers=triggers)  # fmt: skip
+            pub(done)
+            self.last_round = done
+        self.metrics = merged
+        self.last_ends = tuple(ends)
+        if trigger != "standalone":
+            st.evaluated()
+        return self.last_ends
+
+    def _round_hooks(
+        self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
+    ) -> None:
+        """Run the ``point`` hooks of the round (``"before_evaluation"`` or
+        ``"after_evaluation"``), each with one shared context.
+
+        ``"after_evaluation"`` unwinds like nested context managers: its hooks run in reverse
+        order (global, user, core; the last added first), so two swaps nest, and every one
+        runs even when one raises (each restores its own swap); the first exception is raised
+        after the last hook, chained to ``error``.
+        """
+        hooks = () if self._hooks is None else self._hooks.by_point[point]
+        if not hooks:
+            return
+        s, st = self._s, self._state
+        ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=0, micro_batch=0,
+                          batch=None, model=s.model, optimizer=s.optimizer, phase="eval",
+                          trigger=trigger, error=error)  # fmt: skip
+        if point == "before_evaluation":
+            for hook in hooks:
+                hook(ctx)
+            return
+        first: BaseException | None = None
+        for hook in reversed(hooks):
+            try:
+                hook(ctx)
+            except BaseException as exc:
+                first = first or exc
+        if first is not None:
+            raise first
+
+    def _run_set(
+        self,
+        trigger: ev.EvalTrigger,
+        triggers: tuple[ev.EvalTrigger, ...],
+        name: str,
+        data: Iterable[Any],
+    ) -> ev.EvaluationEnded:
+        s, pub, st = self._s, self._bus.publish, self._state
+        model = s.model
+        pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
+                                 triggers=triggers))  # fmt: skip
+        metrics: dict[str, float] = {}
+        error: BaseException | None = None
+        was_training = model.training
+        model.eval()
+        try:
+            metrics = self._score(trigger, name, data)
+        except BaseException as exc:
+            error = exc
+            exc.add_note(
+                f"trainbus: raised in evaluation of {name!r} at step {st.step}, epoch {st.epoch}"
+            )
+            raise
+        finally:
+            model.train(was_training)
+            ended = ev.EvaluationEnded(step=st.step, epoch=st.epoch, metrics=metrics,
+                                       trigger=trigger, error=error, dataset=name,
+                                       triggers=triggers)  # fmt: skip
+            pub(ended)
+        return ended
+
+    def _score(
+        self, trigger: ev.EvalTrigger, dataset: str, data: Iterable[Any]
+    ) -> dict[str, float]:
+        s, pub, st, want = self._s, self._bus.publish, self._state, self._wants
+        names = list(s.metrics)
+        hooks = () if self._hooks is None else self._hooks.by_point["eval_batch"]
+        should_stop = self._should_stop
+        total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
+        on_cpu = s.device.type == "cpu"
+        sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in names]
+        totals = SetTotals(s.set_metrics, s.device) if s.set_metrics else None
+        count = batches = 0
+        with torch.no_grad():
+            for bi, batch in enumerate(data):
+                self._check_cancel()
+                if should_stop is not None and should_stop():
+                    break
+                if want.batch_fetched:
+                    pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="eval",
+                                        batch_index=bi, data_wait_s=0.0,
+                                        dataset=dataset))  # fmt: skip
+                if want.eval_batch_started:
+                    pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
+                                            dataset=dataset))  # fmt: skip
+                try:
+                    n, loss, outputs, batch = self._batch(trigger, dataset, bi, batch, hooks)
+                    if n >= 0 and names:  # the metric functions run inside the batch's span
+                        target = metric_targets(batch)
+                        values = [torch.as_tensor(s.metrics[name](outputs, target),
+                                                  device=s.device) for name in names]  # fmt: skip
+                    if n >= 0 and totals is not None:  # never raises: a failure is counted
+                        totals.update(outputs, batch)
+                except BaseException as exc:
+                    if want.eval_batch_ended:
+                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                              loss=math.nan, samples=0, dataset=dataset,
+                                              error=exc))  # fmt: skip
+                    raise
+                if n < 0:  # an eval_batch hook skipped it
+                    if want.eval_batch_ended:
+                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                              loss=math.nan, samples=0,
+                                              dataset=dataset))  # fmt: skip
+                    continue
+                count += n
+                batches += 1
+                total_loss += loss.double() * n
+                for i, value in enumerate(values if names else ()):
+                    sums[i] += value.detach().double().mean() * n
+                if want.eval_batch_ended:
+                    # A copy off the CPU: the next replay of a CUDA graph that returned the
+                    # loss overwrites it before a subscriber reads it (docs/compile.md).
+                    pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                          loss=loss if on_cpu else loss.clone(), samples=n,
+                                          dataset=dataset))  # fmt: skip
+        if count == 0:
+            if batches == 0 and should_stop is not None and should_stop():
+                return {}  # stopped before the first batch: nothing to report
+            raise TrainingError(
+                f"eval_data {dataset!r} yielded no batch: evaluation needs at least one"
+                if s.eval_named
+                else "eval_data yielded no batch: evaluation needs at least one"
+            )
+        read = (torch.stack([total_loss, *sums]) / count).tolist()  # the one device read
+        named = s.eval_named
+        metrics = {metric_name(dataset, "loss", named=named): read[0]}
+        metrics.update({metric_name(dataset, name, named=named): v
+                        for name, v in zip(names, read[1:], strict=True)})  # fmt: skip
+        if self._reduce is not None:
+            metrics = self._reduce(metrics, count)
+        if totals is not None:
+            metrics.update(self._set_metrics(dataset, totals))
+        return metrics
+
+    def _set_metrics(self, dataset: str, totals: SetTotals) -> dict[str, float]:
+        """The set metrics' values from the pass' totals (every rank's, under torchrun); a
+        metric that raised in ``update`` (here or on another rank) or in ``compute`` is counted
+        in :attr:`failures` and left out."""
+        s, step, fail = self._s, self._state.step, self.failures.failed
+        read = totals.read()
+        if self._sum_totals is not None:
+            read = self._sum_totals(read)
+        out: dict[str, float] = {}
+        for name, metric in s.set_metrics.items():
+            summed = read[name]
+            if summed is None:
+                error = totals.errors.get(name)
+                fail(name, error, dataset=dataset, step=step,
+                     stage="update" if error is not None else "another rank")  # fmt: skip
+                continue
+            try:
+                value = float(metric.compute(summed))
+            except Exception as exc:  # the metric's failure, not the run's
+                fail(name, exc, dataset=dataset, step=step, stage="compute")
+                continue
+            out[metric_name(dataset, name, named=s.eval_named)] = value
+        return out
+
+    def _batch(
+        self, trigger: ev.EvalTrigger, dataset: str, bi: int, batch: Any, hooks: tuple[Any, ...]
+    ) -> tuple[int, Any, Any, Any]:
+        """Score one batch: ``(samples, detached loss, outputs, batch)``; samples -1 when an
+        ``eval_batch`` hook skipped it."""
+        s, pub, st, want = self._s, self._bus.publish, self._state, self._wants
+        batch = move_to_device(batch, s.device)
+        if hooks:
+            ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
+                              micro_batch=0, batch=batch, model=s.model,
+                              optimizer=s.optimizer, phase="eval",
+                              dataset=dataset, trigger=trigger)  # fmt: skip
+            for hook in hooks:
+                hook(ctx)
+            if ctx.skip:
+                return -1, None, None, batch
+            batch = move_to_device(ctx.batch, s.device)  # a hook may have replaced it
+        if want.forward_started:
+            pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
+                                  dataset=dataset))  # fmt: skip
+        try:
+            with s.autocast():
+                outputs, loss = forward_loss(s, batch)
+        except BaseException as exc:
+            if want.forward_ended:
+                pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
+                                    error=exc, dataset=dataset))  # fmt: skip
+            raise
+        if want.forward_ended:
+            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
+                                dataset=dataset))  # fmt: skip
+        return batch_size(batch), loss.detach(), outputs, batch

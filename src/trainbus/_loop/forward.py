@@ -1,0 +1,123 @@
+"""The forward: the model's outputs for a batch and the loss of those outputs, for every phase.
+
+One implementation, used by training (:class:`~trainbus._loop.phases.StepPhases`, whose
+``after_forward`` hooks sit between the two halves), evaluation and prediction. The batch
+conventions (docs/trainer.md): with ``loss_fn``, a batch is ``(inputs, targets)`` and the loss
+is ``loss_fn(model(inputs), targets)``; without it, the model takes the batch (a mapping as
+keyword arguments) and returns the loss, a mapping with a ``"loss"`` entry or an object with a
+``.loss`` attribute (Hugging Face style).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .._exceptions import TrainingError
+
+if TYPE_CHECKING:
+    from .settings import Settings
+
+__all__ = ["forward_loss", "loss_of", "metric_targets", "model_outputs", "split_batch"]
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of a two-element tuple/list batch, as ``loss_fn`` mode expects.
+
+    Raises:
+        TrainingError: the batch is not a two-element tuple or list.
+    """
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TrainingError(
+        f"with loss_fn, each batch must be (inputs, targets); got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
+    )
+
+
+def metric_targets(batch: Any) -> Any:
+    """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md).
+
+    ``(inputs, targets)`` 2-tuples/lists give ``targets``; mappings (Hugging Face style) give
+    ``batch["labels"]``; any other batch is passed whole.
+
+    Raises:
+        TrainingError: a mapping batch without a ``"labels"`` key.
+    """
+    if isinstance(batch, tuple | list) and len(batch) == 2:
+        return batch[1]
+    if isinstance(batch, Mapping):
+        if "labels" not in batch:
+            raise TrainingError(
+                "metric functions get batch['labels'] for mapping batches, but this batch has "
+                f"only the keys {sorted(map(str, batch))}: add a 'labels' entry"
+            )
+        return batch["labels"]
+    return batch
+
+
+def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any, Any]:
+    """The model's outputs for ``batch`` and the targets the loss needs.
+
+    Args:
+        s: The run's settings (``model``, ``loss_fn``).
+        batch: One batch, on the run's device.
+        targets: The batch must carry targets (training and evaluation: with ``loss_fn`` a
+            batch that is not ``(inputs, targets)`` is an error). False for prediction: such
+            a batch is the model's input as a whole.
+
+    Returns:
+        ``(outputs, targets)``; targets is None without ``loss_fn`` (or when the prediction
+        batch has none).
+
+    Raises:
+        TrainingError: ``targets`` and ``loss_fn`` are set and the batch is not
+            ``(inputs, targets)``.
+    """
+    model = s.model
+    if s.loss_fn is not None:
+        if type(batch) is tuple and len(batch) == 2:  # the common batch, without a call
+            return model(batch[0]), batch[1]
+        if targets or (isinstance(batch, tuple | list) and len(batch) == 2):
+            inputs, wanted = split_batch(batch)
+            return model(inputs), wanted
+    return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
+
+
+def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
+    """The loss of ``outputs``: ``loss_fn(outputs, targets)``, or the loss the model returned.
+
+    Returns:
+        The loss, not yet checked (the step checks that it is a scalar that requires grad).
+
+    Raises:
+        TrainingError: without ``loss_fn``, the outputs carry no loss.
+    """
+    if s.loss_fn is not None:
+        return s.loss_fn(outputs, targets)
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, Mapping) and "loss" in outputs:
+        return outputs["loss"]
+    loss = getattr(outputs, "loss", None)
+    if loss is not None:
+        return loss
+    raise TrainingError(
+        f"the model returned {type(outputs).__name__} with no loss: without loss_fn the model "
+        "must return the loss, a mapping with a 'loss' key, or an object with a .loss attribute"
+    )
+
+
+def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
+    """:func:`model_outputs` then :func:`loss_of` (a forward no hook sits inside).
+
+    Returns:
+        ``(outputs, loss)``.
+
+    Raises:
+        TrainingError: as :func:`model_outputs` and :func:`loss_of`.
+    """
+    outputs, targets = model_outputs(s, batch)
+    return outputs, loss_of(s, outputs, targets)

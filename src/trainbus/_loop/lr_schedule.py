@@ -1,0 +1,83 @@
+"""The learning-rate scheduler's step with its events.
+
+:class:`SchedulerStepper` calls ``scheduler.step()`` inside ``SchedulerStepping`` /
+``SchedulerStepped`` and reads the current learning rate for the events that carry it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING
+
+from .. import events as ev
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from ..checkpoint import TrainState
+    from .settings import Settings
+    from .wants import Wants
+
+__all__ = ["SchedulerStepper"]
+
+_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+"""torch's warning for a scheduler stepped before its optimizer in this process: a resumed run
+that replays the end of the epoch its checkpoint was written in does that on purpose."""
+
+
+class SchedulerStepper:
+    """Steps the scheduler and publishes its events.
+
+    Args:
+        settings: The validated settings (``optimizer`` and ``scheduler`` are read).
+        bus: Where the scheduler events go.
+        state: The run's train state (step and epoch for the events).
+        wants: Which events someone listens to (refreshed by the loop).
+    """
+
+    def __init__(self, settings: Settings, bus: LoopPort, state: TrainState, wants: Wants) -> None:
+        self._s = settings
+        self._bus = bus
+        self._state = state
+        self._wants = wants
+
+    def lr(self) -> float:
+        """The first parameter group's learning rate.
+
+        Returns:
+            The optimizer's current ``lr`` of parameter group 0.
+        """
+        return float(self._s.optimizer.param_groups[0]["lr"])
+
+    def step(self, *, always: bool, replayed: bool = False) -> None:
+        """``scheduler.step()`` inside ``SchedulerStepping``/``SchedulerStepped``.
+
+        Args:
+            always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step,
+                rare enough not to need the cache).
+            replayed: The step ends an epoch a resumed run replays before its first optimizer
+                step (the checkpoint was written at the epoch's last step, before its end was
+                found): torch's warning about a scheduler stepped before its optimizer is
+                silenced for this call only (the uninterrupted run stepped the optimizer
+                first), so ``-W error`` does not fail an exact resume.
+
+        Raises:
+            BaseException: Whatever ``scheduler.step()`` raised, after
+                ``SchedulerStepped(error=...)``.
+        """
+        pub, st, w, s = self._bus.publish, self._state, self._wants, self._s
+        assert s.scheduler is not None
+        if w.scheduler_stepping:
+            pub(ev.SchedulerStepping(step=st.step, epoch=st.epoch, lr=self.lr()))
+        try:
+            if replayed:
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+                    s.scheduler.step()
+            else:
+                s.scheduler.step()
+        except BaseException as exc:
+            if always or w.scheduler_stepped:
+                pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))
+            raise
+        if always or w.scheduler_stepped:
+            pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr()))

@@ -1,0 +1,284 @@
+"""The loop's checkpoint writer: saves the run's state and announces it on the bus.
+
+The file format, the atomic write and resume live in the checkpoint layer
+(``save_checkpoint``, ``load_checkpoint``); this object is the loop's side of it: what to save
+(model, optimizer, scheduler, grad scaler, the train state, the last evaluation metrics, the
+data order of the epoch in progress and the callbacks' states), ``CheckpointSaved``, and which
+checkpoint the run wrote last.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import events as ev
+from .._exceptions import CheckpointWriteError, ConfigError
+from .._log import get_logger
+from .._tensors import is_sharded_model
+from ..checkpoint import TrainState, capture_data_order, save_checkpoint, save_sharded
+from ..checkpoint._sharded import folder_name
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from .._distributed.sync import RankSync
+    from .settings import Settings
+
+__all__ = ["CheckpointWriter", "config_differences", "run_config"]
+
+log = get_logger(__name__)
+
+_LOGGED_FIRST = 3
+"""Refused saves each logged in full; after them, one line at 10, 100, 1000, ... refusals (a
+disk that stays full cannot flood the log; ``FitResult.failed_saves`` has the count)."""
+
+
+def _log_worthy(count: int) -> bool:
+    if count <= _LOGGED_FIRST:
+        return True
+    while count % 10 == 0:
+        count //= 10
+    return count == 1
+
+
+_LOST = {
+    "eval_every": "the evaluations after the checkpoint's step come at other steps than in the "
+    "run that wrote it, so early stopping and keep_best decide on other evaluations",
+    "eval_at_epoch_end": "the evaluations after the checkpoint's step come at other steps than "
+    "in the run that wrote it, so early stopping and keep_best decide on other evaluations",
+    "accumulate": "a step takes another number of batches: the steps, the batches each one "
+    "sees and so the weights differ from the run that wrote it",
+    "train_data": "the interrupted epoch's batches cannot be replayed in the saved order: the "
+    "batches after the checkpoint's step differ",
+    "scheduler_interval": "the learning rate steps at other points than in the run that wrote it",
+}
+"""What a resume loses when an entry of :func:`run_config` differs."""
+
+
+def run_config(settings: Settings) -> dict[str, Any]:
+    """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
+    resume needs unchanged: a resume compares them with its own (:func:`config_differences`).
+
+    Args:
+        settings: The run's settings.
+
+    Returns:
+        ``{"eval_every", "eval_at_epoch_end", "accumulate", "train_data", "scheduler_interval"}``
+        as plain values (``train_data``: ``"iterable"`` or ``"<n> batches"``).
+    """
+    s = settings
+    return {
+        "eval_every": s.eval_every if s.eval_data is not None else None,
+        "eval_at_epoch_end": bool(s.eval_at_epoch_end and s.eval_data is not None),
+        "accumulate": s.accumulate,
+        "train_data": "iterable" if s.train_len is None else f"{s.train_len} batches",
+        "scheduler_interval": s.scheduler_interval if s.scheduler is not None else None,
+    }
+
+
+def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
+    """What differs between the run that wrote a checkpoint and the one resuming from it, and
+    what exactness each difference costs.
+
+    Args:
+        saved: The checkpoint's ``meta["run"]`` (:func:`run_config` of the writing run).
+        now: :func:`run_config` of the resuming run.
+
+    Returns:
+        One sentence per differing entry (empty: the resume can be exact); entries only one
+        side records are not compared.
+    """
+    out = []
+    for key, lost in _LOST.items():
+        if key in saved and key in now and saved[key] != now[key]:
+            out.append(f"{key} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} "
+                       f"now: {lost}")  # fmt: skip
+    return out
+
+
+class CheckpointWriter:
+    """Writes checkpoints of one run into ``settings.checkpoint_dir``.
+
+    Used by the loop (the final checkpoint) and the command handler (``SaveCheckpoint``).
+
+    Attributes:
+        last_checkpoint: Path of the last checkpoint written in this run (None: none yet).
+        last_checkpoint_step: The step it was written at (-1: none yet).
+        failed_saves: Writes the disk refused (each logged, bounded: see ``_LOGGED_FIRST``).
+
+    Args:
+        settings: The run's settings (model, optimizer, scheduler, scaler, checkpoint_dir).
+        bus: Where ``CheckpointSaved`` is published.
+        state: The run's train state (read at each save).
+        callback_states: Returns ``{name: state}`` of the stateful callbacks, called at each
+            save on the training thread (None: no callback keeps state).
+        before_save: Called before every write; raises ``CheckpointError`` to refuse it (the
+            loop's non-finite check: a checkpoint never holds NaN/inf weights).
+        sync: Under torchrun: rank 0 writes, every rank waits for it and publishes the same
+            ``CheckpointSaved`` (its path); None: one process.
+
+    The model is saved unwrapped (``DistributedDataParallel``'s ``.module``), so a checkpoint
+    is the same with or without DDP. A sharded (FSDP2) model is saved by every rank into one
+    checkpoint folder (:mod:`trainbus.checkpoint._sharded`).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        bus: LoopPort,
+        state: TrainState,
+        callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        *,
+        before_save: Callable[[], None] | None = None,
+        sync: RankSync | None = None,
+    ) -> None:
+        self._settings, self._bus, self._state = settings, bus, state
+        self._callback_states = callback_states
+        self._data_order: dict[str, Any] | None = None
+        self._before_save = before_save
+        self._sync = sync
+        self.last_checkpoint: str | None = None
+        # The last checkpoint a SaveCheckpoint wrote (or the run resumed from) and the train
+        # state it holds (see save_once).
+        self._once: tuple[ev.CheckpointSaved, dict[str, int]] | None = None
+        self.last_checkpoint_step = -1
+        self.failed_saves = 0
+        self._sharded = is_sharded_model(settings.model)
+        self._run = run_config(settings)
+
+    def resumed_from(self, saved: ev.CheckpointSaved) -> None:
+        """The run resumed from ``saved``, a checkpoint of its current step. When it lies in
+        this run's ``checkpoint_dir`` it is the run's last checkpoint: a run that ends at that
+        step (a completed run started again, a stop sent again) writes no final copy, and a
+        ``SaveCheckpoint`` of that step and tag is answered with it (:meth:`save_once`), as in
+        the run that wrote it.
+
+        Args:
+            saved: The checkpoint loaded, as the ``CheckpointSaved`` that announced it.
+        """
+        path, folder = Path(saved.path), self._settings.checkpoint_dir
+        if folder is not None and path.parent.resolve() == folder.resolve():
+            self.last_checkpoint, self.last_checkpoint_step = saved.path, saved.step
+            self._once = (saved, self._state.as_dict())
+
+    def save_once(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
+        """:meth:`save` for a ``SaveCheckpoint``: a second one of the same step and tag, the
+        train state unchanged since, is answered with the first instead of writing the same
+        state twice (a save at ``EpochEnded`` after one at the epoch's last ``StepEnded``, when
+        that step did the epoch's end work). Changed state (the epoch's end work of data
+        without a length, after that step's save) is written again.
+
+        Returns:
+            The ``CheckpointSaved`` of the file that holds the state.
+
+        Raises:
+            As :meth:`save`.
+        """
+        now = self._state.as_dict()
+        if self._once is not None:
+            saved, state = self._once
+            if saved.step == self._state.step and saved.tag == tag and state == now:
+                return saved
+        saved = self.save(tag, metrics)
+        self._once = (saved, now)
+        return saved
+
+    def begin_epoch(self, data_order: dict[str, Any]) -> None:
+        """The epoch in progress draws its batches in ``data_order``
+        (:func:`~trainbus.checkpoint.capture_data_order`): saved with its checkpoints."""
+        self._data_order = data_order
+
+    def _order_to_save(self) -> dict[str, Any] | None:
+        """The order the resumed run replays: the epoch in progress', or the next epoch's.
+
+        Past an epoch's last batch or its end work (a save at ``EpochEnded``, after a
+        ``StopEpoch`` too) or between epochs (the final save), the resumed run starts the next
+        epoch: its order is captured now, because the loader's own generator has moved on
+        since the epoch began (its permutation is drawn).
+        """
+        s, st, order = self._settings, self._state, self._data_order
+        if st.closed_epoch == st.epoch or (
+            s.train_len is not None and st.batch_in_epoch >= s.train_len
+        ):
+            return capture_data_order(s.train_data, epoch=st.epoch + 1)
+        if st.batch_in_epoch == 0 and (order is None or order.get("epoch") != st.epoch):
+            return capture_data_order(s.train_data, epoch=st.epoch)
+        return order
+
+    @property
+    def enabled(self) -> bool:
+        """True when the run has a ``checkpoint_dir`` to save into."""
+        return self._settings.checkpoint_dir is not None
+
+    def save(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
+        """Write a checkpoint of the current state and publish ``CheckpointSaved``.
+
+        Args:
+            tag: Appended to the file name (``step-00000042-<tag>.pt``); None for none.
+            metrics: The last evaluation metrics, stored with the checkpoint and on the event.
+
+        Returns:
+            The published ``CheckpointSaved``.
+
+        Raises:
+            ConfigError: the run has no ``checkpoint_dir``.
+            CheckpointError: ``before_save`` refused it (non-finite weights, a NaN stop).
+            NonFiniteLossError: ``before_save`` found a NaN loss under ``on_nonfinite="raise"``.
+            CheckpointWriteError: the disk refused the write (an ``OSError`` naming the file;
+                nothing is left half-written); counted in :attr:`failed_saves` and logged.
+        """
+        s, st = self._settings, self._state
+        if s.checkpoint_dir is None:
+            raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
+        if self._before_save is not None:
+            self._before_save()
+        self._bus.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
+        sync = self._sync
+        checkpoint_dir = s.checkpoint_dir
+
+        model = s.model if sync is None else sync.unwrap(s.model)
+
+        def write() -> str:
+            states = None if self._callback_states is None else self._callback_states()
+            return str(save_checkpoint(
+                checkpoint_dir, tag=tag, state=st, model=model,
+                optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
+                data_order=self._order_to_save(), callback_states=states,
+                world_size=1 if sync is None else sync.world_size, run=self._run,
+            ))  # fmt: skip
+
+        def write_sharded() -> str:  # every rank writes its shards (a collective)
+            states = None if self._callback_states is None else self._callback_states()
+            return str(save_sharded(
+                checkpoint_dir, name=folder_name(st.step, tag), state=st, model=s.model,
+                optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
+                data_order=self._order_to_save(), callback_states=states, run=self._run,
+            ))  # fmt: skip
+
+        try:
+            if self._sharded:
+                path = write_sharded()
+            else:
+                path = write() if sync is None else sync.on_main(write)
+        except CheckpointWriteError as exc:
+            self._refused(exc, tag)
+            raise
+        self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
+        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
+                                   metrics=metrics)  # fmt: skip
+        self._bus.publish(saved)
+        return saved
+
+    def _refused(self, exc: CheckpointWriteError, tag: str | None) -> None:
+        """Count a write the disk refused and say so (bounded)."""
+        self.failed_saves += 1
+        n, st = self.failed_saves, self._state
+        if not _log_worthy(n):
+            return
+        note = "no partial file is left; the earlier checkpoints stay valid"
+        if n >= _LOGGED_FIRST:
+            note += "; from now on logged at 10, 100, 1000, ... (FitResult.failed_saves)"
+        log.warning("checkpoint_save_failed", step=st.step, epoch=st.epoch, tag=tag,
+                    path=exc.path, error=f"[Errno {exc.errno}] {exc.strerror}",
+                    failed_saves=n, last_checkpoint=self.last_checkpoint, note=note)  # fmt: skip

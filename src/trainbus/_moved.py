@@ -1,0 +1,115 @@
+"""Where the names of the earlier layout went: an ``ImportError`` that names the new place.
+
+Before 0.1.0 every module was public by path (``trainbus.loop.step``,
+``trainbus.distributed.group``) and ``trainbus`` re-exported internals such as
+``AnyioScheduler``. The implementation now lives under underscored names; a program that imports
+an old name gets an error that says where the name lives now (its public module, or that it is
+private), rather than a bare "No module named".
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+__all__ = ["moved_name", "report_moved_modules"]
+
+# Names ``trainbus`` exported before, now in the topic module they belong to.
+MOVED_NAMES = {
+    "AnyioScheduler": "trainbus.bus",
+    "AsyncSubscription": "trainbus.bus",
+    "BusClosedError": "trainbus.bus",
+    "BusObservable": "trainbus.bus",
+    "BusStatistics": "trainbus.bus",
+    "CommandError": "trainbus.bus",
+    "LostWork": "trainbus.bus",
+    "Subscription": "trainbus.bus",
+    "SubscriptionStatistics": "trainbus.bus",
+    "CheckpointWriteError": "trainbus.checkpoint",
+    "EvaluationJobError": "trainbus.callbacks",
+    "GlobalCallbackHandle": "trainbus.callbacks",
+    "RunPlan": "trainbus.callbacks",
+    "register_global_callback": "trainbus.callbacks",
+    "Ending": "trainbus.events",
+    "RecordedError": "trainbus.events",
+}
+
+# Old module (and every module under it) -> (its private place now, what to do instead).
+MOVED_MODULES = {
+    "trainbus.loop": (
+        "trainbus._loop",
+        "import Trainer, TrainContext, StepContext and SetMetric from trainbus",
+    ),
+    "trainbus.trainer": ("trainbus._trainer.trainer", "import Trainer and FitResult from trainbus"),
+    "trainbus.attachment": (
+        "trainbus._attachment",
+        "import attach, Attachment and AttachError from trainbus",
+    ),
+    "trainbus.launcher": (
+        "trainbus._launcher",
+        "import launch, Launcher and LaunchResult from trainbus",
+    ),
+    "trainbus.replay": ("trainbus._replay", "import replay from trainbus"),
+    "trainbus.seeding": ("trainbus._seeding", "import seed_everything from trainbus"),
+    "trainbus.hookpoints": ("trainbus._hookpoints", "import StepContext from trainbus"),
+    "trainbus.distributed": (
+        "trainbus._distributed",
+        "Trainer.fit() and trainbus.launch() set up the process group themselves",
+    ),
+    "trainbus.wire": ("trainbus._wire", "trainbus.replay() reads a JSONL event log"),
+    "trainbus.cli": ("trainbus._cli", "run the `trainbus` command (python -m trainbus)"),
+}
+# The submodules of the public packages went private; their names stay in the package.
+for _package in ("bus", "callbacks", "checkpoint", "operators"):
+    MOVED_MODULES[f"trainbus.{_package}."] = (
+        f"trainbus.{'_bus' if _package == 'bus' else _package + '._'}",
+        f"import its public names from trainbus.{_package}",
+    )
+
+
+def moved_name(name: str) -> Exception:
+    """The error for ``trainbus.<name>``: where a moved name lives, else the usual one."""
+    home = MOVED_NAMES.get(name)
+    if home is None:
+        return AttributeError(f"module 'trainbus' has no attribute {name!r}")
+    return ImportError(
+        f"trainbus.{name} moved to {home}: `from {home} import {name}`",
+        name="trainbus",
+    )
+
+
+def _message(fullname: str) -> str | None:
+    for old, (new, public) in MOVED_MODULES.items():
+        if old.endswith("."):
+            if fullname.startswith(old):
+                rest = fullname[len(old) :]
+                where = f"{new}.{rest}" if new.endswith("_bus") else f"{new}{rest}"
+                return f"{fullname} is private now ({where}); {public}"
+        elif fullname == old or fullname.startswith(old + "."):
+            where = new + fullname[len(old) :]
+            return f"{fullname} is private now ({where}); {public}"
+    return None
+
+
+class _MovedModules(importlib.abc.MetaPathFinder):
+    """Last on ``sys.meta_path``: asked only about a module no other finder found."""
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        message = _message(fullname)
+        if message is not None:
+            raise ModuleNotFoundError(message, name=fullname)
+        return None
+
+
+def report_moved_modules() -> None:
+    """Install the finder once per interpreter (a reload of trainbus adds no second one)."""
+    if not any(type(f).__name__ == "_MovedModules" for f in sys.meta_path):
+        sys.meta_path.append(_MovedModules())

@@ -1,0 +1,101 @@
+"""Seeds: make two runs equal, and keep one run's randomness its own.
+
+::
+
+    trainbus.seed_everything(0)          # first: before the model is built
+    model = build_model()                # its initial weights come from the seeded generators
+    Trainer(model, ..., seed=0).fit_sync()    # the run's own data order and generators
+
+What each part covers (docs/trainer.md, "Seeds"):
+
+- :func:`seed_everything` seeds the process-wide generators: Python's ``random``, NumPy's
+  global generator (when NumPy is installed) and torch's (CPU and every GPU). Call it before
+  building the model, so its initial weights are the same on every run.
+- ``Trainer(seed=)`` seeds the same generators at the start of ``fit()`` (dropout and other
+  draws of the training step then start from the seed), and gives the run a data order of its
+  own: a ``DataLoader(shuffle=True)`` without a ``generator`` is rebuilt around an
+  :class:`~trainbus.checkpoint.EpochSampler` whose order is a function of ``(seed, epoch)``
+  only, so another thread's draws from the process-wide generator (a second trial of an
+  ``n_jobs=2`` sweep) cannot change it. Under torchrun the ``DistributedSampler`` is seeded
+  with it.
+- Not covered: draws from the process-wide generators in the step itself (dropout, random
+  augmentation) are shared by every thread of the process; trials that must be equal and run
+  concurrently in threads need models without such draws, or processes instead of threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+
+from ._exceptions import ConfigError
+from ._loaders import with_sampler
+from ._loop import Settings
+from .checkpoint import EpochSampler
+
+__all__ = ["seed_everything", "seeded_run"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's ``random``, NumPy's global generator (if NumPy is installed) and torch's
+    generators (CPU and every GPU) with ``seed``.
+
+    Call it first, before building the model: a model built after it has the same initial
+    weights on every run. Process-wide: threads share these generators (see the module doc).
+
+    Args:
+        seed: An int >= 0 (NumPy takes it modulo 2**32).
+
+    Raises:
+        ConfigError: ``seed`` is not an int >= 0.
+    """
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
+        raise ConfigError.invalid("seed", seed, "an int >= 0")
+    random.seed(seed)
+    try:
+        import numpy as np
+    except ImportError:  # NumPy is optional
+        pass
+    else:
+        np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # CPU and every CUDA device (torch seeds them all)
+
+
+def seeded_run(s: Settings) -> Settings:
+    """The settings a run with ``s.seed`` trains with: the generators seeded, and a
+    ``DataLoader(shuffle=True)`` without a ``generator`` rebuilt around an
+    :class:`~trainbus.checkpoint.EpochSampler` (the user's loader is left as it is).
+
+    Args:
+        s: The trainer's settings (returned unchanged when ``s.seed`` is None).
+
+    Returns:
+        The settings to train with.
+    """
+    if s.seed is None:
+        return s
+    seed_everything(s.seed)
+    data = s.train_data
+    if not _shuffles_globally(data):
+        return s
+    assert isinstance(data, DataLoader)
+    loader = with_sampler(data, EpochSampler(data.dataset, s.seed))
+    return dataclasses.replace(s, train_data=loader)
+
+
+def _shuffles_globally(data: object) -> bool:
+    """A map-style ``DataLoader(shuffle=True)`` whose order comes from the global generator
+    (no ``generator`` of its own or its sampler's), with an ordinary batch size."""
+    return (
+        isinstance(data, DataLoader)
+        and not isinstance(data.dataset, IterableDataset)
+        and data.generator is None
+        and type(data.sampler) is RandomSampler
+        and data.sampler.generator is None
+        and not data.sampler.replacement
+        and data.sampler.num_samples == len(data.dataset)  # type: ignore[arg-type]
+        and data.batch_size is not None
+    )

@@ -1,0 +1,194 @@
+"""The wire format: events and commands as plain, versioned JSON records.
+
+One codec serves every place an event or a command leaves the process: the ``JsonlEventLog``
+file (read back by :func:`trainbus._replay`), the launcher's socket between rank 0 and the
+driver, and the command exchange between ranks. A record is a JSON object::
+
+    {"v": 1, "type": "StepEnded", "step": 3, "epoch": 0, "time": 12.5, "loss": 0.25, ...}
+    {"v": 1, "type": "StopTraining", "reason": "early_stopping"}
+
+- ``v``: the format version (:data:`FORMAT_VERSION`); a reader refuses versions it does not
+  know. ``type``: the event or command class name; then every dataclass field by name.
+- Tensors become numbers (a float, or nested lists when not scalar); exceptions their ``repr``
+  (rebuilt as :class:`~trainbus.events.RecordedError`); a nested command or event
+  (``CommandApplied``) its record without ``v``; mappings JSON objects; paths strings. ``NaN``
+  and infinities are written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them back).
+- Nothing is ever pickled and no code crosses: decoding only builds the event and command
+  classes of :data:`trainbus.events.EVENT_TYPES` and :data:`trainbus.commands.COMMAND_TYPES`,
+  through their constructors (so a command's validation runs on what arrives). Unknown fields
+  are ignored (a newer writer may add fields), an unknown type or version is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any, TypeAlias, cast
+
+import torch
+
+from . import commands as cmd
+from . import events as ev
+from ._exceptions import ConfigError, RecordedError
+
+__all__ = [
+    "FORMAT_VERSION",
+    "VERSIONS",
+    "Message",
+    "decode",
+    "dumps",
+    "encode",
+    "loads",
+    "record",
+]
+
+FORMAT_VERSION = 1
+"""Version of the records written (their ``v`` field)."""
+VERSIONS: tuple[int, ...] = (1,)
+"""Versions :func:`decode` reads."""
+
+Message: TypeAlias = "ev.BaseEvent | cmd.Command"
+"""What crosses: an event or a command."""
+
+_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
+_COMMANDS: Mapping[str, type[Any]] = {t.__name__: t for t in cmd.COMMAND_TYPES}
+_FIELDS: Mapping[str, frozenset[str]] = {
+    name: frozenset(f.name for f in dataclasses.fields(kind))
+    for name, kind in {**_EVENTS, **_COMMANDS}.items()
+}
+# The fields whose JSON value is not the field's value (see _field); every other field is taken
+# as it reads. Both tables are built once: dataclasses.fields() per message costs as much as
+# the rest of encoding a small event.
+_CONVERTED = frozenset({"error", "command", "result"})
+_ORDER: dict[type[Any], tuple[str, ...]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (*_EVENTS.values(),
+                                                                       *_COMMANDS.values())
+}  # fmt: skip
+_ENCODER = json.JSONEncoder(allow_nan=True, separators=(",", ":"))
+
+
+_PLAIN = frozenset({type(None), bool, int, float, str})  # what most fields hold: taken as is
+
+
+def _value(v: Any) -> Any:
+    if type(v) in _PLAIN or isinstance(v, bool | int | float | str):
+        return v
+    if isinstance(v, torch.Tensor):
+        # Reads the device: callers run this off the training thread (the JSONL writer's
+        # worker thread, the link's sender thread).
+        return float(v) if v.numel() == 1 else v.detach().cpu().tolist()
+    if isinstance(v, RecordedError):  # already a repr: re-encoding a decoded event is exact
+        return str(v)
+    if isinstance(v, BaseException):
+        return repr(v)
+    if isinstance(v, ev.BaseEvent) or isinstance(v, cmd.COMMAND_TYPES):
+        return record(cast("Message", v))
+    if isinstance(v, Mapping):
+        return {str(k): _value(x) for k, x in v.items()}
+    if isinstance(v, list | tuple):
+        return [_value(x) for x in v]
+    if isinstance(v, os.PathLike):
+        return os.fspath(v)
+    return repr(v)
+
+
+def record(message: Message) -> dict[str, Any]:
+    """The JSON-ready record of an event or command, without the version field:
+    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values).
+
+    Args:
+        message: An event or a command.
+
+    Returns:
+        A dict of JSON values.
+    """
+    return _fill({"type": type(message).__name__}, message)
+
+
+def _fill(out: dict[str, Any], message: Message) -> dict[str, Any]:
+    names = _ORDER.get(type(message))
+    if names is None:  # a subclass or foreign dataclass: its own fields
+        names = tuple(f.name for f in dataclasses.fields(message))
+    for name in names:
+        out[name] = _value(getattr(message, name))
+    return out
+
+
+def encode(message: Message) -> dict[str, Any]:
+    """The versioned record of ``message``: :func:`record` with ``"v"`` first.
+
+    Args:
+        message: An event or a command.
+
+    Returns:
+        ``{"v": FORMAT_VERSION, "type": ..., <fields>...}``.
+    """
+    return _fill({"v": FORMAT_VERSION, "type": type(message).__name__}, message)
+
+
+def _field(name: str, value: Any) -> Any:
+    # Only these fields hold non-JSON values; decoding by field name (not by the shape of the
+    # value) keeps a metric mapping with a "type" key a mapping.
+    if name == "error" and isinstance(value, str):
+        return RecordedError(value)
+    if name in ("command", "result") and isinstance(value, dict):
+        return _build(value)
+    return value
+
+
+def _build(rec: Mapping[str, Any]) -> Message:
+    name = rec.get("type")
+    kind: type[Any] | None = _EVENTS.get(str(name)) or _COMMANDS.get(str(name))
+    if kind is None:
+        raise ConfigError.invalid("type", name, "a trainbus event or command class name")
+    names = _FIELDS[kind.__name__]
+    kwargs = {k: v for k, v in rec.items() if k in names}
+    for k in _CONVERTED.intersection(kwargs):
+        kwargs[k] = _field(k, kwargs[k])
+    try:
+        return cast("Message", kind(**kwargs))
+    except TypeError as exc:  # a required field is missing
+        raise ConfigError.invalid(str(name), dict(rec), f"a complete record ({exc})") from None
+
+
+def decode(rec: Mapping[str, Any]) -> Message:
+    """Rebuild the event or command of a record (``v`` optional: records before versioning are
+    version 1).
+
+    Args:
+        rec: A record from :func:`encode` (or :func:`record`).
+
+    Returns:
+        The event or command: tensors come back as numbers, exceptions as
+        :class:`~trainbus.events.RecordedError`.
+
+    Raises:
+        ConfigError: not a mapping, an unknown version or type, a missing field, or a
+            command value its class refuses.
+    """
+    if not isinstance(rec, Mapping):
+        raise ConfigError.invalid("record", rec, "a JSON object")
+    version = rec.get("v", 1)
+    if version not in VERSIONS:
+        raise ConfigError.invalid("v", version, f"one of {VERSIONS}")
+    return _build(rec)
+
+
+def dumps(message: Message) -> bytes:
+    """One JSON line (UTF-8, ending in ``\\n``) of ``encode(message)``."""
+    return (_ENCODER.encode(encode(message)) + "\n").encode()
+
+
+def loads(line: bytes | str) -> Message:
+    """The event or command of one JSON line.
+
+    Raises:
+        ConfigError: not JSON, or see :func:`decode`.
+    """
+    try:
+        rec = json.loads(line)
+    except ValueError as exc:
+        raise ConfigError.invalid("line", line[:200], f"one JSON object ({exc})") from None
+    return decode(rec)

@@ -1,0 +1,579 @@
+"""When to save: checkpoint cadence and "best so far" as small pipelines ending in commands.
+
+The loop writes checkpoints (``Trainer(checkpoint_dir=...)``, atomically); this callback only
+decides when, by sending ``SaveCheckpoint`` on the back-channel, and which older files to delete
+(``keep_last`` / ``keep_best``), from the paths and metrics of ``CheckpointSaved`` events.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Callable, Mapping
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio.to_thread
+from reactivex import Observable
+from reactivex import operators as ops
+
+from .. import commands as cmd
+from .. import events as ev
+from .. import operators as tbops
+from .._durable import fsync_file, fsync_folder, fsync_tree
+from .._exceptions import ConfigError
+from .._log import get_logger
+from .._validate import check_int, check_metric, check_mode, check_state_key
+from ..operators import Tracker
+from ._base import Callback
+from ._sets import check_monitored, reads_metric
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from .._trainer.result import FitResult
+    from ._base import RunPlan
+
+__all__ = ["Checkpointing"]
+
+log = get_logger(__name__)
+
+
+def _improvements(
+    metric: str, tracker: Tracker, *, mode: Literal["min", "max"] = "min", min_delta: float = 0.0
+) -> Callable[[Observable[Any]], Observable[Any]]:
+    """Keep the events whose ``metric`` beats the best value ``tracker`` has seen.
+
+    ::
+
+        val_loss:             -3-4-2-2-1-|
+        _improvements(min):   -3---2---1-|
+
+    NaN never improves. Evaluations that failed (``error`` set) are skipped.
+
+    Args:
+        metric: Key in the events' ``metrics``.
+        tracker: Holds the best value (its owner saves and restores it across a resume).
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        min_delta: Smallest change that counts as an improvement (>= 0).
+
+    Raises:
+        ConfigError: for an argument out of range (eagerly); the stream errors with a
+            ``ConfigError`` naming the metric when an event lacks it.
+    """
+    metric = check_metric("metric", metric)
+    mode = check_mode(mode)
+    if not isinstance(min_delta, int | float) or not math.isfinite(min_delta) or min_delta < 0:
+        raise ConfigError.invalid("min_delta", min_delta, "a finite number >= 0")
+    delta = float(min_delta)
+
+    def improved(e: Any) -> bool:
+        metrics = getattr(e, "metrics", {})
+        if metric not in metrics:
+            raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
+        return tracker.update(
+            float(metrics[metric]), mode=mode, min_delta=delta, step=getattr(e, "step", None)
+        )
+
+    def _operator(source: Observable[Any]) -> Observable[Any]:
+        return source.pipe(
+            ops.filter(lambda e: getattr(e, "error", None) is None),
+            ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
+            ops.filter(improved),
+        )
+
+    return _operator
+
+
+def copy_as_best(source: Path, step: int) -> Path:
+    """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it,
+    atomically: a hidden temporary file (``.<name>.<hex>.copy-tmp``, not the store's own
+    ``.trainbus-tmp`` pattern, whose cleanup at each save would race with this copy), fsynced,
+    then renamed over the final name, and the folder fsynced. A process killed mid-copy
+    leaves only that hidden file.
+
+    A sharded run's checkpoint folder is copied whole to ``step-<step>-best`` the same way (a
+    hidden temporary folder, every file and folder of it fsynced, renamed into place; an older
+    ``-best`` folder of that step is replaced only then).
+
+    Returns:
+        The path of the copy (``source`` itself when it already is that file).
+    """
+    folder = source.is_dir()
+    target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
+    if target == source:
+        return target
+    tmp = source.with_name(f".{target.name}.{secrets.token_hex(4)}.copy-tmp")
+    try:
+        if folder:
+            shutil.copytree(source, tmp)
+            fsync_tree(tmp)
+            _remove(target)  # os.replace renames a folder only onto none or an empty one
+        else:
+            shutil.copyfile(source, tmp)
+            fsync_file(tmp)
+        os.replace(tmp, target)
+        fsync_folder(target.parent)  # the new name is durable once its folder's entry is
+    finally:
+        _remove(tmp)  # only left when the copy failed
+    return target
+
+
+def _remove(path: Path) -> None:
+    """Delete a checkpoint: a file, or a sharded run's folder (renamed to a hidden name first,
+    so a removal cut short never leaves a half folder under a checkpoint's name). One already
+    gone (deleted by hand) is no error."""
+    if not path.is_dir():
+        path.unlink(missing_ok=True)
+        return
+    doomed = path.with_name(f".{path.name}.{secrets.token_hex(4)}.removed-tmp")
+    try:
+        os.replace(path, doomed)
+    except FileNotFoundError:  # removed meanwhile
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+class _Retention:
+    """Which checkpoint files of this run to delete after each ``CheckpointSaved``, and which
+    is the best: pure bookkeeping, carried across a resume in ``Checkpointing``'s state.
+
+    Untagged saves (the cadence's) keep the ``keep_last`` newest; ``"best"`` saves keep the
+    ``keep_best`` best by ``monitor``. Other tags (``"final"``, user tags) are never deleted.
+    The file just saved is never deleted: it is the newest complete checkpoint, and an older
+    one is deleted only after its successor's ``CheckpointSaved`` (so the file exists and is
+    complete).
+
+    "This run" is the lineage of the checkpoint a resumed run starts from: the state saved in
+    each checkpoint names the files the run had written before it (by name, in the run's
+    ``checkpoint_dir``) and the file being written (the one holding that state). A resumed run
+    adopts them (:meth:`adopt`) when the checkpoint it resumed from lies in its own
+    ``checkpoint_dir``; a ``"final"`` checkpoint it resumed from no longer ends the run and
+    counts as an untagged one. Files of any other run are never named, so never deleted.
+    """
+
+    def __init__(
+        self, keep_last: int | None, keep_best: int | None, monitor: str | None,
+        mode: Literal["min", "max"],
+    ) -> None:  # fmt: skip
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self.monitor, self.mode = monitor, mode
+        self._last: list[str] = []  # oldest first
+        self._best: list[tuple[float, int, str]] = []  # (score, step, path): best first
+        self._value: float | None = None  # the monitor's last value (what a save stores)
+        self._saving: tuple[int, str | None, float | None] | None = None
+        self._restored: dict[str, Any] | None = None  # a resumed run's lineage, to adopt
+
+    @property
+    def tracking(self) -> bool:
+        """Whether any file is tracked (``keep_last``, or ``monitor`` for the best)."""
+        return self.keep_last is not None or self.monitor is not None
+
+    @property
+    def best_path(self) -> str | None:
+        """The best ``"best"`` checkpoint of this run (the newest among equals), or None."""
+        return self._best[0][2] if self._best else None
+
+    def evaluated(self, event: ev.EvaluationEnded) -> None:
+        """Note the monitored value an evaluation gave (what the next save's metrics hold)."""
+        if self.monitor is not None and event.error is None and self.monitor in event.metrics:
+            self._value = float(event.metrics[self.monitor])
+
+    def saving(self, event: ev.CheckpointSaving) -> None:
+        """A save begins: the state collected for it names the file it writes."""
+        self._saving = (event.step, event.tag, self._value)
+
+    def saved(self, event: ev.CheckpointSaved) -> list[str]:
+        """Record ``event``; return the paths that are now surplus (oldest or worst first)."""
+        self._saving = None
+        value = None if self.monitor is None else event.metrics.get(self.monitor)
+        return self._record(event.path, event.step, event.tag, value)
+
+    def _record(self, path: str, step: int, tag: str | None, value: float | None) -> list[str]:
+        if tag is None and self.keep_last is not None:
+            self._last = [p for p in self._last if p != path] + [path]
+            surplus, self._last = self._last[: -self.keep_last], self._last[-self.keep_last :]
+            return surplus
+        if tag == "best" and self.monitor is not None:
+            if value is None or math.isnan(value):
+                return []
+            score = value if self.mode == "min" else -value
+            entries = [e for e in self._best if e[2] != path] + [(score, step, path)]
+            # Best first; among equals the newer first. The one just saved always stays.
+            entries.sort(key=lambda e: (e[0], -e[1]))
+            if self.keep_best is None:
+                self._best = entries
+                return []
+            keep = entries[: self.keep_best]
+            if all(e[2] != path for e in keep):  # a worse "best" sent by hand: still newest
+                keep = [*keep[:-1], next(e for e in entries if e[2] == path)]
+            self._best = keep
+            return [e[2] for e in entries if e not in keep]
+        return []
+
+    def state_dict(self) -> dict[str, Any]:
+        """The lineage: names of the files kept so far and of the file being written."""
+        return {
+            "last": [Path(p).name for p in self._last],
+            "best": [[score, step, Path(p).name] for score, step, p in self._best],
+            "saving": None if self._saving is None else list(self._saving),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Hold a saved lineage until :meth:`adopt` learns where the resumed file lies.
+
+        Raises:
+            ConfigError: ``state`` is not what :meth:`state_dict` returns.
+        """
+        last: Any = state.get("last")
+        best: Any = state.get("best")
+        saving: Any = state.get("saving")
+        ok = (
+            isinstance(last, list) and all(isinstance(n, str) for n in last)
+            and isinstance(best, list)
+            and all(isinstance(e, list | tuple) and len(e) == 3 and isinstance(e[0], float | int)
+                    and isinstance(e[1], int) and isinstance(e[2], str) for e in best)
+            and (saving is None or (isinstance(saving, list | tuple) and len(saving) == 3
+                                    and isinstance(saving[0], int)))
+        )  # fmt: skip
+        if not ok:
+            raise ConfigError.invalid("Checkpointing state", dict(state),
+                                      "{'last': [name], 'best': [[score, step, name]], "
+                                      "'saving': [step, tag, value] | None}")  # fmt: skip
+        self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
+
+    def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
+        """The run resumed from ``resumed``: take over the lineage its state named.
+
+        Only when ``resumed`` lies in ``directory`` (the run's ``checkpoint_dir``): the names
+        then are this run's files in this folder. A checkpoint from elsewhere (a path in
+        another run's folder, a copy) leaves the lineage behind: those files are not this
+        folder's to delete. Files already gone (deleted by hand) are dropped silently.
+
+        The state was collected while ``resumed`` was written, before its ``CheckpointSaved``
+        pruned what it made surplus: that pruning is done again here, so the books are those
+        the uninterrupted run kept after that save.
+
+        Returns:
+            The paths now surplus (oldest or worst first); empty when nothing was adopted.
+        """
+        restored, self._restored = self._restored, None
+        if restored is None:
+            return []
+        if directory is None or not _same_folder(resumed.parent, directory):
+            log.info("checkpoint_lineage_left", path=str(resumed), checkpoint_dir=str(directory),
+                     reason="the resumed checkpoint is not in this run's checkpoint_dir: "
+                     "retention starts afresh and deletes none of the earlier files")  # fmt: skip
+            return []
+        self._last = [str(directory / n) for n in restored["last"]
+                      if self.keep_last is not None and (directory / n).exists()]  # fmt: skip
+        self._best = sorted(
+            ((float(score), int(step), str(directory / name))
+             for score, step, name in restored["best"]
+             if self.monitor is not None and (directory / name).exists()),
+            key=lambda e: (e[0], -e[1]),
+        )  # fmt: skip
+        saving = restored["saving"]
+        parsed = _parse_checkpoint_entry(resumed.name)
+        surplus: list[str] = []
+        if saving is not None and parsed == (int(saving[0]), saving[1]):
+            step, tag, value = parsed[0], parsed[1], saving[2]
+            # A "final" checkpoint the run resumed from no longer ends the run: it counts as
+            # an untagged one.
+            surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
+            if tag is None:
+                surplus += self._adopt_best_sibling(directory, step, value)
+        if parsed is not None:
+            self._report_newer(directory, parsed[0])
+        return surplus
+
+    def _adopt_best_sibling(self, directory: Path, step: int, value: float | None) -> list[str]:
+        """A cadence save and a ``"best"`` save of one step are written in the same poll, the
+        cadence's first, so its lineage cannot name the other. Resumed from the cadence's file,
+        the ``"best"`` file of its step in the same folder is this run's too, and its score is
+        the value the resumed state holds: the step's evaluation comes before its saves."""
+        if self.monitor is None or value is None:
+            return []
+        named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))  # file, folder
+        sibling = next((p for p in named if p.exists()), None)
+        if sibling is None:
+            return []
+        return self._record(str(sibling), step, "best", value)
+
+    @staticmethod
+    def _report_newer(directory: Path, step: int) -> None:
+        """Name the files of later steps the resumed run leaves alone: written after the
+        checkpoint it resumed from (by this run before it was stopped, or by another), they
+        are named in no lineage, so nothing proves them this run's. A resumed run on the same
+        cadence writes the same names again and then counts them as its own."""
+        newer = sorted(
+            p.name for p in directory.iterdir()
+            if (parsed := _parse_checkpoint_entry(p.name)) is not None and parsed[0] > step
+        )  # fmt: skip
+        if newer:
+            log.info("checkpoint_newer_left", step=step, names=newer,
+                     reason="written after the checkpoint resumed from; retention deletes "
+                     "only the files named in its lineage")  # fmt: skip
+
+
+# What the checkpoint layer names a checkpoint (``step-00000042[-<tag>].pt``, or a sharded
+# run's folder without ``.pt``); the layer rules keep callbacks off that package.
+_CHECKPOINT_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+?))?(\.pt)?$")
+
+
+def _parse_checkpoint_entry(name: str) -> tuple[int, str | None] | None:
+    """``(step, tag)`` of a checkpoint's name in its folder, or None for any other name."""
+    m = _CHECKPOINT_NAME.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+class Checkpointing(Callback):
+    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves.
+
+    Pipelines::
+
+        StepEnded       -> every(every_steps)                      -> SaveCheckpoint()
+        EpochEnded      -> filter((epoch + 1) % every_epochs == 0) -> SaveCheckpoint()
+        EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
+        ... .subscribe(bus.commands)
+        ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
+
+    An evaluation job (:class:`EvaluateCheckpoints`) scores a checkpoint written earlier, so a
+    ``SaveCheckpoint`` would save the *current* weights under the job's score. Instead, when a
+    job's ``monitor`` value beats the best so far, the evaluated file itself is copied to
+    ``step-<its step>-best.pt`` beside it (in a worker thread, atomically); the in-loop and the
+    external evaluations share one "best so far". Copies are not pruned by ``keep_best``.
+
+    Cadences count step and epoch *numbers*, not events seen, so a resumed run keeps saving at
+    the same multiples. Every save happens at exactly the step it was decided at: the step
+    cadence declares its steps to the bus' step clock (``tbops.every``), so the loop applies the
+    save before the next step, and ``EpochEnded`` and ``EvaluationEnded`` are barriers by
+    default. Failed epochs and evaluations never trigger a save.
+
+    Args:
+        every_steps: Save every N optimizer steps (None: never on steps).
+        every_epochs: Save every N epochs (None: never on epochs). **The default, 1, also
+            applies beside** ``every_steps``: ``Checkpointing(every_steps=40)`` saves every 40
+            steps *and* at every epoch's end; pass ``every_epochs=None`` for steps only.
+        monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
+            improves; None to disable.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
+        min_delta: Smallest change of ``monitor`` that counts as an improvement.
+        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run, deleting
+            an older one once a newer one is saved; None keeps all.
+        keep_best: Keep only the N best ``tag="best"`` checkpoints of this run by ``monitor``;
+            None keeps all. Needs ``monitor``.
+        load_best_at_end: When ``fit()`` ends (completed, or stopped by a command such as
+            ``EarlyStopping``'s), load the model weights of the best ``"best"`` checkpoint
+            (:attr:`best_path`, also one written before a resume) into the model, on every
+            rank, once every event was delivered: the Trainer asks :meth:`weights_at_end`.
+            Needs ``monitor``; not with a sharded (FSDP2) model.
+        state_key: Name of its state (the best ``monitor`` value so far, the files this run
+            keeps) in checkpoints; None: ``"Checkpointing"``. A resumed run tags ``"best"``
+            only what beats it.
+
+    Retention deletes only files of this run, never ``"final"`` or other tagged files, and
+    never the checkpoint just saved: a file is deleted after its successor's
+    ``CheckpointSaved``, so a complete checkpoint always exists. "This run" spans resumes:
+    each checkpoint's state names the files the run kept so far (by name) and the file itself,
+    and a run resumed from a checkpoint in its own ``checkpoint_dir`` takes them over, so a
+    preempted and resumed run keeps ``keep_last`` / ``keep_best`` files in all. A ``"final"``
+    checkpoint it resumed from no longer ends the run: it counts as an untagged one. Files
+    of other runs, and files of later steps than the checkpoint resumed from (named in no
+    lineage; logged as ``checkpoint_newer_left``), are left alone.
+
+    Raises:
+        ConfigError: for an argument out of range, or when nothing would ever be saved;
+            ``keep_best`` or ``load_best_at_end`` without ``monitor``.
+    """
+
+    def __init__(
+        self,
+        every_steps: int | None = None,
+        every_epochs: int | None = 1,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        *,
+        min_delta: float = 0.0,
+        keep_last: int | None = None,
+        keep_best: int | None = None,
+        load_best_at_end: bool = False,
+        state_key: str | None = None,
+    ) -> None:
+        self.state_key = check_state_key(state_key)
+        self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
+        self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
+        self.monitor = None if monitor is None else check_metric("monitor", monitor)
+        self.mode = check_mode(mode)
+        self.min_delta = min_delta
+        self.tracker = Tracker()
+        """The best ``monitor`` value so far (a fresh one at each attach)."""
+        if self.monitor is not None:  # validates min_delta now
+            _improvements(self.monitor, self.tracker, mode=self.mode, min_delta=min_delta)
+        self.keep_last = check_int("keep_last", keep_last, 1, optional=True)
+        self.keep_best = check_int("keep_best", keep_best, 1, optional=True)
+        if self.keep_best is not None and self.monitor is None:
+            raise ConfigError.invalid("keep_best", keep_best, "None unless monitor is set")
+        if not isinstance(load_best_at_end, bool):
+            raise ConfigError.invalid("load_best_at_end", load_best_at_end, "True or False")
+        if load_best_at_end and self.monitor is None:
+            raise ConfigError.invalid("load_best_at_end", True, "False unless monitor is set "
+                                      "(the best checkpoint is the best by monitor)")  # fmt: skip
+        self.load_best_at_end = load_best_at_end
+        self._retention = _Retention(self.keep_last, self.keep_best, self.monitor, self.mode)
+        self._checkpoint_dir: Path | None = None
+        if self.every_steps is None and self.every_epochs is None and self.monitor is None:
+            raise ConfigError.invalid(
+                "every_epochs", None, "an int >= 1 when every_steps and monitor are None too "
+                "(otherwise Checkpointing never saves)",
+            )  # fmt: skip
+
+    @property
+    def best_path(self) -> str | None:
+        """The best ``"best"`` checkpoint of this run by ``monitor`` (the newest among equals;
+        one written before a resume too), or None before any. ``"best"`` copies made for
+        evaluation jobs are not counted."""
+        return self._retention.best_path
+
+    def weights_at_end(self) -> str | None:
+        """:attr:`best_path` with ``load_best_at_end=True``, else None (see
+        :meth:`Callback.weights_at_end`)."""
+        return self.best_path if self.load_best_at_end else None
+
+    def after_fit(self, result: FitResult) -> None:
+        """With ``load_best_at_end``, say so when no ``"best"`` checkpoint was written (the
+        model keeps its last weights); the load itself is the Trainer's."""
+        if self.load_best_at_end and self.best_path is None:
+            log.info("best_checkpoint_none", monitor=self.monitor, steps=result.steps,
+                     action="no evaluation improved on the best so far; the model keeps its "
+                     "last weights")  # fmt: skip
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best ``monitor`` value so far (``"best"``: None before any evaluation) and,
+        under ``"files"``, the files this run keeps, by name, and the one being written."""
+        state: dict[str, Any] = {"best": self.tracker.best}
+        if self._retention.tracking:
+            state["files"] = self._retention.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before the resumed run's first evaluation); the files
+        are taken over once the run learns where its checkpoint lies (``CheckpointLoaded``).
+
+        Raises:
+            ConfigError: ``state`` has no ``"best"`` number, or malformed ``"files"``.
+        """
+        best = state.get("best")
+        if best is not None and not isinstance(best, int | float):
+            raise ConfigError.invalid("Checkpointing state", dict(state), "{'best': float | None}")
+        self.tracker.best = None if best is None else float(best)
+        files = state.get("files")  # absent in checkpoints of runs that kept no files
+        if files is not None:
+            if not isinstance(files, Mapping):
+                raise ConfigError.invalid("Checkpointing state", dict(state),
+                                          "{'best': float | None, 'files': {...}}")  # fmt: skip
+            self._retention.load_state_dict(files)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a run where it could never save what it promises.
+
+        Raises:
+            ConfigError: the Trainer has no ``checkpoint_dir`` (every save would be refused);
+                or ``monitor`` is not among the metrics of ``eval_data``, or there is no
+                ``eval_data`` and no evaluation job (``EvaluateCheckpoints``) either: no
+                ``"best"`` checkpoint would ever be written.
+        """
+        if plan.checkpoint_dir is None:
+            raise ConfigError.invalid("checkpoint_dir", None, "a folder when Checkpointing is "
+                                      "attached (Trainer(checkpoint_dir=...))")  # fmt: skip
+        if self.load_best_at_end and plan.sharded:
+            raise ConfigError.invalid(
+                "load_best_at_end", True, "False with a sharded (fully_shard) model: its best "
+                "checkpoint is a folder of every rank's shards; load it after fit() with "
+                "trainbus.checkpoint.export_full, or resume from it",
+            )  # fmt: skip
+        self._checkpoint_dir = Path(plan.checkpoint_dir)
+        if self.monitor is not None:
+            check_monitored(plan, "Checkpointing.monitor", self.monitor, external=True)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipelines to ``bus.commands``."""
+        self.tracker = Tracker()
+        if (n := self.every_steps) is not None:
+            bus.stream(ev.StepEnded).pipe(
+                tbops.every(n),  # declares the decision steps: saved at exactly n, 2n, ...
+                ops.map(lambda _: cmd.SaveCheckpoint()),
+            ).subscribe(bus.commands, name="Checkpointing.every_steps")
+        if (m := self.every_epochs) is not None:
+            bus.stream(ev.EpochEnded).pipe(
+                ops.filter(lambda e: e.error is None and (e.epoch + 1) % m == 0),
+                ops.map(lambda _: cmd.SaveCheckpoint()),
+            ).subscribe(bus.commands, name="Checkpointing.every_epochs")
+        if self.monitor is not None:
+            improved = _improvements(self.monitor, self.tracker, mode=self.mode,
+                                     min_delta=self.min_delta)  # fmt: skip
+            bus.stream(ev.EvaluationEnded).pipe(
+                improved,
+                ops.map(lambda _: cmd.SaveCheckpoint(tag="best")),
+            ).subscribe(bus.commands, name="Checkpointing.best")
+            monitor = self.monitor
+            external = _improvements(monitor, self.tracker, mode=self.mode,
+                                     min_delta=self.min_delta)  # fmt: skip
+            bus.subscribe_async(
+                bus.stream(ev.ExternalEvaluationEnded).pipe(
+                    ops.filter(lambda e: monitor in e.metrics),  # a job scoring other metrics
+                    external,
+                ),
+                self._mark_best,
+                name="Checkpointing.best_external",
+            )
+        self._retention = _Retention(self.keep_last, self.keep_best, self.monitor, self.mode)
+        if self._retention.tracking:
+            # Every rank keeps the books (load_best_at_end loads on every rank); rank 0, the
+            # one that writes the files, deletes.
+            books = bus.stream(ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved,
+                               ev.CheckpointLoaded)  # fmt: skip
+            bus.subscribe(books, partial(self._keep_books, delete=bus.rank == 0), ranks="all",
+                          name="Checkpointing.retention")  # fmt: skip
+
+    async def _mark_best(self, event: ev.ExternalEvaluationEnded) -> None:
+        source = Path(event.checkpoint)
+        best = await anyio.to_thread.run_sync(copy_as_best, source, event.step)
+        log.info("checkpoint_marked_best", step=event.step, path=str(best), source=str(source),
+                 metrics=dict(event.metrics))  # fmt: skip
+
+    def _keep_books(self, event: ev.BaseEvent, *, delete: bool) -> None:
+        retention = self._retention
+        match event:
+            case ev.EvaluationEnded():
+                retention.evaluated(event)
+            case ev.CheckpointSaving():
+                retention.saving(event)
+            case ev.CheckpointLoaded(path=path):
+                surplus = retention.adopt(Path(path), self._checkpoint_dir)
+                if delete:
+                    self._remove_surplus(surplus, event.step, "resume")
+            case ev.CheckpointSaved() if delete:
+                self._prune(event)
+            case ev.CheckpointSaved():
+                retention.saved(event)  # the books only: rank 0 deletes
+
+    def _prune(self, event: ev.CheckpointSaved) -> None:
+        self._remove_surplus(self._retention.saved(event), event.step,
+                             "keep_last" if event.tag is None else "keep_best")  # fmt: skip
+
+    @staticmethod
+    def _remove_surplus(paths: list[str], step: int, reason: str) -> None:
+        for path in paths:
+            _remove(Path(path))
+            log.info("checkpoint_removed", step=step, path=path, reason=reason)

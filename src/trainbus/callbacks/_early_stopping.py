@@ -1,0 +1,132 @@
+"""Early stopping: stop the run when an evaluation metric stops improving."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+from reactivex import operators as ops
+
+from .. import commands as cmd
+from .. import events as ev
+from .. import operators as tbops
+from ._sets import check_monitored, reads_metric
+from ._tracked import TrackedCallback
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from .._bus.observable import CommandSink
+    from ._base import RunPlan
+
+__all__ = ["EarlyStopping"]
+
+
+class EarlyStopping(TrackedCallback):
+    """Sends ``StopTraining`` once ``metric`` has not improved for ``patience`` evaluations.
+
+    Pipeline::
+
+        EvaluationEnded | ExternalEvaluationEnded (those carrying ``metric``)
+            -> filter(no error) -> tbops.patience(metric, ...) -> bus.commands
+
+    ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
+    evaluation that decided it: the run ends at that exact step, with
+    ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
+    NaN never counts as an improvement. A ``metric`` the run's evaluation does not produce is
+    a ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an
+    evaluation lacking it fails this subscription (logged, with the metrics it had).
+
+    Results of evaluation jobs on checkpoints (``ExternalEvaluationEnded``, from
+    :class:`~trainbus.callbacks.EvaluateCheckpoints`) count as evaluations too when they carry
+    ``metric`` (a job may report other metrics than the loop's evaluation); they are not
+    barriers, so a stop they decide is applied at the loop's next poll point. The loop's own
+    ``EvaluationEnded`` must still carry ``metric`` (a typo is refused up front): watch a
+    job-only metric with no ``eval_data``, or make the loop's metrics include it.
+
+    Args:
+        metric: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
+        patience: Evaluations without improvement before stopping (>= 1).
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        min_delta: Smallest change that counts as an improvement (>= 0).
+        state_key: Name of its state (best value, evaluations without improvement, the stop
+            it decided) in checkpoints; None: ``"EarlyStopping"``. A resumed run keeps
+            counting its patience; resumed from a checkpoint written after it decided to stop
+            (at the stopping step), it stops again at its start with the same reason, as the
+            run that wrote the checkpoint did, unless ``patience`` is now larger than the
+            evaluations the checkpoint counted without improvement.
+
+    Raises:
+        ConfigError: for an argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        metric: str = "val_loss",
+        patience: int = 3,
+        mode: Literal["min", "max"] = "min",
+        min_delta: float = 0.0,
+        *,
+        state_key: str | None = None,
+    ) -> None:
+        tbops.patience(metric, mode=mode, patience=patience, min_delta=min_delta)  # validates
+        self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
+        # The tracker: best value and evaluations without improvement (fresh at each attach).
+        super().__init__(state_key)
+        # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
+        # holding the bus would be a cycle that keeps a dropped Trainer until a gc pass.
+        self._commands: CommandSink | None = None
+        self._stop: cmd.StopTraining | None = None
+        """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its evaluation does not produce.
+
+        Raises:
+            ConfigError: with ``eval_data``, ``metric`` is not among its metrics; without it,
+                no attached callback runs evaluation jobs (``EvaluateCheckpoints``) either.
+        """
+        check_monitored(plan, "EarlyStopping.metric", self.metric, external=True)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipeline to ``bus.commands``."""
+        metric = self.metric
+        # One run, one tracker: an instance attached to a second trainer starts afresh.
+        tracker = self.fresh_tracker()
+        self._commands, self._stop = bus.commands, None
+        decide = tbops.patience(metric, mode=self.mode, patience=self.patience,
+                                min_delta=self.min_delta, tracker=tracker)  # fmt: skip
+        bus.stream(ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
+            ops.filter(
+                lambda e: (
+                    e.error is None and (isinstance(e, ev.EvaluationEnded) or metric in e.metrics)
+                )
+            ),
+            ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
+            decide,
+            ops.do_action(self._decided),
+        ).subscribe(bus.commands, name="EarlyStopping")
+
+    def _decided(self, stop: cmd.StopTraining) -> None:
+        self._stop = stop
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker's state and the reason of the stop it decided (None: none yet)."""
+        return {**super().state_dict(),
+                "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`. A state saved after the stop was decided sends that
+        stop again (applied at the resumed run's first poll point, before its first step), so
+        the resumed run ends where the run that wrote it did; not when ``patience`` now allows
+        more evaluations than the state counted without improvement.
+
+        Raises:
+            ConfigError: ``state`` is not a tracker state.
+        """
+        super().load_state_dict(state)
+        reason = state.get("stop_reason")
+        self._stop = None
+        if isinstance(reason, str) and self.tracker.bad >= self.patience:
+            self._stop = cmd.StopTraining(reason=reason)
+            if self._commands is not None:  # attached: the resumed run applies it first
+                self._commands.send(self._stop)

@@ -1,0 +1,360 @@
+"""Averaged weights: an exponential moving average of the model, evaluated and saved.
+
+After timm's ``ModelEmaV3`` (decay, warmup, buffers, device) and Lightning's
+``EMAWeightAveraging`` (update every n steps, from a step on, swap the average in around every
+evaluation). Everything happens in inline hooks on the training thread, at exact points:
+
+- ``after_optimizer_step``: fold the weights into the average (every ``every`` steps);
+- ``before_evaluation`` / ``after_evaluation``: swap the average into the model for the whole
+  evaluation round, and the training weights back afterwards (also when the round raised or
+  was cancelled), so every evaluation (``eval_every``, the epoch's end, ``Evaluate``,
+  ``trainer.evaluate()``) scores the averaged model and training goes on with its own weights.
+
+The average is the callback's checkpoint state (``state_dict``), so it is saved with every
+checkpoint and a resumed run continues it bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+
+from .._exceptions import CheckpointError, ConfigError, TrainingError
+from .._validate import check_int, check_state_key
+from ._base import Callback
+from ._weights import ModelTensors, exchange, unwrapped
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from .._hookpoints import StepContext
+
+__all__ = ["EMA"]
+
+Buffers = Literal["average", "copy"]
+
+
+class EMA(Callback):
+    """An exponential moving average of the model's weights, evaluated and checkpointed.
+
+    After every ``every``-th optimizer step past ``start_step`` (hook ``after_optimizer_step``)
+    each averaged tensor moves towards the model's::
+
+        average = torch.lerp(average, weight, 1 - decay)    # average + (1-decay)(weight-average)
+
+    The first update copies the weights (``decay`` is 0 for it). Floating-point buffers
+    (BatchNorm's running statistics) are averaged too with ``buffers="average"`` (timm's
+    default), or copied from the model with ``buffers="copy"``; other buffers
+    (``num_batches_tracked``) are always copied.
+
+    Around every evaluation round (hooks ``before_evaluation`` / ``after_evaluation``) the
+    average is swapped into the model and the training weights swapped back afterwards, also
+    when the evaluation raised or was cancelled: ``EvaluationEnded.metrics``,
+    ``FitResult.metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
+    ``trainer.evaluate()`` are the averaged model's. Before the first update there is no
+    average and evaluations score the model as it is. ``trainer.predict()`` is not an
+    evaluation: it uses the model's own weights (call :meth:`copy_to` first to predict with the
+    average).
+
+    Checkpoints hold the average as this callback's state:
+    ``read_checkpoint(path).callbacks["EMA"]["weights"]`` is a state dict for
+    ``model.load_state_dict`` (what to deploy); the checkpoint's ``model`` entry stays the
+    training weights, so a resume continues exactly (the average included, bit for bit).
+
+    Under torchrun every rank keeps its own copy (the ranks' weights are equal after each step,
+    so are their averages) and rank 0 saves it. A model wrapped in ``DistributedDataParallel``
+    or ``torch.compile`` is averaged by its original module's names.
+
+    Args:
+        decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
+            1,000 updates count).
+        every: Update every ``every`` optimizer steps (at steps that are multiples of it).
+        start_step: Update only after this many optimizer steps (the first update copies).
+        warmup: timm's warmup: the n-th update uses ``min(decay, 1 - (1 + (n-1) /
+            warmup_gamma) ** -warmup_power)``, so early updates follow the weights closely.
+        warmup_power: The warmup's power (timm's default 2/3; 3/4 for short runs).
+        warmup_gamma: The warmup's time scale in updates (timm's default 1).
+        buffers: ``"average"`` or ``"copy"`` floating-point buffers (see above).
+        device: Where the average lives: None, the model's device; ``"cpu"`` keeps it off an
+            accelerator (each update then copies the weights to the host).
+        evaluate: Swap the average in around evaluations (False: only average and save it).
+        state_key: Name of its state in checkpoints (None: ``"EMA"``); two EMA callbacks in one
+            Trainer need two names.
+
+    Raises:
+        ConfigError: an argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        *,
+        every: int = 1,
+        start_step: int = 0,
+        warmup: bool = False,
+        warmup_power: float = 2 / 3,
+        warmup_gamma: float = 1.0,
+        buffers: Buffers = "average",
+        device: str | torch.device | None = None,
+        evaluate: bool = True,
+        state_key: str | None = None,
+    ) -> None:
+        if (not isinstance(decay, int | float) or isinstance(decay, bool)
+                or not 0.0 <= decay < 1.0):  # fmt: skip
+            raise ConfigError.invalid("EMA.decay", decay, "a number in [0, 1), e.g. 0.999")
+        for name, value in (("warmup_power", warmup_power), ("warmup_gamma", warmup_gamma)):
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):  # fmt: skip
+                raise ConfigError.invalid(f"EMA.{name}", value, "a finite number > 0")
+        for name, flag in (("warmup", warmup), ("evaluate", evaluate)):
+            if not isinstance(flag, bool):
+                raise ConfigError.invalid(f"EMA.{name}", flag, "True or False")
+        if buffers not in ("average", "copy"):
+            raise ConfigError.invalid("EMA.buffers", buffers, "'average' or 'copy'")
+        if device is not None:
+            try:
+                device = torch.device(device)
+            except (RuntimeError, TypeError) as exc:
+                raise ConfigError.invalid(
+                    "EMA.device", device, "None (the model's device) or a torch device such as "
+                    "'cpu' or 'cuda:0'"
+                ) from exc  # fmt: skip
+        self.decay = float(decay)
+        self.every = check_int("EMA.every", every, 1)
+        self.start_step = check_int("EMA.start_step", start_step, 0)
+        self.warmup, self.warmup_power, self.warmup_gamma = warmup, warmup_power, warmup_gamma
+        self.buffers: Buffers = buffers
+        self.device: torch.device | None = device
+        self.evaluate = evaluate
+        self.state_key = check_state_key(state_key)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._average: dict[str, torch.Tensor] | None = None
+        self._aliases: dict[str, str] = {}
+        self._updates = 0
+        self._loaded: Mapping[str, torch.Tensor] | None = None
+        """A checkpoint's average, put on the model's device at its first use."""
+        self._swapped: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._last_step = -1
+        """The step the hook last updated at: a custom step stepping several optimizers runs
+        ``after_optimizer_step`` once per optimizer, and the average moves once a step."""
+
+    # ================================================================== what users read
+    @property
+    def updates(self) -> int:
+        """Updates folded into the average so far (0: no average yet)."""
+        return self._updates
+
+    @property
+    def swapped(self) -> bool:
+        """True while the average is in the model (during an evaluation round)."""
+        return self._swapped is not None
+
+    def decay_for(self, update: int) -> float:
+        """The decay the ``update``-th update (from 1) uses: 0 for the first (a copy), then
+        ``decay``, or the warmup's ``min(decay, 1 - (1 + (n-1)/gamma) ** -power)``."""
+        if update <= 1:
+            return 0.0
+        if not self.warmup:
+            return self.decay
+        warm = 1.0 - (1.0 + (update - 1) / self.warmup_gamma) ** -self.warmup_power
+        return max(0.0, min(self.decay, float(warm)))
+
+    def averaged_state_dict(self) -> dict[str, torch.Tensor]:
+        """The average as a state dict of the (unwrapped) model: ``model.load_state_dict``
+        takes it. The tensors are the live average (clone them to keep a snapshot).
+
+        Raises:
+            TrainingError: no update happened yet, or the average is in the model right now
+                (inside an evaluation round).
+        """
+        if self._swapped is not None:
+            raise TrainingError(
+                "EMA: the average is swapped into the model during an evaluation round; read "
+                "it after the round (or read the model's weights now)"
+            )
+        if self._average is None:
+            if self._loaded is not None:
+                return dict(self._loaded)
+            raise TrainingError(
+                f"EMA has no average yet: the first update comes after the first optimizer "
+                f"step past start_step={self.start_step} that is a multiple of "
+                f"every={self.every}"
+            )
+        average = self._average
+        return {key: average[name] for key, name in self._aliases.items()}
+
+    def copy_to(self, model: torch.nn.Module) -> None:
+        """Load the average into ``model`` (unwrapped): deploy or predict with it. The
+        training weights are overwritten; a run that goes on afterwards trains from the
+        average.
+
+        Raises:
+            TrainingError: no average yet (see :meth:`averaged_state_dict`).
+        """
+        unwrapped(model).load_state_dict(self.averaged_state_dict())
+
+    # ================================================================== checkpoint state
+    def state_dict(self) -> dict[str, Any]:
+        """``{"updates": n, "weights": averaged_state_dict()}`` (no ``"weights"`` before the
+        first update): saved with every checkpoint.
+
+        Raises:
+            TrainingError: read during an evaluation round (the average is in the model).
+        """
+        if self._average is None and self._loaded is None:
+            return {"updates": self._updates}
+        return {"updates": self._updates, "weights": self.averaged_state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (a resumed run): the average is moved to its device and
+        checked against the model at its first use.
+
+        Raises:
+            CheckpointError: the state is not an EMA state.
+        """
+        updates = state.get("updates")
+        weights = state.get("weights")
+        if (not isinstance(updates, int) or isinstance(updates, bool) or updates < 0
+                or (weights is None) != (updates == 0)
+                or (weights is not None and not (isinstance(weights, Mapping) and all(
+                    isinstance(v, torch.Tensor) for v in weights.values())))):  # fmt: skip
+            raise CheckpointError(
+                f"the {self.checkpoint_key!r} callback state is not an EMA state "
+                f"(updates={updates!r}, weights of type {type(weights).__name__})"
+            )
+        self._reset()
+        self._updates = updates
+        self._loaded = None if weights is None else dict(weights)
+
+    # ================================================================== the hooks
+    def setup(self, bus: EventBus) -> None:
+        """Start afresh: an instance attached to a new Trainer keeps no average of another."""
+        self._reset()
+
+    def hook_after_optimizer_step(self, ctx: StepContext) -> None:
+        """Fold the weights into the average at the steps it updates at."""
+        step = ctx.step
+        if step == self._last_step:
+            return
+        self._last_step = step
+        if step > self.start_step and step % self.every == 0:
+            self.update(ctx.model)
+
+    def hook_before_evaluation(self, ctx: StepContext) -> None:
+        """Swap the average into the model for the round (when there is one)."""
+        if self.evaluate:
+            self.swap_in(ctx.model)
+
+    def hook_after_evaluation(self, ctx: StepContext) -> None:
+        """Swap the training weights back (also when the round raised or was cancelled)."""
+        self.swap_out()
+
+    # ================================================================== the work
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        """Fold ``model``'s weights into the average once (what the hook does at its steps).
+
+        Raises:
+            CheckpointError: a restored average does not fit the model.
+            TrainingError: the model's tensors changed since the average began, or the average
+                is swapped in.
+        """
+        if self._swapped is not None:
+            raise TrainingError("EMA.update() during an evaluation round (the average is in "
+                                "the model)")  # fmt: skip
+        tensors = ModelTensors(model)
+        average = self._current(tensors)
+        update = self._updates + 1
+        if average is None:
+            self._average = {name: self._copy(t) for name, t in tensors.unique.items()}
+            self._aliases = tensors.aliases
+            self._updates = update
+            return
+        weight = 1.0 - self.decay_for(update)
+        lerp_avg: list[torch.Tensor] = []
+        lerp_new: list[torch.Tensor] = []
+        for name, t, avg in self._pairs(tensors, average):
+            if t.is_floating_point() and (name in tensors.params or self.buffers == "average"):
+                lerp_avg.append(avg)
+                lerp_new.append(t.detach() if t.device == avg.device else t.detach().to(avg.device))
+            else:
+                avg.copy_(t)
+        if lerp_avg:
+            torch._foreach_lerp_(lerp_avg, lerp_new, weight)
+        self._updates = update
+
+    def swap_in(self, model: torch.nn.Module) -> None:
+        """Exchange the model's weights with the average (nothing before the first update, or
+        when already swapped in). :meth:`swap_out` undoes it.
+
+        Raises:
+            CheckpointError: a restored average does not fit the model.
+            TrainingError: the model's tensors changed since the average began.
+        """
+        if self._swapped is not None:
+            return
+        tensors = ModelTensors(model)
+        average = self._current(tensors)
+        if average is None:
+            return
+        pairs = [(avg, t.detach()) for _, t, avg in self._pairs(tensors, average)]
+        exchange(pairs)
+        self._swapped = pairs
+
+    def swap_out(self) -> None:
+        """Put the training weights back where :meth:`swap_in` took them (no-op when not
+        swapped in): bit for bit what they were."""
+        pairs = self._swapped
+        if pairs is None:
+            return
+        exchange(pairs)
+        self._swapped = None
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        return t.detach().to(device=self.device or t.device, copy=True)
+
+    def _current(self, tensors: ModelTensors) -> dict[str, torch.Tensor] | None:
+        """The average, a checkpoint's put on its device first; checked against ``tensors``."""
+        loaded = self._loaded
+        if loaded is not None:
+            # A checkpoint's state dict: back to the distinct tensors (tied keys share one).
+            unique = {name: loaded[name] for name in tensors.unique if name in loaded}
+            extra = sorted(set(loaded) - set(tensors.aliases))
+            problem = tensors.mismatch(unique) or (
+                f"{extra[:5]} are in the average but not in the model" if extra else None
+            )
+            if problem is not None:
+                raise CheckpointError(
+                    f"the {self.checkpoint_key!r} average does not fit the model: {problem}"
+                )
+            self._average = {name: loaded[name].to(device=self.device or t.device, copy=True)
+                             for name, t in tensors.unique.items()}  # fmt: skip
+            self._aliases = tensors.aliases
+            self._loaded = None
+        average = self._average
+        if average is None:
+            return None
+        if tensors.aliases.keys() != self._aliases.keys():
+            problem = tensors.mismatch(average) or "the tied weights differ"
+            raise TrainingError(f"EMA: the model's tensors changed since the average began: "
+                                f"{problem}")  # fmt: skip
+        return average
+
+    @staticmethod
+    def _pairs(
+        tensors: ModelTensors, average: dict[str, torch.Tensor]
+    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
+        """``(name, model tensor, averaged tensor)`` for every distinct tensor."""
+        for name, t in tensors.unique.items():
+            avg = average[name]
+            if avg.shape != t.shape or avg.dtype != t.dtype:
+                raise TrainingError(
+                    f"EMA: {name!r} is {tuple(t.shape)} {t.dtype} in the model but "
+                    f"{tuple(avg.shape)} {avg.dtype} in the average (the model changed since "
+                    "the average began)"
+                )
+            yield name, t, avg

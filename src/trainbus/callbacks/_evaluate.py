@@ -1,0 +1,217 @@
+"""Evaluation jobs on every checkpoint: a command line or an async function per ``CheckpointSaved``,
+run while training goes on, reported back on the bus as ``ExternalEvaluationEnded``."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import os
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeAlias
+
+import anyio
+
+from .. import events as ev
+from .._exceptions import ConfigError, EvaluationJobError
+from .._log import get_logger
+from .._validate import check_int, check_optional_seconds
+from ._base import Callback
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+
+__all__ = ["EvaluateCheckpoints", "EvaluationFn"]
+
+log = get_logger(__name__)
+
+EvaluationFn: TypeAlias = Callable[[ev.CheckpointSaved], Awaitable[Mapping[str, float]]]
+"""``async def fn(event: CheckpointSaved) -> Mapping[str, float]``."""
+
+_STDERR_LINES = 20
+
+
+def _tail(data: bytes | None, lines: int = _STDERR_LINES) -> str:
+    text = (data or b"").decode("utf-8", errors="replace").rstrip()
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _metrics(value: object, checkpoint: str, source: str) -> dict[str, float]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise EvaluationJobError(
+            f"{source} gave {value!r}, not a mapping of metric names to numbers",
+            checkpoint=checkpoint,
+        )
+    out: dict[str, float] = {}
+    for k, v in value.items():
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            raise EvaluationJobError(
+                f"{source} gave metric {k}={v!r}, not a number", checkpoint=checkpoint
+            )
+        out[k] = float(v)
+    return out
+
+
+def _parse_stdout(stdout: bytes, checkpoint: str) -> dict[str, float]:
+    """The JSON object printed by the job: its whole stdout, else its last non-empty line (so a
+    job may log before printing its result)."""
+    text = stdout.decode("utf-8", errors="replace").strip()
+    lines = text.splitlines()
+    candidates = [text, lines[-1]] if lines else []
+    for candidate in candidates:
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        return _metrics(value, checkpoint, "the command's JSON")
+    raise EvaluationJobError(
+        "the command printed no JSON object of metrics on stdout; last output: "
+        + repr(text[-200:]),
+        checkpoint=checkpoint,
+    )
+
+
+class EvaluateCheckpoints(Callback):
+    """Runs an evaluation job for every saved checkpoint, off the training loop.
+
+    Pipeline::
+
+        CheckpointSaved -> async subscriber (concurrency, bounded buffer, overflow="block")
+                        -> job(event) under move_on_after(timeout)
+                        -> bus.publish(ExternalEvaluationEnded(checkpoint, metrics, error))
+
+    ``run`` is either a command line, a list of arguments in which ``{checkpoint}`` is replaced
+    by ``CheckpointSaved.path`` and ``{step}`` / ``{epoch}`` by the checkpoint's step and epoch
+    (run with :func:`anyio.run_process`, no shell; its stdout must be a JSON object of metrics,
+    or end with one on its last line), or an ``async def fn(event) -> Mapping[str, float]``.
+
+    Training never waits for a job: jobs run in the bus' task group while the loop goes on.
+    ``fit()`` returns only after every started job has ended, or was cancelled at the bus'
+    ``close_timeout`` (reported by the bus as cancelled). A job that fails (non-zero exit: its
+    stderr tail is in the message; no JSON; an exception; the timeout) gives an event whose
+    ``error`` is an :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. The result of
+    a job that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
+    it is logged and kept in :attr:`results` like every other.
+
+    ``EarlyStopping(metric=...)`` acts on these events when they carry its metric.
+
+    Args:
+        run: The command (a non-empty list of strings) or an async function.
+        concurrency: Jobs running at once (>= 1).
+        timeout: Seconds a job may run before it is cancelled (the process killed) and
+            reported as timed out; None for no limit.
+        buffer: Checkpoints that may wait for a free job slot (>= 1); beyond that the bus
+            waits (nothing is skipped).
+        cwd: Working directory of the command (default: the current one).
+
+    Raises:
+        ConfigError: for a ``run`` that is neither, or an option out of range.
+    """
+
+    publishes = (ev.ExternalEvaluationEnded,)
+
+    def __init__(
+        self,
+        run: Sequence[str] | EvaluationFn,
+        *,
+        concurrency: int = 1,
+        timeout: float | None = None,
+        buffer: int = 16,
+        cwd: str | os.PathLike[str] | None = None,
+    ) -> None:
+        if isinstance(run, str) or not (
+            inspect.iscoroutinefunction(run)
+            or (isinstance(run, Sequence) and len(run) > 0 and all(isinstance(a, str) for a in run))
+        ):
+            raise ConfigError.invalid(
+                "run", run, "a command as a list of strings (e.g. ['python', 'eval.py', "
+                "'{checkpoint}']) or an async def fn(event) -> Mapping[str, float]",
+            )  # fmt: skip
+        self.run: tuple[str, ...] | EvaluationFn = (
+            run if inspect.iscoroutinefunction(run) else tuple(run)  # type: ignore[arg-type]
+        )
+        self.jobs = check_int("concurrency", concurrency, 1)
+        self.timeout = check_optional_seconds("timeout", timeout)
+        self.job_buffer = check_int("buffer", buffer, 1)
+        self.cwd = None if cwd is None else os.fspath(cwd)
+        self._results: list[ev.ExternalEvaluationEnded] = []
+
+    @property
+    def results(self) -> tuple[ev.ExternalEvaluationEnded, ...]:
+        """Every job's result so far, in the order the jobs ended (all runs of this instance)."""
+        return tuple(self._results)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the job runner to ``CheckpointSaved``."""
+
+        async def job(saved: ev.CheckpointSaved) -> None:
+            result = await self.evaluate(saved)
+            self._results.append(result)
+            if result.error is not None:
+                log.warning("external_evaluation_ended", step=result.step, epoch=result.epoch,
+                            checkpoint=result.checkpoint, error=str(result.error))  # fmt: skip
+            else:
+                log.info("external_evaluation_ended", step=result.step, epoch=result.epoch,
+                         checkpoint=result.checkpoint, **dict(result.metrics))  # fmt: skip
+            if bus.running:
+                bus.publish(result)
+            else:  # the bus completed its streams: nobody could receive it
+                log.warning("external_evaluation_not_delivered", checkpoint=result.checkpoint,
+                            reason="the run had ended")  # fmt: skip
+
+        bus.subscribe_async(
+            bus.stream(ev.CheckpointSaved), job, concurrency=self.jobs,
+            buffer=self.job_buffer, overflow="block", name="EvaluateCheckpoints",
+        )  # fmt: skip
+
+    async def evaluate(self, saved: ev.CheckpointSaved) -> ev.ExternalEvaluationEnded:
+        """Run the job for ``saved`` and build its result event (never raises for a job's
+        failure: it is in the event's ``error``).
+
+        Args:
+            saved: The checkpoint to evaluate.
+
+        Returns:
+            ``ExternalEvaluationEnded`` with the checkpoint's step and epoch.
+        """
+        metrics: Mapping[str, float] = {}
+        error: BaseException | None = None
+        with anyio.move_on_after(math.inf if self.timeout is None else self.timeout) as scope:
+            try:
+                metrics = await self._job(saved)
+            except EvaluationJobError as exc:
+                error = exc
+            except Exception as exc:  # the user's function failed: report, never fail the run
+                error = EvaluationJobError(f"the evaluation function raised {exc!r}",
+                                           checkpoint=saved.path)  # fmt: skip
+                error.__cause__ = exc
+        if scope.cancelled_caught:
+            error = EvaluationJobError(
+                f"the evaluation job timed out after {self.timeout} s", checkpoint=saved.path
+            )
+        return ev.ExternalEvaluationEnded(
+            step=saved.step, epoch=saved.epoch, checkpoint=saved.path,
+            metrics=metrics if error is None else {}, error=error,
+        )  # fmt: skip
+
+    async def _job(self, saved: ev.CheckpointSaved) -> dict[str, float]:
+        if not isinstance(self.run, tuple):
+            return _metrics(await self.run(saved), saved.path, "the evaluation function")
+        fields = {"checkpoint": saved.path, "step": str(saved.step), "epoch": str(saved.epoch)}
+        args = [a.replace("{checkpoint}", fields["checkpoint"]).replace("{step}", fields["step"])
+                .replace("{epoch}", fields["epoch"]) for a in self.run]  # fmt: skip
+        try:
+            done = await anyio.run_process(args, check=False, cwd=self.cwd)
+        except OSError as exc:  # command not found, not executable
+            raise EvaluationJobError(f"could not start {args[0]!r}: {exc}",
+                                     checkpoint=saved.path) from exc  # fmt: skip
+        if done.returncode != 0:
+            raise EvaluationJobError(
+                f"{args[0]!r} exited with status {done.returncode}",
+                checkpoint=saved.path, returncode=done.returncode, stderr=_tail(done.stderr),
+            )  # fmt: skip
+        try:
+            return _parse_stdout(done.stdout, saved.path)
+        except EvaluationJobError as exc:
+            raise EvaluationJobError(str(exc), checkpoint=saved.path, returncode=0,
+                                     stderr=_tail(done.stderr)) from None  # fmt: skip

@@ -1,0 +1,137 @@
+"""Learning-rate built-ins: reduce it on a plateau, and log every change."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import structlog
+from reactivex import operators as ops
+
+from .. import commands as cmd
+from .. import events as ev
+from .. import operators as tbops
+from ._base import Callback
+from ._sets import check_monitored, reads_metric
+from ._tracked import TrackedCallback
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from ._base import RunPlan
+
+__all__ = ["LearningRateMonitor", "ReduceLROnPlateau"]
+
+
+class ReduceLROnPlateau(TrackedCallback):
+    """Multiplies the learning rate by ``factor`` when ``metric`` stops improving.
+
+    Pipeline::
+
+        EvaluationEnded -> filter(no error) -> tbops.plateau(metric, ...) -> bus.commands
+
+    Each reduction is a ``ScaleLearningRate(factor)`` command, applied to every parameter
+    group at the barrier after the deciding evaluation (like
+    ``torch.optim.lr_scheduler.ReduceLROnPlateau``, but as a decision on the bus: it composes
+    with any scheduler and is acknowledged by ``CommandApplied``).
+
+    Args:
+        metric: Evaluation metric to watch.
+        patience: Evaluations without improvement before a reduction (>= 1).
+        factor: Multiplier in (0, 1).
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        min_delta: Smallest change that counts as an improvement (>= 0).
+        cooldown: Evaluations ignored after a reduction (>= 0).
+        max_reductions: Reduce at most this many times (None: no limit).
+        state_key: Name of its state (best value, counters, reductions made) in checkpoints;
+            None: ``"ReduceLROnPlateau"``.
+
+    Raises:
+        ConfigError: for an argument out of range, naming it.
+    """
+
+    def __init__(
+        self,
+        metric: str = "val_loss",
+        patience: int = 2,
+        factor: float = 0.5,
+        mode: Literal["min", "max"] = "min",
+        min_delta: float = 0.0,
+        cooldown: int = 0,
+        max_reductions: int | None = None,
+        *,
+        state_key: str | None = None,
+    ) -> None:
+        self._options: dict[str, Any] = dict(
+            mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
+            max_reductions=max_reductions,
+        )  # fmt: skip
+        tbops.plateau(metric, **self._options)  # validates now
+        self.metric, self.patience, self.factor, self.mode = metric, patience, factor, mode
+        # The tracker: best value, counters and reductions made (fresh at each attach).
+        super().__init__(state_key)
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` no evaluation of the run produces.
+
+        Raises:
+            ConfigError: no ``eval_data``, or ``metric`` is not among its metrics.
+        """
+        check_monitored(plan, "ReduceLROnPlateau.metric", self.metric)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipeline to ``bus.commands``."""
+        tracker = self.fresh_tracker()
+        bus.stream(ev.EvaluationEnded).pipe(
+            ops.filter(lambda e: e.error is None),
+            ops.filter(reads_metric(self.metric)),  # named sets: only the metric's own set
+            tbops.plateau(self.metric, tracker=tracker, **self._options),
+        ).subscribe(bus.commands, name="ReduceLROnPlateau")
+
+
+_LR_COMMANDS = (cmd.SetLearningRate, cmd.ScaleLearningRate)
+
+
+class LearningRateMonitor(Callback):
+    """Logs learning-rate changes with the ``"trainbus"`` structlog logger.
+
+    Pipelines::
+
+        SchedulerStepped | StepEnded -> distinct_until_changed(lr) -> "lr_changed"
+                                        (step, epoch, lr, previous)
+        CommandApplied -> filter(SetLearningRate | ScaleLearningRate)
+                       -> "lr_command_applied" (step, epoch, command, lr | factor,
+                          param_group, error)
+
+    The first line reports the learning rate the run starts with (``previous=None``); then one
+    line per change, whether a scheduler or a command made it, never one per step.
+
+    Attributes:
+        history: ``(step, lr)`` of every change seen, in order (the last run's).
+    """
+
+    def __init__(self) -> None:
+        self.history: list[tuple[int, float]] = []
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the two logging pipelines."""
+        log = structlog.get_logger("trainbus")
+        history = self.history = []
+
+        def changed(e: ev.SchedulerStepped | ev.StepEnded) -> None:
+            previous = history[-1][1] if history else None
+            history.append((e.step, e.lr))
+            log.info("lr_changed", step=e.step, epoch=e.epoch, lr=e.lr, previous=previous)
+
+        def applied(e: ev.CommandApplied) -> None:
+            c = e.command
+            fields = {"lr": c.lr} if isinstance(c, cmd.SetLearningRate) else {"factor": c.factor}  # type: ignore[union-attr]
+            level = log.warning if e.error is not None else log.info
+            level("lr_command_applied", step=e.step, epoch=e.epoch, command=type(c).__name__,
+                  **fields, param_group=c.param_group,  # type: ignore[union-attr]
+                  error=None if e.error is None else repr(e.error))  # fmt: skip
+
+        bus.stream(ev.SchedulerStepped, ev.StepEnded).pipe(
+            ops.distinct_until_changed(lambda e: e.lr),
+        ).subscribe(changed, name="LearningRateMonitor.lr_changed")
+        bus.stream(ev.CommandApplied).pipe(
+            ops.filter(lambda e: isinstance(e.command, _LR_COMMANDS)),
+        ).subscribe(applied, name="LearningRateMonitor.lr_command_applied")

@@ -1,0 +1,161 @@
+"""A PNG of the training and validation curves, written when the run ends."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeAlias
+
+import anyio.to_thread
+from reactivex import operators as ops
+
+from .. import events as ev
+from .._exceptions import ConfigError
+from .._validate import check_path
+from ._base import Callback
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+
+__all__ = ["CurvePlot", "render"]
+
+_Train: TypeAlias = list[tuple[int, float]]
+_Val: TypeAlias = list[tuple[int, Mapping[str, float]]]
+
+
+@dataclass(slots=True)
+class _Curves:
+    """Points collected on the event-loop thread during one run."""
+
+    train: _Train = field(default_factory=list)
+    val: _Val = field(default_factory=list)
+
+    def add_window(self, e: ev.MetricsLogged) -> None:
+        # The window's mean loss, already read on the training thread at its close: no device
+        # read here (a StepEnded loss read per step would wait for all queued GPU work).
+        loss = e.metrics.get("loss")
+        if loss is not None:
+            self.train.append((e.step, loss))
+
+    def add_eval(self, e: ev.EvaluationEnded) -> None:
+        if e.error is None and e.metrics:
+            self.val.append((e.step, e.metrics))
+
+    def snapshot(self, e: ev.FitEnded) -> tuple[_Train, _Val, ev.FitEnded]:
+        return list(self.train), list(self.val), e
+
+
+def render(
+    path: Path,
+    train: _Train,
+    val: _Val,
+    title: str | None = None,
+) -> None:
+    """Draw the curves to ``path`` (PNG) with matplotlib's Agg canvas; no pyplot, no GUI.
+
+    Left panel: training loss per step and every ``*loss*`` validation metric; right panel
+    (when there are any): the other validation metrics. The file is written atomically.
+    """
+    # Optional dependency, imported in the worker thread when the run ends. The Figure +
+    # Agg canvas API touches no global pyplot state and no GUI backend, so it is safe off the
+    # main thread and leaves the user's matplotlib backend alone.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = sorted({k for _, m in val for k in m})
+    losses = [n for n in names if "loss" in n]
+    others = [n for n in names if "loss" not in n]
+    fig = Figure(figsize=(10 if others else 6, 4), layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, 2 if others else 1, squeeze=False)[0]
+    ax = axes[0]
+    if train:
+        ax.plot([s for s, _ in train], [v for _, v in train], lw=0.8, alpha=0.8, label="train loss")
+    for name in losses:
+        pts = [(s, m[name]) for s, m in val if name in m]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if train or losses:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    if others:
+        ax2 = axes[1]
+        for name in others:
+            pts = [(s, m[name]) for s, m in val if name in m]
+            ax2.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax2.set_xlabel("step")
+        ax2.set_ylabel("validation metric")
+        ax2.legend()
+        ax2.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A unique temporary name opened with open() (not mkstemp, whose 0600 mode would stick to
+    # the PNG), then renamed: a reader never sees a half-written file.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            fig.savefig(f, format="png", dpi=100)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+class CurvePlot(Callback):
+    """Writes a PNG of the loss curves and validation metrics when the run ends.
+
+    Pipelines::
+
+        MetricsLogged   -> collect (step, metrics["loss"])   (the log window's mean loss)
+        EvaluationEnded -> collect (step, metrics)
+        FitEnded        -> snapshot -> async subscriber: render in anyio.to_thread
+
+    The training curve has one point per log window (``log_every`` steps): the mean loss the
+    loop read at the window's close. Nothing here reads the device (a per-step ``StepEnded``
+    loss would be one device read per step on the event-loop thread).
+
+    The plot is drawn however the run ended (completed, stopped, failed), so a failed run
+    still leaves its curves; the bus waits for the file before ``fit()`` returns. Requires
+    matplotlib (imported when the plot is drawn).
+
+    Args:
+        path: The ``.png`` file to write (parent folders are created).
+        title: Figure title (default: ``"trainbus: <reason> at step <n>"``).
+
+    Attributes:
+        written: The path once the plot was written, else None.
+
+    Raises:
+        ConfigError: ``path`` is not a file path, or ``title`` is not a string.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, title: str | None = None) -> None:
+        self.path = check_path("path", path)
+        if title is not None and not isinstance(title, str):
+            raise ConfigError.invalid("title", title, "a string or None")
+        self.title = title
+        self.written: Path | None = None
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the collectors and the renderer."""
+        curves = _Curves()
+        bus.stream(ev.MetricsLogged).subscribe(curves.add_window, name="CurvePlot.metrics_logged")
+        bus.stream(ev.EvaluationEnded).subscribe(curves.add_eval, name="CurvePlot.evaluation_ended")
+
+        async def draw(snap: tuple[_Train, _Val, ev.FitEnded]) -> None:
+            train, val, end = snap
+            title = self.title or f"trainbus: {end.reason} at step {end.step}"
+            await anyio.to_thread.run_sync(render, self.path, train, val, title)
+            self.written = self.path
+
+        bus.subscribe_async(
+            bus.stream(ev.FitEnded).pipe(ops.map(curves.snapshot)),
+            draw,
+            overflow="block",
+            name="CurvePlot.render",
+        )

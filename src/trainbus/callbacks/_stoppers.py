@@ -1,0 +1,202 @@
+"""Stoppers: end the run when a metric crosses a value, or before a time limit."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Literal
+
+import reactivex as rx
+from reactivex import operators as ops
+
+from .. import commands as cmd
+from .. import events as ev
+from .. import operators as tbops
+from .._exceptions import ConfigError
+from .._validate import check_int, check_number, check_seconds
+from ._base import Callback
+from ._sets import check_monitored
+
+if TYPE_CHECKING:
+    from .._bus import EventBus
+    from ._base import RunPlan
+
+__all__ = ["ThresholdStopping", "TimeLimit"]
+
+Source = Literal["auto", "train", "eval"]
+
+
+class ThresholdStopping(Callback):
+    """Sends ``StopTraining`` the first time ``metric`` goes above ``above`` or below ``below``.
+
+    Pipeline::
+
+        EvaluationEnded (no error) | MetricsLogged -> tbops.threshold(metric, ...) -> bus.commands
+
+    ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
+    ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
+    ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
+    ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
+    after ``MetricsLogged`` at the next poll point. A ``metric`` its source never carries is a
+    ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
+    lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
+    the event had (logged by the bus; the run goes on unless the bus' error policy says so).
+
+    Args:
+        metric: The metric to watch.
+        above: Stop when the value is greater than this.
+        below: Stop when the value is less than this (give either or both; ``below < above``).
+        source: ``"auto"``, ``"train"`` or ``"eval"``.
+
+    Raises:
+        ConfigError: an invalid metric name, bound or source.
+    """
+
+    def __init__(
+        self,
+        metric: str,
+        *,
+        above: float | None = None,
+        below: float | None = None,
+        source: Source = "auto",
+    ) -> None:
+        self._decide = tbops.threshold(metric, above=above, below=below)
+        if source not in ("auto", "train", "eval"):
+            raise ConfigError.invalid("source", source, "'auto', 'train' or 'eval'")
+        self.metric, self.above, self.below = metric, above, below
+        self.source: Literal["train", "eval"] = (
+            source if source != "auto" else ("eval" if metric.startswith("val_") else "train")
+        )
+
+    def check(self, plan: RunPlan) -> None:
+        """Refuse, before the run starts, a ``metric`` its ``source`` never carries.
+
+        Raises:
+            ConfigError: ``source`` ``"train"`` and ``metric`` is not a ``MetricsLogged`` key;
+                ``"eval"`` and no ``eval_data``, or ``metric`` is not among its metrics.
+        """
+        check_monitored(plan, "ThresholdStopping.metric", self.metric,
+                        train=self.source == "train")  # fmt: skip
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipeline to ``bus.commands``."""
+        events = (
+            bus.stream(ev.EvaluationEnded).pipe(ops.filter(lambda e: e.error is None))
+            if self.source == "eval"
+            else bus.stream(ev.MetricsLogged)
+        )
+        events.pipe(self._decide).subscribe(bus.commands, name="ThresholdStopping")
+
+
+def _deadline_unix(deadline: object) -> float:
+    if isinstance(deadline, dt.datetime):
+        return deadline.timestamp()  # a naive datetime is local time, as datetime.now()
+    if isinstance(deadline, int | float) and not isinstance(deadline, bool):
+        if math.isfinite(deadline):
+            return float(deadline)
+    raise ConfigError.invalid(
+        "deadline", deadline, "a datetime or a Unix timestamp (time.time() scale)"
+    )
+
+
+class _Clock:
+    """Decides, per event, whether the next poll point would come too close to the deadline."""
+
+    def __init__(self, limit: TimeLimit) -> None:
+        self.limit = limit
+        self.deadline: float | None = None  # on the time.monotonic() scale of the events
+        self.last_step_end: float | None = None
+        self.longest = 0.0
+
+    def see(self, e: ev.BaseEvent) -> str | None:
+        lim = self.limit
+        if isinstance(e, ev.FitStarted):
+            if lim.seconds is not None:
+                self.deadline = e.time + lim.seconds
+            else:
+                assert lim.deadline is not None
+                self.deadline = lim.deadline - (time.time() - time.monotonic())
+            return None
+        if self.deadline is None:
+            return None
+        if isinstance(e, ev.StepEnded):
+            gap = e.time - self.last_step_end if self.last_step_end is not None else e.duration_s
+            self.last_step_end = e.time
+            self.longest = max(self.longest, gap)
+        # The command is applied at a poll point after the next step at the latest; the
+        # longest gap between two step ends seen so far (evaluations included) bounds it.
+        needed = lim.margin_s + lim.steps_margin * self.longest
+        left = self.deadline - e.time
+        if left > needed:
+            return None
+        return (
+            f"time limit: {left:.1f} s left at step {e.step}, {needed:.1f} s needed to stop "
+            f"cleanly (margin {lim.margin_s:g} s + {lim.steps_margin} x {self.longest:.3g} s)"
+        )
+
+
+class TimeLimit(Callback):
+    """Saves a checkpoint and stops the run before a time limit (a cluster job's wall time).
+
+    Pipeline::
+
+        FitStarted | StepEnded | EvaluationEnded | EpochEnded
+            -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
+            -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
+
+    The limit is ``seconds`` after ``FitStarted``, or an absolute ``deadline``. The decision
+    leaves ``margin_s`` (for writing the checkpoint and exiting) plus ``steps_margin`` times
+    the longest measured gap between two step ends (evaluations included), because the loop
+    applies commands at its next poll point. Both commands are applied in order at that
+    poll point: the checkpoint is written, then the run ends ``"stopped"`` with a
+    ``stop_reason`` starting with ``"time limit"``. ``save=False`` sends only the stop.
+
+    Args:
+        seconds: Run time allowed, from ``FitStarted`` (> 0).
+        deadline: Or: the absolute end, a ``datetime`` (naive: local time) or a Unix
+            timestamp. Give exactly one of the two.
+        margin_s: Seconds kept free before the limit (>= 0).
+        steps_margin: Longest step gaps kept free on top (int >= 1).
+        save: Send ``SaveCheckpoint(tag="time_limit")`` before ``StopTraining``.
+
+    Raises:
+        ConfigError: neither or both of ``seconds`` / ``deadline``, or an invalid value.
+    """
+
+    def __init__(
+        self,
+        seconds: float | None = None,
+        *,
+        deadline: dt.datetime | float | None = None,
+        margin_s: float = 60.0,
+        steps_margin: int = 2,
+        save: bool = True,
+    ) -> None:
+        if (seconds is None) == (deadline is None):
+            raise ConfigError.invalid(
+                "seconds", seconds, "a number of seconds, or None with deadline= (exactly one)"
+            )
+        self.seconds = check_seconds("seconds", seconds) if seconds is not None else None
+        self.deadline = _deadline_unix(deadline) if deadline is not None else None
+        self.margin_s = check_number("margin_s", margin_s)
+        self.steps_margin = check_int("steps_margin", steps_margin, 1)
+        if not isinstance(save, bool):
+            raise ConfigError.invalid("save", save, "True or False")
+        self.save = save
+
+    def _commands(self, reason: str) -> Iterable[cmd.Command]:
+        if self.save:
+            yield cmd.SaveCheckpoint(tag="time_limit")
+        yield cmd.StopTraining(reason=reason)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the decision pipeline to ``bus.commands``."""
+        clock = _Clock(self)
+        bus.stream(ev.FitStarted, ev.StepEnded, ev.EvaluationEnded, ev.EpochEnded).pipe(
+            ops.map(clock.see),
+            ops.filter(lambda reason: reason is not None),
+            ops.take(1),
+            ops.flat_map(lambda reason: rx.from_iterable(list(self._commands(reason)))),
+        ).subscribe(bus.commands, name="TimeLimit")

@@ -1,0 +1,521 @@
+"""What a checkpoint holds, as tensors and plain containers only.
+
+Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them, or an
+``int`` / ``float`` / ``str`` / ``bool`` / ``None``, so it loads with
+``torch.load(weights_only=True)``, which cannot run code from the file. The payload::
+
+    magic        "trainbus-checkpoint"
+    format       FORMAT_VERSION
+    meta         trainbus_version, torch_version, world_size, param_shapes, optimizer,
+                 run (the cadences and data shape a resume compares: ``run_config``)
+    state        TrainState as a dict: step, epoch, batch_in_epoch, samples_seen,
+                 evaluated_step, closed_epoch (the last two absent in files of earlier
+                 versions: read as -1)
+    model, optimizer, scheduler, scaler      their state_dict() (None when absent)
+    metrics      {name: float}, the last evaluation's
+    rng          capture_rng(): python, torch, cuda (when present), numpy (when installed)
+    data_order   capture_data_order() of the epoch in progress, or None
+    callbacks    {name: state dict} of the callbacks that keep state
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import metadata
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import torch
+
+from .._exceptions import CheckpointError, ConfigError
+from ._keys import canonical_names, canonical_state, live_state
+from ._rng import restore_rng
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "Checkpoint",
+    "TrainState",
+    "build_payload",
+    "check_plain",
+    "parse_payload",
+    "run_metadata",
+]
+
+MAGIC = "trainbus-checkpoint"
+FORMAT_VERSION = 2
+"""1: trainbus 0.1 before the weights_only format (pickled Python RNG state); 2: this one."""
+
+_PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+
+
+class TrainState:
+    """Where the loop is: enough to resume exactly. The one owner of the run's position.
+
+    The fields are read-only; the position advances only through the methods below (the loop
+    calls them at the points docs/events.md names), and a checkpoint reads and restores it
+    through :meth:`as_dict` / :meth:`from_dict`.
+
+    Args:
+        step: Optimizer steps completed.
+        epoch: The epoch in progress (or about to start).
+        batch_in_epoch: Training batches of ``epoch`` already consumed.
+        samples_seen: Training samples consumed since the run began (across resumes).
+        evaluated_step: The step whose evaluation round ran last (-1: none yet).
+        closed_epoch: The last epoch whose end work (its evaluation, an epoch scheduler's
+            step) ran (-1: none yet).
+    """
+
+    __slots__ = (
+        "_batch_in_epoch", "_closed_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step"
+    )  # fmt: skip
+
+    FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step", "closed_epoch")
+    """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
+
+    OPTIONAL: Mapping[str, int] = MappingProxyType({"evaluated_step": -1, "closed_epoch": -1})
+    """Fields a checkpoint of an earlier version lacks, with the value read for them."""
+
+    def __init__(
+        self,
+        *,
+        step: int = 0,
+        epoch: int = 0,
+        batch_in_epoch: int = 0,
+        samples_seen: int = 0,
+        evaluated_step: int = -1,
+        closed_epoch: int = -1,
+    ) -> None:
+        self._step, self._epoch = step, epoch
+        self._batch_in_epoch, self._samples_seen = batch_in_epoch, samples_seen
+        self._evaluated_step, self._closed_epoch = evaluated_step, closed_epoch
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self._step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress (or about to start)."""
+        return self._epoch
+
+    @property
+    def batch_in_epoch(self) -> int:
+        """Training batches of ``epoch`` already consumed (a mid-epoch save resumes after
+        them)."""
+        return self._batch_in_epoch
+
+    @property
+    def samples_seen(self) -> int:
+        """Training samples consumed since the run began (across resumes)."""
+        return self._samples_seen
+
+    @property
+    def evaluated_step(self) -> int:
+        """The step whose evaluation round ran last (-1: none yet). A step is evaluated once:
+        a cadence that comes due at a step already evaluated is skipped, also after a resume
+        from a checkpoint written after that evaluation."""
+        return self._evaluated_step
+
+    def evaluated(self) -> None:
+        """An evaluation round of the current step ran."""
+        self._evaluated_step = self._step
+
+    @property
+    def closed_epoch(self) -> int:
+        """The last epoch whose end work ran (-1: none yet). Equal to :attr:`epoch`: the epoch
+        in progress is over, its end work done (a checkpoint written at its ``EpochEnded``);
+        a resume starts the next one, also when the data has no length to tell."""
+        return self._closed_epoch
+
+    def epoch_closed(self) -> None:
+        """The current epoch's end work (evaluation, epoch scheduler step) ran."""
+        self._closed_epoch = self._epoch
+
+    def batch_taken(self) -> int:
+        """A training batch was fetched: count it in the epoch.
+
+        Returns:
+            Its index in the epoch (``batch_in_epoch`` before the call).
+        """
+        bi = self._batch_in_epoch
+        self._batch_in_epoch = bi + 1
+        return bi
+
+    def samples_done(self, samples: int) -> None:
+        """``samples`` training samples went through a forward and backward."""
+        self._samples_seen += samples
+
+    def step_done(self) -> None:
+        """An optimizer step was taken."""
+        self._step += 1
+
+    def epoch_done(self) -> None:
+        """The epoch's batches are all consumed (or a resume moves on to the next epoch's
+        boundary): the next epoch starts at its first batch."""
+        self._epoch += 1
+        self._batch_in_epoch = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """The position as a checkpoint stores it: ``{name: int}`` for :attr:`FIELDS`."""
+        return {
+            "step": self._step,
+            "epoch": self._epoch,
+            "batch_in_epoch": self._batch_in_epoch,
+            "samples_seen": self._samples_seen,
+            "evaluated_step": self._evaluated_step,
+            "closed_epoch": self._closed_epoch,
+        }
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, int]) -> TrainState:
+        """The position a checkpoint stored (:meth:`as_dict`'s output).
+
+        Raises:
+            KeyError: a field is missing (the reader checks the names first).
+        """
+        return cls(step=saved["step"], epoch=saved["epoch"],
+                   batch_in_epoch=saved["batch_in_epoch"],
+                   samples_seen=saved["samples_seen"],
+                   evaluated_step=saved.get("evaluated_step", -1),
+                   closed_epoch=saved.get("closed_epoch", -1))  # fmt: skip
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TrainState):
+            return NotImplemented
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable: equal by value, not hashable
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return f"TrainState({fields})"
+
+
+def _trainbus_version() -> str:
+    try:
+        return metadata.version("trainbus")
+    except metadata.PackageNotFoundError:  # running from a source tree that is not installed
+        return "unknown"
+
+
+def run_metadata(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
+) -> dict[str, Any]:
+    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume.
+
+    Args:
+        model: The model being saved (its parameter names and shapes are recorded).
+        optimizer: The optimizer (its class name is recorded).
+        world_size: Processes training together (1 until distributed training lands).
+
+    Returns:
+        ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
+    """
+    return {
+        "trainbus_version": _trainbus_version(),
+        "torch_version": str(torch.__version__),
+        "world_size": int(world_size),
+        # The original module's names: a torch.compile'd model's are the same (keys.py).
+        "param_shapes": {
+            n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
+        },
+        "optimizer": type(optimizer).__name__,
+    }
+
+
+def check_plain(value: object, where: str) -> None:
+    """Refuse anything ``torch.load(weights_only=True)`` could not load back.
+
+    Args:
+        value: A state to be saved.
+        where: Its name in the error message, e.g. ``"callback_states['EarlyStopping']"``.
+
+    Raises:
+        ConfigError: ``value`` holds something other than tensors, dict/list/tuple and
+            int/float/str/bool/None (dict keys must be str or int).
+    """
+    stack: list[tuple[object, str]] = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, dict):
+            for k, v in item.items():
+                if not isinstance(k, str | int) or isinstance(k, bool):
+                    raise ConfigError.invalid(at, k, "dict keys that are str or int")
+                stack.append((v, f"{at}[{k!r}]"))
+        elif isinstance(item, list | tuple):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
+        elif not isinstance(item, _PLAIN):
+            raise ConfigError.invalid(
+                at, type(item).__name__,
+                "tensors, dict/list/tuple and int/float/str/bool/None (what weights_only loads)",
+            )  # fmt: skip
+
+
+def build_payload(
+    *,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    metrics: Mapping[str, float],
+    rng: dict[str, Any] | None,
+    data_order: dict[str, Any] | None = None,
+    callback_states: Mapping[str, Mapping[str, Any]] | None = None,
+    world_size: int = 1,
+    sharded: bool = False,
+    run: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The dictionary written to a checkpoint file (see the module docstring).
+
+    Args:
+        sharded: A sharded run's ``trainbus.pt`` (:mod:`.sharded`): the model and optimizer
+            entries are empty (their state is in the DCP files) and the metadata says so.
+            A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
+        run: The run's cadences and data shape (``meta["run"]``), which a resume compares with
+            its own to warn when exactness is lost; None: not recorded.
+
+    Raises:
+        ConfigError: a callback state or the data order holds a value that
+            ``weights_only=True`` could not load.
+    """
+    callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
+    check_plain(callbacks, "callback_states")
+    check_plain(data_order, "data_order")
+    meta = run_metadata(model, optimizer, world_size=world_size)
+    if sharded:
+        meta["sharded"] = True
+    if run is not None:
+        meta["run"] = dict(run)
+        check_plain(meta["run"], "meta['run']")
+    return {
+        "magic": MAGIC,
+        "format": FORMAT_VERSION,
+        "meta": meta,
+        "state": state.as_dict(),
+        "model": {} if sharded else canonical_state(model.state_dict()),
+        "optimizer": {"state": {}, "param_groups": []} if sharded else optimizer.state_dict(),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "scaler": scaler.state_dict() if scaler is not None else None,
+        "metrics": {str(k): float(v) for k, v in metrics.items()},
+        "rng": rng,
+        "data_order": data_order,
+        "callbacks": callbacks,
+    }
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Checkpoint:
+    """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`.
+
+    Nothing is applied until :meth:`restore`; the loop reads ``data_order`` and ``callbacks``
+    itself (see ``docs/trainer.md``).
+    """
+
+    path: Path
+    state: TrainState
+    metrics: dict[str, float]
+    model: dict[str, Any]
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    data_order: dict[str, Any] | None
+    callbacks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def check_compatible(
+        self, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int = 1
+    ) -> None:
+        """Refuse to resume into a different model shape, optimizer type or world size.
+
+        Raises:
+            CheckpointError: naming what differs, saved value against current value.
+        """
+        now = run_metadata(model, optimizer, world_size=world_size)
+        problems: list[str] = []
+        saved_shapes: dict[str, list[int]] = canonical_names(self.meta["param_shapes"].items())
+        shapes: dict[str, list[int]] = now["param_shapes"]
+        missing = sorted(set(saved_shapes) - set(shapes))
+        extra = sorted(set(shapes) - set(saved_shapes))
+        if missing:
+            problems.append(f"parameters {missing} are in the checkpoint but not in the model")
+        if extra:
+            problems.append(f"parameters {extra} are in the model but not in the checkpoint")
+        for name in sorted(set(saved_shapes) & set(shapes)):
+            if list(saved_shapes[name]) != shapes[name]:
+                problems.append(f"parameter {name!r} has shape {list(saved_shapes[name])} in the "
+                                f"checkpoint but {shapes[name]} in the model")  # fmt: skip
+        if self.meta["optimizer"] != now["optimizer"]:
+            problems.append(f"the optimizer is {self.meta['optimizer']} in the checkpoint but "
+                            f"{now['optimizer']} now")  # fmt: skip
+        if self.meta["world_size"] != now["world_size"]:
+            problems.append(f"the world size is {self.meta['world_size']} in the checkpoint but "
+                            f"{now['world_size']} now")  # fmt: skip
+        if problems:
+            raise CheckpointError(
+                "does not fit this run: " + "; ".join(problems[:6])
+                + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
+                + ". Resume with the model and optimizer that wrote it, or start a fresh run",
+                path=str(self.path),
+            )  # fmt: skip
+
+    def restore(
+        self,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any | None,
+        scaler: Any | None,
+        world_size: int = 1,
+        rng: bool = True,
+    ) -> None:
+        """Load the saved states into the live objects (after :meth:`check_compatible`).
+
+        Args:
+            model, optimizer, scheduler, scaler: The objects to restore (scheduler / scaler
+                skipped when None here or in the checkpoint).
+            world_size: Processes training together now.
+            rng: Restore the random generators now. Pass False when the loop restores them
+                itself through :func:`~trainbus.checkpoint.replay_epoch` (mid-epoch resume).
+
+        Raises:
+            CheckpointError: the checkpoint does not fit the model, optimizer or world size,
+                or is a sharded checkpoint folder (restored by a sharded run only).
+        """
+        if self.meta.get("sharded"):
+            raise CheckpointError(
+                "a sharded checkpoint folder (written by a fully_shard run through "
+                "torch.distributed.checkpoint): resume it with the model sharded the same way, "
+                "or turn it into one file an unsharded model loads with "
+                "trainbus.checkpoint.export_full(folder, path) (CLI: trainbus export)",
+                path=str(self.path),
+            )  # fmt: skip
+        self.check_compatible(model=model, optimizer=optimizer, world_size=world_size)
+        model.load_state_dict(live_state(self.model, model))
+        optimizer.load_state_dict(self.optimizer)
+        if scheduler is not None and self.scheduler is not None:
+            scheduler.load_state_dict(self.scheduler)
+        if scaler is not None and self.scaler is not None:
+            scaler.load_state_dict(self.scaler)
+        if rng and self.rng is not None:
+            restore_rng(self.rng)
+
+    def restore_weights(self, model: torch.nn.Module) -> None:
+        """Load only the saved model weights into ``model`` (optimizer, scheduler, train state
+        and RNG untouched): the best weights at the end of a run, or a file to deploy.
+
+        Raises:
+            CheckpointError: a sharded checkpoint folder, or the saved parameters do not fit
+                ``model`` (names or shapes; the message names what differs).
+        """
+        if self.meta.get("sharded"):
+            raise CheckpointError(
+                "a sharded checkpoint folder: load its weights into an unsharded model with "
+                "trainbus.checkpoint.export_full(folder, path) first", path=str(self.path),
+            )  # fmt: skip
+        try:
+            model.load_state_dict(live_state(self.model, model))
+        except RuntimeError as exc:  # missing, unexpected or mis-shaped keys
+            raise CheckpointError(f"does not fit the model: {exc}", path=str(self.path)) from exc
+
+    def restored(self) -> Checkpoint:
+        """This checkpoint without the states :meth:`restore` loads into live objects.
+
+        What a resumed run keeps after restoring: the train state, data order, RNG and
+        callback states and metadata. The model, optimizer, scheduler and scaler states are
+        dropped (empty), so no second copy of the weights stays alive for the whole run.
+
+        Returns:
+            A copy with ``model`` and ``optimizer`` empty and no ``scheduler`` / ``scaler``.
+        """
+        return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
+
+
+def _need(payload: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
+    if key not in payload:
+        raise CheckpointError(f"missing the {key!r} entry; the file is not a complete trainbus "
+                              "checkpoint", path=str(path))  # fmt: skip
+    value = payload[key]
+    if not isinstance(value, kind):
+        raise CheckpointError(f"the {key!r} entry is a {type(value).__name__}, not what trainbus "
+                              "writes", path=str(path))  # fmt: skip
+    return value
+
+
+def _rng_ok(rng: object) -> bool:
+    if not isinstance(rng, dict) or not isinstance(rng.get("torch"), torch.Tensor):
+        return False
+    py = rng.get("python")
+    return (
+        isinstance(py, dict)
+        and isinstance(py.get("internal"), torch.Tensor)
+        and py["internal"].numel() == 625
+        and isinstance(py.get("version"), int)
+    )
+
+
+def parse_payload(payload: object, path: Path) -> Checkpoint:
+    """Check the structure of a loaded payload and wrap it.
+
+    Raises:
+        CheckpointError: not a trainbus checkpoint (wrong magic), another format version, or a
+            missing / mistyped entry; the message names the file and the entry.
+    """
+    if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
+        old = isinstance(payload, dict) and payload.get("format") == 1
+        raise CheckpointError(
+            "written by an older trainbus (format 1, not loadable safely); resume from a newer "
+            "checkpoint or start fresh" if old
+            else "not a trainbus checkpoint (no trainbus magic marker)",
+            path=str(path),
+        )  # fmt: skip
+    if payload.get("format") != FORMAT_VERSION:
+        raise CheckpointError(f"format version {payload.get('format')!r}, this trainbus reads "
+                              f"{FORMAT_VERSION}", path=str(path))  # fmt: skip
+    meta = _need(payload, "meta", dict, path)
+    for key, kind in (("param_shapes", dict), ("optimizer", str), ("world_size", int)):
+        _need(meta, key, kind, path)
+    raw_state = _need(payload, "state", dict, path)
+    names = TrainState.FIELDS
+    raw_state = {**TrainState.OPTIONAL, **raw_state}  # an earlier version's file lacks these
+    if set(raw_state) != set(names) or not all(
+        isinstance(raw_state[n], int) and not isinstance(raw_state[n], bool)
+        and raw_state[n] >= TrainState.OPTIONAL.get(n, 0)
+        for n in names
+    ):  # fmt: skip
+        raise CheckpointError(f"the 'state' entry {raw_state!r} is not a train state",
+                              path=str(path))  # fmt: skip
+    model = _need(payload, "model", dict, path)
+    if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
+        raise CheckpointError("the 'model' entry is not a state dict of tensors", path=str(path))
+    optimizer = _need(payload, "optimizer", dict, path)
+    if not {"state", "param_groups"} <= set(optimizer):
+        raise CheckpointError("the 'optimizer' entry is not an optimizer state dict",
+                              path=str(path))  # fmt: skip
+    metrics = _need(payload, "metrics", dict, path)
+    if not all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items()):
+        raise CheckpointError("the 'metrics' entry is not {name: float}", path=str(path))
+    rng = _need(payload, "rng", (dict, type(None)), path)
+    if rng is not None and not _rng_ok(rng):
+        raise CheckpointError("the 'rng' entry is not a saved RNG state", path=str(path))
+    callbacks = _need(payload, "callbacks", dict, path)
+    if not all(isinstance(k, str) and isinstance(v, dict) for k, v in callbacks.items()):
+        raise CheckpointError("the 'callbacks' entry is not {name: state dict}", path=str(path))
+    return Checkpoint(
+        path=path,
+        state=TrainState.from_dict(raw_state),
+        metrics=dict(metrics),
+        model=model,
+        optimizer=optimizer,
+        scheduler=_need(payload, "scheduler", (dict, type(None)), path),
+        scaler=_need(payload, "scaler", (dict, type(None)), path),
+        rng=rng,
+        data_order=_need(payload, "data_order", (dict, type(None)), path),
+        callbacks=callbacks,
+        meta=meta,
+    )

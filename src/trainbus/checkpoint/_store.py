@@ -1,0 +1,387 @@
+"""The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps.
+
+A write goes to a temporary file in the same folder (``.<name>.<pid>.<random>.trainbus-tmp``),
+is flushed and fsynced, renamed over its final name with ``os.replace`` (atomic on POSIX and
+Windows), and the folder is fsynced so the rename itself survives a power cut. A crash or a
+SIGKILL at any moment leaves either the previous files untouched or the complete new one; the
+temp file a killed writer leaves behind is removed the next time a :class:`CheckpointStore` opens
+the folder.
+
+A read never runs code from the file: the zip container's CRCs are checked first (``torch.load``
+does not check them: a flipped byte in a tensor would load silently), then the payload is loaded
+with ``torch.load(weights_only=True)`` and its structure checked. Whatever is wrong surfaces as
+:class:`~trainbus.CheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._durable import fsync_folder
+from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
+from .._log import get_logger
+from ._reading import read_file
+from ._sharded import read_folder
+from ._state import Checkpoint
+
+__all__ = [
+    "TEMP_SUFFIX",
+    "CheckpointStore",
+    "LatestScan",
+    "check_checkpoint_dir",
+    "checkpoint_name",
+    "parse_checkpoint_name",
+    "read_checkpoint",
+    "save_synced",
+]
+
+log = get_logger(__name__)
+
+TEMP_SUFFIX = ".trainbus-tmp"
+_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?\.pt$")
+_FOLDER = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?$")  # a sharded run's checkpoint
+_TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+" + re.escape(TEMP_SUFFIX) + "$")
+
+# Temp files this process is writing right now: the same pid can belong to a killed writer of
+# an earlier container run (pid 1 restarts as pid 1), so "my pid" alone does not mean "mine".
+_in_flight: set[str] = set()
+_in_flight_lock = threading.Lock()
+
+
+def checkpoint_name(step: int, tag: str | None) -> str:
+    """``step-00000042.pt`` or ``step-00000042-best.pt``."""
+    return f"step-{step:08d}" + (f"-{tag}" if tag else "") + ".pt"
+
+
+def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
+    """``(step, tag)`` of a name made by :func:`checkpoint_name`, or None for any other name."""
+    m = _NAME.match(name)
+    return None if m is None else (int(m.group(1)), m.group(2))
+
+
+def check_checkpoint_dir(path: object) -> Path:
+    """Check up front that ``path`` can hold checkpoints, without creating anything.
+
+    The folder may exist (then it must be a writable folder) or not (then its nearest existing
+    ancestor must be a writable folder, so the first save can create it).
+
+    Args:
+        path: The ``checkpoint_dir`` setting.
+
+    Returns:
+        The path as a :class:`~pathlib.Path`.
+
+    Raises:
+        ConfigError: naming ``checkpoint_dir``: not a path, a file, under a file, or in a
+            folder this process may not write to.
+    """
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ConfigError.invalid("checkpoint_dir", path, "a folder path (str or pathlib.Path)")
+    folder = Path(path)
+    probe = folder.absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if probe == folder.absolute() and not probe.is_dir():
+        raise ConfigError.invalid("checkpoint_dir", str(folder), "a folder (this path is a file)")
+    if not probe.is_dir():
+        raise ConfigError.invalid(
+            "checkpoint_dir", str(folder), f"a folder path; {probe} is a file, so no folder can "
+            "be created under it",
+        )  # fmt: skip
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError.invalid(
+            "checkpoint_dir", str(folder), f"a folder this process can write; {probe} is not "
+            "writable",
+        )  # fmt: skip
+    return folder
+
+
+def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
+    """Read and check a checkpoint: a ``.pt`` file, or a sharded run's checkpoint folder.
+
+    Nothing is applied to a model yet.
+
+    Args:
+        path: The ``.pt`` file, or a ``step-<n>[-<tag>]/`` folder a sharded run wrote.
+        map_location: Where tensors are loaded (as in ``torch.load``).
+
+    Returns:
+        The :class:`~trainbus.checkpoint.Checkpoint`; call its ``restore(...)`` to apply it.
+
+    Raises:
+        CheckpointError: the file is missing, empty, truncated, corrupt (a CRC fails), holds
+            anything but tensors and plain containers (``weights_only`` refuses it, so crafted
+            code never runs), or is not a trainbus checkpoint of this format; a folder is not a
+            complete sharded checkpoint. The message names the file or folder; the low-level
+            error is the ``__cause__``.
+    """
+    p = Path(path)
+    if p.is_dir():
+        return read_folder(p)
+    return read_file(p, map_location=map_location)
+
+
+def save_synced(obj: Any, file: Any) -> None:
+    """``torch.save`` ``obj`` into the open binary ``file``, then flush and fsync it.
+
+    Raises:
+        OSError: the disk refused a write (its own error: torch turns a refused write into
+            "RuntimeError: [enforce fail at inline_container.cc] unexpected pos").
+    """
+    sink = _Sink(file)
+    try:
+        torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
+    except OSError:
+        raise
+    except Exception as exc:
+        if sink.error is not None:
+            raise sink.error from exc
+        raise
+    file.flush()
+    os.fsync(file.fileno())
+
+
+class _Sink:
+    """The file ``torch.save`` writes to, remembering the ``OSError`` a write raised (torch
+    reports it as a ``RuntimeError`` without the errno)."""
+
+    __slots__ = ("_file", "error")
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self._file.write(data))
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self._file.flush()
+
+
+class LatestScan:
+    """What :meth:`CheckpointStore.find_latest` found in a checkpoint folder.
+
+    Attributes:
+        directory: The folder scanned.
+        checkpoint: The newest valid checkpoint, or None.
+        exists: Whether the folder exists (a folder path).
+        skipped: ``(file name, reason)`` of each checkpoint file skipped as invalid, newest first.
+        others: Names of the other entries when no checkpoint was found (files not named like
+            a checkpoint, ``step-<n>.pt``: a folder of another tool, or a mistyped one).
+    """
+
+    __slots__ = ("checkpoint", "directory", "exists", "others", "skipped")
+
+    def __init__(
+        self,
+        directory: Path,
+        checkpoint: Checkpoint | None,
+        *,
+        exists: bool,
+        skipped: tuple[tuple[str, str], ...] = (),
+        others: tuple[str, ...] = (),
+    ) -> None:
+        self.directory, self.checkpoint, self.exists = directory, checkpoint, exists
+        self.skipped, self.others = skipped, others
+
+    def describe(self, *, limit: int = 5) -> str:
+        """What the folder held, in words: ``"no such folder"``, ``"an empty folder"``,
+        ``"3 checkpoint files, all invalid: ..."`` or ``"no checkpoint file (step-<n>.pt);
+        2 other entries: ..."``.
+
+        Args:
+            limit: Names listed at most (then ``"... and N more"``).
+        """
+        if not self.exists:
+            return "no such folder"
+        parts: list[str] = []
+        if self.skipped:
+            n = len(self.skipped)
+            names = [f"{name} ({reason})" for name, reason in self.skipped[:limit]]
+            more = f"; ... and {n - limit} more" if n > limit else ""
+            what = "file, invalid" if n == 1 else "files, all invalid"
+            parts.append(f"{n} checkpoint {what}: " + "; ".join(names) + more)
+        if self.checkpoint is None and self.others:
+            n = len(self.others)
+            more = f", ... and {n - limit} more" if n > limit else ""
+            prefix = "" if self.skipped else "no checkpoint file (step-<n>.pt); "
+            parts.append(f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
+                         + ", ".join(self.others[:limit]) + more)  # fmt: skip
+        return "; ".join(parts) if parts else "an empty folder"
+
+
+class CheckpointStore:
+    """One checkpoint folder: writes files atomically, finds the newest valid one.
+
+    Opening a store removes the temp files that killed writers left in the folder (see
+    :meth:`clean_stale`). The folder itself is created by the first :meth:`save`, never before.
+
+    Args:
+        directory: The checkpoint folder.
+        clean: Remove stale temp files now (the default).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, clean: bool = True) -> None:
+        self._directory = Path(directory)
+        if clean:
+            self.clean_stale()
+
+    def clean_stale(self) -> list[Path]:
+        """Remove temp files whose writer is gone (killed mid-write).
+
+        A temp file is stale when the process id in its name is not running, or is this
+        process but the file is not one it is writing now.
+
+        Returns:
+            The files removed.
+        """
+        if not self._directory.is_dir():
+            return []
+        removed: list[Path] = []
+        for entry in self._directory.iterdir():
+            m = _TEMP.match(entry.name)
+            if m is None or not self._stale(entry.name, int(m.group(1))):
+                continue
+            if entry.is_dir():  # a sharded save's temporary folder
+                shutil.rmtree(entry, ignore_errors=True)
+            elif entry.is_file():
+                entry.unlink(missing_ok=True)
+            else:
+                continue
+            removed.append(entry)
+            log.info("checkpoint_temp_removed", path=str(entry), reason="writer is gone")
+        return removed
+
+    @staticmethod
+    def _stale(name: str, pid: int) -> bool:
+        if pid == os.getpid():
+            with _in_flight_lock:
+                return name not in _in_flight
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except (PermissionError, OSError):  # alive under another user, or cannot tell: keep
+            return False
+        return False
+
+    def save(self, payload: dict[str, Any], *, step: int, tag: str | None = None) -> Path:
+        """Write ``payload`` atomically as ``step-<step>[-<tag>].pt`` and return its path.
+
+        Args:
+            payload: What :func:`~trainbus.checkpoint.build_payload` returned.
+            step: The optimizer step (names the file).
+            tag: Optional name part (``"best"``, ``"final"``).
+
+        Returns:
+            The final path; it exists and is complete when this returns.
+
+        Raises:
+            CheckpointWriteError: an ``OSError`` naming the file: the folder cannot be created
+                or written (disk full, permissions); the temp file is removed and any earlier
+                checkpoint is untouched.
+        """
+        path = self._directory / checkpoint_name(step, tag)
+        try:
+            self._directory.mkdir(parents=True, exist_ok=True)
+            self._write(payload, path)
+        except CheckpointWriteError:
+            raise
+        except OSError as exc:
+            # The OS error alone names no file (torch.save's ENOSPC names nothing at all).
+            raise CheckpointWriteError(str(path), exc) from exc
+        return path
+
+    def _write(self, payload: dict[str, Any], path: Path) -> None:
+        tmp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+        tmp = self._directory / tmp_name
+        with _in_flight_lock:
+            _in_flight.add(tmp_name)
+        try:
+            # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
+            # a plain open().
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                         0o666)  # fmt: skip
+            with os.fdopen(fd, "wb") as f:
+                save_synced(payload, f)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        finally:
+            with _in_flight_lock:
+                _in_flight.discard(tmp_name)
+        fsync_folder(self._directory)  # the rename is durable once the folder is
+
+    def checkpoints(self) -> list[Path]:
+        """Files named like checkpoints, newest first (highest step, then latest written)."""
+        if not self._directory.is_dir():
+            return []
+        found: list[tuple[int, int, Path]] = []
+        for entry in self._directory.iterdir():
+            folder = _FOLDER.match(entry.name)
+            if folder is not None and entry.is_dir():  # a sharded checkpoint (sharded.py)
+                step = int(folder.group(1))
+            else:
+                parsed = parse_checkpoint_name(entry.name)
+                if parsed is None or not entry.is_file():
+                    continue
+                step = parsed[0]
+            try:
+                mtime = entry.stat().st_mtime_ns
+            except FileNotFoundError:  # removed meanwhile (retention)
+                continue
+            found.append((step, mtime, entry))
+        found.sort(key=lambda t: (t[0], t[1]), reverse=True)
+        return [p for _, _, p in found]
+
+    def load_latest(self, *, map_location: Any = "cpu") -> Checkpoint | None:
+        """Read the newest checkpoint that is valid, skipping the others with a warning.
+
+        Each skipped file is logged (``checkpoint_skipped``, warning level, with ``path`` and
+        ``reason``), never deleted: a person may want to look at it.
+
+        Returns:
+            The newest valid checkpoint, or None when the folder holds none.
+        """
+        return self.find_latest(map_location=map_location).checkpoint
+
+    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
+        """:meth:`load_latest`, also reporting what the folder held: what a resume says when it
+        finds nothing to load (a mistyped folder, an empty one, only damaged files).
+
+        Returns:
+            The scan: the newest valid checkpoint (or None), the files skipped and why, and
+            what else the folder held.
+        """
+        if not self._directory.is_dir():
+            return LatestScan(self._directory, None, exists=False)
+        skipped: list[tuple[str, str]] = []
+        for path in self.checkpoints():
+            try:
+                found = read_checkpoint(path, map_location=map_location)
+            except CheckpointError as exc:
+                log.warning("checkpoint_skipped", path=str(path), reason=str(exc))
+                skipped.append((path.name, str(exc)))
+                continue
+            return LatestScan(self._directory, found, exists=True, skipped=tuple(skipped))
+        others = sorted(e.name for e in self._directory.iterdir() if _TEMP.match(e.name) is None)
+        return LatestScan(self._directory, None, exists=True, skipped=tuple(skipped),
+                          others=tuple(o for o in others if o not in dict(skipped)))  # fmt: skip
+
+    def latest_valid(self) -> Path | None:
+        """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""
+        found = self.load_latest()
+        return None if found is None else found.path
