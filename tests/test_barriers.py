@@ -184,7 +184,7 @@ async def test_an_async_decider_of_a_per_step_barrier_is_waited_for(
     trainer = make_trainer(barriers=(barrier,), eval_data=None, eval_every=None, max_epochs=3)
     order = Order(trainer)
     if decision_step:
-        trainer.bus.decides(at=[3])
+        trainer.bus.declare_decision_steps(at=[3])
 
     async def stopper(e: ev.BaseEvent) -> None:
         if e.step == 3:

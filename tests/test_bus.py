@@ -1,6 +1,6 @@
 """The event bus: tests that would catch a wrong bus.
 
-Stream timing runs in virtual time (``EventBus(scheduler=VirtualTimeScheduler())`` +
+Stream timing runs in virtual time (``EventBus(rx_scheduler=VirtualTimeScheduler())`` +
 ``bus.flush()`` + ``advance_by``); asynchronous behaviour waits on anyio events or on a state
 the bus reaches (``wait_until``), never on a measured duration.
 """
@@ -127,7 +127,7 @@ def test_explicit_scheduler_overrides_the_bus_scheduler(vbus: EventBus, vts, ste
 @pytest.mark.asyncio
 async def test_async_subscription_gets_the_bus_scheduler(step_event, wait_until) -> None:
     vts = VirtualTimeScheduler()
-    bus = EventBus(scheduler=vts, flush_interval=0.001)
+    bus = EventBus(rx_scheduler=vts, flush_interval=0.001)
     got: list[list[int]] = []
 
     async def on_buffer(b: list[ev.StepEnded]) -> None:

@@ -25,7 +25,7 @@ LOOP_NAMES = {
     "wait_for_room", "wants", "withdraw",
 }  # fmt: skip
 GONE_FROM_THE_BUS = {
-    "chain_scheduler", "clock", "declare", "doorbell", "due", "has_commands", "held",
+    "rx_scheduler", "clock", "declare", "doorbell", "due", "has_commands", "held",
     "next_decision", "poll_commands", "request_cancel_pending", "routes_version",
     "subscribe_observer", "wait_barrier", "wait_for_room", "wants_each", "withdraw",
 }  # fmt: skip
@@ -85,8 +85,8 @@ def test_every_change_the_loop_must_see_rings_the_one_doorbell() -> None:
 
     sub = bus.stream(ev.ForwardStarted).subscribe(lambda e: None)
     assert rang() and port.wants(ev.ForwardStarted)  # the demand changed
-    declared = bus.decides(every=4)
-    assert rang() and port.next_decision(0) == 4  # a decision schedule
+    declared = bus.declare_decision_steps(every=4)
+    assert rang() and port.next_decision(0) == 4  # a decision steps
     bus.send(cmd.StopEpoch())
     assert rang() and port.has_commands()  # a command
     declared.dispose()

@@ -272,7 +272,7 @@ def test_skip_with_a_non_finite_returned_loss_neither_stops_nor_skips(mode: str)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_one_element_loss_of_shape_1_is_a_scalar(policy: str, accumulate: int) -> None:
     """``loss_fn`` returning shape ``(1,)`` (one element, as the docs' "scalar" allows): every
-    policy and window reads it as one value, a short last window (5 batches, windows of 2)
+    policy and window reads it as one value, a short last step (5 batches, steps of 2)
     beside means included; the logged loss is the mean of the steps' losses."""
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5, 4),

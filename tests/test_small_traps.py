@@ -43,7 +43,7 @@ def test_every_hook_point_of_a_step_sees_its_batch(accumulate: int) -> None:
     steps = 4
     assert len(seen["batch"]) == len(seen["after_backward"]) == steps * accumulate
     assert len(seen["before_optimizer_step"]) == len(seen["after_optimizer_step"]) == steps
-    # after_backward: the micro-batch itself; the optimizer points: the window's last one.
+    # after_backward: the micro-batch itself; the optimizer points: the step's last one.
     for (bi, x), (bj, y) in zip(seen["batch"], seen["after_backward"], strict=True):
         assert bi == bj and torch.equal(x, y)
     last_of_window = seen["batch"][accumulate - 1 :: accumulate]

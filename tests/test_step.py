@@ -155,7 +155,7 @@ def _scheduled(folder: Path) -> Trainer:
 
 
 def _accumulated(folder: Path, **kwargs: Any) -> Trainer:
-    """Windows of 3 micro-batches, the epoch's last one shorter (20 batches), clipped."""
+    """Steps of 3 micro-batches, the epoch's last one shorter (20 batches), clipped."""
     model = tiny_model()
     kwargs.setdefault("loss_fn", F.cross_entropy)
     return Trainer(model, _sgd(model), tiny_loader(20, 8),

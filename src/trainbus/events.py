@@ -339,7 +339,7 @@ class BackwardStarted(BaseEvent):
 
     batch_index: int
     micro_batch: int
-    """Position within the accumulation window, from 0."""
+    """Position among the step's micro-batches, from 0."""
     accumulation_steps: int
 
 

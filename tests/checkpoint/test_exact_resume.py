@@ -51,9 +51,9 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
 ) -> None:
     reference = build(None, generator=generator)
     full = reference.fit_sync()
-    assert full.steps == 12  # 3 epochs of 4 steps: windows of 3, 3, 3 and 1 batches
+    assert full.steps == 12  # 3 epochs of 4 steps: steps of 3, 3, 3 and 1 batches
 
-    # 2: mid-epoch; 4: the epoch's last (1-batch) window; 5 and 7: mid-epoch of a resumed run.
+    # 2: mid-epoch; 4: the epoch's last (1-batch) step; 5 and 7: mid-epoch of a resumed run.
     for k in (2, 4, 5, 7):
         run = build(tmp_path, generator=generator, barriers=BARRIERS)
         _stop_at(run, k)
@@ -92,9 +92,9 @@ def test_without_the_data_order_a_shuffled_resume_diverges(tmp_path: Path) -> No
 
 
 # Where each child SIGKILLs itself (optimizer step, moment in it): three kinds of moment, at
-# the start, middle and end of epochs, mid-window only where a window has a second batch.
-KILLS = [(2, "mid-window"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"),
-         (9, "mid-window"), (12, "after-step"), (13, "mid-write"), (18, "mid-window")]  # fmt: skip
+# the start, middle and end of epochs, mid-step only where a step has a second batch.
+KILLS = [(2, "mid-step"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"),
+         (9, "mid-step"), (12, "after-step"), (13, "mid-write"), (18, "mid-step")]  # fmt: skip
 
 
 @pytest.mark.slow

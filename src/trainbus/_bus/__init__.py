@@ -12,7 +12,7 @@ Doorbell           ``doorbell.py``            ``rings``: the one signal that the
 Spent              ``spent.py``               what the loop thread is done with (freed at publish)
 RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
 TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
-StepClock          ``clock.py``               declared decision schedules (each change rings)
+StepClock          ``clock.py``               declared decision steps (each change rings)
 DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
 BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
 AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
@@ -27,7 +27,7 @@ AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and w
 SubscriptionSet    ``registry.py``            subscription records in order, async start
 BusObservable      ``observable.py``          the chain users pipe and subscribe to
 CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
-ChainHost          ``host.py``                the guard a chain ends in, its schedules' declaration
+Chains             ``chains.py``              the guard a chain ends in, its decision steps
 CommandChannel     ``channel.py``             command deque, ``request()`` waiters
 PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
 Barrier            ``barrier.py``             the interrupted barrier wait
@@ -58,11 +58,11 @@ from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
 from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
 from .barrier import Barrier
+from .chains import Chains
 from .channel import AckObserver, CommandChannel, CommandError
-from .clock import At, DecisionStamp, Every, Schedule, StepClock
+from .clock import At, DecisionStamp, DecisionSteps, Every, StepClock
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
-from .host import ChainHost
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .observable import BusObservable, CommandSink
 from .port import LoopPort
@@ -101,7 +101,8 @@ class EventBus:
             ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
             they take (still warning every 30 s).
         on_error: Default error policy of subscriptions made without one.
-        scheduler: Scheduler handed to every subscription for time-based operators. Default: a
+        rx_scheduler: The Rx scheduler handed to every subscription for time-based operators
+            (not the Trainer's ``scheduler``, which is the learning-rate scheduler). Default: a
             new :class:`~trainbus.bus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
             scheduler (``trainbus.testing.VirtualTimeScheduler``).
         rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
@@ -134,7 +135,7 @@ class EventBus:
         max_queue: int = 65_536,
         close_timeout: float | None = DEFAULT_CLOSE_TIMEOUT,
         on_error: ErrorPolicy = "log",
-        scheduler: abc.SchedulerBase | None = None,
+        rx_scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
         watchdog_s: float | None = DEFAULT_WATCHDOG_S,
     ) -> None:
@@ -155,8 +156,8 @@ class EventBus:
                     "None (wait for pending async work) or seconds >= 0",
                 ) from None
         check_policy(on_error)
-        if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
-            raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")
+        if rx_scheduler is not None and not isinstance(rx_scheduler, abc.SchedulerBase):
+            raise ConfigError.invalid("rx_scheduler", rx_scheduler, "a reactivex scheduler or None")
         self.flush_interval = float(flush_interval)
         self.max_queue = max_queue
         self.close_timeout = None if close_timeout is None else float(close_timeout)
@@ -170,17 +171,17 @@ class EventBus:
         self._channel = channel = CommandChannel(stamp, bell)
         self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
-        if scheduler is None:
-            scheduler = own = AnyioScheduler(ledger.scheduler_failed)
-        self.scheduler: abc.SchedulerBase = scheduler
-        # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
-        self._chain_scheduler = ChainScheduler(self.scheduler)
+        if rx_scheduler is None:
+            rx_scheduler = own = AnyioScheduler(ledger.scheduler_failed)
+        self.rx_scheduler: abc.SchedulerBase = rx_scheduler
+        # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
+        self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
         self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
-        # What every chain subscribes through (the guard, its schedules' declaration).
-        self._host = host = ChainHost(subs, self._ranks, ledger, clock, self._chain_scheduler)
+        # What every chain subscribes through (the guard, its decision steps' declaration).
+        self._chains = chains = Chains(subs, self._ranks, ledger, clock, self._chain_scheduler)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -206,7 +207,7 @@ class EventBus:
         self.wants = routes.wants
         self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
                               channel=channel, ledger=ledger, pressure=subs.backpressure,
-                              barrier=barrier, lifecycle=lifecycle, host=host)  # fmt: skip
+                              barrier=barrier, lifecycle=lifecycle, chains=chains)  # fmt: skip
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
@@ -348,9 +349,9 @@ class EventBus:
             root = routes.register(types, observer, every_s=every_s, every_steps=every_steps)
             return Disposable(lambda: routes.unregister(root))
 
-        # Decision schedules only count on streams that can carry the per-step events.
+        # Decision steps only count on streams that can carry the per-step events.
         per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
-        return BusObservable(self._host, Observable(subscribe), per_step=per_step)
+        return BusObservable(self._chains, Observable(subscribe), per_step=per_step)
 
     def subscribe(
         self,
@@ -365,7 +366,7 @@ class EventBus:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
         Works with any Observable built from bus streams (``reactivex.merge(...)`` included):
-        the bus scheduler is handed to its time-based operators.
+        the bus' Rx scheduler is handed to its time-based operators.
 
         Args:
             observable: A bus stream, possibly piped through operators, or any Observable
@@ -384,7 +385,7 @@ class EventBus:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._host, observable)
+        wrapped = source or BusObservable(self._chains, observable)
         return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
                                  name=name, ranks=ranks)  # fmt: skip
 
@@ -425,7 +426,7 @@ class EventBus:
                 as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
                 for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
                 names it once it has held training for about half a second), and the
-                pipeline's schedules (``tbops.every(n)``, ``once(at=)``) are declared to the
+                pipeline's decision steps (``tbops.every(n)``, ``once(at=)``) are declared to the
                 step clock. False (default): ``fn`` never makes training wait at a barrier,
                 whatever events it receives (a poster of the metrics, an uploader, a logger);
                 its commands, if any, land at the next poll point. See docs/bus.md,
@@ -443,7 +444,7 @@ class EventBus:
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._host, observable)
+        wrapped = source or BusObservable(self._chains, observable)
         # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
         size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
                                               overflow=overflow, policy=on_error)  # fmt: skip
@@ -463,12 +464,12 @@ class EventBus:
             name=name,
             decides=decides,
         )
-        if decides and wrapped.schedules:
-            sub.hold(self._host.declare(wrapped.schedules))
+        if decides and wrapped.decision_steps:
+            sub.hold(self._chains.declare(wrapped.decision_steps))
         return sub
 
     # ================================================================== decision steps
-    def decides(
+    def declare_decision_steps(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
         """Declare that some pipeline decides at these steps (one the bus cannot see, such as a
@@ -486,15 +487,15 @@ class EventBus:
         Raises:
             ConfigError: neither given, or a value out of range.
         """
-        schedules: list[Schedule] = []
+        steps_: list[DecisionSteps] = []
         if every is not None:
-            schedules.append(Every(check_int("every", every, 1)))
+            steps_.append(Every(check_int("every", every, 1)))
         if at is not None:
             steps = list(at) if isinstance(at, Iterable) else [at]
-            schedules.extend(At(check_int("at", k, 0)) for k in steps)
-        if not schedules:
+            steps_.extend(At(check_int("at", k, 0)) for k in steps)
+        if not steps_:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self._host.declare(tuple(schedules))
+        return self._chains.declare(tuple(steps_))
 
     def tier(self, tier: Tier) -> TierContext:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier.

@@ -1,4 +1,4 @@
-"""The training thread's side: the step, command handling, metrics window, evaluation.
+"""The training thread's side: the step, command handling, log window, evaluation.
 
 Objects, each owning its state (see docs/architecture.md for the table); every module of the
 package is listed, and each name where it is defined (``tests/test_layers.py`` checks both):
@@ -20,7 +20,7 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
   and schedulers as one.
 - :class:`UserMetrics` (``logged.py``): values users log (``ctx.log``, ``LogMetric``).
 - :class:`CommandHandler` (``control.py``): poll points, commands, the stop state.
-- :class:`MetricsWindow` (``window.py``): aggregated training metrics and the NaN check.
+- :class:`LogWindow` (``window.py``): aggregated training metrics and the NaN check.
 - :class:`Evaluator` (``evaluation.py``): the evaluation round over the named sets.
 - :class:`SetMetric`, :class:`SetTotals`, :class:`MetricFailures` (``set_metrics.py``): metrics
   of the whole evaluation set, from running sums.
@@ -72,7 +72,7 @@ from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
 from .step import Step as Step
 from .wants import Wants as Wants
-from .window import MetricsWindow as MetricsWindow
+from .window import LogWindow as LogWindow
 
 __all__ = [
     "DEFAULT_BARRIERS",
@@ -86,8 +86,8 @@ __all__ = [
     "HookFn",
     "HookHandle",
     "Hooks",
+    "LogWindow",
     "Loop",
-    "MetricsWindow",
     "NonFinitePolicy",
     "OptimizerSet",
     "Outcome",

@@ -56,7 +56,7 @@ class Settings:
     scheduler_interval: Literal["step", "epoch"]
     accumulate: int
     accumulate_by: Any = "batches"
-    """How a window's micro-batches weigh: ``"batches"`` (``1 / window`` each), ``"items"`` or
+    """How a step's micro-batches weigh: ``"batches"`` (``1 / accumulate`` each), ``"items"`` or
     ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus._loop.accumulation`)."""
     clip_grad_norm: float | None
     precision: Precision

@@ -59,15 +59,15 @@ from .._tensors import is_sharded_model
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
-from .attached import Attached
+from .added import AddedCallbacks
+from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
 from .endings import OnSignal, interrupt_for
-from .lifetime import Lifetime
+from .holder import BusHolder
 from .options import TrainerOptions, build_settings, check_options, new_bus, options_doc
 from .options import signature as options_signature
 from .rank_setup import RankSetup
 from .result import FitResult, fit_result
 from .resume import CallbackStates, check_resume, load_weights
-from .session import BusSession, SignalWatcher, TrainingThread, watching_cancel
 from .workers import end_workers, spawns_workers
 
 __all__ = ["FitResult", "Trainer", "TrainerOptions"]
@@ -110,16 +110,16 @@ class Trainer:
         self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
-        self._attached = Attached(self.bus, self.hooks)
+        self._attached = AddedCallbacks(self.bus, self.hooks)
         attached = self._attached  # not self: no cycle through the trainer (freed without gc)
         # Every call's loop runs on this one thread, from the first call to close() or the
         # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
-        self._session = BusSession(self.bus, self.hooks, self.settings.barrier_timeout,
+        self._session = CallRunner(self.bus, self.hooks, self.settings.barrier_timeout,
                                    self._thread)  # fmt: skip
         self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
-        self._lifetime = Lifetime(self.bus, self._thread)
+        self._lifetime = BusHolder(self.bus, self._thread)
         self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
@@ -160,7 +160,7 @@ class Trainer:
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """Attached callbacks, in attachment order."""
+        """AddedCallbacks callbacks, in attachment order."""
         return self._attached.callbacks
 
     def add_hook(self, point: HookPoint, fn: HookFn) -> HookHandle:

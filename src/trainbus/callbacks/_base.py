@@ -32,6 +32,7 @@ import torch
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
+from .._validate import check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -137,13 +138,15 @@ class Callback:
     Class attributes tune how ``on_*`` methods subscribe:
 
     Attributes:
-        error_policy: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus default).
+        on_error: The error policy of its ``on_*`` methods: ``"log"``, ``"stop"`` or ``"raise"``
+            (None: the bus default). A string, not an event method.
         overflow: Overflow policy of ``async def on_*`` methods (default ``"drop_oldest"``, the
             bus' default: a slow method never holds training back; drops are lost work.
             ``"block"`` loses nothing but can slow training: see docs/bus.md).
         buffer: Buffer of ``async def on_*`` methods (None: the bus default).
         concurrency: Concurrent calls of each ``async def on_*`` method.
-        state_key: The name of this callback's state in checkpoints (None: the class name).
+        state_key: The name of this callback's state in checkpoints (a property: the class
+            name until set; ``cb.state_key = "..."`` sets it).
             Only callbacks that override :meth:`state_dict` keep state; two of them with one
             key in a Trainer are a ``ConfigError``, so give each instance of a class its own.
         ranks: Where its ``on_*`` methods and ``setup`` pipelines run under torchrun: None
@@ -157,7 +160,7 @@ class Callback:
     ``FitStarted`` of a resumed run.
     """
 
-    error_policy: ClassVar[ErrorPolicy | None] = None
+    on_error: ClassVar[ErrorPolicy | None] = None
     overflow: ClassVar[Overflow] = "drop_oldest"
     buffer: ClassVar[int | None] = None
     concurrency: ClassVar[int] = 1
@@ -166,16 +169,26 @@ class Callback:
     they were decided for: every barrier that delivers it an event then waits for it
     (``EventBus.subscribe_async(decides=)``, docs/bus.md "Barriers"). False (default): its
     async methods never hold training."""
-    state_key: str | None = None
+    _state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
     publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()
     """Event types this callback publishes itself (``ExternalEvaluationEnded`` for
     :class:`~trainbus.callbacks.EvaluateCheckpoints`): what :class:`RunPlan` tells the others."""
 
     @property
-    def checkpoint_key(self) -> str:
-        """The name this callback's state is saved under: ``state_key`` or the class name."""
-        return self.state_key or type(self).__name__
+    def state_key(self) -> str:
+        """The name this callback's state is saved under in checkpoints: the one set
+        (``cb.state_key = "..."``, a built-in's ``state_key=``), else the class name."""
+        return self._state_key or type(self).__name__
+
+    @state_key.setter
+    def state_key(self, value: str | None) -> None:
+        """Set the name (None: the class name).
+
+        Raises:
+            ConfigError: neither None nor a non-empty string.
+        """
+        self._state_key = check_state_key(value)
 
     @property
     def stateful(self) -> bool:
@@ -271,7 +284,7 @@ class Callback:
         return inspect.iscoroutinefunction(method)
 
     def subscribe_to(self, bus: EventBus) -> None:
-        """Subscribe this callback's ``on_*`` methods to ``bus`` (with its ``error_policy``,
+        """Subscribe this callback's ``on_*`` methods to ``bus`` (with its ``on_error``,
         ``concurrency``, ``buffer`` and ``overflow``) and call :meth:`setup`, all on its
         ``ranks``. Its ``hook_*`` methods are not attached here (a Trainer adds them). What
         ``Trainer.add_callback`` and the launcher's driver both do.
@@ -287,10 +300,10 @@ class Callback:
                 if Callback.is_async(method):
                     bus.subscribe_async(bus.stream(event_type), method,
                                         concurrency=self.concurrency, buffer=self.buffer,
-                                        overflow=self.overflow, on_error=self.error_policy,
+                                        overflow=self.overflow, on_error=self.on_error,
                                         decides=self.decides, name=label)  # fmt: skip
                 else:
-                    bus.subscribe(bus.stream(event_type), method, on_error=self.error_policy,
+                    bus.subscribe(bus.stream(event_type), method, on_error=self.on_error,
                                   name=label)  # fmt: skip
             self.setup(bus)
 

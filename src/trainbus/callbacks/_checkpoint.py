@@ -410,7 +410,7 @@ class Checkpointing(Callback):
         load_best_at_end: bool = False,
         state_key: str | None = None,
     ) -> None:
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)

@@ -128,7 +128,7 @@ class EMA(Callback):
         self.buffers: Buffers = buffers
         self.device: torch.device | None = device
         self.evaluate = evaluate
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self._reset()
 
     def _reset(self) -> None:
@@ -223,7 +223,7 @@ class EMA(Callback):
                 or (weights is not None and not (isinstance(weights, Mapping) and all(
                     isinstance(v, torch.Tensor) for v in weights.values())))):  # fmt: skip
             raise CheckpointError(
-                f"the {self.checkpoint_key!r} callback state is not an EMA state "
+                f"the {self.state_key!r} callback state is not an EMA state "
                 f"(updates={updates!r}, weights of type {type(weights).__name__})"
             )
         self._reset()
@@ -329,7 +329,7 @@ class EMA(Callback):
             )
             if problem is not None:
                 raise CheckpointError(
-                    f"the {self.checkpoint_key!r} average does not fit the model: {problem}"
+                    f"the {self.state_key!r} average does not fit the model: {problem}"
                 )
             self._average = {name: loaded[name].to(device=self.device or t.device, copy=True)
                              for name, t in tensors.unique.items()}  # fmt: skip

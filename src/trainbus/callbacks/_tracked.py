@@ -24,7 +24,7 @@ class TrackedCallback(Callback):
     """
 
     def __init__(self, state_key: str | None = None) -> None:
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self.tracker = tbops.Tracker()
 
     def fresh_tracker(self) -> tbops.Tracker:

@@ -93,7 +93,7 @@ class OptunaPruning(Callback):
     :meth:`after_fit`, once the run ended and every event was delivered).
     """
 
-    error_policy: ClassVar[ErrorPolicy | None] = "raise"
+    on_error: ClassVar[ErrorPolicy | None] = "raise"
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
         optuna = _optuna()
@@ -139,7 +139,7 @@ class OptunaPruning(Callback):
         log_every = plan.config.get("log_every")
         bus = None if self._bus is None else self._bus()
         if self.monitor not in plan.eval_metrics and bus is not None and isinstance(log_every, int):
-            self._decides = bus.decides(every=log_every)
+            self._decides = bus.declare_decision_steps(every=log_every)
 
     def on_metrics_logged(self, event: ev.MetricsLogged) -> None:
         """Report ``monitor`` when this window carries it."""

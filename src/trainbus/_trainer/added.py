@@ -10,7 +10,7 @@ from .._exceptions import ConfigError
 from .._loop import HookHandle, Hooks
 from ..callbacks._base import Callback
 
-__all__ = ["Attached", "as_instances"]
+__all__ = ["AddedCallbacks", "as_instances"]
 
 
 def as_instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
@@ -50,7 +50,7 @@ class _Attachment:
             h.remove()
 
 
-class Attached:
+class AddedCallbacks:
     """The attached callbacks, each with what attaching it created (to undo it on removal).
 
     Args:
@@ -68,7 +68,7 @@ class Attached:
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """Attached callbacks, in attachment order."""
+        """AddedCallbacks callbacks, in attachment order."""
         return tuple(cb for cb, _ in self._entries.values())
 
     def add(self, callback: Callback | type[Callback], tier: Tier) -> Callback:
@@ -85,9 +85,9 @@ class Attached:
         if id(cb) in self._entries:
             raise ConfigError.invalid("callback", cb, "a callback not attached yet")
         if cb.stateful:
-            key = cb.checkpoint_key
+            key = cb.state_key
             for other, _ in self._entries.values():
-                if other.stateful and other.checkpoint_key == key:
+                if other.stateful and other.state_key == key:
                     raise ConfigError.invalid(
                         "state_key", key, f"a name no other stateful callback has: {other!r} "
                         f"and {cb!r} both save their state as {key!r}; pass state_key= to one",

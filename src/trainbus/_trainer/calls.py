@@ -34,7 +34,7 @@ from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
 from ..checkpoint import TrainState
 
-__all__ = ["BusSession", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
+__all__ = ["CallRunner", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
 
 log = get_logger(__name__)
 
@@ -207,7 +207,7 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
             tasks.stop()
 
 
-class BusSession:
+class CallRunner:
     """The bus' lifetime around one trainer call, and the standalone runs on it.
 
     Args:
