@@ -48,7 +48,7 @@ def stop_at(trainer: Trainer, step: int, reason: str) -> None:
     ],
 )
 def test_an_ending_tells_a_stops_cause_apart(
-    reason: ev.EndReason, stop_reason: str | None, ending: Ending
+    reason: str, stop_reason: str | None, ending: Ending
 ) -> None:
     assert Ending.of(reason, stop_reason) is ending
     assert ev.FitEnded(step=1, epoch=0, reason=reason, stop_reason=stop_reason).ending is ending

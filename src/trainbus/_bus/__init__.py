@@ -414,7 +414,7 @@ class EventBus:
             overflow: What a full buffer does. ``"drop_oldest"`` (default) drops the oldest
                 waiting item, ``"latest"`` keeps only the newest waiting item: a slow ``fn``
                 never holds training back, and every drop is counted as lost work
-                (``FitResult.lost``). ``"block"`` never drops: the training loop waits at its
+                (``FitResult.lost_work``). ``"block"`` never drops: the training loop waits at its
                 next poll point until the buffer has room, so it CAN slow training to ``fn``'s
                 pace (a ``training_waits_for_subscriber`` warning names it the first time,
                 ``FitResult.waited_s`` counts the seconds). Delivery to other subscribers
@@ -532,7 +532,7 @@ class EventBus:
     # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
         """Cancel every async subscriber's pending work now: items waiting in buffers and
-        calls running. They are counted as cancelled (lost work in ``FitResult.lost``), and
+        calls running. They are counted as cancelled (lost work in ``FitResult.lost_work``), and
         so is anything those subscriptions receive later. Meant for a close that waits too
         long (what a first Ctrl-C during the close does). Call it on the event-loop thread
         (``anyio.from_thread.run_sync(bus.cancel_pending)`` from another one).

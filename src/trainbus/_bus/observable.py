@@ -4,8 +4,8 @@ RxPY passes the scheduler from the subscriber towards the source: the ``schedule
 the *last* ``subscribe`` of a chain becomes the default of every time-based operator above it.
 A chain that starts at ``bus.events`` / ``bus.stream(...)`` is a :class:`BusObservable`, and so
 is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus' Rx scheduler and ends the
-chain in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)`` runs the
-throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
+chain in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)``
+runs the throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
 """
 
 from __future__ import annotations

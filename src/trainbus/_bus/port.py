@@ -39,6 +39,7 @@ from .lifecycle import Lifecycle
 from .pressure import Backpressure
 from .queue import PublishQueue
 from .routes import Demand, RouteTable
+from .statistics import BusStatistics
 
 __all__ = ["LoopPort"]
 
@@ -97,8 +98,13 @@ class LoopPort:
 
     @property
     def decision_steps(self) -> tuple[DecisionSteps, ...]:
-        """Every declared decision steps (what ranks agree on at a run's start)."""
+        """Every declaration of decision steps (what ranks agree on at a run's start)."""
         return self._clock.decision_steps
+
+    def statistics(self) -> BusStatistics:
+        """The bus' counters now (the loop's result at its end; the Trainer replaces them
+        once the bus delivered the run's events)."""
+        return self._lifecycle.statistics()
 
     def next_decision(self, after_step: int) -> int | None:
         """The first declared decision step after ``after_step`` (None: none declared)."""

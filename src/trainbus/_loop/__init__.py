@@ -34,7 +34,7 @@ package is listed, and each name where it is defined (``tests/test_layers.py`` c
 - :class:`CheckpointWriter` (``saving.py``): saves and remembers the last checkpoint.
 - :class:`Wants` (``wants.py``): which per-step events someone listens to.
 - :class:`Hooks`, :class:`StepContext`, :class:`HookHandle` (``hooks.py``): inline hooks.
-- :class:`Outcome`, :class:`Cancelled` (``outcome.py``): how a run of the loop ends.
+- :class:`FitResult`, :class:`Cancelled` (``result.py``): how a run of the loop ends.
 - :func:`hint_pin_memory` (``pinning.py``): the one-time hint to pin a CUDA run's batches.
 - :class:`Settings` (``settings.py``): the validated, frozen configuration.
 
@@ -56,12 +56,12 @@ from .logged import UserMetrics as UserMetrics
 from .loop import Loop as Loop
 from .optimizers import OptimizerSet as OptimizerSet
 from .optimizers import SchedulerSet as SchedulerSet
-from .outcome import Cancelled as Cancelled
-from .outcome import Outcome as Outcome
 from .outputs import OutputsCheck as OutputsCheck
 from .outputs import PadValue as PadValue
 from .outputs import PadValues as PadValues
 from .phases import StepPhases as StepPhases
+from .result import Cancelled as Cancelled
+from .result import FitResult as FitResult
 from .saving import CheckpointWriter as CheckpointWriter
 from .settings import DEFAULT_BARRIERS as DEFAULT_BARRIERS
 from .settings import NonFinitePolicy as NonFinitePolicy
@@ -83,6 +83,7 @@ __all__ = [
     "CommandHandler",
     "CustomStep",
     "Evaluator",
+    "FitResult",
     "HookFn",
     "HookHandle",
     "Hooks",
@@ -90,7 +91,6 @@ __all__ = [
     "Loop",
     "NonFinitePolicy",
     "OptimizerSet",
-    "Outcome",
     "OutputsCheck",
     "PadValue",
     "PadValues",

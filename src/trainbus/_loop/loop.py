@@ -32,7 +32,7 @@ under ``on_nonfinite="skip"``, which reads every step before the update (see ``n
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
 from .._exceptions import CheckpointError, CheckpointWriteError
@@ -48,9 +48,9 @@ from .hooks import Hooks
 from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .pinning import hint_pin_memory
+from .result import Cancelled, FitResult
 from .saving import CheckpointWriter
 from .step import Step, StepParts
 from .wants import Wants
@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     from .._distributed.sync import RankSync
     from .settings import Settings
 
-__all__ = ["Cancelled", "Loop", "Outcome"]
+__all__ = ["Cancelled", "FitResult", "Loop"]
 
 log = get_logger(__name__)
 
@@ -73,7 +73,7 @@ class Loop:
     """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable.
 
     Attributes:
-        outcome: How the run ended; None until :meth:`run` returns.
+        result: How the run ended; None until :meth:`run` returns.
 
     Args:
         settings: The validated settings.
@@ -121,7 +121,7 @@ class Loop:
         self._sync = sync
         self._agree_pending = False
         """Set by the last log window's reduction: some rank has commands to agree on."""
-        self.outcome: Outcome | None = None
+        self.result: FitResult | None = None
         self._wants = Wants(port)
         user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
         self._phases = StepPhases(settings, port, state, hooks, self._wants, user)
@@ -177,13 +177,13 @@ class Loop:
         self._first_step = state.step  # no optimizer step in this process before it
 
     def release(self) -> None:
-        """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
+        """Drop the run's parts once it has ended, keeping :attr:`result`: they refer back
         to the loop (late-bound callbacks), a cycle that would keep the model, optimizer and
         data alive until the next garbage collection. A released loop cannot run again;
         :meth:`request_cancel` is then a no-op."""
-        outcome = self.outcome
+        result = self.result
         self.__dict__.clear()
-        self.outcome = outcome
+        self.result = result
         self._cancel = True
         self._released = True
 
@@ -232,11 +232,11 @@ class Loop:
                 metrics=resume.metrics,
             ))  # fmt: skip
 
-    def run(self) -> Outcome:
+    def run(self) -> FitResult:
         """Run to the end; always publishes FitEnded. Returns how it ended."""
         pub = self._port.publish
         st, s, control = self._state, self._s, self._control
-        reason: ev.EndReason = "completed"
+        reason: Literal["completed", "stopped", "failed", "cancelled"] = "completed"
         error: BaseException | None = None
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
@@ -288,20 +288,24 @@ class Loop:
         finally:
             pub(ev.FitEnded(step=st.step, epoch=st.epoch, reason=reason, error=error,
                             stop_reason=control.stop_reason))  # fmt: skip
-        self.outcome = Outcome(
+        log.debug("fit_ended", reason=reason, step=st.step, epoch=st.epoch,
+                  stop_reason=control.stop_reason)  # fmt: skip
+        self.result = FitResult(
             reason=reason,
             error=error,
             stop_reason=control.stop_reason,
-            state=st,
+            steps=st.step,
+            epochs=st.epoch,
             eval_metrics=self._evaluator.metrics,
             train_metrics=self._log_window.metrics,
             last_checkpoint=self._checkpoints.last_checkpoint,
+            statistics=self._port.statistics(),  # the trainer's with_bus() replaces it
             skipped_nonfinite=self._guard.skipped,
             resumed_from=self._resumed_from,
             failed_saves=self._checkpoints.failed_saves,
             metric_failures=self._evaluator.failures.counts,
         )
-        return self.outcome
+        return self.result
 
     def _finished(self) -> bool:
         s, st = self._s, self._state

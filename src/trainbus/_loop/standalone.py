@@ -31,7 +31,6 @@ from .._tensors import batch_size, move_to_device, use_device
 from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
-from .outcome import Cancelled
 from .outputs import (
     OutputsCheck,
     PadValues,
@@ -40,6 +39,7 @@ from .outputs import (
     map_tensors,
     without_keys,
 )
+from .result import Cancelled
 from .wants import Wants
 
 if TYPE_CHECKING:

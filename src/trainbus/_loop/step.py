@@ -41,7 +41,7 @@ from .accumulation import ItemWeights, count_items
 from .data import END
 from .gradsync import GradSync
 from .nonfinite import mean_tensor
-from .outcome import Cancelled
+from .result import Cancelled
 
 if TYPE_CHECKING:
     from .._bus import LoopPort

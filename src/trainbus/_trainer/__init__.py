@@ -8,7 +8,7 @@ Every module of the package, each once (``tests/test_layers.py`` checks the list
 - ``checks.py``: the check of each single option, named in its declaration.
 - ``hf_options.py``: Hugging Face's option names and their trainbus equivalents (the
   ``TypeError`` for one, docs/migration.md's ``TrainingArguments`` table).
-- ``added.py``: the attached callbacks, their subscriptions and hooks (``AddedCallbacks``).
+- ``added.py``: the added callbacks, their subscriptions and hooks (``AddedCallbacks``).
 - ``session.py``: a call's bus session, the standalone runs, cancellation and SIGINT/SIGTERM.
 - ``resume.py``: ``fit(resume=...)`` checked and loaded; the callbacks' states at each save.
 - ``rank_setup.py``: one rank's part of a ``fit()``: process group, device, DDP, sharded data.

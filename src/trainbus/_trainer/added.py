@@ -1,4 +1,4 @@
-"""The callbacks attached to a trainer: their subscriptions on the bus and their hooks."""
+"""The callbacks added to a trainer: their subscriptions on the bus and their hooks."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class _Attachment:
 
 
 class AddedCallbacks:
-    """The attached callbacks, each with what attaching it created (to undo it on removal).
+    """The added callbacks, each with what adding it created (to undo it on removal).
 
     Args:
         bus: Where their ``on_*`` subscribers and ``setup(bus)`` pipelines go.
@@ -72,18 +72,18 @@ class AddedCallbacks:
         return tuple(cb for cb, _ in self._entries.values())
 
     def add(self, callback: Callback | type[Callback], tier: Tier) -> Callback:
-        """Attach a callback (see ``Trainer.add_callback``).
+        """Add a callback (see ``Trainer.add_callback``).
 
         Returns:
-            The attached instance.
+            The added instance.
 
         Raises:
-            ConfigError: not a Callback, attached already, a misspelt ``on_*`` / ``hook_*``
-                method, or a ``state_key`` another attached stateful callback has.
+            ConfigError: not a Callback, added already, a misspelt ``on_*`` / ``hook_*``
+                method, or a ``state_key`` another added stateful callback has.
         """
         (cb,) = as_instances([callback])
         if id(cb) in self._entries:
-            raise ConfigError.invalid("callback", cb, "a callback not attached yet")
+            raise ConfigError.invalid("callback", cb, "a callback not added yet")
         if cb.stateful:
             key = cb.state_key
             for other, _ in self._entries.values():
@@ -107,9 +107,9 @@ class AddedCallbacks:
         """Detach a callback: dispose its subscriptions and remove its hooks.
 
         Raises:
-            ConfigError: the callback is not attached.
+            ConfigError: the callback is not added.
         """
         entry = self._entries.pop(id(callback), None)
         if entry is None:
-            raise ConfigError.invalid("callback", callback, "a callback attached to this trainer")
+            raise ConfigError.invalid("callback", callback, "a callback added to this trainer")
         entry[1].detach()

@@ -367,7 +367,7 @@ class SignalWatcher:
         """Whether a second signal aborted the run."""
         return self._aborted
 
-    def attach(self, run: Loop | None) -> None:
+    def watch(self, run: Loop | None) -> None:
         """The loop a second signal cancels (None once it ended)."""
         self._run = run
 
@@ -444,7 +444,7 @@ class SignalWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         run = self._run
-        if run is not None and run.outcome is not None:
+        if run is not None and run.result is not None:
             # Training has ended and the call's end waits for async subscribers: a signal
             # cancels what they still hold (counted as lost work) instead of waiting on.
             # A signal after that one also makes fit() raise KeyboardInterrupt once it returns.

@@ -415,7 +415,8 @@ class TrainerOptions(TypedDict, total=False):
             BusDefault.DEFAULT,
             checks.as_given,
             "Seconds the end of ``fit()`` waits for async subscribers' pending work before "
-            "cancelling it (counted in ``FitResult.lost``; ``on_lost='raise'`` fails the run). "
+            "cancelling it (counted in ``FitResult.lost_work``; ``on_lost='raise'`` fails the "
+            "run). "
             "Default 300: long enough for a real upload, short enough that a hung one cannot "
             "hold the job for hours. A ``bus_close_waiting`` warning names what is pending "
             "after 1 s and again every 30 s (every tenth of a shorter timeout). None: wait as "
@@ -430,7 +431,7 @@ class TrainerOptions(TypedDict, total=False):
             "warn",
             checks.on_lost,
             "What lost work does to the run (items dropped by an overflow policy, cancelled at "
-            'close, or failed; ``FitResult.lost``): ``"warn"`` (default) logs '
+            'close, or failed; ``FitResult.lost_work``): ``"warn"`` (default) logs '
             '``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises '
             ":class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered "
             "(``trainer.result`` holds the result).",

@@ -40,11 +40,11 @@ from .._hookpoints import HookPoint
 from .._log import get_logger
 from .._loop import (
     TRAIN_METRIC_NAMES,
+    FitResult,
     HookFn,
     HookHandle,
     Hooks,
     Loop,
-    Outcome,
     PadValue,
     PadValues,
     Settings,
@@ -66,7 +66,6 @@ from .holder import BusHolder
 from .options import TrainerOptions, build_settings, check_options, new_bus, options_doc
 from .options import signature as options_signature
 from .rank_setup import RankSetup
-from .result import FitResult, fit_result
 from .resume import CallbackStates, check_resume, load_weights
 from .workers import end_workers, spawns_workers
 
@@ -110,17 +109,16 @@ class Trainer:
         self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
-        self._attached = AddedCallbacks(self.bus, self.hooks)
-        attached = self._attached  # not self: no cycle through the trainer (freed without gc)
+        self._added = AddedCallbacks(self.bus, self.hooks)
+        added = self._added  # not self: no cycle through the trainer (freed without gc)
         # Every call's loop runs on this one thread, from the first call to close() or the
         # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
         self._thread = TrainingThread()
-        self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
-        self._session = CallRunner(self.bus, self.hooks, self.settings.barrier_timeout,
+        self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
+        self._calls = CallRunner(self.bus, self.hooks, self.settings.barrier_timeout,
                                    self._thread)  # fmt: skip
-        self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
-        self._lifetime = BusHolder(self.bus, self._thread)
-        self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
+        self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
+        self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
         for cb in instances:
@@ -131,37 +129,37 @@ class Trainer:
         ):
             self.add_callback(Progress(), tier="core")  # the default kit's progress bar
         self._state: TrainState | None = None  # the last run's, for standalone calls after it
-        # Queued now, delivered when the bus first runs: subscribers attached by then see it.
+        # Queued now, delivered when the bus first runs: subscribers made by then see it.
         self.bus.publish(ev.TrainerBuilt(step=0, epoch=0, device=str(self.settings.device),
                                          callbacks=tuple(type(cb).__name__
                                                          for cb in self.callbacks)))  # fmt: skip
 
     # ================================================================== callbacks and hooks
     def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
-        """Attach a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
+        """Add a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
         and ``setup(bus)`` pipelines. While ``fit()`` runs, call it on the event-loop thread.
 
         Returns:
-            The attached instance.
+            The added instance.
 
         Raises:
             ConfigError: not a Callback, a misspelt ``on_*`` / ``hook_*`` method, or a
-                stateful callback whose ``state_key`` another attached one already has.
+                stateful callback whose ``state_key`` another added one already has.
         """
-        return self._attached.add(callback, tier)
+        return self._added.add(callback, tier)
 
     def remove_callback(self, callback: Callback) -> None:
         """Detach a callback: dispose its subscriptions and remove its hooks.
 
         Raises:
-            ConfigError: the callback is not attached to this trainer.
+            ConfigError: the callback is not added to this trainer.
         """
-        self._attached.remove(callback)
+        self._added.remove(callback)
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
         """AddedCallbacks callbacks, in attachment order."""
-        return self._attached.callbacks
+        return self._added.callbacks
 
     def add_hook(self, point: HookPoint, fn: HookFn) -> HookHandle:
         """Run ``fn(ctx)`` inline at ``point`` of every step (user tier); ``.remove()`` it.
@@ -180,7 +178,7 @@ class Trainer:
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
         """
-        self._lifetime.enter()
+        self._holder.enter()
         return self
 
     def __exit__(
@@ -204,7 +202,7 @@ class Trainer:
             Exception: a subscription with ``on_error="raise"`` failed while closing (the
                 subscriber's own exception).
         """
-        self._lifetime.close()
+        self._holder.close()
 
     async def __aenter__(self) -> Self:
         """``async with Trainer(...) as t:``: run the bus in this event loop until the end of
@@ -213,7 +211,7 @@ class Trainer:
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
         """
-        await self._lifetime.aenter()
+        await self._holder.aenter()
         return self
 
     async def __aexit__(
@@ -222,7 +220,7 @@ class Trainer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._lifetime.aexit(exc_type)
+        await self._holder.aexit(exc_type)
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close` for a trainer used without ``async with``.
@@ -230,7 +228,7 @@ class Trainer:
         Raises:
             TrainbusError: the bus runs in a ``with`` / ``async with`` block (leave it).
         """
-        await self._lifetime.aclose()
+        await self._holder.aclose()
 
     # ================================================================== running
     def fit_sync(
@@ -258,7 +256,7 @@ class Trainer:
             the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
         """
         with self._signals.installed(self.handle_signals):
-            result: FitResult = self._lifetime.call(
+            result: FitResult = self._holder.call(
                 lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
             )  # fmt: skip
@@ -292,7 +290,7 @@ class Trainer:
         Raises:
             ConfigError: ``resume`` is not a path or ``"latest"``, names no file, or is
                 ``"latest"`` without a ``checkpoint_dir``; ``require_checkpoint`` without
-                ``resume``; an attached callback refuses the run before it starts
+                ``resume``; an added callback refuses the run before it starts
                 (:meth:`Callback.check`: a monitored metric no evaluation produces,
                 ``Checkpointing`` without a ``checkpoint_dir``).
             CheckpointError: the checkpoint is damaged or foreign, or was written for another
@@ -317,25 +315,25 @@ class Trainer:
         """After a graceful stop by a signal (``on_signal="raise"``): its interrupt."""
         signum = self._signals.received
         if signum is not None and self.on_signal == "raise" and result.reason != "cancelled":
-            raise interrupt_for(signum, result.steps, result.checkpoint)
+            raise interrupt_for(signum, result.steps, result.last_checkpoint)
 
     async def _fit(
         self, *, resume: str | os.PathLike[str] | None, require_checkpoint: bool
     ) -> FitResult:
         self._check_idle("fit()")
-        self._lifetime.check_open("fit()")
-        if self._ran is not None and resume is None:
+        self._holder.check_open("fit()")
+        if self.result is not None and resume is None:
             raise TrainbusError(
-                f"fit() ran on this Trainer already (it ended {self._ran.reason!r} at "
-                f"step {self._ran.state.step}); a second fit() continues a run: "
+                f"fit() ran on this Trainer already (it ended {self.result.reason!r} at "
+                f"step {self.result.steps}); a second fit() continues a run: "
                 "fit(resume='latest') or fit(resume=<checkpoint path>); to train anew, build a "
                 "new Trainer"
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._session.begin()
+        self._calls.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
-                    if cb not in self._attached]  # fmt: skip
+                    if cb not in self._added]  # fmt: skip
         try:
             self._check_callbacks()
         except BaseException:
@@ -363,7 +361,7 @@ class Trainer:
             raise
         state = checkpoint.state if checkpoint is not None else TrainState()
         loop = Loop(
-            s, self._session.port, self.hooks, self._session.barrier, state, resume=checkpoint,
+            s, self._calls.port, self.hooks, self._calls.barrier, state, resume=checkpoint,
             resumed_from=None if checkpoint is None else str(checkpoint.path),
             resume_source=None if checkpoint is None else self._states.resume_source,
             callback_states=self._states.collect_from_thread if self._states.any_stateful
@@ -371,44 +369,43 @@ class Trainer:
             sync=RankSync(group) if group.distributed else None,
         )  # fmt: skip
         self._call = "fit"
-        self._signals.attach(loop)
+        self._signals.watch(loop)
         try:
             with self._signals.installed(self.handle_signals):
-                async with self._session.open():
+                async with self._calls.open():
                     async with watching_cancel(loop, self._thread):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
                         await self._thread.run(self._signals.masked(loop.run, spawns))
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too
-            self._signals.attach(None)
+            self._signals.watch(None)
             for cb in globals_:
                 self.remove_callback(cb)
-            ranks.close(loop.outcome)
+            ranks.close(loop.result)
             # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
             # the bus closed, so the result is complete.
-            if loop.outcome is not None:  # the loop ran: a later fit() must resume
-                self._ran = loop.outcome
-                self.result = fit_result(loop.outcome, self.bus.statistics())
-                self._state = loop.outcome.state
-            outcome = loop.outcome
+            if loop.result is not None:  # the loop ran: a later fit() must resume
+                self.result = loop.result.with_bus(self.bus.statistics())
+                self._state = state
+            ran = loop.result
             # The run's parts refer back to the loop (late-bound callbacks): dropped now, a
             # Trainer the caller drops frees its model, optimizer and data without a gc pass.
             loop.release()
-        assert outcome is not None and self.result is not None
-        if outcome.error is not None:
-            raise outcome.error
-        if self.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
-            raise LostWorkError(self.result.lost, self.result)
+        assert ran is not None and self.result is not None
+        if ran.error is not None:
+            raise ran.error
+        if self.on_lost == "raise" and self.result.lost_work and ran.reason != "cancelled":
+            raise LostWorkError(self.result.lost_work, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         interrupted = self._signals.received is not None and self.on_signal == "raise"
-        if outcome.reason != "cancelled" and not interrupted:  # the interrupt goes first
+        if ran.reason != "cancelled" and not interrupted:  # the interrupt goes first
             # Every event is delivered and the loop has ended: nothing reads the model now.
             self._load_weights_at_end()
             for cb in self.callbacks:
                 cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
-        if outcome.reason == "cancelled":
+        if ran.reason == "cancelled":
             # Cancelled from outside: the worker was waited for and the bus closed under a
             # shield; let the pending cancellation out here instead of returning a result.
             await anyio.lowlevel.checkpoint()
@@ -420,7 +417,7 @@ class Trainer:
         never while one runs. What ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do.
 
         Args:
-            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.checkpoint``).
+            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.last_checkpoint``).
 
         Returns:
             The step the weights are of.
@@ -436,7 +433,7 @@ class Trainer:
         return checkpoint.state.step
 
     def _load_weights_at_end(self) -> None:
-        """Load the weights an attached callback asks for at the end of ``fit()``
+        """Load the weights an added callback asks for at the end of ``fit()``
         (:meth:`Callback.weights_at_end`), on every rank; a file gone meanwhile is a warning,
         the model keeping its last weights."""
         asked = [(cb, p) for cb in self.callbacks if (p := cb.weights_at_end()) is not None]
@@ -447,7 +444,7 @@ class Trainer:
             log.warning("weights_at_end_ignored", path=str(path),
                         ignored=[str(p) for _, p in asked[1:]],
                         reason="several callbacks ask for weights at the end; the first "
-                        "attached wins")  # fmt: skip
+                        "added wins")  # fmt: skip
         if not os.path.exists(path):
             log.warning("weights_at_end_missing", path=str(path), callback=type(cb).__name__,
                         action="the model keeps its last weights")  # fmt: skip
@@ -457,7 +454,7 @@ class Trainer:
                  reason="weights_at_end")  # fmt: skip
 
     def _check_callbacks(self) -> None:
-        """Let every attached callback refuse the run up front (:meth:`Callback.check`)."""
+        """Let every added callback refuse the run up front (:meth:`Callback.check`)."""
         s = self.settings
         callbacks = self.callbacks
         plan = RunPlan(
@@ -484,10 +481,10 @@ class Trainer:
         data: Iterable[object],
     ) -> Any:
         self._check_idle(f"{name}()")
-        self._lifetime.check_open(f"{name}()")
+        self._holder.check_open(f"{name}()")
         self._call = name
         try:
-            return await self._session.standalone(fn, settings, self._state)
+            return await self._calls.standalone(fn, settings, self._state)
         finally:
             self._call = None
             end_workers(data)  # the call's persistent DataLoader workers end with it
@@ -540,7 +537,7 @@ class Trainer:
         Raises:
             As :meth:`evaluate` and :meth:`fit_sync`.
         """
-        return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
+        return self._holder.call(lambda: self.evaluate(data), backend, "evaluate")
 
     async def predict(
         self,
@@ -618,7 +615,7 @@ class Trainer:
         Raises:
             As :meth:`predict` and :meth:`fit_sync`.
         """
-        return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs,
+        return self._holder.call(lambda: self.predict(data, return_outputs=return_outputs,
                                                         pad_value=pad_value,
                                                         ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._exceptions import CheckpointError, ConfigError, TrainingError
-from .._validate import check_int, check_state_key
+from .._validate import check_int
 from ._base import Callback
 from ._weights import ModelTensors, exchange, unwrapped
 
@@ -52,7 +52,7 @@ class EMA(Callback):
     Around every evaluation round (hooks ``before_evaluation`` / ``after_evaluation``) the
     average is swapped into the model and the training weights swapped back afterwards, also
     when the evaluation raised or was cancelled: ``EvaluationEnded.metrics``,
-    ``FitResult.metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
+    ``FitResult.eval_metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
     ``trainer.evaluate()`` are the averaged model's. Before the first update there is no
     average and evaluations score the model as it is. ``trainer.predict()`` is not an
     evaluation: it uses the model's own weights (call :meth:`copy_to` first to predict with the
@@ -232,7 +232,7 @@ class EMA(Callback):
 
     # ================================================================== the hooks
     def setup(self, bus: EventBus) -> None:
-        """Start afresh: an instance attached to a new Trainer keeps no average of another."""
+        """Start afresh: an instance added to a new Trainer keeps no average of another."""
         self._reset()
 
     def hook_after_optimizer_step(self, ctx: StepContext) -> None:

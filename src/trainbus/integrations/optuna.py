@@ -234,7 +234,7 @@ class OptunaPruning(Callback):
         if prune:
             self.pruned_at = step
             bus = None if self._bus is None else self._bus()
-            assert bus is not None  # attached: the bus delivers this very event
+            assert bus is not None  # added: the bus delivers this very event
             bus.send(cmd.StopTraining(reason=PRUNED))
             log.info("trial_pruned", step=step, metric=self.monitor,
                      value=value if math.isfinite(value) else str(value),
