@@ -53,7 +53,7 @@ def objective(trial: optuna.Trial) -> float:
         checkpoint_dir=RUNS / f"trial-{trial.number}", skip_final_checkpoint={"pruned"},
         callbacks=[OptunaPruning(trial, "val_loss")],
     )  # fmt: skip
-    return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+    return trainer.fit_sync().eval_metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 
 def main() -> None:

@@ -267,7 +267,7 @@ async def test_a_metrics_poster_never_holds_training_nor_hands_it_its_backlog() 
     # Everything was posted (the close waited for it), nothing lost...
     assert posted.count("MetricsLogged") == 12
     assert posted.count("EvaluationEnded") == len(behind_at_barrier) == 3  # steps 4, 8, 12
-    assert result.lost == {}
+    assert result.lost_work == {}
     # ...the poster was behind at every barrier (the first already has 4 metrics + 1 eval)...
     assert min(behind_at_barrier) >= 1
     # ...and none of its 1.5 s of requests was training's: no wait counted, nothing said.

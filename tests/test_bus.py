@@ -147,7 +147,7 @@ async def test_time_operators_run_on_the_loop_thread(step_event, wait_until) -> 
     # No scheduler given: the bus' AnyioScheduler runs the timers, not RxPY's TimeoutScheduler
     # (a threading.Timer per action, which would call the subscriber on a timer thread).
     bus = EventBus(flush_interval=0.001)
-    assert isinstance(bus.scheduler, AnyioScheduler)
+    assert isinstance(bus.rx_scheduler, AnyioScheduler)
     threads: set[int] = set()
     buffered: list[int] = []
     debounced: list[int] = []
@@ -951,10 +951,10 @@ async def test_cancel_pending_ends_a_waiting_close_and_counts_cancelled(step_eve
                     tg.start_soon(cancel_when_closing)
     s = sub.statistics()
     assert (s.received, s.completed, s.cancelled) == (5, 0, 5)
-    assert s.lost.total == 5 and s.lost.cancelled == 5
+    assert s.lost_work.total == 5 and s.lost_work.cancelled == 5
     (lost,) = [x for x in logs if x["event"] == "bus_closed_with_lost_work"]
-    assert lost["lost"] == {"stuck": {"dropped": 0, "cancelled": 5, "failed": 0}}
-    assert lost["lost_work"] == 5 and lost["log_level"] == "warning"
+    assert lost["lost_work"] == {"stuck": {"dropped": 0, "cancelled": 5, "failed": 0}}
+    assert lost["total"] == 5 and lost["log_level"] == "warning"
 
 
 @pytest.mark.asyncio

@@ -21,11 +21,12 @@ from trainbus.testing import tiny_loader, tiny_model
 # What only the loop, the session and the distributed link call: on the port, not on the bus.
 LOOP_NAMES = {
     "demand", "declare", "doorbell", "failure", "has_commands", "held", "next_decision",
-    "poll_commands", "publish", "request_cancel_pending", "schedules", "wait_barrier",
+    "poll_commands", "publish", "request_cancel_pending", "decision_steps", "statistics",
+    "wait_barrier",
     "wait_for_room", "wants", "withdraw",
 }  # fmt: skip
 GONE_FROM_THE_BUS = {
-    "rx_scheduler", "clock", "declare", "doorbell", "due", "has_commands", "held",
+    "chain_scheduler", "clock", "declare", "doorbell", "due", "has_commands", "held",
     "next_decision", "poll_commands", "request_cancel_pending", "routes_version",
     "subscribe_observer", "wait_barrier", "wait_for_room", "wants_each", "withdraw",
 }  # fmt: skip
@@ -45,7 +46,8 @@ def test_the_users_bus_keeps_only_what_users_call() -> None:
     assert not (_public(bus) & GONE_FROM_THE_BUS)
     # What users call stays (docs/bus.md, the examples): publishing their own events included.
     users = {"events", "stream", "subscribe", "subscribe_async", "commands", "send", "request",
-             "statistics", "decides", "publish", "wants", "flush", "port"}  # fmt: skip
+             "statistics", "declare_decision_steps", "publish", "wants", "flush",
+             "port"}  # fmt: skip
     assert users <= _public(bus)
 
 

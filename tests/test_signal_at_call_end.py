@@ -3,7 +3,7 @@
 By default the end of ``fit()`` waits up to ``close_timeout`` (300 s) for async subscribers,
 with a ``bus_close_waiting`` notice. A real subprocess runs a short fit whose async subscriber
 never finishes an item; once the notice is printed, the test sends SIGINT: the pending items
-are cancelled, counted as lost work in ``FitResult.lost``, and the process ends normally.
+are cancelled, counted as lost work in ``FitResult.lost_work``, and the process ends normally.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ SCRIPT = textwrap.dedent(
     trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, name="hang",
                                 buffer=100)
     result = trainer.fit_sync()
-    print("RESULT", result.reason, result.steps, result.lost["hang"].cancelled,
-          result.lost_work, flush=True)
+    print("RESULT", result.reason, result.steps, result.lost_work["hang"].cancelled,
+          sum(x.total for x in result.lost_work.values()), flush=True)
     """
 )
 

@@ -73,7 +73,8 @@ SCRIPT = textwrap.dedent(
         except KeyboardInterrupt:  # on_signal="raise", the default: after the graceful stop
             raised = "KeyboardInterrupt"
         result = trainer.result
-        print("RESULT", result.reason, result.stop_reason, result.checkpoint, raised, flush=True)
+        print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, raised,
+              flush=True)
     """
 )
 

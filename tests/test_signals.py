@@ -89,7 +89,7 @@ SCRIPT = textwrap.dedent(
         if trainer.result is None or trainer.result.reason == "cancelled":
             raise  # aborted by a second SIGINT
         result = trainer.result
-    print("RESULT", result.reason, result.stop_reason, result.checkpoint, result.ending,
+    print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, result.ending,
           flush=True)
     """
 )
@@ -345,7 +345,7 @@ BLOCKING_SCRIPT = textwrap.dedent(
         async def main():
             return await trainer.fit()  # the event loop runs on the main thread itself
         result = anyio.run(main)
-    print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+    print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, flush=True)
     """
 )
 

@@ -257,7 +257,7 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
     assert_transcript(recorder, expected)
     assert steps == 4
     # Metrics keyed per set; the round merges them; the standalone round says so.
-    assert set(before) == set(result.metrics) == {"val/loss", "test/loss"}
+    assert set(before) == set(result.eval_metrics) == {"val/loss", "test/loss"}
     rounds = recorder.of_type(ev.EvaluationRoundStarted)
     assert [r.trigger for r in rounds] == ["standalone", "epoch", "epoch"]
     assert all(r.datasets == ("val", "test") for r in rounds)
@@ -267,7 +267,7 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
         ("test", {"test/loss"}),
     ]
     (last_round,) = recorder.of_type(ev.EvaluationRoundEnded)[-1:]
-    assert dict(last_round.metrics) == dict(result.metrics)
+    assert dict(last_round.metrics) == dict(result.eval_metrics)
     # Prediction: outputs per batch on the bus, concatenated in the return value.
     batches = recorder.of_type(ev.PredictionBatchEnded)
     assert [b.outputs.shape for b in batches] == [(32, 10)] * PREDICT_BATCHES
@@ -327,7 +327,7 @@ def test_transcript_with_commands_and_final_checkpoint(tmp_path: Path) -> None:
     assert_transcript(recorder, expected)
     saved = recorder.of_type(ev.CheckpointSaved)
     assert [s.tag for s in saved] == ["one", "final"]
-    assert Path(saved[-1].path).exists() and result.checkpoint == saved[-1].path
+    assert Path(saved[-1].path).exists() and result.last_checkpoint == saved[-1].path
     acks = recorder.of_type(ev.CommandApplied)
     assert [type(a.command) for a in acks] == [cmd.SaveCheckpoint, cmd.Evaluate]
     assert acks[0].result == saved[0] and acks[0].error is None

@@ -65,7 +65,7 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
     assert (result.reason, result.steps) == ("completed", 12)
     # Saved after step 7 = batch 9 of epoch 1: the resumed epoch goes on with its batch 9.
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)][:2] == [9, 0]
-    final = read_checkpoint(result.checkpoint or "")
+    final = read_checkpoint(result.last_checkpoint or "")
     assert final.state.samples_seen == 3 * 38
     for got, want in zip(_params(last), _params(reference), strict=True):
         assert torch.equal(got, want)
@@ -179,7 +179,7 @@ def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
     reductions = [a for a in rec1.of_type(ev.CommandApplied)
                   if isinstance(a.command, cmd.ScaleLearningRate)]  # fmt: skip
     assert len(reductions) == 1  # after the second evaluation; max_reductions=1 is spent
-    saved = read_checkpoint(first.result.checkpoint if first.result else "")
+    saved = read_checkpoint(first.result.last_checkpoint if first.result else "")
     assert saved.callbacks["Checkpointing"]["best"] == 1.0
     assert saved.callbacks["EarlyStopping"]["bad"] == 2
 
@@ -232,7 +232,7 @@ def _saved(tmp_path: Path) -> Path:
     run = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
                   loss_fn=F.cross_entropy, max_steps=1, checkpoint_dir=tmp_path,
                   handle_signals=False)  # fmt: skip
-    return Path(run.fit_sync().checkpoint or "")
+    return Path(run.fit_sync().last_checkpoint or "")
 
 
 def test_resume_into_another_model_shape_or_optimizer_says_what_differs(tmp_path: Path) -> None:

@@ -9,11 +9,12 @@ Every module of the package, each once (``tests/test_layers.py`` checks the list
 - ``hf_options.py``: Hugging Face's option names and their trainbus equivalents (the
   ``TypeError`` for one, docs/migration.md's ``TrainingArguments`` table).
 - ``added.py``: the added callbacks, their subscriptions and hooks (``AddedCallbacks``).
-- ``session.py``: a call's bus session, the standalone runs, cancellation and SIGINT/SIGTERM.
+- ``calls.py``: the bus around one call (``CallRunner``), the standalone runs, the training
+  thread, cancellation and SIGINT/SIGTERM.
 - ``resume.py``: ``fit(resume=...)`` checked and loaded; the callbacks' states at each save.
 - ``rank_setup.py``: one rank's part of a ``fit()``: process group, device, DDP, sharded data.
-- ``lifetime.py``: how long the bus runs; the one blocking portal of the sync twins.
+- ``holder.py``: how the Trainer holds its bus across calls (``BusHolder``); the one
+  blocking portal of the sync twins.
 - ``endings.py``: what ``fit()`` raises after a signal's graceful stop; skipped final saves.
 - ``workers.py``: DataLoader worker processes ended with the call that started them.
-- ``result.py``: what ``fit()`` returns (``FitResult``).
 """

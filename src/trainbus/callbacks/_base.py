@@ -35,10 +35,10 @@ from .._hookpoints import HOOK_POINTS
 from .._validate import check_state_key
 
 if TYPE_CHECKING:
-    from .. import FitResult
     from .._bus import EventBus
     from .._bus.async_subscription import Overflow
     from .._bus.failures import ErrorPolicy
+    from .._trainer.trainer import FitResult
 
 __all__ = [
     "Callback",

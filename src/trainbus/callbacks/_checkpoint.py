@@ -33,8 +33,8 @@ from ._base import Callback
 from ._sets import check_monitored, reads_metric
 
 if TYPE_CHECKING:
-    from .. import FitResult
     from .._bus import EventBus
+    from .._trainer.trainer import FitResult
     from ._base import RunPlan
 
 __all__ = ["Checkpointing"]
