@@ -94,7 +94,7 @@ async def main() -> None:
     assert result.stop_reason.startswith("early stopping"), result.stop_reason
     # Deterministic: LR set to 0 at the step-30 evaluation, no improvement at 40 and 50.
     assert result.steps == FREEZE_AT + 2 * EVAL_EVERY, result.steps
-    assert result.eval_metrics["val_loss"] < baseline.eval_metrics["val_loss"]
+    assert result.eval_metrics["val_loss"] < baseline.metrics["val_loss"]
     print(
         f"early stopping: stopped at step {result.steps} after val_loss went "
         f"{baseline.metrics['val_loss']:.4f} (baseline, step {baseline.step}) -> "
