@@ -1,6 +1,6 @@
 """Running work on the training thread while the bus runs: the thread itself (one per Trainer),
-the bus session of one call, the standalone evaluate/predict runs, and the watchers for
-cancellation and SIGINT/SIGTERM."""
+the bus around one call (:class:`CallRunner`), the standalone evaluate/predict runs, and the
+watchers for cancellation and SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -208,10 +208,11 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 
 class CallRunner:
-    """The bus' lifetime around one trainer call, and the standalone runs on it.
+    """The bus around one trainer call (opened for it, or used as it runs), its barriers, and
+    the standalone runs on it.
 
     Args:
-        bus: The trainer's bus (the session takes its loop face, :attr:`port`, once).
+        bus: The trainer's bus (the runner takes its loop face, :attr:`port`, once).
         hooks: The trainer's hooks (run by standalone runs too).
         barrier_timeout: How long a barrier waits for its subscribers.
         thread: The trainer's training thread (standalone runs run on it, barriers wait

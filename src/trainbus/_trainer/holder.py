@@ -79,7 +79,8 @@ def check_backend(backend: object) -> str:
 
 
 class BusHolder:
-    """The bus' lifetime over a Trainer's calls and the portal of its sync twins.
+    """How a Trainer holds its bus across calls (``with``, ``async with``, or each call for
+    itself) and the portal of its sync twins.
 
     Args:
         bus: The trainer's bus.
