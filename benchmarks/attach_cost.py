@@ -1,4 +1,4 @@
-"""What an attachable run costs while nobody is attached (issue 21).
+"""What an attachable run costs while nobody is attached.
 
 Per optimizer step, on the tiny MLP of the tests (32-64-10, batch 32, CPU), one ``fit()`` of
 ``--steps`` steps per measurement:
@@ -11,8 +11,8 @@ Per optimizer step, on the tiny MLP of the tests (32-64-10, batch 32, CPU), one 
 
 Both Trainer runs have no ``checkpoint_dir`` (no checkpoint write in the timing) and no
 progress bar. Rounds are interleaved (``_common.interleaved_rounds``) and the medians of the
-per-round ratios are reported (``paired_ratios``): ``on/off`` is the figure the issue asks
-for, ``off/bare`` and ``on/bare`` the ratio to a bare loop.
+per-round ratios are reported (``paired_ratios``): ``on/off`` is the figure that matters
+(what being attachable costs), ``off/bare`` and ``on/bare`` the ratio to a bare loop.
 
 Run: ``PYTHONPATH=src .venv/bin/python benchmarks/attach_cost.py [--steps 400] [--rounds 9]``.
 """

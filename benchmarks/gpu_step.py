@@ -4,7 +4,7 @@ Run on a host with a CUDA GPU (under 3 minutes on one H100/H200)::
 
     .venv/bin/python benchmarks/gpu_step.py [--rounds 5] [--quick]
 
-Without a GPU it says so and exits 0 (nothing to measure). Workloads (issue 25's table):
+Without a GPU it says so and exits 0 (nothing to measure). Workloads:
 
 - ``mlp``: MLP 512-2048-2048-10, batch 256, fp32, AdamW; batches already on the GPU
   (``mlp/device``) and batches on the host, pinned (``mlp/host``: the loop copies them).

@@ -1,6 +1,6 @@
 """A slow async subscriber against a real local HTTP service: does it hold training back?
 
-The scenario of issue 17: the tiny MLP (32-64-10, batch 32, torch on 1 thread), ``Checkpointing``
+The scenario users write: the tiny MLP (32-64-10, batch 32, torch on 1 thread), ``Checkpointing``
 every 500 steps, the default barriers, a fast sync subscriber of every ``StepEnded``, and an
 ``async def`` subscriber posting every 20th ``StepEnded`` (``ops.filter(step % 20 == 0)``) to a
 local stdlib ``ThreadingHTTPServer`` answering each POST after 200 ms (``urllib`` in

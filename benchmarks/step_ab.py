@@ -2,7 +2,7 @@
 
 Two processes differ by more than their code: where memory lands, which caches are warm, what
 the machine did meanwhile. On these shared 2-core machines that noise is as large as the
-differences issue 19's item 8 asks about (2 points on a ~0.6 ms step). Here the earlier tree
+differences the step-cost target is about (2 points on a ~0.6 ms step). Here the earlier tree
 is imported under another name (``trainbus_before``, from a copy of its ``src/trainbus``: the
 package imports itself relatively, so the copy runs its own code), and the rounds alternate
 ``before`` and ``after`` in the same process, each run right after a bare loop of its own, so

@@ -2,7 +2,7 @@
 
 A divergence alert is a small Rx pipeline over ``MetricsLogged``: it fires when the logged loss
 is above ``FACTOR`` times the best loss seen so far. It is attached to a live run recorded by
-``JsonlEventLog``; then ``trainbus._replay`` plays the recording on a virtual clock and the very
+``JsonlEventLog``; then ``trainbus.replay`` plays the recording on a virtual clock and the very
 same pipeline runs on it in milliseconds. Both must take the same decisions at the same steps.
 
 Run: ``python examples/replay_alerting.py``
@@ -19,8 +19,7 @@ import torch.nn.functional as F
 from reactivex import Observable
 from reactivex import operators as ops
 
-from trainbus import Trainer
-from trainbus import _replay as replay
+from trainbus import Trainer, replay
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus.callbacks import JsonlEventLog

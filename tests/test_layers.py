@@ -273,58 +273,6 @@ def test_bus_modules_import_only_modules_below_them() -> None:
                 assert imp.target in below, f"_bus/{stem}.py imports {imp.target}, not below it"
 
 
-# The part tables of the bus' and the loop's package docstrings are maps a reader trusts: each
-# lists every module of its package, nothing that does not exist, and each part in the module
-# it names (a new module, a rename or a move that forgets the table fails here).
-_MODULE = re.compile(r"``(\w+)\.py``")
-_NAME = re.compile(r":(?:class|func):`(\w+)`")
-
-
-def package_modules(package: str) -> set[str]:
-    return {p.stem for p in (SRC / package).glob("*.py")} - {"__init__"}
-
-
-def bus_table() -> list[tuple[str, str]]:
-    """(part, module) for each row of ``trainbus.bus``'s docstring table, in order."""
-    doc = importlib.import_module("trainbus._bus").__doc__ or ""
-    return re.findall(r"^(\w+)\s+``(\w+)\.py``\s", doc, re.M)
-
-
-def loop_list() -> list[tuple[list[str], list[str]]]:
-    """(names, modules) for each bullet of ``trainbus._loop``'s docstring."""
-    doc = importlib.import_module("trainbus._loop").__doc__ or ""
-    bullets = re.findall(r"^- (.*?)(?=^- |^$)", doc, re.M | re.S)
-    return [(_NAME.findall(b), _MODULE.findall(b)) for b in bullets]
-
-
-def test_bus_table_lists_every_module_in_the_import_order() -> None:
-    rows = bus_table()
-    listed = list(dict.fromkeys(module for _, module in rows))
-    assert set(listed) == package_modules("_bus"), "_bus/__init__.py's table vs _bus/*.py"
-    assert listed == BUS_ORDER, "_bus/__init__.py's table rows follow the import order"
-    for part, module in rows:
-        found = getattr(importlib.import_module(f"trainbus._bus.{module}"), part, None)
-        assert found is not None and found.__module__ == f"trainbus._bus.{module}", (part, module)
-
-
-def test_loop_list_names_every_module_once_with_its_parts() -> None:
-    bullets = loop_list()
-    modules = [m for _, ms in bullets for m in ms]
-    assert sorted(modules) == sorted(package_modules("_loop")), "_loop/__init__.py's list"
-    for names, ms in bullets:
-        assert len(ms) == 1 and names, (names, ms)
-        module = importlib.import_module(f"trainbus._loop.{ms[0]}")
-        for name in names:
-            assert name in getattr(module, "__all__", ()), f"{name} is not public in {ms[0]}.py"
-
-
-def test_the_part_tables_are_read_as_written() -> None:
-    # The parsers above must see the tables (an empty parse would pass vacuously).
-    assert ("Doorbell", "doorbell.py"[:-3]) in bus_table()
-    assert (["Hooks", "StepContext", "HookHandle"], ["hooks"]) in loop_list()
-    assert len(loop_list()) == len(package_modules("_loop"))
-
-
 def test_the_loop_module_keeps_no_copy_of_the_event_order() -> None:
     # docs/events.md is the one written event order; loop.py's docstring points to it.
     events = importlib.import_module("trainbus.events")
@@ -338,8 +286,3 @@ def test_the_hall_holds_public_modules_and_shared_internals_only() -> None:
     # public modules.
     private = {p.stem for p in SRC.glob("_*.py")} - {"__init__", "__main__"}
     assert private == HALL_INTERNALS, private ^ HALL_INTERNALS
-
-
-def test_the_trainer_package_lists_its_modules() -> None:
-    doc = importlib.import_module("trainbus._trainer").__doc__ or ""
-    assert set(_MODULE.findall(doc)) == package_modules("_trainer"), "_trainer/__init__.py"

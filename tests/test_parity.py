@@ -156,7 +156,7 @@ HF_CONFIGS = {
     "logging_steps=3,save_steps=10,eval_steps=5": HF(
         logging_steps=3, save_steps=10, eval_steps=5, eval_strategy="steps"
     ),
-    # the issue's configurations, on the same data
+    # a few more than Hugging Face's own tests run, on the same data
     "accumulation with a partial last group": HF(
         epochs=2,
         batches=7,
@@ -314,7 +314,7 @@ COMPOSER_CONFIGS = {
     # test_event_calls' own (world size 1, CPU): save_interval = eval_interval = 1ep or 1ba
     "1ep": Composer(),
     "1ba": Composer(eval_unit="ba"),
-    # the issue's configurations
+    # a few more than Composer's own tests run
     "accumulation with a partial last group": Composer(
         batches=(4, 4, 2), epochs=2, eval_every=4, eval_unit="ba"
     ),

@@ -1,4 +1,4 @@
-"""trainbus._replay: a recorded run, rebuilt and replayed in virtual time."""
+"""trainbus.replay: a recorded run, rebuilt and replayed in virtual time."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 from reactivex import operators as ops
 from tests.callbacks.conftest import make_trainer
 
-from trainbus import ConfigError
-from trainbus import _replay as replay
+from trainbus import ConfigError, replay
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus._replay import RecordedError, load_events

@@ -20,7 +20,7 @@ import pytest
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals"),
+    pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals and process groups"),
 ]
 
 GUARD_S = 60.0  # generous: only a hung process gets anywhere near it
@@ -407,3 +407,191 @@ def test_the_drivers_and_the_trainer_take_over_only_the_signals_not_ignored() ->
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+# A Ctrl-C while a call's end waits for async subscribers cancels their pending work.
+#
+# By default the end of ``fit()`` waits up to ``close_timeout`` (300 s) for async subscribers,
+# with a ``bus_close_waiting`` notice. A real subprocess runs a short fit whose async subscriber
+# never finishes an item; once the notice is printed, the test sends SIGINT: the pending items
+# are cancelled, counted as lost work in ``FitResult.lost``, and the process ends normally.
+
+
+AT_END_GUARD_S = 60.0  # a deadlock guard only
+
+
+AT_END_SCRIPT = textwrap.dedent(
+    """
+    import anyio
+    import structlog
+    import torch
+    import torch.nn.functional as F
+
+    from trainbus import Trainer
+    from trainbus import events as ev
+    from trainbus.testing import tiny_loader, tiny_model
+
+
+    def announce(logger, method, event_dict):
+        if event_dict.get("event") == "bus_close_waiting":
+            print("WAITING", sorted(event_dict["pending"].items()), flush=True)
+        return event_dict
+
+
+    structlog.configure(processors=[announce, structlog.processors.KeyValueRenderer()])
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(6, 8),
+                      loss_fn=F.cross_entropy, max_steps=6, progress=False)
+
+
+    async def hang(event):
+        await anyio.sleep_forever()  # a service that never answers
+
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, name="hang",
+                                buffer=100)
+    result = trainer.fit_sync()
+    print("RESULT", result.reason, result.steps, result.lost_work["hang"].cancelled,
+          sum(x.total for x in result.lost_work.values()), flush=True)
+    """
+)
+
+
+def test_ctrl_c_while_a_call_end_waits_cancels_the_pending_work(tmp_path: Path) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(AT_END_SCRIPT)
+    output: list[str] = []
+    with subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    ) as proc:
+        guard = threading.Timer(AT_END_GUARD_S, proc.kill)
+        guard.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                output.append(line.rstrip("\n"))
+                if line.startswith("WAITING"):
+                    # Training is over (6 steps) and the call's end waits for "hang".
+                    proc.send_signal(signal.SIGINT)
+            code = proc.wait()
+        finally:
+            guard.cancel()
+    text = "\n".join(output)
+    assert code == 0, text
+    waiting = [x for x in output if x.startswith("WAITING")]
+    assert waiting == ["WAITING [('hang', 6)]"], text  # one notice, naming who and how much
+    assert "cancel pending async work" in text, text
+    (result,) = [x.split() for x in output if x.startswith("RESULT")]
+    # Completed training; the six items it held (one running, five queued) cancelled and lost.
+    assert result == ["RESULT", "completed", "6", "6", "6"], text
+
+
+# One Ctrl-C is one Ctrl-C with DataLoader workers.
+#
+# A terminal sends SIGINT to the whole foreground process group: the training process and its
+# DataLoader workers. The run must stop as for one SIGINT (a final checkpoint, a normal exit),
+# whether the workers were forked (they would run a copy of trainbus' handler) or spawned (they
+# would raise KeyboardInterrupt, exit, and fail the batch the loop waits for). Each test runs a
+# real training script in its own session, waits for its READY line, then signals the group
+# once. Timeouts are deadlock guards only.
+
+
+WORKERS_GUARD_S = 90.0
+
+
+WORKERS_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Dataset
+
+    from trainbus import Trainer
+    from trainbus import events as ev
+
+
+    class SlowData(Dataset):
+        # Slow items: the loop spends its time waiting for the workers' next batch, which is
+        # where a worker that died of the Ctrl-C fails the run.
+        def __len__(self):
+            return 100_000
+
+        def __getitem__(self, i):
+            time.sleep(0.02)
+            g = torch.Generator().manual_seed(i)
+            return torch.randn(8, generator=g), i % 3
+
+
+    if __name__ == "__main__":
+        method, ckpt = sys.argv[1], sys.argv[2]
+        loader = DataLoader(SlowData(), batch_size=4, num_workers=2,
+                            multiprocessing_context=method)
+        model = torch.nn.Linear(8, 3)
+        trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), loader,
+                          loss_fn=F.cross_entropy, max_steps=1_000_000, checkpoint_dir=ckpt,
+                          progress=False)
+        ready = []
+
+        def on_step(event):
+            if event.step >= 3 and not ready:
+                ready.append(event.step)
+                print("READY", flush=True)
+
+        trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), on_step)
+        try:
+            trainer.fit_sync()
+            raised = "returned"
+        except KeyboardInterrupt:  # on_signal="raise", the default: after the graceful stop
+            raised = "KeyboardInterrupt"
+        result = trainer.result
+        print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, raised,
+              flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_one_sigint_to_the_process_group_stops_gracefully(tmp_path: Path, method: str) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(WORKERS_SCRIPT)
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), method, str(ckpt)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    output: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            output.append(line.rstrip("\n"))
+            if line.strip() == "READY":
+                os.killpg(proc.pid, signal.SIGINT)  # once, to the group: a Ctrl-C
+                break
+        rest, _ = proc.communicate(timeout=WORKERS_GUARD_S)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    output += rest.splitlines()
+    text = "\n".join(output)
+    assert proc.returncode == 0, text
+    results = [line.split() for line in output if line.startswith("RESULT ")]
+    assert len(results) == 1, text
+    _, reason, stop_reason, checkpoint, raised = results[0]
+    assert (reason, stop_reason, raised) == ("stopped", "signal", "KeyboardInterrupt"), text
+    assert checkpoint.endswith("-final.pt") and Path(checkpoint).is_file(), text
+    # One Ctrl-C is one signal to the trainer: no worker ran its handler, nothing aborted.
+    received = [line for line in output if "signal_received" in line]
+    assert len(received) == 1 and "stop after this step" in received[0], text
+    assert "abort" not in text and "exited unexpectedly" not in text, text

@@ -19,7 +19,7 @@ model, the optimizer or the data loader.
 
 ``Event`` is the union of every event class, for exhaustive ``match`` with ``assert_never``.
 The order in which a run publishes them is documented in ``docs/events.md`` and pinned by
-``tests/test_transcript.py``.
+``tests/loop/test_loop.py``.
 """
 
 from __future__ import annotations

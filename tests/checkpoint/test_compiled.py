@@ -1,4 +1,4 @@
-"""Checkpoints of a ``torch.compile``d model (issue 22 item 5): written under the original
+"""Checkpoints of a ``torch.compile``d model: written under the original
 module's keys, loadable into the plain model and back, old ``_orig_mod.`` checkpoints too.
 
 The compiled runs use ``backend="eager"``: the keys come from ``torch.compile``'s wrapper

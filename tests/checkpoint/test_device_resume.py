@@ -1,4 +1,4 @@
-"""Resume on CUDA (issue 25): checkpoints load to the host, tensors go where the live model and
+"""Resume on CUDA: checkpoints load to the host, tensors go where the live model and
 optimizer keep them, the RNG states are restored for the GPUs that exist, and no second copy of
 the weights outlives the restore. CPU-checkable with ``tests/_fake_cuda.py``; the equality of a
 resumed run with a straight one runs on a real GPU (``cuda`` marker) and on the CPU."""

@@ -267,8 +267,8 @@ def test_resume_from_every_checkpoint_is_exact(cell: Cell, tmp_path: Path) -> No
 
 # ------------------------------------------------------------------------------------ SIGKILL
 
-# A few cells, each killed at random moments: the issue's own setup (saves at evaluation steps,
-# dropout, a DataLoader to evaluate on), a streaming one with an epoch scheduler, and one that
+# A few cells, each killed at random moments: one that saves at evaluation steps (with dropout and
+# a DataLoader to evaluate on), a streaming one with an epoch scheduler, and one that
 # stops early and keeps its best checkpoint.
 KILLED = [
     Cell("coincide", True, "loader", "map", 2, "step", False, "32"),

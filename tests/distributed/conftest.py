@@ -6,6 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from ._torchrun import env
+
 
 @pytest.fixture(scope="package", autouse=True)
 def _cpu_ranks() -> Iterator[None]:
@@ -15,3 +17,9 @@ def _cpu_ranks() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("CUDA_VISIBLE_DEVICES", "")
         yield
+
+
+@pytest.fixture
+def src_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This checkout's ``src`` on ``PYTHONPATH``, for the processes a launcher starts."""
+    monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])

@@ -28,14 +28,9 @@ from trainbus import events as ev
 
 from ._torchrun import SCRIPTS, env, free_port, torchrun
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("src_on_path")]
 
 LAUNCHES = 4
-
-
-@pytest.fixture(autouse=True)
-def _src_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")

@@ -15,14 +15,9 @@ from trainbus import Callback, ConfigError, EventBus, Launcher, LaunchError
 from trainbus import commands as cmd
 from trainbus import events as ev
 
-from ._torchrun import SCRIPTS, env
+from ._torchrun import SCRIPTS
 
-pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def _src_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("src_on_path")]
 
 
 def read(out: Path) -> list[dict[str, Any]]:

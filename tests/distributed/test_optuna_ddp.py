@@ -1,4 +1,4 @@
-"""OptunaPruning under torchrun (#27): rank 0 talks to the study and decides; every rank stops
+"""OptunaPruning under torchrun: rank 0 talks to the study and decides; every rank stops
 at the same step; the trial is stored PRUNED. Two real gloo ranks, a real SQLite study."""
 
 from __future__ import annotations

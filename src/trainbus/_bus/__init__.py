@@ -1,11 +1,12 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face: a thin facade over parts that each own their state (see
-docs/bus.md). The training loop, the session and the distributed code hold the other face, the
+:class:`EventBus` is the users' face: a thin facade over parts that each own their state (the
+publish queue, the route table, the subscriptions, the failure ledger, the command channel, the
+barrier, the lifecycle; docs/bus.md lists them with what each owns). The training loop, the
+session and the distributed code hold the other face, the
 :class:`~trainbus._bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
-receive end:
+receive end.
 
-=================  =========================  ======================================================
 part               module                     owns
 =================  =========================  ======================================================
 Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
@@ -39,6 +40,9 @@ The rows follow the import order: a module imports only modules of the rows abov
 cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
 and that this table lists every module of the package, each part defined where it says). None
 imports torch or the loop.
+=======
+Each module imports only modules below it in the import order ``tests/test_layers.py`` pins, so
+no cycle can form, and this package imports them all. None imports torch or the loop.
 """
 
 from __future__ import annotations

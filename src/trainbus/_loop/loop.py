@@ -11,7 +11,7 @@ step advance it through its methods (``batch_taken``, ``samples_done``, ``step_d
 ``epoch_done``) and nowhere else.
 
 The event order is written once, in docs/events.md ("Event order"), and nowhere else: read it
-there. tests/test_transcript.py pins a recorded run against that pseudocode and checks its
+there. tests/loop/test_loop.py pins a recorded run against that pseudocode and checks its
 event names against what the loop publishes, so it cannot drift; a copy here could.
 
 The loop holds the bus' loop face, its :class:`~trainbus._bus.port.LoopPort`, and one signal

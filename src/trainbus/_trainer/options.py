@@ -10,7 +10,7 @@ Each keyword option of ``Trainer(model, optimizer, train_data, **options)`` is o
 - the checks, in declaration order (:func:`check_options`), then those of two options at once
   and the loop's :class:`~trainbus._loop.Settings` (:func:`build_settings`: each option that
   is a ``Settings`` field goes there by its name);
-- the option table of docs/trainer.md, which ``tests/test_trainer_options.py`` holds to it.
+- the option table of docs/trainer.md, which ``tests/trainer/test_options.py`` holds to it.
 
 A new option is one entry here (plus a ``Settings`` field when the loop reads it, or a line in
 :data:`TRAINER_ONLY` when the Trainer does).

@@ -1,4 +1,5 @@
-"""The cases of tests/test_freed.py, run in a fresh interpreter: ``python _freed_case.py CASE...``.
+"""The cases of tests/trainer/test_lifetime_freed.py, run in a fresh interpreter:
+``python _freed_case.py CASE...``.
 
 Each case calls a Trainer once to warm up the process' lazy state (imports, caches), then
 builds one with the garbage collector off, calls it, drops it, and reports which of its objects

@@ -1,4 +1,4 @@
-"""Prediction on Hugging Face-style outputs (issue 22 item 6): a scalar loss, a
+"""Prediction on Hugging Face-style outputs: a scalar loss, a
 ``ModelOutput`` or a mapping join per key and keep the type users index; batches may carry
 labels; streamed ``PredictionBatchEnded.outputs`` keep the type too."""
 

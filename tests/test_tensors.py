@@ -1,4 +1,4 @@
-"""One device per run, on every thread (issue 25): resolving ``"auto"``/``"cuda"`` to an index,
+"""One device per run, on every thread: resolving ``"auto"``/``"cuda"`` to an index,
 making it current on the loop's and evaluate/predict's worker threads, moving every batch the
 model sees (dataclasses, objects with ``.to()``, a batch a hook replaced), and the bad input
 refused up front. CPU-checkable through ``tests/_fake_cuda.py``; the ``cuda`` tests need a GPU.

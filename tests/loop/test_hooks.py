@@ -245,3 +245,42 @@ def test_after_evaluation_hooks_unwind_in_reverse_order_across_tiers() -> None:
     trainer.evaluate_sync(tiny_loader(1))
     trainer.close()
     assert order == ["core in", "a in", "b in", "b out", "a out", "core out"]
+
+
+# The batch at every hook point of a step, with and without accumulation.
+TRAIN_POINTS = [p for p in HOOK_POINTS if p != "eval_batch"]
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    model = tiny_model()
+    kwargs.setdefault("max_steps", 4)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 4),
+                   loss_fn=F.cross_entropy, progress=False, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_every_hook_point_of_a_step_sees_its_batch(accumulate: int) -> None:
+    """A GAN's second optimizer, stepped in after_optimizer_step, unpacks ctx.batch there."""
+    trainer = _trainer(accumulate=accumulate)
+    seen: dict[str, list[tuple[int, torch.Tensor]]] = {p: [] for p in TRAIN_POINTS}
+
+    def hook_at(point: str):  # type: ignore[no-untyped-def]
+        def hook(ctx: StepContext) -> None:
+            inputs, _targets = ctx.batch  # the user's unpacking: a TypeError on None
+            seen[point].append((ctx.batch_index, inputs.clone()))
+
+        return hook
+
+    for point in TRAIN_POINTS:
+        trainer.add_hook(point, hook_at(point))
+    trainer.fit_sync()
+    steps = 4
+    assert len(seen["batch"]) == len(seen["after_backward"]) == steps * accumulate
+    assert len(seen["before_optimizer_step"]) == len(seen["after_optimizer_step"]) == steps
+    # after_backward: the micro-batch itself; the optimizer points: the window's last one.
+    for (bi, x), (bj, y) in zip(seen["batch"], seen["after_backward"], strict=True):
+        assert bi == bj and torch.equal(x, y)
+    last_of_window = seen["batch"][accumulate - 1 :: accumulate]
+    for point in ("before_optimizer_step", "after_optimizer_step"):
+        for (bi, x), (bj, y) in zip(last_of_window, seen[point], strict=True):
+            assert bi == bj and torch.equal(x, y)

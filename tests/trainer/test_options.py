@@ -24,7 +24,7 @@ from trainbus._trainer.options import OPTIONS, TRAINER_ONLY, BusDefault, check_o
 from trainbus._trainer.trainer import TrainerOptions
 from trainbus.testing import tiny_loader, tiny_model
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "trainer.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "trainer.md"
 POSITIONAL = ["model", "optimizer", "train_data"]
 DERIVED = {"model", "optimizer", "train_data", "train_len", "scaler", "eval_sets", "eval_named",
            "optimizers", "schedulers"}  # fmt: skip

@@ -16,15 +16,17 @@ import anyio
 import anyio.lowlevel
 import pytest
 import reactivex
+import torch
+import torch.nn.functional as F
 from reactivex import operators as ops
 from structlog.testing import capture_logs
 
-from trainbus import ConfigError, EventBus
+from trainbus import ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus.bus import AnyioScheduler, BusClosedError, CommandError
-from trainbus.testing import EventRecorder, VirtualTimeScheduler
+from trainbus.testing import EventRecorder, VirtualTimeScheduler, tiny_loader, tiny_model
 
 
 def steps_of(items: list[Any]) -> list[int]:
@@ -1092,9 +1094,55 @@ def test_bad_arguments_raise_config_error_naming_them(
         ({"close_timeout": "10"}, "close_timeout"),
         ({"close_timeout": math.nan}, "close_timeout"),
         ({"on_error": "ignore"}, "on_error"),
-        ({"scheduler": object()}, "scheduler"),
+        ({"rx_scheduler": object()}, "rx_scheduler"),
     ],
 )
 def test_bad_bus_arguments(kwargs: dict[str, Any], field: str) -> None:
     with pytest.raises(ConfigError, match=rf"^{field}="):
         EventBus(**kwargs)
+
+
+# A ``request()`` the loop can no longer apply raises ``BusClosedError`` at the call's end: it
+# never holds ``fit()`` (whose end waits for async subscribers up to ``close_timeout``, 300 s).
+
+
+def _trainer(steps: int = 4) -> Trainer:
+    model = tiny_model()
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(steps),
+                   loss_fn=F.cross_entropy, max_epochs=1, progress=False)  # fmt: skip
+
+
+@pytest.mark.timeout(60)
+def test_a_request_made_on_fit_ended_raises_and_fit_returns() -> None:
+    trainer = _trainer()
+    outcomes: list[BaseException | ev.BaseEvent] = []
+
+    async def late(e: ev.FitEnded) -> None:
+        try:
+            outcomes.append(await trainer.bus.request(cmd.SaveCheckpoint(tag="late")))
+        except BusClosedError as exc:
+            outcomes.append(exc)
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), late)
+    result = trainer.fit_sync()
+    assert result.reason == "completed"
+    assert len(outcomes) == 1 and isinstance(outcomes[0], BusClosedError)
+    assert "last poll point" in str(outcomes[0])
+
+
+@pytest.mark.timeout(60)
+def test_the_next_call_runs_after_a_refused_request() -> None:
+    trainer = _trainer()
+    refused: list[BusClosedError] = []
+
+    async def late(e: ev.FitEnded) -> None:
+        try:
+            await trainer.bus.request(cmd.StopTraining(reason="too late"))
+        except BusClosedError as exc:
+            refused.append(exc)
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), late)
+    trainer.fit_sync()
+    assert len(refused) == 1
+    metrics = trainer.evaluate_sync(tiny_loader(2))  # the next call: nothing carried over
+    assert "val_loss" in metrics

@@ -9,9 +9,12 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+from trainbus import Trainer
 from trainbus._loop import window as window_module
 from trainbus._loop.window import LogWindow
+from trainbus.testing import tiny_loader, tiny_model
 
 
 class Clock:
@@ -53,3 +56,49 @@ def test_steps_per_s_counts_the_wait_of_the_windows_read(monkeypatch: pytest.Mon
         window.add(torch.tensor(1.0), None, 4)
     window.close(publish=False)
     assert window.metrics["steps_per_s"] == pytest.approx(4 / 5.0)
+
+
+# FitResult.train_metrics for a run of any length: the mean of its last window, partial or not.
+
+
+def _trainer(**kwargs: Any) -> Trainer:
+    model = tiny_model()
+    kwargs.setdefault("max_steps", 4)
+    return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8, 4),
+                   loss_fn=F.cross_entropy, progress=False, **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("max_steps", "log_every", "on_nonfinite"),
+    [
+        (3, 50, "raise"),
+        (7, 5, "raise"),
+        (3, 50, "skip"),
+        (1, 2, "raise"),
+        (3, 50, "ignore"),
+        (7, 5, "ignore"),
+    ],
+)
+def test_train_metrics_hold_the_last_loss_for_any_run_length(
+    max_steps: int, log_every: int, on_nonfinite: str
+) -> None:
+    trainer = _trainer(max_steps=max_steps, log_every=log_every, on_nonfinite=on_nonfinite)
+    losses: list[float] = []
+    trainer.add_hook("loss", lambda ctx: losses.append(float(ctx.loss.detach())))  # type: ignore[arg-type]
+    result = trainer.fit_sync()
+    assert result.steps == max_steps
+    # The partial last window: the mean of the steps after the last log step.
+    tail = losses[(max_steps // log_every) * log_every :]
+    assert result.train_metrics["loss"] == pytest.approx(sum(tail) / len(tail), rel=1e-6)
+    assert result.train_metrics["lr"] == pytest.approx(0.1)
+    assert result.train_metrics["steps_per_s"] > 0
+
+
+@pytest.mark.parametrize("on_nonfinite", ["raise", "ignore"])
+def test_a_run_ending_on_a_log_step_keeps_that_windows_metrics(on_nonfinite: str) -> None:
+    # The window's mean over its steps, also when no guard and no subscriber reads each step.
+    trainer = _trainer(max_steps=4, log_every=2, on_nonfinite=on_nonfinite)
+    losses: list[float] = []
+    trainer.add_hook("loss", lambda ctx: losses.append(float(ctx.loss.detach())))  # type: ignore[arg-type]
+    result = trainer.fit_sync()
+    assert result.train_metrics["loss"] == pytest.approx(sum(losses[2:]) / 2, rel=1e-6)

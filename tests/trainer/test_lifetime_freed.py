@@ -1,9 +1,9 @@
 """A dropped Trainer frees its model, optimizer, buffers and bus without a garbage-collector
-pass, and ends its training thread (#27): no reference cycle through the bus, the hooks, the
+pass, and ends its training thread: no reference cycle through the bus, the hooks, the
 callbacks' subscriptions, the results or the event loop's tasks, whichever way it ran. A
 sweep's previous trials' weights must not wait for the next gc pass (on a GPU above all).
 
-Every case runs in one fresh interpreter (tests/_freed_case.py) with the collector off, each
+Every case runs in one fresh interpreter (tests/trainer/_freed_case.py) with the collector off, each
 after a warm-up call of its own: the verdict depends on no other test's state or order.
 """
 

@@ -1,4 +1,4 @@
-"""DataLoader iterators end with the call that opened them (issue 22 item 8).
+"""DataLoader iterators end with the call that opened them.
 
 A sweep of runs in one process (a notebook) with persistent workers: ``fit``, ``evaluate`` and
 ``predict`` each leave no worker process behind, and nothing is printed: no worker inherits a

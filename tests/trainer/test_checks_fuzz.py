@@ -123,7 +123,7 @@ def configurations(draw: st.DrawFn) -> tuple[dict[str, Any], set[str]]:
     # Couplings between fields.
     if config.get("callbacks") == [cbs.Checkpointing] and "checkpoint_dir" not in bad:
         # Checkpointing without a folder is refused when the run starts (Callback.check; its
-        # own test is tests/test_up_front.py), not at construction.
+        # own test is in tests/trainer/test_checks.py), not at construction.
         config["checkpoint_dir"] = CKPT
     if config.get("eval_every") is not None or draw(st.booleans()):
         if "eval_data" not in bad and draw(st.booleans()):

@@ -1,6 +1,6 @@
 """The step clock: commands decided at declared decision steps take effect at exactly that step.
 
-Covers issue 7 item 1: ``StepClock`` itself, the ``decided_at`` stamp, schedules declared by
+Covers ``StepClock`` itself, the ``decided_at`` stamp, schedules declared by
 ``tbops.every`` / ``tbops.once(at=k)`` / ``bus.decides``, the loop's barrier at a decision step,
 the de-duplicated ``SaveCheckpoint``, and derived events delivered right after their cause.
 """
@@ -194,7 +194,7 @@ def _trainer(tmp_path: Path | None = None, **kwargs: Any) -> Trainer:
 
 def _slow_subscriber(trainer: Trainer) -> None:
     def busy(_: ev.StepEnded) -> None:
-        time.sleep(0.001)  # the issue's 1 ms per StepEnded: delivery lags several steps
+        time.sleep(0.001)  # 1 ms per StepEnded: delivery lags several steps
 
     trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), busy)
 
