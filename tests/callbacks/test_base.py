@@ -436,3 +436,28 @@ def test_skipped_optimizer_step_does_not_step_the_scheduler_or_repeat_step_ended
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert len(rec.of_type(ev.SchedulerStepped)) == 3  # one per optimizer step taken
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_state_key_is_the_class_name_until_set_and_checked_when_set() -> None:
+    class Counter(Callback):
+        def state_dict(self) -> dict[str, Any]:
+            return {"n": 1}
+
+    cb = Counter()
+    assert cb.state_key == "Counter"  # the one name: what the state is saved under
+    cb.state_key = "first"
+    assert cb.state_key == "first"
+    cb.state_key = None
+    assert cb.state_key == "Counter"
+    with pytest.raises(ConfigError, match=r"^state_key="):
+        cb.state_key = ""
+
+
+def test_on_error_is_a_policy_not_an_event_method() -> None:
+    class Strict(Callback):
+        on_error = "raise"
+
+        def on_step_ended(self, e: ev.StepEnded) -> None: ...
+
+    subs, _ = Strict.methods()
+    assert set(subs) == {"on_step_ended"}
