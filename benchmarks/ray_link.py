@@ -74,7 +74,7 @@ def publish_over_ray(address: str, token: str, n: int) -> float:
 
     link = WorkerLink(address, token, timeout=30)
     bus = EventBus(flush_interval=0.02)
-    link.attach(bus)
+    link.start(bus)
 
     async def main() -> float:
         async with bus:

@@ -1,7 +1,7 @@
 """A two-view contrastive step (SimCLR-style) with gradient accumulation, resumed exactly.
 
 The step is the user's (``train_step=``): two augmented views of each batch, two forwards, the
-InfoNCE loss, ``ctx.backward``; ``ctx.optimizer_step()`` steps at the end of each window of
+InfoNCE loss, ``ctx.backward``; ``ctx.optimizer_step()`` steps at the last of each step's
 ``accumulate=2`` micro-batches. The positive-pair similarity is logged with ``ctx.log`` and
 lands in ``MetricsLogged`` and ``FitResult.train_metrics``. A run stopped at step 4 and
 resumed with ``resume="latest"`` ends with the same weights as an uninterrupted one.
@@ -46,7 +46,7 @@ def contrastive_step(ctx: TrainContext) -> torch.Tensor:
         loss = (nn.functional.cross_entropy(logits, labels)
                 + nn.functional.cross_entropy(logits.T, labels)) / 2  # fmt: skip
     ctx.backward(loss)
-    ctx.optimizer_step()  # steps at the window's last micro-batch
+    ctx.optimizer_step()  # steps at the step's last micro-batch
     ctx.log("pos_sim", (z1 * z2).sum(dim=1).mean().detach())
     return loss
 

@@ -87,18 +87,18 @@ async def main() -> None:
 
     print(
         f"FitResult: reason={result.reason!r} steps={result.steps} "
-        f"stop_reason={result.stop_reason!r} val_loss={result.metrics['val_loss']:.6f}"
+        f"stop_reason={result.stop_reason!r} val_loss={result.eval_metrics['val_loss']:.6f}"
     )
     assert baseline is not None and baseline.trigger == "command"
     assert result.reason == "stopped" and result.stop_reason is not None
     assert result.stop_reason.startswith("early stopping"), result.stop_reason
     # Deterministic: LR set to 0 at the step-30 evaluation, no improvement at 40 and 50.
     assert result.steps == FREEZE_AT + 2 * EVAL_EVERY, result.steps
-    assert result.metrics["val_loss"] < baseline.metrics["val_loss"]
+    assert result.eval_metrics["val_loss"] < baseline.metrics["val_loss"]
     print(
         f"early stopping: stopped at step {result.steps} after val_loss went "
         f"{baseline.metrics['val_loss']:.4f} (baseline, step {baseline.step}) -> "
-        f"{result.metrics['val_loss']:.4f} and plateaued"
+        f"{result.eval_metrics['val_loss']:.4f} and plateaued"
     )
 
 

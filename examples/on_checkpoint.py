@@ -96,7 +96,7 @@ def main() -> None:
         for e in seen:
             state = torch.load(e.path, map_location="cpu", weights_only=False)
             assert state["state"]["step"] == e.step
-        assert result.checkpoint == seen[-1].path
+        assert result.last_checkpoint == seen[-1].path
         saved = ", ".join(f"{e.tag}->step {e.step}" for e in seen)
         print(
             f"on_checkpoint: {len(seen)} checkpoints saved in {result.steps} steps ({saved}), "

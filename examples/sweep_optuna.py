@@ -60,7 +60,7 @@ def objective(trial: optuna.Trial) -> float:
         checkpoint_dir=CheckpointDir(RUNS / f"trial-{trial.number}", skip_final={"pruned"}),
         callbacks=[OptunaPruning(trial, "val_loss")],
     )
-    return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+    return trainer.fit_sync().eval_metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 
 def main() -> None:

@@ -124,7 +124,7 @@ def vts() -> VirtualTimeScheduler:
 @pytest.fixture
 def vbus(vts: VirtualTimeScheduler) -> EventBus:
     """A bus on virtual time: ``publish`` + ``bus.flush()`` + ``vts.advance_by(s)``."""
-    return EventBus(scheduler=vts)
+    return EventBus(rx_scheduler=vts)
 
 
 async def until(condition: Callable[[], bool], *, limit_s: float = 10.0) -> None:

@@ -251,7 +251,7 @@ BUS_ORDER = [
     "async_subscription",
     "registry",
     "observable",
-    "host",
+    "chains",
     "channel",
     "queue",
     "barrier",

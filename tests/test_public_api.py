@@ -78,7 +78,7 @@ EXPORTS: dict[str, set[str]] = {
         "StopTraining",
     },
     "trainbus.operators": {
-        "Scheduled",
+        "DecisionOperator",
         "Span",
         "Tracker",
         "every",

@@ -89,7 +89,7 @@ SCRIPT = textwrap.dedent(
         if trainer.result is None or trainer.result.reason == "cancelled":
             raise  # aborted by a second SIGINT
         result = trainer.result
-    print("RESULT", result.reason, result.stop_reason, result.checkpoint, result.ending,
+    print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, result.ending,
           flush=True)
     """
 )
@@ -345,7 +345,7 @@ BLOCKING_SCRIPT = textwrap.dedent(
         async def main():
             return await trainer.fit()  # the event loop runs on the main thread itself
         result = anyio.run(main)
-    print("RESULT", result.reason, result.stop_reason, result.checkpoint, flush=True)
+    print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, flush=True)
     """
 )
 
@@ -414,7 +414,7 @@ def test_the_drivers_and_the_trainer_take_over_only_the_signals_not_ignored() ->
 # By default the end of ``fit()`` waits up to ``close_timeout`` (300 s) for async subscribers,
 # with a ``bus_close_waiting`` notice. A real subprocess runs a short fit whose async subscriber
 # never finishes an item; once the notice is printed, the test sends SIGINT: the pending items
-# are cancelled, counted as lost work in ``FitResult.lost``, and the process ends normally.
+# are cancelled, counted as lost work in ``FitResult.lost_work``, and the process ends normally.
 
 
 AT_END_GUARD_S = 60.0  # a deadlock guard only
@@ -452,8 +452,8 @@ AT_END_SCRIPT = textwrap.dedent(
     trainer.bus.subscribe_async(trainer.bus.stream(ev.StepEnded), hang, name="hang",
                                 buffer=100)
     result = trainer.fit_sync()
-    print("RESULT", result.reason, result.steps, result.lost["hang"].cancelled,
-          result.lost_work, flush=True)
+    print("RESULT", result.reason, result.steps, result.lost_work["hang"].cancelled,
+          sum(x.total for x in result.lost_work.values()), flush=True)
     """
 )
 
@@ -551,7 +551,8 @@ WORKERS_SCRIPT = textwrap.dedent(
         except KeyboardInterrupt:  # on_signal="raise", the default: after the graceful stop
             raised = "KeyboardInterrupt"
         result = trainer.result
-        print("RESULT", result.reason, result.stop_reason, result.checkpoint, raised, flush=True)
+        print("RESULT", result.reason, result.stop_reason, result.last_checkpoint, raised,
+              flush=True)
     """
 )
 

@@ -54,7 +54,7 @@ from ._bus.subscriptions import Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
 from ._distributed.driver_link import ALWAYS, DriverLink
 from ._distributed.protocol import control_record, control_types, hello_record, welcome_types
-from ._driver import attach_driver_callback
+from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
 from ._log import get_logger
 from ._validate import check_seconds
@@ -172,7 +172,7 @@ class Attachment:
             if not (isinstance(t, type) and issubclass(t, ev.BaseEvent)):
                 raise ConfigError.invalid("events", t, "trainbus event classes")
         for callback in callbacks:
-            attach_driver_callback(self.bus, callback)
+            add_driver_callback(self.bus, callback)
         self._keep = keep_events
         self._link: DriverLink | None = None
         self._stream: anyio.abc.SocketStream | None = None

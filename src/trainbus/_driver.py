@@ -8,10 +8,10 @@ from ._bus import EventBus
 from ._exceptions import ConfigError
 from .callbacks._base import Callback
 
-__all__ = ["attach_driver_callback", "workers_stop_reason"]
+__all__ = ["add_driver_callback", "workers_stop_reason"]
 
 
-def attach_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> None:
+def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> None:
     """Subscribe a callback's ``on_*`` methods (and its ``setup``) to a driver's bus: as
     ``Trainer.add_callback``, minus the hooks, which run on a training thread, and there is
     none in the driver.

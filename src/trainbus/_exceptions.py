@@ -87,21 +87,21 @@ class LostWorkError(TrainbusError, RuntimeError):
     after every event was delivered and the bus closed; the run's result is attached.
 
     Attributes:
-        lost: ``{subscription name: LostWork}`` of the subscriptions that lost anything.
+        lost_work: ``{subscription name: LostWork}`` of the subscriptions that lost anything.
         result: The run's ``FitResult`` (also ``trainer.result``).
     """
 
-    def __init__(self, lost: Mapping[str, Any], result: object) -> None:
+    def __init__(self, lost_work: Mapping[str, Any], result: object) -> None:
         parts = ", ".join(
             f"{name}: {x.dropped} dropped, {x.cancelled} cancelled, {x.failed} failed"
-            for name, x in lost.items()
+            for name, x in lost_work.items()
         )
         super().__init__(
             f"subscribers lost work: {parts}. Give them a larger buffer=, a higher "
             "concurrency=, overflow='block' (never drops, can slow training) or a longer "
             "EventBus(close_timeout=); or EventBus(on_lost='warn') to accept losses"
         )
-        self.lost = dict(lost)
+        self.lost_work = dict(lost_work)
         self.result = result
 
 

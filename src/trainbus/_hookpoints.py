@@ -67,12 +67,12 @@ class StepContext:
         step: Optimizer steps completed so far.
         epoch: Current epoch.
         batch_index: Index of the current batch in the epoch.
-        micro_batch: Position in the gradient-accumulation window.
+        micro_batch: Position among the step's micro-batches (gradient accumulation).
         batch: The batch (on the device); a ``"batch"`` hook may replace it. Every point of
             a step sees one: the micro-batch itself from ``"batch"`` to ``"after_backward"``,
-            and the window's last micro-batch (the one the model saw last) at
+            and the step's last micro-batch (the one the model saw last) at
             ``"before_optimizer_step"`` and ``"after_optimizer_step"``: under gradient
-            accumulation the earlier ones of the window are gone by then.
+            accumulation the earlier ones of the step are gone by then.
         outputs: Model outputs (from the ``"after_forward"`` point on); an ``"after_forward"``
             hook may replace them (the loss is computed from the replacement).
         loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.

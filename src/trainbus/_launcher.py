@@ -51,7 +51,7 @@ from ._distributed.driver_link import DriverLink
 from ._distributed.exits import RankExit, RankExits
 from ._distributed.link import ADDR_ENV, TOKEN_ENV
 from ._distributed.socket_link import SocketDriver
-from ._driver import attach_driver_callback, workers_stop_reason
+from ._driver import add_driver_callback, workers_stop_reason
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
 from ._signals import not_ignored
@@ -166,7 +166,7 @@ class Launcher:
         self._process: anyio.abc.Process | None = None
 
     def _attach(self, callback: Callback | type[Callback]) -> None:
-        attach_driver_callback(self.bus, callback)
+        add_driver_callback(self.bus, callback)
 
     # ------------------------------------------------------------------ queries
     @property

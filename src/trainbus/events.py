@@ -57,7 +57,6 @@ __all__ = [
     "CommandApplied",
     "DataWaitEnded",
     "DataWaitStarted",
-    "EndReason",
     "Ending",
     "EpochEnded",
     "EpochStarted",
@@ -101,7 +100,6 @@ __all__ = [
 ]
 
 Phase: TypeAlias = Literal["train", "eval", "predict"]
-EndReason: TypeAlias = Literal["completed", "stopped", "failed", "cancelled"]
 ResumeSource: TypeAlias = Literal["path", "checkpoint_dir", "ray"]
 
 
@@ -127,7 +125,7 @@ class Ending(StrEnum):
         ``stop_reason`` (``FitEnded.stop_reason``).
 
         Raises:
-            ValueError: ``reason`` is not an :data:`EndReason`.
+            ValueError: ``reason`` is not one of ``FitEnded.reason``'s four values.
         """
         if reason == "stopped" and stop_reason in (cls.PRUNED, cls.SIGNAL):
             return cls(stop_reason)
@@ -189,12 +187,12 @@ class BaseEvent:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerBuilt(BaseEvent):
     """The :class:`~trainbus.Trainer` was built: its settings are valid and the callbacks given
-    to it are attached. Published once, at the end of ``Trainer.__init__``; delivered when the
+    to it are added. Published once, at the end of ``Trainer.__init__``; delivered when the
     bus first runs (``fit``, ``evaluate`` or ``predict``)."""
 
     device: str
     callbacks: tuple[str, ...] = ()
-    """Class names of the callbacks attached at construction, in order."""
+    """Class names of the callbacks added at construction, in order."""
 
     def __post_init__(self) -> None:
         # A frozen event holds tuples, whatever sequence it was given (a decoded record: a list).
@@ -229,7 +227,8 @@ class FitStarted(BaseEvent):
 class FitEnded(BaseEvent):
     """``fit()`` ended, however it ended. Always the last event of a run."""
 
-    reason: EndReason
+    reason: Literal["completed", "stopped", "failed", "cancelled"]
+    """How the run ended, coarsely (:attr:`ending` tells a stop's cause apart)."""
     error: BaseException | None = None
     stop_reason: str | None = None
     """The ``StopTraining.reason`` when ``reason == "stopped"``."""
@@ -339,7 +338,7 @@ class BackwardStarted(BaseEvent):
 
     batch_index: int
     micro_batch: int
-    """Position within the accumulation window, from 0."""
+    """Position among the step's micro-batches, from 0."""
     accumulation_steps: int
 
 

@@ -2,7 +2,7 @@
 
 - :class:`EventRecorder` subscribes to a bus (or any observable) and keeps what it saw.
 - :class:`VirtualTimeScheduler` is a reactivex virtual-time scheduler in seconds: give it to
-  ``EventBus(scheduler=...)`` and time-based operators (throttle, buffer, debounce) run when you
+  ``EventBus(rx_scheduler=...)`` and time-based operators (throttle, buffer, debounce) run when you
   ``advance_by`` it, with no sleeping.
 - :func:`tiny_model` / :func:`tiny_loader` build the 32-64-10 MLP and a generated data set used
   by the tests and benchmarks (no download).

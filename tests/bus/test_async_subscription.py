@@ -174,11 +174,11 @@ def test_default_policy_never_holds_training_and_reports_what_it_dropped(
     assert _events(logs, "training_waits_for_subscriber") == []
     assert run.saved == [100, 200]  # each save at its declared step
     # What it could not keep up with was dropped, and the run says so.
-    lost = result.lost["poster"]
+    lost = result.lost_work["poster"]
     assert lost == LostWork(dropped=POSTS - 3)  # all but the one in flight and the buffer
-    assert result.lost_work == POSTS - 3
+    assert sum(x.total for x in result.lost_work.values()) == POSTS - 3
     (warning,) = _events(logs, "bus_closed_with_lost_work")
-    assert warning["lost"]["poster"]["dropped"] == lost.dropped
+    assert warning["lost_work"]["poster"]["dropped"] == lost.dropped
     # Everything not dropped was posted and arrived: the close waited for it.
     stats = next(s for s in result.statistics.subscriptions if s.name == "poster")
     assert stats.received == POSTS and stats.cancelled == 0
@@ -194,7 +194,7 @@ def test_block_holds_training_says_so_and_loses_nothing(tmp_path: Path, service:
     assert result.reason == "completed" and result.steps == STEPS
     # Lossless: every post arrived, in order (concurrency 1), nothing lost.
     assert service.arrived == list(range(20, STEPS + 1, 20))
-    assert result.lost == {} and result.lost_work == 0
+    assert result.lost_work == {}
     assert _events(logs, "bus_closed_with_lost_work") == []
     # Training waited for it, was told, and the wait is counted.
     assert result.waited_s["poster"] > 0
@@ -217,11 +217,11 @@ def test_on_lost_raise_fails_the_run_after_delivery(tmp_path: Path, service: Ser
         run.trainer.fit_sync()
     result = run.trainer.result
     assert result is not None and info.value.result is result
-    assert result.reason == "completed" and info.value.lost == dict(result.lost)
+    assert result.reason == "completed" and info.value.lost_work == dict(result.lost_work)
     # Posts were dropped (how many depends on when the poster's worker took its first one: the
     # exact count of a full buffer is test_default_policy_...'s) and nothing else was lost.
-    dropped = result.lost["poster"].dropped
-    assert result.lost["poster"] == LostWork(dropped=dropped) and 0 < dropped < POSTS
+    dropped = result.lost_work["poster"].dropped
+    assert result.lost_work["poster"] == LostWork(dropped=dropped) and 0 < dropped < POSTS
     assert run.fast == list(range(1, STEPS + 1))  # everything was delivered first
     # ...and the close waited for every post that was not dropped.
     assert len(service.arrived) == POSTS - dropped
@@ -233,7 +233,7 @@ def test_close_waits_for_every_post_by_default_and_says_so(
     run = _run(tmp_path, service, buffer=POSTS)  # room for all: nothing dropped
     with capture_logs() as logs:
         result = run.trainer.fit_sync()
-    assert result.reason == "completed" and result.lost == {}
+    assert result.reason == "completed" and result.lost_work == {}
     assert service.arrived == list(range(20, STEPS + 1, 20))  # every post arrived
     # The end of the run waited at the close, not at the last barrier nor the final save.
     assert "poster" not in result.waited_s
@@ -250,11 +250,11 @@ def test_close_timeout_cancels_what_is_left_and_reports_it(
     assert run.trainer.bus.close_timeout == 0.3
     with capture_logs() as logs:
         result = run.trainer.fit_sync()
-    lost = result.lost["poster"]
+    lost = result.lost_work["poster"]
     assert lost.cancelled > 0 and lost.dropped == lost.failed == 0
     assert len(service.arrived) + lost.cancelled == POSTS
     (warning,) = _events(logs, "bus_closed_with_lost_work")
-    assert warning["lost"]["poster"]["cancelled"] == lost.cancelled
+    assert warning["lost_work"]["poster"]["cancelled"] == lost.cancelled
 
 
 @pytest.mark.asyncio
@@ -279,7 +279,7 @@ async def test_cancel_pending_during_the_close_counts_cancelled(
     assert set(cancelled) == {"poster"} and 0 < cancelled["poster"] <= POSTS
     # The post in flight ran in a worker thread, which cannot be interrupted: it may still
     # have finished (and arrived); everything else pending was cancelled and is reported.
-    lost = result.lost["poster"]
+    lost = result.lost_work["poster"]
     assert lost == LostWork(cancelled=lost.cancelled)
     assert cancelled["poster"] - 1 <= lost.cancelled <= cancelled["poster"]
     assert len(service.arrived) + lost.cancelled == POSTS
@@ -354,9 +354,9 @@ def test_a_subscriber_that_never_returns_is_said_again_then_cancelled_and_report
     # Training never waited for it; the end of the call did, then cancelled it: the item in
     # flight and the three behind it.
     assert started == [1] and "upload" not in result.waited_s
-    assert result.lost == {"upload": LostWork(cancelled=4)} and result.lost_work == 4
+    assert result.lost_work == {"upload": LostWork(cancelled=4)}
     (lost,) = _events(logs, "bus_closed_with_lost_work")
-    assert lost["lost"]["upload"] == {"dropped": 0, "cancelled": 4, "failed": 0}
+    assert lost["lost_work"]["upload"] == {"dropped": 0, "cancelled": 4, "failed": 0}
     # Said more than once while it waited (every tenth of close_timeout), each time naming
     # what was pending, how long it had waited and that it would cancel.
     notices = _events(logs, "bus_close_waiting")
@@ -420,7 +420,7 @@ def test_a_metrics_poster_over_http_never_holds_training_while_best_and_stopping
 
     assert result.steps in (20, *(step for step, _ in evaluations))
     # Every post arrived (the close waited for them), none while training ran.
-    assert len(service.arrived) == result.steps + len(evaluations) and result.lost == {}
+    assert len(service.arrived) == result.steps + len(evaluations) and result.lost_work == {}
     # Training never waited for the poster, nor for anything else; nothing was said.
     assert result.waited_s == {}
     assert _events(logs, "barrier_timeout") == _events(logs, "training_waits_for_subscriber") == []
@@ -453,7 +453,9 @@ def test_a_dropping_subscriber_says_so_at_its_first_drop() -> None:
     bus.subscribe_async(bus.stream(ev.StepEnded), post, overflow="latest", name="dashboard")
     with capture_logs() as logs:
         result = trainer.fit_sync()
-    assert result.steps == 12 and result.lost["poster"].dropped >= 9  # 12 - 2 - (0 or 1) running
+    assert (
+        result.steps == 12 and result.lost_work["poster"].dropped >= 9
+    )  # 12 - 2 - (0 or 1) running
     (said,) = [x for x in logs if x["event"] == "subscriber_dropping"]
     assert said["subscription"] == "poster" and said["buffer"] == 2
     assert "overflow='block'" in said["remedies"]

@@ -188,7 +188,7 @@ async def test_an_async_decider_of_a_per_step_barrier_is_waited_for(
     )
     order = Order(trainer)
     if decision_step:
-        trainer.bus.decides(at=[3])
+        trainer.bus.declare_decision_steps(at=[3])
 
     async def stopper(e: ev.BaseEvent) -> None:
         if e.step == 3:
@@ -279,7 +279,7 @@ async def test_a_metrics_poster_never_holds_training_nor_hands_it_its_backlog() 
     # Everything was posted (the close waited for it), nothing lost...
     assert posted.count("MetricsLogged") == 12
     assert posted.count("EvaluationEnded") == len(behind_at_barrier) == 3  # steps 4, 8, 12
-    assert result.lost == {}
+    assert result.lost_work == {}
     # ...the poster was behind at every barrier (the first already has 4 metrics + 1 eval)...
     assert min(behind_at_barrier) >= 1
     # ...and none of its 1.5 s of requests was training's: no wait counted, nothing said.

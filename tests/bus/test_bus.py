@@ -1,6 +1,6 @@
 """The event bus: tests that would catch a wrong bus.
 
-Stream timing runs in virtual time (``EventBus(scheduler=VirtualTimeScheduler())`` +
+Stream timing runs in virtual time (``EventBus(rx_scheduler=VirtualTimeScheduler())`` +
 ``bus.flush()`` + ``advance_by``); asynchronous behaviour waits on anyio events or on a state
 the bus reaches (``wait_until``), never on a measured duration.
 """
@@ -129,7 +129,7 @@ def test_explicit_scheduler_overrides_the_bus_scheduler(vbus: EventBus, vts, ste
 @pytest.mark.asyncio
 async def test_async_subscription_gets_the_bus_scheduler(step_event, wait_until) -> None:
     vts = VirtualTimeScheduler()
-    bus = EventBus(scheduler=vts, flush_interval=0.001)
+    bus = EventBus(rx_scheduler=vts, flush_interval=0.001)
     got: list[list[int]] = []
 
     async def on_buffer(b: list[ev.StepEnded]) -> None:
@@ -149,7 +149,7 @@ async def test_time_operators_run_on_the_loop_thread(step_event, wait_until) -> 
     # No scheduler given: the bus' AnyioScheduler runs the timers, not RxPY's TimeoutScheduler
     # (a threading.Timer per action, which would call the subscriber on a timer thread).
     bus = EventBus(flush_interval=0.001)
-    assert isinstance(bus.scheduler, AnyioScheduler)
+    assert isinstance(bus.rx_scheduler, AnyioScheduler)
     threads: set[int] = set()
     buffered: list[int] = []
     debounced: list[int] = []
@@ -953,10 +953,10 @@ async def test_cancel_pending_ends_a_waiting_close_and_counts_cancelled(step_eve
                     tg.start_soon(cancel_when_closing)
     s = sub.statistics()
     assert (s.received, s.completed, s.cancelled) == (5, 0, 5)
-    assert s.lost.total == 5 and s.lost.cancelled == 5
+    assert s.lost_work.total == 5 and s.lost_work.cancelled == 5
     (lost,) = [x for x in logs if x["event"] == "bus_closed_with_lost_work"]
-    assert lost["lost"] == {"stuck": {"dropped": 0, "cancelled": 5, "failed": 0}}
-    assert lost["lost_work"] == 5 and lost["log_level"] == "warning"
+    assert lost["lost_work"] == {"stuck": {"dropped": 0, "cancelled": 5, "failed": 0}}
+    assert lost["total"] == 5 and lost["log_level"] == "warning"
 
 
 @pytest.mark.asyncio
@@ -1094,7 +1094,7 @@ def test_bad_arguments_raise_config_error_naming_them(
         ({"close_timeout": "10"}, "close_timeout"),
         ({"close_timeout": math.nan}, "close_timeout"),
         ({"on_error": "ignore"}, "on_error"),
-        ({"scheduler": object()}, "scheduler"),
+        ({"rx_scheduler": object()}, "rx_scheduler"),
     ],
 )
 def test_bad_bus_arguments(kwargs: dict[str, Any], field: str) -> None:

@@ -55,7 +55,7 @@ def test_declaring_or_removing_a_schedule_rings_the_doorbell() -> None:
     assert bell.rings == 3 and clock.next_decision(10) == 20
     clock.remove(keys)
     clock.remove(keys)  # idempotent
-    assert clock.next_decision(10) is None and clock.schedules == ()
+    assert clock.next_decision(10) is None and clock.decision_steps == ()
 
 
 @pytest.mark.parametrize("bad", [(Every, 0), (Every, 1.5), (At, -1), (At, True)])
@@ -76,18 +76,18 @@ async def test_subscribing_a_scheduled_pipeline_declares_it_for_its_lifetime() -
             bus.stream(ev.StepEnded).pipe(tbops.once(at=7)), _noop, decides=True
         )
         port = bus.port()
-        assert set(port.schedules) == {Every(20), At(7)}
+        assert set(port.decision_steps) == {Every(20), At(7)}
         assert port.next_decision(7) == 20
         rings = port.doorbell.rings
-        handle = bus.decides(every=3, at=[4, 5])
+        handle = bus.declare_decision_steps(every=3, at=[4, 5])
         assert port.doorbell.rings != rings  # the loop re-reads its decision step
         assert port.next_decision(0) == 3
         handle.dispose()
         sub.dispose()
         asub.dispose()
-        assert port.schedules == ()
+        assert port.decision_steps == ()
         with pytest.raises(ConfigError):
-            bus.decides()
+            bus.declare_decision_steps()
 
 
 @pytest.mark.asyncio
@@ -96,7 +96,7 @@ async def test_a_stream_without_per_step_events_declares_nothing() -> None:
         bus.stream(ev.EpochEnded).pipe(tbops.every(2)).subscribe(lambda _: None)
         bus.stream(ev.EvaluationEnded, ev.StepEnded).pipe(tbops.every(3)).subscribe(lambda _: None)
         bus.events.pipe(tbops.every(5)).subscribe(lambda _: None)
-        assert bus.port().schedules == (Every(3), Every(5))
+        assert bus.port().decision_steps == (Every(3), Every(5))
 
 
 async def _noop(_: Any) -> None:
@@ -268,8 +268,10 @@ def test_a_slow_async_subscriber_that_does_not_decide_is_never_waited_for() -> N
 
     bus.stream(ev.FitEnded).subscribe(lambda _: run_over.set())
     bus.subscribe_async(bus.stream(ev.StepEnded).pipe(tbops.every(4)), upload, overflow="latest")
-    bus.decides(every=4)  # decision steps at 4, 8, ...: the uploader is not a decider
-    assert bus.port().schedules == (Every(4),)  # only the explicit declaration
+    bus.declare_decision_steps(
+        every=4
+    )  # decision steps at 4, 8, ...: the uploader is not a decider
+    assert bus.port().decision_steps == (Every(4),)  # only the explicit declaration
     with capture_logs() as logs:
         result = trainer.fit_sync()
     assert result.steps == 40
@@ -281,13 +283,13 @@ def test_bus_decides_makes_a_merged_pipeline_deterministic(tmp_path: Path) -> No
     trainer = _trainer(max_steps=60)
     bus = trainer.bus
     _slow_subscriber(trainer)
-    bus.decides(at=[17, 40])
+    bus.declare_decision_steps(at=[17, 40])
 
     def on_step(e: ev.StepEnded) -> None:
         if e.step in (17, 40):
             bus.send(cmd.SetLearningRate(lr=0.01 * e.step))
 
-    # A plain filter declares nothing: bus.decides() did.
+    # A plain filter declares nothing: bus.declare_decision_steps() did.
     bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step in (17, 40))).subscribe(on_step)
     rec = EventRecorder(bus)
     trainer.fit_sync()

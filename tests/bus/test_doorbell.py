@@ -48,7 +48,7 @@ def test_a_subscription_coming_and_going_rings() -> None:
 def test_a_decision_schedule_rings() -> None:
     bus = EventBus()
     before = bus.port().doorbell.rings
-    declared = bus.decides(every=5)
+    declared = bus.declare_decision_steps(every=5)
     declared_at = bus.port().doorbell.rings
     declared.dispose()
     assert before < declared_at < bus.port().doorbell.rings

@@ -21,7 +21,8 @@ from trainbus.testing import tiny_loader, tiny_model
 # What only the loop, the session and the distributed link call: on the port, not on the bus.
 LOOP_NAMES = {
     "demand", "declare", "doorbell", "failure", "has_commands", "held", "next_decision",
-    "poll_commands", "publish", "request_cancel_pending", "schedules", "wait_barrier",
+    "poll_commands", "publish", "request_cancel_pending", "decision_steps", "statistics",
+    "wait_barrier",
     "wait_for_room", "wants", "withdraw",
 }  # fmt: skip
 GONE_FROM_THE_BUS = {
@@ -45,7 +46,8 @@ def test_the_users_bus_keeps_only_what_users_call() -> None:
     assert not (_public(bus) & GONE_FROM_THE_BUS)
     # What users call stays (docs/bus.md, the examples): publishing their own events included.
     users = {"events", "stream", "subscribe", "subscribe_async", "commands", "send", "request",
-             "statistics", "decides", "publish", "wants", "flush", "port"}  # fmt: skip
+             "statistics", "declare_decision_steps", "publish", "wants", "flush",
+             "port"}  # fmt: skip
     assert users <= _public(bus)
 
 
@@ -85,8 +87,8 @@ def test_every_change_the_loop_must_see_rings_the_one_doorbell() -> None:
 
     sub = bus.stream(ev.ForwardStarted).subscribe(lambda e: None)
     assert rang() and port.wants(ev.ForwardStarted)  # the demand changed
-    declared = bus.decides(every=4)
-    assert rang() and port.next_decision(0) == 4  # a decision schedule
+    declared = bus.declare_decision_steps(every=4)
+    assert rang() and port.next_decision(0) == 4  # a decision steps
     bus.send(cmd.StopEpoch())
     assert rang() and port.has_commands()  # a command
     declared.dispose()

@@ -1,5 +1,5 @@
 """Class-based callbacks: on_<event> subscribers (sync and async), hook_<point> inline hooks,
-attaching and detaching, process-wide registration, and delivery order core -> user -> global."""
+adding and removing, process-wide registration, and delivery order core -> user -> global."""
 
 from __future__ import annotations
 
@@ -260,7 +260,7 @@ def test_hook_after_optimizer_step_sees_the_updated_model() -> None:
     assert not _equal(cb.snapshots[0], cb.snapshots[1])
 
 
-# ---------------------------------------------------------------------------- attach / detach
+# ----------------------------------------------------------------------------- add / remove
 
 
 def test_remove_callback_before_fit_receives_nothing() -> None:
@@ -277,11 +277,11 @@ def test_remove_callback_before_fit_receives_nothing() -> None:
     assert trainer.add_callback(cb) is cb
     assert trainer.callbacks == (cb,)
     with pytest.raises(ConfigError):
-        trainer.add_callback(cb)  # already attached
+        trainer.add_callback(cb)  # already added
     trainer.remove_callback(cb)
     assert trainer.callbacks == ()
     with pytest.raises(ConfigError):
-        trainer.remove_callback(cb)  # not attached any more
+        trainer.remove_callback(cb)  # not added any more
     trainer.fit_sync()
     assert cb.steps == [] and cb.epochs == [] and cb.fit_ended == [] and cb.hooked == 0
 
@@ -335,7 +335,7 @@ def test_global_callback_with_context_manager() -> None:
         assert trainer.callbacks == ()  # detached when the run ended
     assert global_callbacks() == ()
     assert cb.steps == [1, 2, 3] and cb.fit_ended == ["completed"]
-    _trainer().fit_sync()  # after the with-block: not attached any more
+    _trainer().fit_sync()  # after the with-block: not added any more
     assert cb.steps == [1, 2, 3]
 
 
@@ -356,7 +356,7 @@ def test_register_global_callback_and_remove() -> None:
         register_global_callback(Listener)  # type: ignore[arg-type]  # a class, not an instance
 
 
-def test_a_callback_both_user_and_global_is_attached_once() -> None:
+def test_a_callback_both_user_and_global_is_added_once() -> None:
     cb = Listener()
     with cb:
         _trainer(callbacks=[cb]).fit_sync()
@@ -436,3 +436,18 @@ def test_skipped_optimizer_step_does_not_step_the_scheduler_or_repeat_step_ended
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert len(rec.of_type(ev.SchedulerStepped)) == 3  # one per optimizer step taken
     assert opt.param_groups[0]["lr"] == pytest.approx(0.1 * 0.5**3)
+
+
+def test_state_key_is_the_class_name_until_set_and_checked_when_set() -> None:
+    class Counter(Callback):
+        def state_dict(self) -> dict[str, Any]:
+            return {"n": 1}
+
+    cb = Counter()
+    assert cb.state_key == "Counter"  # the one name: what the state is saved under
+    cb.state_key = "first"
+    assert cb.state_key == "first"
+    cb.state_key = None
+    assert cb.state_key == "Counter"
+    with pytest.raises(ConfigError, match=r"^state_key="):
+        cb.state_key = ""

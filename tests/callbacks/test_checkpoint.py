@@ -123,7 +123,7 @@ def test_a_run_writes_epoch_and_best_checkpoints_at_exact_steps(
         "step-00000008.pt",
         "step-00000012.pt",  # epoch save; the loop's final save is skipped at the same step
     ]
-    assert result.checkpoint == str(tmp_path / "step-00000012.pt")
+    assert result.last_checkpoint == str(tmp_path / "step-00000012.pt")
 
 
 def test_every_steps_alone_also_saves_every_epoch_as_documented(

@@ -162,7 +162,7 @@ def test_a_job_started_again_after_its_end_leaves_its_files_as_they_were(
     again = job().fit_sync(resume="latest")
     assert (again.reason, again.steps) == (first.reason, first.steps)
     assert {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()} == files
-    assert again.checkpoint == str(again.resumed_from)
+    assert again.last_checkpoint == str(again.resumed_from)
 
 
 def test_another_runs_files_are_never_touched(tmp_path: Path, trainer_factory: Any) -> None:

@@ -155,7 +155,7 @@ def test_no_average_before_the_first_update() -> None:
     assert ema.updates == 0 and ema.state_dict() == {"updates": 0}
     with pytest.raises(RuntimeError, match="no average yet"):
         ema.averaged_state_dict()
-    assert result.metrics["val_loss"] > 0  # evaluated the model as it is
+    assert result.eval_metrics["val_loss"] > 0  # evaluated the model as it is
     assert not torch.equal(before["out.weight"], trainer.settings.model.state_dict()["out.weight"])
 
 
@@ -208,7 +208,7 @@ def test_evaluations_score_the_average_and_training_goes_on_with_its_own_weights
     with torch.no_grad():
         losses = [F.cross_entropy(final(x), y).double() * len(y) for x, y in eval_data]
     expected_loss = (torch.stack(losses).sum() / sum(len(y) for _, y in eval_data)).item()
-    assert result.metrics["val_loss"] == expected_loss
+    assert result.eval_metrics["val_loss"] == expected_loss
     last = recorder.of_type(ev.EvaluationEnded)[-1]
     assert last.metrics["val_loss"] == expected_loss
 
@@ -362,10 +362,10 @@ def test_checkpoints_hold_the_average_and_a_resume_continues_it_exactly(tmp_path
     assert_equal(resumed_ema.averaged_state_dict(), straight_ema.averaged_state_dict())
     assert resumed_ema.updates == straight_ema.updates == 8
     assert_equal(weights(resumed.settings.model), weights(straight.settings.model))
-    assert resumed.result.metrics == straight.result.metrics  # type: ignore[union-attr]
+    assert resumed.result.eval_metrics == straight.result.eval_metrics  # type: ignore[union-attr]
 
     # What to deploy: the checkpoint's EMA weights load into a fresh model.
-    final = read_checkpoint(Path(straight.result.checkpoint))  # type: ignore[union-attr,arg-type]
+    final = read_checkpoint(Path(straight.result.last_checkpoint))  # type: ignore[union-attr,arg-type]
     deployed = Net(seed=5)
     deployed.load_state_dict(final.callbacks["EMA"]["weights"])
     assert_equal(weights(deployed), straight_ema.averaged_state_dict())

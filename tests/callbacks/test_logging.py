@@ -158,7 +158,7 @@ async def test_jsonl_batches_in_time_and_flushes_the_rest_at_close(
     tmp_path: Path, step_event: Any, wait_until: Any
 ) -> None:
     vts = VirtualTimeScheduler()
-    bus = EventBus(scheduler=vts, flush_interval=0.001)
+    bus = EventBus(rx_scheduler=vts, flush_interval=0.001)
     path = tmp_path / "events.jsonl"
     path.write_text("left over from an earlier run\n")
     JsonlEventLog(path, flush_s=1.0).setup(bus)

@@ -36,7 +36,7 @@ def test_params_metrics_and_checkpoints_read_back(trainer_factory: Any, tmp_path
     assert sorted(m.step for m in losses) == [2, 4, 6, 8]
     val = client.get_metric_history(logger.run_id, "val_loss")
     assert sorted(m.step for m in val) == [4, 8]
-    assert max(val, key=lambda m: m.step).value == pytest.approx(result.metrics["val_loss"])
+    assert max(val, key=lambda m: m.step).value == pytest.approx(result.eval_metrics["val_loss"])
     artifacts = {Path(a.path).name for a in client.list_artifacts(logger.run_id, "checkpoints")}
     saved = {p.name for p in (tmp_path / "ckpt").glob("*.pt")}
     assert saved and saved <= artifacts

@@ -33,7 +33,7 @@ def test_scalars_and_hparams_read_back(trainer_factory: Any, tmp_path: Path) -> 
     assert [s.step for s in acc.Scalars("train/loss")] == [2, 4, 6, 8]
     assert [s.value for s in acc.Scalars("train/lr")] == pytest.approx([0.1] * 4)
     assert [s.step for s in acc.Scalars("eval/val_loss")] == [4, 8]
-    assert acc.Scalars("eval/val_loss")[-1].value == pytest.approx(result.metrics["val_loss"])
+    assert acc.Scalars("eval/val_loss")[-1].value == pytest.approx(result.eval_metrics["val_loss"])
 
     plugin = acc.PluginTagToContent("hparams")
     assert plugin, "no hparams record"

@@ -154,7 +154,7 @@ def test_config_metrics_evaluations_and_checkpoints_read_back(
     # Training metrics at their steps; evaluation results joined into their step's row.
     assert sorted(run.series("loss")) == [2, 4, 6, 8]
     val = run.series("val_loss")
-    assert sorted(val) == [4, 8] and val[8] == pytest.approx(result.metrics["val_loss"])
+    assert sorted(val) == [4, 8] and val[8] == pytest.approx(result.eval_metrics["val_loss"])
     saved = sorted(p.name for p in (offline / "ckpt").glob("*.pt"))
     assert saved and len(run.artifacts) == len(saved)
     name, kind, _aliases, _files = run.artifacts[0]

@@ -53,7 +53,7 @@ def main(directory: Path) -> None:
     print(json.dumps({
         "reason": result.reason,
         "failed_saves": result.failed_saves,
-        "checkpoint": result.checkpoint,
+        "checkpoint": result.last_checkpoint,
         "error_type": type(error).__name__,
         "error": str(error),
         "error_errno": getattr(error, "errno", None),

@@ -30,7 +30,7 @@ from trainbus import events as ev
 from trainbus.callbacks import Checkpointing, EarlyStopping
 
 SAMPLES, BATCH, FEATURES, CLASSES = 20, 4, 6, 3
-"""5 training batches per epoch: windows of 2, 2 and 1 batches under ``accumulate=2``."""
+"""5 training batches per epoch: steps of 2, 2 and 1 batches under ``accumulate=2``."""
 EPOCHS = 3
 PACE_S = 0.03
 """The SIGKILL test's children sleep this long after each optimizer step."""

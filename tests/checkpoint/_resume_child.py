@@ -29,11 +29,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from trainbus import StepContext, Trainer
 from trainbus.callbacks import Checkpointing
 
-SAMPLES, BATCH, ACCUMULATE = 38, 4, 3  # 10 batches per epoch: windows of 3, 3, 3 and 1
+SAMPLES, BATCH, ACCUMULATE = 38, 4, 3  # 10 batches per epoch: steps of 3, 3, 3 and 1
 KILLED_EPOCHS = 5
 """Epochs of the run the SIGKILL test kills: 20 steps."""
-KILL_POINTS = ("mid-window", "after-step", "mid-write")
-"""Where a child kills itself in its step: after the window's second micro-batch's backward
+KILL_POINTS = ("mid-step", "after-step", "mid-write")
+"""Where a child kills itself in its step: after the step's second micro-batch's backward
 (gradients half accumulated), after the optimizer step (before that step's checkpoint), or
 inside that step's checkpoint write (the temp file written, not yet fsynced nor renamed)."""
 
@@ -74,7 +74,7 @@ def _die() -> None:
 def kill_in_step(trainer: Trainer, step: int, where: str) -> None:
     """Make this process SIGKILL itself in optimizer step ``step`` at ``where`` (one of
     :data:`KILL_POINTS`). Hooks draw no random number: the run stays the one under test."""
-    if where == "mid-window":
+    if where == "mid-step":
 
         def mid_window(ctx: StepContext) -> None:
             if ctx.step == step - 1 and ctx.micro_batch == 1:

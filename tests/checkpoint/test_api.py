@@ -132,10 +132,10 @@ def test_run_of_2_plus_resumed_run_of_2_equals_run_of_4(tmp_path: Path) -> None:
     full = _full_run(4)
     first = _trainer(max_steps=2, checkpoint_dir=tmp_path)
     r1 = first.fit_sync()
-    assert r1.reason == "completed" and r1.checkpoint is not None
+    assert r1.reason == "completed" and r1.last_checkpoint is not None
     second = _trainer(seed=1, max_steps=4, checkpoint_dir=tmp_path)
     rec = EventRecorder(second.bus)
-    r2 = second.fit_sync(resume=r1.checkpoint)
+    r2 = second.fit_sync(resume=r1.last_checkpoint)
     assert r2.steps == 4
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)] == [2, 3]
     assert _close(_params(second.settings.model), full)
@@ -148,15 +148,15 @@ def test_resume_continues_from_the_saved_step(tmp_path: Path, how: str) -> None:
     _stop_at(first, 2)
     r1 = first.fit_sync()
     assert (r1.reason, r1.steps) == ("stopped", 2)
-    assert r1.checkpoint == str(tmp_path / "step-00000002-final.pt")
+    assert r1.last_checkpoint == str(tmp_path / "step-00000002-final.pt")
 
-    resume = r1.checkpoint if how == "path" else "latest"
+    resume = r1.last_checkpoint if how == "path" else "latest"
     second = _trainer(seed=1, max_steps=4, checkpoint_dir=tmp_path)
     rec = EventRecorder(second.bus)
     r2 = second.fit_sync(resume=resume)
     assert (r2.reason, r2.steps) == ("completed", 4)
     (loaded,) = rec.of_type(ev.CheckpointLoaded)
-    assert loaded.path == r1.checkpoint and loaded.step == 2
+    assert loaded.path == r1.last_checkpoint and loaded.step == 2
     assert rec.names()[:4] == [
         "TrainerBuilt",
         "CheckpointLoading",
@@ -217,7 +217,7 @@ def test_final_checkpoint_of_a_completed_run(tmp_path: Path) -> None:
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
     expected = tmp_path / "ck" / "step-00000004-final.pt"
-    assert result.reason == "completed" and result.checkpoint == str(expected)
+    assert result.reason == "completed" and result.last_checkpoint == str(expected)
     assert expected.is_file()
     (saved,) = rec.of_type(ev.CheckpointSaved)
     assert (saved.path, saved.tag, saved.step) == (str(expected), "final", 4)
@@ -237,8 +237,8 @@ def test_final_checkpoint_of_a_stopped_run(tmp_path: Path) -> None:
     _stop_at(trainer, 3)
     result = trainer.fit_sync()
     assert result.reason == "stopped"
-    assert result.checkpoint == str(tmp_path / "step-00000003-final.pt")
-    assert read_checkpoint(result.checkpoint).state == TrainState(
+    assert result.last_checkpoint == str(tmp_path / "step-00000003-final.pt")
+    assert read_checkpoint(result.last_checkpoint).state == TrainState(
         step=3, batch_in_epoch=3, samples_seen=24
     )
 
@@ -248,7 +248,7 @@ def test_no_duplicate_final_checkpoint_after_a_save_at_the_last_step(tmp_path: P
     _send_at(trainer, 2, cmd.SaveCheckpoint(tag="last"))
     result = trainer.fit_sync()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002-last.pt"]
-    assert result.checkpoint == str(tmp_path / "step-00000002-last.pt")
+    assert result.last_checkpoint == str(tmp_path / "step-00000002-last.pt")
 
 
 # ---------------------------------------------------------------------------- the folder
@@ -278,5 +278,5 @@ def test_checkpoint_dir_not_created_by_a_failed_run(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="boom"):
         trainer.fit_sync()
     assert trainer.result is not None and trainer.result.reason == "failed"
-    assert trainer.result.checkpoint is None
+    assert trainer.result.last_checkpoint is None
     assert not target.exists()

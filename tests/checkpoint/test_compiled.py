@@ -27,8 +27,8 @@ def _fit(model: torch.nn.Module, ckpt: Path, steps: int, resume: Path | None = N
                       loss_fn=F.cross_entropy, max_steps=steps, checkpoint_dir=ckpt,
                       progress=False)  # fmt: skip
     result = trainer.fit_sync(resume=resume)
-    assert result.checkpoint is not None
-    return Path(result.checkpoint)
+    assert result.last_checkpoint is not None
+    return Path(result.last_checkpoint)
 
 
 def _keys(path: Path) -> list[str]:

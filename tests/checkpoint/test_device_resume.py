@@ -73,7 +73,7 @@ def test_no_copy_of_the_loaded_weights_outlives_the_restore(
                        loss_fn=F.cross_entropy, max_steps=max_steps, device="cpu",
                        checkpoint_dir=tmp_path, progress=False, on_signal=None)  # fmt: skip
 
-    path = trainer(2).fit_sync().checkpoint
+    path = trainer(2).fit_sync().last_checkpoint
     assert path is not None
     loaded: list[weakref.ref[torch.Tensor]] = []
     read = trainbus._trainer.resume.read_checkpoint

@@ -116,7 +116,7 @@ def test_a_refused_final_save_fails_the_run_naming_the_file(
     assert isinstance(err.__cause__, OSError) and err.__cause__.errno == errno.ENOSPC
     result = trainer.result
     assert result is not None and result.reason == "failed" and result.failed_saves == 2
-    assert result.checkpoint == str(tmp_path / "step-00000002.pt")
+    assert result.last_checkpoint == str(tmp_path / "step-00000002.pt")
     assert rec.of_type(ev.FitEnded)[0].error is err
     # The earlier checkpoint is intact and nothing partial is left.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000002.pt"]

@@ -51,9 +51,9 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
 ) -> None:
     reference = build(None, generator=generator)
     full = reference.fit_sync()
-    assert full.steps == 12  # 3 epochs of 4 steps: windows of 3, 3, 3 and 1 batches
+    assert full.steps == 12  # 3 epochs of 4 steps: steps of 3, 3, 3 and 1 batches
 
-    # 2: mid-epoch; 4: the epoch's last (1-batch) window; 5 and 7: mid-epoch of a resumed run.
+    # 2: mid-epoch; 4: the epoch's last (1-batch) step; 5 and 7: mid-epoch of a resumed run.
     for k in (2, 4, 5, 7):
         run = build(tmp_path, generator=generator, bus=EventBus(barriers=BARRIERS))
         _stop_at(run, k)
@@ -65,7 +65,7 @@ def test_interrupted_mid_epoch_and_mid_accumulation_resumes_bit_identical(
     assert (result.reason, result.steps) == ("completed", 12)
     # Saved after step 7 = batch 9 of epoch 1: the resumed epoch goes on with its batch 9.
     assert [e.batch_index for e in rec.of_type(ev.BatchFetched)][:2] == [9, 0]
-    final = read_checkpoint(result.checkpoint or "")
+    final = read_checkpoint(result.last_checkpoint or "")
     assert final.state.samples_seen == 3 * 38
     for got, want in zip(_params(last), _params(reference), strict=True):
         assert torch.equal(got, want)
@@ -92,9 +92,9 @@ def test_without_the_data_order_a_shuffled_resume_diverges(tmp_path: Path) -> No
 
 
 # Where each child SIGKILLs itself (optimizer step, moment in it): three kinds of moment, at
-# the start, middle and end of epochs, mid-window only where a window has a second batch.
-KILLS = [(2, "mid-window"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"),
-         (9, "mid-window"), (12, "after-step"), (13, "mid-write"), (18, "mid-window")]  # fmt: skip
+# the start, middle and end of epochs, mid-step only where a step has a second batch.
+KILLS = [(2, "mid-step"), (3, "mid-write"), (4, "after-step"), (6, "mid-write"),
+         (9, "mid-step"), (12, "after-step"), (13, "mid-write"), (18, "mid-step")]  # fmt: skip
 
 
 @pytest.mark.slow
@@ -179,7 +179,7 @@ def test_callback_states_survive_a_resume(tmp_path: Path) -> None:
     reductions = [a for a in rec1.of_type(ev.CommandApplied)
                   if isinstance(a.command, cmd.ScaleLearningRate)]  # fmt: skip
     assert len(reductions) == 1  # after the second evaluation; max_reductions=1 is spent
-    saved = read_checkpoint(first.result.checkpoint if first.result else "")
+    saved = read_checkpoint(first.result.last_checkpoint if first.result else "")
     assert saved.callbacks["Checkpointing"]["best"] == 1.0
     assert saved.callbacks["EarlyStopping"]["bad"] == 2
 
@@ -232,7 +232,7 @@ def _saved(tmp_path: Path) -> Path:
     run = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
                   loss_fn=F.cross_entropy, max_steps=1, checkpoint_dir=tmp_path,
                   on_signal=None)  # fmt: skip
-    return Path(run.fit_sync().checkpoint or "")
+    return Path(run.fit_sync().last_checkpoint or "")
 
 
 def test_resume_into_another_model_shape_or_optimizer_says_what_differs(tmp_path: Path) -> None:

@@ -173,9 +173,9 @@ def run_uninterrupted(cell: Cell, tmp: Path) -> Reference:
 
     trainer.bus.subscribe(trainer.bus.stream(ev.CheckpointSaved), keep, name="keep")
     result = trainer.fit_sync()
-    assert result.checkpoint is not None
+    assert result.last_checkpoint is not None
     params = [p.detach().clone() for p in trainer.settings.model.parameters()]
-    return Reference(recorder.items, copies, Path(result.checkpoint), params)
+    return Reference(recorder.items, copies, Path(result.last_checkpoint), params)
 
 
 def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> list[str]:
@@ -233,12 +233,12 @@ def resume_from(cell: Cell, ref: Reference, at: int, copy: Path, tmp: Path) -> l
     if not all(torch.equal(a, b) for a, b in zip(ref.params, params, strict=True)):
         diff = max((a - b).abs().max().item() for a, b in zip(ref.params, params, strict=True))
         problems.append(f"parameters differ (max |diff| {diff:.3g})")
-    if result.checkpoint is None:
+    if result.last_checkpoint is None:
         problems.append("no final checkpoint")
     else:
         differ = [
             p
-            for p in _differences(ref.final, Path(result.checkpoint), same_point=k == end.step)
+            for p in _differences(ref.final, Path(result.last_checkpoint), same_point=k == end.step)
             if p in parts
         ]
         if differ:
@@ -392,7 +392,7 @@ def test_a_resumed_run_carries_the_last_evaluation_metrics(tmp_path: Path) -> No
     want = {e.step: dict(e.metrics) for e in rec.of_type(ev.CheckpointSaved) if e.step > 4}
     got = {e.step: dict(e.metrics) for e in again.of_type(ev.CheckpointSaved)}
     assert got == want and got[6] == dict(rec.of_type(ev.EvaluationEnded)[0].metrics)
-    assert straight.result is not None and result.metrics == straight.result.metrics
+    assert straight.result is not None and result.eval_metrics == straight.result.eval_metrics
 
 
 def test_a_streamed_epochs_end_save_is_written_again_and_resumed_after(tmp_path: Path) -> None:

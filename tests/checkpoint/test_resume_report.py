@@ -41,15 +41,15 @@ def _nothing_found(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def test_latest_names_the_file_it_loaded(tmp_path: Path) -> None:
     first = _trainer(tmp_path, max_steps=2).fit_sync()
     assert first.resumed_from is None
-    assert first.checkpoint == str(tmp_path / "step-00000002-final.pt")
+    assert first.last_checkpoint == str(tmp_path / "step-00000002-final.pt")
     second = _trainer(tmp_path, max_steps=4)
     rec = EventRecorder(second.bus)
     result = second.fit_sync(resume="latest")
     (started,) = rec.of_type(ev.FitStarted)
     # The file, not the word "latest": what a person needs to know which run continued.
-    assert started.resumed_from == first.checkpoint == result.resumed_from
+    assert started.resumed_from == first.last_checkpoint == result.resumed_from
     assert started.resume_source == "checkpoint_dir"
-    assert rec.of_type(ev.CheckpointLoaded)[0].path == first.checkpoint
+    assert rec.of_type(ev.CheckpointLoaded)[0].path == first.last_checkpoint
     assert result.steps == 4
 
 

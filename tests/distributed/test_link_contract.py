@@ -73,7 +73,7 @@ async def test_events_arrive_in_order_and_commands_come_back(
         await in_thread(wlink.connect)
         assert ev.StepEnded in wlink.wanted and ev.FitEnded in wlink.wanted  # asked + always
         assert ev.BatchFetched not in wlink.wanted  # nobody in the driver reads it
-        wlink.attach(worker_bus)
+        wlink.start(worker_bus)
         n = 3000
         async with worker_bus:
 
@@ -149,7 +149,7 @@ async def test_with_relink_a_restarted_rank_0_replaces_the_link(
             wlink = WorkerLink(address, TOKEN, timeout=10)
             links.append(wlink)
             await in_thread(wlink.connect)
-            wlink.attach(worker_bus)
+            wlink.start(worker_bus)
             async with worker_bus:
                 worker_bus.publish(step_event(attempt))
                 await wait_until(lambda n=attempt: len(received) == n, limit_s=10)  # type: ignore[misc]

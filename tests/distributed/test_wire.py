@@ -74,7 +74,9 @@ BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
     "tuple[str, ...]": st.lists(names, max_size=3).map(tuple),
     "Any": scalar,  # PredictionBatchEnded.outputs: a tensor reads back as numbers
     "ResumeSource | None": st.sampled_from([None, "path", "checkpoint_dir", "ray"]),
-    "EndReason": st.sampled_from(["completed", "stopped", "failed", "cancelled"]),
+    "Literal['completed', 'stopped', 'failed', 'cancelled']": st.sampled_from(
+        ["completed", "stopped", "failed", "cancelled"]
+    ),
     "Literal['epoch', 'steps', 'command']": st.sampled_from(["epoch", "steps", "command"]),
     "Literal['psutil', 'statm', 'resource'] | None": st.sampled_from(
         [None, "psutil", "statm", "resource"]

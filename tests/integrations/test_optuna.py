@@ -78,7 +78,7 @@ def test_a_pruned_trial_is_stored_pruned_with_no_code_in_the_objective(tmp_path:
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, tmp_path / f"t{trial.number}")
         stops[trial.number] = trainer
-        return trainer.fit_sync().metrics["val_loss"]  # nothing about pruning here
+        return trainer.fit_sync().eval_metrics["val_loss"]  # nothing about pruning here
 
     s = study(pruner_at(8), tmp_path)
     s.optimize(objective, n_trials=2)
@@ -88,12 +88,12 @@ def test_a_pruned_trial_is_stored_pruned_with_no_code_in_the_objective(tmp_path:
         result = stops[t.number].result
         assert result is not None and result.ending is Ending.PRUNED
         assert result.steps == 8  # stopped at the step the pruner decided, exactly
-        assert result.checkpoint is not None and result.checkpoint.endswith("-final.pt")
+        assert result.last_checkpoint is not None and result.last_checkpoint.endswith("-final.pt")
 
 
 def test_an_unpruned_trial_completes_with_its_value(tmp_path: Path) -> None:
     s = study(optuna.pruners.NopPruner(), tmp_path)
-    s.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
+    s.optimize(lambda trial: trainer_for(trial).fit_sync().eval_metrics["val_loss"], n_trials=1)
     (t,) = s.get_trials()
     assert t.state == optuna.trial.TrialState.COMPLETE
     assert sorted(t.intermediate_values) == [4, 8, 12, 16, 20, 24]
@@ -103,7 +103,7 @@ def test_an_unpruned_trial_completes_with_its_value(tmp_path: Path) -> None:
 def test_pruned_trials_can_skip_their_final_checkpoint(tmp_path: Path) -> None:
     def objective(trial: Any) -> float:
         trainer = trainer_for(trial, CheckpointDir(tmp_path / "ckpt", skip_final={"pruned"}))
-        return trainer.fit_sync().metrics["val_loss"]
+        return trainer.fit_sync().eval_metrics["val_loss"]
 
     s = study(pruner_at(4))
     s.optimize(objective, n_trials=1)
@@ -117,7 +117,7 @@ def test_every_epoch_evaluation_reports_at_epoch_ends() -> None:
         return (
             trainer_for(trial, eval_schedule=EvalSchedule(every_steps=None))
             .fit_sync()
-            .metrics["val_loss"]
+            .eval_metrics["val_loss"]
         )
 
     s = study(pruner_at(16))
@@ -159,7 +159,7 @@ def losses_by_params(n_jobs: int, tmp_path: Path) -> dict[float, tuple[str, dict
         data = TensorDataset(*(torch.cat(t) for t in zip(*tiny_loader(8, 16), strict=True)))
         trainer = trainer_for(trial, seed=7, model=tiny_model(seed=0),
                               train=DataLoader(data, batch_size=16, shuffle=True))  # fmt: skip
-        return trainer.fit_sync().metrics["val_loss"]
+        return trainer.fit_sync().eval_metrics["val_loss"]
 
     # In memory: with SQLite and n_jobs=2, Optuna 5.0 may give one enqueued trial to both
     # threads ("Cannot tell a COMPLETE trial"), a race of its own.
@@ -199,8 +199,10 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
 
     # The same configuration again, resumed from the checkpoint: it reports from there on.
     s.enqueue_trial(failed.params)
-    s.optimize(lambda trial: trainer_for(trial, ckpt).fit_sync(resume="latest").metrics["val_loss"],
-               n_trials=1)  # fmt: skip
+    s.optimize(
+        lambda trial: trainer_for(trial, ckpt).fit_sync(resume="latest").eval_metrics["val_loss"],
+        n_trials=1,
+    )
     resumed = s.trials[1]
     assert resumed.state == optuna.trial.TrialState.COMPLETE
     assert sorted(resumed.intermediate_values) == [12, 16, 20, 24]
@@ -208,7 +210,7 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
     # ...with the value of a run that was never interrupted (exact resume).
     fresh = study(optuna.pruners.NopPruner())
     fresh.enqueue_trial(failed.params)
-    fresh.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
+    fresh.optimize(lambda trial: trainer_for(trial).fit_sync().eval_metrics["val_loss"], n_trials=1)
     assert resumed.value == fresh.trials[0].value
     assert resumed.intermediate_values == {k: v for k, v in fresh.trials[0].intermediate_values
                                            .items() if k > 10}  # fmt: skip
@@ -217,7 +219,9 @@ def test_a_trial_interrupted_then_resumed_from_its_checkpoint(tmp_path: Path) ->
 # ----------------------------------------------------------------------------- bad input
 def test_a_metric_that_never_appears_fails_at_the_first_evaluation_naming_those_that_do() -> None:
     def objective(trial: Any) -> float:
-        return trainer_for(trial, monitor="val_los", log_every=4).fit_sync().metrics["val_loss"]
+        return (
+            trainer_for(trial, monitor="val_los", log_every=4).fit_sync().eval_metrics["val_loss"]
+        )
 
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError) as info:
@@ -237,7 +241,7 @@ def test_a_metric_logged_after_the_first_evaluation_is_not_taken_for_missing() -
             trial, monitor="train_acc", eval_schedule=EvalSchedule(every_steps=2), log_every=4
         )
         trainer.add_hook("after_optimizer_step", lambda ctx: ctx.log("train_acc", 0.5))
-        return trainer.fit_sync().metrics["val_loss"]
+        return trainer.fit_sync().eval_metrics["val_loss"]
 
     s = study(optuna.pruners.NopPruner())
     s.optimize(objective, n_trials=1, catch=())
@@ -254,7 +258,7 @@ def test_a_metric_that_never_appears_in_a_run_without_evaluations_fails_at_its_e
         result = trainer_for(
             trial, eval_data=None, eval_schedule=EvalSchedule(every_steps=None)
         ).fit_sync()
-        return result.metrics.get("loss", 0.0)
+        return result.eval_metrics.get("loss", 0.0)
 
     s = study(optuna.pruners.NopPruner())
     with pytest.raises(ConfigError, match=r"OptunaPruning\.monitor='val_loss'.*the whole run"):
@@ -269,7 +273,7 @@ def test_a_pruner_that_raises_fails_the_trial_clearly() -> None:
 
     s = study(Broken())
     with pytest.raises(PrunerError, match=r"reporting val_loss=.* at step 4 .*ZeroDivisionError"):
-        s.optimize(lambda trial: trainer_for(trial).fit_sync().metrics["val_loss"], n_trials=1)
+        s.optimize(lambda trial: trainer_for(trial).fit_sync().eval_metrics["val_loss"], n_trials=1)
     assert s.trials[0].state == optuna.trial.TrialState.FAIL
 
 
@@ -332,7 +336,7 @@ def test_a_zero_or_negative_budget_cancels_the_fit_and_the_objective_goes_on(
         result = trainer.result
         if result is None or result.ending is Ending.CANCELLED:  # never started, or cut short
             raise optuna.TrialPruned(f"no time left (budget {budget} s)")
-        return result.metrics["val_loss"]
+        return result.eval_metrics["val_loss"]
 
     s = study(optuna.pruners.NopPruner())
     s.optimize(objective, n_trials=2)

@@ -1,5 +1,5 @@
 """Gradient accumulation weighed by items (``accumulate_by``): with ``"items"`` the gradient of
-one accumulated window of padded token batches equals the gradient of one batch of the same
+one accumulated step of padded token batches equals the gradient of one batch of the same
 samples; with the default ``"batches"`` it does not (each micro-batch weighs the same)."""
 
 from __future__ import annotations
@@ -176,7 +176,7 @@ def test_a_causal_lm_counts_its_shifted_labels() -> None:
 
 
 def test_step_loss_is_the_windows_token_mean() -> None:
-    """``StepEnded.loss`` is the loss one batch of the window's tokens reports; each
+    """``StepEnded.loss`` is the loss one batch of the step's tokens reports; each
     ``LossComputed`` keeps its micro-batch's own mean."""
     model = TokenModel()
     width = max(b["input_ids"].shape[1] for b in MICRO)
@@ -201,11 +201,11 @@ def test_step_loss_is_the_windows_token_mean() -> None:
 
 
 def test_a_short_last_window_and_a_window_of_one() -> None:
-    """Three batches with ``accumulate=2``: the epoch's last window holds one batch, weighed 1
+    """Three batches with ``accumulate=2``: the epoch's last step holds one batch, weighed 1
     (its gradient is its own mean loss's)."""
     third = padded([4, 1], seed=3)
     got, _ = accumulated_grads([*MICRO, third], accumulate=Accumulate(2, by="items"), max_epochs=1)
-    assert got  # the first window's gradient; the run trained two steps
+    assert got  # the first step's gradient; the run trained two steps
     model = TokenModel()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
     t = Trainer(

@@ -177,7 +177,7 @@ def test_save_checkpoint_writes_atomically_named_files(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert names == ["step-00000002-best.pt", "step-00000003.pt", "step-00000004-final.pt"]
     assert not any(n.endswith(".tmp") for n in names)
-    assert result.checkpoint == str(tmp_path / "ckpt" / "step-00000004-final.pt")
+    assert result.last_checkpoint == str(tmp_path / "ckpt" / "step-00000004-final.pt")
     payload = torch.load(by_step[(2, "best")].path, weights_only=False)
     assert payload["state"]["step"] == 2
 

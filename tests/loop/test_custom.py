@@ -118,7 +118,7 @@ def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Pa
     def run(directory: Path, max_steps: int | None = None, resume: str | None = None) -> Trainer:
         torch.manual_seed(0)
         model = nn.Linear(8, 8)
-        data = [torch.randn(5, 8) for _ in range(9)]  # 9 batches, accumulate 2: a short window
+        data = [torch.randn(5, 8) for _ in range(9)]  # 9 batches, accumulate 2: a short last step
         trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), data,
                           train_step=two_views, accumulate=2, clip_grad_norm=1.0, max_epochs=2,
                           max_steps=max_steps, seed=1, checkpoint_dir=directory,
@@ -127,7 +127,7 @@ def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Pa
         return trainer
 
     whole = run(tmp_path / "a")
-    assert whole.result is not None and whole.result.steps == 10  # 5 windows an epoch, 2 epochs
+    assert whole.result is not None and whole.result.steps == 10  # 5 steps an epoch, 2 epochs
     run(tmp_path / "b", max_steps=3)  # mid-epoch: the data order is replayed
     resumed = run(tmp_path / "b", resume="latest")
     assert all(torch.equal(x, y) for x, y in zip(weights(whole), weights(resumed), strict=True))
@@ -240,7 +240,7 @@ def test_a_non_finite_loss_names_the_step() -> None:
     assert any("nan_step" in note and "'default'" in note for note in info.value.__notes__)
 
 
-def test_a_non_finite_loss_skips_every_optimizer_of_the_window() -> None:
+def test_a_non_finite_loss_skips_every_optimizer_of_the_step() -> None:
     calls = []
 
     def step(ctx: TrainContext) -> dict[str, torch.Tensor]:
@@ -254,7 +254,7 @@ def test_a_non_finite_loss_skips_every_optimizer_of_the_window() -> None:
                       progress=False)  # fmt: skip
     result = trainer.fit_sync()
     assert result.skipped_nonfinite == 1 and result.steps == 3
-    assert calls == [0, 1, 1, 2]  # the skipped window took no step: step 1 ran again
+    assert calls == [0, 1, 1, 2]  # the skipped step took no step: step 1 ran again
 
 
 def test_forgetting_to_step_a_declared_optimizer_warns_naming_it() -> None:

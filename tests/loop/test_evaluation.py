@@ -173,5 +173,5 @@ def test_data_without_a_length_begins_only_steps_that_run(batches: int, accumula
     waits = recorder.of_type(ev.DataWaitEnded)
     assert [e.epoch for e in waits if e.exhausted] == [0, 1]
     assert len(recorder.of_type(ev.DataWaitStarted)) == 2 * batches + 2
-    # The length is unknown: each step plans a full window, the last one gets what is left.
+    # The length is unknown: each step plans its full micro-batches, the last one gets what is left.
     assert [e.accumulation_steps for e in began] == [accumulate] * (2 * steps_per_epoch)

@@ -39,7 +39,7 @@ def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
     trainer = make_trainer(two_sets())
     recorder = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
-    assert set(result.metrics) == {"val/loss", "val/acc", "test/loss", "test/acc"}
+    assert set(result.eval_metrics) == {"val/loss", "val/acc", "test/loss", "test/acc"}
     ends = recorder.of_type(ev.EvaluationEnded)
     assert [e.dataset for e in ends] == ["val", "test"] * 2
     assert all(set(e.metrics) == {f"{e.dataset}/loss", f"{e.dataset}/acc"} for e in ends)
@@ -50,19 +50,19 @@ def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
     }
     assert all(e.dataset is None for e in recorder.of_type(ev.ForwardStarted) if e.phase == "train")
     rounds = recorder.of_type(ev.EvaluationRoundEnded)
-    assert len(rounds) == 2 and dict(rounds[-1].metrics) == dict(result.metrics)
+    assert len(rounds) == 2 and dict(rounds[-1].metrics) == dict(result.eval_metrics)
     # The per-set value is the per-sample mean over that set only.
     test_x, test_y = tiny_loader(1, seed=2)[0]
     with torch.no_grad():
         expected = F.cross_entropy(trainer.settings.model(test_x), test_y).item()
-    assert result.metrics["test/loss"] == pytest.approx(expected, rel=1e-5)
+    assert result.eval_metrics["test/loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_single_loader_keeps_todays_keys() -> None:
     trainer = make_trainer(tiny_loader(2, seed=1))
     recorder = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
-    assert set(result.metrics) == {"val_loss", "val_acc"}
+    assert set(result.eval_metrics) == {"val_loss", "val_acc"}
     assert {e.dataset for e in recorder.of_type(ev.EvaluationEnded)} == {"val"}
     assert all(r.datasets == ("val",) for r in recorder.of_type(ev.EvaluationRoundStarted))
 

@@ -60,7 +60,7 @@ def test_tuple_batches_give_the_targets() -> None:
                       progress=False)  # fmt: skip
     result = trainer.fit_sync()
     assert [t.tolist() for t in seen] == [y.tolist() for _, y in data]
-    assert 0.0 <= result.metrics["val_acc"] <= 1.0
+    assert 0.0 <= result.eval_metrics["val_acc"] <= 1.0
 
 
 def test_mapping_batches_give_the_labels() -> None:
@@ -76,7 +76,7 @@ def test_mapping_batches_give_the_labels() -> None:
         expected = sum(
             float((model(**b)["logits"].argmax(-1) == b["labels"]).float().mean()) for b in data
         ) / len(data)
-    assert result.metrics["val_acc"] == pytest.approx(expected)
+    assert result.eval_metrics["val_acc"] == pytest.approx(expected)
 
 
 def test_mapping_batch_without_labels_fails_the_evaluation() -> None:

@@ -88,7 +88,7 @@ def test_eval_batch_may_replace_the_batch() -> None:
     result = trainer.fit_sync()
     with torch.no_grad():
         expected = F.cross_entropy(trainer.settings.model(fixed[0]), fixed[1]).item()
-    assert result.metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
+    assert result.eval_metrics["val_loss"] == pytest.approx(expected, rel=1e-5)
     assert phases == [("eval", "val")] * 3
 
 

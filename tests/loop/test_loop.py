@@ -134,8 +134,8 @@ def expected_run(
         out.append(Entry("EpochStarted", step, epoch))
         bi = consumed
         while bi < batches:
-            window = min(accumulate, batches - bi)
-            for micro in range(window):
+            accumulation_steps = min(accumulate, batches - bi)
+            for micro in range(accumulation_steps):
                 out.append(Entry("DataWaitStarted", step, epoch, "train", bi))
                 out.append(Entry("DataWaitEnded", step, epoch, "train", bi))
                 out.append(Entry("BatchFetched", step, epoch, "train", bi))
@@ -260,7 +260,7 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
     assert_transcript(recorder, expected)
     assert steps == 4
     # Metrics keyed per set; the round merges them; the standalone round says so.
-    assert set(before) == set(result.metrics) == {"val/loss", "test/loss"}
+    assert set(before) == set(result.eval_metrics) == {"val/loss", "test/loss"}
     rounds = recorder.of_type(ev.EvaluationRoundStarted)
     assert [r.trigger for r in rounds] == ["standalone", "epoch", "epoch"]
     assert all(r.datasets == ("val", "test") for r in rounds)
@@ -270,7 +270,7 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
         ("test", {"test/loss"}),
     ]
     (last_round,) = recorder.of_type(ev.EvaluationRoundEnded)[-1:]
-    assert dict(last_round.metrics) == dict(result.metrics)
+    assert dict(last_round.metrics) == dict(result.eval_metrics)
     # Prediction: outputs per batch on the bus, concatenated in the return value.
     batches = recorder.of_type(ev.PredictionBatchEnded)
     assert [b.outputs.shape for b in batches] == [(32, 10)] * PREDICT_BATCHES
@@ -278,7 +278,7 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
     assert torch.equal(outputs, torch.cat([b.outputs for b in batches]))
     (pend,) = recorder.of_type(ev.PredictionEnded)
     assert (pend.batches, pend.error, pend.stopped) == (PREDICT_BATCHES, None, False)
-    # Micro-batches: two per full window, one in the last window of each epoch.
+    # Micro-batches: two per full step, one in the last step of each epoch.
     micro = [(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
              for e in recorder.of_type(ev.MicroBatchEnded)]  # fmt: skip
     assert micro == [(ep, bi, bi % 2, 2 if bi < 2 else 1) for ep in (0, 1) for bi in range(3)]
@@ -286,13 +286,13 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
 
 def test_transcript_details() -> None:
     recorder, _ = record_run(make_trainer())
-    # A full window of 2 micro-batches, then the epoch's last batch alone.
-    windows = [(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
+    # A full step of 2 micro-batches, then the epoch's last batch alone.
+    micro = [(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
                for e in recorder.of_type(ev.BackwardStarted)]  # fmt: skip
-    assert windows == [(ep, bi, bi % 2, 2 if bi < 2 else 1) for ep in (0, 1) for bi in range(3)]
+    assert micro == [(ep, bi, bi % 2, 2 if bi < 2 else 1) for ep in (0, 1) for bi in range(3)]
     ends = {(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
             for e in recorder.of_type(ev.BackwardEnded)}  # fmt: skip
-    assert ends == set(windows)
+    assert ends == set(micro)
     assert [e.trigger for e in recorder.of_type(ev.EvaluationStarted)] == ["epoch", "epoch"]
     assert [e.trigger for e in recorder.of_type(ev.EvaluationEnded)] == ["epoch", "epoch"]
     assert [e.batches for e in recorder.of_type(ev.EpochEnded)] == [3, 3]
@@ -330,7 +330,7 @@ def test_transcript_with_commands_and_final_checkpoint(tmp_path: Path) -> None:
     assert_transcript(recorder, expected)
     saved = recorder.of_type(ev.CheckpointSaved)
     assert [s.tag for s in saved] == ["one", "final"]
-    assert Path(saved[-1].path).exists() and result.checkpoint == saved[-1].path
+    assert Path(saved[-1].path).exists() and result.last_checkpoint == saved[-1].path
     acks = recorder.of_type(ev.CommandApplied)
     assert [type(a.command) for a in acks] == [cmd.SaveCheckpoint, cmd.Evaluate]
     assert acks[0].result == saved[0] and acks[0].error is None

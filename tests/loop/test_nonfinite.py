@@ -102,7 +102,7 @@ def test_stop_keeps_the_last_good_checkpoint_and_writes_no_bad_state(
     assert result.reason == "stopped"
     assert result.stop_reason is not None and "non-finite loss at step 3" in result.stop_reason
     assert _files(tmp_path) == ["step-00000001.pt"]
-    assert result.checkpoint == str(tmp_path / "ckpt" / "step-00000001.pt")
+    assert result.last_checkpoint == str(tmp_path / "ckpt" / "step-00000001.pt")
     assert [e.step for e in rec.of_type(ev.CheckpointSaved)] == [1]
     (ended,) = rec.of_type(ev.FitEnded)
     assert ended.reason == "stopped"
@@ -167,7 +167,7 @@ def test_no_checkpoint_ever_holds_nonfinite_weights(tmp_path: Path) -> None:
     assert _all_finite(tmp_path / "ckpt" / "step-00000002.pt")
     refused = [a for a in rec.of_type(ev.CommandApplied) if a.error is not None]
     assert len(refused) == 1 and "non-finite values in parameter" in str(refused[0].error)
-    assert result.checkpoint == str(tmp_path / "ckpt" / "step-00000002.pt")
+    assert result.last_checkpoint == str(tmp_path / "ckpt" / "step-00000002.pt")
 
 
 def test_ignore_runs_to_the_end_with_no_check(tmp_path: Path) -> None:
@@ -272,7 +272,7 @@ def test_skip_with_a_non_finite_returned_loss_neither_stops_nor_skips(mode: str)
 @pytest.mark.parametrize("accumulate", [1, 2])
 def test_a_one_element_loss_of_shape_1_is_a_scalar(policy: str, accumulate: int) -> None:
     """``loss_fn`` returning shape ``(1,)`` (one element, as the docs' "scalar" allows): every
-    policy and window reads it as one value, a short last window (5 batches, windows of 2)
+    policy and window reads it as one value, a short last step (5 batches, steps of 2)
     beside means included; the logged loss is the mean of the steps' losses."""
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5, 4),

@@ -107,7 +107,7 @@ def test_perplexity_and_token_accuracy_join_the_metrics_and_the_loggers(tmp_path
     assert last["val_tok_acc"] == pytest.approx(acc, rel=1e-12)
     # val_loss is the sample mean of batch means: not the token mean the perplexity uses.
     assert math.exp(last["val_loss"]) != pytest.approx(ppl, rel=1e-6)
-    assert result.metrics["val_ppl"] == last["val_ppl"]
+    assert result.eval_metrics["val_ppl"] == last["val_ppl"]
     assert result.metric_failures == {}
     logged = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["metrics"]["val_ppl"] for r in logged] == [e.metrics["val_ppl"] for e in ends]
@@ -117,8 +117,8 @@ def test_named_sets_get_their_own_keys() -> None:
     t = trainer(eval_data={"val": loader(6, seed=2), "test": loader(5, seed=3)},
                 set_metrics={"ppl": Perplexity()}, max_steps=1)  # fmt: skip
     result = t.fit_sync()
-    assert set(result.metrics) == {"val/loss", "val/ppl", "test/loss", "test/ppl"}
-    assert result.metrics["test/ppl"] == pytest.approx(
+    assert set(result.eval_metrics) == {"val/loss", "val/ppl", "test/loss", "test/ppl"}
+    assert result.eval_metrics["test/ppl"] == pytest.approx(
         by_hand(t.settings.model, loader(5, seed=3))[0], rel=1e-9
     )
 

@@ -117,8 +117,8 @@ def _run(
     result = trainer.result
     assert result is not None
     summary = (result.reason, result.stop_reason, result.steps, result.epochs,
-               _value(result.metrics), _value(result.train_metrics), result.skipped_nonfinite,
-               None if result.checkpoint is None else Path(result.checkpoint).name,
+               _value(result.eval_metrics), _value(result.train_metrics), result.skipped_nonfinite,
+               None if result.last_checkpoint is None else Path(result.last_checkpoint).name,
                None if error is None else (type(error).__name__, str(error)))  # fmt: skip
     weights = [p.detach().clone() for p in trainer.settings.model.parameters()]
     return _transcript(rec.items), weights, summary, per_phase[0]
@@ -155,7 +155,7 @@ def _scheduled(folder: Path) -> Trainer:
 
 
 def _accumulated(folder: Path, **kwargs: Any) -> Trainer:
-    """Windows of 3 micro-batches, the epoch's last one shorter (20 batches), clipped."""
+    """Steps of 3 micro-batches, the epoch's last one shorter (20 batches), clipped."""
     model = tiny_model()
     kwargs.setdefault("loss_fn", F.cross_entropy)
     return Trainer(model, _sgd(model), tiny_loader(20, 8),

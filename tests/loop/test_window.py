@@ -1,4 +1,4 @@
-"""The metrics window's rate is timed after its device read: the window's steps are done only
+"""The log window's rate is timed after its device read: the window's steps are done only
 once the device ran them, so the read's wait belongs to the window (before the fix, the first
 window after a start or resume overstated steps/s by the queued GPU work)."""
 
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from trainbus import Trainer
 from trainbus._loop import window as window_module
-from trainbus._loop.window import MetricsWindow
+from trainbus._loop.window import LogWindow
 from trainbus.testing import tiny_loader, tiny_model
 
 
@@ -40,7 +40,7 @@ def test_steps_per_s_counts_the_wait_of_the_windows_read(monkeypatch: pytest.Mon
     state = SimpleNamespace(step=0, epoch=0)
     guard = SimpleNamespace(active=True, skipped=0, per_step=False, tripped=False)
     bus = SimpleNamespace(publish=lambda e: None)
-    window = MetricsWindow(settings, bus, state, guard=guard)  # type: ignore[arg-type]
+    window = LogWindow(settings, bus, state, guard=guard)  # type: ignore[arg-type]
     for _ in range(10):  # launched in 1 s
         clock.now += 0.1
         state.step += 1

@@ -83,12 +83,12 @@ def test_every_is_step_based_not_counting_items() -> None:
     assert [e.step for e in first.items] == [8, 10, 12]
 
 
-def test_every_and_once_at_carry_their_schedule() -> None:
+def test_every_and_once_at_carry_their_decision_steps() -> None:
     from trainbus._bus.clock import At, Every
 
-    assert tbops.every(5).schedule == Every(5)
-    assert getattr(tbops.once(at=3), "schedule", None) == At(3)
-    assert getattr(tbops.once(), "schedule", None) is None
+    assert tbops.every(5).decision_steps == Every(5)
+    assert getattr(tbops.once(at=3), "decision_steps", None) == At(3)
+    assert getattr(tbops.once(), "decision_steps", None) is None
 
 
 def test_every_errors_on_an_item_without_a_step() -> None:
@@ -374,7 +374,7 @@ def test_span_durations_of_every_kind_in_virtual_time() -> None:
     from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
     vts = VirtualTimeScheduler()
-    bus = EventBus(scheduler=vts)
+    bus = EventBus(rx_scheduler=vts)
     rec = EventRecorder(bus, bus.events.pipe(tbops.span_durations()))
     timeline = [
         (0.0, ev.ForwardStarted(step=0, epoch=0, phase="train", batch_index=0, time=0.0)),

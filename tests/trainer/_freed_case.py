@@ -1,4 +1,4 @@
-"""The cases of tests/trainer/test_lifetime_freed.py, run in a fresh interpreter:
+"""The cases of tests/trainer/test_holder_freed.py, run in a fresh interpreter:
 ``python _freed_case.py CASE...``.
 
 Each case calls a Trainer once to warm up the process' lazy state (imports, caches), then

@@ -48,7 +48,7 @@ def stop_at(trainer: Trainer, step: int, reason: str) -> None:
     ],
 )
 def test_an_ending_tells_a_stops_cause_apart(
-    reason: ev.EndReason, stop_reason: str | None, ending: Ending
+    reason: str, stop_reason: str | None, ending: Ending
 ) -> None:
     assert Ending.of(reason, stop_reason) is ending
     assert ev.FitEnded(step=1, epoch=0, reason=reason, stop_reason=stop_reason).ending is ending
@@ -77,7 +77,7 @@ def test_skip_final_checkpoint_of_a_pruned_run_only(tmp_path: Path) -> None:
     stop_at(pruned, 2, "pruned")
     recorder = EventRecorder(pruned.bus)
     result = pruned.fit_sync()
-    assert result.ending is Ending.PRUNED and result.checkpoint is None
+    assert result.ending is Ending.PRUNED and result.last_checkpoint is None
     assert recorder.of_type(ev.CheckpointSaved) == []
     assert not (tmp_path / "pruned").exists()  # created at the first save, never before
 
@@ -85,10 +85,10 @@ def test_skip_final_checkpoint_of_a_pruned_run_only(tmp_path: Path) -> None:
     stop_at(stopped, 2, "early stopping")
     result = stopped.fit_sync()
     assert result.ending is Ending.STOPPED
-    assert result.checkpoint is not None and result.checkpoint.endswith("-final.pt")
+    assert result.last_checkpoint is not None and result.last_checkpoint.endswith("-final.pt")
 
     completed = make(CheckpointDir(tmp_path / "completed", skip_final={"pruned", "stopped"}))
-    assert completed.fit_sync().checkpoint is not None  # a completed run always writes it
+    assert completed.fit_sync().last_checkpoint is not None  # a completed run always writes it
 
 
 @pytest.mark.parametrize("bad", ["pruned", ["completed"], ["finished"], 3])
@@ -125,7 +125,9 @@ def test_sigint_stops_gracefully_then_raises_keyboard_interrupt(tmp_path: Path) 
         trainer.fit_sync()
     result = trainer.result
     assert result is not None and result.ending is Ending.SIGNAL
-    assert result.checkpoint is not None and Path(result.checkpoint).is_file()  # written first
+    assert (
+        result.last_checkpoint is not None and Path(result.last_checkpoint).is_file()
+    )  # written first
     assert [e.ending for e in recorder.of_type(ev.FitEnded)] == [Ending.SIGNAL]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
@@ -139,7 +141,7 @@ def test_sigterm_stops_gracefully_then_raises_system_exit_143(tmp_path: Path) ->
         trainer.fit_sync()
     assert info.value.code == 128 + signal.SIGTERM
     assert trainer.result is not None and trainer.result.ending is Ending.SIGNAL
-    assert trainer.result.checkpoint is not None
+    assert trainer.result.last_checkpoint is not None
     assert signal.getsignal(signal.SIGTERM) is previous
 
 
@@ -150,7 +152,7 @@ def test_on_signal_return_keeps_the_result(tmp_path: Path) -> None:
     result = trainer.fit_sync()
     assert result.ending is Ending.SIGNAL and result.reason == "stopped"
     # The handler runs when the main thread next gets the GIL: after step 3, a step or so later.
-    assert 3 <= result.steps < 1_000 and result.checkpoint is not None
+    assert 3 <= result.steps < 1_000 and result.last_checkpoint is not None
 
 
 @pytestmark_posix

@@ -279,7 +279,7 @@ def test_eval_every_and_metrics_match_a_hand_computation() -> None:
     assert len(rec.of_type(ev.EvalBatchEnded)) == 4
     last = ended[-1].metrics
     assert set(last) == {"val_loss", "val_acc"}
-    assert dict(result.metrics) == dict(last)
+    assert dict(result.eval_metrics) == dict(last)
     with torch.no_grad():
         logits = model(xe)
         acc = (logits.argmax(1) == ye).float().mean().item()
@@ -295,7 +295,7 @@ def test_eval_at_epoch_end() -> None:
     result = trainer.fit_sync()
     ended = rec.of_type(ev.EvaluationEnded)
     assert [(e.step, e.epoch, e.trigger) for e in ended] == [(2, 0, "epoch"), (4, 1, "epoch")]
-    assert "val_loss" in result.metrics
+    assert "val_loss" in result.eval_metrics
 
 
 # ---------------------------------------------------------------------------- limits
@@ -532,7 +532,7 @@ def test_nonfinite_stop_writes_no_checkpoint_of_the_nan_state(tmp_path: Path) ->
     assert result.steps == 2
     assert result.stop_reason is not None and "non-finite" in result.stop_reason
     assert sorted(p.name for p in ckpt.iterdir()) == ["step-00000001.pt"]
-    assert result.checkpoint == str(ckpt / "step-00000001.pt")
+    assert result.last_checkpoint == str(ckpt / "step-00000001.pt")
     assert [e.step for e in rec.of_type(ev.CheckpointSaved)] == [1]
     (ended,) = rec.of_type(ev.FitEnded)
     assert ended.reason == "stopped"
@@ -569,7 +569,7 @@ def test_run_on_trio() -> None:
     assert result.reason == "completed" and result.steps == 3
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
     assert rec.names()[:2] == ["TrainerBuilt", "FitStarted"] and rec.names()[-1] == "FitEnded"
-    assert "val_loss" in result.metrics
+    assert "val_loss" in result.eval_metrics
     assert not rec.completed  # suspended: the same streams serve the trainer's next call
     trainer.close()  # completes them, in a trio portal like the run's
     assert rec.completed

@@ -7,6 +7,40 @@ session and the distributed code hold the other face, the
 :class:`~trainbus._bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
 receive end.
 
+part               module                     owns
+=================  =========================  ======================================================
+Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
+Spent              ``spent.py``               what the loop thread is done with (freed at publish)
+RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
+TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
+StepClock          ``clock.py``               declared decision steps (each change rings)
+DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
+BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
+AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
+ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
+FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
+Demand             ``routes.py``              what one event type's subscriptions take (``takes``)
+RouteTable         ``routes.py``              roots by tier, route cache, each type's ``Demand``
+Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
+Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
+Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
+AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and workers
+SubscriptionSet    ``registry.py``            subscription records in order, async start
+BusObservable      ``observable.py``          the chain users pipe and subscribe to
+CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
+Chains             ``chains.py``              the guard a chain ends in, its decision steps
+CommandChannel     ``channel.py``             command deque, ``request()`` waiters
+PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
+Barrier            ``barrier.py``             the interrupted barrier wait
+Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
+LoopPort           ``port.py``                the loop's face: publish, demand, poll, barrier, clock
+=================  =========================  ======================================================
+
+The rows follow the import order: a module imports only modules of the rows above it, so no
+cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
+and that this table lists every module of the package, each part defined where it says). None
+imports torch or the loop.
+=======
 Each module imports only modules below it in the import order ``tests/test_layers.py`` pins, so
 no cycle can form, and this package imports them all. None imports torch or the loop.
 """
@@ -28,11 +62,11 @@ from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
 from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
 from .barrier import DEFAULT_BARRIERS, Barrier, check_barriers
+from .chains import Chains
 from .channel import AckObserver, CommandChannel, CommandError
-from .clock import At, DecisionStamp, Every, Schedule, StepClock
+from .clock import At, DecisionStamp, DecisionSteps, Every, StepClock
 from .doorbell import Doorbell
 from .failures import ErrorPolicy, FailureLedger, check_policy
-from .host import ChainHost
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .observable import BusObservable, CommandSink
 from .port import LoopPort
@@ -71,7 +105,8 @@ class EventBus:
             ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
             they take (still warning every 30 s).
         on_error: Default error policy of subscriptions made without one.
-        scheduler: Scheduler handed to every subscription for time-based operators. Default: a
+        rx_scheduler: The Rx scheduler handed to every subscription for time-based operators
+            (not the Trainer's ``scheduler``, which is the learning-rate scheduler). Default: a
             new :class:`~trainbus.bus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
             scheduler (``trainbus.testing.VirtualTimeScheduler``).
         rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
@@ -87,7 +122,7 @@ class EventBus:
             "Barriers".
         barrier_timeout: Seconds a training loop waits at one barrier (inf: no deadline).
         on_lost: What lost work does to a trainer's run (items dropped by an overflow
-            policy, cancelled at close, or failed; ``FitResult.lost``): ``"warn"`` (default)
+            policy, cancelled at close, or failed; ``FitResult.lost_work``): ``"warn"`` (default)
             logs ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
             :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
             (``trainer.result`` holds the result).
@@ -115,7 +150,7 @@ class EventBus:
         max_queue: int = 65_536,
         close_timeout: float | None = DEFAULT_CLOSE_TIMEOUT,
         on_error: ErrorPolicy = "log",
-        scheduler: abc.SchedulerBase | None = None,
+        rx_scheduler: abc.SchedulerBase | None = None,
         rank: int | None = None,
         watchdog_s: float | None = DEFAULT_WATCHDOG_S,
         barriers: Iterable[type[ev.BaseEvent]] = DEFAULT_BARRIERS,
@@ -139,8 +174,8 @@ class EventBus:
                     "None (wait for pending async work) or seconds >= 0",
                 ) from None
         check_policy(on_error)
-        if scheduler is not None and not isinstance(scheduler, abc.SchedulerBase):
-            raise ConfigError.invalid("scheduler", scheduler, "a reactivex scheduler or None")
+        if rx_scheduler is not None and not isinstance(rx_scheduler, abc.SchedulerBase):
+            raise ConfigError.invalid("rx_scheduler", rx_scheduler, "a reactivex scheduler or None")
         self.flush_interval = float(flush_interval)
         self.max_queue = max_queue
         self.close_timeout = None if close_timeout is None else float(close_timeout)
@@ -163,17 +198,17 @@ class EventBus:
         self._channel = channel = CommandChannel(stamp, bell)
         self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
-        if scheduler is None:
-            scheduler = own = AnyioScheduler(ledger.scheduler_failed)
-        self.scheduler: abc.SchedulerBase = scheduler
-        # What chains get: timers on self.scheduler, "now" work inline (see ChainScheduler).
-        self._chain_scheduler = ChainScheduler(self.scheduler)
+        if rx_scheduler is None:
+            rx_scheduler = own = AnyioScheduler(ledger.scheduler_failed)
+        self.rx_scheduler: abc.SchedulerBase = rx_scheduler
+        # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
+        self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
         # What the loop thread is done with, freed by the next publish (see spent.py).
         spent = Spent()
         self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
-        # What every chain subscribes through (the guard, its schedules' declaration).
-        self._host = host = ChainHost(subs, self._ranks, ledger, clock, self._chain_scheduler)
+        # What every chain subscribes through (the guard, its decision steps' declaration).
+        self._chains = chains = Chains(subs, self._ranks, ledger, clock, self._chain_scheduler)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -199,7 +234,7 @@ class EventBus:
         self.wants = routes.wants
         self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
                               channel=channel, ledger=ledger, pressure=subs.backpressure,
-                              barrier=barrier, lifecycle=lifecycle, host=host)  # fmt: skip
+                              barrier=barrier, lifecycle=lifecycle, chains=chains)  # fmt: skip
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
@@ -341,9 +376,9 @@ class EventBus:
             root = routes.register(types, observer, every_s=every_s, every_steps=every_steps)
             return Disposable(lambda: routes.unregister(root))
 
-        # Decision schedules only count on streams that can carry the per-step events.
+        # Decision steps only count on streams that can carry the per-step events.
         per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
-        return BusObservable(self._host, Observable(subscribe), per_step=per_step)
+        return BusObservable(self._chains, Observable(subscribe), per_step=per_step)
 
     def subscribe(
         self,
@@ -358,7 +393,7 @@ class EventBus:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
         Works with any Observable built from bus streams (``reactivex.merge(...)`` included):
-        the bus scheduler is handed to its time-based operators.
+        the bus' Rx scheduler is handed to its time-based operators.
 
         Args:
             observable: A bus stream, possibly piped through operators, or any Observable
@@ -377,7 +412,7 @@ class EventBus:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._host, observable)
+        wrapped = source or BusObservable(self._chains, observable)
         return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
                                  name=name, ranks=ranks)  # fmt: skip
 
@@ -406,7 +441,7 @@ class EventBus:
             overflow: What a full buffer does. ``"drop_oldest"`` (default) drops the oldest
                 waiting item, ``"latest"`` keeps only the newest waiting item: a slow ``fn``
                 never holds training back, and every drop is counted as lost work
-                (``FitResult.lost``). ``"block"`` never drops: the training loop waits at its
+                (``FitResult.lost_work``). ``"block"`` never drops: the training loop waits at its
                 next poll point until the buffer has room, so it CAN slow training to ``fn``'s
                 pace (a ``training_waits_for_subscriber`` warning names it the first time,
                 ``FitResult.waited_s`` counts the seconds). Delivery to other subscribers
@@ -418,7 +453,7 @@ class EventBus:
                 as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
                 for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
                 names it once it has held training for about half a second), and the
-                pipeline's schedules (``tbops.every(n)``, ``once(at=)``) are declared to the
+                pipeline's decision steps (``tbops.every(n)``, ``once(at=)``) are declared to the
                 step clock. False (default): ``fn`` never makes training wait at a barrier,
                 whatever events it receives (a poster of the metrics, an uploader, a logger);
                 its commands, if any, land at the next poll point. See docs/bus.md,
@@ -436,7 +471,7 @@ class EventBus:
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
         source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._host, observable)
+        wrapped = source or BusObservable(self._chains, observable)
         # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
         size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
                                               overflow=overflow, policy=on_error)  # fmt: skip
@@ -456,12 +491,12 @@ class EventBus:
             name=name,
             decides=decides,
         )
-        if decides and wrapped.schedules:
-            sub.hold(self._host.declare(wrapped.schedules))
+        if decides and wrapped.decision_steps:
+            sub.hold(self._chains.declare(wrapped.decision_steps))
         return sub
 
     # ================================================================== decision steps
-    def decides(
+    def declare_decision_steps(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
         """Declare that some pipeline decides at these steps (one the bus cannot see, such as a
@@ -479,15 +514,15 @@ class EventBus:
         Raises:
             ConfigError: neither given, or a value out of range.
         """
-        schedules: list[Schedule] = []
+        steps_: list[DecisionSteps] = []
         if every is not None:
-            schedules.append(Every(check_int("every", every, 1)))
+            steps_.append(Every(check_int("every", every, 1)))
         if at is not None:
             steps = list(at) if isinstance(at, Iterable) else [at]
-            schedules.extend(At(check_int("at", k, 0)) for k in steps)
-        if not schedules:
+            steps_.extend(At(check_int("at", k, 0)) for k in steps)
+        if not steps_:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self._host.declare(tuple(schedules))
+        return self._chains.declare(tuple(steps_))
 
     def tier(self, tier: Tier) -> TierContext:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier.
@@ -524,7 +559,7 @@ class EventBus:
     # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
         """Cancel every async subscriber's pending work now: items waiting in buffers and
-        calls running. They are counted as cancelled (lost work in ``FitResult.lost``), and
+        calls running. They are counted as cancelled (lost work in ``FitResult.lost_work``), and
         so is anything those subscriptions receive later. Meant for a close that waits too
         long (what a first Ctrl-C during the close does). Call it on the event-loop thread
         (``anyio.from_thread.run_sync(bus.cancel_pending)`` from another one).

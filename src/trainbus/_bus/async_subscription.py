@@ -45,7 +45,7 @@ item; ``"latest"`` keeps only the newest waiting item. Drops are counted as lost
 OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
 DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 """The default: a slow subscriber never holds training back; what it cannot keep up with is
-dropped oldest first, counted, and reported as lost work (``FitResult.lost``)."""
+dropped oldest first, counted, and reported as lost work (``FitResult.lost_work``)."""
 
 
 class AsyncSubscription(Subscription):
@@ -184,7 +184,7 @@ class AsyncSubscription(Subscription):
             rate_per_s=round(done_rate, 3),
             events_per_s=round(in_rate, 3),
             action="its oldest waiting items are dropped from now on, counted as lost work "
-            "(FitResult.lost, bus_closed_with_lost_work at the end)",
+            "(FitResult.lost_work, bus_closed_with_lost_work at the end)",
             remedies=DROP_REMEDIES,
         )
 

@@ -1,12 +1,13 @@
 """The step clock: the steps at which subscriptions decide, and the step a command was decided at.
 
 A **decision step** is a step at which some subscription declared it decides (``tbops.every(n)``
-and ``tbops.once(at=k)`` carry a schedule; ``bus.decides(...)`` declares one by hand). At a
+and ``tbops.once(at=k)`` carry theirs;
+``bus.declare_decision_steps(...)`` declares some by hand). At a
 decision step the loop delivers everything published so far, waits for the async subscribers of
 that step's ``StepEnded``, and applies the commands they sent before the next step starts, so a
 decision lands at the same step on every run (docs/events.md, "When a command takes effect").
 
-:class:`StepClock` owns the declared schedules; :class:`DecisionStamp` knows the step of the
+:class:`StepClock` owns the declared decision steps; :class:`DecisionStamp` knows the step of the
 event being handled right now, which ``bus.send`` stamps on a command as its ``decided_at``.
 This module imports nothing else of the bus (it comes first in the bus' import order).
 """
@@ -22,7 +23,7 @@ from typing import TypeAlias
 from .._validate import check_int
 from .doorbell import Doorbell
 
-__all__ = ["At", "DecisionStamp", "Every", "Schedule", "StepClock"]
+__all__ = ["At", "DecisionStamp", "DecisionSteps", "Every", "StepClock"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,54 +54,54 @@ class At:
         return self.step if self.step > step else None
 
 
-Schedule: TypeAlias = Every | At
+DecisionSteps: TypeAlias = Every | At
 """A declared set of decision steps."""
 
 
 class StepClock:
-    """The declared decision schedules, and the next decision step after a given one.
+    """The declared decision steps, and the next decision step after a given one.
 
     Declarations come and go on the event-loop thread; the training thread reads
-    :meth:`next_decision` (the schedules are a tuple replaced on change, so a reader always sees
+    :meth:`next_decision` (the declarations are a tuple replaced on change, so a reader always sees
     a consistent set) and re-reads it only when the doorbell rang (every change rings it).
     """
 
     def __init__(self, doorbell: Doorbell | None = None) -> None:
         self._doorbell = doorbell or Doorbell()
         self._ids = itertools.count()
-        self._declared: dict[int, Schedule] = {}
-        self._schedules: tuple[Schedule, ...] = ()
+        self._declared: dict[int, DecisionSteps] = {}
+        self._decision_steps: tuple[DecisionSteps, ...] = ()
 
-    def declare(self, *schedules: Schedule) -> list[int]:
-        """Add ``schedules``; returns their keys for :meth:`remove`."""
+    def declare(self, *decision_steps: DecisionSteps) -> list[int]:
+        """Add ``decision_steps``; returns their keys for :meth:`remove`."""
         keys = []
-        for schedule in schedules:
+        for steps in decision_steps:
             key = next(self._ids)
-            self._declared[key] = schedule
+            self._declared[key] = steps
             keys.append(key)
         self._changed()
         return keys
 
     def remove(self, keys: list[int]) -> None:
-        """Remove the schedules of ``keys`` (idempotent)."""
+        """Remove the decision steps of ``keys`` (idempotent)."""
         for key in keys:
             self._declared.pop(key, None)
         self._changed()
 
     def _changed(self) -> None:
-        self._schedules = tuple(self._declared.values())
+        self._decision_steps = tuple(self._declared.values())
         self._doorbell.ring()  # after the change: the loop that hears it reads the new set
 
     @property
-    def schedules(self) -> tuple[Schedule, ...]:
-        """Every declared schedule, in order of declaration."""
-        return self._schedules
+    def decision_steps(self) -> tuple[DecisionSteps, ...]:
+        """Every declaration, in order of declaration."""
+        return self._decision_steps
 
     def next_decision(self, after_step: int) -> int | None:
         """The smallest declared decision step greater than ``after_step`` (None: none)."""
         best: int | None = None
-        for schedule in self._schedules:
-            step = schedule.next_after(after_step)
+        for steps in self._decision_steps:
+            step = steps.next_after(after_step)
             if step is not None and (best is None or step < best):
                 best = step
         return best

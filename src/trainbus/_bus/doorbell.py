@@ -4,7 +4,7 @@ The one signal that the loop must look (the loop holds it on its port, ``bus.por
 The loop runs its steps without polling. Before a step and at the poll point after it, it reads
 :attr:`Doorbell.rings` and compares it with the value it last acted on there; the bus' parts
 ring the bell after each change the loop must act on: a subscription came or went
-(``RouteTable``), a decision schedule was declared or removed (``StepClock``), a command was
+(``RouteTable``), a decision steps was declared or removed (``StepClock``), a command was
 sent (``CommandChannel``), a ``"raise"`` subscriber failed (``FailureLedger``), a ``"block"``
 buffer went over capacity (``Backpressure``), a cancel was requested. The loop then re-reads the
 real state (its wanted events and next decision step before a step; commands, failure, pressure

@@ -50,7 +50,7 @@ real upload at the end of a run (a few GB of checkpoint to object storage, a las
 metrics to a tracking service, an evaluation job on the final checkpoint); short enough that
 an ``async def`` subscriber awaiting a call that never returns (an HTTP client without a
 timeout) holds an unattended job's machines for minutes, not hours. Past it the work is
-cancelled and reported as lost (``FitResult.lost``; ``on_lost="raise"`` fails the run)."""
+cancelled and reported as lost (``FitResult.lost_work``; ``on_lost="raise"`` fails the run)."""
 
 _IDLE_TICKS = 3
 """Empty flush intervals after which the poller parks until the next publish."""
@@ -316,7 +316,7 @@ class Lifecycle:
         each loss is reported once, by the call it happened in."""
         totals: dict[str, LostWork] = {}  # by name: subscriptions may share one (two lambdas)
         for sub in self.statistics().subscriptions:
-            totals[sub.name] = totals.get(sub.name, LostWork()) + sub.lost
+            totals[sub.name] = totals.get(sub.name, LostWork()) + sub.lost_work
         lost: dict[str, dict[str, int]] = {}
         for name, now in totals.items():
             before = self._reported.get(name, LostWork())
@@ -329,8 +329,8 @@ class Lifecycle:
         if lost:
             log.warning(
                 "bus_closed_with_lost_work",
-                lost_work=sum(sum(x.values()) for x in lost.values()),
-                lost=lost,
+                total=sum(sum(x.values()) for x in lost.values()),
+                lost_work=lost,
                 dropped=sum(x["dropped"] for x in lost.values()),
                 cancelled=sum(x["cancelled"] for x in lost.values()),
                 failed=sum(x["failed"] for x in lost.values()),

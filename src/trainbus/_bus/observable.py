@@ -3,9 +3,9 @@
 RxPY passes the scheduler from the subscriber towards the source: the ``scheduler`` given to
 the *last* ``subscribe`` of a chain becomes the default of every time-based operator above it.
 A chain that starts at ``bus.events`` / ``bus.stream(...)`` is a :class:`BusObservable`, and so
-is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus scheduler and ends the chain
-in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)`` runs the
-throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
+is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus' Rx scheduler and ends the
+chain in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)``
+runs the throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
 """
 
 from __future__ import annotations
@@ -17,22 +17,22 @@ from reactivex import Observable, abc
 
 from .. import commands as cmd
 from .._exceptions import ConfigError
-from .clock import Schedule
+from .clock import DecisionSteps
 from .failures import ErrorPolicy
 from .subscriptions import Subscription
 
-__all__ = ["BusHost", "BusObservable", "CommandSink", "normalize_observer"]
+__all__ = ["BusChains", "BusObservable", "CommandSink", "normalize_observer"]
 
 _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class BusHost(Protocol):
-    """What a :class:`BusObservable` needs of its bus (the bus' ``ChainHost`` provides it)."""
+class BusChains(Protocol):
+    """What a :class:`BusObservable` needs of its bus (the bus' ``Chains`` provides it)."""
 
     @property
-    def chain_scheduler(self) -> abc.SchedulerBase:
-        """The scheduler handed to chains: timers on the bus scheduler, "now" work inline."""
+    def rx_scheduler(self) -> abc.SchedulerBase:
+        """The scheduler handed to chains: timers on the bus' Rx scheduler, "now" work inline."""
         ...
 
     def subscribe_observer(
@@ -50,53 +50,53 @@ class BusHost(Protocol):
         """Subscribe ``observer`` to ``source`` behind the bus' guard."""
         ...
 
-    def declare(self, schedules: tuple[Schedule, ...]) -> abc.DisposableBase:
-        """Declare decision schedules until the returned disposable is disposed."""
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps until the returned disposable is disposed."""
         ...
 
 
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
-    the observer and hands the bus scheduler to the chain's time-based operators.
+    the observer and hands the bus' Rx scheduler to the chain's time-based operators.
 
-    ``schedules`` are the decision schedules of the operators piped so far (an operator with a
-    ``schedule`` attribute, like ``tbops.every(n)``): subscribing declares them to the bus' step
-    clock for the subscription's lifetime. A stream of events that are never published per step
+    ``decision_steps`` are those of the operators piped so far (an operator with a
+    ``decision_steps`` attribute, like ``tbops.every(n)``): subscribing declares them to the bus'
+    step clock for the subscription's lifetime. A stream of events that are never published per step
     (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares nothing: its own events
-    are barriers or arrive rarely, and a schedule there would only add barriers.
+    are barriers or arrive rarely, and decision steps there would only add barriers.
     """
 
     def __init__(
         self,
-        host: BusHost,
+        chains: BusChains,
         source: Observable[_T],
-        schedules: tuple[Schedule, ...] = (),
+        decision_steps: tuple[DecisionSteps, ...] = (),
         *,
         per_step: bool = True,
     ) -> None:
         super().__init__()
-        self.host = host
+        self.chains = chains
         self.source = source
-        self.schedules = schedules
+        self.decision_steps = decision_steps
         self.per_step = per_step
 
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
-        return self.source.subscribe(observer, scheduler=scheduler or self.host.chain_scheduler)
+        return self.source.subscribe(observer, scheduler=scheduler or self.chains.rx_scheduler)
 
     def pipe(self, *operators: Callable[[Any], Any]) -> Any:
         """Compose operators left to right; the result is still a bus observable."""
         # Operators subscribe to their source; give them the raw chain, not this guarded
         # observable, so only the last subscribe of a pipeline is guarded and counted.
         result = Observable(self._subscribe_core).pipe(*operators)
-        schedules = self.schedules
+        decision_steps = self.decision_steps
         if self.per_step:
-            schedules += tuple(
-                s for op in operators if (s := getattr(op, "schedule", None)) is not None
+            decision_steps += tuple(
+                s for op in operators if (s := getattr(op, "decision_steps", None)) is not None
             )
         if isinstance(result, Observable) and not isinstance(result, BusObservable):
-            return BusObservable(self.host, result, schedules, per_step=self.per_step)
+            return BusObservable(self.chains, result, decision_steps, per_step=self.per_step)
         return result
 
     def subscribe(  # type: ignore[override]  # on_error= is the policy, as on the bus
@@ -124,7 +124,7 @@ class BusObservable(Observable[_T], Generic[_T]):
             on_completed: Called when the bus closes.
             on_error: What a failure of ``on_next`` does: ``"log"``, ``"stop"`` or
                 ``"raise"`` (default: the bus' ``on_error``).
-            scheduler: Overrides the bus scheduler for this chain.
+            scheduler: Overrides the bus' Rx scheduler for this chain.
             name: Name in logs and statistics.
             ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
                 default), ``"all"``, a rank or an iterable of ranks.
@@ -136,7 +136,7 @@ class BusObservable(Observable[_T], Generic[_T]):
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
                 ``on_completed`` is not callable; unknown policy.
         """
-        sub = self.host.subscribe_observer(
+        sub = self.chains.subscribe_observer(
             self.source,
             on_next,
             on_rx_error,
@@ -146,13 +146,13 @@ class BusObservable(Observable[_T], Generic[_T]):
             scheduler=scheduler,
             ranks=ranks,
         )
-        if self.schedules and sub.active:
-            sub.hold(self.host.declare(self.schedules))
+        if self.decision_steps and sub.active:
+            sub.hold(self.chains.declare(self.decision_steps))
         return sub
 
     def subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
-        """Subscribe an internal observer directly (async feeders), with the bus scheduler."""
-        return self.source.subscribe(observer, scheduler=self.host.chain_scheduler)
+        """Subscribe an internal observer directly (async feeders), with the bus' Rx scheduler."""
+        return self.source.subscribe(observer, scheduler=self.chains.rx_scheduler)
 
 
 class CommandSink(abc.ObserverBase[Any]):

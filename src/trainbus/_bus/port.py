@@ -9,7 +9,7 @@ poll commands at their poll points, wait at barriers and read the decision steps
 needs these names; a loop implementer needs nothing else.
 
 **One signal for "the loop must look".** :attr:`LoopPort.doorbell` rings after every change the
-loop must act on: a subscription came or went (the demand changed), a decision schedule was
+loop must act on: a subscription came or went (the demand changed), a decision steps was
 declared or removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer
 went over capacity, a cancel was requested. The loop compares :attr:`Doorbell.rings` with the
 count it last acted on (one attribute read) and only then re-reads the real state; a ring
@@ -30,15 +30,16 @@ from reactivex import abc
 from .. import commands as cmd
 from .. import events as ev
 from .barrier import Barrier, BarrierStatus
+from .chains import Chains
 from .channel import CommandChannel
-from .clock import Schedule, StepClock
+from .clock import DecisionSteps, StepClock
 from .doorbell import Doorbell
 from .failures import FailureLedger
-from .host import ChainHost
 from .lifecycle import Lifecycle
 from .pressure import Backpressure
 from .queue import PublishQueue
 from .routes import Demand, RouteTable
+from .statistics import BusStatistics
 
 __all__ = ["LoopPort"]
 
@@ -68,7 +69,7 @@ class LoopPort:
         pressure: Backpressure,
         barrier: Barrier,
         lifecycle: Lifecycle,
-        host: ChainHost,
+        chains: Chains,
     ) -> None:
         self.publish: Callable[[ev.BaseEvent], None] = queue.publish
         self.wants: Callable[[type[ev.BaseEvent]], bool] = routes.wants
@@ -80,7 +81,7 @@ class LoopPort:
         self._pressure = pressure
         self._barrier = barrier
         self._lifecycle = lifecycle
-        self._host = host
+        self._chains = chains
 
     # ================================================================== demand
     def demand(self, event_type: type[ev.BaseEvent]) -> Demand:
@@ -91,14 +92,19 @@ class LoopPort:
         return self._routes.demand(event_type)
 
     # ================================================================== decision steps
-    def declare(self, schedules: tuple[Schedule, ...]) -> abc.DisposableBase:
-        """Declare decision schedules to the step clock until the result is disposed."""
-        return self._host.declare(schedules)
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps to the step clock until the result is disposed."""
+        return self._chains.declare(decision_steps)
 
     @property
-    def schedules(self) -> tuple[Schedule, ...]:
-        """Every declared decision schedule (what ranks agree on at a run's start)."""
-        return self._clock.schedules
+    def decision_steps(self) -> tuple[DecisionSteps, ...]:
+        """Every declaration of decision steps (what ranks agree on at a run's start)."""
+        return self._clock.decision_steps
+
+    def statistics(self) -> BusStatistics:
+        """The bus' counters now (the loop's result at its end; the Trainer replaces them
+        once the bus delivered the run's events)."""
+        return self._lifecycle.statistics()
 
     def next_decision(self, after_step: int) -> int | None:
         """The first declared decision step after ``after_step`` (None: none declared)."""

@@ -204,10 +204,10 @@ class ChainScheduler(PeriodicScheduler):
     """The scheduler a bus subscription hands its chain: timed work on ``timed``, "now" inline.
 
     Timed work (``schedule_relative`` / ``_absolute`` / ``_periodic``, ``now``) goes to
-    ``timed``: the bus scheduler, on the event loop (or virtual time in tests). Work scheduled
+    ``timed``: the bus' Rx scheduler, on the event loop (or virtual time in tests). Work scheduled
     for "now" runs on the calling thread's trampoline, RxPY's own default: ``reactivex.merge``,
     ``from_iterable``, ``start_with`` ... subscribe and emit within the ``subscribe`` call, as in
-    plain RxPY. Handed the loop scheduler instead, they would defer a merged pipeline's
+    plain RxPY. Handed the bus' Rx scheduler instead, they would defer a merged pipeline's
     subscription to the loop's next round (in virtual time, to the next advance): its streams
     would miss what is delivered meanwhile, ``wants()`` would not see them, and they would
     register outside the ``bus.tier(...)`` in force.

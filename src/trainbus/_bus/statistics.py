@@ -42,14 +42,14 @@ class SubscriptionStatistics:
     buffer, or a barrier or decision step it decides at. 0 for everything else."""
 
     @property
-    def lost(self) -> LostWork:
+    def lost_work(self) -> LostWork:
         """What this subscription lost: items dropped, cancelled, or whose call failed."""
         return LostWork(dropped=self.dropped, cancelled=self.cancelled, failed=self.failed)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LostWork:
-    """Work one subscription never did (``FitResult.lost``).
+    """Work one subscription never did (``FitResult.lost_work``).
 
     Attributes:
         dropped: Items its overflow policy dropped (``"drop_oldest"``, ``"latest"``).

@@ -84,7 +84,7 @@ class Subscription(abc.DisposableBase):
         return first
 
     def hold(self, resource: abc.DisposableBase) -> None:
-        """Dispose ``resource`` when this subscription is disposed (its decision schedules)."""
+        """Dispose ``resource`` when this subscription is disposed (its decision steps)."""
         self._held.append(resource)
 
     def dispose(self) -> None:

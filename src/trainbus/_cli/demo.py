@@ -90,14 +90,14 @@ def run_demo(args: argparse.Namespace) -> int:
         stopped = trainer.result
         if stopped is not None and stopped.ending is Ending.SIGNAL:
             print(f"stopped by Ctrl-C after {stopped.steps} steps; checkpoint: "
-                  f"{stopped.checkpoint}; run folder: {run_dir}", file=sys.stderr)  # fmt: skip
+                  f"{stopped.last_checkpoint}; run folder: {run_dir}", file=sys.stderr)  # fmt: skip
         else:
             print(f"aborted; run folder: {run_dir}", file=sys.stderr)
         return 130
     except Exception as exc:
         log.error("demo_failed", error=repr(exc), run_dir=str(run_dir))
         return 1
-    acc = result.metrics.get("val_acc")
+    acc = result.eval_metrics.get("val_acc")
     print(f"run folder: {run_dir}")
     print(f"ended: {result.ending} after {result.steps} steps ({result.epochs} epochs)"
           + (f" - {result.stop_reason}" if result.stop_reason else ""))  # fmt: skip

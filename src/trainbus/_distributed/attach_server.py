@@ -425,7 +425,7 @@ class AttachServer:
         if self._closed.is_set():
             link.transport.close(control_record("bye", sent=0))
             return
-        link.attach(self._bus)
+        link.start(self._bus)
         with self._lock:
             self._links.append(link)
         self._accepted += 1

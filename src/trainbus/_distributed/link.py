@@ -25,7 +25,7 @@ nor the event loop) and batches them (a transport may ask to wait ``linger`` sec
 one call per batch where each call costs), and a reader thread that feeds the driver's
 commands to ``bus.send`` (rank 0's command agreement spreads them to every rank) and takes a
 ``wants`` record (the peer's wanted types changed: :meth:`WorkerLink.want`, on the event loop
-the link was attached on). The driver's end of the protocol is
+the link was started on). The driver's end of the protocol is
 :class:`~trainbus._distributed.driver_link.DriverLink`.
 """
 
@@ -162,7 +162,7 @@ class WorkerLink:
 
         link = WorkerLink.from_env()      # None when no driver started this process
         if link is not None and group.is_main:
-            link.attach(bus)              # connects; before the bus publishes its first event
+            link.start(bus)              # connects; before the bus publishes its first event
         ... run ...                       # the bus closes: every event was delivered
         link.close()                      # flush, say bye, join the threads
 
@@ -205,7 +205,7 @@ class WorkerLink:
         self._threads: list[threading.Thread] = []
         self._subscription: Any = None
         self._bus: BusLike | None = None
-        self._loop: Any = None  # the event loop attach() ran on: where subscriptions change
+        self._loop: Any = None  # the event loop start() ran on: where subscriptions change
         self._sent = 0
         self._received = 0
         self._broken = False
@@ -221,7 +221,7 @@ class WorkerLink:
         **kw: Any,
     ) -> WorkerLink:
         """A link whose handshake the listening side already did (an attachment connected
-        to rank 0's listener, :mod:`~trainbus._distributed.attach_server`): :meth:`attach` then
+        to rank 0's listener, :mod:`~trainbus._distributed.attach_server`): :meth:`start` then
         streams ``wanted`` without connecting. One listener holds one such link per peer.
 
         Args:
@@ -301,19 +301,19 @@ class WorkerLink:
         self._open = True
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
-    def attach(self, bus: BusLike) -> None:
+    def start(self, bus: BusLike) -> None:
         """Stream ``bus``' wanted events to the driver and feed the driver's commands into
         ``bus.send``. Connects first when :meth:`connect` was not called.
 
         Call it before the bus publishes the first event the driver should see.
 
         Raises:
-            LaunchError: see :meth:`connect`; already attached.
+            LaunchError: see :meth:`connect`; already started.
         """
         if not self._open:
             self.connect()
         if self._threads:
-            raise LaunchError("WorkerLink.attach() was already called")
+            raise LaunchError("WorkerLink.start() was already called")
         self._bus = bus
         try:
             self._loop = anyio.lowlevel.current_token()
@@ -428,7 +428,7 @@ class WorkerLink:
         names = [t.__name__ for t in wanted]
         if self._loop is None:
             log.warning("link_wants_refused", source=self.source, events=names,
-                        reason="the link was attached outside an event loop")  # fmt: skip
+                        reason="the link was started outside an event loop")  # fmt: skip
             return
         log.info("link_wants_received", source=self.source, events=names)
         try:

@@ -76,7 +76,7 @@ class RankSync:
     def agree_schedules(
         self, every: Sequence[int], at: Sequence[int]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The union of every rank's declared decision schedules (``Every(n)`` periods and
+        """The union of every rank's declared decision steps (``Every(n)`` periods and
         ``At(k)`` steps), the same on every rank: a collective at the run's start. Only rank 0
         runs the subscribers by default, so without it the other ranks would not know the step
         clock's decision steps, and a command decided there could not be agreed at that step.

@@ -1,4 +1,4 @@
-"""The training thread's side: the step, command handling, metrics window, evaluation.
+"""The training thread's side: the step, command handling, log window, evaluation.
 
 Objects, each owning its state: :class:`Loop` (``loop.py``) runs the epochs and the poll
 points, :class:`Step` (``step.py``) is the one optimizer step, written once in event order, and
@@ -23,12 +23,12 @@ from .logged import UserMetrics as UserMetrics
 from .loop import Loop as Loop
 from .optimizers import OptimizerSet as OptimizerSet
 from .optimizers import SchedulerSet as SchedulerSet
-from .outcome import Cancelled as Cancelled
-from .outcome import Outcome as Outcome
 from .outputs import OutputsCheck as OutputsCheck
 from .outputs import PadValue as PadValue
 from .outputs import PadValues as PadValues
 from .phases import StepPhases as StepPhases
+from .result import Cancelled as Cancelled
+from .result import FitResult as FitResult
 from .saving import CheckpointWriter as CheckpointWriter
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
@@ -38,7 +38,7 @@ from .standalone import StandaloneRun as StandaloneRun
 from .standalone import join_outputs as join_outputs
 from .step import Step as Step
 from .wants import Wants as Wants
-from .window import MetricsWindow as MetricsWindow
+from .window import LogWindow as LogWindow
 
 __all__ = [
     "TRAIN_METRIC_NAMES",
@@ -48,14 +48,14 @@ __all__ = [
     "CommandHandler",
     "CustomStep",
     "Evaluator",
+    "FitResult",
     "HookFn",
     "HookHandle",
     "Hooks",
+    "LogWindow",
     "Loop",
-    "MetricsWindow",
     "NonFinitePolicy",
     "OptimizerSet",
-    "Outcome",
     "OutputsCheck",
     "PadValue",
     "PadValues",

@@ -1,13 +1,13 @@
-"""How the micro-batches of an accumulation window are weighed (``Accumulate(n, by=...)``).
+"""How the micro-batches of one optimizer step are weighed (``Accumulate(n, by=...)``).
 
-By default (``"batches"``) each micro-batch's loss is divided by the window's length: every
+By default (``"batches"``) each micro-batch's loss is divided by their number: every
 micro-batch weighs the same, whatever it holds. With ``"items"`` (or a counting function) each
 micro-batch weighs by the items it holds, as Hugging Face's ``num_items_in_batch`` does: its
 loss, a mean over its ``n_i`` items, is multiplied by ``n_i / N`` where ``N`` counts the items of
-the whole window. For a loss that is a mean over items (token-level cross-entropy with
+the whole step. For a loss that is a mean over items (token-level cross-entropy with
 ``ignore_index=-100``) the accumulated gradient then equals the gradient of one batch made of the
-window's micro-batches. ``N`` must be known before the first micro-batch's backward, so the step
-fetches the window's batches before its first forward when the weighing is by items
+step's micro-batches. ``N`` must be known before the first micro-batch's backward, so the step
+fetches the step's batches before its first forward when the weighing is by items
 (:class:`ItemWeights`).
 """
 
@@ -57,7 +57,7 @@ def count_items(batch: Any) -> int:
 
 
 class ItemWeights:
-    """The weight of each micro-batch of a window weighed by items.
+    """The weight of each micro-batch of a step weighed by items.
 
     Args:
         count: ``count(batch) -> items`` (:func:`count_items` for ``"items"``).
@@ -67,8 +67,8 @@ class ItemWeights:
         self._count = count
 
     def weights(self, batches: Sequence[Any]) -> list[float]:
-        """``n_i / N`` for each of the window's fetched ``batches`` (0 for all of them when
-        the window holds no item: no gradient, as a summed loss over nothing gives).
+        """``n_i / N`` for each of the step's fetched ``batches`` (0 for all of them when
+        the step holds no item: no gradient, as a summed loss over nothing gives).
 
         Raises:
             TrainingError: the count is not a non-negative int (naming the function), or

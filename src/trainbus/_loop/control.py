@@ -47,7 +47,7 @@ class CommandHandler:
 
     Args:
         settings: The run's settings (barriers, eval_data).
-        bus: Source of commands and failures; where ``CommandApplied`` is published.
+        port: Source of commands and failures; where ``CommandApplied`` is published.
         state: The run's train state (its step and epoch stamp the events).
         wait_barrier: Waits at a barrier event (see :data:`BarrierWait`).
         check_cancel: Raises when the run was cancelled.
@@ -57,13 +57,13 @@ class CommandHandler:
             applied only at **common** poll points (every rank reaches them at the same step),
             through :meth:`RankSync.agree`; the other poll points only check failures and
             cancellation (docs/distributed.md).
-        log_metric: Adds a ``LogMetric``'s value to the open metrics window (None: refused).
+        log_metric: Adds a ``LogMetric``'s value to the open log window (None: refused).
     """
 
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         *,
         wait_barrier: BarrierWait,
@@ -73,7 +73,7 @@ class CommandHandler:
         sync: RankSync | None = None,
         log_metric: Callable[[str, float], None] | None = None,
     ) -> None:
-        self._s, self._bus, self._state = settings, bus, state
+        self._s, self._port, self._state = settings, port, state
         self._log_metric = log_metric
         self._wait_barrier, self._check_cancel = wait_barrier, check_cancel
         self._checkpoints, self._evaluator = checkpoints, evaluator
@@ -86,7 +86,7 @@ class CommandHandler:
         """Stop the run after the current step; the first reason given is kept. Rings the
         port's doorbell: a run of steps (:class:`~trainbus._loop.step.Step`) ends there."""
         self.stop_reason = self.stop_reason or reason
-        self._bus.doorbell.ring()
+        self._port.doorbell.ring()
 
     def begin_epoch(self) -> None:
         """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""
@@ -172,10 +172,10 @@ class CommandHandler:
             Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
             The cancellation, when the run was cancelled.
         """
-        bus = self._bus
-        if bus.held and self.stop_reason is None:
-            bus.wait_for_room()
-        failure = bus.failure
+        port = self._port
+        if port.held and self.stop_reason is None:
+            port.wait_for_room()
+        failure = port.failure
         if failure is not None:
             raise failure
         self._check_cancel()
@@ -184,9 +184,9 @@ class CommandHandler:
                 self.agree()
             return
         rounds = 0
-        while bus.has_commands() and rounds < _MAX_ROUNDS:
+        while port.has_commands() and rounds < _MAX_ROUNDS:
             rounds += 1
-            for command in bus.poll_commands():
+            for command in port.poll_commands():
                 self.apply(command)
 
     def agree(self) -> None:
@@ -194,7 +194,7 @@ class CommandHandler:
         every rank calls it at the same step). One round: what the applied commands make
         subscribers send waits for the next common point."""
         assert self._sync is not None
-        for command in self._sync.agree(self._bus.poll_commands()):
+        for command in self._sync.agree(self._port.poll_commands()):
             self.apply(command)
 
     # ================================================================== commands
@@ -241,7 +241,7 @@ class CommandHandler:
                     assert_never(command)
         except (ConfigError, CheckpointError, OSError) as exc:  # refused: never kills the run
             error = exc
-        self._bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+        self._port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
                                             result=result, error=error))  # fmt: skip
 
     def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:

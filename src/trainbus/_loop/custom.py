@@ -5,26 +5,26 @@
 ``StepBegan`` / ``BatchFetched``, runs the ``batch`` hooks, and where the default step runs the
 forward, loss and backward of a micro-batch it calls :meth:`CustomStep.micro_batch`, which
 calls ``fn(ctx)`` with a :class:`TrainContext`; where the default step takes the optimizer step
-it calls :meth:`CustomStep.finish`. The non-finite check of the window's losses, the scheduler,
-``StepEnded`` and the metrics window are the step's, as for everyone.
+it calls :meth:`CustomStep.finish`. The non-finite check of the step's losses, the scheduler,
+``StepEnded`` and the log window are the step's, as for everyone.
 
 Inside ``fn`` the user runs any forwards, and calls:
 
 - ``ctx.backward(loss)``: the loss checked (a scalar that requires grad), divided by the
-  accumulation window, scaled by the fp16 grad scaler, ``BackwardStarted/Ended`` and the
+  step's micro-batches, scaled by the fp16 grad scaler, ``BackwardStarted/Ended`` and the
   ``after_backward`` hooks; the loss joins the non-finite check.
-- ``ctx.optimizer_step(name)``: at the window's last micro-batch, the named optimizer's step
+- ``ctx.optimizer_step(name)``: at the step's last micro-batch, the named optimizer's step
   with unscaling, clipping of its own parameters (``clip_grad_norm``), the
   ``before/after_optimizer_step`` hooks (``ctx.optimizer`` is that optimizer),
   ``OptimizerStepStarted/Ended`` and its ``zero_grad``; on an earlier micro-batch the gradients
-  accumulate and it returns False (a window cut short by the data steps it at the end).
+  accumulate and it returns False (a step cut short by the data steps it at the end).
 - ``ctx.autocast()``: the run's precision context for a forward.
 - ``ctx.log(name, value)``: a metric of the step (as in hooks).
 
 ``fn`` returns the step's loss: a tensor, or a mapping with a ``"loss"`` entry whose other
 scalar entries are logged as metrics (``{"loss": g_loss, "d_loss": d_loss}``). The run's step
-count advances once per window in which some optimizer stepped; every optimizer's gradients
-are dropped when a window begins (a generator's backward leaves gradients in the
+count advances once per step in which some optimizer stepped; every optimizer's gradients
+are dropped when a step begins (a generator's backward leaves gradients in the
 discriminator).
 """
 
@@ -60,8 +60,8 @@ class TrainContext:
         step: Optimizer steps completed so far (the step being taken is ``step + 1``).
         epoch: The epoch in progress.
         batch_index: The batch's index in the epoch.
-        micro_batch: Its position in the accumulation window (0 without accumulation).
-        accumulation_steps: The window's length (``accumulate``, shorter at an epoch's end).
+        micro_batch: Its position among the step's micro-batches (0 without accumulation).
+        accumulation_steps: The step's micro-batches (``accumulate``, shorter at an epoch's end).
         batch: The batch, on the run's device (after the ``batch`` hooks).
         model: The model being trained (DDP-wrapped under torchrun).
         optimizers: Every optimizer by name (``{"default": optimizer}`` for one).
@@ -72,12 +72,16 @@ class TrainContext:
                  "micro_batch", "model", "optimizers", "step")  # fmt: skip
 
     def __init__(
-        self, runner: CustomStep, batch: Any, batch_index: int, micro: int, window: int
+        self, runner: CustomStep, batch: Any, batch_index: int, micro: int, accumulation_steps: int
     ) -> None:
         s, st = runner.settings, runner.state
         self._runner = runner
         self.step, self.epoch = st.step, st.epoch
-        self.batch_index, self.micro_batch, self.accumulation_steps = batch_index, micro, window
+        self.batch_index, self.micro_batch, self.accumulation_steps = (
+            batch_index,
+            micro,
+            accumulation_steps,
+        )
         self.batch = batch
         self.model: torch.nn.Module = s.model
         self.optimizers: Mapping[str, torch.optim.Optimizer] = s.optimizers
@@ -85,7 +89,7 @@ class TrainContext:
 
     @property
     def last_micro_batch(self) -> bool:
-        """This is the window's last micro-batch: :meth:`optimizer_step` steps now."""
+        """This is the step's last micro-batch: :meth:`optimizer_step` steps now."""
         return self.micro_batch == self.accumulation_steps - 1
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -97,13 +101,13 @@ class TrainContext:
         self._runner.backward(loss, self.batch_index, self.micro_batch, self.accumulation_steps)
 
     def optimizer_step(self, name: str = "default") -> bool:
-        """Step the optimizer ``name`` (at the window's last micro-batch; see the module
+        """Step the optimizer ``name`` (at the step's last micro-batch; see the module
         docstring).
 
         Returns:
             True when it stepped now; False on an earlier micro-batch (the gradients
             accumulate), when a ``before_optimizer_step`` hook skipped it, or when the
-            non-finite check skipped the window's update.
+            non-finite check skipped the step's update.
 
         Raises:
             ConfigError: ``name`` is not one of the run's optimizers.
@@ -162,13 +166,13 @@ class CustomStep:
         self._warned: set[str] = set()
 
     def begin(self) -> None:
-        """A window begins: every optimizer's gradients are dropped."""
+        """A step begins: every optimizer's gradients are dropped."""
         self._stepped, self._requested, self._losses = {}, [], []
         self._called = set()
         self._checked, self._skip = 0, False
         self.settings.optimizer.zero_grad(set_to_none=True)
 
-    def micro_batch(self, batch: Any, bi: int, micro: int, window: int) -> torch.Tensor:
+    def micro_batch(self, batch: Any, bi: int, micro: int, accumulation_steps: int) -> torch.Tensor:
         """Call ``train_step`` on one micro-batch.
 
         Returns:
@@ -181,7 +185,7 @@ class CustomStep:
         """
         self._phases.hold_batch(batch)
         try:
-            out = self._fn(TrainContext(self, batch, bi, micro, window))
+            out = self._fn(TrainContext(self, batch, bi, micro, accumulation_steps))
         except BaseException as exc:
             st = self.state
             exc.add_note(f"trainbus: raised in train_step {self.name} at step {st.step + 1}, "
@@ -213,12 +217,12 @@ class CustomStep:
             )
         return loss.detach().reshape(())
 
-    def backward(self, loss: torch.Tensor, bi: int, micro: int, window: int) -> None:
+    def backward(self, loss: torch.Tensor, bi: int, micro: int, accumulation_steps: int) -> None:
         """``ctx.backward``: check, keep for the non-finite check, backward with its events."""
         phases = self._phases
         phases.check_loss(loss, bi)
         self._losses.append(loss.detach())
-        phases.backward(loss, window, bi, micro, ended=False)
+        phases.backward(loss, accumulation_steps, bi, micro, ended=False)
 
     def optimizer_step(self, name: str, bi: int, last: bool) -> bool:
         """``ctx.optimizer_step``: step ``name`` now at the last micro-batch, else defer.
@@ -253,7 +257,7 @@ class CustomStep:
                 exc.add_note(f"trainbus: a loss given to ctx.backward in train_step {self.name} "
                              f"before stepping optimizer {name!r}")  # fmt: skip
                 raise
-            if bad:  # "skip" or "stop": no further update in this window
+            if bad:  # "skip" or "stop": no further update in this step
                 self._skip = True
                 self.settings.optimizer.zero_grad(set_to_none=True)
                 return False
@@ -263,17 +267,17 @@ class CustomStep:
         return took
 
     def checked(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's ``loss`` as the metrics window keeps it where the guard reads at the next
+        """The step's ``loss`` as the log window keeps it where the guard reads at the next
         sync (``"raise"`` / ``"stop"`` on an accelerator, or under several ranks): NaN when a
-        loss given to ``ctx.backward`` in the window was not finite, so that read finds this
-        step (it reads only what the window keeps). On the device: no sync."""
+        loss given to ``ctx.backward`` in the step was not finite, so that read finds this
+        step (it reads only what the log window keeps). On the device: no sync."""
         if not self._losses:
             return loss
         finite = torch.isfinite(torch.stack(self._losses)).all()
         return torch.where(finite, loss, loss.new_full((), math.nan))
 
     def finish(self, bi: int) -> tuple[bool, torch.Tensor | None]:
-        """After the window: the steps deferred by a window cut short, the grad scaler's
+        """After the micro-batches: the steps deferred by a step cut short, the grad scaler's
         update, a warning for each declared optimizer never stepped.
 
         Returns:
@@ -282,7 +286,7 @@ class CustomStep:
 
         Warns:
             RuntimeWarning: once per optimizer that ``train_step`` never asked to step in a
-                window (also logged as ``optimizer_not_stepped``).
+                step (also logged as ``optimizer_not_stepped``).
         """
         for name in self._requested:
             self._step_now(name, bi)

@@ -35,7 +35,7 @@ class EpochData:
 
     Args:
         settings: The validated settings (``train_data`` is read).
-        bus: Where the data-wait events go.
+        port: Where the data-wait events go.
         state: The run's train state (epoch, batch in epoch, step); read, and moved past a
             completed epoch by :meth:`start`.
         wants: Which events someone listens to (refreshed by the loop).
@@ -47,14 +47,14 @@ class EpochData:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         wants: Wants,
         checkpoints: CheckpointWriter,
         resume: Checkpoint | None,
     ) -> None:
         self._s = settings
-        self._bus = bus
+        self._port = port
         self._state = state
         self._wants = wants
         self._checkpoints = checkpoints
@@ -133,7 +133,7 @@ class EpochData:
         Raises:
             BaseException: Whatever the iterator raised, after ``DataWaitEnded(error=...)``.
         """
-        pub, st, w = self._bus.publish, self._state, self._wants
+        pub, st, w = self._port.publish, self._state, self._wants
         bi = st.batch_in_epoch
         if w.data_wait_started:
             pub(ev.DataWaitStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))

@@ -80,7 +80,7 @@ class Evaluator:
 
     Args:
         settings: The run's settings (model, eval sets, metrics, device, precision).
-        bus: Where the evaluation events are published.
+        port: Where the evaluation events are published.
         state: The run's train state (its step and epoch stamp the events).
         wants: The loop's cache of wanted events (refreshed at the start of each round).
         check_cancel: Called before each batch; raises when the run was cancelled.
@@ -98,7 +98,7 @@ class Evaluator:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         wants: Wants,
         check_cancel: Callable[[], None],
@@ -107,7 +107,7 @@ class Evaluator:
         reduce: Callable[[dict[str, float], int], dict[str, float]] | None = None,
         sum_totals: Callable[[Totals], Totals] | None = None,
     ) -> None:
-        self._s, self._bus, self._state = settings, bus, state
+        self._s, self._port, self._state = settings, port, state
         self._wants, self._check_cancel = wants, check_cancel
         self._hooks, self._should_stop = hooks, should_stop
         self._reduce, self._sum_totals = reduce, sum_totals
@@ -144,7 +144,7 @@ class Evaluator:
         Raises:
             TrainingError: a set yielded no batch; or whatever the model raised.
         """
-        s, pub, st = self._s, self._bus.publish, self._state
+        s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
         triggers = triggers or (trigger,)
         self._wants.refresh()
@@ -224,7 +224,7 @@ class Evaluator:
         name: str,
         data: Iterable[Any],
     ) -> ev.EvaluationEnded:
-        s, pub, st = self._s, self._bus.publish, self._state
+        s, pub, st = self._s, self._port.publish, self._state
         model = s.model
         pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
                                  triggers=triggers))  # fmt: skip
@@ -251,7 +251,7 @@ class Evaluator:
     def _score(
         self, trigger: ev.EvalTrigger, dataset: str, data: Iterable[Any]
     ) -> dict[str, float]:
-        s, pub, st, want = self._s, self._bus.publish, self._state, self._wants
+        s, pub, st, want = self._s, self._port.publish, self._state, self._wants
         names = list(s.metrics)
         hooks = () if self._hooks is None else self._hooks.by_point["eval_batch"]
         should_stop = self._should_stop
@@ -351,7 +351,7 @@ class Evaluator:
     ) -> tuple[int, Any, Any, Any]:
         """Score one batch: ``(samples, detached loss, outputs, batch)``; samples -1 when an
         ``eval_batch`` hook skipped it."""
-        s, pub, st, want = self._s, self._bus.publish, self._state, self._wants
+        s, pub, st, want = self._s, self._port.publish, self._state, self._wants
         batch = move_to_device(batch, s.device)
         if hooks:
             ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,

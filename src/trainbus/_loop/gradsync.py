@@ -4,7 +4,7 @@ DDP all-reduces the gradients in every ``backward()``. With ``accumulate=N`` onl
 micro-batch's all-reduce is needed: :class:`GradSync` runs the others as DDP's ``no_sync()``
 does (gradients accumulate locally; DDP decides in the forward whether the backward reduces, so
 it is set before each micro-batch's forward), and a step costs one all-reduce per bucket
-instead of N. When a window ends before its planned last micro-batch (the data ran out, a
+instead of N. When a step ends before its planned last micro-batch (the data ran out, a
 ``batch`` or ``loss`` hook skipped the last ones), the gradients accumulated without a reduction
 are averaged across ranks by hand before the optimizer step, as DDP would have.
 
@@ -26,7 +26,7 @@ class GradSync:
     ``no_sync()`` is a context manager that flips DDP's public ``require_backward_grad_sync``
     for the forward and backward inside it; the step's micro-batch body has several exits
     (hook skips), so :meth:`begin` sets that flag for each micro-batch instead, and
-    :meth:`finish` (and building a :class:`GradSync`: a run that failed mid-window left it
+    :meth:`finish` (and building a :class:`GradSync`: a run that failed mid-step left it
     off) sets it back on.
 
     Attributes:
@@ -44,13 +44,13 @@ class GradSync:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True
 
-    def begin(self, micro: int, window: int) -> None:
-        """Micro-batch ``micro`` of a ``window`` starts (before its forward): under DDP, its
-        backward reduces only when it is the last."""
+    def begin(self, micro: int, accumulation_steps: int) -> None:
+        """Micro-batch ``micro`` of ``accumulation_steps`` starts (before its forward): under
+        DDP, its backward reduces only when it is the last."""
         ddp = self._ddp
         if ddp is None:
             return
-        self._deferring = micro < window - 1
+        self._deferring = micro < accumulation_steps - 1
         ddp.require_backward_grad_sync = not self._deferring
 
     def backward_done(self) -> None:
@@ -60,9 +60,9 @@ class GradSync:
 
     def finish(self) -> None:
         """Before the optimizer step: DDP reduces again from the next backward, and the
-        gradients left unreduced when the window ended before its last micro-batch are
+        gradients left unreduced when the step ended before its last micro-batch are
         averaged (one all-reduce per parameter with a gradient; every rank gets here with the
-        same count, as their windows have the same length)."""
+        same count, as their steps have the same length)."""
         ddp = self._ddp
         if ddp is None:
             return

@@ -1,7 +1,7 @@
 """Metrics of the user's own: named values logged from a hook, a custom step or a subscriber.
 
 ``ctx.log("d_loss", value)`` in a hook or a custom step, or ``bus.send(LogMetric(name=...,
-value=...))`` from a subscriber, hands a value to :class:`UserMetrics`; the metrics window
+value=...))`` from a subscriber, hands a value to :class:`UserMetrics`; the log window
 closes it with its own metrics every ``log_every`` steps: the mean of the values logged in the
 window, averaged across ranks like the loss, in ``MetricsLogged.metrics``,
 ``FitResult.train_metrics`` and every logger.
@@ -24,7 +24,7 @@ __all__ = ["TRAIN_METRIC_NAMES", "UserMetrics", "check_metric"]
 TRAIN_METRIC_NAMES = frozenset(
     {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
 )
-"""Every key of the metrics window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
+"""Every key of the log window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
 ``skipped_nonfinite`` only in some runs); with several optimizers also ``lr/<name>`` each. A
 value users log may take none of them."""
 

@@ -3,7 +3,7 @@
 :class:`Loop` is the run, the epoch and the poll point after each step. The rest is owned by
 the parts it composes: ``Step`` (one optimizer step with its hooks and events, the only one),
 ``StepPhases`` (its forward, backward and optimizer step), ``Wants`` (which events someone
-listens to), ``MetricsWindow`` (aggregated metrics and the NaN check), ``NonFiniteGuard``,
+listens to), ``LogWindow`` (aggregated metrics and the NaN check), ``NonFiniteGuard``,
 ``Evaluator``, ``CheckpointWriter``, ``CommandHandler`` (poll points, commands, stop state),
 ``EpochData`` (each epoch's iterator, the observed fetch) and ``SchedulerStepper``. The run's
 position (step, epoch, batch in epoch, samples seen) is the ``TrainState``'s: the loop and the
@@ -16,7 +16,7 @@ event names against what the loop publishes, so it cannot drift; a copy here cou
 
 The loop holds the bus' loop face, its :class:`~trainbus._bus.port.LoopPort`, and one signal
 tells it to look: the port's doorbell, which rings after a routing change, a declared or
-removed decision schedule, a command, a failure, a full ``"block"`` buffer or a cancel.
+removed decision steps, a command, a failure, a full ``"block"`` buffer or a cancel.
 Events nobody wants are never built: before a run of steps the loop compares the doorbell's
 count with the one its ``Wants`` and decision step were read at (one attribute read, one int
 compare) and re-reads them only after a ring; the step's event and hook points are branches on
@@ -24,7 +24,7 @@ those flags. ``Step.run`` takes the steps up to the next one after which the loo
 do (``_steps_before_look``) back to back and ends its run early when the doorbell rings; the
 poll point after a run reads the same count against the one it last polled at.
 No value is read off the device on this thread unless a subscriber or the non-finite guard needs
-it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the window's
+it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the log window's
 losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
 under ``on_nonfinite="skip"``, which reads every step before the update (see ``nonfinite.py``).
 """
@@ -32,7 +32,7 @@ under ``on_nonfinite="skip"``, which reads every step before the update (see ``n
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
 from .._exceptions import CheckpointError, CheckpointWriteError
@@ -48,20 +48,20 @@ from .hooks import Hooks
 from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .outcome import Cancelled, Outcome
 from .phases import StepPhases
 from .pinning import hint_pin_memory
+from .result import Cancelled, FitResult
 from .saving import CheckpointWriter
 from .step import Step, StepParts
 from .wants import Wants
-from .window import MetricsWindow
+from .window import LogWindow
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from .._distributed.sync import RankSync
     from .settings import Settings
 
-__all__ = ["Cancelled", "Loop", "Outcome"]
+__all__ = ["Cancelled", "FitResult", "Loop"]
 
 log = get_logger(__name__)
 
@@ -73,11 +73,11 @@ class Loop:
     """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable.
 
     Attributes:
-        outcome: How the run ended; None until :meth:`run` returns.
+        result: How the run ended; None until :meth:`run` returns.
 
     Args:
         settings: The validated settings.
-        bus: Where events go and commands come from.
+        port: Where events go and commands come from.
         hooks: The inline hooks (read every step: they may come and go).
         barrier: Waits at a barrier event (see ``trainbus._loop.control.BarrierWait``).
         state: The train state to start from (fresh, or loaded from a checkpoint); the loop
@@ -99,7 +99,7 @@ class Loop:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         hooks: Hooks,
         barrier: BarrierWait,
         state: TrainState,
@@ -111,7 +111,7 @@ class Loop:
         sync: RankSync | None = None,
     ) -> None:
         self._s = settings
-        self._bus = bus
+        self._port = port
         self._released = False  # release() dropped the run's parts
         self._hooks = hooks
         self._state = state
@@ -121,10 +121,10 @@ class Loop:
         self._sync = sync
         self._agree_pending = False
         """Set by the last log window's reduction: some rank has commands to agree on."""
-        self.outcome: Outcome | None = None
-        self._wants = Wants(bus)
-        user = UserMetrics()  # ctx.log, LogMetric: joined to the window's metrics
-        self._phases = StepPhases(settings, bus, state, hooks, self._wants, user)
+        self.result: FitResult | None = None
+        self._wants = Wants(port)
+        user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
+        self._phases = StepPhases(settings, port, state, hooks, self._wants, user)
         # The guard stops through the command handler and names the writer's last checkpoint;
         # both are built after it, hence the late-bound lambdas.
         self._guard = NonFiniteGuard(
@@ -133,26 +133,26 @@ class Loop:
             agree=None if sync is None else sync.any_nonfinite,
         )  # fmt: skip
         self._checkpoints = CheckpointWriter(
-            settings, bus, state, callback_states, before_save=self._before_save, sync=sync
+            settings, port, state, callback_states, before_save=self._before_save, sync=sync
         )
-        self._evaluator = Evaluator(settings, bus, state, self._wants, self.check_cancel, hooks,
+        self._evaluator = Evaluator(settings, port, state, self._wants, self.check_cancel, hooks,
                                     reduce=None if sync is None else sync.reduce_eval,
                                     sum_totals=None if sync is None else sync.sum_eval)  # fmt: skip
-        self._control = CommandHandler(settings, bus, state, wait_barrier=barrier,
+        self._control = CommandHandler(settings, port, state, wait_barrier=barrier,
                                        check_cancel=self.check_cancel,
                                        checkpoints=self._checkpoints,
                                        evaluator=self._evaluator, sync=sync,
                                        log_metric=user.log)  # fmt: skip
         if resume is not None:
             self._resumed(resume)
-        self._window = MetricsWindow(settings, bus, state, guard=self._guard,
+        self._log_window = LogWindow(settings, port, state, guard=self._guard,
                                      reduce=None if sync is None else self._reduce_window,
                                      first_nonfinite=None if sync is None
                                      else sync.first_nonfinite, user=user)  # fmt: skip
-        self._data = EpochData(settings, bus, state, self._wants, self._checkpoints, resume)
-        scheduler = SchedulerStepper(settings, bus, state, self._wants)
-        parts = StepParts(settings, bus, state, self._wants, hooks, self._phases, self._guard,
-                          self._window, scheduler_step=scheduler.step, lr=scheduler.lr,
+        self._data = EpochData(settings, port, state, self._wants, self._checkpoints, resume)
+        scheduler = SchedulerStepper(settings, port, state, self._wants)
+        parts = StepParts(settings, port, state, self._wants, hooks, self._phases, self._guard,
+                          self._log_window, scheduler_step=scheduler.step, lr=scheduler.lr,
                           cancelled=lambda: self._cancel,
                           custom=None if settings.train_step is None
                           else CustomStep(settings, state, self._phases, self._guard, user),
@@ -167,7 +167,7 @@ class Loop:
         # routing change, and a cancel rings it too.
         self._rings_seen = -1
         self._decision_step = -1
-        # Under torchrun: the union of every rank's decision schedules, agreed at the run's
+        # Under torchrun: the union of every rank's decision steps, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.
         self._agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
         # The batch count that ends an epoch and the last step: the step that reaches either
@@ -177,13 +177,13 @@ class Loop:
         self._first_step = state.step  # no optimizer step in this process before it
 
     def release(self) -> None:
-        """Drop the run's parts once it has ended, keeping :attr:`outcome`: they refer back
+        """Drop the run's parts once it has ended, keeping :attr:`result`: they refer back
         to the loop (late-bound callbacks), a cycle that would keep the model, optimizer and
         data alive until the next garbage collection. A released loop cannot run again;
         :meth:`request_cancel` is then a no-op."""
-        outcome = self.outcome
+        result = self.result
         self.__dict__.clear()
-        self.outcome = outcome
+        self.result = result
         self._cancel = True
         self._released = True
 
@@ -194,7 +194,7 @@ class Loop:
         Safe from any thread."""
         self._cancel = True
         if not self._released:  # a released loop has no bus
-            self._bus.doorbell.ring()  # the poll point after the current step hears it
+            self._port.doorbell.ring()  # the poll point after the current step hears it
 
     def check_cancel(self) -> None:
         """Raise :class:`Cancelled` when a cancel was requested."""
@@ -204,7 +204,7 @@ class Loop:
     def _before_save(self) -> None:
         """Before any checkpoint write: read unread losses (a sync the write pays anyway), then
         refuse a stopped-on-NaN state or non-finite parameters (``CheckpointError``)."""
-        self._window.check_pending()
+        self._log_window.check_pending()
         self._guard.check_parameters(self._s.model)
 
     def _reduce_window(
@@ -214,7 +214,7 @@ class Loop:
         rank; notes whether a rank has commands."""
         assert self._sync is not None
         out, self._agree_pending, bad = self._sync.reduce_window(
-            metrics, pending=self._bus.has_commands(), nonfinite=nonfinite
+            metrics, pending=self._port.has_commands(), nonfinite=nonfinite
         )
         return out, bad
 
@@ -232,11 +232,11 @@ class Loop:
                 metrics=resume.metrics,
             ))  # fmt: skip
 
-    def run(self) -> Outcome:
+    def run(self) -> FitResult:
         """Run to the end; always publishes FitEnded. Returns how it ended."""
-        pub = self._bus.publish
+        pub = self._port.publish
         st, s, control = self._state, self._s, self._control
-        reason: ev.EndReason = "completed"
+        reason: Literal["completed", "stopped", "failed", "cancelled"] = "completed"
         error: BaseException | None = None
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
@@ -260,8 +260,8 @@ class Loop:
             # A last sync point: subscribers may still be answering the final steps (a
             # SaveCheckpoint for the last StepEnded); deliver, wait, and apply what they sent.
             control.barrier_then_poll(None, common=True)
-            self._window.check_pending()  # the end of the run: a short run, the last window
-            self._window.finish()  # FitResult.train_metrics: the partial last window too
+            self._log_window.check_pending()  # the end of the run: a short run, the last log window
+            self._log_window.finish()  # FitResult.train_metrics: the partial last log window too
             checkpoints = self._checkpoints
             ending = ev.Ending.of("completed" if control.stop_reason is None else "stopped",
                                   control.stop_reason)  # fmt: skip
@@ -288,20 +288,24 @@ class Loop:
         finally:
             pub(ev.FitEnded(step=st.step, epoch=st.epoch, reason=reason, error=error,
                             stop_reason=control.stop_reason))  # fmt: skip
-        self.outcome = Outcome(
+        log.debug("fit_ended", reason=reason, step=st.step, epoch=st.epoch,
+                  stop_reason=control.stop_reason)  # fmt: skip
+        self.result = FitResult(
             reason=reason,
             error=error,
             stop_reason=control.stop_reason,
-            state=st,
+            steps=st.step,
+            epochs=st.epoch,
             eval_metrics=self._evaluator.metrics,
-            train_metrics=self._window.metrics,
+            train_metrics=self._log_window.metrics,
             last_checkpoint=self._checkpoints.last_checkpoint,
+            statistics=self._port.statistics(),  # the trainer's with_bus() replaces it
             skipped_nonfinite=self._guard.skipped,
             resumed_from=self._resumed_from,
             failed_saves=self._checkpoints.failed_saves,
             metric_failures=self._evaluator.failures.counts,
         )
-        return self.outcome
+        return self.result
 
     def _finished(self) -> bool:
         s, st = self._s, self._state
@@ -314,8 +318,8 @@ class Loop:
     # ================================================================== one epoch
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
-        bus, st, s, control = self._bus, self._state, self._s, self._control
-        pub, step, bell = bus.publish, self._step, bus.doorbell
+        port, st, s, control = self._port, self._state, self._s, self._control
+        pub, step, bell = port.publish, self._step, port.doorbell
         pub(ev.EpochStarted(step=st.step, epoch=st.epoch))
         control.begin_epoch()
         error: BaseException | None = None
@@ -333,22 +337,22 @@ class Loop:
                     break
                 if bell.rings != self._demand_rings:  # the one signal: an int compare
                     self._reread_routes()  # pays for its wants and decision steps
-                window, steps = accumulate, self._steps_before_look()
+                accumulation_steps, steps = accumulate, self._steps_before_look()
                 if total is not None:
                     left = total - st.batch_in_epoch
-                    if left < window:  # the epoch's last, short window
-                        window, steps = left, 1
-                        if window <= 0:
+                    if left < accumulation_steps:  # the epoch's last, short step
+                        accumulation_steps, steps = left, 1
+                        if accumulation_steps <= 0:
                             complete = True
                             break
-                    elif left < window * steps:
-                        steps = left // window
-                if step.run(it, window, steps) == 0:
+                    elif left < accumulation_steps * steps:
+                        steps = left // accumulation_steps
+                if step.run(it, accumulation_steps, steps) == 0:
                     complete = True
                     break
                 if step.taken:
                     self._after_step()
-                if step.exhausted:  # the data ran out inside the window: probe it once only
+                if step.exhausted:  # the data ran out inside the step: probe it once only
                     complete = control.stop_reason is None
                     break
             if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
@@ -420,7 +424,7 @@ class Loop:
 
     def _reread_routes(self) -> None:
         """The doorbell rang: re-read the wanted events and the next decision step."""
-        self._demand_rings = self._bus.doorbell.rings  # first: a ring from now on is heard
+        self._demand_rings = self._port.doorbell.rings  # first: a ring from now on is heard
         self._wants.refresh()
         self._decision_step = self._next_decision(self._state.step)
 
@@ -428,13 +432,13 @@ class Loop:
         """The poll point of a step with nothing special: poll only when a subscriber failed,
         a command waits, a cancel was asked or a ``"block"`` buffer is full. Each of those rings
         the bus' doorbell: while it has not rung since the last look, one attribute read."""
-        bus = self._bus
-        rings = bus.doorbell.rings
+        port = self._port
+        rings = port.doorbell.rings
         if rings == self._rings_seen:
             return
         # Read before the checks: a ring after this read is heard at the next step.
         self._rings_seen = rings
-        if bus.failure is not None or bus.has_commands() or self._cancel or bus.held:
+        if port.failure is not None or port.has_commands() or self._cancel or port.held:
             self._control.poll()
             self._rings_seen = -1  # look again next step: the poll may have left some pending
 
@@ -444,7 +448,7 @@ class Loop:
             every, at = self._agreed
             later = [(step // n + 1) * n for n in every] + [k for k in at if k > step]
             return min(later, default=-1)
-        nxt = self._bus.next_decision(step)
+        nxt = self._port.next_decision(step)
         return -1 if nxt is None else nxt
 
     def _agree_schedules(self) -> None:
@@ -454,7 +458,7 @@ class Loop:
         declared step is agreed and applied at that step on every rank. Later declarations
         do not join: a step only some ranks treated as a sync point would hang the others."""
         assert self._sync is not None
-        schedules = self._bus.schedules
+        schedules = self._port.decision_steps
         every = [int(n) for n in (getattr(x, "n", None) for x in schedules) if n is not None]
         at = [int(k) for k in (getattr(x, "step", None) for x in schedules) if k is not None]
         self._agreed = self._sync.agree_schedules(every, at)

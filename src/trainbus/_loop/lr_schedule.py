@@ -29,14 +29,14 @@ class SchedulerStepper:
 
     Args:
         settings: The validated settings (``optimizer`` and ``scheduler`` are read).
-        bus: Where the scheduler events go.
+        port: Where the scheduler events go.
         state: The run's train state (step and epoch for the events).
         wants: Which events someone listens to (refreshed by the loop).
     """
 
-    def __init__(self, settings: Settings, bus: LoopPort, state: TrainState, wants: Wants) -> None:
+    def __init__(self, settings: Settings, port: LoopPort, state: TrainState, wants: Wants) -> None:
         self._s = settings
-        self._bus = bus
+        self._port = port
         self._state = state
         self._wants = wants
 
@@ -64,7 +64,7 @@ class SchedulerStepper:
             BaseException: Whatever ``scheduler.step()`` raised, after
                 ``SchedulerStepped(error=...)``.
         """
-        pub, st, w, s = self._bus.publish, self._state, self._wants, self._s
+        pub, st, w, s = self._port.publish, self._state, self._wants, self._s
         assert s.scheduler is not None
         if w.scheduler_stepping:
             pub(ev.SchedulerStepping(step=st.step, epoch=st.epoch, lr=self.lr()))

@@ -7,7 +7,7 @@ count of skipped updates. Where the loss is checked depends on what reading it c
   needs the value before the update (``"skip"``: on CUDA one device sync per step, the price of
   that policy). A bad loss's update is never applied.
 * **at the next sync that happens anyway** otherwise (``"raise"`` / ``"stop"`` on CUDA): the
-  metrics window keeps every step's detached loss on the device and reads them when the log
+  log window keeps every step's detached loss on the device and reads them when the log
   step closes the window, before every checkpoint write and at the end of the run. Up to
   ``log_every`` steps may run on a NaN before it is seen; none of them is ever saved.
 
@@ -18,7 +18,7 @@ parameter is finite (one read, at save time) and refuses the save otherwise.
 raises, stops or skips by itself leaves the others waiting in their next collective, or
 applying an update it did not):
 
-* ``"raise"`` / ``"stop"`` are decided where the metrics window closes (on the CPU too): the
+* ``"raise"`` / ``"stop"`` are decided where the log window closes (on the CPU too): the
   "some rank saw a non-finite loss" flag rides on the window's existing all-reduce, and only
   when it is set a second, tiny all-reduce agrees on the first bad step. Every rank raises or
   stops at the same step. The checks before a checkpoint write and at the end of the run are
@@ -74,7 +74,7 @@ class NonFiniteGuard:
         policy: ``on_nonfinite``: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``.
         active: The policy is not ``"ignore"``: every step's loss is kept and checked.
         per_step: Losses are read every step before the optimizer step (CPU, or ``"skip"``);
-            otherwise the metrics window reads them at the next sync.
+            otherwise the log window reads them at the next sync.
         tripped: A non-finite value was found under ``"stop"``: the run stops and no checkpoint
             is written from now on (the state may hold the bad update).
         skipped: Optimizer steps skipped under ``"skip"`` in this run.
@@ -131,7 +131,7 @@ class NonFiniteGuard:
         values are read: they need not be detached).
 
         Returns:
-            The step's loss (the mean of the values read), which the metrics window keeps
+            The step's loss (the mean of the values read), which the log window keeps
             instead of the tensor; None when the update must not be applied (``"skip"``, or
             ``"stop"``: the run stops with the model as it was before this step).
 

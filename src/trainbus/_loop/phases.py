@@ -40,7 +40,7 @@ class StepPhases:
 
     Args:
         settings: The run's settings (model, optimizer, scaler, precision, clip_grad_norm).
-        bus: Where the phase events are published.
+        port: Where the phase events are published.
         state: The run's train state (stamps the events; ``step`` advances here).
         hooks: The inline hooks.
         wants: The loop's cache of wanted events.
@@ -50,13 +50,13 @@ class StepPhases:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         hooks: Hooks,
         wants: Wants,
         user: UserMetrics | None = None,
     ) -> None:
-        self._s, self._bus, self._state = settings, bus, state
+        self._s, self._port, self._state = settings, port, state
         self._hooks, self._wants = hooks, wants
         self._sink = None if user is None else user.log
         # What the grad scaler unscales and steps: the optimizer, or each of several.
@@ -67,8 +67,9 @@ class StepPhases:
         # The batch the model saw last: the step's later hooks (after_backward, before and
         # after the optimizer step) see it as ctx.batch. Dropped after the step's last hook.
         self._batch: Any = None
-        # The current micro-batch's share of the window's items (accumulate_by="items"; set
-        # by the step before each micro-batch); None: 1 / window, every micro-batch the same.
+        # The current micro-batch's share of the step's items (accumulate_by="items"; set
+        # by the step before each micro-batch); None: 1 / accumulation_steps, every micro-batch
+        # the same.
         self._weight: float | None = None
 
     def annotate(self, exc: BaseException, where: str, batch_index: int) -> None:
@@ -80,17 +81,17 @@ class StepPhases:
 
     def hold_batch(self, batch: Any) -> None:
         """Make ``batch`` what the step's later hooks see as ``ctx.batch`` (a custom step's
-        micro-batch; None drops it at the window's end)."""
+        micro-batch; None drops it at the step's end)."""
         self._batch = batch
 
     def weigh(self, weight: float) -> None:
         """Scale the coming backward(s) of this micro-batch by ``weight`` (its items over the
-        window's: ``accumulate_by="items"``) instead of ``1 / window``."""
+        step's: ``accumulate_by="items"``) instead of ``1 / accumulation_steps``."""
         self._weight = weight
 
     def context(self, bi: int, micro: int, batch: Any) -> StepContext:
         """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step;
-        ``batch`` None: the batch the model saw last (the window's last micro-batch)."""
+        ``batch`` None: the batch the model saw last (the step's last micro-batch)."""
         st, s = self._state, self._s
         if batch is None:
             batch = self._batch
@@ -113,7 +114,7 @@ class StepPhases:
         self._batch = batch
         if w.forward_started:
             st = self._state
-            self._bus.publish(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train",
+            self._port.publish(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train",
                                                 batch_index=bi))  # fmt: skip
         try:
             if self._mixed:
@@ -124,13 +125,13 @@ class StepPhases:
         except BaseException as exc:
             if w.forward_ended:
                 st = self._state
-                self._bus.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
+                self._port.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
                                                   batch_index=bi, error=exc))  # fmt: skip
             self.annotate(exc, "forward", bi)
             raise
         if w.forward_ended:
             st = self._state
-            self._bus.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
+            self._port.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
                                               batch_index=bi))  # fmt: skip
         if loss is None:
             return None  # an after_forward hook skipped the batch
@@ -201,10 +202,16 @@ class StepPhases:
         self.loss_checked = True
 
     def backward(
-        self, loss: torch.Tensor, window: int, bi: int, micro: int, *, ended: bool = True
+        self,
+        loss: torch.Tensor,
+        accumulation_steps: int,
+        bi: int,
+        micro: int,
+        *,
+        ended: bool = True,
     ) -> None:
-        """Backward of one micro-batch with ``BackwardStarted/Ended``, scaled by ``1 / window``
-        (or by its items' share of the window's, see :meth:`weigh`).
+        """Backward of one micro-batch with ``BackwardStarted/Ended``, scaled by
+        ``1 / accumulation_steps`` (or by its items' share of the step's, see :meth:`weigh`).
 
         Args:
             ended: Publish ``MicroBatchEnded`` after it (False: a custom step's backward, one
@@ -213,29 +220,48 @@ class StepPhases:
         w, scaler = self._wants, self._scaler
         if w.backward_started:
             st = self._state
-            self._bus.publish(ev.BackwardStarted(step=st.step, epoch=st.epoch, batch_index=bi,
-                                                 micro_batch=micro,
-                                                 accumulation_steps=window))  # fmt: skip
+            self._port.publish(
+                ev.BackwardStarted(
+                    step=st.step,
+                    epoch=st.epoch,
+                    batch_index=bi,
+                    micro_batch=micro,
+                    accumulation_steps=accumulation_steps,
+                )
+            )
         try:
             weight = self._weight
             if weight is None:
-                scaled = loss / window if window > 1 else loss
+                scaled = loss / accumulation_steps if accumulation_steps > 1 else loss
             else:
                 scaled = loss * weight
             (scaler.scale(scaled) if scaler is not None else scaled).backward()
         except BaseException as exc:
             if w.backward_ended:
                 st = self._state
-                self._bus.publish(ev.BackwardEnded(step=st.step, epoch=st.epoch,
-                                                   batch_index=bi, error=exc, micro_batch=micro,
-                                                   accumulation_steps=window))  # fmt: skip
+                self._port.publish(
+                    ev.BackwardEnded(
+                        step=st.step,
+                        epoch=st.epoch,
+                        batch_index=bi,
+                        error=exc,
+                        micro_batch=micro,
+                        accumulation_steps=accumulation_steps,
+                    )
+                )
             self.annotate(exc, "backward", bi)
             raise
         if w.backward_ended:
             st = self._state
-            self._bus.publish(ev.BackwardEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                               micro_batch=micro,
-                                               accumulation_steps=window))  # fmt: skip
+            self._port.publish(
+                ev.BackwardEnded(
+                    step=st.step,
+                    epoch=st.epoch,
+                    batch_index=bi,
+                    micro_batch=micro,
+                    accumulation_steps=accumulation_steps,
+                )
+            )
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
             ctx = self.context(bi, micro, None)
@@ -243,33 +269,42 @@ class StepPhases:
             for hook in hooks:
                 hook(ctx)
         if ended and w.micro_batch_ended:
-            self.micro_batch_ended(bi, micro, window)
+            self.micro_batch_ended(bi, micro, accumulation_steps)
 
-    def micro_batch_ended(self, bi: int, micro: int, window: int, *, skipped: bool = False) -> None:
+    def micro_batch_ended(
+        self, bi: int, micro: int, accumulation_steps: int, *, skipped: bool = False
+    ) -> None:
         """Publish ``MicroBatchEnded`` for batch ``bi`` when someone wants it."""
         if self._wants.micro_batch_ended:
             st = self._state
-            self._bus.publish(ev.MicroBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                                 micro_batch=micro, accumulation_steps=window,
-                                                 skipped=skipped))  # fmt: skip
+            self._port.publish(
+                ev.MicroBatchEnded(
+                    step=st.step,
+                    epoch=st.epoch,
+                    batch_index=bi,
+                    micro_batch=micro,
+                    accumulation_steps=accumulation_steps,
+                    skipped=skipped,
+                )
+            )
 
     def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended``."""
         w = self._wants
         if w.zero_grad_started:
             st = self._state
-            self._bus.publish(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
+            self._port.publish(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
         try:
             optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
             if w.zero_grad_ended:
                 st = self._state
-                self._bus.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
+                self._port.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
             self.annotate(exc, "zero_grad", bi)
             raise
         if w.zero_grad_ended:
             st = self._state
-            self._bus.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
+            self._port.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
     def optimizer_step(
         self, bi: int, optimizer: torch.optim.Optimizer | None = None
@@ -312,10 +347,10 @@ class StepPhases:
         if s.clip_grad_norm is not None:
             params = s.model.parameters() if not custom else _params_of(opt)
             # Sharded (FSDP2) parameters give a replicated DTensor: its plain value, the
-            # same on every rank (no communication), so events and the window hold tensors.
+            # same on every rank (no communication), so events and the log window hold tensors.
             grad_norm = plain_value(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm))
         if w.optimizer_step_started:
-            self._bus.publish(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch,
+            self._port.publish(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch,
                                                       grad_norm=grad_norm))  # fmt: skip
         skipped = False
         try:
@@ -331,7 +366,7 @@ class StepPhases:
                 opt.step()
         except BaseException as exc:
             if w.optimizer_step_ended:
-                self._bus.publish(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch,
+                self._port.publish(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch,
                                                         grad_norm=grad_norm,
                                                         error=exc))  # fmt: skip
             self.annotate(exc, "optimizer step", bi)
@@ -339,7 +374,7 @@ class StepPhases:
         if not custom:
             st.step_done()
         if w.optimizer_step_ended:  # the step this update completes (a custom step's: st.step+1)
-            self._bus.publish(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step,
+            self._port.publish(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step,
                                                     epoch=st.epoch, grad_norm=grad_norm,
                                                     skipped=skipped))  # fmt: skip
         self.zero_grad(bi, opt)

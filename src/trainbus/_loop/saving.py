@@ -109,7 +109,7 @@ class CheckpointWriter:
 
     Args:
         settings: The run's settings (model, optimizer, scheduler, scaler, checkpoint_dir).
-        bus: Where ``CheckpointSaved`` is published.
+        port: Where ``CheckpointSaved`` is published.
         state: The run's train state (read at each save).
         callback_states: Returns ``{name: state}`` of the stateful callbacks, called at each
             save on the training thread (None: no callback keeps state).
@@ -126,14 +126,14 @@ class CheckpointWriter:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         *,
         before_save: Callable[[], None] | None = None,
         sync: RankSync | None = None,
     ) -> None:
-        self._settings, self._bus, self._state = settings, bus, state
+        self._settings, self._port, self._state = settings, port, state
         self._callback_states = callback_states
         self._data_order: dict[str, Any] | None = None
         self._before_save = before_save
@@ -233,7 +233,7 @@ class CheckpointWriter:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
         if self._before_save is not None:
             self._before_save()
-        self._bus.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
+        self._port.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
         sync = self._sync
         checkpoint_dir = s.checkpoint_dir
 
@@ -267,7 +267,7 @@ class CheckpointWriter:
         self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
         saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
                                    metrics=metrics)  # fmt: skip
-        self._bus.publish(saved)
+        self._port.publish(saved)
         return saved
 
     def _refused(self, exc: CheckpointWriteError, tag: str | None) -> None:

@@ -52,7 +52,7 @@ class Settings:
     """``"epoch"`` for ``scheduler=PerEpoch(...)``, else ``"step"``."""
     accumulate: int
     accumulate_by: Any
-    """How a window's micro-batches weigh: ``"batches"`` (``1 / window`` each), ``"items"`` or
+    """How a step's micro-batches weigh: ``"batches"`` (``1 / accumulate`` each), ``"items"`` or
     ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus._loop.accumulation`)."""
     clip_grad_norm: float | None
     precision: Precision

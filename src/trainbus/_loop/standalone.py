@@ -31,7 +31,6 @@ from .._tensors import batch_size, move_to_device, use_device
 from .evaluation import Evaluator
 from .forward import model_outputs
 from .host import HostOutputs
-from .outcome import Cancelled
 from .outputs import (
     OutputsCheck,
     PadValues,
@@ -40,6 +39,7 @@ from .outputs import (
     map_tensors,
     without_keys,
 )
+from .result import Cancelled
 from .wants import Wants
 
 if TYPE_CHECKING:
@@ -59,14 +59,14 @@ class StandaloneRun:
 
     Args:
         settings: The trainer's settings (model, device, precision, metrics, loss_fn).
-        bus: Where events go and commands come from (running).
+        port: Where events go and commands come from (running).
         hooks: The trainer's inline hooks (``eval_batch``).
         state: Stamps the events (the trainer's last train state, or a fresh one).
     """
 
-    def __init__(self, settings: Settings, bus: LoopPort, hooks: Hooks, state: TrainState) -> None:
-        self._s, self._bus, self._hooks, self._state = settings, bus, hooks, state
-        self._wants = Wants(bus)
+    def __init__(self, settings: Settings, port: LoopPort, hooks: Hooks, state: TrainState) -> None:
+        self._s, self._port, self._hooks, self._state = settings, port, hooks, state
+        self._wants = Wants(port)
         self._cancel = False
         self.stop_reason: str | None = None
 
@@ -85,14 +85,14 @@ class StandaloneRun:
         Raises:
             Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
         """
-        bus, st = self._bus, self._state
-        if bus.held and self.stop_reason is None:
-            bus.wait_for_room(lambda: self._cancel)
-        failure = bus.failure
+        port, st = self._port, self._state
+        if port.held and self.stop_reason is None:
+            port.wait_for_room(lambda: self._cancel)
+        failure = port.failure
         if failure is not None:
             raise failure
-        if bus.has_commands():
-            for command in bus.poll_commands():
+        if port.has_commands():
+            for command in port.poll_commands():
                 error: ConfigError | None = None
                 if isinstance(command, cmd.StopTraining):
                     self.stop_reason = self.stop_reason or command.reason
@@ -101,7 +101,7 @@ class StandaloneRun:
                         "command", type(command).__name__,
                         "StopTraining: the only command applied outside fit()",
                     )  # fmt: skip
-                bus.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+                port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
                                               error=error))  # fmt: skip
         return self.stop_reason is not None
 
@@ -112,7 +112,7 @@ class StandaloneRun:
             TrainingError: a set yielded no batch; or whatever the model raised.
         """
         use_device(self._s.device)  # the training thread's current CUDA device
-        evaluator = Evaluator(self._s, self._bus, self._state, self._wants, self._check_cancel,
+        evaluator = Evaluator(self._s, self._port, self._state, self._wants, self._check_cancel,
                               self._hooks, self.should_stop)  # fmt: skip
         evaluator.run("standalone", sets)
         return evaluator.metrics
@@ -141,10 +141,10 @@ class StandaloneRun:
                 :meth:`OutputsCheck.add`).
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
         """
-        s, bus, st, w = self._s, self._bus, self._state, self._wants
+        s, port, st, w = self._s, self._port, self._state, self._wants
         check = OutputsCheck(pad or PadValues()) if keep else None
         use_device(s.device)  # the training thread's current CUDA device
-        pub = bus.publish
+        pub = port.publish
         w.refresh()
         try:
             total: int | None = len(data)  # type: ignore[arg-type]
@@ -165,7 +165,7 @@ class StandaloneRun:
                     self._check_cancel()
                     if self.should_stop():
                         break
-                    if bus.doorbell.rings != w.rings:  # the port's one signal
+                    if port.doorbell.rings != w.rings:  # the port's one signal
                         w.refresh()
                     if w.batch_fetched:
                         pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="predict",

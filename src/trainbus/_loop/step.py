@@ -1,6 +1,6 @@
 """One optimizer step, written once, with everything it may carry.
 
-:class:`Step` runs one optimizer step over a window of micro-batches and reads top to bottom
+:class:`Step` runs one optimizer step over its micro-batches and reads top to bottom
 in the event order of docs/events.md: per micro-batch the fetch (the data-wait span),
 ``BatchFetched``, ``StepBegan`` (once, when the step's first batch is there), hook
 ``"batch"``, the forward and its loss (hooks ``"after_forward"``, ``"loss"``), ``LossComputed``,
@@ -41,7 +41,7 @@ from .accumulation import ItemWeights, count_items
 from .data import END
 from .gradsync import GradSync
 from .nonfinite import mean_tensor
-from .outcome import Cancelled
+from .result import Cancelled
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     from .phases import StepPhases
     from .settings import Settings
     from .wants import Wants
-    from .window import MetricsWindow
+    from .window import LogWindow
 
 __all__ = ["Step", "StepParts"]
 
@@ -63,13 +63,13 @@ class StepParts:
 
     Attributes:
         settings: The run's settings (model, loss, optimizer, scheduler, clipping, device).
-        bus: Where the step's events go; asked whether it needs the loop's attention.
+        port: Where the step's events go; asked whether it needs the loop's attention.
         state: The run's train state (step, epoch, batch in epoch, samples seen).
         wants: Which events someone listens to (refreshed by the loop when the routes change).
         hooks: The inline hooks, read every step (they may come and go).
         phases: The step's phases (forward, backward, optimizer step, with their events).
         guard: The non-finite guard (which losses are kept, read and checked).
-        window: The metrics window each step is added to, and closed at the log step.
+        log_window: The log window each step is added to, and closed at the log step.
         scheduler_step: Steps the scheduler with its events (interval ``"step"``).
         lr: The current learning rate, for ``StepEnded``.
         cancelled: True when a cancel was requested (a cancel also rings the port's
@@ -80,13 +80,13 @@ class StepParts:
     """
 
     settings: Settings
-    bus: LoopPort
+    port: LoopPort
     state: TrainState
     wants: Wants
     hooks: Hooks
     phases: StepPhases
     guard: NonFiniteGuard
-    window: MetricsWindow
+    log_window: LogWindow
     scheduler_step: Callable[..., None]
     lr: Callable[[], float]
     cancelled: Callable[[], bool]
@@ -100,7 +100,7 @@ class Step:
         taken: It took an optimizer step (False: the data ran out before a loss, every
             micro-batch was skipped, the non-finite guard skipped the update, or a hook skipped
             the optimizer step). Only a step taken has a poll point after it.
-        exhausted: It found the data exhausted (fewer batches than its window).
+        exhausted: It found the data exhausted (fewer batches than its micro-batches).
         ended: The ``StepEnded`` it published (None: nobody wanted it).
         barrier_event: Its event that is a barrier (``StepEnded`` or ``MetricsLogged`` listed
             in ``barriers``), None when neither is.
@@ -114,8 +114,13 @@ class Step:
         self, parts: StepParts, *, fetch_observed: Callable[[Iterator[Any], float], Any]
     ) -> None:
         p = parts
-        self._s, self._bus, self._state, self._wants = p.settings, p.bus, p.state, p.wants
-        self._hooks, self._phases, self._guard, self._window = p.hooks, p.phases, p.guard, p.window
+        self._s, self._port, self._state, self._wants = p.settings, p.port, p.state, p.wants
+        self._hooks, self._phases, self._guard, self._log_window = (
+            p.hooks,
+            p.phases,
+            p.guard,
+            p.log_window,
+        )
         self._scheduler_step, self._lr, self._cancelled = p.scheduler_step, p.lr, p.cancelled
         self._fetch_observed = fetch_observed
         self._custom = p.custom
@@ -124,18 +129,18 @@ class Step:
         # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(p.settings.model)
         by = p.settings.accumulate_by
-        # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / window each).
+        # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / accumulation_steps each).
         self._items = None if by == "batches" else ItemWeights(count_items if by == "items" else by)
         self.taken = self.exhausted = False
         self.ended: ev.StepEnded | None = None
         self.barrier_event: ev.BaseEvent | None = None
 
-    def run(self, it: Iterator[Any], window: int, steps: int = 1) -> int:
-        """Run up to ``steps`` optimizer steps of up to ``window`` micro-batches each from
-        ``it``, back to back.
+    def run(self, it: Iterator[Any], accumulation_steps: int, steps: int = 1) -> int:
+        """Run up to ``steps`` optimizer steps of up to ``accumulation_steps`` micro-batches each
+        from ``it``, back to back.
 
         The loop gives as ``steps`` the steps up to and including the next one it must look
-        after (a declared decision step, an evaluation step, ``max_steps``; only full windows
+        after (a declared decision step, an evaluation step, ``max_steps``; only full steps
         of the epoch). The run also ends after a step that was not taken, one that found the
         data exhausted, the log step, a barrier event, or a step after which the port's
         doorbell rang (a command, a failure, a routing change, a cancel, a stop): what the loop
@@ -154,9 +159,9 @@ class Step:
             BaseException: Whatever the model, loss, backward, optimizer or a hook raised,
                 with a note naming the phase, step, epoch and batch.
         """
-        w, pub, st, s, phases = self._wants, self._bus.publish, self._state, self._s, self._phases
+        w, pub, st, s, phases = self._wants, self._port.publish, self._state, self._s, self._phases
         guard, custom, hooks, opt = self._guard, self._custom, self._hooks, s.optimizer
-        bell, cancelled = self._bus.doorbell, self._cancelled
+        bell, cancelled = self._port.doorbell, self._cancelled
         monotonic, move = time.monotonic, self._move
         rings = bell.rings  # read first: a ring from here on ends the run after its step
         if cancelled():  # asked before the read above; a later cancel rings the doorbell
@@ -170,29 +175,31 @@ class Step:
             begins = w.step_began
         batch_fetched, loss_computed = w.batch_fetched, w.loss_computed
         each_step_ended, sampled, demand = w.step_ended, w.step_ended_sampled, w.step_ended_demand
-        # Every step's loss is kept: the metrics window's mean (and FitResult.train_metrics, for
-        # any run length) is over all of them. A loss that goes on (in an event, to the window)
+        # Every step's loss is kept: the log window's mean (and FitResult.train_metrics, for
+        # any run length) is over all of them. A loss that goes on (in an event, to the log window)
         # is kept detached; one only the guard reads stays as it is: detach() costs ~1 µs, and
-        # the guard's read does not need it (the window then takes the value read).
+        # the guard's read does not need it (the log window then takes the value read).
         read_each = guard.per_step and custom is None  # the guard reads the losses: CPU, "skip"
-        # Read at sync, a custom step's window keeps what ctx.backward was given as well.
+        # Read at sync, a custom step's log window keeps what ctx.backward was given as well.
         check_backward = custom is not None and guard.active and not guard.per_step
-        hand_on_each = loss_computed or not read_each  # else the window takes the value read
+        hand_on_each = loss_computed or not read_each  # else the log window takes it
         # On an accelerator the loss handed on is a copy: a loss a CUDA graph returns
         # (torch.compile's mode="reduce-overhead", a graph the step replays itself) lives in
         # the graph's output buffer, which the next replay overwrites before a subscriber or
-        # the window reads it. One small device copy per step; none on the CPU.
+        # the log window reads it. One small device copy per step; none on the CPU.
         copy = s.device.type != "cpu"
         schedule = s.scheduler is not None and s.scheduler_interval == "step"
-        log_every, barriers, add = s.log_every, s.barriers, self._window.add
+        log_every, barriers, add = s.log_every, s.barriers, self._log_window.add
         taken = False
         ended: ev.StepEnded | None = None
         barrier: ev.BaseEvent | None = None
         done = consumed = 0
-        several = window > 1  # a window of micro-batches: DDP's all-reduce waits for its last
-        # Weighed by items, a window's batches are all fetched before its first forward (the
-        # window's item count scales the first backward already); None: fetched one by one.
-        # Also for a window of one (an epoch's short last window): its weight is then 1.
+        several = (
+            accumulation_steps > 1
+        )  # several micro-batches: DDP's all-reduce waits for its last
+        # Weighed by items, a step's batches are all fetched before its first forward (the
+        # step's item count scales the first backward already); None: fetched one by one.
+        # Also for a step of one micro-batch (an epoch's short last step): its weight is then 1.
         items = self._items
         for _ in range(steps):
             taken, ended, barrier = False, None, None
@@ -211,12 +218,12 @@ class Step:
             step_ended = each_step_ended or (sampled and demand.takes(step + 1, t0))
             hand_on = hand_on_each or step_ended
             bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
-            ahead: deque[Any] | None = None  # the window's prefetched batches (by items)
+            ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
             weights: list[float] = []
             if custom is not None:
                 custom.begin()
             # ------------------------------------------------------------ micro-batches
-            for micro in range(window):
+            for micro in range(accumulation_steps):
                 if bell.rings != rings and cancelled():
                     raise Cancelled
                 if micro:
@@ -224,7 +231,7 @@ class Step:
                 if ahead is None:
                     batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
                     if items is not None and batch is not END:
-                        ahead, weights = self._prefetch(it, batch, window, items)
+                        ahead, weights = self._prefetch(it, batch, accumulation_steps, items)
                 else:
                     batch = ahead.popleft() if ahead else END
                 fetched = monotonic()
@@ -238,18 +245,24 @@ class Step:
                                         data_wait_s=fetched - tf))  # fmt: skip
                 if not began:
                     began = True
-                    pub(ev.StepBegan(step=step, epoch=st.epoch, accumulation_steps=window))
+                    pub(
+                        ev.StepBegan(
+                            step=step, epoch=st.epoch, accumulation_steps=accumulation_steps
+                        )
+                    )
                 if move:
                     batch = move_to_device(batch, s.device)
                 if several:
-                    self._grad_sync.begin(micro, window)  # before the forward: DDP decides there
+                    self._grad_sync.begin(
+                        micro, accumulation_steps
+                    )  # before the forward: DDP decides there
                 ctx: StepContext | None = None
                 if by_point["batch"]:
                     ctx = phases.context(bi, micro, batch)
                     for hook in by_point["batch"]:
                         hook(ctx)
                     if ctx.skip:
-                        phases.micro_batch_ended(bi, micro, window, skipped=True)
+                        phases.micro_batch_ended(bi, micro, accumulation_steps, skipped=True)
                         continue
                     batch = ctx.batch
                     if move:  # a hook may replace the batch: the model sees the run's device
@@ -260,38 +273,38 @@ class Step:
                 if custom is None:
                     loss = phases.forward(batch, bi, ctx, micro)
                     if loss is None:  # a hook skipped the micro-batch
-                        phases.micro_batch_ended(bi, micro, window, skipped=True)
+                        phases.micro_batch_ended(bi, micro, accumulation_steps, skipped=True)
                         continue
-                else:  # the user's forwards, backwards and (at the window's end) optimizer steps
-                    loss = custom.micro_batch(batch, bi, micro, window)
+                else:  # the user's forwards and backwards, and (last) optimizer steps
+                    loss = custom.micro_batch(batch, bi, micro, accumulation_steps)
                 stepped = True
                 kept = loss.detach() if hand_on else loss
                 if copy and hand_on:
                     kept = kept.clone()
-                # The step's loss (the mean of `losses`) is then the window's item-weighted
-                # mean, what one batch of the window's items reports.
+                # The step's loss (the mean of `losses`) is then the step's item-weighted
+                # mean, what one batch of the step's items reports.
                 losses.append(kept if not weights else kept * (weights[micro] * len(weights)))
                 if loss_computed:
                     pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
                                         loss=kept))  # fmt: skip
                 if custom is None:
-                    phases.backward(loss, window, bi, micro)
+                    phases.backward(loss, accumulation_steps, bi, micro)
                 else:
-                    phases.micro_batch_ended(bi, micro, window)
+                    phases.micro_batch_ended(bi, micro, accumulation_steps)
                 if several:
                     self._grad_sync.backward_done()
             if several:
-                self._grad_sync.finish()  # a window cut short after no_sync() backwards
+                self._grad_sync.finish()  # a step cut short after no_sync() backwards
             st.samples_done(samples)
             done += consumed
             if not stepped:
                 opt.zero_grad(set_to_none=True)
                 break
-            value: torch.Tensor | float | None = None  # the step's loss for the metrics window
+            value: torch.Tensor | float | None = None  # the step's loss for the log window
             if custom is None:
                 # -------------------------------------------------------- non-finite check
                 if read_each:
-                    # The guard reads the losses (free on the CPU); the window keeps the value.
+                    # The guard reads the losses (free on the CPU); the log window keeps the value.
                     value = guard.read_step(losses)
                     if value is None:
                         # A non-finite loss ("skip", or "stop" before the bad update): no
@@ -330,27 +343,27 @@ class Step:
             # ------------------------------------------------------------ MetricsLogged
             add(step_loss if value is None else value, grad_norm, samples)
             if log_step:
-                logged = self._window.close(w.metrics_logged)
+                logged = self._log_window.close(w.metrics_logged)
                 if logged is not None and ev.MetricsLogged in barriers:
                     barrier = logged
                 break
-            if barrier is not None or consumed < window or bell.rings != rings:
+            if barrier is not None or consumed < accumulation_steps or bell.rings != rings:
                 break
         self.taken, self.ended, self.barrier_event = taken, ended, barrier
-        self.exhausted = consumed < window
+        self.exhausted = consumed < accumulation_steps
         return done
 
     def _prefetch(
-        self, it: Iterator[Any], first: Any, window: int, items: ItemWeights
+        self, it: Iterator[Any], first: Any, accumulation_steps: int, items: ItemWeights
     ) -> tuple[deque[Any], list[float]]:
-        """The window's batches after ``first``, fetched now (plain ``next``: the data-wait
-        span of the window's first fetch covers them), and the weight of each micro-batch.
+        """The step's batches after ``first``, fetched now (plain ``next``: the data-wait
+        span of the step's first fetch covers them), and the weight of each micro-batch.
 
         Returns:
             ``(the batches after the first, [n_i / N for the first and those])``.
         """
         ahead: deque[Any] = deque()
-        for _ in range(window - 1):
+        for _ in range(accumulation_steps - 1):
             batch = next(it, END)
             if batch is END:
                 break
@@ -360,8 +373,8 @@ class Step:
     def _custom_end(
         self, custom: CustomStep, losses: list[torch.Tensor], bi: int
     ) -> tuple[bool, torch.Tensor | None]:
-        """A custom step's window is done: its deferred optimizer steps, the returned losses'
-        non-finite check (``"raise"`` / ``"stop"``; the update is already taken), and the
+        """A custom step's micro-batches are done: its deferred optimizer steps, the returned
+        losses' non-finite check (``"raise"`` / ``"stop"``; the update is already taken), and the
         step count.
 
         Returns:

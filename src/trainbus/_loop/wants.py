@@ -33,11 +33,11 @@ class Wants:
         rings: The doorbell's count the flags were read at (-1: never read).
 
     Args:
-        bus: The port whose demand is cached.
+        port: The port whose demand is cached.
     """
 
     __slots__ = (
-        "_bus",
+        "_port",
         "backward_ended",
         "backward_started",
         "batch_fetched",
@@ -65,9 +65,9 @@ class Wants:
         "zero_grad_started",
     )  # fmt: skip
 
-    def __init__(self, bus: LoopPort) -> None:
-        self._bus = bus
-        self.step_ended_demand = bus.demand(ev.StepEnded)
+    def __init__(self, port: LoopPort) -> None:
+        self._port = port
+        self.step_ended_demand = port.demand(ev.StepEnded)
         self.step_ended_sampled = False
         self.rings = -1
         self.batch_fetched = self.forward_started = self.forward_ended = False
@@ -85,14 +85,14 @@ class Wants:
         The doorbell is the port's one signal that something changed (a subscription among
         others); a step without a ring pays one compare.
         """
-        bus = self._bus
-        rings = bus.doorbell.rings
+        port = self._port
+        rings = port.doorbell.rings
         if rings == self.rings:
             return
         # The count is read first: a subscription made while the flags are read rings again,
         # and the next compare catches that.
         self.rings = rings
-        wants = bus.wants
+        wants = port.wants
         self.batch_fetched = wants(ev.BatchFetched)
         self.forward_started = wants(ev.ForwardStarted)
         self.forward_ended = wants(ev.ForwardEnded)

@@ -1,4 +1,4 @@
-"""The training-metrics window: what the loop reads off the device every ``log_every`` steps."""
+"""The log window: what the loop reads off the device every ``log_every`` steps."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ if TYPE_CHECKING:
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
 
-__all__ = ["MetricsWindow"]
+__all__ = ["LogWindow"]
 
 
-class MetricsWindow:
+class LogWindow:
     """Aggregates per-step losses and grad norms between two log steps, and checks for NaN.
 
     The step hands each step's detached loss and grad norm to :meth:`add` (no device read);
@@ -39,7 +39,7 @@ class MetricsWindow:
 
     Args:
         settings: The run's settings (log_every, optimizer for the lr).
-        bus: Where ``MetricsLogged`` is published.
+        port: Where ``MetricsLogged`` is published.
         state: The run's train state (the window opens at its current step).
         guard: Applies ``on_nonfinite``; while it is active the step adds every step's loss,
             so the i-th loss of the window is the loss of step ``window start + i + 1``.
@@ -56,7 +56,7 @@ class MetricsWindow:
     def __init__(
         self,
         settings: Settings,
-        bus: LoopPort,
+        port: LoopPort,
         state: TrainState,
         *,
         guard: NonFiniteGuard,
@@ -65,7 +65,7 @@ class MetricsWindow:
         first_nonfinite: Callable[[int | None], int | None] | None = None,
         user: UserMetrics | None = None,
     ) -> None:
-        self._s, self._bus, self._state = settings, bus, state
+        self._s, self._port, self._state = settings, port, state
         self._guard = guard
         self._reduce = reduce
         self._first_nonfinite = first_nonfinite
@@ -118,7 +118,7 @@ class MetricsWindow:
         logged = None
         if publish:
             logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
-            self._bus.publish(logged)
+            self._port.publish(logged)
         if bad_step is not None and guard.active:
             guard.found(bad_step)
         return logged

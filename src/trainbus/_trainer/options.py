@@ -94,12 +94,12 @@ class Accumulate:
 
     Args:
         micro_batches: Micro-batches per optimizer step.
-        by: How the micro-batches of a window weigh: ``"batches"``, each its loss divided by
-            the window's length; ``"items"``, each by its items over the window's (the labels
+        by: How the step's micro-batches weigh: ``"batches"``, each its loss divided by
+            their number; ``"items"``, each by its items over the step's (the labels
             ``!= -100`` of a mapping batch's ``"labels"`` or of the targets of
             ``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a
-            token-level mean loss accumulates the gradient of one batch of the window's items;
-            or ``fn(batch) -> items`` counting them your way. By items, a window's batches are
+            token-level mean loss accumulates the gradient of one batch of the step's items;
+            or ``fn(batch) -> items`` counting them your way. By items, a step's batches are
             fetched before its first forward (docs/trainer.md, "Gradient accumulation").
 
     Raises:

@@ -15,7 +15,7 @@ from .._distributed.data import release_model, shard_loader, wrap_model
 from .._distributed.group import ProcessGroup
 from .._distributed.link import WorkerLink
 from .._distributed.sharding import check_mesh
-from .._loop import Outcome, Settings
+from .._loop import FitResult, Settings
 
 __all__ = ["RankSetup"]
 
@@ -89,17 +89,17 @@ class RankSetup:
         if self._group.is_main:
             self._link = WorkerLink.from_env()
             if self._link is not None:
-                self._link.attach(self._bus)
+                self._link.start(self._bus)
             if self._attach is not None:
                 self._server = AttachServer.start(self._bus, self._attach)
 
-    def close(self, outcome: Outcome | None) -> None:
+    def close(self, result: FitResult | None) -> None:
         """Close the attach listener and the driver link, and leave the group (after the bus
         closed: every event was queued for the driver). After a completed or stopped run the
         ranks meet once more.
 
         Args:
-            outcome: The run's outcome, or None when it never ran.
+            result: How the run ended, or None when it never ran.
         """
         if self._server is not None:
             self._server.close()
@@ -108,7 +108,7 @@ class RankSetup:
         group = self._group
         if group is None:
             return
-        if group.owns_group and outcome is not None and outcome.reason in ("completed", "stopped"):
+        if group.owns_group and result is not None and result.reason in ("completed", "stopped"):
             # Every rank ended at the same agreed step: meet once more, so no rank tears the
             # group down while a peer still reads its last collective.
             group.barrier()

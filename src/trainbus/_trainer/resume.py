@@ -21,7 +21,7 @@ from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
 from ..callbacks._base import Callback
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
-from .session import TrainingThread
+from .calls import TrainingThread
 
 __all__ = ["CallbackStates", "check_resume", "load_weights"]
 
@@ -87,7 +87,7 @@ class CallbackStates:
 
     Args:
         bus: The trainer's bus (flushed before a collection; carries the load events).
-        callbacks: Returns the attached callbacks, in attachment order.
+        callbacks: Returns the added callbacks, in attachment order.
         thread: The training thread, which collects the states at a save.
     """
 
@@ -104,19 +104,19 @@ class CallbackStates:
 
     @property
     def any_stateful(self) -> bool:
-        """Whether an attached callback has state to save."""
+        """Whether an added callback has state to save."""
         return any(cb.stateful for cb in self._callbacks())
 
     def restore(self, checkpoint: Checkpoint) -> None:
-        """Load each saved callback state into the attached callback with its ``state_key``;
+        """Load each saved callback state into the added callback with its ``state_key``;
         a state no callback claims is logged and ignored."""
         # On the event-loop thread, before the loop starts: no event reaches them meanwhile.
-        by_key = {cb.checkpoint_key: cb for cb in self._callbacks() if cb.stateful}
+        by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
             if cb is None:
                 log.warning("callback_state_unmatched", name=key, path=str(checkpoint.path),
-                            reason="no attached stateful callback has this state_key; its "
+                            reason="no added stateful callback has this state_key; its "
                             "state is ignored")  # fmt: skip
                 continue
             cb.load_state_dict(state)
@@ -130,7 +130,7 @@ class CallbackStates:
         # Deliver what was published before the save first, so the states include every
         # event up to it.
         self._bus.flush()
-        return {cb.checkpoint_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
+        return {cb.state_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
 
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
         """:meth:`collect`, called by the loop on the training thread at each save.

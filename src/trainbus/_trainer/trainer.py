@@ -40,12 +40,12 @@ from .._hookpoints import HookPoint
 from .._log import get_logger
 from .._loop import (
     TRAIN_METRIC_NAMES,
+    FitResult,
     HookFn,
     HookHandle,
     Hooks,
     Loop,
     NonFinitePolicy,
-    Outcome,
     PadValue,
     PadValues,
     Precision,
@@ -63,9 +63,10 @@ from .._tensors import is_sharded_model
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
-from .attached import Attached
+from .added import AddedCallbacks
+from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
 from .endings import OnSignal, interrupt_for
-from .lifetime import Lifetime
+from .holder import BusHolder
 from .options import (
     Accumulate,
     CheckpointDir,
@@ -76,9 +77,7 @@ from .options import (
     explains_unknown_options,
 )
 from .rank_setup import RankSetup
-from .result import FitResult, fit_result
 from .resume import CallbackStates, check_resume, load_weights
-from .session import BusSession, SignalWatcher, TrainingThread, watching_cancel
 from .workers import end_workers, spawns_workers
 
 __all__ = ["Accumulate", "CheckpointDir", "EvalSchedule", "FitResult", "PerEpoch", "Trainer"]
@@ -141,7 +140,7 @@ class Trainer:
             optimizer steps (``every_steps``), after each epoch (``epoch_end``, default) and
             once more at the end of a completed run whose last step was not evaluated
             (``at_end``, default).
-        log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
+        log_every: Steps per ``MetricsLogged`` (one device read of the log window's losses).
         checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
             run completes or stops (``CheckpointDir(path, skip_final={"pruned"})``: stopped
             runs that write none). Checked now (creatable, writable, not under a file),
@@ -223,16 +222,15 @@ class Trainer:
         self._attach_folder = attach_folder(checked["attach"], self.settings.checkpoint_dir)
         self.hooks = Hooks()
         self.result: FitResult | None = None
-        self._attached = Attached(self.bus, self.hooks)
-        attached = self._attached  # not self: no cycle through the trainer (freed without gc)
+        self._added = AddedCallbacks(self.bus, self.hooks)
+        added = self._added  # not self: no cycle through the trainer (freed without gc)
         # Every call's loop runs on this one thread, from the first call to close() or the
         # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
         self._thread = TrainingThread()
-        self._states = CallbackStates(self.bus, lambda: attached.callbacks, self._thread)
-        self._session = BusSession(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
-        self._signals = SignalWatcher(self.bus, on_signal=self._session.interrupt)
-        self._lifetime = Lifetime(self.bus, self._thread)
-        self._ran: Outcome | None = None  # how the last fit's loop ended, once it ran
+        self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
+        self._calls = CallRunner(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
+        self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
+        self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
         for cb in instances:
@@ -243,37 +241,37 @@ class Trainer:
         ):
             self.add_callback(Progress(), tier="core")  # the default kit's progress bar
         self._state: TrainState | None = None  # the last run's, for standalone calls after it
-        # Queued now, delivered when the bus first runs: subscribers attached by then see it.
+        # Queued now, delivered when the bus first runs: subscribers made by then see it.
         self.bus.publish(ev.TrainerBuilt(step=0, epoch=0, device=str(self.settings.device),
                                          callbacks=tuple(type(cb).__name__
                                                          for cb in self.callbacks)))  # fmt: skip
 
     # ================================================================== callbacks and hooks
     def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
-        """Attach a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
+        """Add a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
         and ``setup(bus)`` pipelines. While ``fit()`` runs, call it on the event-loop thread.
 
         Returns:
-            The attached instance.
+            The added instance.
 
         Raises:
             ConfigError: not a Callback, a misspelt ``on_*`` / ``hook_*`` method, or a
-                stateful callback whose ``state_key`` another attached one already has.
+                stateful callback whose ``state_key`` another added one already has.
         """
-        return self._attached.add(callback, tier)
+        return self._added.add(callback, tier)
 
     def remove_callback(self, callback: Callback) -> None:
         """Detach a callback: dispose its subscriptions and remove its hooks.
 
         Raises:
-            ConfigError: the callback is not attached to this trainer.
+            ConfigError: the callback is not added to this trainer.
         """
-        self._attached.remove(callback)
+        self._added.remove(callback)
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """Attached callbacks, in attachment order."""
-        return self._attached.callbacks
+        """AddedCallbacks callbacks, in attachment order."""
+        return self._added.callbacks
 
     def add_hook(self, point: HookPoint, fn: HookFn) -> HookHandle:
         """Run ``fn(ctx)`` inline at ``point`` of every step (user tier); ``.remove()`` it.
@@ -292,7 +290,7 @@ class Trainer:
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
         """
-        self._lifetime.enter()
+        self._holder.enter()
         return self
 
     def __exit__(
@@ -316,7 +314,7 @@ class Trainer:
             Exception: a subscription with ``on_error="raise"`` failed while closing (the
                 subscriber's own exception).
         """
-        self._lifetime.close()
+        self._holder.close()
 
     async def __aenter__(self) -> Self:
         """``async with Trainer(...) as t:``: run the bus in this event loop until the end of
@@ -325,7 +323,7 @@ class Trainer:
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
         """
-        await self._lifetime.aenter()
+        await self._holder.aenter()
         return self
 
     async def __aexit__(
@@ -334,7 +332,7 @@ class Trainer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._lifetime.aexit(exc_type)
+        await self._holder.aexit(exc_type)
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close` for a trainer used without ``async with``.
@@ -342,7 +340,7 @@ class Trainer:
         Raises:
             TrainbusError: the bus runs in a ``with`` / ``async with`` block (leave it).
         """
-        await self._lifetime.aclose()
+        await self._holder.aclose()
 
     # ================================================================== running
     def fit_sync(
@@ -370,7 +368,7 @@ class Trainer:
             the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
         """
         with self._signals.installed(self.on_signal is not None):
-            result: FitResult = self._lifetime.call(
+            result: FitResult = self._holder.call(
                 lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
             )  # fmt: skip
@@ -404,7 +402,7 @@ class Trainer:
         Raises:
             ConfigError: ``resume`` is not a path or ``"latest"``, names no file, or is
                 ``"latest"`` without a ``checkpoint_dir``; ``require_checkpoint`` without
-                ``resume``; an attached callback refuses the run before it starts
+                ``resume``; an added callback refuses the run before it starts
                 (:meth:`Callback.check`: a monitored metric no evaluation produces,
                 ``Checkpointing`` without a ``checkpoint_dir``).
             CheckpointError: the checkpoint is damaged or foreign, or was written for another
@@ -429,25 +427,25 @@ class Trainer:
         """After a graceful stop by a signal (``on_signal="raise"``): its interrupt."""
         signum = self._signals.received
         if signum is not None and self.on_signal == "raise" and result.reason != "cancelled":
-            raise interrupt_for(signum, result.steps, result.checkpoint)
+            raise interrupt_for(signum, result.steps, result.last_checkpoint)
 
     async def _fit(
         self, *, resume: str | os.PathLike[str] | None, require_checkpoint: bool
     ) -> FitResult:
         self._check_idle("fit()")
-        self._lifetime.check_open("fit()")
-        if self._ran is not None and resume is None:
+        self._holder.check_open("fit()")
+        if self.result is not None and resume is None:
             raise TrainbusError(
-                f"fit() ran on this Trainer already (it ended {self._ran.reason!r} at "
-                f"step {self._ran.state.step}); a second fit() continues a run: "
+                f"fit() ran on this Trainer already (it ended {self.result.reason!r} at "
+                f"step {self.result.steps}); a second fit() continues a run: "
                 "fit(resume='latest') or fit(resume=<checkpoint path>); to train anew, build a "
                 "new Trainer"
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._session.begin()
+        self._calls.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
-                    if cb not in self._attached]  # fmt: skip
+                    if cb not in self._added]  # fmt: skip
         try:
             self._check_callbacks()
         except BaseException:
@@ -475,7 +473,7 @@ class Trainer:
             raise
         state = checkpoint.state if checkpoint is not None else TrainState()
         loop = Loop(
-            s, self._session.port, self.hooks, self._session.barrier, state, resume=checkpoint,
+            s, self._calls.port, self.hooks, self._calls.barrier, state, resume=checkpoint,
             resumed_from=None if checkpoint is None else str(checkpoint.path),
             resume_source=None if checkpoint is None else self._states.resume_source,
             callback_states=self._states.collect_from_thread if self._states.any_stateful
@@ -483,44 +481,43 @@ class Trainer:
             sync=RankSync(group) if group.distributed else None,
         )  # fmt: skip
         self._call = "fit"
-        self._signals.attach(loop)
+        self._signals.watch(loop)
         try:
             with self._signals.installed(self.on_signal is not None):
-                async with self._session.open():
+                async with self._calls.open():
                     async with watching_cancel(loop, self._thread):
                         spawns = spawns_workers([s.train_data, *(d for _, d in s.eval_sets)])
                         await self._thread.run(self._signals.masked(loop.run, spawns))
         finally:
             self._call = None
             end_workers([s.train_data, *(d for _, d in s.eval_sets)])  # persistent ones too
-            self._signals.attach(None)
+            self._signals.watch(None)
             for cb in globals_:
                 self.remove_callback(cb)
-            ranks.close(loop.outcome)
+            ranks.close(loop.result)
             # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
             # the bus closed, so the result is complete.
-            if loop.outcome is not None:  # the loop ran: a later fit() must resume
-                self._ran = loop.outcome
-                self.result = fit_result(loop.outcome, self.bus.statistics())
-                self._state = loop.outcome.state
-            outcome = loop.outcome
+            if loop.result is not None:  # the loop ran: a later fit() must resume
+                self.result = loop.result.with_bus(self.bus.statistics())
+                self._state = state
+            ran = loop.result
             # The run's parts refer back to the loop (late-bound callbacks): dropped now, a
             # Trainer the caller drops frees its model, optimizer and data without a gc pass.
             loop.release()
-        assert outcome is not None and self.result is not None
-        if outcome.error is not None:
-            raise outcome.error
-        if self.bus.on_lost == "raise" and self.result.lost and outcome.reason != "cancelled":
-            raise LostWorkError(self.result.lost, self.result)
+        assert ran is not None and self.result is not None
+        if ran.error is not None:
+            raise ran.error
+        if self.bus.on_lost == "raise" and self.result.lost_work and ran.reason != "cancelled":
+            raise LostWorkError(self.result.lost_work, self.result)
         if self._signals.aborted:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         interrupted = self._signals.received is not None and self.on_signal == "raise"
-        if outcome.reason != "cancelled" and not interrupted:  # the interrupt goes first
+        if ran.reason != "cancelled" and not interrupted:  # the interrupt goes first
             # Every event is delivered and the loop has ended: nothing reads the model now.
             self._load_weights_at_end()
             for cb in self.callbacks:
                 cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
-        if outcome.reason == "cancelled":
+        if ran.reason == "cancelled":
             # Cancelled from outside: the worker was waited for and the bus closed under a
             # shield; let the pending cancellation out here instead of returning a result.
             await anyio.lowlevel.checkpoint()
@@ -532,7 +529,7 @@ class Trainer:
         never while one runs. What ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do.
 
         Args:
-            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.checkpoint``).
+            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.last_checkpoint``).
 
         Returns:
             The step the weights are of.
@@ -548,7 +545,7 @@ class Trainer:
         return checkpoint.state.step
 
     def _load_weights_at_end(self) -> None:
-        """Load the weights an attached callback asks for at the end of ``fit()``
+        """Load the weights an added callback asks for at the end of ``fit()``
         (:meth:`Callback.weights_at_end`), on every rank; a file gone meanwhile is a warning,
         the model keeping its last weights."""
         asked = [(cb, p) for cb in self.callbacks if (p := cb.weights_at_end()) is not None]
@@ -559,7 +556,7 @@ class Trainer:
             log.warning("weights_at_end_ignored", path=str(path),
                         ignored=[str(p) for _, p in asked[1:]],
                         reason="several callbacks ask for weights at the end; the first "
-                        "attached wins")  # fmt: skip
+                        "added wins")  # fmt: skip
         if not os.path.exists(path):
             log.warning("weights_at_end_missing", path=str(path), callback=type(cb).__name__,
                         action="the model keeps its last weights")  # fmt: skip
@@ -569,7 +566,7 @@ class Trainer:
                  reason="weights_at_end")  # fmt: skip
 
     def _check_callbacks(self) -> None:
-        """Let every attached callback refuse the run up front (:meth:`Callback.check`)."""
+        """Let every added callback refuse the run up front (:meth:`Callback.check`)."""
         s = self.settings
         callbacks = self.callbacks
         plan = RunPlan(
@@ -596,10 +593,10 @@ class Trainer:
         data: Iterable[object],
     ) -> Any:
         self._check_idle(f"{name}()")
-        self._lifetime.check_open(f"{name}()")
+        self._holder.check_open(f"{name}()")
         self._call = name
         try:
-            return await self._session.standalone(fn, settings, self._state)
+            return await self._calls.standalone(fn, settings, self._state)
         finally:
             self._call = None
             end_workers(data)  # the call's persistent DataLoader workers end with it
@@ -652,7 +649,7 @@ class Trainer:
         Raises:
             As :meth:`evaluate` and :meth:`fit_sync`.
         """
-        return self._lifetime.call(lambda: self.evaluate(data), backend, "evaluate")
+        return self._holder.call(lambda: self.evaluate(data), backend, "evaluate")
 
     async def predict(
         self,
@@ -730,7 +727,7 @@ class Trainer:
         Raises:
             As :meth:`predict` and :meth:`fit_sync`.
         """
-        return self._lifetime.call(lambda: self.predict(data, return_outputs=return_outputs,
+        return self._holder.call(lambda: self.predict(data, return_outputs=return_outputs,
                                                         pad_value=pad_value,
                                                         ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip

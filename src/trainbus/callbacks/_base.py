@@ -1,6 +1,6 @@
 """Class-based callbacks: the habit users bring from Hugging Face, Lightning and Composer.
 
-A :class:`Callback` is sugar over the bus and the hooks, resolved once when it is attached (never
+A :class:`Callback` is sugar over the bus and the hooks, resolved once when it is added (never
 a string dispatch per event):
 
 - ``on_<event>(self, event)`` (``on_step_ended`` -> ``StepEnded``) becomes a subscriber to that
@@ -34,10 +34,11 @@ from .._bus.async_subscription import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
 from .._bus.failures import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
+from .._validate import check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._trainer.result import FitResult  # where it is defined: no circle through trainer
+    from .._trainer.trainer import FitResult
 
 __all__ = [
     "Callback",
@@ -71,7 +72,7 @@ class RunPlan:
         train_metrics: Every key ``MetricsLogged.metrics`` can carry (``loss``, ``lr``,
             ``steps_per_s``, ...).
         checkpoint_dir: Where the run saves checkpoints (None: ``SaveCheckpoint`` is refused).
-        external_evaluations: An attached callback publishes ``ExternalEvaluationEnded``
+        external_evaluations: An added callback publishes ``ExternalEvaluationEnded``
             (:class:`~trainbus.callbacks.EvaluateCheckpoints`): metrics whose names only its
             jobs know may come.
         config: The Trainer's settings that are plain values (``max_epochs``, ``accumulate``,
@@ -187,7 +188,8 @@ class Callback:
     Attributes:
         subscribe_options: How its ``on_*`` methods subscribe (:class:`SubscribeOptions`: the
             options of ``EventBus.subscribe_async``, with its defaults), a class attribute.
-        state_key: The name of this callback's state in checkpoints (None: the class name).
+        state_key: The name of this callback's state in checkpoints (a property: the class
+            name until set; ``cb.state_key = "..."`` sets it).
             Only callbacks that override :meth:`state_dict` keep state; two of them with one
             key in a Trainer are a ``ConfigError``, so give each instance of a class its own.
         ranks: Where its ``on_*`` methods and ``setup`` pipelines run under torchrun: None
@@ -202,16 +204,26 @@ class Callback:
     """
 
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions()
-    state_key: str | None = None
+    _state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
     publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()
     """Event types this callback publishes itself (``ExternalEvaluationEnded`` for
     :class:`~trainbus.callbacks.EvaluateCheckpoints`): what :class:`RunPlan` tells the others."""
 
     @property
-    def checkpoint_key(self) -> str:
-        """The name this callback's state is saved under: ``state_key`` or the class name."""
-        return self.state_key or type(self).__name__
+    def state_key(self) -> str:
+        """The name this callback's state is saved under in checkpoints: the one set
+        (``cb.state_key = "..."``, a built-in's ``state_key=``), else the class name."""
+        return self._state_key or type(self).__name__
+
+    @state_key.setter
+    def state_key(self, value: str | None) -> None:
+        """Set the name (None: the class name).
+
+        Raises:
+            ConfigError: neither None nor a non-empty string.
+        """
+        self._state_key = check_state_key(value)
 
     @property
     def stateful(self) -> bool:
@@ -230,7 +242,7 @@ class Callback:
 
     def check(self, plan: RunPlan) -> None:
         """Refuse a run this callback cannot work in, before it starts: ``Trainer.fit()`` calls
-        it for every attached callback before ``FitStarted`` (on every rank), so a monitored
+        it for every added callback before ``FitStarted`` (on every rank), so a monitored
         metric no evaluation produces fails up front, not as a subscriber failure mid-run.
         Default: nothing to check.
 
@@ -242,7 +254,7 @@ class Callback:
     def weights_at_end(self) -> str | None:
         """The checkpoint whose model weights the model should hold when ``fit()`` returns
         (:class:`~trainbus.callbacks.Checkpointing` with ``load_best_at_end=True`` names its
-        best file), or None to keep the last weights. ``Trainer.fit()`` asks every attached
+        best file), or None to keep the last weights. ``Trainer.fit()`` asks every added
         callback once a run that ended without an exception (completed or stopped) has
         delivered every event, before :meth:`after_fit`, and loads the first path given into
         the model on every rank (``Trainer.load_weights``). Default: None.
@@ -262,7 +274,7 @@ class Callback:
         return None
 
     def setup(self, bus: EventBus) -> None:
-        """Build Rx pipelines on ``bus``. Called once when the callback is attached; the
+        """Build Rx pipelines on ``bus``. Called once when the callback is added; the
         subscriptions made here are disposed when the callback is removed. Default: none."""
         return None
 
@@ -309,7 +321,7 @@ class Callback:
     def subscribe_to(self, bus: EventBus) -> None:
         """Subscribe this callback's ``on_*`` methods to ``bus`` (with its
         ``subscribe_options``) and call :meth:`setup`, all on its
-        ``ranks``. Its ``hook_*`` methods are not attached here (a Trainer adds them). What
+        ``ranks``. Its ``hook_*`` methods are not added here (a Trainer adds them). What
         ``Trainer.add_callback`` and the launcher's driver both do.
 
         Raises:
@@ -337,7 +349,7 @@ class Callback:
 
 def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
     """The user's own event class (a subclass of ``trainbus.events.BaseEvent``, defined by
-    the time the callback is attached) that ``on_<its name in snake_case>`` names.
+    the time the callback is added) that ``on_<its name in snake_case>`` names.
 
     Raises:
         ConfigError: no event class has that name, or several do (in different modules).
@@ -360,7 +372,7 @@ def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
     raise ConfigError.invalid(
         f"{cls.__name__}.{name}", name,
         "on_<event in snake_case>, e.g. on_step_ended, or of your own event class (a "
-        "subclass of trainbus.events.BaseEvent, defined before the callback is attached); "
+        "subclass of trainbus.events.BaseEvent, defined before the callback is added); "
         "known: " + ", ".join(sorted(EVENT_METHODS)),
     )  # fmt: skip
 
@@ -383,7 +395,7 @@ _LOCK = threading.Lock()
 
 
 def register_global_callback(callback: Callback) -> GlobalCallbackHandle:
-    """Attach ``callback`` to every Trainer whose ``fit()`` starts from now on (global tier).
+    """Add ``callback`` to every Trainer whose ``fit()`` starts from now on (global tier).
 
     Raises:
         ConfigError: ``callback`` is not a Callback instance.

@@ -27,14 +27,14 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_mode, check_state_key
+from .._validate import check_int, check_metric, check_mode
 from ..operators import Tracker
 from ._base import Callback
 from ._sets import check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._trainer.result import FitResult
+    from .._trainer.trainer import FitResult
     from ._base import RunPlan
 
 __all__ = ["Checkpointing"]
@@ -410,14 +410,14 @@ class Checkpointing(Callback):
         load_best_at_end: bool = False,
         state_key: str | None = None,
     ) -> None:
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
         self.mode = check_mode(mode)
         self.min_delta = min_delta
         self.tracker = Tracker()
-        """The best ``monitor`` value so far (a fresh one at each attach)."""
+        """The best ``monitor`` value so far (a fresh one each time it is added)."""
         if self.monitor is not None:  # validates min_delta now
             _improvements(self.monitor, self.tracker, mode=self.mode, min_delta=min_delta)
         self.keep_last = check_int("keep_last", keep_last, 1, optional=True)
@@ -495,7 +495,7 @@ class Checkpointing(Callback):
         """
         if plan.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder when Checkpointing is "
-                                      "attached (Trainer(checkpoint_dir=...))")  # fmt: skip
+                                      "added (Trainer(checkpoint_dir=...))")  # fmt: skip
         if self.load_best_at_end and plan.sharded:
             raise ConfigError.invalid(
                 "load_best_at_end", True, "False with a sharded (fully_shard) model: its best "

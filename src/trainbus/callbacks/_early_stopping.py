@@ -70,7 +70,7 @@ class EarlyStopping(TrackedCallback):
     ) -> None:
         tbops.patience(metric, mode=mode, patience=patience, min_delta=min_delta)  # validates
         self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
-        # The tracker: best value and evaluations without improvement (fresh at each attach).
+        # The tracker: best value and evaluations without improvement (fresh each time it is added).
         super().__init__(state_key)
         # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
         # holding the bus would be a cycle that keeps a dropped Trainer until a gc pass.
@@ -83,14 +83,14 @@ class EarlyStopping(TrackedCallback):
 
         Raises:
             ConfigError: with ``eval_data``, ``metric`` is not among its metrics; without it,
-                no attached callback runs evaluation jobs (``EvaluateCheckpoints``) either.
+                no added callback runs evaluation jobs (``EvaluateCheckpoints``) either.
         """
         check_monitored(plan, "EarlyStopping.metric", self.metric, external=True)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         metric = self.metric
-        # One run, one tracker: an instance attached to a second trainer starts afresh.
+        # One run, one tracker: an instance added to a second trainer starts afresh.
         tracker = self.fresh_tracker()
         self._commands, self._stop = bus.commands, None
         decide = tbops.patience(metric, mode=self.mode, patience=self.patience,
@@ -128,5 +128,5 @@ class EarlyStopping(TrackedCallback):
         self._stop = None
         if isinstance(reason, str) and self.tracker.bad >= self.patience:
             self._stop = cmd.StopTraining(reason=reason)
-            if self._commands is not None:  # attached: the resumed run applies it first
+            if self._commands is not None:  # added: the resumed run applies it first
                 self._commands.send(self._stop)

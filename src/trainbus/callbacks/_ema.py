@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._exceptions import CheckpointError, ConfigError, TrainingError
-from .._validate import check_int, check_state_key
+from .._validate import check_int
 from ._base import Callback
 from ._weights import ModelTensors, exchange, unwrapped
 
@@ -52,7 +52,7 @@ class EMA(Callback):
     Around every evaluation round (hooks ``before_evaluation`` / ``after_evaluation``) the
     average is swapped into the model and the training weights swapped back afterwards, also
     when the evaluation raised or was cancelled: ``EvaluationEnded.metrics``,
-    ``FitResult.metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
+    ``FitResult.eval_metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
     ``trainer.evaluate()`` are the averaged model's. Before the first update there is no
     average and evaluations score the model as it is. ``trainer.predict()`` is not an
     evaluation: it uses the model's own weights (call :meth:`copy_to` first to predict with the
@@ -128,7 +128,7 @@ class EMA(Callback):
         self.buffers: Buffers = buffers
         self.device: torch.device | None = device
         self.evaluate = evaluate
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self._reset()
 
     def _reset(self) -> None:
@@ -223,7 +223,7 @@ class EMA(Callback):
                 or (weights is not None and not (isinstance(weights, Mapping) and all(
                     isinstance(v, torch.Tensor) for v in weights.values())))):  # fmt: skip
             raise CheckpointError(
-                f"the {self.checkpoint_key!r} callback state is not an EMA state "
+                f"the {self.state_key!r} callback state is not an EMA state "
                 f"(updates={updates!r}, weights of type {type(weights).__name__})"
             )
         self._reset()
@@ -232,7 +232,7 @@ class EMA(Callback):
 
     # ================================================================== the hooks
     def setup(self, bus: EventBus) -> None:
-        """Start afresh: an instance attached to a new Trainer keeps no average of another."""
+        """Start afresh: an instance added to a new Trainer keeps no average of another."""
         self._reset()
 
     def hook_after_optimizer_step(self, ctx: StepContext) -> None:
@@ -329,7 +329,7 @@ class EMA(Callback):
             )
             if problem is not None:
                 raise CheckpointError(
-                    f"the {self.checkpoint_key!r} average does not fit the model: {problem}"
+                    f"the {self.state_key!r} average does not fit the model: {problem}"
                 )
             self._average = {name: loaded[name].to(device=self.device or t.device, copy=True)
                              for name, t in tensors.unique.items()}  # fmt: skip

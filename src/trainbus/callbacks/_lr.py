@@ -66,7 +66,7 @@ class ReduceLROnPlateau(TrackedCallback):
         )  # fmt: skip
         tbops.plateau(metric, **self._options)  # validates now
         self.metric, self.patience, self.factor, self.mode = metric, patience, factor, mode
-        # The tracker: best value, counters and reductions made (fresh at each attach).
+        # The tracker: best value, counters and reductions made (fresh each time it is added).
         super().__init__(state_key)
 
     def check(self, plan: RunPlan) -> None:

@@ -183,7 +183,7 @@ class MLflowLogger(Callback):
                 self._start(event)
                 continue
             if self._client is None or self.run_id is None:
-                continue  # attached mid-run: no MLflow run to write into
+                continue  # added mid-run: no MLflow run to write into
             match event:
                 case ev.MetricsLogged(metrics=m):
                     add("", m, event.step)

@@ -36,7 +36,7 @@ def progress_by_default() -> bool:
     only one rank draws.
 
     Returns:
-        True to attach a default ``Progress()``.
+        True to add a default ``Progress()``.
     """
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         return False
@@ -139,7 +139,7 @@ class Progress(Callback):
         """
         tqdm_cls: Any = None
         if self.use_bar is not False:
-            try:  # optional dependency, imported only when a Progress is attached
+            try:  # optional dependency, imported only when a Progress is added
                 import tqdm
 
                 tqdm_cls = tqdm.tqdm
@@ -254,7 +254,7 @@ class _View:
 
     def _update(self, step: int, epoch: int, *, draw: bool) -> None:
         self.step, self.epoch = step, epoch
-        if self.bar is None:  # attached after FitStarted
+        if self.bar is None:  # added after FitStarted
             self._open(step)
         bar = self.bar
         if bar.total != self.total:

@@ -49,7 +49,7 @@ def check_monitored(
         option: The option naming the metric, for the message (``"EarlyStopping.metric"``).
         metric: The monitored key.
         external: The monitor also reads ``ExternalEvaluationEnded``: without ``eval_data``
-            an attached evaluation job may produce any name.
+            an added evaluation job may produce any name.
         train: The monitor reads ``MetricsLogged`` (training metrics), not evaluations.
 
     Raises:
@@ -69,7 +69,7 @@ def check_monitored(
         return
     if external and plan.external_evaluations:
         return  # only the evaluation jobs know their metrics' names
-    jobs = " or attach EvaluateCheckpoints" if external else ""
+    jobs = " or add EvaluateCheckpoints" if external else ""
     raise ConfigError.invalid(
         option, metric, f"a metric some evaluation produces, but this run has no eval_data: "
         f"give the Trainer eval_data{jobs}, or remove the callback",

@@ -106,7 +106,7 @@ class TensorBoardLogger(Callback):
                 continue
             writer = self._writer
             if writer is None:
-                continue  # attached mid-run: nothing to write into until the next FitStarted
+                continue  # added mid-run: nothing to write into until the next FitStarted
             if isinstance(event, ev.FitEnded):
                 writer.close()
                 self._writer = None

@@ -6,7 +6,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import operators as tbops
-from .._validate import check_state_key
 from ._base import Callback
 
 __all__ = ["TrackedCallback"]
@@ -16,7 +15,7 @@ class TrackedCallback(Callback):
     """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``).
 
     It owns the tracker: the operator counts in it, checkpoints save it (:meth:`state_dict`), a
-    resume restores it before the first evaluation, and :meth:`fresh_tracker` gives each attach
+    resume restores it before the first evaluation, and :meth:`fresh_tracker` gives each addition
     (one run) its own.
 
     Args:
@@ -24,7 +23,7 @@ class TrackedCallback(Callback):
     """
 
     def __init__(self, state_key: str | None = None) -> None:
-        self.state_key = check_state_key(state_key)
+        self.state_key = state_key
         self.tracker = tbops.Tracker()
 
     def fresh_tracker(self) -> tbops.Tracker:

@@ -146,7 +146,7 @@ class WandbLogger(Callback):
                 continue
             run = self._run
             if run is None:
-                continue  # attached mid-run: no W&B run to write into
+                continue  # added mid-run: no W&B run to write into
             match event:
                 case ev.MetricsLogged(metrics=m) | ev.EvaluationEnded(metrics=m, error=None):
                     rows.setdefault(event.step, {}).update({k: float(v) for k, v in m.items()})

@@ -9,7 +9,7 @@
         trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader,
                           eval_schedule=EvalSchedule(every_steps=20),
                           max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
-        return trainer.fit_sync().metrics["val_loss"]  # a pruned trial raises TrialPruned here
+        return trainer.fit_sync().eval_metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
 The callback reports the monitored metric at the trainbus step of every evaluation that carries
 it (``EvaluationEnded``) and of every ``MetricsLogged`` that carries it (training metrics, or
@@ -140,7 +140,7 @@ class OptunaPruning(Callback):
         log_every = plan.config.get("log_every")
         bus = None if self._bus is None else self._bus()
         if self.monitor not in plan.eval_metrics and bus is not None and isinstance(log_every, int):
-            self._decides = bus.decides(every=log_every)
+            self._decides = bus.declare_decision_steps(every=log_every)
 
     def on_metrics_logged(self, event: ev.MetricsLogged) -> None:
         """Report ``monitor`` when this window carries it."""
@@ -235,7 +235,7 @@ class OptunaPruning(Callback):
         if prune:
             self.pruned_at = step
             bus = None if self._bus is None else self._bus()
-            assert bus is not None  # attached: the bus delivers this very event
+            assert bus is not None  # added: the bus delivers this very event
             bus.send(cmd.StopTraining(reason=PRUNED))
             log.info("trial_pruned", step=step, metric=self.monitor,
                      value=value if math.isfinite(value) else str(value),

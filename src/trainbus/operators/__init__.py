@@ -9,11 +9,11 @@ Marble diagrams read left to right in time; ``|`` is completion.
 """
 
 from ._decide import Tracker, patience, plateau, threshold
-from ._select import Scheduled, every, metric, of_type, once
+from ._select import DecisionOperator, every, metric, of_type, once
 from ._spans import Span, span_durations
 
 __all__ = [
-    "Scheduled",
+    "DecisionOperator",
     "Span",
     "Tracker",
     "every",

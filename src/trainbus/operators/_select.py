@@ -8,11 +8,11 @@ from typing import Any, Generic, TypeVar, overload
 from reactivex import Observable
 from reactivex import operators as ops
 
-from .._bus.clock import At, Every, Schedule
+from .._bus.clock import At, DecisionSteps, Every
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric
 
-__all__ = ["Scheduled", "every", "metric", "of_type", "once"]
+__all__ = ["DecisionOperator", "every", "metric", "of_type", "once"]
 
 _T = TypeVar("_T")
 _E = TypeVar("_E")
@@ -41,29 +41,30 @@ def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]:
     return ops.filter(lambda x: isinstance(x, types))
 
 
-class Scheduled(Generic[_T]):
+class DecisionOperator(Generic[_T]):
     """An operator that declares decision steps: ``pipe()`` on a bus stream reads its
-    ``schedule``, and subscribing declares it to the bus' step clock, so the loop applies the
-    pipeline's commands at exactly those steps (docs/events.md, "When a command takes effect").
+    ``decision_steps``, and subscribing declares them to the bus' step clock, so the loop
+    applies the pipeline's commands at exactly those steps (docs/events.md, "When a command
+    takes effect").
 
     Args:
         operator: The operator itself.
-        schedule: The steps at which its items pass.
+        decision_steps: The steps at which its items pass.
     """
 
-    __slots__ = ("_operator", "schedule")
+    __slots__ = ("_operator", "decision_steps")
 
     def __init__(
-        self, operator: Callable[[Observable[_T]], Observable[_T]], schedule: Schedule
+        self, operator: Callable[[Observable[_T]], Observable[_T]], decision_steps: DecisionSteps
     ) -> None:
         self._operator = operator
-        self.schedule = schedule
+        self.decision_steps = decision_steps
 
     def __call__(self, source: Observable[_T]) -> Observable[_T]:
         return self._operator(source)
 
     def __repr__(self) -> str:
-        return f"<Scheduled {self.schedule!r}>"
+        return f"<DecisionOperator {self.decision_steps!r}>"
 
 
 def _step_of(event: Any) -> int:
@@ -76,7 +77,7 @@ def _step_of(event: Any) -> int:
     return step
 
 
-def every(n: int) -> Scheduled[_T]:
+def every(n: int) -> DecisionOperator[_T]:
     """Keep the events of every ``n``-th step (``step % n == 0``: n, 2n, ...).
 
     ::
@@ -97,7 +98,7 @@ def every(n: int) -> Scheduled[_T]:
     def _every(source: Observable[_T]) -> Observable[_T]:
         return source.pipe(ops.filter(lambda e: _step_of(e) % n == 0))
 
-    return Scheduled(_every, Every(n))
+    return DecisionOperator(_every, Every(n))
 
 
 def once(
@@ -128,8 +129,10 @@ def once(
         return ops.take(1)
     if isinstance(at, int) and not isinstance(at, bool):
         step = check_int("at", at, 0)
-        scheduled: Scheduled[Any] = Scheduled(first(lambda e: e.step >= step), At(step))
-        return scheduled
+        declaring: DecisionOperator[Any] = DecisionOperator(
+            first(lambda e: e.step >= step), At(step)
+        )
+        return declaring
     if callable(at):
         return first(at)
     raise ConfigError.invalid("at", at, "None, a step (int >= 0) or a predicate")

@@ -19,7 +19,7 @@ from .. import commands as cmd
 from .._bus import EventBus
 from .._distributed.driver_link import DriverLink
 from .._distributed.link import ADDR_ENV, TOKEN_ENV
-from .._driver import attach_driver_callback, workers_stop_reason
+from .._driver import add_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
 from .._launcher import LaunchResult
 from .._log import get_logger
@@ -167,7 +167,7 @@ class RayLauncher:
         self.handle_signals = bool(handle_signals)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
-            attach_driver_callback(self.bus, cb)
+            add_driver_callback(self.bus, cb)
         if setup is not None:
             setup(self.bus)
         self._token = secrets.token_urlsafe(32)

@@ -100,12 +100,12 @@ def main() -> None:
         "average": digest(params(ema.averaged_state_dict())),
         "average_all": digest(ema.averaged_state_dict()),
         "in_eval": in_eval,
-        "metrics": dict(result.metrics),
+        "metrics": dict(result.eval_metrics),
         "again": again,
     }
     if rank == 0:
-        assert result.checkpoint is not None
-        saved = read_checkpoint(Path(result.checkpoint)).callbacks["EMA"]["weights"]
+        assert result.last_checkpoint is not None
+        saved = read_checkpoint(Path(result.last_checkpoint)).callbacks["EMA"]["weights"]
         out["saved"] = digest(saved)
         out["saved_keys"] = sorted(saved)
     (OUT / f"ema-rank{rank}.json").write_text(json.dumps(out))

@@ -170,7 +170,7 @@ def nan() -> None:
     t.fit_sync()
     assert t.result is not None
     written = sorted(p.name for p in (OUT / "nan").iterdir()) if (OUT / "nan").exists() else []
-    write("nan", reason=t.result.reason, checkpoint=t.result.checkpoint, written=written)
+    write("nan", reason=t.result.reason, checkpoint=t.result.last_checkpoint, written=written)
 
 
 def straight(mode: str) -> None:
@@ -191,7 +191,7 @@ def straight(mode: str) -> None:
     folder = OUT / f"ckpt{head}"
     listing = sorted(p.name for p in folder.iterdir()) if folder.exists() else []
     write(mode, steps=t.result.steps, saved=saved, listing=listing,
-          checkpoint=t.result.checkpoint)  # fmt: skip
+          checkpoint=t.result.last_checkpoint)  # fmt: skip
 
 
 def loadfail() -> None:
@@ -316,7 +316,8 @@ def mixed() -> None:
                 checkpoint_dir=OUT / "mixed")  # fmt: skip
     t.fit_sync()
     assert t.result is not None
-    write("mixed", steps=t.result.steps, reason=t.result.reason, checkpoint=t.result.checkpoint,
+    write("mixed", steps=t.result.steps, reason=t.result.reason,
+          checkpoint=t.result.last_checkpoint,
           forwards=len(recomputed), loss=t.result.train_metrics["loss"],
           dtype=str(next(model.parameters()).dtype))  # fmt: skip
 

@@ -1,5 +1,5 @@
 """Run by trainbus' launcher under torchrun (tests/distributed/test_launcher.py): a hand-built
-EventBus on each rank, rank 0's attached to the driver with a WorkerLink, a plain loop that
+EventBus on each rank, rank 0's linked to the driver with a WorkerLink, a plain loop that
 publishes events and applies the agreed commands at sync points.
 
 argv: <out dir> <mode: run | die | die1 | token> <max steps>
@@ -68,7 +68,7 @@ async def main() -> None:
                 result["impostor"] = "accepted"
             except LaunchError as exc:
                 result["impostor"] = str(exc)
-        link.attach(bus)
+        link.start(bus)
     async with bus:
         result |= await anyio.to_thread.run_sync(train, bus, group, mode, max_steps)
     if link is not None:

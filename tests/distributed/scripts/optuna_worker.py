@@ -71,7 +71,7 @@ def objective(trial: optuna.Trial | None) -> float:
         assert result is not None
         out.update(steps=steps, result_steps=result.steps, ending=result.ending.value)
         (OUT / f"rank{RANK}.json").write_text(json.dumps(out))
-    return float(result.metrics["val_loss"])
+    return float(result.eval_metrics["val_loss"])
 
 
 def main() -> None:

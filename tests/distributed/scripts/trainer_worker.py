@@ -95,7 +95,7 @@ def record(t: trainbus.Trainer, name: str, **extra: Any) -> None:
     model = t.settings.model
     rank = t.bus.rank
     out = {"rank": rank, "steps": r.steps, "reason": r.reason, "stop_reason": r.stop_reason,
-           "digest": digest(model), "metrics": dict(r.metrics),
+           "digest": digest(model), "metrics": dict(r.eval_metrics),
            "train_metrics": dict(r.train_metrics), **extra}  # fmt: skip
     (OUT / f"{name}-rank{rank}.json").write_text(json.dumps(out))
 

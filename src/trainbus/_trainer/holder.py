@@ -12,7 +12,7 @@ Three ways to hold the bus, all on the same subscribers:
   portal for the call and stops it, so no event-loop thread outlives the call. ``t.close()``
   (or ``await t.aclose()``) completes the streams at the end.
 
-The training thread (:class:`~trainbus._trainer.session.TrainingThread`) that runs every call's
+The training thread (:class:`~trainbus._trainer.calls.TrainingThread`) that runs every call's
 loop lives from the first call until the bus closes (whichever way) or the Trainer is dropped.
 """
 
@@ -28,9 +28,9 @@ from anyio.from_thread import BlockingPortal
 
 from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
-from .session import TrainingThread
+from .calls import TrainingThread
 
-__all__ = ["BACKENDS", "Lifetime"]
+__all__ = ["BACKENDS", "BusHolder"]
 
 BACKENDS = ("asyncio", "trio")
 
@@ -78,8 +78,9 @@ def check_backend(backend: object) -> str:
     return str(backend)
 
 
-class Lifetime:
-    """The bus' lifetime over a Trainer's calls and the portal of its sync twins.
+class BusHolder:
+    """How a Trainer holds its bus across calls (``with``, ``async with``, or each call for
+    itself) and the portal of its sync twins.
 
     Args:
         bus: The trainer's bus.
@@ -237,4 +238,4 @@ class Lifetime:
 
     def __repr__(self) -> str:
         mode = "portal" if self._portal is not None else self._bus.state
-        return f"<Lifetime {mode}>"
+        return f"<BusHolder {mode}>"

@@ -1,6 +1,6 @@
 """Running work on the training thread while the bus runs: the thread itself (one per Trainer),
-the bus session of one call, the standalone evaluate/predict runs, and the watchers for
-cancellation and SIGINT/SIGTERM."""
+the bus around one call (:class:`CallRunner`), the standalone evaluate/predict runs, and the
+watchers for cancellation and SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
 from ..checkpoint import TrainState
 
-__all__ = ["BusSession", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
+__all__ = ["CallRunner", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
 
 log = get_logger(__name__)
 
@@ -207,11 +207,12 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
             tasks.stop()
 
 
-class BusSession:
-    """The bus' lifetime around one trainer call, and the standalone runs on it.
+class CallRunner:
+    """The bus around one trainer call (opened for it, or used as it runs), its barriers, and
+    the standalone runs on it.
 
     Args:
-        bus: The trainer's bus (the session takes its loop face, :attr:`port`, once).
+        bus: The trainer's bus (the runner takes its loop face, :attr:`port`, once).
         hooks: The trainer's hooks (run by standalone runs too).
         barrier_timeout: How long a barrier waits for its subscribers.
         thread: The trainer's training thread (standalone runs run on it, barriers wait
@@ -367,7 +368,7 @@ class SignalWatcher:
         """Whether a second signal aborted the run."""
         return self._aborted
 
-    def attach(self, run: Loop | None) -> None:
+    def watch(self, run: Loop | None) -> None:
         """The loop a second signal cancels (None once it ended)."""
         self._run = run
 
@@ -444,7 +445,7 @@ class SignalWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         run = self._run
-        if run is not None and run.outcome is not None:
+        if run is not None and run.result is not None:
             # Training has ended and the call's end waits for async subscribers: a signal
             # cancels what they still hold (counted as lost work) instead of waiting on.
             # A signal after that one also makes fit() raise KeyboardInterrupt once it returns.

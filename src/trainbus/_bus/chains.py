@@ -2,10 +2,10 @@
 needs of its bus, and nothing a user calls.
 
 A chain born on the bus (``bus.events``, ``bus.stream(...)`` and whatever their ``pipe()``
-returns) subscribes through :class:`ChainHost`: the observer is wrapped in the bus' guard under
-its error policy (``on_error``), the chain gets the bus' chain scheduler, a subscription made
-for other ranks is inert, and the pipeline's decision schedules are declared to the step clock
-for the subscription's lifetime. The :class:`~trainbus.EventBus` builds one host and hands it to
+returns) subscribes through :class:`Chains`: the observer is wrapped in the bus' guard under
+its error policy (``on_error``), the chain gets the bus' Rx scheduler, a subscription made
+for other ranks is inert, and the pipeline's decision steps are declared to the step clock
+for the subscription's lifetime. The :class:`~trainbus.EventBus` builds one and hands it to
 every chain it makes; users never hold it.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 from reactivex import Observable, abc
 from reactivex.disposable import Disposable
 
-from .clock import Schedule, StepClock
+from .clock import DecisionSteps, StepClock
 from .failures import ErrorPolicy, FailureLedger, check_policy
 from .observable import normalize_observer
 from .rank_filter import RankFilter, Ranks
@@ -24,18 +24,18 @@ from .registry import SubscriptionSet
 from .scheduler import ChainScheduler
 from .subscriptions import Subscription
 
-__all__ = ["ChainHost"]
+__all__ = ["Chains"]
 
 
-class ChainHost:
-    """Subscribes a chain's last observer behind the bus' guard (a ``BusHost``).
+class Chains:
+    """Subscribes a chain's last observer behind the bus' guard (a ``BusChains``).
 
     Args:
         subscriptions: The bus' subscription records (where a guarded observer is added).
         ranks: The bus' rank filter (a subscription for other ranks is inert here).
         ledger: The bus' failure ledger (an inert subscription's counters).
-        clock: The step clock the pipelines' decision schedules are declared to.
-        chain_scheduler: What chains get: timers on the bus scheduler, "now" work inline.
+        clock: The step clock the pipelines' decision steps are declared to.
+        rx_scheduler: What chains get: timers on the bus' Rx scheduler, "now" work inline.
     """
 
     def __init__(
@@ -44,17 +44,17 @@ class ChainHost:
         ranks: RankFilter,
         ledger: FailureLedger,
         clock: StepClock,
-        chain_scheduler: ChainScheduler,
+        rx_scheduler: ChainScheduler,
     ) -> None:
         self._subs = subscriptions
         self._ranks = ranks
         self._ledger = ledger
         self._clock = clock
-        self._chain_scheduler = chain_scheduler
+        self._chain_scheduler = rx_scheduler
 
     @property
-    def chain_scheduler(self) -> abc.SchedulerBase:
-        """The scheduler bus chains get: timers on the bus scheduler, "now" work inline."""
+    def rx_scheduler(self) -> abc.SchedulerBase:
+        """The scheduler bus chains get: timers on the bus' Rx scheduler, "now" work inline."""
         return self._chain_scheduler
 
     def inert(self, name: str | None, on_error: ErrorPolicy | None) -> Subscription:
@@ -85,7 +85,7 @@ class ChainHost:
             on_completed: Called when the chain completes.
             on_error: The error policy (``"log"``, ``"stop"``, ``"raise"``; None: the bus').
             name: Name in logs and statistics.
-            scheduler: Overrides the bus scheduler for this chain.
+            scheduler: Overrides the bus' Rx scheduler for this chain.
             ranks: Where it runs under torchrun.
 
         Returns:
@@ -112,9 +112,9 @@ class ChainHost:
             scheduler=chain,
         )
 
-    def declare(self, schedules: tuple[Schedule, ...]) -> abc.DisposableBase:
-        """Declare decision schedules to the step clock until the result is disposed (what
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps to the step clock until the result is disposed (what
         subscribing a pipeline with ``tbops.every(n)`` / ``tbops.once(at=k)`` does)."""
         clock = self._clock
-        keys = clock.declare(*schedules)
+        keys = clock.declare(*decision_steps)
         return Disposable(lambda: clock.remove(keys))

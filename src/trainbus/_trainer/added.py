@@ -1,4 +1,4 @@
-"""The callbacks attached to a trainer: their subscriptions on the bus and their hooks."""
+"""The callbacks added to a trainer: their subscriptions on the bus and their hooks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .._exceptions import ConfigError
 from .._loop import HookHandle, Hooks
 from ..callbacks._base import Callback
 
-__all__ = ["Attached", "as_instances"]
+__all__ = ["AddedCallbacks", "as_instances"]
 
 
 def as_instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
@@ -50,8 +50,8 @@ class _Attachment:
             h.remove()
 
 
-class Attached:
-    """The attached callbacks, each with what attaching it created (to undo it on removal).
+class AddedCallbacks:
+    """The added callbacks, each with what adding it created (to undo it on removal).
 
     Args:
         bus: Where their ``on_*`` subscribers and ``setup(bus)`` pipelines go.
@@ -68,26 +68,26 @@ class Attached:
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """Attached callbacks, in attachment order."""
+        """AddedCallbacks callbacks, in attachment order."""
         return tuple(cb for cb, _ in self._entries.values())
 
     def add(self, callback: Callback | type[Callback], tier: Tier) -> Callback:
-        """Attach a callback (see ``Trainer.add_callback``).
+        """Add a callback (see ``Trainer.add_callback``).
 
         Returns:
-            The attached instance.
+            The added instance.
 
         Raises:
-            ConfigError: not a Callback, attached already, a misspelt ``on_*`` / ``hook_*``
-                method, or a ``state_key`` another attached stateful callback has.
+            ConfigError: not a Callback, added already, a misspelt ``on_*`` / ``hook_*``
+                method, or a ``state_key`` another added stateful callback has.
         """
         (cb,) = as_instances([callback])
         if id(cb) in self._entries:
-            raise ConfigError.invalid("callback", cb, "a callback not attached yet")
+            raise ConfigError.invalid("callback", cb, "a callback not added yet")
         if cb.stateful:
-            key = cb.checkpoint_key
+            key = cb.state_key
             for other, _ in self._entries.values():
-                if other.stateful and other.checkpoint_key == key:
+                if other.stateful and other.state_key == key:
                     raise ConfigError.invalid(
                         "state_key", key, f"a name no other stateful callback has: {other!r} "
                         f"and {cb!r} both save their state as {key!r}; pass state_key= to one",
@@ -107,9 +107,9 @@ class Attached:
         """Detach a callback: dispose its subscriptions and remove its hooks.
 
         Raises:
-            ConfigError: the callback is not attached.
+            ConfigError: the callback is not added.
         """
         entry = self._entries.pop(id(callback), None)
         if entry is None:
-            raise ConfigError.invalid("callback", callback, "a callback attached to this trainer")
+            raise ConfigError.invalid("callback", callback, "a callback added to this trainer")
         entry[1].detach()

@@ -306,7 +306,7 @@ def test_on_an_accelerator_the_loss_handed_on_is_a_copy_the_next_step_cannot_ove
 )
 def test_reduce_overhead_losses_survive_the_next_replay(tmp_path: Path) -> None:
     """torch.compile(mode="reduce-overhead") on a GPU: a model returning its loss returns it
-    in a CUDA graph's output buffer; subscribers and the metrics window read copies."""
+    in a CUDA graph's output buffer; subscribers and the log window read copies."""
 
     class WithLoss(torch.nn.Module):
         def __init__(self) -> None:

@@ -1,0 +1,92 @@
+"""How a run of the loop ends: the :class:`FitResult` it returns (``fit()`` hands it on with
+the bus' figures added), and :class:`Cancelled`, raised inside the loop to end it."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from .. import events as ev
+
+if TYPE_CHECKING:
+    from .._bus.statistics import BusStatistics, LostWork
+
+__all__ = ["Cancelled", "FitResult"]
+
+
+class Cancelled(BaseException):
+    """Raised inside the loop when fit() was cancelled or a second SIGINT arrived."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FitResult:
+    """What ``fit()`` returns (also kept as ``trainer.result``, failed runs included)."""
+
+    reason: Literal["completed", "stopped", "failed", "cancelled"]
+    """How the run ended, coarsely (:attr:`ending` tells a stop's cause apart)."""
+    stop_reason: str | None
+    """The ``StopTraining.reason`` when ``reason == "stopped"``."""
+    steps: int
+    epochs: int
+    """Epochs completed."""
+    eval_metrics: Mapping[str, float]
+    """Last evaluation metrics."""
+    train_metrics: Mapping[str, float]
+    """Last aggregated training metrics (loss, lr, steps_per_s, ...). ``loss`` is the mean over
+    the last ``log_every`` steps, or over the steps after the last log step when the run ended
+    between two (a run shorter than ``log_every`` included)."""
+    last_checkpoint: str | None
+    """Path of the last checkpoint written in this run."""
+    statistics: BusStatistics
+    """The bus' statistics once it delivered the run's events."""
+    error: BaseException | None = None
+    skipped_nonfinite: int = 0
+    """Optimizer steps skipped for a non-finite loss (``on_nonfinite="skip"``)."""
+    resumed_from: str | None = None
+    """The checkpoint file this run loaded (``fit(resume=...)``), None for a fresh start,
+    ``resume="latest"`` finding no valid checkpoint included."""
+    failed_saves: int = 0
+    """Checkpoint writes the disk refused (full, read-only): each logged as
+    ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
+    metric_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Evaluations in which each ``set_metrics`` metric raised (in ``update`` or
+    ``compute``, here or on another rank), logged as ``set_metric_failed``; it was left out of
+    those evaluations' metrics and the run went on. Only metrics that failed."""
+    subscriber_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    """Failures per subscription name (only those that failed)."""
+    waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds training waited on each subscription that held it (an ``overflow="block"``
+    buffer that was full, a barrier or decision step it decides at); absent: never waited."""
+    lost_work: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
+    """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
+    ``cancel_pending()``, failed); only subscriptions that lost something, so it is empty
+    (false) when every item was handled."""
+
+    @property
+    def ending(self) -> ev.Ending:
+        """How the run ended, typed: ``reason`` with a stop's cause told apart
+        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~trainbus.Ending`)."""
+        return ev.Ending.of(self.reason, self.stop_reason)
+
+    def with_bus(self, statistics: BusStatistics) -> FitResult:
+        """This result with the bus' figures of the run, taken once the bus delivered its
+        events: ``statistics`` and, from it, ``subscriber_failures``, ``waited_s`` and
+        ``lost_work``."""
+        subs = statistics.subscriptions
+        return dataclasses.replace(
+            self,
+            statistics=statistics,
+            subscriber_failures={x.name: x.failed for x in subs if x.failed},
+            waited_s=_by_name((x.name, x.waited_s) for x in subs if x.waited_s),
+            lost_work=_by_name((x.name, x.lost_work) for x in subs if x.lost_work),
+        )
+
+
+def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
+    """``{name: value}``; two subscriptions with one name are summed (waits, lost work)."""
+    out: dict[str, Any] = {}
+    for name, value in pairs:
+        out[name] = value if name not in out else out[name] + value
+    return out
