@@ -51,12 +51,12 @@ ALLOWED: dict[str, set[str]] = {
 }
 # Edges allowed only inside `if TYPE_CHECKING:` (annotations): the loop is handed a bus.
 # (events name the Command type of CommandApplied.)
-# (Callback.after_fit names the FitResult the Trainer hands it.)
+# (Callback.after_fit names the FitResult, which the loop defines and the Trainer hands it.)
 TYPES_ONLY: dict[str, set[str]] = {
     "loop": {"bus", "distributed"},
     "events": {"commands"},
-    "callbacks": {"top"},
-    "integrations": {"top"},
+    "callbacks": {"loop"},
+    "integrations": {"loop"},
 }
 NO_TORCH = {"bus", "events", "commands", "operators"}
 TOP = {

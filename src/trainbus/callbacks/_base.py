@@ -38,7 +38,7 @@ from .._validate import check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._trainer.trainer import FitResult
+    from .._loop.result import FitResult  # where it is defined: no circle through the trainer
 
 __all__ = [
     "Callback",

@@ -34,7 +34,7 @@ from ._sets import check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._trainer.trainer import FitResult
+    from .._loop.result import FitResult
     from ._base import RunPlan
 
 __all__ = ["Checkpointing"]

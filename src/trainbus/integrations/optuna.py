@@ -41,7 +41,7 @@ from ..callbacks._sets import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._trainer.trainer import FitResult
+    from .._loop.result import FitResult
 
 __all__ = ["OptunaPruning", "PrunerError"]
 
