@@ -4,7 +4,6 @@ of a step, off by default, with the error of a part that raised."""
 from __future__ import annotations
 
 import itertools
-
 from typing import Any
 
 import pytest
