@@ -60,26 +60,46 @@ from .. import events as ev
 from .._exceptions import ConfigError
 from .._log import get_logger
 from .._validate import check_int, check_number, check_optional_seconds
-from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
-from .barrier import DEFAULT_BARRIERS, Barrier, check_barriers
-from .chains import Chains
-from .channel import AckObserver, CommandChannel, CommandError
-from .clock import At, DecisionStamp, DecisionSteps, Every, StepClock
+from .commands import (
+    AckObserver,
+    At,
+    CommandChannel,
+    CommandError,
+    DecisionStamp,
+    DecisionSteps,
+    Every,
+    StepClock,
+)
+from .dispatch import (
+    DEFAULT_BARRIERS,
+    Barrier,
+    PublishQueue,
+    RouteTable,
+    Tier,
+    TierContext,
+    check_barriers,
+)
 from .doorbell import Doorbell
-from .failures import ErrorPolicy, FailureLedger, check_policy
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
-from .observable import BusObservable, CommandSink
 from .port import LoopPort
-from .pressure import Backpressure
-from .queue import PublishQueue
-from .rank_filter import RankFilter, Ranks, env_rank
-from .registry import SubscriptionSet
-from .routes import RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
-from .spent import Spent
-from .statistics import BusStatistics
-from .subscriptions import Subscription
-from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
+from .subscriptions import (
+    DEFAULT_OVERFLOW,
+    AsyncSubscription,
+    Backpressure,
+    BusObservable,
+    BusStatistics,
+    Chains,
+    CommandSink,
+    Overflow,
+    RankFilter,
+    Ranks,
+    Spent,
+    Subscription,
+    SubscriptionSet,
+    env_rank,
+)
+from .watchdog import DEFAULT_WATCHDOG_S, ErrorPolicy, FailureLedger, Watchdog, check_policy
 
 __all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
 

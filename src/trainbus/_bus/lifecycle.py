@@ -28,15 +28,11 @@ from anyio.abc import TaskGroup
 
 from .._exceptions import BusClosedError
 from .._log import get_logger
-from .channel import CommandChannel
-from .failures import FailureLedger
-from .queue import PublishQueue
-from .registry import SubscriptionSet
-from .routes import RouteTable
-from .scheduler import AnyioScheduler
-from .statistics import BusStatistics, LostWork
-from .tasks import TaskSet
-from .watchdog import Watchdog
+from .commands import CommandChannel
+from .dispatch import PublishQueue, RouteTable
+from .scheduler import AnyioScheduler, TaskSet
+from .subscriptions import BusStatistics, LostWork, SubscriptionSet
+from .watchdog import FailureLedger, Watchdog
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle", "State"]
 

@@ -29,17 +29,12 @@ from reactivex import abc
 
 from .. import commands as cmd
 from .. import events as ev
-from .barrier import Barrier, BarrierStatus
-from .chains import Chains
-from .channel import CommandChannel
-from .clock import DecisionSteps, StepClock
+from .commands import CommandChannel, DecisionSteps, StepClock
+from .dispatch import Barrier, BarrierStatus, Demand, PublishQueue, RouteTable
 from .doorbell import Doorbell
-from .failures import FailureLedger
 from .lifecycle import Lifecycle
-from .pressure import Backpressure
-from .queue import PublishQueue
-from .routes import Demand, RouteTable
-from .statistics import BusStatistics
+from .subscriptions import Backpressure, BusStatistics, Chains
+from .watchdog import FailureLedger
 
 __all__ = ["LoopPort"]
 

@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
 from .. import commands as cmd
 from .. import events as ev
 from .._bus import EventBus, LoopPort
-from .._bus.tasks import TaskSet
+from .._bus.scheduler import TaskSet
 from .._exceptions import TrainbusError
 from .._log import get_logger
 from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun

@@ -33,7 +33,7 @@ from reactivex.abc import DisposableBase
 
 from .. import commands as cmd
 from .. import events as ev
-from .._bus.rank_filter import env_rank
+from .._bus.subscriptions import env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
