@@ -243,7 +243,6 @@ BUS_ORDER = [
     "subscriptions",
     "dispatch",
     "lifecycle",
-    "port",
 ]
 
 

@@ -273,7 +273,7 @@ class CallRunner:
             TrainbusError: the bus closed already (the message says what to do).
         """
         bus = self._bus
-        if bus.running:
+        if bus.state == "running":
             yield
             await bus.wait_delivered(self._timeout)
             return
