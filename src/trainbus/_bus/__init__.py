@@ -339,7 +339,7 @@ class EventBus:
         # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
         self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
-        # What the loop thread is done with, freed by the next publish (see spent.py).
+        # What the loop thread is done with, freed by the next publish (see Spent).
         spent = Spent()
         self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
         # What every chain subscribes through (the guard, its decision steps' declaration).

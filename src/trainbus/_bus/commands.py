@@ -162,7 +162,7 @@ class DecisionStamp:
         """``id()`` of the event the dispatch slice is delivering or delivered last: an async
         subscription notes it with each item, so a barrier knows who received its event even
         after the poller dispatched it (an id, not the event: holding the event here would
-        free its tensors on the event-loop thread, see ``spent.py``)."""
+        free its tensors on the event-loop thread, see :class:`Spent`)."""
         self.loop_thread: int | None = None
         """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
 

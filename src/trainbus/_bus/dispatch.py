@@ -28,7 +28,7 @@ How an event travels::
                                          then user, then global tier), call on_next. No await
                                          between events, ever: a full "block" async buffer
                                          takes the item and pushes back on the training loop
-                                         (pressure.py), not on dispatch.
+                                         (Backpressure), not on dispatch.
 
 Why batching: every wake-up of the loop thread costs a tiny-model training thread 55-240 µs of
 wall time (the two threads hand the GIL over), about a whole 100 µs step. A poller that wakes at
@@ -43,7 +43,7 @@ backstop timeout bounds the park anyway.
 
 Where events are freed: not on the loop thread. A dispatched event goes to :class:`Spent`, and
 the next ``publish`` frees it on the publishing thread, because freeing a tensor releases the GIL
-(see ``spent.py``).
+(see :class:`Spent`).
 
 Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
 ``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
@@ -64,7 +64,8 @@ from it in the same dispatch (at the last barrier: anything delivered then), and
 they finished what they had received by then. Any other async subscription (a poster of the
 metrics, an uploader, a logger) is never waited for, whatever events it receives: its backlog
 stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself never
-waits (a full ``"block"`` buffer pushes back on the training loop instead, see ``pressure.py``).
+waits (a full ``"block"`` buffer pushes back on the training loop instead, see
+:class:`Backpressure`).
 The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
 subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
 ``training_waits_for_subscriber`` warning names it (:func:`~.pressure.announce_wait`, as for a
@@ -391,7 +392,7 @@ class PublishQueue:
         routes: Where each event type goes.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
-        spent: Where dispatched events wait to be freed by the next publish (``spent.py``).
+        spent: Where dispatched events wait to be freed by the next publish (:class:`Spent`).
 
     Derived events: an event a subscriber publishes on the loop thread while the slice
     dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
@@ -426,7 +427,7 @@ class PublishQueue:
         self._dispatching = False
         self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
-        # Dispatched events, freed by the next publish (spent.py). Only while the bus runs: a
+        # Dispatched events, freed by the next publish (Spent). Only while the bus runs: a
         # flush on the publishing thread itself has nobody to hand them to.
         self._spent = Spent() if spent is None else spent
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
@@ -452,7 +453,7 @@ class PublishQueue:
             return
         q = self._events
         q.append(event)
-        if self._spent:  # free here what the loop thread is done with (spent.py)
+        if self._spent:  # free here what the loop thread is done with (Spent)
             self._spent.clear()
         if self.parked:  # the first event after a quiet spell: wake the poller, once
             self._wake_poller()
@@ -577,7 +578,7 @@ class PublishQueue:
                         observer.on_next(event)
                     except Exception as exc:  # an operator that raised past RxPY: isolated
                         self._ledger.chain_failed(observer, exc, event)
-                if keep is not None:  # freed by the next publish, not here (spent.py)
+                if keep is not None:  # freed by the next publish, not here (Spent)
                     keep(event)
                 if derived:  # one truthiness test per event when nobody derives events
                     self._deliver_derived()
@@ -822,7 +823,7 @@ class Barrier:
         # item before the barrier cost training nothing.
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        # A race of tasks that each end by their own scope (tasks.py), not by cancelling the
+        # A race of tasks that each end by their own scope (TaskSet), not by cancelling the
         # task group: all settled ("done"), a request ("request") or the timeout.
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
@@ -854,7 +855,7 @@ class Barrier:
 
             async def announce() -> None:
                 # Said while training waits, not after: a decider stuck for minutes is named
-                # within about a second. Ends with the wait (its own scope, tasks.py).
+                # within about a second. Ends with the wait (its own scope, TaskSet).
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:

@@ -163,7 +163,7 @@ class Lifecycle:
                 for sub in self._subscriptions.asyncs():
                     await sub.wait_finished()
             # Each task ends by its own scope, the task group without a cancellation (see
-            # tasks.py: a cancelled child task stays in a reference cycle on asyncio).
+            # TaskSet: a cancelled child task stays in a reference cycle on asyncio).
             tasks.stop()
         if stack is not None:
             await stack.aclose()
@@ -269,7 +269,7 @@ class Lifecycle:
                 with anyio.move_on_at(deadline):
                     await wait()
             finally:
-                tasks.stop()  # they end by their own scopes (tasks.py)
+                tasks.stop()  # they end by their own scopes (TaskSet)
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:

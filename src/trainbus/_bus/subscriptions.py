@@ -17,8 +17,8 @@ publishes.
 The first time the training thread waits on a subscription, a warning names it, with how fast
 it finishes items against how fast they come, and the remedies. Every second waited is counted
 per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``). The barrier
-(``barrier.py``), the other place training may wait on a subscriber, says so through the same
-:func:`announce_wait`.
+(:class:`~trainbus._bus.dispatch.Barrier`), the other place training may wait on a
+subscriber, says so through the same :func:`announce_wait`.
 
 Spent items: what the event-loop thread is done with, freed on the publishing thread.
 
@@ -41,8 +41,8 @@ Every subscription made through the bus gets a :class:`Subscription` record that
 received, dropped and failed, and that is also the ``Disposable`` the subscribe call returns.
 Counters are plain ints touched only on the event-loop thread, so they need no lock. Failures go
 to the :class:`~trainbus._bus.watchdog.FailureLedger` the record is given; a full ``"block"``
-buffer of an async subscription (``async_subscription.py``) raises the :class:`Backpressure`
-flag the training loop checks at its poll points (``pressure.py``).
+buffer of an async subscription (:class:`AsyncSubscription`) raises the :class:`Backpressure`
+flag the training loop checks at its poll points.
 
 Async subscriptions: an ``async def fn(item)`` fed from a bounded buffer by worker tasks.
 
@@ -591,7 +591,7 @@ class AsyncSubscription(Subscription):
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
-        # Items done with (run or dropped) are freed by the next publish, not here (spent.py).
+        # Items done with (run or dropped) are freed by the next publish, not here (Spent).
         # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
         self._spent = Spent(maxlen=0) if spent is None else spent
         self.decides = decides
@@ -731,7 +731,7 @@ class AsyncSubscription(Subscription):
     def cancel(self) -> None:
         """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
         arrives later is counted as cancelled."""
-        # Each worker ends by its own scope (tasks.py); _run then ends as they have.
+        # Each worker ends by its own scope (TaskSet); _run then ends as they have.
         self._cancelling = True
         if self._workers is not None:
             self._workers.stop()
@@ -841,7 +841,7 @@ class SubscriptionSet:
 
     Args:
         ledger: Where the subscriptions report their failures.
-        spent: Where async subscriptions put the items they are done with (``spent.py``).
+        spent: Where async subscriptions put the items they are done with (:class:`Spent`).
         doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
         stamp: The dispatch's stamp: async subscriptions note which event fed them.
         watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one

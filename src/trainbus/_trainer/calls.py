@@ -197,7 +197,7 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
     """While the block runs, a cancellation of the caller asks ``run`` to stop
     (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
-    cancelled when nothing cancelled the call (``_bus/tasks.py``: no reference cycle left)."""
+    cancelled when nothing cancelled the call (``_bus/scheduler.py``: no reference cycle left)."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
         tasks.start_soon(watch_cancel, run, thread)
