@@ -268,6 +268,15 @@ def test_an_import_of_a_name_that_left_the_package_names_its_module(name: str, h
     assert getattr(moved, name).__name__ == name
 
 
+def test_a_moved_name_is_no_attribute_and_says_where_it_went() -> None:
+    assert not hasattr(trainbus, "AnyioScheduler")  # feature detection still answers
+    assert getattr(trainbus, "AnyioScheduler", None) is None
+    with pytest.raises(AttributeError, match=r"from trainbus\.bus import AnyioScheduler"):
+        trainbus.AnyioScheduler  # noqa: B018
+    with pytest.raises(ImportError, match=r"from trainbus\.bus import AnyioScheduler"):
+        exec("import trainbus.AnyioScheduler", {})
+
+
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
     assert not hasattr(trainbus, "no_such_name")
     with pytest.raises(ImportError, match="cannot import name"):

@@ -70,18 +70,22 @@ for _package in ("bus", "callbacks", "checkpoint", "operators"):
     )
 
 
-def moved_name(name: str) -> Exception:
-    """The error for ``trainbus.<name>``: where a moved name lives, else the usual one."""
+def moved_name(name: str) -> AttributeError:
+    """The error for ``trainbus.<name>``: an ``AttributeError`` (so ``hasattr`` and
+    ``getattr(trainbus, name, None)`` still answer) that says where a moved name lives."""
     home = MOVED_NAMES.get(name)
     if home is None:
         return AttributeError(f"module 'trainbus' has no attribute {name!r}")
-    return ImportError(
-        f"trainbus.{name} moved to {home}: `from {home} import {name}`",
-        name="trainbus",
-    )
+    return AttributeError(f"trainbus.{name} moved to {home}: `from {home} import {name}`")
 
 
 def _message(fullname: str) -> str | None:
+    package, _, name = fullname.rpartition(".")
+    if package == "trainbus" and name in MOVED_NAMES:
+        # ``from trainbus import AnyioScheduler``: Python looks for a submodule of that name
+        # once the attribute is missing, and this finder's error is the one the user sees.
+        home = MOVED_NAMES[name]
+        return f"trainbus.{name} moved to {home}: `from {home} import {name}`"
     for old, (new, public) in MOVED_MODULES.items():
         if old.endswith("."):
             if fullname.startswith(old):
@@ -104,9 +108,13 @@ class _MovedModules(importlib.abc.MetaPathFinder):
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         message = _message(fullname)
-        if message is not None:
-            raise ModuleNotFoundError(message, name=fullname)
-        return None
+        if message is None:
+            return None
+        if fullname.rpartition(".")[2] in MOVED_NAMES:
+            # Not a ModuleNotFoundError of that name, which ``from trainbus import X`` would
+            # take for "no such submodule" and replace with its own bare message.
+            raise ImportError(message, name="trainbus")
+        raise ModuleNotFoundError(message, name=fullname)
 
 
 def report_moved_modules() -> None:
