@@ -129,10 +129,10 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("load_best_model_at_end", _ckpt('monitor="val_loss", load_best_at_end=True'),
              "callbacks"),
     HfOption("metric_for_best_model", _ckpt('monitor="val_<metric>"') + ", "
-             '`EarlyStopping(metric="val_<metric>")`', "callbacks"),
+             '`EarlyStopping(monitor="val_<metric>")`', "callbacks"),
     HfOption("greater_is_better", '`mode="max"` of `Checkpointing` / `EarlyStopping` in '
              "`callbacks=[...]`", "callbacks"),
-    HfOption("early_stopping_patience", "`callbacks=[EarlyStopping(metric, patience=N)]`",
+    HfOption("early_stopping_patience", "`callbacks=[EarlyStopping(monitor, patience=N)]`",
              "callbacks", source="EarlyStoppingCallback"),
     HfOption("resume_from_checkpoint", '`trainer.fit(resume="latest")` or `fit(resume=path)`'),
     HfOption("dataloader_num_workers", "pass a `DataLoader(..., num_workers=N)`"),
