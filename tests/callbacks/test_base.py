@@ -451,3 +451,23 @@ def test_state_key_is_the_class_name_until_set_and_checked_when_set() -> None:
     assert cb.state_key == "Counter"
     with pytest.raises(ConfigError, match=r"^state_key="):
         cb.state_key = ""
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "field"),
+    [
+        ("decides", True, "decides"),
+        ("overflow", "block", "overflow"),
+        ("error_policy", "raise", "on_error"),
+        ("on_error", "log", "on_error"),
+        ("buffer", 8, "buffer"),
+        ("concurrency", 2, "concurrency"),
+    ],
+)
+def test_a_former_subscription_attribute_is_refused_naming_subscribe_options(
+    attribute: str, value: object, field: str
+) -> None:
+    """Ignored, a former decider would stop holding its barrier and a former "block"
+    subscriber would drop: the class is refused where it is written."""
+    with pytest.raises(ConfigError, match=rf"SubscribeOptions\({field}="):
+        type("Old", (Callback,), {attribute: value})

@@ -261,11 +261,11 @@ def test_checkpointing_monitor_with_evaluation_jobs_only_is_accepted(tmp_path: P
 
 def test_early_stopping_on_a_metric_no_evaluation_produces() -> None:
     trainer = _trainer([EarlyStopping("val_acc")], eval_data=DATA)
-    _refused(trainer, r"EarlyStopping\.metric='val_acc'.*val_loss")
+    _refused(trainer, r"EarlyStopping\.monitor='val_acc'.*val_loss")
 
 
 def test_early_stopping_without_eval_data() -> None:
-    _refused(_trainer([EarlyStopping()]), r"EarlyStopping\.metric='val_loss'.*no eval_data")
+    _refused(_trainer([EarlyStopping()]), r"EarlyStopping\.monitor='val_loss'.*no eval_data")
 
 
 def test_early_stopping_on_a_named_set_metric() -> None:
@@ -277,7 +277,7 @@ def test_early_stopping_on_a_named_set_metric() -> None:
 
 
 def test_reduce_lr_on_plateau_without_eval_data() -> None:
-    _refused(_trainer([ReduceLROnPlateau()]), r"ReduceLROnPlateau\.metric='val_loss'")
+    _refused(_trainer([ReduceLROnPlateau()]), r"ReduceLROnPlateau\.monitor='val_loss'")
 
 
 @pytest.mark.parametrize(
@@ -292,7 +292,7 @@ def test_reduce_lr_on_plateau_without_eval_data() -> None:
 def test_threshold_stopping_on_a_metric_its_source_lacks(
     stopper: ThresholdStopping, eval_data: Any, pattern: str
 ) -> None:
-    _refused(_trainer([stopper], eval_data=eval_data), r"ThresholdStopping\.metric=" + pattern)
+    _refused(_trainer([stopper], eval_data=eval_data), r"ThresholdStopping\.monitor=" + pattern)
 
 
 def test_threshold_stopping_on_training_metrics_is_accepted() -> None:

@@ -273,11 +273,20 @@ def explains_unknown_options(init: Callable[P, None]) -> Callable[P, None]:
     return checked
 
 
+def bus_hint(name: str, value: Any) -> str | None:
+    """``bus=EventBus(<name>=<value>)`` when ``name`` is an option of the bus, else None."""
+    if name not in inspect.signature(EventBus).parameters:
+        return None
+    return f"bus=EventBus({name}={value!r}) (an option of the bus)"
+
+
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
     """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
     known = list(options)
     # A habit to unlearn (Hugging Face's, Lightning's, an earlier trainbus'): its successor.
-    hint = hf_hint(name) or lightning_hint(name) or removed_hint(name, value)
+    hint = (
+        hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
+    )
     near = difflib.get_close_matches(name, known, n=1)
     tail = f": {hint}" if hint else f" (did you mean {near[0]!r}?)" if near else ""
     return f"Trainer() got an unexpected keyword argument {name!r}{tail}"

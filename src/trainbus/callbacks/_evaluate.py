@@ -93,7 +93,7 @@ class EvaluateCheckpoints(Callback):
     a job that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
     it is logged and kept in :attr:`results` like every other.
 
-    ``EarlyStopping(metric=...)`` acts on these events when they carry its metric.
+    ``EarlyStopping(monitor=...)`` acts on these events when they carry its metric.
 
     Args:
         run: The command (a non-empty list of strings) or an async function.
