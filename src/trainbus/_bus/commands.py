@@ -56,7 +56,7 @@ __all__ = [
 log = get_logger(__name__)
 
 
-# --- clock ---------------------------------------------------------------------------------------
+# ================================================================== the step clock
 @dataclass(frozen=True, slots=True)
 class Every:
     """Decide at every step that is a multiple of ``n`` (``n``, ``2n``, ...)."""
@@ -183,7 +183,7 @@ class DecisionStamp:
         _ITEM_STEP.reset(token)
 
 
-# --- channel -------------------------------------------------------------------------------------
+# ================================================================== the command channel
 class CommandError(TrainbusError):
     """A requested command was acknowledged with an error (``CommandApplied.error``)."""
 

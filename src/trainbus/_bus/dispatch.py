@@ -112,7 +112,7 @@ __all__ = [
 log = get_logger(__name__)
 
 
-# --- routes --------------------------------------------------------------------------------------
+# ================================================================== the route table
 Tier = Literal["internal", "core", "user", "global"]
 TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
@@ -373,7 +373,7 @@ class RouteTable:
         return TierContext(self, tier)
 
 
-# --- queue ---------------------------------------------------------------------------------------
+# ================================================================== the publish queue
 class _ClosedQueue(deque[ev.BaseEvent]):
     """The queue of a closed bus: appending raises ``BusClosedError``."""
 
@@ -688,7 +688,7 @@ def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
     return run_sync_soon if callable(run_sync_soon) else None
 
 
-# --- barrier -------------------------------------------------------------------------------------
+# ================================================================== barriers
 BarrierStatus = Literal["done", "timeout", "request"]
 
 DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)

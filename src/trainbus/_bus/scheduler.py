@@ -53,7 +53,7 @@ from .._log import get_logger
 __all__ = ["AnyioScheduler", "ChainScheduler", "TaskSet"]
 
 
-# --- scheduler -----------------------------------------------------------------------------------
+# ================================================================== the Rx scheduler
 _TState = TypeVar("_TState")
 log = get_logger(__name__)
 
@@ -274,7 +274,7 @@ class ChainScheduler(PeriodicScheduler):
         return super().schedule_periodic(period, action, state)
 
 
-# --- tasks ---------------------------------------------------------------------------------------
+# ================================================================== background tasks
 class TaskSet:
     """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly.
 

@@ -141,7 +141,7 @@ __all__ = [
 log = get_logger(__name__)
 
 
-# --- statistics ----------------------------------------------------------------------------------
+# ================================================================== statistics
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SubscriptionStatistics:
     """A snapshot of one subscription's counters."""
@@ -228,7 +228,7 @@ class BusStatistics:
     subscriptions: tuple[SubscriptionStatistics, ...]
 
 
-# --- pressure ------------------------------------------------------------------------------------
+# ================================================================== back-pressure
 _SLICE = 0.05
 """Seconds between two looks of a waiting training thread (its waits are counted per slice)."""
 
@@ -359,7 +359,7 @@ class Backpressure:
         )
 
 
-# --- spent ---------------------------------------------------------------------------------------
+# ================================================================== spent items
 class Spent(deque[Any]):
     """Items the loop thread is done with. ``append`` on the loop thread; ``clear`` on the
     publishing thread. A deque: both are atomic under the GIL, and ``clear`` detaches every item
@@ -371,7 +371,7 @@ class Spent(deque[Any]):
     __slots__ = ()
 
 
-# --- subscriptions -------------------------------------------------------------------------------
+# ================================================================== subscription records and the gu
 class Subscription(abc.DisposableBase):
     """Handle of a bus subscription: dispose it to unsubscribe; read its ``statistics()``."""
 
@@ -543,7 +543,7 @@ class GuardedObserver(abc.ObserverBase[Any]):
                 sub.fail(exc, None, ended=True)
 
 
-# --- async_subscription --------------------------------------------------------------------------
+# ================================================================== async subscriptions
 DROP_REMEDIES = (
     "a larger buffer=, a higher concurrency=, overflow='block' (training then waits for it, "
     "said and counted), or sample at the stream: bus.stream(T, every_steps=n) / "
@@ -826,7 +826,7 @@ class AsyncFeeder(abc.ObserverBase[Any]):
         self._sub.close_input()
 
 
-# --- registry ------------------------------------------------------------------------------------
+# ================================================================== the subscription set
 def _is_async(fn: Callable[..., Any]) -> bool:
     """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
     object whose ``__call__`` is ``async def``."""
@@ -1018,7 +1018,7 @@ class SubscriptionSet:
         return pending
 
 
-# --- rank_filter ---------------------------------------------------------------------------------
+# ================================================================== ranks
 Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
 """``None`` (the default: rank 0, or what ``bus.on_ranks`` set), ``"all"``, a rank, or ranks."""
 
@@ -1095,7 +1095,7 @@ class RankFilter:
             self._default = previous
 
 
-# --- observable ----------------------------------------------------------------------------------
+# ================================================================== the bus' Observable and the com
 _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
 
@@ -1280,7 +1280,7 @@ def normalize_observer(
     return observer, on_rx_error, on_completed
 
 
-# --- chains --------------------------------------------------------------------------------------
+# ================================================================== chains
 class Chains:
     """Subscribes a chain's last observer behind the bus' guard (a ``BusChains``).
 

@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 
-# --- watchdog ------------------------------------------------------------------------------------
+# ================================================================== the watchdog
 log = get_logger(__name__)
 
 DEFAULT_WATCHDOG_S = 5.0
@@ -181,7 +181,7 @@ class Watchdog:
         log.info("subscriber_unblocked", subscription=sub.name, blocked_s=round(blocked_s, 3))
 
 
-# --- failures ------------------------------------------------------------------------------------
+# ================================================================== the failure ledger
 ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
 """What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
 run (the subscriber's exception itself, with a note naming it, from ``fit()`` / from
