@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from .._bus.statistics import BusStatistics, LostWork
+    from .._bus.subscriptions import BusStatistics, LostWork
 
 __all__ = ["Cancelled", "FitResult"]
 

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 import torch
 
 from .. import events as ev
-from .._bus.async_subscription import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
-from .._bus.failures import ERROR_POLICIES, ErrorPolicy
+from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
+from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
 from .._validate import check_state_key

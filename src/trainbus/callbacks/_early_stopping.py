@@ -16,7 +16,7 @@ from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.observable import CommandSink
+    from .._bus.subscriptions import CommandSink
     from ._base import RunPlan
 
 __all__ = ["EarlyStopping"]

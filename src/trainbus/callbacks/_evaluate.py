@@ -153,7 +153,7 @@ class EvaluateCheckpoints(Callback):
             else:
                 log.info("external_evaluation_ended", step=result.step, epoch=result.epoch,
                          checkpoint=result.checkpoint, **dict(result.metrics))  # fmt: skip
-            if bus.running:
+            if bus.state == "running":
                 bus.publish(result)
             else:  # the bus completed its streams: nobody could receive it
                 log.warning("external_evaluation_not_delivered", checkpoint=result.checkpoint,
