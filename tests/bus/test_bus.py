@@ -1146,3 +1146,16 @@ def test_the_next_call_runs_after_a_refused_request() -> None:
     assert len(refused) == 1
     metrics = trainer.evaluate_sync(tiny_loader(2))  # the next call: nothing carried over
     assert "val_loss" in metrics
+
+
+def test_a_name_of_the_earlier_spelling_says_what_replaced_it() -> None:
+    with pytest.raises(TypeError, match=r"scheduler is rx_scheduler now: EventBus\(rx_scheduler="):
+        EventBus(scheduler=None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"did you mean 'flush_interval'"):
+        EventBus(flush_intervall=0.1)  # type: ignore[call-arg]
+    bus = EventBus()
+    with pytest.raises(AttributeError, match=r"bus\.decides is bus\.declare_decision_steps"):
+        bus.decides  # noqa: B018
+    with pytest.raises(AttributeError, match=r'bus\.running is bus\.state == "running" now'):
+        bus.running  # noqa: B018
+    assert not hasattr(bus, "no_such_attribute")

@@ -47,7 +47,13 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_number, check_optional_seconds
+from .._validate import (
+    check_int,
+    check_number,
+    check_optional_seconds,
+    explains_unknown_keywords,
+    unknown_keyword_message,
+)
 from .commands import (
     AckObserver,
     At,
@@ -91,6 +97,22 @@ from .subscriptions import (
 from .watchdog import DEFAULT_WATCHDOG_S, ErrorPolicy, FailureLedger, Watchdog, check_policy
 
 __all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
+
+# Names of the earlier spelling -> what replaced each (an option, or a bus attribute).
+_RENAMED_OPTIONS = {"scheduler": "rx_scheduler"}
+_RENAMED_ATTRIBUTES = {
+    "scheduler": "bus.rx_scheduler",
+    "decides": "bus.declare_decision_steps(every=..., at=...)",
+    "running": 'bus.state == "running"',
+    "failure": "bus.port().failure (the loop's face)",
+}
+
+
+def _unknown_option(name: str, value: object, options: list[str]) -> str:
+    new = _RENAMED_OPTIONS.get(name)
+    hint = f"{name} is {new} now: EventBus({new}={value!r})" if new else None
+    return unknown_keyword_message("EventBus", name, options, hint)
+
 
 log = get_logger(__name__)
 
@@ -278,6 +300,15 @@ class EventBus:
     """True when some subscription would receive events of the given type
     (:meth:`RouteTable.wants`): ask before building an event nobody may want."""
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute of an earlier version (``decides``, ``scheduler``, ...): an
+        ``AttributeError`` naming what replaced it."""
+        new = _RENAMED_ATTRIBUTES.get(name)
+        if new is None:
+            raise AttributeError(f"'EventBus' object has no attribute {name!r}")
+        raise AttributeError(f"bus.{name} is {new} now")
+
+    @explains_unknown_keywords(_unknown_option)
     def __init__(
         self,
         *,
