@@ -416,11 +416,17 @@ def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
     trainer = _trainer(max_steps=1)
     trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
                           lambda e: trainer.bus.send(cmd.StopTraining(reason="late")))  # fmt: skip
+    trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
+                          lambda e: trainer.bus.send(cmd.SaveCheckpoint(tag="late")))  # fmt: skip
     with capture_logs() as logs:
         result = trainer.fit_sync()
     assert result.reason == "completed" and result.subscriber_failures == {}
+    # The save is lost work, a warning; the stop asks for what already happened, no warning.
     (late,) = [e for e in logs if e["event"] == "commands_not_applied"]
-    assert "late" in repr(late["commands"])
+    assert late["log_level"] == "warning" and "SaveCheckpoint" in repr(late["commands"])
+    assert "StopTraining" not in repr(late["commands"])
+    (stop,) = [e for e in logs if e["event"] == "stop_after_the_end"]
+    assert stop["log_level"] == "info" and "late" in repr(stop["commands"])
     # Dropped at the call's end, not carried into the next call: an evaluation after it scores
     # every batch and applies no command.
     applied: list[ev.CommandApplied] = []

@@ -355,8 +355,14 @@ class CommandChannel:
         """Log and drop the commands still queued at a call's end or the close (sent after the
         loop's last poll point): they were decided on that call's events, so they never reach
         the next call (a StopTraining sent on ``FitEnded`` must not end the next evaluate)."""
-        if self._commands:
-            log.warning("commands_not_applied", commands=[repr(c) for c in self._commands])
+        # A stop decided after the last poll asks for what already happened (the run ended):
+        # nothing is lost, so it is no warning; a save, an evaluation or an LR change is.
+        stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
+        lost = [c for c in self._commands if c not in stops]
+        if stops:
+            log.info("stop_after_the_end", commands=[repr(c) for c in stops])
+        if lost:
+            log.warning("commands_not_applied", commands=[repr(c) for c in lost])
             self._commands.clear()
 
 
