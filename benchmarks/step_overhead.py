@@ -256,7 +256,7 @@ def floor(kind: str, data: list[Batch], device: torch.device, *, event: bool, ti
             else:
                 handed.append((step, loss.detach()))
             if spent:
-                spent.clear()  # freed here, not on the loop thread (trainbus/_bus/spent.py)
+                spent.clear()  # freed here, not on the loop thread (trainbus/_bus/subscriptions.py)
 
     async def poll() -> None:
         while True:

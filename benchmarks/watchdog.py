@@ -25,9 +25,8 @@ from typing import Any
 
 from _common import format_table, interleaved_rounds, median, ratio
 
-from trainbus._bus.failures import FailureLedger
 from trainbus._bus.subscriptions import GuardedObserver, Subscription
-from trainbus._bus.watchdog import Watchdog
+from trainbus._bus.watchdog import FailureLedger, Watchdog
 
 
 class Unmarked(GuardedObserver):

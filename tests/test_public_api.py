@@ -14,6 +14,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 import trainbus
 
@@ -268,7 +269,47 @@ def test_an_import_of_a_name_that_left_the_package_names_its_module(name: str, h
     assert getattr(moved, name).__name__ == name
 
 
+def test_a_moved_name_is_no_attribute_and_says_where_it_went() -> None:
+    assert not hasattr(trainbus, "AnyioScheduler")  # feature detection still answers
+    assert getattr(trainbus, "AnyioScheduler", None) is None
+    with pytest.raises(AttributeError, match=r"from trainbus\.bus import AnyioScheduler"):
+        trainbus.AnyioScheduler  # noqa: B018
+    with pytest.raises(ImportError, match=r"from trainbus\.bus import AnyioScheduler"):
+        exec("import trainbus.AnyioScheduler", {})
+
+
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
     assert not hasattr(trainbus, "no_such_name")
     with pytest.raises(ImportError, match="cannot import name"):
         exec("from trainbus import no_such_name", {})
+
+
+def test_a_renamed_operator_names_what_it_is_now() -> None:
+    from trainbus import operators
+
+    assert not hasattr(operators, "Scheduled")
+    with pytest.raises(ImportError, match=r"trainbus\.operators\.DecisionOperator now"):
+        exec("from trainbus.operators import Scheduled", {})
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [("metrics", "eval_metrics"), ("checkpoint", "last_checkpoint"), ("lost", "lost_work")],
+)
+def test_a_renamed_fit_result_attribute_names_what_it_is_now(old: str, new: str) -> None:
+    from trainbus.testing import tiny_loader, tiny_model
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = trainbus.Trainer(
+        model,
+        opt,
+        tiny_loader(batches=4),
+        loss_fn=torch.nn.functional.cross_entropy,
+        max_steps=2,
+        progress=False,
+    ).fit_sync()
+    assert getattr(result, new) is not None or new == "last_checkpoint"
+    with pytest.raises(AttributeError, match=rf"FitResult\.{old} is FitResult\.{new} now"):
+        getattr(result, old)
+    assert not hasattr(result, "no_such_attribute")

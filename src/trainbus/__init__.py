@@ -79,5 +79,6 @@ report_moved_modules()
 
 
 def __getattr__(name: str) -> object:
-    """A name that moved to a topic module: an ``ImportError`` naming where it lives now."""
+    """A name that moved to a topic module: an ``AttributeError`` naming where it lives now
+    (``from trainbus import X`` gets an ``ImportError`` saying the same)."""
     raise moved_name(name)

@@ -49,8 +49,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from . import commands as cmd
 from . import events as ev
 from ._bus import EventBus
-from ._bus.observable import BusObservable
-from ._bus.subscriptions import Subscription
+from ._bus.subscriptions import BusObservable, Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
 from ._distributed.driver_link import ALWAYS, DriverLink
 from ._distributed.protocol import control_record, control_types, hello_record, welcome_types

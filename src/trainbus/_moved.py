@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-__all__ = ["moved_name", "report_moved_modules"]
+__all__ = ["moved_name", "renamed", "report_moved_modules"]
 
 # Names ``trainbus`` exported before, now in the topic module they belong to.
 MOVED_NAMES = {
@@ -63,32 +63,58 @@ MOVED_MODULES = {
     "trainbus.cli": ("trainbus._cli", "run the `trainbus` command (python -m trainbus)"),
 }
 # The submodules of the public packages went private; their names stay in the package.
-for _package in ("bus", "callbacks", "checkpoint", "operators"):
-    MOVED_MODULES[f"trainbus.{_package}."] = (
-        f"trainbus.{'_bus' if _package == 'bus' else _package + '._'}",
-        f"import its public names from trainbus.{_package}",
-    )
+OLD_SUBMODULES = {
+    "bus": (
+        "async_subscription barrier channel clock doorbell failures host lifecycle observable "
+        "port pressure queue rank_filter registry routes scheduler spent statistics "
+        "subscriptions tasks watchdog"
+    ),
+    "callbacks": (
+        "checkpoint early_stopping ema evaluate grad_norm logging lr memory mlflow "
+        "optimizer_stats plot progress runtime stoppers tensorboard throughput wandb"
+    ),
+    "checkpoint": ("api data_order export keys reading rng sharded sharded_resume state store"),
+    "operators": "decide select spans",
+}
+for _package, _names in OLD_SUBMODULES.items():
+    for _name in _names.split():
+        MOVED_MODULES[f"trainbus.{_package}.{_name}"] = (
+            f"trainbus._bus.{_name}" if _package == "bus" else f"trainbus.{_package}._{_name}",
+            f"import its public names from trainbus.{_package}",
+        )
+
+# Names of the public packages that were renamed: ``from trainbus.operators import Scheduled``.
+RENAMED = {"trainbus.operators.Scheduled": "trainbus.operators.DecisionOperator"}
 
 
-def moved_name(name: str) -> Exception:
-    """The error for ``trainbus.<name>``: where a moved name lives, else the usual one."""
+def renamed(module: str, name: str) -> AttributeError:
+    """The error for ``<module>.<name>`` (a package's ``__getattr__``): what it is called now."""
+    new = RENAMED.get(f"{module}.{name}")
+    if new is None:
+        return AttributeError(f"module {module!r} has no attribute {name!r}")
+    return AttributeError(f"{module}.{name} is {new} now")
+
+
+def moved_name(name: str) -> AttributeError:
+    """The error for ``trainbus.<name>``: an ``AttributeError`` (so ``hasattr`` and
+    ``getattr(trainbus, name, None)`` still answer) that says where a moved name lives."""
     home = MOVED_NAMES.get(name)
     if home is None:
         return AttributeError(f"module 'trainbus' has no attribute {name!r}")
-    return ImportError(
-        f"trainbus.{name} moved to {home}: `from {home} import {name}`",
-        name="trainbus",
-    )
+    return AttributeError(f"trainbus.{name} moved to {home}: `from {home} import {name}`")
 
 
 def _message(fullname: str) -> str | None:
+    package, _, name = fullname.rpartition(".")
+    if package == "trainbus" and name in MOVED_NAMES:
+        # ``from trainbus import AnyioScheduler``: Python looks for a submodule of that name
+        # once the attribute is missing, and this finder's error is the one the user sees.
+        home = MOVED_NAMES[name]
+        return f"trainbus.{name} moved to {home}: `from {home} import {name}`"
+    if fullname in RENAMED:
+        return f"{fullname} is {RENAMED[fullname]} now"
     for old, (new, public) in MOVED_MODULES.items():
-        if old.endswith("."):
-            if fullname.startswith(old):
-                rest = fullname[len(old) :]
-                where = f"{new}.{rest}" if new.endswith("_bus") else f"{new}{rest}"
-                return f"{fullname} is private now ({where}); {public}"
-        elif fullname == old or fullname.startswith(old + "."):
+        if fullname == old or fullname.startswith(old + "."):
             where = new + fullname[len(old) :]
             return f"{fullname} is private now ({where}); {public}"
     return None
@@ -104,9 +130,13 @@ class _MovedModules(importlib.abc.MetaPathFinder):
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
         message = _message(fullname)
-        if message is not None:
-            raise ModuleNotFoundError(message, name=fullname)
-        return None
+        if message is None:
+            return None
+        if fullname in RENAMED or fullname.rpartition(".")[2] in MOVED_NAMES:
+            # Not a ModuleNotFoundError of that name, which ``from trainbus import X`` would
+            # take for "no such submodule" and replace with its own bare message.
+            raise ImportError(message, name=fullname.rpartition(".")[0])
+        raise ModuleNotFoundError(message, name=fullname)
 
 
 def report_moved_modules() -> None:

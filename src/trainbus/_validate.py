@@ -6,10 +6,14 @@ is allowed, at construction time: a typo fails where it was written, not inside 
 
 from __future__ import annotations
 
+import difflib
+import functools
+import inspect
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Literal, overload
+from typing import Any, Literal, ParamSpec, overload
 
 from ._exceptions import ConfigError
 
@@ -21,6 +25,8 @@ __all__ = [
     "check_optional_seconds",
     "check_path",
     "check_seconds",
+    "explains_unknown_keywords",
+    "unknown_keyword_message",
 ]
 
 
@@ -108,3 +114,40 @@ def check_folder(name: str, value: object) -> Path:
     if path.exists() and not path.is_dir():
         raise ConfigError.invalid(name, value, "a folder path, not an existing file")
     return path
+
+
+P = ParamSpec("P")
+
+
+def unknown_keyword_message(
+    owner: str, name: str, known: Iterable[str], hint: str | None = None
+) -> str:
+    """Python's message for an unexpected keyword, with ``hint`` (what replaces ``name``) or
+    else the nearest known keyword."""
+    near = difflib.get_close_matches(name, list(known), n=1)
+    tail = f": {hint}" if hint else f" (did you mean {near[0]!r}?)" if near else ""
+    return f"{owner}() got an unexpected keyword argument {name!r}{tail}"
+
+
+def explains_unknown_keywords(
+    message: Callable[[str, Any, list[str]], str],
+) -> Callable[[Callable[P, None]], Callable[P, None]]:
+    """Wrap an ``__init__`` (its signature unchanged: ``inspect.signature`` and ``help()``
+    follow ``__wrapped__``, mypy the ``ParamSpec``) so that a keyword it does not take is
+    refused as Python refuses it, with ``message(name, value, keywords)`` saying what to write.
+    """
+
+    def decorate(init: Callable[P, None]) -> Callable[P, None]:
+        params: Mapping[str, inspect.Parameter] = inspect.signature(init).parameters
+        keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+        @functools.wraps(init)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> None:
+            for name, value in kwargs.items():
+                if name not in params:
+                    raise TypeError(message(name, value, keywords))
+            init(*args, **kwargs)
+
+        return checked
+
+    return decorate

@@ -292,7 +292,7 @@ async def test_failing_subscribers_are_isolated_and_counted(step_event) -> None:
     assert (a.kind, a.received, a.completed, a.failed) == ("async", n, n, n)
     assert bus.statistics().failed == 2 * n
     assert bus.port().poll_commands() == []  # policy "log" sends nothing
-    assert bus.failure is None
+    assert bus.port().failure is None
 
 
 def test_stop_policy_sends_one_stop_training(vbus: EventBus, step_event) -> None:
@@ -336,7 +336,7 @@ async def test_raise_policy_fails_the_bus_on_close(step_event) -> None:
         async with bus:
             publish_range(bus, step_event, 0, 3)
     assert "subscriber 'fatal-sub'" in exc_info.value.__notes__[-1]
-    assert bus.failure is exc_info.value
+    assert bus.port().failure is exc_info.value
     assert seen == [0, 1, 2]  # the others still received everything
 
 
@@ -349,7 +349,7 @@ async def test_raise_policy_does_not_mask_the_body_exception(step_event) -> None
             bus.publish(step_event(1))
             bus.flush()
             raise KeyError("body")
-    assert isinstance(bus.failure, ZeroDivisionError)
+    assert isinstance(bus.port().failure, ZeroDivisionError)
 
 
 def test_operator_error_ends_only_that_subscription(vbus: EventBus, step_event) -> None:
@@ -981,8 +981,8 @@ async def test_close_cancels_a_stalled_block_subscriber(step_event) -> None:
 async def test_bus_runs_once_and_refuses_late_subscribers() -> None:
     bus = EventBus(flush_interval=0.001)
     async with bus:
-        assert bus.running
-    assert not bus.running
+        assert bus.state == "running"
+    assert bus.state != "running"
     with pytest.raises(BusClosedError):
         async with bus:
             pass
@@ -1012,7 +1012,7 @@ async def test_subscribe_async_while_running(step_event) -> None:
         got.append(e.step)
 
     async with EventBus(flush_interval=0.001) as bus:
-        assert bus.running
+        assert bus.state == "running"
         bus.subscribe_async(bus.stream(ev.StepEnded), on_step, name="late")
         for step in (7, 8, 9):
             bus.publish(step_event(step))
@@ -1146,3 +1146,16 @@ def test_the_next_call_runs_after_a_refused_request() -> None:
     assert len(refused) == 1
     metrics = trainer.evaluate_sync(tiny_loader(2))  # the next call: nothing carried over
     assert "val_loss" in metrics
+
+
+def test_a_name_of_the_earlier_spelling_says_what_replaced_it() -> None:
+    with pytest.raises(TypeError, match=r"scheduler is rx_scheduler now: EventBus\(rx_scheduler="):
+        EventBus(scheduler=None)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"did you mean 'flush_interval'"):
+        EventBus(flush_intervall=0.1)  # type: ignore[call-arg]
+    bus = EventBus()
+    with pytest.raises(AttributeError, match=r"bus\.decides is bus\.declare_decision_steps"):
+        bus.decides  # noqa: B018
+    with pytest.raises(AttributeError, match=r'bus\.running is bus\.state == "running" now'):
+        bus.running  # noqa: B018
+    assert not hasattr(bus, "no_such_attribute")

@@ -29,6 +29,8 @@ GONE_FROM_THE_BUS = {
     "chain_scheduler", "clock", "declare", "doorbell", "due", "has_commands", "held",
     "next_decision", "poll_commands", "request_cancel_pending", "routes_version",
     "subscribe_observer", "wait_barrier", "wait_for_room", "wants_each", "withdraw",
+    # the loop's failure is the port's; running is state == "running"; runs_here: RankFilter
+    "failure", "running", "runs_here",
 }  # fmt: skip
 
 
@@ -49,6 +51,9 @@ def test_the_users_bus_keeps_only_what_users_call() -> None:
              "statistics", "declare_decision_steps", "publish", "wants", "flush",
              "port"}  # fmt: skip
     assert users <= _public(bus)
+    # At most 18 public names on the class (publish, wants, commands and the options are set
+    # per instance).
+    assert len([n for n in dir(EventBus) if not n.startswith("_")]) <= 18
 
 
 def test_the_port_is_one_object_holding_the_loop_names() -> None:
@@ -126,7 +131,7 @@ def test_on_error_is_the_policy_on_a_bus_chain_too() -> None:
     sub = bus.stream(ev.StepEnded).subscribe(boom, on_error="raise", name="fatal")
     bus.publish(_step(1))
     bus.flush()
-    assert isinstance(bus.failure, RuntimeError) and sub.statistics().failed == 1
+    assert isinstance(bus.port().failure, RuntimeError) and sub.statistics().failed == 1
 
 
 def test_rxpy_error_callback_is_on_rx_error_or_the_positional_slot() -> None:

@@ -14,9 +14,8 @@ import trio.testing
 
 from trainbus import EventBus
 from trainbus import events as ev
-from trainbus._bus.failures import FailureLedger
-from trainbus._bus.queue import PublishQueue
-from trainbus._bus.routes import RouteTable
+from trainbus._bus.dispatch import PublishQueue, RouteTable
+from trainbus._bus.watchdog import FailureLedger
 
 
 def _queue() -> tuple[PublishQueue, RouteTable]:

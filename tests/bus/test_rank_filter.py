@@ -8,7 +8,7 @@ import pytest
 
 from trainbus import Callback, ConfigError, EventBus, Trainer
 from trainbus import events as ev
-from trainbus._bus.rank_filter import env_rank
+from trainbus._bus.subscriptions import env_rank
 
 
 async def _noop(_: Any) -> None:

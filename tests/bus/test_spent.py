@@ -1,4 +1,4 @@
-"""What the loop thread is done with is freed on the publishing thread (_bus/spent.py).
+"""What the loop thread is done with is freed on the publishing thread (_bus/subscriptions.py).
 
 Freeing a tensor releases the GIL, so a ``StepEnded`` whose loss died on the loop thread cost a
 GIL round trip with the training thread per event. These tests follow each payload to the
@@ -16,9 +16,8 @@ import reactivex.operators as ops
 
 from trainbus import EventBus
 from trainbus import events as ev
-from trainbus._bus.async_subscription import AsyncSubscription
-from trainbus._bus.failures import FailureLedger
-from trainbus._bus.pressure import Backpressure
+from trainbus._bus.subscriptions import AsyncSubscription, Backpressure
+from trainbus._bus.watchdog import FailureLedger
 
 
 class Tracked:

@@ -464,3 +464,23 @@ def test_a_method_for_a_removed_phase_event_names_its_replacement() -> None:
     with pytest.raises(ConfigError, match=r"Old\.on_forward_started.*ForwardStarted was "
                        r"removed.*SpanTraced\(span=\"forward\"\)"):  # fmt: skip
         _trainer(callbacks=[Old()])
+
+
+@pytest.mark.parametrize(
+    ("attribute", "value", "field"),
+    [
+        ("decides", True, "decides"),
+        ("overflow", "block", "overflow"),
+        ("error_policy", "raise", "on_error"),
+        ("on_error", "log", "on_error"),
+        ("buffer", 8, "buffer"),
+        ("concurrency", 2, "concurrency"),
+    ],
+)
+def test_a_former_subscription_attribute_is_refused_naming_subscribe_options(
+    attribute: str, value: object, field: str
+) -> None:
+    """Ignored, a former decider would stop holding its barrier and a former "block"
+    subscriber would drop: the class is refused where it is written."""
+    with pytest.raises(ConfigError, match=rf"SubscribeOptions\({field}="):
+        type("Old", (Callback,), {attribute: value})

@@ -16,8 +16,8 @@ from trainbus.testing import EventRecorder
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"metric": ""}, "metric"),
-        ({"metric": None}, "metric"),
+        ({"monitor": ""}, "monitor"),
+        ({"monitor": None}, "monitor"),
         ({"patience": 0}, "patience"),
         ({"patience": 1.5}, "patience"),
         ({"mode": "lowest"}, "mode"),
@@ -34,7 +34,7 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
     # evaluation without improvement (step 8) decides. EvaluationEnded is a barrier, so the
     # stop is applied before step 9 although 20 steps were planned.
     trainer = trainer_factory(
-        [EarlyStopping(metric="val_score", patience=2)],
+        [EarlyStopping(monitor="val_score", patience=2)],
         epochs=5, batches=4, score=[5.0, 4.0, 4.0, 4.0, 4.0, 4.0],
         eval_schedule=EvalSchedule(every_steps=2, epoch_end=False), )  # fmt: skip
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.EvaluationEnded, ev.FitEnded))
@@ -53,7 +53,7 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
 def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
     # Accuracy creeping up by less than min_delta does not count: stop after 3 evaluations.
     trainer = trainer_factory(
-        [EarlyStopping(metric="val_score", mode="max", patience=2, min_delta=0.05)],
+        [EarlyStopping(monitor="val_score", mode="max", patience=2, min_delta=0.05)],
         epochs=6, batches=2, score=[0.80, 0.82, 0.84, 0.99],
     )  # fmt: skip
     result = trainer.fit_sync()
@@ -67,7 +67,7 @@ def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
 
 def test_keeps_training_while_the_metric_improves(trainer_factory: Any) -> None:
     trainer = trainer_factory(
-        [EarlyStopping(metric="val_score", patience=1)],
+        [EarlyStopping(monitor="val_score", patience=1)],
         epochs=4, batches=2, score=[4.0, 3.0, 2.0, 1.0],
     )  # fmt: skip
     result = trainer.fit_sync()
@@ -95,7 +95,7 @@ def test_the_best_step_survives_a_resume(trainer_factory: Any, tmp_path: Any) ->
     def run(score: list[float], **kwargs: Any) -> Any:
         trainer = trainer_factory(
             [
-                EarlyStopping(metric="val_score", patience=3),
+                EarlyStopping(monitor="val_score", patience=3),
                 Checkpointing(every_steps=3, every_epochs=None),
             ],
             epochs=5,

@@ -147,7 +147,7 @@ def test_early_stopping_acts_on_external_results(trainer_factory: Any, tmp_path:
 
     trainer = trainer_factory(
         [Checkpointing(every_epochs=1), EvaluateCheckpoints(flat),
-         EarlyStopping(metric="ext_loss", patience=1)],
+         EarlyStopping(monitor="ext_loss", patience=1)],
         epochs=30, batches=2, checkpoint_dir=tmp_path, eval_data=None,
     )  # fmt: skip
     result = trainer.fit_sync()

@@ -18,7 +18,7 @@ from trainbus.testing import EventRecorder
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
-        ({"metric": ""}, "metric"),
+        ({"monitor": ""}, "monitor"),
         ({"patience": 0}, "patience"),
         ({"factor": 1.0}, "factor"),
         ({"factor": 0}, "factor"),
@@ -44,7 +44,7 @@ def step_lrs_by_epoch(recorder: EventRecorder) -> dict[int, set[float]]:
 def test_plateau_reduces_the_optimizer_lr(trainer_factory: Any) -> None:
     # A flat metric: evaluation 1 sets the best, evaluations 2-3 and 4-5 are plateaus.
     trainer = trainer_factory(
-        [ReduceLROnPlateau(metric="val_score", patience=2, factor=0.5)],
+        [ReduceLROnPlateau(monitor="val_score", patience=2, factor=0.5)],
         epochs=5, batches=2, score=[1.0], lr=0.1,
     )  # fmt: skip
     recorder = EventRecorder(trainer.bus, trainer.bus.stream(ev.StepEnded))
@@ -57,7 +57,7 @@ def test_plateau_reduces_the_optimizer_lr(trainer_factory: Any) -> None:
 
 def test_plateau_max_reductions(trainer_factory: Any) -> None:
     trainer = trainer_factory(
-        [ReduceLROnPlateau(metric="val_score", patience=1, factor=0.1, max_reductions=1)],
+        [ReduceLROnPlateau(monitor="val_score", patience=1, factor=0.1, max_reductions=1)],
         epochs=4, batches=1, score=[1.0], lr=0.1,
     )  # fmt: skip
     trainer.fit_sync()
@@ -105,7 +105,7 @@ def test_lr_monitor_logs_lr_commands_and_their_errors(vbus: EventBus) -> None:
 def test_lr_monitor_in_a_run_with_plateau(trainer_factory: Any) -> None:
     monitor = LearningRateMonitor()
     trainer = trainer_factory(
-        [ReduceLROnPlateau(metric="val_score", patience=1, factor=0.5), monitor],
+        [ReduceLROnPlateau(monitor="val_score", patience=1, factor=0.5), monitor],
         epochs=3, batches=2, score=[1.0], lr=0.1,
     )  # fmt: skip
     with capture_logs() as logs:

@@ -19,7 +19,7 @@ from trainbus.testing import EventRecorder
     ("build", "name"),
     [
         (lambda: ThresholdStopping("val_acc"), "above"),
-        (lambda: ThresholdStopping("", above=1.0), "metric"),
+        (lambda: ThresholdStopping("", above=1.0), "monitor"),
         (lambda: ThresholdStopping("loss", above="high"), "above"),  # type: ignore[arg-type]
         (lambda: ThresholdStopping("loss", below=float("nan")), "below"),
         (lambda: ThresholdStopping("loss", above=1.0, below=2.0), "below"),
@@ -58,7 +58,7 @@ def test_threshold_below_on_a_training_metric(trainer_factory: Any) -> None:
 def test_unknown_metric_fails_before_the_run_naming_what_exists(trainer_factory: Any) -> None:
     trainer = trainer_factory([ThresholdStopping("val_acc", above=0.5)], epochs=2, batches=2)
     rec = EventRecorder(trainer.bus)
-    with pytest.raises(ConfigError, match=r"ThresholdStopping\.metric='val_acc'.*val_loss"):
+    with pytest.raises(ConfigError, match=r"ThresholdStopping\.monitor='val_acc'.*val_loss"):
         trainer.fit_sync()
     assert trainer.result is None and not rec.of_type(ev.FitStarted)  # nothing trained
 

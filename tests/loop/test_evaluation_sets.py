@@ -82,7 +82,7 @@ def test_evaluate_command_with_named_sets_answers_with_the_round() -> None:
 
 def test_early_stopping_and_checkpointing_name_one_set(tmp_path: Path) -> None:
     # lr=0: nothing improves, so patience 1 stops after the second epoch's evaluation.
-    stopper = EarlyStopping(metric="test/loss", patience=1)
+    stopper = EarlyStopping(monitor="test/loss", patience=1)
     saver = Checkpointing(monitor="val/acc", mode="max")
     trainer = make_trainer(two_sets(), max_epochs=5, lr=0.0, checkpoint_dir=tmp_path,
                            callbacks=[stopper, saver])  # fmt: skip
@@ -95,8 +95,8 @@ def test_early_stopping_and_checkpointing_name_one_set(tmp_path: Path) -> None:
 
 
 def test_a_key_no_set_has_fails_before_the_run_with_the_keys() -> None:
-    trainer = make_trainer(two_sets(), max_epochs=1, callbacks=[EarlyStopping(metric="val_loss")])
-    with pytest.raises(ConfigError, match=r"EarlyStopping\.metric='val_loss'.*test/acc.*val/loss"):
+    trainer = make_trainer(two_sets(), max_epochs=1, callbacks=[EarlyStopping(monitor="val_loss")])
+    with pytest.raises(ConfigError, match=r"EarlyStopping\.monitor='val_loss'.*test/acc.*val/loss"):
         trainer.fit_sync()
     assert trainer.result is None
 

@@ -126,7 +126,7 @@ def test_named_sets_get_their_own_keys() -> None:
 def test_early_stopping_monitors_a_set_metric() -> None:
     # Accepted up front (the name is declared), and it decides on it: an improvement smaller
     # than min_delta is none, so with patience 1 the second evaluation stops the run.
-    stopper = EarlyStopping(metric="val_ppl", patience=1, min_delta=1e6)
+    stopper = EarlyStopping(monitor="val_ppl", patience=1, min_delta=1e6)
     t = trainer(
         set_metrics={"ppl": Perplexity()},
         eval_schedule=EvalSchedule(every_steps=1, epoch_end=False),
@@ -137,7 +137,7 @@ def test_early_stopping_monitors_a_set_metric() -> None:
     assert result.reason == "stopped" and result.steps == 2
     assert "val_ppl" in (result.stop_reason or "")
     with pytest.raises(ConfigError, match="val_nope"):
-        trainer(set_metrics={"ppl": Perplexity()}, callbacks=[EarlyStopping(metric="val_nope")]
+        trainer(set_metrics={"ppl": Perplexity()}, callbacks=[EarlyStopping(monitor="val_nope")]
                 ).fit_sync()  # fmt: skip
 
 

@@ -84,7 +84,7 @@ def test_every_is_step_based_not_counting_items() -> None:
 
 
 def test_every_and_once_at_carry_their_decision_steps() -> None:
-    from trainbus._bus.clock import At, Every
+    from trainbus._bus.commands import At, Every
 
     assert tbops.every(5).decision_steps == Every(5)
     assert getattr(tbops.once(at=3), "decision_steps", None) == At(3)

@@ -188,7 +188,7 @@ async def test_async_with_block_holds_the_bus_for_every_call() -> None:
     async with trainer:
         await trainer.fit()
         await trainer.evaluate()
-        assert trainer.bus.running and not recorder.completed
+        assert trainer.bus.state == "running" and not recorder.completed
         # The loop runs here: a sync twin would block it. The error says what to do.
         with pytest.raises(TrainbusError, match=r"await trainer.evaluate\("):
             trainer.evaluate_sync()

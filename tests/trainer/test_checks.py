@@ -261,11 +261,11 @@ def test_checkpointing_monitor_with_evaluation_jobs_only_is_accepted(tmp_path: P
 
 def test_early_stopping_on_a_metric_no_evaluation_produces() -> None:
     trainer = _trainer([EarlyStopping("val_acc")], eval_data=DATA)
-    _refused(trainer, r"EarlyStopping\.metric='val_acc'.*val_loss")
+    _refused(trainer, r"EarlyStopping\.monitor='val_acc'.*val_loss")
 
 
 def test_early_stopping_without_eval_data() -> None:
-    _refused(_trainer([EarlyStopping()]), r"EarlyStopping\.metric='val_loss'.*no eval_data")
+    _refused(_trainer([EarlyStopping()]), r"EarlyStopping\.monitor='val_loss'.*no eval_data")
 
 
 def test_early_stopping_on_a_named_set_metric() -> None:
@@ -277,7 +277,7 @@ def test_early_stopping_on_a_named_set_metric() -> None:
 
 
 def test_reduce_lr_on_plateau_without_eval_data() -> None:
-    _refused(_trainer([ReduceLROnPlateau()]), r"ReduceLROnPlateau\.metric='val_loss'")
+    _refused(_trainer([ReduceLROnPlateau()]), r"ReduceLROnPlateau\.monitor='val_loss'")
 
 
 @pytest.mark.parametrize(
@@ -292,7 +292,7 @@ def test_reduce_lr_on_plateau_without_eval_data() -> None:
 def test_threshold_stopping_on_a_metric_its_source_lacks(
     stopper: ThresholdStopping, eval_data: Any, pattern: str
 ) -> None:
-    _refused(_trainer([stopper], eval_data=eval_data), r"ThresholdStopping\.metric=" + pattern)
+    _refused(_trainer([stopper], eval_data=eval_data), r"ThresholdStopping\.monitor=" + pattern)
 
 
 def test_threshold_stopping_on_training_metrics_is_accepted() -> None:
@@ -416,11 +416,17 @@ def test_send_while_the_bus_closes_is_logged_not_raised() -> None:
     trainer = _trainer(max_steps=1)
     trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
                           lambda e: trainer.bus.send(cmd.StopTraining(reason="late")))  # fmt: skip
+    trainer.bus.subscribe(trainer.bus.stream(ev.FitEnded),
+                          lambda e: trainer.bus.send(cmd.SaveCheckpoint(tag="late")))  # fmt: skip
     with capture_logs() as logs:
         result = trainer.fit_sync()
     assert result.reason == "completed" and result.subscriber_failures == {}
+    # The save is lost work, a warning; the stop asks for what already happened, no warning.
     (late,) = [e for e in logs if e["event"] == "commands_not_applied"]
-    assert "late" in repr(late["commands"])
+    assert late["log_level"] == "warning" and "SaveCheckpoint" in repr(late["commands"])
+    assert "StopTraining" not in repr(late["commands"])
+    (stop,) = [e for e in logs if e["event"] == "stop_after_the_end"]
+    assert stop["log_level"] == "info" and "late" in repr(stop["commands"])
     # Dropped at the call's end, not carried into the next call: an evaluation after it scores
     # every batch and applies no command.
     applied: list[ev.CommandApplied] = []

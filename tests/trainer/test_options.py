@@ -414,3 +414,9 @@ def test_a_lightning_option_name_is_a_type_error_naming_the_trainbus_one(name: s
     assert str(info.value) == (f"Trainer() got an unexpected keyword argument {name!r}: that is "
                                f"Lightning's Trainer.{name}; in trainbus: {use}")  # fmt: skip
     assert f"{option}=" in use
+
+
+@pytest.mark.parametrize(("name", "value"), [("on_error", "log"), ("max_queue", 5), ("rank", 0)])
+def test_an_option_of_the_bus_given_to_the_trainer_names_the_bus(name: str, value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"bus=EventBus\({name}={value!r}\)"):
+        _trainer(**{name: value})

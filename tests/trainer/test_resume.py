@@ -287,7 +287,7 @@ def test_resuming_with_another_configuration_says_what_exactness_is_lost(
     warned = [e for e in logs if e["event"] == "resume_config_differs"]
     assert len(warned) == 1 and warned[0]["log_level"] == "warning"
     differences = warned[0]["differences"]
-    assert [d.split(" ")[0] for d in differences] == ["eval_every", "accumulate"]
+    assert [d.split(" ")[0] for d in differences] == ["EvalSchedule.every_steps", "accumulate"]
     assert "4" in differences[0] and "2" in differences[0] and "early stopping" in differences[0]
     assert "weights differ" in differences[1]
     assert resumed.result is not None and resumed.result.reason == "completed"

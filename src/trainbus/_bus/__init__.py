@@ -1,48 +1,36 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face: a thin facade over parts that each own their state (the
-publish queue, the route table, the subscriptions, the failure ledger, the command channel, the
-barrier, the lifecycle; docs/bus.md lists them with what each owns). The training loop, the
-session and the distributed code hold the other face, the
-:class:`~trainbus._bus.port.LoopPort` (``bus.port()``), as trio hands out a send end and a
-receive end.
+:class:`EventBus` is the users' face: a thin facade over parts that each own their state
+(docs/bus.md lists them with what each owns). The training loop, the session and the
+distributed code hold the other face, the :class:`LoopPort` (``bus.port()``), as trio hands out
+a send end and a receive end.
 
-part               module                     owns
-=================  =========================  ======================================================
-Doorbell           ``doorbell.py``            ``rings``: the one signal that the loop must look
-Spent              ``spent.py``               what the loop thread is done with (freed at publish)
-RankFilter         ``rank_filter.py``         this bus' rank, the ``ranks`` subscriptions default to
-TaskSet            ``tasks.py``               background tasks, each ended by its own cancel scope
-StepClock          ``clock.py``               declared decision steps (each change rings)
-DecisionStamp      ``clock.py``               the step being handled (``decided_at`` of commands)
-BusStatistics      ``statistics.py``          frozen snapshots of the counters (``statistics()``)
-AnyioScheduler     ``scheduler.py``           the Rx timer heap on the anyio event loop
-ChainScheduler     ``scheduler.py``           a subscription chain's timed/inline split
-FailureLedger      ``failures.py``            failure counts, policies, the fatal failure
-Demand             ``routes.py``              what one event type's subscriptions take (``takes``)
-RouteTable         ``routes.py``              roots by tier, route cache, each type's ``Demand``
-Backpressure       ``pressure.py``            "block" buffers over capacity, the loop's wait
-Watchdog           ``watchdog.py``            which sync subscriber runs; warns when one blocks
-Subscription       ``subscriptions.py``       a subscription's counters, what it disposes
-AsyncSubscription  ``async_subscription.py``  an async subscriber's buffer and workers
-SubscriptionSet    ``registry.py``            subscription records in order, async start
-BusObservable      ``observable.py``          the chain users pipe and subscribe to
-CommandSink        ``observable.py``          ``bus.commands``: the Observer that sends
-Chains             ``chains.py``              the guard a chain ends in, its decision steps
-CommandChannel     ``channel.py``             command deque, ``request()`` waiters
-PublishQueue       ``queue.py``               the event deque, max_queue, the dispatch slice
-Barrier            ``barrier.py``             the interrupted barrier wait
-Lifecycle          ``lifecycle.py``           new/running/closing/closed, the task group, poller
-LoopPort           ``port.py``                the loop's face: publish, demand, poll, barrier, clock
-=================  =========================  ======================================================
+The parts live in one module per concept, each importing only the ones before it (the order
+``tests/test_layers.py`` pins, so no cycle can form): ``doorbell`` (the one signal that the
+loop must look), ``scheduler`` (the Rx scheduler on anyio, background tasks), ``watchdog`` (the
+watchdog and the failure ledger), ``commands`` (the step clock and decision steps, the command
+channel), ``subscriptions`` (sync and async subscriptions, their set, ranks, chains,
+back-pressure, statistics), ``dispatch`` (the route table, the publish queue, barriers) and
+``lifecycle`` (open, suspend, close, the poller). This package imports them all; none imports
+torch or the loop.
 
-The rows follow the import order: a module imports only modules of the rows above it, so no
-cycle can form, and this package imports them all (``tests/test_layers.py`` pins both the order
-and that this table lists every module of the package, each part defined where it says). None
-imports torch or the loop.
-=======
-Each module imports only modules below it in the import order ``tests/test_layers.py`` pins, so
-no cycle can form, and this package imports them all. None imports torch or the loop.
+**The loop's face.** Users hold the bus (``events``, ``stream``, ``subscribe*``, ``commands``,
+``send``, ``request``, ``statistics``). The training loop, the trainer's session and the
+distributed code hold a :class:`LoopPort`, obtained once from its bus: they publish, ask the
+demand before building an event, poll commands at their poll points, wait at barriers and read
+the decision steps. A user never needs these names; a loop implementer needs nothing else.
+
+**One signal for "the loop must look".** :attr:`LoopPort.doorbell` rings after every change the
+loop must act on: a subscription came or went (the demand changed), a decision steps was
+declared or removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer
+went over capacity, a cancel was requested. The loop compares :attr:`Doorbell.rings` with the
+count it last acted on (one attribute read) and only then re-reads the real state; a ring
+carries no data.
+
+**Sampling as a demand.** :meth:`LoopPort.demand` answers, for one event type, whether some
+subscription takes every event (:attr:`Demand.each`) or only samples (:attr:`Demand.sampled`;
+then :meth:`Demand.takes` says whether the event of a step, stamped now, is taken). How the
+sampling is done (``every_s``, ``every_steps``) stays in the route table.
 """
 
 from __future__ import annotations
@@ -59,31 +47,200 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_number, check_optional_seconds
-from .async_subscription import DEFAULT_OVERFLOW, AsyncSubscription, Overflow
-from .barrier import DEFAULT_BARRIERS, Barrier, check_barriers
-from .chains import Chains
-from .channel import AckObserver, CommandChannel, CommandError
-from .clock import At, DecisionStamp, DecisionSteps, Every, StepClock
+from .._validate import (
+    check_int,
+    check_number,
+    check_optional_seconds,
+    explains_unknown_keywords,
+    unknown_keyword_message,
+)
+from .commands import (
+    AckObserver,
+    At,
+    CommandChannel,
+    CommandError,
+    DecisionStamp,
+    DecisionSteps,
+    Every,
+    StepClock,
+)
+from .dispatch import (
+    DEFAULT_BARRIERS,
+    Barrier,
+    BarrierStatus,
+    Demand,
+    PublishQueue,
+    RouteTable,
+    Tier,
+    TierContext,
+    check_barriers,
+)
 from .doorbell import Doorbell
-from .failures import ErrorPolicy, FailureLedger, check_policy
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
-from .observable import BusObservable, CommandSink
-from .port import LoopPort
-from .pressure import Backpressure
-from .queue import PublishQueue
-from .rank_filter import RankFilter, Ranks, env_rank
-from .registry import SubscriptionSet
-from .routes import RouteTable, Tier, TierContext
 from .scheduler import AnyioScheduler, ChainScheduler
-from .spent import Spent
-from .statistics import BusStatistics
-from .subscriptions import Subscription
-from .watchdog import DEFAULT_WATCHDOG_S, Watchdog
+from .subscriptions import (
+    DEFAULT_OVERFLOW,
+    AsyncSubscription,
+    Backpressure,
+    BusObservable,
+    BusStatistics,
+    Chains,
+    CommandSink,
+    Overflow,
+    RankFilter,
+    Ranks,
+    Spent,
+    Subscription,
+    SubscriptionSet,
+    env_rank,
+)
+from .watchdog import DEFAULT_WATCHDOG_S, ErrorPolicy, FailureLedger, Watchdog, check_policy
 
 __all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
 
+# Names of the earlier spelling -> what replaced each (an option, or a bus attribute).
+_RENAMED_OPTIONS = {"scheduler": "rx_scheduler"}
+_RENAMED_ATTRIBUTES = {
+    "scheduler": "bus.rx_scheduler",
+    "decides": "bus.declare_decision_steps(every=..., at=...)",
+    "running": 'bus.state == "running"',
+    "failure": "bus.port().failure (the loop's face)",
+}
+
+
+def _unknown_option(name: str, value: object, options: list[str]) -> str:
+    new = _RENAMED_OPTIONS.get(name)
+    hint = f"{name} is {new} now: EventBus({new}={value!r})" if new else None
+    return unknown_keyword_message("EventBus", name, options, hint)
+
+
 log = get_logger(__name__)
+
+
+class LoopPort:
+    """The loop's end of one bus (see the module docstring); built by the bus, never by hand.
+
+    Attributes:
+        publish: Queue an event for delivery (:meth:`PublishQueue.publish`): a type check and a
+            deque append, safe from any thread. The queue's own method, bound once, so a call
+            costs no extra frame.
+        wants: True when some subscription would receive events of the given type
+            (:meth:`RouteTable.wants`); ask before building an event. Bound once as well.
+        doorbell: Rung whenever the loop must look at the bus: the one signal (see the module
+            docstring). Read ``doorbell.rings``; ``doorbell.ring()`` from a cancel.
+    """
+
+    def __init__(
+        self,
+        *,
+        doorbell: Doorbell,
+        queue: PublishQueue,
+        routes: RouteTable,
+        clock: StepClock,
+        channel: CommandChannel,
+        ledger: FailureLedger,
+        pressure: Backpressure,
+        barrier: Barrier,
+        lifecycle: Lifecycle,
+        chains: Chains,
+    ) -> None:
+        self.publish: Callable[[ev.BaseEvent], None] = queue.publish
+        self.wants: Callable[[type[ev.BaseEvent]], bool] = routes.wants
+        self.doorbell = doorbell
+        self._routes = routes
+        self._clock = clock
+        self._channel = channel
+        self._ledger = ledger
+        self._pressure = pressure
+        self._barrier = barrier
+        self._lifecycle = lifecycle
+        self._chains = chains
+
+    # ================================================================== demand
+    def demand(self, event_type: type[ev.BaseEvent]) -> Demand:
+        """What the subscriptions of ``event_type`` take (see :class:`Demand`): the same
+        object for the bus' lifetime, kept up to date on the event-loop thread. Re-read its
+        flags when the doorbell rang; ask :meth:`Demand.takes` per event while it is
+        ``sampled``."""
+        return self._routes.demand(event_type)
+
+    # ================================================================== decision steps
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps to the step clock until the result is disposed."""
+        return self._chains.declare(decision_steps)
+
+    @property
+    def decision_steps(self) -> tuple[DecisionSteps, ...]:
+        """Every declaration of decision steps (what ranks agree on at a run's start)."""
+        return self._clock.decision_steps
+
+    def statistics(self) -> BusStatistics:
+        """The bus' counters now (the loop's result at its end; the Trainer replaces them
+        once the bus delivered the run's events)."""
+        return self._lifecycle.statistics()
+
+    def next_decision(self, after_step: int) -> int | None:
+        """The first declared decision step after ``after_step`` (None: none declared)."""
+        return self._clock.next_decision(after_step)
+
+    # ================================================================== poll points
+    @property
+    def failure(self) -> Exception | None:
+        """The first failure of a subscription with ``on_error="raise"``, if any (the loop
+        raises it at its next poll point)."""
+        return self._ledger.fatal
+
+    @property
+    def held(self) -> bool:
+        """True while an ``overflow="block"`` subscription's buffer is over capacity: call
+        :meth:`wait_for_room` at the next poll point (one attribute read)."""
+        return self._pressure.active
+
+    def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
+        """Block the calling thread (the loop's, at a poll point) while a ``"block"`` buffer
+        is over capacity; return early when the doorbell rings or ``stop()`` is true (see
+        :meth:`Backpressure.wait_for_room`). Never on the event-loop thread.
+
+        Returns:
+            Seconds waited.
+        """
+        return self._pressure.wait_for_room(stop)
+
+    def has_commands(self) -> bool:
+        """True when a command waits on the back-channel (never blocks)."""
+        return self._channel.has_commands()
+
+    def poll_commands(self) -> list[cmd.Command]:
+        """Take every command waiting on the back-channel, oldest first (never blocks)."""
+        return self._channel.poll_commands()
+
+    def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
+        """Remove the queued commands that ``match`` accepts, before any loop applies them
+        (between two trainer calls: a signal's ``StopTraining`` that arrived after the last
+        poll must not stop the next call).
+
+        Returns:
+            How many commands were removed.
+        """
+        return self._channel.withdraw(match)
+
+    async def wait_barrier(
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool
+    ) -> BarrierStatus:
+        """The loop's barrier, on the event-loop thread (see :meth:`Barrier.wait_barrier`).
+
+        Returns:
+            ``"done"``, ``"timeout"``, or ``"request"`` (apply it, then call again with
+            ``resume=True``).
+        """
+        return await self._barrier.wait_barrier(timeout, event, resume)
+
+    def request_cancel_pending(self) -> None:
+        """Ask a call's end or a close that waits for async subscribers to cancel their
+        pending work within about 0.1 s (see :meth:`Lifecycle.request_cancel_pending`). Safe
+        from any thread and from a signal handler (it sets a flag)."""
+        self._lifecycle.request_cancel_pending()
+
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
 
@@ -143,6 +300,15 @@ class EventBus:
     """True when some subscription would receive events of the given type
     (:meth:`RouteTable.wants`): ask before building an event nobody may want."""
 
+    def __getattr__(self, name: str) -> Any:
+        """An attribute of an earlier version (``decides``, ``scheduler``, ...): an
+        ``AttributeError`` naming what replaced it."""
+        new = _RENAMED_ATTRIBUTES.get(name)
+        if new is None:
+            raise AttributeError(f"'EventBus' object has no attribute {name!r}")
+        raise AttributeError(f"bus.{name} is {new} now")
+
+    @explains_unknown_keywords(_unknown_option)
     def __init__(
         self,
         *,
@@ -204,7 +370,7 @@ class EventBus:
         # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
         self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
-        # What the loop thread is done with, freed by the next publish (see spent.py).
+        # What the loop thread is done with, freed by the next publish (see Spent).
         spent = Spent()
         self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
         # What every chain subscribes through (the guard, its decision steps' declaration).
@@ -242,7 +408,7 @@ class EventBus:
 
     # ================================================================== state
     def port(self) -> LoopPort:
-        """The loop's face of this bus (:class:`~trainbus._bus.port.LoopPort`): publish, the
+        """The loop's face of this bus (:class:`~trainbus._bus.LoopPort`): publish, the
         demand, the doorbell, commands, barriers, decision steps. For loop implementers (the
         training loop, the session, the distributed link), who obtain it once; a user never
         needs it. The same object for the bus' lifetime."""
@@ -254,14 +420,6 @@ class EventBus:
         made with ``ranks=``."""
         return self._ranks.rank
 
-    def runs_here(self, ranks: Ranks) -> bool:
-        """True when a subscription made with ``ranks`` runs on this rank.
-
-        Raises:
-            ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
-        """
-        return self._ranks.runs_here(ranks)
-
     def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.on_ranks("all"):`` without ``ranks=`` run on
         those ranks (what ``Trainer.add_callback`` does with a callback's ``ranks``).
@@ -272,21 +430,10 @@ class EventBus:
         return self._ranks.default(ranks)
 
     @property
-    def running(self) -> bool:
-        """True between entering and leaving ``async with bus`` (or a trainer call's run)."""
-        return self._lifecycle.state == "running"
-
-    @property
     def state(self) -> str:
         """``"new"``, ``"running"``, ``"suspended"`` (between two trainer calls that ran it
         for themselves), ``"closing"`` or ``"closed"``."""
         return self._lifecycle.state
-
-    @property
-    def failure(self) -> Exception | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any: the
-        subscriber's own exception (a note names the subscription and event)."""
-        return self._ledger.fatal
 
     @property
     def subscriptions(self) -> tuple[Subscription, ...]:

@@ -28,15 +28,11 @@ from anyio.abc import TaskGroup
 
 from .._exceptions import BusClosedError
 from .._log import get_logger
-from .channel import CommandChannel
-from .failures import FailureLedger
-from .queue import PublishQueue
-from .registry import SubscriptionSet
-from .routes import RouteTable
-from .scheduler import AnyioScheduler
-from .statistics import BusStatistics, LostWork
-from .tasks import TaskSet
-from .watchdog import Watchdog
+from .commands import CommandChannel
+from .dispatch import PublishQueue, RouteTable
+from .scheduler import AnyioScheduler, TaskSet
+from .subscriptions import BusStatistics, LostWork, SubscriptionSet
+from .watchdog import FailureLedger, Watchdog
 
 __all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle", "State"]
 
@@ -167,7 +163,7 @@ class Lifecycle:
                 for sub in self._subscriptions.asyncs():
                     await sub.wait_finished()
             # Each task ends by its own scope, the task group without a cancellation (see
-            # tasks.py: a cancelled child task stays in a reference cycle on asyncio).
+            # TaskSet: a cancelled child task stays in a reference cycle on asyncio).
             tasks.stop()
         if stack is not None:
             await stack.aclose()
@@ -273,7 +269,7 @@ class Lifecycle:
                 with anyio.move_on_at(deadline):
                     await wait()
             finally:
-                tasks.stop()  # they end by their own scopes (tasks.py)
+                tasks.stop()  # they end by their own scopes (TaskSet)
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:

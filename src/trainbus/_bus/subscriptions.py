@@ -1,28 +1,377 @@
-"""Subscription records, and the guarded observer every bus subscription ends in.
+"""Subscriptions: sync and async records, their set, ranks, chains, back-pressure, statistics.
+
+Frozen snapshots of the bus' counters (``bus.statistics()``, ``sub.statistics()``).
+
+Back-pressure of ``"block"`` subscriptions: pushed back on the training thread, not dispatch.
+
+A ``"block"`` async subscription never drops: when its buffer goes over capacity it takes the
+item anyway (the dispatcher never waits for one subscription's room, so every other subscriber
+keeps receiving) and raises :class:`Backpressure`, which rings the bus' doorbell. The training
+loop hears the ring after its current step and, at its poll point, calls
+:meth:`Backpressure.wait_for_room`: the training thread waits there until every ``"block"``
+buffer is back within capacity, a command or cancel arrives (the doorbell rings again), or the
+run stops. So a ``"block"`` subscription slows training to its own pace (that is what it asks
+for: nothing lost), and holds at most its buffer plus what one step or one evaluation round
+publishes.
+
+The first time the training thread waits on a subscription, a warning names it, with how fast
+it finishes items against how fast they come, and the remedies. Every second waited is counted
+per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``). The barrier
+(:class:`~trainbus._bus.dispatch.Barrier`), the other place training may wait on a
+subscriber, says so through the same :func:`announce_wait`.
+
+Spent items: what the event-loop thread is done with, freed on the publishing thread.
+
+Freeing a tensor releases the GIL: torch's deallocator drops it. When the last reference to a
+``StepEnded`` (and so to its detached loss) died on the loop thread, each free handed the GIL to
+the busy training thread and waited to get it back: one round trip per event, 50-250 µs of wall
+time between two threads on a loaded machine, for a dispatch that itself costs ~1.5 µs.
+
+So the loop thread does not drop what it delivered. The publish queue appends each dispatched
+event here, an async subscription each item its callback finished with or its overflow policy
+dropped; the next :meth:`~trainbus._bus.dispatch.PublishQueue.publish` clears the deque on the
+publishing thread (the training thread), among its own tensor frees, while the loop thread
+sleeps: the same frees then cost nothing extra. A subscriber that keeps an event frees it
+wherever it drops it, as before. At most one slice's worth waits here; the bus clears it when
+it closes.
+
+Subscription records, and the guarded observer every bus subscription ends in.
 
 Every subscription made through the bus gets a :class:`Subscription` record that counts what it
 received, dropped and failed, and that is also the ``Disposable`` the subscribe call returns.
 Counters are plain ints touched only on the event-loop thread, so they need no lock. Failures go
-to the :class:`~trainbus._bus.failures.FailureLedger` the record is given; a full ``"block"``
-buffer of an async subscription (``async_subscription.py``) raises the :class:`Backpressure`
-flag the training loop checks at its poll points (``pressure.py``).
+to the :class:`~trainbus._bus.watchdog.FailureLedger` the record is given; a full ``"block"``
+buffer of an async subscription (:class:`AsyncSubscription`) raises the :class:`Backpressure`
+flag the training loop checks at its poll points.
+
+Async subscriptions: an ``async def fn(item)`` fed from a bounded buffer by worker tasks.
+
+The observer side (:class:`AsyncFeeder`, then :meth:`AsyncSubscription.push`) runs on the
+event-loop thread inside the bus' dispatch slice and never awaits; the workers run in the bus'
+task group. What the buffer does when full is the subscription's :data:`Overflow` policy; no
+policy ever makes the dispatcher wait (a ``"block"`` buffer pushes back on the training thread
+through :class:`~trainbus._bus.subscriptions.Backpressure`). Others wait on it: the barrier with
+:meth:`~AsyncSubscription.wait_settled`, the bus' close with
+:meth:`~AsyncSubscription.wait_finished`.
+
+The subscriptions of one bus: the records in order, and the back-pressure they share.
+
+:class:`SubscriptionSet` creates every :class:`~trainbus._bus.subscriptions.Subscription` (so each
+is given the bus' failure ledger), starts async workers once the bus runs, and holds the
+:class:`~trainbus._bus.subscriptions.Backpressure` their ``"block"`` buffers share.
+
+Which ranks a subscription runs on under ``torchrun``.
+
+A subscription runs on rank 0 by default; ``ranks="all"`` (or an int, or a set of ranks) per
+subscription, or for every subscription made inside ``with bus.on_ranks(...)`` (what a
+``Callback`` with a ``ranks`` attribute gets). A subscription not for this rank registers
+nothing: no route, so ``bus.wants()`` stays false and the loop builds no event for it.
+
+The Observable the bus hands out, and the Observer that is its back-channel.
+
+RxPY passes the scheduler from the subscriber towards the source: the ``scheduler`` given to
+the *last* ``subscribe`` of a chain becomes the default of every time-based operator above it.
+A chain that starts at ``bus.events`` / ``bus.stream(...)`` is a :class:`BusObservable`, and so
+is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus' Rx scheduler and ends the
+chain in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)``
+runs the throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
+
+The guard every bus chain ends in: what a :class:`~trainbus._bus.subscriptions.BusObservable`
+needs of its bus, and nothing a user calls.
+
+A chain born on the bus (``bus.events``, ``bus.stream(...)`` and whatever their ``pipe()``
+returns) subscribes through :class:`Chains`: the observer is wrapped in the bus' guard under
+its error policy (``on_error``), the chain gets the bus' Rx scheduler, a subscription made
+for other ranks is inert, and the pipeline's decision steps are declared to the step clock
+for the subscription's lifetime. The :class:`~trainbus.EventBus` builds one and hands it to
+every chain it makes; users never hold it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal
+import inspect
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar
 
-from reactivex import abc
+import anyio
+from reactivex import Observable, abc
+from reactivex.disposable import Disposable
 
-from .failures import ErrorPolicy, FailureLedger
-from .pressure import Backpressure
-from .statistics import SubscriptionStatistics
-from .watchdog import Watchdog
+from .. import commands as cmd
+from .._exceptions import BusClosedError, ConfigError
+from .._log import get_logger
+from .commands import DecisionStamp, DecisionSteps, StepClock
+from .doorbell import Doorbell
+from .scheduler import ChainScheduler, TaskSet
+from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
-__all__ = ["Backpressure", "ErrorPolicy", "GuardedObserver", "Subscription"]
+__all__ = [
+    "DEFAULT_OVERFLOW",
+    "OVERFLOWS",
+    "AsyncFeeder",
+    "AsyncSubscription",
+    "Backpressure",
+    "BusChains",
+    "BusObservable",
+    "BusStatistics",
+    "Chains",
+    "CommandSink",
+    "ErrorPolicy",
+    "GuardedObserver",
+    "Holder",
+    "LostWork",
+    "Overflow",
+    "RankFilter",
+    "Ranks",
+    "Spent",
+    "Subscription",
+    "SubscriptionSet",
+    "SubscriptionStatistics",
+    "announce_wait",
+    "env_rank",
+    "normalize_observer",
+]
+
+log = get_logger(__name__)
 
 
+# ================================================================== statistics
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SubscriptionStatistics:
+    """A snapshot of one subscription's counters."""
+
+    name: str
+    kind: Literal["sync", "async"]
+    active: bool
+    received: int
+    """Items that reached the subscription (after its operators)."""
+    delivered: int
+    """Items handed to the subscriber's function."""
+    completed: int
+    """Calls of the function that returned or raised (async: finished awaits)."""
+    failed: int
+    dropped: int
+    """Items discarded by the overflow policy (async only)."""
+    queued: int
+    """Items waiting in the buffer (async only)."""
+    in_flight: int
+    cancelled: int
+    """Items waiting or running when the bus closed past its ``close_timeout``, or when
+    ``EventBus.cancel_pending()`` was called, then cancelled."""
+    last_error: str | None
+    stalls: int = 0
+    """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (each warned
+    about while it blocked; sync only)."""
+    blocked_s: float = 0.0
+    """Seconds those calls blocked the event loop, once returned (measured by the watchdog's
+    polls: right to within ``watchdog_s / 10``, at most 0.5 s, per call)."""
+    waited_s: float = 0.0
+    """Seconds the training thread waited on this subscription: a full ``overflow="block"``
+    buffer, or a barrier or decision step it decides at. 0 for everything else."""
+
+    @property
+    def lost_work(self) -> LostWork:
+        """What this subscription lost: items dropped, cancelled, or whose call failed."""
+        return LostWork(dropped=self.dropped, cancelled=self.cancelled, failed=self.failed)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LostWork:
+    """Work one subscription never did (``FitResult.lost_work``).
+
+    Attributes:
+        dropped: Items its overflow policy dropped (``"drop_oldest"``, ``"latest"``).
+        cancelled: Items waiting or running when they were cancelled (``close_timeout``,
+            ``EventBus.cancel_pending()``).
+        failed: Calls that raised (and upstream errors that ended its stream).
+    """
+
+    dropped: int = 0
+    cancelled: int = 0
+    failed: int = 0
+
+    @property
+    def total(self) -> int:
+        """dropped + cancelled + failed."""
+        return self.dropped + self.cancelled + self.failed
+
+    def __bool__(self) -> bool:
+        return self.total > 0
+
+    def __add__(self, other: LostWork) -> LostWork:
+        """The lost work of two subscriptions (or two calls) together, count by count."""
+        return LostWork(dropped=self.dropped + other.dropped,
+                        cancelled=self.cancelled + other.cancelled,
+                        failed=self.failed + other.failed)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BusStatistics:
+    """A snapshot of the whole bus."""
+
+    published: int
+    """Events accepted by ``publish`` (delivered plus still queued)."""
+    delivered: int
+    """Events taken off the queue and dispatched to every matching subscription."""
+    queue_depth: int
+    dropped: int
+    failed: int
+    cancelled: int
+    publisher_waits: int
+    """Times a publishing thread waited because the queue was full (``max_queue``)."""
+    subscriptions: tuple[SubscriptionStatistics, ...]
+
+
+# ================================================================== back-pressure
+_SLICE = 0.05
+"""Seconds between two looks of a waiting training thread (its waits are counted per slice)."""
+
+REMEDIES = (
+    "a larger buffer=, a higher concurrency=, overflow='drop_oldest' or 'latest' (drops are "
+    "counted as lost work), or sample at the stream: bus.stream(T, every_steps=n) / "
+    "bus.stream(T, every_s=x)"
+)
+
+
+class Holder(Protocol):
+    """What back-pressure needs of a subscription that holds the training thread."""
+
+    name: str
+
+    def add_waited(self, seconds: float) -> None:
+        """Count seconds the training thread waited on it."""
+
+    def rates(self) -> tuple[float, float]:
+        """(items finished per second, items received per second) since its first item."""
+
+
+def announce_wait(sub: Holder, *, reason: str, remedies: str) -> None:
+    """Say that the training thread waits on ``sub`` (the ``training_waits_for_subscriber``
+    warning), with how fast it finishes items against how fast they come. Its callers say it
+    once per subscription: the first wait that matters.
+
+    Args:
+        sub: The subscription training waits on.
+        reason: Why training waits on it.
+        remedies: What the user can change so that it does not.
+    """
+    done_rate, in_rate = sub.rates()
+    log.warning(
+        "training_waits_for_subscriber",
+        subscription=sub.name,
+        rate_per_s=round(done_rate, 3),
+        events_per_s=round(in_rate, 3),
+        reason=reason,
+        remedies=remedies,
+    )
+
+
+class Backpressure:
+    """The ``"block"`` subscriptions over capacity, and the training thread's wait for them.
+
+    ``active`` is read once per poll point by the loop, so it is a plain attribute. The set of
+    holders changes on the event-loop thread only; the training thread reads a snapshot.
+
+    Args:
+        doorbell: Rung when a subscription starts holding, so the loop looks at once.
+    """
+
+    __slots__ = ("_doorbell", "_holders", "_room", "_warned", "active")
+
+    def __init__(self, doorbell: Doorbell | None = None) -> None:
+        self.active = False
+        self._doorbell = doorbell or Doorbell()
+        self._holders: dict[int, Holder] = {}
+        self._room = threading.Event()
+        self._room.set()
+        self._warned: set[int] = set()
+
+    def signal(self, sub: Holder) -> None:
+        """``sub``'s buffer went over capacity (event-loop thread)."""
+        if id(sub) in self._holders:
+            return
+        self._holders[id(sub)] = sub
+        self._room.clear()
+        self.active = True
+        self._doorbell.ring()  # after the change: the loop that hears it finds it active
+
+    def relieve(self, sub: Holder) -> None:
+        """``sub`` is back within capacity, or will never take another item (loop thread)."""
+        if self._holders.pop(id(sub), None) is not None and not self._holders:
+            self.active = False
+            self._room.set()
+
+    def clear(self) -> None:
+        """Nobody holds any more (the bus closes)."""
+        self._holders.clear()
+        self.active = False
+        self._room.set()
+
+    def holders(self) -> tuple[Holder, ...]:
+        """The subscriptions over capacity now (a snapshot; any thread)."""
+        return tuple(list(self._holders.values()))
+
+    def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
+        """Block the calling (training) thread while a ``"block"`` buffer is over capacity.
+
+        Returns early when the doorbell rings (a command, a ``"raise"`` failure, a cancel: the
+        loop must act on it) or ``stop()`` turns true. Each slice waited is added to the
+        ``waited_s`` of every subscription holding during it; the first wait on a
+        subscription logs ``training_waits_for_subscriber``.
+
+        Args:
+            stop: Polled every slice; True ends the wait.
+
+        Returns:
+            Seconds waited.
+        """
+        if not self.active:
+            return 0.0
+        bell = self._doorbell
+        seen = bell.rings
+        start = t = time.monotonic()
+        while self.active and bell.rings == seen and not (stop is not None and stop()):
+            holding = self.holders()
+            for sub in holding:
+                if id(sub) not in self._warned:
+                    self._warned.add(id(sub))
+                    self._warn(sub)
+            self._room.wait(_SLICE)
+            now = time.monotonic()
+            for sub in holding:
+                sub.add_waited(now - t)
+            t = now
+        return t - start
+
+    @staticmethod
+    def _warn(sub: Holder) -> None:
+        announce_wait(
+            sub,
+            reason="its overflow='block' buffer is full: training goes at its pace so that "
+            "nothing is dropped",
+            remedies=REMEDIES,
+        )
+
+
+# ================================================================== spent items
+class Spent(deque[Any]):
+    """Items the loop thread is done with. ``append`` on the loop thread; ``clear`` on the
+    publishing thread. A deque: both are atomic under the GIL, and ``clear`` detaches every item
+    before it drops them, so an append racing with a clear is kept for the next one.
+    ``Spent(maxlen=0)`` keeps nothing: what a part appends is freed at once, where it is (a part
+    built without a bus, in tests).
+    """
+
+    __slots__ = ()
+
+
+# ================================================================== subscription records and the gu
 class Subscription(abc.DisposableBase):
     """Handle of a bus subscription: dispose it to unsubscribe; read its ``statistics()``."""
 
@@ -192,3 +541,834 @@ class GuardedObserver(abc.ObserverBase[Any]):
                 self._on_completed()
             except Exception as exc:
                 sub.fail(exc, None, ended=True)
+
+
+# ================================================================== async subscriptions
+DROP_REMEDIES = (
+    "a larger buffer=, a higher concurrency=, overflow='block' (training then waits for it, "
+    "said and counted), or sample at the stream: bus.stream(T, every_steps=n) / "
+    "bus.stream(T, every_s=x)"
+)
+
+Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
+"""What an async subscription does when its buffer is full: ``"block"`` takes the item and
+makes the training thread wait at its next poll point until there is room (nothing is ever
+dropped; training goes at the subscriber's pace); ``"drop_oldest"`` drops the oldest waiting
+item; ``"latest"`` keeps only the newest waiting item. Drops are counted as lost work."""
+OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
+DEFAULT_OVERFLOW: Overflow = "drop_oldest"
+"""The default: a slow subscriber never holds training back; what it cannot keep up with is
+dropped oldest first, counted, and reported as lost work (``FitResult.lost_work``)."""
+
+
+class AsyncSubscription(Subscription):
+    """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
+
+    The observer side (``push``) runs on the event-loop thread inside the bus' dispatch and never
+    awaits. With ``overflow="block"`` a full buffer takes the item over capacity and signals
+    ``backpressure``: the dispatcher goes on delivering to everyone (this buffer included), and
+    the training loop waits at its next poll point until the buffer is back within capacity,
+    so nothing is dropped and memory stays bounded by the buffer plus one step's (or one
+    evaluation round's) events.
+    """
+
+    kind = "async"
+
+    def __init__(
+        self,
+        ledger: FailureLedger,
+        name: str,
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        concurrency: int,
+        buffer: int,
+        overflow: Overflow,
+        on_error: ErrorPolicy | None,
+        backpressure: Backpressure,
+        decides: bool = False,
+        spent: Spent | None = None,
+        stamp: DecisionStamp | None = None,
+    ) -> None:
+        super().__init__(ledger, name, on_error)
+        self.fn = fn
+        # Items done with (run or dropped) are freed by the next publish, not here (Spent).
+        # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
+        self._spent = Spent(maxlen=0) if spent is None else spent
+        self.decides = decides
+        """Whether its commands must land on the step they were decided for: the step clock
+        declares its schedules, and every barrier that delivers it an item waits for it; no
+        other async subscription is ever waited for (see ``EventBus.subscribe_async``)."""
+        self.concurrency = concurrency
+        self.capacity = buffer
+        self.overflow = overflow
+        self.buffer: deque[Any] = deque()
+        self.started = 0
+        self.running = 0
+        self.input_closed = False
+        self._backpressure = backpressure
+        self._workers: TaskSet | None = None
+        self._cancelling = False  # cancel() came: the workers stop (when they start)
+        self._ready: anyio.Event | None = None
+        self._first_at: float | None = None  # monotonic time of the first item (for rates())
+        # Which dispatched event pushed the last item, and the count after it (received_from).
+        self._stamp = stamp or DecisionStamp()
+        self._source = 0
+        self._source_count = 0
+        self._progress: anyio.Event | None = None
+        self._finished: anyio.Event | None = None
+        self._suspending = False
+
+    # ------------------------------------------------------------------ counters
+    @property
+    def delivered(self) -> int:
+        return self.started
+
+    @property
+    def queued(self) -> int:
+        return len(self.buffer)
+
+    @property
+    def in_flight(self) -> int:
+        return self.running
+
+    @property
+    def settled(self) -> int:
+        """Items that need no more work: dropped, finished or cancelled."""
+        return self.dropped + self.completed + self.cancelled
+
+    @property
+    def finished(self) -> bool:
+        return self._finished is not None and self._finished.is_set()
+
+    @property
+    def over_capacity(self) -> bool:
+        return len(self.buffer) > self.capacity
+
+    @property
+    def pending(self) -> int:
+        """Items waiting or running: the work a close waits for."""
+        return len(self.buffer) + self.running
+
+    def received_from(self, event_id: int) -> int | None:
+        """When the last item this subscription received came from the dispatched event with
+        ``id() == event_id``: how many items it had received then; else None."""
+        return self._source_count if self._source == event_id else None
+
+    def rates(self) -> tuple[float, float]:
+        """(items finished per second, items received per second) since its first item."""
+        if self._first_at is None:
+            return 0.0, 0.0
+        span = max(time.monotonic() - self._first_at, 1e-9)
+        return self.completed / span, self.received / span
+
+    # ------------------------------------------------------------------ observer side
+    def push(self, item: Any) -> None:
+        """Accept one item from the observable (loop thread, never awaits)."""
+        self.received += 1
+        self._source = self._stamp.event_id
+        self._source_count = self.received
+        if self._first_at is None:
+            self._first_at = time.monotonic()
+        if self.finished:
+            # Cancelled at close (past close_timeout) while the drain went on: no worker will
+            # run this item, so it is counted, not buffered where nobody would ever look.
+            self.cancelled += 1
+            return
+        buf = self.buffer
+        if len(buf) >= self.capacity and self.overflow != "block":
+            self._spent.append(buf.popleft())
+            self.dropped += 1
+            if self.dropped == 1 and self.overflow == "drop_oldest":
+                self._announce_drops()
+        buf.append(item)
+        if len(buf) > self.capacity:
+            self._backpressure.signal(self)
+        if self._ready is not None:
+            self._ready.set()
+
+    def _announce_drops(self) -> None:
+        """Say, at its first drop, that this subscription has begun dropping (once: the end
+        of the run reports how many). ``"latest"`` drops by design and is not announced."""
+        done_rate, in_rate = self.rates()
+        log.warning(
+            "subscriber_dropping",
+            subscription=self.name,
+            buffer=self.capacity,
+            rate_per_s=round(done_rate, 3),
+            events_per_s=round(in_rate, 3),
+            action="its oldest waiting items are dropped from now on, counted as lost work "
+            "(FitResult.lost_work, bus_closed_with_lost_work at the end)",
+            remedies=DROP_REMEDIES,
+        )
+
+    def close_input(self) -> None:
+        """No more items will come: workers finish the buffer and exit."""
+        self.input_closed = True
+        if self._ready is not None:
+            self._ready.set()
+
+    def dispose(self) -> None:
+        super().dispose()
+        self.close_input()
+
+    # ------------------------------------------------------------------ worker side
+    def start(self, tasks: TaskSet) -> None:
+        """Start the workers among the bus' tasks (called once the bus runs)."""
+        self._ready = anyio.Event()
+        self._finished = anyio.Event()
+        self._cancelling = False
+        self._suspending = False
+        self._workers = None
+        tasks.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
+
+    def suspend(self) -> None:
+        """The bus suspends (its task group stops): the workers end, the subscription stays
+        active and starts again when the bus opens again. Anything still buffered or in
+        flight then (past the close timeout) counts as cancelled."""
+        self._suspending = True
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
+        arrives later is counted as cancelled."""
+        # Each worker ends by its own scope (TaskSet); _run then ends as they have.
+        self._cancelling = True
+        if self._workers is not None:
+            self._workers.stop()
+
+    async def _run(self) -> None:
+        assert self._finished is not None
+        try:
+            async with anyio.create_task_group() as tg:
+                workers = self._workers = TaskSet(tg)
+                if self._cancelling:
+                    workers.stop()
+                for _ in range(self.concurrency):
+                    workers.start_soon(self._worker)
+        finally:
+            # Whatever is left was cancelled by the close timeout.
+            self.cancelled += len(self.buffer) + self.running
+            self.buffer.clear()
+            self.running = 0
+            if not self._suspending:
+                self.active = False
+            self._backpressure.relieve(self)
+            self._notify(self._progress)
+            self._finished.set()
+
+    async def _worker(self) -> None:
+        buf = self.buffer
+        while True:
+            while not buf:
+                if self.input_closed:
+                    return
+                assert self._ready is not None
+                if self._ready.is_set():
+                    self._ready = anyio.Event()
+                await self._ready.wait()
+            item = buf.popleft()
+            if len(buf) <= self.capacity:
+                self._backpressure.relieve(self)
+            self.started += 1
+            self.running += 1
+            # A command sent while running the item is stamped with the item's step.
+            step = getattr(item, "step", None)
+            token = DecisionStamp.item(step if type(step) is int else None)
+            try:
+                await self.fn(item)
+            except Exception as exc:
+                self.fail(exc, item)
+            finally:
+                DecisionStamp.done(token)
+            # Not in a ``finally``: an item whose await is cancelled (close timeout) did not
+            # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
+            self.running -= 1
+            self.completed += 1
+            self._spent.append(item)
+            del item  # the spent deque holds the last reference: freed by the next publish
+            self._notify(self._progress)
+
+    @staticmethod
+    def _notify(event: anyio.Event | None) -> None:
+        if event is not None:
+            event.set()
+
+    async def wait_settled(self, target: int) -> None:
+        """Wait until ``target`` items have been dropped, finished or cancelled."""
+        while self.settled < target and not self.finished:
+            # Waiters share one event, so a second waiter never strands the first.
+            if self._progress is None or self._progress.is_set():
+                self._progress = anyio.Event()
+            await self._progress.wait()
+
+    async def wait_finished(self) -> None:
+        """Wait until every worker has exited."""
+        if self._finished is not None:
+            await self._finished.wait()
+
+
+class AsyncFeeder(abc.ObserverBase[Any]):
+    """Observer end of an async subscription: hands items to its buffer."""
+
+    __slots__ = ("_sub",)
+
+    def __init__(self, sub: AsyncSubscription) -> None:
+        self._sub = sub
+
+    def on_next(self, value: Any) -> None:
+        self._sub.push(value)
+
+    def on_error(self, error: Exception) -> None:
+        self._sub.fail(error, None, ended=True)
+        self._sub.close_input()
+
+    def on_completed(self) -> None:
+        self._sub.close_input()
+
+
+# ================================================================== the subscription set
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
+    object whose ``__call__`` is ``async def``."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)  # noqa: B004  (the class' own __call__)
+    return not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)
+
+
+class SubscriptionSet:
+    """Every subscription of one bus, in order, and the back-pressure flag they share.
+
+    Args:
+        ledger: Where the subscriptions report their failures.
+        spent: Where async subscriptions put the items they are done with (:class:`Spent`).
+        doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
+        stamp: The dispatch's stamp: async subscriptions note which event fed them.
+        watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one
+            that never watches).
+    """
+
+    def __init__(
+        self,
+        ledger: FailureLedger,
+        spent: Spent | None = None,
+        doorbell: Doorbell | None = None,
+        stamp: DecisionStamp | None = None,
+        watchdog: Watchdog | None = None,
+    ) -> None:
+        self._stamp = stamp or DecisionStamp()
+        self._ledger = ledger
+        self._watchdog = Watchdog(None) if watchdog is None else watchdog
+        self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
+        self._subs: list[Subscription] = []
+        self._tasks: TaskSet | None = None
+        self._open = True
+        self.backpressure = Backpressure(doorbell)
+
+    def check_open(self) -> None:
+        """Raises ``BusClosedError`` once the bus closes (no new subscription then)."""
+        if not self._open:
+            raise BusClosedError("the bus is closed; subscribe before it closes")
+
+    def close(self) -> None:
+        """Refuse new subscriptions from now on."""
+        self._open = False
+
+    def add_guarded(
+        self,
+        source: Observable[Any],
+        on_next: Callable[[Any], Any],
+        on_rx_error: Callable[[Exception], Any] | None,
+        on_completed: Callable[[], Any] | None,
+        *,
+        policy: ErrorPolicy | None,
+        name: str | None,
+        scheduler: abc.SchedulerBase,
+    ) -> Subscription:
+        """Subscribe validated callbacks to ``source`` behind a :class:`GuardedObserver`."""
+        sub = Subscription(self._ledger, name or name_of(on_next), policy)
+        self._subs.append(sub)
+        guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
+        sub.upstream = source.subscribe(guard, scheduler=scheduler)
+        return sub
+
+    @staticmethod
+    def check_async(
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        concurrency: int,
+        buffer: int | None,
+        overflow: Overflow | None,
+        policy: ErrorPolicy | None,
+    ) -> tuple[int, Overflow]:
+        """Validate an async subscription's options (the same answer on every rank, whether
+        the subscription runs there or not); returns the buffer size and the overflow policy
+        (defaults filled in: ``DEFAULT_OVERFLOW``, 64 items, 1 for ``"latest"``).
+
+        Raises:
+            ConfigError: for an ``fn`` that is not an async function (a plain ``def`` would
+                fail with a ``TypeError`` on every item) or an argument out of range.
+        """
+        if not callable(fn):
+            raise ConfigError.invalid("fn", fn, "an async function of one item")
+        if not _is_async(fn):
+            raise ConfigError.invalid(
+                "fn", getattr(fn, "__qualname__", repr(fn)), "an async def function of one "
+                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
+                "the event loop",
+            )  # fmt: skip
+        if not isinstance(concurrency, int) or concurrency < 1:
+            raise ConfigError.invalid("concurrency", concurrency, "an int >= 1")
+        if overflow is None:
+            overflow = DEFAULT_OVERFLOW
+        if overflow not in OVERFLOWS:
+            raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
+        if buffer is None:
+            buffer = 1 if overflow == "latest" else 64
+        if not isinstance(buffer, int) or buffer < 1:
+            raise ConfigError.invalid("buffer", buffer, "an int >= 1")
+        if overflow == "latest" and buffer != 1:
+            raise ConfigError.invalid("buffer", buffer, "1 (or omitted) with overflow='latest'")
+        check_policy(policy)
+        return buffer, overflow
+
+    def add_async(
+        self,
+        fn: Callable[[Any], Awaitable[Any]],
+        connect: Callable[[abc.ObserverBase[Any]], abc.DisposableBase],
+        *,
+        concurrency: int,
+        buffer: int | None,
+        overflow: Overflow | None,
+        policy: ErrorPolicy | None,
+        name: str | None,
+        decides: bool = False,
+    ) -> AsyncSubscription:
+        """Validate and add an async subscription; ``connect`` subscribes its feeder upstream.
+
+        Raises:
+            ConfigError: for a non-callable ``fn`` or an argument out of range.
+            BusClosedError: the bus is closed.
+        """
+        size, policy_ = self.check_async(fn, concurrency=concurrency, buffer=buffer,
+                                         overflow=overflow, policy=policy)  # fmt: skip
+        self.check_open()
+        sub = AsyncSubscription(
+            self._ledger,
+            name or name_of(fn),
+            fn,
+            concurrency=concurrency,
+            buffer=size,
+            overflow=policy_,
+            on_error=policy,
+            backpressure=self.backpressure,
+            spent=self._spent,
+            decides=decides,
+            stamp=self._stamp,
+        )
+        if self._tasks is not None:
+            # Its workers' events and tasks belong to the event loop, whichever thread
+            # subscribes (a hook's subscription comes from the training thread).
+            self._tasks.on_loop(sub.start, self._tasks)
+        self._subs.append(sub)
+        sub.upstream = connect(AsyncFeeder(sub))
+        return sub
+
+    def start(self, tasks: TaskSet) -> None:
+        """The bus runs: start the active async subscriptions (and later ones at once) in
+        ``tasks`` (the bus' :class:`TaskSet`)."""
+        self._tasks = tasks
+        for sub in self.asyncs():
+            if sub.active:
+                sub.start(tasks)
+
+    def suspend(self) -> None:
+        """The bus suspends: its task group is about to stop; the async subscriptions keep
+        their state (and start again with the next :meth:`start`)."""
+        self._tasks = None
+        for sub in self.asyncs():
+            sub.suspend()
+
+    def all(self) -> tuple[Subscription, ...]:
+        """Every subscription, in order (inactive ones included)."""
+        return tuple(self._subs)
+
+    def asyncs(self) -> list[AsyncSubscription]:
+        """The async subscriptions, in order."""
+        return [s for s in self._subs if isinstance(s, AsyncSubscription)]
+
+    def statistics(self) -> tuple[SubscriptionStatistics, ...]:
+        """Every subscription's snapshot, in order."""
+        return tuple(s.statistics() for s in self._subs)
+
+    def pending(self) -> dict[str, int]:
+        """Items waiting or running per async subscription that has any (what a close waits
+        for)."""
+        return {s.name: s.pending for s in self.asyncs() if s.pending}
+
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscription's workers now; what they held counts as cancelled.
+
+        Returns:
+            Items pending per subscription when cancelled (only those with any).
+        """
+        pending = self.pending()
+        for sub in self.asyncs():
+            sub.cancel()
+        return pending
+
+
+# ================================================================== ranks
+Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
+"""``None`` (the default: rank 0, or what ``bus.on_ranks`` set), ``"all"``, a rank, or ranks."""
+
+
+def env_rank(env: Mapping[str, str] | None = None) -> int:
+    """This process' rank from torchrun's ``RANK`` variable (0 when unset).
+
+    Raises:
+        ConfigError: ``RANK`` is set but not an integer >= 0.
+    """
+    text = (os.environ if env is None else env).get("RANK")
+    if text is None or text == "":
+        return 0
+    try:
+        rank = int(text)
+    except ValueError:
+        raise ConfigError.invalid("RANK", text, "an integer >= 0 (set by torchrun)") from None
+    if rank < 0:
+        raise ConfigError.invalid("RANK", rank, "an integer >= 0 (set by torchrun)")
+    return rank
+
+
+def _normalise(ranks: Ranks) -> frozenset[int] | Literal["all"] | None:
+    if ranks is None or ranks == "all":
+        return ranks
+    if isinstance(ranks, bool):
+        raise ConfigError.invalid("ranks", ranks, "None, 'all', a rank or an iterable of ranks")
+    if isinstance(ranks, int):
+        ranks = (ranks,)
+    if isinstance(ranks, str) or not isinstance(ranks, Iterable):
+        raise ConfigError.invalid("ranks", ranks, "None, 'all', a rank or an iterable of ranks")
+    out = frozenset(ranks)
+    if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
+        raise ConfigError.invalid("ranks", ranks, "a non-empty set of integers >= 0")
+    return out
+
+
+class RankFilter:
+    """This bus' rank and the default ranks of new subscriptions.
+
+    Args:
+        rank: This process' rank.
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._default: frozenset[int] | Literal["all"] = frozenset({0})
+
+    def runs_here(self, ranks: Ranks) -> bool:
+        """True when a subscription for ``ranks`` runs on this rank.
+
+        Raises:
+            ConfigError: ``ranks`` is not None, ``"all"``, a rank or ranks.
+        """
+        chosen = _normalise(ranks)
+        if chosen is None:
+            chosen = self._default
+        return chosen == "all" or self.rank in chosen
+
+    @contextmanager
+    def default(self, ranks: Ranks) -> Iterator[None]:
+        """Subscriptions made inside without ``ranks=`` run on ``ranks`` (None: unchanged).
+
+        Raises:
+            ConfigError: ``ranks`` is not None, ``"all"``, a rank or ranks.
+        """
+        chosen = _normalise(ranks)
+        previous = self._default
+        if chosen is not None:
+            self._default = chosen
+        try:
+            yield
+        finally:
+            self._default = previous
+
+
+# ================================================================== the bus' Observable and the com
+_T = TypeVar("_T")
+_T_co = TypeVar("_T_co", covariant=True)
+
+
+class BusChains(Protocol):
+    """What a :class:`BusObservable` needs of its bus (the bus' ``Chains`` provides it)."""
+
+    @property
+    def rx_scheduler(self) -> abc.SchedulerBase:
+        """The scheduler handed to chains: timers on the bus' Rx scheduler, "now" work inline."""
+        ...
+
+    def subscribe_observer(
+        self,
+        source: Observable[Any],
+        observer: Any,
+        on_rx_error: Any = None,
+        on_completed: Any = None,
+        *,
+        on_error: ErrorPolicy | None = None,
+        name: str | None = None,
+        scheduler: abc.SchedulerBase | None = None,
+        ranks: Any = None,
+    ) -> Subscription:
+        """Subscribe ``observer`` to ``source`` behind the bus' guard."""
+        ...
+
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps until the returned disposable is disposed."""
+        ...
+
+
+class BusObservable(Observable[_T], Generic[_T]):
+    """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
+    the observer and hands the bus' Rx scheduler to the chain's time-based operators.
+
+    ``decision_steps`` are those of the operators piped so far (an operator with a
+    ``decision_steps`` attribute, like ``tbops.every(n)``): subscribing declares them to the bus'
+    step clock for the subscription's lifetime. A stream of events that are never published per step
+    (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares nothing: its own events
+    are barriers or arrive rarely, and decision steps there would only add barriers.
+    """
+
+    def __init__(
+        self,
+        chains: BusChains,
+        source: Observable[_T],
+        decision_steps: tuple[DecisionSteps, ...] = (),
+        *,
+        per_step: bool = True,
+    ) -> None:
+        super().__init__()
+        self.chains = chains
+        self.source = source
+        self.decision_steps = decision_steps
+        self.per_step = per_step
+
+    def _subscribe_core(
+        self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
+    ) -> abc.DisposableBase:
+        return self.source.subscribe(observer, scheduler=scheduler or self.chains.rx_scheduler)
+
+    def pipe(self, *operators: Callable[[Any], Any]) -> Any:
+        """Compose operators left to right; the result is still a bus observable."""
+        # Operators subscribe to their source; give them the raw chain, not this guarded
+        # observable, so only the last subscribe of a pipeline is guarded and counted.
+        result = Observable(self._subscribe_core).pipe(*operators)
+        decision_steps = self.decision_steps
+        if self.per_step:
+            decision_steps += tuple(
+                s for op in operators if (s := getattr(op, "decision_steps", None)) is not None
+            )
+        if isinstance(result, Observable) and not isinstance(result, BusObservable):
+            return BusObservable(self.chains, result, decision_steps, per_step=self.per_step)
+        return result
+
+    def subscribe(  # type: ignore[override]  # on_error= is the policy, as on the bus
+        self,
+        on_next: abc.ObserverBase[_T] | Callable[[_T], Any] | None = None,
+        on_rx_error: Callable[[Exception], Any] | None = None,
+        on_completed: Callable[[], Any] | None = None,
+        *,
+        on_error: ErrorPolicy | None = None,
+        scheduler: abc.SchedulerBase | None = None,
+        name: str | None = None,
+        ranks: Any = None,
+    ) -> Subscription:
+        """Subscribe under the bus' guard.
+
+        The positional slots are RxPY's (``subscribe(on_next, on_error, on_completed)``), so
+        reactivex operators that subscribe to a bus chain with callbacks keep working; by
+        keyword, ``on_error=`` is the error policy, as in ``bus.subscribe`` and
+        ``bus.subscribe_async``.
+
+        Args:
+            on_next: A function of one item, or an Rx observer (``bus.commands`` included).
+            on_rx_error: The Rx error callback of a function ``on_next``: called with an
+                error the chain itself emits (RxPY's second positional argument).
+            on_completed: Called when the bus closes.
+            on_error: What a failure of ``on_next`` does: ``"log"``, ``"stop"`` or
+                ``"raise"`` (default: the bus' ``on_error``).
+            scheduler: Overrides the bus' Rx scheduler for this chain.
+            name: Name in logs and statistics.
+            ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
+                default), ``"all"``, a rank or an iterable of ranks.
+
+        Returns:
+            The :class:`~trainbus.bus.Subscription` (an Rx disposable).
+
+        Raises:
+            ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
+                ``on_completed`` is not callable; unknown policy.
+        """
+        sub = self.chains.subscribe_observer(
+            self.source,
+            on_next,
+            on_rx_error,
+            on_completed,
+            on_error=on_error,
+            name=name,
+            scheduler=scheduler,
+            ranks=ranks,
+        )
+        if self.decision_steps and sub.active:
+            sub.hold(self.chains.declare(self.decision_steps))
+        return sub
+
+    def subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
+        """Subscribe an internal observer directly (async feeders), with the bus' Rx scheduler."""
+        return self.source.subscribe(observer, scheduler=self.chains.rx_scheduler)
+
+
+class CommandSink(abc.ObserverBase[Any]):
+    """``bus.commands``: the back-channel as an Rx Observer of commands.
+
+    ``pipeline.subscribe(bus.commands)`` sends every command the pipeline emits; a non-command
+    is a ``ConfigError``, reported as that subscription's failure.
+    """
+
+    def __init__(self, send: Callable[[cmd.Command], None]) -> None:
+        self._send = send
+
+    def send(self, command: cmd.Command) -> None:
+        """Put ``command`` on the back-channel (what ``on_next`` does)."""
+        self._send(command)
+
+    def on_next(self, value: cmd.Command) -> None:
+        self._send(value)
+
+    def on_error(self, error: Exception) -> None:
+        raise error
+
+    def on_completed(self) -> None:
+        return None
+
+
+def normalize_observer(
+    observer: Any, on_rx_error: Any, on_completed: Any
+) -> tuple[Callable[[Any], Any], Any, Any]:
+    """Split an Rx observer or callbacks into (on_next, on_rx_error, on_completed), validated.
+
+    Raises:
+        ConfigError: ``observer`` is neither callable nor an observer, or a callback is not
+            callable.
+    """
+    if isinstance(observer, CommandSink):
+        # Failures of a decision pipeline are the subscription's, under its policy (a
+        # ConfigError from send() is reported, not re-raised into the pipeline).
+        return observer.send, on_rx_error, on_completed
+    if isinstance(observer, abc.ObserverBase):
+        return observer.on_next, observer.on_error, observer.on_completed
+    if observer is None or not callable(observer):
+        raise ConfigError.invalid("on_next", observer, "a callable of one event, or an Rx observer")
+    if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
+        raise ConfigError.invalid(
+            "on_rx_error", on_rx_error,
+            "an Rx error callback or None; an error policy goes in on_error=",
+        )  # fmt: skip
+    for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
+        if value is not None and not callable(value):
+            raise ConfigError.invalid(field, value, "a callable or None")
+    return observer, on_rx_error, on_completed
+
+
+# ================================================================== chains
+class Chains:
+    """Subscribes a chain's last observer behind the bus' guard (a ``BusChains``).
+
+    Args:
+        subscriptions: The bus' subscription records (where a guarded observer is added).
+        ranks: The bus' rank filter (a subscription for other ranks is inert here).
+        ledger: The bus' failure ledger (an inert subscription's counters).
+        clock: The step clock the pipelines' decision steps are declared to.
+        rx_scheduler: What chains get: timers on the bus' Rx scheduler, "now" work inline.
+    """
+
+    def __init__(
+        self,
+        subscriptions: SubscriptionSet,
+        ranks: RankFilter,
+        ledger: FailureLedger,
+        clock: StepClock,
+        rx_scheduler: ChainScheduler,
+    ) -> None:
+        self._subs = subscriptions
+        self._ranks = ranks
+        self._ledger = ledger
+        self._clock = clock
+        self._chain_scheduler = rx_scheduler
+
+    @property
+    def rx_scheduler(self) -> abc.SchedulerBase:
+        """The scheduler bus chains get: timers on the bus' Rx scheduler, "now" work inline."""
+        return self._chain_scheduler
+
+    def inert(self, name: str | None, on_error: ErrorPolicy | None) -> Subscription:
+        """A subscription for other ranks: registered nowhere, so it costs nothing."""
+        sub = Subscription(self._ledger, name or "inert", on_error)
+        sub.dispose()
+        return sub
+
+    def subscribe_observer(
+        self,
+        source: Observable[Any],
+        observer: Any,
+        on_rx_error: Any = None,
+        on_completed: Any = None,
+        *,
+        on_error: ErrorPolicy | None = None,
+        name: str | None = None,
+        scheduler: abc.SchedulerBase | None = None,
+        ranks: Ranks = None,
+    ) -> Subscription:
+        """Subscribe ``observer`` (function or Rx observer) to ``source`` behind the guard.
+
+        Args:
+            source: The chain to subscribe to.
+            observer: A function of one item, or an Rx observer.
+            on_rx_error: The Rx error callback of a function observer (an error the chain
+                itself emits); None: the subscription's policy handles it.
+            on_completed: Called when the chain completes.
+            on_error: The error policy (``"log"``, ``"stop"``, ``"raise"``; None: the bus').
+            name: Name in logs and statistics.
+            scheduler: Overrides the bus' Rx scheduler for this chain.
+            ranks: Where it runs under torchrun.
+
+        Returns:
+            The subscription (inert on a rank it does not run on).
+
+        Raises:
+            ConfigError: ``observer`` is neither callable nor an observer; a callback is not
+                callable; unknown policy or ranks.
+            BusClosedError: the bus is closed.
+        """
+        self._subs.check_open()
+        on_next, on_rx_error, on_completed = normalize_observer(observer, on_rx_error, on_completed)
+        policy = check_policy(on_error)
+        if not self._ranks.runs_here(ranks):
+            return self.inert(name, policy)
+        chain = ChainScheduler(scheduler) if scheduler else self._chain_scheduler
+        return self._subs.add_guarded(
+            source,
+            on_next,
+            on_rx_error,
+            on_completed,
+            policy=policy,
+            name=name,
+            scheduler=chain,
+        )
+
+    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
+        """Declare decision steps to the step clock until the result is disposed (what
+        subscribing a pipeline with ``tbops.every(n)`` / ``tbops.once(at=k)`` does)."""
+        clock = self._clock
+        keys = clock.declare(*decision_steps)
+        return Disposable(lambda: clock.remove(keys))

@@ -79,7 +79,7 @@ def run_demo(args: argparse.Namespace) -> int:
             MetricsLogger(every_s=2.0),
             JsonlEventLog(run_dir / "events.jsonl"),
             Checkpointing(every_epochs=5, monitor="val_loss", keep_last=2, keep_best=2),
-            EarlyStopping(metric="val_loss", patience=3),
+            EarlyStopping(monitor="val_loss", patience=3),
             CurvePlot(run_dir / "curves.png", title="trainbus demo: digits MLP"),
         ],
     )  # fmt: skip

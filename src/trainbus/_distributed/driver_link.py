@@ -50,6 +50,11 @@ class CommandSource(Protocol):
         """Take the commands sent so far."""
         ...
 
+    @property
+    def failure(self) -> Exception | None:
+        """The exception of a subscriber that failed the run, if any."""
+        ...
+
 
 _NOT_JSON = object()
 
@@ -78,11 +83,6 @@ class DriverBus(Protocol):
 
     def port(self) -> CommandSource:
         """The bus' loop face (obtained once: the driver forwards its commands)."""
-        ...
-
-    @property
-    def failure(self) -> Exception | None:
-        """The exception of a subscriber that failed the run, if any."""
         ...
 
     def statistics(self) -> Any:
@@ -295,7 +295,7 @@ class DriverLink:
         while True:
             await anyio.sleep(interval)
             outbox.extend(self._commands.poll_commands())
-            if self.bus.failure is not None and not self._failed:
+            if self.bus.port().failure is not None and not self._failed:
                 self._failed = True  # a driver subscriber failed the run: stop the workers
                 outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
                 if on_failure is not None:

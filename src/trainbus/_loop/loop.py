@@ -14,7 +14,7 @@ The event order is written once, in docs/events.md ("Event order"), and nowhere 
 there. tests/loop/test_loop.py pins a recorded run against that pseudocode and checks its
 event names against what the loop publishes, so it cannot drift; a copy here could.
 
-The loop holds the bus' loop face, its :class:`~trainbus._bus.port.LoopPort`, and one signal
+The loop holds the bus' loop face, its :class:`~trainbus._bus.LoopPort`, and one signal
 tells it to look: the port's doorbell, which rings after a routing change, a declared or
 removed decision steps, a command, a failure, a full ``"block"`` buffer or a cancel.
 Events nobody wants are never built: before a run of steps the loop compares the doorbell's

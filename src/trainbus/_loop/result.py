@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from .._bus.statistics import BusStatistics, LostWork
+    from .._bus.subscriptions import BusStatistics, LostWork
 
 __all__ = ["Cancelled", "FitResult"]
+
+# Attributes of earlier versions -> the one that replaced each.
+_RENAMED = {"metrics": "eval_metrics", "checkpoint": "last_checkpoint", "lost": "lost_work"}
 
 
 class Cancelled(BaseException):
@@ -63,6 +66,14 @@ class FitResult:
     """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
     ``cancel_pending()``, failed); only subscriptions that lost something, so it is empty
     (false) when every item was handled."""
+
+    def __getattr__(self, name: str) -> Any:
+        """An attribute of an earlier version (``metrics``, ``checkpoint``, ``lost``): an
+        ``AttributeError`` naming the one that replaced it."""
+        new = _RENAMED.get(name)
+        if new is None:
+            raise AttributeError(f"'FitResult' object has no attribute {name!r}")
+        raise AttributeError(f"FitResult.{name} is FitResult.{new} now")
 
     @property
     def ending(self) -> ev.Ending:

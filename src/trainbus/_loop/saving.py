@@ -55,6 +55,13 @@ _LOST = {
 }
 """What a resume loses when an entry of :func:`run_config` differs."""
 
+_SPELLED = {
+    "eval_every": "EvalSchedule.every_steps",
+    "eval_at_epoch_end": "EvalSchedule.epoch_end",
+    "scheduler_interval": "the scheduler's interval (PerEpoch)",
+}
+"""How the Trainer spells the entries a checkpoint records under the loop's names."""
+
 
 def run_config(settings: Settings) -> dict[str, Any]:
     """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
@@ -92,7 +99,8 @@ def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list
     out = []
     for key, lost in _LOST.items():
         if key in saved and key in now and saved[key] != now[key]:
-            out.append(f"{key} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} "
+            name = _SPELLED.get(key, key)
+            out.append(f"{name} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} "
                        f"now: {lost}")  # fmt: skip
     return out
 

@@ -29,7 +29,7 @@ class Wants:
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
             one when ``step_ended_demand.takes(step, now)`` says one of them takes it, and
             tells it the event's stamp (``built``).
-        step_ended_demand: The port's :class:`~trainbus._bus.routes.Demand` for ``StepEnded``.
+        step_ended_demand: The port's :class:`~trainbus._bus.dispatch.Demand` for ``StepEnded``.
         trace: The opt-in trace of the step's parts (``SpanTraced``), refreshed with the flags.
         rings: The doorbell's count the flags were read at (-1: never read).
 

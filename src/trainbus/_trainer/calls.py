@@ -27,7 +27,7 @@ except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
 from .. import commands as cmd
 from .. import events as ev
 from .._bus import EventBus, LoopPort
-from .._bus.tasks import TaskSet
+from .._bus.scheduler import TaskSet
 from .._exceptions import TrainbusError
 from .._log import get_logger
 from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
@@ -197,7 +197,7 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
     """While the block runs, a cancellation of the caller asks ``run`` to stop
     (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
-    cancelled when nothing cancelled the call (``_bus/tasks.py``: no reference cycle left)."""
+    cancelled when nothing cancelled the call (``_bus/scheduler.py``: no reference cycle left)."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
         tasks.start_soon(watch_cancel, run, thread)
@@ -273,7 +273,7 @@ class CallRunner:
             TrainbusError: the bus closed already (the message says what to do).
         """
         bus = self._bus
-        if bus.running:
+        if bus.state == "running":
             yield
             await bus.wait_delivered(self._timeout)
             return

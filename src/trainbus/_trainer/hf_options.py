@@ -115,7 +115,9 @@ HF_OPTIONS: tuple[HfOption, ...] = (
              'epoch_end=False)` for `"steps"`, `EvalSchedule(epoch_end=True)` (the default, '
              'with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`', "eval_schedule",
              current=False),
-    HfOption("eval_steps", "`eval_schedule=EvalSchedule(every_steps=N)`", "eval_schedule"),
+    HfOption("eval_steps", "`eval_schedule=EvalSchedule(every_steps=N, epoch_end=False)` "
+             "(`epoch_end=True`, the default, also evaluates at each epoch's end)",
+             "eval_schedule"),
     HfOption("eval_on_start", "call `trainer.evaluate_sync()` before `fit_sync()`"),
     HfOption("eval_accumulation_steps", "not needed: `predict()` copies each batch's outputs "
              "to the host as it comes"),
@@ -127,10 +129,10 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("load_best_model_at_end", _ckpt('monitor="val_loss", load_best_at_end=True'),
              "callbacks"),
     HfOption("metric_for_best_model", _ckpt('monitor="val_<metric>"') + ", "
-             '`EarlyStopping(metric="val_<metric>")`', "callbacks"),
+             '`EarlyStopping(monitor="val_<metric>")`', "callbacks"),
     HfOption("greater_is_better", '`mode="max"` of `Checkpointing` / `EarlyStopping` in '
              "`callbacks=[...]`", "callbacks"),
-    HfOption("early_stopping_patience", "`callbacks=[EarlyStopping(metric, patience=N)]`",
+    HfOption("early_stopping_patience", "`callbacks=[EarlyStopping(monitor, patience=N)]`",
              "callbacks", source="EarlyStoppingCallback"),
     HfOption("resume_from_checkpoint", '`trainer.fit(resume="latest")` or `fit(resume=path)`'),
     HfOption("dataloader_num_workers", "pass a `DataLoader(..., num_workers=N)`"),
@@ -246,7 +248,8 @@ LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
     "val_check_interval": ("eval_schedule", "eval_schedule=EvalSchedule(every_steps=N)"),
     "check_val_every_n_epoch": (
         "eval_schedule",
-        "eval_schedule=EvalSchedule(epoch_end=True) (every epoch)",
+        "eval_schedule=EvalSchedule(epoch_end=True) evaluates at every epoch's end; for every "
+        "N epochs, send commands.Evaluate() from a subscriber of EpochEnded",
     ),
     "default_root_dir": ("checkpoint_dir", "checkpoint_dir=..."),
     "enable_checkpointing": ("callbacks", "callbacks=[Checkpointing(...)] with checkpoint_dir="),

@@ -120,7 +120,7 @@ class BusHolder:
         """
         backend = check_backend(backend)
         self.check_open("with trainer")
-        if self._bus.running or self._portal is not None:
+        if self._bus.state == "running" or self._portal is not None:
             raise TrainbusError("with trainer: its bus runs already (an enclosing `with` or "
                                 "`async with`); enter it once")  # fmt: skip
         stack = contextlib.ExitStack()
@@ -152,7 +152,7 @@ class BusHolder:
         if stack is not None and portal is not None:
             self._stack = self._portal = None
             with stack:
-                if self._bus.running:
+                if self._bus.state == "running":
                     # A call interrupted on this thread (Ctrl-C while it waited) still runs in
                     # the portal: cancel it; the portal's exit waits until it ended (its bus
                     # suspended), and the bus is closed below.
@@ -160,7 +160,7 @@ class BusHolder:
                         portal.call(portal.stop, True)
                 elif not self.closed:
                     portal.call(self._run_to_close)
-        if self._bus.running:
+        if self._bus.state == "running":
             raise TrainbusError("close(): the bus runs in an event loop (`async with trainer` "
                                 "or `async with trainer.bus`); leave that block, which closes "
                                 "it, or `await trainer.aclose()` after it")  # fmt: skip
@@ -183,7 +183,7 @@ class BusHolder:
                 raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "
                                           "`with trainer:` runs")  # fmt: skip
             return portal_call(self._portal, fn)
-        if self._bus.running:
+        if self._bus.state == "running":
             raise TrainbusError(
                 f"{name}_sync(): the trainer's bus runs in an event loop already (`async with "
                 f"trainer` or `async with trainer.bus`); there, `await trainer.{name}(...)`"
@@ -201,7 +201,7 @@ class BusHolder:
             TrainbusError: the bus runs already, or closed.
         """
         self.check_open("async with trainer")
-        if self._bus.running or self._portal is not None:
+        if self._bus.state == "running" or self._portal is not None:
             raise TrainbusError("async with trainer: its bus runs already (an enclosing "
                                 "`with` or `async with`); enter it once")  # fmt: skip
         await self._bus.__aenter__()

@@ -23,14 +23,12 @@ one value is the common case (``accumulate=4``, ``checkpoint_dir="runs/x"``,
 
 from __future__ import annotations
 
-import difflib
-import functools
 import inspect
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, ParamSpec
+from typing import Any, Literal
 
 import torch
 
@@ -41,7 +39,7 @@ from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
 from .._loop.settings import check_loader, check_reiterable, eval_sets
 from .._tensors import bf16_supported
-from .._validate import check_int
+from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
 from .endings import check_skip_final
 from .hf_options import hf_hint, lightning_hint, removed_hint
@@ -248,40 +246,25 @@ def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
-P = ParamSpec("P")
-
-
-def explains_unknown_options(init: Callable[P, None]) -> Callable[P, None]:
-    """``init`` (``Trainer.__init__``, its signature unchanged: ``inspect.signature`` and
-    ``help()`` follow ``__wrapped__``, mypy the ``ParamSpec``), with a keyword that is no
-    option refused as Python refuses it, and what replaces it named.
-
-    Raises (from the call):
-        TypeError: ``Trainer() got an unexpected keyword argument 'x'`` and, for a Hugging
-            Face name or a removed trainbus name, what to write instead; else the nearest
-            option.
-    """
-    params = inspect.signature(init).parameters
-    keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
-
-    @functools.wraps(init)
-    def checked(*args: P.args, **kwargs: P.kwargs) -> None:
-        for name, value in kwargs.items():
-            if name not in params:
-                raise TypeError(unknown_option_message(name, value, keywords))
-        init(*args, **kwargs)
-
-    return checked
+def bus_hint(name: str, value: Any) -> str | None:
+    """``bus=EventBus(<name>=<value>)`` when ``name`` is an option of the bus, else None."""
+    if name not in inspect.signature(EventBus).parameters:
+        return None
+    return f"bus=EventBus({name}={value!r}) (an option of the bus)"
 
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
     """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
-    known = list(options)
     # A habit to unlearn (Hugging Face's, Lightning's, an earlier trainbus'): its successor.
-    hint = hf_hint(name) or lightning_hint(name) or removed_hint(name, value)
-    near = difflib.get_close_matches(name, known, n=1)
-    tail = f": {hint}" if hint else f" (did you mean {near[0]!r}?)" if near else ""
-    return f"Trainer() got an unexpected keyword argument {name!r}{tail}"
+    hint = (
+        hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
+    )
+    return unknown_keyword_message("Trainer", name, options, hint)
+
+
+explains_unknown_options = explains_unknown_keywords(unknown_option_message)
+"""``Trainer.__init__`` with a keyword that is no option refused as Python refuses it, and
+what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
 
 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],

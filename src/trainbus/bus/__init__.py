@@ -10,13 +10,13 @@ operators run on. The implementation is private (``trainbus._bus``).
 
 from .._bus import CommandError as CommandError
 from .._bus import EventBus as EventBus
-from .._bus.async_subscription import AsyncSubscription as AsyncSubscription
-from .._bus.observable import BusObservable as BusObservable
 from .._bus.scheduler import AnyioScheduler as AnyioScheduler
-from .._bus.statistics import BusStatistics as BusStatistics
-from .._bus.statistics import LostWork as LostWork
-from .._bus.statistics import SubscriptionStatistics as SubscriptionStatistics
+from .._bus.subscriptions import AsyncSubscription as AsyncSubscription
+from .._bus.subscriptions import BusObservable as BusObservable
+from .._bus.subscriptions import BusStatistics as BusStatistics
+from .._bus.subscriptions import LostWork as LostWork
 from .._bus.subscriptions import Subscription as Subscription
+from .._bus.subscriptions import SubscriptionStatistics as SubscriptionStatistics
 from .._exceptions import BusClosedError as BusClosedError
 
 __all__ = [

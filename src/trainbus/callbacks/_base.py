@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 import torch
 
 from .. import events as ev
-from .._bus.async_subscription import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
-from .._bus.failures import ERROR_POLICIES, ErrorPolicy
+from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
+from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
 from .._validate import check_state_key
@@ -182,6 +182,17 @@ class SubscribeOptions:
             raise ConfigError.invalid("SubscribeOptions.decides", self.decides, "True or False")
 
 
+# Class attributes of earlier versions -> the ``SubscribeOptions`` field each one became.
+_FORMER_OPTIONS = {
+    "error_policy": "on_error",
+    "on_error": "on_error",
+    "overflow": "overflow",
+    "buffer": "buffer",
+    "concurrency": "concurrency",
+    "decides": "decides",
+}
+
+
 class Callback:
     """Base class for class-based callbacks. Subclass it and define the methods you need.
 
@@ -292,6 +303,24 @@ class Callback:
         handle: GlobalCallbackHandle | None = getattr(self, "_global_handle", None)
         if handle is not None:
             handle.remove()
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Refuse the class attributes that ``subscribe_options`` replaced: silently ignored,
+        a former decider would no longer hold its barrier and a former ``"block"`` subscriber
+        would drop.
+
+        Raises:
+            ConfigError: naming the attribute and the ``SubscribeOptions`` field it became.
+        """
+        super().__init_subclass__(**kwargs)
+        for name, replacement in _FORMER_OPTIONS.items():
+            value = cls.__dict__.get(name)
+            if value is not None and not callable(value):
+                raise ConfigError(
+                    f"{cls.__name__}.{name}={value!r}: a callback's subscription options are "
+                    f"one class attribute now, subscribe_options = SubscribeOptions({replacement}="
+                    f"{value!r})"
+                )
 
     @classmethod
     def methods(cls) -> tuple[dict[str, type[ev.BaseEvent]], dict[str, str]]:

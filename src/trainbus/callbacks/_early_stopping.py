@@ -10,41 +10,42 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
+from .._validate import check_metric
 from ._sets import check_monitored, reads_metric
 from ._tracked import TrackedCallback
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.observable import CommandSink
+    from .._bus.subscriptions import CommandSink
     from ._base import RunPlan
 
 __all__ = ["EarlyStopping"]
 
 
 class EarlyStopping(TrackedCallback):
-    """Sends ``StopTraining`` once ``metric`` has not improved for ``patience`` evaluations.
+    """Sends ``StopTraining`` once ``monitor`` has not improved for ``patience`` evaluations.
 
     Pipeline::
 
-        EvaluationEnded | ExternalEvaluationEnded (those carrying ``metric``)
-            -> filter(no error) -> tbops.patience(metric, ...) -> bus.commands
+        EvaluationEnded | ExternalEvaluationEnded (those carrying ``monitor``)
+            -> filter(no error) -> tbops.patience(monitor, ...) -> bus.commands
 
     ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
     evaluation that decided it: the run ends at that exact step, with
     ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
-    NaN never counts as an improvement. A ``metric`` the run's evaluation does not produce is
+    NaN never counts as an improvement. A ``monitor`` the run's evaluation does not produce is
     a ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an
     evaluation lacking it fails this subscription (logged, with the metrics it had).
 
     Results of evaluation jobs on checkpoints (``ExternalEvaluationEnded``, from
     :class:`~trainbus.callbacks.EvaluateCheckpoints`) count as evaluations too when they carry
-    ``metric`` (a job may report other metrics than the loop's evaluation); they are not
+    ``monitor`` (a job may report other metrics than the loop's evaluation); they are not
     barriers, so a stop they decide is applied at the loop's next poll point. The loop's own
-    ``EvaluationEnded`` must still carry ``metric`` (a typo is refused up front): watch a
+    ``EvaluationEnded`` must still carry ``monitor`` (a typo is refused up front): watch a
     job-only metric with no ``eval_data``, or make the loop's metrics include it.
 
     Args:
-        metric: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
+        monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
         patience: Evaluations without improvement before stopping (>= 1).
         mode: ``"min"`` if lower is better, ``"max"`` otherwise.
         min_delta: Smallest change that counts as an improvement (>= 0).
@@ -61,15 +62,16 @@ class EarlyStopping(TrackedCallback):
 
     def __init__(
         self,
-        metric: str = "val_loss",
+        monitor: str = "val_loss",
         patience: int = 3,
         mode: Literal["min", "max"] = "min",
         min_delta: float = 0.0,
         *,
         state_key: str | None = None,
     ) -> None:
-        tbops.patience(metric, mode=mode, patience=patience, min_delta=min_delta)  # validates
-        self.metric, self.patience, self.mode, self.min_delta = metric, patience, mode, min_delta
+        monitor = check_metric("monitor", monitor)
+        tbops.patience(monitor, mode=mode, patience=patience, min_delta=min_delta)  # validates
+        self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
         # The tracker: best value and evaluations without improvement (fresh each time it is added).
         super().__init__(state_key)
         # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
@@ -79,29 +81,29 @@ class EarlyStopping(TrackedCallback):
         """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``metric`` its evaluation does not produce.
+        """Refuse, before the run starts, a ``monitor`` its evaluation does not produce.
 
         Raises:
-            ConfigError: with ``eval_data``, ``metric`` is not among its metrics; without it,
+            ConfigError: with ``eval_data``, ``monitor`` is not among its metrics; without it,
                 no added callback runs evaluation jobs (``EvaluateCheckpoints``) either.
         """
-        check_monitored(plan, "EarlyStopping.metric", self.metric, external=True)
+        check_monitored(plan, "EarlyStopping.monitor", self.monitor, external=True)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
-        metric = self.metric
+        monitor = self.monitor
         # One run, one tracker: an instance added to a second trainer starts afresh.
         tracker = self.fresh_tracker()
         self._commands, self._stop = bus.commands, None
-        decide = tbops.patience(metric, mode=self.mode, patience=self.patience,
+        decide = tbops.patience(monitor, mode=self.mode, patience=self.patience,
                                 min_delta=self.min_delta, tracker=tracker)  # fmt: skip
         bus.stream(ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
             ops.filter(
                 lambda e: (
-                    e.error is None and (isinstance(e, ev.EvaluationEnded) or metric in e.metrics)
+                    e.error is None and (isinstance(e, ev.EvaluationEnded) or monitor in e.metrics)
                 )
             ),
-            ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
+            ops.filter(reads_metric(monitor)),  # named sets: only the metric's own set
             decide,
             ops.do_action(self._decided),
         ).subscribe(bus.commands, name="EarlyStopping")

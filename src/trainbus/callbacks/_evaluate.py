@@ -93,7 +93,7 @@ class EvaluateCheckpoints(Callback):
     a job that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
     it is logged and kept in :attr:`results` like every other.
 
-    ``EarlyStopping(metric=...)`` acts on these events when they carry its metric.
+    ``EarlyStopping(monitor=...)`` acts on these events when they carry its metric.
 
     Args:
         run: The command (a non-empty list of strings) or an async function.
@@ -153,7 +153,7 @@ class EvaluateCheckpoints(Callback):
             else:
                 log.info("external_evaluation_ended", step=result.step, epoch=result.epoch,
                          checkpoint=result.checkpoint, **dict(result.metrics))  # fmt: skip
-            if bus.running:
+            if bus.state == "running":
                 bus.publish(result)
             else:  # the bus completed its streams: nobody could receive it
                 log.warning("external_evaluation_not_delivered", checkpoint=result.checkpoint,

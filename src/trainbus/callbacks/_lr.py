@@ -10,6 +10,7 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
+from .._validate import check_metric
 from ._base import Callback
 from ._sets import check_monitored, reads_metric
 from ._tracked import TrackedCallback
@@ -22,11 +23,11 @@ __all__ = ["LearningRateMonitor", "ReduceLROnPlateau"]
 
 
 class ReduceLROnPlateau(TrackedCallback):
-    """Multiplies the learning rate by ``factor`` when ``metric`` stops improving.
+    """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving.
 
     Pipeline::
 
-        EvaluationEnded -> filter(no error) -> tbops.plateau(metric, ...) -> bus.commands
+        EvaluationEnded -> filter(no error) -> tbops.plateau(monitor, ...) -> bus.commands
 
     Each reduction is a ``ScaleLearningRate(factor)`` command, applied to every parameter
     group at the barrier after the deciding evaluation (like
@@ -34,7 +35,7 @@ class ReduceLROnPlateau(TrackedCallback):
     with any scheduler and is acknowledged by ``CommandApplied``).
 
     Args:
-        metric: Evaluation metric to watch.
+        monitor: Evaluation metric to watch.
         patience: Evaluations without improvement before a reduction (>= 1).
         factor: Multiplier in (0, 1).
         mode: ``"min"`` if lower is better, ``"max"`` otherwise.
@@ -50,7 +51,7 @@ class ReduceLROnPlateau(TrackedCallback):
 
     def __init__(
         self,
-        metric: str = "val_loss",
+        monitor: str = "val_loss",
         patience: int = 2,
         factor: float = 0.5,
         mode: Literal["min", "max"] = "min",
@@ -64,26 +65,27 @@ class ReduceLROnPlateau(TrackedCallback):
             mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
             max_reductions=max_reductions,
         )  # fmt: skip
-        tbops.plateau(metric, **self._options)  # validates now
-        self.metric, self.patience, self.factor, self.mode = metric, patience, factor, mode
+        monitor = check_metric("monitor", monitor)
+        tbops.plateau(monitor, **self._options)  # validates now
+        self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
         # The tracker: best value, counters and reductions made (fresh each time it is added).
         super().__init__(state_key)
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``metric`` no evaluation of the run produces.
+        """Refuse, before the run starts, a ``monitor`` no evaluation of the run produces.
 
         Raises:
-            ConfigError: no ``eval_data``, or ``metric`` is not among its metrics.
+            ConfigError: no ``eval_data``, or ``monitor`` is not among its metrics.
         """
-        check_monitored(plan, "ReduceLROnPlateau.metric", self.metric)
+        check_monitored(plan, "ReduceLROnPlateau.monitor", self.monitor)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         tracker = self.fresh_tracker()
         bus.stream(ev.EvaluationEnded).pipe(
             ops.filter(lambda e: e.error is None),
-            ops.filter(reads_metric(self.metric)),  # named sets: only the metric's own set
-            tbops.plateau(self.metric, tracker=tracker, **self._options),
+            ops.filter(reads_metric(self.monitor)),  # named sets: only the metric's own set
+            tbops.plateau(self.monitor, tracker=tracker, **self._options),
         ).subscribe(bus.commands, name="ReduceLROnPlateau")
 
 

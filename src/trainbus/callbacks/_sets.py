@@ -46,7 +46,7 @@ def check_monitored(
 
     Args:
         plan: The run about to start.
-        option: The option naming the metric, for the message (``"EarlyStopping.metric"``).
+        option: The option naming the metric, for the message (``"EarlyStopping.monitor"``).
         metric: The monitored key.
         external: The monitor also reads ``ExternalEvaluationEnded``: without ``eval_data``
             an added evaluation job may produce any name.

@@ -15,7 +15,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
-from .._validate import check_int, check_number, check_seconds
+from .._validate import check_int, check_metric, check_number, check_seconds
 from ._base import Callback
 from ._sets import check_monitored
 
@@ -29,23 +29,23 @@ Source = Literal["auto", "train", "eval"]
 
 
 class ThresholdStopping(Callback):
-    """Sends ``StopTraining`` the first time ``metric`` goes above ``above`` or below ``below``.
+    """Sends ``StopTraining`` the first time ``monitor`` goes above ``above`` or below ``below``.
 
     Pipeline::
 
-        EvaluationEnded (no error) | MetricsLogged -> tbops.threshold(metric, ...) -> bus.commands
+        EvaluationEnded (no error) | MetricsLogged -> tbops.threshold(monitor, ...) -> bus.commands
 
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
     ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
     ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
-    after ``MetricsLogged`` at the next poll point. A ``metric`` its source never carries is a
+    after ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
     ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
     lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
     the event had (logged by the bus; the run goes on unless the bus' error policy says so).
 
     Args:
-        metric: The metric to watch.
+        monitor: The metric to watch.
         above: Stop when the value is greater than this.
         below: Stop when the value is less than this (give either or both; ``below < above``).
         source: ``"auto"``, ``"train"`` or ``"eval"``.
@@ -56,28 +56,29 @@ class ThresholdStopping(Callback):
 
     def __init__(
         self,
-        metric: str,
+        monitor: str,
         *,
         above: float | None = None,
         below: float | None = None,
         source: Source = "auto",
     ) -> None:
-        self._decide = tbops.threshold(metric, above=above, below=below)
+        monitor = check_metric("monitor", monitor)
+        self._decide = tbops.threshold(monitor, above=above, below=below)
         if source not in ("auto", "train", "eval"):
             raise ConfigError.invalid("source", source, "'auto', 'train' or 'eval'")
-        self.metric, self.above, self.below = metric, above, below
+        self.monitor, self.above, self.below = monitor, above, below
         self.source: Literal["train", "eval"] = (
-            source if source != "auto" else ("eval" if metric.startswith("val_") else "train")
+            source if source != "auto" else ("eval" if monitor.startswith("val_") else "train")
         )
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``metric`` its ``source`` never carries.
+        """Refuse, before the run starts, a ``monitor`` its ``source`` never carries.
 
         Raises:
-            ConfigError: ``source`` ``"train"`` and ``metric`` is not a ``MetricsLogged`` key;
-                ``"eval"`` and no ``eval_data``, or ``metric`` is not among its metrics.
+            ConfigError: ``source`` ``"train"`` and ``monitor`` is not a ``MetricsLogged`` key;
+                ``"eval"`` and no ``eval_data``, or ``monitor`` is not among its metrics.
         """
-        check_monitored(plan, "ThresholdStopping.metric", self.metric,
+        check_monitored(plan, "ThresholdStopping.monitor", self.monitor,
                         train=self.source == "train")  # fmt: skip
 
     def setup(self, bus: EventBus) -> None:

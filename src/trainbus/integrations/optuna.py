@@ -33,7 +33,7 @@ from reactivex.abc import DisposableBase
 
 from .. import commands as cmd
 from .. import events as ev
-from .._bus.rank_filter import env_rank
+from .._bus.subscriptions import RankFilter, env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
@@ -207,7 +207,7 @@ class OptunaPruning(Callback):
                 ``monitor`` anywhere (nothing was ever reported: pruning could not happen).
         """
         bus = None if self._bus is None else self._bus()
-        if bus is not None and not bus.runs_here(self.ranks):
+        if bus is not None and not RankFilter(bus.rank).runs_here(self.ranks):
             return  # a rank other than 0: its subscribers did not run, rank 0 decided
         if not self._checked and result.ending in (ev.Ending.COMPLETED, ev.Ending.STOPPED):
             self._check_exists("the whole run")

@@ -8,6 +8,7 @@ several pipelines.
 Marble diagrams read left to right in time; ``|`` is completion.
 """
 
+from .._moved import renamed
 from ._decide import Tracker, patience, plateau, threshold
 from ._select import DecisionOperator, every, metric, of_type, once
 from ._spans import Span, span_durations
@@ -25,3 +26,8 @@ __all__ = [
     "span_durations",
     "threshold",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """A renamed operator (``Scheduled``): an ``AttributeError`` naming what it is now."""
+    raise renamed(__name__, name)

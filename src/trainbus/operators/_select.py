@@ -8,7 +8,7 @@ from typing import Any, Generic, TypeVar, overload
 from reactivex import Observable
 from reactivex import operators as ops
 
-from .._bus.clock import At, DecisionSteps, Every
+from .._bus.commands import At, DecisionSteps, Every
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric
 

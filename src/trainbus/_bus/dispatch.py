@@ -1,0 +1,935 @@
+"""Dispatch: the route table, the publish queue, and the barriers.
+
+The routing table: which root observers each event type goes to, in tier order.
+
+A *root* is one subscription at the top of a chain (a ``bus.events`` / ``bus.stream(...)``
+subscription): the event types it takes and the observer to feed. Roots are kept sorted by tier
+(internal, core, user, global), then by order of subscription. The per-type answer is cached in
+:attr:`RouteTable.cache`, a dict that is replaced (copy-on-write), never mutated in place, so a
+dispatch in progress keeps a consistent view while a subscriber subscribes.
+
+A *sampled* root takes only some events, decided where the event is routed:
+``bus.stream(T, every_s=s)`` the first event, then none whose ``time`` is less than ``s``
+seconds after the last one it took (``throttle_first`` on the events' own clock);
+``bus.stream(T, every_steps=n)`` the events whose ``step`` is a multiple of ``n``. The table
+keeps, per event type asked about, a :class:`Demand`: whether some root takes every event,
+and otherwise which event a sampled one takes next. A publisher that builds events only for
+subscribers (the training loop) asks it (:meth:`Demand.takes`) and builds no event nobody
+will take; the sampling itself stays in here.
+
+The publish queue: a cheap hand-off on the publishing thread, one dispatch slice on the loop.
+
+How an event travels::
+
+    training thread                      event-loop thread (anyio task group of the bus)
+    publish(e): queue.append(e) ──────►  poller: every flush_interval, if the queue is non-empty,
+                (nothing else)           take the n queued events and dispatch them in ONE slice:
+                                         for each event, for each matching root observer (core,
+                                         then user, then global tier), call on_next. No await
+                                         between events, ever: a full "block" async buffer
+                                         takes the item and pushes back on the training loop
+                                         (Backpressure), not on dispatch.
+
+Why batching: every wake-up of the loop thread costs a tiny-model training thread 55-240 µs of
+wall time (the two threads hand the GIL over), about a whole 100 µs step. A poller that wakes at
+most once per interval costs that once per ~20 ms instead of once per event (DESIGN.md).
+
+Idle poller: after a few intervals with nothing published the poller parks (no more timed
+wake-ups, so a run with no subscriber, or only subscribers of rare events, pays no GIL hand-over
+for it) and the next ``publish`` wakes it once: a flag read on the hot path, and a non-blocking
+call into the event loop only on the first event after a quiet spell. The flag is raised before
+the poller's last look at the queue, so an event appended in between is never stranded; a
+backstop timeout bounds the park anyway.
+
+Where events are freed: not on the loop thread. A dispatched event goes to :class:`Spent`, and
+the next ``publish`` frees it on the publishing thread, because freeing a tensor releases the GIL
+(see :class:`Spent`).
+
+Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
+``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
+(a slow sync subscriber holds the event-loop thread) bounds memory instead of losing events.
+
+Barriers: deliver now, then wait for the deciders among the async subscribers of one event.
+
+The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
+``EpochEnded`` by default, or ``EventBus(barriers=...)``), at the decision steps of the step
+clock (their ``StepEnded``) and once after the last step (no event), so that a decision made
+there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
+so the loop can apply it first.
+
+Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber
+of what was queued runs during the delivery, as always; of the async subscriptions, only those
+made with ``decides=True`` (``Callback.decides``) that received the event, or an event derived
+from it in the same dispatch (at the last barrier: anything delivered then), and only until
+they finished what they had received by then. Any other async subscription (a poster of the
+metrics, an uploader, a logger) is never waited for, whatever events it receives: its backlog
+stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself never
+waits (a full ``"block"`` buffer pushes back on the training loop instead, see
+:class:`Backpressure`).
+The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
+subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
+``training_waits_for_subscriber`` warning names it (:func:`~.pressure.announce_wait`, as for a
+full ``"block"`` buffer), during the wait that crosses it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any, Literal
+
+import anyio
+import anyio.lowlevel
+from reactivex import abc
+
+from .. import events as ev
+from .._exceptions import BusClosedError, ConfigError
+from .._log import get_logger
+from .commands import CommandChannel, DecisionStamp
+from .doorbell import Doorbell
+from .scheduler import TaskSet
+from .subscriptions import AsyncSubscription, Spent, SubscriptionSet, announce_wait
+from .watchdog import FailureLedger
+
+__all__ = [
+    "BARRIER_TYPES",
+    "DEFAULT_BARRIERS",
+    "Barrier",
+    "BarrierStatus",
+    "Demand",
+    "PublishQueue",
+    "Root",
+    "RouteTable",
+    "Sampled",
+    "Tier",
+    "TierContext",
+    "check_barriers",
+]
+
+log = get_logger(__name__)
+
+
+# ================================================================== the route table
+Tier = Literal["internal", "core", "user", "global"]
+TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
+
+
+class Root:
+    """One subscription at the top of a chain: the types it takes and the observer to feed
+    (for a sampled root, its :class:`Sampled` gate)."""
+
+    __slots__ = ("observer", "order", "types")
+
+    def __init__(self, types: tuple[type, ...], observer: abc.ObserverBase[Any], order: int):
+        self.types = types
+        self.observer = observer
+        self.order = order
+
+
+class Demand:
+    """What the subscriptions of one event type take: every event, a sample, or nothing.
+
+    Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
+    the table's lifetime); the publisher reads it from its own thread and never sees how the
+    sampling is done. A time-sampled event the publisher is told to build moves the due time
+    on by the shortest ``every_s`` at once, on the publisher's thread, and again from the
+    event's stamp once it is built (:meth:`built`), the time the gates measure from: however
+    late the event loop delivers it (when the gates set the exact due times), no other is
+    built meanwhile, and the next one built is not refused for being stamped short of it.
+
+    Attributes:
+        each: Some subscription takes every event of the type.
+        sampled: No subscription takes every event, but a sampled one (``every_s`` /
+            ``every_steps``) takes some: ask :meth:`takes` for each event.
+    """
+
+    __slots__ = ("_at", "_every_s", "_periods", "_timed", "each", "sampled")
+
+    def __init__(self) -> None:
+        self.each = False
+        self.sampled = False
+        self._at = math.inf
+        self._every_s = math.inf
+        self._periods: tuple[int, ...] = ()
+        self._timed = False  # the last yes was a time gate's: built() moves its due time
+
+    def takes(self, step: int, now: float) -> bool:
+        """True when some subscription takes the event of ``step`` stamped ``now`` (a
+        ``time.monotonic()`` value). One call, asked only while :attr:`sampled`: a time-sampled
+        subscription whose next event is due by ``now``, or a step-sampled one whose
+        ``every_steps`` divides ``step``."""
+        if self.each:
+            return True
+        if now >= self._at:
+            # A gate takes it: none is due before every_s from now. (A delivery's exact due
+            # time racing this write costs at most one event more, or one a little later.)
+            self._at = now + self._every_s
+            self._timed = True
+            return True
+        for n in self._periods:  # a loop, not any() over a generator: asked once a step
+            if step % n == 0:
+                return True
+        return False
+
+    def built(self, at: float) -> None:
+        """The event :meth:`takes` said yes to is stamped ``at`` (its ``time``, at the step's
+        end): a time gate measures the next one from there, so the next is due ``every_s``
+        after it. Until a delivery sets the exact due time (a held event loop delivers late),
+        the next event is then built where the gate passes it, not short of it, refused, and
+        its sample left to the interval after."""
+        if self._timed:
+            self._timed = False
+            self._at = at + self._every_s
+
+    def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
+        """Set the demand from the type's roots: ``each`` (some root takes every event) and
+        the gates of its sampled roots (the table calls it on every change).
+
+        Args:
+            each: Some root takes every event of the type.
+            gates: The gates of its sampled roots.
+            passed: Called because a gate passed an event. The due time then only moves on:
+                the publisher may have built newer events than the one delivered (a held
+                event loop delivers late), and going back to the delivered one's due time
+                would have it build events the gates then refuse. After a refusal or a change
+                of the roots it is the gates' exact due time, earlier or not.
+        """
+        exact = min((g.next_at for g in gates), default=math.inf)
+        self._at = max(exact, self._at) if passed else exact
+        self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
+        self._periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
+        self.sampled = not each and bool(gates)
+        self.each = each
+
+
+class Sampled(abc.ObserverBase[Any]):
+    """The gate of a sampled root. Time-sampled (``every_s``): passes an event whose ``time``
+    is at least ``every_s`` after the last one it passed (the first always), then tells the
+    table its next due time. Step-sampled (``every_steps``): passes the events whose ``step``
+    is a multiple of it.
+
+    The publisher builds an event when its own estimate of the due time (``Demand.takes``:
+    the step's start plus ``every_s``) says so; an event stamped at the step's end can still
+    fall short of the exact due time and be refused. The first refusal after a pass tells the
+    table too, so the publisher builds again at the exact due time rather than an interval
+    later.
+
+    Args:
+        observer: The subscription's observer.
+        every_s: The least time between two events passed, in seconds; or None.
+        every_steps: The step period; or None (exactly one of the two is given).
+        passed: Called after a time-sampled event passed (with True), and after the first
+            one refused since (with False): the table recomputes its due times.
+    """
+
+    __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
+
+    def __init__(
+        self,
+        observer: abc.ObserverBase[Any],
+        every_s: float | None,
+        every_steps: int | None,
+        passed: Callable[[bool], None],
+    ) -> None:
+        self._observer = observer
+        self._passed = passed
+        self._told = False  # the table was told of a refusal since the last pass
+        self.every_s = every_s
+        self.every_steps = every_steps
+        self.next_at = -math.inf if every_s is not None else math.inf
+
+    def on_next(self, value: Any) -> None:
+        if self.every_steps is not None:
+            if value.step % self.every_steps == 0:
+                self._observer.on_next(value)
+            return
+        assert self.every_s is not None
+        t = value.time
+        if t < self.next_at:
+            if not self._told:
+                self._told = True
+                self._passed(False)
+            return
+        self.next_at = t + self.every_s
+        self._told = False
+        self._passed(True)
+        self._observer.on_next(value)
+
+    def on_error(self, error: Exception) -> None:
+        self._observer.on_error(error)
+
+    def on_completed(self) -> None:
+        self._observer.on_completed()
+
+
+class TierContext:
+    """``with bus.tier("core"):`` sets the table's current tier, and restores it on exit."""
+
+    def __init__(self, table: RouteTable, tier: Tier) -> None:
+        self._table = table
+        self._tier: Tier = tier
+        self._previous: Tier = table.current_tier
+
+    def __enter__(self) -> None:
+        self._previous = self._table.current_tier
+        self._table.current_tier = self._tier
+
+    def __exit__(self, *exc: object) -> None:
+        self._table.current_tier = self._previous
+
+
+class RouteTable:
+    """Roots by tier, the per-type route cache, and the demand answers built on it."""
+
+    def __init__(self, doorbell: Doorbell | None = None) -> None:
+        self._doorbell = doorbell or Doorbell()
+        self._roots: list[Root] = []
+        self._seq = 0
+        self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
+        """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
+        read it, never write it; a miss is answered by :meth:`resolve`."""
+        self.current_tier: Tier = "user"
+        """Tier of the roots registered now (see :meth:`tier`)."""
+        self._demands: dict[type, Demand] = {}
+        """Event type -> its Demand, for the types a publisher asked about (:meth:`demand`)."""
+
+    def wants(self, event_type: type) -> bool:
+        """True when some root would receive events of ``event_type``."""
+        routes = self.cache.get(event_type)
+        if routes is None:
+            routes = self.resolve(event_type)
+        return bool(routes)
+
+    def demand(self, event_type: type) -> Demand:
+        """The :class:`Demand` of ``event_type``: kept up to date as roots of that type come,
+        go and take events (the same object for the table's lifetime)."""
+        demand = self._demands.get(event_type)
+        if demand is None:
+            demand = self._demands[event_type] = Demand()
+            self._update_demands()
+        return demand
+
+    def _update_demands(self, passed: bool = False) -> None:
+        for event_type, demand in self._demands.items():
+            roots = [r.observer for r in self._roots if issubclass(event_type, r.types)]
+            gates = [o for o in roots if isinstance(o, Sampled)]
+            demand.update(len(gates) < len(roots), gates, passed=passed)
+
+    def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
+        """The observers ``event_type`` goes to, computed and cached."""
+        observers = tuple(r.observer for r in self._roots if issubclass(event_type, r.types))
+        routes = dict(self.cache)  # copy-on-write: a dispatch in progress keeps its view
+        routes[event_type] = observers
+        self.cache = routes
+        return observers
+
+    def register(
+        self,
+        types: tuple[type, ...],
+        observer: abc.ObserverBase[Any],
+        tier: Tier | None = None,
+        *,
+        every_s: float | None = None,
+        every_steps: int | None = None,
+    ) -> Root:
+        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
+        or ``every_steps``, a sampled root (see the module's docstring)."""
+        # Sorted by tier, then by order of subscription: core -> user -> global.
+        self._seq += 1
+        rank = TIER_ORDER[tier or self.current_tier]
+        if every_s is not None or every_steps is not None:
+            observer = Sampled(observer, every_s, every_steps, self._update_demands)
+        root = Root(types, observer, rank * 1_000_000_000 + self._seq)
+        self._roots.append(root)
+        self._roots.sort(key=lambda r: r.order)
+        self.cache = {}
+        self._update_demands()
+        self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
+        return root
+
+    def unregister(self, root: Root) -> None:
+        """Remove ``root`` (idempotent)."""
+        if root in self._roots:
+            self._roots.remove(root)
+            self.cache = {}
+            self._update_demands()
+            self._doorbell.ring()
+
+    def observers(self) -> list[abc.ObserverBase[Any]]:
+        """Every root observer, in delivery order (a copy: closing completes them)."""
+        return [r.observer for r in self._roots]
+
+    def tier(self, tier: Tier) -> TierContext:
+        """A context manager under which new roots register in ``tier``.
+
+        Raises:
+            ConfigError: ``tier`` is not one of internal, core, user, global.
+        """
+        if tier not in TIER_ORDER:
+            raise ConfigError.invalid("tier", tier, f"one of {tuple(TIER_ORDER)}")
+        return TierContext(self, tier)
+
+
+# ================================================================== the publish queue
+class _ClosedQueue(deque[ev.BaseEvent]):
+    """The queue of a closed bus: appending raises ``BusClosedError``."""
+
+    def append(self, event: ev.BaseEvent) -> None:
+        raise BusClosedError(
+            f"publish({type(event).__name__}) after the bus closed: nothing would deliver it"
+        )
+
+
+class PublishQueue:
+    """The event queue between publishers and the loop thread, and its dispatch.
+
+    Args:
+        max_queue: Undelivered events past which ``publish`` waits for the dispatcher.
+        flush_interval: Seconds a waiting publisher sleeps between checks for room.
+        routes: Where each event type goes.
+        ledger: Counts an observer that raised past RxPY into the dispatch.
+        stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
+        spent: Where dispatched events wait to be freed by the next publish (:class:`Spent`).
+
+    Derived events: an event a subscriber publishes on the loop thread while the slice
+    dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
+    being dispatched, before the next queued one, so causality holds and an already queued
+    ``FitEnded`` stays the last event delivered.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_queue: int,
+        flush_interval: float,
+        routes: RouteTable,
+        ledger: FailureLedger,
+        stamp: DecisionStamp | None = None,
+        spent: Spent | None = None,
+    ) -> None:
+        # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
+        self._events: deque[ev.BaseEvent] = deque()
+        self._max_queue = max_queue
+        self._flush_interval = flush_interval
+        self._routes = routes
+        self._ledger = ledger
+        self._room = threading.Event()  # set by the dispatcher after each drain
+        self._running = False
+        self._loop_thread: int | None = None
+        self._delivered = 0
+        self._publisher_waits = 0
+        self._stamp = stamp or DecisionStamp()
+        # True while a slice dispatches; publish reads it (one attribute) and only then asks
+        # which thread it runs on. Events from the loop thread meanwhile go to _derived.
+        self._dispatching = False
+        self._dispatch_thread: int | None = None
+        self._derived: deque[ev.BaseEvent] = deque()
+        # Dispatched events, freed by the next publish (Spent). Only while the bus runs: a
+        # flush on the publishing thread itself has nobody to hand them to.
+        self._spent = Spent() if spent is None else spent
+        # The parked poller (see wait_published): publish reads ``parked`` once per event.
+        self.parked = False
+        self._unpark_event: anyio.Event | None = None
+        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+
+    # ================================================================== publishing side
+    def publish(self, event: ev.BaseEvent) -> None:
+        """Queue ``event`` for delivery. Safe from any thread; never waits for subscribers.
+
+        Cost on the calling thread: a type check and a deque append. It waits only when
+        ``max_queue`` events are already waiting (the dispatcher cannot keep up).
+
+        Raises:
+            ConfigError: ``event`` is not a trainbus event.
+            BusClosedError: the bus has closed.
+        """
+        if not isinstance(event, ev.BaseEvent):
+            raise ConfigError.invalid("event", event, "an instance of a trainbus event class")
+        if self._dispatching and threading.get_ident() == self._dispatch_thread:
+            self._derived.append(event)  # published by a subscriber: delivered right after
+            return
+        q = self._events
+        q.append(event)
+        if self._spent:  # free here what the loop thread is done with (Spent)
+            self._spent.clear()
+        if self.parked:  # the first event after a quiet spell: wake the poller, once
+            self._wake_poller()
+        if len(q) > self._max_queue:
+            self._wait_for_room()
+
+    def _wake_poller(self) -> None:
+        self.parked = False
+        call_soon = self._call_soon
+        if call_soon is not None:
+            try:
+                call_soon(self._unpark)
+            except RuntimeError:  # the loop has closed (trio: RunFinishedError, a RuntimeError)
+                pass
+
+    def _unpark(self) -> None:
+        event = self._unpark_event
+        if event is not None:
+            event.set()
+
+    def _wait_for_room(self) -> None:
+        if not self._running or threading.get_ident() == self._loop_thread:
+            return  # never block the loop itself, nor a bus that is not dispatching
+        self._publisher_waits += 1
+        while len(self._events) > self._max_queue and self._running:
+            self._room.clear()
+            self._room.wait(self._flush_interval)
+
+    # ================================================================== counters
+    def __len__(self) -> int:
+        return len(self._events)
+
+    def __bool__(self) -> bool:
+        return bool(self._events)
+
+    def index(self, event: ev.BaseEvent) -> int | None:
+        """Position of ``event`` (by identity) in the queue, or None."""
+        return next((i for i, e in enumerate(self._events) if e is event), None)
+
+    def first_is(self, event: ev.BaseEvent) -> bool:
+        """True when ``event`` (by identity) is next to be dispatched."""
+        q = self._events
+        return bool(q) and q[0] is event
+
+    @property
+    def delivered(self) -> int:
+        """Events taken off the queue and dispatched."""
+        return self._delivered
+
+    @property
+    def publisher_waits(self) -> int:
+        """Times a publishing thread waited for room."""
+        return self._publisher_waits
+
+    @property
+    def loop_thread(self) -> int | None:
+        """The thread that dispatches while the bus runs (None otherwise)."""
+        return self._loop_thread
+
+    # ================================================================== lifecycle
+    def open(self, loop_thread: int) -> None:
+        """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
+        self._running = True
+        self._loop_thread = loop_thread
+        self._call_soon = _threadsafe_call_soon()
+
+    def suspend(self) -> None:
+        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing (as
+        before the first open), publishers no longer wait for room."""
+        self._running = False
+        self._loop_thread = None
+        self._call_soon = None
+        self.parked = False
+        self._room.set()
+
+    def begin_close(self) -> None:
+        """The bus is closing: publishers no longer wait."""
+        self._running = False
+        self._room.set()
+
+    def close(self) -> None:
+        """The bus closed: from now on ``publish`` raises. Its append lands on a queue that
+        refuses it, which costs the hot path nothing (no state check per publish)."""
+        self._running = False
+        self._events = _ClosedQueue(self._events)
+        self._spent.clear()
+        self._room.set()
+        self._loop_thread = None
+
+    # ================================================================== dispatch side
+    def dispatch(self, n: int) -> int:
+        """Deliver up to ``n`` queued events. Loop thread.
+
+        One slice: no await between events. Events published by subscribers during the slice
+        (on this thread) are delivered right after the event that caused them, and do not count
+        against ``n``. Returns how many queued events were delivered.
+        """
+        popleft = self._events.popleft
+        table = self._routes
+        derived = self._derived
+        stamp = self._stamp
+        keep = self._spent.append if self._running else None
+        done = 0
+        # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
+        outer = self._dispatching
+        if not outer:
+            # The loop thread while the bus runs; the caller of flush() before it does.
+            self._dispatch_thread = stamp.loop_thread = threading.get_ident()
+        self._dispatching = True
+        try:
+            while done < n:
+                event = popleft()
+                done += 1
+                stamp.step = event.step
+                stamp.event_id = id(event)
+                # table.cache is re-read per event: a subscriber may subscribe during the slice.
+                observers = table.cache.get(type(event))
+                if observers is None:
+                    observers = table.resolve(type(event))
+                for observer in observers:
+                    try:
+                        observer.on_next(event)
+                    except Exception as exc:  # an operator that raised past RxPY: isolated
+                        self._ledger.chain_failed(observer, exc, event)
+                if keep is not None:  # freed by the next publish, not here (Spent)
+                    keep(event)
+                if derived:  # one truthiness test per event when nobody derives events
+                    self._deliver_derived()
+        finally:
+            self._dispatching = outer
+            if not outer:
+                stamp.step = None
+        self._delivered += done
+        return done
+
+    def _deliver(self, event: ev.BaseEvent) -> None:
+        """Deliver one event to its observers (what the slice inlines per event)."""
+        table = self._routes
+        # table.cache is re-read per event: a subscriber may subscribe during the slice.
+        observers = table.cache.get(type(event))
+        if observers is None:
+            observers = table.resolve(type(event))
+        for observer in observers:
+            try:
+                observer.on_next(event)
+            except Exception as exc:  # an operator that raised past RxPY: still isolated
+                self._ledger.chain_failed(observer, exc, event)
+
+    def _deliver_derived(self) -> None:
+        """Deliver the events subscribers published during the last delivery, oldest first
+        (what they in turn publish joins the end: still after its cause)."""
+        derived, stamp = self._derived, self._stamp
+        while derived:
+            event = derived.popleft()
+            stamp.step = event.step
+            stamp.event_id = id(event)
+            self._deliver(event)
+            self._delivered += 1
+            if self._running:
+                self._spent.append(event)
+
+    async def drain(self, limit: int | None = None) -> None:
+        """Deliver queued events (all of them, or ``limit``), never waiting for a subscriber.
+
+        No await inside: a drain is one slice, atomic with respect to other tasks (async so
+        callers keep one shape whether they wait afterwards or not)."""
+        q = self._events
+        remaining = len(q) if limit is None else limit
+        while q and remaining > 0:
+            remaining -= self.dispatch(min(remaining, len(q)))
+            if limit is None:
+                remaining = len(q)
+        self._room.set()
+
+    async def wait_published(self, backstop: float) -> None:
+        """Park until something is published, or ``backstop`` seconds. Loop thread, poller only.
+
+        ``parked`` is raised before the queue is looked at: a publisher that appends after the
+        look sees the flag and wakes this wait; one that appended before it is seen here.
+        """
+        if self._call_soon is None:  # no way to be woken: keep the plain interval
+            await anyio.sleep(self._flush_interval)
+            return
+        event = self._unpark_event = anyio.Event()
+        self.parked = True
+        try:
+            if not self._events:
+                with anyio.move_on_after(backstop):
+                    await event.wait()
+        finally:
+            self.parked = False
+            self._unpark_event = None
+
+    def flush(self) -> None:
+        """Deliver every queued event now, on the calling thread (the loop thread if running).
+
+        Like every dispatch, it never waits for a subscriber: a full ``"block"`` buffer takes
+        every item beyond its capacity (the training loop waits for it at its next poll point).
+        Use ``await wait_delivered()`` to deliver and wait for async subscribers.
+
+        Raises:
+            BusClosedError: called from another thread while the bus runs.
+        """
+        if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
+            raise BusClosedError(
+                "flush() runs on the bus' event-loop thread; from another thread (a hook on "
+                "the training thread included) use anyio.from_thread.run(bus.wait_delivered, "
+                "token=token), the token taken on that loop by anyio.lowlevel.current_token()"
+            )
+        q = self._events
+        while q:
+            self.dispatch(len(q))
+        self._room.set()
+
+
+def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
+    """A non-blocking way to run a callable on the running event loop from any thread.
+
+    ``anyio.from_thread.run_sync`` waits for the result (~19 µs and a GIL round trip); a
+    publisher only needs to post a wake-up. None when the backend offers neither way (the
+    poller then never parks).
+    """
+    native = anyio.lowlevel.current_token().native_token
+    if isinstance(native, asyncio.AbstractEventLoop):
+        loop = native
+
+        def call_soon(fn: Callable[[], None]) -> None:
+            loop.call_soon_threadsafe(fn)
+
+        return call_soon
+    run_sync_soon = getattr(native, "run_sync_soon", None)  # trio's TrioToken
+    return run_sync_soon if callable(run_sync_soon) else None
+
+
+# ================================================================== barriers
+BarrierStatus = Literal["done", "timeout", "request"]
+
+DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
+"""The events the loop waits at unless ``EventBus(barriers=...)`` says otherwise."""
+BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
+    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
+)  # fmt: skip
+"""Events followed by a poll point: the only ones a barrier can make decisions exact on."""
+
+
+def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
+    """``EventBus(barriers=)``: an iterable of the event classes a barrier can follow.
+
+    Raises:
+        ConfigError: not an iterable of classes of :data:`BARRIER_TYPES`.
+    """
+    if not isinstance(value, Iterable) or isinstance(value, str):
+        raise ConfigError.invalid("barriers", value, "an iterable of event classes")
+    found = tuple(value)
+    for b in found:
+        if b not in BARRIER_TYPES:
+            raise ConfigError.invalid(
+                "barriers", b, "event classes followed by a poll point: "
+                + ", ".join(t.__name__ for t in BARRIER_TYPES),
+            )  # fmt: skip
+    return frozenset(found)
+
+
+_ANNOUNCE_AFTER = 0.5
+"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it:
+a decider that answers within milliseconds is not worth a line; one that holds training is
+named within about a second of the wait that makes it so."""
+_REASON = (
+    "it was made with decides=True and received this barrier's event: training waits until "
+    "it has finished what it received, so that its commands apply before the next step"
+)
+_REMEDIES = (
+    "decides=False (the default) when its commands need not land on this step (an async "
+    "subscriber that only posts, uploads or logs never holds training); a faster fn; "
+    "EventBus(barrier_timeout=...) bounds each wait; EventBus(barriers=...) names the events "
+    "the loop waits at"
+)
+
+
+class Barrier:
+    """``wait_delivered`` and the loop's interruptible barrier.
+
+    Args:
+        queue: What to deliver first.
+        subscriptions: The async subscriptions waited for.
+        channel: A ``request()`` on it interrupts an interruptible wait.
+    """
+
+    def __init__(
+        self, queue: PublishQueue, subscriptions: SubscriptionSet, channel: CommandChannel
+    ) -> None:
+        self._queue = queue
+        self._subscriptions = subscriptions
+        self._channel = channel
+        # A wait interrupted by a request: its targets and deadline, resumed by the next call.
+        self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
+        self._announced: set[int] = set()  # subscriptions named in a warning already
+        self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
+
+    async def wait_delivered(
+        self, timeout: float | None = None, event: ev.BaseEvent | None = None
+    ) -> bool:
+        """Deliver everything queued; then wait for the async subscriptions that received an
+        item from ``event`` (or, without ``event``, from anything in that delivery) to finish
+        it. So a slow async subscriber of some other event (a checkpoint upload, say) is not
+        waited for.
+
+        Args:
+            timeout: Seconds to wait for the async subscribers (None: no limit).
+            event: An already published event (found by identity in the queue).
+
+        Returns:
+            True when everything finished, False when the timeout expired first.
+        """
+        # The timeout covers the delivery too (which never waits on a subscriber today).
+        start = anyio.current_time()
+        with anyio.move_on_after(timeout) as scope:
+            targets = await self._deliver_for_barrier(event)
+        if scope.cancelled_caught:
+            log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+            return False
+        left = None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
+        status = await self._wait_targets(targets, left, interruptible=False, configured=timeout)
+        return status == "done"
+
+    async def _deliver_for_barrier(
+        self, event: ev.BaseEvent | None
+    ) -> list[tuple[AsyncSubscription, int]]:
+        asyncs = self._subscriptions.asyncs()
+        q = self._queue
+        if event is not None:
+            # What was published before the barrier event is delivered but not waited for.
+            before_event = q.index(event)
+            if before_event is None:
+                # The poller already dispatched the event (between its publish and this call):
+                # each subscription noted which event fed its last item, so the ones it reached
+                # are still known (an event reaching one later would have been published after
+                # it: the loop waits here and publishes nothing meanwhile).
+                await q.drain()
+                fed = [(s, s.received_from(id(event))) for s in asyncs]
+                return [(s, n) for s, n in fed if n is not None]
+            if before_event:
+                await q.drain(limit=before_event)
+        before = {id(s): s.received for s in asyncs}
+        if event is not None and q.first_is(event):
+            await q.drain(limit=1)
+            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+            await q.drain()
+        else:
+            await q.drain()
+            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        return targets
+
+    async def _wait_targets(
+        self,
+        targets: list[tuple[AsyncSubscription, int]],
+        timeout: float | None,
+        *,
+        interruptible: bool,
+        configured: float | None = None,
+        account: bool = False,
+    ) -> BarrierStatus:
+        status: BarrierStatus = "timeout"
+        wake = self._channel.arm_wake()
+        start = anyio.current_time()
+        # Only those not settled yet are waited for (and charged): a sub that finished its
+        # item before the barrier cost training nothing.
+        waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
+        unsettled = {id(sub) for sub, _ in waiting}
+        # A race of tasks that each end by their own scope (TaskSet), not by cancelling the
+        # task group: all settled ("done"), a request ("request") or the timeout.
+        async with anyio.create_task_group() as tg:
+            tasks = TaskSet(tg)
+
+            async def settle_one(sub: AsyncSubscription, target: int) -> None:
+                await sub.wait_settled(target)
+                unsettled.discard(id(sub))
+                if account:
+                    self._charge(sub, anyio.current_time() - start)
+                if not unsettled:
+                    settled()
+
+            def settled() -> None:
+                nonlocal status
+                if not tasks.stopped:
+                    status = "done"
+                    tasks.stop()
+
+            async def interrupted() -> None:
+                nonlocal status
+                await wake.wait()
+                if not tasks.stopped:
+                    status = "request"
+                    tasks.stop()
+
+            async def timer(seconds: float) -> None:
+                await anyio.sleep(seconds)
+                tasks.stop()  # status stays "timeout"
+
+            async def announce() -> None:
+                # Said while training waits, not after: a decider stuck for minutes is named
+                # within about a second. Ends with the wait (its own scope, TaskSet).
+                await anyio.sleep(_ANNOUNCE_AFTER)
+                for sub, _ in waiting:
+                    if id(sub) in unsettled:
+                        self._announce(sub)
+
+            if not waiting:
+                settled()
+            for sub, target in waiting:
+                tasks.start_soon(settle_one, sub, target)
+            if interruptible:
+                tasks.start_soon(interrupted)
+            if timeout is not None:
+                tasks.start_soon(timer, timeout)
+            if account and waiting and not tasks.stopped:
+                tasks.start_soon(announce)
+        self._channel.disarm_wake()
+        if account and unsettled:  # timed out or interrupted: charged up to now
+            elapsed = anyio.current_time() - start
+            for sub, _ in waiting:
+                if id(sub) in unsettled:
+                    self._charge(sub, elapsed)
+        if account:
+            # Many short waits add up: named once they have cost training as much as one
+            # long wait would have before its warning.
+            for sub, _ in waiting:
+                if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
+                    self._announce(sub)
+        if status == "timeout":
+            log.warning(
+                "barrier_timeout",
+                timeout=configured if configured is not None else timeout,
+                waiting=[s.name for s, _ in targets],
+            )
+        return status
+
+    def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
+        sub.add_waited(seconds)  # what the user reads (back-pressure's waits included)
+        self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
+
+    def _announce(self, sub: AsyncSubscription) -> None:
+        if id(sub) not in self._announced:
+            self._announced.add(id(sub))
+            announce_wait(sub, reason=_REASON, remedies=_REMEDIES)
+
+    async def wait_barrier(
+        self, timeout: float, event: ev.BaseEvent | None, resume: bool
+    ) -> BarrierStatus:
+        """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
+        that received the event (None: anything delivered now) until they finish
+        (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives (``"request"``:
+        the loop applies it, then resumes the same wait with ``resume=True``). No other async
+        subscription is waited for.
+        """
+        if resume and self._pending is not None:
+            targets, deadline = self._pending
+            await self._queue.drain()  # delivers the CommandApplied the requester is waiting for
+        else:
+            deadline = anyio.current_time() + timeout
+            with anyio.move_on_at(deadline) as scope:
+                targets = await self._deliver_for_barrier(event)
+            if scope.cancelled_caught:
+                log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+                return "timeout"
+            # Only the deciders: a poster, uploader or logger that received the event (or one
+            # derived from it, e.g. metrics a sync subscriber re-published) never holds
+            # training, and its backlog stays its own; the bus' close waits for it.
+            targets = [(s, n) for s, n in targets if s.decides]
+        self._pending = None
+        if self._channel.request_waiting():
+            status: BarrierStatus = "request"
+        else:
+            left = max(0.0, deadline - anyio.current_time())
+            status = await self._wait_targets(targets, left, interruptible=True,
+                                              configured=timeout, account=True)  # fmt: skip
+        if status == "request":
+            self._pending = (targets, deadline)
+        return status
