@@ -56,7 +56,7 @@ class ScaledLoss(Callback):
 
     def hook_loss(self, ctx: StepContext) -> None:
         # Training thread, inside the step: the returned loss is what backward() sees and what
-        # LossComputed / StepEnded report. Reading .item() here syncs the device; fine on CPU,
+        # StepEnded reports. Reading .item() here syncs the device; fine on CPU,
         # and it is only done to check the example.
         assert ctx.loss is not None
         self.threads["hook_loss"] = threading.current_thread().name

@@ -63,6 +63,9 @@ FIELD_VALUES: Mapping[str, Any] = {
     "remaining_s": 2.0,
     "eta": 0.0,
     "steps_per_s": 10.0,
+    "span": "forward",
+    "started": 1.0,
+    "ended": 1.5,
 }
 
 

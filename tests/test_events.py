@@ -34,9 +34,8 @@ def test_event_union_covers_event_types() -> None:
 def test_vocabulary_coverage_does_not_shrink() -> None:
     names = {c.__name__ for c in ev.EVENT_TYPES}
     required = {
-        "FitStarted", "FitEnded", "EpochStarted", "EpochEnded", "BatchFetched",
-        "ForwardStarted", "ForwardEnded", "LossComputed", "BackwardStarted", "BackwardEnded",
-        "OptimizerStepStarted", "OptimizerStepEnded", "SchedulerStepped", "StepEnded",
+        "FitStarted", "FitEnded", "EpochStarted", "EpochEnded", "SpanTraced",
+        "SchedulerStepped", "StepEnded",
         "EvaluationStarted", "EvalBatchEnded", "EvaluationEnded", "CheckpointSaved",
         "CheckpointLoaded", "MetricsLogged", "CommandApplied",
     }  # fmt: skip
@@ -145,21 +144,7 @@ def describe(e: ev.Event) -> str:
             return "epoch"
         case ev.EpochEnded():
             return "epoch"
-        case ev.BatchFetched():
-            return "step"
-        case ev.ForwardStarted():
-            return "step"
-        case ev.ForwardEnded():
-            return "step"
-        case ev.LossComputed():
-            return "step"
-        case ev.BackwardStarted():
-            return "step"
-        case ev.BackwardEnded():
-            return "step"
-        case ev.OptimizerStepStarted():
-            return "step"
-        case ev.OptimizerStepEnded():
+        case ev.SpanTraced():
             return "step"
         case ev.SchedulerStepped():
             return "step"
@@ -173,10 +158,6 @@ def describe(e: ev.Event) -> str:
             return "eval"
         case ev.TrainerBuilt():
             return "fit"
-        case ev.StepBegan() | ev.DataWaitStarted() | ev.DataWaitEnded() | ev.MicroBatchEnded():
-            return "step"
-        case ev.ZeroGradStarted() | ev.ZeroGradEnded() | ev.SchedulerStepping():
-            return "step"
         case ev.EvaluationRoundStarted() | ev.EvaluationRoundEnded() | ev.EvalBatchStarted():
             return "eval"
         case ev.PredictionStarted() | ev.PredictionBatchEnded() | ev.PredictionEnded():
@@ -241,3 +222,23 @@ def test_generated_init_keeps_dataclass_semantics() -> None:
     assert ended.trigger == "epoch" and ended.error is None
     with pytest.raises(TypeError):
         ended.metrics["val_loss"] = 2.0  # type: ignore[index]  # __post_init__ still runs
+
+
+@pytest.mark.parametrize("name", sorted(ev.REMOVED))
+def test_a_removed_phase_event_names_what_replaces_it(name: str) -> None:
+    with pytest.raises(ImportError, match=r"was removed.*SpanTraced") as caught:
+        getattr(ev, name)
+    assert ev.REMOVED[name] in str(caught.value) and name not in dir(ev)
+    with pytest.raises(ImportError, match=rf"events\.{name} was removed.*SpanTraced"):
+        exec(f"from trainbus.events import {name}", {})
+
+
+def test_an_unknown_name_is_a_plain_attribute_error() -> None:
+    with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
+        ev.Nope  # type: ignore[attr-defined]  # noqa: B018
+
+
+def test_a_traced_span_times_itself(make_event) -> None:
+    e = ev.SpanTraced(step=0, epoch=0, span="forward", started=1.0, ended=1.25)
+    assert (e.duration_s, e.phase, e.error) == (0.25, "train", None)
+    assert set(ev.TRACED_SPANS) == set(typing.get_args(ev.TracedSpan))

@@ -127,7 +127,7 @@ def test_entry_names_exist_in_trainbus(entry: dict[str, Any]) -> None:
         assert isinstance(cls, type) and issubclass(cls, events.BaseEvent), entry
         for field, value in entry.get("match", {}).items():
             assert field in cls.__dataclass_fields__, (entry["name"], name, field)
-            assert isinstance(value, str | list), entry
+            assert isinstance(value, str | int | list), entry
     if "match" in entry:
         assert events_of(entry), f"{entry['name']}: a match narrows the row's events"
     for d in entry.get("differs", []):
@@ -155,13 +155,15 @@ def test_the_new_events_and_points_are_mapped() -> None:
     """Every event and hook point added for the users of these frameworks is named by a row."""
     mapped_events = {n for e in ENTRIES for n in events_of(e)}
     mapped_hooks = {e["hook"] for e in ENTRIES if "hook" in e}
-    for name in ("TrainerBuilt", "StepBegan", "DataWaitStarted", "MicroBatchEnded",
-                 "ZeroGradStarted", "ZeroGradEnded", "SchedulerStepping", "EvalBatchStarted",
+    for name in ("TrainerBuilt", "SpanTraced", "EvalBatchStarted",
                  "EvaluationRoundStarted", "EvaluationRoundEnded", "PredictionStarted",
                  "PredictionBatchEnded", "PredictionEnded", "CheckpointSaving",
                  "CheckpointLoading"):  # fmt: skip
         assert name in mapped_events, name
     assert set(HOOK_POINTS) <= mapped_hooks
+    # Every traced part stands for some peer's hook.
+    spans = {e["match"]["span"] for e in ENTRIES if "SpanTraced" in events_of(e)}
+    assert spans == set(events.TRACED_SPANS), spans
 
 
 def test_no_duplicate_rows() -> None:

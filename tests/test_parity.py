@@ -113,7 +113,7 @@ def run_trainbus(tmp: Path, train: Sequence[Any], *, sized: bool, hook_points: I
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05),
                       train if sized else _Unsized(train), loss_fn=F.cross_entropy,
                       checkpoint_dir=tmp, callbacks=[save], device="cpu", progress=False,
-                      on_signal=None, **kwargs)  # fmt: skip
+                      on_signal=None, trace=True, **kwargs)  # fmt: skip
     hooks: Counter[str] = Counter()
 
     def counter(point: str) -> Callable[[Any], None]:

@@ -46,17 +46,13 @@ else:
 __all__ = [
     "EVENT_TYPES",
     "SPANS",
-    "BackwardEnded",
-    "BackwardStarted",
+    "TRACED_SPANS",
     "BaseEvent",
-    "BatchFetched",
     "CheckpointLoaded",
     "CheckpointLoading",
     "CheckpointSaved",
     "CheckpointSaving",
     "CommandApplied",
-    "DataWaitEnded",
-    "DataWaitStarted",
     "Ending",
     "EpochEnded",
     "EpochStarted",
@@ -71,16 +67,10 @@ __all__ = [
     "ExternalEvaluationEnded",
     "FitEnded",
     "FitStarted",
-    "ForwardEnded",
-    "ForwardStarted",
     "GradientNormMeasured",
-    "LossComputed",
     "MemoryMeasured",
     "MetricsLogged",
-    "MicroBatchEnded",
     "OptimizerStatsMeasured",
-    "OptimizerStepEnded",
-    "OptimizerStepStarted",
     "Phase",
     "PredictionBatchEnded",
     "PredictionEnded",
@@ -89,13 +79,11 @@ __all__ = [
     "ResumeSource",
     "RuntimeEstimated",
     "SchedulerStepped",
-    "SchedulerStepping",
-    "StepBegan",
+    "SpanTraced",
     "StepEnded",
+    "TracedSpan",
     "TrainerBuilt",
     "WorkersRestarted",
-    "ZeroGradEnded",
-    "ZeroGradStarted",
     "as_float",
 ]
 
@@ -258,157 +246,57 @@ class EpochEnded(BaseEvent):
 
 
 # --------------------------------------------------------------------------- step
-@dataclass(frozen=True, slots=True, kw_only=True)
-class StepBegan(BaseEvent):
-    """An optimizer step began: the loop is about to ask the data for its first micro-batch.
+TracedSpan: TypeAlias = Literal[
+    "data_wait", "forward", "backward", "optimizer_step", "zero_grad", "scheduler_step"
+]
+"""A part of a step (or of an evaluation or prediction batch) that ``Trainer(trace=...)``
+times: each one ends in one :class:`SpanTraced`."""
 
-    Not a span start: a step that completes ends with ``StepEnded``; one that fails ends the
-    epoch (``EpochEnded.error``); one a hook skips has no ``StepEnded``.
+TRACED_SPANS: tuple[TracedSpan, ...] = (
+    "data_wait", "forward", "backward", "optimizer_step", "zero_grad", "scheduler_step"
+)  # fmt: skip
+"""Every :data:`TracedSpan`, in the order a training step runs them."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SpanTraced(BaseEvent):
+    """One part of a step timed, published when it ended (opt-in: ``Trainer(trace=...)``).
+
+    ``step`` and ``epoch`` are those when the part began. ``phase`` is the loop's: every part
+    is training's, and ``"forward"`` is also traced in evaluation and prediction. Published
+    when the part ends, also when it raises: ``error`` then holds the exception, which
+    propagates after the event.
     """
 
-    accumulation_steps: int
-    """Micro-batches this step will use at most (``accumulate``, fewer at an epoch's end)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DataWaitStarted(BaseEvent):
-    """The loop is about to ask the data iterable for the next training batch."""
-
-    phase: Phase
-    batch_index: int
-    """Index the batch will have within the epoch."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DataWaitEnded(BaseEvent):
-    """The data iterable answered: a batch (``exhausted=False``), its end, or an error."""
-
-    phase: Phase
-    batch_index: int
-    data_wait_s: float
-    exhausted: bool = False
-    """True when the iterable ran out instead of giving a batch."""
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BatchFetched(BaseEvent):
-    """A batch came out of the data iterable."""
-
-    phase: Phase
-    batch_index: int
-    """Index of the batch within the epoch (or the evaluation)."""
-    data_wait_s: float
-    """Seconds the loop waited for the data iterable."""
+    span: TracedSpan
+    """Which part: ``"data_wait"`` (the data iterable's ``next``), ``"forward"`` (the model and
+    the loss), ``"backward"``, ``"optimizer_step"`` (the update after clipping),
+    ``"zero_grad"``, ``"scheduler_step"``."""
+    started: float
+    """:func:`time.monotonic` when the part began."""
+    ended: float
+    """:func:`time.monotonic` when it ended (or raised)."""
+    phase: Phase = "train"
+    batch_index: int | None = None
+    """The batch's index in the epoch (or the evaluation); None for the optimizer step,
+    ``zero_grad`` and the scheduler step."""
+    micro_batch: int | None = None
+    """Position among the step's micro-batches (training's ``"data_wait"``, ``"forward"`` and
+    ``"backward"``); else None."""
     dataset: str | None = None
-    """The evaluation set's name (``phase="eval"``); None in training and prediction."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ForwardStarted(BaseEvent):
-    """The forward pass of one (micro-)batch began."""
-
-    phase: Phase
-    batch_index: int
-    dataset: str | None = None
-    """The evaluation set's name (``phase="eval"``); None in training and prediction."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ForwardEnded(BaseEvent):
-    """The forward pass ended (``error`` set if it raised)."""
-
-    phase: Phase
-    batch_index: int
-    error: BaseException | None = None
-    dataset: str | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LossComputed(BaseEvent):
-    """The training loss of one micro-batch, after loss hooks ran (detached tensor)."""
-
-    batch_index: int
-    loss: Scalar
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BackwardStarted(BaseEvent):
-    """The backward pass of one micro-batch began."""
-
-    batch_index: int
-    micro_batch: int
-    """Position among the step's micro-batches, from 0."""
-    accumulation_steps: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class BackwardEnded(BaseEvent):
-    """The backward pass of one micro-batch ended."""
-
-    batch_index: int
-    micro_batch: int
-    accumulation_steps: int
+    """The evaluation set's name (``phase="eval"``); else None."""
     error: BaseException | None = None
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class MicroBatchEnded(BaseEvent):
-    """One micro-batch of the step is done (forward, loss, backward; also when a hook skipped
-    it). Under ``accumulate=N`` a step has up to N of them, the last one before the optimizer
-    step."""
-
-    batch_index: int
-    micro_batch: int
-    accumulation_steps: int
-    skipped: bool = False
-    """A ``batch`` or ``loss`` hook skipped it (no backward ran)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerStepStarted(BaseEvent):
-    """The optimizer is about to step (gradients are final, clipping done)."""
-
-    grad_norm: Scalar | None
-    """Total gradient norm before clipping (detached tensor) when clipping is on, else None."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class OptimizerStepEnded(BaseEvent):
-    """The optimizer stepped. ``step`` is now one more than at ``OptimizerStepStarted``."""
-
-    grad_norm: Scalar | None
-    skipped: bool = False
-    """True when the fp16 grad scaler found inf/NaN gradients and skipped the update."""
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ZeroGradStarted(BaseEvent):
-    """``optimizer.zero_grad()`` is about to run (after the optimizer step, or when a hook
-    skipped the step)."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ZeroGradEnded(BaseEvent):
-    """``optimizer.zero_grad()`` ran: the gradients are cleared."""
-
-    error: BaseException | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SchedulerStepping(BaseEvent):
-    """The LR scheduler is about to step (``SchedulerStepped`` follows, with the error if
-    ``step()`` raised)."""
-
-    lr: float
-    """Learning rate of the first parameter group before the scheduler step."""
+    @property
+    def duration_s(self) -> float:
+        """Seconds the part took (``ended - started``)."""
+        return self.ended - self.started
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerStepped(BaseEvent):
-    """The LR scheduler stepped (per step or per epoch, as configured), after
-    ``SchedulerStepping``; ``error`` set if ``step()`` raised."""
+    """The LR scheduler stepped (per step or per epoch, as configured); ``error`` set if
+    ``step()`` raised."""
 
     lr: float
     """Learning rate of the first parameter group after the scheduler step."""
@@ -645,7 +533,7 @@ class WorkersRestarted(BaseEvent):
 class GradientNormMeasured(BaseEvent):
     """``GradientNormMonitor`` measured the total gradient norm, before the optimizer step.
 
-    ``step`` is the steps completed before this update (like ``OptimizerStepStarted``).
+    ``step`` is the steps completed before this update.
     """
 
     grad_norm: Scalar
@@ -733,21 +621,7 @@ Event: TypeAlias = (
     | FitEnded
     | EpochStarted
     | EpochEnded
-    | StepBegan
-    | DataWaitStarted
-    | DataWaitEnded
-    | BatchFetched
-    | ForwardStarted
-    | ForwardEnded
-    | LossComputed
-    | BackwardStarted
-    | BackwardEnded
-    | MicroBatchEnded
-    | OptimizerStepStarted
-    | OptimizerStepEnded
-    | ZeroGradStarted
-    | ZeroGradEnded
-    | SchedulerStepping
+    | SpanTraced
     | SchedulerStepped
     | StepEnded
     | EvaluationRoundStarted
@@ -786,15 +660,46 @@ SPANS: Mapping[type[BaseEvent], type[BaseEvent]] = MappingProxyType(
     {
         FitStarted: FitEnded,
         EpochStarted: EpochEnded,
-        ForwardStarted: ForwardEnded,
-        BackwardStarted: BackwardEnded,
-        OptimizerStepStarted: OptimizerStepEnded,
         EvaluationStarted: EvaluationEnded,
-        DataWaitStarted: DataWaitEnded,
-        ZeroGradStarted: ZeroGradEnded,
         EvalBatchStarted: EvalBatchEnded,
         EvaluationRoundStarted: EvaluationRoundEnded,
         PredictionStarted: PredictionEnded,
     }
 )
 """Each ``XStarted`` class mapped to its ``XEnded`` class."""
+
+
+REMOVED: Mapping[str, str] = MappingProxyType(
+    {
+        **{name: '``SpanTraced(span="data_wait")``' for name in (
+            "DataWaitStarted", "DataWaitEnded", "BatchFetched")},
+        **{name: '``SpanTraced(span="forward")`` or the hook points "after_forward" / "loss"'
+           for name in ("ForwardStarted", "ForwardEnded", "LossComputed")},
+        **{name: '``SpanTraced(span="backward")`` or the hook point "after_backward"'
+           for name in ("BackwardStarted", "BackwardEnded", "MicroBatchEnded")},
+        **{name: '``SpanTraced(span="optimizer_step")`` or the hook points '
+           '"before_optimizer_step" / "after_optimizer_step"'
+           for name in ("OptimizerStepStarted", "OptimizerStepEnded")},
+        **{name: '``SpanTraced(span="zero_grad")``' for name in (
+            "ZeroGradStarted", "ZeroGradEnded")},
+        "SchedulerStepping": '``SpanTraced(span="scheduler_step")`` or ``SchedulerStepped``',
+        "StepBegan": 'the hook point "batch" or ``SpanTraced(span="data_wait")``',
+    }
+)  # fmt: skip
+"""Each removed per-step event's name mapped to what replaces it."""
+
+
+def __getattr__(name: str) -> object:
+    """Refuse a removed per-step event's name, naming what replaces it (as ``trainbus`` does
+    for a name that moved: an ``ImportError``, so ``from trainbus.events import X`` shows it).
+
+    Raises:
+        ImportError: ``name`` is a removed event: the message names its replacement.
+        AttributeError: any other unknown name.
+    """
+    if name in REMOVED:
+        raise ImportError(
+            f"trainbus.events.{name} was removed: the per-step phases are one opt-in trace "
+            f"event; use {REMOVED[name]} (Trainer(trace=True) turns tracing on)"
+        )
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

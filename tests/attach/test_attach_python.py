@@ -77,7 +77,7 @@ async def test_nothing_is_built_for_a_listener_nobody_attached_to(
     j = job("--max-steps", "12", "--pause-at", "3", "--pause-at", "6", "--pause-at", "9")
     j.wait_for("paused-3")
     att = trainbus.attach(j.run_dir, timeout=30)
-    att.subscribe(att.stream(ev.OptimizerStepStarted), lambda e: None)
+    att.subscribe(att.stream(ev.SpanTraced), lambda e: None)
     async with att:
         j.release(3)
         await anyio.to_thread.run_sync(j.wait_for, "paused-6")
@@ -96,19 +96,19 @@ async def test_a_subscription_made_while_attached_is_streamed_from_then_on(
 ) -> None:
     j = job("--max-steps", "16", *(a for k in (4, 8, 12) for a in ("--pause-at", str(k))))
     j.wait_for("paused-4")
-    late: list[ev.OptimizerStepStarted] = []
+    late: list[ev.SpanTraced] = []
     step_8 = anyio.Event()
 
-    def receive(e: ev.OptimizerStepStarted) -> None:
+    def receive(e: ev.SpanTraced) -> None:
         late.append(e)
         if e.step >= 7:  # step 8's (events carry the steps completed before them)
             step_8.set()
 
     async with trainbus.attach(j.run_dir, timeout=30) as att:
-        assert "OptimizerStepStarted" not in att.job["events"]
-        sub = att.subscribe(att.stream(ev.OptimizerStepStarted), receive)
+        assert "SpanTraced" not in att.job["events"]
+        sub = att.subscribe(att.stream(ev.SpanTraced), receive)
         assert await att.wait_streaming(60)  # the job was told, and confirmed
-        assert "OptimizerStepStarted" in att.job["events"]
+        assert "SpanTraced" in att.job["events"]
         told = [await anyio.to_thread.run_sync(j.wait_log, "link_wants_received")]
         j.release(4)
         with anyio.fail_after(120):
@@ -121,7 +121,7 @@ async def test_a_subscription_made_while_attached_is_streamed_from_then_on(
         ended = await att.wait(60)
     assert ended is not None and ended.step == 16
     assert [e.step for e in late] == [4, 5, 6, 7]  # steps 5 to 8, none after the dispose
-    assert "OptimizerStepStarted" in told[0] and "OptimizerStepStarted" not in told[1]
+    assert "SpanTraced" in told[0] and "SpanTraced" not in told[1]
     assert all(f"attach:pid={os.getpid()}" in t for t in told)
     result = j.finish()
     assert result["wanted_while_paused"] == [False, True, False]

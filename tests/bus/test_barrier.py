@@ -36,14 +36,15 @@ def make_trainer(**overrides: Any) -> Trainer:
         log_every=1,
         device="cpu",
         on_signal=None,
+        trace={"data_wait"},
     )
     kwargs.update(overrides)
     return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(5), **kwargs)
 
 
 class Order:
-    """One ordered log: every event as (name, step) (``BatchFetched(train)`` etc. for events with a
-    phase), plus the subscribers' side effects."""
+    """One ordered log: every event as (name, step) (``SpanTraced(train)`` etc. for events with
+    a phase), plus the subscribers' side effects."""
 
     def __init__(self, trainer: Trainer) -> None:
         self.items: list[tuple[str, int]] = []
@@ -92,7 +93,7 @@ async def test_the_loop_waits_at_a_barrier() -> None:
     # The subscriber's side effect lands between the evaluation and the next step.
     # (Not even the next fetch happened before it.)
     order.assert_order(
-        ("EvaluationEnded", 3), (DONE, 3), ("BatchFetched(train)", 3), ("StepEnded", 4)
+        ("EvaluationEnded", 3), (DONE, 3), ("SpanTraced(train)", 3), ("StepEnded", 4)
     )
     # And the training thread did wait for it (a loop that never waited has 0 here, however
     # fast or slow the machine).
@@ -168,7 +169,7 @@ async def test_a_sync_subscriber_runs_before_the_loop_goes_on() -> None:
     trainer.bus.subscribe(trainer.bus.stream(ev.EvaluationEnded),
                           lambda e: order.items.append((DONE, e.step)))  # fmt: skip
     await trainer.fit()
-    order.assert_order(("EvaluationEnded", 3), (DONE, 3), ("BatchFetched(train)", 3))
+    order.assert_order(("EvaluationEnded", 3), (DONE, 3), ("SpanTraced(train)", 3))
 
 
 @pytest.mark.asyncio

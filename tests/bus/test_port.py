@@ -90,15 +90,15 @@ def test_every_change_the_loop_must_see_rings_the_one_doorbell() -> None:
         seen.append(now)
         return grew
 
-    sub = bus.stream(ev.ForwardStarted).subscribe(lambda e: None)
-    assert rang() and port.wants(ev.ForwardStarted)  # the demand changed
+    sub = bus.stream(ev.SpanTraced).subscribe(lambda e: None)
+    assert rang() and port.wants(ev.SpanTraced)  # the demand changed
     declared = bus.declare_decision_steps(every=4)
     assert rang() and port.next_decision(0) == 4  # a decision steps
     bus.send(cmd.StopEpoch())
     assert rang() and port.has_commands()  # a command
     declared.dispose()
     sub.dispose()
-    assert rang() and not port.wants(ev.ForwardStarted) and port.next_decision(0) is None
+    assert rang() and not port.wants(ev.SpanTraced) and port.next_decision(0) is None
 
 
 def test_a_subscription_made_mid_run_is_heard_at_the_next_step() -> None:
@@ -107,13 +107,13 @@ def test_a_subscription_made_mid_run_is_heard_at_the_next_step() -> None:
     model = tiny_model()
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(8, 8),
                       loss_fn=F.cross_entropy, max_epochs=2, on_signal=None,
-                      progress=False)  # fmt: skip
+                      progress=False, trace={"forward"})  # fmt: skip
     bus = trainer.bus
     forwards: list[int] = []
 
     def at_epoch_end(e: ev.EpochEnded) -> None:
         if e.epoch == 0:
-            bus.stream(ev.ForwardStarted).subscribe(lambda f: forwards.append(f.step))
+            bus.stream(ev.SpanTraced).subscribe(lambda f: forwards.append(f.step))
 
     bus.stream(ev.EpochEnded).subscribe(at_epoch_end)  # a barrier: delivered before epoch 1
     result = trainer.fit_sync()

@@ -181,12 +181,13 @@ def test_hook_batch_skips_a_batch() -> None:
 
     data = tiny_loader(3, 8)
     model = tiny_model()
-    trainer = _trainer(model, callbacks=[SkipSecond()], max_epochs=1, data=data)
+    trainer = _trainer(model, callbacks=[SkipSecond()], max_epochs=1, data=data, trace=True)
     rec = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
     assert result.steps == 2
-    assert [e.batch_index for e in rec.of_type(ev.ForwardStarted)] == [0, 2]
-    assert [e.batch_index for e in rec.of_type(ev.BatchFetched)] == [0, 1, 2]
+    traced = rec.of_type(ev.SpanTraced)
+    assert [e.batch_index for e in traced if e.span == "forward"] == [0, 2]
+    assert [e.batch_index for e in traced if e.span == "data_wait"] == [0, 1, 2]
 
     ref = tiny_model()
     _trainer(ref, max_epochs=1, data=[data[0], data[2]]).fit_sync()
@@ -233,12 +234,13 @@ def test_hook_before_optimizer_step_skips_the_step() -> None:
     model = tiny_model()
     before = _params(model)
     cb = Skip()
-    trainer = _trainer(model, callbacks=[cb], max_epochs=1)
+    trainer = _trainer(model, callbacks=[cb], max_epochs=1, trace=True)
     rec = EventRecorder(trainer.bus)
     trainer.fit_sync()
     assert cb.calls == 3
     assert _equal(_params(model), before)
-    assert not rec.of_type(ev.OptimizerStepStarted)
+    assert not [e for e in rec.of_type(ev.SpanTraced) if e.span == "optimizer_step"]
+    assert [e.span for e in rec.of_type(ev.SpanTraced)].count("zero_grad") == 3
     assert all(p.grad is None for p in model.parameters())  # gradients dropped
 
 
@@ -297,14 +299,15 @@ def test_remove_callback_during_the_run_stops_delivery() -> None:
         def on_step_ended(self, event: ev.StepEnded) -> None:
             self.events.append(("step", event.epoch))
 
-        async def on_batch_fetched(self, event: ev.BatchFetched) -> None:
-            self.events.append(("batch", event.epoch))
+        async def on_span_traced(self, event: ev.SpanTraced) -> None:
+            if event.span == "data_wait":
+                self.events.append(("batch", event.epoch))
 
         def hook_loss(self, ctx: StepContext) -> None:
             self.hooked.append(ctx.epoch)
 
     cb = Both()
-    trainer = _trainer(callbacks=[cb], max_epochs=2, data=tiny_loader(2, 8))
+    trainer = _trainer(callbacks=[cb], max_epochs=2, data=tiny_loader(2, 8), trace=True)
     removed: list[int] = []
 
     def remover(event: ev.EpochEnded) -> None:
@@ -393,7 +396,7 @@ def test_delivery_order_is_core_then_user_then_global() -> None:
     user = Tagged("user", log, hooks)
     user2 = Tagged("user2", log, hooks)
     core = Tagged("core", log, hooks)
-    trainer = _trainer(callbacks=[user], eval_data=tiny_loader(1, 8), max_epochs=1)
+    trainer = _trainer(callbacks=[user], eval_data=tiny_loader(1, 8), max_epochs=1, trace=True)
     trainer.add_callback(core, tier="core")  # added after the user one: still first
     trainer.add_callback(user2)  # user tier, after `user`
     with glob:
@@ -451,6 +454,16 @@ def test_state_key_is_the_class_name_until_set_and_checked_when_set() -> None:
     assert cb.state_key == "Counter"
     with pytest.raises(ConfigError, match=r"^state_key="):
         cb.state_key = ""
+
+
+def test_a_method_for_a_removed_phase_event_names_its_replacement() -> None:
+    class Old(Callback):
+        def on_forward_started(self, event: Any) -> None:
+            pass
+
+    with pytest.raises(ConfigError, match=r"Old\.on_forward_started.*ForwardStarted was "
+                       r"removed.*SpanTraced\(span=\"forward\"\)"):  # fmt: skip
+        _trainer(callbacks=[Old()])
 
 
 @pytest.mark.parametrize(

@@ -30,8 +30,8 @@ def test_figures_per_window(vbus: EventBus, vts: VirtualTimeScheduler, step_even
         for i in range(first, last + 1):
             # Steps end every 0.1 s and each took 0.1 s, 32 samples, alternately 0.01 s and
             # 0.03 s of it waiting for data. Other events in the stream are not counted.
-            vbus.publish(ev.BatchFetched(step=i - 1, epoch=0, phase="eval", batch_index=0,
-                                         data_wait_s=9.0))  # fmt: skip
+            vbus.publish(ev.SpanTraced(step=i - 1, epoch=0, span="data_wait", started=0.0,
+                                       ended=9.0, batch_index=0))  # fmt: skip
             vbus.publish(step_event(i, time=t0 + 0.1 * i, duration_s=0.1, samples=32,
                                     data_wait_s=0.01 if i % 2 else 0.03))  # fmt: skip
         vbus.flush()

@@ -72,7 +72,7 @@ async def test_events_arrive_in_order_and_commands_come_back(
         wlink = WorkerLink(address, TOKEN, timeout=10)
         await in_thread(wlink.connect)
         assert ev.StepEnded in wlink.wanted and ev.FitEnded in wlink.wanted  # asked + always
-        assert ev.BatchFetched not in wlink.wanted  # nobody in the driver reads it
+        assert ev.SpanTraced not in wlink.wanted  # nobody in the driver reads it
         wlink.start(worker_bus)
         n = 3000
         async with worker_bus:

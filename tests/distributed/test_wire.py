@@ -67,6 +67,7 @@ BY_TYPE: dict[str, st.SearchStrategy[Any]] = {
         metrics=st.dictionaries(names, finite, max_size=2),
     ),
     "Phase": st.sampled_from(["train", "eval", "predict"]),
+    "TracedSpan": st.sampled_from(ev.TRACED_SPANS),
     "EvalTrigger": st.sampled_from(["epoch", "steps", "command", "standalone"]),
     "tuple[EvalTrigger, ...]": st.lists(
         st.sampled_from(["steps", "command", "epoch", "end"]), min_size=1, max_size=3, unique=True

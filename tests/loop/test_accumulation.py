@@ -176,8 +176,8 @@ def test_a_causal_lm_counts_its_shifted_labels() -> None:
 
 
 def test_step_loss_is_the_windows_token_mean() -> None:
-    """``StepEnded.loss`` is the loss one batch of the step's tokens reports; each
-    ``LossComputed`` keeps its micro-batch's own mean."""
+    """``StepEnded.loss`` is the loss one batch of the step's tokens reports; each micro-batch's
+    loss (what the ``loss`` hook sees) is its own mean."""
     model = TokenModel()
     width = max(b["input_ids"].shape[1] for b in MICRO)
     with torch.no_grad():
@@ -193,10 +193,11 @@ def test_step_loss_is_the_windows_token_mean() -> None:
                       accumulate=Accumulate(2, by="items"), progress=False, attach=False,
                       device="cpu")  # fmt: skip
     rec = EventRecorder(trainer.bus)
+    losses: list[torch.Tensor] = []
+    trainer.add_hook("loss", lambda ctx: losses.append(ctx.loss.detach()))
     trainer.fit_sync()
     (ended,) = rec.of_type(ev.StepEnded)
     torch.testing.assert_close(torch.as_tensor(ended.loss), whole)
-    losses = [torch.as_tensor(e.loss) for e in rec.of_type(ev.LossComputed)]
     torch.testing.assert_close(torch.stack(losses), torch.stack(micro))
 
 

@@ -135,7 +135,7 @@ def test_contrastive_step_with_accumulation_resumes_bit_identically(tmp_path: Pa
 
 # ------------------------------------------------------------------------------ events, hooks
 def test_custom_step_publishes_the_steps_events_and_runs_the_hooks() -> None:
-    trainer = gan_trainer(None, max_steps=3)
+    trainer = gan_trainer(None, max_steps=3, trace=True)
     rec = EventRecorder(trainer.bus)
     seen: list[tuple[str, int]] = []
 
@@ -148,9 +148,14 @@ def test_custom_step_publishes_the_steps_events_and_runs_the_hooks() -> None:
     trainer.fit_sync()
     assert seen == [("d", 0), ("g", 0), ("d", 1), ("g", 1), ("d", 2), ("g", 2)]
     assert [e.step for e in rec.of_type(ev.StepEnded)] == [1, 2, 3]
-    assert [e.step for e in rec.of_type(ev.OptimizerStepEnded)] == [1, 1, 2, 2, 3, 3]
-    assert len(rec.of_type(ev.BackwardEnded)) == 6
-    assert len(rec.of_type(ev.MicroBatchEnded)) == 3  # one per micro-batch, not per backward
+    # Traced like the default step: per optimizer its update and zero_grad, at the step they
+    # begin in (the run's step advances once, after both optimizers stepped).
+    traced = [(e.span, e.step) for e in rec.of_type(ev.SpanTraced) if e.span != "data_wait"]
+    one = [("backward", 0), ("optimizer_step", 0), ("zero_grad", 0),  # d
+           ("backward", 0), ("optimizer_step", 0), ("zero_grad", 0),  # g
+           ("scheduler_step", 1)]  # fmt: skip
+    assert traced == [(span, s + k) for k in range(3) for span, s in one]
+    assert all(e.started <= e.ended and e.error is None for e in rec.of_type(ev.SpanTraced))
     assert [e.step for e in rec.of_type(ev.SchedulerStepped)] == [1, 2, 3]
     logged = rec.of_type(ev.MetricsLogged)
     assert logged and logged[0].metrics["backwards"] == 1.0

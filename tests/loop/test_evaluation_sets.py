@@ -36,7 +36,7 @@ def two_sets() -> dict[str, Any]:
 
 
 def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
-    trainer = make_trainer(two_sets())
+    trainer = make_trainer(two_sets(), trace={"forward"})
     recorder = EventRecorder(trainer.bus)
     result = trainer.fit_sync()
     assert set(result.eval_metrics) == {"val/loss", "val/acc", "test/loss", "test/acc"}
@@ -44,11 +44,9 @@ def test_named_sets_key_metrics_per_set_and_events_name_the_set() -> None:
     assert [e.dataset for e in ends] == ["val", "test"] * 2
     assert all(set(e.metrics) == {f"{e.dataset}/loss", f"{e.dataset}/acc"} for e in ends)
     assert [b.dataset for b in recorder.of_type(ev.EvalBatchEnded)] == ["val", "val", "test"] * 2
-    assert {e.dataset for e in recorder.of_type(ev.ForwardStarted) if e.phase == "eval"} == {
-        "val",
-        "test",
-    }
-    assert all(e.dataset is None for e in recorder.of_type(ev.ForwardStarted) if e.phase == "train")
+    forwards = recorder.of_type(ev.SpanTraced)
+    assert {e.dataset for e in forwards if e.phase == "eval"} == {"val", "test"}
+    assert all(e.dataset is None for e in forwards if e.phase == "train")
     rounds = recorder.of_type(ev.EvaluationRoundEnded)
     assert len(rounds) == 2 and dict(rounds[-1].metrics) == dict(result.eval_metrics)
     # The per-set value is the per-sample mean over that set only.
@@ -126,17 +124,19 @@ def test_a_failing_metric_function_closes_the_batch_set_and_round_spans() -> Non
     def broken(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("metric bug")
 
-    trainer = make_trainer(two_sets(), metrics={"broken": broken})
+    trainer = make_trainer(two_sets(), metrics={"broken": broken}, trace=True)
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(RuntimeError, match="metric bug") as info:
         trainer.fit_sync()
     assert any("evaluation of 'val'" in note for note in info.value.__notes__)
     names = recorder.names()
     i = names.index("EvalBatchStarted")
-    assert names[i : i + 6] == [
-        "EvalBatchStarted", "ForwardStarted", "ForwardEnded", "EvalBatchEnded",
-        "EvaluationEnded", "EvaluationRoundEnded",
+    assert names[i : i + 5] == [
+        "EvalBatchStarted", "SpanTraced", "EvalBatchEnded", "EvaluationEnded",
+        "EvaluationRoundEnded",
     ]  # fmt: skip
+    (forward,) = [e for e in recorder.of_type(ev.SpanTraced) if e.phase == "eval"]
+    assert forward.error is None  # the forward ran; the metric function raised after it
     for event_type in (ev.EvalBatchEnded, ev.EvaluationEnded, ev.EvaluationRoundEnded):
         (ended,) = recorder.of_type(event_type)
         assert ended.error is info.value

@@ -8,6 +8,7 @@ the page and the code cannot drift apart silently.
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -49,7 +50,7 @@ class Entry(NamedTuple):
 
 def entry(event: ev.BaseEvent) -> Entry:
     return Entry(
-        type(event).__name__,
+        f"SpanTraced({event.span})" if isinstance(event, ev.SpanTraced) else type(event).__name__,
         event.step,
         event.epoch,
         getattr(event, "phase", None),
@@ -67,10 +68,8 @@ def expected_evaluation(
     for name, batches in sets:
         out.append(Entry("EvaluationStarted", step, epoch, dataset=name))
         for b in range(batches):
-            out.append(Entry("BatchFetched", step, epoch, "eval", b, dataset=name))
             out.append(Entry("EvalBatchStarted", step, epoch, None, b, dataset=name))
-            out.append(Entry("ForwardStarted", step, epoch, "eval", b, dataset=name))
-            out.append(Entry("ForwardEnded", step, epoch, "eval", b, dataset=name))
+            out.append(Entry("SpanTraced(forward)", step, epoch, "eval", b, dataset=name))
             out.append(Entry("EvalBatchEnded", step, epoch, None, b, dataset=name))
         out.append(Entry("EvaluationEnded", step, epoch, dataset=name))
     out.append(Entry("EvaluationRoundEnded", step, epoch))
@@ -82,9 +81,7 @@ def expected_prediction(step: int, epoch: int, batches: int) -> list[Entry]:
     """One ``predict()`` call as docs/events.md prescribes."""
     out = [Entry("PredictionStarted", step, epoch)]
     for b in range(batches):
-        out.append(Entry("BatchFetched", step, epoch, "predict", b))
-        out.append(Entry("ForwardStarted", step, epoch, "predict", b))
-        out.append(Entry("ForwardEnded", step, epoch, "predict", b))
+        out.append(Entry("SpanTraced(forward)", step, epoch, "predict", b))
         out.append(Entry("PredictionBatchEnded", step, epoch, None, b))
     out.append(Entry("PredictionEnded", step, epoch))
     return out
@@ -136,23 +133,13 @@ def expected_run(
         while bi < batches:
             accumulation_steps = min(accumulate, batches - bi)
             for micro in range(accumulation_steps):
-                out.append(Entry("DataWaitStarted", step, epoch, "train", bi))
-                out.append(Entry("DataWaitEnded", step, epoch, "train", bi))
-                out.append(Entry("BatchFetched", step, epoch, "train", bi))
-                if micro == 0:  # the step begins once its first batch is there
-                    out.append(Entry("StepBegan", step, epoch))
-                out.append(Entry("ForwardStarted", step, epoch, "train", bi))
-                out.append(Entry("ForwardEnded", step, epoch, "train", bi))
-                out.append(Entry("LossComputed", step, epoch, None, bi))
-                out.append(Entry("BackwardStarted", step, epoch, None, bi, micro))
-                out.append(Entry("BackwardEnded", step, epoch, None, bi, micro))
-                out.append(Entry("MicroBatchEnded", step, epoch, None, bi, micro))
+                out.append(Entry("SpanTraced(data_wait)", step, epoch, "train", bi, micro))
+                out.append(Entry("SpanTraced(forward)", step, epoch, "train", bi, micro))
+                out.append(Entry("SpanTraced(backward)", step, epoch, "train", bi, micro))
                 bi += 1
-            out.append(Entry("OptimizerStepStarted", step, epoch))
+            out.append(Entry("SpanTraced(optimizer_step)", step, epoch, "train"))
             step += 1
-            out.append(Entry("OptimizerStepEnded", step, epoch))
-            out.append(Entry("ZeroGradStarted", step, epoch))
-            out.append(Entry("ZeroGradEnded", step, epoch))
+            out.append(Entry("SpanTraced(zero_grad)", step, epoch, "train"))
             out.append(Entry("StepEnded", step, epoch))
             if step % log_every == 0:
                 out.append(Entry("MetricsLogged", step, epoch))
@@ -188,6 +175,7 @@ def make_trainer(**overrides: Any) -> Trainer:
         log_every=LOG_EVERY,
         device="cpu",
         on_signal=None,
+        trace=True,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -279,20 +267,23 @@ def test_full_transcript_with_two_sets_standalone_evaluation_and_predict() -> No
     (pend,) = recorder.of_type(ev.PredictionEnded)
     assert (pend.batches, pend.error, pend.stopped) == (PREDICT_BATCHES, None, False)
     # Micro-batches: two per full step, one in the last step of each epoch.
-    micro = [(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
-             for e in recorder.of_type(ev.MicroBatchEnded)]  # fmt: skip
-    assert micro == [(ep, bi, bi % 2, 2 if bi < 2 else 1) for ep in (0, 1) for bi in range(3)]
+    micro = [(e.epoch, e.batch_index, e.micro_batch) for e in recorder.of_type(ev.SpanTraced)
+             if e.span == "backward"]  # fmt: skip
+    assert micro == [(ep, bi, bi % 2) for ep in (0, 1) for bi in range(3)]
 
 
 def test_transcript_details() -> None:
     recorder, _ = record_run(make_trainer())
     # A full step of 2 micro-batches, then the epoch's last batch alone.
-    micro = [(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
-               for e in recorder.of_type(ev.BackwardStarted)]  # fmt: skip
-    assert micro == [(ep, bi, bi % 2, 2 if bi < 2 else 1) for ep in (0, 1) for bi in range(3)]
-    ends = {(e.epoch, e.batch_index, e.micro_batch, e.accumulation_steps)
-            for e in recorder.of_type(ev.BackwardEnded)}  # fmt: skip
-    assert ends == set(micro)
+    traced = recorder.of_type(ev.SpanTraced)
+    micro = [(e.epoch, e.batch_index, e.micro_batch) for e in traced if e.span == "backward"]
+    assert micro == [(ep, bi, bi % 2) for ep in (0, 1) for bi in range(3)]
+    # Each part is timed where it ran: it ends after it starts, and the next training part
+    # starts after it ended (the training thread runs them one after the other).
+    train = [e for e in traced if e.phase == "train"]
+    assert all(e.started <= e.ended <= e.time and e.duration_s >= 0 for e in traced)
+    assert all(a.ended <= b.started for a, b in itertools.pairwise(train))
+    assert all(e.error is None for e in traced)
     assert [e.trigger for e in recorder.of_type(ev.EvaluationStarted)] == ["epoch", "epoch"]
     assert [e.trigger for e in recorder.of_type(ev.EvaluationEnded)] == ["epoch", "epoch"]
     assert [e.batches for e in recorder.of_type(ev.EpochEnded)] == [3, 3]
@@ -305,8 +296,6 @@ def test_transcript_details() -> None:
     for e in recorder.of_type(ev.StepEnded):
         assert isinstance(e.loss, torch.Tensor) and not e.loss.requires_grad and e.loss.dim() == 0
         assert e.samples == (64 if e.step % 2 else 32)
-    for e in recorder.of_type(ev.LossComputed):
-        assert isinstance(e.loss, torch.Tensor) and not e.loss.requires_grad
     for e in recorder.of_type(ev.MetricsLogged):
         assert isinstance(e.metrics["loss"], float)
     assert set(recorder.of_type(ev.EvaluationEnded)[0].metrics) == {"val_loss"}
@@ -386,16 +375,16 @@ def test_docs_pseudocode_lists_a_step_in_the_order_the_loop_publishes() -> None:
     names = recorder.names()
     # The transcript of one optimizer step (two micro-batches), from its first fetch to its
     # MetricsLogged.
-    one_step = names[names.index("DataWaitStarted") : names.index("MetricsLogged") + 1]
+    one_step = names[names.index("SpanTraced") : names.index("MetricsLogged") + 1]
     step_order = first_appearances(one_step)
-    assert len(step_order) == 16, step_order
+    assert step_order == ["SpanTraced", "StepEnded", "MetricsLogged"], step_order
 
     doc = pseudocode_names()
-    doc_step = doc[doc.index("DataWaitStarted") : doc.index("MetricsLogged") + 1]
-    # The scheduler events are conditional (no scheduler in this run); everything else is
+    doc_step = doc[doc.index("SpanTraced") : doc.index("MetricsLogged") + 1]
+    # The scheduler event is conditional (no scheduler in this run); everything else is
     # listed once, in the order the loop publishes it.
-    conditional = {"SchedulerStepping", "SchedulerStepped"}
-    assert [n for n in doc_step if n not in conditional] == step_order
+    conditional = {"SchedulerStepped"}
+    assert first_appearances(n for n in doc_step if n not in conditional) == step_order
     # The whole run's vocabulary appears in the pseudocode in the run's order.
     assert is_subsequence(first_appearances(names), doc), (first_appearances(names), doc)
     assert doc[0] == "TrainerBuilt" and doc[-1] == "FitEnded"
@@ -427,7 +416,10 @@ def pseudocode_tokens(block: int) -> list[str]:
     section = text.split("## Event order", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```text\n(.*?)```", section, re.S)
     known = {t.__name__ for t in ev.EVENT_TYPES}
-    tokens = re.findall(r'hook "[a-z_]+"|\b[A-Z][A-Za-z]+\b', blocks[block])
+    # A traced part as SpanTraced(<span>): where each part runs among the hooks is compared.
+    text = re.sub(r'SpanTraced\(span="([a-z_]+)"[^)\]]*\)?', r"SpanTraced(\1)", blocks[block])
+    tokens = re.findall(r'hook "[a-z_]+"|SpanTraced\([a-z_]+\)|\b[A-Z][A-Za-z]+\b', text)
+    known |= {f"SpanTraced({span})" for span in ev.TRACED_SPANS}
     return [w for w in tokens if w.startswith("hook ") or w in known]
 
 
@@ -442,7 +434,7 @@ def marking_hooks(trainer: Trainer) -> None:
 
 
 def tokens(recorder: EventRecorder) -> list[str]:
-    return [f'hook "{e.point}"' if isinstance(e, HookRan) else type(e).__name__
+    return [f'hook "{e.point}"' if isinstance(e, HookRan) else entry(e).name
             for e in recorder.items]  # fmt: skip
 
 
@@ -552,6 +544,7 @@ def make_short_trainer(
         log_every=1,
         device="cpu",
         on_signal=None,
+        trace=True,
     )
     kwargs.update(overrides)
     return Trainer(
@@ -685,12 +678,15 @@ def test_exception_in_forward_fails_the_run(tmp_path: Path) -> None:
     assert "trainbus: raised in forward at step 4, epoch 1, batch 1" in caught.value.__notes__
     end = assert_well_formed(recorder.items)
     assert (end.reason, end.error, end.step, end.epoch) == ("failed", boom, 4, 1)
-    assert names(recorder.items)[-6:] == [
-        "BatchFetched", "StepBegan", "ForwardStarted", "ForwardEnded", "EpochEnded", "FitEnded",
+    # The traced forward that raised carries the error, published before the epoch ended.
+    assert [entry(e).name for e in recorder.items[-4:]] == [
+        "SpanTraced(data_wait)", "SpanTraced(forward)", "EpochEnded", "FitEnded",
     ]  # fmt: skip
     fwd = recorder.items[-3]
+    assert isinstance(fwd, ev.SpanTraced)
     assert (fwd.phase, fwd.batch_index, fwd.error) == ("train", 1, boom)
-    assert [e for e in recorder.of_type(ev.ForwardEnded) if e.error is not None] == [fwd]
+    assert fwd.started <= fwd.ended
+    assert [e for e in recorder.of_type(ev.SpanTraced) if e.error is not None] == [fwd]
     epoch_end = recorder.items[-2]
     assert (epoch_end.epoch, epoch_end.batches, epoch_end.error) == (1, 2, boom)
     # A failed run writes no final checkpoint; the result is kept.
@@ -862,5 +858,6 @@ def test_max_steps_mid_epoch_resumes_where_it_stopped(tmp_path: Path) -> None:
                           checkpoint_dir=tmp_path)  # fmt: skip
     recorder = EventRecorder(second.bus)
     second.fit_sync(resume="latest")
-    fetched = [(e.epoch, e.batch_index) for e in recorder.of_type(ev.BatchFetched)]
+    fetched = [(e.epoch, e.batch_index) for e in recorder.of_type(ev.SpanTraced)
+               if e.span == "data_wait"]  # fmt: skip
     assert fetched == [(0, 2), (0, 3)]

@@ -41,7 +41,7 @@ class Failing(torch.nn.Module):
 
 # ====================================================================== evaluate
 def test_evaluate_without_fit_scores_the_eval_data_and_restores_the_mode() -> None:
-    trainer = make_trainer(eval_data=tiny_loader(2, seed=1))
+    trainer = make_trainer(eval_data=tiny_loader(2, seed=1), trace=True)
     recorder = EventRecorder(trainer.bus)
     trainer.settings.model.train()
     metrics = trainer.evaluate_sync()
@@ -49,8 +49,7 @@ def test_evaluate_without_fit_scores_the_eval_data_and_restores_the_mode() -> No
     assert trainer.settings.model.training
     assert recorder.names() == [
         "TrainerBuilt", "EvaluationRoundStarted", "EvaluationStarted",
-        *["BatchFetched", "EvalBatchStarted", "ForwardStarted", "ForwardEnded",
-          "EvalBatchEnded"] * 2,
+        *["EvalBatchStarted", "SpanTraced", "EvalBatchEnded"] * 2,
         "EvaluationEnded", "EvaluationRoundEnded",
     ]  # fmt: skip
     (start,) = recorder.of_type(ev.EvaluationRoundStarted)
@@ -113,7 +112,7 @@ def test_stop_training_ends_a_long_evaluation_between_batches() -> None:
 
 # ====================================================================== predict
 def test_predict_publishes_each_batch_and_returns_them_concatenated() -> None:
-    trainer = make_trainer()
+    trainer = make_trainer(trace={"forward"})
     recorder = EventRecorder(trainer.bus)
     data = tiny_loader(3, seed=4)
     outputs = trainer.predict_sync(data, return_outputs=True)
@@ -127,7 +126,9 @@ def test_predict_publishes_each_batch_and_returns_them_concatenated() -> None:
     (started,) = recorder.of_type(ev.PredictionStarted)
     (ended,) = recorder.of_type(ev.PredictionEnded)
     assert (started.batches, ended.batches, ended.error, ended.stopped) == (3, 3, None, False)
-    assert {e.phase for e in recorder.of_type(ev.ForwardStarted)} == {"predict"}
+    assert [(e.span, e.phase) for e in recorder.of_type(ev.SpanTraced)] == [
+        ("forward", "predict")
+    ] * 3
 
 
 def test_predict_without_return_outputs_returns_none() -> None:
@@ -144,13 +145,13 @@ def test_predict_on_an_empty_loader_returns_empty_and_pairs_the_span() -> None:
 
 
 def test_a_failing_forward_raises_after_prediction_ended_carries_it() -> None:
-    trainer = make_trainer(model=Failing(fail_at=1))
+    trainer = make_trainer(model=Failing(fail_at=1), trace=True)
     recorder = EventRecorder(trainer.bus)
     with pytest.raises(ValueError, match="boom") as info:
         trainer.predict_sync(tiny_loader(3))
     (ended,) = recorder.of_type(ev.PredictionEnded)
     assert ended.error is info.value and ended.batches == 1
-    (failed,) = [e for e in recorder.of_type(ev.ForwardEnded) if e.error is not None]
+    (failed,) = [e for e in recorder.of_type(ev.SpanTraced) if e.error is not None]
     assert failed.batch_index == 1 and failed.error is info.value
     assert recorder.names()[-1] == "PredictionEnded"
 

@@ -28,14 +28,11 @@ from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
 from trainbus._hookpoints import HOOK_POINTS
+from trainbus._trainer import options as trainer_options
 from trainbus.testing import EventRecorder, NaNLossAt, tiny_loader, tiny_model
 
-# The events of the step's own branches: published only when someone wants them.
-_PER_PHASE = {
-    ev.BatchFetched, ev.ForwardStarted, ev.ForwardEnded, ev.LossComputed, ev.BackwardStarted,
-    ev.BackwardEnded, ev.OptimizerStepStarted, ev.OptimizerStepEnded, ev.MicroBatchEnded,
-    ev.ZeroGradStarted, ev.ZeroGradEnded, ev.StepBegan, ev.DataWaitStarted, ev.DataWaitEnded,
-}  # fmt: skip
+# The events of the step's own branches: published only when traced and someone wants them.
+_PER_PHASE = {ev.SpanTraced}
 _RECORDED = tuple(
     c for c in vars(ev).values()
     if isinstance(c, type) and issubclass(c, ev.BaseEvent) and c is not ev.BaseEvent
@@ -93,6 +90,9 @@ def _run(
     events were published."""
     per_phase = [0]
     with mp.context() as m:
+        if observed:  # every case's Trainer built with trace=True
+            m.setitem(trainer_options.CHECKS, "trace", lambda name, value: frozenset(
+                ev.TRACED_SPANS))  # fmt: skip
         trainer = make(tmp_path / ("observed" if observed else "plain"))
         bus = trainer.bus
         port = bus.port()  # the loop publishes through the bus' loop face

@@ -336,13 +336,13 @@ def test_plateau_rejects_bad_arguments(kwargs: dict[str, Any], field: str) -> No
 def test_span_durations_pairs_start_and_end() -> None:
     items = [
         ev.EpochStarted(step=0, epoch=0, time=0.0),
-        ev.ForwardStarted(step=0, epoch=0, phase="train", batch_index=0, time=1.0),
-        ev.ForwardEnded(step=0, epoch=0, phase="train", batch_index=0, time=1.5),
-        ev.ForwardStarted(step=1, epoch=0, phase="train", batch_index=1, time=2.0),
-        ev.ForwardEnded(step=1, epoch=0, phase="train", batch_index=1, time=2.25),
+        ev.EvalBatchStarted(step=0, epoch=0, batch_index=0, time=1.0),
+        ev.EvalBatchEnded(step=0, epoch=0, batch_index=0, loss=1.0, samples=1, time=1.5),
+        ev.EvalBatchStarted(step=1, epoch=0, batch_index=1, time=2.0),
+        ev.EvalBatchEnded(step=1, epoch=0, batch_index=1, loss=1.0, samples=1, time=2.25),
         ev.EpochEnded(step=2, epoch=0, batches=2, time=3.0),
     ]
-    out = run(items, tbops.span_durations(ev.ForwardStarted))
+    out = run(items, tbops.span_durations(ev.EvalBatchStarted))
     assert [s.duration_s for s in out.items] == [0.5, 0.25]
     assert [(s.start, s.end) for s in out.items] == [(items[1], items[2]), (items[3], items[4])]
     assert out.completed
@@ -353,12 +353,12 @@ def test_span_durations_pairs_start_and_end() -> None:
 def test_span_durations_explicit_end_and_unmatched_end() -> None:
     items = [
         step(0),  # an end with no start: ignored
-        ev.BatchFetched(step=0, epoch=0, phase="train", batch_index=0, data_wait_s=0, time=1.0),
+        ev.EpochStarted(step=0, epoch=0, time=1.0),
         ev.StepEnded(
             step=1, epoch=0, loss=1, lr=0, grad_norm=None, samples=1, duration_s=0, time=4
         ),
     ]
-    out = run(items, tbops.span_durations(ev.BatchFetched, ev.StepEnded))
+    out = run(items, tbops.span_durations(ev.EpochStarted, ev.StepEnded))
     assert [s.duration_s for s in out.items] == [3.0]
 
 
@@ -366,7 +366,7 @@ def test_span_durations_rejects_bad_arguments() -> None:
     with pytest.raises(ConfigError, match=r"^start="):
         tbops.span_durations(ev.StepEnded)
     with pytest.raises(ConfigError, match=r"^end="):
-        tbops.span_durations(ev.ForwardStarted, int)  # type: ignore[arg-type]
+        tbops.span_durations(ev.EvalBatchStarted, int)  # type: ignore[arg-type]
 
 
 def test_span_durations_of_every_kind_in_virtual_time() -> None:
@@ -377,26 +377,25 @@ def test_span_durations_of_every_kind_in_virtual_time() -> None:
     bus = EventBus(rx_scheduler=vts)
     rec = EventRecorder(bus, bus.events.pipe(tbops.span_durations()))
     timeline = [
-        (0.0, ev.ForwardStarted(step=0, epoch=0, phase="train", batch_index=0, time=0.0)),
-        (0.5, ev.ForwardEnded(step=0, epoch=0, phase="train", batch_index=0, time=0.5)),
-        (0.6, ev.BackwardStarted(step=0, epoch=0, batch_index=0, micro_batch=0,
-                                 accumulation_steps=1, time=0.6)),
-        (1.6, ev.BackwardEnded(step=0, epoch=0, batch_index=0, micro_batch=0,
-                               accumulation_steps=1, time=1.6)),
-        (2.0, ev.BackwardEnded(step=0, epoch=0, batch_index=1, micro_batch=0,
-                               accumulation_steps=1, time=2.0)),  # no start: dropped
+        (0.0, ev.EvalBatchStarted(step=0, epoch=0, batch_index=0, time=0.0)),
+        (0.5, ev.EvalBatchEnded(step=0, epoch=0, batch_index=0, loss=1.0, samples=1, time=0.5)),
+        (0.6, ev.PredictionStarted(step=0, epoch=0, batches=1, time=0.6)),
+        (1.6, ev.PredictionEnded(step=0, epoch=0, batches=1, time=1.6)),
+        (2.0, ev.PredictionEnded(step=0, epoch=0, batches=1, time=2.0)),  # no start: dropped
     ]  # fmt: skip
     for at, event in timeline:
         vts.schedule_absolute(at, lambda _s, _st, e=event: (bus.publish(e), bus.flush()))
     vts.advance_by(1.0)
-    assert [(type(s.start).__name__, s.duration_s) for s in rec.items] == [("ForwardStarted", 0.5)]
+    assert [(type(s.start).__name__, s.duration_s) for s in rec.items] == [
+        ("EvalBatchStarted", 0.5)
+    ]
     vts.advance_by(2.0)
     assert [(type(s.end).__name__, s.duration_s) for s in rec.items] == [
-        ("ForwardEnded", 0.5),
-        ("BackwardEnded", pytest.approx(1.0)),
+        ("EvalBatchEnded", 0.5),
+        ("PredictionEnded", pytest.approx(1.0)),
     ]
     with pytest.raises(ConfigError, match=r"^end="):
-        tbops.span_durations(None, ev.ForwardEnded)
+        tbops.span_durations(None, ev.EvalBatchEnded)
 
 
 def test_threshold_operator() -> None:

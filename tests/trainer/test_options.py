@@ -293,6 +293,7 @@ REFUSED: dict[str, Any] = {
     "seed": -1, "metrics": [1], "set_metrics": [1], "eval_schedule": {"every_steps": 2},
     "log_every": 0, "checkpoint_dir": Path(__file__), "callbacks": [3], "progress": "auto",
     "on_nonfinite": "warn", "on_signal": "exit", "bus": object(), "ddp": "yes", "attach": 3,
+    "trace": {"forward", "loss"},
 }  # fmt: skip
 CHECKED_ELSEWHERE = {"scheduler": "check_schedulers, with the optimizers"}
 

@@ -1,8 +1,8 @@
 """The user's own step: ``Trainer(..., train_step=fn)``, in the spirit of ignite's
 ``process_function`` and Lightning's manual optimization.
 
-:class:`~trainbus._loop.step.Step` stays the one step: it fetches the batch, publishes
-``StepBegan`` / ``BatchFetched``, runs the ``batch`` hooks, and where the default step runs the
+:class:`~trainbus._loop.step.Step` stays the one step: it fetches the batch, runs the
+``batch`` hooks, and where the default step runs the
 forward, loss and backward of a micro-batch it calls :meth:`CustomStep.micro_batch`, which
 calls ``fn(ctx)`` with a :class:`TrainContext`; where the default step takes the optimizer step
 it calls :meth:`CustomStep.finish`. The non-finite check of the step's losses, the scheduler,
@@ -11,12 +11,12 @@ it calls :meth:`CustomStep.finish`. The non-finite check of the step's losses, t
 Inside ``fn`` the user runs any forwards, and calls:
 
 - ``ctx.backward(loss)``: the loss checked (a scalar that requires grad), divided by the
-  step's micro-batches, scaled by the fp16 grad scaler, ``BackwardStarted/Ended`` and the
+  step's micro-batches, scaled by the fp16 grad scaler, traced as ``"backward"``, then the
   ``after_backward`` hooks; the loss joins the non-finite check.
 - ``ctx.optimizer_step(name)``: at the step's last micro-batch, the named optimizer's step
   with unscaling, clipping of its own parameters (``clip_grad_norm``), the
   ``before/after_optimizer_step`` hooks (``ctx.optimizer`` is that optimizer),
-  ``OptimizerStepStarted/Ended`` and its ``zero_grad``; on an earlier micro-batch the gradients
+  traced as ``"optimizer_step"``, and its ``zero_grad``; on an earlier micro-batch the gradients
   accumulate and it returns False (a step cut short by the data steps it at the end).
 - ``ctx.autocast()``: the run's precision context for a forward.
 - ``ctx.log(name, value)``: a metric of the step (as in hooks).
@@ -218,11 +218,11 @@ class CustomStep:
         return loss.detach().reshape(())
 
     def backward(self, loss: torch.Tensor, bi: int, micro: int, accumulation_steps: int) -> None:
-        """``ctx.backward``: check, keep for the non-finite check, backward with its events."""
+        """``ctx.backward``: check, keep for the non-finite check, backward with its hooks."""
         phases = self._phases
         phases.check_loss(loss, bi)
         self._losses.append(loss.detach())
-        phases.backward(loss, accumulation_steps, bi, micro, ended=False)
+        phases.backward(loss, accumulation_steps, bi, micro)
 
     def optimizer_step(self, name: str, bi: int, last: bool) -> bool:
         """``ctx.optimizer_step``: step ``name`` now at the last micro-batch, else defer.

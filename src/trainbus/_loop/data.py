@@ -1,20 +1,17 @@
 """The training data's side of the run: each epoch's batch iterator and the observed fetch.
 
 :class:`EpochData` builds the epoch's iterator (the sampler's epoch, the data order captured for
-the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume)
-and fetches a batch inside ``DataWaitStarted``/``DataWaitEnded`` when someone wants that span.
+the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume).
 It also starts the run past an epoch a checkpoint saved completed, and names an empty loader.
-The step's plain fetch stays ``next(it, END)`` in the loop: this object is not on the hot path.
+The step's fetch stays ``next(it, END)`` in the loop: this object is not on the hot path.
 """
 
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .. import events as ev
 from .._exceptions import TrainingError
 from ..checkpoint import Checkpoint, TrainState, capture_data_order, replay_epoch, set_sampler_epoch
 
@@ -22,7 +19,6 @@ if TYPE_CHECKING:
     from .._bus import LoopPort
     from .saving import CheckpointWriter
     from .settings import Settings
-    from .wants import Wants
 
 __all__ = ["END", "EpochData"]
 
@@ -31,14 +27,13 @@ END = object()
 
 
 class EpochData:
-    """Opens each epoch's batch iterator and fetches batches with their data-wait events.
+    """Opens each epoch's batch iterator.
 
     Args:
         settings: The validated settings (``train_data`` is read).
-        port: Where the data-wait events go.
+        port: Where the run's events go.
         state: The run's train state (epoch, batch in epoch, step); read, and moved past a
             completed epoch by :meth:`start`.
-        wants: Which events someone listens to (refreshed by the loop).
         checkpoints: Told each epoch's data order, saved with the epoch's checkpoints.
         resume: The checkpoint the run resumes from: the first epoch opened replays its data
             order and RNG states; None for a fresh run.
@@ -49,14 +44,12 @@ class EpochData:
         settings: Settings,
         port: LoopPort,
         state: TrainState,
-        wants: Wants,
         checkpoints: CheckpointWriter,
         resume: Checkpoint | None,
     ) -> None:
         self._s = settings
         self._port = port
         self._state = state
-        self._wants = wants
         self._checkpoints = checkpoints
         self._resume = resume
 
@@ -119,34 +112,3 @@ class EpochData:
             it = iter(s.train_data)
         self._checkpoints.begin_epoch(order)
         return it
-
-    def fetch_observed(self, it: Iterator[Any], started: float) -> Any:
-        """``next(it)`` inside ``DataWaitStarted/Ended`` (someone wants the data-wait span).
-
-        Args:
-            it: The epoch's iterator (from :meth:`open`).
-            started: ``time.monotonic()`` when the step began waiting for this batch.
-
-        Returns:
-            The next batch, or :data:`END` when the iterator is exhausted.
-
-        Raises:
-            BaseException: Whatever the iterator raised, after ``DataWaitEnded(error=...)``.
-        """
-        pub, st, w = self._port.publish, self._state, self._wants
-        bi = st.batch_in_epoch
-        if w.data_wait_started:
-            pub(ev.DataWaitStarted(step=st.step, epoch=st.epoch, phase="train", batch_index=bi))
-        try:
-            batch = next(it, END)
-        except BaseException as exc:
-            if w.data_wait_ended:
-                pub(ev.DataWaitEnded(step=st.step, epoch=st.epoch, phase="train",
-                                     batch_index=bi, error=exc,
-                                     data_wait_s=time.monotonic() - started))  # fmt: skip
-            raise
-        if w.data_wait_ended:
-            pub(ev.DataWaitEnded(step=st.step, epoch=st.epoch, phase="train", batch_index=bi,
-                                 exhausted=batch is END,
-                                 data_wait_s=time.monotonic() - started))  # fmt: skip
-        return batch

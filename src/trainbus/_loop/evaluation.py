@@ -265,10 +265,6 @@ class Evaluator:
                 self._check_cancel()
                 if should_stop is not None and should_stop():
                     break
-                if want.batch_fetched:
-                    pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="eval",
-                                        batch_index=bi, data_wait_s=0.0,
-                                        dataset=dataset))  # fmt: skip
                 if want.eval_batch_started:
                     pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
                                             dataset=dataset))  # fmt: skip
@@ -351,7 +347,7 @@ class Evaluator:
     ) -> tuple[int, Any, Any, Any]:
         """Score one batch: ``(samples, detached loss, outputs, batch)``; samples -1 when an
         ``eval_batch`` hook skipped it."""
-        s, pub, st, want = self._s, self._port.publish, self._state, self._wants
+        s, st = self._s, self._state
         batch = move_to_device(batch, s.device)
         if hooks:
             ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -363,18 +359,6 @@ class Evaluator:
             if ctx.skip:
                 return -1, None, None, batch
             batch = move_to_device(ctx.batch, s.device)  # a hook may have replaced it
-        if want.forward_started:
-            pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
-                                  dataset=dataset))  # fmt: skip
-        try:
-            with s.autocast():
-                outputs, loss = forward_loss(s, batch)
-        except BaseException as exc:
-            if want.forward_ended:
-                pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
-                                    error=exc, dataset=dataset))  # fmt: skip
-            raise
-        if want.forward_ended:
-            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="eval", batch_index=bi,
-                                dataset=dataset))  # fmt: skip
+        with self._wants.trace("forward", "eval", bi, None, dataset), s.autocast():
+            outputs, loss = forward_loss(s, batch)
         return batch_size(batch), loss.detach(), outputs, batch

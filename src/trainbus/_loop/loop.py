@@ -122,7 +122,7 @@ class Loop:
         self._agree_pending = False
         """Set by the last log window's reduction: some rank has commands to agree on."""
         self.result: FitResult | None = None
-        self._wants = Wants(port)
+        self._wants = Wants(port, state, settings.trace)
         user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
         self._phases = StepPhases(settings, port, state, hooks, self._wants, user)
         # The guard stops through the command handler and names the writer's last checkpoint;
@@ -149,7 +149,7 @@ class Loop:
                                      reduce=None if sync is None else self._reduce_window,
                                      first_nonfinite=None if sync is None
                                      else sync.first_nonfinite, user=user)  # fmt: skip
-        self._data = EpochData(settings, port, state, self._wants, self._checkpoints, resume)
+        self._data = EpochData(settings, port, state, self._checkpoints, resume)
         scheduler = SchedulerStepper(settings, port, state, self._wants)
         parts = StepParts(settings, port, state, self._wants, hooks, self._phases, self._guard,
                           self._log_window, scheduler_step=scheduler.step, lr=scheduler.lr,
@@ -157,7 +157,7 @@ class Loop:
                           custom=None if settings.train_step is None
                           else CustomStep(settings, state, self._phases, self._guard, user),
                           )  # fmt: skip
-        self._step = Step(parts, fetch_observed=self._data.fetch_observed)
+        self._step = Step(parts)
         self._scheduler_step = scheduler.step
         # The doorbell's count when the wants and the next decision step were last read: they
         # are re-read before a step after any ring (a routing or schedule change rings it).

@@ -1,6 +1,6 @@
 """The learning-rate scheduler's step with its events.
 
-:class:`SchedulerStepper` calls ``scheduler.step()`` inside ``SchedulerStepping`` /
+:class:`SchedulerStepper` calls ``scheduler.step()`` (traced as ``"scheduler_step"``), publishes
 ``SchedulerStepped`` and reads the current learning rate for the events that carry it.
 """
 
@@ -49,7 +49,7 @@ class SchedulerStepper:
         return float(self._s.optimizer.param_groups[0]["lr"])
 
     def step(self, *, always: bool, replayed: bool = False) -> None:
-        """``scheduler.step()`` inside ``SchedulerStepping``/``SchedulerStepped``.
+        """``scheduler.step()`` (traced as ``"scheduler_step"``), then ``SchedulerStepped``.
 
         Args:
             always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step,
@@ -66,15 +66,14 @@ class SchedulerStepper:
         """
         pub, st, w, s = self._port.publish, self._state, self._wants, self._s
         assert s.scheduler is not None
-        if w.scheduler_stepping:
-            pub(ev.SchedulerStepping(step=st.step, epoch=st.epoch, lr=self.lr()))
         try:
-            if replayed:
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+            with w.trace("scheduler_step"):
+                if replayed:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+                        s.scheduler.step()
+                else:
                     s.scheduler.step()
-            else:
-                s.scheduler.step()
         except BaseException as exc:
             if always or w.scheduler_stepped:
                 pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))

@@ -1,12 +1,10 @@
-"""The phases of one optimizer step, each written once with its events and hooks.
+"""The phases of one optimizer step, each written once with its hooks and its trace.
 
-:class:`StepPhases` is the forward (``ForwardStarted/Ended`` with the ``after_forward`` hook
-inside, then the ``loss`` hook), the backward (``BackwardStarted/Ended``, the ``after_backward``
-hook, ``MicroBatchEnded``) and the optimizer step (the ``before/after_optimizer_step`` hooks,
-clipping, ``OptimizerStepStarted/Ended``, ``ZeroGradStarted/Ended``). Every event and hook is a
-branch on a flag the loop resolved when the routing changed (:class:`~trainbus._loop.wants.Wants`)
-or on the hook tuple of its point: a step nobody observes takes the same code and skips them.
-Every span is closed with the error when its phase raises.
+:class:`StepPhases` is the forward (the ``after_forward`` hook inside, then the ``loss`` hook),
+the backward (then the ``after_backward`` hook) and the optimizer step (the
+``before/after_optimizer_step`` hooks, clipping, ``zero_grad``). Each part runs inside the
+opt-in trace (:class:`~trainbus._loop.trace.Tracer`: one ``SpanTraced`` per part, with the
+error when it raises); a hook is a branch on the hook tuple of its point.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import plain_value
 from .forward import loss_of, model_outputs
@@ -102,7 +99,7 @@ class StepPhases:
     def forward(
         self, batch: Any, bi: int, ctx: StepContext | None, micro: int
     ) -> torch.Tensor | None:
-        """Forward and loss with ``ForwardStarted/Ended`` and the ``loss`` hooks.
+        """Forward and loss (traced as ``"forward"``) and the ``loss`` hooks.
 
         Returns:
             The loss, or None when a hook (``after_forward`` or ``loss``) skipped the batch.
@@ -110,29 +107,17 @@ class StepPhases:
         Raises:
             TrainingError: the loss is not a scalar tensor that requires grad.
         """
-        w = self._wants
         self._batch = batch
-        if w.forward_started:
-            st = self._state
-            self._port.publish(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="train",
-                                                batch_index=bi))  # fmt: skip
         try:
-            if self._mixed:
-                with self._s.autocast():
+            with self._wants.trace("forward", "train", bi, micro):
+                if self._mixed:
+                    with self._s.autocast():
+                        outputs, loss, ctx = self._outputs_and_loss(batch, bi, ctx, micro)
+                else:
                     outputs, loss, ctx = self._outputs_and_loss(batch, bi, ctx, micro)
-            else:
-                outputs, loss, ctx = self._outputs_and_loss(batch, bi, ctx, micro)
         except BaseException as exc:
-            if w.forward_ended:
-                st = self._state
-                self._port.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
-                                                  batch_index=bi, error=exc))  # fmt: skip
             self.annotate(exc, "forward", bi)
             raise
-        if w.forward_ended:
-            st = self._state
-            self._port.publish(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="train",
-                                              batch_index=bi))  # fmt: skip
         if loss is None:
             return None  # an after_forward hook skipped the batch
         if not self.loss_checked:
@@ -201,115 +186,42 @@ class StepPhases:
             )
         self.loss_checked = True
 
-    def backward(
-        self,
-        loss: torch.Tensor,
-        accumulation_steps: int,
-        bi: int,
-        micro: int,
-        *,
-        ended: bool = True,
-    ) -> None:
-        """Backward of one micro-batch with ``BackwardStarted/Ended``, scaled by
-        ``1 / accumulation_steps`` (or by its items' share of the step's, see :meth:`weigh`).
-
-        Args:
-            ended: Publish ``MicroBatchEnded`` after it (False: a custom step's backward, one
-                of several in its micro-batch; the step publishes it once).
-        """
-        w, scaler = self._wants, self._scaler
-        if w.backward_started:
-            st = self._state
-            self._port.publish(
-                ev.BackwardStarted(
-                    step=st.step,
-                    epoch=st.epoch,
-                    batch_index=bi,
-                    micro_batch=micro,
-                    accumulation_steps=accumulation_steps,
-                )
-            )
+    def backward(self, loss: torch.Tensor, accumulation_steps: int, bi: int, micro: int) -> None:
+        """Backward of one micro-batch (traced as ``"backward"``), scaled by
+        ``1 / accumulation_steps`` (or by its items' share of the step's, see :meth:`weigh`),
+        then the ``after_backward`` hooks."""
+        scaler = self._scaler
         try:
-            weight = self._weight
-            if weight is None:
-                scaled = loss / accumulation_steps if accumulation_steps > 1 else loss
-            else:
-                scaled = loss * weight
-            (scaler.scale(scaled) if scaler is not None else scaled).backward()
+            with self._wants.trace("backward", "train", bi, micro):
+                weight = self._weight
+                if weight is None:
+                    scaled = loss / accumulation_steps if accumulation_steps > 1 else loss
+                else:
+                    scaled = loss * weight
+                (scaler.scale(scaled) if scaler is not None else scaled).backward()
         except BaseException as exc:
-            if w.backward_ended:
-                st = self._state
-                self._port.publish(
-                    ev.BackwardEnded(
-                        step=st.step,
-                        epoch=st.epoch,
-                        batch_index=bi,
-                        error=exc,
-                        micro_batch=micro,
-                        accumulation_steps=accumulation_steps,
-                    )
-                )
             self.annotate(exc, "backward", bi)
             raise
-        if w.backward_ended:
-            st = self._state
-            self._port.publish(
-                ev.BackwardEnded(
-                    step=st.step,
-                    epoch=st.epoch,
-                    batch_index=bi,
-                    micro_batch=micro,
-                    accumulation_steps=accumulation_steps,
-                )
-            )
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
             ctx = self.context(bi, micro, None)
             ctx.loss = loss
             for hook in hooks:
                 hook(ctx)
-        if ended and w.micro_batch_ended:
-            self.micro_batch_ended(bi, micro, accumulation_steps)
-
-    def micro_batch_ended(
-        self, bi: int, micro: int, accumulation_steps: int, *, skipped: bool = False
-    ) -> None:
-        """Publish ``MicroBatchEnded`` for batch ``bi`` when someone wants it."""
-        if self._wants.micro_batch_ended:
-            st = self._state
-            self._port.publish(
-                ev.MicroBatchEnded(
-                    step=st.step,
-                    epoch=st.epoch,
-                    batch_index=bi,
-                    micro_batch=micro,
-                    accumulation_steps=accumulation_steps,
-                    skipped=skipped,
-                )
-            )
 
     def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer.zero_grad(set_to_none=True)`` inside ``ZeroGradStarted/Ended``."""
-        w = self._wants
-        if w.zero_grad_started:
-            st = self._state
-            self._port.publish(ev.ZeroGradStarted(step=st.step, epoch=st.epoch))
+        """``optimizer.zero_grad(set_to_none=True)``, traced as ``"zero_grad"``."""
         try:
-            optimizer.zero_grad(set_to_none=True)
+            with self._wants.trace("zero_grad"):
+                optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
-            if w.zero_grad_ended:
-                st = self._state
-                self._port.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch, error=exc))
             self.annotate(exc, "zero_grad", bi)
             raise
-        if w.zero_grad_ended:
-            st = self._state
-            self._port.publish(ev.ZeroGradEnded(step=st.step, epoch=st.epoch))
 
     def optimizer_step(
         self, bi: int, optimizer: torch.optim.Optimizer | None = None
     ) -> tuple[bool, torch.Tensor | None]:
-        """The optimizer step with its hooks and ``OptimizerStepStarted/Ended``; advances
+        """The optimizer step with its hooks (traced as ``"optimizer_step"``); advances
         ``state.step``.
 
         Args:
@@ -324,7 +236,7 @@ class StepPhases:
             skipped the step (gradients dropped, step unchanged); grad_norm is the pre-clip
             norm (None without clipping).
         """
-        st, s, w, scaler = self._state, self._s, self._wants, self._scaler
+        st, s, scaler = self._state, self._s, self._scaler
         custom = optimizer is not None
         opt = s.optimizer if optimizer is None else optimizer
         if scaler is not None:
@@ -349,39 +261,25 @@ class StepPhases:
             # Sharded (FSDP2) parameters give a replicated DTensor: its plain value, the
             # same on every rank (no communication), so events and the log window hold tensors.
             grad_norm = plain_value(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm))
-        if w.optimizer_step_started:
-            self._port.publish(ev.OptimizerStepStarted(step=st.step, epoch=st.epoch,
-                                                      grad_norm=grad_norm))  # fmt: skip
-        skipped = False
         try:
-            if scaler is not None:
-                scale = scaler.get_scale() if w.optimizer_step_ended and not custom else None
-                for o in (opt,) if custom else self._each:
-                    scaler.step(o)
-                if not custom:
-                    scaler.update()
-                # get_scale() syncs the device: read only when someone wants OptimizerStepEnded.
-                skipped = scale is not None and scaler.get_scale() < scale
-            else:
-                opt.step()
+            with self._wants.trace("optimizer_step"):
+                if scaler is not None:
+                    for o in (opt,) if custom else self._each:
+                        scaler.step(o)
+                    if not custom:
+                        scaler.update()
+                else:
+                    opt.step()
         except BaseException as exc:
-            if w.optimizer_step_ended:
-                self._port.publish(ev.OptimizerStepEnded(step=st.step, epoch=st.epoch,
-                                                        grad_norm=grad_norm,
-                                                        error=exc))  # fmt: skip
             self.annotate(exc, "optimizer step", bi)
             raise
         if not custom:
             st.step_done()
-        if w.optimizer_step_ended:  # the step this update completes (a custom step's: st.step+1)
-            self._port.publish(ev.OptimizerStepEnded(step=st.step + 1 if custom else st.step,
-                                                    epoch=st.epoch, grad_norm=grad_norm,
-                                                    skipped=skipped))  # fmt: skip
         self.zero_grad(bi, opt)
         for hook in self._hooks.by_point["after_optimizer_step"]:
             ctx = self.context(bi, 0, None)
             ctx.optimizer = opt
-            if custom:  # the step this update completes, as OptimizerStepEnded says
+            if custom:  # the step this update completes (state.step advances after them all)
                 ctx.step = st.step + 1
             hook(ctx)
         if not custom:  # a custom step's later optimizers still see it (CustomStep.finish)

@@ -90,6 +90,8 @@ class Settings:
     train_step: Callable[..., Any] | None = field(compare=False)
     """The user's step (``train_step=``): called per micro-batch with a
     :class:`~trainbus._loop.custom.TrainContext`; None: the default step."""
+    trace: frozenset[str]
+    """The parts of a step ``Trainer(trace=...)`` times (``SpanTraced``); empty: none."""
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of a forward pass (a no-op at full precision)."""

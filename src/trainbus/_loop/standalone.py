@@ -6,14 +6,16 @@ spans still close), any other command is acknowledged with a ``ConfigError`` (th
 to save or evaluate at). Event order::
 
     EvaluationRoundStarted(trigger="standalone")
-        per set: EvaluationStarted, per batch: [BatchFetched] EvalBatchStarted
-                 hook "eval_batch" ForwardStarted/ForwardEnded EvalBatchEnded; EvaluationEnded
+        per set: EvaluationStarted, per batch: EvalBatchStarted hook "eval_batch"
+                 [SpanTraced(span="forward")] EvalBatchEnded; EvaluationEnded
     EvaluationRoundEnded
 
     PredictionStarted
-        per batch: [BatchFetched(phase="predict")] hook "eval_batch" (ctx.phase == "predict")
-                   ForwardStarted/ForwardEnded(phase="predict") PredictionBatchEnded(outputs)
+        per batch: hook "eval_batch" (ctx.phase == "predict")
+                   [SpanTraced(span="forward", phase="predict")] PredictionBatchEnded(outputs)
     PredictionEnded
+
+(``[...]``: only with ``Trainer(trace=...)``.)
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class StandaloneRun:
 
     def __init__(self, settings: Settings, port: LoopPort, hooks: Hooks, state: TrainState) -> None:
         self._s, self._port, self._hooks, self._state = settings, port, hooks, state
-        self._wants = Wants(port)
+        self._wants = Wants(port, self._state, self._s.trace)
         self._cancel = False
         self.stop_reason: str | None = None
 
@@ -167,9 +169,6 @@ class StandaloneRun:
                         break
                     if port.doorbell.rings != w.rings:  # the port's one signal
                         w.refresh()
-                    if w.batch_fetched:
-                        pub(ev.BatchFetched(step=st.step, epoch=st.epoch, phase="predict",
-                                            batch_index=bi, data_wait_s=0.0))  # fmt: skip
                     batch = move_to_device(batch, s.device)
                     if hooks:
                         ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -180,23 +179,14 @@ class StandaloneRun:
                         if ctx.skip:
                             continue
                         batch = move_to_device(ctx.batch, s.device)  # a hook may replace it
-                    if w.forward_started:
-                        pub(ev.ForwardStarted(step=st.step, epoch=st.epoch, phase="predict",
-                                              batch_index=bi))  # fmt: skip
                     try:
-                        with s.autocast():
+                        with w.trace("forward", "predict", bi), s.autocast():
                             outputs = without_keys(
                                 detach_outputs(model_outputs(s, batch, targets=False)[0]), ignore
                             )
                     except BaseException as exc:
-                        if w.forward_ended:
-                            pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="predict",
-                                                batch_index=bi, error=exc))  # fmt: skip
                         exc.add_note(f"trainbus: raised in predict, batch {bi}")
                         raise
-                    if w.forward_ended:
-                        pub(ev.ForwardEnded(step=st.step, epoch=st.epoch, phase="predict",
-                                            batch_index=bi))  # fmt: skip
                     done += 1
                     if check is not None:
                         check.add(outputs, bi)  # fail at this batch, not after the pass

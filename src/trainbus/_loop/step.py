@@ -1,21 +1,21 @@
 """One optimizer step, written once, with everything it may carry.
 
 :class:`Step` runs one optimizer step over its micro-batches and reads top to bottom
-in the event order of docs/events.md: per micro-batch the fetch (the data-wait span),
-``BatchFetched``, ``StepBegan`` (once, when the step's first batch is there), hook
-``"batch"``, the forward and its loss (hooks ``"after_forward"``, ``"loss"``), ``LossComputed``,
-the backward (hook ``"after_backward"``, ``MicroBatchEnded``); the non-finite check; the
-optimizer step (hooks ``"before_optimizer_step"`` / ``"after_optimizer_step"``); the scheduler,
-``StepEnded`` and the log window's ``MetricsLogged``. What comes after a step that was taken
-(the poll point, a decision step's barrier, an evaluation) is the loop's: :class:`Step` reports
-what it published through :attr:`Step.ended` and :attr:`Step.barrier_event`.
+in the event order of docs/events.md: per micro-batch the fetch (traced as ``"data_wait"``),
+hook ``"batch"``, the forward and its loss (hooks ``"after_forward"``, ``"loss"``), the backward
+(hook ``"after_backward"``); the non-finite check; the optimizer step (hooks
+``"before_optimizer_step"`` / ``"after_optimizer_step"``); the scheduler, ``StepEnded`` and the
+log window's ``MetricsLogged``. What comes after a step that was taken (the poll point, a
+decision step's barrier, an evaluation) is the loop's: :class:`Step` reports what it published
+through :attr:`Step.ended` and :attr:`Step.barrier_event`.
 
 A custom step (``train_step=``, :mod:`~trainbus._loop.custom`) is two more branches of the same
 code: the user's function where the forward, loss and backward of a micro-batch are, and
 :meth:`CustomStep.finish <trainbus._loop.custom.CustomStep.finish>` where the optimizer step is.
 
 Every event and hook is a branch: a flag of :class:`~trainbus._loop.wants.Wants` (resolved once
-per routing change, when the port's doorbell rang) or the hook tuple of its point. A step
+per routing change, when the port's doorbell rang) or the hook tuple of its point; each part
+runs inside the opt-in trace (``SpanTraced``), a shared do-nothing context when it is off. A step
 nobody observes runs the same code and pays those reads, nothing else: there is no second
 copy of the step.
 
@@ -107,12 +107,9 @@ class Step:
 
     Args:
         parts: What the step works with.
-        fetch_observed: Fetches a batch publishing the data-wait span (when wanted).
     """
 
-    def __init__(
-        self, parts: StepParts, *, fetch_observed: Callable[[Iterator[Any], float], Any]
-    ) -> None:
+    def __init__(self, parts: StepParts) -> None:
         p = parts
         self._s, self._port, self._state, self._wants = p.settings, p.port, p.state, p.wants
         self._hooks, self._phases, self._guard, self._log_window = (
@@ -122,7 +119,6 @@ class Step:
             p.log_window,
         )
         self._scheduler_step, self._lr, self._cancelled = p.scheduler_step, p.lr, p.cancelled
-        self._fetch_observed = fetch_observed
         self._custom = p.custom
         # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
         self._move = p.settings.device.type != "cpu"
@@ -167,13 +163,7 @@ class Step:
         if cancelled():  # asked before the read above; a later cancel rings the doorbell
             raise Cancelled
         # The wants change only after a ring, which ends the run: read once for all its steps.
-        observe_wait = begins = False
-        if w.step_extras:  # StepBegan, the data-wait span: one flag read when none is wanted
-            observe_wait = w.data_wait_started or w.data_wait_ended
-            # StepBegan waits for the step's first batch: data without a length may be
-            # exhausted, and then no step begins (Hugging Face and Composer fetch first too).
-            begins = w.step_began
-        batch_fetched, loss_computed = w.batch_fetched, w.loss_computed
+        trace = w.trace
         each_step_ended, sampled, demand = w.step_ended, w.step_ended_sampled, w.step_ended_demand
         # Every step's loss is kept: the log window's mean (and FitResult.train_metrics, for
         # any run length) is over all of them. A loss that goes on (in an event, to the log window)
@@ -182,7 +172,7 @@ class Step:
         read_each = guard.per_step and custom is None  # the guard reads the losses: CPU, "skip"
         # Read at sync, a custom step's log window keeps what ctx.backward was given as well.
         check_backward = custom is not None and guard.active and not guard.per_step
-        hand_on_each = loss_computed or not read_each  # else the log window takes it
+        hand_on_each = not read_each  # else the log window takes it
         # On an accelerator the loss handed on is a copy: a loss a CUDA graph returns
         # (torch.compile's mode="reduce-overhead", a graph the step replays itself) lives in
         # the graph's output buffer, which the next replay overwrites before a subscriber or
@@ -210,7 +200,6 @@ class Step:
             samples = consumed = 0
             data_wait = 0.0
             stepped = False
-            began = not begins  # True: StepBegan published, or nobody wants it
             log_step = (step + 1) % log_every == 0
             # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built
             # only when one of them takes it; the port's demand answers, the sampling stays in
@@ -229,7 +218,8 @@ class Step:
                 if micro:
                     tf = monotonic()
                 if ahead is None:
-                    batch = next(it, END) if not observe_wait else self._fetch_observed(it, tf)
+                    with trace("data_wait", "train", st.batch_in_epoch, micro):
+                        batch = next(it, END)
                     if items is not None and batch is not END:
                         ahead, weights = self._prefetch(it, batch, accumulation_steps, items)
                 else:
@@ -240,16 +230,6 @@ class Step:
                     break
                 bi = st.batch_taken()
                 consumed += 1
-                if batch_fetched:
-                    pub(ev.BatchFetched(step=step, epoch=st.epoch, phase="train", batch_index=bi,
-                                        data_wait_s=fetched - tf))  # fmt: skip
-                if not began:
-                    began = True
-                    pub(
-                        ev.StepBegan(
-                            step=step, epoch=st.epoch, accumulation_steps=accumulation_steps
-                        )
-                    )
                 if move:
                     batch = move_to_device(batch, s.device)
                 if several:
@@ -262,7 +242,6 @@ class Step:
                     for hook in by_point["batch"]:
                         hook(ctx)
                     if ctx.skip:
-                        phases.micro_batch_ended(bi, micro, accumulation_steps, skipped=True)
                         continue
                     batch = ctx.batch
                     if move:  # a hook may replace the batch: the model sees the run's device
@@ -273,7 +252,6 @@ class Step:
                 if custom is None:
                     loss = phases.forward(batch, bi, ctx, micro)
                     if loss is None:  # a hook skipped the micro-batch
-                        phases.micro_batch_ended(bi, micro, accumulation_steps, skipped=True)
                         continue
                 else:  # the user's forwards and backwards, and (last) optimizer steps
                     loss = custom.micro_batch(batch, bi, micro, accumulation_steps)
@@ -284,13 +262,8 @@ class Step:
                 # The step's loss (the mean of `losses`) is then the step's item-weighted
                 # mean, what one batch of the step's items reports.
                 losses.append(kept if not weights else kept * (weights[micro] * len(weights)))
-                if loss_computed:
-                    pub(ev.LossComputed(step=step, epoch=st.epoch, batch_index=bi,
-                                        loss=kept))  # fmt: skip
                 if custom is None:
                     phases.backward(loss, accumulation_steps, bi, micro)
-                else:
-                    phases.micro_batch_ended(bi, micro, accumulation_steps)
                 if several:
                     self._grad_sync.backward_done()
             if several:

@@ -11,9 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from .. import events as ev
+from .trace import Tracer
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
+    from ..checkpoint import TrainState
 
 __all__ = ["Wants"]
 
@@ -22,62 +24,43 @@ class Wants:
     """Cached ``port.wants(T)`` for every event the loop publishes per step or per eval batch.
 
     Attributes (read on the hot path; written only by :meth:`refresh`):
-        batch_fetched ... eval_batch_ended: ``port.wants`` of the event of that name.
+        eval_batch_ended ... scheduler_stepped: ``port.wants`` of the event of that name.
         step_ended: Some subscription takes every ``StepEnded``.
         step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
             one when ``step_ended_demand.takes(step, now)`` says one of them takes it, and
             tells it the event's stamp (``built``).
         step_ended_demand: The port's :class:`~trainbus._bus.dispatch.Demand` for ``StepEnded``.
-        step_extras: ``StepBegan`` or the ``DataWaitStarted/Ended`` span is wanted: the
-            step reads this one flag, and the single ones only when it is set.
+        trace: The opt-in trace of the step's parts (``SpanTraced``), refreshed with the flags.
         rings: The doorbell's count the flags were read at (-1: never read).
 
     Args:
         port: The port whose demand is cached.
+        state: The run's train state (stamps the trace's events).
+        trace: The parts ``Trainer(trace=...)`` names (empty: tracing is off).
     """
 
     __slots__ = (
         "_port",
-        "backward_ended",
-        "backward_started",
-        "batch_fetched",
-        "data_wait_ended",
-        "data_wait_started",
         "eval_batch_ended",
         "eval_batch_started",
-        "forward_ended",
-        "forward_started",
-        "loss_computed",
         "metrics_logged",
-        "micro_batch_ended",
-        "optimizer_step_ended",
-        "optimizer_step_started",
         "prediction_batch_ended",
         "rings",
         "scheduler_stepped",
-        "scheduler_stepping",
-        "step_began",
         "step_ended",
         "step_ended_demand",
         "step_ended_sampled",
-        "step_extras",
-        "zero_grad_ended",
-        "zero_grad_started",
+        "trace",
     )  # fmt: skip
 
-    def __init__(self, port: LoopPort) -> None:
+    def __init__(self, port: LoopPort, state: TrainState, trace: frozenset[str]) -> None:
         self._port = port
         self.step_ended_demand = port.demand(ev.StepEnded)
         self.step_ended_sampled = False
         self.rings = -1
-        self.batch_fetched = self.forward_started = self.forward_ended = False
-        self.loss_computed = self.backward_started = self.backward_ended = False
-        self.optimizer_step_started = self.optimizer_step_ended = False
+        self.trace = Tracer(port, state, trace)
         self.scheduler_stepped = self.step_ended = self.metrics_logged = False
         self.eval_batch_ended = self.eval_batch_started = self.prediction_batch_ended = False
-        self.step_began = self.data_wait_started = self.data_wait_ended = False
-        self.micro_batch_ended = self.zero_grad_started = self.zero_grad_ended = False
-        self.scheduler_stepping = self.step_extras = False
 
     def refresh(self) -> None:
         """Re-read the flags if the port's doorbell rang since the last read (else nothing).
@@ -93,14 +76,6 @@ class Wants:
         # and the next compare catches that.
         self.rings = rings
         wants = port.wants
-        self.batch_fetched = wants(ev.BatchFetched)
-        self.forward_started = wants(ev.ForwardStarted)
-        self.forward_ended = wants(ev.ForwardEnded)
-        self.loss_computed = wants(ev.LossComputed)
-        self.backward_started = wants(ev.BackwardStarted)
-        self.backward_ended = wants(ev.BackwardEnded)
-        self.optimizer_step_started = wants(ev.OptimizerStepStarted)
-        self.optimizer_step_ended = wants(ev.OptimizerStepEnded)
         self.scheduler_stepped = wants(ev.SchedulerStepped)
         # Sampled subscriptions only (stream(StepEnded, every_s= / every_steps=)): the step
         # builds one when the demand says one of them takes it, not every step.
@@ -111,11 +86,4 @@ class Wants:
         self.eval_batch_ended = wants(ev.EvalBatchEnded)
         self.eval_batch_started = wants(ev.EvalBatchStarted)
         self.prediction_batch_ended = wants(ev.PredictionBatchEnded)
-        self.step_began = wants(ev.StepBegan)
-        self.data_wait_started = wants(ev.DataWaitStarted)
-        self.data_wait_ended = wants(ev.DataWaitEnded)
-        self.micro_batch_ended = wants(ev.MicroBatchEnded)
-        self.zero_grad_started = wants(ev.ZeroGradStarted)
-        self.zero_grad_ended = wants(ev.ZeroGradEnded)
-        self.scheduler_stepping = wants(ev.SchedulerStepping)
-        self.step_extras = self.step_began or self.data_wait_started or self.data_wait_ended
+        self.trace.refresh()

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop.set_metrics import SetMetric
@@ -199,3 +200,22 @@ def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
         raise ConfigError.invalid(name, value, "True (listen in checkpoint_dir), False, or a "
                                   "folder to listen in")  # fmt: skip
     return value
+
+
+def trace(name: str, value: Any) -> frozenset[str]:
+    """The parts of a step to time: True (every one of ``events.TRACED_SPANS``), False (none)
+    or a collection of their names.
+
+    Raises:
+        ConfigError: ``value`` is none of those, or names a part that is not traced.
+    """
+    allowed = f"True, False or a set of {list(ev.TRACED_SPANS)}"
+    if isinstance(value, bool):
+        return frozenset(ev.TRACED_SPANS) if value else frozenset()
+    if isinstance(value, str | bytes) or not isinstance(value, Iterable):
+        raise ConfigError.invalid(name, value, allowed)
+    spans = frozenset(value)
+    unknown = sorted(str(s) for s in spans if s not in ev.TRACED_SPANS)
+    if unknown:
+        raise ConfigError.invalid(name, value, f"{allowed} (not {unknown})")
+    return spans

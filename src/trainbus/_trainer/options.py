@@ -222,6 +222,7 @@ CHECKS: dict[str, checks.Check] = {
     "bus": checks.bus,
     "ddp": checks.ddp,
     "attach": checks.attach,
+    "trace": checks.trace,
 }
 """The check of each keyword option of ``Trainer.__init__``, in its signature's order:
 ``check(name, value) -> the value the run uses``, raising ``ConfigError``."""
@@ -332,7 +333,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         barriers=bus.barriers, on_nonfinite=options["on_nonfinite"],
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
         eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,
-        train_step=options["train_step"],
+        train_step=options["train_step"], trace=options["trace"],
     )  # fmt: skip
 
 

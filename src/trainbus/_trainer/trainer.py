@@ -63,6 +63,7 @@ from .._tensors import is_sharded_model
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
+from ..events import TracedSpan
 from .added import AddedCallbacks
 from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
 from .endings import OnSignal, interrupt_for
@@ -176,6 +177,10 @@ class Trainer:
             folder, with ``attach.token`` beside it, both removed at the end. True (default):
             in ``checkpoint_dir`` when set (on platforms with Unix domain sockets); a folder:
             there; False: never. Free while nobody is attached (docs/attach.md).
+        trace: Time the parts of each step (the data wait, forward, backward, optimizer step,
+            ``zero_grad``, scheduler step) and publish each as one ``events.SpanTraced``:
+            True for every part, a set of ``events.TRACED_SPANS`` names for those; False
+            (default): nothing is timed or published (docs/events.md, "Tracing").
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -213,6 +218,7 @@ class Trainer:
         bus: EventBus | None = None,
         ddp: bool | None = None,
         attach: bool | str | os.PathLike[str] = True,
+        trace: bool | Iterable[TracedSpan] = False,
     ) -> None:
         checked = check_options(locals())  # the keyword options, as the signature declares them
         self.bus: EventBus = checked["bus"] or EventBus()

@@ -398,6 +398,13 @@ def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
             "a method naming one event class; several match: " + ", ".join(sorted(found))
             + " (rename one, or subscribe with bus.stream(TheClass))",
         )  # fmt: skip
+    removed = next((old for old in ev.REMOVED if f"on_{_snake(old)}" == name), None)
+    if removed is not None:
+        raise ConfigError.invalid(
+            f"{cls.__name__}.{name}", name,
+            f"an event's method; {removed} was removed: use {ev.REMOVED[removed]} "
+            "(on_span_traced, with Trainer(trace=True))",
+        )  # fmt: skip
     raise ConfigError.invalid(
         f"{cls.__name__}.{name}", name,
         "on_<event in snake_case>, e.g. on_step_ended, or of your own event class (a "

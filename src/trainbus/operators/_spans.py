@@ -30,9 +30,9 @@ def span_durations(
 
     ``start=None`` times every span of :data:`trainbus.events.SPANS` (each kind paired with
     its own partner); ``start=X`` only that kind, ``end`` defaulting to its partner in
-    ``SPANS`` (give ``end`` to time from any event to any other). Works for any span (forward,
-    backward, optimizer step, evaluation, epoch, fit), because the loop guarantees the pair even
-    on failure (``span.end.error`` then holds the exception). Nested spans of one kind pair
+    ``SPANS`` (give ``end`` to time from any event to any other). Works for any span (fit,
+    epoch, evaluation round, set and batch, prediction), because the loop guarantees the pair
+    even on failure (``span.end.error`` then holds the exception). Nested spans of one kind pair
     innermost first; an end without a start (subscribed mid-span) is dropped. Durations come
     from the events' ``time`` stamps, not from when they were delivered.
 
@@ -41,8 +41,11 @@ def span_durations(
         source:             -S---E--S-E-|
         span_durations(S):  -----x----y-|     x, y = Span(start, end, duration_s)
 
-        source:             -F-f-B-b-|        F/f ForwardStarted/Ended, B/b BackwardStarted/Ended
-        span_durations():   ---x---y-|        x = forward span, y = backward span
+        source:             -E-B-b-e-|        E/e EpochStarted/Ended, B/b EvalBatchStarted/Ended
+        span_durations():   -----x-y-|        x = eval batch span, y = epoch span
+
+    The parts of a step are no pairs: ``Trainer(trace=...)`` times each one itself
+    (``SpanTraced.duration_s``).
 
     Raises:
         ConfigError: ``start`` is not a span start (without ``end``), or ``end`` is not an

@@ -49,7 +49,7 @@ def main() -> None:
     t = trainbus.Trainer(model, opt, data, loss_fn=nn.functional.mse_loss, max_steps=a.max_steps,
                          log_every=a.log_every, checkpoint_dir=run, eval_data=data[:2],
                          eval_schedule=EvalSchedule(epoch_end=False, at_end=False), progress=False,
-                         attach=attach)  # fmt: skip
+                         attach=attach, trace={"optimizer_step"})  # fmt: skip
     seen: dict[str, Any] = {"wanted_while_paused": []}
     steps: list[int] = []
     t.bus.stream(ev.StepEnded).subscribe(lambda e: steps.append(e.step), ranks="all")
@@ -57,7 +57,7 @@ def main() -> None:
     def pause(ctx: Any) -> None:
         if rank != 0 or ctx.step not in a.pause_at:
             return
-        seen["wanted_while_paused"].append(t.bus.wants(ev.OptimizerStepStarted))
+        seen["wanted_while_paused"].append(t.bus.wants(ev.SpanTraced))
         (run / f"paused-{ctx.step}").write_text(str(os.getpid()))
         release = run / f"release-{ctx.step}"
         deadline = time.monotonic() + 240

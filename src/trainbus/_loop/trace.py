@@ -1,0 +1,99 @@
+"""The opt-in trace: each part of a step timed and published as one ``SpanTraced``.
+
+``Trainer(trace=...)`` names the parts (:data:`~trainbus.events.TRACED_SPANS`); the loop wraps
+each part in ``with tracer(span, ...):``. Off (the default), or with nobody subscribed to
+``SpanTraced``, the call returns one shared do-nothing context: no clock read, no event.
+"""
+
+from __future__ import annotations
+
+import time
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+from .. import events as ev
+
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from ..checkpoint import TrainState
+
+__all__ = ["Tracer"]
+
+
+class _Off:
+    """The context of a part nobody traces: does nothing."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_OFF = _Off()
+
+
+class _Timed:
+    """The context of one traced part: publishes its ``SpanTraced`` when it ends."""
+
+    __slots__ = ("_event", "_port", "_started")
+
+    def __init__(self, port: LoopPort, event: dict[str, object]) -> None:
+        self._port, self._event = port, event
+        self._started = time.monotonic()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self._port.publish(
+            ev.SpanTraced(started=self._started, ended=time.monotonic(), error=exc,
+                          **self._event)  # type: ignore[arg-type]
+        )  # fmt: skip
+        # Returns None: the part's exception propagates.
+
+
+class Tracer:
+    """Times the parts ``Trainer(trace=...)`` names while someone subscribes to ``SpanTraced``.
+
+    Attributes:
+        on: Some part is traced and someone wants ``SpanTraced`` (read at :meth:`refresh`).
+
+    Args:
+        port: Where the events go (and who is asked whether anyone wants them).
+        state: The run's train state (stamps the events with the step and epoch).
+        spans: The parts to time (empty: tracing is off).
+    """
+
+    __slots__ = ("_port", "_spans", "_state", "on")
+
+    def __init__(self, port: LoopPort, state: TrainState, spans: frozenset[str]) -> None:
+        self._port, self._state, self._spans = port, state, spans
+        self.on = False
+
+    def refresh(self) -> None:
+        """Re-read whether anyone wants ``SpanTraced`` (the routes changed)."""
+        self.on = bool(self._spans) and self._port.wants(ev.SpanTraced)
+
+    def __call__(
+        self,
+        span: ev.TracedSpan,
+        phase: ev.Phase = "train",
+        batch_index: int | None = None,
+        micro_batch: int | None = None,
+        dataset: str | None = None,
+    ) -> _Off | _Timed:
+        """The context that times ``span`` (a do-nothing one when it is not traced)."""
+        if not self.on or span not in self._spans:
+            return _OFF
+        st = self._state
+        return _Timed(self._port, {"step": st.step, "epoch": st.epoch, "span": span,
+                                   "phase": phase, "batch_index": batch_index,
+                                   "micro_batch": micro_batch, "dataset": dataset})  # fmt: skip
