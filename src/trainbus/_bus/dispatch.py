@@ -59,7 +59,7 @@ so the loop can apply it first.
 
 Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber
 of what was queued runs during the delivery, as always; of the async subscriptions, only those
-made with ``decides=True`` (``Callback.decides``) that received the event, or an event derived
+made with ``decides=True`` (a ``Callback``'s ``SubscribeOptions(decides=True)``) that received the event, or an event derived
 from it in the same dispatch (at the last barrier: anything delivered then), and only until
 they finished what they had received by then. Any other async subscription (a poster of the
 metrics, an uploader, a logger) is never waited for, whatever events it receives: its backlog
