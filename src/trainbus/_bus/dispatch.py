@@ -57,14 +57,14 @@ clock (their ``StepEnded``) and once after the last step (no event), so that a d
 there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
 so the loop can apply it first.
 
-Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber
-of what was queued runs during the delivery, as always; of the async subscriptions, only those
-made with ``decides=True`` (a ``Callback``'s ``SubscribeOptions(decides=True)``) that received the event, or an event derived
-from it in the same dispatch (at the last barrier: anything delivered then), and only until
-they finished what they had received by then. Any other async subscription (a poster of the
-metrics, an uploader, a logger) is never waited for, whatever events it receives: its backlog
-stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself never
-waits (a full ``"block"`` buffer pushes back on the training loop instead, see
+Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber of
+what was queued runs during the delivery, as always; of the async subscriptions, only those made
+with ``decides=True`` (a ``Callback``'s ``SubscribeOptions(decides=True)``) that received the
+event, or an event derived from it in the same dispatch (at the last barrier: anything delivered
+then), and only until they finished what they had received by then. Any other async subscription (a
+poster of the metrics, an uploader, a logger) is never waited for, whatever events it receives: its
+backlog stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself
+never waits (a full ``"block"`` buffer pushes back on the training loop instead, see
 :class:`Backpressure`).
 The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
 subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
