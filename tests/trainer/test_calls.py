@@ -329,7 +329,7 @@ def test_ctrl_c_during_a_sync_call_in_a_with_block_cancels_it_then_closes() -> N
 
 def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> None:
     # (A hung "block" subscriber holds training itself until a stop: see
-    # tests/bus/test_failures.py::test_a_hung_block_subscriber_holds_training_says_so_...)
+    # tests/bus/test_watchdog_failures.py::test_a_hung_block_subscriber_holds_training_says_so_...)
     trainer = make_trainer(bus=EventBus(close_timeout=0.5, barrier_timeout=0.5))
     seen: list[int] = []
 
