@@ -117,7 +117,6 @@ __all__ = [
     "AsyncFeeder",
     "AsyncSubscription",
     "Backpressure",
-    "BusChains",
     "BusObservable",
     "BusStatistics",
     "Chains",
@@ -1100,34 +1099,6 @@ _T = TypeVar("_T")
 _T_co = TypeVar("_T_co", covariant=True)
 
 
-class BusChains(Protocol):
-    """What a :class:`BusObservable` needs of its bus (the bus' ``Chains`` provides it)."""
-
-    @property
-    def rx_scheduler(self) -> abc.SchedulerBase:
-        """The scheduler handed to chains: timers on the bus' Rx scheduler, "now" work inline."""
-        ...
-
-    def subscribe_observer(
-        self,
-        source: Observable[Any],
-        observer: Any,
-        on_rx_error: Any = None,
-        on_completed: Any = None,
-        *,
-        on_error: ErrorPolicy | None = None,
-        name: str | None = None,
-        scheduler: abc.SchedulerBase | None = None,
-        ranks: Any = None,
-    ) -> Subscription:
-        """Subscribe ``observer`` to ``source`` behind the bus' guard."""
-        ...
-
-    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
-        """Declare decision steps until the returned disposable is disposed."""
-        ...
-
-
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
     the observer and hands the bus' Rx scheduler to the chain's time-based operators.
@@ -1141,7 +1112,7 @@ class BusObservable(Observable[_T], Generic[_T]):
 
     def __init__(
         self,
-        chains: BusChains,
+        chains: Chains,
         source: Observable[_T],
         decision_steps: tuple[DecisionSteps, ...] = (),
         *,
@@ -1282,7 +1253,8 @@ def normalize_observer(
 
 # ================================================================== chains
 class Chains:
-    """Subscribes a chain's last observer behind the bus' guard (a ``BusChains``).
+    """Subscribes a chain's last observer behind the bus' guard: what every
+    :class:`BusObservable` subscribes through.
 
     Args:
         subscriptions: The bus' subscription records (where a guarded observer is added).
