@@ -84,7 +84,10 @@ __all__ = ["Good"]
 
 class Good:
     """A class; see :meth:`run` and :meth:`~fixturepkg.Good.run`, not :func:`_helper`; it
-    raises :class:`ValueError` and calls :func:`time.monotonic`."""
+    raises :class:`ValueError` and calls :func:`time.monotonic`. For example::
+
+        Good().run()
+    """
 
     def run(self) -> None:
         """Run."""
@@ -157,6 +160,9 @@ def test_a_sound_project_builds_and_a_docstring_role_becomes_a_link(tmp_path: Pa
     for shown in ("_helper()", "ValueError", "time.monotonic()"):
         assert f"<code>{shown}</code>" in html, shown
     assert ":meth:" not in html and ":func:" not in html and ":class:" not in html
+    # reST's literal block: the paragraph ends in one colon, the block is code.
+    assert "For example:</p>" in html
+    assert "Good().run()" in html.split("For example:</p>", 1)[1].split("</pre>", 1)[0]
 
 
 @pytest.fixture(scope="module")

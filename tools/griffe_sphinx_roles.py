@@ -14,6 +14,8 @@ and would show those roles as literal text. Before rendering, each role becomes:
   name that was renamed or removed.
 
 ``~`` shows only the last component, and ``title <target>`` shows the title, as in Sphinx.
+A paragraph ending in reST's ``::`` (its indented block follows, which Markdown shows as code
+as it is) ends in ``:`` as Sphinx shows it; a ``::`` alone on its line goes.
 mkdocs.yml enables this file under the Python handler's ``extensions``.
 """
 
@@ -27,6 +29,13 @@ from typing import Any
 import griffe
 
 PACKAGE = "trainbus"
+
+# reST's literal-block marker: "text::" shows "text:", "text ::" and a lone "::" show nothing.
+LITERAL_MARKER = [
+    (re.compile(r"^[ \t]*::[ \t]*$", re.M), ""),
+    (re.compile(r"(\S)[ \t]+::[ \t]*$", re.M), r"\1"),
+    (re.compile(r"(\S)::[ \t]*$", re.M), r"\1:"),
+]
 
 ROLE = re.compile(
     r":(?:py:)?(?P<role>class|meth|func|attr|data|mod|exc|obj|const|type):`(?P<body>[^`]+)`"
@@ -117,7 +126,10 @@ class SphinxRoles(griffe.Extension):
             return
         seen.add(obj.path)
         if obj.docstring is not None:
-            obj.docstring.value = ROLE.sub(lambda m: _render(obj, m), obj.docstring.value)
+            text = ROLE.sub(lambda m: _render(obj, m), obj.docstring.value)
+            for marker, replacement in LITERAL_MARKER:
+                text = marker.sub(replacement, text)
+            obj.docstring.value = text
         for member in obj.members.values():
             if not member.is_alias:
                 self._rewrite(member, seen)  # type: ignore[arg-type]
