@@ -92,6 +92,12 @@ class Good:
     def run(self) -> None:
         """Run."""
 
+    def __enter__(self) -> "Good":
+        return self
+
+    def __repr__(self) -> str:
+        return "Good()"
+
 
 def _helper() -> None:
     """Private: the reference does not show it."""
@@ -150,8 +156,9 @@ GOOD_PAGES = {
 
 @pytest.mark.slow
 def test_a_sound_project_builds_and_a_docstring_role_becomes_a_link(tmp_path: Path) -> None:
-    """The control for the failing builds below: the same project without their defect builds,
-    and ``:meth:`run``` in a docstring links to the method's entry."""
+    """The control for the failing builds below: the same project without their defect builds;
+    and what tools/griffe_reference.py does: ``:meth:`run``` in a docstring links to the method's
+    entry, reST's ``::`` reads as Sphinx shows it, ``__repr__`` is left out."""
     proc = _build(tmp_path, GOOD_PAGES, ["index.md", "api.md"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     html = (tmp_path / "site" / "api" / "index.html").read_text()
@@ -160,6 +167,9 @@ def test_a_sound_project_builds_and_a_docstring_role_becomes_a_link(tmp_path: Pa
     for shown in ("_helper()", "ValueError", "time.monotonic()"):
         assert f"<code>{shown}</code>" in html, shown
     assert ":meth:" not in html and ":func:" not in html and ":class:" not in html
+    # Special members: the ones that say how the object is used, not the others.
+    assert 'id="fixturepkg.Good.__enter__"' in html
+    assert 'id="fixturepkg.Good.__repr__"' not in html
     # reST's literal block: the paragraph ends in one colon, the block is code.
     assert "For example:</p>" in html
     assert "Good().run()" in html.split("For example:</p>", 1)[1].split("</pre>", 1)[0]

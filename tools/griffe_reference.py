@@ -1,8 +1,9 @@
-"""A Griffe extension for the API reference: the docstrings' Sphinx roles as cross-references.
+"""Griffe extensions for the API reference; mkdocs.yml enables this file under the Python
+handler's ``extensions``.
 
-The docstrings are Google style with Sphinx's cross-reference roles (``:class:`Trainer```,
-``:meth:`~trainbus.EventBus.stream```, ``:func:`.link.connect```); mkdocstrings renders Markdown
-and would show those roles as literal text. Before rendering, each role becomes:
+``SphinxRoles``: the docstrings are Google style with Sphinx's cross-reference roles
+(``:class:`Trainer```, ``:meth:`~trainbus.EventBus.stream```, ``:func:`.link.connect```), which
+mkdocstrings, rendering Markdown, would show as literal text. Before rendering, each becomes:
 
 - a link to the object's entry in the reference, when the name resolves (as Sphinx resolves it:
   the docstring's own object, then its parents, then the module's imports) to an object of the
@@ -13,10 +14,14 @@ and would show those roles as literal text. Before rendering, each role becomes:
   docstring's line, when the name resolves to nothing: a name that does not exist, a typo, a
   name that was renamed or removed.
 
-``~`` shows only the last component, and ``title <target>`` shows the title, as in Sphinx.
-A paragraph ending in reST's ``::`` (its indented block follows, which Markdown shows as code
-as it is) ends in ``:`` as Sphinx shows it; a ``::`` alone on its line goes.
-mkdocs.yml enables this file under the Python handler's ``extensions``.
+``~`` shows only the last component, and ``title <target>`` shows the title, as in Sphinx. A
+paragraph ending in reST's ``::`` (its indented block follows, which Markdown shows as code as
+it is) ends in ``:`` as Sphinx shows it; a ``::`` alone on its line goes.
+
+``QuietSpecialMembers``: the reference shows what each module's ``__all__`` exports and the
+public members of each class, special ones included (``__enter__``, ``__call__``, ``__iter__``
+say how an object is used); ``__all__``, ``__slots__``, ``__getattr__`` (the names that moved),
+``__repr__`` and the like say nothing a user acts on, and are left out.
 """
 
 from __future__ import annotations
@@ -115,6 +120,11 @@ def _render(obj: griffe.Object, match: re.Match[str]) -> str:
     return f"[`{shown}`][{path}]"
 
 
+# Special members a user does not act on (QuietSpecialMembers).
+QUIET = {"__all__", "__slots__", "__getattr__", "__repr__", "__str__", "__hash__", "__eq__"}
+QUIET |= {"__reduce__", "__reduce_ex__", "__getstate__", "__setstate__", "__init_subclass__"}
+
+
 class SphinxRoles(griffe.Extension):
     """Rewrite the Sphinx roles of every docstring of the package once it is loaded."""
 
@@ -133,3 +143,22 @@ class SphinxRoles(griffe.Extension):
         for member in obj.members.values():
             if not member.is_alias:
                 self._rewrite(member, seen)  # type: ignore[arg-type]
+
+
+class QuietSpecialMembers(griffe.Extension):
+    """Leave the special members of ``QUIET`` out of the reference, wherever they are defined."""
+
+    def on_package(self, *, pkg: griffe.Module, loader: griffe.GriffeLoader, **kwargs: Any) -> None:
+        self._quiet(pkg, seen=set())
+
+    def _quiet(self, obj: griffe.Object, seen: set[str]) -> None:
+        if obj.path in seen:
+            return
+        seen.add(obj.path)
+        for name in QUIET & obj.members.keys():
+            # Out of the tree, not only marked private: a class re-exported under another path
+            # is rendered through an alias, whose members do not see their target's marks.
+            del obj.members[name]
+        for member in obj.members.values():
+            if not member.is_alias:
+                self._quiet(member, seen)  # type: ignore[arg-type]
