@@ -1,6 +1,7 @@
 """The documentation site (mkdocs.yml, ``make docs``): every page under docs/ is in the
 navigation, and the strict build fails naming the page for a page missing from the navigation,
-a link to a missing page or anchor, and a reference to a Python name that does not exist.
+a link to a missing page, anchor or repository file, and a reference to a Python name that does
+not exist.
 
 The failing builds run mkdocs on a small project in a temporary directory, configured as the
 real mkdocs.yml is (its strictness, its validation, its plugins and the docstring-role
@@ -128,11 +129,14 @@ def _build(root: Path, pages: dict[str, str], nav: list[Any]) -> subprocess.Comp
             python["paths"] = [str(root / "src"), str(ROOT / "src")]
             options = python["options"]
             options["extensions"] = [str(ROOT / e) for e in options["extensions"]]
+    config["hooks"] = [str(ROOT / hook) for hook in config["hooks"]]
     config.update(docs_dir=str(root / "docs"), site_dir=str(root / "site"), nav=nav)
     config.pop("exclude_docs", None)
     (root / "src" / "fixturepkg").mkdir(parents=True)
     (root / "src" / "fixturepkg" / "__init__.py").write_text(GOOD_MODULE)
     (root / "src" / "fixturepkg" / "broken.py").write_text(BROKEN_MODULE)
+    (root / "examples").mkdir()
+    (root / "examples" / "script.py").write_text("print('an example')\n")
     for name, text in pages.items():
         (root / "docs" / name).parent.mkdir(parents=True, exist_ok=True)
         (root / "docs" / name).write_text(text)
@@ -149,7 +153,8 @@ def _build(root: Path, pages: dict[str, str], nav: list[Any]) -> subprocess.Comp
 
 
 GOOD_PAGES = {
-    "index.md": "# Home\n\n[The reference](api.md#fixturepkg.Good), [Good][fixturepkg.Good].\n",
+    "index.md": "# Home\n\n[The reference](api.md#fixturepkg.Good), [Good][fixturepkg.Good], "
+    "[the script](../examples/script.py).\n",
     "api.md": "# API\n\n::: fixturepkg\n",
 }
 
@@ -167,6 +172,9 @@ def test_a_sound_project_builds_and_a_docstring_role_becomes_a_link(tmp_path: Pa
     for shown in ("_helper()", "ValueError", "time.monotonic()"):
         assert f"<code>{shown}</code>" in html, shown
     assert ":meth:" not in html and ":func:" not in html and ":class:" not in html
+    # A link to a repository file outside docs/: its path, as code.
+    index = (tmp_path / "site" / "index.html").read_text()
+    assert "the script (<code>examples/script.py</code>)" in index
     # Special members: the ones that say how the object is used, not the others.
     assert 'id="fixturepkg.Good.__enter__"' in html
     assert 'id="fixturepkg.Good.__repr__"' not in html
@@ -182,7 +190,8 @@ def broken_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     pages = {
         **GOOD_PAGES,
         "orphan.md": "# Not in the navigation\n",
-        "links.md": "# Links\n\n[a](missing.md), [b](api.md#nowhere), [c][fixturepkg.Gone]\n",
+        "links.md": "# Links\n\n[a](missing.md), [b](api.md#nowhere), [c][fixturepkg.Gone], "
+        "[d](../examples/gone.py)\n",
         "broken.md": "# Broken\n\n::: fixturepkg.broken\n",
     }
     proc = _build(root, pages, ["index.md", "api.md", "links.md", "broken.md"])
@@ -208,6 +217,11 @@ def broken_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
             id="a link to a missing anchor",
         ),
         pytest.param(
+            "Doc file 'links.md' contains a link '../examples/gone.py' to the repository file "
+            "'examples/gone.py', which does not exist.",
+            id="a link to a repository file that does not exist",
+        ),
+        pytest.param(
             "links.md: Could not find cross-reference target 'fixturepkg.Gone'",
             id="a page's reference to a name that does not exist",
         ),
@@ -223,7 +237,7 @@ def test_the_strict_build_fails_naming_the_page(
 ) -> None:
     root, output = broken_build
     assert message.format(root=root) in output
-    assert "Aborted with 5 warnings in strict mode!" in output
+    assert "Aborted with 6 warnings in strict mode!" in output
 
 
 @pytest.mark.slow
