@@ -30,7 +30,7 @@ from .._log import get_logger
 from .._validate import check_int, check_metric, check_mode
 from ..operators import Tracker
 from ._base import Callback
-from ._sets import check_monitored, reads_metric
+from ._monitored import check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus

@@ -11,8 +11,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
-from ._sets import check_monitored, reads_metric
-from ._tracked import TrackedCallback
+from ._monitored import TrackedCallback, check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus

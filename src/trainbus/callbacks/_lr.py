@@ -12,8 +12,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._sets import check_monitored, reads_metric
-from ._tracked import TrackedCallback
+from ._monitored import TrackedCallback, check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus

@@ -17,7 +17,7 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric, check_number, check_seconds
 from ._base import Callback
-from ._sets import check_monitored
+from ._monitored import check_monitored
 
 if TYPE_CHECKING:
     from .._bus import EventBus

@@ -10,7 +10,7 @@ from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_seconds
 from ._base import Callback
-from ._batched import write_in_batches
+from ._logging import write_in_batches
 
 if TYPE_CHECKING:
     from .._bus import EventBus

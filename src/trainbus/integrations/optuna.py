@@ -37,7 +37,7 @@ from .._bus.subscriptions import RankFilter, env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
-from ..callbacks._sets import reads_metric
+from ..callbacks._monitored import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
