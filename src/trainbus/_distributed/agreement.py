@@ -1,38 +1,18 @@
 """Rank-agreed commands: every rank applies the same commands at the same step.
 
-A command sent on one rank (a rank-0 subscriber's ``StopTraining``, the launcher's driver, a
-per-rank monitor) must not act on that rank alone: a rank that stops while the others wait in
-the next all-reduce hangs the run. So under ``torchrun`` the loop never applies the commands of
-its own bus directly; it hands them to :meth:`CommandAgreement.exchange` at a **sync point**,
-a step every rank reaches in the same order (the step clock's decision steps, the barrier
-events, the close of a ``log_every`` window), and applies what comes back, the same list on
-every rank.
+A command acting on one rank alone hangs the run (that rank stops while the others wait in the
+next all-reduce). So under ``torchrun`` the loop hands its bus' commands to
+:meth:`CommandAgreement.exchange` at a sync point and applies what comes back, the same list on
+every rank (docs/distributed.md draws the protocol).
 
-::
-
-    rank 0: pending [StopTraining]        rank 1: pending [SaveCheckpoint(tag="a")]
-        \\                                   /
-         all_gather(uint8[capacity])  (one collective: length header + JSON records)
-         (a second all_gather only when some rank's records exceed the capacity)
-                         |
-    every rank: merge(rank 0's, rank 1's) = [StopTraining, SaveCheckpoint(tag="a")]
-
-**Merge order**: by rank, then in send order. **De-duplication**: the same command sent by
-several ranks in one exchange (a ``ranks="all"`` subscriber sends it from each) is applied as
-many times as the rank that sent it most often sent it, not once per rank; and only the first
-``StopTraining`` is kept (stopping twice is one stop, whatever the reasons).
-
-**Zero extra collectives when nothing is pending**: at the ``log_every`` close the loop reduces
-the window's loss anyway; :meth:`CommandAgreement.reduce_metrics_flagged` adds one "some rank
-has pending commands" number to that same all-reduce, and only when it is set does the loop
-call :meth:`exchange`. At sync points without a reduction, :meth:`exchange` is one all-gather.
-
-**Latency**: a command sent at step ``k`` is applied by every rank at the first sync point at or
-after ``k`` (with ``log_every=n`` and no other sync point: at most ``n`` steps later).
-
-Commands cross ranks as :mod:`~trainbus._wire` records: JSON, never pickles. The
-local rank's own commands come back as the very objects it sent (so ``bus.request(c)`` on that
-rank resolves by identity); other ranks' as equal, rebuilt objects.
+- Merge order: by rank, then in send order. A command several ranks sent in one exchange (a
+  ``ranks="all"`` subscriber) is applied as often as the rank that sent it most often sent it;
+  only the first ``StopTraining`` is kept.
+- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flagged`
+  adds a "some rank has commands" flag to the ``log_every`` window's all-reduce.
+- Commands cross ranks as :mod:`~trainbus._wire` records (JSON, never pickles). The local
+  rank's own commands come back as the objects it sent (``bus.request(c)`` resolves by
+  identity); other ranks' as equal, rebuilt objects.
 """
 
 from __future__ import annotations

@@ -47,11 +47,8 @@ def read_rss() -> tuple[int | None, RssSource | None]:
 
 
 def measure(step: int, epoch: int, device: str) -> ev.MemoryMeasured:
-    """Read the memory now and build the event. CUDA figures only when ``device`` is CUDA.
-
-    The CUDA counters are host-side bookkeeping of the caching allocator: reading them never
-    waits for the device.
-    """
+    """Read the memory now and build the event; CUDA figures (host-side allocator counters:
+    no device sync) only when ``device`` is CUDA."""
     rss, source = read_rss()
     allocated = reserved = peak = None
     if device.startswith("cuda"):

@@ -1,9 +1,4 @@
-"""Training progress: a tqdm bar when tqdm is installed, else a structlog line per refresh.
-
-Everything happens on the bus' event-loop thread: the training thread only publishes
-``StepEnded``, and the display is refreshed at most once per ``refresh_s`` by ``ops.sample``
-(the latest step of each period, whatever the step rate).
-"""
+"""Training progress: a tqdm bar when tqdm is installed, else a structlog line per refresh."""
 
 from __future__ import annotations
 
@@ -29,15 +24,8 @@ log = structlog.get_logger("trainbus")
 
 
 def progress_by_default() -> bool:
-    """Whether a ``Trainer`` shows a :class:`Progress` when not told (``progress=None``).
-
-    Yes when stderr is a terminal and this process is rank 0: ``RANK`` (set by torchrun) is
-    absent or ``"0"``. No otherwise: a log file or a CI capture gets no bar, and under torchrun
-    only one rank draws.
-
-    Returns:
-        True to add a default ``Progress()``.
-    """
+    """Whether a ``Trainer`` shows a :class:`Progress` when not told (``progress=None``):
+    when stderr is a terminal and this process is rank 0 (``RANK`` absent or ``"0"``)."""
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         return False
     try:
@@ -51,14 +39,8 @@ FALLBACK_COLUMNS = 100
 
 
 def terminal_columns(stream: Any) -> int | None:
-    """The columns of the terminal ``stream`` writes to, None when it is not one.
-
-    Args:
-        stream: A file object (``sys.stderr``).
-
-    Returns:
-        The reported width (which can be 0 on some pseudo-terminals), or None.
-    """
+    """The columns of the terminal the file object ``stream`` writes to (0 on some
+    pseudo-terminals), None when it is not one."""
     try:
         return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError):  # no fileno, closed, or not a terminal
@@ -80,12 +62,9 @@ class Progress(Callback):
         FitEnded                            -> one last line with the last step's values,
                                                close the bar
 
-    The display always shows the *latest* step's values: ``ops.sample`` emits the newest
-    ``StepEnded`` of each ``refresh_s`` period, and the epoch/fit ends show the newest one
-    seen. The bar is set to the event's ``step`` (not advanced by one per refresh), so it is
-    right when many steps pass between two refreshes. Reading ``loss`` (``float(e.loss)``)
-    happens here, once per refresh, never on the training thread. The last line is drawn
-    once, by closing the bar.
+    The display shows the latest step's values, set to its ``step`` (right when many steps
+    pass between refreshes). ``loss`` is read (a device sync) once per refresh, on the event
+    loop, never on the training thread.
 
     Args:
         refresh_s: Minimum seconds between two refreshes (> 0).

@@ -38,11 +38,9 @@ class ThresholdStopping(Callback):
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
     ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
-    ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
-    after ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
-    ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
-    lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
-    the event had (logged by the bus; the run goes on unless the bus' error policy says so).
+    ``"train"``. After an evaluation the stop is applied before the next step; after
+    ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
+    ``ConfigError`` before the run starts (:meth:`check`).
 
     Args:
         monitor: The metric to watch.
@@ -72,11 +70,10 @@ class ThresholdStopping(Callback):
         )
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``monitor`` its ``source`` never carries.
+        """Refuse a ``monitor`` its ``source`` never carries.
 
         Raises:
-            ConfigError: ``source`` ``"train"`` and ``monitor`` is not a ``MetricsLogged`` key;
-                ``"eval"`` and no ``eval_data``, or ``monitor`` is not among its metrics.
+            ConfigError: naming ``monitor`` and the metrics the source has.
         """
         check_monitored(plan, "ThresholdStopping.monitor", self.monitor,
                         train=self.source == "train")  # fmt: skip

@@ -5,37 +5,9 @@ advanced, from one random generator. Capturing that generator's state *before* `
 is enough to draw the same permutation again; skipping the batches already consumed then puts
 the resumed run at the exact batch it stopped at.
 
-Which loaders resume exactly:
-
-=====================================================  ==============  ====================
-loader                                                 kind            exact
-=====================================================  ==============  ====================
-``DataLoader(shuffle=True, generator=g)``               ``generator``   yes (``g``'s state)
-``DataLoader(sampler=RandomSampler(ds, generator=g))``  ``sampler``     yes (``g``'s state)
-``DataLoader(shuffle=True)`` with ``Trainer(seed=)``     ``global``      yes: rebuilt around an
-                                                                        :class:`EpochSampler`,
-                                                                        whose order is
-                                                                        ``(seed, epoch)``
-``DataLoader(shuffle=True)`` (no generator)             ``global``      yes: the permutation
-                                                                        comes from the global
-                                                                        torch RNG, whose state
-                                                                        at the epoch's start
-                                                                        is kept
-``DataLoader(shuffle=False)``                           ``sequential``  yes (no randomness)
-a ``Sequence`` (list of batches)                        ``sequence``    yes (no randomness)
-``DataLoader(sampler=DistributedSampler(...))``         ``distributed`` yes on the same world
-                                                                        size (seed and epoch);
-                                                                        another world size
-                                                                        resumes at the next
-                                                                        epoch boundary
-a custom sampler drawing from the global torch RNG      ``global``      yes
-a custom sampler with its own generator / state        ``global``      no: its state is not
-                                                                        captured
-an ``IterableDataset`` or any other iterable            ``iterable``    no: the stream cannot
-                                                                        be rewound; the resumed
-                                                                        epoch skips the
-                                                                        consumed count
-=====================================================  ==============  ====================
+Each loader is classified by the source of its order (``generator``, ``sampler``, ``global``,
+``sequential``, ``sequence``, ``distributed``, ``iterable``); docs/reliability.md tables which
+resume exactly. A custom sampler with its own state, or an iterable, cannot be rewound.
 
 Skipped batches are loaded and dropped (as the loop did before): resuming late in a long epoch
 costs that epoch's data loading up to the resume point.

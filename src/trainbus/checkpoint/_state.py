@@ -20,17 +20,17 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .._exceptions import CheckpointError, ConfigError
-from ._keys import canonical_names, canonical_state, live_state
 from ._rng import restore_rng
 
 __all__ = [
@@ -49,6 +49,76 @@ FORMAT_VERSION = 2
 """1: trainbus 0.1 before the weights_only format (pickled Python RNG state); 2: this one."""
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+
+# Parameter names as checkpoints write them: the original module's. ``torch.compile`` puts
+# ``_orig_mod`` in the keys of what it wraps (whole model or a submodule); checkpoints leave it
+# out and loading maps the keys onto the live model's, so a compiled run's checkpoint loads into
+# the plain model and back (``_orig_mod.`` keys written by hand load too).
+
+_WRAPPER = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the module under
+V = TypeVar("V")
+
+
+def canonical_key(key: str) -> str:
+    """``key`` without its ``_orig_mod`` parts (``"_orig_mod.0.weight"`` -> ``"0.weight"``)."""
+    if _WRAPPER not in key:
+        return key
+    return ".".join(part for part in key.split(".") if part != _WRAPPER)
+
+
+def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
+    """``{canonical_key(name): value}`` for ``(name, value)`` pairs (``named_parameters()``)."""
+    return {canonical_key(name): value for name, value in items}
+
+
+def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """A model's ``state_dict()`` with canonical keys, its ``_metadata`` (module versions, read
+    by ``load_state_dict``) keyed the same way.
+
+    Args:
+        state: ``model.state_dict()``.
+
+    Returns:
+        The same tensors under the original module's keys.
+    """
+    out: OrderedDict[str, Any] = OrderedDict((canonical_key(k), v) for k, v in state.items())
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        # Wrapper and wrapped module map to one prefix: the wrapped one (listed later) wins.
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (canonical_key(k), v) for k, v in meta.items()
+        )
+    return out
+
+
+def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
+    """A saved state dict (canonical keys, or a compiled model's) keyed as ``model`` names
+    its entries, to hand to ``model.load_state_dict``.
+
+    Args:
+        saved: The checkpoint's model state.
+        model: The live model, compiled (whole or in parts) or not.
+
+    Returns:
+        ``saved`` itself when its keys are the model's already; else the same tensors under
+        the model's keys (a key the model lacks stays as it is, so ``load_state_dict`` names
+        it).
+    """
+    live_keys = list(model.state_dict().keys())
+    if set(saved) == set(live_keys):
+        return saved
+    to_live = {canonical_key(k): k for k in live_keys}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in saved.items():
+        canonical = canonical_key(key)
+        out[to_live.get(canonical, canonical)] = value
+    meta = getattr(saved, "_metadata", None)
+    if meta is not None:
+        prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (prefixes.get(canonical_key(k), k), v) for k, v in meta.items()
+        )
+    return out
 
 
 class TrainState:

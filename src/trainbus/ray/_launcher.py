@@ -202,8 +202,8 @@ class RayLauncher:
         return anyio.run(self.launch, backend=backend)
 
     async def launch(self) -> RayLaunchResult:
-        """Run the ``TorchTrainer`` (``ray.init()`` first when Ray is not initialised), serve
-        rank 0's link, and wait until it ends.
+        """Run the ``TorchTrainer`` (``ray.init()`` first if needed), serve rank 0's link,
+        and wait until it ends.
 
         Returns:
             The :class:`RayLaunchResult`.

@@ -10,19 +10,13 @@ rank 0 and the driver.
     push(id, seq, lines)  (non-waiting) ──►  chunks ───── take() ────────►  DriverLink.receive
     commands(id, wait)  (long poll) ◄─────  commands ◄── put_commands() ──  DriverLink.forward
 
-- The worker's pushes are fire-and-forget calls (``actor.push.remote(...)``, never waited on),
-  one per batch of events: the link's sender lingers :data:`LINGER` seconds after an event for
-  more (a Ray call costs about as much as a tiny training step; one per event would slow
-  rank 0 by tens of percent). Each batch carries a sequence number, so the driver reads them
-  in rank 0's order whatever order the actor ran them in.
-- The driver long-polls :meth:`_Mailbox.take`: the call returns as soon as a hello or the next
-  batch is there (with everything queued since), or after ``poll_interval`` seconds with
-  nothing. So the driver makes one Ray call per batch while events stream and about two a
-  second while none do: on a machine whose cores the workers fill, every call the driver
-  makes takes CPU from a worker (and under gloo, from every rank waiting for it).
-- Only the accepted link's pushes are kept; a refused worker's are dropped. What crosses is
-  bytes of :mod:`trainbus._wire` JSON lines: Ray pickles the call's arguments, but never an
-  event or a command object.
+- The worker pushes fire-and-forget, one call per batch (the sender lingers :data:`LINGER`
+  seconds for more: a Ray call costs about a tiny training step), each with a sequence
+  number so the driver reads them in rank 0's order.
+- The driver long-polls :meth:`_Mailbox.take` (returns with everything queued, or after
+  ``poll_interval`` with nothing): few calls, since each takes CPU from the workers.
+- Only the accepted link's pushes are kept. What crosses is :mod:`trainbus._wire` JSON lines
+  as bytes, never a pickled event or command.
 """
 
 from __future__ import annotations
