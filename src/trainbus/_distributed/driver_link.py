@@ -1,17 +1,8 @@
 """The driver's end of the link protocol (see :mod:`trainbus._distributed.link`), whatever
-carries it.
-
-A transport's driver side hands :class:`DriverLink` what arrives and sends what it returns:
-
-- :meth:`DriverLink.greet` the hello line: the token is checked (``hmac.compare_digest``), one
-  link per run; the answer is the welcome line naming the wanted event types, or None (refused,
-  counted and logged as ``driver_connection_refused``).
-- :meth:`DriverLink.receive` event lines: decoded (data only) and published on the driver's bus
-  in rank 0's order; a ``CommandApplied`` gets the driver's own command object back, so
-  ``await bus.request(c)`` resolves; a ``bye`` line ends the link.
-- :meth:`DriverLink.forward` (a task): the commands of the driver's bus, batched, to the
-  transport's ``send``; a driver subscriber that failed the run (``on_error="raise"``) sends
-  ``StopTraining(reason="driver_subscriber_failed")``.
+carries it. A transport's driver side hands :class:`DriverLink` what arrives:
+:meth:`DriverLink.greet` the hello line (token checked, one link per run),
+:meth:`DriverLink.receive` event lines (published on the driver's bus in rank 0's order; a
+``bye`` ends the link); :meth:`DriverLink.forward` sends the driver bus' commands back.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """The link between rank 0 and a driver: the protocol, apart from what carries it.
 
-A driver (``trainbus launch``'s :mod:`trainbus._launcher`, or :mod:`trainbus.ray`) runs the
-user's subscribers; rank 0's bus streams its events there and receives the driver's commands.
-The same protocol runs over every transport (the loopback socket of
-:mod:`~trainbus._distributed.socket_link`, the Ray actor of :mod:`trainbus.ray`)::
+A driver (``trainbus launch``, or :mod:`trainbus.ray`) runs the user's subscribers; rank 0's
+bus streams its events there and receives the driver's commands, over any transport (the
+loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
 
     worker (rank 0)                                     driver
     hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
@@ -12,21 +11,13 @@ The same protocol runs over every transport (the loopback socket of
                                     ◄───────────────    commands (trainbus._wire records)
     bye {sent}                      ───────────────►    the link ended
 
-Every message is JSON lines: :mod:`trainbus._wire` records plus three control records
-(``{"v":1,"type":"hello"|"welcome"|"bye",...}``). Data only: never pickles, never code.
+JSON lines only, never pickles. :data:`ADDR_ENV` says where the driver is (its scheme picks the
+transport, :func:`register_transport`) and :data:`TOKEN_ENV` the run's token.
 
-A transport is told where to go by :data:`ADDR_ENV` (``127.0.0.1:<port>`` for the socket,
-``ray:<namespace>/<name>`` for Ray: the scheme picks the transport, see
-:func:`register_transport`) and the run's token by :data:`TOKEN_ENV`.
-
-On the worker, :class:`WorkerLink` is the protocol: the handshake, the wanted types, a sender
-thread that encodes events (reading a tensor waits for the device: never on the training thread
-nor the event loop) and batches them (a transport may ask to wait ``linger`` seconds for more:
-one call per batch where each call costs), and a reader thread that feeds the driver's
-commands to ``bus.send`` (rank 0's command agreement spreads them to every rank) and takes a
-``wants`` record (the peer's wanted types changed: :meth:`WorkerLink.want`, on the event loop
-the link was started on). The driver's end of the protocol is
-:class:`~trainbus._distributed.driver_link.DriverLink`.
+:class:`WorkerLink` is the worker's end: the handshake, a sender thread that encodes events
+(a tensor read waits for the device: never on the training thread or the event loop) and
+batches them, and a reader thread that feeds commands to ``bus.send`` and takes ``wants``
+records. The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations
@@ -220,9 +211,9 @@ class WorkerLink:
         wanted: tuple[type[ev.BaseEvent], ...],
         **kw: Any,
     ) -> WorkerLink:
-        """A link whose handshake the listening side already did (an attachment connected
-        to rank 0's listener, :mod:`~trainbus._distributed.attach_server`): :meth:`start` then
-        streams ``wanted`` without connecting. One listener holds one such link per peer.
+        """A link whose handshake the listening side already did (an attachment accepted by
+        :mod:`~trainbus._distributed.attach_server`): :meth:`start` then streams ``wanted`` without
+        connecting.
 
         Args:
             transport: The accepted connection (its ``open`` is never called).
@@ -270,8 +261,9 @@ class WorkerLink:
         return self._closed or self._broken
 
     def post(self, line: bytes) -> None:
-        """Queue a control line (e.g. a ``status`` record) to go out between the events, in
-        order, from the sender thread (never two writers on one transport)."""
+        """Queue a control line (a ``status`` record) to go out between the events, from the
+        sender thread (never two writers on one transport).
+        """
         if not self._closed:
             self._queue.put(line)
 
@@ -302,10 +294,9 @@ class WorkerLink:
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
     def start(self, bus: BusLike) -> None:
-        """Stream ``bus``' wanted events to the driver and feed the driver's commands into
-        ``bus.send``. Connects first when :meth:`connect` was not called.
-
-        Call it before the bus publishes the first event the driver should see.
+        """Stream ``bus``' wanted events to the driver and feed its commands into ``bus.send``
+        (connecting first if needed). Call it before the bus publishes the first event the driver
+        should see.
 
         Raises:
             LaunchError: see :meth:`connect`; already started.
@@ -330,10 +321,9 @@ class WorkerLink:
             t.start()
 
     def want(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        """Stream ``wanted`` from now on instead of what the peer asked for before (its
-        ``wants`` record; call on the event-loop thread, as subscriptions are made there),
-        then tell the peer with a ``streams`` record: every event after that line in the
-        stream is of the new set. Nothing once the link ended."""
+        """Stream ``wanted`` from now on (the peer's ``wants`` record; on the event-loop thread),
+        then tell the peer with a ``streams`` record. Nothing once the link ended.
+        """
         if self._closed or self._broken or self._bus is None:
             return
         self.unsubscribe()
@@ -350,15 +340,17 @@ class WorkerLink:
             )
 
     def unsubscribe(self) -> None:
-        """Stop taking the bus' events (call on the thread that may subscribe: the event
-        loop's); what was queued still goes out at :meth:`close`. Idempotent."""
+        """Stop taking the bus' events (on the event-loop thread); what was queued still goes
+        out at :meth:`close`. Idempotent.
+        """
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             subscription.dispose()
 
     def close(self) -> None:
         """Write every queued event, say bye, close the transport and join the threads (each
-        bounded by ``timeout``). Idempotent; nothing to do when never connected."""
+        bounded by ``timeout``). Idempotent.
+        """
         if not self._open or self._closed:
             return
         self._closed = True

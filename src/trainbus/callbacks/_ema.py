@@ -34,28 +34,20 @@ class EMA(Callback):
 
         average = torch.lerp(average, weight, 1 - decay)    # average + (1-decay)(weight-average)
 
-    The first update copies the weights (``decay`` is 0 for it). Floating-point buffers
-    (BatchNorm's running statistics) are averaged too with ``buffers="average"`` (timm's
-    default), or copied from the model with ``buffers="copy"``; other buffers
-    (``num_batches_tracked``) are always copied.
+    The first update copies the weights. Floating-point buffers (BatchNorm statistics) are
+    averaged (``buffers="average"``, timm's default) or copied (``"copy"``); other buffers are
+    always copied.
 
-    Around every evaluation round (hooks ``before_evaluation`` / ``after_evaluation``) the
-    average is swapped into the model and the training weights swapped back afterwards, also
-    when the evaluation raised or was cancelled: ``EvaluationEnded.metrics``,
-    ``FitResult.eval_metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
-    ``trainer.evaluate()`` are the averaged model's. Before the first update there is no
-    average and evaluations score the model as it is. ``trainer.predict()`` is not an
-    evaluation: it uses the model's own weights (call :meth:`copy_to` first to predict with the
-    average).
+    Around every evaluation round the average is swapped into the model and the training weights
+    back afterwards (also when the round raised or was cancelled): evaluation metrics, the best
+    checkpoint and ``trainer.evaluate()`` are the averaged model's. ``trainer.predict()`` uses
+    the model's own weights (call :meth:`copy_to` first to predict with the average).
 
-    Checkpoints hold the average as this callback's state:
-    ``read_checkpoint(path).callbacks["EMA"]["weights"]`` is a state dict for
-    ``model.load_state_dict`` (what to deploy); the checkpoint's ``model`` entry stays the
-    training weights, so a resume continues exactly (the average included, bit for bit).
-
-    Under torchrun every rank keeps its own copy (the ranks' weights are equal after each step,
-    so are their averages) and rank 0 saves it. A model wrapped in ``DistributedDataParallel``
-    or ``torch.compile`` is averaged by its original module's names.
+    Checkpoints hold the average as this callback's state
+    (``read_checkpoint(path).callbacks["EMA"]["weights"]``, a state dict to deploy); their
+    ``model`` entry stays the training weights, so a resume continues bit for bit. Under torchrun
+    every rank keeps its own (equal) average and rank 0 saves it; a wrapped model
+    (``DistributedDataParallel``, ``torch.compile``) is averaged by its original module's names.
 
     Args:
         decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
@@ -66,7 +58,7 @@ class EMA(Callback):
             warmup_gamma) ** -warmup_power)``, so early updates follow the weights closely.
         warmup_power: The warmup's power (timm's default 2/3; 3/4 for short runs).
         warmup_gamma: The warmup's time scale in updates (timm's default 1).
-        buffers: ``"average"`` or ``"copy"`` floating-point buffers (see above).
+        buffers: ``"average"`` or ``"copy"`` floating-point buffers.
         device: Where the average lives: None, the model's device; ``"cpu"`` keeps it off an
             accelerator (each update then copies the weights to the host).
         evaluate: Swap the average in around evaluations (False: only average and save it).
@@ -178,9 +170,7 @@ class EMA(Callback):
         return {key: average[name] for key, name in self._aliases.items()}
 
     def copy_to(self, model: torch.nn.Module) -> None:
-        """Load the average into ``model`` (unwrapped): deploy or predict with it. The
-        training weights are overwritten; a run that goes on afterwards trains from the
-        average.
+        """Load the average into ``model`` (unwrapped), overwriting the training weights.
 
         Raises:
             TrainingError: no average yet (see :meth:`averaged_state_dict`).
@@ -200,8 +190,8 @@ class EMA(Callback):
         return {"updates": self._updates, "weights": self.averaged_state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a resumed run): the average is moved to its device and
-        checked against the model at its first use.
+        """Restore :meth:`state_dict`; the average is moved and checked against the model at
+        its first use.
 
         Raises:
             CheckpointError: the state is not an EMA state.

@@ -1,31 +1,21 @@
 """Sharded checkpoints: one folder per save, written and resumed by every rank of an FSDP2 run.
 
-A model sharded with ``fully_shard`` holds DTensor parameters: each rank keeps its own part of
-every parameter and optimizer moment, so no single rank can write the run's state. Every rank
-writes its part through ``torch.distributed.checkpoint`` (DCP) into one folder::
+Under ``fully_shard`` each rank holds its own part of every parameter and optimizer moment, so
+every rank writes its part through ``torch.distributed.checkpoint`` (DCP) into one folder::
 
     step-00000042[-tag]/
         .metadata            DCP's index: which file holds which shard of which tensor
-        __0_0.distcp ...     DCP's per-rank files: model and optimizer state ("model.<name>",
-                             "optimizer.state.<name>.<moment>", ...)
-        trainbus.pt          rank 0: the train state, metrics, scheduler, grad scaler, data
-                             order, callback states and metadata (``world_size``,
-                             ``param_shapes`` (full shapes), ``optimizer``, ``sharded``); its
-                             ``model`` and ``optimizer`` entries are empty, as the weights are
-                             in the DCP files
+        __0_0.distcp ...     DCP's per-rank files: model and optimizer state
+        trainbus.pt          rank 0: everything else of a one-file checkpoint (train state,
+                             metrics, scheduler, scaler, callbacks, metadata with full
+                             ``param_shapes`` and ``sharded``); empty ``model``/``optimizer``
         rank-<r>.pt          each rank's RNG states and data order
 
-The write is atomic like a one-file checkpoint's: every rank writes into a hidden temporary
-folder (``.<name>.<pid>.<random>.trainbus-tmp``) beside the final one, the ranks agree that every
-part was written, and rank 0 renames the folder into place and fsyncs the parent. A failure on
-any rank removes the temporary folder and is raised on every rank.
-
-Reading checks the folder before anything is loaded: the DCP index parses, every file it names
-is present and long enough, ``trainbus.pt`` is a valid trainbus payload and every rank's
-``rank-<r>.pt`` is there. Resuming (:func:`load_sharded`): each rank reads and checks the folder
-and its own ``rank-<r>.pt``, the ranks agree that every one succeeded and found the same
-folder, then DCP loads each rank's shards (resharded when the world size changed). Unsharded
-runs keep the one-file format (:mod:`.store`).
+The write is atomic: every rank writes into a hidden temporary folder, the ranks agree that
+every part was written, rank 0 renames it into place; a failure on any rank removes it and is
+raised on every rank. Reading checks every file before anything is loaded; resuming
+(:func:`load_sharded`) agrees across ranks that each read its part of the same folder, then
+DCP loads the shards (resharded when the world size changed).
 """
 
 from __future__ import annotations

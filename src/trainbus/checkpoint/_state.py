@@ -174,8 +174,7 @@ class TrainState:
 
     @property
     def batch_in_epoch(self) -> int:
-        """Training batches of ``epoch`` already consumed (a mid-epoch save resumes after
-        them)."""
+        """Training batches of ``epoch`` already consumed."""
         return self._batch_in_epoch
 
     @property
@@ -185,9 +184,8 @@ class TrainState:
 
     @property
     def evaluated_step(self) -> int:
-        """The step whose evaluation round ran last (-1: none yet). A step is evaluated once:
-        a cadence that comes due at a step already evaluated is skipped, also after a resume
-        from a checkpoint written after that evaluation."""
+        """The step whose evaluation round ran last (-1: none yet): a step is evaluated once,
+        also across a resume."""
         return self._evaluated_step
 
     def evaluated(self) -> None:
@@ -196,9 +194,8 @@ class TrainState:
 
     @property
     def closed_epoch(self) -> int:
-        """The last epoch whose end work ran (-1: none yet). Equal to :attr:`epoch`: the epoch
-        in progress is over, its end work done (a checkpoint written at its ``EpochEnded``);
-        a resume starts the next one, also when the data has no length to tell."""
+        """The last epoch whose end work ran (-1: none yet); equal to :attr:`epoch`, a resume
+        starts the next epoch."""
         return self._closed_epoch
 
     def epoch_closed(self) -> None:
@@ -206,11 +203,7 @@ class TrainState:
         self._closed_epoch = self._epoch
 
     def batch_taken(self) -> int:
-        """A training batch was fetched: count it in the epoch.
-
-        Returns:
-            Its index in the epoch (``batch_in_epoch`` before the call).
-        """
+        """A training batch was fetched: count it; return its index in the epoch."""
         bi = self._batch_in_epoch
         self._batch_in_epoch = bi + 1
         return bi
@@ -224,8 +217,7 @@ class TrainState:
         self._step += 1
 
     def epoch_done(self) -> None:
-        """The epoch's batches are all consumed (or a resume moves on to the next epoch's
-        boundary): the next epoch starts at its first batch."""
+        """The epoch is over: the next one starts at its first batch."""
         self._epoch += 1
         self._batch_in_epoch = 0
 
@@ -280,7 +272,7 @@ def run_metadata(
     Args:
         model: The model being saved (its parameter names and shapes are recorded).
         optimizer: The optimizer (its class name is recorded).
-        world_size: Processes training together (1 until distributed training lands).
+        world_size: Processes training together.
 
     Returns:
         ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
@@ -289,7 +281,7 @@ def run_metadata(
         "trainbus_version": _trainbus_version(),
         "torch_version": str(torch.__version__),
         "world_size": int(world_size),
-        # The original module's names: a torch.compile'd model's are the same (keys.py).
+        # The original module's names: a torch.compile'd model's are the same.
         "param_shapes": {
             n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
         },
@@ -380,10 +372,19 @@ def build_payload(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpoint:
-    """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`.
+    """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`; nothing
+    is applied until :meth:`restore` (the module docstring lists the entries).
 
-    Nothing is applied until :meth:`restore`; the loop reads ``data_order`` and ``callbacks``
-    itself (see ``docs/trainer.md``).
+    Attributes:
+        path: The file (or a sharded run's folder) it was read from.
+        state: The run's position (:class:`TrainState`).
+        metrics: The last evaluation's metrics.
+        model, optimizer, scheduler, scaler: Their saved ``state_dict()`` (None when absent;
+            empty in a sharded run's ``trainbus.pt``).
+        rng: The saved random generator states, or None.
+        data_order: The data order of the epoch in progress, or None.
+        callbacks: ``{state key: state dict}`` of the callbacks that keep state.
+        meta: What the run that wrote it recorded (versions, shapes, optimizer, world size).
     """
 
     path: Path
@@ -494,15 +495,9 @@ class Checkpoint:
             raise CheckpointError(f"does not fit the model: {exc}", path=str(self.path)) from exc
 
     def restored(self) -> Checkpoint:
-        """This checkpoint without the states :meth:`restore` loads into live objects.
-
-        What a resumed run keeps after restoring: the train state, data order, RNG and
-        callback states and metadata. The model, optimizer, scheduler and scaler states are
-        dropped (empty), so no second copy of the weights stays alive for the whole run.
-
-        Returns:
-            A copy with ``model`` and ``optimizer`` empty and no ``scheduler`` / ``scaler``.
-        """
+        """A copy without the states :meth:`restore` loaded into live objects (``model`` and
+        ``optimizer`` empty, no ``scheduler`` / ``scaler``): what a resumed run keeps, so no
+        second copy of the weights stays alive."""
         return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
 
 
