@@ -88,11 +88,10 @@ class DriverLink:
         bus: The driver's bus.
         token: The run's token (what a worker's hello must carry).
         keep_events: How many of the last events :attr:`events` keeps.
-        relink: Accept a hello with the token while a worker is linked, as the same run's
-            rank 0 started again (Ray restarting its workers after a failure): the new link
-            replaces the old one (counted in :attr:`links`, logged as ``driver_relinked``,
-            and a :class:`~trainbus.events.WorkersRestarted` is published on the bus).
-            False (``trainbus launch``): one link per run, a second hello is refused.
+        relink: Accept a new hello with the token while a worker is linked, as the same run's
+            rank 0 restarted by Ray: the new link replaces the old one (counted in
+            :attr:`links`, and a :class:`~trainbus.events.WorkersRestarted` is published).
+            False (``trainbus launch``): a second hello is refused.
     """
 
     def __init__(

@@ -1,10 +1,7 @@
-"""The loop's side of the ranks: what a training loop does at its sync points under torchrun.
-
-:class:`RankSync` bundles the :class:`~trainbus._distributed.group.ProcessGroup` and its
-:class:`~trainbus._distributed.agreement.CommandAgreement` behind the few calls the loop makes:
-agreeing on commands, averaging the log window's and an evaluation's metrics, and writing a
-checkpoint on rank 0 only. The loop holds one only when there is more than one rank, so a
-single-process run never pays a collective.
+"""The loop's side of the ranks under torchrun: :class:`RankSync` bundles the process group and
+its command agreement behind the few collectives the loop makes (agree on commands, reduce
+the log window's and an evaluation's metrics, write a checkpoint on rank 0 only). Only a
+multi-rank run holds one.
 """
 
 from __future__ import annotations

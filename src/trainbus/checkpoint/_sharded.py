@@ -38,20 +38,7 @@ from ._reading import one_line_reason, read_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
 
-__all__ = [
-    "STATE_FILE",
-    "RankFailure",
-    "dcp_state",
-    "find_sharded",
-    "folder_name",
-    "gather_errors",
-    "load_sharded",
-    "rank_and_world",
-    "rank_file",
-    "read_folder",
-    "read_rank_file",
-    "save_sharded",
-]
+__all__ = ["STATE_FILE", "folder_name", "load_sharded", "read_folder", "save_sharded"]
 
 log = get_logger(__name__)
 
@@ -67,19 +54,19 @@ def folder_name(step: int, tag: str | None) -> str:
     return f"step-{step:08d}" + (f"-{tag}" if tag else "")
 
 
-def rank_file(rank: int) -> str:
+def _rank_file(rank: int) -> str:
     """The name of rank ``rank``'s own file in a checkpoint folder (``rank-<r>.pt``)."""
     return f"rank-{rank}.pt"
 
 
-def rank_and_world() -> tuple[int, int]:
+def _rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-class RankFailure(NamedTuple):
-    """One rank's failure, as every rank hears of it (:func:`gather_errors`).
+class _RankFailure(NamedTuple):
+    """One rank's failure, as every rank hears of it (:func:`_gather_errors`).
 
     Attributes:
         rank: The rank that failed.
@@ -95,28 +82,28 @@ class RankFailure(NamedTuple):
     strerror: str | None = None
 
 
-def gather_errors(error: BaseException | None) -> list[RankFailure]:
+def _gather_errors(error: BaseException | None) -> list[_RankFailure]:
     """Every rank's error, for the ranks that had one: a collective (every rank calls it at
     the same point), the same list on every rank.
 
     Args:
         error: This rank's error, or None.
     """
-    rank, world = rank_and_world()
+    rank, world = _rank_and_world()
     mine: tuple[str, int | None, str | None] | None = None
     if isinstance(error, CheckpointWriteError):
         mine = (f"{type(error).__name__}: {error}", error.errno, error.strerror)
     elif error is not None:
         mine = (f"{type(error).__name__}: {error}", None, None)
     if world == 1:
-        return [] if mine is None else [RankFailure(rank, *mine)]
+        return [] if mine is None else [_RankFailure(rank, *mine)]
     found: list[tuple[str, int | None, str | None] | None] = [None] * world
     dist.all_gather_object(found, mine)
-    return [RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
+    return [_RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
 
 
 def _broadcast(value: str) -> str:
-    _, world = rank_and_world()
+    _, world = _rank_and_world()
     if world == 1:
         return value
     box = [value]
@@ -129,7 +116,7 @@ def _torch_save(obj: object, path: Path) -> None:
     fsync_file(path)
 
 
-def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def _dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -173,7 +160,7 @@ def save_sharded(
         CheckpointError: another rank's part failed otherwise (naming it). Nothing is
             left half-written: the temporary folder is removed, earlier checkpoints stay.
     """
-    rank, world = rank_and_world()
+    rank, world = _rank_and_world()
     final = directory / name
     payload: dict[str, Any] | None = None
     tmp_name = ""
@@ -194,32 +181,32 @@ def save_sharded(
                 raise CheckpointWriteError(str(final), exc) from exc
     except BaseException as exc:  # raised below on this rank, after the others heard of it
         error = exc
-    _raise_agreed(error, gather_errors(error), final, None)
+    _raise_agreed(error, _gather_errors(error), final, None)
     tmp = directory / _broadcast(tmp_name)
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         # A collective: DCP gathers every rank's failure and raises it on every rank.
-        dcp_save(dcp_state(model, optimizer), checkpoint_id=str(tmp))
-        _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / rank_file(rank))
+        dcp_save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+        _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / _rank_file(rank))
         if payload is not None:
             _torch_save(payload, tmp / STATE_FILE)
     except OSError as exc:
         error = CheckpointWriteError(str(final), exc)
     except BaseException as exc:
         error = exc
-    _raise_agreed(error, gather_errors(error), final, tmp)
+    _raise_agreed(error, _gather_errors(error), final, tmp)
     if rank == 0:
         try:
             _publish(tmp, final)
         except OSError as exc:
             error = CheckpointWriteError(str(final), exc)
-    _raise_agreed(error, gather_errors(error), final, tmp)
+    _raise_agreed(error, _gather_errors(error), final, tmp)
     return final
 
 
 def _raise_agreed(
-    error: BaseException | None, failed: list[RankFailure], final: Path, tmp: Path | None
+    error: BaseException | None, failed: list[_RankFailure], final: Path, tmp: Path | None
 ) -> None:
     """After an agreement: when any rank failed, remove the temporary folder (rank 0) and
     raise on every rank, of the same kind, so every rank's loop takes the same path: this
@@ -228,7 +215,7 @@ def _raise_agreed(
     naming the others' errors."""
     if not failed:
         return
-    rank, _ = rank_and_world()
+    rank, _ = _rank_and_world()
     if rank == 0 and tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
@@ -314,36 +301,36 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",
                               path=str(path))  # fmt: skip
     world = int(checkpoint.meta["world_size"])
-    missing = [rank_file(r) for r in range(world) if not (path / rank_file(r)).is_file()]
+    missing = [_rank_file(r) for r in range(world) if not (path / _rank_file(r)).is_file()]
     if missing:
         raise CheckpointError(f"missing {', '.join(missing)} (each rank's RNG and data order; "
                               f"written by {world} ranks)", path=str(path))  # fmt: skip
     return checkpoint
 
 
-def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
+def _read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s RNG states and data order from a checkpoint folder.
 
     Raises:
         CheckpointError: the file is missing, damaged or not what trainbus writes.
     """
-    path = folder / rank_file(rank)
+    path = folder / _rank_file(rank)
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)
     except FileNotFoundError as exc:
-        raise CheckpointError(f"missing {rank_file(rank)}", path=str(folder)) from exc
+        raise CheckpointError(f"missing {_rank_file(rank)}", path=str(folder)) from exc
     except Exception as exc:
         why = one_line_reason(exc)
-        raise CheckpointError(f"{rank_file(rank)} cannot be read (damaged, or not written by "
+        raise CheckpointError(f"{_rank_file(rank)} cannot be read (damaged, or not written by "
                               f"trainbus): {why}", path=str(folder)) from exc  # fmt: skip
     if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
-        raise CheckpointError(f"{rank_file(rank)} is not a trainbus rank file", path=str(folder))
+        raise CheckpointError(f"{_rank_file(rank)} is not a trainbus rank file", path=str(folder))
     return saved
 
 
 def _agree_path(path: str) -> None:
     """Every rank resumes the same checkpoint (a collective)."""
-    _, world = rank_and_world()
+    _, world = _rank_and_world()
     if world == 1:
         return
     paths: list[str | None] = [None] * world
@@ -354,7 +341,7 @@ def _agree_path(path: str) -> None:
                               + "): every rank must see the same checkpoint folder")  # fmt: skip
 
 
-def find_sharded(
+def _find_sharded(
     resume: str | os.PathLike[str], checkpoint_dir: Path | None
 ) -> tuple[Checkpoint | None, str]:
     """The sharded checkpoint to resume (this rank's view; :func:`load_sharded` agrees).
@@ -421,21 +408,21 @@ def load_sharded(
             (naming the rank and why), the ranks found different checkpoints, or DCP could
             not load the state; nothing is trained from a half-restored model.
     """
-    rank, world = rank_and_world()
+    rank, world = _rank_and_world()
     checkpoint: Checkpoint | None = None
     found = ""
     own: dict[str, Any] | None = None
     error: BaseException | None = None
     try:
-        checkpoint, found = find_sharded(resume, checkpoint_dir)
+        checkpoint, found = _find_sharded(resume, checkpoint_dir)
         if checkpoint is not None:
             saved_world = int(checkpoint.meta["world_size"])
             checkpoint.check_compatible(model=model, optimizer=optimizer, world_size=saved_world)
             if rank < saved_world:
-                own = read_rank_file(checkpoint.path, rank)
+                own = _read_rank_file(checkpoint.path, rank)
     except BaseException as exc:  # agreed below, then raised on every rank
         error = exc
-    _raise_load(error, gather_errors(error))
+    _raise_load(error, _gather_errors(error))
     _agree_path("" if checkpoint is None else str(checkpoint.path))
     if checkpoint is None:
         return None, found
@@ -444,7 +431,7 @@ def load_sharded(
                        scaler=scaler)  # fmt: skip
     except BaseException as exc:
         error = exc
-    _raise_load(error, gather_errors(error), checkpoint.path)
+    _raise_load(error, _gather_errors(error), checkpoint.path)
     if own is None:
         log.warning("resume_rng_not_saved", rank=rank, world_size=world,
                     saved_world_size=int(checkpoint.meta["world_size"]),
@@ -455,7 +442,7 @@ def load_sharded(
 
 
 def _raise_load(
-    error: BaseException | None, failed: list[RankFailure], path: Path | None = None
+    error: BaseException | None, failed: list[_RankFailure], path: Path | None = None
 ) -> None:
     if not failed:
         return
@@ -477,7 +464,7 @@ def _restore_state(
     from torch.distributed.checkpoint.state_dict import set_state_dict
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 
-    state = dcp_state(model, optimizer)
+    state = _dcp_state(model, optimizer)
     try:
         dcp_load(state, checkpoint_id=str(checkpoint.path))  # a collective, errors agreed
     except Exception as exc:
