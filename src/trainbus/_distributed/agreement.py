@@ -38,15 +38,8 @@ _HEADER = 4  # bytes of the big-endian payload length at the front of each rank'
 
 
 def merge(per_rank: Sequence[Sequence[cmd.Command]]) -> list[cmd.Command]:
-    """The commands every rank applies, from each rank's contribution (see the module
-    docstring: rank order, then send order; equal commands from several ranks applied as often
-    as one rank sent them; only the first ``StopTraining``).
-
-    Args:
-        per_rank: Rank ``r``'s commands at index ``r``, each in send order.
-
-    Returns:
-        The merged list.
+    """The commands every rank applies, from each rank's contribution (``per_rank[r]`` in send
+    order), by the rules of the module docstring.
     """
     merged: list[cmd.Command] = []
     counts: Counter[cmd.Command] = Counter()
@@ -90,14 +83,13 @@ def _buffer(data: bytes, size: int) -> torch.Tensor:
 
 
 class CommandAgreement:
-    """The command exchange and metric reduction of one process group (see the module
-    docstring). On a single process nothing is communicated: :meth:`exchange` returns the
-    local commands (merged), :meth:`reduce_metrics` the metrics.
+    """The command exchange and metric reduction of one process group; on a single process
+    nothing is communicated.
 
     Args:
         group: The :class:`ProcessGroup`.
-        capacity: Bytes per rank in the first all-gather (header included): a few commands fit
-            in the default; more cost a second all-gather of the needed size.
+        capacity: Bytes per rank in the first all-gather (header included): more commands cost a
+            second all-gather of the needed size.
 
     Raises:
         ConfigError: ``capacity`` is not an integer >= 64.
@@ -115,14 +107,9 @@ class CommandAgreement:
 
     # ------------------------------------------------------------------ commands
     def exchange(self, local: Sequence[cmd.Command]) -> list[cmd.Command]:
-        """Contribute ``local`` and return the commands every rank applies, the same list on
-        every rank. Every rank must call it at the same sync point (it is a collective).
-
-        Args:
-            local: This rank's pending commands, in send order (``port.poll_commands()``).
-
-        Returns:
-            The merged commands (see :func:`merge`).
+        """Contribute ``local`` (this rank's pending commands, in send order) and return the
+        merged commands every rank applies: a collective, called by every rank at the same sync
+        point.
 
         Raises:
             DistributedError: a rank sent something that is not a command record.
@@ -177,36 +164,17 @@ class CommandAgreement:
 
     # ------------------------------------------------------------------ metrics
     def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        """The mean of each metric across ranks, in one all-reduce.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-
-        Returns:
-            Name -> mean over ranks (the metrics themselves on a single process).
-
-        Raises:
-            DistributedError: the ranks passed different metric names.
+        """The mean of each metric across ranks (every rank passes the same names), in one
+        all-reduce; ``DistributedError`` when the names differ.
         """
         return self.reduce_metrics_flagged(metrics, pending=False)[0]
 
     def reduce_metrics_flagged(
         self, metrics: Mapping[str, float], *, pending: bool
     ) -> tuple[dict[str, float], bool]:
-        """:meth:`reduce_metrics`, with a "this rank has pending commands" flag carried in the
-        same all-reduce (three more float64s): when the returned flag is True, every rank got
-        True and must call :meth:`exchange` next.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-            pending: This rank has commands waiting (``port.has_commands()``).
-
-        Returns:
-            (name -> mean over ranks, whether any rank has pending commands).
-
-        Raises:
-            DistributedError: the ranks passed different metric names.
-            ConfigError: a metric value is not a number.
+        """:meth:`reduce_metrics` with a "this rank has pending commands" flag in the same
+        all-reduce; when the returned flag is True every rank got True and must call
+        :meth:`exchange` next.
         """
         out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
         return out, flag
@@ -214,16 +182,8 @@ class CommandAgreement:
     def reduce_metrics_flags(
         self, metrics: Mapping[str, float], flags: Sequence[bool]
     ) -> tuple[dict[str, float], list[bool]]:
-        """:meth:`reduce_metrics`, with ``flags`` carried in the same all-reduce (two float64s
-        of checksum and one per flag): flag ``i`` comes back True on every rank when some
-        rank's flag ``i`` was True.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-            flags: This rank's flags (the same number on every rank).
-
-        Returns:
-            (name -> mean over ranks, for each flag whether any rank set it).
+        """:meth:`reduce_metrics` with ``flags`` (the same number on every rank) in the same
+        all-reduce: flag ``i`` comes back True on every rank when some rank's flag ``i`` was True.
 
         Raises:
             DistributedError: the ranks passed different metric names.

@@ -167,14 +167,8 @@ class DriverLink:
 
     # ------------------------------------------------------------------ protocol
     def greet(self, hello: bytes, peer: str) -> bytes | None:
-        """Answer a worker's hello line.
-
-        Args:
-            hello: The worker's first line.
-            peer: Who sent it (logged when refused).
-
-        Returns:
-            The welcome line, or None: refused (counted, logged with ``peer`` and the reason).
+        """Answer a worker's ``hello`` line from ``peer``: the welcome line, or None when refused
+        (counted, logged with ``peer`` and the reason).
         """
         record = check_hello(hello, self._token)
         reason = None
@@ -271,12 +265,11 @@ class DriverLink:
         on_failure: Callable[[], object] | None = None,
         interval: float = 0.01,
     ) -> None:
-        """Send the driver bus' commands to the worker, every ``interval`` seconds, until
-        cancelled. Commands sent before the worker linked wait for it.
+        """Send the driver bus' commands to the worker every ``interval`` seconds until cancelled
+        (commands sent before the worker linked wait for it).
 
         Args:
-            send: The transport's send (JSON lines); an ``OSError`` or a closed stream drops
-                the batch (the worker is gone; the launch ends without it).
+            send: The transport's send; an ``OSError`` or a closed stream drops the batch.
             on_failure: Called once when a driver subscriber fails the run (after
                 ``StopTraining(reason="driver_subscriber_failed")`` was queued).
             interval: Seconds between polls of the bus.

@@ -75,14 +75,7 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
 
 def choose_backend(device: torch.device | None, backend: Backend | None = None) -> Backend:
     """The backend for a run on ``device``: ``backend`` when given, else NCCL for a CUDA device
-    and gloo for any other (a CPU run on a GPU host gets gloo).
-
-    Args:
-        device: The run's device; None (no Trainer to follow): NCCL when CUDA is available.
-        backend: Force ``"gloo"`` or ``"nccl"``.
-
-    Returns:
-        ``"gloo"`` or ``"nccl"``.
+    and gloo for any other; with no device, NCCL when CUDA is available.
     """
     if backend is not None:
         return backend
@@ -92,12 +85,8 @@ def choose_backend(device: torch.device | None, backend: Backend | None = None) 
 
 
 def check_local_rank(local_rank: int, backend: str) -> None:
-    """A CUDA (NCCL) rank needs its own GPU: ``LOCAL_RANK`` must be below the device count
-    (read without a CUDA context or a collective).
-
-    Raises:
-        ConfigError: more local ranks than visible GPUs, naming ``LOCAL_RANK``, the device
-            count and what to do.
+    """A CUDA (NCCL) rank needs its own GPU: ``ConfigError`` naming ``LOCAL_RANK`` and the
+    device count when ``LOCAL_RANK`` is not below it (read without a CUDA context).
     """
     if backend != "nccl":
         return
@@ -144,10 +133,8 @@ class ProcessGroup:
     # ------------------------------------------------------------------ building
     @classmethod
     def single(cls, device: torch.device | None = None) -> ProcessGroup:
-        """The single-process group: rank 0 of 1, no collectives, nothing initialised.
-
-        Args:
-            device: The run's device (default: CUDA when available, else the CPU).
+        """The single-process group: rank 0 of 1, no collectives, on ``device`` (default: CUDA
+        when available, else the CPU).
         """
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -257,10 +244,8 @@ class ProcessGroup:
 
     # ------------------------------------------------------------------ operations
     def barrier(self) -> None:
-        """Wait until every rank reaches this call (nothing on a single process).
-
-        Raises:
-            DistributedError: the group is closed.
+        """Wait until every rank reaches this call (nothing on a single process);
+        ``DistributedError`` once closed.
         """
         if self._closed:
             raise DistributedError("barrier() on a closed ProcessGroup")

@@ -79,28 +79,21 @@ class WorkerTransport(Protocol):
 
     Attributes:
         where: Where the driver is, for messages.
-        linger: Seconds the sender waits after an event for more to join its batch (0: send
-            what is queued at once; a transport whose every call costs asks for more).
+        linger: Seconds the sender waits after an event for more to join its batch (0: none;
+            a transport whose every call costs asks for more).
     """
 
     where: str
     linger: float
 
     def open(self, hello: bytes) -> bytes:
-        """Reach the driver, send the hello line, return its one-line answer (``b""``: the
-        driver closed the link, i.e. refused it).
-
-        Raises:
-            LaunchError: the driver is unreachable or did not answer in time.
+        """Reach the driver, send the hello line, return its one-line answer (``b""``: refused).
+        Raises ``LaunchError`` when the driver is unreachable or did not answer in time.
         """
         ...
 
     def send(self, data: bytes) -> None:
-        """Write event lines to the driver.
-
-        Raises:
-            OSError: the driver is gone.
-        """
+        """Write event lines to the driver; ``OSError`` once it is gone."""
         ...
 
     def receive(self) -> bytes:
@@ -118,15 +111,8 @@ _TRANSPORTS: dict[str, TransportFactory] = {}
 
 def register_transport(scheme: str, factory: TransportFactory) -> None:
     """Make addresses ``<scheme>:...`` build their worker transport with ``factory(address,
-    timeout)`` (:mod:`trainbus.ray` registers ``"ray"`` when imported; an address without a
-    registered scheme is a loopback ``host:port``).
-
-    Args:
-        scheme: The address prefix before the first ``:`` (letters only).
-        factory: Builds the transport; may raise ConfigError for a malformed address.
-
-    Raises:
-        ConfigError: a scheme that is not a word of letters.
+    timeout)`` (:mod:`trainbus.ray` registers ``"ray"``; an address without a registered scheme
+    is a loopback ``host:port``). Raises ``ConfigError`` for a scheme that is not letters.
     """
     if not (isinstance(scheme, str) and scheme.isalpha()):
         raise ConfigError.invalid("scheme", scheme, "a word of letters (e.g. 'ray')")
@@ -134,11 +120,7 @@ def register_transport(scheme: str, factory: TransportFactory) -> None:
 
 
 def transport_for(address: str, timeout: float) -> WorkerTransport:
-    """The worker transport an :data:`ADDR_ENV` value names.
-
-    Raises:
-        ConfigError: a malformed address (naming :data:`ADDR_ENV`).
-    """
+    """The worker transport an :data:`ADDR_ENV` value names (``ConfigError`` when malformed)."""
     scheme = address.split(":", 1)[0]
     factory = _TRANSPORTS.get(scheme)
     if factory is not None:
@@ -158,16 +140,14 @@ class WorkerLink:
         link.close()                      # flush, say bye, join the threads
 
     Args:
-        transport: What carries the link (see :class:`WorkerTransport`), or an address as in
-            :data:`ADDR_ENV` (see :func:`transport_for`).
+        transport: What carries the link, or an address as in :data:`ADDR_ENV`.
         token: The run's token.
         timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
             join its threads.
-        source: Who the peer is, for the log: each command it sends is logged
-            (``link_command_received`` with ``source``) before it reaches ``bus.send``. None
-            (a driver): not logged.
+        source: Who the peer is: each command it sends is logged (``link_command_received``)
+            before it reaches ``bus.send``; None (a driver): not logged.
         on_end: Called once from the reader thread when the peer closed the link (not when
-            :meth:`close` closed it): a listener with several peers lets that one go.
+            :meth:`close` did): a listener with several peers lets that one go.
 
     Raises:
         ConfigError: a malformed address, an empty token, a bad timeout.
@@ -228,12 +208,8 @@ class WorkerLink:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
-        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this
-        process was not started by a driver.
-
-        Raises:
-            ConfigError: one variable is set without the other, a malformed address, or see
-                :class:`WorkerLink`.
+        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this process
+        was not started by a driver; ``ConfigError`` when only one is set or the address is bad.
         """
         env = os.environ if env is None else env
         addr, token = env.get(ADDR_ENV), env.get(TOKEN_ENV)
@@ -274,11 +250,8 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        """Reach the driver, prove the token, learn the wanted event types.
-
-        Raises:
-            LaunchError: the driver is unreachable, refused the token, or did not answer
-                in time.
+        """Reach the driver, prove the token, learn the wanted event types; ``LaunchError`` when
+        the driver is unreachable, refused the token, or did not answer in time.
         """
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
@@ -377,8 +350,9 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ threads
     def _batch(self) -> tuple[list[Any], bool]:
-        """The next batch of queued events (waiting ``linger`` for more), and whether the
-        close sentinel came."""
+        """The next batch of queued events (waiting ``linger`` for more), and whether the close
+        sentinel came.
+        """
         batch = [self._queue.get()]
         linger = self.transport.linger
         deadline = time.monotonic() + linger

@@ -72,18 +72,12 @@ def _parse_stdout(stdout: bytes, checkpoint: str) -> dict[str, float]:
 
 
 class EvaluateCheckpoints(Callback):
-    """Runs an evaluation job for every saved checkpoint, off the training loop.
+    """Runs an evaluation job for every saved checkpoint, off the training loop, and publishes
+    its result as ``ExternalEvaluationEnded(checkpoint, metrics, error)``.
 
-    Pipeline::
-
-        CheckpointSaved -> async subscriber (concurrency, bounded buffer, overflow="block")
-                        -> job(event) under move_on_after(timeout)
-                        -> bus.publish(ExternalEvaluationEnded(checkpoint, metrics, error))
-
-    ``run`` is either a command line, a list of arguments in which ``{checkpoint}`` is replaced
-    by ``CheckpointSaved.path`` and ``{step}`` / ``{epoch}`` by the checkpoint's step and epoch
-    (run with :func:`anyio.run_process`, no shell; its stdout must be a JSON object of metrics,
-    or end with one on its last line), or an ``async def fn(event) -> Mapping[str, float]``.
+    ``run`` is a command line (a list of arguments in which ``{checkpoint}``, ``{step}`` and
+    ``{epoch}`` are replaced; run without a shell; its stdout must be a JSON object of metrics, or
+    end with one on its last line) or an ``async def fn(event) -> Mapping[str, float]``.
 
     Training never waits for a job; ``fit()`` returns once every started job ended or was
     cancelled at the bus' ``close_timeout``. A failed job (non-zero exit, with its stderr tail;

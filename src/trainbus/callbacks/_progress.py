@@ -50,28 +50,18 @@ def terminal_columns(stream: Any) -> int | None:
 class Progress(Callback):
     """Shows training progress: step / total, epoch, loss and learning rate.
 
-    Pipelines (all on the event-loop thread)::
-
-        FitStarted                          -> open the bar; total = max_steps, or max_epochs x
-                                               FitStarted.steps_per_epoch (the smaller)
-        StepEnded                           -> remember the latest step and its rate
-        StepEnded -> sample(refresh_s)      -> show the latest step, loss, lr (and, in log
-                                               mode, steps_per_s and remaining_s)
-        EpochStarted / EpochEnded           -> show the step; estimate the total from the
-                                               first full epoch when nothing gave it earlier
-        FitEnded                            -> one last line with the last step's values,
-                                               close the bar
-
-    The display shows the latest step's values, set to its ``step`` (right when many steps
-    pass between refreshes). ``loss`` is read (a device sync) once per refresh, on the event
-    loop, never on the training thread.
+    Refreshed at most once per ``refresh_s`` (``ops.sample`` of ``StepEnded``) on the event-loop
+    thread, and at each epoch's end and the run's end. The total is ``max_steps`` or
+    ``max_epochs x steps_per_epoch`` (the smaller), else estimated from the first full epoch. The
+    display shows the latest step's values, set to its ``step``; ``loss`` is read (a device
+    sync) once per refresh, never on the training thread.
 
     Args:
         refresh_s: Minimum seconds between two refreshes (> 0).
         bar: ``None``: a tqdm bar on stderr when tqdm is importable, else log lines;
             ``True``: require tqdm; ``False``: log lines (``"progress"`` events from the
             ``"trainbus"`` structlog logger, keys ``step``, ``epoch``, ``loss``, ``lr``,
-            ``total_steps``).
+            ``total_steps``, ``steps_per_s``, ``remaining_s``).
         desc: Label of the bar.
 
     Attributes:
@@ -111,7 +101,7 @@ class Progress(Callback):
         return self._view.total if self._view is not None else None
 
     def setup(self, bus: EventBus) -> None:
-        """Build the display pipelines (see the class docstring).
+        """Build the display pipelines.
 
         Raises:
             ConfigError: ``bar=True`` and tqdm is not installed.
