@@ -298,52 +298,44 @@ def _same_folder(a: Path, b: Path) -> bool:
 
 
 class Checkpointing(Callback):
-    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves.
+    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves, and deletes
+    the files of this run that ``keep_last`` / ``keep_best`` make surplus.
 
     Pipelines::
 
         StepEnded       -> every(every_steps)                      -> SaveCheckpoint()
         EpochEnded      -> filter((epoch + 1) % every_epochs == 0) -> SaveCheckpoint()
         EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
-        ... .subscribe(bus.commands)
         ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
 
-    When an evaluation job's (:class:`EvaluateCheckpoints`) ``monitor`` value beats the best so
-    far, the evaluated file itself is copied to ``step-<its step>-best.pt`` beside it
-    (atomically, in a worker thread): a ``SaveCheckpoint`` would save the current weights under
-    the job's score. In-loop and external evaluations share one "best so far"; copies are not
-    pruned by ``keep_best``.
-
-    Cadences count step and epoch numbers, so a resumed run keeps saving at the same
-    multiples, and every save lands at exactly the step it was decided at. Failed epochs and
+    An evaluation job's (:class:`EvaluateCheckpoints`) improvement copies the evaluated file to
+    ``step-<its step>-best.pt`` beside it (a ``SaveCheckpoint`` would save the current weights
+    under the job's score); copies are not pruned. Cadences count step and epoch numbers, so a
+    resumed run saves at the same multiples, each at exactly the step decided; failed epochs and
     evaluations never trigger a save.
+
+    Retention deletes only this run's files (across resumes from its own ``checkpoint_dir``),
+    never ``"final"`` or other tagged files nor the checkpoint just saved; a ``"final"``
+    checkpoint resumed from counts as untagged. Files of later steps than the one resumed from
+    are left alone (logged as ``checkpoint_newer_left``).
 
     Args:
         every_steps: Save every N optimizer steps (None: never on steps).
         every_epochs: Save every N epochs (None: never on epochs). **The default, 1, also
-            applies beside** ``every_steps``: ``Checkpointing(every_steps=40)`` saves every 40
-            steps *and* at every epoch's end; pass ``every_epochs=None`` for steps only.
+            applies beside** ``every_steps``: pass ``every_epochs=None`` for steps only.
         monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
             improves; None to disable.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
         min_delta: Smallest change of ``monitor`` that counts as an improvement.
-        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run, deleting
-            an older one once a newer one is saved; None keeps all.
+        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run; None
+            keeps all.
         keep_best: Keep only the N best ``tag="best"`` checkpoints of this run by ``monitor``;
             None keeps all. Needs ``monitor``.
         load_best_at_end: When ``fit()`` ends without an exception, load the weights of
-            :attr:`best_path` (also one written before a resume) into the model on every rank.
-            Needs ``monitor``; not with a sharded (FSDP2) model.
-        state_key: Name of its state (the best ``monitor`` value so far, the files this run
-            keeps) in checkpoints; None: ``"Checkpointing"``. A resumed run tags ``"best"``
-            only what beats it.
-
-    Retention deletes only files of this run, never ``"final"`` or other tagged files, and
-    never the checkpoint just saved (a file goes after its successor's ``CheckpointSaved``).
-    "This run" spans resumes from a checkpoint in its own ``checkpoint_dir``: a preempted and
-    resumed run keeps ``keep_last`` / ``keep_best`` files in all, and a ``"final"``
-    checkpoint resumed from counts as an untagged one. Files of other runs, and of later
-    steps than the one resumed from (logged as ``checkpoint_newer_left``), are left alone.
+            :attr:`best_path` into the model on every rank. Needs ``monitor``; not with a
+            sharded (FSDP2) model.
+        state_key: Name of its state (the best value, the files kept) in checkpoints; None:
+            ``"Checkpointing"``.
 
     Raises:
         ConfigError: for an argument out of range, or when nothing would ever be saved;

@@ -144,12 +144,10 @@ class TimeLimit(Callback):
             -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
             -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
 
-    The limit is ``seconds`` after ``FitStarted``, or an absolute ``deadline``. The decision
-    leaves ``margin_s`` (for writing the checkpoint and exiting) plus ``steps_margin`` times
-    the longest measured gap between two step ends (evaluations included), because the loop
-    applies commands at its next poll point. Both commands are applied in order at that
-    poll point: the checkpoint is written, then the run ends ``"stopped"`` with a
-    ``stop_reason`` starting with ``"time limit"``. ``save=False`` sends only the stop.
+    The decision leaves ``margin_s`` (to write the checkpoint and exit) plus ``steps_margin``
+    times the longest gap between two step ends seen, since commands apply at the next poll
+    point. The run then ends ``"stopped"`` with a ``stop_reason`` starting with
+    ``"time limit"``.
 
     Args:
         seconds: Run time allowed, from ``FitStarted`` (> 0).
