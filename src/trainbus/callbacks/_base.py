@@ -1,19 +1,10 @@
-"""Class-based callbacks: the habit users bring from Hugging Face, Lightning and Composer.
-
-A :class:`Callback` is sugar over the bus and the hooks, resolved once when it is added (never
-a string dispatch per event):
-
-- ``on_<event>(self, event)`` (``on_step_ended`` -> ``StepEnded``) becomes a subscriber to that
-  typed stream; an ``async def`` one becomes an async subscriber; ``on_event`` takes every event;
-- ``hook_<point>(self, ctx)`` (``hook_batch``, ``hook_after_forward``, ``hook_loss``,
-  ``hook_after_backward``, ``hook_before_optimizer_step``, ``hook_after_optimizer_step``,
-  ``hook_eval_batch``: see :mod:`trainbus._hookpoints`) becomes an inline hook on the training
-  thread;
-- ``setup(self, bus)`` may build any Rx pipeline on the bus (``.subscribe(bus.commands)``...).
-
-Callbacks passed to the Trainer are the "user" tier; built-ins the "core" tier; process-wide
-ones (``with MyCallback():`` or :func:`register_global_callback`) the "global" tier. Every event
-reaches core, then user, then global subscribers; hooks run in the same order.
+"""Class-based callbacks: sugar over the bus and the hooks, resolved once when added (never a
+string dispatch per event). ``on_<event>`` methods (``on_step_ended`` -> ``StepEnded``;
+``async def`` ones async; ``on_event`` every event) become subscribers, ``hook_<point>``
+methods inline hooks on the training thread (:mod:`trainbus._hookpoints`), and ``setup(bus)``
+may build any pipeline. Tiers: built-ins ("core"), the Trainer's ``callbacks`` ("user"),
+process-wide ones (``with MyCallback():``, :func:`register_global_callback`: "global"); every
+event reaches core, then user, then global subscribers, and hooks run in that order.
 """
 
 from __future__ import annotations
@@ -102,18 +93,16 @@ def _plain_annotation(annotation: object) -> bool:
 
 
 def plain_settings(settings: object) -> dict[str, PlainValue]:
-    """The fields of a settings dataclass that are plain values, by name.
-
-    Numbers, strings and booleans are kept; paths and ``torch.device`` become strings; None is
-    kept where the field holds only such values (``max_steps=None``), not where it stands for
-    an absent object (``scheduler=None``); models, optimizers, data, callables and collections
-    are left out.
+    """The fields of a settings dataclass that are plain values, by name, in field order:
+    numbers, strings and booleans kept; paths and ``torch.device`` as strings; None only where
+    the field holds only such values (``max_steps=None``, not ``scheduler=None``); everything
+    else left out.
 
     Args:
         settings: A dataclass instance (the Trainer's ``settings``).
 
     Returns:
-        ``{field name: value}`` in field order.
+        ``{field name: value}``.
 
     Raises:
         TypeError: ``settings`` is not a dataclass instance.

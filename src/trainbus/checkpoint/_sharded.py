@@ -66,14 +66,8 @@ def _rank_and_world() -> tuple[int, int]:
 
 
 class _RankFailure(NamedTuple):
-    """One rank's failure, as every rank hears of it (:func:`_gather_errors`).
-
-    Attributes:
-        rank: The rank that failed.
-        text: ``"<exception type>: <message>"``.
-        errno: For a write the disk refused (``CheckpointWriteError``), its ``errno``; else
-            None.
-        strerror: That write's ``strerror``.
+    """One rank's failure as every rank hears of it: ``text`` is ``"<type>: <message>"``;
+    ``errno`` / ``strerror`` those of a write the disk refused, else None.
     """
 
     rank: int
@@ -83,11 +77,8 @@ class _RankFailure(NamedTuple):
 
 
 def _gather_errors(error: BaseException | None) -> list[_RankFailure]:
-    """Every rank's error, for the ranks that had one: a collective (every rank calls it at
-    the same point), the same list on every rank.
-
-    Args:
-        error: This rank's error, or None.
+    """Every rank's error, for the ranks that had one (``error``: this rank's, or None): a
+    collective, the same list on every rank.
     """
     rank, world = _rank_and_world()
     mine: tuple[str, int | None, str | None] | None = None
@@ -344,18 +335,9 @@ def _agree_path(path: str) -> None:
 def _find_sharded(
     resume: str | os.PathLike[str], checkpoint_dir: Path | None
 ) -> tuple[Checkpoint | None, str]:
-    """The sharded checkpoint to resume (this rank's view; :func:`load_sharded` agrees).
-
-    Args:
-        resume: ``"latest"`` (newest valid checkpoint in ``checkpoint_dir``) or a folder.
-        checkpoint_dir: The run's checkpoint folder.
-
-    Returns:
-        The checkpoint (None: ``"latest"`` found none) and what the folder held, in words.
-
-    Raises:
-        CheckpointError: a one-file checkpoint (an unsharded run's) where a folder is needed,
-            or a damaged folder.
+    """The sharded checkpoint to resume, this rank's view: ``"latest"`` in
+    ``checkpoint_dir`` or a folder. Returns it (None: ``"latest"`` found none) and what the folder
+    held, in words; ``CheckpointError`` for a one-file checkpoint or a damaged folder.
     """
     from ._store import CheckpointStore
 

@@ -72,14 +72,8 @@ def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
 
 
 def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
-    """A model's ``state_dict()`` with canonical keys, its ``_metadata`` (module versions, read
-    by ``load_state_dict``) keyed the same way.
-
-    Args:
-        state: ``model.state_dict()``.
-
-    Returns:
-        The same tensors under the original module's keys.
+    """A model's ``state_dict()`` under canonical keys, its ``_metadata`` (module versions read by
+    ``load_state_dict``) keyed the same way.
     """
     out: OrderedDict[str, Any] = OrderedDict((canonical_key(k), v) for k, v in state.items())
     meta = getattr(state, "_metadata", None)
@@ -92,17 +86,9 @@ def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
 
 
 def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
-    """A saved state dict (canonical keys, or a compiled model's) keyed as ``model`` names
-    its entries, to hand to ``model.load_state_dict``.
-
-    Args:
-        saved: The checkpoint's model state.
-        model: The live model, compiled (whole or in parts) or not.
-
-    Returns:
-        ``saved`` itself when its keys are the model's already; else the same tensors under
-        the model's keys (a key the model lacks stays as it is, so ``load_state_dict`` names
-        it).
+    """A saved state dict (canonical keys, or a compiled model's) keyed as ``model`` names its
+    entries (``saved`` itself when they match already; a key the model lacks stays as it is, so
+    ``load_state_dict`` names it).
     """
     live_keys = list(model.state_dict().keys())
     if set(saved) == set(live_keys):
@@ -267,15 +253,8 @@ def _trainbus_version() -> str:
 def run_metadata(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
 ) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume.
-
-    Args:
-        model: The model being saved (its parameter names and shapes are recorded).
-        optimizer: The optimizer (its class name is recorded).
-        world_size: Processes training together.
-
-    Returns:
-        ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
+    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume:
+    ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
     """
     return {
         "trainbus_version": _trainbus_version(),
