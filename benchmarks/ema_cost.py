@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from trainbus.callbacks import EMA
-from trainbus.callbacks._weights import ModelTensors
+from trainbus.callbacks._ema import ModelTensors
 from trainbus.testing import tiny_model
 
 

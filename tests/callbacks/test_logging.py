@@ -13,8 +13,8 @@ from structlog.testing import capture_logs
 from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus._wire import record as event_record
 from trainbus.callbacks import JsonlEventLog, MetricsLogger
-from trainbus.callbacks._logging import event_record
 from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
 

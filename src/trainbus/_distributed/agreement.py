@@ -1,38 +1,18 @@
 """Rank-agreed commands: every rank applies the same commands at the same step.
 
-A command sent on one rank (a rank-0 subscriber's ``StopTraining``, the launcher's driver, a
-per-rank monitor) must not act on that rank alone: a rank that stops while the others wait in
-the next all-reduce hangs the run. So under ``torchrun`` the loop never applies the commands of
-its own bus directly; it hands them to :meth:`CommandAgreement.exchange` at a **sync point**,
-a step every rank reaches in the same order (the step clock's decision steps, the barrier
-events, the close of a ``log_every`` window), and applies what comes back, the same list on
-every rank.
+A command acting on one rank alone hangs the run (that rank stops while the others wait in the
+next all-reduce). So under ``torchrun`` the loop hands its bus' commands to
+:meth:`CommandAgreement.exchange` at a sync point and applies what comes back, the same list on
+every rank (docs/distributed.md draws the protocol).
 
-::
-
-    rank 0: pending [StopTraining]        rank 1: pending [SaveCheckpoint(tag="a")]
-        \\                                   /
-         all_gather(uint8[capacity])  (one collective: length header + JSON records)
-         (a second all_gather only when some rank's records exceed the capacity)
-                         |
-    every rank: merge(rank 0's, rank 1's) = [StopTraining, SaveCheckpoint(tag="a")]
-
-**Merge order**: by rank, then in send order. **De-duplication**: the same command sent by
-several ranks in one exchange (a ``ranks="all"`` subscriber sends it from each) is applied as
-many times as the rank that sent it most often sent it, not once per rank; and only the first
-``StopTraining`` is kept (stopping twice is one stop, whatever the reasons).
-
-**Zero extra collectives when nothing is pending**: at the ``log_every`` close the loop reduces
-the window's loss anyway; :meth:`CommandAgreement.reduce_metrics_flagged` adds one "some rank
-has pending commands" number to that same all-reduce, and only when it is set does the loop
-call :meth:`exchange`. At sync points without a reduction, :meth:`exchange` is one all-gather.
-
-**Latency**: a command sent at step ``k`` is applied by every rank at the first sync point at or
-after ``k`` (with ``log_every=n`` and no other sync point: at most ``n`` steps later).
-
-Commands cross ranks as :mod:`~trainbus._wire` records: JSON, never pickles. The
-local rank's own commands come back as the very objects it sent (so ``bus.request(c)`` on that
-rank resolves by identity); other ranks' as equal, rebuilt objects.
+- Merge order: by rank, then in send order. A command several ranks sent in one exchange (a
+  ``ranks="all"`` subscriber) is applied as often as the rank that sent it most often sent it;
+  only the first ``StopTraining`` is kept.
+- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flagged`
+  adds a "some rank has commands" flag to the ``log_every`` window's all-reduce.
+- Commands cross ranks as :mod:`~trainbus._wire` records (JSON, never pickles). The local
+  rank's own commands come back as the objects it sent (``bus.request(c)`` resolves by
+  identity); other ranks' as equal, rebuilt objects.
 """
 
 from __future__ import annotations
@@ -58,15 +38,8 @@ _HEADER = 4  # bytes of the big-endian payload length at the front of each rank'
 
 
 def merge(per_rank: Sequence[Sequence[cmd.Command]]) -> list[cmd.Command]:
-    """The commands every rank applies, from each rank's contribution (see the module
-    docstring: rank order, then send order; equal commands from several ranks applied as often
-    as one rank sent them; only the first ``StopTraining``).
-
-    Args:
-        per_rank: Rank ``r``'s commands at index ``r``, each in send order.
-
-    Returns:
-        The merged list.
+    """The commands every rank applies, from each rank's contribution (``per_rank[r]`` in send
+    order), by the rules of the module docstring.
     """
     merged: list[cmd.Command] = []
     counts: Counter[cmd.Command] = Counter()
@@ -110,14 +83,13 @@ def _buffer(data: bytes, size: int) -> torch.Tensor:
 
 
 class CommandAgreement:
-    """The command exchange and metric reduction of one process group (see the module
-    docstring). On a single process nothing is communicated: :meth:`exchange` returns the
-    local commands (merged), :meth:`reduce_metrics` the metrics.
+    """The command exchange and metric reduction of one process group; on a single process
+    nothing is communicated.
 
     Args:
         group: The :class:`ProcessGroup`.
-        capacity: Bytes per rank in the first all-gather (header included): a few commands fit
-            in the default; more cost a second all-gather of the needed size.
+        capacity: Bytes per rank in the first all-gather (header included): more commands cost a
+            second all-gather of the needed size.
 
     Raises:
         ConfigError: ``capacity`` is not an integer >= 64.
@@ -135,14 +107,9 @@ class CommandAgreement:
 
     # ------------------------------------------------------------------ commands
     def exchange(self, local: Sequence[cmd.Command]) -> list[cmd.Command]:
-        """Contribute ``local`` and return the commands every rank applies, the same list on
-        every rank. Every rank must call it at the same sync point (it is a collective).
-
-        Args:
-            local: This rank's pending commands, in send order (``port.poll_commands()``).
-
-        Returns:
-            The merged commands (see :func:`merge`).
+        """Contribute ``local`` (this rank's pending commands, in send order) and return the
+        merged commands every rank applies: a collective, called by every rank at the same sync
+        point.
 
         Raises:
             DistributedError: a rank sent something that is not a command record.
@@ -197,36 +164,17 @@ class CommandAgreement:
 
     # ------------------------------------------------------------------ metrics
     def reduce_metrics(self, metrics: Mapping[str, float]) -> dict[str, float]:
-        """The mean of each metric across ranks, in one all-reduce.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-
-        Returns:
-            Name -> mean over ranks (the metrics themselves on a single process).
-
-        Raises:
-            DistributedError: the ranks passed different metric names.
+        """The mean of each metric across ranks (every rank passes the same names), in one
+        all-reduce; ``DistributedError`` when the names differ.
         """
         return self.reduce_metrics_flagged(metrics, pending=False)[0]
 
     def reduce_metrics_flagged(
         self, metrics: Mapping[str, float], *, pending: bool
     ) -> tuple[dict[str, float], bool]:
-        """:meth:`reduce_metrics`, with a "this rank has pending commands" flag carried in the
-        same all-reduce (three more float64s): when the returned flag is True, every rank got
-        True and must call :meth:`exchange` next.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-            pending: This rank has commands waiting (``port.has_commands()``).
-
-        Returns:
-            (name -> mean over ranks, whether any rank has pending commands).
-
-        Raises:
-            DistributedError: the ranks passed different metric names.
-            ConfigError: a metric value is not a number.
+        """:meth:`reduce_metrics` with a "this rank has pending commands" flag in the same
+        all-reduce; when the returned flag is True every rank got True and must call
+        :meth:`exchange` next.
         """
         out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
         return out, flag
@@ -234,16 +182,8 @@ class CommandAgreement:
     def reduce_metrics_flags(
         self, metrics: Mapping[str, float], flags: Sequence[bool]
     ) -> tuple[dict[str, float], list[bool]]:
-        """:meth:`reduce_metrics`, with ``flags`` carried in the same all-reduce (two float64s
-        of checksum and one per flag): flag ``i`` comes back True on every rank when some
-        rank's flag ``i`` was True.
-
-        Args:
-            metrics: Name -> float; every rank must pass the same names.
-            flags: This rank's flags (the same number on every rank).
-
-        Returns:
-            (name -> mean over ranks, for each flag whether any rank set it).
+        """:meth:`reduce_metrics` with ``flags`` (the same number on every rank) in the same
+        all-reduce: flag ``i`` comes back True on every rank when some rank's flag ``i`` was True.
 
         Raises:
             DistributedError: the ranks passed different metric names.

@@ -10,15 +10,10 @@ on a Unix domain socket in the run folder and any number of attachments connect 
     commands (trainbus._wire records)    ────────────►   logged with their source, bus.send
                                         ◄────────────   bye {sent} at the end of the run
 
-Each attachment is one :class:`~trainbus._distributed.link.WorkerLink` made with
-:meth:`~trainbus._distributed.link.WorkerLink.accepted` (its own sender thread, queue, wanted
-types and reader thread); its subscription exists only while it is connected, so with nobody
-attached the loop builds no event for it (``bus.wants`` stays False). Subscriptions come and go
-on the event-loop thread (through the loop's token), never from the listener's threads.
-
-Files, in the run folder: ``attach.sock`` (mode 0600; a symbolic link to a socket in a private
-temporary folder when the folder's path is too long for ``AF_UNIX``) and ``attach.token``
-(0600), both removed when the run ends. A folder owned by another user is never listened in.
+Each attachment is one :meth:`WorkerLink.accepted <trainbus._distributed.link.WorkerLink.
+accepted>` link, subscribed only while connected (nobody attached: the loop builds nothing
+for it). Files ``attach.sock`` and ``attach.token`` (0600) live in the run folder until it
+ends; a folder owned by another user is never listened in.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
-"""The model and the data under ``torchrun``: DDP wrapping and per-rank shards.
-
-Used by :meth:`trainbus.Trainer.fit` when the process group has more than one rank:
-
-- :func:`wrap_model` wraps the model in ``DistributedDataParallel`` (not when it already is);
-  :func:`unwrap_model` is what checkpoints save and load, so a checkpoint is the same with or
-  without DDP.
-- :func:`shard_loader` rebuilds a map-style ``DataLoader`` around a seeded
-  ``DistributedSampler`` (same batch size, collate_fn, workers, drop_last; shuffling when the
-  original sampler was a ``RandomSampler``); the loop calls ``set_epoch`` at each epoch.
+"""The model and the data under ``torchrun``: DDP wrapping (:func:`wrap_model`; checkpoints
+save :func:`unwrap_model`'s module, the same with or without DDP) and per-rank shards
+(:func:`shard_loader`).
 """
 
 from __future__ import annotations
@@ -58,15 +51,9 @@ def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
 
 def release_model(model: torch.nn.Module) -> None:
     """Let go of the process group a ``DistributedDataParallel`` made by :func:`wrap_model`
-    holds: its reducer (whose hooks sit on the user's parameters), its logger and its group.
-
-    ``destroy_process_group()`` only unregisters the group: while the wrapper lives (the
-    Trainer keeps it, often until the interpreter exits), the group's C++ object and gloo's
-    threads (``pt_gloo_runloop``, ``gloo_tcp_loop``) keep running, and at exit they are torn
-    down by finalization or by static destructors, where a still-joinable thread aborts the
-    finished process (``terminate called without an active exception``, SIGABRT). Dropped
-    here, after the ranks' last barrier, they stop while Python is whole. The wrapper cannot
-    train afterwards (its group is gone either way); ``model.module`` is untouched.
+    holds (its reducer, logger and group), after the ranks' last barrier: left to interpreter
+    exit, gloo's threads can abort the finished process (SIGABRT). The wrapper cannot train
+    afterwards; ``model.module`` is untouched.
 
     Args:
         model: The module :func:`wrap_model` returned (anything else is left alone).
@@ -90,13 +77,10 @@ def is_ray_data_shard(data: object) -> bool:
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:
     """Each rank's shard of ``data``.
 
-    A map-style ``DataLoader`` whose sampler is not already a ``DistributedSampler`` is rebuilt
-    with ``DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last=False)``
-    (``shuffle`` when its sampler was a ``RandomSampler`` and ``train``); anything else (an
-    ``IterableDataset``, a list of batches, a loader with a custom batch sampler) is returned
-    unchanged with a ``data_not_sharded`` warning: every rank then reads all of it. A Ray Data
-    shard (:func:`is_ray_data_shard`) is returned unchanged without a warning: it is this
-    rank's part already.
+    A map-style ``DataLoader`` is rebuilt around a seeded ``DistributedSampler`` (shuffling when
+    its sampler was a ``RandomSampler`` and ``train``); an iterable, a list of batches or a custom
+    batch sampler is returned unchanged with a ``data_not_sharded`` warning (every rank reads all
+    of it); a Ray Data shard is returned unchanged (it is this rank's part already).
 
     Args:
         data: The training or evaluation data.

@@ -1,17 +1,8 @@
 """The driver's end of the link protocol (see :mod:`trainbus._distributed.link`), whatever
-carries it.
-
-A transport's driver side hands :class:`DriverLink` what arrives and sends what it returns:
-
-- :meth:`DriverLink.greet` the hello line: the token is checked (``hmac.compare_digest``), one
-  link per run; the answer is the welcome line naming the wanted event types, or None (refused,
-  counted and logged as ``driver_connection_refused``).
-- :meth:`DriverLink.receive` event lines: decoded (data only) and published on the driver's bus
-  in rank 0's order; a ``CommandApplied`` gets the driver's own command object back, so
-  ``await bus.request(c)`` resolves; a ``bye`` line ends the link.
-- :meth:`DriverLink.forward` (a task): the commands of the driver's bus, batched, to the
-  transport's ``send``; a driver subscriber that failed the run (``on_error="raise"``) sends
-  ``StopTraining(reason="driver_subscriber_failed")``.
+carries it. A transport's driver side hands :class:`DriverLink` what arrives:
+:meth:`DriverLink.greet` the hello line (token checked, one link per run),
+:meth:`DriverLink.receive` event lines (published on the driver's bus in rank 0's order; a
+``bye`` ends the link); :meth:`DriverLink.forward` sends the driver bus' commands back.
 """
 
 from __future__ import annotations
@@ -97,11 +88,10 @@ class DriverLink:
         bus: The driver's bus.
         token: The run's token (what a worker's hello must carry).
         keep_events: How many of the last events :attr:`events` keeps.
-        relink: Accept a hello with the token while a worker is linked, as the same run's
-            rank 0 started again (Ray restarting its workers after a failure): the new link
-            replaces the old one (counted in :attr:`links`, logged as ``driver_relinked``,
-            and a :class:`~trainbus.events.WorkersRestarted` is published on the bus).
-            False (``trainbus launch``): one link per run, a second hello is refused.
+        relink: Accept a new hello with the token while a worker is linked, as the same run's
+            rank 0 restarted by Ray: the new link replaces the old one (counted in
+            :attr:`links`, and a :class:`~trainbus.events.WorkersRestarted` is published).
+            False (``trainbus launch``): a second hello is refused.
     """
 
     def __init__(
@@ -177,14 +167,8 @@ class DriverLink:
 
     # ------------------------------------------------------------------ protocol
     def greet(self, hello: bytes, peer: str) -> bytes | None:
-        """Answer a worker's hello line.
-
-        Args:
-            hello: The worker's first line.
-            peer: Who sent it (logged when refused).
-
-        Returns:
-            The welcome line, or None: refused (counted, logged with ``peer`` and the reason).
+        """Answer a worker's ``hello`` line from ``peer``: the welcome line, or None when refused
+        (counted, logged with ``peer`` and the reason).
         """
         record = check_hello(hello, self._token)
         reason = None
@@ -281,12 +265,11 @@ class DriverLink:
         on_failure: Callable[[], object] | None = None,
         interval: float = 0.01,
     ) -> None:
-        """Send the driver bus' commands to the worker, every ``interval`` seconds, until
-        cancelled. Commands sent before the worker linked wait for it.
+        """Send the driver bus' commands to the worker every ``interval`` seconds until cancelled
+        (commands sent before the worker linked wait for it).
 
         Args:
-            send: The transport's send (JSON lines); an ``OSError`` or a closed stream drops
-                the batch (the worker is gone; the launch ends without it).
+            send: The transport's send; an ``OSError`` or a closed stream drops the batch.
             on_failure: Called once when a driver subscriber fails the run (after
                 ``StopTraining(reason="driver_subscriber_failed")`` was queued).
             interval: Seconds between polls of the bus.

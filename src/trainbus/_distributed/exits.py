@@ -14,10 +14,9 @@ the first failure last, under ``Root Cause``::
       exitcode  : -9 (pid: 4712)
       traceback : Signal 9 (SIGKILL) received by PID 4712
 
-Each ``rank`` line is read together with the ``exitcode`` line right under it, never with one
-further down: a looser match paired an earlier ``failed (exitcode: -9) local_rank: 1`` log line
-with the next block's ``-15`` and blamed rank 1 for the signal torchrun sent rank 0. The reader
-takes lines as they stream, so a long worker traceback cannot push the blocks out of a tail.
+Each ``rank`` line pairs only with the ``exitcode`` line right under it (an earlier log line
+such as ``failed (exitcode: -9) local_rank: 1`` must not be blamed). Lines are read as they
+stream, so a long traceback cannot push the blocks out of a tail.
 """
 
 from __future__ import annotations

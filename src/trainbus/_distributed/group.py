@@ -8,25 +8,15 @@ ends ``torch.distributed``.
     group.barrier()
     group.close()                       # destroys the default group only if it created it
 
-Under ``python script.py`` (no ``WORLD_SIZE``, or ``WORLD_SIZE=1``) the group is a single process:
-``world_size`` 1, no collectives, nothing initialised. When the application initialised
-``torch.distributed`` itself, the group adopts it and never destroys it.
+Without ``WORLD_SIZE`` (or with 1) the group is a single process with no collectives; a group
+the application initialised is adopted and never destroyed. The backend follows the run's
+device (gloo for CPU, NCCL for CUDA; a CUDA rank computes on ``cuda:<LOCAL_RANK>``).
 
-The group follows the run's device (the Trainer's resolved ``device``): gloo for a CPU run, NCCL
-for a CUDA one, whatever the host has. A CUDA rank computes on ``cuda:<LOCAL_RANK>``; more local
-ranks than visible GPUs is a :class:`~trainbus.ConfigError` naming ``LOCAL_RANK`` and the device
-count, raised before any collective (rather than torch's ``invalid device ordinal`` mid-run).
-
-Nothing may hold the default group past :meth:`ProcessGroup.close`: a group that outlives
-``destroy_process_group()`` keeps gloo's threads (``gloo_tcp_loop``, ``pt_gloo_runloop``)
-running into interpreter teardown, where they can abort a finished process (``terminate called
-without an active exception``, SIGABRT). One holder is torch's own: the ten collectives of
-``torch.distributed.nn.functional`` take ``group=group.WORLD`` as a default argument, evaluated
-when the module is first imported, so an import after ``init_process_group`` binds the live group
-into them for good; and the first ``torch.optim`` optimizer imports it (through
-``torch._dynamo``). This module imports it first, while no group exists, so those defaults bind
-None (torch's "the default group"). :meth:`ProcessGroup.close` checks that the group it destroyed
-is gone and logs ``process_group_outlives_destroy`` when something still holds it.
+Nothing may hold the default group past :meth:`ProcessGroup.close`: gloo's threads would run
+into interpreter teardown and can abort a finished process (SIGABRT). torch's own
+``torch.distributed.nn.functional`` binds the group as a default argument when first imported,
+so this module imports it first, while no group exists; :meth:`ProcessGroup.close` logs
+``process_group_outlives_destroy`` when something still holds it (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -85,14 +75,7 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
 
 def choose_backend(device: torch.device | None, backend: Backend | None = None) -> Backend:
     """The backend for a run on ``device``: ``backend`` when given, else NCCL for a CUDA device
-    and gloo for any other (a CPU run on a GPU host gets gloo).
-
-    Args:
-        device: The run's device; None (no Trainer to follow): NCCL when CUDA is available.
-        backend: Force ``"gloo"`` or ``"nccl"``.
-
-    Returns:
-        ``"gloo"`` or ``"nccl"``.
+    and gloo for any other; with no device, NCCL when CUDA is available.
     """
     if backend is not None:
         return backend
@@ -102,13 +85,8 @@ def choose_backend(device: torch.device | None, backend: Backend | None = None) 
 
 
 def check_local_rank(local_rank: int, backend: str) -> None:
-    """A CUDA (NCCL) rank needs its own GPU: ``LOCAL_RANK`` must be below the device count.
-
-    Reads only ``torch.cuda.device_count()`` (no CUDA context, no collective).
-
-    Raises:
-        ConfigError: more local ranks than visible GPUs, naming ``LOCAL_RANK``, the device
-            count and what to do.
+    """A CUDA (NCCL) rank needs its own GPU: ``ConfigError`` naming ``LOCAL_RANK`` and the
+    device count when ``LOCAL_RANK`` is not below it (read without a CUDA context).
     """
     if backend != "nccl":
         return
@@ -123,10 +101,8 @@ def check_local_rank(local_rank: int, backend: str) -> None:
 
 
 class ProcessGroup:
-    """This process' place among the ranks (see the module docstring).
-
-    Build it with :meth:`from_env` (or :meth:`single` for one process). It owns whether it
-    created the default process group, so :meth:`close` tears down exactly what it started.
+    """This process' place among the ranks (see the module docstring). Built with
+    :meth:`from_env` or :meth:`single`; :meth:`close` tears down exactly what it started.
 
     Attributes:
         rank: This process' rank, from 0.
@@ -157,10 +133,8 @@ class ProcessGroup:
     # ------------------------------------------------------------------ building
     @classmethod
     def single(cls, device: torch.device | None = None) -> ProcessGroup:
-        """The single-process group: rank 0 of 1, no collectives, nothing initialised.
-
-        Args:
-            device: The run's device (default: CUDA when available, else the CPU).
+        """The single-process group: rank 0 of 1, no collectives, on ``device`` (default: CUDA
+        when available, else the CPU).
         """
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,24 +150,17 @@ class ProcessGroup:
         timeout: float = 300.0,
         device: torch.device | None = None,
     ) -> ProcessGroup:
-        """The group this process belongs to, starting ``torch.distributed`` when needed.
-
-        - ``torch.distributed`` already initialised (by the application): adopt it (rank,
-          world size and backend from it; :meth:`close` leaves it alone).
-        - ``WORLD_SIZE`` unset or 1: :meth:`single`.
-        - Else ``init_process_group(backend, init_method="env://")`` with torchrun's variables:
-          ``backend`` defaults to the run's device (:func:`choose_backend`: NCCL for CUDA,
-          gloo otherwise), and a CUDA rank's ``LOCAL_RANK`` is checked against the GPUs
-          (:func:`check_local_rank`) before anything is initialised.
+        """The group this process belongs to: an initialised ``torch.distributed`` adopted
+        (:meth:`close` leaves it alone), :meth:`single` without ``WORLD_SIZE`` > 1, else
+        ``init_process_group(init_method="env://")`` with torchrun's variables, ``LOCAL_RANK``
+        checked against the GPUs first.
 
         Args:
-            env: The environment to read (default: ``os.environ``; ``env://`` always reads the
-                process environment, so a custom mapping is for validation and tests).
-            backend: Force ``"gloo"`` or ``"nccl"``.
-            timeout: Seconds to wait for every rank to join (and for collectives, as torch's
-                process-group timeout).
-            device: The run's device (``Trainer(device=...)`` resolved), which the backend
-                follows; None: NCCL when CUDA is available, else gloo.
+            env: The environment to read (default: ``os.environ``; ``env://`` reads the process
+                environment anyway, so a custom mapping is for validation and tests).
+            backend: Force ``"gloo"`` or ``"nccl"`` (default: :func:`choose_backend`).
+            timeout: Seconds to wait for every rank to join (also torch's collective timeout).
+            device: The run's device, which the backend follows (see :func:`choose_backend`).
 
         Returns:
             The :class:`ProcessGroup`.
@@ -277,10 +244,8 @@ class ProcessGroup:
 
     # ------------------------------------------------------------------ operations
     def barrier(self) -> None:
-        """Wait until every rank reaches this call (nothing on a single process).
-
-        Raises:
-            DistributedError: the group is closed.
+        """Wait until every rank reaches this call (nothing on a single process);
+        ``DistributedError`` once closed.
         """
         if self._closed:
             raise DistributedError("barrier() on a closed ProcessGroup")
@@ -288,12 +253,8 @@ class ProcessGroup:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the default process group if this object created it; idempotent.
-
-        Then check that the group is gone: a group something still holds keeps gloo's threads
-        running into interpreter exit (see the module docstring), which is logged as a
-        ``process_group_outlives_destroy`` warning.
-        """
+        """Destroy the default process group if this object created it, then warn
+        (``process_group_outlives_destroy``) if something still holds it; idempotent."""
         if self._closed:
             return
         self._closed = True

@@ -1,9 +1,8 @@
 """The link between rank 0 and a driver: the protocol, apart from what carries it.
 
-A driver (``trainbus launch``'s :mod:`trainbus._launcher`, or :mod:`trainbus.ray`) runs the
-user's subscribers; rank 0's bus streams its events there and receives the driver's commands.
-The same protocol runs over every transport (the loopback socket of
-:mod:`~trainbus._distributed.socket_link`, the Ray actor of :mod:`trainbus.ray`)::
+A driver (``trainbus launch``, or :mod:`trainbus.ray`) runs the user's subscribers; rank 0's
+bus streams its events there and receives the driver's commands, over any transport (the
+loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
 
     worker (rank 0)                                     driver
     hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
@@ -12,21 +11,13 @@ The same protocol runs over every transport (the loopback socket of
                                     ◄───────────────    commands (trainbus._wire records)
     bye {sent}                      ───────────────►    the link ended
 
-Every message is JSON lines: :mod:`trainbus._wire` records plus three control records
-(``{"v":1,"type":"hello"|"welcome"|"bye",...}``). Data only: never pickles, never code.
+JSON lines only, never pickles. :data:`ADDR_ENV` says where the driver is (its scheme picks the
+transport, :func:`register_transport`) and :data:`TOKEN_ENV` the run's token.
 
-A transport is told where to go by :data:`ADDR_ENV` (``127.0.0.1:<port>`` for the socket,
-``ray:<namespace>/<name>`` for Ray: the scheme picks the transport, see
-:func:`register_transport`) and the run's token by :data:`TOKEN_ENV`.
-
-On the worker, :class:`WorkerLink` is the protocol: the handshake, the wanted types, a sender
-thread that encodes events (reading a tensor waits for the device: never on the training thread
-nor the event loop) and batches them (a transport may ask to wait ``linger`` seconds for more:
-one call per batch where each call costs), and a reader thread that feeds the driver's
-commands to ``bus.send`` (rank 0's command agreement spreads them to every rank) and takes a
-``wants`` record (the peer's wanted types changed: :meth:`WorkerLink.want`, on the event loop
-the link was started on). The driver's end of the protocol is
-:class:`~trainbus._distributed.driver_link.DriverLink`.
+:class:`WorkerLink` is the worker's end: the handshake, a sender thread that encodes events
+(a tensor read waits for the device: never on the training thread or the event loop) and
+batches them, and a reader thread that feeds commands to ``bus.send`` and takes ``wants``
+records. The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations
@@ -88,28 +79,21 @@ class WorkerTransport(Protocol):
 
     Attributes:
         where: Where the driver is, for messages.
-        linger: Seconds the sender waits after an event for more to join its batch (0: send
-            what is queued at once; a transport whose every call costs asks for more).
+        linger: Seconds the sender waits after an event for more to join its batch (0: none;
+            a transport whose every call costs asks for more).
     """
 
     where: str
     linger: float
 
     def open(self, hello: bytes) -> bytes:
-        """Reach the driver, send the hello line, return its one-line answer (``b""``: the
-        driver closed the link, i.e. refused it).
-
-        Raises:
-            LaunchError: the driver is unreachable or did not answer in time.
+        """Reach the driver, send the hello line, return its one-line answer (``b""``: refused).
+        Raises ``LaunchError`` when the driver is unreachable or did not answer in time.
         """
         ...
 
     def send(self, data: bytes) -> None:
-        """Write event lines to the driver.
-
-        Raises:
-            OSError: the driver is gone.
-        """
+        """Write event lines to the driver; ``OSError`` once it is gone."""
         ...
 
     def receive(self) -> bytes:
@@ -127,15 +111,8 @@ _TRANSPORTS: dict[str, TransportFactory] = {}
 
 def register_transport(scheme: str, factory: TransportFactory) -> None:
     """Make addresses ``<scheme>:...`` build their worker transport with ``factory(address,
-    timeout)`` (:mod:`trainbus.ray` registers ``"ray"`` when imported; an address without a
-    registered scheme is a loopback ``host:port``).
-
-    Args:
-        scheme: The address prefix before the first ``:`` (letters only).
-        factory: Builds the transport; may raise ConfigError for a malformed address.
-
-    Raises:
-        ConfigError: a scheme that is not a word of letters.
+    timeout)`` (:mod:`trainbus.ray` registers ``"ray"``; an address without a registered scheme
+    is a loopback ``host:port``). Raises ``ConfigError`` for a scheme that is not letters.
     """
     if not (isinstance(scheme, str) and scheme.isalpha()):
         raise ConfigError.invalid("scheme", scheme, "a word of letters (e.g. 'ray')")
@@ -143,11 +120,7 @@ def register_transport(scheme: str, factory: TransportFactory) -> None:
 
 
 def transport_for(address: str, timeout: float) -> WorkerTransport:
-    """The worker transport an :data:`ADDR_ENV` value names.
-
-    Raises:
-        ConfigError: a malformed address (naming :data:`ADDR_ENV`).
-    """
+    """The worker transport an :data:`ADDR_ENV` value names (``ConfigError`` when malformed)."""
     scheme = address.split(":", 1)[0]
     factory = _TRANSPORTS.get(scheme)
     if factory is not None:
@@ -167,16 +140,14 @@ class WorkerLink:
         link.close()                      # flush, say bye, join the threads
 
     Args:
-        transport: What carries the link (see :class:`WorkerTransport`), or an address as in
-            :data:`ADDR_ENV` (see :func:`transport_for`).
+        transport: What carries the link, or an address as in :data:`ADDR_ENV`.
         token: The run's token.
         timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
             join its threads.
-        source: Who the peer is, for the log: each command it sends is logged
-            (``link_command_received`` with ``source``) before it reaches ``bus.send``. None
-            (a driver): not logged.
+        source: Who the peer is: each command it sends is logged (``link_command_received``)
+            before it reaches ``bus.send``; None (a driver): not logged.
         on_end: Called once from the reader thread when the peer closed the link (not when
-            :meth:`close` closed it): a listener with several peers lets that one go.
+            :meth:`close` did): a listener with several peers lets that one go.
 
     Raises:
         ConfigError: a malformed address, an empty token, a bad timeout.
@@ -220,9 +191,9 @@ class WorkerLink:
         wanted: tuple[type[ev.BaseEvent], ...],
         **kw: Any,
     ) -> WorkerLink:
-        """A link whose handshake the listening side already did (an attachment connected
-        to rank 0's listener, :mod:`~trainbus._distributed.attach_server`): :meth:`start` then
-        streams ``wanted`` without connecting. One listener holds one such link per peer.
+        """A link whose handshake the listening side already did (an attachment accepted by
+        :mod:`~trainbus._distributed.attach_server`): :meth:`start` then streams ``wanted`` without
+        connecting.
 
         Args:
             transport: The accepted connection (its ``open`` is never called).
@@ -237,12 +208,8 @@ class WorkerLink:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
-        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this
-        process was not started by a driver.
-
-        Raises:
-            ConfigError: one variable is set without the other, a malformed address, or see
-                :class:`WorkerLink`.
+        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this process
+        was not started by a driver; ``ConfigError`` when only one is set or the address is bad.
         """
         env = os.environ if env is None else env
         addr, token = env.get(ADDR_ENV), env.get(TOKEN_ENV)
@@ -270,8 +237,9 @@ class WorkerLink:
         return self._closed or self._broken
 
     def post(self, line: bytes) -> None:
-        """Queue a control line (e.g. a ``status`` record) to go out between the events, in
-        order, from the sender thread (never two writers on one transport)."""
+        """Queue a control line (a ``status`` record) to go out between the events, from the
+        sender thread (never two writers on one transport).
+        """
         if not self._closed:
             self._queue.put(line)
 
@@ -282,11 +250,8 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        """Reach the driver, prove the token, learn the wanted event types.
-
-        Raises:
-            LaunchError: the driver is unreachable, refused the token, or did not answer
-                in time.
+        """Reach the driver, prove the token, learn the wanted event types; ``LaunchError`` when
+        the driver is unreachable, refused the token, or did not answer in time.
         """
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
@@ -302,10 +267,9 @@ class WorkerLink:
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
     def start(self, bus: BusLike) -> None:
-        """Stream ``bus``' wanted events to the driver and feed the driver's commands into
-        ``bus.send``. Connects first when :meth:`connect` was not called.
-
-        Call it before the bus publishes the first event the driver should see.
+        """Stream ``bus``' wanted events to the driver and feed its commands into ``bus.send``
+        (connecting first if needed). Call it before the bus publishes the first event the driver
+        should see.
 
         Raises:
             LaunchError: see :meth:`connect`; already started.
@@ -330,10 +294,9 @@ class WorkerLink:
             t.start()
 
     def want(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        """Stream ``wanted`` from now on instead of what the peer asked for before (its
-        ``wants`` record; call on the event-loop thread, as subscriptions are made there),
-        then tell the peer with a ``streams`` record: every event after that line in the
-        stream is of the new set. Nothing once the link ended."""
+        """Stream ``wanted`` from now on (the peer's ``wants`` record; on the event-loop thread),
+        then tell the peer with a ``streams`` record. Nothing once the link ended.
+        """
         if self._closed or self._broken or self._bus is None:
             return
         self.unsubscribe()
@@ -350,15 +313,17 @@ class WorkerLink:
             )
 
     def unsubscribe(self) -> None:
-        """Stop taking the bus' events (call on the thread that may subscribe: the event
-        loop's); what was queued still goes out at :meth:`close`. Idempotent."""
+        """Stop taking the bus' events (on the event-loop thread); what was queued still goes
+        out at :meth:`close`. Idempotent.
+        """
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             subscription.dispose()
 
     def close(self) -> None:
         """Write every queued event, say bye, close the transport and join the threads (each
-        bounded by ``timeout``). Idempotent; nothing to do when never connected."""
+        bounded by ``timeout``). Idempotent.
+        """
         if not self._open or self._closed:
             return
         self._closed = True
@@ -385,8 +350,9 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ threads
     def _batch(self) -> tuple[list[Any], bool]:
-        """The next batch of queued events (waiting ``linger`` for more), and whether the
-        close sentinel came."""
+        """The next batch of queued events (waiting ``linger`` for more), and whether the close
+        sentinel came.
+        """
         batch = [self._queue.get()]
         linger = self.transport.linger
         deadline = time.monotonic() + linger

@@ -1,18 +1,12 @@
 """The link protocol's shared vocabulary: where the driver is, the run's token, the control
-records (``hello``, ``welcome``, ``bye``, and for attachments ``status``, ``wants`` and
-``streams``), and the two halves of the handshake. Both ends of the link
-(:mod:`~trainbus._distributed.link`, :mod:`~trainbus._distributed.driver_link`), every transport
-(:mod:`~trainbus._distributed.socket_link`, :mod:`trainbus.ray`) and the attach listener
-(:mod:`~trainbus._distributed.attach_server`, :mod:`trainbus.attach`) import it, and it imports
-none of them.
+records (``hello``, ``welcome``, ``bye``; for attachments ``status``, ``wants``, ``streams``)
+and the two halves of the handshake. Every end and transport of the link imports it; it
+imports none of them.
 
-The handshake is the same whichever side listens: the side that connects sends ``hello`` with
-the token (:func:`hello_record`), the other checks it (:func:`check_hello`) and answers
-``welcome`` naming the event types that will flow (:func:`welcome_types`), or closes.
-
-An attachment may change its mind after the handshake: ``wants {events}`` names every type it
-wants from then on, and the job answers ``streams {events}`` between its events, at the point
-where the new set took effect (:func:`control_types` reads either).
+The side that connects sends ``hello`` with the token (:func:`hello_record`); the other checks
+it (:func:`check_hello`) and answers ``welcome`` naming the event types that will flow
+(:func:`welcome_types`), or closes. An attachment may later send ``wants {events}``; the job
+answers ``streams {events}`` where the new set takes effect (:func:`control_types`).
 """
 
 from __future__ import annotations

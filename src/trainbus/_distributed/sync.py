@@ -1,10 +1,7 @@
-"""The loop's side of the ranks: what a training loop does at its sync points under torchrun.
-
-:class:`RankSync` bundles the :class:`~trainbus._distributed.group.ProcessGroup` and its
-:class:`~trainbus._distributed.agreement.CommandAgreement` behind the few calls the loop makes:
-agreeing on commands, averaging the log window's and an evaluation's metrics, and writing a
-checkpoint on rank 0 only. The loop holds one only when there is more than one rank, so a
-single-process run never pays a collective.
+"""The loop's side of the ranks under torchrun: :class:`RankSync` bundles the process group and
+its command agreement behind the few collectives the loop makes (agree on commands, reduce
+the log window's and an evaluation's metrics, write a checkpoint on rank 0 only). Only a
+multi-rank run holds one.
 """
 
 from __future__ import annotations
@@ -91,19 +88,14 @@ class RankSync:
     def reduce_window(
         self, metrics: Mapping[str, float], *, pending: bool, nonfinite: int | None = None
     ) -> tuple[dict[str, float], bool, int | None]:
-        """A log window's metrics across ranks (means; ``samples_per_s`` summed), whether
-        some rank has pending commands and whether some rank saw a non-finite loss, in one
-        all-reduce; only when one did, a second agrees on the first such step.
+        """A log window's metrics across ranks (means; ``samples_per_s`` summed), whether some
+        rank has pending commands, and the first step with a non-finite loss on any rank (None:
+        none), the same on every rank: one all-reduce, a second only when some rank saw one.
 
         Args:
             metrics: The window's metrics (the same names on every rank).
             pending: This rank has commands waiting.
-            nonfinite: This rank's first step with a non-finite loss in the window (None:
-                none).
-
-        Returns:
-            (metrics, any rank has pending commands, the first non-finite step of any rank
-            or None): the same on every rank.
+            nonfinite: This rank's first step with a non-finite loss in the window, or None.
         """
         out, (flag, bad) = self.agreement.reduce_metrics_flags(
             metrics, (pending, nonfinite is not None)
@@ -133,27 +125,19 @@ class RankSync:
     def sum_eval(
         self, totals: Mapping[str, Mapping[str, float] | None]
     ) -> dict[str, dict[str, float] | None]:
-        """Every rank's totals of the evaluation set's metrics (``set_metrics=``) added, in
-        one all-gather; the same floats on every rank (added in rank order).
-
-        Args:
-            totals: Per metric, this rank's sums by name; None for a metric that raised here.
-
-        Returns:
-            Per metric, each sum added over the ranks; None where the metric raised on some
-            rank (or the ranks' sums have different names), so every rank leaves it out.
+        """Every rank's totals of the evaluation set's metrics (``set_metrics=``) added in rank
+        order, in one all-gather. ``totals``: per metric, this rank's sums by name (None where it
+        raised); the result has None where a metric raised on some rank or the ranks' sums have
+        different names.
         """
         per_rank = self.agreement.gather_json({k: None if v is None else dict(v)
                                                for k, v in totals.items()})  # fmt: skip
         return add_totals(per_rank, names=list(totals))
 
     def on_main(self, write: Callable[[], str]) -> str:
-        """Run ``write`` on rank 0 and hand its result (a path) to every rank: a collective,
-        so no rank goes on before rank 0's checkpoint is complete.
-
-        Raises:
-            CheckpointError: on ranks other than 0, when rank 0's write failed; on rank 0,
-                whatever ``write`` raised.
+        """Run ``write`` on rank 0 and hand its result (a path) to every rank: a collective, so
+        no rank goes on before rank 0's checkpoint is complete. Raises ``CheckpointError`` on the
+        other ranks when rank 0's write failed; on rank 0, whatever ``write`` raised.
         """
         error: BaseException | None = None
         text = ""

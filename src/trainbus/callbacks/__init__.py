@@ -11,8 +11,6 @@ from ._checkpoint import Checkpointing as Checkpointing
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._ema import EMA as EMA
 from ._evaluate import EvaluateCheckpoints as EvaluateCheckpoints
-
-# kit monitors and stoppers
 from ._grad_norm import GradientNormMonitor as GradientNormMonitor
 from ._logging import JsonlEventLog as JsonlEventLog
 from ._logging import MetricsLogger as MetricsLogger

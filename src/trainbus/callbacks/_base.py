@@ -1,19 +1,10 @@
-"""Class-based callbacks: the habit users bring from Hugging Face, Lightning and Composer.
-
-A :class:`Callback` is sugar over the bus and the hooks, resolved once when it is added (never
-a string dispatch per event):
-
-- ``on_<event>(self, event)`` (``on_step_ended`` -> ``StepEnded``) becomes a subscriber to that
-  typed stream; an ``async def`` one becomes an async subscriber; ``on_event`` takes every event;
-- ``hook_<point>(self, ctx)`` (``hook_batch``, ``hook_after_forward``, ``hook_loss``,
-  ``hook_after_backward``, ``hook_before_optimizer_step``, ``hook_after_optimizer_step``,
-  ``hook_eval_batch``: see :mod:`trainbus._hookpoints`) becomes an inline hook on the training
-  thread;
-- ``setup(self, bus)`` may build any Rx pipeline on the bus (``.subscribe(bus.commands)``...).
-
-Callbacks passed to the Trainer are the "user" tier; built-ins the "core" tier; process-wide
-ones (``with MyCallback():`` or :func:`register_global_callback`) the "global" tier. Every event
-reaches core, then user, then global subscribers; hooks run in the same order.
+"""Class-based callbacks: sugar over the bus and the hooks, resolved once when added (never a
+string dispatch per event). ``on_<event>`` methods (``on_step_ended`` -> ``StepEnded``;
+``async def`` ones async; ``on_event`` every event) become subscribers, ``hook_<point>``
+methods inline hooks on the training thread (:mod:`trainbus._hookpoints`), and ``setup(bus)``
+may build any pipeline. Tiers: built-ins ("core"), the Trainer's ``callbacks`` ("user"),
+process-wide ones (``with MyCallback():``, :func:`register_global_callback`: "global"); every
+event reaches core, then user, then global subscribers, and hooks run in that order.
 """
 
 from __future__ import annotations
@@ -21,7 +12,7 @@ from __future__ import annotations
 import inspect
 import re
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import PurePath
 from types import TracebackType
@@ -102,18 +93,16 @@ def _plain_annotation(annotation: object) -> bool:
 
 
 def plain_settings(settings: object) -> dict[str, PlainValue]:
-    """The fields of a settings dataclass that are plain values, by name.
-
-    Numbers, strings and booleans are kept; paths and ``torch.device`` become strings; None is
-    kept where the field holds only such values (``max_steps=None``), not where it stands for
-    an absent object (``scheduler=None``); models, optimizers, data, callables and collections
-    are left out.
+    """The fields of a settings dataclass that are plain values, by name, in field order:
+    numbers, strings and booleans kept; paths and ``torch.device`` as strings; None only where
+    the field holds only such values (``max_steps=None``, not ``scheduler=None``); everything
+    else left out.
 
     Args:
         settings: A dataclass instance (the Trainer's ``settings``).
 
     Returns:
-        ``{field name: value}`` in field order.
+        ``{field name: value}``.
 
     Raises:
         TypeError: ``settings`` is not a dataclass instance.
@@ -137,21 +126,19 @@ def plain_settings(settings: object) -> dict[str, PlainValue]:
 class SubscribeOptions:
     """How a :class:`Callback`'s ``on_*`` methods subscribe: the options of
     :meth:`EventBus.subscribe_async <trainbus.bus.EventBus.subscribe_async>` (``on_error`` also
-    of ``subscribe``, for its plain ``def on_*`` methods), by the same names and with the same
-    defaults. ``subscribe_options = SubscribeOptions(overflow="block")`` on the class.
+    for plain ``def on_*`` methods), same names and defaults. Set on the class:
+    ``subscribe_options = SubscribeOptions(overflow="block")``.
 
     Args:
         on_error: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus' default).
         concurrency: Concurrent calls of each ``async def on_*`` method.
         buffer: Items each ``async def on_*`` method may have waiting (None: the bus'
             default, 64).
-        overflow: What a full buffer does (default ``"drop_oldest"``: a slow method never
-            holds training back; drops are lost work. ``"block"`` loses nothing but can slow
-            training: see docs/bus.md).
+        overflow: What a full buffer does (default ``"drop_oldest"``: never holds training
+            back; ``"block"`` loses nothing but can slow training: see docs/bus.md).
         decides: True when an ``async def on_*`` method sends commands that must land on the
-            step they were decided for: every barrier that delivers it an event then waits for
-            it (docs/bus.md, "Barriers"). False (default): its async methods never hold
-            training.
+            step they were decided for: barriers delivering it an event wait for it
+            (docs/bus.md, "Barriers").
 
     Raises:
         ConfigError: naming the field (``SubscribeOptions.overflow``...), the value and what
@@ -204,14 +191,12 @@ class Callback:
             Only callbacks that override :meth:`state_dict` keep state; two of them with one
             key in a Trainer are a ``ConfigError``, so give each instance of a class its own.
         ranks: Where its ``on_*`` methods and ``setup`` pipelines run under torchrun: None
-            (rank 0), ``"all"`` (e.g. per-rank memory monitors), a rank or ranks. A class
-            attribute, or set per instance (``cb.ranks = "all"``). ``hook_*`` methods run on
-            every rank (they are part of the step).
+            (rank 0), ``"all"``, a rank or ranks; a class attribute or set per instance.
+            ``hook_*`` methods run on every rank (they are part of the step).
 
     A callback that keeps state across a resume overrides :meth:`state_dict` and
-    :meth:`load_state_dict`: the trainer saves the state with every checkpoint (read on the
-    event-loop thread, after the events before the save were delivered) and restores it before
-    ``FitStarted`` of a resumed run.
+    :meth:`load_state_dict`: the state is saved with every checkpoint (after the events before
+    the save were delivered) and restored before ``FitStarted`` of a resumed run.
     """
 
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions()
@@ -252,9 +237,8 @@ class Callback:
         return None
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse a run this callback cannot work in, before it starts: ``Trainer.fit()`` calls
-        it for every added callback before ``FitStarted`` (on every rank), so a monitored
-        metric no evaluation produces fails up front, not as a subscriber failure mid-run.
+        """Refuse a run this callback cannot work in: ``Trainer.fit()`` calls it on every rank
+        before ``FitStarted``, so a monitored metric no evaluation produces fails up front.
         Default: nothing to check.
 
         Raises:
@@ -263,21 +247,18 @@ class Callback:
         return None
 
     def weights_at_end(self) -> str | None:
-        """The checkpoint whose model weights the model should hold when ``fit()`` returns
-        (:class:`~trainbus.callbacks.Checkpointing` with ``load_best_at_end=True`` names its
-        best file), or None to keep the last weights. ``Trainer.fit()`` asks every added
-        callback once a run that ended without an exception (completed or stopped) has
-        delivered every event, before :meth:`after_fit`, and loads the first path given into
-        the model on every rank (``Trainer.load_weights``). Default: None.
+        """The checkpoint whose weights the model should hold when ``fit()`` returns, or None
+        to keep the last weights. Asked after a run that ended without an exception delivered
+        every event, before :meth:`after_fit`; the first path given is loaded on every rank
+        (``Trainer.load_weights``). Default: None.
         """
         return None
 
     def after_fit(self, result: FitResult) -> None:
-        """Called by ``Trainer.fit()`` on the caller's side once a run that ended without an
-        exception (completed or stopped) has delivered every event, before ``fit()`` returns;
-        on every rank. It may raise to end the call with an exception of the caller's world
-        (:class:`~trainbus.integrations.optuna.OptunaPruning` raises ``optuna.TrialPruned``
-        after a pruned run); ``trainer.result`` then holds ``result``. Default: nothing.
+        """Called by ``Trainer.fit()`` on every rank once a run that ended without an exception
+        delivered every event, before ``fit()`` returns. It may raise to end the call (as
+        ``OptunaPruning`` raises ``optuna.TrialPruned``); ``trainer.result`` then holds
+        ``result``. Default: nothing.
 
         Args:
             result: The run's result.
@@ -305,9 +286,8 @@ class Callback:
             handle.remove()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse the class attributes that ``subscribe_options`` replaced: silently ignored,
-        a former decider would no longer hold its barrier and a former ``"block"`` subscriber
-        would drop.
+        """Refuse the class attributes that ``subscribe_options`` replaced (ignored, they would
+        silently change how the callback subscribes).
 
         Raises:
             ConfigError: naming the attribute and the ``SubscribeOptions`` field it became.
@@ -342,16 +322,10 @@ class Callback:
                 hooks[name] = HOOK_METHODS[name]
         return subs, hooks
 
-    @staticmethod
-    def is_async(method: Callable[..., Any]) -> bool:
-        """True for ``async def`` methods."""
-        return inspect.iscoroutinefunction(method)
-
     def subscribe_to(self, bus: EventBus) -> None:
         """Subscribe this callback's ``on_*`` methods to ``bus`` (with its
-        ``subscribe_options``) and call :meth:`setup`, all on its
-        ``ranks``. Its ``hook_*`` methods are not added here (a Trainer adds them). What
-        ``Trainer.add_callback`` and the launcher's driver both do.
+        ``subscribe_options``) and call :meth:`setup`, all on its ``ranks``; its ``hook_*``
+        methods are the Trainer's to add.
 
         Raises:
             ConfigError: a misspelt ``on_*`` / ``hook_*`` method, or bad ``ranks``.
@@ -365,7 +339,7 @@ class Callback:
             for name, event_type in sorted(subs_map.items()):
                 method = getattr(self, name)
                 label = f"{type(self).__name__}.{name}"
-                if Callback.is_async(method):
+                if inspect.iscoroutinefunction(method):
                     bus.subscribe_async(bus.stream(event_type), method,
                                         concurrency=options.concurrency, buffer=options.buffer,
                                         overflow=options.overflow, on_error=options.on_error,
@@ -377,8 +351,8 @@ class Callback:
 
 
 def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
-    """The user's own event class (a subclass of ``trainbus.events.BaseEvent``, defined by
-    the time the callback is added) that ``on_<its name in snake_case>`` names.
+    """The user's own event class (a ``BaseEvent`` subclass defined by the time the callback
+    is added) that ``on_<its name in snake_case>`` names.
 
     Raises:
         ConfigError: no event class has that name, or several do (in different modules).

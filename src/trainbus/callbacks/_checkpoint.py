@@ -30,7 +30,7 @@ from .._log import get_logger
 from .._validate import check_int, check_metric, check_mode
 from ..operators import Tracker
 from ._base import Callback
-from ._sets import check_monitored, reads_metric
+from ._monitored import check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -52,17 +52,8 @@ def _improvements(
         val_loss:             -3-4-2-2-1-|
         _improvements(min):   -3---2---1-|
 
-    NaN never improves. Evaluations that failed (``error`` set) are skipped.
-
-    Args:
-        metric: Key in the events' ``metrics``.
-        tracker: Holds the best value (its owner saves and restores it across a resume).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
-        min_delta: Smallest change that counts as an improvement (>= 0).
-
-    Raises:
-        ConfigError: for an argument out of range (eagerly); the stream errors with a
-            ``ConfigError`` naming the metric when an event lacks it.
+    NaN never improves; failed evaluations are skipped. Raises ``ConfigError`` for an argument
+    out of range; the stream errors with one naming the metric when an event lacks it.
     """
     metric = check_metric("metric", metric)
     mode = check_mode(mode)
@@ -89,18 +80,10 @@ def _improvements(
 
 
 def copy_as_best(source: Path, step: int) -> Path:
-    """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it,
-    atomically: a hidden temporary file (``.<name>.<hex>.copy-tmp``, not the store's own
-    ``.trainbus-tmp`` pattern, whose cleanup at each save would race with this copy), fsynced,
-    then renamed over the final name, and the folder fsynced. A process killed mid-copy
-    leaves only that hidden file.
-
-    A sharded run's checkpoint folder is copied whole to ``step-<step>-best`` the same way (a
-    hidden temporary folder, every file and folder of it fsynced, renamed into place; an older
-    ``-best`` folder of that step is replaced only then).
-
-    Returns:
-        The path of the copy (``source`` itself when it already is that file).
+    """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it (a
+    sharded run's folder to ``step-<step>-best``), atomically: a fsynced hidden copy renamed
+    into place. Its name is not the store's ``.trainbus-tmp`` pattern, whose cleanup at each
+    save would race with this copy. Returns the copy's path (``source`` when it is that file).
     """
     folder = source.is_dir()
     target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
@@ -123,9 +106,8 @@ def copy_as_best(source: Path, step: int) -> Path:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint: a file, or a sharded run's folder (renamed to a hidden name first,
-    so a removal cut short never leaves a half folder under a checkpoint's name). One already
-    gone (deleted by hand) is no error."""
+    """Delete a checkpoint file or folder (a folder renamed to a hidden name first, so a
+    removal cut short never leaves half a checkpoint); one already gone is no error."""
     if not path.is_dir():
         path.unlink(missing_ok=True)
         return
@@ -139,20 +121,11 @@ def _remove(path: Path) -> None:
 
 class _Retention:
     """Which checkpoint files of this run to delete after each ``CheckpointSaved``, and which
-    is the best: pure bookkeeping, carried across a resume in ``Checkpointing``'s state.
+    is the best: pure bookkeeping, carried across a resume in ``Checkpointing``'s state (the
+    rules are in ``Checkpointing``'s docstring).
 
-    Untagged saves (the cadence's) keep the ``keep_last`` newest; ``"best"`` saves keep the
-    ``keep_best`` best by ``monitor``. Other tags (``"final"``, user tags) are never deleted.
-    The file just saved is never deleted: it is the newest complete checkpoint, and an older
-    one is deleted only after its successor's ``CheckpointSaved`` (so the file exists and is
-    complete).
-
-    "This run" is the lineage of the checkpoint a resumed run starts from: the state saved in
-    each checkpoint names the files the run had written before it (by name, in the run's
-    ``checkpoint_dir``) and the file being written (the one holding that state). A resumed run
-    adopts them (:meth:`adopt`) when the checkpoint it resumed from lies in its own
-    ``checkpoint_dir``; a ``"final"`` checkpoint it resumed from no longer ends the run and
-    counts as an untagged one. Files of any other run are never named, so never deleted.
+    "This run" is a lineage: each checkpoint's state names the files written before it and the
+    file holding that state; a resumed run adopts them (:meth:`adopt`).
     """
 
     def __init__(
@@ -169,21 +142,18 @@ class _Retention:
 
     @property
     def tracking(self) -> bool:
-        """Whether any file is tracked (``keep_last``, or ``monitor`` for the best)."""
         return self.keep_last is not None or self.monitor is not None
 
     @property
     def best_path(self) -> str | None:
-        """The best ``"best"`` checkpoint of this run (the newest among equals), or None."""
         return self._best[0][2] if self._best else None
 
     def evaluated(self, event: ev.EvaluationEnded) -> None:
-        """Note the monitored value an evaluation gave (what the next save's metrics hold)."""
+        # the monitored value the next save's state holds
         if self.monitor is not None and event.error is None and self.monitor in event.metrics:
             self._value = float(event.metrics[self.monitor])
 
     def saving(self, event: ev.CheckpointSaving) -> None:
-        """A save begins: the state collected for it names the file it writes."""
         self._saving = (event.step, event.tag, self._value)
 
     def saved(self, event: ev.CheckpointSaved) -> list[str]:
@@ -215,7 +185,6 @@ class _Retention:
         return []
 
     def state_dict(self) -> dict[str, Any]:
-        """The lineage: names of the files kept so far and of the file being written."""
         return {
             "last": [Path(p).name for p in self._last],
             "best": [[score, step, Path(p).name] for score, step, p in self._best],
@@ -246,16 +215,10 @@ class _Retention:
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
-        """The run resumed from ``resumed``: take over the lineage its state named.
-
-        Only when ``resumed`` lies in ``directory`` (the run's ``checkpoint_dir``): the names
-        then are this run's files in this folder. A checkpoint from elsewhere (a path in
-        another run's folder, a copy) leaves the lineage behind: those files are not this
-        folder's to delete. Files already gone (deleted by hand) are dropped silently.
-
-        The state was collected while ``resumed`` was written, before its ``CheckpointSaved``
-        pruned what it made surplus: that pruning is done again here, so the books are those
-        the uninterrupted run kept after that save.
+        """The run resumed from ``resumed``: take over the lineage its state named, only when
+        ``resumed`` lies in ``directory`` (a checkpoint from elsewhere is not this folder's to
+        delete). Files already gone are dropped. The state was collected before the resumed
+        file's ``CheckpointSaved`` pruned, so that pruning is redone here.
 
         Returns:
             The paths now surplus (oldest or worst first); empty when nothing was adopted.
@@ -281,8 +244,7 @@ class _Retention:
         surplus: list[str] = []
         if saving is not None and parsed == (int(saving[0]), saving[1]):
             step, tag, value = parsed[0], parsed[1], saving[2]
-            # A "final" checkpoint the run resumed from no longer ends the run: it counts as
-            # an untagged one.
+            # A "final" checkpoint resumed from no longer ends the run: it counts as untagged.
             surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
             if tag is None:
                 surplus += self._adopt_best_sibling(directory, step, value)
@@ -291,10 +253,10 @@ class _Retention:
         return surplus
 
     def _adopt_best_sibling(self, directory: Path, step: int, value: float | None) -> list[str]:
-        """A cadence save and a ``"best"`` save of one step are written in the same poll, the
-        cadence's first, so its lineage cannot name the other. Resumed from the cadence's file,
-        the ``"best"`` file of its step in the same folder is this run's too, and its score is
-        the value the resumed state holds: the step's evaluation comes before its saves."""
+        """A cadence save and a ``"best"`` save of one step are written in one poll, the
+        cadence's first, so its lineage cannot name the other: resumed from the cadence's
+        file, the step's ``"best"`` file beside it is this run's too, scored by the resumed
+        state's value."""
         if self.monitor is None or value is None:
             return []
         named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))  # file, folder
@@ -305,10 +267,8 @@ class _Retention:
 
     @staticmethod
     def _report_newer(directory: Path, step: int) -> None:
-        """Name the files of later steps the resumed run leaves alone: written after the
-        checkpoint it resumed from (by this run before it was stopped, or by another), they
-        are named in no lineage, so nothing proves them this run's. A resumed run on the same
-        cadence writes the same names again and then counts them as its own."""
+        """Log the files of later steps the resumed run leaves alone: named in no lineage,
+        nothing proves them this run's."""
         newer = sorted(
             p.name for p in directory.iterdir()
             if (parsed := _parse_checkpoint_entry(p.name)) is not None and parsed[0] > step
@@ -338,59 +298,44 @@ def _same_folder(a: Path, b: Path) -> bool:
 
 
 class Checkpointing(Callback):
-    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves.
+    """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves, and deletes
+    the files of this run that ``keep_last`` / ``keep_best`` make surplus.
 
     Pipelines::
 
         StepEnded       -> every(every_steps)                      -> SaveCheckpoint()
         EpochEnded      -> filter((epoch + 1) % every_epochs == 0) -> SaveCheckpoint()
         EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
-        ... .subscribe(bus.commands)
         ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
 
-    An evaluation job (:class:`EvaluateCheckpoints`) scores a checkpoint written earlier, so a
-    ``SaveCheckpoint`` would save the *current* weights under the job's score. Instead, when a
-    job's ``monitor`` value beats the best so far, the evaluated file itself is copied to
-    ``step-<its step>-best.pt`` beside it (in a worker thread, atomically); the in-loop and the
-    external evaluations share one "best so far". Copies are not pruned by ``keep_best``.
+    An evaluation job's (:class:`EvaluateCheckpoints`) improvement copies the evaluated file to
+    ``step-<its step>-best.pt`` beside it (a ``SaveCheckpoint`` would save the current weights
+    under the job's score); copies are not pruned. Cadences count step and epoch numbers, so a
+    resumed run saves at the same multiples, each at exactly the step decided; failed epochs and
+    evaluations never trigger a save.
 
-    Cadences count step and epoch *numbers*, not events seen, so a resumed run keeps saving at
-    the same multiples. Every save happens at exactly the step it was decided at: the step
-    cadence declares its steps to the bus' step clock (``tbops.every``), so the loop applies the
-    save before the next step, and ``EpochEnded`` and ``EvaluationEnded`` are barriers by
-    default. Failed epochs and evaluations never trigger a save.
+    Retention deletes only this run's files (across resumes from its own ``checkpoint_dir``),
+    never ``"final"`` or other tagged files nor the checkpoint just saved; a ``"final"``
+    checkpoint resumed from counts as untagged. Files of later steps than the one resumed from
+    are left alone (logged as ``checkpoint_newer_left``).
 
     Args:
         every_steps: Save every N optimizer steps (None: never on steps).
         every_epochs: Save every N epochs (None: never on epochs). **The default, 1, also
-            applies beside** ``every_steps``: ``Checkpointing(every_steps=40)`` saves every 40
-            steps *and* at every epoch's end; pass ``every_epochs=None`` for steps only.
+            applies beside** ``every_steps``: pass ``every_epochs=None`` for steps only.
         monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
             improves; None to disable.
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
         min_delta: Smallest change of ``monitor`` that counts as an improvement.
-        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run, deleting
-            an older one once a newer one is saved; None keeps all.
+        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run; None
+            keeps all.
         keep_best: Keep only the N best ``tag="best"`` checkpoints of this run by ``monitor``;
             None keeps all. Needs ``monitor``.
-        load_best_at_end: When ``fit()`` ends (completed, or stopped by a command such as
-            ``EarlyStopping``'s), load the model weights of the best ``"best"`` checkpoint
-            (:attr:`best_path`, also one written before a resume) into the model, on every
-            rank, once every event was delivered: the Trainer asks :meth:`weights_at_end`.
-            Needs ``monitor``; not with a sharded (FSDP2) model.
-        state_key: Name of its state (the best ``monitor`` value so far, the files this run
-            keeps) in checkpoints; None: ``"Checkpointing"``. A resumed run tags ``"best"``
-            only what beats it.
-
-    Retention deletes only files of this run, never ``"final"`` or other tagged files, and
-    never the checkpoint just saved: a file is deleted after its successor's
-    ``CheckpointSaved``, so a complete checkpoint always exists. "This run" spans resumes:
-    each checkpoint's state names the files the run kept so far (by name) and the file itself,
-    and a run resumed from a checkpoint in its own ``checkpoint_dir`` takes them over, so a
-    preempted and resumed run keeps ``keep_last`` / ``keep_best`` files in all. A ``"final"``
-    checkpoint it resumed from no longer ends the run: it counts as an untagged one. Files
-    of other runs, and files of later steps than the checkpoint resumed from (named in no
-    lineage; logged as ``checkpoint_newer_left``), are left alone.
+        load_best_at_end: When ``fit()`` ends without an exception, load the weights of
+            :attr:`best_path` into the model on every rank. Needs ``monitor``; not with a
+            sharded (FSDP2) model.
+        state_key: Name of its state (the best value, the files kept) in checkpoints; None:
+            ``"Checkpointing"``.
 
     Raises:
         ConfigError: for an argument out of range, or when nothing would ever be saved;
@@ -441,8 +386,8 @@ class Checkpointing(Callback):
     @property
     def best_path(self) -> str | None:
         """The best ``"best"`` checkpoint of this run by ``monitor`` (the newest among equals;
-        one written before a resume too), or None before any. ``"best"`` copies made for
-        evaluation jobs are not counted."""
+        one written before a resume too), or None; copies made for evaluation jobs not
+        counted."""
         return self._retention.best_path
 
     def weights_at_end(self) -> str | None:
@@ -451,8 +396,7 @@ class Checkpointing(Callback):
         return self.best_path if self.load_best_at_end else None
 
     def after_fit(self, result: FitResult) -> None:
-        """With ``load_best_at_end``, say so when no ``"best"`` checkpoint was written (the
-        model keeps its last weights); the load itself is the Trainer's."""
+        """With ``load_best_at_end``, log when no ``"best"`` checkpoint was written."""
         if self.load_best_at_end and self.best_path is None:
             log.info("best_checkpoint_none", monitor=self.monitor, steps=result.steps,
                      action="no evaluation improved on the best so far; the model keeps its "
@@ -467,8 +411,7 @@ class Checkpointing(Callback):
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before the resumed run's first evaluation); the files
-        are taken over once the run learns where its checkpoint lies (``CheckpointLoaded``).
+        """Restore :meth:`state_dict`; the files are taken over at ``CheckpointLoaded``.
 
         Raises:
             ConfigError: ``state`` has no ``"best"`` number, or malformed ``"files"``.
@@ -485,13 +428,12 @@ class Checkpointing(Callback):
             self._retention.load_state_dict(files)
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a run where it could never save what it promises.
+        """Refuse a run where it could never save what it promises.
 
         Raises:
-            ConfigError: the Trainer has no ``checkpoint_dir`` (every save would be refused);
-                or ``monitor`` is not among the metrics of ``eval_data``, or there is no
-                ``eval_data`` and no evaluation job (``EvaluateCheckpoints``) either: no
-                ``"best"`` checkpoint would ever be written.
+            ConfigError: the Trainer has no ``checkpoint_dir``; ``monitor`` is not a metric of
+                ``eval_data``, or there is neither ``eval_data`` nor an evaluation job;
+                ``load_best_at_end`` with a sharded model.
         """
         if plan.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder when Checkpointing is "

@@ -11,8 +11,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
-from ._sets import check_monitored, reads_metric
-from ._tracked import TrackedCallback
+from ._monitored import TrackedCallback, check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -30,31 +29,23 @@ class EarlyStopping(TrackedCallback):
         EvaluationEnded | ExternalEvaluationEnded (those carrying ``monitor``)
             -> filter(no error) -> tbops.patience(monitor, ...) -> bus.commands
 
-    ``EvaluationEnded`` is a barrier by default, so the stop is applied right after the
-    evaluation that decided it: the run ends at that exact step, with
+    The run ends at the step of the evaluation that decided it, with
     ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
     NaN never counts as an improvement. A ``monitor`` the run's evaluation does not produce is
-    a ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an
-    evaluation lacking it fails this subscription (logged, with the metrics it had).
+    a ``ConfigError`` before the run starts (:meth:`check`).
 
-    Results of evaluation jobs on checkpoints (``ExternalEvaluationEnded``, from
-    :class:`~trainbus.callbacks.EvaluateCheckpoints`) count as evaluations too when they carry
-    ``monitor`` (a job may report other metrics than the loop's evaluation); they are not
-    barriers, so a stop they decide is applied at the loop's next poll point. The loop's own
-    ``EvaluationEnded`` must still carry ``monitor`` (a typo is refused up front): watch a
-    job-only metric with no ``eval_data``, or make the loop's metrics include it.
+    Results of evaluation jobs (``ExternalEvaluationEnded``, from
+    :class:`~trainbus.callbacks.EvaluateCheckpoints`) carrying ``monitor`` count too; a stop
+    they decide is applied at the loop's next poll point (they are not barriers).
 
     Args:
         monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
         patience: Evaluations without improvement before stopping (>= 1).
         mode: ``"min"`` if lower is better, ``"max"`` otherwise.
         min_delta: Smallest change that counts as an improvement (>= 0).
-        state_key: Name of its state (best value, evaluations without improvement, the stop
-            it decided) in checkpoints; None: ``"EarlyStopping"``. A resumed run keeps
-            counting its patience; resumed from a checkpoint written after it decided to stop
-            (at the stopping step), it stops again at its start with the same reason, as the
-            run that wrote the checkpoint did, unless ``patience`` is now larger than the
-            evaluations the checkpoint counted without improvement.
+        state_key: Name of its state in checkpoints (None: ``"EarlyStopping"``). A resumed run
+            keeps counting its patience, and one resumed at the step it decided to stop stops
+            again (unless ``patience`` is now larger).
 
     Raises:
         ConfigError: for an argument out of range, naming it.
@@ -81,11 +72,10 @@ class EarlyStopping(TrackedCallback):
         """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``monitor`` its evaluation does not produce.
+        """Refuse a ``monitor`` no evaluation of the run produces.
 
         Raises:
-            ConfigError: with ``eval_data``, ``monitor`` is not among its metrics; without it,
-                no added callback runs evaluation jobs (``EvaluateCheckpoints``) either.
+            ConfigError: naming ``monitor`` and the metrics the run has.
         """
         check_monitored(plan, "EarlyStopping.monitor", self.monitor, external=True)
 
@@ -117,10 +107,8 @@ class EarlyStopping(TrackedCallback):
                 "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`. A state saved after the stop was decided sends that
-        stop again (applied at the resumed run's first poll point, before its first step), so
-        the resumed run ends where the run that wrote it did; not when ``patience`` now allows
-        more evaluations than the state counted without improvement.
+        """Restore :meth:`state_dict`; a state saved after the stop was decided sends it again
+        (before the resumed run's first step), unless ``patience`` now allows more.
 
         Raises:
             ConfigError: ``state`` is not a tracker state.

@@ -2,16 +2,7 @@
 
 After timm's ``ModelEmaV3`` (decay, warmup, buffers, device) and Lightning's
 ``EMAWeightAveraging`` (update every n steps, from a step on, swap the average in around every
-evaluation). Everything happens in inline hooks on the training thread, at exact points:
-
-- ``after_optimizer_step``: fold the weights into the average (every ``every`` steps);
-- ``before_evaluation`` / ``after_evaluation``: swap the average into the model for the whole
-  evaluation round, and the training weights back afterwards (also when the round raised or
-  was cancelled), so every evaluation (``EvalSchedule.every_steps``, the epoch's end, ``Evaluate``,
-  ``trainer.evaluate()``) scores the averaged model and training goes on with its own weights.
-
-The average is the callback's checkpoint state (``state_dict``), so it is saved with every
-checkpoint and a resumed run continues it bit for bit.
+evaluation), in inline hooks on the training thread.
 """
 
 from __future__ import annotations
@@ -25,7 +16,6 @@ import torch
 from .._exceptions import CheckpointError, ConfigError, TrainingError
 from .._validate import check_int
 from ._base import Callback
-from ._weights import ModelTensors, exchange, unwrapped
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -44,28 +34,20 @@ class EMA(Callback):
 
         average = torch.lerp(average, weight, 1 - decay)    # average + (1-decay)(weight-average)
 
-    The first update copies the weights (``decay`` is 0 for it). Floating-point buffers
-    (BatchNorm's running statistics) are averaged too with ``buffers="average"`` (timm's
-    default), or copied from the model with ``buffers="copy"``; other buffers
-    (``num_batches_tracked``) are always copied.
+    The first update copies the weights. Floating-point buffers (BatchNorm statistics) are
+    averaged (``buffers="average"``, timm's default) or copied (``"copy"``); other buffers are
+    always copied.
 
-    Around every evaluation round (hooks ``before_evaluation`` / ``after_evaluation``) the
-    average is swapped into the model and the training weights swapped back afterwards, also
-    when the evaluation raised or was cancelled: ``EvaluationEnded.metrics``,
-    ``FitResult.eval_metrics``, the best checkpoint of ``Checkpointing(monitor=...)`` and
-    ``trainer.evaluate()`` are the averaged model's. Before the first update there is no
-    average and evaluations score the model as it is. ``trainer.predict()`` is not an
-    evaluation: it uses the model's own weights (call :meth:`copy_to` first to predict with the
-    average).
+    Around every evaluation round the average is swapped into the model and the training weights
+    back afterwards (also when the round raised or was cancelled): evaluation metrics, the best
+    checkpoint and ``trainer.evaluate()`` are the averaged model's. ``trainer.predict()`` uses
+    the model's own weights (call :meth:`copy_to` first to predict with the average).
 
-    Checkpoints hold the average as this callback's state:
-    ``read_checkpoint(path).callbacks["EMA"]["weights"]`` is a state dict for
-    ``model.load_state_dict`` (what to deploy); the checkpoint's ``model`` entry stays the
-    training weights, so a resume continues exactly (the average included, bit for bit).
-
-    Under torchrun every rank keeps its own copy (the ranks' weights are equal after each step,
-    so are their averages) and rank 0 saves it. A model wrapped in ``DistributedDataParallel``
-    or ``torch.compile`` is averaged by its original module's names.
+    Checkpoints hold the average as this callback's state
+    (``read_checkpoint(path).callbacks["EMA"]["weights"]``, a state dict to deploy); their
+    ``model`` entry stays the training weights, so a resume continues bit for bit. Under torchrun
+    every rank keeps its own (equal) average and rank 0 saves it; a wrapped model
+    (``DistributedDataParallel``, ``torch.compile``) is averaged by its original module's names.
 
     Args:
         decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
@@ -76,7 +58,7 @@ class EMA(Callback):
             warmup_gamma) ** -warmup_power)``, so early updates follow the weights closely.
         warmup_power: The warmup's power (timm's default 2/3; 3/4 for short runs).
         warmup_gamma: The warmup's time scale in updates (timm's default 1).
-        buffers: ``"average"`` or ``"copy"`` floating-point buffers (see above).
+        buffers: ``"average"`` or ``"copy"`` floating-point buffers.
         device: Where the average lives: None, the model's device; ``"cpu"`` keeps it off an
             accelerator (each update then copies the weights to the host).
         evaluate: Swap the average in around evaluations (False: only average and save it).
@@ -188,9 +170,7 @@ class EMA(Callback):
         return {key: average[name] for key, name in self._aliases.items()}
 
     def copy_to(self, model: torch.nn.Module) -> None:
-        """Load the average into ``model`` (unwrapped): deploy or predict with it. The
-        training weights are overwritten; a run that goes on afterwards trains from the
-        average.
+        """Load the average into ``model`` (unwrapped), overwriting the training weights.
 
         Raises:
             TrainingError: no average yet (see :meth:`averaged_state_dict`).
@@ -210,8 +190,8 @@ class EMA(Callback):
         return {"updates": self._updates, "weights": self.averaged_state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (a resumed run): the average is moved to its device and
-        checked against the model at its first use.
+        """Restore :meth:`state_dict`; the average is moved and checked against the model at
+        its first use.
 
         Raises:
             CheckpointError: the state is not an EMA state.
@@ -358,3 +338,86 @@ class EMA(Callback):
                     "the average began)"
                 )
             yield name, t, avg
+
+
+# ---------------------------------------------------------------------- the model's tensors
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weights a checkpoint holds: ``DistributedDataParallel`` /
+    ``DataParallel``'s ``.module`` and ``torch.compile``'s original module, unwrapped."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
+            model = model.module
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+class ModelTensors:
+    """The model's tensors a state dict holds, each once (tied weights share one entry).
+
+    Attributes:
+        unique: ``{name: tensor}`` of the distinct tensors, first name of each.
+        aliases: ``{state dict key: name in unique}`` for every key, in the state dict's order.
+        params: The names in ``unique`` that are parameters (the rest are buffers).
+
+    Args:
+        model: The model, wrapped or not (:func:`unwrapped` gives the names).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        seen: dict[int, str] = {}
+        self.unique: dict[str, torch.Tensor] = {}
+        self.aliases: dict[str, str] = {}
+        params: list[str] = []
+        # keep_vars: the live parameters (as Parameters) and buffers, not detached copies. One
+        # walk of the modules, at every update and swap: a model moved with .to() (its buffers
+        # replaced) or a buffer reassigned is followed, never a stale tensor averaged.
+        for key, value in unwrapped(model).state_dict(keep_vars=True).items():
+            if not isinstance(value, torch.Tensor):
+                continue  # a module's extra state: not a weight
+            name = seen.setdefault(id(value), key)
+            self.aliases[key] = name
+            if name == key:
+                self.unique[key] = value
+                if isinstance(value, torch.nn.Parameter):
+                    params.append(key)
+        self.params = frozenset(params)
+
+    def mismatch(self, other: Mapping[str, torch.Tensor]) -> str | None:
+        """What differs between these tensors and ``other`` (names, shapes, dtypes), or None."""
+        missing = sorted(set(self.unique) - set(other))
+        extra = sorted(set(other) - set(self.unique))
+        problems = []
+        if missing:
+            problems.append(f"{missing[:5]} are in the model but not in the average")
+        if extra:
+            problems.append(f"{extra[:5]} are in the average but not in the model")
+        for name in sorted(set(self.unique) & set(other)):
+            a, b = self.unique[name], other[name]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                problems.append(f"{name!r} is {tuple(a.shape)} {a.dtype} in the model but "
+                                f"{tuple(b.shape)} {b.dtype} in the average")  # fmt: skip
+        return "; ".join(problems[:6]) or None
+
+
+@torch.no_grad()
+def exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Exchange the contents of each pair, bit for bit (either may be on another device).
+
+    All or nothing: when one exchange fails (out of memory), the ones done are undone first.
+    """
+    done = 0
+    try:
+        for a, b in pairs:
+            held = a.clone()  # one tensor's worth of extra memory at a time
+            a.copy_(b)
+            b.copy_(held)
+            done += 1
+    except BaseException:
+        for a, b in pairs[:done]:
+            held = a.clone()
+            a.copy_(b)
+            b.copy_(held)
+        raise

@@ -1,7 +1,5 @@
-"""Run length and step rate, shared by :class:`Progress` and :class:`RuntimeEstimator`.
-
-Both objects are fed events on the event-loop thread and use the events' own ``time`` stamps, so
-what they compute does not depend on when the bus delivered the events.
+"""Run length and step rate, shared by :class:`Progress` and :class:`RuntimeEstimator`, computed
+from the events' own ``time`` stamps (not from when they were delivered).
 """
 
 from __future__ import annotations
@@ -14,11 +12,8 @@ __all__ = ["RunLength", "StepRate"]
 
 
 class RunLength:
-    """The total optimizer steps of a run, as soon as it is known.
-
-    From ``FitStarted``: ``max_steps``, or ``max_epochs x steps_per_epoch`` (the smaller when
-    both are set). Without ``steps_per_epoch`` (data without a length), from the step count of
-    the first complete epoch (not the partial first epoch of a resumed run).
+    """The total optimizer steps of a run, as soon as it is known: ``max_steps`` or
+    ``max_epochs x steps_per_epoch`` (the smaller), else from the first complete epoch.
     """
 
     def __init__(self) -> None:
@@ -58,9 +53,8 @@ class RunLength:
 
 
 class StepRate:
-    """Optimizer steps per second over the last ``window`` ``StepEnded`` events.
-
-    The first step is measured by its own ``duration_s`` (no earlier point to compare with).
+    """Optimizer steps per second over the last ``window`` ``StepEnded`` events (the first
+    step by its own ``duration_s``).
     """
 
     def __init__(self, window: int = 50) -> None:

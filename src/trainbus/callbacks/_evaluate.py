@@ -72,28 +72,18 @@ def _parse_stdout(stdout: bytes, checkpoint: str) -> dict[str, float]:
 
 
 class EvaluateCheckpoints(Callback):
-    """Runs an evaluation job for every saved checkpoint, off the training loop.
+    """Runs an evaluation job for every saved checkpoint, off the training loop, and publishes
+    its result as ``ExternalEvaluationEnded(checkpoint, metrics, error)``.
 
-    Pipeline::
+    ``run`` is a command line (a list of arguments in which ``{checkpoint}``, ``{step}`` and
+    ``{epoch}`` are replaced; run without a shell; its stdout must be a JSON object of metrics, or
+    end with one on its last line) or an ``async def fn(event) -> Mapping[str, float]``.
 
-        CheckpointSaved -> async subscriber (concurrency, bounded buffer, overflow="block")
-                        -> job(event) under move_on_after(timeout)
-                        -> bus.publish(ExternalEvaluationEnded(checkpoint, metrics, error))
-
-    ``run`` is either a command line, a list of arguments in which ``{checkpoint}`` is replaced
-    by ``CheckpointSaved.path`` and ``{step}`` / ``{epoch}`` by the checkpoint's step and epoch
-    (run with :func:`anyio.run_process`, no shell; its stdout must be a JSON object of metrics,
-    or end with one on its last line), or an ``async def fn(event) -> Mapping[str, float]``.
-
-    Training never waits for a job: jobs run in the bus' task group while the loop goes on.
-    ``fit()`` returns only after every started job has ended, or was cancelled at the bus'
-    ``close_timeout`` (reported by the bus as cancelled). A job that fails (non-zero exit: its
-    stderr tail is in the message; no JSON; an exception; the timeout) gives an event whose
-    ``error`` is an :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. The result of
-    a job that ends after the run's last event (``FitEnded``) can no longer be delivered on the bus:
-    it is logged and kept in :attr:`results` like every other.
-
-    ``EarlyStopping(monitor=...)`` acts on these events when they carry its metric.
+    Training never waits for a job; ``fit()`` returns once every started job ended or was
+    cancelled at the bus' ``close_timeout``. A failed job (non-zero exit, with its stderr tail;
+    no JSON; an exception; the timeout) gives an event whose ``error`` is an
+    :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. A result that comes after
+    ``FitEnded`` is logged and kept in :attr:`results` only.
 
     Args:
         run: The command (a non-empty list of strings) or an async function.

@@ -20,12 +20,9 @@ __all__ = ["GradientNormMonitor"]
 
 
 def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor | None:
-    """The total ``norm_type`` norm of the gradients of ``parameters`` (as clipping computes it),
-    as a detached 0-dim tensor on their device; None when no parameter has a gradient.
-
-    Nothing is read back to the host: the result is only a handle on the device value. For
-    sharded (FSDP2, DTensor) gradients the norm is a collective over the shards, so every rank
-    must call this at the same step; the result is a plain tensor, the same on every rank.
+    """The total ``norm_type`` norm of the gradients of ``parameters`` (as clipping computes
+    it), a detached 0-dim tensor on their device (no host read); None without gradients. For
+    sharded (DTensor) gradients it is a collective: every rank must call it at the same step.
     """
     grads = [p.grad.detach() for p in parameters if p.grad is not None]  # type: ignore[attr-defined]
     if not grads:
@@ -41,21 +38,11 @@ def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor 
 class GradientNormMonitor(Callback):
     """Publishes ``GradientNormMeasured`` with the total gradient norm every ``every`` steps.
 
-    The gradients exist only inside the step, so the measurement is an inline hook
-    (``hook_before_optimizer_step``: gradients final and unscaled, before clipping); it runs
-    only on the sampled steps (those whose update will end at a multiple of ``every``) and
-    only while some subscriber wants ``GradientNormMeasured``. The norm stays a detached tensor
-    on the device (no ``.item()``: no device sync on the training thread); subscribers read it
-    with ``float(e.grad_norm)``. ``MetricsLogger``, ``JsonlEventLog`` or any ``bus.stream``
-    subscriber picks the events up.
-
-    With ``clip_grad_norm`` set, ``StepEnded.grad_norm`` already carries the same norm on every
-    step; this monitor is for runs without clipping.
-
-    A sharded (FSDP2) model's norm is a collective over its shards: on the sampled steps the
-    hook measures on every rank whether or not that rank's bus wants the event (subscribers
-    run on rank 0 by default, so measuring only where wanted would leave rank 0 waiting for
-    the others), and publishes only where wanted.
+    Measured in ``hook_before_optimizer_step`` (gradients final and unscaled, before clipping), on
+    the sampled steps only and only while some subscriber wants the event. The norm stays a
+    device tensor (no sync on the training thread): read it with ``float(e.grad_norm)``. With
+    ``clip_grad_norm`` set, ``StepEnded.grad_norm`` already carries it on every step. A sharded
+    (FSDP2) model's norm is a collective, so every rank measures on the sampled steps.
 
     Args:
         every: Measure the steps ``every``, ``2 * every``, ... (>= 1).

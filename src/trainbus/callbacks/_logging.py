@@ -1,23 +1,20 @@
-"""Logging built-ins: structlog lines for humans and a JSON-lines event log for machines.
+"""Logging built-ins: structlog lines for humans, a JSON-lines event log for machines, and
+:func:`write_in_batches`, how every file-backed logger writes off the training thread.
 
-- :class:`MetricsLogger` logs metrics, evaluations, checkpoints and the end of the run through
-  ``structlog.get_logger("trainbus")``, with keys equal to event field names.
-- :class:`JsonlEventLog` writes events to a file as JSON lines, batched in time and written in a
-  worker thread, so neither the training thread nor the event loop waits for the disk.
-
-Neither configures structlog: the application does (the CLI does for ``trainbus demo``).
+Neither logger configures structlog: the application does (the CLI does for ``trainbus demo``).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 import anyio.to_thread
 import structlog
+from reactivex import Observable
 from reactivex import operators as ops
 
 from .. import _wire as wire
@@ -29,11 +26,7 @@ from ._base import Callback
 if TYPE_CHECKING:
     from .._bus import EventBus
 
-__all__ = ["FORMAT_VERSION", "JsonlEventLog", "MetricsLogger", "event_record"]
-
-FORMAT_VERSION = wire.FORMAT_VERSION
-"""Version of :class:`JsonlEventLog`'s records (their ``v`` field), read by
-:func:`trainbus._replay`: 1 = ``{"v", "type", <event fields>}``, ``time`` in monotonic seconds."""
+__all__ = ["JsonlEventLog", "MetricsLogger", "write_in_batches"]
 
 _RESERVED = frozenset({"event", "step", "epoch", "level", "timestamp", "logger"})
 
@@ -107,30 +100,48 @@ class MetricsLogger(Callback):
         bus.stream(ev.FitEnded).subscribe(fit_ended, name="MetricsLogger.fit_ended")
 
 
-# ----------------------------------------------------------------------------- JSON lines
-def event_record(event: ev.BaseEvent) -> dict[str, Any]:
-    """The JSON-ready record of ``event``: ``{"type": <class name>, <every field>...}``.
+def write_in_batches(
+    bus: EventBus,
+    source: Observable[Any],
+    write: Callable[[list[Any]], None],
+    *,
+    flush_s: float,
+    name: str,
+    buffer: int | None = None,
+) -> None:
+    """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, each run in a
+    worker thread (one at a time, in order); an empty window writes nothing.
 
-    Tensors become floats (lists when not scalar), exceptions their ``repr``, commands
-    ``{"type": <class name>, <fields>...}``, nested events records, mappings dicts. The codec
-    is :mod:`trainbus._wire`'s, shared with the launcher's socket.
+    Lossless (``overflow="block"``): a writer that falls behind makes training wait, with the
+    bus' ``training_waits_for_subscriber`` warning, rather than drop a metric.
+
+    Args:
+        bus: Where to subscribe.
+        source: The events to write (a bus stream).
+        write: Writes one batch; blocking is fine (it runs in a worker thread).
+        flush_s: Seconds per batch.
+        name: The subscription's name in logs and statistics.
+        buffer: Batches that may wait (the bus' default when None).
     """
-    return wire.record(event)
+
+    async def run(batch: list[Any]) -> None:
+        await anyio.to_thread.run_sync(write, batch)
+
+    bus.subscribe_async(
+        source.pipe(ops.buffer_with_time(flush_s), ops.filter(bool)),
+        run, buffer=buffer, overflow="block", name=name,
+    )  # fmt: skip
 
 
 class _Writer:
-    """Appends batches of events to one file, from a worker thread."""
+    """Appends batches of events to one file (called in a worker thread)."""
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
         self.mode = "a" if append else "w"
         self.opened = False
 
-    async def write(self, batch: list[ev.BaseEvent]) -> None:
-        # Serialising reads tensors and formats floats: keep that off the loop too.
-        await anyio.to_thread.run_sync(self._write, batch)
-
-    def _write(self, batch: list[ev.BaseEvent]) -> None:
+    def write(self, batch: list[ev.BaseEvent]) -> None:
         text = "".join(json.dumps(wire.encode(e), allow_nan=True) + "\n" for e in batch)
         if not self.opened:  # lazily: a run that logs nothing creates nothing
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,23 +152,15 @@ class _Writer:
 
 
 class JsonlEventLog(Callback):
-    """Writes events to ``path`` as JSON lines, one record per event (see :func:`event_record`),
-    each with the format version ``"v": 1`` (:data:`FORMAT_VERSION`) and the event's ``time``, so
-    :func:`trainbus._replay` can rebuild the run with its timing.
+    """Writes events to ``path`` as JSON lines, one record per event, each with the format
+    version ``"v": 1`` and the event's ``time``, so :func:`trainbus._replay` can rebuild the run
+    with its timing. Records are :func:`trainbus._wire.record`'s: tensors become floats (lists
+    when not scalar), exceptions their ``repr``, ``float('nan')`` is written as ``NaN``.
 
-    Pipeline::
-
-        events -> buffer_with_time(flush_s) -> drop empty batches
-               -> async subscriber (overflow="block"): serialise + write in anyio.to_thread
-
-    Nothing is dropped: a slow disk makes the bus wait (``"block"``), never lose a line; when
-    the run ends the bus completes its streams, ``buffer_with_time`` emits its partial batch and
-    the bus waits for the write, so ``FitEnded`` is in the file when ``fit()`` returns. The file
-    and its parent folders are created at the first write; ``float('nan')`` is written as
-    ``NaN`` (Python's ``json`` reads it back).
-
-    Subscribing to every event (``events=None``) makes the loop build every event, micro-batch
-    ones included: pass the types you need to keep the training thread's cost minimal.
+    Written with :func:`write_in_batches`: nothing is dropped (a slow disk makes the bus wait)
+    and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created
+    at the first write. Subscribing to every event (``events=None``) makes the loop build every
+    event: pass the types you need to keep the training thread's cost minimal.
 
     Args:
         path: The ``.jsonl`` file.
@@ -202,9 +205,4 @@ class JsonlEventLog(Callback):
         """Subscribe the batching pipeline and its writer."""
         source = bus.events if self.events is None else bus.stream(*self.events)
         writer = _Writer(self.path, self.append)
-        bus.subscribe_async(
-            source.pipe(ops.buffer_with_time(self.flush_s), ops.filter(bool)),
-            writer.write,
-            overflow="block",
-            name="JsonlEventLog",
-        )
+        write_in_batches(bus, source, writer.write, flush_s=self.flush_s, name="JsonlEventLog")

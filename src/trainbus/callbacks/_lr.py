@@ -12,8 +12,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._sets import check_monitored, reads_metric
-from ._tracked import TrackedCallback
+from ._monitored import TrackedCallback, check_monitored, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -29,10 +28,8 @@ class ReduceLROnPlateau(TrackedCallback):
 
         EvaluationEnded -> filter(no error) -> tbops.plateau(monitor, ...) -> bus.commands
 
-    Each reduction is a ``ScaleLearningRate(factor)`` command, applied to every parameter
-    group at the barrier after the deciding evaluation (like
-    ``torch.optim.lr_scheduler.ReduceLROnPlateau``, but as a decision on the bus: it composes
-    with any scheduler and is acknowledged by ``CommandApplied``).
+    Each reduction is a ``ScaleLearningRate(factor)`` command on every parameter group, applied
+    right after the deciding evaluation; it composes with any scheduler.
 
     Args:
         monitor: Evaluation metric to watch.
@@ -42,8 +39,7 @@ class ReduceLROnPlateau(TrackedCallback):
         min_delta: Smallest change that counts as an improvement (>= 0).
         cooldown: Evaluations ignored after a reduction (>= 0).
         max_reductions: Reduce at most this many times (None: no limit).
-        state_key: Name of its state (best value, counters, reductions made) in checkpoints;
-            None: ``"ReduceLROnPlateau"``.
+        state_key: Name of its state in checkpoints (None: ``"ReduceLROnPlateau"``).
 
     Raises:
         ConfigError: for an argument out of range, naming it.
@@ -72,7 +68,7 @@ class ReduceLROnPlateau(TrackedCallback):
         super().__init__(state_key)
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``monitor`` no evaluation of the run produces.
+        """Refuse a ``monitor`` no evaluation of the run produces.
 
         Raises:
             ConfigError: no ``eval_data``, or ``monitor`` is not among its metrics.
@@ -93,18 +89,9 @@ _LR_COMMANDS = (cmd.SetLearningRate, cmd.ScaleLearningRate)
 
 
 class LearningRateMonitor(Callback):
-    """Logs learning-rate changes with the ``"trainbus"`` structlog logger.
-
-    Pipelines::
-
-        SchedulerStepped | StepEnded -> distinct_until_changed(lr) -> "lr_changed"
-                                        (step, epoch, lr, previous)
-        CommandApplied -> filter(SetLearningRate | ScaleLearningRate)
-                       -> "lr_command_applied" (step, epoch, command, lr | factor,
-                          param_group, error)
-
-    The first line reports the learning rate the run starts with (``previous=None``); then one
-    line per change, whether a scheduler or a command made it, never one per step.
+    """Logs learning-rate changes with the ``"trainbus"`` structlog logger: ``lr_changed``
+    (step, epoch, lr, previous) once at the start and at each change, whether a scheduler or a
+    command made it; ``lr_command_applied`` for each ``SetLearningRate`` / ``ScaleLearningRate``.
 
     Attributes:
         history: ``(step, lr)`` of every change seen, in order (the last run's).

@@ -19,11 +19,9 @@ RssSource = Literal["psutil", "statm", "resource"]
 
 
 def read_rss() -> tuple[int | None, RssSource | None]:
-    """The process' resident set size in bytes, and where it came from.
-
-    In order: ``psutil`` (the ``monitors`` extra) when installed; ``/proc/self/statm`` on Linux;
-    the ``resource`` module elsewhere on POSIX, which only gives the *peak* RSS. ``(None, None)``
-    when none works (Windows without psutil).
+    """The process' resident set size in bytes, and its source: ``psutil`` when installed,
+    ``/proc/self/statm`` on Linux, else ``resource`` (peak RSS only); ``(None, None)`` when none
+    works.
     """
     try:
         import psutil  # type: ignore[import-untyped,unused-ignore]
@@ -47,11 +45,8 @@ def read_rss() -> tuple[int | None, RssSource | None]:
 
 
 def measure(step: int, epoch: int, device: str) -> ev.MemoryMeasured:
-    """Read the memory now and build the event. CUDA figures only when ``device`` is CUDA.
-
-    The CUDA counters are host-side bookkeeping of the caching allocator: reading them never
-    waits for the device.
-    """
+    """Read the memory now and build the event; CUDA figures (host-side allocator counters:
+    no device sync) only when ``device`` is CUDA."""
     rss, source = read_rss()
     allocated = reserved = peak = None
     if device.startswith("cuda"):
@@ -67,23 +62,10 @@ def measure(step: int, epoch: int, device: str) -> ev.MemoryMeasured:
 
 
 class MemoryMonitor(Callback):
-    """Publishes ``MemoryMeasured`` every ``every`` steps, from the event-loop thread.
-
-    Pipelines::
-
-        FitStarted                                    -> remember the device
-        StepEnded, every_steps=every                  -> read memory -> publish MemoryMeasured
-
-    RSS comes from psutil when installed (``pip install trainbus[monitors]``), else from
-    ``/proc/self/statm`` (Linux), else from ``resource`` (peak RSS; ``rss_source`` says which).
-    When the model trains on CUDA, ``torch.cuda.memory_allocated`` / ``memory_reserved`` /
-    ``max_memory_allocated`` of that device are added. Nothing runs on the training thread,
-    and the stream is sampled by the bus (``every_steps``): when nothing else takes every
-    ``StepEnded``, the loop builds one only at the sampled steps.
-
-    The event is published while the triggering ``StepEnded`` is delivered, so it reaches
-    subscribers one delivery later (a few ms); the last ones of a run can arrive after
-    ``FitEnded``.
+    """Publishes ``MemoryMeasured`` every ``every`` steps, from the event-loop thread: the RSS
+    (see :func:`read_rss`; ``rss_source`` says which) and, on CUDA, the device's allocated,
+    reserved and peak bytes. The event follows its ``StepEnded`` by one delivery, so the last
+    ones of a run can arrive after ``FitEnded``.
 
     Args:
         every: Sample on the steps ``every``, ``2 * every``, ... (>= 1).

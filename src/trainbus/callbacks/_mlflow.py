@@ -12,7 +12,7 @@ from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_int, check_seconds
 from ._base import Callback
-from ._batched import write_in_batches
+from ._logging import write_in_batches
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -39,28 +39,21 @@ class MLflowLogger(Callback):
     FitEnded                     run status FINISHED (completed, stopped), FAILED, KILLED
     ===========================  ===============================================================
 
-    Pipeline::
-
-        those events -> buffer_with_time(flush_s) -> drop empty batches
-                     -> async subscriber (bounded buffer, "block"): MLflow calls in a
-                        worker thread (anyio.to_thread), one log_batch per batch of metrics
-
-    MLflow calls are slow and blocking (file or HTTP I/O): none runs on the training thread or
-    the event loop. :attr:`run_id` is the MLflow run of the last ``fit()``.
+    MLflow calls block, so they run in batches of ``flush_s`` seconds in a worker thread
+    (one ``log_batch`` per batch; see :func:`write_in_batches`). :attr:`run_id` is the MLflow
+    run of the last ``fit()``.
 
     Where the run goes, first match wins (MLflow's own environment variables, as its fluent
     client and the Hugging Face and Lightning integrations read them):
 
     - tracking store: ``tracking_uri=`` > ``MLFLOW_TRACKING_URI`` > a local SQLite file,
-      ``<run_dir>/mlflow.db`` (artifacts in ``<run_dir>/mlartifacts``), which needs no server
-      and works offline (MLflow 3 refuses its old ``file:`` store unless
-      ``MLFLOW_ALLOW_FILE_STORE=true``);
+      ``<run_dir>/mlflow.db`` (artifacts in ``<run_dir>/mlartifacts``; no server needed);
     - experiment: ``experiment=`` > ``MLFLOW_EXPERIMENT_NAME`` (created when missing; if
       ``MLFLOW_EXPERIMENT_ID`` is also set it must be that experiment's id, as in MLflow) >
       ``MLFLOW_EXPERIMENT_ID`` (an existing experiment) > ``"trainbus"``.
 
-    The environment is read when the logger is built (:attr:`tracking_uri`,
-    :attr:`experiment`, :attr:`experiment_id` show the outcome).
+    The environment is read when the logger is built (see :attr:`tracking_uri`,
+    :attr:`experiment`, :attr:`experiment_id`).
 
     Args:
         run_dir: Folder for the default local store (``<run_dir>/mlflow.db``).

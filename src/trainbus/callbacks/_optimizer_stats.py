@@ -30,10 +30,9 @@ def _number(value: Any) -> float | None:
 def optimizer_stats(
     param_groups: list[dict[str, Any]], *, step: int, epoch: int
 ) -> ev.OptimizerStatsMeasured:
-    """Build ``OptimizerStatsMeasured`` from an optimizer's ``param_groups``.
-
-    Keys are ``"group<i>"``. ``momentum_by_group`` holds SGD/RMSprop ``momentum`` or Adam's
-    ``betas[0]``, ``beta2_by_group`` Adam's ``betas[1]``; a group lacking a value has no entry.
+    """Build ``OptimizerStatsMeasured`` from an optimizer's ``param_groups``, keyed
+    ``"group<i>"``: momentum is SGD's ``momentum`` or Adam's ``betas[0]``, beta2 Adam's
+    ``betas[1]``; a group lacking a value has no entry.
     """
     stats: dict[str, dict[str, float]] = {"lr": {}, "momentum": {}, "beta2": {}, "weight_decay": {}}
     for i, group in enumerate(param_groups):
@@ -56,12 +55,7 @@ def optimizer_stats(
 
 class OptimizerMonitor(Callback):
     """Publishes ``OptimizerStatsMeasured`` (per-group LR, momentum/betas, weight decay) every
-    ``every`` steps.
-
-    The optimizer lives on the training thread, so the reading is an inline hook
-    (``hook_after_optimizer_step``) that runs on the steps ``every``, ``2 * every``, ... only,
-    and only while some subscriber wants the event. It reads a few floats from
-    ``optimizer.param_groups``: no device work. The event carries the step just completed.
+    ``every`` steps, from ``hook_after_optimizer_step`` and only while some subscriber wants it.
 
     Args:
         every: Sample the steps ``every``, ``2 * every``, ... (>= 1).

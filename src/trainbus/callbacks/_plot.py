@@ -34,8 +34,7 @@ class _Curves:
     val: _Val = field(default_factory=list)
 
     def add_window(self, e: ev.MetricsLogged) -> None:
-        # The window's mean loss, already read on the training thread at its close: no device
-        # read here (a StepEnded loss read per step would wait for all queued GPU work).
+        # The window's mean loss, already read at its close: no device read here.
         loss = e.metrics.get("loss")
         if loss is not None:
             self.train.append((e.step, loss))
@@ -54,14 +53,11 @@ def render(
     val: _Val,
     title: str | None = None,
 ) -> None:
-    """Draw the curves to ``path`` (PNG) with matplotlib's Agg canvas; no pyplot, no GUI.
-
-    Left panel: training loss per step and every ``*loss*`` validation metric; right panel
-    (when there are any): the other validation metrics. The file is written atomically.
+    """Draw the curves to ``path`` (PNG, written atomically) with matplotlib's Agg canvas (no
+    pyplot: safe off the main thread). Left: training loss and every ``*loss*`` validation
+    metric; right (when any): the other validation metrics.
     """
-    # Optional dependency, imported in the worker thread when the run ends. The Figure +
-    # Agg canvas API touches no global pyplot state and no GUI backend, so it is safe off the
-    # main thread and leaves the user's matplotlib backend alone.
+    # Optional dependency; Figure + Agg leave pyplot's global state and backend alone.
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -94,8 +90,7 @@ def render(
     if title:
         fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A unique temporary name opened with open() (not mkstemp, whose 0600 mode would stick to
-    # the PNG), then renamed: a reader never sees a half-written file.
+    # open(), not mkstemp: its 0600 mode would stick to the PNG.
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         with open(tmp, "wb") as f:
@@ -107,21 +102,9 @@ def render(
 
 
 class CurvePlot(Callback):
-    """Writes a PNG of the loss curves and validation metrics when the run ends.
-
-    Pipelines::
-
-        MetricsLogged   -> collect (step, metrics["loss"])   (the log window's mean loss)
-        EvaluationEnded -> collect (step, metrics)
-        FitEnded        -> snapshot -> async subscriber: render in anyio.to_thread
-
-    The training curve has one point per log window (``log_every`` steps): the mean loss the
-    loop read at the window's close. Nothing here reads the device (a per-step ``StepEnded``
-    loss would be one device read per step on the event-loop thread).
-
-    The plot is drawn however the run ended (completed, stopped, failed), so a failed run
-    still leaves its curves; the bus waits for the file before ``fit()`` returns. Requires
-    matplotlib (imported when the plot is drawn).
+    """Writes a PNG of the loss curves and validation metrics when the run ends, however it
+    ended; the bus waits for the file before ``fit()`` returns. The training curve has one point
+    per log window (its mean loss: no device read here). Requires matplotlib.
 
     Args:
         path: The ``.png`` file to write (parent folders are created).

@@ -1,9 +1,4 @@
-"""Training progress: a tqdm bar when tqdm is installed, else a structlog line per refresh.
-
-Everything happens on the bus' event-loop thread: the training thread only publishes
-``StepEnded``, and the display is refreshed at most once per ``refresh_s`` by ``ops.sample``
-(the latest step of each period, whatever the step rate).
-"""
+"""Training progress: a tqdm bar when tqdm is installed, else a structlog line per refresh."""
 
 from __future__ import annotations
 
@@ -29,15 +24,8 @@ log = structlog.get_logger("trainbus")
 
 
 def progress_by_default() -> bool:
-    """Whether a ``Trainer`` shows a :class:`Progress` when not told (``progress=None``).
-
-    Yes when stderr is a terminal and this process is rank 0: ``RANK`` (set by torchrun) is
-    absent or ``"0"``. No otherwise: a log file or a CI capture gets no bar, and under torchrun
-    only one rank draws.
-
-    Returns:
-        True to add a default ``Progress()``.
-    """
+    """Whether a ``Trainer`` shows a :class:`Progress` when not told (``progress=None``):
+    when stderr is a terminal and this process is rank 0 (``RANK`` absent or ``"0"``)."""
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         return False
     try:
@@ -51,14 +39,8 @@ FALLBACK_COLUMNS = 100
 
 
 def terminal_columns(stream: Any) -> int | None:
-    """The columns of the terminal ``stream`` writes to, None when it is not one.
-
-    Args:
-        stream: A file object (``sys.stderr``).
-
-    Returns:
-        The reported width (which can be 0 on some pseudo-terminals), or None.
-    """
+    """The columns of the terminal the file object ``stream`` writes to (0 on some
+    pseudo-terminals), None when it is not one."""
     try:
         return os.get_terminal_size(stream.fileno()).columns
     except (AttributeError, ValueError, OSError):  # no fileno, closed, or not a terminal
@@ -68,31 +50,18 @@ def terminal_columns(stream: Any) -> int | None:
 class Progress(Callback):
     """Shows training progress: step / total, epoch, loss and learning rate.
 
-    Pipelines (all on the event-loop thread)::
-
-        FitStarted                          -> open the bar; total = max_steps, or max_epochs x
-                                               FitStarted.steps_per_epoch (the smaller)
-        StepEnded                           -> remember the latest step and its rate
-        StepEnded -> sample(refresh_s)      -> show the latest step, loss, lr (and, in log
-                                               mode, steps_per_s and remaining_s)
-        EpochStarted / EpochEnded           -> show the step; estimate the total from the
-                                               first full epoch when nothing gave it earlier
-        FitEnded                            -> one last line with the last step's values,
-                                               close the bar
-
-    The display always shows the *latest* step's values: ``ops.sample`` emits the newest
-    ``StepEnded`` of each ``refresh_s`` period, and the epoch/fit ends show the newest one
-    seen. The bar is set to the event's ``step`` (not advanced by one per refresh), so it is
-    right when many steps pass between two refreshes. Reading ``loss`` (``float(e.loss)``)
-    happens here, once per refresh, never on the training thread. The last line is drawn
-    once, by closing the bar.
+    Refreshed at most once per ``refresh_s`` (``ops.sample`` of ``StepEnded``) on the event-loop
+    thread, and at each epoch's end and the run's end. The total is ``max_steps`` or
+    ``max_epochs x steps_per_epoch`` (the smaller), else estimated from the first full epoch. The
+    display shows the latest step's values, set to its ``step``; ``loss`` is read (a device
+    sync) once per refresh, never on the training thread.
 
     Args:
         refresh_s: Minimum seconds between two refreshes (> 0).
         bar: ``None``: a tqdm bar on stderr when tqdm is importable, else log lines;
             ``True``: require tqdm; ``False``: log lines (``"progress"`` events from the
             ``"trainbus"`` structlog logger, keys ``step``, ``epoch``, ``loss``, ``lr``,
-            ``total_steps``).
+            ``total_steps``, ``steps_per_s``, ``remaining_s``).
         desc: Label of the bar.
 
     Attributes:
@@ -132,7 +101,7 @@ class Progress(Callback):
         return self._view.total if self._view is not None else None
 
     def setup(self, bus: EventBus) -> None:
-        """Build the display pipelines (see the class docstring).
+        """Build the display pipelines.
 
         Raises:
             ConfigError: ``bar=True`` and tqdm is not installed.

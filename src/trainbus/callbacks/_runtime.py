@@ -47,18 +47,11 @@ class _Estimator:
 
 
 class RuntimeEstimator(Callback):
-    """Publishes ``RuntimeEstimated(elapsed_s, remaining_s, eta, steps_per_s)``.
+    """Publishes ``RuntimeEstimated(elapsed_s, remaining_s, eta, steps_per_s)`` at most once per
+    ``every_s`` seconds, from the step rate over the last ``window`` steps and the run's length.
 
-    Pipelines (event-loop thread)::
-
-        FitStarted, EpochStarted, EpochEnded   -> the run's length (max_steps, or max_epochs x
-                                                  steps per epoch once known)
-        StepEnded                              -> the step rate over the last ``window`` steps
-        StepEnded -> throttle_first(every_s)   -> publish RuntimeEstimated
-
-    ``remaining_s`` (and ``eta``, a Unix timestamp) stay None while the run's length is unknown:
-    with only ``max_epochs`` and data without a length, until the first epoch ends. Times are
-    the events' own stamps, so the figures do not depend on delivery delays.
+    ``remaining_s`` and ``eta`` (a Unix timestamp) stay None while the run's length is unknown
+    (only ``max_epochs`` and data without a length: until the first epoch ends).
 
     Args:
         every_s: At most one estimate per ``every_s`` seconds (> 0).

@@ -17,7 +17,7 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric, check_number, check_seconds
 from ._base import Callback
-from ._sets import check_monitored
+from ._monitored import check_monitored
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -38,11 +38,9 @@ class ThresholdStopping(Callback):
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
     ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
-    ``"train"``. After an evaluation (a barrier) the stop is applied before the next step;
-    after ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
-    ``ConfigError`` before the run starts (:meth:`check`); on a bus without a Trainer, an event
-    lacking it fails this subscription with a ``ConfigError`` naming the metric and the metrics
-    the event had (logged by the bus; the run goes on unless the bus' error policy says so).
+    ``"train"``. After an evaluation the stop is applied before the next step; after
+    ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
+    ``ConfigError`` before the run starts (:meth:`check`).
 
     Args:
         monitor: The metric to watch.
@@ -72,11 +70,10 @@ class ThresholdStopping(Callback):
         )
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse, before the run starts, a ``monitor`` its ``source`` never carries.
+        """Refuse a ``monitor`` its ``source`` never carries.
 
         Raises:
-            ConfigError: ``source`` ``"train"`` and ``monitor`` is not a ``MetricsLogged`` key;
-                ``"eval"`` and no ``eval_data``, or ``monitor`` is not among its metrics.
+            ConfigError: naming ``monitor`` and the metrics the source has.
         """
         check_monitored(plan, "ThresholdStopping.monitor", self.monitor,
                         train=self.source == "train")  # fmt: skip
@@ -147,12 +144,10 @@ class TimeLimit(Callback):
             -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
             -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
 
-    The limit is ``seconds`` after ``FitStarted``, or an absolute ``deadline``. The decision
-    leaves ``margin_s`` (for writing the checkpoint and exiting) plus ``steps_margin`` times
-    the longest measured gap between two step ends (evaluations included), because the loop
-    applies commands at its next poll point. Both commands are applied in order at that
-    poll point: the checkpoint is written, then the run ends ``"stopped"`` with a
-    ``stop_reason`` starting with ``"time limit"``. ``save=False`` sends only the stop.
+    The decision leaves ``margin_s`` (to write the checkpoint and exit) plus ``steps_margin``
+    times the longest gap between two step ends seen, since commands apply at the next poll
+    point. The run then ends ``"stopped"`` with a ``stop_reason`` starting with
+    ``"time limit"``.
 
     Args:
         seconds: Run time allowed, from ``FitStarted`` (> 0).

@@ -10,7 +10,7 @@ from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_seconds
 from ._base import Callback
-from ._batched import write_in_batches
+from ._logging import write_in_batches
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -49,14 +49,8 @@ class TensorBoardLogger(Callback):
     FitEnded                     flush and close
     ===========================  ===============================================================
 
-    Pipeline::
-
-        those events -> buffer_with_time(flush_s) -> drop empty batches
-                     -> async subscriber: SummaryWriter calls in anyio.to_thread
-
-    Nothing runs on the training thread and the event loop never touches the disk: every
-    ``SummaryWriter`` call happens in a worker thread, a batch at a time. The writer is created
-    at ``FitStarted`` and closed at ``FitEnded``.
+    Every ``SummaryWriter`` call runs in a worker thread, a batch of ``flush_s`` seconds at a
+    time (see :func:`write_in_batches`).
 
     Args:
         log_dir: Folder for the event files (``SummaryWriter(log_dir)``).

@@ -69,17 +69,9 @@ class _Meter:
 
 
 class ThroughputMonitor(Callback):
-    """Logs training throughput once per ``window_s`` seconds.
-
-    Pipeline::
-
-        StepEnded -> buffer_with_time(window_s) -> measure -> drop empty
-                  -> "throughput" (step, epoch, steps, samples, elapsed_s, steps_per_s,
-                                   samples_per_s, data_wait_s, data_wait_fraction)
-
-    Rates use the events' own timestamps (``time``), so a window's figures do not depend on
-    when the bus delivered it. Only ``StepEnded`` is needed (it carries the step's data wait),
-    so the monitor adds no per-batch event to the loop.
+    """Logs training throughput once per ``window_s`` seconds (a ``"throughput"`` line: step,
+    epoch, steps, samples, elapsed_s, steps_per_s, samples_per_s, data_wait_s,
+    data_wait_fraction), from ``StepEnded`` only and the events' own timestamps.
 
     Args:
         window_s: Seconds per window (> 0).

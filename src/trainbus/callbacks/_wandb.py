@@ -11,7 +11,7 @@ from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
 from .._validate import check_folder, check_int, check_seconds
 from ._base import Callback, PlainValue, RunPlan
-from ._batched import write_in_batches
+from ._logging import write_in_batches
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -43,17 +43,10 @@ class WandbLogger(Callback):
                                  (completed, stopped) or 1 (failed, cancelled)
     ===========================  ===============================================================
 
-    Pipeline::
-
-        those events -> buffer_with_time(flush_s) -> drop empty batches
-                     -> async subscriber (bounded buffer, "block"): wandb calls in a
-                        worker thread (anyio.to_thread), one ``log`` per step
-
-    wandb calls block (they talk to wandb's service process): none runs on the training
-    thread or the event loop. wandb's own environment variables apply as in ``wandb.init``
-    (``WANDB_MODE=offline`` records without a network, ``WANDB_PROJECT``, ``WANDB_ENTITY``,
-    ``WANDB_DIR``...); an argument given here wins over its variable. Console capture is
-    off: a library does not take over the process' stdout. :attr:`run_id` is the run of the
+    wandb calls block, so they run in batches of ``flush_s`` seconds in a worker thread (one
+    ``log`` per step; see :func:`write_in_batches`). wandb's own environment variables apply
+    as in ``wandb.init`` (``WANDB_MODE=offline``, ``WANDB_PROJECT``, ``WANDB_DIR``...); an
+    argument given here wins. Console capture is off. :attr:`run_id` is the run of the
     last ``fit()``.
 
     Args:

@@ -72,10 +72,9 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest *valid* checkpoint in ``directory`` (None if there is none).
-
-    Newest means the highest step, then the latest written. Truncated, corrupt and foreign
-    files are skipped with a ``checkpoint_skipped`` warning; stale temp files are removed.
+    """The newest valid checkpoint in ``directory`` (highest step, then latest written), or
+    None. Damaged and foreign files are skipped with a ``checkpoint_skipped`` warning; stale temp
+    files are removed.
     """
     return CheckpointStore(directory).latest_valid()
 

@@ -5,37 +5,9 @@ advanced, from one random generator. Capturing that generator's state *before* `
 is enough to draw the same permutation again; skipping the batches already consumed then puts
 the resumed run at the exact batch it stopped at.
 
-Which loaders resume exactly:
-
-=====================================================  ==============  ====================
-loader                                                 kind            exact
-=====================================================  ==============  ====================
-``DataLoader(shuffle=True, generator=g)``               ``generator``   yes (``g``'s state)
-``DataLoader(sampler=RandomSampler(ds, generator=g))``  ``sampler``     yes (``g``'s state)
-``DataLoader(shuffle=True)`` with ``Trainer(seed=)``     ``global``      yes: rebuilt around an
-                                                                        :class:`EpochSampler`,
-                                                                        whose order is
-                                                                        ``(seed, epoch)``
-``DataLoader(shuffle=True)`` (no generator)             ``global``      yes: the permutation
-                                                                        comes from the global
-                                                                        torch RNG, whose state
-                                                                        at the epoch's start
-                                                                        is kept
-``DataLoader(shuffle=False)``                           ``sequential``  yes (no randomness)
-a ``Sequence`` (list of batches)                        ``sequence``    yes (no randomness)
-``DataLoader(sampler=DistributedSampler(...))``         ``distributed`` yes on the same world
-                                                                        size (seed and epoch);
-                                                                        another world size
-                                                                        resumes at the next
-                                                                        epoch boundary
-a custom sampler drawing from the global torch RNG      ``global``      yes
-a custom sampler with its own generator / state        ``global``      no: its state is not
-                                                                        captured
-an ``IterableDataset`` or any other iterable            ``iterable``    no: the stream cannot
-                                                                        be rewound; the resumed
-                                                                        epoch skips the
-                                                                        consumed count
-=====================================================  ==============  ====================
+Each loader is classified by the source of its order (``generator``, ``sampler``, ``global``,
+``sequential``, ``sequence``, ``distributed``, ``iterable``); docs/reliability.md tables which
+resume exactly. A custom sampler with its own state, or an iterable, cannot be rewound.
 
 Skipped batches are loaded and dropped (as the loop did before): resuming late in a long epoch
 costs that epoch's data loading up to the resume point.
@@ -87,12 +59,9 @@ def _kind(data: Iterable[Any]) -> tuple[str, torch.Generator | None]:
 
 
 class EpochSampler(RandomSampler):
-    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only.
-
-    What ``Trainer(seed=)`` puts in place of a ``DataLoader(shuffle=True)``'s sampler: the
-    order never reads the process-wide torch generator, so another thread's draws (a second
-    trial of an ``n_jobs=2`` sweep) cannot change it, and an epoch's order is the same after a
-    resume at any point (:func:`set_sampler_epoch` gives it the epoch).
+    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only: what
+    ``Trainer(seed=)`` puts in place of a ``DataLoader(shuffle=True)``'s sampler, so no other
+    thread's draws change it and an epoch's order survives a resume (:func:`set_sampler_epoch`).
 
     Args:
         data_source: The dataset.
@@ -142,9 +111,9 @@ def capture_data_order(data: Iterable[Any], *, epoch: int) -> dict[str, Any]:
 
 def set_sampler_epoch(data: Iterable[Any], epoch: int) -> None:
     """``sampler.set_epoch(epoch)`` when ``data`` is a ``DataLoader`` over a
-    ``DistributedSampler`` (its shuffle is seeded by ``seed + epoch``) or an
-    :class:`EpochSampler`; nothing otherwise.
-    Call it before ``iter(data)``."""
+    ``DistributedSampler`` or an :class:`EpochSampler`; nothing otherwise. Call it before
+    ``iter(data)``.
+    """
     if isinstance(data, DataLoader) and isinstance(data.sampler, DistributedSampler | EpochSampler):
         data.sampler.set_epoch(epoch)
 
@@ -157,30 +126,25 @@ def replay_epoch(
     skip: int,
     rng: dict[str, Any] | None = None,
 ) -> tuple[Iterator[Any], dict[str, Any]]:
-    """An iterator over ``epoch`` of ``data`` positioned after its first ``skip`` batches.
-
-    The random generators end in the state ``rng`` holds (the one saved with the checkpoint), as
-    if the run had never stopped. ``order`` is used only when it was captured for ``epoch``;
-    otherwise (None, or a checkpoint written at an epoch boundary) the epoch starts from
-    ``rng`` like any fresh epoch.
+    """An iterator over ``epoch`` of ``data`` positioned after its first ``skip`` batches, with
+    the random generators in the state ``rng`` holds, as if the run had never stopped. ``order``
+    is used only when it was captured for ``epoch``; otherwise the epoch starts from ``rng`` like
+    any fresh epoch.
 
     Args:
         data: The training data, built as in the interrupted run.
         order: What :func:`capture_data_order` returned at the start of the saved epoch.
         epoch: The epoch being resumed (``TrainState.epoch``).
         skip: Batches of it already consumed (``TrainState.batch_in_epoch``).
-        rng: The checkpoint's RNG states (:func:`~trainbus.checkpoint.capture_rng`), restored
-            at the point they were captured; None leaves the generators alone.
+        rng: The checkpoint's RNG states (:func:`~trainbus.checkpoint.capture_rng`); None leaves
+            the generators alone.
 
     Returns:
-        ``(iterator, order)``: the epoch's iterator, whose next batch is batch ``skip``, and the
-        data order in effect for this epoch (``order`` when it was replayed, else a fresh
-        :func:`capture_data_order` taken right before ``iter(data)``): save that one with the
-        epoch's later checkpoints.
+        ``(iterator, order)``: the iterator, whose next batch is batch ``skip``, and the data
+        order in effect for this epoch, to save with the epoch's later checkpoints.
 
     Raises:
-        CheckpointError: ``order`` was captured from a different kind of loader (the resumed
-            run's data differs from the saved one's, so its order cannot be replayed).
+        CheckpointError: ``order`` was captured from a different kind of loader.
     """
     if order is not None and int(order.get("epoch", -1)) != epoch:
         order = None

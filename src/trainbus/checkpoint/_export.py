@@ -1,16 +1,9 @@
-"""Export: a sharded checkpoint folder turned into one plain file an unsharded model loads.
-
-A sharded (FSDP2) run's checkpoint is a folder of per-rank shards (:mod:`.sharded`): only a
-model sharded the same way can resume it. For inference or a hand-off, :func:`export_full`
-assembles every parameter's full value from the shards, in one process, without a process
-group, and writes the model's state dict (``{name: tensor}``, the unsharded module's names) as
-one ``torch.save`` file::
+"""Export: a sharded checkpoint folder turned into one plain file an unsharded model loads::
 
     trainbus.checkpoint.export_full("checkpoints/step-00000042", "model.pt")
     model.load_state_dict(torch.load("model.pt", weights_only=True))
 
-Each tensor equals ``full_tensor()`` of the sharded parameter it came from. The optimizer's
-state is not exported (it belongs to the sharded run).
+The optimizer's state is not exported (it belongs to the sharded run).
 """
 
 from __future__ import annotations
@@ -46,19 +39,16 @@ def _allocate(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
-    """Write the full model state of a sharded checkpoint folder as one plain file.
-
-    Runs in one process (no process group, no GPU): every shard is read from the folder's
-    files. The file is written atomically (a temporary file beside it, then a rename).
+    """Write the full model state of a sharded checkpoint folder as one plain file, in one
+    process (no process group, no GPU), atomically.
 
     Args:
         folder: A sharded run's checkpoint folder (``step-<n>[-<tag>]/``).
         path: The file to write (``model.pt``); its folder must exist.
 
     Returns:
-        ``path``: a ``torch.save`` file of ``{parameter or buffer name: full tensor}``, which
-        ``model.load_state_dict(torch.load(path, weights_only=True))`` loads into the
-        unsharded model.
+        ``path``: a ``torch.save`` file of ``{parameter or buffer name: full tensor}`` (each equal
+        to its sharded parameter's ``full_tensor()``), for ``model.load_state_dict``.
 
     Raises:
         CheckpointError: ``folder`` is not a valid sharded checkpoint folder (a one-file

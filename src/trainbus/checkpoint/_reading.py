@@ -1,9 +1,6 @@
-"""Reading one checkpoint file safely: the zip's CRCs first, then ``torch.load(weights_only=True)``,
-then the payload's structure; whatever is wrong is a :class:`~trainbus.CheckpointError` naming
-the file.
-
-:func:`trainbus.checkpoint.read_checkpoint` (store.py) reads a file or a sharded run's folder;
-the folder reader (sharded.py) reads its ``trainbus.pt`` here.
+"""Reading one checkpoint file safely: the zip's CRCs first, then
+``torch.load(weights_only=True)``, then the payload's structure; whatever is wrong is a
+:class:`~trainbus.CheckpointError` naming the file.
 """
 
 from __future__ import annotations
@@ -49,8 +46,7 @@ def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
         raise _refuse(p, "no such file")
     if p.stat().st_size == 0:
         raise _refuse(p, "empty file (0 bytes): a write that never completed")
-    # Exceptions from a damaged zip are many (BadZipFile, EOFError, struct.error, ValueError,
-    # zlib.error, ...): each one means the same thing here, so each becomes a CheckpointError.
+    # A damaged zip raises many kinds (BadZipFile, EOFError, struct.error, zlib.error...).
     try:
         with zipfile.ZipFile(p) as z:
             bad = z.testzip()

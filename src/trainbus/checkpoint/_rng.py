@@ -1,8 +1,5 @@
-"""Random number generator states as tensors and plain containers (``weights_only=True`` safe).
-
-Python's ``random`` state is a tuple of 625 ints, NumPy's a tuple holding an ``ndarray``: neither
-is something ``torch.load(weights_only=True)`` may build, so both are converted to an int64
-tensor plus plain numbers here, and back on restore.
+"""Random number generator states as tensors and plain containers (``weights_only=True`` safe):
+Python's and NumPy's states become an int64 tensor plus plain numbers, and back on restore.
 """
 
 from __future__ import annotations
@@ -64,11 +61,9 @@ def capture_rng() -> dict[str, Any]:
 def restore_rng(state: dict[str, Any]) -> None:
     """Set every generator from a :func:`capture_rng` result.
 
-    A saved CUDA state is restored only when CUDA is available (a GPU run resumed on a CPU keeps
-    going, its CUDA draws are simply not reproduced), and only for the devices that exist: GPU
-    ``i``'s saved state goes to GPU ``i`` for each GPU both the saving and this process see; a
-    checkpoint from a host that saw more (or fewer) GPUs logs ``rng_cuda_devices_differ``
-    naming both counts. A saved NumPy state is restored only when NumPy is installed.
+    CUDA states are restored only when CUDA is available, GPU ``i``'s to GPU ``i`` for the GPUs
+    both hosts see (a different count logs ``rng_cuda_devices_differ``); NumPy's only when NumPy
+    is installed.
 
     Args:
         state: What :func:`capture_rng` returned (possibly after a save/load round trip).
@@ -94,11 +89,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def _restore_cuda(states: list[torch.Tensor]) -> None:
-    """Set each CUDA device's generator from its saved state, for the devices that exist.
-
-    The states are CPU byte tensors (checkpoints load to the host), the form
-    ``torch.cuda.set_rng_state`` takes.
-    """
+    """Set each existing CUDA device's generator from its saved (CPU byte tensor) state."""
     count = torch.cuda.device_count()
     if len(states) != count:
         log.warning(
@@ -115,25 +106,18 @@ def _restore_cuda(states: list[torch.Tensor]) -> None:
 def isolated_rng(device: torch.device) -> Iterator[None]:
     """Run a block whose random draws leave the training's generators where they were.
 
-    An evaluation draws from the global generators (a ``DataLoader`` draws its iterator's base
-    seed from torch's CPU generator, shuffled or not; a metric or a model in eval mode may
-    draw too). Saved before and set back after, those draws never shift the training's
-    stream: a run with evaluations trains as the same run without, and a resumed run that
-    does not repeat an evaluation the interrupted one ran before its checkpoint still draws
-    what it would have. Python's ``random``, torch's CPU generator, NumPy's global state
-    (when installed) and, on CUDA, the run's device's generator are kept.
-
-    Cost, measured on a 2-core CPU host: about 0.35 ms per round, most of it NumPy's state
-    (torch's CPU state, a 5 KB copy, about 1 µs; Python's 625 ints about 50 µs); a CUDA
-    device's generator state is its seed and offset, kept on the host: reading and setting it
-    launches no kernel and waits for no stream. Paid once per evaluation round, never per
-    step.
+    An evaluation draws from the global generators (a ``DataLoader``'s base seed, a metric, a
+    model in eval mode); set back afterwards, those draws never shift the training's stream, so a
+    run with evaluations trains as the same run without, and a resume that skips an evaluation
+    draws what it would have. Kept: Python's ``random``, torch's CPU generator, NumPy's global
+    state and, on CUDA, the run's device's generator (host-side: no kernel, no sync). Paid once
+    per evaluation round.
 
     Args:
         device: The run's device (its CUDA generator is kept when it is a CUDA device).
 
     Yields:
-        Nothing: the block runs with the generators as they were, and they are set back after.
+        Nothing: the block runs, then the generators are set back.
     """
     py = random.getstate()
     cpu = torch.get_rng_state()

@@ -20,17 +20,17 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .._exceptions import CheckpointError, ConfigError
-from ._keys import canonical_names, canonical_state, live_state
 from ._rng import restore_rng
 
 __all__ = [
@@ -49,6 +49,62 @@ FORMAT_VERSION = 2
 """1: trainbus 0.1 before the weights_only format (pickled Python RNG state); 2: this one."""
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
+
+# Parameter names as checkpoints write them: the original module's. ``torch.compile`` puts
+# ``_orig_mod`` in the keys of what it wraps (whole model or a submodule); checkpoints leave it
+# out and loading maps the keys onto the live model's, so a compiled run's checkpoint loads into
+# the plain model and back (``_orig_mod.`` keys written by hand load too).
+
+_WRAPPER = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the module under
+V = TypeVar("V")
+
+
+def canonical_key(key: str) -> str:
+    """``key`` without its ``_orig_mod`` parts (``"_orig_mod.0.weight"`` -> ``"0.weight"``)."""
+    if _WRAPPER not in key:
+        return key
+    return ".".join(part for part in key.split(".") if part != _WRAPPER)
+
+
+def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
+    """``{canonical_key(name): value}`` for ``(name, value)`` pairs (``named_parameters()``)."""
+    return {canonical_key(name): value for name, value in items}
+
+
+def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
+    """A model's ``state_dict()`` under canonical keys, its ``_metadata`` (module versions read by
+    ``load_state_dict``) keyed the same way.
+    """
+    out: OrderedDict[str, Any] = OrderedDict((canonical_key(k), v) for k, v in state.items())
+    meta = getattr(state, "_metadata", None)
+    if meta is not None:
+        # Wrapper and wrapped module map to one prefix: the wrapped one (listed later) wins.
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (canonical_key(k), v) for k, v in meta.items()
+        )
+    return out
+
+
+def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
+    """A saved state dict (canonical keys, or a compiled model's) keyed as ``model`` names its
+    entries (``saved`` itself when they match already; a key the model lacks stays as it is, so
+    ``load_state_dict`` names it).
+    """
+    live_keys = list(model.state_dict().keys())
+    if set(saved) == set(live_keys):
+        return saved
+    to_live = {canonical_key(k): k for k in live_keys}
+    out: OrderedDict[str, Any] = OrderedDict()
+    for key, value in saved.items():
+        canonical = canonical_key(key)
+        out[to_live.get(canonical, canonical)] = value
+    meta = getattr(saved, "_metadata", None)
+    if meta is not None:
+        prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
+        out._metadata = OrderedDict(  # type: ignore[attr-defined]
+            (prefixes.get(canonical_key(k), k), v) for k, v in meta.items()
+        )
+    return out
 
 
 class TrainState:
@@ -104,8 +160,7 @@ class TrainState:
 
     @property
     def batch_in_epoch(self) -> int:
-        """Training batches of ``epoch`` already consumed (a mid-epoch save resumes after
-        them)."""
+        """Training batches of ``epoch`` already consumed."""
         return self._batch_in_epoch
 
     @property
@@ -115,9 +170,8 @@ class TrainState:
 
     @property
     def evaluated_step(self) -> int:
-        """The step whose evaluation round ran last (-1: none yet). A step is evaluated once:
-        a cadence that comes due at a step already evaluated is skipped, also after a resume
-        from a checkpoint written after that evaluation."""
+        """The step whose evaluation round ran last (-1: none yet): a step is evaluated once,
+        also across a resume."""
         return self._evaluated_step
 
     def evaluated(self) -> None:
@@ -126,9 +180,8 @@ class TrainState:
 
     @property
     def closed_epoch(self) -> int:
-        """The last epoch whose end work ran (-1: none yet). Equal to :attr:`epoch`: the epoch
-        in progress is over, its end work done (a checkpoint written at its ``EpochEnded``);
-        a resume starts the next one, also when the data has no length to tell."""
+        """The last epoch whose end work ran (-1: none yet); equal to :attr:`epoch`, a resume
+        starts the next epoch."""
         return self._closed_epoch
 
     def epoch_closed(self) -> None:
@@ -136,11 +189,7 @@ class TrainState:
         self._closed_epoch = self._epoch
 
     def batch_taken(self) -> int:
-        """A training batch was fetched: count it in the epoch.
-
-        Returns:
-            Its index in the epoch (``batch_in_epoch`` before the call).
-        """
+        """A training batch was fetched: count it; return its index in the epoch."""
         bi = self._batch_in_epoch
         self._batch_in_epoch = bi + 1
         return bi
@@ -154,8 +203,7 @@ class TrainState:
         self._step += 1
 
     def epoch_done(self) -> None:
-        """The epoch's batches are all consumed (or a resume moves on to the next epoch's
-        boundary): the next epoch starts at its first batch."""
+        """The epoch is over: the next one starts at its first batch."""
         self._epoch += 1
         self._batch_in_epoch = 0
 
@@ -205,21 +253,14 @@ def _trainbus_version() -> str:
 def run_metadata(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
 ) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume.
-
-    Args:
-        model: The model being saved (its parameter names and shapes are recorded).
-        optimizer: The optimizer (its class name is recorded).
-        world_size: Processes training together (1 until distributed training lands).
-
-    Returns:
-        ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
+    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume:
+    ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
     """
     return {
         "trainbus_version": _trainbus_version(),
         "torch_version": str(torch.__version__),
         "world_size": int(world_size),
-        # The original module's names: a torch.compile'd model's are the same (keys.py).
+        # The original module's names: a torch.compile'd model's are the same.
         "param_shapes": {
             n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
         },
@@ -310,10 +351,19 @@ def build_payload(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpoint:
-    """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`.
+    """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`; nothing
+    is applied until :meth:`restore` (the module docstring lists the entries).
 
-    Nothing is applied until :meth:`restore`; the loop reads ``data_order`` and ``callbacks``
-    itself (see ``docs/trainer.md``).
+    Attributes:
+        path: The file (or a sharded run's folder) it was read from.
+        state: The run's position (:class:`TrainState`).
+        metrics: The last evaluation's metrics.
+        model, optimizer, scheduler, scaler: Their saved ``state_dict()`` (None when absent;
+            empty in a sharded run's ``trainbus.pt``).
+        rng: The saved random generator states, or None.
+        data_order: The data order of the epoch in progress, or None.
+        callbacks: ``{state key: state dict}`` of the callbacks that keep state.
+        meta: What the run that wrote it recorded (versions, shapes, optimizer, world size).
     """
 
     path: Path
@@ -424,15 +474,9 @@ class Checkpoint:
             raise CheckpointError(f"does not fit the model: {exc}", path=str(self.path)) from exc
 
     def restored(self) -> Checkpoint:
-        """This checkpoint without the states :meth:`restore` loads into live objects.
-
-        What a resumed run keeps after restoring: the train state, data order, RNG and
-        callback states and metadata. The model, optimizer, scheduler and scaler states are
-        dropped (empty), so no second copy of the weights stays alive for the whole run.
-
-        Returns:
-            A copy with ``model`` and ``optimizer`` empty and no ``scheduler`` / ``scaler``.
-        """
+        """A copy without the states :meth:`restore` loaded into live objects (``model`` and
+        ``optimizer`` empty, no ``scheduler`` / ``scaler``): what a resumed run keeps, so no
+        second copy of the weights stays alive."""
         return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
 
 

@@ -1,16 +1,10 @@
 """The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps.
 
-A write goes to a temporary file in the same folder (``.<name>.<pid>.<random>.trainbus-tmp``),
-is flushed and fsynced, renamed over its final name with ``os.replace`` (atomic on POSIX and
-Windows), and the folder is fsynced so the rename itself survives a power cut. A crash or a
-SIGKILL at any moment leaves either the previous files untouched or the complete new one; the
-temp file a killed writer leaves behind is removed the next time a :class:`CheckpointStore` opens
-the folder.
-
-A read never runs code from the file: the zip container's CRCs are checked first (``torch.load``
-does not check them: a flipped byte in a tensor would load silently), then the payload is loaded
-with ``torch.load(weights_only=True)`` and its structure checked. Whatever is wrong surfaces as
-:class:`~trainbus.CheckpointError` naming the file.
+A write goes to a hidden temporary file in the same folder, fsynced, renamed over its final
+name (``os.replace``) and the folder fsynced: a crash at any moment leaves the previous files
+or the complete new one, and a killed writer's temp file is removed the next time a
+:class:`CheckpointStore` opens the folder. A read never runs code from the file: the zip's
+CRCs are checked first, then ``torch.load(weights_only=True)`` and the payload's structure.
 """
 
 from __future__ import annotations
@@ -68,10 +62,8 @@ def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
 
 
 def check_checkpoint_dir(path: object) -> Path:
-    """Check up front that ``path`` can hold checkpoints, without creating anything.
-
-    The folder may exist (then it must be a writable folder) or not (then its nearest existing
-    ancestor must be a writable folder, so the first save can create it).
+    """Check up front that ``path`` can hold checkpoints, without creating anything: an
+    existing writable folder, or a path whose nearest existing ancestor is a writable folder.
 
     Args:
         path: The ``checkpoint_dir`` setting.
@@ -105,9 +97,8 @@ def check_checkpoint_dir(path: object) -> Path:
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
-    """Read and check a checkpoint: a ``.pt`` file, or a sharded run's checkpoint folder.
-
-    Nothing is applied to a model yet.
+    """Read and check a checkpoint (a ``.pt`` file, or a sharded run's folder); nothing is
+    applied to a model yet.
 
     Args:
         path: The ``.pt`` file, or a ``step-<n>[-<tag>]/`` folder a sharded run wrote.
@@ -117,11 +108,10 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
         The :class:`~trainbus.checkpoint.Checkpoint`; call its ``restore(...)`` to apply it.
 
     Raises:
-        CheckpointError: the file is missing, empty, truncated, corrupt (a CRC fails), holds
-            anything but tensors and plain containers (``weights_only`` refuses it, so crafted
-            code never runs), or is not a trainbus checkpoint of this format; a folder is not a
-            complete sharded checkpoint. The message names the file or folder; the low-level
-            error is the ``__cause__``.
+        CheckpointError: naming the file or folder (the low-level error is the ``__cause__``):
+            missing, empty, truncated, corrupt (a CRC fails), holding anything but tensors and
+            plain containers (``weights_only`` refuses it, so crafted code never runs), not a
+            trainbus checkpoint of this format, or an incomplete sharded folder.
     """
     p = Path(path)
     if p.is_dir():
@@ -133,8 +123,8 @@ def save_synced(obj: Any, file: Any) -> None:
     """``torch.save`` ``obj`` into the open binary ``file``, then flush and fsync it.
 
     Raises:
-        OSError: the disk refused a write (its own error: torch turns a refused write into
-            "RuntimeError: [enforce fail at inline_container.cc] unexpected pos").
+        OSError: the disk refused a write (its own error, not torch's errno-less
+            ``RuntimeError``).
     """
     sink = _Sink(file)
     try:
@@ -223,10 +213,9 @@ class LatestScan:
 
 
 class CheckpointStore:
-    """One checkpoint folder: writes files atomically, finds the newest valid one.
-
-    Opening a store removes the temp files that killed writers left in the folder (see
-    :meth:`clean_stale`). The folder itself is created by the first :meth:`save`, never before.
+    """One checkpoint folder: writes files atomically, finds the newest valid one. Opening a
+    store removes the temp files killed writers left (:meth:`clean_stale`); the folder is created
+    by the first :meth:`save`.
 
     Args:
         directory: The checkpoint folder.
@@ -239,10 +228,8 @@ class CheckpointStore:
             self.clean_stale()
 
     def clean_stale(self) -> list[Path]:
-        """Remove temp files whose writer is gone (killed mid-write).
-
-        A temp file is stale when the process id in its name is not running, or is this
-        process but the file is not one it is writing now.
+        """Remove temp files whose writer is gone: its pid in the name is not running, or is this
+        process but not a file it is writing now.
 
         Returns:
             The files removed.
@@ -348,10 +335,8 @@ class CheckpointStore:
         return [p for _, _, p in found]
 
     def load_latest(self, *, map_location: Any = "cpu") -> Checkpoint | None:
-        """Read the newest checkpoint that is valid, skipping the others with a warning.
-
-        Each skipped file is logged (``checkpoint_skipped``, warning level, with ``path`` and
-        ``reason``), never deleted: a person may want to look at it.
+        """Read the newest valid checkpoint, skipping the others (each logged as
+        ``checkpoint_skipped`` with its reason, never deleted).
 
         Returns:
             The newest valid checkpoint, or None when the folder holds none.
@@ -359,12 +344,12 @@ class CheckpointStore:
         return self.find_latest(map_location=map_location).checkpoint
 
     def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
-        """:meth:`load_latest`, also reporting what the folder held: what a resume says when it
-        finds nothing to load (a mistyped folder, an empty one, only damaged files).
+        """:meth:`load_latest`, also reporting what the folder held (what a resume says when it
+        finds nothing to load).
 
         Returns:
-            The scan: the newest valid checkpoint (or None), the files skipped and why, and
-            what else the folder held.
+            The scan: the newest valid checkpoint (or None), the files skipped and why, and what
+            else the folder held.
         """
         if not self._directory.is_dir():
             return LatestScan(self._directory, None, exists=False)

@@ -11,16 +11,11 @@
                           max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
         return trainer.fit_sync().eval_metrics["val_loss"]  # a pruned trial raises TrialPruned here
 
-The callback reports the monitored metric at the trainbus step of every evaluation that carries
-it (``EvaluationEnded``) and of every ``MetricsLogged`` that carries it (training metrics, or
-values logged from anywhere), asks the study's pruner, and when it says so sends
-``StopTraining(reason="pruned")``. A decision on an evaluation is applied before the next step
-(``EvaluationEnded`` is a barrier); one on ``MetricsLogged`` too (the callback declares the log
-steps as decision steps). The run then stops as any stopped run does (the final checkpoint,
-unless ``checkpoint_dir=CheckpointDir(path, skip_final={"pruned"})``; ``FitEnded``;
-``FitResult.ending == Ending.PRUNED``), and ``fit()``/``fit_sync()`` raise
-``optuna.TrialPruned``: Optuna stores the trial PRUNED with no code in the objective. See
-docs/sweeps.md.
+The callback reports the monitored metric at the step of every ``EvaluationEnded`` or
+``MetricsLogged`` carrying it, asks the study's pruner, and when it says so sends
+``StopTraining(reason="pruned")``, applied before the next step. The run then stops as any
+stopped run does (``FitResult.ending == Ending.PRUNED``) and ``fit()``/``fit_sync()`` raise
+``optuna.TrialPruned``, so Optuna stores the trial PRUNED. See docs/sweeps.md.
 """
 
 from __future__ import annotations
@@ -37,7 +32,7 @@ from .._bus.subscriptions import RankFilter, env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
-from ..callbacks._sets import reads_metric
+from ..callbacks._monitored import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -67,10 +62,8 @@ def _optuna() -> Any:
 class OptunaPruning(Callback):
     """Reports ``monitor`` to an Optuna trial, prunes it through the bus, ends it PRUNED.
 
-    Runs on rank 0 under torchrun (the one that talks to the study); the stop it sends is
-    agreed by every rank, which all stop at the same step. Only rank 0's ``fit()`` raises
-    ``optuna.TrialPruned``; the other ranks return their result (``ending == "pruned"``).
-    The other ranks, which have no trial, pass ``None`` (docs/sweeps.md, "Under torchrun").
+    Under torchrun it runs on rank 0 (the other ranks pass ``trial=None``); every rank stops
+    at the same step, and only rank 0's ``fit()`` raises ``optuna.TrialPruned``.
 
     Args:
         trial: The objective's ``optuna.Trial`` (any ``optuna.trial.BaseTrial``); ``None`` on
@@ -86,9 +79,8 @@ class OptunaPruning(Callback):
 
     During the run (the run fails with it, ``on_error="raise"``):
         ConfigError: ``monitor`` was in neither the first evaluation round nor the first
-            ``MetricsLogged`` (checked once both have come), or, in a run without one of
-            them, nowhere in the whole run (checked when it ends); the message names the
-            metrics that exist.
+            ``MetricsLogged`` (or, in a run without one of them, nowhere in the run), naming
+            the metrics that exist.
         PrunerError: the pruner or ``trial.report`` raised.
     After a pruned run, ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned`` (from
     :meth:`after_fit`, once the run ended and every event was delivered).
@@ -124,8 +116,7 @@ class OptunaPruning(Callback):
         """The step at which the pruner said prune (None: not pruned)."""
 
     def setup(self, bus: EventBus) -> None:
-        """Keep the bus (weakly: it holds this callback's subscriptions, so a strong reference
-        would be a cycle): the stop is sent on it, the log steps declared to it."""
+        """Keep the bus, weakly (it holds this callback: no cycle)."""
         self._bus = weakref.ref(bus)
 
     def check(self, plan: RunPlan) -> None:
@@ -161,9 +152,8 @@ class OptunaPruning(Callback):
             self._report(event.metrics[self.monitor], event.step)
 
     def on_evaluation_round_ended(self, event: ev.EvaluationRoundEnded) -> None:
-        """At the first round, once a log window closed too: fail the run when ``monitor``
-        appeared in neither (a value logged from anywhere first comes with a log window, which
-        may close after the first evaluation: then the window decides).
+        """At the first round, once a log window closed too, fail the run when ``monitor``
+        appeared in neither.
 
         Raises:
             ConfigError: naming ``monitor`` and the metrics that exist.
@@ -177,11 +167,6 @@ class OptunaPruning(Callback):
                                "before it")  # fmt: skip
 
     def _check_exists(self, where: str) -> None:
-        """Fail when ``monitor`` was never reported and is no metric seen in ``where``.
-
-        Raises:
-            ConfigError: naming ``monitor``, ``where`` and the metrics that exist.
-        """
         self._checked = True
         if not self._found and self.monitor not in self._train_names | self._known:
             raise ConfigError.invalid(
@@ -201,10 +186,8 @@ class OptunaPruning(Callback):
         """After a run this callback pruned, end ``fit()`` with ``optuna.TrialPruned``.
 
         Raises:
-            optuna.TrialPruned: the pruner said prune and the run ended
-                ``Ending.PRUNED`` (its final checkpoint written or skipped, events delivered).
-            ConfigError: a run without an evaluation or without a log window ended without
-                ``monitor`` anywhere (nothing was ever reported: pruning could not happen).
+            optuna.TrialPruned: the pruner said prune and the run ended ``Ending.PRUNED``.
+            ConfigError: a run without an evaluation or a log window never saw ``monitor``.
         """
         bus = None if self._bus is None else self._bus()
         if bus is not None and not RankFilter(bus.rank).runs_here(self.ranks):

@@ -1,7 +1,5 @@
-"""Operators that decide: patience, plateau and threshold, each emitting a command.
-
-They share :class:`Tracker` (the best value so far and the steps since it improved) and one
-way to read a metric from an event."""
+"""Operators that decide: patience, plateau and threshold, each emitting a command; the first
+two keep their state in a :class:`Tracker`."""
 
 from __future__ import annotations
 
@@ -23,18 +21,21 @@ Mode = Literal["min", "max"]
 
 
 class Tracker:
-    """The state of a metric decision (:func:`patience`, :func:`plateau`): the best value seen,
-    evaluations since it improved, the cooldown left and the reductions made.
+    """The state of a metric decision (:func:`patience`, :func:`plateau`). Pass one to the
+    operator (``tracker=``) to own it: a callback saves it with :meth:`state_dict` and restores it
+    on resume; without one, each subscription starts afresh.
 
-    Pass one to the operator (``tracker=``) to own that state: a callback saves it in a
-    checkpoint (:meth:`state_dict`) and restores it on resume (:meth:`load_state_dict`).
-    Without one, each subscription starts from a fresh tracker.
+    Attributes:
+        best: The best value seen (None before any).
+        best_step: The step of the event that gave ``best`` (None when unknown).
+        bad: Evaluations since ``best`` last improved.
+        cooling: Evaluations of cooldown left (:func:`plateau`).
+        reductions: Reductions made (:func:`plateau`).
     """
 
     def __init__(self) -> None:
         self.best: float | None = None
         self.best_step: int | None = None
-        """The step of the event that gave :attr:`best` (None when unknown)."""
         self.bad = 0
         self.cooling = 0
         self.reductions = 0

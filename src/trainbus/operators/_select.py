@@ -119,9 +119,8 @@ def once(
         ConfigError: ``at`` is a negative int, or neither int, callable nor None.
     """
 
-    # filter + take(1), not ops.first: first() errors with SequenceContainsNoElementsError when
-    # the source completes without a match, so a run ending before step k would count a
-    # subscriber failure at close (and fail the run under on_error="raise").
+    # filter + take(1), not ops.first: first() errors when the source completes without a
+    # match (a run ending before step k would count a subscriber failure).
     def first(predicate: Callable[[Any], bool]) -> Callable[[Observable[_T]], Observable[_T]]:
         return lambda source: source.pipe(ops.filter(predicate), ops.take(1))
 

@@ -16,7 +16,13 @@ __all__ = ["Span", "span_durations"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Span:
-    """A matched ``XStarted`` / ``XEnded`` pair."""
+    """A matched ``XStarted`` / ``XEnded`` pair.
+
+    Attributes:
+        start: The start event.
+        end: The end event (its ``error`` holds the exception of a failed span).
+        duration_s: ``end.time - start.time``.
+    """
 
     start: ev.BaseEvent
     end: ev.BaseEvent
@@ -28,13 +34,11 @@ def span_durations(
 ) -> Callable[[Observable[Any]], Observable[Span]]:
     """Pair each ``XStarted`` event with its ``XEnded`` event and emit their :class:`Span`.
 
-    ``start=None`` times every span of :data:`trainbus.events.SPANS` (each kind paired with
-    its own partner); ``start=X`` only that kind, ``end`` defaulting to its partner in
-    ``SPANS`` (give ``end`` to time from any event to any other). Works for any span (fit,
-    epoch, evaluation round, set and batch, prediction), because the loop guarantees the pair
-    even on failure (``span.end.error`` then holds the exception). Nested spans of one kind pair
-    innermost first; an end without a start (subscribed mid-span) is dropped. Durations come
-    from the events' ``time`` stamps, not from when they were delivered.
+    ``start=None`` times every span of :data:`trainbus.events.SPANS`; ``start=X`` only that kind,
+    ``end`` defaulting to its partner (give ``end`` to time from any event to any other). The
+    loop guarantees each pair even on failure. Nested spans of one kind pair innermost first; an
+    end without a start is dropped. Durations come from the events' ``time`` stamps. (The parts
+    of a step are timed by ``Trainer(trace=...)``'s ``SpanTraced`` instead.)
 
     ::
 
@@ -43,9 +47,6 @@ def span_durations(
 
         source:             -E-B-b-e-|        E/e EpochStarted/Ended, B/b EvalBatchStarted/Ended
         span_durations():   -----x-y-|        x = eval batch span, y = epoch span
-
-    The parts of a step are no pairs: ``Trainer(trace=...)`` times each one itself
-    (``SpanTraced.duration_s``).
 
     Raises:
         ConfigError: ``start`` is not a span start (without ``end``), or ``end`` is not an

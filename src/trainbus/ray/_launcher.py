@@ -47,8 +47,7 @@ class RayLaunchResult(LaunchResult):
     """A :class:`~trainbus.LaunchResult` (``returncode`` 0) plus Ray's own.
 
     Attributes:
-        result: The ``ray.train.Result`` of ``TorchTrainer.fit()`` (its metrics, checkpoint,
-            path).
+        result: The ``ray.train.Result`` of ``TorchTrainer.fit()``.
         links: How many times rank 0 linked: 1, plus one per restart of the workers by Ray.
     """
 
@@ -57,8 +56,9 @@ class RayLaunchResult(LaunchResult):
 
 
 class _WorkerEntry:
-    """What every Ray Train worker runs: the user's ``train_fn`` with the driver's address
-    and token in its environment (so rank 0's Trainer links by itself), restored after."""
+    """What every Ray Train worker runs: ``train_fn`` with the driver's address and token in its
+    environment (so rank 0's Trainer links by itself), restored after.
+    """
 
     def __init__(self, train_fn: Callable[..., Any], address: str, token: str) -> None:
         self.train_fn = train_fn
@@ -101,9 +101,9 @@ def _required_params(fn: Callable[..., Any]) -> int:
 class RayLauncher:
     """Runs ``train_fn`` on a Ray Train ``TorchTrainer``; rank 0's events feed :attr:`bus`.
 
-    Inside ``train_fn`` build a :class:`~trainbus.Trainer` and call ``run()`` / ``await fit()``
-    as in any script: Ray sets up the process group (adopted), rank 0 links to this driver by
-    itself, and the commands of this bus are agreed across ranks as under torchrun.
+    Inside ``train_fn`` build a :class:`~trainbus.Trainer` and fit as in any script: rank 0
+    links to this driver by itself, and this bus' commands are agreed across ranks as under
+    torchrun.
 
     Args:
         train_fn: The function every worker runs (no argument, or the ``config`` dict).
@@ -120,6 +120,9 @@ class RayLauncher:
             first one sends ``StopTraining(reason="signal")`` (every rank stops at the same
             step and writes its final checkpoint; the launch returns with ``signal`` set), a
             second one kills the workers at once (the launch raises).
+
+    Attributes:
+        bus: The driver's bus, where the subscribers run.
 
     Raises:
         MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
@@ -185,8 +188,9 @@ class RayLauncher:
 
     @property
     def stop_reason(self) -> str | None:
-        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
-        the reason this driver asked them to stop with, else None."""
+        """Why the workers stopped: their ``FitEnded.stop_reason`` once it arrived, else the
+        reason this driver asked them to stop with, else None.
+        """
         return workers_stop_reason(None if self._link is None else self._link.ended,
                                    self._stop_reason)  # fmt: skip
 
@@ -202,16 +206,16 @@ class RayLauncher:
         return anyio.run(self.launch, backend=backend)
 
     async def launch(self) -> RayLaunchResult:
-        """Run the ``TorchTrainer`` (``ray.init()`` first when Ray is not initialised), serve
-        rank 0's link, and wait until it ends.
+        """Run the ``TorchTrainer`` (``ray.init()`` first if needed), serve rank 0's link, and
+        wait until it ends.
 
         Returns:
             The :class:`RayLaunchResult`.
 
         Raises:
-            LaunchError: Ray reported the training failed (the workers' error in the message),
-                the run ended with no worker linked (``train_fn`` never built a Trainer), or
-                the workers were killed (a second signal; ``signal`` says which).
+            LaunchError: Ray reported the training failed, no worker linked (``train_fn`` never
+                built a Trainer), or the workers were killed (a second signal; ``signal`` says
+                which).
             Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
                 (the workers are stopped first).
         """
@@ -309,8 +313,7 @@ class RayLauncher:
         await self._abort()
 
     async def _abort(self) -> None:
-        """Kill the Ray Train workers (Ray then ends the run as failed, or, restarting them,
-        the new ones return at once)."""
+        """Kill the Ray Train workers (Ray then ends the run as failed)."""
         if self._driver is None or self._aborted:
             return
         self._aborted = True
@@ -339,8 +342,7 @@ def launch(
     Raises:
         MissingExtraError: Ray Train is not installed.
         ConfigError: a bad argument.
-        LaunchError: the training failed, or no worker linked (see
-            :meth:`RayLauncher.launch`).
+        LaunchError: see :meth:`RayLauncher.launch`.
     """
     launcher = RayLauncher(train_fn, scaling_config=scaling_config, run_config=run_config,
                            train_loop_config=train_loop_config, setup=setup,

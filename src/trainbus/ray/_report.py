@@ -22,23 +22,20 @@ log = get_logger(__name__)
 
 class ReportToRay(Callback):
     """Calls ``ray.train.report`` on every rank at each checkpoint the Trainer writes (and,
-    with ``evaluations=True``, after each evaluation), so the Ray ``Result`` of the run holds
-    its metrics and latest checkpoint.
+    with ``evaluations=True``, after each evaluation), so the Ray ``Result`` holds the run's
+    metrics and latest checkpoint.
 
-    ``ray.train.report`` is a collective of every worker (each blocks until all have called
-    it) and costs about as much as a checkpoint: a rank-0 subscriber, or one per
-    ``MetricsLogged``, hangs or throttles the run. This callback runs on every rank
-    (``ranks = "all"``) and only at the points every rank reaches alike: ``CheckpointSaved``
-    (published by every rank after rank 0's write) and ``EvaluationEnded`` (after the ranks'
-    metric all-reduce). Each report runs in a worker thread, so the training thread never
-    waits for it; reports go in order, one at a time.
-
-    Rank 0 hands Ray a directory holding the checkpoint file (a hard link when the storage
-    allows, else a copy), which Ray copies into its storage; the other ranks report their
+    ``ray.train.report`` is a collective of every worker, so this callback runs on every rank
+    (``ranks = "all"``) and only at points every rank reaches alike (``CheckpointSaved``,
+    ``EvaluationEnded``); each report runs in a worker thread, in order. Rank 0 hands Ray a
+    folder holding the checkpoint file (a hard link, else a copy); the other ranks report their
     metrics only.
 
     Args:
         evaluations: Also report after each evaluation (metrics, no checkpoint).
+
+    Attributes:
+        reports: Reports made so far on this rank.
     """
 
     ranks = "all"

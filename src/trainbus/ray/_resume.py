@@ -1,10 +1,6 @@
-"""Resuming from the checkpoint Ray hands a restarted worker (``ray.train.get_checkpoint()``).
-
-``fit(resume="latest")`` asks here first: inside a Ray Train worker that Ray gave a checkpoint
-(the latest one :class:`~trainbus.ray.ReportToRay` reported, after Ray restarted the workers),
-that checkpoint wins over ``checkpoint_dir``: on a restarted cluster the new workers may not see
-the old ones' disks, Ray's storage they do. Ray is never imported here: outside a process that
-already runs Ray Train (``ray.train`` not imported) there is nothing to ask.
+"""Resuming from the checkpoint Ray hands a restarted worker (``ray.train.get_checkpoint()``):
+``fit(resume="latest")`` asks here first, since restarted workers may not see the old ones'
+disks but do see Ray's storage. Ray is never imported here.
 """
 
 from __future__ import annotations
@@ -34,15 +30,12 @@ def _handed() -> Any:
 
 
 def read_ray_checkpoint() -> Checkpoint | None:
-    """Read the trainbus checkpoint in the Ray checkpoint handed to this worker.
-
-    Ray's checkpoint is a folder (in Ray's storage; a local copy while it is read when the
-    storage is remote): the first file in it that reads as a trainbus checkpoint is the one.
+    """Read the trainbus checkpoint in the Ray checkpoint handed to this worker: the first
+    file in its folder that reads as one.
 
     Returns:
         The checkpoint (not applied yet), or None: not a Ray Train worker, Ray handed none, or
-        none of its files is a readable trainbus checkpoint (logged as
-        ``resume_ray_checkpoint_unreadable`` with why).
+        none of its files is readable (logged as ``resume_ray_checkpoint_unreadable``).
     """
     handed = _handed()
     if handed is None:

@@ -10,19 +10,13 @@ rank 0 and the driver.
     push(id, seq, lines)  (non-waiting) ──►  chunks ───── take() ────────►  DriverLink.receive
     commands(id, wait)  (long poll) ◄─────  commands ◄── put_commands() ──  DriverLink.forward
 
-- The worker's pushes are fire-and-forget calls (``actor.push.remote(...)``, never waited on),
-  one per batch of events: the link's sender lingers :data:`LINGER` seconds after an event for
-  more (a Ray call costs about as much as a tiny training step; one per event would slow
-  rank 0 by tens of percent). Each batch carries a sequence number, so the driver reads them
-  in rank 0's order whatever order the actor ran them in.
-- The driver long-polls :meth:`_Mailbox.take`: the call returns as soon as a hello or the next
-  batch is there (with everything queued since), or after ``poll_interval`` seconds with
-  nothing. So the driver makes one Ray call per batch while events stream and about two a
-  second while none do: on a machine whose cores the workers fill, every call the driver
-  makes takes CPU from a worker (and under gloo, from every rank waiting for it).
-- Only the accepted link's pushes are kept; a refused worker's are dropped. What crosses is
-  bytes of :mod:`trainbus._wire` JSON lines: Ray pickles the call's arguments, but never an
-  event or a command object.
+- The worker pushes fire-and-forget, one call per batch (the sender lingers :data:`LINGER`
+  seconds for more: a Ray call costs about a tiny training step), each with a sequence
+  number so the driver reads them in rank 0's order.
+- The driver long-polls :meth:`_Mailbox.take` (returns with everything queued, or after
+  ``poll_interval`` with nothing): few calls, since each takes CPU from the workers.
+- Only the accepted link's pushes are kept. What crosses is :mod:`trainbus._wire` JSON lines
+  as bytes, never a pickled event or command.
 """
 
 from __future__ import annotations
@@ -101,8 +95,9 @@ class _Mailbox:
         self._wake.set()
 
     def register(self, worker: Any) -> bool:
-        """A Ray Train worker (its actor handle) starts ``train_fn``: False, or True when the
-        driver already aborted the run (the worker must not start it)."""
+        """A Ray Train worker (its actor handle) starts ``train_fn``: True when the driver already
+        aborted the run (the worker must not start it).
+        """
         if not self._aborted:
             self._workers.append(worker)
         return self._aborted
@@ -150,10 +145,8 @@ _MailboxActor: Any = ray.remote(num_cpus=0)(_Mailbox)
 
 
 def parse_address(address: str) -> tuple[str, str]:
-    """``ray:<namespace>/<name>`` -> (namespace, name).
-
-    Raises:
-        ConfigError: a malformed address, naming ``TRAINBUS_DRIVER_ADDR``.
+    """``ray:<namespace>/<name>`` -> (namespace, name); ``ConfigError`` naming
+    ``TRAINBUS_DRIVER_ADDR`` when malformed.
     """
     scheme, _, rest = address.partition(":")
     namespace, _, name = rest.rpartition("/")
@@ -163,15 +156,10 @@ def parse_address(address: str) -> tuple[str, str]:
 
 
 def register_worker(address: str) -> bool:
-    """In a Ray Train worker, before ``train_fn``: hand the driver's mailbox this worker's
-    actor (so the driver can end it at once, :meth:`RayDriver.abort_workers`).
-
-    Returns:
-        True when the driver already aborted the run: do not start ``train_fn``.
-
-    Raises:
-        ConfigError: a malformed address.
-        LaunchError: the driver's mailbox is gone.
+    """In a Ray Train worker, before ``train_fn``: hand the driver's mailbox this worker's actor
+    (so :meth:`RayDriver.abort_workers` can end it). Returns True when the driver already aborted
+    the run; raises ``ConfigError`` for a malformed address, ``LaunchError`` when the mailbox is
+    gone.
     """
     namespace, name = parse_address(address)
     try:
@@ -184,7 +172,7 @@ def register_worker(address: str) -> bool:
 
 class RayTransport:
     """The worker's side of the Ray transport (a :class:`~trainbus._distributed.link.
-    WorkerTransport`), built from ``TRAINBUS_DRIVER_ADDR=ray:<namespace>/<name>``.
+    WorkerTransport`).
 
     Args:
         address: ``ray:<namespace>/<name>`` of the driver's mailbox actor.
@@ -206,10 +194,8 @@ class RayTransport:
         self._closed = False
 
     def open(self, hello: bytes) -> bytes:
-        """Find the mailbox, send ``hello``, wait for the driver's answer.
-
-        Raises:
-            LaunchError: no such actor (the driver is gone), or no answer within ``timeout``.
+        """Find the mailbox, send ``hello``, wait for the driver's answer; ``LaunchError`` when
+        the driver is gone or did not answer within ``timeout``.
         """
         try:
             self._actor = ray.get_actor(self._name, namespace=self._namespace)
@@ -255,13 +241,12 @@ class RayTransport:
 
 class RayDriver:
     """The driver's side of the Ray transport: a named mailbox actor in this job's namespace
-    (Ray must be initialised). Build it with :meth:`start`.
+    (Ray initialised), built with :meth:`start`.
 
     Args:
         actor: The mailbox actor's handle.
         address: ``ray:<namespace>/<name>``.
-        poll_interval: The longest one read of the mailbox waits for a hello or a batch (it
-            returns as soon as one is there).
+        poll_interval: The longest one read of the mailbox waits for a hello or a batch.
     """
 
     def __init__(self, actor: Any, address: str, *, poll_interval: float = 0.5) -> None:
@@ -271,8 +256,7 @@ class RayDriver:
 
     @classmethod
     async def start(cls, *, poll_interval: float = 0.5) -> RayDriver:
-        """Start the mailbox actor and wait until it runs (so a worker's handshake never
-        waits for an actor still starting)."""
+        """Start the mailbox actor and wait until it runs (a handshake never waits for it)."""
         namespace = ray.get_runtime_context().namespace
         name = f"trainbus-link-{secrets.token_hex(8)}"
         actor = _MailboxActor.options(name=name, namespace=namespace).remote()
@@ -298,11 +282,8 @@ class RayDriver:
         self._actor.put_commands.remote(data)
 
     async def abort_workers(self) -> int:
-        """End every Ray Train worker of the run at once (``ray.kill``, no graceful stop), and
-        make any worker Ray starts after this return without running ``train_fn``.
-
-        Returns:
-            How many workers were killed.
+        """Kill every Ray Train worker of the run at once (no graceful stop); workers Ray starts
+        afterwards return without running ``train_fn``. Returns how many were killed.
         """
         workers = await anyio.to_thread.run_sync(ray.get, self._actor.abort.remote())
         for worker in workers:

@@ -1,4 +1,4 @@
-"""Which evaluation events a metric monitor reads, with several named evaluation sets.
+"""Metric monitors: which evaluation events they read, what they check, the tracker they keep.
 
 With ``eval_data={"val": a, "test": b}`` each set's ``EvaluationEnded`` carries only its own
 keys (``val/loss``, ``test/acc``). A monitor of ``"test/acc"`` reads the ``test`` set's events
@@ -8,16 +8,18 @@ so a name no set has still fails loudly with the keys the event does have.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
+from .. import operators as tbops
 from .._exceptions import ConfigError
+from ._base import Callback
 
 if TYPE_CHECKING:
     from ._base import RunPlan
 
-__all__ = ["check_monitored", "reads_metric"]
+__all__ = ["TrackedCallback", "check_monitored", "reads_metric"]
 
 
 def reads_metric(metric: str) -> Callable[[Any], bool]:
@@ -74,3 +76,32 @@ def check_monitored(
         option, metric, f"a metric some evaluation produces, but this run has no eval_data: "
         f"give the Trainer eval_data{jobs}, or remove the callback",
     )  # fmt: skip
+
+
+class TrackedCallback(Callback):
+    """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``).
+
+    It owns the tracker: the operator counts in it, checkpoints save it (:meth:`state_dict`), a
+    resume restores it before the first evaluation, and :meth:`fresh_tracker` gives each addition
+    (one run) its own.
+
+    Args:
+        state_key: Name of its state in checkpoints (None: the class name).
+    """
+
+    def __init__(self, state_key: str | None = None) -> None:
+        self.state_key = state_key
+        self.tracker = tbops.Tracker()
+
+    def fresh_tracker(self) -> tbops.Tracker:
+        """Start a new run's tracker (called from ``setup``) and return it."""
+        self.tracker = tbops.Tracker()
+        return self.tracker
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker's state (best value, counters)."""
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before the resumed run's first evaluation)."""
+        self.tracker.load_state_dict(state)
