@@ -21,6 +21,7 @@ __all__ = [
     "LIGHTNING_OPTIONS",
     "REMOVED_OPTIONS",
     "HfOption",
+    "fit_hint",
     "hf_hint",
     "lightning_hint",
     "removed_hint",
@@ -215,7 +216,7 @@ REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "eval_at_end": ("eval_schedule", lambda v: f"eval_schedule=EvalSchedule(at_end={v!r})"),
     "handle_signals": ("on_signal", _signals),
     "scheduler_interval": ("scheduler", _interval),
-    "accumulate_by": ("accumulate", lambda v: f"accumulate=Accumulate(n, by={v!r})"),
+    "accumulate_by": ("accumulate", lambda v: f"accumulate=Accumulate(micro_batches, by={v!r})"),
     "skip_final_checkpoint": (
         "checkpoint_dir",
         lambda v: f"checkpoint_dir=CheckpointDir(path, skip_final={v!r})",
@@ -277,3 +278,20 @@ def lightning_hint(name: str) -> str | None:
     if found is None:
         return None
     return f"that is Lightning's Trainer.{name}; in trainbus: {found[1]}"
+
+
+FIT_OPTIONS = {
+    "ckpt_path": "Lightning's Trainer.fit(ckpt_path=...)",
+    "resume_from_checkpoint": "Hugging Face's Trainer.train(resume_from_checkpoint=...)",
+}
+"""Other frameworks' keywords of their ``fit`` that ``fit(resume=...)`` replaces."""
+
+
+def fit_hint(name: str, value: Any) -> str | None:
+    """What replaces the keyword ``name=value`` of another framework's ``fit``, or None."""
+    source = FIT_OPTIONS.get(name)
+    if source is None:
+        return None
+    latest = value is True or value == "last"
+    resume = "'latest'" if latest else repr(value) if isinstance(value, str) else "<path>"
+    return f"that is {source}; in trainbus: fit(resume={resume}) (a path or 'latest')"

@@ -42,7 +42,7 @@ from .._tensors import bf16_supported
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
 from .endings import check_skip_final
-from .hf_options import hf_hint, lightning_hint, removed_hint
+from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [
     "CHECKS",
@@ -52,6 +52,7 @@ __all__ = [
     "PerEpoch",
     "build_settings",
     "check_options",
+    "explains_fit_keywords",
     "explains_unknown_options",
 ]
 
@@ -85,7 +86,15 @@ class EvalSchedule:
         checks.boolean()("EvalSchedule.at_end", self.at_end)
 
 
-@dataclass(frozen=True, slots=True)
+def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
+    return unknown_keyword_message(
+        "Accumulate", name, ["micro_batches", "by"],
+        f"the micro-batches per step are micro_batches: Accumulate({value!r}) or "
+        f"Accumulate(micro_batches={value!r})" if isinstance(value, int) else None,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Accumulate:
     """Gradient accumulation with a weighing of its own: ``accumulate=Accumulate(4,
     by="items")`` (``accumulate=4`` is ``Accumulate(4)``).
@@ -102,14 +111,18 @@ class Accumulate:
 
     Raises:
         ConfigError: naming the field (``Accumulate.micro_batches``, ``Accumulate.by``).
+        TypeError: another keyword (``Accumulate(n=4)``), naming ``micro_batches``.
     """
 
     micro_batches: int
-    by: AccumulateBy = "batches"
+    by: AccumulateBy
 
-    def __post_init__(self) -> None:
-        check_int("Accumulate.micro_batches", self.micro_batches, 1)
-        checks.accumulate_by("Accumulate.by", self.by)
+    @explains_unknown_keywords(_accumulate_keyword)
+    def __init__(self, micro_batches: int, by: AccumulateBy = "batches") -> None:
+        check_int("Accumulate.micro_batches", micro_batches, 1)
+        checks.accumulate_by("Accumulate.by", by)
+        object.__setattr__(self, "micro_batches", micro_batches)
+        object.__setattr__(self, "by", by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,8 +196,10 @@ def _plain_accumulate(value: Any) -> Accumulate:
     try:
         return Accumulate(value)
     except ConfigError:
-        raise ConfigError.invalid("accumulate", value, "an int >= 1 (micro-batches per step) "
-                                  "or trainbus.Accumulate(n, by=...)") from None  # fmt: skip
+        raise ConfigError.invalid(
+            "accumulate", value,
+            "an int >= 1 (micro-batches per step) or trainbus.Accumulate(micro_batches, by=...)",
+        ) from None  # fmt: skip
 
 
 def _plain_checkpoint_dir(value: Any) -> CheckpointDir | None:
@@ -265,6 +280,15 @@ def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str
 explains_unknown_options = explains_unknown_keywords(unknown_option_message)
 """``Trainer.__init__`` with a keyword that is no option refused as Python refuses it, and
 what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
+
+
+def explains_fit_keywords(owner: str) -> Any:
+    """``Trainer.fit`` / ``fit_sync`` refusing another framework's keyword (``ckpt_path``,
+    ``resume_from_checkpoint``) by naming ``fit(resume=...)``."""
+    return explains_unknown_keywords(
+        lambda name, value, known: unknown_keyword_message(owner, name, known,
+                                                           fit_hint(name, value))
+    )  # fmt: skip
 
 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],

@@ -75,6 +75,7 @@ from .options import (
     PerEpoch,
     build_settings,
     check_options,
+    explains_fit_keywords,
     explains_unknown_options,
 )
 from .rank_setup import RankSetup
@@ -113,7 +114,7 @@ class Trainer:
             mapping of optimizer names to schedulers. ``PerEpoch(scheduler)``: stepped once
             per epoch instead.
         accumulate: Micro-batches per optimizer step (gradient accumulation), or
-            ``Accumulate(n, by="items")`` to weigh them by their items (:class:`Accumulate`).
+            ``Accumulate(4, by="items")`` to weigh them by their items (:class:`Accumulate`).
         clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
             reported as ``grad_norm`` on the events.
         precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
@@ -349,6 +350,7 @@ class Trainer:
         await self._holder.aclose()
 
     # ================================================================== running
+    @explains_fit_keywords("fit_sync")
     def fit_sync(
         self,
         *,
@@ -383,6 +385,7 @@ class Trainer:
             self._raise_interrupt(result)
             return result
 
+    @explains_fit_keywords("fit")
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
     ) -> FitResult:
