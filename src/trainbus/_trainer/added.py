@@ -8,9 +8,28 @@ from .._bus import EventBus, Tier
 from .._bus.subscriptions import Subscription
 from .._exceptions import ConfigError
 from .._loop import HookHandle, Hooks
+from .._moved import lightning_method_hint
 from ..callbacks._base import Callback
 
-__all__ = ["AddedCallbacks", "as_instances"]
+__all__ = ["AddedCallbacks", "as_instances", "hook_methods"]
+
+
+def hook_methods(callback: Callback) -> dict[str, str]:
+    """The callback's ``hook_*`` methods and their points, its ``on_*`` methods checked.
+
+    Raises:
+        ConfigError: a misspelt ``on_*`` / ``hook_*`` method; a Lightning method name
+            (``on_train_batch_end``) names the trainbus method that replaces it.
+    """
+    cls = type(callback)
+    try:
+        return cls.methods()[1]
+    except ConfigError:
+        for name in dir(cls):
+            hint = lightning_method_hint(name)
+            if hint is not None and callable(getattr(cls, name)):
+                raise ConfigError.invalid(f"{cls.__name__}.{name}", name, hint) from None
+        raise
 
 
 def as_instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
@@ -92,7 +111,7 @@ class AddedCallbacks:
                         "state_key", key, f"a name no other stateful callback has: {other!r} "
                         f"and {cb!r} both save their state as {key!r}; pass state_key= to one",
                     )  # fmt: skip
-        _, hooks_map = type(cb).methods()
+        hooks_map = hook_methods(cb)
         bus = self._bus
         mark = len(bus.subscriptions)
         handles: list[HookHandle] = []
