@@ -55,7 +55,8 @@ from ._driver import add_driver_callback, workers_stop_reason
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
 from ._signals import not_ignored
-from ._validate import check_int, check_seconds
+from ._trainer.endings import OnSignal, check_on_signal
+from ._validate import check_int, check_seconds, explains_unknown_keywords, unknown_keyword_message
 from .callbacks._base import Callback
 
 __all__ = ["LaunchResult", "Launcher", "launch"]
@@ -94,6 +95,21 @@ class LaunchResult:
     signal: int | None = None
 
 
+def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
+    hint = None
+    if name == "handle_signals":
+        hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
+    return unknown_keyword_message("Launcher", name, known, hint)
+
+
+def _interrupt(signum: signal.Signals) -> BaseException:
+    """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
+    note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
+    exc.add_note(note + " the LaunchResult instead")
+    return exc
+
+
 class Launcher:
     """Runs ``script`` under torchrun; rank 0's events feed this process' :attr:`bus`.
 
@@ -113,12 +129,17 @@ class Launcher:
         keep_events: How many of the last events a :class:`LaunchResult` or
             :class:`~trainbus.LaunchError` carries (``events``; ``received`` counts them all).
         python: The interpreter running torchrun (default: this one).
-        handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only).
+        on_signal: As the Trainer's: SIGINT/SIGTERM on the main thread stop the workers
+            gracefully; then ``"return"`` (default) returns the :class:`LaunchResult` (its
+            ``signal`` set), ``"raise"`` raises ``KeyboardInterrupt`` for SIGINT,
+            ``SystemExit(143)`` for SIGTERM. None: no handler.
 
     Raises:
         ConfigError: a bad argument, naming it.
+        TypeError: an unknown keyword (``handle_signals``: naming ``on_signal``).
     """
 
+    @explains_unknown_keywords(_unknown_keyword)
     def __init__(
         self,
         script: str | os.PathLike[str],
@@ -132,7 +153,7 @@ class Launcher:
         connect_timeout: float = 10.0,
         keep_events: int = 100,
         python: str | None = None,
-        handle_signals: bool = True,
+        on_signal: OnSignal | None = "return",
     ) -> None:
         path = Path(script)
         if not path.is_file():
@@ -151,7 +172,7 @@ class Launcher:
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout)
         self.keep_events = check_int("keep_events", keep_events, 0)
         self.python = python or sys.executable
-        self.handle_signals = bool(handle_signals)
+        self.on_signal = check_on_signal(on_signal)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
             self._attach(cb)
@@ -229,7 +250,7 @@ class Launcher:
                     on_failure = partial(tg.start_soon, self._terminate_after, self.stop_timeout)
                     tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
                     main = threading.current_thread() is threading.main_thread()
-                    if self.handle_signals and main:
+                    if self.on_signal is not None and main:
                         tg.start_soon(self._watch_signals, tg)
                     returncode = await process.wait()
                     if link.linked:  # the last events still in the socket
@@ -242,6 +263,8 @@ class Launcher:
                 await self._terminate()
         if returncode != 0:
             raise self._failure(returncode)
+        if self._signal is not None and self.on_signal == "raise":
+            raise _interrupt(signal.Signals(self._signal))
         return LaunchResult(returncode=returncode, events=link.events, received=link.received,
                             last_event=link.last_event, stop_reason=self.stop_reason,
                             signal=self._signal,

@@ -26,7 +26,7 @@ def read(out: Path) -> list[dict[str, Any]]:
 
 def worker(out: Path, mode: str, steps: int = 40, nproc: int = 2, **kw: Any) -> Launcher:
     return Launcher(SCRIPTS / "link_worker.py", str(out), mode, str(steps),
-                    nproc_per_node=nproc, handle_signals=False, **kw)  # fmt: skip
+                    nproc_per_node=nproc, on_signal=None, **kw)  # fmt: skip
 
 
 @pytest.mark.asyncio
@@ -104,7 +104,7 @@ async def test_the_killed_rank_is_named_with_its_own_exit_code_and_signal(tmp_pa
 
 @pytest.mark.asyncio
 async def test_a_script_that_fails_to_import_is_a_clear_error(tmp_path: Path) -> None:
-    launcher = Launcher(SCRIPTS / "broken_import.py", handle_signals=False)
+    launcher = Launcher(SCRIPTS / "broken_import.py", on_signal=None)
     with pytest.raises(LaunchError, match="before rank 0 linked") as info:
         await launcher.launch()
     assert "trainbus_no_such_module" in info.value.stderr
@@ -161,7 +161,7 @@ def test_callbacks_subscribe_their_methods_and_hooks_are_refused() -> None:
 @pytest.mark.asyncio
 async def test_a_missing_interpreter_is_a_launch_error(tmp_path: Path) -> None:
     launcher = Launcher(SCRIPTS / "link_worker.py", python=str(tmp_path / "no-python"),
-                        handle_signals=False)  # fmt: skip
+                        on_signal=None)  # fmt: skip
     with pytest.raises(LaunchError, match="cannot start torchrun"):
         await launcher.launch()
 
@@ -173,6 +173,22 @@ def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
         Launcher(SCRIPTS / "link_worker.py", nproc_per_node=0)
     with pytest.raises(ConfigError, match="torchrun_args"):
         Launcher(SCRIPTS / "link_worker.py", torchrun_args="--standalone")  # type: ignore[arg-type]
+
+
+def test_on_signal_is_spelt_as_the_trainers() -> None:
+    assert Launcher(SCRIPTS / "link_worker.py").on_signal == "return"
+    assert Launcher(SCRIPTS / "link_worker.py", on_signal="raise").on_signal == "raise"
+    with pytest.raises(ConfigError, match="on_signal='stop' is invalid"):
+        Launcher(SCRIPTS / "link_worker.py", on_signal="stop")  # type: ignore[arg-type]
+
+
+def test_handle_signals_is_a_type_error_naming_on_signal() -> None:
+    with pytest.raises(TypeError) as info:
+        Launcher(SCRIPTS / "link_worker.py", handle_signals=False)  # type: ignore[call-arg]
+    assert str(info.value) == (
+        "Launcher() got an unexpected keyword argument 'handle_signals': on_signal=None "
+        "(no handler)"
+    )
 
 
 def test_the_command_line_adds_standalone_unless_addressed() -> None:
