@@ -1,24 +1,10 @@
 """The Trainer's options: the groups of related ones, each option's check, and the loop's
 :class:`~trainbus._loop.Settings` built from them.
 
-The options are declared once, in ``Trainer.__init__``'s keyword-only signature (type, default)
-and its docstring (meaning): what ``help(Trainer)``, ``inspect.signature``, mypy and an IDE read.
-From there:
-
-- :data:`CHECKS` holds the check of each keyword option, by name, in the signature's order
-  (``tests/trainer/test_options.py`` holds the two to each other);
-- :func:`check_options` runs them on the arguments of a call (``Trainer.__init__`` hands over
-  its ``locals()``: no second list of the options or of their defaults);
-- :func:`build_settings` builds the loop's ``Settings`` from the checked options, the bus' own
-  options (``barriers``) and the checks of two options at once;
-- :func:`explains_unknown_options` turns Python's ``TypeError`` for a keyword that is no option
-  into one naming what replaces it: a Hugging Face name (:mod:`.hf_options`), a removed
-  trainbus name (:data:`.hf_options.REMOVED_OPTIONS`), else the nearest option.
-
-A group of related options is a small frozen dataclass checked when it is built
-(:class:`EvalSchedule`, :class:`Accumulate`, :class:`CheckpointDir`, :class:`PerEpoch`); where
-one value is the common case (``accumulate=4``, ``checkpoint_dir="runs/x"``,
-``scheduler=sched``) the option takes it as well, as httpx's ``timeout=5.0`` or ``Timeout(...)``.
+The options are declared once, in ``Trainer.__init__``'s keyword-only signature and docstring;
+:data:`CHECKS` holds each one's check in the signature's order, :func:`check_options` runs
+them on ``__init__``'s ``locals()``. A group of related options is a frozen dataclass checked
+when built; where one value is the common case (``accumulate=4``) the option takes it too.
 """
 
 from __future__ import annotations
@@ -179,8 +165,7 @@ def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
 
 
 def _group(cls: type, *, plain: Callable[[Any], Any] | None = None) -> checks.Check:
-    """An instance of the group ``cls``, or (with ``plain``) the common single value that
-    ``plain(value)`` turns into one."""
+    """An instance of the group ``cls``, or (with ``plain``) the value ``plain`` turns into one."""
 
     def check(name: str, value: Any) -> Any:
         if isinstance(value, cls):
@@ -244,19 +229,15 @@ CHECKS: dict[str, checks.Check] = {
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Every keyword option of a call checked, in the signature's order.
-
-    Args:
-        given: ``{name: value}`` of every keyword option (``Trainer.__init__``'s ``locals()``;
-            other names in it are ignored).
+    """Every keyword option of ``given`` (``Trainer.__init__``'s ``locals()``) checked, in
+    the signature's order.
 
     Returns:
-        ``{name: the value the run uses}`` for every option: ``scheduler`` as
-        ``(scheduler, interval)``, ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir``
-        a :class:`CheckpointDir` or None.
+        ``{name: the value the run uses}``: ``scheduler`` as ``(scheduler, interval)``,
+        ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir`` a :class:`CheckpointDir`.
 
     Raises:
-        ConfigError: the first option (in the signature's order) whose value its check refuses.
+        ConfigError: the first option whose value its check refuses.
     """
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
@@ -270,7 +251,6 @@ def bus_hint(name: str, value: Any) -> str | None:
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
     """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
-    # A habit to unlearn (Hugging Face's, Lightning's, an earlier trainbus'): its successor.
     hint = (
         hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
     )
@@ -293,15 +273,8 @@ def explains_fit_keywords(owner: str) -> Any:
 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
-    """The loop's :class:`Settings`: the positional arguments checked, the checks of two
-    options at once, and the checked options, each where the loop reads it.
-
-    Args:
-        model: The Trainer's ``model``.
-        optimizer: Its ``optimizer`` (one, or a mapping of names to optimizers).
-        train_data: Its ``train_data``.
-        options: The options from :func:`check_options`.
-        bus: The Trainer's bus (its ``barriers``).
+    """The loop's :class:`Settings` from the positional arguments, the checked ``options``
+    and the bus' ``barriers``, after the checks of two options at once.
 
     Raises:
         ConfigError: naming the first bad argument, its value and what is allowed.
@@ -363,10 +336,8 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
 
 def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
                   options: Mapping[str, Any]) -> None:  # fmt: skip
-    """Refuse a one-shot iterator where the run would iterate it twice: as ``eval_data`` (every
-    evaluation is a new pass: the second would score nothing) or as ``train_data`` for more
-    than one epoch. A generator training for one epoch, or for ``max_steps`` alone (a stream),
-    is fine; spent before ``max_steps``, the run fails saying so (docs/trainer.md).
+    """Refuse a one-shot iterator the run would iterate twice: as ``eval_data``, or as
+    ``train_data`` for more than one epoch.
 
     Raises:
         ConfigError: naming the option and what to pass instead.
