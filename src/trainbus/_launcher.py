@@ -11,18 +11,11 @@
     │ operators                      │ ────────► │ agreement spreads rank 0's commands   │
     └────────────────────────────────┘ 127.0.0.1 └───────────────────────────────────────┘
 
-Security model: the driver listens on 127.0.0.1 only, on an ephemeral port, and hands the
-workers a per-run random token (``TRAINBUS_DRIVER_TOKEN``) in their environment; a connection
-that does not present it first is refused and logged. Only JSON records cross (see
-:mod:`trainbus._wire`): never pickles, never code, so callbacks stay in the driver
-with their arguments and closures.
-
-Event order in the driver is rank 0's publication order. A worker that dies ends the launch
-with a :class:`~trainbus.LaunchError` (torchrun's exit code, the last events, the stderr tail);
-Ctrl-C (or SIGTERM) sends ``StopTraining(reason="signal")`` to the workers (they stop after the
-current step and write their final checkpoint), and after ``stop_timeout`` terminates them; a
-second Ctrl-C terminates at once. Nothing is left running: torchrun runs in its own process
-group, which is killed if it outlives the launch.
+The driver listens on 127.0.0.1 only and accepts only a connection presenting the run's
+random token (``TRAINBUS_DRIVER_TOKEN``); only JSON records cross (:mod:`trainbus._wire`).
+A worker that dies ends the launch with a :class:`~trainbus.LaunchError`; Ctrl-C stops the
+workers gracefully, then after ``stop_timeout`` terminates torchrun's process group
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -69,20 +62,17 @@ _TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--ma
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchResult:
-    """How a launch ended (returned when torchrun exited 0). The fields it shares with
-    :class:`~trainbus.LaunchError` are named and typed alike.
+    """How a launch ended (returned when torchrun exited 0); its fields are
+    :class:`~trainbus.LaunchError`'s of the same names.
 
     Attributes:
         returncode: torchrun's exit status (0).
-        events: The last events rank 0 streamed to the driver (oldest first; at most the
-            launcher's ``keep_events``).
-        received: How many events rank 0 streamed to the driver in all.
+        events: The last events rank 0 streamed (oldest first; at most ``keep_events``).
+        received: How many events rank 0 streamed in all.
         last_event: The last of them (``FitEnded`` for a run that ended normally).
-        stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
-            ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
-        ending: How rank 0's run ended, typed (:class:`~trainbus.events.Ending`: ``SIGNAL`` after
-            Ctrl-C/SIGTERM, ``PRUNED``, ``STOPPED``...), None when its ``FitEnded`` never
-            arrived.
+        stop_reason: The workers' ``FitEnded.stop_reason`` when they stopped, else None.
+        ending: How rank 0's run ended (:class:`~trainbus.events.Ending`), None when its
+            ``FitEnded`` never arrived.
         signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 
@@ -117,17 +107,14 @@ class Launcher:
         script: The training script (a path; run as ``torchrun ... script args``).
         *args: The script's arguments.
         nproc_per_node: Worker processes (torchrun's ``--nproc_per_node``).
-        torchrun_args: More torchrun options (``["--master_port=29501"]``); without any
-            addressing option (master, rendezvous, nnodes) ``--standalone`` is added, which
-            picks a free port.
+        torchrun_args: More torchrun options; without an addressing one ``--standalone`` is
+            added (a free port).
         callbacks: Callbacks set up on the driver's bus (instances or classes).
         setup: A function of the bus, called once before the launch (subscriptions, operators).
         bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
-        stop_timeout: Seconds between the graceful ``StopTraining`` of a Ctrl-C and the
-            termination of the workers.
+        stop_timeout: Seconds from a Ctrl-C's ``StopTraining`` to terminating the workers.
         connect_timeout: Seconds a connection has to present the token.
-        keep_events: How many of the last events a :class:`LaunchResult` or
-            :class:`~trainbus.LaunchError` carries (``events``; ``received`` counts them all).
+        keep_events: How many of the last events a result or error carries.
         python: The interpreter running torchrun (default: this one).
         on_signal: As the Trainer's: SIGINT/SIGTERM on the main thread stop the workers
             gracefully; then ``"return"`` (default) returns the :class:`LaunchResult` (its
@@ -175,7 +162,7 @@ class Launcher:
         self.on_signal = check_on_signal(on_signal)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
-            self._attach(cb)
+            add_driver_callback(self.bus, cb)
         if setup is not None:
             setup(self.bus)
         self._token = secrets.token_urlsafe(32)
@@ -185,9 +172,6 @@ class Launcher:
         self._signal: int | None = None  # the first signal the driver received
         self._stop_reason: str | None = None
         self._process: anyio.abc.Process | None = None
-
-    def _attach(self, callback: Callback | type[Callback]) -> None:
-        add_driver_callback(self.bus, callback)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -289,8 +273,6 @@ class Launcher:
             what = (f"after {link.received} events from rank 0 "
                     f"(last: {type(last).__name__ if last else None} at step "
                     f"{last.step if last else '?'})")  # fmt: skip
-        # torchrun's summary: the first failed rank with its own exit code (-9: SIGKILL), and
-        # the ranks torchrun then stopped (-15: its SIGTERM), each block read on its own.
         first: RankExit | None = self._exits.root_cause
         if first is not None:
             what += f"; {first.describe()}"
@@ -307,7 +289,7 @@ class Launcher:
         )  # fmt: skip
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
-        # Passed through to our stderr (the user sees the workers), the tail kept for errors.
+        # Passed through to our stderr, the tail kept for errors.
         pending = ""
         async for chunk in stream:
             text = chunk.decode(errors="replace")

@@ -153,7 +153,7 @@ def explains_unknown_keywords(
             @functools.wraps(fn)
             async def checked_async(*args: P.args, **kwargs: P.kwargs) -> Any:
                 check(kwargs)
-                return await fn(*args, **kwargs)  # type: ignore[misc]
+                return await fn(*args, **kwargs)
 
             return checked_async  # type: ignore[return-value]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,27 @@ async def test_every_event_reaches_the_driver_in_order_and_a_driver_stop_stops_b
     assert result.events == tuple(received)[-100:] and result.last_event is received[-1]
     assert result.stop_reason == "driver"  # the workers' own reason, from their FitEnded
     assert result.returncode == 0 and result.last_event == ended
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("on_signal", ["return", "raise"])
+async def test_a_sigint_on_the_driver_stops_the_workers_then_returns_or_raises(
+    tmp_path: Path, on_signal: Any
+) -> None:
+    launcher = Launcher(SCRIPTS / "link_worker.py", str(tmp_path), "run", "400",
+                        nproc_per_node=1, on_signal=on_signal)  # fmt: skip
+    bus = launcher.bus
+    bus.subscribe(bus.stream(ev.StepEnded).pipe(_step(3)),
+                  lambda e: signal.raise_signal(signal.SIGINT))  # fmt: skip
+    if on_signal == "raise":
+        with pytest.raises(KeyboardInterrupt) as info:
+            await launcher.launch()
+        assert "SIGINT stopped the workers gracefully" in str(info.value.__notes__)
+    else:
+        result = await launcher.launch()
+        assert result.signal == signal.SIGINT and result.stop_reason == "signal"
+    assert launcher.stop_reason == "signal"
+    assert read(tmp_path)[0]["stop_step"] < 400  # stopped gracefully, not run to the end
 
 
 def _step(n: int) -> Any:

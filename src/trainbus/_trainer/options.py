@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
@@ -41,6 +41,9 @@ __all__ = [
     "explains_fit_keywords",
     "explains_unknown_options",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 AccumulateBy = Literal["batches", "items"] | Callable[[Any], int]
 
@@ -262,7 +265,7 @@ explains_unknown_options = explains_unknown_keywords(unknown_option_message)
 what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
 
 
-def explains_fit_keywords(owner: str) -> Any:
+def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """``Trainer.fit`` / ``fit_sync`` refusing another framework's keyword (``ckpt_path``,
     ``resume_from_checkpoint``) by naming ``fit(resume=...)``."""
     return explains_unknown_keywords(
