@@ -20,23 +20,18 @@ OnSignal = Literal["raise", "return"]
 
 
 def check_on_signal(value: object) -> OnSignal | None:
-    """``Trainer(on_signal=)``: an :data:`OnSignal`, or None for no signal handler.
+    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler.
 
     Raises:
         ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
     """
-    if value is None:
-        return None
-    if value == "raise":
-        return "raise"
-    if value == "return":
-        return "return"
+    if value is None or value in ("raise", "return"):
+        return value
     raise ConfigError.invalid(
-        "on_signal",
-        value,
+        "on_signal", value,
         "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
-        "(fit() returns the result) or None (no handler: Python's own SIGINT and SIGTERM)",
-    )
+        "(the result is returned) or None (no handler: Python's own SIGINT and SIGTERM)",
+    )  # fmt: skip
 
 
 def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:

@@ -23,11 +23,11 @@ from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
-from .._loop.settings import check_loader, check_reiterable, eval_sets
-from .._tensors import bf16_supported
+from .._loop.settings import check_loader, check_precision, check_reiterable, eval_sets
+from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
-from .endings import check_skip_final
+from .endings import check_on_signal, check_skip_final
 from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [
@@ -210,8 +210,8 @@ CHECKS: dict[str, checks.Check] = {
     "scheduler": _scheduler,
     "accumulate": _group(Accumulate, plain=_plain_accumulate),
     "clip_grad_norm": checks.clip_grad_norm,
-    "precision": checks.precision,
-    "device": checks.device,
+    "precision": lambda _, value: check_precision(value),
+    "device": lambda _, value: resolve_device(value),  # resolved once, for every thread
     "seed": checks.int_at_least(0, optional=True),
     "metrics": checks.metrics,
     "set_metrics": checks.set_metrics,
@@ -221,7 +221,7 @@ CHECKS: dict[str, checks.Check] = {
     "callbacks": checks.callbacks,
     "progress": checks.progress,
     "on_nonfinite": checks.on_nonfinite,
-    "on_signal": checks.on_signal,
+    "on_signal": lambda _, value: check_on_signal(value),
     "bus": checks.bus,
     "ddp": checks.ddp,
     "attach": checks.attach,

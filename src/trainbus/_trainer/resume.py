@@ -182,23 +182,19 @@ class CallbackStates:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
             checkpoint = read_checkpoint(resume, map_location="cpu")
             self._source = "path"
-        world_size = group.world_size
         saved_world = int(checkpoint.meta.get("world_size", 1))
-        if saved_world != world_size:
-            # Other shards: the interrupted epoch cannot be replayed (docs/distributed.md).
-            st = checkpoint.state
-            log.warning("resume_world_size_changed", saved_world_size=saved_world,
-                        world_size=world_size, epoch=st.epoch, batch_in_epoch=st.batch_in_epoch,
-                        action="resume at the next epoch boundary")  # fmt: skip
-            if st.batch_in_epoch > 0:
-                st.epoch_done()  # the next epoch boundary
-            world_size = saved_world
+        _next_epoch_if_resharded(checkpoint, saved_world, group.world_size,
+                                 "resume at the next epoch boundary")  # fmt: skip
         checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
-                           scheduler=s.scheduler, scaler=s.scaler, world_size=world_size,
+                           scheduler=s.scheduler, scaler=s.scaler, world_size=saved_world,
                            rng=False)  # fmt: skip
+        return self._restored(checkpoint)
+
+    def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
+        """Restore the callback states, announce the load; the checkpoint without its states."""
         self.restore(checkpoint)
-        self._bus.publish(ev.CheckpointLoaded(step=checkpoint.state.step,
-                                              epoch=checkpoint.state.epoch,
+        st = checkpoint.state
+        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
         return checkpoint.restored()
 
@@ -244,17 +240,20 @@ class CallbackStates:
             self._found_nothing(s, found, required=required)
             return None
         self._source = "checkpoint_dir" if resume == "latest" else "path"
-        saved_world = int(checkpoint.meta["world_size"])
-        st = checkpoint.state
-        if saved_world != group.world_size:
-            log.warning("resume_world_size_changed", saved_world_size=saved_world,
-                        world_size=group.world_size, epoch=st.epoch,
-                        batch_in_epoch=st.batch_in_epoch,
-                        action="resharded through DCP; resume at the next epoch "
-                        "boundary")  # fmt: skip
-            if st.batch_in_epoch > 0:
-                st.epoch_done()
-        self.restore(checkpoint)
-        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
-                                              path=str(checkpoint.path)))  # fmt: skip
-        return checkpoint.restored()
+        saved = int(checkpoint.meta["world_size"])
+        action = "resharded through DCP; resume at the next epoch boundary"
+        _next_epoch_if_resharded(checkpoint, saved, group.world_size, action)
+        return self._restored(checkpoint)
+
+
+def _next_epoch_if_resharded(checkpoint: Checkpoint, saved: int, world_size: int,
+                             action: str) -> None:  # fmt: skip
+    """Another world size shards the data otherwise: the interrupted epoch cannot be replayed,
+    so the run resumes at the next epoch boundary (a ``resume_world_size_changed`` warning)."""
+    if saved == world_size:
+        return
+    st = checkpoint.state
+    log.warning("resume_world_size_changed", saved_world_size=saved, world_size=world_size,
+                epoch=st.epoch, batch_in_epoch=st.batch_in_epoch, action=action)  # fmt: skip
+    if st.batch_in_epoch > 0:
+        st.epoch_done()
