@@ -12,19 +12,11 @@
         job.send(cmd.StopTraining())
         job.wait_sync()                                    # until the run ends
 
-The job's rank 0 listens on ``attach.sock`` in its run folder
-(:mod:`trainbus._distributed.attach_server`); an :class:`Attachment` is the driver's end of
-the same link protocol (:class:`~trainbus._distributed.driver_link.DriverLink` publishes what
-arrives on this process' own :class:`~trainbus.EventBus` and forwards its commands), so its
-user face is the driver bus' of :func:`trainbus.launch`: ``events``, ``stream``,
-``subscribe``, ``subscribe_async``, ``send``, ``await request(...)``. The job streams the
-types this bus' subscriptions want when it connects, plus the cheap ones every driver gets
-(fit and epoch boundaries, metrics, evaluations, checkpoints, command acknowledgements). When
-this bus' wants change while connected (a subscription made or disposed), the job is sent the
-new set (a ``wants`` record, within 10 ms) and streams it from the moment it hears
-of it; :attr:`Attachment.job`'s ``events`` names what it streams once it confirmed.
-
-Detaching (leaving the block, or this process dying) leaves the run untouched.
+The job's rank 0 listens on ``attach.sock`` in its run folder; an :class:`Attachment` is the
+driver's end of the same link protocol as :func:`trainbus.launch`'s, with the same face
+(``stream``, ``subscribe``, ``send``, ``await request(...)``). The job streams what this bus'
+subscriptions want (told again when they change) plus the cheap events every driver gets.
+Detaching leaves the run untouched (docs/attach.md).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import events as ev
 from ._bus import EventBus
 from ._exceptions import ConfigError
+from ._trainer.added import hook_methods, instance
 from .callbacks._base import Callback
 
 __all__ = ["add_driver_callback", "workers_stop_reason"]
@@ -19,10 +20,8 @@ def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> N
     Raises:
         ConfigError: not a Callback, or one with ``hook_*`` methods (naming them).
     """
-    cb = callback() if isinstance(callback, type) and issubclass(callback, Callback) else (callback)
-    if not isinstance(cb, Callback):
-        raise ConfigError.invalid("callbacks", callback, "Callback subclasses or instances")
-    _, hooks_map = type(cb).methods()
+    cb = instance(callback)
+    hooks_map = hook_methods(cb)
     if hooks_map:
         raise ConfigError.invalid(
             "callbacks", cb, "callbacks without hook_* methods (hooks change the step on the "

@@ -120,11 +120,9 @@ class CheckpointError(TrainbusError):
 
 class CheckpointWriteError(CheckpointError, OSError):
     """The disk refused a checkpoint write (no space, permission denied, a read-only file
-    system): the message names the file and the OS error, which is the ``__cause__``.
-
-    An ``OSError`` too, with the cause's ``errno`` and ``strerror`` and the file as
-    ``filename``, so ``except OSError`` and ``exc.errno == errno.ENOSPC`` keep working. The
-    write left no partial file and every earlier checkpoint is untouched.
+    system): the message names the file and the OS error (the ``__cause__``). An ``OSError``
+    too (``errno``, ``strerror``, ``filename``: ``except OSError`` keeps working); no partial
+    file was left and earlier checkpoints are untouched.
 
     Args:
         path: The checkpoint file that was being written.
@@ -207,23 +205,14 @@ class RecordedError(TrainbusError):
 class LaunchError(TrainbusError, RuntimeError):
     """A launch failed: the workers could not start, a worker died, or the driver gave up.
 
-    The fields it shares with :class:`~trainbus.LaunchResult` are named and typed alike.
-
     Attributes:
-        returncode: torchrun's exit status (None when it never started).
-        events: The last events rank 0 streamed to the driver before the failure (oldest
-            first; at most the launcher's ``keep_events``).
-        received: How many events rank 0 streamed to the driver in all.
-        last_event: The last of them, or None.
-        stop_reason: The workers' own stop reason (their ``FitEnded.stop_reason``), else
-            ``"signal"`` when Ctrl-C/SIGTERM stopped the launch before they said one; or None.
+        returncode, events, received, last_event, stop_reason, ending, signal: As
+            :class:`~trainbus.LaunchResult`'s (``returncode`` None when torchrun never
+            started; ``stop_reason`` ``"signal"`` when Ctrl-C stopped the launch first).
         stderr: The last lines torchrun and the workers wrote to standard error.
         rank: The rank that failed first (torchrun's root cause), or None when unknown.
         rank_exitcode: That rank's own exit status (negative: the signal that killed it).
         rank_signal: The name of that signal (``"SIGKILL"``), or None.
-        ending: How rank 0's run ended when its ``FitEnded`` arrived before the failure (a
-            :class:`~trainbus.events.Ending`, a ``str``), else None.
-        signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 
     def __init__(

@@ -1,33 +1,10 @@
-"""The names of the inline hook points: where in a step a hook runs.
+"""The inline hook points (where in a step a hook runs) and the :class:`StepContext` a hook
+sees. A leaf module: the loop runs the hooks, the callbacks map ``hook_<point>`` methods onto
+them, neither importing the other. What each point may change: docs/trainer.md, "Callbacks".
 
-What a hook sees: the point names and the mutable :class:`StepContext`. A leaf module (it imports
-nothing of trainbus), so that both the loop (``trainbus._loop.hooks``, which runs the hooks) and
-the callbacks (``trainbus.callbacks``, which map ``hook_<point>`` methods onto them) use them
-without the callbacks layer importing the loop.
-
-Points, in the order a step reaches them::
-
-    "batch"                  after the batch is fetched (and moved to the device), before forward
-    "after_forward"          after the model ran, before the loss: may replace ``ctx.outputs``
-    "loss"                   after the loss is computed, before backward
-    "after_backward"         after each micro-batch's backward: gradients (scaled under fp16,
-                             accumulated so far), before unscaling and clipping
-    "before_optimizer_step"  gradients final (unscaled, before clipping); may edit or skip
-    "after_optimizer_step"   after the optimizer stepped (e.g. an EMA of the weights)
-    "before_evaluation"      an evaluation round begins (every round: at ``every_steps``, at the
-                             epoch's end, on ``Evaluate``, in ``trainer.evaluate()``),
-                             before its first set: may swap other weights into ``ctx.model``
-    "eval_batch"             an evaluation or prediction batch (on the device), before forward:
-                             may replace ``ctx.batch`` or skip it (``ctx.phase`` says which)
-    "after_evaluation"       the round's sets are done, before ``EvaluationRoundEnded``; runs
-                             whenever ``"before_evaluation"`` began, also when the round raised
-                             or was cancelled (``ctx.error``): restore what was swapped in
-
-The two evaluation points pair up like a context manager: every ``"after_evaluation"`` hook runs
-(each one, even when another raised) once the ``"before_evaluation"`` hooks started, so a hook
-that swapped weights in gets to restore them; they run in reverse order (the last added first,
-global before user before core), so nested swaps unwind in the right order. A hook there must
-cope with its ``"before_evaluation"`` twin not having finished (another hook before it raised).
+Every ``"after_evaluation"`` hook runs once the ``"before_evaluation"`` hooks started (also
+when the round raised, ``ctx.error``), in reverse order, so swapped-in weights are restored
+like nested context managers.
 """
 
 from __future__ import annotations

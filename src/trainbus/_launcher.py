@@ -11,18 +11,11 @@
     │ operators                      │ ────────► │ agreement spreads rank 0's commands   │
     └────────────────────────────────┘ 127.0.0.1 └───────────────────────────────────────┘
 
-Security model: the driver listens on 127.0.0.1 only, on an ephemeral port, and hands the
-workers a per-run random token (``TRAINBUS_DRIVER_TOKEN``) in their environment; a connection
-that does not present it first is refused and logged. Only JSON records cross (see
-:mod:`trainbus._wire`): never pickles, never code, so callbacks stay in the driver
-with their arguments and closures.
-
-Event order in the driver is rank 0's publication order. A worker that dies ends the launch
-with a :class:`~trainbus.LaunchError` (torchrun's exit code, the last events, the stderr tail);
-Ctrl-C (or SIGTERM) sends ``StopTraining(reason="signal")`` to the workers (they stop after the
-current step and write their final checkpoint), and after ``stop_timeout`` terminates them; a
-second Ctrl-C terminates at once. Nothing is left running: torchrun runs in its own process
-group, which is killed if it outlives the launch.
+The driver listens on 127.0.0.1 only and accepts only a connection presenting the run's
+random token (``TRAINBUS_DRIVER_TOKEN``); only JSON records cross (:mod:`trainbus._wire`).
+A worker that dies ends the launch with a :class:`~trainbus.LaunchError`; Ctrl-C stops the
+workers gracefully, then after ``stop_timeout`` terminates torchrun's process group
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -55,7 +48,8 @@ from ._driver import add_driver_callback, workers_stop_reason
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
 from ._signals import not_ignored
-from ._validate import check_int, check_seconds
+from ._trainer.endings import OnSignal, check_on_signal
+from ._validate import check_int, check_seconds, explains_unknown_keywords, unknown_keyword_message
 from .callbacks._base import Callback
 
 __all__ = ["LaunchResult", "Launcher", "launch"]
@@ -68,20 +62,17 @@ _TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--ma
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchResult:
-    """How a launch ended (returned when torchrun exited 0). The fields it shares with
-    :class:`~trainbus.LaunchError` are named and typed alike.
+    """How a launch ended (returned when torchrun exited 0); its fields are
+    :class:`~trainbus.LaunchError`'s of the same names.
 
     Attributes:
         returncode: torchrun's exit status (0).
-        events: The last events rank 0 streamed to the driver (oldest first; at most the
-            launcher's ``keep_events``).
-        received: How many events rank 0 streamed to the driver in all.
+        events: The last events rank 0 streamed (oldest first; at most ``keep_events``).
+        received: How many events rank 0 streamed in all.
         last_event: The last of them (``FitEnded`` for a run that ended normally).
-        stop_reason: The workers' own reason when they stopped (their ``FitEnded.stop_reason``:
-            ``"signal"`` after Ctrl-C/SIGTERM, a driver command's reason), else None.
-        ending: How rank 0's run ended, typed (:class:`~trainbus.events.Ending`: ``SIGNAL`` after
-            Ctrl-C/SIGTERM, ``PRUNED``, ``STOPPED``...), None when its ``FitEnded`` never
-            arrived.
+        stop_reason: The workers' ``FitEnded.stop_reason`` when they stopped, else None.
+        ending: How rank 0's run ended (:class:`~trainbus.events.Ending`), None when its
+            ``FitEnded`` never arrived.
         signal: The signal the driver received (SIGINT or SIGTERM), None: none.
     """
 
@@ -94,6 +85,21 @@ class LaunchResult:
     signal: int | None = None
 
 
+def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
+    hint = None
+    if name == "handle_signals":
+        hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
+    return unknown_keyword_message("Launcher", name, known, hint)
+
+
+def _interrupt(signum: signal.Signals) -> BaseException:
+    """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
+    note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
+    exc.add_note(note + " the LaunchResult instead")
+    return exc
+
+
 class Launcher:
     """Runs ``script`` under torchrun; rank 0's events feed this process' :attr:`bus`.
 
@@ -101,24 +107,26 @@ class Launcher:
         script: The training script (a path; run as ``torchrun ... script args``).
         *args: The script's arguments.
         nproc_per_node: Worker processes (torchrun's ``--nproc_per_node``).
-        torchrun_args: More torchrun options (``["--master_port=29501"]``); without any
-            addressing option (master, rendezvous, nnodes) ``--standalone`` is added, which
-            picks a free port.
+        torchrun_args: More torchrun options; without an addressing one ``--standalone`` is
+            added (a free port).
         callbacks: Callbacks set up on the driver's bus (instances or classes).
         setup: A function of the bus, called once before the launch (subscriptions, operators).
         bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
-        stop_timeout: Seconds between the graceful ``StopTraining`` of a Ctrl-C and the
-            termination of the workers.
+        stop_timeout: Seconds from a Ctrl-C's ``StopTraining`` to terminating the workers.
         connect_timeout: Seconds a connection has to present the token.
-        keep_events: How many of the last events a :class:`LaunchResult` or
-            :class:`~trainbus.LaunchError` carries (``events``; ``received`` counts them all).
+        keep_events: How many of the last events a result or error carries.
         python: The interpreter running torchrun (default: this one).
-        handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only).
+        on_signal: As the Trainer's: SIGINT/SIGTERM on the main thread stop the workers
+            gracefully; then ``"return"`` (default) returns the :class:`LaunchResult` (its
+            ``signal`` set), ``"raise"`` raises ``KeyboardInterrupt`` for SIGINT,
+            ``SystemExit(143)`` for SIGTERM. None: no handler.
 
     Raises:
         ConfigError: a bad argument, naming it.
+        TypeError: an unknown keyword (``handle_signals``: naming ``on_signal``).
     """
 
+    @explains_unknown_keywords(_unknown_keyword)
     def __init__(
         self,
         script: str | os.PathLike[str],
@@ -132,7 +140,7 @@ class Launcher:
         connect_timeout: float = 10.0,
         keep_events: int = 100,
         python: str | None = None,
-        handle_signals: bool = True,
+        on_signal: OnSignal | None = "return",
     ) -> None:
         path = Path(script)
         if not path.is_file():
@@ -151,10 +159,10 @@ class Launcher:
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout)
         self.keep_events = check_int("keep_events", keep_events, 0)
         self.python = python or sys.executable
-        self.handle_signals = bool(handle_signals)
+        self.on_signal = check_on_signal(on_signal)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
-            self._attach(cb)
+            add_driver_callback(self.bus, cb)
         if setup is not None:
             setup(self.bus)
         self._token = secrets.token_urlsafe(32)
@@ -164,9 +172,6 @@ class Launcher:
         self._signal: int | None = None  # the first signal the driver received
         self._stop_reason: str | None = None
         self._process: anyio.abc.Process | None = None
-
-    def _attach(self, callback: Callback | type[Callback]) -> None:
-        add_driver_callback(self.bus, callback)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -229,7 +234,7 @@ class Launcher:
                     on_failure = partial(tg.start_soon, self._terminate_after, self.stop_timeout)
                     tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
                     main = threading.current_thread() is threading.main_thread()
-                    if self.handle_signals and main:
+                    if self.on_signal is not None and main:
                         tg.start_soon(self._watch_signals, tg)
                     returncode = await process.wait()
                     if link.linked:  # the last events still in the socket
@@ -242,6 +247,8 @@ class Launcher:
                 await self._terminate()
         if returncode != 0:
             raise self._failure(returncode)
+        if self._signal is not None and self.on_signal == "raise":
+            raise _interrupt(signal.Signals(self._signal))
         return LaunchResult(returncode=returncode, events=link.events, received=link.received,
                             last_event=link.last_event, stop_reason=self.stop_reason,
                             signal=self._signal,
@@ -266,8 +273,6 @@ class Launcher:
             what = (f"after {link.received} events from rank 0 "
                     f"(last: {type(last).__name__ if last else None} at step "
                     f"{last.step if last else '?'})")  # fmt: skip
-        # torchrun's summary: the first failed rank with its own exit code (-9: SIGKILL), and
-        # the ranks torchrun then stopped (-15: its SIGTERM), each block read on its own.
         first: RankExit | None = self._exits.root_cause
         if first is not None:
             what += f"; {first.describe()}"
@@ -284,7 +289,7 @@ class Launcher:
         )  # fmt: skip
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
-        # Passed through to our stderr (the user sees the workers), the tail kept for errors.
+        # Passed through to our stderr, the tail kept for errors.
         pending = ""
         async for chunk in stream:
             text = chunk.decode(errors="replace")

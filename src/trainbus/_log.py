@@ -1,18 +1,9 @@
 """Library-style logging: trainbus' own diagnostics are silent below warning unless asked for.
 
-A library must not configure structlog (that is the application's choice), yet structlog's
-unconfigured default prints every level to stdout. So trainbus modules take their logger from
-:func:`get_logger`, which decides at each call:
-
-- the application configured structlog (``structlog.configure(...)``, or a test's
-  ``structlog.testing.capture_logs()``): log through that configuration, as any structlog user
-  expects;
-- it did not: log through the standard library's :mod:`logging` under the module's name, so
-  the usual rules apply: by default only warnings and errors reach stderr (``logging``'s last
-  resort handler); ``logging.basicConfig(level=logging.INFO)`` or a handler on ``"trainbus"``
-  shows the rest. Below the logger's level a call costs one ``isEnabledFor`` check.
-
-The CLI and the examples configure a console renderer for humans.
+A library must not configure structlog, whose unconfigured default prints every level to
+stdout. :func:`get_logger` decides at each call: through structlog when the application
+configured it (or a test captures logs), else through the standard library's :mod:`logging`
+under the module's name (by default, warnings and errors only).
 """
 
 from __future__ import annotations

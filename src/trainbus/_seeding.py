@@ -6,21 +6,9 @@
     model = build_model()                # its initial weights come from the seeded generators
     Trainer(model, ..., seed=0).fit_sync()    # the run's own data order and generators
 
-What each part covers (docs/trainer.md, "Seeds"):
-
-- :func:`seed_everything` seeds the process-wide generators: Python's ``random``, NumPy's
-  global generator (when NumPy is installed) and torch's (CPU and every GPU). Call it before
-  building the model, so its initial weights are the same on every run.
-- ``Trainer(seed=)`` seeds the same generators at the start of ``fit()`` (dropout and other
-  draws of the training step then start from the seed), and gives the run a data order of its
-  own: a ``DataLoader(shuffle=True)`` without a ``generator`` is rebuilt around an
-  :class:`~trainbus.checkpoint.EpochSampler` whose order is a function of ``(seed, epoch)``
-  only, so another thread's draws from the process-wide generator (a second trial of an
-  ``n_jobs=2`` sweep) cannot change it. Under torchrun the ``DistributedSampler`` is seeded
-  with it.
-- Not covered: draws from the process-wide generators in the step itself (dropout, random
-  augmentation) are shared by every thread of the process; trials that must be equal and run
-  concurrently in threads need models without such draws, or processes instead of threads.
+:func:`seed_everything` seeds Python's, NumPy's and torch's process-wide generators;
+``Trainer(seed=)`` seeds them when ``fit()`` starts and gives a ``DataLoader(shuffle=True)``
+without a ``generator`` a data order of ``(seed, epoch)`` only (docs/trainer.md, "Seeds").
 """
 
 from __future__ import annotations

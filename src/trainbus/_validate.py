@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, overload
+from typing import Any, Literal, ParamSpec, TypeVar, overload
 
 from ._exceptions import ConfigError
 
@@ -117,6 +117,7 @@ def check_folder(name: str, value: object) -> Path:
 
 
 P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def unknown_keyword_message(
@@ -131,22 +132,35 @@ def unknown_keyword_message(
 
 def explains_unknown_keywords(
     message: Callable[[str, Any, list[str]], str],
-) -> Callable[[Callable[P, None]], Callable[P, None]]:
-    """Wrap an ``__init__`` (its signature unchanged: ``inspect.signature`` and ``help()``
-    follow ``__wrapped__``, mypy the ``ParamSpec``) so that a keyword it does not take is
-    refused as Python refuses it, with ``message(name, value, keywords)`` saying what to write.
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """Wrap a function (its signature unchanged: ``inspect.signature`` and ``help()`` follow
+    ``__wrapped__``, mypy the ``ParamSpec``; an ``async def`` stays one) so that a keyword it
+    does not take is refused as Python refuses it, with ``message(name, value, keywords)``
+    saying what to write.
     """
 
-    def decorate(init: Callable[P, None]) -> Callable[P, None]:
-        params: Mapping[str, inspect.Parameter] = inspect.signature(init).parameters
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
         keywords = [n for n, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY]
 
-        @functools.wraps(init)
-        def checked(*args: P.args, **kwargs: P.kwargs) -> None:
+        def check(kwargs: Mapping[str, Any]) -> None:
             for name, value in kwargs.items():
                 if name not in params:
                     raise TypeError(message(name, value, keywords))
-            init(*args, **kwargs)
+
+        if inspect.iscoroutinefunction(fn):
+
+            @functools.wraps(fn)
+            async def checked_async(*args: P.args, **kwargs: P.kwargs) -> Any:
+                check(kwargs)
+                return await fn(*args, **kwargs)
+
+            return checked_async  # type: ignore[return-value]
+
+        @functools.wraps(fn)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+            check(kwargs)
+            return fn(*args, **kwargs)
 
         return checked
 

@@ -7,16 +7,10 @@ driver, and the command exchange between ranks. A record is a JSON object::
     {"v": 1, "type": "StepEnded", "step": 3, "epoch": 0, "time": 12.5, "loss": 0.25, ...}
     {"v": 1, "type": "StopTraining", "reason": "early_stopping"}
 
-- ``v``: the format version (:data:`FORMAT_VERSION`); a reader refuses versions it does not
-  know. ``type``: the event or command class name; then every dataclass field by name.
-- Tensors become numbers (a float, or nested lists when not scalar); exceptions their ``repr``
-  (rebuilt as :class:`~trainbus.events.RecordedError`); a nested command or event
-  (``CommandApplied``) its record without ``v``; mappings JSON objects; paths strings. ``NaN``
-  and infinities are written as ``NaN`` / ``Infinity`` (Python's ``json`` reads them back).
-- Nothing is ever pickled and no code crosses: decoding only builds the event and command
-  classes of :data:`trainbus.events.EVENT_TYPES` and :data:`trainbus.commands.COMMAND_TYPES`,
-  through their constructors (so a command's validation runs on what arrives). Unknown fields
-  are ignored (a newer writer may add fields), an unknown type or version is refused.
+Tensors become numbers or nested lists, exceptions their ``repr`` (read back as
+:class:`~trainbus.events.RecordedError`), ``NaN`` and infinities ``NaN`` / ``Infinity``. Nothing
+is pickled: decoding only builds the classes of ``EVENT_TYPES`` and ``COMMAND_TYPES`` through
+their constructors; unknown fields are ignored, an unknown type or version refused.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ async def test_finished_launches_exit_cleanly_with_no_gloo_thread_left(tmp_path:
         out = tmp_path / f"launch{i}"
         out.mkdir()
         launcher = Launcher(SCRIPTS / "trainer_worker.py", str(out), "exit", nproc_per_node=2,
-                            handle_signals=False)  # fmt: skip
+                            on_signal=None)  # fmt: skip
         result = await launcher.launch()  # a LaunchError here: a rank did not exit 0
         assert result.returncode == 0
         assert isinstance(result.last_event, ev.FitEnded)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ def read(out: Path) -> list[dict[str, Any]]:
 
 def worker(out: Path, mode: str, steps: int = 40, nproc: int = 2, **kw: Any) -> Launcher:
     return Launcher(SCRIPTS / "link_worker.py", str(out), mode, str(steps),
-                    nproc_per_node=nproc, handle_signals=False, **kw)  # fmt: skip
+                    nproc_per_node=nproc, on_signal=None, **kw)  # fmt: skip
 
 
 @pytest.mark.asyncio
@@ -61,6 +62,27 @@ async def test_every_event_reaches_the_driver_in_order_and_a_driver_stop_stops_b
     assert result.events == tuple(received)[-100:] and result.last_event is received[-1]
     assert result.stop_reason == "driver"  # the workers' own reason, from their FitEnded
     assert result.returncode == 0 and result.last_event == ended
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("on_signal", ["return", "raise"])
+async def test_a_sigint_on_the_driver_stops_the_workers_then_returns_or_raises(
+    tmp_path: Path, on_signal: Any
+) -> None:
+    launcher = Launcher(SCRIPTS / "link_worker.py", str(tmp_path), "run", "400",
+                        nproc_per_node=1, on_signal=on_signal)  # fmt: skip
+    bus = launcher.bus
+    bus.subscribe(bus.stream(ev.StepEnded).pipe(_step(3)),
+                  lambda e: signal.raise_signal(signal.SIGINT))  # fmt: skip
+    if on_signal == "raise":
+        with pytest.raises(KeyboardInterrupt) as info:
+            await launcher.launch()
+        assert "SIGINT stopped the workers gracefully" in str(info.value.__notes__)
+    else:
+        result = await launcher.launch()
+        assert result.signal == signal.SIGINT and result.stop_reason == "signal"
+    assert launcher.stop_reason == "signal"
+    assert read(tmp_path)[0]["stop_step"] < 400  # stopped gracefully, not run to the end
 
 
 def _step(n: int) -> Any:
@@ -104,7 +126,7 @@ async def test_the_killed_rank_is_named_with_its_own_exit_code_and_signal(tmp_pa
 
 @pytest.mark.asyncio
 async def test_a_script_that_fails_to_import_is_a_clear_error(tmp_path: Path) -> None:
-    launcher = Launcher(SCRIPTS / "broken_import.py", handle_signals=False)
+    launcher = Launcher(SCRIPTS / "broken_import.py", on_signal=None)
     with pytest.raises(LaunchError, match="before rank 0 linked") as info:
         await launcher.launch()
     assert "trainbus_no_such_module" in info.value.stderr
@@ -161,7 +183,7 @@ def test_callbacks_subscribe_their_methods_and_hooks_are_refused() -> None:
 @pytest.mark.asyncio
 async def test_a_missing_interpreter_is_a_launch_error(tmp_path: Path) -> None:
     launcher = Launcher(SCRIPTS / "link_worker.py", python=str(tmp_path / "no-python"),
-                        handle_signals=False)  # fmt: skip
+                        on_signal=None)  # fmt: skip
     with pytest.raises(LaunchError, match="cannot start torchrun"):
         await launcher.launch()
 
@@ -173,6 +195,22 @@ def test_bad_arguments_name_the_argument(tmp_path: Path) -> None:
         Launcher(SCRIPTS / "link_worker.py", nproc_per_node=0)
     with pytest.raises(ConfigError, match="torchrun_args"):
         Launcher(SCRIPTS / "link_worker.py", torchrun_args="--standalone")  # type: ignore[arg-type]
+
+
+def test_on_signal_is_spelt_as_the_trainers() -> None:
+    assert Launcher(SCRIPTS / "link_worker.py").on_signal == "return"
+    assert Launcher(SCRIPTS / "link_worker.py", on_signal="raise").on_signal == "raise"
+    with pytest.raises(ConfigError, match="on_signal='stop' is invalid"):
+        Launcher(SCRIPTS / "link_worker.py", on_signal="stop")  # type: ignore[arg-type]
+
+
+def test_handle_signals_is_a_type_error_naming_on_signal() -> None:
+    with pytest.raises(TypeError) as info:
+        Launcher(SCRIPTS / "link_worker.py", handle_signals=False)  # type: ignore[call-arg]
+    assert str(info.value) == (
+        "Launcher() got an unexpected keyword argument 'handle_signals': on_signal=None "
+        "(no handler)"
+    )
 
 
 def test_the_command_line_adds_standalone_unless_addressed() -> None:

@@ -114,7 +114,7 @@ async def test_trainbus_launch_runs_a_trainer_script_with_the_subscribers_in_the
 ) -> None:
     monkeypatch.setenv("PYTHONPATH", env()["PYTHONPATH"])
     launcher = Launcher(SCRIPTS / "trainer_worker.py", str(tmp_path), "launched",
-                        nproc_per_node=2, handle_signals=False)  # fmt: skip
+                        nproc_per_node=2, on_signal=None)  # fmt: skip
     bus = launcher.bus
     received: list[ev.BaseEvent] = []
     bus.events.subscribe(received.append)

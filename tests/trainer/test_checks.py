@@ -190,6 +190,70 @@ def test_misspelt_callback_method_is_a_config_error() -> None:
         )
 
 
+class _LightningStyle(Callback):
+    def on_train_batch_end(self, event: Any) -> None:  # Lightning's name
+        pass
+
+
+def test_a_lightning_callback_method_is_a_config_error_naming_the_trainbus_one() -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError) as info:
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
+                loss_fn=F.cross_entropy, max_steps=2, callbacks=[_LightningStyle()])  # fmt: skip
+    assert str(info.value) == (
+        "_LightningStyle.on_train_batch_end='on_train_batch_end' is invalid: that is "
+        "Lightning's Callback.on_train_batch_end; in trainbus: on_step_ended (after each "
+        "optimizer step)"
+    )
+
+
+def test_a_lightning_callback_method_is_refused_by_a_driver_too() -> None:
+    from trainbus._driver import add_driver_callback
+
+    with pytest.raises(ConfigError, match="in trainbus: on_step_ended"):
+        add_driver_callback(EventBus(), _LightningStyle)
+
+
+def test_a_user_event_named_like_a_lightning_method_is_subscribed() -> None:
+    from dataclasses import dataclass
+
+    @dataclass(frozen=True, slots=True, kw_only=True)
+    class TrainBatchEnd(ev.BaseEvent):
+        pass
+
+    class Mine(Callback):
+        def on_train_batch_end(self, event: TrainBatchEnd) -> None:
+            pass
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2, 4),
+                      loss_fn=F.cross_entropy, max_steps=2, callbacks=[Mine()])  # fmt: skip
+    assert len(trainer.callbacks) == 1
+
+
+def test_the_lightning_method_table_is_the_migration_tables() -> None:
+    import tomllib
+
+    from trainbus._moved import LIGHTNING_METHODS
+    from trainbus.callbacks._base import EVENT_METHODS, HOOK_METHODS
+
+    table = tomllib.loads((Path(__file__).parents[2] / "docs" / "migration.toml").read_text())
+    hooks = [h for h in table["frameworks"]["lightning"]["hooks"] if h.startswith("on_")]
+    assert sorted(LIGHTNING_METHODS) == sorted(hooks)
+    for entry in table["entries"]:
+        if entry.get("framework") != "lightning" or entry["name"] not in LIGHTNING_METHODS:
+            continue
+        events = entry.get("event", [])
+        events = [events] if isinstance(events, str) else events
+        named = {f"on_{re.sub(r'(?<!^)(?=[A-Z])', '_', e).lower()}" for e in events}
+        named |= {f"hook_{entry['hook']}"} if "hook" in entry else set()
+        first = LIGHTNING_METHODS[entry["name"]].split()[0].rstrip(",;")
+        if first in EVENT_METHODS or first in HOOK_METHODS:
+            assert first in named, (entry["name"], first, named)
+        else:
+            assert not named - {"on_fit_started", "on_evaluation_round_ended"}, entry
+
+
 # Misconfiguration up front: what can never work fails before the run, naming the option, not as
 # a silent no-op or a subscriber failure mid-run; a command sent after the run is an error; a
 # plain function given to ``subscribe_async`` is refused at subscription.

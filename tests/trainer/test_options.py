@@ -19,6 +19,7 @@ import textwrap
 from pathlib import Path
 from typing import Any, ClassVar
 
+import anyio
 import pytest
 import torch
 
@@ -225,7 +226,7 @@ def test_a_removed_option_name_is_a_type_error_naming_its_replacement(name: str)
         ({"eval_at_end": False}, "eval_schedule=EvalSchedule(at_end=False)"),
         ({"handle_signals": False}, "on_signal=None"),
         ({"scheduler_interval": "epoch"}, "scheduler=PerEpoch(scheduler)"),
-        ({"accumulate_by": "items"}, "accumulate=Accumulate(n, by='items')"),
+        ({"accumulate_by": "items"}, "accumulate=Accumulate(micro_batches, by='items')"),
         ({"skip_final_checkpoint": {"pruned"}},
          "checkpoint_dir=CheckpointDir(path, skip_final={'pruned'})"),
     ],
@@ -420,3 +421,56 @@ def test_a_lightning_option_name_is_a_type_error_naming_the_trainbus_one(name: s
 def test_an_option_of_the_bus_given_to_the_trainer_names_the_bus(name: str, value: Any) -> None:
     with pytest.raises(TypeError, match=rf"bus=EventBus\({name}={value!r}\)"):
         _trainer(**{name: value})
+
+
+@pytest.mark.parametrize("keyword", ["n", "steps"])
+def test_accumulate_with_another_name_for_its_micro_batches_names_micro_batches(
+    keyword: str,
+) -> None:
+    with pytest.raises(TypeError) as info:
+        Accumulate(**{keyword: 4})  # type: ignore[call-arg]
+    assert str(info.value) == (
+        f"Accumulate() got an unexpected keyword argument {keyword!r}: the micro-batches per "
+        "step are micro_batches: Accumulate(4) or Accumulate(micro_batches=4)"
+    )
+    assert Accumulate(micro_batches=4) == Accumulate(4)
+
+
+def test_accumulate_with_a_misspelt_by_names_by() -> None:
+    with pytest.raises(TypeError, match=r"'byy' \(did you mean 'by'\?\)$"):
+        Accumulate(2, byy="items")  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize(
+    ("given", "says"),
+    [
+        ({"ckpt_path": "last"}, "that is Lightning's Trainer.fit(ckpt_path=...); in trainbus: "
+                                "fit(resume='latest')"),
+        ({"ckpt_path": "runs/x/step-3.pt"}, "fit(resume='runs/x/step-3.pt')"),
+        ({"resume_from_checkpoint": True}, "that is Hugging Face's Trainer.train("
+                                           "resume_from_checkpoint=...); in trainbus: "
+                                           "fit(resume='latest')"),
+    ],
+)  # fmt: skip
+def test_fit_with_another_frameworks_resume_keyword_names_resume(
+    given: dict[str, Any], says: str
+) -> None:
+    trainer = _trainer()
+    with pytest.raises(TypeError) as info:
+        trainer.fit_sync(**given)
+    name = next(iter(given))
+    assert str(info.value).startswith(f"fit_sync() got an unexpected keyword argument {name!r}: ")
+    assert says in str(info.value)
+    assert trainer.result is None  # refused before anything ran
+
+    async def fit() -> None:
+        await trainer.fit(**given)
+
+    with pytest.raises(TypeError, match=r"^fit\(\) got an unexpected keyword argument"):
+        anyio.run(fit)
+
+
+def test_fit_stays_a_coroutine_function_with_its_own_signature() -> None:
+    assert inspect.iscoroutinefunction(Trainer.fit)
+    assert list(inspect.signature(Trainer.fit).parameters) == ["self", "resume",
+                                                               "require_checkpoint"]  # fmt: skip

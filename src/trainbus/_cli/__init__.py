@@ -1,31 +1,10 @@
-"""The ``trainbus`` command line.
+"""The ``trainbus`` command line: ``demo`` (an MLP on scikit-learn's digits with the default kit,
+writing ``runs/demo/<timestamp>/`` and a ``latest`` pointer), ``launch`` (a script under
+torchrun, this process the driver), ``attach`` (watch and steer a running job), ``replay`` and
+``plot`` (a recorded run), ``export`` (a sharded checkpoint folder as one plain file).
 
-``trainbus demo`` trains an MLP on scikit-learn's bundled digits (8x8 images, 10 classes; no
-download) with the default kit, and writes a run folder (logged as ``demo_started run_dir=``
-at the start, printed at the end)::
-
-    runs/demo/
-        latest -> <timestamp>   the newest run (a symbolic link, or a file naming it)
-        <timestamp>/            one run (YYYYmmdd-HHMMSS)
-            events.jsonl        every event of the run, one JSON record per line
-            checkpoints/        the 2 newest epoch-<n>.pt, the 2 best *-best.pt by val_loss,
-                                and the final one
-            curves.png          training loss, val_loss and val_acc per step
-
-so ``trainbus replay runs/demo`` and ``trainbus plot runs/demo`` read the newest run.
-``--run-dir DIR`` writes one run into DIR instead (no ``latest`` pointer). Progress follows
-the Trainer's default: a bar on a terminal, none in a log; ``--json-logs`` logs progress lines.
-
-``trainbus launch [torchrun options] script.py [args]`` runs a script under torchrun with this
-process as the driver (see :mod:`trainbus._launcher`). ``trainbus attach RUN_DIR`` watches and
-steers a running job (see :mod:`trainbus._cli.attach`).
-
-``trainbus export FOLDER OUTPUT`` writes a sharded (FSDP2) run's checkpoint folder as one plain
-file an unsharded model loads (see :func:`trainbus.checkpoint.export_full`).
-
-The CLI is the one place that configures structlog (a console renderer for humans, JSON lines
-with ``--json-logs``) and prints. Logs go to stderr (through ``tqdm.write`` when tqdm is there, so
-the progress bar stays intact); the summary goes to stdout.
+The CLI is the one place that configures structlog and prints: logs to stderr, the summary to
+stdout.
 """
 
 from __future__ import annotations
@@ -37,14 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from .demo import run_demo
-from .export import add_export_parser, run_export
 from .launch import LAUNCH_USAGE, run_launch
 from .logs import configure_logging
 
 __all__ = ["main"]
 
 
-# ----------------------------------------------------------------------------- replay, plot
+# ----------------------------------------------------------------------------- replay, plot, export
 def run_replay(args: argparse.Namespace) -> int:
     """Print a recorded run, one line per event: offset in seconds, class, fields; only the
     events ``--type`` and ``--steps`` select (offsets stay relative to the run's start)."""
@@ -82,6 +60,28 @@ def run_plot(args: argparse.Namespace) -> int:
     out: Path = args.output or resolve_run(args.run_dir).parent / "curves.png"
     render(out, train, val, f"trainbus: {args.run_dir}")
     print(f"wrote {out}")
+    return 0
+
+
+EXPORT_DESCRIPTION = (
+    "Write the full model state of a sharded (fully_shard) run's checkpoint folder as one "
+    "torch.save file an unsharded model loads: model.load_state_dict(torch.load(OUTPUT, "
+    "weights_only=True)). Each tensor equals full_tensor() of the sharded parameter."
+)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    """Print the file :func:`trainbus.checkpoint.export_full` wrote; 1 when the folder is no
+    valid sharded checkpoint or the file cannot be written."""
+    from .._exceptions import CheckpointError
+    from ..checkpoint import export_full
+
+    try:
+        path = export_full(args.folder, args.output)
+    except CheckpointError as exc:
+        print(f"trainbus export: {exc}", file=sys.stderr)
+        return 1
+    print(path)
     return 0
 
 
@@ -146,7 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
                            help="only events with START <= step <= END "
                            "(10:20, 10:, :20)")  # fmt: skip
         p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
-    add_export_parser(sub)
+    p = sub.add_parser("export", help="turn a sharded checkpoint folder into one plain file",
+                       description=EXPORT_DESCRIPTION)  # fmt: skip
+    p.add_argument("folder", type=Path, metavar="FOLDER",
+                   help="the checkpoint folder (checkpoints/step-00000042)")  # fmt: skip
+    p.add_argument("output", type=Path, metavar="OUTPUT", help="the file to write (model.pt)")
+    p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 

@@ -1,14 +1,8 @@
-"""``trainbus attach RUN_DIR``: watch a running job live and steer it (see docs/attach.md).
+"""``trainbus attach RUN_DIR``: watch a running job live and steer it (docs/attach.md).
 
-A line-based live view on stdout (progress at most once a second, metrics, evaluations,
-checkpoints, every applied command with its step, warnings from the job's status such as a
-subscriber holding training back) and a prompt on stdin taking ``stop [reason]``,
-``save [tag]``, ``evaluate``, ``lr VALUE``, ``help`` and ``detach``. ``--json`` prints wire
-records instead (one JSON object per line, ``status`` records included, each written whole and
-flushed as it comes; other messages go to stderr). A reader that closes the pipe detaches
-(exit 0). Commands given as options (``--stop``, ``--save [TAG]``, ``--evaluate``,
-``--lr VALUE``) are sent in that order, each waited for, then the command detaches. Detaching
-never touches the run.
+A line-based view on stdout (``--json``: wire records) and a prompt on stdin (``stop``, ``save``,
+``evaluate``, ``lr VALUE``, ``help``, ``detach``); commands given as options are sent in order,
+each waited for, then it detaches. Detaching never touches the run.
 """
 
 from __future__ import annotations

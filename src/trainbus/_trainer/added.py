@@ -2,52 +2,45 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from .._bus import EventBus, Tier
 from .._bus.subscriptions import Subscription
 from .._exceptions import ConfigError
 from .._loop import HookHandle, Hooks
+from .._moved import lightning_method_hint
 from ..callbacks._base import Callback
 
-__all__ = ["AddedCallbacks", "as_instances"]
+__all__ = ["AddedCallbacks", "hook_methods", "instance"]
 
 
-def as_instances(callbacks: Iterable[Callback | type[Callback]]) -> list[Callback]:
-    """Instantiate callback classes; check everything is a Callback.
-
-    Args:
-        callbacks: Callback classes or instances (one alone is accepted too).
-
-    Returns:
-        The instances, in order.
+def hook_methods(callback: Callback) -> dict[str, str]:
+    """The callback's ``hook_*`` methods and their points, its ``on_*`` methods checked.
 
     Raises:
-        ConfigError: not an iterable of Callback subclasses or instances.
+        ConfigError: a misspelt ``on_*`` / ``hook_*`` method; a Lightning method name
+            (``on_train_batch_end``) names the trainbus method that replaces it.
     """
-    if isinstance(callbacks, Callback | type):
-        callbacks = [callbacks]  # type: ignore[list-item]
-    if not isinstance(callbacks, Iterable):
-        raise ConfigError.invalid("callbacks", callbacks, "an iterable of Callbacks")
-    out: list[Callback] = []
-    for cb in callbacks:
-        if isinstance(cb, type) and issubclass(cb, Callback):
-            cb = cb()
-        if not isinstance(cb, Callback):
-            raise ConfigError.invalid("callbacks", cb, "Callback subclasses or instances")
-        out.append(cb)
-    return out
+    cls = type(callback)
+    try:
+        return cls.methods()[1]
+    except ConfigError:
+        for name in dir(cls):
+            hint = lightning_method_hint(name)
+            if hint is not None and callable(getattr(cls, name)):
+                raise ConfigError.invalid(f"{cls.__name__}.{name}", name, hint) from None
+        raise
 
 
-class _Attachment:
-    def __init__(self, subs: list[Subscription], hooks: list[HookHandle]) -> None:
-        self.subs, self.hooks = subs, hooks
+def instance(callback: Callback | type[Callback]) -> Callback:
+    """The callback, a Callback class instantiated.
 
-    def detach(self) -> None:
-        for s in self.subs:
-            s.dispose()
-        for h in self.hooks:
-            h.remove()
+    Raises:
+        ConfigError: not a Callback subclass or instance.
+    """
+    is_class = isinstance(callback, type) and issubclass(callback, Callback)
+    cb = callback() if is_class else callback  # type: ignore[operator]
+    if not isinstance(cb, Callback):
+        raise ConfigError.invalid("callbacks", callback, "Callback subclasses or instances")
+    return cb
 
 
 class AddedCallbacks:
@@ -61,15 +54,16 @@ class AddedCallbacks:
     def __init__(self, bus: EventBus, hooks: Hooks) -> None:
         self._bus = bus
         self._hooks = hooks
-        self._entries: dict[int, tuple[Callback, _Attachment]] = {}
+        # id -> (the callback, its subscriptions, its hooks): what removing it undoes
+        self._entries: dict[int, tuple[Callback, list[Subscription], list[HookHandle]]] = {}
 
     def __contains__(self, callback: object) -> bool:
         return id(callback) in self._entries
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """AddedCallbacks callbacks, in attachment order."""
-        return tuple(cb for cb, _ in self._entries.values())
+        """The added callbacks, in attachment order."""
+        return tuple(entry[0] for entry in self._entries.values())
 
     def add(self, callback: Callback | type[Callback], tier: Tier) -> Callback:
         """Add a callback (see ``Trainer.add_callback``).
@@ -81,18 +75,18 @@ class AddedCallbacks:
             ConfigError: not a Callback, added already, a misspelt ``on_*`` / ``hook_*``
                 method, or a ``state_key`` another added stateful callback has.
         """
-        (cb,) = as_instances([callback])
+        cb = instance(callback)
         if id(cb) in self._entries:
             raise ConfigError.invalid("callback", cb, "a callback not added yet")
         if cb.stateful:
             key = cb.state_key
-            for other, _ in self._entries.values():
+            for other, *_ in self._entries.values():
                 if other.stateful and other.state_key == key:
                     raise ConfigError.invalid(
                         "state_key", key, f"a name no other stateful callback has: {other!r} "
                         f"and {cb!r} both save their state as {key!r}; pass state_key= to one",
                     )  # fmt: skip
-        _, hooks_map = type(cb).methods()
+        hooks_map = hook_methods(cb)
         bus = self._bus
         mark = len(bus.subscriptions)
         handles: list[HookHandle] = []
@@ -100,7 +94,7 @@ class AddedCallbacks:
             cb.subscribe_to(bus)
         for name, point in sorted(hooks_map.items()):
             handles.append(self._hooks.add(point, getattr(cb, name), tier=tier))  # type: ignore[arg-type]
-        self._entries[id(cb)] = (cb, _Attachment(list(bus.subscriptions[mark:]), handles))
+        self._entries[id(cb)] = (cb, list(bus.subscriptions[mark:]), handles)
         return cb
 
     def remove(self, callback: Callback) -> None:
@@ -112,4 +106,7 @@ class AddedCallbacks:
         entry = self._entries.pop(id(callback), None)
         if entry is None:
             raise ConfigError.invalid("callback", callback, "a callback added to this trainer")
-        entry[1].detach()
+        for sub in entry[1]:
+            sub.dispose()
+        for handle in entry[2]:
+            handle.remove()

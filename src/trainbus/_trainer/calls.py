@@ -1,6 +1,5 @@
-"""Running work on the training thread while the bus runs: the thread itself (one per Trainer),
-the bus around one call (:class:`CallRunner`), the standalone evaluate/predict runs, and the
-watchers for cancellation and SIGINT/SIGTERM."""
+"""The training thread, the bus around one call (:class:`CallRunner`), and the watchers for
+cancellation and SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ import anyio.from_thread
 import anyio.lowlevel
 from anyio.lowlevel import EventLoopToken
 
-try:  # what anyio and trio ask which async library runs here (anyio can do without it)
+try:
     import sniffio
 except ImportError:  # pragma: no cover - anyio without trio: nothing to clear
     sniffio = None  # type: ignore[assignment]
@@ -41,32 +40,19 @@ log = get_logger(__name__)
 T = TypeVar("T")
 
 THREAD_NAME = "trainbus-training"
-"""The training thread's name prefix (``threading.current_thread().name`` starts with it)."""
 
 
 class TrainingThread:
-    """The one thread every call of a Trainer runs its loop on: ``fit``, ``evaluate``,
-    ``predict``, their sync twins and a resumed ``fit`` all run on it, one at a time.
+    """The one thread every call of a Trainer runs its loop on, one call at a time.
 
-    Why one thread for the whole session, not a worker per call: torch keeps state per thread
-    that a compiled model's traces use, and a later trace on a new thread may meet what an
-    ended one left (torch 2.11 kept dynamo's fake CUDA device guard in a thread-local of the
-    first thread that traced but published its address process-wide: once that thread had
-    exited, the next compiling call read freed memory and crashed). A model traces, recompiles
-    and replays on one thread for as long as the Trainer lives.
+    One thread for the Trainer's life, not one per call: torch keeps per-thread state that a
+    compiled model's traces use (torch 2.11 crashed when a later trace ran on a new thread).
+    It is the one worker of a ``ThreadPoolExecutor``: it ends with :meth:`close`, when the
+    Trainer is dropped (no cycle: no gc pass needed) or at interpreter exit.
 
-    The thread starts with the first call and ends with :meth:`close` (the Trainer's close), or
-    when the Trainer is dropped: it is the one worker of a ``ThreadPoolExecutor``, whose worker
-    exits when the executor is freed (a weakref callback, no cycle: a dropped Trainer ends it
-    without a gc pass), shut down, or at interpreter exit (before non-daemon threads are
-    joined). Between calls it idles and holds nothing of the last one.
-
-    As with ``anyio.to_thread.run_sync`` (which cannot pin a thread), each call runs in a copy
-    of the caller's context (contextvars: per-thread torch settings kept in them, dynamo's
-    config since torch 2.12, reach the thread), and its wait cannot be cancelled: a
-    cancellation of the caller asks the run to stop (:func:`watching_cancel`) and waits for
-    it. What the loop awaits on the event loop from the thread (:meth:`call`) is cancelled
-    with the caller.
+    Each call runs in a copy of the caller's contextvars, and its wait cannot be cancelled:
+    a cancellation asks the run to stop (:func:`watching_cancel`) and waits for it; what the
+    thread awaits on the event loop (:meth:`call`) is cancelled with the caller.
     """
 
     def __init__(self) -> None:
@@ -90,13 +76,10 @@ class TrainingThread:
         box: list[tuple[bool, Any]] = []
         token = anyio.lowlevel.current_token()
         self._token, self._cancelled = token, False
-        # The future is not waited on: the job reports through ``done`` on the event loop.
-        # What it runs goes in a list the job empties: the pool's work item holds its
-        # arguments until after ``done`` is set, and must not hold the run (the model) then.
+        # The job empties the list: the pool's work item must not hold the run once it is done.
         context = contextvars.copy_context()
         if sniffio is not None:
-            # No event loop runs on the training thread, though the copied context names the
-            # caller's library: cleared, as anyio's worker threads clear it.
+            # No event loop runs on the training thread (as anyio's worker threads do).
             context.run(sniffio.current_async_library_cvar.set, None)
         self._pool.submit(self._job, [context, fn], box, done, token)
         try:
@@ -122,9 +105,7 @@ class TrainingThread:
             box.append((True, context.run(fn)))
         except BaseException as exc:  # raised by run() on the event loop
             box.append((False, exc))
-        # Nothing of the call left on this thread once the caller resumes (a dropped Trainer
-        # is freed at once, without waiting for this thread to get the GIL back).
-        del context, fn
+        del context, fn  # nothing of the call left here once the caller resumes
         anyio.from_thread.run_sync(done.set, token=token)
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
@@ -180,12 +161,7 @@ class TrainingThread:
 
 
 async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
-    """Sleep until cancelled, then ask ``run`` to stop at its next check.
-
-    If the calling call is cancelled, this task is cancelled with it: the thread stops between
-    micro-batches (and what it awaits on the event loop, a barrier, is cancelled), so the
-    worker returns and the closing events are published.
-    """
+    """Sleep until cancelled, then ask ``run`` (and what the thread awaits) to stop."""
     try:
         await anyio.sleep_forever()
     finally:
@@ -196,8 +172,7 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 @contextlib.asynccontextmanager
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
     """While the block runs, a cancellation of the caller asks ``run`` to stop
-    (:func:`watch_cancel`); at its end the watcher ends by its own scope, so nothing is
-    cancelled when nothing cancelled the call (``_bus/scheduler.py``: no reference cycle left)."""
+    (:func:`watch_cancel`); at its end the watcher ends by its own scope."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
         tasks.start_soon(watch_cancel, run, thread)
@@ -208,15 +183,13 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 
 class CallRunner:
-    """The bus around one trainer call (opened for it, or used as it runs), its barriers, and
-    the standalone runs on it.
+    """The bus around one trainer call, its barriers, and the standalone runs on it.
 
     Args:
-        bus: The trainer's bus (the runner takes its loop face, :attr:`port`, once).
+        bus: The trainer's bus.
         hooks: The trainer's hooks (run by standalone runs too).
         barrier_timeout: How long a barrier waits for its subscribers.
-        thread: The trainer's training thread (standalone runs run on it, barriers wait
-            through it).
+        thread: The trainer's training thread.
     """
 
     def __init__(
@@ -239,14 +212,12 @@ class CallRunner:
         self._interrupted = False
 
     def interrupt(self) -> None:
-        """A signal asked the run to stop: from now on barriers do not wait for subscribers,
-        so the loop reaches its final checkpoint even while a sync subscriber blocks the
-        event loop. Safe from a signal handler (sets a flag)."""
+        """A signal asked the run to stop: barriers no longer wait for subscribers (the loop
+        reaches its final checkpoint even if a sync subscriber blocks). Signal-safe."""
         self._interrupted = True
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
-        """Called on the training thread at a barrier event: wait for its deciders (the
-        ``decides=True`` async subscriptions that received it).
+        """On the training thread at a barrier event: wait for its deciders.
 
         Returns:
             The bus' barrier status.
@@ -255,22 +226,17 @@ class CallRunner:
             Cancelled: ``fit()`` was cancelled while the loop waited here.
         """
         if self._interrupted:
-            # After Ctrl-C the user wants the run to end: what is published is still
-            # delivered before fit() returns, but the loop does not wait for it here.
             return "done"
-        # Cancelled with the call (a cancellation, not a failure): Cancelled.
         status: str = self._thread.call(self._port.wait_barrier, self._timeout, event, resume)
         return status
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[None]:
-        """Run the bus for one call, or use it as is when something runs it already (``with
-        trainer:``, ``async with trainer:`` or ``async with trainer.bus:``); either way what the
-        call published is delivered before it returns. A bus this call opened is suspended at
-        its end (streams open, the same subscribers for the next call), not closed.
+        """Run the bus for one call (suspended at its end, not closed), or use it as is when
+        something runs it already; either way what the call published is delivered first.
 
         Raises:
-            TrainbusError: the bus closed already (the message says what to do).
+            TrainbusError: the bus closed already.
         """
         bus = self._bus
         if bus.state == "running":
@@ -293,15 +259,12 @@ class CallRunner:
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
     ) -> Any:
-        """Run ``fn(run)`` on the training thread with the bus running (evaluate/predict).
+        """Run ``fn(run)`` (evaluate/predict) on the training thread with the bus running.
 
         Args:
             fn: What to do with the :class:`StandaloneRun`.
             settings: The settings it runs with (the model is moved to their device).
             state: The last fit's train state, or None before any.
-
-        Returns:
-            What ``fn`` returned.
 
         Raises:
             Whatever ``fn`` raised, after the bus delivered the closing events.
@@ -311,9 +274,7 @@ class CallRunner:
                             state if state is not None else TrainState())  # fmt: skip
         box: dict[str, Any] = {}
 
-        def call() -> None:
-            # The worker's exception is raised after the bus delivered the closing events (the
-            # span carrying it included), not out of the task group as an exception group.
+        def call() -> None:  # raised after the closing events, not as an exception group
             try:
                 box["result"] = fn(run)
             except BaseException as exc:
@@ -332,11 +293,9 @@ class CallRunner:
 class SignalWatcher:
     """Turns SIGINT/SIGTERM into ``StopTraining``; a second one cancels the loop (an abort).
 
-    A plain ``signal.signal`` handler, installed on the main thread for a call's duration and
-    restored after: Python runs it on the main thread between two bytecodes, so it acts
-    while the event loop runs elsewhere (a sync twin's portal thread) and while a sync
-    subscriber blocks the event-loop thread (even in ``time.sleep``). It only appends to the
-    command channel and sets flags (no lock, no await), which is safe in a signal handler.
+    A plain ``signal.signal`` handler on the main thread for a call's duration: Python runs
+    it between bytecodes, so it acts while the event loop runs elsewhere or a sync subscriber
+    blocks. It only appends a command and sets flags (signal-safe).
 
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
@@ -358,9 +317,8 @@ class SignalWatcher:
 
     @property
     def received(self) -> signal.Signals | None:
-        """The signal that asked the run to stop while installed (None: none, or only ones
-        that came once training had ended, which cancel pending work); reset at each
-        install."""
+        """The signal that asked the run to stop (None: none, or only ones after training
+        ended); reset at each install."""
         return self._first
 
     @property
@@ -374,13 +332,9 @@ class SignalWatcher:
 
     @contextlib.contextmanager
     def installed(self, enabled: bool) -> Iterator[None]:
-        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers. A
-        signal the process ignores (``SIG_IGN``) when the block starts is left ignored.
-
-        Does nothing when ``enabled`` is False, off the main thread (where Python cannot set
-        a handler: a sync twin installs it on the caller's thread instead) or when an outer
-        block installed it already.
-        """
+        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers (an
+        ignored signal stays ignored). Does nothing when not ``enabled``, off the main thread
+        or inside an outer block."""
         if (
             not enabled
             or self._installed
@@ -400,34 +354,23 @@ class SignalWatcher:
             yield
         finally:
             self._installed = False
-            if self._received:
-                # A signal after the loop's last look at the commands left its StopTraining
-                # queued: it was for this call, not for the next one.
+            if self._received:  # a StopTraining the loop never read was for this call only
                 self._port.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def masked(self, fn: Callable[[], T], spawns: bool = False) -> Callable[[], T]:
-        """``fn`` to run on the training thread: SIGINT blocked on that thread while
-        :meth:`installed` handles it.
+        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles it.
 
-        DataLoader workers start from the training thread (its first ``iter(loader)``) and
-        inherit that thread's signal mask, forked or spawned. With SIGINT blocked there, a
-        Ctrl-C sent to the whole process group (a terminal does) reaches only the main
-        process' handler: a forked worker would otherwise run a copy of this handler (and poke
-        the parent's event-loop wake-up socket), and a spawned one would raise
-        ``KeyboardInterrupt``, exit, and fail the run's next fetch ("DataLoader worker exited
-        unexpectedly") before the final checkpoint. The workers end with the loader's iterator
-        as usual. The handler itself runs on the main thread either way. The mask is restored
-        after ``fn`` (the thread runs the Trainer's later calls too).
+        DataLoader workers inherit that thread's signal mask: a Ctrl-C sent to the process
+        group then reaches only the main process' handler, not the workers (which would
+        otherwise die and fail the run before its final checkpoint). The mask is restored
+        after ``fn``.
 
         Args:
             fn: What the training thread runs.
-            spawns: The run's loaders spawn their workers (``trainbus._trainer.workers``): start
-                multiprocessing's resource tracker first, whose start would unblock SIGINT.
-
-        Returns:
-            ``fn`` wrapped.
+            spawns: The run's loaders spawn workers: start multiprocessing's resource tracker
+                first, as its start unblocks SIGINT (``trainbus._trainer.workers``).
         """
 
         def run_masked() -> T:
@@ -446,9 +389,8 @@ class SignalWatcher:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         run = self._run
         if run is not None and run.result is not None:
-            # Training has ended and the call's end waits for async subscribers: a signal
-            # cancels what they still hold (counted as lost work) instead of waiting on.
-            # A signal after that one also makes fit() raise KeyboardInterrupt once it returns.
+            # Training ended; the call waits for async subscribers: cancel what they hold
+            # (lost work); a further signal also makes fit() raise KeyboardInterrupt.
             self._aborted = self._aborted or self._cancels > 0
             self._cancels += 1
             self._port.request_cancel_pending()
@@ -461,15 +403,13 @@ class SignalWatcher:
             self._first = signal.Signals(signum)
             if self._on_signal is not None:
                 self._on_signal()
-            # Then the command (a deque append: the training thread sees it at its next step,
-            # whatever the event loop does), then the word about it.
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:
             self._aborted = True
             run = self._run
             if run is not None:
-                run.request_cancel()  # a flag and a doorbell ring
+                run.request_cancel()
             action = "abort now"
         # The handler may interrupt a write to the same stream (a reentrant call raises).
         with contextlib.suppress(Exception):

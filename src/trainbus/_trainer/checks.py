@@ -14,18 +14,14 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop.set_metrics import SetMetric
-from .._loop.settings import Precision, check_precision, eval_sets
-from .._tensors import resolve_device
+from .._loop.settings import eval_sets
 from .._validate import check_int
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
-from .endings import OnSignal, check_on_signal
 
 Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""
@@ -83,16 +79,6 @@ def clip_grad_norm(name: str, value: Any) -> float | None:
             and math.isfinite(value) and value > 0):  # fmt: skip
         raise ConfigError.invalid(name, value, "a finite number > 0 or None")
     return float(value)
-
-
-def precision(name: str, value: Any) -> Precision:
-    """One of the precision spellings, as ``"32"``, ``"bf16"`` or ``"fp16"``."""
-    return check_precision(value)
-
-
-def device(name: str, value: Any) -> torch.device:
-    """``"auto"``, a device string or ``torch.device``, resolved once for every thread."""
-    return resolve_device(value)
 
 
 def accumulate_by(name: str, value: Any) -> Any:
@@ -162,11 +148,6 @@ def progress(name: str, value: Any) -> bool | None:
     if value is not None and not isinstance(value, bool):
         raise ConfigError.invalid(name, value, "None (when stderr is a terminal), True or False")
     return value
-
-
-def on_signal(name: str, value: Any) -> OnSignal | None:
-    """``"raise"``, ``"return"`` or None (no signal handler)."""
-    return check_on_signal(value)
 
 
 def bus(name: str, value: Any) -> EventBus | None:

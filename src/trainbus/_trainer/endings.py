@@ -1,19 +1,6 @@
-"""How a run's ending reaches its caller: what ``fit()`` raises after a run that SIGINT or
-SIGTERM stopped gracefully, and which stopped runs skip their final checkpoint.
-
-With ``Trainer(on_signal="raise")`` (the default) a signal still stops the run as a step
-boundary, writes the final checkpoint and delivers every event; then, instead of returning a
-result that code which does not look at it would take for a normal end, the interrupt reaches
-the caller as it would have without trainbus' handler:
-
-========  =====================================================================
-SIGINT    ``KeyboardInterrupt`` (Python's own Ctrl-C)
-SIGTERM   ``SystemExit(143)`` (128 + 15: the exit status of a process that a
-          SIGTERM ended; ``except Exception`` does not catch it, an Optuna study
-          leaves the trial RUNNING, the process exits 143 when nothing catches it)
-========  =====================================================================
-
-``trainer.result`` holds the run's :class:`~trainbus.FitResult` (``ending == Ending.SIGNAL``).
+"""How a run's ending reaches its caller: what ``fit()`` raises after a graceful stop by
+SIGINT (``KeyboardInterrupt``) or SIGTERM (``SystemExit(143)``) with ``on_signal="raise"``, and
+which stopped runs skip their final checkpoint.
 """
 
 from __future__ import annotations
@@ -33,36 +20,23 @@ OnSignal = Literal["raise", "return"]
 
 
 def check_on_signal(value: object) -> OnSignal | None:
-    """``Trainer(on_signal=)``: an :data:`OnSignal`, or None for no signal handler.
+    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler.
 
     Raises:
         ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
     """
-    if value is None:
-        return None
-    if value == "raise":
-        return "raise"
-    if value == "return":
-        return "return"
+    if value is None or value in ("raise", "return"):
+        return value
     raise ConfigError.invalid(
-        "on_signal",
-        value,
+        "on_signal", value,
         "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
-        "(fit() returns the result) or None (no handler: Python's own SIGINT and SIGTERM)",
-    )
+        "(the result is returned) or None (no handler: Python's own SIGINT and SIGTERM)",
+    )  # fmt: skip
 
 
 def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:
-    """The exception ``fit()`` raises after ``signum`` stopped the run at ``step``.
-
-    Args:
-        signum: The first signal the call received.
-        step: The step the run stopped at.
-        checkpoint: The last checkpoint written (None: none).
-
-    Returns:
-        ``KeyboardInterrupt`` for SIGINT, ``SystemExit(128 + signum)`` for any other.
-    """
+    """``KeyboardInterrupt`` for SIGINT, ``SystemExit(128 + signum)`` for another signal that
+    stopped the run at ``step`` (``checkpoint``: the last one written, or None)."""
     where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
     if signum == signal.SIGINT:
         return KeyboardInterrupt(
@@ -77,15 +51,8 @@ def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> 
 
 
 def check_skip_final(value: object, name: str = "CheckpointDir.skip_final") -> frozenset[Ending]:
-    """``CheckpointDir(skip_final=)`` as a set of endings.
-
-    Args:
-        value: An iterable of ``"stopped"``, ``"pruned"``, ``"signal"`` (or those
-            :class:`~trainbus.events.Ending` members); empty: every stopped run writes one.
-        name: The field, as the message names it.
-
-    Returns:
-        The endings whose final checkpoint is skipped.
+    """``CheckpointDir(skip_final=)``: an iterable of ``"stopped"``, ``"pruned"``,
+    ``"signal"`` as a set of endings.
 
     Raises:
         ConfigError: not an iterable of those endings.

@@ -1,13 +1,7 @@
-"""Hugging Face's option names and what replaces each in trainbus (:data:`HF_OPTIONS`), and the
-same for the trainbus options that moved or were grouped (:data:`REMOVED_OPTIONS`).
-
-A user coming from ``transformers.Trainer`` writes ``Trainer(..., gradient_accumulation_steps=4,
-max_grad_norm=1.0)``. Python's ``TypeError`` for an unknown keyword says nothing useful there;
-:func:`check_options <trainbus._trainer.options.check_options>` adds the trainbus equivalent
-from this table (:func:`hf_hint`). The same table is docs/migration.md's ``TrainingArguments``
-section (``tests/test_migration.py`` renders it from here), so the message and the page cannot
-disagree. A removed trainbus name gets the spelling that replaces it, with the value given
-(``Trainer(watchdog_s=5)``: ``bus=EventBus(watchdog_s=5)``).
+"""Other frameworks' option names and what replaces each in trainbus, for the ``TypeError`` of
+an unknown keyword: Hugging Face's (:data:`HF_OPTIONS`, also docs/migration.md's
+``TrainingArguments`` section), Lightning's, and the trainbus options that moved or were
+grouped (:data:`REMOVED_OPTIONS`).
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ __all__ = [
     "LIGHTNING_OPTIONS",
     "REMOVED_OPTIONS",
     "HfOption",
+    "fit_hint",
     "hf_hint",
     "lightning_hint",
     "removed_hint",
@@ -38,8 +33,7 @@ class HfOption:
         use: What to write in trainbus instead (Markdown: code in backticks).
         option: The trainbus ``Trainer`` option that replaces it, when one does.
         source: Where Hugging Face takes it.
-        current: False for a spelling the current ``TrainingArguments`` no longer has (still
-            in the code people bring).
+        current: False for a spelling the current ``TrainingArguments`` no longer has.
     """
 
     name: str
@@ -170,15 +164,7 @@ _BY_NAME = {o.name: o for o in HF_OPTIONS}
 
 
 def hf_hint(name: str) -> str | None:
-    """What replaces the Hugging Face option ``name`` in trainbus (plain text), or None.
-
-    Args:
-        name: A keyword given to ``Trainer`` that is no trainbus option.
-
-    Returns:
-        ``"Hugging Face's TrainingArguments.<name>; in trainbus: <use>"``, or None when
-        ``name`` is no Hugging Face name this table has.
-    """
+    """What replaces the Hugging Face option ``name`` in trainbus (plain text), or None."""
     option = _BY_NAME.get(name)
     if option is None:
         return None
@@ -215,7 +201,7 @@ REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "eval_at_end": ("eval_schedule", lambda v: f"eval_schedule=EvalSchedule(at_end={v!r})"),
     "handle_signals": ("on_signal", _signals),
     "scheduler_interval": ("scheduler", _interval),
-    "accumulate_by": ("accumulate", lambda v: f"accumulate=Accumulate(n, by={v!r})"),
+    "accumulate_by": ("accumulate", lambda v: f"accumulate=Accumulate(micro_batches, by={v!r})"),
     "skip_final_checkpoint": (
         "checkpoint_dir",
         lambda v: f"checkpoint_dir=CheckpointDir(path, skip_final={v!r})",
@@ -226,16 +212,7 @@ it, value -> what to write instead)}``."""
 
 
 def removed_hint(name: str, value: Any) -> str | None:
-    """What replaces the removed trainbus option ``name`` given ``value``, or None.
-
-    Args:
-        name: A keyword given to ``Trainer`` that is no option.
-        value: The value given (shown in the spelling that replaces it).
-
-    Returns:
-        ``"<name> is no Trainer option now; in trainbus: <spelling>"``, or None when ``name``
-        is no removed trainbus option.
-    """
+    """What replaces the removed trainbus option ``name=value``, or None."""
     removed = REMOVED_OPTIONS.get(name)
     if removed is None:
         return None
@@ -265,15 +242,25 @@ option, what to write)}``. Names both share (``max_epochs``, ``max_steps``, ``pr
 
 
 def lightning_hint(name: str) -> str | None:
-    """What replaces the Lightning ``Trainer`` option ``name`` in trainbus, or None.
-
-    Args:
-        name: A keyword given to ``Trainer`` that is no trainbus option.
-
-    Returns:
-        ``"that is Lightning's Trainer.<name>; in trainbus: <use>"``, or None.
-    """
+    """What replaces the Lightning ``Trainer`` option ``name`` in trainbus, or None."""
     found = LIGHTNING_OPTIONS.get(name)
     if found is None:
         return None
     return f"that is Lightning's Trainer.{name}; in trainbus: {found[1]}"
+
+
+FIT_OPTIONS = {
+    "ckpt_path": "Lightning's Trainer.fit(ckpt_path=...)",
+    "resume_from_checkpoint": "Hugging Face's Trainer.train(resume_from_checkpoint=...)",
+}
+"""Other frameworks' keywords of their ``fit`` that ``fit(resume=...)`` replaces."""
+
+
+def fit_hint(name: str, value: Any) -> str | None:
+    """What replaces the keyword ``name=value`` of another framework's ``fit``, or None."""
+    source = FIT_OPTIONS.get(name)
+    if source is None:
+        return None
+    latest = value is True or value == "last"
+    resume = "'latest'" if latest else repr(value) if isinstance(value, str) else "<path>"
+    return f"that is {source}; in trainbus: fit(resume={resume}) (a path or 'latest')"

@@ -1,19 +1,9 @@
 """How long a Trainer's bus runs, and the one blocking portal its sync twins run through.
 
-Three ways to hold the bus, all on the same subscribers:
-
-* ``with Trainer(...) as t:`` starts an anyio blocking portal (an event loop in a thread) held
-  until the block ends (or ``t.close()``): ``t.fit_sync()``, ``t.evaluate_sync()`` and
-  ``t.predict_sync()`` run in that one portal, one after the other; each runs the bus and
-  suspends it at its end (as below); the block's end closes it.
-* ``async with Trainer(...) as t:`` runs the bus in the caller's event loop until the block ends.
-* Neither: each call runs the bus for itself and suspends it when it ends (what the call
-  published is delivered, time windows emit, async subscribers finish); a sync twin starts a
-  portal for the call and stops it, so no event-loop thread outlives the call. ``t.close()``
-  (or ``await t.aclose()``) completes the streams at the end.
-
-The training thread (:class:`~trainbus._trainer.calls.TrainingThread`) that runs every call's
-loop lives from the first call until the bus closes (whichever way) or the Trainer is dropped.
+``with Trainer(...) as t:`` holds a blocking portal (an event loop in a thread) until the block
+ends, the sync twins running through it; ``async with`` runs the bus in the caller's loop.
+Otherwise each call runs the bus and suspends it at its end, and ``close()`` completes the
+streams. The training thread ends when the bus closes.
 """
 
 from __future__ import annotations
@@ -54,12 +44,8 @@ async def _captured(fn: Callable[[], Awaitable[_T]]) -> _T | _Raised:
 
 
 def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
-    """``portal.call(fn)``, an exception raised on the caller's thread, not through the portal.
-
-    anyio's portal keeps the exception in a future held by a frame of its traceback (a
-    reference cycle): a failed or pruned call's frames, and the Trainer in them, would wait
-    for a garbage-collector pass after the caller dropped the exception.
-    """
+    """``portal.call(fn)``, an exception raised on the caller's thread: anyio's portal holds
+    it in a reference cycle, which would keep the Trainer alive until a gc pass."""
     outcome = portal.call(_captured, fn)
     if isinstance(outcome, _Raised):
         error = outcome.error
@@ -112,9 +98,6 @@ class BusHolder:
     def enter(self, backend: str = "asyncio") -> None:
         """``with trainer:``: start the portal every sync call of the block runs through.
 
-        The bus runs for each call and is suspended between calls (so subscriptions can be
-        made from this thread between them); the block's end closes it.
-
         Raises:
             TrainbusError: the bus runs already, or closed, or a ``with`` block holds it.
         """
@@ -128,13 +111,11 @@ class BusHolder:
         self._stack, self._backend = stack, backend
 
     def close(self) -> None:
-        """Close the bus (deliver, complete the streams, wait for async subscribers), then
-        stop the ``with`` block's portal and end the training thread. Idempotent.
+        """Close the bus, then stop the ``with`` block's portal and end the training thread.
 
         Raises:
-            TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
-            Exception: a subscription with ``on_error="raise"`` failed at the close (the
-                subscriber's own exception).
+            TrainbusError: the bus runs in an ``async with trainer`` block.
+            Exception: a subscription with ``on_error="raise"`` failed at the close.
         """
         try:
             self._close()
@@ -142,8 +123,7 @@ class BusHolder:
             self._end_thread()
 
     def _end_thread(self) -> None:
-        """End the training thread once the bus closed (also when a subscriber's failure at
-        the close is raised: the bus is closed all the same)."""
+        """End the training thread once the bus closed (also after a failure at the close)."""
         if self.closed:
             self._thread.close()
 
@@ -152,10 +132,7 @@ class BusHolder:
         if stack is not None and portal is not None:
             self._stack = self._portal = None
             with stack:
-                if self._bus.state == "running":
-                    # A call interrupted on this thread (Ctrl-C while it waited) still runs in
-                    # the portal: cancel it; the portal's exit waits until it ended (its bus
-                    # suspended), and the bus is closed below.
+                if self._bus.state == "running":  # a call interrupted here runs on: cancel it
                     with contextlib.suppress(RuntimeError):
                         portal.call(portal.stop, True)
                 elif not self.closed:
@@ -169,13 +146,12 @@ class BusHolder:
                 temporary.call(self._run_to_close)
 
     def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
-        """Run ``fn()`` (a trainer call) through the portal: the ``with trainer:`` one, or one
-        started for this call and stopped after it.
+        """Run ``fn()`` (a trainer call) through the ``with trainer:`` portal, or one started
+        for this call.
 
         Raises:
             ConfigError: ``backend`` is not an anyio backend, or not the one ``with`` runs.
-            TrainbusError: the bus runs in an event loop of an ``async with`` block (the
-                message says what to await instead).
+            TrainbusError: the bus runs in an event loop of an ``async with`` block.
         """
         backend = check_backend(backend)
         if self._portal is not None:
@@ -214,8 +190,7 @@ class BusHolder:
             self._end_thread()
 
     async def aclose(self) -> None:
-        """Close a bus that does not run (new or suspended): deliver, complete the streams;
-        then end the training thread. Idempotent.
+        """Close a bus that does not run, then end the training thread. Idempotent.
 
         Raises:
             TrainbusError: the bus runs (in ``with`` or ``async with``: leave that instead).

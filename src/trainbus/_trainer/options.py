@@ -1,24 +1,10 @@
 """The Trainer's options: the groups of related ones, each option's check, and the loop's
 :class:`~trainbus._loop.Settings` built from them.
 
-The options are declared once, in ``Trainer.__init__``'s keyword-only signature (type, default)
-and its docstring (meaning): what ``help(Trainer)``, ``inspect.signature``, mypy and an IDE read.
-From there:
-
-- :data:`CHECKS` holds the check of each keyword option, by name, in the signature's order
-  (``tests/trainer/test_options.py`` holds the two to each other);
-- :func:`check_options` runs them on the arguments of a call (``Trainer.__init__`` hands over
-  its ``locals()``: no second list of the options or of their defaults);
-- :func:`build_settings` builds the loop's ``Settings`` from the checked options, the bus' own
-  options (``barriers``) and the checks of two options at once;
-- :func:`explains_unknown_options` turns Python's ``TypeError`` for a keyword that is no option
-  into one naming what replaces it: a Hugging Face name (:mod:`.hf_options`), a removed
-  trainbus name (:data:`.hf_options.REMOVED_OPTIONS`), else the nearest option.
-
-A group of related options is a small frozen dataclass checked when it is built
-(:class:`EvalSchedule`, :class:`Accumulate`, :class:`CheckpointDir`, :class:`PerEpoch`); where
-one value is the common case (``accumulate=4``, ``checkpoint_dir="runs/x"``,
-``scheduler=sched``) the option takes it as well, as httpx's ``timeout=5.0`` or ``Timeout(...)``.
+The options are declared once, in ``Trainer.__init__``'s keyword-only signature and docstring;
+:data:`CHECKS` holds each one's check in the signature's order, :func:`check_options` runs
+them on ``__init__``'s ``locals()``. A group of related options is a frozen dataclass checked
+when built; where one value is the common case (``accumulate=4``) the option takes it too.
 """
 
 from __future__ import annotations
@@ -28,7 +14,7 @@ import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, ParamSpec, TypeVar
 
 import torch
 
@@ -37,12 +23,12 @@ from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
-from .._loop.settings import check_loader, check_reiterable, eval_sets
-from .._tensors import bf16_supported
+from .._loop.settings import check_loader, check_precision, check_reiterable, eval_sets
+from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
-from .endings import check_skip_final
-from .hf_options import hf_hint, lightning_hint, removed_hint
+from .endings import check_on_signal, check_skip_final
+from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [
     "CHECKS",
@@ -52,8 +38,12 @@ __all__ = [
     "PerEpoch",
     "build_settings",
     "check_options",
+    "explains_fit_keywords",
     "explains_unknown_options",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 AccumulateBy = Literal["batches", "items"] | Callable[[Any], int]
 
@@ -85,7 +75,15 @@ class EvalSchedule:
         checks.boolean()("EvalSchedule.at_end", self.at_end)
 
 
-@dataclass(frozen=True, slots=True)
+def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
+    return unknown_keyword_message(
+        "Accumulate", name, ["micro_batches", "by"],
+        f"the micro-batches per step are micro_batches: Accumulate({value!r}) or "
+        f"Accumulate(micro_batches={value!r})" if isinstance(value, int) else None,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True, init=False)
 class Accumulate:
     """Gradient accumulation with a weighing of its own: ``accumulate=Accumulate(4,
     by="items")`` (``accumulate=4`` is ``Accumulate(4)``).
@@ -102,14 +100,18 @@ class Accumulate:
 
     Raises:
         ConfigError: naming the field (``Accumulate.micro_batches``, ``Accumulate.by``).
+        TypeError: another keyword (``Accumulate(n=4)``), naming ``micro_batches``.
     """
 
     micro_batches: int
-    by: AccumulateBy = "batches"
+    by: AccumulateBy
 
-    def __post_init__(self) -> None:
-        check_int("Accumulate.micro_batches", self.micro_batches, 1)
-        checks.accumulate_by("Accumulate.by", self.by)
+    @explains_unknown_keywords(_accumulate_keyword)
+    def __init__(self, micro_batches: int, by: AccumulateBy = "batches") -> None:
+        check_int("Accumulate.micro_batches", micro_batches, 1)
+        checks.accumulate_by("Accumulate.by", by)
+        object.__setattr__(self, "micro_batches", micro_batches)
+        object.__setattr__(self, "by", by)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +168,7 @@ def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
 
 
 def _group(cls: type, *, plain: Callable[[Any], Any] | None = None) -> checks.Check:
-    """An instance of the group ``cls``, or (with ``plain``) the common single value that
-    ``plain(value)`` turns into one."""
+    """An instance of the group ``cls``, or (with ``plain``) the value ``plain`` turns into one."""
 
     def check(name: str, value: Any) -> Any:
         if isinstance(value, cls):
@@ -183,8 +184,10 @@ def _plain_accumulate(value: Any) -> Accumulate:
     try:
         return Accumulate(value)
     except ConfigError:
-        raise ConfigError.invalid("accumulate", value, "an int >= 1 (micro-batches per step) "
-                                  "or trainbus.Accumulate(n, by=...)") from None  # fmt: skip
+        raise ConfigError.invalid(
+            "accumulate", value,
+            "an int >= 1 (micro-batches per step) or trainbus.Accumulate(micro_batches, by=...)",
+        ) from None  # fmt: skip
 
 
 def _plain_checkpoint_dir(value: Any) -> CheckpointDir | None:
@@ -207,8 +210,8 @@ CHECKS: dict[str, checks.Check] = {
     "scheduler": _scheduler,
     "accumulate": _group(Accumulate, plain=_plain_accumulate),
     "clip_grad_norm": checks.clip_grad_norm,
-    "precision": checks.precision,
-    "device": checks.device,
+    "precision": lambda _, value: check_precision(value),
+    "device": lambda _, value: resolve_device(value),  # resolved once, for every thread
     "seed": checks.int_at_least(0, optional=True),
     "metrics": checks.metrics,
     "set_metrics": checks.set_metrics,
@@ -218,7 +221,7 @@ CHECKS: dict[str, checks.Check] = {
     "callbacks": checks.callbacks,
     "progress": checks.progress,
     "on_nonfinite": checks.on_nonfinite,
-    "on_signal": checks.on_signal,
+    "on_signal": lambda _, value: check_on_signal(value),
     "bus": checks.bus,
     "ddp": checks.ddp,
     "attach": checks.attach,
@@ -229,19 +232,15 @@ CHECKS: dict[str, checks.Check] = {
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Every keyword option of a call checked, in the signature's order.
-
-    Args:
-        given: ``{name: value}`` of every keyword option (``Trainer.__init__``'s ``locals()``;
-            other names in it are ignored).
+    """Every keyword option of ``given`` (``Trainer.__init__``'s ``locals()``) checked, in
+    the signature's order.
 
     Returns:
-        ``{name: the value the run uses}`` for every option: ``scheduler`` as
-        ``(scheduler, interval)``, ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir``
-        a :class:`CheckpointDir` or None.
+        ``{name: the value the run uses}``: ``scheduler`` as ``(scheduler, interval)``,
+        ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir`` a :class:`CheckpointDir`.
 
     Raises:
-        ConfigError: the first option (in the signature's order) whose value its check refuses.
+        ConfigError: the first option whose value its check refuses.
     """
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
@@ -255,7 +254,6 @@ def bus_hint(name: str, value: Any) -> str | None:
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
     """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
-    # A habit to unlearn (Hugging Face's, Lightning's, an earlier trainbus'): its successor.
     hint = (
         hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
     )
@@ -267,17 +265,19 @@ explains_unknown_options = explains_unknown_keywords(unknown_option_message)
 what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
 
 
+def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``Trainer.fit`` / ``fit_sync`` refusing another framework's keyword (``ckpt_path``,
+    ``resume_from_checkpoint``) by naming ``fit(resume=...)``."""
+    return explains_unknown_keywords(
+        lambda name, value, known: unknown_keyword_message(owner, name, known,
+                                                           fit_hint(name, value))
+    )  # fmt: skip
+
+
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
-    """The loop's :class:`Settings`: the positional arguments checked, the checks of two
-    options at once, and the checked options, each where the loop reads it.
-
-    Args:
-        model: The Trainer's ``model``.
-        optimizer: Its ``optimizer`` (one, or a mapping of names to optimizers).
-        train_data: Its ``train_data``.
-        options: The options from :func:`check_options`.
-        bus: The Trainer's bus (its ``barriers``).
+    """The loop's :class:`Settings` from the positional arguments, the checked ``options``
+    and the bus' ``barriers``, after the checks of two options at once.
 
     Raises:
         ConfigError: naming the first bad argument, its value and what is allowed.
@@ -339,10 +339,8 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
 
 def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
                   options: Mapping[str, Any]) -> None:  # fmt: skip
-    """Refuse a one-shot iterator where the run would iterate it twice: as ``eval_data`` (every
-    evaluation is a new pass: the second would score nothing) or as ``train_data`` for more
-    than one epoch. A generator training for one epoch, or for ``max_steps`` alone (a stream),
-    is fine; spent before ``max_steps``, the run fails saying so (docs/trainer.md).
+    """Refuse a one-shot iterator the run would iterate twice: as ``eval_data``, or as
+    ``train_data`` for more than one epoch.
 
     Raises:
         ConfigError: naming the option and what to pass instead.

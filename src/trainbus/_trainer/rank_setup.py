@@ -40,15 +40,8 @@ class RankSetup:
         self._wrapped: torch.nn.Module | None = None
 
     def join(self, device: torch.device | None = None) -> ProcessGroup:
-        """Join the process group the environment describes, with the backend the run's
-        device asks for (gloo for a CPU run, NCCL for CUDA; see
-        :func:`~trainbus._distributed.group.choose_backend`).
-
-        Args:
-            device: The run's resolved device (None: NCCL when CUDA is available).
-
-        Returns:
-            The group (also kept for :meth:`close`).
+        """Join the process group the environment describes (gloo for a CPU ``device``, NCCL
+        for CUDA), kept for :meth:`close`.
 
         Raises:
             ConfigError: more local ranks than GPUs for a CUDA run (before any collective).
@@ -94,13 +87,8 @@ class RankSetup:
                 self._server = AttachServer.start(self._bus, self._attach)
 
     def close(self, result: FitResult | None) -> None:
-        """Close the attach listener and the driver link, and leave the group (after the bus
-        closed: every event was queued for the driver). After a completed or stopped run the
-        ranks meet once more.
-
-        Args:
-            result: How the run ended, or None when it never ran.
-        """
+        """Close the attach listener and the driver link, and leave the group (``result``:
+        how the run ended, None when it never ran)."""
         if self._server is not None:
             self._server.close()
         if self._link is not None:
@@ -109,12 +97,10 @@ class RankSetup:
         if group is None:
             return
         if group.owns_group and result is not None and result.reason in ("completed", "stopped"):
-            # Every rank ended at the same agreed step: meet once more, so no rank tears the
-            # group down while a peer still reads its last collective.
+            # No rank tears the group down while a peer still reads its last collective.
             group.barrier()
         if self._wrapped is not None:
-            # After the barrier (no collective in flight): the wrapper must not keep the group
-            # and gloo's threads alive until exit, where their teardown can abort the process.
+            # The wrapper must not keep the group (and gloo's threads) alive until exit.
             release_model(self._wrapped)
             self._wrapped = None
         group.close()  # destroys the process group only if from_env() created it

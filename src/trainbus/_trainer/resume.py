@@ -33,12 +33,6 @@ def check_resume(
 ) -> str | Path | None:
     """Validate ``fit(resume=..., require_checkpoint=...)``.
 
-    Args:
-        resume: None, ``"latest"`` or a checkpoint path.
-        checkpoint_dir: The trainer's ``checkpoint_dir`` (``"latest"`` needs one).
-        require_checkpoint: True: ``"latest"`` finding no valid checkpoint is an error, not a
-            fresh start (a path must name a file anyway).
-
     Returns:
         None, ``"latest"`` or the checkpoint's ``Path``.
 
@@ -67,11 +61,7 @@ def check_resume(
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkpoint:
-    """Read the checkpoint ``path`` and load its model weights into ``model`` (unwrapped from
-    DDP first), nothing else.
-
-    Returns:
-        The checkpoint read (its ``state.step`` names the step the weights are of).
+    """Load only the model weights of the checkpoint ``path`` into ``model`` (unwrapped).
 
     Raises:
         CheckpointError: the file is missing, damaged or foreign, a sharded folder, or its
@@ -83,7 +73,8 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkp
 
 
 class CallbackStates:
-    """The stateful callbacks' side of a checkpoint: restored on resume, collected at saves.
+    """Resuming a run (the checkpoint loaded, its states restored) and the stateful
+    callbacks' states collected at each save.
 
     Args:
         bus: The trainer's bus (flushed before a collection; carries the load events).
@@ -110,7 +101,6 @@ class CallbackStates:
     def restore(self, checkpoint: Checkpoint) -> None:
         """Load each saved callback state into the added callback with its ``state_key``;
         a state no callback claims is logged and ignored."""
-        # On the event-loop thread, before the loop starts: no event reaches them meanwhile.
         by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
@@ -122,13 +112,8 @@ class CallbackStates:
             cb.load_state_dict(state)
 
     def collect(self) -> dict[str, dict[str, Any]]:
-        """The stateful callbacks' states, by ``state_key`` (on the event-loop thread).
-
-        Returns:
-            ``{state_key: state_dict}``.
-        """
-        # Deliver what was published before the save first, so the states include every
-        # event up to it.
+        """``{state_key: state_dict}`` of the stateful callbacks, on the event-loop thread,
+        once every event published before the save is delivered."""
         self._bus.flush()
         return {cb.state_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
 
@@ -151,7 +136,6 @@ class CallbackStates:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(handed.path)))
             self._source = "ray"
             return handed
-        # Read once: the newest file that loads and checks is the one restored.
         self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
         scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
         if scan.checkpoint is not None:
@@ -179,20 +163,17 @@ class CallbackStates:
             required: ``"latest"`` finding no valid checkpoint raises instead of warning.
 
         Returns:
-            The checkpoint without its restored states (:meth:`Checkpoint.restored`), or None
-            for ``"latest"`` with no valid checkpoint (a warning, ``resume_found_nothing``,
-            names the folder and what it held).
+            The checkpoint without its restored states, or None for ``"latest"`` with no
+            valid checkpoint (a ``resume_found_nothing`` warning).
 
         Raises:
             CheckpointError: damaged, foreign or incompatible checkpoint; or ``required`` and
-                ``"latest"`` found no valid checkpoint (naming the folder and what it held).
+                ``"latest"`` found no valid checkpoint.
         """
         self._source = None
         if is_sharded_model(unwrap_model(s.model)):
             return self._load_sharded(s, resume, group, required=required)
-        # Loaded to the host: load_state_dict puts each tensor where the live model and
-        # optimizer keep it (Adam's "step" stays on the host unless fused/capturable, as in a
-        # straight run), and the RNG states are the CPU tensors torch's setters take.
+        # Read to the host: load_state_dict puts each tensor where the live objects keep it.
         if resume == "latest":
             checkpoint = self._latest(s, required=required)
             if checkpoint is None:
@@ -201,43 +182,26 @@ class CallbackStates:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
             checkpoint = read_checkpoint(resume, map_location="cpu")
             self._source = "path"
-        # The loop restores the RNG states itself, at the point of the epoch they were
-        # captured at (replay_epoch), so a shuffled epoch draws the same permutation.
-        world_size = group.world_size
         saved_world = int(checkpoint.meta.get("world_size", 1))
-        if saved_world != world_size:
-            # The shards differ: the interrupted epoch's order cannot be replayed. Resume at
-            # the next epoch boundary (docs/distributed.md).
-            st = checkpoint.state
-            log.warning("resume_world_size_changed", saved_world_size=saved_world,
-                        world_size=world_size, epoch=st.epoch, batch_in_epoch=st.batch_in_epoch,
-                        action="resume at the next epoch boundary")  # fmt: skip
-            if st.batch_in_epoch > 0:
-                st.epoch_done()  # the next epoch boundary
-            world_size = saved_world
+        _next_epoch_if_resharded(checkpoint, saved_world, group.world_size,
+                                 "resume at the next epoch boundary")  # fmt: skip
         checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
-                           scheduler=s.scheduler, scaler=s.scaler, world_size=world_size,
+                           scheduler=s.scheduler, scaler=s.scaler, world_size=saved_world,
                            rng=False)  # fmt: skip
+        return self._restored(checkpoint)
+
+    def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
+        """Restore the callback states, announce the load; the checkpoint without its states."""
         self.restore(checkpoint)
-        self._bus.publish(ev.CheckpointLoaded(step=checkpoint.state.step,
-                                              epoch=checkpoint.state.epoch,
+        st = checkpoint.state
+        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
-        # The loop needs the train state, data order and RNG states; the weights and optimizer
-        # state are in the live objects now: keep no second copy for the rest of the run.
         return checkpoint.restored()
 
     @staticmethod
     def warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
-        """Resuming with other cadences, accumulation or data than the run that wrote the
-        checkpoint: the run goes on, but not as the interrupted one would have; a
-        ``resume_config_differs`` warning says what differs and what is lost. A checkpoint of
-        an earlier version records no run configuration: nothing to compare.
-
-        Args:
-            s: The settings this rank trains with (after the data is sharded: the writer
-                recorded its rank's batches per epoch).
-            checkpoint: The checkpoint loaded (its ``meta["run"]``).
-        """
+        """Warn (``resume_config_differs``) when this run's cadences, accumulation or data
+        differ from those of the run that wrote ``checkpoint`` (``s``: after sharding)."""
         saved = checkpoint.meta.get("run")
         if not isinstance(saved, dict):
             return
@@ -276,19 +240,20 @@ class CallbackStates:
             self._found_nothing(s, found, required=required)
             return None
         self._source = "checkpoint_dir" if resume == "latest" else "path"
-        saved_world = int(checkpoint.meta["world_size"])
-        st = checkpoint.state
-        if saved_world != group.world_size:
-            # DCP resharded the weights; the interrupted epoch's shards of the data differ:
-            # resume at the next epoch boundary (docs/distributed.md).
-            log.warning("resume_world_size_changed", saved_world_size=saved_world,
-                        world_size=group.world_size, epoch=st.epoch,
-                        batch_in_epoch=st.batch_in_epoch,
-                        action="resharded through DCP; resume at the next epoch "
-                        "boundary")  # fmt: skip
-            if st.batch_in_epoch > 0:
-                st.epoch_done()
-        self.restore(checkpoint)
-        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
-                                              path=str(checkpoint.path)))  # fmt: skip
-        return checkpoint.restored()
+        saved = int(checkpoint.meta["world_size"])
+        action = "resharded through DCP; resume at the next epoch boundary"
+        _next_epoch_if_resharded(checkpoint, saved, group.world_size, action)
+        return self._restored(checkpoint)
+
+
+def _next_epoch_if_resharded(checkpoint: Checkpoint, saved: int, world_size: int,
+                             action: str) -> None:  # fmt: skip
+    """Another world size shards the data otherwise: the interrupted epoch cannot be replayed,
+    so the run resumes at the next epoch boundary (a ``resume_world_size_changed`` warning)."""
+    if saved == world_size:
+        return
+    st = checkpoint.state
+    log.warning("resume_world_size_changed", saved_world_size=saved, world_size=world_size,
+                epoch=st.epoch, batch_in_epoch=st.batch_in_epoch, action=action)  # fmt: skip
+    if st.batch_in_epoch > 0:
+        st.epoch_done()

@@ -1,4 +1,4 @@
-"""The Trainer: async-first ``fit()``, the loop in a worker thread, the bus on the event loop.
+"""The Trainer: async-first ``fit()``, the loop on a training thread, the bus on the event loop.
 
 ::
 
@@ -7,13 +7,6 @@
     trainer.bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(log_step)
     result = await trainer.fit()        # or trainer.fit_sync() from synchronous code
     result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
-
-``fit()`` opens the bus' task group (unless ``with`` / ``async with trainer`` holds it), runs the
-loop (see ``trainbus._loop.loop`` for the event order) on the Trainer's training thread (one for
-all its calls, ended by ``close()`` or the Trainer's drop; docs/compile.md),
-turns SIGINT/SIGTERM into ``StopTraining`` (a second SIGINT aborts), and suspends the bus, which
-delivers every event published before ``FitEnded``; ``evaluate()`` and ``predict()`` run on the
-same bus and subscribers, before or after it (docs/trainer.md, "One Trainer, many calls").
 """
 
 from __future__ import annotations
@@ -75,6 +68,7 @@ from .options import (
     PerEpoch,
     build_settings,
     check_options,
+    explains_fit_keywords,
     explains_unknown_options,
 )
 from .rank_setup import RankSetup
@@ -93,99 +87,71 @@ class Trainer:
         model: The ``torch.nn.Module`` to train.
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters, or a mapping of
             names to optimizers over disjoint parameters (``{"g": opt_g, "d": opt_d}``): the
-            default step steps them all, a ``train_step`` steps them by name; each one's state
-            is saved and restored (docs/trainer.md, "Several optimizers").
+            default step steps them all, a ``train_step`` by name (docs/trainer.md).
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
-        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` called per micro-batch:
-            any forwards, ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps
-            the events, hooks, accumulation, clipping, precision, non-finite checks and
-            checkpoints (docs/recipes.md). None: the default step.
+        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` per micro-batch: forwards,
+            ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps the events,
+            hooks, accumulation, clipping, precision and checkpoints. None: the default step.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
             Without it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a
             mapping with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
-        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
-            (``{"val": val_loader, "test": test_loader}``), scored one after the other in one
-            evaluation round. Metrics of a single loader are ``val_loss``/``val_<name>``; of
-            named sets ``<set>/loss``/``<set>/<name>`` (``"test/acc"``).
+        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables,
+            scored in one round. Metrics: ``val_loss``/``val_<name>`` for one loader,
+            ``<set>/loss``/``<set>/<name>`` for named sets.
         max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
         max_steps: Optimizer steps to train.
-        scheduler: An LR scheduler, stepped every optimizer step; with several optimizers a
-            mapping of optimizer names to schedulers. ``PerEpoch(scheduler)``: stepped once
-            per epoch instead.
-        accumulate: Micro-batches per optimizer step (gradient accumulation), or
-            ``Accumulate(n, by="items")`` to weigh them by their items (:class:`Accumulate`).
-        clip_grad_norm: Clip the total gradient norm to this value; the pre-clip norm is
-            reported as ``grad_norm`` on the events.
-        precision: ``"32"``, ``"bf16"`` (autocast, any device; on CUDA compute capability 8.0
-            or later) or ``"fp16"`` (autocast with a grad scaler, CUDA only); Lightning's
-            ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
-        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
-            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current CUDA device); the
-            loop, evaluate and predict make it current on their own threads (docs/trainer.md,
-            "On a GPU").
-        seed: At the start of ``fit()``, seeds Python's, NumPy's and torch's process-wide
-            generators (:func:`~trainbus.seed_everything`; call that one before building the
-            model for equal initial weights), and gives a ``DataLoader(shuffle=True)`` without
-            a ``generator`` a data order of ``(seed, epoch)`` that no other thread's draws
-            change (docs/trainer.md, "Seeds").
-        metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``;
-            ``targets`` is the second element of ``(inputs, targets)`` batches, a mapping
-            batch's ``"labels"``, else the batch (docs/trainer.md, "Metric functions").
+        scheduler: An LR scheduler stepped every optimizer step (with several optimizers, a
+            mapping of their names to schedulers); ``PerEpoch(scheduler)``: once per epoch.
+        accumulate: Micro-batches per optimizer step, or ``Accumulate(4, by="items")`` to
+            weigh them by their items (:class:`Accumulate`).
+        clip_grad_norm: Clip the total gradient norm to this value (the pre-clip norm is
+            ``grad_norm`` on the events).
+        precision: ``"32"``, ``"bf16"`` (autocast; on CUDA, compute capability 8.0+) or
+            ``"fp16"`` (autocast and a grad scaler, CUDA only); Lightning's ``"32-true"``,
+            ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
+        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``;
+            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current device).
+        seed: Seeds Python's, NumPy's and torch's generators when ``fit()`` starts
+            (:func:`~trainbus.seed_everything`), and gives a ``DataLoader(shuffle=True)``
+            without a ``generator`` a data order of ``(seed, epoch)`` (docs/trainer.md, "Seeds").
+        metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``.
         set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as
-            ``val_ppl``: each sums ``update(outputs, targets)``'s values over the set (and the
-            ranks) and ``compute(totals)`` gives the value (:class:`~trainbus.SetMetric`;
-            :class:`~trainbus.Perplexity`, :class:`~trainbus.TokenAccuracy`). One that raises
-            is counted in ``FitResult.metric_failures`` and left out; the run goes on
-            (docs/trainer.md, "Metrics of the whole set").
-        eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`): every N
-            optimizer steps (``every_steps``), after each epoch (``epoch_end``, default) and
-            once more at the end of a completed run whose last step was not evaluated
-            (``at_end``, default).
-        log_every: Steps per ``MetricsLogged`` (one device read of the log window's losses).
+            ``val_ppl`` (:class:`~trainbus.SetMetric`); one that raises is counted in
+            ``FitResult.metric_failures`` and left out.
+        eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`).
+        log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
         checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
             run completes or stops (``CheckpointDir(path, skip_final={"pruned"})``: stopped
-            runs that write none). Checked now (creatable, writable, not under a file),
-            created at the first save (or when ``fit()`` starts, with ``attach`` listening
-            there; removed at the end if still empty). Resume with ``fit(resume=...)``.
-        callbacks: Callback classes or instances (user tier). Stateful ones (overriding
-            ``state_dict``) need distinct ``state_key``s.
-        progress: Show a :class:`~trainbus.callbacks.Progress` bar: ``None`` (default) when
-            stderr is a terminal on rank 0 (the ``RANK`` variable torchrun sets, default 0),
-            ``True`` always, ``False`` never. A ``Progress`` in ``callbacks`` replaces it.
-        on_nonfinite: A NaN/inf loss ``"raise"``s ``NonFiniteLossError`` (the run fails),
-            ``"stop"``s the run (no checkpoint of the bad state), ``"skip"``s that batch's
-            update (counted in ``FitResult.skipped_nonfinite``), or is ``"ignore"``d. Checked
-            every step (docs/trainer.md); a checkpoint never holds non-finite weights.
-        on_signal: SIGINT/SIGTERM during ``fit()`` / ``fit_sync()`` called on the main thread
-            become a graceful stop (``StopTraining``: final checkpoint written, events
-            delivered; a second SIGINT aborts; a signal the process ignores stays ignored).
-            Then ``"raise"`` (default) lets the interrupt reach the caller,
-            ``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM
-            (``trainer.result`` holds the result, ``ending == Ending.SIGNAL``); ``"return"``
-            returns the result instead. None: no handler (Python's own behaviour).
-        bus: The :class:`EventBus` to run on (default: a new ``EventBus()``). The bus' own
-            options are set there: ``bus=EventBus(close_timeout=..., watchdog_s=...,
-            barriers=..., barrier_timeout=..., on_lost="raise")``.
-        ddp: Under ``torchrun`` with more than one rank, wrap the model in
-            ``DistributedDataParallel`` (a model already wrapped is left as it is). ``False``
-            for a model you parallelise yourself (a custom wrapper): trainbus then neither
-            wraps it nor all-reduces its gradients (docs/distributed.md). None (the default):
-            DDP, except for a model sharded with FSDP2 (``fully_shard``), which reduces its own
-            gradients and is never wrapped; ``True`` for such a model is a ``ConfigError``.
+            runs that write none). Checked now, created at the first save.
+        callbacks: Callback classes or instances (user tier); stateful ones need distinct
+            ``state_key`` values.
+        progress: Show a :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr
+            is a terminal on rank 0, True always, False never.
+        on_nonfinite: A NaN/inf loss: ``"raise"`` a ``NonFiniteLossError``; ``"stop"`` the run
+            (no checkpoint of the bad state); ``"skip"`` that batch's update (counted in
+            ``FitResult.skipped_nonfinite``); ``"ignore"`` it.
+        on_signal: SIGINT/SIGTERM during ``fit()`` on the main thread stop the run gracefully
+            (final checkpoint, events delivered; a second SIGINT aborts); then ``"raise"``
+            (default) raises ``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM
+            (``trainer.result`` holds the result), ``"return"`` returns the result. None: no
+            handler.
+        bus: The :class:`EventBus` to run on (default: a new one); the bus' own options are
+            set there (``EventBus(close_timeout=..., watchdog_s=..., on_lost="raise")``).
+        ddp: Under ``torchrun`` with several ranks, wrap the model in
+            ``DistributedDataParallel``. False: neither wrap it nor all-reduce its gradients.
+            None (default): DDP, except for a model sharded with FSDP2 (``True`` for such a
+            model is a ``ConfigError``).
         attach: Let other processes of your user attach to ``fit()`` (``trainbus attach
-            RUN_DIR``, :func:`trainbus.attach`): rank 0 listens on ``attach.sock`` in the run
-            folder, with ``attach.token`` beside it, both removed at the end. True (default):
-            in ``checkpoint_dir`` when set (on platforms with Unix domain sockets); a folder:
-            there; False: never. Free while nobody is attached (docs/attach.md).
-        trace: Time the parts of each step (the data wait, forward, backward, optimizer step,
-            ``zero_grad``, scheduler step) and publish each as one ``events.SpanTraced``:
-            True for every part, a set of ``events.TRACED_SPANS`` names for those; False
-            (default): nothing is timed or published (docs/events.md, "Tracing").
+            RUN_DIR``): True (default) in ``checkpoint_dir`` when set; a folder: there;
+            False: never (docs/attach.md).
+        trace: Publish the time of each part of a step (data wait, forward, backward,
+            optimizer step, ``zero_grad``, scheduler step) as ``events.SpanTraced``: True for
+            all, a set of ``events.TRACED_SPANS`` names for those; False (default): none.
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
-        TypeError: a keyword that is no option, naming what replaces it (a Hugging Face name,
-            an option of the bus, a trainbus name that was grouped) or the nearest option.
+        TypeError: a keyword that is no option, naming what replaces it (a Hugging Face or
+            Lightning name, an option of the bus, a grouped trainbus name) or the nearest.
     """
 
     @explains_unknown_options
@@ -220,7 +186,7 @@ class Trainer:
         attach: bool | str | os.PathLike[str] = True,
         trace: bool | Iterable[TracedSpan] = False,
     ) -> None:
-        checked = check_options(locals())  # the keyword options, as the signature declares them
+        checked = check_options(locals())
         self.bus: EventBus = checked["bus"] or EventBus()
         self.settings: Settings = build_settings(model, optimizer, train_data, checked, self.bus)
         self.on_signal: OnSignal | None = checked["on_signal"]
@@ -230,8 +196,6 @@ class Trainer:
         self.result: FitResult | None = None
         self._added = AddedCallbacks(self.bus, self.hooks)
         added = self._added  # not self: no cycle through the trainer (freed without gc)
-        # Every call's loop runs on this one thread, from the first call to close() or the
-        # Trainer's drop (a compiled model traces, recompiles and replays on one thread).
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
         self._calls = CallRunner(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
@@ -245,9 +209,8 @@ class Trainer:
         if (progress if progress is not None else progress_by_default()) and not any(
             isinstance(cb, Progress) for cb in instances
         ):
-            self.add_callback(Progress(), tier="core")  # the default kit's progress bar
+            self.add_callback(Progress(), tier="core")
         self._state: TrainState | None = None  # the last run's, for standalone calls after it
-        # Queued now, delivered when the bus first runs: subscribers made by then see it.
         self.bus.publish(ev.TrainerBuilt(step=0, epoch=0, device=str(self.settings.device),
                                          callbacks=tuple(type(cb).__name__
                                                          for cb in self.callbacks)))  # fmt: skip
@@ -257,12 +220,9 @@ class Trainer:
         """Add a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
         and ``setup(bus)`` pipelines. While ``fit()`` runs, call it on the event-loop thread.
 
-        Returns:
-            The added instance.
-
         Raises:
-            ConfigError: not a Callback, a misspelt ``on_*`` / ``hook_*`` method, or a
-                stateful callback whose ``state_key`` another added one already has.
+            ConfigError: not a Callback, a misspelt ``on_*`` / ``hook_*`` method (a Lightning
+                name names the trainbus one), or a ``state_key`` another callback has.
         """
         return self._added.add(callback, tier)
 
@@ -276,7 +236,7 @@ class Trainer:
 
     @property
     def callbacks(self) -> tuple[Callback, ...]:
-        """AddedCallbacks callbacks, in attachment order."""
+        """The added callbacks, in attachment order."""
         return self._added.callbacks
 
     def add_hook(self, point: HookPoint, fn: HookFn) -> HookHandle:
@@ -289,9 +249,8 @@ class Trainer:
 
     # ================================================================== lifetime
     def __enter__(self) -> Self:
-        """``with Trainer(...) as t:``: run the bus (in a blocking portal: an event loop in a
-        thread) until the block ends; ``t.fit_sync()``, ``t.evaluate_sync()``, ``t.predict_sync()``
-        run through that one portal. The end of the block is :meth:`close`.
+        """``with Trainer(...) as t:``: run the bus in a blocking portal (an event loop in a
+        thread) until the block ends, which is :meth:`close`; the sync twins run through it.
 
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
@@ -308,17 +267,13 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Close the bus: deliver what is queued, complete the streams (buffering operators
-        emit what they hold), wait for async subscribers (``close_timeout``), then stop the
-        ``with`` block's portal and end the training thread. Idempotent; later calls raise
-        ``TrainbusError``. A Trainer never closed loses nothing of its calls (each delivers
-        before it returns); closing completes the streams and frees the subscribers (dropping
-        the Trainer ends its training thread too).
+        """Close the bus: deliver what is queued, complete the streams, wait for async
+        subscribers (``close_timeout``), stop the ``with`` block's portal and end the training
+        thread. Idempotent. A Trainer never closed loses nothing of its calls.
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
-            Exception: a subscription with ``on_error="raise"`` failed while closing (the
-                subscriber's own exception).
+            Exception: a subscription with ``on_error="raise"`` failed while closing.
         """
         self._holder.close()
 
@@ -349,6 +304,7 @@ class Trainer:
         await self._holder.aclose()
 
     # ================================================================== running
+    @explains_fit_keywords("fit_sync")
     def fit_sync(
         self,
         *,
@@ -356,10 +312,9 @@ class Trainer:
         backend: str = "asyncio",
         require_checkpoint: bool = False,
     ) -> FitResult:
-        """Synchronous twin of :meth:`fit`, run through one anyio blocking portal: the one of
-        ``with trainer:``, else one started for the call and stopped after it. Works in a plain
-        script and where an event loop already runs on this thread (a notebook). SIGINT and
-        SIGTERM are handled on this thread (the main one) while it waits.
+        """Synchronous twin of :meth:`fit`, through one anyio blocking portal: the one of
+        ``with trainer:``, else one started for the call. Works in a plain script and where
+        an event loop already runs on this thread (a notebook).
 
         Args:
             resume: As for :meth:`fit`.
@@ -380,11 +335,10 @@ class Trainer:
                 lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
                 backend, "fit",
             )  # fmt: skip
-            # Raised here, on the caller's thread: a KeyboardInterrupt or SystemExit raised in
-            # the portal's event loop would end that loop, not reach this caller.
-            self._raise_interrupt(result)
+            self._raise_interrupt(result)  # on this thread: in the portal it would end the loop
             return result
 
+    @explains_fit_keywords("fit")
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
     ) -> FitResult:
@@ -392,42 +346,31 @@ class Trainer:
 
         Args:
             resume: Continue a run from a checkpoint: its path, or ``"latest"`` for the newest
-                valid one in ``checkpoint_dir`` (bad files are skipped with a
-                ``checkpoint_skipped`` warning; none at all starts a fresh run with a
-                ``resume_found_nothing`` warning naming the folder and what it held). Restores
-                the model, optimizer, scheduler, grad scaler, train state, callback states, the
-                interrupted epoch's data order and the RNG states: the resumed run continues
-                as if it had never stopped (see ``docs/reliability.md``).
-                ``FitStarted.resumed_from`` and ``FitResult.resumed_from`` name the file
-                loaded (None when nothing was).
+                valid one in ``checkpoint_dir`` (none: a fresh run and a
+                ``resume_found_nothing`` warning). Restores the model, optimizer, scheduler,
+                grad scaler, train state, callback states, data order and RNG states
+                (docs/reliability.md).
             require_checkpoint: With ``resume="latest"``: finding no valid checkpoint is a
-                ``CheckpointError`` before anything trains, not a fresh start (a job restart
-                that must continue a run).
+                ``CheckpointError``, not a fresh start.
 
         Returns:
             The :class:`FitResult` (completed or stopped runs).
 
         Raises:
-            ConfigError: ``resume`` is not a path or ``"latest"``, names no file, or is
-                ``"latest"`` without a ``checkpoint_dir``; ``require_checkpoint`` without
-                ``resume``; an added callback refuses the run before it starts
-                (:meth:`Callback.check`: a monitored metric no evaluation produces,
-                ``Checkpointing`` without a ``checkpoint_dir``).
-            CheckpointError: the checkpoint is damaged or foreign, or was written for another
-                model shape, optimizer type or world size (nothing is restored); or
-                ``require_checkpoint`` and ``"latest"`` found no valid checkpoint.
-            CheckpointWriteError: the final checkpoint could not be written (an ``OSError``
-                naming the file; the earlier checkpoints stay valid).
-            KeyboardInterrupt: after a second SIGINT; after a graceful stop by SIGINT unless
+            ConfigError: a bad ``resume`` or ``require_checkpoint``; an added callback refuses
+                the run (:meth:`Callback.check`).
+            CheckpointError: the checkpoint is damaged, foreign or of another model shape,
+                optimizer or world size; or ``require_checkpoint`` and nothing was found.
+            CheckpointWriteError: the final checkpoint could not be written.
+            TypeError: another framework's keyword (``ckpt_path``), naming ``resume``.
+            KeyboardInterrupt: after a second SIGINT, or after a graceful stop by SIGINT unless
                 ``on_signal="return"``.
             SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM unless
                 ``on_signal="return"``.
-            Exception: the training exception when the run fails (``FitEnded(reason="failed")``
-                was published and delivered first; ``trainer.result`` holds the result);
-                a subscriber's own exception when it has ``on_error="raise"`` (a note names the
-                subscription and event; ``except MyError`` matches); what a callback's
-                :meth:`Callback.after_fit` raised (``optuna.TrialPruned`` for a pruned trial);
-                the cancellation when cancelled.
+            Exception: the training exception when the run fails (``FitEnded`` delivered first,
+                ``trainer.result`` set); a subscriber's own exception with
+                ``on_error="raise"``; what a callback's :meth:`Callback.after_fit` raised; the
+                cancellation when cancelled.
         """
         result = await self._fit(resume=resume, require_checkpoint=require_checkpoint)
         self._raise_interrupt(result)
@@ -505,8 +448,6 @@ class Trainer:
             for cb in globals_:
                 self.remove_callback(cb)
             ranks.close(loop.result)
-            # Also when fit() is cancelled: the loop has ended (the thread was waited for) and
-            # the bus closed, so the result is complete.
             if loop.result is not None:  # the loop ran: a later fit() must resume
                 self.result = loop.result.with_bus(self.bus.statistics())
                 self._state = state
@@ -523,23 +464,16 @@ class Trainer:
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
         interrupted = self._signals.received is not None and self.on_signal == "raise"
         if ran.reason != "cancelled" and not interrupted:  # the interrupt goes first
-            # Every event is delivered and the loop has ended: nothing reads the model now.
             self._load_weights_at_end()
             for cb in self.callbacks:
                 cb.after_fit(self.result)  # may raise (a pruned Optuna trial: TrialPruned)
         if ran.reason == "cancelled":
-            # Cancelled from outside: the worker was waited for and the bus closed under a
-            # shield; let the pending cancellation out here instead of returning a result.
-            await anyio.lowlevel.checkpoint()
+            await anyio.lowlevel.checkpoint()  # let the pending cancellation out
         return self.result
 
     def load_weights(self, path: str | os.PathLike[str]) -> int:
-        """Load the model weights of the checkpoint ``path`` into the Trainer's model (only
-        the weights: optimizer, scheduler and train state stay), on this rank; between calls,
-        never while one runs. What ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do.
-
-        Args:
-            path: A checkpoint file (``Checkpointing.best_path``, ``FitResult.last_checkpoint``).
+        """Load only the model weights of the checkpoint ``path`` into the Trainer's model,
+        between calls (what ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do).
 
         Returns:
             The step the weights are of.
@@ -614,17 +548,12 @@ class Trainer:
     async def evaluate(
         self, data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
     ) -> dict[str, float]:
-        """Score the model once, outside ``fit()``: before it, after it or without it.
-
-        Publishes ``EvaluationRoundStarted(trigger="standalone")``, each set's evaluation span
-        and ``EvaluationRoundEnded`` on this trainer's bus, to the same subscribers as ``fit()``
-        (the ``eval_batch`` hooks run too). A ``StopTraining`` sent meanwhile ends it between
-        batches (the metrics then cover the batches scored). The model's train/eval mode is
-        restored afterwards.
+        """Score the model once, outside ``fit()``, on the same bus and subscribers
+        (``EvaluationRoundStarted(trigger="standalone")`` ... ``EvaluationRoundEnded``; the
+        ``eval_batch`` hooks run too). A ``StopTraining`` ends it between batches.
 
         Args:
-            data: What to score, like ``eval_data`` (one iterable or a mapping of named sets);
-                None scores the trainer's ``eval_data``.
+            data: What to score, like ``eval_data``; None scores the trainer's ``eval_data``.
 
         Returns:
             The metrics, keyed as in ``EvaluationEnded.metrics``.
@@ -671,44 +600,33 @@ class Trainer:
     ) -> Any:
         """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``.
 
-        Publishes ``PredictionStarted``, one ``PredictionBatchEnded`` per batch with its outputs
-        (detached, on their device) so a subscriber can write them out as they come, and
-        ``PredictionEnded`` (with the error, if any). Without ``return_outputs`` nothing keeps
-        the outputs but the bus: a slow subscriber holds at most its buffer of them
-        (``subscribe_async(buffer=..., overflow=...)``); a full ``"block"`` buffer makes
-        prediction wait before its next batch until there is room. A ``StopTraining`` ends it
-        between batches. ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
-
+        Publishes ``PredictionStarted``, one ``PredictionBatchEnded`` per batch with its
+        outputs (detached) and ``PredictionEnded``. Without ``return_outputs`` only the bus
+        holds the outputs (a slow subscriber at most its buffer of them). A ``StopTraining``
+        ends it between batches; ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
         With ``loss_fn``, ``(inputs, targets)`` batches give ``model(inputs)``; otherwise the
         model gets the batch (a mapping as keyword arguments).
 
         Args:
             data: An iterable of batches.
-            return_outputs: Return the outputs, concatenated along the first dimension (tensors,
-                or tuples/dicts of tensors; anything else as a list per batch). Tensors whose
-                other dimensions differ between batches (batches padded per batch) are padded
-                at the end of each dimension to the largest size.
-            pad_value: What pads them: None for the defaults (``-100`` for signed integer and
-                floating tensors, as Hugging Face pads; ``0`` for unsigned integers, ``False``
-                for ``bool``); one number for every tensor; or a mapping of output keys and
-                dtypes to numbers (``{"logits": float("nan"), torch.int64: -100}``; a key wins
-                over a dtype, the defaults fill the rest).
-            ignore_keys: Keys of mapping outputs (a ``ModelOutput`` included) dropped from
-                every batch before it is kept or published, as Hugging Face's
+            return_outputs: Return the outputs concatenated along the first dimension
+                (tensors, or tuples/dicts of tensors; anything else a list per batch), tensors
+                padded at the end of each other dimension to the largest size.
+            pad_value: What pads them: None for the defaults (``-100`` for signed and floating
+                tensors, as Hugging Face; ``0`` unsigned, ``False`` bool); one number; or a
+                mapping of output keys and dtypes to numbers (a key wins over a dtype).
+            ignore_keys: Keys of mapping outputs dropped from every batch, as Hugging Face's
                 ``predict(ignore_keys=...)``. None: the model's
-                ``config.keys_to_ignore_at_inference`` when it has one (a causal LM's
-                ``past_key_values``: a cache per batch, not outputs to keep), else none.
+                ``config.keys_to_ignore_at_inference`` when it has one, else none.
 
         Returns:
             The outputs when ``return_outputs``, else None. An empty ``data`` gives ``[]``.
 
         Raises:
-            ConfigError: ``data`` is not an iterable of batches; ``pad_value`` is not a number
-                nor such a mapping, names a key no output has, or is a value the dtype of a
-                tensor it pads cannot hold (``-100`` for ``uint8``, ``0.5`` for ``int64``).
+            ConfigError: ``data`` is not an iterable of batches; a bad ``pad_value`` (not a
+                number nor such a mapping, a key no output has, a value the dtype cannot hold).
             TrainingError: with ``return_outputs``, outputs padding cannot join (another
-                number of dimensions or dtype than the first batch's), raised at that batch,
-                naming the key and both shapes.
+                number of dimensions or dtype than the first batch's), naming the key.
             Exception: whatever the model raised (``PredictionEnded.error`` carried it first).
         """
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):

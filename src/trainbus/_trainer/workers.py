@@ -1,22 +1,14 @@
 """DataLoader worker processes seen from the trainer: which start method a run's loaders use,
-and ending the workers a call started.
+and ending the persistent workers a call started.
 
-Persistent workers (``persistent_workers=True``) outlive the iterator that started them: the
-loader keeps its iterator for the next ``iter()``. A sweep of runs in one process (a notebook)
-then piles up worker processes, and every later fork copies the old iterators into the new
-workers, where their ``__del__`` fails (``AssertionError: can only test a child process``,
-printed once per copy). :func:`end_workers` shuts them down when a call ends, as a plain
-loop's iterator would be at the end of its ``for``. Torch has no public method for it: the
-loader's ``_iterator`` and the iterator's ``_shutdown_workers()`` (idempotent, the one its own
-``__del__`` calls) are used, guarded so another torch only leaves the workers running.
+Persistent workers outlive their iterator; a sweep of runs in one process would pile them up
+(and every later fork copies the old iterators, whose ``__del__`` then fails), so
+:func:`end_workers` shuts them down when a call ends. Torch has no public method for it: the
+loader's ``_iterator._shutdown_workers()`` is used, guarded.
 
-A Ctrl-C in a terminal is sent to the whole process group, DataLoader workers included.
-:meth:`SignalWatcher.masked` keeps it from them by blocking SIGINT on the training thread,
-which workers inherit whether forked or spawned. One CPython detail needs help first: the
-first spawned process of a program starts multiprocessing's resource tracker, and starting it
-*unblocks* SIGINT on the calling thread (``resource_tracker.ensure_running`` blocks, spawns,
-then ``SIG_UNBLOCK``\\ s instead of restoring). A run whose loaders spawn workers therefore
-starts the tracker before the mask is set; a run with forked workers or none starts nothing.
+Starting multiprocessing's resource tracker (the first spawned process) unblocks SIGINT on the
+calling thread, so a run whose loaders spawn workers starts it before masking SIGINT
+(:meth:`~trainbus._trainer.calls.SignalWatcher.masked`).
 """
 
 from __future__ import annotations
@@ -34,22 +26,13 @@ def _start_method(loader: DataLoader[Any]) -> str:
     context = loader.multiprocessing_context
     if context is not None:
         return str(context.get_start_method())
-    # allow_none: reading must not fix the program's default context (a later
-    # set_start_method would raise); the first of get_all_start_methods() is the default.
+    # allow_none: reading must not fix the default (a later set_start_method would raise).
     method = multiprocessing.get_start_method(allow_none=True)
     return method if method is not None else multiprocessing.get_all_start_methods()[0]
 
 
 def spawns_workers(loaders: Iterable[object]) -> bool:
-    """Whether any of ``loaders`` starts worker processes by spawn or forkserver.
-
-    Args:
-        loaders: The run's data (anything iterable; only ``DataLoader``\\ s with workers count).
-
-    Returns:
-        True when one is a ``DataLoader`` with ``num_workers > 0`` whose start method is not
-        ``"fork"``.
-    """
+    """Whether any of ``loaders`` is a ``DataLoader`` starting workers by spawn or forkserver."""
     return any(
         isinstance(loader, DataLoader)
         and loader.num_workers > 0
@@ -59,14 +42,8 @@ def spawns_workers(loaders: Iterable[object]) -> bool:
 
 
 def end_workers(loaders: Iterable[object]) -> None:
-    """Shut down the persistent workers of ``loaders`` (see the module docstring); the next
-    ``iter()`` of a loader starts fresh ones. Loaders without persistent workers, and
-    anything that is not a ``DataLoader``, are left alone (their iterators end with the loop
-    that held them).
-
-    Args:
-        loaders: The data a call used (train, eval sets, prediction data).
-    """
+    """Shut down the persistent workers of the ``DataLoader``\\ s among ``loaders``; the next
+    ``iter()`` of a loader starts fresh ones."""
     seen: set[int] = set()
     for loader in loaders:
         if not isinstance(loader, DataLoader) or id(loader) in seen:
