@@ -85,14 +85,19 @@ class LaunchResult:
     signal: int | None = None
 
 
-def _unknown_keyword(name: str, value: Any, known: list[str]) -> str:
-    hint = None
-    if name == "handle_signals":
-        hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
-    return unknown_keyword_message("Launcher", name, known, hint)
+def unknown_launcher_keyword(owner: str) -> Callable[[str, Any, list[str]], str]:
+    """The message for an unknown keyword of a launcher (``handle_signals``: ``on_signal``)."""
+
+    def message(name: str, value: Any, known: list[str]) -> str:
+        hint = None
+        if name == "handle_signals":
+            hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
+        return unknown_keyword_message(owner, name, known, hint)
+
+    return message
 
 
-def _interrupt(signum: signal.Signals) -> BaseException:
+def interrupt_after(signum: signal.Signals) -> BaseException:
     """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
     note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
     exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
@@ -126,7 +131,7 @@ class Launcher:
         TypeError: an unknown keyword (``handle_signals``: naming ``on_signal``).
     """
 
-    @explains_unknown_keywords(_unknown_keyword)
+    @explains_unknown_keywords(unknown_launcher_keyword("Launcher"))
     def __init__(
         self,
         script: str | os.PathLike[str],
@@ -248,7 +253,7 @@ class Launcher:
         if returncode != 0:
             raise self._failure(returncode)
         if self._signal is not None and self.on_signal == "raise":
-            raise _interrupt(signal.Signals(self._signal))
+            raise interrupt_after(signal.Signals(self._signal))
         return LaunchResult(returncode=returncode, events=link.events, received=link.received,
                             last_event=link.last_event, stop_reason=self.stop_reason,
                             signal=self._signal,

@@ -264,6 +264,21 @@ def test_bad_arguments(ray_cluster: Any) -> None:
     with pytest.raises(ConfigError, match="run_config"):
         trainbus.ray.RayLauncher(train_fn, scaling_config=ScalingConfig(num_workers=1),
                                  run_config="fast")  # fmt: skip
+    with pytest.raises(ConfigError, match="on_signal"):
+        trainbus.ray.RayLauncher(train_fn, scaling_config=ScalingConfig(num_workers=1),
+                                 on_signal="ignore")  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_handle_signals_is_a_type_error_naming_on_signal(ray_cluster: Any) -> None:
+    """The Trainer's spelling on every launcher: ``on_signal="raise" | "return" | None``."""
+    from ray.train import ScalingConfig
+
+    import trainbus.ray
+
+    with pytest.raises(TypeError, match=r"RayLauncher\(\) got an unexpected keyword argument "
+                                        r"'handle_signals': on_signal=None"):  # fmt: skip
+        trainbus.ray.RayLauncher(train_fn, scaling_config=ScalingConfig(num_workers=1),
+                                 handle_signals=False)  # type: ignore[call-arg]  # fmt: skip
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:

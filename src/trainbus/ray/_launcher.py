@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import secrets
+import signal
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -21,10 +22,11 @@ from .._distributed.driver_link import DriverLink
 from .._distributed.link import ADDR_ENV, TOKEN_ENV
 from .._driver import add_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
-from .._launcher import LaunchResult
+from .._launcher import LaunchResult, interrupt_after, unknown_launcher_keyword
 from .._log import get_logger
 from .._signals import not_ignored
-from .._validate import check_int, check_seconds
+from .._trainer.endings import OnSignal, check_on_signal
+from .._validate import check_int, check_seconds, explains_unknown_keywords
 from ..callbacks._base import Callback
 
 __all__ = ["RayLaunchResult", "RayLauncher", "launch"]
@@ -116,10 +118,11 @@ class RayLauncher:
         keep_events: How many of the last events the result or error carries.
         stop_timeout: Seconds between the graceful stop of a Ctrl-C (or of a driver
             subscriber failing the run) and killing the workers.
-        handle_signals: Turn SIGINT/SIGTERM into a graceful stop (main thread only): the
-            first one sends ``StopTraining(reason="signal")`` (every rank stops at the same
-            step and writes its final checkpoint; the launch returns with ``signal`` set), a
-            second one kills the workers at once (the launch raises).
+        on_signal: As the Trainer's: SIGINT/SIGTERM on the main thread stop the workers
+            gracefully (the first sends ``StopTraining(reason="signal")``: every rank stops at
+            the same step and writes its final checkpoint; a second kills them at once and the
+            launch raises); then ``"return"`` returns with ``signal`` set, ``"raise"`` raises
+            ``KeyboardInterrupt`` (``SystemExit(143)`` for SIGTERM); None installs no handler.
 
     Attributes:
         bus: The driver's bus, where the subscribers run.
@@ -127,8 +130,10 @@ class RayLauncher:
     Raises:
         MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
         ConfigError: a bad argument, naming it.
+        TypeError: an unknown keyword (``handle_signals``: naming ``on_signal``).
     """
 
+    @explains_unknown_keywords(unknown_launcher_keyword("RayLauncher"))
     def __init__(
         self,
         train_fn: Callable[..., Any],
@@ -141,7 +146,7 @@ class RayLauncher:
         bus: EventBus | None = None,
         keep_events: int = 100,
         stop_timeout: float = 60.0,
-        handle_signals: bool = True,
+        on_signal: OnSignal | None = "return",
     ) -> None:
         ray = _require_ray("trainbus.ray")
         if not callable(train_fn):
@@ -167,7 +172,7 @@ class RayLauncher:
         self.train_loop_config = dict(train_loop_config or {})
         self.keep_events = check_int("keep_events", keep_events, 0)
         self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
-        self.handle_signals = bool(handle_signals)
+        self.on_signal = check_on_signal(on_signal)
         self.bus = bus if bus is not None else EventBus()
         for cb in callbacks:
             add_driver_callback(self.bus, cb)
@@ -245,7 +250,10 @@ class RayLauncher:
                 tg.start_soon(driver.serve, link)
                 on_failure = partial(tg.start_soon, self._abort_after, self.stop_timeout)
                 tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
-                if self.handle_signals and threading.current_thread() is threading.main_thread():
+                if (
+                    self.on_signal is not None
+                    and threading.current_thread() is threading.main_thread()
+                ):
                     tg.start_soon(self._watch_signals, tg)
                 log.info("launch_started", workers=self.scaling_config.num_workers,
                          address=driver.address)  # fmt: skip
@@ -271,6 +279,8 @@ class RayLauncher:
                 "the Ray workers finished but no worker linked to the driver: train_fn must "
                 "build a trainbus Trainer and call its run() or fit() (rank 0 links then)"
             )
+        if self._signal is not None and self.on_signal == "raise":
+            raise interrupt_after(signal.Signals(self._signal))
         return RayLaunchResult(returncode=0, events=link.events, received=link.received,
                                last_event=link.last_event, stop_reason=self.stop_reason,
                                ending=None if link.ended is None else link.ended.ending,
