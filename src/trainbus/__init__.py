@@ -23,7 +23,7 @@ from ._exceptions import TrainingError as TrainingError
 from ._launcher import Launcher as Launcher
 from ._launcher import LaunchResult as LaunchResult
 from ._launcher import launch as launch
-from ._loop.custom import TrainContext as TrainContext
+from ._loop.context import TrainContext as TrainContext
 from ._loop.hooks import HookHandle as HookHandle
 from ._loop.hooks import StepContext as StepContext
 from ._loop.set_metrics import Perplexity as Perplexity

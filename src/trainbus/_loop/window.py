@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -73,22 +73,18 @@ class LogWindow:
         self.metrics: dict[str, float] = {}
         self._checked = 0
         """Losses of the window already read by :meth:`check_pending`."""
-        self._losses: list[torch.Tensor | float] = []
-        """The window's losses in step order: detached tensors (read at the close), or floats
-        where the step read the value already (on the CPU, where reading is free)."""
+        self._losses: list[torch.Tensor] = []
+        """The window's losses in step order: detached 0-d tensors, read at the close."""
         self._norms: list[torch.Tensor] = []
         self._samples = 0
         self._t0 = time.monotonic()
         self._step0 = state.step
         """Step count when the window opened: a window after a resume may be shorter."""
 
-    def add(
-        self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | None, samples: int
-    ) -> None:
-        """Add one optimizer step: its loss (a detached tensor, or the value already read),
-        grad norm and sample count."""
-        if loss is not None:
-            self._losses.append(loss)
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
+        """Add one optimizer step: its loss (a detached 0-d tensor), grad norm and sample
+        count."""
+        self._losses.append(loss)
         if grad_norm is not None:
             self._norms.append(plain_value(grad_norm))  # a DTensor norm read as one tensor
         self._samples += samples
@@ -206,13 +202,6 @@ class LogWindow:
             guard.found(bad_step)
 
 
-def _read(losses: list[torch.Tensor | float]) -> list[float]:
-    """The values of ``losses`` in order: the tensors among them read with one stack (one
-    device sync), the floats as they are."""
-    tensors = [v for v in losses if type(v) is not float]
-    if not tensors:
-        return cast("list[float]", losses[:])
-    # A loss is one element, 0-d or of shape (1,) (a window may hold both: a short last
-    # window's single loss beside means): each reshaped to (1,), read as one float.
-    read = iter(torch.cat([t.reshape(1) for t in cast("list[torch.Tensor]", tensors)]).tolist())
-    return [v if type(v) is float else next(read) for v in losses]
+def _read(losses: list[torch.Tensor]) -> list[float]:
+    """The values of ``losses`` (0-d tensors), read with one stack (one device sync)."""
+    return torch.stack(losses).tolist() if losses else []
