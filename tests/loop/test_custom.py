@@ -490,5 +490,5 @@ def test_returning_none_without_a_hook_skip_still_names_the_step() -> None:
     trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
                       loss_fn=F.cross_entropy, max_steps=1, train_step=forgot_return,
                       progress=False)  # fmt: skip
-    with pytest.raises(TrainingError, match="train_step .*forgot_return returned None"):
+    with pytest.raises(TrainingError, match=r"train_step .*forgot_return returned None"):
         trainer.fit_sync()
