@@ -51,6 +51,7 @@ EXPORTS: dict[str, set[str]] = {
         "Trainer",
         "TrainingError",
         "attach",
+        "default_train_step",
         "launch",
         "replay",
         "seed_everything",

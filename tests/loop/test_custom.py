@@ -410,3 +410,85 @@ def test_an_error_in_the_step_reaches_the_caller_as_itself_with_a_note() -> None
         trainer.fit_sync()
     assert any("train_step" in n and "broken at step 1" in n for n in info.value.__notes__)
     assert trainer.result is not None and trainer.result.reason == "failed"
+
+
+# ------------------------------------------------------------------ the default step, one path
+def _plain_run(train_step: Any = None, **kw: Any) -> tuple[list[torch.Tensor], list[float]]:
+    torch.manual_seed(0)
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(7),
+                      loss_fn=F.cross_entropy, max_epochs=2, accumulate=2, clip_grad_norm=1.0,
+                      train_step=train_step, progress=False, **kw)  # fmt: skip
+    rec = EventRecorder(trainer.bus)
+    trainer.fit_sync()
+    return weights(trainer), [float(e.loss) for e in rec.of_type(ev.StepEnded)]
+
+
+def test_the_default_step_written_out_by_a_user_runs_the_same_steps() -> None:
+    """``default_train_step`` is plain code on the context a custom step gets: a user's copy
+    of it, passed as ``train_step=``, trains to the same weights and losses, accumulation,
+    clipping and the epoch's short last step included."""
+    from trainbus import default_train_step
+
+    def my_step(ctx: TrainContext) -> torch.Tensor | None:
+        loss = ctx.compute_loss()
+        if loss is None:
+            return None
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss
+
+    default_w, default_losses = _plain_run()
+    for step in (default_train_step, my_step):
+        w, losses = _plain_run(step)
+        assert losses == default_losses
+        assert all(torch.equal(a, b) for a, b in zip(w, default_w, strict=True))
+
+
+def test_compute_loss_runs_the_forward_hooks_in_a_custom_step() -> None:
+    """A custom step that calls ``ctx.compute_loss()`` gets the ``after_forward`` and ``loss``
+    hooks; a ``loss`` hook's skip reaches it as None, and the step counts no update for it."""
+    seen: list[str] = []
+    skipped = {"n": 0}
+
+    def after_forward(ctx: StepContext) -> None:
+        seen.append("after_forward")
+
+    def loss_hook(ctx: StepContext) -> None:
+        seen.append("loss")
+        if ctx.batch_index == 1:
+            ctx.skip = True
+
+    def my_step(ctx: TrainContext) -> torch.Tensor | None:
+        loss = ctx.compute_loss()
+        if loss is None:
+            skipped["n"] += 1
+            return None
+        ctx.backward(loss * 2)
+        ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      loss_fn=F.cross_entropy, max_epochs=1, train_step=my_step,
+                      progress=False)  # fmt: skip
+    trainer.add_hook("after_forward", after_forward)
+    trainer.add_hook("loss", loss_hook)
+    result = trainer.fit_sync()
+    assert seen == ["after_forward", "loss"] * 3
+    assert skipped["n"] == 1 and result.steps == 2
+
+
+def test_returning_none_without_a_hook_skip_still_names_the_step() -> None:
+    def forgot_return(ctx: TrainContext) -> None:
+        loss = ctx.compute_loss()
+        assert loss is not None
+        ctx.backward(loss)
+        ctx.optimizer_step()
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(2),
+                      loss_fn=F.cross_entropy, max_steps=1, train_step=forgot_return,
+                      progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"train_step .*forgot_return returned None"):
+        trainer.fit_sync()

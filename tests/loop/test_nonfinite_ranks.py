@@ -16,7 +16,7 @@ from trainbus._loop.nonfinite import NonFiniteGuard
 def guard(policy: str, agree: Any, device: str = "cpu") -> NonFiniteGuard:
     settings = SimpleNamespace(on_nonfinite=policy, device=torch.device(device))
     state = SimpleNamespace(step=4, epoch=0)
-    return NonFiniteGuard(settings, state, stop=lambda r: None, last_checkpoint=lambda: None,  # type: ignore[arg-type]
+    return NonFiniteGuard(settings, state, stop=lambda r: None,  # type: ignore[arg-type]
                           agree=agree)  # fmt: skip
 
 

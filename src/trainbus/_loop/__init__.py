@@ -8,10 +8,11 @@ each owns and does).
 This package imports the bus only for types and uses it through its public methods.
 """
 
+from .context import StepRunner as StepRunner
+from .context import TrainContext as TrainContext
+from .context import default_train_step as default_train_step
 from .control import BarrierWait as BarrierWait
 from .control import CommandHandler as CommandHandler
-from .custom import CustomStep as CustomStep
-from .custom import TrainContext as TrainContext
 from .evaluation import Evaluator as Evaluator
 from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
@@ -26,7 +27,6 @@ from .optimizers import SchedulerSet as SchedulerSet
 from .outputs import OutputsCheck as OutputsCheck
 from .outputs import PadValue as PadValue
 from .outputs import PadValues as PadValues
-from .phases import StepPhases as StepPhases
 from .result import Cancelled as Cancelled
 from .result import FitResult as FitResult
 from .saving import CheckpointWriter as CheckpointWriter
@@ -46,7 +46,6 @@ __all__ = [
     "Cancelled",
     "CheckpointWriter",
     "CommandHandler",
-    "CustomStep",
     "Evaluator",
     "FitResult",
     "HookFn",
@@ -65,10 +64,11 @@ __all__ = [
     "StandaloneRun",
     "Step",
     "StepContext",
-    "StepPhases",
+    "StepRunner",
     "TrainContext",
     "UserMetrics",
     "Wants",
+    "default_train_step",
     "eval_sets",
     "evaluation_metric_names",
     "join_outputs",

@@ -2,9 +2,10 @@
 
 :class:`CommandHandler` drains the bus' command queue at the loop's poll points, applies each
 command with an exhaustive ``match`` and acknowledges it with ``CommandApplied``. It owns the
-stop state (``stop_reason``, ``stop_epoch``) and reaches the loop's other parts only through
-their public methods: the :class:`~trainbus._loop.saving.CheckpointWriter` for
-``SaveCheckpoint``, the :class:`~trainbus._loop.evaluation.Evaluator` for ``Evaluate``.
+``stop_epoch`` state, stops the run's :class:`RunStop` for ``StopTraining``, and reaches the
+loop's other parts only through their public methods: the
+:class:`~trainbus._loop.saving.CheckpointWriter` for ``SaveCheckpoint``, the
+:class:`~trainbus._loop.evaluation.Evaluator` for ``Evaluate``.
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from .._exceptions import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
+    from .._bus.doorbell import Doorbell
     from .._distributed.sync import RankSync
     from ..checkpoint import TrainState
     from .evaluation import Evaluator
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["BarrierWait", "CommandHandler"]
+__all__ = ["BarrierWait", "CommandHandler", "RunStop"]
 
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
 """``wait(event, resume) -> status``: waits on the event-loop thread until the barrier event
@@ -36,12 +38,33 @@ _MAX_ROUNDS = 100
 """Commands sent while commands are applied are applied too, up to this many drains."""
 
 
-class CommandHandler:
-    """Applies commands at the loop's poll points and owns the run's stop state.
+class RunStop:
+    """Whether the run stops, and why: set by a ``StopTraining`` and by the non-finite guard
+    (``on_nonfinite="stop"``), read by the loop between steps.
 
     Attributes:
-        stop_reason: Why the run stops (the first ``StopTraining`` reason or a NaN stop);
-            None while it goes on. Read by the loop between steps; set through :meth:`stop`.
+        reason: Why the run stops (the first reason given); None while it goes on.
+
+    Args:
+        doorbell: Rung by :meth:`stop`, so that the loop looks after the current step.
+    """
+
+    __slots__ = ("_doorbell", "reason")
+
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+        self.reason: str | None = None
+
+    def stop(self, reason: str) -> None:
+        """Stop the run after the current step; the first reason given is kept."""
+        self.reason = self.reason or reason
+        self._doorbell.ring()
+
+
+class CommandHandler:
+    """Applies commands at the loop's poll points.
+
+    Attributes:
         stop_epoch: A ``StopEpoch`` arrived: the loop ends the epoch before the next step.
             Cleared by :meth:`begin_epoch`.
 
@@ -58,6 +81,7 @@ class CommandHandler:
             through :meth:`RankSync.agree`; the other poll points only check failures and
             cancellation (docs/distributed.md).
         log_metric: Adds a ``LogMetric``'s value to the open log window (None: refused).
+        stop: The run's stop state, which ``StopTraining`` sets.
     """
 
     def __init__(
@@ -72,22 +96,17 @@ class CommandHandler:
         evaluator: Evaluator,
         sync: RankSync | None = None,
         log_metric: Callable[[str, float], None] | None = None,
+        stop: RunStop,
     ) -> None:
         self._s, self._port, self._state = settings, port, state
         self._log_metric = log_metric
         self._wait_barrier, self._check_cancel = wait_barrier, check_cancel
         self._checkpoints, self._evaluator = checkpoints, evaluator
         self._sync = sync
-        self.stop_reason: str | None = None
+        self._stop = stop
         self.stop_epoch = False
 
     # ================================================================== stop state
-    def stop(self, reason: str) -> None:
-        """Stop the run after the current step; the first reason given is kept. Rings the
-        port's doorbell: a run of steps (:class:`~trainbus._loop.step.Step`) ends there."""
-        self.stop_reason = self.stop_reason or reason
-        self._port.doorbell.ring()
-
     def begin_epoch(self) -> None:
         """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""
         self.stop_epoch = False
@@ -173,7 +192,7 @@ class CommandHandler:
             The cancellation, when the run was cancelled.
         """
         port = self._port
-        if port.held and self.stop_reason is None:
+        if port.held and self._stop.reason is None:
             port.wait_for_room()
         failure = port.failure
         if failure is not None:
@@ -210,7 +229,7 @@ class CommandHandler:
         try:
             match command:
                 case cmd.StopTraining(reason=reason):
-                    self.stop(reason)
+                    self._stop.stop(reason)
                 case cmd.StopEpoch():
                     self.stop_epoch = True
                 case cmd.SaveCheckpoint(tag=tag):

@@ -1,6 +1,6 @@
 """The forward: the model's outputs for a batch and the loss of those outputs, for every phase.
 
-One implementation, used by training (:class:`~trainbus._loop.phases.StepPhases`, whose
+One implementation, used by training (:class:`~trainbus._loop.context.StepRunner`, whose
 ``after_forward`` hooks sit between the two halves), evaluation and prediction. The batch
 conventions (docs/trainer.md): with ``loss_fn``, a batch is ``(inputs, targets)`` and the loss
 is ``loss_fn(model(inputs), targets)``; without it, the model takes the batch (a mapping as

@@ -35,24 +35,23 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
-from .._exceptions import CheckpointError, CheckpointWriteError
+from .._exceptions import CheckpointError, CheckpointWriteError, NonFiniteLossError
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
-from .control import BarrierWait, CommandHandler
-from .custom import CustomStep
+from .context import StepRunner
+from .control import BarrierWait, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import EvalTrigger, Evaluator
 from .hooks import Hooks
 from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .phases import StepPhases
 from .pinning import hint_pin_memory
-from .result import Cancelled, FitResult
+from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
-from .step import Step, StepParts
+from .step import Step, StepOutcome
 from .wants import Wants
 from .window import LogWindow
 
@@ -112,53 +111,43 @@ class Loop:
     ) -> None:
         self._s = settings
         self._port = port
-        self._released = False  # release() dropped the run's parts
         self._hooks = hooks
         self._state = state
         self._resumed_from = resumed_from
         self._resume_source = resume_source
-        self._cancel = False
+        self._cancel = CancelFlag(port.doorbell)
         self._sync = sync
-        self._agree_pending = False
-        """Set by the last log window's reduction: some rank has commands to agree on."""
         self.result: FitResult | None = None
         self._wants = Wants(port, state, settings.trace)
         user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
-        self._phases = StepPhases(settings, port, state, hooks, self._wants, user)
-        # The guard stops through the command handler and names the writer's last checkpoint;
-        # both are built after it, hence the late-bound lambdas.
+        # Built so that no part refers back to another that refers to it: a dropped Trainer
+        # frees the run without a gc pass.
+        self._stop = RunStop(port.doorbell)
         self._guard = NonFiniteGuard(
-            settings, state, stop=lambda reason: self._control.stop(reason),
-            last_checkpoint=lambda: self._checkpoints.last_checkpoint,
+            settings,
+            state,
+            stop=self._stop.stop,
             agree=None if sync is None else sync.any_nonfinite,
-        )  # fmt: skip
-        self._checkpoints = CheckpointWriter(
-            settings, port, state, callback_states, before_save=self._before_save, sync=sync
         )
-        self._evaluator = Evaluator(settings, port, state, self._wants, self.check_cancel, hooks,
+        self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync, user=user)
+        self._checkpoints = CheckpointWriter(settings, port, state, callback_states,
+                                             window=self._log_window, guard=self._guard,
+                                             sync=sync)  # fmt: skip
+        self._evaluator = Evaluator(settings, port, state, self._wants, self._cancel.check, hooks,
                                     reduce=None if sync is None else sync.reduce_eval,
                                     sum_totals=None if sync is None else sync.sum_eval)  # fmt: skip
         self._control = CommandHandler(settings, port, state, wait_barrier=barrier,
-                                       check_cancel=self.check_cancel,
+                                       check_cancel=self._cancel.check,
                                        checkpoints=self._checkpoints,
                                        evaluator=self._evaluator, sync=sync,
-                                       log_metric=user.log)  # fmt: skip
+                                       log_metric=user.log, stop=self._stop)  # fmt: skip
         if resume is not None:
             self._resumed(resume)
-        self._log_window = LogWindow(settings, port, state, guard=self._guard,
-                                     reduce=None if sync is None else self._reduce_window,
-                                     first_nonfinite=None if sync is None
-                                     else sync.first_nonfinite, user=user)  # fmt: skip
         self._data = EpochData(settings, port, state, self._checkpoints, resume)
-        scheduler = SchedulerStepper(settings, port, state, self._wants)
-        parts = StepParts(settings, port, state, self._wants, hooks, self._phases, self._guard,
-                          self._log_window, scheduler_step=scheduler.step, lr=scheduler.lr,
-                          cancelled=lambda: self._cancel,
-                          custom=None if settings.train_step is None
-                          else CustomStep(settings, state, self._phases, self._guard, user),
-                          )  # fmt: skip
-        self._step = Step(parts)
-        self._scheduler_step = scheduler.step
+        self._scheduler = SchedulerStepper(settings, port, state, self._wants)
+        runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
+        self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
+                          self._log_window, self._scheduler, self._cancel)  # fmt: skip
         # The doorbell's count when the wants and the next decision step were last read: they
         # are re-read before a step after any ring (a routing or schedule change rings it).
         self._demand_rings = -1
@@ -176,47 +165,12 @@ class Loop:
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
         self._first_step = state.step  # no optimizer step in this process before it
 
-    def release(self) -> None:
-        """Drop the run's parts once it has ended, keeping :attr:`result`: they refer back
-        to the loop (late-bound callbacks), a cycle that would keep the model, optimizer and
-        data alive until the next garbage collection. A released loop cannot run again;
-        :meth:`request_cancel` is then a no-op."""
-        result = self.result
-        self.__dict__.clear()
-        self.result = result
-        self._cancel = True
-        self._released = True
-
     # ================================================================== cancellation
     def request_cancel(self) -> None:
         """Ask the loop to stop at its next check (between micro-batches, at poll points and
         between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
         Safe from any thread."""
-        self._cancel = True
-        if not self._released:  # a released loop has no bus
-            self._port.doorbell.ring()  # the poll point after the current step hears it
-
-    def check_cancel(self) -> None:
-        """Raise :class:`Cancelled` when a cancel was requested."""
-        if self._cancel:
-            raise Cancelled
-
-    def _before_save(self) -> None:
-        """Before any checkpoint write: read unread losses (a sync the write pays anyway), then
-        refuse a stopped-on-NaN state or non-finite parameters (``CheckpointError``)."""
-        self._log_window.check_pending()
-        self._guard.check_parameters(self._s.model)
-
-    def _reduce_window(
-        self, metrics: dict[str, float], nonfinite: int | None
-    ) -> tuple[dict[str, float], int | None]:
-        """The window's metrics averaged across ranks and the first non-finite step of any
-        rank; notes whether a rank has commands."""
-        assert self._sync is not None
-        out, self._agree_pending, bad = self._sync.reduce_window(
-            metrics, pending=self._port.has_commands(), nonfinite=nonfinite
-        )
-        return out, bad
+        self._cancel.request()  # rings the doorbell: the poll point after the step hears it
 
     # ================================================================== run
     def _resumed(self, resume: Checkpoint) -> None:
@@ -263,8 +217,8 @@ class Loop:
             self._log_window.check_pending()  # the end of the run: a short run, the last log window
             self._log_window.finish()  # FitResult.train_metrics: the partial last log window too
             checkpoints = self._checkpoints
-            ending = ev.Ending.of("completed" if control.stop_reason is None else "stopped",
-                                  control.stop_reason)  # fmt: skip
+            ending = ev.Ending.of("completed" if self._stop.reason is None else "stopped",
+                                  self._stop.reason)  # fmt: skip
             if (checkpoints.enabled and not self._guard.tripped
                     and ending not in s.skip_final_checkpoint):  # fmt: skip
                 if checkpoints.last_checkpoint_step != st.step:
@@ -278,22 +232,25 @@ class Loop:
             reason = "cancelled"
         except BaseException as exc:
             reason, error = "failed", exc
+            if isinstance(exc, NonFiniteLossError):  # where to go back to
+                exc.add_note("trainbus: last checkpoint: "
+                             f"{self._checkpoints.last_checkpoint or 'none'}")  # fmt: skip
             hook = self._hooks.which(exc)
             if hook is not None:  # the user's exception reaches the caller as itself, noted
                 exc.add_note(f"trainbus: raised by hook {hook[1]!r} at {hook[0]!r} (step "
                              f"{st.step}, epoch {st.epoch}); the run failed")  # fmt: skip
         else:
-            if control.stop_reason is not None:
+            if self._stop.reason is not None:
                 reason = "stopped"
         finally:
             pub(ev.FitEnded(step=st.step, epoch=st.epoch, reason=reason, error=error,
-                            stop_reason=control.stop_reason))  # fmt: skip
+                            stop_reason=self._stop.reason))  # fmt: skip
         log.debug("fit_ended", reason=reason, step=st.step, epoch=st.epoch,
-                  stop_reason=control.stop_reason)  # fmt: skip
+                  stop_reason=self._stop.reason)  # fmt: skip
         self.result = FitResult(
             reason=reason,
             error=error,
-            stop_reason=control.stop_reason,
+            stop_reason=self._stop.reason,
             steps=st.step,
             epochs=st.epoch,
             eval_metrics=self._evaluator.metrics,
@@ -310,7 +267,7 @@ class Loop:
     def _finished(self) -> bool:
         s, st = self._s, self._state
         return (
-            self._control.stop_reason is not None
+            self._stop.reason is not None
             or (s.max_steps is not None and st.step >= s.max_steps)
             or (s.max_epochs is not None and st.epoch >= s.max_epochs)
         )
@@ -329,33 +286,30 @@ class Loop:
             accumulate = s.accumulate
             max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
-            while True:  # per run of steps: a few attribute reads decide to go on
+            while True:  # per step: a few attribute reads decide to go on
                 if control.stop_epoch:
                     complete = True
                     break
-                if control.stop_reason is not None or st.step == max_steps:
+                if self._stop.reason is not None or st.step == max_steps:
                     break
                 if bell.rings != self._demand_rings:  # the one signal: an int compare
                     self._reread_routes()  # pays for its wants and decision steps
-                accumulation_steps, steps = accumulate, self._steps_before_look()
-                if total is not None:
-                    left = total - st.batch_in_epoch
-                    if left < accumulation_steps:  # the epoch's last, short step
-                        accumulation_steps, steps = left, 1
-                        if accumulation_steps <= 0:
-                            complete = True
-                            break
-                    elif left < accumulation_steps * steps:
-                        steps = left // accumulation_steps
-                if step.run(it, accumulation_steps, steps) == 0:
+                accumulation_steps = accumulate
+                if total is not None and total - st.batch_in_epoch < accumulate:
+                    accumulation_steps = total - st.batch_in_epoch  # the epoch's last, short step
+                    if accumulation_steps <= 0:
+                        complete = True
+                        break
+                outcome = step.run(it, accumulation_steps)
+                if outcome.batches == 0:
                     complete = True
                     break
-                if step.taken:
-                    self._after_step()
-                if step.exhausted:  # the data ran out inside the step: probe it once only
-                    complete = control.stop_reason is None
+                if outcome.taken:
+                    self._after_step(outcome)
+                if outcome.exhausted:  # the data ran out inside the step: probe it once only
+                    complete = self._stop.reason is None
                     break
-            if total is not None and st.batch_in_epoch >= total and control.stop_reason is None:
+            if total is not None and st.batch_in_epoch >= total and self._stop.reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.closed_epoch == st.epoch:  # its last step did the epoch's end work: it is
                 complete = True  # complete, also when a stop was applied at that step's poll
@@ -376,7 +330,7 @@ class Loop:
         return complete
 
     # ================================================================== after a step
-    def _after_step(self) -> None:
+    def _after_step(self, outcome: StepOutcome) -> None:
         """After a step :class:`Step` took: its evaluation if one is due, then its poll point.
 
         The evaluation comes first, so that what the step's poll applies (a checkpoint decided
@@ -390,7 +344,7 @@ class Loop:
         barrier event (``StepEnded`` / ``MetricsLogged`` in ``barriers``) waits for its own
         subscribers; any other step polls only when something is pending.
         """
-        st, s, step = self._state, self._s, self._step
+        st, s = self._state, self._s
         ends_epoch = st.batch_in_epoch >= self._epoch_len
         if (
             ends_epoch
@@ -400,27 +354,14 @@ class Loop:
             self._close_step(ends_epoch=ends_epoch, cadence=True)
         if st.step == self._decision_step:  # the step clock: one int compare when not due
             self._decision_step = self._next_decision(st.step)
-            self._control.decide(step.ended, step.barrier_event, common=self._sync is not None)
-        elif step.barrier_event is not None:
-            self._control.barrier_then_poll(step.barrier_event)
+            self._control.decide(outcome.ended, outcome.barrier_event,
+                                 common=self._sync is not None)  # fmt: skip
+        elif outcome.barrier_event is not None:
+            self._control.barrier_then_poll(outcome.barrier_event)
         else:
             self._poll_if_pending()
-        if self._agree_pending:  # torchrun: a rank had commands at this log window's close
-            self._agree_pending = False
-            self._control.agree()
-
-    def _steps_before_look(self) -> int:
-        """How many steps :class:`Step` may run back to back: up to and including the next
-        step after which the loop has more to do than hear the doorbell (a declared decision
-        step, an evaluation step, ``max_steps``). The step itself ends its run earlier for
-        what it sees (the log step, a barrier, a ring, the data's end)."""
-        s, step = self._s, self._state.step
-        end = self._decision_step if self._decision_step > step else _NO_END
-        if s.max_steps is not None and s.max_steps < end:
-            end = s.max_steps
-        if s.eval_every is not None and s.eval_data is not None:
-            end = min(end, (step // s.eval_every + 1) * s.eval_every)
-        return end - step
+        if self._sync is not None and self._log_window.agree_due():
+            self._control.agree()  # a rank had commands at this log window's close
 
     def _reread_routes(self) -> None:
         """The doorbell rang: re-read the wanted events and the next decision step."""
@@ -438,7 +379,7 @@ class Loop:
             return
         # Read before the checks: a ring after this read is heard at the next step.
         self._rings_seen = rings
-        if port.failure is not None or port.has_commands() or self._cancel or port.held:
+        if port.failure is not None or port.has_commands() or self._cancel.requested or port.held:
             self._control.poll()
             self._rings_seen = -1  # look again next step: the poll may have left some pending
 
@@ -483,7 +424,7 @@ class Loop:
                 found later).
         """
         s, st = self._s, self._state
-        running = self._control.stop_reason is None
+        running = self._stop.reason is None
         ends_epoch = ends_epoch and running
         ends: tuple[ev.EvaluationEnded, ...] = ()
         if s.eval_data is not None and st.evaluated_step != st.step:
@@ -503,7 +444,7 @@ class Loop:
         if ends_epoch:
             st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":
-                self._scheduler_step(always=True, replayed=st.step == self._first_step)
+                self._scheduler.step(always=True, replayed=st.step == self._first_step)
         if ends:
             # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then
             # the commands they sent are applied once, after the whole round and the epoch's

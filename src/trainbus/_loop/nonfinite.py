@@ -85,7 +85,6 @@ class NonFiniteGuard:
         settings: The run's settings (``on_nonfinite``, device).
         state: The run's train state (names the step in messages).
         stop: Stops the run with a reason (``on_nonfinite="stop"``).
-        last_checkpoint: The path of the last checkpoint written, for the error message.
         agree: Under several ranks: takes "this rank's losses are not all finite" and returns
             whether any rank's are not (a collective). None: one process.
     """
@@ -96,12 +95,11 @@ class NonFiniteGuard:
         state: TrainState,
         *,
         stop: Callable[[str], None],
-        last_checkpoint: Callable[[], str | None],
         agree: Callable[[bool], bool] | None = None,
     ) -> None:
         self.policy = settings.on_nonfinite
         self._state = state
-        self._stop, self._last_checkpoint = stop, last_checkpoint
+        self._stop = stop
         self._agree = agree
         cpu = settings.device.type == "cpu"
         self.active = self.policy != "ignore"
@@ -165,7 +163,7 @@ class NonFiniteGuard:
                 raise NonFiniteLossError(
                     f"{self._consecutive} non-finite losses in a row up to step {step} "
                     f"(epoch {self._state.epoch}) with on_nonfinite='skip': the model or the "
-                    f"data is broken; last checkpoint: {self._last_checkpoint() or 'none'}"
+                    "data is broken"
                 )
             return None
         self.found(step)
@@ -187,9 +185,7 @@ class NonFiniteGuard:
             return
         message = f"non-finite loss at step {step} (epoch {self._state.epoch})"
         if self.policy == "raise":
-            raise NonFiniteLossError(
-                message + f"; last checkpoint: {self._last_checkpoint() or 'none'}"
-            )
+            raise NonFiniteLossError(message)
         self.tripped = True
         log.warning("nonfinite_stop", step=step, epoch=self._state.epoch)
         self._stop(message)

@@ -23,7 +23,9 @@ from ..checkpoint._sharded import folder_name
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from .._distributed.sync import RankSync
+    from .nonfinite import NonFiniteGuard
     from .settings import Settings
+    from .window import LogWindow
 
 __all__ = ["CheckpointWriter", "config_differences", "run_config"]
 
@@ -121,8 +123,11 @@ class CheckpointWriter:
         state: The run's train state (read at each save).
         callback_states: Returns ``{name: state}`` of the stateful callbacks, called at each
             save on the training thread (None: no callback keeps state).
-        before_save: Called before every write; raises ``CheckpointError`` to refuse it (the
-            loop's non-finite check: a checkpoint never holds NaN/inf weights).
+        window: The log window: before every write its unread losses are read (a sync the
+            write pays anyway), which may find a NaN loss.
+        guard: The non-finite guard: before every write it refuses a stopped-on-NaN state
+            or non-finite parameters (``CheckpointError``): a checkpoint never holds NaN/inf
+            weights.
         sync: Under torchrun: rank 0 writes, every rank waits for it and publishes the same
             ``CheckpointSaved`` (its path); None: one process.
 
@@ -138,13 +143,14 @@ class CheckpointWriter:
         state: TrainState,
         callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
         *,
-        before_save: Callable[[], None] | None = None,
+        window: LogWindow | None = None,
+        guard: NonFiniteGuard | None = None,
         sync: RankSync | None = None,
     ) -> None:
         self._settings, self._port, self._state = settings, port, state
         self._callback_states = callback_states
         self._data_order: dict[str, Any] | None = None
-        self._before_save = before_save
+        self._window, self._guard = window, guard
         self._sync = sync
         self.last_checkpoint: str | None = None
         # The last checkpoint a SaveCheckpoint wrote (or the run resumed from) and the train
@@ -231,16 +237,19 @@ class CheckpointWriter:
 
         Raises:
             ConfigError: the run has no ``checkpoint_dir``.
-            CheckpointError: ``before_save`` refused it (non-finite weights, a NaN stop).
-            NonFiniteLossError: ``before_save`` found a NaN loss under ``on_nonfinite="raise"``.
+            CheckpointError: the guard refused it (non-finite weights, a NaN stop).
+            NonFiniteLossError: the window's unread losses held a NaN under
+                ``on_nonfinite="raise"``.
             CheckpointWriteError: the disk refused the write (an ``OSError`` naming the file;
                 nothing is left half-written); counted in :attr:`failed_saves` and logged.
         """
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
-        if self._before_save is not None:
-            self._before_save()
+        if self._window is not None:
+            self._window.check_pending()
+        if self._guard is not None:
+            self._guard.check_parameters(s.model)
         self._port.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
         sync = self._sync
         checkpoint_dir = s.checkpoint_dir

@@ -89,7 +89,7 @@ class Settings:
     """Every scheduler by the name of its optimizer (``scheduler`` steps them all)."""
     train_step: Callable[..., Any] | None = field(compare=False)
     """The user's step (``train_step=``): called per micro-batch with a
-    :class:`~trainbus._loop.custom.TrainContext`; None: the default step."""
+    :class:`~trainbus._loop.context.TrainContext`; None: the default step."""
     trace: frozenset[str]
     """The parts of a step ``Trainer(trace=...)`` times (``SpanTraced``); empty: none."""
 

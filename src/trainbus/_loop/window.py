@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +14,7 @@ from .nonfinite import mean
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
+    from .._distributed.sync import RankSync
     from ..checkpoint import TrainState
     from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
@@ -43,14 +43,9 @@ class LogWindow:
         state: The run's train state (the window opens at its current step).
         guard: Applies ``on_nonfinite``; while it is active the step adds every step's loss,
             so the i-th loss of the window is the loss of step ``window start + i + 1``.
-        reduce: Under torchrun, averages the closed window's metrics across ranks (one
-            collective per window, see :class:`~trainbus._distributed.sync.RankSync`) and
-            agrees on the first non-finite step: it takes the metrics and this rank's first
-            non-finite step (None: none) and returns the reduced metrics and the first
-            non-finite step of any rank (the flag rides on the same all-reduce). None: one
-            process.
-        first_nonfinite: Under torchrun, the first non-finite step of any rank, given this
-            rank's (a collective; :meth:`check_pending` uses it). None: one process.
+        sync: Under torchrun with several ranks: a closed window's metrics are averaged
+            across ranks in one collective, which also agrees on the first non-finite step and
+            tells whether some rank has commands waiting (:meth:`agree_due`); None: one process.
     """
 
     def __init__(
@@ -60,35 +55,29 @@ class LogWindow:
         state: TrainState,
         *,
         guard: NonFiniteGuard,
-        reduce: Callable[[dict[str, float], int | None], tuple[dict[str, float], int | None]]
-        | None = None,
-        first_nonfinite: Callable[[int | None], int | None] | None = None,
+        sync: RankSync | None = None,
         user: UserMetrics | None = None,
     ) -> None:
         self._s, self._port, self._state = settings, port, state
         self._guard = guard
-        self._reduce = reduce
-        self._first_nonfinite = first_nonfinite
+        self._sync = sync
+        self._agree = False  # the last reduction found commands waiting on some rank
         self._user = user
         self.metrics: dict[str, float] = {}
         self._checked = 0
         """Losses of the window already read by :meth:`check_pending`."""
-        self._losses: list[torch.Tensor | float] = []
-        """The window's losses in step order: detached tensors (read at the close), or floats
-        where the step read the value already (on the CPU, where reading is free)."""
+        self._losses: list[torch.Tensor] = []
+        """The window's losses in step order: detached 0-d tensors, read at the close."""
         self._norms: list[torch.Tensor] = []
         self._samples = 0
         self._t0 = time.monotonic()
         self._step0 = state.step
         """Step count when the window opened: a window after a resume may be shorter."""
 
-    def add(
-        self, loss: torch.Tensor | float | None, grad_norm: torch.Tensor | None, samples: int
-    ) -> None:
-        """Add one optimizer step: its loss (a detached tensor, or the value already read),
-        grad norm and sample count."""
-        if loss is not None:
-            self._losses.append(loss)
+    def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
+        """Add one optimizer step: its loss (a detached 0-d tensor), grad norm and sample
+        count."""
+        self._losses.append(loss)
         if grad_norm is not None:
             self._norms.append(plain_value(grad_norm))  # a DTensor norm read as one tensor
         self._samples += samples
@@ -109,8 +98,10 @@ class LogWindow:
         metrics, bad = self._measure()
         step0 = self._step0
         bad_step = None if bad is None or not guard.active else step0 + bad + 1
-        if self._reduce is not None:
-            metrics, bad_step = self._reduce(metrics, bad_step)
+        if self._sync is not None:
+            metrics, self._agree, bad_step = self._sync.reduce_window(
+                metrics, pending=self._port.has_commands(), nonfinite=bad_step
+            )
         self.metrics = metrics
         self._checked = 0
         self._losses, self._norms = [], []
@@ -138,9 +129,17 @@ class LogWindow:
         if not self._losses:
             return
         metrics, _ = self._measure()
-        if self._reduce is not None:
-            metrics, _ = self._reduce(metrics, None)
+        if self._sync is not None:
+            metrics, self._agree, _ = self._sync.reduce_window(
+                metrics, pending=self._port.has_commands()
+            )
         self.metrics = metrics
+
+    def agree_due(self) -> bool:
+        """Under torchrun: the last closed window found commands waiting on some rank, so the
+        ranks must agree on them now (answered once: the flag is cleared)."""
+        due, self._agree = self._agree, False
+        return due
 
     def _measure(self) -> tuple[dict[str, float], int | None]:
         """The open window's metrics (one device read) and the index of its first non-finite
@@ -200,19 +199,12 @@ class LogWindow:
         self._checked = len(self._losses)
         bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
         bad_step = None if bad is None else self._step0 + first + bad + 1
-        if self._first_nonfinite is not None:
-            bad_step = self._first_nonfinite(bad_step)  # a collective on every rank
+        if self._sync is not None:
+            bad_step = self._sync.first_nonfinite(bad_step)  # a collective on every rank
         if bad_step is not None:
             guard.found(bad_step)
 
 
-def _read(losses: list[torch.Tensor | float]) -> list[float]:
-    """The values of ``losses`` in order: the tensors among them read with one stack (one
-    device sync), the floats as they are."""
-    tensors = [v for v in losses if type(v) is not float]
-    if not tensors:
-        return cast("list[float]", losses[:])
-    # A loss is one element, 0-d or of shape (1,) (a window may hold both: a short last
-    # window's single loss beside means): each reshaped to (1,), read as one float.
-    read = iter(torch.cat([t.reshape(1) for t in cast("list[torch.Tensor]", tensors)]).tolist())
-    return [v if type(v) is float else next(read) for v in losses]
+def _read(losses: list[torch.Tensor]) -> list[float]:
+    """The values of ``losses`` (0-d tensors), read with one stack (one device sync)."""
+    return torch.stack(losses).tolist() if losses else []

@@ -452,9 +452,6 @@ class Trainer:
                 self.result = loop.result.with_bus(self.bus.statistics())
                 self._state = state
             ran = loop.result
-            # The run's parts refer back to the loop (late-bound callbacks): dropped now, a
-            # Trainer the caller drops frees its model, optimizer and data without a gc pass.
-            loop.release()
         assert ran is not None and self.result is not None
         if ran.error is not None:
             raise ran.error
