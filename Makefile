@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench lint docs clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,19 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/bus.py
 	$(BIN)/python benchmarks/step_overhead.py
 
+# The documentation site (mkdocs.yml) into site/: the pages under docs/ and the API reference
+# generated from the docstrings. --strict: a page missing from the nav, a broken link or anchor,
+# a cross-reference to a name that does not exist fails the build, naming the page. The docs
+# packages are in the dev extra (pyproject.toml), so $(STAMP) installed them. NO_MKDOCS_2_WARNING:
+# the Material theme's banner about its end of life (pyproject.toml says so where it is pinned).
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # What CI runs before the suite: ruff's lint and format check, mypy strict (pyproject.toml).
 lint: $(STAMP)
-	$(BIN)/ruff check src tests examples benchmarks conftest.py
-	$(BIN)/ruff format --check src tests examples benchmarks conftest.py
+	$(BIN)/ruff check src tests examples benchmarks tools conftest.py
+	$(BIN)/ruff format --check src tests examples benchmarks tools conftest.py
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) build dist .pytest_cache
+	rm -rf $(VENV) build dist site .pytest_cache

@@ -273,7 +273,7 @@ class EventBus:
             (default 5; counted in its ``statistics()`` as ``stalls`` and ``blocked_s``).
             None: no watchdog thread. See docs/reliability.md.
         barriers: Event types at which a training loop waits for the deciders among their
-            async subscribers before going on (:data:`~trainbus.bus.barrier.BARRIER_TYPES`
+            async subscribers before going on (:data:`~trainbus._bus.dispatch.BARRIER_TYPES`
             are allowed: ``StepEnded``, ``MetricsLogged``, ``EvaluationEnded``,
             ``EpochEnded``). Default ``(EvaluationEnded, EpochEnded)``; docs/bus.md,
             "Barriers".

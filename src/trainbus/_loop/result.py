@@ -78,7 +78,7 @@ class FitResult:
     @property
     def ending(self) -> ev.Ending:
         """How the run ended, typed: ``reason`` with a stop's cause told apart
-        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~trainbus.Ending`)."""
+        (``Ending.PRUNED``, ``Ending.SIGNAL``, ``Ending.STOPPED``; :class:`~ev.Ending`)."""
         return ev.Ending.of(self.reason, self.stop_reason)
 
     def with_bus(self, statistics: BusStatistics) -> FitResult:

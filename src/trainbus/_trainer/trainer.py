@@ -370,8 +370,10 @@ class Trainer:
             The :class:`FitResult`.
 
         Raises:
-            As :meth:`fit`; ``ConfigError`` for an unknown ``backend``; ``TrainbusError`` when
-            the bus runs in an ``async with`` block's event loop (await ``fit()`` there).
+            ConfigError: an unknown ``backend``.
+            TrainbusError: the bus runs in an ``async with`` block's event loop (await
+                ``fit()`` there).
+            Exception: what :meth:`fit` raises.
         """
         with self._signals.installed(self.on_signal is not None):
             result: FitResult = self._holder.call(
@@ -416,14 +418,16 @@ class Trainer:
                 ``require_checkpoint`` and ``"latest"`` found no valid checkpoint.
             CheckpointWriteError: the final checkpoint could not be written (an ``OSError``
                 naming the file; the earlier checkpoints stay valid).
-            The training exception when the run fails (``FitEnded(reason="failed")`` was
-            published and delivered first; ``trainer.result`` holds the result);
-            a subscriber's own exception when it has ``on_error="raise"`` (a note names the
-            subscription and event; ``except MyError`` matches);
-            ``KeyboardInterrupt`` after a second SIGINT; after a graceful stop by SIGINT
-            (``KeyboardInterrupt``) or SIGTERM (``SystemExit(143)``) unless
-            ``on_signal="return"``; what a callback's :meth:`Callback.after_fit` raised
-            (``optuna.TrialPruned`` for a pruned trial); the cancellation when cancelled.
+            KeyboardInterrupt: after a second SIGINT; after a graceful stop by SIGINT unless
+                ``on_signal="return"``.
+            SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM unless
+                ``on_signal="return"``.
+            Exception: the training exception when the run fails (``FitEnded(reason="failed")``
+                was published and delivered first; ``trainer.result`` holds the result);
+                a subscriber's own exception when it has ``on_error="raise"`` (a note names the
+                subscription and event; ``except MyError`` matches); what a callback's
+                :meth:`Callback.after_fit` raised (``optuna.TrialPruned`` for a pruned trial);
+                the cancellation when cancelled.
         """
         result = await self._fit(resume=resume, require_checkpoint=require_checkpoint)
         self._raise_interrupt(result)
@@ -653,7 +657,7 @@ class Trainer:
         """Synchronous twin of :meth:`evaluate`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`evaluate` and :meth:`fit_sync`.
+            Exception: what :meth:`evaluate` and :meth:`fit_sync` raise.
         """
         return self._holder.call(lambda: self.evaluate(data), backend, "evaluate")
 
@@ -705,7 +709,7 @@ class Trainer:
             TrainingError: with ``return_outputs``, outputs padding cannot join (another
                 number of dimensions or dtype than the first batch's), raised at that batch,
                 naming the key and both shapes.
-            Whatever the model raised (``PredictionEnded.error`` carried it first).
+            Exception: whatever the model raised (``PredictionEnded.error`` carried it first).
         """
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):
             raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
@@ -731,7 +735,7 @@ class Trainer:
         """Synchronous twin of :meth:`predict`, through the same portal as :meth:`fit_sync`.
 
         Raises:
-            As :meth:`predict` and :meth:`fit_sync`.
+            Exception: what :meth:`predict` and :meth:`fit_sync` raise.
         """
         return self._holder.call(lambda: self.predict(data, return_outputs=return_outputs,
                                                         pad_value=pad_value,

@@ -281,7 +281,7 @@ class CheckpointStore:
         """Write ``payload`` atomically as ``step-<step>[-<tag>].pt`` and return its path.
 
         Args:
-            payload: What :func:`~trainbus.checkpoint.build_payload` returned.
+            payload: What :func:`~trainbus.checkpoint._state.build_payload` returned.
             step: The optimizer step (names the file).
             tag: Optional name part (``"best"``, ``"final"``).
 
