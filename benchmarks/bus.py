@@ -73,7 +73,7 @@ torch.set_num_threads(1)
 T = ev.StepEnded
 LOSS = torch.tensor(0.5)
 
-# The targets set for the bus (docs/performance.md, "Against the targets").
+# The targets set for the bus (benchmarks/HISTORY.md, "Against the targets").
 TARGET_PUBLISH_NS = 1000.0  # publisher-thread CPU per event with subscribers
 TARGET_UNWANTED_RATIO = 1.25  # "~ the cost of wants()": guarded publish / wants() alone
 TARGET_RATIO_NOOP = 1.05  # tiny loop, one no-op subscriber on every step's event

@@ -20,7 +20,7 @@ Run (the earlier tree in a worktree or a clone at that commit)::
 
 Prints the median ratio to the bare loop of each side and the paired difference (after minus
 before) in points, with its quartiles and a 95 % bootstrap interval of the median (3 rounds at
-least); writes ``benchmarks/results/step_ab_<kit>.json``, the file docs/performance.md quotes,
+least); writes ``benchmarks/results/step_ab_<kit>.json``, the file benchmarks/HISTORY.md quotes,
 or ``--out PATH`` (a short trial run should name one).
 """
 

@@ -1,4 +1,4 @@
-"""The poller parks after a quiet spell and the next publish wakes it (docs/performance-history.md,
+"""The poller parks after a quiet spell and the next publish wakes it (benchmarks/HISTORY.md,
 "Making the bus cheaper")."""
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_the_poller_parks_in_quiet_spells_and_each_publish_wakes_it_at_once(step
     clock = trio.testing.MockClock(autojump_threshold=0)
     anyio.run(main, backend="trio", backend_options={"clock": clock, "instruments": [poller]})
     assert got == list(range(50))
-    # Parked: one wake per 1 s backstop (docs/performance-history.md) plus the 3 empty intervals
+    # Parked: one wake per 1 s backstop (benchmarks/HISTORY.md) plus the 3 empty intervals
     # before parking. A poller that never parked would have taken 10,000 steps per spell.
     assert all(steps <= QUIET_S + 10 for steps in quiet_steps), quiet_steps
     # The publish woke the parked poller: delivered with no loop time passing (not at the
