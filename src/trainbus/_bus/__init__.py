@@ -89,7 +89,6 @@ from .subscriptions import (
     Overflow,
     RankFilter,
     Ranks,
-    Spent,
     Subscription,
     SubscriptionSet,
     env_rank,
@@ -370,9 +369,7 @@ class EventBus:
         # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
         self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
-        # What the loop thread is done with, freed by the next publish (see Spent).
-        spent = Spent()
-        self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
+        self._subs = subs = SubscriptionSet(ledger, bell, stamp, watchdog)
         # What every chain subscribes through (the guard, its decision steps' declaration).
         self._chains = chains = Chains(subs, self._ranks, ledger, clock, self._chain_scheduler)
         self._queue = queue = PublishQueue(
@@ -381,7 +378,6 @@ class EventBus:
             routes=routes,
             ledger=ledger,
             stamp=stamp,
-            spent=spent,
         )
         self._barrier = barrier = Barrier(queue, subs, channel)
         self._lifecycle = lifecycle = Lifecycle(

@@ -161,8 +161,7 @@ class DecisionStamp:
         self.event_id = 0
         """``id()`` of the event the dispatch slice is delivering or delivered last: an async
         subscription notes it with each item, so a barrier knows who received its event even
-        after the poller dispatched it (an id, not the event: holding the event here would
-        free its tensors on the event-loop thread, see :class:`Spent`)."""
+        after the poller dispatched it (an id: holding the event would keep it alive)."""
         self.loop_thread: int | None = None
         """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
 

@@ -41,10 +41,6 @@ call into the event loop only on the first event after a quiet spell. The flag i
 the poller's last look at the queue, so an event appended in between is never stranded; a
 backstop timeout bounds the park anyway.
 
-Where events are freed: not on the loop thread. A dispatched event goes to :class:`Spent`, and
-the next ``publish`` frees it on the publishing thread, because freeing a tensor releases the GIL
-(see :class:`Spent`).
-
 Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
 ``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
 (a slow sync subscriber holds the event-loop thread) bounds memory instead of losing events.
@@ -91,7 +87,7 @@ from .._log import get_logger
 from .commands import CommandChannel, DecisionStamp
 from .doorbell import Doorbell
 from .scheduler import TaskSet
-from .subscriptions import AsyncSubscription, Spent, SubscriptionSet, announce_wait
+from .subscriptions import AsyncSubscription, SubscriptionSet, announce_wait
 from .watchdog import FailureLedger
 
 __all__ = [
@@ -392,7 +388,6 @@ class PublishQueue:
         routes: Where each event type goes.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
-        spent: Where dispatched events wait to be freed by the next publish (:class:`Spent`).
 
     Derived events: an event a subscriber publishes on the loop thread while the slice
     dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
@@ -408,7 +403,6 @@ class PublishQueue:
         routes: RouteTable,
         ledger: FailureLedger,
         stamp: DecisionStamp | None = None,
-        spent: Spent | None = None,
     ) -> None:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
@@ -427,9 +421,6 @@ class PublishQueue:
         self._dispatching = False
         self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
-        # Dispatched events, freed by the next publish (Spent). Only while the bus runs: a
-        # flush on the publishing thread itself has nobody to hand them to.
-        self._spent = Spent() if spent is None else spent
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
         self._unpark_event: anyio.Event | None = None
@@ -453,8 +444,6 @@ class PublishQueue:
             return
         q = self._events
         q.append(event)
-        if self._spent:  # free here what the loop thread is done with (Spent)
-            self._spent.clear()
         if self.parked:  # the first event after a quiet spell: wake the poller, once
             self._wake_poller()
         if len(q) > self._max_queue:
@@ -539,7 +528,6 @@ class PublishQueue:
         refuses it, which costs the hot path nothing (no state check per publish)."""
         self._running = False
         self._events = _ClosedQueue(self._events)
-        self._spent.clear()
         self._room.set()
         self._loop_thread = None
 
@@ -555,7 +543,6 @@ class PublishQueue:
         table = self._routes
         derived = self._derived
         stamp = self._stamp
-        keep = self._spent.append if self._running else None
         done = 0
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
@@ -578,8 +565,6 @@ class PublishQueue:
                         observer.on_next(event)
                     except Exception as exc:  # an operator that raised past RxPY: isolated
                         self._ledger.chain_failed(observer, exc, event)
-                if keep is not None:  # freed by the next publish, not here (Spent)
-                    keep(event)
                 if derived:  # one truthiness test per event when nobody derives events
                     self._deliver_derived()
         finally:
@@ -612,8 +597,6 @@ class PublishQueue:
             stamp.event_id = id(event)
             self._deliver(event)
             self._delivered += 1
-            if self._running:
-                self._spent.append(event)
 
     async def drain(self, limit: int | None = None) -> None:
         """Deliver queued events (all of them, or ``limit``), never waiting for a subscriber.

@@ -20,21 +20,6 @@ per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``). 
 (:class:`~trainbus._bus.dispatch.Barrier`), the other place training may wait on a
 subscriber, says so through the same :func:`announce_wait`.
 
-Spent items: what the event-loop thread is done with, freed on the publishing thread.
-
-Freeing a tensor releases the GIL: torch's deallocator drops it. When the last reference to a
-``StepEnded`` (and so to its detached loss) died on the loop thread, each free handed the GIL to
-the busy training thread and waited to get it back: one round trip per event, 50-250 µs of wall
-time between two threads on a loaded machine, for a dispatch that itself costs ~1.5 µs.
-
-So the loop thread does not drop what it delivered. The publish queue appends each dispatched
-event here, an async subscription each item its callback finished with or its overflow policy
-dropped; the next :meth:`~trainbus._bus.dispatch.PublishQueue.publish` clears the deque on the
-publishing thread (the training thread), among its own tensor frees, while the loop thread
-sleeps: the same frees then cost nothing extra. A subscriber that keeps an event frees it
-wherever it drops it, as before. At most one slice's worth waits here; the bus clears it when
-it closes.
-
 Subscription records, and the guarded observer every bus subscription ends in.
 
 Every subscription made through the bus gets a :class:`Subscription` record that counts what it
@@ -128,7 +113,6 @@ __all__ = [
     "Overflow",
     "RankFilter",
     "Ranks",
-    "Spent",
     "Subscription",
     "SubscriptionSet",
     "SubscriptionStatistics",
@@ -358,18 +342,6 @@ class Backpressure:
         )
 
 
-# ================================================================== spent items
-class Spent(deque[Any]):
-    """Items the loop thread is done with. ``append`` on the loop thread; ``clear`` on the
-    publishing thread. A deque: both are atomic under the GIL, and ``clear`` detaches every item
-    before it drops them, so an append racing with a clear is kept for the next one.
-    ``Spent(maxlen=0)`` keeps nothing: what a part appends is freed at once, where it is (a part
-    built without a bus, in tests).
-    """
-
-    __slots__ = ()
-
-
 # ================================================================== subscription records and the gu
 class Subscription(abc.DisposableBase):
     """Handle of a bus subscription: dispose it to unsubscribe; read its ``statistics()``."""
@@ -585,14 +557,10 @@ class AsyncSubscription(Subscription):
         on_error: ErrorPolicy | None,
         backpressure: Backpressure,
         decides: bool = False,
-        spent: Spent | None = None,
         stamp: DecisionStamp | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
-        # Items done with (run or dropped) are freed by the next publish, not here (Spent).
-        # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
-        self._spent = Spent(maxlen=0) if spent is None else spent
         self.decides = decides
         """Whether its commands must land on the step they were decided for: the step clock
         declares its schedules, and every barrier that delivers it an item waits for it; no
@@ -675,7 +643,7 @@ class AsyncSubscription(Subscription):
             return
         buf = self.buffer
         if len(buf) >= self.capacity and self.overflow != "block":
-            self._spent.append(buf.popleft())
+            buf.popleft()
             self.dropped += 1
             if self.dropped == 1 and self.overflow == "drop_oldest":
                 self._announce_drops()
@@ -783,8 +751,6 @@ class AsyncSubscription(Subscription):
             # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
             self.running -= 1
             self.completed += 1
-            self._spent.append(item)
-            del item  # the spent deque holds the last reference: freed by the next publish
             self._notify(self._progress)
 
     @staticmethod
@@ -840,7 +806,6 @@ class SubscriptionSet:
 
     Args:
         ledger: Where the subscriptions report their failures.
-        spent: Where async subscriptions put the items they are done with (:class:`Spent`).
         doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
         stamp: The dispatch's stamp: async subscriptions note which event fed them.
         watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one
@@ -850,7 +815,6 @@ class SubscriptionSet:
     def __init__(
         self,
         ledger: FailureLedger,
-        spent: Spent | None = None,
         doorbell: Doorbell | None = None,
         stamp: DecisionStamp | None = None,
         watchdog: Watchdog | None = None,
@@ -858,7 +822,6 @@ class SubscriptionSet:
         self._stamp = stamp or DecisionStamp()
         self._ledger = ledger
         self._watchdog = Watchdog(None) if watchdog is None else watchdog
-        self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
         self._tasks: TaskSet | None = None
         self._open = True
@@ -961,7 +924,6 @@ class SubscriptionSet:
             overflow=policy_,
             on_error=policy,
             backpressure=self.backpressure,
-            spent=self._spent,
             decides=decides,
             stamp=self._stamp,
         )
