@@ -26,11 +26,6 @@ declared or removed, a command was sent, a ``"raise"`` subscriber failed, a ``"b
 went over capacity, a cancel was requested. The loop compares :attr:`Doorbell.rings` with the
 count it last acted on (one attribute read) and only then re-reads the real state; a ring
 carries no data.
-
-**Sampling as a demand.** :meth:`LoopPort.demand` answers, for one event type, whether some
-subscription takes every event (:attr:`Demand.each`) or only samples (:attr:`Demand.sampled`;
-then :meth:`Demand.takes` says whether the event of a step, stamped now, is taken). How the
-sampling is done (``every_s``, ``every_steps``) stays in the route table.
 """
 
 from __future__ import annotations
@@ -68,7 +63,6 @@ from .dispatch import (
     DEFAULT_BARRIERS,
     Barrier,
     BarrierStatus,
-    Demand,
     PublishQueue,
     RouteTable,
     Tier,
@@ -154,14 +148,6 @@ class LoopPort:
         self._barrier = barrier
         self._lifecycle = lifecycle
         self._chains = chains
-
-    # ================================================================== demand
-    def demand(self, event_type: type[ev.BaseEvent]) -> Demand:
-        """What the subscriptions of ``event_type`` take (see :class:`Demand`): the same
-        object for the bus' lifetime, kept up to date on the event-loop thread. Re-read its
-        flags when the doorbell rang; ask :meth:`Demand.takes` per event while it is
-        ``sampled``."""
-        return self._routes.demand(event_type)
 
     # ================================================================== decision steps
     def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
@@ -479,12 +465,9 @@ class EventBus:
             event_types: The event classes to receive.
             every_s: Sample: each subscription takes the first event, then none stamped less
                 than ``every_s`` seconds after the last one it took (``throttle_first`` on
-                the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
-                loop sees it: while only sampled subscriptions want ``StepEnded``, the loop
-                builds one when one is due, not every step.
+                the events' ``time``).
             every_steps: Sample by step: only the events whose ``step`` is a multiple of
-                ``every_steps`` (the ``logging_steps`` of other trainers). The loop builds
-                ``StepEnded`` only at those steps while no subscription takes every one.
+                ``every_steps`` (the ``logging_steps`` of other trainers).
 
         Raises:
             ConfigError: no type given, one that is not a trainbus event class, an
