@@ -56,6 +56,7 @@ from .commands import (
     CommandError,
     DecisionStamp,
     DecisionSteps,
+    Doorbell,
     Every,
     StepClock,
 )
@@ -69,7 +70,6 @@ from .dispatch import (
     TierContext,
     check_barriers,
 )
-from .doorbell import Doorbell
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .scheduler import AnyioScheduler, ChainScheduler
 from .subscriptions import (

@@ -1,24 +1,20 @@
-"""Commands and decision steps: the step clock, and the command channel to the loop.
+"""What the loop acts on between steps: the doorbell, the decision steps, the command channel.
 
-The step clock: the steps at which subscriptions decide, and the step a command was decided at.
+The loop runs its steps without polling the bus: the parts ring the :class:`Doorbell` after
+each change the loop must act on (a subscription came or went, decision steps were declared or
+removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer went over
+capacity, a cancel was requested), and the loop, which compares ``doorbell.rings`` with the
+count it last acted on, then re-reads the real state. A ring carries no data.
 
-A **decision step** is a step at which some subscription declared it decides (``tbops.every(n)``
-and ``tbops.once(at=k)`` carry theirs;
-``bus.declare_decision_steps(...)`` declares some by hand). At a
-decision step the loop delivers everything published so far, waits for the async subscribers of
-that step's ``StepEnded``, and applies the commands they sent before the next step starts, so a
-decision lands at the same step on every run (docs/events.md, "When a command takes effect").
+A **decision step** is a step at which some subscription decides (``tbops.every(n)``,
+``tbops.once(at=k)``, ``bus.declare_decision_steps``): there the loop delivers everything,
+waits for the deciders and applies their commands before the next step (docs/events.md, "When
+a command takes effect"). :class:`StepClock` owns the declarations; :class:`DecisionStamp`
+knows the step being handled now, which ``bus.send`` stamps on a command as its ``decided_at``.
 
-:class:`StepClock` owns the declared decision steps; :class:`DecisionStamp` knows the step of the
-event being handled right now, which ``bus.send`` stamps on a command as its ``decided_at``.
-This module imports nothing else of the bus (it comes first in the bus' import order).
-
-The command channel: commands from subscribers to the loop, and their acknowledgements.
-
-Subscribers ``send`` commands (any thread, never blocks); the loop drains them at its poll
-points with ``poll_commands`` and acknowledges each with a ``CommandApplied`` event, which the
-channel's :class:`AckObserver` (an internal root of the bus) turns into the answer of a waiting
-``request``.
+Subscribers ``send`` commands (any thread, never blocks); the loop takes them at its poll
+points and acknowledges each with a ``CommandApplied``, which :class:`AckObserver` turns into
+the answer of a waiting ``request``.
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError, TrainbusError
 from .._log import get_logger
 from .._validate import check_int
-from .doorbell import Doorbell
 
 __all__ = [
     "AckObserver",
@@ -49,11 +44,32 @@ __all__ = [
     "CommandError",
     "DecisionStamp",
     "DecisionSteps",
+    "Doorbell",
     "Every",
     "StepClock",
 ]
 
 log = get_logger(__name__)
+
+
+class Doorbell:
+    """A counter that only grows: :meth:`ring` after a change the training loop must see.
+
+    Attributes:
+        rings: How many times the bell rang (read by the loop between steps).
+    """
+
+    __slots__ = ("_lock", "rings")
+
+    def __init__(self) -> None:
+        self.rings = 0
+        self._lock = threading.Lock()
+
+    def ring(self) -> None:
+        """Add one to :attr:`rings`. Any thread: the lock keeps rings racing on two threads
+        from losing one (rings are rare: a change, never a publish)."""
+        with self._lock:
+            self.rings += 1
 
 
 # ================================================================== the step clock

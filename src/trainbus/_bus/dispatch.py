@@ -80,8 +80,7 @@ from reactivex import abc
 from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
-from .commands import CommandChannel, DecisionStamp
-from .doorbell import Doorbell
+from .commands import CommandChannel, DecisionStamp, Doorbell
 from .scheduler import TaskSet
 from .subscriptions import AsyncSubscription, SubscriptionSet, announce_wait
 from .watchdog import FailureLedger

@@ -91,8 +91,7 @@ from reactivex.disposable import Disposable
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
-from .commands import DecisionStamp, DecisionSteps, StepClock
-from .doorbell import Doorbell
+from .commands import DecisionStamp, DecisionSteps, Doorbell, StepClock
 from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 

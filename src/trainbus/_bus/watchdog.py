@@ -48,7 +48,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .doorbell import Doorbell
+from .commands import Doorbell
 
 __all__ = [
     "DEFAULT_WATCHDOG_S",
