@@ -49,7 +49,6 @@ from .dispatch import (
     PublishQueue,
     RouteTable,
     Tier,
-    TierContext,
     check_barriers,
 )
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
@@ -546,7 +545,7 @@ class EventBus:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
         return self._chains.declare(tuple(steps_))
 
-    def tier(self, tier: Tier) -> TierContext:
+    def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:
         every event reaches core subscribers first, then user ones, then global ones.
 

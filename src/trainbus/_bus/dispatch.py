@@ -1,67 +1,28 @@
 """Dispatch: the route table, the publish queue, and the barriers.
 
-The routing table: which root observers each event type goes to, in tier order.
-
-A *root* is one subscription at the top of a chain (a ``bus.events`` / ``bus.stream(...)``
-subscription): the event types it takes and the observer to feed. Roots are kept sorted by tier
-(internal, core, user, global), then by order of subscription. The per-type answer is cached in
-:attr:`RouteTable.cache`, a dict that is replaced (copy-on-write), never mutated in place, so a
-dispatch in progress keeps a consistent view while a subscriber subscribes.
-
-A *sampled* root takes only some events, decided where the event is routed:
-``bus.stream(T, every_s=s)`` the first event, then none whose ``time`` is less than ``s``
-seconds after the last one it took (``throttle_first`` on the events' own clock);
-``bus.stream(T, every_steps=n)`` the events whose ``step`` is a multiple of ``n``.
-
-The publish queue: a cheap hand-off on the publishing thread, one dispatch slice on the loop.
+A *root* is one subscription at the top of a chain (``bus.events``, ``bus.stream(...)``): the
+event types it takes and the observer to feed, sorted by tier (internal, core, user, global),
+then by order of subscription. The per-type routes are cached in :attr:`RouteTable.cache`, a
+dict replaced on change (copy-on-write), so a dispatch in progress keeps a consistent view.
+A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a :class:`Sampled`
+gate.
 
 How an event travels::
 
-    training thread                      event-loop thread (anyio task group of the bus)
-    publish(e): queue.append(e) ──────►  poller: every flush_interval, if the queue is non-empty,
-                (nothing else)           take the n queued events and dispatch them in ONE slice:
-                                         for each event, for each matching root observer (core,
-                                         then user, then global tier), call on_next. No await
-                                         between events, ever: a full "block" async buffer
-                                         takes the item and pushes back on the training loop
-                                         (Backpressure), not on dispatch.
+    training thread                      event-loop thread (the bus' task group)
+    publish(e): queue.append(e) ──────►  poller: every flush_interval, dispatch the queued
+                (nothing else)           events in ONE slice (no await between events): for
+                                         each event, each matching root observer's on_next
 
-Why batching: every wake-up of the loop thread costs a tiny-model training thread 55-240 µs of
-wall time (the two threads hand the GIL over), about a whole 100 µs step. A poller that wakes at
-most once per interval costs that once per ~20 ms instead of once per event (DESIGN.md).
+Batching matters: each wake-up of the loop thread costs the training thread a GIL hand-over
+(DESIGN.md). After a few empty intervals the poller parks and the next ``publish`` wakes it
+(one flag read on the hot path). Past ``max_queue`` undelivered events a publishing thread
+waits for the dispatcher, so a stalled event loop bounds memory instead of losing events.
 
-Idle poller: after a few intervals with nothing published the poller parks (no more timed
-wake-ups, so a run with no subscriber, or only subscribers of rare events, pays no GIL hand-over
-for it) and the next ``publish`` wakes it once: a flag read on the hot path, and a non-blocking
-call into the event loop only on the first event after a quiet spell. The flag is raised before
-the poller's last look at the queue, so an event appended in between is never stranded; a
-backstop timeout bounds the park anyway.
-
-Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
-``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
-(a slow sync subscriber holds the event-loop thread) bounds memory instead of losing events.
-
-Barriers: deliver now, then wait for the deciders among the async subscribers of one event.
-
-The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
-``EpochEnded`` by default, or ``EventBus(barriers=...)``), at the decision steps of the step
-clock (their ``StepEnded``) and once after the last step (no event), so that a decision made
-there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
-so the loop can apply it first.
-
-Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber of
-what was queued runs during the delivery, as always; of the async subscriptions, only those made
-with ``decides=True`` (a ``Callback``'s ``SubscribeOptions(decides=True)``) that received the
-event, or an event derived from it in the same dispatch (at the last barrier: anything delivered
-then), and only until they finished what they had received by then. Any other async subscription (a
-poster of the metrics, an uploader, a logger) is never waited for, whatever events it receives: its
-backlog stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself
-never waits (a full ``"block"`` buffer pushes back on the training loop instead, see
-:class:`Backpressure`).
-The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
-subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
-``training_waits_for_subscriber`` warning names it (:func:`~.pressure.announce_wait`, as for a
-full ``"block"`` buffer), during the wait that crosses it.
+At a barrier (a barrier event, a decision step, the run's last step) the loop delivers
+everything, then waits for the deciders (``decides=True``) among the async subscriptions that
+received the event, or an event derived from it (docs/bus.md, "Barriers"); a ``request()``
+interrupts the wait so the loop can apply it first. No other async subscription is waited for.
 """
 
 from __future__ import annotations
@@ -70,7 +31,8 @@ import asyncio
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import anyio
@@ -95,7 +57,6 @@ __all__ = [
     "RouteTable",
     "Sampled",
     "Tier",
-    "TierContext",
     "check_barriers",
 ]
 
@@ -150,24 +111,8 @@ class Sampled(abc.ObserverBase[Any]):
         self._observer.on_completed()
 
 
-class TierContext:
-    """``with bus.tier("core"):`` sets the table's current tier, and restores it on exit."""
-
-    def __init__(self, table: RouteTable, tier: Tier) -> None:
-        self._table = table
-        self._tier: Tier = tier
-        self._previous: Tier = table.current_tier
-
-    def __enter__(self) -> None:
-        self._previous = self._table.current_tier
-        self._table.current_tier = self._tier
-
-    def __exit__(self, *exc: object) -> None:
-        self._table.current_tier = self._previous
-
-
 class RouteTable:
-    """Roots by tier, the per-type route cache, and the demand answers built on it."""
+    """Roots by tier, and the per-type route cache."""
 
     def __init__(self, doorbell: Doorbell | None = None) -> None:
         self._doorbell = doorbell or Doorbell()
@@ -176,8 +121,7 @@ class RouteTable:
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
         read it, never write it; a miss is answered by :meth:`resolve`."""
-        self.current_tier: Tier = "user"
-        """Tier of the roots registered now (see :meth:`tier`)."""
+        self._tier: Tier = "user"  # of the roots registered now
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
@@ -204,10 +148,9 @@ class RouteTable:
         every_steps: int | None = None,
     ) -> Root:
         """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
-        or ``every_steps``, a sampled root (see the module's docstring)."""
-        # Sorted by tier, then by order of subscription: core -> user -> global.
+        or ``every_steps``, a sampled root."""
         self._seq += 1
-        rank = TIER_ORDER[tier or self.current_tier]
+        rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
@@ -228,7 +171,7 @@ class RouteTable:
         """Every root observer, in delivery order (a copy: closing completes them)."""
         return [r.observer for r in self._roots]
 
-    def tier(self, tier: Tier) -> TierContext:
+    def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """A context manager under which new roots register in ``tier``.
 
         Raises:
@@ -236,7 +179,15 @@ class RouteTable:
         """
         if tier not in TIER_ORDER:
             raise ConfigError.invalid("tier", tier, f"one of {tuple(TIER_ORDER)}")
-        return TierContext(self, tier)
+        return self._in_tier(tier)
+
+    @contextmanager
+    def _in_tier(self, tier: Tier) -> Iterator[None]:
+        previous, self._tier = self._tier, tier
+        try:
+            yield
+        finally:
+            self._tier = previous
 
 
 # ================================================================== the publish queue
@@ -258,11 +209,6 @@ class PublishQueue:
         routes: Where each event type goes.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
-
-    Derived events: an event a subscriber publishes on the loop thread while the slice
-    dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
-    being dispatched, before the next queued one, so causality holds and an already queued
-    ``FitEnded`` stays the last event delivered.
     """
 
     def __init__(
@@ -283,11 +229,12 @@ class PublishQueue:
         self._room = threading.Event()  # set by the dispatcher after each drain
         self._running = False
         self._loop_thread: int | None = None
-        self._delivered = 0
-        self._publisher_waits = 0
+        self.delivered = 0
+        """Events taken off the queue and dispatched."""
+        self.publisher_waits = 0
+        """Times a publishing thread waited for room."""
         self._stamp = stamp or DecisionStamp()
-        # True while a slice dispatches; publish reads it (one attribute) and only then asks
-        # which thread it runs on. Events from the loop thread meanwhile go to _derived.
+        # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
         self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
@@ -298,10 +245,8 @@ class PublishQueue:
 
     # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
-        """Queue ``event`` for delivery. Safe from any thread; never waits for subscribers.
-
-        Cost on the calling thread: a type check and a deque append. It waits only when
-        ``max_queue`` events are already waiting (the dispatcher cannot keep up).
+        """Queue ``event`` for delivery: a type check and a deque append, safe from any thread.
+        It waits only when ``max_queue`` events are already waiting.
 
         Raises:
             ConfigError: ``event`` is not a trainbus event.
@@ -336,7 +281,7 @@ class PublishQueue:
     def _wait_for_room(self) -> None:
         if not self._running or threading.get_ident() == self._loop_thread:
             return  # never block the loop itself, nor a bus that is not dispatching
-        self._publisher_waits += 1
+        self.publisher_waits += 1
         while len(self._events) > self._max_queue and self._running:
             self._room.clear()
             self._room.wait(self._flush_interval)
@@ -357,21 +302,6 @@ class PublishQueue:
         q = self._events
         return bool(q) and q[0] is event
 
-    @property
-    def delivered(self) -> int:
-        """Events taken off the queue and dispatched."""
-        return self._delivered
-
-    @property
-    def publisher_waits(self) -> int:
-        """Times a publishing thread waited for room."""
-        return self._publisher_waits
-
-    @property
-    def loop_thread(self) -> int | None:
-        """The thread that dispatches while the bus runs (None otherwise)."""
-        return self._loop_thread
-
     # ================================================================== lifecycle
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
@@ -380,8 +310,8 @@ class PublishQueue:
         self._call_soon = _threadsafe_call_soon()
 
     def suspend(self) -> None:
-        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing (as
-        before the first open), publishers no longer wait for room."""
+        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing,
+        publishers no longer wait for room."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
@@ -394,8 +324,8 @@ class PublishQueue:
         self._room.set()
 
     def close(self) -> None:
-        """The bus closed: from now on ``publish`` raises. Its append lands on a queue that
-        refuses it, which costs the hot path nothing (no state check per publish)."""
+        """The bus closed: from now on ``publish`` raises (its append lands on a queue that
+        refuses it: no state check per publish)."""
         self._running = False
         self._events = _ClosedQueue(self._events)
         self._room.set()
@@ -403,76 +333,47 @@ class PublishQueue:
 
     # ================================================================== dispatch side
     def dispatch(self, n: int) -> int:
-        """Deliver up to ``n`` queued events. Loop thread.
+        """Deliver ``n`` queued events in one slice (loop thread; no await between events).
+        Events subscribers publish on this thread meanwhile are delivered right after the event
+        that caused them (an already queued ``FitEnded`` stays last) and do not count in ``n``.
 
-        One slice: no await between events. Events published by subscribers during the slice
-        (on this thread) are delivered right after the event that caused them, and do not count
-        against ``n``. Returns how many queued events were delivered.
+        Returns:
+            How many queued events were delivered.
         """
-        popleft = self._events.popleft
-        table = self._routes
-        derived = self._derived
-        stamp = self._stamp
-        done = 0
+        popleft, derived, stamp = self._events.popleft, self._derived, self._stamp
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
         if not outer:
-            # The loop thread while the bus runs; the caller of flush() before it does.
             self._dispatch_thread = stamp.loop_thread = threading.get_ident()
         self._dispatching = True
         try:
-            while done < n:
-                event = popleft()
-                done += 1
-                stamp.step = event.step
-                stamp.event_id = id(event)
-                # table.cache is re-read per event: a subscriber may subscribe during the slice.
-                observers = table.cache.get(type(event))
-                if observers is None:
-                    observers = table.resolve(type(event))
-                for observer in observers:
-                    try:
-                        observer.on_next(event)
-                    except Exception as exc:  # an operator that raised past RxPY: isolated
-                        self._ledger.chain_failed(observer, exc, event)
-                if derived:  # one truthiness test per event when nobody derives events
-                    self._deliver_derived()
+            for _ in range(n):
+                self._deliver(popleft())
+                while derived:  # what those publish in turn joins the end: after its cause
+                    self._deliver(derived.popleft())
         finally:
             self._dispatching = outer
             if not outer:
                 stamp.step = None
-        self._delivered += done
-        return done
+        return n
 
     def _deliver(self, event: ev.BaseEvent) -> None:
-        """Deliver one event to its observers (what the slice inlines per event)."""
+        self._stamp.step = event.step
+        self._stamp.event_id = id(event)
         table = self._routes
-        # table.cache is re-read per event: a subscriber may subscribe during the slice.
+        # Re-read per event: a subscriber may subscribe during the slice.
         observers = table.cache.get(type(event))
         if observers is None:
             observers = table.resolve(type(event))
         for observer in observers:
             try:
                 observer.on_next(event)
-            except Exception as exc:  # an operator that raised past RxPY: still isolated
+            except Exception as exc:  # an operator that raised past RxPY: isolated
                 self._ledger.chain_failed(observer, exc, event)
-
-    def _deliver_derived(self) -> None:
-        """Deliver the events subscribers published during the last delivery, oldest first
-        (what they in turn publish joins the end: still after its cause)."""
-        derived, stamp = self._derived, self._stamp
-        while derived:
-            event = derived.popleft()
-            stamp.step = event.step
-            stamp.event_id = id(event)
-            self._deliver(event)
-            self._delivered += 1
+        self.delivered += 1
 
     async def drain(self, limit: int | None = None) -> None:
-        """Deliver queued events (all of them, or ``limit``), never waiting for a subscriber.
-
-        No await inside: a drain is one slice, atomic with respect to other tasks (async so
-        callers keep one shape whether they wait afterwards or not)."""
+        """Deliver queued events (all of them, or ``limit``) in one slice: no await inside."""
         q = self._events
         remaining = len(q) if limit is None else limit
         while q and remaining > 0:
@@ -482,11 +383,9 @@ class PublishQueue:
         self._room.set()
 
     async def wait_published(self, backstop: float) -> None:
-        """Park until something is published, or ``backstop`` seconds. Loop thread, poller only.
-
+        """Park until something is published, or ``backstop`` seconds (the poller).
         ``parked`` is raised before the queue is looked at: a publisher that appends after the
-        look sees the flag and wakes this wait; one that appended before it is seen here.
-        """
+        look sees the flag and wakes this wait."""
         if self._call_soon is None:  # no way to be woken: keep the plain interval
             await anyio.sleep(self._flush_interval)
             return
@@ -501,11 +400,8 @@ class PublishQueue:
             self._unpark_event = None
 
     def flush(self) -> None:
-        """Deliver every queued event now, on the calling thread (the loop thread if running).
-
-        Like every dispatch, it never waits for a subscriber: a full ``"block"`` buffer takes
-        every item beyond its capacity (the training loop waits for it at its next poll point).
-        Use ``await wait_delivered()`` to deliver and wait for async subscribers.
+        """Deliver every queued event now, on the calling thread (the loop thread if running),
+        never waiting for a subscriber (``await wait_delivered()`` waits for async ones).
 
         Raises:
             BusClosedError: called from another thread while the bus runs.
@@ -523,12 +419,9 @@ class PublishQueue:
 
 
 def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
-    """A non-blocking way to run a callable on the running event loop from any thread.
-
-    ``anyio.from_thread.run_sync`` waits for the result (~19 µs and a GIL round trip); a
-    publisher only needs to post a wake-up. None when the backend offers neither way (the
-    poller then never parks).
-    """
+    """A non-blocking way to run a callable on the running event loop from any thread
+    (``anyio.from_thread.run_sync`` waits for the result); None when the backend has none (the
+    poller then never parks)."""
     native = anyio.lowlevel.current_token().native_token
     if isinstance(native, asyncio.AbstractEventLoop):
         loop = native
@@ -571,9 +464,7 @@ def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
 
 
 _ANNOUNCE_AFTER = 0.5
-"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it:
-a decider that answers within milliseconds is not worth a line; one that holds training is
-named within about a second of the wait that makes it so."""
+"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it."""
 _REASON = (
     "it was made with decides=True and received this barrier's event: training waits until "
     "it has finished what it received, so that its commands apply before the next step"
@@ -611,8 +502,7 @@ class Barrier:
     ) -> bool:
         """Deliver everything queued; then wait for the async subscriptions that received an
         item from ``event`` (or, without ``event``, from anything in that delivery) to finish
-        it. So a slow async subscriber of some other event (a checkpoint upload, say) is not
-        waited for.
+        it.
 
         Args:
             timeout: Seconds to wait for the async subscribers (None: no limit).
@@ -621,7 +511,7 @@ class Barrier:
         Returns:
             True when everything finished, False when the timeout expired first.
         """
-        # The timeout covers the delivery too (which never waits on a subscriber today).
+        # The timeout covers the delivery too.
         start = anyio.current_time()
         with anyio.move_on_after(timeout) as scope:
             targets = await self._deliver_for_barrier(event)
@@ -641,10 +531,8 @@ class Barrier:
             # What was published before the barrier event is delivered but not waited for.
             before_event = q.index(event)
             if before_event is None:
-                # The poller already dispatched the event (between its publish and this call):
-                # each subscription noted which event fed its last item, so the ones it reached
-                # are still known (an event reaching one later would have been published after
-                # it: the loop waits here and publishes nothing meanwhile).
+                # The poller already dispatched it: each subscription noted which event fed
+                # its last item (the loop publishes nothing while it waits here).
                 await q.drain()
                 fed = [(s, s.received_from(id(event))) for s in asyncs]
                 return [(s, n) for s, n in fed if n is not None]
@@ -672,12 +560,11 @@ class Barrier:
         status: BarrierStatus = "timeout"
         wake = self._channel.arm_wake()
         start = anyio.current_time()
-        # Only those not settled yet are waited for (and charged): a sub that finished its
-        # item before the barrier cost training nothing.
+        # Only those not settled yet are waited for (and charged).
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        # A race of tasks that each end by their own scope (TaskSet), not by cancelling the
-        # task group: all settled ("done"), a request ("request") or the timeout.
+        # A race (each task ends by its own scope, TaskSet): all settled ("done"), a request
+        # ("request") or the timeout.
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
 
@@ -707,8 +594,7 @@ class Barrier:
                 tasks.stop()  # status stays "timeout"
 
             async def announce() -> None:
-                # Said while training waits, not after: a decider stuck for minutes is named
-                # within about a second. Ends with the wait (its own scope, TaskSet).
+                # Said while training waits, not after.
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
@@ -731,8 +617,7 @@ class Barrier:
                 if id(sub) in unsettled:
                     self._charge(sub, elapsed)
         if account:
-            # Many short waits add up: named once they have cost training as much as one
-            # long wait would have before its warning.
+            # Many short waits add up to a warning too.
             for sub, _ in waiting:
                 if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
                     self._announce(sub)
@@ -757,10 +642,11 @@ class Barrier:
         self, timeout: float, event: ev.BaseEvent | None, resume: bool
     ) -> BarrierStatus:
         """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
-        that received the event (None: anything delivered now) until they finish
-        (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives (``"request"``:
-        the loop applies it, then resumes the same wait with ``resume=True``). No other async
-        subscription is waited for.
+        that received the event (None: anything delivered now).
+
+        Returns:
+            ``"done"``, ``"timeout"``, or ``"request"`` (a ``request()`` arrived: the loop
+            applies it, then resumes the same wait with ``resume=True``).
         """
         if resume and self._pending is not None:
             targets, deadline = self._pending
@@ -772,9 +658,6 @@ class Barrier:
             if scope.cancelled_caught:
                 log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
                 return "timeout"
-            # Only the deciders: a poster, uploader or logger that received the event (or one
-            # derived from it, e.g. metrics a sync subscriber re-published) never holds
-            # training, and its backlog stays its own; the bus' close waits for it.
             targets = [(s, n) for s, n in targets if s.decides]
         self._pending = None
         if self._channel.request_waiting():
