@@ -264,7 +264,7 @@ class EventBus:
         self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
         if rx_scheduler is None:
-            rx_scheduler = own = AnyioScheduler(ledger.scheduler_failed)
+            rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
         self._routes = routes = RouteTable(bell)
         self._subs = subs = SubscriptionSet(ledger, bell, stamp, watchdog)

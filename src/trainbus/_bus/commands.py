@@ -66,8 +66,7 @@ class Doorbell:
         self._lock = threading.Lock()
 
     def ring(self) -> None:
-        """Add one to :attr:`rings`. Any thread: the lock keeps rings racing on two threads
-        from losing one (rings are rare: a change, never a publish)."""
+        """Add one to :attr:`rings`, from any thread (the lock loses no ring to a race)."""
         with self._lock:
             self.rings += 1
 
@@ -176,8 +175,8 @@ class DecisionStamp:
         """Step of the event the dispatch slice is delivering (None outside a slice)."""
         self.event_id = 0
         """``id()`` of the event the dispatch slice is delivering or delivered last: an async
-        subscription notes it with each item, so a barrier knows who received its event even
-        after the poller dispatched it (an id: holding the event would keep it alive)."""
+        subscription notes it with each item, so a barrier knows who received its event (an
+        id: holding the event would keep it alive)."""
         self.loop_thread: int | None = None
         """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
 
@@ -253,7 +252,7 @@ class CommandChannel:
         return command
 
     def has_commands(self) -> bool:
-        """True when a command waits on the back-channel (never blocks; the loop asks per step)."""
+        """True when a command waits on the back-channel (never blocks)."""
         return bool(self._commands)
 
     def poll_commands(self) -> list[cmd.Command]:
@@ -265,8 +264,8 @@ class CommandChannel:
         return out
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands ``match`` accepts (call only while no loop polls: between
-        two calls); returns how many were removed."""
+        """Remove the queued commands ``match`` accepts (between two calls, while no loop
+        polls); returns how many were removed."""
         kept = [c for c in self._commands if not match(c)]
         removed = len(self._commands) - len(kept)
         if removed:
@@ -343,8 +342,7 @@ class CommandChannel:
         self._closed = True
 
     def seal(self) -> None:
-        """The bus has closed: :meth:`send` refuses commands from now on (while it closes,
-        a late command is still taken, and logged by :meth:`warn_unapplied`)."""
+        """The bus has closed: :meth:`send` refuses commands from now on."""
         self._sealed = True
 
     def release_waiters(self) -> None:
@@ -353,11 +351,10 @@ class CommandChannel:
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point (a call's end, or the close) and every
-        acknowledgement it published was delivered: drop (and log) the commands still queued,
-        wake every ``request()`` still waiting (it raises BusClosedError: nothing would ever
-        apply its command, and an async subscriber awaiting it would hold the end of the call
-        forever), and refuse new requests until :meth:`resume_polls`."""
+        """The loop made its last poll point (a call's end, or the close) and its
+        acknowledgements were delivered: drop the commands still queued, wake every waiting
+        ``request()`` (it raises BusClosedError) and refuse new ones until
+        :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
         self.release_waiters()
@@ -368,10 +365,8 @@ class CommandChannel:
 
     def drop_unapplied(self) -> None:
         """Log and drop the commands still queued at a call's end or the close (sent after the
-        loop's last poll point): they were decided on that call's events, so they never reach
-        the next call (a StopTraining sent on ``FitEnded`` must not end the next evaluate)."""
-        # A stop decided after the last poll asks for what already happened (the run ended):
-        # nothing is lost, so it is no warning; a save, an evaluation or an LR change is.
+        loop's last poll point, on that call's events)."""
+        # A stop after the last poll asks for what already happened: no warning.
         stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
         lost = [c for c in self._commands if c not in stops]
         if stops:
