@@ -569,6 +569,10 @@ class EventBus:
         """Deliver everything queued, then wait for the async subscriptions that received
         something from ``event`` (or from anything) to finish it.
 
+        Args:
+            timeout: Seconds to wait for the async subscribers (None: no limit).
+            event: An already published event.
+
         Returns:
             True when everything finished, False when the timeout expired first.
         """
@@ -599,7 +603,8 @@ class EventBus:
         """Send ``command`` and wait until the loop applies it.
 
         Returns:
-            The event the command produced, else its ``CommandApplied``.
+            The event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
+            ``EvaluationEnded`` for ``Evaluate``), else its ``CommandApplied``.
 
         Raises:
             ConfigError: ``command`` is not a trainbus command.

@@ -224,12 +224,7 @@ class CommandChannel:
         self._polls_over = False
 
     def send(self, command: cmd.Command) -> None:
-        """Put ``command`` on the back-channel. Safe from any thread; never blocks.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-            BusClosedError: the bus has closed (its run is over): no loop would apply it.
-        """
+        """:meth:`EventBus.send`: put ``command`` on the back-channel (any thread)."""
         if not isinstance(command, cmd.COMMAND_TYPES):
             raise ConfigError.invalid(
                 "command", command, "an instance of a trainbus.commands class"
@@ -279,17 +274,7 @@ class CommandChannel:
         return bool(self._requests) and bool(self._commands)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """Send ``command`` and wait until the loop applies it.
-
-        Returns:
-            The event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
-            ``EvaluationEnded`` for ``Evaluate``), else its ``CommandApplied``.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-            CommandError: the loop could not apply it (the cause is attached).
-            BusClosedError: the bus closed before the command was applied.
-        """
+        """:meth:`EventBus.request`: send ``command`` and wait until the loop applies it."""
         if self._closed:
             raise BusClosedError("the bus is closed: no loop will apply this command")
         if self._polls_over:

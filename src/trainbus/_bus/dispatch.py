@@ -400,12 +400,7 @@ class PublishQueue:
             self._unpark_event = None
 
     def flush(self) -> None:
-        """Deliver every queued event now, on the calling thread (the loop thread if running),
-        never waiting for a subscriber (``await wait_delivered()`` waits for async ones).
-
-        Raises:
-            BusClosedError: called from another thread while the bus runs.
-        """
+        """:meth:`EventBus.flush`: deliver every queued event now, on the calling thread."""
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise BusClosedError(
                 "flush() runs on the bus' event-loop thread; from another thread (a hook on "
@@ -500,17 +495,7 @@ class Barrier:
     async def wait_delivered(
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
     ) -> bool:
-        """Deliver everything queued; then wait for the async subscriptions that received an
-        item from ``event`` (or, without ``event``, from anything in that delivery) to finish
-        it.
-
-        Args:
-            timeout: Seconds to wait for the async subscribers (None: no limit).
-            event: An already published event (found by identity in the queue).
-
-        Returns:
-            True when everything finished, False when the timeout expired first.
-        """
+        """:meth:`EventBus.wait_delivered` (``event`` is found by identity in the queue)."""
         # The timeout covers the delivery too.
         start = anyio.current_time()
         with anyio.move_on_after(timeout) as scope:

@@ -173,17 +173,7 @@ class Lifecycle:
                 empty += 1
 
     async def suspend(self, *, raise_fatal: bool) -> None:
-        """Deliver, fire pending timers, wait for the async subscribers (within
-        ``close_timeout``, then cancel what they still run), stop the task group; keep the
-        streams and subscriptions for the next :meth:`open`.
-
-        Args:
-            raise_fatal: Raise the ``"raise"`` policy's failure, if any (cleared either way).
-
-        Raises:
-            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
-                subscriber's own exception).
-        """
+        """:meth:`EventBus.suspend` (the ``"raise"`` failure is cleared either way)."""
         assert self._tg is not None
         try:
             with anyio.CancelScope(shield=True):
@@ -307,14 +297,7 @@ class Lifecycle:
 
     async def close(self, *, raise_fatal: bool) -> None:
         """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
-
-        Args:
-            raise_fatal: Raise the ``"raise"`` policy's failure, if any, once closed.
-
-        Raises:
-            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
-                subscriber's own exception).
-        """
+        With ``raise_fatal``, raise a ``"raise"`` subscription's failure, if any."""
         assert self._tg is not None
         try:
             # Shielded: what was published is delivered even when the caller is cancelled.
@@ -363,8 +346,7 @@ class Lifecycle:
         self._report_lost()
 
     def statistics(self) -> BusStatistics:
-        """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per
-        subscription counters."""
+        """:meth:`EventBus.statistics`."""
         subs = self._subscriptions.statistics()
         depth = len(self._queue)
         delivered = self._queue.delivered
