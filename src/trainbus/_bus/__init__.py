@@ -96,6 +96,8 @@ class LoopPort:
         publish: Queue an event (:meth:`PublishQueue.publish`; safe from any thread).
         wants: True when some subscription would receive events of a type: ask before building
             one.
+        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type: whether some
+            subscription takes every event, or only samples (then ask ``takes(step, now)``).
         doorbell: Rung after every change the loop must act on (:class:`Doorbell`): the loop
             re-reads the state below only when ``doorbell.rings`` grew.
         declare: Declare decision steps until the returned disposable is disposed.
@@ -125,6 +127,7 @@ class LoopPort:
     ) -> None:
         self.publish = queue.publish
         self.wants = routes.wants
+        self.demand = routes.demand
         self.doorbell = doorbell
         self.declare = chains.declare
         self.next_decision = clock.next_decision
@@ -371,9 +374,12 @@ class EventBus:
             event_types: The event classes to receive.
             every_s: Sample: each subscription takes the first event, then none stamped less
                 than ``every_s`` seconds after the last one it took (``throttle_first`` on
-                the events' ``time``).
+                the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
+                loop sees it: while only sampled subscriptions want ``StepEnded``, it builds
+                one only when one is due.
             every_steps: Sample by step: only the events whose ``step`` is a multiple of
-                ``every_steps`` (the ``logging_steps`` of other trainers).
+                ``every_steps`` (the ``logging_steps`` of other trainers); the loop builds
+                ``StepEnded`` only at those steps while no subscription takes every one.
 
         Raises:
             ConfigError: no type given, one that is not a trainbus event class, an

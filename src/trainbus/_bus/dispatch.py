@@ -5,7 +5,9 @@ event types it takes and the observer to feed, sorted by tier (internal, core, u
 then by order of subscription. The per-type routes are cached in :attr:`RouteTable.cache`, a
 dict replaced on change (copy-on-write), so a dispatch in progress keeps a consistent view.
 A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a :class:`Sampled`
-gate.
+gate; the table keeps, per event type a publisher asks about, a :class:`Demand` (every event
+taken, or which sample is next), so the training loop builds no ``StepEnded`` that only
+sampled subscriptions would refuse.
 
 How an event travels::
 
@@ -52,6 +54,7 @@ __all__ = [
     "DEFAULT_BARRIERS",
     "Barrier",
     "BarrierStatus",
+    "Demand",
     "PublishQueue",
     "Root",
     "RouteTable",
@@ -80,29 +83,109 @@ class Root:
         self.order = order
 
 
+class Demand:
+    """What the subscriptions of one event type take: every event, a sample, or nothing.
+
+    Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
+    the table's lifetime); the publisher reads it from its own thread. A time-sampled event the
+    publisher is told to build moves the due time on by the shortest ``every_s`` at once, and
+    again from the event's stamp once built (:meth:`built`): however late the event loop
+    delivers, no other is built meanwhile, and the next is not built short of the gate.
+
+    Attributes:
+        each: Some subscription takes every event of the type.
+        sampled: None takes every event, but a sampled one takes some: ask :meth:`takes`.
+    """
+
+    __slots__ = ("_at", "_every_s", "_periods", "_timed", "each", "sampled")
+
+    def __init__(self) -> None:
+        self.each = False
+        self.sampled = False
+        self._at = math.inf
+        self._every_s = math.inf
+        self._periods: tuple[int, ...] = ()
+        self._timed = False  # the last yes was a time gate's: built() moves its due time
+
+    def takes(self, step: int, now: float) -> bool:
+        """True when some subscription takes the event of ``step`` stamped ``now`` (a
+        ``time.monotonic()`` value)."""
+        if self.each:
+            return True
+        if now >= self._at:
+            self._at = now + self._every_s
+            self._timed = True
+            return True
+        for n in self._periods:
+            if step % n == 0:
+                return True
+        return False
+
+    def built(self, at: float) -> None:
+        """The event :meth:`takes` said yes to is stamped ``at``: a time gate measures the
+        next one from there."""
+        if self._timed:
+            self._timed = False
+            self._at = at + self._every_s
+
+    def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
+        """Set the demand from the type's roots: ``each`` (some root takes every event) and
+        the gates of its sampled roots. ``passed``: a gate passed an event; the due time then
+        only moves on (the publisher may have built newer events than the one delivered)."""
+        exact = min((g.next_at for g in gates), default=math.inf)
+        self._at = max(exact, self._at) if passed else exact
+        self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
+        self._periods = tuple(sorted({g.every_steps for g in gates if g.every_steps}))
+        self.sampled = not each and bool(gates)
+        self.each = each
+
+
 class Sampled(abc.ObserverBase[Any]):
     """The gate of a sampled root. With ``every_s``: passes an event whose ``time`` is at least
-    ``every_s`` after the last one it passed (the first always). With ``every_steps``: passes
-    the events whose ``step`` is a multiple of it."""
+    ``every_s`` after the last one it passed (the first always), then tells the table its next
+    due time; the first refusal after a pass tells it too, so the publisher builds again at the
+    exact due time. With ``every_steps``: passes the events whose ``step`` is a multiple of it.
 
-    __slots__ = ("_every_s", "_every_steps", "_next_at", "_observer")
+    Args:
+        observer: The subscription's observer.
+        every_s: The least time between two events passed, in seconds; or None.
+        every_steps: The step period; or None (exactly one of the two is given).
+        passed: Called after a time-sampled event passed (True) and after the first one
+            refused since (False).
+    """
+
+    __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
 
     def __init__(
-        self, observer: abc.ObserverBase[Any], every_s: float | None, every_steps: int | None
+        self,
+        observer: abc.ObserverBase[Any],
+        every_s: float | None,
+        every_steps: int | None,
+        passed: Callable[[bool], None],
     ) -> None:
         self._observer = observer
-        self._every_s = every_s
-        self._every_steps = every_steps
-        self._next_at = -math.inf
+        self._passed = passed
+        self._told = False  # the table was told of a refusal since the last pass
+        self.every_s = every_s
+        self.every_steps = every_steps
+        self.next_at = -math.inf if every_s is not None else math.inf
 
     def on_next(self, value: Any) -> None:
-        if self._every_steps is not None:
-            if value.step % self._every_steps == 0:
+        if self.every_steps is not None:
+            if value.step % self.every_steps == 0:
                 self._observer.on_next(value)
-        elif value.time >= self._next_at:
-            assert self._every_s is not None
-            self._next_at = value.time + self._every_s
-            self._observer.on_next(value)
+            return
+        assert self.every_s is not None
+        t = value.time
+        if t < self.next_at:
+            if not self._told:
+                self._told = True
+                self._passed(False)
+            return
+        self.next_at = t + self.every_s
+        self._told = False
+        self._passed(True)
+        self._observer.on_next(value)
 
     def on_error(self, error: Exception) -> None:
         self._observer.on_error(error)
@@ -112,7 +195,7 @@ class Sampled(abc.ObserverBase[Any]):
 
 
 class RouteTable:
-    """Roots by tier, and the per-type route cache."""
+    """Roots by tier, the per-type route cache, and the demand of each type asked about."""
 
     def __init__(self, doorbell: Doorbell | None = None) -> None:
         self._doorbell = doorbell or Doorbell()
@@ -122,6 +205,7 @@ class RouteTable:
         """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
         read it, never write it; a miss is answered by :meth:`resolve`."""
         self._tier: Tier = "user"  # of the roots registered now
+        self._demands: dict[type, Demand] = {}  # for the types a publisher asked about
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
@@ -129,6 +213,20 @@ class RouteTable:
         if routes is None:
             routes = self.resolve(event_type)
         return bool(routes)
+
+    def demand(self, event_type: type) -> Demand:
+        """The :class:`Demand` of ``event_type`` (the same object for the table's lifetime)."""
+        demand = self._demands.get(event_type)
+        if demand is None:
+            demand = self._demands[event_type] = Demand()
+            self._update_demands()
+        return demand
+
+    def _update_demands(self, passed: bool = False) -> None:
+        for event_type, demand in self._demands.items():
+            roots = [r.observer for r in self._roots if issubclass(event_type, r.types)]
+            gates = [o for o in roots if isinstance(o, Sampled)]
+            demand.update(len(gates) < len(roots), gates, passed=passed)
 
     def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
         """The observers ``event_type`` goes to, computed and cached."""
@@ -152,12 +250,13 @@ class RouteTable:
         self._seq += 1
         rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
-            observer = Sampled(observer, every_s, every_steps)
+            observer = Sampled(observer, every_s, every_steps, self._update_demands)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.order)
         self.cache = {}
-        self._doorbell.ring()  # after the change: the loop that hears it re-reads what it wants
+        self._update_demands()
+        self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
         return root
 
     def unregister(self, root: Root) -> None:
@@ -165,6 +264,7 @@ class RouteTable:
         if root in self._roots:
             self._roots.remove(root)
             self.cache = {}
+            self._update_demands()
             self._doorbell.ring()
 
     def observers(self) -> list[abc.ObserverBase[Any]]:

@@ -164,7 +164,7 @@ class Step:
             raise Cancelled
         # The wants change only after a ring, which ends the run: read once for all its steps.
         trace = w.trace
-        step_ended = w.step_ended
+        each_step_ended, sampled, demand = w.step_ended, w.step_ended_sampled, w.step_ended_demand
         # Every step's loss is kept: the log window's mean (and FitResult.train_metrics, for
         # any run length) is over all of them. A loss that goes on (in an event, to the log window)
         # is kept detached; one only the guard reads stays as it is: detach() costs ~1 µs, and
@@ -201,6 +201,10 @@ class Step:
             data_wait = 0.0
             stepped = False
             log_step = (step + 1) % log_every == 0
+            # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built
+            # only when one of them takes it; the port's demand answers, the sampling stays in
+            # the bus.
+            step_ended = each_step_ended or (sampled and demand.takes(step + 1, t0))
             hand_on = hand_on_each or step_ended
             bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
             ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
@@ -304,6 +308,8 @@ class Step:
                     grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
                     duration_s=monotonic() - t0,
                 )  # fmt: skip
+                if sampled:  # the sampled streams measure the next one from its stamp
+                    demand.built(ended.time)
                 pub(ended)
                 if ev.StepEnded in barriers:
                     barrier = ended

@@ -25,6 +25,11 @@ class Wants:
 
     Attributes (read on the hot path; written only by :meth:`refresh`):
         eval_batch_ended ... scheduler_stepped: ``port.wants`` of the event of that name.
+        step_ended: Some subscription takes every ``StepEnded``.
+        step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
+            one when ``step_ended_demand.takes(step, now)`` says one of them takes it, and
+            tells it the event's stamp (``built``).
+        step_ended_demand: The port's :class:`~trainbus._bus.dispatch.Demand` for ``StepEnded``.
         trace: The opt-in trace of the step's parts (``SpanTraced``), refreshed with the flags.
         rings: The doorbell's count the flags were read at (-1: never read).
 
@@ -43,11 +48,15 @@ class Wants:
         "rings",
         "scheduler_stepped",
         "step_ended",
+        "step_ended_demand",
+        "step_ended_sampled",
         "trace",
     )  # fmt: skip
 
     def __init__(self, port: LoopPort, state: TrainState, trace: frozenset[str]) -> None:
         self._port = port
+        self.step_ended_demand = port.demand(ev.StepEnded)
+        self.step_ended_sampled = False
         self.rings = -1
         self.trace = Tracer(port, state, trace)
         self.scheduler_stepped = self.step_ended = self.metrics_logged = False
@@ -68,7 +77,11 @@ class Wants:
         self.rings = rings
         wants = port.wants
         self.scheduler_stepped = wants(ev.SchedulerStepped)
-        self.step_ended = wants(ev.StepEnded)
+        # Sampled subscriptions only (stream(StepEnded, every_s= / every_steps=)): the step
+        # builds one when the demand says one of them takes it, not every step.
+        demand = self.step_ended_demand
+        self.step_ended = demand.each
+        self.step_ended_sampled = demand.sampled
         self.metrics_logged = wants(ev.MetricsLogged)
         self.eval_batch_ended = wants(ev.EvalBatchEnded)
         self.eval_batch_started = wants(ev.EvalBatchStarted)
