@@ -199,8 +199,7 @@ def test_exhaustive_match_rejects_a_foreign_object() -> None:
         describe(object())  # type: ignore[arg-type]
 
 
-def test_generated_init_keeps_dataclass_semantics() -> None:
-    """events.py swaps each event's __init__ for a faster generated one: same contract."""
+def test_events_are_frozen_keyword_only_dataclasses() -> None:
     import dataclasses
     import time as _time
 
@@ -209,7 +208,7 @@ def test_generated_init_keeps_dataclass_semantics() -> None:
                      duration_s=0.01)  # fmt: skip
     assert (e.step, e.epoch, e.loss, e.samples, e.data_wait_s) == (3, 1, 0.5, 32, 0.0)
     assert before <= e.time <= _time.monotonic()  # default factory ran
-    assert e == dataclasses.replace(e)  # replace() goes through the same __init__
+    assert e == dataclasses.replace(e)
     with pytest.raises(dataclasses.FrozenInstanceError):
         e.step = 4  # type: ignore[misc]
     with pytest.raises(TypeError, match="positional"):

@@ -24,7 +24,6 @@ LEAF = {
     "_exceptions",
     "_validate",
     "_log",
-    "_fastinit",
     "_tensors",
     "_loaders",
     "_hookpoints",
@@ -80,7 +79,6 @@ HALL_INTERNALS = {
     "_exceptions",
     "_validate",
     "_log",
-    "_fastinit",
     "_tensors",
     "_loaders",
     "_rundirs",
@@ -236,10 +234,9 @@ def test_the_checker_catches_a_forbidden_edge(
 
 # Inside the bus, each module imports only modules earlier in this order: no cycle can form.
 BUS_ORDER = [
-    "doorbell",
     "scheduler",
-    "watchdog",
     "commands",
+    "watchdog",
     "subscriptions",
     "dispatch",
     "lifecycle",

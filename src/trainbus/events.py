@@ -32,7 +32,6 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
 
 from ._exceptions import RecordedError as RecordedError
-from ._fastinit import install_fast_init
 
 if TYPE_CHECKING:
     import torch
@@ -650,11 +649,6 @@ Event: TypeAlias = (
 
 EVENT_TYPES: tuple[type[BaseEvent], ...] = Event.__args__
 """Every concrete event class, in vocabulary order."""
-
-
-_ALL: tuple[type[BaseEvent], ...] = (BaseEvent, *EVENT_TYPES)
-for _cls in _ALL:
-    install_fast_init(_cls)
 
 SPANS: Mapping[type[BaseEvent], type[BaseEvent]] = MappingProxyType(
     {

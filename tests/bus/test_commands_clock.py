@@ -25,8 +25,7 @@ from trainbus import ConfigError, EventBus, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus._bus.commands import At, Every, StepClock
-from trainbus._bus.doorbell import Doorbell
+from trainbus._bus.commands import At, Doorbell, Every, StepClock
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 

@@ -1,36 +1,15 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face: a thin facade over parts that each own their state
-(docs/bus.md lists them with what each owns). The training loop, the session and the
-distributed code hold the other face, the :class:`LoopPort` (``bus.port()``), as trio hands out
-a send end and a receive end.
+:class:`EventBus` is the users' face, a facade over parts that each own their state (docs/bus.md
+lists them). The training loop, the trainer's session and the distributed code hold the other
+face, the :class:`LoopPort` (``bus.port()``), as trio hands out a send end and a receive end.
 
-The parts live in one module per concept, each importing only the ones before it (the order
-``tests/test_layers.py`` pins, so no cycle can form): ``doorbell`` (the one signal that the
-loop must look), ``scheduler`` (the Rx scheduler on anyio, background tasks), ``watchdog`` (the
-watchdog and the failure ledger), ``commands`` (the step clock and decision steps, the command
-channel), ``subscriptions`` (sync and async subscriptions, their set, ranks, chains,
-back-pressure, statistics), ``dispatch`` (the route table, the publish queue, barriers) and
-``lifecycle`` (open, suspend, close, the poller). This package imports them all; none imports
-torch or the loop.
-
-**The loop's face.** Users hold the bus (``events``, ``stream``, ``subscribe*``, ``commands``,
-``send``, ``request``, ``statistics``). The training loop, the trainer's session and the
-distributed code hold a :class:`LoopPort`, obtained once from its bus: they publish, ask the
-demand before building an event, poll commands at their poll points, wait at barriers and read
-the decision steps. A user never needs these names; a loop implementer needs nothing else.
-
-**One signal for "the loop must look".** :attr:`LoopPort.doorbell` rings after every change the
-loop must act on: a subscription came or went (the demand changed), a decision steps was
-declared or removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer
-went over capacity, a cancel was requested. The loop compares :attr:`Doorbell.rings` with the
-count it last acted on (one attribute read) and only then re-reads the real state; a ring
-carries no data.
-
-**Sampling as a demand.** :meth:`LoopPort.demand` answers, for one event type, whether some
-subscription takes every event (:attr:`Demand.each`) or only samples (:attr:`Demand.sampled`;
-then :meth:`Demand.takes` says whether the event of a step, stamped now, is taken). How the
-sampling is done (``every_s``, ``every_steps``) stays in the route table.
+One module per concept, each importing only those before it (the order ``tests/test_layers.py``
+pins): ``scheduler`` (the Rx scheduler on anyio, background tasks), ``commands`` (the doorbell,
+decision steps, the command channel), ``watchdog`` (the watchdog, the failure ledger),
+``subscriptions`` (subscriptions, ranks, chains, back-pressure, statistics), ``dispatch`` (the
+route table, the publish queue, barriers) and ``lifecycle`` (open, suspend, close, the poller).
+None imports torch or the loop.
 """
 
 from __future__ import annotations
@@ -46,7 +25,6 @@ from reactivex.disposable import Disposable
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._log import get_logger
 from .._validate import (
     check_int,
     check_number,
@@ -61,21 +39,18 @@ from .commands import (
     CommandError,
     DecisionStamp,
     DecisionSteps,
+    Doorbell,
     Every,
     StepClock,
 )
 from .dispatch import (
     DEFAULT_BARRIERS,
     Barrier,
-    BarrierStatus,
-    Demand,
     PublishQueue,
     RouteTable,
     Tier,
-    TierContext,
     check_barriers,
 )
-from .doorbell import Doorbell
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .scheduler import AnyioScheduler, ChainScheduler
 from .subscriptions import (
@@ -89,7 +64,6 @@ from .subscriptions import (
     Overflow,
     RankFilter,
     Ranks,
-    Spent,
     Subscription,
     SubscriptionSet,
     env_rank,
@@ -114,20 +88,27 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
     return unknown_keyword_message("EventBus", name, options, hint)
 
 
-log = get_logger(__name__)
-
-
 class LoopPort:
-    """The loop's end of one bus (see the module docstring); built by the bus, never by hand.
+    """The loop's end of one bus, built by the bus (``bus.port()``). Each name is the owning
+    part's own method or state, bound once; a user never needs these, a loop needs nothing else.
 
     Attributes:
-        publish: Queue an event for delivery (:meth:`PublishQueue.publish`): a type check and a
-            deque append, safe from any thread. The queue's own method, bound once, so a call
-            costs no extra frame.
-        wants: True when some subscription would receive events of the given type
-            (:meth:`RouteTable.wants`); ask before building an event. Bound once as well.
-        doorbell: Rung whenever the loop must look at the bus: the one signal (see the module
-            docstring). Read ``doorbell.rings``; ``doorbell.ring()`` from a cancel.
+        publish: Queue an event (:meth:`PublishQueue.publish`; safe from any thread).
+        wants: True when some subscription would receive events of a type: ask before building
+            one.
+        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type: whether some
+            subscription takes every event, or only samples (then ask ``takes(step, now)``).
+        doorbell: Rung after every change the loop must act on (:class:`Doorbell`): the loop
+            re-reads the state below only when ``doorbell.rings`` grew.
+        declare: Declare decision steps until the returned disposable is disposed.
+        next_decision: The first declared decision step after a step (None: none).
+        statistics: The bus' counters now.
+        has_commands, poll_commands, withdraw: The command channel's (never block).
+        wait_for_room: Block the training thread while a ``"block"`` buffer is over capacity
+            (:meth:`Backpressure.wait_for_room`); returns the seconds waited.
+        wait_barrier: The loop's barrier, on the event-loop thread (:meth:`Barrier.wait_barrier`).
+        request_cancel_pending: Ask a waiting call's end or close to cancel pending async work
+            (safe from a signal handler).
     """
 
     def __init__(
@@ -144,102 +125,39 @@ class LoopPort:
         lifecycle: Lifecycle,
         chains: Chains,
     ) -> None:
-        self.publish: Callable[[ev.BaseEvent], None] = queue.publish
-        self.wants: Callable[[type[ev.BaseEvent]], bool] = routes.wants
+        self.publish = queue.publish
+        self.wants = routes.wants
+        self.demand = routes.demand
         self.doorbell = doorbell
-        self._routes = routes
+        self.declare = chains.declare
+        self.next_decision = clock.next_decision
+        self.statistics = lifecycle.statistics
+        self.has_commands = channel.has_commands
+        self.poll_commands = channel.poll_commands
+        self.withdraw = channel.withdraw
+        self.wait_for_room = pressure.wait_for_room
+        self.wait_barrier = barrier.wait_barrier
+        self.request_cancel_pending = lifecycle.request_cancel_pending
         self._clock = clock
-        self._channel = channel
         self._ledger = ledger
         self._pressure = pressure
-        self._barrier = barrier
-        self._lifecycle = lifecycle
-        self._chains = chains
-
-    # ================================================================== demand
-    def demand(self, event_type: type[ev.BaseEvent]) -> Demand:
-        """What the subscriptions of ``event_type`` take (see :class:`Demand`): the same
-        object for the bus' lifetime, kept up to date on the event-loop thread. Re-read its
-        flags when the doorbell rang; ask :meth:`Demand.takes` per event while it is
-        ``sampled``."""
-        return self._routes.demand(event_type)
-
-    # ================================================================== decision steps
-    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
-        """Declare decision steps to the step clock until the result is disposed."""
-        return self._chains.declare(decision_steps)
 
     @property
     def decision_steps(self) -> tuple[DecisionSteps, ...]:
         """Every declaration of decision steps (what ranks agree on at a run's start)."""
         return self._clock.decision_steps
 
-    def statistics(self) -> BusStatistics:
-        """The bus' counters now (the loop's result at its end; the Trainer replaces them
-        once the bus delivered the run's events)."""
-        return self._lifecycle.statistics()
-
-    def next_decision(self, after_step: int) -> int | None:
-        """The first declared decision step after ``after_step`` (None: none declared)."""
-        return self._clock.next_decision(after_step)
-
-    # ================================================================== poll points
     @property
     def failure(self) -> Exception | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any (the loop
-        raises it at its next poll point)."""
+        """The first failure of an ``on_error="raise"`` subscription (raised at the next poll
+        point)."""
         return self._ledger.fatal
 
     @property
     def held(self) -> bool:
-        """True while an ``overflow="block"`` subscription's buffer is over capacity: call
-        :meth:`wait_for_room` at the next poll point (one attribute read)."""
+        """True while an ``overflow="block"`` buffer is over capacity: call
+        :meth:`wait_for_room` at the next poll point."""
         return self._pressure.active
-
-    def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the calling thread (the loop's, at a poll point) while a ``"block"`` buffer
-        is over capacity; return early when the doorbell rings or ``stop()`` is true (see
-        :meth:`Backpressure.wait_for_room`). Never on the event-loop thread.
-
-        Returns:
-            Seconds waited.
-        """
-        return self._pressure.wait_for_room(stop)
-
-    def has_commands(self) -> bool:
-        """True when a command waits on the back-channel (never blocks)."""
-        return self._channel.has_commands()
-
-    def poll_commands(self) -> list[cmd.Command]:
-        """Take every command waiting on the back-channel, oldest first (never blocks)."""
-        return self._channel.poll_commands()
-
-    def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands that ``match`` accepts, before any loop applies them
-        (between two trainer calls: a signal's ``StopTraining`` that arrived after the last
-        poll must not stop the next call).
-
-        Returns:
-            How many commands were removed.
-        """
-        return self._channel.withdraw(match)
-
-    async def wait_barrier(
-        self, timeout: float, event: ev.BaseEvent | None, resume: bool
-    ) -> BarrierStatus:
-        """The loop's barrier, on the event-loop thread (see :meth:`Barrier.wait_barrier`).
-
-        Returns:
-            ``"done"``, ``"timeout"``, or ``"request"`` (apply it, then call again with
-            ``resume=True``).
-        """
-        return await self._barrier.wait_barrier(timeout, event, resume)
-
-    def request_cancel_pending(self) -> None:
-        """Ask a call's end or a close that waits for async subscribers to cancel their
-        pending work within about 0.1 s (see :meth:`Lifecycle.request_cancel_pending`). Safe
-        from any thread and from a signal handler (it sets a flag)."""
-        self._lifecycle.request_cancel_pending()
 
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
@@ -249,56 +167,41 @@ class EventBus:
     """The reactive bus between the training loop and its subscribers.
 
     Args:
-        flush_interval: Seconds between two dispatches of the queue (the bound on delivery lag
-            when the loop thread gets the GIL on time). Default 0.02, measured best here.
-        max_queue: Published events that may wait undelivered before ``publish`` makes its
-            thread wait for the dispatcher; bounds memory when a ``"block"`` subscriber stalls.
+        flush_interval: Seconds between two dispatches of the queue (the bound on delivery lag).
+        max_queue: Undelivered events past which ``publish`` makes its thread wait for the
+            dispatcher (bounds memory when a subscriber stalls the event loop).
         close_timeout: Seconds closing (and a trainer call's end) waits for async subscribers
-            to finish their buffers before cancelling them (what was cancelled is counted,
-            logged and reported as lost work). Default :data:`DEFAULT_CLOSE_TIMEOUT` (300 s):
-            long enough for a real upload, short enough that a hung one cannot hold a job's
-            machines for hours. While it waits, a ``bus_close_waiting`` warning names what is
-            pending after 1 s and again every 30 s (every tenth of a shorter
-            ``close_timeout``); :meth:`cancel_pending` ends the wait. None: wait as long as
-            they take (still warning every 30 s).
+            to finish before cancelling them (counted and reported as lost work); a
+            ``bus_close_waiting`` warning names what is pending meanwhile. None: no limit.
         on_error: Default error policy of subscriptions made without one.
-        rx_scheduler: The Rx scheduler handed to every subscription for time-based operators
-            (not the Trainer's ``scheduler``, which is the learning-rate scheduler). Default: a
-            new :class:`~trainbus.bus.AnyioScheduler` on the bus' loop. Tests pass a virtual-time
-            scheduler (``trainbus.testing.VirtualTimeScheduler``).
-        rank: This process' rank under torchrun (default: the ``RANK`` variable, else 0).
-            Subscriptions run on rank 0 unless made with ``ranks=`` (docs/distributed.md).
-        watchdog_s: Seconds one call of a sync subscriber may block the event-loop thread
-            before a warning names it, with the loop thread's stack, while it still blocks
-            (default 5; counted in its ``statistics()`` as ``stalls`` and ``blocked_s``).
-            None: no watchdog thread. See docs/reliability.md.
+        rx_scheduler: The Rx scheduler of every subscription's time-based operators (not the
+            Trainer's learning-rate ``scheduler``). Default: an
+            :class:`~trainbus.bus.AnyioScheduler` on the bus' loop; tests pass
+            ``trainbus.testing.VirtualTimeScheduler``.
+        rank: This process' rank under torchrun (default: ``RANK``, else 0). Subscriptions run
+            on rank 0 unless made with ``ranks=`` (docs/distributed.md).
+        watchdog_s: Seconds a sync subscriber's call may block the event-loop thread before a
+            warning names it, with the loop thread's stack (docs/reliability.md). None: no
+            watchdog thread.
         barriers: Event types at which a training loop waits for the deciders among their
-            async subscribers before going on (:data:`~trainbus._bus.dispatch.BARRIER_TYPES`
-            are allowed: ``StepEnded``, ``MetricsLogged``, ``EvaluationEnded``,
-            ``EpochEnded``). Default ``(EvaluationEnded, EpochEnded)``; docs/bus.md,
-            "Barriers".
+            async subscribers (``StepEnded``, ``MetricsLogged``, ``EvaluationEnded``,
+            ``EpochEnded``; docs/bus.md, "Barriers").
         barrier_timeout: Seconds a training loop waits at one barrier (inf: no deadline).
-        on_lost: What lost work does to a trainer's run (items dropped by an overflow
-            policy, cancelled at close, or failed; ``FitResult.lost_work``): ``"warn"`` (default)
-            logs ``bus_closed_with_lost_work`` naming them; ``"raise"`` also raises
-            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered
-            (``trainer.result`` holds the result).
+        on_lost: What lost work (``FitResult.lost_work``) does to a trainer's run: ``"warn"``
+            logs ``bus_closed_with_lost_work``; ``"raise"`` also raises
+            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered.
 
     Raises:
         ConfigError: for an argument out of range.
 
-    Use it as an async context manager: ``async with EventBus() as bus: ...``; leaving it
-    closes the bus for good. A bus a trainer call ran for itself is suspended at the call's
-    end (:meth:`suspend`) and opened again by the next call.
+    ``async with EventBus() as bus: ...`` runs it; leaving closes it for good. A bus a trainer
+    call ran for itself is suspended at the call's end (:meth:`suspend`).
     """
 
     publish: Callable[[ev.BaseEvent], None]
-    """Queue an event for delivery (:meth:`PublishQueue.publish`): a type check and a deque
-    append, safe from any thread (a callback publishing its own events uses it). Bound at
-    construction, so a call costs no extra frame."""
+    """Queue an event for delivery (:meth:`PublishQueue.publish`); safe from any thread."""
     wants: Callable[[type[ev.BaseEvent]], bool]
-    """True when some subscription would receive events of the given type
-    (:meth:`RouteTable.wants`): ask before building an event nobody may want."""
+    """True when some subscription would receive events of the given type."""
 
     def __getattr__(self, name: str) -> Any:
         """An attribute of an earlier version (``decides``, ``scheduler``, ...): an
@@ -347,7 +250,6 @@ class EventBus:
         self.close_timeout = None if close_timeout is None else float(close_timeout)
         self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
         self.barriers: frozenset[type[ev.BaseEvent]] = check_barriers(barriers)
-        """The event types a training loop waits at (``barriers=``)."""
         if not (isinstance(barrier_timeout, int | float) and not isinstance(barrier_timeout, bool)
                 and barrier_timeout > 0):  # NaN compares False; inf: no deadline  # fmt: skip
             raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
@@ -358,30 +260,25 @@ class EventBus:
         watchdog = Watchdog(self.watchdog_s)
         self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
 
-        bell = Doorbell()  # rung whenever the training loop must look (the port's doorbell)
+        bell = Doorbell()
         clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
         self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
         if rx_scheduler is None:
-            rx_scheduler = own = AnyioScheduler(ledger.scheduler_failed)
+            rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
-        # What chains get: timers on self.rx_scheduler, "now" work inline (see ChainScheduler).
-        self._chain_scheduler = ChainScheduler(self.rx_scheduler)
         self._routes = routes = RouteTable(bell)
-        # What the loop thread is done with, freed by the next publish (see Spent).
-        spent = Spent()
-        self._subs = subs = SubscriptionSet(ledger, spent, bell, stamp, watchdog)
-        # What every chain subscribes through (the guard, its decision steps' declaration).
-        self._chains = chains = Chains(subs, self._ranks, ledger, clock, self._chain_scheduler)
+        self._subs = subs = SubscriptionSet(ledger, bell, stamp, watchdog)
+        chain_scheduler = ChainScheduler(rx_scheduler)
+        self._chains = chains = Chains(subs, self._ranks, ledger, clock, chain_scheduler)
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
             routes=routes,
             ledger=ledger,
             stamp=stamp,
-            spent=spent,
         )
         self._barrier = barrier = Barrier(queue, subs, channel)
         self._lifecycle = lifecycle = Lifecycle(
@@ -395,7 +292,6 @@ class EventBus:
             close_timeout=self.close_timeout,
             watchdog=watchdog,
         )
-        # The hot paths, bound once: bus.publish / bus.wants cost what the part's method costs.
         self.publish = queue.publish
         self.wants = routes.wants
         self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
@@ -408,16 +304,13 @@ class EventBus:
 
     # ================================================================== state
     def port(self) -> LoopPort:
-        """The loop's face of this bus (:class:`~trainbus._bus.LoopPort`): publish, the
-        demand, the doorbell, commands, barriers, decision steps. For loop implementers (the
-        training loop, the session, the distributed link), who obtain it once; a user never
-        needs it. The same object for the bus' lifetime."""
+        """The loop's face of this bus (:class:`~trainbus._bus.LoopPort`), for loop
+        implementers; the same object for the bus' lifetime."""
         return self._port
 
     @property
     def rank(self) -> int:
-        """This process' rank (0 on a single process): subscriptions run on rank 0 unless
-        made with ``ranks=``."""
+        """This process' rank (0 on a single process)."""
         return self._ranks.rank
 
     def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
@@ -431,8 +324,8 @@ class EventBus:
 
     @property
     def state(self) -> str:
-        """``"new"``, ``"running"``, ``"suspended"`` (between two trainer calls that ran it
-        for themselves), ``"closing"`` or ``"closed"``."""
+        """``"new"``, ``"running"``, ``"suspended"`` (between two trainer calls), ``"closing"``
+        or ``"closed"``."""
         return self._lifecycle.state
 
     @property
@@ -449,8 +342,7 @@ class EventBus:
     @property
     def events(self) -> BusObservable[ev.BaseEvent]:
         """Every event, as a hot Observable whose subscribers run on the event-loop thread."""
-        # Made at each call, not kept: a stream refers to its bus, so a kept one would be a
-        # reference cycle (a dropped bus then waits for a garbage-collector pass).
+        # Made at each call: a kept stream would be a reference cycle with its bus.
         return self._make_stream((ev.BaseEvent,))
 
     @overload
@@ -476,18 +368,17 @@ class EventBus:
         every_steps: int | None = None,
     ) -> BusObservable[Any]:
         """Events of the given types (subclasses included), as a typed hot Observable.
-
-        Subscribing registers demand, so :meth:`wants` turns true for those types.
+        Subscribing makes :meth:`wants` true for those types.
 
         Args:
             event_types: The event classes to receive.
             every_s: Sample: each subscription takes the first event, then none stamped less
                 than ``every_s`` seconds after the last one it took (``throttle_first`` on
                 the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
-                loop sees it: while only sampled subscriptions want ``StepEnded``, the loop
-                builds one when one is due, not every step.
+                loop sees it: while only sampled subscriptions want ``StepEnded``, it builds
+                one only when one is due.
             every_steps: Sample by step: only the events whose ``step`` is a multiple of
-                ``every_steps`` (the ``logging_steps`` of other trainers). The loop builds
+                ``every_steps`` (the ``logging_steps`` of other trainers); the loop builds
                 ``StepEnded`` only at those steps while no subscription takes every one.
 
         Raises:
@@ -539,12 +430,9 @@ class EventBus:
     ) -> Subscription:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
-        Works with any Observable built from bus streams (``reactivex.merge(...)`` included):
-        the bus' Rx scheduler is handed to its time-based operators.
-
         Args:
-            observable: A bus stream, possibly piped through operators, or any Observable
-                built from bus streams.
+            observable: A bus stream, possibly piped, or any Observable built from bus streams
+                (``reactivex.merge(...)``); its time-based operators get the bus' Rx scheduler.
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
             on_error: The error policy: what a failure of ``on_next`` does (``"log"``,
                 ``"stop"``, ``"raise"``; default: the bus').
@@ -582,29 +470,22 @@ class EventBus:
             observable: A bus stream, possibly piped through operators.
             fn: An ``async def`` function of one item (or a ``functools.partial`` of one, or
                 an object whose ``__call__`` is ``async def``); a plain function is refused
-                here (use :meth:`subscribe`), not found failing on every item.
+                (use :meth:`subscribe`).
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
-            overflow: What a full buffer does. ``"drop_oldest"`` (default) drops the oldest
-                waiting item, ``"latest"`` keeps only the newest waiting item: a slow ``fn``
-                never holds training back, and every drop is counted as lost work
-                (``FitResult.lost_work``). ``"block"`` never drops: the training loop waits at its
-                next poll point until the buffer has room, so it CAN slow training to ``fn``'s
-                pace (a ``training_waits_for_subscriber`` warning names it the first time,
-                ``FitResult.waited_s`` counts the seconds). Delivery to other subscribers
-                never waits for this one, whatever the policy.
+            overflow: What a full buffer does: ``"drop_oldest"`` (default) drops the oldest
+                waiting item, ``"latest"`` keeps only the newest (drops are counted as lost
+                work); ``"block"`` never drops: the training loop waits at its next poll point
+                until the buffer has room (said once, counted in ``FitResult.waited_s``).
+                Delivery to other subscribers never waits for this one.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
-            decides: True when ``fn`` sends commands that must land on the step they were
-                decided for: at every barrier that delivers it an item (a barrier event such
-                as ``EvaluationEnded``, a decision step, the run's last barrier) the loop waits
-                for ``fn`` to finish what it received (within ``barrier_timeout``; a warning
-                names it once it has held training for about half a second), and the
-                pipeline's decision steps (``tbops.every(n)``, ``once(at=)``) are declared to the
-                step clock. False (default): ``fn`` never makes training wait at a barrier,
-                whatever events it receives (a poster of the metrics, an uploader, a logger);
-                its commands, if any, land at the next poll point. See docs/bus.md,
-                "Barriers".
+            decides: True when ``fn``'s commands must land on the step they were decided for:
+                at every barrier that delivers it an item the loop waits for ``fn`` to finish
+                it (within ``barrier_timeout``), and the pipeline's decision steps
+                (``tbops.every(n)``, ``once(at=)``) are declared. False (default): it never
+                makes training wait; its commands land at the next poll point (docs/bus.md,
+                "Barriers").
             ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
@@ -632,8 +513,8 @@ class EventBus:
             fn,
             wrapped.subscribe_raw,
             concurrency=concurrency,
-            buffer=buffer,
-            overflow=overflow,
+            buffer=size,
+            overflow=policy,
             policy=on_error,
             name=name,
             decides=decides,
@@ -646,10 +527,9 @@ class EventBus:
     def declare_decision_steps(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
-        """Declare that some pipeline decides at these steps (one the bus cannot see, such as a
-        ``reactivex.merge`` of bus streams): at each, the loop delivers everything, waits for
-        the async subscribers of that step's ``StepEnded`` and applies their commands before
-        the next step.
+        """Declare that some pipeline the bus cannot see into (a ``reactivex.merge`` of bus
+        streams) decides at these steps: at each, the loop delivers everything, waits for the
+        deciders of that step's ``StepEnded`` and applies their commands before the next step.
 
         Args:
             every: Decide at every multiple of this step count.
@@ -671,10 +551,9 @@ class EventBus:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
         return self._chains.declare(tuple(steps_))
 
-    def tier(self, tier: Tier) -> TierContext:
-        """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier.
-
-        Every event reaches core subscribers first, then user ones, then global ones.
+    def tier(self, tier: Tier) -> AbstractContextManager[None]:
+        """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:
+        every event reaches core subscribers first, then user ones, then global ones.
 
         Raises:
             ConfigError: ``tier`` is not one of internal, core, user, global.
@@ -683,8 +562,7 @@ class EventBus:
 
     # ================================================================== delivery
     def flush(self) -> None:
-        """Deliver every queued event now, on the calling thread (see
-        :meth:`PublishQueue.flush`).
+        """Deliver every queued event now, on the calling thread.
 
         Raises:
             BusClosedError: called from another thread while the bus runs.
@@ -695,8 +573,11 @@ class EventBus:
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
     ) -> bool:
         """Deliver everything queued, then wait for the async subscriptions that received
-        something from ``event`` (or from anything) to finish it (see
-        :meth:`Barrier.wait_delivered`).
+        something from ``event`` (or from anything) to finish it.
+
+        Args:
+            timeout: Seconds to wait for the async subscribers (None: no limit).
+            event: An already published event.
 
         Returns:
             True when everything finished, False when the timeout expired first.
@@ -705,11 +586,9 @@ class EventBus:
 
     # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscriber's pending work now: items waiting in buffers and
-        calls running. They are counted as cancelled (lost work in ``FitResult.lost_work``), and
-        so is anything those subscriptions receive later. Meant for a close that waits too
-        long (what a first Ctrl-C during the close does). Call it on the event-loop thread
-        (``anyio.from_thread.run_sync(bus.cancel_pending)`` from another one).
+        """Cancel every async subscriber's pending work now (buffered items and running
+        calls), counted as lost work, and so is anything they receive later: for a close that
+        waits too long (what a first Ctrl-C during the close does). Event-loop thread only.
 
         Returns:
             Items pending per subscription when cancelled (only those that had any).
@@ -727,11 +606,11 @@ class EventBus:
         self._channel.send(command)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """Send ``command`` and wait until the loop applies it (see
-        :meth:`CommandChannel.request`).
+        """Send ``command`` and wait until the loop applies it.
 
         Returns:
-            The event the command produced, else its ``CommandApplied``.
+            The event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
+            ``EvaluationEnded`` for ``Evaluate``), else its ``CommandApplied``.
 
         Raises:
             ConfigError: ``command`` is not a trainbus command.
@@ -758,9 +637,7 @@ class EventBus:
         """Stop running until the next ``async with bus`` (or trainer call), streams open:
         deliver what was published, run the pending timers (time windows emit their partial
         batch), wait for the async subscribers within ``close_timeout`` (what is left is
-        cancelled, counted and logged), stop the task group. A trainer call that found the
-        bus not running suspends it when it ends; closing it (``async with bus`` exit,
-        ``Trainer.close()``) completes the streams.
+        cancelled and counted), stop the task group.
 
         Args:
             raise_fatal: Raise a ``"raise"`` subscription's failure (False while another

@@ -1,24 +1,20 @@
-"""Commands and decision steps: the step clock, and the command channel to the loop.
+"""What the loop acts on between steps: the doorbell, the decision steps, the command channel.
 
-The step clock: the steps at which subscriptions decide, and the step a command was decided at.
+The loop runs its steps without polling the bus: the parts ring the :class:`Doorbell` after
+each change the loop must act on (a subscription came or went, decision steps were declared or
+removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer went over
+capacity, a cancel was requested), and the loop, which compares ``doorbell.rings`` with the
+count it last acted on, then re-reads the real state. A ring carries no data.
 
-A **decision step** is a step at which some subscription declared it decides (``tbops.every(n)``
-and ``tbops.once(at=k)`` carry theirs;
-``bus.declare_decision_steps(...)`` declares some by hand). At a
-decision step the loop delivers everything published so far, waits for the async subscribers of
-that step's ``StepEnded``, and applies the commands they sent before the next step starts, so a
-decision lands at the same step on every run (docs/events.md, "When a command takes effect").
+A **decision step** is a step at which some subscription decides (``tbops.every(n)``,
+``tbops.once(at=k)``, ``bus.declare_decision_steps``): there the loop delivers everything,
+waits for the deciders and applies their commands before the next step (docs/events.md, "When
+a command takes effect"). :class:`StepClock` owns the declarations; :class:`DecisionStamp`
+knows the step being handled now, which ``bus.send`` stamps on a command as its ``decided_at``.
 
-:class:`StepClock` owns the declared decision steps; :class:`DecisionStamp` knows the step of the
-event being handled right now, which ``bus.send`` stamps on a command as its ``decided_at``.
-This module imports nothing else of the bus (it comes first in the bus' import order).
-
-The command channel: commands from subscribers to the loop, and their acknowledgements.
-
-Subscribers ``send`` commands (any thread, never blocks); the loop drains them at its poll
-points with ``poll_commands`` and acknowledges each with a ``CommandApplied`` event, which the
-channel's :class:`AckObserver` (an internal root of the bus) turns into the answer of a waiting
-``request``.
+Subscribers ``send`` commands (any thread, never blocks); the loop takes them at its poll
+points and acknowledges each with a ``CommandApplied``, which :class:`AckObserver` turns into
+the answer of a waiting ``request``.
 """
 
 from __future__ import annotations
@@ -40,7 +36,6 @@ from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError, TrainbusError
 from .._log import get_logger
 from .._validate import check_int
-from .doorbell import Doorbell
 
 __all__ = [
     "AckObserver",
@@ -49,11 +44,31 @@ __all__ = [
     "CommandError",
     "DecisionStamp",
     "DecisionSteps",
+    "Doorbell",
     "Every",
     "StepClock",
 ]
 
 log = get_logger(__name__)
+
+
+class Doorbell:
+    """A counter that only grows: :meth:`ring` after a change the training loop must see.
+
+    Attributes:
+        rings: How many times the bell rang (read by the loop between steps).
+    """
+
+    __slots__ = ("_lock", "rings")
+
+    def __init__(self) -> None:
+        self.rings = 0
+        self._lock = threading.Lock()
+
+    def ring(self) -> None:
+        """Add one to :attr:`rings`, from any thread (the lock loses no ring to a race)."""
+        with self._lock:
+            self.rings += 1
 
 
 # ================================================================== the step clock
@@ -160,9 +175,8 @@ class DecisionStamp:
         """Step of the event the dispatch slice is delivering (None outside a slice)."""
         self.event_id = 0
         """``id()`` of the event the dispatch slice is delivering or delivered last: an async
-        subscription notes it with each item, so a barrier knows who received its event even
-        after the poller dispatched it (an id, not the event: holding the event here would
-        free its tensors on the event-loop thread, see :class:`Spent`)."""
+        subscription notes it with each item, so a barrier knows who received its event (an
+        id: holding the event would keep it alive)."""
         self.loop_thread: int | None = None
         """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
 
@@ -210,12 +224,7 @@ class CommandChannel:
         self._polls_over = False
 
     def send(self, command: cmd.Command) -> None:
-        """Put ``command`` on the back-channel. Safe from any thread; never blocks.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-            BusClosedError: the bus has closed (its run is over): no loop would apply it.
-        """
+        """:meth:`EventBus.send`: put ``command`` on the back-channel (any thread)."""
         if not isinstance(command, cmd.COMMAND_TYPES):
             raise ConfigError.invalid(
                 "command", command, "an instance of a trainbus.commands class"
@@ -238,7 +247,7 @@ class CommandChannel:
         return command
 
     def has_commands(self) -> bool:
-        """True when a command waits on the back-channel (never blocks; the loop asks per step)."""
+        """True when a command waits on the back-channel (never blocks)."""
         return bool(self._commands)
 
     def poll_commands(self) -> list[cmd.Command]:
@@ -250,8 +259,8 @@ class CommandChannel:
         return out
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands ``match`` accepts (call only while no loop polls: between
-        two calls); returns how many were removed."""
+        """Remove the queued commands ``match`` accepts (between two calls, while no loop
+        polls); returns how many were removed."""
         kept = [c for c in self._commands if not match(c)]
         removed = len(self._commands) - len(kept)
         if removed:
@@ -265,17 +274,7 @@ class CommandChannel:
         return bool(self._requests) and bool(self._commands)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """Send ``command`` and wait until the loop applies it.
-
-        Returns:
-            The event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
-            ``EvaluationEnded`` for ``Evaluate``), else its ``CommandApplied``.
-
-        Raises:
-            ConfigError: ``command`` is not a trainbus command.
-            CommandError: the loop could not apply it (the cause is attached).
-            BusClosedError: the bus closed before the command was applied.
-        """
+        """:meth:`EventBus.request`: send ``command`` and wait until the loop applies it."""
         if self._closed:
             raise BusClosedError("the bus is closed: no loop will apply this command")
         if self._polls_over:
@@ -328,8 +327,7 @@ class CommandChannel:
         self._closed = True
 
     def seal(self) -> None:
-        """The bus has closed: :meth:`send` refuses commands from now on (while it closes,
-        a late command is still taken, and logged by :meth:`warn_unapplied`)."""
+        """The bus has closed: :meth:`send` refuses commands from now on."""
         self._sealed = True
 
     def release_waiters(self) -> None:
@@ -338,11 +336,10 @@ class CommandChannel:
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point (a call's end, or the close) and every
-        acknowledgement it published was delivered: drop (and log) the commands still queued,
-        wake every ``request()`` still waiting (it raises BusClosedError: nothing would ever
-        apply its command, and an async subscriber awaiting it would hold the end of the call
-        forever), and refuse new requests until :meth:`resume_polls`."""
+        """The loop made its last poll point (a call's end, or the close) and its
+        acknowledgements were delivered: drop the commands still queued, wake every waiting
+        ``request()`` (it raises BusClosedError) and refuse new ones until
+        :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
         self.release_waiters()
@@ -353,10 +350,8 @@ class CommandChannel:
 
     def drop_unapplied(self) -> None:
         """Log and drop the commands still queued at a call's end or the close (sent after the
-        loop's last poll point): they were decided on that call's events, so they never reach
-        the next call (a StopTraining sent on ``FitEnded`` must not end the next evaluate)."""
-        # A stop decided after the last poll asks for what already happened (the run ended):
-        # nothing is lost, so it is no warning; a save, an evaluation or an LR change is.
+        loop's last poll point, on that call's events)."""
+        # A stop after the last poll asks for what already happened: no warning.
         stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
         lost = [c for c in self._commands if c not in stops]
         if stops:

@@ -1,75 +1,30 @@
 """Dispatch: the route table, the publish queue, and the barriers.
 
-The routing table: which root observers each event type goes to, in tier order.
-
-A *root* is one subscription at the top of a chain (a ``bus.events`` / ``bus.stream(...)``
-subscription): the event types it takes and the observer to feed. Roots are kept sorted by tier
-(internal, core, user, global), then by order of subscription. The per-type answer is cached in
-:attr:`RouteTable.cache`, a dict that is replaced (copy-on-write), never mutated in place, so a
-dispatch in progress keeps a consistent view while a subscriber subscribes.
-
-A *sampled* root takes only some events, decided where the event is routed:
-``bus.stream(T, every_s=s)`` the first event, then none whose ``time`` is less than ``s``
-seconds after the last one it took (``throttle_first`` on the events' own clock);
-``bus.stream(T, every_steps=n)`` the events whose ``step`` is a multiple of ``n``. The table
-keeps, per event type asked about, a :class:`Demand`: whether some root takes every event,
-and otherwise which event a sampled one takes next. A publisher that builds events only for
-subscribers (the training loop) asks it (:meth:`Demand.takes`) and builds no event nobody
-will take; the sampling itself stays in here.
-
-The publish queue: a cheap hand-off on the publishing thread, one dispatch slice on the loop.
+A *root* is one subscription at the top of a chain (``bus.events``, ``bus.stream(...)``): the
+event types it takes and the observer to feed, sorted by tier (internal, core, user, global),
+then by order of subscription. The per-type routes are cached in :attr:`RouteTable.cache`, a
+dict replaced on change (copy-on-write), so a dispatch in progress keeps a consistent view.
+A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a :class:`Sampled`
+gate; the table keeps, per event type a publisher asks about, a :class:`Demand` (every event
+taken, or which sample is next), so the training loop builds no ``StepEnded`` that only
+sampled subscriptions would refuse.
 
 How an event travels::
 
-    training thread                      event-loop thread (anyio task group of the bus)
-    publish(e): queue.append(e) ──────►  poller: every flush_interval, if the queue is non-empty,
-                (nothing else)           take the n queued events and dispatch them in ONE slice:
-                                         for each event, for each matching root observer (core,
-                                         then user, then global tier), call on_next. No await
-                                         between events, ever: a full "block" async buffer
-                                         takes the item and pushes back on the training loop
-                                         (Backpressure), not on dispatch.
+    training thread                      event-loop thread (the bus' task group)
+    publish(e): queue.append(e) ──────►  poller: every flush_interval, dispatch the queued
+                (nothing else)           events in ONE slice (no await between events): for
+                                         each event, each matching root observer's on_next
 
-Why batching: every wake-up of the loop thread costs a tiny-model training thread 55-240 µs of
-wall time (the two threads hand the GIL over), about a whole 100 µs step. A poller that wakes at
-most once per interval costs that once per ~20 ms instead of once per event (DESIGN.md).
+Batching matters: each wake-up of the loop thread costs the training thread a GIL hand-over
+(DESIGN.md). After a few empty intervals the poller parks and the next ``publish`` wakes it
+(one flag read on the hot path). Past ``max_queue`` undelivered events a publishing thread
+waits for the dispatcher, so a stalled event loop bounds memory instead of losing events.
 
-Idle poller: after a few intervals with nothing published the poller parks (no more timed
-wake-ups, so a run with no subscriber, or only subscribers of rare events, pays no GIL hand-over
-for it) and the next ``publish`` wakes it once: a flag read on the hot path, and a non-blocking
-call into the event loop only on the first event after a quiet spell. The flag is raised before
-the poller's last look at the queue, so an event appended in between is never stranded; a
-backstop timeout bounds the park anyway.
-
-Where events are freed: not on the loop thread. A dispatched event goes to :class:`Spent`, and
-the next ``publish`` frees it on the publishing thread, because freeing a tensor releases the GIL
-(see :class:`Spent`).
-
-Back-pressure: past ``max_queue`` undelivered events the publishing thread waits (a
-``threading.Event`` the dispatcher sets after each drain), so a dispatcher that cannot keep up
-(a slow sync subscriber holds the event-loop thread) bounds memory instead of losing events.
-
-Barriers: deliver now, then wait for the deciders among the async subscribers of one event.
-
-The loop calls :meth:`Barrier.wait_barrier` at barrier events (``EvaluationEnded``,
-``EpochEnded`` by default, or ``EventBus(barriers=...)``), at the decision steps of the step
-clock (their ``StepEnded``) and once after the last step (no event), so that a decision made
-there is applied before the next step. A ``request()`` arriving meanwhile interrupts the wait,
-so the loop can apply it first.
-
-Who is waited for (docs/bus.md, "Barriers", is the one account of it): every sync subscriber of
-what was queued runs during the delivery, as always; of the async subscriptions, only those made
-with ``decides=True`` (a ``Callback``'s ``SubscribeOptions(decides=True)``) that received the
-event, or an event derived from it in the same dispatch (at the last barrier: anything delivered
-then), and only until they finished what they had received by then. Any other async subscription (a
-poster of the metrics, an uploader, a logger) is never waited for, whatever events it receives: its
-backlog stays its own (the bus' close waits for it, within ``close_timeout``). Delivery itself
-never waits (a full ``"block"`` buffer pushes back on the training loop instead, see
-:class:`Backpressure`).
-The seconds the loop waits are added to each waited-for subscription's ``waited_s``; once a
-subscription has held training for ``_ANNOUNCE_AFTER`` seconds (in one wait or in all), a
-``training_waits_for_subscriber`` warning names it (:func:`~.pressure.announce_wait`, as for a
-full ``"block"`` buffer), during the wait that crosses it.
+At a barrier (a barrier event, a decision step, the run's last step) the loop delivers
+everything, then waits for the deciders (``decides=True``) among the async subscriptions that
+received the event, or an event derived from it (docs/bus.md, "Barriers"); a ``request()``
+interrupts the wait so the loop can apply it first. No other async subscription is waited for.
 """
 
 from __future__ import annotations
@@ -78,7 +33,8 @@ import asyncio
 import math
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Literal
 
 import anyio
@@ -88,10 +44,9 @@ from reactivex import abc
 from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
-from .commands import CommandChannel, DecisionStamp
-from .doorbell import Doorbell
+from .commands import CommandChannel, DecisionStamp, Doorbell
 from .scheduler import TaskSet
-from .subscriptions import AsyncSubscription, Spent, SubscriptionSet, announce_wait
+from .subscriptions import AsyncSubscription, SubscriptionSet, announce_wait
 from .watchdog import FailureLedger
 
 __all__ = [
@@ -105,7 +60,6 @@ __all__ = [
     "RouteTable",
     "Sampled",
     "Tier",
-    "TierContext",
     "check_barriers",
 ]
 
@@ -133,17 +87,14 @@ class Demand:
     """What the subscriptions of one event type take: every event, a sample, or nothing.
 
     Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
-    the table's lifetime); the publisher reads it from its own thread and never sees how the
-    sampling is done. A time-sampled event the publisher is told to build moves the due time
-    on by the shortest ``every_s`` at once, on the publisher's thread, and again from the
-    event's stamp once it is built (:meth:`built`), the time the gates measure from: however
-    late the event loop delivers it (when the gates set the exact due times), no other is
-    built meanwhile, and the next one built is not refused for being stamped short of it.
+    the table's lifetime); the publisher reads it from its own thread. A time-sampled event the
+    publisher is told to build moves the due time on by the shortest ``every_s`` at once, and
+    again from the event's stamp once built (:meth:`built`): however late the event loop
+    delivers, no other is built meanwhile, and the next is not built short of the gate.
 
     Attributes:
         each: Some subscription takes every event of the type.
-        sampled: No subscription takes every event, but a sampled one (``every_s`` /
-            ``every_steps``) takes some: ask :meth:`takes` for each event.
+        sampled: None takes every event, but a sampled one takes some: ask :meth:`takes`.
     """
 
     __slots__ = ("_at", "_every_s", "_periods", "_timed", "each", "sampled")
@@ -158,45 +109,29 @@ class Demand:
 
     def takes(self, step: int, now: float) -> bool:
         """True when some subscription takes the event of ``step`` stamped ``now`` (a
-        ``time.monotonic()`` value). One call, asked only while :attr:`sampled`: a time-sampled
-        subscription whose next event is due by ``now``, or a step-sampled one whose
-        ``every_steps`` divides ``step``."""
+        ``time.monotonic()`` value)."""
         if self.each:
             return True
         if now >= self._at:
-            # A gate takes it: none is due before every_s from now. (A delivery's exact due
-            # time racing this write costs at most one event more, or one a little later.)
             self._at = now + self._every_s
             self._timed = True
             return True
-        for n in self._periods:  # a loop, not any() over a generator: asked once a step
+        for n in self._periods:
             if step % n == 0:
                 return True
         return False
 
     def built(self, at: float) -> None:
-        """The event :meth:`takes` said yes to is stamped ``at`` (its ``time``, at the step's
-        end): a time gate measures the next one from there, so the next is due ``every_s``
-        after it. Until a delivery sets the exact due time (a held event loop delivers late),
-        the next event is then built where the gate passes it, not short of it, refused, and
-        its sample left to the interval after."""
+        """The event :meth:`takes` said yes to is stamped ``at``: a time gate measures the
+        next one from there."""
         if self._timed:
             self._timed = False
             self._at = at + self._every_s
 
     def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
         """Set the demand from the type's roots: ``each`` (some root takes every event) and
-        the gates of its sampled roots (the table calls it on every change).
-
-        Args:
-            each: Some root takes every event of the type.
-            gates: The gates of its sampled roots.
-            passed: Called because a gate passed an event. The due time then only moves on:
-                the publisher may have built newer events than the one delivered (a held
-                event loop delivers late), and going back to the delivered one's due time
-                would have it build events the gates then refuse. After a refusal or a change
-                of the roots it is the gates' exact due time, earlier or not.
-        """
+        the gates of its sampled roots. ``passed``: a gate passed an event; the due time then
+        only moves on (the publisher may have built newer events than the one delivered)."""
         exact = min((g.next_at for g in gates), default=math.inf)
         self._at = max(exact, self._at) if passed else exact
         self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
@@ -206,23 +141,17 @@ class Demand:
 
 
 class Sampled(abc.ObserverBase[Any]):
-    """The gate of a sampled root. Time-sampled (``every_s``): passes an event whose ``time``
-    is at least ``every_s`` after the last one it passed (the first always), then tells the
-    table its next due time. Step-sampled (``every_steps``): passes the events whose ``step``
-    is a multiple of it.
-
-    The publisher builds an event when its own estimate of the due time (``Demand.takes``:
-    the step's start plus ``every_s``) says so; an event stamped at the step's end can still
-    fall short of the exact due time and be refused. The first refusal after a pass tells the
-    table too, so the publisher builds again at the exact due time rather than an interval
-    later.
+    """The gate of a sampled root. With ``every_s``: passes an event whose ``time`` is at least
+    ``every_s`` after the last one it passed (the first always), then tells the table its next
+    due time; the first refusal after a pass tells it too, so the publisher builds again at the
+    exact due time. With ``every_steps``: passes the events whose ``step`` is a multiple of it.
 
     Args:
         observer: The subscription's observer.
         every_s: The least time between two events passed, in seconds; or None.
         every_steps: The step period; or None (exactly one of the two is given).
-        passed: Called after a time-sampled event passed (with True), and after the first
-            one refused since (with False): the table recomputes its due times.
+        passed: Called after a time-sampled event passed (True) and after the first one
+            refused since (False).
     """
 
     __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
@@ -265,24 +194,8 @@ class Sampled(abc.ObserverBase[Any]):
         self._observer.on_completed()
 
 
-class TierContext:
-    """``with bus.tier("core"):`` sets the table's current tier, and restores it on exit."""
-
-    def __init__(self, table: RouteTable, tier: Tier) -> None:
-        self._table = table
-        self._tier: Tier = tier
-        self._previous: Tier = table.current_tier
-
-    def __enter__(self) -> None:
-        self._previous = self._table.current_tier
-        self._table.current_tier = self._tier
-
-    def __exit__(self, *exc: object) -> None:
-        self._table.current_tier = self._previous
-
-
 class RouteTable:
-    """Roots by tier, the per-type route cache, and the demand answers built on it."""
+    """Roots by tier, the per-type route cache, and the demand of each type asked about."""
 
     def __init__(self, doorbell: Doorbell | None = None) -> None:
         self._doorbell = doorbell or Doorbell()
@@ -291,10 +204,8 @@ class RouteTable:
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
         read it, never write it; a miss is answered by :meth:`resolve`."""
-        self.current_tier: Tier = "user"
-        """Tier of the roots registered now (see :meth:`tier`)."""
-        self._demands: dict[type, Demand] = {}
-        """Event type -> its Demand, for the types a publisher asked about (:meth:`demand`)."""
+        self._tier: Tier = "user"  # of the roots registered now
+        self._demands: dict[type, Demand] = {}  # for the types a publisher asked about
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
@@ -304,8 +215,7 @@ class RouteTable:
         return bool(routes)
 
     def demand(self, event_type: type) -> Demand:
-        """The :class:`Demand` of ``event_type``: kept up to date as roots of that type come,
-        go and take events (the same object for the table's lifetime)."""
+        """The :class:`Demand` of ``event_type`` (the same object for the table's lifetime)."""
         demand = self._demands.get(event_type)
         if demand is None:
             demand = self._demands[event_type] = Demand()
@@ -336,10 +246,9 @@ class RouteTable:
         every_steps: int | None = None,
     ) -> Root:
         """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
-        or ``every_steps``, a sampled root (see the module's docstring)."""
-        # Sorted by tier, then by order of subscription: core -> user -> global.
+        or ``every_steps``, a sampled root."""
         self._seq += 1
-        rank = TIER_ORDER[tier or self.current_tier]
+        rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps, self._update_demands)
         root = Root(types, observer, rank * 1_000_000_000 + self._seq)
@@ -362,7 +271,7 @@ class RouteTable:
         """Every root observer, in delivery order (a copy: closing completes them)."""
         return [r.observer for r in self._roots]
 
-    def tier(self, tier: Tier) -> TierContext:
+    def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """A context manager under which new roots register in ``tier``.
 
         Raises:
@@ -370,7 +279,15 @@ class RouteTable:
         """
         if tier not in TIER_ORDER:
             raise ConfigError.invalid("tier", tier, f"one of {tuple(TIER_ORDER)}")
-        return TierContext(self, tier)
+        return self._in_tier(tier)
+
+    @contextmanager
+    def _in_tier(self, tier: Tier) -> Iterator[None]:
+        previous, self._tier = self._tier, tier
+        try:
+            yield
+        finally:
+            self._tier = previous
 
 
 # ================================================================== the publish queue
@@ -392,12 +309,6 @@ class PublishQueue:
         routes: Where each event type goes.
         ledger: Counts an observer that raised past RxPY into the dispatch.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
-        spent: Where dispatched events wait to be freed by the next publish (:class:`Spent`).
-
-    Derived events: an event a subscriber publishes on the loop thread while the slice
-    dispatches (``MemoryMonitor`` answering ``StepEnded``) is delivered right after the event
-    being dispatched, before the next queued one, so causality holds and an already queued
-    ``FitEnded`` stays the last event delivered.
     """
 
     def __init__(
@@ -408,7 +319,6 @@ class PublishQueue:
         routes: RouteTable,
         ledger: FailureLedger,
         stamp: DecisionStamp | None = None,
-        spent: Spent | None = None,
     ) -> None:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
@@ -419,17 +329,15 @@ class PublishQueue:
         self._room = threading.Event()  # set by the dispatcher after each drain
         self._running = False
         self._loop_thread: int | None = None
-        self._delivered = 0
-        self._publisher_waits = 0
+        self.delivered = 0
+        """Events taken off the queue and dispatched."""
+        self.publisher_waits = 0
+        """Times a publishing thread waited for room."""
         self._stamp = stamp or DecisionStamp()
-        # True while a slice dispatches; publish reads it (one attribute) and only then asks
-        # which thread it runs on. Events from the loop thread meanwhile go to _derived.
+        # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
         self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
-        # Dispatched events, freed by the next publish (Spent). Only while the bus runs: a
-        # flush on the publishing thread itself has nobody to hand them to.
-        self._spent = Spent() if spent is None else spent
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
         self._unpark_event: anyio.Event | None = None
@@ -437,10 +345,8 @@ class PublishQueue:
 
     # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
-        """Queue ``event`` for delivery. Safe from any thread; never waits for subscribers.
-
-        Cost on the calling thread: a type check and a deque append. It waits only when
-        ``max_queue`` events are already waiting (the dispatcher cannot keep up).
+        """Queue ``event`` for delivery: a type check and a deque append, safe from any thread.
+        It waits only when ``max_queue`` events are already waiting.
 
         Raises:
             ConfigError: ``event`` is not a trainbus event.
@@ -453,8 +359,6 @@ class PublishQueue:
             return
         q = self._events
         q.append(event)
-        if self._spent:  # free here what the loop thread is done with (Spent)
-            self._spent.clear()
         if self.parked:  # the first event after a quiet spell: wake the poller, once
             self._wake_poller()
         if len(q) > self._max_queue:
@@ -477,7 +381,7 @@ class PublishQueue:
     def _wait_for_room(self) -> None:
         if not self._running or threading.get_ident() == self._loop_thread:
             return  # never block the loop itself, nor a bus that is not dispatching
-        self._publisher_waits += 1
+        self.publisher_waits += 1
         while len(self._events) > self._max_queue and self._running:
             self._room.clear()
             self._room.wait(self._flush_interval)
@@ -498,21 +402,6 @@ class PublishQueue:
         q = self._events
         return bool(q) and q[0] is event
 
-    @property
-    def delivered(self) -> int:
-        """Events taken off the queue and dispatched."""
-        return self._delivered
-
-    @property
-    def publisher_waits(self) -> int:
-        """Times a publishing thread waited for room."""
-        return self._publisher_waits
-
-    @property
-    def loop_thread(self) -> int | None:
-        """The thread that dispatches while the bus runs (None otherwise)."""
-        return self._loop_thread
-
     # ================================================================== lifecycle
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
@@ -521,8 +410,8 @@ class PublishQueue:
         self._call_soon = _threadsafe_call_soon()
 
     def suspend(self) -> None:
-        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing (as
-        before the first open), publishers no longer wait for room."""
+        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing,
+        publishers no longer wait for room."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
@@ -535,91 +424,56 @@ class PublishQueue:
         self._room.set()
 
     def close(self) -> None:
-        """The bus closed: from now on ``publish`` raises. Its append lands on a queue that
-        refuses it, which costs the hot path nothing (no state check per publish)."""
+        """The bus closed: from now on ``publish`` raises (its append lands on a queue that
+        refuses it: no state check per publish)."""
         self._running = False
         self._events = _ClosedQueue(self._events)
-        self._spent.clear()
         self._room.set()
         self._loop_thread = None
 
     # ================================================================== dispatch side
     def dispatch(self, n: int) -> int:
-        """Deliver up to ``n`` queued events. Loop thread.
+        """Deliver ``n`` queued events in one slice (loop thread; no await between events).
+        Events subscribers publish on this thread meanwhile are delivered right after the event
+        that caused them (an already queued ``FitEnded`` stays last) and do not count in ``n``.
 
-        One slice: no await between events. Events published by subscribers during the slice
-        (on this thread) are delivered right after the event that caused them, and do not count
-        against ``n``. Returns how many queued events were delivered.
+        Returns:
+            How many queued events were delivered.
         """
-        popleft = self._events.popleft
-        table = self._routes
-        derived = self._derived
-        stamp = self._stamp
-        keep = self._spent.append if self._running else None
-        done = 0
+        popleft, derived, stamp = self._events.popleft, self._derived, self._stamp
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
         if not outer:
-            # The loop thread while the bus runs; the caller of flush() before it does.
             self._dispatch_thread = stamp.loop_thread = threading.get_ident()
         self._dispatching = True
         try:
-            while done < n:
-                event = popleft()
-                done += 1
-                stamp.step = event.step
-                stamp.event_id = id(event)
-                # table.cache is re-read per event: a subscriber may subscribe during the slice.
-                observers = table.cache.get(type(event))
-                if observers is None:
-                    observers = table.resolve(type(event))
-                for observer in observers:
-                    try:
-                        observer.on_next(event)
-                    except Exception as exc:  # an operator that raised past RxPY: isolated
-                        self._ledger.chain_failed(observer, exc, event)
-                if keep is not None:  # freed by the next publish, not here (Spent)
-                    keep(event)
-                if derived:  # one truthiness test per event when nobody derives events
-                    self._deliver_derived()
+            for _ in range(n):
+                self._deliver(popleft())
+                while derived:  # what those publish in turn joins the end: after its cause
+                    self._deliver(derived.popleft())
         finally:
             self._dispatching = outer
             if not outer:
                 stamp.step = None
-        self._delivered += done
-        return done
+        return n
 
     def _deliver(self, event: ev.BaseEvent) -> None:
-        """Deliver one event to its observers (what the slice inlines per event)."""
+        self._stamp.step = event.step
+        self._stamp.event_id = id(event)
         table = self._routes
-        # table.cache is re-read per event: a subscriber may subscribe during the slice.
+        # Re-read per event: a subscriber may subscribe during the slice.
         observers = table.cache.get(type(event))
         if observers is None:
             observers = table.resolve(type(event))
         for observer in observers:
             try:
                 observer.on_next(event)
-            except Exception as exc:  # an operator that raised past RxPY: still isolated
+            except Exception as exc:  # an operator that raised past RxPY: isolated
                 self._ledger.chain_failed(observer, exc, event)
-
-    def _deliver_derived(self) -> None:
-        """Deliver the events subscribers published during the last delivery, oldest first
-        (what they in turn publish joins the end: still after its cause)."""
-        derived, stamp = self._derived, self._stamp
-        while derived:
-            event = derived.popleft()
-            stamp.step = event.step
-            stamp.event_id = id(event)
-            self._deliver(event)
-            self._delivered += 1
-            if self._running:
-                self._spent.append(event)
+        self.delivered += 1
 
     async def drain(self, limit: int | None = None) -> None:
-        """Deliver queued events (all of them, or ``limit``), never waiting for a subscriber.
-
-        No await inside: a drain is one slice, atomic with respect to other tasks (async so
-        callers keep one shape whether they wait afterwards or not)."""
+        """Deliver queued events (all of them, or ``limit``) in one slice: no await inside."""
         q = self._events
         remaining = len(q) if limit is None else limit
         while q and remaining > 0:
@@ -629,11 +483,9 @@ class PublishQueue:
         self._room.set()
 
     async def wait_published(self, backstop: float) -> None:
-        """Park until something is published, or ``backstop`` seconds. Loop thread, poller only.
-
+        """Park until something is published, or ``backstop`` seconds (the poller).
         ``parked`` is raised before the queue is looked at: a publisher that appends after the
-        look sees the flag and wakes this wait; one that appended before it is seen here.
-        """
+        look sees the flag and wakes this wait."""
         if self._call_soon is None:  # no way to be woken: keep the plain interval
             await anyio.sleep(self._flush_interval)
             return
@@ -648,15 +500,7 @@ class PublishQueue:
             self._unpark_event = None
 
     def flush(self) -> None:
-        """Deliver every queued event now, on the calling thread (the loop thread if running).
-
-        Like every dispatch, it never waits for a subscriber: a full ``"block"`` buffer takes
-        every item beyond its capacity (the training loop waits for it at its next poll point).
-        Use ``await wait_delivered()`` to deliver and wait for async subscribers.
-
-        Raises:
-            BusClosedError: called from another thread while the bus runs.
-        """
+        """:meth:`EventBus.flush`: deliver every queued event now, on the calling thread."""
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise BusClosedError(
                 "flush() runs on the bus' event-loop thread; from another thread (a hook on "
@@ -670,12 +514,9 @@ class PublishQueue:
 
 
 def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
-    """A non-blocking way to run a callable on the running event loop from any thread.
-
-    ``anyio.from_thread.run_sync`` waits for the result (~19 µs and a GIL round trip); a
-    publisher only needs to post a wake-up. None when the backend offers neither way (the
-    poller then never parks).
-    """
+    """A non-blocking way to run a callable on the running event loop from any thread
+    (``anyio.from_thread.run_sync`` waits for the result); None when the backend has none (the
+    poller then never parks)."""
     native = anyio.lowlevel.current_token().native_token
     if isinstance(native, asyncio.AbstractEventLoop):
         loop = native
@@ -718,9 +559,7 @@ def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
 
 
 _ANNOUNCE_AFTER = 0.5
-"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it:
-a decider that answers within milliseconds is not worth a line; one that holds training is
-named within about a second of the wait that makes it so."""
+"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it."""
 _REASON = (
     "it was made with decides=True and received this barrier's event: training waits until "
     "it has finished what it received, so that its commands apply before the next step"
@@ -756,19 +595,8 @@ class Barrier:
     async def wait_delivered(
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
     ) -> bool:
-        """Deliver everything queued; then wait for the async subscriptions that received an
-        item from ``event`` (or, without ``event``, from anything in that delivery) to finish
-        it. So a slow async subscriber of some other event (a checkpoint upload, say) is not
-        waited for.
-
-        Args:
-            timeout: Seconds to wait for the async subscribers (None: no limit).
-            event: An already published event (found by identity in the queue).
-
-        Returns:
-            True when everything finished, False when the timeout expired first.
-        """
-        # The timeout covers the delivery too (which never waits on a subscriber today).
+        """:meth:`EventBus.wait_delivered` (``event`` is found by identity in the queue)."""
+        # The timeout covers the delivery too.
         start = anyio.current_time()
         with anyio.move_on_after(timeout) as scope:
             targets = await self._deliver_for_barrier(event)
@@ -788,10 +616,8 @@ class Barrier:
             # What was published before the barrier event is delivered but not waited for.
             before_event = q.index(event)
             if before_event is None:
-                # The poller already dispatched the event (between its publish and this call):
-                # each subscription noted which event fed its last item, so the ones it reached
-                # are still known (an event reaching one later would have been published after
-                # it: the loop waits here and publishes nothing meanwhile).
+                # The poller already dispatched it: each subscription noted which event fed
+                # its last item (the loop publishes nothing while it waits here).
                 await q.drain()
                 fed = [(s, s.received_from(id(event))) for s in asyncs]
                 return [(s, n) for s, n in fed if n is not None]
@@ -819,12 +645,11 @@ class Barrier:
         status: BarrierStatus = "timeout"
         wake = self._channel.arm_wake()
         start = anyio.current_time()
-        # Only those not settled yet are waited for (and charged): a sub that finished its
-        # item before the barrier cost training nothing.
+        # Only those not settled yet are waited for (and charged).
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        # A race of tasks that each end by their own scope (TaskSet), not by cancelling the
-        # task group: all settled ("done"), a request ("request") or the timeout.
+        # A race (each task ends by its own scope, TaskSet): all settled ("done"), a request
+        # ("request") or the timeout.
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
 
@@ -854,8 +679,7 @@ class Barrier:
                 tasks.stop()  # status stays "timeout"
 
             async def announce() -> None:
-                # Said while training waits, not after: a decider stuck for minutes is named
-                # within about a second. Ends with the wait (its own scope, TaskSet).
+                # Said while training waits, not after.
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
@@ -878,8 +702,7 @@ class Barrier:
                 if id(sub) in unsettled:
                     self._charge(sub, elapsed)
         if account:
-            # Many short waits add up: named once they have cost training as much as one
-            # long wait would have before its warning.
+            # Many short waits add up to a warning too.
             for sub, _ in waiting:
                 if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
                     self._announce(sub)
@@ -904,10 +727,11 @@ class Barrier:
         self, timeout: float, event: ev.BaseEvent | None, resume: bool
     ) -> BarrierStatus:
         """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
-        that received the event (None: anything delivered now) until they finish
-        (``"done"``), the timeout (``"timeout"``), or a ``request()`` arrives (``"request"``:
-        the loop applies it, then resumes the same wait with ``resume=True``). No other async
-        subscription is waited for.
+        that received the event (None: anything delivered now).
+
+        Returns:
+            ``"done"``, ``"timeout"``, or ``"request"`` (a ``request()`` arrived: the loop
+            applies it, then resumes the same wait with ``resume=True``).
         """
         if resume and self._pending is not None:
             targets, deadline = self._pending
@@ -919,9 +743,6 @@ class Barrier:
             if scope.cancelled_caught:
                 log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
                 return "timeout"
-            # Only the deciders: a poster, uploader or logger that received the event (or one
-            # derived from it, e.g. metrics a sync subscriber re-published) never holds
-            # training, and its backlog stays its own; the bus' close waits for it.
             targets = [(s, n) for s, n in targets if s.decides]
         self._pending = None
         if self._channel.request_waiting():

@@ -1,18 +1,14 @@
 """Opening and closing the bus, its poller, and its statistics.
 
-Opening starts the bus' task group: the scheduler's timer task (when the bus made its own
-scheduler), the async subscribers' workers and the poller that drains the queue every
-``flush_interval``. Closing delivers every event published before the close, completes every
-stream (so buffering operators emit what they hold), waits for async subscribers (at most
-``close_timeout``, 300 s by default, or until ``EventBus.cancel_pending()``; a
-``bus_close_waiting`` warning names what is pending and for whom after a second, and again
-while the wait goes on), cancels what is left and reports every lost item.
+Opening starts the bus' task group: the scheduler's timer task (when the bus made its own), the
+async subscribers' workers and the poller. Closing delivers what was published, completes every
+stream (buffering operators emit what they hold), waits for the async subscribers (at most
+``close_timeout``, or until ``cancel_pending``; a ``bus_close_waiting`` warning names what is
+pending while it waits), cancels what is left and reports every lost item.
 
-Between the two a bus may *suspend*: a trainer call that found the bus not running opened it
-for itself, and at its end the bus delivers what the call published, fires the timers that
-are pending (so a ``buffer_with_time`` window emits its partial batch), waits for the async
-subscribers to finish what they hold (as closing does), and stops its task group; the
-streams stay open, and the next call opens the bus again with the same subscribers.
+Between the two a bus may *suspend* (a trainer call that opened it for itself ends): it does
+what closing does, firing the pending timers instead of completing the streams, and stops its
+task group; the next call opens it again with the same subscribers.
 """
 
 from __future__ import annotations
@@ -41,12 +37,8 @@ log = get_logger(__name__)
 State = Literal["new", "running", "suspended", "closing", "closed"]
 
 DEFAULT_CLOSE_TIMEOUT = 300.0
-"""Seconds a close or a call's end waits for pending async work by default. Long enough for a
-real upload at the end of a run (a few GB of checkpoint to object storage, a last batch of
-metrics to a tracking service, an evaluation job on the final checkpoint); short enough that
-an ``async def`` subscriber awaiting a call that never returns (an HTTP client without a
-timeout) holds an unattended job's machines for minutes, not hours. Past it the work is
-cancelled and reported as lost (``FitResult.lost_work``; ``on_lost="raise"`` fails the run)."""
+"""Seconds a close or a call's end waits for pending async work by default: long enough for a
+real upload, short enough that a hung one cannot hold a job's machines for hours."""
 
 _IDLE_TICKS = 3
 """Empty flush intervals after which the poller parks until the next publish."""
@@ -57,9 +49,8 @@ _CANCEL_POLL = 0.1
 _NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
 _NOTICE_EVERY = 30.0
-"""Seconds between two ``bus_close_waiting`` warnings of one wait, at most: a wait that lasts
-minutes says so in every screenful of a job's log. With a ``close_timeout`` under 300 s the
-warning repeats every tenth of it (a short timeout is watched closely)."""
+"""Seconds between two ``bus_close_waiting`` warnings of one wait, at most (a tenth of a
+``close_timeout`` under 300 s)."""
 
 
 class Lifecycle:
@@ -71,8 +62,7 @@ class Lifecycle:
         flush_interval: Seconds between two drains of the queue.
         close_timeout: Seconds closing (or a call's end) waits for async subscribers before
             cancelling them (None: as long as they take).
-        watchdog: Watches the event-loop thread while the bus runs (started at open, stopped
-            and joined at close), or None.
+        watchdog: Watches the event-loop thread while the bus runs, or None.
     """
 
     def __init__(
@@ -100,9 +90,8 @@ class Lifecycle:
         self._state: State = "new"
         self._tg: TaskGroup | None = None
         self._tasks: TaskSet | None = None  # the poller, the scheduler's timer, async workers
-        # The task group is entered with `async with` through this stack (never by hand), so
-        # that a cancellation at any await of open() unwinds it in open() itself, and the
-        # cancel scopes of the caller nest as anyio expects.
+        # The task group is entered through this stack, so that a cancellation at any await
+        # of open() unwinds it in open() itself (the caller's cancel scopes stay nested).
         self._stack: contextlib.AsyncExitStack | None = None
         # Lost work at the last suspend: each suspend reports what its call lost, not the total.
         self._reported: dict[str, LostWork] = {}
@@ -136,8 +125,7 @@ class Lifecycle:
             self._subscriptions.start(tasks)
             tasks.start_soon(self._poll, name="trainbus-bus-poller")
         except BaseException:
-            # Cancelled (or failed) half-way: nothing has run yet, so stop what started, leave
-            # the task group here (the caller's scopes stay well nested) and the bus as it was.
+            # Cancelled (or failed) half-way: stop what started; the bus stays as it was.
             self._state = previous
             await self._stop_task_group(closing=False)
             raise
@@ -157,13 +145,12 @@ class Lifecycle:
         stack, tasks = self._stack, self._tasks
         self._stack, self._tg, self._tasks = None, None, None
         if tasks is not None:
-            # The async workers first (suspend() or the close stopped them): a scope around
-            # them cancelled while they end would make their own scopes let it through.
+            # The async workers first: a scope around them cancelled while they end would make
+            # their own scopes let it through.
             with anyio.CancelScope(shield=True):
                 for sub in self._subscriptions.asyncs():
                     await sub.wait_finished()
-            # Each task ends by its own scope, the task group without a cancellation (see
-            # TaskSet: a cancelled child task stays in a reference cycle on asyncio).
+            # Each task ends by its own scope (TaskSet: no reference cycle on asyncio).
             tasks.stop()
         if stack is not None:
             await stack.aclose()
@@ -171,9 +158,8 @@ class Lifecycle:
     async def _poll(self) -> None:
         interval = self._flush_interval
         q = self._queue
-        # Each wake of this thread costs a tiny-model training thread a GIL hand-over (55-240
-        # µs): after _IDLE_TICKS empty intervals the poller parks until the next publish (which
-        # wakes it at once) instead of waking every interval for nothing.
+        # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
+        # intervals the poller parks until the next publish wakes it.
         empty = 0
         while True:
             if empty < _IDLE_TICKS:
@@ -187,18 +173,7 @@ class Lifecycle:
                 empty += 1
 
     async def suspend(self, *, raise_fatal: bool) -> None:
-        """Deliver, fire pending timers, wait for the async subscribers (within
-        ``close_timeout``, then cancel what they still run), stop the task group; keep the
-        streams and subscriptions for the next :meth:`open`.
-
-        Args:
-            raise_fatal: Raise the ``"raise"`` policy's failure, if any, once suspended (it is
-                then cleared: the next call starts without it).
-
-        Raises:
-            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
-                subscriber's own exception).
-        """
+        """:meth:`EventBus.suspend` (the ``"raise"`` failure is cleared either way)."""
         assert self._tg is not None
         try:
             with anyio.CancelScope(shield=True):
@@ -212,17 +187,14 @@ class Lifecycle:
             raise fatal
 
     async def _settle(self) -> None:
-        # The same budget as a close (None: no limit; cancel_pending() ends the wait).
         deadline = self._deadline()
         await self._queue.drain()
         if self._own_scheduler is not None:
-            # A call's end is a window's end: buffer_with_time emits its partial batch now,
-            # not at the next call (the next window's timer is due then).
+            # A call's end is a window's end: buffer_with_time emits its partial batch now.
             self._own_scheduler.fire_pending()
             await self._queue.drain()
-        # Commands sent on this call's last events (after its last poll point) are not
-        # carried into the next call; a request() waiting for one, or made while the async
-        # subscribers finish, raises BusClosedError instead of holding this wait.
+        # Commands sent after the last poll point are not carried into the next call; a
+        # request() waiting now raises BusClosedError instead of holding this wait.
         self._channel.end_polls()
         asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
 
@@ -235,15 +207,12 @@ class Lifecycle:
         finally:
             self._channel.drop_unapplied()  # sent (not requested) while they finished
             self._channel.resume_polls()
-        # Past the deadline, stopping the task group cancels what they still run or hold.
 
     async def _wait_pending(self, wait: Callable[[], Awaitable[None]], deadline: float) -> None:
-        """Await ``wait()`` until ``deadline``, or until :meth:`request_cancel_pending` (a
-        signal handler's way in) asks to cancel what is pending."""
+        """Await ``wait()`` until ``deadline``, or until :meth:`request_cancel_pending`."""
 
         async def on_request() -> None:
-            # A flag polled only while a call's end or a close waits: a signal handler on any
-            # thread may set it, where an anyio.Event could not be set safely.
+            # A flag, polled: a signal handler on any thread may set it (not an anyio.Event).
             while not self._cancel_requested:  # noqa: ASYNC110
                 await anyio.sleep(_CANCEL_POLL)
             self.cancel_pending()
@@ -252,9 +221,7 @@ class Lifecycle:
         every = self._notice_every()
 
         async def notice() -> None:
-            # Only a wait that lasts is announced: most calls' ends find the async subscribers
-            # done within a few milliseconds, and say nothing. One that lasts says so again
-            # and again: a job stuck on a hung service is visible in its log's last lines.
+            # Only a wait that lasts is announced, and again while it lasts.
             await anyio.sleep(min(_NOTICE_AFTER, every))
             while True:
                 now = anyio.current_time()
@@ -273,21 +240,19 @@ class Lifecycle:
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:
-        """Ask a waiting call's end or close to cancel the pending async work (at its next
-        look, within ``_CANCEL_POLL`` s). Safe from any thread and from a signal handler: it
-        only sets a flag. Nothing happens when nothing waits."""
+        """Ask a waiting call's end or close to cancel the pending async work (within
+        ``_CANCEL_POLL`` s). Safe from any thread and a signal handler: it sets a flag."""
         self._cancel_requested = True
 
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscriber's pending work now (event-loop thread); see
-        :meth:`EventBus.cancel_pending`."""
+        """Cancel every async subscriber's pending work now (see
+        :meth:`EventBus.cancel_pending`)."""
         pending = self._subscriptions.cancel_pending()
         if pending:
             log.warning("bus_pending_cancelled", cancelled=pending)
         return pending
 
     def _deadline(self) -> float:
-        # None: as long as they take (opted into; the default is DEFAULT_CLOSE_TIMEOUT).
         timeout = self._close_timeout
         return anyio.current_time() + (math.inf if timeout is None else timeout)
 
@@ -298,7 +263,6 @@ class Lifecycle:
     def _announce_wait(self, *, waited_s: float, left_s: float) -> None:
         pending = self._subscriptions.pending()
         if pending:
-            # Visible: an end of a call that waits for a slow service is not a hang.
             timeout = self._close_timeout
             log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
                         waited_s=round(waited_s, 3),
@@ -308,8 +272,7 @@ class Lifecycle:
                         "as lost work; EventBus(close_timeout=...) bounds the wait")  # fmt: skip
 
     def _report_lost(self) -> None:
-        """Name what the subscribers lost since the last report (a call's end, or the close):
-        each loss is reported once, by the call it happened in."""
+        """Log what the subscribers lost since the last report (a call's end, or the close)."""
         totals: dict[str, LostWork] = {}  # by name: subscriptions may share one (two lambdas)
         for sub in self.statistics().subscriptions:
             totals[sub.name] = totals.get(sub.name, LostWork()) + sub.lost_work
@@ -334,17 +297,10 @@ class Lifecycle:
 
     async def close(self, *, raise_fatal: bool) -> None:
         """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
-
-        Args:
-            raise_fatal: Raise the ``"raise"`` policy's failure, if any, once closed.
-
-        Raises:
-            Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed (the
-                subscriber's own exception).
-        """
+        With ``raise_fatal``, raise a ``"raise"`` subscription's failure, if any."""
         assert self._tg is not None
         try:
-            # Shielded: even when the caller is cancelled, what was published is delivered.
+            # Shielded: what was published is delivered even when the caller is cancelled.
             with anyio.CancelScope(shield=True):
                 await self._close()
         finally:
@@ -360,20 +316,17 @@ class Lifecycle:
         self._state = "closing"
         self._subscriptions.close()
         self._channel.close()
-        # One budget for the whole close (None: no limit; cancel_pending() ends the wait).
         deadline = self._deadline()
         self._queue.begin_close()
         await self._queue.drain()
-        # Completing the roots lets buffering operators (buffer_with_time, ...) emit what they
-        # hold, so a batched logger loses nothing at the end of a run.
+        # Completing the roots lets buffering operators emit what they hold.
         for observer in self._routes.observers():
             try:
                 observer.on_completed()
             except Exception as exc:
                 self._ledger.completion_failed(observer, exc)
         await self._queue.drain()
-        # No loop polls any more: a request() still waiting raises now rather than hold the
-        # wait below (an async subscriber awaiting it would never finish).
+        # No loop polls any more: a request() still waiting raises now.
         self._channel.end_polls()
         asyncs = self._subscriptions.asyncs()
         for sub in asyncs:
@@ -393,8 +346,7 @@ class Lifecycle:
         self._report_lost()
 
     def statistics(self) -> BusStatistics:
-        """A frozen snapshot: published, delivered, dropped, failed, queue depth, and per
-        subscription counters."""
+        """:meth:`EventBus.statistics`."""
         subs = self._subscriptions.statistics()
         depth = len(self._queue)
         delivered = self._queue.delivered

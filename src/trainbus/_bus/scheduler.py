@@ -1,33 +1,16 @@
 """The event loop's runtime: the reactivex scheduler on anyio, and the background tasks.
 
-A reactivex scheduler that runs scheduled actions on an anyio event loop (asyncio or trio).
+RxPY's time-based operators (``throttle_first``, ``buffer_with_time``, ``debounce``) default to a
+``threading.Timer`` per action, which would run subscribers off the event loop. The bus hands
+every subscription an :class:`AnyioScheduler` instead: one timer task serves a heap of due
+actions (a heap push per action, not a task). ``now`` is the wall clock, as for every reactivex
+6 scheduler; delays run on the loop's clock.
 
-RxPY's time-based operators (``throttle_first``, ``buffer_with_time``, ``debounce``, ``sample``)
-fall back to ``TimeoutScheduler``, a ``threading.Timer`` per action, which would run subscribers
-off the event loop and race with the bus. The bus hands this scheduler to every subscription, so
-those operators run on the loop thread like everything else.
-
-One timer task serves the whole scheduler: due actions sit in a heap and the task sleeps until
-the earliest is due (or until woken by an earlier one). That costs a heap push per scheduled
-action instead of a task per action, which matters for ``debounce`` on a per-step stream.
-``now`` is the wall clock, as for every reactivex 6 scheduler; delays run on the loop's clock.
-
-Background tasks that stop without leaving their cancellation behind.
-
-Every background task trainbus starts (the bus' poller, timer and async workers, a barrier's
-waiters, the watcher of a call's cancellation) runs in a :class:`TaskSet`: in its own cancel
-scope, inside the task, which :meth:`TaskSet.stop` cancels. The task then ends *normally* (its
-own scope catches the cancellation) and the task group around it exits without cancelling
-anything.
-
-Why not ``tg.cancel_scope.cancel()``: on asyncio, anyio's task group keeps the
-``CancelledError`` of a child task that ended cancelled in a local of its ``task_done``
-callback, whose frame that exception's traceback holds (anyio 4.16): a reference cycle. It
-holds the task's frames, and through ``f_back`` the frames of the thread's whole stack at that
-moment (the caller's ``asyncio.run(main())`` included), with all their locals, until the next
-garbage-collector pass: a dropped Trainer's model, optimizer and data stayed in memory.
-A cancellation from outside (the caller's ``move_on_after``) still reaches the tasks as anyio
-delivers it.
+Every background task trainbus starts runs in a :class:`TaskSet`, in its own cancel scope that
+:meth:`TaskSet.stop` cancels: the task ends *normally* and its task group exits without
+cancelling anything. Cancelling the task group instead leaves, on asyncio, a child's
+``CancelledError`` in a reference cycle holding the thread's frames (anyio 4.16), so a dropped
+Trainer's model stayed in memory until the next garbage-collector pass.
 """
 
 from __future__ import annotations
@@ -69,15 +52,12 @@ class _Item:
 
 
 class AnyioScheduler(PeriodicScheduler):
-    """Schedules reactivex actions on the anyio event loop that runs :meth:`run`.
-
-    Actions may be scheduled before the loop runs (they wait in the heap) and from any thread
-    (a foreign thread wakes the loop through anyio's thread portal). An action that raises is
-    reported to ``on_failure`` and logged; it never stops the timer task.
+    """Schedules reactivex actions on the anyio event loop that runs :meth:`run`, from any
+    thread and before the loop runs. An action that raises is logged and reported to
+    ``on_failure``; it never stops the timer task.
 
     Args:
-        on_failure: Called with the exception of an action that raised (the bus passes its
-            failure ledger's).
+        on_failure: Called with the exception of an action that raised.
     """
 
     def __init__(self, on_failure: Callable[[BaseException], None] | None = None) -> None:
@@ -88,8 +68,8 @@ class AnyioScheduler(PeriodicScheduler):
         self._wake: anyio.Event | None = None
         self._token: anyio.lowlevel.EventLoopToken | None = None
         self._thread: int | None = None
-        # Loop clock minus time.monotonic(): trio's clock carries a random offset, so a time read
-        # off the loop thread is rebased with the offset measured when run() started.
+        # Loop clock minus time.monotonic() (trio's clock has a random offset), for times read
+        # off the loop thread.
         self._offset = 0.0
         self._on_failure = on_failure
 
@@ -147,9 +127,7 @@ class AnyioScheduler(PeriodicScheduler):
             wake.set()
         elif self._token is not None:
             try:
-                # _set_wake reads the event on the loop thread when it runs. An event read here
-                # may already be replaced: the timer makes a fresh one each round, right after
-                # it found the heap empty, and setting the stale one would strand this action.
+                # _set_wake reads the event on the loop thread: one read here may be stale.
                 anyio.from_thread.run_sync(self._set_wake, token=self._token)
             except anyio.RunFinishedError:
                 pass
@@ -196,9 +174,8 @@ class AnyioScheduler(PeriodicScheduler):
             self._thread = None
 
     def fire_pending(self) -> None:
-        """Run every action scheduled so far now, whenever it was due (the bus calls it on
-        the loop thread when a trainer call ends, so time windows close with the call).
-        Actions these schedule wait for their own time."""
+        """Run every action scheduled so far now, whenever it was due (a trainer call's end
+        closes the time windows); actions these schedule wait for their own time."""
         with self._lock:
             items = [entry[2] for entry in sorted(self._heap)]
             self._heap = []
@@ -222,16 +199,11 @@ class AnyioScheduler(PeriodicScheduler):
 
 
 class ChainScheduler(PeriodicScheduler):
-    """The scheduler a bus subscription hands its chain: timed work on ``timed``, "now" inline.
-
-    Timed work (``schedule_relative`` / ``_absolute`` / ``_periodic``, ``now``) goes to
-    ``timed``: the bus' Rx scheduler, on the event loop (or virtual time in tests). Work scheduled
-    for "now" runs on the calling thread's trampoline, RxPY's own default: ``reactivex.merge``,
-    ``from_iterable``, ``start_with`` ... subscribe and emit within the ``subscribe`` call, as in
-    plain RxPY. Handed the bus' Rx scheduler instead, they would defer a merged pipeline's
-    subscription to the loop's next round (in virtual time, to the next advance): its streams
-    would miss what is delivered meanwhile, ``wants()`` would not see them, and they would
-    register outside the ``bus.tier(...)`` in force.
+    """The scheduler a bus subscription hands its chain: timed work on ``timed`` (the bus'
+    Rx scheduler), work for "now" on the calling thread's trampoline, RxPY's default. So
+    ``reactivex.merge`` and ``start_with`` subscribe within the ``subscribe`` call, as in plain
+    RxPY, not at the loop's next round (missing what is delivered meanwhile, outside the
+    ``bus.tier(...)`` in force).
     """
 
     def __init__(self, timed: abc.SchedulerBase) -> None:
@@ -279,8 +251,7 @@ class TaskSet:
     """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly.
 
     Args:
-        tg: The task group the tasks run in (it waits for them when its block ends). Made on
-            the event loop that runs it, as the task group itself.
+        tg: The task group the tasks run in (made on its event loop).
     """
 
     def __init__(self, tg: TaskGroup) -> None:
@@ -291,9 +262,8 @@ class TaskSet:
         self._thread = threading.get_ident()
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)`` on the tasks' event-loop thread: at once when called there;
-        from another thread (a hook on the training thread, a user's thread) through anyio's
-        portal, waiting for it. What makes anyio objects (events, tasks) must run there.
+        """Call ``fn(*args)`` on the tasks' event-loop thread (from another thread through
+        anyio's portal, waiting for it): what makes anyio events and tasks must run there.
 
         Returns:
             What ``fn`` returned.

@@ -1,90 +1,22 @@
-"""Subscriptions: sync and async records, their set, ranks, chains, back-pressure, statistics.
+"""Subscriptions: their records, the chains they end, ranks, back-pressure and statistics.
 
-Frozen snapshots of the bus' counters (``bus.statistics()``, ``sub.statistics()``).
+Every bus subscription gets a :class:`Subscription` record (the ``Disposable`` the subscribe
+call returns) that counts what it received, dropped and failed; counters are plain ints touched
+on the event-loop thread only. A sync one ends its chain in a :class:`GuardedObserver`, which
+reports failures to the bus' :class:`~trainbus._bus.watchdog.FailureLedger` instead of letting
+RxPY re-raise them into the dispatch. An :class:`AsyncSubscription` runs ``async def fn(item)``
+from a bounded buffer in worker tasks; its observer side never awaits.
 
-Back-pressure of ``"block"`` subscriptions: pushed back on the training thread, not dispatch.
+A chain born on the bus is a :class:`BusObservable` (and so is what its ``pipe()`` returns): it
+subscribes through :class:`Chains`, which hands the chain the bus' Rx scheduler (RxPY passes
+the last ``subscribe``'s scheduler to every time-based operator above it), guards the observer,
+makes a subscription for other ranks inert (:class:`RankFilter`) and declares the pipeline's
+decision steps for the subscription's lifetime.
 
-A ``"block"`` async subscription never drops: when its buffer goes over capacity it takes the
-item anyway (the dispatcher never waits for one subscription's room, so every other subscriber
-keeps receiving) and raises :class:`Backpressure`, which rings the bus' doorbell. The training
-loop hears the ring after its current step and, at its poll point, calls
-:meth:`Backpressure.wait_for_room`: the training thread waits there until every ``"block"``
-buffer is back within capacity, a command or cancel arrives (the doorbell rings again), or the
-run stops. So a ``"block"`` subscription slows training to its own pace (that is what it asks
-for: nothing lost), and holds at most its buffer plus what one step or one evaluation round
-publishes.
-
-The first time the training thread waits on a subscription, a warning names it, with how fast
-it finishes items against how fast they come, and the remedies. Every second waited is counted
-per subscription (``SubscriptionStatistics.waited_s``, ``FitResult.waited_s``). The barrier
-(:class:`~trainbus._bus.dispatch.Barrier`), the other place training may wait on a
-subscriber, says so through the same :func:`announce_wait`.
-
-Spent items: what the event-loop thread is done with, freed on the publishing thread.
-
-Freeing a tensor releases the GIL: torch's deallocator drops it. When the last reference to a
-``StepEnded`` (and so to its detached loss) died on the loop thread, each free handed the GIL to
-the busy training thread and waited to get it back: one round trip per event, 50-250 µs of wall
-time between two threads on a loaded machine, for a dispatch that itself costs ~1.5 µs.
-
-So the loop thread does not drop what it delivered. The publish queue appends each dispatched
-event here, an async subscription each item its callback finished with or its overflow policy
-dropped; the next :meth:`~trainbus._bus.dispatch.PublishQueue.publish` clears the deque on the
-publishing thread (the training thread), among its own tensor frees, while the loop thread
-sleeps: the same frees then cost nothing extra. A subscriber that keeps an event frees it
-wherever it drops it, as before. At most one slice's worth waits here; the bus clears it when
-it closes.
-
-Subscription records, and the guarded observer every bus subscription ends in.
-
-Every subscription made through the bus gets a :class:`Subscription` record that counts what it
-received, dropped and failed, and that is also the ``Disposable`` the subscribe call returns.
-Counters are plain ints touched only on the event-loop thread, so they need no lock. Failures go
-to the :class:`~trainbus._bus.watchdog.FailureLedger` the record is given; a full ``"block"``
-buffer of an async subscription (:class:`AsyncSubscription`) raises the :class:`Backpressure`
-flag the training loop checks at its poll points.
-
-Async subscriptions: an ``async def fn(item)`` fed from a bounded buffer by worker tasks.
-
-The observer side (:class:`AsyncFeeder`, then :meth:`AsyncSubscription.push`) runs on the
-event-loop thread inside the bus' dispatch slice and never awaits; the workers run in the bus'
-task group. What the buffer does when full is the subscription's :data:`Overflow` policy; no
-policy ever makes the dispatcher wait (a ``"block"`` buffer pushes back on the training thread
-through :class:`~trainbus._bus.subscriptions.Backpressure`). Others wait on it: the barrier with
-:meth:`~AsyncSubscription.wait_settled`, the bus' close with
-:meth:`~AsyncSubscription.wait_finished`.
-
-The subscriptions of one bus: the records in order, and the back-pressure they share.
-
-:class:`SubscriptionSet` creates every :class:`~trainbus._bus.subscriptions.Subscription` (so each
-is given the bus' failure ledger), starts async workers once the bus runs, and holds the
-:class:`~trainbus._bus.subscriptions.Backpressure` their ``"block"`` buffers share.
-
-Which ranks a subscription runs on under ``torchrun``.
-
-A subscription runs on rank 0 by default; ``ranks="all"`` (or an int, or a set of ranks) per
-subscription, or for every subscription made inside ``with bus.on_ranks(...)`` (what a
-``Callback`` with a ``ranks`` attribute gets). A subscription not for this rank registers
-nothing: no route, so ``bus.wants()`` stays false and the loop builds no event for it.
-
-The Observable the bus hands out, and the Observer that is its back-channel.
-
-RxPY passes the scheduler from the subscriber towards the source: the ``scheduler`` given to
-the *last* ``subscribe`` of a chain becomes the default of every time-based operator above it.
-A chain that starts at ``bus.events`` / ``bus.stream(...)`` is a :class:`BusObservable`, and so
-is whatever its ``pipe()`` returns; its ``subscribe`` passes the bus' Rx scheduler and ends the
-chain in a guarded observer, so ``bus.stream(X).pipe(ops.throttle_first(1.0)).subscribe(fn)``
-runs the throttle on the bus' loop and isolates ``fn``'s failures without any extra call.
-
-The guard every bus chain ends in: what a :class:`~trainbus._bus.subscriptions.BusObservable`
-needs of its bus, and nothing a user calls.
-
-A chain born on the bus (``bus.events``, ``bus.stream(...)`` and whatever their ``pipe()``
-returns) subscribes through :class:`Chains`: the observer is wrapped in the bus' guard under
-its error policy (``on_error``), the chain gets the bus' Rx scheduler, a subscription made
-for other ranks is inert, and the pipeline's decision steps are declared to the step clock
-for the subscription's lifetime. The :class:`~trainbus.EventBus` builds one and hands it to
-every chain it makes; users never hold it.
+A ``"block"`` subscription never drops: over capacity it takes the item anyway (the dispatcher
+never waits) and signals :class:`Backpressure`, which rings the doorbell; the training loop then
+waits at its poll point (:meth:`Backpressure.wait_for_room`) until there is room, and the first
+wait on a subscription is announced (:func:`announce_wait`).
 """
 
 from __future__ import annotations
@@ -97,7 +29,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, Protocol, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
 from reactivex import Observable, abc
@@ -106,8 +38,7 @@ from reactivex.disposable import Disposable
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
-from .commands import DecisionStamp, DecisionSteps, StepClock
-from .doorbell import Doorbell
+from .commands import DecisionStamp, DecisionSteps, Doorbell, StepClock
 from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
@@ -123,12 +54,10 @@ __all__ = [
     "CommandSink",
     "ErrorPolicy",
     "GuardedObserver",
-    "Holder",
     "LostWork",
     "Overflow",
     "RankFilter",
     "Ranks",
-    "Spent",
     "Subscription",
     "SubscriptionSet",
     "SubscriptionStatistics",
@@ -161,18 +90,16 @@ class SubscriptionStatistics:
     """Items waiting in the buffer (async only)."""
     in_flight: int
     cancelled: int
-    """Items waiting or running when the bus closed past its ``close_timeout``, or when
-    ``EventBus.cancel_pending()`` was called, then cancelled."""
+    """Items waiting or running when they were cancelled (``close_timeout``,
+    ``EventBus.cancel_pending()``)."""
     last_error: str | None
     stalls: int = 0
-    """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (each warned
-    about while it blocked; sync only)."""
+    """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (sync only)."""
     blocked_s: float = 0.0
-    """Seconds those calls blocked the event loop, once returned (measured by the watchdog's
-    polls: right to within ``watchdog_s / 10``, at most 0.5 s, per call)."""
+    """Seconds those calls blocked the event loop (to within the watchdog's poll)."""
     waited_s: float = 0.0
-    """Seconds the training thread waited on this subscription: a full ``overflow="block"``
-    buffer, or a barrier or decision step it decides at. 0 for everything else."""
+    """Seconds the training thread waited on this subscription (a full ``overflow="block"``
+    buffer, a barrier or decision step it decides at)."""
 
     @property
     def lost_work(self) -> LostWork:
@@ -238,28 +165,9 @@ REMEDIES = (
 )
 
 
-class Holder(Protocol):
-    """What back-pressure needs of a subscription that holds the training thread."""
-
-    name: str
-
-    def add_waited(self, seconds: float) -> None:
-        """Count seconds the training thread waited on it."""
-
-    def rates(self) -> tuple[float, float]:
-        """(items finished per second, items received per second) since its first item."""
-
-
-def announce_wait(sub: Holder, *, reason: str, remedies: str) -> None:
-    """Say that the training thread waits on ``sub`` (the ``training_waits_for_subscriber``
-    warning), with how fast it finishes items against how fast they come. Its callers say it
-    once per subscription: the first wait that matters.
-
-    Args:
-        sub: The subscription training waits on.
-        reason: Why training waits on it.
-        remedies: What the user can change so that it does not.
-    """
+def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None:
+    """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``, with how fast
+    it finishes items against how fast they come, ``reason`` and ``remedies``."""
     done_rate, in_rate = sub.rates()
     log.warning(
         "training_waits_for_subscriber",
@@ -274,8 +182,8 @@ def announce_wait(sub: Holder, *, reason: str, remedies: str) -> None:
 class Backpressure:
     """The ``"block"`` subscriptions over capacity, and the training thread's wait for them.
 
-    ``active`` is read once per poll point by the loop, so it is a plain attribute. The set of
-    holders changes on the event-loop thread only; the training thread reads a snapshot.
+    The holders change on the event-loop thread only; ``active`` is a plain attribute the loop
+    reads at its poll points.
 
     Args:
         doorbell: Rung when a subscription starts holding, so the loop looks at once.
@@ -286,12 +194,12 @@ class Backpressure:
     def __init__(self, doorbell: Doorbell | None = None) -> None:
         self.active = False
         self._doorbell = doorbell or Doorbell()
-        self._holders: dict[int, Holder] = {}
+        self._holders: dict[int, AsyncSubscription] = {}
         self._room = threading.Event()
         self._room.set()
         self._warned: set[int] = set()
 
-    def signal(self, sub: Holder) -> None:
+    def signal(self, sub: AsyncSubscription) -> None:
         """``sub``'s buffer went over capacity (event-loop thread)."""
         if id(sub) in self._holders:
             return
@@ -300,32 +208,16 @@ class Backpressure:
         self.active = True
         self._doorbell.ring()  # after the change: the loop that hears it finds it active
 
-    def relieve(self, sub: Holder) -> None:
+    def relieve(self, sub: AsyncSubscription) -> None:
         """``sub`` is back within capacity, or will never take another item (loop thread)."""
         if self._holders.pop(id(sub), None) is not None and not self._holders:
             self.active = False
             self._room.set()
 
-    def clear(self) -> None:
-        """Nobody holds any more (the bus closes)."""
-        self._holders.clear()
-        self.active = False
-        self._room.set()
-
-    def holders(self) -> tuple[Holder, ...]:
-        """The subscriptions over capacity now (a snapshot; any thread)."""
-        return tuple(list(self._holders.values()))
-
     def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the calling (training) thread while a ``"block"`` buffer is over capacity.
-
-        Returns early when the doorbell rings (a command, a ``"raise"`` failure, a cancel: the
-        loop must act on it) or ``stop()`` turns true. Each slice waited is added to the
-        ``waited_s`` of every subscription holding during it; the first wait on a
-        subscription logs ``training_waits_for_subscriber``.
-
-        Args:
-            stop: Polled every slice; True ends the wait.
+        """Block the calling (training) thread while a ``"block"`` buffer is over capacity, or
+        until the doorbell rings (the loop must act) or ``stop()`` is true (polled every slice).
+        Each slice is added to the ``waited_s`` of every subscription holding during it.
 
         Returns:
             Seconds waited.
@@ -336,11 +228,16 @@ class Backpressure:
         seen = bell.rings
         start = t = time.monotonic()
         while self.active and bell.rings == seen and not (stop is not None and stop()):
-            holding = self.holders()
+            holding = tuple(list(self._holders.values()))  # a snapshot: the loop thread edits
             for sub in holding:
                 if id(sub) not in self._warned:
                     self._warned.add(id(sub))
-                    self._warn(sub)
+                    announce_wait(
+                        sub,
+                        reason="its overflow='block' buffer is full: training goes at its pace "
+                        "so that nothing is dropped",
+                        remedies=REMEDIES,
+                    )
             self._room.wait(_SLICE)
             now = time.monotonic()
             for sub in holding:
@@ -348,29 +245,8 @@ class Backpressure:
             t = now
         return t - start
 
-    @staticmethod
-    def _warn(sub: Holder) -> None:
-        announce_wait(
-            sub,
-            reason="its overflow='block' buffer is full: training goes at its pace so that "
-            "nothing is dropped",
-            remedies=REMEDIES,
-        )
 
-
-# ================================================================== spent items
-class Spent(deque[Any]):
-    """Items the loop thread is done with. ``append`` on the loop thread; ``clear`` on the
-    publishing thread. A deque: both are atomic under the GIL, and ``clear`` detaches every item
-    before it drops them, so an append racing with a clear is kept for the next one.
-    ``Spent(maxlen=0)`` keeps nothing: what a part appends is freed at once, where it is (a part
-    built without a bus, in tests).
-    """
-
-    __slots__ = ()
-
-
-# ================================================================== subscription records and the gu
+# ================================================================== subscription records
 class Subscription(abc.DisposableBase):
     """Handle of a bus subscription: dispose it to unsubscribe; read its ``statistics()``."""
 
@@ -387,8 +263,6 @@ class Subscription(abc.DisposableBase):
         self.dropped = 0
         self.cancelled = 0
         self.waited_s = 0.0
-        """Seconds the training thread waited on this subscription (back-pressure, barriers,
-        decision steps)."""
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
@@ -414,9 +288,8 @@ class Subscription(abc.DisposableBase):
         self._ledger.count()
 
     def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """Count a call that blocked the event loop past the watchdog's threshold (called on
-        the watchdog thread, its only writer of these two counters): once when it is seen,
-        and its seconds once it has returned."""
+        """Count a call that blocked the event loop past the watchdog's threshold (on the
+        watchdog thread): once when seen, and its seconds once it has returned."""
         if ended:
             self.blocked_s += blocked_s
         else:
@@ -477,14 +350,10 @@ class Subscription(abc.DisposableBase):
 
 
 class GuardedObserver(abc.ObserverBase[Any]):
-    """The observer at the end of every bus subscription: counts, and isolates failures.
-
-    RxPY re-raises an observer's exception into the ``on_next`` that called it, which would
-    reach the publisher's dispatch; here it is reported to the failure ledger instead, under the
-    subscription's policy, and the subscription keeps receiving. ``on_error`` means an operator
-    upstream failed and Rx has ended the chain: it is reported the same way unless the user gave
-    an ``on_error`` callback. Each call of ``on_next`` is marked on the bus' :class:`Watchdog`
-    (two attribute writes), which warns when one blocks the event loop too long.
+    """The observer at the end of every sync bus subscription: counts, and reports failures
+    to the ledger under the subscription's policy (it keeps receiving). ``on_error`` (an
+    operator upstream failed; Rx ended the chain) is reported the same way unless the user gave
+    an Rx error callback. Each ``on_next`` call is marked on the bus' :class:`Watchdog`.
     """
 
     __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
@@ -551,24 +420,19 @@ DROP_REMEDIES = (
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What an async subscription does when its buffer is full: ``"block"`` takes the item and
-makes the training thread wait at its next poll point until there is room (nothing is ever
-dropped; training goes at the subscriber's pace); ``"drop_oldest"`` drops the oldest waiting
-item; ``"latest"`` keeps only the newest waiting item. Drops are counted as lost work."""
+makes the training thread wait at its next poll point until there is room; ``"drop_oldest"``
+drops the oldest waiting item; ``"latest"`` keeps only the newest. Drops are lost work."""
 OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
 DEFAULT_OVERFLOW: Overflow = "drop_oldest"
-"""The default: a slow subscriber never holds training back; what it cannot keep up with is
-dropped oldest first, counted, and reported as lost work (``FitResult.lost_work``)."""
+"""The default: a slow subscriber never holds training back."""
 
 
 class AsyncSubscription(Subscription):
     """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
 
-    The observer side (``push``) runs on the event-loop thread inside the bus' dispatch and never
-    awaits. With ``overflow="block"`` a full buffer takes the item over capacity and signals
-    ``backpressure``: the dispatcher goes on delivering to everyone (this buffer included), and
-    the training loop waits at its next poll point until the buffer is back within capacity,
-    so nothing is dropped and memory stays bounded by the buffer plus one step's (or one
-    evaluation round's) events.
+    ``push`` runs on the event-loop thread inside the dispatch and never awaits; with
+    ``overflow="block"`` a full buffer takes the item over capacity and signals
+    ``backpressure`` (the training loop waits for room, the dispatch does not).
     """
 
     kind = "async"
@@ -585,18 +449,12 @@ class AsyncSubscription(Subscription):
         on_error: ErrorPolicy | None,
         backpressure: Backpressure,
         decides: bool = False,
-        spent: Spent | None = None,
         stamp: DecisionStamp | None = None,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
-        # Items done with (run or dropped) are freed by the next publish, not here (Spent).
-        # Without a bus' deque (a bare subscription): one that keeps nothing, freed at once.
-        self._spent = Spent(maxlen=0) if spent is None else spent
         self.decides = decides
-        """Whether its commands must land on the step they were decided for: the step clock
-        declares its schedules, and every barrier that delivers it an item waits for it; no
-        other async subscription is ever waited for (see ``EventBus.subscribe_async``)."""
+        """Barriers that deliver it an item wait for it (``EventBus.subscribe_async``)."""
         self.concurrency = concurrency
         self.capacity = buffer
         self.overflow = overflow
@@ -640,10 +498,6 @@ class AsyncSubscription(Subscription):
         return self._finished is not None and self._finished.is_set()
 
     @property
-    def over_capacity(self) -> bool:
-        return len(self.buffer) > self.capacity
-
-    @property
     def pending(self) -> int:
         """Items waiting or running: the work a close waits for."""
         return len(self.buffer) + self.running
@@ -669,13 +523,12 @@ class AsyncSubscription(Subscription):
         if self._first_at is None:
             self._first_at = time.monotonic()
         if self.finished:
-            # Cancelled at close (past close_timeout) while the drain went on: no worker will
-            # run this item, so it is counted, not buffered where nobody would ever look.
+            # Cancelled at close while the drain goes on: no worker will run it.
             self.cancelled += 1
             return
         buf = self.buffer
         if len(buf) >= self.capacity and self.overflow != "block":
-            self._spent.append(buf.popleft())
+            buf.popleft()
             self.dropped += 1
             if self.dropped == 1 and self.overflow == "drop_oldest":
                 self._announce_drops()
@@ -686,8 +539,7 @@ class AsyncSubscription(Subscription):
             self._ready.set()
 
     def _announce_drops(self) -> None:
-        """Say, at its first drop, that this subscription has begun dropping (once: the end
-        of the run reports how many). ``"latest"`` drops by design and is not announced."""
+        """Log ``subscriber_dropping`` at the first drop (``"latest"`` drops by design)."""
         done_rate, in_rate = self.rates()
         log.warning(
             "subscriber_dropping",
@@ -721,16 +573,14 @@ class AsyncSubscription(Subscription):
         tasks.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
 
     def suspend(self) -> None:
-        """The bus suspends (its task group stops): the workers end, the subscription stays
-        active and starts again when the bus opens again. Anything still buffered or in
-        flight then (past the close timeout) counts as cancelled."""
+        """The bus suspends: the workers end (what they still hold counts as cancelled); the
+        subscription stays active and starts again with the bus."""
         self._suspending = True
         self.cancel()
 
     def cancel(self) -> None:
-        """Cancel the workers (close timeout, ``cancel_pending``); what they held and whatever
-        arrives later is counted as cancelled."""
-        # Each worker ends by its own scope (TaskSet); _run then ends as they have.
+        """Cancel the workers; what they held and whatever arrives later counts as
+        cancelled."""
         self._cancelling = True
         if self._workers is not None:
             self._workers.stop()
@@ -745,7 +595,6 @@ class AsyncSubscription(Subscription):
                 for _ in range(self.concurrency):
                     workers.start_soon(self._worker)
         finally:
-            # Whatever is left was cancelled by the close timeout.
             self.cancelled += len(self.buffer) + self.running
             self.buffer.clear()
             self.running = 0
@@ -779,12 +628,9 @@ class AsyncSubscription(Subscription):
                 self.fail(exc, item)
             finally:
                 DecisionStamp.done(token)
-            # Not in a ``finally``: an item whose await is cancelled (close timeout) did not
-            # complete; it stays counted in ``running``, which _run adds to ``cancelled``.
+            # Not in a ``finally``: a cancelled await stays in ``running`` (_run: cancelled).
             self.running -= 1
             self.completed += 1
-            self._spent.append(item)
-            del item  # the spent deque holds the last reference: freed by the next publish
             self._notify(self._progress)
 
     @staticmethod
@@ -836,21 +682,18 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 
 class SubscriptionSet:
-    """Every subscription of one bus, in order, and the back-pressure flag they share.
+    """Every subscription of one bus, in order, and the back-pressure they share.
 
     Args:
         ledger: Where the subscriptions report their failures.
-        spent: Where async subscriptions put the items they are done with (:class:`Spent`).
-        doorbell: Rung when a ``"block"`` buffer goes over capacity (the loop then waits).
+        doorbell: Rung when a ``"block"`` buffer goes over capacity.
         stamp: The dispatch's stamp: async subscriptions note which event fed them.
-        watchdog: Where sync subscriptions mark their calls (``watchdog.py``; default: one
-            that never watches).
+        watchdog: Where sync subscriptions mark their calls (default: one that never watches).
     """
 
     def __init__(
         self,
         ledger: FailureLedger,
-        spent: Spent | None = None,
         doorbell: Doorbell | None = None,
         stamp: DecisionStamp | None = None,
         watchdog: Watchdog | None = None,
@@ -858,7 +701,6 @@ class SubscriptionSet:
         self._stamp = stamp or DecisionStamp()
         self._ledger = ledger
         self._watchdog = Watchdog(None) if watchdog is None else watchdog
-        self._spent = Spent(maxlen=0) if spent is None else spent  # none: freed at once
         self._subs: list[Subscription] = []
         self._tasks: TaskSet | None = None
         self._open = True
@@ -900,13 +742,13 @@ class SubscriptionSet:
         overflow: Overflow | None,
         policy: ErrorPolicy | None,
     ) -> tuple[int, Overflow]:
-        """Validate an async subscription's options (the same answer on every rank, whether
-        the subscription runs there or not); returns the buffer size and the overflow policy
-        (defaults filled in: ``DEFAULT_OVERFLOW``, 64 items, 1 for ``"latest"``).
+        """Validate an async subscription's options (on every rank alike).
+
+        Returns:
+            The buffer size and the overflow policy, defaults filled in.
 
         Raises:
-            ConfigError: for an ``fn`` that is not an async function (a plain ``def`` would
-                fail with a ``TypeError`` on every item) or an argument out of range.
+            ConfigError: ``fn`` is not an async function, or an argument is out of range.
         """
         if not callable(fn):
             raise ConfigError.invalid("fn", fn, "an async function of one item")
@@ -937,53 +779,47 @@ class SubscriptionSet:
         connect: Callable[[abc.ObserverBase[Any]], abc.DisposableBase],
         *,
         concurrency: int,
-        buffer: int | None,
-        overflow: Overflow | None,
+        buffer: int,
+        overflow: Overflow,
         policy: ErrorPolicy | None,
         name: str | None,
         decides: bool = False,
     ) -> AsyncSubscription:
-        """Validate and add an async subscription; ``connect`` subscribes its feeder upstream.
+        """Add an async subscription of options :meth:`check_async` validated; ``connect``
+        subscribes its feeder upstream.
 
         Raises:
-            ConfigError: for a non-callable ``fn`` or an argument out of range.
             BusClosedError: the bus is closed.
         """
-        size, policy_ = self.check_async(fn, concurrency=concurrency, buffer=buffer,
-                                         overflow=overflow, policy=policy)  # fmt: skip
         self.check_open()
         sub = AsyncSubscription(
             self._ledger,
             name or name_of(fn),
             fn,
             concurrency=concurrency,
-            buffer=size,
-            overflow=policy_,
+            buffer=buffer,
+            overflow=overflow,
             on_error=policy,
             backpressure=self.backpressure,
-            spent=self._spent,
             decides=decides,
             stamp=self._stamp,
         )
         if self._tasks is not None:
-            # Its workers' events and tasks belong to the event loop, whichever thread
-            # subscribes (a hook's subscription comes from the training thread).
+            # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
         self._subs.append(sub)
         sub.upstream = connect(AsyncFeeder(sub))
         return sub
 
     def start(self, tasks: TaskSet) -> None:
-        """The bus runs: start the active async subscriptions (and later ones at once) in
-        ``tasks`` (the bus' :class:`TaskSet`)."""
+        """The bus runs: start the active async subscriptions (and later ones at once)."""
         self._tasks = tasks
         for sub in self.asyncs():
             if sub.active:
                 sub.start(tasks)
 
     def suspend(self) -> None:
-        """The bus suspends: its task group is about to stop; the async subscriptions keep
-        their state (and start again with the next :meth:`start`)."""
+        """The bus suspends: the async subscriptions keep their state until :meth:`start`."""
         self._tasks = None
         for sub in self.asyncs():
             sub.suspend()
@@ -1001,8 +837,7 @@ class SubscriptionSet:
         return tuple(s.statistics() for s in self._subs)
 
     def pending(self) -> dict[str, int]:
-        """Items waiting or running per async subscription that has any (what a close waits
-        for)."""
+        """Items waiting or running per async subscription that has any."""
         return {s.name: s.pending for s in self.asyncs() if s.pending}
 
     def cancel_pending(self) -> dict[str, int]:
@@ -1094,20 +929,17 @@ class RankFilter:
             self._default = previous
 
 
-# ================================================================== the bus' Observable and the com
+# ================================================================== chains
 _T = TypeVar("_T")
-_T_co = TypeVar("_T_co", covariant=True)
 
 
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
     the observer and hands the bus' Rx scheduler to the chain's time-based operators.
 
-    ``decision_steps`` are those of the operators piped so far (an operator with a
-    ``decision_steps`` attribute, like ``tbops.every(n)``): subscribing declares them to the bus'
-    step clock for the subscription's lifetime. A stream of events that are never published per step
-    (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares nothing: its own events
-    are barriers or arrive rarely, and decision steps there would only add barriers.
+    ``decision_steps`` are those of the operators piped so far (``tbops.every(n)`` carries
+    some): subscribing declares them for the subscription's lifetime. A stream of events never
+    published per step (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares none.
     """
 
     def __init__(
@@ -1154,17 +986,14 @@ class BusObservable(Observable[_T], Generic[_T]):
         name: str | None = None,
         ranks: Any = None,
     ) -> Subscription:
-        """Subscribe under the bus' guard.
-
-        The positional slots are RxPY's (``subscribe(on_next, on_error, on_completed)``), so
-        reactivex operators that subscribe to a bus chain with callbacks keep working; by
-        keyword, ``on_error=`` is the error policy, as in ``bus.subscribe`` and
-        ``bus.subscribe_async``.
+        """Subscribe under the bus' guard. The positional slots are RxPY's (``on_next,
+        on_error, on_completed``), so reactivex operators keep working; by keyword,
+        ``on_error=`` is the error policy, as in ``bus.subscribe``.
 
         Args:
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
             on_rx_error: The Rx error callback of a function ``on_next``: called with an
-                error the chain itself emits (RxPY's second positional argument).
+                error the chain itself emits.
             on_completed: Called when the bus closes.
             on_error: What a failure of ``on_next`` does: ``"log"``, ``"stop"`` or
                 ``"raise"`` (default: the bus' ``on_error``).
@@ -1195,7 +1024,7 @@ class BusObservable(Observable[_T], Generic[_T]):
         return sub
 
     def subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
-        """Subscribe an internal observer directly (async feeders), with the bus' Rx scheduler."""
+        """Subscribe an internal observer (an async feeder) with the bus' Rx scheduler."""
         return self.source.subscribe(observer, scheduler=self.chains.rx_scheduler)
 
 
@@ -1233,8 +1062,7 @@ def normalize_observer(
             callable.
     """
     if isinstance(observer, CommandSink):
-        # Failures of a decision pipeline are the subscription's, under its policy (a
-        # ConfigError from send() is reported, not re-raised into the pipeline).
+        # A ConfigError from send() is the subscription's failure, not the pipeline's.
         return observer.send, on_rx_error, on_completed
     if isinstance(observer, abc.ObserverBase):
         return observer.on_next, observer.on_error, observer.on_completed
@@ -1251,15 +1079,13 @@ def normalize_observer(
     return observer, on_rx_error, on_completed
 
 
-# ================================================================== chains
 class Chains:
-    """Subscribes a chain's last observer behind the bus' guard: what every
-    :class:`BusObservable` subscribes through.
+    """What every :class:`BusObservable` subscribes through (see the module docstring).
 
     Args:
-        subscriptions: The bus' subscription records (where a guarded observer is added).
-        ranks: The bus' rank filter (a subscription for other ranks is inert here).
-        ledger: The bus' failure ledger (an inert subscription's counters).
+        subscriptions: Where a guarded observer is added.
+        ranks: The bus' rank filter (a subscription for other ranks is inert).
+        ledger: The bus' failure ledger (an inert subscription's).
         clock: The step clock the pipelines' decision steps are declared to.
         rx_scheduler: What chains get: timers on the bus' Rx scheduler, "now" work inline.
     """
@@ -1276,18 +1102,7 @@ class Chains:
         self._ranks = ranks
         self._ledger = ledger
         self._clock = clock
-        self._chain_scheduler = rx_scheduler
-
-    @property
-    def rx_scheduler(self) -> abc.SchedulerBase:
-        """The scheduler bus chains get: timers on the bus' Rx scheduler, "now" work inline."""
-        return self._chain_scheduler
-
-    def inert(self, name: str | None, on_error: ErrorPolicy | None) -> Subscription:
-        """A subscription for other ranks: registered nowhere, so it costs nothing."""
-        sub = Subscription(self._ledger, name or "inert", on_error)
-        sub.dispose()
-        return sub
+        self.rx_scheduler: abc.SchedulerBase = rx_scheduler
 
     def subscribe_observer(
         self,
@@ -1301,33 +1116,21 @@ class Chains:
         scheduler: abc.SchedulerBase | None = None,
         ranks: Ranks = None,
     ) -> Subscription:
-        """Subscribe ``observer`` (function or Rx observer) to ``source`` behind the guard.
-
-        Args:
-            source: The chain to subscribe to.
-            observer: A function of one item, or an Rx observer.
-            on_rx_error: The Rx error callback of a function observer (an error the chain
-                itself emits); None: the subscription's policy handles it.
-            on_completed: Called when the chain completes.
-            on_error: The error policy (``"log"``, ``"stop"``, ``"raise"``; None: the bus').
-            name: Name in logs and statistics.
-            scheduler: Overrides the bus' Rx scheduler for this chain.
-            ranks: Where it runs under torchrun.
-
-        Returns:
-            The subscription (inert on a rank it does not run on).
+        """Subscribe ``observer`` to ``source`` behind the guard (arguments as in
+        :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert subscription.
 
         Raises:
-            ConfigError: ``observer`` is neither callable nor an observer; a callback is not
-                callable; unknown policy or ranks.
+            ConfigError: a bad observer, callback, policy or ranks.
             BusClosedError: the bus is closed.
         """
         self._subs.check_open()
         on_next, on_rx_error, on_completed = normalize_observer(observer, on_rx_error, on_completed)
         policy = check_policy(on_error)
         if not self._ranks.runs_here(ranks):
-            return self.inert(name, policy)
-        chain = ChainScheduler(scheduler) if scheduler else self._chain_scheduler
+            inert = Subscription(self._ledger, name or "inert", policy)
+            inert.dispose()  # registered nowhere: it costs nothing
+            return inert
+        chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
         return self._subs.add_guarded(
             source,
             on_next,
@@ -1339,8 +1142,7 @@ class Chains:
         )
 
     def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
-        """Declare decision steps to the step clock until the result is disposed (what
-        subscribing a pipeline with ``tbops.every(n)`` / ``tbops.once(at=k)`` does)."""
+        """Declare decision steps to the step clock until the result is disposed."""
         clock = self._clock
         keys = clock.declare(*decision_steps)
         return Disposable(lambda: clock.remove(keys))

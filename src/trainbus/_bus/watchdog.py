@@ -1,38 +1,21 @@
 """The watchdog and the failure ledger: what a subscriber blocks or raises.
 
-The event-loop watchdog: says which sync subscriber blocks the event-loop thread, while it does.
+Sync subscribers run on the event-loop thread; one that blocks holds every other subscriber,
+the barriers and the close. The guard marks which subscription it runs with two attribute
+writes per call; the :class:`Watchdog`'s daemon thread polls them::
 
-Sync subscribers run on the event-loop thread. One that blocks (a ``time.sleep``, a slow upload
-in a plain ``def``) holds every other subscriber, the barriers and the close; nothing else would
-say so. The dispatcher's guard marks which subscription it is running with two plain attribute
-writes per call (no lock, no clock: the cost is that of the writes)::
+    loop thread (GuardedObserver.on_next)        watchdog thread (polls every threshold/10)
+    prev = w.current; w.current = sub    ───►    same call (sub, sub.received) running for
+    fn(event)                            read    >= threshold? warn once, with the loop
+    w.current = prev                             thread's stack; an info line when it returns
 
-    loop thread (GuardedObserver.on_next)        watchdog thread (daemon, polls)
-    ┌────────────────────────────────────┐       ┌──────────────────────────────────────────┐
-    │ sub.received += 1  (counted anyway)│       │ every threshold/10 (at most 0.5 s):      │
-    │ prev = w.current; w.current = sub  │ ───►  │   same call (sub, sub.received) running  │
-    │ fn(event)                          │ read  │   since >= threshold? → warning:         │
-    │ w.current = prev                   │       │   subscription, blocked_s, the loop      │
-    └────────────────────────────────────┘       │   thread's stack (now)                   │
-                                                 └──────────────────────────────────────────┘
+Not seen: an Rx operator upstream of the guard (``ops.map(slow)``), and an ``async def``
+subscriber that blocks between its awaits.
 
-The warning comes while the call still blocks, with the loop thread's current stack
-(``sys._current_frames()``), once per blocked call; when the call returns, an info line says how
-long it blocked. The subscription counts its ``stalls`` and ``blocked_s`` (see
-:class:`~trainbus._bus.subscriptions.SubscriptionStatistics`). Times are measured by the watchdog's
-polls, so they are right to within one poll interval.
-
-What it does not see: an Rx operator upstream of the subscriber (``ops.map(slow)``) runs before
-the guard, and an ``async def`` subscriber that blocks between its awaits runs in a worker task.
-
-The failure ledger: subscriber failures counted, logged without flooding, handled by policy.
-
-Policies: ``"log"`` (go on), ``"stop"`` (send ``StopTraining`` once per subscription),
-``"raise"`` (the first such failure becomes :attr:`FailureLedger.fatal`; the loop raises it at
-its next poll point, a bare bus on close).
-
-The ledger knows nothing of subscriptions beyond the :class:`FailureSource` protocol: a
-subscription keeps its own counters and reports each failure here.
+The :class:`FailureLedger` counts every failure and applies the subscription's policy:
+``"log"`` (go on), ``"stop"`` (send ``StopTraining`` once per subscription), ``"raise"`` (the
+first such failure becomes :attr:`FailureLedger.fatal`; the loop raises it at its next poll
+point, a bare bus on close).
 """
 
 from __future__ import annotations
@@ -48,7 +31,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .doorbell import Doorbell
+from .commands import Doorbell
 
 __all__ = [
     "DEFAULT_WATCHDOG_S",
@@ -85,18 +68,16 @@ class Watched(Protocol):
 
 
 class Watchdog:
-    """Watches the event-loop thread from a daemon thread (see the module docstring).
-
-    The loop thread writes :attr:`current`; nothing else does. The watchdog thread only reads it
-    and the subscription's ``received`` (a torn read costs at most one poll of delay, never a
-    false alarm: a warning needs the same call seen on polls ``threshold`` apart).
+    """Watches the event-loop thread from a daemon thread (see the module docstring). Only
+    the loop thread writes :attr:`current`; a warning needs the same call seen on polls
+    ``threshold`` apart, so a torn read never raises a false alarm.
 
     Args:
         threshold: Seconds a call may block before the warning; None: no watchdog thread (the
             marks are still written, and cost the same).
     """
 
-    __slots__ = ("_loop_thread", "_stop", "_thread", "_warnings", "current", "threshold")
+    __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
 
     def __init__(self, threshold: float | None) -> None:
         self.threshold = threshold
@@ -105,17 +86,6 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._loop_thread = 0
-        self._warnings = 0
-
-    @property
-    def warnings(self) -> int:
-        """Warnings given so far (one per blocked call)."""
-        return self._warnings
-
-    @property
-    def running(self) -> bool:
-        """True while the watchdog thread runs."""
-        return self._thread is not None and self._thread.is_alive()
 
     def start(self, loop_thread: int) -> None:
         """Watch ``loop_thread`` (a ``threading.get_ident()``) from a new daemon thread; nothing
@@ -160,7 +130,6 @@ class Watchdog:
             self._ended(seen, time.monotonic() - since)
 
     def _warn(self, sub: Watched, blocked_s: float) -> None:
-        self._warnings += 1
         sub.stalled(blocked_s, ended=False)
         frame = sys._current_frames().get(self._loop_thread)
         stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]) if frame else ""
@@ -184,8 +153,7 @@ class Watchdog:
 # ================================================================== the failure ledger
 ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
 """What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
-run (the subscriber's exception itself, with a note naming it, from ``fit()`` / from
-closing the bus)."""
+run (the subscriber's own exception, noted, from ``fit()`` or closing the bus)."""
 ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
 
 
@@ -259,12 +227,9 @@ class FailureLedger:
         fatal, self._fatal = self._fatal, None
         return fatal
 
-    def count(self) -> None:
-        """Count a failure that needs no logging here (already reported by its owner)."""
-        self._failed += 1
-
-    def scheduler_failed(self, exc: BaseException) -> None:
-        """A scheduled action raised (the scheduler logs it): count it."""
+    def count(self, exc: BaseException | None = None) -> None:
+        """Count a failure its owner reported (a handled upstream error, a scheduled action
+        that raised)."""
         self._failed += 1
 
     def subscriber_failed(
@@ -280,9 +245,7 @@ class FailureLedger:
         """
         self._failed += 1
         policy = sub.on_error or self.default_policy
-        # The first failure is logged with its traceback; repeats only at 10, 100, 1000, ...
-        # failures, so a subscriber that fails on every step cannot flood the log. Every
-        # failure is counted in statistics() either way.
+        # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
         n = sub.failed
         if n == 1 or ended or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
             fields: dict[str, Any] = {}
@@ -301,8 +264,7 @@ class FailureLedger:
             if sub.claim_stop():
                 self._send(cmd.StopTraining(reason=f"subscriber {sub.name!r} failed: {exc!r}"))
         elif policy == "raise" and self._fatal is None:
-            # The user's exception itself fails the run (``except MyError`` matches at fit()),
-            # with a note saying where trainbus caught it.
+            # The user's exception itself fails the run (``except MyError`` matches at fit()).
             where = ""
             if isinstance(item, ev.BaseEvent):
                 where = f" handling {type(item).__name__} (step {item.step}, epoch {item.epoch})"

@@ -9,7 +9,7 @@ import threading
 from trainbus import EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus._bus.doorbell import Doorbell
+from trainbus._bus.commands import Doorbell
 
 
 def test_rings_from_many_threads_all_count() -> None:
