@@ -19,7 +19,7 @@ from .._exceptions import CheckpointError, ConfigError
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
-    from .._bus.doorbell import Doorbell
+    from .._bus.commands import Doorbell
     from .._distributed.sync import RankSync
     from ..checkpoint import TrainState
     from .evaluation import Evaluator

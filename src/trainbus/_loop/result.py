@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from .._bus.doorbell import Doorbell
+    from .._bus.commands import Doorbell
     from .._bus.subscriptions import BusStatistics, LostWork
 
 __all__ = ["CancelFlag", "Cancelled", "FitResult"]
