@@ -138,8 +138,8 @@ def expected_run(
                 out.append(Entry("SpanTraced(backward)", step, epoch, "train", bi, micro))
                 bi += 1
             out.append(Entry("SpanTraced(optimizer_step)", step, epoch, "train"))
-            out.append(Entry("SpanTraced(zero_grad)", step, epoch, "train"))
             step += 1
+            out.append(Entry("SpanTraced(zero_grad)", step, epoch, "train"))
             out.append(Entry("StepEnded", step, epoch))
             if step % log_every == 0:
                 out.append(Entry("MetricsLogged", step, epoch))

@@ -29,15 +29,15 @@ def test_skip_follows_the_other_ranks_verdict_on_a_finite_loss() -> None:
 
     g = guard("skip", some_rank_nan)
     assert g.collective and g.per_step
-    assert g.skip_update([torch.tensor(0.5)])  # finite here, skipped with the others
+    assert g.skip_update([torch.tensor(0.5)], 5)  # finite here, skipped with the others
     assert asked == [False] and g.skipped == 1
 
 
 def test_skip_asks_even_when_every_loss_is_finite_and_steps_when_all_are() -> None:
     asked: list[bool] = []
     g = guard("skip", lambda bad: asked.append(bad) or bad)
-    assert not g.skip_update([torch.tensor(0.5)])
-    assert not g.skip_update([torch.tensor(0.25)])
+    assert not g.skip_update([torch.tensor(0.5)], 5)
+    assert not g.skip_update([torch.tensor(0.25)], 5)
     assert asked == [False, False]  # one agreement per step, on every rank
 
 
@@ -51,4 +51,4 @@ def test_one_process_keeps_the_cpu_per_step_check() -> None:
     g = guard("raise", None)
     assert g.per_step and not g.collective
     with pytest.raises(NonFiniteLossError, match="step 5"):
-        g.skip_update([torch.tensor(float("nan"))])
+        g.skip_update([torch.tensor(float("nan"))], 5)

@@ -30,7 +30,9 @@ What the context does for a step:
 
 ``train_step`` returns the micro-batch's loss: a tensor, a number, or a mapping with a
 ``"loss"`` entry whose other scalar entries are logged as metrics. The run's step count
-advances once per step in which some optimizer stepped.
+advances once per step in which some optimizer stepped: at ``ctx.optimizer_step()`` (the run's
+one update, so its ``after_optimizer_step`` hooks see the step done), or after ``train_step``
+returned when it stepped named optimizers (each of their hooks sees the same step).
 """
 
 from __future__ import annotations
@@ -77,31 +79,26 @@ class TrainContext:
     """What ``train_step`` gets for one micro-batch (see :mod:`trainbus._loop.context`).
 
     Attributes:
+        step: Optimizer steps completed before this one (the step being taken is
+            ``step + 1``).
+        epoch: The epoch in progress.
         batch: The batch, on the run's device (after the ``batch`` hooks).
         batch_index: The batch's index in the epoch.
         micro_batch: Its position among the step's micro-batches (0 without accumulation).
         accumulation_steps: The step's micro-batches (``accumulate``, shorter at an epoch's end).
     """
 
-    __slots__ = ("_runner", "accumulation_steps", "batch", "batch_index", "micro_batch")
+    __slots__ = ("_runner", "accumulation_steps", "batch", "batch_index", "epoch",
+                 "micro_batch", "step")  # fmt: skip
 
     def __init__(
         self, runner: StepRunner, batch: Any, batch_index: int, micro_batch: int,
         accumulation_steps: int,
     ) -> None:  # fmt: skip
         self._runner = runner
+        self.step, self.epoch = runner.state.step, runner.state.epoch
         self.batch, self.batch_index = batch, batch_index
         self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
-
-    @property
-    def step(self) -> int:
-        """Optimizer steps completed so far (the step being taken is ``step + 1``)."""
-        return self._runner.state.step
-
-    @property
-    def epoch(self) -> int:
-        """The epoch in progress."""
-        return self._runner.state.epoch
 
     @property
     def model(self) -> torch.nn.Module:
@@ -124,7 +121,7 @@ class TrainContext:
         return self.micro_batch == self.accumulation_steps - 1
 
     def compute_loss(self) -> torch.Tensor | None:
-        """Forward and loss of :attr:`batch` as the default step computes them (see the module
+        """Forward and loss of ``ctx.batch`` as the default step computes them (see the module
         docstring).
 
         Returns:
@@ -223,6 +220,7 @@ class StepRunner:
         self._checked = 0
         self._skip = self._unscaled = self._skipped = False
         self._last: torch.Tensor | None = None
+        self._first_step = self.state.step
         self.same = True
 
     def begin(self) -> None:
@@ -291,7 +289,7 @@ class StepRunner:
 
     def _returned(self, out: Any, bi: int) -> torch.Tensor:
         """The loss in what ``train_step`` returned (a mapping's other entries are logged)."""
-        where = f"at step {self.state.step + 1}, batch {bi}"
+        where = f"at step {self._first_step + 1}, batch {bi}"
         if isinstance(out, Mapping) and "loss" not in out:
             raise TrainingError(
                 f"train_step {self.name} returned a mapping without a 'loss' entry (keys: "
@@ -443,7 +441,7 @@ class StepRunner:
             pending = self._losses[self._checked :]
             self._checked = len(self._losses)
             try:
-                bad = guard.read_step(pending) is None
+                bad = guard.skip_update(pending, self._first_step + 1)
             except BaseException as exc:
                 if self._own:
                     names = self.settings.optimizers if name is None else (name,)
@@ -486,6 +484,8 @@ class StepRunner:
         except BaseException as exc:
             self.annotate(exc, "optimizer step", bi)
             raise
+        if name is None:  # the run's one update: the step is taken now
+            self.state.step_done()
         self._stepped[name] = grad_norm
         self.zero_grad(bi, opt)
         hooks = self._hooks.by_point["after_optimizer_step"]
@@ -493,7 +493,7 @@ class StepRunner:
             for hook in hooks:
                 hc = self.hook_context(bi, 0, None)
                 hc.optimizer = opt
-                hc.step = self.state.step + 1  # the step this update completes
+                hc.step = self._first_step + 1  # the step this update completes
                 hook(hc)
         return True
 
@@ -504,6 +504,11 @@ class StepRunner:
         else:
             for o in each:
                 scaler.step(o)
+
+    def drop_gradients(self) -> None:
+        """Drop every gradient (a step that computed no loss), untraced."""
+        self.settings.optimizer.zero_grad(set_to_none=True)
+        self._clean = True
 
     def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.zero_grad(set_to_none=True)``, traced as ``"zero_grad"``."""
@@ -543,6 +548,8 @@ class StepRunner:
                 if name not in self._called and name not in self._warned:
                     self._warn_not_stepped(name)
         stepped = self._stepped
+        if stepped and None not in stepped:  # named optimizers stepped: the step is taken
+            self.state.step_done()
         if len(stepped) == 1:  # one optimizer (or the run's, every one) stepped
             return True, next(iter(stepped.values()))
         if not stepped:
@@ -558,7 +565,7 @@ class StepRunner:
         self._warned.add(name)
         warnings.warn(
             f"train_step {self.name} did not step optimizer {name!r} at step "
-            f"{self.state.step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
+            f"{self._first_step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
             "optimizer)",
             RuntimeWarning,
             stacklevel=3,

@@ -111,27 +111,13 @@ class NonFiniteGuard:
         self.skipped = 0
         self._consecutive = 0
 
-    def skip_update(self, losses: list[torch.Tensor]) -> bool:
-        """Per-step check of one step's (detached) micro-batch losses, before its update:
-        :meth:`read_step` when only the decision matters (a custom step's ``ctx.backward``
-        losses).
+    def skip_update(self, losses: list[torch.Tensor], step: int) -> bool:
+        """Per-step check of the micro-batch losses of ``step`` (the step they belong to),
+        before its update (only their values are read: they need not be detached).
 
         Returns:
-            True when the update must not be applied.
-
-        Raises:
-            NonFiniteLossError: as :meth:`read_step`.
-        """
-        return self.read_step(losses) is None
-
-    def read_step(self, losses: list[torch.Tensor]) -> float | None:
-        """Per-step check of one step's micro-batch losses, before its update (only their
-        values are read: they need not be detached).
-
-        Returns:
-            The step's loss (the mean of the values read), which the log window keeps
-            instead of the tensor; None when the update must not be applied (``"skip"``, or
-            ``"stop"``: the run stops with the model as it was before this step).
+            True when the update must not be applied (``"skip"``, or ``"stop"``: the run stops
+            with the model as it was before this step).
 
         Raises:
             NonFiniteLossError: a non-finite loss under ``"raise"``, or
@@ -140,20 +126,16 @@ class NonFiniteGuard:
         # On the CPU a plain read (~0.3 µs); on an accelerator (only under "skip") one device
         # sync per step, documented. A loss is one element: 0-d, or of shape (1,).
         if len(losses) == 1:
-            value = losses[0].item()
-            finite = math.isfinite(value)
+            finite = math.isfinite(losses[0].item())
         else:
-            values = torch.stack(losses).flatten().tolist()
-            finite = all(map(math.isfinite, values))  # each: finite values' sum may overflow
-            value = mean(values)  # as the step's mean on a device: no overflow
+            finite = all(map(math.isfinite, torch.stack(losses).flatten().tolist()))
         if self._agree is not None:
             # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
             # so all skip the same update, or none does.
             finite = not self._agree(not finite)
         if finite:
             self._consecutive = 0
-            return value
-        step = self._state.step + 1  # the step these losses belong to
+            return False
         if self.policy == "skip":
             self.skipped += 1
             self._consecutive += 1
@@ -165,15 +147,16 @@ class NonFiniteGuard:
                     f"(epoch {self._state.epoch}) with on_nonfinite='skip': the model or the "
                     "data is broken"
                 )
-            return None
+            return True
         self.found(step)
-        return None
+        return True
 
     def found(self, step: int) -> None:
         """A non-finite loss was seen at ``step``: apply the policy (``"raise"`` / ``"stop"``).
 
         Raises:
-            NonFiniteLossError: under ``"raise"``, naming the step and the last checkpoint.
+            NonFiniteLossError: under ``"raise"``, naming the step (the loop's note adds the
+                last checkpoint).
         """
         if not self.active or self.tripped:
             return

@@ -186,13 +186,12 @@ class Step:
         st.samples_done(samples)
         exhausted = consumed < accumulation_steps
         if not losses:
-            runner.zero_grad(bi, s.optimizer)
+            runner.drop_gradients()
             return StepOutcome(consumed, False, exhausted)
         took, grad_norm = runner.finish(bi)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(consumed, False, exhausted)
-        self._check_returned(losses)
-        st.step_done()
+        self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
         step_loss = losses[0] if len(losses) == 1 else mean_tensor(losses)
@@ -220,7 +219,7 @@ class Step:
                 barrier = logged
         return StepOutcome(consumed, True, exhausted, ended, barrier)
 
-    def _check_returned(self, losses: list[torch.Tensor]) -> None:
+    def _check_returned(self, losses: list[torch.Tensor], step: int) -> None:
         """Where the guard reads every step (the CPU), the losses a custom step returned when
         they are not those it gave to ``ctx.backward`` (those were read before the update):
         ``"raise"`` / ``"stop"`` (the update is already taken)."""
@@ -228,7 +227,7 @@ class Step:
         if runner.same or not guard.per_step or guard.policy == "skip":
             return
         try:
-            guard.skip_update(losses)
+            guard.skip_update(losses, step)
         except BaseException as exc:
             exc.add_note(f"trainbus: the loss train_step {runner.name} returned")
             raise
