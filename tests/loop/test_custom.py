@@ -376,6 +376,27 @@ def test_the_grad_scaler_unscales_and_steps_each_optimizer_and_updates_once() ->
                             "update"]  # fmt: skip
 
 
+def test_a_step_whose_every_update_a_hook_skipped_still_updates_the_grad_scaler() -> None:
+    """``unscale_`` was called: without ``update()`` the next step's ``unscale_`` raises."""
+    model, opts, data = gan_parts()
+    scaler = RecordingScaler({id(o): n for n, o in opts.items()})
+    trainer = Trainer(model, opts, data, train_step=gan_step, max_steps=1, progress=False)
+    trainer.settings = dataclasses.replace(trainer.settings, scaler=scaler)
+    calls = {"n": 0}
+
+    def skip_the_first_step(ctx: StepContext) -> None:
+        calls["n"] += 1
+        if calls["n"] <= 2:  # both updates of the first step
+            ctx.skip_batch()
+
+    trainer.add_hook("before_optimizer_step", skip_the_first_step)
+    result = trainer.fit_sync()
+    assert result.steps == 1
+    assert scaler.calls == ["scale", "unscale d", "scale", "unscale g", "update",  # skipped
+                            "scale", "unscale d", "step d", "scale", "unscale g", "step g",
+                            "update"]  # fmt: skip
+
+
 class TwoParts(nn.Module):
     """A model trained by two optimizers under the default step (it returns its loss)."""
 
