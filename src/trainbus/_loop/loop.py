@@ -48,7 +48,6 @@ from .hooks import Hooks
 from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .pinning import hint_pin_memory
 from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
 from .step import Step, StepOutcome
@@ -143,7 +142,7 @@ class Loop:
                                        log_metric=user.log, stop=self._stop)  # fmt: skip
         if resume is not None:
             self._resumed(resume)
-        self._data = EpochData(settings, port, state, self._checkpoints, resume)
+        self._data = EpochData(settings, state, self._checkpoints, resume)
         self._scheduler = SchedulerStepper(settings, port, state, self._wants)
         runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
@@ -194,7 +193,6 @@ class Loop:
         error: BaseException | None = None
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
-        hint_pin_memory(s.train_data, s.device)  # once per process, on CUDA
         steps_per_epoch = self._data.start()
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
                           max_epochs=s.max_epochs, device=str(s.device),

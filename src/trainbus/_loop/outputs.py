@@ -29,8 +29,8 @@ import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["OutputsCheck", "PadValue", "PadValues", "detach_outputs", "ignored_keys",
-           "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
+__all__ = ["HostOutputs", "OutputsCheck", "PadValue", "PadValues", "detach_outputs",
+           "ignored_keys", "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
 
 PadValue = bool | int | float
 """A value to pad a tensor with."""
@@ -398,3 +398,41 @@ def _keys(layout: Any) -> set[str]:
     if layout[0] == "mapping":
         return {str(k) for k in layout[1]}.union(*(_keys(c) for c in layout[1].values()))
     return set()
+
+
+class HostOutputs:
+    """Per-batch prediction outputs, copied to the host as they are added, so that a long
+    ``predict(return_outputs=True)`` never holds its outputs in device memory.
+
+    On CUDA each copy goes into pinned memory with ``non_blocking=True`` (queued behind the
+    forward); :meth:`batches` waits once for all of them.
+
+    Args:
+        device: The run's device: CUDA copies are pinned and non-blocking.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pin = device.type == "cuda"
+        self._queued = False
+        self._batches: list[Any] = []
+
+    def add(self, outputs: Any) -> None:
+        """Queue the copy of one batch's outputs (as :func:`map_tensors` walks them)."""
+        self._batches.append(map_tensors(self._tensor_to_host, outputs))
+
+    def _tensor_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        host.copy_(tensor, non_blocking=self._pin)
+        self._queued = self._queued or self._pin
+        return host
+
+    def batches(self) -> list[Any]:
+        """The host copies of every batch added, in order, after one wait for the queued
+        copies (a pinned buffer is not readable before its copy ran)."""
+        if self._queued:
+            torch.cuda.synchronize(self._device)
+            self._queued = False
+        return self._batches

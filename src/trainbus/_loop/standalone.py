@@ -32,8 +32,8 @@ from .._hookpoints import StepContext
 from .._tensors import batch_size, move_to_device, use_device
 from .evaluation import Evaluator
 from .forward import model_outputs
-from .host import HostOutputs
 from .outputs import (
+    HostOutputs,
     OutputsCheck,
     PadValues,
     detach_outputs,
@@ -134,7 +134,7 @@ class StandaloneRun:
 
         Returns:
             The per-batch outputs (detached, copied to the host as they came: pinned and
-            non-blocking on CUDA; see :class:`~trainbus._loop.host.HostOutputs`) when ``keep``.
+            non-blocking on CUDA; see :class:`~trainbus._loop.outputs.HostOutputs`) when ``keep``.
 
         Raises:
             TrainingError: with ``keep``, a batch's outputs that cannot be joined to the first
