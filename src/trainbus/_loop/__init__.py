@@ -1,12 +1,5 @@
-"""The training thread's side: the step, command handling, log window, evaluation.
-
-Objects, each owning its state: :class:`Loop` (``loop.py``) runs the epochs and the poll
-points, :class:`Step` (``step.py``) is the one optimizer step, written once in event order, and
-the other modules hold one part each (docs/architecture.md, "The loop", lists them with what
-each owns and does).
-
-This package imports the bus only for types and uses it through its public methods.
-"""
+"""The training thread's side: the loop and its parts, one object each owning its state
+(docs/architecture.md, "The loop"). This package imports the bus only for types."""
 
 from .context import StepRunner as StepRunner
 from .context import TrainContext as TrainContext
