@@ -24,7 +24,6 @@ from .outputs import (
     OutputsCheck,
     PadValues,
     detach_outputs,
-    join_outputs,
     map_tensors,
     without_keys,
 )
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
     from .hooks import Hooks
     from .settings import Settings
 
-__all__ = ["StandaloneRun", "detach_outputs", "join_outputs"]
+__all__ = ["StandaloneRun"]
 
 
 class StandaloneRun:
