@@ -1,14 +1,8 @@
 """How the micro-batches of one optimizer step are weighed (``Accumulate(n, by=...)``).
 
-By default (``"batches"``) each micro-batch's loss is divided by their number: every
-micro-batch weighs the same, whatever it holds. With ``"items"`` (or a counting function) each
-micro-batch weighs by the items it holds, as Hugging Face's ``num_items_in_batch`` does: its
-loss, a mean over its ``n_i`` items, is multiplied by ``n_i / N`` where ``N`` counts the items of
-the whole step. For a loss that is a mean over items (token-level cross-entropy with
-``ignore_index=-100``) the accumulated gradient then equals the gradient of one batch made of the
-step's micro-batches. ``N`` must be known before the first micro-batch's backward, so the step
-fetches the step's batches before its first forward when the weighing is by items
-(:class:`ItemWeights`).
+``"batches"`` (the default) weighs each by ``1 / n``; ``"items"`` or a counting function by
+``n_i / N``, its items over the step's (docs/trainer.md, "Gradient accumulation"). ``N`` is
+needed before the first backward, so a step weighed by items fetches its batches first.
 """
 
 from __future__ import annotations
@@ -31,17 +25,15 @@ IGNORE_INDEX = -100
 
 
 def count_items(batch: Any) -> int:
-    """The items of ``batch`` that a token-level loss counts: its labels ``!= -100``.
-
-    The labels are a mapping batch's ``"labels"`` (Hugging Face style) or the targets of an
-    ``(inputs, targets)`` batch. Read on the batch as the loader yields it (before the move to
-    the run's device): on CPU tensors it costs no device sync.
+    """The items of ``batch`` that a token-level loss counts: its labels ``!= -100`` (a mapping
+    batch's ``"labels"`` or an ``(inputs, targets)`` batch's targets), read before the batch
+    moves to the device.
 
     Raises:
         TrainingError: the batch has no labels tensor there (pass ``Accumulate(n, by=fn)``).
     """
     labels: Any = None
-    if isinstance(batch, Mapping | tuple | list):  # where metric functions find their targets
+    if isinstance(batch, Mapping | tuple | list):
         try:
             labels = metric_targets(batch)
         except TrainingError:  # a mapping without "labels"
@@ -67,8 +59,7 @@ class ItemWeights:
         self._count = count
 
     def weights(self, batches: Sequence[Any]) -> list[float]:
-        """``n_i / N`` for each of the step's fetched ``batches`` (0 for all of them when
-        the step holds no item: no gradient, as a summed loss over nothing gives).
+        """``n_i / N`` for each of the step's ``batches`` (all 0 when the step holds no item).
 
         Raises:
             TrainingError: the count is not a non-negative int (naming the function), or

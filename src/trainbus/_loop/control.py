@@ -1,11 +1,8 @@
 """Poll points and command application: how the loop obeys the back-channel.
 
 :class:`CommandHandler` drains the bus' command queue at the loop's poll points, applies each
-command with an exhaustive ``match`` and acknowledges it with ``CommandApplied``. It owns the
-``stop_epoch`` state, stops the run's :class:`RunStop` for ``StopTraining``, and reaches the
-loop's other parts only through their public methods: the
-:class:`~trainbus._loop.saving.CheckpointWriter` for ``SaveCheckpoint``, the
-:class:`~trainbus._loop.evaluation.Evaluator` for ``Evaluate``.
+command and acknowledges it with ``CommandApplied``; :class:`RunStop` holds whether the run
+stops.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["BarrierWait", "CommandHandler", "RunStop"]
 
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
-"""``wait(event, resume) -> status``: waits on the event-loop thread until the barrier event
-(None: the end of the run) was delivered and its deciders (the ``decides=True`` async
-subscriptions that received it) finished; ``"request"`` when a ``bus.request`` interrupted the
+"""``wait(event, resume) -> status``: waits until the barrier event (None: the end of the run)
+was delivered and its deciders finished; ``"request"`` when a ``bus.request`` interrupted the
 wait (apply it, then call again with ``resume=True``)."""
 
 _MAX_ROUNDS = 100
@@ -76,10 +72,8 @@ class CommandHandler:
         check_cancel: Raises when the run was cancelled.
         checkpoints: Saves for ``SaveCheckpoint``.
         evaluator: Runs ``Evaluate``.
-        sync: The ranks' agreement under torchrun (None: one process). With it, commands are
-            applied only at **common** poll points (every rank reaches them at the same step),
-            through :meth:`RankSync.agree`; the other poll points only check failures and
-            cancellation (docs/distributed.md).
+        sync: The ranks' agreement under torchrun (None: one process): commands are then
+            applied only at common poll points (docs/distributed.md).
         log_metric: Adds a ``LogMetric``'s value to the open log window (None: refused).
         stop: The run's stop state, which ``StopTraining`` sets.
     """
@@ -106,23 +100,15 @@ class CommandHandler:
         self._stop = stop
         self.stop_epoch = False
 
-    # ================================================================== stop state
     def begin_epoch(self) -> None:
         """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""
         self.stop_epoch = False
 
-    # ================================================================== poll points
     def barrier_then_poll(
         self, event: ev.BaseEvent | None, *earlier: ev.BaseEvent, common: bool = False
     ) -> None:
-        """At a barrier event (``None``: the end of the run), wait for its subscribers, then poll.
-
-        ``earlier`` barrier events (the other sets of an evaluation round) are waited for
-        first, and the poll comes once, after all of them.
-
-        A barrier subscriber that awaits ``bus.request(...)`` would wait for a command the loop
-        applies only after the barrier: the bus interrupts the wait when a request arrives, the
-        loop applies it here, and the wait resumes with the same subscribers and deadline.
+        """At a barrier event (``None``: the end of the run), wait for its subscribers, then poll
+        once. A ``bus.request`` that arrives during the wait is applied, then the wait resumes.
 
         Args:
             event: The barrier event.
@@ -144,12 +130,12 @@ class CommandHandler:
         *,
         common: bool = False,
     ) -> None:
-        """What a decision step runs: a barrier on its ``StepEnded`` (``ended``; None: nobody
-        wanted it, everything published so far) for the async deciders, whatever the configured
-        barrier types, then poll.
+        """What a decision step runs: a barrier on its ``StepEnded`` for the async deciders,
+        whatever the configured barrier types, then poll.
 
         Args:
-            ended: The step's ``StepEnded``.
+            ended: The step's ``StepEnded`` (None: nobody wanted it; everything published so
+                far is waited for).
             barrier: The step's barrier event (``StepEnded`` or ``MetricsLogged`` listed in
                 ``barriers``), whose async deciders are waited for first.
             common: Every rank reaches this point at the same step (see :meth:`poll`).
@@ -164,25 +150,16 @@ class CommandHandler:
         self.poll(common=common)
 
     def _barrier(self, event: ev.BaseEvent | None) -> None:
-        # A request() arriving during the wait is applied, then the same wait resumes. Under
-        # torchrun a request cannot be applied here (only at a common point): the wait ends and
-        # the request is agreed at the next common point.
+        # Under torchrun a request is applied only at the next common point.
         status = self._wait_barrier(event, False)
         while status == "request" and self._sync is None:
             self.poll()
             status = self._wait_barrier(event, True)
 
     def poll(self, *, common: bool = False) -> None:
-        """A poll point: wait for a full ``"block"`` buffer, fail on a ``raise`` subscriber,
-        stop on cancel, apply commands.
-
-        The wait (``port.wait_for_room``) is where a ``"block"`` subscriber slows training; it
-        ends early when a command, failure or cancel arrives, and is skipped once the run
-        stops (the closing steps never wait on it).
-
-        Under torchrun (a ``sync``), commands are applied only when ``common``: every rank's
-        pending commands are exchanged and every rank applies the same list
-        (:meth:`agree`); elsewhere they stay queued.
+        """A poll point: wait while a ``"block"`` buffer is full (not once the run stops), fail
+        on a ``raise`` subscriber, stop on cancel, apply commands (under torchrun only when
+        ``common``, through :meth:`agree`).
 
         Args:
             common: Every rank reaches this point at the same step.
@@ -209,14 +186,12 @@ class CommandHandler:
                 self.apply(command)
 
     def agree(self) -> None:
-        """Exchange every rank's pending commands and apply the agreed list (a collective:
-        every rank calls it at the same step). One round: what the applied commands make
-        subscribers send waits for the next common point."""
+        """Exchange every rank's pending commands and apply the agreed list (a collective).
+        One round: what they make subscribers send waits for the next common point."""
         assert self._sync is not None
         for command in self._sync.agree(self._port.poll_commands()):
             self.apply(command)
 
-    # ================================================================== commands
     def apply(self, command: cmd.Command) -> None:
         """Apply one command and publish ``CommandApplied`` (with its result or error).
 
@@ -242,9 +217,7 @@ class CommandHandler:
                         ends = self._evaluator.run("command")
                         # applied on every rank alike
                         self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
-                    # else: this step's weights were evaluated already (one evaluation per
-                    # step): the command is answered with that evaluation, not run again.
-                    # One set: its EvaluationEnded (as before named sets); several: the round.
+                    # else: answered with this step's evaluation, not run again
                     result = ends[0] if len(ends) == 1 else self._evaluator.last_round
                 case cmd.SetLearningRate(lr=lr, param_group=group, optimizer=name):
                     for g in self._groups(group, name):

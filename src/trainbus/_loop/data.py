@@ -1,9 +1,9 @@
-"""The training data's side of the run: each epoch's batch iterator and the observed fetch.
+"""The training data's side of the run: each epoch's batch iterator.
 
 :class:`EpochData` builds the epoch's iterator (the sampler's epoch, the data order captured for
-the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume).
-It also starts the run past an epoch a checkpoint saved completed, and names an empty loader.
-The step's fetch stays ``next(it, END)`` in the loop: this object is not on the hot path.
+the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume),
+starts the run past an epoch a checkpoint saved completed, and names an empty loader. The
+step fetches with ``next(it, END)``.
 """
 
 from __future__ import annotations
@@ -12,18 +12,47 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.utils.data import DataLoader
+
 from .._exceptions import TrainingError
+from .._log import get_logger
 from ..checkpoint import Checkpoint, TrainState, capture_data_order, replay_epoch, set_sampler_epoch
 
 if TYPE_CHECKING:
-    from .._bus import LoopPort
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["END", "EpochData"]
+__all__ = ["END", "EpochData", "hint_pin_memory"]
+
+log = get_logger(__name__)
 
 END = object()
 """What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
+
+_hinted = False
+"""The pin-memory hint was logged in this process (it is not repeated for every run)."""
+
+
+def hint_pin_memory(data: Any, device: torch.device) -> bool:
+    """Log ``pin_memory_hint`` once per process when ``device`` is CUDA and ``data`` is a
+    ``DataLoader`` with ``pin_memory=False`` (its copies to the GPU then block the training
+    thread instead of overlapping the step). Reads no device state.
+
+    Returns:
+        True when the hint was logged by this call.
+    """
+    global _hinted
+    if _hinted or device.type != "cuda" or not isinstance(data, DataLoader) or data.pin_memory:
+        return False
+    _hinted = True
+    log.warning(
+        "pin_memory_hint",
+        device=str(device),
+        reason="DataLoader(pin_memory=False) on a CUDA run: each batch's copy to the GPU "
+        "blocks the training thread; DataLoader(..., pin_memory=True) lets it overlap the step",
+    )
+    return True
 
 
 class EpochData:
@@ -31,7 +60,6 @@ class EpochData:
 
     Args:
         settings: The validated settings (``train_data`` is read).
-        port: Where the run's events go.
         state: The run's train state (epoch, batch in epoch, step); read, and moved past a
             completed epoch by :meth:`start`.
         checkpoints: Told each epoch's data order, saved with the epoch's checkpoints.
@@ -42,27 +70,27 @@ class EpochData:
     def __init__(
         self,
         settings: Settings,
-        port: LoopPort,
         state: TrainState,
         checkpoints: CheckpointWriter,
         resume: Checkpoint | None,
     ) -> None:
         self._s = settings
-        self._port = port
         self._state = state
         self._checkpoints = checkpoints
         self._resume = resume
 
     def start(self) -> int | None:
-        """Before the first epoch: a run resumed from a checkpoint saved after an epoch's end
-        work (its batches all consumed, or its end work recorded in the state: data without a
-        length) moves the state on to the next epoch's first batch.
+        """Before the first epoch: logs the pin-memory hint (:func:`hint_pin_memory`); a run
+        resumed from a checkpoint saved after an epoch's end work (its batches all consumed, or
+        its end work recorded in the state: data without a length) moves the state on to the
+        next epoch's first batch.
 
         Returns:
             The optimizer steps per epoch (``FitStarted.steps_per_epoch``); None when the
             training data has no length.
         """
         s, st = self._s, self._state
+        hint_pin_memory(s.train_data, s.device)
         if st.closed_epoch == st.epoch or (
             s.train_len is not None and st.batch_in_epoch >= s.train_len
         ):

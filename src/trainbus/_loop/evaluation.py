@@ -35,18 +35,13 @@ EvalTrigger: TypeAlias = ev.EvalTrigger
 
 
 def metric_name(dataset: str, name: str, *, named: bool) -> str:
-    """The key of metric ``name`` of evaluation set ``dataset`` in ``EvaluationEnded.metrics``.
-
-    A single ``eval_data`` loader keeps the historical ``val_<name>`` (``val_loss``); a mapping
-    of named sets gives ``<set>/<name>`` (``val/loss``, ``test/acc``), one key per set.
-    """
+    """The key of metric ``name`` of evaluation set ``dataset``: ``val_<name>`` for a single
+    ``eval_data`` loader, ``<set>/<name>`` for named sets."""
     return f"{dataset}/{name}" if named else f"val_{name}"
 
 
 def evaluation_metric_names(s: Settings) -> frozenset[str]:
-    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``: the loss,
-    each ``metrics=`` function and each ``set_metrics=`` metric, for each evaluation set (empty
-    without ``eval_data``)."""
+    """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``."""
     names = ("loss", *s.metrics, *s.set_metrics)
     named = s.eval_named
     sets = [dataset for dataset, _ in s.eval_sets]
@@ -56,20 +51,12 @@ def evaluation_metric_names(s: Settings) -> frozenset[str]:
 class Evaluator:
     """Scores the evaluation sets and publishes the evaluation round and its spans.
 
-    Sums stay on the device during the pass; the metrics are read once per set at the end (one
-    sync). Metric functions are called as ``fn(outputs, targets)``, ``targets`` from
-    :func:`metric_targets` (the second element of an ``(inputs, targets)`` batch, a mapping
-    batch's ``"labels"``, else the batch); each returns a number or a tensor, averaged over
-    samples and keyed by :func:`metric_name`. The ``set_metrics=`` metrics sum what their
-    ``update(outputs, targets)`` returns over the set
-    (:class:`~trainbus._loop.set_metrics.SetTotals`) and ``compute`` their value from the
-    totals at the set's end; one that raises is counted in :attr:`failures` and left out of
-    that evaluation's metrics.
-
-    Every round runs under :func:`~trainbus.checkpoint._rng.isolated_rng`: its random draws
-    (a ``DataLoader``'s iterator seed, a metric's sampling) never move the training's
-    generators. A round of a run (not a standalone one) that completes marks its step evaluated
-    in the train state (``TrainState.evaluated``), which a checkpoint keeps.
+    Sums stay on the device during the pass and are read once per set (one sync). Metric
+    functions (docs/trainer.md, "Metric functions") are averaged over samples; ``set_metrics``
+    sum over the set (:class:`~trainbus._loop.set_metrics.SetTotals`), and one that raises is
+    counted in :attr:`failures` and left out. A round never moves the training's random
+    generators (``isolated_rng``); a completed round of a run marks its step evaluated in the
+    train state.
 
     Attributes:
         metrics: The merged metrics of the last round (empty before the first; the loop of a
@@ -87,12 +74,10 @@ class Evaluator:
         hooks: The inline hooks (the ``eval_batch`` point); None for none.
         should_stop: Called before each batch; True ends the set's pass early (standalone
             evaluation, on ``StopTraining``) and the round after it. None: never.
-        reduce: Under torchrun, ``reduce(metrics, samples)`` averages this rank's metrics with
-            the other ranks' (sample-weighted, one collective per evaluation); None: one
-            process.
-        sum_totals: Under torchrun, ``sum_totals(totals)`` adds every rank's set-metric totals
-            (a metric failed on one rank is None on all; one collective per set, only with
-            ``set_metrics``); None: one process.
+        reduce: Under torchrun, ``reduce(metrics, samples)`` averages the ranks' metrics
+            (sample-weighted); None: one process.
+        sum_totals: Under torchrun, ``sum_totals(totals)`` adds every rank's set-metric totals;
+            None: one process.
     """
 
     def __init__(
@@ -124,13 +109,9 @@ class Evaluator:
         triggers: tuple[ev.EvalTrigger, ...] = (),
     ) -> tuple[ev.EvaluationEnded, ...]:
         """One evaluation round: ``EvaluationRoundStarted``, the ``"before_evaluation"`` hooks,
-        each set's span, the ``"after_evaluation"`` hooks, the round's end.
-
-        Every ``XEnded`` is published even when the pass raises (with the error); the sets after
-        a failed one are not scored. Every evaluation of a run and of ``trainer.evaluate()``
-        passes here, so the round's hook points (a callback swapping averaged weights in and
-        back) apply to all of them; ``"after_evaluation"`` runs also when the round raised or
-        was cancelled.
+        each set's span, the ``"after_evaluation"`` hooks (also when the round raised), the
+        round's end. Every ``XEnded`` is published even when the pass raises (with the error);
+        the sets after a failed one are not scored.
 
         Args:
             trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
@@ -155,9 +136,6 @@ class Evaluator:
         merged: dict[str, float] = {}
         error: BaseException | None = None
         try:
-            # The round's hook points pair up like a context manager (weights swapped in and
-            # restored): once "before_evaluation" began, "after_evaluation" runs, however the
-            # round ends. The generators are the training's again once the round ends.
             with isolated_rng(s.device):
                 try:
                     self._round_hooks("before_evaluation", trigger, None)
@@ -189,14 +167,9 @@ class Evaluator:
     def _round_hooks(
         self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
     ) -> None:
-        """Run the ``point`` hooks of the round (``"before_evaluation"`` or
-        ``"after_evaluation"``), each with one shared context.
-
-        ``"after_evaluation"`` unwinds like nested context managers: its hooks run in reverse
-        order (global, user, core; the last added first), so two swaps nest, and every one
-        runs even when one raises (each restores its own swap); the first exception is raised
-        after the last hook, chained to ``error``.
-        """
+        """Run the round's ``point`` hooks with one shared context. ``"after_evaluation"``
+        unwinds like nested context managers: in reverse order, every one even when one raises;
+        the first exception is raised after the last hook."""
         hooks = () if self._hooks is None else self._hooks.by_point[point]
         if not hooks:
             return
@@ -270,11 +243,11 @@ class Evaluator:
                                             dataset=dataset))  # fmt: skip
                 try:
                     n, loss, outputs, batch = self._batch(trigger, dataset, bi, batch, hooks)
-                    if n >= 0 and names:  # the metric functions run inside the batch's span
+                    if n >= 0 and names:
                         target = metric_targets(batch)
                         values = [torch.as_tensor(s.metrics[name](outputs, target),
                                                   device=s.device) for name in names]  # fmt: skip
-                    if n >= 0 and totals is not None:  # never raises: a failure is counted
+                    if n >= 0 and totals is not None:  # a failure is counted, not raised
                         totals.update(outputs, batch)
                 except BaseException as exc:
                     if want.eval_batch_ended:
@@ -294,8 +267,7 @@ class Evaluator:
                 for i, value in enumerate(values if names else ()):
                     sums[i] += value.detach().double().mean() * n
                 if want.eval_batch_ended:
-                    # A copy off the CPU: the next replay of a CUDA graph that returned the
-                    # loss overwrites it before a subscriber reads it (docs/compile.md).
+                    # A copy off the CPU: a CUDA graph's next replay overwrites it (docs/compile.md)
                     pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                           loss=loss if on_cpu else loss.clone(), samples=n,
                                           dataset=dataset))  # fmt: skip
@@ -319,9 +291,8 @@ class Evaluator:
         return metrics
 
     def _set_metrics(self, dataset: str, totals: SetTotals) -> dict[str, float]:
-        """The set metrics' values from the pass' totals (every rank's, under torchrun); a
-        metric that raised in ``update`` (here or on another rank) or in ``compute`` is counted
-        in :attr:`failures` and left out."""
+        """The set metrics' values from the pass' totals; a metric that raised is counted in
+        :attr:`failures` and left out."""
         s, step, fail = self._s, self._state.step, self.failures.failed
         read = totals.read()
         if self._sum_totals is not None:

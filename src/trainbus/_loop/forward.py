@@ -1,11 +1,9 @@
-"""The forward: the model's outputs for a batch and the loss of those outputs, for every phase.
+"""The forward: the model's outputs for a batch and their loss, for every phase.
 
-One implementation, used by training (:class:`~trainbus._loop.context.StepRunner`, whose
-``after_forward`` hooks sit between the two halves), evaluation and prediction. The batch
-conventions (docs/trainer.md): with ``loss_fn``, a batch is ``(inputs, targets)`` and the loss
-is ``loss_fn(model(inputs), targets)``; without it, the model takes the batch (a mapping as
-keyword arguments) and returns the loss, a mapping with a ``"loss"`` entry or an object with a
-``.loss`` attribute (Hugging Face style).
+One implementation, used by training (between its two halves sit the ``after_forward``
+hooks), evaluation and prediction. The batch conventions are docs/trainer.md's: with
+``loss_fn`` a batch is ``(inputs, targets)``; without it the model takes the batch and returns
+the loss (a tensor, a mapping's ``"loss"`` or ``.loss``).
 """
 
 from __future__ import annotations
@@ -64,9 +62,8 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
     Args:
         s: The run's settings (``model``, ``loss_fn``).
         batch: One batch, on the run's device.
-        targets: The batch must carry targets (training and evaluation: with ``loss_fn`` a
-            batch that is not ``(inputs, targets)`` is an error). False for prediction: such
-            a batch is the model's input as a whole.
+        targets: The batch must carry targets (False for prediction: with ``loss_fn``, a
+            batch that is not ``(inputs, targets)`` is the model's input as a whole).
 
     Returns:
         ``(outputs, targets)``; targets is None without ``loss_fn`` (or when the prediction
@@ -111,10 +108,7 @@ def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
 
 
 def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
-    """:func:`model_outputs` then :func:`loss_of` (a forward no hook sits inside).
-
-    Returns:
-        ``(outputs, loss)``.
+    """``(outputs, loss)``: :func:`model_outputs` then :func:`loss_of` (no hook between).
 
     Raises:
         TrainingError: as :func:`model_outputs` and :func:`loss_of`.

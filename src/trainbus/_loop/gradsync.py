@@ -1,14 +1,9 @@
 """Gradient synchronisation under ``DistributedDataParallel`` with gradient accumulation.
 
-DDP all-reduces the gradients in every ``backward()``. With ``accumulate=N`` only the last
-micro-batch's all-reduce is needed: :class:`GradSync` runs the others as DDP's ``no_sync()``
-does (gradients accumulate locally; DDP decides in the forward whether the backward reduces, so
-it is set before each micro-batch's forward), and a step costs one all-reduce per bucket
-instead of N. When a step ends before its planned last micro-batch (the data ran out, a
-``batch`` or ``loss`` hook skipped the last ones), the gradients accumulated without a reduction
-are averaged across ranks by hand before the optimizer step, as DDP would have.
-
-Without DDP (one process, FSDP, a model that is not wrapped) it does nothing.
+With ``accumulate=N`` only the last micro-batch's backward all-reduces (as DDP's ``no_sync()``),
+so a step costs one all-reduce per bucket instead of N; a step cut short before its last
+micro-batch has its gradients averaged by hand before the update (docs/distributed.md).
+Without DDP it does nothing.
 """
 
 from __future__ import annotations
@@ -21,13 +16,10 @@ __all__ = ["GradSync"]
 
 
 class GradSync:
-    """Decides which micro-batch's backward all-reduces (see the module docstring).
-
-    ``no_sync()`` is a context manager that flips DDP's public ``require_backward_grad_sync``
-    for the forward and backward inside it; the step's micro-batch body has several exits
-    (hook skips), so :meth:`begin` sets that flag for each micro-batch instead, and
-    :meth:`finish` (and building a :class:`GradSync`: a run that failed mid-step left it
-    off) sets it back on.
+    """Decides which micro-batch's backward all-reduces, by DDP's public
+    ``require_backward_grad_sync`` (what ``no_sync()`` flips): :meth:`begin` sets it per
+    micro-batch, :meth:`finish` and the constructor (after a run that failed mid-step) set it
+    back on.
 
     Attributes:
         deferred: Backwards run without a reduction since the last reduced one (their
@@ -59,10 +51,8 @@ class GradSync:
         self.deferred = self.deferred + 1 if self._deferring else 0
 
     def finish(self) -> None:
-        """Before the optimizer step: DDP reduces again from the next backward, and the
-        gradients left unreduced when the step ended before its last micro-batch are
-        averaged (one all-reduce per parameter with a gradient; every rank gets here with the
-        same count, as their steps have the same length)."""
+        """Before the optimizer step: DDP reduces again from the next backward, and gradients
+        left unreduced by a step cut short are averaged (one all-reduce per parameter)."""
         ddp = self._ddp
         if ddp is None:
             return

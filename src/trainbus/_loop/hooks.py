@@ -1,12 +1,8 @@
 """Inline hooks: functions that run on the training thread and may change the step.
 
-Subscribers on the bus see frozen events after the fact; a hook runs *at* its point in the step
-with a mutable :class:`StepContext`, so it can scale the loss, replace the batch, edit gradients
-or skip the batch. A hook's run time is the loop's, and its exceptions propagate (it is part of
-the step). Hooks run in tier order: core, then user, then global; ``after_evaluation`` hooks
-unwind in reverse (the evaluator runs them as nested context-manager exits).
-
-The points and their names are in :mod:`trainbus._hookpoints` (shared with the callbacks).
+A hook runs *at* its point with a mutable :class:`StepContext` (scale the loss, replace the
+batch, edit gradients, skip), on the loop's time, and its exceptions propagate. Hooks run in
+tier order: core, then user, then global. The points are :mod:`trainbus._hookpoints`'.
 """
 
 from __future__ import annotations
@@ -74,12 +70,9 @@ class Hooks:
             self._rebuild(point)
 
     def which(self, exc: BaseException) -> tuple[HookPoint, str] | None:
-        """The point and name of the hook that raised ``exc``, or None when no hook did.
-
-        Found from the traceback after the fact (a hook's code object in a frame), so the hot
-        path pays nothing for it. A callable without a code object of its own (a partial, an
-        object with ``__call__``) is matched through what it wraps when it can be.
-        """
+        """The point and name of the hook that raised ``exc``, or None when no hook did, found
+        from the traceback (a hook's code object in a frame; a partial or an object with
+        ``__call__`` through what it wraps)."""
         codes: dict[Any, tuple[HookPoint, str]] = {}
         for point, fns in self.by_point.items():
             for fn in fns:
@@ -99,5 +92,4 @@ class Hooks:
         return None
 
     def _rebuild(self, point: HookPoint) -> None:
-        # The loop reads by_point[...] once per use; a tuple swap keeps that read lock-free.
         self.by_point = {**self.by_point, point: tuple(e[2] for e in sorted(self._entries[point]))}

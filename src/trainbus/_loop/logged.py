@@ -1,13 +1,9 @@
 """Metrics of the user's own: named values logged from a hook, a custom step or a subscriber.
 
-``ctx.log("d_loss", value)`` in a hook or a custom step, or ``bus.send(LogMetric(name=...,
-value=...))`` from a subscriber, hands a value to :class:`UserMetrics`; the log window
-closes it with its own metrics every ``log_every`` steps: the mean of the values logged in the
-window, averaged across ranks like the loss, in ``MetricsLogged.metrics``,
-``FitResult.train_metrics`` and every logger.
-
-Values stay on their device until the window closes: a tensor is detached and kept, and the
-window reads them all with its own read (one stack per name), so logging never syncs the step.
+``ctx.log(name, value)`` or ``bus.send(LogMetric(...))`` hands a value to :class:`UserMetrics`;
+the log window closes it with its own metrics (the mean over the window, averaged across
+ranks), so it reaches ``MetricsLogged``, ``FitResult.train_metrics`` and every logger. Tensors
+stay on their device until the window reads them: logging never syncs the step.
 """
 
 from __future__ import annotations
@@ -24,9 +20,8 @@ __all__ = ["TRAIN_METRIC_NAMES", "UserMetrics", "check_metric"]
 TRAIN_METRIC_NAMES = frozenset(
     {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
 )
-"""Every key of the log window's own in ``MetricsLogged.metrics`` (``grad_norm`` and
-``skipped_nonfinite`` only in some runs); with several optimizers also ``lr/<name>`` each. A
-value users log may take none of them."""
+"""The log window's own keys in ``MetricsLogged.metrics`` (and ``lr/<name>`` per optimizer):
+names a user's metric may not take."""
 
 
 def check_metric(name: object, value: object) -> None:
@@ -56,11 +51,8 @@ def check_metric(name: object, value: object) -> None:
 
 
 class UserMetrics:
-    """The values logged since the last window close, per name, in the order logged.
-
-    Used on the training thread only (hooks, the custom step and command application all run
-    there), so it needs no lock.
-    """
+    """The values logged since the last window close, per name, in the order logged (used on
+    the training thread only)."""
 
     def __init__(self) -> None:
         self._values: dict[str, list[Any]] = {}
@@ -80,9 +72,8 @@ class UserMetrics:
             values.append(kept)
 
     def take(self) -> dict[str, float]:
-        """The mean of each name's values since the last call, and forget them.
-
-        Reads the tensors (one stack per name: one device read each, at the window's close).
+        """The mean of each name's values since the last call (one device read per name), and
+        forget them.
 
         Returns:
             ``{name: mean}`` in the order the names were first logged; NaN stays NaN.

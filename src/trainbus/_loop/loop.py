@@ -1,32 +1,15 @@
-"""The training loop. It runs on the training thread, publishes onto the bus, polls commands.
+"""The training loop: the run, its epochs and the poll point after each step.
 
-:class:`Loop` is the run, the epoch and the poll point after each step. The rest is owned by
-the parts it composes: ``Step`` (one optimizer step with its hooks and events, the only one),
-``StepPhases`` (its forward, backward and optimizer step), ``Wants`` (which events someone
-listens to), ``LogWindow`` (aggregated metrics and the NaN check), ``NonFiniteGuard``,
-``Evaluator``, ``CheckpointWriter``, ``CommandHandler`` (poll points, commands, stop state),
-``EpochData`` (each epoch's iterator, the observed fetch) and ``SchedulerStepper``. The run's
-position (step, epoch, batch in epoch, samples seen) is the ``TrainState``'s: the loop and the
-step advance it through its methods (``batch_taken``, ``samples_done``, ``step_done``,
-``epoch_done``) and nowhere else.
+:class:`Loop` composes the parts that own the rest (docs/architecture.md, "The loop"): ``Step``
+takes one optimizer step per call and returns a ``StepOutcome``; after a step that was taken the
+loop runs the step's evaluation when one is due, then its poll point. The event order is
+written once, in docs/events.md ("Event order"); tests/loop/test_loop.py pins a recorded run
+against it.
 
-The event order is written once, in docs/events.md ("Event order"), and nowhere else: read it
-there. tests/loop/test_loop.py pins a recorded run against that pseudocode and checks its
-event names against what the loop publishes, so it cannot drift; a copy here could.
-
-The loop holds the bus' loop face, its :class:`~trainbus._bus.LoopPort`, and one signal
-tells it to look: the port's doorbell, which rings after a routing change, a declared or
-removed decision steps, a command, a failure, a full ``"block"`` buffer or a cancel.
-Events nobody wants are never built: before a run of steps the loop compares the doorbell's
-count with the one its ``Wants`` and decision step were read at (one attribute read, one int
-compare) and re-reads them only after a ring; the step's event and hook points are branches on
-those flags. ``Step.run`` takes the steps up to the next one after which the loop has more to
-do (``_steps_before_look``) back to back and ends its run early when the doorbell rings; the
-poll point after a run reads the same count against the one it last polled at.
-No value is read off the device on this thread unless a subscriber or the non-finite guard needs
-it: on the CPU the guard reads each step's loss (free); on an accelerator it reads the log window's
-losses at syncs that happen anyway (the log step, a checkpoint write, the end of the run), except
-under ``on_nonfinite="skip"``, which reads every step before the update (see ``nonfinite.py``).
+One signal tells the loop to look: the port's doorbell, which rings after a routing change, a
+declared or removed decision step, a command, a failure, a full ``"block"`` buffer, a stop or a
+cancel. Before a step the loop re-reads its ``Wants`` and next decision step only when the
+doorbell rang since it last read them; the poll point after a plain step polls only then too.
 """
 
 from __future__ import annotations
@@ -48,7 +31,6 @@ from .hooks import Hooks
 from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .pinning import hint_pin_memory
 from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
 from .step import Step, StepOutcome
@@ -65,7 +47,7 @@ __all__ = ["Cancelled", "FitResult", "Loop"]
 log = get_logger(__name__)
 
 _NO_END = 2**62
-"""A step number no run reaches: the end of a run of steps when nothing else bounds it."""
+"""A step number no run reaches: the epoch length or last step of a run that has none."""
 
 
 class Loop:
@@ -82,17 +64,15 @@ class Loop:
         state: The train state to start from (fresh, or loaded from a checkpoint); the loop
             advances it.
         resume: The checkpoint ``state`` was loaded from (already restored into the model,
-            optimizer, scheduler and scaler): the loop replays its epoch's data order and
-            restores its RNG states at the moment they were captured.
+            optimizer, scheduler and scaler): its epoch's data order and RNG states are
+            replayed.
         resumed_from: The checkpoint file loaded (``FitStarted.resumed_from``), None for a
             fresh start.
         resume_source: Where it was found (``FitStarted.resume_source``).
         callback_states: Returns the stateful callbacks' states at each save (see
             :class:`~trainbus._loop.saving.CheckpointWriter`).
-        sync: Under torchrun with more than one rank: commands are agreed at the common sync
-            points (start, log-window close when a rank has some pending, evaluations, epoch
-            ends, end of run), metrics averaged, checkpoints written by rank 0
-            (docs/distributed.md). None: one process, no collective ever.
+        sync: Under torchrun with more than one rank: the ranks' agreement (commands, metrics,
+            checkpoints; docs/distributed.md). None: one process, no collective ever.
     """
 
     def __init__(
@@ -120,8 +100,7 @@ class Loop:
         self.result: FitResult | None = None
         self._wants = Wants(port, state, settings.trace)
         user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
-        # Built so that no part refers back to another that refers to it: a dropped Trainer
-        # frees the run without a gc pass.
+        # No part refers back to one that refers to it: a dropped Trainer frees without gc.
         self._stop = RunStop(port.doorbell)
         self._guard = NonFiniteGuard(
             settings,
@@ -143,36 +122,31 @@ class Loop:
                                        log_metric=user.log, stop=self._stop)  # fmt: skip
         if resume is not None:
             self._resumed(resume)
-        self._data = EpochData(settings, port, state, self._checkpoints, resume)
+        self._data = EpochData(settings, state, self._checkpoints, resume)
         self._scheduler = SchedulerStepper(settings, port, state, self._wants)
         runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
                           self._log_window, self._scheduler, self._cancel)  # fmt: skip
-        # The doorbell's count when the wants and the next decision step were last read: they
-        # are re-read before a step after any ring (a routing or schedule change rings it).
+        # The doorbell's count when the wants and the next decision step were last read.
         self._demand_rings = -1
-        # The bus' doorbell count at the last look: the poll point after a plain step reads
-        # one attribute; the bus rings after a command, a failure, a full "block" buffer, a
-        # routing change, and a cancel rings it too.
+        # The doorbell's count at the last poll point that looked.
         self._rings_seen = -1
         self._decision_step = -1
         # Under torchrun: the union of every rank's decision steps, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.
         self._agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        # The batch count that ends an epoch and the last step: the step that reaches either
-        # closes its evaluation (and the epoch's work) before its decision poll (_close_step).
+        # The step that reaches either closes its evaluation and the epoch's end work before
+        # its poll point (_close_step).
         self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
         self._first_step = state.step  # no optimizer step in this process before it
 
-    # ================================================================== cancellation
     def request_cancel(self) -> None:
         """Ask the loop to stop at its next check (between micro-batches, at poll points and
         between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
         Safe from any thread."""
-        self._cancel.request()  # rings the doorbell: the poll point after the step hears it
+        self._cancel.request()
 
-    # ================================================================== run
     def _resumed(self, resume: Checkpoint) -> None:
         """Carry on from ``resume`` what the run that wrote it had: the last evaluation's
         metrics (its later saves and the result carry them) and that save itself, of this
@@ -194,7 +168,6 @@ class Loop:
         error: BaseException | None = None
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
-        hint_pin_memory(s.train_data, s.device)  # once per process, on CUDA
         steps_per_epoch = self._data.start()
         pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
                           max_epochs=s.max_epochs, device=str(s.device),
@@ -211,11 +184,10 @@ class Loop:
             while not self._finished():
                 if self._epoch():
                     st.epoch_done()
-            # A last sync point: subscribers may still be answering the final steps (a
-            # SaveCheckpoint for the last StepEnded); deliver, wait, and apply what they sent.
+            # A last sync point: apply what subscribers sent for the final steps.
             control.barrier_then_poll(None, common=True)
-            self._log_window.check_pending()  # the end of the run: a short run, the last log window
-            self._log_window.finish()  # FitResult.train_metrics: the partial last log window too
+            self._log_window.check_pending()
+            self._log_window.finish()
             checkpoints = self._checkpoints
             ending = ev.Ending.of("completed" if self._stop.reason is None else "stopped",
                                   self._stop.reason)  # fmt: skip
@@ -224,19 +196,19 @@ class Loop:
                 if checkpoints.last_checkpoint_step != st.step:
                     try:
                         checkpoints.save("final", self._evaluator.metrics)
-                    except CheckpointWriteError:  # the disk refused it: the run fails, naming
-                        raise  # the file (the earlier checkpoints stay valid)
+                    except CheckpointWriteError:  # the disk refused it: the run fails
+                        raise
                     except CheckpointError as exc:  # non-finite weights: keep the last good one
                         log.warning("final_checkpoint_refused", step=st.step, error=str(exc))
         except Cancelled:
             reason = "cancelled"
         except BaseException as exc:
             reason, error = "failed", exc
-            if isinstance(exc, NonFiniteLossError):  # where to go back to
+            if isinstance(exc, NonFiniteLossError):
                 exc.add_note("trainbus: last checkpoint: "
                              f"{self._checkpoints.last_checkpoint or 'none'}")  # fmt: skip
             hook = self._hooks.which(exc)
-            if hook is not None:  # the user's exception reaches the caller as itself, noted
+            if hook is not None:
                 exc.add_note(f"trainbus: raised by hook {hook[1]!r} at {hook[0]!r} (step "
                              f"{st.step}, epoch {st.epoch}); the run failed")  # fmt: skip
         else:
@@ -256,7 +228,7 @@ class Loop:
             eval_metrics=self._evaluator.metrics,
             train_metrics=self._log_window.metrics,
             last_checkpoint=self._checkpoints.last_checkpoint,
-            statistics=self._port.statistics(),  # the trainer's with_bus() replaces it
+            statistics=self._port.statistics(),
             skipped_nonfinite=self._guard.skipped,
             resumed_from=self._resumed_from,
             failed_saves=self._checkpoints.failed_saves,
@@ -272,7 +244,6 @@ class Loop:
             or (s.max_epochs is not None and st.epoch >= s.max_epochs)
         )
 
-    # ================================================================== one epoch
     def _epoch(self) -> bool:
         """Run (the rest of) one epoch; True when it completed (the next one starts at 0)."""
         port, st, s, control = self._port, self._state, self._s, self._control
@@ -286,14 +257,16 @@ class Loop:
             accumulate = s.accumulate
             max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
-            while True:  # per step: a few attribute reads decide to go on
+            while True:
                 if control.stop_epoch:
                     complete = True
                     break
                 if self._stop.reason is not None or st.step == max_steps:
                     break
-                if bell.rings != self._demand_rings:  # the one signal: an int compare
-                    self._reread_routes()  # pays for its wants and decision steps
+                if bell.rings != self._demand_rings:
+                    self._demand_rings = bell.rings  # first: a ring from now on is heard
+                    self._wants.refresh()
+                    self._decision_step = self._next_decision(st.step)
                 accumulation_steps = accumulate
                 if total is not None and total - st.batch_in_epoch < accumulate:
                     accumulation_steps = total - st.batch_in_epoch  # the epoch's last, short step
@@ -306,17 +279,17 @@ class Loop:
                     break
                 if outcome.taken:
                     self._after_step(outcome)
-                if outcome.exhausted:  # the data ran out inside the step: probe it once only
+                if outcome.exhausted:
                     complete = self._stop.reason is None
                     break
             if total is not None and st.batch_in_epoch >= total and self._stop.reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
-            if st.closed_epoch == st.epoch:  # its last step did the epoch's end work: it is
-                complete = True  # complete, also when a stop was applied at that step's poll
+            if st.closed_epoch == st.epoch:  # its last step did the epoch's end work
+                complete = True
             if st.batch_in_epoch == 0 and not self._finished():
                 raise self._data.empty_error()
             # The epoch's end found only now (data of unknown length, a StopEpoch), or the
-            # end of the run: what no step closed yet (one evaluation per step).
+            # end of the run: what no step closed yet.
             self._close_step(ends_epoch=complete and st.closed_epoch != st.epoch, cadence=False)
         except BaseException as exc:
             error = exc
@@ -329,20 +302,14 @@ class Loop:
                 control.barrier_then_poll(ended, common=True)
         return complete
 
-    # ================================================================== after a step
     def _after_step(self, outcome: StepOutcome) -> None:
-        """After a step :class:`Step` took: its evaluation if one is due, then its poll point.
+        """After a step that was taken: its evaluation if one is due, then its poll point.
 
-        The evaluation comes first, so that what the step's poll applies (a checkpoint decided
-        on its ``StepEnded``) comes after it: a step's checkpoint holds the state after the
-        step's evaluation and, for the step that ends an epoch of known length, after the
-        epoch's end work too (:meth:`_close_step`); a resume from it starts after them and
-        never repeats them (docs/reliability.md).
-
-        A declared decision step delivers everything, waits for ``StepEnded``'s async
-        subscribers and applies what they decided, before the next step (docs/events.md); a
-        barrier event (``StepEnded`` / ``MetricsLogged`` in ``barriers``) waits for its own
-        subscribers; any other step polls only when something is pending.
+        The evaluation comes first, so a checkpoint the poll applies holds the state after it
+        (and after the epoch's end work): a resume never repeats them (docs/reliability.md).
+        A decision step waits for ``StepEnded``'s deciders and applies what they sent; a
+        barrier event waits for its subscribers; any other step polls only when something is
+        pending.
         """
         st, s = self._state, self._s
         ends_epoch = st.batch_in_epoch >= self._epoch_len
@@ -350,9 +317,9 @@ class Loop:
             ends_epoch
             or st.step == self._last_step
             or (s.eval_every is not None and st.step % s.eval_every == 0)
-        ):  # a few int compares on the other steps
+        ):
             self._close_step(ends_epoch=ends_epoch, cadence=True)
-        if st.step == self._decision_step:  # the step clock: one int compare when not due
+        if st.step == self._decision_step:
             self._decision_step = self._next_decision(st.step)
             self._control.decide(outcome.ended, outcome.barrier_event,
                                  common=self._sync is not None)  # fmt: skip
@@ -363,21 +330,13 @@ class Loop:
         if self._sync is not None and self._log_window.agree_due():
             self._control.agree()  # a rank had commands at this log window's close
 
-    def _reread_routes(self) -> None:
-        """The doorbell rang: re-read the wanted events and the next decision step."""
-        self._demand_rings = self._port.doorbell.rings  # first: a ring from now on is heard
-        self._wants.refresh()
-        self._decision_step = self._next_decision(self._state.step)
-
     def _poll_if_pending(self) -> None:
-        """The poll point of a step with nothing special: poll only when a subscriber failed,
-        a command waits, a cancel was asked or a ``"block"`` buffer is full. Each of those rings
-        the bus' doorbell: while it has not rung since the last look, one attribute read."""
+        """The poll point of a plain step: poll only when a subscriber failed, a command waits,
+        a cancel was asked or a ``"block"`` buffer is full (each rings the doorbell)."""
         port = self._port
         rings = port.doorbell.rings
         if rings == self._rings_seen:
             return
-        # Read before the checks: a ring after this read is heard at the next step.
         self._rings_seen = rings
         if port.failure is not None or port.has_commands() or self._cancel.requested or port.held:
             self._control.poll()
@@ -393,11 +352,9 @@ class Loop:
         return -1 if nxt is None else nxt
 
     def _agree_schedules(self) -> None:
-        """torchrun: make the step clock's decision steps common sync points. Every rank
-        contributes the schedules its subscriptions declared (usually only rank 0 runs them),
-        all take the union for the whole run (one all-gather), so a command decided at a
-        declared step is agreed and applied at that step on every rank. Later declarations
-        do not join: a step only some ranks treated as a sync point would hang the others."""
+        """torchrun: every rank takes the union of the decision steps the ranks declared, for
+        the whole run (one all-gather), so a command decided at one is applied there on every
+        rank. Later declarations do not join: they would hang the ranks that lack them."""
         assert self._sync is not None
         schedules = self._port.decision_steps
         every = [int(n) for n in (getattr(x, "n", None) for x in schedules) if n is not None]
@@ -405,17 +362,11 @@ class Loop:
         self._agreed = self._sync.agree_schedules(every, at)
         self._decision_step = self._next_decision(self._state.step)
 
-    # ================================================================== evaluation
     def _close_step(self, *, ends_epoch: bool, cadence: bool) -> None:
-        """The step's evaluation, once for every cadence that asks for it, then, when the step
-        ends the epoch, the epoch scheduler's step.
-
-        One rule for every cadence: a step already evaluated (by another cadence, an
-        ``Evaluate`` command, or before the checkpoint a run resumed from) is not evaluated
-        again (``TrainState.evaluated_step``). The round's ``triggers`` name every cadence
-        due here: ``"steps"`` (``eval_every``), ``"epoch"`` (``eval_at_epoch_end``, the epoch
-        completed and the run not stopping) and ``"end"`` (``eval_at_end``, with ``eval_every``
-        or ``eval_at_epoch_end`` set: the run completes with this step).
+        """The step's evaluation, once for every cadence due (``"steps"``, ``"epoch"``,
+        ``"end"``: the round's ``triggers``) and never twice for one step
+        (``TrainState.evaluated_step``), then, when the step ends the epoch, the epoch's end
+        work (the per-epoch scheduler step).
 
         Args:
             ends_epoch: The step completed the epoch's batches and its end work has not run
@@ -445,8 +396,5 @@ class Loop:
             st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":
                 self._scheduler.step(always=True, replayed=st.step == self._first_step)
-        if ends:
-            # Every set's subscribers are waited for (each EvaluationEnded is a barrier), then
-            # the commands they sent are applied once, after the whole round and the epoch's
-            # scheduler step: a checkpoint saved here holds both.
+        if ends:  # a checkpoint the round's subscribers ask for holds the epoch's end work too
             self._control.barrier_then_poll(ends[-1], *ends[:-1], common=True)

@@ -1,8 +1,4 @@
-"""The learning-rate scheduler's step with its events.
-
-:class:`SchedulerStepper` calls ``scheduler.step()`` (traced as ``"scheduler_step"``), publishes
-``SchedulerStepped`` and reads the current learning rate for the events that carry it.
-"""
+"""The learning-rate scheduler's step (traced as ``"scheduler_step"``) and ``SchedulerStepped``."""
 
 from __future__ import annotations
 
@@ -20,8 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["SchedulerStepper"]
 
 _BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
-"""torch's warning for a scheduler stepped before its optimizer in this process: a resumed run
-that replays the end of the epoch its checkpoint was written in does that on purpose."""
+"""torch's warning for a scheduler stepped before its optimizer in this process."""
 
 
 class SchedulerStepper:
@@ -41,24 +36,17 @@ class SchedulerStepper:
         self._wants = wants
 
     def lr(self) -> float:
-        """The first parameter group's learning rate.
-
-        Returns:
-            The optimizer's current ``lr`` of parameter group 0.
-        """
+        """The optimizer's current learning rate of parameter group 0."""
         return float(self._s.optimizer.param_groups[0]["lr"])
 
     def step(self, *, always: bool, replayed: bool = False) -> None:
         """``scheduler.step()`` (traced as ``"scheduler_step"``), then ``SchedulerStepped``.
 
         Args:
-            always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step,
-                rare enough not to need the cache).
-            replayed: The step ends an epoch a resumed run replays before its first optimizer
-                step (the checkpoint was written at the epoch's last step, before its end was
-                found): torch's warning about a scheduler stepped before its optimizer is
-                silenced for this call only (the uninterrupted run stepped the optimizer
-                first), so ``-W error`` does not fail an exact resume.
+            always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step).
+            replayed: A resumed run replays the end of an epoch before its first optimizer
+                step: torch's warning about a scheduler stepped before its optimizer is silenced
+                for this call (the uninterrupted run stepped the optimizer first).
 
         Raises:
             BaseException: Whatever ``scheduler.step()`` raised, after

@@ -1,30 +1,11 @@
 """The non-finite guard: a NaN/inf loss never goes unnoticed and never reaches a checkpoint.
 
-:class:`NonFiniteGuard` owns the ``on_nonfinite`` policy, its stop state (``tripped``) and the
-count of skipped updates. Where the loss is checked depends on what reading it costs:
-
-* **per step, before the optimizer step** when reading a scalar is free (the CPU) or the policy
-  needs the value before the update (``"skip"``: on CUDA one device sync per step, the price of
-  that policy). A bad loss's update is never applied.
-* **at the next sync that happens anyway** otherwise (``"raise"`` / ``"stop"`` on CUDA): the
-  log window keeps every step's detached loss on the device and reads them when the log
-  step closes the window, before every checkpoint write and at the end of the run. Up to
-  ``log_every`` steps may run on a NaN before it is seen; none of them is ever saved.
-
-Before any checkpoint is written, :meth:`NonFiniteGuard.check_parameters` reads whether every
-parameter is finite (one read, at save time) and refuses the save otherwise.
-
-**Under several ranks** the decision is agreed, never taken by one rank alone (a rank that
-raises, stops or skips by itself leaves the others waiting in their next collective, or
-applying an update it did not):
-
-* ``"raise"`` / ``"stop"`` are decided where the log window closes (on the CPU too): the
-  "some rank saw a non-finite loss" flag rides on the window's existing all-reduce, and only
-  when it is set a second, tiny all-reduce agrees on the first bad step. Every rank raises or
-  stops at the same step. The checks before a checkpoint write and at the end of the run are
-  agreed the same way (one all-reduce there).
-* ``"skip"`` is decided for all ranks before anyone steps: one all-reduce of a flag per step,
-  only in that mode under several ranks (the price of skipping in lockstep).
+:class:`NonFiniteGuard` owns the ``on_nonfinite`` policy (docs/trainer.md, "Non-finite
+losses"). The loss is read every step before the update where that is free (the CPU) or the
+policy needs it (``"skip"``); otherwise the log window reads its losses at the syncs that
+happen anyway (its close, a checkpoint write, the end of the run) and hands a bad one to
+:meth:`NonFiniteGuard.found`. Under several ranks every decision is agreed
+(docs/distributed.md, "Non-finite losses under several ranks").
 """
 
 from __future__ import annotations
@@ -48,22 +29,18 @@ __all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "mean", "mean_tensor"]
 log = get_logger(__name__)
 
 MAX_CONSECUTIVE_SKIPS = 100
-"""With ``on_nonfinite="skip"``, this many non-finite steps in a row fail the run: the model
-(or the data) is broken and skipping would only spin through the loader."""
+"""With ``on_nonfinite="skip"``, this many non-finite steps in a row fail the run."""
 
 
 def mean(values: list[float]) -> float:
-    """The mean of ``values`` (not empty), each divided before the sum: finite values never
-    average to inf or fail (two losses of 1e308 sum to inf, and ``math.fsum`` raises
-    ``OverflowError`` on them), so the mean is non-finite only when a value is. The window's
-    loss, grad norm and user metrics, and a step's loss read on the CPU."""
+    """The mean of ``values`` (not empty), each divided before the sum, so that it is
+    non-finite only when a value is (two losses of 1e308 sum to inf)."""
     n = len(values)
     return sum(v / n for v in values)
 
 
 def mean_tensor(losses: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`mean` on the device, of one step's micro-batch losses (no sync): the read at sync
-    (CUDA) then judges the micro-batches as the per-step read does."""
+    """:func:`mean` on the device, of one step's micro-batch losses (no sync)."""
     return torch.stack(losses).div(len(losses)).sum()
 
 
@@ -103,8 +80,7 @@ class NonFiniteGuard:
         self._agree = agree
         cpu = settings.device.type == "cpu"
         self.active = self.policy != "ignore"
-        # Several ranks: "raise"/"stop" wait for the window's all-reduce (agreed), even on the
-        # CPU where a per-step read would be free; "skip" agrees every step.
+        # Several ranks: "raise"/"stop" are agreed at the window's close, even on the CPU.
         self.per_step = self.active and (self.policy == "skip" or (cpu and agree is None))
         self.collective = self.policy == "skip" and agree is not None
         self.tripped = False
@@ -123,15 +99,12 @@ class NonFiniteGuard:
             NonFiniteLossError: a non-finite loss under ``"raise"``, or
                 :data:`MAX_CONSECUTIVE_SKIPS` in a row under ``"skip"``.
         """
-        # On the CPU a plain read (~0.3 µs); on an accelerator (only under "skip") one device
-        # sync per step, documented. A loss is one element: 0-d, or of shape (1,).
+        # A loss is one element: 0-d, or of shape (1,).
         if len(losses) == 1:
             finite = math.isfinite(losses[0].item())
         else:
             finite = all(map(math.isfinite, torch.stack(losses).flatten().tolist()))
         if self._agree is not None:
-            # Every rank calls this at every step ("skip" under several ranks): one all-reduce,
-            # so all skip the same update, or none does.
             finite = not self._agree(not finite)
         if finite:
             self._consecutive = 0
@@ -161,9 +134,8 @@ class NonFiniteGuard:
         if not self.active or self.tripped:
             return
         if self.policy == "skip":
-            # Only a custom step's returned loss gets here: "skip" read every loss given to
-            # ctx.backward (and the default step's) before its update, so this step's update
-            # was taken on finite losses and nothing is left to skip. Logged, not a stop.
+            # Only a custom step's returned loss gets here: its update was taken on the
+            # finite losses given to ctx.backward, so nothing is left to skip.
             log.warning("nonfinite_returned_loss", step=step, epoch=self._state.epoch)
             return
         message = f"non-finite loss at step {step} (epoch {self._state.epoch})"
@@ -174,9 +146,8 @@ class NonFiniteGuard:
         self._stop(message)
 
     def check_parameters(self, model: torch.nn.Module) -> None:
-        """Refuse a checkpoint of a bad state: after a ``"stop"``, or a non-finite parameter.
-
-        One device read for all parameters (at save time, where the write syncs anyway).
+        """Refuse a checkpoint of a bad state: after a ``"stop"``, or a non-finite parameter
+        (one device read for all parameters).
 
         Raises:
             CheckpointError: naming the step and why nothing is written.
@@ -187,9 +158,7 @@ class NonFiniteGuard:
                 f"not writing a checkpoint at step {st.step}: a non-finite loss stopped the run "
                 "(on_nonfinite='stop'); the last checkpoint written is the last good one"
             )
-        # A sharded (FSDP2) parameter is checked on this rank's shard; under several ranks the
-        # answer is agreed (one all-reduce), so a NaN in one rank's shard refuses the save on
-        # every rank instead of leaving the others waiting in the write's collectives.
+        # A sharded (FSDP2) parameter is checked on this rank's shard; the answer is agreed.
         params = [local_part(p.detach()) for p in model.parameters()]
         finite = True
         if params:

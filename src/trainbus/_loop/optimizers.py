@@ -1,14 +1,10 @@
 """Several optimizers and schedulers, named, behind the one optimizer the loop knows.
 
 ``Trainer(model, {"g": opt_g, "d": opt_d}, ...)``: :func:`check_optimizers` validates the
-mapping and wraps it in an :class:`OptimizerSet`, which the loop, the checkpoint writer and the
-commands use where they use one optimizer: ``param_groups`` (every optimizer's groups, in name
-order of the mapping: ``SetLearningRate`` without ``optimizer=`` sets them all), ``zero_grad``,
-``step`` (every optimizer: what the default step does with several), ``state_dict`` /
-``load_state_dict`` (every optimizer's state under its name, so a resume restores each).
-:class:`SchedulerSet` does the same for ``scheduler={"g": sched_g, ...}``.
-:func:`check_schedulers` refuses a single scheduler with several optimizers, naming the
-optimizer it belongs to.
+mapping and wraps it in an :class:`OptimizerSet`, used wherever one optimizer is
+(``param_groups`` in name order, ``zero_grad``, ``step``, ``state_dict`` per name);
+:class:`SchedulerSet` does the same for ``scheduler={"g": sched_g, ...}``
+(docs/trainer.md, "Several optimizers").
 """
 
 from __future__ import annotations
@@ -28,11 +24,8 @@ DEFAULT_NAME = "default"
 
 
 class OptimizerSet(torch.optim.Optimizer):
-    """Named optimizers acting as one (see the module docstring).
-
-    It is a :class:`torch.optim.Optimizer` for the code that takes one (hooks'
-    ``ctx.optimizer``, the checkpoint), but it owns no parameters itself: every call goes to
-    the optimizers it holds.
+    """Named optimizers acting as one :class:`torch.optim.Optimizer` that owns no parameters:
+    every call goes to the optimizers it holds.
 
     Args:
         optimizers: Name -> optimizer, at least one (checked by :func:`check_optimizers`).
@@ -238,8 +231,6 @@ def check_schedulers(
                 next(iter(optimizers.items())),
                 getattr(scheduler, "optimizer", None),
             )
-            # A scheduler built on another optimizer object (a second AdamW over the same
-            # model, say) would step that one's LR: the run's would never change.
             if target is not None and target is not only:
                 raise ConfigError.invalid(
                     "scheduler", type(scheduler).__name__,

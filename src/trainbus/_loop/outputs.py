@@ -1,21 +1,11 @@
 """Model outputs taken apart and put back together with the type users index.
 
-A Hugging Face model returns a ``ModelOutput`` (a dataclass that is also an ordered mapping:
-``out.logits`` and ``out["logits"]``), often with a scalar ``loss`` when the batch carries
-labels; other models return tensors, tuples, named tuples or dicts. Detaching outputs, copying
-them to the host and concatenating a prediction's batches all walk that structure: they rebuild
-each container as its own type (a ``ModelOutput`` stays one, so ``.logits`` works on a streamed
-``PredictionBatchEnded.outputs`` and on what ``predict(return_outputs=True)`` returns), and a
-scalar per batch (the loss) is stacked into one value per batch instead of concatenated.
-
-Batches padded per batch (the usual collate: logits ``[B, T_i, V]`` with ``T_i`` the batch's
-longest sequence) give tensors whose sizes past the first dimension differ: they are padded to
-the largest size of each dimension, at its end, with a value per dtype (:class:`PadValues`:
-``-100`` by default, as Hugging Face's ``nested_concat`` pads everything, so ``labels != -100``
-masks padded positions of labels and logits alike; ``0`` for unsigned integers, ``False`` for
-``bool``). Tensors that padding cannot join (another number of dimensions, another dtype, a
-scalar beside a tensor) are an error naming the key and both shapes; :class:`OutputsCheck`
-raises it at the first such batch instead of after the whole pass.
+Detaching outputs, copying them to the host (:class:`HostOutputs`) and joining a prediction's
+batches (:func:`join_outputs`) walk the outputs' structure and rebuild each container as its
+own type (a Hugging Face ``ModelOutput`` stays one). Joining pads tensors whose sizes past the
+first dimension differ (:class:`PadValues`) and stacks a scalar per batch; what padding cannot
+join is an error naming the key and both shapes, raised by :class:`OutputsCheck` at the first
+such batch. docs/trainer.md ("Evaluate and predict outside ``fit()``") has the rules.
 """
 
 from __future__ import annotations
@@ -29,8 +19,8 @@ import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["OutputsCheck", "PadValue", "PadValues", "detach_outputs", "ignored_keys",
-           "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
+__all__ = ["HostOutputs", "OutputsCheck", "PadValue", "PadValues", "detach_outputs",
+           "ignored_keys", "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
 
 PadValue = bool | int | float
 """A value to pad a tensor with."""
@@ -40,9 +30,8 @@ DEFAULT_PAD = -100
 
 
 def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    """``items`` as ``template``'s type: a dataclass mapping (``ModelOutput``) by keyword, any
-    other mapping type from the dict; a plain dict, or a type that cannot be rebuilt so, as
-    the dict itself."""
+    """``items`` as ``template``'s type (a dataclass by keyword); the dict itself when that
+    type cannot be rebuilt so."""
     cls = type(template)
     if cls is dict:
         return items
@@ -71,15 +60,7 @@ def _sequence_like(template: Sequence[Any], items: list[Any]) -> Any:
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
     """``outputs`` with ``fn`` applied to every tensor, through tuples, lists and mappings,
-    each container rebuilt as its own type; anything else as is.
-
-    Args:
-        fn: Applied to each tensor.
-        outputs: A model's outputs.
-
-    Returns:
-        The same structure with ``fn``'s results in place of the tensors.
-    """
+    each container rebuilt as its own type; anything else as is."""
     if isinstance(outputs, torch.Tensor):
         return fn(outputs)
     if isinstance(outputs, tuple | list):
@@ -91,9 +72,8 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
 
 def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str]:
     """The output keys ``predict`` drops: ``ignore_keys`` as given; with None, as Hugging
-    Face's own ``predict`` decides: for a model with a ``config``, its
-    ``keys_to_ignore_at_inference``, else ``["cache"]`` (a causal LM's key-value cache, one per
-    batch, on the device); for any other model none.
+    Face's ``predict`` decides (a model with a ``config``: its ``keys_to_ignore_at_inference``,
+    else ``["cache"]``; any other model: none).
 
     Raises:
         ConfigError: ``ignore_keys`` is not None nor an iterable of strings.
@@ -119,8 +99,7 @@ def without_keys(outputs: Any, keys: frozenset[str]) -> Any:
 
 
 def detach_outputs(outputs: Any) -> Any:
-    """``outputs`` with every tensor detached (kept on its device), through tuples, lists and
-    mappings (each kept as its own type, a ``ModelOutput`` included); anything else as is."""
+    """``outputs`` with every tensor detached (as :func:`map_tensors` walks them)."""
     return map_tensors(torch.Tensor.detach, outputs)
 
 
@@ -146,9 +125,9 @@ def _check_scalar(field: str, value: Any) -> PadValue:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PadValues:
-    """What ``predict(return_outputs=True)`` pads each output tensor with (see the module
-    docstring): for a tensor under the mapping key ``k`` (its innermost one) of dtype ``d``,
-    ``by_key[k]``, else ``by_dtype[d]``, else ``value``, else the default of ``d``.
+    """What ``predict(return_outputs=True)`` pads each output tensor with: for a tensor under
+    the mapping key ``k`` (its innermost one) of dtype ``d``, ``by_key[k]``, else
+    ``by_dtype[d]``, else ``value``, else the default of ``d`` (-100; 0 unsigned; False).
 
     Build it with :meth:`check`.
     """
@@ -258,11 +237,9 @@ def join_outputs(
 ) -> Any:
     """Concatenate per-batch outputs along the first dimension.
 
-    Tensors are concatenated, padded where their other dimensions differ (``pad``; see the
-    module docstring); scalars (a batch's loss) stacked into one value per batch;
-    tuples/lists and mappings of them are joined element by element, per key, and keep their
-    type (a ``ModelOutput`` stays one); anything else comes back as the list of per-batch
-    outputs. No batch gives ``[]``.
+    Tensors are concatenated, padded where their other dimensions differ; scalars stacked;
+    tuples/lists and mappings joined per element and key, keeping their type; anything else
+    comes back as the list of per-batch outputs. No batch gives ``[]``.
 
     Args:
         batches: One output per batch, in order.
@@ -272,9 +249,8 @@ def join_outputs(
         The joined outputs.
 
     Raises:
-        TrainingError: tensors under one key that padding cannot join (another number of
-            dimensions or dtype, a scalar beside a tensor, a tensor beside something else),
-            naming the key, the batch and both shapes.
+        TrainingError: tensors under one key that padding cannot join, naming the key, the
+            batch and both shapes.
         ConfigError: a pad value the tensor's dtype cannot hold.
     """
     if not batches:
@@ -303,14 +279,11 @@ def join_outputs(
 
 
 class OutputsCheck:
-    """Checks each batch's outputs as they come against the first batch's, so that outputs
-    :func:`join_outputs` could not join fail at the first such batch, not after the pass.
+    """Checks each batch's outputs against the first batch's layout (no tensor kept), so that
+    outputs :func:`join_outputs` could not join fail at the first such batch.
 
-    It keeps the first batch's layout only (types, keys, dtypes and shapes: no tensor). A
-    container whose type, length or keys change between batches is joined as a list per batch
-    (as :func:`join_outputs` does) and no longer checked. A tensor's pad value is checked
-    against its dtype at the first batch whose sizes differ from the first's (where padding
-    becomes needed), so a pad that no output needs is never refused.
+    A container whose type, length or keys change is no longer checked (it joins as a list).
+    A pad value is checked against its dtype only once padding becomes needed.
 
     Args:
         pad: The pad values.
@@ -398,3 +371,41 @@ def _keys(layout: Any) -> set[str]:
     if layout[0] == "mapping":
         return {str(k) for k in layout[1]}.union(*(_keys(c) for c in layout[1].values()))
     return set()
+
+
+class HostOutputs:
+    """Per-batch prediction outputs, copied to the host as they are added, so that a long
+    ``predict(return_outputs=True)`` never holds its outputs in device memory.
+
+    On CUDA each copy goes into pinned memory with ``non_blocking=True`` (queued behind the
+    forward); :meth:`batches` waits once for all of them.
+
+    Args:
+        device: The run's device: CUDA copies are pinned and non-blocking.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._pin = device.type == "cuda"
+        self._queued = False
+        self._batches: list[Any] = []
+
+    def add(self, outputs: Any) -> None:
+        """Queue the copy of one batch's outputs (as :func:`map_tensors` walks them)."""
+        self._batches.append(map_tensors(self._tensor_to_host, outputs))
+
+    def _tensor_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=self._pin)
+        host.copy_(tensor, non_blocking=self._pin)
+        self._queued = self._queued or self._pin
+        return host
+
+    def batches(self) -> list[Any]:
+        """The host copies of every batch added, in order, after one wait for the queued
+        copies (a pinned buffer is not readable before its copy ran)."""
+        if self._queued:
+            torch.cuda.synchronize(self._device)
+            self._queued = False
+        return self._batches

@@ -26,14 +26,13 @@ class Cancelled(BaseException):
 
 
 class CancelFlag:
-    """A run's cancel request: asked from any thread, checked by the loop's parts (between
-    micro-batches, at poll points, between evaluation batches).
+    """A run's cancel request: asked from any thread, checked by the loop's parts.
 
     Attributes:
         requested: A cancel was asked.
 
     Args:
-        doorbell: Rung by :meth:`request`, so that the loop looks at its next poll point.
+        doorbell: Rung by :meth:`request`.
     """
 
     __slots__ = ("_doorbell", "requested")
@@ -84,18 +83,16 @@ class FitResult:
     """Checkpoint writes the disk refused (full, read-only): each logged as
     ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
     metric_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    """Evaluations in which each ``set_metrics`` metric raised (in ``update`` or
-    ``compute``, here or on another rank), logged as ``set_metric_failed``; it was left out of
-    those evaluations' metrics and the run went on. Only metrics that failed."""
+    """Evaluations in which each ``set_metrics`` metric raised (logged as
+    ``set_metric_failed``, left out of those evaluations' metrics). Only metrics that failed."""
     subscriber_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Failures per subscription name (only those that failed)."""
     waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Seconds training waited on each subscription that held it (an ``overflow="block"``
     buffer that was full, a barrier or decision step it decides at); absent: never waited."""
     lost_work: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
-    """Work each subscription lost (dropped by its overflow policy, cancelled at close or by
-    ``cancel_pending()``, failed); only subscriptions that lost something, so it is empty
-    (false) when every item was handled."""
+    """Work each subscription lost (dropped, cancelled, failed); only subscriptions that lost
+    something, so it is empty when every item was handled."""
 
     def __getattr__(self, name: str) -> Any:
         """An attribute of an earlier version (``metrics``, ``checkpoint``, ``lost``): an
@@ -112,9 +109,8 @@ class FitResult:
         return ev.Ending.of(self.reason, self.stop_reason)
 
     def with_bus(self, statistics: BusStatistics) -> FitResult:
-        """This result with the bus' figures of the run, taken once the bus delivered its
-        events: ``statistics`` and, from it, ``subscriber_failures``, ``waited_s`` and
-        ``lost_work``."""
+        """This result with the bus' figures of the run: ``statistics`` and, from it,
+        ``subscriber_failures``, ``waited_s`` and ``lost_work``."""
         subs = statistics.subscriptions
         return dataclasses.replace(
             self,

@@ -1,11 +1,5 @@
-"""The loop's checkpoint writer: saves the run's state and announces it on the bus.
-
-The file format, the atomic write and resume live in the checkpoint layer
-(``save_checkpoint``, ``load_checkpoint``); this object is the loop's side of it: what to save
-(model, optimizer, scheduler, grad scaler, the train state, the last evaluation metrics, the
-data order of the epoch in progress and the callbacks' states), ``CheckpointSaved``, and which
-checkpoint the run wrote last.
-"""
+"""The loop's checkpoint writer: what a checkpoint holds, ``CheckpointSaved``, and which one
+the run wrote last. The file format, the atomic write and resume are the checkpoint layer's."""
 
 from __future__ import annotations
 
@@ -32,8 +26,7 @@ __all__ = ["CheckpointWriter", "config_differences", "run_config"]
 log = get_logger(__name__)
 
 _LOGGED_FIRST = 3
-"""Refused saves each logged in full; after them, one line at 10, 100, 1000, ... refusals (a
-disk that stays full cannot flood the log; ``FitResult.failed_saves`` has the count)."""
+"""Refused saves each logged in full; after them, one line at 10, 100, 1000, ... refusals."""
 
 
 def _log_worthy(count: int) -> bool:
@@ -44,11 +37,13 @@ def _log_worthy(count: int) -> bool:
     return count == 1
 
 
+_OTHER_EVALUATIONS = (
+    "the evaluations after the checkpoint's step come at other steps than in the run that "
+    "wrote it, so early stopping and keep_best decide on other evaluations"
+)
 _LOST = {
-    "eval_every": "the evaluations after the checkpoint's step come at other steps than in the "
-    "run that wrote it, so early stopping and keep_best decide on other evaluations",
-    "eval_at_epoch_end": "the evaluations after the checkpoint's step come at other steps than "
-    "in the run that wrote it, so early stopping and keep_best decide on other evaluations",
+    "eval_every": _OTHER_EVALUATIONS,
+    "eval_at_epoch_end": _OTHER_EVALUATIONS,
     "accumulate": "a step takes another number of batches: the steps, the batches each one "
     "sees and so the weights differ from the run that wrote it",
     "train_data": "the interrupted epoch's batches cannot be replayed in the saved order: the "
@@ -67,15 +62,7 @@ _SPELLED = {
 
 def run_config(settings: Settings) -> dict[str, Any]:
     """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
-    resume needs unchanged: a resume compares them with its own (:func:`config_differences`).
-
-    Args:
-        settings: The run's settings.
-
-    Returns:
-        ``{"eval_every", "eval_at_epoch_end", "accumulate", "train_data", "scheduler_interval"}``
-        as plain values (``train_data``: ``"iterable"`` or ``"<n> batches"``).
-    """
+    resume needs unchanged (:func:`config_differences`), as plain values."""
     s = settings
     return {
         "eval_every": s.eval_every if s.eval_data is not None else None,
@@ -87,17 +74,9 @@ def run_config(settings: Settings) -> dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """What differs between the run that wrote a checkpoint and the one resuming from it, and
-    what exactness each difference costs.
-
-    Args:
-        saved: The checkpoint's ``meta["run"]`` (:func:`run_config` of the writing run).
-        now: :func:`run_config` of the resuming run.
-
-    Returns:
-        One sentence per differing entry (empty: the resume can be exact); entries only one
-        side records are not compared.
-    """
+    """One sentence per entry of :func:`run_config` that differs between ``saved`` (the
+    checkpoint's) and ``now``, saying what exactness it costs (empty: the resume can be exact);
+    entries only one side records are not compared."""
     out = []
     for key, lost in _LOST.items():
         if key in saved and key in now and saved[key] != now[key]:
@@ -108,14 +87,14 @@ def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list
 
 
 class CheckpointWriter:
-    """Writes checkpoints of one run into ``settings.checkpoint_dir``.
-
-    Used by the loop (the final checkpoint) and the command handler (``SaveCheckpoint``).
+    """Writes checkpoints of one run into ``settings.checkpoint_dir``: the model (unwrapped from
+    DDP; a sharded model by every rank into one folder), optimizer, scheduler, scaler, train
+    state, metrics, the data order of the epoch in progress and the callbacks' states.
 
     Attributes:
         last_checkpoint: Path of the last checkpoint written in this run (None: none yet).
         last_checkpoint_step: The step it was written at (-1: none yet).
-        failed_saves: Writes the disk refused (each logged, bounded: see ``_LOGGED_FIRST``).
+        failed_saves: Writes the disk refused.
 
     Args:
         settings: The run's settings (model, optimizer, scheduler, scaler, checkpoint_dir).
@@ -123,17 +102,10 @@ class CheckpointWriter:
         state: The run's train state (read at each save).
         callback_states: Returns ``{name: state}`` of the stateful callbacks, called at each
             save on the training thread (None: no callback keeps state).
-        window: The log window: before every write its unread losses are read (a sync the
-            write pays anyway), which may find a NaN loss.
-        guard: The non-finite guard: before every write it refuses a stopped-on-NaN state
-            or non-finite parameters (``CheckpointError``): a checkpoint never holds NaN/inf
-            weights.
-        sync: Under torchrun: rank 0 writes, every rank waits for it and publishes the same
-            ``CheckpointSaved`` (its path); None: one process.
-
-    The model is saved unwrapped (``DistributedDataParallel``'s ``.module``), so a checkpoint
-    is the same with or without DDP. A sharded (FSDP2) model is saved by every rank into one
-    checkpoint folder (:mod:`trainbus.checkpoint._sharded`).
+        window: The log window: its unread losses are read before every write.
+        guard: The non-finite guard: it refuses a write of a bad state before it starts.
+        sync: Under torchrun: rank 0 writes, every rank publishes its ``CheckpointSaved``;
+            None: one process.
     """
 
     def __init__(
@@ -153,8 +125,7 @@ class CheckpointWriter:
         self._window, self._guard = window, guard
         self._sync = sync
         self.last_checkpoint: str | None = None
-        # The last checkpoint a SaveCheckpoint wrote (or the run resumed from) and the train
-        # state it holds (see save_once).
+        # The last checkpoint a SaveCheckpoint wrote (or the run resumed from), with its state.
         self._once: tuple[ev.CheckpointSaved, dict[str, int]] | None = None
         self.last_checkpoint_step = -1
         self.failed_saves = 0
@@ -163,14 +134,8 @@ class CheckpointWriter:
 
     def resumed_from(self, saved: ev.CheckpointSaved) -> None:
         """The run resumed from ``saved``, a checkpoint of its current step. When it lies in
-        this run's ``checkpoint_dir`` it is the run's last checkpoint: a run that ends at that
-        step (a completed run started again, a stop sent again) writes no final copy, and a
-        ``SaveCheckpoint`` of that step and tag is answered with it (:meth:`save_once`), as in
-        the run that wrote it.
-
-        Args:
-            saved: The checkpoint loaded, as the ``CheckpointSaved`` that announced it.
-        """
+        this run's ``checkpoint_dir`` it is the run's last checkpoint: no final copy of it is
+        written, and a ``SaveCheckpoint`` of that step and tag is answered with it."""
         path, folder = Path(saved.path), self._settings.checkpoint_dir
         if folder is not None and path.parent.resolve() == folder.resolve():
             self.last_checkpoint, self.last_checkpoint_step = saved.path, saved.step
@@ -178,10 +143,7 @@ class CheckpointWriter:
 
     def save_once(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
         """:meth:`save` for a ``SaveCheckpoint``: a second one of the same step and tag, the
-        train state unchanged since, is answered with the first instead of writing the same
-        state twice (a save at ``EpochEnded`` after one at the epoch's last ``StepEnded``, when
-        that step did the epoch's end work). Changed state (the epoch's end work of data
-        without a length, after that step's save) is written again.
+        train state unchanged since, is answered with the first instead of writing it twice.
 
         Returns:
             The ``CheckpointSaved`` of the file that holds the state.
@@ -199,18 +161,13 @@ class CheckpointWriter:
         return saved
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
-        """The epoch in progress draws its batches in ``data_order``
-        (:func:`~trainbus.checkpoint.capture_data_order`): saved with its checkpoints."""
+        """The epoch in progress draws its batches in ``data_order``: saved with its
+        checkpoints."""
         self._data_order = data_order
 
     def _order_to_save(self) -> dict[str, Any] | None:
-        """The order the resumed run replays: the epoch in progress', or the next epoch's.
-
-        Past an epoch's last batch or its end work (a save at ``EpochEnded``, after a
-        ``StopEpoch`` too) or between epochs (the final save), the resumed run starts the next
-        epoch: its order is captured now, because the loader's own generator has moved on
-        since the epoch began (its permutation is drawn).
-        """
+        """The order the resumed run replays: the epoch in progress', or, past its last batch
+        or its end work, the next epoch's, captured now."""
         s, st, order = self._settings, self._state, self._data_order
         if st.closed_epoch == st.epoch or (
             s.train_len is not None and st.batch_in_epoch >= s.train_len
@@ -240,8 +197,8 @@ class CheckpointWriter:
             CheckpointError: the guard refused it (non-finite weights, a NaN stop).
             NonFiniteLossError: the window's unread losses held a NaN under
                 ``on_nonfinite="raise"``.
-            CheckpointWriteError: the disk refused the write (an ``OSError`` naming the file;
-                nothing is left half-written); counted in :attr:`failed_saves` and logged.
+            CheckpointWriteError: the disk refused the write (nothing is left half-written);
+                counted in :attr:`failed_saves` and logged.
         """
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:

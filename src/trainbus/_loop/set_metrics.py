@@ -1,12 +1,10 @@
 """Metrics of the whole evaluation set (``set_metrics=``): running sums, read once per set.
 
-A metric of the whole set (perplexity: ``exp(total loss / total tokens)``; token accuracy:
-correct tokens / tokens) is not a mean of per-batch values. A :class:`SetMetric` says what to
-sum per batch (``update(outputs, targets) -> {name: sum}``) and what the set's totals give
-(``compute(totals) -> float``); the evaluator owns the sums (:class:`SetTotals`, new for each
-set of each evaluation), keeps them on the device during the pass, reads them once at the set's
-end and, under torchrun, adds every rank's before ``compute``. A metric that raises is counted
-and logged (:class:`MetricFailures`) and left out of that evaluation; the run goes on.
+A :class:`SetMetric` says what to sum per batch and what the set's totals give (perplexity,
+token accuracy: not means of per-batch values; docs/trainer.md, "Metrics of the whole set").
+The evaluator keeps the sums on the device in a :class:`SetTotals` per set, reads them once at
+the set's end and, under torchrun, adds every rank's. A metric that raises is counted
+(:class:`MetricFailures`) and left out of that evaluation; the run goes on.
 """
 
 from __future__ import annotations
@@ -34,8 +32,7 @@ Totals = dict[str, dict[str, float] | None]
 @runtime_checkable
 class SetMetric(Protocol):
     """A metric of the whole evaluation set: the sums it needs per batch, and its value from
-    the set's totals. It keeps no state (the evaluator keeps the sums), so one object serves
-    every evaluation, set and rank."""
+    the set's totals. It keeps no state, so one object serves every evaluation, set and rank."""
 
     def update(self, outputs: Any, targets: Any) -> Mapping[str, torch.Tensor | float]:
         """This batch's sums (scalars; tensors stay on the device), ``{name: sum}``: the same
@@ -88,12 +85,8 @@ def _aligned(
 class Perplexity:
     """``exp(summed token cross-entropy / counted tokens)`` over the whole set.
 
-    The logits are the model's outputs (a tensor, a mapping's ``"logits"`` or ``.logits``),
-    the labels the batch's targets; tokens labelled ``ignore_index`` are not counted.
-
     Args:
-        ignore_index: The label of tokens left out (padding), ``-100`` as PyTorch and Hugging
-            Face use.
+        ignore_index: The label of tokens not counted (padding).
         shift: The labels are the inputs (a Hugging Face causal LM, which shifts inside its
             loss): logits at ``t`` are scored against the label at ``t + 1``.
     """
@@ -116,8 +109,7 @@ class Perplexity:
 
 @dataclass(frozen=True, slots=True)
 class TokenAccuracy:
-    """Correctly predicted tokens over counted tokens, over the whole set (not a mean of
-    per-batch accuracies: a batch of few tokens weighs by its tokens). Arguments as
+    """Correctly predicted tokens over counted tokens, over the whole set. Arguments as
     :class:`Perplexity`'s."""
 
     ignore_index: int = -100
@@ -136,9 +128,8 @@ class TokenAccuracy:
 
 
 class MetricFailures:
-    """Set metrics that raised, counted per metric name and logged as a failing subscriber is
-    (``set_metric_failed``: the first failure of a metric with its traceback, then at 10, 100,
-    ... failures, so one failing at every evaluation cannot flood the log)."""
+    """Set metrics that raised, counted per metric name and logged as ``set_metric_failed``
+    (the first failure with its traceback, then at 10, 100, ... failures)."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}

@@ -35,9 +35,8 @@ NonFinitePolicy = Literal["raise", "stop", "skip", "ignore"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """Everything the loop needs, validated. Built from the Trainer's checked arguments
-    (``trainbus._trainer.options.build_settings``): no field has a default, each option's
-    default is declared once, in ``Trainer.__init__``'s signature (or its group's class)."""
+    """Everything the loop needs, validated (built by ``trainbus._trainer.options``; each
+    option's default is declared once, in ``Trainer.__init__``'s signature)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -67,13 +66,11 @@ class Settings:
     eval_at_epoch_end: bool
     """``EvalSchedule.epoch_end``."""
     eval_at_end: bool
-    """``EvalSchedule.at_end``: evaluate the final weights once more when a completed run's last
-    step was not evaluated (only when the run evaluates during it)."""
+    """``EvalSchedule.at_end``."""
     log_every: int
     checkpoint_dir: Path | None
     skip_final_checkpoint: frozenset[ev.Ending]
-    """``CheckpointDir.skip_final``: stopped runs (``Ending.STOPPED``/``PRUNED``/``SIGNAL``)
-    that write no final checkpoint."""
+    """``CheckpointDir.skip_final``: the endings that write no final checkpoint."""
     barriers: frozenset[type[ev.BaseEvent]]
     """The bus' ``barriers``: the event types the loop waits at."""
     on_nonfinite: NonFinitePolicy
@@ -109,15 +106,13 @@ def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
     """
     if value is None and optional:
         return None
-    # A map-style Dataset (Hugging Face's Trainer takes one) yields samples, not batches, and
-    # has no __iter__: say how to batch it rather than only that it is not iterable.
+    # A map-style Dataset yields samples, not batches: say how to batch it.
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
         raise ConfigError.invalid(
             name, type(value).__name__,
             "an iterable of batches: a Dataset gives single samples; wrap it, "
             "DataLoader(dataset, batch_size=N, shuffle=..., collate_fn=...)",
         )  # fmt: skip
-    # A string is iterable (of characters) but never a loader: refuse it here, not at step 0.
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Iterable):
         raise ConfigError.invalid(
             name, type(value).__name__, "an iterable of batches, such as a DataLoader or a list"
@@ -134,12 +129,9 @@ def check_loader(name: str, value: Any, *, optional: bool) -> int | None:
 
 
 def check_reiterable(name: str, value: Any, why: str, *, alternative: str = "") -> None:
-    """Refuse a one-shot iterator (``iter(x) is x``: a generator, ``map(...)``, ``iter(list)``)
-    where the data is iterated more than once.
-
-    The test is the iterator protocol (``__next__`` beside ``__iter__``), not a call of
-    ``iter()``: opening a ``DataLoader``'s iterator would start its workers and draw a seed from
-    torch's global generator, a draw the run would not otherwise make.
+    """Refuse a one-shot iterator (a generator, ``map(...)``, ``iter(list)``) where the data is
+    iterated more than once. The test is the iterator protocol, not a call of ``iter()``
+    (which would start a ``DataLoader``'s workers and draw from torch's global generator).
 
     Args:
         name: The option, as the message names it.

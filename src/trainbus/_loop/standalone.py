@@ -1,21 +1,8 @@
 """Evaluation and prediction outside ``fit()``: ``trainer.evaluate()`` and ``trainer.predict()``.
 
-:class:`StandaloneRun` runs on the training thread like the loop, on the same bus and with the same
-hooks, and polls the command queue between batches: ``StopTraining`` ends the pass early (the
-spans still close), any other command is acknowledged with a ``ConfigError`` (there is no step
-to save or evaluate at). Event order::
-
-    EvaluationRoundStarted(trigger="standalone")
-        per set: EvaluationStarted, per batch: EvalBatchStarted hook "eval_batch"
-                 [SpanTraced(span="forward")] EvalBatchEnded; EvaluationEnded
-    EvaluationRoundEnded
-
-    PredictionStarted
-        per batch: hook "eval_batch" (ctx.phase == "predict")
-                   [SpanTraced(span="forward", phase="predict")] PredictionBatchEnded(outputs)
-    PredictionEnded
-
-(``[...]``: only with ``Trainer(trace=...)``.)
+:class:`StandaloneRun` runs on the training thread like the loop, on the same bus and hooks, and
+polls the command queue between batches: ``StopTraining`` ends the pass early, any other command
+is refused. The event order is docs/events.md's ("Event order").
 """
 
 from __future__ import annotations
@@ -32,12 +19,11 @@ from .._hookpoints import StepContext
 from .._tensors import batch_size, move_to_device, use_device
 from .evaluation import Evaluator
 from .forward import model_outputs
-from .host import HostOutputs
 from .outputs import (
+    HostOutputs,
     OutputsCheck,
     PadValues,
     detach_outputs,
-    join_outputs,
     map_tensors,
     without_keys,
 )
@@ -50,7 +36,7 @@ if TYPE_CHECKING:
     from .hooks import Hooks
     from .settings import Settings
 
-__all__ = ["StandaloneRun", "detach_outputs", "join_outputs"]
+__all__ = ["StandaloneRun"]
 
 
 class StandaloneRun:
@@ -129,18 +115,16 @@ class StandaloneRun:
                 checked as it comes to be joinable with the first (:class:`OutputsCheck`).
             pad: The pad values the outputs will be joined with (None: the defaults).
             ignore: Output keys dropped from every batch's outputs before they are kept or
-                published (a causal LM's ``past_key_values``: see
-                :func:`~trainbus._loop.outputs.ignored_keys`).
+                published (:func:`~trainbus._loop.outputs.ignored_keys`).
 
         Returns:
-            The per-batch outputs (detached, copied to the host as they came: pinned and
-            non-blocking on CUDA; see :class:`~trainbus._loop.host.HostOutputs`) when ``keep``.
+            The per-batch outputs, detached and on the host
+            (:class:`~trainbus._loop.outputs.HostOutputs`), when ``keep``; else ``[]``.
 
         Raises:
             TrainingError: with ``keep``, a batch's outputs that cannot be joined to the first
                 batch's (naming the key and both shapes), at that batch.
-            ConfigError: with ``keep``, a pad value that cannot be used (see
-                :meth:`OutputsCheck.add`).
+            ConfigError: with ``keep``, a pad value that cannot be used.
             Whatever the model or the data raised, after ``PredictionEnded`` carried it.
         """
         s, port, st, w = self._s, self._port, self._state, self._wants
@@ -167,8 +151,7 @@ class StandaloneRun:
                     self._check_cancel()
                     if self.should_stop():
                         break
-                    if port.doorbell.rings != w.rings:  # the port's one signal
-                        w.refresh()
+                    w.refresh()
                     batch = move_to_device(batch, s.device)
                     if hooks:
                         ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -189,19 +172,16 @@ class StandaloneRun:
                         raise
                     done += 1
                     if check is not None:
-                        check.add(outputs, bi)  # fail at this batch, not after the pass
-                        kept.add(outputs)  # to the host now: the device keeps no batch
+                        check.add(outputs, bi)
+                        kept.add(outputs)
                     if w.prediction_batch_ended:
+                        # A copy: a CUDA graph's next replay overwrites them (docs/compile.md).
                         if not on_cpu:
-                            # The next replay of a CUDA graph that returned them (torch.compile's
-                            # mode="reduce-overhead") overwrites them before a subscriber reads
-                            # them: it gets a copy (docs/compile.md). The host copy above was
-                            # queued first, on the same stream.
                             outputs = map_tensors(torch.Tensor.clone, outputs)
                         pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
                                                     outputs=outputs,
                                                     samples=batch_size(batch)))  # fmt: skip
-                    del outputs  # hold no batch past its event: the bus' buffers bound memory
+                    del outputs  # hold no batch past its event
         except BaseException as exc:
             error = exc
             raise

@@ -1,8 +1,7 @@
 """The opt-in trace: each part of a step timed and published as one ``SpanTraced``.
 
-``Trainer(trace=...)`` names the parts (:data:`~trainbus.events.TRACED_SPANS`); the loop wraps
-each part in ``with tracer(span, ...):``. Off (the default), or with nobody subscribed to
-``SpanTraced``, the call returns one shared do-nothing context: no clock read, no event.
+``Trainer(trace=...)`` names the parts (:data:`~trainbus.events.TRACED_SPANS`). Off, or with
+nobody subscribed to ``SpanTraced``, a part's context does nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +56,6 @@ class _Timed:
             ev.SpanTraced(started=self._started, ended=time.monotonic(), error=exc,
                           **self._event)  # type: ignore[arg-type]
         )  # fmt: skip
-        # Returns None: the part's exception propagates.
 
 
 class Tracer:

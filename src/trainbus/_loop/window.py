@@ -26,11 +26,8 @@ __all__ = ["LogWindow"]
 class LogWindow:
     """Aggregates per-step losses and grad norms between two log steps, and checks for NaN.
 
-    The step hands each step's detached loss and grad norm to :meth:`add` (no device read);
-    every ``log_every`` steps :meth:`close` reads the whole window once (one sync), publishes
-    ``MetricsLogged`` when wanted and hands the first non-finite loss to the guard.
-    :meth:`check_pending` reads the window's unread losses at the other syncs (before a
-    checkpoint write, at the end of the run) for a guard that does not read every step.
+    :meth:`add` reads nothing off the device; :meth:`close` reads the whole window once,
+    publishes ``MetricsLogged`` when wanted and hands the first non-finite loss to the guard.
 
     Attributes:
         metrics: The last closed window's metrics (``loss``, ``lr``, ``steps_per_s``,
@@ -45,7 +42,8 @@ class LogWindow:
             so the i-th loss of the window is the loss of step ``window start + i + 1``.
         sync: Under torchrun with several ranks: a closed window's metrics are averaged
             across ranks in one collective, which also agrees on the first non-finite step and
-            tells whether some rank has commands waiting (:meth:`agree_due`); None: one process.
+            on whether some rank has commands waiting (:meth:`agree_due`); None: one process.
+        user: The metrics users log, closed with the window's own.
     """
 
     def __init__(
@@ -115,15 +113,9 @@ class LogWindow:
         return logged
 
     def finish(self) -> None:
-        """At the normal end of a run: the partial last window (steps taken since the last log
-        step, or a run shorter than ``log_every``) sets :attr:`metrics` too, so
-        ``FitResult.train_metrics`` holds the last training loss for any run length. Nothing
-        is published (``MetricsLogged`` stays every ``log_every`` steps) and the NaN check is
-        :meth:`check_pending`'s, called before.
-
-        Under torchrun the partial window is averaged across ranks like a closed one (one
-        collective, reached by every rank: each keeps every step's loss).
-        """
+        """At the normal end of a run: the partial last window sets :attr:`metrics` too (for
+        ``FitResult.train_metrics``), averaged across ranks like a closed one; nothing is
+        published."""
         if self._state.step == self._step0:
             return
         if not self._losses:
@@ -136,8 +128,8 @@ class LogWindow:
         self.metrics = metrics
 
     def agree_due(self) -> bool:
-        """Under torchrun: the last closed window found commands waiting on some rank, so the
-        ranks must agree on them now (answered once: the flag is cleared)."""
+        """Under torchrun: the last closed window found commands waiting on some rank (answered
+        once)."""
         due, self._agree = self._agree, False
         return due
 
@@ -147,17 +139,14 @@ class LogWindow:
         st, s, guard = self._state, self._s, self._guard
         losses_kept = self._losses
         steps = st.step - self._step0
-        # One stack and one read of the window (the device sync), then plain Python: eight small
-        # torch ops (mean, isfinite, all, ...) cost ~3 µs a step on the tiny model here.
-        values = _read(losses_kept)
+        values = _read(losses_kept)  # the one device read
         mean_loss = mean(values) if values else math.nan
         bad = None  # a finite mean has only finite values: then no search
         if values and not math.isfinite(mean_loss):
             bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
-        # Timed after the read: the window's steps are done only once the device has run them
-        # (before it, the first window after a start or resume overstates steps/s by the queue).
+        # Timed after the read: the window's steps are done once the device has run them.
         now = time.monotonic()
         elapsed = max(now - self._t0, 1e-9)
         metrics = {
@@ -178,14 +167,9 @@ class LogWindow:
         return metrics, bad
 
     def check_pending(self) -> None:
-        """Read the losses added since the last read (one sync) and report a non-finite one.
-
-        For a guard that does not read every step (``"raise"`` / ``"stop"`` on an
-        accelerator): called where a sync happens anyway, before a checkpoint write and at the
-        end of the run, so a short run and the last partial window are covered.
-
-        Under torchrun every rank calls it at the same points and the first non-finite step is
-        agreed (one all-reduce), so all raise or stop together.
+        """For a guard that does not read every step: read the losses added since the last read
+        (one sync) and report a non-finite one; called where a sync happens anyway (before a
+        checkpoint write, at the end of the run). Under torchrun the first bad step is agreed.
 
         Raises:
             NonFiniteLossError: a NaN/inf loss and ``on_nonfinite="raise"``.

@@ -1,5 +1,5 @@
-"""The one-time pin_memory hint for a CUDA run's DataLoader (no GPU needed: only the device's
-type is read)."""
+"""The training data's side of the run (EpochData): the one-time pin_memory hint for a CUDA
+run's DataLoader (no GPU needed: only the device's type is read)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import torch
 from structlog.testing import capture_logs
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainbus._loop import pinning
-from trainbus._loop.pinning import hint_pin_memory
+from trainbus._loop import data as data_module
+from trainbus._loop.data import hint_pin_memory
 
 CUDA = torch.device("cuda", 0)
 
@@ -24,7 +24,7 @@ def loader(pin: bool) -> DataLoader[Any]:
 
 @pytest.fixture(autouse=True)
 def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(pinning, "_hinted", False)
+    monkeypatch.setattr(data_module, "_hinted", False)
 
 
 def test_a_cuda_run_with_an_unpinned_loader_is_hinted_once() -> None:
@@ -56,11 +56,10 @@ def test_the_loop_asks_for_the_hint_with_the_runs_data_and_device(
     import torch.nn.functional as F
 
     from trainbus import Trainer
-    from trainbus._loop import loop as loop_module
     from trainbus.testing import tiny_model
 
     seen: list[tuple[Any, torch.device]] = []
-    monkeypatch.setattr(loop_module, "hint_pin_memory", lambda d, dev: seen.append((d, dev)))
+    monkeypatch.setattr(data_module, "hint_pin_memory", lambda d, dev: seen.append((d, dev)))
     model = tiny_model()
     data = DataLoader(TensorDataset(torch.randn(8, 32), torch.randint(0, 10, (8,))), batch_size=4)
     Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), data, loss_fn=F.cross_entropy,
