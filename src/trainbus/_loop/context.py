@@ -79,26 +79,31 @@ class TrainContext:
     """What ``train_step`` gets for one micro-batch (see :mod:`trainbus._loop.context`).
 
     Attributes:
-        step: Optimizer steps completed before this one (the step being taken is
-            ``step + 1``).
-        epoch: The epoch in progress.
         batch: The batch, on the run's device (after the ``batch`` hooks).
         batch_index: The batch's index in the epoch.
         micro_batch: Its position among the step's micro-batches (0 without accumulation).
         accumulation_steps: The step's micro-batches (``accumulate``, shorter at an epoch's end).
     """
 
-    __slots__ = ("_runner", "accumulation_steps", "batch", "batch_index", "epoch",
-                 "micro_batch", "step")  # fmt: skip
+    __slots__ = ("_runner", "accumulation_steps", "batch", "batch_index", "micro_batch")
 
     def __init__(
         self, runner: StepRunner, batch: Any, batch_index: int, micro_batch: int,
         accumulation_steps: int,
     ) -> None:  # fmt: skip
         self._runner = runner
-        self.step, self.epoch = runner.state.step, runner.state.epoch
         self.batch, self.batch_index = batch, batch_index
         self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed before this one (the step being taken is ``step + 1``)."""
+        return self._runner.step
+
+    @property
+    def epoch(self) -> int:
+        """The epoch in progress."""
+        return self._runner.state.epoch
 
     @property
     def model(self) -> torch.nn.Module:
@@ -135,7 +140,7 @@ class TrainContext:
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
         """
-        self._runner.backward(loss, self.batch_index, self.micro_batch, self.accumulation_steps)
+        self._runner.backward(loss, self)
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
@@ -149,7 +154,8 @@ class TrainContext:
         Raises:
             ConfigError: ``name`` is not one of the run's optimizers.
         """
-        return self._runner.optimizer_step(name, self.batch_index, self.last_micro_batch)
+        last = self.micro_batch == self.accumulation_steps - 1
+        return self._runner.optimizer_step(name, self.batch_index, last)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's mixed-precision context for a forward (a no-op at ``precision="32"``)."""
@@ -173,6 +179,7 @@ class StepRunner:
         state: The run's train state.
         user: Where ``ctx.log`` and a returned mapping's extra entries go.
         name: The step function's name, for messages.
+        step: Optimizer steps completed when the current step began.
         same: Every loss ``train_step`` returned in this step is the one it gave to
             ``ctx.backward`` (the default step): the non-finite check of the backward losses
             covers them.
@@ -210,23 +217,19 @@ class StepRunner:
         self._hook_ctx: StepContext | None = None  # the micro-batch's, once a hook needed one
         self._clean = True  # every gradient is None: the step need not zero them first
         self._weight: float | None = None
-        self._begin()
-
-    def _begin(self) -> None:
-        self._stepped: dict[str | None, torch.Tensor | None] = {}
-        self._requested: list[str | None] = []
-        self._called: set[str | None] = set()
-        self._losses: list[torch.Tensor] = []
-        self._checked = 0
-        self._skip = self._unscaled = self._skipped = False
-        self._last: torch.Tensor | None = None
-        self._first_step = self.state.step
-        self.same = True
+        self.begin()
 
     def begin(self) -> None:
         """A step begins: its bookkeeping is reset and stale gradients dropped (a custom
         step's backward may leave some in an optimizer it did not step)."""
-        self._begin()
+        self._stepped: dict[str | None, torch.Tensor | None] = {}
+        self._requested: list[str | None] = []
+        self._called: set[str | None] = set()
+        self._losses: list[torch.Tensor] = []  # given to ctx.backward, not checked yet
+        self._skip = self._unscaled = self._skipped = False
+        self._last: torch.Tensor | None = None
+        self.step = self.state.step
+        self.same = True
         if not self._clean:
             self.settings.optimizer.zero_grad(set_to_none=True)
             self._clean = True
@@ -275,21 +278,21 @@ class StepRunner:
                 exc.add_note(f"trainbus: raised in train_step {self.name} at step "
                              f"{st.step + 1}, epoch {st.epoch}, batch {bi}")  # fmt: skip
             raise
-        if type(out) is torch.Tensor and out.numel() == 1:  # the common return, checked fast
-            loss = out
+        backwarded = self._last  # the loss it gave ctx.backward in this call: checked there
+        if backwarded is not None and out is backwarded and out is not last:
+            loss = backwarded
         elif out is None and self._skipped:
             self._skipped = False
             return None
-        else:
-            loss = self._returned(out, bi)
-        if loss is not self._last or loss is last:  # not the loss it gave to ctx.backward
+        else:  # another loss than the backward's: checked after the update too
             self.same = False
+            loss = self._returned(out, bi)
         loss = loss.detach()
         return loss.reshape(()) if loss.dim() else loss
 
     def _returned(self, out: Any, bi: int) -> torch.Tensor:
         """The loss in what ``train_step`` returned (a mapping's other entries are logged)."""
-        where = f"at step {self._first_step + 1}, batch {bi}"
+        where = f"at step {self.step + 1}, batch {bi}"
         if isinstance(out, Mapping) and "loss" not in out:
             raise TrainingError(
                 f"train_step {self.name} returned a mapping without a 'loss' entry (keys: "
@@ -367,25 +370,26 @@ class StepRunner:
         return outputs, loss_of(s, outputs, targets)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: Any, bi: int, micro: int, accumulation_steps: int) -> None:
+    def backward(self, loss: Any, ctx: TrainContext) -> None:
         """``ctx.backward``: check the loss, keep it for the non-finite check, then the
         backward (traced ``"backward"``) and the ``after_backward`` hooks."""
+        bi = ctx.batch_index
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             self._refuse(loss, bi)
-        if self._keep:
-            self._losses.append(loss.detach())
+        if self._keep:  # read only for its value: kept as it is
+            self._losses.append(loss)
         self._last, self._clean = loss, False
-        weight = self._weight
+        weight, n = self._weight, ctx.accumulation_steps
         if weight is not None:
             scaled = loss * weight
         else:
-            scaled = loss / accumulation_steps if accumulation_steps > 1 else loss
+            scaled = loss / n if n > 1 else loss
         scaler = self.settings.scaler
         if scaler is not None:
             scaled = scaler.scale(scaled)
         try:
             if self._trace.on:
-                with self._trace("backward", "train", bi, micro):
+                with self._trace("backward", "train", bi, ctx.micro_batch):
                     scaled.backward()
             else:
                 scaled.backward()
@@ -394,7 +398,7 @@ class StepRunner:
             raise
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
-            hc = self.hook_context(bi, micro, None)
+            hc = self.hook_context(bi, ctx.micro_batch, None)
             hc.loss = loss
             for hook in hooks:
                 hook(hc)
@@ -437,11 +441,10 @@ class StepRunner:
         if self._skip or name in self._stepped:
             return False
         guard = self._guard
-        if guard.per_step and len(self._losses) > self._checked:
-            pending = self._losses[self._checked :]
-            self._checked = len(self._losses)
+        if guard.per_step and self._losses:
+            pending, self._losses = self._losses, []
             try:
-                bad = guard.skip_update(pending, self._first_step + 1)
+                bad = guard.skip_update(pending, self.step + 1)
             except BaseException as exc:
                 if self._own:
                     names = self.settings.optimizers if name is None else (name,)
@@ -493,7 +496,7 @@ class StepRunner:
             for hook in hooks:
                 hc = self.hook_context(bi, 0, None)
                 hc.optimizer = opt
-                hc.step = self._first_step + 1  # the step this update completes
+                hc.step = self.step + 1  # the step this update completes
                 hook(hc)
         return True
 
@@ -543,17 +546,18 @@ class StepRunner:
         if self._unscaled:
             assert s.scaler is not None
             s.scaler.update()
-        if not self._skip and None not in self._called:
+        if self._own and not self._skip and None not in self._called:
             for name in s.optimizers:
                 if name not in self._called and name not in self._warned:
                     self._warn_not_stepped(name)
         stepped = self._stepped
-        if stepped and None not in stepped:  # named optimizers stepped: the step is taken
-            self.state.step_done()
-        if len(stepped) == 1:  # one optimizer (or the run's, every one) stepped
-            return True, next(iter(stepped.values()))
+        if None in stepped:  # the run's update: the step was counted then
+            return True, stepped[None]
         if not stepped:
             return False, None
+        self.state.step_done()  # named optimizers stepped: the step is taken now
+        if len(stepped) == 1:
+            return True, next(iter(stepped.values()))
         norms = [n for n in stepped.values() if n is not None]
         if not norms:
             return True, None
@@ -565,7 +569,7 @@ class StepRunner:
         self._warned.add(name)
         warnings.warn(
             f"train_step {self.name} did not step optimizer {name!r} at step "
-            f"{self._first_step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
+            f"{self.step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
             "optimizer)",
             RuntimeWarning,
             stacklevel=3,
@@ -579,7 +583,7 @@ class StepRunner:
         then finds this step). On the device: no sync."""
         if self.same or not self._losses:
             return loss
-        finite = torch.isfinite(torch.stack(self._losses)).all()
+        finite = torch.isfinite(torch.stack([x.detach() for x in self._losses])).all()
         return torch.where(finite, loss, loss.new_full((), math.nan))
 
 

@@ -312,32 +312,30 @@ class Loop:
         pending.
         """
         st, s = self._state, self._s
-        ends_epoch = st.batch_in_epoch >= self._epoch_len
+        step, ends_epoch = st.step, st.batch_in_epoch >= self._epoch_len
         if (
             ends_epoch
-            or st.step == self._last_step
-            or (s.eval_every is not None and st.step % s.eval_every == 0)
+            or step == self._last_step
+            or (s.eval_every is not None and step % s.eval_every == 0)
         ):
             self._close_step(ends_epoch=ends_epoch, cadence=True)
-        if st.step == self._decision_step:
-            self._decision_step = self._next_decision(st.step)
+        if step == self._decision_step:
+            self._decision_step = self._next_decision(step)
             self._control.decide(outcome.ended, outcome.barrier_event,
                                  common=self._sync is not None)  # fmt: skip
         elif outcome.barrier_event is not None:
             self._control.barrier_then_poll(outcome.barrier_event)
-        else:
+        elif self._port.doorbell.rings != self._rings_seen:  # else nothing happened: one compare
             self._poll_if_pending()
         if self._sync is not None and self._log_window.agree_due():
             self._control.agree()  # a rank had commands at this log window's close
 
     def _poll_if_pending(self) -> None:
-        """The poll point of a plain step: poll only when a subscriber failed, a command waits,
-        a cancel was asked or a ``"block"`` buffer is full (each rings the doorbell)."""
+        """The poll point of a plain step after the doorbell rang: poll only when a subscriber
+        failed, a command waits, a cancel was asked or a ``"block"`` buffer is full (each rings
+        the doorbell; other rings, a subscription made say, need no poll)."""
         port = self._port
-        rings = port.doorbell.rings
-        if rings == self._rings_seen:
-            return
-        self._rings_seen = rings
+        self._rings_seen = port.doorbell.rings  # it rang since the last look (the caller asked)
         if port.failure is not None or port.has_commands() or self._cancel.requested or port.held:
             self._control.poll()
             self._rings_seen = -1  # look again next step: the poll may have left some pending

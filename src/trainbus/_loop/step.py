@@ -191,7 +191,8 @@ class Step:
         took, grad_norm = runner.finish(bi)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(consumed, False, exhausted)
-        self._check_returned(losses, step + 1)
+        if not runner.same:  # a custom step returned other losses than it gave to backward
+            self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
         step_loss = losses[0] if len(losses) == 1 else mean_tensor(losses)
@@ -224,7 +225,7 @@ class Step:
         they are not those it gave to ``ctx.backward`` (those were read before the update):
         ``"raise"`` / ``"stop"`` (the update is already taken)."""
         guard, runner = self._guard, self._runner
-        if runner.same or not guard.per_step or guard.policy == "skip":
+        if not guard.per_step or guard.policy == "skip":
             return
         try:
             guard.skip_update(losses, step)
