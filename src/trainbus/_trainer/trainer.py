@@ -611,10 +611,12 @@ class Trainer:
                 padded at the end of each other dimension to the largest size.
             pad_value: What pads them: None for the defaults (``-100`` for signed and floating
                 tensors, as Hugging Face; ``0`` unsigned, ``False`` bool); one number; or a
-                mapping of output keys and dtypes to numbers (a key wins over a dtype).
-            ignore_keys: Keys of mapping outputs dropped from every batch, as Hugging Face's
-                ``predict(ignore_keys=...)``. None: the model's
-                ``config.keys_to_ignore_at_inference`` when it has one, else none.
+                mapping of output keys (at any depth) and dtypes to numbers (a key wins over a
+                dtype).
+            ignore_keys: Keys of mapping outputs dropped from every batch before they are kept
+                or published, as Hugging Face's ``predict(ignore_keys=...)``; ``[]`` keeps all.
+                None: for a model with a ``config``, its ``keys_to_ignore_at_inference``, else
+                ``["cache"]`` (a causal LM's key-value cache); for any other model, none.
 
         Returns:
             The outputs when ``return_outputs``, else None. An empty ``data`` gives ``[]``.
