@@ -63,6 +63,7 @@ from _common import (
 from trainbus import EventBus, Trainer
 from trainbus import events as ev
 from trainbus import operators as tbops
+from trainbus._hookpoints import HOOK_POINTS  # every point, no-op hooks at each
 from trainbus.testing import tiny_loader, tiny_model
 
 Setup = Callable[[Trainer], None]
@@ -74,20 +75,6 @@ def _noop(_: Any) -> None:
 
 async def _anoop(_: Any) -> None:
     await anyio.lowlevel.checkpoint()
-
-
-# Every hook point (trainer.md, "Hooks"), in the order a step reaches them.
-HOOK_POINTS = (
-    "batch",
-    "after_forward",
-    "loss",
-    "after_backward",
-    "before_optimizer_step",
-    "after_optimizer_step",
-    "before_evaluation",
-    "after_evaluation",
-    "eval_batch",
-)
 
 
 def _hooks(t: Trainer) -> None:

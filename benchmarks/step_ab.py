@@ -84,8 +84,10 @@ def bare(data: list[Any]) -> float:
     return bare_loop_s(tiny_model(), data, lr=0.01) / len(data) * 1e6
 
 
-def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
-    """µs a step of ``package``'s Trainer (loop time, from its own events)."""
+def trainer_with_kit(package: ModuleType, data: list[Any], kit: str) -> Any:
+    """``package``'s Trainer on the tiny model over ``data``, with the subscribers of ``kit``
+    (``"none"``; ``"sampled"``: a ``StepEnded`` stream of ``every_s=1.0`` and an ``EpochEnded``
+    one; ``"each"``: one of every ``StepEnded``)."""
     events = importlib.import_module(f"{package.__name__}.events")
     torch.manual_seed(0)
     model = tiny_model()
@@ -98,6 +100,14 @@ def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
         bus.stream(events.EpochEnded).subscribe(lambda e: None)
     elif kit == "each":
         bus.stream(events.StepEnded).subscribe(lambda e: None)
+    return trainer
+
+
+def fitted(package: ModuleType, data: list[Any], kit: str) -> float:
+    """µs a step of ``package``'s Trainer (loop time, from its own events)."""
+    events = importlib.import_module(f"{package.__name__}.events")
+    trainer = trainer_with_kit(package, data, kit)
+    bus = trainer.bus
     times: dict[str, float] = {}
     bus.stream(events.FitStarted).subscribe(lambda e: times.update(start=e.time))
     bus.stream(events.FitEnded).subscribe(lambda e: times.update(end=e.time))

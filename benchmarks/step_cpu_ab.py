@@ -19,7 +19,6 @@ Prints the medians and the paired difference (after minus before) in µs of CPU 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 import tempfile
 import time
@@ -28,28 +27,18 @@ from types import ModuleType
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, median_ci
-from step_ab import import_before
+from step_ab import import_before, trainer_with_kit
 
 import trainbus
-from trainbus.testing import tiny_loader, tiny_model
+from trainbus.testing import tiny_loader
 
 
 def cpu_us(package: ModuleType, data: list[Any], kit: str) -> float:
     """µs of process CPU time per step of ``package``'s Trainer over ``data``."""
-    events = importlib.import_module(f"{package.__name__}.events")
-    torch.manual_seed(0)
-    model = tiny_model()
-    trainer = package.Trainer(model, torch.optim.SGD(model.parameters(), lr=0.01), data,
-                              loss_fn=F.cross_entropy, max_epochs=1, on_signal=None,
-                              progress=False)  # fmt: skip
-    if kit == "sampled":
-        trainer.bus.stream(events.StepEnded, every_s=0.5).subscribe(lambda e: float(e.loss))
-    elif kit == "each":
-        trainer.bus.stream(events.StepEnded).subscribe(lambda e: None)
+    trainer = trainer_with_kit(package, data, kit)
     start = time.process_time()
     trainer.fit_sync()
     return (time.process_time() - start) / len(data) * 1e6

@@ -47,8 +47,7 @@ from ._distributed.socket_link import SocketDriver
 from ._driver import add_driver_callback, workers_stop_reason
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
-from ._signals import not_ignored
-from ._trainer.endings import OnSignal, check_on_signal
+from ._signals import OnSignal, check_on_signal, not_ignored
 from ._validate import check_int, check_seconds, explains_unknown_keywords, unknown_keyword_message
 from .callbacks._base import Callback
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import signal
+from typing import Literal
 
-__all__ = ["STOP_SIGNALS", "not_ignored"]
+from ._exceptions import ConfigError
+
+__all__ = ["STOP_SIGNALS", "OnSignal", "check_on_signal", "not_ignored"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """What stops a run gracefully (a second SIGINT aborts it)."""
@@ -18,3 +21,22 @@ def not_ignored(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[sig
     ignores SIGINT so that a Ctrl-C meant for the script's foreground does not reach it.
     """
     return tuple(s for s in signums if signal.getsignal(s) is not signal.SIG_IGN)
+
+
+OnSignal = Literal["raise", "return"]
+"""``on_signal=`` of the Trainer and the launchers (None: no handler)."""
+
+
+def check_on_signal(value: object) -> OnSignal | None:
+    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler.
+
+    Raises:
+        ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
+    """
+    if value is None or value in ("raise", "return"):
+        return value
+    raise ConfigError.invalid(
+        "on_signal", value,
+        "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
+        "(the result is returned) or None (no handler: Python's own SIGINT and SIGTERM)",
+    )  # fmt: skip

@@ -7,31 +7,13 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Iterable
-from typing import Literal
 
 from .._exceptions import ConfigError
 from ..events import Ending
 
-__all__ = ["OnSignal", "check_on_signal", "check_skip_final", "interrupt_for"]
+__all__ = ["check_skip_final", "interrupt_for"]
 
 SKIPPABLE = (Ending.STOPPED, Ending.PRUNED, Ending.SIGNAL)
-
-OnSignal = Literal["raise", "return"]
-
-
-def check_on_signal(value: object) -> OnSignal | None:
-    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler.
-
-    Raises:
-        ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
-    """
-    if value is None or value in ("raise", "return"):
-        return value
-    raise ConfigError.invalid(
-        "on_signal", value,
-        "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
-        "(the result is returned) or None (no handler: Python's own SIGINT and SIGTERM)",
-    )  # fmt: skip
 
 
 def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:

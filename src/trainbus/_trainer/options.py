@@ -24,10 +24,11 @@ from .._exceptions import ConfigError
 from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
 from .._loop.settings import check_loader, check_precision, check_reiterable, eval_sets
+from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
-from .endings import check_on_signal, check_skip_final
+from .endings import check_skip_final
 from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [

@@ -4,6 +4,7 @@ optimizer and callback states, and collecting the callback states at each save."
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,8 +130,6 @@ class CallbackStates:
         """``resume="latest"``: Ray's checkpoint when Ray handed one, else the newest valid
         file in ``checkpoint_dir``, else None (a warning; an error when ``required``)."""
         assert s.checkpoint_dir is not None
-        from ..ray._resume import read_ray_checkpoint  # asks Ray only inside a Ray worker
-
         handed = read_ray_checkpoint()
         if handed is not None:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(handed.path)))
@@ -257,3 +256,43 @@ def _next_epoch_if_resharded(checkpoint: Checkpoint, saved: int, world_size: int
                 epoch=st.epoch, batch_in_epoch=st.batch_in_epoch, action=action)  # fmt: skip
     if st.batch_in_epoch > 0:
         st.epoch_done()
+
+
+# Ray hands a restarted worker its checkpoint (``ray.train.get_checkpoint()``): restarted
+# workers may not see the old ones' disks but do see Ray's storage. Ray is never imported here.
+def _ray_handed() -> Any:
+    """Ray's checkpoint for this worker, or None (no Ray Train here, none handed)."""
+    train = sys.modules.get("ray.train")
+    if train is None:
+        return None
+    try:
+        return train.get_checkpoint()
+    except RuntimeError:  # Ray Train is imported, but this is not one of its workers
+        return None
+
+
+def read_ray_checkpoint() -> Checkpoint | None:
+    """Read the trainbus checkpoint in the Ray checkpoint handed to this worker: the first
+    file in its folder that reads as one.
+
+    Returns:
+        The checkpoint (not applied yet), or None: not a Ray Train worker, Ray handed none, or
+        none of its files is readable (logged as ``resume_ray_checkpoint_unreadable``).
+    """
+    handed = _ray_handed()
+    if handed is None:
+        return None
+    errors: list[str] = []
+    with handed.as_directory() as folder:
+        for path in sorted(p for p in Path(folder).iterdir() if p.is_file()):
+            try:
+                checkpoint = read_checkpoint(path, map_location="cpu")
+            except CheckpointError as exc:
+                errors.append(str(exc))
+                continue
+            log.info("resume_ray_checkpoint", path=str(path), step=checkpoint.state.step)
+            return checkpoint
+    log.warning("resume_ray_checkpoint_unreadable", ray_checkpoint=str(handed.path),
+                errors=errors or ["no file in it"],
+                action="resuming from checkpoint_dir instead")  # fmt: skip
+    return None

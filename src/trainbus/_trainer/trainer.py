@@ -52,6 +52,7 @@ from .._loop import (
 from .._loop.outputs import ignored_keys
 from .._loop.set_metrics import SetMetric
 from .._seeding import seeded_run
+from .._signals import OnSignal
 from .._tensors import is_sharded_model
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from ..callbacks._progress import Progress, progress_by_default
@@ -59,7 +60,7 @@ from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
 from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
-from .endings import OnSignal, interrupt_for
+from .endings import interrupt_for
 from .holder import BusHolder
 from .options import (
     Accumulate,

@@ -15,9 +15,9 @@ from ._data_order import set_sampler_epoch as set_sampler_epoch
 from ._export import export_full as export_full
 from ._rng import capture_rng as capture_rng
 from ._rng import restore_rng as restore_rng
-from ._sharded import load_sharded as load_sharded
 from ._sharded import read_folder as read_folder
 from ._sharded import save_sharded as save_sharded
+from ._sharded_resume import load_sharded as load_sharded
 from ._state import FORMAT_VERSION as FORMAT_VERSION
 from ._state import Checkpoint as Checkpoint
 from ._state import TrainState as TrainState

@@ -38,7 +38,17 @@ from ._reading import one_line_reason, read_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
 
-__all__ = ["STATE_FILE", "folder_name", "load_sharded", "read_folder", "save_sharded"]
+__all__ = [
+    "STATE_FILE",
+    "RankFailure",
+    "dcp_state",
+    "folder_name",
+    "gather_errors",
+    "rank_and_world",
+    "read_folder",
+    "read_rank_file",
+    "save_sharded",
+]
 
 log = get_logger(__name__)
 
@@ -59,13 +69,13 @@ def _rank_file(rank: int) -> str:
     return f"rank-{rank}.pt"
 
 
-def _rank_and_world() -> tuple[int, int]:
+def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-class _RankFailure(NamedTuple):
+class RankFailure(NamedTuple):
     """One rank's failure as every rank hears of it: ``text`` is ``"<type>: <message>"``;
     ``errno`` / ``strerror`` those of a write the disk refused, else None.
     """
@@ -76,25 +86,25 @@ class _RankFailure(NamedTuple):
     strerror: str | None = None
 
 
-def _gather_errors(error: BaseException | None) -> list[_RankFailure]:
+def gather_errors(error: BaseException | None) -> list[RankFailure]:
     """Every rank's error, for the ranks that had one (``error``: this rank's, or None): a
     collective, the same list on every rank.
     """
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     mine: tuple[str, int | None, str | None] | None = None
     if isinstance(error, CheckpointWriteError):
         mine = (f"{type(error).__name__}: {error}", error.errno, error.strerror)
     elif error is not None:
         mine = (f"{type(error).__name__}: {error}", None, None)
     if world == 1:
-        return [] if mine is None else [_RankFailure(rank, *mine)]
+        return [] if mine is None else [RankFailure(rank, *mine)]
     found: list[tuple[str, int | None, str | None] | None] = [None] * world
     dist.all_gather_object(found, mine)
-    return [_RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
+    return [RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
 
 
 def _broadcast(value: str) -> str:
-    _, world = _rank_and_world()
+    _, world = rank_and_world()
     if world == 1:
         return value
     box = [value]
@@ -107,7 +117,7 @@ def _torch_save(obj: object, path: Path) -> None:
     fsync_file(path)
 
 
-def _dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def dcp_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
@@ -151,7 +161,7 @@ def save_sharded(
         CheckpointError: another rank's part failed otherwise (naming it). Nothing is
             left half-written: the temporary folder is removed, earlier checkpoints stay.
     """
-    rank, world = _rank_and_world()
+    rank, world = rank_and_world()
     final = directory / name
     payload: dict[str, Any] | None = None
     tmp_name = ""
@@ -172,13 +182,13 @@ def save_sharded(
                 raise CheckpointWriteError(str(final), exc) from exc
     except BaseException as exc:  # raised below on this rank, after the others heard of it
         error = exc
-    _raise_agreed(error, _gather_errors(error), final, None)
+    _raise_agreed(error, gather_errors(error), final, None)
     tmp = directory / _broadcast(tmp_name)
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
         # A collective: DCP gathers every rank's failure and raises it on every rank.
-        dcp_save(_dcp_state(model, optimizer), checkpoint_id=str(tmp))
+        dcp_save(dcp_state(model, optimizer), checkpoint_id=str(tmp))
         _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / _rank_file(rank))
         if payload is not None:
             _torch_save(payload, tmp / STATE_FILE)
@@ -186,18 +196,18 @@ def save_sharded(
         error = CheckpointWriteError(str(final), exc)
     except BaseException as exc:
         error = exc
-    _raise_agreed(error, _gather_errors(error), final, tmp)
+    _raise_agreed(error, gather_errors(error), final, tmp)
     if rank == 0:
         try:
             _publish(tmp, final)
         except OSError as exc:
             error = CheckpointWriteError(str(final), exc)
-    _raise_agreed(error, _gather_errors(error), final, tmp)
+    _raise_agreed(error, gather_errors(error), final, tmp)
     return final
 
 
 def _raise_agreed(
-    error: BaseException | None, failed: list[_RankFailure], final: Path, tmp: Path | None
+    error: BaseException | None, failed: list[RankFailure], final: Path, tmp: Path | None
 ) -> None:
     """After an agreement: when any rank failed, remove the temporary folder (rank 0) and
     raise on every rank, of the same kind, so every rank's loop takes the same path: this
@@ -206,7 +216,7 @@ def _raise_agreed(
     naming the others' errors."""
     if not failed:
         return
-    rank, _ = _rank_and_world()
+    rank, _ = rank_and_world()
     if rank == 0 and tmp is not None:
         shutil.rmtree(tmp, ignore_errors=True)
     if error is not None:
@@ -299,7 +309,7 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
     return checkpoint
 
 
-def _read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
+def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
     """Rank ``rank``'s RNG states and data order from a checkpoint folder.
 
     Raises:
@@ -317,145 +327,3 @@ def _read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
     if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
         raise CheckpointError(f"{_rank_file(rank)} is not a trainbus rank file", path=str(folder))
     return saved
-
-
-def _agree_path(path: str) -> None:
-    """Every rank resumes the same checkpoint (a collective)."""
-    _, world = _rank_and_world()
-    if world == 1:
-        return
-    paths: list[str | None] = [None] * world
-    dist.all_gather_object(paths, path)
-    if len(set(paths)) > 1:
-        raise CheckpointError("the ranks found different checkpoints to resume ("
-                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
-                              + "): every rank must see the same checkpoint folder")  # fmt: skip
-
-
-def _find_sharded(
-    resume: str | os.PathLike[str], checkpoint_dir: Path | None
-) -> tuple[Checkpoint | None, str]:
-    """The sharded checkpoint to resume, this rank's view: ``"latest"`` in
-    ``checkpoint_dir`` or a folder. Returns it (None: ``"latest"`` found none) and what the folder
-    held, in words; ``CheckpointError`` for a one-file checkpoint or a damaged folder.
-    """
-    from ._store import CheckpointStore
-
-    advice = ("a sharded (fully_shard) model resumes from a checkpoint folder written by a "
-              "sharded run; to start from an unsharded run's weights, load them into the model "
-              "before fully_shard and start a fresh run")  # fmt: skip
-    if resume == "latest":
-        assert checkpoint_dir is not None
-        scan = CheckpointStore(checkpoint_dir).find_latest(map_location="cpu")
-        found = scan.checkpoint
-        if found is not None and not found.meta.get("sharded"):
-            raise CheckpointError(f"the newest checkpoint is a one-file checkpoint (an "
-                                  f"unsharded run's): {advice}", path=str(found.path))  # fmt: skip
-        return found, scan.describe()
-    path = Path(resume)
-    if path.is_file():
-        raise CheckpointError(f"a one-file checkpoint (an unsharded run's): {advice}",
-                              path=str(path))  # fmt: skip
-    return read_folder(path), ""
-
-
-def load_sharded(
-    resume: str | os.PathLike[str],
-    checkpoint_dir: Path | None,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    scaler: Any | None,
-) -> tuple[Checkpoint | None, str]:
-    """Find, check and restore a sharded checkpoint on every rank (every rank calls it).
-
-    Each rank reads and checks the folder and its own ``rank-<r>.pt``; the ranks agree that
-    every one succeeded and found the same folder; then DCP loads each rank's shards of the
-    model and optimizer state (resharded when the world size changed), and the scheduler and
-    grad scaler are restored.
-
-    Args:
-        resume: ``"latest"`` or a checkpoint folder.
-        checkpoint_dir: The run's checkpoint folder (for ``"latest"``).
-        model, optimizer: The sharded model and its optimizer, restored in place.
-        scheduler, scaler: Restored when present here and in the checkpoint.
-
-    Returns:
-        ``(checkpoint, found)``: the checkpoint with this rank's RNG states and data order
-        (None when ``"latest"`` found none on every rank), and what the folder held.
-
-    Raises:
-        CheckpointError: on every rank, when any rank could not read or check its part
-            (naming the rank and why), the ranks found different checkpoints, or DCP could
-            not load the state; nothing is trained from a half-restored model.
-    """
-    rank, world = _rank_and_world()
-    checkpoint: Checkpoint | None = None
-    found = ""
-    own: dict[str, Any] | None = None
-    error: BaseException | None = None
-    try:
-        checkpoint, found = _find_sharded(resume, checkpoint_dir)
-        if checkpoint is not None:
-            saved_world = int(checkpoint.meta["world_size"])
-            checkpoint.check_compatible(model=model, optimizer=optimizer, world_size=saved_world)
-            if rank < saved_world:
-                own = _read_rank_file(checkpoint.path, rank)
-    except BaseException as exc:  # agreed below, then raised on every rank
-        error = exc
-    _raise_load(error, _gather_errors(error))
-    _agree_path("" if checkpoint is None else str(checkpoint.path))
-    if checkpoint is None:
-        return None, found
-    try:
-        _restore_state(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
-                       scaler=scaler)  # fmt: skip
-    except BaseException as exc:
-        error = exc
-    _raise_load(error, _gather_errors(error), checkpoint.path)
-    if own is None:
-        log.warning("resume_rng_not_saved", rank=rank, world_size=world,
-                    saved_world_size=int(checkpoint.meta["world_size"]),
-                    action="this rank keeps its seeded random state")  # fmt: skip
-        return replace(checkpoint, rng=None), found
-    order = own["data_order"] if own["data_order"] is not None else checkpoint.data_order
-    return replace(checkpoint, rng=own["rng"], data_order=order), found
-
-
-def _raise_load(
-    error: BaseException | None, failed: list[_RankFailure], path: Path | None = None
-) -> None:
-    if not failed:
-        return
-    if isinstance(error, CheckpointError):
-        raise error
-    what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
-    raise CheckpointError(f"cannot resume: {what}",
-                          path=None if path is None else str(path)) from error  # fmt: skip
-
-
-def _restore_state(
-    checkpoint: Checkpoint,
-    *,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any | None,
-    scaler: Any | None,
-) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-
-    state = _dcp_state(model, optimizer)
-    try:
-        dcp_load(state, checkpoint_id=str(checkpoint.path))  # a collective, errors agreed
-    except Exception as exc:
-        why = one_line_reason(exc)
-        raise CheckpointError(f"DCP could not load the model and optimizer shards: {why}",
-                              path=str(checkpoint.path)) from exc  # fmt: skip
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])  # fmt: skip
-    if scheduler is not None and checkpoint.scheduler is not None:
-        scheduler.load_state_dict(checkpoint.scheduler)
-    if scaler is not None and checkpoint.scaler is not None:
-        scaler.load_state_dict(checkpoint.scaler)

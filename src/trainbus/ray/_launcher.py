@@ -24,8 +24,7 @@ from .._driver import add_driver_callback, workers_stop_reason
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
 from .._launcher import LaunchResult, interrupt_after, unknown_launcher_keyword
 from .._log import get_logger
-from .._signals import not_ignored
-from .._trainer.endings import OnSignal, check_on_signal
+from .._signals import OnSignal, check_on_signal, not_ignored
 from .._validate import check_int, check_seconds, explains_unknown_keywords
 from ..callbacks._base import Callback
 
