@@ -23,9 +23,10 @@ def terms() -> list[str]:
 
 
 def pages() -> dict[Path, str]:
-    """Every Markdown page but the glossary itself: the docs and the README."""
+    """Every Markdown page but the glossary itself: the docs, the README and the
+    contributors' ARCHITECTURE.md."""
     found = [p for p in (ROOT / "docs").rglob("*.md") if p != GLOSSARY]
-    return {p: p.read_text() for p in [ROOT / "README.md", *found]}
+    return {p: p.read_text() for p in [ROOT / "README.md", ROOT / "ARCHITECTURE.md", *found]}
 
 
 def unlinked(words: list[str], texts: list[str]) -> list[str]:

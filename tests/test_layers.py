@@ -1,4 +1,4 @@
-"""The layer rules of docs/architecture.md, enforced: a module importing across a forbidden edge
+"""The layer rules of ARCHITECTURE.md, enforced: a module importing across a forbidden edge
 fails here, naming the module, the import and the rule.
 
 Imports under ``if TYPE_CHECKING:`` count too (a type-only edge is still a dependency a reader

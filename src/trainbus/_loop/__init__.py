@@ -1,5 +1,5 @@
 """The training thread's side: the loop and its parts, one object each owning its state
-(docs/architecture.md, "The loop"). This package imports the bus only for types."""
+(ARCHITECTURE.md, "The loop"). This package imports the bus only for types."""
 
 from .context import TrainContext as TrainContext
 from .evaluation import evaluation_metric_names as evaluation_metric_names

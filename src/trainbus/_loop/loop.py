@@ -1,6 +1,6 @@
 """The training loop: the run, its epochs and the poll point after each step.
 
-:class:`Loop` composes the parts that own the rest (docs/architecture.md, "The loop"): ``Step``
+:class:`Loop` composes the parts that own the rest (ARCHITECTURE.md, "The loop"): ``Step``
 takes one optimizer step per call and returns a ``StepOutcome``; after a step that was taken the
 loop runs the step's evaluation when one is due, then its poll point. The event order is
 written once, in docs/events.md ("Event order"); tests/loop/test_loop.py pins a recorded run
