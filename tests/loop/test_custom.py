@@ -21,6 +21,7 @@ from trainbus import (
     TrainContext,
     Trainer,
     TrainingError,
+    default_train_step,
 )
 from trainbus import commands as cmd
 from trainbus import events as ev
@@ -513,3 +514,117 @@ def test_returning_none_without_a_hook_skip_still_names_the_step() -> None:
                       progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match=r"train_step .*forgot_return returned None"):
         trainer.fit_sync()
+
+
+def test_a_step_that_never_steps_an_optimizer_fails_instead_of_looping() -> None:
+    """Without ``ctx.optimizer_step()`` no step would ever count: the run fails at the first
+    step with an error saying what to call, instead of training forever at step 0."""
+
+    def no_update(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        ctx.backward(loss)
+        return loss
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
+                      max_steps=2, train_step=no_update, progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"no_update never called ctx.optimizer_step\(\) "
+                       r"in step 1 \(epoch 0, batch 0\)"):  # fmt: skip
+        trainer.fit_sync()
+
+
+def test_a_step_cut_short_by_the_data_may_leave_its_update_to_the_last_micro_batch() -> None:
+    """A step that steps only at ``ctx.last_micro_batch`` is not an error when data of unknown
+    length runs out before that micro-batch: the deferred rule steps nothing, nothing fails."""
+    stepped: list[int] = []
+
+    def at_last(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        ctx.backward(loss)
+        if ctx.last_micro_batch:
+            stepped.append(ctx.step)
+            ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    data = tiny_loader(5)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                      (b for b in data), accumulate=2, max_epochs=1, train_step=at_last,
+                      progress=False)  # fmt: skip
+    result = trainer.fit_sync()
+    assert result.reason == "completed" and result.steps == 2 and stepped == [0, 1]
+
+
+def test_a_step_without_backward_warns_once_that_it_trains_nothing() -> None:
+    def no_backward(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      max_steps=3, train_step=no_backward, progress=False)  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"no_backward stepped the optimizer with no "
+                      r"gradients at step 1: call ctx.backward\(loss\)") as record:  # fmt: skip
+        trainer.fit_sync()
+    assert len([w for w in record if "no gradients" in str(w.message)]) == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_a_step_with_its_own_backward_is_not_warned() -> None:
+    import warnings
+
+    def own_backward(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        loss.backward()
+        ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      max_steps=3, train_step=own_backward, progress=False)  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert trainer.fit_sync().steps == 3
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_the_context_names_the_runs_optimizer() -> None:
+    seen: list[torch.optim.Optimizer] = []
+
+    def step(ctx: TrainContext) -> torch.Tensor | None:
+        seen.append(ctx.optimizer)
+        return default_train_step(ctx)
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, opt, tiny_loader(2), loss_fn=F.cross_entropy, max_steps=2,
+                      train_step=step, progress=False)  # fmt: skip
+    trainer.fit_sync()
+    assert seen == [opt, opt]
+
+
+def test_optimizer_hooks_under_accumulation_see_the_last_micro_batch() -> None:
+    seen: list[tuple[str, int, int]] = []
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(6),
+                      loss_fn=F.cross_entropy, accumulate=3, max_epochs=1,
+                      progress=False)  # fmt: skip
+    for point in ("before_optimizer_step", "after_optimizer_step"):
+        trainer.add_hook(point, lambda c, p=point: seen.append((p, c.micro_batch, c.batch_index)))
+    trainer.fit_sync()
+    assert seen == [("before_optimizer_step", 2, 2), ("after_optimizer_step", 2, 2),
+                    ("before_optimizer_step", 2, 5), ("after_optimizer_step", 2, 5)]  # fmt: skip
+
+
+def test_a_hook_that_returns_a_value_instead_of_setting_it_is_warned_once() -> None:
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      loss_fn=F.cross_entropy, max_steps=3, progress=False)  # fmt: skip
+    trainer.add_hook("loss", lambda ctx: ctx.loss * 2)  # meant: ctx.loss = ctx.loss * 2
+    with pytest.warns(RuntimeWarning, match=r"the 'loss' hook .* returned a value, which "
+                      r"trainbus ignores: set the context's fields") as record:  # fmt: skip
+        trainer.fit_sync()
+    assert len([w for w in record if "returned a value" in str(w.message)]) == 1

@@ -76,7 +76,10 @@ def default_train_step(ctx: TrainContext) -> torch.Tensor | None:
 
 
 class TrainContext:
-    """What ``train_step`` gets for one micro-batch (see :mod:`trainbus._loop.context`).
+    """What ``train_step`` gets for each micro-batch (see :mod:`trainbus._loop.context`).
+
+    The run has one context: its attributes are the current micro-batch's while
+    ``train_step`` runs (keep what you need, not the context).
 
     Attributes:
         batch: The batch, on the run's device (after the ``batch`` hooks).
@@ -87,13 +90,11 @@ class TrainContext:
 
     __slots__ = ("_runner", "accumulation_steps", "batch", "batch_index", "micro_batch")
 
-    def __init__(
-        self, runner: StepRunner, batch: Any, batch_index: int, micro_batch: int,
-        accumulation_steps: int,
-    ) -> None:  # fmt: skip
+    def __init__(self, runner: StepRunner) -> None:
         self._runner = runner
-        self.batch, self.batch_index = batch, batch_index
-        self.micro_batch, self.accumulation_steps = micro_batch, accumulation_steps
+        self.batch: Any = None
+        self.batch_index = self.micro_batch = 0
+        self.accumulation_steps = 1
 
     @property
     def step(self) -> int:
@@ -109,6 +110,11 @@ class TrainContext:
     def model(self) -> torch.nn.Module:
         """The model being trained (DDP-wrapped under torchrun)."""
         return self._runner.settings.model
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The run's optimizer (with several, one that steps them all)."""
+        return self._runner.settings.optimizer
 
     @property
     def optimizers(self) -> Mapping[str, torch.optim.Optimizer]:
@@ -132,7 +138,7 @@ class TrainContext:
         Returns:
             The loss, or None when an ``after_forward`` or ``loss`` hook skipped the batch.
         """
-        return self._runner.compute_loss(self)
+        return self._runner.compute_loss()
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` as trainbus does it (see the module docstring).
@@ -140,7 +146,7 @@ class TrainContext:
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
         """
-        self._runner.backward(loss, self)
+        self._runner.backward(loss)
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
@@ -154,8 +160,7 @@ class TrainContext:
         Raises:
             ConfigError: ``name`` is not one of the run's optimizers.
         """
-        last = self.micro_batch == self.accumulation_steps - 1
-        return self._runner.optimizer_step(name, self.batch_index, last)
+        return self._runner.optimizer_step(name)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's mixed-precision context for a forward (a no-op at ``precision="32"``)."""
@@ -175,6 +180,7 @@ class StepRunner:
     asks (forward, backward, optimizer steps), with their hooks and traces.
 
     Attributes:
+        ctx: The run's one :class:`TrainContext`, set to each micro-batch before the call.
         settings: The run's settings.
         state: The run's train state.
         user: Where ``ctx.log`` and a returned mapping's extra entries go.
@@ -208,31 +214,36 @@ class StepRunner:
         self._fn: Callable[[TrainContext], Any] = fn
         self._own = fn is not default_train_step
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
+        self.ctx = TrainContext(self)
         # What the grad scaler unscales and steps for the run's optimizer: each of several.
         self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._keep = guard.active  # the backward losses are kept for the non-finite check
         self._mixed = settings.precision != "32"
         self._warned: set[str] = set()
-        self._batch: Any = None  # what the step's later hooks see as ctx.batch
         self._hook_ctx: StepContext | None = None  # the micro-batch's, once a hook needed one
+        self._last: torch.Tensor | None = None  # the loss of the call's ctx.backward
         self._clean = True  # every gradient is None: the step need not zero them first
         self._weight: float | None = None
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self) -> int:
         """A step begins: its bookkeeping is reset and stale gradients dropped (a custom
-        step's backward may leave some in an optimizer it did not step)."""
-        self._stepped: dict[str | None, torch.Tensor | None] = {}
-        self._requested: list[str | None] = []
-        self._called: set[str | None] = set()
+        step's backward may leave some in an optimizer it did not step).
+
+        Returns:
+            The optimizer steps completed before it.
+        """
+        self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
+        self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
+        self._called: set[str | None] = set()  # asked to step (a custom step's)
         self._losses: list[torch.Tensor] = []  # given to ctx.backward, not checked yet
-        self._skip = self._unscaled = self._skipped = False
-        self._last: torch.Tensor | None = None
+        self._skip = self._unscaled = self._skipped = self._skipped_any = False
         self.step = self.state.step
         self.same = True
         if not self._clean:
             self.settings.optimizer.zero_grad(set_to_none=True)
             self._clean = True
+        return self.step
 
     def weigh(self, weight: float) -> None:
         """Scale the coming backward(s) of this micro-batch by ``weight`` (its items over the
@@ -244,14 +255,21 @@ class StepRunner:
         ``batch`` None: the batch the model saw last."""
         st, s = self.state, self.settings
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=self._batch if batch is None else batch, model=s.model,
+                           batch=self.ctx.batch if batch is None else batch, model=s.model,
                            optimizer=s.optimizer, metrics_sink=self.user.log)  # fmt: skip
 
-    def annotate(self, exc: BaseException, where: str, bi: int) -> None:
+    def _after_hook_context(self, optimizer: torch.optim.Optimizer) -> StepContext:
+        """The hook context of the step's last micro-batch at an optimizer step."""
+        ctx = self.ctx
+        hc = self.hook_context(ctx.batch_index, ctx.micro_batch, None)
+        hc.optimizer = optimizer
+        return hc
+
+    def annotate(self, exc: BaseException, where: str) -> None:
         """Add a note naming the part, step, epoch and batch to an exception from the step."""
         st = self.state
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, "
-                     f"batch {bi}")  # fmt: skip
+                     f"batch {self.ctx.batch_index}")  # fmt: skip
 
     # ------------------------------------------------------------------ the call
     def call(
@@ -268,21 +286,23 @@ class StepRunner:
             BaseException: whatever ``train_step`` raised; a custom step's with a note naming
                 it and where.
         """
-        self._batch, self._hook_ctx = batch, hook_ctx
-        last = self._last
+        ctx = self.ctx
+        ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
+        ctx.accumulation_steps = accumulation_steps
+        self._hook_ctx, self._last = hook_ctx, None
         try:
-            out = self._fn(TrainContext(self, batch, bi, micro, accumulation_steps))
+            out = self._fn(ctx)
         except BaseException as exc:
             if self._own:
                 st = self.state
                 exc.add_note(f"trainbus: raised in train_step {self.name} at step "
                              f"{st.step + 1}, epoch {st.epoch}, batch {bi}")  # fmt: skip
             raise
-        backwarded = self._last  # the loss it gave ctx.backward in this call: checked there
-        if backwarded is not None and out is backwarded and out is not last:
+        backwarded = self._last
+        if backwarded is not None and out is backwarded:  # given to ctx.backward: checked
             loss = backwarded
         elif out is None and self._skipped:
-            self._skipped = False
+            self._skipped, self._skipped_any = False, True
             return None
         else:  # another loss than the backward's: checked after the update too
             self.same = False
@@ -319,32 +339,32 @@ class StepRunner:
         return loss
 
     # ------------------------------------------------------------------ forward and loss
-    def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
+    def compute_loss(self) -> torch.Tensor | None:
         """``ctx.compute_loss()``: the forward (traced ``"forward"``, under the run's precision,
         the ``after_forward`` hooks inside), then the ``loss`` hooks.
 
         Returns:
             The loss, or None when a hook skipped the batch.
         """
-        bi, trace = ctx.batch_index, self._trace
+        ctx, trace = self.ctx, self._trace
         try:
             if trace.on or self._mixed:
-                with trace("forward", "train", bi, ctx.micro_batch), self.settings.autocast():
+                with trace("forward", "train", ctx.batch_index, ctx.micro_batch), \
+                        self.settings.autocast():  # fmt: skip
                     outputs, loss = self._outputs_and_loss(ctx)
             else:
                 outputs, loss = self._outputs_and_loss(ctx)
         except BaseException as exc:
-            self.annotate(exc, "forward", bi)
+            self.annotate(exc, "forward")
             raise
         if loss is None:
             self._skipped = True
             return None
         hooks = self._hooks.by_point["loss"]
         if hooks:
-            hc = self._hook_ctx or self.hook_context(bi, ctx.micro_batch, ctx.batch)
+            hc = self._hook_ctx or self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc.outputs, hc.loss = outputs, loss
-            for hook in hooks:
-                hook(hc)
+            self.run_hooks("loss", hooks, hc)
             if hc.skip:
                 self._skipped = True
                 return None
@@ -356,58 +376,71 @@ class StepRunner:
         skip: loss None), the loss."""
         s = self.settings
         outputs, targets = model_outputs(s, ctx.batch)
-        after_forward = self._hooks.by_point["after_forward"]
-        if after_forward:
+        hooks = self._hooks.by_point["after_forward"]
+        if hooks:
             if self._hook_ctx is None:
                 self._hook_ctx = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc = self._hook_ctx
             hc.outputs = outputs
-            for hook in after_forward:
-                hook(hc)
+            self.run_hooks("after_forward", hooks, hc)
             outputs = hc.outputs
             if hc.skip:
                 return outputs, None
         return outputs, loss_of(s, outputs, targets)
 
+    def run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
+        """Run ``hooks`` on ``hc``; a hook that returns something (it sets ``hc``'s fields
+        instead) is warned about once."""
+        for hook in hooks:
+            if hook(hc) is not None and point not in self._warned:
+                self._warned.add(point)
+                warnings.warn(
+                    f"the {point!r} hook {getattr(hook, '__qualname__', hook)!r} returned a "
+                    "value, which trainbus ignores: set the context's fields (ctx.loss = ..., "
+                    "ctx.skip = True) instead (warned once per point)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: Any, ctx: TrainContext) -> None:
+    def backward(self, loss: Any) -> None:
         """``ctx.backward``: check the loss, keep it for the non-finite check, then the
         backward (traced ``"backward"``) and the ``after_backward`` hooks."""
-        bi = ctx.batch_index
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            self._refuse(loss, bi)
+            self._refuse(loss)
         if self._keep:  # read only for its value: kept as it is
             self._losses.append(loss)
         self._last, self._clean = loss, False
-        weight, n = self._weight, ctx.accumulation_steps
+        ctx, weight = self.ctx, self._weight
         if weight is not None:
             scaled = loss * weight
+        elif ctx.accumulation_steps > 1:
+            scaled = loss / ctx.accumulation_steps
         else:
-            scaled = loss / n if n > 1 else loss
+            scaled = loss
         scaler = self.settings.scaler
         if scaler is not None:
             scaled = scaler.scale(scaled)
         try:
             if self._trace.on:
-                with self._trace("backward", "train", bi, ctx.micro_batch):
+                with self._trace("backward", "train", ctx.batch_index, ctx.micro_batch):
                     scaled.backward()
             else:
                 scaled.backward()
         except BaseException as exc:
-            self.annotate(exc, "backward", bi)
+            self.annotate(exc, "backward")
             raise
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
-            hc = self.hook_context(bi, ctx.micro_batch, None)
+            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, None)
             hc.loss = loss
-            for hook in hooks:
-                hook(hc)
+            self.run_hooks("after_backward", hooks, hc)
 
-    def _refuse(self, loss: Any, bi: int) -> None:
+    def _refuse(self, loss: Any) -> None:
         """Raise the error for a loss that is not a scalar tensor that requires grad (checked
         on metadata only: never syncs the device)."""
         st = self.state
-        where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
+        where = f"at step {st.step}, epoch {st.epoch}, batch {self.ctx.batch_index}"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else repr(type(loss)))  # fmt: skip
@@ -417,7 +450,7 @@ class StepRunner:
                             "model's parameters")  # fmt: skip
 
     # ------------------------------------------------------------------ optimizer steps
-    def optimizer_step(self, name: str | None, bi: int, last: bool) -> bool:
+    def optimizer_step(self, name: str | None) -> bool:
         """``ctx.optimizer_step``: step now at the last micro-batch, else defer.
 
         Raises:
@@ -429,50 +462,37 @@ class StepRunner:
                 f"ctx.optimizer_step in train_step {self.name}", name,
                 "one of the optimizers: " + ", ".join(map(repr, self.settings.optimizers)),
             )  # fmt: skip
-        self._called.add(name)
-        if not last:
-            if name not in self._requested:
-                self._requested.append(name)
+        if self._own:
+            self._called.add(name)
+        ctx = self.ctx
+        if ctx.micro_batch != ctx.accumulation_steps - 1:
+            if name not in self._deferred:
+                self._deferred.append(name)
             return False
-        return self._step_now(name, bi)
+        return self._step_now(name)
 
-    def _step_now(self, name: str | None, bi: int) -> bool:
+    def _step_now(self, name: str | None) -> bool:
         """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
         if self._skip or name in self._stepped:
             return False
-        guard = self._guard
-        if guard.per_step and self._losses:
-            pending, self._losses = self._losses, []
-            try:
-                bad = guard.skip_update(pending, self.step + 1)
-            except BaseException as exc:
-                if self._own:
-                    names = self.settings.optimizers if name is None else (name,)
-                    exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
-                                 f"{self.name} before stepping optimizer "
-                                 f"{', '.join(map(repr, names))}")  # fmt: skip
-                raise
-            if bad:  # "skip" or "stop": no update in this step
-                self._skip = True
-                self.zero_grad(bi, self.settings.optimizer)
-                return False
+        if self._losses and self._guard.per_step and self._bad_losses(name):
+            return False
         s = self.settings
         opt = s.optimizer if name is None else s.optimizers[name]
-        each = self._each if name is None else (opt,)
         scaler = s.scaler
         if scaler is not None:
-            for o in each:
+            for o in self._each if name is None else (opt,):
                 scaler.unscale_(o)
             self._unscaled = True
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
-            hc = self.hook_context(bi, 0, None)
-            hc.optimizer = opt
-            for hook in hooks:
-                hook(hc)
+            hc = self._after_hook_context(opt)
+            self.run_hooks("before_optimizer_step", hooks, hc)
             if hc.skip:
-                self.zero_grad(bi, opt)
+                self.zero_grad(opt)
                 return False
+        if self._own and self._clean:
+            self._warn_no_backward(name)
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             params = s.model.parameters() if name is None else _params_of(opt)
@@ -481,31 +501,47 @@ class StepRunner:
         try:
             if self._trace.on:
                 with self._trace("optimizer_step"):
-                    self._update(opt, each)
+                    self._update(opt, name)
             else:
-                self._update(opt, each)
+                self._update(opt, name)
         except BaseException as exc:
-            self.annotate(exc, "optimizer step", bi)
+            self.annotate(exc, "optimizer step")
             raise
         if name is None:  # the run's one update: the step is taken now
             self.state.step_done()
         self._stepped[name] = grad_norm
-        self.zero_grad(bi, opt)
+        self.zero_grad(opt)
         hooks = self._hooks.by_point["after_optimizer_step"]
         if hooks:
-            for hook in hooks:
-                hc = self.hook_context(bi, 0, None)
-                hc.optimizer = opt
-                hc.step = self.step + 1  # the step this update completes
-                hook(hc)
+            hc = self._after_hook_context(opt)
+            hc.step = self.step + 1  # the step this update completes
+            self.run_hooks("after_optimizer_step", hooks, hc)
         return True
 
-    def _update(self, opt: torch.optim.Optimizer, each: tuple[torch.optim.Optimizer, ...]) -> None:
+    def _bad_losses(self, name: str | None) -> bool:
+        """The non-finite check of the backward losses not checked yet; True when the step's
+        update is skipped (``"skip"`` or ``"stop"``)."""
+        pending, self._losses = self._losses, []
+        try:
+            bad = self._guard.skip_update(pending, self.step + 1)
+        except BaseException as exc:
+            if self._own:
+                names = self.settings.optimizers if name is None else (name,)
+                exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
+                             f"{self.name} before stepping optimizer "
+                             f"{', '.join(map(repr, names))}")  # fmt: skip
+            raise
+        if bad:  # no update in this step
+            self._skip = True
+            self.zero_grad(self.settings.optimizer)
+        return bad
+
+    def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
         scaler = self.settings.scaler
         if scaler is None:
             opt.step()
         else:
-            for o in each:
+            for o in self._each if name is None else (opt,):
                 scaler.step(o)
 
     def drop_gradients(self) -> None:
@@ -513,7 +549,7 @@ class StepRunner:
         self.settings.optimizer.zero_grad(set_to_none=True)
         self._clean = True
 
-    def zero_grad(self, bi: int, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer.zero_grad(set_to_none=True)``, traced as ``"zero_grad"``."""
         try:
             if self._trace.on:
@@ -522,12 +558,12 @@ class StepRunner:
             else:
                 optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
-            self.annotate(exc, "zero_grad", bi)
+            self.annotate(exc, "zero_grad")
             raise
         if optimizer is self.settings.optimizer:
             self._clean = True
 
-    def finish(self, bi: int) -> tuple[bool, torch.Tensor | None]:
+    def finish(self) -> tuple[bool, torch.Tensor | None]:
         """After the micro-batches: the steps deferred by a step cut short, the grad scaler's
         update, a warning for each declared optimizer never stepped.
 
@@ -535,22 +571,23 @@ class StepRunner:
             ``(some optimizer stepped, grad norm)``: the norm of the stepped optimizers'
             pre-clip norms (None without clipping).
 
+        Raises:
+            TrainingError: a custom step never called ``ctx.optimizer_step`` in a step (the
+                run would never count a step).
+
         Warns:
             RuntimeWarning: once per optimizer that ``train_step`` never asked to step
                 (also logged as ``optimizer_not_stepped``).
         """
-        for name in self._requested:
-            self._step_now(name, bi)
-        self._batch = None
-        s = self.settings
+        for name in self._deferred:
+            self._step_now(name)
+        s, stepped = self.settings, self._stepped
         if self._unscaled:
             assert s.scaler is not None
             s.scaler.update()
-        if self._own and not self._skip and None not in self._called:
-            for name in s.optimizers:
-                if name not in self._called and name not in self._warned:
-                    self._warn_not_stepped(name)
-        stepped = self._stepped
+        if self._own:
+            self._check_called()
+        self.ctx.batch = None  # the batch is not kept past its step
         if None in stepped:  # the run's update: the step was counted then
             return True, stepped[None]
         if not stepped:
@@ -565,17 +602,55 @@ class StepRunner:
             return True, norms[0]
         return True, torch.linalg.vector_norm(torch.stack(norms))
 
-    def _warn_not_stepped(self, name: str) -> None:
-        self._warned.add(name)
+    def _check_called(self) -> None:
+        """A custom step's calls of ``ctx.optimizer_step`` in the step that ends, unless the
+        data cut it short or a hook skipped a micro-batch: none is an error; an optimizer never
+        asked for (and not all at once) is warned about once."""
+        called, ctx = self._called, self.ctx
+        # A step cut short by the data, or whose last micro-batch a hook skipped, may have
+        # left its optimizer step to a later micro-batch that never came.
+        whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
+        if not whole or self._skip:
+            return
+        if not called:
+            raise TrainingError(
+                f"train_step {self.name} never called ctx.optimizer_step() in step "
+                f"{self.step + 1} (epoch {self.state.epoch}, batch {self.ctx.batch_index}): "
+                "call it in every step (it steps at the step's last micro-batch), or the run "
+                "never counts a step"
+            )
+        if None in called:
+            return
+        for name in self.settings.optimizers:
+            if name not in called and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"train_step {self.name} did not step optimizer {name!r} at step "
+                    f"{self.step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
+                    "optimizer)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                log.warning("optimizer_not_stepped", step_fn=self.name, optimizer=name,
+                            step=self.state.step)  # fmt: skip
+
+    def _warn_no_backward(self, name: str | None) -> None:
+        """A custom step stepped an optimizer with no ``ctx.backward`` since its last step:
+        warned once when no parameter has a gradient (the step trains nothing)."""
+        if "backward" in self._warned:
+            return
+        self._warned.add("backward")  # checked once: a step that trains keeps training
+        s = self.settings
+        opt = s.optimizer if name is None else s.optimizers[name]
+        if any(p.grad is not None for p in _params_of(opt)):
+            return  # a backward of its own (loss.backward()): it trains
         warnings.warn(
-            f"train_step {self.name} did not step optimizer {name!r} at step "
-            f"{self.step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
-            "optimizer)",
+            f"train_step {self.name} stepped the optimizer with no gradients at step "
+            f"{self.step + 1}: call ctx.backward(loss) before ctx.optimizer_step() (warned "
+            "once)",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
-        log.warning("optimizer_not_stepped", step_fn=self.name, optimizer=name,
-                    step=self.state.step)  # fmt: skip
 
     def checked(self, loss: torch.Tensor) -> torch.Tensor:
         """The step's ``loss`` as the log window keeps it where the guard reads at the next

@@ -139,6 +139,7 @@ class Loop:
         # its poll point (_close_step).
         self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
+        self._eval_every = settings.eval_every or _NO_END
         self._first_step = state.step  # no optimizer step in this process before it
 
     def request_cancel(self) -> None:
@@ -255,6 +256,8 @@ class Loop:
             it = self._data.open()
             total = s.train_len
             accumulate = s.accumulate
+            # Past this batch of the epoch a step is its last, short one.
+            short_after = total - accumulate if total is not None else _NO_END
             max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
             while True:
@@ -263,13 +266,14 @@ class Loop:
                     break
                 if self._stop.reason is not None or st.step == max_steps:
                     break
-                if bell.rings != self._demand_rings:
+                if bell.rings != self._demand_rings:  # a cancel rings too
                     self._demand_rings = bell.rings  # first: a ring from now on is heard
+                    self._cancel.check()
                     self._wants.refresh()
                     self._decision_step = self._next_decision(st.step)
                 accumulation_steps = accumulate
-                if total is not None and total - st.batch_in_epoch < accumulate:
-                    accumulation_steps = total - st.batch_in_epoch  # the epoch's last, short step
+                if st.batch_in_epoch > short_after:
+                    accumulation_steps = total - st.batch_in_epoch  # type: ignore[operator]
                     if accumulation_steps <= 0:
                         complete = True
                         break
@@ -311,13 +315,9 @@ class Loop:
         barrier event waits for its subscribers; any other step polls only when something is
         pending.
         """
-        st, s = self._state, self._s
+        st = self._state
         step, ends_epoch = st.step, st.batch_in_epoch >= self._epoch_len
-        if (
-            ends_epoch
-            or step == self._last_step
-            or (s.eval_every is not None and step % s.eval_every == 0)
-        ):
+        if ends_epoch or step == self._last_step or step % self._eval_every == 0:
             self._close_step(ends_epoch=ends_epoch, cadence=True)
         if step == self._decision_step:
             self._decision_step = self._next_decision(step)

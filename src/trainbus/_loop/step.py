@@ -115,16 +115,16 @@ class Step:
         """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``.
 
         Raises:
-            Cancelled: a cancel was requested.
+            Cancelled: a cancel was requested between its micro-batches (the loop checks one
+                asked before a step).
             BaseException: Whatever the model, loss, backward, optimizer or a hook raised,
                 with a note naming the part, step, epoch and batch.
         """
         st, s, w, runner = self._state, self._s, self._wants, self._runner
-        bell, cancel = self._port.doorbell, self._cancel
-        rings = bell.rings  # read first: a ring from here on is heard between micro-batches
-        cancel.check()
-        by_point = self._hooks.by_point  # hooks may come and go between steps
-        step = st.step
+        bell = self._port.doorbell
+        rings = bell.rings  # a ring from here on (a cancel) is heard between micro-batches
+        batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
+        step = runner.begin()
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
         losses: list[torch.Tensor] = []
         samples = consumed = 0
@@ -132,12 +132,10 @@ class Step:
         several = accumulation_steps > 1
         ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
         weights: list[float] = []
-        bi = -1  # the last micro-batch's index in the epoch, set by the first fetch
-        runner.begin()
         for micro in range(accumulation_steps):
             if micro:
                 if bell.rings != rings:
-                    cancel.check()
+                    self._cancel.check()
                 tf = time.monotonic()
             if ahead is None:
                 if w.trace.on:
@@ -159,10 +157,9 @@ class Step:
             if several:  # before the forward: DDP decides there
                 self._grad_sync.begin(micro, accumulation_steps)
             hook_ctx = None
-            if by_point["batch"]:
+            if batch_hooks:
                 hook_ctx = runner.hook_context(bi, micro, batch)
-                for hook in by_point["batch"]:
-                    hook(hook_ctx)
+                runner.run_hooks("batch", batch_hooks, hook_ctx)
                 if hook_ctx.skip:
                     continue
                 batch = hook_ctx.batch
@@ -188,7 +185,7 @@ class Step:
         if not losses:
             runner.drop_gradients()
             return StepOutcome(consumed, False, exhausted)
-        took, grad_norm = runner.finish(bi)
+        took, grad_norm = runner.finish()
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(consumed, False, exhausted)
         if not runner.same:  # a custom step returned other losses than it gave to backward
