@@ -8,7 +8,8 @@ with one ``StepEnded`` subscriber), observed over ``Loop.run`` on the training t
 - **bytecodes** (``--bytecodes``): the bytecode instructions the training thread executes per
   step (``sys.settrace`` with ``f_trace_opcodes``), all of them and those in trainbus code.
   This is the closer proxy for the Python time a step costs: a call is one count whether it
-  runs 5 instructions or 50.
+  runs 5 instructions or 50. With pytorch-ignite installed, its ``Engine`` on the same data and
+  update is counted too (those in ignite's code: its loop and event firing).
 
 Compare two trees by running it with each on ``PYTHONPATH``.
 
@@ -84,6 +85,43 @@ def bytecodes(subscribed: bool) -> Counter[str]:
     return counts
 
 
+def ignite_bytecodes() -> tuple[float, float] | None:
+    """Bytecodes per iteration of pytorch-ignite's ``Engine`` on the same run: all of them, and
+    those in ignite's code (the update function, the counterpart of trainbus' default step, is
+    not ignite's). None without ignite (the ``bench`` extra)."""
+    try:
+        from ignite.engine import Engine
+    except ImportError:
+        return None
+    torch.manual_seed(0)
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def update(engine: Engine, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    engine = Engine(update)
+    counts: Counter[str] = Counter()
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        frame.f_trace_opcodes = True
+        if event == "opcode":
+            counts["ignite" if "/ignite/" in frame.f_code.co_filename else "other"] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        engine.run(tiny_loader(STEPS, 8), max_epochs=1)
+    finally:
+        sys.settrace(None)
+    return sum(counts.values()) / STEPS, counts["ignite"] / STEPS
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--top", type=int, default=0, help="also list the N largest counts")
@@ -101,6 +139,10 @@ def main() -> None:
         if args.top and not subscribed:
             for k, n in counts.most_common(args.top):
                 print(f"  {n / STEPS:7.2f}  {k}")
+    ignite = ignite_bytecodes() if args.bytecodes else None
+    if ignite is not None:
+        print(f"ignite's Engine, no handler: {ignite[0]:.1f} bytecodes/iteration, "
+              f"{ignite[1]:.1f} in ignite code")  # fmt: skip
 
 
 if __name__ == "__main__":
