@@ -1,38 +1,14 @@
 """The training step as a user writes one, and the context it runs on.
 
 Every step is a function ``train_step(ctx)`` that :class:`~trainbus._loop.step.Step` calls once
-per micro-batch with a :class:`TrainContext`. Without ``Trainer(train_step=)`` it is
-:func:`default_train_step`, the code a user would write::
+per micro-batch with the run's :class:`TrainContext`; without ``Trainer(train_step=)`` it is
+:func:`default_train_step`. What each of the context's calls does, and the faults, are in
+docs/trainer.md ("Custom steps"). :class:`StepRunner` does what the context asks.
 
-    def default_train_step(ctx):
-        loss = ctx.compute_loss()  # forward and loss, with their hooks
-        if loss is None:           # an after_forward or loss hook skipped the batch
-            return None
-        ctx.backward(loss)
-        ctx.optimizer_step()       # at the step's last micro-batch
-        return loss
-
-What the context does for a step:
-
-- ``ctx.compute_loss()``: the model's forward on ``ctx.batch`` under the run's precision, the
-  ``after_forward`` hooks, ``loss_fn`` (or the loss the model returns), the ``loss`` hooks;
-  traced as ``"forward"``. None when a hook skipped the batch.
-- ``ctx.backward(loss)``: the loss checked (a scalar tensor that requires grad), divided by the
-  step's micro-batches (or weighed by its items), scaled by the fp16 grad scaler, traced as
-  ``"backward"``, then the ``after_backward`` hooks; the loss joins the non-finite check.
-- ``ctx.optimizer_step(name=None)``: at the step's last micro-batch, the optimizer's step
-  (every optimizer of the run; ``name``: that one only) with unscaling, clipping, the
-  ``before/after_optimizer_step`` hooks, traced as ``"optimizer_step"``, and its ``zero_grad``.
-  On an earlier micro-batch the gradients accumulate and it returns False (a step cut short by
-  the data steps it at the end). Under ``on_nonfinite="skip"`` (and on the CPU, for every
-  policy) the losses given to ``ctx.backward`` are checked before the update.
-- ``ctx.autocast()``: the run's precision context; ``ctx.log(name, value)``: a metric.
-
-``train_step`` returns the micro-batch's loss: a tensor, a number, or a mapping with a
-``"loss"`` entry whose other scalar entries are logged as metrics. The run's step count
-advances once per step in which some optimizer stepped: at ``ctx.optimizer_step()`` (the run's
-one update, so its ``after_optimizer_step`` hooks see the step done), or after ``train_step``
-returned when it stepped named optimizers (each of their hooks sees the same step).
+The run's step count advances once per step in which some optimizer stepped: at
+``ctx.optimizer_step()`` (the run's one update, so its ``after_optimizer_step`` hooks see the
+step done), or after ``train_step`` returned when it stepped named optimizers (each of their
+hooks sees the same step).
 """
 
 from __future__ import annotations
@@ -132,8 +108,9 @@ class TrainContext:
         return self.micro_batch == self.accumulation_steps - 1
 
     def compute_loss(self) -> torch.Tensor | None:
-        """Forward and loss of ``ctx.batch`` as the default step computes them (see the module
-        docstring).
+        """Forward and loss of ``ctx.batch`` as the default step computes them: the model under
+        the run's precision, the ``after_forward`` hooks, ``loss_fn`` (or the loss the model
+        returns), the ``loss`` hooks; traced as ``"forward"``.
 
         Returns:
             The loss, or None when an ``after_forward`` or ``loss`` hook skipped the batch.
@@ -141,7 +118,9 @@ class TrainContext:
         return self._runner.compute_loss()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss`` as trainbus does it (see the module docstring).
+        """Backward of ``loss``: divided by the step's micro-batches (or weighed by its items),
+        scaled by the fp16 grad scaler, traced as ``"backward"``, then the ``after_backward``
+        hooks; ``loss`` joins the non-finite check.
 
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
@@ -150,7 +129,10 @@ class TrainContext:
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
-        last micro-batch (see the module docstring).
+        last micro-batch: the non-finite check of the losses given to :meth:`backward`,
+        unscaling, clipping, the ``before/after_optimizer_step`` hooks, the step (traced as
+        ``"optimizer_step"``) and its ``zero_grad``. On an earlier micro-batch the gradients
+        accumulate (a step the data cuts short steps at its end).
 
         Returns:
             True when it stepped now; False on an earlier micro-batch (the gradients
