@@ -52,7 +52,9 @@ def default_train_step(ctx: TrainContext) -> torch.Tensor | None:
 
 
 class TrainContext:
-    """What ``train_step`` gets for each micro-batch (see :mod:`trainbus._loop.context`).
+    """What ``train_step`` gets for each micro-batch: the batch, the model, the optimizers, and
+    the calls that compute the loss, run the backward and step the optimizer as the default
+    step does (docs/trainer.md, "Custom steps").
 
     The run has one context: its attributes are the current micro-batch's while
     ``train_step`` runs (keep what you need, not the context).
