@@ -373,18 +373,22 @@ class StepRunner:
         return outputs, loss_of(s, outputs, targets)
 
     def run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
-        """Run ``hooks`` on ``hc``; a hook that returns something (it sets ``hc``'s fields
-        instead) is warned about once."""
+        """Run ``hooks`` on ``hc``. At a point whose hook replaces a value (``batch``,
+        ``after_forward``, ``loss``), a hook that returns one instead of setting ``hc``'s field
+        is warned about once (None and a bool, a ``lambda``'s ``a and b``, are not)."""
+        field = _REPLACED.get(point)
         for hook in hooks:
-            if hook(hc) is not None and point not in self._warned:
-                self._warned.add(point)
-                warnings.warn(
-                    f"the {point!r} hook {getattr(hook, '__qualname__', hook)!r} returned a "
-                    "value, which trainbus ignores: set the context's fields (ctx.loss = ..., "
-                    "ctx.skip = True) instead (warned once per point)",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            out = hook(hc)
+            if field is None or out is None or isinstance(out, bool) or point in self._warned:
+                continue
+            self._warned.add(point)
+            warnings.warn(
+                f"the {point!r} hook {getattr(hook, '__qualname__', hook)!r} returned a value, "
+                f"which trainbus ignores: set {field} = ... (or ctx.skip = True) instead "
+                "(warned once per point)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: Any) -> None:
@@ -644,6 +648,10 @@ class StepRunner:
             return loss
         finite = torch.isfinite(torch.stack([x.detach() for x in self._losses])).all()
         return torch.where(finite, loss, loss.new_full((), math.nan))
+
+
+_REPLACED = {"batch": "ctx.batch", "after_forward": "ctx.outputs", "loss": "ctx.loss"}
+"""The hook points whose hooks replace a value, and the context's field they set."""
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
