@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from trainbus import Callback, ConfigError, EvalSchedule, EventBus, Trainer, TrainingError
+from trainbus import Callback, ConfigError, EvalSchedule, EventBus, PerEpoch, Trainer, TrainingError
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.bus import BusClosedError
@@ -417,6 +417,21 @@ def test_a_scheduler_of_another_optimizer_under_a_name_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^scheduler\['d'\]="):
         Trainer(model, {"g": g, "d": d}, DATA, loss_fn=F.cross_entropy, max_steps=2,
                 scheduler={"d": torch.optim.lr_scheduler.StepLR(stray, 1)})  # fmt: skip
+
+
+@pytest.mark.parametrize("per_epoch", [False, True], ids=["per-step", "per-epoch"])
+def test_torch_reduce_lr_on_plateau_is_refused_for_the_callback(per_epoch: bool) -> None:
+    """Its ``.step()`` needs a metric the loop does not pass: refused before the run."""
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(
+        ConfigError,
+        match=r"^scheduler='ReduceLROnPlateau' is invalid: .*"
+        r"trainbus\.callbacks\.ReduceLROnPlateau\(monitor='val_loss'\)",
+    ):
+        Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
+                scheduler=PerEpoch(plateau) if per_epoch else plateau)  # fmt: skip
 
 
 def _generator(n: int = 4) -> Any:
