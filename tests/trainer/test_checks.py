@@ -283,6 +283,38 @@ def _refused(trainer: Trainer, pattern: str) -> ConfigError:
     return info.value
 
 
+def _one_argument(outputs: torch.Tensor) -> torch.Tensor:
+    return outputs.mean()
+
+
+class _OneArgumentUpdate:
+    def update(self, outputs: Any) -> dict[str, float]:
+        return {"n": 1.0}
+
+    def compute(self, totals: Any) -> float:
+        return 0.0
+
+
+def test_a_metric_that_cannot_take_outputs_and_targets_is_refused_up_front() -> None:
+    """Not at the first evaluation, after an epoch of training: at the constructor."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics\['mean'\]=<function _one_argument .*"
+        r"fn\(outputs, targets\).*takes \(outputs",
+    ):
+        _trainer(eval_data=DATA, metrics={"mean": _one_argument})
+    with pytest.raises(ConfigError, match=r"^set_metrics\['n'\]=.*its update takes \(outputs"):
+        _trainer(eval_data=DATA, set_metrics={"n": _OneArgumentUpdate()})
+    # Control: what takes two positional arguments passes (defaults and *args included).
+    metrics = {"acc": _acc, "ce": F.cross_entropy, "any": lambda *a: 0.0}
+    assert set(_trainer(eval_data=DATA, metrics=metrics).evaluate_sync()) == {
+        "val_loss",
+        "val_acc",
+        "val_ce",
+        "val_any",
+    }
+
+
 # ====================================================================== monitored metrics
 def test_checkpointing_monitor_without_eval_data(tmp_path: Path) -> None:
     folder = tmp_path / "ck"
