@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import structlog
+
+from trainbus._log import get_logger
 
 _RUN = textwrap.dedent(
     """
@@ -48,3 +52,22 @@ def test_stdlib_logging_at_debug_shows_trainbus_lines() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout == ""
     assert "fit_ended" in done.stderr  # routed through the stdlib logger of the module
+
+
+def test_a_traceback_prints_as_python_prints_it(caplog: pytest.LogCaptureFixture) -> None:
+    """Through the standard library (structlog unconfigured), the ``key=value`` line comes
+    first and the traceback follows on its own lines, not as one escaped string."""
+    assert not structlog.is_configured()
+    try:
+        raise RuntimeError("boom")
+    except RuntimeError as exc:
+        error = exc
+    with caplog.at_level(logging.ERROR, logger="trainbus.tests.traceback"):
+        get_logger("trainbus.tests.traceback").error(
+            "subscriber_failed", subscription="s", exc_info=error
+        )
+    (record,) = caplog.records
+    first, *below = record.getMessage().splitlines()
+    assert first == "event='subscriber_failed' level='error' subscription='s'"
+    assert below[0] == "Traceback (most recent call last):"
+    assert below[-1] == "RuntimeError: boom"

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+import trainbus
 from trainbus import commands, events
 from trainbus._hookpoints import HOOK_POINTS
 from trainbus._trainer.hf_options import HF_OPTIONS
@@ -51,8 +52,9 @@ def render(data: dict[str, Any]) -> str:
         "Each hook of the trainer you come from, next to what replaces it in trainbus: an "
         "**event** (subscribe with `on_<event_in_snake_case>` on a `Callback`, or "
         "`bus.stream(ev.X)`), an inline **hook** point (`hook_<point>` on a `Callback`, or "
-        "`trainer.add_hook(point, fn)`, when you must change the step), or a **command** (send "
-        "it on `bus.commands`). A row with none of them has no equivalent yet; its note says "
+        "`trainer.add_hook(point, fn)`, when you must change the step), a **command** (send "
+        "it on `bus.commands`), or a **method** of `Callback` to override. A row with none of "
+        "them has no equivalent yet; its note says "
         "what to use instead. An event `where` a field has a value narrows the row to those "
         "events. A **differs** note says where the framework's own calls differ from the row's "
         "in count or order: tests/test_parity.py replays Hugging Face's and Composer's own hook "
@@ -74,7 +76,8 @@ def render(data: dict[str, Any]) -> str:
                 event += _match_text(e["match"]) if "match" in e else ""
             parts = [event,
                      f"hook `{e['hook']}`" if "hook" in e else "",
-                     f"command `{e['command']}`" if "command" in e else ""]  # fmt: skip
+                     f"command `{e['command']}`" if "command" in e else "",
+                     f"method `{e['method']}()`" if "method" in e else ""]  # fmt: skip
             target = ", ".join(p for p in parts if p) or "none yet"
             note = e.get("note", "")
             for d in e.get("differs", []):
@@ -120,8 +123,8 @@ def test_every_framework_is_covered() -> None:
 
 @pytest.mark.parametrize("entry", ENTRIES, ids=[f"{e['framework']}:{e['name']}" for e in ENTRIES])
 def test_entry_names_exist_in_trainbus(entry: dict[str, Any]) -> None:
-    assert set(entry) <= {"framework", "name", "event", "hook", "command", "note", "match",
-                          "differs"}  # fmt: skip
+    assert set(entry) <= {"framework", "name", "event", "hook", "command", "method", "note",
+                          "match", "differs"}  # fmt: skip
     for name in events_of(entry):
         cls = getattr(events, name, None)
         assert isinstance(cls, type) and issubclass(cls, events.BaseEvent), entry
@@ -136,7 +139,10 @@ def test_entry_names_exist_in_trainbus(entry: dict[str, Any]) -> None:
         assert entry["hook"] in HOOK_POINTS, entry
     if "command" in entry:
         assert isinstance(getattr(commands, entry["command"], None), type), entry
-    if not {"event", "hook", "command"} & set(entry):
+    if "method" in entry:
+        owner, _, method = entry["method"].partition(".")
+        assert callable(getattr(getattr(trainbus, owner, None), method, None)), entry
+    if not {"event", "hook", "command", "method"} & set(entry):
         assert entry.get("note"), f"{entry['name']}: no equivalent needs a note saying what to use"
 
 
@@ -164,6 +170,17 @@ def test_the_new_events_and_points_are_mapped() -> None:
     # Every traced part stands for some peer's hook.
     spans = {e["match"]["span"] for e in ENTRIES if "SpanTraced" in events_of(e)}
     assert spans == set(events.TRACED_SPANS), spans
+
+
+def test_callback_state_rows_name_the_callback_methods() -> None:
+    """Lightning's ``state_dict`` / ``load_state_dict`` have their equivalent in ``Callback``:
+    the rows say so instead of "none yet"."""
+    rows = {e["name"]: e for e in ENTRIES if e["framework"] == "lightning"}
+    assert rows["state_dict"].get("method") == "Callback.state_dict"
+    assert rows["load_state_dict"].get("method") == "Callback.load_state_dict"
+    page = PAGE.read_text(encoding="utf-8")
+    assert "| `state_dict` | method `Callback.state_dict()` |" in page
+    assert "| `load_state_dict` | method `Callback.load_state_dict()` |" in page
 
 
 def test_no_duplicate_rows() -> None:

@@ -15,12 +15,21 @@ import structlog
 
 __all__ = ["get_logger"]
 
+_KEY_VALUES = structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True)
+
+
+def _render(logger: Any, method: str, event_dict: dict[str, Any]) -> str:
+    """``key=value`` pairs on one line, then a traceback or stack as Python prints them."""
+    below = [event_dict.pop(key) for key in ("stack", "exception") if key in event_dict]
+    return "\n".join([_KEY_VALUES(logger, method, event_dict), *below])
+
+
 _STDLIB_PROCESSORS: list[Any] = [
     structlog.stdlib.filter_by_level,  # first: a filtered call builds nothing
     structlog.stdlib.add_log_level,
     structlog.processors.StackInfoRenderer(),
     structlog.processors.format_exc_info,
-    structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True),
+    _render,
 ]
 
 

@@ -143,6 +143,10 @@ def tiny_loader(
 ) -> Sequence[tuple[torch.Tensor, torch.Tensor]]:
     """A list of ``batches`` generated ``(inputs, targets)`` batches with a learnable signal.
 
+    ``seed`` draws the class centres too, so loaders of two seeds are two different tasks:
+    take training and validation data from one loader
+    (``data = tiny_loader(10); train, val = data[:8], data[8:]``).
+
     Raises:
         ConfigError: a size below 1.
     """

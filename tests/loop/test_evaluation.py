@@ -48,6 +48,22 @@ def rounds(recorder: EventRecorder) -> list[tuple[str, int]]:
     return [(e.trigger, e.step) for e in recorder.of_type(ev.EvaluationRoundEnded)]
 
 
+@pytest.mark.parametrize("value", [{"acc": 1.0}, None, "0.5"], ids=["dict", "none", "str"])
+def test_a_metric_returning_no_number_is_told_what_to_return(value: Any) -> None:
+    trainer = make(max_steps=1, metrics={"both": lambda outputs, targets: value})
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics\['both'\] returned .*: return a number or a "
+        r"one-element tensor",
+    ):
+        trainer.evaluate_sync()
+    trainer.close()
+    # Control: a number and a tensor of several values (averaged) are metrics.
+    trainer = make(max_steps=1, metrics={"n": lambda o, t: 0.5, "t": lambda o, t: o[:, 0]})
+    assert set(trainer.evaluate_sync()) == {"val_loss", "val_n", "val_t"}
+    trainer.close()
+
+
 def test_max_steps_mid_epoch_evaluates_the_final_weights_before_the_final_save(
     tmp_path: Path,
 ) -> None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from structlog.testing import capture_logs
 
-from trainbus import Callback, ConfigError, EvalSchedule, EventBus, Trainer, TrainingError
+from trainbus import Callback, ConfigError, EvalSchedule, EventBus, PerEpoch, Trainer, TrainingError
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.bus import BusClosedError
@@ -283,6 +283,38 @@ def _refused(trainer: Trainer, pattern: str) -> ConfigError:
     return info.value
 
 
+def _one_argument(outputs: torch.Tensor) -> torch.Tensor:
+    return outputs.mean()
+
+
+class _OneArgumentUpdate:
+    def update(self, outputs: Any) -> dict[str, float]:
+        return {"n": 1.0}
+
+    def compute(self, totals: Any) -> float:
+        return 0.0
+
+
+def test_a_metric_that_cannot_take_outputs_and_targets_is_refused_up_front() -> None:
+    """Not at the first evaluation, after an epoch of training: at the constructor."""
+    with pytest.raises(
+        ConfigError,
+        match=r"^metrics\['mean'\]=<function _one_argument .*"
+        r"fn\(outputs, targets\).*takes \(outputs",
+    ):
+        _trainer(eval_data=DATA, metrics={"mean": _one_argument})
+    with pytest.raises(ConfigError, match=r"^set_metrics\['n'\]=.*its update takes \(outputs"):
+        _trainer(eval_data=DATA, set_metrics={"n": _OneArgumentUpdate()})
+    # Control: what takes two positional arguments passes (defaults and *args included).
+    metrics = {"acc": _acc, "ce": F.cross_entropy, "any": lambda *a: 0.0}
+    assert set(_trainer(eval_data=DATA, metrics=metrics).evaluate_sync()) == {
+        "val_loss",
+        "val_acc",
+        "val_ce",
+        "val_any",
+    }
+
+
 # ====================================================================== monitored metrics
 def test_checkpointing_monitor_without_eval_data(tmp_path: Path) -> None:
     folder = tmp_path / "ck"
@@ -417,6 +449,21 @@ def test_a_scheduler_of_another_optimizer_under_a_name_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"^scheduler\['d'\]="):
         Trainer(model, {"g": g, "d": d}, DATA, loss_fn=F.cross_entropy, max_steps=2,
                 scheduler={"d": torch.optim.lr_scheduler.StepLR(stray, 1)})  # fmt: skip
+
+
+@pytest.mark.parametrize("per_epoch", [False, True], ids=["per-step", "per-epoch"])
+def test_torch_reduce_lr_on_plateau_is_refused_for_the_callback(per_epoch: bool) -> None:
+    """Its ``.step()`` needs a metric the loop does not pass: refused before the run."""
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(
+        ConfigError,
+        match=r"^scheduler='ReduceLROnPlateau' is invalid: .*"
+        r"trainbus\.callbacks\.ReduceLROnPlateau\(monitor='val_loss'\)",
+    ):
+        Trainer(model, opt, DATA, loss_fn=F.cross_entropy, max_steps=2,
+                scheduler=PerEpoch(plateau) if per_epoch else plateau)  # fmt: skip
 
 
 def _generator(n: int = 4) -> Any:

@@ -539,14 +539,14 @@ class AsyncSubscription(Subscription):
             self._ready.set()
 
     def _announce_drops(self) -> None:
-        """Log ``subscriber_dropping`` at the first drop (``"latest"`` drops by design)."""
-        done_rate, in_rate = self.rates()
+        """Log ``subscriber_dropping`` at the first drop (``"latest"`` drops by design), with
+        counts so far: a rate over the moments before it would mean nothing."""
         log.warning(
             "subscriber_dropping",
             subscription=self.name,
             buffer=self.capacity,
-            rate_per_s=round(done_rate, 3),
-            events_per_s=round(in_rate, 3),
+            received=self.received,
+            completed=self.completed,
             action="its oldest waiting items are dropped from now on, counted as lost work "
             "(FitResult.lost_work, bus_closed_with_lost_work at the end)",
             remedies=DROP_REMEDIES,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
 from .. import events as ev
-from .._exceptions import TrainingError
+from .._exceptions import ConfigError, TrainingError
 from .._hookpoints import HookPoint, StepContext
 from .._tensors import batch_size, move_to_device
 from ..checkpoint._rng import isolated_rng
@@ -32,6 +33,24 @@ __all__ = [
 
 EvalTrigger: TypeAlias = ev.EvalTrigger
 """Why an evaluation runs (``EvaluationStarted.trigger``)."""
+
+
+def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
+    """What metric function ``name`` returned, as a tensor on ``device``.
+
+    Raises:
+        ConfigError: a value that is not a number or a tensor (a dict, None, a string).
+    """
+    try:
+        return torch.as_tensor(value, device=device)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        if isinstance(value, torch.Tensor):  # a tensor's own failure (a device), not its type
+            raise
+        raise ConfigError(
+            f"metrics[{name!r}] returned {type(value).__name__} {reprlib.repr(value)}: return a "
+            "number or a one-element tensor (a larger tensor is averaged); for several values, "
+            "one metric function each"
+        ) from exc
 
 
 def metric_name(dataset: str, name: str, *, named: bool) -> str:
@@ -245,8 +264,8 @@ class Evaluator:
                     n, loss, outputs, batch = self._batch(trigger, dataset, bi, batch, hooks)
                     if n >= 0 and names:
                         target = metric_targets(batch)
-                        values = [torch.as_tensor(s.metrics[name](outputs, target),
-                                                  device=s.device) for name in names]  # fmt: skip
+                        values = [_metric_value(name, s.metrics[name](outputs, target),
+                                                s.device) for name in names]  # fmt: skip
                     if n >= 0 and totals is not None:  # a failure is counted, not raised
                         totals.update(outputs, batch)
                 except BaseException as exc:

@@ -217,7 +217,8 @@ def check_schedulers(
         :class:`SchedulerSet`.
 
     Raises:
-        ConfigError: not a scheduler (no ``.step()``); a scheduler whose ``.optimizer`` is not
+        ConfigError: not a scheduler (no ``.step()``); torch's ``ReduceLROnPlateau`` (its
+            ``.step()`` needs a metric); a scheduler whose ``.optimizer`` is not
             the run's optimizer; a single scheduler with several
             optimizers (naming the optimizer it belongs to); a mapping whose names are not the
             optimizers' or whose scheduler drives another optimizer.
@@ -276,3 +277,11 @@ def check_schedulers(
 def _stepper(name: str, scheduler: Any) -> None:
     if not callable(getattr(scheduler, "step", None)):
         raise ConfigError.invalid(name, type(scheduler).__name__, "an LR scheduler with .step()")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError.invalid(
+            name,
+            type(scheduler).__name__,
+            "a scheduler the loop steps without arguments; torch's ReduceLROnPlateau needs a "
+            "metric in .step(metric): use callbacks=[trainbus.callbacks.ReduceLROnPlateau("
+            "monitor='val_loss')] instead",
+        )

@@ -8,6 +8,7 @@ those of the groups of options (``EvalSchedule``...) live in :mod:`~trainbus._tr
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -94,6 +95,20 @@ def accumulate_by(name: str, value: Any) -> Any:
     )
 
 
+def _refuses_two_arguments(fn: Callable[..., Any]) -> str | None:
+    """``fn``'s signature when it cannot be called with two positional arguments, else None
+    (also when it has no signature to read, as some builtins)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        return str(signature)
+    return None
+
+
 def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
     """None or a mapping of identifiers to ``fn(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):
@@ -103,6 +118,14 @@ def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
         if not isinstance(key, str) or not key.isidentifier() or not callable(fn):
             raise ConfigError.invalid(
                 f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
+            )
+        taken = _refuses_two_arguments(fn)
+        if taken is not None:
+            raise ConfigError.invalid(
+                f"metrics[{key!r}]",
+                fn,
+                f"fn(outputs, targets), called with two arguments per evaluation batch; this "
+                f"one takes {taken}",
             )
     return out
 
@@ -121,6 +144,14 @@ def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
                 "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
                 "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
             )  # fmt: skip
+        taken = _refuses_two_arguments(metric.update)
+        if taken is not None:
+            raise ConfigError.invalid(
+                f"{name}[{key!r}]",
+                metric,
+                f"a set metric whose update(outputs, targets) takes two arguments; its update "
+                f"takes {taken}",
+            )
     return out
 
 

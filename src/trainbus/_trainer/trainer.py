@@ -122,8 +122,9 @@ class Trainer:
         eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`).
         log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
         checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
-            run completes or stops (``CheckpointDir(path, skip_final={"pruned"})``: stopped
-            runs that write none). Checked now, created at the first save.
+            run completes or stops and its last step has none yet
+            (``CheckpointDir(path, skip_final={"pruned"})``: stopped runs that write none).
+            Checked now, created at the first save.
         callbacks: Callback classes or instances (user tier); stateful ones need distinct
             ``state_key`` values.
         progress: Show a :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr
