@@ -36,7 +36,7 @@ def build_step(i: int) -> ev.StepEnded:
 
 # ---------------------------------------------------------------------------- StepClock
 def test_next_decision_is_the_smallest_declared_step_after() -> None:
-    clock = StepClock()
+    clock = StepClock(Doorbell())
     assert clock.next_decision(0) is None
     clock.declare(Every(20), Every(25), At(7))
     assert [clock.next_decision(k) for k in (0, 6, 7, 19, 20, 24, 25, 49, 50)] == [

@@ -52,14 +52,13 @@ from .dispatch import (
     check_barriers,
 )
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
-from .scheduler import AnyioScheduler, ChainScheduler
+from .scheduler import AnyioScheduler
 from .subscriptions import (
     DEFAULT_OVERFLOW,
     AsyncSubscription,
     Backpressure,
     BusObservable,
     BusStatistics,
-    Chains,
     CommandSink,
     Overflow,
     RankFilter,
@@ -123,13 +122,13 @@ class LoopPort:
         pressure: Backpressure,
         barrier: Barrier,
         lifecycle: Lifecycle,
-        chains: Chains,
+        subs: SubscriptionSet,
     ) -> None:
         self.publish = queue.publish
         self.wants = routes.wants
         self.demand = routes.demand
         self.doorbell = doorbell
-        self.declare = chains.declare
+        self.declare = subs.declare
         self.next_decision = clock.next_decision
         self.statistics = lifecycle.statistics
         self.has_commands = channel.has_commands
@@ -257,22 +256,21 @@ class EventBus:
         if on_lost not in ("warn", "raise"):
             raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
         self.on_lost: Literal["warn", "raise"] = on_lost
-        watchdog = Watchdog(self.watchdog_s)
-        self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
-
+        ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
         bell = Doorbell()
         clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
-        self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
+        ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
         if rx_scheduler is None:
             rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
         self._routes = routes = RouteTable(bell)
-        self._subs = subs = SubscriptionSet(ledger, bell, stamp, watchdog)
-        chain_scheduler = ChainScheduler(rx_scheduler)
-        self._chains = chains = Chains(subs, self._ranks, ledger, clock, chain_scheduler)
+        watchdog = Watchdog(self.watchdog_s)
+        self._subs = subs = SubscriptionSet(ledger=ledger, doorbell=bell, stamp=stamp,
+                                            watchdog=watchdog, ranks=ranks, clock=clock,
+                                            rx_scheduler=rx_scheduler)  # fmt: skip
         self._queue = queue = PublishQueue(
             max_queue=max_queue,
             flush_interval=self.flush_interval,
@@ -296,7 +294,7 @@ class EventBus:
         self.wants = routes.wants
         self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
                               channel=channel, ledger=ledger, pressure=subs.backpressure,
-                              barrier=barrier, lifecycle=lifecycle, chains=chains)  # fmt: skip
+                              barrier=barrier, lifecycle=lifecycle, subs=subs)  # fmt: skip
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
@@ -311,7 +309,7 @@ class EventBus:
     @property
     def rank(self) -> int:
         """This process' rank (0 on a single process)."""
-        return self._ranks.rank
+        return self._subs.ranks.rank
 
     def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.on_ranks("all"):`` without ``ranks=`` run on
@@ -320,7 +318,7 @@ class EventBus:
         Raises:
             ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
         """
-        return self._ranks.default(ranks)
+        return self._subs.ranks.default(ranks)
 
     @property
     def state(self) -> str:
@@ -416,7 +414,7 @@ class EventBus:
 
         # Decision steps only count on streams that can carry the per-step events.
         per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
-        return BusObservable(self._chains, Observable(subscribe), per_step=per_step)
+        return BusObservable(self._subs, Observable(subscribe), per_step=per_step)
 
     def subscribe(
         self,
@@ -446,10 +444,13 @@ class EventBus:
         Raises:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
-        source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._chains, observable)
-        return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
-                                 name=name, ranks=ranks)  # fmt: skip
+        return self._subs.subscribe(self._wrap(observable), on_next, on_completed=on_completed,
+                                    on_error=on_error, name=name, ranks=ranks)  # fmt: skip
+
+    def _wrap(self, observable: Observable[Any]) -> BusObservable[Any]:
+        if isinstance(observable, BusObservable):
+            return observable
+        return BusObservable(self._subs, observable)
 
     def subscribe_async(
         self,
@@ -496,32 +497,17 @@ class EventBus:
                 an argument out of range.
             BusClosedError: the bus is closed.
         """
-        if not isinstance(decides, bool):
-            raise ConfigError.invalid("decides", decides, "True or False")
-        source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._chains, observable)
-        # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
-        size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
-                                              overflow=overflow, policy=on_error)  # fmt: skip
-        if not self._ranks.runs_here(ranks):
-            inert = AsyncSubscription(self._ledger, name or "inert", fn, concurrency=concurrency,
-                                      buffer=size, overflow=policy, on_error=on_error,
-                                      backpressure=Backpressure())  # fmt: skip
-            inert.dispose()
-            return inert
-        sub = self._subs.add_async(
+        return self._subs.subscribe_async(
+            self._wrap(observable),
             fn,
-            wrapped.subscribe_raw,
             concurrency=concurrency,
-            buffer=size,
-            overflow=policy,
-            policy=on_error,
+            buffer=buffer,
+            overflow=overflow,
+            on_error=on_error,
             name=name,
             decides=decides,
+            ranks=ranks,
         )
-        if decides and wrapped.decision_steps:
-            sub.hold(self._chains.declare(wrapped.decision_steps))
-        return sub
 
     # ================================================================== decision steps
     def declare_decision_steps(
@@ -549,7 +535,7 @@ class EventBus:
             steps_.extend(At(check_int("at", k, 0)) for k in steps)
         if not steps_:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self._chains.declare(tuple(steps_))
+        return self._subs.declare(tuple(steps_))
 
     def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:

@@ -38,6 +38,7 @@ from .._log import get_logger
 from .._validate import check_int
 
 __all__ = [
+    "ITEM_STEP",
     "AckObserver",
     "At",
     "CommandChannel",
@@ -107,13 +108,12 @@ DecisionSteps: TypeAlias = Every | At
 class StepClock:
     """The declared decision steps, and the next decision step after a given one.
 
-    Declarations come and go on the event-loop thread; the training thread reads
-    :meth:`next_decision` (the declarations are a tuple replaced on change, so a reader always sees
-    a consistent set) and re-reads it only when the doorbell rang (every change rings it).
+    Declarations change on the event-loop thread (a tuple replaced on change, and a ring); the
+    training thread reads :meth:`next_decision`.
     """
 
-    def __init__(self, doorbell: Doorbell | None = None) -> None:
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
         self._ids = itertools.count()
         self._declared: dict[int, DecisionSteps] = {}
         self._decision_steps: tuple[DecisionSteps, ...] = ()
@@ -153,7 +153,7 @@ class StepClock:
         return best
 
 
-_ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "trainbus_item_step", default=None
 )
 """The step of the item an async worker is running (set around each item)."""
@@ -161,11 +161,8 @@ _ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 class DecisionStamp:
     """Which step is being handled on this thread now: what ``bus.send`` stamps on a command.
-
-    ``step`` is set by the dispatch slice for each event it delivers (a plain attribute: it is
-    written once per dispatched event) and reset to None after the slice; async workers set a
-    context variable around each item (:meth:`item`). Commands sent from anywhere else (another
-    thread, a signal handler) get None: "as soon as possible".
+    The dispatch slice sets ``step`` per event (None after the slice), an async worker sets
+    :data:`ITEM_STEP` per item; anywhere else a command gets None ("as soon as possible").
     """
 
     __slots__ = ("event_id", "loop_thread", "step")
@@ -184,20 +181,15 @@ class DecisionStamp:
         """The step of the event being handled by the caller, or None."""
         if self.step is not None and threading.get_ident() == self.loop_thread:
             return self.step
-        return _ITEM_STEP.get()
-
-    @staticmethod
-    def item(step: int | None) -> contextvars.Token[int | None]:
-        """An async worker starts an item of ``step``; reset the token when it is done."""
-        return _ITEM_STEP.set(step)
-
-    @staticmethod
-    def done(token: contextvars.Token[int | None]) -> None:
-        """The async worker finished the item of ``token``."""
-        _ITEM_STEP.reset(token)
+        return ITEM_STEP.get()
 
 
 # ================================================================== the command channel
+def _check_command(command: object) -> None:
+    if not isinstance(command, cmd.COMMAND_TYPES):
+        raise ConfigError.invalid("command", command, "an instance of a trainbus.commands class")
+
+
 class CommandError(TrainbusError):
     """A requested command was acknowledged with an error (``CommandApplied.error``)."""
 
@@ -206,15 +198,13 @@ class CommandChannel:
     """The back-channel's queue, the pending ``request()`` waiters, and the barrier's wake-up.
 
     Args:
-        stamp: Says which step the sender is handling, stamped on a command as its
-            ``decided_at`` when the sender did not set one.
+        stamp: The step the sender handles: a command's ``decided_at`` when it has none.
+        doorbell: Rung after each command sent.
     """
 
-    def __init__(
-        self, stamp: DecisionStamp | None = None, doorbell: Doorbell | None = None
-    ) -> None:
-        self._stamp = stamp or DecisionStamp()
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, stamp: DecisionStamp, doorbell: Doorbell) -> None:
+        self._stamp = stamp
+        self._doorbell = doorbell
         # deque.append/popleft are atomic under the GIL: senders on any thread need no lock.
         self._commands: deque[cmd.Command] = deque()
         self._requests: dict[int, tuple[cmd.Command, anyio.Event, list[Any]]] = {}
@@ -225,10 +215,7 @@ class CommandChannel:
 
     def send(self, command: cmd.Command) -> None:
         """:meth:`EventBus.send`: put ``command`` on the back-channel (any thread)."""
-        if not isinstance(command, cmd.COMMAND_TYPES):
-            raise ConfigError.invalid(
-                "command", command, "an instance of a trainbus.commands class"
-            )
+        _check_command(command)
         if self._sealed:
             raise BusClosedError(
                 f"the bus is closed (its run is over): no loop will apply {command!r}; send "
@@ -282,10 +269,7 @@ class CommandChannel:
                 "the call has made its last poll point (it is ending): no loop will apply this "
                 "command in it; request it while fit(), evaluate() or predict() runs"
             )
-        if not isinstance(command, cmd.COMMAND_TYPES):
-            raise ConfigError.invalid(
-                "command", command, "an instance of a trainbus.commands class"
-            )
+        _check_command(command)
         # Stamped before it is registered: the acknowledgement carries the queued object.
         command = self.stamped(command)
         done = anyio.Event()
@@ -327,11 +311,12 @@ class CommandChannel:
         self._closed = True
 
     def seal(self) -> None:
-        """The bus has closed: :meth:`send` refuses commands from now on."""
+        """The bus has closed: :meth:`send` refuses commands from now on, and every
+        ``request()`` still waiting raises BusClosedError."""
         self._sealed = True
+        self._release_waiters()
 
-    def release_waiters(self) -> None:
-        """The bus closed: wake every ``request()`` still waiting (it raises BusClosedError)."""
+    def _release_waiters(self) -> None:
         for _, done, _slot in list(self._requests.values()):
             done.set()
 
@@ -342,7 +327,7 @@ class CommandChannel:
         :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
-        self.release_waiters()
+        self._release_waiters()
 
     def resume_polls(self) -> None:
         """The call's end is over: requests wait for the next call's loop again."""

@@ -197,8 +197,8 @@ class Sampled(abc.ObserverBase[Any]):
 class RouteTable:
     """Roots by tier, the per-type route cache, and the demand of each type asked about."""
 
-    def __init__(self, doorbell: Doorbell | None = None) -> None:
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
         self._roots: list[Root] = []
         self._seq = 0
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
@@ -318,7 +318,7 @@ class PublishQueue:
         flush_interval: float,
         routes: RouteTable,
         ledger: FailureLedger,
-        stamp: DecisionStamp | None = None,
+        stamp: DecisionStamp,
     ) -> None:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
@@ -333,7 +333,7 @@ class PublishQueue:
         """Events taken off the queue and dispatched."""
         self.publisher_waits = 0
         """Times a publishing thread waited for room."""
-        self._stamp = stamp or DecisionStamp()
+        self._stamp = stamp
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
         self._dispatch_thread: int | None = None
@@ -409,27 +409,17 @@ class PublishQueue:
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
-    def suspend(self) -> None:
-        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing,
-        publishers no longer wait for room."""
+    def stop(self, *, close: bool = False) -> None:
+        """The bus stops dispatching (publishers no longer wait for room) until it opens
+        again; with ``close``, for good: ``publish`` raises from now on (its append lands on a
+        queue that refuses it: no state check per publish)."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
         self.parked = False
+        if close:
+            self._events = _ClosedQueue(self._events)
         self._room.set()
-
-    def begin_close(self) -> None:
-        """The bus is closing: publishers no longer wait."""
-        self._running = False
-        self._room.set()
-
-    def close(self) -> None:
-        """The bus closed: from now on ``publish`` raises (its append lands on a queue that
-        refuses it: no state check per publish)."""
-        self._running = False
-        self._events = _ClosedQueue(self._events)
-        self._room.set()
-        self._loop_thread = None
 
     # ================================================================== dispatch side
     def dispatch(self, n: int) -> int:
@@ -469,7 +459,7 @@ class PublishQueue:
             try:
                 observer.on_next(event)
             except Exception as exc:  # an operator that raised past RxPY: isolated
-                self._ledger.chain_failed(observer, exc, event)
+                self._ledger.operator_failed(observer, exc, event)
         self.delivered += 1
 
     async def drain(self, limit: int | None = None) -> None:
@@ -596,16 +586,21 @@ class Barrier:
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
     ) -> bool:
         """:meth:`EventBus.wait_delivered` (``event`` is found by identity in the queue)."""
-        # The timeout covers the delivery too.
-        start = anyio.current_time()
-        with anyio.move_on_after(timeout) as scope:
-            targets = await self._deliver_for_barrier(event)
-        if scope.cancelled_caught:
-            log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+        deadline = anyio.current_time() + (math.inf if timeout is None else timeout)
+        targets = await self._deliver_until(deadline, timeout, event)
+        if targets is None:
             return False
-        left = None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
-        status = await self._wait_targets(targets, left, interruptible=False, configured=timeout)
-        return status == "done"
+        return await self._wait_targets(targets, deadline, timeout, barrier=False) == "done"
+
+    async def _deliver_until(
+        self, deadline: float, timeout: float | None, event: ev.BaseEvent | None
+    ) -> list[tuple[AsyncSubscription, int]] | None:
+        """The async subscriptions that received ``event`` (None: anything delivered now),
+        and how many items they had then; None when the deadline passed first."""
+        with anyio.move_on_at(deadline):
+            return await self._deliver_for_barrier(event)
+        log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+        return None
 
     async def _deliver_for_barrier(
         self, event: ev.BaseEvent | None
@@ -624,59 +619,54 @@ class Barrier:
             if before_event:
                 await q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
-        if event is not None and q.first_is(event):
-            await q.drain(limit=1)
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-            await q.drain()
-        else:
-            await q.drain()
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        first = event is not None and q.first_is(event)
+        await q.drain(limit=1 if first else None)
+        targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        await q.drain()
         return targets
 
     async def _wait_targets(
         self,
         targets: list[tuple[AsyncSubscription, int]],
+        deadline: float,
         timeout: float | None,
         *,
-        interruptible: bool,
-        configured: float | None = None,
-        account: bool = False,
+        barrier: bool,
     ) -> BarrierStatus:
-        status: BarrierStatus = "timeout"
-        wake = self._channel.arm_wake()
+        """Wait until every target has settled its items (``"done"``), the deadline passes
+        (``"timeout"``) or, at the loop's ``barrier``, a ``request()`` arrives (``"request"``);
+        a barrier charges its waits to the subscriptions and names the slow ones."""
+        status: BarrierStatus = "done"
         start = anyio.current_time()
         # Only those not settled yet are waited for (and charged).
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        # A race (each task ends by its own scope, TaskSet): all settled ("done"), a request
-        # ("request") or the timeout.
+        wake = self._channel.arm_wake()
+        # A race, each task ending by its own scope (TaskSet): the first outcome wins.
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
+
+            def finish(outcome: BarrierStatus) -> None:
+                nonlocal status
+                if not tasks.stopped:
+                    status = outcome
+                    tasks.stop()
 
             async def settle_one(sub: AsyncSubscription, target: int) -> None:
                 await sub.wait_settled(target)
                 unsettled.discard(id(sub))
-                if account:
+                if barrier:
                     self._charge(sub, anyio.current_time() - start)
                 if not unsettled:
-                    settled()
-
-            def settled() -> None:
-                nonlocal status
-                if not tasks.stopped:
-                    status = "done"
-                    tasks.stop()
+                    finish("done")
 
             async def interrupted() -> None:
-                nonlocal status
                 await wake.wait()
-                if not tasks.stopped:
-                    status = "request"
-                    tasks.stop()
+                finish("request")
 
-            async def timer(seconds: float) -> None:
-                await anyio.sleep(seconds)
-                tasks.stop()  # status stays "timeout"
+            async def timer() -> None:
+                await anyio.sleep_until(deadline)
+                finish("timeout")
 
             async def announce() -> None:
                 # Said while training waits, not after.
@@ -685,37 +675,28 @@ class Barrier:
                     if id(sub) in unsettled:
                         self._announce(sub)
 
-            if not waiting:
-                settled()
-            for sub, target in waiting:
-                tasks.start_soon(settle_one, sub, target)
-            if interruptible:
-                tasks.start_soon(interrupted)
-            if timeout is not None:
-                tasks.start_soon(timer, timeout)
-            if account and waiting and not tasks.stopped:
-                tasks.start_soon(announce)
+            if waiting:
+                for sub, target in waiting:
+                    tasks.start_soon(settle_one, sub, target)
+                if barrier:
+                    tasks.start_soon(interrupted)
+                    tasks.start_soon(announce)
+                if deadline < math.inf:
+                    tasks.start_soon(timer)
         self._channel.disarm_wake()
-        if account and unsettled:  # timed out or interrupted: charged up to now
+        if barrier:
             elapsed = anyio.current_time() - start
             for sub, _ in waiting:
-                if id(sub) in unsettled:
+                if id(sub) in unsettled:  # timed out or interrupted: charged up to now
                     self._charge(sub, elapsed)
-        if account:
-            # Many short waits add up to a warning too.
-            for sub, _ in waiting:
                 if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
-                    self._announce(sub)
+                    self._announce(sub)  # many short waits add up to a warning too
         if status == "timeout":
-            log.warning(
-                "barrier_timeout",
-                timeout=configured if configured is not None else timeout,
-                waiting=[s.name for s, _ in targets],
-            )
+            log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
         return status
 
     def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
-        sub.add_waited(seconds)  # what the user reads (back-pressure's waits included)
+        sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
 
     def _announce(self, sub: AsyncSubscription) -> None:
@@ -738,19 +719,15 @@ class Barrier:
             await self._queue.drain()  # delivers the CommandApplied the requester is waiting for
         else:
             deadline = anyio.current_time() + timeout
-            with anyio.move_on_at(deadline) as scope:
-                targets = await self._deliver_for_barrier(event)
-            if scope.cancelled_caught:
-                log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
+            delivered = await self._deliver_until(deadline, timeout, event)
+            if delivered is None:
                 return "timeout"
-            targets = [(s, n) for s, n in targets if s.decides]
+            targets = [(s, n) for s, n in delivered if s.decides]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"
         else:
-            left = max(0.0, deadline - anyio.current_time())
-            status = await self._wait_targets(targets, left, interruptible=True,
-                                              configured=timeout, account=True)  # fmt: skip
+            status = await self._wait_targets(targets, deadline, timeout, barrier=True)
         if status == "request":
             self._pending = (targets, deadline)
         return status

@@ -137,10 +137,8 @@ class Lifecycle:
         (its tasks are cancelled and waited for); the bus is then suspended or closed."""
         if self._watchdog is not None:
             self._watchdog.stop()
-        if closing:
-            self._queue.close()
-        else:
-            self._queue.suspend()
+        self._queue.stop(close=closing)
+        if not closing:
             self._subscriptions.suspend()
         stack, tasks = self._stack, self._tasks
         self._stack, self._tg, self._tasks = None, None, None
@@ -307,7 +305,6 @@ class Lifecycle:
             self._state = "closed"
             await self._stop_task_group(closing=True)
             self._channel.seal()
-            self._channel.release_waiters()
         fatal = self._ledger.fatal
         if raise_fatal and fatal is not None:
             raise fatal
@@ -317,14 +314,14 @@ class Lifecycle:
         self._subscriptions.close()
         self._channel.close()
         deadline = self._deadline()
-        self._queue.begin_close()
+        self._queue.stop()
         await self._queue.drain()
         # Completing the roots lets buffering operators emit what they hold.
         for observer in self._routes.observers():
             try:
                 observer.on_completed()
             except Exception as exc:
-                self._ledger.completion_failed(observer, exc)
+                self._ledger.operator_failed(observer, exc)
         await self._queue.drain()
         # No loop polls any more: a request() still waiting raises now.
         self._channel.end_polls()
@@ -347,7 +344,7 @@ class Lifecycle:
 
     def statistics(self) -> BusStatistics:
         """:meth:`EventBus.statistics`."""
-        subs = self._subscriptions.statistics()
+        subs = tuple(s.statistics() for s in self._subscriptions.all())
         depth = len(self._queue)
         delivered = self._queue.delivered
         return BusStatistics(
