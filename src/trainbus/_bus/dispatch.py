@@ -341,7 +341,7 @@ class PublishQueue:
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
         self._unpark_event: anyio.Event | None = None
-        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+        self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
     # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
@@ -422,14 +422,18 @@ class PublishQueue:
         self._room.set()
 
     # ================================================================== dispatch side
-    def dispatch(self, n: int) -> int:
-        """Deliver ``n`` queued events in one slice (loop thread; no await between events).
+    def drain(self, limit: int | None = None) -> None:
+        """Deliver the queued events (or the first ``limit``) in one slice on this thread.
         Events subscribers publish on this thread meanwhile are delivered right after the event
-        that caused them (an already queued ``FitEnded`` stays last) and do not count in ``n``.
+        that caused them (an already queued ``FitEnded`` stays last) and do not count."""
+        q = self._events
+        if limit is not None:
+            self._dispatch(min(limit, len(q)))
+        while limit is None and q:
+            self._dispatch(len(q))
+        self._room.set()
 
-        Returns:
-            How many queued events were delivered.
-        """
+    def _dispatch(self, n: int) -> None:
         popleft, derived, stamp = self._events.popleft, self._derived, self._stamp
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
@@ -445,7 +449,6 @@ class PublishQueue:
             self._dispatching = outer
             if not outer:
                 stamp.step = None
-        return n
 
     def _deliver(self, event: ev.BaseEvent) -> None:
         self._stamp.step = event.step
@@ -461,16 +464,6 @@ class PublishQueue:
             except Exception as exc:  # an operator that raised past RxPY: isolated
                 self._ledger.operator_failed(observer, exc, event)
         self.delivered += 1
-
-    async def drain(self, limit: int | None = None) -> None:
-        """Deliver queued events (all of them, or ``limit``) in one slice: no await inside."""
-        q = self._events
-        remaining = len(q) if limit is None else limit
-        while q and remaining > 0:
-            remaining -= self.dispatch(min(remaining, len(q)))
-            if limit is None:
-                remaining = len(q)
-        self._room.set()
 
     async def wait_published(self, backstop: float) -> None:
         """Park until something is published, or ``backstop`` seconds (the poller).
@@ -497,24 +490,16 @@ class PublishQueue:
                 "the training thread included) use anyio.from_thread.run(bus.wait_delivered, "
                 "token=token), the token taken on that loop by anyio.lowlevel.current_token()"
             )
-        q = self._events
-        while q:
-            self.dispatch(len(q))
-        self._room.set()
+        self.drain()
 
 
-def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
+def _threadsafe_call_soon() -> Callable[[Callable[[], None]], object] | None:
     """A non-blocking way to run a callable on the running event loop from any thread
     (``anyio.from_thread.run_sync`` waits for the result); None when the backend has none (the
     poller then never parks)."""
     native = anyio.lowlevel.current_token().native_token
     if isinstance(native, asyncio.AbstractEventLoop):
-        loop = native
-
-        def call_soon(fn: Callable[[], None]) -> None:
-            loop.call_soon_threadsafe(fn)
-
-        return call_soon
+        return native.call_soon_threadsafe
     run_sync_soon = getattr(native, "run_sync_soon", None)  # trio's TrioToken
     return run_sync_soon if callable(run_sync_soon) else None
 
@@ -587,24 +572,12 @@ class Barrier:
     ) -> bool:
         """:meth:`EventBus.wait_delivered` (``event`` is found by identity in the queue)."""
         deadline = anyio.current_time() + (math.inf if timeout is None else timeout)
-        targets = await self._deliver_until(deadline, timeout, event)
-        if targets is None:
-            return False
+        targets = self._deliver(event)
         return await self._wait_targets(targets, deadline, timeout, barrier=False) == "done"
 
-    async def _deliver_until(
-        self, deadline: float, timeout: float | None, event: ev.BaseEvent | None
-    ) -> list[tuple[AsyncSubscription, int]] | None:
-        """The async subscriptions that received ``event`` (None: anything delivered now),
-        and how many items they had then; None when the deadline passed first."""
-        with anyio.move_on_at(deadline):
-            return await self._deliver_for_barrier(event)
-        log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
-        return None
-
-    async def _deliver_for_barrier(
-        self, event: ev.BaseEvent | None
-    ) -> list[tuple[AsyncSubscription, int]]:
+    def _deliver(self, event: ev.BaseEvent | None) -> list[tuple[AsyncSubscription, int]]:
+        """Deliver everything queued: the async subscriptions that received ``event`` (None:
+        anything delivered now), with how many items they had received then."""
         asyncs = self._subscriptions.asyncs()
         q = self._queue
         if event is not None:
@@ -613,16 +586,16 @@ class Barrier:
             if before_event is None:
                 # The poller already dispatched it: each subscription noted which event fed
                 # its last item (the loop publishes nothing while it waits here).
-                await q.drain()
+                q.drain()
                 fed = [(s, s.received_from(id(event))) for s in asyncs]
                 return [(s, n) for s, n in fed if n is not None]
             if before_event:
-                await q.drain(limit=before_event)
+                q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
         first = event is not None and q.first_is(event)
-        await q.drain(limit=1 if first else None)
+        q.drain(limit=1 if first else None)
         targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-        await q.drain()
+        q.drain()
         return targets
 
     async def _wait_targets(
@@ -716,13 +689,10 @@ class Barrier:
         """
         if resume and self._pending is not None:
             targets, deadline = self._pending
-            await self._queue.drain()  # delivers the CommandApplied the requester is waiting for
+            self._queue.drain()  # delivers the CommandApplied the requester is waiting for
         else:
             deadline = anyio.current_time() + timeout
-            delivered = await self._deliver_until(deadline, timeout, event)
-            if delivered is None:
-                return "timeout"
-            targets = [(s, n) for s, n in delivered if s.decides]
+            targets = [(s, n) for s, n in self._deliver(event) if s.decides]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"

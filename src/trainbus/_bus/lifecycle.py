@@ -166,7 +166,7 @@ class Lifecycle:
                 await q.wait_published(_PARK_BACKSTOP)
             if q:
                 empty = 0
-                await q.drain(limit=len(q))
+                q.drain(limit=len(q))
             else:
                 empty += 1
 
@@ -186,11 +186,11 @@ class Lifecycle:
 
     async def _settle(self) -> None:
         deadline = self._deadline()
-        await self._queue.drain()
+        self._queue.drain()
         if self._own_scheduler is not None:
             # A call's end is a window's end: buffer_with_time emits its partial batch now.
             self._own_scheduler.fire_pending()
-            await self._queue.drain()
+            self._queue.drain()
         # Commands sent after the last poll point are not carried into the next call; a
         # request() waiting now raises BusClosedError instead of holding this wait.
         self._channel.end_polls()
@@ -315,14 +315,14 @@ class Lifecycle:
         self._channel.close()
         deadline = self._deadline()
         self._queue.stop()
-        await self._queue.drain()
+        self._queue.drain()
         # Completing the roots lets buffering operators emit what they hold.
         for observer in self._routes.observers():
             try:
                 observer.on_completed()
             except Exception as exc:
                 self._ledger.operator_failed(observer, exc)
-        await self._queue.drain()
+        self._queue.drain()
         # No loop polls any more: a request() still waiting raises now.
         self._channel.end_polls()
         asyncs = self._subscriptions.asyncs()
