@@ -1,19 +1,14 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face, a facade over parts that each own their state (docs/bus.md
-lists them). The training loop, the trainer's session and the distributed code hold the other
-face, the :class:`LoopPort` (``bus.port()``), as trio hands out a send end and a receive end.
-
-One module per concept, each importing only those before it (the order ``tests/test_layers.py``
-pins): ``scheduler`` (the Rx scheduler on anyio, background tasks), ``commands`` (the doorbell,
-decision steps, the command channel), ``watchdog`` (the watchdog, the failure ledger),
-``subscriptions`` (subscriptions, ranks, chains, back-pressure, statistics), ``dispatch`` (the
-route table, the publish queue, barriers) and ``lifecycle`` (open, suspend, close, the poller).
-None imports torch or the loop.
+:class:`EventBus` is the users' face over parts that each own their state; the training loop
+holds the other face, the :class:`LoopPort` (``bus.port()``). One module per concept, each
+importing only those before it (``tests/test_layers.py``): ``scheduler``, ``commands``,
+``watchdog``, ``subscriptions``, ``dispatch``, ``lifecycle``. None imports torch or the loop.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -27,7 +22,6 @@ from .. import events as ev
 from .._exceptions import ConfigError
 from .._validate import (
     check_int,
-    check_number,
     check_optional_seconds,
     explains_unknown_keywords,
     unknown_keyword_message,
@@ -56,7 +50,6 @@ from .scheduler import AnyioScheduler
 from .subscriptions import (
     DEFAULT_OVERFLOW,
     AsyncSubscription,
-    Backpressure,
     BusObservable,
     BusStatistics,
     CommandSink,
@@ -88,38 +81,18 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
 
 
 class LoopPort:
-    """The loop's end of one bus, built by the bus (``bus.port()``). Each name is the owning
-    part's own method or state, bound once; a user never needs these, a loop needs nothing else.
-
-    Attributes:
-        publish: Queue an event (:meth:`PublishQueue.publish`; safe from any thread).
-        wants: True when some subscription would receive events of a type: ask before building
-            one.
-        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type: whether some
-            subscription takes every event, or only samples (then ask ``takes(step, now)``).
-        doorbell: Rung after every change the loop must act on (:class:`Doorbell`): the loop
-            re-reads the state below only when ``doorbell.rings`` grew.
-        declare: Declare decision steps until the returned disposable is disposed.
-        next_decision: The first declared decision step after a step (None: none).
-        statistics: The bus' counters now.
-        has_commands, poll_commands, withdraw: The command channel's (never block).
-        wait_for_room: Block the training thread while a ``"block"`` buffer is over capacity
-            (:meth:`Backpressure.wait_for_room`); returns the seconds waited.
-        wait_barrier: The loop's barrier, on the event-loop thread (:meth:`Barrier.wait_barrier`).
-        request_cancel_pending: Ask a waiting call's end or close to cancel pending async work
-            (safe from a signal handler).
-    """
+    """The loop's end of one bus (``bus.port()``): each name is the owning part's own method
+    or state, bound once (their docstrings say what each does). The loop re-reads that state
+    only when ``doorbell.rings`` grew."""
 
     def __init__(
         self,
-        *,
         doorbell: Doorbell,
         queue: PublishQueue,
         routes: RouteTable,
         clock: StepClock,
         channel: CommandChannel,
         ledger: FailureLedger,
-        pressure: Backpressure,
         barrier: Barrier,
         lifecycle: Lifecycle,
         subs: SubscriptionSet,
@@ -134,32 +107,34 @@ class LoopPort:
         self.has_commands = channel.has_commands
         self.poll_commands = channel.poll_commands
         self.withdraw = channel.withdraw
-        self.wait_for_room = pressure.wait_for_room
+        self.wait_for_room = subs.backpressure.wait_for_room
         self.wait_barrier = barrier.wait_barrier
         self.request_cancel_pending = lifecycle.request_cancel_pending
         self._clock = clock
         self._ledger = ledger
-        self._pressure = pressure
+        self._pressure = subs.backpressure
 
     @property
     def decision_steps(self) -> tuple[DecisionSteps, ...]:
-        """Every declaration of decision steps (what ranks agree on at a run's start)."""
+        """Every declaration of decision steps."""
         return self._clock.decision_steps
 
     @property
     def failure(self) -> Exception | None:
-        """The first failure of an ``on_error="raise"`` subscription (raised at the next poll
-        point)."""
+        """The first failure of an ``on_error="raise"`` subscription."""
         return self._ledger.fatal
 
     @property
     def held(self) -> bool:
-        """True while an ``overflow="block"`` buffer is over capacity: call
-        :meth:`wait_for_room` at the next poll point."""
+        """True while an ``overflow="block"`` buffer is over capacity."""
         return self._pressure.active
 
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class EventBus:
@@ -225,22 +200,14 @@ class EventBus:
         barrier_timeout: float = 60.0,
         on_lost: Literal["warn", "raise"] = "warn",
     ) -> None:
-        if (
-            isinstance(flush_interval, bool)
-            or not isinstance(flush_interval, int | float)
-            or not (0 < flush_interval <= 10)
-        ):
+        if not (_is_number(flush_interval) and 0 < flush_interval <= 10):
             raise ConfigError.invalid("flush_interval", flush_interval, "seconds in (0, 10]")
         check_int("max_queue", max_queue, 1)
-        if close_timeout is not None:
-            try:
-                check_number("close_timeout", close_timeout)
-            except ConfigError:
-                raise ConfigError.invalid(
-                    "close_timeout",
-                    close_timeout,
-                    "None (wait for pending async work) or seconds >= 0",
-                ) from None
+        if close_timeout is not None and not (
+            _is_number(close_timeout) and 0 <= close_timeout < math.inf
+        ):
+            allowed = "None (wait for pending async work) or seconds >= 0"
+            raise ConfigError.invalid("close_timeout", close_timeout, allowed)
         check_policy(on_error)
         if rx_scheduler is not None and not isinstance(rx_scheduler, abc.SchedulerBase):
             raise ConfigError.invalid("rx_scheduler", rx_scheduler, "a reactivex scheduler or None")
@@ -249,8 +216,7 @@ class EventBus:
         self.close_timeout = None if close_timeout is None else float(close_timeout)
         self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
         self.barriers: frozenset[type[ev.BaseEvent]] = check_barriers(barriers)
-        if not (isinstance(barrier_timeout, int | float) and not isinstance(barrier_timeout, bool)
-                and barrier_timeout > 0):  # NaN compares False; inf: no deadline  # fmt: skip
+        if not (_is_number(barrier_timeout) and barrier_timeout > 0):  # inf: no deadline
             raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
         self.barrier_timeout = float(barrier_timeout)
         if on_lost not in ("warn", "raise"):
@@ -268,33 +234,16 @@ class EventBus:
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
         self._routes = routes = RouteTable(bell)
         watchdog = Watchdog(self.watchdog_s)
-        self._subs = subs = SubscriptionSet(ledger=ledger, doorbell=bell, stamp=stamp,
-                                            watchdog=watchdog, ranks=ranks, clock=clock,
-                                            rx_scheduler=rx_scheduler)  # fmt: skip
-        self._queue = queue = PublishQueue(
-            max_queue=max_queue,
-            flush_interval=self.flush_interval,
-            routes=routes,
-            ledger=ledger,
-            stamp=stamp,
-        )
+        subs = SubscriptionSet(ledger, bell, stamp, watchdog, ranks, clock, rx_scheduler)
+        self._subs = subs
+        self._queue = queue = PublishQueue(max_queue, self.flush_interval, routes, ledger, stamp)
         self._barrier = barrier = Barrier(queue, subs, channel)
         self._lifecycle = lifecycle = Lifecycle(
-            queue=queue,
-            routes=routes,
-            subscriptions=subs,
-            channel=channel,
-            ledger=ledger,
-            own_scheduler=own,
-            flush_interval=self.flush_interval,
-            close_timeout=self.close_timeout,
-            watchdog=watchdog,
+            queue, routes, subs, channel, ledger, own, self.close_timeout, watchdog
         )
         self.publish = queue.publish
         self.wants = routes.wants
-        self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
-                              channel=channel, ledger=ledger, pressure=subs.backpressure,
-                              barrier=barrier, lifecycle=lifecycle, subs=subs)  # fmt: skip
+        self._port = LoopPort(bell, queue, routes, clock, channel, ledger, barrier, lifecycle, subs)
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
@@ -444,8 +393,8 @@ class EventBus:
         Raises:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
-        return self._subs.subscribe(self._wrap(observable), on_next, on_completed=on_completed,
-                                    on_error=on_error, name=name, ranks=ranks)  # fmt: skip
+        source = self._wrap(observable)
+        return self._subs.subscribe(source, on_next, None, on_completed, on_error, name, ranks)
 
     def _wrap(self, observable: Observable[Any]) -> BusObservable[Any]:
         if isinstance(observable, BusObservable):

@@ -283,8 +283,10 @@ class CommandChannel:
         finally:
             self._requests.pop(id(command), None)
         if not slot:
-            raise BusClosedError(f"{command!r} was not applied: the call ended (its last poll "
-                                 "point passed) or the bus closed first")  # fmt: skip
+            raise BusClosedError(
+                f"{command!r} was not applied: the call ended (its last poll "
+                "point passed) or the bus closed first"
+            )
         ack: ev.CommandApplied = slot[0]
         if ack.error is not None:
             raise CommandError(f"{command!r} failed: {ack.error!r}") from ack.error

@@ -1,30 +1,17 @@
 """Dispatch: the route table, the publish queue, and the barriers.
 
 A *root* is one subscription at the top of a chain (``bus.events``, ``bus.stream(...)``): the
-event types it takes and the observer to feed, sorted by tier (internal, core, user, global),
-then by order of subscription. The per-type routes are cached in :attr:`RouteTable.cache`, a
-dict replaced on change (copy-on-write), so a dispatch in progress keeps a consistent view.
-A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a :class:`Sampled`
-gate; the table keeps, per event type a publisher asks about, a :class:`Demand` (every event
-taken, or which sample is next), so the training loop builds no ``StepEnded`` that only
-sampled subscriptions would refuse.
+types it takes and its observer, ordered by tier, then by subscription. A ``publish`` on the
+training thread is a deque append; the poller on the event-loop thread dispatches the queued
+events every ``flush_interval`` in one slice (no await between events), then parks after a few
+empty intervals until the next ``publish`` (DESIGN.md: each wake costs the training thread a GIL
+hand-over). A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a
+:class:`Sampled` gate, and the table keeps a :class:`Demand` per type asked about, so the loop
+builds no event that only sampled subscriptions would refuse.
 
-How an event travels::
-
-    training thread                      event-loop thread (the bus' task group)
-    publish(e): queue.append(e) ──────►  poller: every flush_interval, dispatch the queued
-                (nothing else)           events in ONE slice (no await between events): for
-                                         each event, each matching root observer's on_next
-
-Batching matters: each wake-up of the loop thread costs the training thread a GIL hand-over
-(DESIGN.md). After a few empty intervals the poller parks and the next ``publish`` wakes it
-(one flag read on the hot path). Past ``max_queue`` undelivered events a publishing thread
-waits for the dispatcher, so a stalled event loop bounds memory instead of losing events.
-
-At a barrier (a barrier event, a decision step, the run's last step) the loop delivers
-everything, then waits for the deciders (``decides=True``) among the async subscriptions that
-received the event, or an event derived from it (docs/bus.md, "Barriers"); a ``request()``
-interrupts the wait so the loop can apply it first. No other async subscription is waited for.
+At a barrier the loop delivers everything, then waits for the deciders (``decides=True``) among
+the async subscriptions that received the event (docs/bus.md, "Barriers"); a ``request()``
+interrupts the wait so the loop can apply it first.
 """
 
 from __future__ import annotations
@@ -72,8 +59,7 @@ TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
 
 class Root:
-    """One subscription at the top of a chain: the types it takes and the observer to feed
-    (for a sampled root, its :class:`Sampled` gate)."""
+    """One root: the types it takes and the observer to feed (or its :class:`Sampled` gate)."""
 
     __slots__ = ("observer", "order", "types")
 
@@ -85,12 +71,9 @@ class Root:
 
 class Demand:
     """What the subscriptions of one event type take: every event, a sample, or nothing.
-
-    Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
-    the table's lifetime); the publisher reads it from its own thread. A time-sampled event the
-    publisher is told to build moves the due time on by the shortest ``every_s`` at once, and
-    again from the event's stamp once built (:meth:`built`): however late the event loop
-    delivers, no other is built meanwhile, and the next is not built short of the gate.
+    Updated by the :class:`RouteTable` on the event-loop thread, read by the publisher. A yes
+    to a time-sampled event moves the due time on at once (however late the loop delivers, no
+    other is built meanwhile), and again from the event's stamp (:meth:`built`).
 
     Attributes:
         each: Some subscription takes every event of the type.
@@ -129,9 +112,8 @@ class Demand:
             self._at = at + self._every_s
 
     def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
-        """Set the demand from the type's roots: ``each`` (some root takes every event) and
-        the gates of its sampled roots. ``passed``: a gate passed an event; the due time then
-        only moves on (the publisher may have built newer events than the one delivered)."""
+        """Set from the type's roots: ``each`` (one takes every event) and the sampled roots'
+        gates. ``passed`` (a gate passed an event): the due time only moves on."""
         exact = min((g.next_at for g in gates), default=math.inf)
         self._at = max(exact, self._at) if passed else exact
         self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
@@ -141,18 +123,10 @@ class Demand:
 
 
 class Sampled(abc.ObserverBase[Any]):
-    """The gate of a sampled root. With ``every_s``: passes an event whose ``time`` is at least
-    ``every_s`` after the last one it passed (the first always), then tells the table its next
-    due time; the first refusal after a pass tells it too, so the publisher builds again at the
-    exact due time. With ``every_steps``: passes the events whose ``step`` is a multiple of it.
-
-    Args:
-        observer: The subscription's observer.
-        every_s: The least time between two events passed, in seconds; or None.
-        every_steps: The step period; or None (exactly one of the two is given).
-        passed: Called after a time-sampled event passed (True) and after the first one
-            refused since (False).
-    """
+    """The gate of a sampled root: with ``every_s``, passes an event whose ``time`` is at
+    least ``every_s`` after the last one passed, calling ``passed(True)`` after a pass and
+    ``passed(False)`` at the first refusal since; with ``every_steps``, the events whose
+    ``step`` is a multiple of it."""
 
     __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
 
@@ -201,9 +175,8 @@ class RouteTable:
         self._doorbell = doorbell
         self._roots: list[Root] = []
         self._seq = 0
+        # Event type -> observers, in delivery order; replaced on change (copy-on-write).
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
-        """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
-        read it, never write it; a miss is answered by :meth:`resolve`."""
         self._tier: Tier = "user"  # of the roots registered now
         self._demands: dict[type, Demand] = {}  # for the types a publisher asked about
 
@@ -245,8 +218,8 @@ class RouteTable:
         every_s: float | None = None,
         every_steps: int | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
-        or ``every_steps``, a sampled root."""
+        """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
+        ``every_steps``."""
         self._seq += 1
         rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
@@ -305,15 +278,13 @@ class PublishQueue:
 
     Args:
         max_queue: Undelivered events past which ``publish`` waits for the dispatcher.
-        flush_interval: Seconds a waiting publisher sleeps between checks for room.
-        routes: Where each event type goes.
-        ledger: Counts an observer that raised past RxPY into the dispatch.
+        flush_interval: Seconds between two dispatches, and between a waiting publisher's looks.
+        routes, ledger: Where events go; where an observer that raised past RxPY is counted.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
     """
 
     def __init__(
         self,
-        *,
         max_queue: int,
         flush_interval: float,
         routes: RouteTable,
@@ -323,16 +294,14 @@ class PublishQueue:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
         self._max_queue = max_queue
-        self._flush_interval = flush_interval
+        self.flush_interval = flush_interval
         self._routes = routes
         self._ledger = ledger
         self._room = threading.Event()  # set by the dispatcher after each drain
         self._running = False
         self._loop_thread: int | None = None
         self.delivered = 0
-        """Events taken off the queue and dispatched."""
         self.publisher_waits = 0
-        """Times a publishing thread waited for room."""
         self._stamp = stamp
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
@@ -345,8 +314,7 @@ class PublishQueue:
 
     # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
-        """Queue ``event`` for delivery: a type check and a deque append, safe from any thread.
-        It waits only when ``max_queue`` events are already waiting.
+        """Queue ``event`` for delivery (any thread); waits while ``max_queue`` events wait.
 
         Raises:
             ConfigError: ``event`` is not a trainbus event.
@@ -384,7 +352,7 @@ class PublishQueue:
         self.publisher_waits += 1
         while len(self._events) > self._max_queue and self._running:
             self._room.clear()
-            self._room.wait(self._flush_interval)
+            self._room.wait(self.flush_interval)
 
     # ================================================================== counters
     def __len__(self) -> int:
@@ -410,9 +378,8 @@ class PublishQueue:
         self._call_soon = _threadsafe_call_soon()
 
     def stop(self, *, close: bool = False) -> None:
-        """The bus stops dispatching (publishers no longer wait for room) until it opens
-        again; with ``close``, for good: ``publish`` raises from now on (its append lands on a
-        queue that refuses it: no state check per publish)."""
+        """Stop dispatching until :meth:`open` (publishers no longer wait for room); with
+        ``close``, for good: ``publish`` raises (an append that refuses, no check per publish)."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
@@ -466,11 +433,10 @@ class PublishQueue:
         self.delivered += 1
 
     async def wait_published(self, backstop: float) -> None:
-        """Park until something is published, or ``backstop`` seconds (the poller).
-        ``parked`` is raised before the queue is looked at: a publisher that appends after the
-        look sees the flag and wakes this wait."""
+        """Park the poller until something is published, or ``backstop`` seconds. ``parked`` is
+        raised before the queue is looked at: a later append sees it and wakes this wait."""
         if self._call_soon is None:  # no way to be woken: keep the plain interval
-            await anyio.sleep(self._flush_interval)
+            await anyio.sleep(self.flush_interval)
             return
         event = self._unpark_event = anyio.Event()
         self.parked = True
@@ -483,7 +449,7 @@ class PublishQueue:
             self._unpark_event = None
 
     def flush(self) -> None:
-        """:meth:`EventBus.flush`: deliver every queued event now, on the calling thread."""
+        """:meth:`EventBus.flush`."""
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise BusClosedError(
                 "flush() runs on the bus' event-loop thread; from another thread (a hook on "
@@ -494,9 +460,8 @@ class PublishQueue:
 
 
 def _threadsafe_call_soon() -> Callable[[Callable[[], None]], object] | None:
-    """A non-blocking way to run a callable on the running event loop from any thread
-    (``anyio.from_thread.run_sync`` waits for the result); None when the backend has none (the
-    poller then never parks)."""
+    """Run a callable on the running event loop from any thread without waiting; None when the
+    backend has no way (the poller then never parks)."""
     native = anyio.lowlevel.current_token().native_token
     if isinstance(native, asyncio.AbstractEventLoop):
         return native.call_soon_threadsafe
@@ -510,26 +475,27 @@ BarrierStatus = Literal["done", "timeout", "request"]
 DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
 """The events the loop waits at unless ``EventBus(barriers=...)`` says otherwise."""
 BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
-    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
-)  # fmt: skip
+    ev.StepEnded,
+    ev.MetricsLogged,
+    ev.EvaluationEnded,
+    ev.EpochEnded,
+)
 """Events followed by a poll point: the only ones a barrier can make decisions exact on."""
 
 
 def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
-    """``EventBus(barriers=)``: an iterable of the event classes a barrier can follow.
-
-    Raises:
-        ConfigError: not an iterable of classes of :data:`BARRIER_TYPES`.
-    """
+    """``EventBus(barriers=)``: an iterable of classes of :data:`BARRIER_TYPES`."""
     if not isinstance(value, Iterable) or isinstance(value, str):
         raise ConfigError.invalid("barriers", value, "an iterable of event classes")
     found = tuple(value)
     for b in found:
         if b not in BARRIER_TYPES:
             raise ConfigError.invalid(
-                "barriers", b, "event classes followed by a poll point: "
+                "barriers",
+                b,
+                "event classes followed by a poll point: "
                 + ", ".join(t.__name__ for t in BARRIER_TYPES),
-            )  # fmt: skip
+            )
     return frozenset(found)
 
 
@@ -548,13 +514,8 @@ _REMEDIES = (
 
 
 class Barrier:
-    """``wait_delivered`` and the loop's interruptible barrier.
-
-    Args:
-        queue: What to deliver first.
-        subscriptions: The async subscriptions waited for.
-        channel: A ``request()`` on it interrupts an interruptible wait.
-    """
+    """``wait_delivered`` and the loop's barrier, which a ``request()`` on ``channel``
+    interrupts."""
 
     def __init__(
         self, queue: PublishQueue, subscriptions: SubscriptionSet, channel: CommandChannel
@@ -680,13 +641,9 @@ class Barrier:
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool
     ) -> BarrierStatus:
-        """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
-        that received the event (None: anything delivered now).
-
-        Returns:
-            ``"done"``, ``"timeout"``, or ``"request"`` (a ``request()`` arrived: the loop
-            applies it, then resumes the same wait with ``resume=True``).
-        """
+        """Deliver, then wait for the deciders that received ``event`` (None: anything
+        delivered now): ``"done"``, ``"timeout"`` or ``"request"`` (the loop applies it, then
+        resumes the same wait with ``resume=True``)."""
         if resume and self._pending is not None:
             targets, deadline = self._pending
             self._queue.drain()  # delivers the CommandApplied the requester is waiting for

@@ -59,24 +59,21 @@ class Lifecycle:
     Args:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
         own_scheduler: The scheduler to run in the task group (the bus made it), or None.
-        flush_interval: Seconds between two drains of the queue.
         close_timeout: Seconds closing (or a call's end) waits for async subscribers before
             cancelling them (None: as long as they take).
-        watchdog: Watches the event-loop thread while the bus runs, or None.
+        watchdog: Watches the event-loop thread while the bus runs.
     """
 
     def __init__(
         self,
-        *,
         queue: PublishQueue,
         routes: RouteTable,
         subscriptions: SubscriptionSet,
         channel: CommandChannel,
         ledger: FailureLedger,
         own_scheduler: AnyioScheduler | None,
-        flush_interval: float,
         close_timeout: float | None,
-        watchdog: Watchdog | None = None,
+        watchdog: Watchdog,
     ) -> None:
         self._queue = queue
         self._routes = routes
@@ -84,7 +81,6 @@ class Lifecycle:
         self._channel = channel
         self._ledger = ledger
         self._own_scheduler = own_scheduler
-        self._flush_interval = flush_interval
         self._close_timeout = close_timeout
         self._watchdog = watchdog
         self._state: State = "new"
@@ -110,8 +106,10 @@ class Lifecycle:
             BusClosedError: the bus runs already, or closed (a closed bus stays closed).
         """
         if self._state not in ("new", "suspended"):
-            raise BusClosedError(f"the EventBus is {self._state}: it cannot be opened again; "
-                                 "a closed bus stays closed, create a new one")  # fmt: skip
+            raise BusClosedError(
+                f"the EventBus is {self._state}: it cannot be opened again; "
+                "a closed bus stays closed, create a new one"
+            )
         previous = self._state
         self._state = "running"
         self._queue.open(threading.get_ident())
@@ -129,14 +127,13 @@ class Lifecycle:
             self._state = previous
             await self._stop_task_group(closing=False)
             raise
-        if self._watchdog is not None:  # last: nothing after it can fail and leave it running
-            self._watchdog.start(threading.get_ident())
+        # Last: nothing after it can fail and leave it running.
+        self._watchdog.start(threading.get_ident())
 
     async def _stop_task_group(self, *, closing: bool) -> None:
         """Stop the watchdog, the queue's dispatching, the async workers and the task group
         (its tasks are cancelled and waited for); the bus is then suspended or closed."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        self._watchdog.stop()
         self._queue.stop(close=closing)
         if not closing:
             self._subscriptions.suspend()
@@ -154,7 +151,7 @@ class Lifecycle:
             await stack.aclose()
 
     async def _poll(self) -> None:
-        interval = self._flush_interval
+        interval = self._queue.flush_interval
         q = self._queue
         # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
         # intervals the poller parks until the next publish wakes it.
@@ -262,12 +259,17 @@ class Lifecycle:
         pending = self._subscriptions.pending()
         if pending:
             timeout = self._close_timeout
-            log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
-                        waited_s=round(waited_s, 3),
-                        action="waiting for them" if timeout is None else
-                        f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
-                        hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
-                        "as lost work; EventBus(close_timeout=...) bounds the wait")  # fmt: skip
+            log.warning(
+                "bus_close_waiting",
+                pending=pending,
+                close_timeout=timeout,
+                waited_s=round(waited_s, 3),
+                action="waiting for them"
+                if timeout is None
+                else f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
+                hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
+                "as lost work; EventBus(close_timeout=...) bounds the wait",
+            )
 
     def _report_lost(self) -> None:
         """Log what the subscribers lost since the last report (a call's end, or the close)."""
@@ -278,9 +280,11 @@ class Lifecycle:
         for name, now in totals.items():
             before = self._reported.get(name, LostWork())
             self._reported[name] = now
-            grown = {"dropped": now.dropped - before.dropped,
-                     "cancelled": now.cancelled - before.cancelled,
-                     "failed": now.failed - before.failed}  # fmt: skip
+            grown = {
+                "dropped": now.dropped - before.dropped,
+                "cancelled": now.cancelled - before.cancelled,
+                "failed": now.failed - before.failed,
+            }
             if any(grown.values()):
                 lost[name] = grown
         if lost:

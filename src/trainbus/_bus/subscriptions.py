@@ -119,9 +119,11 @@ class LostWork:
 
     def __add__(self, other: LostWork) -> LostWork:
         """The lost work of two subscriptions (or two calls) together, count by count."""
-        return LostWork(dropped=self.dropped + other.dropped,
-                        cancelled=self.cancelled + other.cancelled,
-                        failed=self.failed + other.failed)  # fmt: skip
+        return LostWork(
+            dropped=self.dropped + other.dropped,
+            cancelled=self.cancelled + other.cancelled,
+            failed=self.failed + other.failed,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -792,14 +794,7 @@ class BusObservable(Observable[_T], Generic[_T]):
                 ``on_completed`` is not callable; unknown policy.
         """
         return self.subscriptions.subscribe(
-            self,
-            on_next,
-            on_rx_error,
-            on_completed,
-            on_error=on_error,
-            name=name,
-            scheduler=scheduler,
-            ranks=ranks,
+            self, on_next, on_rx_error, on_completed, on_error, name, ranks, scheduler
         )
 
 
@@ -850,7 +845,6 @@ class SubscriptionSet:
 
     def __init__(
         self,
-        *,
         ledger: FailureLedger,
         doorbell: Doorbell,
         stamp: DecisionStamp,
@@ -888,13 +882,12 @@ class SubscriptionSet:
         self,
         source: BusObservable[Any],
         observer: Any,
-        on_rx_error: Any = None,
-        on_completed: Any = None,
-        *,
-        on_error: ErrorPolicy | None = None,
-        name: str | None = None,
+        on_rx_error: Any,
+        on_completed: Any,
+        on_error: ErrorPolicy | None,
+        name: str | None,
+        ranks: Ranks,
         scheduler: abc.SchedulerBase | None = None,
-        ranks: Ranks = None,
     ) -> Subscription:
         """Subscribe ``observer`` to ``source`` behind a :class:`GuardedObserver` (arguments
         as in :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert one.
@@ -909,8 +902,10 @@ class SubscriptionSet:
             on_next = observer.send
         elif isinstance(observer, abc.ObserverBase):
             on_next, on_rx_error, on_completed = (
-                observer.on_next, observer.on_error, observer.on_completed,
-            )  # fmt: skip
+                observer.on_next,
+                observer.on_error,
+                observer.on_completed,
+            )
         elif observer is None or not callable(observer):
             raise ConfigError.invalid(
                 "on_next", observer, "a callable of one event, or an Rx observer"
@@ -919,9 +914,10 @@ class SubscriptionSet:
             on_next = observer
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
             raise ConfigError.invalid(
-                "on_rx_error", on_rx_error,
+                "on_rx_error",
+                on_rx_error,
                 "an Rx error callback or None; an error policy goes in on_error=",
-            )  # fmt: skip
+            )
         for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
@@ -958,10 +954,12 @@ class SubscriptionSet:
             raise ConfigError.invalid("fn", fn, "an async function of one item")
         if not _is_async(fn):
             raise ConfigError.invalid(
-                "fn", getattr(fn, "__qualname__", repr(fn)), "an async def function of one "
+                "fn",
+                getattr(fn, "__qualname__", repr(fn)),
+                "an async def function of one "
                 "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
                 "the event loop",
-            )  # fmt: skip
+            )
         check_int("concurrency", concurrency, 1)
         if overflow not in OVERFLOWS:
             raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")

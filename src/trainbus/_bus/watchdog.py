@@ -249,8 +249,10 @@ class FailureLedger:
             where = ""
             if isinstance(item, ev.BaseEvent):
                 where = f" handling {type(item).__name__} (step {item.step}, epoch {item.epoch})"
-            exc.add_note(f"trainbus: raised by subscriber {sub.name!r}{where}; its on_error="
-                         "'raise' policy failed the run")  # fmt: skip
+            exc.add_note(
+                f"trainbus: raised by subscriber {sub.name!r}{where}; its on_error="
+                "'raise' policy failed the run"
+            )
             self.fatal = exc
             self._doorbell.ring()
 
