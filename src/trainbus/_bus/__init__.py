@@ -565,7 +565,7 @@ class EventBus:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        await self._lifecycle.close(raise_fatal=exc_type is None)
+        await self._lifecycle.end(close=True, raise_fatal=exc_type is None)
         return None
 
     async def suspend(self, *, raise_fatal: bool = True) -> None:
@@ -582,7 +582,7 @@ class EventBus:
             Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed:
                 the subscriber's own exception.
         """
-        await self._lifecycle.suspend(raise_fatal=raise_fatal)
+        await self._lifecycle.end(close=False, raise_fatal=raise_fatal)
 
     def __repr__(self) -> str:
         return f"<EventBus {self._lifecycle.state} queued={len(self._queue)}>"

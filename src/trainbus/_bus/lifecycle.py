@@ -53,6 +53,9 @@ _NOTICE_EVERY = 30.0
 ``close_timeout`` under 300 s)."""
 
 
+_LOST = ("dropped", "cancelled", "failed")
+
+
 class Lifecycle:
     """The bus' state (new, running, suspended, closing, closed) and its task group.
 
@@ -135,7 +138,9 @@ class Lifecycle:
         (its tasks are cancelled and waited for); the bus is then suspended or closed."""
         self._watchdog.stop()
         self._queue.stop(close=closing)
-        if not closing:
+        if closing:
+            self._subscriptions.cancel_pending()
+        else:
             self._subscriptions.suspend()
         stack, tasks = self._stack, self._tasks
         self._stack, self._tg, self._tasks = None, None, None
@@ -167,38 +172,62 @@ class Lifecycle:
             else:
                 empty += 1
 
-    async def suspend(self, *, raise_fatal: bool) -> None:
-        """:meth:`EventBus.suspend` (the ``"raise"`` failure is cleared either way)."""
+    async def end(self, *, close: bool, raise_fatal: bool) -> None:
+        """Suspend (a call's end; :meth:`EventBus.suspend`) or close: deliver, fire the
+        pending timers (suspend) or complete the streams (close), wait for the async
+        subscribers within ``close_timeout``, cancel what is left, report the lost work and
+        stop the task group. With ``raise_fatal``, raise a ``"raise"`` subscription's failure
+        (a suspend clears it either way)."""
         assert self._tg is not None
         try:
+            # Shielded: what was published is delivered even when the caller is cancelled.
             with anyio.CancelScope(shield=True):
-                await self._settle()
+                await self._wind_down(close)
         finally:
-            self._state = "suspended"
-            await self._stop_task_group(closing=False)
+            self._state = "closed" if close else "suspended"
+            await self._stop_task_group(closing=close)
+            if close:
+                self._channel.seal()
             self._report_lost()
-        fatal = self._ledger.take_fatal()
+        fatal = self._ledger.fatal if close else self._ledger.take_fatal()
         if raise_fatal and fatal is not None:
             raise fatal
 
-    async def _settle(self) -> None:
-        deadline = self._deadline()
+    async def _wind_down(self, close: bool) -> None:
+        deadline = anyio.current_time() + (
+            math.inf if self._close_timeout is None else self._close_timeout
+        )
+        if close:
+            self._state = "closing"
+            self._subscriptions.close()
+            self._channel.close()
+            self._queue.stop()
         self._queue.drain()
-        if self._own_scheduler is not None:
+        if close:
+            # Completing the roots lets buffering operators emit what they hold.
+            for observer in self._routes.observers():
+                try:
+                    observer.on_completed()
+                except Exception as exc:
+                    self._ledger.operator_failed(observer, exc)
+        elif self._own_scheduler is not None:
             # A call's end is a window's end: buffer_with_time emits its partial batch now.
             self._own_scheduler.fire_pending()
-            self._queue.drain()
+        self._queue.drain()
         # Commands sent after the last poll point are not carried into the next call; a
         # request() waiting now raises BusClosedError instead of holding this wait.
         self._channel.end_polls()
-        asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
-
-        async def settled() -> None:
+        asyncs = [sub for sub in self._subscriptions.asyncs() if close or sub.active]
+        if close:
             for sub in asyncs:
-                await sub.wait_settled(sub.received)
+                sub.close_input()
+
+        async def wait() -> None:
+            for sub in asyncs:
+                await (sub.wait_finished() if close else sub.wait_settled(sub.received))
 
         try:
-            await self._wait_pending(settled, deadline)
+            await self._wait_pending(wait, deadline)
         finally:
             self._channel.drop_unapplied()  # sent (not requested) while they finished
             self._channel.resume_polls()
@@ -247,10 +276,6 @@ class Lifecycle:
             log.warning("bus_pending_cancelled", cancelled=pending)
         return pending
 
-    def _deadline(self) -> float:
-        timeout = self._close_timeout
-        return anyio.current_time() + (math.inf if timeout is None else timeout)
-
     def _notice_every(self) -> float:
         timeout = self._close_timeout
         return _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
@@ -280,71 +305,14 @@ class Lifecycle:
         for name, now in totals.items():
             before = self._reported.get(name, LostWork())
             self._reported[name] = now
-            grown = {
-                "dropped": now.dropped - before.dropped,
-                "cancelled": now.cancelled - before.cancelled,
-                "failed": now.failed - before.failed,
-            }
+            grown = {kind: getattr(now, kind) - getattr(before, kind) for kind in _LOST}
             if any(grown.values()):
                 lost[name] = grown
         if lost:
+            sums = {kind: sum(x[kind] for x in lost.values()) for kind in _LOST}
             log.warning(
-                "bus_closed_with_lost_work",
-                total=sum(sum(x.values()) for x in lost.values()),
-                lost_work=lost,
-                dropped=sum(x["dropped"] for x in lost.values()),
-                cancelled=sum(x["cancelled"] for x in lost.values()),
-                failed=sum(x["failed"] for x in lost.values()),
+                "bus_closed_with_lost_work", total=sum(sums.values()), lost_work=lost, **sums
             )
-
-    async def close(self, *, raise_fatal: bool) -> None:
-        """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
-        With ``raise_fatal``, raise a ``"raise"`` subscription's failure, if any."""
-        assert self._tg is not None
-        try:
-            # Shielded: what was published is delivered even when the caller is cancelled.
-            with anyio.CancelScope(shield=True):
-                await self._close()
-        finally:
-            self._state = "closed"
-            await self._stop_task_group(closing=True)
-            self._channel.seal()
-        fatal = self._ledger.fatal
-        if raise_fatal and fatal is not None:
-            raise fatal
-
-    async def _close(self) -> None:
-        self._state = "closing"
-        self._subscriptions.close()
-        self._channel.close()
-        deadline = self._deadline()
-        self._queue.stop()
-        self._queue.drain()
-        # Completing the roots lets buffering operators emit what they hold.
-        for observer in self._routes.observers():
-            try:
-                observer.on_completed()
-            except Exception as exc:
-                self._ledger.operator_failed(observer, exc)
-        self._queue.drain()
-        # No loop polls any more: a request() still waiting raises now.
-        self._channel.end_polls()
-        asyncs = self._subscriptions.asyncs()
-        for sub in asyncs:
-            sub.close_input()
-
-        async def finished() -> None:
-            for sub in asyncs:
-                await sub.wait_finished()
-
-        await self._wait_pending(finished, deadline)
-        for sub in asyncs:
-            if not sub.finished:
-                sub.cancel()
-        for sub in asyncs:
-            await sub.wait_finished()
-        self._channel.drop_unapplied()
-        self._report_lost()
 
     def statistics(self) -> BusStatistics:
         """:meth:`EventBus.statistics`."""
