@@ -122,7 +122,7 @@ class Lifecycle:
             tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
             tasks = self._tasks = TaskSet(tg)
             if self._own_scheduler is not None:
-                await tasks.start(self._own_scheduler.run)
+                tasks.start_soon(self._own_scheduler.run)
             self._subscriptions.start(tasks)
             tasks.start_soon(self._poll, name="trainbus-bus-poller")
         except BaseException:
