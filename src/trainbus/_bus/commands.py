@@ -1,19 +1,10 @@
 """What the loop acts on between steps: the doorbell, the decision steps, the command channel.
 
-The loop runs its steps without polling the bus: the parts ring the :class:`Doorbell` after
-each change the loop must act on (a subscription came or went, decision steps were declared or
-removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer went over
-capacity, a cancel was requested), and the loop, which compares ``doorbell.rings`` with the
-count it last acted on, then re-reads the real state. A ring carries no data.
-
-A **decision step** is a step at which some subscription decides (``tbops.every(n)``,
-``tbops.once(at=k)``, ``bus.declare_decision_steps``): there the loop delivers everything,
-waits for the deciders and applies their commands before the next step (docs/events.md, "When
-a command takes effect"). :class:`StepClock` owns the declarations; :class:`DecisionStamp`
-knows the step being handled now, which ``bus.send`` stamps on a command as its ``decided_at``.
-
-Subscribers ``send`` commands (any thread, never blocks); the loop takes them at its poll
-points and acknowledges each with a ``CommandApplied``, which :class:`AckObserver` turns into
+The parts ring the :class:`Doorbell` after each change the loop must act on; the loop re-reads
+the state only when ``doorbell.rings`` grew (a ring carries no data). At a *decision step*
+(``tbops.every(n)``, ``tbops.once(at=k)``, ``bus.declare_decision_steps``) the loop waits for the
+deciders and applies their commands before the next step (docs/events.md). Subscribers ``send``
+commands from any thread; the loop polls them and acknowledges each with a ``CommandApplied``,
 the answer of a waiting ``request``.
 """
 
@@ -54,11 +45,7 @@ log = get_logger(__name__)
 
 
 class Doorbell:
-    """A counter that only grows: :meth:`ring` after a change the training loop must see.
-
-    Attributes:
-        rings: How many times the bell rang (read by the loop between steps).
-    """
+    """A counter that only grows: :meth:`ring` after a change the training loop must see."""
 
     __slots__ = ("_lock", "rings")
 
@@ -67,7 +54,7 @@ class Doorbell:
         self._lock = threading.Lock()
 
     def ring(self) -> None:
-        """Add one to :attr:`rings`, from any thread (the lock loses no ring to a race)."""
+        """Add one to ``rings``, from any thread."""
         with self._lock:
             self.rings += 1
 
@@ -169,13 +156,9 @@ class DecisionStamp:
 
     def __init__(self) -> None:
         self.step: int | None = None
-        """Step of the event the dispatch slice is delivering (None outside a slice)."""
+        # id() of the event delivered now or last (a barrier asks who received it).
         self.event_id = 0
-        """``id()`` of the event the dispatch slice is delivering or delivered last: an async
-        subscription notes it with each item, so a barrier knows who received its event (an
-        id: holding the event would keep it alive)."""
-        self.loop_thread: int | None = None
-        """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
+        self.loop_thread: int | None = None  # the thread of the last dispatch slice
 
     def current(self) -> int | None:
         """The step of the event being handled by the caller, or None."""
@@ -225,8 +208,8 @@ class CommandChannel:
         self._doorbell.ring()  # after the append: the loop that hears it finds the command
 
     def stamped(self, command: cmd.Command) -> cmd.Command:
-        """``command`` with ``decided_at`` set to the step the caller is handling (a copy), or
-        ``command`` itself when it has one already or the caller handles no event."""
+        """``command`` with ``decided_at`` set to the step the caller handles (a copy), unless
+        it has one or the caller handles no event."""
         if command.decided_at is None:
             step = self._stamp.current()
             if step is not None:
@@ -246,8 +229,7 @@ class CommandChannel:
         return out
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands ``match`` accepts (between two calls, while no loop
-        polls); returns how many were removed."""
+        """Remove the queued commands ``match`` accepts; returns how many."""
         kept = [c for c in self._commands if not match(c)]
         removed = len(self._commands) - len(kept)
         if removed:
@@ -256,8 +238,7 @@ class CommandChannel:
         return removed
 
     def request_waiting(self) -> bool:
-        """True when a ``request()`` waits and a command is queued (a barrier lets the loop
-        apply it rather than keep waiting)."""
+        """True when a ``request()`` waits and a command is queued."""
         return bool(self._requests) and bool(self._commands)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
@@ -323,10 +304,8 @@ class CommandChannel:
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point (a call's end, or the close) and its
-        acknowledgements were delivered: drop the commands still queued, wake every waiting
-        ``request()`` (it raises BusClosedError) and refuse new ones until
-        :meth:`resume_polls`."""
+        """The loop made its last poll point: drop the queued commands, wake every waiting
+        ``request()`` (it raises BusClosedError) and refuse new ones until :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
         self._release_waiters()
@@ -336,8 +315,7 @@ class CommandChannel:
         self._polls_over = False
 
     def drop_unapplied(self) -> None:
-        """Log and drop the commands still queued at a call's end or the close (sent after the
-        loop's last poll point, on that call's events)."""
+        """Log and drop the commands sent after the loop's last poll point."""
         # A stop after the last poll asks for what already happened: no warning.
         stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
         lost = [c for c in self._commands if c not in stops]
