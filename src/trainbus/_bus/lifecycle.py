@@ -1,14 +1,10 @@
-"""Opening and closing the bus, its poller, and its statistics.
+"""Opening, suspending and closing the bus, its poller, and its statistics.
 
 Opening starts the bus' task group: the scheduler's timer task (when the bus made its own), the
 async subscribers' workers and the poller. Closing delivers what was published, completes every
-stream (buffering operators emit what they hold), waits for the async subscribers (at most
-``close_timeout``, or until ``cancel_pending``; a ``bus_close_waiting`` warning names what is
-pending while it waits), cancels what is left and reports every lost item.
-
-Between the two a bus may *suspend* (a trainer call that opened it for itself ends): it does
-what closing does, firing the pending timers instead of completing the streams, and stops its
-task group; the next call opens it again with the same subscribers.
+stream, waits for the async subscribers within ``close_timeout`` (saying so while it waits),
+cancels what is left and reports every lost item. Suspending (a trainer call's end) does the
+same but fires the pending timers instead of completing the streams; the next call reopens it.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
-from anyio.abc import TaskGroup
 
 from .._exceptions import BusClosedError
 from .._log import get_logger
@@ -49,10 +44,7 @@ _CANCEL_POLL = 0.1
 _NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
 _NOTICE_EVERY = 30.0
-"""Seconds between two ``bus_close_waiting`` warnings of one wait, at most (a tenth of a
-``close_timeout`` under 300 s)."""
-
-
+"""Seconds between two ``bus_close_waiting`` warnings, at most (a tenth of ``close_timeout``)."""
 _LOST = ("dropped", "cancelled", "failed")
 
 
@@ -86,8 +78,7 @@ class Lifecycle:
         self._own_scheduler = own_scheduler
         self._close_timeout = close_timeout
         self._watchdog = watchdog
-        self._state: State = "new"
-        self._tg: TaskGroup | None = None
+        self.state: State = "new"
         self._tasks: TaskSet | None = None  # the poller, the scheduler's timer, async workers
         # The task group is entered through this stack, so that a cancellation at any await
         # of open() unwinds it in open() itself (the caller's cancel scopes stay nested).
@@ -96,11 +87,6 @@ class Lifecycle:
         self._reported: dict[str, LostWork] = {}
         self._cancel_requested = False
 
-    @property
-    def state(self) -> State:
-        """new, running, suspended (between two trainer calls), closing or closed."""
-        return self._state
-
     async def open(self) -> None:
         """Start the task group, the scheduler, the async workers and the poller (a new bus,
         or a suspended one again).
@@ -108,18 +94,18 @@ class Lifecycle:
         Raises:
             BusClosedError: the bus runs already, or closed (a closed bus stays closed).
         """
-        if self._state not in ("new", "suspended"):
+        if self.state not in ("new", "suspended"):
             raise BusClosedError(
-                f"the EventBus is {self._state}: it cannot be opened again; "
+                f"the EventBus is {self.state}: it cannot be opened again; "
                 "a closed bus stays closed, create a new one"
             )
-        previous = self._state
-        self._state = "running"
+        previous = self.state
+        self.state = "running"
         self._queue.open(threading.get_ident())
         stack = contextlib.AsyncExitStack()
         self._stack = stack
         try:
-            tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
+            tg = await stack.enter_async_context(anyio.create_task_group())
             tasks = self._tasks = TaskSet(tg)
             if self._own_scheduler is not None:
                 tasks.start_soon(self._own_scheduler.run)
@@ -127,15 +113,14 @@ class Lifecycle:
             tasks.start_soon(self._poll, name="trainbus-bus-poller")
         except BaseException:
             # Cancelled (or failed) half-way: stop what started; the bus stays as it was.
-            self._state = previous
+            self.state = previous
             await self._stop_task_group(closing=False)
             raise
         # Last: nothing after it can fail and leave it running.
         self._watchdog.start(threading.get_ident())
 
     async def _stop_task_group(self, *, closing: bool) -> None:
-        """Stop the watchdog, the queue's dispatching, the async workers and the task group
-        (its tasks are cancelled and waited for); the bus is then suspended or closed."""
+        """Stop the watchdog, the dispatching, the async workers and the task group."""
         self._watchdog.stop()
         self._queue.stop(close=closing)
         if closing:
@@ -143,7 +128,7 @@ class Lifecycle:
         else:
             self._subscriptions.suspend()
         stack, tasks = self._stack, self._tasks
-        self._stack, self._tg, self._tasks = None, None, None
+        self._stack, self._tasks = None, None
         if tasks is not None:
             # The async workers first: a scope around them cancelled while they end would make
             # their own scopes let it through.
@@ -178,13 +163,13 @@ class Lifecycle:
         subscribers within ``close_timeout``, cancel what is left, report the lost work and
         stop the task group. With ``raise_fatal``, raise a ``"raise"`` subscription's failure
         (a suspend clears it either way)."""
-        assert self._tg is not None
+        assert self._tasks is not None
         try:
             # Shielded: what was published is delivered even when the caller is cancelled.
             with anyio.CancelScope(shield=True):
                 await self._wind_down(close)
         finally:
-            self._state = "closed" if close else "suspended"
+            self.state = "closed" if close else "suspended"
             await self._stop_task_group(closing=close)
             if close:
                 self._channel.seal()
@@ -198,7 +183,7 @@ class Lifecycle:
             math.inf if self._close_timeout is None else self._close_timeout
         )
         if close:
-            self._state = "closing"
+            self.state = "closing"
             self._subscriptions.close()
             self._channel.close()
             self._queue.stop()
@@ -264,13 +249,12 @@ class Lifecycle:
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:
-        """Ask a waiting call's end or close to cancel the pending async work (within
-        ``_CANCEL_POLL`` s). Safe from any thread and a signal handler: it sets a flag."""
+        """Ask a waiting call's end or close to cancel the pending async work (a flag: safe
+        from any thread and a signal handler)."""
         self._cancel_requested = True
 
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscriber's pending work now (see
-        :meth:`EventBus.cancel_pending`)."""
+        """:meth:`EventBus.cancel_pending`."""
         pending = self._subscriptions.cancel_pending()
         if pending:
             log.warning("bus_pending_cancelled", cancelled=pending)

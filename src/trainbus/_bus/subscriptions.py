@@ -392,11 +392,8 @@ DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 
 class AsyncSubscription(Subscription):
     """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
-
-    ``push`` runs on the event-loop thread inside the dispatch and never awaits; with
-    ``overflow="block"`` a full buffer takes the item over capacity and signals
-    ``backpressure`` (the training loop waits for room, the dispatch does not).
-    """
+    ``push`` never awaits: a full ``"block"`` buffer takes the item and signals back-pressure
+    (the training loop waits for room, the dispatch does not)."""
 
     kind = "async"
 
@@ -817,17 +814,8 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 # ================================================================== the subscription set
 class SubscriptionSet:
     """Every subscription of one bus, in order: what each :class:`BusObservable` subscribes
-    through, and the back-pressure they share.
-
-    Args:
-        ledger: Where the subscriptions report their failures.
-        doorbell: Rung when a ``"block"`` buffer goes over capacity.
-        stamp: The dispatch's stamp: async subscriptions note which event fed them.
-        watchdog: Where sync subscriptions mark their calls.
-        ranks: The bus' rank filter (a subscription for other ranks is inert).
-        clock: The step clock the pipelines' decision steps are declared to.
-        rx_scheduler: The bus' Rx scheduler (timers; "now" work runs inline).
-    """
+    through (``ranks`` make one for other ranks inert; ``clock`` takes the pipelines' decision
+    steps), and the back-pressure they share."""
 
     def __init__(
         self,

@@ -9,13 +9,9 @@ writes per call; the :class:`Watchdog`'s daemon thread polls them::
     fn(event)                            read    >= threshold? warn once, with the loop
     w.current = prev                             thread's stack; an info line when it returns
 
-Not seen: an Rx operator upstream of the guard (``ops.map(slow)``), and an ``async def``
-subscriber that blocks between its awaits.
-
-The :class:`FailureLedger` counts every failure and applies the subscription's policy:
-``"log"`` (go on), ``"stop"`` (send ``StopTraining`` once per subscription), ``"raise"`` (the
-first such failure becomes :attr:`FailureLedger.fatal`; the loop raises it at its next poll
-point, a bare bus on close).
+Not seen: an Rx operator upstream of the guard, and an ``async def`` subscriber that blocks
+between its awaits. The :class:`FailureLedger` counts every failure and applies the
+subscription's policy (``"log"``, ``"stop"``, ``"raise"``).
 """
 
 from __future__ import annotations
@@ -83,13 +79,11 @@ class Watched(Protocol):
 
 
 class Watchdog:
-    """Watches the event-loop thread from a daemon thread (see the module docstring). Only
-    the loop thread writes :attr:`current`; a warning needs the same call seen on polls
-    ``threshold`` apart, so a torn read never raises a false alarm.
+    """Watches the event-loop thread from a daemon thread. Only the loop thread writes
+    :attr:`current`; a warning needs the same call seen on polls ``threshold`` apart.
 
     Args:
-        threshold: Seconds a call may block before the warning; None: no watchdog thread (the
-            marks are still written, and cost the same).
+        threshold: Seconds a call may block before the warning; None: no watchdog thread.
     """
 
     __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
@@ -103,8 +97,7 @@ class Watchdog:
         self._loop_thread = 0
 
     def start(self, loop_thread: int) -> None:
-        """Watch ``loop_thread`` (a ``threading.get_ident()``) from a new daemon thread; nothing
-        when the threshold is None or it runs already."""
+        """Watch ``loop_thread`` from a new daemon thread (unless None threshold or running)."""
         if self.threshold is None or self._thread is not None:
             return
         self._loop_thread = loop_thread
@@ -113,7 +106,7 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop and join the watchdog thread. Idempotent; a later :meth:`start` starts anew."""
+        """Stop and join the watchdog thread. Idempotent."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -219,14 +212,8 @@ class FailureLedger:
     def subscriber_failed(
         self, sub: Watched, exc: Exception, item: Any, *, ended: bool = False
     ) -> None:
-        """Count, log (throttled) and apply the policy of ``sub``, which already counted it.
-
-        Args:
-            sub: The failing subscription (its ``failed`` includes this failure).
-            exc: What it raised.
-            item: The item it was handling (an event adds its type, step and epoch to the log).
-            ended: The failure ended the subscription (always logged with its traceback).
-        """
+        """Count, log (throttled; always when it ``ended`` the subscription) and apply the
+        policy of ``sub``, whose ``failed`` already counts it, for ``exc`` raised on ``item``."""
         self.failed += 1
         policy = sub.on_error or self.default_policy
         # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
