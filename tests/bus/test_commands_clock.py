@@ -47,13 +47,13 @@ def test_next_decision_is_the_smallest_declared_step_after() -> None:
 def test_declaring_or_removing_a_schedule_rings_the_doorbell() -> None:
     bell = Doorbell()
     clock = StepClock(bell)
-    keys = clock.declare(Every(10))
+    tens = clock.declare(Every(10))
     other = clock.declare(At(15))
     assert bell.rings == 2 and clock.next_decision(10) == 15
-    clock.remove(other)
+    other.dispose()
     assert bell.rings == 3 and clock.next_decision(10) == 20
-    clock.remove(keys)
-    clock.remove(keys)  # idempotent
+    tens.dispose()
+    tens.dispose()  # idempotent
     assert clock.next_decision(10) is None and clock.decision_steps == ()
 
 

@@ -101,7 +101,7 @@ class LoopPort:
         self.wants = routes.wants
         self.demand = routes.demand
         self.doorbell = doorbell
-        self.declare = subs.declare
+        self.declare = clock.declare
         self.next_decision = clock.next_decision
         self.statistics = lifecycle.statistics
         self.has_commands = channel.has_commands
@@ -232,6 +232,7 @@ class EventBus:
         if rx_scheduler is None:
             rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
+        self._clock = clock
         self._routes = routes = RouteTable(bell)
         watchdog = Watchdog(self.watchdog_s)
         subs = SubscriptionSet(ledger, bell, stamp, watchdog, ranks, clock, rx_scheduler)
@@ -484,7 +485,7 @@ class EventBus:
             steps_.extend(At(check_int("at", k, 0)) for k in steps)
         if not steps_:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self._subs.declare(tuple(steps_))
+        return self._clock.declare(*steps_)
 
     def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:

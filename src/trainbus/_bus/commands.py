@@ -21,6 +21,7 @@ from typing import Any, TypeAlias
 
 import anyio
 from reactivex import abc
+from reactivex.disposable import Disposable
 
 from .. import commands as cmd
 from .. import events as ev
@@ -105,21 +106,18 @@ class StepClock:
         self._declared: dict[int, DecisionSteps] = {}
         self._decision_steps: tuple[DecisionSteps, ...] = ()
 
-    def declare(self, *decision_steps: DecisionSteps) -> list[int]:
-        """Add ``decision_steps``; returns their keys for :meth:`remove`."""
-        keys = []
-        for steps in decision_steps:
-            key = next(self._ids)
-            self._declared[key] = steps
-            keys.append(key)
+    def declare(self, *decision_steps: DecisionSteps) -> abc.DisposableBase:
+        """Add ``decision_steps`` until the returned disposable is disposed."""
+        keys = [next(self._ids) for _ in decision_steps]
+        self._declared.update(zip(keys, decision_steps, strict=True))
         self._changed()
-        return keys
 
-    def remove(self, keys: list[int]) -> None:
-        """Remove the decision steps of ``keys`` (idempotent)."""
-        for key in keys:
-            self._declared.pop(key, None)
-        self._changed()
+        def remove() -> None:
+            for key in keys:
+                del self._declared[key]
+            self._changed()
+
+        return Disposable(remove)
 
     def _changed(self) -> None:
         self._decision_steps = tuple(self._declared.values())

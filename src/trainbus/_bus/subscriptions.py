@@ -24,7 +24,6 @@ from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
 from reactivex import Observable, abc
-from reactivex.disposable import Disposable
 
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
@@ -846,12 +845,6 @@ class SubscriptionSet:
         """Refuse new subscriptions from now on."""
         self._open = False
 
-    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
-        """Declare decision steps to the step clock until the result is disposed."""
-        clock = self._clock
-        keys = clock.declare(*decision_steps)
-        return Disposable(lambda: clock.remove(keys))
-
     def subscribe(
         self,
         source: BusObservable[Any],
@@ -906,7 +899,7 @@ class SubscriptionSet:
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
         sub.upstream = source.source.subscribe(guard, scheduler=chain)
         if source.decision_steps and sub.active:
-            sub.hold(self.declare(source.decision_steps))
+            sub.hold(self._clock.declare(*source.decision_steps))
         return sub
 
     def subscribe_async(
@@ -968,7 +961,7 @@ class SubscriptionSet:
         self._subs.append(sub)
         sub.upstream = source.source.subscribe(_AsyncFeeder(sub), scheduler=self.rx_scheduler)
         if decides and source.decision_steps:
-            sub.hold(self.declare(source.decision_steps))
+            sub.hold(self._clock.declare(*source.decision_steps))
         return sub
 
     def start(self, tasks: TaskSet) -> None:
