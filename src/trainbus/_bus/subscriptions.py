@@ -11,7 +11,6 @@ plain ints touched on the event-loop thread only.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import os
 import threading
@@ -300,8 +299,23 @@ class Subscription(abc.DisposableBase):
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""
-        names = (f.name for f in dataclasses.fields(SubscriptionStatistics))
-        return SubscriptionStatistics(**{name: getattr(self, name) for name in names})
+        return SubscriptionStatistics(
+            name=self.name,
+            kind=self.kind,
+            active=self.active,
+            received=self.received,
+            delivered=self.delivered,
+            completed=self.completed,
+            failed=self.failed,
+            dropped=self.dropped,
+            queued=self.queued,
+            in_flight=self.in_flight,
+            cancelled=self.cancelled,
+            last_error=self.last_error,
+            stalls=self.stalls,
+            blocked_s=self.blocked_s,
+            waited_s=self.waited_s,
+        )
 
     @property
     def queued(self) -> int:
