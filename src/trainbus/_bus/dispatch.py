@@ -22,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -58,15 +59,13 @@ Tier = Literal["internal", "core", "user", "global"]
 TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
 
+@dataclass(slots=True, eq=False)
 class Root:
     """One root: the types it takes and the observer to feed (or its :class:`Sampled` gate)."""
 
-    __slots__ = ("observer", "order", "types")
-
-    def __init__(self, types: tuple[type, ...], observer: abc.ObserverBase[Any], order: int):
-        self.types = types
-        self.observer = observer
-        self.order = order
+    types: tuple[type, ...]
+    observer: abc.ObserverBase[Any]
+    order: int
 
 
 class Demand:

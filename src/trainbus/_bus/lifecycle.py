@@ -227,14 +227,27 @@ class Lifecycle:
             self.cancel_pending()
 
         start = anyio.current_time()
-        every = self._notice_every()
+        timeout = self._close_timeout
+        every = _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
 
         async def notice() -> None:
             # Only a wait that lasts is announced, and again while it lasts.
             await anyio.sleep(min(_NOTICE_AFTER, every))
             while True:
+                pending = self._subscriptions.pending()
                 now = anyio.current_time()
-                self._announce_wait(waited_s=now - start, left_s=deadline - now)
+                if pending:
+                    log.warning(
+                        "bus_close_waiting",
+                        pending=pending,
+                        close_timeout=timeout,
+                        waited_s=round(now - start, 3),
+                        action="waiting for them"
+                        if timeout is None
+                        else f"waiting {max(deadline - now, 0.0):.3g} s more, then cancelling them",
+                        hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
+                        "as lost work; EventBus(close_timeout=...) bounds the wait",
+                    )
                 await anyio.sleep(every)
 
         async with anyio.create_task_group() as tg:
@@ -259,26 +272,6 @@ class Lifecycle:
         if pending:
             log.warning("bus_pending_cancelled", cancelled=pending)
         return pending
-
-    def _notice_every(self) -> float:
-        timeout = self._close_timeout
-        return _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
-
-    def _announce_wait(self, *, waited_s: float, left_s: float) -> None:
-        pending = self._subscriptions.pending()
-        if pending:
-            timeout = self._close_timeout
-            log.warning(
-                "bus_close_waiting",
-                pending=pending,
-                close_timeout=timeout,
-                waited_s=round(waited_s, 3),
-                action="waiting for them"
-                if timeout is None
-                else f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
-                hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
-                "as lost work; EventBus(close_timeout=...) bounds the wait",
-            )
 
     def _report_lost(self) -> None:
         """Log what the subscribers lost since the last report (a call's end, or the close)."""

@@ -63,12 +63,8 @@ class Watched(Protocol):
 
     name: str
     received: int
-
-    @property
-    def on_error(self) -> ErrorPolicy | None: ...
-
-    @property
-    def failed(self) -> int: ...
+    on_error: ErrorPolicy | None
+    failed: int
 
     def stalled(self, blocked_s: float, *, ended: bool) -> None:
         """A call blocked the event loop past the threshold (``ended``: it has returned)."""
