@@ -878,27 +878,19 @@ class SubscriptionSet:
             BusClosedError: the bus is closed.
         """
         self._check_open()
+        on_next = observer
         if isinstance(observer, CommandSink):
             # A ConfigError from send() is the subscription's failure, not the pipeline's.
             on_next = observer.send
         elif isinstance(observer, abc.ObserverBase):
-            on_next, on_rx_error, on_completed = (
-                observer.on_next,
-                observer.on_error,
-                observer.on_completed,
-            )
-        elif observer is None or not callable(observer):
-            raise ConfigError.invalid(
-                "on_next", observer, "a callable of one event, or an Rx observer"
-            )
-        else:
-            on_next = observer
+            on_next = observer.on_next
+            on_rx_error, on_completed = observer.on_error, observer.on_completed
+        elif not callable(observer):
+            allowed = "a callable of one event, or an Rx observer"
+            raise ConfigError.invalid("on_next", observer, allowed)
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
-            raise ConfigError.invalid(
-                "on_rx_error",
-                on_rx_error,
-                "an Rx error callback or None; an error policy goes in on_error=",
-            )
+            allowed = "an Rx error callback or None; an error policy goes in on_error="
+            raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
         for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
