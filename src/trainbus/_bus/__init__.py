@@ -335,12 +335,9 @@ class EventBus:
                 is not a positive int, or both.
         """
         every_s = check_optional_seconds("every_s", every_s)
-        if every_steps is not None:
-            check_int("every_steps", every_steps, 1)
-            if every_s is not None:
-                raise ConfigError.invalid(
-                    "every_steps", every_steps, "None when every_s is given (one sampling, not two)"
-                )
+        if check_int("every_steps", every_steps, 1, optional=True) and every_s is not None:
+            allowed = "None when every_s is given (one sampling, not two)"
+            raise ConfigError.invalid("every_steps", every_steps, allowed)
         if not event_types:
             raise ConfigError.invalid("event_types", (), "at least one event class")
         for t in event_types:

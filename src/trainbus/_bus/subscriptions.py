@@ -146,11 +146,13 @@ class BusStatistics:
 _SLICE = 0.05
 """Seconds between two looks of a waiting training thread (its waits are counted per slice)."""
 
-REMEDIES = (
-    "a larger buffer=, a higher concurrency=, overflow='drop_oldest' or 'latest' (drops are "
-    "counted as lost work), or sample at the stream: bus.stream(T, every_steps=n) / "
-    "bus.stream(T, every_s=x)"
-)
+
+def _remedies(overflow: str) -> str:
+    """What helps a subscriber that cannot keep up, ``overflow`` the other policy to try."""
+    return (
+        f"a larger buffer=, a higher concurrency=, {overflow}, or sample at the stream: "
+        "bus.stream(T, every_steps=n) / bus.stream(T, every_s=x)"
+    )
 
 
 def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None:
@@ -220,7 +222,9 @@ class Backpressure:
                         sub,
                         reason="its overflow='block' buffer is full: training goes at its pace "
                         "so that nothing is dropped",
-                        remedies=REMEDIES,
+                        remedies=_remedies(
+                            "overflow='drop_oldest' or 'latest' (drops are counted as lost work)"
+                        ),
                     )
             self._room.wait(_SLICE)
             now = time.monotonic()
@@ -388,11 +392,6 @@ class GuardedObserver(abc.ObserverBase[Any]):
 
 
 # ================================================================== async subscriptions
-DROP_REMEDIES = (
-    "a larger buffer=, a higher concurrency=, overflow='block' (training then waits for it, "
-    "said and counted), or sample at the stream: bus.stream(T, every_steps=n) / "
-    "bus.stream(T, every_s=x)"
-)
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What an async subscription does when its buffer is full: ``"block"`` takes the item and
@@ -511,7 +510,9 @@ class AsyncSubscription(Subscription):
                     events_per_s=round(in_rate, 3),
                     action="its oldest waiting items are dropped from now on, counted as lost "
                     "work (FitResult.lost_work, bus_closed_with_lost_work at the end)",
-                    remedies=DROP_REMEDIES,
+                    remedies=_remedies(
+                        "overflow='block' (training then waits for it, said and counted)"
+                    ),
                 )
         buf.append(item)
         if len(buf) > self.capacity:
