@@ -82,8 +82,21 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
 
 class LoopPort:
     """The loop's end of one bus (``bus.port()``): each name is the owning part's own method
-    or state, bound once (their docstrings say what each does). The loop re-reads that state
-    only when ``doorbell.rings`` grew."""
+    or state, bound once; a loop needs nothing else.
+
+    Attributes:
+        publish: Queue an event (any thread).
+        wants: True when some subscription would receive events of a type.
+        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type (sampled streams).
+        doorbell: Rung after every change the loop must act on: re-read the rest only when
+            ``doorbell.rings`` grew.
+        declare, next_decision: Declare decision steps; the next one after a step (or None).
+        statistics: The bus' counters now.
+        has_commands, poll_commands, withdraw: The command channel's (never block).
+        wait_for_room: Block while an ``overflow="block"`` buffer is full; the seconds waited.
+        wait_barrier: The loop's barrier, on the event-loop thread.
+        request_cancel_pending: Ask a waiting end or close to cancel pending async work.
+    """
 
     def __init__(
         self,
