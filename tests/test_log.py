@@ -6,6 +6,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 
 import pytest
 import structlog
@@ -54,6 +55,18 @@ def test_stdlib_logging_at_debug_shows_trainbus_lines() -> None:
     assert "fit_ended" in done.stderr  # routed through the stdlib logger of the module
 
 
+@pytest.fixture
+def structlog_unconfigured() -> Iterator[None]:
+    """structlog as an application that never configured it finds it (another test, or a docs
+    page, may have configured it in this process); the configuration is restored after."""
+    configured, saved = structlog.is_configured(), structlog.get_config()
+    structlog.reset_defaults()
+    yield
+    if configured:
+        structlog.configure(**saved)
+
+
+@pytest.mark.usefixtures("structlog_unconfigured")
 def test_a_traceback_prints_as_python_prints_it(caplog: pytest.LogCaptureFixture) -> None:
     """Through the standard library (structlog unconfigured), the ``key=value`` line comes
     first and the traceback follows on its own lines, not as one escaped string."""

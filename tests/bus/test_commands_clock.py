@@ -36,7 +36,7 @@ def build_step(i: int) -> ev.StepEnded:
 
 # ---------------------------------------------------------------------------- StepClock
 def test_next_decision_is_the_smallest_declared_step_after() -> None:
-    clock = StepClock()
+    clock = StepClock(Doorbell())
     assert clock.next_decision(0) is None
     clock.declare(Every(20), Every(25), At(7))
     assert [clock.next_decision(k) for k in (0, 6, 7, 19, 20, 24, 25, 49, 50)] == [
@@ -47,13 +47,13 @@ def test_next_decision_is_the_smallest_declared_step_after() -> None:
 def test_declaring_or_removing_a_schedule_rings_the_doorbell() -> None:
     bell = Doorbell()
     clock = StepClock(bell)
-    keys = clock.declare(Every(10))
+    tens = clock.declare(Every(10))
     other = clock.declare(At(15))
     assert bell.rings == 2 and clock.next_decision(10) == 15
-    clock.remove(other)
+    other.dispose()
     assert bell.rings == 3 and clock.next_decision(10) == 20
-    clock.remove(keys)
-    clock.remove(keys)  # idempotent
+    tens.dispose()
+    tens.dispose()  # idempotent
     assert clock.next_decision(10) is None and clock.decision_steps == ()
 
 

@@ -14,18 +14,20 @@ import trio.testing
 
 from trainbus import EventBus
 from trainbus import events as ev
+from trainbus._bus.commands import DecisionStamp, Doorbell
 from trainbus._bus.dispatch import PublishQueue, RouteTable
 from trainbus._bus.watchdog import FailureLedger
 
 
 def _queue() -> tuple[PublishQueue, RouteTable]:
-    ledger = FailureLedger("log", lambda command: None)
-    routes = RouteTable()
+    ledger = FailureLedger("log", lambda command: None, Doorbell())
+    routes = RouteTable(Doorbell())
     queue = PublishQueue(
         max_queue=1000,
         flush_interval=0.01,
         routes=routes,
         ledger=ledger,
+        stamp=DecisionStamp(),
     )
     return queue, routes
 

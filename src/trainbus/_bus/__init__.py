@@ -1,19 +1,14 @@
 """The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
 
-:class:`EventBus` is the users' face, a facade over parts that each own their state (docs/bus.md
-lists them). The training loop, the trainer's session and the distributed code hold the other
-face, the :class:`LoopPort` (``bus.port()``), as trio hands out a send end and a receive end.
-
-One module per concept, each importing only those before it (the order ``tests/test_layers.py``
-pins): ``scheduler`` (the Rx scheduler on anyio, background tasks), ``commands`` (the doorbell,
-decision steps, the command channel), ``watchdog`` (the watchdog, the failure ledger),
-``subscriptions`` (subscriptions, ranks, chains, back-pressure, statistics), ``dispatch`` (the
-route table, the publish queue, barriers) and ``lifecycle`` (open, suspend, close, the poller).
-None imports torch or the loop.
+:class:`EventBus` is the users' face over parts that each own their state; the training loop
+holds the other face, the :class:`LoopPort` (``bus.port()``). One module per concept, each
+importing only those before it (``tests/test_layers.py``): ``scheduler``, ``commands``,
+``watchdog``, ``subscriptions``, ``dispatch``, ``lifecycle``. None imports torch or the loop.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Iterable
 from contextlib import AbstractContextManager
 from types import TracebackType
@@ -27,7 +22,6 @@ from .. import events as ev
 from .._exceptions import ConfigError
 from .._validate import (
     check_int,
-    check_number,
     check_optional_seconds,
     explains_unknown_keywords,
     unknown_keyword_message,
@@ -52,14 +46,12 @@ from .dispatch import (
     check_barriers,
 )
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
-from .scheduler import AnyioScheduler, ChainScheduler
+from .scheduler import AnyioScheduler
 from .subscriptions import (
     DEFAULT_OVERFLOW,
     AsyncSubscription,
-    Backpressure,
     BusObservable,
     BusStatistics,
-    Chains,
     CommandSink,
     Overflow,
     RankFilter,
@@ -89,78 +81,73 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
 
 
 class LoopPort:
-    """The loop's end of one bus, built by the bus (``bus.port()``). Each name is the owning
-    part's own method or state, bound once; a user never needs these, a loop needs nothing else.
+    """The loop's end of one bus (``bus.port()``): each name is the owning part's own method
+    or state, bound once; a loop needs nothing else.
 
     Attributes:
-        publish: Queue an event (:meth:`PublishQueue.publish`; safe from any thread).
-        wants: True when some subscription would receive events of a type: ask before building
-            one.
-        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type: whether some
-            subscription takes every event, or only samples (then ask ``takes(step, now)``).
-        doorbell: Rung after every change the loop must act on (:class:`Doorbell`): the loop
-            re-reads the state below only when ``doorbell.rings`` grew.
-        declare: Declare decision steps until the returned disposable is disposed.
-        next_decision: The first declared decision step after a step (None: none).
+        publish: Queue an event (any thread).
+        wants: True when some subscription would receive events of a type.
+        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type (sampled streams).
+        doorbell: Rung after every change the loop must act on: re-read the rest only when
+            ``doorbell.rings`` grew.
+        declare, next_decision: Declare decision steps; the next one after a step (or None).
         statistics: The bus' counters now.
         has_commands, poll_commands, withdraw: The command channel's (never block).
-        wait_for_room: Block the training thread while a ``"block"`` buffer is over capacity
-            (:meth:`Backpressure.wait_for_room`); returns the seconds waited.
-        wait_barrier: The loop's barrier, on the event-loop thread (:meth:`Barrier.wait_barrier`).
-        request_cancel_pending: Ask a waiting call's end or close to cancel pending async work
-            (safe from a signal handler).
+        wait_for_room: Block while an ``overflow="block"`` buffer is full; the seconds waited.
+        wait_barrier: The loop's barrier, on the event-loop thread.
+        request_cancel_pending: Ask a waiting end or close to cancel pending async work.
     """
 
     def __init__(
         self,
-        *,
         doorbell: Doorbell,
         queue: PublishQueue,
         routes: RouteTable,
         clock: StepClock,
         channel: CommandChannel,
         ledger: FailureLedger,
-        pressure: Backpressure,
         barrier: Barrier,
         lifecycle: Lifecycle,
-        chains: Chains,
+        subs: SubscriptionSet,
     ) -> None:
         self.publish = queue.publish
         self.wants = routes.wants
         self.demand = routes.demand
         self.doorbell = doorbell
-        self.declare = chains.declare
+        self.declare = clock.declare
         self.next_decision = clock.next_decision
         self.statistics = lifecycle.statistics
         self.has_commands = channel.has_commands
         self.poll_commands = channel.poll_commands
         self.withdraw = channel.withdraw
-        self.wait_for_room = pressure.wait_for_room
+        self.wait_for_room = subs.backpressure.wait_for_room
         self.wait_barrier = barrier.wait_barrier
         self.request_cancel_pending = lifecycle.request_cancel_pending
         self._clock = clock
         self._ledger = ledger
-        self._pressure = pressure
+        self._pressure = subs.backpressure
 
     @property
     def decision_steps(self) -> tuple[DecisionSteps, ...]:
-        """Every declaration of decision steps (what ranks agree on at a run's start)."""
+        """Every declaration of decision steps."""
         return self._clock.decision_steps
 
     @property
     def failure(self) -> Exception | None:
-        """The first failure of an ``on_error="raise"`` subscription (raised at the next poll
-        point)."""
+        """The first failure of an ``on_error="raise"`` subscription."""
         return self._ledger.fatal
 
     @property
     def held(self) -> bool:
-        """True while an ``overflow="block"`` buffer is over capacity: call
-        :meth:`wait_for_room` at the next poll point."""
+        """True while an ``overflow="block"`` buffer is over capacity."""
         return self._pressure.active
 
 
 _E = TypeVar("_E", bound=ev.BaseEvent)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class EventBus:
@@ -226,22 +213,14 @@ class EventBus:
         barrier_timeout: float = 60.0,
         on_lost: Literal["warn", "raise"] = "warn",
     ) -> None:
-        if (
-            isinstance(flush_interval, bool)
-            or not isinstance(flush_interval, int | float)
-            or not (0 < flush_interval <= 10)
-        ):
+        if not (_is_number(flush_interval) and 0 < flush_interval <= 10):
             raise ConfigError.invalid("flush_interval", flush_interval, "seconds in (0, 10]")
         check_int("max_queue", max_queue, 1)
-        if close_timeout is not None:
-            try:
-                check_number("close_timeout", close_timeout)
-            except ConfigError:
-                raise ConfigError.invalid(
-                    "close_timeout",
-                    close_timeout,
-                    "None (wait for pending async work) or seconds >= 0",
-                ) from None
+        if close_timeout is not None and not (
+            _is_number(close_timeout) and 0 <= close_timeout < math.inf
+        ):
+            allowed = "None (wait for pending async work) or seconds >= 0"
+            raise ConfigError.invalid("close_timeout", close_timeout, allowed)
         check_policy(on_error)
         if rx_scheduler is not None and not isinstance(rx_scheduler, abc.SchedulerBase):
             raise ConfigError.invalid("rx_scheduler", rx_scheduler, "a reactivex scheduler or None")
@@ -250,53 +229,35 @@ class EventBus:
         self.close_timeout = None if close_timeout is None else float(close_timeout)
         self.watchdog_s = check_optional_seconds("watchdog_s", watchdog_s)
         self.barriers: frozenset[type[ev.BaseEvent]] = check_barriers(barriers)
-        if not (isinstance(barrier_timeout, int | float) and not isinstance(barrier_timeout, bool)
-                and barrier_timeout > 0):  # NaN compares False; inf: no deadline  # fmt: skip
+        if not (_is_number(barrier_timeout) and barrier_timeout > 0):  # inf: no deadline
             raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
         self.barrier_timeout = float(barrier_timeout)
         if on_lost not in ("warn", "raise"):
             raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
         self.on_lost: Literal["warn", "raise"] = on_lost
-        watchdog = Watchdog(self.watchdog_s)
-        self._ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
-
+        ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
         bell = Doorbell()
         clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
-        self._ledger = ledger = FailureLedger(on_error, channel.send, bell)
+        ledger = FailureLedger(on_error, channel.send, bell)
         own: AnyioScheduler | None = None
         if rx_scheduler is None:
             rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
+        self._clock = clock
         self._routes = routes = RouteTable(bell)
-        self._subs = subs = SubscriptionSet(ledger, bell, stamp, watchdog)
-        chain_scheduler = ChainScheduler(rx_scheduler)
-        self._chains = chains = Chains(subs, self._ranks, ledger, clock, chain_scheduler)
-        self._queue = queue = PublishQueue(
-            max_queue=max_queue,
-            flush_interval=self.flush_interval,
-            routes=routes,
-            ledger=ledger,
-            stamp=stamp,
-        )
+        watchdog = Watchdog(self.watchdog_s)
+        subs = SubscriptionSet(ledger, bell, stamp, watchdog, ranks, clock, rx_scheduler)
+        self._subs = subs
+        self._queue = queue = PublishQueue(max_queue, self.flush_interval, routes, ledger, stamp)
         self._barrier = barrier = Barrier(queue, subs, channel)
         self._lifecycle = lifecycle = Lifecycle(
-            queue=queue,
-            routes=routes,
-            subscriptions=subs,
-            channel=channel,
-            ledger=ledger,
-            own_scheduler=own,
-            flush_interval=self.flush_interval,
-            close_timeout=self.close_timeout,
-            watchdog=watchdog,
+            queue, routes, subs, channel, ledger, own, self.close_timeout, watchdog
         )
         self.publish = queue.publish
         self.wants = routes.wants
-        self._port = LoopPort(doorbell=bell, queue=queue, routes=routes, clock=clock,
-                              channel=channel, ledger=ledger, pressure=subs.backpressure,
-                              barrier=barrier, lifecycle=lifecycle, chains=chains)  # fmt: skip
+        self._port = LoopPort(bell, queue, routes, clock, channel, ledger, barrier, lifecycle, subs)
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
@@ -311,7 +272,7 @@ class EventBus:
     @property
     def rank(self) -> int:
         """This process' rank (0 on a single process)."""
-        return self._ranks.rank
+        return self._subs.ranks.rank
 
     def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.on_ranks("all"):`` without ``ranks=`` run on
@@ -320,7 +281,7 @@ class EventBus:
         Raises:
             ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
         """
-        return self._ranks.default(ranks)
+        return self._subs.ranks.default(ranks)
 
     @property
     def state(self) -> str:
@@ -387,12 +348,9 @@ class EventBus:
                 is not a positive int, or both.
         """
         every_s = check_optional_seconds("every_s", every_s)
-        if every_steps is not None:
-            check_int("every_steps", every_steps, 1)
-            if every_s is not None:
-                raise ConfigError.invalid(
-                    "every_steps", every_steps, "None when every_s is given (one sampling, not two)"
-                )
+        if check_int("every_steps", every_steps, 1, optional=True) and every_s is not None:
+            allowed = "None when every_s is given (one sampling, not two)"
+            raise ConfigError.invalid("every_steps", every_steps, allowed)
         if not event_types:
             raise ConfigError.invalid("event_types", (), "at least one event class")
         for t in event_types:
@@ -416,7 +374,7 @@ class EventBus:
 
         # Decision steps only count on streams that can carry the per-step events.
         per_step = any(issubclass(e, types) for e in (ev.StepEnded, ev.MetricsLogged))
-        return BusObservable(self._chains, Observable(subscribe), per_step=per_step)
+        return BusObservable(self._subs, Observable(subscribe), per_step=per_step)
 
     def subscribe(
         self,
@@ -446,10 +404,13 @@ class EventBus:
         Raises:
             ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
         """
-        source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._chains, observable)
-        return wrapped.subscribe(on_next, on_completed=on_completed, on_error=on_error,
-                                 name=name, ranks=ranks)  # fmt: skip
+        source = self._wrap(observable)
+        return self._subs.subscribe(source, on_next, None, on_completed, on_error, name, ranks)
+
+    def _wrap(self, observable: Observable[Any]) -> BusObservable[Any]:
+        if isinstance(observable, BusObservable):
+            return observable
+        return BusObservable(self._subs, observable)
 
     def subscribe_async(
         self,
@@ -496,32 +457,17 @@ class EventBus:
                 an argument out of range.
             BusClosedError: the bus is closed.
         """
-        if not isinstance(decides, bool):
-            raise ConfigError.invalid("decides", decides, "True or False")
-        source = observable if isinstance(observable, BusObservable) else None
-        wrapped = source or BusObservable(self._chains, observable)
-        # Validated on every rank alike: a bad option fails rank 1 as it fails rank 0.
-        size, policy = self._subs.check_async(fn, concurrency=concurrency, buffer=buffer,
-                                              overflow=overflow, policy=on_error)  # fmt: skip
-        if not self._ranks.runs_here(ranks):
-            inert = AsyncSubscription(self._ledger, name or "inert", fn, concurrency=concurrency,
-                                      buffer=size, overflow=policy, on_error=on_error,
-                                      backpressure=Backpressure())  # fmt: skip
-            inert.dispose()
-            return inert
-        sub = self._subs.add_async(
+        return self._subs.subscribe_async(
+            self._wrap(observable),
             fn,
-            wrapped.subscribe_raw,
             concurrency=concurrency,
-            buffer=size,
-            overflow=policy,
-            policy=on_error,
+            buffer=buffer,
+            overflow=overflow,
+            on_error=on_error,
             name=name,
             decides=decides,
+            ranks=ranks,
         )
-        if decides and wrapped.decision_steps:
-            sub.hold(self._chains.declare(wrapped.decision_steps))
-        return sub
 
     # ================================================================== decision steps
     def declare_decision_steps(
@@ -549,7 +495,7 @@ class EventBus:
             steps_.extend(At(check_int("at", k, 0)) for k in steps)
         if not steps_:
             raise ConfigError.invalid("every", None, "a step count >= 1, or at=step(s)")
-        return self._chains.declare(tuple(steps_))
+        return self._clock.declare(*steps_)
 
     def tier(self, tier: Tier) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:
@@ -630,7 +576,7 @@ class EventBus:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool | None:
-        await self._lifecycle.close(raise_fatal=exc_type is None)
+        await self._lifecycle.end(close=True, raise_fatal=exc_type is None)
         return None
 
     async def suspend(self, *, raise_fatal: bool = True) -> None:
@@ -647,7 +593,7 @@ class EventBus:
             Exception: ``raise_fatal`` and a subscription with ``on_error="raise"`` failed:
                 the subscriber's own exception.
         """
-        await self._lifecycle.suspend(raise_fatal=raise_fatal)
+        await self._lifecycle.end(close=False, raise_fatal=raise_fatal)
 
     def __repr__(self) -> str:
         return f"<EventBus {self._lifecycle.state} queued={len(self._queue)}>"

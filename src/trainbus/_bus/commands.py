@@ -1,19 +1,10 @@
 """What the loop acts on between steps: the doorbell, the decision steps, the command channel.
 
-The loop runs its steps without polling the bus: the parts ring the :class:`Doorbell` after
-each change the loop must act on (a subscription came or went, decision steps were declared or
-removed, a command was sent, a ``"raise"`` subscriber failed, a ``"block"`` buffer went over
-capacity, a cancel was requested), and the loop, which compares ``doorbell.rings`` with the
-count it last acted on, then re-reads the real state. A ring carries no data.
-
-A **decision step** is a step at which some subscription decides (``tbops.every(n)``,
-``tbops.once(at=k)``, ``bus.declare_decision_steps``): there the loop delivers everything,
-waits for the deciders and applies their commands before the next step (docs/events.md, "When
-a command takes effect"). :class:`StepClock` owns the declarations; :class:`DecisionStamp`
-knows the step being handled now, which ``bus.send`` stamps on a command as its ``decided_at``.
-
-Subscribers ``send`` commands (any thread, never blocks); the loop takes them at its poll
-points and acknowledges each with a ``CommandApplied``, which :class:`AckObserver` turns into
+The parts ring the :class:`Doorbell` after each change the loop must act on; the loop re-reads
+the state only when ``doorbell.rings`` grew (a ring carries no data). At a *decision step*
+(``tbops.every(n)``, ``tbops.once(at=k)``, ``bus.declare_decision_steps``) the loop waits for the
+deciders and applies their commands before the next step (docs/events.md). Subscribers ``send``
+commands from any thread; the loop polls them and acknowledges each with a ``CommandApplied``,
 the answer of a waiting ``request``.
 """
 
@@ -30,6 +21,7 @@ from typing import Any, TypeAlias
 
 import anyio
 from reactivex import abc
+from reactivex.disposable import Disposable
 
 from .. import commands as cmd
 from .. import events as ev
@@ -38,6 +30,7 @@ from .._log import get_logger
 from .._validate import check_int
 
 __all__ = [
+    "ITEM_STEP",
     "AckObserver",
     "At",
     "CommandChannel",
@@ -53,11 +46,7 @@ log = get_logger(__name__)
 
 
 class Doorbell:
-    """A counter that only grows: :meth:`ring` after a change the training loop must see.
-
-    Attributes:
-        rings: How many times the bell rang (read by the loop between steps).
-    """
+    """A counter that only grows: :meth:`ring` after a change the training loop must see."""
 
     __slots__ = ("_lock", "rings")
 
@@ -66,7 +55,7 @@ class Doorbell:
         self._lock = threading.Lock()
 
     def ring(self) -> None:
-        """Add one to :attr:`rings`, from any thread (the lock loses no ring to a race)."""
+        """Add one to ``rings``, from any thread."""
         with self._lock:
             self.rings += 1
 
@@ -107,32 +96,28 @@ DecisionSteps: TypeAlias = Every | At
 class StepClock:
     """The declared decision steps, and the next decision step after a given one.
 
-    Declarations come and go on the event-loop thread; the training thread reads
-    :meth:`next_decision` (the declarations are a tuple replaced on change, so a reader always sees
-    a consistent set) and re-reads it only when the doorbell rang (every change rings it).
+    Declarations change on the event-loop thread (a tuple replaced on change, and a ring); the
+    training thread reads :meth:`next_decision`.
     """
 
-    def __init__(self, doorbell: Doorbell | None = None) -> None:
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
         self._ids = itertools.count()
         self._declared: dict[int, DecisionSteps] = {}
         self._decision_steps: tuple[DecisionSteps, ...] = ()
 
-    def declare(self, *decision_steps: DecisionSteps) -> list[int]:
-        """Add ``decision_steps``; returns their keys for :meth:`remove`."""
-        keys = []
-        for steps in decision_steps:
-            key = next(self._ids)
-            self._declared[key] = steps
-            keys.append(key)
+    def declare(self, *decision_steps: DecisionSteps) -> abc.DisposableBase:
+        """Add ``decision_steps`` until the returned disposable is disposed."""
+        keys = [next(self._ids) for _ in decision_steps]
+        self._declared.update(zip(keys, decision_steps, strict=True))
         self._changed()
-        return keys
 
-    def remove(self, keys: list[int]) -> None:
-        """Remove the decision steps of ``keys`` (idempotent)."""
-        for key in keys:
-            self._declared.pop(key, None)
-        self._changed()
+        def remove() -> None:
+            for key in keys:
+                del self._declared[key]
+            self._changed()
+
+        return Disposable(remove)
 
     def _changed(self) -> None:
         self._decision_steps = tuple(self._declared.values())
@@ -153,7 +138,7 @@ class StepClock:
         return best
 
 
-_ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
+ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
     "trainbus_item_step", default=None
 )
 """The step of the item an async worker is running (set around each item)."""
@@ -161,43 +146,31 @@ _ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 class DecisionStamp:
     """Which step is being handled on this thread now: what ``bus.send`` stamps on a command.
-
-    ``step`` is set by the dispatch slice for each event it delivers (a plain attribute: it is
-    written once per dispatched event) and reset to None after the slice; async workers set a
-    context variable around each item (:meth:`item`). Commands sent from anywhere else (another
-    thread, a signal handler) get None: "as soon as possible".
+    The dispatch slice sets ``step`` per event (None after the slice), an async worker sets
+    :data:`ITEM_STEP` per item; anywhere else a command gets None ("as soon as possible").
     """
 
     __slots__ = ("event_id", "loop_thread", "step")
 
     def __init__(self) -> None:
         self.step: int | None = None
-        """Step of the event the dispatch slice is delivering (None outside a slice)."""
+        # id() of the event delivered now or last (a barrier asks who received it).
         self.event_id = 0
-        """``id()`` of the event the dispatch slice is delivering or delivered last: an async
-        subscription notes it with each item, so a barrier knows who received its event (an
-        id: holding the event would keep it alive)."""
-        self.loop_thread: int | None = None
-        """The thread of the last dispatch slice (the event-loop thread while the bus runs)."""
+        self.loop_thread: int | None = None  # the thread of the last dispatch slice
 
     def current(self) -> int | None:
         """The step of the event being handled by the caller, or None."""
         if self.step is not None and threading.get_ident() == self.loop_thread:
             return self.step
-        return _ITEM_STEP.get()
-
-    @staticmethod
-    def item(step: int | None) -> contextvars.Token[int | None]:
-        """An async worker starts an item of ``step``; reset the token when it is done."""
-        return _ITEM_STEP.set(step)
-
-    @staticmethod
-    def done(token: contextvars.Token[int | None]) -> None:
-        """The async worker finished the item of ``token``."""
-        _ITEM_STEP.reset(token)
+        return ITEM_STEP.get()
 
 
 # ================================================================== the command channel
+def _check_command(command: object) -> None:
+    if not isinstance(command, cmd.COMMAND_TYPES):
+        raise ConfigError.invalid("command", command, "an instance of a trainbus.commands class")
+
+
 class CommandError(TrainbusError):
     """A requested command was acknowledged with an error (``CommandApplied.error``)."""
 
@@ -206,15 +179,13 @@ class CommandChannel:
     """The back-channel's queue, the pending ``request()`` waiters, and the barrier's wake-up.
 
     Args:
-        stamp: Says which step the sender is handling, stamped on a command as its
-            ``decided_at`` when the sender did not set one.
+        stamp: The step the sender handles: a command's ``decided_at`` when it has none.
+        doorbell: Rung after each command sent.
     """
 
-    def __init__(
-        self, stamp: DecisionStamp | None = None, doorbell: Doorbell | None = None
-    ) -> None:
-        self._stamp = stamp or DecisionStamp()
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, stamp: DecisionStamp, doorbell: Doorbell) -> None:
+        self._stamp = stamp
+        self._doorbell = doorbell
         # deque.append/popleft are atomic under the GIL: senders on any thread need no lock.
         self._commands: deque[cmd.Command] = deque()
         self._requests: dict[int, tuple[cmd.Command, anyio.Event, list[Any]]] = {}
@@ -225,10 +196,7 @@ class CommandChannel:
 
     def send(self, command: cmd.Command) -> None:
         """:meth:`EventBus.send`: put ``command`` on the back-channel (any thread)."""
-        if not isinstance(command, cmd.COMMAND_TYPES):
-            raise ConfigError.invalid(
-                "command", command, "an instance of a trainbus.commands class"
-            )
+        _check_command(command)
         if self._sealed:
             raise BusClosedError(
                 f"the bus is closed (its run is over): no loop will apply {command!r}; send "
@@ -238,8 +206,8 @@ class CommandChannel:
         self._doorbell.ring()  # after the append: the loop that hears it finds the command
 
     def stamped(self, command: cmd.Command) -> cmd.Command:
-        """``command`` with ``decided_at`` set to the step the caller is handling (a copy), or
-        ``command`` itself when it has one already or the caller handles no event."""
+        """``command`` with ``decided_at`` set to the step the caller handles (a copy), unless
+        it has one or the caller handles no event."""
         if command.decided_at is None:
             step = self._stamp.current()
             if step is not None:
@@ -259,8 +227,7 @@ class CommandChannel:
         return out
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
-        """Remove the queued commands ``match`` accepts (between two calls, while no loop
-        polls); returns how many were removed."""
+        """Remove the queued commands ``match`` accepts; returns how many."""
         kept = [c for c in self._commands if not match(c)]
         removed = len(self._commands) - len(kept)
         if removed:
@@ -269,8 +236,7 @@ class CommandChannel:
         return removed
 
     def request_waiting(self) -> bool:
-        """True when a ``request()`` waits and a command is queued (a barrier lets the loop
-        apply it rather than keep waiting)."""
+        """True when a ``request()`` waits and a command is queued."""
         return bool(self._requests) and bool(self._commands)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
@@ -282,10 +248,7 @@ class CommandChannel:
                 "the call has made its last poll point (it is ending): no loop will apply this "
                 "command in it; request it while fit(), evaluate() or predict() runs"
             )
-        if not isinstance(command, cmd.COMMAND_TYPES):
-            raise ConfigError.invalid(
-                "command", command, "an instance of a trainbus.commands class"
-            )
+        _check_command(command)
         # Stamped before it is registered: the acknowledgement carries the queued object.
         command = self.stamped(command)
         done = anyio.Event()
@@ -299,8 +262,10 @@ class CommandChannel:
         finally:
             self._requests.pop(id(command), None)
         if not slot:
-            raise BusClosedError(f"{command!r} was not applied: the call ended (its last poll "
-                                 "point passed) or the bus closed first")  # fmt: skip
+            raise BusClosedError(
+                f"{command!r} was not applied: the call ended (its last poll "
+                "point passed) or the bus closed first"
+            )
         ack: ev.CommandApplied = slot[0]
         if ack.error is not None:
             raise CommandError(f"{command!r} failed: {ack.error!r}") from ack.error
@@ -327,30 +292,28 @@ class CommandChannel:
         self._closed = True
 
     def seal(self) -> None:
-        """The bus has closed: :meth:`send` refuses commands from now on."""
+        """The bus has closed: :meth:`send` refuses commands from now on, and every
+        ``request()`` still waiting raises BusClosedError."""
         self._sealed = True
+        self._release_waiters()
 
-    def release_waiters(self) -> None:
-        """The bus closed: wake every ``request()`` still waiting (it raises BusClosedError)."""
+    def _release_waiters(self) -> None:
         for _, done, _slot in list(self._requests.values()):
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point (a call's end, or the close) and its
-        acknowledgements were delivered: drop the commands still queued, wake every waiting
-        ``request()`` (it raises BusClosedError) and refuse new ones until
-        :meth:`resume_polls`."""
+        """The loop made its last poll point: drop the queued commands, wake every waiting
+        ``request()`` (it raises BusClosedError) and refuse new ones until :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
-        self.release_waiters()
+        self._release_waiters()
 
     def resume_polls(self) -> None:
         """The call's end is over: requests wait for the next call's loop again."""
         self._polls_over = False
 
     def drop_unapplied(self) -> None:
-        """Log and drop the commands still queued at a call's end or the close (sent after the
-        loop's last poll point, on that call's events)."""
+        """Log and drop the commands sent after the loop's last poll point."""
         # A stop after the last poll asks for what already happened: no warning.
         stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
         lost = [c for c in self._commands if c not in stops]

@@ -1,30 +1,17 @@
 """Dispatch: the route table, the publish queue, and the barriers.
 
 A *root* is one subscription at the top of a chain (``bus.events``, ``bus.stream(...)``): the
-event types it takes and the observer to feed, sorted by tier (internal, core, user, global),
-then by order of subscription. The per-type routes are cached in :attr:`RouteTable.cache`, a
-dict replaced on change (copy-on-write), so a dispatch in progress keeps a consistent view.
-A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a :class:`Sampled`
-gate; the table keeps, per event type a publisher asks about, a :class:`Demand` (every event
-taken, or which sample is next), so the training loop builds no ``StepEnded`` that only
-sampled subscriptions would refuse.
+types it takes and its observer, ordered by tier, then by subscription. A ``publish`` on the
+training thread is a deque append; the poller on the event-loop thread dispatches the queued
+events every ``flush_interval`` in one slice (no await between events), then parks after a few
+empty intervals until the next ``publish`` (DESIGN.md: each wake costs the training thread a GIL
+hand-over). A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a
+:class:`Sampled` gate, and the table keeps a :class:`Demand` per type asked about, so the loop
+builds no event that only sampled subscriptions would refuse.
 
-How an event travels::
-
-    training thread                      event-loop thread (the bus' task group)
-    publish(e): queue.append(e) ──────►  poller: every flush_interval, dispatch the queued
-                (nothing else)           events in ONE slice (no await between events): for
-                                         each event, each matching root observer's on_next
-
-Batching matters: each wake-up of the loop thread costs the training thread a GIL hand-over
-(DESIGN.md). After a few empty intervals the poller parks and the next ``publish`` wakes it
-(one flag read on the hot path). Past ``max_queue`` undelivered events a publishing thread
-waits for the dispatcher, so a stalled event loop bounds memory instead of losing events.
-
-At a barrier (a barrier event, a decision step, the run's last step) the loop delivers
-everything, then waits for the deciders (``decides=True``) among the async subscriptions that
-received the event, or an event derived from it (docs/bus.md, "Barriers"); a ``request()``
-interrupts the wait so the loop can apply it first. No other async subscription is waited for.
+At a barrier the loop delivers everything, then waits for the deciders (``decides=True``) among
+the async subscriptions that received the event (docs/bus.md, "Barriers"); a ``request()``
+interrupts the wait so the loop can apply it first.
 """
 
 from __future__ import annotations
@@ -35,6 +22,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -71,26 +59,20 @@ Tier = Literal["internal", "core", "user", "global"]
 TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
 
 
+@dataclass(slots=True, eq=False)
 class Root:
-    """One subscription at the top of a chain: the types it takes and the observer to feed
-    (for a sampled root, its :class:`Sampled` gate)."""
+    """One root: the types it takes and the observer to feed (or its :class:`Sampled` gate)."""
 
-    __slots__ = ("observer", "order", "types")
-
-    def __init__(self, types: tuple[type, ...], observer: abc.ObserverBase[Any], order: int):
-        self.types = types
-        self.observer = observer
-        self.order = order
+    types: tuple[type, ...]
+    observer: abc.ObserverBase[Any]
+    order: int
 
 
 class Demand:
     """What the subscriptions of one event type take: every event, a sample, or nothing.
-
-    Kept up to date by the :class:`RouteTable` on the event-loop thread (the same object for
-    the table's lifetime); the publisher reads it from its own thread. A time-sampled event the
-    publisher is told to build moves the due time on by the shortest ``every_s`` at once, and
-    again from the event's stamp once built (:meth:`built`): however late the event loop
-    delivers, no other is built meanwhile, and the next is not built short of the gate.
+    Updated by the :class:`RouteTable` on the event-loop thread, read by the publisher. A yes
+    to a time-sampled event moves the due time on at once (however late the loop delivers, no
+    other is built meanwhile), and again from the event's stamp (:meth:`built`).
 
     Attributes:
         each: Some subscription takes every event of the type.
@@ -129,9 +111,8 @@ class Demand:
             self._at = at + self._every_s
 
     def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
-        """Set the demand from the type's roots: ``each`` (some root takes every event) and
-        the gates of its sampled roots. ``passed``: a gate passed an event; the due time then
-        only moves on (the publisher may have built newer events than the one delivered)."""
+        """Set from the type's roots: ``each`` (one takes every event) and the sampled roots'
+        gates. ``passed`` (a gate passed an event): the due time only moves on."""
         exact = min((g.next_at for g in gates), default=math.inf)
         self._at = max(exact, self._at) if passed else exact
         self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
@@ -141,18 +122,10 @@ class Demand:
 
 
 class Sampled(abc.ObserverBase[Any]):
-    """The gate of a sampled root. With ``every_s``: passes an event whose ``time`` is at least
-    ``every_s`` after the last one it passed (the first always), then tells the table its next
-    due time; the first refusal after a pass tells it too, so the publisher builds again at the
-    exact due time. With ``every_steps``: passes the events whose ``step`` is a multiple of it.
-
-    Args:
-        observer: The subscription's observer.
-        every_s: The least time between two events passed, in seconds; or None.
-        every_steps: The step period; or None (exactly one of the two is given).
-        passed: Called after a time-sampled event passed (True) and after the first one
-            refused since (False).
-    """
+    """The gate of a sampled root: with ``every_s``, passes an event whose ``time`` is at
+    least ``every_s`` after the last one passed, calling ``passed(True)`` after a pass and
+    ``passed(False)`` at the first refusal since; with ``every_steps``, the events whose
+    ``step`` is a multiple of it."""
 
     __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
 
@@ -197,13 +170,12 @@ class Sampled(abc.ObserverBase[Any]):
 class RouteTable:
     """Roots by tier, the per-type route cache, and the demand of each type asked about."""
 
-    def __init__(self, doorbell: Doorbell | None = None) -> None:
-        self._doorbell = doorbell or Doorbell()
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
         self._roots: list[Root] = []
         self._seq = 0
+        # Event type -> observers, in delivery order; replaced on change (copy-on-write).
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
-        """Event type -> observers, in delivery order. Replaced on every change (copy-on-write):
-        read it, never write it; a miss is answered by :meth:`resolve`."""
         self._tier: Tier = "user"  # of the roots registered now
         self._demands: dict[type, Demand] = {}  # for the types a publisher asked about
 
@@ -245,8 +217,8 @@ class RouteTable:
         every_s: float | None = None,
         every_steps: int | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier) and return it; with ``every_s``
-        or ``every_steps``, a sampled root."""
+        """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
+        ``every_steps``."""
         self._seq += 1
         rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
@@ -305,35 +277,31 @@ class PublishQueue:
 
     Args:
         max_queue: Undelivered events past which ``publish`` waits for the dispatcher.
-        flush_interval: Seconds a waiting publisher sleeps between checks for room.
-        routes: Where each event type goes.
-        ledger: Counts an observer that raised past RxPY into the dispatch.
+        flush_interval: Seconds between two dispatches, and between a waiting publisher's looks.
+        routes, ledger: Where events go; where an observer that raised past RxPY is counted.
         stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
     """
 
     def __init__(
         self,
-        *,
         max_queue: int,
         flush_interval: float,
         routes: RouteTable,
         ledger: FailureLedger,
-        stamp: DecisionStamp | None = None,
+        stamp: DecisionStamp,
     ) -> None:
         # The hand-off. deque.append/popleft are atomic under the GIL: no lock on the hot path.
         self._events: deque[ev.BaseEvent] = deque()
         self._max_queue = max_queue
-        self._flush_interval = flush_interval
+        self.flush_interval = flush_interval
         self._routes = routes
         self._ledger = ledger
         self._room = threading.Event()  # set by the dispatcher after each drain
         self._running = False
         self._loop_thread: int | None = None
         self.delivered = 0
-        """Events taken off the queue and dispatched."""
         self.publisher_waits = 0
-        """Times a publishing thread waited for room."""
-        self._stamp = stamp or DecisionStamp()
+        self._stamp = stamp
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
         self._dispatch_thread: int | None = None
@@ -341,12 +309,11 @@ class PublishQueue:
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
         self._unpark_event: anyio.Event | None = None
-        self._call_soon: Callable[[Callable[[], None]], None] | None = None
+        self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
     # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
-        """Queue ``event`` for delivery: a type check and a deque append, safe from any thread.
-        It waits only when ``max_queue`` events are already waiting.
+        """Queue ``event`` for delivery (any thread); waits while ``max_queue`` events wait.
 
         Raises:
             ConfigError: ``event`` is not a trainbus event.
@@ -384,7 +351,7 @@ class PublishQueue:
         self.publisher_waits += 1
         while len(self._events) > self._max_queue and self._running:
             self._room.clear()
-            self._room.wait(self._flush_interval)
+            self._room.wait(self.flush_interval)
 
     # ================================================================== counters
     def __len__(self) -> int:
@@ -409,37 +376,30 @@ class PublishQueue:
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
-    def suspend(self) -> None:
-        """The bus stopped dispatching until it opens again: ``publish`` keeps queueing,
-        publishers no longer wait for room."""
+    def stop(self, *, close: bool = False) -> None:
+        """Stop dispatching until :meth:`open` (publishers no longer wait for room); with
+        ``close``, for good: ``publish`` raises (an append that refuses, no check per publish)."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
         self.parked = False
+        if close:
+            self._events = _ClosedQueue(self._events)
         self._room.set()
-
-    def begin_close(self) -> None:
-        """The bus is closing: publishers no longer wait."""
-        self._running = False
-        self._room.set()
-
-    def close(self) -> None:
-        """The bus closed: from now on ``publish`` raises (its append lands on a queue that
-        refuses it: no state check per publish)."""
-        self._running = False
-        self._events = _ClosedQueue(self._events)
-        self._room.set()
-        self._loop_thread = None
 
     # ================================================================== dispatch side
-    def dispatch(self, n: int) -> int:
-        """Deliver ``n`` queued events in one slice (loop thread; no await between events).
+    def drain(self, limit: int | None = None) -> None:
+        """Deliver the queued events (or the first ``limit``) in one slice on this thread.
         Events subscribers publish on this thread meanwhile are delivered right after the event
-        that caused them (an already queued ``FitEnded`` stays last) and do not count in ``n``.
+        that caused them (an already queued ``FitEnded`` stays last) and do not count."""
+        q = self._events
+        if limit is not None:
+            self._dispatch(min(limit, len(q)))
+        while limit is None and q:
+            self._dispatch(len(q))
+        self._room.set()
 
-        Returns:
-            How many queued events were delivered.
-        """
+    def _dispatch(self, n: int) -> None:
         popleft, derived, stamp = self._events.popleft, self._derived, self._stamp
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
@@ -455,7 +415,6 @@ class PublishQueue:
             self._dispatching = outer
             if not outer:
                 stamp.step = None
-        return n
 
     def _deliver(self, event: ev.BaseEvent) -> None:
         self._stamp.step = event.step
@@ -469,25 +428,14 @@ class PublishQueue:
             try:
                 observer.on_next(event)
             except Exception as exc:  # an operator that raised past RxPY: isolated
-                self._ledger.chain_failed(observer, exc, event)
+                self._ledger.operator_failed(observer, exc, event)
         self.delivered += 1
 
-    async def drain(self, limit: int | None = None) -> None:
-        """Deliver queued events (all of them, or ``limit``) in one slice: no await inside."""
-        q = self._events
-        remaining = len(q) if limit is None else limit
-        while q and remaining > 0:
-            remaining -= self.dispatch(min(remaining, len(q)))
-            if limit is None:
-                remaining = len(q)
-        self._room.set()
-
     async def wait_published(self, backstop: float) -> None:
-        """Park until something is published, or ``backstop`` seconds (the poller).
-        ``parked`` is raised before the queue is looked at: a publisher that appends after the
-        look sees the flag and wakes this wait."""
+        """Park the poller until something is published, or ``backstop`` seconds. ``parked`` is
+        raised before the queue is looked at: a later append sees it and wakes this wait."""
         if self._call_soon is None:  # no way to be woken: keep the plain interval
-            await anyio.sleep(self._flush_interval)
+            await anyio.sleep(self.flush_interval)
             return
         event = self._unpark_event = anyio.Event()
         self.parked = True
@@ -500,31 +448,22 @@ class PublishQueue:
             self._unpark_event = None
 
     def flush(self) -> None:
-        """:meth:`EventBus.flush`: deliver every queued event now, on the calling thread."""
+        """:meth:`EventBus.flush`."""
         if self._loop_thread is not None and threading.get_ident() != self._loop_thread:
             raise BusClosedError(
                 "flush() runs on the bus' event-loop thread; from another thread (a hook on "
                 "the training thread included) use anyio.from_thread.run(bus.wait_delivered, "
                 "token=token), the token taken on that loop by anyio.lowlevel.current_token()"
             )
-        q = self._events
-        while q:
-            self.dispatch(len(q))
-        self._room.set()
+        self.drain()
 
 
-def _threadsafe_call_soon() -> Callable[[Callable[[], None]], None] | None:
-    """A non-blocking way to run a callable on the running event loop from any thread
-    (``anyio.from_thread.run_sync`` waits for the result); None when the backend has none (the
-    poller then never parks)."""
+def _threadsafe_call_soon() -> Callable[[Callable[[], None]], object] | None:
+    """Run a callable on the running event loop from any thread without waiting; None when the
+    backend has no way (the poller then never parks)."""
     native = anyio.lowlevel.current_token().native_token
     if isinstance(native, asyncio.AbstractEventLoop):
-        loop = native
-
-        def call_soon(fn: Callable[[], None]) -> None:
-            loop.call_soon_threadsafe(fn)
-
-        return call_soon
+        return native.call_soon_threadsafe
     run_sync_soon = getattr(native, "run_sync_soon", None)  # trio's TrioToken
     return run_sync_soon if callable(run_sync_soon) else None
 
@@ -535,26 +474,27 @@ BarrierStatus = Literal["done", "timeout", "request"]
 DEFAULT_BARRIERS: tuple[type[ev.BaseEvent], ...] = (ev.EvaluationEnded, ev.EpochEnded)
 """The events the loop waits at unless ``EventBus(barriers=...)`` says otherwise."""
 BARRIER_TYPES: tuple[type[ev.BaseEvent], ...] = (
-    ev.StepEnded, ev.MetricsLogged, ev.EvaluationEnded, ev.EpochEnded,
-)  # fmt: skip
+    ev.StepEnded,
+    ev.MetricsLogged,
+    ev.EvaluationEnded,
+    ev.EpochEnded,
+)
 """Events followed by a poll point: the only ones a barrier can make decisions exact on."""
 
 
 def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
-    """``EventBus(barriers=)``: an iterable of the event classes a barrier can follow.
-
-    Raises:
-        ConfigError: not an iterable of classes of :data:`BARRIER_TYPES`.
-    """
+    """``EventBus(barriers=)``: an iterable of classes of :data:`BARRIER_TYPES`."""
     if not isinstance(value, Iterable) or isinstance(value, str):
         raise ConfigError.invalid("barriers", value, "an iterable of event classes")
     found = tuple(value)
     for b in found:
         if b not in BARRIER_TYPES:
             raise ConfigError.invalid(
-                "barriers", b, "event classes followed by a poll point: "
+                "barriers",
+                b,
+                "event classes followed by a poll point: "
                 + ", ".join(t.__name__ for t in BARRIER_TYPES),
-            )  # fmt: skip
+            )
     return frozenset(found)
 
 
@@ -573,13 +513,8 @@ _REMEDIES = (
 
 
 class Barrier:
-    """``wait_delivered`` and the loop's interruptible barrier.
-
-    Args:
-        queue: What to deliver first.
-        subscriptions: The async subscriptions waited for.
-        channel: A ``request()`` on it interrupts an interruptible wait.
-    """
+    """``wait_delivered`` and the loop's barrier, which a ``request()`` on ``channel``
+    interrupts."""
 
     def __init__(
         self, queue: PublishQueue, subscriptions: SubscriptionSet, channel: CommandChannel
@@ -596,20 +531,13 @@ class Barrier:
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
     ) -> bool:
         """:meth:`EventBus.wait_delivered` (``event`` is found by identity in the queue)."""
-        # The timeout covers the delivery too.
-        start = anyio.current_time()
-        with anyio.move_on_after(timeout) as scope:
-            targets = await self._deliver_for_barrier(event)
-        if scope.cancelled_caught:
-            log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
-            return False
-        left = None if timeout is None else max(0.0, timeout - (anyio.current_time() - start))
-        status = await self._wait_targets(targets, left, interruptible=False, configured=timeout)
-        return status == "done"
+        deadline = anyio.current_time() + (math.inf if timeout is None else timeout)
+        targets = self._deliver(event)
+        return await self._wait_targets(targets, deadline, timeout, barrier=False) == "done"
 
-    async def _deliver_for_barrier(
-        self, event: ev.BaseEvent | None
-    ) -> list[tuple[AsyncSubscription, int]]:
+    def _deliver(self, event: ev.BaseEvent | None) -> list[tuple[AsyncSubscription, int]]:
+        """Deliver everything queued: the async subscriptions that received ``event`` (None:
+        anything delivered now), with how many items they had received then."""
         asyncs = self._subscriptions.asyncs()
         q = self._queue
         if event is not None:
@@ -618,65 +546,60 @@ class Barrier:
             if before_event is None:
                 # The poller already dispatched it: each subscription noted which event fed
                 # its last item (the loop publishes nothing while it waits here).
-                await q.drain()
+                q.drain()
                 fed = [(s, s.received_from(id(event))) for s in asyncs]
                 return [(s, n) for s, n in fed if n is not None]
             if before_event:
-                await q.drain(limit=before_event)
+                q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
-        if event is not None and q.first_is(event):
-            await q.drain(limit=1)
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
-            await q.drain()
-        else:
-            await q.drain()
-            targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        first = event is not None and q.first_is(event)
+        q.drain(limit=1 if first else None)
+        targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
+        q.drain()
         return targets
 
     async def _wait_targets(
         self,
         targets: list[tuple[AsyncSubscription, int]],
+        deadline: float,
         timeout: float | None,
         *,
-        interruptible: bool,
-        configured: float | None = None,
-        account: bool = False,
+        barrier: bool,
     ) -> BarrierStatus:
-        status: BarrierStatus = "timeout"
-        wake = self._channel.arm_wake()
+        """Wait until every target has settled its items (``"done"``), the deadline passes
+        (``"timeout"``) or, at the loop's ``barrier``, a ``request()`` arrives (``"request"``);
+        a barrier charges its waits to the subscriptions and names the slow ones."""
+        status: BarrierStatus = "done"
         start = anyio.current_time()
         # Only those not settled yet are waited for (and charged).
         waiting = [(sub, n) for sub, n in targets if sub.settled < n and not sub.finished]
         unsettled = {id(sub) for sub, _ in waiting}
-        # A race (each task ends by its own scope, TaskSet): all settled ("done"), a request
-        # ("request") or the timeout.
+        wake = self._channel.arm_wake()
+        # A race, each task ending by its own scope (TaskSet): the first outcome wins.
         async with anyio.create_task_group() as tg:
             tasks = TaskSet(tg)
+
+            def finish(outcome: BarrierStatus) -> None:
+                nonlocal status
+                if not tasks.stopped:
+                    status = outcome
+                    tasks.stop()
 
             async def settle_one(sub: AsyncSubscription, target: int) -> None:
                 await sub.wait_settled(target)
                 unsettled.discard(id(sub))
-                if account:
+                if barrier:
                     self._charge(sub, anyio.current_time() - start)
                 if not unsettled:
-                    settled()
-
-            def settled() -> None:
-                nonlocal status
-                if not tasks.stopped:
-                    status = "done"
-                    tasks.stop()
+                    finish("done")
 
             async def interrupted() -> None:
-                nonlocal status
                 await wake.wait()
-                if not tasks.stopped:
-                    status = "request"
-                    tasks.stop()
+                finish("request")
 
-            async def timer(seconds: float) -> None:
-                await anyio.sleep(seconds)
-                tasks.stop()  # status stays "timeout"
+            async def timer() -> None:
+                await anyio.sleep_until(deadline)
+                finish("timeout")
 
             async def announce() -> None:
                 # Said while training waits, not after.
@@ -685,37 +608,28 @@ class Barrier:
                     if id(sub) in unsettled:
                         self._announce(sub)
 
-            if not waiting:
-                settled()
-            for sub, target in waiting:
-                tasks.start_soon(settle_one, sub, target)
-            if interruptible:
-                tasks.start_soon(interrupted)
-            if timeout is not None:
-                tasks.start_soon(timer, timeout)
-            if account and waiting and not tasks.stopped:
-                tasks.start_soon(announce)
+            if waiting:
+                for sub, target in waiting:
+                    tasks.start_soon(settle_one, sub, target)
+                if barrier:
+                    tasks.start_soon(interrupted)
+                    tasks.start_soon(announce)
+                if deadline < math.inf:
+                    tasks.start_soon(timer)
         self._channel.disarm_wake()
-        if account and unsettled:  # timed out or interrupted: charged up to now
+        if barrier:
             elapsed = anyio.current_time() - start
             for sub, _ in waiting:
-                if id(sub) in unsettled:
+                if id(sub) in unsettled:  # timed out or interrupted: charged up to now
                     self._charge(sub, elapsed)
-        if account:
-            # Many short waits add up to a warning too.
-            for sub, _ in waiting:
                 if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
-                    self._announce(sub)
+                    self._announce(sub)  # many short waits add up to a warning too
         if status == "timeout":
-            log.warning(
-                "barrier_timeout",
-                timeout=configured if configured is not None else timeout,
-                waiting=[s.name for s, _ in targets],
-            )
+            log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
         return status
 
     def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
-        sub.add_waited(seconds)  # what the user reads (back-pressure's waits included)
+        sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
 
     def _announce(self, sub: AsyncSubscription) -> None:
@@ -726,31 +640,20 @@ class Barrier:
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool
     ) -> BarrierStatus:
-        """The loop's barrier: deliver, then wait for the async deciders (``decides=True``)
-        that received the event (None: anything delivered now).
-
-        Returns:
-            ``"done"``, ``"timeout"``, or ``"request"`` (a ``request()`` arrived: the loop
-            applies it, then resumes the same wait with ``resume=True``).
-        """
+        """Deliver, then wait for the deciders that received ``event`` (None: anything
+        delivered now): ``"done"``, ``"timeout"`` or ``"request"`` (the loop applies it, then
+        resumes the same wait with ``resume=True``)."""
         if resume and self._pending is not None:
             targets, deadline = self._pending
-            await self._queue.drain()  # delivers the CommandApplied the requester is waiting for
+            self._queue.drain()  # delivers the CommandApplied the requester is waiting for
         else:
             deadline = anyio.current_time() + timeout
-            with anyio.move_on_at(deadline) as scope:
-                targets = await self._deliver_for_barrier(event)
-            if scope.cancelled_caught:
-                log.warning("barrier_timeout", timeout=timeout, waiting=[], stage="delivery")
-                return "timeout"
-            targets = [(s, n) for s, n in targets if s.decides]
+            targets = [(s, n) for s, n in self._deliver(event) if s.decides]
         self._pending = None
         if self._channel.request_waiting():
             status: BarrierStatus = "request"
         else:
-            left = max(0.0, deadline - anyio.current_time())
-            status = await self._wait_targets(targets, left, interruptible=True,
-                                              configured=timeout, account=True)  # fmt: skip
+            status = await self._wait_targets(targets, deadline, timeout, barrier=True)
         if status == "request":
             self._pending = (targets, deadline)
         return status

@@ -1,14 +1,10 @@
-"""Opening and closing the bus, its poller, and its statistics.
+"""Opening, suspending and closing the bus, its poller, and its statistics.
 
 Opening starts the bus' task group: the scheduler's timer task (when the bus made its own), the
 async subscribers' workers and the poller. Closing delivers what was published, completes every
-stream (buffering operators emit what they hold), waits for the async subscribers (at most
-``close_timeout``, or until ``cancel_pending``; a ``bus_close_waiting`` warning names what is
-pending while it waits), cancels what is left and reports every lost item.
-
-Between the two a bus may *suspend* (a trainer call that opened it for itself ends): it does
-what closing does, firing the pending timers instead of completing the streams, and stops its
-task group; the next call opens it again with the same subscribers.
+stream, waits for the async subscribers within ``close_timeout`` (saying so while it waits),
+cancels what is left and reports every lost item. Suspending (a trainer call's end) does the
+same but fires the pending timers instead of completing the streams; the next call reopens it.
 """
 
 from __future__ import annotations
@@ -20,7 +16,6 @@ from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import anyio
-from anyio.abc import TaskGroup
 
 from .._exceptions import BusClosedError
 from .._log import get_logger
@@ -49,8 +44,8 @@ _CANCEL_POLL = 0.1
 _NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
 _NOTICE_EVERY = 30.0
-"""Seconds between two ``bus_close_waiting`` warnings of one wait, at most (a tenth of a
-``close_timeout`` under 300 s)."""
+"""Seconds between two ``bus_close_waiting`` warnings, at most (a tenth of ``close_timeout``)."""
+_LOST = ("dropped", "cancelled", "failed")
 
 
 class Lifecycle:
@@ -59,24 +54,21 @@ class Lifecycle:
     Args:
         queue, routes, subscriptions, channel, ledger: The bus' parts.
         own_scheduler: The scheduler to run in the task group (the bus made it), or None.
-        flush_interval: Seconds between two drains of the queue.
         close_timeout: Seconds closing (or a call's end) waits for async subscribers before
             cancelling them (None: as long as they take).
-        watchdog: Watches the event-loop thread while the bus runs, or None.
+        watchdog: Watches the event-loop thread while the bus runs.
     """
 
     def __init__(
         self,
-        *,
         queue: PublishQueue,
         routes: RouteTable,
         subscriptions: SubscriptionSet,
         channel: CommandChannel,
         ledger: FailureLedger,
         own_scheduler: AnyioScheduler | None,
-        flush_interval: float,
         close_timeout: float | None,
-        watchdog: Watchdog | None = None,
+        watchdog: Watchdog,
     ) -> None:
         self._queue = queue
         self._routes = routes
@@ -84,11 +76,9 @@ class Lifecycle:
         self._channel = channel
         self._ledger = ledger
         self._own_scheduler = own_scheduler
-        self._flush_interval = flush_interval
         self._close_timeout = close_timeout
         self._watchdog = watchdog
-        self._state: State = "new"
-        self._tg: TaskGroup | None = None
+        self.state: State = "new"
         self._tasks: TaskSet | None = None  # the poller, the scheduler's timer, async workers
         # The task group is entered through this stack, so that a cancellation at any await
         # of open() unwinds it in open() itself (the caller's cancel scopes stay nested).
@@ -97,11 +87,6 @@ class Lifecycle:
         self._reported: dict[str, LostWork] = {}
         self._cancel_requested = False
 
-    @property
-    def state(self) -> State:
-        """new, running, suspended (between two trainer calls), closing or closed."""
-        return self._state
-
     async def open(self) -> None:
         """Start the task group, the scheduler, the async workers and the poller (a new bus,
         or a suspended one again).
@@ -109,41 +94,41 @@ class Lifecycle:
         Raises:
             BusClosedError: the bus runs already, or closed (a closed bus stays closed).
         """
-        if self._state not in ("new", "suspended"):
-            raise BusClosedError(f"the EventBus is {self._state}: it cannot be opened again; "
-                                 "a closed bus stays closed, create a new one")  # fmt: skip
-        previous = self._state
-        self._state = "running"
+        if self.state not in ("new", "suspended"):
+            raise BusClosedError(
+                f"the EventBus is {self.state}: it cannot be opened again; "
+                "a closed bus stays closed, create a new one"
+            )
+        previous = self.state
+        self.state = "running"
         self._queue.open(threading.get_ident())
         stack = contextlib.AsyncExitStack()
         self._stack = stack
         try:
-            tg = self._tg = await stack.enter_async_context(anyio.create_task_group())
+            tg = await stack.enter_async_context(anyio.create_task_group())
             tasks = self._tasks = TaskSet(tg)
             if self._own_scheduler is not None:
-                await tasks.start(self._own_scheduler.run)
+                tasks.start_soon(self._own_scheduler.run)
             self._subscriptions.start(tasks)
             tasks.start_soon(self._poll, name="trainbus-bus-poller")
         except BaseException:
             # Cancelled (or failed) half-way: stop what started; the bus stays as it was.
-            self._state = previous
+            self.state = previous
             await self._stop_task_group(closing=False)
             raise
-        if self._watchdog is not None:  # last: nothing after it can fail and leave it running
-            self._watchdog.start(threading.get_ident())
+        # Last: nothing after it can fail and leave it running.
+        self._watchdog.start(threading.get_ident())
 
     async def _stop_task_group(self, *, closing: bool) -> None:
-        """Stop the watchdog, the queue's dispatching, the async workers and the task group
-        (its tasks are cancelled and waited for); the bus is then suspended or closed."""
-        if self._watchdog is not None:
-            self._watchdog.stop()
+        """Stop the watchdog, the dispatching, the async workers and the task group."""
+        self._watchdog.stop()
+        self._queue.stop(close=closing)
         if closing:
-            self._queue.close()
+            self._subscriptions.cancel_pending()
         else:
-            self._queue.suspend()
             self._subscriptions.suspend()
         stack, tasks = self._stack, self._tasks
-        self._stack, self._tg, self._tasks = None, None, None
+        self._stack, self._tasks = None, None
         if tasks is not None:
             # The async workers first: a scope around them cancelled while they end would make
             # their own scopes let it through.
@@ -156,7 +141,7 @@ class Lifecycle:
             await stack.aclose()
 
     async def _poll(self) -> None:
-        interval = self._flush_interval
+        interval = self._queue.flush_interval
         q = self._queue
         # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
         # intervals the poller parks until the next publish wakes it.
@@ -168,42 +153,66 @@ class Lifecycle:
                 await q.wait_published(_PARK_BACKSTOP)
             if q:
                 empty = 0
-                await q.drain(limit=len(q))
+                q.drain(limit=len(q))
             else:
                 empty += 1
 
-    async def suspend(self, *, raise_fatal: bool) -> None:
-        """:meth:`EventBus.suspend` (the ``"raise"`` failure is cleared either way)."""
-        assert self._tg is not None
+    async def end(self, *, close: bool, raise_fatal: bool) -> None:
+        """Suspend (a call's end; :meth:`EventBus.suspend`) or close: deliver, fire the
+        pending timers (suspend) or complete the streams (close), wait for the async
+        subscribers within ``close_timeout``, cancel what is left, report the lost work and
+        stop the task group. With ``raise_fatal``, raise a ``"raise"`` subscription's failure
+        (a suspend clears it either way)."""
+        assert self._tasks is not None
         try:
+            # Shielded: what was published is delivered even when the caller is cancelled.
             with anyio.CancelScope(shield=True):
-                await self._settle()
+                await self._wind_down(close)
         finally:
-            self._state = "suspended"
-            await self._stop_task_group(closing=False)
+            self.state = "closed" if close else "suspended"
+            await self._stop_task_group(closing=close)
+            if close:
+                self._channel.seal()
             self._report_lost()
-        fatal = self._ledger.take_fatal()
+        fatal = self._ledger.fatal if close else self._ledger.take_fatal()
         if raise_fatal and fatal is not None:
             raise fatal
 
-    async def _settle(self) -> None:
-        deadline = self._deadline()
-        await self._queue.drain()
-        if self._own_scheduler is not None:
+    async def _wind_down(self, close: bool) -> None:
+        deadline = anyio.current_time() + (
+            math.inf if self._close_timeout is None else self._close_timeout
+        )
+        if close:
+            self.state = "closing"
+            self._subscriptions.close()
+            self._channel.close()
+            self._queue.stop()
+        self._queue.drain()
+        if close:
+            # Completing the roots lets buffering operators emit what they hold.
+            for observer in self._routes.observers():
+                try:
+                    observer.on_completed()
+                except Exception as exc:
+                    self._ledger.operator_failed(observer, exc)
+        elif self._own_scheduler is not None:
             # A call's end is a window's end: buffer_with_time emits its partial batch now.
             self._own_scheduler.fire_pending()
-            await self._queue.drain()
+        self._queue.drain()
         # Commands sent after the last poll point are not carried into the next call; a
         # request() waiting now raises BusClosedError instead of holding this wait.
         self._channel.end_polls()
-        asyncs = [sub for sub in self._subscriptions.asyncs() if sub.active]
-
-        async def settled() -> None:
+        asyncs = [sub for sub in self._subscriptions.asyncs() if close or sub.active]
+        if close:
             for sub in asyncs:
-                await sub.wait_settled(sub.received)
+                sub.close_input()
+
+        async def wait() -> None:
+            for sub in asyncs:
+                await (sub.wait_finished() if close else sub.wait_settled(sub.received))
 
         try:
-            await self._wait_pending(settled, deadline)
+            await self._wait_pending(wait, deadline)
         finally:
             self._channel.drop_unapplied()  # sent (not requested) while they finished
             self._channel.resume_polls()
@@ -218,14 +227,27 @@ class Lifecycle:
             self.cancel_pending()
 
         start = anyio.current_time()
-        every = self._notice_every()
+        timeout = self._close_timeout
+        every = _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
 
         async def notice() -> None:
             # Only a wait that lasts is announced, and again while it lasts.
             await anyio.sleep(min(_NOTICE_AFTER, every))
             while True:
+                pending = self._subscriptions.pending()
                 now = anyio.current_time()
-                self._announce_wait(waited_s=now - start, left_s=deadline - now)
+                if pending:
+                    log.warning(
+                        "bus_close_waiting",
+                        pending=pending,
+                        close_timeout=timeout,
+                        waited_s=round(now - start, 3),
+                        action="waiting for them"
+                        if timeout is None
+                        else f"waiting {max(deadline - now, 0.0):.3g} s more, then cancelling them",
+                        hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
+                        "as lost work; EventBus(close_timeout=...) bounds the wait",
+                    )
                 await anyio.sleep(every)
 
         async with anyio.create_task_group() as tg:
@@ -240,36 +262,16 @@ class Lifecycle:
         self._cancel_requested = False  # answered, or nothing was left to cancel
 
     def request_cancel_pending(self) -> None:
-        """Ask a waiting call's end or close to cancel the pending async work (within
-        ``_CANCEL_POLL`` s). Safe from any thread and a signal handler: it sets a flag."""
+        """Ask a waiting call's end or close to cancel the pending async work (a flag: safe
+        from any thread and a signal handler)."""
         self._cancel_requested = True
 
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscriber's pending work now (see
-        :meth:`EventBus.cancel_pending`)."""
+        """:meth:`EventBus.cancel_pending`."""
         pending = self._subscriptions.cancel_pending()
         if pending:
             log.warning("bus_pending_cancelled", cancelled=pending)
         return pending
-
-    def _deadline(self) -> float:
-        timeout = self._close_timeout
-        return anyio.current_time() + (math.inf if timeout is None else timeout)
-
-    def _notice_every(self) -> float:
-        timeout = self._close_timeout
-        return _NOTICE_EVERY if timeout is None else max(min(_NOTICE_EVERY, timeout / 10), 0.01)
-
-    def _announce_wait(self, *, waited_s: float, left_s: float) -> None:
-        pending = self._subscriptions.pending()
-        if pending:
-            timeout = self._close_timeout
-            log.warning("bus_close_waiting", pending=pending, close_timeout=timeout,
-                        waited_s=round(waited_s, 3),
-                        action="waiting for them" if timeout is None else
-                        f"waiting {max(left_s, 0.0):.3g} s more, then cancelling them",
-                        hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
-                        "as lost work; EventBus(close_timeout=...) bounds the wait")  # fmt: skip
 
     def _report_lost(self) -> None:
         """Log what the subscribers lost since the last report (a call's end, or the close)."""
@@ -280,74 +282,18 @@ class Lifecycle:
         for name, now in totals.items():
             before = self._reported.get(name, LostWork())
             self._reported[name] = now
-            grown = {"dropped": now.dropped - before.dropped,
-                     "cancelled": now.cancelled - before.cancelled,
-                     "failed": now.failed - before.failed}  # fmt: skip
+            grown = {kind: getattr(now, kind) - getattr(before, kind) for kind in _LOST}
             if any(grown.values()):
                 lost[name] = grown
         if lost:
+            sums = {kind: sum(x[kind] for x in lost.values()) for kind in _LOST}
             log.warning(
-                "bus_closed_with_lost_work",
-                total=sum(sum(x.values()) for x in lost.values()),
-                lost_work=lost,
-                dropped=sum(x["dropped"] for x in lost.values()),
-                cancelled=sum(x["cancelled"] for x in lost.values()),
-                failed=sum(x["failed"] for x in lost.values()),
+                "bus_closed_with_lost_work", total=sum(sums.values()), lost_work=lost, **sums
             )
-
-    async def close(self, *, raise_fatal: bool) -> None:
-        """Deliver, complete, wait (within ``close_timeout``), cancel, report; then stop.
-        With ``raise_fatal``, raise a ``"raise"`` subscription's failure, if any."""
-        assert self._tg is not None
-        try:
-            # Shielded: what was published is delivered even when the caller is cancelled.
-            with anyio.CancelScope(shield=True):
-                await self._close()
-        finally:
-            self._state = "closed"
-            await self._stop_task_group(closing=True)
-            self._channel.seal()
-            self._channel.release_waiters()
-        fatal = self._ledger.fatal
-        if raise_fatal and fatal is not None:
-            raise fatal
-
-    async def _close(self) -> None:
-        self._state = "closing"
-        self._subscriptions.close()
-        self._channel.close()
-        deadline = self._deadline()
-        self._queue.begin_close()
-        await self._queue.drain()
-        # Completing the roots lets buffering operators emit what they hold.
-        for observer in self._routes.observers():
-            try:
-                observer.on_completed()
-            except Exception as exc:
-                self._ledger.completion_failed(observer, exc)
-        await self._queue.drain()
-        # No loop polls any more: a request() still waiting raises now.
-        self._channel.end_polls()
-        asyncs = self._subscriptions.asyncs()
-        for sub in asyncs:
-            sub.close_input()
-
-        async def finished() -> None:
-            for sub in asyncs:
-                await sub.wait_finished()
-
-        await self._wait_pending(finished, deadline)
-        for sub in asyncs:
-            if not sub.finished:
-                sub.cancel()
-        for sub in asyncs:
-            await sub.wait_finished()
-        self._channel.drop_unapplied()
-        self._report_lost()
 
     def statistics(self) -> BusStatistics:
         """:meth:`EventBus.statistics`."""
-        subs = self._subscriptions.statistics()
+        subs = tuple(s.statistics() for s in self._subscriptions.all())
         depth = len(self._queue)
         delivered = self._queue.delivered
         return BusStatistics(

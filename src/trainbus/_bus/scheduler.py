@@ -1,16 +1,13 @@
 """The event loop's runtime: the reactivex scheduler on anyio, and the background tasks.
 
-RxPY's time-based operators (``throttle_first``, ``buffer_with_time``, ``debounce``) default to a
-``threading.Timer`` per action, which would run subscribers off the event loop. The bus hands
-every subscription an :class:`AnyioScheduler` instead: one timer task serves a heap of due
-actions (a heap push per action, not a task). ``now`` is the wall clock, as for every reactivex
-6 scheduler; delays run on the loop's clock.
+RxPY's time-based operators default to a ``threading.Timer`` per action, which would run
+subscribers off the event loop; the bus hands every subscription an :class:`AnyioScheduler`
+instead (one timer task over a heap of due actions). ``now`` is the wall clock, as for every
+reactivex 6 scheduler; delays run on the loop's clock.
 
-Every background task trainbus starts runs in a :class:`TaskSet`, in its own cancel scope that
-:meth:`TaskSet.stop` cancels: the task ends *normally* and its task group exits without
-cancelling anything. Cancelling the task group instead leaves, on asyncio, a child's
-``CancelledError`` in a reference cycle holding the thread's frames (anyio 4.16), so a dropped
-Trainer's model stayed in memory until the next garbage-collector pass.
+Every background task trainbus starts runs in a :class:`TaskSet`, in its own cancel scope: the
+task ends normally and its task group exits without cancelling anything (a cancelled task group
+leaves, on asyncio, a ``CancelledError`` in a reference cycle holding a dropped Trainer).
 """
 
 from __future__ import annotations
@@ -199,12 +196,9 @@ class AnyioScheduler(PeriodicScheduler):
 
 
 class ChainScheduler(PeriodicScheduler):
-    """The scheduler a bus subscription hands its chain: timed work on ``timed`` (the bus'
-    Rx scheduler), work for "now" on the calling thread's trampoline, RxPY's default. So
-    ``reactivex.merge`` and ``start_with`` subscribe within the ``subscribe`` call, as in plain
-    RxPY, not at the loop's next round (missing what is delivered meanwhile, outside the
-    ``bus.tier(...)`` in force).
-    """
+    """The scheduler a bus subscription hands its chain: timed work on ``timed`` (the bus' Rx
+    scheduler), work for "now" on the calling thread's trampoline, RxPY's default (so
+    ``reactivex.merge`` subscribes within the ``subscribe`` call, as in plain RxPY)."""
 
     def __init__(self, timed: abc.SchedulerBase) -> None:
         super().__init__()
@@ -257,53 +251,32 @@ class TaskSet:
     def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
         self._scopes: list[anyio.CancelScope] = []
-        self._stopped = False
+        self.stopped = False
+        """Whether :meth:`stop` was called (a task started later stops at its first await)."""
         self._token = anyio.lowlevel.current_token()
         self._thread = threading.get_ident()
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)`` on the tasks' event-loop thread (from another thread through
-        anyio's portal, waiting for it): what makes anyio events and tasks must run there.
-
-        Returns:
-            What ``fn`` returned.
-        """
+        """Call ``fn(*args)`` on the tasks' event-loop thread (from another, through anyio's
+        portal) and return its result: what makes anyio events and tasks must run there."""
         if threading.get_ident() == self._thread:
             return fn(*args)
         return anyio.from_thread.run_sync(fn, *args, token=self._token)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether :meth:`stop` was called (a task started later stops at its first await)."""
-        return self._stopped
-
-    def _scope(self) -> anyio.CancelScope:
-        scope = anyio.CancelScope()
-        if self._stopped:
-            scope.cancel()
-        self._scopes.append(scope)
-        return scope
 
     def start_soon(
         self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None
     ) -> None:
         """Start ``fn(*args)`` as a task of the group, in its own cancel scope."""
-        self._tg.start_soon(_in_scope, self._scope(), fn, args, name=name)
-
-    async def start(
-        self, fn: Callable[..., Awaitable[Any]], *args: Any, name: str | None = None
-    ) -> Any:
-        """Start ``fn(*args, task_status=...)`` and wait until it calls ``started()``.
-
-        Returns:
-            What ``fn`` passed to ``task_status.started()``.
-        """
-        return await self._tg.start(_started_in_scope, self._scope(), fn, args, name=name)
+        scope = anyio.CancelScope()
+        if self.stopped:
+            scope.cancel()
+        self._scopes.append(scope)
+        self._tg.start_soon(_in_scope, scope, fn, args, name=name)
 
     def stop(self) -> None:
         """Cancel every task's own scope: each ends at its next await, as a normal return.
         Idempotent; safe from one of the tasks (it ends at its next await, if any)."""
-        self._stopped = True
+        self.stopped = True
         scopes, self._scopes = self._scopes, []
         for scope in scopes:
             scope.cancel()
@@ -314,14 +287,3 @@ async def _in_scope(
 ) -> None:
     with scope:
         await fn(*args)
-
-
-async def _started_in_scope(
-    scope: anyio.CancelScope,
-    fn: Callable[..., Awaitable[Any]],
-    args: tuple[Any, ...],
-    *,
-    task_status: TaskStatus[Any] = anyio.TASK_STATUS_IGNORED,
-) -> None:
-    with scope:
-        await fn(*args, task_status=task_status)

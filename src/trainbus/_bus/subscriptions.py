@@ -1,22 +1,12 @@
 """Subscriptions: their records, the chains they end, ranks, back-pressure and statistics.
 
-Every bus subscription gets a :class:`Subscription` record (the ``Disposable`` the subscribe
-call returns) that counts what it received, dropped and failed; counters are plain ints touched
-on the event-loop thread only. A sync one ends its chain in a :class:`GuardedObserver`, which
-reports failures to the bus' :class:`~trainbus._bus.watchdog.FailureLedger` instead of letting
-RxPY re-raise them into the dispatch. An :class:`AsyncSubscription` runs ``async def fn(item)``
-from a bounded buffer in worker tasks; its observer side never awaits.
-
-A chain born on the bus is a :class:`BusObservable` (and so is what its ``pipe()`` returns): it
-subscribes through :class:`Chains`, which hands the chain the bus' Rx scheduler (RxPY passes
-the last ``subscribe``'s scheduler to every time-based operator above it), guards the observer,
-makes a subscription for other ranks inert (:class:`RankFilter`) and declares the pipeline's
-decision steps for the subscription's lifetime.
-
-A ``"block"`` subscription never drops: over capacity it takes the item anyway (the dispatcher
-never waits) and signals :class:`Backpressure`, which rings the doorbell; the training loop then
-waits at its poll point (:meth:`Backpressure.wait_for_room`) until there is room, and the first
-wait on a subscription is announced (:func:`announce_wait`).
+A sync subscription ends its chain in a :class:`GuardedObserver`, which reports failures to the
+:class:`~trainbus._bus.watchdog.FailureLedger` instead of letting RxPY re-raise them into the
+dispatch. An :class:`AsyncSubscription` runs ``async def fn(item)`` from a bounded buffer in
+worker tasks. A chain born on the bus is a :class:`BusObservable`; it subscribes through the
+:class:`SubscriptionSet`, which hands it the bus' Rx scheduler, guards the observer, makes a
+subscription for other ranks inert and declares the pipeline's decision steps. Counters are
+plain ints touched on the event-loop thread only.
 """
 
 from __future__ import annotations
@@ -33,26 +23,23 @@ from typing import Any, Generic, Literal, TypeAlias, TypeVar
 
 import anyio
 from reactivex import Observable, abc
-from reactivex.disposable import Disposable
 
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
-from .commands import DecisionStamp, DecisionSteps, Doorbell, StepClock
+from .._validate import check_int
+from .commands import ITEM_STEP, DecisionStamp, DecisionSteps, Doorbell, StepClock
 from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
 __all__ = [
     "DEFAULT_OVERFLOW",
     "OVERFLOWS",
-    "AsyncFeeder",
     "AsyncSubscription",
     "Backpressure",
     "BusObservable",
     "BusStatistics",
-    "Chains",
     "CommandSink",
-    "ErrorPolicy",
     "GuardedObserver",
     "LostWork",
     "Overflow",
@@ -63,7 +50,6 @@ __all__ = [
     "SubscriptionStatistics",
     "announce_wait",
     "env_rank",
-    "normalize_observer",
 ]
 
 log = get_logger(__name__)
@@ -132,9 +118,11 @@ class LostWork:
 
     def __add__(self, other: LostWork) -> LostWork:
         """The lost work of two subscriptions (or two calls) together, count by count."""
-        return LostWork(dropped=self.dropped + other.dropped,
-                        cancelled=self.cancelled + other.cancelled,
-                        failed=self.failed + other.failed)  # fmt: skip
+        return LostWork(
+            dropped=self.dropped + other.dropped,
+            cancelled=self.cancelled + other.cancelled,
+            failed=self.failed + other.failed,
+        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,16 +146,17 @@ class BusStatistics:
 _SLICE = 0.05
 """Seconds between two looks of a waiting training thread (its waits are counted per slice)."""
 
-REMEDIES = (
-    "a larger buffer=, a higher concurrency=, overflow='drop_oldest' or 'latest' (drops are "
-    "counted as lost work), or sample at the stream: bus.stream(T, every_steps=n) / "
-    "bus.stream(T, every_s=x)"
-)
+
+def _remedies(overflow: str) -> str:
+    """What helps a subscriber that cannot keep up, ``overflow`` the other policy to try."""
+    return (
+        f"a larger buffer=, a higher concurrency=, {overflow}, or sample at the stream: "
+        "bus.stream(T, every_steps=n) / bus.stream(T, every_s=x)"
+    )
 
 
 def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None:
-    """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``, with how fast
-    it finishes items against how fast they come, ``reason`` and ``remedies``."""
+    """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``."""
     done_rate, in_rate = sub.rates()
     log.warning(
         "training_waits_for_subscriber",
@@ -181,19 +170,17 @@ def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None
 
 class Backpressure:
     """The ``"block"`` subscriptions over capacity, and the training thread's wait for them.
-
-    The holders change on the event-loop thread only; ``active`` is a plain attribute the loop
-    reads at its poll points.
+    The holders change on the event-loop thread only; the loop reads ``active``.
 
     Args:
-        doorbell: Rung when a subscription starts holding, so the loop looks at once.
+        doorbell: Rung when a subscription starts holding.
     """
 
     __slots__ = ("_doorbell", "_holders", "_room", "_warned", "active")
 
-    def __init__(self, doorbell: Doorbell | None = None) -> None:
+    def __init__(self, doorbell: Doorbell) -> None:
         self.active = False
-        self._doorbell = doorbell or Doorbell()
+        self._doorbell = doorbell
         self._holders: dict[int, AsyncSubscription] = {}
         self._room = threading.Event()
         self._room.set()
@@ -215,9 +202,8 @@ class Backpressure:
             self._room.set()
 
     def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the calling (training) thread while a ``"block"`` buffer is over capacity, or
-        until the doorbell rings (the loop must act) or ``stop()`` is true (polled every slice).
-        Each slice is added to the ``waited_s`` of every subscription holding during it.
+        """Block the training thread while a ``"block"`` buffer is over capacity, until the
+        doorbell rings or ``stop()`` is true; each slice is charged to the holders' ``waited_s``.
 
         Returns:
             Seconds waited.
@@ -236,12 +222,14 @@ class Backpressure:
                         sub,
                         reason="its overflow='block' buffer is full: training goes at its pace "
                         "so that nothing is dropped",
-                        remedies=REMEDIES,
+                        remedies=_remedies(
+                            "overflow='drop_oldest' or 'latest' (drops are counted as lost work)"
+                        ),
                     )
             self._room.wait(_SLICE)
             now = time.monotonic()
             for sub in holding:
-                sub.add_waited(now - t)
+                sub.waited_s += now - t
             t = now
         return t - start
 
@@ -263,6 +251,7 @@ class Subscription(abc.DisposableBase):
         self.dropped = 0
         self.cancelled = 0
         self.waited_s = 0.0
+        """Seconds the training thread waited on this subscription."""
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
@@ -274,30 +263,25 @@ class Subscription(abc.DisposableBase):
     def delivered(self) -> int:
         return self.received - self.dropped
 
-    def fail(self, exc: Exception, item: Any, *, ended: bool = False) -> None:
-        """Count a failure of this subscription and report it to the ledger (its policy)."""
+    def fail(
+        self, exc: Exception, item: Any, *, ended: bool = False, handled: bool = False
+    ) -> None:
+        """Count a failure and report it to the ledger, which applies this subscription's
+        policy (``handled``: the user's Rx error callback handles it; only counted)."""
         self.failed += 1
         self.last_error = repr(exc)
-        self._ledger.subscriber_failed(self, exc, item, ended=ended)
-
-    def error_handled(self, exc: Exception) -> None:
-        """Count an upstream error the user's ``on_error`` callback handles (it still ended the
-        chain), here and in the bus total."""
-        self.failed += 1
-        self.last_error = repr(exc)
-        self._ledger.count()
+        if handled:
+            self._ledger.count()
+        else:
+            self._ledger.subscriber_failed(self, exc, item, ended=ended)
 
     def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """Count a call that blocked the event loop past the watchdog's threshold (on the
-        watchdog thread): once when seen, and its seconds once it has returned."""
+        """Count a call that blocked the event loop past the watchdog's threshold (watchdog
+        thread): once when seen, and its seconds once it has returned."""
         if ended:
             self.blocked_s += blocked_s
         else:
             self.stalls += 1
-
-    def add_waited(self, seconds: float) -> None:
-        """Count ``seconds`` the training thread waited on this subscription."""
-        self.waited_s += seconds
 
     def claim_stop(self) -> bool:
         """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
@@ -350,10 +334,9 @@ class Subscription(abc.DisposableBase):
 
 
 class GuardedObserver(abc.ObserverBase[Any]):
-    """The observer at the end of every sync bus subscription: counts, and reports failures
-    to the ledger under the subscription's policy (it keeps receiving). ``on_error`` (an
-    operator upstream failed; Rx ended the chain) is reported the same way unless the user gave
-    an Rx error callback. Each ``on_next`` call is marked on the bus' :class:`Watchdog`.
+    """The observer at the end of every sync subscription: counts, and reports failures to the
+    ledger under the subscription's policy (it keeps receiving); an upstream error too, unless
+    the user gave an Rx error callback. Each call is marked on the bus' :class:`Watchdog`.
     """
 
     __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
@@ -361,23 +344,20 @@ class GuardedObserver(abc.ObserverBase[Any]):
     def __init__(
         self,
         sub: Subscription,
-        on_next: Callable[[Any], Any] | None,
+        on_next: Callable[[Any], Any],
         on_error: Callable[[Exception], Any] | None,
         on_completed: Callable[[], Any] | None,
-        watchdog: Watchdog | None = None,
+        watchdog: Watchdog,
     ) -> None:
         self._sub = sub
         self._on_next = on_next
         self._on_error = on_error
         self._on_completed = on_completed
-        self._watchdog = Watchdog(None) if watchdog is None else watchdog
+        self._watchdog = watchdog
 
     def on_next(self, value: Any) -> None:
         sub = self._sub
         sub.received += 1
-        if self._on_next is None:
-            sub.completed += 1
-            return
         watchdog = self._watchdog
         outer = watchdog.current  # a subscriber may flush(): the inner call restores it
         watchdog.current = sub  # with sub.received (just counted), it names this very call
@@ -395,7 +375,7 @@ class GuardedObserver(abc.ObserverBase[Any]):
         if self._on_error is None:
             sub.fail(error, None, ended=True)
             return
-        sub.error_handled(error)
+        sub.fail(error, None, handled=True)
         try:
             self._on_error(error)
         except Exception as exc:
@@ -412,11 +392,6 @@ class GuardedObserver(abc.ObserverBase[Any]):
 
 
 # ================================================================== async subscriptions
-DROP_REMEDIES = (
-    "a larger buffer=, a higher concurrency=, overflow='block' (training then waits for it, "
-    "said and counted), or sample at the stream: bus.stream(T, every_steps=n) / "
-    "bus.stream(T, every_s=x)"
-)
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What an async subscription does when its buffer is full: ``"block"`` takes the item and
@@ -429,11 +404,8 @@ DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 
 class AsyncSubscription(Subscription):
     """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
-
-    ``push`` runs on the event-loop thread inside the dispatch and never awaits; with
-    ``overflow="block"`` a full buffer takes the item over capacity and signals
-    ``backpressure`` (the training loop waits for room, the dispatch does not).
-    """
+    ``push`` never awaits: a full ``"block"`` buffer takes the item and signals back-pressure
+    (the training loop waits for room, the dispatch does not)."""
 
     kind = "async"
 
@@ -448,8 +420,8 @@ class AsyncSubscription(Subscription):
         overflow: Overflow,
         on_error: ErrorPolicy | None,
         backpressure: Backpressure,
-        decides: bool = False,
-        stamp: DecisionStamp | None = None,
+        decides: bool,
+        stamp: DecisionStamp,
     ) -> None:
         super().__init__(ledger, name, on_error)
         self.fn = fn
@@ -468,14 +440,13 @@ class AsyncSubscription(Subscription):
         self._ready: anyio.Event | None = None
         self._first_at: float | None = None  # monotonic time of the first item (for rates())
         # Which dispatched event pushed the last item, and the count after it (received_from).
-        self._stamp = stamp or DecisionStamp()
+        self._stamp = stamp
         self._source = 0
         self._source_count = 0
         self._progress: anyio.Event | None = None
         self._finished: anyio.Event | None = None
         self._suspending = False
 
-    # ------------------------------------------------------------------ counters
     @property
     def delivered(self) -> int:
         return self.started
@@ -503,8 +474,8 @@ class AsyncSubscription(Subscription):
         return len(self.buffer) + self.running
 
     def received_from(self, event_id: int) -> int | None:
-        """When the last item this subscription received came from the dispatched event with
-        ``id() == event_id``: how many items it had received then; else None."""
+        """When the last item came from the dispatched event with ``id() == event_id``: how
+        many items it had received then; else None."""
         return self._source_count if self._source == event_id else None
 
     def rates(self) -> tuple[float, float]:
@@ -514,7 +485,6 @@ class AsyncSubscription(Subscription):
         span = max(time.monotonic() - self._first_at, 1e-9)
         return self.completed / span, self.received / span
 
-    # ------------------------------------------------------------------ observer side
     def push(self, item: Any) -> None:
         """Accept one item from the observable (loop thread, never awaits)."""
         self.received += 1
@@ -531,26 +501,24 @@ class AsyncSubscription(Subscription):
             buf.popleft()
             self.dropped += 1
             if self.dropped == 1 and self.overflow == "drop_oldest":
-                self._announce_drops()
+                # Counts so far: a rate over the moments before the first drop means nothing.
+                log.warning(
+                    "subscriber_dropping",
+                    subscription=self.name,
+                    buffer=self.capacity,
+                    received=self.received,
+                    completed=self.completed,
+                    action="its oldest waiting items are dropped from now on, counted as lost "
+                    "work (FitResult.lost_work, bus_closed_with_lost_work at the end)",
+                    remedies=_remedies(
+                        "overflow='block' (training then waits for it, said and counted)"
+                    ),
+                )
         buf.append(item)
         if len(buf) > self.capacity:
             self._backpressure.signal(self)
         if self._ready is not None:
             self._ready.set()
-
-    def _announce_drops(self) -> None:
-        """Log ``subscriber_dropping`` at the first drop (``"latest"`` drops by design), with
-        counts so far: a rate over the moments before it would mean nothing."""
-        log.warning(
-            "subscriber_dropping",
-            subscription=self.name,
-            buffer=self.capacity,
-            received=self.received,
-            completed=self.completed,
-            action="its oldest waiting items are dropped from now on, counted as lost work "
-            "(FitResult.lost_work, bus_closed_with_lost_work at the end)",
-            remedies=DROP_REMEDIES,
-        )
 
     def close_input(self) -> None:
         """No more items will come: workers finish the buffer and exit."""
@@ -562,7 +530,6 @@ class AsyncSubscription(Subscription):
         super().dispose()
         self.close_input()
 
-    # ------------------------------------------------------------------ worker side
     def start(self, tasks: TaskSet) -> None:
         """Start the workers among the bus' tasks (called once the bus runs)."""
         self._ready = anyio.Event()
@@ -573,7 +540,7 @@ class AsyncSubscription(Subscription):
         tasks.start_soon(self._run, name=f"trainbus-subscriber:{self.name}")
 
     def suspend(self) -> None:
-        """The bus suspends: the workers end (what they still hold counts as cancelled); the
+        """The bus suspends: the workers end (what they hold counts as cancelled); the
         subscription stays active and starts again with the bus."""
         self._suspending = True
         self.cancel()
@@ -601,7 +568,7 @@ class AsyncSubscription(Subscription):
             if not self._suspending:
                 self.active = False
             self._backpressure.relieve(self)
-            self._notify(self._progress)
+            self._progressed()
             self._finished.set()
 
     async def _worker(self) -> None:
@@ -621,22 +588,21 @@ class AsyncSubscription(Subscription):
             self.running += 1
             # A command sent while running the item is stamped with the item's step.
             step = getattr(item, "step", None)
-            token = DecisionStamp.item(step if type(step) is int else None)
+            token = ITEM_STEP.set(step if type(step) is int else None)
             try:
                 await self.fn(item)
             except Exception as exc:
                 self.fail(exc, item)
             finally:
-                DecisionStamp.done(token)
+                ITEM_STEP.reset(token)
             # Not in a ``finally``: a cancelled await stays in ``running`` (_run: cancelled).
             self.running -= 1
             self.completed += 1
-            self._notify(self._progress)
+            self._progressed()
 
-    @staticmethod
-    def _notify(event: anyio.Event | None) -> None:
-        if event is not None:
-            event.set()
+    def _progressed(self) -> None:
+        if self._progress is not None:
+            self._progress.set()
 
     async def wait_settled(self, target: int) -> None:
         """Wait until ``target`` items have been dropped, finished or cancelled."""
@@ -652,7 +618,7 @@ class AsyncSubscription(Subscription):
             await self._finished.wait()
 
 
-class AsyncFeeder(abc.ObserverBase[Any]):
+class _AsyncFeeder(abc.ObserverBase[Any]):
     """Observer end of an async subscription: hands items to its buffer."""
 
     __slots__ = ("_sub",)
@@ -669,187 +635,6 @@ class AsyncFeeder(abc.ObserverBase[Any]):
 
     def on_completed(self) -> None:
         self._sub.close_input()
-
-
-# ================================================================== the subscription set
-def _is_async(fn: Callable[..., Any]) -> bool:
-    """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
-    object whose ``__call__`` is ``async def``."""
-    if inspect.iscoroutinefunction(fn):
-        return True
-    call = getattr(type(fn), "__call__", None)  # noqa: B004  (the class' own __call__)
-    return not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)
-
-
-class SubscriptionSet:
-    """Every subscription of one bus, in order, and the back-pressure they share.
-
-    Args:
-        ledger: Where the subscriptions report their failures.
-        doorbell: Rung when a ``"block"`` buffer goes over capacity.
-        stamp: The dispatch's stamp: async subscriptions note which event fed them.
-        watchdog: Where sync subscriptions mark their calls (default: one that never watches).
-    """
-
-    def __init__(
-        self,
-        ledger: FailureLedger,
-        doorbell: Doorbell | None = None,
-        stamp: DecisionStamp | None = None,
-        watchdog: Watchdog | None = None,
-    ) -> None:
-        self._stamp = stamp or DecisionStamp()
-        self._ledger = ledger
-        self._watchdog = Watchdog(None) if watchdog is None else watchdog
-        self._subs: list[Subscription] = []
-        self._tasks: TaskSet | None = None
-        self._open = True
-        self.backpressure = Backpressure(doorbell)
-
-    def check_open(self) -> None:
-        """Raises ``BusClosedError`` once the bus closes (no new subscription then)."""
-        if not self._open:
-            raise BusClosedError("the bus is closed; subscribe before it closes")
-
-    def close(self) -> None:
-        """Refuse new subscriptions from now on."""
-        self._open = False
-
-    def add_guarded(
-        self,
-        source: Observable[Any],
-        on_next: Callable[[Any], Any],
-        on_rx_error: Callable[[Exception], Any] | None,
-        on_completed: Callable[[], Any] | None,
-        *,
-        policy: ErrorPolicy | None,
-        name: str | None,
-        scheduler: abc.SchedulerBase,
-    ) -> Subscription:
-        """Subscribe validated callbacks to ``source`` behind a :class:`GuardedObserver`."""
-        sub = Subscription(self._ledger, name or name_of(on_next), policy)
-        self._subs.append(sub)
-        guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
-        sub.upstream = source.subscribe(guard, scheduler=scheduler)
-        return sub
-
-    @staticmethod
-    def check_async(
-        fn: Callable[[Any], Awaitable[Any]],
-        *,
-        concurrency: int,
-        buffer: int | None,
-        overflow: Overflow | None,
-        policy: ErrorPolicy | None,
-    ) -> tuple[int, Overflow]:
-        """Validate an async subscription's options (on every rank alike).
-
-        Returns:
-            The buffer size and the overflow policy, defaults filled in.
-
-        Raises:
-            ConfigError: ``fn`` is not an async function, or an argument is out of range.
-        """
-        if not callable(fn):
-            raise ConfigError.invalid("fn", fn, "an async function of one item")
-        if not _is_async(fn):
-            raise ConfigError.invalid(
-                "fn", getattr(fn, "__qualname__", repr(fn)), "an async def function of one "
-                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
-                "the event loop",
-            )  # fmt: skip
-        if not isinstance(concurrency, int) or concurrency < 1:
-            raise ConfigError.invalid("concurrency", concurrency, "an int >= 1")
-        if overflow is None:
-            overflow = DEFAULT_OVERFLOW
-        if overflow not in OVERFLOWS:
-            raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
-        if buffer is None:
-            buffer = 1 if overflow == "latest" else 64
-        if not isinstance(buffer, int) or buffer < 1:
-            raise ConfigError.invalid("buffer", buffer, "an int >= 1")
-        if overflow == "latest" and buffer != 1:
-            raise ConfigError.invalid("buffer", buffer, "1 (or omitted) with overflow='latest'")
-        check_policy(policy)
-        return buffer, overflow
-
-    def add_async(
-        self,
-        fn: Callable[[Any], Awaitable[Any]],
-        connect: Callable[[abc.ObserverBase[Any]], abc.DisposableBase],
-        *,
-        concurrency: int,
-        buffer: int,
-        overflow: Overflow,
-        policy: ErrorPolicy | None,
-        name: str | None,
-        decides: bool = False,
-    ) -> AsyncSubscription:
-        """Add an async subscription of options :meth:`check_async` validated; ``connect``
-        subscribes its feeder upstream.
-
-        Raises:
-            BusClosedError: the bus is closed.
-        """
-        self.check_open()
-        sub = AsyncSubscription(
-            self._ledger,
-            name or name_of(fn),
-            fn,
-            concurrency=concurrency,
-            buffer=buffer,
-            overflow=overflow,
-            on_error=policy,
-            backpressure=self.backpressure,
-            decides=decides,
-            stamp=self._stamp,
-        )
-        if self._tasks is not None:
-            # Its workers belong to the event loop, whichever thread subscribes.
-            self._tasks.on_loop(sub.start, self._tasks)
-        self._subs.append(sub)
-        sub.upstream = connect(AsyncFeeder(sub))
-        return sub
-
-    def start(self, tasks: TaskSet) -> None:
-        """The bus runs: start the active async subscriptions (and later ones at once)."""
-        self._tasks = tasks
-        for sub in self.asyncs():
-            if sub.active:
-                sub.start(tasks)
-
-    def suspend(self) -> None:
-        """The bus suspends: the async subscriptions keep their state until :meth:`start`."""
-        self._tasks = None
-        for sub in self.asyncs():
-            sub.suspend()
-
-    def all(self) -> tuple[Subscription, ...]:
-        """Every subscription, in order (inactive ones included)."""
-        return tuple(self._subs)
-
-    def asyncs(self) -> list[AsyncSubscription]:
-        """The async subscriptions, in order."""
-        return [s for s in self._subs if isinstance(s, AsyncSubscription)]
-
-    def statistics(self) -> tuple[SubscriptionStatistics, ...]:
-        """Every subscription's snapshot, in order."""
-        return tuple(s.statistics() for s in self._subs)
-
-    def pending(self) -> dict[str, int]:
-        """Items waiting or running per async subscription that has any."""
-        return {s.name: s.pending for s in self.asyncs() if s.pending}
-
-    def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscription's workers now; what they held counts as cancelled.
-
-        Returns:
-            Items pending per subscription when cancelled (only those with any).
-        """
-        pending = self.pending()
-        for sub in self.asyncs():
-            sub.cancel()
-        return pending
 
 
 # ================================================================== ranks
@@ -878,11 +663,9 @@ def env_rank(env: Mapping[str, str] | None = None) -> int:
 def _normalise(ranks: Ranks) -> frozenset[int] | Literal["all"] | None:
     if ranks is None or ranks == "all":
         return ranks
-    if isinstance(ranks, bool):
-        raise ConfigError.invalid("ranks", ranks, "None, 'all', a rank or an iterable of ranks")
-    if isinstance(ranks, int):
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
         ranks = (ranks,)
-    if isinstance(ranks, str) or not isinstance(ranks, Iterable):
+    if isinstance(ranks, str | bool) or not isinstance(ranks, Iterable):
         raise ConfigError.invalid("ranks", ranks, "None, 'all', a rank or an iterable of ranks")
     out = frozenset(ranks)
     if not out or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in out):
@@ -914,11 +697,7 @@ class RankFilter:
 
     @contextmanager
     def default(self, ranks: Ranks) -> Iterator[None]:
-        """Subscriptions made inside without ``ranks=`` run on ``ranks`` (None: unchanged).
-
-        Raises:
-            ConfigError: ``ranks`` is not None, ``"all"``, a rank or ranks.
-        """
+        """Subscriptions made inside without ``ranks=`` run on ``ranks`` (None: unchanged)."""
         chosen = _normalise(ranks)
         previous = self._default
         if chosen is not None:
@@ -944,14 +723,14 @@ class BusObservable(Observable[_T], Generic[_T]):
 
     def __init__(
         self,
-        chains: Chains,
+        subscriptions: SubscriptionSet,
         source: Observable[_T],
         decision_steps: tuple[DecisionSteps, ...] = (),
         *,
         per_step: bool = True,
     ) -> None:
         super().__init__()
-        self.chains = chains
+        self.subscriptions = subscriptions
         self.source = source
         self.decision_steps = decision_steps
         self.per_step = per_step
@@ -959,7 +738,9 @@ class BusObservable(Observable[_T], Generic[_T]):
     def _subscribe_core(
         self, observer: abc.ObserverBase[_T], scheduler: abc.SchedulerBase | None = None
     ) -> abc.DisposableBase:
-        return self.source.subscribe(observer, scheduler=scheduler or self.chains.rx_scheduler)
+        return self.source.subscribe(
+            observer, scheduler=scheduler or self.subscriptions.rx_scheduler
+        )
 
     def pipe(self, *operators: Callable[[Any], Any]) -> Any:
         """Compose operators left to right; the result is still a bus observable."""
@@ -972,7 +753,7 @@ class BusObservable(Observable[_T], Generic[_T]):
                 s for op in operators if (s := getattr(op, "decision_steps", None)) is not None
             )
         if isinstance(result, Observable) and not isinstance(result, BusObservable):
-            return BusObservable(self.chains, result, decision_steps, per_step=self.per_step)
+            return BusObservable(self.subscriptions, result, decision_steps, per_step=self.per_step)
         return result
 
     def subscribe(  # type: ignore[override]  # on_error= is the policy, as on the bus
@@ -1009,23 +790,9 @@ class BusObservable(Observable[_T], Generic[_T]):
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
                 ``on_completed`` is not callable; unknown policy.
         """
-        sub = self.chains.subscribe_observer(
-            self.source,
-            on_next,
-            on_rx_error,
-            on_completed,
-            on_error=on_error,
-            name=name,
-            scheduler=scheduler,
-            ranks=ranks,
+        return self.subscriptions.subscribe(
+            self, on_next, on_rx_error, on_completed, on_error, name, ranks, scheduler
         )
-        if self.decision_steps and sub.active:
-            sub.hold(self.chains.declare(self.decision_steps))
-        return sub
-
-    def subscribe_raw(self, observer: abc.ObserverBase[Any]) -> abc.DisposableBase:
-        """Subscribe an internal observer (an async feeder) with the bus' Rx scheduler."""
-        return self.source.subscribe(observer, scheduler=self.chains.rx_scheduler)
 
 
 class CommandSink(abc.ObserverBase[Any]):
@@ -1036,14 +803,11 @@ class CommandSink(abc.ObserverBase[Any]):
     """
 
     def __init__(self, send: Callable[[cmd.Command], None]) -> None:
-        self._send = send
-
-    def send(self, command: cmd.Command) -> None:
-        """Put ``command`` on the back-channel (what ``on_next`` does)."""
-        self._send(command)
+        self.send = send
+        """Put a command on the back-channel (what ``on_next`` does)."""
 
     def on_next(self, value: cmd.Command) -> None:
-        self._send(value)
+        self.send(value)
 
     def on_error(self, error: Exception) -> None:
         raise error
@@ -1052,97 +816,193 @@ class CommandSink(abc.ObserverBase[Any]):
         return None
 
 
-def normalize_observer(
-    observer: Any, on_rx_error: Any, on_completed: Any
-) -> tuple[Callable[[Any], Any], Any, Any]:
-    """Split an Rx observer or callbacks into (on_next, on_rx_error, on_completed), validated.
-
-    Raises:
-        ConfigError: ``observer`` is neither callable nor an observer, or a callback is not
-            callable.
-    """
-    if isinstance(observer, CommandSink):
-        # A ConfigError from send() is the subscription's failure, not the pipeline's.
-        return observer.send, on_rx_error, on_completed
-    if isinstance(observer, abc.ObserverBase):
-        return observer.on_next, observer.on_error, observer.on_completed
-    if observer is None or not callable(observer):
-        raise ConfigError.invalid("on_next", observer, "a callable of one event, or an Rx observer")
-    if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
-        raise ConfigError.invalid(
-            "on_rx_error", on_rx_error,
-            "an Rx error callback or None; an error policy goes in on_error=",
-        )  # fmt: skip
-    for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
-        if value is not None and not callable(value):
-            raise ConfigError.invalid(field, value, "a callable or None")
-    return observer, on_rx_error, on_completed
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
+    object whose ``__call__`` is ``async def``."""
+    if inspect.iscoroutinefunction(fn):
+        return True
+    call = getattr(type(fn), "__call__", None)  # noqa: B004  (the class' own __call__)
+    return not inspect.isfunction(fn) and inspect.iscoroutinefunction(call)
 
 
-class Chains:
-    """What every :class:`BusObservable` subscribes through (see the module docstring).
-
-    Args:
-        subscriptions: Where a guarded observer is added.
-        ranks: The bus' rank filter (a subscription for other ranks is inert).
-        ledger: The bus' failure ledger (an inert subscription's).
-        clock: The step clock the pipelines' decision steps are declared to.
-        rx_scheduler: What chains get: timers on the bus' Rx scheduler, "now" work inline.
-    """
+# ================================================================== the subscription set
+class SubscriptionSet:
+    """Every subscription of one bus, in order: what each :class:`BusObservable` subscribes
+    through (``ranks`` make one for other ranks inert; ``clock`` takes the pipelines' decision
+    steps), and the back-pressure they share."""
 
     def __init__(
         self,
-        subscriptions: SubscriptionSet,
-        ranks: RankFilter,
         ledger: FailureLedger,
+        doorbell: Doorbell,
+        stamp: DecisionStamp,
+        watchdog: Watchdog,
+        ranks: RankFilter,
         clock: StepClock,
-        rx_scheduler: ChainScheduler,
+        rx_scheduler: abc.SchedulerBase,
     ) -> None:
-        self._subs = subscriptions
-        self._ranks = ranks
+        self._stamp = stamp
         self._ledger = ledger
+        self._watchdog = watchdog
         self._clock = clock
-        self.rx_scheduler: abc.SchedulerBase = rx_scheduler
+        self._subs: list[Subscription] = []
+        self._tasks: TaskSet | None = None
+        self._open = True
+        self.ranks = ranks
+        self.rx_scheduler: abc.SchedulerBase = ChainScheduler(rx_scheduler)
+        self.backpressure = Backpressure(doorbell)
 
-    def subscribe_observer(
+    def _check_open(self) -> None:
+        if not self._open:
+            raise BusClosedError("the bus is closed; subscribe before it closes")
+
+    def close(self) -> None:
+        """Refuse new subscriptions from now on."""
+        self._open = False
+
+    def subscribe(
         self,
-        source: Observable[Any],
+        source: BusObservable[Any],
         observer: Any,
-        on_rx_error: Any = None,
-        on_completed: Any = None,
-        *,
-        on_error: ErrorPolicy | None = None,
-        name: str | None = None,
+        on_rx_error: Any,
+        on_completed: Any,
+        on_error: ErrorPolicy | None,
+        name: str | None,
+        ranks: Ranks,
         scheduler: abc.SchedulerBase | None = None,
-        ranks: Ranks = None,
     ) -> Subscription:
-        """Subscribe ``observer`` to ``source`` behind the guard (arguments as in
-        :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert subscription.
+        """Subscribe ``observer`` to ``source`` behind a :class:`GuardedObserver` (arguments
+        as in :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert one.
 
         Raises:
             ConfigError: a bad observer, callback, policy or ranks.
             BusClosedError: the bus is closed.
         """
-        self._subs.check_open()
-        on_next, on_rx_error, on_completed = normalize_observer(observer, on_rx_error, on_completed)
+        self._check_open()
+        on_next = observer
+        if isinstance(observer, CommandSink):
+            # A ConfigError from send() is the subscription's failure, not the pipeline's.
+            on_next = observer.send
+        elif isinstance(observer, abc.ObserverBase):
+            on_next = observer.on_next
+            on_rx_error, on_completed = observer.on_error, observer.on_completed
+        elif not callable(observer):
+            allowed = "a callable of one event, or an Rx observer"
+            raise ConfigError.invalid("on_next", observer, allowed)
+        if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
+            allowed = "an Rx error callback or None; an error policy goes in on_error="
+            raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
+        for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
+            if value is not None and not callable(value):
+                raise ConfigError.invalid(field, value, "a callable or None")
         policy = check_policy(on_error)
-        if not self._ranks.runs_here(ranks):
+        if not self.ranks.runs_here(ranks):
             inert = Subscription(self._ledger, name or "inert", policy)
             inert.dispose()  # registered nowhere: it costs nothing
             return inert
+        sub = Subscription(self._ledger, name or name_of(on_next), policy)
+        self._subs.append(sub)
+        guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
-        return self._subs.add_guarded(
-            source,
-            on_next,
-            on_rx_error,
-            on_completed,
-            policy=policy,
-            name=name,
-            scheduler=chain,
-        )
+        sub.upstream = source.source.subscribe(guard, scheduler=chain)
+        if source.decision_steps and sub.active:
+            sub.hold(self._clock.declare(*source.decision_steps))
+        return sub
 
-    def declare(self, decision_steps: tuple[DecisionSteps, ...]) -> abc.DisposableBase:
-        """Declare decision steps to the step clock until the result is disposed."""
-        clock = self._clock
-        keys = clock.declare(*decision_steps)
-        return Disposable(lambda: clock.remove(keys))
+    def subscribe_async(
+        self,
+        source: BusObservable[Any],
+        fn: Callable[[Any], Awaitable[Any]],
+        *,
+        concurrency: int,
+        buffer: int | None,
+        overflow: Overflow,
+        on_error: ErrorPolicy | None,
+        name: str | None,
+        decides: bool,
+        ranks: Ranks,
+    ) -> AsyncSubscription:
+        """:meth:`EventBus.subscribe_async` (options validated on every rank alike); on a rank
+        it does not run on, an inert subscription."""
+        if not callable(fn):
+            raise ConfigError.invalid("fn", fn, "an async function of one item")
+        if not _is_async(fn):
+            raise ConfigError.invalid(
+                "fn",
+                getattr(fn, "__qualname__", repr(fn)),
+                "an async def function of one "
+                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
+                "the event loop",
+            )
+        check_int("concurrency", concurrency, 1)
+        if overflow not in OVERFLOWS:
+            raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
+        if buffer is None:
+            buffer = 1 if overflow == "latest" else 64
+        check_int("buffer", buffer, 1)
+        if overflow == "latest" and buffer != 1:
+            raise ConfigError.invalid("buffer", buffer, "1 (or omitted) with overflow='latest'")
+        if not isinstance(decides, bool):
+            raise ConfigError.invalid("decides", decides, "True or False")
+        check_policy(on_error)
+        here = self.ranks.runs_here(ranks)
+        sub = AsyncSubscription(
+            self._ledger,
+            name or (name_of(fn) if here else "inert"),
+            fn,
+            concurrency=concurrency,
+            buffer=buffer,
+            overflow=overflow,
+            on_error=on_error,
+            backpressure=self.backpressure,
+            decides=decides,
+            stamp=self._stamp,
+        )
+        if not here:
+            sub.dispose()
+            return sub
+        self._check_open()
+        if self._tasks is not None:
+            # Its workers belong to the event loop, whichever thread subscribes.
+            self._tasks.on_loop(sub.start, self._tasks)
+        self._subs.append(sub)
+        sub.upstream = source.source.subscribe(_AsyncFeeder(sub), scheduler=self.rx_scheduler)
+        if decides and source.decision_steps:
+            sub.hold(self._clock.declare(*source.decision_steps))
+        return sub
+
+    def start(self, tasks: TaskSet) -> None:
+        """The bus runs: start the active async subscriptions (and later ones at once)."""
+        self._tasks = tasks
+        for sub in self.asyncs():
+            if sub.active:
+                sub.start(tasks)
+
+    def suspend(self) -> None:
+        """The bus suspends: the async subscriptions keep their state until :meth:`start`."""
+        self._tasks = None
+        for sub in self.asyncs():
+            sub.suspend()
+
+    def all(self) -> tuple[Subscription, ...]:
+        """Every subscription, in order (inactive ones included)."""
+        return tuple(self._subs)
+
+    def asyncs(self) -> list[AsyncSubscription]:
+        """The async subscriptions, in order."""
+        return [s for s in self._subs if isinstance(s, AsyncSubscription)]
+
+    def pending(self) -> dict[str, int]:
+        """Items waiting or running per async subscription that has any."""
+        return {s.name: s.pending for s in self.asyncs() if s.pending}
+
+    def cancel_pending(self) -> dict[str, int]:
+        """Cancel every async subscription's workers now; what they held counts as cancelled.
+
+        Returns:
+            Items pending per subscription when cancelled (only those with any).
+        """
+        pending = self.pending()
+        for sub in self.asyncs():
+            sub.cancel()
+        return pending

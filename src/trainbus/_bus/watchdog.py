@@ -9,13 +9,9 @@ writes per call; the :class:`Watchdog`'s daemon thread polls them::
     fn(event)                            read    >= threshold? warn once, with the loop
     w.current = prev                             thread's stack; an info line when it returns
 
-Not seen: an Rx operator upstream of the guard (``ops.map(slow)``), and an ``async def``
-subscriber that blocks between its awaits.
-
-The :class:`FailureLedger` counts every failure and applies the subscription's policy:
-``"log"`` (go on), ``"stop"`` (send ``StopTraining`` once per subscription), ``"raise"`` (the
-first such failure becomes :attr:`FailureLedger.fatal`; the loop raises it at its next poll
-point, a bare bus on close).
+Not seen: an Rx operator upstream of the guard, and an ``async def`` subscriber that blocks
+between its awaits. The :class:`FailureLedger` counts every failure and applies the
+subscription's policy (``"log"``, ``"stop"``, ``"raise"``).
 """
 
 from __future__ import annotations
@@ -38,7 +34,6 @@ __all__ = [
     "ERROR_POLICIES",
     "ErrorPolicy",
     "FailureLedger",
-    "FailureSource",
     "Watchdog",
     "Watched",
     "check_policy",
@@ -56,25 +51,35 @@ _MIN_POLL = 0.005
 _STACK_FRAMES = 25
 
 
+ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
+"""What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
+run (the subscriber's own exception, noted, from ``fit()`` or closing the bus)."""
+ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
+
+
 class Watched(Protocol):
-    """What the watchdog needs of a subscription: its name, its call count (bumped before
-    each call: with the subscription, it names one call), and where to count a stall."""
+    """What the watchdog and the ledger need of a subscription. ``received`` is bumped before
+    each call: with the subscription, it names one call."""
 
     name: str
     received: int
+    on_error: ErrorPolicy | None
+    failed: int
 
     def stalled(self, blocked_s: float, *, ended: bool) -> None:
         """A call blocked the event loop past the threshold (``ended``: it has returned)."""
 
+    def claim_stop(self) -> bool:
+        """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
+        ...
+
 
 class Watchdog:
-    """Watches the event-loop thread from a daemon thread (see the module docstring). Only
-    the loop thread writes :attr:`current`; a warning needs the same call seen on polls
-    ``threshold`` apart, so a torn read never raises a false alarm.
+    """Watches the event-loop thread from a daemon thread. Only the loop thread writes
+    :attr:`current`; a warning needs the same call seen on polls ``threshold`` apart.
 
     Args:
-        threshold: Seconds a call may block before the warning; None: no watchdog thread (the
-            marks are still written, and cost the same).
+        threshold: Seconds a call may block before the warning; None: no watchdog thread.
     """
 
     __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
@@ -88,8 +93,7 @@ class Watchdog:
         self._loop_thread = 0
 
     def start(self, loop_thread: int) -> None:
-        """Watch ``loop_thread`` (a ``threading.get_ident()``) from a new daemon thread; nothing
-        when the threshold is None or it runs already."""
+        """Watch ``loop_thread`` from a new daemon thread (unless None threshold or running)."""
         if self.threshold is None or self._thread is not None:
             return
         self._loop_thread = loop_thread
@@ -98,7 +102,7 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop and join the watchdog thread. Idempotent; a later :meth:`start` starts anew."""
+        """Stop and join the watchdog thread. Idempotent."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -151,10 +155,6 @@ class Watchdog:
 
 
 # ================================================================== the failure ledger
-ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
-"""What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
-run (the subscriber's own exception, noted, from ``fit()`` or closing the bus)."""
-ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
 
 
 def check_policy(policy: ErrorPolicy | None) -> ErrorPolicy | None:
@@ -174,83 +174,47 @@ def name_of(fn: object) -> str:
     return str(name) if name else type(fn).__name__
 
 
-class FailureSource(Protocol):
-    """What the ledger needs of a failing subscription."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def on_error(self) -> ErrorPolicy | None: ...
-
-    @property
-    def failed(self) -> int: ...
-
-    def claim_stop(self) -> bool:
-        """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
-        ...
-
-
 class FailureLedger:
     """Counts every failure on the bus and applies the subscription's policy.
 
     Args:
         default_policy: Policy of subscriptions made without one.
         send: Puts a command on the back-channel (the ``"stop"`` policy's ``StopTraining``).
+        doorbell: Rung when a ``"raise"`` failure becomes :attr:`fatal`.
     """
 
     def __init__(
-        self,
-        default_policy: ErrorPolicy,
-        send: Callable[[cmd.Command], None],
-        doorbell: Doorbell | None = None,
+        self, default_policy: ErrorPolicy, send: Callable[[cmd.Command], None], doorbell: Doorbell
     ) -> None:
         self.default_policy: ErrorPolicy = default_policy
-        self._doorbell = doorbell or Doorbell()
+        self._doorbell = doorbell
         self._send = send
-        self._failed = 0
-        self._fatal: Exception | None = None
-
-    @property
-    def failed(self) -> int:
+        self.failed = 0
         """Failures counted so far (subscribers, operators, completions, scheduled actions)."""
-        return self._failed
-
-    @property
-    def fatal(self) -> Exception | None:
-        """The first failure of a subscription with ``on_error="raise"``, if any: the
-        subscriber's own exception, with a note naming the subscription (and event)."""
-        return self._fatal
+        self.fatal: Exception | None = None
+        """The first failure of a subscription with ``on_error="raise"``: the subscriber's own
+        exception, with a note naming the subscription (and event)."""
 
     def take_fatal(self) -> Exception | None:
         """The ``"raise"`` failure, if any, cleared: the bus' next run starts without it."""
-        fatal, self._fatal = self._fatal, None
+        fatal, self.fatal = self.fatal, None
         return fatal
 
     def count(self, exc: BaseException | None = None) -> None:
         """Count a failure its owner reported (a handled upstream error, a scheduled action
         that raised)."""
-        self._failed += 1
+        self.failed += 1
 
     def subscriber_failed(
-        self, sub: FailureSource, exc: Exception, item: Any, *, ended: bool = False
+        self, sub: Watched, exc: Exception, item: Any, *, ended: bool = False
     ) -> None:
-        """Count, log (throttled) and apply the policy of ``sub``, which already counted it.
-
-        Args:
-            sub: The failing subscription (its ``failed`` includes this failure).
-            exc: What it raised.
-            item: The item it was handling (an event adds its type, step and epoch to the log).
-            ended: The failure ended the subscription (always logged with its traceback).
-        """
-        self._failed += 1
+        """Count, log (throttled; always when it ``ended`` the subscription) and apply the
+        policy of ``sub``, whose ``failed`` already counts it, for ``exc`` raised on ``item``."""
+        self.failed += 1
         policy = sub.on_error or self.default_policy
         # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
         n = sub.failed
         if n == 1 or ended or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
-            fields: dict[str, Any] = {}
-            if isinstance(item, ev.BaseEvent):
-                fields = {"event_type": type(item).__name__, "step": item.step, "epoch": item.epoch}
             log.error(
                 "subscriber_failed",
                 subscription=sub.name,
@@ -258,35 +222,37 @@ class FailureLedger:
                 failures=n,
                 ended=ended,
                 exc_info=exc if n == 1 or ended else None,
-                **fields,
+                **_fields(item),
             )
         if policy == "stop":
             if sub.claim_stop():
                 self._send(cmd.StopTraining(reason=f"subscriber {sub.name!r} failed: {exc!r}"))
-        elif policy == "raise" and self._fatal is None:
+        elif policy == "raise" and self.fatal is None:
             # The user's exception itself fails the run (``except MyError`` matches at fit()).
             where = ""
             if isinstance(item, ev.BaseEvent):
                 where = f" handling {type(item).__name__} (step {item.step}, epoch {item.epoch})"
-            exc.add_note(f"trainbus: raised by subscriber {sub.name!r}{where}; its on_error="
-                         "'raise' policy failed the run")  # fmt: skip
-            self._fatal = exc
+            exc.add_note(
+                f"trainbus: raised by subscriber {sub.name!r}{where}; its on_error="
+                "'raise' policy failed the run"
+            )
+            self.fatal = exc
             self._doorbell.ring()
 
-    def chain_failed(self, observer: Any, exc: Exception, event: ev.BaseEvent) -> None:
-        """An operator raised past RxPY into the dispatch: count and log it (policy ``log``)."""
-        self._failed += 1
+    def operator_failed(self, observer: Any, exc: Exception, event: object = None) -> None:
+        """An operator raised past RxPY into the dispatch of ``event``, or completing a
+        stream at close raised: count and log it (policy ``log``)."""
+        self.failed += 1
         log.error(
             "subscriber_failed",
             subscription=name_of(observer),
             policy="log",
-            event_type=type(event).__name__,
-            step=event.step,
-            epoch=event.epoch,
             exc_info=exc,
+            **_fields(event),
         )
 
-    def completion_failed(self, observer: Any, exc: Exception) -> None:
-        """Completing a stream at close raised: count and log it."""
-        self._failed += 1
-        log.error("subscriber_failed", subscription=name_of(observer), exc_info=exc)
+
+def _fields(item: object) -> dict[str, Any]:
+    if isinstance(item, ev.BaseEvent):
+        return {"event_type": type(item).__name__, "step": item.step, "epoch": item.epoch}
+    return {}

@@ -9,7 +9,6 @@ from typing import Any, Literal
 
 import reactivex
 from reactivex import Observable, abc
-from reactivex import operators as ops
 
 from .. import commands as cmd
 from .._exceptions import ConfigError
@@ -61,8 +60,13 @@ class Tracker:
 
     def state_dict(self) -> dict[str, Any]:
         """The state as plain values (``weights_only``-safe)."""
-        return {"best": self.best, "best_step": self.best_step, "bad": self.bad,
-                "cooling": self.cooling, "reductions": self.reductions}  # fmt: skip
+        return {
+            "best": self.best,
+            "best_step": self.best_step,
+            "bad": self.bad,
+            "cooling": self.cooling,
+            "reductions": self.reductions,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore a :meth:`state_dict`.
@@ -77,8 +81,10 @@ class Tracker:
             values = (
                 None if best is None else float(best),
                 None if best_step is None else int(best_step),
-                int(state["bad"]), int(state["cooling"]), int(state["reductions"]),
-            )  # fmt: skip
+                int(state["bad"]),
+                int(state["cooling"]),
+                int(state["reductions"]),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError.invalid(
                 "tracker state",
@@ -137,8 +143,7 @@ def _decide(
                     completed = True
                     observer.on_completed()
 
-            return source.subscribe(on_next, observer.on_error, on_completed,
-                                    scheduler=scheduler)  # fmt: skip
+            return source.subscribe(on_next, observer.on_error, on_completed, scheduler=scheduler)
 
         return Observable(subscribe)
 
@@ -306,9 +311,8 @@ def threshold(
     bounds: dict[str, float] = {}
     for name, value in (("above", above), ("below", below)):
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError.invalid(name, value, "a finite number")
-            if not math.isfinite(value):
+            number = isinstance(value, int | float) and not isinstance(value, bool)
+            if not (number and math.isfinite(value)):
                 raise ConfigError.invalid(name, value, "a finite number")
             bounds[name] = float(value)
     if "above" in bounds and "below" in bounds and bounds["below"] >= bounds["above"]:
@@ -317,8 +321,7 @@ def threshold(
         )
     hi, lo = bounds.get("above"), bounds.get("below")
 
-    def check(event: Any) -> cmd.StopTraining | None:
-        value = _read_metric(event, metric)
+    def check(_: Tracker, value: float, event: Any) -> cmd.StopTraining | None:
         if hi is not None and value > hi:
             side, bound = "above", hi
         elif lo is not None and value < lo:
@@ -330,24 +333,4 @@ def threshold(
             reason=f"threshold: {metric}={value:.6g} went {side} {bound:g} at step {step}"
         )
 
-    def _threshold(source: Observable[Any]) -> Observable[cmd.StopTraining]:
-        def subscribe(
-            observer: abc.ObserverBase[cmd.StopTraining],
-            scheduler: abc.SchedulerBase | None = None,
-        ) -> abc.DisposableBase:
-            def on_next(event: Any) -> None:
-                try:
-                    out = check(event)
-                except Exception as exc:
-                    observer.on_error(exc)
-                    return
-                if out is not None:
-                    observer.on_next(out)
-
-            return source.subscribe(
-                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
-            )
-
-        return Observable(subscribe).pipe(ops.take(1))
-
-    return _threshold
+    return _decide(check, Tracker(), metric, lambda _: True)

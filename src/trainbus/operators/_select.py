@@ -71,9 +71,10 @@ def _step_of(event: Any) -> int:
     step = getattr(event, "step", None)
     if type(step) is not int:
         raise ConfigError.invalid(
-            "item", event, "an event with a step (put every/once before operators that map "
-            "events to values)",
-        )  # fmt: skip
+            "item",
+            event,
+            "an event with a step (put every/once before operators that map events to values)",
+        )
     return step
 
 
