@@ -65,7 +65,9 @@ def _attach(trainer: Trainer, fault: str) -> None:
         case "raises_sync":
             bus.subscribe(every, boom, name="fault")
         case "raises_async":
-            bus.subscribe_async(every, aboom, name="fault")
+            # Every event of the run is buffered: on a loaded machine the default 64 could
+            # drop some before the failures are counted.
+            bus.subscribe_async(every, aboom, name="fault", buffer=64 * STEPS)
         case "hangs_async_block" | "hangs_async_latest" | "hangs_async_drop_oldest":
             overflow = fault.removeprefix("hangs_async_")
             bus.subscribe_async(every, hang, overflow=overflow, name="fault")  # type: ignore[arg-type]
