@@ -179,16 +179,11 @@ def batch_size(batch: Any) -> int:
             return 1
 
 
-def _dtensor_class() -> type | None:
-    # Only a process that built a DTensor has imported the module: no import cost for others.
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else getattr(module, "DTensor", None)
-
-
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, its
     gradient, or a norm computed over them)."""
-    cls = _dtensor_class()
+    # Only a process that built a DTensor has imported the module: no import cost for others.
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(value, cls)
 
 
@@ -199,8 +194,7 @@ def is_sharded_model(model: torch.nn.Module) -> bool:
     Args:
         model: The model the run trains.
     """
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module_cls = None if fsdp is None else getattr(fsdp, "FSDPModule", None)
+    module_cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if module_cls is not None and any(isinstance(m, module_cls) for m in model.modules()):
         return True
     return any(is_dtensor(p) for p in model.parameters())
