@@ -346,12 +346,8 @@ class EvalBatchEnded(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvaluationEnded(BaseEvent):
-    """Evaluation of one set ended. A barrier event by default.
-
-    ``metrics``, as floats: for a single ``eval_data`` loader ``val_loss`` and each user metric
-    as ``val_<name>``; for a mapping of named sets ``<set>/loss`` and ``<set>/<name>``
-    (``"test/loss"``, ``"test/acc"``), so one name picks one set.
-    """
+    """Evaluation of one set ended; ``metrics`` as floats, keyed as docs/events.md says
+    (``val_loss``, ``val_<name>``; named sets ``<set>/loss``). A barrier event by default."""
 
     metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     trigger: EvalTrigger = "epoch"
@@ -451,11 +447,8 @@ class CheckpointLoaded(BaseEvent):
 # --------------------------------------------------------------------------- metrics
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsLogged(BaseEvent):
-    """Training metrics aggregated over the last ``log_every`` steps, as floats.
-
-    Keys: ``loss`` (mean), ``lr``, ``grad_norm`` (mean, when clipping), ``steps_per_s``,
-    ``samples_per_s``.
-    """
+    """Training metrics aggregated over the last ``log_every`` steps, as floats (the keys:
+    docs/events.md)."""
 
     metrics: Mapping[str, float]
 
@@ -466,11 +459,9 @@ class MetricsLogged(BaseEvent):
 # --------------------------------------------------------------------------- control
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommandApplied(BaseEvent):
-    """The loop applied (or refused) a command from the back-channel.
-
-    ``result`` is the event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
-    ``EvaluationEnded`` for ``Evaluate``), which :meth:`EventBus.request` returns.
-    """
+    """The loop applied (or refused: ``error``) a command from the back-channel; ``result`` is
+    the event it produced (``CheckpointSaved``, ``EvaluationEnded``), which ``bus.request``
+    returns."""
 
     command: Command
     result: BaseEvent | None = None

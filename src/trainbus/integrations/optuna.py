@@ -31,6 +31,7 @@ from .. import events as ev
 from .._bus.subscriptions import RankFilter, env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
+from .._validate import check_metric
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
 from ..callbacks._monitored import reads_metric
 
@@ -97,10 +98,8 @@ class OptunaPruning(Callback):
                                       "an optuna.Trial (the argument Optuna passes to the "
                                       "objective); None only on the ranks other than 0 "
                                       "under torchrun")  # fmt: skip
-        if not isinstance(monitor, str) or not monitor:
-            raise ConfigError.invalid("monitor", monitor, "a metric name such as 'val_loss'")
         self.trial = trial
-        self.monitor = monitor
+        self.monitor = check_metric("monitor", monitor)
         self._pruned_exc: type[BaseException] = optuna.TrialPruned
         self._reads = reads_metric(monitor)
         self._bus: weakref.ref[EventBus] | None = None
