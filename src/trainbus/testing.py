@@ -66,13 +66,10 @@ class EventRecorder:
         # With on_completed, without which ``completed`` would never turn true.
         self.subscription: Subscription = bus.subscribe(
             source if source is not None else bus.events,
-            self._record,
+            self.items.append,
             on_completed=self._complete,
             name="EventRecorder",
         )
-
-    def _record(self, item: Any) -> None:
-        self.items.append(item)
 
     def _complete(self) -> None:
         self.completed = True
