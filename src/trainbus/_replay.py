@@ -92,12 +92,8 @@ class EventFilter:
 
 
 def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
-    """The events of a ``JsonlEventLog`` file (or of ``<run dir>/events.jsonl``), rebuilt as
-    their event classes: tensors were recorded as numbers, exceptions as :class:`RecordedError`.
-
-    Args:
-        path: The ``.jsonl`` file, a run folder holding ``events.jsonl``, or a folder of runs
-            whose ``latest`` pointer names the newest (``trainbus demo`` writes one).
+    """The events of a ``JsonlEventLog`` file (or of what :func:`resolve_run` finds for a run
+    folder), rebuilt as their event classes.
 
     Raises:
         ConfigError: no such file, a record of an unknown format version or event type.

@@ -93,10 +93,7 @@ def bf16_supported(device: torch.device) -> bool:
 
     Every device but CUDA does (autocast on the CPU and MPS); on CUDA, ROCm GPUs and NVIDIA
     GPUs of compute capability 8.0 (Ampere) and later. Older NVIDIA GPUs only emulate it,
-    slower than fp32.
-
-    Args:
-        device: A resolved device (a CUDA one with its index, see :func:`resolve_device`).
+    slower than fp32. ``device`` is resolved (:func:`resolve_device`).
     """
     if device.type != "cuda":
         return True
@@ -189,11 +186,7 @@ def is_dtensor(value: object) -> bool:
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """Whether ``model`` is sharded with FSDP2 (``fully_shard``): it or a submodule is an
-    ``FSDPModule``, or a parameter is a DTensor.
-
-    Args:
-        model: The model the run trains.
-    """
+    ``FSDPModule``, or a parameter is a DTensor."""
     module_cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if module_cls is not None and any(isinstance(m, module_cls) for m in model.modules()):
         return True

@@ -79,14 +79,7 @@ def _value(v: Any) -> Any:
 
 def record(message: Message) -> dict[str, Any]:
     """The JSON-ready record of an event or command, without the version field:
-    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values).
-
-    Args:
-        message: An event or a command.
-
-    Returns:
-        A dict of JSON values.
-    """
+    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values)."""
     names = _FIELDS.get(type(message))
     if names is None:  # a subclass or foreign dataclass: its own fields
         names = tuple(f.name for f in dataclasses.fields(message))
@@ -94,14 +87,7 @@ def record(message: Message) -> dict[str, Any]:
 
 
 def encode(message: Message) -> dict[str, Any]:
-    """The versioned record of ``message``: :func:`record` with ``"v"`` first.
-
-    Args:
-        message: An event or a command.
-
-    Returns:
-        ``{"v": FORMAT_VERSION, "type": ..., <fields>...}``.
-    """
+    """The versioned record of ``message``: :func:`record` with ``"v"`` first."""
     return {"v": FORMAT_VERSION, **record(message)}
 
 
@@ -125,15 +111,8 @@ def _build(rec: Mapping[str, Any]) -> Message:
 
 
 def decode(rec: Mapping[str, Any]) -> Message:
-    """Rebuild the event or command of a record (``v`` optional: records before versioning are
-    version 1).
-
-    Args:
-        rec: A record from :func:`encode` (or :func:`record`).
-
-    Returns:
-        The event or command: tensors come back as numbers, exceptions as
-        :class:`~trainbus.events.RecordedError`.
+    """Rebuild the event or command of a record from :func:`encode` (``v`` optional: records
+    before versioning are version 1).
 
     Raises:
         ConfigError: not a mapping, an unknown version or type, a missing field, or a
