@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args, overload
 
 from ._exceptions import RecordedError as RecordedError
 
@@ -230,9 +230,7 @@ TracedSpan: TypeAlias = Literal[
 """A part of a step (or of an evaluation or prediction batch) that ``Trainer(trace=...)``
 times: each one ends in one :class:`SpanTraced`."""
 
-TRACED_SPANS: tuple[TracedSpan, ...] = (
-    "data_wait", "forward", "backward", "optimizer_step", "zero_grad", "scheduler_step"
-)  # fmt: skip
+TRACED_SPANS: tuple[TracedSpan, ...] = get_args(TracedSpan)
 """Every :data:`TracedSpan`, in the order a training step runs them."""
 
 
