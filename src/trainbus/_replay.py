@@ -145,18 +145,15 @@ def replay(path: str | os.PathLike[str]) -> Observable[ev.BaseEvent]:
         # One chain: each event schedules the next at its delay, so order is kept exactly even
         # when two events share a timestamp.
 
-        def emit(i: int) -> Any:
-            def action(_: abc.SchedulerBase, __: Any = None) -> None:
-                observer.on_next(events[i])
-                if i + 1 == len(events):
-                    observer.on_completed()
-                    return
-                delay = max(0.0, events[i + 1].time - events[i].time)
-                disposables.add(sched.schedule_relative(delay, emit(i + 1)))
+        def emit(_: abc.SchedulerBase, i: Any) -> None:
+            observer.on_next(events[i])
+            if i + 1 == len(events):
+                observer.on_completed()
+                return
+            delay = max(0.0, events[i + 1].time - events[i].time)
+            disposables.add(sched.schedule_relative(delay, emit, i + 1))
 
-            return action
-
-        disposables.add(sched.schedule_relative(0.0, emit(0)))
+        disposables.add(sched.schedule_relative(0.0, emit, 0))
         return Disposable(disposables.dispose)
 
     return reactivex.create(subscribe)
