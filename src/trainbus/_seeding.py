@@ -9,9 +9,9 @@ import random
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from ._exceptions import ConfigError
 from ._loaders import with_sampler
 from ._loop import Settings
+from ._validate import check_int
 from .checkpoint import EpochSampler
 
 __all__ = ["seed_everything", "seeded_run"]
@@ -30,8 +30,7 @@ def seed_everything(seed: int) -> None:
     Raises:
         ConfigError: ``seed`` is not an int >= 0.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError.invalid("seed", seed, "an int >= 0")
+    check_int("seed", seed, 0)
     random.seed(seed)
     try:
         import numpy as np
