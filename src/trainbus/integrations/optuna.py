@@ -52,14 +52,6 @@ class PrunerError(TrainbusError, RuntimeError):
     exception is the ``__cause__``."""
 
 
-def _optuna() -> Any:
-    try:  # imported here: trainbus never needs optuna unless this callback is used
-        import optuna
-    except ImportError as exc:
-        raise MissingExtraError("OptunaPruning", "optuna", "optuna") from exc
-    return optuna
-
-
 class OptunaPruning(Callback):
     """Reports ``monitor`` to an Optuna trial, prunes it through the bus, ends it PRUNED.
 
@@ -90,7 +82,10 @@ class OptunaPruning(Callback):
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions(on_error="raise")
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
-        optuna = _optuna()
+        try:  # imported here: trainbus never needs optuna unless this callback is used
+            import optuna
+        except ImportError as exc:
+            raise MissingExtraError("OptunaPruning", "optuna", "optuna") from exc
         if trial is None and env_rank() != 0:
             pass  # under torchrun the trial lives on rank 0, where this callback decides
         elif not isinstance(trial, optuna.trial.BaseTrial):
