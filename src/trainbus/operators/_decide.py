@@ -292,22 +292,14 @@ def threshold(
     metric = check_metric("metric", metric)
     if above is None and below is None:
         raise ConfigError.invalid("above", None, "a number (or give below=)")
-    bounds: dict[str, float] = {}
     for name, value in (("above", above), ("below", below)):
-        if value is None:
-            continue
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
+        finite = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (finite and math.isfinite(value)):
             raise ConfigError.invalid(name, value, "a finite number")
-        bounds[name] = float(value)
-    if "above" in bounds and "below" in bounds and bounds["below"] >= bounds["above"]:
-        raise ConfigError.invalid(
-            "below", bounds["below"], f"a number less than above={bounds['above']!r}"
-        )
-    hi, lo = bounds.get("above"), bounds.get("below")
+    hi = None if above is None else float(above)
+    lo = None if below is None else float(below)
+    if hi is not None and lo is not None and lo >= hi:
+        raise ConfigError.invalid("below", lo, f"a number less than above={hi!r}")
 
     def step(_: Tracker, value: float, event: Any) -> cmd.StopTraining | None:
         if hi is not None and value > hi:
