@@ -26,12 +26,13 @@ def resolve_run(path: str | os.PathLike[str]) -> Path:
     if not file.is_dir():
         return file
     latest = file / LATEST
-    if not (file / "events.jsonl").exists() and latest.is_file():  # a pointer file
-        name = latest.read_text(encoding="utf-8").strip()
-        if name and Path(name).name == name:  # a folder beside it, never a path elsewhere
-            return file / name / "events.jsonl"
-    if not (file / "events.jsonl").exists() and latest.is_dir():  # a symbolic link
-        return latest / "events.jsonl"
+    if not (file / "events.jsonl").exists():
+        if latest.is_dir():  # a symbolic link
+            return latest / "events.jsonl"
+        if latest.is_file():  # a pointer file
+            name = latest.read_text(encoding="utf-8").strip()
+            if name and Path(name).name == name:  # a folder beside it, never a path elsewhere
+                return file / name / "events.jsonl"
     return file / "events.jsonl"
 
 
