@@ -1,10 +1,7 @@
 """The inline hook points (where in a step a hook runs) and the :class:`StepContext` a hook
 sees. A leaf module: the loop runs the hooks, the callbacks map ``hook_<point>`` methods onto
-them, neither importing the other. What each point may change: docs/trainer.md, "Callbacks".
-
-Every ``"after_evaluation"`` hook runs once the ``"before_evaluation"`` hooks started (also
-when the round raised, ``ctx.error``), in reverse order, so swapped-in weights are restored
-like nested context managers.
+them, neither importing the other. What each point may change, and the order ``after_evaluation``
+hooks run in: docs/trainer.md, "Callbacks".
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A DataLoader rebuilt around another sampler, every other option kept.
-
-Two places hand a run a loader of their own in place of the user's (who keeps theirs as it is):
-a shard per rank under torchrun (:func:`trainbus._distributed.data.shard_loader`) and a seeded data
-order (:func:`trainbus._seeding.seeded_run`). Both need the same copy of the loader's options.
-"""
+"""A DataLoader rebuilt around another sampler, every other option kept: a shard per rank
+under torchrun and a seeded data order both hand a run such a copy of the user's loader."""
 
 from __future__ import annotations
 
@@ -15,15 +11,8 @@ __all__ = ["with_sampler"]
 
 
 def with_sampler(data: DataLoader[Any], sampler: Sampler[Any]) -> DataLoader[Any]:
-    """A loader like ``data`` drawing indices from ``sampler``.
-
-    Args:
-        data: A map-style loader with a ``batch_size`` (not a ``batch_sampler``).
-        sampler: The sampler to draw from.
-
-    Returns:
-        A new loader; ``data`` is left as it is.
-    """
+    """A new loader like ``data`` (map-style, with a ``batch_size``) drawing indices from
+    ``sampler``; ``data`` is left as it is."""
     workers = data.num_workers > 0
     return DataLoader(
         data.dataset,

@@ -34,11 +34,8 @@ _STDLIB_PROCESSORS: list[Any] = [
 
 
 class LibraryLogger:
-    """A logger proxy: the application's structlog setup if any, else stdlib ``logging``.
-
-    Supports what trainbus calls: ``debug``, ``info``, ``warning``, ``error``, ``exception``
-    and ``bind`` (each resolved per call, so configuring structlog later still takes effect).
-    """
+    """A logger proxy: the application's structlog setup if any, else stdlib ``logging``, chosen
+    at each call (so configuring structlog later still takes effect)."""
 
     __slots__ = ("_fallback", "name")
 
@@ -57,38 +54,20 @@ class LibraryLogger:
             )
         return self._fallback
 
-    def bind(self, **values: Any) -> Any:
-        """A logger with ``values`` bound (in whichever backend is active now)."""
-        return self._target().bind(**values)
-
     def debug(self, event: str, **kw: Any) -> None:
-        """Log ``event`` at debug level."""
         self._target().debug(event, **kw)
 
     def info(self, event: str, **kw: Any) -> None:
-        """Log ``event`` at info level."""
         self._target().info(event, **kw)
 
     def warning(self, event: str, **kw: Any) -> None:
-        """Log ``event`` at warning level."""
         self._target().warning(event, **kw)
 
     def error(self, event: str, **kw: Any) -> None:
-        """Log ``event`` at error level."""
         self._target().error(event, **kw)
-
-    def exception(self, event: str, **kw: Any) -> None:
-        """Log ``event`` at error level with the current exception's traceback."""
-        self._target().exception(event, **kw)
 
 
 def get_logger(name: str) -> LibraryLogger:
-    """The logger trainbus modules use (``log = get_logger(__name__)``).
-
-    Args:
-        name: The module's name; also the stdlib logger's name when structlog is unconfigured.
-
-    Returns:
-        A :class:`LibraryLogger`.
-    """
+    """The logger trainbus modules use (``log = get_logger(__name__)``); ``name`` is also the
+    stdlib logger's when structlog is unconfigured."""
     return LibraryLogger(name)

@@ -1,11 +1,6 @@
-"""Where the names of the earlier layout went: an ``ImportError`` that names the new place; and
-what replaces another framework's callback method names (:func:`lightning_method_hint`).
-
-Before 0.1.0 every module was public by path (``trainbus.loop.step``,
-``trainbus.distributed.group``) and ``trainbus`` re-exported internals such as
-``AnyioScheduler``. The implementation now lives under underscored names; a program that imports
-an old name gets an error that says where the name lives now (its public module, or that it is
-private), rather than a bare "No module named".
+"""Where the names of the earlier layout went (before 0.1.0 every module was public by path):
+an ``ImportError`` that names a moved name's public module, or says a module is private now;
+and what replaces another framework's callback method names (:func:`lightning_method_hint`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,13 +32,6 @@ from ._exceptions import ConfigError, RecordedError
 from ._rundirs import resolve_run
 
 __all__ = ["EventFilter", "RecordedError", "load_events", "replay"]
-
-
-def _event(record: Mapping[str, Any]) -> ev.BaseEvent:
-    message = wire.decode(record)
-    if not isinstance(message, ev.BaseEvent):
-        raise ConfigError.invalid("type", record.get("type"), "a trainbus event class name")
-    return message
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,12 +92,8 @@ class EventFilter:
 
 
 def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
-    """The events of a ``JsonlEventLog`` file (or of ``<run dir>/events.jsonl``), rebuilt as
-    their event classes: tensors were recorded as numbers, exceptions as :class:`RecordedError`.
-
-    Args:
-        path: The ``.jsonl`` file, a run folder holding ``events.jsonl``, or a folder of runs
-            whose ``latest`` pointer names the newest (``trainbus demo`` writes one).
+    """The events of a ``JsonlEventLog`` file (or of what :func:`resolve_run` finds for a run
+    folder), rebuilt as their event classes.
 
     Raises:
         ConfigError: no such file, a record of an unknown format version or event type.
@@ -120,10 +109,13 @@ def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
             if not line.strip():
                 continue
             record = json.loads(line)
-            version = record.get("v", 1)  # records before versioning are version 1
-            if version not in wire.VERSIONS:
-                raise ConfigError.invalid(f"{file}:{n} v", version, f"one of {wire.VERSIONS}")
-            yield _event(record)
+            try:
+                event = wire.decode(record)
+            except ConfigError as exc:
+                raise ConfigError(f"{file}:{n}: {exc}") from None
+            if not isinstance(event, ev.BaseEvent):
+                raise ConfigError.invalid(f"{file}:{n} type", record["type"], "an event class")
+            yield event
 
 
 def replay(path: str | os.PathLike[str]) -> Observable[ev.BaseEvent]:
@@ -149,23 +141,19 @@ def replay(path: str | os.PathLike[str]) -> Observable[ev.BaseEvent]:
         sched = scheduler or CurrentThreadScheduler.singleton()
         if not events:
             return sched.schedule(lambda *_: observer.on_completed())
-        t0 = events[0].time
         disposables = CompositeDisposable()
         # One chain: each event schedules the next at its delay, so order is kept exactly even
         # when two events share a timestamp.
 
-        def emit(i: int) -> Any:
-            def action(_: abc.SchedulerBase, __: Any = None) -> None:
-                observer.on_next(events[i])
-                if i + 1 == len(events):
-                    observer.on_completed()
-                    return
-                delay = max(0.0, events[i + 1].time - events[i].time)
-                disposables.add(sched.schedule_relative(delay, emit(i + 1)))
+        def emit(_: abc.SchedulerBase, i: Any) -> None:
+            observer.on_next(events[i])
+            if i + 1 == len(events):
+                observer.on_completed()
+                return
+            delay = max(0.0, events[i + 1].time - events[i].time)
+            disposables.add(sched.schedule_relative(delay, emit, i + 1))
 
-            return action
-
-        disposables.add(sched.schedule_relative(max(0.0, events[0].time - t0), emit(0)))
+        disposables.add(sched.schedule_relative(0.0, emit, 0))
         return Disposable(disposables.dispose)
 
     return reactivex.create(subscribe)

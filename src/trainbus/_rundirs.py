@@ -20,39 +20,25 @@ or a text file naming the run's folder where links cannot be made."""
 
 def resolve_run(path: str | os.PathLike[str]) -> Path:
     """The event log a path names: the ``.jsonl`` file itself, ``<run dir>/events.jsonl``, or
-    for a folder of runs (``runs/demo``, as ``trainbus demo`` writes) the newest run's log, by
-    its ``latest`` pointer.
-
-    Args:
-        path: A ``JsonlEventLog`` file, a run folder, or a folder of runs with ``latest``.
-
-    Returns:
-        The ``.jsonl`` file (which may not exist when no run folder matched).
-    """
+    for a folder of runs the newest run's log, by its ``latest`` pointer. The file may not
+    exist."""
     file = Path(path)
     if not file.is_dir():
         return file
     latest = file / LATEST
-    if not (file / "events.jsonl").exists() and latest.is_file():  # a pointer file
-        name = latest.read_text(encoding="utf-8").strip()
-        if name and Path(name).name == name:  # a folder beside it, never a path elsewhere
-            return file / name / "events.jsonl"
-    if not (file / "events.jsonl").exists() and latest.is_dir():  # a symbolic link
-        return latest / "events.jsonl"
+    if not (file / "events.jsonl").exists():
+        if latest.is_dir():  # a symbolic link
+            return latest / "events.jsonl"
+        if latest.is_file():  # a pointer file
+            name = latest.read_text(encoding="utf-8").strip()
+            if name and Path(name).name == name:  # a folder beside it, never a path elsewhere
+                return file / name / "events.jsonl"
     return file / "events.jsonl"
 
 
 def new_run_dir(root: Path) -> Path:
-    """Create ``root/<timestamp>`` (``-2``, ``-3``... on a clash) and point ``root/latest`` at
-    it: a relative symbolic link, or a text file naming the folder where links cannot be
-    made (:func:`resolve_run` reads both).
-
-    Args:
-        root: The folder of runs (``runs/demo``).
-
-    Returns:
-        The new, empty run folder.
-    """
+    """Create and return the empty run folder ``root/<timestamp>`` (``-2``, ``-3``... on a
+    clash) and point ``root/latest`` at it."""
     root.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     run_dir, n = root / stamp, 1

@@ -1,15 +1,5 @@
-"""Seeds: make two runs equal, and keep one run's randomness its own.
-
-::
-
-    trainbus.seed_everything(0)          # first: before the model is built
-    model = build_model()                # its initial weights come from the seeded generators
-    Trainer(model, ..., seed=0).fit_sync()    # the run's own data order and generators
-
-:func:`seed_everything` seeds Python's, NumPy's and torch's process-wide generators;
-``Trainer(seed=)`` seeds them when ``fit()`` starts and gives a ``DataLoader(shuffle=True)``
-without a ``generator`` a data order of ``(seed, epoch)`` only (docs/trainer.md, "Seeds").
-"""
+"""Seeds: make two runs equal, and keep one run's randomness its own (docs/trainer.md,
+"Seeds")."""
 
 from __future__ import annotations
 
@@ -19,9 +9,9 @@ import random
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from ._exceptions import ConfigError
 from ._loaders import with_sampler
 from ._loop import Settings
+from ._validate import check_int
 from .checkpoint import EpochSampler
 
 __all__ = ["seed_everything", "seeded_run"]
@@ -32,7 +22,7 @@ def seed_everything(seed: int) -> None:
     generators (CPU and every GPU) with ``seed``.
 
     Call it first, before building the model: a model built after it has the same initial
-    weights on every run. Process-wide: threads share these generators (see the module doc).
+    weights on every run. Process-wide: threads share these generators.
 
     Args:
         seed: An int >= 0 (NumPy takes it modulo 2**32).
@@ -40,8 +30,7 @@ def seed_everything(seed: int) -> None:
     Raises:
         ConfigError: ``seed`` is not an int >= 0.
     """
-    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
-        raise ConfigError.invalid("seed", seed, "an int >= 0")
+    check_int("seed", seed, 0)
     random.seed(seed)
     try:
         import numpy as np

@@ -93,10 +93,7 @@ def bf16_supported(device: torch.device) -> bool:
 
     Every device but CUDA does (autocast on the CPU and MPS); on CUDA, ROCm GPUs and NVIDIA
     GPUs of compute capability 8.0 (Ampere) and later. Older NVIDIA GPUs only emulate it,
-    slower than fp32.
-
-    Args:
-        device: A resolved device (a CUDA one with its index, see :func:`resolve_device`).
+    slower than fp32. ``device`` is resolved (:func:`resolve_device`).
     """
     if device.type != "cuda":
         return True
@@ -179,28 +176,18 @@ def batch_size(batch: Any) -> int:
             return 1
 
 
-def _dtensor_class() -> type | None:
-    # Only a process that built a DTensor has imported the module: no import cost for others.
-    module = sys.modules.get("torch.distributed.tensor")
-    return None if module is None else getattr(module, "DTensor", None)
-
-
 def is_dtensor(value: object) -> bool:
     """Whether ``value`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 parameter, its
     gradient, or a norm computed over them)."""
-    cls = _dtensor_class()
+    # Only a process that built a DTensor has imported the module: no import cost for others.
+    cls = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return cls is not None and isinstance(value, cls)
 
 
 def is_sharded_model(model: torch.nn.Module) -> bool:
     """Whether ``model`` is sharded with FSDP2 (``fully_shard``): it or a submodule is an
-    ``FSDPModule``, or a parameter is a DTensor.
-
-    Args:
-        model: The model the run trains.
-    """
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    module_cls = None if fsdp is None else getattr(fsdp, "FSDPModule", None)
+    ``FSDPModule``, or a parameter is a DTensor."""
+    module_cls = getattr(sys.modules.get("torch.distributed.fsdp"), "FSDPModule", None)
     if module_cls is not None and any(isinstance(m, module_cls) for m in model.modules()):
         return True
     return any(is_dtensor(p) for p in model.parameters())

@@ -46,28 +46,17 @@ VERSIONS: tuple[int, ...] = (1,)
 Message: TypeAlias = "ev.BaseEvent | cmd.Command"
 """What crosses: an event or a command."""
 
-_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
-_COMMANDS: Mapping[str, type[Any]] = {t.__name__: t for t in cmd.COMMAND_TYPES}
-_FIELDS: Mapping[str, frozenset[str]] = {
-    name: frozenset(f.name for f in dataclasses.fields(kind))
-    for name, kind in {**_EVENTS, **_COMMANDS}.items()
+_KINDS: Mapping[str, type[Any]] = {t.__name__: t for t in (*ev.EVENT_TYPES, *cmd.COMMAND_TYPES)}
+# Each class's field names, read once: dataclasses.fields() per message costs as much as the
+# rest of encoding a small event.
+_FIELDS: Mapping[type[Any], tuple[str, ...]] = {
+    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in _KINDS.values()
 }
-# The fields whose JSON value is not the field's value (see _field); every other field is taken
-# as it reads. Both tables are built once: dataclasses.fields() per message costs as much as
-# the rest of encoding a small event.
-_CONVERTED = frozenset({"error", "command", "result"})
-_ORDER: dict[type[Any], tuple[str, ...]] = {
-    kind: tuple(f.name for f in dataclasses.fields(kind)) for kind in (*_EVENTS.values(),
-                                                                       *_COMMANDS.values())
-}  # fmt: skip
 _ENCODER = json.JSONEncoder(allow_nan=True, separators=(",", ":"))
 
 
-_PLAIN = frozenset({type(None), bool, int, float, str})  # what most fields hold: taken as is
-
-
 def _value(v: Any) -> Any:
-    if type(v) in _PLAIN or isinstance(v, bool | int | float | str):
+    if v is None or isinstance(v, bool | int | float | str):
         return v
     if isinstance(v, torch.Tensor):
         # Reads the device: callers run this off the training thread (the JSONL writer's
@@ -90,57 +79,31 @@ def _value(v: Any) -> Any:
 
 def record(message: Message) -> dict[str, Any]:
     """The JSON-ready record of an event or command, without the version field:
-    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values).
-
-    Args:
-        message: An event or a command.
-
-    Returns:
-        A dict of JSON values.
-    """
-    return _fill({"type": type(message).__name__}, message)
-
-
-def _fill(out: dict[str, Any], message: Message) -> dict[str, Any]:
-    names = _ORDER.get(type(message))
+    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values)."""
+    names = _FIELDS.get(type(message))
     if names is None:  # a subclass or foreign dataclass: its own fields
         names = tuple(f.name for f in dataclasses.fields(message))
-    for name in names:
-        out[name] = _value(getattr(message, name))
-    return out
+    return {"type": type(message).__name__, **{n: _value(getattr(message, n)) for n in names}}
 
 
 def encode(message: Message) -> dict[str, Any]:
-    """The versioned record of ``message``: :func:`record` with ``"v"`` first.
-
-    Args:
-        message: An event or a command.
-
-    Returns:
-        ``{"v": FORMAT_VERSION, "type": ..., <fields>...}``.
-    """
-    return _fill({"v": FORMAT_VERSION, "type": type(message).__name__}, message)
-
-
-def _field(name: str, value: Any) -> Any:
-    # Only these fields hold non-JSON values; decoding by field name (not by the shape of the
-    # value) keeps a metric mapping with a "type" key a mapping.
-    if name == "error" and isinstance(value, str):
-        return RecordedError(value)
-    if name in ("command", "result") and isinstance(value, dict):
-        return _build(value)
-    return value
+    """The versioned record of ``message``: :func:`record` with ``"v"`` first."""
+    return {"v": FORMAT_VERSION, **record(message)}
 
 
 def _build(rec: Mapping[str, Any]) -> Message:
     name = rec.get("type")
-    kind: type[Any] | None = _EVENTS.get(str(name)) or _COMMANDS.get(str(name))
+    kind = _KINDS.get(str(name))
     if kind is None:
         raise ConfigError.invalid("type", name, "a trainbus event or command class name")
-    names = _FIELDS[kind.__name__]
-    kwargs = {k: v for k, v in rec.items() if k in names}
-    for k in _CONVERTED.intersection(kwargs):
-        kwargs[k] = _field(k, kwargs[k])
+    kwargs = {k: v for k, v in rec.items() if k in _FIELDS[kind]}
+    # Only these fields hold non-JSON values; decoding by field name (not by the shape of the
+    # value) keeps a metric mapping with a "type" key a mapping.
+    if isinstance(kwargs.get("error"), str):
+        kwargs["error"] = RecordedError(kwargs["error"])
+    for k in ("command", "result"):
+        if isinstance(kwargs.get(k), dict):
+            kwargs[k] = _build(kwargs[k])
     try:
         return cast("Message", kind(**kwargs))
     except TypeError as exc:  # a required field is missing
@@ -148,15 +111,8 @@ def _build(rec: Mapping[str, Any]) -> Message:
 
 
 def decode(rec: Mapping[str, Any]) -> Message:
-    """Rebuild the event or command of a record (``v`` optional: records before versioning are
-    version 1).
-
-    Args:
-        rec: A record from :func:`encode` (or :func:`record`).
-
-    Returns:
-        The event or command: tensors come back as numbers, exceptions as
-        :class:`~trainbus.events.RecordedError`.
+    """Rebuild the event or command of a record from :func:`encode` (``v`` optional: records
+    before versioning are version 1).
 
     Raises:
         ConfigError: not a mapping, an unknown version or type, a missing field, or a

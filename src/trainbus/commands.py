@@ -1,12 +1,13 @@
 """The command vocabulary: what subscribers tell the loop.
 
-Commands are frozen dataclasses sent on the back-channel (``bus.commands`` / ``bus.send``). The
-loop drains them without blocking at its poll points (after each optimizer step, after
-evaluation, at epoch end), applies them in order, and acknowledges each with
-``events.CommandApplied``. ``Command`` is their union, dispatched with ``match``.
+Frozen dataclasses sent on the back-channel (``bus.send``, ``bus.commands``), applied in order
+at the loop's poll points and acknowledged with ``events.CommandApplied`` (docs/events.md,
+"Commands"); ``Command`` is their union. Values are checked when a command is built: a bad
+learning rate is a ``ConfigError`` in the subscriber that made it.
 
-Values are validated when the command is built: a bad learning rate is a ``ConfigError`` in the
-subscriber that made it, not a crash inside the training loop.
+Every command carries ``decided_at``: the step of the event being handled when it was sent
+(stamped by ``bus.send``), None when sent from outside a subscriber (applied as soon as
+possible). It takes no part in equality (docs/events.md, "When a command takes effect").
 """
 
 from __future__ import annotations
@@ -30,13 +31,11 @@ __all__ = [
 ]
 
 
-def _check_group(value: int | None) -> None:
-    check_int("param_group", value, 0, optional=True)
-
-
-def _check_optimizer(value: str | None) -> None:
-    if value is not None and (not isinstance(value, str) or not value.isidentifier()):
-        raise ConfigError.invalid("optimizer", value, "an optimizer's name or None")
+def _check_target(param_group: int | None, optimizer: str | None) -> None:
+    """The parameter group and the optimizer a learning-rate command names."""
+    check_int("param_group", param_group, 0, optional=True)
+    if optimizer is not None and (not isinstance(optimizer, str) or not optimizer.isidentifier()):
+        raise ConfigError.invalid("optimizer", optimizer, "an optimizer's name or None")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,11 +43,7 @@ class StopTraining:
     """Stop the run after the current step; ``FitEnded(reason="stopped")`` follows."""
 
     reason: str = "requested"
-
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -56,9 +51,6 @@ class StopEpoch:
     """End the current epoch now; training continues with the next one (if any)."""
 
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,11 +59,7 @@ class SaveCheckpoint:
 
     tag: str | None = None
     """Name part of the checkpoint file (``step-<n>[-<tag>].pt``); letters, digits, ``-_.``."""
-
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
     def __post_init__(self) -> None:
         if self.tag is not None and (
@@ -89,9 +77,6 @@ class Evaluate:
     """Run evaluation now; answered by ``EvaluationEnded(trigger="command")``."""
 
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -103,16 +88,11 @@ class SetLearningRate:
     param_group: int | None = None
     optimizer: str | None = None
     """The optimizer's name in ``Trainer(optimizer={name: ...})``; None: all of them."""
-
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
     def __post_init__(self) -> None:
         check_number("lr", self.lr)
-        _check_group(self.param_group)
-        _check_optimizer(self.optimizer)
+        _check_target(self.param_group, self.optimizer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -124,16 +104,11 @@ class ScaleLearningRate:
     param_group: int | None = None
     optimizer: str | None = None
     """The optimizer's name in ``Trainer(optimizer={name: ...})``; None: all of them."""
-
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
     def __post_init__(self) -> None:
         check_number("factor", self.factor, positive=True)
-        _check_group(self.param_group)
-        _check_optimizer(self.optimizer)
+        _check_target(self.param_group, self.optimizer)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -145,11 +120,7 @@ class LogMetric:
 
     name: str
     value: float
-
     decided_at: int | None = field(default=None, compare=False)
-    """Step of the event being handled when the command was sent (stamped by ``bus.send``);
-    None: sent from outside a subscriber, applied as soon as possible. Not compared: a stamped
-    command equals the command it was made from."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:

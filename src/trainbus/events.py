@@ -1,25 +1,9 @@
 """The event vocabulary: what the training loop tells the world.
 
-Every event is a frozen, slotted, keyword-only dataclass, one class per fact, named in the past
-tense. All share three fields:
-
-- ``step``: optimizer steps completed when the event was built (``StepEnded(step=1)`` ends the
-  first step);
-- ``epoch``: the epoch index, counted from 0;
-- ``time``: :func:`time.monotonic` at the moment the event was built.
-
-Spans come as ``XStarted`` / ``XEnded`` pairs, and the loop guarantees the pair even on failure:
-``XEnded.error`` then carries the exception. :data:`SPANS` maps each start to its end, so one
-operator (:func:`trainbus.operators.span_durations`) can time any of them.
-
-Values computed on the device (``loss``, ``grad_norm``) are *detached tensors*, never read on the
-training thread: reading them (``float(e.loss)``) happens on the subscriber's thread, so the
-trainer never waits for the device on behalf of a value nobody asked for. Events never carry the
-model, the optimizer or the data loader.
-
-``Event`` is the union of every event class, for exhaustive ``match`` with ``assert_never``.
-The order in which a run publishes them is documented in ``docs/events.md`` and pinned by
-``tests/loop/test_loop.py``.
+Frozen, slotted, keyword-only dataclasses, one class per fact, named in the past tense;
+:data:`Event` is their union, for an exhaustive ``match`` with ``assert_never``. When each
+comes, in which order, and the rules every event follows (the common fields, spans paired even
+on failure, device values read on the subscriber's thread): docs/events.md.
 """
 
 from __future__ import annotations
@@ -29,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Literal, TypeAlias, overload
+from typing import TYPE_CHECKING, Any, Literal, TypeAlias, get_args, overload
 
 from ._exceptions import RecordedError as RecordedError
 
@@ -125,11 +109,8 @@ class Ending(StrEnum):
 EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
 """Why an evaluation runs: at an epoch end, every ``EvalSchedule.every_steps`` steps, at the end
 of a completed run whose last step was not evaluated (``EvalSchedule.at_end``), an ``Evaluate``
-command, or a standalone ``trainer.evaluate()`` outside ``fit()``.
-
-A step is evaluated once however many of these ask for it: the evaluation events carry the one
-that named the round (``trigger``, the first in the order steps, command, epoch, end) and
-``triggers``, every cadence the round stands for (docs/events.md, "One evaluation per step")."""
+command, or a standalone ``trainer.evaluate()`` outside ``fit()``. A step is evaluated once
+however many ask for it (docs/events.md, "One evaluation per step")."""
 _EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
@@ -234,10 +215,8 @@ class EpochStarted(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EpochEnded(BaseEvent):
-    """An epoch ended (completed, cut short by ``StopEpoch``/``StopTraining``, or failed).
-
-    A barrier event by default: decisions sent in response are applied before the next step.
-    """
+    """An epoch ended (completed, cut short by ``StopEpoch``/``StopTraining``, or failed). A
+    barrier event by default."""
 
     batches: int
     """Training batches consumed in this epoch."""
@@ -251,20 +230,15 @@ TracedSpan: TypeAlias = Literal[
 """A part of a step (or of an evaluation or prediction batch) that ``Trainer(trace=...)``
 times: each one ends in one :class:`SpanTraced`."""
 
-TRACED_SPANS: tuple[TracedSpan, ...] = (
-    "data_wait", "forward", "backward", "optimizer_step", "zero_grad", "scheduler_step"
-)  # fmt: skip
+TRACED_SPANS: tuple[TracedSpan, ...] = get_args(TracedSpan)
 """Every :data:`TracedSpan`, in the order a training step runs them."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpanTraced(BaseEvent):
-    """One part of a step timed, published when it ended (opt-in: ``Trainer(trace=...)``).
-
-    ``step`` and ``epoch`` are those when the part began. ``phase`` is the loop's: every part
-    is training's, and ``"forward"`` is also traced in evaluation and prediction. Published
-    when the part ends, also when it raises: ``error`` then holds the exception, which
-    propagates after the event.
+    """One part of a step timed, published when it ended, also when it raised (opt-in:
+    ``Trainer(trace=...)``; docs/events.md, "Tracing"). ``step`` and ``epoch`` are those when
+    the part began; ``"forward"`` is also traced in evaluation and prediction (``phase``).
     """
 
     span: TracedSpan
@@ -321,17 +295,13 @@ class StepEnded(BaseEvent):
 # --------------------------------------------------------------------------- evaluation
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvaluationRoundStarted(BaseEvent):
-    """An evaluation round began: every evaluation set, one after the other.
-
-    ``trigger="standalone"`` is ``trainer.evaluate()`` outside ``fit()``.
-    """
+    """An evaluation round began: every evaluation set, one after the other."""
 
     trigger: EvalTrigger
     datasets: tuple[str, ...]
     """The sets the round scores, in order."""
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
-    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
+    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "datasets", tuple(self.datasets))
@@ -346,8 +316,7 @@ class EvaluationStarted(BaseEvent):
     dataset: str = "val"
     """The set's name: its key in an ``eval_data`` mapping, ``"val"`` for a single loader."""
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
-    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
+    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
@@ -375,20 +344,15 @@ class EvalBatchEnded(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EvaluationEnded(BaseEvent):
-    """Evaluation of one set ended. A barrier event by default.
-
-    ``metrics``, as floats: for a single ``eval_data`` loader ``val_loss`` and each user metric
-    as ``val_<name>``; for a mapping of named sets ``<set>/loss`` and ``<set>/<name>``
-    (``"test/loss"``, ``"test/acc"``), so one name picks one set.
-    """
+    """Evaluation of one set ended; ``metrics`` as floats, keyed as docs/events.md says
+    (``val_loss``, ``val_<name>``; named sets ``<set>/loss``). A barrier event by default."""
 
     metrics: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
     dataset: str = "val"
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
-    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
+    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
@@ -403,8 +367,7 @@ class EvaluationRoundEnded(BaseEvent):
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first (``("steps", "epoch")``: the
-    step cadence and the epoch's end asked for the same step); default ``(trigger,)``."""
+    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
@@ -482,11 +445,8 @@ class CheckpointLoaded(BaseEvent):
 # --------------------------------------------------------------------------- metrics
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MetricsLogged(BaseEvent):
-    """Training metrics aggregated over the last ``log_every`` steps, as floats.
-
-    Keys: ``loss`` (mean), ``lr``, ``grad_norm`` (mean, when clipping), ``steps_per_s``,
-    ``samples_per_s``.
-    """
+    """Training metrics aggregated over the last ``log_every`` steps, as floats (the keys:
+    docs/events.md)."""
 
     metrics: Mapping[str, float]
 
@@ -497,11 +457,9 @@ class MetricsLogged(BaseEvent):
 # --------------------------------------------------------------------------- control
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CommandApplied(BaseEvent):
-    """The loop applied (or refused) a command from the back-channel.
-
-    ``result`` is the event the command produced (``CheckpointSaved`` for ``SaveCheckpoint``,
-    ``EvaluationEnded`` for ``Evaluate``), which :meth:`EventBus.request` returns.
-    """
+    """The loop applied (or refused: ``error``) a command from the back-channel; ``result`` is
+    the event it produced (``CheckpointSaved``, ``EvaluationEnded``), which ``bus.request``
+    returns."""
 
     command: Command
     result: BaseEvent | None = None
@@ -512,10 +470,8 @@ class CommandApplied(BaseEvent):
 class WorkersRestarted(BaseEvent):
     """A driver's workers were started again within one launch (``trainbus.ray``: Ray
     restarted the worker group after a failure, ``FailureConfig(max_failures=...)``).
-
-    Published on the driver's bus only, never by a loop, when the restarted rank 0 links
-    again; its ``FitStarted`` follows (``resumed_from`` / ``resume_source`` say from where).
-    ``step`` and ``epoch`` are those of the last event the previous attempt streamed.
+    Published on the driver's bus only, when the restarted rank 0 links again; its
+    ``FitStarted`` follows. ``step`` and ``epoch`` are those of the last event streamed before.
     """
 
     attempt: int
@@ -526,8 +482,7 @@ class WorkersRestarted(BaseEvent):
     died); None when nothing is known."""
 
 
-# =========================================================================== monitors (kit)
-# Events published by the monitor callbacks (trainbus.callbacks), never by the loop itself.
+# --------------------------------------------------------------------------- monitor callbacks
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GradientNormMeasured(BaseEvent):
     """``GradientNormMonitor`` measured the total gradient norm, before the optimizer step.
@@ -590,18 +545,13 @@ class RuntimeEstimated(BaseEvent):
     total_steps: int | None = None
 
 
-# =========================================================================== union
-# --------------------------------------------------------------------------- external evaluation
-# (trainbus.callbacks.EvaluateCheckpoints)
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExternalEvaluationEnded(BaseEvent):
-    """An evaluation job launched on a saved checkpoint ended (off the training loop).
-
-    Published by :class:`trainbus.callbacks.EvaluateCheckpoints` when its job for
-    ``checkpoint`` returns; ``step`` and ``epoch`` are those of the ``CheckpointSaved`` that
-    started it (the step the evaluated weights come from), ``time`` is when the job ended.
+    """An evaluation job that :class:`trainbus.callbacks.EvaluateCheckpoints` launched on a
+    saved checkpoint ended, off the training loop (never a barrier). ``step`` and ``epoch`` are
+    those of the ``CheckpointSaved`` that started it, ``time`` is when the job ended.
     ``EarlyStopping`` and ``Checkpointing(monitor=...)`` act on its ``metrics`` like on an
-    ``EvaluationEnded`` that has the monitored metric. Not a barrier: training does not wait.
+    ``EvaluationEnded``'s.
     """
 
     checkpoint: str

@@ -19,7 +19,7 @@ from reactivex import Observable
 from reactivex.scheduler import VirtualTimeScheduler as _RxVirtualTimeScheduler
 
 from . import events as ev
-from ._exceptions import ConfigError
+from ._validate import check_int
 
 if TYPE_CHECKING:
     import torch
@@ -66,13 +66,10 @@ class EventRecorder:
         # With on_completed, without which ``completed`` would never turn true.
         self.subscription: Subscription = bus.subscribe(
             source if source is not None else bus.events,
-            self._record,
+            self.items.append,
             on_completed=self._complete,
             name="EventRecorder",
         )
-
-    def _record(self, item: Any) -> None:
-        self.items.append(item)
 
     def _complete(self) -> None:
         self.completed = True
@@ -152,9 +149,8 @@ def tiny_loader(
     """
     import torch
 
-    for name, value in (("batches", batches), ("batch_size", batch_size)):
-        if not isinstance(value, int) or value < 1:
-            raise ConfigError.invalid(name, value, "an int >= 1")
+    check_int("batches", batches, 1)
+    check_int("batch_size", batch_size, 1)
     gen = torch.Generator().manual_seed(seed)
     centers = torch.randn(classes, in_features, generator=gen)
     out = []

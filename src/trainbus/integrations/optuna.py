@@ -31,6 +31,7 @@ from .. import events as ev
 from .._bus.subscriptions import RankFilter, env_rank
 from .._exceptions import ConfigError, MissingExtraError, TrainbusError
 from .._log import get_logger
+from .._validate import check_metric
 from ..callbacks._base import Callback, RunPlan, SubscribeOptions
 from ..callbacks._monitored import reads_metric
 
@@ -49,14 +50,6 @@ PRUNED = "pruned"
 class PrunerError(TrainbusError, RuntimeError):
     """The study's pruner (``trial.should_prune()``) or ``trial.report()`` raised; the original
     exception is the ``__cause__``."""
-
-
-def _optuna() -> Any:
-    try:  # imported here: trainbus never needs optuna unless this callback is used
-        import optuna
-    except ImportError as exc:
-        raise MissingExtraError("OptunaPruning", "optuna", "optuna") from exc
-    return optuna
 
 
 class OptunaPruning(Callback):
@@ -89,7 +82,10 @@ class OptunaPruning(Callback):
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions(on_error="raise")
 
     def __init__(self, trial: Any, monitor: str = "val_loss") -> None:
-        optuna = _optuna()
+        try:  # imported here: trainbus never needs optuna unless this callback is used
+            import optuna
+        except ImportError as exc:
+            raise MissingExtraError("OptunaPruning", "optuna", "optuna") from exc
         if trial is None and env_rank() != 0:
             pass  # under torchrun the trial lives on rank 0, where this callback decides
         elif not isinstance(trial, optuna.trial.BaseTrial):
@@ -97,10 +93,8 @@ class OptunaPruning(Callback):
                                       "an optuna.Trial (the argument Optuna passes to the "
                                       "objective); None only on the ranks other than 0 "
                                       "under torchrun")  # fmt: skip
-        if not isinstance(monitor, str) or not monitor:
-            raise ConfigError.invalid("monitor", monitor, "a metric name such as 'val_loss'")
         self.trial = trial
-        self.monitor = monitor
+        self.monitor = check_metric("monitor", monitor)
         self._pruned_exc: type[BaseException] = optuna.TrialPruned
         self._reads = reads_metric(monitor)
         self._bus: weakref.ref[EventBus] | None = None

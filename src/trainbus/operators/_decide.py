@@ -7,7 +7,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import reactivex
 from reactivex import Observable, abc
 
 from .. import commands as cmd
@@ -106,19 +105,26 @@ def _read_metric(event: Any, name: str) -> float:
 
 
 def _decide(
-    step: Callable[[Tracker, float, Any], Any | None],
-    tracker: Tracker,
+    tracker: Tracker | None,
     name: str,
+    step: Callable[[Tracker, float, Any], Any | None],
     done: Callable[[Tracker], bool],
 ) -> Callable[[Observable[Any]], Observable[Any]]:
-    """Run ``step`` with ``tracker``; emit what it returns (if not None); complete once
-    ``done(tracker)`` after an emission (read then, so a tracker restored after the
-    subscription counts)."""
+    """Per subscription, run ``step`` on each event's metric ``name`` with ``tracker`` (else a
+    fresh one); emit what it returns (if not None) and complete once ``done(tracker)`` after an
+    emission (read then, so a tracker restored after the subscription counts).
+
+    Raises:
+        ConfigError: ``tracker`` is neither a Tracker nor None.
+    """
+    if tracker is not None and not isinstance(tracker, Tracker):
+        raise ConfigError.invalid("tracker", tracker, "a trainbus.operators.Tracker or None")
 
     def _operator(source: Observable[Any]) -> Observable[Any]:
         def subscribe(
             observer: abc.ObserverBase[Any], scheduler: abc.SchedulerBase | None = None
         ) -> abc.DisposableBase:
+            state = tracker if tracker is not None else Tracker()
             completed = False
 
             def on_next(event: Any) -> None:
@@ -126,14 +132,14 @@ def _decide(
                 if completed:
                     return
                 try:
-                    out = step(tracker, _read_metric(event, name), event)
+                    out = step(state, _read_metric(event, name), event)
                 except Exception as exc:
                     completed = True
                     observer.on_error(exc)
                     return
                 if out is not None:
                     observer.on_next(out)
-                    if done(tracker):
+                    if done(state):
                         completed = True
                         observer.on_completed()
 
@@ -146,22 +152,6 @@ def _decide(
             return source.subscribe(on_next, observer.on_error, on_completed, scheduler=scheduler)
 
         return Observable(subscribe)
-
-    return _operator
-
-
-def _tracked(
-    tracker: Tracker | None,
-    build: Callable[[Tracker], Callable[[Observable[Any]], Observable[Any]]],
-) -> Callable[[Observable[Any]], Observable[Any]]:
-    """``build(tracker)`` applied per subscription: the given tracker, else a fresh one each."""
-    if tracker is not None and not isinstance(tracker, Tracker):
-        raise ConfigError.invalid("tracker", tracker, "a trainbus.operators.Tracker or None")
-
-    def _operator(source: Observable[Any]) -> Observable[Any]:
-        return reactivex.defer(
-            lambda _: build(tracker if tracker is not None else Tracker())(source)
-        )
 
     return _operator
 
@@ -214,7 +204,7 @@ def patience(
             )
         )
 
-    return _tracked(tracker, lambda t: _decide(step, t, metric, lambda _: True))
+    return _decide(tracker, metric, step, lambda _: True)
 
 
 def plateau(
@@ -281,7 +271,7 @@ def plateau(
     def done(tracker: Tracker) -> bool:
         return max_reductions is not None and tracker.reductions >= max_reductions
 
-    return _tracked(tracker, lambda t: _decide(step, t, metric, done))
+    return _decide(tracker, metric, step, done)
 
 
 def threshold(
@@ -308,29 +298,25 @@ def threshold(
     metric = check_metric("metric", metric)
     if above is None and below is None:
         raise ConfigError.invalid("above", None, "a number (or give below=)")
-    bounds: dict[str, float] = {}
     for name, value in (("above", above), ("below", below)):
-        if value is not None:
-            number = isinstance(value, int | float) and not isinstance(value, bool)
-            if not (number and math.isfinite(value)):
-                raise ConfigError.invalid(name, value, "a finite number")
-            bounds[name] = float(value)
-    if "above" in bounds and "below" in bounds and bounds["below"] >= bounds["above"]:
-        raise ConfigError.invalid(
-            "below", bounds["below"], f"a number less than above={bounds['above']!r}"
-        )
-    hi, lo = bounds.get("above"), bounds.get("below")
+        finite = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (finite and math.isfinite(value)):
+            raise ConfigError.invalid(name, value, "a finite number")
+    hi = None if above is None else float(above)
+    lo = None if below is None else float(below)
+    if hi is not None and lo is not None and lo >= hi:
+        raise ConfigError.invalid("below", lo, f"a number less than above={hi!r}")
 
-    def check(_: Tracker, value: float, event: Any) -> cmd.StopTraining | None:
+    def step(_: Tracker, value: float, event: Any) -> cmd.StopTraining | None:
         if hi is not None and value > hi:
             side, bound = "above", hi
         elif lo is not None and value < lo:
             side, bound = "below", lo
         else:
             return None
-        step = getattr(event, "step", "?")
+        at = getattr(event, "step", "?")
         return cmd.StopTraining(
-            reason=f"threshold: {metric}={value:.6g} went {side} {bound:g} at step {step}"
+            reason=f"threshold: {metric}={value:.6g} went {side} {bound:g} at step {at}"
         )
 
-    return _decide(check, Tracker(), metric, lambda _: True)
+    return _decide(None, metric, step, lambda _: True)
