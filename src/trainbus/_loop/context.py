@@ -117,7 +117,7 @@ class TrainContext:
         Returns:
             The loss, or None when an ``after_forward`` or ``loss`` hook skipped the batch.
         """
-        return self._runner.compute_loss()
+        return self._runner.compute_loss(self)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``: divided by the step's micro-batches (or weighed by its items),
@@ -127,7 +127,7 @@ class TrainContext:
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
         """
-        self._runner.backward(loss)
+        self._runner.backward(loss, self)
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
@@ -144,7 +144,7 @@ class TrainContext:
         Raises:
             ConfigError: ``name`` is not one of the run's optimizers.
         """
-        return self._runner.optimizer_step(name)
+        return self._runner.optimizer_step(name, self)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's mixed-precision context for a forward (a no-op at ``precision="32"``)."""
@@ -164,7 +164,6 @@ class StepRunner:
     asks (forward, backward, optimizer steps), with their hooks and traces.
 
     Attributes:
-        ctx: The run's one :class:`TrainContext`, set to each micro-batch before the call.
         settings: The run's settings.
         state: The run's train state.
         user: Where ``ctx.log`` and a returned mapping's extra entries go.
@@ -198,7 +197,6 @@ class StepRunner:
         self._fn: Callable[[TrainContext], Any] = fn
         self._own = fn is not default_train_step
         self.name = getattr(fn, "__qualname__", None) or repr(fn)
-        self.ctx = TrainContext(self)
         # What the grad scaler unscales and steps for the run's optimizer: each of several.
         self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._keep = guard.active  # the backward losses are kept for the non-finite check
@@ -235,31 +233,37 @@ class StepRunner:
         self._weight = weight
 
     def hook_context(self, bi: int, micro: int, batch: Any) -> StepContext:
-        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step;
-        ``batch`` None: the batch the model saw last."""
+        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step."""
         st, s = self.state, self.settings
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=self.ctx.batch if batch is None else batch, model=s.model,
-                           optimizer=s.optimizer, metrics_sink=self.user.log)  # fmt: skip
+                           batch=batch, model=s.model, optimizer=s.optimizer,
+                           metrics_sink=self.user.log)  # fmt: skip
 
-    def _after_hook_context(self, optimizer: torch.optim.Optimizer) -> StepContext:
+    def _after_hook_context(
+        self, optimizer: torch.optim.Optimizer, ctx: TrainContext
+    ) -> StepContext:
         """The hook context of the step's last micro-batch at an optimizer step."""
-        ctx = self.ctx
-        hc = self.hook_context(ctx.batch_index, ctx.micro_batch, None)
+        hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
         hc.optimizer = optimizer
         return hc
 
-    def annotate(self, exc: BaseException, where: str) -> None:
+    def annotate(self, exc: BaseException, where: str, bi: int) -> None:
         """Add a note naming the part, step, epoch and batch to an exception from the step."""
         st = self.state
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, "
-                     f"batch {self.ctx.batch_index}")  # fmt: skip
+                     f"batch {bi}")  # fmt: skip
 
     # ------------------------------------------------------------------ the call
     def call(
-        self, batch: Any, bi: int, micro: int, accumulation_steps: int, hook_ctx: StepContext | None
+        self,
+        ctx: TrainContext,
+        batch: Any,
+        bi: int,
+        micro: int,
+        accumulation_steps: int,
+        hook_ctx: StepContext | None,
     ) -> torch.Tensor | None:
-        """Call ``train_step`` on one micro-batch.
+        """Call ``train_step`` with ``ctx`` set to one micro-batch.
 
         Returns:
             The loss it returned, detached (a 0-d tensor); None when a hook skipped the batch.
@@ -270,7 +274,6 @@ class StepRunner:
             BaseException: whatever ``train_step`` raised; a custom step's with a note naming
                 it and where.
         """
-        ctx = self.ctx
         ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
         ctx.accumulation_steps = accumulation_steps
         self._hook_ctx, self._last = hook_ctx, None
@@ -323,14 +326,14 @@ class StepRunner:
         return loss
 
     # ------------------------------------------------------------------ forward and loss
-    def compute_loss(self) -> torch.Tensor | None:
+    def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
         """``ctx.compute_loss()``: the forward (traced ``"forward"``, under the run's precision,
         the ``after_forward`` hooks inside), then the ``loss`` hooks.
 
         Returns:
             The loss, or None when a hook skipped the batch.
         """
-        ctx, trace = self.ctx, self._trace
+        trace = self._trace
         try:
             if trace.on or self._mixed:
                 with trace("forward", "train", ctx.batch_index, ctx.micro_batch), \
@@ -339,7 +342,7 @@ class StepRunner:
             else:
                 outputs, loss = self._outputs_and_loss(ctx)
         except BaseException as exc:
-            self.annotate(exc, "forward")
+            self.annotate(exc, "forward", ctx.batch_index)
             raise
         if loss is None:
             self._skipped = True
@@ -391,15 +394,15 @@ class StepRunner:
             )
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: Any) -> None:
+    def backward(self, loss: Any, ctx: TrainContext) -> None:
         """``ctx.backward``: check the loss, keep it for the non-finite check, then the
         backward (traced ``"backward"``) and the ``after_backward`` hooks."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            self._refuse(loss)
+            self._refuse(loss, ctx.batch_index)
         if self._keep:  # read only for its value: kept as it is
             self._losses.append(loss)
         self._last, self._clean = loss, False
-        ctx, weight = self.ctx, self._weight
+        weight = self._weight
         if weight is not None:
             scaled = loss * weight
         elif ctx.accumulation_steps > 1:
@@ -416,19 +419,19 @@ class StepRunner:
             else:
                 scaled.backward()
         except BaseException as exc:
-            self.annotate(exc, "backward")
+            self.annotate(exc, "backward", ctx.batch_index)
             raise
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
-            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, None)
+            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc.loss = loss
             self.run_hooks("after_backward", hooks, hc)
 
-    def _refuse(self, loss: Any) -> None:
+    def _refuse(self, loss: Any, bi: int) -> None:
         """Raise the error for a loss that is not a scalar tensor that requires grad (checked
         on metadata only: never syncs the device)."""
         st = self.state
-        where = f"at step {st.step}, epoch {st.epoch}, batch {self.ctx.batch_index}"
+        where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else repr(type(loss)))  # fmt: skip
@@ -438,7 +441,7 @@ class StepRunner:
                             "model's parameters")  # fmt: skip
 
     # ------------------------------------------------------------------ optimizer steps
-    def optimizer_step(self, name: str | None) -> bool:
+    def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
         """``ctx.optimizer_step``: step now at the last micro-batch, else defer.
 
         Raises:
@@ -452,18 +455,17 @@ class StepRunner:
             )  # fmt: skip
         if self._own:
             self._called.add(name)
-        ctx = self.ctx
         if ctx.micro_batch != ctx.accumulation_steps - 1:
             if name not in self._deferred:
                 self._deferred.append(name)
             return False
-        return self._step_now(name)
+        return self._step_now(name, ctx)
 
-    def _step_now(self, name: str | None) -> bool:
+    def _step_now(self, name: str | None, ctx: TrainContext) -> bool:
         """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
         if self._skip or name in self._stepped:
             return False
-        if self._losses and self._guard.per_step and self._bad_losses(name):
+        if self._losses and self._guard.per_step and self._bad_losses(name, ctx):
             return False
         s = self.settings
         opt = s.optimizer if name is None else s.optimizers[name]
@@ -474,10 +476,10 @@ class StepRunner:
             self._unscaled = True
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
-            hc = self._after_hook_context(opt)
+            hc = self._after_hook_context(opt, ctx)
             self.run_hooks("before_optimizer_step", hooks, hc)
             if hc.skip:
-                self.zero_grad(opt)
+                self.zero_grad(opt, ctx.batch_index)
                 return False
         if self._own and self._clean:
             self._warn_no_backward(name)
@@ -493,20 +495,20 @@ class StepRunner:
             else:
                 self._update(opt, name)
         except BaseException as exc:
-            self.annotate(exc, "optimizer step")
+            self.annotate(exc, "optimizer step", ctx.batch_index)
             raise
         if name is None:  # the run's one update: the step is taken now
             self.state.step_done()
         self._stepped[name] = grad_norm
-        self.zero_grad(opt)
+        self.zero_grad(opt, ctx.batch_index)
         hooks = self._hooks.by_point["after_optimizer_step"]
         if hooks:
-            hc = self._after_hook_context(opt)
+            hc = self._after_hook_context(opt, ctx)
             hc.step = self.step + 1  # the step this update completes
             self.run_hooks("after_optimizer_step", hooks, hc)
         return True
 
-    def _bad_losses(self, name: str | None) -> bool:
+    def _bad_losses(self, name: str | None, ctx: TrainContext) -> bool:
         """The non-finite check of the backward losses not checked yet; True when the step's
         update is skipped (``"skip"`` or ``"stop"``)."""
         pending, self._losses = self._losses, []
@@ -521,7 +523,7 @@ class StepRunner:
             raise
         if bad:  # no update in this step
             self._skip = True
-            self.zero_grad(self.settings.optimizer)
+            self.zero_grad(self.settings.optimizer, ctx.batch_index)
         return bad
 
     def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
@@ -537,7 +539,7 @@ class StepRunner:
         self.settings.optimizer.zero_grad(set_to_none=True)
         self._clean = True
 
-    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+    def zero_grad(self, optimizer: torch.optim.Optimizer, bi: int) -> None:
         """``optimizer.zero_grad(set_to_none=True)``, traced as ``"zero_grad"``."""
         try:
             if self._trace.on:
@@ -546,12 +548,12 @@ class StepRunner:
             else:
                 optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
-            self.annotate(exc, "zero_grad")
+            self.annotate(exc, "zero_grad", bi)
             raise
         if optimizer is self.settings.optimizer:
             self._clean = True
 
-    def finish(self) -> tuple[bool, torch.Tensor | None]:
+    def finish(self, ctx: TrainContext) -> tuple[bool, torch.Tensor | None]:
         """After the micro-batches: the steps deferred by a step cut short, the grad scaler's
         update, a warning for each declared optimizer never stepped.
 
@@ -568,14 +570,14 @@ class StepRunner:
                 (also logged as ``optimizer_not_stepped``).
         """
         for name in self._deferred:
-            self._step_now(name)
+            self._step_now(name, ctx)
         s, stepped = self.settings, self._stepped
         if self._unscaled:
             assert s.scaler is not None
             s.scaler.update()
         if self._own:
-            self._check_called()
-        self.ctx.batch = None  # the batch is not kept past its step
+            self._check_called(ctx)
+        ctx.batch = None  # the batch is not kept past its step
         if None in stepped:  # the run's update: the step was counted then
             return True, stepped[None]
         if not stepped:
@@ -590,11 +592,11 @@ class StepRunner:
             return True, norms[0]
         return True, torch.linalg.vector_norm(torch.stack(norms))
 
-    def _check_called(self) -> None:
+    def _check_called(self, ctx: TrainContext) -> None:
         """A custom step's calls of ``ctx.optimizer_step`` in the step that ends, unless the
         data cut it short or a hook skipped a micro-batch: none is an error; an optimizer never
         asked for (and not all at once) is warned about once."""
-        called, ctx = self._called, self.ctx
+        called = self._called
         # A step cut short by the data, or whose last micro-batch a hook skipped, may have
         # left its optimizer step to a later micro-batch that never came.
         whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
@@ -603,7 +605,7 @@ class StepRunner:
         if not called:
             raise TrainingError(
                 f"train_step {self.name} never called ctx.optimizer_step() in step "
-                f"{self.step + 1} (epoch {self.state.epoch}, batch {self.ctx.batch_index}): "
+                f"{self.step + 1} (epoch {self.state.epoch}, batch {ctx.batch_index}): "
                 "call it in every step (it steps at the step's last micro-batch), or the run "
                 "never counts a step"
             )

@@ -25,6 +25,7 @@ import torch
 from .. import events as ev
 from .._tensors import batch_size, move_to_device
 from .accumulation import ItemWeights, count_items
+from .context import TrainContext
 from .data import END
 from .gradsync import GradSync
 from .nonfinite import mean_tensor
@@ -106,6 +107,8 @@ class Step:
         self._copy = settings.device.type != "cpu"
         # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(settings.model)
+        # The run's one context: the step owns it (the runner keeps no reference to it).
+        self._ctx = TrainContext(runner)
         by = settings.accumulate_by
         # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / accumulation_steps each).
         self._items = None if by == "batches" else ItemWeights(count_items if by == "items" else by)
@@ -168,7 +171,7 @@ class Step:
             samples += batch_size(batch)
             if weights:  # the backward's scale
                 runner.weigh(weights[micro])
-            loss = runner.call(batch, bi, micro, accumulation_steps, hook_ctx)
+            loss = runner.call(self._ctx, batch, bi, micro, accumulation_steps, hook_ctx)
             if loss is None:  # a hook skipped the micro-batch
                 continue
             if self._copy:
@@ -185,7 +188,7 @@ class Step:
         if not losses:
             runner.drop_gradients()
             return StepOutcome(consumed, False, exhausted)
-        took, grad_norm = runner.finish()
+        took, grad_norm = runner.finish(self._ctx)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(consumed, False, exhausted)
         if not runner.same:  # a custom step returned other losses than it gave to backward
