@@ -321,7 +321,7 @@ class CommandChannel:
             log.info("stop_after_the_end", commands=[repr(c) for c in stops])
         if lost:
             log.warning("commands_not_applied", commands=[repr(c) for c in lost])
-            self._commands.clear()
+        self._commands.clear()  # none carries over into the next call
 
 
 class AckObserver(abc.ObserverBase[ev.CommandApplied]):

@@ -111,6 +111,9 @@ class Lifecycle:
                 tasks.start_soon(self._own_scheduler.run)
             self._subscriptions.start(tasks)
             tasks.start_soon(self._poll, name="trainbus-bus-poller")
+            # A checkpoint, as every async call is: one cancelled already (a deadline passed)
+            # stops here, and the bus stays as it was.
+            await anyio.lowlevel.checkpoint()
         except BaseException:
             # Cancelled (or failed) half-way: stop what started; the bus stays as it was.
             self.state = previous
