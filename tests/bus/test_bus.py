@@ -1159,3 +1159,16 @@ def test_a_name_of_the_earlier_spelling_says_what_replaced_it() -> None:
     with pytest.raises(AttributeError, match=r'bus\.running is bus\.state == "running" now'):
         bus.running  # noqa: B018
     assert not hasattr(bus, "no_such_attribute")
+
+
+@pytest.mark.timeout(60)
+def test_a_stop_sent_after_the_last_poll_point_does_not_stop_the_next_call() -> None:
+    """A sync subscriber of ``FitEnded`` sends a stop after the loop's last poll point: it asks
+    for what already happened, and the next call (an evaluation) runs whole."""
+    trainer = _trainer()
+    trainer.bus.stream(ev.FitEnded).subscribe(
+        lambda e: trainer.bus.send(cmd.StopTraining(reason="after the end"))
+    )
+    assert trainer.fit_sync().reason == "completed"
+    metrics = trainer.evaluate_sync(tiny_loader(2))
+    assert "val_loss" in metrics
