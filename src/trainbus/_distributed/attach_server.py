@@ -40,6 +40,7 @@ from .._log import get_logger
 from .driver_link import ALWAYS
 from .link import BusLike, WorkerLink
 from .protocol import check_hello, control_record, event_names
+from .socket_link import SocketConnection
 
 __all__ = [
     "SOCKET_NAME",
@@ -117,50 +118,6 @@ def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None)
 
 class _Unavailable(Exception):
     """The run cannot listen in its folder (the reason is the message)."""
-
-
-class _Connection:
-    """One accepted attachment's socket as a :class:`~.link.WorkerTransport` (``open`` is never
-    called: the listener did the handshake)."""
-
-    linger = 0.0
-
-    def __init__(self, conn: socket.socket, reader: Any, where: str) -> None:
-        self.where = where
-        self._conn: socket.socket | None = conn
-        self._reader = reader
-
-    def open(self, hello: bytes) -> bytes:  # pragma: no cover - the listener greets
-        raise OSError("an accepted attachment is already open")
-
-    def send(self, data: bytes) -> None:
-        conn = self._conn
-        if conn is None:
-            raise OSError("the attachment is closed")
-        conn.sendall(data)
-
-    def receive(self) -> bytes:
-        reader = self._reader
-        if reader is None:
-            return b""
-        try:
-            line: bytes = reader.readline()
-        except (OSError, ValueError, AttributeError):
-            return b""
-        return line
-
-    def close(self, bye: bytes) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        with contextlib.suppress(OSError):
-            if bye:
-                conn.sendall(bye)
-            conn.shutdown(socket.SHUT_RDWR)
-        conn.close()
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.close()
 
 
 class AttachServer:
@@ -390,7 +347,7 @@ class AttachServer:
         wanted = tuple(_EVENTS[n] for n in names) or tuple(t for t in ev.EVENT_TYPES
                                                            if t in ALWAYS)  # fmt: skip
         source = f"attach:pid={pid}"
-        transport = _Connection(conn, reader, source)
+        transport = SocketConnection(conn, reader, source)
         link: WorkerLink
 
         def left() -> None:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from typing import Any
 
@@ -23,14 +24,67 @@ from .._validate import check_seconds
 from .driver_link import DriverLink
 from .protocol import ADDR_ENV
 
-__all__ = ["LOOPBACK", "SocketDriver", "SocketTransport"]
+__all__ = ["LOOPBACK", "SocketConnection", "SocketDriver", "SocketTransport"]
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
 
 
-class SocketTransport:
-    """The worker's side of the socket transport (a :class:`~.link.WorkerTransport`).
+class SocketConnection:
+    """A connected blocking socket as the worker's end of a link (a
+    :class:`~.link.WorkerTransport` whose handshake is done: rank 0's end of an attachment).
+
+    Args:
+        sock: The socket (None: not connected yet).
+        file: Its ``makefile("rb")``.
+        where: The peer, for messages.
+    """
+
+    linger = 0.0  # a socket write is cheap: send what is queued at once
+
+    def __init__(self, sock: socket.socket | None, file: Any, where: str) -> None:
+        self._sock = sock
+        self._file = file
+        self.where = where
+
+    def open(self, hello: bytes) -> bytes:
+        """Refused: the connection is open already."""
+        raise OSError("the connection is open already")
+
+    def send(self, data: bytes) -> None:
+        """Write lines (blocks while the peer does not read); ``OSError`` once it is gone."""
+        if self._sock is None:
+            raise OSError("the link is closed")
+        self._sock.sendall(data)
+
+    def receive(self) -> bytes:
+        """The next line, ``b""`` at the end of the connection."""
+        file = self._file
+        if file is None:
+            return b""
+        try:
+            line: bytes = file.readline()
+        except (OSError, ValueError, AttributeError):  # closed under us by close()
+            return b""
+        return line
+
+    def close(self, bye: bytes) -> None:
+        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            if bye:
+                sock.sendall(bye)
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()  # the socket is only released once its file is closed
+
+
+class SocketTransport(SocketConnection):
+    """The worker's side of the socket transport: connects to the driver on :meth:`open`.
 
     Args:
         address: The driver's ``host:port``; the host must be a loopback address.
@@ -40,18 +94,14 @@ class SocketTransport:
         ConfigError: a malformed or non-loopback address (naming ``TRAINBUS_DRIVER_ADDR``).
     """
 
-    linger = 0.0  # a socket write is cheap: send what is queued at once
-
     def __init__(self, address: str, timeout: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
         if host not in LOOPBACK or not port.isdigit():
             raise ConfigError.invalid(ADDR_ENV, address, "127.0.0.1:<port> (loopback only)")
+        super().__init__(None, None, f"{host}:{port}")
         self.host, self.port = host, int(port)
-        self.where = f"{host}:{port}"
         self.timeout = check_seconds("timeout", timeout)
-        self._sock: socket.socket | None = None
-        self._file: Any = None
 
     def open(self, hello: bytes) -> bytes:
         """Connect, send ``hello``, return the driver's answer line.
@@ -72,43 +122,6 @@ class SocketTransport:
             raise LaunchError(f"the trainbus driver at {self.where} did not answer: {exc}") from exc
         sock.settimeout(None)
         return reply
-
-    def send(self, data: bytes) -> None:
-        """Write event lines (blocks while the driver does not read).
-
-        Raises:
-            OSError: the connection is gone.
-        """
-        if self._sock is None:
-            raise OSError("the link is closed")
-        self._sock.sendall(data)
-
-    def receive(self) -> bytes:
-        """The next command line, ``b""`` at the end of the connection."""
-        file = self._file
-        if file is None:
-            return b""
-        try:
-            line: bytes = file.readline()
-        except (OSError, ValueError, AttributeError):  # closed under us by close()
-            return b""
-        return line
-
-    def close(self, bye: bytes) -> None:
-        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        try:
-            if bye:
-                sock.sendall(bye)
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-        file, self._file = self._file, None
-        if file is not None:
-            file.close()  # the socket is only released once its file is closed
 
 
 class SocketDriver:
