@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError
-from ._sharded import read_folder
+from ._reading import read_folder
 from ._store import save_synced
 
 __all__ = ["export_full"]

@@ -1,4 +1,5 @@
-"""The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps.
+"""The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps;
+and the three calls the loop and the trainer make (save, load, find the latest).
 
 A write goes to a hidden temporary file in the same folder, fsynced, renamed over its final
 name (``os.replace``) and the folder fsynced: a crash at any moment leaves the previous files
@@ -14,6 +15,7 @@ import re
 import secrets
 import shutil
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +24,10 @@ import torch
 from .._durable import fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ._reading import read_file
-from ._sharded import read_folder
-from ._state import Checkpoint
+from .._tensors import is_sharded_model
+from ._reading import read_file, read_folder
+from ._rng import capture_rng
+from ._state import Checkpoint, TrainState, build_payload
 
 __all__ = [
     "TEMP_SUFFIX",
@@ -32,16 +35,20 @@ __all__ = [
     "LatestScan",
     "check_checkpoint_dir",
     "checkpoint_name",
+    "folder_name",
+    "latest_checkpoint",
+    "load_checkpoint",
     "parse_checkpoint_name",
     "read_checkpoint",
+    "save_checkpoint",
     "save_synced",
 ]
 
 log = get_logger(__name__)
 
 TEMP_SUFFIX = ".trainbus-tmp"
-_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?\.pt$")
 _FOLDER = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?$")  # a sharded run's checkpoint
+_NAME = re.compile(_FOLDER.pattern.removesuffix("$") + r"\.pt$")
 _TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+" + re.escape(TEMP_SUFFIX) + "$")
 
 # Temp files this process is writing right now: the same pid can belong to a killed writer of
@@ -50,9 +57,14 @@ _in_flight: set[str] = set()
 _in_flight_lock = threading.Lock()
 
 
+def folder_name(step: int, tag: str | None) -> str:
+    """``step-00000042`` or ``step-00000042-best``: a sharded checkpoint's folder name."""
+    return f"step-{step:08d}" + (f"-{tag}" if tag else "")
+
+
 def checkpoint_name(step: int, tag: str | None) -> str:
     """``step-00000042.pt`` or ``step-00000042-best.pt``."""
-    return f"step-{step:08d}" + (f"-{tag}" if tag else "") + ".pt"
+    return folder_name(step, tag) + ".pt"
 
 
 def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
@@ -370,3 +382,98 @@ class CheckpointStore:
         """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""
         found = self.load_latest()
         return None if found is None else found.path
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    tag: str | None,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    metrics: Mapping[str, float],
+    rng: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
+    callback_states: Mapping[str, Mapping[str, Any]] | None = None,
+    world_size: int = 1,
+    run: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically and return its path.
+
+    Args:
+        directory: The checkpoint folder (created on the first save).
+        tag: Name part of the file (``step-<n>-<tag>.pt``), or None.
+        state: Where the loop is.
+        model, optimizer, scheduler, scaler: Saved through their ``state_dict()``.
+        metrics: The last evaluation's metrics.
+        rng: RNG states to store (:func:`~trainbus.checkpoint.capture_rng`); None captures the
+            current ones.
+        data_order: :func:`~trainbus.checkpoint.capture_data_order` of the epoch in progress.
+        callback_states: ``{name: state dict}`` of tensors and plain containers.
+        world_size: Processes training together.
+        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
+
+    Returns:
+        The checkpoint's path; the file is complete when this returns.
+
+    Raises:
+        ConfigError: a callback state or the data order cannot be saved safely, or the
+            model is sharded (FSDP2: each rank holds only its shards; every rank saves a
+            folder with :func:`~trainbus.checkpoint.save_sharded`, as the Trainer does).
+        OSError: the folder cannot be written; earlier checkpoints are untouched.
+    """
+    if is_sharded_model(model):
+        raise ConfigError.invalid(
+            "model", type(model).__name__, "an unsharded model: a fully_shard model's "
+            "state_dict holds only this rank's shards; save it from every rank with "
+            "trainbus.checkpoint.save_sharded (the Trainer does)",
+        )  # fmt: skip
+    payload = build_payload(
+        state=state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        metrics=metrics, rng=capture_rng() if rng is None else rng, data_order=data_order,
+        callback_states=callback_states, world_size=world_size, run=run,
+    )  # fmt: skip
+    return CheckpointStore(directory).save(payload, step=state.step, tag=tag)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest valid checkpoint in ``directory`` (highest step, then latest written), or
+    None. Damaged and foreign files are skipped with a ``checkpoint_skipped`` warning; stale temp
+    files are removed.
+    """
+    return CheckpointStore(directory).latest_valid()
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    map_location: torch.device | str = "cpu",
+    restore_rng: bool = True,
+    world_size: int = 1,
+) -> tuple[TrainState, dict[str, float]]:
+    """Restore everything saved by :func:`save_checkpoint`; return the train state and metrics.
+
+    Use :func:`~trainbus.checkpoint.read_checkpoint` to also get the data order and the
+    callback states.
+
+    Args:
+        path: The checkpoint file.
+        model, optimizer, scheduler, scaler: Restored in place.
+        map_location: Where tensors are loaded.
+        restore_rng: Set the random generators to the saved states (the default).
+        world_size: Processes training together now.
+
+    Raises:
+        CheckpointError: the file is missing, damaged, not a trainbus checkpoint, or does not
+            fit the model, optimizer or world size (nothing is restored then).
+    """
+    checkpoint = read_checkpoint(path, map_location=map_location)
+    checkpoint.restore(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       world_size=world_size, rng=restore_rng)  # fmt: skip
+    return checkpoint.state, dict(checkpoint.metrics)
