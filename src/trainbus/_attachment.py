@@ -44,7 +44,7 @@ from ._bus import EventBus
 from ._bus.subscriptions import BusObservable, Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
 from ._distributed.driver_link import ALWAYS, DriverLink
-from ._distributed.protocol import control_record, control_types, hello_record, welcome_types
+from ._distributed.protocol import control_record, control_types, hello_record
 from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
 from ._log import get_logger
@@ -362,7 +362,7 @@ class Attachment:
                               f"{self.timeout} s") from None  # fmt: skip
         except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
             reply = b""
-        if welcome_types(reply) is None:
+        if control_types(reply, "welcome") is None:
             await stream.aclose()
             raise AttachError(f"cannot attach to {folder}: the job refused this attachment "
                               f"(wrong token: {TOKEN_NAME} changed?)")  # fmt: skip

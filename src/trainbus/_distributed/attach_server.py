@@ -39,7 +39,7 @@ from .._exceptions import ConfigError
 from .._log import get_logger
 from .driver_link import ALWAYS
 from .link import BusLike, WorkerLink
-from .protocol import check_hello, control_record, event_names
+from .protocol import check_hello, control_record, event_types
 from .socket_link import SocketConnection
 
 __all__ = [
@@ -60,7 +60,6 @@ TOKEN_NAME = "attach.token"
 _HANDSHAKE_S = 5.0
 _SEND_TIMEOUT_S = 30  # an attachment that stops reading for this long is let go
 _STATUS_EVERY_S = 1.0
-_EVENTS = {t.__name__: t for t in ev.EVENT_TYPES}
 
 
 def max_socket_path() -> int:
@@ -343,9 +342,8 @@ class AttachServer:
             return
         if pid is None and isinstance(record.get("pid"), int):
             pid = record["pid"]
-        names = event_names(record.get("events"))
-        wanted = tuple(_EVENTS[n] for n in names) or tuple(t for t in ev.EVENT_TYPES
-                                                           if t in ALWAYS)  # fmt: skip
+        wanted = event_types(record.get("events")) or tuple(t for t in ev.EVENT_TYPES
+                                                                if t in ALWAYS)  # fmt: skip
         source = f"attach:pid={pid}"
         transport = SocketConnection(conn, reader, source)
         link: WorkerLink

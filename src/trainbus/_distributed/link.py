@@ -42,7 +42,7 @@ from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
 from .protocol import control_record as control_record
-from .protocol import control_types, hello_record, welcome_types
+from .protocol import control_types, hello_record
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -255,7 +255,7 @@ class WorkerLink:
         """
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
-        wanted = welcome_types(reply)
+        wanted = control_types(reply, "welcome")
         if wanted is None:
             self.transport.close(b"")
             raise LaunchError(
@@ -354,17 +354,11 @@ class WorkerLink:
         sentinel came.
         """
         batch = [self._queue.get()]
-        linger = self.transport.linger
-        deadline = time.monotonic() + linger
+        deadline = time.monotonic() + self.transport.linger
         while batch[-1] is not _CLOSE and len(batch) < _MAX_BATCH:
+            left = deadline - time.monotonic()
             try:
-                if linger > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    batch.append(self._queue.get(timeout=left))
-                else:
-                    batch.append(self._queue.get_nowait())
+                batch.append(self._queue.get(block=left > 0, timeout=left))
             except queue.Empty:
                 break
         done = batch[-1] is _CLOSE
