@@ -209,27 +209,18 @@ class TrainState:
 
     def as_dict(self) -> dict[str, int]:
         """The position as a checkpoint stores it: ``{name: int}`` for :attr:`FIELDS`."""
-        return {
-            "step": self._step,
-            "epoch": self._epoch,
-            "batch_in_epoch": self._batch_in_epoch,
-            "samples_seen": self._samples_seen,
-            "evaluated_step": self._evaluated_step,
-            "closed_epoch": self._closed_epoch,
-        }
+        return {name: getattr(self, f"_{name}") for name in self.FIELDS}
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, int]) -> TrainState:
-        """The position a checkpoint stored (:meth:`as_dict`'s output).
+        """The position a checkpoint stored (:meth:`as_dict`'s output; :attr:`OPTIONAL` fields
+        may be missing).
 
         Raises:
             KeyError: a field is missing (the reader checks the names first).
         """
-        return cls(step=saved["step"], epoch=saved["epoch"],
-                   batch_in_epoch=saved["batch_in_epoch"],
-                   samples_seen=saved["samples_seen"],
-                   evaluated_step=saved.get("evaluated_step", -1),
-                   closed_epoch=saved.get("closed_epoch", -1))  # fmt: skip
+        merged = {**cls.OPTIONAL, **saved}
+        return cls(**{name: merged[name] for name in cls.FIELDS})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrainState):

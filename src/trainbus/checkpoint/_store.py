@@ -16,6 +16,7 @@ import secrets
 import shutil
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -172,6 +173,7 @@ class _Sink:
         self._file.flush()
 
 
+@dataclass(frozen=True, slots=True)
 class LatestScan:
     """What :meth:`CheckpointStore.find_latest` found in a checkpoint folder.
 
@@ -184,19 +186,11 @@ class LatestScan:
             a checkpoint, ``step-<n>.pt``: a folder of another tool, or a mistyped one).
     """
 
-    __slots__ = ("checkpoint", "directory", "exists", "others", "skipped")
-
-    def __init__(
-        self,
-        directory: Path,
-        checkpoint: Checkpoint | None,
-        *,
-        exists: bool,
-        skipped: tuple[tuple[str, str], ...] = (),
-        others: tuple[str, ...] = (),
-    ) -> None:
-        self.directory, self.checkpoint, self.exists = directory, checkpoint, exists
-        self.skipped, self.others = skipped, others
+    directory: Path
+    checkpoint: Checkpoint | None
+    exists: bool = field(kw_only=True)
+    skipped: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
+    others: tuple[str, ...] = field(default=(), kw_only=True)
 
     def describe(self, *, limit: int = 5) -> str:
         """What the folder held, in words: ``"no such folder"``, ``"an empty folder"``,
