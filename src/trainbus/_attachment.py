@@ -13,10 +13,7 @@
         job.wait_sync()                                    # until the run ends
 
 The job's rank 0 listens on ``attach.sock`` in its run folder; an :class:`Attachment` is the
-driver's end of the same link protocol as :func:`trainbus.launch`'s, with the same face
-(``stream``, ``subscribe``, ``send``, ``await request(...)``). The job streams what this bus'
-subscriptions want (told again when they change) plus the cheap events every driver gets.
-Detaching leaves the run untouched (docs/attach.md).
+driver's end of the same link protocol as :func:`trainbus.launch`'s (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -63,6 +60,14 @@ _CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are 
 class AttachError(TrainbusError, ConnectionError):
     """Attaching to a run failed: no running job in the folder, a stale socket, another
     user's folder, a refused token. The message names the folder."""
+
+
+def _fields(line: bytes) -> dict[str, Any]:
+    """A control record's fields, without its version and type."""
+    record: dict[str, Any] = json.loads(line)
+    record.pop("v", None)
+    record.pop("type", None)
+    return record
 
 
 def _owned(path: Path, folder: Path, what: str) -> os.stat_result:
@@ -131,7 +136,10 @@ def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 class Attachment:
-    """One attachment to the job running in ``run_dir`` (see the module docstring).
+    """One attachment to the job running in ``run_dir``: this process' bus receives the job's
+    events and sends it commands, as a :func:`trainbus.launch` driver's does. The job streams
+    what this bus' subscriptions want (told again when they change) plus its cheap per-run
+    events; detaching leaves the run untouched.
 
     Args:
         run_dir: The job's run folder (where ``attach.sock`` is).
@@ -166,7 +174,6 @@ class Attachment:
             add_driver_callback(self.bus, callback)
         self._keep = keep_events
         self._link: DriverLink | None = None
-        self._stream: anyio.abc.SocketStream | None = None
         self._welcome: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
         self._told: list[str] = []  # the event types the job was last asked for
@@ -366,10 +373,7 @@ class Attachment:
             await stream.aclose()
             raise AttachError(f"cannot attach to {folder}: the job refused this attachment "
                               f"(wrong token: {TOKEN_NAME} changed?)")  # fmt: skip
-        self._welcome = json.loads(reply)
-        self._welcome.pop("type", None)
-        self._welcome.pop("v", None)
-        self._stream = stream
+        self._welcome = _fields(reply)
         return stream, reader
 
     def _wanted(self) -> list[str]:
@@ -404,10 +408,7 @@ class Attachment:
             while True:
                 line = await reader.receive_until(b"\n", _MAX_LINE)
                 if line.startswith(_CONTROL + b"status"):
-                    record = json.loads(line)
-                    record.pop("v", None)
-                    record.pop("type", None)
-                    self._status = record
+                    self._status = _fields(line)
                     continue
                 if line.startswith(_CONTROL + b"streams"):
                     streamed = control_types(line, "streams") or ()

@@ -8,7 +8,7 @@ every rank (docs/distributed.md draws the protocol).
 - Merge order: by rank, then in send order. A command several ranks sent in one exchange (a
   ``ranks="all"`` subscriber) is applied as often as the rank that sent it most often sent it;
   only the first ``StopTraining`` is kept.
-- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flagged`
+- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flags`
   adds a "some rank has commands" flag to the ``log_every`` window's all-reduce.
 - Commands cross ranks as :mod:`~trainbus._wire` records (JSON, never pickles). The local
   rank's own commands come back as the objects it sent (``bus.request(c)`` resolves by
@@ -167,17 +167,7 @@ class CommandAgreement:
         """The mean of each metric across ranks (every rank passes the same names), in one
         all-reduce; ``DistributedError`` when the names differ.
         """
-        return self.reduce_metrics_flagged(metrics, pending=False)[0]
-
-    def reduce_metrics_flagged(
-        self, metrics: Mapping[str, float], *, pending: bool
-    ) -> tuple[dict[str, float], bool]:
-        """:meth:`reduce_metrics` with a "this rank has pending commands" flag in the same
-        all-reduce; when the returned flag is True every rank got True and must call
-        :meth:`exchange` next.
-        """
-        out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
-        return out, flag
+        return self.reduce_metrics_flags(metrics, ())[0]
 
     def reduce_metrics_flags(
         self, metrics: Mapping[str, float], flags: Sequence[bool]

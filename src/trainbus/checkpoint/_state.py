@@ -305,7 +305,7 @@ def build_payload(
     """The dictionary written to a checkpoint file (see the module docstring).
 
     Args:
-        sharded: A sharded run's ``trainbus.pt`` (:mod:`.sharded`): the model and optimizer
+        sharded: A sharded run's ``trainbus.pt``: the model and optimizer
             entries are empty (their state is in the DCP files) and the metadata says so.
             A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
         run: The run's cadences and data shape (``meta["run"]``), which a resume compares with
@@ -343,7 +343,7 @@ def build_payload(
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpoint:
     """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`; nothing
-    is applied until :meth:`restore` (the module docstring lists the entries).
+    is applied until :meth:`restore`.
 
     Attributes:
         path: The file (or a sharded run's folder) it was read from.

@@ -274,7 +274,7 @@ class CheckpointStore:
         """Write ``payload`` atomically as ``step-<step>[-<tag>].pt`` and return its path.
 
         Args:
-            payload: What :func:`~trainbus.checkpoint._state.build_payload` returned.
+            payload: The checkpoint's contents: tensors and plain containers only.
             step: The optimizer step (names the file).
             tag: Optional name part (``"best"``, ``"final"``).
 
