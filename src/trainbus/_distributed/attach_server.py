@@ -157,16 +157,6 @@ class AttachServer:
         with self._lock:
             return len(self._links)
 
-    @property
-    def accepted(self) -> int:
-        """Attachments welcomed so far."""
-        return self._accepted
-
-    @property
-    def refused(self) -> int:
-        """Connections refused so far (wrong token, another user)."""
-        return self._refused
-
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, bus: BusLike, folder: Path) -> AttachServer | None:

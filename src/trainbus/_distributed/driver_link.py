@@ -111,7 +111,6 @@ class DriverLink:
         self._refused = 0
         self._linked = anyio.Event()
         self._unlinked = anyio.Event()
-        self._failed = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -153,11 +152,6 @@ class DriverLink:
     def ended(self) -> ev.FitEnded | None:
         """Rank 0's ``FitEnded``, once it arrived."""
         return self._ended
-
-    @property
-    def failed(self) -> bool:
-        """A driver subscriber failed the run (the workers were told to stop)."""
-        return self._failed
 
     def backlogged(self) -> bool:
         """The driver's subscribers are behind: a transport should stop reading for a while
@@ -275,11 +269,12 @@ class DriverLink:
             interval: Seconds between polls of the bus.
         """
         outbox: list[cmd.Command] = []
+        failed = False
         while True:
             await anyio.sleep(interval)
             outbox.extend(self._commands.poll_commands())
-            if self.bus.port().failure is not None and not self._failed:
-                self._failed = True  # a driver subscriber failed the run: stop the workers
+            if self._commands.failure is not None and not failed:
+                failed = True  # a driver subscriber failed the run: stop the workers
                 outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
                 if on_failure is not None:
                     on_failure()
