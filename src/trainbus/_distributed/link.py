@@ -191,16 +191,8 @@ class WorkerLink:
         wanted: tuple[type[ev.BaseEvent], ...],
         **kw: Any,
     ) -> WorkerLink:
-        """A link whose handshake the listening side already did (an attachment accepted by
-        :mod:`~trainbus._distributed.attach_server`): :meth:`start` then streams ``wanted`` without
-        connecting.
-
-        Args:
-            transport: The accepted connection (its ``open`` is never called).
-            token: The run's token.
-            wanted: The event types the peer asked for.
-            kw: See :class:`WorkerLink`.
-        """
+        """A link whose handshake the listening side did (an accepted attachment):
+        :meth:`start` streams ``wanted`` without connecting; ``kw`` as for the class."""
         link = cls(transport, token, **kw)
         link._wanted = tuple(wanted)
         link._open = True

@@ -1,12 +1,8 @@
 """The loopback socket transport of the link (``trainbus launch``): JSON lines over TCP on
-127.0.0.1.
-
-- :class:`SocketTransport`, the worker's side: ``TRAINBUS_DRIVER_ADDR=127.0.0.1:<port>``
-  (a non-loopback host is refused), a blocking socket used by the link's two threads.
-- :class:`SocketDriver`, the driver's side: an anyio listener on 127.0.0.1, an ephemeral port;
-  each connection's first line goes to :meth:`DriverLink.greet` (refused: closed), then its
-  lines to :meth:`DriverLink.receive`. When the driver's subscribers fall behind it stops
-  reading, so TCP holds rank 0's sender back instead of this process' memory growing.
+127.0.0.1. The worker's side (:class:`SocketTransport`) is a blocking socket used by the link's
+two threads; the driver's (:class:`SocketDriver`) an anyio listener that hands each
+connection's hello to :meth:`DriverLink.greet` and its lines to :meth:`DriverLink.receive`, and
+stops reading while the driver's subscribers are behind, so TCP holds rank 0's sender back.
 """
 
 from __future__ import annotations
@@ -125,19 +121,11 @@ class SocketTransport(SocketConnection):
 
 
 class SocketDriver:
-    """The driver's side of the socket transport: listens on 127.0.0.1 for one link.
-
-    ::
-
-        driver = await SocketDriver.listen(connect_timeout=10)
-        env[ADDR_ENV] = driver.address
-        tg.start_soon(driver.serve, link)           # accepts, reads into the DriverLink
-        tg.start_soon(link.forward, driver.send)    # the driver's commands to the worker
-        ...
-        await driver.aclose()
+    """The driver's side of the socket transport: listens on 127.0.0.1 (an ephemeral port, built
+    with :meth:`listen`) for one link, served into a :class:`DriverLink` by :meth:`serve`.
 
     Args:
-        listener: A bound listener (use :meth:`listen`).
+        listener: A bound listener.
         connect_timeout: Seconds a connection has to send its hello.
     """
 
