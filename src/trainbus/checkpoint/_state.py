@@ -21,7 +21,7 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
@@ -73,16 +73,10 @@ def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
 
 def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """A model's ``state_dict()`` under canonical keys, its ``_metadata`` (module versions read by
-    ``load_state_dict``) keyed the same way.
+    ``load_state_dict``) keyed the same way (wrapper and wrapped module map to one prefix: the
+    wrapped one, listed later, wins).
     """
-    out: OrderedDict[str, Any] = OrderedDict((canonical_key(k), v) for k, v in state.items())
-    meta = getattr(state, "_metadata", None)
-    if meta is not None:
-        # Wrapper and wrapped module map to one prefix: the wrapped one (listed later) wins.
-        out._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (canonical_key(k), v) for k, v in meta.items()
-        )
-    return out
+    return _rekeyed(state, canonical_key, canonical_key)
 
 
 def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
@@ -94,16 +88,19 @@ def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str,
     if set(saved) == set(live_keys):
         return saved
     to_live = {canonical_key(k): k for k in live_keys}
-    out: OrderedDict[str, Any] = OrderedDict()
-    for key, value in saved.items():
-        canonical = canonical_key(key)
-        out[to_live.get(canonical, canonical)] = value
-    meta = getattr(saved, "_metadata", None)
+    prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
+    return _rekeyed(saved, lambda k: to_live.get(canonical_key(k), canonical_key(k)),
+                    lambda k: prefixes.get(canonical_key(k), k))  # fmt: skip
+
+
+def _rekeyed(
+    state: Mapping[str, Any], key: Callable[[str], str], meta_key: Callable[[str], str]
+) -> OrderedDict[str, Any]:
+    """``state`` with each key mapped by ``key`` and its ``_metadata``'s by ``meta_key``."""
+    out: OrderedDict[str, Any] = OrderedDict((key(k), v) for k, v in state.items())
+    meta = getattr(state, "_metadata", None)
     if meta is not None:
-        prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
-        out._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (prefixes.get(canonical_key(k), k), v) for k, v in meta.items()
-        )
+        out._metadata = OrderedDict((meta_key(k), v) for k, v in meta.items())  # type: ignore[attr-defined]
     return out
 
 
