@@ -37,7 +37,7 @@ from .._log import get_logger
 from ._reading import STATE_FILE, one_line_reason, rank_file, read_folder, read_rank_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
-from ._store import TEMP_SUFFIX, CheckpointStore, folder_name
+from ._store import CheckpointStore, folder_name, temp_name
 
 __all__ = ["folder_name", "load_sharded", "save_sharded"]
 
@@ -151,7 +151,7 @@ def save_sharded(
                                     sharded=True, run=run)  # fmt: skip
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+                tmp_name = temp_name(name)
                 (directory / tmp_name).mkdir()
             except OSError as exc:
                 raise CheckpointWriteError(str(final), exc) from exc

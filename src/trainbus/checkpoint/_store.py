@@ -10,6 +10,7 @@ CRCs are checked first, then ``torch.load(weights_only=True)`` and the payload's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
@@ -43,6 +44,8 @@ __all__ = [
     "read_checkpoint",
     "save_checkpoint",
     "save_synced",
+    "temp_name",
+    "write_atomic",
 ]
 
 log = get_logger(__name__)
@@ -150,6 +153,38 @@ def save_synced(obj: Any, file: Any) -> None:
         raise
     file.flush()
     os.fsync(file.fileno())
+
+
+def temp_name(name: str) -> str:
+    """A hidden temp name for writing ``name``: its writer's pid, so that
+    :meth:`CheckpointStore.clean_stale` can tell when the writer is gone."""
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def write_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically: into a temp file beside it (named so
+    :meth:`CheckpointStore.clean_stale` knows a killed writer's), fsynced, renamed over ``path``,
+    the folder fsynced. Raises the ``OSError`` of a refused write (the temp file removed)."""
+    tmp_name = temp_name(path.name)
+    tmp = path.with_name(tmp_name)
+    with _in_flight_lock:
+        _in_flight.add(tmp_name)
+    try:
+        # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
+        # a plain open().
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                     0o666)  # fmt: skip
+        with os.fdopen(fd, "wb") as f:
+            save_synced(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # also NotADirectoryError: a path under a file
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        with _in_flight_lock:
+            _in_flight.discard(tmp_name)
+    fsync_folder(path.parent)  # the rename is durable once the folder is
 
 
 class _Sink:
@@ -289,34 +324,13 @@ class CheckpointStore:
         path = self._directory / checkpoint_name(step, tag)
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
-            self._write(payload, path)
+            write_atomic(payload, path)
         except CheckpointWriteError:
             raise
         except OSError as exc:
             # The OS error alone names no file (torch.save's ENOSPC names nothing at all).
             raise CheckpointWriteError(str(path), exc) from exc
         return path
-
-    def _write(self, payload: dict[str, Any], path: Path) -> None:
-        tmp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        tmp = self._directory / tmp_name
-        with _in_flight_lock:
-            _in_flight.add(tmp_name)
-        try:
-            # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
-            # a plain open().
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                         0o666)  # fmt: skip
-            with os.fdopen(fd, "wb") as f:
-                save_synced(payload, f)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            with _in_flight_lock:
-                _in_flight.discard(tmp_name)
-        fsync_folder(self._directory)  # the rename is durable once the folder is
 
     def checkpoints(self) -> list[Path]:
         """Files named like checkpoints, newest first (highest step, then latest written)."""
