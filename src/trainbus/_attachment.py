@@ -40,7 +40,7 @@ from . import events as ev
 from ._bus import EventBus
 from ._bus.subscriptions import BusObservable, Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
-from ._distributed.driver_link import ALWAYS, DriverLink
+from ._distributed.driver_link import DriverLink, wanted_names
 from ._distributed.protocol import control_record, control_types, hello_record
 from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
@@ -298,7 +298,7 @@ class Attachment:
         if self._link is None:
             raise TrainbusError("not attached: use `async with attach(...)` first")
         with anyio.move_on_after(float("inf") if timeout is None else timeout):
-            while set(self._wanted()) - set(self._welcome.get("events", ())):
+            while set(wanted_names(self.bus, self._extra)) - set(self._welcome.get("events", ())):
                 if not self.linked:
                     return False
                 await anyio.sleep(_WANTS_POLL_S)
@@ -357,7 +357,7 @@ class Attachment:
                               f"{self.timeout} s") from None  # fmt: skip
         except OSError as exc:
             raise AttachError(f"cannot attach to {folder}: {exc}") from None
-        names = self._told = self._wanted()
+        names = self._told = wanted_names(self.bus, self._extra)
         reader = BufferedByteReceiveStream(stream)
         try:
             await stream.send(hello_record(token, events=names))
@@ -376,13 +376,6 @@ class Attachment:
         self._welcome = _fields(reply)
         return stream, reader
 
-    def _wanted(self) -> list[str]:
-        """The names of the event types to ask the job for: what this bus' subscriptions want,
-        the ``events`` given, and the cheap ones every driver gets."""
-        wanted = {t for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)}
-        wanted.update(self._extra)
-        return [t.__name__ for t in ev.EVENT_TYPES if t in wanted]
-
     async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """While connected: when this bus' subscriptions changed (its doorbell rang), send the
         job the types wanted now, if they differ from what it was last asked for."""
@@ -393,7 +386,7 @@ class Attachment:
             if doorbell.rings == rings:
                 continue
             rings = doorbell.rings
-            names = self._wanted()
+            names = wanted_names(self.bus, self._extra)
             if names == self._told:
                 continue
             self._told = names

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -21,7 +21,7 @@ from .. import events as ev
 from .._log import get_logger
 from .protocol import check_hello, control_record
 
-__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink"]
+__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink", "wanted_names"]
 
 log = get_logger(__name__)
 
@@ -31,6 +31,13 @@ ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
 """Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
 report names. Every other type only when a driver subscriber wants it (the loop never builds
 unwanted ones)."""
+
+
+def wanted_names(bus: DriverBus, extra: Iterable[type[ev.BaseEvent]] = ()) -> list[str]:
+    """The names of the event types a driver asks for: :data:`ALWAYS`, ``extra`` and what
+    ``bus``' subscriptions want, in :data:`trainbus.events.EVENT_TYPES` order."""
+    extra = set(extra)
+    return [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or t in extra or bus.wants(t)]
 
 
 class CommandSource(Protocol):
@@ -174,7 +181,6 @@ class DriverLink:
             self._refused += 1
             log.warning("driver_connection_refused", peer=peer, reason=reason)
             return None
-        wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
         self._links += 1
         if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
             log.warning("driver_relinked", peer=peer, pid=record.get("pid"), links=self._links)
@@ -182,7 +188,7 @@ class DriverLink:
             self.bus.publish(self._restarted())
         self._linked.set()
         log.info("driver_linked", peer=peer, pid=record.get("pid"))
-        return control_record("welcome", events=wanted)
+        return control_record("welcome", events=wanted_names(self.bus))
 
     def welcomed(self, peer: str) -> None:
         """The link is up, its handshake done by the other side (an attachment connected to a

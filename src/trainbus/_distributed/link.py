@@ -275,7 +275,7 @@ class WorkerLink:
             self._loop = anyio.lowlevel.current_token()
         except RuntimeError:  # no event loop here: a later `wants` record is refused
             self._loop = None
-        self._subscribe(self._wanted)
+        self._subscribe()
         self._threads = [
             threading.Thread(target=self._send_loop, name="trainbus-link-send", daemon=True),
             threading.Thread(
@@ -293,14 +293,14 @@ class WorkerLink:
             return
         self.unsubscribe()
         self._wanted = tuple(wanted)
-        self._subscribe(self._wanted)
+        self._subscribe()
         # Queued after the dispose and before any event of the new subscription: the peer
         # knows from which line on the new set flows.
         self.post(control_record("streams", events=[t.__name__ for t in self._wanted]))
 
-    def _subscribe(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        if wanted and self._bus is not None:
-            self._subscription = self._bus.stream(*wanted).subscribe(
+    def _subscribe(self) -> None:
+        if self._wanted and self._bus is not None:
+            self._subscription = self._bus.stream(*self._wanted).subscribe(
                 self._queue.put, name=self.source or "WorkerLink"
             )
 
