@@ -161,13 +161,17 @@ def register_worker(address: str) -> bool:
     the run; raises ``ConfigError`` for a malformed address, ``LaunchError`` when the mailbox is
     gone.
     """
+    me = ray.get_runtime_context().current_actor
+    return bool(ray.get(_mailbox(address).register.remote(me)))
+
+
+def _mailbox(address: str) -> Any:
+    """The mailbox actor at ``address``; ``LaunchError`` when it is gone."""
     namespace, name = parse_address(address)
     try:
-        mailbox = ray.get_actor(name, namespace=namespace)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError as exc:
         raise LaunchError(f"cannot reach the trainbus driver at {address}: {exc}") from exc
-    me = ray.get_runtime_context().current_actor
-    return bool(ray.get(mailbox.register.remote(me)))
 
 
 class RayTransport:
@@ -185,7 +189,7 @@ class RayTransport:
     linger = LINGER
 
     def __init__(self, address: str, timeout: float = 10.0) -> None:
-        self._namespace, self._name = parse_address(address)
+        parse_address(address)  # ConfigError now, not at open()
         self.where = address
         self.timeout = check_seconds("timeout", timeout)
         self._id = secrets.token_hex(8)
@@ -197,10 +201,7 @@ class RayTransport:
         """Find the mailbox, send ``hello``, wait for the driver's answer; ``LaunchError`` when
         the driver is gone or did not answer within ``timeout``.
         """
-        try:
-            self._actor = ray.get_actor(self._name, namespace=self._namespace)
-        except ValueError as exc:
-            raise LaunchError(f"cannot reach the trainbus driver at {self.where}: {exc}") from exc
+        self._actor = _mailbox(self.where)
         try:
             reply: bytes = ray.get(
                 self._actor.hello.remote(self._id, hello, self.timeout), timeout=self.timeout + 5
