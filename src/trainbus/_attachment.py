@@ -40,8 +40,9 @@ from . import events as ev
 from ._bus import EventBus
 from ._bus.subscriptions import BusObservable, Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
-from ._distributed.driver_link import DriverLink, wanted_names
+from ._distributed.driver_link import STREAM_GONE, DriverLink, wanted_names
 from ._distributed.protocol import control_record, control_types, hello_record
+from ._distributed.socket_link import read_lines
 from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
 from ._log import get_logger
@@ -52,7 +53,6 @@ __all__ = ["AttachError", "Attachment", "attach"]
 
 log = get_logger(__name__)
 
-_MAX_LINE = 16 * 1024 * 1024
 _WANTS_POLL_S = 0.01  # how often a connected attachment looks whether its wants changed
 _CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are compact)
 
@@ -324,7 +324,7 @@ class Attachment:
 
         try:
             async with self.bus, anyio.create_task_group() as tg:
-                tg.start_soon(self._read, reader, link)
+                tg.start_soon(partial(read_lines, reader, link, self._control, backpressure=False))
                 tg.start_soon(link.forward, send)
                 tg.start_soon(self._tell_wants, send)
                 try:
@@ -367,7 +367,7 @@ class Attachment:
             await stream.aclose()
             raise AttachError(f"cannot attach to {folder}: the job did not answer within "
                               f"{self.timeout} s") from None  # fmt: skip
-        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+        except STREAM_GONE:
             reply = b""
         if control_types(reply, "welcome") is None:
             await stream.aclose()
@@ -392,29 +392,20 @@ class Attachment:
             self._told = names
             try:
                 await send(control_record("wants", events=names))
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            except STREAM_GONE:
                 return  # the job went away: the reader ends the link
             log.debug("attach_wants_sent", events=names)
 
-    async def _read(self, reader: BufferedByteReceiveStream, link: DriverLink) -> None:
-        try:
-            while True:
-                line = await reader.receive_until(b"\n", _MAX_LINE)
-                if line.startswith(_CONTROL + b"status"):
-                    self._status = _fields(line)
-                    continue
-                if line.startswith(_CONTROL + b"streams"):
-                    streamed = control_types(line, "streams") or ()
-                    self._welcome["events"] = [t.__name__ for t in streamed]
-                    continue
-                link.receive(line)
-                if link.unlinked:  # bye: the run ended
-                    return
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError):  # fmt: skip
-            pass
-        finally:
-            link.end()
+    def _control(self, line: bytes) -> bool:
+        """Take the job's ``status`` and ``streams`` records (True), not its events."""
+        if line.startswith(_CONTROL + b"status"):
+            self._status = _fields(line)
+        elif line.startswith(_CONTROL + b"streams"):
+            streamed = control_types(line, "streams") or ()
+            self._welcome["events"] = [t.__name__ for t in streamed]
+        else:
+            return False
+        return True
 
     async def __aenter__(self) -> Self:
         if self._cm is not None:

@@ -21,9 +21,13 @@ from .. import events as ev
 from .._log import get_logger
 from .protocol import check_hello, control_record
 
-__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink", "wanted_names"]
+__all__ = ["ALWAYS", "STREAM_GONE", "CommandSource", "DriverBus", "DriverLink", "wanted_names"]
 
 log = get_logger(__name__)
+
+STREAM_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+               anyio.ClosedResourceError, OSError)  # fmt: skip
+"""What reading or writing an anyio stream raises once the other side is gone."""
 
 ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
                     ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
@@ -288,7 +292,7 @@ class DriverLink:
                 batch, outbox = outbox, []
                 try:
                     await send(b"".join(wire.dumps(c) for c in batch))
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                except STREAM_GONE:
                     pass
                 self._inflight.extend(batch)
                 del self._inflight[:-1000]  # acks never coming (a dead worker) must not pile up

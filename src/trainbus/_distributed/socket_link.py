@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -17,10 +18,10 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._exceptions import ConfigError, LaunchError
 from .._validate import check_seconds
-from .driver_link import DriverLink
+from .driver_link import STREAM_GONE, DriverLink
 from .protocol import ADDR_ENV
 
-__all__ = ["LOOPBACK", "SocketConnection", "SocketDriver", "SocketTransport"]
+__all__ = ["LOOPBACK", "SocketConnection", "SocketDriver", "SocketTransport", "read_lines"]
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
@@ -162,8 +163,7 @@ class SocketDriver:
         try:
             with anyio.fail_after(self.connect_timeout):
                 hello = await reader.receive_until(b"\n", 4096)
-        except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound,
-                anyio.EndOfStream, OSError, anyio.BrokenResourceError):  # fmt: skip
+        except (TimeoutError, anyio.DelimiterNotFound, *STREAM_GONE):
             hello = b""
         welcome = link.greet(hello, str(peer))
         if welcome is None:
@@ -172,18 +172,39 @@ class SocketDriver:
         await stream.send(welcome)
         self._stream = stream
         try:
-            count = 0
-            while True:
-                link.receive(await reader.receive_until(b"\n", _MAX_LINE))
-                count += 1
-                if count % 256 == 0:
-                    # Driver subscribers behind: stop reading, so TCP holds rank 0's sender
-                    # back. (Polled: the bus has no "room" event for the loop thread.)
-                    while link.backlogged():  # noqa: ASYNC110
-                        await anyio.sleep(0.01)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError):  # fmt: skip
-            pass
+            await read_lines(reader, link)
         finally:
-            link.end()
             await stream.aclose()
+
+
+async def read_lines(
+    reader: BufferedByteReceiveStream,
+    link: DriverLink,
+    control: Callable[[bytes], bool] | None = None,
+    *,
+    backpressure: bool = True,
+) -> None:
+    """Hand ``reader``'s lines to ``link`` until the stream or the link ends, then end the link.
+
+    Args:
+        reader: The connection's buffered reader.
+        link: The driver's end.
+        control: Takes the lines it returns True for (control records), before the link.
+        backpressure: Every 256 lines, stop reading while the driver's subscribers are behind,
+            so TCP holds the sender back instead of this process' memory growing.
+    """
+    count = 0
+    try:
+        while not link.unlinked:
+            line = await reader.receive_until(b"\n", _MAX_LINE)
+            if control is None or not control(line):
+                link.receive(line)
+            count += 1
+            if backpressure and count % 256 == 0:
+                # Polled: the bus has no "room" event for the loop thread.
+                while link.backlogged():  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+    except STREAM_GONE:
+        pass
+    finally:
+        link.end()
