@@ -22,6 +22,7 @@ rank 0 and the driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from typing import Any
 
@@ -80,11 +81,7 @@ class _Mailbox:
         if link_id != self._linked or link_id in self._released:
             return None
         if not self._commands:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait(self._wake, wait)
         if link_id in self._released:
             return None
         out, self._commands = b"".join(self._commands), []
@@ -116,11 +113,7 @@ class _Mailbox:
         """The hellos and the batches in order queued since the last take; waits up to
         ``wait`` seconds for one when there is none."""
         if not self._hellos and self._next not in self._chunks:
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait(self._arrived, wait)
         hellos, self._hellos = self._hellos, []
         out: list[bytes] = []
         while self._next in self._chunks:
@@ -139,6 +132,13 @@ class _Mailbox:
     def put_commands(self, data: bytes) -> None:
         self._commands.append(data)
         self._wake.set()
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``event`` to be set from now on."""
+    event.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
 
 
 _MailboxActor: Any = ray.remote(num_cpus=0)(_Mailbox)
