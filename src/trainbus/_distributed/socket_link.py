@@ -184,15 +184,9 @@ async def read_lines(
     *,
     backpressure: bool = True,
 ) -> None:
-    """Hand ``reader``'s lines to ``link`` until the stream or the link ends, then end the link.
-
-    Args:
-        reader: The connection's buffered reader.
-        link: The driver's end.
-        control: Takes the lines it returns True for (control records), before the link.
-        backpressure: Every 256 lines, stop reading while the driver's subscribers are behind,
-            so TCP holds the sender back instead of this process' memory growing.
-    """
+    """Hand ``reader``'s lines to ``link`` (those ``control`` returns True for excepted) until
+    the stream or the link ends, then end the link. With ``backpressure``, every 256 lines it
+    stops reading while the driver's subscribers are behind: TCP then holds the sender back."""
     count = 0
     try:
         while not link.unlinked:
