@@ -15,7 +15,6 @@ import anyio
 import anyio.abc
 
 from . import commands as cmd
-from . import events as ev
 from ._bus import EventBus
 from ._distributed.driver_link import DriverLink
 from ._exceptions import ConfigError
@@ -30,7 +29,6 @@ __all__ = [
     "add_driver_callback",
     "interrupt_after",
     "unknown_launcher_keyword",
-    "workers_stop_reason",
 ]
 
 log = get_logger(__name__)
@@ -52,14 +50,6 @@ def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> N
             f"training thread, which is in the workers: {sorted(hooks_map)})",
         )  # fmt: skip
     cb.subscribe_to(bus)
-
-
-def workers_stop_reason(ended: ev.FitEnded | None, asked: str | None) -> str | None:
-    """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived (a run that
-    did not complete), else the reason the driver asked them to stop with, else None."""
-    if ended is not None and ended.reason != "completed":
-        return ended.stop_reason or asked
-    return asked
 
 
 def unknown_launcher_keyword(owner: str) -> Callable[[str, Any, list[str]], str]:
@@ -112,8 +102,12 @@ class DriverBase:
         self._stop_reason: str | None = None
 
     def _workers_stop_reason(self) -> str | None:
-        return workers_stop_reason(None if self._link is None else self._link.ended,
-                                   self._stop_reason)  # fmt: skip
+        """The workers' own ``FitEnded.stop_reason`` once it arrived (a run that did not
+        complete), else the reason this driver asked them to stop with, else None."""
+        ended = None if self._link is None else self._link.ended
+        if ended is not None and ended.reason != "completed":
+            return ended.stop_reason or self._stop_reason
+        return self._stop_reason
 
     def _ask_stop(self, reason: str) -> None:
         self._stop_reason = reason
