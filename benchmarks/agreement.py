@@ -9,7 +9,7 @@ Each variant is timed in interleaved rounds (``_common.interleaved_rounds``; eve
 the same order, so the collectives pair up) and reported as the median µs per call on rank 0:
 
 - ``all_reduce float64[4]``: the log-window reduction the loop pays anyway (loss_sum, count).
-- ``reduce_metrics_flagged``: the same reduction carrying the metrics and the pending flag
+- ``reduce_metrics_flags``: the same reduction carrying the metrics and the pending flag
   (one all-reduce of names+3 float64s), what the loop pays per ``log_every`` window.
 - ``exchange([])``: a sync point with nothing pending (one all_gather of 512 bytes).
 - ``exchange([StopTraining])``: a sync point where rank 0 has a command (same collective, plus
@@ -56,7 +56,7 @@ def main() -> None:
     metrics = {"loss": 0.5, "count": 32.0}
     variants = {
         "all_reduce float64[4]": lambda: dist.all_reduce(window),
-        "reduce_metrics_flagged": lambda: agreement.reduce_metrics_flagged(metrics, pending=False),
+        "reduce_metrics_flags": lambda: agreement.reduce_metrics_flags(metrics, (False,)),
         "exchange([])": lambda: agreement.exchange([]),
         "exchange([StopTraining])": lambda: agreement.exchange(stop),
         "all_gather uint8[8]": lambda: dist.all_gather(rows, few),

@@ -11,7 +11,7 @@ collectives pair up), median µs per optimizer step on rank 0:
 
 - ``plain DDP``: ``forward, loss, zero_grad, backward, step`` by hand, no agreement at all.
 - ``plain DDP + agreement``: the same loop plus exactly what the Trainer's protocol adds: every
-  ``log_every`` (50) steps one ``reduce_metrics_flagged`` (the window's loss and the pending
+  ``log_every`` (50) steps one ``reduce_metrics_flags`` (the window's loss and the pending
   flag) and, never here, an exchange (nothing is pending).
 - ``Trainer``: ``Trainer(ddp_model, ...).fit_sync()`` with ``log_every=50`` and no subscriber: the
   whole trainer (bus, loop, agreement) over the same batches.
@@ -73,7 +73,7 @@ def plain(kind: str, steps: int, agreement: CommandAgreement | None) -> float:
         loss.backward()
         opt.step()
         if agreement is not None and i % LOG_EVERY == 0:
-            _, pending = agreement.reduce_metrics_flagged({"loss": loss.item()}, pending=False)
+            _, (pending,) = agreement.reduce_metrics_flags({"loss": loss.item()}, (False,))
             if pending:
                 agreement.exchange([])
     return (time.perf_counter() - t0) / steps * 1e6

@@ -13,10 +13,7 @@
         job.wait_sync()                                    # until the run ends
 
 The job's rank 0 listens on ``attach.sock`` in its run folder; an :class:`Attachment` is the
-driver's end of the same link protocol as :func:`trainbus.launch`'s, with the same face
-(``stream``, ``subscribe``, ``send``, ``await request(...)``). The job streams what this bus'
-subscriptions want (told again when they change) plus the cheap events every driver gets.
-Detaching leaves the run untouched (docs/attach.md).
+driver's end of the same link protocol as :func:`trainbus.launch`'s (docs/attach.md).
 """
 
 from __future__ import annotations
@@ -43,8 +40,9 @@ from . import events as ev
 from ._bus import EventBus
 from ._bus.subscriptions import BusObservable, Subscription
 from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
-from ._distributed.driver_link import ALWAYS, DriverLink
-from ._distributed.protocol import control_record, control_types, hello_record, welcome_types
+from ._distributed.driver_link import STREAM_GONE, DriverLink, wanted_names
+from ._distributed.protocol import control_record, control_types, hello_record
+from ._distributed.socket_link import read_lines
 from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
 from ._log import get_logger
@@ -55,7 +53,6 @@ __all__ = ["AttachError", "Attachment", "attach"]
 
 log = get_logger(__name__)
 
-_MAX_LINE = 16 * 1024 * 1024
 _WANTS_POLL_S = 0.01  # how often a connected attachment looks whether its wants changed
 _CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are compact)
 
@@ -63,6 +60,14 @@ _CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are 
 class AttachError(TrainbusError, ConnectionError):
     """Attaching to a run failed: no running job in the folder, a stale socket, another
     user's folder, a refused token. The message names the folder."""
+
+
+def _fields(line: bytes) -> dict[str, Any]:
+    """A control record's fields, without its version and type."""
+    record: dict[str, Any] = json.loads(line)
+    record.pop("v", None)
+    record.pop("type", None)
+    return record
 
 
 def _owned(path: Path, folder: Path, what: str) -> os.stat_result:
@@ -131,7 +136,10 @@ def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 class Attachment:
-    """One attachment to the job running in ``run_dir`` (see the module docstring).
+    """One attachment to the job running in ``run_dir``: this process' bus receives the job's
+    events and sends it commands, as a :func:`trainbus.launch` driver's does. The job streams
+    what this bus' subscriptions want (told again when they change) plus its cheap per-run
+    events; detaching leaves the run untouched.
 
     Args:
         run_dir: The job's run folder (where ``attach.sock`` is).
@@ -166,7 +174,6 @@ class Attachment:
             add_driver_callback(self.bus, callback)
         self._keep = keep_events
         self._link: DriverLink | None = None
-        self._stream: anyio.abc.SocketStream | None = None
         self._welcome: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
         self._told: list[str] = []  # the event types the job was last asked for
@@ -291,7 +298,7 @@ class Attachment:
         if self._link is None:
             raise TrainbusError("not attached: use `async with attach(...)` first")
         with anyio.move_on_after(float("inf") if timeout is None else timeout):
-            while set(self._wanted()) - set(self._welcome.get("events", ())):
+            while set(wanted_names(self.bus, self._extra)) - set(self._welcome.get("events", ())):
                 if not self.linked:
                     return False
                 await anyio.sleep(_WANTS_POLL_S)
@@ -317,7 +324,7 @@ class Attachment:
 
         try:
             async with self.bus, anyio.create_task_group() as tg:
-                tg.start_soon(self._read, reader, link)
+                tg.start_soon(partial(read_lines, reader, link, self._control, backpressure=False))
                 tg.start_soon(link.forward, send)
                 tg.start_soon(self._tell_wants, send)
                 try:
@@ -350,7 +357,7 @@ class Attachment:
                               f"{self.timeout} s") from None  # fmt: skip
         except OSError as exc:
             raise AttachError(f"cannot attach to {folder}: {exc}") from None
-        names = self._told = self._wanted()
+        names = self._told = wanted_names(self.bus, self._extra)
         reader = BufferedByteReceiveStream(stream)
         try:
             await stream.send(hello_record(token, events=names))
@@ -360,24 +367,14 @@ class Attachment:
             await stream.aclose()
             raise AttachError(f"cannot attach to {folder}: the job did not answer within "
                               f"{self.timeout} s") from None  # fmt: skip
-        except (anyio.IncompleteRead, anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+        except STREAM_GONE:
             reply = b""
-        if welcome_types(reply) is None:
+        if control_types(reply, "welcome") is None:
             await stream.aclose()
             raise AttachError(f"cannot attach to {folder}: the job refused this attachment "
                               f"(wrong token: {TOKEN_NAME} changed?)")  # fmt: skip
-        self._welcome = json.loads(reply)
-        self._welcome.pop("type", None)
-        self._welcome.pop("v", None)
-        self._stream = stream
+        self._welcome = _fields(reply)
         return stream, reader
-
-    def _wanted(self) -> list[str]:
-        """The names of the event types to ask the job for: what this bus' subscriptions want,
-        the ``events`` given, and the cheap ones every driver gets."""
-        wanted = {t for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)}
-        wanted.update(self._extra)
-        return [t.__name__ for t in ev.EVENT_TYPES if t in wanted]
 
     async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """While connected: when this bus' subscriptions changed (its doorbell rang), send the
@@ -389,38 +386,26 @@ class Attachment:
             if doorbell.rings == rings:
                 continue
             rings = doorbell.rings
-            names = self._wanted()
+            names = wanted_names(self.bus, self._extra)
             if names == self._told:
                 continue
             self._told = names
             try:
                 await send(control_record("wants", events=names))
-            except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            except STREAM_GONE:
                 return  # the job went away: the reader ends the link
             log.debug("attach_wants_sent", events=names)
 
-    async def _read(self, reader: BufferedByteReceiveStream, link: DriverLink) -> None:
-        try:
-            while True:
-                line = await reader.receive_until(b"\n", _MAX_LINE)
-                if line.startswith(_CONTROL + b"status"):
-                    record = json.loads(line)
-                    record.pop("v", None)
-                    record.pop("type", None)
-                    self._status = record
-                    continue
-                if line.startswith(_CONTROL + b"streams"):
-                    streamed = control_types(line, "streams") or ()
-                    self._welcome["events"] = [t.__name__ for t in streamed]
-                    continue
-                link.receive(line)
-                if link.unlinked:  # bye: the run ended
-                    return
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError):  # fmt: skip
-            pass
-        finally:
-            link.end()
+    def _control(self, line: bytes) -> bool:
+        """Take the job's ``status`` and ``streams`` records (True), not its events."""
+        if line.startswith(_CONTROL + b"status"):
+            self._status = _fields(line)
+        elif line.startswith(_CONTROL + b"streams"):
+            streamed = control_types(line, "streams") or ()
+            self._welcome["events"] = [t.__name__ for t in streamed]
+        else:
+            return False
+        return True
 
     async def __aenter__(self) -> Self:
         if self._cm is not None:

@@ -1,15 +1,37 @@
-"""What every driver (``trainbus launch``, :mod:`trainbus.ray`) does alike with the user's
-callbacks and the workers' ending."""
+"""What every driver (``trainbus launch``, :mod:`trainbus.ray`) does alike: the user's callbacks
+on the driver's bus, the run's link and token, a graceful stop on a signal, how the workers
+ended."""
 
 from __future__ import annotations
 
-from . import events as ev
+import secrets
+import signal
+import threading
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from functools import partial
+from typing import Any
+
+import anyio
+import anyio.abc
+
+from . import commands as cmd
 from ._bus import EventBus
+from ._distributed.driver_link import DriverLink
 from ._exceptions import ConfigError
+from ._log import get_logger
+from ._signals import OnSignal, check_on_signal, not_ignored
 from ._trainer.added import hook_methods, instance
+from ._validate import check_int, check_seconds, unknown_keyword_message
 from .callbacks._base import Callback
 
-__all__ = ["add_driver_callback", "workers_stop_reason"]
+__all__ = [
+    "DriverBase",
+    "add_driver_callback",
+    "interrupt_after",
+    "unknown_launcher_keyword",
+]
+
+log = get_logger(__name__)
 
 
 def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> None:
@@ -30,9 +52,125 @@ def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> N
     cb.subscribe_to(bus)
 
 
-def workers_stop_reason(ended: ev.FitEnded | None, asked: str | None) -> str | None:
-    """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived (a run that
-    did not complete), else the reason the driver asked them to stop with, else None."""
-    if ended is not None and ended.reason != "completed":
-        return ended.stop_reason or asked
-    return asked
+def unknown_launcher_keyword(owner: str) -> Callable[[str, Any, list[str]], str]:
+    """The message for an unknown keyword of a launcher (``handle_signals``: ``on_signal``)."""
+
+    def message(name: str, value: Any, known: list[str]) -> str:
+        hint = None
+        if name == "handle_signals":
+            hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
+        return unknown_keyword_message(owner, name, known, hint)
+
+    return message
+
+
+def interrupt_after(signum: signal.Signals) -> BaseException:
+    """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
+    note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
+    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
+    exc.add_note(note + " the LaunchResult instead")
+    return exc
+
+
+class DriverBase:
+    """The part of a launcher that does not depend on how the workers run: the bus, the link
+    to rank 0, the signals. A subclass ends the workers in :meth:`_abort`."""
+
+    def __init__(
+        self,
+        *,
+        callbacks: Iterable[Callback | type[Callback]],
+        setup: Callable[[EventBus], Any] | None,
+        bus: EventBus | None,
+        stop_timeout: float,
+        keep_events: int,
+        on_signal: OnSignal | None,
+    ) -> None:
+        if setup is not None and not callable(setup):
+            raise ConfigError.invalid("setup", setup, "None or a function of the bus")
+        self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
+        self.keep_events = check_int("keep_events", keep_events, 0)
+        self.on_signal = check_on_signal(on_signal)
+        self.bus = bus if bus is not None else EventBus()
+        for cb in callbacks:
+            add_driver_callback(self.bus, cb)
+        if setup is not None:
+            setup(self.bus)
+        self._token = secrets.token_urlsafe(32)
+        self._link: DriverLink | None = None
+        self._signal: int | None = None  # the first signal the driver received
+        self._stop_reason: str | None = None
+
+    def _workers_stop_reason(self) -> str | None:
+        """The workers' own ``FitEnded.stop_reason`` once it arrived (a run that did not
+        complete), else the reason this driver asked them to stop with, else None."""
+        ended = None if self._link is None else self._link.ended
+        if ended is not None and ended.reason != "completed":
+            return ended.stop_reason or self._stop_reason
+        return self._stop_reason
+
+    def _ask_stop(self, reason: str) -> None:
+        self._stop_reason = reason
+        self.bus.send(cmd.StopTraining(reason=reason))
+
+    def _serve(
+        self,
+        tg: anyio.abc.TaskGroup,
+        link: DriverLink,
+        serve: Callable[[DriverLink], Coroutine[Any, Any, None]],
+        send: Callable[[bytes], Awaitable[None]],
+    ) -> None:
+        """Start the transport's ``serve``, the commands' forwarding (a driver subscriber that
+        fails the run stops the workers) and, on the main thread, the signal watcher."""
+        tg.start_soon(serve, link)
+        on_failure = partial(tg.start_soon, self._abort_after, self.stop_timeout)
+        tg.start_soon(partial(link.forward, send, on_failure=on_failure))
+        if self.on_signal is not None and threading.current_thread() is threading.main_thread():
+            tg.start_soon(self._watch_signals, tg)
+
+    def _outcome(self) -> dict[str, Any]:
+        """The fields a :class:`~trainbus.LaunchResult` and a ``LaunchError`` share."""
+        link = self._link
+        assert link is not None
+        return {"events": link.events, "received": link.received, "last_event": link.last_event,
+                "stop_reason": self._workers_stop_reason(), "signal": self._signal,
+                "ending": None if link.ended is None else link.ended.ending}  # fmt: skip
+
+    def _so_far(self) -> str:
+        """``after N events from rank 0 (last: X at step S)``."""
+        assert self._link is not None
+        last = self._link.last_event
+        name = type(last).__name__ if last else None
+        return (f"after {self._link.received} events from rank 0 (last: {name} at step "
+                f"{last.step if last else '?'})")  # fmt: skip
+
+    def _raise_if_interrupted(self) -> None:
+        if self._signal is not None and self.on_signal == "raise":
+            raise interrupt_after(signal.Signals(self._signal))
+
+    async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
+        """The first signal stops the workers gracefully (ended after ``stop_timeout``); a
+        second one, or one before rank 0 linked, ends them at once."""
+        signums = not_ignored()  # an ignored one stays ignored (a script's background job)
+        if not signums:
+            await anyio.sleep_forever()
+        with anyio.open_signal_receiver(*signums) as signals:
+            async for signum in signals:
+                if self._signal is None:
+                    self._signal = int(signum)
+                if self._stop_reason == "signal" or self._link is None or not self._link.linked:
+                    log.warning("launch_aborted", signal=signum)
+                    self._stop_reason = "signal"
+                    await self._abort()
+                    continue
+                log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
+                self._ask_stop("signal")
+                tg.start_soon(self._abort_after, self.stop_timeout)
+
+    async def _abort_after(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+        await self._abort()
+
+    async def _abort(self) -> None:
+        """End the workers now."""
+        raise NotImplementedError

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import signal
 import subprocess
 import sys
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -37,18 +35,17 @@ from typing import Any
 import anyio
 import anyio.abc
 
-from . import commands as cmd
 from . import events as ev
 from ._bus import EventBus
 from ._distributed.driver_link import DriverLink
 from ._distributed.exits import RankExit, RankExits
-from ._distributed.link import ADDR_ENV, TOKEN_ENV
+from ._distributed.protocol import ADDR_ENV, TOKEN_ENV
 from ._distributed.socket_link import SocketDriver
-from ._driver import add_driver_callback, workers_stop_reason
+from ._driver import DriverBase, unknown_launcher_keyword
 from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
-from ._signals import OnSignal, check_on_signal, not_ignored
-from ._validate import check_int, check_seconds, explains_unknown_keywords, unknown_keyword_message
+from ._signals import OnSignal
+from ._validate import check_int, check_seconds, explains_unknown_keywords
 from .callbacks._base import Callback
 
 __all__ = ["LaunchResult", "Launcher", "launch"]
@@ -84,27 +81,7 @@ class LaunchResult:
     signal: int | None = None
 
 
-def unknown_launcher_keyword(owner: str) -> Callable[[str, Any, list[str]], str]:
-    """The message for an unknown keyword of a launcher (``handle_signals``: ``on_signal``)."""
-
-    def message(name: str, value: Any, known: list[str]) -> str:
-        hint = None
-        if name == "handle_signals":
-            hint = "on_signal=None (no handler)" if value is False else "on_signal='return'"
-        return unknown_keyword_message(owner, name, known, hint)
-
-    return message
-
-
-def interrupt_after(signum: signal.Signals) -> BaseException:
-    """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
-    note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
-    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
-    exc.add_note(note + " the LaunchResult instead")
-    return exc
-
-
-class Launcher:
+class Launcher(DriverBase):
     """Runs ``script`` under torchrun; rank 0's events feed this process' :attr:`bus`.
 
     Args:
@@ -157,24 +134,12 @@ class Launcher:
         if isinstance(torchrun_args, str) or not all(isinstance(a, str) for a in torchrun_args):
             raise ConfigError.invalid("torchrun_args", torchrun_args, "a sequence of strings")
         self.torchrun_args = tuple(torchrun_args)
-        if setup is not None and not callable(setup):
-            raise ConfigError.invalid("setup", setup, "None or a function of the bus")
-        self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
+        super().__init__(callbacks=callbacks, setup=setup, bus=bus, stop_timeout=stop_timeout,
+                         keep_events=keep_events, on_signal=on_signal)  # fmt: skip
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout)
-        self.keep_events = check_int("keep_events", keep_events, 0)
         self.python = python or sys.executable
-        self.on_signal = check_on_signal(on_signal)
-        self.bus = bus if bus is not None else EventBus()
-        for cb in callbacks:
-            add_driver_callback(self.bus, cb)
-        if setup is not None:
-            setup(self.bus)
-        self._token = secrets.token_urlsafe(32)
         self._stderr: deque[str] = deque(maxlen=40)
         self._exits = RankExits()
-        self._link: DriverLink | None = None
-        self._signal: int | None = None  # the first signal the driver received
-        self._stop_reason: str | None = None
         self._process: anyio.abc.Process | None = None
 
     # ------------------------------------------------------------------ queries
@@ -195,8 +160,7 @@ class Launcher:
     def stop(self, reason: str = "requested") -> None:
         """Ask the workers to stop gracefully: ``StopTraining(reason)`` to rank 0 (applied by
         every rank at the next sync point). Safe from the event loop only."""
-        self._stop_reason = reason
-        self.bus.send(cmd.StopTraining(reason=reason))
+        self._ask_stop(reason)
 
     def run(self, *, backend: str = "asyncio") -> LaunchResult:
         """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
@@ -234,12 +198,7 @@ class Launcher:
                 assert process.stderr is not None
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._pump_stderr, process.stderr)
-                    tg.start_soon(driver.serve, link)
-                    on_failure = partial(tg.start_soon, self._terminate_after, self.stop_timeout)
-                    tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
-                    main = threading.current_thread() is threading.main_thread()
-                    if self.on_signal is not None and main:
-                        tg.start_soon(self._watch_signals, tg)
+                    self._serve(tg, link, driver.serve, driver.send)
                     returncode = await process.wait()
                     if link.linked:  # the last events still in the socket
                         await link.wait_unlinked(5)
@@ -248,35 +207,26 @@ class Launcher:
         finally:
             with anyio.CancelScope(shield=True):
                 await driver.aclose()
-                await self._terminate()
+                await self._abort()
         if returncode != 0:
             raise self._failure(returncode)
-        if self._signal is not None and self.on_signal == "raise":
-            raise interrupt_after(signal.Signals(self._signal))
-        return LaunchResult(returncode=returncode, events=link.events, received=link.received,
-                            last_event=link.last_event, stop_reason=self.stop_reason,
-                            signal=self._signal,
-                            ending=None if link.ended is None else link.ended.ending)  # fmt: skip
+        self._raise_if_interrupted()
+        return LaunchResult(returncode=returncode, **self._outcome())
 
     @property
     def stop_reason(self) -> str | None:
         """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
         the reason this driver asked them to stop with (``"signal"``), else None."""
-        ended = None if self._link is None else self._link.ended
-        return workers_stop_reason(ended, self._stop_reason)
+        return self._workers_stop_reason()
 
     # ------------------------------------------------------------------ tasks
     def _failure(self, returncode: int | None) -> LaunchError:
-        link = self._link
-        assert link is not None
-        last = link.last_event
-        if not link.linked:
+        assert self._link is not None
+        if not self._link.linked:
             what = ("before rank 0 linked to the driver (did the script fail to import, or "
                     "never attach a WorkerLink?)")  # fmt: skip
         else:
-            what = (f"after {link.received} events from rank 0 "
-                    f"(last: {type(last).__name__ if last else None} at step "
-                    f"{last.step if last else '?'})")  # fmt: skip
+            what = self._so_far()
         first: RankExit | None = self._exits.root_cause
         if first is not None:
             what += f"; {first.describe()}"
@@ -285,11 +235,9 @@ class Launcher:
                 what += f" (first; then {', '.join(others)})"
         return LaunchError(
             f"the workers failed: torchrun exited with code {returncode} {what}",
-            returncode=returncode, events=link.events, received=link.received,
-            last_event=last, stop_reason=self.stop_reason, stderr="".join(self._stderr),
+            returncode=returncode, stderr="".join(self._stderr),
             rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
-            rank_signal=first.signal if first else None, signal=self._signal,
-            ending=None if link.ended is None else link.ended.ending,
+            rank_signal=first.signal if first else None, **self._outcome(),
         )  # fmt: skip
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
@@ -307,31 +255,7 @@ class Launcher:
             self._exits.feed(pending)
             self._stderr.append(pending)
 
-    async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
-        signums = not_ignored()  # an ignored one stays ignored (a script's background job)
-        if not signums:
-            await anyio.sleep_forever()
-        with anyio.open_signal_receiver(*signums) as signals:
-            async for signum in signals:
-                if self._signal is None:
-                    self._signal = int(signum)
-                if self._stop_reason == "signal":  # the second one: no more patience
-                    log.warning("launch_aborted", signal=signum)
-                    await self._terminate()
-                    continue
-                log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
-                if self._link is None or not self._link.linked:
-                    self._stop_reason = "signal"
-                    await self._terminate()
-                else:
-                    self.stop("signal")
-                    tg.start_soon(self._terminate_after, self.stop_timeout)
-
-    async def _terminate_after(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
-        await self._terminate()
-
-    async def _terminate(self) -> None:
+    async def _abort(self) -> None:
         """SIGTERM torchrun's process group (torchrun forwards it to the workers), then
         SIGKILL whatever is left after a grace period."""
         process = self._process

@@ -43,7 +43,7 @@ def test_single_process_needs_no_collective() -> None:
     stop = cmd.StopTraining()
     agreed = agreement.exchange([stop, cmd.StopTraining(reason="again")])
     assert agreed == [stop] and agreed[0] is stop  # the sender's own object: request() resolves
-    assert agreement.reduce_metrics_flagged({"loss": 2.0}, pending=True) == ({"loss": 2.0}, True)
+    assert agreement.reduce_metrics({"loss": 2.0}) == {"loss": 2.0}
     flags = agreement.reduce_metrics_flags({"loss": 2.0}, (False, True))
     assert flags == ({"loss": 2.0}, [False, True])
     assert agreement.any_rank(True) and not agreement.any_rank(False)

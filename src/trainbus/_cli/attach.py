@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import sys
@@ -185,15 +186,11 @@ class View:
 
 def _stdin_lines(send: Any, token: Any) -> None:
     """A daemon thread: stdin's lines into the event loop (None at its end)."""
-    for line in sys.stdin:
+    for line in itertools.chain(sys.stdin, [None]):
         try:
             anyio.from_thread.run_sync(send.send_nowait, line, token=token)
         except Exception:  # the loop ended
             return
-    try:
-        anyio.from_thread.run_sync(send.send_nowait, None, token=token)
-    except Exception:
-        return
 
 
 async def _ask(att: Attachment, command: cmd.Command, view: View) -> bool:

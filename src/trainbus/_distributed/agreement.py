@@ -8,7 +8,7 @@ every rank (docs/distributed.md draws the protocol).
 - Merge order: by rank, then in send order. A command several ranks sent in one exchange (a
   ``ranks="all"`` subscriber) is applied as often as the rank that sent it most often sent it;
   only the first ``StopTraining`` is kept.
-- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flagged`
+- No extra collective when nothing is pending: :meth:`CommandAgreement.reduce_metrics_flags`
   adds a "some rank has commands" flag to the ``log_every`` window's all-reduce.
 - Commands cross ranks as :mod:`~trainbus._wire` records (JSON, never pickles). The local
   rank's own commands come back as the objects it sent (``bus.request(c)`` resolves by
@@ -32,7 +32,7 @@ from .._exceptions import ConfigError, DistributedError
 from .._validate import check_int
 from .group import ProcessGroup
 
-__all__ = ["CommandAgreement", "merge"]
+__all__ = ["CommandAgreement", "byte_tensor", "merge"]
 
 _HEADER = 4  # bytes of the big-endian payload length at the front of each rank's buffer
 
@@ -75,7 +75,8 @@ def _decode(payload: bytes, rank: int) -> list[cmd.Command]:
     return out
 
 
-def _buffer(data: bytes, size: int) -> torch.Tensor:
+def byte_tensor(data: bytes, size: int) -> torch.Tensor:
+    """A uint8 tensor of ``size`` bytes starting with ``data`` (zeros after)."""
     buf = torch.zeros(size, dtype=torch.uint8)
     if data:
         buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -148,11 +149,11 @@ class CommandAgreement:
         the needed size only when some rank's payload did not fit."""
         room = self.capacity - _HEADER
         header = len(payload).to_bytes(_HEADER, "big")
-        rows = self._all_gather(_buffer(header + payload[:room], self.capacity))
+        rows = self._all_gather(byte_tensor(header + payload[:room], self.capacity))
         lengths = [int.from_bytes(r[:_HEADER], "big") for r in rows]
         if max(lengths) <= room:
             return [r[_HEADER : _HEADER + n] for r, n in zip(rows, lengths, strict=True)]
-        rows = self._all_gather(_buffer(payload, max(lengths)))
+        rows = self._all_gather(byte_tensor(payload, max(lengths)))
         return [r[:n] for r, n in zip(rows, lengths, strict=True)]
 
     def _all_gather(self, tensor: torch.Tensor) -> list[bytes]:
@@ -167,17 +168,7 @@ class CommandAgreement:
         """The mean of each metric across ranks (every rank passes the same names), in one
         all-reduce; ``DistributedError`` when the names differ.
         """
-        return self.reduce_metrics_flagged(metrics, pending=False)[0]
-
-    def reduce_metrics_flagged(
-        self, metrics: Mapping[str, float], *, pending: bool
-    ) -> tuple[dict[str, float], bool]:
-        """:meth:`reduce_metrics` with a "this rank has pending commands" flag in the same
-        all-reduce; when the returned flag is True every rank got True and must call
-        :meth:`exchange` next.
-        """
-        out, (flag,) = self.reduce_metrics_flags(metrics, (pending,))
-        return out, flag
+        return self.reduce_metrics_flags(metrics, ())[0]
 
     def reduce_metrics_flags(
         self, metrics: Mapping[str, float], flags: Sequence[bool]
@@ -222,10 +213,7 @@ class CommandAgreement:
         (MAX) of one number; the flag itself on a single process."""
         if not self.group.distributed:
             return flag
-        t = torch.tensor([1 if flag else 0], dtype=torch.int64, device=self.group.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        self._collectives += 1
-        return bool(t.item())
+        return bool(self._reduce_int(int(flag), dist.ReduceOp.MAX))
 
     def min_step(self, step: int | None) -> int | None:
         """The smallest ``step`` any rank passed (None: this rank has none), the same on every
@@ -233,9 +221,11 @@ class CommandAgreement:
         if not self.group.distributed:
             return step
         none = torch.iinfo(torch.int64).max
-        t = torch.tensor([none if step is None else step], dtype=torch.int64,
-                         device=self.group.device)  # fmt: skip
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        self._collectives += 1
-        got = int(t.item())
+        got = self._reduce_int(none if step is None else step, dist.ReduceOp.MIN)
         return None if got == none else got
+
+    def _reduce_int(self, value: int, op: Any) -> int:
+        t = torch.tensor([value], dtype=torch.int64, device=self.group.device)
+        dist.all_reduce(t, op=op)
+        self._collectives += 1
+        return int(t.item())

@@ -39,7 +39,8 @@ from .._exceptions import ConfigError
 from .._log import get_logger
 from .driver_link import ALWAYS
 from .link import BusLike, WorkerLink
-from .protocol import check_hello, control_record, event_names
+from .protocol import check_hello, control_record, event_types
+from .socket_link import SocketConnection
 
 __all__ = [
     "SOCKET_NAME",
@@ -59,7 +60,6 @@ TOKEN_NAME = "attach.token"
 _HANDSHAKE_S = 5.0
 _SEND_TIMEOUT_S = 30  # an attachment that stops reading for this long is let go
 _STATUS_EVERY_S = 1.0
-_EVENTS = {t.__name__: t for t in ev.EVENT_TYPES}
 
 
 def max_socket_path() -> int:
@@ -119,50 +119,6 @@ class _Unavailable(Exception):
     """The run cannot listen in its folder (the reason is the message)."""
 
 
-class _Connection:
-    """One accepted attachment's socket as a :class:`~.link.WorkerTransport` (``open`` is never
-    called: the listener did the handshake)."""
-
-    linger = 0.0
-
-    def __init__(self, conn: socket.socket, reader: Any, where: str) -> None:
-        self.where = where
-        self._conn: socket.socket | None = conn
-        self._reader = reader
-
-    def open(self, hello: bytes) -> bytes:  # pragma: no cover - the listener greets
-        raise OSError("an accepted attachment is already open")
-
-    def send(self, data: bytes) -> None:
-        conn = self._conn
-        if conn is None:
-            raise OSError("the attachment is closed")
-        conn.sendall(data)
-
-    def receive(self) -> bytes:
-        reader = self._reader
-        if reader is None:
-            return b""
-        try:
-            line: bytes = reader.readline()
-        except (OSError, ValueError, AttributeError):
-            return b""
-        return line
-
-    def close(self, bye: bytes) -> None:
-        conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        with contextlib.suppress(OSError):
-            if bye:
-                conn.sendall(bye)
-            conn.shutdown(socket.SHUT_RDWR)
-        conn.close()
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.close()
-
-
 class AttachServer:
     """Rank 0's listener for attachments (see the module docstring).
 
@@ -200,16 +156,6 @@ class AttachServer:
         """Attachments connected now."""
         with self._lock:
             return len(self._links)
-
-    @property
-    def accepted(self) -> int:
-        """Attachments welcomed so far."""
-        return self._accepted
-
-    @property
-    def refused(self) -> int:
-        """Connections refused so far (wrong token, another user)."""
-        return self._refused
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -386,11 +332,10 @@ class AttachServer:
             return
         if pid is None and isinstance(record.get("pid"), int):
             pid = record["pid"]
-        names = event_names(record.get("events"))
-        wanted = tuple(_EVENTS[n] for n in names) or tuple(t for t in ev.EVENT_TYPES
-                                                           if t in ALWAYS)  # fmt: skip
+        wanted = event_types(record.get("events")) or tuple(t for t in ev.EVENT_TYPES
+                                                                if t in ALWAYS)  # fmt: skip
         source = f"attach:pid={pid}"
-        transport = _Connection(conn, reader, source)
+        transport = SocketConnection(conn, reader, source)
         link: WorkerLink
 
         def left() -> None:

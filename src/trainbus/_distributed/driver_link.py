@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -21,9 +21,13 @@ from .. import events as ev
 from .._log import get_logger
 from .protocol import check_hello, control_record
 
-__all__ = ["ALWAYS", "CommandSource", "DriverBus", "DriverLink"]
+__all__ = ["ALWAYS", "STREAM_GONE", "CommandSource", "DriverBus", "DriverLink", "wanted_names"]
 
 log = get_logger(__name__)
+
+STREAM_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+               anyio.ClosedResourceError, OSError)  # fmt: skip
+"""What reading or writing an anyio stream raises once the other side is gone."""
 
 ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
                     ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
@@ -31,6 +35,13 @@ ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
 """Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
 report names. Every other type only when a driver subscriber wants it (the loop never builds
 unwanted ones)."""
+
+
+def wanted_names(bus: DriverBus, extra: Iterable[type[ev.BaseEvent]] = ()) -> list[str]:
+    """The names of the event types a driver asks for: :data:`ALWAYS`, ``extra`` and what
+    ``bus``' subscriptions want, in :data:`trainbus.events.EVENT_TYPES` order."""
+    extra = set(extra)
+    return [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or t in extra or bus.wants(t)]
 
 
 class CommandSource(Protocol):
@@ -111,7 +122,6 @@ class DriverLink:
         self._refused = 0
         self._linked = anyio.Event()
         self._unlinked = anyio.Event()
-        self._failed = False
 
     # ------------------------------------------------------------------ queries
     @property
@@ -154,11 +164,6 @@ class DriverLink:
         """Rank 0's ``FitEnded``, once it arrived."""
         return self._ended
 
-    @property
-    def failed(self) -> bool:
-        """A driver subscriber failed the run (the workers were told to stop)."""
-        return self._failed
-
     def backlogged(self) -> bool:
         """The driver's subscribers are behind: a transport should stop reading for a while
         (so the worker's side holds the events, not this process' memory)."""
@@ -180,7 +185,6 @@ class DriverLink:
             self._refused += 1
             log.warning("driver_connection_refused", peer=peer, reason=reason)
             return None
-        wanted = [t.__name__ for t in ev.EVENT_TYPES if t in ALWAYS or self.bus.wants(t)]
         self._links += 1
         if self.linked:  # relink: rank 0 of a restarted attempt; the old one is gone
             log.warning("driver_relinked", peer=peer, pid=record.get("pid"), links=self._links)
@@ -188,7 +192,7 @@ class DriverLink:
             self.bus.publish(self._restarted())
         self._linked.set()
         log.info("driver_linked", peer=peer, pid=record.get("pid"))
-        return control_record("welcome", events=wanted)
+        return control_record("welcome", events=wanted_names(self.bus))
 
     def welcomed(self, peer: str) -> None:
         """The link is up, its handshake done by the other side (an attachment connected to a
@@ -275,11 +279,12 @@ class DriverLink:
             interval: Seconds between polls of the bus.
         """
         outbox: list[cmd.Command] = []
+        failed = False
         while True:
             await anyio.sleep(interval)
             outbox.extend(self._commands.poll_commands())
-            if self.bus.port().failure is not None and not self._failed:
-                self._failed = True  # a driver subscriber failed the run: stop the workers
+            if self._commands.failure is not None and not failed:
+                failed = True  # a driver subscriber failed the run: stop the workers
                 outbox.append(cmd.StopTraining(reason="driver_subscriber_failed"))
                 if on_failure is not None:
                     on_failure()
@@ -287,7 +292,7 @@ class DriverLink:
                 batch, outbox = outbox, []
                 try:
                     await send(b"".join(wire.dumps(c) for c in batch))
-                except (OSError, anyio.BrokenResourceError, anyio.ClosedResourceError):
+                except STREAM_GONE:
                     pass
                 self._inflight.extend(batch)
                 del self._inflight[:-1000]  # acks never coming (a dead worker) must not pile up

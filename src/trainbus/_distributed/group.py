@@ -47,16 +47,9 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 Backend = Literal["gloo", "nccl"]
 
 
-def _import_collectives_before_any_group() -> None:
-    """Import ``torch.distributed.nn.functional`` while no process group exists, so the default
-    arguments its collectives bind at import are None rather than the live default group (see
-    the module docstring: torch 2.13; an import after ``init_process_group`` keeps the group and
-    its gloo threads alive until exit). Idempotent and cheap (~5 ms once, 9 small modules)."""
-    if dist.is_available() and not dist.is_initialized():
-        importlib.import_module("torch.distributed.nn.functional")
-
-
-_import_collectives_before_any_group()
+# Imported while no process group exists (see the module docstring).
+if dist.is_available() and not dist.is_initialized():
+    importlib.import_module("torch.distributed.nn.functional")
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
@@ -222,9 +215,7 @@ class ProcessGroup:
 
     @staticmethod
     def _device(backend: str, local_rank: int) -> torch.device:
-        if backend == "nccl":
-            return torch.device("cuda", local_rank)
-        return torch.device("cpu")
+        return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
     # ------------------------------------------------------------------ queries
     @property

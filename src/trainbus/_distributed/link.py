@@ -42,7 +42,7 @@ from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
 from .protocol import control_record as control_record
-from .protocol import control_types, hello_record, welcome_types
+from .protocol import control_types, hello_record
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -191,16 +191,8 @@ class WorkerLink:
         wanted: tuple[type[ev.BaseEvent], ...],
         **kw: Any,
     ) -> WorkerLink:
-        """A link whose handshake the listening side already did (an attachment accepted by
-        :mod:`~trainbus._distributed.attach_server`): :meth:`start` then streams ``wanted`` without
-        connecting.
-
-        Args:
-            transport: The accepted connection (its ``open`` is never called).
-            token: The run's token.
-            wanted: The event types the peer asked for.
-            kw: See :class:`WorkerLink`.
-        """
+        """A link whose handshake the listening side did (an accepted attachment):
+        :meth:`start` streams ``wanted`` without connecting; ``kw`` as for the class."""
         link = cls(transport, token, **kw)
         link._wanted = tuple(wanted)
         link._open = True
@@ -255,7 +247,7 @@ class WorkerLink:
         """
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
-        wanted = welcome_types(reply)
+        wanted = control_types(reply, "welcome")
         if wanted is None:
             self.transport.close(b"")
             raise LaunchError(
@@ -283,7 +275,7 @@ class WorkerLink:
             self._loop = anyio.lowlevel.current_token()
         except RuntimeError:  # no event loop here: a later `wants` record is refused
             self._loop = None
-        self._subscribe(self._wanted)
+        self._subscribe()
         self._threads = [
             threading.Thread(target=self._send_loop, name="trainbus-link-send", daemon=True),
             threading.Thread(
@@ -301,14 +293,14 @@ class WorkerLink:
             return
         self.unsubscribe()
         self._wanted = tuple(wanted)
-        self._subscribe(self._wanted)
+        self._subscribe()
         # Queued after the dispose and before any event of the new subscription: the peer
         # knows from which line on the new set flows.
         self.post(control_record("streams", events=[t.__name__ for t in self._wanted]))
 
-    def _subscribe(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        if wanted and self._bus is not None:
-            self._subscription = self._bus.stream(*wanted).subscribe(
+    def _subscribe(self) -> None:
+        if self._wanted and self._bus is not None:
+            self._subscription = self._bus.stream(*self._wanted).subscribe(
                 self._queue.put, name=self.source or "WorkerLink"
             )
 
@@ -354,17 +346,11 @@ class WorkerLink:
         sentinel came.
         """
         batch = [self._queue.get()]
-        linger = self.transport.linger
-        deadline = time.monotonic() + linger
+        deadline = time.monotonic() + self.transport.linger
         while batch[-1] is not _CLOSE and len(batch) < _MAX_BATCH:
+            left = deadline - time.monotonic()
             try:
-                if linger > 0:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    batch.append(self._queue.get(timeout=left))
-                else:
-                    batch.append(self._queue.get_nowait())
+                batch.append(self._queue.get(block=left > 0, timeout=left))
             except queue.Empty:
                 break
         done = batch[-1] is _CLOSE

@@ -5,7 +5,7 @@ imports none of them.
 
 The side that connects sends ``hello`` with the token (:func:`hello_record`); the other checks
 it (:func:`check_hello`) and answers ``welcome`` naming the event types that will flow
-(:func:`welcome_types`), or closes. An attachment may later send ``wants {events}``; the job
+(:func:`control_types`), or closes. An attachment may later send ``wants {events}``; the job
 answers ``streams {events}`` where the new set takes effect (:func:`control_types`).
 """
 
@@ -14,7 +14,6 @@ from __future__ import annotations
 import hmac
 import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 from .. import _wire as wire
@@ -26,17 +25,14 @@ __all__ = [
     "check_hello",
     "control_record",
     "control_types",
-    "event_names",
+    "event_types",
     "hello_record",
-    "welcome_types",
 ]
 
 ADDR_ENV = "TRAINBUS_DRIVER_ADDR"
 """Environment variable holding where the driver is (``host:port``, or ``<scheme>:...``)."""
 TOKEN_ENV = "TRAINBUS_DRIVER_TOKEN"
 """Environment variable holding the run's token."""
-
-_EVENTS: Mapping[str, type[ev.BaseEvent]] = {t.__name__: t for t in ev.EVENT_TYPES}
 
 
 def control_record(kind: str, **fields: Any) -> bytes:
@@ -65,30 +61,20 @@ def check_hello(hello: bytes, token: str) -> dict[str, Any] | None:
     return record
 
 
-def welcome_types(reply: bytes) -> tuple[type[ev.BaseEvent], ...] | None:
-    """The event types a ``welcome`` line names (unknown names skipped), or None when
-    ``reply`` is not a welcome (empty: the other side closed, i.e. refused)."""
-    return control_types(reply, "welcome")
-
-
 def control_types(line: bytes, kind: str) -> tuple[type[ev.BaseEvent], ...] | None:
     """The event types a control line of ``kind`` (``welcome``, ``wants``, ``streams``)
-    names, in :data:`trainbus.events.EVENT_TYPES` order (unknown names skipped), or None when
-    ``line`` is not such a record."""
+    names, or None when ``line`` is not such a record (empty: the other side refused)."""
     try:
         record = json.loads(line) if line else None
     except ValueError:
         return None
     if not isinstance(record, dict) or record.get("type") != kind:
         return None
-    names = record.get("events", ())
-    if not isinstance(names, list):
-        return ()
-    return tuple(_EVENTS[n] for n in event_names(names))
+    return event_types(record.get("events"))
 
 
-def event_names(types: Any) -> list[str]:
-    """The names of the trainbus event types among ``types``' names (unknown ones dropped),
-    in :data:`trainbus.events.EVENT_TYPES` order."""
-    wanted = {n for n in types if isinstance(n, str)} if isinstance(types, list) else set()
-    return [t.__name__ for t in ev.EVENT_TYPES if t.__name__ in wanted]
+def event_types(names: Any) -> tuple[type[ev.BaseEvent], ...]:
+    """The trainbus event types ``names`` (a list) names, in
+    :data:`trainbus.events.EVENT_TYPES` order; unknown names are dropped."""
+    wanted = {n for n in names if isinstance(n, str)} if isinstance(names, list) else set()
+    return tuple(t for t in ev.EVENT_TYPES if t.__name__ in wanted)

@@ -1,17 +1,15 @@
 """The loopback socket transport of the link (``trainbus launch``): JSON lines over TCP on
-127.0.0.1.
-
-- :class:`SocketTransport`, the worker's side: ``TRAINBUS_DRIVER_ADDR=127.0.0.1:<port>``
-  (a non-loopback host is refused), a blocking socket used by the link's two threads.
-- :class:`SocketDriver`, the driver's side: an anyio listener on 127.0.0.1, an ephemeral port;
-  each connection's first line goes to :meth:`DriverLink.greet` (refused: closed), then its
-  lines to :meth:`DriverLink.receive`. When the driver's subscribers fall behind it stops
-  reading, so TCP holds rank 0's sender back instead of this process' memory growing.
+127.0.0.1. The worker's side (:class:`SocketTransport`) is a blocking socket used by the link's
+two threads; the driver's (:class:`SocketDriver`) an anyio listener that hands each
+connection's hello to :meth:`DriverLink.greet` and its lines to :meth:`DriverLink.receive`, and
+stops reading while the driver's subscribers are behind, so TCP holds rank 0's sender back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -20,17 +18,70 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .._exceptions import ConfigError, LaunchError
 from .._validate import check_seconds
-from .driver_link import DriverLink
+from .driver_link import STREAM_GONE, DriverLink
 from .protocol import ADDR_ENV
 
-__all__ = ["LOOPBACK", "SocketDriver", "SocketTransport"]
+__all__ = ["LOOPBACK", "SocketConnection", "SocketDriver", "SocketTransport", "read_lines"]
 
 LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 _MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
 
 
-class SocketTransport:
-    """The worker's side of the socket transport (a :class:`~.link.WorkerTransport`).
+class SocketConnection:
+    """A connected blocking socket as the worker's end of a link (a
+    :class:`~.link.WorkerTransport` whose handshake is done: rank 0's end of an attachment).
+
+    Args:
+        sock: The socket (None: not connected yet).
+        file: Its ``makefile("rb")``.
+        where: The peer, for messages.
+    """
+
+    linger = 0.0  # a socket write is cheap: send what is queued at once
+
+    def __init__(self, sock: socket.socket | None, file: Any, where: str) -> None:
+        self._sock = sock
+        self._file = file
+        self.where = where
+
+    def open(self, hello: bytes) -> bytes:
+        """Refused: the connection is open already."""
+        raise OSError("the connection is open already")
+
+    def send(self, data: bytes) -> None:
+        """Write lines (blocks while the peer does not read); ``OSError`` once it is gone."""
+        if self._sock is None:
+            raise OSError("the link is closed")
+        self._sock.sendall(data)
+
+    def receive(self) -> bytes:
+        """The next line, ``b""`` at the end of the connection."""
+        file = self._file
+        if file is None:
+            return b""
+        try:
+            line: bytes = file.readline()
+        except (OSError, ValueError, AttributeError):  # closed under us by close()
+            return b""
+        return line
+
+    def close(self, bye: bytes) -> None:
+        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        with contextlib.suppress(OSError):
+            if bye:
+                sock.sendall(bye)
+            sock.shutdown(socket.SHUT_RDWR)
+        sock.close()
+        file, self._file = self._file, None
+        if file is not None:
+            file.close()  # the socket is only released once its file is closed
+
+
+class SocketTransport(SocketConnection):
+    """The worker's side of the socket transport: connects to the driver on :meth:`open`.
 
     Args:
         address: The driver's ``host:port``; the host must be a loopback address.
@@ -40,18 +91,14 @@ class SocketTransport:
         ConfigError: a malformed or non-loopback address (naming ``TRAINBUS_DRIVER_ADDR``).
     """
 
-    linger = 0.0  # a socket write is cheap: send what is queued at once
-
     def __init__(self, address: str, timeout: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
         host = host.strip("[]")
         if host not in LOOPBACK or not port.isdigit():
             raise ConfigError.invalid(ADDR_ENV, address, "127.0.0.1:<port> (loopback only)")
+        super().__init__(None, None, f"{host}:{port}")
         self.host, self.port = host, int(port)
-        self.where = f"{host}:{port}"
         self.timeout = check_seconds("timeout", timeout)
-        self._sock: socket.socket | None = None
-        self._file: Any = None
 
     def open(self, hello: bytes) -> bytes:
         """Connect, send ``hello``, return the driver's answer line.
@@ -73,58 +120,13 @@ class SocketTransport:
         sock.settimeout(None)
         return reply
 
-    def send(self, data: bytes) -> None:
-        """Write event lines (blocks while the driver does not read).
-
-        Raises:
-            OSError: the connection is gone.
-        """
-        if self._sock is None:
-            raise OSError("the link is closed")
-        self._sock.sendall(data)
-
-    def receive(self) -> bytes:
-        """The next command line, ``b""`` at the end of the connection."""
-        file = self._file
-        if file is None:
-            return b""
-        try:
-            line: bytes = file.readline()
-        except (OSError, ValueError, AttributeError):  # closed under us by close()
-            return b""
-        return line
-
-    def close(self, bye: bytes) -> None:
-        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
-        sock, self._sock = self._sock, None
-        if sock is None:
-            return
-        try:
-            if bye:
-                sock.sendall(bye)
-            sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        sock.close()
-        file, self._file = self._file, None
-        if file is not None:
-            file.close()  # the socket is only released once its file is closed
-
 
 class SocketDriver:
-    """The driver's side of the socket transport: listens on 127.0.0.1 for one link.
-
-    ::
-
-        driver = await SocketDriver.listen(connect_timeout=10)
-        env[ADDR_ENV] = driver.address
-        tg.start_soon(driver.serve, link)           # accepts, reads into the DriverLink
-        tg.start_soon(link.forward, driver.send)    # the driver's commands to the worker
-        ...
-        await driver.aclose()
+    """The driver's side of the socket transport: listens on 127.0.0.1 (an ephemeral port, built
+    with :meth:`listen`) for one link, served into a :class:`DriverLink` by :meth:`serve`.
 
     Args:
-        listener: A bound listener (use :meth:`listen`).
+        listener: A bound listener.
         connect_timeout: Seconds a connection has to send its hello.
     """
 
@@ -161,8 +163,7 @@ class SocketDriver:
         try:
             with anyio.fail_after(self.connect_timeout):
                 hello = await reader.receive_until(b"\n", 4096)
-        except (TimeoutError, anyio.IncompleteRead, anyio.DelimiterNotFound,
-                anyio.EndOfStream, OSError, anyio.BrokenResourceError):  # fmt: skip
+        except (TimeoutError, anyio.DelimiterNotFound, *STREAM_GONE):
             hello = b""
         welcome = link.greet(hello, str(peer))
         if welcome is None:
@@ -171,18 +172,33 @@ class SocketDriver:
         await stream.send(welcome)
         self._stream = stream
         try:
-            count = 0
-            while True:
-                link.receive(await reader.receive_until(b"\n", _MAX_LINE))
-                count += 1
-                if count % 256 == 0:
-                    # Driver subscribers behind: stop reading, so TCP holds rank 0's sender
-                    # back. (Polled: the bus has no "room" event for the loop thread.)
-                    while link.backlogged():  # noqa: ASYNC110
-                        await anyio.sleep(0.01)
-        except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-                anyio.ClosedResourceError, OSError):  # fmt: skip
-            pass
+            await read_lines(reader, link)
         finally:
-            link.end()
             await stream.aclose()
+
+
+async def read_lines(
+    reader: BufferedByteReceiveStream,
+    link: DriverLink,
+    control: Callable[[bytes], bool] | None = None,
+    *,
+    backpressure: bool = True,
+) -> None:
+    """Hand ``reader``'s lines to ``link`` (those ``control`` returns True for excepted) until
+    the stream or the link ends, then end the link. With ``backpressure``, every 256 lines it
+    stops reading while the driver's subscribers are behind: TCP then holds the sender back."""
+    count = 0
+    try:
+        while not link.unlinked:
+            line = await reader.receive_until(b"\n", _MAX_LINE)
+            if control is None or not control(line):
+                link.receive(line)
+            count += 1
+            if backpressure and count % 256 == 0:
+                # Polled: the bus has no "room" event for the loop thread.
+                while link.backlogged():  # noqa: ASYNC110
+                    await anyio.sleep(0.01)
+    except STREAM_GONE:
+        pass
+    finally:
+        link.end()

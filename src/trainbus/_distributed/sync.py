@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from .. import commands as cmd
 from .._exceptions import CheckpointError
-from .agreement import CommandAgreement
+from .agreement import CommandAgreement, byte_tensor
 from .data import unwrap_model
 from .group import ProcessGroup
 
@@ -74,10 +74,7 @@ class RankSync:
         self, every: Sequence[int], at: Sequence[int]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The union of every rank's declared decision steps (``Every(n)`` periods and
-        ``At(k)`` steps), the same on every rank: a collective at the run's start. Only rank 0
-        runs the subscribers by default, so without it the other ranks would not know the step
-        clock's decision steps, and a command decided there could not be agreed at that step.
-        """
+        ``At(k)`` steps), the same on every rank: a collective at the run's start."""
         every_all: set[int] = set()
         at_all: set[int] = set()
         for rank_every, rank_at in self.agreement.gather_json([list(every), list(at)]):
@@ -150,9 +147,7 @@ class RankSync:
         data = text.encode()
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.group.device)
         dist.broadcast(size, src=0)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if self.group.is_main and data:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        buf = byte_tensor(data if self.group.is_main else b"", int(size.item()))
         buf = buf.to(self.group.device)
         dist.broadcast(buf, src=0)
         if error is not None:

@@ -5,26 +5,26 @@ Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions
 """
 
 from .._exceptions import CheckpointWriteError as CheckpointWriteError
-from ._api import latest_checkpoint as latest_checkpoint
-from ._api import load_checkpoint as load_checkpoint
-from ._api import save_checkpoint as save_checkpoint
 from ._data_order import EpochSampler as EpochSampler
 from ._data_order import capture_data_order as capture_data_order
 from ._data_order import replay_epoch as replay_epoch
 from ._data_order import set_sampler_epoch as set_sampler_epoch
 from ._export import export_full as export_full
+from ._reading import read_folder as read_folder
 from ._rng import capture_rng as capture_rng
 from ._rng import restore_rng as restore_rng
-from ._sharded import read_folder as read_folder
+from ._sharded import load_sharded as load_sharded
 from ._sharded import save_sharded as save_sharded
-from ._sharded_resume import load_sharded as load_sharded
 from ._state import FORMAT_VERSION as FORMAT_VERSION
 from ._state import Checkpoint as Checkpoint
 from ._state import TrainState as TrainState
 from ._store import CheckpointStore as CheckpointStore
 from ._store import LatestScan as LatestScan
 from ._store import check_checkpoint_dir as check_checkpoint_dir
+from ._store import latest_checkpoint as latest_checkpoint
+from ._store import load_checkpoint as load_checkpoint
 from ._store import read_checkpoint as read_checkpoint
+from ._store import save_checkpoint as save_checkpoint
 
 __all__ = [
     "FORMAT_VERSION",

@@ -8,17 +8,15 @@ The optimizer's state is not exported (it belongs to the sharded run).
 
 from __future__ import annotations
 
-import contextlib
 import os
-import secrets
 import warnings
 from pathlib import Path
 
 import torch
 
 from .._exceptions import CheckpointError, CheckpointWriteError
-from ._sharded import read_folder
-from ._store import save_synced
+from ._reading import read_folder
+from ._store import write_atomic
 
 __all__ = ["export_full"]
 
@@ -72,16 +70,8 @@ def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     except Exception as exc:
         raise CheckpointError(f"its shards cannot be read: {exc}", path=str(source)) from exc
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{secrets.token_hex(4)}.export-tmp")
     try:
-        # Written through a file we open (as CheckpointStore does): a missing folder or a full
-        # disk is then an OSError, which torch.save(model, path) reports as a RuntimeError.
-        with open(tmp, "xb") as f:
-            save_synced(model, f)
-        os.replace(tmp, target)
+        write_atomic(model, target)
     except OSError as exc:
         raise CheckpointWriteError(str(target), exc) from exc
-    finally:
-        with contextlib.suppress(OSError):  # also NotADirectoryError: OUTPUT under a file
-            tmp.unlink(missing_ok=True)
     return target

@@ -34,39 +34,14 @@ import torch.distributed as dist
 from .._durable import fsync_file, fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ._reading import one_line_reason, read_file
+from ._reading import STATE_FILE, one_line_reason, rank_file, read_folder, read_rank_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
+from ._store import CheckpointStore, folder_name, temp_name
 
-__all__ = [
-    "STATE_FILE",
-    "RankFailure",
-    "dcp_state",
-    "folder_name",
-    "gather_errors",
-    "rank_and_world",
-    "read_folder",
-    "read_rank_file",
-    "save_sharded",
-]
+__all__ = ["folder_name", "load_sharded", "save_sharded"]
 
 log = get_logger(__name__)
-
-STATE_FILE = "trainbus.pt"
-"""The file of a checkpoint folder holding trainbus' own state (rank 0 writes it)."""
-
-_METADATA = ".metadata"
-_TEMP_SUFFIX = ".trainbus-tmp"
-
-
-def folder_name(step: int, tag: str | None) -> str:
-    """``step-00000042`` or ``step-00000042-best``: a sharded checkpoint's folder name."""
-    return f"step-{step:08d}" + (f"-{tag}" if tag else "")
-
-
-def _rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s own file in a checkpoint folder (``rank-<r>.pt``)."""
-    return f"rank-{rank}.pt"
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -176,7 +151,7 @@ def save_sharded(
                                     sharded=True, run=run)  # fmt: skip
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                tmp_name = f".{name}.{os.getpid()}.{secrets.token_hex(4)}{_TEMP_SUFFIX}"
+                tmp_name = temp_name(name)
                 (directory / tmp_name).mkdir()
             except OSError as exc:
                 raise CheckpointWriteError(str(final), exc) from exc
@@ -189,7 +164,7 @@ def save_sharded(
 
         # A collective: DCP gathers every rank's failure and raises it on every rank.
         dcp_save(dcp_state(model, optimizer), checkpoint_id=str(tmp))
-        _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / _rank_file(rank))
+        _torch_save({"rng": capture_rng(), "data_order": data_order}, tmp / rank_file(rank))
         if payload is not None:
             _torch_save(payload, tmp / STATE_FILE)
     except OSError as exc:
@@ -247,83 +222,141 @@ def _publish(tmp: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _check_dcp_files(folder: Path) -> None:
-    """The DCP index parses and names files that are all present and long enough."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    if not (folder / _METADATA).is_file():
-        raise CheckpointError("no DCP index (.metadata): not a complete sharded checkpoint",
-                              path=str(folder))  # fmt: skip
-    try:
-        metadata = FileSystemReader(str(folder)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"its DCP index (.metadata) cannot be read: {one_line_reason(exc)}",
-                              path=str(folder)) from exc  # fmt: skip
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        end = int(info.offset) + int(info.length)
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for relative, end in sorted(needed.items()):
-        file = folder / relative
-        if not file.is_file():
-            raise CheckpointError(f"missing the shard file {relative} (a rank's part of the "
-                                  "model and optimizer state)", path=str(folder))  # fmt: skip
-        size = file.stat().st_size
-        if size < end:
-            raise CheckpointError(f"the shard file {relative} is truncated ({size} bytes, the "
-                                  f"index needs {end})", path=str(folder))  # fmt: skip
+def _agree_path(path: str) -> None:
+    """Every rank resumes the same checkpoint (a collective)."""
+    _, world = rank_and_world()
+    if world == 1:
+        return
+    paths: list[str | None] = [None] * world
+    dist.all_gather_object(paths, path)
+    if len(set(paths)) > 1:
+        raise CheckpointError("the ranks found different checkpoints to resume ("
+                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
+                              + "): every rank must see the same checkpoint folder")  # fmt: skip
 
 
-def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
-    """Read and check a sharded checkpoint folder; nothing is applied to a model yet.
+def _find_sharded(
+    resume: str | os.PathLike[str], checkpoint_dir: Path | None
+) -> tuple[Checkpoint | None, str]:
+    """The sharded checkpoint to resume, this rank's view: ``"latest"`` in
+    ``checkpoint_dir`` or a folder. Returns it (None: ``"latest"`` found none) and what the folder
+    held, in words; ``CheckpointError`` for a one-file checkpoint or a damaged folder.
+    """
+    advice = ("a sharded (fully_shard) model resumes from a checkpoint folder written by a "
+              "sharded run; to start from an unsharded run's weights, load them into the model "
+              "before fully_shard and start a fresh run")  # fmt: skip
+    if resume == "latest":
+        assert checkpoint_dir is not None
+        scan = CheckpointStore(checkpoint_dir).find_latest(map_location="cpu")
+        found = scan.checkpoint
+        if found is not None and not found.meta.get("sharded"):
+            raise CheckpointError(f"the newest checkpoint is a one-file checkpoint (an "
+                                  f"unsharded run's): {advice}", path=str(found.path))  # fmt: skip
+        return found, scan.describe()
+    path = Path(resume)
+    if path.is_file():
+        raise CheckpointError(f"a one-file checkpoint (an unsharded run's): {advice}",
+                              path=str(path))  # fmt: skip
+    return read_folder(path), ""
+
+
+def load_sharded(
+    resume: str | os.PathLike[str],
+    checkpoint_dir: Path | None,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+) -> tuple[Checkpoint | None, str]:
+    """Find, check and restore a sharded checkpoint on every rank (every rank calls it).
+
+    Each rank reads and checks the folder and its own ``rank-<r>.pt``; the ranks agree that
+    every one succeeded and found the same folder; then DCP loads each rank's shards of the
+    model and optimizer state (resharded when the world size changed), and the scheduler and
+    grad scaler are restored.
 
     Args:
-        folder: The checkpoint folder (``step-<n>[-<tag>]/``).
+        resume: ``"latest"`` or a checkpoint folder.
+        checkpoint_dir: The run's checkpoint folder (for ``"latest"``).
+        model, optimizer: The sharded model and its optimizer, restored in place.
+        scheduler, scaler: Restored when present here and in the checkpoint.
 
     Returns:
-        The :class:`~trainbus.checkpoint.Checkpoint` of ``trainbus.pt`` (``meta["sharded"]``
-        True; empty ``model`` and ``optimizer``: they are in the DCP files).
+        ``(checkpoint, found)``: the checkpoint with this rank's RNG states and data order
+        (None when ``"latest"`` found none on every rank), and what the folder held.
 
     Raises:
-        CheckpointError: not a folder, the DCP index is missing or unreadable, a shard file
-            or a rank's ``rank-<r>.pt`` is missing or truncated, or ``trainbus.pt`` is not a
-            valid trainbus payload. The message names the folder.
+        CheckpointError: on every rank, when any rank could not read or check its part
+            (naming the rank and why), the ranks found different checkpoints, or DCP could
+            not load the state; nothing is trained from a half-restored model.
     """
-    path = Path(folder)
-    if not path.is_dir():
-        raise CheckpointError("no such checkpoint folder", path=str(path))
-    _check_dcp_files(path)
-    if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"missing {STATE_FILE} (trainbus' own state, written by rank 0)",
-                              path=str(path))  # fmt: skip
-    inner = read_file(path / STATE_FILE)
-    checkpoint = replace(inner, path=path)
-    if not checkpoint.meta.get("sharded"):
-        raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",
-                              path=str(path))  # fmt: skip
-    world = int(checkpoint.meta["world_size"])
-    missing = [_rank_file(r) for r in range(world) if not (path / _rank_file(r)).is_file()]
-    if missing:
-        raise CheckpointError(f"missing {', '.join(missing)} (each rank's RNG and data order; "
-                              f"written by {world} ranks)", path=str(path))  # fmt: skip
-    return checkpoint
-
-
-def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s RNG states and data order from a checkpoint folder.
-
-    Raises:
-        CheckpointError: the file is missing, damaged or not what trainbus writes.
-    """
-    path = folder / _rank_file(rank)
+    rank, world = rank_and_world()
+    checkpoint: Checkpoint | None = None
+    found = ""
+    own: dict[str, Any] | None = None
+    error: BaseException | None = None
     try:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-    except FileNotFoundError as exc:
-        raise CheckpointError(f"missing {_rank_file(rank)}", path=str(folder)) from exc
+        checkpoint, found = _find_sharded(resume, checkpoint_dir)
+        if checkpoint is not None:
+            saved_world = int(checkpoint.meta["world_size"])
+            checkpoint.check_compatible(model=model, optimizer=optimizer, world_size=saved_world)
+            if rank < saved_world:
+                own = read_rank_file(checkpoint.path, rank)
+    except BaseException as exc:  # agreed below, then raised on every rank
+        error = exc
+    _raise_load(error, gather_errors(error))
+    _agree_path("" if checkpoint is None else str(checkpoint.path))
+    if checkpoint is None:
+        return None, found
+    try:
+        _restore_state(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
+                       scaler=scaler)  # fmt: skip
+    except BaseException as exc:
+        error = exc
+    _raise_load(error, gather_errors(error), checkpoint.path)
+    if own is None:
+        log.warning("resume_rng_not_saved", rank=rank, world_size=world,
+                    saved_world_size=int(checkpoint.meta["world_size"]),
+                    action="this rank keeps its seeded random state")  # fmt: skip
+        return replace(checkpoint, rng=None), found
+    order = own["data_order"] if own["data_order"] is not None else checkpoint.data_order
+    return replace(checkpoint, rng=own["rng"], data_order=order), found
+
+
+def _raise_load(
+    error: BaseException | None, failed: list[RankFailure], path: Path | None = None
+) -> None:
+    if not failed:
+        return
+    if isinstance(error, CheckpointError):
+        raise error
+    what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
+    raise CheckpointError(f"cannot resume: {what}",
+                          path=None if path is None else str(path)) from error  # fmt: skip
+
+
+def _restore_state(
+    checkpoint: Checkpoint,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    state = dcp_state(model, optimizer)
+    try:
+        dcp_load(state, checkpoint_id=str(checkpoint.path))  # a collective, errors agreed
     except Exception as exc:
         why = one_line_reason(exc)
-        raise CheckpointError(f"{_rank_file(rank)} cannot be read (damaged, or not written by "
-                              f"trainbus): {why}", path=str(folder)) from exc  # fmt: skip
-    if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
-        raise CheckpointError(f"{_rank_file(rank)} is not a trainbus rank file", path=str(folder))
-    return saved
+        raise CheckpointError(f"DCP could not load the model and optimizer shards: {why}",
+                              path=str(checkpoint.path)) from exc  # fmt: skip
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])  # fmt: skip
+    if scheduler is not None and checkpoint.scheduler is not None:
+        scheduler.load_state_dict(checkpoint.scheduler)
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)

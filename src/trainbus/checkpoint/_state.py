@@ -21,7 +21,7 @@ Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
@@ -73,16 +73,10 @@ def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
 
 def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
     """A model's ``state_dict()`` under canonical keys, its ``_metadata`` (module versions read by
-    ``load_state_dict``) keyed the same way.
+    ``load_state_dict``) keyed the same way (wrapper and wrapped module map to one prefix: the
+    wrapped one, listed later, wins).
     """
-    out: OrderedDict[str, Any] = OrderedDict((canonical_key(k), v) for k, v in state.items())
-    meta = getattr(state, "_metadata", None)
-    if meta is not None:
-        # Wrapper and wrapped module map to one prefix: the wrapped one (listed later) wins.
-        out._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (canonical_key(k), v) for k, v in meta.items()
-        )
-    return out
+    return _rekeyed(state, canonical_key, canonical_key)
 
 
 def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
@@ -94,16 +88,19 @@ def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str,
     if set(saved) == set(live_keys):
         return saved
     to_live = {canonical_key(k): k for k in live_keys}
-    out: OrderedDict[str, Any] = OrderedDict()
-    for key, value in saved.items():
-        canonical = canonical_key(key)
-        out[to_live.get(canonical, canonical)] = value
-    meta = getattr(saved, "_metadata", None)
+    prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
+    return _rekeyed(saved, lambda k: to_live.get(canonical_key(k), canonical_key(k)),
+                    lambda k: prefixes.get(canonical_key(k), k))  # fmt: skip
+
+
+def _rekeyed(
+    state: Mapping[str, Any], key: Callable[[str], str], meta_key: Callable[[str], str]
+) -> OrderedDict[str, Any]:
+    """``state`` with each key mapped by ``key`` and its ``_metadata``'s by ``meta_key``."""
+    out: OrderedDict[str, Any] = OrderedDict((key(k), v) for k, v in state.items())
+    meta = getattr(state, "_metadata", None)
     if meta is not None:
-        prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
-        out._metadata = OrderedDict(  # type: ignore[attr-defined]
-            (prefixes.get(canonical_key(k), k), v) for k, v in meta.items()
-        )
+        out._metadata = OrderedDict((meta_key(k), v) for k, v in meta.items())  # type: ignore[attr-defined]
     return out
 
 
@@ -209,27 +206,18 @@ class TrainState:
 
     def as_dict(self) -> dict[str, int]:
         """The position as a checkpoint stores it: ``{name: int}`` for :attr:`FIELDS`."""
-        return {
-            "step": self._step,
-            "epoch": self._epoch,
-            "batch_in_epoch": self._batch_in_epoch,
-            "samples_seen": self._samples_seen,
-            "evaluated_step": self._evaluated_step,
-            "closed_epoch": self._closed_epoch,
-        }
+        return {name: getattr(self, f"_{name}") for name in self.FIELDS}
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, int]) -> TrainState:
-        """The position a checkpoint stored (:meth:`as_dict`'s output).
+        """The position a checkpoint stored (:meth:`as_dict`'s output; :attr:`OPTIONAL` fields
+        may be missing).
 
         Raises:
             KeyError: a field is missing (the reader checks the names first).
         """
-        return cls(step=saved["step"], epoch=saved["epoch"],
-                   batch_in_epoch=saved["batch_in_epoch"],
-                   samples_seen=saved["samples_seen"],
-                   evaluated_step=saved.get("evaluated_step", -1),
-                   closed_epoch=saved.get("closed_epoch", -1))  # fmt: skip
+        merged = {**cls.OPTIONAL, **saved}
+        return cls(**{name: merged[name] for name in cls.FIELDS})
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TrainState):
@@ -314,7 +302,7 @@ def build_payload(
     """The dictionary written to a checkpoint file (see the module docstring).
 
     Args:
-        sharded: A sharded run's ``trainbus.pt`` (:mod:`.sharded`): the model and optimizer
+        sharded: A sharded run's ``trainbus.pt``: the model and optimizer
             entries are empty (their state is in the DCP files) and the metadata says so.
             A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
         run: The run's cadences and data shape (``meta["run"]``), which a resume compares with
@@ -352,7 +340,7 @@ def build_payload(
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Checkpoint:
     """A checkpoint read and checked by :func:`~trainbus.checkpoint.read_checkpoint`; nothing
-    is applied until :meth:`restore` (the module docstring lists the entries).
+    is applied until :meth:`restore`.
 
     Attributes:
         path: The file (or a sharded run's folder) it was read from.

@@ -1,4 +1,5 @@
-"""The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps.
+"""The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps;
+and the three calls the loop and the trainer make (save, load, find the latest).
 
 A write goes to a hidden temporary file in the same folder, fsynced, renamed over its final
 name (``os.replace``) and the folder fsynced: a crash at any moment leaves the previous files
@@ -9,11 +10,14 @@ CRCs are checked first, then ``torch.load(weights_only=True)`` and the payload's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import secrets
 import shutil
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +26,10 @@ import torch
 from .._durable import fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ._reading import read_file
-from ._sharded import read_folder
-from ._state import Checkpoint
+from .._tensors import is_sharded_model
+from ._reading import read_file, read_folder
+from ._rng import capture_rng
+from ._state import Checkpoint, TrainState, build_payload
 
 __all__ = [
     "TEMP_SUFFIX",
@@ -32,16 +37,22 @@ __all__ = [
     "LatestScan",
     "check_checkpoint_dir",
     "checkpoint_name",
+    "folder_name",
+    "latest_checkpoint",
+    "load_checkpoint",
     "parse_checkpoint_name",
     "read_checkpoint",
+    "save_checkpoint",
     "save_synced",
+    "temp_name",
+    "write_atomic",
 ]
 
 log = get_logger(__name__)
 
 TEMP_SUFFIX = ".trainbus-tmp"
-_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?\.pt$")
 _FOLDER = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+))?$")  # a sharded run's checkpoint
+_NAME = re.compile(_FOLDER.pattern.removesuffix("$") + r"\.pt$")
 _TEMP = re.compile(r"^\..+\.(\d+)\.[0-9a-f]+" + re.escape(TEMP_SUFFIX) + "$")
 
 # Temp files this process is writing right now: the same pid can belong to a killed writer of
@@ -50,9 +61,14 @@ _in_flight: set[str] = set()
 _in_flight_lock = threading.Lock()
 
 
+def folder_name(step: int, tag: str | None) -> str:
+    """``step-00000042`` or ``step-00000042-best``: a sharded checkpoint's folder name."""
+    return f"step-{step:08d}" + (f"-{tag}" if tag else "")
+
+
 def checkpoint_name(step: int, tag: str | None) -> str:
     """``step-00000042.pt`` or ``step-00000042-best.pt``."""
-    return f"step-{step:08d}" + (f"-{tag}" if tag else "") + ".pt"
+    return folder_name(step, tag) + ".pt"
 
 
 def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
@@ -139,6 +155,38 @@ def save_synced(obj: Any, file: Any) -> None:
     os.fsync(file.fileno())
 
 
+def temp_name(name: str) -> str:
+    """A hidden temp name for writing ``name``: its writer's pid, so that
+    :meth:`CheckpointStore.clean_stale` can tell when the writer is gone."""
+    return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
+
+
+def write_atomic(obj: Any, path: Path) -> None:
+    """``torch.save`` ``obj`` to ``path`` atomically: into a temp file beside it (named so
+    :meth:`CheckpointStore.clean_stale` knows a killed writer's), fsynced, renamed over ``path``,
+    the folder fsynced. Raises the ``OSError`` of a refused write (the temp file removed)."""
+    tmp_name = temp_name(path.name)
+    tmp = path.with_name(tmp_name)
+    with _in_flight_lock:
+        _in_flight.add(tmp_name)
+    try:
+        # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
+        # a plain open().
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                     0o666)  # fmt: skip
+        with os.fdopen(fd, "wb") as f:
+            save_synced(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # also NotADirectoryError: a path under a file
+            tmp.unlink(missing_ok=True)
+        raise
+    finally:
+        with _in_flight_lock:
+            _in_flight.discard(tmp_name)
+    fsync_folder(path.parent)  # the rename is durable once the folder is
+
+
 class _Sink:
     """The file ``torch.save`` writes to, remembering the ``OSError`` a write raised (torch
     reports it as a ``RuntimeError`` without the errno)."""
@@ -160,6 +208,7 @@ class _Sink:
         self._file.flush()
 
 
+@dataclass(frozen=True, slots=True)
 class LatestScan:
     """What :meth:`CheckpointStore.find_latest` found in a checkpoint folder.
 
@@ -172,19 +221,11 @@ class LatestScan:
             a checkpoint, ``step-<n>.pt``: a folder of another tool, or a mistyped one).
     """
 
-    __slots__ = ("checkpoint", "directory", "exists", "others", "skipped")
-
-    def __init__(
-        self,
-        directory: Path,
-        checkpoint: Checkpoint | None,
-        *,
-        exists: bool,
-        skipped: tuple[tuple[str, str], ...] = (),
-        others: tuple[str, ...] = (),
-    ) -> None:
-        self.directory, self.checkpoint, self.exists = directory, checkpoint, exists
-        self.skipped, self.others = skipped, others
+    directory: Path
+    checkpoint: Checkpoint | None
+    exists: bool = field(kw_only=True)
+    skipped: tuple[tuple[str, str], ...] = field(default=(), kw_only=True)
+    others: tuple[str, ...] = field(default=(), kw_only=True)
 
     def describe(self, *, limit: int = 5) -> str:
         """What the folder held, in words: ``"no such folder"``, ``"an empty folder"``,
@@ -268,7 +309,7 @@ class CheckpointStore:
         """Write ``payload`` atomically as ``step-<step>[-<tag>].pt`` and return its path.
 
         Args:
-            payload: What :func:`~trainbus.checkpoint._state.build_payload` returned.
+            payload: The checkpoint's contents: tensors and plain containers only.
             step: The optimizer step (names the file).
             tag: Optional name part (``"best"``, ``"final"``).
 
@@ -283,34 +324,13 @@ class CheckpointStore:
         path = self._directory / checkpoint_name(step, tag)
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
-            self._write(payload, path)
+            write_atomic(payload, path)
         except CheckpointWriteError:
             raise
         except OSError as exc:
             # The OS error alone names no file (torch.save's ENOSPC names nothing at all).
             raise CheckpointWriteError(str(path), exc) from exc
         return path
-
-    def _write(self, payload: dict[str, Any], path: Path) -> None:
-        tmp_name = f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
-        tmp = self._directory / tmp_name
-        with _in_flight_lock:
-            _in_flight.add(tmp_name)
-        try:
-            # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
-            # a plain open().
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                         0o666)  # fmt: skip
-            with os.fdopen(fd, "wb") as f:
-                save_synced(payload, f)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        finally:
-            with _in_flight_lock:
-                _in_flight.discard(tmp_name)
-        fsync_folder(self._directory)  # the rename is durable once the folder is
 
     def checkpoints(self) -> list[Path]:
         """Files named like checkpoints, newest first (highest step, then latest written)."""
@@ -370,3 +390,98 @@ class CheckpointStore:
         """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""
         found = self.load_latest()
         return None if found is None else found.path
+
+
+def save_checkpoint(
+    directory: Path,
+    *,
+    tag: str | None,
+    state: TrainState,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    metrics: Mapping[str, float],
+    rng: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
+    callback_states: Mapping[str, Mapping[str, Any]] | None = None,
+    world_size: int = 1,
+    run: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint atomically and return its path.
+
+    Args:
+        directory: The checkpoint folder (created on the first save).
+        tag: Name part of the file (``step-<n>-<tag>.pt``), or None.
+        state: Where the loop is.
+        model, optimizer, scheduler, scaler: Saved through their ``state_dict()``.
+        metrics: The last evaluation's metrics.
+        rng: RNG states to store (:func:`~trainbus.checkpoint.capture_rng`); None captures the
+            current ones.
+        data_order: :func:`~trainbus.checkpoint.capture_data_order` of the epoch in progress.
+        callback_states: ``{name: state dict}`` of tensors and plain containers.
+        world_size: Processes training together.
+        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
+
+    Returns:
+        The checkpoint's path; the file is complete when this returns.
+
+    Raises:
+        ConfigError: a callback state or the data order cannot be saved safely, or the
+            model is sharded (FSDP2: each rank holds only its shards; every rank saves a
+            folder with :func:`~trainbus.checkpoint.save_sharded`, as the Trainer does).
+        OSError: the folder cannot be written; earlier checkpoints are untouched.
+    """
+    if is_sharded_model(model):
+        raise ConfigError.invalid(
+            "model", type(model).__name__, "an unsharded model: a fully_shard model's "
+            "state_dict holds only this rank's shards; save it from every rank with "
+            "trainbus.checkpoint.save_sharded (the Trainer does)",
+        )  # fmt: skip
+    payload = build_payload(
+        state=state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+        metrics=metrics, rng=capture_rng() if rng is None else rng, data_order=data_order,
+        callback_states=callback_states, world_size=world_size, run=run,
+    )  # fmt: skip
+    return CheckpointStore(directory).save(payload, step=state.step, tag=tag)
+
+
+def latest_checkpoint(directory: Path) -> Path | None:
+    """The newest valid checkpoint in ``directory`` (highest step, then latest written), or
+    None. Damaged and foreign files are skipped with a ``checkpoint_skipped`` warning; stale temp
+    files are removed.
+    """
+    return CheckpointStore(directory).latest_valid()
+
+
+def load_checkpoint(
+    path: Path,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any | None,
+    scaler: Any | None,
+    map_location: torch.device | str = "cpu",
+    restore_rng: bool = True,
+    world_size: int = 1,
+) -> tuple[TrainState, dict[str, float]]:
+    """Restore everything saved by :func:`save_checkpoint`; return the train state and metrics.
+
+    Use :func:`~trainbus.checkpoint.read_checkpoint` to also get the data order and the
+    callback states.
+
+    Args:
+        path: The checkpoint file.
+        model, optimizer, scheduler, scaler: Restored in place.
+        map_location: Where tensors are loaded.
+        restore_rng: Set the random generators to the saved states (the default).
+        world_size: Processes training together now.
+
+    Raises:
+        CheckpointError: the file is missing, damaged, not a trainbus checkpoint, or does not
+            fit the model, optimizer or world size (nothing is restored then).
+    """
+    checkpoint = read_checkpoint(path, map_location=map_location)
+    checkpoint.restore(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                       world_size=world_size, rng=restore_rng)  # fmt: skip
+    return checkpoint.state, dict(checkpoint.metrics)

@@ -4,28 +4,22 @@ from __future__ import annotations
 
 import inspect
 import os
-import secrets
-import signal
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import anyio
-import anyio.abc
 import anyio.to_thread
 
-from .. import commands as cmd
 from .._bus import EventBus
 from .._distributed.driver_link import DriverLink
-from .._distributed.link import ADDR_ENV, TOKEN_ENV
-from .._driver import add_driver_callback, workers_stop_reason
+from .._distributed.protocol import ADDR_ENV, TOKEN_ENV
+from .._driver import DriverBase, unknown_launcher_keyword
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
-from .._launcher import LaunchResult, interrupt_after, unknown_launcher_keyword
+from .._launcher import LaunchResult
 from .._log import get_logger
-from .._signals import OnSignal, check_on_signal, not_ignored
-from .._validate import check_int, check_seconds, explains_unknown_keywords
+from .._signals import OnSignal
+from .._validate import explains_unknown_keywords
 from ..callbacks._base import Callback
 
 __all__ = ["RayLaunchResult", "RayLauncher", "launch"]
@@ -99,7 +93,7 @@ def _required_params(fn: Callable[..., Any]) -> int:
     )
 
 
-class RayLauncher:
+class RayLauncher(DriverBase):
     """Runs ``train_fn`` on a Ray Train ``TorchTrainer``; rank 0's events feed :attr:`bus`.
 
     Inside ``train_fn`` build a :class:`~trainbus.Trainer` and fit as in any script: rank 0
@@ -163,24 +157,12 @@ class RayLauncher:
             raise ConfigError.invalid("run_config", run_config, "None or a ray.train.RunConfig")
         if train_loop_config is not None and not isinstance(train_loop_config, Mapping):
             raise ConfigError.invalid("train_loop_config", train_loop_config, "None or a dict")
-        if setup is not None and not callable(setup):
-            raise ConfigError.invalid("setup", setup, "None or a function of the bus")
+        super().__init__(callbacks=callbacks, setup=setup, bus=bus, stop_timeout=stop_timeout,
+                         keep_events=keep_events, on_signal=on_signal)  # fmt: skip
         self.train_fn = train_fn
         self.scaling_config = scaling_config
         self.run_config = run_config
         self.train_loop_config = dict(train_loop_config or {})
-        self.keep_events = check_int("keep_events", keep_events, 0)
-        self.stop_timeout = check_seconds("stop_timeout", stop_timeout)
-        self.on_signal = check_on_signal(on_signal)
-        self.bus = bus if bus is not None else EventBus()
-        for cb in callbacks:
-            add_driver_callback(self.bus, cb)
-        if setup is not None:
-            setup(self.bus)
-        self._token = secrets.token_urlsafe(32)
-        self._link: DriverLink | None = None
-        self._stop_reason: str | None = None
-        self._signal: int | None = None  # the first signal the driver received
         self._aborted = False  # the workers were killed (second signal, stop_timeout passed)
         self._driver: Any = None  # the RayDriver while launched
 
@@ -195,15 +177,13 @@ class RayLauncher:
         """Why the workers stopped: their ``FitEnded.stop_reason`` once it arrived, else the
         reason this driver asked them to stop with, else None.
         """
-        return workers_stop_reason(None if self._link is None else self._link.ended,
-                                   self._stop_reason)  # fmt: skip
+        return self._workers_stop_reason()
 
     # ------------------------------------------------------------------ control
     def stop(self, reason: str = "requested") -> None:
         """Ask the workers to stop gracefully (every rank at its next sync point). Safe from
         the event loop only."""
-        self._stop_reason = reason
-        self.bus.send(cmd.StopTraining(reason=reason))
+        self._ask_stop(reason)
 
     def run(self, *, backend: str = "asyncio") -> RayLaunchResult:
         """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
@@ -246,14 +226,7 @@ class RayLauncher:
         result: Any = None
         try:
             async with self.bus, anyio.create_task_group() as tg:
-                tg.start_soon(driver.serve, link)
-                on_failure = partial(tg.start_soon, self._abort_after, self.stop_timeout)
-                tg.start_soon(partial(link.forward, driver.send, on_failure=on_failure))
-                if (
-                    self.on_signal is not None
-                    and threading.current_thread() is threading.main_thread()
-                ):
-                    tg.start_soon(self._watch_signals, tg)
+                self._serve(tg, link, driver.serve, driver.send)
                 log.info("launch_started", workers=self.scaling_config.num_workers,
                          address=driver.address)  # fmt: skip
                 try:
@@ -278,49 +251,16 @@ class RayLauncher:
                 "the Ray workers finished but no worker linked to the driver: train_fn must "
                 "build a trainbus Trainer and call its run() or fit() (rank 0 links then)"
             )
-        if self._signal is not None and self.on_signal == "raise":
-            raise interrupt_after(signal.Signals(self._signal))
-        return RayLaunchResult(returncode=0, events=link.events, received=link.received,
-                               last_event=link.last_event, stop_reason=self.stop_reason,
-                               ending=None if link.ended is None else link.ended.ending,
-                               result=result, links=link.links,
-                               signal=self._signal)  # fmt: skip
+        self._raise_if_interrupted()
+        return RayLaunchResult(returncode=0, result=result, links=link.links, **self._outcome())
 
     def _failure(self, what: str) -> LaunchError:
-        link = self._link
-        assert link is not None
-        last = link.last_event
-        if link.linked:
-            what += (f" (after {link.received} events from rank 0, last: "
-                     f"{type(last).__name__ if last else None} at step "
-                     f"{last.step if last else '?'})")  # fmt: skip
-        return LaunchError(what, returncode=None, events=link.events, received=link.received,
-                           last_event=last, stop_reason=self.stop_reason, signal=self._signal,
-                           ending=None if link.ended is None else link.ended.ending)  # fmt: skip
+        assert self._link is not None
+        if self._link.linked:
+            what += f"; {self._so_far()}"
+        return LaunchError(what, returncode=None, **self._outcome())
 
     # ------------------------------------------------------------------ stopping
-    async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
-        signums = not_ignored()  # an ignored one stays ignored (a script's background job)
-        if not signums:
-            await anyio.sleep_forever()
-        with anyio.open_signal_receiver(*signums) as signals:
-            async for signum in signals:
-                if self._signal is None:
-                    self._signal = int(signum)
-                if self._stop_reason == "signal" or self._link is None or not self._link.linked:
-                    # The second one, or nothing linked to stop gracefully: no more patience.
-                    log.warning("launch_aborted", signal=signum)
-                    self._stop_reason = "signal"
-                    await self._abort()
-                    continue
-                log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
-                self.stop("signal")
-                tg.start_soon(self._abort_after, self.stop_timeout)
-
-    async def _abort_after(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
-        await self._abort()
-
     async def _abort(self) -> None:
         """Kill the Ray Train workers (Ray then ends the run as failed)."""
         if self._driver is None or self._aborted:

@@ -22,6 +22,7 @@ rank 0 and the driver.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from typing import Any
 
@@ -80,11 +81,7 @@ class _Mailbox:
         if link_id != self._linked or link_id in self._released:
             return None
         if not self._commands:
-            self._wake.clear()
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait(self._wake, wait)
         if link_id in self._released:
             return None
         out, self._commands = b"".join(self._commands), []
@@ -116,11 +113,7 @@ class _Mailbox:
         """The hellos and the batches in order queued since the last take; waits up to
         ``wait`` seconds for one when there is none."""
         if not self._hellos and self._next not in self._chunks:
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), wait)
-            except TimeoutError:
-                pass
+            await _wait(self._arrived, wait)
         hellos, self._hellos = self._hellos, []
         out: list[bytes] = []
         while self._next in self._chunks:
@@ -139,6 +132,13 @@ class _Mailbox:
     def put_commands(self, data: bytes) -> None:
         self._commands.append(data)
         self._wake.set()
+
+
+async def _wait(event: asyncio.Event, seconds: float) -> None:
+    """Wait up to ``seconds`` for ``event`` to be set from now on."""
+    event.clear()
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(event.wait(), seconds)
 
 
 _MailboxActor: Any = ray.remote(num_cpus=0)(_Mailbox)
@@ -161,13 +161,17 @@ def register_worker(address: str) -> bool:
     the run; raises ``ConfigError`` for a malformed address, ``LaunchError`` when the mailbox is
     gone.
     """
+    me = ray.get_runtime_context().current_actor
+    return bool(ray.get(_mailbox(address).register.remote(me)))
+
+
+def _mailbox(address: str) -> Any:
+    """The mailbox actor at ``address``; ``LaunchError`` when it is gone."""
     namespace, name = parse_address(address)
     try:
-        mailbox = ray.get_actor(name, namespace=namespace)
+        return ray.get_actor(name, namespace=namespace)
     except ValueError as exc:
         raise LaunchError(f"cannot reach the trainbus driver at {address}: {exc}") from exc
-    me = ray.get_runtime_context().current_actor
-    return bool(ray.get(mailbox.register.remote(me)))
 
 
 class RayTransport:
@@ -185,7 +189,7 @@ class RayTransport:
     linger = LINGER
 
     def __init__(self, address: str, timeout: float = 10.0) -> None:
-        self._namespace, self._name = parse_address(address)
+        parse_address(address)  # ConfigError now, not at open()
         self.where = address
         self.timeout = check_seconds("timeout", timeout)
         self._id = secrets.token_hex(8)
@@ -197,10 +201,7 @@ class RayTransport:
         """Find the mailbox, send ``hello``, wait for the driver's answer; ``LaunchError`` when
         the driver is gone or did not answer within ``timeout``.
         """
-        try:
-            self._actor = ray.get_actor(self._name, namespace=self._namespace)
-        except ValueError as exc:
-            raise LaunchError(f"cannot reach the trainbus driver at {self.where}: {exc}") from exc
+        self._actor = _mailbox(self.where)
         try:
             reply: bytes = ray.get(
                 self._actor.hello.remote(self._id, hello, self.timeout), timeout=self.timeout + 5

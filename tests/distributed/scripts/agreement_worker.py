@@ -39,7 +39,7 @@ def simulated_run(agreement: CommandAgreement, group: ProcessGroup, seed: int) -
         agreed: list[cmd.Command] = []
         if step % LOG_EVERY == 0:
             syncs += 1
-            _, any_pending = agreement.reduce_metrics_flagged({"loss": 1.0}, pending=bool(pending))
+            _, (any_pending,) = agreement.reduce_metrics_flags({"loss": 1.0}, (bool(pending),))
             if any_pending:
                 flagged += 1
                 agreed = agreement.exchange(pending)
