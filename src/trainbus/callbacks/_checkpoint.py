@@ -30,7 +30,7 @@ from .._log import get_logger
 from .._validate import check_int, check_metric, check_mode
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, reads_metric
+from ._monitored import check_monitored, lightning_names, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -290,6 +290,16 @@ def _parse_checkpoint_entry(name: str) -> tuple[int, str | None] | None:
     return None if m is None else (int(m.group(1)), m.group(2))
 
 
+# Lightning's ModelCheckpoint arguments that trainbus spells otherwise.
+_LIGHTNING = {
+    "dirpath": "Trainer(checkpoint_dir=...) (the Trainer writes the files; Checkpointing "
+    "decides when)",
+    "save_top_k": "keep_best=N (the N best by monitor=), or keep_last=N (the N newest)",
+    "every_n_train_steps": "every_steps=N",
+    "every_n_epochs": "every_epochs=N",
+}
+
+
 def _same_folder(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or os.path.samefile(a, b)
@@ -342,6 +352,7 @@ class Checkpointing(Callback):
             ``keep_best`` or ``load_best_at_end`` without ``monitor``.
     """
 
+    @lightning_names("Checkpointing", "ModelCheckpoint", _LIGHTNING)
     def __init__(
         self,
         every_steps: int | None = None,

@@ -11,7 +11,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
-from ._monitored import TrackedCallback, check_monitored, reads_metric
+from ._monitored import TrackedCallback, check_monitored, lightning_names, reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -20,13 +20,20 @@ if TYPE_CHECKING:
 
 __all__ = ["EarlyStopping"]
 
+# Lightning's EarlyStopping arguments that trainbus spells otherwise (monitor, mode, patience
+# and min_delta are the same).
+_LIGHTNING = {
+    "stopping_threshold": "ThresholdStopping(monitor, below=...) (above= for mode='max')",
+    "divergence_threshold": "ThresholdStopping(monitor, above=...) (below= for mode='max')",
+}
+
 
 class EarlyStopping(TrackedCallback):
     """Sends ``StopTraining`` once ``monitor`` has not improved for ``patience`` evaluations.
 
     Pipeline::
 
-        EvaluationEnded | ExternalEvaluationEnded (those carrying ``monitor``)
+        EvaluationEnded | ExternalEvaluationEnded carrying monitor
             -> filter(no error) -> tbops.patience(monitor, ...) -> bus.commands
 
     The run ends at the step of the evaluation that decided it, with
@@ -51,6 +58,7 @@ class EarlyStopping(TrackedCallback):
         ConfigError: for an argument out of range, naming it.
     """
 
+    @lightning_names("EarlyStopping", "EarlyStopping", _LIGHTNING)
     def __init__(
         self,
         monitor: str = "val_loss",

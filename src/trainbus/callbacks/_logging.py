@@ -153,9 +153,9 @@ class _Writer:
 
 class JsonlEventLog(Callback):
     """Writes events to ``path`` as JSON lines, one record per event, each with the format
-    version ``"v": 1`` and the event's ``time``, so :func:`trainbus._replay` can rebuild the run
-    with its timing. Records are :func:`trainbus._wire.record`'s: tensors become floats (lists
-    when not scalar), exceptions their ``repr``, ``float('nan')`` is written as ``NaN``.
+    version ``"v": 1`` and the event's ``time``, so :func:`trainbus.replay` can rebuild the run
+    with its timing. Tensors become floats (lists when not scalar), exceptions their ``repr``,
+    ``float('nan')`` is written as ``NaN``.
 
     Written with :func:`write_in_batches`: nothing is dropped (a slow disk makes the bus wait)
     and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created

@@ -9,17 +9,41 @@ so a name no set has still fails loudly with the keys the event does have.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
+from .._validate import explains_unknown_keywords, unknown_keyword_message
 from ._base import Callback
 
 if TYPE_CHECKING:
     from ._base import RunPlan
 
-__all__ = ["TrackedCallback", "check_monitored", "reads_metric"]
+__all__ = ["TrackedCallback", "check_monitored", "lightning_names", "reads_metric"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def lightning_names(
+    owner: str, lightning: str, table: Mapping[str, str]
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
+    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
+
+    Args:
+        owner: The trainbus class (``"Checkpointing"``).
+        lightning: Lightning's class (``"ModelCheckpoint"``).
+        table: ``{Lightning's argument: what to write in trainbus}``.
+    """
+
+    def message(name: str, value: Any, known: list[str]) -> str:
+        use = table.get(name)
+        hint = None if use is None else f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
+        return unknown_keyword_message(owner, name, known, hint)
+
+    return explains_unknown_keywords(message)
 
 
 def reads_metric(metric: str) -> Callable[[Any], bool]:
