@@ -21,7 +21,7 @@ from ._mlflow import MLflowLogger as MLflowLogger
 from ._optimizer_stats import OptimizerMonitor as OptimizerMonitor
 from ._plot import CurvePlot as CurvePlot
 from ._progress import Progress as Progress
-from ._runtime import RuntimeEstimator as RuntimeEstimator
+from ._progress import RuntimeEstimator as RuntimeEstimator
 from ._stoppers import ThresholdStopping as ThresholdStopping
 from ._stoppers import TimeLimit as TimeLimit
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger

@@ -40,7 +40,7 @@ def lightning_names(
 
     def message(name: str, value: Any, known: list[str]) -> str:
         use = table.get(name)
-        hint = None if use is None else f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
+        hint = use and f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
         return unknown_keyword_message(owner, name, known, hint)
 
     return explains_unknown_keywords(message)
