@@ -8,7 +8,6 @@ from ._base import SubscribeOptions as SubscribeOptions
 from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
 from ._checkpoint import Checkpointing as Checkpointing
-from ._early_stopping import EarlyStopping as EarlyStopping
 from ._ema import EMA as EMA
 from ._evaluate import EvaluateCheckpoints as EvaluateCheckpoints
 from ._logging import JsonlEventLog as JsonlEventLog
@@ -24,6 +23,7 @@ from ._monitors import ThroughputMonitor as ThroughputMonitor
 from ._plot import CurvePlot as CurvePlot
 from ._progress import Progress as Progress
 from ._progress import RuntimeEstimator as RuntimeEstimator
+from ._stoppers import EarlyStopping as EarlyStopping
 from ._stoppers import ThresholdStopping as ThresholdStopping
 from ._stoppers import TimeLimit as TimeLimit
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger

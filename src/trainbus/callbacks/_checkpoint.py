@@ -12,13 +12,12 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio.to_thread
-from reactivex import Observable
 from reactivex import operators as ops
 
 from .. import commands as cmd
@@ -27,10 +26,10 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_mode
+from .._validate import check_int, check_metric, check_mode, check_number
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, lightning_names, reads_metric
+from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -40,43 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointing"]
 
 log = get_logger(__name__)
-
-
-def _improvements(
-    metric: str, tracker: Tracker, *, mode: Literal["min", "max"] = "min", min_delta: float = 0.0
-) -> Callable[[Observable[Any]], Observable[Any]]:
-    """Keep the events whose ``metric`` beats the best value ``tracker`` has seen.
-
-    ::
-
-        val_loss:             -3-4-2-2-1-|
-        _improvements(min):   -3---2---1-|
-
-    NaN never improves; failed evaluations are skipped. Raises ``ConfigError`` for an argument
-    out of range; the stream errors with one naming the metric when an event lacks it.
-    """
-    metric = check_metric("metric", metric)
-    mode = check_mode(mode)
-    if not isinstance(min_delta, int | float) or not math.isfinite(min_delta) or min_delta < 0:
-        raise ConfigError.invalid("min_delta", min_delta, "a finite number >= 0")
-    delta = float(min_delta)
-
-    def improved(e: Any) -> bool:
-        metrics = getattr(e, "metrics", {})
-        if metric not in metrics:
-            raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
-        return tracker.update(
-            float(metrics[metric]), mode=mode, min_delta=delta, step=getattr(e, "step", None)
-        )
-
-    def _operator(source: Observable[Any]) -> Observable[Any]:
-        return source.pipe(
-            ops.filter(lambda e: getattr(e, "error", None) is None),
-            ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
-            ops.filter(improved),
-        )
-
-    return _operator
 
 
 def copy_as_best(source: Path, step: int) -> Path:
@@ -371,11 +333,9 @@ class Checkpointing(Callback):
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
         self.mode = check_mode(mode)
-        self.min_delta = min_delta
+        self.min_delta = check_number("min_delta", min_delta)
         self.tracker = Tracker()
         """The best ``monitor`` value so far (a fresh one each time it is added)."""
-        if self.monitor is not None:  # validates min_delta now
-            _improvements(self.monitor, self.tracker, mode=self.mode, min_delta=min_delta)
         self.keep_last = check_int("keep_last", keep_last, 1, optional=True)
         self.keep_best = check_int("keep_best", keep_best, 1, optional=True)
         if self.keep_best is not None and self.monitor is None:
@@ -472,21 +432,21 @@ class Checkpointing(Callback):
                 ops.filter(lambda e: e.error is None and (e.epoch + 1) % m == 0),
                 ops.map(lambda _: cmd.SaveCheckpoint()),
             ).subscribe(bus.commands, name="Checkpointing.every_epochs")
-        if self.monitor is not None:
-            improved = _improvements(self.monitor, self.tracker, mode=self.mode,
-                                     min_delta=self.min_delta)  # fmt: skip
-            bus.stream(ev.EvaluationEnded).pipe(
-                improved,
+        if (monitor := self.monitor) is not None:
+            tracker = self.tracker
+
+            def improved(e: ev.EvaluationEnded | ev.ExternalEvaluationEnded) -> bool:
+                if monitor not in e.metrics:
+                    raise ConfigError.invalid("monitor", monitor, f"one of {sorted(e.metrics)}")
+                value = float(e.metrics[monitor])
+                return tracker.update(value, mode=self.mode, min_delta=self.min_delta, step=e.step)
+
+            evaluations(bus, monitor, ev.EvaluationEnded).pipe(
+                ops.filter(improved),
                 ops.map(lambda _: cmd.SaveCheckpoint(tag="best")),
             ).subscribe(bus.commands, name="Checkpointing.best")
-            monitor = self.monitor
-            external = _improvements(monitor, self.tracker, mode=self.mode,
-                                     min_delta=self.min_delta)  # fmt: skip
             bus.subscribe_async(
-                bus.stream(ev.ExternalEvaluationEnded).pipe(
-                    ops.filter(lambda e: monitor in e.metrics),  # a job scoring other metrics
-                    external,
-                ),
+                evaluations(bus, monitor, ev.ExternalEvaluationEnded).pipe(ops.filter(improved)),
                 self._mark_best,
                 name="Checkpointing.best_external",
             )

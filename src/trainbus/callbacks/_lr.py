@@ -12,7 +12,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._monitored import TrackedCallback, check_monitored, reads_metric
+from ._monitored import TrackedCallback, check_monitored, evaluations
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -64,7 +64,6 @@ class ReduceLROnPlateau(TrackedCallback):
         monitor = check_metric("monitor", monitor)
         tbops.plateau(monitor, **self._options)  # validates now
         self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
-        # The tracker: best value, counters and reductions made (fresh each time it is added).
         super().__init__(state_key)
 
     def check(self, plan: RunPlan) -> None:
@@ -78,9 +77,7 @@ class ReduceLROnPlateau(TrackedCallback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         tracker = self.fresh_tracker()
-        bus.stream(ev.EvaluationEnded).pipe(
-            ops.filter(lambda e: e.error is None),
-            ops.filter(reads_metric(self.monitor)),  # named sets: only the metric's own set
+        evaluations(bus, self.monitor, ev.EvaluationEnded).pipe(
             tbops.plateau(self.monitor, tracker=tracker, **self._options),
         ).subscribe(bus.commands, name="ReduceLROnPlateau")
 

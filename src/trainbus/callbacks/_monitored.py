@@ -11,6 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
+from reactivex import Observable
+from reactivex import operators as ops
+
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
@@ -18,51 +21,44 @@ from .._validate import explains_unknown_keywords, unknown_keyword_message
 from ._base import Callback
 
 if TYPE_CHECKING:
+    from .._bus import EventBus
     from ._base import RunPlan
 
-__all__ = ["TrackedCallback", "check_monitored", "lightning_names", "reads_metric"]
+__all__ = [
+    "TrackedCallback",
+    "check_monitored",
+    "evaluations",
+    "lightning_names",
+    "reads_metric",
+]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
 
-def lightning_names(
-    owner: str, lightning: str, table: Mapping[str, str]
-) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
-    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
-
-    Args:
-        owner: The trainbus class (``"Checkpointing"``).
-        lightning: Lightning's class (``"ModelCheckpoint"``).
-        table: ``{Lightning's argument: what to write in trainbus}``.
-    """
-
-    def message(name: str, value: Any, known: list[str]) -> str:
-        use = table.get(name)
-        hint = use and f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
-        return unknown_keyword_message(owner, name, known, hint)
-
-    return explains_unknown_keywords(message)
-
-
 def reads_metric(metric: str) -> Callable[[Any], bool]:
-    """A predicate: True for the events a monitor of ``metric`` should read.
-
-    Args:
-        metric: The monitored key (``"val_loss"``, ``"test/acc"``).
-
-    Returns:
-        ``pred(event)``: False only for an ``EvaluationEnded`` of another named set.
-    """
+    """A predicate: False only for an ``EvaluationEnded`` of a named set other than the one
+    ``metric`` (``"test/acc"``) names."""
     dataset = metric.split("/", 1)[0] if "/" in metric else None
+    return lambda e: (
+        dataset is None or not isinstance(e, ev.EvaluationEnded) or e.dataset == dataset
+    )
 
-    def reads(event: Any) -> bool:
-        if dataset is None or not isinstance(event, ev.EvaluationEnded):
-            return True
-        return event.dataset == dataset
 
-    return reads
+def evaluations(
+    bus: EventBus, metric: str, *types: type[ev.EvaluationEnded | ev.ExternalEvaluationEnded]
+) -> Observable[Any]:
+    """The evaluations of ``types`` a monitor of ``metric`` reads: those without error, of
+    ``EvaluationEnded`` the metric's own set's, of ``ExternalEvaluationEnded`` those carrying
+    it (a job may score other metrics)."""
+    reads = reads_metric(metric)
+
+    def read(e: Any) -> bool:
+        if e.error is not None:
+            return False
+        return metric in e.metrics if isinstance(e, ev.ExternalEvaluationEnded) else reads(e)
+
+    return bus.stream(*types).pipe(ops.filter(read))
 
 
 def check_monitored(
@@ -102,12 +98,29 @@ def check_monitored(
     )  # fmt: skip
 
 
-class TrackedCallback(Callback):
-    """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``).
+def lightning_names(
+    owner: str, lightning: str, table: Mapping[str, str]
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
+    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
 
-    It owns the tracker: the operator counts in it, checkpoints save it (:meth:`state_dict`), a
-    resume restores it before the first evaluation, and :meth:`fresh_tracker` gives each addition
-    (one run) its own.
+    Args:
+        owner: The trainbus class (``"Checkpointing"``).
+        lightning: Lightning's class (``"ModelCheckpoint"``).
+        table: ``{Lightning's argument: what to write in trainbus}``.
+    """
+
+    def message(name: str, value: Any, known: list[str]) -> str:
+        use = table.get(name)
+        hint = use and f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
+        return unknown_keyword_message(owner, name, known, hint)
+
+    return explains_unknown_keywords(message)
+
+
+class TrackedCallback(Callback):
+    """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``)
+    whose tracker it saves in checkpoints; :meth:`fresh_tracker` gives each run its own.
 
     Args:
         state_key: Name of its state in checkpoints (None: the class name).
