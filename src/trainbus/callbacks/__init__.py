@@ -14,7 +14,6 @@ from ._logging import JsonlEventLog as JsonlEventLog
 from ._logging import MetricsLogger as MetricsLogger
 from ._lr import LearningRateMonitor as LearningRateMonitor
 from ._lr import ReduceLROnPlateau as ReduceLROnPlateau
-from ._mlflow import MLflowLogger as MLflowLogger
 from ._monitors import GradientNormMonitor as GradientNormMonitor
 from ._monitors import MemoryMonitor as MemoryMonitor
 from ._monitors import OptimizerMonitor as OptimizerMonitor
@@ -26,8 +25,9 @@ from ._progress import RuntimeEstimator as RuntimeEstimator
 from ._stoppers import EarlyStopping as EarlyStopping
 from ._stoppers import ThresholdStopping as ThresholdStopping
 from ._stoppers import TimeLimit as TimeLimit
-from ._tensorboard import TensorBoardLogger as TensorBoardLogger
-from ._wandb import WandbLogger as WandbLogger
+from ._trackers import MLflowLogger as MLflowLogger
+from ._trackers import TensorBoardLogger as TensorBoardLogger
+from ._trackers import WandbLogger as WandbLogger
 
 __all__ = [
     "EMA",
