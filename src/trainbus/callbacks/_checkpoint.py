@@ -208,37 +208,26 @@ class _Retention:
             step, tag, value = parsed[0], parsed[1], saving[2]
             # A "final" checkpoint resumed from no longer ends the run: it counts as untagged.
             surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
-            if tag is None:
-                surplus += self._adopt_best_sibling(directory, step, value)
+            # A cadence save and a "best" save of one step are written in one poll, the
+            # cadence's first, so its lineage cannot name the other: resumed from the
+            # cadence's file, the step's "best" file (or folder) beside it is this run's too.
+            if tag is None and self.monitor is not None and value is not None:
+                named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))
+                sibling = next((p for p in named if p.exists()), None)
+                if sibling is not None:
+                    surplus += self._record(str(sibling), step, "best", value)
         if parsed is not None:
-            self._report_newer(directory, parsed[0])
+            # Files of later steps are named in no lineage: nothing proves them this run's.
+            newer = sorted(
+                p.name
+                for p in directory.iterdir()
+                if (entry := _parse_checkpoint_entry(p.name)) and entry[0] > parsed[0]
+            )
+            if newer:
+                log.info("checkpoint_newer_left", step=parsed[0], names=newer,
+                         reason="written after the checkpoint resumed from; retention deletes "
+                         "only the files named in its lineage")  # fmt: skip
         return surplus
-
-    def _adopt_best_sibling(self, directory: Path, step: int, value: float | None) -> list[str]:
-        """A cadence save and a ``"best"`` save of one step are written in one poll, the
-        cadence's first, so its lineage cannot name the other: resumed from the cadence's
-        file, the step's ``"best"`` file beside it is this run's too, scored by the resumed
-        state's value."""
-        if self.monitor is None or value is None:
-            return []
-        named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))  # file, folder
-        sibling = next((p for p in named if p.exists()), None)
-        if sibling is None:
-            return []
-        return self._record(str(sibling), step, "best", value)
-
-    @staticmethod
-    def _report_newer(directory: Path, step: int) -> None:
-        """Log the files of later steps the resumed run leaves alone: named in no lineage,
-        nothing proves them this run's."""
-        newer = sorted(
-            p.name for p in directory.iterdir()
-            if (parsed := _parse_checkpoint_entry(p.name)) is not None and parsed[0] > step
-        )  # fmt: skip
-        if newer:
-            log.info("checkpoint_newer_left", step=step, names=newer,
-                     reason="written after the checkpoint resumed from; retention deletes "
-                     "only the files named in its lineage")  # fmt: skip
 
 
 # What the checkpoint layer names a checkpoint (``step-00000042[-<tag>].pt``, or a sharded
@@ -469,24 +458,16 @@ class Checkpointing(Callback):
         retention = self._retention
         match event:
             case ev.EvaluationEnded():
-                retention.evaluated(event)
+                return retention.evaluated(event)
             case ev.CheckpointSaving():
-                retention.saving(event)
+                return retention.saving(event)
             case ev.CheckpointLoaded(path=path):
-                surplus = retention.adopt(Path(path), self._checkpoint_dir)
-                if delete:
-                    self._remove_surplus(surplus, event.step, "resume")
-            case ev.CheckpointSaved() if delete:
-                self._prune(event)
+                surplus, reason = retention.adopt(Path(path), self._checkpoint_dir), "resume"
             case ev.CheckpointSaved():
-                retention.saved(event)  # the books only: rank 0 deletes
-
-    def _prune(self, event: ev.CheckpointSaved) -> None:
-        self._remove_surplus(self._retention.saved(event), event.step,
-                             "keep_last" if event.tag is None else "keep_best")  # fmt: skip
-
-    @staticmethod
-    def _remove_surplus(paths: list[str], step: int, reason: str) -> None:
-        for path in paths:
+                surplus = retention.saved(event)
+                reason = "keep_last" if event.tag is None else "keep_best"
+            case _:
+                return
+        for path in surplus if delete else ():  # every rank keeps the books: rank 0 deletes
             _remove(Path(path))
-            log.info("checkpoint_removed", step=step, path=path, reason=reason)
+            log.info("checkpoint_removed", step=event.step, path=path, reason=reason)

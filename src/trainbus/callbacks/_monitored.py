@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
-from reactivex import Observable
 from reactivex import operators as ops
 
 from .. import events as ev
@@ -22,6 +21,7 @@ from ._base import Callback
 
 if TYPE_CHECKING:
     from .._bus import EventBus
+    from ..bus import BusObservable
     from ._base import RunPlan
 
 __all__ = [
@@ -47,7 +47,7 @@ def reads_metric(metric: str) -> Callable[[Any], bool]:
 
 def evaluations(
     bus: EventBus, metric: str, *types: type[ev.EvaluationEnded | ev.ExternalEvaluationEnded]
-) -> Observable[Any]:
+) -> BusObservable[Any]:
     """The evaluations of ``types`` a monitor of ``metric`` reads: those without error, of
     ``EvaluationEnded`` the metric's own set's, of ``ExternalEvaluationEnded`` those carrying
     it (a job may score other metrics)."""
@@ -58,7 +58,8 @@ def evaluations(
             return False
         return metric in e.metrics if isinstance(e, ev.ExternalEvaluationEnded) else reads(e)
 
-    return bus.stream(*types).pipe(ops.filter(read))
+    found: BusObservable[Any] = bus.stream(*types).pipe(ops.filter(read))
+    return found
 
 
 def check_monitored(
