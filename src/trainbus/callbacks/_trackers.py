@@ -47,7 +47,9 @@ class _RunRecorder(Callback):
     after each batch, :meth:`_close` at ``FitEnded``. An instance added mid-run records nothing
     until the next ``FitStarted``."""
 
-    events: tuple[type[ev.BaseEvent], ...] = ()
+    _events: tuple[type[ev.BaseEvent], ...] = ()
+    """What it records besides ``FitStarted`` and ``FitEnded`` (and ``CheckpointSaved`` with
+    ``log_checkpoints``)."""
 
     def __init__(self, flush_s: float, buffer: int | None, log_checkpoints: bool) -> None:
         self.flush_s = check_seconds("flush_s", flush_s)
@@ -59,7 +61,8 @@ class _RunRecorder(Callback):
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the batching pipeline and its worker."""
-        types = [*self.events, *([ev.CheckpointSaved] if self.log_checkpoints else [])]
+        types = [ev.FitStarted, ev.FitEnded, *self._events]
+        types += [ev.CheckpointSaved] if self.log_checkpoints else []
         write_in_batches(bus, bus.stream(*types), self._write, flush_s=self.flush_s,
                          name=type(self).__name__, buffer=self.job_buffer)  # fmt: skip
 
@@ -118,8 +121,12 @@ class TensorBoardLogger(_RunRecorder):
         ConfigError: a bad ``log_dir``, ``hparams`` or ``flush_s``.
     """
 
-    events = (ev.FitStarted, ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded,
-              ev.SchedulerStepped, ev.FitEnded)  # fmt: skip
+    _events = (
+        ev.MetricsLogged,
+        ev.EvaluationEnded,
+        ev.ExternalEvaluationEnded,
+        ev.SchedulerStepped,
+    )
 
     def __init__(
         self,
@@ -146,8 +153,9 @@ class TensorBoardLogger(_RunRecorder):
         self._writer = self._writer_type(log_dir=os.fspath(self.log_dir))
         # run_name="." keeps the HPARAMS record in this run's folder (torch's default is a new
         # timestamped sub-folder, which TensorBoard would show as a second run).
-        self._writer.add_hparams({**_run_params(started), **self.hparams}, {}, run_name=".",
-                                 global_step=started.step)  # fmt: skip
+        self._writer.add_hparams(
+            {**_run_params(started), **self.hparams}, {}, run_name=".", global_step=started.step
+        )
 
     def _record(self, event: ev.BaseEvent) -> None:
         if isinstance(event, ev.SchedulerStepped):
@@ -223,8 +231,7 @@ class MLflowLogger(_RunRecorder):
         ConfigError: for an argument out of range, or an empty ``tracking_uri``/``experiment``.
     """
 
-    events = (ev.FitStarted, ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded,
-              ev.FitEnded)  # fmt: skip
+    _events = (ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded)
 
     def __init__(
         self,
@@ -363,7 +370,7 @@ class WandbLogger(_RunRecorder):
         ConfigError: for an argument of the wrong type or out of range.
     """
 
-    events = (ev.FitStarted, ev.MetricsLogged, ev.EvaluationEnded, ev.FitEnded)
+    _events = (ev.MetricsLogged, ev.EvaluationEnded)
 
     def __init__(
         self,
