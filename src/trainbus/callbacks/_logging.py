@@ -134,21 +134,20 @@ def write_in_batches(
 
 
 class _Writer:
-    """Appends batches of events to one file (called in a worker thread)."""
+    """Appends batches of events to one file (called in a worker thread), created at the first
+    batch (a run that logs nothing creates nothing)."""
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
         self.mode = "a" if append else "w"
-        self.opened = False
 
     def write(self, batch: list[ev.BaseEvent]) -> None:
         text = "".join(json.dumps(wire.encode(e), allow_nan=True) + "\n" for e in batch)
-        if not self.opened:  # lazily: a run that logs nothing creates nothing
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # Reopened per batch (about once per flush_s): nothing to close when the run ends.
-        with open(self.path, self.mode if not self.opened else "a", encoding="utf-8") as f:
+        with open(self.path, self.mode, encoding="utf-8") as f:
             f.write(text)
-        self.opened = True
+        self.mode = "a"
 
 
 class JsonlEventLog(Callback):
@@ -184,11 +183,8 @@ class JsonlEventLog(Callback):
         self.path = check_path("path", path)
         chosen: tuple[type[ev.BaseEvent], ...] | None = None
         if events is not None:
-            if not isinstance(events, type | Iterable) or isinstance(events, str | bytes):
-                raise ConfigError.invalid(
-                    "events", events, "None (every event) or event classes, e.g. (ev.StepEnded,)"
-                )
-            chosen = tuple(cast(Any, [events] if isinstance(events, type) else events))
+            iterable = isinstance(events, Iterable) and not isinstance(events, str | bytes)
+            chosen = tuple(cast(Any, events if iterable else [events]))
             if not chosen or not all(
                 isinstance(t, type) and issubclass(t, ev.BaseEvent) for t in chosen
             ):
