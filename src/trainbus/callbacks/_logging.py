@@ -39,14 +39,10 @@ def _flatten(metrics: Mapping[str, float]) -> dict[str, float]:
 class MetricsLogger(Callback):
     """Logs what a human follows during a run, one structlog line per fact.
 
-    ==================  ===================  =============================================
-    event               log event            keys
-    ==================  ===================  =============================================
-    MetricsLogged       ``metrics_logged``   step, epoch, each metric (loss, lr, ...)
-    EvaluationEnded     ``evaluation_ended`` step, epoch, trigger, each metric (val_loss..)
-    CheckpointSaved     ``checkpoint_saved`` step, epoch, path, tag, each metric
-    FitEnded            ``fit_ended``        step, epoch, reason, stop_reason, error
-    ==================  ===================  =============================================
+    - ``MetricsLogged`` -> ``metrics_logged``: step, epoch, each metric (loss, lr...);
+    - ``EvaluationEnded`` -> ``evaluation_ended``: step, epoch, trigger, each metric;
+    - ``CheckpointSaved`` -> ``checkpoint_saved``: step, epoch, path, tag, each metric;
+    - ``FitEnded`` -> ``fit_ended``: step, epoch, reason, stop_reason, error.
 
     Metrics are flattened into the line (a metric named ``step`` or ``event`` becomes
     ``metric_step``). Failed evaluations and failed runs are logged at error level.

@@ -96,20 +96,14 @@ class _RunRecorder(Callback):
 class TensorBoardLogger(_RunRecorder):
     """Writes a run to TensorBoard event files in ``log_dir``.
 
-    ===========================  ===============================================================
-    event                        written
-    ===========================  ===============================================================
-    FitStarted                   hparams: ``hparams=`` with max_steps, max_epochs, device
-    MetricsLogged                ``train/<key>``: loss, lr, grad_norm, steps_per_s,
-                                 samples_per_s (LR and throughput come with these)
-    EvaluationEnded              ``eval/<key>`` (val_loss, val_<metric>); failed ones skipped
-    ExternalEvaluationEnded      ``external/<key>`` (EvaluateCheckpoints jobs)
-    SchedulerStepped             ``lr`` (each scheduler step)
-    FitEnded                     flush and close
-    ===========================  ===============================================================
+    - ``FitStarted``: the hparams (``hparams=``, max_steps, max_epochs, device);
+    - ``MetricsLogged``: ``train/<key>`` (loss, lr, grad_norm, steps_per_s, samples_per_s);
+    - ``EvaluationEnded``: ``eval/<key>``, failed ones skipped; ``ExternalEvaluationEnded``
+      (evaluation jobs): ``external/<key>``;
+    - ``SchedulerStepped``: ``lr``; ``FitEnded``: flush and close.
 
     Every ``SummaryWriter`` call runs in a worker thread, a batch of ``flush_s`` seconds at a
-    time (see :func:`write_in_batches`).
+    time.
 
     Args:
         log_dir: Folder for the event files (``SummaryWriter(log_dir)``).
@@ -186,21 +180,13 @@ class MLflowLogger(_RunRecorder):
     """Records a run in MLflow: params at the start, metrics with their steps, checkpoints as
     artifacts, and the end status.
 
-    ===========================  ===============================================================
-    event                        recorded
-    ===========================  ===============================================================
-    FitStarted                   a new MLflow run; params: ``params=`` and max_steps,
-                                 max_epochs, device
-    MetricsLogged                metrics ``loss``, ``lr``, ``steps_per_s``... at ``step``
-    EvaluationEnded              metrics ``val_loss``, ``val_<metric>`` at ``step`` (not failed)
-    ExternalEvaluationEnded      metrics ``external/<key>`` at the checkpoint's ``step``
-    CheckpointSaved              the file as an artifact under ``checkpoints/``
-    FitEnded                     run status FINISHED (completed, stopped), FAILED, KILLED
-    ===========================  ===============================================================
+    - ``FitStarted``: a new MLflow run; params ``params=`` and max_steps, max_epochs, device;
+    - ``MetricsLogged``, ``EvaluationEnded`` (failed ones skipped): metrics at their ``step``;
+      ``ExternalEvaluationEnded``: ``external/<key>`` at the checkpoint's ``step``;
+    - ``CheckpointSaved``: the file as an artifact under ``checkpoints/``;
+    - ``FitEnded``: run status FINISHED (completed, stopped), FAILED or KILLED.
 
-    MLflow calls block, so they run in batches of ``flush_s`` seconds in a worker thread
-    (one ``log_batch`` per batch; see :func:`write_in_batches`). :attr:`run_id` is the MLflow
-    run of the last ``fit()``.
+    MLflow calls run in a worker thread, one ``log_batch`` per ``flush_s`` seconds.
 
     Where the run goes, first match wins (MLflow's own environment variables, as its fluent
     client and the Hugging Face and Lightning integrations read them):
@@ -333,28 +319,18 @@ class WandbLogger(_RunRecorder):
     """Records a run in Weights & Biases: the configuration at the start, metrics with their
     steps, evaluation results, optionally checkpoints as artifacts, and the end.
 
-    ===========================  ===============================================================
-    event                        recorded
-    ===========================  ===============================================================
-    FitStarted                   ``wandb.init``; config: the Trainer's plain settings
-                                 (``max_epochs``, ``accumulate``, ``precision``, ``log_every``,
-                                 ...), ``steps_per_epoch``, ``world_size``, ``resumed_from``,
-                                 then ``config=``
-    MetricsLogged                ``loss``, ``lr``, ``steps_per_s``... at ``step``
-    EvaluationEnded              ``val_loss``, ``val_<metric>`` (``<set>/...``) at ``step``;
-                                 failed evaluations skipped
-    CheckpointSaved              with ``log_checkpoints=True``: the file as a ``model``
-                                 artifact ``checkpoints-<run id>``, aliases ``step-<step>`` and
-                                 the checkpoint's tag
-    FitEnded                     summary ``end_reason``; ``finish`` with exit code 0
-                                 (completed, stopped) or 1 (failed, cancelled)
-    ===========================  ===============================================================
+    - ``FitStarted``: ``wandb.init`` with the config: the Trainer's plain settings
+      (``max_epochs``, ``precision``...), ``steps_per_epoch``, ``world_size``,
+      ``resumed_from``, then ``config=``;
+    - ``MetricsLogged``, ``EvaluationEnded`` (failed ones skipped): one row per ``step``;
+    - ``CheckpointSaved`` (``log_checkpoints=True``): a ``model`` artifact
+      ``checkpoints-<run id>``, aliases ``step-<step>`` and the checkpoint's tag;
+    - ``FitEnded``: summary ``end_reason``; ``finish`` with exit code 0 (completed, stopped)
+      or 1 (failed, cancelled).
 
-    wandb calls block, so they run in batches of ``flush_s`` seconds in a worker thread (one
-    ``log`` per step; see :func:`write_in_batches`). wandb's own environment variables apply
-    as in ``wandb.init`` (``WANDB_MODE=offline``, ``WANDB_PROJECT``, ``WANDB_DIR``...); an
-    argument given here wins. Console capture is off. :attr:`run_id` is the run of the
-    last ``fit()``.
+    wandb calls run in a worker thread, a batch of ``flush_s`` seconds at a time. wandb's own
+    environment variables apply as in ``wandb.init`` (``WANDB_MODE=offline``,
+    ``WANDB_PROJECT``, ``WANDB_DIR``...); an argument given here wins. Console capture is off.
 
     Args:
         project: W&B project (default: ``WANDB_PROJECT``, else wandb's default).
