@@ -51,19 +51,7 @@ def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor 
     return total
 
 
-class _HookMonitor(Callback):
-    """A monitor measuring in an inline hook every ``every`` steps, publishing on the bus."""
-
-    def __init__(self, every: int) -> None:
-        self.every = check_int("every", every, 1)
-        self._bus: EventBus | None = None
-
-    def setup(self, bus: EventBus) -> None:
-        """Keep the bus the hook publishes on."""
-        self._bus = bus
-
-
-class GradientNormMonitor(_HookMonitor):
+class GradientNormMonitor(Callback):
     """Publishes ``GradientNormMeasured`` with the total gradient norm every ``every`` steps.
 
     Measured in ``hook_before_optimizer_step`` (gradients final and unscaled, before clipping), on
@@ -81,10 +69,15 @@ class GradientNormMonitor(_HookMonitor):
     """
 
     def __init__(self, every: int = 50, *, norm_type: float = 2.0) -> None:
-        super().__init__(every)
+        self.every = check_int("every", every, 1)
         if isinstance(norm_type, bool) or not isinstance(norm_type, int | float) or norm_type <= 0:
             raise ConfigError.invalid("norm_type", norm_type, "a number > 0 or math.inf")
         self.norm_type = float(norm_type)
+        self._bus: EventBus | None = None
+
+    def setup(self, bus: EventBus) -> None:
+        """Keep the bus the hook publishes on."""
+        self._bus = bus
 
     def hook_before_optimizer_step(self, ctx: StepContext) -> None:
         """On sampled steps, measure the gradients and publish ``GradientNormMeasured``."""
@@ -133,7 +126,7 @@ def optimizer_stats(
     )  # fmt: skip
 
 
-class OptimizerMonitor(_HookMonitor):
+class OptimizerMonitor(Callback):
     """Publishes ``OptimizerStatsMeasured`` (per-group LR, momentum/betas, weight decay) every
     ``every`` steps, from ``hook_after_optimizer_step`` and only while some subscriber wants it.
 
@@ -145,7 +138,12 @@ class OptimizerMonitor(_HookMonitor):
     """
 
     def __init__(self, every: int = 50) -> None:
-        super().__init__(every)
+        self.every = check_int("every", every, 1)
+        self._bus: EventBus | None = None
+
+    def setup(self, bus: EventBus) -> None:
+        """Keep the bus the hook publishes on."""
+        self._bus = bus
 
     def hook_after_optimizer_step(self, ctx: StepContext) -> None:
         """On sampled steps, publish the optimizer's hyper-parameters."""

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -41,59 +42,54 @@ def _run_params(started: ev.FitStarted) -> dict[str, Any]:
     return {k: v for k, v in run.items() if v is not None}
 
 
-class _RunRecorder(Callback):
-    """Records each run in a tracking service, in batches in a worker thread, one at a time
-    (so no lock): :meth:`_open` at ``FitStarted``, :meth:`_record` for each event, :meth:`_flush`
-    after each batch, :meth:`_close` at ``FitEnded``. An instance added mid-run records nothing
-    until the next ``FitStarted``."""
+@dataclass(slots=True)
+class _Runs:
+    """A logger's runs in its tracking service, written in a worker thread one batch at a time
+    (so no lock): ``open`` at ``FitStarted``, ``record`` for each event, ``flush`` after each
+    batch, ``close`` at ``FitEnded``. Events of a run whose start it did not see (a logger
+    added mid-run) are skipped."""
 
-    _events: tuple[type[ev.BaseEvent], ...] = ()
-    """What it records besides ``FitStarted`` and ``FitEnded`` (and ``CheckpointSaved`` with
-    ``log_checkpoints``)."""
+    open: Callable[[ev.FitStarted], None]
+    record: Callable[[ev.BaseEvent], None]
+    flush: Callable[[], None]
+    close: Callable[[ev.FitEnded], None]
+    recording: bool = False
 
-    def __init__(self, flush_s: float, buffer: int | None, log_checkpoints: bool) -> None:
-        self.flush_s = check_seconds("flush_s", flush_s)
-        self.job_buffer = None if buffer is None else check_int("buffer", buffer, 1)
-        if not isinstance(log_checkpoints, bool):
-            raise ConfigError.invalid("log_checkpoints", log_checkpoints, "True or False")
-        self.log_checkpoints = log_checkpoints
-        self._recording = False
+    def subscribe(
+        self,
+        bus: EventBus,
+        name: str,
+        types: list[type[ev.BaseEvent]],
+        *,
+        flush_s: float,
+        buffer: int | None = None,
+    ) -> None:
+        source = bus.stream(ev.FitStarted, ev.FitEnded, *types)
+        write_in_batches(bus, source, self.write, flush_s=flush_s, name=name, buffer=buffer)
 
-    def setup(self, bus: EventBus) -> None:
-        """Subscribe the batching pipeline and its worker."""
-        types = [ev.FitStarted, ev.FitEnded, *self._events]
-        types += [ev.CheckpointSaved] if self.log_checkpoints else []
-        write_in_batches(bus, bus.stream(*types), self._write, flush_s=self.flush_s,
-                         name=type(self).__name__, buffer=self.job_buffer)  # fmt: skip
-
-    def _write(self, batch: list[ev.BaseEvent]) -> None:
+    def write(self, batch: list[ev.BaseEvent]) -> None:
         for event in batch:
             if isinstance(event, ev.FitStarted):
-                self._open(event)
-                self._recording = True
-            elif self._recording and isinstance(event, ev.FitEnded):
-                self._flush()
-                self._close(event)
-                self._recording = False
-            elif self._recording:
-                self._record(event)
-        if self._recording:
-            self._flush()
-
-    def _open(self, started: ev.FitStarted) -> None:
-        raise NotImplementedError
-
-    def _record(self, event: ev.BaseEvent) -> None:
-        raise NotImplementedError
-
-    def _flush(self) -> None:
-        raise NotImplementedError
-
-    def _close(self, ended: ev.FitEnded) -> None:
-        raise NotImplementedError
+                self.open(event)
+                self.recording = True
+            elif self.recording and isinstance(event, ev.FitEnded):
+                self.flush()
+                self.close(event)
+                self.recording = False
+            elif self.recording:
+                self.record(event)
+        if self.recording:
+            self.flush()
 
 
-class TensorBoardLogger(_RunRecorder):
+def _check_options(log_checkpoints: bool, buffer: int) -> int:
+    """``buffer``, checked with ``log_checkpoints``."""
+    if not isinstance(log_checkpoints, bool):
+        raise ConfigError.invalid("log_checkpoints", log_checkpoints, "True or False")
+    return check_int("buffer", buffer, 1)
+
+
+class TensorBoardLogger(Callback):
     """Writes a run to TensorBoard event files in ``log_dir``.
 
     - ``FitStarted``: the hparams (``hparams=``, max_steps, max_epochs, device);
@@ -115,13 +111,6 @@ class TensorBoardLogger(_RunRecorder):
         ConfigError: a bad ``log_dir``, ``hparams`` or ``flush_s``.
     """
 
-    _events = (
-        ev.MetricsLogged,
-        ev.EvaluationEnded,
-        ev.ExternalEvaluationEnded,
-        ev.SchedulerStepped,
-    )
-
     def __init__(
         self,
         log_dir: str | os.PathLike[str],
@@ -140,8 +129,16 @@ class TensorBoardLogger(_RunRecorder):
             if not isinstance(k, str) or not isinstance(v, str | bool | int | float):
                 raise ConfigError.invalid(f"hparams[{k!r}]", v, "a str, bool, int or float")
         self.hparams = hparams
-        super().__init__(flush_s, None, False)
+        self.flush_s = check_seconds("flush_s", flush_s)
         self._writer: Any = None
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the batching pipeline and its writer."""
+        types = [ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded]
+        runs = _Runs(self._open, self._record, self._flush, self._close)
+        runs.subscribe(
+            bus, "TensorBoardLogger", [*types, ev.SchedulerStepped], flush_s=self.flush_s
+        )
 
     def _open(self, started: ev.FitStarted) -> None:
         self._writer = self._writer_type(log_dir=os.fspath(self.log_dir))
@@ -176,7 +173,7 @@ def _env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
-class MLflowLogger(_RunRecorder):
+class MLflowLogger(Callback):
     """Records a run in MLflow: params at the start, metrics with their steps, checkpoints as
     artifacts, and the end status.
 
@@ -216,8 +213,6 @@ class MLflowLogger(_RunRecorder):
         MissingExtraError: the ``mlflow`` (or ``mlflow-skinny``) package is not installed.
         ConfigError: for an argument out of range, or an empty ``tracking_uri``/``experiment``.
     """
-
-    _events = (ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded)
 
     def __init__(
         self,
@@ -260,11 +255,20 @@ class MLflowLogger(_RunRecorder):
             self.experiment = "trainbus"
         self.run_name = run_name
         self.params = dict(params or {})
-        super().__init__(flush_s, buffer, log_checkpoints)
+        self.job_buffer = _check_options(log_checkpoints, buffer)
+        self.log_checkpoints = log_checkpoints
+        self.flush_s = check_seconds("flush_s", flush_s)
         self._client: Any = None
         self._metrics: list[Any] = []
         self.run_id: str | None = None
         """The MLflow run id of the last ``fit()`` (None before the first)."""
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the batching pipeline and its MLflow worker."""
+        types = [ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded]
+        types += [ev.CheckpointSaved] if self.log_checkpoints else []
+        runs = _Runs(self._open, self._record, self._flush, self._close)
+        runs.subscribe(bus, "MLflowLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _experiment_id(self, client: Any) -> str:
         # MLflow's order (mlflow.tracking.fluent): a name wins, and an id set beside it must
@@ -315,7 +319,7 @@ class MLflowLogger(_RunRecorder):
 _EXIT_CODE = {"completed": 0, "stopped": 0, "failed": 1, "cancelled": 1}
 
 
-class WandbLogger(_RunRecorder):
+class WandbLogger(Callback):
     """Records a run in Weights & Biases: the configuration at the start, metrics with their
     steps, evaluation results, optionally checkpoints as artifacts, and the end.
 
@@ -346,8 +350,6 @@ class WandbLogger(_RunRecorder):
         ConfigError: for an argument of the wrong type or out of range.
     """
 
-    _events = (ev.MetricsLogged, ev.EvaluationEnded)
-
     def __init__(
         self,
         project: str | None = None,
@@ -373,7 +375,9 @@ class WandbLogger(_RunRecorder):
         if config is not None and not isinstance(config, Mapping):
             raise ConfigError.invalid("config", config, "a mapping of names to values, or None")
         self.config = dict(config or {})
-        super().__init__(flush_s, buffer, log_checkpoints)
+        self.job_buffer = _check_options(log_checkpoints, buffer)
+        self.log_checkpoints = log_checkpoints
+        self.flush_s = check_seconds("flush_s", flush_s)
         self._settings: dict[str, PlainValue] = {}
         self._run: Any = None
         # wandb drops a row logged at a step below its last one, and metrics of one step go
@@ -387,6 +391,13 @@ class WandbLogger(_RunRecorder):
     def check(self, plan: RunPlan) -> None:
         """Keep the Trainer's plain settings for the run's config (nothing is refused)."""
         self._settings = dict(plan.config)
+
+    def setup(self, bus: EventBus) -> None:
+        """Subscribe the batching pipeline and its wandb worker."""
+        types: list[type[ev.BaseEvent]] = [ev.MetricsLogged, ev.EvaluationEnded]
+        types += [ev.CheckpointSaved] if self.log_checkpoints else []
+        runs = _Runs(self._open, self._record, self._flush, self._close)
+        runs.subscribe(bus, "WandbLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _open(self, started: ev.FitStarted) -> None:
         fit = {"max_steps": started.max_steps, "max_epochs": started.max_epochs,
