@@ -301,6 +301,8 @@ class Checkpointing(Callback):
     Raises:
         ConfigError: for an argument out of range, or when nothing would ever be saved;
             ``keep_best`` or ``load_best_at_end`` without ``monitor``.
+        TypeError: an unknown keyword; one of Lightning's ``ModelCheckpoint`` names its
+            trainbus equivalent (``save_top_k``: ``keep_best``).
     """
 
     @lightning_names("Checkpointing", "ModelCheckpoint", _LIGHTNING)

@@ -63,6 +63,8 @@ class EarlyStopping(TrackedCallback):
 
     Raises:
         ConfigError: for an argument out of range, naming it.
+        TypeError: an unknown keyword; one of Lightning's ``EarlyStopping`` names its
+            trainbus equivalent (``stopping_threshold``: :class:`ThresholdStopping`).
     """
 
     @lightning_names("EarlyStopping", "EarlyStopping", _LIGHTNING)
