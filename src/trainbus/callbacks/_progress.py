@@ -144,22 +144,24 @@ class Progress(Callback):
             raise ConfigError.invalid("desc", desc, "a string")
         self.use_bar = bar
         self.desc = desc
-        self._view: _View | None = None
+        self._start_run(None)
 
-    @property
-    def bar(self) -> Any:
-        """The tqdm bar of the current (or last) run; None in log mode."""
-        return self._view.bar if self._view is not None else None
-
-    @property
-    def step(self) -> int | None:
-        """The last step shown."""
-        return self._view.step if self._view is not None else None
+    def _start_run(self, tqdm_cls: Any) -> None:
+        # The display of one run, touched only on the event-loop thread: no lock.
+        self._tqdm = tqdm_cls
+        self._pace = _Pace()
+        self.bar: Any = None
+        self.step: int | None = None
+        self._epoch: int | None = None
+        self._last: ev.StepEnded | None = None
+        self._shown: ev.StepEnded | None = None  # the step whose loss was read
+        self._loss: float | None = None
+        self._logged: tuple[int, int, ev.StepEnded | None] | None = None
 
     @property
     def total_steps(self) -> int | None:
         """The total shown, None while unknown."""
-        return self._view.pace.total if self._view is not None else None
+        return self._pace.total
 
     def setup(self, bus: EventBus) -> None:
         """Build the display pipelines.
@@ -178,95 +180,79 @@ class Progress(Callback):
                     raise ConfigError.invalid(
                         "bar", True, "False or None: tqdm is not installed (pip install tqdm)"
                     ) from None
-        view = self._view = _View(tqdm_cls, self.desc)
-        view.pace.subscribe(bus, "Progress")
-        bus.stream(ev.FitStarted).subscribe(view.started, name="Progress.fit_started")
-        bus.stream(ev.StepEnded).subscribe(view.latest, name="Progress.latest")
+        self._start_run(tqdm_cls)
+        self._pace.subscribe(bus, "Progress")
+        bus.stream(ev.FitStarted).subscribe(self._started, name="Progress.fit_started")
+        bus.stream(ev.StepEnded).subscribe(self._latest, name="Progress.latest")
         bus.stream(ev.StepEnded).pipe(ops.sample(self.refresh_s)).subscribe(
-            lambda e: view.show(e.step, e.epoch), name="Progress.step_ended"
+            lambda e: self._show(e.step, e.epoch), name="Progress.step_ended"
         )
         bus.stream(ev.EpochEnded).subscribe(
-            lambda e: view.show(e.step, e.epoch), name="Progress.epoch_ended"
+            lambda e: self._show(e.step, e.epoch), name="Progress.epoch_ended"
         )
-        bus.stream(ev.FitEnded).subscribe(view.ended, name="Progress.fit_ended")
+        bus.stream(ev.FitEnded).subscribe(self._ended, name="Progress.fit_ended")
 
-
-class _View:
-    """The display of one run. Touched only on the event-loop thread: no lock."""
-
-    def __init__(self, tqdm_cls: Any, desc: str) -> None:
-        self.tqdm_cls = tqdm_cls
-        self.desc = desc
-        self.bar: Any = None
-        self.pace = _Pace()
-        self.step: int | None = None
-        self.epoch: int | None = None
-        self.last: ev.StepEnded | None = None
-        self.shown: ev.StepEnded | None = None
-        self.loss: float | None = None
-        self.logged: tuple[int, int, ev.StepEnded | None] | None = None
-
-    def started(self, e: ev.FitStarted) -> None:
+    def _started(self, e: ev.FitStarted) -> None:
         self.step = e.step
         self._open(e.step)
 
-    def latest(self, e: ev.StepEnded) -> None:
-        self.last = e
+    def _latest(self, e: ev.StepEnded) -> None:
+        self._last = e
 
-    def ended(self, e: ev.FitEnded) -> None:
+    def _ended(self, e: ev.FitEnded) -> None:
         # FitEnded.epoch counts the epoch after the last one; show the last one trained.
-        epoch = self.epoch if self.epoch is not None else e.epoch
+        epoch = self._epoch if self._epoch is not None else e.epoch
         if self.bar is None:
-            self.show(e.step, epoch)
+            self._show(e.step, epoch)
             return
         # Bring the bar up to date without drawing: close() draws the last line, once.
         self._update(e.step, epoch, draw=False)
         self.bar.close()
 
     def _open(self, initial: int) -> None:
-        if self.tqdm_cls is None or self.bar is not None:
+        if self._tqdm is None or self.bar is not None:
             return
         # mininterval=0: the sampling upstream already decides when to draw. A terminal that
         # reports zero columns (some CI pseudo-terminals) would get a bar of no width, so
         # nothing: draw it at a fixed width there instead of following the terminal.
         width = terminal_columns(sys.stderr)
         fixed = width is not None and width <= 0
-        self.bar = self.tqdm_cls(
-            total=self.pace.total, initial=initial, desc=self.desc, unit="step",
+        self.bar = self._tqdm(
+            total=self._pace.total, initial=initial, desc=self.desc, unit="step",
             file=sys.stderr, mininterval=0, dynamic_ncols=not fixed,
             ncols=FALLBACK_COLUMNS if fixed else None,
         )  # fmt: skip
 
     def _values(self) -> dict[str, Any]:
         """Loss and LR of the latest step (the loss read once per new step shown)."""
-        last = self.last
+        last = self._last
         if last is None:
             return {}
-        if last is not self.shown:
-            self.shown, self.loss = last, float(last.loss)  # a device read, once per refresh
-        return {"loss": self.loss, "lr": last.lr}
+        if last is not self._shown:
+            self._shown, self._loss = last, float(last.loss)  # a device read, once per refresh
+        return {"loss": self._loss, "lr": last.lr}
 
-    def show(self, step: int, epoch: int) -> None:
-        if self.tqdm_cls is not None:
+    def _show(self, step: int, epoch: int) -> None:
+        if self._tqdm is not None:
             self._update(step, epoch, draw=True)
             return
-        self.step, self.epoch = step, epoch
-        state = (step, epoch, self.last)
-        if state == self.logged:
+        self.step, self._epoch = step, epoch
+        state = (step, epoch, self._last)
+        if state == self._logged:
             return  # nothing new since the last line (e.g. the epoch's last step)
-        self.logged = state
-        values = {"loss": None, "lr": None, **self._values()}
-        log.info("progress", step=step, epoch=epoch, total_steps=self.pace.total,
-                 steps_per_s=self.pace.steps_per_s, remaining_s=self.pace.remaining_s(step),
-                 **values)  # fmt: skip
+        self._logged = state
+        pace = self._pace
+        log.info("progress", step=step, epoch=epoch, total_steps=pace.total,
+                 steps_per_s=pace.steps_per_s, remaining_s=pace.remaining_s(step),
+                 **{"loss": None, "lr": None, **self._values()})  # fmt: skip
 
     def _update(self, step: int, epoch: int, *, draw: bool) -> None:
-        self.step, self.epoch = step, epoch
+        self.step, self._epoch = step, epoch
         if self.bar is None:  # added after FitStarted
             self._open(step)
         bar = self.bar
-        if bar.total != self.pace.total:
-            bar.total = self.pace.total
+        if bar.total != self._pace.total:
+            bar.total = self._pace.total
         postfix: dict[str, Any] = {"epoch": epoch}
         values = self._values()
         if values:
