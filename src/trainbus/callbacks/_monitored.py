@@ -14,10 +14,8 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 from reactivex import operators as ops
 
 from .. import events as ev
-from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import explains_unknown_keywords, unknown_keyword_message
-from ._base import Callback
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -25,7 +23,6 @@ if TYPE_CHECKING:
     from ._base import RunPlan
 
 __all__ = [
-    "TrackedCallback",
     "check_monitored",
     "evaluations",
     "lightning_names",
@@ -117,29 +114,3 @@ def lightning_names(
         return unknown_keyword_message(owner, name, known, hint)
 
     return explains_unknown_keywords(message)
-
-
-class TrackedCallback(Callback):
-    """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``)
-    whose tracker it saves in checkpoints; :meth:`fresh_tracker` gives each run its own.
-
-    Args:
-        state_key: Name of its state in checkpoints (None: the class name).
-    """
-
-    def __init__(self, state_key: str | None = None) -> None:
-        self.state_key = state_key
-        self.tracker = tbops.Tracker()
-
-    def fresh_tracker(self) -> tbops.Tracker:
-        """Start a new run's tracker (called from ``setup``) and return it."""
-        self.tracker = tbops.Tracker()
-        return self.tracker
-
-    def state_dict(self) -> dict[str, Any]:
-        """The tracker's state (best value, counters)."""
-        return self.tracker.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before the resumed run's first evaluation)."""
-        self.tracker.load_state_dict(state)

@@ -18,7 +18,7 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric, check_number, check_seconds
 from ._base import Callback
-from ._monitored import TrackedCallback, check_monitored, evaluations, lightning_names
+from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -35,7 +35,7 @@ _LIGHTNING = {
 }
 
 
-class EarlyStopping(TrackedCallback):
+class EarlyStopping(Callback):
     """Sends ``StopTraining`` once ``monitor`` has not improved for ``patience`` evaluations.
 
     Pipeline::
@@ -80,7 +80,9 @@ class EarlyStopping(TrackedCallback):
         monitor = check_metric("monitor", monitor)
         tbops.patience(monitor, mode=mode, patience=patience, min_delta=min_delta)  # validates
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
-        super().__init__(state_key)
+        self.state_key = state_key
+        self.tracker = tbops.Tracker()
+        """Its best value and evaluations without improvement (a fresh one each run)."""
         # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
         # holding the bus would be a cycle that keeps a dropped Trainer until a gc pass.
         self._commands: CommandSink | None = None
@@ -98,7 +100,7 @@ class EarlyStopping(TrackedCallback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         # One run, one tracker: an instance added to a second trainer starts afresh.
-        tracker = self.fresh_tracker()
+        tracker = self.tracker = tbops.Tracker()
         self._commands, self._stop = bus.commands, None
         evaluations(bus, self.monitor, ev.EvaluationEnded, ev.ExternalEvaluationEnded).pipe(
             tbops.patience(
@@ -116,7 +118,7 @@ class EarlyStopping(TrackedCallback):
 
     def state_dict(self) -> dict[str, Any]:
         """The tracker's state and the reason of the stop it decided (None: none yet)."""
-        return {**super().state_dict(),
+        return {**self.tracker.state_dict(),
                 "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -126,7 +128,7 @@ class EarlyStopping(TrackedCallback):
         Raises:
             ConfigError: ``state`` is not a tracker state.
         """
-        super().load_state_dict(state)
+        self.tracker.load_state_dict(state)
         reason = state.get("stop_reason")
         self._stop = None
         if isinstance(reason, str) and self.tracker.bad >= self.patience:
