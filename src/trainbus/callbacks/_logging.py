@@ -152,7 +152,7 @@ class JsonlEventLog(Callback):
     with its timing. Tensors become floats (lists when not scalar), exceptions their ``repr``,
     ``float('nan')`` is written as ``NaN``.
 
-    Written with :func:`write_in_batches`: nothing is dropped (a slow disk makes the bus wait)
+    Written in batches from a worker thread: nothing is dropped (a slow disk makes the bus wait)
     and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created
     at the first write. Subscribing to every event (``events=None``) makes the loop build every
     event: pass the types you need to keep the training thread's cost minimal.
