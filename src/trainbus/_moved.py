@@ -78,10 +78,18 @@ OLD_SUBMODULES = {
     "checkpoint": ("api data_order export keys reading rng sharded sharded_resume state store"),
     "operators": "decide select spans",
 }
+# Old callbacks modules folded into the private module of their concept.
+_FOLDED = {
+    "early_stopping": "stoppers",
+    "runtime": "progress",
+    **dict.fromkeys(("tensorboard", "mlflow", "wandb"), "trackers"),
+    **dict.fromkeys(("grad_norm", "memory", "optimizer_stats", "throughput"), "monitors"),
+}
 for _package, _names in OLD_SUBMODULES.items():
     for _name in _names.split():
+        _home = _FOLDED.get(_name, _name) if _package == "callbacks" else _name
         MOVED_MODULES[f"trainbus.{_package}.{_name}"] = (
-            f"trainbus._bus.{_name}" if _package == "bus" else f"trainbus.{_package}._{_name}",
+            f"trainbus._bus.{_name}" if _package == "bus" else f"trainbus.{_package}._{_home}",
             f"import its public names from trainbus.{_package}",
         )
 

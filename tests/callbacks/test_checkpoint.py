@@ -36,6 +36,29 @@ def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], name: str) 
         Checkpointing(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("name", "use"),
+    [
+        ("save_top_k", "keep_best=N (the N best by monitor=), or keep_last=N"),
+        ("every_n_train_steps", "every_steps=N"),
+        ("every_n_epochs", "every_epochs=N"),
+        ("dirpath", "Trainer(checkpoint_dir=...)"),
+    ],
+)
+def test_a_lightning_argument_names_the_trainbus_equivalent(name: str, use: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        Checkpointing(monitor="val_loss", **{name: 2})
+    assert str(raised.value).startswith(
+        f"Checkpointing() got an unexpected keyword argument {name!r}: that is Lightning's "
+        f"ModelCheckpoint({name}=); in trainbus: {use}"
+    )
+
+
+def test_a_misspelt_keyword_names_the_nearest_argument() -> None:
+    with pytest.raises(TypeError, match=r"'keep_lats' \(did you mean 'keep_last'\?\)$"):
+        Checkpointing(keep_lats=2)
+
+
 def test_every_steps_saves_at_step_multiples(vbus: EventBus, step_event: Any) -> None:
     Checkpointing(every_steps=3, every_epochs=None).setup(vbus)
     for i in range(1, 8):

@@ -29,6 +29,22 @@ def test_invalid_arguments_name_the_argument(kwargs: dict[str, Any], name: str) 
         EarlyStopping(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("name", "use"),
+    [
+        ("stopping_threshold", "ThresholdStopping(monitor, below="),
+        ("divergence_threshold", "ThresholdStopping(monitor, above="),
+    ],
+)
+def test_a_lightning_argument_names_the_trainbus_equivalent(name: str, use: str) -> None:
+    with pytest.raises(TypeError) as raised:
+        EarlyStopping(monitor="val_loss", **{name: 0.1})
+    assert str(raised.value).startswith(
+        f"EarlyStopping() got an unexpected keyword argument {name!r}: that is Lightning's "
+        f"EarlyStopping({name}=); in trainbus: {use}"
+    )
+
+
 def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any) -> None:
     # Evaluations every 2 steps score 5, 4, 4, 4, ...: the best is at step 4, and the 2nd
     # evaluation without improvement (step 8) decides. EvaluationEnded is a barrier, so the

@@ -16,8 +16,7 @@ from trainbus.callbacks import (
     OptimizerMonitor,
     RuntimeEstimator,
 )
-from trainbus.callbacks._grad_norm import total_grad_norm
-from trainbus.callbacks._memory import read_rss
+from trainbus.callbacks._monitors import read_rss, total_grad_norm
 from trainbus.testing import EventRecorder, VirtualTimeScheduler
 
 

@@ -8,26 +8,26 @@ from ._base import SubscribeOptions as SubscribeOptions
 from ._base import global_callbacks as global_callbacks
 from ._base import register_global_callback as register_global_callback
 from ._checkpoint import Checkpointing as Checkpointing
-from ._early_stopping import EarlyStopping as EarlyStopping
 from ._ema import EMA as EMA
 from ._evaluate import EvaluateCheckpoints as EvaluateCheckpoints
-from ._grad_norm import GradientNormMonitor as GradientNormMonitor
 from ._logging import JsonlEventLog as JsonlEventLog
 from ._logging import MetricsLogger as MetricsLogger
 from ._lr import LearningRateMonitor as LearningRateMonitor
 from ._lr import ReduceLROnPlateau as ReduceLROnPlateau
-from ._memory import MemoryMonitor as MemoryMonitor
-from ._mlflow import MLflowLogger as MLflowLogger
-from ._optimizer_stats import OptimizerMonitor as OptimizerMonitor
+from ._monitors import GradientNormMonitor as GradientNormMonitor
+from ._monitors import MemoryMonitor as MemoryMonitor
+from ._monitors import OptimizerMonitor as OptimizerMonitor
+from ._monitors import Throughput as Throughput
+from ._monitors import ThroughputMonitor as ThroughputMonitor
 from ._plot import CurvePlot as CurvePlot
 from ._progress import Progress as Progress
-from ._runtime import RuntimeEstimator as RuntimeEstimator
+from ._progress import RuntimeEstimator as RuntimeEstimator
+from ._stoppers import EarlyStopping as EarlyStopping
 from ._stoppers import ThresholdStopping as ThresholdStopping
 from ._stoppers import TimeLimit as TimeLimit
-from ._tensorboard import TensorBoardLogger as TensorBoardLogger
-from ._throughput import Throughput as Throughput
-from ._throughput import ThroughputMonitor as ThroughputMonitor
-from ._wandb import WandbLogger as WandbLogger
+from ._trackers import MLflowLogger as MLflowLogger
+from ._trackers import TensorBoardLogger as TensorBoardLogger
+from ._trackers import WandbLogger as WandbLogger
 
 __all__ = [
     "EMA",

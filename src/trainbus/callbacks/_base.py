@@ -25,7 +25,7 @@ from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
 from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
-from .._validate import check_state_key
+from .._validate import check_int, check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -86,12 +86,6 @@ PlainValue = str | int | float | bool | None
 _PLAIN_TYPES = frozenset({"int", "float", "str", "bool", "None", "Path"})
 
 
-def _plain_annotation(annotation: object) -> bool:
-    """A field annotated with plain types only (``int | None``), as a string or a type."""
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    return all(part.strip() in _PLAIN_TYPES for part in str(text).split("|"))
-
-
 def plain_settings(settings: object) -> dict[str, PlainValue]:
     """The fields of a settings dataclass that are plain values, by name, in field order:
     numbers, strings and booleans kept; paths and ``torch.device`` as strings; None only where
@@ -113,7 +107,9 @@ def plain_settings(settings: object) -> dict[str, PlainValue]:
     for f in fields(settings):
         value = getattr(settings, f.name)
         if value is None:
-            if _plain_annotation(f.type):
+            # Only a field of plain types (``int | None``), its annotation a string or a type.
+            text = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", "")
+            if all(part.strip() in _PLAIN_TYPES for part in str(text).split("|")):
                 out[f.name] = None
         elif isinstance(value, str | int | float | bool):
             out[f.name] = value
@@ -155,13 +151,8 @@ class SubscribeOptions:
         if self.on_error is not None and self.on_error not in ERROR_POLICIES:
             raise ConfigError.invalid("SubscribeOptions.on_error", self.on_error,
                                       f"None or one of {ERROR_POLICIES}")  # fmt: skip
-        for name in ("concurrency", "buffer"):
-            value = getattr(self, name)
-            if not (value is None and name == "buffer") and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ConfigError.invalid(f"SubscribeOptions.{name}", value, "an int >= 1"
-                                          + (" or None" if name == "buffer" else ""))  # fmt: skip
+        check_int("SubscribeOptions.concurrency", self.concurrency, 1)
+        check_int("SubscribeOptions.buffer", self.buffer, 1, optional=True)
         if self.overflow not in OVERFLOWS:
             raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
                                       f"one of {OVERFLOWS}")  # fmt: skip
@@ -170,14 +161,7 @@ class SubscribeOptions:
 
 
 # Class attributes of earlier versions -> the ``SubscribeOptions`` field each one became.
-_FORMER_OPTIONS = {
-    "error_policy": "on_error",
-    "on_error": "on_error",
-    "overflow": "overflow",
-    "buffer": "buffer",
-    "concurrency": "concurrency",
-    "decides": "decides",
-}
+_FORMER_OPTIONS = {"error_policy": "on_error"} | {f.name: f.name for f in fields(SubscribeOptions)}
 
 
 class Callback:

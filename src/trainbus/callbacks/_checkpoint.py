@@ -12,13 +12,12 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio.to_thread
-from reactivex import Observable
 from reactivex import operators as ops
 
 from .. import commands as cmd
@@ -27,10 +26,10 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_mode
+from .._validate import check_int, check_metric, check_mode, check_number
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, reads_metric
+from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -40,43 +39,6 @@ if TYPE_CHECKING:
 __all__ = ["Checkpointing"]
 
 log = get_logger(__name__)
-
-
-def _improvements(
-    metric: str, tracker: Tracker, *, mode: Literal["min", "max"] = "min", min_delta: float = 0.0
-) -> Callable[[Observable[Any]], Observable[Any]]:
-    """Keep the events whose ``metric`` beats the best value ``tracker`` has seen.
-
-    ::
-
-        val_loss:             -3-4-2-2-1-|
-        _improvements(min):   -3---2---1-|
-
-    NaN never improves; failed evaluations are skipped. Raises ``ConfigError`` for an argument
-    out of range; the stream errors with one naming the metric when an event lacks it.
-    """
-    metric = check_metric("metric", metric)
-    mode = check_mode(mode)
-    if not isinstance(min_delta, int | float) or not math.isfinite(min_delta) or min_delta < 0:
-        raise ConfigError.invalid("min_delta", min_delta, "a finite number >= 0")
-    delta = float(min_delta)
-
-    def improved(e: Any) -> bool:
-        metrics = getattr(e, "metrics", {})
-        if metric not in metrics:
-            raise ConfigError.invalid("monitor", metric, f"one of the metrics {sorted(metrics)}")
-        return tracker.update(
-            float(metrics[metric]), mode=mode, min_delta=delta, step=getattr(e, "step", None)
-        )
-
-    def _operator(source: Observable[Any]) -> Observable[Any]:
-        return source.pipe(
-            ops.filter(lambda e: getattr(e, "error", None) is None),
-            ops.filter(reads_metric(metric)),  # named sets: only the metric's own set
-            ops.filter(improved),
-        )
-
-    return _operator
 
 
 def copy_as_best(source: Path, step: int) -> Path:
@@ -246,37 +208,26 @@ class _Retention:
             step, tag, value = parsed[0], parsed[1], saving[2]
             # A "final" checkpoint resumed from no longer ends the run: it counts as untagged.
             surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
-            if tag is None:
-                surplus += self._adopt_best_sibling(directory, step, value)
+            # A cadence save and a "best" save of one step are written in one poll, the
+            # cadence's first, so its lineage cannot name the other: resumed from the
+            # cadence's file, the step's "best" file (or folder) beside it is this run's too.
+            if tag is None and self.monitor is not None and value is not None:
+                named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))
+                sibling = next((p for p in named if p.exists()), None)
+                if sibling is not None:
+                    surplus += self._record(str(sibling), step, "best", value)
         if parsed is not None:
-            self._report_newer(directory, parsed[0])
+            # Files of later steps are named in no lineage: nothing proves them this run's.
+            newer = sorted(
+                p.name
+                for p in directory.iterdir()
+                if (entry := _parse_checkpoint_entry(p.name)) and entry[0] > parsed[0]
+            )
+            if newer:
+                log.info("checkpoint_newer_left", step=parsed[0], names=newer,
+                         reason="written after the checkpoint resumed from; retention deletes "
+                         "only the files named in its lineage")  # fmt: skip
         return surplus
-
-    def _adopt_best_sibling(self, directory: Path, step: int, value: float | None) -> list[str]:
-        """A cadence save and a ``"best"`` save of one step are written in one poll, the
-        cadence's first, so its lineage cannot name the other: resumed from the cadence's
-        file, the step's ``"best"`` file beside it is this run's too, scored by the resumed
-        state's value."""
-        if self.monitor is None or value is None:
-            return []
-        named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))  # file, folder
-        sibling = next((p for p in named if p.exists()), None)
-        if sibling is None:
-            return []
-        return self._record(str(sibling), step, "best", value)
-
-    @staticmethod
-    def _report_newer(directory: Path, step: int) -> None:
-        """Log the files of later steps the resumed run leaves alone: named in no lineage,
-        nothing proves them this run's."""
-        newer = sorted(
-            p.name for p in directory.iterdir()
-            if (parsed := _parse_checkpoint_entry(p.name)) is not None and parsed[0] > step
-        )  # fmt: skip
-        if newer:
-            log.info("checkpoint_newer_left", step=step, names=newer,
-                     reason="written after the checkpoint resumed from; retention deletes "
-                     "only the files named in its lineage")  # fmt: skip
 
 
 # What the checkpoint layer names a checkpoint (``step-00000042[-<tag>].pt``, or a sharded
@@ -288,6 +239,16 @@ def _parse_checkpoint_entry(name: str) -> tuple[int, str | None] | None:
     """``(step, tag)`` of a checkpoint's name in its folder, or None for any other name."""
     m = _CHECKPOINT_NAME.match(name)
     return None if m is None else (int(m.group(1)), m.group(2))
+
+
+# Lightning's ModelCheckpoint arguments that trainbus spells otherwise.
+_LIGHTNING = {
+    "dirpath": "Trainer(checkpoint_dir=...) (the Trainer writes the files; Checkpointing "
+    "decides when)",
+    "save_top_k": "keep_best=N (the N best by monitor=), or keep_last=N (the N newest)",
+    "every_n_train_steps": "every_steps=N",
+    "every_n_epochs": "every_epochs=N",
+}
 
 
 def _same_folder(a: Path, b: Path) -> bool:
@@ -340,8 +301,11 @@ class Checkpointing(Callback):
     Raises:
         ConfigError: for an argument out of range, or when nothing would ever be saved;
             ``keep_best`` or ``load_best_at_end`` without ``monitor``.
+        TypeError: an unknown keyword; one of Lightning's ``ModelCheckpoint`` names its
+            trainbus equivalent (``save_top_k``: ``keep_best``).
     """
 
+    @lightning_names("Checkpointing", "ModelCheckpoint", _LIGHTNING)
     def __init__(
         self,
         every_steps: int | None = None,
@@ -360,11 +324,9 @@ class Checkpointing(Callback):
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
         self.mode = check_mode(mode)
-        self.min_delta = min_delta
+        self.min_delta = check_number("min_delta", min_delta)
         self.tracker = Tracker()
         """The best ``monitor`` value so far (a fresh one each time it is added)."""
-        if self.monitor is not None:  # validates min_delta now
-            _improvements(self.monitor, self.tracker, mode=self.mode, min_delta=min_delta)
         self.keep_last = check_int("keep_last", keep_last, 1, optional=True)
         self.keep_best = check_int("keep_best", keep_best, 1, optional=True)
         if self.keep_best is not None and self.monitor is None:
@@ -461,21 +423,21 @@ class Checkpointing(Callback):
                 ops.filter(lambda e: e.error is None and (e.epoch + 1) % m == 0),
                 ops.map(lambda _: cmd.SaveCheckpoint()),
             ).subscribe(bus.commands, name="Checkpointing.every_epochs")
-        if self.monitor is not None:
-            improved = _improvements(self.monitor, self.tracker, mode=self.mode,
-                                     min_delta=self.min_delta)  # fmt: skip
-            bus.stream(ev.EvaluationEnded).pipe(
-                improved,
+        if (monitor := self.monitor) is not None:
+            tracker = self.tracker
+
+            def improved(e: ev.EvaluationEnded | ev.ExternalEvaluationEnded) -> bool:
+                if monitor not in e.metrics:
+                    raise ConfigError.invalid("monitor", monitor, f"one of {sorted(e.metrics)}")
+                value = float(e.metrics[monitor])
+                return tracker.update(value, mode=self.mode, min_delta=self.min_delta, step=e.step)
+
+            evaluations(bus, monitor, ev.EvaluationEnded).pipe(
+                ops.filter(improved),
                 ops.map(lambda _: cmd.SaveCheckpoint(tag="best")),
             ).subscribe(bus.commands, name="Checkpointing.best")
-            monitor = self.monitor
-            external = _improvements(monitor, self.tracker, mode=self.mode,
-                                     min_delta=self.min_delta)  # fmt: skip
             bus.subscribe_async(
-                bus.stream(ev.ExternalEvaluationEnded).pipe(
-                    ops.filter(lambda e: monitor in e.metrics),  # a job scoring other metrics
-                    external,
-                ),
+                evaluations(bus, monitor, ev.ExternalEvaluationEnded).pipe(ops.filter(improved)),
                 self._mark_best,
                 name="Checkpointing.best_external",
             )
@@ -498,24 +460,16 @@ class Checkpointing(Callback):
         retention = self._retention
         match event:
             case ev.EvaluationEnded():
-                retention.evaluated(event)
+                return retention.evaluated(event)
             case ev.CheckpointSaving():
-                retention.saving(event)
+                return retention.saving(event)
             case ev.CheckpointLoaded(path=path):
-                surplus = retention.adopt(Path(path), self._checkpoint_dir)
-                if delete:
-                    self._remove_surplus(surplus, event.step, "resume")
-            case ev.CheckpointSaved() if delete:
-                self._prune(event)
+                surplus, reason = retention.adopt(Path(path), self._checkpoint_dir), "resume"
             case ev.CheckpointSaved():
-                retention.saved(event)  # the books only: rank 0 deletes
-
-    def _prune(self, event: ev.CheckpointSaved) -> None:
-        self._remove_surplus(self._retention.saved(event), event.step,
-                             "keep_last" if event.tag is None else "keep_best")  # fmt: skip
-
-    @staticmethod
-    def _remove_surplus(paths: list[str], step: int, reason: str) -> None:
-        for path in paths:
+                surplus = retention.saved(event)
+                reason = "keep_last" if event.tag is None else "keep_best"
+            case _:
+                return
+        for path in surplus if delete else ():  # every rank keeps the books: rank 0 deletes
             _remove(Path(path))
-            log.info("checkpoint_removed", step=step, path=path, reason=reason)
+            log.info("checkpoint_removed", step=event.step, path=path, reason=reason)

@@ -39,15 +39,11 @@ class EMA(Callback):
     always copied.
 
     Around every evaluation round the average is swapped into the model and the training weights
-    back afterwards (also when the round raised or was cancelled): evaluation metrics, the best
-    checkpoint and ``trainer.evaluate()`` are the averaged model's. ``trainer.predict()`` uses
-    the model's own weights (call :meth:`copy_to` first to predict with the average).
-
-    Checkpoints hold the average as this callback's state
-    (``read_checkpoint(path).callbacks["EMA"]["weights"]``, a state dict to deploy); their
-    ``model`` entry stays the training weights, so a resume continues bit for bit. Under torchrun
-    every rank keeps its own (equal) average and rank 0 saves it; a wrapped model
-    (``DistributedDataParallel``, ``torch.compile``) is averaged by its original module's names.
+    back afterwards (also when the round raised or was cancelled); ``trainer.predict()`` uses the
+    model's own weights (:meth:`copy_to` first to predict with the average). Checkpoints hold the
+    average as this callback's state (``read_checkpoint(path).callbacks["EMA"]["weights"]``);
+    their ``model`` stays the training weights. A wrapped model (``DistributedDataParallel``,
+    ``torch.compile``) is averaged by its original module's names.
 
     Args:
         decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
@@ -117,14 +113,11 @@ class EMA(Callback):
         self._average: dict[str, torch.Tensor] | None = None
         self._aliases: dict[str, str] = {}
         self._updates = 0
-        self._loaded: Mapping[str, torch.Tensor] | None = None
-        """A checkpoint's average, put on the model's device at its first use."""
+        self._loaded: Mapping[str, torch.Tensor] | None = None  # a checkpoint's, until first use
         self._swapped: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # A custom step with several optimizers runs the hook once per optimizer: once a step.
         self._last_step = -1
-        """The step the hook last updated at: a custom step stepping several optimizers runs
-        ``after_optimizer_step`` once per optimizer, and the average moves once a step."""
 
-    # ================================================================== what users read
     @property
     def updates(self) -> int:
         """Updates folded into the average so far (0: no average yet)."""
@@ -177,7 +170,6 @@ class EMA(Callback):
         """
         unwrapped(model).load_state_dict(self.averaged_state_dict())
 
-    # ================================================================== checkpoint state
     def state_dict(self) -> dict[str, Any]:
         """``{"updates": n, "weights": averaged_state_dict()}`` (no ``"weights"`` before the
         first update): saved with every checkpoint.
@@ -210,7 +202,6 @@ class EMA(Callback):
         self._updates = updates
         self._loaded = None if weights is None else dict(weights)
 
-    # ================================================================== the hooks
     def setup(self, bus: EventBus) -> None:
         """Start afresh: an instance added to a new Trainer keeps no average of another."""
         self._reset()
@@ -233,7 +224,6 @@ class EMA(Callback):
         """Swap the training weights back (also when the round raised or was cancelled)."""
         self.swap_out()
 
-    # ================================================================== the work
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
         """Fold ``model``'s weights into the average once (what the hook does at its steps).
@@ -250,8 +240,7 @@ class EMA(Callback):
         average = self._current(tensors)
         update = self._updates + 1
         if average is None:
-            self._average = {name: self._copy(t) for name, t in tensors.unique.items()}
-            self._aliases = tensors.aliases
+            self._begin(tensors.unique, tensors)
             self._updates = update
             return
         weight = 1.0 - self.decay_for(update)
@@ -294,9 +283,6 @@ class EMA(Callback):
         exchange(pairs)
         self._swapped = None
 
-    def _copy(self, t: torch.Tensor) -> torch.Tensor:
-        return t.detach().to(device=self.device or t.device, copy=True)
-
     def _current(self, tensors: ModelTensors) -> dict[str, torch.Tensor] | None:
         """The average, a checkpoint's put on its device first; checked against ``tensors``."""
         loaded = self._loaded
@@ -311,9 +297,7 @@ class EMA(Callback):
                 raise CheckpointError(
                     f"the {self.state_key!r} average does not fit the model: {problem}"
                 )
-            self._average = {name: loaded[name].to(device=self.device or t.device, copy=True)
-                             for name, t in tensors.unique.items()}  # fmt: skip
-            self._aliases = tensors.aliases
+            self._begin(loaded, tensors)
             self._loaded = None
         average = self._average
         if average is None:
@@ -323,6 +307,14 @@ class EMA(Callback):
             raise TrainingError(f"EMA: the model's tensors changed since the average began: "
                                 f"{problem}")  # fmt: skip
         return average
+
+    def _begin(self, source: Mapping[str, torch.Tensor], tensors: ModelTensors) -> None:
+        """Start the average as a copy of ``source`` (by the names of ``tensors``)."""
+        self._average = {
+            name: source[name].detach().to(device=self.device or t.device, copy=True)
+            for name, t in tensors.unique.items()
+        }
+        self._aliases = tensors.aliases
 
     @staticmethod
     def _pairs(
@@ -404,20 +396,20 @@ class ModelTensors:
 
 @torch.no_grad()
 def exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the contents of each pair, bit for bit (either may be on another device).
+    """Exchange the contents of each pair, bit for bit (either may be on another device), all
+    or nothing: when one exchange fails (out of memory), the ones done are undone first."""
 
-    All or nothing: when one exchange fails (out of memory), the ones done are undone first.
-    """
+    def swap(a: torch.Tensor, b: torch.Tensor) -> None:
+        held = a.clone()  # one tensor's worth of extra memory at a time
+        a.copy_(b)
+        b.copy_(held)
+
     done = 0
     try:
         for a, b in pairs:
-            held = a.clone()  # one tensor's worth of extra memory at a time
-            a.copy_(b)
-            b.copy_(held)
+            swap(a, b)
             done += 1
     except BaseException:
         for a, b in pairs[:done]:
-            held = a.clone()
-            a.copy_(b)
-            b.copy_(held)
+            swap(a, b)
         raise

@@ -7,8 +7,9 @@ import inspect
 import json
 import math
 import os
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import anyio
 
@@ -29,46 +30,19 @@ EvaluationFn: TypeAlias = Callable[[ev.CheckpointSaved], Awaitable[Mapping[str, 
 """``async def fn(event: CheckpointSaved) -> Mapping[str, float]``."""
 
 _STDERR_LINES = 20
+_FIELD = re.compile(r"\{(checkpoint|step|epoch)\}")
 
 
-def _tail(data: bytes | None, lines: int = _STDERR_LINES) -> str:
-    text = (data or b"").decode("utf-8", errors="replace").rstrip()
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _metrics(value: object, checkpoint: str, source: str) -> dict[str, float]:
+def _metrics(value: object, source: str, **context: Any) -> dict[str, float]:
+    """``value`` as metrics, else an ``EvaluationJobError`` saying what ``source`` gave."""
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise EvaluationJobError(
-            f"{source} gave {value!r}, not a mapping of metric names to numbers",
-            checkpoint=checkpoint,
+            f"{source} gave {value!r}, not a mapping of metric names to numbers", **context
         )
-    out: dict[str, float] = {}
     for k, v in value.items():
         if isinstance(v, bool) or not isinstance(v, int | float):
-            raise EvaluationJobError(
-                f"{source} gave metric {k}={v!r}, not a number", checkpoint=checkpoint
-            )
-        out[k] = float(v)
-    return out
-
-
-def _parse_stdout(stdout: bytes, checkpoint: str) -> dict[str, float]:
-    """The JSON object printed by the job: its whole stdout, else its last non-empty line (so a
-    job may log before printing its result)."""
-    text = stdout.decode("utf-8", errors="replace").strip()
-    lines = text.splitlines()
-    candidates = [text, lines[-1]] if lines else []
-    for candidate in candidates:
-        try:
-            value = json.loads(candidate)
-        except ValueError:
-            continue
-        return _metrics(value, checkpoint, "the command's JSON")
-    raise EvaluationJobError(
-        "the command printed no JSON object of metrics on stdout; last output: "
-        + repr(text[-200:]),
-        checkpoint=checkpoint,
-    )
+            raise EvaluationJobError(f"{source} gave metric {k}={v!r}, not a number", **context)
+    return {k: float(v) for k, v in value.items()}
 
 
 class EvaluateCheckpoints(Callback):
@@ -186,22 +160,32 @@ class EvaluateCheckpoints(Callback):
 
     async def _job(self, saved: ev.CheckpointSaved) -> dict[str, float]:
         if not isinstance(self.run, tuple):
-            return _metrics(await self.run(saved), saved.path, "the evaluation function")
+            return _metrics(await self.run(saved), "the evaluation function", checkpoint=saved.path)
         fields = {"checkpoint": saved.path, "step": str(saved.step), "epoch": str(saved.epoch)}
-        args = [a.replace("{checkpoint}", fields["checkpoint"]).replace("{step}", fields["step"])
-                .replace("{epoch}", fields["epoch"]) for a in self.run]  # fmt: skip
+        args = [_FIELD.sub(lambda m: fields[m[1]], a) for a in self.run]
         try:
             done = await anyio.run_process(args, check=False, cwd=self.cwd)
         except OSError as exc:  # command not found, not executable
             raise EvaluationJobError(f"could not start {args[0]!r}: {exc}",
                                      checkpoint=saved.path) from exc  # fmt: skip
+        stderr = (done.stderr or b"").decode("utf-8", errors="replace").rstrip()
+        tail = "\n".join(stderr.splitlines()[-_STDERR_LINES:])
+        context: dict[str, Any] = {
+            "checkpoint": saved.path,
+            "returncode": done.returncode,
+            "stderr": tail,
+        }
         if done.returncode != 0:
-            raise EvaluationJobError(
-                f"{args[0]!r} exited with status {done.returncode}",
-                checkpoint=saved.path, returncode=done.returncode, stderr=_tail(done.stderr),
-            )  # fmt: skip
-        try:
-            return _parse_stdout(done.stdout, saved.path)
-        except EvaluationJobError as exc:
-            raise EvaluationJobError(str(exc), checkpoint=saved.path, returncode=0,
-                                     stderr=_tail(done.stderr)) from None  # fmt: skip
+            raise EvaluationJobError(f"{args[0]!r} exited with status {done.returncode}", **context)
+        # The JSON object printed: the whole stdout, else its last line (a job may log first).
+        text = done.stdout.decode("utf-8", errors="replace").strip()
+        for candidate in [text, text.splitlines()[-1]] if text else []:
+            try:
+                value = json.loads(candidate)
+            except ValueError:
+                continue
+            return _metrics(value, "the command's JSON", **context)
+        raise EvaluationJobError(
+            f"the command printed no JSON object of metrics; last output: {text[-200:]!r}",
+            **context,
+        )

@@ -39,14 +39,10 @@ def _flatten(metrics: Mapping[str, float]) -> dict[str, float]:
 class MetricsLogger(Callback):
     """Logs what a human follows during a run, one structlog line per fact.
 
-    ==================  ===================  =============================================
-    event               log event            keys
-    ==================  ===================  =============================================
-    MetricsLogged       ``metrics_logged``   step, epoch, each metric (loss, lr, ...)
-    EvaluationEnded     ``evaluation_ended`` step, epoch, trigger, each metric (val_loss..)
-    CheckpointSaved     ``checkpoint_saved`` step, epoch, path, tag, each metric
-    FitEnded            ``fit_ended``        step, epoch, reason, stop_reason, error
-    ==================  ===================  =============================================
+    - ``MetricsLogged`` -> ``metrics_logged``: step, epoch, each metric (loss, lr...);
+    - ``EvaluationEnded`` -> ``evaluation_ended``: step, epoch, trigger, each metric;
+    - ``CheckpointSaved`` -> ``checkpoint_saved``: step, epoch, path, tag, each metric;
+    - ``FitEnded`` -> ``fit_ended``: step, epoch, reason, stop_reason, error.
 
     Metrics are flattened into the line (a metric named ``step`` or ``event`` becomes
     ``metric_step``). Failed evaluations and failed runs are logged at error level.
@@ -134,30 +130,29 @@ def write_in_batches(
 
 
 class _Writer:
-    """Appends batches of events to one file (called in a worker thread)."""
+    """Appends batches of events to one file (called in a worker thread), created at the first
+    batch (a run that logs nothing creates nothing)."""
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
         self.mode = "a" if append else "w"
-        self.opened = False
 
     def write(self, batch: list[ev.BaseEvent]) -> None:
         text = "".join(json.dumps(wire.encode(e), allow_nan=True) + "\n" for e in batch)
-        if not self.opened:  # lazily: a run that logs nothing creates nothing
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         # Reopened per batch (about once per flush_s): nothing to close when the run ends.
-        with open(self.path, self.mode if not self.opened else "a", encoding="utf-8") as f:
+        with open(self.path, self.mode, encoding="utf-8") as f:
             f.write(text)
-        self.opened = True
+        self.mode = "a"
 
 
 class JsonlEventLog(Callback):
     """Writes events to ``path`` as JSON lines, one record per event, each with the format
-    version ``"v": 1`` and the event's ``time``, so :func:`trainbus._replay` can rebuild the run
-    with its timing. Records are :func:`trainbus._wire.record`'s: tensors become floats (lists
-    when not scalar), exceptions their ``repr``, ``float('nan')`` is written as ``NaN``.
+    version ``"v": 1`` and the event's ``time``, so :func:`trainbus.replay` can rebuild the run
+    with its timing. Tensors become floats (lists when not scalar), exceptions their ``repr``,
+    ``float('nan')`` is written as ``NaN``.
 
-    Written with :func:`write_in_batches`: nothing is dropped (a slow disk makes the bus wait)
+    Written in batches from a worker thread: nothing is dropped (a slow disk makes the bus wait)
     and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created
     at the first write. Subscribing to every event (``events=None``) makes the loop build every
     event: pass the types you need to keep the training thread's cost minimal.
@@ -184,11 +179,8 @@ class JsonlEventLog(Callback):
         self.path = check_path("path", path)
         chosen: tuple[type[ev.BaseEvent], ...] | None = None
         if events is not None:
-            if not isinstance(events, type | Iterable) or isinstance(events, str | bytes):
-                raise ConfigError.invalid(
-                    "events", events, "None (every event) or event classes, e.g. (ev.StepEnded,)"
-                )
-            chosen = tuple(cast(Any, [events] if isinstance(events, type) else events))
+            iterable = isinstance(events, Iterable) and not isinstance(events, str | bytes)
+            chosen = tuple(cast(Any, events if iterable else [events]))
             if not chosen or not all(
                 isinstance(t, type) and issubclass(t, ev.BaseEvent) for t in chosen
             ):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
@@ -12,7 +13,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._monitored import TrackedCallback, check_monitored, reads_metric
+from ._monitored import check_monitored, evaluations
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["LearningRateMonitor", "ReduceLROnPlateau"]
 
 
-class ReduceLROnPlateau(TrackedCallback):
+class ReduceLROnPlateau(Callback):
     """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving.
 
     Pipeline::
@@ -64,8 +65,9 @@ class ReduceLROnPlateau(TrackedCallback):
         monitor = check_metric("monitor", monitor)
         tbops.plateau(monitor, **self._options)  # validates now
         self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
-        # The tracker: best value, counters and reductions made (fresh each time it is added).
-        super().__init__(state_key)
+        self.state_key = state_key
+        self.tracker = tbops.Tracker()
+        """Its best value, counters and reductions made (a fresh one each run)."""
 
     def check(self, plan: RunPlan) -> None:
         """Refuse a ``monitor`` no evaluation of the run produces.
@@ -77,12 +79,22 @@ class ReduceLROnPlateau(TrackedCallback):
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
-        tracker = self.fresh_tracker()
-        bus.stream(ev.EvaluationEnded).pipe(
-            ops.filter(lambda e: e.error is None),
-            ops.filter(reads_metric(self.monitor)),  # named sets: only the metric's own set
+        tracker = self.tracker = tbops.Tracker()
+        evaluations(bus, self.monitor, ev.EvaluationEnded).pipe(
             tbops.plateau(self.monitor, tracker=tracker, **self._options),
         ).subscribe(bus.commands, name="ReduceLROnPlateau")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The tracker's state (best value, counters, reductions made)."""
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict` (before the resumed run's first evaluation).
+
+        Raises:
+            ConfigError: ``state`` is not a tracker state.
+        """
+        self.tracker.load_state_dict(state)
 
 
 _LR_COMMANDS = (cmd.SetLearningRate, cmd.ScaleLearningRate)

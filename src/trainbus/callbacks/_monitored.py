@@ -9,36 +9,54 @@ so a name no set has still fails loudly with the keys the event does have.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+
+from reactivex import operators as ops
 
 from .. import events as ev
-from .. import operators as tbops
 from .._exceptions import ConfigError
-from ._base import Callback
+from .._validate import explains_unknown_keywords, unknown_keyword_message
 
 if TYPE_CHECKING:
+    from .._bus import EventBus
+    from ..bus import BusObservable
     from ._base import RunPlan
 
-__all__ = ["TrackedCallback", "check_monitored", "reads_metric"]
+__all__ = [
+    "check_monitored",
+    "evaluations",
+    "lightning_names",
+    "reads_metric",
+]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def reads_metric(metric: str) -> Callable[[Any], bool]:
-    """A predicate: True for the events a monitor of ``metric`` should read.
-
-    Args:
-        metric: The monitored key (``"val_loss"``, ``"test/acc"``).
-
-    Returns:
-        ``pred(event)``: False only for an ``EvaluationEnded`` of another named set.
-    """
+    """A predicate: False only for an ``EvaluationEnded`` of a named set other than the one
+    ``metric`` (``"test/acc"``) names."""
     dataset = metric.split("/", 1)[0] if "/" in metric else None
+    return lambda e: (
+        dataset is None or not isinstance(e, ev.EvaluationEnded) or e.dataset == dataset
+    )
 
-    def reads(event: Any) -> bool:
-        if dataset is None or not isinstance(event, ev.EvaluationEnded):
-            return True
-        return event.dataset == dataset
 
-    return reads
+def evaluations(
+    bus: EventBus, metric: str, *types: type[ev.EvaluationEnded | ev.ExternalEvaluationEnded]
+) -> BusObservable[Any]:
+    """The evaluations of ``types`` a monitor of ``metric`` reads: those without error, of
+    ``EvaluationEnded`` the metric's own set's, of ``ExternalEvaluationEnded`` those carrying
+    it (a job may score other metrics)."""
+    reads = reads_metric(metric)
+
+    def read(e: Any) -> bool:
+        if e.error is not None:
+            return False
+        return metric in e.metrics if isinstance(e, ev.ExternalEvaluationEnded) else reads(e)
+
+    found: BusObservable[Any] = bus.stream(*types).pipe(ops.filter(read))
+    return found
 
 
 def check_monitored(
@@ -78,30 +96,21 @@ def check_monitored(
     )  # fmt: skip
 
 
-class TrackedCallback(Callback):
-    """A callback deciding with a tracker-backed operator (``tbops.patience``, ``tbops.plateau``).
-
-    It owns the tracker: the operator counts in it, checkpoints save it (:meth:`state_dict`), a
-    resume restores it before the first evaluation, and :meth:`fresh_tracker` gives each addition
-    (one run) its own.
+def lightning_names(
+    owner: str, lightning: str, table: Mapping[str, str]
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
+    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
 
     Args:
-        state_key: Name of its state in checkpoints (None: the class name).
+        owner: The trainbus class (``"Checkpointing"``).
+        lightning: Lightning's class (``"ModelCheckpoint"``).
+        table: ``{Lightning's argument: what to write in trainbus}``.
     """
 
-    def __init__(self, state_key: str | None = None) -> None:
-        self.state_key = state_key
-        self.tracker = tbops.Tracker()
+    def message(name: str, value: Any, known: list[str]) -> str:
+        use = table.get(name)
+        hint = use and f"that is Lightning's {lightning}({name}=); in trainbus: {use}"
+        return unknown_keyword_message(owner, name, known, hint)
 
-    def fresh_tracker(self) -> tbops.Tracker:
-        """Start a new run's tracker (called from ``setup``) and return it."""
-        self.tracker = tbops.Tracker()
-        return self.tracker
-
-    def state_dict(self) -> dict[str, Any]:
-        """The tracker's state (best value, counters)."""
-        return self.tracker.state_dict()
-
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict` (before the resumed run's first evaluation)."""
-        self.tracker.load_state_dict(state)
+    return explains_unknown_keywords(message)

@@ -67,26 +67,21 @@ def render(
     fig = Figure(figsize=(10 if others else 6, 4), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 2 if others else 1, squeeze=False)[0]
-    ax = axes[0]
     if train:
-        ax.plot([s for s, _ in train], [v for _, v in train], lw=0.8, alpha=0.8, label="train loss")
-    for name in losses:
-        pts = [(s, m[name]) for s, m in val if name in m]
-        ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    if train or losses:
-        ax.legend()
-    ax.grid(alpha=0.3)
-    if others:
-        ax2 = axes[1]
-        for name in others:
+        axes[0].plot(
+            [s for s, _ in train], [v for _, v in train], lw=0.8, alpha=0.8, label="train loss"
+        )
+    for ax, ylabel, metrics in zip(
+        axes, ("loss", "validation metric"), (losses, others), strict=False
+    ):
+        for name in metrics:
             pts = [(s, m[name]) for s, m in val if name in m]
-            ax2.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
-        ax2.set_xlabel("step")
-        ax2.set_ylabel("validation metric")
-        ax2.legend()
-        ax2.grid(alpha=0.3)
+            ax.plot([s for s, _ in pts], [v for _, v in pts], marker="o", label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        if metrics or (train and ax is axes[0]):
+            ax.legend()
+        ax.grid(alpha=0.3)
     if title:
         fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
