@@ -329,6 +329,10 @@ def test_the_swap_is_undone_when_the_evaluation_is_cancelled() -> None:
             tg.start_soon(trainer.evaluate, tiny_loader(4, seed=3))
             await anyio.to_thread.run_sync(reached.wait, 30)
             tg.cancel_scope.cancel()
+            # The cancel reaches the run from the call's own task: let it get there before the
+            # held batch ends (released at once, a loaded machine ran the second batch first).
+            with anyio.CancelScope(shield=True):
+                await anyio.sleep(0.5)
             release.set()
 
     anyio.run(main)
