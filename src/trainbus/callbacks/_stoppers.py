@@ -145,7 +145,8 @@ class ThresholdStopping(Callback):
 
     Pipeline::
 
-        EvaluationEnded (no error) | MetricsLogged -> operators.threshold(monitor, ...) -> bus.commands
+        EvaluationEnded (no error) | MetricsLogged
+            -> operators.threshold(monitor, ...) -> bus.commands
 
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
