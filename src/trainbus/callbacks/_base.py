@@ -68,7 +68,7 @@ class RunPlan:
             jobs know may come.
         config: The Trainer's settings that are plain values (``max_epochs``, ``accumulate``,
             ``precision``, ``log_every``...; devices and paths as strings), for loggers that
-            record a run's configuration (:func:`plain_settings`).
+            record a run's configuration (models, data and callables left out).
         sharded: The model is sharded (FSDP2 ``fully_shard``): each rank holds only its
             shards and checkpoints are folders of every rank's files.
     """

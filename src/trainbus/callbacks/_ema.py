@@ -8,7 +8,7 @@ evaluation), in inline hooks on the training thread.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -246,7 +246,8 @@ class EMA(Callback):
         weight = 1.0 - self.decay_for(update)
         lerp_avg: list[torch.Tensor] = []
         lerp_new: list[torch.Tensor] = []
-        for name, t, avg in self._pairs(tensors, average):
+        for name, t in tensors.unique.items():
+            avg = average[name]
             if t.is_floating_point() and (name in tensors.params or self.buffers == "average"):
                 lerp_avg.append(avg)
                 lerp_new.append(t.detach() if t.device == avg.device else t.detach().to(avg.device))
@@ -270,7 +271,7 @@ class EMA(Callback):
         average = self._current(tensors)
         if average is None:
             return
-        pairs = [(avg, t.detach()) for _, t, avg in self._pairs(tensors, average)]
+        pairs = [(average[name], t.detach()) for name, t in tensors.unique.items()]
         exchange(pairs)
         self._swapped = pairs
 
@@ -287,12 +288,11 @@ class EMA(Callback):
         """The average, a checkpoint's put on its device first; checked against ``tensors``."""
         loaded = self._loaded
         if loaded is not None:
-            # A checkpoint's state dict: back to the distinct tensors (tied keys share one).
-            unique = {name: loaded[name] for name in tensors.unique if name in loaded}
-            extra = sorted(set(loaded) - set(tensors.aliases))
-            problem = tensors.mismatch(unique) or (
-                f"{extra[:5]} are in the average but not in the model" if extra else None
-            )
+            # A checkpoint's state dict: its tied keys share the first one's tensor.
+            own = {
+                k: v for k, v in loaded.items() if k in tensors.unique or k not in tensors.aliases
+            }
+            problem = tensors.mismatch(own)
             if problem is not None:
                 raise CheckpointError(
                     f"the {self.state_key!r} average does not fit the model: {problem}"
@@ -302,10 +302,13 @@ class EMA(Callback):
         average = self._average
         if average is None:
             return None
-        if tensors.aliases.keys() != self._aliases.keys():
-            problem = tensors.mismatch(average) or "the tied weights differ"
-            raise TrainingError(f"EMA: the model's tensors changed since the average began: "
-                                f"{problem}")  # fmt: skip
+        problem = tensors.mismatch(average)
+        if problem is None and tensors.aliases.keys() != self._aliases.keys():
+            problem = "the tied weights differ"
+        if problem is not None:
+            raise TrainingError(
+                f"EMA: the model's tensors changed since the average began: {problem}"
+            )
         return average
 
     def _begin(self, source: Mapping[str, torch.Tensor], tensors: ModelTensors) -> None:
@@ -315,21 +318,6 @@ class EMA(Callback):
             for name, t in tensors.unique.items()
         }
         self._aliases = tensors.aliases
-
-    @staticmethod
-    def _pairs(
-        tensors: ModelTensors, average: dict[str, torch.Tensor]
-    ) -> Iterator[tuple[str, torch.Tensor, torch.Tensor]]:
-        """``(name, model tensor, averaged tensor)`` for every distinct tensor."""
-        for name, t in tensors.unique.items():
-            avg = average[name]
-            if avg.shape != t.shape or avg.dtype != t.dtype:
-                raise TrainingError(
-                    f"EMA: {name!r} is {tuple(t.shape)} {t.dtype} in the model but "
-                    f"{tuple(avg.shape)} {avg.dtype} in the average (the model changed since "
-                    "the average began)"
-                )
-            yield name, t, avg
 
 
 # ---------------------------------------------------------------------- the model's tensors
@@ -379,18 +367,20 @@ class ModelTensors:
 
     def mismatch(self, other: Mapping[str, torch.Tensor]) -> str | None:
         """What differs between these tensors and ``other`` (names, shapes, dtypes), or None."""
-        missing = sorted(set(self.unique) - set(other))
-        extra = sorted(set(other) - set(self.unique))
+        missing = [name for name in self.unique if name not in other]
+        extra = [name for name in other if name not in self.unique]
         problems = []
         if missing:
             problems.append(f"{missing[:5]} are in the model but not in the average")
         if extra:
             problems.append(f"{extra[:5]} are in the average but not in the model")
-        for name in sorted(set(self.unique) & set(other)):
-            a, b = self.unique[name], other[name]
-            if a.shape != b.shape or a.dtype != b.dtype:
-                problems.append(f"{name!r} is {tuple(a.shape)} {a.dtype} in the model but "
-                                f"{tuple(b.shape)} {b.dtype} in the average")  # fmt: skip
+        for name, a in self.unique.items():
+            b = other.get(name)
+            if b is not None and (a.shape != b.shape or a.dtype != b.dtype):
+                problems.append(
+                    f"{name!r} is {tuple(a.shape)} {a.dtype} in the model but "
+                    f"{tuple(b.shape)} {b.dtype} in the average"
+                )
         return "; ".join(problems[:6]) or None
 
 

@@ -27,7 +27,7 @@ class ReduceLROnPlateau(Callback):
 
     Pipeline::
 
-        EvaluationEnded -> filter(no error) -> tbops.plateau(monitor, ...) -> bus.commands
+        EvaluationEnded -> filter(no error) -> operators.plateau(monitor, ...) -> bus.commands
 
     Each reduction is a ``ScaleLearningRate(factor)`` command on every parameter group, applied
     right after the deciding evaluation; it composes with any scheduler.

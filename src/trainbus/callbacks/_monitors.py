@@ -184,9 +184,10 @@ def read_rss() -> tuple[int | None, RssSource | None]:
 
 class MemoryMonitor(Callback):
     """Publishes ``MemoryMeasured`` every ``every`` steps, from the event-loop thread: the RSS
-    (see :func:`read_rss`; ``rss_source`` says which) and, on CUDA, the device's allocated,
-    reserved and peak bytes. The event follows its ``StepEnded`` by one delivery, so the last
-    ones of a run can arrive after ``FitEnded``.
+    (from psutil when installed, else ``/proc/self/statm``, else the peak RSS of ``resource``;
+    ``rss_source`` says which) and, on CUDA, the device's allocated, reserved and peak bytes.
+    The event follows its ``StepEnded`` by one delivery, so the last ones of a run can arrive
+    after ``FitEnded``.
 
     Args:
         every: Sample on the steps ``every``, ``2 * every``, ... (>= 1).

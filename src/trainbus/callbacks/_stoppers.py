@@ -41,7 +41,7 @@ class EarlyStopping(Callback):
     Pipeline::
 
         EvaluationEnded | ExternalEvaluationEnded carrying monitor
-            -> filter(no error) -> tbops.patience(monitor, ...) -> bus.commands
+            -> filter(no error) -> operators.patience(monitor, ...) -> bus.commands
 
     The run ends at the step of the evaluation that decided it, with
     ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
@@ -145,7 +145,8 @@ class ThresholdStopping(Callback):
 
     Pipeline::
 
-        EvaluationEnded (no error) | MetricsLogged -> tbops.threshold(monitor, ...) -> bus.commands
+        EvaluationEnded (no error) | MetricsLogged
+            -> operators.threshold(monitor, ...) -> bus.commands
 
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
