@@ -23,7 +23,6 @@ from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
-from .._loop.settings import check_loader, check_precision, check_reiterable, eval_sets
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
@@ -211,7 +210,7 @@ CHECKS: dict[str, checks.Check] = {
     "scheduler": _scheduler,
     "accumulate": _group(Accumulate, plain=_plain_accumulate),
     "clip_grad_norm": checks.clip_grad_norm,
-    "precision": lambda _, value: check_precision(value),
+    "precision": checks.precision,
     "device": lambda _, value: resolve_device(value),  # resolved once, for every thread
     "seed": checks.int_at_least(0, optional=True),
     "metrics": checks.metrics,
@@ -286,7 +285,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
-    train_len = check_loader("train_data", train_data, optional=False)
+    train_len = checks.check_loader("train_data", train_data)
     if options["max_epochs"] is None and options["max_steps"] is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
@@ -308,7 +307,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     if schedule.every_steps is not None and options["eval_data"] is None:
         raise ConfigError.invalid("eval_schedule.every_steps", schedule.every_steps,
                                   "None unless eval_data is given")  # fmt: skip
-    sets, named = eval_sets(options["eval_data"])
+    sets, named = checks.eval_sets(options["eval_data"])
     for name in options["set_metrics"]:
         if name == "loss" or name in options["metrics"]:
             raise ConfigError.invalid(
@@ -316,7 +315,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
                 f"a name that is neither 'loss' nor one of metrics= ({sorted(options['metrics'])}):"
                 " both would be the same key in EvaluationEnded.metrics",
             )  # fmt: skip
-    _check_passes(train_data, sets, named, options)
+    checks.check_passes(train_data, sets, named, options["max_epochs"])
     accumulate: Accumulate = options["accumulate"]
     folder: CheckpointDir | None = options["checkpoint_dir"]
     return Settings(
@@ -336,21 +335,3 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,
         train_step=options["train_step"], trace=options["trace"],
     )  # fmt: skip
-
-
-def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
-                  options: Mapping[str, Any]) -> None:  # fmt: skip
-    """Refuse a one-shot iterator the run would iterate twice: as ``eval_data``, or as
-    ``train_data`` for more than one epoch.
-
-    Raises:
-        ConfigError: naming the option and what to pass instead.
-    """
-    epochs = options["max_epochs"]
-    if epochs is not None and epochs > 1:
-        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass "
-                         "per epoch", alternative="; or keep it, leave max_epochs out and set "
-                         "a max_steps within its one pass")  # fmt: skip
-    for name, data in sets:
-        check_reiterable(f"eval_data[{name!r}]" if named else "eval_data", data,
-                         "each evaluation makes a new pass")  # fmt: skip

@@ -45,7 +45,6 @@ from .._loop import (
     Settings,
     StandaloneRun,
     TrainContext,
-    eval_sets,
     evaluation_metric_names,
     join_outputs,
 )
@@ -60,6 +59,7 @@ from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
 from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
+from .checks import eval_sets
 from .endings import interrupt_for
 from .holder import BusHolder
 from .options import (
