@@ -1,14 +1,15 @@
-"""The training thread, the bus around one call (:class:`CallRunner`), and the watchers for
-cancellation and SIGINT/SIGTERM."""
+"""The training thread, the bus around one call (:class:`CallRunner`), the watchers for
+cancellation and SIGINT/SIGTERM, and the DataLoader workers a call leaves behind."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import multiprocessing
 import multiprocessing.resource_tracker
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 from anyio.lowlevel import EventLoopToken
+from torch.utils.data import DataLoader
 
 try:
     import sniffio
@@ -33,13 +35,19 @@ from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
 from ..checkpoint import TrainState
 
-__all__ = ["CallRunner", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
+__all__ = [
+    "CallRunner",
+    "SignalWatcher",
+    "TrainingThread",
+    "end_workers",
+    "interrupt_for",
+    "spawns_workers",
+    "watching_cancel",
+]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
-
-THREAD_NAME = "trainbus-training"
 
 
 class TrainingThread:
@@ -56,7 +64,7 @@ class TrainingThread:
     """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainbus-training")
         self._ident: int | None = None  # the thread's, once it ran a call
         self._token: EventLoopToken | None = None  # the running call's event loop
         self._scopes: set[anyio.CancelScope] = set()  # what the thread awaits there now
@@ -160,8 +168,7 @@ class TrainingThread:
         self._pool.shutdown(wait=self._ident != threading.get_ident())
 
 
-async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
-    """Sleep until cancelled, then ask ``run`` (and what the thread awaits) to stop."""
+async def _watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
     try:
         await anyio.sleep_forever()
     finally:
@@ -171,11 +178,11 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 
 @contextlib.asynccontextmanager
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
-    """While the block runs, a cancellation of the caller asks ``run`` to stop
-    (:func:`watch_cancel`); at its end the watcher ends by its own scope."""
+    """While the block runs, a cancellation of the caller asks ``run`` (and what the thread
+    awaits) to stop; at its end the watcher ends by its own scope."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
-        tasks.start_soon(watch_cancel, run, thread)
+        tasks.start_soon(_watch_cancel, run, thread)
         try:
             yield
         finally:
@@ -302,8 +309,6 @@ class SignalWatcher:
         on_signal: Called (in the handler) at the first signal, before the command is sent.
     """
 
-    SIGNALS = STOP_SIGNALS
-
     def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
         self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
@@ -346,7 +351,7 @@ class SignalWatcher:
         self._received = 0
         self._cancels = 0
         self._first = None
-        previous = {signum: signal.getsignal(signum) for signum in not_ignored(self.SIGNALS)}
+        previous = {signum: signal.getsignal(signum) for signum in not_ignored(STOP_SIGNALS)}
         for signum in previous:
             signal.signal(signum, self._handle)
         self._installed = True
@@ -369,8 +374,8 @@ class SignalWatcher:
 
         Args:
             fn: What the training thread runs.
-            spawns: The run's loaders spawn workers: start multiprocessing's resource tracker
-                first, as its start unblocks SIGINT (``trainbus._trainer.workers``).
+            spawns: The run's loaders spawn workers (:func:`spawns_workers`): start
+                multiprocessing's resource tracker first, as its start unblocks SIGINT.
         """
 
         def run_masked() -> T:
@@ -418,3 +423,61 @@ class SignalWatcher:
 
 def _is_signal_stop(command: cmd.Command) -> bool:
     return isinstance(command, cmd.StopTraining) and command.reason == "signal"
+
+
+def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:
+    """What ``fit()`` raises after a graceful stop by ``signum`` with ``on_signal="raise"``:
+    ``KeyboardInterrupt`` for SIGINT, else ``SystemExit(128 + signum)`` (``step``: where the
+    run stopped; ``checkpoint``: the last one written, or None)."""
+    where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt(
+            f"trainbus: SIGINT stopped the run gracefully {where}; trainer.result holds the "
+            "result (Trainer(on_signal='return') returns it instead)"
+        )
+    exit_ = SystemExit(128 + int(signum))
+    exit_.add_note(f"trainbus: {signum.name} stopped the run gracefully {where}; "
+                   "trainer.result holds the result (Trainer(on_signal='return') returns it "
+                   "instead)")  # fmt: skip
+    return exit_
+
+
+# Persistent DataLoader workers outlive their iterator: a sweep of runs in one process would
+# pile them up (and every later fork copies the old iterators, whose __del__ then fails), so
+# end_workers shuts them down when a call ends, through the loader's guarded
+# _iterator._shutdown_workers() (torch has no public method for it).
+def _start_method(loader: DataLoader[Any]) -> str:
+    context = loader.multiprocessing_context
+    if context is not None:
+        return str(context.get_start_method())
+    # allow_none: reading must not fix the default (a later set_start_method would raise).
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method if method is not None else multiprocessing.get_all_start_methods()[0]
+
+
+def spawns_workers(loaders: Iterable[object]) -> bool:
+    """Whether any of ``loaders`` is a ``DataLoader`` starting workers by spawn or forkserver."""
+    return any(
+        isinstance(loader, DataLoader)
+        and loader.num_workers > 0
+        and _start_method(loader) != "fork"
+        for loader in loaders
+    )
+
+
+def end_workers(loaders: Iterable[object]) -> None:
+    """Shut down the persistent workers of the ``DataLoader``\\ s among ``loaders``; the next
+    ``iter()`` of a loader starts fresh ones."""
+    seen: set[int] = set()
+    for loader in loaders:
+        if not isinstance(loader, DataLoader) or id(loader) in seen:
+            continue
+        seen.add(id(loader))
+        if not (loader.persistent_workers and loader.num_workers > 0):
+            continue
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is None:
+            continue
+        loader._iterator = None
+        shutdown()

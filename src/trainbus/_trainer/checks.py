@@ -336,3 +336,20 @@ def eval_data(name: str, value: Any) -> Any:
     """None, an iterable of batches, or a mapping of set names to them."""
     eval_sets(value)  # raises on a bad set; the settings build the sets
     return value
+
+
+def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
+    """``CheckpointDir(skip_final=)``: an iterable of ``"stopped"``, ``"pruned"``,
+    ``"signal"``, as a set of endings."""
+    allowed = (
+        "an iterable of 'stopped', 'pruned', 'signal' (the stopped runs whose final "
+        "checkpoint to skip), e.g. {'pruned'}; empty: always write it"
+    )
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ConfigError.invalid(name, value, allowed)
+    out = set()
+    for item in value:
+        if item not in (ev.Ending.STOPPED, ev.Ending.PRUNED, ev.Ending.SIGNAL):
+            raise ConfigError.invalid(name, item, allowed)
+        out.add(ev.Ending(item))
+    return frozenset(out)

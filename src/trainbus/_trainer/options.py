@@ -27,7 +27,6 @@ from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
 from . import checks
-from .endings import check_skip_final
 from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [
@@ -137,13 +136,15 @@ class CheckpointDir:
     @property
     def endings(self) -> frozenset[ev.Ending]:
         """``skip_final`` as checked: the endings whose final checkpoint is skipped."""
-        return check_skip_final(self.skip_final)
+        return checks.skip_final("CheckpointDir.skip_final", self.skip_final)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise ConfigError.invalid("CheckpointDir.path", self.path, "a folder (str or Path)")
         object.__setattr__(self, "path", checks.checkpoint_dir("CheckpointDir.path", self.path))
-        object.__setattr__(self, "skip_final", check_skip_final(self.skip_final))
+        object.__setattr__(
+            self, "skip_final", checks.skip_final("CheckpointDir.skip_final", self.skip_final)
+        )
 
 
 @dataclass(frozen=True, slots=True)

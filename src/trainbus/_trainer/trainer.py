@@ -58,9 +58,16 @@ from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
-from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
+from .calls import (
+    CallRunner,
+    SignalWatcher,
+    TrainingThread,
+    end_workers,
+    interrupt_for,
+    spawns_workers,
+    watching_cancel,
+)
 from .checks import eval_sets
-from .endings import interrupt_for
 from .holder import BusHolder
 from .options import (
     Accumulate,
@@ -74,7 +81,6 @@ from .options import (
 )
 from .rank_setup import RankSetup
 from .resume import CallbackStates, check_resume, load_weights
-from .workers import end_workers, spawns_workers
 
 __all__ = ["Accumulate", "CheckpointDir", "EvalSchedule", "FitResult", "PerEpoch", "Trainer"]
 
