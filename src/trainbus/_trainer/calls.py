@@ -123,10 +123,7 @@ class TrainingThread:
         Raises:
             Cancelled: the caller was cancelled (before or while ``fn`` ran).
         """
-        token = self._token
-        if token is None or self._cancelled:
-            raise Cancelled
-        finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=token)
+        finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=self._live())
         if not finished:
             raise Cancelled
         return value  # type: ignore[return-value]  # finished: what fn returned
@@ -137,10 +134,13 @@ class TrainingThread:
         Raises:
             Cancelled: the caller was cancelled.
         """
-        token = self._token
-        if token is None or self._cancelled:
+        return anyio.from_thread.run_sync(fn, *args, token=self._live())
+
+    def _live(self) -> EventLoopToken:
+        """The running call's event loop; ``Cancelled`` when none runs or it was cancelled."""
+        if self._token is None or self._cancelled:
             raise Cancelled
-        return anyio.from_thread.run_sync(fn, *args, token=token)
+        return self._token
 
     async def _cancellable(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]
@@ -203,16 +203,11 @@ class CallRunner:
         self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
     ) -> None:
         self._bus = bus
-        self._port = bus.port()
+        self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._thread = thread
         self._interrupted = False
-
-    @property
-    def port(self) -> LoopPort:
-        """The bus' loop face, handed to the training loop and the standalone runs."""
-        return self._port
 
     def begin(self) -> None:
         """A ``fit()`` begins: uninterrupted."""
@@ -234,7 +229,7 @@ class CallRunner:
         """
         if self._interrupted:
             return "done"
-        status: str = self._thread.call(self._port.wait_barrier, self._timeout, event, resume)
+        status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
         return status
 
     @contextlib.asynccontextmanager
@@ -277,7 +272,7 @@ class CallRunner:
             Whatever ``fn`` raised, after the bus delivered the closing events.
         """
         settings.model.to(settings.device)
-        run = StandaloneRun(settings, self._port, self._hooks,
+        run = StandaloneRun(settings, self.port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
         box: dict[str, Any] = {}
 
@@ -307,29 +302,23 @@ class SignalWatcher:
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
         on_signal: Called (in the handler) at the first signal, before the command is sent.
+
+    Attributes:
+        received: The signal that asked the run to stop (None: none, or only ones after
+            training ended); reset at each install.
+        aborted: Whether a second signal aborted the run.
     """
 
     def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
         self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
         self._on_signal = on_signal
-        self._aborted = False
-        self._received = 0
+        self.aborted = False
+        self.received: signal.Signals | None = None
+        self._count = 0  # the signals that asked the run to stop
         self._cancels = 0
         self._installed = False
         self._run: Loop | None = None
-        self._first: signal.Signals | None = None
-
-    @property
-    def received(self) -> signal.Signals | None:
-        """The signal that asked the run to stop (None: none, or only ones after training
-        ended); reset at each install."""
-        return self._first
-
-    @property
-    def aborted(self) -> bool:
-        """Whether a second signal aborted the run."""
-        return self._aborted
 
     def watch(self, run: Loop | None) -> None:
         """The loop a second signal cancels (None once it ended)."""
@@ -347,10 +336,9 @@ class SignalWatcher:
         ):
             yield
             return
-        self._aborted = False
-        self._received = 0
-        self._cancels = 0
-        self._first = None
+        self.aborted = False
+        self.received = None
+        self._count = self._cancels = 0
         previous = {signum: signal.getsignal(signum) for signum in not_ignored(STOP_SIGNALS)}
         for signum in previous:
             signal.signal(signum, self._handle)
@@ -359,7 +347,7 @@ class SignalWatcher:
             yield
         finally:
             self._installed = False
-            if self._received:  # a StopTraining the loop never read was for this call only
+            if self._count:  # a StopTraining the loop never read was for this call only
                 self._port.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
@@ -396,22 +384,22 @@ class SignalWatcher:
         if run is not None and run.result is not None:
             # Training ended; the call waits for async subscribers: cancel what they hold
             # (lost work); a further signal also makes fit() raise KeyboardInterrupt.
-            self._aborted = self._aborted or self._cancels > 0
+            self.aborted = self.aborted or self._cancels > 0
             self._cancels += 1
             self._port.request_cancel_pending()
             with contextlib.suppress(Exception):
                 log.warning("signal_received", signal=signal.Signals(signum).name,
                             action="cancel pending async work")  # fmt: skip
             return
-        self._received += 1
-        if self._received == 1:
-            self._first = signal.Signals(signum)
+        self._count += 1
+        if self._count == 1:
+            self.received = signal.Signals(signum)
             if self._on_signal is not None:
                 self._on_signal()
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:
-            self._aborted = True
+            self.aborted = True
             run = self._run
             if run is not None:
                 run.request_cancel()

@@ -94,6 +94,12 @@ class BusHolder:
                 "training: fit(resume='latest'))"
             )
 
+    def _check_enter(self, block: str) -> None:
+        self.check_open(block)
+        if self._bus.state == "running" or self._portal is not None:
+            raise TrainbusError(f"{block}: its bus runs already (an enclosing `with` or "
+                                "`async with`); enter it once")  # fmt: skip
+
     # ================================================================== sync
     def enter(self, backend: str = "asyncio") -> None:
         """``with trainer:``: start the portal every sync call of the block runs through.
@@ -102,10 +108,7 @@ class BusHolder:
             TrainbusError: the bus runs already, or closed, or a ``with`` block holds it.
         """
         backend = check_backend(backend)
-        self.check_open("with trainer")
-        if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError("with trainer: its bus runs already (an enclosing `with` or "
-                                "`async with`); enter it once")  # fmt: skip
+        self._check_enter("with trainer")
         stack = contextlib.ExitStack()
         self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal(backend))
         self._stack, self._backend = stack, backend
@@ -176,10 +179,7 @@ class BusHolder:
         Raises:
             TrainbusError: the bus runs already, or closed.
         """
-        self.check_open("async with trainer")
-        if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError("async with trainer: its bus runs already (an enclosing "
-                                "`with` or `async with`); enter it once")  # fmt: skip
+        self._check_enter("async with trainer")
         await self._bus.__aenter__()
 
     async def aexit(self, exc_type: type[BaseException] | None) -> None:
