@@ -82,12 +82,7 @@ class Evaluator:
         last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).
 
     Args:
-        settings: The run's settings (model, eval sets, metrics, device, precision).
-        port: Where the evaluation events are published.
-        state: The run's train state (its step and epoch stamp the events).
-        wants: The loop's cache of wanted events (refreshed at the start of each round).
         check_cancel: Called before each batch; raises when the run was cancelled.
-        hooks: The inline hooks (``eval_batch``, ``before/after_evaluation``).
         should_stop: Called before each batch; True ends the set's pass early (standalone
             evaluation, on ``StopTraining``) and the round after it. None: never.
         reduce: Under torchrun, ``reduce(metrics, samples)`` averages the ranks' metrics
@@ -129,17 +124,10 @@ class Evaluator:
         round's end. Every ``XEnded`` is published even when the pass raises (with the error);
         the sets after a failed one are not scored.
 
-        Args:
-            trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
-            sets: ``(name, data)`` pairs to score; default the settings' evaluation sets.
-            triggers: Every cadence the round stands for, ``trigger`` first (the events'
-                ``triggers``); default ``(trigger,)``.
-
-        Returns:
-            The published ``EvaluationEnded`` of each set, in order.
-
-        Raises:
-            TrainingError: a set yielded no batch; or whatever the model raised.
+        ``sets``: ``(name, data)`` pairs, default the settings' evaluation sets; ``triggers``:
+        every cadence the round stands for, ``trigger`` first (default ``(trigger,)``). Returns
+        the published ``EvaluationEnded`` of each set; ``TrainingError`` for a set that yielded
+        no batch.
         """
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)

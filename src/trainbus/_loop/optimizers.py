@@ -155,17 +155,9 @@ def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None
 def check_optimizers(
     model: torch.nn.Module, optimizer: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
-    """Check ``optimizer`` (one optimizer, or a mapping of names to optimizers).
-
-    Returns:
-        ``(the optimizer the loop steps, {name: optimizer})``: one optimizer is itself and
-        ``{"default": it}``; a mapping is an :class:`OptimizerSet` and the mapping.
-
-    Raises:
-        ConfigError: not an optimizer nor a non-empty mapping of identifier names to
-            optimizers; an optimizer over none of the model's parameters; one optimizer under
-            two names; two optimizers sharing a parameter.
-    """
+    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
+    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
+    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
     params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
     if not isinstance(optimizer, Mapping):
         if isinstance(optimizer, torch.optim.Optimizer):

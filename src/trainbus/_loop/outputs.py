@@ -1,11 +1,7 @@
-"""Model outputs taken apart and put back together with the type users index.
-
-Detaching outputs, copying them to the host (:class:`HostOutputs`) and joining a prediction's
-batches (:func:`join_outputs`) walk the outputs' structure and rebuild each container as its
-own type (a Hugging Face ``ModelOutput`` stays one). Joining pads tensors whose sizes past the
-first dimension differ (:class:`PadValues`) and stacks a scalar per batch; what padding cannot
-join is an error naming the key and both shapes, raised by :class:`OutputsCheck` at the first
-such batch. docs/trainer.md ("Evaluate and predict outside ``fit()``") has the rules.
+"""Model outputs taken apart and put back together with the type users index (a Hugging Face
+``ModelOutput`` stays one): detached, copied to the host (:class:`HostOutputs`) and a
+prediction's batches joined (:func:`join_outputs`, checked batch by batch by
+:class:`OutputsCheck`); docs/trainer.md ("Evaluate and predict outside ``fit()``").
 """
 
 from __future__ import annotations
@@ -71,13 +67,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
 
 
 def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str]:
-    """The output keys ``predict`` drops: ``ignore_keys`` as given; with None, as Hugging
-    Face's ``predict`` decides (a model with a ``config``: its ``keys_to_ignore_at_inference``,
-    else ``["cache"]``; any other model: none).
-
-    Raises:
-        ConfigError: ``ignore_keys`` is not None nor an iterable of strings.
-    """
+    """The output keys ``predict`` drops: ``ignore_keys`` (an iterable of strings) as given;
+    with None, as Hugging Face's ``predict`` decides (a model with a ``config``: its
+    ``keys_to_ignore_at_inference``, else ``["cache"]``; any other model: none)."""
     if ignore_keys is None:
         config = getattr(model, "config", None)
         keys = () if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
@@ -138,12 +130,8 @@ class PadValues:
 
     @classmethod
     def check(cls, pad_value: Any) -> PadValues:
-        """``predict``'s ``pad_value`` checked: None (the defaults), one number for every
-        tensor, or a mapping of output keys (``str``) and dtypes to numbers.
-
-        Raises:
-            ConfigError: anything else, or a dtype's value that the dtype cannot hold.
-        """
+        """``predict``'s ``pad_value``: None (the defaults), one number for every tensor, or a
+        mapping of output keys (``str``) and dtypes to numbers (each one its dtype holds)."""
         if pad_value is None:
             return cls()
         if not isinstance(pad_value, Mapping):
@@ -164,12 +152,8 @@ class PadValues:
         return cls(by_key=by_key, by_dtype=by_dtype)
 
     def for_tensor(self, key: str | None, dtype: torch.dtype) -> PadValue:
-        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``.
-
-        Raises:
-            ConfigError: the value chosen is one ``dtype`` cannot hold (-100 for ``uint8``,
-                0.5 for ``int64``), naming the option that gave it.
-        """
+        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``; a
+        ``ConfigError`` naming the option that gave a value ``dtype`` cannot hold."""
         if key is not None and key in self.by_key:
             value, field = self.by_key[key], f"pad_value[{key!r}]"
         elif dtype in self.by_dtype:
@@ -245,24 +229,11 @@ def join_outputs(
     _path: str = "outputs",
     _key: str | None = None,
 ) -> Any:
-    """Concatenate per-batch outputs along the first dimension.
-
-    Tensors are concatenated, padded where their other dimensions differ; scalars stacked;
-    tuples/lists and mappings joined per element and key, keeping their type; anything else
-    comes back as the list of per-batch outputs. No batch gives ``[]``.
-
-    Args:
-        batches: One output per batch, in order.
-        pad: The pad values; None: the defaults.
-
-    Returns:
-        The joined outputs.
-
-    Raises:
-        TrainingError: tensors under one key that padding cannot join, naming the key, the
-            batch and both shapes.
-        ConfigError: a pad value the tensor's dtype cannot hold.
-    """
+    """The per-batch outputs ``batches`` concatenated along the first dimension: tensors
+    padded (``pad``; None: the defaults) where their other dimensions differ, scalars stacked,
+    tuples/lists and mappings joined per element and key as their type; anything else the list
+    of ``batches``; no batch ``[]``. ``TrainingError`` for tensors padding cannot join (naming
+    the key, the batch and both shapes), ``ConfigError`` for a pad value a dtype cannot hold."""
     if not batches:
         return []
     pad = pad or PadValues()
@@ -302,14 +273,9 @@ class OutputsCheck:
         self._loose: set[str] = set()  # the paths of the containers that join as lists
 
     def add(self, outputs: Any, index: int) -> None:
-        """Check one batch's outputs (``index``: its batch index, which the error names).
-
-        Raises:
-            TrainingError: a tensor that padding cannot join to the first batch's, naming its
-                key and both shapes.
-            ConfigError: a ``pad_value`` key no output of the first batch has; a pad value a
-                tensor needing padding cannot hold.
-        """
+        """Check the outputs of batch ``index``: ``TrainingError`` for a tensor padding cannot
+        join to the first batch's; ``ConfigError`` for a ``pad_value`` key no output of the
+        first batch has, or a pad value a tensor that needs padding cannot hold."""
         if self._started:
             self._check(self._first, outputs, index, "outputs", None)
             return

@@ -71,15 +71,9 @@ class TrainingThread:
         self._cancelled = False
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` on the training thread in a copy of the caller's context; wait for it,
-        through a cancellation of the caller too (raised at the caller's next checkpoint).
-
-        Returns:
-            What ``fn`` returned.
-
-        Raises:
-            What ``fn`` raised.
-        """
+        """``fn()`` run on the training thread in a copy of the caller's context (what it
+        returned, or raised), waited for through a cancellation of the caller too (raised at
+        the caller's next checkpoint)."""
         done = anyio.Event()
         box: list[tuple[bool, Any]] = []
         token = anyio.lowlevel.current_token()
@@ -190,14 +184,8 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 
 class CallRunner:
-    """The bus around one trainer call, its barriers, and the standalone runs on it.
-
-    Args:
-        bus: The trainer's bus.
-        hooks: The trainer's hooks (run by standalone runs too).
-        barrier_timeout: How long a barrier waits for its subscribers.
-        thread: The trainer's training thread.
-    """
+    """The bus around one trainer call, its barriers (waiting ``barrier_timeout`` for their
+    subscribers), and the standalone runs on it (with the trainer's ``hooks``)."""
 
     def __init__(
         self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
@@ -219,14 +207,8 @@ class CallRunner:
         self._interrupted = True
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
-        """On the training thread at a barrier event: wait for its deciders.
-
-        Returns:
-            The bus' barrier status.
-
-        Raises:
-            Cancelled: ``fit()`` was cancelled while the loop waited here.
-        """
+        """On the training thread at a barrier event: wait for its deciders; the bus' barrier
+        status (``Cancelled`` when ``fit()`` was cancelled meanwhile)."""
         if self._interrupted:
             return "done"
         status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
@@ -261,16 +243,9 @@ class CallRunner:
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
     ) -> Any:
-        """Run ``fn(run)`` (evaluate/predict) on the training thread with the bus running.
-
-        Args:
-            fn: What to do with the :class:`StandaloneRun`.
-            settings: The settings it runs with (the model is moved to their device).
-            state: The last fit's train state, or None before any.
-
-        Raises:
-            Whatever ``fn`` raised, after the bus delivered the closing events.
-        """
+        """``fn(run)`` (evaluate/predict) on the training thread with the bus running, the
+        model moved to ``settings.device``; ``state``: the last fit's, or None before any. What
+        ``fn`` raised is raised after the bus delivered the closing events."""
         settings.model.to(settings.device)
         run = StandaloneRun(settings, self.port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
@@ -353,18 +328,11 @@ class SignalWatcher:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def masked(self, fn: Callable[[], T], spawns: bool = False) -> Callable[[], T]:
-        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles it.
-
-        DataLoader workers inherit that thread's signal mask: a Ctrl-C sent to the process
-        group then reaches only the main process' handler, not the workers (which would
-        otherwise die and fail the run before its final checkpoint). The mask is restored
-        after ``fn``.
-
-        Args:
-            fn: What the training thread runs.
-            spawns: The run's loaders spawn workers (:func:`spawns_workers`): start
-                multiprocessing's resource tracker first, as its start unblocks SIGINT.
-        """
+        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles
+        it: DataLoader workers inherit the mask, so a Ctrl-C to the process group reaches only
+        the main process' handler, not the workers (which would die and fail the run before its
+        final checkpoint). ``spawns`` (:func:`spawns_workers`): start multiprocessing's resource
+        tracker first, as its start unblocks SIGINT."""
 
         def run_masked() -> T:
             if not self._installed or not hasattr(signal, "pthread_sigmask"):

@@ -30,42 +30,16 @@ Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""
 
 
-def callable_or_none(allowed: str, *, show_type: bool = False) -> Check:
-    """A callable or None (``show_type``: the message shows the value's type, not the value)."""
-
-    def check(name: str, value: Any) -> Any:
-        if value is not None and not callable(value):
-            raise ConfigError.invalid(name, type(value).__name__ if show_type else value, allowed)
-        return value
-
-    return check
-
-
 def int_at_least(minimum: int, *, optional: bool = False) -> Check:
     """An int >= ``minimum`` (or None when ``optional``)."""
     return lambda name, value: check_int(name, value, minimum, optional=optional)
 
 
-def boolean(allowed: str = "True or False") -> Check:
+def boolean(name: str, value: Any) -> bool:
     """True or False."""
-
-    def check(name: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ConfigError.invalid(name, value, allowed)
-        return value
-
-    return check
-
-
-def one_of(*choices: str, allowed: str) -> Check:
-    """One of the strings ``choices``."""
-
-    def check(name: str, value: Any) -> Any:
-        if value not in choices:
-            raise ConfigError.invalid(name, value, allowed)
-        return value
-
-    return check
+    if not isinstance(value, bool):
+        raise ConfigError.invalid(name, value, "True or False")
+    return value
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
@@ -184,10 +158,25 @@ def bus(name: str, value: Any) -> EventBus | None:
     return value
 
 
-train_step = callable_or_none("a callable step(ctx) or None", show_type=True)
-loss_fn = callable_or_none("a callable loss_fn(outputs, targets) or None")
-on_nonfinite = one_of("raise", "stop", "skip", "ignore",
-                      allowed="'raise', 'stop', 'skip' or 'ignore'")  # fmt: skip
+def train_step(name: str, value: Any) -> Any:
+    """A callable ``step(ctx)`` or None."""
+    if value is not None and not callable(value):
+        raise ConfigError.invalid(name, type(value).__name__, "a callable step(ctx) or None")
+    return value
+
+
+def loss_fn(name: str, value: Any) -> Any:
+    """A callable ``loss_fn(outputs, targets)`` or None."""
+    if value is not None and not callable(value):
+        raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
+    return value
+
+
+def on_nonfinite(name: str, value: Any) -> Any:
+    """``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``."""
+    if value not in ("raise", "stop", "skip", "ignore"):
+        raise ConfigError.invalid(name, value, "'raise', 'stop', 'skip' or 'ignore'")
+    return value
 
 
 def ddp(name: str, value: Any) -> bool | None:

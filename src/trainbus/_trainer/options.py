@@ -70,8 +70,8 @@ class EvalSchedule:
 
     def __post_init__(self) -> None:
         check_int("EvalSchedule.every_steps", self.every_steps, 1, optional=True)
-        checks.boolean()("EvalSchedule.epoch_end", self.epoch_end)
-        checks.boolean()("EvalSchedule.at_end", self.at_end)
+        checks.boolean("EvalSchedule.epoch_end", self.epoch_end)
+        checks.boolean("EvalSchedule.at_end", self.at_end)
 
 
 def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
@@ -233,16 +233,8 @@ CHECKS: dict[str, checks.Check] = {
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Every keyword option of ``given`` (``Trainer.__init__``'s ``locals()``) checked, in
-    the signature's order.
-
-    Returns:
-        ``{name: the value the run uses}``: ``scheduler`` as ``(scheduler, interval)``,
-        ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir`` a :class:`CheckpointDir`.
-
-    Raises:
-        ConfigError: the first option whose value its check refuses.
-    """
+    """``{name: the value the run uses}`` of every keyword option of ``given``
+    (``Trainer.__init__``'s ``locals()``), checked in the signature's order."""
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
@@ -278,11 +270,8 @@ def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
     """The loop's :class:`Settings` from the positional arguments, the checked ``options``
-    and the bus' ``barriers``, after the checks of two options at once.
-
-    Raises:
-        ConfigError: naming the first bad argument, its value and what is allowed.
-    """
+    and the bus' ``barriers``, after the checks of the positional arguments and of two options
+    at once."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)

@@ -32,15 +32,8 @@ log = get_logger(__name__)
 def check_resume(
     resume: object, checkpoint_dir: Path | None, require_checkpoint: object = False
 ) -> str | Path | None:
-    """Validate ``fit(resume=..., require_checkpoint=...)``.
-
-    Returns:
-        None, ``"latest"`` or the checkpoint's ``Path``.
-
-    Raises:
-        ConfigError: not a path or ``"latest"``, no such file, ``"latest"`` without a
-            ``checkpoint_dir``, or ``require_checkpoint`` not a bool or True without ``resume``.
-    """
+    """``fit(resume=..., require_checkpoint=...)`` checked: None, ``"latest"`` (with a
+    ``checkpoint_dir``) or an existing checkpoint's ``Path``."""
     if not isinstance(require_checkpoint, bool):
         raise ConfigError.invalid("require_checkpoint", require_checkpoint, "True or False")
     if resume is None:
@@ -62,12 +55,7 @@ def check_resume(
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkpoint:
-    """Load only the model weights of the checkpoint ``path`` into ``model`` (unwrapped).
-
-    Raises:
-        CheckpointError: the file is missing, damaged or foreign, a sharded folder, or its
-            weights do not fit the model.
-    """
+    """Load only the model weights of the checkpoint ``path`` into ``model`` (unwrapped)."""
     checkpoint = read_checkpoint(path, map_location="cpu")  # load_state_dict copies in place
     checkpoint.restore_weights(unwrap_model(model))
     return checkpoint
@@ -75,13 +63,7 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkp
 
 class CallbackStates:
     """Resuming a run (the checkpoint loaded, its states restored) and the stateful
-    callbacks' states collected at each save.
-
-    Args:
-        bus: The trainer's bus (flushed before a collection; carries the load events).
-        callbacks: Returns the added callbacks, in attachment order.
-        thread: The training thread, which collects the states at a save.
-    """
+    callbacks' states (of ``callbacks()``, the added ones) collected at each save."""
 
     def __init__(
         self,
