@@ -12,7 +12,6 @@ import inspect
 import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from .._loop.set_metrics import SetMetric
 from .._loop.settings import Precision
 from .._validate import check_int
 from ..callbacks._base import Callback
-from ..checkpoint import check_checkpoint_dir
 
 Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""
@@ -123,12 +121,6 @@ def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
                 f"takes {taken}",
             )
     return out
-
-
-def checkpoint_dir(name: str, value: Any) -> Path | None:
-    """None, or a folder creatable and writable, not under a file: found now, not at the
-    first save (nothing is created)."""
-    return None if value is None else check_checkpoint_dir(value)
 
 
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:

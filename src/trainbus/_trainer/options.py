@@ -26,6 +26,7 @@ from .._loop.optimizers import check_optimizers, check_schedulers
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
+from ..checkpoint import check_checkpoint_dir
 from . import checks
 from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
@@ -141,7 +142,8 @@ class CheckpointDir:
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise ConfigError.invalid("CheckpointDir.path", self.path, "a folder (str or Path)")
-        object.__setattr__(self, "path", checks.checkpoint_dir("CheckpointDir.path", self.path))
+        # Creatable and writable, not under a file: found now, not at the first save.
+        object.__setattr__(self, "path", check_checkpoint_dir(self.path))
         object.__setattr__(
             self, "skip_final", checks.skip_final("CheckpointDir.skip_final", self.skip_final)
         )

@@ -210,9 +210,7 @@ class Trainer:
         self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
-        instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
-        for cb in instances:
-            self.add_callback(cb)
+        instances = [self.add_callback(cb) for cb in checked["callbacks"]]
         progress = checked["progress"]
         if (progress if progress is not None else progress_by_default()) and not any(
             isinstance(cb, Progress) for cb in instances
