@@ -1,4 +1,5 @@
-"""The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`.
+"""The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`,
+and of the data (a loader, the evaluation sets, a one-shot iterator iterated twice).
 
 Each takes the option's (or a group field's) name and value, returns the value the run uses,
 and raises :class:`~trainbus.ConfigError` naming the option, the value and what is allowed.
