@@ -16,7 +16,6 @@ from .result import FitResult as FitResult
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
-from .settings import eval_sets as eval_sets
 from .standalone import StandaloneRun as StandaloneRun
 
 __all__ = [
@@ -34,7 +33,6 @@ __all__ = [
     "Settings",
     "StandaloneRun",
     "TrainContext",
-    "eval_sets",
     "evaluation_metric_names",
     "join_outputs",
 ]

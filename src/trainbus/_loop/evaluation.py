@@ -36,11 +36,8 @@ EvalTrigger: TypeAlias = ev.EvalTrigger
 
 
 def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
-    """What metric function ``name`` returned, as a tensor on ``device``.
-
-    Raises:
-        ConfigError: a value that is not a number or a tensor (a dict, None, a string).
-    """
+    """What metric function ``name`` returned, as a tensor on ``device``; ``ConfigError`` for
+    a value that is not a number or a tensor."""
     try:
         return torch.as_tensor(value, device=device)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -85,12 +82,7 @@ class Evaluator:
         last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).
 
     Args:
-        settings: The run's settings (model, eval sets, metrics, device, precision).
-        port: Where the evaluation events are published.
-        state: The run's train state (its step and epoch stamp the events).
-        wants: The loop's cache of wanted events (refreshed at the start of each round).
         check_cancel: Called before each batch; raises when the run was cancelled.
-        hooks: The inline hooks (the ``eval_batch`` point); None for none.
         should_stop: Called before each batch; True ends the set's pass early (standalone
             evaluation, on ``StopTraining``) and the round after it. None: never.
         reduce: Under torchrun, ``reduce(metrics, samples)`` averages the ranks' metrics
@@ -106,7 +98,7 @@ class Evaluator:
         state: TrainState,
         wants: Wants,
         check_cancel: Callable[[], None],
-        hooks: Hooks | None = None,
+        hooks: Hooks,
         should_stop: Callable[[], bool] | None = None,
         reduce: Callable[[dict[str, float], int], dict[str, float]] | None = None,
         sum_totals: Callable[[Totals], Totals] | None = None,
@@ -132,17 +124,10 @@ class Evaluator:
         round's end. Every ``XEnded`` is published even when the pass raises (with the error);
         the sets after a failed one are not scored.
 
-        Args:
-            trigger: Why it runs (``"epoch"``, ``"steps"``, ``"command"``, ``"standalone"``).
-            sets: ``(name, data)`` pairs to score; default the settings' evaluation sets.
-            triggers: Every cadence the round stands for, ``trigger`` first (the events'
-                ``triggers``); default ``(trigger,)``.
-
-        Returns:
-            The published ``EvaluationEnded`` of each set, in order.
-
-        Raises:
-            TrainingError: a set yielded no batch; or whatever the model raised.
+        ``sets``: ``(name, data)`` pairs, default the settings' evaluation sets; ``triggers``:
+        every cadence the round stands for, ``trigger`` first (default ``(trigger,)``). Returns
+        the published ``EvaluationEnded`` of each set; ``TrainingError`` for a set that yielded
+        no batch.
         """
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
@@ -189,7 +174,7 @@ class Evaluator:
         """Run the round's ``point`` hooks with one shared context. ``"after_evaluation"``
         unwinds like nested context managers: in reverse order, every one even when one raises;
         the first exception is raised after the last hook."""
-        hooks = () if self._hooks is None else self._hooks.by_point[point]
+        hooks = self._hooks.by_point[point]
         if not hooks:
             return
         s, st = self._s, self._state
@@ -245,7 +230,7 @@ class Evaluator:
     ) -> dict[str, float]:
         s, pub, st, want = self._s, self._port.publish, self._state, self._wants
         names = list(s.metrics)
-        hooks = () if self._hooks is None else self._hooks.by_point["eval_batch"]
+        hooks = self._hooks.by_point["eval_batch"]
         should_stop = self._should_stop
         total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
         on_cpu = s.device.type == "cpu"
@@ -310,8 +295,7 @@ class Evaluator:
         return metrics
 
     def _set_metrics(self, dataset: str, totals: SetTotals) -> dict[str, float]:
-        """The set metrics' values from the pass' totals; a metric that raised is counted in
-        :attr:`failures` and left out."""
+        """The set metrics' values; one that raised is counted in :attr:`failures`, left out."""
         s, step, fail = self._s, self._state.step, self.failures.failed
         read = totals.read()
         if self._sum_totals is not None:

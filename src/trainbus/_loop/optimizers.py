@@ -9,7 +9,7 @@ mapping and wraps it in an :class:`OptimizerSet`, used wherever one optimizer is
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -139,7 +139,7 @@ class SchedulerSet:
             sched.load_state_dict(state_dict[name])
 
 
-def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool = False) -> None:
+def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
         raise ConfigError.invalid(name, type(opt).__name__, "a torch.optim.Optimizer")
     if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
@@ -155,21 +155,13 @@ def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool = False)
 def check_optimizers(
     model: torch.nn.Module, optimizer: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
-    """Check ``optimizer`` (one optimizer, or a mapping of names to optimizers).
-
-    Returns:
-        ``(the optimizer the loop steps, {name: optimizer})``: one optimizer is itself and
-        ``{"default": it}``; a mapping is an :class:`OptimizerSet` and the mapping.
-
-    Raises:
-        ConfigError: not an optimizer nor a non-empty mapping of identifier names to
-            optimizers; an optimizer over none of the model's parameters; one optimizer under
-            two names; two optimizers sharing a parameter.
-    """
-    params = {id(p) for p in model.parameters()}
+    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
+    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
+    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
+    params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
     if not isinstance(optimizer, Mapping):
         if isinstance(optimizer, torch.optim.Optimizer):
-            _over_model("optimizer", optimizer, params, sharded=is_sharded_model(model))
+            _over_model("optimizer", optimizer, params, sharded=sharded)
             return optimizer, {DEFAULT_NAME: optimizer}
         raise ConfigError.invalid(
             "optimizer", type(optimizer).__name__,
@@ -183,14 +175,14 @@ def check_optimizers(
     for name, opt in optimizer.items():
         if not isinstance(name, str) or not name.isidentifier():
             raise ConfigError.invalid("optimizer", name, "names that are identifiers")
-        _over_model(f"optimizer[{name!r}]", opt, params, sharded=is_sharded_model(model))
+        _over_model(f"optimizer[{name!r}]", opt, params, sharded=sharded)
         if id(opt) in seen:
             raise ConfigError.invalid(
                 f"optimizer[{name!r}]", type(opt).__name__,
                 f"a different optimizer than optimizer[{seen[id(opt)]!r}]",
             )  # fmt: skip
         seen[id(opt)] = name
-        for p in _params(opt):
+        for p in (q for g in opt.param_groups for q in g["params"]):
             if id(p) in owner:
                 raise ConfigError.invalid(
                     f"optimizer[{name!r}]", type(opt).__name__,
@@ -200,10 +192,6 @@ def check_optimizers(
             owner[id(p)] = name
     named = dict(optimizer)
     return OptimizerSet(named), named
-
-
-def _params(opt: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    return (p for g in opt.param_groups for p in g["params"])
 
 
 def check_schedulers(

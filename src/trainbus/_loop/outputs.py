@@ -1,11 +1,7 @@
-"""Model outputs taken apart and put back together with the type users index.
-
-Detaching outputs, copying them to the host (:class:`HostOutputs`) and joining a prediction's
-batches (:func:`join_outputs`) walk the outputs' structure and rebuild each container as its
-own type (a Hugging Face ``ModelOutput`` stays one). Joining pads tensors whose sizes past the
-first dimension differ (:class:`PadValues`) and stacks a scalar per batch; what padding cannot
-join is an error naming the key and both shapes, raised by :class:`OutputsCheck` at the first
-such batch. docs/trainer.md ("Evaluate and predict outside ``fit()``") has the rules.
+"""Model outputs taken apart and put back together with the type users index (a Hugging Face
+``ModelOutput`` stays one): detached, copied to the host (:class:`HostOutputs`) and a
+prediction's batches joined (:func:`join_outputs`, checked batch by batch by
+:class:`OutputsCheck`); docs/trainer.md ("Evaluate and predict outside ``fit()``").
 """
 
 from __future__ import annotations
@@ -71,13 +67,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
 
 
 def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str]:
-    """The output keys ``predict`` drops: ``ignore_keys`` as given; with None, as Hugging
-    Face's ``predict`` decides (a model with a ``config``: its ``keys_to_ignore_at_inference``,
-    else ``["cache"]``; any other model: none).
-
-    Raises:
-        ConfigError: ``ignore_keys`` is not None nor an iterable of strings.
-    """
+    """The output keys ``predict`` drops: ``ignore_keys`` (an iterable of strings) as given;
+    with None, as Hugging Face's ``predict`` decides (a model with a ``config``: its
+    ``keys_to_ignore_at_inference``, else ``["cache"]``; any other model: none)."""
     if ignore_keys is None:
         config = getattr(model, "config", None)
         keys = () if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
@@ -138,12 +130,8 @@ class PadValues:
 
     @classmethod
     def check(cls, pad_value: Any) -> PadValues:
-        """``predict``'s ``pad_value`` checked: None (the defaults), one number for every
-        tensor, or a mapping of output keys (``str``) and dtypes to numbers.
-
-        Raises:
-            ConfigError: anything else, or a dtype's value that the dtype cannot hold.
-        """
+        """``predict``'s ``pad_value``: None (the defaults), one number for every tensor, or a
+        mapping of output keys (``str``) and dtypes to numbers (each one its dtype holds)."""
         if pad_value is None:
             return cls()
         if not isinstance(pad_value, Mapping):
@@ -164,12 +152,8 @@ class PadValues:
         return cls(by_key=by_key, by_dtype=by_dtype)
 
     def for_tensor(self, key: str | None, dtype: torch.dtype) -> PadValue:
-        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``.
-
-        Raises:
-            ConfigError: the value chosen is one ``dtype`` cannot hold (-100 for ``uint8``,
-                0.5 for ``int64``), naming the option that gave it.
-        """
+        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``; a
+        ``ConfigError`` naming the option that gave a value ``dtype`` cannot hold."""
         if key is not None and key in self.by_key:
             value, field = self.by_key[key], f"pad_value[{key!r}]"
         elif dtype in self.by_dtype:
@@ -212,6 +196,16 @@ def _joinable(path: str, index: int, first: torch.Tensor, other: Any) -> None:
         raise _join_error(path, index, first, other)
 
 
+def _alike(first: Any, other: Any) -> bool:
+    """Whether :func:`join_outputs` joins ``other`` with ``first`` element by element (a
+    sequence of ``first``'s type and length) or key by key (a mapping with its keys)."""
+    if isinstance(first, tuple | list):
+        return isinstance(other, type(first)) and len(other) == len(first)
+    return (
+        isinstance(first, Mapping) and isinstance(other, Mapping) and other.keys() == first.keys()
+    )
+
+
 def _concat(tensors: list[torch.Tensor], pad: PadValues, key: str | None) -> torch.Tensor:
     """Concatenate along the first dimension, each other dimension padded at its end to the
     largest size among ``tensors`` (with ``pad``'s value for ``key`` and their dtype)."""
@@ -235,24 +229,11 @@ def join_outputs(
     _path: str = "outputs",
     _key: str | None = None,
 ) -> Any:
-    """Concatenate per-batch outputs along the first dimension.
-
-    Tensors are concatenated, padded where their other dimensions differ; scalars stacked;
-    tuples/lists and mappings joined per element and key, keeping their type; anything else
-    comes back as the list of per-batch outputs. No batch gives ``[]``.
-
-    Args:
-        batches: One output per batch, in order.
-        pad: The pad values; None: the defaults.
-
-    Returns:
-        The joined outputs.
-
-    Raises:
-        TrainingError: tensors under one key that padding cannot join, naming the key, the
-            batch and both shapes.
-        ConfigError: a pad value the tensor's dtype cannot hold.
-    """
+    """The per-batch outputs ``batches`` concatenated along the first dimension: tensors
+    padded (``pad``; None: the defaults) where their other dimensions differ, scalars stacked,
+    tuples/lists and mappings joined per element and key as their type; anything else the list
+    of ``batches``; no batch ``[]``. ``TrainingError`` for tensors padding cannot join (naming
+    the key, the batch and both shapes), ``ConfigError`` for a pad value a dtype cannot hold."""
     if not batches:
         return []
     pad = pad or PadValues()
@@ -263,27 +244,23 @@ def join_outputs(
         if first.dim() == 0:
             return torch.stack(list(batches))
         return _concat(list(batches), pad, _key)
-    if isinstance(first, tuple | list) and all(
-        isinstance(b, type(first)) and len(b) == len(first) for b in batches
-    ):
+    if not all(_alike(first, b) for b in batches):
+        return list(batches)
+    if isinstance(first, tuple | list):
         return _sequence_like(first, [join_outputs([b[i] for b in batches], pad,
                                                    _path=f"{_path}[{i}]", _key=_key)
                                       for i in range(len(first))])  # fmt: skip
-    if isinstance(first, Mapping) and all(
-        isinstance(b, Mapping) and b.keys() == first.keys() for b in batches
-    ):
-        return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad,
-                                                     _path=f"{_path}[{k!r}]", _key=str(k))
-                                     for k in first})  # fmt: skip
-    return list(batches)
+    return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad,
+                                                 _path=f"{_path}[{k!r}]", _key=str(k))
+                                 for k in first})  # fmt: skip
 
 
 class OutputsCheck:
-    """Checks each batch's outputs against the first batch's layout (no tensor kept), so that
-    outputs :func:`join_outputs` could not join fail at the first such batch.
+    """Checks each batch's outputs by :func:`join_outputs`' rules against the first batch's
+    (kept as meta tensors), so that outputs it could not join fail at the first such batch.
 
     A container whose type, length or keys change is no longer checked (it joins as a list).
-    A pad value is checked against its dtype only once padding becomes needed.
+    A pad value is checked against its dtype where padding is needed.
 
     Args:
         pad: The pad values.
@@ -291,26 +268,19 @@ class OutputsCheck:
 
     def __init__(self, pad: PadValues) -> None:
         self._pad = pad
-        self._layout: Any = None
+        self._first: Any = None
+        self._started = False
+        self._loose: set[str] = set()  # the paths of the containers that join as lists
 
     def add(self, outputs: Any, index: int) -> None:
-        """Check one batch's outputs.
-
-        Args:
-            outputs: The batch's outputs.
-            index: Its batch index (the error names it).
-
-        Raises:
-            TrainingError: a tensor that padding cannot join to the first batch's, naming its
-                key and both shapes.
-            ConfigError: a ``pad_value`` key no output of the first batch has; the first time
-                a tensor needs padding, a pad value its dtype cannot hold.
-        """
-        if self._layout is not None:
-            self._layout = self._compare(self._layout, outputs, "outputs", None, index)
+        """Check the outputs of batch ``index``: ``TrainingError`` for a tensor padding cannot
+        join to the first batch's; ``ConfigError`` for a ``pad_value`` key no output of the
+        first batch has, or a pad value a tensor that needs padding cannot hold."""
+        if self._started:
+            self._check(self._first, outputs, index, "outputs", None)
             return
-        self._layout = _layout(outputs)
-        keys = _keys(self._layout)
+        self._first, self._started = map_tensors(lambda t: t.to("meta"), outputs), True
+        keys = _keys(outputs)
         unknown = sorted(set(self._pad.by_key) - keys)
         if unknown:
             raise ConfigError.invalid(
@@ -319,57 +289,29 @@ class OutputsCheck:
                 "torch dtypes",
             )  # fmt: skip
 
-    def _compare(self, layout: Any, outputs: Any, path: str, key: str | None, index: int
-                 ) -> Any:  # fmt: skip
-        """``layout`` checked against a later batch's ``outputs`` by :func:`join_outputs`'
-        rules; returns the layout for the next batches (opaque where it became a list)."""
-        kind = layout[0]
-        if kind == "tensor":
-            _, dtype, shape, padded = layout
-            if (not isinstance(outputs, torch.Tensor) or outputs.dim() != len(shape)
-                    or outputs.dtype != dtype):  # fmt: skip
-                raise _join_error(path, index, torch.empty(shape, dtype=dtype, device="meta"),
-                                  outputs)  # fmt: skip
-            if padded or outputs.shape[1:] == shape[1:]:
-                return layout
-            self._pad.for_tensor(key, dtype)  # padding is needed from here: can it pad?
-            return ("tensor", dtype, shape, True)
-        if kind == "sequence":
-            _, cls, children = layout
-            if not isinstance(outputs, cls) or len(outputs) != len(children):
-                return _OPAQUE
-            return ("sequence", cls, [self._compare(c, o, f"{path}[{i}]", key, index)
-                                      for i, (c, o) in enumerate(zip(children, outputs,
-                                                                     strict=True))])  # fmt: skip
-        if kind == "mapping":
-            children = layout[1]
-            if not isinstance(outputs, Mapping) or outputs.keys() != children.keys():
-                return _OPAQUE
-            return ("mapping", {k: self._compare(c, outputs[k], f"{path}[{k!r}]", str(k), index)
-                                for k, c in children.items()})  # fmt: skip
-        return layout
+    def _check(self, first: Any, other: Any, index: int, path: str, key: str | None) -> None:
+        if path in self._loose:
+            return
+        if isinstance(first, torch.Tensor):
+            _joinable(path, index, first, other)
+            if other.shape[1:] != first.shape[1:]:
+                self._pad.for_tensor(key, first.dtype)  # padding is needed: can it pad?
+        elif not _alike(first, other):
+            self._loose.add(path)
+        elif isinstance(first, Mapping):
+            for k, v in first.items():
+                self._check(v, other[k], index, f"{path}[{k!r}]", str(k))
+        else:
+            for i, (v, o) in enumerate(zip(first, other, strict=True)):
+                self._check(v, o, index, f"{path}[{i}]", key)
 
 
-_OPAQUE = ("opaque",)
-
-
-def _layout(outputs: Any) -> Any:
-    """The layout of one batch's outputs, as tuples (no tensor kept)."""
-    if isinstance(outputs, torch.Tensor):
-        return ("tensor", outputs.dtype, tuple(outputs.shape), False)
-    if isinstance(outputs, tuple | list):
-        return ("sequence", type(outputs), [_layout(o) for o in outputs])
+def _keys(outputs: Any) -> set[str]:
+    """Every mapping key in ``outputs``, at any depth."""
     if isinstance(outputs, Mapping):
-        return ("mapping", {k: _layout(v) for k, v in outputs.items()})
-    return _OPAQUE
-
-
-def _keys(layout: Any) -> set[str]:
-    """Every mapping key in ``layout``, at any depth."""
-    if layout[0] == "sequence":
-        return set().union(*(_keys(c) for c in layout[2]))
-    if layout[0] == "mapping":
-        return {str(k) for k in layout[1]}.union(*(_keys(c) for c in layout[1].values()))
+        return {str(k) for k in outputs}.union(*(_keys(v) for v in outputs.values()))
+    if isinstance(outputs, tuple | list):
+        return set().union(*(_keys(o) for o in outputs))
     return set()
 
 

@@ -13,12 +13,8 @@ __all__ = ["AddedCallbacks", "hook_methods", "instance"]
 
 
 def hook_methods(callback: Callback) -> dict[str, str]:
-    """The callback's ``hook_*`` methods and their points, its ``on_*`` methods checked.
-
-    Raises:
-        ConfigError: a misspelt ``on_*`` / ``hook_*`` method; a Lightning method name
-            (``on_train_batch_end``) names the trainbus method that replaces it.
-    """
+    """The callback's ``hook_*`` methods and their points, its ``on_*`` methods checked (a
+    Lightning method name, ``on_train_batch_end``, refused naming what replaces it)."""
     cls = type(callback)
     try:
         return cls.methods()[1]
@@ -31,11 +27,7 @@ def hook_methods(callback: Callback) -> dict[str, str]:
 
 
 def instance(callback: Callback | type[Callback]) -> Callback:
-    """The callback, a Callback class instantiated.
-
-    Raises:
-        ConfigError: not a Callback subclass or instance.
-    """
+    """The callback, a Callback class instantiated (else ``ConfigError``)."""
     is_class = isinstance(callback, type) and issubclass(callback, Callback)
     cb = callback() if is_class else callback  # type: ignore[operator]
     if not isinstance(cb, Callback):
@@ -44,12 +36,8 @@ def instance(callback: Callback | type[Callback]) -> Callback:
 
 
 class AddedCallbacks:
-    """The added callbacks, each with what adding it created (to undo it on removal).
-
-    Args:
-        bus: Where their ``on_*`` subscribers and ``setup(bus)`` pipelines go.
-        hooks: Where their ``hook_*`` methods go.
-    """
+    """The added callbacks, each with what adding it created on the bus and in the hooks (to
+    undo it on removal)."""
 
     def __init__(self, bus: EventBus, hooks: Hooks) -> None:
         self._bus = bus
@@ -66,15 +54,7 @@ class AddedCallbacks:
         return tuple(entry[0] for entry in self._entries.values())
 
     def add(self, callback: Callback | type[Callback], tier: Tier) -> Callback:
-        """Add a callback (see ``Trainer.add_callback``).
-
-        Returns:
-            The added instance.
-
-        Raises:
-            ConfigError: not a Callback, added already, a misspelt ``on_*`` / ``hook_*``
-                method, or a ``state_key`` another added stateful callback has.
-        """
+        """Add a callback (``Trainer.add_callback``); the added instance."""
         cb = instance(callback)
         if id(cb) in self._entries:
             raise ConfigError.invalid("callback", cb, "a callback not added yet")
@@ -98,11 +78,7 @@ class AddedCallbacks:
         return cb
 
     def remove(self, callback: Callback) -> None:
-        """Detach a callback: dispose its subscriptions and remove its hooks.
-
-        Raises:
-            ConfigError: the callback is not added.
-        """
+        """Detach an added callback: dispose its subscriptions and remove its hooks."""
         entry = self._entries.pop(id(callback), None)
         if entry is None:
             raise ConfigError.invalid("callback", callback, "a callback added to this trainer")

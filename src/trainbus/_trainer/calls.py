@@ -1,14 +1,15 @@
-"""The training thread, the bus around one call (:class:`CallRunner`), and the watchers for
-cancellation and SIGINT/SIGTERM."""
+"""The training thread, the bus around one call (:class:`CallRunner`), the watchers for
+cancellation and SIGINT/SIGTERM, and the DataLoader workers a call leaves behind."""
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import multiprocessing
 import multiprocessing.resource_tracker
 import signal
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import Any, TypeVar
@@ -17,6 +18,7 @@ import anyio
 import anyio.from_thread
 import anyio.lowlevel
 from anyio.lowlevel import EventLoopToken
+from torch.utils.data import DataLoader
 
 try:
     import sniffio
@@ -33,13 +35,19 @@ from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
 from ..checkpoint import TrainState
 
-__all__ = ["CallRunner", "SignalWatcher", "TrainingThread", "watch_cancel", "watching_cancel"]
+__all__ = [
+    "CallRunner",
+    "SignalWatcher",
+    "TrainingThread",
+    "end_workers",
+    "interrupt_for",
+    "spawns_workers",
+    "watching_cancel",
+]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
-
-THREAD_NAME = "trainbus-training"
 
 
 class TrainingThread:
@@ -56,22 +64,16 @@ class TrainingThread:
     """
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=THREAD_NAME)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainbus-training")
         self._ident: int | None = None  # the thread's, once it ran a call
         self._token: EventLoopToken | None = None  # the running call's event loop
         self._scopes: set[anyio.CancelScope] = set()  # what the thread awaits there now
         self._cancelled = False
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn()`` on the training thread in a copy of the caller's context; wait for it,
-        through a cancellation of the caller too (raised at the caller's next checkpoint).
-
-        Returns:
-            What ``fn`` returned.
-
-        Raises:
-            What ``fn`` raised.
-        """
+        """``fn()`` run on the training thread in a copy of the caller's context (what it
+        returned, or raised), waited for through a cancellation of the caller too (raised at
+        the caller's next checkpoint)."""
         done = anyio.Event()
         box: list[tuple[bool, Any]] = []
         token = anyio.lowlevel.current_token()
@@ -115,10 +117,7 @@ class TrainingThread:
         Raises:
             Cancelled: the caller was cancelled (before or while ``fn`` ran).
         """
-        token = self._token
-        if token is None or self._cancelled:
-            raise Cancelled
-        finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=token)
+        finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=self._live())
         if not finished:
             raise Cancelled
         return value  # type: ignore[return-value]  # finished: what fn returned
@@ -129,10 +128,13 @@ class TrainingThread:
         Raises:
             Cancelled: the caller was cancelled.
         """
-        token = self._token
-        if token is None or self._cancelled:
+        return anyio.from_thread.run_sync(fn, *args, token=self._live())
+
+    def _live(self) -> EventLoopToken:
+        """The running call's event loop; ``Cancelled`` when none runs or it was cancelled."""
+        if self._token is None or self._cancelled:
             raise Cancelled
-        return anyio.from_thread.run_sync(fn, *args, token=token)
+        return self._token
 
     async def _cancellable(
         self, fn: Callable[..., Awaitable[T]], args: tuple[Any, ...]
@@ -160,8 +162,7 @@ class TrainingThread:
         self._pool.shutdown(wait=self._ident != threading.get_ident())
 
 
-async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
-    """Sleep until cancelled, then ask ``run`` (and what the thread awaits) to stop."""
+async def _watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> None:
     try:
         await anyio.sleep_forever()
     finally:
@@ -171,11 +172,11 @@ async def watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> Non
 
 @contextlib.asynccontextmanager
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
-    """While the block runs, a cancellation of the caller asks ``run`` to stop
-    (:func:`watch_cancel`); at its end the watcher ends by its own scope."""
+    """While the block runs, a cancellation of the caller asks ``run`` (and what the thread
+    awaits) to stop; at its end the watcher ends by its own scope."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
-        tasks.start_soon(watch_cancel, run, thread)
+        tasks.start_soon(_watch_cancel, run, thread)
         try:
             yield
         finally:
@@ -183,29 +184,18 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 
 class CallRunner:
-    """The bus around one trainer call, its barriers, and the standalone runs on it.
-
-    Args:
-        bus: The trainer's bus.
-        hooks: The trainer's hooks (run by standalone runs too).
-        barrier_timeout: How long a barrier waits for its subscribers.
-        thread: The trainer's training thread.
-    """
+    """The bus around one trainer call, its barriers (waiting ``barrier_timeout`` for their
+    subscribers), and the standalone runs on it (with the trainer's ``hooks``)."""
 
     def __init__(
         self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
     ) -> None:
         self._bus = bus
-        self._port = bus.port()
+        self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._thread = thread
         self._interrupted = False
-
-    @property
-    def port(self) -> LoopPort:
-        """The bus' loop face, handed to the training loop and the standalone runs."""
-        return self._port
 
     def begin(self) -> None:
         """A ``fit()`` begins: uninterrupted."""
@@ -217,17 +207,11 @@ class CallRunner:
         self._interrupted = True
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
-        """On the training thread at a barrier event: wait for its deciders.
-
-        Returns:
-            The bus' barrier status.
-
-        Raises:
-            Cancelled: ``fit()`` was cancelled while the loop waited here.
-        """
+        """On the training thread at a barrier event: wait for its deciders; the bus' barrier
+        status (``Cancelled`` when ``fit()`` was cancelled meanwhile)."""
         if self._interrupted:
             return "done"
-        status: str = self._thread.call(self._port.wait_barrier, self._timeout, event, resume)
+        status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
         return status
 
     @contextlib.asynccontextmanager
@@ -259,18 +243,11 @@ class CallRunner:
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
     ) -> Any:
-        """Run ``fn(run)`` (evaluate/predict) on the training thread with the bus running.
-
-        Args:
-            fn: What to do with the :class:`StandaloneRun`.
-            settings: The settings it runs with (the model is moved to their device).
-            state: The last fit's train state, or None before any.
-
-        Raises:
-            Whatever ``fn`` raised, after the bus delivered the closing events.
-        """
+        """``fn(run)`` (evaluate/predict) on the training thread with the bus running, the
+        model moved to ``settings.device``; ``state``: the last fit's, or None before any. What
+        ``fn`` raised is raised after the bus delivered the closing events."""
         settings.model.to(settings.device)
-        run = StandaloneRun(settings, self._port, self._hooks,
+        run = StandaloneRun(settings, self.port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
         box: dict[str, Any] = {}
 
@@ -300,31 +277,23 @@ class SignalWatcher:
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
         on_signal: Called (in the handler) at the first signal, before the command is sent.
-    """
 
-    SIGNALS = STOP_SIGNALS
+    Attributes:
+        received: The signal that asked the run to stop (None: none, or only ones after
+            training ended); reset at each install.
+        aborted: Whether a second signal aborted the run.
+    """
 
     def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
         self._bus = bus
         self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
         self._on_signal = on_signal
-        self._aborted = False
-        self._received = 0
+        self.aborted = False
+        self.received: signal.Signals | None = None
+        self._count = 0  # the signals that asked the run to stop
         self._cancels = 0
         self._installed = False
         self._run: Loop | None = None
-        self._first: signal.Signals | None = None
-
-    @property
-    def received(self) -> signal.Signals | None:
-        """The signal that asked the run to stop (None: none, or only ones after training
-        ended); reset at each install."""
-        return self._first
-
-    @property
-    def aborted(self) -> bool:
-        """Whether a second signal aborted the run."""
-        return self._aborted
 
     def watch(self, run: Loop | None) -> None:
         """The loop a second signal cancels (None once it ended)."""
@@ -342,11 +311,10 @@ class SignalWatcher:
         ):
             yield
             return
-        self._aborted = False
-        self._received = 0
-        self._cancels = 0
-        self._first = None
-        previous = {signum: signal.getsignal(signum) for signum in not_ignored(self.SIGNALS)}
+        self.aborted = False
+        self.received = None
+        self._count = self._cancels = 0
+        previous = {signum: signal.getsignal(signum) for signum in not_ignored(STOP_SIGNALS)}
         for signum in previous:
             signal.signal(signum, self._handle)
         self._installed = True
@@ -354,24 +322,17 @@ class SignalWatcher:
             yield
         finally:
             self._installed = False
-            if self._received:  # a StopTraining the loop never read was for this call only
+            if self._count:  # a StopTraining the loop never read was for this call only
                 self._port.withdraw(_is_signal_stop)
             for signum, handler in previous.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def masked(self, fn: Callable[[], T], spawns: bool = False) -> Callable[[], T]:
-        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles it.
-
-        DataLoader workers inherit that thread's signal mask: a Ctrl-C sent to the process
-        group then reaches only the main process' handler, not the workers (which would
-        otherwise die and fail the run before its final checkpoint). The mask is restored
-        after ``fn``.
-
-        Args:
-            fn: What the training thread runs.
-            spawns: The run's loaders spawn workers: start multiprocessing's resource tracker
-                first, as its start unblocks SIGINT (``trainbus._trainer.workers``).
-        """
+        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles
+        it: DataLoader workers inherit the mask, so a Ctrl-C to the process group reaches only
+        the main process' handler, not the workers (which would die and fail the run before its
+        final checkpoint). ``spawns`` (:func:`spawns_workers`): start multiprocessing's resource
+        tracker first, as its start unblocks SIGINT."""
 
         def run_masked() -> T:
             if not self._installed or not hasattr(signal, "pthread_sigmask"):
@@ -391,22 +352,22 @@ class SignalWatcher:
         if run is not None and run.result is not None:
             # Training ended; the call waits for async subscribers: cancel what they hold
             # (lost work); a further signal also makes fit() raise KeyboardInterrupt.
-            self._aborted = self._aborted or self._cancels > 0
+            self.aborted = self.aborted or self._cancels > 0
             self._cancels += 1
             self._port.request_cancel_pending()
             with contextlib.suppress(Exception):
                 log.warning("signal_received", signal=signal.Signals(signum).name,
                             action="cancel pending async work")  # fmt: skip
             return
-        self._received += 1
-        if self._received == 1:
-            self._first = signal.Signals(signum)
+        self._count += 1
+        if self._count == 1:
+            self.received = signal.Signals(signum)
             if self._on_signal is not None:
                 self._on_signal()
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:
-            self._aborted = True
+            self.aborted = True
             run = self._run
             if run is not None:
                 run.request_cancel()
@@ -418,3 +379,61 @@ class SignalWatcher:
 
 def _is_signal_stop(command: cmd.Command) -> bool:
     return isinstance(command, cmd.StopTraining) and command.reason == "signal"
+
+
+def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:
+    """What ``fit()`` raises after a graceful stop by ``signum`` with ``on_signal="raise"``:
+    ``KeyboardInterrupt`` for SIGINT, else ``SystemExit(128 + signum)`` (``step``: where the
+    run stopped; ``checkpoint``: the last one written, or None)."""
+    where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
+    if signum == signal.SIGINT:
+        return KeyboardInterrupt(
+            f"trainbus: SIGINT stopped the run gracefully {where}; trainer.result holds the "
+            "result (Trainer(on_signal='return') returns it instead)"
+        )
+    exit_ = SystemExit(128 + int(signum))
+    exit_.add_note(f"trainbus: {signum.name} stopped the run gracefully {where}; "
+                   "trainer.result holds the result (Trainer(on_signal='return') returns it "
+                   "instead)")  # fmt: skip
+    return exit_
+
+
+# Persistent DataLoader workers outlive their iterator: a sweep of runs in one process would
+# pile them up (and every later fork copies the old iterators, whose __del__ then fails), so
+# end_workers shuts them down when a call ends, through the loader's guarded
+# _iterator._shutdown_workers() (torch has no public method for it).
+def _start_method(loader: DataLoader[Any]) -> str:
+    context = loader.multiprocessing_context
+    if context is not None:
+        return str(context.get_start_method())
+    # allow_none: reading must not fix the default (a later set_start_method would raise).
+    method = multiprocessing.get_start_method(allow_none=True)
+    return method if method is not None else multiprocessing.get_all_start_methods()[0]
+
+
+def spawns_workers(loaders: Iterable[object]) -> bool:
+    """Whether any of ``loaders`` is a ``DataLoader`` starting workers by spawn or forkserver."""
+    return any(
+        isinstance(loader, DataLoader)
+        and loader.num_workers > 0
+        and _start_method(loader) != "fork"
+        for loader in loaders
+    )
+
+
+def end_workers(loaders: Iterable[object]) -> None:
+    """Shut down the persistent workers of the ``DataLoader``\\ s among ``loaders``; the next
+    ``iter()`` of a loader starts fresh ones."""
+    seen: set[int] = set()
+    for loader in loaders:
+        if not isinstance(loader, DataLoader) or id(loader) in seen:
+            continue
+        seen.add(id(loader))
+        if not (loader.persistent_workers and loader.num_workers > 0):
+            continue
+        iterator = getattr(loader, "_iterator", None)
+        shutdown = getattr(iterator, "_shutdown_workers", None)
+        if shutdown is None:
+            continue
+        loader._iterator = None
+        shutdown()

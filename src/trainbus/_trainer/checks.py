@@ -1,4 +1,5 @@
-"""The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`.
+"""The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`,
+and of the data (a loader, the evaluation sets, a one-shot iterator iterated twice).
 
 Each takes the option's (or a group field's) name and value, returns the value the run uses,
 and raises :class:`~trainbus.ConfigError` naming the option, the value and what is allowed.
@@ -11,32 +12,21 @@ from __future__ import annotations
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop.set_metrics import SetMetric
-from .._loop.settings import eval_sets
+from .._loop.settings import Precision
 from .._validate import check_int
 from ..callbacks._base import Callback
-from ..checkpoint import check_checkpoint_dir
 
 Check = Callable[[str, Any], Any]
 """``check(name, value) -> the value the run uses``; raises ConfigError."""
-
-
-def callable_or_none(allowed: str, *, show_type: bool = False) -> Check:
-    """A callable or None (``show_type``: the message shows the value's type, not the value)."""
-
-    def check(name: str, value: Any) -> Any:
-        if value is not None and not callable(value):
-            raise ConfigError.invalid(name, type(value).__name__ if show_type else value, allowed)
-        return value
-
-    return check
 
 
 def int_at_least(minimum: int, *, optional: bool = False) -> Check:
@@ -44,31 +34,10 @@ def int_at_least(minimum: int, *, optional: bool = False) -> Check:
     return lambda name, value: check_int(name, value, minimum, optional=optional)
 
 
-def boolean(allowed: str = "True or False") -> Check:
+def boolean(name: str, value: Any) -> bool:
     """True or False."""
-
-    def check(name: str, value: Any) -> bool:
-        if not isinstance(value, bool):
-            raise ConfigError.invalid(name, value, allowed)
-        return value
-
-    return check
-
-
-def one_of(*choices: str, allowed: str) -> Check:
-    """One of the strings ``choices``."""
-
-    def check(name: str, value: Any) -> Any:
-        if value not in choices:
-            raise ConfigError.invalid(name, value, allowed)
-        return value
-
-    return check
-
-
-def eval_data(name: str, value: Any) -> Any:
-    """None, an iterable of batches, or a mapping of set names to them."""
-    eval_sets(value)  # raises on a bad set; the settings build the sets
+    if not isinstance(value, bool):
+        raise ConfigError.invalid(name, value, "True or False")
     return value
 
 
@@ -155,12 +124,6 @@ def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
     return out
 
 
-def checkpoint_dir(name: str, value: Any) -> Path | None:
-    """None, or a folder creatable and writable, not under a file: found now, not at the
-    first save (nothing is created)."""
-    return None if value is None else check_checkpoint_dir(value)
-
-
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
     """Callback classes or instances (one alone too), checked, not instantiated."""
     if isinstance(value, Callback | type):
@@ -188,10 +151,25 @@ def bus(name: str, value: Any) -> EventBus | None:
     return value
 
 
-train_step = callable_or_none("a callable step(ctx) or None", show_type=True)
-loss_fn = callable_or_none("a callable loss_fn(outputs, targets) or None")
-on_nonfinite = one_of("raise", "stop", "skip", "ignore",
-                      allowed="'raise', 'stop', 'skip' or 'ignore'")  # fmt: skip
+def train_step(name: str, value: Any) -> Any:
+    """A callable ``step(ctx)`` or None."""
+    if value is not None and not callable(value):
+        raise ConfigError.invalid(name, type(value).__name__, "a callable step(ctx) or None")
+    return value
+
+
+def loss_fn(name: str, value: Any) -> Any:
+    """A callable ``loss_fn(outputs, targets)`` or None."""
+    if value is not None and not callable(value):
+        raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
+    return value
+
+
+def on_nonfinite(name: str, value: Any) -> Any:
+    """``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``."""
+    if value not in ("raise", "stop", "skip", "ignore"):
+        raise ConfigError.invalid(name, value, "'raise', 'stop', 'skip' or 'ignore'")
+    return value
 
 
 def ddp(name: str, value: Any) -> bool | None:
@@ -231,3 +209,129 @@ def trace(name: str, value: Any) -> frozenset[str]:
     if unknown:
         raise ConfigError.invalid(name, value, f"{allowed} (not {unknown})")
     return spans
+
+
+def check_loader(name: str, value: Any) -> int | None:
+    """A non-empty iterable of batches (not a tensor, a string, a map-style ``Dataset``); its
+    length when it has one."""
+    # A map-style Dataset yields samples, not batches: say how to batch it.
+    if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
+        raise ConfigError.invalid(
+            name, type(value).__name__,
+            "an iterable of batches: a Dataset gives single samples; wrap it, "
+            "DataLoader(dataset, batch_size=N, shuffle=..., collate_fn=...)",
+        )  # fmt: skip
+    if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Iterable):
+        raise ConfigError.invalid(
+            name, type(value).__name__, "an iterable of batches, such as a DataLoader or a list"
+        )
+    try:
+        length = len(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if length == 0:
+        raise ConfigError.invalid(
+            name, f"<{type(value).__name__} of length 0>", "a non-empty loader"
+        )
+    return length
+
+
+def check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
+                 max_epochs: int | None) -> None:  # fmt: skip
+    """Refuse a one-shot iterator the run iterates twice: as ``eval_data``, or as
+    ``train_data`` for more than one epoch. The test is the iterator protocol, not a call of
+    ``iter()``, which would start a ``DataLoader``'s workers."""
+    twice = [(f"eval_data[{name!r}]" if named else "eval_data", data,
+              "each evaluation makes a new pass", "") for name, data in sets]  # fmt: skip
+    if max_epochs is not None and max_epochs > 1:
+        twice.insert(0, ("train_data", train_data, f"max_epochs={max_epochs} makes a new pass "
+                         "per epoch", "; or keep it, leave max_epochs out and set a max_steps "
+                         "within its one pass"))  # fmt: skip
+    for name, value, why, alternative in twice:
+        if isinstance(value, Iterator):
+            raise ConfigError.invalid(
+                name, f"<one-shot {type(value).__name__}>",
+                f"data that can be iterated again ({why}, and a {type(value).__name__} is "
+                "spent after its first pass): a list of batches, a DataLoader, or an "
+                "IterableDataset whose __iter__ starts a new pass (wrapped in a DataLoader)"
+                f"{alternative}",
+            )  # fmt: skip
+
+
+PRECISION_SPELLINGS: Mapping[str, Precision] = {
+    "32": "32", "bf16": "bf16", "fp16": "fp16",
+    # Lightning's spellings of the same three (a user's Trainer(precision=...) carried over).
+    "32-true": "32", "bf16-mixed": "bf16", "16-mixed": "fp16",
+}  # fmt: skip
+"""Every accepted ``precision`` and what it means here."""
+
+_TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
+                "64-true": "torch.float64"}  # fmt: skip
+"""Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
+
+
+def precision(name: str, value: Any) -> Precision:
+    """``"32"``, ``"bf16"``, ``"fp16"`` or a Lightning spelling of one; a Lightning ``"*-true"``
+    is refused naming the cast to do instead."""
+    allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
+    if isinstance(value, str) and value in PRECISION_SPELLINGS:
+        return PRECISION_SPELLINGS[value]
+    if isinstance(value, str) and value in _TRUE_DTYPES:
+        raise ConfigError.invalid(
+            "precision", value,
+            f"one of {allowed}; trainbus does not cast the model: for weights in another "
+            f"dtype cast it yourself (model.to({_TRUE_DTYPES[value]})) and train with "
+            "precision='32'",
+        )  # fmt: skip
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise ConfigError.invalid("precision", value,
+                                  f"one of {allowed} (strings: precision='{value}' if that is "
+                                  "one of them)")  # fmt: skip
+    raise ConfigError.invalid("precision", value, f"one of {allowed}")
+
+
+def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bool]:
+    """``((name, data), ...)`` of ``eval_data`` (None, one loader, or a mapping of set names
+    without ``/`` to loaders) and whether the sets are named."""
+    if eval_data is None:
+        return (), False
+    if isinstance(eval_data, Mapping):
+        if not eval_data:
+            raise ConfigError.invalid(
+                "eval_data", "<empty mapping>", "a loader, or a mapping of set names to loaders"
+            )
+        sets: list[tuple[str, Iterable[Any]]] = []
+        for name, data in eval_data.items():
+            if not isinstance(name, str) or not name or "/" in name:
+                raise ConfigError.invalid(
+                    "eval_data", name, "set names that are non-empty strings without '/' "
+                    "(metrics are keyed '<set>/<metric>')",
+                )  # fmt: skip
+            check_loader(f"eval_data[{name!r}]", data)
+            sets.append((name, data))
+        return tuple(sets), True
+    check_loader("eval_data", eval_data)
+    return (("val", eval_data),), False
+
+
+def eval_data(name: str, value: Any) -> Any:
+    """None, an iterable of batches, or a mapping of set names to them."""
+    eval_sets(value)  # raises on a bad set; the settings build the sets
+    return value
+
+
+def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
+    """``CheckpointDir(skip_final=)``: an iterable of ``"stopped"``, ``"pruned"``,
+    ``"signal"``, as a set of endings."""
+    allowed = (
+        "an iterable of 'stopped', 'pruned', 'signal' (the stopped runs whose final "
+        "checkpoint to skip), e.g. {'pruned'}; empty: always write it"
+    )
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise ConfigError.invalid(name, value, allowed)
+    out = set()
+    for item in value:
+        if item not in (ev.Ending.STOPPED, ev.Ending.PRUNED, ev.Ending.SIGNAL):
+            raise ConfigError.invalid(name, item, allowed)
+        out.add(ev.Ending(item))
+    return frozenset(out)

@@ -66,12 +66,7 @@ def check_backend(backend: object) -> str:
 
 class BusHolder:
     """How a Trainer holds its bus across calls (``with``, ``async with``, or each call for
-    itself) and the portal of its sync twins.
-
-    Args:
-        bus: The trainer's bus.
-        thread: The trainer's training thread, ended when the bus closes.
-    """
+    itself) and the portal of its sync twins; the training ``thread`` ends when the bus closes."""
 
     def __init__(self, bus: EventBus, thread: TrainingThread) -> None:
         self._bus = bus
@@ -94,29 +89,25 @@ class BusHolder:
                 "training: fit(resume='latest'))"
             )
 
+    def _check_enter(self, block: str) -> None:
+        self.check_open(block)
+        if self._bus.state == "running" or self._portal is not None:
+            raise TrainbusError(f"{block}: its bus runs already (an enclosing `with` or "
+                                "`async with`); enter it once")  # fmt: skip
+
     # ================================================================== sync
     def enter(self, backend: str = "asyncio") -> None:
-        """``with trainer:``: start the portal every sync call of the block runs through.
-
-        Raises:
-            TrainbusError: the bus runs already, or closed, or a ``with`` block holds it.
-        """
+        """``with trainer:``: start the portal every sync call of the block runs through
+        (``TrainbusError`` when the bus runs already, or closed)."""
         backend = check_backend(backend)
-        self.check_open("with trainer")
-        if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError("with trainer: its bus runs already (an enclosing `with` or "
-                                "`async with`); enter it once")  # fmt: skip
+        self._check_enter("with trainer")
         stack = contextlib.ExitStack()
         self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal(backend))
         self._stack, self._backend = stack, backend
 
     def close(self) -> None:
-        """Close the bus, then stop the ``with`` block's portal and end the training thread.
-
-        Raises:
-            TrainbusError: the bus runs in an ``async with trainer`` block.
-            Exception: a subscription with ``on_error="raise"`` failed at the close.
-        """
+        """Close the bus, then stop the ``with`` block's portal and end the training thread
+        (``TrainbusError`` when the bus runs in an ``async with trainer`` block)."""
         try:
             self._close()
         finally:
@@ -146,13 +137,9 @@ class BusHolder:
                 temporary.call(self._run_to_close)
 
     def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
-        """Run ``fn()`` (a trainer call) through the ``with trainer:`` portal, or one started
-        for this call.
-
-        Raises:
-            ConfigError: ``backend`` is not an anyio backend, or not the one ``with`` runs.
-            TrainbusError: the bus runs in an event loop of an ``async with`` block.
-        """
+        """``fn()`` (a trainer call) run through the ``with trainer:`` portal (on its
+        ``backend``), or one started for this call (``TrainbusError`` when the bus runs in
+        an ``async with`` block's event loop)."""
         backend = check_backend(backend)
         if self._portal is not None:
             if backend != self._backend:
@@ -171,15 +158,8 @@ class BusHolder:
 
     # ================================================================== async
     async def aenter(self) -> None:
-        """``async with trainer:``: run the bus in the caller's event loop until the end.
-
-        Raises:
-            TrainbusError: the bus runs already, or closed.
-        """
-        self.check_open("async with trainer")
-        if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError("async with trainer: its bus runs already (an enclosing "
-                                "`with` or `async with`); enter it once")  # fmt: skip
+        """``async with trainer:``: run the bus in the caller's event loop until the end."""
+        self._check_enter("async with trainer")
         await self._bus.__aenter__()
 
     async def aexit(self, exc_type: type[BaseException] | None) -> None:
@@ -190,11 +170,8 @@ class BusHolder:
             self._end_thread()
 
     async def aclose(self) -> None:
-        """Close a bus that does not run, then end the training thread. Idempotent.
-
-        Raises:
-            TrainbusError: the bus runs (in ``with`` or ``async with``: leave that instead).
-        """
+        """Close a bus that does not run (else ``TrainbusError``), then end the training
+        thread. Idempotent."""
         state = self._bus.state
         if state in ("closing", "closed"):
             self._end_thread()

@@ -23,12 +23,11 @@ from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop import Settings
 from .._loop.optimizers import check_optimizers, check_schedulers
-from .._loop.settings import check_loader, check_precision, check_reiterable, eval_sets
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
+from ..checkpoint import check_checkpoint_dir
 from . import checks
-from .endings import check_skip_final
 from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
 
 __all__ = [
@@ -72,8 +71,8 @@ class EvalSchedule:
 
     def __post_init__(self) -> None:
         check_int("EvalSchedule.every_steps", self.every_steps, 1, optional=True)
-        checks.boolean()("EvalSchedule.epoch_end", self.epoch_end)
-        checks.boolean()("EvalSchedule.at_end", self.at_end)
+        checks.boolean("EvalSchedule.epoch_end", self.epoch_end)
+        checks.boolean("EvalSchedule.at_end", self.at_end)
 
 
 def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
@@ -138,13 +137,16 @@ class CheckpointDir:
     @property
     def endings(self) -> frozenset[ev.Ending]:
         """``skip_final`` as checked: the endings whose final checkpoint is skipped."""
-        return check_skip_final(self.skip_final)
+        return checks.skip_final("CheckpointDir.skip_final", self.skip_final)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise ConfigError.invalid("CheckpointDir.path", self.path, "a folder (str or Path)")
-        object.__setattr__(self, "path", checks.checkpoint_dir("CheckpointDir.path", self.path))
-        object.__setattr__(self, "skip_final", check_skip_final(self.skip_final))
+        # Creatable and writable, not under a file: found now, not at the first save.
+        object.__setattr__(self, "path", check_checkpoint_dir(self.path))
+        object.__setattr__(
+            self, "skip_final", checks.skip_final("CheckpointDir.skip_final", self.skip_final)
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +213,7 @@ CHECKS: dict[str, checks.Check] = {
     "scheduler": _scheduler,
     "accumulate": _group(Accumulate, plain=_plain_accumulate),
     "clip_grad_norm": checks.clip_grad_norm,
-    "precision": lambda _, value: check_precision(value),
+    "precision": checks.precision,
     "device": lambda _, value: resolve_device(value),  # resolved once, for every thread
     "seed": checks.int_at_least(0, optional=True),
     "metrics": checks.metrics,
@@ -233,16 +235,8 @@ CHECKS: dict[str, checks.Check] = {
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """Every keyword option of ``given`` (``Trainer.__init__``'s ``locals()``) checked, in
-    the signature's order.
-
-    Returns:
-        ``{name: the value the run uses}``: ``scheduler`` as ``(scheduler, interval)``,
-        ``accumulate`` an :class:`Accumulate`, ``checkpoint_dir`` a :class:`CheckpointDir`.
-
-    Raises:
-        ConfigError: the first option whose value its check refuses.
-    """
+    """``{name: the value the run uses}`` of every keyword option of ``given``
+    (``Trainer.__init__``'s ``locals()``), checked in the signature's order."""
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
@@ -278,15 +272,12 @@ def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
     """The loop's :class:`Settings` from the positional arguments, the checked ``options``
-    and the bus' ``barriers``, after the checks of two options at once.
-
-    Raises:
-        ConfigError: naming the first bad argument, its value and what is allowed.
-    """
+    and the bus' ``barriers``, after the checks of the positional arguments and of two options
+    at once."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
-    train_len = check_loader("train_data", train_data, optional=False)
+    train_len = checks.check_loader("train_data", train_data)
     if options["max_epochs"] is None and options["max_steps"] is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
@@ -308,7 +299,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     if schedule.every_steps is not None and options["eval_data"] is None:
         raise ConfigError.invalid("eval_schedule.every_steps", schedule.every_steps,
                                   "None unless eval_data is given")  # fmt: skip
-    sets, named = eval_sets(options["eval_data"])
+    sets, named = checks.eval_sets(options["eval_data"])
     for name in options["set_metrics"]:
         if name == "loss" or name in options["metrics"]:
             raise ConfigError.invalid(
@@ -316,7 +307,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
                 f"a name that is neither 'loss' nor one of metrics= ({sorted(options['metrics'])}):"
                 " both would be the same key in EvaluationEnded.metrics",
             )  # fmt: skip
-    _check_passes(train_data, sets, named, options)
+    checks.check_passes(train_data, sets, named, options["max_epochs"])
     accumulate: Accumulate = options["accumulate"]
     folder: CheckpointDir | None = options["checkpoint_dir"]
     return Settings(
@@ -336,21 +327,3 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,
         train_step=options["train_step"], trace=options["trace"],
     )  # fmt: skip
-
-
-def _check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
-                  options: Mapping[str, Any]) -> None:  # fmt: skip
-    """Refuse a one-shot iterator the run would iterate twice: as ``eval_data``, or as
-    ``train_data`` for more than one epoch.
-
-    Raises:
-        ConfigError: naming the option and what to pass instead.
-    """
-    epochs = options["max_epochs"]
-    if epochs is not None and epochs > 1:
-        check_reiterable("train_data", train_data, f"max_epochs={epochs} makes a new pass "
-                         "per epoch", alternative="; or keep it, leave max_epochs out and set "
-                         "a max_steps within its one pass")  # fmt: skip
-    for name, data in sets:
-        check_reiterable(f"eval_data[{name!r}]" if named else "eval_data", data,
-                         "each evaluation makes a new pass")  # fmt: skip

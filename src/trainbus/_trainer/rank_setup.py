@@ -21,14 +21,9 @@ __all__ = ["RankSetup"]
 
 
 class RankSetup:
-    """Joins the process group (a group of one outside torchrun) and tears it down after.
-
-    Args:
-        bus: The trainer's bus (streamed to the driver on the main rank under ``launch``).
-        ddp: Wrap the model in ``DistributedDataParallel`` with more than one rank.
-        attach: The folder the main rank listens in for attachments (``trainbus attach``),
-            or None.
-    """
+    """Joins the process group (a group of one outside torchrun) and tears it down after;
+    ``ddp``: wrap the model in ``DistributedDataParallel`` with several ranks; ``attach``: the
+    folder the main rank listens in for ``trainbus attach``, or None."""
 
     def __init__(self, bus: EventBus, *, ddp: bool, attach: Path | None = None) -> None:
         self._bus = bus
@@ -41,11 +36,7 @@ class RankSetup:
 
     def join(self, device: torch.device | None = None) -> ProcessGroup:
         """Join the process group the environment describes (gloo for a CPU ``device``, NCCL
-        for CUDA), kept for :meth:`close`.
-
-        Raises:
-            ConfigError: more local ranks than GPUs for a CUDA run (before any collective).
-        """
+        for CUDA; ``ConfigError`` for more local ranks than GPUs), kept for :meth:`close`."""
         self._group = ProcessGroup.from_env(device=device)
         return self._group
 

@@ -32,15 +32,8 @@ log = get_logger(__name__)
 def check_resume(
     resume: object, checkpoint_dir: Path | None, require_checkpoint: object = False
 ) -> str | Path | None:
-    """Validate ``fit(resume=..., require_checkpoint=...)``.
-
-    Returns:
-        None, ``"latest"`` or the checkpoint's ``Path``.
-
-    Raises:
-        ConfigError: not a path or ``"latest"``, no such file, ``"latest"`` without a
-            ``checkpoint_dir``, or ``require_checkpoint`` not a bool or True without ``resume``.
-    """
+    """``fit(resume=..., require_checkpoint=...)`` checked: None, ``"latest"`` (with a
+    ``checkpoint_dir``) or an existing checkpoint's ``Path``."""
     if not isinstance(require_checkpoint, bool):
         raise ConfigError.invalid("require_checkpoint", require_checkpoint, "True or False")
     if resume is None:
@@ -62,12 +55,7 @@ def check_resume(
 
 
 def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkpoint:
-    """Load only the model weights of the checkpoint ``path`` into ``model`` (unwrapped).
-
-    Raises:
-        CheckpointError: the file is missing, damaged or foreign, a sharded folder, or its
-            weights do not fit the model.
-    """
+    """Load only the model weights of the checkpoint ``path`` into ``model`` (unwrapped)."""
     checkpoint = read_checkpoint(path, map_location="cpu")  # load_state_dict copies in place
     checkpoint.restore_weights(unwrap_model(model))
     return checkpoint
@@ -75,13 +63,7 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkp
 
 class CallbackStates:
     """Resuming a run (the checkpoint loaded, its states restored) and the stateful
-    callbacks' states collected at each save.
-
-    Args:
-        bus: The trainer's bus (flushed before a collection; carries the load events).
-        callbacks: Returns the added callbacks, in attachment order.
-        thread: The training thread, which collects the states at a save.
-    """
+    callbacks' states (of ``callbacks()``, the added ones) collected at each save."""
 
     def __init__(
         self,
@@ -92,39 +74,26 @@ class CallbackStates:
         self._bus = bus
         self._callbacks = callbacks
         self._thread = thread
-        self._source: ev.ResumeSource | None = None
+        # Where the last load() found its checkpoint (FitStarted.resume_source), else None.
+        self.resume_source: ev.ResumeSource | None = None
 
     @property
     def any_stateful(self) -> bool:
         """Whether an added callback has state to save."""
         return any(cb.stateful for cb in self._callbacks())
 
-    def restore(self, checkpoint: Checkpoint) -> None:
-        """Load each saved callback state into the added callback with its ``state_key``;
-        a state no callback claims is logged and ignored."""
-        by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
-        for key, state in checkpoint.callbacks.items():
-            cb = by_key.get(key)
-            if cb is None:
-                log.warning("callback_state_unmatched", name=key, path=str(checkpoint.path),
-                            reason="no added stateful callback has this state_key; its "
-                            "state is ignored")  # fmt: skip
-                continue
-            cb.load_state_dict(state)
-
-    def collect(self) -> dict[str, dict[str, Any]]:
-        """``{state_key: state_dict}`` of the stateful callbacks, on the event-loop thread,
-        once every event published before the save is delivered."""
-        self._bus.flush()
+    def _collect(self) -> dict[str, dict[str, Any]]:
+        self._bus.flush()  # every event published before the save delivered
         return {cb.state_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
 
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
-        """:meth:`collect`, called by the loop on the training thread at each save.
+        """``{state_key: state_dict}`` of the stateful callbacks, collected on the event-loop
+        thread; called by the loop on the training thread at each save.
 
         Raises:
             Cancelled: ``fit()`` was cancelled meanwhile.
         """
-        return self._thread.call_sync(self.collect)
+        return self._thread.call_sync(self._collect)
 
     def _latest(self, s: Settings, *, required: bool) -> Checkpoint | None:
         """``resume="latest"``: Ray's checkpoint when Ray handed one, else the newest valid
@@ -133,43 +102,31 @@ class CallbackStates:
         handed = read_ray_checkpoint()
         if handed is not None:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(handed.path)))
-            self._source = "ray"
+            self.resume_source = "ray"
             return handed
         self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
         scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
         if scan.checkpoint is not None:
-            self._source = "checkpoint_dir"
+            self.resume_source = "checkpoint_dir"
             return scan.checkpoint
         self._found_nothing(s, scan.describe(), required=required)
         return None
 
-    @property
-    def resume_source(self) -> ev.ResumeSource | None:
-        """Where the last :meth:`load` found its checkpoint (``FitStarted.resume_source``):
-        ``"path"``, ``"ray"`` or ``"checkpoint_dir"``; None before a load found one."""
-        return self._source
-
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
     ) -> Checkpoint | None:
-        """Load the checkpoint to resume from and restore model, optimizer, scheduler, scaler
-        and callback states (the loop restores the RNG states itself).
-
-        Args:
-            s: The run's settings (model already on its device).
-            resume: ``"latest"`` (needs ``s.checkpoint_dir``) or a checkpoint path.
-            group: This rank's process group (a world size change resumes at the next epoch).
-            required: ``"latest"`` finding no valid checkpoint raises instead of warning.
+        """Load the checkpoint ``resume`` (``"latest"`` or a path) names and restore the model,
+        optimizer, scheduler, scaler and callback states (the loop restores the RNG states);
+        another world size than ``group``'s resumes at the next epoch.
 
         Returns:
-            The checkpoint without its restored states, or None for ``"latest"`` with no
-            valid checkpoint (a ``resume_found_nothing`` warning).
+            The checkpoint without its restored states; None when ``"latest"`` found no valid
+            one (a ``resume_found_nothing`` warning; a ``CheckpointError`` when ``required``).
 
         Raises:
-            CheckpointError: damaged, foreign or incompatible checkpoint; or ``required`` and
-                ``"latest"`` found no valid checkpoint.
+            CheckpointError: a damaged, foreign or incompatible checkpoint.
         """
-        self._source = None
+        self.resume_source = None
         if is_sharded_model(unwrap_model(s.model)):
             return self._load_sharded(s, resume, group, required=required)
         # Read to the host: load_state_dict puts each tensor where the live objects keep it.
@@ -180,7 +137,7 @@ class CallbackStates:
         else:
             self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
             checkpoint = read_checkpoint(resume, map_location="cpu")
-            self._source = "path"
+            self.resume_source = "path"
         saved_world = int(checkpoint.meta.get("world_size", 1))
         _next_epoch_if_resharded(checkpoint, saved_world, group.world_size,
                                  "resume at the next epoch boundary")  # fmt: skip
@@ -190,8 +147,17 @@ class CallbackStates:
         return self._restored(checkpoint)
 
     def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
-        """Restore the callback states, announce the load; the checkpoint without its states."""
-        self.restore(checkpoint)
+        """Restore the callback states (one no callback claims is logged and ignored),
+        announce the load; the checkpoint without its states."""
+        by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
+        for key, state in checkpoint.callbacks.items():
+            cb = by_key.get(key)
+            if cb is None:
+                log.warning("callback_state_unmatched", name=key, path=str(checkpoint.path),
+                            reason="no added stateful callback has this state_key; its "
+                            "state is ignored")  # fmt: skip
+                continue
+            cb.load_state_dict(state)
         st = checkpoint.state
         self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
                                               path=str(checkpoint.path)))  # fmt: skip
@@ -213,8 +179,6 @@ class CallbackStates:
 
     @staticmethod
     def _found_nothing(s: Settings, found: str, *, required: bool) -> None:
-        """``resume="latest"`` found no valid checkpoint: an error when required, else a
-        warning naming the folder and what it held."""
         if required:
             raise CheckpointError(
                 f"no valid checkpoint to resume from (resume='latest', "
@@ -238,7 +202,7 @@ class CallbackStates:
         if checkpoint is None:
             self._found_nothing(s, found, required=required)
             return None
-        self._source = "checkpoint_dir" if resume == "latest" else "path"
+        self.resume_source = "checkpoint_dir" if resume == "latest" else "path"
         saved = int(checkpoint.meta["world_size"])
         action = "resharded through DCP; resume at the next epoch boundary"
         _next_epoch_if_resharded(checkpoint, saved, group.world_size, action)
@@ -258,28 +222,16 @@ def _next_epoch_if_resharded(checkpoint: Checkpoint, saved: int, world_size: int
         st.epoch_done()
 
 
-# Ray hands a restarted worker its checkpoint (``ray.train.get_checkpoint()``): restarted
-# workers may not see the old ones' disks but do see Ray's storage. Ray is never imported here.
-def _ray_handed() -> Any:
-    """Ray's checkpoint for this worker, or None (no Ray Train here, none handed)."""
-    train = sys.modules.get("ray.train")
-    if train is None:
-        return None
-    try:
-        return train.get_checkpoint()
-    except RuntimeError:  # Ray Train is imported, but this is not one of its workers
-        return None
-
-
 def read_ray_checkpoint() -> Checkpoint | None:
-    """Read the trainbus checkpoint in the Ray checkpoint handed to this worker: the first
-    file in its folder that reads as one.
-
-    Returns:
-        The checkpoint (not applied yet), or None: not a Ray Train worker, Ray handed none, or
-        none of its files is readable (logged as ``resume_ray_checkpoint_unreadable``).
-    """
-    handed = _ray_handed()
+    """The first file that reads as a trainbus checkpoint in the Ray checkpoint handed to this
+    worker (``ray.train.get_checkpoint()``: a restarted worker may not see the old ones' disks
+    but does see Ray's storage; Ray is never imported here). None: not a Ray Train worker, Ray
+    handed none, or none of its files is readable (``resume_ray_checkpoint_unreadable``)."""
+    train = sys.modules.get("ray.train")
+    try:
+        handed = None if train is None else train.get_checkpoint()
+    except RuntimeError:  # Ray Train is imported, but this is not one of its workers
+        handed = None
     if handed is None:
         return None
     errors: list[str] = []

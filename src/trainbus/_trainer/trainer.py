@@ -45,7 +45,6 @@ from .._loop import (
     Settings,
     StandaloneRun,
     TrainContext,
-    eval_sets,
     evaluation_metric_names,
     join_outputs,
 )
@@ -59,8 +58,16 @@ from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
-from .calls import CallRunner, SignalWatcher, TrainingThread, watching_cancel
-from .endings import interrupt_for
+from .calls import (
+    CallRunner,
+    SignalWatcher,
+    TrainingThread,
+    end_workers,
+    interrupt_for,
+    spawns_workers,
+    watching_cancel,
+)
+from .checks import eval_sets
 from .holder import BusHolder
 from .options import (
     Accumulate,
@@ -74,7 +81,6 @@ from .options import (
 )
 from .rank_setup import RankSetup
 from .resume import CallbackStates, check_resume, load_weights
-from .workers import end_workers, spawns_workers
 
 __all__ = ["Accumulate", "CheckpointDir", "EvalSchedule", "FitResult", "PerEpoch", "Trainer"]
 
@@ -204,9 +210,7 @@ class Trainer:
         self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
-        instances = [cb() if isinstance(cb, type) else cb for cb in checked["callbacks"]]
-        for cb in instances:
-            self.add_callback(cb)
+        instances = [self.add_callback(cb) for cb in checked["callbacks"]]
         progress = checked["progress"]
         if (progress if progress is not None else progress_by_default()) and not any(
             isinstance(cb, Progress) for cb in instances
@@ -401,14 +405,10 @@ class Trainer:
         self._calls.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._added]  # fmt: skip
+        ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
+        loop: Loop | None = None
         try:
             self._check_callbacks()
-        except BaseException:
-            for cb in globals_:
-                self.remove_callback(cb)
-            raise
-        ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
-        try:
             group = ranks.join(s.device)
             s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order
             s.model.to(s.device)
@@ -421,23 +421,17 @@ class Trainer:
             if checkpoint is not None:
                 self._states.warn_differences(s, checkpoint)
             ranks.connect()
-        except BaseException:
-            for cb in globals_:
-                self.remove_callback(cb)
-            ranks.close(None)
-            raise
-        state = checkpoint.state if checkpoint is not None else TrainState()
-        loop = Loop(
-            s, self._calls.port, self.hooks, self._calls.barrier, state, resume=checkpoint,
-            resumed_from=None if checkpoint is None else str(checkpoint.path),
-            resume_source=None if checkpoint is None else self._states.resume_source,
-            callback_states=self._states.collect_from_thread if self._states.any_stateful
-            else None,
-            sync=RankSync(group) if group.distributed else None,
-        )  # fmt: skip
-        self._call = "fit"
-        self._signals.watch(loop)
-        try:
+            state = checkpoint.state if checkpoint is not None else TrainState()
+            loop = Loop(
+                s, self._calls.port, self.hooks, self._calls.barrier, state, resume=checkpoint,
+                resumed_from=None if checkpoint is None else str(checkpoint.path),
+                resume_source=None if checkpoint is None else self._states.resume_source,
+                callback_states=self._states.collect_from_thread if self._states.any_stateful
+                else None,
+                sync=RankSync(group) if group.distributed else None,
+            )  # fmt: skip
+            self._call = "fit"
+            self._signals.watch(loop)
             with self._signals.installed(self.on_signal is not None):
                 async with self._calls.open():
                     async with watching_cancel(loop, self._thread):
@@ -449,11 +443,11 @@ class Trainer:
             self._signals.watch(None)
             for cb in globals_:
                 self.remove_callback(cb)
-            ranks.close(loop.result)
-            if loop.result is not None:  # the loop ran: a later fit() must resume
-                self.result = loop.result.with_bus(self.bus.statistics())
+            ran = None if loop is None else loop.result
+            ranks.close(ran)
+            if ran is not None:  # the loop ran: a later fit() must resume
+                self.result = ran.with_bus(self.bus.statistics())
                 self._state = state
-            ran = loop.result
         assert ran is not None and self.result is not None
         if ran.error is not None:
             raise ran.error
