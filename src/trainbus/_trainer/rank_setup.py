@@ -60,11 +60,14 @@ class RankSetup:
             self._wrapped = model  # ours: close() releases what it holds of the group
         seed = s.seed if s.seed is not None else 0
         train = shard_loader(s.train_data, group, seed=seed, train=True)
-        evald = None if s.eval_data is None else shard_loader(s.eval_data, group, seed=seed,
-                                                                train=False)  # fmt: skip
+        # Each evaluation set is sharded: the ranks' sums and sample-weighted means are agreed.
+        sets = tuple(
+            (name, shard_loader(data, group, seed=seed, train=False)) for name, data in s.eval_sets
+        )
         train_len = len(train) if train is not s.train_data else s.train_len
-        return dataclasses.replace(s, model=model, train_data=train, eval_data=evald,
-                                   train_len=train_len)  # fmt: skip
+        return dataclasses.replace(
+            s, model=model, train_data=train, eval_sets=sets, train_len=train_len
+        )
 
     def connect(self) -> None:
         """On the main rank: stream the bus to the driver of ``trainbus launch``, and listen
