@@ -4,6 +4,7 @@ ended."""
 
 from __future__ import annotations
 
+import abc
 import secrets
 import signal
 import threading
@@ -72,7 +73,7 @@ def interrupt_after(signum: signal.Signals) -> BaseException:
     return exc
 
 
-class DriverBase:
+class DriverBase(abc.ABC):
     """The part of a launcher that does not depend on how the workers run: the bus, the link
     to rank 0, the signals. A subclass ends the workers in :meth:`_abort`."""
 
@@ -171,6 +172,6 @@ class DriverBase:
         await anyio.sleep(seconds)
         await self._abort()
 
+    @abc.abstractmethod
     async def _abort(self) -> None:
-        """End the workers now."""
-        raise NotImplementedError
+        """End the workers now (each launcher ends its own kind of worker)."""
