@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainbus import Callback, ConfigError, EvalSchedule, Trainer
+from trainbus import Callback, ConfigError, EvalSchedule, Trainer, TrainingError
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._hookpoints import HOOK_POINTS, StepContext
@@ -287,3 +287,23 @@ def test_every_hook_point_of_a_step_sees_its_batch(accumulate: int) -> None:
     for point in ("before_optimizer_step", "after_optimizer_step"):
         for (bi, x), (bj, y) in zip(last_of_window, seen[point], strict=True):
             assert bi == bj and torch.equal(x, y)
+
+
+def test_a_hook_that_skips_every_update_fails_the_run_instead_of_looping() -> None:
+    """With only ``max_steps`` to end it, a run whose epoch took no optimizer step would never
+    end: it fails after that epoch, saying why."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      loss_fn=F.cross_entropy, max_steps=3, progress=False)  # fmt: skip
+    trainer.add_hook("before_optimizer_step", lambda ctx: setattr(ctx, "skip", True))
+    with pytest.raises(TrainingError, match=r"epoch 0 ended without an optimizer step \(still "
+                       r"at step 0\) and only max_steps=3 ends the run"):  # fmt: skip
+        trainer.fit_sync()
+
+
+def test_a_loss_class_instead_of_an_instance_is_refused() -> None:
+    model = tiny_model()
+    with pytest.raises(ConfigError, match=r"loss_fn=.*CrossEntropyLoss.* an instance, such as "
+                       r"CrossEntropyLoss\(\), not the class"):  # fmt: skip
+        Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                loss_fn=torch.nn.CrossEntropyLoss, max_steps=3, progress=False)  # fmt: skip

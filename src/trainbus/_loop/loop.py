@@ -18,7 +18,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
-from .._exceptions import CheckpointError, CheckpointWriteError, NonFiniteLossError
+from .._exceptions import (
+    CheckpointError,
+    CheckpointWriteError,
+    NonFiniteLossError,
+    TrainingError,
+)
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
@@ -183,8 +188,11 @@ class Loop:
                 self._agree_schedules()
             control.poll(common=True)
             while not self._finished():
+                before = st.step
                 if self._epoch():
                     st.epoch_done()
+                    if st.step == before and s.max_epochs is None:
+                        raise self._no_step_error()
             # A last sync point: apply what subscribers sent for the final steps.
             control.barrier_then_poll(None, common=True)
             self._log_window.check_pending()
@@ -236,6 +244,16 @@ class Loop:
             metric_failures=self._evaluator.failures.counts,
         )
         return self.result
+
+    def _no_step_error(self) -> TrainingError:
+        """A whole epoch took no optimizer step and only ``max_steps`` ends the run: it never
+        would (a hook that skips every update, or every batch)."""
+        st = self._state
+        return TrainingError(
+            f"epoch {st.epoch - 1} ended without an optimizer step (still at step {st.step}) and "
+            f"only max_steps={self._s.max_steps} ends the run, so it never would: a hook skips "
+            "every update (before_optimizer_step) or every batch (batch, after_forward, loss)"
+        )
 
     def _finished(self) -> bool:
         s, st = self._s, self._state

@@ -162,6 +162,10 @@ def loss_fn(name: str, value: Any) -> Any:
     """A callable ``loss_fn(outputs, targets)`` or None."""
     if value is not None and not callable(value):
         raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
+    if isinstance(value, type) and issubclass(value, torch.nn.Module):
+        raise ConfigError.invalid(
+            name, value, f"an instance, such as {value.__name__}(), not the class"
+        )
     return value
 
 
