@@ -1,10 +1,11 @@
 """The checks of single Trainer options, named by :data:`~trainbus._trainer.options.CHECKS`,
-and of the data (a loader, the evaluation sets, a one-shot iterator iterated twice).
+of the data (a loader, the evaluation sets, a one-shot iterator iterated twice), and of the
+optimizers and their schedulers.
 
-Each takes the option's (or a group field's) name and value, returns the value the run uses,
-and raises :class:`~trainbus.ConfigError` naming the option, the value and what is allowed.
-Checks that need two options (a scheduler and its optimizers, a precision and its device) and
-those of the groups of options (``EvalSchedule``...) live in :mod:`~trainbus._trainer.options`.
+Each option's check takes the option's (or a group field's) name and value, returns the value
+the run uses, and raises :class:`~trainbus.ConfigError` naming the option, the value and what
+is allowed. The groups of options (``EvalSchedule``...) and the checks of a precision and its
+device live in :mod:`~trainbus._trainer.options`.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch
 from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._loop.optimizers import DEFAULT_NAME, OptimizerSet, SchedulerSet
 from .._loop.set_metrics import SetMetric
 from .._loop.settings import Precision
+from .._tensors import is_sharded_model
 from .._validate import check_int
 from ..callbacks._base import Callback
 
@@ -339,3 +342,128 @@ def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
             raise ConfigError.invalid(name, item, allowed)
         out.add(ev.Ending(item))
     return frozenset(out)
+
+
+def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None:
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise ConfigError.invalid(name, type(opt).__name__, "a torch.optim.Optimizer")
+    if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
+        raise ConfigError.invalid(
+            name, type(opt).__name__,
+            "an optimizer built after fully_shard(model), over its sharded (DTensor) "
+            "parameters: fully_shard replaces every parameter, so an optimizer built before "
+            "it would step the old, unsharded ones" if sharded
+            else "an optimizer over this model's parameters",
+        )  # fmt: skip
+
+
+def check_optimizers(
+    model: torch.nn.Module, optimizer: Any
+) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
+    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
+    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
+    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
+    params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
+    if isinstance(optimizer, torch.optim.Optimizer):
+        _over_model("optimizer", optimizer, params, sharded=sharded)
+        return optimizer, {DEFAULT_NAME: optimizer}
+    if not isinstance(optimizer, Mapping):
+        raise ConfigError.invalid(
+            "optimizer", type(optimizer).__name__,
+            "a torch.optim.Optimizer, or a mapping of names to optimizers "
+            "(e.g. {'g': opt_g, 'd': opt_d})",
+        )  # fmt: skip
+    if not optimizer:
+        raise ConfigError.invalid("optimizer", "<empty mapping>", "at least one optimizer")
+    seen: dict[int, str] = {}  # optimizer id -> its name
+    owner: dict[int, str] = {}  # parameter id -> the name of its optimizer
+    for name, opt in optimizer.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ConfigError.invalid("optimizer", name, "names that are identifiers")
+        _over_model(f"optimizer[{name!r}]", opt, params, sharded=sharded)
+        if id(opt) in seen:
+            raise ConfigError.invalid(
+                f"optimizer[{name!r}]", type(opt).__name__,
+                f"a different optimizer than optimizer[{seen[id(opt)]!r}]",
+            )  # fmt: skip
+        seen[id(opt)] = name
+        for p in (q for g in opt.param_groups for q in g["params"]):
+            if id(p) in owner:
+                raise ConfigError.invalid(
+                    f"optimizer[{name!r}]", type(opt).__name__,
+                    f"optimizers over disjoint parameters (it shares one with "
+                    f"optimizer[{owner[id(p)]!r}])",
+                )  # fmt: skip
+            owner[id(p)] = name
+    named = dict(optimizer)
+    return OptimizerSet(named), named
+
+
+def _stepper(name: str, scheduler: Any) -> None:
+    if not callable(getattr(scheduler, "step", None)):
+        raise ConfigError.invalid(name, type(scheduler).__name__, "an LR scheduler with .step()")
+    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
+        raise ConfigError.invalid(
+            name,
+            type(scheduler).__name__,
+            "a scheduler the loop steps without arguments; torch's ReduceLROnPlateau needs a "
+            "metric in .step(metric): use callbacks=[trainbus.callbacks.ReduceLROnPlateau("
+            "monitor='val_loss')] instead",
+        )
+
+
+def check_schedulers(
+    scheduler: Any, optimizers: Mapping[str, torch.optim.Optimizer]
+) -> tuple[Any | None, dict[str, Any]]:
+    """``(the scheduler the loop steps, {optimizer name: scheduler})``: None and ``{}``
+    without one; one scheduler of the one optimizer is itself; a mapping of optimizer names
+    to their schedulers is a :class:`SchedulerSet`. Refused: no ``.step()``, torch's
+    ``ReduceLROnPlateau`` (its ``.step()`` needs a metric), a scheduler of another optimizer,
+    one scheduler for several optimizers (naming the one it belongs to)."""
+    if scheduler is None:
+        return None, {}
+    if isinstance(scheduler, Mapping):
+        if len(optimizers) == 1 and DEFAULT_NAME in optimizers:
+            raise ConfigError.invalid(
+                "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
+            )
+        for name, sched in scheduler.items():
+            if name not in optimizers:
+                raise ConfigError.invalid(
+                    "scheduler", name,
+                    "names of the optimizers: " + ", ".join(map(repr, optimizers)),
+                )  # fmt: skip
+            _stepper(f"scheduler[{name!r}]", sched)
+            target = getattr(sched, "optimizer", None)
+            if target is not None and target is not optimizers[name]:
+                other = next((n for n, o in optimizers.items() if o is target), None)
+                drives = f"optimizer {other!r}" if other else "another one"
+                raise ConfigError.invalid(
+                    f"scheduler[{name!r}]", type(sched).__name__,
+                    f"a scheduler of optimizer {name!r} (it drives {drives})",
+                )  # fmt: skip
+        return SchedulerSet(scheduler), dict(scheduler)
+    _stepper("scheduler", scheduler)
+    target = getattr(scheduler, "optimizer", None)
+    if len(optimizers) > 1:
+        belongs = next((n for n, o in optimizers.items() if o is target), None)
+        where = (
+            f"it belongs to optimizer {belongs!r}: pass scheduler={{{belongs!r}: scheduler}}"
+            if belongs is not None
+            else "pass a mapping of optimizer names to schedulers"
+        )
+        raise ConfigError.invalid(
+            "scheduler", type(scheduler).__name__,
+            f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); "
+            + where,
+        )  # fmt: skip
+    ((name, only),) = optimizers.items()
+    if target is not None and target is not only:
+        raise ConfigError.invalid(
+            "scheduler", type(scheduler).__name__,
+            f"a scheduler of the Trainer's optimizer ({type(only).__name__} at "
+            f"{id(only):#x}); this one drives another {type(target).__name__} (at "
+            f"{id(target):#x}), so the run's learning rate would never change: build "
+            "it on the optimizer you pass to the Trainer",
+        )  # fmt: skip
+    return scheduler, {name: scheduler}

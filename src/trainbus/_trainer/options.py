@@ -22,7 +22,6 @@ from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
 from .._loop import Settings
-from .._loop.optimizers import check_optimizers, check_schedulers
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, resolve_device
 from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
@@ -164,7 +163,7 @@ class PerEpoch:
 
 def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
     """``(the scheduler, its interval)``; the scheduler itself is checked with the optimizers
-    (:func:`~trainbus._loop.optimizers.check_schedulers`)."""
+    (:func:`~trainbus._trainer.checks.check_schedulers`)."""
     if isinstance(value, PerEpoch):
         return value.scheduler, "epoch"
     return value, "step"
@@ -276,12 +275,12 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     at once."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
-    optimizer, optimizers = check_optimizers(model, optimizer)
+    optimizer, optimizers = checks.check_optimizers(model, optimizer)
     train_len = checks.check_loader("train_data", train_data)
     if options["max_epochs"] is None and options["max_steps"] is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
-    scheduler, schedulers = check_schedulers(given_scheduler, optimizers)
+    scheduler, schedulers = checks.check_schedulers(given_scheduler, optimizers)
     precision, device = options["precision"], options["device"]
     if precision == "bf16" and not bf16_supported(device):
         props = torch.cuda.get_device_properties(device)
