@@ -185,31 +185,30 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 class CallRunner:
     """The bus around one trainer call, its barriers (waiting ``barrier_timeout`` for their
-    subscribers), and the standalone runs on it (with the trainer's ``hooks``)."""
+    subscribers, unless a signal of ``signals`` asked the run to stop), and the standalone
+    runs on it (with the trainer's ``hooks``)."""
 
     def __init__(
-        self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
+        self,
+        bus: EventBus,
+        hooks: Hooks,
+        barrier_timeout: float,
+        thread: TrainingThread,
+        signals: SignalWatcher,
     ) -> None:
         self._bus = bus
         self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._thread = thread
-        self._interrupted = False
-
-    def begin(self) -> None:
-        """A ``fit()`` begins: uninterrupted."""
-        self._interrupted = False
-
-    def interrupt(self) -> None:
-        """A signal asked the run to stop: barriers no longer wait for subscribers (the loop
-        reaches its final checkpoint even if a sync subscriber blocks). Signal-safe."""
-        self._interrupted = True
+        self._signals = signals
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
         """On the training thread at a barrier event: wait for its deciders; the bus' barrier
-        status (``Cancelled`` when ``fit()`` was cancelled meanwhile)."""
-        if self._interrupted:
+        status (``Cancelled`` when ``fit()`` was cancelled meanwhile). After a stop signal
+        barriers wait no more: the loop reaches its final checkpoint even if a sync
+        subscriber blocks."""
+        if self._signals.received is not None:
             return "done"
         status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
         return status
@@ -276,7 +275,6 @@ class SignalWatcher:
 
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
-        on_signal: Called (in the handler) at the first signal, before the command is sent.
 
     Attributes:
         received: The signal that asked the run to stop (None: none, or only ones after
@@ -284,10 +282,9 @@ class SignalWatcher:
         aborted: Whether a second signal aborted the run.
     """
 
-    def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
+    def __init__(self, bus: EventBus) -> None:
         self._bus = bus
         self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
-        self._on_signal = on_signal
         self.aborted = False
         self.received: signal.Signals | None = None
         self._count = 0  # the signals that asked the run to stop
@@ -362,8 +359,6 @@ class SignalWatcher:
         self._count += 1
         if self._count == 1:
             self.received = signal.Signals(signum)
-            if self._on_signal is not None:
-                self._on_signal()
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:

@@ -206,8 +206,10 @@ class Trainer:
         added = self._added  # not self: no cycle through the trainer (freed without gc)
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
-        self._calls = CallRunner(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
-        self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
+        self._signals = SignalWatcher(self.bus)
+        self._calls = CallRunner(
+            self.bus, self.hooks, self.bus.barrier_timeout, self._thread, self._signals
+        )
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [self.add_callback(cb) for cb in checked["callbacks"]]
@@ -402,7 +404,6 @@ class Trainer:
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._calls.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._added]  # fmt: skip
         ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
