@@ -37,11 +37,37 @@ def int_at_least(minimum: int, *, optional: bool = False) -> Check:
     return lambda name, value: check_int(name, value, minimum, optional=optional)
 
 
-def boolean(name: str, value: Any) -> bool:
-    """True or False."""
-    if not isinstance(value, bool):
-        raise ConfigError.invalid(name, value, "True or False")
-    return value
+def accepting(allowed: str, ok: Callable[[Any], bool], *, by_type: bool = False) -> Check:
+    """The value itself when ``ok(value)``, else a ``ConfigError`` saying ``allowed`` (showing
+    the value's type when ``by_type``)."""
+
+    def check(name: str, value: Any) -> Any:
+        if not ok(value):
+            raise ConfigError.invalid(name, type(value).__name__ if by_type else value, allowed)
+        return value
+
+    return check
+
+
+def _none_or(kind: type) -> Callable[[Any], bool]:
+    return lambda value: value is None or isinstance(value, kind)
+
+
+def _none_or_callable(value: Any) -> bool:
+    return value is None or callable(value)
+
+
+boolean = accepting("True or False", lambda value: isinstance(value, bool))
+progress = accepting("None (when stderr is a terminal), True or False", _none_or(bool))
+bus = accepting("a trainbus.EventBus or None", _none_or(EventBus))
+train_step = accepting("a callable step(ctx) or None", _none_or_callable, by_type=True)
+on_nonfinite = accepting(
+    "'raise', 'stop', 'skip' or 'ignore'",
+    lambda value: value in ("raise", "stop", "skip", "ignore"),
+)
+ddp = accepting(
+    "None (DDP unless the model is sharded with fully_shard), True or False", _none_or(bool)
+)
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
@@ -140,50 +166,13 @@ def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
     return out
 
 
-def progress(name: str, value: Any) -> bool | None:
-    """None, True or False."""
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError.invalid(name, value, "None (when stderr is a terminal), True or False")
-    return value
-
-
-def bus(name: str, value: Any) -> EventBus | None:
-    """An EventBus or None."""
-    if value is not None and not isinstance(value, EventBus):
-        raise ConfigError.invalid(name, value, "a trainbus.EventBus or None")
-    return value
-
-
-def train_step(name: str, value: Any) -> Any:
-    """A callable ``step(ctx)`` or None."""
-    if value is not None and not callable(value):
-        raise ConfigError.invalid(name, type(value).__name__, "a callable step(ctx) or None")
-    return value
-
-
 def loss_fn(name: str, value: Any) -> Any:
-    """A callable ``loss_fn(outputs, targets)`` or None."""
+    """A callable ``loss_fn(outputs, targets)`` or None; a loss class is refused."""
     if value is not None and not callable(value):
         raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
     if isinstance(value, type) and issubclass(value, torch.nn.Module):
         raise ConfigError.invalid(
             name, value, f"an instance, such as {value.__name__}(), not the class"
-        )
-    return value
-
-
-def on_nonfinite(name: str, value: Any) -> Any:
-    """``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``."""
-    if value not in ("raise", "stop", "skip", "ignore"):
-        raise ConfigError.invalid(name, value, "'raise', 'stop', 'skip' or 'ignore'")
-    return value
-
-
-def ddp(name: str, value: Any) -> bool | None:
-    """None (DDP unless the model is sharded), True or False; the model decides None later."""
-    if value is not None and not isinstance(value, bool):
-        raise ConfigError.invalid(
-            name, value, "None (DDP unless the model is sharded with fully_shard), True or False"
         )
     return value
 
