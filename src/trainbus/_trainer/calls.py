@@ -381,15 +381,14 @@ def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> 
     ``KeyboardInterrupt`` for SIGINT, else ``SystemExit(128 + signum)`` (``step``: where the
     run stopped; ``checkpoint``: the last one written, or None)."""
     where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
+    said = (
+        f"trainbus: {signum.name} stopped the run gracefully {where}; trainer.result holds "
+        "the result (Trainer(on_signal='return') returns it instead)"
+    )
     if signum == signal.SIGINT:
-        return KeyboardInterrupt(
-            f"trainbus: SIGINT stopped the run gracefully {where}; trainer.result holds the "
-            "result (Trainer(on_signal='return') returns it instead)"
-        )
+        return KeyboardInterrupt(said)
     exit_ = SystemExit(128 + int(signum))
-    exit_.add_note(f"trainbus: {signum.name} stopped the run gracefully {where}; "
-                   "trainer.result holds the result (Trainer(on_signal='return') returns it "
-                   "instead)")  # fmt: skip
+    exit_.add_note(said)
     return exit_
 
 
