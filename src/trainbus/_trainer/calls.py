@@ -29,7 +29,6 @@ from .. import commands as cmd
 from .. import events as ev
 from .._bus import EventBus, LoopPort
 from .._bus.scheduler import TaskSet
-from .._exceptions import TrainbusError
 from .._log import get_logger
 from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
@@ -217,20 +216,12 @@ class CallRunner:
     async def open(self) -> AsyncIterator[None]:
         """Run the bus for one call (suspended at its end, not closed), or use it as is when
         something runs it already; either way what the call published is delivered first.
-
-        Raises:
-            TrainbusError: the bus closed already.
-        """
+        The caller checked that the bus is not closed (``BusHolder.check_open``)."""
         bus = self._bus
         if bus.state == "running":
             yield
             await bus.wait_delivered(self._timeout)
             return
-        if bus.state in ("closing", "closed"):
-            raise TrainbusError(
-                "this Trainer's bus is closed (trainer.close() or the end of its `with` / "
-                "`async with` block); build a new Trainer"
-            )
         await bus.__aenter__()
         try:
             yield
