@@ -343,18 +343,15 @@ class SignalWatcher:
             self.aborted = self.aborted or self._cancels > 0
             self._cancels += 1
             self._port.request_cancel_pending()
-            with contextlib.suppress(Exception):
-                log.warning("signal_received", signal=signal.Signals(signum).name,
-                            action="cancel pending async work")  # fmt: skip
-            return
-        self._count += 1
-        if self._count == 1:
+            action = "cancel pending async work"
+        elif self._count == 0:
+            self._count = 1
             self.received = signal.Signals(signum)
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:
+            self._count += 1
             self.aborted = True
-            run = self._run
             if run is not None:
                 run.request_cancel()
             action = "abort now"
