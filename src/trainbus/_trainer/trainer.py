@@ -67,7 +67,6 @@ from .calls import (
     spawns_workers,
     watching_cancel,
 )
-from .checks import eval_sets
 from .holder import BusHolder
 from .options import (
     Accumulate,
@@ -76,6 +75,7 @@ from .options import (
     PerEpoch,
     build_settings,
     check_options,
+    eval_sets,
     explains_fit_keywords,
     explains_unknown_options,
 )
