@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ from .._log import get_logger
 from .._loop import Settings
 from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
-from ..callbacks._base import Callback
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
+from .added import AddedCallbacks
 from .calls import TrainingThread
 
 __all__ = ["CallbackStates", "check_resume", "load_weights"]
@@ -63,16 +62,11 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkp
 
 class CallbackStates:
     """Resuming a run (the checkpoint loaded, its states restored) and the stateful
-    callbacks' states (of ``callbacks()``, the added ones) collected at each save."""
+    callbacks' states (of the ``added`` ones) collected at each save."""
 
-    def __init__(
-        self,
-        bus: EventBus,
-        callbacks: Callable[[], tuple[Callback, ...]],
-        thread: TrainingThread,
-    ) -> None:
+    def __init__(self, bus: EventBus, added: AddedCallbacks, thread: TrainingThread) -> None:
         self._bus = bus
-        self._callbacks = callbacks
+        self._added = added
         self._thread = thread
         # Where the last load() found its checkpoint (FitStarted.resume_source), else None.
         self.resume_source: ev.ResumeSource | None = None
@@ -80,11 +74,11 @@ class CallbackStates:
     @property
     def any_stateful(self) -> bool:
         """Whether an added callback has state to save."""
-        return any(cb.stateful for cb in self._callbacks())
+        return any(cb.stateful for cb in self._added.callbacks)
 
     def _collect(self) -> dict[str, dict[str, Any]]:
         self._bus.flush()  # every event published before the save delivered
-        return {cb.state_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
+        return {cb.state_key: cb.state_dict() for cb in self._added.callbacks if cb.stateful}
 
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
         """``{state_key: state_dict}`` of the stateful callbacks, collected on the event-loop
@@ -169,7 +163,7 @@ class CallbackStates:
     def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
         """Restore the callback states (one no callback claims is logged and ignored),
         announce the load; the checkpoint without its states."""
-        by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
+        by_key = {cb.state_key: cb for cb in self._added.callbacks if cb.stateful}
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
             if cb is None:

@@ -203,9 +203,8 @@ class Trainer:
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._added = AddedCallbacks(self.bus, self.hooks)
-        added = self._added  # not self: no cycle through the trainer (freed without gc)
         self._thread = TrainingThread()
-        self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
+        self._states = CallbackStates(self.bus, self._added, self._thread)
         self._signals = SignalWatcher(self.bus)
         self._calls = CallRunner(
             self.bus, self.hooks, self.bus.barrier_timeout, self._thread, self._signals
