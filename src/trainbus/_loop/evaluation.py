@@ -24,12 +24,7 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .wants import Wants
 
-__all__ = [
-    "EvalTrigger",
-    "Evaluator",
-    "evaluation_metric_names",
-    "metric_name",
-]
+__all__ = ["EvalTrigger", "Evaluator", "evaluation_metric_names", "metric_name"]
 
 EvalTrigger: TypeAlias = ev.EvalTrigger
 """Why an evaluation runs (``EvaluationStarted.trigger``)."""
@@ -259,21 +254,17 @@ class Evaluator:
                                               loss=math.nan, samples=0, dataset=dataset,
                                               error=exc))  # fmt: skip
                     raise
-                if n < 0:  # an eval_batch hook skipped it
-                    if want.eval_batch_ended:
-                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                              loss=math.nan, samples=0,
-                                              dataset=dataset))  # fmt: skip
-                    continue
-                count += n
-                batches += 1
-                total_loss += loss.double() * n
-                for i, value in enumerate(values if names else ()):
-                    sums[i] += value.detach().double().mean() * n
+                if n >= 0:  # else an eval_batch hook skipped it
+                    count += n
+                    batches += 1
+                    total_loss += loss.double() * n
+                    for i, value in enumerate(values if names else ()):
+                        sums[i] += value.detach().double().mean() * n
                 if want.eval_batch_ended:
                     # A copy off the CPU: a CUDA graph's next replay overwrites it (docs/compile.md)
+                    shown = math.nan if n < 0 else loss if on_cpu else loss.clone()
                     pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                          loss=loss if on_cpu else loss.clone(), samples=n,
+                                          loss=shown, samples=max(n, 0),
                                           dataset=dataset))  # fmt: skip
         if count == 0:
             if batches == 0 and should_stop is not None and should_stop():

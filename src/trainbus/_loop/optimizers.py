@@ -1,10 +1,9 @@
 """Several optimizers and schedulers, named, behind the one optimizer the loop knows.
 
-``Trainer(model, {"g": opt_g, "d": opt_d}, ...)``: :func:`check_optimizers` validates the
-mapping and wraps it in an :class:`OptimizerSet`, used wherever one optimizer is
-(``param_groups`` in name order, ``zero_grad``, ``step``, ``state_dict`` per name);
-:class:`SchedulerSet` does the same for ``scheduler={"g": sched_g, ...}``
-(docs/trainer.md, "Several optimizers").
+``Trainer(model, {"g": opt_g, "d": opt_d}, ...)`` runs on an :class:`OptimizerSet` of them,
+used wherever one optimizer is (``param_groups`` in name order, ``zero_grad``, ``step``,
+``state_dict`` per name); :class:`SchedulerSet` does the same for ``scheduler={"g": sched_g,
+...}`` (docs/trainer.md, "Several optimizers").
 """
 
 from __future__ import annotations
@@ -15,9 +14,8 @@ from typing import Any
 import torch
 
 from .._exceptions import CheckpointError, ConfigError
-from .._tensors import is_sharded_model
 
-__all__ = ["OptimizerSet", "SchedulerSet", "check_optimizers", "check_schedulers"]
+__all__ = ["DEFAULT_NAME", "OptimizerSet", "SchedulerSet"]
 
 DEFAULT_NAME = "default"
 """The name of the one optimizer of a run given a single optimizer (``optimizers["default"]``)."""
@@ -28,7 +26,7 @@ class OptimizerSet(torch.optim.Optimizer):
     every call goes to the optimizers it holds.
 
     Args:
-        optimizers: Name -> optimizer, at least one (checked by :func:`check_optimizers`).
+        optimizers: Name -> optimizer, at least one.
     """
 
     def __init__(self, optimizers: Mapping[str, torch.optim.Optimizer]) -> None:
@@ -109,7 +107,7 @@ class SchedulerSet:
     """Named LR schedulers stepped, saved and restored as one.
 
     Args:
-        schedulers: Optimizer name -> its scheduler (checked by :func:`check_schedulers`).
+        schedulers: Optimizer name -> its scheduler.
     """
 
     def __init__(self, schedulers: Mapping[str, Any]) -> None:
@@ -137,139 +135,3 @@ class SchedulerSet:
             )
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict[name])
-
-
-def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None:
-    if not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError.invalid(name, type(opt).__name__, "a torch.optim.Optimizer")
-    if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
-        raise ConfigError.invalid(
-            name, type(opt).__name__,
-            "an optimizer built after fully_shard(model), over its sharded (DTensor) "
-            "parameters: fully_shard replaces every parameter, so an optimizer built before "
-            "it would step the old, unsharded ones" if sharded
-            else "an optimizer over this model's parameters",
-        )  # fmt: skip
-
-
-def check_optimizers(
-    model: torch.nn.Module, optimizer: Any
-) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
-    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
-    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
-    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
-    params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
-    if not isinstance(optimizer, Mapping):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            _over_model("optimizer", optimizer, params, sharded=sharded)
-            return optimizer, {DEFAULT_NAME: optimizer}
-        raise ConfigError.invalid(
-            "optimizer", type(optimizer).__name__,
-            "a torch.optim.Optimizer, or a mapping of names to optimizers "
-            "(e.g. {'g': opt_g, 'd': opt_d})",
-        )  # fmt: skip
-    if not optimizer:
-        raise ConfigError.invalid("optimizer", "<empty mapping>", "at least one optimizer")
-    seen: dict[int, str] = {}
-    owner: dict[int, str] = {}
-    for name, opt in optimizer.items():
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ConfigError.invalid("optimizer", name, "names that are identifiers")
-        _over_model(f"optimizer[{name!r}]", opt, params, sharded=sharded)
-        if id(opt) in seen:
-            raise ConfigError.invalid(
-                f"optimizer[{name!r}]", type(opt).__name__,
-                f"a different optimizer than optimizer[{seen[id(opt)]!r}]",
-            )  # fmt: skip
-        seen[id(opt)] = name
-        for p in (q for g in opt.param_groups for q in g["params"]):
-            if id(p) in owner:
-                raise ConfigError.invalid(
-                    f"optimizer[{name!r}]", type(opt).__name__,
-                    f"optimizers over disjoint parameters (it shares one with "
-                    f"optimizer[{owner[id(p)]!r}])",
-                )  # fmt: skip
-            owner[id(p)] = name
-    named = dict(optimizer)
-    return OptimizerSet(named), named
-
-
-def check_schedulers(
-    scheduler: Any, optimizers: Mapping[str, torch.optim.Optimizer]
-) -> tuple[Any | None, dict[str, Any]]:
-    """Check ``scheduler`` against the run's optimizers.
-
-    Returns:
-        ``(the scheduler the loop steps, {optimizer name: scheduler})``: None and ``{}``
-        without one; one scheduler with one optimizer is itself; a mapping is a
-        :class:`SchedulerSet`.
-
-    Raises:
-        ConfigError: not a scheduler (no ``.step()``); torch's ``ReduceLROnPlateau`` (its
-            ``.step()`` needs a metric); a scheduler whose ``.optimizer`` is not
-            the run's optimizer; a single scheduler with several
-            optimizers (naming the optimizer it belongs to); a mapping whose names are not the
-            optimizers' or whose scheduler drives another optimizer.
-    """
-    if scheduler is None:
-        return None, {}
-    if not isinstance(scheduler, Mapping):
-        _stepper("scheduler", scheduler)
-        if len(optimizers) == 1:
-            (name, only), target = (
-                next(iter(optimizers.items())),
-                getattr(scheduler, "optimizer", None),
-            )
-            if target is not None and target is not only:
-                raise ConfigError.invalid(
-                    "scheduler", type(scheduler).__name__,
-                    f"a scheduler of the Trainer's optimizer ({type(only).__name__} at "
-                    f"{id(only):#x}); this one drives another {type(target).__name__} (at "
-                    f"{id(target):#x}), so the run's learning rate would never change: build "
-                    "it on the optimizer you pass to the Trainer",
-                )  # fmt: skip
-            return scheduler, {name: scheduler}
-        target = getattr(scheduler, "optimizer", None)
-        belongs = next((n for n, o in optimizers.items() if o is target), None)
-        where = (
-            f"it belongs to optimizer {belongs!r}: pass scheduler={{{belongs!r}: scheduler}}"
-            if belongs is not None
-            else "pass a mapping of optimizer names to schedulers"
-        )
-        raise ConfigError.invalid(
-            "scheduler", type(scheduler).__name__,
-            f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); "
-            + where,
-        )  # fmt: skip
-    if len(optimizers) == 1 and DEFAULT_NAME in optimizers:
-        raise ConfigError.invalid(
-            "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
-        )
-    for name, sched in scheduler.items():
-        if name not in optimizers:
-            raise ConfigError.invalid(
-                "scheduler", name, "names of the optimizers: " + ", ".join(map(repr, optimizers))
-            )
-        _stepper(f"scheduler[{name!r}]", sched)
-        target = getattr(sched, "optimizer", None)
-        if target is not None and target is not optimizers[name]:
-            other = next((n for n, o in optimizers.items() if o is target), None)
-            raise ConfigError.invalid(
-                f"scheduler[{name!r}]", type(sched).__name__,
-                f"a scheduler of optimizer {name!r}"
-                + (f" (it drives optimizer {other!r})" if other else " (it drives another one)"),
-            )  # fmt: skip
-    return SchedulerSet(scheduler), dict(scheduler)
-
-
-def _stepper(name: str, scheduler: Any) -> None:
-    if not callable(getattr(scheduler, "step", None)):
-        raise ConfigError.invalid(name, type(scheduler).__name__, "an LR scheduler with .step()")
-    if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
-        raise ConfigError.invalid(
-            name,
-            type(scheduler).__name__,
-            "a scheduler the loop steps without arguments; torch's ReduceLROnPlateau needs a "
-            "metric in .step(metric): use callbacks=[trainbus.callbacks.ReduceLROnPlateau("
-            "monitor='val_loss')] instead",
-        )

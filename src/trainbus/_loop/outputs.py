@@ -1,7 +1,7 @@
 """Model outputs taken apart and put back together with the type users index (a Hugging Face
 ``ModelOutput`` stays one): detached, copied to the host (:class:`HostOutputs`) and a
-prediction's batches joined (:func:`join_outputs`, checked batch by batch by
-:class:`OutputsCheck`); docs/trainer.md ("Evaluate and predict outside ``fit()``").
+prediction's batches checked batch by batch (:class:`OutputsCheck`) and joined
+(:func:`join_outputs`); docs/trainer.md ("Evaluate and predict outside ``fit()``").
 """
 
 from __future__ import annotations
@@ -175,25 +175,10 @@ class PadValues:
         return value
 
 
-def _join_error(path: str, index: int, first: Any, other: Any) -> TrainingError:
-    def layout(x: Any) -> str:
-        if isinstance(x, torch.Tensor):
-            return f"shape {tuple(x.shape)}, {x.dtype}"
-        return f"a {type(x).__name__}, not a tensor"
-
-    return TrainingError(
-        f"predict(return_outputs=True) cannot join {path}: batch {index} gives {layout(other)} "
-        f"where batch 0 gave {layout(first)}; padding joins tensors whose sizes differ, not "
-        "their number of dimensions or dtype. Return one layout per batch, or leave "
-        "return_outputs False and collect PredictionBatchEnded.outputs yourself"
-    )
-
-
-def _joinable(path: str, index: int, first: torch.Tensor, other: Any) -> None:
-    """Raise the join error unless ``other`` is a tensor padding can join to ``first``."""
-    if (not isinstance(other, torch.Tensor) or other.dim() != first.dim()
-            or other.dtype != first.dtype):  # fmt: skip
-        raise _join_error(path, index, first, other)
+def _layout(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"shape {tuple(x.shape)}, {x.dtype}"
+    return f"a {type(x).__name__}, not a tensor"
 
 
 def _alike(first: Any, other: Any) -> bool:
@@ -223,35 +208,26 @@ def _concat(tensors: list[torch.Tensor], pad: PadValues, key: str | None) -> tor
 
 
 def join_outputs(
-    batches: Sequence[Any],
-    pad: PadValues | None = None,
-    *,
-    _path: str = "outputs",
-    _key: str | None = None,
+    batches: Sequence[Any], pad: PadValues | None = None, *, _key: str | None = None
 ) -> Any:
-    """The per-batch outputs ``batches`` concatenated along the first dimension: tensors
-    padded (``pad``; None: the defaults) where their other dimensions differ, scalars stacked,
-    tuples/lists and mappings joined per element and key as their type; anything else the list
-    of ``batches``; no batch ``[]``. ``TrainingError`` for tensors padding cannot join (naming
-    the key, the batch and both shapes), ``ConfigError`` for a pad value a dtype cannot hold."""
+    """The per-batch outputs ``batches``, as :class:`OutputsCheck` accepted them, concatenated
+    along the first dimension: tensors padded (``pad``; None: the defaults) where their other
+    dimensions differ, scalars stacked, tuples/lists and mappings joined per element and key as
+    their type; anything else the list of ``batches``; no batch ``[]``."""
     if not batches:
         return []
     pad = pad or PadValues()
     first = batches[0]
     if isinstance(first, torch.Tensor):
-        for i, b in enumerate(batches):
-            _joinable(_path, i, first, b)
         if first.dim() == 0:
             return torch.stack(list(batches))
         return _concat(list(batches), pad, _key)
     if not all(_alike(first, b) for b in batches):
         return list(batches)
     if isinstance(first, tuple | list):
-        return _sequence_like(first, [join_outputs([b[i] for b in batches], pad,
-                                                   _path=f"{_path}[{i}]", _key=_key)
+        return _sequence_like(first, [join_outputs([b[i] for b in batches], pad, _key=_key)
                                       for i in range(len(first))])  # fmt: skip
-    return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad,
-                                                 _path=f"{_path}[{k!r}]", _key=str(k))
+    return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad, _key=str(k))
                                  for k in first})  # fmt: skip
 
 
@@ -293,7 +269,18 @@ class OutputsCheck:
         if path in self._loose:
             return
         if isinstance(first, torch.Tensor):
-            _joinable(path, index, first, other)
+            if (
+                not isinstance(other, torch.Tensor)
+                or other.dim() != first.dim()
+                or other.dtype != first.dtype
+            ):
+                raise TrainingError(
+                    f"predict(return_outputs=True) cannot join {path}: batch {index} gives "
+                    f"{_layout(other)} where batch 0 gave {_layout(first)}; padding joins "
+                    "tensors whose sizes differ, not their number of dimensions or dtype. "
+                    "Return one layout per batch, or leave return_outputs False and collect "
+                    "PredictionBatchEnded.outputs yourself"
+                )
             if other.shape[1:] != first.shape[1:]:
                 self._pad.for_tensor(key, first.dtype)  # padding is needed: can it pad?
         elif not _alike(first, other):

@@ -29,7 +29,6 @@ from .. import commands as cmd
 from .. import events as ev
 from .._bus import EventBus, LoopPort
 from .._bus.scheduler import TaskSet
-from .._exceptions import TrainbusError
 from .._log import get_logger
 from .._loop import Cancelled, Hooks, Loop, Settings, StandaloneRun
 from .._signals import STOP_SIGNALS, not_ignored
@@ -185,31 +184,30 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 class CallRunner:
     """The bus around one trainer call, its barriers (waiting ``barrier_timeout`` for their
-    subscribers), and the standalone runs on it (with the trainer's ``hooks``)."""
+    subscribers, unless a signal of ``signals`` asked the run to stop), and the standalone
+    runs on it (with the trainer's ``hooks``)."""
 
     def __init__(
-        self, bus: EventBus, hooks: Hooks, barrier_timeout: float, thread: TrainingThread
+        self,
+        bus: EventBus,
+        hooks: Hooks,
+        barrier_timeout: float,
+        thread: TrainingThread,
+        signals: SignalWatcher,
     ) -> None:
         self._bus = bus
         self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
         self._timeout = barrier_timeout
         self._thread = thread
-        self._interrupted = False
-
-    def begin(self) -> None:
-        """A ``fit()`` begins: uninterrupted."""
-        self._interrupted = False
-
-    def interrupt(self) -> None:
-        """A signal asked the run to stop: barriers no longer wait for subscribers (the loop
-        reaches its final checkpoint even if a sync subscriber blocks). Signal-safe."""
-        self._interrupted = True
+        self._signals = signals
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
         """On the training thread at a barrier event: wait for its deciders; the bus' barrier
-        status (``Cancelled`` when ``fit()`` was cancelled meanwhile)."""
-        if self._interrupted:
+        status (``Cancelled`` when ``fit()`` was cancelled meanwhile). After a stop signal
+        barriers wait no more: the loop reaches its final checkpoint even if a sync
+        subscriber blocks."""
+        if self._signals.received is not None:
             return "done"
         status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
         return status
@@ -218,20 +216,12 @@ class CallRunner:
     async def open(self) -> AsyncIterator[None]:
         """Run the bus for one call (suspended at its end, not closed), or use it as is when
         something runs it already; either way what the call published is delivered first.
-
-        Raises:
-            TrainbusError: the bus closed already.
-        """
+        The caller checked that the bus is not closed (``BusHolder.check_open``)."""
         bus = self._bus
         if bus.state == "running":
             yield
             await bus.wait_delivered(self._timeout)
             return
-        if bus.state in ("closing", "closed"):
-            raise TrainbusError(
-                "this Trainer's bus is closed (trainer.close() or the end of its `with` / "
-                "`async with` block); build a new Trainer"
-            )
         await bus.__aenter__()
         try:
             yield
@@ -276,7 +266,6 @@ class SignalWatcher:
 
     Args:
         bus: Where ``StopTraining(reason="signal")`` is sent.
-        on_signal: Called (in the handler) at the first signal, before the command is sent.
 
     Attributes:
         received: The signal that asked the run to stop (None: none, or only ones after
@@ -284,10 +273,9 @@ class SignalWatcher:
         aborted: Whether a second signal aborted the run.
     """
 
-    def __init__(self, bus: EventBus, on_signal: Callable[[], None] | None = None) -> None:
+    def __init__(self, bus: EventBus) -> None:
         self._bus = bus
         self._port = bus.port()  # withdrawing a late signal's stop, cancelling pending work
-        self._on_signal = on_signal
         self.aborted = False
         self.received: signal.Signals | None = None
         self._count = 0  # the signals that asked the run to stop
@@ -355,20 +343,15 @@ class SignalWatcher:
             self.aborted = self.aborted or self._cancels > 0
             self._cancels += 1
             self._port.request_cancel_pending()
-            with contextlib.suppress(Exception):
-                log.warning("signal_received", signal=signal.Signals(signum).name,
-                            action="cancel pending async work")  # fmt: skip
-            return
-        self._count += 1
-        if self._count == 1:
+            action = "cancel pending async work"
+        elif self._count == 0:
+            self._count = 1
             self.received = signal.Signals(signum)
-            if self._on_signal is not None:
-                self._on_signal()
             self._bus.send(cmd.StopTraining(reason="signal"))
             action = "stop after this step"
         else:
+            self._count += 1
             self.aborted = True
-            run = self._run
             if run is not None:
                 run.request_cancel()
             action = "abort now"
@@ -386,15 +369,14 @@ def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> 
     ``KeyboardInterrupt`` for SIGINT, else ``SystemExit(128 + signum)`` (``step``: where the
     run stopped; ``checkpoint``: the last one written, or None)."""
     where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
+    said = (
+        f"trainbus: {signum.name} stopped the run gracefully {where}; trainer.result holds "
+        "the result (Trainer(on_signal='return') returns it instead)"
+    )
     if signum == signal.SIGINT:
-        return KeyboardInterrupt(
-            f"trainbus: SIGINT stopped the run gracefully {where}; trainer.result holds the "
-            "result (Trainer(on_signal='return') returns it instead)"
-        )
+        return KeyboardInterrupt(said)
     exit_ = SystemExit(128 + int(signum))
-    exit_.add_note(f"trainbus: {signum.name} stopped the run gracefully {where}; "
-                   "trainer.result holds the result (Trainer(on_signal='return') returns it "
-                   "instead)")  # fmt: skip
+    exit_.add_note(said)
     return exit_
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -27,34 +27,23 @@ BACKENDS = ("asyncio", "trio")
 _T = TypeVar("_T")
 
 
-class _Raised:
-    """What a call raised in the portal's event loop, carried out of it as a value."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-async def _captured(fn: Callable[[], Awaitable[_T]]) -> _T | _Raised:
+async def _captured(fn: Callable[[], Awaitable[_T]]) -> tuple[bool, Any]:
     try:
-        return await fn()
+        return True, await fn()
     except Exception as exc:  # raised again on the caller's thread (portal_call)
-        return _Raised(exc)
+        return False, exc
 
 
 def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
     """``portal.call(fn)``, an exception raised on the caller's thread: anyio's portal holds
     it in a reference cycle, which would keep the Trainer alive until a gc pass."""
-    outcome = portal.call(_captured, fn)
-    if isinstance(outcome, _Raised):
-        error = outcome.error
-        del outcome
-        try:
-            raise error
-        finally:
-            del error  # this frame is in its traceback: nothing of it refers back
-    return outcome
+    ok, value = portal.call(_captured, fn)
+    if ok:
+        return value  # type: ignore[no-any-return]
+    try:
+        raise value
+    finally:
+        del value  # this frame is in its traceback: nothing of it refers back
 
 
 def check_backend(backend: object) -> str:
@@ -96,14 +85,13 @@ class BusHolder:
                                 "`async with`); enter it once")  # fmt: skip
 
     # ================================================================== sync
-    def enter(self, backend: str = "asyncio") -> None:
-        """``with trainer:``: start the portal every sync call of the block runs through
-        (``TrainbusError`` when the bus runs already, or closed)."""
-        backend = check_backend(backend)
+    def enter(self) -> None:
+        """``with trainer:``: start the portal (asyncio) every sync call of the block runs
+        through (``TrainbusError`` when the bus runs already, or closed)."""
         self._check_enter("with trainer")
         stack = contextlib.ExitStack()
-        self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal(backend))
-        self._stack, self._backend = stack, backend
+        self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
+        self._stack, self._backend = stack, "asyncio"
 
     def close(self) -> None:
         """Close the bus, then stop the ``with`` block's portal and end the training thread
@@ -187,7 +175,3 @@ class BusHolder:
     async def _run_to_close(self) -> None:
         async with self._bus:
             pass
-
-    def __repr__(self) -> str:
-        mode = "portal" if self._portal is not None else self._bus.state
-        return f"<BusHolder {mode}>"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,8 @@ from .._log import get_logger
 from .._loop import Settings
 from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
-from ..callbacks._base import Callback
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
+from .added import AddedCallbacks
 from .calls import TrainingThread
 
 __all__ = ["CallbackStates", "check_resume", "load_weights"]
@@ -63,16 +62,11 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike[str]) -> Checkp
 
 class CallbackStates:
     """Resuming a run (the checkpoint loaded, its states restored) and the stateful
-    callbacks' states (of ``callbacks()``, the added ones) collected at each save."""
+    callbacks' states (of the ``added`` ones) collected at each save."""
 
-    def __init__(
-        self,
-        bus: EventBus,
-        callbacks: Callable[[], tuple[Callback, ...]],
-        thread: TrainingThread,
-    ) -> None:
+    def __init__(self, bus: EventBus, added: AddedCallbacks, thread: TrainingThread) -> None:
         self._bus = bus
-        self._callbacks = callbacks
+        self._added = added
         self._thread = thread
         # Where the last load() found its checkpoint (FitStarted.resume_source), else None.
         self.resume_source: ev.ResumeSource | None = None
@@ -80,11 +74,11 @@ class CallbackStates:
     @property
     def any_stateful(self) -> bool:
         """Whether an added callback has state to save."""
-        return any(cb.stateful for cb in self._callbacks())
+        return any(cb.stateful for cb in self._added.callbacks)
 
     def _collect(self) -> dict[str, dict[str, Any]]:
         self._bus.flush()  # every event published before the save delivered
-        return {cb.state_key: cb.state_dict() for cb in self._callbacks() if cb.stateful}
+        return {cb.state_key: cb.state_dict() for cb in self._added.callbacks if cb.stateful}
 
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
         """``{state_key: state_dict}`` of the stateful callbacks, collected on the event-loop
@@ -95,29 +89,14 @@ class CallbackStates:
         """
         return self._thread.call_sync(self._collect)
 
-    def _latest(self, s: Settings, *, required: bool) -> Checkpoint | None:
-        """``resume="latest"``: Ray's checkpoint when Ray handed one, else the newest valid
-        file in ``checkpoint_dir``, else None (a warning; an error when ``required``)."""
-        assert s.checkpoint_dir is not None
-        handed = read_ray_checkpoint()
-        if handed is not None:
-            self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(handed.path)))
-            self.resume_source = "ray"
-            return handed
-        self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(s.checkpoint_dir)))
-        scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
-        if scan.checkpoint is not None:
-            self.resume_source = "checkpoint_dir"
-            return scan.checkpoint
-        self._found_nothing(s, scan.describe(), required=required)
-        return None
-
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
     ) -> Checkpoint | None:
-        """Load the checkpoint ``resume`` (``"latest"`` or a path) names and restore the model,
-        optimizer, scheduler, scaler and callback states (the loop restores the RNG states);
-        another world size than ``group``'s resumes at the next epoch.
+        """Load the checkpoint ``resume`` names (``"latest"``: Ray's when Ray handed one, else
+        the newest valid one in ``checkpoint_dir``) and restore the model, optimizer,
+        scheduler, scaler and callback states (the loop restores the RNG states; a sharded
+        model's ranks each their shards and RNG, :func:`load_sharded`). Another world size
+        than ``group``'s resumes at the next epoch boundary.
 
         Returns:
             The checkpoint without its restored states; None when ``"latest"`` found no valid
@@ -127,29 +106,64 @@ class CallbackStates:
             CheckpointError: a damaged, foreign or incompatible checkpoint.
         """
         self.resume_source = None
-        if is_sharded_model(unwrap_model(s.model)):
-            return self._load_sharded(s, resume, group, required=required)
+        latest = resume == "latest"
+        where = s.checkpoint_dir if latest else resume
+        source: ev.ResumeSource = "checkpoint_dir" if latest else "path"
+        sharded = is_sharded_model(unwrap_model(s.model))
+        handed = read_ray_checkpoint() if latest and not sharded else None
+        loading = where if handed is None else handed.path
+        self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(loading)))
+        found = ""  # what the folder held, when nothing in it was valid
         # Read to the host: load_state_dict puts each tensor where the live objects keep it.
-        if resume == "latest":
-            checkpoint = self._latest(s, required=required)
-            if checkpoint is None:
-                return None
+        if sharded:
+            checkpoint, found = load_sharded(resume, s.checkpoint_dir, model=s.model,
+                                             optimizer=s.optimizer, scheduler=s.scheduler,
+                                             scaler=s.scaler)  # fmt: skip
+        elif handed is not None:
+            checkpoint, source = handed, "ray"
+        elif latest:
+            assert s.checkpoint_dir is not None
+            scan = CheckpointStore(s.checkpoint_dir).find_latest(map_location="cpu")
+            checkpoint, found = scan.checkpoint, scan.describe()
         else:
-            self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(resume)))
             checkpoint = read_checkpoint(resume, map_location="cpu")
-            self.resume_source = "path"
-        saved_world = int(checkpoint.meta.get("world_size", 1))
-        _next_epoch_if_resharded(checkpoint, saved_world, group.world_size,
-                                 "resume at the next epoch boundary")  # fmt: skip
-        checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
-                           scheduler=s.scheduler, scaler=s.scaler, world_size=saved_world,
-                           rng=False)  # fmt: skip
+        if checkpoint is None:
+            if required:
+                raise CheckpointError(
+                    f"no valid checkpoint to resume from (resume='latest', "
+                    f"require_checkpoint=True); the folder held: {found}",
+                    path=str(s.checkpoint_dir),
+                )  # fmt: skip
+            log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
+                        found=found, action="training from step 0; pass "
+                        "require_checkpoint=True to make this an error")  # fmt: skip
+            return None
+        self.resume_source = source
+        saved = int(checkpoint.meta.get("world_size", 1))
+        st = checkpoint.state
+        if saved != group.world_size:
+            # The data is sharded otherwise: the interrupted epoch cannot be replayed.
+            log.warning(
+                "resume_world_size_changed",
+                saved_world_size=saved,
+                world_size=group.world_size,
+                epoch=st.epoch,
+                batch_in_epoch=st.batch_in_epoch,
+                action=("resharded through DCP; " if sharded else "")
+                + "resume at the next epoch boundary",
+            )
+            if st.batch_in_epoch > 0:
+                st.epoch_done()
+        if not sharded:
+            checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
+                               scheduler=s.scheduler, scaler=s.scaler, world_size=saved,
+                               rng=False)  # fmt: skip
         return self._restored(checkpoint)
 
     def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
         """Restore the callback states (one no callback claims is logged and ignored),
         announce the load; the checkpoint without its states."""
-        by_key = {cb.state_key: cb for cb in self._callbacks() if cb.stateful}
+        by_key = {cb.state_key: cb for cb in self._added.callbacks if cb.stateful}
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
             if cb is None:
@@ -176,50 +190,6 @@ class CallbackStates:
                         step=checkpoint.state.step, differences=differences,
                         action="resuming anyway; the run will not match an uninterrupted run "
                         "of the checkpoint's configuration")  # fmt: skip
-
-    @staticmethod
-    def _found_nothing(s: Settings, found: str, *, required: bool) -> None:
-        if required:
-            raise CheckpointError(
-                f"no valid checkpoint to resume from (resume='latest', "
-                f"require_checkpoint=True); the folder held: {found}",
-                path=str(s.checkpoint_dir),
-            )  # fmt: skip
-        log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
-                    found=found, action="training from step 0; pass "
-                    "require_checkpoint=True to make this an error")  # fmt: skip
-
-    def _load_sharded(
-        self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool
-    ) -> Checkpoint | None:
-        """:meth:`load` for a sharded (FSDP2) model: every rank restores its own shards and
-        RNG from a checkpoint folder, agreed across ranks (:func:`load_sharded`)."""
-        where = s.checkpoint_dir if resume == "latest" else resume
-        self._bus.publish(ev.CheckpointLoading(step=0, epoch=0, path=str(where)))
-        checkpoint, found = load_sharded(resume, s.checkpoint_dir, model=s.model,
-                                         optimizer=s.optimizer, scheduler=s.scheduler,
-                                         scaler=s.scaler)  # fmt: skip
-        if checkpoint is None:
-            self._found_nothing(s, found, required=required)
-            return None
-        self.resume_source = "checkpoint_dir" if resume == "latest" else "path"
-        saved = int(checkpoint.meta["world_size"])
-        action = "resharded through DCP; resume at the next epoch boundary"
-        _next_epoch_if_resharded(checkpoint, saved, group.world_size, action)
-        return self._restored(checkpoint)
-
-
-def _next_epoch_if_resharded(checkpoint: Checkpoint, saved: int, world_size: int,
-                             action: str) -> None:  # fmt: skip
-    """Another world size shards the data otherwise: the interrupted epoch cannot be replayed,
-    so the run resumes at the next epoch boundary (a ``resume_world_size_changed`` warning)."""
-    if saved == world_size:
-        return
-    st = checkpoint.state
-    log.warning("resume_world_size_changed", saved_world_size=saved, world_size=world_size,
-                epoch=st.epoch, batch_in_epoch=st.batch_in_epoch, action=action)  # fmt: skip
-    if st.batch_in_epoch > 0:
-        st.epoch_done()
 
 
 def read_ray_checkpoint() -> Checkpoint | None:

@@ -67,7 +67,6 @@ from .calls import (
     spawns_workers,
     watching_cancel,
 )
-from .checks import eval_sets
 from .holder import BusHolder
 from .options import (
     Accumulate,
@@ -76,6 +75,7 @@ from .options import (
     PerEpoch,
     build_settings,
     check_options,
+    eval_sets,
     explains_fit_keywords,
     explains_unknown_options,
 )
@@ -203,11 +203,12 @@ class Trainer:
         self.hooks = Hooks()
         self.result: FitResult | None = None
         self._added = AddedCallbacks(self.bus, self.hooks)
-        added = self._added  # not self: no cycle through the trainer (freed without gc)
         self._thread = TrainingThread()
-        self._states = CallbackStates(self.bus, lambda: added.callbacks, self._thread)
-        self._calls = CallRunner(self.bus, self.hooks, self.bus.barrier_timeout, self._thread)
-        self._signals = SignalWatcher(self.bus, on_signal=self._calls.interrupt)
+        self._states = CallbackStates(self.bus, self._added, self._thread)
+        self._signals = SignalWatcher(self.bus)
+        self._calls = CallRunner(
+            self.bus, self.hooks, self.bus.barrier_timeout, self._thread, self._signals
+        )
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [self.add_callback(cb) for cb in checked["callbacks"]]
@@ -402,7 +403,6 @@ class Trainer:
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        self._calls.begin()
         globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
                     if cb not in self._added]  # fmt: skip
         ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
