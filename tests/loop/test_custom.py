@@ -632,3 +632,21 @@ def test_a_hook_that_returns_a_value_instead_of_setting_it_is_warned_once() -> N
     assert [str(w.message)[:14] for w in record if "returned a value" in str(w.message)] == [
         "the 'loss' hoo"
     ]
+
+
+def test_a_loss_backwarded_twice_is_told_to_call_backward_once() -> None:
+    def twice(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        ctx.backward(loss)
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(3),
+                      max_steps=3, train_step=twice, progress=False)  # fmt: skip
+    with pytest.raises(RuntimeError) as info:
+        trainer.fit_sync()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "raised in backward at step 0" in notes
+    assert "already backwarded (ctx.backward or loss.backward() twice on one loss)" in notes

@@ -95,3 +95,35 @@ def test_mapping_batch_without_labels_fails_the_evaluation() -> None:
                       on_signal=None, progress=False)  # fmt: skip
     with pytest.raises(TrainingError, match="labels"):
         trainer.fit_sync()
+
+
+def test_a_logits_model_without_loss_fn_is_told_to_pass_one() -> None:
+    """The model gets the whole (inputs, targets) batch without loss_fn: its TypeError says so."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                      max_steps=1, progress=False)  # fmt: skip
+    with pytest.raises(TypeError) as info:
+        trainer.fit_sync()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "without loss_fn the model is called with the whole batch (a tuple of 2)" in notes
+    assert "pass loss_fn=" in notes
+
+
+class Unpacking(torch.nn.Module):
+    """Takes the whole ``(inputs, targets)`` batch and returns logits, not a loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_model()
+
+    def forward(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.net(batch[0])
+
+
+def test_a_model_returning_logits_without_loss_fn_is_told_to_pass_one() -> None:
+    model = Unpacking()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), _batches(),
+                      max_steps=1, progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"shape \(8, 10\).*Without loss_fn the model must "
+                       r"return the loss: pass loss_fn="):  # fmt: skip
+        trainer.fit_sync()

@@ -420,6 +420,11 @@ class StepRunner:
                 scaled.backward()
         except BaseException as exc:
             self.annotate(exc, "backward", ctx.batch_index)
+            if "backward through the graph a second time" in str(exc):
+                exc.add_note(
+                    "trainbus: this loss's graph was already backwarded (ctx.backward or "
+                    "loss.backward() twice on one loss): call it once per loss"
+                )
             raise
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
@@ -435,8 +440,13 @@ class StepRunner:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
                    else repr(type(loss)))  # fmt: skip
-            raise TrainingError(f"the loss must be a scalar tensor; got {got} {where}. Reduce it "
-                                "(e.g. .mean()) in loss_fn or the model")  # fmt: skip
+            fix = "Reduce it (e.g. .mean()) in loss_fn or the model"
+            if self.settings.loss_fn is None:
+                fix = (
+                    "Without loss_fn the model must return the loss: pass loss_fn= (e.g. "
+                    "torch.nn.CrossEntropyLoss()) if it returns outputs"
+                )
+            raise TrainingError(f"the loss must be a scalar tensor; got {got} {where}. {fix}")
         raise TrainingError(f"the loss does not require grad {where}: it is detached from the "
                             "model's parameters")  # fmt: skip
 

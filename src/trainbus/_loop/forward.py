@@ -80,7 +80,16 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
         if targets or (isinstance(batch, tuple | list) and len(batch) == 2):
             inputs, wanted = split_batch(batch)
             return model(inputs), wanted
-    return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
+    try:
+        return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
+    except TypeError as exc:
+        if s.loss_fn is None and isinstance(batch, tuple | list):
+            exc.add_note(
+                f"trainbus: without loss_fn the model is called with the whole batch (a "
+                f"{type(batch).__name__} of {len(batch)}); for (inputs, targets) batches pass "
+                "loss_fn= (e.g. torch.nn.CrossEntropyLoss())"
+            )
+        raise
 
 
 def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
