@@ -38,7 +38,7 @@ class Settings:
     accumulate: int
     accumulate_by: Any
     """How a step's micro-batches weigh: ``"batches"`` (``1 / accumulate`` each), ``"items"`` or
-    ``fn(batch) -> items`` (``n_i / N``; :mod:`~trainbus._loop.accumulation`)."""
+    ``fn(batch) -> items`` (``n_i / N``; :func:`~trainbus._loop.step.item_weights`)."""
     clip_grad_norm: float | None
     precision: Precision
     device: torch.device

@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from .. import events as ev
+from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
-from .accumulation import ItemWeights, count_items
 from .context import TrainContext
 from .data import END
-from .gradsync import GradSync
+from .forward import metric_targets
 from .nonfinite import mean_tensor
 
 if TYPE_CHECKING:
@@ -42,7 +44,7 @@ if TYPE_CHECKING:
     from .wants import Wants
     from .window import LogWindow
 
-__all__ = ["Step", "StepOutcome"]
+__all__ = ["GradSync", "Step", "StepOutcome", "count_items", "item_weights"]
 
 
 class StepOutcome(NamedTuple):
@@ -111,7 +113,9 @@ class Step:
         self._ctx = TrainContext(runner)
         by = settings.accumulate_by
         # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / accumulation_steps each).
-        self._items = None if by == "batches" else ItemWeights(count_items if by == "items" else by)
+        self._count: Callable[[Any], int] | None = None
+        if by != "batches":
+            self._count = count_items if by == "items" else by
         self._schedule = settings.scheduler is not None and settings.scheduler_interval == "step"
 
     def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
@@ -146,8 +150,8 @@ class Step:
                         batch = next(it, END)
                 else:
                     batch = next(it, END)
-                if self._items is not None and batch is not END:
-                    ahead, weights = self._prefetch(it, batch, accumulation_steps, self._items)
+                if self._count is not None and batch is not END:
+                    ahead, weights = self._prefetch(it, batch, accumulation_steps, self._count)
             else:
                 batch = ahead.popleft() if ahead else END
             data_wait += time.monotonic() - tf
@@ -234,7 +238,7 @@ class Step:
             raise
 
     def _prefetch(
-        self, it: Iterator[Any], first: Any, accumulation_steps: int, items: ItemWeights
+        self, it: Iterator[Any], first: Any, accumulation_steps: int, count: Callable[[Any], int]
     ) -> tuple[deque[Any], list[float]]:
         """The step's batches after ``first``, fetched now (plain ``next``: the data-wait
         span of the step's first fetch covers them), and the weight of each micro-batch.
@@ -248,4 +252,114 @@ class Step:
             if batch is END:
                 break
             ahead.append(batch)
-        return ahead, items.weights([first, *ahead])
+        return ahead, item_weights(count, [first, *ahead])
+
+
+# ---------------------------------------------------------------------- accumulation
+# How a step's micro-batches are weighed (``Accumulate(n, by=...)``, docs/trainer.md, "Gradient
+# accumulation"): "batches" by 1 / n; "items" or a counting function by n_i / N, their items
+# over the step's (N is needed before the first backward: such a step fetches its batches first).
+
+IGNORE_INDEX = -100
+"""The label value that marks an item the loss ignores (PyTorch's and Hugging Face's)."""
+
+
+def count_items(batch: Any) -> int:
+    """The items of ``batch`` that a token-level loss counts: its labels ``!= -100`` (a mapping
+    batch's ``"labels"`` or an ``(inputs, targets)`` batch's targets), read before the batch
+    moves to the device.
+
+    Raises:
+        TrainingError: the batch has no labels tensor there (pass ``Accumulate(n, by=fn)``).
+    """
+    labels: Any = None
+    if isinstance(batch, Mapping | tuple | list):
+        try:
+            labels = metric_targets(batch)
+        except TrainingError:  # a mapping without "labels"
+            labels = None
+    if not isinstance(labels, torch.Tensor):
+        raise TrainingError(
+            'Accumulate(n, by="items") counts the labels != -100 of a mapping batch\'s "labels" or '
+            "of the targets of an (inputs, targets) batch; this batch "
+            f"({type(batch).__name__}) has no labels tensor there: pass Accumulate(n, by=fn), "
+            "fn(batch) -> the number of items its loss averages over"
+        )
+    return int((labels != IGNORE_INDEX).sum())
+
+
+def item_weights(count: Callable[[Any], int], batches: Sequence[Any]) -> list[float]:
+    """``n_i / N`` for each of a step's ``batches`` (all 0 when the step holds no item).
+
+    Raises:
+        TrainingError: ``count`` returned something else than an int >= 0 (naming it), or
+            :func:`count_items` found no labels.
+    """
+    counts: list[int] = []
+    for batch in batches:
+        n = count(batch)
+        if isinstance(n, torch.Tensor) and n.numel() == 1 and not n.is_floating_point():
+            n = int(n)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            name = getattr(count, "__qualname__", repr(count))
+            raise TrainingError(
+                f"Accumulate(by={name}) returned {n!r} for a batch: it must return the number "
+                "of items the batch's loss averages over, an int >= 0"
+            )
+        counts.append(n)
+    total = sum(counts)
+    return [n / total if total else 0.0 for n in counts]
+
+
+# ---------------------------------------------------------------------- DDP's gradient sync
+class GradSync:
+    """Decides which micro-batch's backward all-reduces, by DDP's public
+    ``require_backward_grad_sync`` (what ``no_sync()`` flips): :meth:`begin` sets it per
+    micro-batch, :meth:`finish` and the constructor (after a run that failed mid-step) set it
+    back on.
+
+    Attributes:
+        deferred: Backwards run without a reduction since the last reduced one (their
+            gradients are not averaged yet).
+
+    Args:
+        model: The model the loop trains (a ``DistributedDataParallel`` or not).
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+        self._deferring = False
+        self.deferred = 0
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = True
+
+    def begin(self, micro: int, accumulation_steps: int) -> None:
+        """Micro-batch ``micro`` of ``accumulation_steps`` starts (before its forward): under
+        DDP, its backward reduces only when it is the last."""
+        ddp = self._ddp
+        if ddp is None:
+            return
+        self._deferring = micro < accumulation_steps - 1
+        ddp.require_backward_grad_sync = not self._deferring
+
+    def backward_done(self) -> None:
+        """A micro-batch's backward ran: its gradients are averaged (the last micro-batch's
+        all-reduce covers what accumulated before it) or deferred."""
+        self.deferred = self.deferred + 1 if self._deferring else 0
+
+    def finish(self) -> None:
+        """Before the optimizer step: DDP reduces again from the next backward, and gradients
+        left unreduced by a step cut short are averaged (one all-reduce per parameter)."""
+        ddp = self._ddp
+        if ddp is None:
+            return
+        ddp.require_backward_grad_sync = True
+        self._deferring = False
+        if not self.deferred:
+            return
+        self.deferred = 0
+        world = dist.get_world_size()
+        for p in ddp.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad)
+                p.grad.div_(world)
