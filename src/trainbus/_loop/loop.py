@@ -109,10 +109,8 @@ class Loop:
         runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
                           self._log_window, self._scheduler, self._cancel)  # fmt: skip
-        # The doorbell's count when the wants and the next decision step were last read.
-        self._demand_rings = -1
-        # The doorbell's count at the last poll point that looked.
-        self._rings_seen = -1
+        self._demand_rings = -1  # the doorbell's count when wants and decision step were read
+        self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
         # Under torchrun: the union of every rank's decision steps, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.

@@ -73,11 +73,9 @@ class Step:
         # (torch.compile's mode="reduce-overhead") lives in the graph's output buffer, which
         # the next replay overwrites before a subscriber or the log window reads it.
         self._copy = settings.device.type != "cpu"
-        # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(settings.model)
         self._ctx = TrainContext(runner)  # the run's one: the runner keeps no reference to it
         by = settings.accumulate_by
-        # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / accumulation_steps each).
         self._count: Callable[[Any], int] | None = None
         if by != "batches":
             self._count = count_items if by == "items" else by
