@@ -28,7 +28,7 @@ def test_skip_follows_the_other_ranks_verdict_on_a_finite_loss() -> None:
         return True  # another rank's loss was NaN
 
     g = guard("skip", some_rank_nan)
-    assert g.collective and g.per_step
+    assert g.per_step
     assert g.skip_update([torch.tensor(0.5)], 5)  # finite here, skipped with the others
     assert asked == [False] and g.skipped == 1
 
@@ -44,11 +44,11 @@ def test_skip_asks_even_when_every_loss_is_finite_and_steps_when_all_are() -> No
 @pytest.mark.parametrize("policy", ["raise", "stop"])
 def test_raise_and_stop_under_ranks_wait_for_the_window_even_on_the_cpu(policy: str) -> None:
     g = guard(policy, lambda bad: bad)
-    assert not g.per_step and not g.collective  # decided at the window's close, agreed there
+    assert not g.per_step  # decided at the window's close, agreed there
 
 
 def test_one_process_keeps_the_cpu_per_step_check() -> None:
     g = guard("raise", None)
-    assert g.per_step and not g.collective
+    assert g.per_step
     with pytest.raises(NonFiniteLossError, match="step 5"):
         g.skip_update([torch.tensor(float("nan"))], 5)

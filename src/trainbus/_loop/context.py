@@ -1,14 +1,6 @@
-"""The training step as a user writes one, and the context it runs on.
-
-Every step is a function ``train_step(ctx)`` that :class:`~trainbus._loop.step.Step` calls once
-per micro-batch with the run's :class:`TrainContext`; without ``Trainer(train_step=)`` it is
-:func:`default_train_step`. What each of the context's calls does, and the faults, are in
-docs/trainer.md ("Custom steps"). :class:`StepRunner` does what the context asks.
-
-The run's step count advances once per step in which some optimizer stepped: at
-``ctx.optimizer_step()`` (the run's one update, so its ``after_optimizer_step`` hooks see the
-step done), or after ``train_step`` returned when it stepped named optimizers (each of their
-hooks sees the same step).
+"""The training step as a user writes one (:func:`default_train_step`), the
+:class:`TrainContext` it gets per micro-batch, and the :class:`StepRunner` that does what the
+context asks. See docs/trainer.md, "Custom steps".
 """
 
 from __future__ import annotations
@@ -53,11 +45,8 @@ def default_train_step(ctx: TrainContext) -> torch.Tensor | None:
 
 class TrainContext:
     """What ``train_step`` gets for each micro-batch: the batch, the model, the optimizers, and
-    the calls that compute the loss, run the backward and step the optimizer as the default
-    step does (docs/trainer.md, "Custom steps").
-
-    The run has one context: its attributes are the current micro-batch's while
-    ``train_step`` runs (keep what you need, not the context).
+    the calls the default step makes. One per run, its fields the current micro-batch's: see
+    docs/trainer.md, "Custom steps".
 
     Attributes:
         batch: The batch, on the run's device (after the ``batch`` hooks).
@@ -110,9 +99,7 @@ class TrainContext:
         return self.micro_batch == self.accumulation_steps - 1
 
     def compute_loss(self) -> torch.Tensor | None:
-        """Forward and loss of ``ctx.batch`` as the default step computes them: the model under
-        the run's precision, the ``after_forward`` hooks, ``loss_fn`` (or the loss the model
-        returns), the ``loss`` hooks; traced as ``"forward"``.
+        """Forward and loss of ``ctx.batch``, with their hooks, as the default step computes them.
 
         Returns:
             The loss, or None when an ``after_forward`` or ``loss`` hook skipped the batch.
@@ -120,9 +107,8 @@ class TrainContext:
         return self._runner.compute_loss(self)
 
     def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss``: divided by the step's micro-batches (or weighed by its items),
-        scaled by the fp16 grad scaler, traced as ``"backward"``, then the ``after_backward``
-        hooks; ``loss`` joins the non-finite check.
+        """Backward of ``loss``, weighed for accumulation and scaled under fp16, then the
+        ``after_backward`` hooks; ``loss`` joins the non-finite check.
 
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
@@ -131,10 +117,7 @@ class TrainContext:
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
-        last micro-batch: the non-finite check of the losses given to :meth:`backward`,
-        unscaling, clipping, the ``before/after_optimizer_step`` hooks, the step (traced as
-        ``"optimizer_step"``) and its ``zero_grad``. On an earlier micro-batch the gradients
-        accumulate (a step the data cuts short steps at its end).
+        last micro-batch, with the non-finite check, clipping, hooks and ``zero_grad``.
 
         Returns:
             True when it stepped now; False on an earlier micro-batch (the gradients
@@ -161,25 +144,8 @@ class TrainContext:
 
 class StepRunner:
     """Calls ``train_step`` for :class:`~trainbus._loop.step.Step` and does what its context
-    asks (forward, backward, optimizer steps), with their hooks and traces.
-
-    Attributes:
-        settings: The run's settings.
-        state: The run's train state.
-        user: Where ``ctx.log`` and a returned mapping's extra entries go.
-        name: The step function's name, for messages.
-        step: Optimizer steps completed when the current step began.
-        same: Every loss ``train_step`` returned in this step is the one it gave to
-            ``ctx.backward`` (the default step): the non-finite check of the backward losses
-            covers them.
-
-    Args:
-        settings: The run's settings.
-        state: The run's train state.
-        hooks: The inline hooks.
-        guard: The non-finite guard (checks the backward losses before an update).
-        tracer: The opt-in trace of the step's parts.
-        user: Where logged metrics go.
+    asks (forward, backward, optimizer steps), with their hooks and traces. ``same``: every
+    loss returned this step was given to ``ctx.backward`` (its non-finite check covers them).
     """
 
     def __init__(
@@ -209,12 +175,8 @@ class StepRunner:
         self.begin()
 
     def begin(self) -> int:
-        """A step begins: its bookkeeping is reset and stale gradients dropped (a custom
-        step's backward may leave some in an optimizer it did not step).
-
-        Returns:
-            The optimizer steps completed before it.
-        """
+        """Start a step: reset the bookkeeping, drop stale gradients (a custom step may leave
+        some in an optimizer it did not step); return the optimizer steps completed before it."""
         self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
         self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
         self._called: set[str | None] = set()  # asked to step (a custom step's)
@@ -263,17 +225,8 @@ class StepRunner:
         accumulation_steps: int,
         hook_ctx: StepContext | None,
     ) -> torch.Tensor | None:
-        """Call ``train_step`` with ``ctx`` set to one micro-batch.
-
-        Returns:
-            The loss it returned, detached (a 0-d tensor); None when a hook skipped the batch.
-
-        Raises:
-            TrainingError: it returned no loss (None, or a mapping without ``"loss"``) or a
-                loss that is not a one-element tensor or a number.
-            BaseException: whatever ``train_step`` raised; a custom step's with a note naming
-                it and where.
-        """
+        """Call ``train_step`` on ``ctx`` set to one micro-batch: the loss it returned, detached
+        (0-d), or None when a hook skipped the batch. A custom step's exception gets a note."""
         ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
         ctx.accumulation_steps = accumulation_steps
         self._hook_ctx, self._last = hook_ctx, None
@@ -327,12 +280,8 @@ class StepRunner:
 
     # ------------------------------------------------------------------ forward and loss
     def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
-        """``ctx.compute_loss()``: the forward (traced ``"forward"``, under the run's precision,
-        the ``after_forward`` hooks inside), then the ``loss`` hooks.
-
-        Returns:
-            The loss, or None when a hook skipped the batch.
-        """
+        """``ctx.compute_loss()``: the forward (traced, under the run's precision, the
+        ``after_forward`` hooks inside), then the ``loss`` hooks; None when a hook skipped."""
         trace = self._trace
         try:
             if trace.on or self._mixed:
@@ -452,12 +401,7 @@ class StepRunner:
 
     # ------------------------------------------------------------------ optimizer steps
     def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
-        """``ctx.optimizer_step``: step now at the last micro-batch, else defer.
-
-        Raises:
-            ConfigError: ``name`` is not one of the run's optimizers.
-            NonFiniteLossError: a non-finite backward loss under ``on_nonfinite="raise"``.
-        """
+        """``ctx.optimizer_step``: step now at the last micro-batch, else defer."""
         if name is not None and name not in self.settings.optimizers:
             raise ConfigError.invalid(
                 f"ctx.optimizer_step in train_step {self.name}", name,
@@ -564,21 +508,9 @@ class StepRunner:
             self._clean = True
 
     def finish(self, ctx: TrainContext) -> tuple[bool, torch.Tensor | None]:
-        """After the micro-batches: the steps deferred by a step cut short, the grad scaler's
-        update, a warning for each declared optimizer never stepped.
-
-        Returns:
-            ``(some optimizer stepped, grad norm)``: the norm of the stepped optimizers'
-            pre-clip norms (None without clipping).
-
-        Raises:
-            TrainingError: a custom step never called ``ctx.optimizer_step`` in a step (the
-                run would never count a step).
-
-        Warns:
-            RuntimeWarning: once per optimizer that ``train_step`` never asked to step
-                (also logged as ``optimizer_not_stepped``).
-        """
+        """After the micro-batches: the deferred optimizer steps, the scaler's update, a custom
+        step's checks. Returns ``(some optimizer stepped, grad norm)``, the norm of the stepped
+        optimizers' pre-clip norms (None without clipping)."""
         for name in self._deferred:
             self._step_now(name, ctx)
         s, stepped = self.settings, self._stepped
@@ -607,8 +539,6 @@ class StepRunner:
         data cut it short or a hook skipped a micro-batch: none is an error; an optimizer never
         asked for (and not all at once) is warned about once."""
         called = self._called
-        # A step cut short by the data, or whose last micro-batch a hook skipped, may have
-        # left its optimizer step to a later micro-batch that never came.
         whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
         if not whole or self._skip:
             return

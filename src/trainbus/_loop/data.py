@@ -1,9 +1,5 @@
-"""The training data's side of the run: each epoch's batch iterator.
-
-:class:`EpochData` builds the epoch's iterator (the sampler's epoch, the data order captured for
-the epoch's checkpoints, or the saved one replayed with the consumed batches skipped on resume),
-starts the run past an epoch a checkpoint saved completed, and names an empty loader. The
-step fetches with ``next(it, END)``.
+"""The training data's side of the run: each epoch's batch iterator, its data order kept for
+checkpoints or replayed on resume. The step fetches with ``next(it, END)``.
 """
 
 from __future__ import annotations
@@ -35,13 +31,8 @@ _hinted = False
 
 
 def hint_pin_memory(data: Any, device: torch.device) -> bool:
-    """Log ``pin_memory_hint`` once per process when ``device`` is CUDA and ``data`` is a
-    ``DataLoader`` with ``pin_memory=False`` (its copies to the GPU then block the training
-    thread instead of overlapping the step). Reads no device state.
-
-    Returns:
-        True when the hint was logged by this call.
-    """
+    """Log ``pin_memory_hint`` once per process for a CUDA run on a ``DataLoader`` with
+    ``pin_memory=False``; True when this call logged it."""
     global _hinted
     if _hinted or device.type != "cuda" or not isinstance(data, DataLoader) or data.pin_memory:
         return False
@@ -56,16 +47,7 @@ def hint_pin_memory(data: Any, device: torch.device) -> bool:
 
 
 class EpochData:
-    """Opens each epoch's batch iterator.
-
-    Args:
-        settings: The validated settings (``train_data`` is read).
-        state: The run's train state (epoch, batch in epoch, step); read, and moved past a
-            completed epoch by :meth:`start`.
-        checkpoints: Told each epoch's data order, saved with the epoch's checkpoints.
-        resume: The checkpoint the run resumes from: the first epoch opened replays its data
-            order and RNG states; None for a fresh run.
-    """
+    """Opens each epoch's batch iterator (with ``resume``, the first replays its data order)."""
 
     def __init__(
         self,
@@ -80,15 +62,9 @@ class EpochData:
         self._resume = resume
 
     def start(self) -> int | None:
-        """Before the first epoch: logs the pin-memory hint (:func:`hint_pin_memory`); a run
-        resumed from a checkpoint saved after an epoch's end work (its batches all consumed, or
-        its end work recorded in the state: data without a length) moves the state on to the
-        next epoch's first batch.
-
-        Returns:
-            The optimizer steps per epoch (``FitStarted.steps_per_epoch``); None when the
-            training data has no length.
-        """
+        """Before the first epoch: the pin-memory hint, and a run resumed from a checkpoint
+        saved after an epoch's end work moves on to the next epoch. Returns the optimizer steps
+        per epoch (None when the training data has no length)."""
         s, st = self._s, self._state
         hint_pin_memory(s.train_data, s.device)
         if st.closed_epoch == st.epoch or (
@@ -98,12 +74,7 @@ class EpochData:
         return None if s.train_len is None else math.ceil(s.train_len / s.accumulate)
 
     def empty_error(self) -> TrainingError:
-        """The error for an epoch whose iterator yielded no batch at all.
-
-        Returns:
-            A :class:`~trainbus.TrainingError` naming the epoch and what to check; for a
-            one-shot iterator spent by an earlier epoch, saying so and what to pass instead.
-        """
+        """The error for an epoch whose iterator yielded no batch at all."""
         st, data = self._state, self._s.train_data
         if isinstance(data, Iterator) and st.epoch > 0:
             # A generator with max_steps alone (max_epochs > 1 is refused up front): spent
@@ -120,15 +91,8 @@ class EpochData:
         )
 
     def open(self) -> Iterator[Any]:
-        """The epoch's batch iterator; its data order is kept for the epoch's checkpoints.
-
-        The first epoch of a resumed run replays the saved order, skips the consumed batches
-        and restores the saved RNG states where they were captured (``replay_epoch``); any
-        other epoch captures its order right before ``iter()`` draws the permutation.
-
-        Returns:
-            The iterator over the epoch's (remaining) batches.
-        """
+        """The epoch's iterator over its (remaining) batches; its data order is captured right
+        before ``iter()`` draws the permutation, or on resume replayed (``replay_epoch``)."""
         s, st, resume = self._s, self._state, self._resume
         set_sampler_epoch(s.train_data, st.epoch)  # a DistributedSampler's shuffle per epoch
         if resume is not None:

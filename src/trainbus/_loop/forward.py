@@ -1,9 +1,6 @@
-"""The forward: the model's outputs for a batch and their loss, for every phase.
-
-One implementation, used by training (between its two halves sit the ``after_forward``
-hooks), evaluation and prediction. The batch conventions are docs/trainer.md's: with
-``loss_fn`` a batch is ``(inputs, targets)``; without it the model takes the batch and returns
-the loss (a tensor, a mapping's ``"loss"`` or ``.loss``).
+"""The forward: the model's outputs for a batch and their loss, for training (the
+``after_forward`` hooks run between the two), evaluation and prediction. The batch conventions
+are docs/trainer.md's.
 """
 
 from __future__ import annotations
@@ -22,11 +19,7 @@ __all__ = ["forward_loss", "loss_of", "metric_targets", "model_outputs", "split_
 
 
 def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of a two-element tuple/list batch, as ``loss_fn`` mode expects.
-
-    Raises:
-        TrainingError: the batch is not a two-element tuple or list.
-    """
+    """``(inputs, targets)`` of a two-element tuple/list batch, else ``TrainingError``."""
     if isinstance(batch, tuple | list) and len(batch) == 2:
         return batch[0], batch[1]
     raise TrainingError(
@@ -36,14 +29,8 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 
 
 def metric_targets(batch: Any) -> Any:
-    """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md).
-
-    ``(inputs, targets)`` 2-tuples/lists give ``targets``; mappings (Hugging Face style) give
-    ``batch["labels"]``; any other batch is passed whole.
-
-    Raises:
-        TrainingError: a mapping batch without a ``"labels"`` key.
-    """
+    """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md); a
+    mapping without ``"labels"`` is a ``TrainingError``."""
     if isinstance(batch, tuple | list) and len(batch) == 2:
         return batch[1]
     if isinstance(batch, Mapping):
@@ -57,22 +44,9 @@ def metric_targets(batch: Any) -> Any:
 
 
 def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any, Any]:
-    """The model's outputs for ``batch`` and the targets the loss needs.
-
-    Args:
-        s: The run's settings (``model``, ``loss_fn``).
-        batch: One batch, on the run's device.
-        targets: The batch must carry targets (False for prediction: with ``loss_fn``, a
-            batch that is not ``(inputs, targets)`` is the model's input as a whole).
-
-    Returns:
-        ``(outputs, targets)``; targets is None without ``loss_fn`` (or when the prediction
-        batch has none).
-
-    Raises:
-        TrainingError: ``targets`` and ``loss_fn`` are set and the batch is not
-            ``(inputs, targets)``.
-    """
+    """``(outputs, targets)`` for ``batch``; targets is None without ``loss_fn``. With
+    ``targets=False`` (prediction) a batch that is not ``(inputs, targets)`` is the model's
+    input as a whole instead of a ``TrainingError``."""
     model = s.model
     if s.loss_fn is not None:
         if type(batch) is tuple and len(batch) == 2:  # the common batch, without a call
@@ -93,14 +67,8 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
 
 
 def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
-    """The loss of ``outputs``: ``loss_fn(outputs, targets)``, or the loss the model returned.
-
-    Returns:
-        The loss, not yet checked (the step checks that it is a scalar that requires grad).
-
-    Raises:
-        TrainingError: without ``loss_fn``, the outputs carry no loss.
-    """
+    """``loss_fn(outputs, targets)``, or the loss the model returned (not yet checked to be a
+    scalar that requires grad); ``TrainingError`` when the outputs carry none."""
     if s.loss_fn is not None:
         return s.loss_fn(outputs, targets)
     if isinstance(outputs, torch.Tensor):
@@ -117,10 +85,6 @@ def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
 
 
 def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
-    """``(outputs, loss)``: :func:`model_outputs` then :func:`loss_of` (no hook between).
-
-    Raises:
-        TrainingError: as :func:`model_outputs` and :func:`loss_of`.
-    """
+    """``(outputs, loss)``: :func:`model_outputs` then :func:`loss_of` (no hook between)."""
     outputs, targets = model_outputs(s, batch)
     return outputs, loss_of(s, outputs, targets)

@@ -1,8 +1,5 @@
-"""Inline hooks: functions that run on the training thread and may change the step.
-
-A hook runs *at* its point with a mutable :class:`StepContext` (scale the loss, replace the
-batch, edit gradients, skip), on the loop's time, and its exceptions propagate. Hooks run in
-tier order: core, then user, then global. The points are :mod:`trainbus._hookpoints`'.
+"""Inline hooks: functions run on the training thread at a point of the step
+(:mod:`trainbus._hookpoints`) with a mutable :class:`StepContext`; their exceptions propagate.
 """
 
 from __future__ import annotations
@@ -33,12 +30,8 @@ class HookHandle:
 
 
 class Hooks:
-    """The hook registry: per point, functions sorted by tier, then registration order.
-
-    Attributes:
-        by_point: Per point, the hooks in the order they run (swapped whole on a change, so
-            one read of it is one consistent view; the step reads it every step).
-    """
+    """The hook registry: per point, functions sorted by tier (core, user, global), then
+    registration order. ``by_point`` is swapped whole on a change: one read is one view."""
 
     def __init__(self) -> None:
         self._entries: dict[HookPoint, list[tuple[int, int, HookFn]]] = {p: [] for p in HOOK_POINTS}
@@ -70,9 +63,8 @@ class Hooks:
             self._rebuild(point)
 
     def which(self, exc: BaseException) -> tuple[HookPoint, str] | None:
-        """The point and name of the hook that raised ``exc``, or None when no hook did, found
-        from the traceback (a hook's code object in a frame; a partial or an object with
-        ``__call__`` through what it wraps)."""
+        """The point and name of the hook that raised ``exc`` (a hook's code in a frame of its
+        traceback), or None."""
         codes: dict[Any, tuple[HookPoint, str]] = {}
         for point, fns in self.by_point.items():
             for fn in fns:

@@ -1,9 +1,6 @@
-"""Metrics of the user's own: named values logged from a hook, a custom step or a subscriber.
-
-``ctx.log(name, value)`` or ``bus.send(LogMetric(...))`` hands a value to :class:`UserMetrics`;
-the log window closes it with its own metrics (the mean over the window, averaged across
-ranks), so it reaches ``MetricsLogged``, ``FitResult.train_metrics`` and every logger. Tensors
-stay on their device until the window reads them: logging never syncs the step.
+"""Metrics of the user's own (``ctx.log``, ``LogMetric``), closed with the log window's
+(docs/trainer.md, "Metrics of your own"). Tensors stay on their device until the window reads
+them: logging never syncs the step.
 """
 
 from __future__ import annotations
@@ -25,13 +22,8 @@ names a user's metric may not take."""
 
 
 def check_metric(name: object, value: object) -> None:
-    """Check a logged metric's name and value.
-
-    Raises:
-        ConfigError: a name that is not a non-empty string or is one of the window's own
-            (:data:`TRAIN_METRIC_NAMES`, ``lr/<optimizer>``), or a value that is not a real number
-            or a one-element tensor.
-    """
+    """``ConfigError`` for a logged metric's name that is empty or one of the window's own, or
+    a value that is not a real number or a one-element tensor."""
     reserved = isinstance(name, str) and (name in TRAIN_METRIC_NAMES or name.startswith("lr/"))
     if not isinstance(name, str) or not name or reserved:
         raise ConfigError.invalid(
@@ -58,11 +50,7 @@ class UserMetrics:
         self._values: dict[str, list[Any]] = {}
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
-        """Add one value of ``name`` to the open window.
-
-        Raises:
-            ConfigError: as :func:`check_metric`.
-        """
+        """Add one value of ``name`` to the open window (checked by :func:`check_metric`)."""
         check_metric(name, value)
         kept = value.detach().reshape(()) if isinstance(value, torch.Tensor) else float(value)
         values = self._values.get(name)
@@ -72,12 +60,8 @@ class UserMetrics:
             values.append(kept)
 
     def take(self) -> dict[str, float]:
-        """The mean of each name's values since the last call (one device read per name), and
-        forget them.
-
-        Returns:
-            ``{name: mean}`` in the order the names were first logged; NaN stays NaN.
-        """
+        """``{name: mean}`` of the values since the last call, in the order first logged (one
+        device read per name), and forget them."""
         out: dict[str, float] = {}
         for name, values in self._values.items():
             tensors = [v for v in values if isinstance(v, torch.Tensor)]

@@ -1,15 +1,7 @@
-"""The training loop: the run, its epochs and the poll point after each step.
-
-:class:`Loop` composes the parts that own the rest (ARCHITECTURE.md, "The loop"): ``Step``
-takes one optimizer step per call and returns a ``StepOutcome``; after a step that was taken the
-loop runs the step's evaluation when one is due, then its poll point. The event order is
-written once, in docs/events.md ("Event order"); tests/loop/test_loop.py pins a recorded run
-against it.
-
-One signal tells the loop to look: the port's doorbell, which rings after a routing change, a
-declared or removed decision step, a command, a failure, a full ``"block"`` buffer, a stop or a
-cancel. Before a step the loop re-reads its ``Wants`` and next decision step only when the
-doorbell rang since it last read them; the poll point after a plain step polls only then too.
+"""The training loop: the run, its epochs, and after each step taken its evaluation and poll
+point (event order: docs/events.md; parts: ARCHITECTURE.md, "The loop"). The loop re-reads its
+``Wants`` and next decision step, and a plain step's poll point polls, only after the port's
+doorbell rang (a routing change, a decision step, a command, a failure, a stop, a cancel...).
 """
 
 from __future__ import annotations
@@ -56,28 +48,13 @@ _NO_END = 2**62
 
 
 class Loop:
-    """One run of the training loop. Built by :class:`~trainbus.Trainer`; not reusable.
-
-    Attributes:
-        result: How the run ended; None until :meth:`run` returns.
+    """One run of the training loop, built by :class:`~trainbus.Trainer`; not reusable.
+    :attr:`result` is how it ended (None until :meth:`run` returns).
 
     Args:
-        settings: The validated settings.
-        port: Where events go and commands come from.
-        hooks: The inline hooks (read every step: they may come and go).
-        barrier: Waits at a barrier event (see ``trainbus._loop.control.BarrierWait``).
-        state: The train state to start from (fresh, or loaded from a checkpoint); the loop
-            advances it.
         resume: The checkpoint ``state`` was loaded from (already restored into the model,
-            optimizer, scheduler and scaler): its epoch's data order and RNG states are
-            replayed.
-        resumed_from: The checkpoint file loaded (``FitStarted.resumed_from``), None for a
-            fresh start.
-        resume_source: Where it was found (``FitStarted.resume_source``).
-        callback_states: Returns the stateful callbacks' states at each save (see
-            :class:`~trainbus._loop.saving.CheckpointWriter`).
-        sync: Under torchrun with more than one rank: the ranks' agreement (commands, metrics,
-            checkpoints; docs/distributed.md). None: one process, no collective ever.
+            optimizer, scheduler and scaler): its epoch's data order and RNG states are replayed.
+        sync: The ranks' agreement under torchrun with several ranks; None: no collective ever.
     """
 
     def __init__(
@@ -132,10 +109,8 @@ class Loop:
         runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
                           self._log_window, self._scheduler, self._cancel)  # fmt: skip
-        # The doorbell's count when the wants and the next decision step were last read.
-        self._demand_rings = -1
-        # The doorbell's count at the last poll point that looked.
-        self._rings_seen = -1
+        self._demand_rings = -1  # the doorbell's count when wants and decision step were read
+        self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
         # Under torchrun: the union of every rank's decision steps, agreed at the run's
         # start ((every periods), (at steps)); None: the bus' own clock decides.
@@ -148,9 +123,8 @@ class Loop:
         self._first_step = state.step  # no optimizer step in this process before it
 
     def request_cancel(self) -> None:
-        """Ask the loop to stop at its next check (between micro-batches, at poll points and
-        between evaluation batches): the run ends with ``FitEnded(reason="cancelled")``.
-        Safe from any thread."""
+        """Ask the loop to stop at its next check: the run ends with
+        ``FitEnded(reason="cancelled")``. Safe from any thread."""
         self._cancel.request()
 
     def _resumed(self, resume: Checkpoint) -> None:
@@ -325,14 +299,9 @@ class Loop:
         return complete
 
     def _after_step(self, outcome: StepOutcome) -> None:
-        """After a step that was taken: its evaluation if one is due, then its poll point.
-
-        The evaluation comes first, so a checkpoint the poll applies holds the state after it
-        (and after the epoch's end work): a resume never repeats them (docs/reliability.md).
-        A decision step waits for ``StepEnded``'s deciders and applies what they sent; a
-        barrier event waits for its subscribers; any other step polls only when something is
-        pending.
-        """
+        """After a step taken: its evaluation if due, then its poll point. The evaluation comes
+        first so that a checkpoint the poll applies holds the state after it: a resume never
+        repeats it (docs/reliability.md)."""
         st = self._state
         step, ends_epoch = st.step, st.batch_in_epoch >= self._epoch_len
         if ends_epoch or step == self._last_step or step % self._eval_every == 0:
@@ -379,17 +348,9 @@ class Loop:
         self._decision_step = self._next_decision(self._state.step)
 
     def _close_step(self, *, ends_epoch: bool, cadence: bool) -> None:
-        """The step's evaluation, once for every cadence due (``"steps"``, ``"epoch"``,
-        ``"end"``: the round's ``triggers``) and never twice for one step
-        (``TrainState.evaluated_step``), then, when the step ends the epoch, the epoch's end
-        work (the per-epoch scheduler step).
-
-        Args:
-            ends_epoch: The step completed the epoch's batches and its end work has not run
-                yet (ignored once the run is stopping).
-            cadence: Ask the ``eval_every`` cadence too (after a step; not at an epoch's end
-                found later).
-        """
+        """The step's evaluation, one round for every cadence due and never twice for one
+        step; then, with ``ends_epoch`` (ignored once stopping), the epoch's end work.
+        ``cadence``: ask the ``eval_every`` cadence too (not at an epoch's end found later)."""
         s, st = self._s, self._state
         running = self._stop.reason is None
         ends_epoch = ends_epoch and running

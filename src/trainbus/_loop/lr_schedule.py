@@ -20,14 +20,7 @@ _BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimize
 
 
 class SchedulerStepper:
-    """Steps the scheduler and publishes its events.
-
-    Args:
-        settings: The validated settings (``optimizer`` and ``scheduler`` are read).
-        port: Where the scheduler events go.
-        state: The run's train state (step and epoch for the events).
-        wants: Which events someone listens to (refreshed by the loop).
-    """
+    """Steps the scheduler and publishes ``SchedulerStepped``."""
 
     def __init__(self, settings: Settings, port: LoopPort, state: TrainState, wants: Wants) -> None:
         self._s = settings
@@ -40,18 +33,10 @@ class SchedulerStepper:
         return float(self._s.optimizer.param_groups[0]["lr"])
 
     def step(self, *, always: bool, replayed: bool = False) -> None:
-        """``scheduler.step()`` (traced as ``"scheduler_step"``), then ``SchedulerStepped``.
-
-        Args:
-            always: Publish ``SchedulerStepped`` without asking ``Wants`` (the per-epoch step).
-            replayed: A resumed run replays the end of an epoch before its first optimizer
-                step: torch's warning about a scheduler stepped before its optimizer is silenced
-                for this call (the uninterrupted run stepped the optimizer first).
-
-        Raises:
-            BaseException: Whatever ``scheduler.step()`` raised, after
-                ``SchedulerStepped(error=...)``.
-        """
+        """``scheduler.step()`` (traced), then ``SchedulerStepped`` (with ``error=`` when it
+        raised), wanted or not with ``always``. ``replayed``: a resume replays an epoch's end
+        before its first optimizer step, so torch's "scheduler before optimizer" warning is
+        silenced (the uninterrupted run stepped the optimizer first)."""
         pub, st, w, s = self._port.publish, self._state, self._wants, self._s
         assert s.scheduler is not None
         try:

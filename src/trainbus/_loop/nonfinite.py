@@ -1,11 +1,6 @@
-"""The non-finite guard: a NaN/inf loss never goes unnoticed and never reaches a checkpoint.
-
-:class:`NonFiniteGuard` owns the ``on_nonfinite`` policy (docs/trainer.md, "Non-finite
-losses"). The loss is read every step before the update where that is free (the CPU) or the
-policy needs it (``"skip"``); otherwise the log window reads its losses at the syncs that
-happen anyway (its close, a checkpoint write, the end of the run) and hands a bad one to
-:meth:`NonFiniteGuard.found`. Under several ranks every decision is agreed
-(docs/distributed.md, "Non-finite losses under several ranks").
+"""The non-finite guard: a NaN/inf loss never goes unnoticed and never reaches a checkpoint
+(docs/trainer.md, "Non-finite losses"; under several ranks every decision is agreed:
+docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -46,24 +41,12 @@ def mean_tensor(losses: list[torch.Tensor]) -> torch.Tensor:
 
 class NonFiniteGuard:
     """Applies ``on_nonfinite`` to non-finite losses and refuses checkpoints of a bad state.
-
-    Attributes:
-        policy: ``on_nonfinite``: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``.
-        active: The policy is not ``"ignore"``: every step's loss is kept and checked.
-        per_step: Losses are read every step before the optimizer step (CPU, or ``"skip"``);
-            otherwise the log window reads them at the next sync.
-        tripped: A non-finite value was found under ``"stop"``: the run stops and no checkpoint
-            is written from now on (the state may hold the bad update).
-        skipped: Optimizer steps skipped under ``"skip"`` in this run.
-        collective: :meth:`skip_update` must run on every rank at every step, finite or not
-            (``"skip"`` under several ranks: it agrees the decision in a collective).
+    ``per_step``: losses are read every step before the update (the CPU, or ``"skip"``), else
+    the log window reads them at its syncs and hands a bad one to :meth:`found`.
 
     Args:
-        settings: The run's settings (``on_nonfinite``, device).
-        state: The run's train state (names the step in messages).
-        stop: Stops the run with a reason (``on_nonfinite="stop"``).
-        agree: Under several ranks: takes "this rank's losses are not all finite" and returns
-            whether any rank's are not (a collective). None: one process.
+        agree: Under several ranks, a collective: takes "this rank's losses are not all
+            finite", returns whether any rank's are not. None: one process.
     """
 
     def __init__(
@@ -82,23 +65,14 @@ class NonFiniteGuard:
         self.active = self.policy != "ignore"
         # Several ranks: "raise"/"stop" are agreed at the window's close, even on the CPU.
         self.per_step = self.active and (self.policy == "skip" or (cpu and agree is None))
-        self.collective = self.policy == "skip" and agree is not None
-        self.tripped = False
+        self.tripped = False  # found under "stop": no checkpoint is written from now on
         self.skipped = 0
         self._consecutive = 0
 
     def skip_update(self, losses: list[torch.Tensor], step: int) -> bool:
-        """Per-step check of the micro-batch losses of ``step`` (the step they belong to),
-        before its update (only their values are read: they need not be detached).
-
-        Returns:
-            True when the update must not be applied (``"skip"``, or ``"stop"``: the run stops
-            with the model as it was before this step).
-
-        Raises:
-            NonFiniteLossError: a non-finite loss under ``"raise"``, or
-                :data:`MAX_CONSECUTIVE_SKIPS` in a row under ``"skip"``.
-        """
+        """Per-step check of the micro-batch losses of ``step``, before its update: True when
+        the update must not be applied (``"skip"``, or ``"stop"``: the model stays as it was);
+        ``NonFiniteLossError`` under ``"raise"`` or after :data:`MAX_CONSECUTIVE_SKIPS`."""
         # A loss is one element: 0-d, or of shape (1,).
         if len(losses) == 1:
             finite = math.isfinite(losses[0].item())
@@ -125,12 +99,7 @@ class NonFiniteGuard:
         return True
 
     def found(self, step: int) -> None:
-        """A non-finite loss was seen at ``step``: apply the policy (``"raise"`` / ``"stop"``).
-
-        Raises:
-            NonFiniteLossError: under ``"raise"``, naming the step (the loop's note adds the
-                last checkpoint).
-        """
+        """A non-finite loss was seen at ``step``: apply the policy (``"raise"`` / ``"stop"``)."""
         if not self.active or self.tripped:
             return
         if self.policy == "skip":
@@ -146,12 +115,8 @@ class NonFiniteGuard:
         self._stop(message)
 
     def check_parameters(self, model: torch.nn.Module) -> None:
-        """Refuse a checkpoint of a bad state: after a ``"stop"``, or a non-finite parameter
-        (one device read for all parameters).
-
-        Raises:
-            CheckpointError: naming the step and why nothing is written.
-        """
+        """``CheckpointError`` for a checkpoint of a bad state: after a ``"stop"``, or with a
+        non-finite parameter (one device read for all parameters)."""
         st = self._state
         if self.tripped:
             raise CheckpointError(

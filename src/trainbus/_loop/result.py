@@ -26,14 +26,8 @@ class Cancelled(BaseException):
 
 
 class CancelFlag:
-    """A run's cancel request: asked from any thread, checked by the loop's parts.
-
-    Attributes:
-        requested: A cancel was asked.
-
-    Args:
-        doorbell: Rung by :meth:`request`.
-    """
+    """A run's cancel request: asked from any thread (ringing ``doorbell``), checked by the
+    loop's parts."""
 
     __slots__ = ("_doorbell", "requested")
 

@@ -1,5 +1,4 @@
-"""Validated, frozen trainer settings, built by ``trainbus._trainer.options`` from the
-Trainer's checked options."""
+"""Validated, frozen trainer settings, built by ``trainbus._trainer.options``."""
 
 from __future__ import annotations
 
@@ -21,8 +20,8 @@ NonFinitePolicy = Literal["raise", "stop", "skip", "ignore"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Settings:
-    """Everything the loop needs, validated (built by ``trainbus._trainer.options``; each
-    option's default is declared once, in ``Trainer.__init__``'s signature)."""
+    """Everything the loop needs, validated (each option's default is declared once, in
+    ``Trainer.__init__``'s signature)."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -37,16 +36,14 @@ class Settings:
     """``"epoch"`` for ``scheduler=PerEpoch(...)``, else ``"step"``."""
     accumulate: int
     accumulate_by: Any
-    """How a step's micro-batches weigh: ``"batches"`` (``1 / accumulate`` each), ``"items"`` or
-    ``fn(batch) -> items`` (``n_i / N``; :func:`~trainbus._loop.step.item_weights`)."""
+    """``Accumulate(by=)``: ``"batches"``, ``"items"`` or ``fn(batch) -> items``."""
     clip_grad_norm: float | None
     precision: Precision
     device: torch.device
     seed: int | None
     metrics: Mapping[str, Callable[[Any, Any], Any]]
     set_metrics: Mapping[str, Any]
-    """Metrics of the whole evaluation set by name
-    (:class:`~trainbus._loop.set_metrics.SetMetric`)."""
+    """Metrics of the whole evaluation set (:class:`~trainbus._loop.set_metrics.SetMetric`)."""
     eval_every: int | None
     """``EvalSchedule.every_steps``."""
     eval_at_epoch_end: bool
@@ -71,8 +68,7 @@ class Settings:
     schedulers: Mapping[str, Any] = field(compare=False)
     """Every scheduler by the name of its optimizer (``scheduler`` steps them all)."""
     train_step: Callable[..., Any] | None = field(compare=False)
-    """The user's step (``train_step=``): called per micro-batch with a
-    :class:`~trainbus._loop.context.TrainContext`; None: the default step."""
+    """The user's step (``train_step=``); None: the default step."""
     trace: frozenset[str]
     """The parts of a step ``Trainer(trace=...)`` times (``SpanTraced``); empty: none."""
 

@@ -1,16 +1,7 @@
-"""One optimizer step: its micro-batches through ``train_step``, then what follows an update.
-
-:class:`Step` reads top to bottom in the event order of docs/events.md: per micro-batch the
-fetch (traced as ``"data_wait"``), the ``batch`` hooks and one call of ``train_step`` (the
-default step or the user's: :mod:`~trainbus._loop.context`, where the forward, backward and
-optimizer step are); after them the non-finite check of the returned losses, the scheduler,
-``StepEnded`` and the log window's ``MetricsLogged``. What comes after a step that was taken
-(the poll point, a decision step's barrier, an evaluation) is the loop's: :meth:`Step.run`
-returns what the step did as a :class:`StepOutcome`.
-
-Every event and hook is a branch: a flag of :class:`~trainbus._loop.wants.Wants` (re-read by
-the loop after the port's doorbell rang) or the hook tuple of its point. A step nobody observes
-runs the same code and pays those reads, nothing else.
+"""One optimizer step, in the event order of docs/events.md: per micro-batch the fetch, the
+``batch`` hooks and one call of ``train_step`` (:mod:`~trainbus._loop.context`); then the
+scheduler, ``StepEnded`` and the log window. Each event is built only when its
+:class:`~trainbus._loop.wants.Wants` flag says someone listens; what follows a step is the loop's.
 """
 
 from __future__ import annotations
@@ -48,42 +39,17 @@ __all__ = ["GradSync", "Step", "StepOutcome", "count_items", "item_weights"]
 
 
 class StepOutcome(NamedTuple):
-    """What one :meth:`Step.run` did.
+    """What one :meth:`Step.run` did."""
 
-    Attributes:
-        batches: The batches it consumed (0: the data was exhausted before the first).
-        taken: It took an optimizer step (False: the data ran out before a loss, every
-            micro-batch was skipped, the non-finite guard skipped the update, or a hook skipped
-            the optimizer step). Only a step taken has a poll point after it.
-        exhausted: It found the data exhausted (fewer batches than its micro-batches).
-        ended: The ``StepEnded`` it published (None: nobody wanted it).
-        barrier_event: Its event that is a barrier (``StepEnded`` or ``MetricsLogged`` listed
-            in ``barriers``), None when neither is.
-    """
-
-    batches: int
-    taken: bool
-    exhausted: bool
-    ended: ev.StepEnded | None = None
-    barrier_event: ev.BaseEvent | None = None
+    batches: int  # consumed (0: the data was exhausted before the first)
+    taken: bool  # an optimizer step was taken: only then does a poll point follow
+    exhausted: bool  # fewer batches than the step's micro-batches
+    ended: ev.StepEnded | None = None  # None: nobody wanted it
+    barrier_event: ev.BaseEvent | None = None  # StepEnded or MetricsLogged, when in `barriers`
 
 
 class Step:
-    """Runs one optimizer step at a time (see the module's docstring).
-
-    Args:
-        settings: The run's settings.
-        port: Where the step's events go; its doorbell ends a step's micro-batches early
-            when a cancel was asked.
-        state: The run's train state (step, epoch, batch in epoch, samples seen).
-        wants: Which events someone listens to (re-read by the loop after a ring).
-        hooks: The inline hooks (read every step: they may come and go).
-        runner: Calls ``train_step`` and does what its context asks.
-        guard: The non-finite guard.
-        log_window: The log window each step is added to, and closed at the log step.
-        scheduler: Steps the LR scheduler (interval ``"step"``) and reads the learning rate.
-        cancel: The run's cancel flag.
-    """
+    """Runs one optimizer step per :meth:`run` (see the module's docstring)."""
 
     def __init__(
         self,
@@ -107,26 +73,17 @@ class Step:
         # (torch.compile's mode="reduce-overhead") lives in the graph's output buffer, which
         # the next replay overwrites before a subscriber or the log window reads it.
         self._copy = settings.device.type != "cpu"
-        # Under DDP with accumulate > 1: no_sync() for all but the last micro-batch.
         self._grad_sync = GradSync(settings.model)
-        # The run's one context: the step owns it (the runner keeps no reference to it).
-        self._ctx = TrainContext(runner)
+        self._ctx = TrainContext(runner)  # the run's one: the runner keeps no reference to it
         by = settings.accumulate_by
-        # accumulate_by="items": micro-batches weigh n_i / N (None: 1 / accumulation_steps each).
         self._count: Callable[[Any], int] | None = None
         if by != "batches":
             self._count = count_items if by == "items" else by
         self._schedule = settings.scheduler is not None and settings.scheduler_interval == "step"
 
     def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
-        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``.
-
-        Raises:
-            Cancelled: a cancel was requested between its micro-batches (the loop checks one
-                asked before a step).
-            BaseException: Whatever the model, loss, backward, optimizer or a hook raised,
-                with a note naming the part, step, epoch and batch.
-        """
+        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
+        ``Cancelled`` when a cancel was asked between them."""
         st, s, w, runner = self._state, self._s, self._wants, self._runner
         bell = self._port.doorbell
         rings = bell.rings  # a ring from here on (a cancel) is heard between micro-batches
@@ -204,8 +161,6 @@ class Step:
             step_loss = runner.checked(step_loss)
         ended: ev.StepEnded | None = None
         barrier: ev.BaseEvent | None = None
-        # Sampled StepEnded subscribers only (stream(..., every_s= / every_steps=)): built
-        # only when one of them takes it.
         if w.step_ended or (w.step_ended_sampled and w.step_ended_demand.takes(step + 1, t0)):
             ended = ev.StepEnded(
                 step=step + 1, epoch=st.epoch, loss=step_loss, lr=self._scheduler.lr(),
@@ -225,9 +180,8 @@ class Step:
         return StepOutcome(consumed, True, exhausted, ended, barrier)
 
     def _check_returned(self, losses: list[torch.Tensor], step: int) -> None:
-        """Where the guard reads every step (the CPU), the losses a custom step returned when
-        they are not those it gave to ``ctx.backward`` (those were read before the update):
-        ``"raise"`` / ``"stop"`` (the update is already taken)."""
+        """Where the guard reads every step: check the losses a custom step returned that it
+        did not give to ``ctx.backward``, under ``"raise"`` / ``"stop"`` (the update is taken)."""
         guard, runner = self._guard, self._runner
         if not guard.per_step or guard.policy == "skip":
             return
@@ -240,12 +194,8 @@ class Step:
     def _prefetch(
         self, it: Iterator[Any], first: Any, accumulation_steps: int, count: Callable[[Any], int]
     ) -> tuple[deque[Any], list[float]]:
-        """The step's batches after ``first``, fetched now (plain ``next``: the data-wait
-        span of the step's first fetch covers them), and the weight of each micro-batch.
-
-        Returns:
-            ``(the batches after the first, [n_i / N for the first and those])``.
-        """
+        """The step's batches after ``first``, fetched now (the first fetch's data-wait span
+        covers them), and ``n_i / N`` for ``first`` and each of them."""
         ahead: deque[Any] = deque()
         for _ in range(accumulation_steps - 1):
             batch = next(it, END)
@@ -256,22 +206,16 @@ class Step:
 
 
 # ---------------------------------------------------------------------- accumulation
-# How a step's micro-batches are weighed (``Accumulate(n, by=...)``, docs/trainer.md, "Gradient
-# accumulation"): "batches" by 1 / n; "items" or a counting function by n_i / N, their items
-# over the step's (N is needed before the first backward: such a step fetches its batches first).
+# Accumulate(n, by="items" | fn) weighs micro-batch i by n_i / N (docs/trainer.md, "Gradient
+# accumulation"): N is needed before the first backward, so such a step fetches its batches first.
 
 IGNORE_INDEX = -100
 """The label value that marks an item the loss ignores (PyTorch's and Hugging Face's)."""
 
 
 def count_items(batch: Any) -> int:
-    """The items of ``batch`` that a token-level loss counts: its labels ``!= -100`` (a mapping
-    batch's ``"labels"`` or an ``(inputs, targets)`` batch's targets), read before the batch
-    moves to the device.
-
-    Raises:
-        TrainingError: the batch has no labels tensor there (pass ``Accumulate(n, by=fn)``).
-    """
+    """The labels ``!= -100`` of ``batch`` (a mapping's ``"labels"`` or an ``(inputs, targets)``
+    batch's targets), counted before the batch moves to the device."""
     labels: Any = None
     if isinstance(batch, Mapping | tuple | list):
         try:
@@ -289,12 +233,8 @@ def count_items(batch: Any) -> int:
 
 
 def item_weights(count: Callable[[Any], int], batches: Sequence[Any]) -> list[float]:
-    """``n_i / N`` for each of a step's ``batches`` (all 0 when the step holds no item).
-
-    Raises:
-        TrainingError: ``count`` returned something else than an int >= 0 (naming it), or
-            :func:`count_items` found no labels.
-    """
+    """``n_i / N`` for each of a step's ``batches`` (all 0 when the step holds no item);
+    ``TrainingError`` naming ``count`` when it returns anything but an int >= 0."""
     counts: list[int] = []
     for batch in batches:
         n = count(batch)
@@ -313,23 +253,14 @@ def item_weights(count: Callable[[Any], int], batches: Sequence[Any]) -> list[fl
 
 # ---------------------------------------------------------------------- DDP's gradient sync
 class GradSync:
-    """Decides which micro-batch's backward all-reduces, by DDP's public
-    ``require_backward_grad_sync`` (what ``no_sync()`` flips): :meth:`begin` sets it per
-    micro-batch, :meth:`finish` and the constructor (after a run that failed mid-step) set it
-    back on.
-
-    Attributes:
-        deferred: Backwards run without a reduction since the last reduced one (their
-            gradients are not averaged yet).
-
-    Args:
-        model: The model the loop trains (a ``DistributedDataParallel`` or not).
-    """
+    """Under DDP, lets only a step's last micro-batch's backward all-reduce, by the public
+    ``require_backward_grad_sync`` (what ``no_sync()`` flips); the constructor sets it back on
+    after a run that failed mid-step."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._deferring = False
-        self.deferred = 0
+        self.deferred = 0  # backwards run without a reduction since the last reduced one
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True
 

@@ -1,7 +1,5 @@
-"""The opt-in trace: each part of a step timed and published as one ``SpanTraced``.
-
-``Trainer(trace=...)`` names the parts (:data:`~trainbus.events.TRACED_SPANS`). Off, or with
-nobody subscribed to ``SpanTraced``, a part's context does nothing.
+"""The opt-in trace: each part of a step ``Trainer(trace=...)`` names
+(:data:`~trainbus.events.TRACED_SPANS`) timed and published as one ``SpanTraced``.
 """
 
 from __future__ import annotations
@@ -59,16 +57,8 @@ class _Timed:
 
 
 class Tracer:
-    """Times the parts ``Trainer(trace=...)`` names while someone subscribes to ``SpanTraced``.
-
-    Attributes:
-        on: Some part is traced and someone wants ``SpanTraced`` (read at :meth:`refresh`).
-
-    Args:
-        port: Where the events go (and who is asked whether anyone wants them).
-        state: The run's train state (stamps the events with the step and epoch).
-        spans: The parts to time (empty: tracing is off).
-    """
+    """Times the parts ``Trainer(trace=...)`` names while someone subscribes to ``SpanTraced``
+    (``on``, read at :meth:`refresh`)."""
 
     __slots__ = ("_port", "_spans", "_state", "on")
 

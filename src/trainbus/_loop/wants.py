@@ -1,9 +1,5 @@
-"""Which per-step events someone listens to: the loop builds no event nobody wants.
-
-``port.wants(T)`` walks the bus' routing table; the step would pay for that a dozen times. The
-:class:`Wants` record caches one flag per per-step event type; the loop re-reads them only when
-the port's doorbell rang (a subscription came or went, among the other changes it rings for):
-one attribute read and an int compare per step.
+"""Which per-step events someone listens to, so that the loop builds no event nobody wants.
+``port.wants(T)`` walks the routing table: :class:`Wants` caches it until the doorbell rings.
 """
 
 from __future__ import annotations
@@ -21,23 +17,9 @@ __all__ = ["Wants"]
 
 
 class Wants:
-    """Cached ``port.wants(T)`` for every event the loop publishes per step or per eval batch.
-
-    Attributes (read on the hot path; written only by :meth:`refresh`):
-        eval_batch_ended ... scheduler_stepped: ``port.wants`` of the event of that name.
-        step_ended: Some subscription takes every ``StepEnded``.
-        step_ended_sampled: Only sampled subscriptions want ``StepEnded``: the step builds
-            one when ``step_ended_demand.takes(step, now)`` says one of them takes it, and
-            tells it the event's stamp (``built``).
-        step_ended_demand: The port's :class:`~trainbus._bus.dispatch.Demand` for ``StepEnded``.
-        trace: The opt-in trace of the step's parts (``SpanTraced``), refreshed with the flags.
-        rings: The doorbell's count the flags were read at (-1: never read).
-
-    Args:
-        port: The port whose demand is cached.
-        state: The run's train state (stamps the trace's events).
-        trace: The parts ``Trainer(trace=...)`` names (empty: tracing is off).
-    """
+    """Cached ``port.wants(T)`` for every event the loop publishes per step or per eval batch,
+    one flag named after each. ``step_ended_sampled``: only sampled subscriptions
+    (``stream(StepEnded, every_s=)``) want ``StepEnded``; ``step_ended_demand`` says when."""
 
     __slots__ = (
         "_port",
@@ -51,7 +33,7 @@ class Wants:
         "step_ended_demand",
         "step_ended_sampled",
         "trace",
-    )  # fmt: skip
+    )
 
     def __init__(self, port: LoopPort, state: TrainState, trace: frozenset[str]) -> None:
         self._port = port
@@ -63,11 +45,7 @@ class Wants:
         self.eval_batch_ended = self.eval_batch_started = self.prediction_batch_ended = False
 
     def refresh(self) -> None:
-        """Re-read the flags if the port's doorbell rang since the last read (else nothing).
-
-        The doorbell is the port's one signal that something changed (a subscription among
-        others); a step without a ring pays one compare.
-        """
+        """Re-read the flags if the port's doorbell rang since the last read."""
         port = self._port
         rings = port.doorbell.rings
         if rings == self.rings:
@@ -77,8 +55,6 @@ class Wants:
         self.rings = rings
         wants = port.wants
         self.scheduler_stepped = wants(ev.SchedulerStepped)
-        # Sampled subscriptions only (stream(StepEnded, every_s= / every_steps=)): the step
-        # builds one when the demand says one of them takes it, not every step.
         demand = self.step_ended_demand
         self.step_ended = demand.each
         self.step_ended_sampled = demand.sampled

@@ -24,26 +24,13 @@ __all__ = ["LogWindow"]
 
 
 class LogWindow:
-    """Aggregates per-step losses and grad norms between two log steps, and checks for NaN.
-
-    :meth:`add` reads nothing off the device; :meth:`close` reads the whole window once,
-    publishes ``MetricsLogged`` when wanted and hands the first non-finite loss to the guard.
-
-    Attributes:
-        metrics: The last closed window's metrics (``loss``, ``lr``, ``steps_per_s``,
-            ``samples_per_s``, ``grad_norm`` when clipping, ``skipped_nonfinite`` under
-            ``on_nonfinite="skip"``); empty before the first.
+    """Aggregates per-step losses and grad norms between two log steps: :meth:`add` reads
+    nothing off the device; :meth:`close` reads the window once, publishes ``MetricsLogged``
+    and hands the first non-finite loss to the guard. :attr:`metrics`: the last closed window's.
 
     Args:
-        settings: The run's settings (log_every, optimizer for the lr).
-        port: Where ``MetricsLogged`` is published.
-        state: The run's train state (the window opens at its current step).
-        guard: Applies ``on_nonfinite``; while it is active the step adds every step's loss,
-            so the i-th loss of the window is the loss of step ``window start + i + 1``.
-        sync: Under torchrun with several ranks: a closed window's metrics are averaged
-            across ranks in one collective, which also agrees on the first non-finite step and
-            on whether some rank has commands waiting (:meth:`agree_due`); None: one process.
-        user: The metrics users log, closed with the window's own.
+        sync: Under several ranks: a closed window's metrics are averaged across ranks in one
+            collective, which also agrees on the first non-finite step and on pending commands.
     """
 
     def __init__(
@@ -62,36 +49,24 @@ class LogWindow:
         self._agree = False  # the last reduction found commands waiting on some rank
         self._user = user
         self.metrics: dict[str, float] = {}
-        self._checked = 0
-        """Losses of the window already read by :meth:`check_pending`."""
+        self._checked = 0  # losses of the window already read by check_pending
+        # One detached 0-d loss per step taken: the i-th is step step0 + i + 1's.
         self._losses: list[torch.Tensor] = []
-        """The window's losses in step order: detached 0-d tensors, read at the close."""
         self._norms: list[torch.Tensor] = []
         self._samples = 0
         self._t0 = time.monotonic()
-        self._step0 = state.step
-        """Step count when the window opened: a window after a resume may be shorter."""
+        self._step0 = state.step  # when the window opened: one after a resume may be shorter
 
     def add(self, loss: torch.Tensor, grad_norm: torch.Tensor | None, samples: int) -> None:
-        """Add one optimizer step: its loss (a detached 0-d tensor), grad norm and sample
-        count."""
+        """Add one optimizer step: its loss (a detached 0-d tensor), grad norm and samples."""
         self._losses.append(loss)
         if grad_norm is not None:
             self._norms.append(plain_value(grad_norm))  # a DTensor norm read as one tensor
         self._samples += samples
 
     def close(self, publish: bool) -> ev.MetricsLogged | None:
-        """Close the window: one device read for its metrics and the NaN check.
-
-        Args:
-            publish: Publish ``MetricsLogged`` (someone wants it).
-
-        Returns:
-            The published ``MetricsLogged``, or None when not published.
-
-        Raises:
-            NonFiniteLossError: a NaN/inf loss in the window and ``on_nonfinite="raise"``.
-        """
+        """Close the window (one device read for its metrics and the NaN check); return the
+        ``MetricsLogged`` published when ``publish``, else None."""
         st, guard = self._state, self._guard
         metrics, bad = self._measure()
         step0 = self._step0
@@ -114,8 +89,7 @@ class LogWindow:
 
     def finish(self) -> None:
         """At the normal end of a run: the partial last window sets :attr:`metrics` too (for
-        ``FitResult.train_metrics``), averaged across ranks like a closed one; nothing is
-        published."""
+        ``FitResult.train_metrics``); nothing is published."""
         if self._state.step == self._step0:
             return
         if not self._losses:
@@ -169,11 +143,7 @@ class LogWindow:
     def check_pending(self) -> None:
         """For a guard that does not read every step: read the losses added since the last read
         (one sync) and report a non-finite one; called where a sync happens anyway (before a
-        checkpoint write, at the end of the run). Under torchrun the first bad step is agreed.
-
-        Raises:
-            NonFiniteLossError: a NaN/inf loss and ``on_nonfinite="raise"``.
-        """
+        checkpoint write, at the end of the run)."""
         guard = self._guard
         if not guard.active or guard.per_step or guard.tripped:
             return  # the same on every rank: the policy, and a stop that was agreed
