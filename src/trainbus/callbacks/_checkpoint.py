@@ -26,10 +26,10 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_mode, check_number
+from .._validate import check_int, check_metric, check_number
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names
+from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -286,7 +286,8 @@ class Checkpointing(Callback):
             applies beside** ``every_steps``: pass ``every_epochs=None`` for steps only.
         monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
             improves; None to disable.
-        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is; ``"auto"``:
+            from the name (see docs/callbacks/index.md).
         min_delta: Smallest change of ``monitor`` that counts as an improvement.
         keep_last: Keep only the N newest cadence (untagged) checkpoints of this run; None
             keeps all.
@@ -311,7 +312,7 @@ class Checkpointing(Callback):
         every_steps: int | None = None,
         every_epochs: int | None = 1,
         monitor: str | None = None,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         *,
         min_delta: float = 0.0,
         keep_last: int | None = None,
@@ -323,7 +324,7 @@ class Checkpointing(Callback):
         self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
-        self.mode = check_mode(mode)
+        self.mode = monitor_mode(self.monitor, mode)
         self.min_delta = check_number("min_delta", min_delta)
         self.tracker = Tracker()
         """The best ``monitor`` value so far (a fresh one each time it is added)."""

@@ -13,7 +13,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._monitored import check_monitored, evaluations
+from ._monitored import check_monitored, evaluations, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -36,7 +36,8 @@ class ReduceLROnPlateau(Callback):
         monitor: Evaluation metric to watch.
         patience: Evaluations without improvement before a reduction (>= 1).
         factor: Multiplier in (0, 1).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower is better, ``"max"`` if higher is; ``"auto"``: from the
+            name (see docs/callbacks/index.md).
         min_delta: Smallest change that counts as an improvement (>= 0).
         cooldown: Evaluations ignored after a reduction (>= 0).
         max_reductions: Reduce at most this many times (None: no limit).
@@ -51,18 +52,19 @@ class ReduceLROnPlateau(Callback):
         monitor: str = "val_loss",
         patience: int = 2,
         factor: float = 0.5,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         min_delta: float = 0.0,
         cooldown: int = 0,
         max_reductions: int | None = None,
         *,
         state_key: str | None = None,
     ) -> None:
+        monitor = check_metric("monitor", monitor)
+        mode = monitor_mode(monitor, mode)
         self._options: dict[str, Any] = dict(
             mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
             max_reductions=max_reductions,
         )  # fmt: skip
-        monitor = check_metric("monitor", monitor)
         tbops.plateau(monitor, **self._options)  # validates now
         self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
         self.state_key = state_key

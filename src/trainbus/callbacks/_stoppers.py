@@ -18,7 +18,7 @@ from .. import operators as tbops
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric, check_number, check_seconds
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names
+from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -55,7 +55,9 @@ class EarlyStopping(Callback):
     Args:
         monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
         patience: Evaluations without improvement before stopping (>= 1).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower is better, ``"max"`` if higher is; ``"auto"``: from the
+            name (``"max"`` for accuracy-like names such as ``val_acc``, see
+            docs/callbacks/index.md).
         min_delta: Smallest change that counts as an improvement (>= 0).
         state_key: Name of its state in checkpoints (None: ``"EarlyStopping"``). A resumed run
             keeps counting its patience, and one resumed at the step it decided to stop stops
@@ -72,12 +74,13 @@ class EarlyStopping(Callback):
         self,
         monitor: str = "val_loss",
         patience: int = 3,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         min_delta: float = 0.0,
         *,
         state_key: str | None = None,
     ) -> None:
         monitor = check_metric("monitor", monitor)
+        mode = monitor_mode(monitor, mode)
         tbops.patience(monitor, mode=mode, patience=patience, min_delta=min_delta)  # validates
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
         self.state_key = state_key
@@ -150,10 +153,10 @@ class ThresholdStopping(Callback):
 
     ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
     ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
-    ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
-    ``"train"``. After an evaluation the stop is applied before the next step; after
-    ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
-    ``ConfigError`` before the run starts (:meth:`check`).
+    ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_`` or naming
+    a set (``"test/acc"``), else ``"train"``. After an evaluation the stop is applied before
+    the next step; after ``MetricsLogged`` at the next poll point. A ``monitor`` its source
+    never carries is a ``ConfigError`` before the run starts (:meth:`check`).
 
     Args:
         monitor: The metric to watch.
@@ -179,7 +182,9 @@ class ThresholdStopping(Callback):
             raise ConfigError.invalid("source", source, "'auto', 'train' or 'eval'")
         self.monitor, self.above, self.below = monitor, above, below
         self.source: Literal["train", "eval"] = (
-            source if source != "auto" else ("eval" if monitor.startswith("val_") else "train")
+            source
+            if source != "auto"
+            else ("eval" if monitor.startswith("val_") or "/" in monitor else "train")
         )
 
     def check(self, plan: RunPlan) -> None:
@@ -194,7 +199,7 @@ class ThresholdStopping(Callback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         events = (
-            bus.stream(ev.EvaluationEnded).pipe(ops.filter(lambda e: e.error is None))
+            evaluations(bus, self.monitor, ev.EvaluationEnded)
             if self.source == "eval"
             else bus.stream(ev.MetricsLogged)
         )
