@@ -42,11 +42,9 @@ log = get_logger(__name__)
 
 
 def copy_as_best(source: Path, step: int) -> Path:
-    """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it (a
-    sharded run's folder to ``step-<step>-best``), atomically: a fsynced hidden copy renamed
-    into place. Its name is not the store's ``.trainbus-tmp`` pattern, whose cleanup at each
-    save would race with this copy. Returns the copy's path (``source`` when it is that file).
-    """
+    """Copy ``source`` (of ``step``) to ``step-<step>-best[.pt]`` beside it, atomically;
+    return the copy's path. The temporary name is not the store's ``.trainbus-tmp`` pattern,
+    whose cleanup at each save would race with this copy."""
     folder = source.is_dir()
     target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
     if target == source:
@@ -68,8 +66,7 @@ def copy_as_best(source: Path, step: int) -> Path:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint file or folder (a folder renamed to a hidden name first, so a
-    removal cut short never leaves half a checkpoint); one already gone is no error."""
+    """Delete a checkpoint file or folder (renamed away first: never half a checkpoint)."""
     if not path.is_dir():
         path.unlink(missing_ok=True)
         return
@@ -82,13 +79,8 @@ def _remove(path: Path) -> None:
 
 
 class _Retention:
-    """Which checkpoint files of this run to delete after each ``CheckpointSaved``, and which
-    is the best: pure bookkeeping, carried across a resume in ``Checkpointing``'s state (the
-    rules are in ``Checkpointing``'s docstring).
-
-    "This run" is a lineage: each checkpoint's state names the files written before it and the
-    file holding that state; a resumed run adopts them (:meth:`adopt`).
-    """
+    """Which files of this run to delete after each ``CheckpointSaved``, and which is the best;
+    a lineage each checkpoint's state names, adopted by a resumed run (:meth:`adopt`)."""
 
     def __init__(
         self, keep_last: int | None, keep_best: int | None, monitor: str | None,
@@ -154,11 +146,7 @@ class _Retention:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Hold a saved lineage until :meth:`adopt` learns where the resumed file lies.
-
-        Raises:
-            ConfigError: ``state`` is not what :meth:`state_dict` returns.
-        """
+        """Hold a saved lineage until :meth:`adopt`; ``ConfigError`` for a malformed one."""
         last: Any = state.get("last")
         best: Any = state.get("best")
         saving: Any = state.get("saving")
@@ -177,14 +165,9 @@ class _Retention:
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
-        """The run resumed from ``resumed``: take over the lineage its state named, only when
-        ``resumed`` lies in ``directory`` (a checkpoint from elsewhere is not this folder's to
-        delete). Files already gone are dropped. The state was collected before the resumed
-        file's ``CheckpointSaved`` pruned, so that pruning is redone here.
-
-        Returns:
-            The paths now surplus (oldest or worst first); empty when nothing was adopted.
-        """
+        """Take over the lineage ``resumed``'s state named when it lies in ``directory``, and
+        redo the pruning its own ``CheckpointSaved`` did after the state was collected; return
+        the paths now surplus."""
         restored, self._restored = self._restored, None
         if restored is None:
             return []
@@ -269,16 +252,8 @@ class Checkpointing(Callback):
         EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
         ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
 
-    An evaluation job's (:class:`EvaluateCheckpoints`) improvement copies the evaluated file to
-    ``step-<its step>-best.pt`` beside it (a ``SaveCheckpoint`` would save the current weights
-    under the job's score); copies are not pruned. Cadences count step and epoch numbers, so a
-    resumed run saves at the same multiples, each at exactly the step decided; failed epochs and
-    evaluations never trigger a save.
-
-    Retention deletes only this run's files (across resumes from its own ``checkpoint_dir``),
-    never ``"final"`` or other tagged files nor the checkpoint just saved; a ``"final"``
-    checkpoint resumed from counts as untagged. Files of later steps than the one resumed from
-    are left alone (logged as ``checkpoint_newer_left``).
+    Cadences, evaluation jobs' best copies and retention across resumes: see
+    docs/callbacks/checkpointing.md.
 
     Args:
         every_steps: Save every N optimizer steps (None: never on steps).

@@ -37,15 +37,9 @@ def _flatten(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 class MetricsLogger(Callback):
-    """Logs what a human follows during a run, one structlog line per fact.
-
-    - ``MetricsLogged`` -> ``metrics_logged``: step, epoch, each metric (loss, lr...);
-    - ``EvaluationEnded`` -> ``evaluation_ended``: step, epoch, trigger, each metric;
-    - ``CheckpointSaved`` -> ``checkpoint_saved``: step, epoch, path, tag, each metric;
-    - ``FitEnded`` -> ``fit_ended``: step, epoch, reason, stop_reason, error.
-
-    Metrics are flattened into the line (a metric named ``step`` or ``event`` becomes
-    ``metric_step``). Failed evaluations and failed runs are logged at error level.
+    """Logs what a human follows during a run, one structlog line per fact (``metrics_logged``,
+    ``evaluation_ended``, ``checkpoint_saved``, ``fit_ended``); a metric named like a line's
+    own key (``step``) becomes ``metric_step``. See docs/callbacks/metrics-logger.md.
 
     Args:
         every_s: Log at most one ``metrics_logged`` line per ``every_s`` seconds
@@ -106,10 +100,8 @@ def write_in_batches(
     buffer: int | None = None,
 ) -> None:
     """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, each run in a
-    worker thread (one at a time, in order); an empty window writes nothing.
-
-    Lossless (``overflow="block"``): a writer that falls behind makes training wait, with the
-    bus' ``training_waits_for_subscriber`` warning, rather than drop a metric.
+    worker thread (one at a time, in order); lossless (``overflow="block"``): a writer that
+    falls behind makes training wait rather than drop a metric.
 
     Args:
         bus: Where to subscribe.
@@ -130,8 +122,7 @@ def write_in_batches(
 
 
 class _Writer:
-    """Appends batches of events to one file (called in a worker thread), created at the first
-    batch (a run that logs nothing creates nothing)."""
+    """Appends batches of events to one file, created at the first batch."""
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
@@ -147,15 +138,10 @@ class _Writer:
 
 
 class JsonlEventLog(Callback):
-    """Writes events to ``path`` as JSON lines, one record per event, each with the format
-    version ``"v": 1`` and the event's ``time``, so :func:`trainbus.replay` can rebuild the run
-    with its timing. Tensors become floats (lists when not scalar), exceptions their ``repr``,
-    ``float('nan')`` is written as ``NaN``.
-
-    Written in batches from a worker thread: nothing is dropped (a slow disk makes the bus wait)
-    and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created
-    at the first write. Subscribing to every event (``events=None``) makes the loop build every
-    event: pass the types you need to keep the training thread's cost minimal.
+    """Writes events to ``path`` as JSON lines for :func:`trainbus.replay`, in batches from a
+    worker thread (nothing dropped; ``FitEnded`` is in the file when ``fit()`` returns). Tensors
+    become floats (lists when not scalar), exceptions their ``repr``, NaN ``NaN``. See
+    docs/callbacks/jsonl-event-log.md.
 
     Args:
         path: The ``.jsonl`` file.

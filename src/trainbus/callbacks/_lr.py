@@ -29,8 +29,8 @@ class ReduceLROnPlateau(Callback):
 
         EvaluationEnded -> filter(no error) -> operators.plateau(monitor, ...) -> bus.commands
 
-    Each reduction is a ``ScaleLearningRate(factor)`` command on every parameter group, applied
-    right after the deciding evaluation; it composes with any scheduler.
+    Each reduction is a ``ScaleLearningRate(factor)`` on every parameter group; it composes
+    with any scheduler. See docs/callbacks/reduce-lr-on-plateau.md.
 
     Args:
         monitor: Evaluation metric to watch.

@@ -52,13 +52,9 @@ def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor 
 
 
 class GradientNormMonitor(Callback):
-    """Publishes ``GradientNormMeasured`` with the total gradient norm every ``every`` steps.
-
-    Measured in ``hook_before_optimizer_step`` (gradients final and unscaled, before clipping), on
-    the sampled steps only and only while some subscriber wants the event. The norm stays a
-    device tensor (no sync on the training thread): read it with ``float(e.grad_norm)``. With
-    ``clip_grad_norm`` set, ``StepEnded.grad_norm`` already carries it on every step. A sharded
-    (FSDP2) model's norm is a collective, so every rank measures on the sampled steps.
+    """Publishes ``GradientNormMeasured`` with the total gradient norm (before clipping, a
+    device tensor) every ``every`` steps, while some subscriber wants it. See
+    docs/callbacks/gradient-norm.md.
 
     Args:
         every: Measure the steps ``every``, ``2 * every``, ... (>= 1).
@@ -183,11 +179,8 @@ def read_rss() -> tuple[int | None, RssSource | None]:
 
 
 class MemoryMonitor(Callback):
-    """Publishes ``MemoryMeasured`` every ``every`` steps, from the event-loop thread: the RSS
-    (from psutil when installed, else ``/proc/self/statm``, else the peak RSS of ``resource``;
-    ``rss_source`` says which) and, on CUDA, the device's allocated, reserved and peak bytes.
-    The event follows its ``StepEnded`` by one delivery, so the last ones of a run can arrive
-    after ``FitEnded``.
+    """Publishes ``MemoryMeasured`` (the RSS and, on CUDA, the allocator's bytes) every
+    ``every`` steps, from the event-loop thread. See docs/callbacks/memory-monitor.md.
 
     Args:
         every: Sample on the steps ``every``, ``2 * every``, ... (>= 1).
@@ -249,7 +242,7 @@ class Throughput:
 
 
 class _Meter:
-    """Turns a window of events into :class:`Throughput`; remembers where the last one ended."""
+    """A window of ``StepEnded`` -> :class:`Throughput` (None for an empty one)."""
 
     def __init__(self) -> None:
         self.last_end: float | None = None
@@ -276,9 +269,8 @@ class _Meter:
 
 
 class ThroughputMonitor(Callback):
-    """Logs training throughput once per ``window_s`` seconds (a ``"throughput"`` line: step,
-    epoch, steps, samples, elapsed_s, steps_per_s, samples_per_s, data_wait_s,
-    data_wait_fraction), from ``StepEnded`` only and the events' own timestamps.
+    """Logs training throughput (a ``"throughput"`` line of :class:`Throughput`'s fields) once
+    per ``window_s`` seconds, from ``StepEnded`` and the events' own timestamps.
 
     Args:
         window_s: Seconds per window (> 0).

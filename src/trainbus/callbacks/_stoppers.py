@@ -43,14 +43,8 @@ class EarlyStopping(Callback):
         EvaluationEnded | ExternalEvaluationEnded carrying monitor
             -> filter(no error) -> operators.patience(monitor, ...) -> bus.commands
 
-    The run ends at the step of the evaluation that decided it, with
-    ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
-    NaN never counts as an improvement. A ``monitor`` the run's evaluation does not produce is
-    a ``ConfigError`` before the run starts (:meth:`check`).
-
-    Results of evaluation jobs (``ExternalEvaluationEnded``, from
-    :class:`~trainbus.callbacks.EvaluateCheckpoints`) carrying ``monitor`` count too; a stop
-    they decide is applied at the loop's next poll point (they are not barriers).
+    The run ends at the step of the evaluation that decided it; NaN never improves. See
+    docs/callbacks/early-stopping.md.
 
     Args:
         monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
@@ -151,18 +145,15 @@ class ThresholdStopping(Callback):
         EvaluationEnded (no error) | MetricsLogged
             -> operators.threshold(monitor, ...) -> bus.commands
 
-    ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
-    ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
-    ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_`` or naming
-    a set (``"test/acc"``), else ``"train"``. After an evaluation the stop is applied before
-    the next step; after ``MetricsLogged`` at the next poll point. A ``monitor`` its source
-    never carries is a ``ConfigError`` before the run starts (:meth:`check`).
+    See docs/callbacks/stoppers.md.
 
     Args:
         monitor: The metric to watch.
         above: Stop when the value is greater than this.
         below: Stop when the value is less than this (give either or both; ``below < above``).
-        source: ``"auto"``, ``"train"`` or ``"eval"``.
+        source: ``"eval"`` (``EvaluationEnded``), ``"train"`` (``MetricsLogged``) or
+            ``"auto"``: ``"eval"`` for names starting with ``val_`` or naming a set
+            (``"test/acc"``), else ``"train"``.
 
     Raises:
         ConfigError: an invalid metric name, bound or source.
@@ -218,7 +209,7 @@ def _deadline_unix(deadline: object) -> float:
 
 
 class _Clock:
-    """Decides, per event, whether the next poll point would come too close to the deadline."""
+    """Per event: the stop reason when the next poll point would be too close to the deadline."""
 
     def __init__(self, limit: TimeLimit) -> None:
         self.limit = limit
@@ -262,10 +253,7 @@ class TimeLimit(Callback):
             -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
             -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
 
-    The decision leaves ``margin_s`` (to write the checkpoint and exit) plus ``steps_margin``
-    times the longest gap between two step ends seen, since commands apply at the next poll
-    point. The run then ends ``"stopped"`` with a ``stop_reason`` starting with
-    ``"time limit"``.
+    See docs/callbacks/stoppers.md.
 
     Args:
         seconds: Run time allowed, from ``FitStarted`` (> 0).
