@@ -306,12 +306,8 @@ class Callback:
 
 
 def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
-    """The user's own event class (a ``BaseEvent`` subclass defined by the time the callback
-    is added) that ``on_<its name in snake_case>`` names.
-
-    Raises:
-        ConfigError: no event class has that name, or several do (in different modules).
-    """
+    """The user's ``BaseEvent`` subclass that ``name`` (``on_<snake_case>``) names; else a
+    ``ConfigError`` (none, several, or a removed event)."""
     found: dict[str, type[ev.BaseEvent]] = {}
     stack: list[type[ev.BaseEvent]] = [ev.BaseEvent]
     while stack:

@@ -100,17 +100,8 @@ def write_in_batches(
     buffer: int | None = None,
 ) -> None:
     """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, each run in a
-    worker thread (one at a time, in order); lossless (``overflow="block"``): a writer that
-    falls behind makes training wait rather than drop a metric.
-
-    Args:
-        bus: Where to subscribe.
-        source: The events to write (a bus stream).
-        write: Writes one batch; blocking is fine (it runs in a worker thread).
-        flush_s: Seconds per batch.
-        name: The subscription's name in logs and statistics.
-        buffer: Batches that may wait (the bus' default when None).
-    """
+    worker thread, in order; lossless (``overflow="block"``): a writer that falls behind makes
+    training wait rather than drop a metric."""
 
     async def run(batch: list[Any]) -> None:
         await anyio.to_thread.run_sync(write, batch)

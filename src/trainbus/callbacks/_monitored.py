@@ -43,14 +43,9 @@ _HIGHER_IS_BETTER = frozenset(
 
 
 def monitor_mode(metric: str | None, mode: object) -> Literal["min", "max"]:
-    """``mode`` with ``"auto"`` resolved for ``metric``: ``"max"`` when a word of its name
-    (split at ``_ / - .`` and the like) is accuracy-like (``val_acc``, ``test/f1``,
-    ``top1_accuracy``) and no word is ``loss`` or ``error``, else ``"min"``.
-    See docs/callbacks/index.md.
-
-    Raises:
-        ConfigError: ``mode`` is not ``"min"``, ``"max"`` or ``"auto"``.
-    """
+    """``mode`` with ``"auto"`` resolved for ``metric``: ``"max"`` when a word of its name is
+    accuracy-like and none is ``loss`` or ``error``, else ``"min"`` (docs/callbacks/index.md);
+    ``ConfigError`` for any other mode."""
     if mode == "min" or mode == "max":
         return mode
     if mode != "auto":
@@ -92,19 +87,9 @@ def evaluations(
 def check_monitored(
     plan: RunPlan, option: str, metric: str, *, external: bool = False, train: bool = False
 ) -> None:
-    """Refuse a monitored ``metric`` that nothing in the run described by ``plan`` produces.
-
-    Args:
-        plan: The run about to start.
-        option: The option naming the metric, for the message (``"EarlyStopping.monitor"``).
-        metric: The monitored key.
-        external: The monitor also reads ``ExternalEvaluationEnded``: without ``eval_data``
-            an added evaluation job may produce any name.
-        train: The monitor reads ``MetricsLogged`` (training metrics), not evaluations.
-
-    Raises:
-        ConfigError: naming ``option``, ``metric`` and the names this run produces.
-    """
+    """``ConfigError`` naming ``option`` (``"EarlyStopping.monitor"``) when nothing in ``plan``
+    produces ``metric``: its evaluations, evaluation jobs (``external``) or its training
+    metrics (``train``)."""
     if train:
         if metric not in plan.train_metrics:
             raise ConfigError.invalid(option, metric, "a training metric of MetricsLogged: "
@@ -129,14 +114,8 @@ def check_monitored(
 def lightning_names(
     owner: str, lightning: str, table: Mapping[str, str]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
-    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
-
-    Args:
-        owner: The trainbus class (``"Checkpointing"``).
-        lightning: Lightning's class (``"ModelCheckpoint"``).
-        table: ``{Lightning's argument: what to write in trainbus}``.
-    """
+    """Decorate ``owner``'s ``__init__``: an unknown keyword is a ``TypeError`` that names its
+    trainbus spelling when ``table`` has it as an argument of Lightning's ``lightning``."""
 
     def message(name: str, value: Any, known: list[str]) -> str:
         use = table.get(name)
