@@ -19,7 +19,7 @@ from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
 from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
-from .._validate import check_int, check_state_key
+from .._validate import check_bool, check_int, check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -138,8 +138,7 @@ class SubscribeOptions:
         if self.overflow not in OVERFLOWS:
             raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
                                       f"one of {OVERFLOWS}")  # fmt: skip
-        if not isinstance(self.decides, bool):
-            raise ConfigError.invalid("SubscribeOptions.decides", self.decides, "True or False")
+        check_bool("SubscribeOptions.decides", self.decides)
 
 
 # Class attributes of earlier versions -> the ``SubscribeOptions`` field each one became.

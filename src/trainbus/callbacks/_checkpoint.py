@@ -26,7 +26,7 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_number
+from .._validate import check_bool, check_int, check_metric, check_number
 from ..operators import Tracker
 from ._base import Callback
 from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
@@ -307,9 +307,7 @@ class Checkpointing(Callback):
         self.keep_best = check_int("keep_best", keep_best, 1, optional=True)
         if self.keep_best is not None and self.monitor is None:
             raise ConfigError.invalid("keep_best", keep_best, "None unless monitor is set")
-        if not isinstance(load_best_at_end, bool):
-            raise ConfigError.invalid("load_best_at_end", load_best_at_end, "True or False")
-        if load_best_at_end and self.monitor is None:
+        if check_bool("load_best_at_end", load_best_at_end) and self.monitor is None:
             raise ConfigError.invalid("load_best_at_end", True, "False unless monitor is set "
                                       "(the best checkpoint is the best by monitor)")  # fmt: skip
         self.load_best_at_end = load_best_at_end

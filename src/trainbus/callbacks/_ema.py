@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from .._exceptions import CheckpointError, ConfigError, TrainingError
-from .._validate import check_int
+from .._validate import check_bool, check_int
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -75,9 +75,6 @@ class EMA(Callback):
             if (not isinstance(value, int | float) or isinstance(value, bool)
                     or not math.isfinite(value) or value <= 0):  # fmt: skip
                 raise ConfigError.invalid(f"EMA.{name}", value, "a finite number > 0")
-        for name, flag in (("warmup", warmup), ("evaluate", evaluate)):
-            if not isinstance(flag, bool):
-                raise ConfigError.invalid(f"EMA.{name}", flag, "True or False")
         if buffers not in ("average", "copy"):
             raise ConfigError.invalid("EMA.buffers", buffers, "'average' or 'copy'")
         if device is not None:
@@ -91,10 +88,11 @@ class EMA(Callback):
         self.decay = float(decay)
         self.every = check_int("EMA.every", every, 1)
         self.start_step = check_int("EMA.start_step", start_step, 0)
-        self.warmup, self.warmup_power, self.warmup_gamma = warmup, warmup_power, warmup_gamma
+        self.warmup = check_bool("EMA.warmup", warmup)
+        self.warmup_power, self.warmup_gamma = warmup_power, warmup_gamma
         self.buffers: Buffers = buffers
         self.device: torch.device | None = device
-        self.evaluate = evaluate
+        self.evaluate = check_bool("EMA.evaluate", evaluate)
         self.state_key = state_key
         self._reset()
 

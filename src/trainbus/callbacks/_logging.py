@@ -20,7 +20,7 @@ from reactivex import operators as ops
 from .. import _wire as wire
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._validate import check_optional_seconds, check_path, check_seconds
+from .._validate import check_bool, check_optional_seconds, check_path, check_seconds
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -166,9 +166,7 @@ class JsonlEventLog(Callback):
                 )
         self.events = chosen
         self.flush_s = check_seconds("flush_s", flush_s)
-        if not isinstance(append, bool):
-            raise ConfigError.invalid("append", append, "True or False")
-        self.append = append
+        self.append = check_bool("append", append)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the batching pipeline and its writer."""

@@ -16,7 +16,7 @@ from reactivex import operators as ops
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._tensors import is_dtensor, is_sharded_model, plain_value
-from .._validate import check_int, check_seconds
+from .._validate import check_bool, check_int, check_seconds
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -285,9 +285,7 @@ class ThroughputMonitor(Callback):
 
     def __init__(self, window_s: float = 5.0, *, log: bool = True) -> None:
         self.window_s = check_seconds("window_s", window_s)
-        if not isinstance(log, bool):
-            raise ConfigError.invalid("log", log, "True or False")
-        self.log = log
+        self.log = check_bool("log", log)
         self.last: Throughput | None = None
 
     def setup(self, bus: EventBus) -> None:

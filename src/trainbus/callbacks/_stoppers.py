@@ -16,7 +16,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
-from .._validate import check_int, check_metric, check_number, check_seconds
+from .._validate import check_bool, check_int, check_metric, check_number, check_seconds
 from ._base import Callback
 from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
 
@@ -284,9 +284,7 @@ class TimeLimit(Callback):
         self.deadline = _deadline_unix(deadline) if deadline is not None else None
         self.margin_s = check_number("margin_s", margin_s)
         self.steps_margin = check_int("steps_margin", steps_margin, 1)
-        if not isinstance(save, bool):
-            raise ConfigError.invalid("save", save, "True or False")
-        self.save = save
+        self.save = check_bool("save", save)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
-from .._validate import check_folder, check_int, check_seconds
+from .._validate import check_bool, check_folder, check_int, check_seconds
 from ._base import Callback, PlainValue, RunPlan
 from ._logging import write_in_batches
 
@@ -80,8 +80,7 @@ class _Runs:
 
 
 def _check_options(log_checkpoints: bool, buffer: int) -> int:
-    if not isinstance(log_checkpoints, bool):
-        raise ConfigError.invalid("log_checkpoints", log_checkpoints, "True or False")
+    check_bool("log_checkpoints", log_checkpoints)
     return check_int("buffer", buffer, 1)
 
 
