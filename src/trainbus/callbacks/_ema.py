@@ -38,8 +38,7 @@ class EMA(Callback):
             1,000 updates count).
         every: Update every ``every`` optimizer steps (at steps that are multiples of it).
         start_step: Update only after this many optimizer steps (the first update copies).
-        warmup: timm's warmup: the n-th update uses ``min(decay, 1 - (1 + (n-1) /
-            warmup_gamma) ** -warmup_power)``, so early updates follow the weights closely.
+        warmup: timm's warmup (:meth:`decay_for`): early updates follow the weights closely.
         warmup_power: The warmup's power (timm's default 2/3; 3/4 for short runs).
         warmup_gamma: The warmup's time scale in updates (timm's default 1).
         buffers: ``"average"`` (timm's default) or ``"copy"`` floating-point buffers

@@ -103,9 +103,8 @@ _LR_COMMANDS = (cmd.SetLearningRate, cmd.ScaleLearningRate)
 
 
 class LearningRateMonitor(Callback):
-    """Logs learning-rate changes with the ``"trainbus"`` structlog logger: ``lr_changed``
-    (step, epoch, lr, previous) once at the start and at each change, whether a scheduler or a
-    command made it; ``lr_command_applied`` for each ``SetLearningRate`` / ``ScaleLearningRate``.
+    """Logs learning-rate changes (``lr_changed``, ``lr_command_applied``) with the
+    ``"trainbus"`` structlog logger. See docs/callbacks/learning-rate-monitor.md.
 
     Attributes:
         history: ``(step, lr)`` of every change seen, in order (the last run's).

@@ -36,10 +36,8 @@ __all__ = [
 
 
 def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor | None:
-    """The total ``norm_type`` norm of the gradients of ``parameters`` (as clipping computes
-    it), a detached 0-dim tensor on their device (no host read); None without gradients. For
-    sharded (DTensor) gradients it is a collective: every rank must call it at the same step.
-    """
+    """The total gradient norm (as clipping computes it), a detached 0-dim device tensor; None
+    without gradients. A collective for sharded (DTensor) gradients."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]  # type: ignore[attr-defined]
     if not grads:
         return None
@@ -105,10 +103,7 @@ def _number(value: Any) -> float | None:
 def optimizer_stats(
     param_groups: list[dict[str, Any]], *, step: int, epoch: int
 ) -> ev.OptimizerStatsMeasured:
-    """Build ``OptimizerStatsMeasured`` from an optimizer's ``param_groups``, keyed
-    ``"group<i>"``: momentum is SGD's ``momentum`` or Adam's ``betas[0]``, beta2 Adam's
-    ``betas[1]``; a group lacking a value has no entry.
-    """
+    """``OptimizerStatsMeasured`` of ``param_groups`` (docs/callbacks/optimizer-monitor.md)."""
     stats: dict[str, dict[str, float]] = {"lr": {}, "momentum": {}, "beta2": {}, "weight_decay": {}}
     for i, group in enumerate(param_groups):
         betas = group.get("betas") or (group.get("momentum"), None)
@@ -124,7 +119,7 @@ def optimizer_stats(
 
 class OptimizerMonitor(Callback):
     """Publishes ``OptimizerStatsMeasured`` (per-group LR, momentum/betas, weight decay) every
-    ``every`` steps, from ``hook_after_optimizer_step`` and only while some subscriber wants it.
+    ``every`` steps, while some subscriber wants it.
 
     Args:
         every: Sample the steps ``every``, ``2 * every``, ... (>= 1).
@@ -153,10 +148,8 @@ RssSource = Literal["psutil", "statm", "resource"]
 
 
 def read_rss() -> tuple[int | None, RssSource | None]:
-    """The process' resident set size in bytes, and its source: ``psutil`` when installed,
-    ``/proc/self/statm`` on Linux, else ``resource`` (peak RSS only); ``(None, None)`` when none
-    works.
-    """
+    """The process' RSS in bytes and its source (docs/callbacks/memory-monitor.md), or
+    ``(None, None)``."""
     try:
         import psutil  # type: ignore[import-untyped,unused-ignore]
     except ImportError:

@@ -262,11 +262,8 @@ class Progress(Callback):
 
 
 class RuntimeEstimator(Callback):
-    """Publishes ``RuntimeEstimated(elapsed_s, remaining_s, eta, steps_per_s)`` at most once per
-    ``every_s`` seconds, from the step rate over the last ``window`` steps and the run's length.
-
-    ``remaining_s`` and ``eta`` (a Unix timestamp) stay None while the run's length is unknown
-    (only ``max_epochs`` and data without a length: until the first epoch ends).
+    """Publishes ``RuntimeEstimated`` at most once per ``every_s`` seconds, from the step rate
+    over the last ``window`` steps and the run's length. See docs/callbacks/runtime-estimator.md.
 
     Args:
         every_s: At most one estimate per ``every_s`` seconds (> 0).
