@@ -1,9 +1,5 @@
-"""When to save: checkpoint cadence and "best so far" as small pipelines ending in commands.
-
-The loop writes checkpoints (``Trainer(checkpoint_dir=...)``, atomically); this callback only
-decides when, by sending ``SaveCheckpoint`` on the back-channel, and which older files to delete
-(``keep_last`` / ``keep_best``), from the paths and metrics of ``CheckpointSaved`` events.
-"""
+"""When to save (cadence, best so far) as pipelines ending in ``SaveCheckpoint``, and which of
+this run's files to delete; the loop writes them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,5 @@
-"""Logging built-ins: structlog lines for humans, a JSON-lines event log for machines, and
-:func:`write_in_batches`, how every file-backed logger writes off the training thread.
-
-Neither logger configures structlog: the application does (the CLI does for ``trainbus demo``).
-"""
+"""Logging built-ins: structlog lines for humans (structlog configured by the application), a
+JSON-lines event log for machines, and :func:`write_in_batches` for every file-backed logger."""
 
 from __future__ import annotations
 
