@@ -36,7 +36,8 @@ __all__ = [
 P = ParamSpec("P")
 R = TypeVar("R")
 
-# Words of a metric name that mean higher is better (Keras' "auto" rule, widened past "acc").
+# Words of a metric name that mean higher is better: Keras' "auto" rule ("acc" in the name), by
+# whole words and widened.
 _HIGHER_IS_BETTER = frozenset(
     "acc accuracy auc auroc ap map f1 fmeasure precision recall iou miou dice bleu rouge".split()
 )
