@@ -3,14 +3,13 @@ inline hooks on the training thread."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from .._exceptions import CheckpointError, ConfigError, TrainingError
-from .._validate import check_bool, check_int
+from .._validate import check_bool, check_int, check_number
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -70,10 +69,6 @@ class EMA(Callback):
         if (not isinstance(decay, int | float) or isinstance(decay, bool)
                 or not 0.0 <= decay < 1.0):  # fmt: skip
             raise ConfigError.invalid("EMA.decay", decay, "a number in [0, 1), e.g. 0.999")
-        for name, value in (("warmup_power", warmup_power), ("warmup_gamma", warmup_gamma)):
-            if (not isinstance(value, int | float) or isinstance(value, bool)
-                    or not math.isfinite(value) or value <= 0):  # fmt: skip
-                raise ConfigError.invalid(f"EMA.{name}", value, "a finite number > 0")
         if buffers not in ("average", "copy"):
             raise ConfigError.invalid("EMA.buffers", buffers, "'average' or 'copy'")
         if device is not None:
@@ -88,7 +83,8 @@ class EMA(Callback):
         self.every = check_int("EMA.every", every, 1)
         self.start_step = check_int("EMA.start_step", start_step, 0)
         self.warmup = check_bool("EMA.warmup", warmup)
-        self.warmup_power, self.warmup_gamma = warmup_power, warmup_gamma
+        self.warmup_power = check_number("EMA.warmup_power", warmup_power, positive=True)
+        self.warmup_gamma = check_number("EMA.warmup_gamma", warmup_gamma, positive=True)
         self.buffers: Buffers = buffers
         self.device: torch.device | None = device
         self.evaluate = check_bool("EMA.evaluate", evaluate)
