@@ -18,6 +18,7 @@ from typing import Any, Literal, ParamSpec, TypeVar, overload
 from ._exceptions import ConfigError
 
 __all__ = [
+    "check_bool",
     "check_int",
     "check_metric",
     "check_mode",
@@ -73,6 +74,13 @@ def check_number(name: str, value: object, *, positive: bool = False) -> float:
     if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
         raise ConfigError.invalid(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
     return float(value)  # type: ignore[arg-type]
+
+
+def check_bool(name: str, value: object) -> bool:
+    """True or False (not a truthy stand-in)."""
+    if not isinstance(value, bool):
+        raise ConfigError.invalid(name, value, "True or False")
+    return value
 
 
 def check_mode(value: object) -> Literal["min", "max"]:

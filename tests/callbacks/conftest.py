@@ -40,14 +40,15 @@ def make_trainer(
 ) -> Trainer:
     """The 32-64-10 MLP on ``batches`` generated batches, one evaluation batch per evaluation.
 
-    ``score`` scripts ``val_score`` (see :func:`scripted`).
+    ``score`` scripts ``val_score`` (see :func:`scripted`); else ``metrics=`` goes to the Trainer.
     """
     model = tiny_model()
-    metrics = {"score": scripted(score)} if score is not None else None
+    if score is not None:
+        kwargs["metrics"] = {"score": scripted(score)}
     kwargs.setdefault("eval_data", tiny_loader(1, seed=1))
     return Trainer(
         model, torch.optim.SGD(model.parameters(), lr=lr), tiny_loader(batches),
-        loss_fn=F.cross_entropy, max_epochs=epochs, metrics=metrics, on_signal=None,
+        loss_fn=F.cross_entropy, max_epochs=epochs, on_signal=None,
         callbacks=list(callbacks), **kwargs,
     )  # fmt: skip
 

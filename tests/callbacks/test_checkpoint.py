@@ -12,6 +12,8 @@ from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
 
+from .conftest import make_trainer, scripted
+
 SAVE = cmd.SaveCheckpoint()
 BEST = cmd.SaveCheckpoint(tag="best")
 
@@ -147,6 +149,20 @@ def test_a_run_writes_epoch_and_best_checkpoints_at_exact_steps(
         "step-00000012.pt",  # epoch save; the loop's final save is skipped at the same step
     ]
     assert result.last_checkpoint == str(tmp_path / "step-00000012.pt")
+
+
+def test_the_best_checkpoint_by_val_acc_is_the_highest_accuracy(tmp_path: Path) -> None:
+    # No mode given: val_acc is maximised, so the best file is the epoch of 0.75, not of 0.25.
+    saver = Checkpointing(every_epochs=None, monitor="val_acc", load_best_at_end=True)
+    trainer = make_trainer([saver], epochs=3, batches=2, checkpoint_dir=tmp_path,
+                           metrics={"acc": scripted([0.25, 0.75, 0.5])})  # fmt: skip
+    assert trainer.fit_sync().reason == "completed"
+    assert saver.best_path == str(tmp_path / "step-00000004-best.pt")
+    assert saver.tracker.best == 0.75
+    assert sorted(p.name for p in tmp_path.glob("*-best.pt")) == [
+        "step-00000002-best.pt",
+        "step-00000004-best.pt",
+    ]
 
 
 def test_every_steps_alone_also_saves_every_epoch_as_documented(

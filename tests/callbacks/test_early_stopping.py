@@ -9,8 +9,10 @@ import pytest
 from trainbus import ConfigError, EvalSchedule, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus.callbacks import EarlyStopping
+from trainbus.callbacks import Checkpointing, EarlyStopping, ReduceLROnPlateau
 from trainbus.testing import EventRecorder
+
+from .conftest import make_trainer, scripted
 
 
 @pytest.mark.parametrize(
@@ -64,6 +66,42 @@ def test_stops_at_the_exact_step_of_the_deciding_evaluation(trainer_factory: Any
     assert [e.step for e in recorder.of_type(ev.EvaluationEnded)] == [2, 4, 6, 8]
     (ended,) = recorder.of_type(ev.FitEnded)
     assert ended.reason == "stopped" and ended.stop_reason == result.stop_reason
+
+
+@pytest.mark.parametrize(
+    ("monitor", "mode"),
+    [
+        ("val_acc", "max"),
+        ("test/f1", "max"),
+        ("top1_accuracy", "max"),
+        ("val_auc", "max"),
+        ("val_loss", "min"),
+        ("val_score", "min"),
+        ("val_acc_loss", "min"),
+        ("val_accumulated", "min"),
+    ],
+)
+def test_auto_mode_is_resolved_from_the_name_once(monitor: str, mode: str) -> None:
+    assert EarlyStopping(monitor).mode == mode
+    assert ReduceLROnPlateau(monitor).mode == mode
+    assert Checkpointing(monitor=monitor).mode == mode
+    assert EarlyStopping(monitor, mode="min").mode == "min"  # an explicit mode wins
+
+
+@pytest.mark.parametrize("build", [EarlyStopping, ReduceLROnPlateau])
+def test_an_unknown_mode_names_the_three_allowed(build: Any) -> None:
+    with pytest.raises(ConfigError, match=r"^mode='maximum'.*'min'.*'max'.*'auto'"):
+        build("val_acc", mode="maximum")
+    with pytest.raises(ConfigError, match=r"^mode='maximum'.*'min'.*'max'.*'auto'"):
+        Checkpointing(monitor="val_acc", mode="maximum")  # type: ignore[arg-type]
+
+
+def test_early_stopping_on_val_acc_keeps_training_while_accuracy_improves() -> None:
+    # What a user writes first: no mode. Accuracy rising every epoch must not stop the run.
+    trainer = make_trainer([EarlyStopping("val_acc", patience=2)], epochs=5, batches=2,
+                           metrics={"acc": scripted([0.2, 0.4, 0.6, 0.8, 0.9])})  # fmt: skip
+    result = trainer.fit_sync()
+    assert result.reason == "completed" and result.steps == 10
 
 
 def test_mode_max_and_min_delta(trainer_factory: Any) -> None:

@@ -12,7 +12,9 @@ from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus.callbacks import ThresholdStopping, TimeLimit
-from trainbus.testing import EventRecorder
+from trainbus.testing import EventRecorder, tiny_loader
+
+from .conftest import make_trainer
 
 
 @pytest.mark.parametrize(
@@ -53,6 +55,19 @@ def test_threshold_below_on_a_training_metric(trainer_factory: Any) -> None:
     result = trainer.fit_sync()
     assert result.reason == "stopped" and result.stop_reason.startswith("threshold: lr=0.1")
     assert result.steps < 12
+
+
+@pytest.mark.parametrize("source", ["auto", "eval"])
+def test_threshold_on_a_named_set_metric_reads_that_sets_evaluations(source: Any) -> None:
+    # The "val" set's evaluation, first, lacks test/score: it is skipped, not an error.
+    sets = {"val": tiny_loader(1, seed=1), "test": tiny_loader(1, seed=2)}
+    stopper = ThresholdStopping("test/score", above=0.5, source=source)
+    trainer = make_trainer([stopper], epochs=3, batches=2, eval_data=sets,
+                           metrics={"score": lambda outputs, targets: 1.0})  # fmt: skip
+    result = trainer.fit_sync()
+    assert stopper.source == "eval"
+    assert result.reason == "stopped" and result.steps == 2
+    assert result.stop_reason.startswith("threshold: test/score=1 went above 0.5 at step 2")
 
 
 def test_unknown_metric_fails_before_the_run_naming_what_exists(trainer_factory: Any) -> None:

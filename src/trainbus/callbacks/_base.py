@@ -1,11 +1,5 @@
-"""Class-based callbacks: sugar over the bus and the hooks, resolved once when added (never a
-string dispatch per event). ``on_<event>`` methods (``on_step_ended`` -> ``StepEnded``;
-``async def`` ones async; ``on_event`` every event) become subscribers, ``hook_<point>``
-methods inline hooks on the training thread (:mod:`trainbus._hookpoints`), and ``setup(bus)``
-may build any pipeline. Tiers: built-ins ("core"), the Trainer's ``callbacks`` ("user"),
-process-wide ones (``with MyCallback():``, :func:`register_global_callback`: "global"); every
-event reaches core, then user, then global subscribers, and hooks run in that order.
-"""
+"""Class-based callbacks: ``on_<event>`` methods become subscribers and ``hook_<point>``
+methods inline hooks, resolved once when added; process-wide ones form the "global" tier."""
 
 from __future__ import annotations
 
@@ -25,7 +19,7 @@ from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
 from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
-from .._validate import check_int, check_state_key
+from .._validate import check_bool, check_int, check_state_key
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -87,20 +81,8 @@ _PLAIN_TYPES = frozenset({"int", "float", "str", "bool", "None", "Path"})
 
 
 def plain_settings(settings: object) -> dict[str, PlainValue]:
-    """The fields of a settings dataclass that are plain values, by name, in field order:
-    numbers, strings and booleans kept; paths and ``torch.device`` as strings; None only where
-    the field holds only such values (``max_steps=None``, not ``scheduler=None``); everything
-    else left out.
-
-    Args:
-        settings: A dataclass instance (the Trainer's ``settings``).
-
-    Returns:
-        ``{field name: value}``.
-
-    Raises:
-        TypeError: ``settings`` is not a dataclass instance.
-    """
+    """A settings dataclass' plain fields, in order: paths and devices as strings, None only
+    for a field of plain types (``max_steps=None``, not ``scheduler=None``)."""
     if not is_dataclass(settings) or isinstance(settings, type):
         raise TypeError(f"plain_settings() needs a dataclass instance, got {settings!r}")
     out: dict[str, PlainValue] = {}
@@ -156,8 +138,7 @@ class SubscribeOptions:
         if self.overflow not in OVERFLOWS:
             raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
                                       f"one of {OVERFLOWS}")  # fmt: skip
-        if not isinstance(self.decides, bool):
-            raise ConfigError.invalid("SubscribeOptions.decides", self.decides, "True or False")
+        check_bool("SubscribeOptions.decides", self.decides)
 
 
 # Class attributes of earlier versions -> the ``SubscribeOptions`` field each one became.
@@ -172,15 +153,9 @@ class Callback:
             options of ``EventBus.subscribe_async``, with its defaults), a class attribute.
         state_key: The name of this callback's state in checkpoints (a property: the class
             name until set; ``cb.state_key = "..."`` sets it).
-            Only callbacks that override :meth:`state_dict` keep state; two of them with one
-            key in a Trainer are a ``ConfigError``, so give each instance of a class its own.
+            Two stateful callbacks with one key in a Trainer are a ``ConfigError``.
         ranks: Where its ``on_*`` methods and ``setup`` pipelines run under torchrun: None
-            (rank 0), ``"all"``, a rank or ranks; a class attribute or set per instance.
-            ``hook_*`` methods run on every rank (they are part of the step).
-
-    A callback that keeps state across a resume overrides :meth:`state_dict` and
-    :meth:`load_state_dict`: the state is saved with every checkpoint (after the events before
-    the save were delivered) and restored before ``FitStarted`` of a resumed run.
+            (rank 0), ``"all"``, a rank or ranks; ``hook_*`` methods run on every rank.
     """
 
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions()
@@ -270,12 +245,7 @@ class Callback:
             handle.remove()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
-        """Refuse the class attributes that ``subscribe_options`` replaced (ignored, they would
-        silently change how the callback subscribes).
-
-        Raises:
-            ConfigError: naming the attribute and the ``SubscribeOptions`` field it became.
-        """
+        """Refuse (``ConfigError``) a class attribute that ``subscribe_options`` replaced."""
         super().__init_subclass__(**kwargs)
         for name, replacement in _FORMER_OPTIONS.items():
             value = cls.__dict__.get(name)
@@ -335,12 +305,8 @@ class Callback:
 
 
 def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
-    """The user's own event class (a ``BaseEvent`` subclass defined by the time the callback
-    is added) that ``on_<its name in snake_case>`` names.
-
-    Raises:
-        ConfigError: no event class has that name, or several do (in different modules).
-    """
+    """The user's ``BaseEvent`` subclass that ``name`` (``on_<snake_case>``) names; else a
+    ``ConfigError`` (none, several, or a removed event)."""
     found: dict[str, type[ev.BaseEvent]] = {}
     stack: list[type[ev.BaseEvent]] = [ev.BaseEvent]
     while stack:

@@ -1,9 +1,5 @@
-"""When to save: checkpoint cadence and "best so far" as small pipelines ending in commands.
-
-The loop writes checkpoints (``Trainer(checkpoint_dir=...)``, atomically); this callback only
-decides when, by sending ``SaveCheckpoint`` on the back-channel, and which older files to delete
-(``keep_last`` / ``keep_best``), from the paths and metrics of ``CheckpointSaved`` events.
-"""
+"""When to save (cadence, best so far) as pipelines ending in ``SaveCheckpoint``, and which of
+this run's files to delete; the loop writes them."""
 
 from __future__ import annotations
 
@@ -26,10 +22,10 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_int, check_metric, check_mode, check_number
+from .._validate import check_bool, check_int, check_metric, check_number
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names
+from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -42,11 +38,9 @@ log = get_logger(__name__)
 
 
 def copy_as_best(source: Path, step: int) -> Path:
-    """Copy the checkpoint ``source`` (of ``step``) to ``step-<step>-best.pt`` beside it (a
-    sharded run's folder to ``step-<step>-best``), atomically: a fsynced hidden copy renamed
-    into place. Its name is not the store's ``.trainbus-tmp`` pattern, whose cleanup at each
-    save would race with this copy. Returns the copy's path (``source`` when it is that file).
-    """
+    """Copy ``source`` (of ``step``) to ``step-<step>-best[.pt]`` beside it, atomically;
+    return the copy's path. The temporary name is not the store's ``.trainbus-tmp`` pattern,
+    whose cleanup at each save would race with this copy."""
     folder = source.is_dir()
     target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
     if target == source:
@@ -68,8 +62,7 @@ def copy_as_best(source: Path, step: int) -> Path:
 
 
 def _remove(path: Path) -> None:
-    """Delete a checkpoint file or folder (a folder renamed to a hidden name first, so a
-    removal cut short never leaves half a checkpoint); one already gone is no error."""
+    """Delete a checkpoint file or folder (renamed away first: never half a checkpoint)."""
     if not path.is_dir():
         path.unlink(missing_ok=True)
         return
@@ -82,13 +75,8 @@ def _remove(path: Path) -> None:
 
 
 class _Retention:
-    """Which checkpoint files of this run to delete after each ``CheckpointSaved``, and which
-    is the best: pure bookkeeping, carried across a resume in ``Checkpointing``'s state (the
-    rules are in ``Checkpointing``'s docstring).
-
-    "This run" is a lineage: each checkpoint's state names the files written before it and the
-    file holding that state; a resumed run adopts them (:meth:`adopt`).
-    """
+    """Which files of this run to delete after each ``CheckpointSaved``, and which is the best;
+    a lineage each checkpoint's state names, adopted by a resumed run (:meth:`adopt`)."""
 
     def __init__(
         self, keep_last: int | None, keep_best: int | None, monitor: str | None,
@@ -154,11 +142,7 @@ class _Retention:
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Hold a saved lineage until :meth:`adopt` learns where the resumed file lies.
-
-        Raises:
-            ConfigError: ``state`` is not what :meth:`state_dict` returns.
-        """
+        """Hold a saved lineage until :meth:`adopt`; ``ConfigError`` for a malformed one."""
         last: Any = state.get("last")
         best: Any = state.get("best")
         saving: Any = state.get("saving")
@@ -177,14 +161,9 @@ class _Retention:
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
-        """The run resumed from ``resumed``: take over the lineage its state named, only when
-        ``resumed`` lies in ``directory`` (a checkpoint from elsewhere is not this folder's to
-        delete). Files already gone are dropped. The state was collected before the resumed
-        file's ``CheckpointSaved`` pruned, so that pruning is redone here.
-
-        Returns:
-            The paths now surplus (oldest or worst first); empty when nothing was adopted.
-        """
+        """Take over the lineage ``resumed``'s state named when it lies in ``directory``, and
+        redo the pruning its own ``CheckpointSaved`` did after the state was collected; return
+        the paths now surplus."""
         restored, self._restored = self._restored, None
         if restored is None:
             return []
@@ -269,16 +248,8 @@ class Checkpointing(Callback):
         EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
         ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
 
-    An evaluation job's (:class:`EvaluateCheckpoints`) improvement copies the evaluated file to
-    ``step-<its step>-best.pt`` beside it (a ``SaveCheckpoint`` would save the current weights
-    under the job's score); copies are not pruned. Cadences count step and epoch numbers, so a
-    resumed run saves at the same multiples, each at exactly the step decided; failed epochs and
-    evaluations never trigger a save.
-
-    Retention deletes only this run's files (across resumes from its own ``checkpoint_dir``),
-    never ``"final"`` or other tagged files nor the checkpoint just saved; a ``"final"``
-    checkpoint resumed from counts as untagged. Files of later steps than the one resumed from
-    are left alone (logged as ``checkpoint_newer_left``).
+    Cadences, evaluation jobs' best copies and retention across resumes: see
+    docs/callbacks/checkpointing.md.
 
     Args:
         every_steps: Save every N optimizer steps (None: never on steps).
@@ -286,7 +257,8 @@ class Checkpointing(Callback):
             applies beside** ``every_steps``: pass ``every_epochs=None`` for steps only.
         monitor: Save ``tag="best"`` checkpoints when this evaluation metric (``"val_loss"``)
             improves; None to disable.
-        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is; ``"auto"``:
+            from the name (see docs/callbacks/index.md).
         min_delta: Smallest change of ``monitor`` that counts as an improvement.
         keep_last: Keep only the N newest cadence (untagged) checkpoints of this run; None
             keeps all.
@@ -311,7 +283,7 @@ class Checkpointing(Callback):
         every_steps: int | None = None,
         every_epochs: int | None = 1,
         monitor: str | None = None,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         *,
         min_delta: float = 0.0,
         keep_last: int | None = None,
@@ -323,7 +295,7 @@ class Checkpointing(Callback):
         self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
-        self.mode = check_mode(mode)
+        self.mode = monitor_mode(self.monitor, mode)
         self.min_delta = check_number("min_delta", min_delta)
         self.tracker = Tracker()
         """The best ``monitor`` value so far (a fresh one each time it is added)."""
@@ -331,9 +303,7 @@ class Checkpointing(Callback):
         self.keep_best = check_int("keep_best", keep_best, 1, optional=True)
         if self.keep_best is not None and self.monitor is None:
             raise ConfigError.invalid("keep_best", keep_best, "None unless monitor is set")
-        if not isinstance(load_best_at_end, bool):
-            raise ConfigError.invalid("load_best_at_end", load_best_at_end, "True or False")
-        if load_best_at_end and self.monitor is None:
+        if check_bool("load_best_at_end", load_best_at_end) and self.monitor is None:
             raise ConfigError.invalid("load_best_at_end", True, "False unless monitor is set "
                                       "(the best checkpoint is the best by monitor)")  # fmt: skip
         self.load_best_at_end = load_best_at_end

@@ -1,20 +1,15 @@
-"""Averaged weights: an exponential moving average of the model, evaluated and saved.
-
-After timm's ``ModelEmaV3`` (decay, warmup, buffers, device) and Lightning's
-``EMAWeightAveraging`` (update every n steps, from a step on, swap the average in around every
-evaluation), in inline hooks on the training thread.
-"""
+"""Averaged weights: an exponential moving average of the model, evaluated and saved, in
+inline hooks on the training thread."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from .._exceptions import CheckpointError, ConfigError, TrainingError
-from .._validate import check_int
+from .._validate import check_bool, check_int, check_number
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -34,27 +29,19 @@ class EMA(Callback):
 
         average = torch.lerp(average, weight, 1 - decay)    # average + (1-decay)(weight-average)
 
-    The first update copies the weights. Floating-point buffers (BatchNorm statistics) are
-    averaged (``buffers="average"``, timm's default) or copied (``"copy"``); other buffers are
-    always copied.
-
-    Around every evaluation round the average is swapped into the model and the training weights
-    back afterwards (also when the round raised or was cancelled); ``trainer.predict()`` uses the
-    model's own weights (:meth:`copy_to` first to predict with the average). Checkpoints hold the
-    average as this callback's state (``read_checkpoint(path).callbacks["EMA"]["weights"]``);
-    their ``model`` stays the training weights. A wrapped model (``DistributedDataParallel``,
-    ``torch.compile``) is averaged by its original module's names.
+    The first update copies the weights; non-floating-point buffers are always copied. How it
+    is evaluated and saved: see docs/callbacks/ema.md.
 
     Args:
         decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
             1,000 updates count).
         every: Update every ``every`` optimizer steps (at steps that are multiples of it).
         start_step: Update only after this many optimizer steps (the first update copies).
-        warmup: timm's warmup: the n-th update uses ``min(decay, 1 - (1 + (n-1) /
-            warmup_gamma) ** -warmup_power)``, so early updates follow the weights closely.
+        warmup: timm's warmup (:meth:`decay_for`): early updates follow the weights closely.
         warmup_power: The warmup's power (timm's default 2/3; 3/4 for short runs).
         warmup_gamma: The warmup's time scale in updates (timm's default 1).
-        buffers: ``"average"`` or ``"copy"`` floating-point buffers.
+        buffers: ``"average"`` (timm's default) or ``"copy"`` floating-point buffers
+            (BatchNorm statistics).
         device: Where the average lives: None, the model's device; ``"cpu"`` keeps it off an
             accelerator (each update then copies the weights to the host).
         evaluate: Swap the average in around evaluations (False: only average and save it).
@@ -82,13 +69,6 @@ class EMA(Callback):
         if (not isinstance(decay, int | float) or isinstance(decay, bool)
                 or not 0.0 <= decay < 1.0):  # fmt: skip
             raise ConfigError.invalid("EMA.decay", decay, "a number in [0, 1), e.g. 0.999")
-        for name, value in (("warmup_power", warmup_power), ("warmup_gamma", warmup_gamma)):
-            if (not isinstance(value, int | float) or isinstance(value, bool)
-                    or not math.isfinite(value) or value <= 0):  # fmt: skip
-                raise ConfigError.invalid(f"EMA.{name}", value, "a finite number > 0")
-        for name, flag in (("warmup", warmup), ("evaluate", evaluate)):
-            if not isinstance(flag, bool):
-                raise ConfigError.invalid(f"EMA.{name}", flag, "True or False")
         if buffers not in ("average", "copy"):
             raise ConfigError.invalid("EMA.buffers", buffers, "'average' or 'copy'")
         if device is not None:
@@ -102,10 +82,12 @@ class EMA(Callback):
         self.decay = float(decay)
         self.every = check_int("EMA.every", every, 1)
         self.start_step = check_int("EMA.start_step", start_step, 0)
-        self.warmup, self.warmup_power, self.warmup_gamma = warmup, warmup_power, warmup_gamma
+        self.warmup = check_bool("EMA.warmup", warmup)
+        self.warmup_power = check_number("EMA.warmup_power", warmup_power, positive=True)
+        self.warmup_gamma = check_number("EMA.warmup_gamma", warmup_gamma, positive=True)
         self.buffers: Buffers = buffers
         self.device: torch.device | None = device
-        self.evaluate = evaluate
+        self.evaluate = check_bool("EMA.evaluate", evaluate)
         self.state_key = state_key
         self._reset()
 
@@ -285,7 +267,7 @@ class EMA(Callback):
         self._swapped = None
 
     def _current(self, tensors: ModelTensors) -> dict[str, torch.Tensor] | None:
-        """The average, a checkpoint's put on its device first; checked against ``tensors``."""
+        """The average (a checkpoint's adopted first), checked against ``tensors``."""
         loaded = self._loaded
         if loaded is not None:
             # A checkpoint's state dict: its tied keys share the first one's tensor.
@@ -320,10 +302,8 @@ class EMA(Callback):
         self._aliases = tensors.aliases
 
 
-# ---------------------------------------------------------------------- the model's tensors
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose weights a checkpoint holds: ``DistributedDataParallel`` /
-    ``DataParallel``'s ``.module`` and ``torch.compile``'s original module, unwrapped."""
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile``."""
     while True:
         if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
             model = model.module
@@ -335,16 +315,8 @@ def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class ModelTensors:
-    """The model's tensors a state dict holds, each once (tied weights share one entry).
-
-    Attributes:
-        unique: ``{name: tensor}`` of the distinct tensors, first name of each.
-        aliases: ``{state dict key: name in unique}`` for every key, in the state dict's order.
-        params: The names in ``unique`` that are parameters (the rest are buffers).
-
-    Args:
-        model: The model, wrapped or not (:func:`unwrapped` gives the names).
-    """
+    """The (unwrapped) model's state-dict tensors: ``unique`` by first name (tied weights
+    once), ``aliases`` every key to its name in ``unique``, ``params`` the parameters' names."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         seen: dict[int, str] = {}
@@ -386,8 +358,8 @@ class ModelTensors:
 
 @torch.no_grad()
 def exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the contents of each pair, bit for bit (either may be on another device), all
-    or nothing: when one exchange fails (out of memory), the ones done are undone first."""
+    """Exchange the contents of each pair bit for bit, all or nothing (a failure undoes the
+    ones done)."""
 
     def swap(a: torch.Tensor, b: torch.Tensor) -> None:
         held = a.clone()  # one tensor's worth of extra memory at a time

@@ -49,18 +49,14 @@ class EvaluateCheckpoints(Callback):
     """Runs an evaluation job for every saved checkpoint, off the training loop, and publishes
     its result as ``ExternalEvaluationEnded(checkpoint, metrics, error)``.
 
-    ``run`` is a command line (a list of arguments in which ``{checkpoint}``, ``{step}`` and
-    ``{epoch}`` are replaced; run without a shell; its stdout must be a JSON object of metrics, or
-    end with one on its last line) or an ``async def fn(event) -> Mapping[str, float]``.
-
-    Training never waits for a job; ``fit()`` returns once every started job ended or was
-    cancelled at the bus' ``close_timeout``. A failed job (non-zero exit, with its stderr tail;
-    no JSON; an exception; the timeout) gives an event whose ``error`` is an
-    :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. A result that comes after
-    ``FitEnded`` is logged and kept in :attr:`results` only.
+    A failed job gives an event whose ``error`` is an
+    :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. See
+    docs/callbacks/evaluate.md.
 
     Args:
-        run: The command (a non-empty list of strings) or an async function.
+        run: A command line (a non-empty list of strings in which ``{checkpoint}``, ``{step}``
+            and ``{epoch}`` are replaced, run without a shell, printing a JSON object of
+            metrics) or an ``async def fn(event) -> Mapping[str, float]``.
         concurrency: Jobs running at once (>= 1).
         timeout: Seconds a job may run before it is cancelled (the process killed) and
             reported as timed out; None for no limit.

@@ -1,8 +1,5 @@
-"""Logging built-ins: structlog lines for humans, a JSON-lines event log for machines, and
-:func:`write_in_batches`, how every file-backed logger writes off the training thread.
-
-Neither logger configures structlog: the application does (the CLI does for ``trainbus demo``).
-"""
+"""Logging built-ins: structlog lines for humans (structlog configured by the application), a
+JSON-lines event log for machines, and :func:`write_in_batches` for every file-backed logger."""
 
 from __future__ import annotations
 
@@ -20,7 +17,7 @@ from reactivex import operators as ops
 from .. import _wire as wire
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._validate import check_optional_seconds, check_path, check_seconds
+from .._validate import check_bool, check_optional_seconds, check_path, check_seconds
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -37,15 +34,9 @@ def _flatten(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 class MetricsLogger(Callback):
-    """Logs what a human follows during a run, one structlog line per fact.
-
-    - ``MetricsLogged`` -> ``metrics_logged``: step, epoch, each metric (loss, lr...);
-    - ``EvaluationEnded`` -> ``evaluation_ended``: step, epoch, trigger, each metric;
-    - ``CheckpointSaved`` -> ``checkpoint_saved``: step, epoch, path, tag, each metric;
-    - ``FitEnded`` -> ``fit_ended``: step, epoch, reason, stop_reason, error.
-
-    Metrics are flattened into the line (a metric named ``step`` or ``event`` becomes
-    ``metric_step``). Failed evaluations and failed runs are logged at error level.
+    """Logs what a human follows during a run, one structlog line per fact (``metrics_logged``,
+    ``evaluation_ended``, ``checkpoint_saved``, ``fit_ended``); a metric named like a line's
+    own key (``step``) becomes ``metric_step``. See docs/callbacks/metrics-logger.md.
 
     Args:
         every_s: Log at most one ``metrics_logged`` line per ``every_s`` seconds
@@ -106,19 +97,8 @@ def write_in_batches(
     buffer: int | None = None,
 ) -> None:
     """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, each run in a
-    worker thread (one at a time, in order); an empty window writes nothing.
-
-    Lossless (``overflow="block"``): a writer that falls behind makes training wait, with the
-    bus' ``training_waits_for_subscriber`` warning, rather than drop a metric.
-
-    Args:
-        bus: Where to subscribe.
-        source: The events to write (a bus stream).
-        write: Writes one batch; blocking is fine (it runs in a worker thread).
-        flush_s: Seconds per batch.
-        name: The subscription's name in logs and statistics.
-        buffer: Batches that may wait (the bus' default when None).
-    """
+    worker thread, in order; lossless (``overflow="block"``): a writer that falls behind makes
+    training wait rather than drop a metric."""
 
     async def run(batch: list[Any]) -> None:
         await anyio.to_thread.run_sync(write, batch)
@@ -130,8 +110,7 @@ def write_in_batches(
 
 
 class _Writer:
-    """Appends batches of events to one file (called in a worker thread), created at the first
-    batch (a run that logs nothing creates nothing)."""
+    """Appends batches of events to one file, created at the first batch."""
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
@@ -147,15 +126,10 @@ class _Writer:
 
 
 class JsonlEventLog(Callback):
-    """Writes events to ``path`` as JSON lines, one record per event, each with the format
-    version ``"v": 1`` and the event's ``time``, so :func:`trainbus.replay` can rebuild the run
-    with its timing. Tensors become floats (lists when not scalar), exceptions their ``repr``,
-    ``float('nan')`` is written as ``NaN``.
-
-    Written in batches from a worker thread: nothing is dropped (a slow disk makes the bus wait)
-    and ``FitEnded`` is in the file when ``fit()`` returns. The file and its folders are created
-    at the first write. Subscribing to every event (``events=None``) makes the loop build every
-    event: pass the types you need to keep the training thread's cost minimal.
+    """Writes events to ``path`` as JSON lines for :func:`trainbus.replay`, in batches from a
+    worker thread (nothing dropped; ``FitEnded`` is in the file when ``fit()`` returns). Tensors
+    become floats (lists when not scalar), exceptions their ``repr``, NaN ``NaN``. See
+    docs/callbacks/jsonl-event-log.md.
 
     Args:
         path: The ``.jsonl`` file.
@@ -189,9 +163,7 @@ class JsonlEventLog(Callback):
                 )
         self.events = chosen
         self.flush_s = check_seconds("flush_s", flush_s)
-        if not isinstance(append, bool):
-            raise ConfigError.invalid("append", append, "True or False")
-        self.append = append
+        self.append = check_bool("append", append)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the batching pipeline and its writer."""

@@ -13,7 +13,7 @@ from .. import events as ev
 from .. import operators as tbops
 from .._validate import check_metric
 from ._base import Callback
-from ._monitored import check_monitored, evaluations
+from ._monitored import check_monitored, evaluations, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -29,14 +29,15 @@ class ReduceLROnPlateau(Callback):
 
         EvaluationEnded -> filter(no error) -> operators.plateau(monitor, ...) -> bus.commands
 
-    Each reduction is a ``ScaleLearningRate(factor)`` command on every parameter group, applied
-    right after the deciding evaluation; it composes with any scheduler.
+    Each reduction is a ``ScaleLearningRate(factor)`` on every parameter group; it composes
+    with any scheduler. See docs/callbacks/reduce-lr-on-plateau.md.
 
     Args:
         monitor: Evaluation metric to watch.
         patience: Evaluations without improvement before a reduction (>= 1).
         factor: Multiplier in (0, 1).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower is better, ``"max"`` if higher is; ``"auto"``: from the
+            name (see docs/callbacks/index.md).
         min_delta: Smallest change that counts as an improvement (>= 0).
         cooldown: Evaluations ignored after a reduction (>= 0).
         max_reductions: Reduce at most this many times (None: no limit).
@@ -51,18 +52,19 @@ class ReduceLROnPlateau(Callback):
         monitor: str = "val_loss",
         patience: int = 2,
         factor: float = 0.5,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         min_delta: float = 0.0,
         cooldown: int = 0,
         max_reductions: int | None = None,
         *,
         state_key: str | None = None,
     ) -> None:
+        monitor = check_metric("monitor", monitor)
+        mode = monitor_mode(monitor, mode)
         self._options: dict[str, Any] = dict(
             mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
             max_reductions=max_reductions,
         )  # fmt: skip
-        monitor = check_metric("monitor", monitor)
         tbops.plateau(monitor, **self._options)  # validates now
         self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
         self.state_key = state_key
@@ -101,9 +103,8 @@ _LR_COMMANDS = (cmd.SetLearningRate, cmd.ScaleLearningRate)
 
 
 class LearningRateMonitor(Callback):
-    """Logs learning-rate changes with the ``"trainbus"`` structlog logger: ``lr_changed``
-    (step, epoch, lr, previous) once at the start and at each change, whether a scheduler or a
-    command made it; ``lr_command_applied`` for each ``SetLearningRate`` / ``ScaleLearningRate``.
+    """Logs learning-rate changes (``lr_changed``, ``lr_command_applied``) with the
+    ``"trainbus"`` structlog logger. See docs/callbacks/learning-rate-monitor.md.
 
     Attributes:
         history: ``(step, lr)`` of every change seen, in order (the last run's).

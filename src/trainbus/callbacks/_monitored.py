@@ -4,12 +4,15 @@ With ``eval_data={"val": a, "test": b}`` each set's ``EvaluationEnded`` carries 
 keys (``val/loss``, ``test/acc``). A monitor of ``"test/acc"`` reads the ``test`` set's events
 and skips the others; a monitor of a name without ``/`` (``"val_loss"``) reads every evaluation,
 so a name no set has still fails loudly with the keys the event does have.
+
+A monitor's ``mode="auto"`` is resolved once, at construction, by :func:`monitor_mode`.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
 
 from reactivex import operators as ops
 
@@ -26,11 +29,34 @@ __all__ = [
     "check_monitored",
     "evaluations",
     "lightning_names",
+    "monitor_mode",
     "reads_metric",
 ]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+
+# Words of a metric name that mean higher is better: Keras' "auto" rule ("acc" in the name), by
+# whole words and widened.
+_HIGHER_IS_BETTER = frozenset(
+    "acc accuracy auc auroc ap map f1 fmeasure precision recall iou miou dice bleu rouge".split()
+)
+
+
+def monitor_mode(metric: str | None, mode: object) -> Literal["min", "max"]:
+    """``mode`` with ``"auto"`` resolved for ``metric``: ``"max"`` when a word of its name is
+    accuracy-like and none is ``loss`` or ``error``, else ``"min"`` (docs/callbacks/index.md);
+    ``ConfigError`` for any other mode."""
+    if mode == "min" or mode == "max":
+        return mode
+    if mode != "auto":
+        raise ConfigError.invalid(
+            "mode", mode, "'min' (lower is better), 'max' or 'auto' (from the metric's name)"
+        )
+    words = set(re.split(r"[^a-z0-9]+", (metric or "").lower()))
+    if words & {"loss", "error"} or not words & _HIGHER_IS_BETTER:
+        return "min"
+    return "max"
 
 
 def reads_metric(metric: str) -> Callable[[Any], bool]:
@@ -62,19 +88,9 @@ def evaluations(
 def check_monitored(
     plan: RunPlan, option: str, metric: str, *, external: bool = False, train: bool = False
 ) -> None:
-    """Refuse a monitored ``metric`` that nothing in the run described by ``plan`` produces.
-
-    Args:
-        plan: The run about to start.
-        option: The option naming the metric, for the message (``"EarlyStopping.monitor"``).
-        metric: The monitored key.
-        external: The monitor also reads ``ExternalEvaluationEnded``: without ``eval_data``
-            an added evaluation job may produce any name.
-        train: The monitor reads ``MetricsLogged`` (training metrics), not evaluations.
-
-    Raises:
-        ConfigError: naming ``option``, ``metric`` and the names this run produces.
-    """
+    """``ConfigError`` naming ``option`` (``"EarlyStopping.monitor"``) when nothing in ``plan``
+    produces ``metric``: its evaluations, evaluation jobs (``external``) or its training
+    metrics (``train``)."""
     if train:
         if metric not in plan.train_metrics:
             raise ConfigError.invalid(option, metric, "a training metric of MetricsLogged: "
@@ -99,14 +115,8 @@ def check_monitored(
 def lightning_names(
     owner: str, lightning: str, table: Mapping[str, str]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """``owner``'s ``__init__`` refusing an unknown keyword as Python does (``TypeError``), and
-    naming what replaces it when it is an argument of Lightning's ``lightning`` class.
-
-    Args:
-        owner: The trainbus class (``"Checkpointing"``).
-        lightning: Lightning's class (``"ModelCheckpoint"``).
-        table: ``{Lightning's argument: what to write in trainbus}``.
-    """
+    """Decorate ``owner``'s ``__init__``: an unknown keyword is a ``TypeError`` that names its
+    trainbus spelling when ``table`` has it as an argument of Lightning's ``lightning``."""
 
     def message(name: str, value: Any, known: list[str]) -> str:
         use = table.get(name)

@@ -16,7 +16,7 @@ from reactivex import operators as ops
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._tensors import is_dtensor, is_sharded_model, plain_value
-from .._validate import check_int, check_seconds
+from .._validate import check_bool, check_int, check_seconds
 from ._base import Callback
 
 if TYPE_CHECKING:
@@ -36,10 +36,8 @@ __all__ = [
 
 
 def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor | None:
-    """The total ``norm_type`` norm of the gradients of ``parameters`` (as clipping computes
-    it), a detached 0-dim tensor on their device (no host read); None without gradients. For
-    sharded (DTensor) gradients it is a collective: every rank must call it at the same step.
-    """
+    """The total gradient norm (as clipping computes it), a detached 0-dim device tensor; None
+    without gradients. A collective for sharded (DTensor) gradients."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]  # type: ignore[attr-defined]
     if not grads:
         return None
@@ -52,13 +50,9 @@ def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor 
 
 
 class GradientNormMonitor(Callback):
-    """Publishes ``GradientNormMeasured`` with the total gradient norm every ``every`` steps.
-
-    Measured in ``hook_before_optimizer_step`` (gradients final and unscaled, before clipping), on
-    the sampled steps only and only while some subscriber wants the event. The norm stays a
-    device tensor (no sync on the training thread): read it with ``float(e.grad_norm)``. With
-    ``clip_grad_norm`` set, ``StepEnded.grad_norm`` already carries it on every step. A sharded
-    (FSDP2) model's norm is a collective, so every rank measures on the sampled steps.
+    """Publishes ``GradientNormMeasured`` with the total gradient norm (before clipping, a
+    device tensor) every ``every`` steps, while some subscriber wants it. See
+    docs/callbacks/gradient-norm.md.
 
     Args:
         every: Measure the steps ``every``, ``2 * every``, ... (>= 1).
@@ -109,10 +103,7 @@ def _number(value: Any) -> float | None:
 def optimizer_stats(
     param_groups: list[dict[str, Any]], *, step: int, epoch: int
 ) -> ev.OptimizerStatsMeasured:
-    """Build ``OptimizerStatsMeasured`` from an optimizer's ``param_groups``, keyed
-    ``"group<i>"``: momentum is SGD's ``momentum`` or Adam's ``betas[0]``, beta2 Adam's
-    ``betas[1]``; a group lacking a value has no entry.
-    """
+    """``OptimizerStatsMeasured`` of ``param_groups`` (docs/callbacks/optimizer-monitor.md)."""
     stats: dict[str, dict[str, float]] = {"lr": {}, "momentum": {}, "beta2": {}, "weight_decay": {}}
     for i, group in enumerate(param_groups):
         betas = group.get("betas") or (group.get("momentum"), None)
@@ -128,7 +119,7 @@ def optimizer_stats(
 
 class OptimizerMonitor(Callback):
     """Publishes ``OptimizerStatsMeasured`` (per-group LR, momentum/betas, weight decay) every
-    ``every`` steps, from ``hook_after_optimizer_step`` and only while some subscriber wants it.
+    ``every`` steps, while some subscriber wants it.
 
     Args:
         every: Sample the steps ``every``, ``2 * every``, ... (>= 1).
@@ -157,10 +148,8 @@ RssSource = Literal["psutil", "statm", "resource"]
 
 
 def read_rss() -> tuple[int | None, RssSource | None]:
-    """The process' resident set size in bytes, and its source: ``psutil`` when installed,
-    ``/proc/self/statm`` on Linux, else ``resource`` (peak RSS only); ``(None, None)`` when none
-    works.
-    """
+    """The process' RSS in bytes and its source (docs/callbacks/memory-monitor.md), or
+    ``(None, None)``."""
     try:
         import psutil  # type: ignore[import-untyped,unused-ignore]
     except ImportError:
@@ -183,11 +172,8 @@ def read_rss() -> tuple[int | None, RssSource | None]:
 
 
 class MemoryMonitor(Callback):
-    """Publishes ``MemoryMeasured`` every ``every`` steps, from the event-loop thread: the RSS
-    (from psutil when installed, else ``/proc/self/statm``, else the peak RSS of ``resource``;
-    ``rss_source`` says which) and, on CUDA, the device's allocated, reserved and peak bytes.
-    The event follows its ``StepEnded`` by one delivery, so the last ones of a run can arrive
-    after ``FitEnded``.
+    """Publishes ``MemoryMeasured`` (the RSS and, on CUDA, the allocator's bytes) every
+    ``every`` steps, from the event-loop thread. See docs/callbacks/memory-monitor.md.
 
     Args:
         every: Sample on the steps ``every``, ``2 * every``, ... (>= 1).
@@ -249,7 +235,7 @@ class Throughput:
 
 
 class _Meter:
-    """Turns a window of events into :class:`Throughput`; remembers where the last one ended."""
+    """A window of ``StepEnded`` -> :class:`Throughput` (None for an empty one)."""
 
     def __init__(self) -> None:
         self.last_end: float | None = None
@@ -276,9 +262,8 @@ class _Meter:
 
 
 class ThroughputMonitor(Callback):
-    """Logs training throughput once per ``window_s`` seconds (a ``"throughput"`` line: step,
-    epoch, steps, samples, elapsed_s, steps_per_s, samples_per_s, data_wait_s,
-    data_wait_fraction), from ``StepEnded`` only and the events' own timestamps.
+    """Logs training throughput (a ``"throughput"`` line of :class:`Throughput`'s fields) once
+    per ``window_s`` seconds, from ``StepEnded`` and the events' own timestamps.
 
     Args:
         window_s: Seconds per window (> 0).
@@ -293,9 +278,7 @@ class ThroughputMonitor(Callback):
 
     def __init__(self, window_s: float = 5.0, *, log: bool = True) -> None:
         self.window_s = check_seconds("window_s", window_s)
-        if not isinstance(log, bool):
-            raise ConfigError.invalid("log", log, "True or False")
-        self.log = log
+        self.log = check_bool("log", log)
         self.last: Throughput | None = None
 
     def setup(self, bus: EventBus) -> None:

@@ -49,9 +49,8 @@ def terminal_columns(stream: Any) -> int | None:
 
 
 class _Pace:
-    """One run's length and step rate. The total is ``max_steps`` or ``max_epochs x
-    steps_per_epoch`` (the smaller), else estimated from the first complete epoch; the rate is
-    over the last ``window`` steps (the first step by its own ``duration_s``)."""
+    """One run's length (``max_steps``, ``max_epochs x steps_per_epoch``, else estimated from
+    the first complete epoch) and its step rate over the last ``window`` steps."""
 
     def __init__(self, window: int = 50) -> None:
         self.total: int | None = None
@@ -109,13 +108,8 @@ class _Pace:
 
 
 class Progress(Callback):
-    """Shows training progress: step / total, epoch, loss and learning rate.
-
-    Refreshed at most once per ``refresh_s`` (``ops.sample`` of ``StepEnded``) on the event-loop
-    thread, and at each epoch's end and the run's end. The total is ``max_steps`` or
-    ``max_epochs x steps_per_epoch`` (the smaller), else estimated from the first full epoch. The
-    display shows the latest step's values, set to its ``step``; ``loss`` is read (a device
-    sync) once per refresh, never on the training thread.
+    """Shows training progress (step / total, epoch, loss, learning rate), refreshed at most
+    once per ``refresh_s`` on the event-loop thread. See docs/callbacks/progress.md.
 
     Args:
         refresh_s: Minimum seconds between two refreshes (> 0).
@@ -268,11 +262,8 @@ class Progress(Callback):
 
 
 class RuntimeEstimator(Callback):
-    """Publishes ``RuntimeEstimated(elapsed_s, remaining_s, eta, steps_per_s)`` at most once per
-    ``every_s`` seconds, from the step rate over the last ``window`` steps and the run's length.
-
-    ``remaining_s`` and ``eta`` (a Unix timestamp) stay None while the run's length is unknown
-    (only ``max_epochs`` and data without a length: until the first epoch ends).
+    """Publishes ``RuntimeEstimated`` at most once per ``every_s`` seconds, from the step rate
+    over the last ``window`` steps and the run's length. See docs/callbacks/runtime-estimator.md.
 
     Args:
         every_s: At most one estimate per ``every_s`` seconds (> 0).

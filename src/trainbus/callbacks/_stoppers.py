@@ -16,9 +16,9 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
-from .._validate import check_int, check_metric, check_number, check_seconds
+from .._validate import check_bool, check_int, check_metric, check_number, check_seconds
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names
+from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -43,19 +43,15 @@ class EarlyStopping(Callback):
         EvaluationEnded | ExternalEvaluationEnded carrying monitor
             -> filter(no error) -> operators.patience(monitor, ...) -> bus.commands
 
-    The run ends at the step of the evaluation that decided it, with
-    ``FitResult.reason == "stopped"`` and a ``stop_reason`` starting with ``"early stopping"``.
-    NaN never counts as an improvement. A ``monitor`` the run's evaluation does not produce is
-    a ``ConfigError`` before the run starts (:meth:`check`).
-
-    Results of evaluation jobs (``ExternalEvaluationEnded``, from
-    :class:`~trainbus.callbacks.EvaluateCheckpoints`) carrying ``monitor`` count too; a stop
-    they decide is applied at the loop's next poll point (they are not barriers).
+    The run ends at the step of the evaluation that decided it; NaN never improves. See
+    docs/callbacks/early-stopping.md.
 
     Args:
         monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
         patience: Evaluations without improvement before stopping (>= 1).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower is better, ``"max"`` if higher is; ``"auto"``: from the
+            name (``"max"`` for accuracy-like names such as ``val_acc``, see
+            docs/callbacks/index.md).
         min_delta: Smallest change that counts as an improvement (>= 0).
         state_key: Name of its state in checkpoints (None: ``"EarlyStopping"``). A resumed run
             keeps counting its patience, and one resumed at the step it decided to stop stops
@@ -72,12 +68,13 @@ class EarlyStopping(Callback):
         self,
         monitor: str = "val_loss",
         patience: int = 3,
-        mode: Literal["min", "max"] = "min",
+        mode: Literal["min", "max", "auto"] = "auto",
         min_delta: float = 0.0,
         *,
         state_key: str | None = None,
     ) -> None:
         monitor = check_metric("monitor", monitor)
+        mode = monitor_mode(monitor, mode)
         tbops.patience(monitor, mode=mode, patience=patience, min_delta=min_delta)  # validates
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
         self.state_key = state_key
@@ -148,18 +145,15 @@ class ThresholdStopping(Callback):
         EvaluationEnded (no error) | MetricsLogged
             -> operators.threshold(monitor, ...) -> bus.commands
 
-    ``source`` picks the events: ``"eval"`` reads ``EvaluationEnded.metrics`` (``val_loss``,
-    ``val_<name>``), ``"train"`` reads ``MetricsLogged.metrics`` (``loss``, ``lr``,
-    ``steps_per_s``...); ``"auto"`` takes ``"eval"`` for names starting with ``val_``, else
-    ``"train"``. After an evaluation the stop is applied before the next step; after
-    ``MetricsLogged`` at the next poll point. A ``monitor`` its source never carries is a
-    ``ConfigError`` before the run starts (:meth:`check`).
+    See docs/callbacks/stoppers.md.
 
     Args:
         monitor: The metric to watch.
         above: Stop when the value is greater than this.
         below: Stop when the value is less than this (give either or both; ``below < above``).
-        source: ``"auto"``, ``"train"`` or ``"eval"``.
+        source: ``"eval"`` (``EvaluationEnded``), ``"train"`` (``MetricsLogged``) or
+            ``"auto"``: ``"eval"`` for names starting with ``val_`` or naming a set
+            (``"test/acc"``), else ``"train"``.
 
     Raises:
         ConfigError: an invalid metric name, bound or source.
@@ -179,7 +173,9 @@ class ThresholdStopping(Callback):
             raise ConfigError.invalid("source", source, "'auto', 'train' or 'eval'")
         self.monitor, self.above, self.below = monitor, above, below
         self.source: Literal["train", "eval"] = (
-            source if source != "auto" else ("eval" if monitor.startswith("val_") else "train")
+            source
+            if source != "auto"
+            else ("eval" if monitor.startswith("val_") or "/" in monitor else "train")
         )
 
     def check(self, plan: RunPlan) -> None:
@@ -194,7 +190,7 @@ class ThresholdStopping(Callback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
         events = (
-            bus.stream(ev.EvaluationEnded).pipe(ops.filter(lambda e: e.error is None))
+            evaluations(bus, self.monitor, ev.EvaluationEnded)
             if self.source == "eval"
             else bus.stream(ev.MetricsLogged)
         )
@@ -213,7 +209,7 @@ def _deadline_unix(deadline: object) -> float:
 
 
 class _Clock:
-    """Decides, per event, whether the next poll point would come too close to the deadline."""
+    """Per event: the stop reason when the next poll point would be too close to the deadline."""
 
     def __init__(self, limit: TimeLimit) -> None:
         self.limit = limit
@@ -257,10 +253,7 @@ class TimeLimit(Callback):
             -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
             -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
 
-    The decision leaves ``margin_s`` (to write the checkpoint and exit) plus ``steps_margin``
-    times the longest gap between two step ends seen, since commands apply at the next poll
-    point. The run then ends ``"stopped"`` with a ``stop_reason`` starting with
-    ``"time limit"``.
+    See docs/callbacks/stoppers.md.
 
     Args:
         seconds: Run time allowed, from ``FitStarted`` (> 0).
@@ -291,9 +284,7 @@ class TimeLimit(Callback):
         self.deadline = _deadline_unix(deadline) if deadline is not None else None
         self.margin_s = check_number("margin_s", margin_s)
         self.steps_margin = check_int("steps_margin", steps_margin, 1)
-        if not isinstance(save, bool):
-            raise ConfigError.invalid("save", save, "True or False")
-        self.save = save
+        self.save = check_bool("save", save)
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

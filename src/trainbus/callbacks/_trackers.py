@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
 from .._exceptions import ConfigError, MissingExtraError
-from .._validate import check_folder, check_int, check_seconds
+from .._validate import check_bool, check_folder, check_int, check_seconds
 from ._base import Callback, PlainValue, RunPlan
 from ._logging import write_in_batches
 
@@ -23,8 +23,7 @@ __all__ = ["MLflowLogger", "TensorBoardLogger", "WandbLogger"]
 
 
 def _metrics(event: ev.BaseEvent) -> tuple[str, Mapping[str, float]] | None:
-    """``("train" | "eval" | "external", metrics)`` of an event carrying metrics; failed
-    evaluations carry none."""
+    """``("train" | "eval" | "external", metrics)``; None for failed evaluations."""
     match event:
         case ev.MetricsLogged(metrics=m):
             return "train", m
@@ -44,10 +43,8 @@ def _run_params(started: ev.FitStarted) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class _Runs:
-    """A logger's runs in its tracking service, written in a worker thread one batch at a time
-    (so no lock): ``open`` at ``FitStarted``, ``record`` for each event, ``flush`` after each
-    batch, ``close`` at ``FitEnded``. Events of a run whose start it did not see (a logger
-    added mid-run) are skipped."""
+    """A logger's runs, written in a worker thread one batch at a time (so no lock); events of
+    a run whose ``FitStarted`` it did not see are skipped."""
 
     open: Callable[[ev.FitStarted], None]
     record: Callable[[ev.BaseEvent], None]
@@ -83,23 +80,13 @@ class _Runs:
 
 
 def _check_options(log_checkpoints: bool, buffer: int) -> int:
-    """``buffer``, checked with ``log_checkpoints``."""
-    if not isinstance(log_checkpoints, bool):
-        raise ConfigError.invalid("log_checkpoints", log_checkpoints, "True or False")
+    check_bool("log_checkpoints", log_checkpoints)
     return check_int("buffer", buffer, 1)
 
 
 class TensorBoardLogger(Callback):
-    """Writes a run to TensorBoard event files in ``log_dir``.
-
-    - ``FitStarted``: the hparams (``hparams=``, max_steps, max_epochs, device);
-    - ``MetricsLogged``: ``train/<key>`` (loss, lr, grad_norm, steps_per_s, samples_per_s);
-    - ``EvaluationEnded``: ``eval/<key>``, failed ones skipped; ``ExternalEvaluationEnded``
-      (evaluation jobs): ``external/<key>``;
-    - ``SchedulerStepped``: ``lr``; ``FitEnded``: flush and close.
-
-    Every ``SummaryWriter`` call runs in a worker thread, a batch of ``flush_s`` seconds at a
-    time.
+    """Writes a run to TensorBoard event files in ``log_dir``, from a worker thread. What it
+    writes: see docs/callbacks/tensorboard.md.
 
     Args:
         log_dir: Folder for the event files (``SummaryWriter(log_dir)``).
@@ -174,28 +161,9 @@ def _env(name: str) -> str | None:
 
 
 class MLflowLogger(Callback):
-    """Records a run in MLflow: params at the start, metrics with their steps, checkpoints as
-    artifacts, and the end status.
-
-    - ``FitStarted``: a new MLflow run; params ``params=`` and max_steps, max_epochs, device;
-    - ``MetricsLogged``, ``EvaluationEnded`` (failed ones skipped): metrics at their ``step``;
-      ``ExternalEvaluationEnded``: ``external/<key>`` at the checkpoint's ``step``;
-    - ``CheckpointSaved``: the file as an artifact under ``checkpoints/``;
-    - ``FitEnded``: run status FINISHED (completed, stopped), FAILED or KILLED.
-
-    MLflow calls run in a worker thread, one ``log_batch`` per ``flush_s`` seconds.
-
-    Where the run goes, first match wins (MLflow's own environment variables, as its fluent
-    client and the Hugging Face and Lightning integrations read them):
-
-    - tracking store: ``tracking_uri=`` > ``MLFLOW_TRACKING_URI`` > a local SQLite file,
-      ``<run_dir>/mlflow.db`` (artifacts in ``<run_dir>/mlartifacts``; no server needed);
-    - experiment: ``experiment=`` > ``MLFLOW_EXPERIMENT_NAME`` (created when missing; if
-      ``MLFLOW_EXPERIMENT_ID`` is also set it must be that experiment's id, as in MLflow) >
-      ``MLFLOW_EXPERIMENT_ID`` (an existing experiment) > ``"trainbus"``.
-
-    The environment is read when the logger is built (see :attr:`tracking_uri`,
-    :attr:`experiment`, :attr:`experiment_id`).
+    """Records a run in MLflow (params, metrics, checkpoints as artifacts, the end status),
+    from a worker thread. What it records and where the run goes (arguments, then MLflow's
+    environment variables, read when the logger is built): see docs/callbacks/mlflow.md.
 
     Args:
         run_dir: Folder for the default local store (``<run_dir>/mlflow.db``).
@@ -320,21 +288,9 @@ _EXIT_CODE = {"completed": 0, "stopped": 0, "failed": 1, "cancelled": 1}
 
 
 class WandbLogger(Callback):
-    """Records a run in Weights & Biases: the configuration at the start, metrics with their
-    steps, evaluation results, optionally checkpoints as artifacts, and the end.
-
-    - ``FitStarted``: ``wandb.init`` with the config: the Trainer's plain settings
-      (``max_epochs``, ``precision``...), ``steps_per_epoch``, ``world_size``,
-      ``resumed_from``, then ``config=``;
-    - ``MetricsLogged``, ``EvaluationEnded`` (failed ones skipped): one row per ``step``;
-    - ``CheckpointSaved`` (``log_checkpoints=True``): a ``model`` artifact
-      ``checkpoints-<run id>``, aliases ``step-<step>`` and the checkpoint's tag;
-    - ``FitEnded``: summary ``end_reason``; ``finish`` with exit code 0 (completed, stopped)
-      or 1 (failed, cancelled).
-
-    wandb calls run in a worker thread, a batch of ``flush_s`` seconds at a time. wandb's own
-    environment variables apply as in ``wandb.init`` (``WANDB_MODE=offline``,
-    ``WANDB_PROJECT``, ``WANDB_DIR``...); an argument given here wins. Console capture is off.
+    """Records a run in Weights & Biases (its configuration, metrics, optionally checkpoints
+    as artifacts, the end), from a worker thread; wandb's environment variables apply as in
+    ``wandb.init``, an argument given here wins. See docs/callbacks/wandb.md.
 
     Args:
         project: W&B project (default: ``WANDB_PROJECT``, else wandb's default).

@@ -1,22 +1,5 @@
 """Optuna pruning from the bus: :class:`OptunaPruning` (``pip install 'trainbus[optuna]'``).
-
-::
-
-    import optuna
-    from trainbus.integrations.optuna import OptunaPruning
-
-    def objective(trial):
-        trainer = Trainer(model, optimizer, train_loader, eval_data=val_loader,
-                          eval_schedule=EvalSchedule(every_steps=20),
-                          max_steps=200, callbacks=[OptunaPruning(trial, "val_loss")])
-        return trainer.fit_sync().eval_metrics["val_loss"]  # a pruned trial raises TrialPruned here
-
-The callback reports the monitored metric at the step of every ``EvaluationEnded`` or
-``MetricsLogged`` carrying it, asks the study's pruner, and when it says so sends
-``StopTraining(reason="pruned")``, applied before the next step. The run then stops as any
-stopped run does (``FitResult.ending == Ending.PRUNED``) and ``fit()``/``fit_sync()`` raise
-``optuna.TrialPruned``, so Optuna stores the trial PRUNED. See docs/sweeps.md.
-"""
+See docs/sweeps.md."""
 
 from __future__ import annotations
 
@@ -53,10 +36,8 @@ class PrunerError(TrainbusError, RuntimeError):
 
 
 class OptunaPruning(Callback):
-    """Reports ``monitor`` to an Optuna trial, prunes it through the bus, ends it PRUNED.
-
-    Under torchrun it runs on rank 0 (the other ranks pass ``trial=None``); every rank stops
-    at the same step, and only rank 0's ``fit()`` raises ``optuna.TrialPruned``.
+    """Reports ``monitor`` to an Optuna trial, prunes it through the bus, ends it PRUNED (under
+    torchrun, see docs/sweeps.md).
 
     Args:
         trial: The objective's ``optuna.Trial`` (any ``optuna.trial.BaseTrial``); ``None`` on

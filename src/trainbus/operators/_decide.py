@@ -7,7 +7,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
+import reactivex as rx
 from reactivex import Observable, abc
+from reactivex import operators as ops
 
 from .. import commands as cmd
 from .._exceptions import ConfigError
@@ -110,48 +112,22 @@ def _decide(
     step: Callable[[Tracker, float, Any], Any | None],
     done: Callable[[Tracker], bool],
 ) -> Callable[[Observable[Any]], Observable[Any]]:
-    """Per subscription, run ``step`` on each event's metric ``name`` with ``tracker`` (else a
-    fresh one); emit what it returns (if not None) and complete once ``done(tracker)`` after an
-    emission (read then, so a tracker restored after the subscription counts).
-
-    Raises:
-        ConfigError: ``tracker`` is neither a Tracker nor None.
-    """
+    """Per subscription, emit what ``step(tracker, value of name, event)`` returns (not None)
+    and complete once ``done(tracker)`` after an emission (read then: a tracker restored after
+    subscribing counts). ``tracker`` None: a fresh one per subscription."""
     if tracker is not None and not isinstance(tracker, Tracker):
         raise ConfigError.invalid("tracker", tracker, "a trainbus.operators.Tracker or None")
 
     def _operator(source: Observable[Any]) -> Observable[Any]:
-        def subscribe(
-            observer: abc.ObserverBase[Any], scheduler: abc.SchedulerBase | None = None
-        ) -> abc.DisposableBase:
+        def subscribed(_: abc.SchedulerBase) -> Observable[Any]:
             state = tracker if tracker is not None else Tracker()
-            completed = False
+            return source.pipe(
+                ops.map(lambda event: step(state, _read_metric(event, name), event)),
+                ops.filter(lambda out: out is not None),
+                ops.take_while(lambda _: not done(state), inclusive=True),
+            )
 
-            def on_next(event: Any) -> None:
-                nonlocal completed
-                if completed:
-                    return
-                try:
-                    out = step(state, _read_metric(event, name), event)
-                except Exception as exc:
-                    completed = True
-                    observer.on_error(exc)
-                    return
-                if out is not None:
-                    observer.on_next(out)
-                    if done(state):
-                        completed = True
-                        observer.on_completed()
-
-            def on_completed() -> None:
-                nonlocal completed
-                if not completed:
-                    completed = True
-                    observer.on_completed()
-
-            return source.subscribe(on_next, observer.on_error, on_completed, scheduler=scheduler)
-
-        return Observable(subscribe)
+        return rx.defer(subscribed)
 
     return _operator
 

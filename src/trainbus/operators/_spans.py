@@ -6,7 +6,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import reactivex as rx
 from reactivex import Observable, abc
+from reactivex import operators as ops
 
 from .. import events as ev
 from .._exceptions import ConfigError
@@ -71,25 +73,21 @@ def span_durations(
     starts = tuple(pairs)
 
     def _spans(source: Observable[Any]) -> Observable[Span]:
-        def subscribe(
-            observer: abc.ObserverBase[Span], scheduler: abc.SchedulerBase | None = None
-        ) -> abc.DisposableBase:
+        def subscribed(_: abc.SchedulerBase) -> Observable[Span]:
             opened: dict[type[ev.BaseEvent], list[ev.BaseEvent]] = {s: [] for s in starts}
 
-            def on_next(event: Any) -> None:
+            def pair(event: Any) -> Span | None:
                 kind = type(event)
                 if kind in pairs:
                     opened[kind].append(event)
-                if kind in ends and opened[ends[kind]]:
-                    first = opened[ends[kind]].pop()
-                    observer.on_next(
-                        Span(start=first, end=event, duration_s=event.time - first.time)
-                    )
+                if kind not in ends or not opened[ends[kind]]:
+                    return None
+                first = opened[ends[kind]].pop()
+                return Span(start=first, end=event, duration_s=event.time - first.time)
 
-            return source.subscribe(
-                on_next, observer.on_error, observer.on_completed, scheduler=scheduler
-            )
+            found: Observable[Span | None] = source.pipe(ops.map(pair))
+            return found.pipe(ops.filter(bool))  # type: ignore[arg-type]
 
-        return Observable(subscribe)
+        return rx.defer(subscribed)
 
     return _spans
