@@ -23,8 +23,6 @@ DEFAULT_PAD = -100  # of signed integer and floating tensors (Hugging Face's pad
 def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
     """``items`` as ``template``'s type (a dataclass by keyword), else the dict itself."""
     cls = type(template)
-    if cls is dict:
-        return items
     try:
         if dataclasses.is_dataclass(template):
             return cls(**items)
@@ -36,10 +34,6 @@ def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 def _sequence_like(template: Sequence[Any], items: list[Any]) -> Any:
     """``items`` as ``template``'s type (a named tuple by position)."""
     cls = type(template)
-    if cls is list:
-        return items
-    if cls is tuple:
-        return tuple(items)
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return cls(*items)
     try:
