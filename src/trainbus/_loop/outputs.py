@@ -12,8 +12,8 @@ import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["HostOutputs", "OutputsCheck", "PadValue", "PadValues", "ignored_keys",
-           "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
+__all__ = ["KeptOutputs", "PadValue", "PadValues", "ignored_keys", "join_outputs",
+           "map_tensors", "without_keys"]  # fmt: skip
 
 PadValue = bool | int | float
 
@@ -205,32 +205,38 @@ def join_outputs(
                                  for k in first})  # fmt: skip
 
 
-class OutputsCheck:
-    """Checks each batch's outputs against the first batch's (kept as meta tensors) by
-    :func:`join_outputs`' rules, so that outputs it could not join fail at that batch."""
+class KeptOutputs:
+    """The outputs ``predict(return_outputs=True)`` keeps: each batch's checked against the
+    first batch's (kept as meta tensors) by :func:`join_outputs`' rules, so that outputs it
+    could not join fail at that batch, then copied to the host (on CUDA into pinned memory,
+    non-blocking: :meth:`batches` waits once for all of them)."""
 
-    def __init__(self, pad: PadValues) -> None:
+    def __init__(self, pad: PadValues, device: torch.device) -> None:
         self._pad = pad
         self._first: Any = None
-        self._started = False
         self._loose: set[str] = set()  # the paths of the containers that join as lists
+        self._device = device
+        self._pin = device.type == "cuda"
+        self._queued = False
+        self._batches: list[Any] = []
 
     def add(self, outputs: Any, index: int) -> None:
-        """``TrainingError`` for a tensor padding cannot join to the first batch's;
-        ``ConfigError`` for an unknown ``pad_value`` key or a pad value its tensor cannot
-        hold."""
-        if self._started:
+        """Keep batch ``index``'s outputs: ``TrainingError`` for a tensor padding cannot join
+        to the first batch's; ``ConfigError`` for an unknown ``pad_value`` key or a pad value
+        its tensor cannot hold."""
+        if self._batches:
             self._check(self._first, outputs, index, "outputs", None)
-            return
-        self._first, self._started = map_tensors(lambda t: t.to("meta"), outputs), True
-        keys = _keys(outputs)
-        unknown = sorted(set(self._pad.by_key) - keys)
-        if unknown:
-            raise ConfigError.invalid(
-                f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
-                f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
-                "torch dtypes",
-            )  # fmt: skip
+        else:
+            self._first = map_tensors(lambda t: t.to("meta"), outputs)
+            keys = _keys(outputs)
+            unknown = sorted(set(self._pad.by_key) - keys)
+            if unknown:
+                raise ConfigError.invalid(
+                    f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
+                    f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
+                    "torch dtypes",
+                )  # fmt: skip
+        self._batches.append(map_tensors(self._tensor_to_host, outputs))
 
     def _check(self, first: Any, other: Any, index: int, path: str, key: str | None) -> None:
         if path in self._loose:
@@ -259,30 +265,6 @@ class OutputsCheck:
             for i, (v, o) in enumerate(zip(first, other, strict=True)):
                 self._check(v, o, index, f"{path}[{i}]", key)
 
-
-def _keys(outputs: Any) -> set[str]:
-    """Every mapping key in ``outputs``, at any depth."""
-    if isinstance(outputs, Mapping):
-        return {str(k) for k in outputs}.union(*(_keys(v) for v in outputs.values()))
-    if isinstance(outputs, tuple | list):
-        return set().union(*(_keys(o) for o in outputs))
-    return set()
-
-
-class HostOutputs:
-    """Per-batch outputs copied to the host as they are added (on CUDA into pinned memory,
-    non-blocking: :meth:`batches` waits once for all of them)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._pin = device.type == "cuda"
-        self._queued = False
-        self._batches: list[Any] = []
-
-    def add(self, outputs: Any) -> None:
-        """Queue the copy of one batch's outputs."""
-        self._batches.append(map_tensors(self._tensor_to_host, outputs))
-
     def _tensor_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":
             return tensor
@@ -292,8 +274,17 @@ class HostOutputs:
         return host
 
     def batches(self) -> list[Any]:
-        """The host copies of every batch added, in order."""
+        """The host copies of every batch kept, in order."""
         if self._queued:
             torch.cuda.synchronize(self._device)
             self._queued = False
         return self._batches
+
+
+def _keys(outputs: Any) -> set[str]:
+    """Every mapping key in ``outputs``, at any depth."""
+    if isinstance(outputs, Mapping):
+        return {str(k) for k in outputs}.union(*(_keys(v) for v in outputs.values()))
+    if isinstance(outputs, tuple | list):
+        return set().union(*(_keys(o) for o in outputs))
+    return set()

@@ -15,7 +15,7 @@ from .._exceptions import ConfigError
 from .._tensors import batch_size, use_device
 from .evaluation import Evaluator, hooked_batch
 from .forward import model_outputs
-from .outputs import HostOutputs, OutputsCheck, PadValues, map_tensors, without_keys
+from .outputs import KeptOutputs, PadValues, map_tensors, without_keys
 from .result import Cancelled
 from .wants import Wants
 
@@ -84,7 +84,7 @@ class StandaloneRun:
         ``keep``, return every batch's outputs without the ``ignore`` keys, detached and on the
         host, each checked as it comes to be joinable with ``pad`` (else ``[]``)."""
         s, port, st, w = self._s, self._port, self._state, self._wants
-        check = OutputsCheck(pad or PadValues()) if keep else None
+        kept = KeptOutputs(pad or PadValues(), s.device) if keep else None
         use_device(s.device)  # the training thread's current CUDA device
         pub = port.publish
         w.refresh()
@@ -94,7 +94,6 @@ class StandaloneRun:
             total = None
         pub(ev.PredictionStarted(step=st.step, epoch=st.epoch, batches=total))
         hooks = self._hooks.by_point["eval_batch"]
-        kept = HostOutputs(s.device)
         on_cpu = s.device.type == "cpu"
         done = 0
         error: BaseException | None = None
@@ -121,9 +120,8 @@ class StandaloneRun:
                         exc.add_note(f"trainbus: raised in predict, batch {bi}")
                         raise
                     done += 1
-                    if check is not None:
-                        check.add(outputs, bi)
-                        kept.add(outputs)
+                    if kept is not None:
+                        kept.add(outputs, bi)
                     if w.prediction_batch_ended:
                         # A copy: a CUDA graph's next replay overwrites them (docs/compile.md).
                         if not on_cpu:
@@ -139,4 +137,4 @@ class StandaloneRun:
             model.train(was_training)
             pub(ev.PredictionEnded(step=st.step, epoch=st.epoch, batches=done, error=error,
                                    stopped=self.stop_reason is not None))  # fmt: skip
-        return kept.batches()
+        return [] if kept is None else kept.batches()
