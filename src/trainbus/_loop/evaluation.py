@@ -79,7 +79,7 @@ def hooked_batch(
 
 
 class Evaluator:
-    """Scores the evaluation sets and publishes the rounds (docs/trainer.md, "Evaluation").
+    """Scores the evaluation sets and publishes the rounds (docs/trainer.md, "Metric functions").
 
     Sums stay on the device and are read once per set; a round never moves the training's
     random generators. ``should_stop`` (standalone runs) ends a round early; under torchrun
@@ -100,7 +100,8 @@ class Evaluator:
     ) -> None:
         self._s, self._port, self._state = settings, port, state
         self._wants, self._check_cancel = wants, check_cancel
-        self._hooks, self._should_stop = hooks, should_stop
+        self._hooks = hooks
+        self._should_stop = should_stop if should_stop is not None else lambda: False
         self._reduce, self._sum_totals = reduce, sum_totals
         self.failures = MetricFailures()
         self.metrics: dict[str, float] = {}  # the last round's, merged (a resume sets them)
@@ -134,7 +135,7 @@ class Evaluator:
                         ended = self._run_set(trigger, triggers, name, data)
                         ends.append(ended)
                         merged.update(ended.metrics)
-                        if self._should_stop is not None and self._should_stop():
+                        if self._should_stop():
                             break
                 except BaseException as exc:
                     self._round_hooks("after_evaluation", trigger, exc)
@@ -225,7 +226,7 @@ class Evaluator:
         with torch.no_grad():
             for bi, batch in enumerate(data):
                 self._check_cancel()
-                if should_stop is not None and should_stop():
+                if should_stop():
                     break
                 if want.eval_batch_started:
                     pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
@@ -256,7 +257,7 @@ class Evaluator:
                                               loss=shown, samples=max(n, 0), dataset=dataset,
                                               error=error))  # fmt: skip
         if count == 0:
-            if batches == 0 and should_stop is not None and should_stop():
+            if batches == 0 and should_stop():
                 return {}  # stopped before the first batch: nothing to report
             raise TrainingError(
                 f"eval_data {dataset!r} yielded no batch: evaluation needs at least one"

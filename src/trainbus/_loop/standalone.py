@@ -56,18 +56,17 @@ class StandaloneRun:
         failure = port.failure
         if failure is not None:
             raise failure
-        if port.has_commands():
-            for command in port.poll_commands():
-                error: ConfigError | None = None
-                if isinstance(command, cmd.StopTraining):
-                    self.stop_reason = self.stop_reason or command.reason
-                else:
-                    error = ConfigError.invalid(
-                        "command", type(command).__name__,
-                        "StopTraining: the only command applied outside fit()",
-                    )  # fmt: skip
-                port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
-                                              error=error))  # fmt: skip
+        for command in port.poll_commands():
+            error: ConfigError | None = None
+            if isinstance(command, cmd.StopTraining):
+                self.stop_reason = self.stop_reason or command.reason
+            else:
+                error = ConfigError.invalid(
+                    "command", type(command).__name__,
+                    "StopTraining: the only command applied outside fit()",
+                )  # fmt: skip
+            port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+                                          error=error))  # fmt: skip
         return self.stop_reason is not None
 
     def evaluate(self, sets: Sequence[tuple[str, Iterable[Any]]]) -> dict[str, float]:
