@@ -13,7 +13,7 @@ from typing import Any
 
 import structlog
 
-__all__ = ["get_logger"]
+__all__ = ["get_logger", "worth_logging"]
 
 _KEY_VALUES = structlog.processors.KeyValueRenderer(key_order=["event"], sort_keys=True)
 
@@ -71,3 +71,9 @@ def get_logger(name: str) -> LibraryLogger:
     """The logger trainbus modules use (``log = get_logger(__name__)``); ``name`` is also the
     stdlib logger's when structlog is unconfigured."""
     return LibraryLogger(name)
+
+
+def worth_logging(count: int, first: int = 1) -> bool:
+    """Whether the ``count``-th repeat of a failure is logged: the first ``first`` of them, then
+    the 10th, 100th, 1000th, ..."""
+    return count <= first or (count >= 10 and count == 10 ** (len(str(count)) - 1))

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from trainbus import ConfigError, Trainer, TrainingError
 from trainbus import events as ev
-from trainbus._loop.outputs import HostOutputs, PadValues, join_outputs
+from trainbus._loop.outputs import KeptOutputs, PadValues, join_outputs
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 
@@ -291,7 +291,7 @@ def test_a_causal_lms_cache_is_dropped_as_its_config_says() -> None:
         trainer.predict_sync(batches, ignore_keys="cache")
 
 
-# predict(return_outputs=True) keeps outputs on the host as they come (HostOutputs): pinned,
+# predict(return_outputs=True) keeps outputs on the host as they come (KeptOutputs): pinned,
 # non-blocking copies on CUDA, one wait at the end, concatenated on the host.
 def host_trainer(device: str) -> Trainer:
     model = tiny_model()
@@ -305,10 +305,10 @@ def test_host_outputs_keep_cpu_tensors_and_structures_without_waiting(
 ) -> None:
     waits: list[Any] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
-    kept = HostOutputs(torch.device("cpu"))
+    kept = KeptOutputs(PadValues(), torch.device("cpu"))
     a, b = torch.ones(2, 3), torch.zeros(1)
-    kept.add({"logits": a, "extra": (b, "name")})
-    kept.add([a, 3])
+    kept.add({"logits": a, "extra": (b, "name")}, 0)
+    kept.add([a, 3], 1)
     out = kept.batches()
     assert out[0]["logits"] is a and out[0]["extra"][0] is b and out[0]["extra"][1] == "name"
     assert out[1][0] is a and out[1][1] == 3
@@ -325,9 +325,9 @@ def test_predict_returns_host_outputs_joined_on_the_host() -> None:
 def test_cuda_predict_outputs_come_back_pinned_on_the_host() -> None:
     t = host_trainer("cuda")
     data = tiny_loader(3, batch_size=4)
-    kept = HostOutputs(torch.device("cuda", torch.cuda.current_device()))
+    kept = KeptOutputs(PadValues(), torch.device("cuda", torch.cuda.current_device()))
     on_device = torch.randn(4, 10, device="cuda")
-    kept.add(on_device)
+    kept.add(on_device, 0)
     (copy,) = kept.batches()
     assert copy.device.type == "cpu" and copy.is_pinned() and torch.equal(copy, on_device.cpu())
     out = t.predict_sync(data, return_outputs=True)

@@ -341,10 +341,12 @@ def test_reduce_overhead_losses_survive_the_next_replay(tmp_path: Path) -> None:
 def test_a_cancel_reaches_the_barrier_the_training_thread_waits_at(
     tmp_path: Path, backend: str
 ) -> None:
-    """The loop waits at a barrier through the training thread: the caller's cancellation ends
-    that wait at once (not after the hour-long barrier timeout) and the fit ends cancelled,
-    though the subscriber waited for runs on in the bus (``async with trainer`` holds it
-    outside the cancelled scope)."""
+    """The loop waits at a barrier for a decider through the training thread: the caller's
+    cancellation ends that wait at once (not after the hour-long barrier timeout) and the fit
+    ends cancelled at the barrier's step, though the subscriber waited for runs on in the bus
+    (``async with trainer`` holds it outside the cancelled scope). Only a decider holds the
+    loop there: a plain async subscriber's cancel would land at whatever step the loop had
+    reached when its task ran."""
     trainer = make_trainer(
         tmp_path,
         eval_schedule=EvalSchedule(every_steps=2),
@@ -360,7 +362,9 @@ def test_a_cancel_reaches_the_barrier_the_training_thread_waits_at(
                     scope.cancel()  # the caller gives up while the loop waits for this one
                     await anyio.sleep_forever()
 
-                trainer.bus.subscribe_async(trainer.bus.stream(ev.EvaluationEnded), hold)
+                trainer.bus.subscribe_async(
+                    trainer.bus.stream(ev.EvaluationEnded), hold, decides=True
+                )
                 await trainer.fit()
         return scope.cancelled_caught
 

@@ -1,9 +1,4 @@
-"""Poll points and command application: how the loop obeys the back-channel.
-
-:class:`CommandHandler` drains the bus' command queue at the loop's poll points, applies each
-command and acknowledges it with ``CommandApplied``; :class:`RunStop` holds whether the run
-stops.
-"""
+"""Poll points and command application: how the loop obeys the back-channel (docs/bus.md)."""
 
 from __future__ import annotations
 
@@ -25,25 +20,16 @@ if TYPE_CHECKING:
 
 __all__ = ["BarrierWait", "CommandHandler", "RunStop"]
 
+# wait(event, resume) -> "done", "timeout" or "request" (apply it, then resume=True); event
+# None: the end of the run.
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
-"""``wait(event, resume) -> status``: waits until the barrier event (None: the end of the run)
-was delivered and its deciders finished; ``"request"`` when a ``bus.request`` interrupted the
-wait (apply it, then call again with ``resume=True``)."""
 
-_MAX_ROUNDS = 100
-"""Commands sent while commands are applied are applied too, up to this many drains."""
+_MAX_ROUNDS = 100  # drains of the commands sent while commands are applied
 
 
 class RunStop:
-    """Whether the run stops, and why: set by a ``StopTraining`` and by the non-finite guard
-    (``on_nonfinite="stop"``), read by the loop between steps.
-
-    Attributes:
-        reason: Why the run stops (the first reason given); None while it goes on.
-
-    Args:
-        doorbell: Rung by :meth:`stop`, so that the loop looks after the current step.
-    """
+    """Whether the run stops (``reason``: the first one given; None while it goes on); a stop
+    rings ``doorbell`` so that the loop looks after the current step."""
 
     __slots__ = ("_doorbell", "reason")
 
@@ -52,31 +38,14 @@ class RunStop:
         self.reason: str | None = None
 
     def stop(self, reason: str) -> None:
-        """Stop the run after the current step; the first reason given is kept."""
         self.reason = self.reason or reason
         self._doorbell.ring()
 
 
 class CommandHandler:
-    """Applies commands at the loop's poll points.
-
-    Attributes:
-        stop_epoch: A ``StopEpoch`` arrived: the loop ends the epoch before the next step.
-            Cleared by :meth:`begin_epoch`.
-
-    Args:
-        settings: The run's settings (barriers, eval_data).
-        port: Source of commands and failures; where ``CommandApplied`` is published.
-        state: The run's train state (its step and epoch stamp the events).
-        wait_barrier: Waits at a barrier event (see :data:`BarrierWait`).
-        check_cancel: Raises when the run was cancelled.
-        checkpoints: Saves for ``SaveCheckpoint``.
-        evaluator: Runs ``Evaluate``.
-        sync: The ranks' agreement under torchrun (None: one process): commands are then
-            applied only at common poll points (docs/distributed.md).
-        log_metric: Adds a ``LogMetric``'s value to the open log window (None: refused).
-        stop: The run's stop state, which ``StopTraining`` sets.
-    """
+    """Drains the command queue at the loop's poll points, applies each command and
+    acknowledges it with ``CommandApplied``; under torchrun (``sync``) only at the points every
+    rank reaches together (docs/distributed.md)."""
 
     def __init__(
         self,
@@ -98,26 +67,16 @@ class CommandHandler:
         self._checkpoints, self._evaluator = checkpoints, evaluator
         self._sync = sync
         self._stop = stop
-        self.stop_epoch = False
+        self.stop_epoch = False  # a StopEpoch arrived in this epoch
 
     def begin_epoch(self) -> None:
-        """A new epoch starts: a ``StopEpoch`` applies to the epoch it arrived in only."""
         self.stop_epoch = False
 
     def barrier_then_poll(
         self, event: ev.BaseEvent | None, *earlier: ev.BaseEvent, common: bool = False
     ) -> None:
-        """At a barrier event (``None``: the end of the run), wait for its subscribers, then poll
-        once. A ``bus.request`` that arrives during the wait is applied, then the wait resumes.
-
-        Args:
-            event: The barrier event.
-            earlier: Barrier events of the same round, waited for before ``event``.
-            common: Every rank reaches this point at the same step (see :meth:`poll`).
-
-        Raises:
-            Whatever :meth:`poll` raises.
-        """
+        """Wait at ``earlier`` then ``event`` (None: the end of the run) where they are barrier
+        types, then :meth:`poll`."""
         for e in (*earlier, event):
             if e is None or type(e) in self._s.barriers:
                 self._barrier(e)
@@ -130,19 +89,8 @@ class CommandHandler:
         *,
         common: bool = False,
     ) -> None:
-        """What a decision step runs: a barrier on its ``StepEnded`` for the async deciders,
-        whatever the configured barrier types, then poll.
-
-        Args:
-            ended: The step's ``StepEnded`` (None: nobody wanted it; everything published so
-                far is waited for).
-            barrier: The step's barrier event (``StepEnded`` or ``MetricsLogged`` listed in
-                ``barriers``), whose async deciders are waited for first.
-            common: Every rank reaches this point at the same step (see :meth:`poll`).
-
-        Raises:
-            Whatever :meth:`poll` raises.
-        """
+        """A decision step: wait at the step's ``barrier`` event (if any), then at its
+        ``StepEnded`` whatever the barrier types (None: everything published), then poll."""
         if barrier is not None:
             self._barrier(barrier)
         if barrier is None or (ended is not None and ended is not barrier):
@@ -150,24 +98,16 @@ class CommandHandler:
         self.poll(common=common)
 
     def _barrier(self, event: ev.BaseEvent | None) -> None:
-        # Under torchrun a request is applied only at the next common point.
+        # A request is applied during the wait (under torchrun: at the next common point).
         status = self._wait_barrier(event, False)
         while status == "request" and self._sync is None:
             self.poll()
             status = self._wait_barrier(event, True)
 
     def poll(self, *, common: bool = False) -> None:
-        """A poll point: wait while a ``"block"`` buffer is full (not once the run stops), fail
-        on a ``raise`` subscriber, stop on cancel, apply commands (under torchrun only when
-        ``common``, through :meth:`agree`).
-
-        Args:
-            common: Every rank reaches this point at the same step.
-
-        Raises:
-            Exception: a subscriber with ``on_error="raise"`` failed (its own exception).
-            The cancellation, when the run was cancelled.
-        """
+        """Wait while a ``"block"`` buffer is full (not once the run stops), raise a ``raise``
+        subscriber's failure or the cancellation, apply the commands (under torchrun only when
+        ``common``: every rank is at this point)."""
         port = self._port
         if port.held and self._stop.reason is None:
             port.wait_for_room()
@@ -193,11 +133,8 @@ class CommandHandler:
             self.apply(command)
 
     def apply(self, command: cmd.Command) -> None:
-        """Apply one command and publish ``CommandApplied`` (with its result or error).
-
-        A refused command (``ConfigError``, ``OSError``) is acknowledged with the error and never
-        ends the run; anything else (a failing evaluation) propagates.
-        """
+        """Apply one command and publish ``CommandApplied``; a refused one carries its error,
+        anything else (a failing evaluation) propagates."""
         st = self._state
         result: ev.BaseEvent | None = None
         error: BaseException | None = None
@@ -237,13 +174,8 @@ class CommandHandler:
                                             result=result, error=error))  # fmt: skip
 
     def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:
-        """The parameter groups a learning-rate command sets: every optimizer's (or only
-        ``optimizer``'s), all of them or index ``group`` (within that optimizer, or counted
-        across them in name order).
-
-        Raises:
-            ConfigError: an unknown optimizer name or a group index out of range.
-        """
+        """The parameter groups a learning-rate command sets (``group`` counted within
+        ``optimizer``, or across them in name order)."""
         opts = self._s.optimizers
         if optimizer is not None and optimizer not in opts:
             allowed = "one of the optimizers: " + ", ".join(map(repr, opts))

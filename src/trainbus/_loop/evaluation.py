@@ -20,19 +20,17 @@ from .set_metrics import MetricFailures, SetTotals, Totals
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
-    from .hooks import Hooks
+    from .hooks import HookFn, Hooks
     from .settings import Settings
     from .wants import Wants
 
-__all__ = ["EvalTrigger", "Evaluator", "evaluation_metric_names", "metric_name"]
+__all__ = ["EvalTrigger", "Evaluator", "evaluation_metric_names", "hooked_batch", "metric_name"]
 
 EvalTrigger: TypeAlias = ev.EvalTrigger
-"""Why an evaluation runs (``EvaluationStarted.trigger``)."""
 
 
 def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
-    """What metric function ``name`` returned, as a tensor on ``device``; ``ConfigError`` for
-    a value that is not a number or a tensor."""
+    """What metric function ``name`` returned, as a tensor on ``device``."""
     try:
         return torch.as_tensor(value, device=device)
     except (TypeError, ValueError, RuntimeError) as exc:
@@ -46,44 +44,46 @@ def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
 
 
 def metric_name(dataset: str, name: str, *, named: bool) -> str:
-    """The key of metric ``name`` of evaluation set ``dataset``: ``val_<name>`` for a single
-    ``eval_data`` loader, ``<set>/<name>`` for named sets."""
+    """``val_<name>`` for a single ``eval_data`` loader, ``<set>/<name>`` for named sets."""
     return f"{dataset}/{name}" if named else f"val_{name}"
 
 
 def evaluation_metric_names(s: Settings) -> frozenset[str]:
     """Every key an evaluation of this run can put in ``EvaluationEnded.metrics``."""
     names = ("loss", *s.metrics, *s.set_metrics)
-    named = s.eval_named
     sets = [dataset for dataset, _ in s.eval_sets]
-    return frozenset(metric_name(dataset, n, named=named) for dataset in sets for n in names)
+    return frozenset(metric_name(d, n, named=s.eval_named) for d in sets for n in names)
+
+
+def hooked_batch(
+    s: Settings,
+    st: TrainState,
+    hooks: Sequence[HookFn],
+    bi: int,
+    batch: Any,
+    phase: str,
+    dataset: str | None = None,
+    trigger: ev.EvalTrigger | None = None,
+) -> tuple[bool, Any]:
+    """``(skipped, batch)``: ``batch`` on the device after the ``eval_batch`` hooks (which may
+    replace or skip it)."""
+    batch = move_to_device(batch, s.device)
+    if not hooks:
+        return False, batch
+    ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0, batch=batch,
+                      model=s.model, optimizer=s.optimizer, phase=phase, dataset=dataset,
+                      trigger=trigger)  # fmt: skip
+    for hook in hooks:
+        hook(ctx)
+    return ctx.skip, None if ctx.skip else move_to_device(ctx.batch, s.device)
 
 
 class Evaluator:
-    """Scores the evaluation sets and publishes the evaluation round and its spans.
+    """Scores the evaluation sets and publishes the rounds (docs/trainer.md, "Metric functions").
 
-    Sums stay on the device during the pass and are read once per set (one sync). Metric
-    functions (docs/trainer.md, "Metric functions") are averaged over samples; ``set_metrics``
-    sum over the set (:class:`~trainbus._loop.set_metrics.SetTotals`), and one that raises is
-    counted in :attr:`failures` and left out. A round never moves the training's random
-    generators (``isolated_rng``); a completed round of a run marks its step evaluated in the
-    train state.
-
-    Attributes:
-        metrics: The merged metrics of the last round (empty before the first; the loop of a
-            resumed run sets the checkpoint's).
-        last_round: The last published ``EvaluationRoundEnded`` (None before the first).
-        failures: The set metrics that raised, counted per name over the evaluator's life.
-        last_ends: The last round's ``EvaluationEnded`` of each set (empty before the first).
-
-    Args:
-        check_cancel: Called before each batch; raises when the run was cancelled.
-        should_stop: Called before each batch; True ends the set's pass early (standalone
-            evaluation, on ``StopTraining``) and the round after it. None: never.
-        reduce: Under torchrun, ``reduce(metrics, samples)`` averages the ranks' metrics
-            (sample-weighted); None: one process.
-        sum_totals: Under torchrun, ``sum_totals(totals)`` adds every rank's set-metric totals;
-            None: one process.
+    Sums stay on the device and are read once per set; a round never moves the training's
+    random generators. ``should_stop`` (standalone runs) ends a round early; under torchrun
+    ``reduce`` averages the ranks' metrics and ``sum_totals`` adds their set-metric totals.
     """
 
     def __init__(
@@ -100,10 +100,11 @@ class Evaluator:
     ) -> None:
         self._s, self._port, self._state = settings, port, state
         self._wants, self._check_cancel = wants, check_cancel
-        self._hooks, self._should_stop = hooks, should_stop
+        self._hooks = hooks
+        self._should_stop = should_stop if should_stop is not None else lambda: False
         self._reduce, self._sum_totals = reduce, sum_totals
         self.failures = MetricFailures()
-        self.metrics: dict[str, float] = {}
+        self.metrics: dict[str, float] = {}  # the last round's, merged (a resume sets them)
         self.last_round: ev.EvaluationRoundEnded | None = None
         self.last_ends: tuple[ev.EvaluationEnded, ...] = ()
 
@@ -114,16 +115,8 @@ class Evaluator:
         *,
         triggers: tuple[ev.EvalTrigger, ...] = (),
     ) -> tuple[ev.EvaluationEnded, ...]:
-        """One evaluation round: ``EvaluationRoundStarted``, the ``"before_evaluation"`` hooks,
-        each set's span, the ``"after_evaluation"`` hooks (also when the round raised), the
-        round's end. Every ``XEnded`` is published even when the pass raises (with the error);
-        the sets after a failed one are not scored.
-
-        ``sets``: ``(name, data)`` pairs, default the settings' evaluation sets; ``triggers``:
-        every cadence the round stands for, ``trigger`` first (default ``(trigger,)``). Returns
-        the published ``EvaluationEnded`` of each set; ``TrainingError`` for a set that yielded
-        no batch.
-        """
+        """One round over ``sets`` (default: the settings'), its hooks and events, every
+        ``XEnded`` published even when it raises; returns each set's ``EvaluationEnded``."""
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
         triggers = triggers or (trigger,)
@@ -142,7 +135,7 @@ class Evaluator:
                         ended = self._run_set(trigger, triggers, name, data)
                         ends.append(ended)
                         merged.update(ended.metrics)
-                        if self._should_stop is not None and self._should_stop():
+                        if self._should_stop():
                             break
                 except BaseException as exc:
                     self._round_hooks("after_evaluation", trigger, exc)
@@ -166,9 +159,8 @@ class Evaluator:
     def _round_hooks(
         self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
     ) -> None:
-        """Run the round's ``point`` hooks with one shared context. ``"after_evaluation"``
-        unwinds like nested context managers: in reverse order, every one even when one raises;
-        the first exception is raised after the last hook."""
+        """``"after_evaluation"`` unwinds like nested context managers: in reverse order, all
+        of them, the first exception raised after the last."""
         hooks = self._hooks.by_point[point]
         if not hooks:
             return
@@ -224,50 +216,48 @@ class Evaluator:
         self, trigger: ev.EvalTrigger, dataset: str, data: Iterable[Any]
     ) -> dict[str, float]:
         s, pub, st, want = self._s, self._port.publish, self._state, self._wants
-        names = list(s.metrics)
         hooks = self._hooks.by_point["eval_batch"]
         should_stop = self._should_stop
         total_loss = torch.zeros((), device=s.device, dtype=torch.float64)
         on_cpu = s.device.type == "cpu"
-        sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in names]
+        sums = [torch.zeros((), device=s.device, dtype=torch.float64) for _ in s.metrics]
         totals = SetTotals(s.set_metrics, s.device) if s.set_metrics else None
         count = batches = 0
         with torch.no_grad():
             for bi, batch in enumerate(data):
                 self._check_cancel()
-                if should_stop is not None and should_stop():
+                if should_stop():
                     break
                 if want.eval_batch_started:
                     pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
                                             dataset=dataset))  # fmt: skip
+                n, error = -1, None  # n -1: an eval_batch hook skipped the batch
+                loss: torch.Tensor | None = None
                 try:
-                    n, loss, outputs, batch = self._batch(trigger, dataset, bi, batch, hooks)
-                    if n >= 0 and names:
-                        target = metric_targets(batch)
-                        values = [_metric_value(name, s.metrics[name](outputs, target),
-                                                s.device) for name in names]  # fmt: skip
-                    if n >= 0 and totals is not None:  # a failure is counted, not raised
-                        totals.update(outputs, batch)
+                    skipped, batch = hooked_batch(s, st, hooks, bi, batch, "eval", dataset, trigger)
+                    if not skipped:
+                        with want.trace("forward", "eval", bi, None, dataset), s.autocast():
+                            outputs, loss = forward_loss(s, batch)
+                        loss, n = loss.detach(), batch_size(batch)
+                        self._add(sums, totals, outputs, batch, n)
+                        count += n
+                        batches += 1
+                        total_loss += loss.double() * n
                 except BaseException as exc:
-                    if want.eval_batch_ended:
-                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                              loss=math.nan, samples=0, dataset=dataset,
-                                              error=exc))  # fmt: skip
+                    error = exc
+                    n = -1  # reported without samples
                     raise
-                if n >= 0:  # else an eval_batch hook skipped it
-                    count += n
-                    batches += 1
-                    total_loss += loss.double() * n
-                    for i, value in enumerate(values if names else ()):
-                        sums[i] += value.detach().double().mean() * n
-                if want.eval_batch_ended:
-                    # A copy off the CPU: a CUDA graph's next replay overwrites it (docs/compile.md)
-                    shown = math.nan if n < 0 else loss if on_cpu else loss.clone()
-                    pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                          loss=shown, samples=max(n, 0),
-                                          dataset=dataset))  # fmt: skip
+                finally:
+                    if want.eval_batch_ended:
+                        # A copy off the CPU: a CUDA graph's next replay overwrites it
+                        shown = (
+                            math.nan if n < 0 or loss is None else loss if on_cpu else loss.clone()
+                        )
+                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                              loss=shown, samples=max(n, 0), dataset=dataset,
+                                              error=error))  # fmt: skip
         if count == 0:
-            if batches == 0 and should_stop is not None and should_stop():
+            if batches == 0 and should_stop():
                 return {}  # stopped before the first batch: nothing to report
             raise TrainingError(
                 f"eval_data {dataset!r} yielded no batch: evaluation needs at least one"
@@ -275,18 +265,31 @@ class Evaluator:
                 else "eval_data yielded no batch: evaluation needs at least one"
             )
         read = (torch.stack([total_loss, *sums]) / count).tolist()  # the one device read
-        named = s.eval_named
-        metrics = {metric_name(dataset, "loss", named=named): read[0]}
-        metrics.update({metric_name(dataset, name, named=named): v
-                        for name, v in zip(names, read[1:], strict=True)})  # fmt: skip
+        names = ("loss", *s.metrics)
+        metrics = {metric_name(dataset, name, named=s.eval_named): v
+                   for name, v in zip(names, read, strict=True)}  # fmt: skip
         if self._reduce is not None:
             metrics = self._reduce(metrics, count)
         if totals is not None:
             metrics.update(self._set_metrics(dataset, totals))
         return metrics
 
+    def _add(
+        self, sums: list[torch.Tensor], totals: SetTotals | None, outputs: Any, batch: Any, n: int
+    ) -> None:
+        """Add one batch's metric values (sample-weighted) and set-metric sums."""
+        s = self._s
+        if s.metrics:
+            target = metric_targets(batch)
+            values = [_metric_value(name, fn(outputs, target), s.device)
+                      for name, fn in s.metrics.items()]  # fmt: skip
+            for i, value in enumerate(values):
+                sums[i] += value.detach().double().mean() * n
+        if totals is not None:  # a failure is counted, not raised
+            totals.update(outputs, batch)
+
     def _set_metrics(self, dataset: str, totals: SetTotals) -> dict[str, float]:
-        """The set metrics' values; one that raised is counted in :attr:`failures`, left out."""
+        """The set metrics' values; one that raised is counted in ``failures``, left out."""
         s, step, fail = self._s, self._state.step, self.failures.failed
         read = totals.read()
         if self._sum_totals is not None:
@@ -306,24 +309,3 @@ class Evaluator:
                 continue
             out[metric_name(dataset, name, named=s.eval_named)] = value
         return out
-
-    def _batch(
-        self, trigger: ev.EvalTrigger, dataset: str, bi: int, batch: Any, hooks: tuple[Any, ...]
-    ) -> tuple[int, Any, Any, Any]:
-        """Score one batch: ``(samples, detached loss, outputs, batch)``; samples -1 when an
-        ``eval_batch`` hook skipped it."""
-        s, st = self._s, self._state
-        batch = move_to_device(batch, s.device)
-        if hooks:
-            ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi,
-                              micro_batch=0, batch=batch, model=s.model,
-                              optimizer=s.optimizer, phase="eval",
-                              dataset=dataset, trigger=trigger)  # fmt: skip
-            for hook in hooks:
-                hook(ctx)
-            if ctx.skip:
-                return -1, None, None, batch
-            batch = move_to_device(ctx.batch, s.device)  # a hook may have replaced it
-        with self._wants.trace("forward", "eval", bi, None, dataset), s.autocast():
-            outputs, loss = forward_loss(s, batch)
-        return batch_size(batch), loss.detach(), outputs, batch

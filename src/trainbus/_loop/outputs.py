@@ -1,8 +1,5 @@
-"""Model outputs taken apart and put back together with the type users index (a Hugging Face
-``ModelOutput`` stays one): detached, copied to the host (:class:`HostOutputs`) and a
-prediction's batches checked batch by batch (:class:`OutputsCheck`) and joined
-(:func:`join_outputs`); docs/trainer.md ("Evaluate and predict outside ``fit()``").
-"""
+"""A prediction's outputs: walked and rebuilt as their own types (a Hugging Face ``ModelOutput``
+stays one), copied to the host, checked batch by batch and joined (``Trainer.predict``)."""
 
 from __future__ import annotations
 
@@ -15,22 +12,17 @@ import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["HostOutputs", "OutputsCheck", "PadValue", "PadValues", "detach_outputs",
-           "ignored_keys", "join_outputs", "map_tensors", "without_keys"]  # fmt: skip
+__all__ = ["KeptOutputs", "PadValue", "PadValues", "ignored_keys", "join_outputs",
+           "map_tensors", "without_keys"]  # fmt: skip
 
 PadValue = bool | int | float
-"""A value to pad a tensor with."""
 
-DEFAULT_PAD = -100
-"""The pad of signed integer and floating tensors (Hugging Face's ``padding_index``)."""
+DEFAULT_PAD = -100  # of signed integer and floating tensors (Hugging Face's padding_index)
 
 
 def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
-    """``items`` as ``template``'s type (a dataclass by keyword); the dict itself when that
-    type cannot be rebuilt so."""
+    """``items`` as ``template``'s type (a dataclass by keyword), else the dict itself."""
     cls = type(template)
-    if cls is dict:
-        return items
     try:
         if dataclasses.is_dataclass(template):
             return cls(**items)
@@ -42,10 +34,6 @@ def _mapping_like(template: Mapping[Any, Any], items: dict[Any, Any]) -> Any:
 def _sequence_like(template: Sequence[Any], items: list[Any]) -> Any:
     """``items`` as ``template``'s type (a named tuple by position)."""
     cls = type(template)
-    if cls is list:
-        return items
-    if cls is tuple:
-        return tuple(items)
     if isinstance(template, tuple) and hasattr(template, "_fields"):
         return cls(*items)
     try:
@@ -55,8 +43,7 @@ def _sequence_like(template: Sequence[Any], items: list[Any]) -> Any:
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
-    """``outputs`` with ``fn`` applied to every tensor, through tuples, lists and mappings,
-    each container rebuilt as its own type; anything else as is."""
+    """``outputs`` with ``fn`` applied to every tensor in its tuples, lists and mappings."""
     if isinstance(outputs, torch.Tensor):
         return fn(outputs)
     if isinstance(outputs, tuple | list):
@@ -67,9 +54,9 @@ def map_tensors(fn: Callable[[torch.Tensor], Any], outputs: Any) -> Any:
 
 
 def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str]:
-    """The output keys ``predict`` drops: ``ignore_keys`` (an iterable of strings) as given;
-    with None, as Hugging Face's ``predict`` decides (a model with a ``config``: its
-    ``keys_to_ignore_at_inference``, else ``["cache"]``; any other model: none)."""
+    """The output keys ``predict`` drops: ``ignore_keys`` as given; with None, as Hugging
+    Face's ``predict`` decides (a ``config``'s ``keys_to_ignore_at_inference``, else
+    ``["cache"]``; no ``config``: none)."""
     if ignore_keys is None:
         config = getattr(model, "config", None)
         keys = () if config is None else getattr(config, "keys_to_ignore_at_inference", ["cache"])
@@ -83,16 +70,10 @@ def ignored_keys(model: Any, ignore_keys: Iterable[str] | None) -> frozenset[str
 
 
 def without_keys(outputs: Any, keys: frozenset[str]) -> Any:
-    """A mapping's ``outputs`` (a ``ModelOutput`` included, kept as its type) without
-    ``keys``; anything else as is."""
+    """A mapping's ``outputs`` without ``keys`` (kept as its type); anything else as is."""
     if not keys or not isinstance(outputs, Mapping) or not keys.intersection(outputs):
         return outputs
     return _mapping_like(outputs, {k: v for k, v in outputs.items() if k not in keys})
-
-
-def detach_outputs(outputs: Any) -> Any:
-    """``outputs`` with every tensor detached (as :func:`map_tensors` walks them)."""
-    return map_tensors(torch.Tensor.detach, outputs)
 
 
 def _representable(value: PadValue, dtype: torch.dtype) -> bool:
@@ -117,12 +98,9 @@ def _check_scalar(field: str, value: Any) -> PadValue:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PadValues:
-    """What ``predict(return_outputs=True)`` pads each output tensor with: for a tensor under
-    the mapping key ``k`` (its innermost one) of dtype ``d``, ``by_key[k]``, else
-    ``by_dtype[d]``, else ``value``, else the default of ``d`` (-100; 0 unsigned; False).
-
-    Build it with :meth:`check`.
-    """
+    """What ``predict(return_outputs=True)`` pads a tensor under the (innermost) key ``k``
+    of dtype ``d`` with: ``by_key[k]``, else ``by_dtype[d]``, else ``value``, else the
+    default of ``d`` (-100; 0 unsigned; False). Build it with :meth:`check`."""
 
     value: PadValue | None = None
     by_key: Mapping[str, PadValue] = dataclasses.field(default_factory=dict)
@@ -130,8 +108,7 @@ class PadValues:
 
     @classmethod
     def check(cls, pad_value: Any) -> PadValues:
-        """``predict``'s ``pad_value``: None (the defaults), one number for every tensor, or a
-        mapping of output keys (``str``) and dtypes to numbers (each one its dtype holds)."""
+        """``predict``'s ``pad_value`` checked (see ``Trainer.predict``)."""
         if pad_value is None:
             return cls()
         if not isinstance(pad_value, Mapping):
@@ -152,8 +129,8 @@ class PadValues:
         return cls(by_key=by_key, by_dtype=by_dtype)
 
     def for_tensor(self, key: str | None, dtype: torch.dtype) -> PadValue:
-        """The pad of a tensor under ``key`` (None: under no mapping) of ``dtype``; a
-        ``ConfigError`` naming the option that gave a value ``dtype`` cannot hold."""
+        """The pad of a tensor under ``key`` (None: none) of ``dtype``; ``ConfigError`` for a
+        value ``dtype`` cannot hold."""
         if key is not None and key in self.by_key:
             value, field = self.by_key[key], f"pad_value[{key!r}]"
         elif dtype in self.by_dtype:
@@ -182,8 +159,7 @@ def _layout(x: Any) -> str:
 
 
 def _alike(first: Any, other: Any) -> bool:
-    """Whether :func:`join_outputs` joins ``other`` with ``first`` element by element (a
-    sequence of ``first``'s type and length) or key by key (a mapping with its keys)."""
+    """Whether :func:`join_outputs` joins ``other`` with ``first`` per element or key."""
     if isinstance(first, tuple | list):
         return isinstance(other, type(first)) and len(other) == len(first)
     return (
@@ -192,8 +168,8 @@ def _alike(first: Any, other: Any) -> bool:
 
 
 def _concat(tensors: list[torch.Tensor], pad: PadValues, key: str | None) -> torch.Tensor:
-    """Concatenate along the first dimension, each other dimension padded at its end to the
-    largest size among ``tensors`` (with ``pad``'s value for ``key`` and their dtype)."""
+    """Concatenated along the first dimension, the others padded at their end to the largest
+    size."""
     tail = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors), strict=True)]
     if all(list(t.shape[1:]) == tail for t in tensors):
         return torch.cat(tensors)
@@ -210,10 +186,8 @@ def _concat(tensors: list[torch.Tensor], pad: PadValues, key: str | None) -> tor
 def join_outputs(
     batches: Sequence[Any], pad: PadValues | None = None, *, _key: str | None = None
 ) -> Any:
-    """The per-batch outputs ``batches``, as :class:`OutputsCheck` accepted them, concatenated
-    along the first dimension: tensors padded (``pad``; None: the defaults) where their other
-    dimensions differ, scalars stacked, tuples/lists and mappings joined per element and key as
-    their type; anything else the list of ``batches``; no batch ``[]``."""
+    """The per-batch outputs concatenated along the first dimension, as ``Trainer.predict``
+    says (padded with ``pad``; None: the defaults); no batch: ``[]``."""
     if not batches:
         return []
     pad = pad or PadValues()
@@ -231,39 +205,38 @@ def join_outputs(
                                  for k in first})  # fmt: skip
 
 
-class OutputsCheck:
-    """Checks each batch's outputs by :func:`join_outputs`' rules against the first batch's
-    (kept as meta tensors), so that outputs it could not join fail at the first such batch.
+class KeptOutputs:
+    """The outputs ``predict(return_outputs=True)`` keeps: each batch's checked against the
+    first batch's (kept as meta tensors) by :func:`join_outputs`' rules, so that outputs it
+    could not join fail at that batch, then copied to the host (on CUDA into pinned memory,
+    non-blocking: :meth:`batches` waits once for all of them)."""
 
-    A container whose type, length or keys change is no longer checked (it joins as a list).
-    A pad value is checked against its dtype where padding is needed.
-
-    Args:
-        pad: The pad values.
-    """
-
-    def __init__(self, pad: PadValues) -> None:
+    def __init__(self, pad: PadValues, device: torch.device) -> None:
         self._pad = pad
         self._first: Any = None
-        self._started = False
         self._loose: set[str] = set()  # the paths of the containers that join as lists
+        self._device = device
+        self._pin = device.type == "cuda"
+        self._queued = False
+        self._batches: list[Any] = []
 
     def add(self, outputs: Any, index: int) -> None:
-        """Check the outputs of batch ``index``: ``TrainingError`` for a tensor padding cannot
-        join to the first batch's; ``ConfigError`` for a ``pad_value`` key no output of the
-        first batch has, or a pad value a tensor that needs padding cannot hold."""
-        if self._started:
+        """Keep batch ``index``'s outputs: ``TrainingError`` for a tensor padding cannot join
+        to the first batch's; ``ConfigError`` for an unknown ``pad_value`` key or a pad value
+        its tensor cannot hold."""
+        if self._batches:
             self._check(self._first, outputs, index, "outputs", None)
-            return
-        self._first, self._started = map_tensors(lambda t: t.to("meta"), outputs), True
-        keys = _keys(outputs)
-        unknown = sorted(set(self._pad.by_key) - keys)
-        if unknown:
-            raise ConfigError.invalid(
-                f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
-                f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
-                "torch dtypes",
-            )  # fmt: skip
+        else:
+            self._first = map_tensors(lambda t: t.to("meta"), outputs)
+            keys = _keys(outputs)
+            unknown = sorted(set(self._pad.by_key) - keys)
+            if unknown:
+                raise ConfigError.invalid(
+                    f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
+                    f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
+                    "torch dtypes",
+                )  # fmt: skip
+        self._batches.append(map_tensors(self._tensor_to_host, outputs))
 
     def _check(self, first: Any, other: Any, index: int, path: str, key: str | None) -> None:
         if path in self._loose:
@@ -292,37 +265,6 @@ class OutputsCheck:
             for i, (v, o) in enumerate(zip(first, other, strict=True)):
                 self._check(v, o, index, f"{path}[{i}]", key)
 
-
-def _keys(outputs: Any) -> set[str]:
-    """Every mapping key in ``outputs``, at any depth."""
-    if isinstance(outputs, Mapping):
-        return {str(k) for k in outputs}.union(*(_keys(v) for v in outputs.values()))
-    if isinstance(outputs, tuple | list):
-        return set().union(*(_keys(o) for o in outputs))
-    return set()
-
-
-class HostOutputs:
-    """Per-batch prediction outputs, copied to the host as they are added, so that a long
-    ``predict(return_outputs=True)`` never holds its outputs in device memory.
-
-    On CUDA each copy goes into pinned memory with ``non_blocking=True`` (queued behind the
-    forward); :meth:`batches` waits once for all of them.
-
-    Args:
-        device: The run's device: CUDA copies are pinned and non-blocking.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self._device = device
-        self._pin = device.type == "cuda"
-        self._queued = False
-        self._batches: list[Any] = []
-
-    def add(self, outputs: Any) -> None:
-        """Queue the copy of one batch's outputs (as :func:`map_tensors` walks them)."""
-        self._batches.append(map_tensors(self._tensor_to_host, outputs))
-
     def _tensor_to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         if tensor.device.type == "cpu":
             return tensor
@@ -332,9 +274,17 @@ class HostOutputs:
         return host
 
     def batches(self) -> list[Any]:
-        """The host copies of every batch added, in order, after one wait for the queued
-        copies (a pinned buffer is not readable before its copy ran)."""
+        """The host copies of every batch kept, in order."""
         if self._queued:
             torch.cuda.synchronize(self._device)
             self._queued = False
         return self._batches
+
+
+def _keys(outputs: Any) -> set[str]:
+    """Every mapping key in ``outputs``, at any depth."""
+    if isinstance(outputs, Mapping):
+        return {str(k) for k in outputs}.union(*(_keys(v) for v in outputs.values()))
+    if isinstance(outputs, tuple | list):
+        return set().union(*(_keys(o) for o in outputs))
+    return set()

@@ -1,5 +1,5 @@
 """The loop's checkpoint writer: what a checkpoint holds, ``CheckpointSaved``, and which one
-the run wrote last. The file format, the atomic write and resume are the checkpoint layer's."""
+the run wrote last (the file format and the atomic write are the checkpoint layer's)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
 from .._exceptions import CheckpointWriteError, ConfigError
-from .._log import get_logger
+from .._log import get_logger, worth_logging
 from .._tensors import is_sharded_model
 from ..checkpoint import TrainState, capture_data_order, save_checkpoint, save_sharded
 from ..checkpoint._sharded import folder_name
@@ -25,22 +25,13 @@ __all__ = ["CheckpointWriter", "config_differences", "run_config"]
 
 log = get_logger(__name__)
 
-_LOGGED_FIRST = 3
-"""Refused saves each logged in full; after them, one line at 10, 100, 1000, ... refusals."""
-
-
-def _log_worthy(count: int) -> bool:
-    if count <= _LOGGED_FIRST:
-        return True
-    while count % 10 == 0:
-        count //= 10
-    return count == 1
-
+_LOGGED_FIRST = 3  # refused saves logged each; then at 10, 100, 1000, ... refusals
 
 _OTHER_EVALUATIONS = (
     "the evaluations after the checkpoint's step come at other steps than in the run that "
     "wrote it, so early stopping and keep_best decide on other evaluations"
 )
+# What a resume loses when an entry of run_config differs.
 _LOST = {
     "eval_every": _OTHER_EVALUATIONS,
     "eval_at_epoch_end": _OTHER_EVALUATIONS,
@@ -50,19 +41,17 @@ _LOST = {
     "batches after the checkpoint's step differ",
     "scheduler_interval": "the learning rate steps at other points than in the run that wrote it",
 }
-"""What a resume loses when an entry of :func:`run_config` differs."""
-
+# How the Trainer spells the entries a checkpoint records under the loop's names.
 _SPELLED = {
     "eval_every": "EvalSchedule.every_steps",
     "eval_at_epoch_end": "EvalSchedule.epoch_end",
     "scheduler_interval": "the scheduler's interval (PerEpoch)",
 }
-"""How the Trainer spells the entries a checkpoint records under the loop's names."""
 
 
 def run_config(settings: Settings) -> dict[str, Any]:
     """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
-    resume needs unchanged (:func:`config_differences`), as plain values."""
+    resume needs unchanged."""
     s = settings
     return {
         "eval_every": s.eval_every if s.eval_data is not None else None,
@@ -74,9 +63,8 @@ def run_config(settings: Settings) -> dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """One sentence per entry of :func:`run_config` that differs between ``saved`` (the
-    checkpoint's) and ``now``, saying what exactness it costs (empty: the resume can be exact);
-    entries only one side records are not compared."""
+    """One sentence per :func:`run_config` entry both record that differs between ``saved``
+    and ``now``, saying what exactness it costs (empty: the resume can be exact)."""
     out = []
     for key, lost in _LOST.items():
         if key in saved and key in now and saved[key] != now[key]:
@@ -87,26 +75,9 @@ def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list
 
 
 class CheckpointWriter:
-    """Writes checkpoints of one run into ``settings.checkpoint_dir``: the model (unwrapped from
-    DDP; a sharded model by every rank into one folder), optimizer, scheduler, scaler, train
-    state, metrics, the data order of the epoch in progress and the callbacks' states.
-
-    Attributes:
-        last_checkpoint: Path of the last checkpoint written in this run (None: none yet).
-        last_checkpoint_step: The step it was written at (-1: none yet).
-        failed_saves: Writes the disk refused.
-
-    Args:
-        settings: The run's settings (model, optimizer, scheduler, scaler, checkpoint_dir).
-        port: Where ``CheckpointSaved`` is published.
-        state: The run's train state (read at each save).
-        callback_states: Returns ``{name: state}`` of the stateful callbacks, called at each
-            save on the training thread (None: no callback keeps state).
-        window: The log window: its unread losses are read before every write.
-        guard: The non-finite guard: it refuses a write of a bad state before it starts.
-        sync: Under torchrun: rank 0 writes, every rank publishes its ``CheckpointSaved``;
-            None: one process.
-    """
+    """Writes the run's checkpoints into ``settings.checkpoint_dir`` (a sharded model: every
+    rank into one folder; else rank 0 under torchrun), after the ``window``'s unread losses
+    and the ``guard`` allowed it; ``callback_states()`` is called at each save."""
 
     def __init__(
         self,
@@ -124,33 +95,25 @@ class CheckpointWriter:
         self._data_order: dict[str, Any] | None = None
         self._window, self._guard = window, guard
         self._sync = sync
-        self.last_checkpoint: str | None = None
+        self.last_checkpoint: str | None = None  # written by this run (or resumed from)
+        self.last_checkpoint_step = -1  # its step (-1: none yet)
         # The last checkpoint a SaveCheckpoint wrote (or the run resumed from), with its state.
         self._once: tuple[ev.CheckpointSaved, dict[str, int]] | None = None
-        self.last_checkpoint_step = -1
         self.failed_saves = 0
         self._sharded = is_sharded_model(settings.model)
         self._run = run_config(settings)
 
     def resumed_from(self, saved: ev.CheckpointSaved) -> None:
-        """The run resumed from ``saved``, a checkpoint of its current step. When it lies in
-        this run's ``checkpoint_dir`` it is the run's last checkpoint: no final copy of it is
-        written, and a ``SaveCheckpoint`` of that step and tag is answered with it."""
+        """The run resumed from ``saved``: in this run's ``checkpoint_dir`` it is the last
+        checkpoint (no final copy; a ``SaveCheckpoint`` of that step and tag gets it)."""
         path, folder = Path(saved.path), self._settings.checkpoint_dir
         if folder is not None and path.parent.resolve() == folder.resolve():
             self.last_checkpoint, self.last_checkpoint_step = saved.path, saved.step
             self._once = (saved, self._state.as_dict())
 
     def save_once(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
-        """:meth:`save` for a ``SaveCheckpoint``: a second one of the same step and tag, the
-        train state unchanged since, is answered with the first instead of writing it twice.
-
-        Returns:
-            The ``CheckpointSaved`` of the file that holds the state.
-
-        Raises:
-            As :meth:`save`.
-        """
+        """:meth:`save` for a ``SaveCheckpoint``; a second one of the same step, tag and train
+        state is answered with the first's ``CheckpointSaved``."""
         now = self._state.as_dict()
         if self._once is not None:
             saved, state = self._once
@@ -161,8 +124,7 @@ class CheckpointWriter:
         return saved
 
     def begin_epoch(self, data_order: dict[str, Any]) -> None:
-        """The epoch in progress draws its batches in ``data_order``: saved with its
-        checkpoints."""
+        """The epoch in progress draws its batches in ``data_order`` (saved with it)."""
         self._data_order = data_order
 
     def _order_to_save(self) -> dict[str, Any] | None:
@@ -179,27 +141,13 @@ class CheckpointWriter:
 
     @property
     def enabled(self) -> bool:
-        """True when the run has a ``checkpoint_dir`` to save into."""
+        """The run has a ``checkpoint_dir``."""
         return self._settings.checkpoint_dir is not None
 
     def save(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
-        """Write a checkpoint of the current state and publish ``CheckpointSaved``.
-
-        Args:
-            tag: Appended to the file name (``step-00000042-<tag>.pt``); None for none.
-            metrics: The last evaluation metrics, stored with the checkpoint and on the event.
-
-        Returns:
-            The published ``CheckpointSaved``.
-
-        Raises:
-            ConfigError: the run has no ``checkpoint_dir``.
-            CheckpointError: the guard refused it (non-finite weights, a NaN stop).
-            NonFiniteLossError: the window's unread losses held a NaN under
-                ``on_nonfinite="raise"``.
-            CheckpointWriteError: the disk refused the write (nothing is left half-written);
-                counted in :attr:`failed_saves` and logged.
-        """
+        """Write a checkpoint of the current state (``tag`` in its name) and publish
+        ``CheckpointSaved``. ``ConfigError`` without ``checkpoint_dir``; what the window and
+        the guard raise; ``CheckpointWriteError`` when the disk refused (counted, logged)."""
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
@@ -208,47 +156,41 @@ class CheckpointWriter:
         if self._guard is not None:
             self._guard.check_parameters(s.model)
         self._port.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
-        sync = self._sync
-        checkpoint_dir = s.checkpoint_dir
-
-        model = s.model if sync is None else sync.unwrap(s.model)
+        sync, folder = self._sync, s.checkpoint_dir
 
         def write() -> str:
             states = None if self._callback_states is None else self._callback_states()
-            return str(save_checkpoint(
-                checkpoint_dir, tag=tag, state=st, model=model,
-                optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
-                data_order=self._order_to_save(), callback_states=states,
-                world_size=1 if sync is None else sync.world_size, run=self._run,
-            ))  # fmt: skip
-
-        def write_sharded() -> str:  # every rank writes its shards (a collective)
-            states = None if self._callback_states is None else self._callback_states()
-            return str(save_sharded(
-                checkpoint_dir, name=folder_name(st.step, tag), state=st, model=s.model,
-                optimizer=s.optimizer, scheduler=s.scheduler, scaler=s.scaler, metrics=metrics,
-                data_order=self._order_to_save(), callback_states=states, run=self._run,
-            ))  # fmt: skip
+            held: dict[str, Any] = {
+                "state": st,
+                "optimizer": s.optimizer,
+                "scheduler": s.scheduler,
+                "scaler": s.scaler,
+                "metrics": metrics,
+                "data_order": self._order_to_save(),
+                "callback_states": states,
+                "run": self._run,
+            }
+            if self._sharded:  # every rank writes its shards (a collective)
+                name = folder_name(st.step, tag)
+                return str(save_sharded(folder, name=name, model=s.model, **held))
+            model, ranks = (s.model, 1) if sync is None else (sync.unwrap(s.model), sync.world_size)
+            return str(save_checkpoint(folder, tag=tag, model=model, world_size=ranks, **held))
 
         try:
-            if self._sharded:
-                path = write_sharded()
-            else:
-                path = write() if sync is None else sync.on_main(write)
+            path = write() if sync is None or self._sharded else sync.on_main(write)
         except CheckpointWriteError as exc:
             self._refused(exc, tag)
             raise
-        self.last_checkpoint, self.last_checkpoint_step = str(path), st.step
-        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=str(path), tag=tag,
+        self.last_checkpoint, self.last_checkpoint_step = path, st.step
+        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=path, tag=tag,
                                    metrics=metrics)  # fmt: skip
         self._port.publish(saved)
         return saved
 
     def _refused(self, exc: CheckpointWriteError, tag: str | None) -> None:
-        """Count a write the disk refused and say so (bounded)."""
         self.failed_saves += 1
         n, st = self.failed_saves, self._state
-        if not _log_worthy(n):
+        if not worth_logging(n, _LOGGED_FIRST):
             return
         note = "no partial file is left; the earlier checkpoints stay valid"
         if n >= _LOGGED_FIRST:

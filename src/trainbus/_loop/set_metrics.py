@@ -1,11 +1,6 @@
-"""Metrics of the whole evaluation set (``set_metrics=``): running sums, read once per set.
-
-A :class:`SetMetric` says what to sum per batch and what the set's totals give (perplexity,
-token accuracy: not means of per-batch values; docs/trainer.md, "Metrics of the whole set").
-The evaluator keeps the sums on the device in a :class:`SetTotals` per set, reads them once at
-the set's end and, under torchrun, adds every rank's. A metric that raises is counted
-(:class:`MetricFailures`) and left out of that evaluation; the run goes on.
-"""
+"""Metrics of the whole evaluation set (``set_metrics=``): running sums on the device, read
+once per set; a metric that raises is counted and left out (docs/trainer.md, "Metrics of the
+whole set")."""
 
 from __future__ import annotations
 
@@ -18,15 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from .._exceptions import TrainingError
-from .._log import get_logger
+from .._log import get_logger, worth_logging
 from .forward import metric_targets
 
 __all__ = ["MetricFailures", "Perplexity", "SetMetric", "SetTotals", "TokenAccuracy", "Totals"]
 
 log = get_logger(__name__)
 
-Totals = dict[str, dict[str, float] | None]
-"""Each metric's totals of one set (None: the metric failed in this pass)."""
+Totals = dict[str, dict[str, float] | None]  # per metric (None: it failed in this pass)
 
 
 @runtime_checkable
@@ -52,7 +46,6 @@ class SetMetric(Protocol):
 
 
 def _logits(outputs: Any) -> torch.Tensor:
-    """The logits of ``outputs``: a tensor, a mapping's ``"logits"`` or ``.logits``."""
     if isinstance(outputs, torch.Tensor):
         return outputs
     logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(
@@ -69,7 +62,7 @@ def _logits(outputs: Any) -> torch.Tensor:
 def _aligned(
     outputs: Any, targets: Any, shift: bool, ignore_index: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(logits (n, vocab), labels (n,), counted mask (n,))`` of a token batch."""
+    """``(logits (n, vocab), labels (n,), counted mask (n,))``."""
     logits = _logits(outputs)
     if not isinstance(targets, torch.Tensor):
         raise TrainingError(f"a token metric needs the labels as a tensor; got {type(targets)}")
@@ -128,15 +121,15 @@ class TokenAccuracy:
 
 
 class MetricFailures:
-    """Set metrics that raised, counted per metric name and logged as ``set_metric_failed``
-    (the first failure with its traceback, then at 10, 100, ... failures)."""
+    """Set metrics that raised, counted per name and logged (bounded) as
+    ``set_metric_failed``."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}
 
     @property
     def counts(self) -> dict[str, int]:
-        """Failures per metric name (a copy; only metrics that failed)."""
+        """Failures per metric name (a copy)."""
         return dict(self._counts)
 
     def failed(
@@ -148,48 +141,33 @@ class MetricFailures:
         step: int,
         stage: Literal["update", "compute", "another rank"],
     ) -> None:
-        """Count and log one failure of metric ``name`` in an evaluation of ``dataset``.
-
-        Args:
-            exc: What it raised; None when it failed on another rank (under torchrun).
-            stage: Where: a batch's ``update``, the set's ``compute``, or another rank.
-        """
+        """Count and log one failure (``exc`` None: it failed on another rank)."""
         n = self._counts[name] = self._counts.get(name, 0) + 1
-        if n == 1 or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
+        if worth_logging(n):
             log.error("set_metric_failed", metric=name, dataset=dataset, step=step, stage=stage,
                       failures=n, exc_info=exc if n == 1 and exc is not None else None,
                       error=None if exc is None else repr(exc))  # fmt: skip
 
 
 class SetTotals:
-    """The running sums of each set metric over one pass of one evaluation set.
-
-    Args:
-        metrics: The set metrics by name.
-        device: Where the sums are kept (the run's device: adding a batch's sums never syncs).
-    """
+    """The running sums of each set metric over one pass of one set, kept on ``device``."""
 
     def __init__(self, metrics: Mapping[str, SetMetric], device: torch.device) -> None:
         self._metrics = dict(metrics)
         self._device = device
         self._sums: dict[str, dict[str, torch.Tensor]] = {name: {} for name in metrics}
-        self.errors: dict[str, BaseException] = {}
-        """The metrics that raised in this pass, and what (they are not updated again)."""
+        self.errors: dict[str, BaseException] = {}  # who raised in this pass (not updated again)
 
     def update(self, outputs: Any, batch: Any) -> None:
-        """Add each metric's sums of one batch; a metric that raises is set aside (its error
-        kept in :attr:`errors`), the others go on."""
-        targets: Any = None
-        found: BaseException | None = None
+        """Add each metric's sums of one batch; one that raises is set aside in ``errors``."""
         try:
             targets = metric_targets(batch)
         except TrainingError as exc:
-            found = exc
+            for name in self._metrics:
+                self.errors.setdefault(name, exc)
+            return
         for name, metric in self._metrics.items():
             if name in self.errors:
-                continue
-            if found is not None:
-                self.errors[name] = found
                 continue
             try:
                 sums = self._sums[name]
@@ -206,15 +184,10 @@ class SetTotals:
                 self.errors[name] = exc
 
     def read(self) -> Totals:
-        """Every metric's totals as floats (one device read for all of them); None for a
-        metric that raised."""
-        keys = [(name, key) for name, sums in self._sums.items() if name not in self.errors
-                for key in sums]  # fmt: skip
-        values = (torch.stack([self._sums[n][k] for n, k in keys]).tolist() if keys
-                  else [])  # fmt: skip
-        out: Totals = {name: None if name in self.errors else {} for name in self._metrics}
-        for (name, key), value in zip(keys, values, strict=True):
-            totals = out[name]
-            assert totals is not None
-            totals[key] = value
-        return out
+        """Every metric's totals (one device read); None for a metric that raised."""
+        live = [t for n, sums in self._sums.items() if n not in self.errors for t in sums.values()]
+        values = iter(torch.stack(live).tolist() if live else [])
+        return {
+            name: None if name in self.errors else {key: next(values) for key in self._sums[name]}
+            for name in self._metrics
+        }
