@@ -1080,6 +1080,37 @@ def test_bad_arguments_raise_config_error_naming_them(
     assert vbus.statistics().queue_depth == 0
 
 
+@pytest.mark.asyncio
+async def test_an_async_function_given_to_subscribe_is_refused_naming_subscribe_async(
+    step_event, wait_until
+) -> None:
+    # RxPY's subscribe would call it and drop the coroutine: it would never run, silently.
+    posted: list[int] = []
+
+    async def post(e: ev.StepEnded) -> None:
+        posted.append(e.step)
+
+    bus = EventBus()
+    refused = r"=.*\.post' is invalid: .*async def.* bus\.subscribe_async\(stream, fn\)"
+    piped = bus.events.pipe(ops.filter(lambda e: isinstance(e, ev.StepEnded)))
+    for subscribe in (
+        lambda: bus.stream(ev.StepEnded).subscribe(post),
+        lambda: bus.events.subscribe(post),
+        lambda: piped.subscribe(post),
+        lambda: bus.stream(ev.StepEnded).pipe(ops.throttle_first(0.5)).subscribe(post),
+        lambda: bus.subscribe(bus.stream(ev.StepEnded), post),
+        lambda: bus.events.subscribe(print, on_completed=post),
+    ):
+        with pytest.raises(ConfigError, match=refused):
+            subscribe()
+    assert bus.subscriptions == ()  # nothing half-registered
+    # The way the message names runs it.
+    bus.subscribe_async(bus.stream(ev.StepEnded), post)
+    async with bus:
+        bus.publish(step_event(7))
+        await wait_until(lambda: posted == [7])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -402,7 +402,8 @@ class EventBus:
             The subscription handle (dispose it to stop; ``statistics()`` for counters).
 
         Raises:
-            ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
+            ConfigError: ``on_next`` is not callable or is ``async def`` (use
+                :meth:`subscribe_async`), or an unknown ``on_error`` policy.
         """
         source = self._wrap(observable)
         return self._subs.subscribe(source, on_next, None, on_completed, on_error, name, ranks)

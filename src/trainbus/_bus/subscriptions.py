@@ -788,7 +788,8 @@ class BusObservable(Observable[_T], Generic[_T]):
 
         Raises:
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
-                ``on_completed`` is not callable; unknown policy.
+                ``on_completed`` is not callable; one of them is ``async def`` (use
+                ``bus.subscribe_async``); unknown policy.
         """
         return self.subscriptions.subscribe(
             self, on_next, on_rx_error, on_completed, on_error, name, ranks, scheduler
@@ -895,6 +896,18 @@ class SubscriptionSet:
         for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
+        for field, value in (
+            ("on_next", on_next),
+            ("on_rx_error", on_rx_error),
+            ("on_completed", on_completed),
+        ):
+            if value is not None and _is_async(value):
+                # RxPY would call it and drop the coroutine: it would never run.
+                allowed = (
+                    "a plain function; an async def one never runs here (its coroutine would "
+                    "be dropped): use bus.subscribe_async(stream, fn), which awaits it"
+                )
+                raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
         if not self.ranks.runs_here(ranks):
             inert = Subscription(self._ledger, name or "inert", policy)
