@@ -1,13 +1,5 @@
-"""The event loop's runtime: the reactivex scheduler on anyio, and the background tasks.
-
-RxPY's time-based operators default to a ``threading.Timer`` per action, which would run
-subscribers off the event loop; the bus hands every subscription an :class:`AnyioScheduler`
-instead (one timer task over a heap of due actions). ``now`` is the wall clock, as for every
-reactivex 6 scheduler; delays run on the loop's clock.
-
-Every background task trainbus starts runs in a :class:`TaskSet`, in its own cancel scope: the
-task ends normally and its task group exits without cancelling anything (a cancelled task group
-leaves, on asyncio, a ``CancelledError`` in a reference cycle holding a dropped Trainer).
+"""The event loop's runtime: the reactivex schedulers on anyio (never RxPY's default
+``threading.Timer``, which would run subscribers off the loop), and the background tasks.
 """
 
 from __future__ import annotations
@@ -49,9 +41,10 @@ class _Item:
 
 
 class AnyioScheduler(PeriodicScheduler):
-    """Schedules reactivex actions on the anyio event loop that runs :meth:`run`, from any
-    thread and before the loop runs. An action that raises is logged and reported to
-    ``on_failure``; it never stops the timer task.
+    """Schedules reactivex actions on the anyio event loop that runs :meth:`run` (one timer
+    task over a heap), from any thread and before the loop runs. ``now`` is the wall clock, as
+    for every reactivex 6 scheduler; delays run on the loop's clock. An action that raises is
+    logged and reported to ``on_failure``; it never stops the timer task.
 
     Args:
         on_failure: Called with the exception of an action that raised.
@@ -242,11 +235,9 @@ class ChainScheduler(PeriodicScheduler):
 
 # ================================================================== background tasks
 class TaskSet:
-    """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly.
-
-    Args:
-        tg: The task group the tasks run in (made on its event loop).
-    """
+    """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly,
+    so the group exits without cancelling (a cancelled group leaves, on asyncio, a
+    ``CancelledError`` in a reference cycle holding a dropped Trainer)."""
 
     def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
@@ -257,8 +248,7 @@ class TaskSet:
         self._thread = threading.get_ident()
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)`` on the tasks' event-loop thread (from another, through anyio's
-        portal) and return its result: what makes anyio events and tasks must run there."""
+        """Call ``fn(*args)`` on the tasks' event-loop thread and return its result."""
         if threading.get_ident() == self._thread:
             return fn(*args)
         return anyio.from_thread.run_sync(fn, *args, token=self._token)
@@ -274,8 +264,8 @@ class TaskSet:
         self._tg.start_soon(_in_scope, scope, fn, args, name=name)
 
     def stop(self) -> None:
-        """Cancel every task's own scope: each ends at its next await, as a normal return.
-        Idempotent; safe from one of the tasks (it ends at its next await, if any)."""
+        """Cancel every task's own scope: each ends at its next await, as a normal return
+        (idempotent; safe from one of the tasks)."""
         self.stopped = True
         scopes, self._scopes = self._scopes, []
         for scope in scopes:

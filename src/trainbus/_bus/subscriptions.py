@@ -1,12 +1,6 @@
-"""Subscriptions: their records, the chains they end, ranks, back-pressure and statistics.
-
-A sync subscription ends its chain in a :class:`GuardedObserver`, which reports failures to the
-:class:`~trainbus._bus.watchdog.FailureLedger` instead of letting RxPY re-raise them into the
-dispatch. An :class:`AsyncSubscription` runs ``async def fn(item)`` from a bounded buffer in
-worker tasks. A chain born on the bus is a :class:`BusObservable`; it subscribes through the
-:class:`SubscriptionSet`, which hands it the bus' Rx scheduler, guards the observer, makes a
-subscription for other ranks inert and declares the pipeline's decision steps. Counters are
-plain ints touched on the event-loop thread only.
+"""Subscriptions: their records and statistics, the guard ending a sync chain, async workers,
+back-pressure, ranks, and the :class:`SubscriptionSet` every :class:`BusObservable` subscribes
+through. Counters are plain ints touched on the event-loop thread only.
 """
 
 from __future__ import annotations
@@ -76,16 +70,14 @@ class SubscriptionStatistics:
     """Items waiting in the buffer (async only)."""
     in_flight: int
     cancelled: int
-    """Items waiting or running when they were cancelled (``close_timeout``,
-    ``EventBus.cancel_pending()``)."""
+    """Items waiting or running when cancelled (``close_timeout``, ``cancel_pending()``)."""
     last_error: str | None
     stalls: int = 0
     """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (sync only)."""
     blocked_s: float = 0.0
     """Seconds those calls blocked the event loop (to within the watchdog's poll)."""
     waited_s: float = 0.0
-    """Seconds the training thread waited on this subscription (a full ``overflow="block"``
-    buffer, a barrier or decision step it decides at)."""
+    """Seconds the training thread waited on it (a full ``"block"`` buffer, a barrier)."""
 
     @property
     def lost_work(self) -> LostWork:
@@ -169,12 +161,8 @@ def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None
 
 
 class Backpressure:
-    """The ``"block"`` subscriptions over capacity, and the training thread's wait for them.
-    The holders change on the event-loop thread only; the loop reads ``active``.
-
-    Args:
-        doorbell: Rung when a subscription starts holding.
-    """
+    """The ``"block"`` subscriptions over capacity (changed on the event-loop thread), and the
+    training thread's wait for them (it reads ``active``)."""
 
     __slots__ = ("_doorbell", "_holders", "_room", "_warned", "active")
 
@@ -202,12 +190,8 @@ class Backpressure:
             self._room.set()
 
     def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the training thread while a ``"block"`` buffer is over capacity, until the
-        doorbell rings or ``stop()`` is true; each slice is charged to the holders' ``waited_s``.
-
-        Returns:
-            Seconds waited.
-        """
+        """Block while a ``"block"`` buffer is over capacity, until the doorbell rings or
+        ``stop()``; return the seconds waited, each slice charged to the holders."""
         if not self.active:
             return 0.0
         bell = self._doorbell
@@ -334,10 +318,8 @@ class Subscription(abc.DisposableBase):
 
 
 class GuardedObserver(abc.ObserverBase[Any]):
-    """The observer at the end of every sync subscription: counts, and reports failures to the
-    ledger under the subscription's policy (it keeps receiving); an upstream error too, unless
-    the user gave an Rx error callback. Each call is marked on the bus' :class:`Watchdog`.
-    """
+    """The end of every sync chain: counts, reports failures (and an upstream error nobody
+    handles) to the ledger, and marks each call on the :class:`Watchdog`."""
 
     __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
 
@@ -394,9 +376,7 @@ class GuardedObserver(abc.ObserverBase[Any]):
 # ================================================================== async subscriptions
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
-"""What an async subscription does when its buffer is full: ``"block"`` takes the item and
-makes the training thread wait at its next poll point until there is room; ``"drop_oldest"``
-drops the oldest waiting item; ``"latest"`` keeps only the newest. Drops are lost work."""
+"""What a full async buffer does (``subscribe_async(overflow=)``; docs/bus.md)."""
 OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
 DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 """The default: a slow subscriber never holds training back."""
@@ -674,11 +654,7 @@ def _normalise(ranks: Ranks) -> frozenset[int] | Literal["all"] | None:
 
 
 class RankFilter:
-    """This bus' rank and the default ranks of new subscriptions.
-
-    Args:
-        rank: This process' rank.
-    """
+    """This bus' rank and the default ranks of new subscriptions."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
@@ -715,10 +691,8 @@ _T = TypeVar("_T")
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
     the observer and hands the bus' Rx scheduler to the chain's time-based operators.
-
-    ``decision_steps`` are those of the operators piped so far (``tbops.every(n)`` carries
-    some): subscribing declares them for the subscription's lifetime. A stream of events never
-    published per step (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares none.
+    Subscribing declares the ``decision_steps`` of the operators piped so far (none on a stream
+    of events not published per step: ``per_step=False``).
     """
 
     def __init__(
@@ -780,8 +754,7 @@ class BusObservable(Observable[_T], Generic[_T]):
                 ``"raise"`` (default: the bus' ``on_error``).
             scheduler: Overrides the bus' Rx scheduler for this chain.
             name: Name in logs and statistics.
-            ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
-                default), ``"all"``, a rank or an iterable of ranks.
+            ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
             The :class:`~trainbus.bus.Subscription` (an Rx disposable).
@@ -797,11 +770,8 @@ class BusObservable(Observable[_T], Generic[_T]):
 
 
 class CommandSink(abc.ObserverBase[Any]):
-    """``bus.commands``: the back-channel as an Rx Observer of commands.
-
-    ``pipeline.subscribe(bus.commands)`` sends every command the pipeline emits; a non-command
-    is a ``ConfigError``, reported as that subscription's failure.
-    """
+    """``bus.commands``: the back-channel as an Rx Observer of commands (a non-command is a
+    ``ConfigError``, reported as the subscription's failure)."""
 
     def __init__(self, send: Callable[[cmd.Command], None]) -> None:
         self.send = send
@@ -828,9 +798,8 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 # ================================================================== the subscription set
 class SubscriptionSet:
-    """Every subscription of one bus, in order: what each :class:`BusObservable` subscribes
-    through (``ranks`` make one for other ranks inert; ``clock`` takes the pipelines' decision
-    steps), and the back-pressure they share."""
+    """Every subscription of one bus, in order, and the back-pressure they share: what each
+    :class:`BusObservable` subscribes through."""
 
     def __init__(
         self,
@@ -872,13 +841,8 @@ class SubscriptionSet:
         ranks: Ranks,
         scheduler: abc.SchedulerBase | None = None,
     ) -> Subscription:
-        """Subscribe ``observer`` to ``source`` behind a :class:`GuardedObserver` (arguments
-        as in :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert one.
-
-        Raises:
-            ConfigError: a bad observer, callback, policy or ranks.
-            BusClosedError: the bus is closed.
-        """
+        """:meth:`BusObservable.subscribe`: behind a :class:`GuardedObserver`; on a rank it
+        does not run on, an inert subscription."""
         self._check_open()
         on_next = observer
         if isinstance(observer, CommandSink):
@@ -937,8 +901,6 @@ class SubscriptionSet:
     ) -> AsyncSubscription:
         """:meth:`EventBus.subscribe_async` (options validated on every rank alike); on a rank
         it does not run on, an inert subscription."""
-        if not callable(fn):
-            raise ConfigError.invalid("fn", fn, "an async function of one item")
         if not _is_async(fn):
             raise ConfigError.invalid(
                 "fn",
@@ -1010,11 +972,8 @@ class SubscriptionSet:
         return {s.name: s.pending for s in self.asyncs() if s.pending}
 
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscription's workers now; what they held counts as cancelled.
-
-        Returns:
-            Items pending per subscription when cancelled (only those with any).
-        """
+        """Cancel every async subscription's workers now; return what was pending per
+        subscription (counted as cancelled)."""
         pending = self.pending()
         for sub in self.asyncs():
             sub.cancel()

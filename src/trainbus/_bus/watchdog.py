@@ -1,17 +1,6 @@
-"""The watchdog and the failure ledger: what a subscriber blocks or raises.
-
-Sync subscribers run on the event-loop thread; one that blocks holds every other subscriber,
-the barriers and the close. The guard marks which subscription it runs with two attribute
-writes per call; the :class:`Watchdog`'s daemon thread polls them::
-
-    loop thread (GuardedObserver.on_next)        watchdog thread (polls every threshold/10)
-    prev = w.current; w.current = sub    ───►    same call (sub, sub.received) running for
-    fn(event)                            read    >= threshold? warn once, with the loop
-    w.current = prev                             thread's stack; an info line when it returns
-
-Not seen: an Rx operator upstream of the guard, and an ``async def`` subscriber that blocks
-between its awaits. The :class:`FailureLedger` counts every failure and applies the
-subscription's policy (``"log"``, ``"stop"``, ``"raise"``).
+"""What a subscriber blocks or raises: the :class:`Watchdog` (a daemon thread that warns when
+one sync subscriber call holds the event-loop thread) and the :class:`FailureLedger` (counts,
+error policies).
 """
 
 from __future__ import annotations
@@ -58,8 +47,8 @@ ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
 
 
 class Watched(Protocol):
-    """What the watchdog and the ledger need of a subscription. ``received`` is bumped before
-    each call: with the subscription, it names one call."""
+    """What the watchdog and the ledger need of a subscription (``received``, bumped before
+    each call, names the call)."""
 
     name: str
     received: int
@@ -75,12 +64,10 @@ class Watched(Protocol):
 
 
 class Watchdog:
-    """Watches the event-loop thread from a daemon thread. Only the loop thread writes
-    :attr:`current`; a warning needs the same call seen on polls ``threshold`` apart.
-
-    Args:
-        threshold: Seconds a call may block before the warning; None: no watchdog thread.
-    """
+    """Watches the event-loop thread from a daemon thread: the guard sets :attr:`current`
+    around each call (loop thread only); the same call seen on polls ``threshold`` apart is
+    warned about once, with the loop thread's stack. Not seen: Rx operators upstream of the
+    guard, and an ``async def`` subscriber that blocks between its awaits."""
 
     __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
 
@@ -93,7 +80,7 @@ class Watchdog:
         self._loop_thread = 0
 
     def start(self, loop_thread: int) -> None:
-        """Watch ``loop_thread`` from a new daemon thread (unless None threshold or running)."""
+        """Watch ``loop_thread`` from a new daemon thread (none without a threshold)."""
         if self.threshold is None or self._thread is not None:
             return
         self._loop_thread = loop_thread
@@ -175,13 +162,8 @@ def name_of(fn: object) -> str:
 
 
 class FailureLedger:
-    """Counts every failure on the bus and applies the subscription's policy.
-
-    Args:
-        default_policy: Policy of subscriptions made without one.
-        send: Puts a command on the back-channel (the ``"stop"`` policy's ``StopTraining``).
-        doorbell: Rung when a ``"raise"`` failure becomes :attr:`fatal`.
-    """
+    """Counts every failure on the bus and applies the subscription's policy (``send`` takes
+    the ``"stop"`` policy's command; ``doorbell`` rings when :attr:`fatal` is set)."""
 
     def __init__(
         self, default_policy: ErrorPolicy, send: Callable[[cmd.Command], None], doorbell: Doorbell
@@ -192,8 +174,7 @@ class FailureLedger:
         self.failed = 0
         """Failures counted so far (subscribers, operators, completions, scheduled actions)."""
         self.fatal: Exception | None = None
-        """The first failure of a subscription with ``on_error="raise"``: the subscriber's own
-        exception, with a note naming the subscription (and event)."""
+        """The first failure of an ``on_error="raise"`` subscription (its own exception)."""
 
     def take_fatal(self) -> Exception | None:
         """The ``"raise"`` failure, if any, cleared: the bus' next run starts without it."""
@@ -201,15 +182,13 @@ class FailureLedger:
         return fatal
 
     def count(self, exc: BaseException | None = None) -> None:
-        """Count a failure its owner reported (a handled upstream error, a scheduled action
-        that raised)."""
+        """Count a failure its owner handled (an upstream error, a scheduled action)."""
         self.failed += 1
 
     def subscriber_failed(
         self, sub: Watched, exc: Exception, item: Any, *, ended: bool = False
     ) -> None:
-        """Count, log (throttled; always when it ``ended`` the subscription) and apply the
-        policy of ``sub``, whose ``failed`` already counts it, for ``exc`` raised on ``item``."""
+        """Count, log (throttled) and apply ``sub``'s policy to ``exc`` raised on ``item``."""
         self.failed += 1
         policy = sub.on_error or self.default_policy
         # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
@@ -240,8 +219,7 @@ class FailureLedger:
             self._doorbell.ring()
 
     def operator_failed(self, observer: Any, exc: Exception, event: object = None) -> None:
-        """An operator raised past RxPY into the dispatch of ``event``, or completing a
-        stream at close raised: count and log it (policy ``log``)."""
+        """Count and log an operator that raised past RxPY (policy ``log``)."""
         self.failed += 1
         log.error(
             "subscriber_failed",
