@@ -12,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import anyio.lowlevel
@@ -45,7 +45,7 @@ log = get_logger(__name__)
 
 # ================================================================== the route table
 Tier = Literal["internal", "core", "user", "global"]
-TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
+TIER_ORDER = {tier: i for i, tier in enumerate(get_args(Tier))}
 
 
 @dataclass(slots=True, eq=False)

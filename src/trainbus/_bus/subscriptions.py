@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
 from reactivex import Observable, abc
@@ -377,7 +377,7 @@ class GuardedObserver(abc.ObserverBase[Any]):
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What a full async buffer does (``subscribe_async(overflow=)``; docs/bus.md)."""
-OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
+OVERFLOWS: tuple[str, ...] = get_args(Overflow)
 DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 """The default: a slow subscriber never holds training back."""
 
@@ -857,14 +857,14 @@ class SubscriptionSet:
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
             allowed = "an Rx error callback or None; an error policy goes in on_error="
             raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
-        for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
-            if value is not None and not callable(value):
-                raise ConfigError.invalid(field, value, "a callable or None")
-        for field, value in (
+        callbacks = (
             ("on_next", on_next),
             ("on_rx_error", on_rx_error),
             ("on_completed", on_completed),
-        ):
+        )
+        for field, value in callbacks:
+            if value is not None and not callable(value):
+                raise ConfigError.invalid(field, value, "a callable or None")
             if value is not None and _is_async(value):
                 # RxPY would call it and drop the coroutine: it would never run.
                 allowed = (

@@ -10,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, get_args
 
 from .. import commands as cmd
 from .. import events as ev
@@ -43,7 +43,7 @@ _STACK_FRAMES = 25
 ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
 """What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
 run (the subscriber's own exception, noted, from ``fit()`` or closing the bus)."""
-ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
+ERROR_POLICIES: tuple[str, ...] = get_args(ErrorPolicy)
 
 
 class Watched(Protocol):
