@@ -17,6 +17,7 @@ from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
 from reactivex import Observable, abc
+from reactivex.disposable import CompositeDisposable
 
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
@@ -239,9 +240,8 @@ class Subscription(abc.DisposableBase):
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
-        self.upstream: abc.DisposableBase | None = None
+        self.upstream: abc.DisposableBase | None = None  # the chain, and its decision steps
         self._stop_sent = False
-        self._held: list[abc.DisposableBase] = []
 
     @property
     def delivered(self) -> int:
@@ -272,18 +272,11 @@ class Subscription(abc.DisposableBase):
         first, self._stop_sent = not self._stop_sent, True
         return first
 
-    def hold(self, resource: abc.DisposableBase) -> None:
-        """Dispose ``resource`` when this subscription is disposed (its decision steps)."""
-        self._held.append(resource)
-
     def dispose(self) -> None:
         """Unsubscribe. Idempotent."""
         self.active = False
         if self.upstream is not None:
             self.upstream.dispose()
-        held, self._held = self._held, []
-        for resource in held:
-            resource.dispose()
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""
@@ -623,11 +616,8 @@ Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
 
 
 def env_rank(env: Mapping[str, str] | None = None) -> int:
-    """This process' rank from torchrun's ``RANK`` variable (0 when unset).
-
-    Raises:
-        ConfigError: ``RANK`` is set but not an integer >= 0.
-    """
+    """This process' rank from torchrun's ``RANK`` variable (0 when unset; ConfigError when
+    not an integer >= 0)."""
     text = (os.environ if env is None else env).get("RANK")
     if text is None or text == "":
         return 0
@@ -661,11 +651,7 @@ class RankFilter:
         self._default: frozenset[int] | Literal["all"] = frozenset({0})
 
     def runs_here(self, ranks: Ranks) -> bool:
-        """True when a subscription for ``ranks`` runs on this rank.
-
-        Raises:
-            ConfigError: ``ranks`` is not None, ``"all"``, a rank or ranks.
-        """
+        """True when a subscription for ``ranks`` runs on this rank."""
         chosen = _normalise(ranks)
         if chosen is None:
             chosen = self._default
@@ -878,12 +864,9 @@ class SubscriptionSet:
             inert.dispose()  # registered nowhere: it costs nothing
             return inert
         sub = Subscription(self._ledger, name or name_of(on_next), policy)
-        self._subs.append(sub)
         guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
-        sub.upstream = source.source.subscribe(guard, scheduler=chain)
-        if source.decision_steps and sub.active:
-            sub.hold(self._clock.declare(*source.decision_steps))
+        self._attach(sub, source, guard, chain, declares=True)
         return sub
 
     def subscribe_async(
@@ -940,11 +923,25 @@ class SubscriptionSet:
         if self._tasks is not None:
             # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
-        self._subs.append(sub)
-        sub.upstream = source.source.subscribe(_AsyncFeeder(sub), scheduler=self.rx_scheduler)
-        if decides and source.decision_steps:
-            sub.hold(self._clock.declare(*source.decision_steps))
+        self._attach(sub, source, _AsyncFeeder(sub), self.rx_scheduler, declares=decides)
         return sub
+
+    def _attach(
+        self,
+        sub: Subscription,
+        source: BusObservable[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase,
+        *,
+        declares: bool,
+    ) -> None:
+        """Subscribe ``observer`` to the chain for ``sub``; with ``declares``, the chain's
+        decision steps hold while ``sub`` does."""
+        self._subs.append(sub)
+        upstream = source.source.subscribe(observer, scheduler=scheduler)
+        if declares and source.decision_steps and sub.active:
+            upstream = CompositeDisposable(upstream, self._clock.declare(*source.decision_steps))
+        sub.upstream = upstream
 
     def start(self, tasks: TaskSet) -> None:
         """The bus runs: start the active async subscriptions (and later ones at once)."""

@@ -47,20 +47,17 @@ ERROR_POLICIES: tuple[str, ...] = get_args(ErrorPolicy)
 
 
 class Watched(Protocol):
-    """What the watchdog and the ledger need of a subscription (``received``, bumped before
-    each call, names the call)."""
+    """What the watchdog and the ledger need of a :class:`Subscription` (``received``, bumped
+    before each call, names the call)."""
 
     name: str
     received: int
     on_error: ErrorPolicy | None
     failed: int
 
-    def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """A call blocked the event loop past the threshold (``ended``: it has returned)."""
+    def stalled(self, blocked_s: float, *, ended: bool) -> None: ...
 
-    def claim_stop(self) -> bool:
-        """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
-        ...
+    def claim_stop(self) -> bool: ...
 
 
 class Watchdog:
@@ -145,11 +142,7 @@ class Watchdog:
 
 
 def check_policy(policy: ErrorPolicy | None) -> ErrorPolicy | None:
-    """Validate an ``on_error`` policy (None means "the bus default").
-
-    Raises:
-        ConfigError: ``policy`` is not one of :data:`ERROR_POLICIES`.
-    """
+    """Validate an ``on_error`` policy (None: the bus default)."""
     if policy is not None and policy not in ERROR_POLICIES:
         raise ConfigError.invalid("on_error", policy, f"one of {ERROR_POLICIES}")
     return policy
