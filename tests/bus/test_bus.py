@@ -383,15 +383,17 @@ def test_operator_error_ends_only_that_subscription(vbus: EventBus, step_event) 
 
 
 def test_chain_subscribed_outside_the_guard_is_still_isolated(vbus: EventBus, step_event) -> None:
-    # A plain Rx subscribe (no bus guard): its observer's exception reaches the dispatch loop.
+    # A merge subscribes to bus streams through their guarded subscribe; RxPY's own subscribe,
+    # called past the bus' override, has no guard: its observer's exception reaches the dispatch.
     merged = reactivex.merge(vbus.stream(ev.StepEnded), vbus.stream(ev.EpochStarted))
     merged.subscribe(lambda e: 1 / 0)
+    reactivex.Observable.subscribe(vbus.stream(ev.StepEnded), lambda e: 1 / 0)
     seen: list[int] = []
     vbus.stream(ev.StepEnded).subscribe(lambda e: seen.append(e.step))
     publish_range(vbus, step_event, 0, 3)
     vbus.flush()
     assert seen == [0, 1, 2]
-    assert vbus.statistics().failed == 3
+    assert vbus.statistics().failed == 6
     assert vbus.statistics().delivered == 3
 
 
