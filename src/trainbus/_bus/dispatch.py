@@ -54,7 +54,7 @@ class Root:
 
     types: tuple[type, ...]
     observer: abc.ObserverBase[Any]
-    order: int
+    tier: int
 
 
 class Demand:
@@ -154,7 +154,6 @@ class RouteTable:
     def __init__(self, doorbell: Doorbell) -> None:
         self._doorbell = doorbell
         self._roots: list[Root] = []
-        self._seq = 0
         # Event type -> observers, in delivery order; replaced on change (copy-on-write).
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         self._tier: Tier = "user"  # of the roots registered now
@@ -200,13 +199,11 @@ class RouteTable:
     ) -> Root:
         """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
         ``every_steps``."""
-        self._seq += 1
-        rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps, self._update_demands)
-        root = Root(types, observer, rank * 1_000_000_000 + self._seq)
+        root = Root(types, observer, TIER_ORDER[tier or self._tier])
         self._roots.append(root)
-        self._roots.sort(key=lambda r: r.order)
+        self._roots.sort(key=lambda r: r.tier)  # stable: in order of subscription within a tier
         self.cache = {}
         self._update_demands()
         self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand

@@ -9,14 +9,14 @@ import itertools
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 from reactivex import abc, typing
-from reactivex.disposable import Disposable, SingleAssignmentDisposable
+from reactivex.disposable import SingleAssignmentDisposable
 from reactivex.scheduler import CurrentThreadScheduler
 from reactivex.scheduler.periodicscheduler import PeriodicScheduler
 
@@ -30,14 +30,8 @@ _TState = TypeVar("_TState")
 log = get_logger(__name__)
 
 
-class _Item:
-    __slots__ = ("action", "cancelled", "disposable", "state")
-
-    def __init__(self, action: Any, state: Any) -> None:
-        self.action = action
-        self.state = state
-        self.cancelled = False
-        self.disposable = SingleAssignmentDisposable()
+# A scheduled action: the action, its state, and the disposable handed back (disposed: cancelled).
+_Item: TypeAlias = tuple[Any, Any, SingleAssignmentDisposable]
 
 
 class AnyioScheduler(PeriodicScheduler):
@@ -95,19 +89,14 @@ class AnyioScheduler(PeriodicScheduler):
         return time.monotonic() + self._offset
 
     def _push(self, delay: float, action: Any, state: Any) -> abc.DisposableBase:
-        item = _Item(action, state)
+        disposable = SingleAssignmentDisposable()
         with self._lock:
             due = self._clock() + delay
             first = not self._heap or due < self._heap[0][0]
-            heapq.heappush(self._heap, (due, next(self._seq), item))
+            heapq.heappush(self._heap, (due, next(self._seq), (action, state, disposable)))
         if first:
             self._wake_timer()
-
-        def cancel() -> None:
-            item.cancelled = True
-            item.disposable.dispose()
-
-        return Disposable(cancel)
+        return disposable
 
     def _wake_timer(self) -> None:
         wake = self._wake
@@ -173,10 +162,11 @@ class AnyioScheduler(PeriodicScheduler):
             self._invoke(item)
 
     def _invoke(self, item: _Item) -> None:
-        if item.cancelled:
+        action, state, disposable = item
+        if disposable.is_disposed:
             return
         try:
-            item.disposable.disposable = self.invoke_action(item.action, item.state)
+            disposable.disposable = self.invoke_action(action, state)
         except Exception as exc:
             log.error("scheduled_action_failed", exc_info=exc)
             if self._on_failure is not None:
