@@ -1093,7 +1093,7 @@ async def test_an_async_function_given_to_subscribe_is_refused_naming_subscribe_
         posted.append(e.step)
 
     bus = EventBus()
-    refused = r"=.*\.post' is invalid: .*async def.* bus\.subscribe_async\(stream, fn\)"
+    refused = r"=.*\.post' is invalid: .*async def.* bus\.subscribe_async\(stream, post\)"
     piped = bus.events.pipe(ops.filter(lambda e: isinstance(e, ev.StepEnded)))
     for subscribe in (
         lambda: bus.stream(ev.StepEnded).subscribe(post),

@@ -852,10 +852,11 @@ class SubscriptionSet:
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
             if value is not None and _is_async(value):
-                # RxPY would call it and drop the coroutine: it would never run.
+                short = getattr(value, "__name__", "fn")
                 allowed = (
-                    "a plain function; an async def one never runs here (its coroutine would "
-                    "be dropped): use bus.subscribe_async(stream, fn), which awaits it"
+                    "a plain function: an async def one would never run here (RxPY calls it and "
+                    f"drops the coroutine); use bus.subscribe_async(stream, {short}), which "
+                    "awaits it"
                 )
                 raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
