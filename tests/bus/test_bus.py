@@ -383,15 +383,17 @@ def test_operator_error_ends_only_that_subscription(vbus: EventBus, step_event) 
 
 
 def test_chain_subscribed_outside_the_guard_is_still_isolated(vbus: EventBus, step_event) -> None:
-    # A plain Rx subscribe (no bus guard): its observer's exception reaches the dispatch loop.
+    # A merge subscribes to bus streams through their guarded subscribe; RxPY's own subscribe,
+    # called past the bus' override, has no guard: its observer's exception reaches the dispatch.
     merged = reactivex.merge(vbus.stream(ev.StepEnded), vbus.stream(ev.EpochStarted))
     merged.subscribe(lambda e: 1 / 0)
+    reactivex.Observable.subscribe(vbus.stream(ev.StepEnded), lambda e: 1 / 0)
     seen: list[int] = []
     vbus.stream(ev.StepEnded).subscribe(lambda e: seen.append(e.step))
     publish_range(vbus, step_event, 0, 3)
     vbus.flush()
     assert seen == [0, 1, 2]
-    assert vbus.statistics().failed == 3
+    assert vbus.statistics().failed == 6
     assert vbus.statistics().delivered == 3
 
 
@@ -1078,6 +1080,37 @@ def test_bad_arguments_raise_config_error_naming_them(
     assert isinstance(exc_info.value, ValueError)
     assert vbus.subscriptions == ()  # nothing half-registered
     assert vbus.statistics().queue_depth == 0
+
+
+@pytest.mark.asyncio
+async def test_an_async_function_given_to_subscribe_is_refused_naming_subscribe_async(
+    step_event, wait_until
+) -> None:
+    # RxPY's subscribe would call it and drop the coroutine: it would never run, silently.
+    posted: list[int] = []
+
+    async def post(e: ev.StepEnded) -> None:
+        posted.append(e.step)
+
+    bus = EventBus()
+    refused = r"=.*\.post' is invalid: .*async def.* bus\.subscribe_async\(stream, post\)"
+    piped = bus.events.pipe(ops.filter(lambda e: isinstance(e, ev.StepEnded)))
+    for subscribe in (
+        lambda: bus.stream(ev.StepEnded).subscribe(post),
+        lambda: bus.events.subscribe(post),
+        lambda: piped.subscribe(post),
+        lambda: bus.stream(ev.StepEnded).pipe(ops.throttle_first(0.5)).subscribe(post),
+        lambda: bus.subscribe(bus.stream(ev.StepEnded), post),
+        lambda: bus.events.subscribe(print, on_completed=post),
+    ):
+        with pytest.raises(ConfigError, match=refused):
+            subscribe()
+    assert bus.subscriptions == ()  # nothing half-registered
+    # The way the message names runs it.
+    bus.subscribe_async(bus.stream(ev.StepEnded), post)
+    async with bus:
+        bus.publish(step_event(7))
+        await wait_until(lambda: posted == [7])
 
 
 @pytest.mark.parametrize(

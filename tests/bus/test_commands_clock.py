@@ -57,10 +57,18 @@ def test_declaring_or_removing_a_schedule_rings_the_doorbell() -> None:
     assert clock.next_decision(10) is None and clock.decision_steps == ()
 
 
-@pytest.mark.parametrize("bad", [(Every, 0), (Every, 1.5), (At, -1), (At, True)])
-def test_schedules_reject_bad_steps(bad: tuple[Any, Any]) -> None:
-    with pytest.raises(ConfigError):
-        bad[0](bad[1])
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"every": 0}, "every"),
+        ({"every": 1.5}, "every"),
+        ({"at": -1}, "at"),
+        ({"at": [3, True]}, "at"),
+    ],
+)
+def test_declared_decision_steps_reject_bad_steps(kwargs: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError, match=rf"^{field}="):
+        EventBus().declare_decision_steps(**kwargs)
 
 
 @pytest.mark.asyncio

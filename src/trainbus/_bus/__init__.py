@@ -1,9 +1,6 @@
-"""The event bus: a cheap publish on the training thread, batched dispatch on the event loop.
-
-:class:`EventBus` is the users' face over parts that each own their state; the training loop
-holds the other face, the :class:`LoopPort` (``bus.port()``). One module per concept, each
-importing only those before it (``tests/test_layers.py``): ``scheduler``, ``commands``,
-``watchdog``, ``subscriptions``, ``dispatch``, ``lifecycle``. None imports torch or the loop.
+"""The event bus: :class:`EventBus`, the users' face over parts that each own their state, and
+:class:`LoopPort` (``bus.port()``), the training loop's. The parts' modules import only those
+before them (ARCHITECTURE.md, "Module map"); none imports torch or the loop.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ from contextlib import AbstractContextManager
 from types import TracebackType
 from typing import Any, Literal, Self, TypeVar, overload
 
-from reactivex import Observable, abc
+from reactivex import Observable, Observer, abc
 from reactivex.disposable import Disposable
 
 from .. import commands as cmd
@@ -27,7 +24,6 @@ from .._validate import (
     unknown_keyword_message,
 )
 from .commands import (
-    AckObserver,
     At,
     CommandChannel,
     CommandError,
@@ -82,7 +78,7 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
 
 class LoopPort:
     """The loop's end of one bus (``bus.port()``): each name is the owning part's own method
-    or state, bound once; a loop needs nothing else.
+    or state, bound once.
 
     Attributes:
         publish: Queue an event (any thread).
@@ -158,31 +154,24 @@ class EventBus:
         max_queue: Undelivered events past which ``publish`` makes its thread wait for the
             dispatcher (bounds memory when a subscriber stalls the event loop).
         close_timeout: Seconds closing (and a trainer call's end) waits for async subscribers
-            to finish before cancelling them (counted and reported as lost work); a
-            ``bus_close_waiting`` warning names what is pending meanwhile. None: no limit.
+            before cancelling them, counted as lost work. None: no limit.
         on_error: Default error policy of subscriptions made without one.
-        rx_scheduler: The Rx scheduler of every subscription's time-based operators (not the
-            Trainer's learning-rate ``scheduler``). Default: an
-            :class:`~trainbus.bus.AnyioScheduler` on the bus' loop; tests pass
-            ``trainbus.testing.VirtualTimeScheduler``.
+        rx_scheduler: The Rx scheduler of every subscription's time-based operators. Default:
+            an :class:`~trainbus.bus.AnyioScheduler` on the bus' loop.
         rank: This process' rank under torchrun (default: ``RANK``, else 0). Subscriptions run
             on rank 0 unless made with ``ranks=`` (docs/distributed.md).
         watchdog_s: Seconds a sync subscriber's call may block the event-loop thread before a
-            warning names it, with the loop thread's stack (docs/reliability.md). None: no
-            watchdog thread.
-        barriers: Event types at which a training loop waits for the deciders among their
-            async subscribers (``StepEnded``, ``MetricsLogged``, ``EvaluationEnded``,
-            ``EpochEnded``; docs/bus.md, "Barriers").
+            warning names it (docs/reliability.md). None: no watchdog thread.
+        barriers: Event types at which a training loop waits for their deciders (docs/bus.md,
+            "Barriers").
         barrier_timeout: Seconds a training loop waits at one barrier (inf: no deadline).
-        on_lost: What lost work (``FitResult.lost_work``) does to a trainer's run: ``"warn"``
-            logs ``bus_closed_with_lost_work``; ``"raise"`` also raises
-            :class:`~trainbus.LostWorkError` from ``fit()`` once everything was delivered.
+        on_lost: What lost work does to a trainer's run: ``"warn"`` logs it; ``"raise"`` also
+            raises :class:`~trainbus.LostWorkError` from ``fit()``.
 
     Raises:
         ConfigError: for an argument out of range.
 
-    ``async with EventBus() as bus: ...`` runs it; leaving closes it for good. A bus a trainer
-    call ran for itself is suspended at the call's end (:meth:`suspend`).
+    ``async with EventBus() as bus:`` runs it; see docs/bus.md, "Lifecycle".
     """
 
     publish: Callable[[ev.BaseEvent], None]
@@ -191,8 +180,7 @@ class EventBus:
     """True when some subscription would receive events of the given type."""
 
     def __getattr__(self, name: str) -> Any:
-        """An attribute of an earlier version (``decides``, ``scheduler``, ...): an
-        ``AttributeError`` naming what replaced it."""
+        """An attribute of an earlier version: an ``AttributeError`` naming what replaced it."""
         new = _RENAMED_ATTRIBUTES.get(name)
         if new is None:
             raise AttributeError(f"'EventBus' object has no attribute {name!r}")
@@ -261,7 +249,7 @@ class EventBus:
 
         self.commands: CommandSink = CommandSink(channel.send)
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
-        routes.register((ev.CommandApplied,), AckObserver(channel), "internal")
+        routes.register((ev.CommandApplied,), Observer(channel.acknowledge), "internal")
 
     # ================================================================== state
     def port(self) -> LoopPort:
@@ -334,18 +322,12 @@ class EventBus:
         Args:
             event_types: The event classes to receive.
             every_s: Sample: each subscription takes the first event, then none stamped less
-                than ``every_s`` seconds after the last one it took (``throttle_first`` on
-                the events' ``time``). Unlike ``ops.throttle_first`` in a pipe, the training
-                loop sees it: while only sampled subscriptions want ``StepEnded``, it builds
-                one only when one is due.
-            every_steps: Sample by step: only the events whose ``step`` is a multiple of
-                ``every_steps`` (the ``logging_steps`` of other trainers); the loop builds
-                ``StepEnded`` only at those steps while no subscription takes every one.
+                than ``every_s`` seconds after the last one it took (docs/bus.md, "Streams").
+            every_steps: Sample by step: only the events whose ``step`` is a multiple of it.
 
         Raises:
-            ConfigError: no type given, one that is not a trainbus event class, an
-                ``every_s`` that is not a positive number of seconds, an ``every_steps`` that
-                is not a positive int, or both.
+            ConfigError: no type given, one that is not a trainbus event class, a bad
+                ``every_s`` or ``every_steps``, or both.
         """
         every_s = check_optional_seconds("every_s", every_s)
         if check_int("every_steps", every_steps, 1, optional=True) and every_s is not None:
@@ -402,7 +384,8 @@ class EventBus:
             The subscription handle (dispose it to stop; ``statistics()`` for counters).
 
         Raises:
-            ConfigError: ``on_next`` is not callable, or an unknown ``on_error`` policy.
+            ConfigError: ``on_next`` is not callable or is ``async def`` (use
+                :meth:`subscribe_async`), or an unknown ``on_error`` policy.
         """
         source = self._wrap(observable)
         return self._subs.subscribe(source, on_next, None, on_completed, on_error, name, ranks)
@@ -429,24 +412,16 @@ class EventBus:
 
         Args:
             observable: A bus stream, possibly piped through operators.
-            fn: An ``async def`` function of one item (or a ``functools.partial`` of one, or
-                an object whose ``__call__`` is ``async def``); a plain function is refused
-                (use :meth:`subscribe`).
+            fn: An async function of one item (``async def``, a ``functools.partial`` of
+                one, or an object whose ``__call__`` is ``async def``).
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
-            overflow: What a full buffer does: ``"drop_oldest"`` (default) drops the oldest
-                waiting item, ``"latest"`` keeps only the newest (drops are counted as lost
-                work); ``"block"`` never drops: the training loop waits at its next poll point
-                until the buffer has room (said once, counted in ``FitResult.waited_s``).
-                Delivery to other subscribers never waits for this one.
+            overflow: What a full buffer does: ``"drop_oldest"`` (default), ``"latest"`` or
+                ``"block"`` (docs/bus.md, "Async subscribers").
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
             decides: True when ``fn``'s commands must land on the step they were decided for:
-                at every barrier that delivers it an item the loop waits for ``fn`` to finish
-                it (within ``barrier_timeout``), and the pipeline's decision steps
-                (``tbops.every(n)``, ``once(at=)``) are declared. False (default): it never
-                makes training wait; its commands land at the next poll point (docs/bus.md,
-                "Barriers").
+                barriers that deliver it an item wait for it (docs/bus.md, "Barriers").
             ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
@@ -473,9 +448,8 @@ class EventBus:
     def declare_decision_steps(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
-        """Declare that some pipeline the bus cannot see into (a ``reactivex.merge`` of bus
-        streams) decides at these steps: at each, the loop delivers everything, waits for the
-        deciders of that step's ``StepEnded`` and applies their commands before the next step.
+        """Declare that a pipeline the bus cannot see into (a ``reactivex.merge``) decides at
+        these steps (docs/events.md, "When a command takes effect").
 
         Args:
             every: Decide at every multiple of this step count.
@@ -532,9 +506,8 @@ class EventBus:
 
     # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscriber's pending work now (buffered items and running
-        calls), counted as lost work, and so is anything they receive later: for a close that
-        waits too long (what a first Ctrl-C during the close does). Event-loop thread only.
+        """Cancel every async subscriber's pending work now, and what they receive later,
+        counted as lost work (a close that waits too long). Event-loop thread only.
 
         Returns:
             Items pending per subscription when cancelled (only those that had any).
@@ -580,10 +553,8 @@ class EventBus:
         return None
 
     async def suspend(self, *, raise_fatal: bool = True) -> None:
-        """Stop running until the next ``async with bus`` (or trainer call), streams open:
-        deliver what was published, run the pending timers (time windows emit their partial
-        batch), wait for the async subscribers within ``close_timeout`` (what is left is
-        cancelled and counted), stop the task group.
+        """Stop running until the next ``async with bus`` (or trainer call), streams open
+        (docs/bus.md, "Lifecycle").
 
         Args:
             raise_fatal: Raise a ``"raise"`` subscription's failure (False while another

@@ -1,11 +1,6 @@
-"""What the loop acts on between steps: the doorbell, the decision steps, the command channel.
-
-The parts ring the :class:`Doorbell` after each change the loop must act on; the loop re-reads
-the state only when ``doorbell.rings`` grew (a ring carries no data). At a *decision step*
-(``tbops.every(n)``, ``tbops.once(at=k)``, ``bus.declare_decision_steps``) the loop waits for the
-deciders and applies their commands before the next step (docs/events.md). Subscribers ``send``
-commands from any thread; the loop polls them and acknowledges each with a ``CommandApplied``,
-the answer of a waiting ``request``.
+"""What the loop acts on between steps: the doorbell (the parts ring it after each change the
+loop must see), the decision steps (docs/events.md, "When a command takes effect") and the
+command channel.
 """
 
 from __future__ import annotations
@@ -27,11 +22,9 @@ from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import BusClosedError, ConfigError, TrainbusError
 from .._log import get_logger
-from .._validate import check_int
 
 __all__ = [
     "ITEM_STEP",
-    "AckObserver",
     "At",
     "CommandChannel",
     "CommandError",
@@ -67,9 +60,6 @@ class Every:
 
     n: int
 
-    def __post_init__(self) -> None:
-        check_int("n", self.n, 1)
-
     def next_after(self, step: int) -> int:
         """The smallest multiple of ``n`` greater than ``step``."""
         return (step // self.n + 1) * self.n
@@ -81,9 +71,6 @@ class At:
 
     step: int
 
-    def __post_init__(self) -> None:
-        check_int("step", self.step, 0)
-
     def next_after(self, step: int) -> int | None:
         """``step`` when it is still ahead of ``step``, else None."""
         return self.step if self.step > step else None
@@ -94,11 +81,8 @@ DecisionSteps: TypeAlias = Every | At
 
 
 class StepClock:
-    """The declared decision steps, and the next decision step after a given one.
-
-    Declarations change on the event-loop thread (a tuple replaced on change, and a ring); the
-    training thread reads :meth:`next_decision`.
-    """
+    """The declared decision steps (changed on the event-loop thread, a tuple replaced on
+    change), and the next one after a step (read on the training thread)."""
 
     def __init__(self, doorbell: Doorbell) -> None:
         self._doorbell = doorbell
@@ -145,10 +129,8 @@ ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(
 
 
 class DecisionStamp:
-    """Which step is being handled on this thread now: what ``bus.send`` stamps on a command.
-    The dispatch slice sets ``step`` per event (None after the slice), an async worker sets
-    :data:`ITEM_STEP` per item; anywhere else a command gets None ("as soon as possible").
-    """
+    """The step handled on this thread now, which ``bus.send`` stamps on a command: set per
+    event by the dispatch slice, per item (:data:`ITEM_STEP`) by an async worker."""
 
     __slots__ = ("event_id", "loop_thread", "step")
 
@@ -176,12 +158,7 @@ class CommandError(TrainbusError):
 
 
 class CommandChannel:
-    """The back-channel's queue, the pending ``request()`` waiters, and the barrier's wake-up.
-
-    Args:
-        stamp: The step the sender handles: a command's ``decided_at`` when it has none.
-        doorbell: Rung after each command sent.
-    """
+    """The back-channel's queue, the pending ``request()`` waiters, and the barrier's wake-up."""
 
     def __init__(self, stamp: DecisionStamp, doorbell: Doorbell) -> None:
         self._stamp = stamp
@@ -195,7 +172,7 @@ class CommandChannel:
         self._polls_over = False
 
     def send(self, command: cmd.Command) -> None:
-        """:meth:`EventBus.send`: put ``command`` on the back-channel (any thread)."""
+        """:meth:`EventBus.send`."""
         _check_command(command)
         if self._sealed:
             raise BusClosedError(
@@ -240,7 +217,7 @@ class CommandChannel:
         return bool(self._requests) and bool(self._commands)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """:meth:`EventBus.request`: send ``command`` and wait until the loop applies it."""
+        """:meth:`EventBus.request`."""
         if self._closed:
             raise BusClosedError("the bus is closed: no loop will apply this command")
         if self._polls_over:
@@ -292,8 +269,7 @@ class CommandChannel:
         self._closed = True
 
     def seal(self) -> None:
-        """The bus has closed: :meth:`send` refuses commands from now on, and every
-        ``request()`` still waiting raises BusClosedError."""
+        """The bus has closed: :meth:`send` refuses commands, a waiting ``request()`` raises."""
         self._sealed = True
         self._release_waiters()
 
@@ -302,8 +278,8 @@ class CommandChannel:
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point: drop the queued commands, wake every waiting
-        ``request()`` (it raises BusClosedError) and refuse new ones until :meth:`resume_polls`."""
+        """The loop made its last poll point: drop the queued commands; ``request()`` raises
+        until :meth:`resume_polls`."""
         self._polls_over = True
         self.drop_unapplied()
         self._release_waiters()
@@ -322,19 +298,3 @@ class CommandChannel:
         if lost:
             log.warning("commands_not_applied", commands=[repr(c) for c in lost])
         self._commands.clear()  # none carries over into the next call
-
-
-class AckObserver(abc.ObserverBase[ev.CommandApplied]):
-    """Internal root resolving ``request()`` waiters from ``CommandApplied``."""
-
-    def __init__(self, channel: CommandChannel) -> None:
-        self._channel = channel
-
-    def on_next(self, value: ev.CommandApplied) -> None:
-        self._channel.acknowledge(value)
-
-    def on_error(self, error: Exception) -> None:  # never called: the root has no operators
-        pass
-
-    def on_completed(self) -> None:
-        pass

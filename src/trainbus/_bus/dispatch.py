@@ -1,17 +1,6 @@
-"""Dispatch: the route table, the publish queue, and the barriers.
-
-A *root* is one subscription at the top of a chain (``bus.events``, ``bus.stream(...)``): the
-types it takes and its observer, ordered by tier, then by subscription. A ``publish`` on the
-training thread is a deque append; the poller on the event-loop thread dispatches the queued
-events every ``flush_interval`` in one slice (no await between events), then parks after a few
-empty intervals until the next ``publish`` (DESIGN.md: each wake costs the training thread a GIL
-hand-over). A *sampled* root (``every_s=``, ``every_steps=``) feeds its observer through a
-:class:`Sampled` gate, and the table keeps a :class:`Demand` per type asked about, so the loop
-builds no event that only sampled subscriptions would refuse.
-
-At a barrier the loop delivers everything, then waits for the deciders (``decides=True``) among
-the async subscriptions that received the event (docs/bus.md, "Barriers"); a ``request()``
-interrupts the wait so the loop can apply it first.
+"""Dispatch: the route table of *roots* (the top of each chain: the types it takes and its
+observer, by tier), the publish queue (a deque append on the training thread, dispatched in one
+slice per ``flush_interval`` on the event-loop thread), and the barriers (docs/bus.md).
 """
 
 from __future__ import annotations
@@ -23,7 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import anyio
 import anyio.lowlevel
@@ -56,7 +45,7 @@ log = get_logger(__name__)
 
 # ================================================================== the route table
 Tier = Literal["internal", "core", "user", "global"]
-TIER_ORDER = {"internal": 0, "core": 1, "user": 2, "global": 3}
+TIER_ORDER = {tier: i for i, tier in enumerate(get_args(Tier))}
 
 
 @dataclass(slots=True, eq=False)
@@ -65,19 +54,13 @@ class Root:
 
     types: tuple[type, ...]
     observer: abc.ObserverBase[Any]
-    order: int
+    tier: int
 
 
 class Demand:
-    """What the subscriptions of one event type take: every event, a sample, or nothing.
-    Updated by the :class:`RouteTable` on the event-loop thread, read by the publisher. A yes
-    to a time-sampled event moves the due time on at once (however late the loop delivers, no
-    other is built meanwhile), and again from the event's stamp (:meth:`built`).
-
-    Attributes:
-        each: Some subscription takes every event of the type.
-        sampled: None takes every event, but a sampled one takes some: ask :meth:`takes`.
-    """
+    """What the subscriptions of one event type take: every event (``each``), a sample
+    (``sampled``: ask :meth:`takes`), or nothing. Written by the :class:`RouteTable` on the
+    event-loop thread, read by the publisher."""
 
     __slots__ = ("_at", "_every_s", "_periods", "_timed", "each", "sampled")
 
@@ -90,8 +73,8 @@ class Demand:
         self._timed = False  # the last yes was a time gate's: built() moves its due time
 
     def takes(self, step: int, now: float) -> bool:
-        """True when some subscription takes the event of ``step`` stamped ``now`` (a
-        ``time.monotonic()`` value)."""
+        """True when some subscription takes the event of ``step`` stamped ``now``; a yes to
+        a time gate moves its due time on at once (no other is built meanwhile)."""
         if self.each:
             return True
         if now >= self._at:
@@ -104,15 +87,15 @@ class Demand:
         return False
 
     def built(self, at: float) -> None:
-        """The event :meth:`takes` said yes to is stamped ``at``: a time gate measures the
-        next one from there."""
+        """The event :meth:`takes` said yes to is stamped ``at`` (a time gate's next is due
+        from there)."""
         if self._timed:
             self._timed = False
             self._at = at + self._every_s
 
     def update(self, each: bool, gates: list[Sampled], *, passed: bool = False) -> None:
-        """Set from the type's roots: ``each`` (one takes every event) and the sampled roots'
-        gates. ``passed`` (a gate passed an event): the due time only moves on."""
+        """Set from the type's roots (``passed``: a gate passed one; the due time only moves
+        on)."""
         exact = min((g.next_at for g in gates), default=math.inf)
         self._at = max(exact, self._at) if passed else exact
         self._every_s = min((g.every_s for g in gates if g.every_s is not None), default=math.inf)
@@ -122,10 +105,8 @@ class Demand:
 
 
 class Sampled(abc.ObserverBase[Any]):
-    """The gate of a sampled root: with ``every_s``, passes an event whose ``time`` is at
-    least ``every_s`` after the last one passed, calling ``passed(True)`` after a pass and
-    ``passed(False)`` at the first refusal since; with ``every_steps``, the events whose
-    ``step`` is a multiple of it."""
+    """The gate of a sampled root (``bus.stream(every_s=, every_steps=)``); tells ``passed``
+    of a pass, and of the first refusal since."""
 
     __slots__ = ("_observer", "_passed", "_told", "every_s", "every_steps", "next_at")
 
@@ -173,7 +154,6 @@ class RouteTable:
     def __init__(self, doorbell: Doorbell) -> None:
         self._doorbell = doorbell
         self._roots: list[Root] = []
-        self._seq = 0
         # Event type -> observers, in delivery order; replaced on change (copy-on-write).
         self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         self._tier: Tier = "user"  # of the roots registered now
@@ -219,13 +199,11 @@ class RouteTable:
     ) -> Root:
         """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
         ``every_steps``."""
-        self._seq += 1
-        rank = TIER_ORDER[tier or self._tier]
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps, self._update_demands)
-        root = Root(types, observer, rank * 1_000_000_000 + self._seq)
+        root = Root(types, observer, TIER_ORDER[tier or self._tier])
         self._roots.append(root)
-        self._roots.sort(key=lambda r: r.order)
+        self._roots.sort(key=lambda r: r.tier)  # stable: in order of subscription within a tier
         self.cache = {}
         self._update_demands()
         self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
@@ -244,11 +222,7 @@ class RouteTable:
         return [r.observer for r in self._roots]
 
     def tier(self, tier: Tier) -> AbstractContextManager[None]:
-        """A context manager under which new roots register in ``tier``.
-
-        Raises:
-            ConfigError: ``tier`` is not one of internal, core, user, global.
-        """
+        """:meth:`EventBus.tier`."""
         if tier not in TIER_ORDER:
             raise ConfigError.invalid("tier", tier, f"one of {tuple(TIER_ORDER)}")
         return self._in_tier(tier)
@@ -273,14 +247,7 @@ class _ClosedQueue(deque[ev.BaseEvent]):
 
 
 class PublishQueue:
-    """The event queue between publishers and the loop thread, and its dispatch.
-
-    Args:
-        max_queue: Undelivered events past which ``publish`` waits for the dispatcher.
-        flush_interval: Seconds between two dispatches, and between a waiting publisher's looks.
-        routes, ledger: Where events go; where an observer that raised past RxPY is counted.
-        stamp: Told the step of each event dispatched (what ``bus.send`` stamps on commands).
-    """
+    """The event queue between publishers and the loop thread, and its dispatch."""
 
     def __init__(
         self,
@@ -357,17 +324,9 @@ class PublishQueue:
     def __len__(self) -> int:
         return len(self._events)
 
-    def __bool__(self) -> bool:
-        return bool(self._events)
-
     def index(self, event: ev.BaseEvent) -> int | None:
         """Position of ``event`` (by identity) in the queue, or None."""
         return next((i for i, e in enumerate(self._events) if e is event), None)
-
-    def first_is(self, event: ev.BaseEvent) -> bool:
-        """True when ``event`` (by identity) is next to be dispatched."""
-        q = self._events
-        return bool(q) and q[0] is event
 
     # ================================================================== lifecycle
     def open(self, loop_thread: int) -> None:
@@ -377,8 +336,8 @@ class PublishQueue:
         self._call_soon = _threadsafe_call_soon()
 
     def stop(self, *, close: bool = False) -> None:
-        """Stop dispatching until :meth:`open` (publishers no longer wait for room); with
-        ``close``, for good: ``publish`` raises (an append that refuses, no check per publish)."""
+        """Stop dispatching until :meth:`open`; with ``close``, for good (``publish`` raises:
+        an append that refuses, no check per publish)."""
         self._running = False
         self._loop_thread = None
         self._call_soon = None
@@ -389,9 +348,8 @@ class PublishQueue:
 
     # ================================================================== dispatch side
     def drain(self, limit: int | None = None) -> None:
-        """Deliver the queued events (or the first ``limit``) in one slice on this thread.
-        Events subscribers publish on this thread meanwhile are delivered right after the event
-        that caused them (an already queued ``FitEnded`` stays last) and do not count."""
+        """Deliver the queued events (or the first ``limit``) in one slice on this thread;
+        what subscribers publish meanwhile is delivered right after its cause."""
         q = self._events
         if limit is not None:
             self._dispatch(min(limit, len(q)))
@@ -552,7 +510,7 @@ class Barrier:
             if before_event:
                 q.drain(limit=before_event)
         before = {id(s): s.received for s in asyncs}
-        first = event is not None and q.first_is(event)
+        first = event is not None and q.index(event) == 0
         q.drain(limit=1 if first else None)
         targets = [(s, s.received) for s in asyncs if s.received > before[id(s)]]
         q.drain()
@@ -566,9 +524,8 @@ class Barrier:
         *,
         barrier: bool,
     ) -> BarrierStatus:
-        """Wait until every target has settled its items (``"done"``), the deadline passes
-        (``"timeout"``) or, at the loop's ``barrier``, a ``request()`` arrives (``"request"``);
-        a barrier charges its waits to the subscriptions and names the slow ones."""
+        """Wait until every target has settled its items, the deadline passes or, at the
+        loop's ``barrier`` (which charges and names the slow ones), a ``request()`` arrives."""
         status: BarrierStatus = "done"
         start = anyio.current_time()
         # Only those not settled yet are waited for (and charged).

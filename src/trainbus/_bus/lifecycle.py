@@ -1,10 +1,5 @@
-"""Opening, suspending and closing the bus, its poller, and its statistics.
-
-Opening starts the bus' task group: the scheduler's timer task (when the bus made its own), the
-async subscribers' workers and the poller. Closing delivers what was published, completes every
-stream, waits for the async subscribers within ``close_timeout`` (saying so while it waits),
-cancels what is left and reports every lost item. Suspending (a trainer call's end) does the
-same but fires the pending timers instead of completing the streams; the next call reopens it.
+"""Opening, suspending and closing the bus (docs/bus.md, "Lifecycle"), its poller, and its
+statistics.
 """
 
 from __future__ import annotations
@@ -49,15 +44,8 @@ _LOST = ("dropped", "cancelled", "failed")
 
 
 class Lifecycle:
-    """The bus' state (new, running, suspended, closing, closed) and its task group.
-
-    Args:
-        queue, routes, subscriptions, channel, ledger: The bus' parts.
-        own_scheduler: The scheduler to run in the task group (the bus made it), or None.
-        close_timeout: Seconds closing (or a call's end) waits for async subscribers before
-            cancelling them (None: as long as they take).
-        watchdog: Watches the event-loop thread while the bus runs.
-    """
+    """The bus' state and its task group: the poller, the async workers, and the scheduler's
+    timer task when the bus made its own (``own_scheduler``)."""
 
     def __init__(
         self,
@@ -88,12 +76,8 @@ class Lifecycle:
         self._cancel_requested = False
 
     async def open(self) -> None:
-        """Start the task group, the scheduler, the async workers and the poller (a new bus,
-        or a suspended one again).
-
-        Raises:
-            BusClosedError: the bus runs already, or closed (a closed bus stays closed).
-        """
+        """Start the task group (a new bus, or a suspended one again); a bus that runs or
+        closed raises BusClosedError."""
         if self.state not in ("new", "suspended"):
             raise BusClosedError(
                 f"the EventBus is {self.state}: it cannot be opened again; "
@@ -161,11 +145,8 @@ class Lifecycle:
                 empty += 1
 
     async def end(self, *, close: bool, raise_fatal: bool) -> None:
-        """Suspend (a call's end; :meth:`EventBus.suspend`) or close: deliver, fire the
-        pending timers (suspend) or complete the streams (close), wait for the async
-        subscribers within ``close_timeout``, cancel what is left, report the lost work and
-        stop the task group. With ``raise_fatal``, raise a ``"raise"`` subscription's failure
-        (a suspend clears it either way)."""
+        """Suspend (:meth:`EventBus.suspend`) or close; with ``raise_fatal``, raise a
+        ``"raise"`` subscription's failure (a suspend clears it either way)."""
         assert self._tasks is not None
         try:
             # Shielded: what was published is delivered even when the caller is cancelled.

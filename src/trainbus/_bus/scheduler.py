@@ -1,13 +1,5 @@
-"""The event loop's runtime: the reactivex scheduler on anyio, and the background tasks.
-
-RxPY's time-based operators default to a ``threading.Timer`` per action, which would run
-subscribers off the event loop; the bus hands every subscription an :class:`AnyioScheduler`
-instead (one timer task over a heap of due actions). ``now`` is the wall clock, as for every
-reactivex 6 scheduler; delays run on the loop's clock.
-
-Every background task trainbus starts runs in a :class:`TaskSet`, in its own cancel scope: the
-task ends normally and its task group exits without cancelling anything (a cancelled task group
-leaves, on asyncio, a ``CancelledError`` in a reference cycle holding a dropped Trainer).
+"""The event loop's runtime: the reactivex schedulers on anyio (never RxPY's default
+``threading.Timer``, which would run subscribers off the loop), and the background tasks.
 """
 
 from __future__ import annotations
@@ -17,14 +9,14 @@ import itertools
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import anyio
 import anyio.from_thread
 import anyio.lowlevel
 from anyio.abc import TaskGroup, TaskStatus
 from reactivex import abc, typing
-from reactivex.disposable import Disposable, SingleAssignmentDisposable
+from reactivex.disposable import SingleAssignmentDisposable
 from reactivex.scheduler import CurrentThreadScheduler
 from reactivex.scheduler.periodicscheduler import PeriodicScheduler
 
@@ -38,20 +30,15 @@ _TState = TypeVar("_TState")
 log = get_logger(__name__)
 
 
-class _Item:
-    __slots__ = ("action", "cancelled", "disposable", "state")
-
-    def __init__(self, action: Any, state: Any) -> None:
-        self.action = action
-        self.state = state
-        self.cancelled = False
-        self.disposable = SingleAssignmentDisposable()
+# A scheduled action: the action, its state, and the disposable handed back (disposed: cancelled).
+_Item: TypeAlias = tuple[Any, Any, SingleAssignmentDisposable]
 
 
 class AnyioScheduler(PeriodicScheduler):
-    """Schedules reactivex actions on the anyio event loop that runs :meth:`run`, from any
-    thread and before the loop runs. An action that raises is logged and reported to
-    ``on_failure``; it never stops the timer task.
+    """Schedules reactivex actions on the anyio event loop that runs :meth:`run` (one timer
+    task over a heap), from any thread and before the loop runs. ``now`` is the wall clock, as
+    for every reactivex 6 scheduler; delays run on the loop's clock. An action that raises is
+    logged and reported to ``on_failure``; it never stops the timer task.
 
     Args:
         on_failure: Called with the exception of an action that raised.
@@ -102,19 +89,14 @@ class AnyioScheduler(PeriodicScheduler):
         return time.monotonic() + self._offset
 
     def _push(self, delay: float, action: Any, state: Any) -> abc.DisposableBase:
-        item = _Item(action, state)
+        disposable = SingleAssignmentDisposable()
         with self._lock:
             due = self._clock() + delay
             first = not self._heap or due < self._heap[0][0]
-            heapq.heappush(self._heap, (due, next(self._seq), item))
+            heapq.heappush(self._heap, (due, next(self._seq), (action, state, disposable)))
         if first:
             self._wake_timer()
-
-        def cancel() -> None:
-            item.cancelled = True
-            item.disposable.dispose()
-
-        return Disposable(cancel)
+        return disposable
 
     def _wake_timer(self) -> None:
         wake = self._wake
@@ -180,10 +162,11 @@ class AnyioScheduler(PeriodicScheduler):
             self._invoke(item)
 
     def _invoke(self, item: _Item) -> None:
-        if item.cancelled:
+        action, state, disposable = item
+        if disposable.is_disposed:
             return
         try:
-            item.disposable.disposable = self.invoke_action(item.action, item.state)
+            disposable.disposable = self.invoke_action(action, state)
         except Exception as exc:
             log.error("scheduled_action_failed", exc_info=exc)
             if self._on_failure is not None:
@@ -242,11 +225,9 @@ class ChainScheduler(PeriodicScheduler):
 
 # ================================================================== background tasks
 class TaskSet:
-    """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly.
-
-    Args:
-        tg: The task group the tasks run in (made on its event loop).
-    """
+    """Tasks started in ``tg``, each in its own cancel scope; :meth:`stop` ends them quietly,
+    so the group exits without cancelling (a cancelled group leaves, on asyncio, a
+    ``CancelledError`` in a reference cycle holding a dropped Trainer)."""
 
     def __init__(self, tg: TaskGroup) -> None:
         self._tg = tg
@@ -257,8 +238,7 @@ class TaskSet:
         self._thread = threading.get_ident()
 
     def on_loop(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Call ``fn(*args)`` on the tasks' event-loop thread (from another, through anyio's
-        portal) and return its result: what makes anyio events and tasks must run there."""
+        """Call ``fn(*args)`` on the tasks' event-loop thread and return its result."""
         if threading.get_ident() == self._thread:
             return fn(*args)
         return anyio.from_thread.run_sync(fn, *args, token=self._token)
@@ -274,8 +254,8 @@ class TaskSet:
         self._tg.start_soon(_in_scope, scope, fn, args, name=name)
 
     def stop(self) -> None:
-        """Cancel every task's own scope: each ends at its next await, as a normal return.
-        Idempotent; safe from one of the tasks (it ends at its next await, if any)."""
+        """Cancel every task's own scope: each ends at its next await, as a normal return
+        (idempotent; safe from one of the tasks)."""
         self.stopped = True
         scopes, self._scopes = self._scopes, []
         for scope in scopes:

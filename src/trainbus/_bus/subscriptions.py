@@ -1,12 +1,6 @@
-"""Subscriptions: their records, the chains they end, ranks, back-pressure and statistics.
-
-A sync subscription ends its chain in a :class:`GuardedObserver`, which reports failures to the
-:class:`~trainbus._bus.watchdog.FailureLedger` instead of letting RxPY re-raise them into the
-dispatch. An :class:`AsyncSubscription` runs ``async def fn(item)`` from a bounded buffer in
-worker tasks. A chain born on the bus is a :class:`BusObservable`; it subscribes through the
-:class:`SubscriptionSet`, which hands it the bus' Rx scheduler, guards the observer, makes a
-subscription for other ranks inert and declares the pipeline's decision steps. Counters are
-plain ints touched on the event-loop thread only.
+"""Subscriptions: their records and statistics, the guard ending a sync chain, async workers,
+back-pressure, ranks, and the :class:`SubscriptionSet` every :class:`BusObservable` subscribes
+through. Counters are plain ints touched on the event-loop thread only.
 """
 
 from __future__ import annotations
@@ -19,10 +13,11 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
 from reactivex import Observable, abc
+from reactivex.disposable import CompositeDisposable
 
 from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
@@ -76,16 +71,14 @@ class SubscriptionStatistics:
     """Items waiting in the buffer (async only)."""
     in_flight: int
     cancelled: int
-    """Items waiting or running when they were cancelled (``close_timeout``,
-    ``EventBus.cancel_pending()``)."""
+    """Items waiting or running when cancelled (``close_timeout``, ``cancel_pending()``)."""
     last_error: str | None
     stalls: int = 0
     """Calls that blocked the event-loop thread past the bus' ``watchdog_s`` (sync only)."""
     blocked_s: float = 0.0
     """Seconds those calls blocked the event loop (to within the watchdog's poll)."""
     waited_s: float = 0.0
-    """Seconds the training thread waited on this subscription (a full ``overflow="block"``
-    buffer, a barrier or decision step it decides at)."""
+    """Seconds the training thread waited on it (a full ``"block"`` buffer, a barrier)."""
 
     @property
     def lost_work(self) -> LostWork:
@@ -169,12 +162,8 @@ def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None
 
 
 class Backpressure:
-    """The ``"block"`` subscriptions over capacity, and the training thread's wait for them.
-    The holders change on the event-loop thread only; the loop reads ``active``.
-
-    Args:
-        doorbell: Rung when a subscription starts holding.
-    """
+    """The ``"block"`` subscriptions over capacity (changed on the event-loop thread), and the
+    training thread's wait for them (it reads ``active``)."""
 
     __slots__ = ("_doorbell", "_holders", "_room", "_warned", "active")
 
@@ -202,12 +191,8 @@ class Backpressure:
             self._room.set()
 
     def wait_for_room(self, stop: Callable[[], bool] | None = None) -> float:
-        """Block the training thread while a ``"block"`` buffer is over capacity, until the
-        doorbell rings or ``stop()`` is true; each slice is charged to the holders' ``waited_s``.
-
-        Returns:
-            Seconds waited.
-        """
+        """Block while a ``"block"`` buffer is over capacity, until the doorbell rings or
+        ``stop()``; return the seconds waited, each slice charged to the holders."""
         if not self.active:
             return 0.0
         bell = self._doorbell
@@ -255,9 +240,8 @@ class Subscription(abc.DisposableBase):
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
-        self.upstream: abc.DisposableBase | None = None
+        self.upstream: abc.DisposableBase | None = None  # the chain, and its decision steps
         self._stop_sent = False
-        self._held: list[abc.DisposableBase] = []
 
     @property
     def delivered(self) -> int:
@@ -288,18 +272,11 @@ class Subscription(abc.DisposableBase):
         first, self._stop_sent = not self._stop_sent, True
         return first
 
-    def hold(self, resource: abc.DisposableBase) -> None:
-        """Dispose ``resource`` when this subscription is disposed (its decision steps)."""
-        self._held.append(resource)
-
     def dispose(self) -> None:
         """Unsubscribe. Idempotent."""
         self.active = False
         if self.upstream is not None:
             self.upstream.dispose()
-        held, self._held = self._held, []
-        for resource in held:
-            resource.dispose()
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""
@@ -334,10 +311,8 @@ class Subscription(abc.DisposableBase):
 
 
 class GuardedObserver(abc.ObserverBase[Any]):
-    """The observer at the end of every sync subscription: counts, and reports failures to the
-    ledger under the subscription's policy (it keeps receiving); an upstream error too, unless
-    the user gave an Rx error callback. Each call is marked on the bus' :class:`Watchdog`.
-    """
+    """The end of every sync chain: counts, reports failures (and an upstream error nobody
+    handles) to the ledger, and marks each call on the :class:`Watchdog`."""
 
     __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
 
@@ -394,10 +369,8 @@ class GuardedObserver(abc.ObserverBase[Any]):
 # ================================================================== async subscriptions
 
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
-"""What an async subscription does when its buffer is full: ``"block"`` takes the item and
-makes the training thread wait at its next poll point until there is room; ``"drop_oldest"``
-drops the oldest waiting item; ``"latest"`` keeps only the newest. Drops are lost work."""
-OVERFLOWS: tuple[str, ...] = ("block", "drop_oldest", "latest")
+"""What a full async buffer does (``subscribe_async(overflow=)``; docs/bus.md)."""
+OVERFLOWS: tuple[str, ...] = get_args(Overflow)
 DEFAULT_OVERFLOW: Overflow = "drop_oldest"
 """The default: a slow subscriber never holds training back."""
 
@@ -643,11 +616,8 @@ Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
 
 
 def env_rank(env: Mapping[str, str] | None = None) -> int:
-    """This process' rank from torchrun's ``RANK`` variable (0 when unset).
-
-    Raises:
-        ConfigError: ``RANK`` is set but not an integer >= 0.
-    """
+    """This process' rank from torchrun's ``RANK`` variable (0 when unset; ConfigError when
+    not an integer >= 0)."""
     text = (os.environ if env is None else env).get("RANK")
     if text is None or text == "":
         return 0
@@ -674,22 +644,14 @@ def _normalise(ranks: Ranks) -> frozenset[int] | Literal["all"] | None:
 
 
 class RankFilter:
-    """This bus' rank and the default ranks of new subscriptions.
-
-    Args:
-        rank: This process' rank.
-    """
+    """This bus' rank and the default ranks of new subscriptions."""
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self._default: frozenset[int] | Literal["all"] = frozenset({0})
 
     def runs_here(self, ranks: Ranks) -> bool:
-        """True when a subscription for ``ranks`` runs on this rank.
-
-        Raises:
-            ConfigError: ``ranks`` is not None, ``"all"``, a rank or ranks.
-        """
+        """True when a subscription for ``ranks`` runs on this rank."""
         chosen = _normalise(ranks)
         if chosen is None:
             chosen = self._default
@@ -715,10 +677,8 @@ _T = TypeVar("_T")
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
     the observer and hands the bus' Rx scheduler to the chain's time-based operators.
-
-    ``decision_steps`` are those of the operators piped so far (``tbops.every(n)`` carries
-    some): subscribing declares them for the subscription's lifetime. A stream of events never
-    published per step (``bus.stream(ev.EpochEnded)``) has ``per_step=False`` and declares none.
+    Subscribing declares the ``decision_steps`` of the operators piped so far (none on a stream
+    of events not published per step: ``per_step=False``).
     """
 
     def __init__(
@@ -780,15 +740,15 @@ class BusObservable(Observable[_T], Generic[_T]):
                 ``"raise"`` (default: the bus' ``on_error``).
             scheduler: Overrides the bus' Rx scheduler for this chain.
             name: Name in logs and statistics.
-            ranks: Where it runs under torchrun: None (rank 0, or the ``bus.on_ranks``
-                default), ``"all"``, a rank or an iterable of ranks.
+            ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
             The :class:`~trainbus.bus.Subscription` (an Rx disposable).
 
         Raises:
             ConfigError: ``on_next`` is neither callable nor an observer; ``on_rx_error`` or
-                ``on_completed`` is not callable; unknown policy.
+                ``on_completed`` is not callable; one of them is ``async def`` (use
+                ``bus.subscribe_async``); unknown policy.
         """
         return self.subscriptions.subscribe(
             self, on_next, on_rx_error, on_completed, on_error, name, ranks, scheduler
@@ -796,11 +756,8 @@ class BusObservable(Observable[_T], Generic[_T]):
 
 
 class CommandSink(abc.ObserverBase[Any]):
-    """``bus.commands``: the back-channel as an Rx Observer of commands.
-
-    ``pipeline.subscribe(bus.commands)`` sends every command the pipeline emits; a non-command
-    is a ``ConfigError``, reported as that subscription's failure.
-    """
+    """``bus.commands``: the back-channel as an Rx Observer of commands (a non-command is a
+    ``ConfigError``, reported as the subscription's failure)."""
 
     def __init__(self, send: Callable[[cmd.Command], None]) -> None:
         self.send = send
@@ -827,9 +784,8 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 # ================================================================== the subscription set
 class SubscriptionSet:
-    """Every subscription of one bus, in order: what each :class:`BusObservable` subscribes
-    through (``ranks`` make one for other ranks inert; ``clock`` takes the pipelines' decision
-    steps), and the back-pressure they share."""
+    """Every subscription of one bus, in order, and the back-pressure they share: what each
+    :class:`BusObservable` subscribes through."""
 
     def __init__(
         self,
@@ -871,13 +827,8 @@ class SubscriptionSet:
         ranks: Ranks,
         scheduler: abc.SchedulerBase | None = None,
     ) -> Subscription:
-        """Subscribe ``observer`` to ``source`` behind a :class:`GuardedObserver` (arguments
-        as in :meth:`BusObservable.subscribe`); on a rank it does not run on, an inert one.
-
-        Raises:
-            ConfigError: a bad observer, callback, policy or ranks.
-            BusClosedError: the bus is closed.
-        """
+        """:meth:`BusObservable.subscribe`: behind a :class:`GuardedObserver`; on a rank it
+        does not run on, an inert subscription."""
         self._check_open()
         on_next = observer
         if isinstance(observer, CommandSink):
@@ -892,21 +843,31 @@ class SubscriptionSet:
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
             allowed = "an Rx error callback or None; an error policy goes in on_error="
             raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
-        for field, value in (("on_rx_error", on_rx_error), ("on_completed", on_completed)):
+        callbacks = (
+            ("on_next", on_next),
+            ("on_rx_error", on_rx_error),
+            ("on_completed", on_completed),
+        )
+        for field, value in callbacks:
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
+            if value is not None and _is_async(value):
+                short = getattr(value, "__name__", "fn")
+                allowed = (
+                    "a plain function: an async def one would never run here (RxPY calls it and "
+                    f"drops the coroutine); use bus.subscribe_async(stream, {short}), which "
+                    "awaits it"
+                )
+                raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
         if not self.ranks.runs_here(ranks):
             inert = Subscription(self._ledger, name or "inert", policy)
             inert.dispose()  # registered nowhere: it costs nothing
             return inert
         sub = Subscription(self._ledger, name or name_of(on_next), policy)
-        self._subs.append(sub)
         guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
-        sub.upstream = source.source.subscribe(guard, scheduler=chain)
-        if source.decision_steps and sub.active:
-            sub.hold(self._clock.declare(*source.decision_steps))
+        self._attach(sub, source, guard, chain, declares=True)
         return sub
 
     def subscribe_async(
@@ -924,8 +885,6 @@ class SubscriptionSet:
     ) -> AsyncSubscription:
         """:meth:`EventBus.subscribe_async` (options validated on every rank alike); on a rank
         it does not run on, an inert subscription."""
-        if not callable(fn):
-            raise ConfigError.invalid("fn", fn, "an async function of one item")
         if not _is_async(fn):
             raise ConfigError.invalid(
                 "fn",
@@ -965,11 +924,25 @@ class SubscriptionSet:
         if self._tasks is not None:
             # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
-        self._subs.append(sub)
-        sub.upstream = source.source.subscribe(_AsyncFeeder(sub), scheduler=self.rx_scheduler)
-        if decides and source.decision_steps:
-            sub.hold(self._clock.declare(*source.decision_steps))
+        self._attach(sub, source, _AsyncFeeder(sub), self.rx_scheduler, declares=decides)
         return sub
+
+    def _attach(
+        self,
+        sub: Subscription,
+        source: BusObservable[Any],
+        observer: abc.ObserverBase[Any],
+        scheduler: abc.SchedulerBase,
+        *,
+        declares: bool,
+    ) -> None:
+        """Subscribe ``observer`` to the chain for ``sub``; with ``declares``, the chain's
+        decision steps hold while ``sub`` does."""
+        self._subs.append(sub)
+        upstream = source.source.subscribe(observer, scheduler=scheduler)
+        if declares and source.decision_steps and sub.active:
+            upstream = CompositeDisposable(upstream, self._clock.declare(*source.decision_steps))
+        sub.upstream = upstream
 
     def start(self, tasks: TaskSet) -> None:
         """The bus runs: start the active async subscriptions (and later ones at once)."""
@@ -997,11 +970,8 @@ class SubscriptionSet:
         return {s.name: s.pending for s in self.asyncs() if s.pending}
 
     def cancel_pending(self) -> dict[str, int]:
-        """Cancel every async subscription's workers now; what they held counts as cancelled.
-
-        Returns:
-            Items pending per subscription when cancelled (only those with any).
-        """
+        """Cancel every async subscription's workers now; return what was pending per
+        subscription (counted as cancelled)."""
         pending = self.pending()
         for sub in self.asyncs():
             sub.cancel()

@@ -1,17 +1,6 @@
-"""The watchdog and the failure ledger: what a subscriber blocks or raises.
-
-Sync subscribers run on the event-loop thread; one that blocks holds every other subscriber,
-the barriers and the close. The guard marks which subscription it runs with two attribute
-writes per call; the :class:`Watchdog`'s daemon thread polls them::
-
-    loop thread (GuardedObserver.on_next)        watchdog thread (polls every threshold/10)
-    prev = w.current; w.current = sub    ───►    same call (sub, sub.received) running for
-    fn(event)                            read    >= threshold? warn once, with the loop
-    w.current = prev                             thread's stack; an info line when it returns
-
-Not seen: an Rx operator upstream of the guard, and an ``async def`` subscriber that blocks
-between its awaits. The :class:`FailureLedger` counts every failure and applies the
-subscription's policy (``"log"``, ``"stop"``, ``"raise"``).
+"""What a subscriber blocks or raises: the :class:`Watchdog` (a daemon thread that warns when
+one sync subscriber call holds the event-loop thread) and the :class:`FailureLedger` (counts,
+error policies).
 """
 
 from __future__ import annotations
@@ -21,7 +10,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Literal, Protocol, TypeAlias
+from typing import Any, Literal, Protocol, TypeAlias, get_args
 
 from .. import commands as cmd
 from .. import events as ev
@@ -54,33 +43,28 @@ _STACK_FRAMES = 25
 ErrorPolicy: TypeAlias = Literal["log", "stop", "raise"]
 """What a subscriber's exception does: log it and go on; also send ``StopTraining``; fail the
 run (the subscriber's own exception, noted, from ``fit()`` or closing the bus)."""
-ERROR_POLICIES: tuple[str, ...] = ("log", "stop", "raise")
+ERROR_POLICIES: tuple[str, ...] = get_args(ErrorPolicy)
 
 
 class Watched(Protocol):
-    """What the watchdog and the ledger need of a subscription. ``received`` is bumped before
-    each call: with the subscription, it names one call."""
+    """What the watchdog and the ledger need of a :class:`Subscription` (``received``, bumped
+    before each call, names the call)."""
 
     name: str
     received: int
     on_error: ErrorPolicy | None
     failed: int
 
-    def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """A call blocked the event loop past the threshold (``ended``: it has returned)."""
+    def stalled(self, blocked_s: float, *, ended: bool) -> None: ...
 
-    def claim_stop(self) -> bool:
-        """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
-        ...
+    def claim_stop(self) -> bool: ...
 
 
 class Watchdog:
-    """Watches the event-loop thread from a daemon thread. Only the loop thread writes
-    :attr:`current`; a warning needs the same call seen on polls ``threshold`` apart.
-
-    Args:
-        threshold: Seconds a call may block before the warning; None: no watchdog thread.
-    """
+    """Watches the event-loop thread from a daemon thread: the guard sets :attr:`current`
+    around each call (loop thread only); the same call seen on polls ``threshold`` apart is
+    warned about once, with the loop thread's stack. Not seen: Rx operators upstream of the
+    guard, and an ``async def`` subscriber that blocks between its awaits."""
 
     __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
 
@@ -93,7 +77,7 @@ class Watchdog:
         self._loop_thread = 0
 
     def start(self, loop_thread: int) -> None:
-        """Watch ``loop_thread`` from a new daemon thread (unless None threshold or running)."""
+        """Watch ``loop_thread`` from a new daemon thread (none without a threshold)."""
         if self.threshold is None or self._thread is not None:
             return
         self._loop_thread = loop_thread
@@ -158,11 +142,7 @@ class Watchdog:
 
 
 def check_policy(policy: ErrorPolicy | None) -> ErrorPolicy | None:
-    """Validate an ``on_error`` policy (None means "the bus default").
-
-    Raises:
-        ConfigError: ``policy`` is not one of :data:`ERROR_POLICIES`.
-    """
+    """Validate an ``on_error`` policy (None: the bus default)."""
     if policy is not None and policy not in ERROR_POLICIES:
         raise ConfigError.invalid("on_error", policy, f"one of {ERROR_POLICIES}")
     return policy
@@ -175,13 +155,8 @@ def name_of(fn: object) -> str:
 
 
 class FailureLedger:
-    """Counts every failure on the bus and applies the subscription's policy.
-
-    Args:
-        default_policy: Policy of subscriptions made without one.
-        send: Puts a command on the back-channel (the ``"stop"`` policy's ``StopTraining``).
-        doorbell: Rung when a ``"raise"`` failure becomes :attr:`fatal`.
-    """
+    """Counts every failure on the bus and applies the subscription's policy (``send`` takes
+    the ``"stop"`` policy's command; ``doorbell`` rings when :attr:`fatal` is set)."""
 
     def __init__(
         self, default_policy: ErrorPolicy, send: Callable[[cmd.Command], None], doorbell: Doorbell
@@ -192,8 +167,7 @@ class FailureLedger:
         self.failed = 0
         """Failures counted so far (subscribers, operators, completions, scheduled actions)."""
         self.fatal: Exception | None = None
-        """The first failure of a subscription with ``on_error="raise"``: the subscriber's own
-        exception, with a note naming the subscription (and event)."""
+        """The first failure of an ``on_error="raise"`` subscription (its own exception)."""
 
     def take_fatal(self) -> Exception | None:
         """The ``"raise"`` failure, if any, cleared: the bus' next run starts without it."""
@@ -201,15 +175,13 @@ class FailureLedger:
         return fatal
 
     def count(self, exc: BaseException | None = None) -> None:
-        """Count a failure its owner reported (a handled upstream error, a scheduled action
-        that raised)."""
+        """Count a failure its owner handled (an upstream error, a scheduled action)."""
         self.failed += 1
 
     def subscriber_failed(
         self, sub: Watched, exc: Exception, item: Any, *, ended: bool = False
     ) -> None:
-        """Count, log (throttled; always when it ``ended`` the subscription) and apply the
-        policy of ``sub``, whose ``failed`` already counts it, for ``exc`` raised on ``item``."""
+        """Count, log (throttled) and apply ``sub``'s policy to ``exc`` raised on ``item``."""
         self.failed += 1
         policy = sub.on_error or self.default_policy
         # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
@@ -240,8 +212,7 @@ class FailureLedger:
             self._doorbell.ring()
 
     def operator_failed(self, observer: Any, exc: Exception, event: object = None) -> None:
-        """An operator raised past RxPY into the dispatch of ``event``, or completing a
-        stream at close raised: count and log it (policy ``log``)."""
+        """Count and log an operator that raised past RxPY (policy ``log``)."""
         self.failed += 1
         log.error(
             "subscriber_failed",
