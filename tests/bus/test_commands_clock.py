@@ -329,3 +329,44 @@ async def test_two_saves_at_one_step_write_one_checkpoint(tmp_path: Path) -> Non
 
 async def _append(out: list[Any], awaitable: Any) -> None:
     out.append(await awaitable)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_an_async_judge_of_every_step_sees_each_step_and_stops_where_it_judged(
+    declared: bool,
+) -> None:
+    """An ``async def`` judge slower than the steps, made a decider: its buffer blocks instead
+    of dropping (the default for a decider), so the event it stops on is never lost; with
+    decision steps declared at every step the stop lands on the step it judged."""
+    trainer = _trainer(max_steps=200)
+    bus = trainer.bus
+    judged: list[int] = []
+
+    async def judge(e: ev.StepEnded) -> None:
+        await anyio.sleep(0.002)  # a service's round trip
+        judged.append(e.step)
+        if e.step == 37:
+            bus.send(cmd.StopTraining(reason="enough"))
+
+    sub = bus.subscribe_async(bus.stream(ev.StepEnded), judge, decides=True)
+    if declared:
+        bus.declare_decision_steps(every=1)
+    result = trainer.fit_sync()
+    assert sub.statistics().dropped == 0
+    assert judged[:37] == list(range(1, 38))
+    assert result.stop_reason == "enough"
+    if declared:
+        assert result.steps == 37
+    else:  # at the first poll point that finds it queued: later, never lost
+        assert 37 <= result.steps < 200
+
+
+def test_a_deciders_overflow_defaults_to_block_and_stays_what_it_was_given() -> None:
+    bus = EventBus()
+
+    async def fn(_: object) -> None:
+        return None
+
+    assert bus.subscribe_async(bus.events, fn, decides=True).overflow == "block"
+    assert bus.subscribe_async(bus.events, fn).overflow == "drop_oldest"
+    assert bus.subscribe_async(bus.events, fn, decides=True, overflow="latest").overflow == "latest"

@@ -44,7 +44,6 @@ from .dispatch import (
 from .lifecycle import DEFAULT_CLOSE_TIMEOUT, Lifecycle
 from .scheduler import AnyioScheduler
 from .subscriptions import (
-    DEFAULT_OVERFLOW,
     AsyncSubscription,
     BusObservable,
     BusStatistics,
@@ -402,7 +401,7 @@ class EventBus:
         *,
         concurrency: int = 1,
         buffer: int | None = None,
-        overflow: Overflow = DEFAULT_OVERFLOW,
+        overflow: Overflow | None = None,
         on_error: ErrorPolicy | None = None,
         name: str | None = None,
         decides: bool = False,
@@ -416,8 +415,9 @@ class EventBus:
                 one, or an object whose ``__call__`` is ``async def``).
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
-            overflow: What a full buffer does: ``"drop_oldest"`` (default), ``"latest"`` or
-                ``"block"`` (docs/bus.md, "Async subscribers").
+            overflow: What a full buffer does: ``"drop_oldest"``, ``"latest"`` or ``"block"``
+                (docs/bus.md, "Async subscribers"); default ``"block"`` for a decider (it sees
+                every item it may decide on), else ``"drop_oldest"``.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
             decides: True when ``fn``'s commands must land on the step they were decided for:

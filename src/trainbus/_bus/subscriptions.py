@@ -877,7 +877,7 @@ class SubscriptionSet:
         *,
         concurrency: int,
         buffer: int | None,
-        overflow: Overflow,
+        overflow: Overflow | None,
         on_error: ErrorPolicy | None,
         name: str | None,
         decides: bool,
@@ -894,6 +894,10 @@ class SubscriptionSet:
                 "the event loop",
             )
         check_int("concurrency", concurrency, 1)
+        if not isinstance(decides, bool):
+            raise ConfigError.invalid("decides", decides, "True or False")
+        if overflow is None:  # a decider sees every item it may decide on
+            overflow = "block" if decides else DEFAULT_OVERFLOW
         if overflow not in OVERFLOWS:
             raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
         if buffer is None:
@@ -901,8 +905,6 @@ class SubscriptionSet:
         check_int("buffer", buffer, 1)
         if overflow == "latest" and buffer != 1:
             raise ConfigError.invalid("buffer", buffer, "1 (or omitted) with overflow='latest'")
-        if not isinstance(decides, bool):
-            raise ConfigError.invalid("decides", decides, "True or False")
         check_policy(on_error)
         here = self.ranks.runs_here(ranks)
         sub = AsyncSubscription(

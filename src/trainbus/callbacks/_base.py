@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
 import torch
 
 from .. import events as ev
-from .._bus.subscriptions import DEFAULT_OVERFLOW, OVERFLOWS, Overflow
+from .._bus.subscriptions import OVERFLOWS, Overflow
 from .._bus.watchdog import ERROR_POLICIES, ErrorPolicy
 from .._exceptions import ConfigError
 from .._hookpoints import HOOK_POINTS
@@ -112,8 +112,8 @@ class SubscribeOptions:
         concurrency: Concurrent calls of each ``async def on_*`` method.
         buffer: Items each ``async def on_*`` method may have waiting (None: the bus'
             default, 64).
-        overflow: What a full buffer does (default ``"drop_oldest"``: never holds training
-            back; ``"block"`` loses nothing but can slow training: see docs/bus.md).
+        overflow: What a full buffer does (None: ``"block"`` for a decider, else
+            ``"drop_oldest"``, which never holds training back; see docs/bus.md).
         decides: True when an ``async def on_*`` method sends commands that must land on the
             step they were decided for: barriers delivering it an event wait for it
             (docs/bus.md, "Barriers").
@@ -126,7 +126,7 @@ class SubscribeOptions:
     on_error: ErrorPolicy | None = None
     concurrency: int = 1
     buffer: int | None = None
-    overflow: Overflow = DEFAULT_OVERFLOW
+    overflow: Overflow | None = None
     decides: bool = False
 
     def __post_init__(self) -> None:
@@ -135,7 +135,7 @@ class SubscribeOptions:
                                       f"None or one of {ERROR_POLICIES}")  # fmt: skip
         check_int("SubscribeOptions.concurrency", self.concurrency, 1)
         check_int("SubscribeOptions.buffer", self.buffer, 1, optional=True)
-        if self.overflow not in OVERFLOWS:
+        if self.overflow is not None and self.overflow not in OVERFLOWS:
             raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
                                       f"one of {OVERFLOWS}")  # fmt: skip
         check_bool("SubscribeOptions.decides", self.decides)
