@@ -29,7 +29,6 @@ from ._exceptions import ConfigError, RecordedError
 
 __all__ = [
     "FORMAT_VERSION",
-    "VERSIONS",
     "Message",
     "decode",
     "dumps",
@@ -40,8 +39,6 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """Version of the records written (their ``v`` field)."""
-VERSIONS: tuple[int, ...] = (1,)
-"""Versions :func:`decode` reads."""
 
 Message: TypeAlias = "ev.BaseEvent | cmd.Command"
 """What crosses: an event or a command."""
@@ -121,8 +118,10 @@ def decode(rec: Mapping[str, Any]) -> Message:
     if not isinstance(rec, Mapping):
         raise ConfigError.invalid("record", rec, "a JSON object")
     version = rec.get("v", 1)
-    if version not in VERSIONS:
-        raise ConfigError.invalid("v", version, f"one of {VERSIONS}")
+    if version != FORMAT_VERSION:
+        raise ConfigError.invalid(
+            "v", version, f"{FORMAT_VERSION}, the version this trainbus reads"
+        )
     return _build(rec)
 
 
