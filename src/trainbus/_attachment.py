@@ -146,7 +146,6 @@ class Attachment:
         bus: This side's bus (default: a new one).
         events: Extra event types to stream even without a subscriber for them.
         timeout: Seconds for connecting and the handshake.
-        keep_events: How many of the last events :attr:`received_events` keeps.
 
     Raises:
         ConfigError: a bad argument (checked now; the folder is checked when connecting).
@@ -160,7 +159,6 @@ class Attachment:
         bus: EventBus | None = None,
         events: Iterable[type[ev.BaseEvent]] = (),
         timeout: float = 5.0,
-        keep_events: int = 100,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.bus = bus if bus is not None else EventBus()
@@ -171,7 +169,6 @@ class Attachment:
                 raise ConfigError.invalid("events", t, "trainbus event classes")
         for callback in callbacks:
             add_driver_callback(self.bus, callback)
-        self._keep = keep_events
         self._link: DriverLink | None = None
         self._welcome: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
@@ -252,11 +249,6 @@ class Attachment:
         return dict(self._status)
 
     @property
-    def received_events(self) -> tuple[ev.BaseEvent, ...]:
-        """The last events received (at most ``keep_events``)."""
-        return () if self._link is None else self._link.events
-
-    @property
     def ended(self) -> ev.FitEnded | None:
         """The job's ``FitEnded``, once it arrived."""
         return None if self._link is None else self._link.ended
@@ -308,7 +300,7 @@ class Attachment:
     async def _session(self) -> AsyncIterator[Self]:
         target, token = locate(self.run_dir)
         stream, reader = await self._connect(target, token)
-        link = self._link = DriverLink(self.bus, token, keep_events=self._keep)
+        link = self._link = DriverLink(self.bus, token)
         link.welcomed(target)
         self._loop_thread = threading.get_ident()
         lock = anyio.Lock()

@@ -42,16 +42,9 @@ def seed_everything(seed: int) -> None:
 
 
 def seeded_run(s: Settings) -> Settings:
-    """The settings a run with ``s.seed`` trains with: the generators seeded, and a
-    ``DataLoader(shuffle=True)`` without a ``generator`` rebuilt around an
-    :class:`~trainbus.checkpoint.EpochSampler` (the user's loader is left as it is).
-
-    Args:
-        s: The trainer's settings (returned unchanged when ``s.seed`` is None).
-
-    Returns:
-        The settings to train with.
-    """
+    """The settings a run with ``s.seed`` trains with (``s`` itself without a seed): the
+    generators seeded, a ``DataLoader(shuffle=True)`` without a ``generator`` rebuilt around an
+    :class:`~trainbus.checkpoint.EpochSampler` (the user's loader is left as it is)."""
     if s.seed is None:
         return s
     seed_everything(s.seed)

@@ -634,13 +634,8 @@ REMOVED: Mapping[str, str] = MappingProxyType(
 
 
 def __getattr__(name: str) -> object:
-    """Refuse a removed per-step event's name, naming what replaces it (as ``trainbus`` does
-    for a name that moved: an ``ImportError``, so ``from trainbus.events import X`` shows it).
-
-    Raises:
-        ImportError: ``name`` is a removed event: the message names its replacement.
-        AttributeError: any other unknown name.
-    """
+    """A removed per-step event's name is an ``ImportError`` naming what replaces it (``from
+    trainbus.events import X`` shows it); any other unknown name an ``AttributeError``."""
     if name in REMOVED:
         raise ImportError(
             f"trainbus.events.{name} was removed: the per-step phases are one opt-in trace "
