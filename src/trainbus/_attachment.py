@@ -259,12 +259,18 @@ class Attachment:
 
         Returns:
             The job's ``FitEnded``, or None (timed out, or the job went away without one).
+
+        Raises:
+            TrainbusError: not connected (outside ``async with attach(...)``).
         """
-        link = self._link
-        if link is None:
-            raise TrainbusError("not attached: use `async with attach(...)` first")
+        link = self._attached()
         await link.wait_unlinked(float("inf") if timeout is None else timeout)
         return link.ended
+
+    def _attached(self) -> DriverLink:
+        if self._link is None:
+            raise TrainbusError("not attached: use `async with attach(...)` first")
+        return self._link
 
     def wait_sync(self, timeout: float | None = None) -> ev.FitEnded | None:
         """Synchronous twin of :meth:`wait`."""
@@ -282,8 +288,7 @@ class Attachment:
         Raises:
             TrainbusError: not connected (outside ``async with attach(...)``).
         """
-        if self._link is None:
-            raise TrainbusError("not attached: use `async with attach(...)` first")
+        self._attached()
         with anyio.move_on_after(float("inf") if timeout is None else timeout):
             while set(wanted_names(self.bus, self._extra)) - set(self._welcome.get("events", ())):
                 if not self.linked:
