@@ -13,7 +13,7 @@ from tests.callbacks.conftest import make_trainer
 from trainbus import ConfigError, EvalSchedule, replay
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus._replay import RecordedError, load_events
+from trainbus._replay import load_events
 from trainbus.callbacks import JsonlEventLog
 from trainbus.testing import VirtualTimeScheduler
 
@@ -81,7 +81,7 @@ def test_errors_and_unknown_versions(tmp_path: Path) -> None:
               "reason": "failed", "error": "RuntimeError('boom')", "stop_reason": None}  # fmt: skip
     path.write_text(json.dumps(record) + "\n")
     (ended,) = load_events(path)
-    assert isinstance(ended, ev.FitEnded) and isinstance(ended.error, RecordedError)
+    assert isinstance(ended, ev.FitEnded) and isinstance(ended.error, ev.RecordedError)
     assert "boom" in str(ended.error)
     path.write_text(json.dumps({**record, "v": 99}) + "\n")
     with pytest.raises(ConfigError, match="99"):

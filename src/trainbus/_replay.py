@@ -15,10 +15,10 @@ from reactivex.scheduler import CurrentThreadScheduler
 
 from . import _wire as wire
 from . import events as ev
-from ._exceptions import ConfigError, RecordedError
+from ._exceptions import ConfigError
 from ._rundirs import resolve_run
 
-__all__ = ["EventFilter", "RecordedError", "load_events", "replay"]
+__all__ = ["EventFilter", "load_events", "replay"]
 
 
 @dataclass(frozen=True, slots=True)
