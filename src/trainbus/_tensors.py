@@ -166,16 +166,10 @@ def plain_value(value: torch.Tensor) -> torch.Tensor:
     """The whole value of a DTensor as a plain tensor (``full_tensor()``: no communication when
     it is replicated, as a clipped norm is; a collective otherwise, so every rank must call
     it); any other tensor as it is."""
-    if is_dtensor(value):
-        full: torch.Tensor = value.full_tensor()  # type: ignore[attr-defined]
-        return full
-    return value
+    return value.full_tensor() if is_dtensor(value) else value  # type: ignore[attr-defined]
 
 
 def local_part(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor as a plain tensor (``to_local()``); any other tensor as
     it is. Reads nothing from the other ranks."""
-    if is_dtensor(value):
-        local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
-        return local
-    return value
+    return value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]
