@@ -133,11 +133,8 @@ def unknown_keyword_message(
 def explains_unknown_keywords(
     message: Callable[[str, Any, list[str]], str],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Wrap a function (its signature unchanged: ``inspect.signature`` and ``help()`` follow
-    ``__wrapped__``, mypy the ``ParamSpec``; an ``async def`` stays one) so that a keyword it
-    does not take is refused as Python refuses it, with ``message(name, value, keywords)``
-    saying what to write.
-    """
+    """Wrap a function, its signature kept (an ``async def`` stays one), so that a keyword it
+    does not take is a ``TypeError`` saying ``message(name, value, keywords)``."""
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters
