@@ -385,11 +385,8 @@ class PredictionStarted(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PredictionBatchEnded(BaseEvent):
-    """The model's outputs for one prediction batch, detached, on their device.
-
-    Write them out as they come (a subscriber with a bounded buffer holds at most that many
-    batches); reading them (``.cpu()``) happens on the subscriber's thread.
-    """
+    """The model's outputs for one prediction batch, detached, on their device: write them out
+    as they come (docs/events.md)."""
 
     batch_index: int
     outputs: Any
@@ -468,11 +465,8 @@ class CommandApplied(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkersRestarted(BaseEvent):
-    """A driver's workers were started again within one launch (``trainbus.ray``: Ray
-    restarted the worker group after a failure, ``FailureConfig(max_failures=...)``).
-    Published on the driver's bus only, when the restarted rank 0 links again; its
-    ``FitStarted`` follows. ``step`` and ``epoch`` are those of the last event streamed before.
-    """
+    """A driver's workers were started again within one launch (``trainbus.ray``, after a
+    failure); on the driver's bus only, before the new ``FitStarted`` (docs/events.md)."""
 
     attempt: int
     """The attempt starting now: 2 after the first restart, 3 after the second..."""
@@ -548,11 +542,8 @@ class RuntimeEstimated(BaseEvent):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExternalEvaluationEnded(BaseEvent):
     """An evaluation job that :class:`trainbus.callbacks.EvaluateCheckpoints` launched on a
-    saved checkpoint ended, off the training loop (never a barrier). ``step`` and ``epoch`` are
-    those of the ``CheckpointSaved`` that started it, ``time`` is when the job ended.
-    ``EarlyStopping`` and ``Checkpointing(monitor=...)`` act on its ``metrics`` like on an
-    ``EvaluationEnded``'s.
-    """
+    saved checkpoint ended (never a barrier); ``step`` and ``epoch`` are the checkpoint's
+    (docs/callbacks/evaluate.md)."""
 
     checkpoint: str
     """Path of the evaluated checkpoint (``CheckpointSaved.path``)."""
