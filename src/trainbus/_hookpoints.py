@@ -78,8 +78,7 @@ class StepContext:
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
         """Log a named value of this training step: its mean over the log window reaches
-        ``MetricsLogged``, ``FitResult.train_metrics`` and every logger (averaged across ranks
-        like the loss). A tensor is kept as it is (no device read) until the window closes.
+        ``MetricsLogged`` (docs/trainer.md, "Metrics of your own").
 
         Args:
             name: The metric's name (not one of the window's own: ``loss``, ``lr``, ...).

@@ -96,10 +96,8 @@ def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
 
 
 def replay(path: str | os.PathLike[str]) -> Observable[ev.BaseEvent]:
-    """The recorded run at ``path`` as a cold Observable of its events, each emitted at its
-    original time relative to the first (``event.time`` deltas), on the scheduler given to
-    ``subscribe(..., scheduler=...)`` (a ``VirtualTimeScheduler`` replays a run in
-    milliseconds; default: the current thread, in real time). Completes after the last event.
+    """The recorded run at ``path`` as a cold Observable of its events, each at its original
+    time relative to the first, on the scheduler given to ``subscribe`` (docs/replay.md).
 
     Args:
         path: A ``JsonlEventLog`` file, or a run folder holding ``events.jsonl``.

@@ -19,10 +19,8 @@ __all__ = ["seed_everything", "seeded_run"]
 
 def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global generator (if NumPy is installed) and torch's
-    generators (CPU and every GPU) with ``seed``.
-
-    Call it first, before building the model: a model built after it has the same initial
-    weights on every run. Process-wide: threads share these generators.
+    generators (CPU and every GPU) with ``seed``; call it before building the model. See
+    docs/trainer.md, "Seeds".
 
     Args:
         seed: An int >= 0 (NumPy takes it modulo 2**32).
