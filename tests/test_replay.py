@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -88,3 +89,11 @@ def test_errors_and_unknown_versions(tmp_path: Path) -> None:
         list(load_events(path))
     with pytest.raises(ConfigError, match=r"^path="):
         replay(tmp_path / "missing.jsonl")
+
+
+def test_a_line_that_is_not_json_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    first = {"v": 1, "type": "EpochStarted", "step": 0, "epoch": 0, "time": 1.0}
+    path.write_text(json.dumps(first) + "\n{truncated\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2: line="):
+        list(load_events(path))
