@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from tests.callbacks.conftest import make_trainer
 from trainbus import ConfigError, EvalSchedule, replay
 from trainbus import events as ev
 from trainbus import operators as tbops
-from trainbus._replay import RecordedError, load_events
+from trainbus._replay import load_events
 from trainbus.callbacks import JsonlEventLog
 from trainbus.testing import VirtualTimeScheduler
 
@@ -81,10 +82,18 @@ def test_errors_and_unknown_versions(tmp_path: Path) -> None:
               "reason": "failed", "error": "RuntimeError('boom')", "stop_reason": None}  # fmt: skip
     path.write_text(json.dumps(record) + "\n")
     (ended,) = load_events(path)
-    assert isinstance(ended, ev.FitEnded) and isinstance(ended.error, RecordedError)
+    assert isinstance(ended, ev.FitEnded) and isinstance(ended.error, ev.RecordedError)
     assert "boom" in str(ended.error)
     path.write_text(json.dumps({**record, "v": 99}) + "\n")
     with pytest.raises(ConfigError, match="99"):
         list(load_events(path))
     with pytest.raises(ConfigError, match=r"^path="):
         replay(tmp_path / "missing.jsonl")
+
+
+def test_a_line_that_is_not_json_is_a_config_error_naming_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    first = {"v": 1, "type": "EpochStarted", "step": 0, "epoch": 0, "time": 1.0}
+    path.write_text(json.dumps(first) + "\n{truncated\n")
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}:2: line="):
+        list(load_events(path))

@@ -1,19 +1,7 @@
-"""Attach to a running job: watch its events and steer it from another process.
-
-::
-
-    job = trainbus.attach("runs/demo")                   # not connected yet
-    job.subscribe(job.stream(ev.MetricsLogged), print)   # the job streams what this side
-    async with job:                                      # wants when it connects
-        applied = await job.request(cmd.SaveCheckpoint(tag="now"))   # a notebook: top-level await
-        job.subscribe(job.stream(ev.StepEnded), print)   # later ones: the job is told
-
-    with trainbus.attach("runs/demo") as job:             # a script: a background thread
-        job.send(cmd.StopTraining())
-        job.wait_sync()                                    # until the run ends
+"""Attach to a running job: watch its events and steer it from another process (docs/attach.md).
 
 The job's rank 0 listens on ``attach.sock`` in its run folder; an :class:`Attachment` is the
-driver's end of the same link protocol as :func:`trainbus.launch`'s (docs/attach.md).
+driver's end of the same link protocol as :func:`trainbus.launch`'s.
 """
 
 from __future__ import annotations
@@ -28,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from functools import partial
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 import anyio
 import anyio.abc
@@ -52,6 +40,7 @@ from .callbacks._base import Callback
 __all__ = ["AttachError", "Attachment", "attach"]
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 _WANTS_POLL_S = 0.01  # how often a connected attachment looks whether its wants changed
 _CONTROL = b'{"v": 1, "type": "'  # how a control line starts (wire records are compact)
@@ -70,13 +59,18 @@ def _fields(line: bytes) -> dict[str, Any]:
     return record
 
 
+def _refused(folder: Path, why: str) -> AttachError:
+    return AttachError(f"cannot attach to {folder}: {why}")
+
+
 def _owned(path: Path, folder: Path, what: str) -> os.stat_result:
-    """``path``'s lstat, when it is this user's and not writable by others."""
+    """``path``'s lstat, when it is this user's."""
     info = os.lstat(path)
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
-        raise AttachError(
-            f"cannot attach to {folder}: its {what} belongs to uid {info.st_uid}, not you "
-            f"(uid {os.getuid()}); only the run's owner may attach"
+        raise _refused(
+            folder,
+            f"its {what} belongs to uid {info.st_uid}, not you (uid {os.getuid()}); only the "
+            "run's owner may attach",
         )
     return info
 
@@ -93,45 +87,50 @@ def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
     """
     folder = Path(run_dir)
     if not hasattr(socket, "AF_UNIX"):
-        raise AttachError(f"cannot attach to {folder}: this platform has no Unix domain "
-                          "sockets (AF_UNIX), which attaching needs")  # fmt: skip
+        raise _refused(
+            folder, "this platform has no Unix domain sockets (AF_UNIX), which attaching needs"
+        )
     if not folder.is_dir():
-        what = "not a folder (a file)" if folder.exists() else "no such folder"
-        raise AttachError(f"cannot attach to {folder}: {what}")
+        raise _refused(folder, "not a folder (a file)" if folder.exists() else "no such folder")
     _owned(folder, folder, "folder")
     sock, token_file = folder / SOCKET_NAME, folder / TOKEN_NAME
     if not os.path.lexists(sock):
-        raise AttachError(f"cannot attach to {folder}: no running job there (no {SOCKET_NAME}: "
-                          "the run ended, has not started, runs without a run folder, or "
-                          "with attach=False)")  # fmt: skip
+        raise _refused(
+            folder,
+            f"no running job there (no {SOCKET_NAME}: the run ended, has not started, runs "
+            "without a run folder, or with attach=False)",
+        )
     info = _owned(sock, folder, SOCKET_NAME)
     target = Path(os.path.realpath(sock))
     if stat.S_ISLNK(info.st_mode):  # a long run-folder path: the socket lives elsewhere
         if not target.exists():
-            raise AttachError(f"cannot attach to {folder}: stale {SOCKET_NAME} (it points to "
-                              f"{target}, which is gone: the job that made it died)")  # fmt: skip
+            raise _refused(
+                folder,
+                f"stale {SOCKET_NAME} (it points to {target}, which is gone: the job that made "
+                "it died)",
+            )
         info = _owned(target, folder, f"socket {target}")
     if not stat.S_ISSOCK(info.st_mode):
-        raise AttachError(f"cannot attach to {folder}: {SOCKET_NAME} is not a socket")
+        raise _refused(folder, f"{SOCKET_NAME} is not a socket")
     if len(os.fsencode(str(target))) > max_socket_path():
-        raise AttachError(f"cannot attach to {folder}: the socket's path is longer than "
-                          f"AF_UNIX allows ({max_socket_path()} bytes)")  # fmt: skip
+        raise _refused(
+            folder, f"the socket's path is longer than AF_UNIX allows ({max_socket_path()} bytes)"
+        )
     try:
         token_info = _owned(token_file, folder, TOKEN_NAME)
         if token_info.st_mode & 0o077:
             mode = stat.S_IMODE(token_info.st_mode)
-            raise AttachError(
-                f"cannot attach to {folder}: {TOKEN_NAME} is readable by others (mode "
-                f"{mode:o}); not trusted"
+            raise _refused(
+                folder, f"{TOKEN_NAME} is readable by others (mode {mode:o}); not trusted"
             )
         token = token_file.read_text().strip()
     except FileNotFoundError:
-        raise AttachError(
-            f"cannot attach to {folder}: {TOKEN_NAME} is missing beside {SOCKET_NAME} (a stale "
-            "socket from a job that died?)"
+        raise _refused(
+            folder,
+            f"{TOKEN_NAME} is missing beside {SOCKET_NAME} (a stale socket from a job that died?)",
         ) from None
     except PermissionError as exc:
-        raise AttachError(f"cannot attach to {folder}: cannot read {TOKEN_NAME}: {exc}") from None
+        raise _refused(folder, f"cannot read {TOKEN_NAME}: {exc}") from None
     return str(target), token
 
 
@@ -147,7 +146,6 @@ class Attachment:
         bus: This side's bus (default: a new one).
         events: Extra event types to stream even without a subscriber for them.
         timeout: Seconds for connecting and the handshake.
-        keep_events: How many of the last events :attr:`received_events` keeps.
 
     Raises:
         ConfigError: a bad argument (checked now; the folder is checked when connecting).
@@ -161,7 +159,6 @@ class Attachment:
         bus: EventBus | None = None,
         events: Iterable[type[ev.BaseEvent]] = (),
         timeout: float = 5.0,
-        keep_events: int = 100,
     ) -> None:
         self.run_dir = Path(run_dir)
         self.bus = bus if bus is not None else EventBus()
@@ -172,13 +169,12 @@ class Attachment:
                 raise ConfigError.invalid("events", t, "trainbus event classes")
         for callback in callbacks:
             add_driver_callback(self.bus, callback)
-        self._keep = keep_events
         self._link: DriverLink | None = None
         self._welcome: dict[str, Any] = {}
         self._status: dict[str, Any] = {}
         self._told: list[str] = []  # the event types the job was last asked for
         self._loop_thread: int | None = None  # where the bus runs while connected
-        self._portal: Any = None
+        self._portal: anyio.from_thread.BlockingPortal | None = None
         self._portal_cm: Any = None
         self._cm: Any = None
 
@@ -196,10 +192,7 @@ class Attachment:
     def subscribe(self, observable: Any, on_next: Any, **kw: Any) -> Subscription:
         """See :meth:`EventBus.subscribe` (inside ``with attach(...)``, from another thread:
         made on the bus' thread)."""
-        made: Subscription = self._on_bus_thread(
-            partial(self.bus.subscribe, observable, on_next, **kw)
-        )
-        return made
+        return self._on_bus_thread(partial(self.bus.subscribe, observable, on_next, **kw))
 
     def subscribe_async(
         self, observable: Any, fn: Callable[[Any], Awaitable[Any]], **kw: Any
@@ -208,9 +201,8 @@ class Attachment:
         thread: made on the bus' thread)."""
         return self._on_bus_thread(partial(self.bus.subscribe_async, observable, fn, **kw))
 
-    def _on_bus_thread(self, fn: Callable[[], Any]) -> Any:
-        # A script's `with attach(...)` runs the bus in a portal thread: a subscription made
-        # from the script's thread is made there, where the bus changes its routes.
+    def _on_bus_thread(self, fn: Callable[[], T]) -> T:
+        # Under `with attach(...)` the bus runs in the portal's thread, where its routes change.
         if self._portal is not None and threading.get_ident() != self._loop_thread:
             return self._portal.call(fn)
         return fn()
@@ -234,7 +226,7 @@ class Attachment:
 
     def request_sync(self, command: cmd.Command) -> ev.BaseEvent:
         """Synchronous twin of :meth:`request` (inside ``with attach(...)``)."""
-        return self._sync().call(self.bus.request, command)  # type: ignore[no-any-return]
+        return self._sync().call(self.bus.request, command)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -257,11 +249,6 @@ class Attachment:
         return dict(self._status)
 
     @property
-    def received_events(self) -> tuple[ev.BaseEvent, ...]:
-        """The last events received (at most ``keep_events``)."""
-        return () if self._link is None else self._link.events
-
-    @property
     def ended(self) -> ev.FitEnded | None:
         """The job's ``FitEnded``, once it arrived."""
         return None if self._link is None else self._link.ended
@@ -272,16 +259,22 @@ class Attachment:
 
         Returns:
             The job's ``FitEnded``, or None (timed out, or the job went away without one).
+
+        Raises:
+            TrainbusError: not connected (outside ``async with attach(...)``).
         """
-        link = self._link
-        if link is None:
-            raise TrainbusError("not attached: use `async with attach(...)` first")
+        link = self._attached()
         await link.wait_unlinked(float("inf") if timeout is None else timeout)
         return link.ended
 
+    def _attached(self) -> DriverLink:
+        if self._link is None:
+            raise TrainbusError("not attached: use `async with attach(...)` first")
+        return self._link
+
     def wait_sync(self, timeout: float | None = None) -> ev.FitEnded | None:
         """Synchronous twin of :meth:`wait`."""
-        return self._sync().call(self.wait, timeout)  # type: ignore[no-any-return]
+        return self._sync().call(self.wait, timeout)
 
     async def wait_streaming(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Wait until the job streams every event type this side wants now: after a
@@ -295,8 +288,7 @@ class Attachment:
         Raises:
             TrainbusError: not connected (outside ``async with attach(...)``).
         """
-        if self._link is None:
-            raise TrainbusError("not attached: use `async with attach(...)` first")
+        self._attached()
         with anyio.move_on_after(float("inf") if timeout is None else timeout):
             while set(wanted_names(self.bus, self._extra)) - set(self._welcome.get("events", ())):
                 if not self.linked:
@@ -307,13 +299,13 @@ class Attachment:
 
     def wait_streaming_sync(self, timeout: float | None = None) -> bool:
         """Synchronous twin of :meth:`wait_streaming`."""
-        return self._sync().call(self.wait_streaming, timeout)  # type: ignore[no-any-return]
+        return self._sync().call(self.wait_streaming, timeout)
 
     @contextlib.asynccontextmanager
     async def _session(self) -> AsyncIterator[Self]:
         target, token = locate(self.run_dir)
         stream, reader = await self._connect(target, token)
-        link = self._link = DriverLink(self.bus, token, keep_events=self._keep)
+        link = self._link = DriverLink(self.bus, token)
         link.welcomed(target)
         self._loop_thread = threading.get_ident()
         lock = anyio.Lock()
@@ -345,18 +337,17 @@ class Attachment:
     async def _connect(
         self, target: str, token: str
     ) -> tuple[anyio.abc.SocketStream, BufferedByteReceiveStream]:
-        folder = self.run_dir
         try:
             with anyio.fail_after(self.timeout):
                 stream = await anyio.connect_unix(target)
         except ConnectionRefusedError:
-            raise AttachError(f"cannot attach to {folder}: stale {SOCKET_NAME} (nobody listens: "
-                              "the job that made it died)") from None  # fmt: skip
+            raise self._refused(
+                f"stale {SOCKET_NAME} (nobody listens: the job that made it died)"
+            ) from None
         except TimeoutError:
-            raise AttachError(f"cannot attach to {folder}: the job did not accept within "
-                              f"{self.timeout} s") from None  # fmt: skip
+            raise self._refused(f"the job did not accept within {self.timeout} s") from None
         except OSError as exc:
-            raise AttachError(f"cannot attach to {folder}: {exc}") from None
+            raise self._refused(str(exc)) from None
         names = self._told = wanted_names(self.bus, self._extra)
         reader = BufferedByteReceiveStream(stream)
         try:
@@ -365,16 +356,19 @@ class Attachment:
                 reply = await reader.receive_until(b"\n", 1 << 20)
         except TimeoutError:
             await stream.aclose()
-            raise AttachError(f"cannot attach to {folder}: the job did not answer within "
-                              f"{self.timeout} s") from None  # fmt: skip
+            raise self._refused(f"the job did not answer within {self.timeout} s") from None
         except STREAM_GONE:
             reply = b""
         if control_types(reply, "welcome") is None:
             await stream.aclose()
-            raise AttachError(f"cannot attach to {folder}: the job refused this attachment "
-                              f"(wrong token: {TOKEN_NAME} changed?)")  # fmt: skip
+            raise self._refused(
+                f"the job refused this attachment (wrong token: {TOKEN_NAME} changed?)"
+            )
         self._welcome = _fields(reply)
         return stream, reader
+
+    def _refused(self, why: str) -> AttachError:
+        return _refused(self.run_dir, why)
 
     async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
         """While connected: when this bus' subscriptions changed (its doorbell rang), send the
@@ -447,7 +441,7 @@ class Attachment:
             self._portal = None
             self._portal_cm.__exit__(None, None, None)
 
-    def _sync(self) -> Any:
+    def _sync(self) -> anyio.from_thread.BlockingPortal:
         if self._portal is None:
             raise TrainbusError("the *_sync methods work inside `with attach(...)`; in async "
                                 "code use `async with` and await request()/wait()")  # fmt: skip

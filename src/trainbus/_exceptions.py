@@ -82,9 +82,8 @@ class SubscriberError(TrainbusError):
 
 
 class LostWorkError(TrainbusError, RuntimeError):
-    """Subscribers lost work during a run on a bus made with ``EventBus(on_lost="raise")``: items
-    dropped by an overflow policy, cancelled at close, or whose call failed. Raised by ``fit()``
-    after every event was delivered and the bus closed; the run's result is attached.
+    """Subscribers lost work (items dropped, cancelled at close, or failed) on a bus made with
+    ``EventBus(on_lost="raise")``: raised by ``fit()`` once the bus closed. See docs/bus.md.
 
     Attributes:
         lost_work: ``{subscription name: LostWork}`` of the subscriptions that lost anything.
@@ -106,12 +105,9 @@ class LostWorkError(TrainbusError, RuntimeError):
 
 
 class CheckpointError(TrainbusError):
-    """A checkpoint cannot be used: the message names the file and what is wrong with it.
-
-    Raised for a truncated, corrupt or foreign file (never a raw pickle or zip error: those are
-    the ``__cause__``) and for a checkpoint that does not fit what resumes it (another model
-    shape, optimizer type or world size).
-    """
+    """A checkpoint cannot be used (truncated, corrupt, foreign, or not fitting the model,
+    optimizer or world size resuming it); the message names the file, the raw error is the
+    ``__cause__``."""
 
     def __init__(self, message: str, *, path: str | None = None) -> None:
         super().__init__(f"checkpoint {path}: {message}" if path is not None else message)
@@ -119,10 +115,8 @@ class CheckpointError(TrainbusError):
 
 
 class CheckpointWriteError(CheckpointError, OSError):
-    """The disk refused a checkpoint write (no space, permission denied, a read-only file
-    system): the message names the file and the OS error (the ``__cause__``). An ``OSError``
-    too (``errno``, ``strerror``, ``filename``: ``except OSError`` keeps working); no partial
-    file was left and earlier checkpoints are untouched.
+    """The disk refused a checkpoint write (no space, a read-only file system), naming the file
+    and the OS error; an ``OSError`` too (``errno``, ``strerror``). See docs/reliability.md.
 
     Args:
         path: The checkpoint file that was being written.
@@ -137,8 +131,7 @@ class CheckpointWriteError(CheckpointError, OSError):
         self.filename = path
 
     def __str__(self) -> str:
-        # OSError's own __str__ would print "[Errno N] strerror: filename" without saying that a
-        # checkpoint failed; the message built above says both.
+        # Not OSError's "[Errno N] strerror: filename", which does not say a checkpoint failed.
         return str(self.args[0])
 
     def __reduce__(self) -> tuple[Any, ...]:

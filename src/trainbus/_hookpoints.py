@@ -1,8 +1,5 @@
-"""The inline hook points (where in a step a hook runs) and the :class:`StepContext` a hook
-sees. A leaf module: the loop runs the hooks, the callbacks map ``hook_<point>`` methods onto
-them, neither importing the other. What each point may change, and the order ``after_evaluation``
-hooks run in: docs/trainer.md, "Callbacks".
-"""
+"""The inline hook points and the :class:`StepContext` a hook sees (a leaf module: the loop and
+the callbacks both import it). What each point may change: docs/trainer.md, "Callbacks"."""
 
 from __future__ import annotations
 
@@ -42,11 +39,9 @@ class StepContext:
         epoch: Current epoch.
         batch_index: Index of the current batch in the epoch.
         micro_batch: Position among the step's micro-batches (gradient accumulation).
-        batch: The batch (on the device); a ``"batch"`` hook may replace it. Every point of
-            a step sees one: the micro-batch itself from ``"batch"`` to ``"after_backward"``,
-            and the step's last micro-batch (the one the model saw last) at
-            ``"before_optimizer_step"`` and ``"after_optimizer_step"``: under gradient
-            accumulation the earlier ones of the step are gone by then.
+        batch: The batch (on the device); a ``"batch"`` hook may replace it. At
+            ``"before_optimizer_step"`` and ``"after_optimizer_step"``: the step's last
+            micro-batch.
         outputs: Model outputs (from the ``"after_forward"`` point on); an ``"after_forward"``
             hook may replace them (the loss is computed from the replacement).
         loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.
@@ -79,13 +74,11 @@ class StepContext:
     dataset: str | None = None
     trigger: str | None = None
     error: BaseException | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
     metrics_sink: Callable[[str, Any], None] | None = field(default=None, repr=False)
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
         """Log a named value of this training step: its mean over the log window reaches
-        ``MetricsLogged``, ``FitResult.train_metrics`` and every logger (averaged across ranks
-        like the loss). A tensor is kept as it is (no device read) until the window closes.
+        ``MetricsLogged`` (docs/trainer.md, "Metrics of your own").
 
         Args:
             name: The metric's name (not one of the window's own: ``loss``, ``lr``, ...).

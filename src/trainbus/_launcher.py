@@ -1,22 +1,5 @@
-"""The launcher: run a training script under torchrun while the subscribers run in the driver.
-
-::
-
-    trainbus.launch("train.py", "--lr", "0.1", nproc_per_node=2, callbacks=[MyCallback()])
-
-    driver (this process)                           torchrun --nproc_per_node=2 train.py ...
-    ┌────────────────────────────────┐  events   ┌───────────────────────────────────────┐
-    │ EventBus: the user's callbacks,│ ◄──────── │ rank 0: WorkerLink (its bus' events)  │
-    │ async subscribers, request(),  │  commands │ rank 1..: no link; the command        │
-    │ operators                      │ ────────► │ agreement spreads rank 0's commands   │
-    └────────────────────────────────┘ 127.0.0.1 └───────────────────────────────────────┘
-
-The driver listens on 127.0.0.1 only and accepts only a connection presenting the run's
-random token (``TRAINBUS_DRIVER_TOKEN``); only JSON records cross (:mod:`trainbus._wire`).
-A worker that dies ends the launch with a :class:`~trainbus.LaunchError`; Ctrl-C stops the
-workers gracefully, then after ``stop_timeout`` terminates torchrun's process group
-(docs/distributed.md).
-"""
+"""The launcher: a training script under torchrun, its rank 0 linked to this process' bus,
+where the subscribers run (docs/distributed.md, "The launcher")."""
 
 from __future__ import annotations
 

@@ -1,10 +1,6 @@
-"""Library-style logging: trainbus' own diagnostics are silent below warning unless asked for.
-
-A library must not configure structlog, whose unconfigured default prints every level to
-stdout. :func:`get_logger` decides at each call: through structlog when the application
-configured it (or a test captures logs), else through the standard library's :mod:`logging`
-under the module's name (by default, warnings and errors only).
-"""
+"""Library-style logging: through structlog when the application configured it, else through
+the standard library's :mod:`logging` under the module's name (warnings and errors by default),
+decided at each call; a library never configures structlog."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Where the names of the earlier layout went (before 0.1.0 every module was public by path):
-an ``ImportError`` that names a moved name's public module, or says a module is private now;
-and what replaces another framework's callback method names (:func:`lightning_method_hint`).
-"""
+"""Where the names of the earlier layout went (an ``ImportError`` naming the new place), and what
+replaces Lightning's callback method names (:func:`lightning_method_hint`)."""
 
 from __future__ import annotations
 
@@ -105,28 +103,33 @@ def renamed(module: str, name: str) -> AttributeError:
     return AttributeError(f"{module}.{name} is {new} now")
 
 
+def _moved(name: str, home: str) -> str:
+    return f"trainbus.{name} moved to {home}: `from {home} import {name}`"
+
+
 def moved_name(name: str) -> AttributeError:
-    """The error for ``trainbus.<name>``: an ``AttributeError`` (so ``hasattr`` and
-    ``getattr(trainbus, name, None)`` still answer) that says where a moved name lives."""
+    """The error for ``trainbus.<name>``: an ``AttributeError`` (so ``hasattr`` still answers)
+    that says where a moved name lives."""
     home = MOVED_NAMES.get(name)
     if home is None:
         return AttributeError(f"module 'trainbus' has no attribute {name!r}")
-    return AttributeError(f"trainbus.{name} moved to {home}: `from {home} import {name}`")
+    return AttributeError(_moved(name, home))
 
 
-def _message(fullname: str) -> str | None:
+def _import_error(fullname: str) -> ImportError | None:
     package, _, name = fullname.rpartition(".")
+    # ``from trainbus import X`` looks for a submodule once the attribute is missing: a plain
+    # ImportError, which it does not replace with its own bare "no such submodule" message.
     if package == "trainbus" and name in MOVED_NAMES:
-        # ``from trainbus import AnyioScheduler``: Python looks for a submodule of that name
-        # once the attribute is missing, and this finder's error is the one the user sees.
-        home = MOVED_NAMES[name]
-        return f"trainbus.{name} moved to {home}: `from {home} import {name}`"
+        return ImportError(_moved(name, MOVED_NAMES[name]), name=package)
     if fullname in RENAMED:
-        return f"{fullname} is {RENAMED[fullname]} now"
+        return ImportError(f"{fullname} is {RENAMED[fullname]} now", name=package)
     for old, (new, public) in MOVED_MODULES.items():
         if fullname == old or fullname.startswith(old + "."):
             where = new + fullname[len(old) :]
-            return f"{fullname} is private now ({where}); {public}"
+            return ModuleNotFoundError(
+                f"{fullname} is private now ({where}); {public}", name=fullname
+            )
     return None
 
 
@@ -139,14 +142,10 @@ class _MovedModules(importlib.abc.MetaPathFinder):
         path: Sequence[str] | None,
         target: ModuleType | None = None,
     ) -> importlib.machinery.ModuleSpec | None:
-        message = _message(fullname)
-        if message is None:
-            return None
-        if fullname in RENAMED or fullname.rpartition(".")[2] in MOVED_NAMES:
-            # Not a ModuleNotFoundError of that name, which ``from trainbus import X`` would
-            # take for "no such submodule" and replace with its own bare message.
-            raise ImportError(message, name=fullname.rpartition(".")[0])
-        raise ModuleNotFoundError(message, name=fullname)
+        error = _import_error(fullname)
+        if error is not None:
+            raise error
+        return None
 
 
 def report_moved_modules() -> None:

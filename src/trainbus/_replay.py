@@ -1,21 +1,8 @@
-"""Replay a recorded run: the events of a ``JsonlEventLog`` file as an Observable in time.
-
-::
-
-    scheduler = VirtualTimeScheduler()
-    decisions = []
-    replay("runs/demo/events.jsonl").pipe(
-        tbops.of_type(ev.EvaluationEnded), tbops.patience("val_loss", patience=3),
-    ).subscribe(decisions.append, scheduler=scheduler)
-    scheduler.start()          # the whole run, at its original relative timing, in milliseconds
-
-A pipeline tested this way sees the same events, in the same order and with the same spacing,
-as it would have on the live run's bus.
-"""
+"""Replay a recorded run: the events of a ``JsonlEventLog`` file as an Observable in time
+(docs/replay.md)."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,21 +15,16 @@ from reactivex.scheduler import CurrentThreadScheduler
 
 from . import _wire as wire
 from . import events as ev
-from ._exceptions import ConfigError, RecordedError
+from ._exceptions import ConfigError
 from ._rundirs import resolve_run
 
-__all__ = ["EventFilter", "RecordedError", "load_events", "replay"]
+__all__ = ["EventFilter", "load_events", "replay"]
 
 
 @dataclass(frozen=True, slots=True)
 class EventFilter:
-    """Which recorded events to keep: by class and by step (``trainbus replay`` options).
-
-    Attributes:
-        types: Event classes kept (empty: all).
-        first_step: Smallest ``step`` kept (None: from the start).
-        last_step: Largest ``step`` kept, inclusive (None: to the end).
-    """
+    """Which recorded events to keep: by class (empty: all) and by step range, inclusive (None:
+    open); the ``trainbus replay`` options."""
 
     types: tuple[type[ev.BaseEvent], ...] = ()
     first_step: int | None = None
@@ -50,14 +32,8 @@ class EventFilter:
 
     @classmethod
     def parse(cls, types: Iterable[str] = (), steps: str | None = None) -> EventFilter:
-        """Build a filter from option text: class names (``StepEnded``; a comma-separated
-        list counts as several) and a step range ``START:END`` (inclusive; either side may be
-        left out: ``10:``, ``:20``; a single ``N`` is ``N:N``).
-
-        Raises:
-            ConfigError: an unknown event class (named ``--type``) or a bad or inverted range
-                (named ``--steps``).
-        """
+        """From ``--type`` class names (comma-separated counts as several) and ``--steps``
+        ``START:END`` (either side may be left out; ``N`` is ``N:N``); else ``ConfigError``."""
         known = {t.__name__: t for t in ev.EVENT_TYPES}
         chosen: list[type[ev.BaseEvent]] = []
         for name in (n.strip() for text in types for n in text.split(",")):
@@ -96,7 +72,7 @@ def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
     folder), rebuilt as their event classes.
 
     Raises:
-        ConfigError: no such file, a record of an unknown format version or event type.
+        ConfigError: no such file, a line that is not a record of an event (naming the line).
     """
     file = resolve_run(path)
     if not file.is_file():
@@ -108,21 +84,20 @@ def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            record = json.loads(line)
             try:
-                event = wire.decode(record)
+                event = wire.loads(line)
             except ConfigError as exc:
                 raise ConfigError(f"{file}:{n}: {exc}") from None
             if not isinstance(event, ev.BaseEvent):
-                raise ConfigError.invalid(f"{file}:{n} type", record["type"], "an event class")
+                raise ConfigError.invalid(
+                    f"{file}:{n} type", type(event).__name__, "an event class"
+                )
             yield event
 
 
 def replay(path: str | os.PathLike[str]) -> Observable[ev.BaseEvent]:
-    """The recorded run at ``path`` as a cold Observable of its events, each emitted at its
-    original time relative to the first (``event.time`` deltas), on the scheduler given to
-    ``subscribe(..., scheduler=...)`` (a ``VirtualTimeScheduler`` replays a run in
-    milliseconds; default: the current thread, in real time). Completes after the last event.
+    """The recorded run at ``path`` as a cold Observable of its events, each at its original
+    time relative to the first, on the scheduler given to ``subscribe`` (docs/replay.md).
 
     Args:
         path: A ``JsonlEventLog`` file, or a run folder holding ``events.jsonl``.

@@ -19,10 +19,8 @@ __all__ = ["seed_everything", "seeded_run"]
 
 def seed_everything(seed: int) -> None:
     """Seed Python's ``random``, NumPy's global generator (if NumPy is installed) and torch's
-    generators (CPU and every GPU) with ``seed``.
-
-    Call it first, before building the model: a model built after it has the same initial
-    weights on every run. Process-wide: threads share these generators.
+    generators (CPU and every GPU) with ``seed``; call it before building the model. See
+    docs/trainer.md, "Seeds".
 
     Args:
         seed: An int >= 0 (NumPy takes it modulo 2**32).
@@ -42,16 +40,9 @@ def seed_everything(seed: int) -> None:
 
 
 def seeded_run(s: Settings) -> Settings:
-    """The settings a run with ``s.seed`` trains with: the generators seeded, and a
-    ``DataLoader(shuffle=True)`` without a ``generator`` rebuilt around an
-    :class:`~trainbus.checkpoint.EpochSampler` (the user's loader is left as it is).
-
-    Args:
-        s: The trainer's settings (returned unchanged when ``s.seed`` is None).
-
-    Returns:
-        The settings to train with.
-    """
+    """The settings a run with ``s.seed`` trains with (``s`` itself without a seed): the
+    generators seeded, a ``DataLoader(shuffle=True)`` without a ``generator`` rebuilt around an
+    :class:`~trainbus.checkpoint.EpochSampler` (the user's loader is left as it is)."""
     if s.seed is None:
         return s
     seed_everything(s.seed)

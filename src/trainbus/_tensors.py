@@ -1,5 +1,4 @@
-"""Small tensor utilities for the loop: the run's device, device moves and batch sizes, without
-device syncs."""
+"""The run's device, device moves and batch sizes, without device syncs."""
 
 from __future__ import annotations
 
@@ -37,23 +36,9 @@ def _cuda_devices(count: int) -> str:
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """The run's one device, resolved once, with its index when it is a CUDA device.
-
-    ``"auto"`` picks CUDA, then Apple MPS, then the CPU. ``"cuda"`` (also from ``"auto"``)
-    becomes ``cuda:N``, N being the calling thread's current CUDA device (0 unless
-    ``torch.cuda.set_device`` changed it), so every thread of the run can make that same
-    device current (:func:`use_device`).
-
-    Args:
-        device: ``"auto"``, a device string or a ``torch.device``.
-
-    Returns:
-        The device; a CUDA device always has an index.
-
-    Raises:
-        ConfigError: not a device torch knows, a CUDA device without CUDA, or a CUDA index this
-            process does not see (the message names what exists).
-    """
+    """The run's device: ``"auto"`` picks CUDA, MPS, then the CPU; a CUDA device gets the
+    calling thread's current index, so every thread can make it current (:func:`use_device`).
+    ``ConfigError`` for a device torch does not know or this process does not see."""
     if isinstance(device, str) and device == "auto":
         if torch.cuda.is_available():
             resolved = torch.device("cuda")
@@ -89,12 +74,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def bf16_supported(device: torch.device) -> bool:
-    """Whether ``device`` computes in bfloat16 natively (``precision="bf16"``).
-
-    Every device but CUDA does (autocast on the CPU and MPS); on CUDA, ROCm GPUs and NVIDIA
-    GPUs of compute capability 8.0 (Ampere) and later. Older NVIDIA GPUs only emulate it,
-    slower than fp32. ``device`` is resolved (:func:`resolve_device`).
-    """
+    """Whether the resolved ``device`` computes in bfloat16 natively: not NVIDIA GPUs before
+    Ampere (8.0), which emulate it slower than fp32."""
     if device.type != "cuda":
         return True
     if torch.version.hip:
@@ -103,28 +84,16 @@ def bf16_supported(device: torch.device) -> bool:
 
 
 def use_device(device: torch.device) -> None:
-    """Make ``device`` the calling thread's current CUDA device; nothing off CUDA.
-
-    CUDA's current device is per thread and starts at 0 on every new thread: each thread that
-    runs the run's torch work (the loop, evaluate, predict) calls this first, so a hook, a
-    model or a kernel that uses the current device (or its current stream) works on the run's
-    device, not on GPU 0.
-    """
+    """Make ``device`` the calling thread's current CUDA device (per thread, 0 on a new one):
+    every thread doing the run's torch work calls this first; nothing off CUDA."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
 
 def move_to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``.
-
-    Tensors, tuples (named ones too), lists and mappings are walked; an object with a ``.to()``
-    method (PyG ``Data``, a custom batch class) is moved by ``batch.to(device)``; a dataclass
-    instance is copied with its fields moved. Anything else is returned as it is.
-
-    Copies of tensors to CUDA are ``non_blocking``: with a pinned-memory loader the copy
-    overlaps with compute instead of stalling the training thread. On the same device this is a
-    no-op.
-    """
+    """Move every tensor of a (nested) batch to ``device``: tuples, lists and mappings walked,
+    an object with ``.to()`` moved by it, a dataclass copied with its fields moved; copies to
+    CUDA ``non_blocking`` (docs/trainer.md, "On a GPU")."""
     if isinstance(batch, torch.Tensor):
         if batch.device == device:
             return batch
@@ -145,8 +114,8 @@ def move_to_device(batch: Any, device: torch.device) -> Any:
 
 
 def _move_dataclass(batch: Any, device: torch.device) -> Any:
-    """A shallow copy of a dataclass instance with every field moved (frozen and slotted ones
-    too: the copy's fields are set directly, ``__post_init__`` does not run again)."""
+    """A shallow copy of a dataclass instance with every field moved (``__post_init__`` not run
+    again)."""
     names = [f.name for f in dataclasses.fields(batch)]
     old = {name: getattr(batch, name) for name in names}
     new = {name: move_to_device(value, device) for name, value in old.items()}
@@ -197,16 +166,10 @@ def plain_value(value: torch.Tensor) -> torch.Tensor:
     """The whole value of a DTensor as a plain tensor (``full_tensor()``: no communication when
     it is replicated, as a clipped norm is; a collective otherwise, so every rank must call
     it); any other tensor as it is."""
-    if is_dtensor(value):
-        full: torch.Tensor = value.full_tensor()  # type: ignore[attr-defined]
-        return full
-    return value
+    return value.full_tensor() if is_dtensor(value) else value  # type: ignore[attr-defined]
 
 
 def local_part(value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor as a plain tensor (``to_local()``); any other tensor as
     it is. Reads nothing from the other ranks."""
-    if is_dtensor(value):
-        local: torch.Tensor = value.to_local()  # type: ignore[attr-defined]
-        return local
-    return value
+    return value.to_local() if is_dtensor(value) else value  # type: ignore[attr-defined]

@@ -13,7 +13,7 @@ import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, ParamSpec, TypeVar, overload
+from typing import Any, Literal, ParamSpec, TypeGuard, TypeVar, overload
 
 from ._exceptions import ConfigError
 
@@ -31,14 +31,14 @@ __all__ = [
 ]
 
 
+def _finite(value: object) -> TypeGuard[int | float]:
+    """A finite int or float, not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def check_seconds(name: str, value: object) -> float:
     """A finite number of seconds > 0."""
-    if (
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value > 0
-    ):
+    if _finite(value) and value > 0:
         return float(value)
     raise ConfigError.invalid(name, value, "seconds as a finite number > 0")
 
@@ -47,10 +47,9 @@ def check_optional_seconds(name: str, value: object) -> float | None:
     """None, or a finite number of seconds > 0."""
     if value is None:
         return None
-    try:
-        return check_seconds(name, value)
-    except ConfigError:
-        raise ConfigError.invalid(name, value, "None, or seconds as a finite number > 0") from None
+    if _finite(value) and value > 0:
+        return float(value)
+    raise ConfigError.invalid(name, value, "None, or seconds as a finite number > 0")
 
 
 @overload
@@ -70,10 +69,9 @@ def check_int(name: str, value: object, minimum: int, *, optional: bool = False)
 
 def check_number(name: str, value: object, *, positive: bool = False) -> float:
     """A finite number >= 0 (> 0 when ``positive``); bools are refused."""
-    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (positive and value == 0):  # type: ignore[operator]
+    if not _finite(value) or value < 0 or (positive and value == 0):
         raise ConfigError.invalid(name, value, "a finite number " + ("> 0" if positive else ">= 0"))
-    return float(value)  # type: ignore[arg-type]
+    return float(value)
 
 
 def check_bool(name: str, value: object) -> bool:
@@ -104,11 +102,15 @@ def check_state_key(value: object) -> str | None:
     return value
 
 
+def _path(name: str, value: object, kind: str) -> Path:
+    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
+        raise ConfigError.invalid(name, value, f"a {kind} path (str or pathlib.Path)")
+    return Path(value)
+
+
 def check_path(name: str, value: object) -> Path:
     """A file path (``str`` or ``os.PathLike``) that is not an existing directory."""
-    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ConfigError.invalid(name, value, "a file path (str or pathlib.Path)")
-    path = Path(value)
+    path = _path(name, value, "file")
     if path.is_dir():
         raise ConfigError.invalid(name, value, "a file path, not an existing directory")
     return path
@@ -116,9 +118,7 @@ def check_path(name: str, value: object) -> Path:
 
 def check_folder(name: str, value: object) -> Path:
     """A folder path (``str`` or ``os.PathLike``) that is not an existing file."""
-    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ConfigError.invalid(name, value, "a folder path (str or pathlib.Path)")
-    path = Path(value)
+    path = _path(name, value, "folder")
     if path.exists() and not path.is_dir():
         raise ConfigError.invalid(name, value, "a folder path, not an existing file")
     return path
@@ -141,11 +141,8 @@ def unknown_keyword_message(
 def explains_unknown_keywords(
     message: Callable[[str, Any, list[str]], str],
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Wrap a function (its signature unchanged: ``inspect.signature`` and ``help()`` follow
-    ``__wrapped__``, mypy the ``ParamSpec``; an ``async def`` stays one) so that a keyword it
-    does not take is refused as Python refuses it, with ``message(name, value, keywords)``
-    saying what to write.
-    """
+    """Wrap a function, its signature kept (an ``async def`` stays one), so that a keyword it
+    does not take is a ``TypeError`` saying ``message(name, value, keywords)``."""
 
     def decorate(fn: Callable[P, R]) -> Callable[P, R]:
         params: Mapping[str, inspect.Parameter] = inspect.signature(fn).parameters

@@ -1,17 +1,6 @@
-"""The wire format: events and commands as plain, versioned JSON records.
-
-One codec serves every place an event or a command leaves the process: the ``JsonlEventLog``
-file (read back by :func:`trainbus._replay`), the launcher's socket between rank 0 and the
-driver, and the command exchange between ranks. A record is a JSON object::
-
-    {"v": 1, "type": "StepEnded", "step": 3, "epoch": 0, "time": 12.5, "loss": 0.25, ...}
-    {"v": 1, "type": "StopTraining", "reason": "early_stopping"}
-
-Tensors become numbers or nested lists, exceptions their ``repr`` (read back as
-:class:`~trainbus.events.RecordedError`), ``NaN`` and infinities ``NaN`` / ``Infinity``. Nothing
-is pickled: decoding only builds the classes of ``EVENT_TYPES`` and ``COMMAND_TYPES`` through
-their constructors; unknown fields are ignored, an unknown type or version refused.
-"""
+"""The wire format: events and commands as plain, versioned JSON records, one codec for every
+place they leave the process (docs/distributed.md, "The wire format"). Nothing is pickled:
+decoding builds only the classes of ``EVENT_TYPES`` and ``COMMAND_TYPES``."""
 
 from __future__ import annotations
 
@@ -29,7 +18,6 @@ from ._exceptions import ConfigError, RecordedError
 
 __all__ = [
     "FORMAT_VERSION",
-    "VERSIONS",
     "Message",
     "decode",
     "dumps",
@@ -40,8 +28,6 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """Version of the records written (their ``v`` field)."""
-VERSIONS: tuple[int, ...] = (1,)
-"""Versions :func:`decode` reads."""
 
 Message: TypeAlias = "ev.BaseEvent | cmd.Command"
 """What crosses: an event or a command."""
@@ -78,8 +64,7 @@ def _value(v: Any) -> Any:
 
 
 def record(message: Message) -> dict[str, Any]:
-    """The JSON-ready record of an event or command, without the version field:
-    ``{"type": <class name>, <every field>...}`` (see the module docstring for the values)."""
+    """The JSON-ready record of an event or command, without the version field."""
     names = _FIELDS.get(type(message))
     if names is None:  # a subclass or foreign dataclass: its own fields
         names = tuple(f.name for f in dataclasses.fields(message))
@@ -121,8 +106,10 @@ def decode(rec: Mapping[str, Any]) -> Message:
     if not isinstance(rec, Mapping):
         raise ConfigError.invalid("record", rec, "a JSON object")
     version = rec.get("v", 1)
-    if version not in VERSIONS:
-        raise ConfigError.invalid("v", version, f"one of {VERSIONS}")
+    if version != FORMAT_VERSION:
+        raise ConfigError.invalid(
+            "v", version, f"{FORMAT_VERSION}, the version this trainbus reads"
+        )
     return _build(rec)
 
 

@@ -113,10 +113,8 @@ class ScaleLearningRate:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LogMetric:
-    """Add a named value to the training metrics: a subscriber's way to log (hooks and custom
-    steps call ``ctx.log``). Applied at the poll point it reaches, in the log window open
-    there: its mean over the window reaches ``MetricsLogged``, ``FitResult.train_metrics`` and
-    the loggers."""
+    """Add a named value to the training metrics: a subscriber's ``ctx.log`` (docs/trainer.md,
+    "Metrics of your own")."""
 
     name: str
     value: float

@@ -385,11 +385,8 @@ class PredictionStarted(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PredictionBatchEnded(BaseEvent):
-    """The model's outputs for one prediction batch, detached, on their device.
-
-    Write them out as they come (a subscriber with a bounded buffer holds at most that many
-    batches); reading them (``.cpu()``) happens on the subscriber's thread.
-    """
+    """The model's outputs for one prediction batch, detached, on their device: write them out
+    as they come (docs/events.md)."""
 
     batch_index: int
     outputs: Any
@@ -468,11 +465,8 @@ class CommandApplied(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkersRestarted(BaseEvent):
-    """A driver's workers were started again within one launch (``trainbus.ray``: Ray
-    restarted the worker group after a failure, ``FailureConfig(max_failures=...)``).
-    Published on the driver's bus only, when the restarted rank 0 links again; its
-    ``FitStarted`` follows. ``step`` and ``epoch`` are those of the last event streamed before.
-    """
+    """A driver's workers were started again within one launch (``trainbus.ray``, after a
+    failure); on the driver's bus only, before the new ``FitStarted`` (docs/events.md)."""
 
     attempt: int
     """The attempt starting now: 2 after the first restart, 3 after the second..."""
@@ -548,11 +542,8 @@ class RuntimeEstimated(BaseEvent):
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExternalEvaluationEnded(BaseEvent):
     """An evaluation job that :class:`trainbus.callbacks.EvaluateCheckpoints` launched on a
-    saved checkpoint ended, off the training loop (never a barrier). ``step`` and ``epoch`` are
-    those of the ``CheckpointSaved`` that started it, ``time`` is when the job ended.
-    ``EarlyStopping`` and ``Checkpointing(monitor=...)`` act on its ``metrics`` like on an
-    ``EvaluationEnded``'s.
-    """
+    saved checkpoint ended (never a barrier); ``step`` and ``epoch`` are the checkpoint's
+    (docs/callbacks/evaluate.md)."""
 
     checkpoint: str
     """Path of the evaluated checkpoint (``CheckpointSaved.path``)."""
@@ -634,13 +625,8 @@ REMOVED: Mapping[str, str] = MappingProxyType(
 
 
 def __getattr__(name: str) -> object:
-    """Refuse a removed per-step event's name, naming what replaces it (as ``trainbus`` does
-    for a name that moved: an ``ImportError``, so ``from trainbus.events import X`` shows it).
-
-    Raises:
-        ImportError: ``name`` is a removed event: the message names its replacement.
-        AttributeError: any other unknown name.
-    """
+    """A removed per-step event's name is an ``ImportError`` naming what replaces it (``from
+    trainbus.events import X`` shows it); any other unknown name an ``AttributeError``."""
     if name in REMOVED:
         raise ImportError(
             f"trainbus.events.{name} was removed: the per-step phases are one opt-in trace "

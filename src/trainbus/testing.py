@@ -1,14 +1,5 @@
-"""Helpers for testing code built on trainbus: record events, control time, tiny models.
-
-- :class:`EventRecorder` subscribes to a bus (or any observable) and keeps what it saw.
-- :class:`VirtualTimeScheduler` is a reactivex virtual-time scheduler in seconds: give it to
-  ``EventBus(rx_scheduler=...)`` and time-based operators (throttle, buffer, debounce) run when you
-  ``advance_by`` it, with no sleeping.
-- :func:`tiny_model` / :func:`tiny_loader` build the 32-64-10 MLP and a generated data set used
-  by the tests and benchmarks (no download).
-- :class:`NaNLossAt` is a ``loss_fn`` that returns NaN at chosen calls, to test what a run does
-  with a non-finite loss (``on_nonfinite``).
-"""
+"""Helpers for testing code built on trainbus: record events, control time, tiny models and
+data (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -63,7 +54,6 @@ class EventRecorder:
     def __init__(self, bus: EventBus, source: Observable[Any] | None = None) -> None:
         self.items: list[Any] = []
         self.completed = False
-        # With on_completed, without which ``completed`` would never turn true.
         self.subscription: Subscription = bus.subscribe(
             source if source is not None else bus.events,
             self.items.append,

@@ -1,11 +1,5 @@
-"""The event bus and what its subscriptions hand back.
-
-:class:`EventBus` is what a program builds (``Trainer(..., bus=EventBus(...))``) or gets
-(``trainer.bus``); the other names here are what its methods return or raise, for annotations
-and ``except`` clauses: a :class:`Subscription` (:class:`AsyncSubscription` for an async
-subscriber), the :class:`BusObservable` that ``bus.events`` and ``bus.stream(...)`` are, the
-:class:`BusStatistics` of ``bus.statistics()``, and the :class:`AnyioScheduler` that timed Rx
-operators run on. The implementation is private (``trainbus._bus``).
+"""The event bus (:class:`EventBus`) and what its methods return or raise, for annotations and
+``except`` clauses; the implementation is private (``trainbus._bus``). See docs/bus.md.
 """
 
 from .._bus import CommandError as CommandError
