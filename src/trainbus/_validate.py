@@ -11,6 +11,7 @@ import functools
 import inspect
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal, ParamSpec, TypeGuard, TypeVar, overload
@@ -81,11 +82,25 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_mode(value: object) -> Literal["min", "max"]:
-    """``"min"`` (lower is better) or ``"max"``."""
+_HIGHER_IS_BETTER = frozenset(
+    "acc accuracy auc auroc ap map f1 fmeasure precision recall iou miou dice bleu rouge".split()
+)
+
+
+def check_mode(value: object, metric: str | None) -> Literal["min", "max"]:
+    """A monitor's ``mode`` with ``"auto"`` resolved for ``metric``: ``"max"`` when a word of
+    its name is accuracy-like and none is ``loss`` or ``error``, else ``"min"``
+    (docs/callbacks/index.md); ``ConfigError`` for any other mode."""
     if value == "min" or value == "max":
         return value
-    raise ConfigError.invalid("mode", value, "'min' (lower is better) or 'max'")
+    if value != "auto":
+        raise ConfigError.invalid(
+            "mode", value, "'min' (lower is better), 'max' or 'auto' (from the metric's name)"
+        )
+    words = set(re.split(r"[^a-z0-9]+", (metric or "").lower()))
+    if words & {"loss", "error"} or not words & _HIGHER_IS_BETTER:
+        return "min"
+    return "max"
 
 
 def check_metric(name: str, value: object) -> str:

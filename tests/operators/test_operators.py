@@ -193,6 +193,19 @@ def test_patience_mode_max() -> None:
     assert stops([0.5, 0.6, 0.7], mode="max", patience=1)[0] == []
 
 
+def test_patience_and_plateau_read_the_direction_from_the_metrics_name() -> None:
+    """``mode="auto"`` (the default), as the monitoring callbacks: an accuracy rising then flat
+    stops only after the flat evaluations; a loss rising stops at once."""
+    rising = evals(0.5, 0.6, 0.7, 0.7, 0.7, key="val_acc")
+    stopped = run(rising, tbops.patience("val_acc", patience=2))
+    assert len(stopped.items) == 1
+    assert "best 0.7 at step 2" in stopped.items[0].reason
+    assert len(run(evals(1.0, 2.0, 3.0), tbops.patience("val_loss", patience=2)).items) == 1
+    assert (
+        run(evals(0.5, 0.6, 0.7, key="val_acc"), tbops.plateau("val_acc", patience=1)).items == []
+    )
+
+
 def test_patience_min_delta() -> None:
     # 0.95 improves on 1.0 by less than min_delta: it does not count.
     assert stops([1.0, 0.95, 0.92], patience=2, min_delta=0.1)[0] == [2]

@@ -22,10 +22,10 @@ from .. import operators as tbops
 from .._durable import fsync_file, fsync_folder, fsync_tree
 from .._exceptions import ConfigError
 from .._log import get_logger
-from .._validate import check_bool, check_int, check_metric, check_number
+from .._validate import check_bool, check_int, check_metric, check_mode, check_number
 from ..operators import Tracker
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
+from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -295,7 +295,7 @@ class Checkpointing(Callback):
         self.every_steps = check_int("every_steps", every_steps, 1, optional=True)
         self.every_epochs = check_int("every_epochs", every_epochs, 1, optional=True)
         self.monitor = None if monitor is None else check_metric("monitor", monitor)
-        self.mode = monitor_mode(self.monitor, mode)
+        self.mode = check_mode(mode, self.monitor)
         self.min_delta = check_number("min_delta", min_delta)
         self.tracker = Tracker()
         """The best ``monitor`` value so far (a fresh one each time it is added)."""

@@ -11,9 +11,9 @@ from reactivex import operators as ops
 from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
-from .._validate import check_metric
+from .._validate import check_metric, check_mode
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, monitor_mode
+from ._monitored import check_monitored, evaluations
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -60,7 +60,7 @@ class ReduceLROnPlateau(Callback):
         state_key: str | None = None,
     ) -> None:
         monitor = check_metric("monitor", monitor)
-        mode = monitor_mode(monitor, mode)
+        mode = check_mode(mode, monitor)
         self._options: dict[str, Any] = dict(
             mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
             max_reductions=max_reductions,

@@ -5,14 +5,13 @@ keys (``val/loss``, ``test/acc``). A monitor of ``"test/acc"`` reads the ``test`
 and skips the others; a monitor of a name without ``/`` (``"val_loss"``) reads every evaluation,
 so a name no set has still fails loudly with the keys the event does have.
 
-A monitor's ``mode="auto"`` is resolved once, at construction, by :func:`monitor_mode`.
+A monitor's ``mode="auto"`` is resolved once, at construction, by ``_validate.check_mode``.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 from reactivex import operators as ops
 
@@ -29,36 +28,15 @@ __all__ = [
     "check_monitored",
     "evaluations",
     "lightning_names",
-    "monitor_mode",
     "reads_metric",
 ]
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
+
 # Words of a metric name that mean higher is better: Keras' "auto" rule ("acc" in the name), by
 # whole words and widened.
-_HIGHER_IS_BETTER = frozenset(
-    "acc accuracy auc auroc ap map f1 fmeasure precision recall iou miou dice bleu rouge".split()
-)
-
-
-def monitor_mode(metric: str | None, mode: object) -> Literal["min", "max"]:
-    """``mode`` with ``"auto"`` resolved for ``metric``: ``"max"`` when a word of its name is
-    accuracy-like and none is ``loss`` or ``error``, else ``"min"`` (docs/callbacks/index.md);
-    ``ConfigError`` for any other mode."""
-    if mode == "min" or mode == "max":
-        return mode
-    if mode != "auto":
-        raise ConfigError.invalid(
-            "mode", mode, "'min' (lower is better), 'max' or 'auto' (from the metric's name)"
-        )
-    words = set(re.split(r"[^a-z0-9]+", (metric or "").lower()))
-    if words & {"loss", "error"} or not words & _HIGHER_IS_BETTER:
-        return "min"
-    return "max"
-
-
 def reads_metric(metric: str) -> Callable[[Any], bool]:
     """A predicate: False only for an ``EvaluationEnded`` of a named set other than the one
     ``metric`` (``"test/acc"``) names."""

@@ -16,9 +16,16 @@ from .. import commands as cmd
 from .. import events as ev
 from .. import operators as tbops
 from .._exceptions import ConfigError
-from .._validate import check_bool, check_int, check_metric, check_number, check_seconds
+from .._validate import (
+    check_bool,
+    check_int,
+    check_metric,
+    check_mode,
+    check_number,
+    check_seconds,
+)
 from ._base import Callback
-from ._monitored import check_monitored, evaluations, lightning_names, monitor_mode
+from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -74,7 +81,7 @@ class EarlyStopping(Callback):
         state_key: str | None = None,
     ) -> None:
         monitor = check_metric("monitor", monitor)
-        mode = monitor_mode(monitor, mode)
+        mode = check_mode(mode, monitor)
         tbops.patience(monitor, mode=mode, patience=patience, min_delta=min_delta)  # validates
         self.monitor, self.patience, self.mode, self.min_delta = monitor, patience, mode, min_delta
         self.state_key = state_key

@@ -17,7 +17,7 @@ from .._validate import check_int, check_metric, check_mode, check_number
 
 __all__ = ["Tracker", "patience", "plateau", "threshold"]
 
-Mode = Literal["min", "max"]
+Mode = Literal["min", "max", "auto"]
 
 
 class Tracker:
@@ -135,7 +135,7 @@ def _decide(
 def patience(
     metric: str,
     *,
-    mode: Mode = "min",
+    mode: Mode = "auto",
     patience: int = 3,
     min_delta: float = 0.0,
     tracker: Tracker | None = None,
@@ -150,7 +150,8 @@ def patience(
 
     Args:
         metric: Key in the events' ``metrics`` (``"val_loss"``).
-        mode: ``"min"`` if lower is better, ``"max"`` otherwise.
+        mode: ``"min"`` if lower is better, ``"max"`` otherwise, ``"auto"``: from the metric's
+            name, as the callbacks (docs/callbacks/index.md).
         patience: Evaluations without improvement before stopping (>= 1).
         min_delta: Smallest change that counts as an improvement (>= 0).
         tracker: Keep the best value and the patience counter in this :class:`Tracker` (so
@@ -161,7 +162,7 @@ def patience(
             ``ConfigError`` when an event lacks the metric.
     """
     metric = check_metric("metric", metric)
-    mode = check_mode(mode)
+    mode = check_mode(mode, metric)
     patience = check_int("patience", patience, 1)
     min_delta = check_number("min_delta", min_delta)
 
@@ -186,7 +187,7 @@ def patience(
 def plateau(
     metric: str,
     *,
-    mode: Mode = "min",
+    mode: Mode = "auto",
     patience: int = 2,
     factor: float = 0.1,
     min_delta: float = 0.0,
@@ -205,7 +206,7 @@ def plateau(
 
     Args:
         metric: Key in the events' ``metrics``.
-        mode: ``"min"`` or ``"max"``.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's name).
         patience: Evaluations without improvement before a reduction (>= 1).
         factor: Multiplier applied to the LR, in (0, 1).
         min_delta: Smallest change that counts as an improvement.
@@ -218,7 +219,7 @@ def plateau(
         ConfigError: for an argument out of range.
     """
     metric = check_metric("metric", metric)
-    mode = check_mode(mode)
+    mode = check_mode(mode, metric)
     patience = check_int("patience", patience, 1)
     cooldown = check_int("cooldown", cooldown, 0)
     min_delta = check_number("min_delta", min_delta)
