@@ -1113,6 +1113,38 @@ async def test_an_async_function_given_to_subscribe_is_refused_naming_subscribe_
         await wait_until(lambda: posted == [7])
 
 
+def test_a_stream_and_function_given_the_wrong_way_round_say_which_comes_first() -> None:
+    bus = EventBus()
+
+    async def post(_: ev.StepEnded) -> None:
+        return None
+
+    first = r"^observable=.*is invalid: a stream .*given first: bus\.subscribe\(stream, fn\)"
+    with pytest.raises(ConfigError, match=first):
+        bus.subscribe_async(post, bus.stream(ev.StepEnded))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=first):
+        bus.subscribe(print, bus.stream(ev.StepEnded))  # type: ignore[arg-type]
+    assert bus.subscriptions == ()
+
+
+def test_a_pipeline_sending_a_command_class_is_told_to_make_an_instance() -> None:
+    """``ops.map(lambda e: cmd.StopTraining)``: the failure the subscriber logs names the fix,
+    and the run it was meant to stop goes on to its end."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, tiny_loader(6), loss_fn=F.cross_entropy, max_steps=6)
+    bus = trainer.bus
+    bus.stream(ev.StepEnded).pipe(
+        ops.filter(lambda e: e.step == 2), ops.map(lambda _: cmd.StopTraining)
+    ).subscribe(bus.commands)
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert result.steps == 6
+    failed = [x for x in logs if x["event"] == "subscriber_failed"]
+    assert failed, logs
+    assert "such as StopTraining(...), not the class" in str(failed[0])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

@@ -392,6 +392,13 @@ class EventBus:
     def _wrap(self, observable: Observable[Any]) -> BusObservable[Any]:
         if isinstance(observable, BusObservable):
             return observable
+        if not isinstance(observable, Observable):
+            raise ConfigError.invalid(
+                "observable",
+                getattr(observable, "__qualname__", observable),
+                "a stream (bus.stream(T), bus.events, piped or merged), given first: "
+                "bus.subscribe(stream, fn) / bus.subscribe_async(stream, fn)",
+            )
         return BusObservable(self._subs, observable)
 
     def subscribe_async(

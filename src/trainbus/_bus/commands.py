@@ -150,7 +150,10 @@ class DecisionStamp:
 # ================================================================== the command channel
 def _check_command(command: object) -> None:
     if not isinstance(command, cmd.COMMAND_TYPES):
-        raise ConfigError.invalid("command", command, "an instance of a trainbus.commands class")
+        allowed = "an instance of a trainbus.commands class"
+        if isinstance(command, type) and issubclass(command, cmd.COMMAND_TYPES):
+            allowed += f", such as {command.__name__}(...), not the class"
+        raise ConfigError.invalid("command", command, allowed)
 
 
 class CommandError(TrainbusError):
