@@ -235,6 +235,11 @@ LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
     "accelerator": ("device", "device='cuda', 'mps', 'cpu' or 'auto'"),
     "devices": ("device", "device=...; several GPUs: run under torchrun (docs/distributed.md)"),
     "strategy": ("ddp", "ddp=None (DDP under torchrun, FSDP2 models left as they are)"),
+    "max_time": (
+        "callbacks",
+        "callbacks=[TimeLimit(seconds)] (trainbus.callbacks.TimeLimit: a checkpoint, then a "
+        "stop before the limit)",
+    ),
 }
 """Lightning's ``Trainer`` option names that trainbus spells otherwise: ``{name: (the trainbus
 option, what to write)}``. Names both share (``max_epochs``, ``max_steps``, ``precision``,

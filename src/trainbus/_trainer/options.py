@@ -26,6 +26,7 @@ import torch
 from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._hookpoints import HOOK_POINTS
 from .._loop import Settings
 from .._loop.optimizers import DEFAULT_NAME, OptimizerSet, SchedulerSet
 from .._loop.set_metrics import SetMetric
@@ -44,6 +45,7 @@ __all__ = [
     "EvalSchedule",
     "PerEpoch",
     "build_settings",
+    "check_hook",
     "check_options",
     "eval_sets",
     "explains_fit_keywords",
@@ -126,18 +128,35 @@ def accumulate_by(name: str, value: Any) -> Any:
     )
 
 
-def _refuses_two_arguments(fn: Callable[..., Any]) -> str | None:
-    """``fn``'s signature when it cannot be called with two positional arguments, else None
-    (also when it has no signature to read, as some builtins)."""
+def _refuses_arguments(fn: Callable[..., Any], count: int) -> str | None:
+    """``fn``'s signature when it cannot be called with ``count`` positional arguments, else
+    None (also when it has no signature to read, as some builtins)."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
     try:
-        signature.bind(None, None)
+        signature.bind(*[None] * count)
     except TypeError:
         return str(signature)
     return None
+
+
+def check_hook(point: Any, fn: Any) -> None:
+    """A hook point and a callable ``fn(ctx)`` for ``Trainer.add_hook``."""
+    if point not in HOOK_POINTS:
+        raise ConfigError.invalid(
+            "point", point,
+            "one of " + ", ".join(map(repr, HOOK_POINTS)) + " (a hook runs inline and may "
+            "change the step); to observe a step or an epoch, subscribe to its event: "
+            "trainer.bus.stream(events.StepEnded).subscribe(fn)",
+        )  # fmt: skip
+    taken = _refuses_arguments(fn, 1) if callable(fn) else None
+    if taken is not None:
+        raise ConfigError.invalid(
+            "fn", fn, f"fn(ctx): a {point!r} hook is called with one argument, the "
+            f"StepContext; this one takes {taken}",
+        )  # fmt: skip
 
 
 def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
@@ -150,7 +169,7 @@ def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
             raise ConfigError.invalid(
                 f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
             )
-        taken = _refuses_two_arguments(fn)
+        taken = _refuses_arguments(fn, 2)
         if taken is not None:
             raise ConfigError.invalid(
                 f"metrics[{key!r}]",
@@ -175,7 +194,7 @@ def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
                 "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
                 "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
             )  # fmt: skip
-        taken = _refuses_two_arguments(metric.update)
+        taken = _refuses_arguments(metric.update, 2)
         if taken is not None:
             raise ConfigError.invalid(
                 f"{name}[{key!r}]",
@@ -288,12 +307,12 @@ _TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
 """Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
 
 
-def precision(name: str, value: Any) -> Precision:
-    """``"32"``, ``"bf16"``, ``"fp16"`` or a Lightning spelling of one; a Lightning ``"*-true"``
-    is refused naming the cast to do instead."""
+def precision(name: str, value: Any) -> str:
+    """``"32"``, ``"bf16"``, ``"fp16"`` or a Lightning spelling of one, as given (the settings
+    read its meaning); a Lightning ``"*-true"`` is refused naming the cast to do instead."""
     allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
     if isinstance(value, str) and value in PRECISION_SPELLINGS:
-        return PRECISION_SPELLINGS[value]
+        return value
     if isinstance(value, str) and value in _TRUE_DTYPES:
         raise ConfigError.invalid(
             "precision", value,
@@ -720,18 +739,20 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
     scheduler, schedulers = check_schedulers(given_scheduler, optimizers)
-    precision, device = options["precision"], options["device"]
+    given, device = options["precision"], options["device"]
+    precision = PRECISION_SPELLINGS[given]
     if precision == "bf16" and not bf16_supported(device):
         props = torch.cuda.get_device_properties(device)
         raise ConfigError.invalid(
-            "precision", precision, f"'32' or 'fp16' on {device} ({props.name}, compute "
+            "precision", given, f"'32' or 'fp16' on {device} ({props.name}, compute "
             f"capability {props.major}.{props.minor}): bf16 needs compute capability 8.0 or "
             "later (torch would only emulate it, slower than fp32)",
         )  # fmt: skip
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError.invalid(
-            "precision", precision,
-            f"'32' or 'bf16' on {device.type}; fp16 with a grad scaler needs CUDA",
+            "precision", given,
+            f"'32' or 'bf16' on {device.type}: {given!r} is fp16 with a grad scaler, which "
+            f"needs CUDA; mixed precision on {device.type} is precision='bf16'",
         )  # fmt: skip
     schedule: EvalSchedule = options["eval_schedule"]
     if schedule.every_steps is not None and options["eval_data"] is None:

@@ -74,6 +74,7 @@ from .options import (
     EvalSchedule,
     PerEpoch,
     build_settings,
+    check_hook,
     check_options,
     eval_sets,
     explains_fit_keywords,
@@ -250,8 +251,9 @@ class Trainer:
         """Run ``fn(ctx)`` inline at ``point`` of every step (user tier); ``.remove()`` it.
 
         Raises:
-            ConfigError: unknown point or non-callable ``fn``.
+            ConfigError: an unknown point, or an ``fn`` that cannot be called as ``fn(ctx)``.
         """
+        check_hook(point, fn)
         return self.hooks.add(point, fn, tier="user")
 
     # ================================================================== lifetime
