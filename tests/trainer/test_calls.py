@@ -505,3 +505,51 @@ def test_two_fits_in_one_task_group_cancelled_together(
 
 async def _awaiting(waiter: AtSuspension) -> None:
     await waiter
+
+
+# fit() without await (the habit of a synchronous trainer): the coroutine is dropped unrun,
+# and the warning at the line that called it names what to write there.
+
+
+@pytest.mark.parametrize(("call", "twin"), [("fit", "fit_sync"), ("evaluate", "evaluate_sync")])
+def test_a_call_never_awaited_warns_at_its_line_naming_the_sync_twin(call: str, twin: str) -> None:
+    trainer = make_trainer()
+    with pytest.warns(RuntimeWarning) as warned:
+        getattr(trainer, call)()  # dropped at once: nothing ran
+    (warning,) = warned
+    assert str(warning.message) == (
+        f"Trainer.{call}() was never awaited, so nothing ran: from synchronous code call "
+        f"trainer.{twin}(); in async code, await trainer.{call}()"
+    )
+    assert warning.filename == __file__  # the caller's line, not trainbus'
+    assert "getattr(trainer, call)()" in Path(__file__).read_text().splitlines()[warning.lineno - 1]
+    assert trainer.result is None
+    assert trainer.fit_sync().steps == 3  # the Trainer is as it was
+
+
+def test_a_call_awaited_or_run_by_any_runner_does_not_warn(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    results = [
+        asyncio.run(make_trainer().fit()),  # asyncio.run wants a coroutine: this is one
+        anyio.run(make_trainer().fit),
+        anyio.run(make_trainer().fit, backend="trio"),
+    ]
+
+    async def in_a_task() -> FitResult:
+        return await asyncio.create_task(make_trainer().fit())
+
+    results.append(asyncio.run(in_a_task()))
+    assert [r.steps for r in results] == [3, 3, 3, 3]
+    assert [w for w in recwarn if issubclass(w.category, RuntimeWarning)] == []
+
+
+def test_an_unawaited_call_shows_what_to_do_in_a_notebook_cell() -> None:
+    call = make_trainer().fit()  # a cell's last expression is shown, not dropped
+    try:
+        assert repr(call) == (
+            "<the coroutine of Trainer.fit(): await it, or call trainer.fit_sync() from "
+            "synchronous code>"
+        )
+    finally:
+        call.close()  # closed: no warning

@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import multiprocessing
 import multiprocessing.resource_tracker
 import signal
+import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+import warnings
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+)
 from concurrent.futures import ThreadPoolExecutor
-from types import FrameType
-from typing import Any, TypeVar
+from types import FrameType, TracebackType
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -41,12 +53,81 @@ __all__ = [
     "end_workers",
     "interrupt_for",
     "spawns_workers",
+    "warns_unawaited",
     "watching_cancel",
 ]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class _Call(Coroutine[Any, Any, T]):
+    """The coroutine of a trainer call, warning, when dropped without ever being awaited, that
+    nothing ran and what to write instead (``fit_sync()`` from synchronous code)."""
+
+    __slots__ = ("_coro", "_name", "_used", "_where")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], name: str, where: tuple[str, int]) -> None:
+        self._coro, self._name, self._where = coro, name, where
+        self._used = False  # awaited, driven or closed: the caller took it
+
+    def __await__(self) -> Generator[Any, None, T]:
+        self._used = True
+        return self._coro.__await__()
+
+    def send(self, value: Any) -> Any:
+        self._used = True
+        return self._coro.send(value)
+
+    def throw(
+        self,
+        typ: Any,
+        val: BaseException | object = None,
+        tb: TracebackType | None = None,
+    ) -> Any:
+        self._used = True
+        if val is None and tb is None:
+            return self._coro.throw(typ)
+        return self._coro.throw(typ, val, tb)
+
+    def close(self) -> None:
+        self._used = True
+        self._coro.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<the coroutine of Trainer.{self._name}(): await it, or call "
+            f"trainer.{self._name}_sync() from synchronous code>"
+        )
+
+    def __del__(self) -> None:
+        if self._used:
+            return
+        self._coro.close()  # Python's own warning would not say what to write
+        warnings.warn_explicit(
+            f"Trainer.{self._name}() was never awaited, so nothing ran: from synchronous code "
+            f"call trainer.{self._name}_sync(); in async code, await trainer.{self._name}()",
+            RuntimeWarning,
+            *self._where,
+        )
+
+
+def warns_unawaited(
+    fn: Callable[P, Coroutine[Any, Any, T]],
+) -> Callable[P, Coroutine[Any, Any, T]]:
+    """An ``async def`` trainer call whose coroutine, dropped unawaited, warns at the line that
+    called it naming its ``_sync`` twin (:class:`_Call`)."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T]:
+        caller = sys._getframe(1)
+        where = (caller.f_code.co_filename, caller.f_lineno)
+        return _Call(fn(*args, **kwargs), fn.__name__, where)
+
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
+    return call if mark is None else mark(call)
 
 
 class TrainingThread:

@@ -65,6 +65,7 @@ from .calls import (
     end_workers,
     interrupt_for,
     spawns_workers,
+    warns_unawaited,
     watching_cancel,
 )
 from .holder import BusHolder
@@ -347,6 +348,7 @@ class Trainer:
             self._raise_interrupt(result)  # on this thread: in the portal it would end the loop
             return result
 
+    @warns_unawaited
     @explains_fit_keywords("fit")
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -540,6 +542,7 @@ class Trainer:
             self._call = None
             end_workers(data)  # the call's persistent DataLoader workers end with it
 
+    @warns_unawaited
     async def evaluate(
         self, data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
     ) -> dict[str, float]:
@@ -585,6 +588,7 @@ class Trainer:
         """
         return self._holder.call(lambda: self.evaluate(data), backend, "evaluate")
 
+    @warns_unawaited
     async def predict(
         self,
         data: Iterable[Any],
