@@ -346,8 +346,26 @@ def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> No
     stats = sub.statistics()
     assert stats.cancelled >= 1 and stats.dropped + stats.cancelled == 3
     assert sum(x.total for x in result.lost_work.values()) == 3
+    assert 0.5 <= result.end_waited_s[stats.name] < 5  # the wait, up to close_timeout
     assert trainer.evaluate_sync()["val_loss"] > 0  # the next call runs
     trainer.close()
+
+
+def test_the_wait_for_a_slow_subscriber_after_training_is_counted_apart() -> None:
+    trainer = make_trainer()
+
+    async def slow(event: ev.FitEnded) -> None:
+        await anyio.sleep(0.3)  # a report written once training ended
+
+    async def quick(event: ev.FitEnded) -> None:
+        pass
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), slow, name="slow")
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), quick, name="quick")
+    result = trainer.fit_sync()
+    assert result.subscriber_failures == {}
+    assert set(result.end_waited_s) == {"slow"} and result.end_waited_s["slow"] >= 0.3
+    assert result.waited_s == {}  # training itself never waited
 
 
 # fit() is cancellable at any moment: a cancellation, or a SIGINT, at every await point of a fit

@@ -86,6 +86,9 @@ class SubscriptionStatistics:
     waited_s: float = 0.0
     """Seconds the training thread waited on this subscription (a full ``overflow="block"``
     buffer, a barrier or decision step it decides at)."""
+    end_waited_s: float = 0.0
+    """Seconds the ends of calls (and the close) waited for this async subscription to finish
+    what it had received, each at most ``close_timeout``."""
 
     @property
     def lost_work(self) -> LostWork:
@@ -252,6 +255,7 @@ class Subscription(abc.DisposableBase):
         self.cancelled = 0
         self.waited_s = 0.0
         """Seconds the training thread waited on this subscription."""
+        self.end_waited_s = 0.0
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
@@ -319,6 +323,7 @@ class Subscription(abc.DisposableBase):
             stalls=self.stalls,
             blocked_s=self.blocked_s,
             waited_s=self.waited_s,
+            end_waited_s=self.end_waited_s,
         )
 
     @property
