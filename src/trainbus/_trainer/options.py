@@ -1,15 +1,5 @@
-"""The Trainer's options: each option's check, the groups of related ones, and the loop's
-:class:`~trainbus._loop.Settings` built from them.
-
-The options are declared once, in ``Trainer.__init__``'s keyword-only signature and docstring;
-:data:`CHECKS` holds each one's check in the signature's order, :func:`check_options` runs
-them on ``__init__``'s ``locals()``: ``check(name, value)`` returns the value the run uses and
-raises :class:`~trainbus.ConfigError` naming the option (or a group's field), the value and
-what is allowed. A group of related options is a frozen dataclass checked when built; where
-one value is the common case (``accumulate=4``) the option takes it too. The data, the
-optimizers and their schedulers, and the options that depend on each other are checked when
-the settings are built (:func:`build_settings`).
-"""
+"""The Trainer's options (declared in ``Trainer.__init__``'s signature): each one's check
+(:data:`CHECKS`), the groups of related ones, and the loop's settings built from them."""
 
 from __future__ import annotations
 
@@ -57,13 +47,11 @@ Check = Callable[[str, Any], Any]
 
 
 def int_at_least(minimum: int, *, optional: bool = False) -> Check:
-    """An int >= ``minimum`` (or None when ``optional``)."""
     return lambda name, value: check_int(name, value, minimum, optional=optional)
 
 
 def accepting(allowed: str, ok: Callable[[Any], bool], *, by_type: bool = False) -> Check:
-    """The value itself when ``ok(value)``, else a ``ConfigError`` saying ``allowed`` (showing
-    the value's type when ``by_type``)."""
+    """The value itself when ``ok(value)``, else a ``ConfigError`` saying ``allowed``."""
 
     def check(name: str, value: Any) -> Any:
         if not ok(value):
@@ -95,7 +83,6 @@ ddp = accepting(
 
 
 def loss_fn(name: str, value: Any) -> Any:
-    """A callable ``loss_fn(outputs, targets)`` or None; a loss class is refused."""
     if value is not None and not callable(value):
         raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
     if isinstance(value, type) and issubclass(value, torch.nn.Module):
@@ -106,7 +93,6 @@ def loss_fn(name: str, value: Any) -> Any:
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
-    """A finite number > 0, or None."""
     if value is None:
         return None
     if not (isinstance(value, int | float) and not isinstance(value, bool)
@@ -116,7 +102,6 @@ def clip_grad_norm(name: str, value: Any) -> float | None:
 
 
 def accumulate_by(name: str, value: Any) -> Any:
-    """``"batches"``, ``"items"`` or a function ``fn(batch) -> items``."""
     if (
         value in ("batches", "items")
         if isinstance(value, str)
@@ -129,8 +114,7 @@ def accumulate_by(name: str, value: Any) -> Any:
 
 
 def _refuses_arguments(fn: Callable[..., Any], count: int) -> str | None:
-    """``fn``'s signature when it cannot be called with ``count`` positional arguments, else
-    None (also when it has no signature to read, as some builtins)."""
+    """``fn``'s signature when it cannot take ``count`` positional arguments, else None."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -160,7 +144,6 @@ def check_hook(point: Any, fn: Any) -> None:
 
 
 def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
-    """None or a mapping of identifiers to ``fn(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):
         raise ConfigError.invalid(name, value, "a mapping of names to fn(outputs, targets)")
     out = dict(value or {})
@@ -181,7 +164,6 @@ def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
 
 
 def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
-    """None or a mapping of identifiers to objects with ``update`` and ``compute``."""
     allowed = "a mapping of names to set metrics (update(outputs, targets), compute(totals))"
     if value is not None and not isinstance(value, Mapping):
         raise ConfigError.invalid(name, value, allowed)
@@ -206,7 +188,6 @@ def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
 
 
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
-    """Callback classes or instances (one alone too), checked, not instantiated."""
     if isinstance(value, Callback | type):
         value = [value]
     if not isinstance(value, Iterable):
@@ -219,8 +200,6 @@ def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
 
 
 def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
-    """True, False or a folder; the folder itself is checked with the run's checkpoint_dir
-    (:func:`~trainbus._distributed.attach_server.attach_folder`)."""
     if isinstance(value, bool):
         return value
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
@@ -230,12 +209,6 @@ def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
 
 
 def trace(name: str, value: Any) -> frozenset[str]:
-    """The parts of a step to time: True (every one of ``events.TRACED_SPANS``), False (none)
-    or a collection of their names.
-
-    Raises:
-        ConfigError: ``value`` is none of those, or names a part that is not traced.
-    """
     allowed = f"True, False or a set of {list(ev.TRACED_SPANS)}"
     if isinstance(value, bool):
         return frozenset(ev.TRACED_SPANS) if value else frozenset()
@@ -249,8 +222,7 @@ def trace(name: str, value: Any) -> frozenset[str]:
 
 
 def check_loader(name: str, value: Any) -> int | None:
-    """A non-empty iterable of batches (not a tensor, a string, a map-style ``Dataset``); its
-    length when it has one."""
+    """A non-empty iterable of batches; its length when it has one."""
     # A map-style Dataset yields samples, not batches: say how to batch it.
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
         raise ConfigError.invalid(
@@ -275,9 +247,8 @@ def check_loader(name: str, value: Any) -> int | None:
 
 def check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
                  max_epochs: int | None) -> None:  # fmt: skip
-    """Refuse a one-shot iterator the run iterates twice: as ``eval_data``, or as
-    ``train_data`` for more than one epoch. The test is the iterator protocol, not a call of
-    ``iter()``, which would start a ``DataLoader``'s workers."""
+    """Refuse a one-shot iterator the run iterates twice (without an ``iter()``, which would
+    start a ``DataLoader``'s workers)."""
     twice = [(f"eval_data[{name!r}]" if named else "eval_data", data,
               "each evaluation makes a new pass", "") for name, data in sets]  # fmt: skip
     if max_epochs is not None and max_epochs > 1:
@@ -300,16 +271,12 @@ PRECISION_SPELLINGS: Mapping[str, Precision] = {
     # Lightning's spellings of the same three (a user's Trainer(precision=...) carried over).
     "32-true": "32", "bf16-mixed": "bf16", "16-mixed": "fp16",
 }  # fmt: skip
-"""Every accepted ``precision`` and what it means here."""
-
 _TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
                 "64-true": "torch.float64"}  # fmt: skip
-"""Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
 
 
 def precision(name: str, value: Any) -> str:
-    """``"32"``, ``"bf16"``, ``"fp16"`` or a Lightning spelling of one, as given (the settings
-    read its meaning); a Lightning ``"*-true"`` is refused naming the cast to do instead."""
+    """One of :data:`PRECISION_SPELLINGS`, as given; a ``"*-true"`` names the cast instead."""
     allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
     if isinstance(value, str) and value in PRECISION_SPELLINGS:
         return value
@@ -328,8 +295,7 @@ def precision(name: str, value: Any) -> str:
 
 
 def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bool]:
-    """``((name, data), ...)`` of ``eval_data`` (None, one loader, or a mapping of set names
-    without ``/`` to loaders) and whether the sets are named."""
+    """``((name, data), ...)`` of ``eval_data`` and whether the sets are named."""
     if eval_data is None:
         return (), False
     if isinstance(eval_data, Mapping):
@@ -352,14 +318,11 @@ def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bo
 
 
 def eval_data(name: str, value: Any) -> Any:
-    """None, an iterable of batches, or a mapping of set names to them."""
     eval_sets(value)  # raises on a bad set; the settings build the sets
     return value
 
 
 def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
-    """``CheckpointDir(skip_final=)``: an iterable of ``"stopped"``, ``"pruned"``,
-    ``"signal"``, as a set of endings."""
     allowed = (
         "an iterable of 'stopped', 'pruned', 'signal' (the stopped runs whose final "
         "checkpoint to skip), e.g. {'pruned'}; empty: always write it"
@@ -390,9 +353,8 @@ def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None
 def check_optimizers(
     model: torch.nn.Module, optimizer: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
-    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
-    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
-    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
+    """``(the optimizer the loop steps, {name: optimizer})``: one over the model's parameters,
+    or a mapping of names to distinct optimizers over disjoint ones (an :class:`OptimizerSet`)."""
     params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _over_model("optimizer", optimizer, params, sharded=sharded)
@@ -445,11 +407,8 @@ def _stepper(name: str, scheduler: Any) -> None:
 def check_schedulers(
     scheduler: Any, optimizers: Mapping[str, torch.optim.Optimizer]
 ) -> tuple[Any | None, dict[str, Any]]:
-    """``(the scheduler the loop steps, {optimizer name: scheduler})``: None and ``{}``
-    without one; one scheduler of the one optimizer is itself; a mapping of optimizer names
-    to their schedulers is a :class:`SchedulerSet`. Refused: no ``.step()``, torch's
-    ``ReduceLROnPlateau`` (its ``.step()`` needs a metric), a scheduler of another optimizer,
-    one scheduler for several optimizers (naming the one it belongs to)."""
+    """``(the scheduler the loop steps, {optimizer name: scheduler})``; a mapping of them is a
+    :class:`SchedulerSet`. Each must drive its own optimizer."""
     if scheduler is None:
         return None, {}
     if isinstance(scheduler, Mapping):
@@ -620,15 +579,13 @@ class PerEpoch:
 
 
 def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
-    """``(the scheduler, its interval)``; the scheduler itself is checked with the optimizers
-    (:func:`check_schedulers`)."""
     if isinstance(value, PerEpoch):
         return value.scheduler, "epoch"
     return value, "step"
 
 
 def _group(cls: type, *, plain: Callable[[Any], Any] | None = None) -> Check:
-    """An instance of the group ``cls``, or (with ``plain``) the value ``plain`` turns into one."""
+    """An instance of the group ``cls``, or what ``plain`` makes of the value."""
 
     def check(name: str, value: Any) -> Any:
         if isinstance(value, cls):
@@ -687,25 +644,21 @@ CHECKS: dict[str, Check] = {
     "attach": attach,
     "trace": trace,
 }
-"""The check of each keyword option of ``Trainer.__init__``, in its signature's order:
-``check(name, value) -> the value the run uses``, raising ``ConfigError``."""
+"""The check of each keyword option of ``Trainer.__init__``, in its signature's order."""
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: the value the run uses}`` of every keyword option of ``given``
-    (``Trainer.__init__``'s ``locals()``), checked in the signature's order."""
+    """``{name: the value the run uses}`` of ``Trainer.__init__``'s ``locals()``."""
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
 def bus_hint(name: str, value: Any) -> str | None:
-    """``bus=EventBus(<name>=<value>)`` when ``name`` is an option of the bus, else None."""
     if name not in inspect.signature(EventBus).parameters:
         return None
     return f"bus=EventBus({name}={value!r}) (an option of the bus)"
 
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
-    """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
     hint = (
         hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
     )
@@ -713,13 +666,10 @@ def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str
 
 
 explains_unknown_options = explains_unknown_keywords(unknown_option_message)
-"""``Trainer.__init__`` with a keyword that is no option refused as Python refuses it, and
-what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
 
 
 def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """``Trainer.fit`` / ``fit_sync`` refusing another framework's keyword (``ckpt_path``,
-    ``resume_from_checkpoint``) by naming ``fit(resume=...)``."""
+    """``fit`` / ``fit_sync`` refusing another framework's keyword naming ``fit(resume=...)``."""
     return explains_unknown_keywords(
         lambda name, value, known: unknown_keyword_message(owner, name, known,
                                                            fit_hint(name, value))
@@ -728,9 +678,8 @@ def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, 
 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
-    """The loop's :class:`Settings` from the positional arguments, the checked ``options``
-    and the bus' ``barriers``, after the checks of the positional arguments and of two options
-    at once."""
+    """The loop's :class:`Settings`, after the checks of the positional arguments and of
+    options that depend on each other."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
