@@ -65,14 +65,12 @@ def _none_or(kind: type) -> Callable[[Any], bool]:
     return lambda value: value is None or isinstance(value, kind)
 
 
-def _none_or_callable(value: Any) -> bool:
-    return value is None or callable(value)
-
-
 boolean = accepting("True or False", lambda value: isinstance(value, bool))
 progress = accepting("None (when stderr is a terminal), True or False", _none_or(bool))
 bus = accepting("a trainbus.EventBus or None", _none_or(EventBus))
-train_step = accepting("a callable step(ctx) or None", _none_or_callable, by_type=True)
+train_step = accepting(
+    "a callable step(ctx) or None", lambda value: value is None or callable(value), by_type=True
+)
 on_nonfinite = accepting(
     "'raise', 'stop', 'skip' or 'ignore'",
     lambda value: value in ("raise", "stop", "skip", "ignore"),
@@ -143,48 +141,43 @@ def check_hook(point: Any, fn: Any) -> None:
         )  # fmt: skip
 
 
-def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
+def _named(
+    name: str, value: Any, allowed: str, ok: Callable[[Any], bool], called: str
+) -> dict[str, Any]:
+    """None or a mapping of identifiers to what ``ok`` accepts, whose ``called`` (``""``: the
+    entry itself, or a method) takes ``(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):
-        raise ConfigError.invalid(name, value, "a mapping of names to fn(outputs, targets)")
+        raise ConfigError.invalid(name, value, f"a mapping of names to {allowed}")
     out = dict(value or {})
-    for key, fn in out.items():
-        if not isinstance(key, str) or not key.isidentifier() or not callable(fn):
+    for key, entry in out.items():
+        if not isinstance(key, str) or not key.isidentifier() or not ok(entry):
             raise ConfigError.invalid(
-                f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
+                f"{name}[{key!r}]", entry, f"an identifier mapped to {allowed}"
             )
-        taken = _refuses_arguments(fn, 2)
-        if taken is not None:
-            raise ConfigError.invalid(
-                f"metrics[{key!r}]",
-                fn,
-                f"fn(outputs, targets), called with two arguments per evaluation batch; this "
-                f"one takes {taken}",
-            )
-    return out
-
-
-def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
-    allowed = "a mapping of names to set metrics (update(outputs, targets), compute(totals))"
-    if value is not None and not isinstance(value, Mapping):
-        raise ConfigError.invalid(name, value, allowed)
-    out = dict(value or {})
-    for key, metric in out.items():
-        if (not isinstance(key, str) or not key.isidentifier()
-                or isinstance(metric, type) or not isinstance(metric, SetMetric)):  # fmt: skip
-            raise ConfigError.invalid(
-                f"{name}[{key!r}]", metric, "an identifier mapped to an object with "
-                "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
-                "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
-            )  # fmt: skip
-        taken = _refuses_arguments(metric.update, 2)
+        taken = _refuses_arguments(getattr(entry, called) if called else entry, 2)
         if taken is not None:
             raise ConfigError.invalid(
                 f"{name}[{key!r}]",
-                metric,
-                f"a set metric whose update(outputs, targets) takes two arguments; its update "
-                f"takes {taken}",
+                entry,
+                f"{allowed}, called with two arguments per evaluation batch; "
+                f"{'its ' + called if called else 'this one'} takes {taken}",
             )
     return out
+
+
+def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
+    return _named(name, value, "fn(outputs, targets)", callable, "")
+
+
+def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
+    return _named(
+        name,
+        value,
+        "objects with update(outputs, targets) -> {name: sum} and compute(totals) -> float "
+        "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
+        lambda metric: not isinstance(metric, type) and isinstance(metric, SetMetric),
+        "update",
+    )
 
 
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
