@@ -246,17 +246,11 @@ class CallRunner:
     """The bus around one trainer call, its barriers and the standalone runs on it."""
 
     def __init__(
-        self,
-        bus: EventBus,
-        hooks: Hooks,
-        barrier_timeout: float,
-        thread: TrainingThread,
-        signals: SignalWatcher,
+        self, bus: EventBus, hooks: Hooks, thread: TrainingThread, signals: SignalWatcher
     ) -> None:
         self._bus = bus
         self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
-        self._timeout = barrier_timeout
         self._thread = thread
         self._signals = signals
 
@@ -265,7 +259,9 @@ class CallRunner:
         stop signal, so the final checkpoint is reached); the bus' status."""
         if self._signals.received is not None:
             return "done"
-        status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
+        status: str = self._thread.call(
+            self.port.wait_barrier, self._bus.barrier_timeout, event, resume
+        )
         return status
 
     @contextlib.asynccontextmanager
@@ -275,7 +271,7 @@ class CallRunner:
         bus = self._bus
         if bus.state == "running":
             yield
-            await bus.wait_delivered(self._timeout)
+            await bus.wait_delivered(bus.barrier_timeout)
             return
         await bus.__aenter__()
         try:

@@ -183,9 +183,7 @@ class Trainer:
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, self._added, self._thread)
         self._signals = SignalWatcher(self.bus)
-        self._calls = CallRunner(
-            self.bus, self.hooks, self.bus.barrier_timeout, self._thread, self._signals
-        )
+        self._calls = CallRunner(self.bus, self.hooks, self._thread, self._signals)
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [self.add_callback(cb) for cb in checked["callbacks"]]
