@@ -15,7 +15,7 @@ from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
 from .calls import TrainingThread
 
-__all__ = ["BACKENDS", "BusHolder"]
+__all__ = ["BusHolder"]
 
 BACKENDS = ("asyncio", "trio")
 
@@ -39,13 +39,6 @@ def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
         raise value
     finally:
         del value  # this frame is in its traceback: nothing of it refers back
-
-
-def check_backend(backend: object) -> str:
-    """Raises ``ConfigError`` unless ``backend`` names an anyio backend."""
-    if backend not in BACKENDS:
-        raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
-    return str(backend)
 
 
 class BusHolder:
@@ -118,7 +111,8 @@ class BusHolder:
 
     def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
         """``fn()`` (a trainer call) through the ``with trainer:`` portal, or one of its own."""
-        backend = check_backend(backend)
+        if backend not in BACKENDS:
+            raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
         if self._portal is not None:
             if backend != self._backend:
                 raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "

@@ -543,11 +543,6 @@ class CheckpointDir:
     path: str | os.PathLike[str]
     skip_final: Iterable[ev.Ending | str] = ()
 
-    @property
-    def endings(self) -> frozenset[ev.Ending]:
-        """``skip_final`` as checked: the endings whose final checkpoint is skipped."""
-        return skip_final("CheckpointDir.skip_final", self.skip_final)
-
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
             raise ConfigError.invalid("CheckpointDir.path", self.path, "a folder (str or Path)")
@@ -722,7 +717,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         eval_every=schedule.every_steps, eval_at_epoch_end=schedule.epoch_end,
         eval_at_end=schedule.at_end, log_every=options["log_every"],
         checkpoint_dir=None if folder is None else Path(folder.path),
-        skip_final_checkpoint=frozenset() if folder is None else folder.endings,
+        skip_final_checkpoint=frozenset(map(ev.Ending, folder.skip_final if folder else ())),
         barriers=bus.barriers, on_nonfinite=options["on_nonfinite"],
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
         eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,
