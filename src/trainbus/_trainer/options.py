@@ -404,31 +404,16 @@ def check_schedulers(
     :class:`SchedulerSet`. Each must drive its own optimizer."""
     if scheduler is None:
         return None, {}
-    if isinstance(scheduler, Mapping):
-        if len(optimizers) == 1 and DEFAULT_NAME in optimizers:
-            raise ConfigError.invalid(
-                "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
-            )
-        for name, sched in scheduler.items():
-            if name not in optimizers:
-                raise ConfigError.invalid(
-                    "scheduler", name,
-                    "names of the optimizers: " + ", ".join(map(repr, optimizers)),
-                )  # fmt: skip
-            _stepper(f"scheduler[{name!r}]", sched)
-            target = getattr(sched, "optimizer", None)
-            if target is not None and target is not optimizers[name]:
-                other = next((n for n, o in optimizers.items() if o is target), None)
-                drives = f"optimizer {other!r}" if other else "another one"
-                raise ConfigError.invalid(
-                    f"scheduler[{name!r}]", type(sched).__name__,
-                    f"a scheduler of optimizer {name!r} (it drives {drives})",
-                )  # fmt: skip
-        return SchedulerSet(scheduler), dict(scheduler)
-    _stepper("scheduler", scheduler)
-    target = getattr(scheduler, "optimizer", None)
-    if len(optimizers) > 1:
-        belongs = next((n for n, o in optimizers.items() if o is target), None)
+    named = isinstance(scheduler, Mapping)
+    if named and len(optimizers) == 1 and DEFAULT_NAME in optimizers:
+        raise ConfigError.invalid(
+            "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
+        )
+    if not named and len(optimizers) > 1:
+        _stepper("scheduler", scheduler)
+        belongs = next(
+            (n for n, o in optimizers.items() if o is getattr(scheduler, "optimizer", 0)), None
+        )
         where = (
             f"it belongs to optimizer {belongs!r}: pass scheduler={{{belongs!r}: scheduler}}"
             if belongs is not None
@@ -439,16 +424,25 @@ def check_schedulers(
             f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); "
             + where,
         )  # fmt: skip
-    ((name, only),) = optimizers.items()
-    if target is not None and target is not only:
-        raise ConfigError.invalid(
-            "scheduler", type(scheduler).__name__,
-            f"a scheduler of the Trainer's optimizer ({type(only).__name__} at "
-            f"{id(only):#x}); this one drives another {type(target).__name__} (at "
-            f"{id(target):#x}), so the run's learning rate would never change: build "
-            "it on the optimizer you pass to the Trainer",
-        )  # fmt: skip
-    return scheduler, {name: scheduler}
+    pairs = dict(scheduler) if named else {next(iter(optimizers)): scheduler}
+    for name, sched in pairs.items():
+        field = f"scheduler[{name!r}]" if named else "scheduler"
+        if name not in optimizers:
+            raise ConfigError.invalid(
+                "scheduler", name, "names of the optimizers: " + ", ".join(map(repr, optimizers))
+            )
+        _stepper(field, sched)
+        target = getattr(sched, "optimizer", None)
+        if target is not None and target is not optimizers[name]:
+            other = next((n for n, o in optimizers.items() if o is target), None)
+            whose = f"optimizer {name!r}" if named else "the Trainer's optimizer"
+            drives = f"optimizer {other!r}" if other else "another one"
+            raise ConfigError.invalid(
+                field, type(sched).__name__,
+                f"a scheduler of {whose}; it drives {drives}, so the run's learning rate "
+                "would never change: build it on that optimizer",
+            )  # fmt: skip
+    return (SchedulerSet(scheduler) if named else scheduler), pairs
 
 
 P = ParamSpec("P")
