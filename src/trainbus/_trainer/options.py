@@ -458,10 +458,8 @@ class EvalSchedule:
     Args:
         every_steps: Also evaluate every N optimizer steps (None: not by steps).
         epoch_end: Evaluate after each epoch.
-        at_end: When the run completes (``max_steps`` or ``max_epochs`` reached) and its last
-            step was not evaluated, evaluate the final weights once more (``trigger="end"``,
-            before the final checkpoint), as Hugging Face does; only when ``every_steps`` or
-            ``epoch_end`` evaluates during the run. False: never.
+        at_end: Evaluate the final weights of a completed run once more when its last step was
+            not (docs/trainer.md, "Evaluation at the end of training").
 
     Raises:
         ConfigError: naming the field (``EvalSchedule.every_steps``...), the value and what
@@ -493,13 +491,9 @@ class Accumulate:
 
     Args:
         micro_batches: Micro-batches per optimizer step.
-        by: How the step's micro-batches weigh: ``"batches"``, each its loss divided by
-            their number; ``"items"``, each by its items over the step's (the labels
-            ``!= -100`` of a mapping batch's ``"labels"`` or of the targets of
-            ``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a
-            token-level mean loss accumulates the gradient of one batch of the step's items;
-            or ``fn(batch) -> items`` counting them your way. By items, a step's batches are
-            fetched before its first forward (docs/trainer.md, "Gradient accumulation").
+        by: How the step's micro-batches weigh: ``"batches"`` alike, ``"items"`` by their
+            labels ``!= -100`` (Hugging Face's ``num_items_in_batch``), or by
+            ``fn(batch) -> items`` (docs/trainer.md, "Gradient accumulation").
 
     Raises:
         ConfigError: naming the field (``Accumulate.micro_batches``, ``Accumulate.by``).
@@ -520,15 +514,12 @@ class Accumulate:
 @dataclass(frozen=True, slots=True)
 class CheckpointDir:
     """A checkpoint folder with a final-checkpoint policy of its own:
-    ``checkpoint_dir=CheckpointDir("runs/x", skip_final={"pruned"})`` (``checkpoint_dir=
-    "runs/x"`` is ``CheckpointDir("runs/x")``).
+    ``checkpoint_dir=CheckpointDir("runs/x", skip_final={"pruned"})``.
 
     Args:
-        path: The folder; checked now (creatable, writable, not under a file), nothing
-            created.
+        path: The folder; checked now (creatable, writable), created at the first save.
         skip_final: Stopped runs that write no final checkpoint: any of ``"stopped"``,
-            ``"pruned"`` (a pruner's stop: a sweep's pruned trials keep their disk and time),
-            ``"signal"`` (:class:`~trainbus.events.Ending`). Default: none skipped.
+            ``"pruned"``, ``"signal"`` (:class:`~trainbus.events.Ending`); default none.
 
     Raises:
         ConfigError: naming the field (``CheckpointDir.path``, ``CheckpointDir.skip_final``).
@@ -553,8 +544,7 @@ class PerEpoch:
     ``scheduler=PerEpoch(scheduler)``.
 
     Args:
-        scheduler: The scheduler, or with several optimizers a mapping of optimizer names to
-            schedulers (checked with the optimizers, as ``scheduler=`` is).
+        scheduler: The scheduler, or a mapping of optimizer names to schedulers.
     """
 
     scheduler: Any
