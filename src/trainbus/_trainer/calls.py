@@ -23,7 +23,7 @@ from collections.abc import (
     Iterator,
 )
 from concurrent.futures import ThreadPoolExecutor
-from types import FrameType, TracebackType
+from types import FrameType
 from typing import Any, ParamSpec, TypeVar
 
 import anyio
@@ -81,16 +81,9 @@ class _Call(Coroutine[Any, Any, T]):
         self._used = True
         return self._coro.send(value)
 
-    def throw(
-        self,
-        typ: Any,
-        val: BaseException | object = None,
-        tb: TracebackType | None = None,
-    ) -> Any:
+    def throw(self, *args: Any) -> Any:  # (exception) or the old (type, value, traceback)
         self._used = True
-        if val is None and tb is None:
-            return self._coro.throw(typ)
-        return self._coro.throw(typ, val, tb)
+        return self._coro.throw(*args)
 
     def close(self) -> None:
         self._used = True
