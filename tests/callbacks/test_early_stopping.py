@@ -119,6 +119,14 @@ def test_mode_max_and_min_delta(trainer_factory: Any) -> None:
     )
 
 
+def test_a_patience_of_one_says_one_evaluation(trainer_factory: Any) -> None:
+    trainer = trainer_factory([EarlyStopping(monitor="val_score", patience=1)],
+                              epochs=4, batches=2, score=[4.0, 5.0])  # fmt: skip
+    result = trainer.fit_sync()
+    assert result.stop_reason is not None
+    assert "did not improve for 1 evaluation (best 4.0" in result.stop_reason
+
+
 def test_keeps_training_while_the_metric_improves(trainer_factory: Any) -> None:
     trainer = trainer_factory(
         [EarlyStopping(monitor="val_score", patience=1)],

@@ -82,3 +82,16 @@ def test_the_training_curve_comes_from_metrics_logged_not_each_step(
     trainer.fit_sync()
     assert [s for s, _ in drawn[0]] == [2, 4, 6, 8]
     assert drawn[0] == [(e.step, e.metrics["loss"]) for e in logged]
+
+
+def test_matplotlib_loads_when_the_run_starts_not_at_its_end(
+    tmp_path: Path, trainer_factory: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first render in a process loads matplotlib and its fonts (seconds): done at
+    FitStarted, while the run trains, the render at the end is quick."""
+    order: list[str] = []
+    monkeypatch.setattr(plot_module, "_warm_up", lambda: order.append("warm_up"))
+    monkeypatch.setattr(plot_module, "render", lambda *args: order.append("render"))
+    trainer = trainer_factory([CurvePlot(tmp_path / "c.png")], epochs=1, batches=2, progress=False)
+    trainer.fit_sync()
+    assert order == ["warm_up", "render"]

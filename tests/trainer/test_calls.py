@@ -346,8 +346,26 @@ def test_a_hung_async_subscriber_is_cut_off_at_the_call_end_and_reported() -> No
     stats = sub.statistics()
     assert stats.cancelled >= 1 and stats.dropped + stats.cancelled == 3
     assert sum(x.total for x in result.lost_work.values()) == 3
+    assert 0.5 <= result.end_waited_s[stats.name] < 5  # the wait, up to close_timeout
     assert trainer.evaluate_sync()["val_loss"] > 0  # the next call runs
     trainer.close()
+
+
+def test_the_wait_for_a_slow_subscriber_after_training_is_counted_apart() -> None:
+    trainer = make_trainer()
+
+    async def slow(event: ev.FitEnded) -> None:
+        await anyio.sleep(0.3)  # a report written once training ended
+
+    async def quick(event: ev.FitEnded) -> None:
+        pass
+
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), slow, name="slow")
+    trainer.bus.subscribe_async(trainer.bus.stream(ev.FitEnded), quick, name="quick")
+    result = trainer.fit_sync()
+    assert result.subscriber_failures == {}
+    assert set(result.end_waited_s) == {"slow"} and result.end_waited_s["slow"] >= 0.3
+    assert result.waited_s == {}  # training itself never waited
 
 
 # fit() is cancellable at any moment: a cancellation, or a SIGINT, at every await point of a fit
@@ -505,3 +523,51 @@ def test_two_fits_in_one_task_group_cancelled_together(
 
 async def _awaiting(waiter: AtSuspension) -> None:
     await waiter
+
+
+# fit() without await (the habit of a synchronous trainer): the coroutine is dropped unrun,
+# and the warning at the line that called it names what to write there.
+
+
+@pytest.mark.parametrize(("call", "twin"), [("fit", "fit_sync"), ("evaluate", "evaluate_sync")])
+def test_a_call_never_awaited_warns_at_its_line_naming_the_sync_twin(call: str, twin: str) -> None:
+    trainer = make_trainer()
+    with pytest.warns(RuntimeWarning) as warned:
+        getattr(trainer, call)()  # dropped at once: nothing ran
+    (warning,) = warned
+    assert str(warning.message) == (
+        f"Trainer.{call}() was never awaited, so nothing ran: from synchronous code call "
+        f"trainer.{twin}(); in async code, await trainer.{call}()"
+    )
+    assert warning.filename == __file__  # the caller's line, not trainbus'
+    assert "getattr(trainer, call)()" in Path(__file__).read_text().splitlines()[warning.lineno - 1]
+    assert trainer.result is None
+    assert trainer.fit_sync().steps == 3  # the Trainer is as it was
+
+
+def test_a_call_awaited_or_run_by_any_runner_does_not_warn(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    results = [
+        asyncio.run(make_trainer().fit()),  # asyncio.run wants a coroutine: this is one
+        anyio.run(make_trainer().fit),
+        anyio.run(make_trainer().fit, backend="trio"),
+    ]
+
+    async def in_a_task() -> FitResult:
+        return await asyncio.create_task(make_trainer().fit())
+
+    results.append(asyncio.run(in_a_task()))
+    assert [r.steps for r in results] == [3, 3, 3, 3]
+    assert [w for w in recwarn if issubclass(w.category, RuntimeWarning)] == []
+
+
+def test_an_unawaited_call_shows_what_to_do_in_a_notebook_cell() -> None:
+    call = make_trainer().fit()  # a cell's last expression is shown, not dropped
+    try:
+        assert repr(call) == (
+            "<the coroutine of Trainer.fit(): await it, or call trainer.fit_sync() from "
+            "synchronous code>"
+        )
+    finally:
+        call.close()  # closed: no warning

@@ -632,9 +632,13 @@ def test_lightning_precision_spellings_are_accepted(spelling: str, meant: str) -
     assert trainer.fit_sync().steps == 2
 
 
-def test_16_mixed_means_fp16_which_needs_cuda() -> None:
-    with pytest.raises(ConfigError, match=r"precision='fp16'.*needs CUDA"):
+def test_16_mixed_on_the_cpu_names_what_was_written_and_bf16() -> None:
+    with pytest.raises(ConfigError) as info:
         _precision_trainer(precision="16-mixed", device="cpu")
+    assert str(info.value) == (
+        "precision='16-mixed' is invalid: '32' or 'bf16' on cpu: '16-mixed' is fp16 with a "
+        "grad scaler, which needs CUDA; mixed precision on cpu is precision='bf16'"
+    )
 
 
 @pytest.mark.parametrize("spelling", ["16", "float16", "bf16-true", "16-true", "64-true", 32])
@@ -650,3 +654,32 @@ def test_an_unknown_precision_lists_the_accepted_spellings(spelling: object) -> 
         assert f"cast it yourself (model.to(torch.{dtype}))" in message
     if spelling == 32:
         assert "strings: precision='32'" in message
+
+
+# add_hook checks its hook where it is added, not at the step that would call it.
+
+
+def test_a_hook_that_cannot_take_the_context_is_refused_at_add_hook() -> None:
+    trainer = _precision_trainer(max_steps=1)
+    with pytest.raises(ConfigError) as info:
+        trainer.add_hook("loss", lambda: None)
+    assert str(info.value).startswith("fn=<function ")
+    assert "a 'loss' hook is called with one argument, the StepContext; this one takes ()" in (
+        str(info.value)
+    )
+    assert trainer.fit_sync().steps == 1  # nothing was added
+
+
+def test_a_lightning_style_hook_point_names_the_hook_points_and_the_event_stream() -> None:
+    trainer = _precision_trainer()
+    with pytest.raises(ConfigError) as info:
+        trainer.add_hook("on_step_end", lambda ctx: None)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith("point='on_step_end' is invalid: one of 'batch', ")
+    assert "trainer.bus.stream(events.StepEnded).subscribe(fn)" in message
+
+
+def test_max_time_names_the_time_limit_callback() -> None:
+    with pytest.raises(TypeError) as info:
+        _precision_trainer(max_time=3600)
+    assert "callbacks=[TimeLimit(seconds)]" in str(info.value)

@@ -193,7 +193,13 @@ class Lifecycle:
 
         async def wait() -> None:
             for sub in asyncs:
-                await (sub.wait_finished() if close else sub.wait_settled(sub.received))
+                start = anyio.current_time()
+                waits = sub.pending > 0  # only a wait for work counts (end_waited_s)
+                try:
+                    await (sub.wait_finished() if close else sub.wait_settled(sub.received))
+                finally:
+                    if waits:
+                        sub.end_waited_s += anyio.current_time() - start
 
         try:
             await self._wait_pending(wait, deadline)

@@ -79,6 +79,9 @@ class SubscriptionStatistics:
     """Seconds those calls blocked the event loop (to within the watchdog's poll)."""
     waited_s: float = 0.0
     """Seconds the training thread waited on it (a full ``"block"`` buffer, a barrier)."""
+    end_waited_s: float = 0.0
+    """Seconds the ends of calls (and the close) waited for this async subscription to finish
+    what it had received, each at most ``close_timeout``."""
 
     @property
     def lost_work(self) -> LostWork:
@@ -237,6 +240,7 @@ class Subscription(abc.DisposableBase):
         self.cancelled = 0
         self.waited_s = 0.0
         """Seconds the training thread waited on this subscription."""
+        self.end_waited_s = 0.0
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
@@ -296,6 +300,7 @@ class Subscription(abc.DisposableBase):
             stalls=self.stalls,
             blocked_s=self.blocked_s,
             waited_s=self.waited_s,
+            end_waited_s=self.end_waited_s,
         )
 
     @property

@@ -1,11 +1,5 @@
-"""The ``trainbus`` command line: ``demo`` (an MLP on scikit-learn's digits with the default kit,
-writing ``runs/demo/<timestamp>/`` and a ``latest`` pointer), ``launch`` (a script under
-torchrun, this process the driver), ``attach`` (watch and steer a running job), ``replay`` and
-``plot`` (a recorded run), ``export`` (a sharded checkpoint folder as one plain file).
-
-The CLI is the one place that configures structlog and prints: logs to stderr, the summary to
-stdout.
-"""
+"""The ``trainbus`` command line (``demo``, ``launch``, ``attach``, ``replay``, ``plot``,
+``export``): the one place that configures structlog (to stderr) and prints (to stdout)."""
 
 from __future__ import annotations
 
@@ -13,7 +7,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from .demo import run_demo
 from .launch import LAUNCH_USAGE, run_launch
@@ -24,8 +17,9 @@ __all__ = ["main"]
 
 # ----------------------------------------------------------------------------- replay, plot, export
 def run_replay(args: argparse.Namespace) -> int:
-    """Print a recorded run, one line per event: offset in seconds, class, fields; only the
-    events ``--type`` and ``--steps`` select (offsets stay relative to the run's start)."""
+    """Print the events of a recorded run ``--type`` and ``--steps`` select, one a line."""
+    import dataclasses
+
     from .._replay import EventFilter, load_events
 
     keep = EventFilter.parse(args.type or (), args.steps)  # refused before reading the file
@@ -33,17 +27,13 @@ def run_replay(args: argparse.Namespace) -> int:
     t0 = events[0].time if events else 0.0
     for e in filter(keep.matches, events):
         fields = " ".join(
-            f"{k}={v!r}" for k, v in _fields(e).items() if k not in ("time", "step", "epoch")
+            f"{f.name}={getattr(e, f.name)!r}"
+            for f in dataclasses.fields(e)
+            if f.name not in ("time", "step", "epoch")
         )
         print(f"{e.time - t0:9.3f}s step={e.step:<6} epoch={e.epoch:<3} "
               f"{type(e).__name__} {fields}".rstrip())  # fmt: skip
     return 0
-
-
-def _fields(event: Any) -> dict[str, Any]:
-    import dataclasses
-
-    return {f.name: getattr(event, f.name) for f in dataclasses.fields(event)}
 
 
 def run_plot(args: argparse.Namespace) -> int:
@@ -71,8 +61,7 @@ EXPORT_DESCRIPTION = (
 
 
 def run_export(args: argparse.Namespace) -> int:
-    """Print the file :func:`trainbus.checkpoint.export_full` wrote; 1 when the folder is no
-    valid sharded checkpoint or the file cannot be written."""
+    """Print the file :func:`trainbus.checkpoint.export_full` wrote (exit code 1 if none)."""
     from .._exceptions import CheckpointError
     from ..checkpoint import export_full
 
@@ -156,15 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``trainbus`` command line.
-
-    Args:
-        argv: Arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit code: 0 when the run completed or stopped (early stopping, Ctrl-C), 1 when it
-        failed, 130 when aborted by a second Ctrl-C; 2 for a usage error.
-    """
+    """Run the ``trainbus`` command line on ``argv`` (default: ``sys.argv[1:]``); the exit
+    code: 0 completed or stopped, 1 failed, 130 aborted by a second Ctrl-C, 2 usage error."""
     tokens = list(sys.argv[1:] if argv is None else argv)
     if tokens[:1] == ["launch"]:  # torchrun's options are not ours to parse: split by hand
         return run_launch(tokens[1:])

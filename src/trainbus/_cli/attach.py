@@ -1,9 +1,5 @@
-"""``trainbus attach RUN_DIR``: watch a running job live and steer it (docs/attach.md).
-
-A line-based view on stdout (``--json``: wire records) and a prompt on stdin (``stop``, ``save``,
-``evaluate``, ``lr VALUE``, ``help``, ``detach``); commands given as options are sent in order,
-each waited for, then it detaches. Detaching never touches the run.
-"""
+"""``trainbus attach RUN_DIR``: watch a running job live (stdout) and steer it from a prompt
+(stdin) or options (docs/attach.md)."""
 
 from __future__ import annotations
 
@@ -88,14 +84,8 @@ def _fmt(values: Any) -> str:
 
 
 class View:
-    """What the attachment prints: human lines, or wire records with ``json`` (then stdout
-    carries records only: other lines go to ``err``).
-
-    Every line is flushed as soon as it is written, whatever the buffering of ``out`` (a pipe
-    is block-buffered): a reader sees each record as it comes, and a killed process loses
-    nothing it printed. When the reader closes the pipe, :attr:`gone` is set and nothing more
-    is written.
-    """
+    """What the attachment prints: human lines, or wire records with ``json`` (other lines on
+    ``err``); each flushed as written, and none once the reader closed the pipe (``gone``)."""
 
     def __init__(self, out: TextIO, *, json_records: bool, err: TextIO | None = None) -> None:
         self.out = out

@@ -23,11 +23,7 @@ example: trainbus launch --nproc_per_node=2 train.py --lr 0.1
 
 def split_launch_args(tokens: Sequence[str]) -> tuple[list[str], int, bool, str, list[str]]:
     """``[torchrun options] script.py [args]`` -> (torchrun options without nproc, nproc,
-    json_logs, script, script args).
-
-    Raises:
-        ValueError: no ``.py`` script, or a bad ``--nproc_per_node``.
-    """
+    json_logs, script, script args); ``ValueError`` for no script or a bad nproc."""
     options: list[str] = []
     nproc, json_logs = 1, False
     i = 0

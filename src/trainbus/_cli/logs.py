@@ -1,8 +1,5 @@
-"""How the command line logs: structlog to stderr, a console renderer for humans or JSON lines.
-
-The CLI is the one place that configures structlog. Lines go through ``tqdm.write`` when tqdm is
-installed, so a progress bar stays intact.
-"""
+"""How the command line logs: structlog to stderr (through ``tqdm.write`` when installed, so a
+progress bar stays intact), console lines for humans or JSON lines."""
 
 from __future__ import annotations
 

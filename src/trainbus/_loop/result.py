@@ -84,6 +84,9 @@ class FitResult:
     waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Seconds training waited on each subscription that held it (an ``overflow="block"``
     buffer that was full, a barrier or decision step it decides at); absent: never waited."""
+    end_waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    """Seconds the call's end waited for each async subscription to finish what it received
+    (at most the bus' ``close_timeout``), after training; absent: it had finished."""
     lost_work: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
     """Work each subscription lost (dropped, cancelled, failed); only subscriptions that lost
     something, so it is empty when every item was handled."""
@@ -104,13 +107,14 @@ class FitResult:
 
     def with_bus(self, statistics: BusStatistics) -> FitResult:
         """This result with the bus' figures of the run: ``statistics`` and, from it,
-        ``subscriber_failures``, ``waited_s`` and ``lost_work``."""
+        ``subscriber_failures``, ``waited_s``, ``end_waited_s`` and ``lost_work``."""
         subs = statistics.subscriptions
         return dataclasses.replace(
             self,
             statistics=statistics,
             subscriber_failures={x.name: x.failed for x in subs if x.failed},
             waited_s=_by_name((x.name, x.waited_s) for x in subs if x.waited_s),
+            end_waited_s=_by_name((x.name, x.end_waited_s) for x in subs if x.end_waited_s),
             lost_work=_by_name((x.name, x.lost_work) for x in subs if x.lost_work),
         )
 

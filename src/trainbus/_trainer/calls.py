@@ -5,14 +5,26 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
+import inspect
 import multiprocessing
 import multiprocessing.resource_tracker
 import signal
+import sys
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+import warnings
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Generator,
+    Iterable,
+    Iterator,
+)
 from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import anyio
 import anyio.from_thread
@@ -41,25 +53,79 @@ __all__ = [
     "end_workers",
     "interrupt_for",
     "spawns_workers",
+    "warns_unawaited",
     "watching_cancel",
 ]
 
 log = get_logger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
+
+
+class _Call(Coroutine[Any, Any, T]):
+    """The coroutine of a trainer call, warning, when dropped without ever being awaited, that
+    nothing ran and what to write instead (``fit_sync()`` from synchronous code)."""
+
+    __slots__ = ("_coro", "_name", "_used", "_where")
+
+    def __init__(self, coro: Coroutine[Any, Any, T], name: str, where: tuple[str, int]) -> None:
+        self._coro, self._name, self._where = coro, name, where
+        self._used = False  # awaited, driven or closed: the caller took it
+
+    def __await__(self) -> Generator[Any, None, T]:
+        self._used = True
+        return self._coro.__await__()
+
+    def send(self, value: Any) -> Any:
+        self._used = True
+        return self._coro.send(value)
+
+    def throw(self, *args: Any) -> Any:  # (exception) or the old (type, value, traceback)
+        self._used = True
+        return self._coro.throw(*args)
+
+    def close(self) -> None:
+        self._used = True
+        self._coro.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"<the coroutine of Trainer.{self._name}(): await it, or call "
+            f"trainer.{self._name}_sync() from synchronous code>"
+        )
+
+    def __del__(self) -> None:
+        if self._used:
+            return
+        self._coro.close()  # Python's own warning would not say what to write
+        warnings.warn_explicit(
+            f"Trainer.{self._name}() was never awaited, so nothing ran: from synchronous code "
+            f"call trainer.{self._name}_sync(); in async code, await trainer.{self._name}()",
+            RuntimeWarning,
+            *self._where,
+        )
+
+
+def warns_unawaited(
+    fn: Callable[P, Coroutine[Any, Any, T]],
+) -> Callable[P, Coroutine[Any, Any, T]]:
+    """An ``async def`` trainer call whose coroutine, dropped unawaited, warns at the line that
+    called it naming its ``_sync`` twin (:class:`_Call`)."""
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, T]:
+        caller = sys._getframe(1)
+        where = (caller.f_code.co_filename, caller.f_lineno)
+        return _Call(fn(*args, **kwargs), fn.__name__, where)
+
+    mark = getattr(inspect, "markcoroutinefunction", None)  # Python 3.12+
+    return call if mark is None else mark(call)
 
 
 class TrainingThread:
-    """The one thread every call of a Trainer runs its loop on, one call at a time.
-
-    One thread for the Trainer's life, not one per call: torch keeps per-thread state that a
-    compiled model's traces use (torch 2.11 crashed when a later trace ran on a new thread).
-    It is the one worker of a ``ThreadPoolExecutor``: it ends with :meth:`close`, when the
-    Trainer is dropped (no cycle: no gc pass needed) or at interpreter exit.
-
-    Each call runs in a copy of the caller's contextvars, and its wait cannot be cancelled:
-    a cancellation asks the run to stop (:func:`watching_cancel`) and waits for it; what the
-    thread awaits on the event loop (:meth:`call`) is cancelled with the caller.
+    """The one thread every call of a Trainer runs its loop on, for the Trainer's life: a
+    compiled model's traces use torch's per-thread state (torch 2.11 crashed on a new thread).
     """
 
     def __init__(self) -> None:
@@ -70,9 +136,8 @@ class TrainingThread:
         self._cancelled = False
 
     async def run(self, fn: Callable[[], T]) -> T:
-        """``fn()`` run on the training thread in a copy of the caller's context (what it
-        returned, or raised), waited for through a cancellation of the caller too (raised at
-        the caller's next checkpoint)."""
+        """``fn()`` on the training thread in a copy of the caller's context, waited for
+        through a cancellation of the caller (:func:`watching_cancel` stops the run)."""
         done = anyio.Event()
         box: list[tuple[bool, Any]] = []
         token = anyio.lowlevel.current_token()
@@ -110,27 +175,18 @@ class TrainingThread:
         anyio.from_thread.run_sync(done.set, token=token)
 
     def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
-        """From the training thread: ``await fn(*args)`` on the running call's event loop and
-        return its value; cancelled when the caller is (:meth:`cancel`).
-
-        Raises:
-            Cancelled: the caller was cancelled (before or while ``fn`` ran).
-        """
+        """From the training thread: ``await fn(*args)`` on the call's event loop (raises
+        ``Cancelled`` when the caller was cancelled)."""
         finished, value = anyio.from_thread.run(self._cancellable, fn, args, token=self._live())
         if not finished:
             raise Cancelled
         return value  # type: ignore[return-value]  # finished: what fn returned
 
     def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        """From the training thread: ``fn(*args)`` on the running call's event loop.
-
-        Raises:
-            Cancelled: the caller was cancelled.
-        """
+        """From the training thread: ``fn(*args)`` on the call's event loop (or ``Cancelled``)."""
         return anyio.from_thread.run_sync(fn, *args, token=self._live())
 
     def _live(self) -> EventLoopToken:
-        """The running call's event loop; ``Cancelled`` when none runs or it was cancelled."""
         if self._token is None or self._cancelled:
             raise Cancelled
         return self._token
@@ -149,15 +205,13 @@ class TrainingThread:
         return False, None  # its own scope caught the cancellation: no exception left behind
 
     def cancel(self) -> None:
-        """On the event loop: the caller was cancelled; what the thread awaits there now, or
-        later in this call, is cancelled (:meth:`call` raises ``Cancelled`` on the thread)."""
+        """On the event loop: the caller was cancelled, and so is what the thread awaits."""
         self._cancelled = True
         for scope in list(self._scopes):
             scope.cancel()
 
     def close(self) -> None:
-        """End the thread (it idles: no call runs). Idempotent. Called on the training thread
-        itself (a hook closing its Trainer), the thread ends once the call returns."""
+        """End the thread once it idles. Idempotent; on the thread itself, after the call."""
         self._pool.shutdown(wait=self._ident != threading.get_ident())
 
 
@@ -171,8 +225,7 @@ async def _watch_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> No
 
 @contextlib.asynccontextmanager
 async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> AsyncIterator[None]:
-    """While the block runs, a cancellation of the caller asks ``run`` (and what the thread
-    awaits) to stop; at its end the watcher ends by its own scope."""
+    """While the block runs, a cancellation of the caller asks ``run`` to stop."""
     async with anyio.create_task_group() as tg:
         tasks = TaskSet(tg)
         tasks.start_soon(_watch_cancel, run, thread)
@@ -183,44 +236,35 @@ async def watching_cancel(run: Loop | StandaloneRun, thread: TrainingThread) -> 
 
 
 class CallRunner:
-    """The bus around one trainer call, its barriers (waiting ``barrier_timeout`` for their
-    subscribers, unless a signal of ``signals`` asked the run to stop), and the standalone
-    runs on it (with the trainer's ``hooks``)."""
+    """The bus around one trainer call, its barriers and the standalone runs on it."""
 
     def __init__(
-        self,
-        bus: EventBus,
-        hooks: Hooks,
-        barrier_timeout: float,
-        thread: TrainingThread,
-        signals: SignalWatcher,
+        self, bus: EventBus, hooks: Hooks, thread: TrainingThread, signals: SignalWatcher
     ) -> None:
         self._bus = bus
         self.port: LoopPort = bus.port()  # the bus' loop face, for the loop and standalone runs
         self._hooks = hooks
-        self._timeout = barrier_timeout
         self._thread = thread
         self._signals = signals
 
     def barrier(self, event: ev.BaseEvent | None, resume: bool) -> str:
-        """On the training thread at a barrier event: wait for its deciders; the bus' barrier
-        status (``Cancelled`` when ``fit()`` was cancelled meanwhile). After a stop signal
-        barriers wait no more: the loop reaches its final checkpoint even if a sync
-        subscriber blocks."""
+        """On the training thread: wait for the deciders of a barrier event (no more after a
+        stop signal, so the final checkpoint is reached); the bus' status."""
         if self._signals.received is not None:
             return "done"
-        status: str = self._thread.call(self.port.wait_barrier, self._timeout, event, resume)
+        status: str = self._thread.call(
+            self.port.wait_barrier, self._bus.barrier_timeout, event, resume
+        )
         return status
 
     @contextlib.asynccontextmanager
     async def open(self) -> AsyncIterator[None]:
-        """Run the bus for one call (suspended at its end, not closed), or use it as is when
-        something runs it already; either way what the call published is delivered first.
-        The caller checked that the bus is not closed (``BusHolder.check_open``)."""
+        """Run the bus for one call (suspended at its end), or use it as is when it runs;
+        either way deliver what the call published."""
         bus = self._bus
         if bus.state == "running":
             yield
-            await bus.wait_delivered(self._timeout)
+            await bus.wait_delivered(bus.barrier_timeout)
             return
         await bus.__aenter__()
         try:
@@ -233,9 +277,8 @@ class CallRunner:
     async def standalone(
         self, fn: Callable[[StandaloneRun], Any], settings: Settings, state: TrainState | None
     ) -> Any:
-        """``fn(run)`` (evaluate/predict) on the training thread with the bus running, the
-        model moved to ``settings.device``; ``state``: the last fit's, or None before any. What
-        ``fn`` raised is raised after the bus delivered the closing events."""
+        """``fn(run)`` (evaluate/predict) on the training thread with the bus running; what it
+        raised is raised after the closing events were delivered."""
         settings.model.to(settings.device)
         run = StandaloneRun(settings, self.port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
@@ -258,20 +301,8 @@ class CallRunner:
 
 
 class SignalWatcher:
-    """Turns SIGINT/SIGTERM into ``StopTraining``; a second one cancels the loop (an abort).
-
-    A plain ``signal.signal`` handler on the main thread for a call's duration: Python runs
-    it between bytecodes, so it acts while the event loop runs elsewhere or a sync subscriber
-    blocks. It only appends a command and sets flags (signal-safe).
-
-    Args:
-        bus: Where ``StopTraining(reason="signal")`` is sent.
-
-    Attributes:
-        received: The signal that asked the run to stop (None: none, or only ones after
-            training ended); reset at each install.
-        aborted: Whether a second signal aborted the run.
-    """
+    """A main-thread handler turning SIGINT/SIGTERM into ``StopTraining`` (``received``), a
+    second one into a cancel (``aborted``); it only sends a command and sets flags."""
 
     def __init__(self, bus: EventBus) -> None:
         self._bus = bus
@@ -284,14 +315,13 @@ class SignalWatcher:
         self._run: Loop | None = None
 
     def watch(self, run: Loop | None) -> None:
-        """The loop a second signal cancels (None once it ended)."""
+        """The loop a second signal cancels (None: none)."""
         self._run = run
 
     @contextlib.contextmanager
     def installed(self, enabled: bool) -> Iterator[None]:
-        """Handle SIGINT/SIGTERM while the block runs, then restore the previous handlers (an
-        ignored signal stays ignored). Does nothing when not ``enabled``, off the main thread
-        or inside an outer block."""
+        """Handle SIGINT/SIGTERM in the block, then restore the handlers; nothing when not
+        ``enabled``, off the main thread or inside an outer block."""
         if (
             not enabled
             or self._installed
@@ -316,11 +346,9 @@ class SignalWatcher:
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
     def masked(self, fn: Callable[[], T], spawns: bool = False) -> Callable[[], T]:
-        """``fn`` with SIGINT blocked on the training thread while :meth:`installed` handles
-        it: DataLoader workers inherit the mask, so a Ctrl-C to the process group reaches only
-        the main process' handler, not the workers (which would die and fail the run before its
-        final checkpoint). ``spawns`` (:func:`spawns_workers`): start multiprocessing's resource
-        tracker first, as its start unblocks SIGINT."""
+        """``fn`` with SIGINT blocked on the training thread while handled, so that DataLoader
+        workers, inheriting the mask, survive a Ctrl-C to the process group; ``spawns``:
+        start the resource tracker first (its start unblocks SIGINT)."""
 
         def run_masked() -> T:
             if not self._installed or not hasattr(signal, "pthread_sigmask"):
@@ -365,9 +393,7 @@ def _is_signal_stop(command: cmd.Command) -> bool:
 
 
 def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> BaseException:
-    """What ``fit()`` raises after a graceful stop by ``signum`` with ``on_signal="raise"``:
-    ``KeyboardInterrupt`` for SIGINT, else ``SystemExit(128 + signum)`` (``step``: where the
-    run stopped; ``checkpoint``: the last one written, or None)."""
+    """What ``fit()`` raises after a graceful stop by ``signum`` (``on_signal="raise"``)."""
     where = f"at step {step}" + (f", checkpoint {checkpoint}" if checkpoint else "")
     said = (
         f"trainbus: {signum.name} stopped the run gracefully {where}; trainer.result holds "
@@ -380,10 +406,6 @@ def interrupt_for(signum: signal.Signals, step: int, checkpoint: str | None) -> 
     return exit_
 
 
-# Persistent DataLoader workers outlive their iterator: a sweep of runs in one process would
-# pile them up (and every later fork copies the old iterators, whose __del__ then fails), so
-# end_workers shuts them down when a call ends, through the loader's guarded
-# _iterator._shutdown_workers() (torch has no public method for it).
 def _start_method(loader: DataLoader[Any]) -> str:
     context = loader.multiprocessing_context
     if context is not None:
@@ -404,8 +426,8 @@ def spawns_workers(loaders: Iterable[object]) -> bool:
 
 
 def end_workers(loaders: Iterable[object]) -> None:
-    """Shut down the persistent workers of the ``DataLoader``\\ s among ``loaders``; the next
-    ``iter()`` of a loader starts fresh ones."""
+    """Shut down the persistent workers of the ``DataLoader``\\ s among ``loaders`` (they
+    would pile up over a sweep's runs); torch has no public method for it."""
     seen: set[int] = set()
     for loader in loaders:
         if not isinstance(loader, DataLoader) or id(loader) in seen:

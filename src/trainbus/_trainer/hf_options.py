@@ -1,8 +1,5 @@
-"""Other frameworks' option names and what replaces each in trainbus, for the ``TypeError`` of
-an unknown keyword: Hugging Face's (:data:`HF_OPTIONS`, also docs/migration.md's
-``TrainingArguments`` section), Lightning's, and the trainbus options that moved or were
-grouped (:data:`REMOVED_OPTIONS`).
-"""
+"""Other frameworks' option names, and trainbus' former ones, with what replaces each, for the
+``TypeError`` of an unknown keyword (and docs/migration.md)."""
 
 from __future__ import annotations
 
@@ -26,15 +23,8 @@ Source = Literal["TrainingArguments", "Trainer", "EarlyStoppingCallback"]
 
 @dataclass(frozen=True, slots=True)
 class HfOption:
-    """One Hugging Face option name and its trainbus equivalent.
-
-    Args:
-        name: The name as Hugging Face spells it.
-        use: What to write in trainbus instead (Markdown: code in backticks).
-        option: The trainbus ``Trainer`` option that replaces it, when one does.
-        source: Where Hugging Face takes it.
-        current: False for a spelling the current ``TrainingArguments`` no longer has.
-    """
+    """A Hugging Face option ``name`` (of ``source``; ``current``: still spelt so), what to
+    write in trainbus instead (``use``, Markdown) and the ``option`` that replaces it, if any."""
 
     name: str
     use: str
@@ -171,10 +161,6 @@ def hf_hint(name: str) -> str | None:
     return f"that is Hugging Face's {option.source}.{name}; in trainbus: {option.plain_use}"
 
 
-def _bus(name: str) -> Callable[[Any], str]:
-    return lambda value: f"bus=EventBus({name}={value!r}) (an option of the bus)"
-
-
 def _signals(value: Any) -> str:
     if value is False:
         return "on_signal=None (no signal handler)"
@@ -188,11 +174,6 @@ def _interval(value: Any) -> str:
 
 
 REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
-    "watchdog_s": ("bus", _bus("watchdog_s")),
-    "close_timeout": ("bus", _bus("close_timeout")),
-    "on_lost": ("bus", _bus("on_lost")),
-    "barriers": ("bus", _bus("barriers")),
-    "barrier_timeout": ("bus", _bus("barrier_timeout")),
     "eval_every": ("eval_schedule", lambda v: f"eval_schedule=EvalSchedule(every_steps={v!r})"),
     "eval_at_epoch_end": (
         "eval_schedule",
@@ -207,8 +188,8 @@ REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
         lambda v: f"checkpoint_dir=CheckpointDir(path, skip_final={v!r})",
     ),
 }
-"""Every trainbus option name the Trainer no longer takes: ``{name: (the option that replaces
-it, value -> what to write instead)}``."""
+"""Former Trainer options (the bus' own are named by ``options.bus_hint``): ``{name: (the
+option that replaces it, value -> what to write instead)}``."""
 
 
 def removed_hint(name: str, value: Any) -> str | None:
@@ -235,10 +216,13 @@ LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
     "accelerator": ("device", "device='cuda', 'mps', 'cpu' or 'auto'"),
     "devices": ("device", "device=...; several GPUs: run under torchrun (docs/distributed.md)"),
     "strategy": ("ddp", "ddp=None (DDP under torchrun, FSDP2 models left as they are)"),
+    "max_time": (
+        "callbacks",
+        "callbacks=[TimeLimit(seconds)] (trainbus.callbacks.TimeLimit: a checkpoint, then a "
+        "stop before the limit)",
+    ),
 }
-"""Lightning's ``Trainer`` option names that trainbus spells otherwise: ``{name: (the trainbus
-option, what to write)}``. Names both share (``max_epochs``, ``max_steps``, ``precision``,
-``callbacks``) mean the same in both."""
+"""Lightning's ``Trainer`` options trainbus spells otherwise: ``{name: (option, use)}``."""
 
 
 def lightning_hint(name: str) -> str | None:

@@ -1,10 +1,5 @@
-"""How long a Trainer's bus runs, and the one blocking portal its sync twins run through.
-
-``with Trainer(...) as t:`` holds a blocking portal (an event loop in a thread) until the block
-ends, the sync twins running through it; ``async with`` runs the bus in the caller's loop.
-Otherwise each call runs the bus and suspends it at its end, and ``close()`` completes the
-streams. The training thread ends when the bus closes.
-"""
+"""How long a Trainer's bus runs, and the blocking portal its sync twins run through
+(docs/trainer.md, "One Trainer, many calls")."""
 
 from __future__ import annotations
 
@@ -20,7 +15,7 @@ from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
 from .calls import TrainingThread
 
-__all__ = ["BACKENDS", "BusHolder"]
+__all__ = ["BusHolder"]
 
 BACKENDS = ("asyncio", "trio")
 
@@ -35,8 +30,8 @@ async def _captured(fn: Callable[[], Awaitable[_T]]) -> tuple[bool, Any]:
 
 
 def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
-    """``portal.call(fn)``, an exception raised on the caller's thread: anyio's portal holds
-    it in a reference cycle, which would keep the Trainer alive until a gc pass."""
+    """``portal.call(fn)``, raising on the caller's thread (anyio's portal holds an exception
+    in a reference cycle, which would keep the Trainer alive until a gc pass)."""
     ok, value = portal.call(_captured, fn)
     if ok:
         return value  # type: ignore[no-any-return]
@@ -46,16 +41,9 @@ def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
         del value  # this frame is in its traceback: nothing of it refers back
 
 
-def check_backend(backend: object) -> str:
-    """Raises ``ConfigError`` unless ``backend`` names an anyio backend."""
-    if backend not in BACKENDS:
-        raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
-    return str(backend)
-
-
 class BusHolder:
-    """How a Trainer holds its bus across calls (``with``, ``async with``, or each call for
-    itself) and the portal of its sync twins; the training ``thread`` ends when the bus closes."""
+    """How a Trainer holds its bus across calls and the portal of its sync twins; the
+    training ``thread`` ends when the bus closes."""
 
     def __init__(self, bus: EventBus, thread: TrainingThread) -> None:
         self._bus = bus
@@ -86,23 +74,20 @@ class BusHolder:
 
     # ================================================================== sync
     def enter(self) -> None:
-        """``with trainer:``: start the portal (asyncio) every sync call of the block runs
-        through (``TrainbusError`` when the bus runs already, or closed)."""
+        """``with trainer:``: start the portal every sync call of the block runs through."""
         self._check_enter("with trainer")
         stack = contextlib.ExitStack()
         self._portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
         self._stack, self._backend = stack, "asyncio"
 
     def close(self) -> None:
-        """Close the bus, then stop the ``with`` block's portal and end the training thread
-        (``TrainbusError`` when the bus runs in an ``async with trainer`` block)."""
+        """Close the bus, stop the ``with`` block's portal and end the training thread."""
         try:
             self._close()
         finally:
             self._end_thread()
 
     def _end_thread(self) -> None:
-        """End the training thread once the bus closed (also after a failure at the close)."""
         if self.closed:
             self._thread.close()
 
@@ -125,10 +110,9 @@ class BusHolder:
                 temporary.call(self._run_to_close)
 
     def call(self, fn: Callable[[], Awaitable[_T]], backend: str, name: str) -> _T:
-        """``fn()`` (a trainer call) run through the ``with trainer:`` portal (on its
-        ``backend``), or one started for this call (``TrainbusError`` when the bus runs in
-        an ``async with`` block's event loop)."""
-        backend = check_backend(backend)
+        """``fn()`` (a trainer call) through the ``with trainer:`` portal, or one of its own."""
+        if backend not in BACKENDS:
+            raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
         if self._portal is not None:
             if backend != self._backend:
                 raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "
@@ -146,20 +130,17 @@ class BusHolder:
 
     # ================================================================== async
     async def aenter(self) -> None:
-        """``async with trainer:``: run the bus in the caller's event loop until the end."""
         self._check_enter("async with trainer")
         await self._bus.__aenter__()
 
     async def aexit(self, exc_type: type[BaseException] | None) -> None:
-        """Close the bus at the end of ``async with trainer``, then end the training thread."""
         try:
             await self._bus.__aexit__(exc_type, None, None)
         finally:
             self._end_thread()
 
     async def aclose(self) -> None:
-        """Close a bus that does not run (else ``TrainbusError``), then end the training
-        thread. Idempotent."""
+        """Close a bus that does not run, then end the training thread. Idempotent."""
         state = self._bus.state
         if state in ("closing", "closed"):
             self._end_thread()

@@ -1,15 +1,5 @@
-"""The Trainer's options: each option's check, the groups of related ones, and the loop's
-:class:`~trainbus._loop.Settings` built from them.
-
-The options are declared once, in ``Trainer.__init__``'s keyword-only signature and docstring;
-:data:`CHECKS` holds each one's check in the signature's order, :func:`check_options` runs
-them on ``__init__``'s ``locals()``: ``check(name, value)`` returns the value the run uses and
-raises :class:`~trainbus.ConfigError` naming the option (or a group's field), the value and
-what is allowed. A group of related options is a frozen dataclass checked when built; where
-one value is the common case (``accumulate=4``) the option takes it too. The data, the
-optimizers and their schedulers, and the options that depend on each other are checked when
-the settings are built (:func:`build_settings`).
-"""
+"""The Trainer's options (declared in ``Trainer.__init__``'s signature): each one's check
+(:data:`CHECKS`), the groups of related ones, and the loop's settings built from them."""
 
 from __future__ import annotations
 
@@ -26,6 +16,7 @@ import torch
 from .. import events as ev
 from .._bus import EventBus
 from .._exceptions import ConfigError
+from .._hookpoints import HOOK_POINTS
 from .._loop import Settings
 from .._loop.optimizers import DEFAULT_NAME, OptimizerSet, SchedulerSet
 from .._loop.set_metrics import SetMetric
@@ -44,6 +35,7 @@ __all__ = [
     "EvalSchedule",
     "PerEpoch",
     "build_settings",
+    "check_hook",
     "check_options",
     "eval_sets",
     "explains_fit_keywords",
@@ -55,13 +47,11 @@ Check = Callable[[str, Any], Any]
 
 
 def int_at_least(minimum: int, *, optional: bool = False) -> Check:
-    """An int >= ``minimum`` (or None when ``optional``)."""
     return lambda name, value: check_int(name, value, minimum, optional=optional)
 
 
 def accepting(allowed: str, ok: Callable[[Any], bool], *, by_type: bool = False) -> Check:
-    """The value itself when ``ok(value)``, else a ``ConfigError`` saying ``allowed`` (showing
-    the value's type when ``by_type``)."""
+    """The value itself when ``ok(value)``, else a ``ConfigError`` saying ``allowed``."""
 
     def check(name: str, value: Any) -> Any:
         if not ok(value):
@@ -75,14 +65,12 @@ def _none_or(kind: type) -> Callable[[Any], bool]:
     return lambda value: value is None or isinstance(value, kind)
 
 
-def _none_or_callable(value: Any) -> bool:
-    return value is None or callable(value)
-
-
 boolean = accepting("True or False", lambda value: isinstance(value, bool))
 progress = accepting("None (when stderr is a terminal), True or False", _none_or(bool))
 bus = accepting("a trainbus.EventBus or None", _none_or(EventBus))
-train_step = accepting("a callable step(ctx) or None", _none_or_callable, by_type=True)
+train_step = accepting(
+    "a callable step(ctx) or None", lambda value: value is None or callable(value), by_type=True
+)
 on_nonfinite = accepting(
     "'raise', 'stop', 'skip' or 'ignore'",
     lambda value: value in ("raise", "stop", "skip", "ignore"),
@@ -93,7 +81,6 @@ ddp = accepting(
 
 
 def loss_fn(name: str, value: Any) -> Any:
-    """A callable ``loss_fn(outputs, targets)`` or None; a loss class is refused."""
     if value is not None and not callable(value):
         raise ConfigError.invalid(name, value, "a callable loss_fn(outputs, targets) or None")
     if isinstance(value, type) and issubclass(value, torch.nn.Module):
@@ -104,7 +91,6 @@ def loss_fn(name: str, value: Any) -> Any:
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
-    """A finite number > 0, or None."""
     if value is None:
         return None
     if not (isinstance(value, int | float) and not isinstance(value, bool)
@@ -114,7 +100,6 @@ def clip_grad_norm(name: str, value: Any) -> float | None:
 
 
 def accumulate_by(name: str, value: Any) -> Any:
-    """``"batches"``, ``"items"`` or a function ``fn(batch) -> items``."""
     if (
         value in ("batches", "items")
         if isinstance(value, str)
@@ -126,68 +111,76 @@ def accumulate_by(name: str, value: Any) -> Any:
     )
 
 
-def _refuses_two_arguments(fn: Callable[..., Any]) -> str | None:
-    """``fn``'s signature when it cannot be called with two positional arguments, else None
-    (also when it has no signature to read, as some builtins)."""
+def _refuses_arguments(fn: Callable[..., Any], count: int) -> str | None:
+    """``fn``'s signature when it cannot take ``count`` positional arguments, else None."""
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
         return None
     try:
-        signature.bind(None, None)
+        signature.bind(*[None] * count)
     except TypeError:
         return str(signature)
     return None
 
 
-def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
-    """None or a mapping of identifiers to ``fn(outputs, targets)``."""
-    if value is not None and not isinstance(value, Mapping):
-        raise ConfigError.invalid(name, value, "a mapping of names to fn(outputs, targets)")
-    out = dict(value or {})
-    for key, fn in out.items():
-        if not isinstance(key, str) or not key.isidentifier() or not callable(fn):
-            raise ConfigError.invalid(
-                f"metrics[{key!r}]", fn, "an identifier mapped to fn(outputs, targets)"
-            )
-        taken = _refuses_two_arguments(fn)
-        if taken is not None:
-            raise ConfigError.invalid(
-                f"metrics[{key!r}]",
-                fn,
-                f"fn(outputs, targets), called with two arguments per evaluation batch; this "
-                f"one takes {taken}",
-            )
-    return out
+def check_hook(point: Any, fn: Any) -> None:
+    """A hook point and a callable ``fn(ctx)`` for ``Trainer.add_hook``."""
+    if point not in HOOK_POINTS:
+        raise ConfigError.invalid(
+            "point", point,
+            "one of " + ", ".join(map(repr, HOOK_POINTS)) + " (a hook runs inline and may "
+            "change the step); to observe a step or an epoch, subscribe to its event: "
+            "trainer.bus.stream(events.StepEnded).subscribe(fn)",
+        )  # fmt: skip
+    taken = _refuses_arguments(fn, 1) if callable(fn) else None
+    if taken is not None:
+        raise ConfigError.invalid(
+            "fn", fn, f"fn(ctx): a {point!r} hook is called with one argument, the "
+            f"StepContext; this one takes {taken}",
+        )  # fmt: skip
 
 
-def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
-    """None or a mapping of identifiers to objects with ``update`` and ``compute``."""
-    allowed = "a mapping of names to set metrics (update(outputs, targets), compute(totals))"
+def _named(
+    name: str, value: Any, allowed: str, ok: Callable[[Any], bool], called: str
+) -> dict[str, Any]:
+    """None or a mapping of identifiers to what ``ok`` accepts, whose ``called`` (``""``: the
+    entry itself, or a method) takes ``(outputs, targets)``."""
     if value is not None and not isinstance(value, Mapping):
-        raise ConfigError.invalid(name, value, allowed)
+        raise ConfigError.invalid(name, value, f"a mapping of names to {allowed}")
     out = dict(value or {})
-    for key, metric in out.items():
-        if (not isinstance(key, str) or not key.isidentifier()
-                or isinstance(metric, type) or not isinstance(metric, SetMetric)):  # fmt: skip
+    for key, entry in out.items():
+        if not isinstance(key, str) or not key.isidentifier() or not ok(entry):
             raise ConfigError.invalid(
-                f"{name}[{key!r}]", metric, "an identifier mapped to an object with "
-                "update(outputs, targets) -> {name: sum} and compute(totals) -> float "
-                "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
-            )  # fmt: skip
-        taken = _refuses_two_arguments(metric.update)
+                f"{name}[{key!r}]", entry, f"an identifier mapped to {allowed}"
+            )
+        taken = _refuses_arguments(getattr(entry, called) if called else entry, 2)
         if taken is not None:
             raise ConfigError.invalid(
                 f"{name}[{key!r}]",
-                metric,
-                f"a set metric whose update(outputs, targets) takes two arguments; its update "
-                f"takes {taken}",
+                entry,
+                f"{allowed}, called with two arguments per evaluation batch; "
+                f"{'its ' + called if called else 'this one'} takes {taken}",
             )
     return out
 
 
+def metrics(name: str, value: Any) -> dict[str, Callable[[Any, Any], Any]]:
+    return _named(name, value, "fn(outputs, targets)", callable, "")
+
+
+def set_metrics(name: str, value: Any) -> dict[str, SetMetric]:
+    return _named(
+        name,
+        value,
+        "objects with update(outputs, targets) -> {name: sum} and compute(totals) -> float "
+        "(trainbus.SetMetric; e.g. trainbus.Perplexity())",
+        lambda metric: not isinstance(metric, type) and isinstance(metric, SetMetric),
+        "update",
+    )
+
+
 def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
-    """Callback classes or instances (one alone too), checked, not instantiated."""
     if isinstance(value, Callback | type):
         value = [value]
     if not isinstance(value, Iterable):
@@ -200,8 +193,6 @@ def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
 
 
 def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
-    """True, False or a folder; the folder itself is checked with the run's checkpoint_dir
-    (:func:`~trainbus._distributed.attach_server.attach_folder`)."""
     if isinstance(value, bool):
         return value
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
@@ -211,12 +202,6 @@ def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
 
 
 def trace(name: str, value: Any) -> frozenset[str]:
-    """The parts of a step to time: True (every one of ``events.TRACED_SPANS``), False (none)
-    or a collection of their names.
-
-    Raises:
-        ConfigError: ``value`` is none of those, or names a part that is not traced.
-    """
     allowed = f"True, False or a set of {list(ev.TRACED_SPANS)}"
     if isinstance(value, bool):
         return frozenset(ev.TRACED_SPANS) if value else frozenset()
@@ -230,8 +215,7 @@ def trace(name: str, value: Any) -> frozenset[str]:
 
 
 def check_loader(name: str, value: Any) -> int | None:
-    """A non-empty iterable of batches (not a tensor, a string, a map-style ``Dataset``); its
-    length when it has one."""
+    """A non-empty iterable of batches; its length when it has one."""
     # A map-style Dataset yields samples, not batches: say how to batch it.
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
         raise ConfigError.invalid(
@@ -256,9 +240,8 @@ def check_loader(name: str, value: Any) -> int | None:
 
 def check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
                  max_epochs: int | None) -> None:  # fmt: skip
-    """Refuse a one-shot iterator the run iterates twice: as ``eval_data``, or as
-    ``train_data`` for more than one epoch. The test is the iterator protocol, not a call of
-    ``iter()``, which would start a ``DataLoader``'s workers."""
+    """Refuse a one-shot iterator the run iterates twice (without an ``iter()``, which would
+    start a ``DataLoader``'s workers)."""
     twice = [(f"eval_data[{name!r}]" if named else "eval_data", data,
               "each evaluation makes a new pass", "") for name, data in sets]  # fmt: skip
     if max_epochs is not None and max_epochs > 1:
@@ -281,19 +264,15 @@ PRECISION_SPELLINGS: Mapping[str, Precision] = {
     # Lightning's spellings of the same three (a user's Trainer(precision=...) carried over).
     "32-true": "32", "bf16-mixed": "bf16", "16-mixed": "fp16",
 }  # fmt: skip
-"""Every accepted ``precision`` and what it means here."""
-
 _TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
                 "64-true": "torch.float64"}  # fmt: skip
-"""Lightning's ``"*-true"`` spellings and the dtype they cast the model to."""
 
 
-def precision(name: str, value: Any) -> Precision:
-    """``"32"``, ``"bf16"``, ``"fp16"`` or a Lightning spelling of one; a Lightning ``"*-true"``
-    is refused naming the cast to do instead."""
+def precision(name: str, value: Any) -> str:
+    """One of :data:`PRECISION_SPELLINGS`, as given; a ``"*-true"`` names the cast instead."""
     allowed = ", ".join(repr(k) for k in PRECISION_SPELLINGS)
     if isinstance(value, str) and value in PRECISION_SPELLINGS:
-        return PRECISION_SPELLINGS[value]
+        return value
     if isinstance(value, str) and value in _TRUE_DTYPES:
         raise ConfigError.invalid(
             "precision", value,
@@ -309,8 +288,7 @@ def precision(name: str, value: Any) -> Precision:
 
 
 def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bool]:
-    """``((name, data), ...)`` of ``eval_data`` (None, one loader, or a mapping of set names
-    without ``/`` to loaders) and whether the sets are named."""
+    """``((name, data), ...)`` of ``eval_data`` and whether the sets are named."""
     if eval_data is None:
         return (), False
     if isinstance(eval_data, Mapping):
@@ -333,14 +311,11 @@ def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bo
 
 
 def eval_data(name: str, value: Any) -> Any:
-    """None, an iterable of batches, or a mapping of set names to them."""
     eval_sets(value)  # raises on a bad set; the settings build the sets
     return value
 
 
 def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
-    """``CheckpointDir(skip_final=)``: an iterable of ``"stopped"``, ``"pruned"``,
-    ``"signal"``, as a set of endings."""
     allowed = (
         "an iterable of 'stopped', 'pruned', 'signal' (the stopped runs whose final "
         "checkpoint to skip), e.g. {'pruned'}; empty: always write it"
@@ -371,9 +346,8 @@ def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None
 def check_optimizers(
     model: torch.nn.Module, optimizer: Any
 ) -> tuple[torch.optim.Optimizer, dict[str, torch.optim.Optimizer]]:
-    """``(the optimizer the loop steps, {name: optimizer})`` of ``optimizer``: one over the
-    model's parameters (itself and ``{"default": it}``), or a non-empty mapping of identifiers
-    to distinct optimizers over disjoint parameters (an :class:`OptimizerSet` and the mapping)."""
+    """``(the optimizer the loop steps, {name: optimizer})``: one over the model's parameters,
+    or a mapping of names to distinct optimizers over disjoint ones (an :class:`OptimizerSet`)."""
     params, sharded = {id(p) for p in model.parameters()}, is_sharded_model(model)
     if isinstance(optimizer, torch.optim.Optimizer):
         _over_model("optimizer", optimizer, params, sharded=sharded)
@@ -426,38 +400,20 @@ def _stepper(name: str, scheduler: Any) -> None:
 def check_schedulers(
     scheduler: Any, optimizers: Mapping[str, torch.optim.Optimizer]
 ) -> tuple[Any | None, dict[str, Any]]:
-    """``(the scheduler the loop steps, {optimizer name: scheduler})``: None and ``{}``
-    without one; one scheduler of the one optimizer is itself; a mapping of optimizer names
-    to their schedulers is a :class:`SchedulerSet`. Refused: no ``.step()``, torch's
-    ``ReduceLROnPlateau`` (its ``.step()`` needs a metric), a scheduler of another optimizer,
-    one scheduler for several optimizers (naming the one it belongs to)."""
+    """``(the scheduler the loop steps, {optimizer name: scheduler})``; a mapping of them is a
+    :class:`SchedulerSet`. Each must drive its own optimizer."""
     if scheduler is None:
         return None, {}
-    if isinstance(scheduler, Mapping):
-        if len(optimizers) == 1 and DEFAULT_NAME in optimizers:
-            raise ConfigError.invalid(
-                "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
-            )
-        for name, sched in scheduler.items():
-            if name not in optimizers:
-                raise ConfigError.invalid(
-                    "scheduler", name,
-                    "names of the optimizers: " + ", ".join(map(repr, optimizers)),
-                )  # fmt: skip
-            _stepper(f"scheduler[{name!r}]", sched)
-            target = getattr(sched, "optimizer", None)
-            if target is not None and target is not optimizers[name]:
-                other = next((n for n, o in optimizers.items() if o is target), None)
-                drives = f"optimizer {other!r}" if other else "another one"
-                raise ConfigError.invalid(
-                    f"scheduler[{name!r}]", type(sched).__name__,
-                    f"a scheduler of optimizer {name!r} (it drives {drives})",
-                )  # fmt: skip
-        return SchedulerSet(scheduler), dict(scheduler)
-    _stepper("scheduler", scheduler)
-    target = getattr(scheduler, "optimizer", None)
-    if len(optimizers) > 1:
-        belongs = next((n for n, o in optimizers.items() if o is target), None)
+    named = isinstance(scheduler, Mapping)
+    if named and len(optimizers) == 1 and DEFAULT_NAME in optimizers:
+        raise ConfigError.invalid(
+            "scheduler", "<mapping>", "one scheduler (a mapping needs named optimizers)"
+        )
+    if not named and len(optimizers) > 1:
+        _stepper("scheduler", scheduler)
+        belongs = next(
+            (n for n, o in optimizers.items() if o is getattr(scheduler, "optimizer", 0)), None
+        )
         where = (
             f"it belongs to optimizer {belongs!r}: pass scheduler={{{belongs!r}: scheduler}}"
             if belongs is not None
@@ -468,16 +424,25 @@ def check_schedulers(
             f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); "
             + where,
         )  # fmt: skip
-    ((name, only),) = optimizers.items()
-    if target is not None and target is not only:
-        raise ConfigError.invalid(
-            "scheduler", type(scheduler).__name__,
-            f"a scheduler of the Trainer's optimizer ({type(only).__name__} at "
-            f"{id(only):#x}); this one drives another {type(target).__name__} (at "
-            f"{id(target):#x}), so the run's learning rate would never change: build "
-            "it on the optimizer you pass to the Trainer",
-        )  # fmt: skip
-    return scheduler, {name: scheduler}
+    pairs = dict(scheduler) if named else {next(iter(optimizers)): scheduler}
+    for name, sched in pairs.items():
+        field = f"scheduler[{name!r}]" if named else "scheduler"
+        if name not in optimizers:
+            raise ConfigError.invalid(
+                "scheduler", name, "names of the optimizers: " + ", ".join(map(repr, optimizers))
+            )
+        _stepper(field, sched)
+        target = getattr(sched, "optimizer", None)
+        if target is not None and target is not optimizers[name]:
+            other = next((n for n, o in optimizers.items() if o is target), None)
+            whose = f"optimizer {name!r}" if named else "the Trainer's optimizer"
+            drives = f"optimizer {other!r}" if other else "another one"
+            raise ConfigError.invalid(
+                field, type(sched).__name__,
+                f"a scheduler of {whose}; it drives {drives}, so the run's learning rate "
+                "would never change: build it on that optimizer",
+            )  # fmt: skip
+    return (SchedulerSet(scheduler) if named else scheduler), pairs
 
 
 P = ParamSpec("P")
@@ -493,10 +458,8 @@ class EvalSchedule:
     Args:
         every_steps: Also evaluate every N optimizer steps (None: not by steps).
         epoch_end: Evaluate after each epoch.
-        at_end: When the run completes (``max_steps`` or ``max_epochs`` reached) and its last
-            step was not evaluated, evaluate the final weights once more (``trigger="end"``,
-            before the final checkpoint), as Hugging Face does; only when ``every_steps`` or
-            ``epoch_end`` evaluates during the run. False: never.
+        at_end: Evaluate the final weights of a completed run once more when its last step was
+            not (docs/trainer.md, "Evaluation at the end of training").
 
     Raises:
         ConfigError: naming the field (``EvalSchedule.every_steps``...), the value and what
@@ -528,13 +491,9 @@ class Accumulate:
 
     Args:
         micro_batches: Micro-batches per optimizer step.
-        by: How the step's micro-batches weigh: ``"batches"``, each its loss divided by
-            their number; ``"items"``, each by its items over the step's (the labels
-            ``!= -100`` of a mapping batch's ``"labels"`` or of the targets of
-            ``(inputs, targets)``; Hugging Face's ``num_items_in_batch``), so that a
-            token-level mean loss accumulates the gradient of one batch of the step's items;
-            or ``fn(batch) -> items`` counting them your way. By items, a step's batches are
-            fetched before its first forward (docs/trainer.md, "Gradient accumulation").
+        by: How the step's micro-batches weigh: ``"batches"`` alike, ``"items"`` by their
+            labels ``!= -100`` (Hugging Face's ``num_items_in_batch``), or by
+            ``fn(batch) -> items`` (docs/trainer.md, "Gradient accumulation").
 
     Raises:
         ConfigError: naming the field (``Accumulate.micro_batches``, ``Accumulate.by``).
@@ -555,15 +514,12 @@ class Accumulate:
 @dataclass(frozen=True, slots=True)
 class CheckpointDir:
     """A checkpoint folder with a final-checkpoint policy of its own:
-    ``checkpoint_dir=CheckpointDir("runs/x", skip_final={"pruned"})`` (``checkpoint_dir=
-    "runs/x"`` is ``CheckpointDir("runs/x")``).
+    ``checkpoint_dir=CheckpointDir("runs/x", skip_final={"pruned"})``.
 
     Args:
-        path: The folder; checked now (creatable, writable, not under a file), nothing
-            created.
+        path: The folder; checked now (creatable, writable), created at the first save.
         skip_final: Stopped runs that write no final checkpoint: any of ``"stopped"``,
-            ``"pruned"`` (a pruner's stop: a sweep's pruned trials keep their disk and time),
-            ``"signal"`` (:class:`~trainbus.events.Ending`). Default: none skipped.
+            ``"pruned"``, ``"signal"`` (:class:`~trainbus.events.Ending`); default none.
 
     Raises:
         ConfigError: naming the field (``CheckpointDir.path``, ``CheckpointDir.skip_final``).
@@ -571,11 +527,6 @@ class CheckpointDir:
 
     path: str | os.PathLike[str]
     skip_final: Iterable[ev.Ending | str] = ()
-
-    @property
-    def endings(self) -> frozenset[ev.Ending]:
-        """``skip_final`` as checked: the endings whose final checkpoint is skipped."""
-        return skip_final("CheckpointDir.skip_final", self.skip_final)
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, str | os.PathLike):
@@ -593,23 +544,20 @@ class PerEpoch:
     ``scheduler=PerEpoch(scheduler)``.
 
     Args:
-        scheduler: The scheduler, or with several optimizers a mapping of optimizer names to
-            schedulers (checked with the optimizers, as ``scheduler=`` is).
+        scheduler: The scheduler, or a mapping of optimizer names to schedulers.
     """
 
     scheduler: Any
 
 
 def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
-    """``(the scheduler, its interval)``; the scheduler itself is checked with the optimizers
-    (:func:`check_schedulers`)."""
     if isinstance(value, PerEpoch):
         return value.scheduler, "epoch"
     return value, "step"
 
 
 def _group(cls: type, *, plain: Callable[[Any], Any] | None = None) -> Check:
-    """An instance of the group ``cls``, or (with ``plain``) the value ``plain`` turns into one."""
+    """An instance of the group ``cls``, or what ``plain`` makes of the value."""
 
     def check(name: str, value: Any) -> Any:
         if isinstance(value, cls):
@@ -668,25 +616,21 @@ CHECKS: dict[str, Check] = {
     "attach": attach,
     "trace": trace,
 }
-"""The check of each keyword option of ``Trainer.__init__``, in its signature's order:
-``check(name, value) -> the value the run uses``, raising ``ConfigError``."""
+"""The check of each keyword option of ``Trainer.__init__``, in its signature's order."""
 
 
 def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
-    """``{name: the value the run uses}`` of every keyword option of ``given``
-    (``Trainer.__init__``'s ``locals()``), checked in the signature's order."""
+    """``{name: the value the run uses}`` of ``Trainer.__init__``'s ``locals()``."""
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
 def bus_hint(name: str, value: Any) -> str | None:
-    """``bus=EventBus(<name>=<value>)`` when ``name`` is an option of the bus, else None."""
     if name not in inspect.signature(EventBus).parameters:
         return None
     return f"bus=EventBus({name}={value!r}) (an option of the bus)"
 
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
-    """Python's message for an unexpected keyword, with what replaces ``name`` in trainbus."""
     hint = (
         hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
     )
@@ -694,13 +638,10 @@ def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str
 
 
 explains_unknown_options = explains_unknown_keywords(unknown_option_message)
-"""``Trainer.__init__`` with a keyword that is no option refused as Python refuses it, and
-what replaces it named (a Hugging Face, Lightning or removed trainbus name; else the nearest)."""
 
 
 def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """``Trainer.fit`` / ``fit_sync`` refusing another framework's keyword (``ckpt_path``,
-    ``resume_from_checkpoint``) by naming ``fit(resume=...)``."""
+    """``fit`` / ``fit_sync`` refusing another framework's keyword naming ``fit(resume=...)``."""
     return explains_unknown_keywords(
         lambda name, value, known: unknown_keyword_message(owner, name, known,
                                                            fit_hint(name, value))
@@ -709,9 +650,8 @@ def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, 
 
 def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
                    bus: EventBus) -> Settings:  # fmt: skip
-    """The loop's :class:`Settings` from the positional arguments, the checked ``options``
-    and the bus' ``barriers``, after the checks of the positional arguments and of two options
-    at once."""
+    """The loop's :class:`Settings`, after the checks of the positional arguments and of
+    options that depend on each other."""
     if not isinstance(model, torch.nn.Module):
         raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
@@ -720,18 +660,20 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
     scheduler, schedulers = check_schedulers(given_scheduler, optimizers)
-    precision, device = options["precision"], options["device"]
+    given, device = options["precision"], options["device"]
+    precision = PRECISION_SPELLINGS[given]
     if precision == "bf16" and not bf16_supported(device):
         props = torch.cuda.get_device_properties(device)
         raise ConfigError.invalid(
-            "precision", precision, f"'32' or 'fp16' on {device} ({props.name}, compute "
+            "precision", given, f"'32' or 'fp16' on {device} ({props.name}, compute "
             f"capability {props.major}.{props.minor}): bf16 needs compute capability 8.0 or "
             "later (torch would only emulate it, slower than fp32)",
         )  # fmt: skip
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError.invalid(
-            "precision", precision,
-            f"'32' or 'bf16' on {device.type}; fp16 with a grad scaler needs CUDA",
+            "precision", given,
+            f"'32' or 'bf16' on {device.type}: {given!r} is fp16 with a grad scaler, which "
+            f"needs CUDA; mixed precision on {device.type} is precision='bf16'",
         )  # fmt: skip
     schedule: EvalSchedule = options["eval_schedule"]
     if schedule.every_steps is not None and options["eval_data"] is None:
@@ -759,7 +701,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
         eval_every=schedule.every_steps, eval_at_epoch_end=schedule.epoch_end,
         eval_at_end=schedule.at_end, log_every=options["log_every"],
         checkpoint_dir=None if folder is None else Path(folder.path),
-        skip_final_checkpoint=frozenset() if folder is None else folder.endings,
+        skip_final_checkpoint=frozenset(map(ev.Ending, folder.skip_final if folder else ())),
         barriers=bus.barriers, on_nonfinite=options["on_nonfinite"],
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
         eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,

@@ -1,6 +1,5 @@
-"""One rank's part of a ``fit()``: the process group, the rank's device, the DDP model and
-sharded data, the link to a ``trainbus launch`` driver, the attach listener, and their
-teardown."""
+"""One rank's part of a ``fit()``: process group, device, DDP model, sharded data, the link
+to a ``trainbus launch`` driver and the attach listener."""
 
 from __future__ import annotations
 
@@ -35,8 +34,7 @@ class RankSetup:
         self._wrapped: torch.nn.Module | None = None
 
     def join(self, device: torch.device | None = None) -> ProcessGroup:
-        """Join the process group the environment describes (gloo for a CPU ``device``, NCCL
-        for CUDA; ``ConfigError`` for more local ranks than GPUs), kept for :meth:`close`."""
+        """Join the process group the environment describes, kept for :meth:`close`."""
         self._group = ProcessGroup.from_env(device=device)
         return self._group
 
@@ -70,8 +68,7 @@ class RankSetup:
         )
 
     def connect(self) -> None:
-        """On the main rank: stream the bus to the driver of ``trainbus launch``, and listen
-        for attachments in the run folder (call on the event-loop thread)."""
+        """On the main rank (event-loop thread): link to the driver, listen for attachments."""
         assert self._group is not None, "join() first"
         if self._group.is_main:
             self._link = WorkerLink.from_env()
@@ -81,8 +78,7 @@ class RankSetup:
                 self._server = AttachServer.start(self._bus, self._attach)
 
     def close(self, result: FitResult | None) -> None:
-        """Close the attach listener and the driver link, and leave the group (``result``:
-        how the run ended, None when it never ran)."""
+        """Close the listener and the link, and leave the group (``result``: None if no run)."""
         if self._server is not None:
             self._server.close()
         if self._link is not None:

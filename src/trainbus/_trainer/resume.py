@@ -81,29 +81,16 @@ class CallbackStates:
         return {cb.state_key: cb.state_dict() for cb in self._added.callbacks if cb.stateful}
 
     def collect_from_thread(self) -> dict[str, dict[str, Any]]:
-        """``{state_key: state_dict}`` of the stateful callbacks, collected on the event-loop
-        thread; called by the loop on the training thread at each save.
-
-        Raises:
-            Cancelled: ``fit()`` was cancelled meanwhile.
-        """
+        """From the training thread at each save: ``{state_key: state_dict}`` of the stateful
+        callbacks, collected on the event-loop thread (``Cancelled`` when fit() was)."""
         return self._thread.call_sync(self._collect)
 
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
     ) -> Checkpoint | None:
-        """Load the checkpoint ``resume`` names (``"latest"``: Ray's when Ray handed one, else
-        the newest valid one in ``checkpoint_dir``) and restore the model, optimizer,
-        scheduler, scaler and callback states (the loop restores the RNG states; a sharded
-        model's ranks each their shards and RNG, :func:`load_sharded`). Another world size
-        than ``group``'s resumes at the next epoch boundary.
-
-        Returns:
-            The checkpoint without its restored states; None when ``"latest"`` found no valid
-            one (a ``resume_found_nothing`` warning; a ``CheckpointError`` when ``required``).
-
-        Raises:
-            CheckpointError: a damaged, foreign or incompatible checkpoint.
+        """Load the checkpoint ``resume`` names (``"latest"``: Ray's, else the newest valid one)
+        and restore all but the RNG states; the checkpoint without them, or None when
+        ``"latest"`` found none (``CheckpointError`` when ``required``). docs/reliability.md.
         """
         self.resume_source = None
         latest = resume == "latest"
@@ -161,8 +148,7 @@ class CallbackStates:
         return self._restored(checkpoint)
 
     def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
-        """Restore the callback states (one no callback claims is logged and ignored),
-        announce the load; the checkpoint without its states."""
+        """Restore the callback states and announce the load; the checkpoint without them."""
         by_key = {cb.state_key: cb for cb in self._added.callbacks if cb.stateful}
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
@@ -193,10 +179,8 @@ class CallbackStates:
 
 
 def read_ray_checkpoint() -> Checkpoint | None:
-    """The first file that reads as a trainbus checkpoint in the Ray checkpoint handed to this
-    worker (``ray.train.get_checkpoint()``: a restarted worker may not see the old ones' disks
-    but does see Ray's storage; Ray is never imported here). None: not a Ray Train worker, Ray
-    handed none, or none of its files is readable (``resume_ray_checkpoint_unreadable``)."""
+    """The first readable trainbus checkpoint in what ``ray.train.get_checkpoint()`` hands
+    this worker (Ray is never imported here), or None."""
     train = sys.modules.get("ray.train")
     try:
         handed = None if train is None else train.get_checkpoint()

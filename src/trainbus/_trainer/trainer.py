@@ -1,13 +1,5 @@
-"""The Trainer: async-first ``fit()``, the loop on a training thread, the bus on the event loop.
-
-::
-
-    trainer = Trainer(model, optimizer, train_loader, loss_fn=F.cross_entropy,
-                      eval_data=val_loader, max_epochs=3, checkpoint_dir="runs/demo")
-    trainer.bus.stream(ev.StepEnded).pipe(ops.throttle_first(1.0)).subscribe(log_step)
-    result = await trainer.fit()        # or trainer.fit_sync() from synchronous code
-    result = await Trainer(...same arguments...).fit(resume="latest")   # after a crash
-"""
+"""The Trainer: async-first ``fit()``, the loop on a training thread, the bus on the event loop
+(docs/trainer.md)."""
 
 from __future__ import annotations
 
@@ -65,6 +57,7 @@ from .calls import (
     end_workers,
     interrupt_for,
     spawns_workers,
+    warns_unawaited,
     watching_cancel,
 )
 from .holder import BusHolder
@@ -74,6 +67,7 @@ from .options import (
     EvalSchedule,
     PerEpoch,
     build_settings,
+    check_hook,
     check_options,
     eval_sets,
     explains_fit_keywords,
@@ -88,7 +82,8 @@ log = get_logger(__name__)
 
 
 class Trainer:
-    """A PyTorch trainer whose callbacks are subscribers on a reactive event bus.
+    """A PyTorch trainer whose callbacks are subscribers on a reactive event bus
+    (docs/trainer.md).
 
     Args:
         model: The ``torch.nn.Module`` to train.
@@ -96,65 +91,47 @@ class Trainer:
             names to optimizers over disjoint parameters (``{"g": opt_g, "d": opt_d}``): the
             default step steps them all, a ``train_step`` by name (docs/trainer.md).
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
-        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` per micro-batch: forwards,
-            ``ctx.backward(loss)``, ``ctx.optimizer_step(name)``; trainbus keeps the events,
-            hooks, accumulation, clipping, precision and checkpoints. None: the default step.
+        train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` per micro-batch
+            (docs/trainer.md, "Custom steps"). None: the default step.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
             Without it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a
             mapping with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
-        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables,
-            scored in one round. Metrics: ``val_loss``/``val_<name>`` for one loader,
-            ``<set>/loss``/``<set>/<name>`` for named sets.
+        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
+            (metrics ``val_<name>``, or ``<set>/<name>`` for named sets).
         max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
         max_steps: Optimizer steps to train.
         scheduler: An LR scheduler stepped every optimizer step (with several optimizers, a
             mapping of their names to schedulers); ``PerEpoch(scheduler)``: once per epoch.
-        accumulate: Micro-batches per optimizer step, or ``Accumulate(4, by="items")`` to
-            weigh them by their items (:class:`Accumulate`).
+        accumulate: Micro-batches per optimizer step, or an :class:`Accumulate`.
         clip_grad_norm: Clip the total gradient norm to this value (the pre-clip norm is
             ``grad_norm`` on the events).
-        precision: ``"32"``, ``"bf16"`` (autocast; on CUDA, compute capability 8.0+) or
-            ``"fp16"`` (autocast and a grad scaler, CUDA only); Lightning's ``"32-true"``,
-            ``"bf16-mixed"`` and ``"16-mixed"`` are the same three.
-        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``;
-            ``"auto"`` and ``"cuda"`` resolve now to ``cuda:N`` (the current device).
-        seed: Seeds Python's, NumPy's and torch's generators when ``fit()`` starts
-            (:func:`~trainbus.seed_everything`), and gives a ``DataLoader(shuffle=True)``
-            without a ``generator`` a data order of ``(seed, epoch)`` (docs/trainer.md, "Seeds").
+        precision: ``"32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a grad scaler,
+            CUDA only), or Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
+        seed: Seeds the generators when ``fit()`` starts, and the data order
+            (docs/trainer.md, "Seeds").
         metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``.
         set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as
-            ``val_ppl`` (:class:`~trainbus.SetMetric`); one that raises is counted in
-            ``FitResult.metric_failures`` and left out.
+            ``val_ppl`` (:class:`~trainbus.SetMetric`).
         eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`).
         log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
-        checkpoint_dir: Where ``SaveCheckpoint`` writes; a final checkpoint is written when a
-            run completes or stops and its last step has none yet
-            (``CheckpointDir(path, skip_final={"pruned"})``: stopped runs that write none).
-            Checked now, created at the first save.
+        checkpoint_dir: Where ``SaveCheckpoint`` and the final checkpoint write, or a
+            :class:`CheckpointDir`; checked now, created at the first save.
         callbacks: Callback classes or instances (user tier); stateful ones need distinct
             ``state_key`` values.
-        progress: Show a :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr
-            is a terminal on rank 0, True always, False never.
-        on_nonfinite: A NaN/inf loss: ``"raise"`` a ``NonFiniteLossError``; ``"stop"`` the run
-            (no checkpoint of the bad state); ``"skip"`` that batch's update (counted in
-            ``FitResult.skipped_nonfinite``); ``"ignore"`` it.
-        on_signal: SIGINT/SIGTERM during ``fit()`` on the main thread stop the run gracefully
-            (final checkpoint, events delivered; a second SIGINT aborts); then ``"raise"``
-            (default) raises ``KeyboardInterrupt`` for SIGINT, ``SystemExit(143)`` for SIGTERM
-            (``trainer.result`` holds the result), ``"return"`` returns the result. None: no
-            handler.
-        bus: The :class:`EventBus` to run on (default: a new one); the bus' own options are
-            set there (``EventBus(close_timeout=..., watchdog_s=..., on_lost="raise")``).
-        ddp: Under ``torchrun`` with several ranks, wrap the model in
-            ``DistributedDataParallel``. False: neither wrap it nor all-reduce its gradients.
-            None (default): DDP, except for a model sharded with FSDP2 (``True`` for such a
-            model is a ``ConfigError``).
-        attach: Let other processes of your user attach to ``fit()`` (``trainbus attach
-            RUN_DIR``): True (default) in ``checkpoint_dir`` when set; a folder: there;
-            False: never (docs/attach.md).
-        trace: Publish the time of each part of a step (data wait, forward, backward,
-            optimizer step, ``zero_grad``, scheduler step) as ``events.SpanTraced``: True for
-            all, a set of ``events.TRACED_SPANS`` names for those; False (default): none.
+        progress: A :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr is
+            a terminal on rank 0, True always, False never.
+        on_nonfinite: A NaN/inf loss: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``
+            (docs/trainer.md, "Non-finite losses").
+        on_signal: SIGINT/SIGTERM stop ``fit()`` gracefully, then ``"raise"`` (default) their
+            interrupt or ``"return"`` the result; None: no handler (docs/trainer.md).
+        bus: The :class:`EventBus` to run on (default: a new one), with the bus' own options.
+        ddp: Under ``torchrun``, wrap the model in ``DistributedDataParallel``: None (default)
+            unless it is sharded with FSDP2; False never (docs/distributed.md).
+        attach: Listen for ``trainbus attach``: True (default) in ``checkpoint_dir``, a folder,
+            or False (docs/attach.md).
+        trace: Publish ``events.SpanTraced`` for the parts of a step: True, False (default) or
+            a set of ``events.TRACED_SPANS`` names (docs/events.md).
 
     Raises:
         ConfigError: for any invalid argument, before anything runs or touches the disk.
@@ -206,9 +183,7 @@ class Trainer:
         self._thread = TrainingThread()
         self._states = CallbackStates(self.bus, self._added, self._thread)
         self._signals = SignalWatcher(self.bus)
-        self._calls = CallRunner(
-            self.bus, self.hooks, self.bus.barrier_timeout, self._thread, self._signals
-        )
+        self._calls = CallRunner(self.bus, self.hooks, self._thread, self._signals)
         self._holder = BusHolder(self.bus, self._thread)
         self._call: str | None = None  # the call running now: "fit", "evaluate", "predict"
         instances = [self.add_callback(cb) for cb in checked["callbacks"]]
@@ -224,8 +199,7 @@ class Trainer:
 
     # ================================================================== callbacks and hooks
     def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
-        """Add a callback (class or instance): its ``on_*`` subscribers, ``hook_*`` hooks
-        and ``setup(bus)`` pipelines. While ``fit()`` runs, call it on the event-loop thread.
+        """Add a callback (class or instance); while ``fit()`` runs, on the event-loop thread.
 
         Raises:
             ConfigError: not a Callback, a misspelt ``on_*`` / ``hook_*`` method (a Lightning
@@ -250,14 +224,15 @@ class Trainer:
         """Run ``fn(ctx)`` inline at ``point`` of every step (user tier); ``.remove()`` it.
 
         Raises:
-            ConfigError: unknown point or non-callable ``fn``.
+            ConfigError: an unknown point, or an ``fn`` that cannot be called as ``fn(ctx)``.
         """
+        check_hook(point, fn)
         return self.hooks.add(point, fn, tier="user")
 
     # ================================================================== lifetime
     def __enter__(self) -> Self:
-        """``with Trainer(...) as t:``: run the bus in a blocking portal (an event loop in a
-        thread) until the block ends, which is :meth:`close`; the sync twins run through it.
+        """``with Trainer(...) as t:``: the sync twins run through one portal until
+        :meth:`close` at the block's end.
 
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
@@ -274,9 +249,8 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Close the bus: deliver what is queued, complete the streams, wait for async
-        subscribers (``close_timeout``), stop the ``with`` block's portal and end the training
-        thread. Idempotent. A Trainer never closed loses nothing of its calls.
+        """Close the bus (deliver, complete the streams, wait for async subscribers) and end
+        the training thread. Idempotent.
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
@@ -285,8 +259,8 @@ class Trainer:
         self._holder.close()
 
     async def __aenter__(self) -> Self:
-        """``async with Trainer(...) as t:``: run the bus in this event loop until the end of
-        the block, which closes it.
+        """``async with Trainer(...) as t:``: run the bus in this event loop until the block
+        ends, which closes it.
 
         Raises:
             TrainbusError: the trainer's bus runs already, or closed.
@@ -319,9 +293,8 @@ class Trainer:
         backend: str = "asyncio",
         require_checkpoint: bool = False,
     ) -> FitResult:
-        """Synchronous twin of :meth:`fit`, through one anyio blocking portal: the one of
-        ``with trainer:``, else one started for the call. Works in a plain script and where
-        an event loop already runs on this thread (a notebook).
+        """Synchronous twin of :meth:`fit`, through an anyio blocking portal (also where an
+        event loop runs on this thread, a notebook).
 
         Args:
             resume: As for :meth:`fit`.
@@ -345,6 +318,7 @@ class Trainer:
             self._raise_interrupt(result)  # on this thread: in the portal it would end the loop
             return result
 
+    @warns_unawaited
     @explains_fit_keywords("fit")
     async def fit(
         self, *, resume: str | os.PathLike[str] | None = None, require_checkpoint: bool = False
@@ -353,10 +327,8 @@ class Trainer:
 
         Args:
             resume: Continue a run from a checkpoint: its path, or ``"latest"`` for the newest
-                valid one in ``checkpoint_dir`` (none: a fresh run and a
-                ``resume_found_nothing`` warning). Restores the model, optimizer, scheduler,
-                grad scaler, train state, callback states, data order and RNG states
-                (docs/reliability.md).
+                valid one in ``checkpoint_dir`` (none: a fresh run, with a warning);
+                docs/trainer.md, "Checkpoints and resume".
             require_checkpoint: With ``resume="latest"``: finding no valid checkpoint is a
                 ``CheckpointError``, not a fresh start.
 
@@ -366,25 +338,22 @@ class Trainer:
         Raises:
             ConfigError: a bad ``resume`` or ``require_checkpoint``; an added callback refuses
                 the run (:meth:`Callback.check`).
-            CheckpointError: the checkpoint is damaged, foreign or of another model shape,
-                optimizer or world size; or ``require_checkpoint`` and nothing was found.
+            CheckpointError: a damaged, foreign or incompatible checkpoint; or
+                ``require_checkpoint`` and nothing was found.
             CheckpointWriteError: the final checkpoint could not be written.
             TypeError: another framework's keyword (``ckpt_path``), naming ``resume``.
-            KeyboardInterrupt: after a second SIGINT, or after a graceful stop by SIGINT unless
-                ``on_signal="return"``.
-            SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM unless
-                ``on_signal="return"``.
-            Exception: the training exception when the run fails (``FitEnded`` delivered first,
-                ``trainer.result`` set); a subscriber's own exception with
-                ``on_error="raise"``; what a callback's :meth:`Callback.after_fit` raised; the
-                cancellation when cancelled.
+            KeyboardInterrupt: after a graceful stop by SIGINT (unless ``on_signal="return"``),
+                or a second SIGINT.
+            SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM (unless
+                ``on_signal="return"``).
+            Exception: the training exception (``FitEnded`` delivered and ``trainer.result``
+                set first); a ``"raise"`` subscriber's; a callback's ``after_fit``'s.
         """
         result = await self._fit(resume=resume, require_checkpoint=require_checkpoint)
         self._raise_interrupt(result)
         return result
 
     def _raise_interrupt(self, result: FitResult) -> None:
-        """After a graceful stop by a signal (``on_signal="raise"``): its interrupt."""
         signum = self._signals.received
         if signum is not None and self.on_signal == "raise" and result.reason != "cancelled":
             raise interrupt_for(signum, result.steps, result.last_checkpoint)
@@ -465,8 +434,7 @@ class Trainer:
         return self.result
 
     def load_weights(self, path: str | os.PathLike[str]) -> int:
-        """Load only the model weights of the checkpoint ``path`` into the Trainer's model,
-        between calls (what ``Checkpointing(load_best_at_end=True)`` has ``fit()`` do).
+        """Load only the model weights of the checkpoint ``path``, between calls.
 
         Returns:
             The step the weights are of.
@@ -482,9 +450,7 @@ class Trainer:
         return checkpoint.state.step
 
     def _load_weights_at_end(self) -> None:
-        """Load the weights an added callback asks for at the end of ``fit()``
-        (:meth:`Callback.weights_at_end`), on every rank; a file gone meanwhile is a warning,
-        the model keeping its last weights."""
+        """Load the weights the first callback asking for some wants at the end of ``fit()``."""
         asked = [(cb, p) for cb in self.callbacks if (p := cb.weights_at_end()) is not None]
         if not asked:
             return
@@ -503,7 +469,6 @@ class Trainer:
                  reason="weights_at_end")  # fmt: skip
 
     def _check_callbacks(self) -> None:
-        """Let every added callback refuse the run up front (:meth:`Callback.check`)."""
         s = self.settings
         callbacks = self.callbacks
         plan = RunPlan(
@@ -538,12 +503,12 @@ class Trainer:
             self._call = None
             end_workers(data)  # the call's persistent DataLoader workers end with it
 
+    @warns_unawaited
     async def evaluate(
         self, data: Iterable[Any] | Mapping[str, Iterable[Any]] | None = None
     ) -> dict[str, float]:
-        """Score the model once, outside ``fit()``, on the same bus and subscribers
-        (``EvaluationRoundStarted(trigger="standalone")`` ... ``EvaluationRoundEnded``; the
-        ``eval_batch`` hooks run too). A ``StopTraining`` ends it between batches.
+        """Score the model once, outside ``fit()``, on the same bus, subscribers and hooks
+        (docs/trainer.md, "Evaluate and predict outside fit()").
 
         Args:
             data: What to score, like ``eval_data``; None scores the trainer's ``eval_data``.
@@ -583,6 +548,7 @@ class Trainer:
         """
         return self._holder.call(lambda: self.evaluate(data), backend, "evaluate")
 
+    @warns_unawaited
     async def predict(
         self,
         data: Iterable[Any],
@@ -591,37 +557,28 @@ class Trainer:
         pad_value: PadValue | Mapping[str | torch.dtype, PadValue] | None = None,
         ignore_keys: Iterable[str] | None = None,
     ) -> Any:
-        """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``.
-
-        Publishes ``PredictionStarted``, one ``PredictionBatchEnded`` per batch with its
-        outputs (detached) and ``PredictionEnded``. Without ``return_outputs`` only the bus
-        holds the outputs (a slow subscriber at most its buffer of them). A ``StopTraining``
-        ends it between batches; ``eval_batch`` hooks run with ``ctx.phase == "predict"``.
-        With ``loss_fn``, ``(inputs, targets)`` batches give ``model(inputs)``; otherwise the
-        model gets the batch (a mapping as keyword arguments).
+        """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``,
+        publishing each batch's outputs (docs/trainer.md, "Evaluate and predict outside fit()"):
+        with ``loss_fn``, ``model(inputs)`` of ``(inputs, targets)`` batches, else
+        ``model(batch)`` (``model(**batch)`` for a mapping).
 
         Args:
             data: An iterable of batches.
-            return_outputs: Return the outputs concatenated along the first dimension
-                (tensors, or tuples/dicts of tensors; anything else a list per batch), tensors
-                padded at the end of each other dimension to the largest size.
-            pad_value: What pads them: None for the defaults (``-100`` for signed and floating
-                tensors, as Hugging Face; ``0`` unsigned, ``False`` bool); one number; or a
-                mapping of output keys (at any depth) and dtypes to numbers (a key wins over a
-                dtype).
-            ignore_keys: Keys of mapping outputs dropped from every batch before they are kept
-                or published, as Hugging Face's ``predict(ignore_keys=...)``; ``[]`` keeps all.
-                None: for a model with a ``config``, its ``keys_to_ignore_at_inference``, else
-                ``["cache"]`` (a causal LM's key-value cache); for any other model, none.
+            return_outputs: Return the outputs concatenated along the first dimension, padded
+                to the largest size in the others.
+            pad_value: What pads them: None (``-100``, ``0`` unsigned, ``False`` bool), one
+                number, or a mapping of output keys (at any depth) and dtypes to numbers (a
+                key wins over a dtype).
+            ignore_keys: Keys of mapping outputs dropped from every batch (Hugging Face's
+                ``predict(ignore_keys=...)``); None: for a model with a ``config``, its
+                ``keys_to_ignore_at_inference`` (else ``["cache"]``), for others none.
 
         Returns:
             The outputs when ``return_outputs``, else None. An empty ``data`` gives ``[]``.
 
         Raises:
-            ConfigError: ``data`` is not an iterable of batches; a bad ``pad_value`` (not a
-                number nor such a mapping, a key no output has, a value the dtype cannot hold).
-            TrainingError: with ``return_outputs``, outputs padding cannot join (another
-                number of dimensions or dtype than the first batch's), naming the key.
+            ConfigError: ``data`` is not an iterable of batches, or a bad ``pad_value``.
+            TrainingError: with ``return_outputs``, outputs that cannot be joined.
             Exception: whatever the model raised (``PredictionEnded.error`` carried it first).
         """
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):

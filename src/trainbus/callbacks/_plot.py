@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import threading
 from collections.abc import Mapping
@@ -96,6 +98,19 @@ def render(
         raise
 
 
+def _warm_up() -> None:
+    """Import matplotlib and load its fonts (seconds, the first time in a process), so that
+    the render at the run's end does not hold the call's end that long."""
+    with contextlib.suppress(ImportError):  # the render reports it
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(1, 1))
+        FigureCanvasAgg(fig)
+        fig.subplots().set_title("warm-up")
+        fig.savefig(io.BytesIO(), format="png")
+
+
 class CurvePlot(Callback):
     """Writes a PNG of the loss curves and validation metrics when the run ends, however it
     ended; the bus waits for the file before ``fit()`` returns. The training curve has one point
@@ -125,14 +140,19 @@ class CurvePlot(Callback):
         bus.stream(ev.MetricsLogged).subscribe(curves.add_window, name="CurvePlot.metrics_logged")
         bus.stream(ev.EvaluationEnded).subscribe(curves.add_eval, name="CurvePlot.evaluation_ended")
 
-        async def draw(snap: tuple[_Train, _Val, ev.FitEnded]) -> None:
+        async def draw(snap: tuple[_Train, _Val, ev.FitEnded] | None) -> None:
+            if snap is None:  # FitStarted: matplotlib loads while the run trains
+                await anyio.to_thread.run_sync(_warm_up)
+                return
             train, val, end = snap
             title = self.title or f"trainbus: {end.reason} at step {end.step}"
             await anyio.to_thread.run_sync(render, self.path, train, val, title)
             self.written = self.path
 
         bus.subscribe_async(
-            bus.stream(ev.FitEnded).pipe(ops.map(curves.snapshot)),
+            bus.stream(ev.FitStarted, ev.FitEnded).pipe(
+                ops.map(lambda e: curves.snapshot(e) if isinstance(e, ev.FitEnded) else None)
+            ),
             draw,
             overflow="block",
             name="CurvePlot.render",

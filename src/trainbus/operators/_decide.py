@@ -176,7 +176,8 @@ def patience(
         by = f" by more than min_delta={min_delta!r}" if min_delta else ""
         return cmd.StopTraining(
             reason=(
-                f"early stopping: {metric} did not improve{by} for {patience} evaluations "
+                f"early stopping: {metric} did not improve{by} for {patience} evaluation"
+                f"{'s' if patience > 1 else ''} "
                 f"(best {tracker.best!r}{at}; {value!r} at step {now})"
             )
         )
