@@ -63,6 +63,20 @@ T = TypeVar("T")
 P = ParamSpec("P")
 
 
+def unboxed(outcome: tuple[bool, Any]) -> Any:
+    """The value of an ``(ok, value)`` outcome carried across threads, or its exception raised
+    here, on the caller's thread. Nothing of this frame, which is in the traceback, refers
+    back to the exception (a cycle would keep the Trainer alive until a gc pass)."""
+    ok, value = outcome
+    del outcome
+    if ok:
+        return value
+    try:
+        raise value
+    finally:
+        del value
+
+
 class _Call(Coroutine[Any, Any, T]):
     """The coroutine of a trainer call, warning, when dropped without ever being awaited, that
     nothing ran and what to write instead (``fit_sync()`` from synchronous code)."""
@@ -153,13 +167,7 @@ class TrainingThread:
                 await done.wait()
         finally:
             self._token = None
-        ok, value = box.pop()
-        if ok:
-            return value  # type: ignore[no-any-return]
-        try:
-            raise value
-        finally:
-            del value  # this frame is in its traceback: nothing of it refers back
+        return unboxed(box.pop())  # type: ignore[no-any-return]
 
     def _job(
         self, work: list[Any], box: list[tuple[bool, Any]], done: anyio.Event, token: EventLoopToken

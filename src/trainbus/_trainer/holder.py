@@ -13,7 +13,7 @@ from anyio.from_thread import BlockingPortal
 
 from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
-from .calls import TrainingThread
+from .calls import TrainingThread, unboxed
 
 __all__ = ["BusHolder"]
 
@@ -32,13 +32,7 @@ async def _captured(fn: Callable[[], Awaitable[_T]]) -> tuple[bool, Any]:
 def portal_call(portal: BlockingPortal, fn: Callable[[], Awaitable[_T]]) -> _T:
     """``portal.call(fn)``, raising on the caller's thread (anyio's portal holds an exception
     in a reference cycle, which would keep the Trainer alive until a gc pass)."""
-    ok, value = portal.call(_captured, fn)
-    if ok:
-        return value  # type: ignore[no-any-return]
-    try:
-        raise value
-    finally:
-        del value  # this frame is in its traceback: nothing of it refers back
+    return unboxed(portal.call(_captured, fn))  # type: ignore[no-any-return]
 
 
 class BusHolder:
