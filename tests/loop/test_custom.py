@@ -650,3 +650,22 @@ def test_a_loss_backwarded_twice_is_told_to_call_backward_once() -> None:
     notes = "\n".join(getattr(info.value, "__notes__", []))
     assert "raised in backward at step 0" in notes
     assert "already backwarded (ctx.backward or loss.backward() twice on one loss)" in notes
+
+
+def test_a_step_with_its_own_optimizer_step_is_told_what_replaces_it() -> None:
+    """A step written as a plain PyTorch loop body (``optimizer.step()`` of its own) never
+    counts a step: the error names ``ctx.optimizer_step()`` and ``accumulate=`` as the fix."""
+
+    def own_update(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(ctx.model(ctx.batch[0]), ctx.batch[1])
+        loss.backward()
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad()
+        return loss
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
+                      max_steps=2, train_step=own_update, progress=False)  # fmt: skip
+    with pytest.raises(TrainingError, match=r"it replaces an optimizer\.step\(\) of your own, "
+                       r"and Trainer\(accumulate=n\) an accumulation of your own"):  # fmt: skip
+        trainer.fit_sync()

@@ -547,7 +547,8 @@ class StepRunner:
                 f"train_step {self.name} never called ctx.optimizer_step() in step "
                 f"{self.step + 1} (epoch {self.state.epoch}, batch {ctx.batch_index}): "
                 "call it in every step (it steps at the step's last micro-batch), or the run "
-                "never counts a step"
+                "never counts a step; it replaces an optimizer.step() of your own, and "
+                "Trainer(accumulate=n) an accumulation of your own"
             )
         if None in called:
             return
