@@ -223,11 +223,12 @@ class Lifecycle:
         async def notice() -> None:
             # Only a wait that lasts is announced, and again while it lasts.
             await anyio.sleep(min(_NOTICE_AFTER, every))
+            say = log.info  # the wait is the documented one; a wait that lasts is a warning
             while True:
                 pending = self._subscriptions.pending()
                 now = anyio.current_time()
                 if pending:
-                    log.warning(
+                    say(
                         "bus_close_waiting",
                         pending=pending,
                         close_timeout=timeout,
@@ -238,6 +239,7 @@ class Lifecycle:
                         hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
                         "as lost work; EventBus(close_timeout=...) bounds the wait",
                     )
+                    say = log.warning
                 await anyio.sleep(every)
 
         async with anyio.create_task_group() as tg:
