@@ -571,3 +571,29 @@ def test_an_unawaited_call_shows_what_to_do_in_a_notebook_cell() -> None:
         )
     finally:
         call.close()  # closed: no warning
+
+
+def test_evaluating_from_a_subscriber_during_fit_is_told_to_send_a_command() -> None:
+    """The mistake a user makes: evaluate from a subscriber while fit() runs, sync or async.
+    Each failure the bus logs names the command that does it."""
+    from structlog.testing import capture_logs
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(4),
+                      loss_fn=F.cross_entropy, eval_data=tiny_loader(2, seed=1), max_steps=4,
+                      progress=False, on_signal=None)  # fmt: skip
+    bus = trainer.bus
+
+    async def evaluate_async(_: ev.StepEnded) -> None:
+        await trainer.evaluate()
+
+    bus.subscribe(bus.stream(ev.StepEnded).pipe(ops.take(1)), lambda _: trainer.evaluate_sync())
+    bus.subscribe_async(bus.stream(ev.StepEnded).pipe(ops.take(1)), evaluate_async)
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert result.steps == 4
+    failures = [str(x) for x in logs if x["event"] == "subscriber_failed"]
+    assert len(failures) == 2, logs
+    for failure in failures:
+        assert "during fit() send a command" in failure or "during fit(), evaluate" in failure
+        assert "trainer.bus.send(commands.Evaluate())" in failure

@@ -114,8 +114,10 @@ class BusHolder:
             return portal_call(self._portal, fn)
         if self._bus.state == "running":
             raise TrainbusError(
-                f"{name}_sync(): the trainer's bus runs in an event loop already (`async with "
-                f"trainer` or `async with trainer.bus`); there, `await trainer.{name}(...)`"
+                f"{name}_sync(): the trainer's bus runs in an event loop already (a fit() "
+                "running, `async with trainer` or `async with trainer.bus`); there, `await "
+                f"trainer.{name}(...)`, and during fit() send a command instead: "
+                "trainer.bus.send(commands.Evaluate()) or SaveCheckpoint()"
             )
         self.check_open(f"{name}()")
         self._backend = backend  # close() closes the bus on the backend it ran on

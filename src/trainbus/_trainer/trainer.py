@@ -484,8 +484,10 @@ class Trainer:
 
     def _check_idle(self, call: str) -> None:
         if self._call is not None:
-            raise TrainbusError(f"{call} cannot run while {self._call}() runs on this Trainer "
-                                "(one call at a time: await it first)")  # fmt: skip
+            raise TrainbusError(
+                f"{call} cannot run while {self._call}() runs on this Trainer (one call at a "
+                f"time: await it first){_DURING_FIT if self._call == 'fit' else ''}"
+            )
 
     async def _standalone(
         self,
@@ -611,3 +613,9 @@ class Trainer:
                                                         pad_value=pad_value,
                                                         ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip
+
+
+_DURING_FIT = (
+    "; during fit(), evaluate or save with a command: trainer.bus.send(commands.Evaluate()) "
+    "or SaveCheckpoint() (await trainer.bus.request(...) from an async subscriber waits for it)"
+)
