@@ -220,7 +220,7 @@ def test_clean_can_be_deferred(tmp_path: Path) -> None:
 def test_check_checkpoint_dir_accepts_new_and_existing_folders(tmp_path: Path) -> None:
     assert check_checkpoint_dir(tmp_path) == tmp_path
     assert check_checkpoint_dir(str(tmp_path / "a" / "b")) == tmp_path / "a" / "b"
-    assert not (tmp_path / "a").exists()  # nothing created
+    assert list(tmp_path.iterdir()) == []  # nothing left behind (the probe folder removed)
 
 
 @pytest.mark.parametrize(
@@ -245,10 +245,19 @@ def test_check_checkpoint_dir_refuses_a_read_only_folder(tmp_path: Path) -> None
     ro = tmp_path / "ro"
     ro.mkdir(mode=0o500)
     try:
-        with pytest.raises(ConfigError, match="not writable"):
+        with pytest.raises(ConfigError, match="no folder can be created in"):
             check_checkpoint_dir(ro / "run")
     finally:
         ro.chmod(0o700)
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_check_checkpoint_dir_refuses_a_folder_even_root_cannot_create() -> None:
+    """``os.access`` says yes to root everywhere; /proc refuses every mkdir: found up front,
+    not as a failed save at the end of the run."""
+    with pytest.raises(ConfigError, match=r"^checkpoint_dir='/proc/trainbus-nope/runs' is "
+                       r"invalid: .*no folder can be created in /proc"):  # fmt: skip
+        check_checkpoint_dir("/proc/trainbus-nope/runs")
 
 
 def test_model_state_survives_the_store(tmp_path: Path) -> None:

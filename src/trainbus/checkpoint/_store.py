@@ -15,6 +15,7 @@ import os
 import re
 import secrets
 import shutil
+import tempfile
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,8 +79,9 @@ def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
 
 
 def check_checkpoint_dir(path: object) -> Path:
-    """Check up front that ``path`` can hold checkpoints, without creating anything: an
-    existing writable folder, or a path whose nearest existing ancestor is a writable folder.
+    """Check up front that ``path`` can hold checkpoints, leaving nothing behind: an existing
+    writable folder, or a path whose nearest existing ancestor is one (a folder is made there
+    and removed).
 
     Args:
         path: The ``checkpoint_dir`` setting.
@@ -104,11 +106,13 @@ def check_checkpoint_dir(path: object) -> Path:
             "checkpoint_dir", str(folder), f"a folder path; {probe} is a file, so no folder can "
             "be created under it",
         )  # fmt: skip
-    if not os.access(probe, os.W_OK | os.X_OK):
+    try:  # a real folder made and removed: os.access alone trusts root on /proc, say
+        os.rmdir(tempfile.mkdtemp(prefix=".trainbus-probe-", dir=probe))
+    except OSError as exc:
         raise ConfigError.invalid(
-            "checkpoint_dir", str(folder), f"a folder this process can write; {probe} is not "
-            "writable",
-        )  # fmt: skip
+            "checkpoint_dir", str(folder), f"a folder this process can write; no folder can be "
+            f"created in {probe} ({exc.strerror})",
+        ) from None  # fmt: skip
     return folder
 
 
