@@ -25,7 +25,9 @@ _T = TypeVar("_T")
 async def _captured(fn: Callable[[], Awaitable[_T]]) -> tuple[bool, Any]:
     try:
         return True, await fn()
-    except Exception as exc:  # raised again on the caller's thread (portal_call)
+    except (Exception, KeyboardInterrupt) as exc:  # raised again on the caller's thread
+        # (a second Ctrl-C's abort too: out of the portal's task it would end its event loop
+        # with an exception group printed at shutdown)
         return False, exc
 
 
