@@ -1,7 +1,5 @@
-"""The model and the data under ``torchrun``: DDP wrapping (:func:`wrap_model`; checkpoints
-save :func:`unwrap_model`'s module, the same with or without DDP) and per-rank shards
-(:func:`shard_loader`).
-"""
+"""The model and the data under ``torchrun``: DDP wrapping and per-rank shards (the rules
+are docs/distributed.md's, "What runs where")."""
 
 from __future__ import annotations
 
@@ -18,7 +16,6 @@ from .group import ProcessGroup
 
 __all__ = ["is_ray_data_shard", "release_model", "shard_loader", "unwrap_model", "wrap_model"]
 
-# What a DistributedDataParallel holds that keeps the process group (and gloo's threads) alive.
 _GROUP_HOLDERS = ("logger", "reducer", "process_group")
 
 log = get_logger(__name__)
@@ -34,15 +31,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` on the group's device, or ``model`` when it is
-    already wrapped or the group is a single process.
-
-    Args:
-        model: The model, already on ``group.device``.
-        group: The process group.
-
-    Returns:
-        The module the loop trains.
-    """
+    already wrapped or the group is a single process."""
     if not group.distributed or isinstance(model, DistributedDataParallel):
         return model
     device_ids = [group.device] if group.device.type == "cuda" else None
@@ -50,14 +39,9 @@ def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
 
 
 def release_model(model: torch.nn.Module) -> None:
-    """Let go of the process group a ``DistributedDataParallel`` made by :func:`wrap_model`
-    holds (its reducer, logger and group), after the ranks' last barrier: left to interpreter
-    exit, gloo's threads can abort the finished process (SIGABRT). The wrapper cannot train
-    afterwards; ``model.module`` is untouched.
-
-    Args:
-        model: The module :func:`wrap_model` returned (anything else is left alone).
-    """
+    """After the ranks' last barrier, drop what a ``DistributedDataParallel`` holds of the
+    process group (left to interpreter exit, gloo's threads can abort the process); the
+    wrapper cannot train afterwards, ``model.module`` is untouched."""
     if not isinstance(model, DistributedDataParallel):
         return
     for name in _GROUP_HOLDERS:
@@ -66,31 +50,15 @@ def release_model(model: torch.nn.Module) -> None:
 
 
 def is_ray_data_shard(data: object) -> bool:
-    """Whether ``data`` is a Ray Data iterable (a ``DataIterator`` from
-    ``ray.train.get_dataset_shard(name)``, or what its ``iter_torch_batches()`` /
-    ``iter_batches()`` return): Ray Data already gives each worker its own shard. Told by the
-    type's module (``ray.data...``), so Ray is never imported here."""
+    """Whether ``data`` is a Ray Data iterable (each worker's own shard already), told by its
+    type's module so that Ray is never imported here."""
     module = type(data).__module__
     return module == "ray.data" or module.startswith("ray.data.")
 
 
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:
-    """Each rank's shard of ``data``.
-
-    A map-style ``DataLoader`` is rebuilt around a seeded ``DistributedSampler`` (shuffling when
-    its sampler was a ``RandomSampler`` and ``train``); an iterable, a list of batches or a custom
-    batch sampler is returned unchanged with a ``data_not_sharded`` warning (every rank reads all
-    of it); a Ray Data shard is returned unchanged (it is this rank's part already).
-
-    Args:
-        data: The training or evaluation data.
-        group: The process group.
-        seed: The sampler's seed (the same on every rank, so the shards partition the data).
-        train: Training data (shuffling kept) or evaluation data (never shuffled).
-
-    Returns:
-        The data this rank iterates.
-    """
+    """This rank's shard of ``data`` (training data keeps its shuffling, evaluation data is
+    never shuffled; ``seed`` is the same on every rank)."""
     if not group.distributed:
         return data
     if is_ray_data_shard(data):

@@ -18,18 +18,8 @@ __all__ = ["check_ddp", "check_mesh"]
 
 
 def check_ddp(ddp: object, model: torch.nn.Module) -> bool:
-    """Resolve ``Trainer(ddp=...)`` for ``model``.
-
-    Args:
-        ddp: None (the default: DDP unless the model is sharded), True or False.
-        model: The model the run trains.
-
-    Returns:
-        Whether the run wraps the model in ``DistributedDataParallel`` (with several ranks).
-
-    Raises:
-        ConfigError: ``ddp`` is not None/True/False, or True for a sharded model.
-    """
+    """Whether the run wraps ``model`` in DDP, from ``Trainer(ddp=...)`` (None: unless it is
+    sharded); ``ConfigError`` for another value, or True for a sharded model."""
     if ddp is not None and not isinstance(ddp, bool):
         raise ConfigError.invalid("ddp", ddp, "None (DDP unless the model is sharded with "
                                   "fully_shard), True or False")  # fmt: skip
@@ -44,15 +34,8 @@ def check_ddp(ddp: object, model: torch.nn.Module) -> bool:
 
 
 def check_mesh(model: torch.nn.Module, world_size: int) -> None:
-    """Refuse a sharded model whose device mesh does not span the process group.
-
-    Args:
-        model: The model the run trains (nothing is checked when it is not sharded).
-        world_size: Ranks in the process group.
-
-    Raises:
-        ConfigError: naming the mesh's size and the world size.
-    """
+    """``ConfigError`` naming both sizes when a sharded model's device mesh does not span the
+    ``world_size`` ranks."""
     for name, param in model.named_parameters():
         if not is_dtensor(param):
             continue

@@ -275,8 +275,7 @@ class RayDriver:
             for link_id, line in hellos:
                 reply = link.greet(line, f"ray worker {link_id}")
                 self._actor.answer.remote(link_id, reply or b"")
-            while link.backlogged():  # noqa: ASYNC110  (the bus has no "room" event)
-                await anyio.sleep(0.01)
+            await link.wait_room()
 
     async def send(self, data: bytes) -> None:
         """Queue command lines for the linked worker (a non-waiting call)."""
