@@ -9,10 +9,10 @@ from ._data_order import EpochSampler as EpochSampler
 from ._data_order import capture_data_order as capture_data_order
 from ._data_order import replay_epoch as replay_epoch
 from ._data_order import set_sampler_epoch as set_sampler_epoch
-from ._export import export_full as export_full
 from ._reading import read_folder as read_folder
 from ._rng import capture_rng as capture_rng
 from ._rng import restore_rng as restore_rng
+from ._sharded import export_full as export_full
 from ._sharded import load_sharded as load_sharded
 from ._sharded import save_sharded as save_sharded
 from ._state import FORMAT_VERSION as FORMAT_VERSION

@@ -32,8 +32,7 @@ _METADATA = ".metadata"
 
 
 def one_line_reason(exc: BaseException) -> str:
-    """An exception in one line: torch.load's refusals are a page of advice around one line
-    of diagnosis (``WeightsUnpickler error: ...``)."""
+    """An exception in one line (torch.load's refusals are a page around one line)."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     for i, line in enumerate(lines):
         if "WeightsUnpickler error" in line:
@@ -48,12 +47,7 @@ def _refuse(path: Path, what: str, cause: BaseException | None = None) -> Checkp
 
 
 def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
-    """Read and check one checkpoint file, as :func:`trainbus.checkpoint.read_checkpoint` does
-    for a file (its docstring says what is refused); nothing is applied to a model yet.
-
-    Raises:
-        CheckpointError: naming the file; the low-level error is the ``__cause__``.
-    """
+    """:func:`~trainbus.checkpoint.read_checkpoint` of a file."""
     p = path
     if not p.is_file():
         raise _refuse(p, "no such file")
@@ -85,7 +79,7 @@ def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
 
 
 def rank_file(rank: int) -> str:
-    """The name of rank ``rank``'s own file in a checkpoint folder (``rank-<r>.pt``)."""
+    """Rank ``rank``'s own file in a checkpoint folder."""
     return f"rank-{rank}.pt"
 
 
@@ -152,11 +146,8 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
 
 
 def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
-    """Rank ``rank``'s RNG states and data order from a checkpoint folder.
-
-    Raises:
-        CheckpointError: the file is missing, damaged or not what trainbus writes.
-    """
+    """Rank ``rank``'s RNG states and data order; ``CheckpointError`` when it is missing,
+    damaged or foreign."""
     path = folder / rank_file(rank)
     try:
         saved = torch.load(path, map_location="cpu", weights_only=True)

@@ -136,12 +136,8 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
 
 
 def save_synced(obj: Any, file: Any) -> None:
-    """``torch.save`` ``obj`` into the open binary ``file``, then flush and fsync it.
-
-    Raises:
-        OSError: the disk refused a write (its own error, not torch's errno-less
-            ``RuntimeError``).
-    """
+    """``torch.save`` into the open ``file``, flushed and fsynced; a refused write raises its
+    ``OSError`` (not torch's errno-less ``RuntimeError``)."""
     sink = _Sink(file)
     try:
         torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
@@ -156,15 +152,13 @@ def save_synced(obj: Any, file: Any) -> None:
 
 
 def temp_name(name: str) -> str:
-    """A hidden temp name for writing ``name``: its writer's pid, so that
-    :meth:`CheckpointStore.clean_stale` can tell when the writer is gone."""
+    """A hidden temp name for writing ``name``, holding the writer's pid."""
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
 
 
 def write_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically: into a temp file beside it (named so
-    :meth:`CheckpointStore.clean_stale` knows a killed writer's), fsynced, renamed over ``path``,
-    the folder fsynced. Raises the ``OSError`` of a refused write (the temp file removed)."""
+    """``torch.save`` ``obj`` to ``path`` atomically (the module docstring's write); a refused
+    write's ``OSError``, the temp file removed."""
     tmp_name = temp_name(path.name)
     tmp = path.with_name(tmp_name)
     with _in_flight_lock:
@@ -188,8 +182,7 @@ def write_atomic(obj: Any, path: Path) -> None:
 
 
 class _Sink:
-    """The file ``torch.save`` writes to, remembering the ``OSError`` a write raised (torch
-    reports it as a ``RuntimeError`` without the errno)."""
+    """``torch.save``'s file, remembering the ``OSError`` a write raised."""
 
     __slots__ = ("_file", "error")
 
@@ -354,18 +347,9 @@ class CheckpointStore:
         found.sort(key=lambda t: (t[0], t[1]), reverse=True)
         return [p for _, _, p in found]
 
-    def load_latest(self, *, map_location: Any = "cpu") -> Checkpoint | None:
+    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
         """Read the newest valid checkpoint, skipping the others (each logged as
         ``checkpoint_skipped`` with its reason, never deleted).
-
-        Returns:
-            The newest valid checkpoint, or None when the folder holds none.
-        """
-        return self.find_latest(map_location=map_location).checkpoint
-
-    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
-        """:meth:`load_latest`, also reporting what the folder held (what a resume says when it
-        finds nothing to load).
 
         Returns:
             The scan: the newest valid checkpoint (or None), the files skipped and why, and what
@@ -387,8 +371,8 @@ class CheckpointStore:
                           others=tuple(o for o in others if o not in dict(skipped)))  # fmt: skip
 
     def latest_valid(self) -> Path | None:
-        """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""
-        found = self.load_latest()
+        """Path of the newest valid checkpoint (see :meth:`find_latest`), or None."""
+        found = self.find_latest().checkpoint
         return None if found is None else found.path
 
 
