@@ -307,24 +307,21 @@ class AttachServer:
         def left() -> None:
             self._left(link)
 
-        link = WorkerLink.accepted(transport, self._token, wanted, timeout=5.0, source=source,
-                                   on_end=left)  # fmt: skip
+        link = WorkerLink(
+            transport, self._token, timeout=5.0, source=source, on_end=left, wanted=wanted
+        )
         try:
             conn.settimeout(None)
             with contextlib.suppress(OSError, AttributeError):  # a platform without it
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", _SEND_TIMEOUT_S, 0))  # fmt: skip
             conn.sendall(control_record("welcome", events=[t.__name__ for t in wanted],
-                                        pid=os.getpid(), rank=self._bus_rank(),
+                                        pid=os.getpid(), rank=0,
                                         folder=str(self.folder)))  # fmt: skip
             anyio.from_thread.run_sync(self._admit, link, token=self._loop)
         except (OSError, RuntimeError) as exc:  # the peer left, or the run's loop is gone
             log.debug("attach_not_admitted", source=source, error=repr(exc))
             transport.close(b"")
-
-    def _bus_rank(self) -> int:
-        rank = getattr(self._bus, "rank", 0)
-        return rank if isinstance(rank, int) else 0
 
     def _admit(self, link: WorkerLink) -> None:
         """On the event-loop thread: subscribe the attachment."""

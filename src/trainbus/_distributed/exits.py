@@ -35,15 +35,8 @@ _SIGNALS = {s.value: s.name for s in signal.Signals}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExit:
-    """One failed rank, as torchrun reported it.
-
-    Attributes:
-        rank: The global rank.
-        local_rank: Its rank on its machine.
-        exitcode: Its exit status; negative: killed by that signal (``-9``: SIGKILL).
-        root_cause: True for the first failure (torchrun's ``Root Cause``), False for a rank
-            torchrun stopped because another failed.
-    """
+    """One failed rank, as torchrun reported it (a negative ``exitcode``: killed by that
+    signal; ``root_cause``: the first failure, not a rank torchrun stopped)."""
 
     rank: int
     local_rank: int
@@ -92,8 +85,7 @@ class RankExits:
 
     @property
     def root_cause(self) -> RankExit | None:
-        """The first failure: torchrun's ``Root Cause`` block, else the only block; None when
-        torchrun reported none (or several without naming the first)."""
+        """torchrun's ``Root Cause`` block, else the only block, else None."""
         roots = [e for e in self._exits if e.root_cause]
         if roots:
             return roots[-1]

@@ -123,6 +123,8 @@ class WorkerLink:
         timeout: Seconds for the handshake, and for :meth:`close` to flush and join.
         source: Who the peer is, logged with each command it sends (None: a driver, not logged).
         on_end: Called once from the reader thread when the peer closed the link.
+        wanted: The event types to stream when the listening side did the handshake (an
+            accepted attachment); None: :meth:`start` connects first.
 
     Raises:
         ConfigError: a malformed address, an empty token, a bad timeout.
@@ -136,6 +138,7 @@ class WorkerLink:
         timeout: float = 10.0,
         source: str | None = None,
         on_end: Callable[[], object] | None = None,
+        wanted: tuple[type[ev.BaseEvent], ...] | None = None,
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         if isinstance(transport, str):
@@ -144,9 +147,9 @@ class WorkerLink:
             raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
         self.transport = transport
         self._token = token
-        self._open = False
+        self._open = wanted is not None
         self._closed = False
-        self._wanted: tuple[type[ev.BaseEvent], ...] = ()
+        self._wanted: tuple[type[ev.BaseEvent], ...] = tuple(wanted or ())
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._subscription: Any = None
@@ -157,20 +160,6 @@ class WorkerLink:
         self._broken = False
         self.source = source
         self._on_end = on_end
-
-    @classmethod
-    def accepted(
-        cls,
-        transport: WorkerTransport,
-        token: str,
-        wanted: tuple[type[ev.BaseEvent], ...],
-        **kw: Any,
-    ) -> WorkerLink:
-        """A link whose handshake the listening side did: :meth:`start` streams ``wanted``."""
-        link = cls(transport, token, **kw)
-        link._wanted = tuple(wanted)
-        link._open = True
-        return link
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:

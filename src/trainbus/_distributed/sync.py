@@ -84,17 +84,9 @@ def add_totals(
 
 
 class RankSync:
-    """The collectives of one process group; on a single process nothing is communicated.
-    Each method is a collective: every rank calls it at the same point.
-
-    Args:
-        group: The :class:`ProcessGroup`.
-        capacity: Bytes per rank in the first all-gather of a command exchange (header
-            included): more commands cost a second all-gather of the needed size.
-
-    Raises:
-        ConfigError: ``capacity`` is not an integer >= 64.
-    """
+    """The collectives of one process group (each called by every rank at the same point;
+    nothing communicated on a single process). ``capacity``: bytes per rank in the first
+    all-gather of a command exchange (``ConfigError`` below 64)."""
 
     def __init__(self, group: ProcessGroup, *, capacity: int = 512) -> None:
         self.group = group
@@ -123,12 +115,8 @@ class RankSync:
 
     # ------------------------------------------------------------------ commands
     def agree(self, local: Sequence[cmd.Command]) -> list[cmd.Command]:
-        """The merged commands every rank applies, given this rank's pending ones.
-
-        Raises:
-            DistributedError: a rank sent something that is not a command record.
-            ConfigError: a rank sent a command its class refuses.
-        """
+        """The merged commands every rank applies, given this rank's pending ones
+        (``DistributedError``: a rank sent no command record)."""
         mine = list(local)
         if not self.group.distributed:
             return merge([mine])
@@ -141,11 +129,7 @@ class RankSync:
         return merge(per_rank)
 
     def gather_json(self, value: Any) -> list[Any]:
-        """Every rank's ``value`` (plain JSON data), in rank order.
-
-        Raises:
-            DistributedError: a rank sent something that is not JSON.
-        """
+        """Every rank's ``value`` (plain JSON data), in rank order."""
         payload = json.dumps(value, separators=(",", ":")).encode()
         if not self.group.distributed:
             return [value]
@@ -197,13 +181,8 @@ class RankSync:
     def reduce_metrics_flags(
         self, metrics: Mapping[str, float], flags: Sequence[bool]
     ) -> tuple[dict[str, float], list[bool]]:
-        """:meth:`reduce_metrics` with ``flags`` (the same number on every rank) in the same
-        all-reduce: flag ``i`` comes back True when some rank's flag ``i`` was True.
-
-        Raises:
-            DistributedError: the ranks passed different metric names.
-            ConfigError: a metric value is not a number.
-        """
+        """:meth:`reduce_metrics` with ``flags`` in the same all-reduce: flag ``i`` comes back
+        True when some rank's was (``DistributedError``: the ranks' metric names differ)."""
         names = sorted(metrics)
         try:
             values = [float(metrics[k]) for k in names]

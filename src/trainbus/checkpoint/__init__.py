@@ -9,7 +9,6 @@ from ._data_order import EpochSampler as EpochSampler
 from ._data_order import capture_data_order as capture_data_order
 from ._data_order import replay_epoch as replay_epoch
 from ._data_order import set_sampler_epoch as set_sampler_epoch
-from ._reading import read_folder as read_folder
 from ._rng import capture_rng as capture_rng
 from ._rng import restore_rng as restore_rng
 from ._sharded import export_full as export_full
@@ -24,6 +23,7 @@ from ._store import check_checkpoint_dir as check_checkpoint_dir
 from ._store import latest_checkpoint as latest_checkpoint
 from ._store import load_checkpoint as load_checkpoint
 from ._store import read_checkpoint as read_checkpoint
+from ._store import read_folder as read_folder
 from ._store import save_checkpoint as save_checkpoint
 
 __all__ = [

@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -20,22 +20,41 @@ import torch.distributed as dist
 from .._durable import fsync_file, fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ._reading import STATE_FILE, one_line_reason, rank_file, read_folder, read_rank_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
-from ._store import CheckpointStore, folder_name, temp_name, write_atomic
+from ._store import (
+    STATE_FILE,
+    CheckpointStore,
+    folder_name,
+    one_line_reason,
+    rank_file,
+    read_folder,
+    read_rank_file,
+    temp_name,
+    write_atomic,
+)
 
 __all__ = ["export_full", "folder_name", "load_sharded", "save_sharded"]
 
 log = get_logger(__name__)
 
 _PREFIX = "model."  # the model entries of a DCP index
+T = TypeVar("T")
 
 
 def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _gather(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (a collective)."""
+    _, world = rank_and_world()
+    out = [value] * world
+    if world > 1:
+        dist.all_gather_object(out, value)
+    return out
 
 
 class RankFailure(NamedTuple):
@@ -49,26 +68,12 @@ class RankFailure(NamedTuple):
 
 def gather_errors(error: BaseException | None) -> list[RankFailure]:
     """A collective: every rank's failure, given this rank's error (or None)."""
-    rank, world = rank_and_world()
     mine: tuple[str, int | None, str | None] | None = None
     if isinstance(error, CheckpointWriteError):
         mine = (f"{type(error).__name__}: {error}", error.errno, error.strerror)
     elif error is not None:
         mine = (f"{type(error).__name__}: {error}", None, None)
-    if world == 1:
-        return [] if mine is None else [RankFailure(rank, *mine)]
-    found: list[tuple[str, int | None, str | None] | None] = [None] * world
-    dist.all_gather_object(found, mine)
-    return [RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
-
-
-def _broadcast(value: str) -> str:
-    _, world = rank_and_world()
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    return [RankFailure(r, *f) for r, f in enumerate(_gather(mine)) if f is not None]
 
 
 def _torch_save(obj: object, path: Path) -> None:
@@ -142,7 +147,7 @@ def save_sharded(
     except BaseException as exc:  # raised below on this rank, after the others heard of it
         error = exc
     _raise_agreed(error, gather_errors(error), final, None)
-    tmp = directory / _broadcast(tmp_name)
+    tmp = directory / _gather(tmp_name)[0]  # rank 0's
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -204,11 +209,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _agree_path(path: str) -> None:
     """Every rank resumes the same checkpoint (a collective)."""
-    _, world = rank_and_world()
-    if world == 1:
-        return
-    paths: list[str | None] = [None] * world
-    dist.all_gather_object(paths, path)
+    paths = _gather(path)
     if len(set(paths)) > 1:
         raise CheckpointError("the ranks found different checkpoints to resume ("
                               + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))

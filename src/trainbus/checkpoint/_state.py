@@ -239,16 +239,8 @@ def run_metadata(
 
 
 def check_plain(value: object, where: str) -> None:
-    """Refuse anything ``torch.load(weights_only=True)`` could not load back.
-
-    Args:
-        value: A state to be saved.
-        where: Its name in the error message, e.g. ``"callback_states['EarlyStopping']"``.
-
-    Raises:
-        ConfigError: ``value`` holds something other than tensors, dict/list/tuple and
-            int/float/str/bool/None (dict keys must be str or int).
-    """
+    """``ConfigError`` naming where in ``value`` (a state to save, called ``where``) something
+    is that ``torch.load(weights_only=True)`` could not load back."""
     stack: list[tuple[object, str]] = [(value, where)]
     while stack:
         item, at = stack.pop()
