@@ -1,5 +1,9 @@
-"""The model and the data under ``torchrun``: DDP wrapping and per-rank shards (the rules
-are docs/distributed.md's, "What runs where")."""
+"""The model and the data under ``torchrun``: DDP wrapping, the checks of a sharded (FSDP2)
+model, and per-rank shards (the rules are docs/distributed.md's, "What runs where" and FSDP2).
+
+A ``fully_shard`` model reduces its own gradients and is never wrapped in DDP (which cannot
+flatten its DTensor parameters); its mesh spans every rank, as the run's collectives do.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +14,21 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from .._exceptions import ConfigError
 from .._loaders import with_sampler
 from .._log import get_logger
+from .._tensors import is_dtensor, is_sharded_model
 from .group import ProcessGroup
 
-__all__ = ["is_ray_data_shard", "release_model", "shard_loader", "unwrap_model", "wrap_model"]
+__all__ = [
+    "check_ddp",
+    "check_mesh",
+    "is_ray_data_shard",
+    "release_model",
+    "shard_loader",
+    "unwrap_model",
+    "wrap_model",
+]
 
 _GROUP_HOLDERS = ("logger", "reducer", "process_group")
 
@@ -36,6 +50,37 @@ def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
         return model
     device_ids = [group.device] if group.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def check_ddp(ddp: object, model: torch.nn.Module) -> bool:
+    """Whether the run wraps ``model`` in DDP, from ``Trainer(ddp=...)`` (None: unless it is
+    sharded); ``ConfigError`` for another value, or True for a sharded model."""
+    if ddp is not None and not isinstance(ddp, bool):
+        raise ConfigError.invalid("ddp", ddp, "None (DDP unless the model is sharded with "
+                                  "fully_shard), True or False")  # fmt: skip
+    sharded = is_sharded_model(model)
+    if ddp is True and sharded:
+        raise ConfigError.invalid(
+            "ddp", True, "None (the default) or False for a model sharded with fully_shard: "
+            "FSDP2 reduces its own gradients, and DistributedDataParallel cannot wrap its "
+            "DTensor parameters",
+        )  # fmt: skip
+    return not sharded if ddp is None else ddp
+
+
+def check_mesh(model: torch.nn.Module, world_size: int) -> None:
+    """``ConfigError`` naming both sizes when a sharded model's device mesh does not span the
+    ``world_size`` ranks."""
+    for name, param in model.named_parameters():
+        if not is_dtensor(param):
+            continue
+        size = int(param.device_mesh.size())  # type: ignore[attr-defined]
+        if size != world_size:
+            raise ConfigError.invalid(
+                "model", f"parameter {name!r} sharded over a device mesh of {size} rank(s)",
+                f"a mesh over all {world_size} ranks of the process group "
+                f"(init_device_mesh(device_type, ({world_size},)) or fully_shard's default)",
+            )  # fmt: skip
 
 
 def release_model(model: torch.nn.Module) -> None:
