@@ -213,22 +213,18 @@ class ProcessGroup:
             del world
             dist.destroy_process_group()
             log.debug("process_group_destroyed", rank=self.rank, world_size=self.world_size)
-            if held is not None:
-                self._check_released(held)
-
-    def _check_released(self, held: weakref.ref[dist.ProcessGroup]) -> None:
-        if held() is None:
-            return
-        gc.collect()  # only here, where something held it: a reference cycle may be all it is
-        if held() is None:
-            return
-        log.warning("process_group_outlives_destroy", rank=self.rank,
-                    reason="something still holds the destroyed default process group (a "
-                    "DistributedDataParallel model of your own, or torch.distributed.nn."
-                    "functional first imported after init_process_group); its gloo threads "
-                    "run on into interpreter exit, where they can abort the process "
-                    "(SIGABRT): drop the holder, or import trainbus before "
-                    "init_process_group")  # fmt: skip
+            if held is not None and held() is not None:
+                gc.collect()  # only where something held it: a reference cycle may be all it is
+                if held() is not None:
+                    log.warning(
+                        "process_group_outlives_destroy", rank=self.rank,
+                        reason="something still holds the destroyed default process group (a "
+                        "DistributedDataParallel model of your own, or torch.distributed.nn."
+                        "functional first imported after init_process_group); its gloo threads "
+                        "run on into interpreter exit, where they can abort the process "
+                        "(SIGABRT): drop the holder, or import trainbus before "
+                        "init_process_group",
+                    )  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup rank={self.rank} world_size={self.world_size} "

@@ -50,7 +50,6 @@ __all__ = [
     "read_folder",
     "read_rank_file",
     "save_checkpoint",
-    "save_synced",
     "temp_name",
     "write_atomic",
 ]
@@ -278,22 +277,6 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     return read_file(p, map_location=map_location)
 
 
-def save_synced(obj: Any, file: Any) -> None:
-    """``torch.save`` into the open ``file``, flushed and fsynced; a refused write raises its
-    ``OSError`` (not torch's errno-less ``RuntimeError``)."""
-    sink = _Sink(file)
-    try:
-        torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
-    except OSError:
-        raise
-    except Exception as exc:
-        if sink.error is not None:
-            raise sink.error from exc
-        raise
-    file.flush()
-    os.fsync(file.fileno())
-
-
 def temp_name(name: str) -> str:
     """A hidden temp name for writing ``name``, holding the writer's pid."""
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
@@ -312,7 +295,15 @@ def write_atomic(obj: Any, path: Path) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                      0o666)  # fmt: skip
         with os.fdopen(fd, "wb") as f:
-            save_synced(obj, f)
+            sink = _Sink(f)
+            try:
+                torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
+            except Exception as exc:  # torch reports a refused write without its errno
+                if sink.error is None or isinstance(exc, OSError):
+                    raise
+                raise sink.error from exc
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # also NotADirectoryError: a path under a file
