@@ -105,15 +105,11 @@ def save_sharded(
     """Write a sharded checkpoint folder ``directory / name`` atomically; every rank calls it.
 
     Args:
-        directory: The checkpoint folder (created on the first save).
         name: The checkpoint's folder name (``step-<n>[-<tag>]``).
-        state: Where the loop is.
         model, optimizer: The sharded model and its optimizer (saved through DCP).
-        scheduler, scaler: Saved through their ``state_dict()`` by rank 0 (None: absent).
-        metrics: The last evaluation's metrics.
         data_order: This rank's :func:`~trainbus.checkpoint.capture_data_order`.
-        callback_states: ``{name: state dict}`` (rank 0's are written).
-        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
+        directory, state, scheduler, scaler, metrics, callback_states, run: As for
+            :func:`~trainbus.checkpoint.save_checkpoint` (rank 0's written).
 
     Returns:
         The folder's path, the same on every rank; complete when this returns.

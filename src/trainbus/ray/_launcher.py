@@ -101,18 +101,8 @@ class RayLauncher(DriverBase):
         scaling_config: A ``ray.train.ScalingConfig`` (workers, resources).
         run_config: A ``ray.train.RunConfig``, or None.
         train_loop_config: The dict ``train_fn`` receives, or None (an empty one).
-        setup: A function of the bus, called once before the launch.
-        callbacks: Callbacks set up on the driver's bus (instances or classes; no hooks).
-        bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
-        keep_events: How many of the last events the result or error carries.
-        stop_timeout: Seconds between the graceful stop of a Ctrl-C (or of a driver
-            subscriber failing the run) and killing the workers.
-        on_signal: As the Trainer's: the first SIGINT/SIGTERM stops the workers gracefully, a
-            second kills them; then ``"return"`` returns with ``signal`` set, ``"raise"``
-            raises ``KeyboardInterrupt`` (``SystemExit(143)`` for SIGTERM); None: no handler.
-
-    Attributes:
-        bus: The driver's bus, where the subscribers run.
+        setup, callbacks, bus, keep_events, stop_timeout, on_signal: As
+            :class:`~trainbus.Launcher`'s (a second signal kills the workers).
 
     Raises:
         MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
