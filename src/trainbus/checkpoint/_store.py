@@ -132,42 +132,39 @@ def one_line_reason(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
-def _refuse(path: Path, what: str, cause: BaseException | None = None) -> CheckpointError:
-    error = CheckpointError(what, path=str(path))
-    error.__cause__ = cause
-    return error
-
-
 def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
     """:func:`~trainbus.checkpoint.read_checkpoint` of a file."""
-    p = path
-    if not p.is_file():
-        raise _refuse(p, "no such file")
-    if p.stat().st_size == 0:
-        raise _refuse(p, "empty file (0 bytes): a write that never completed")
+    where = str(path)
+    if not path.is_file():
+        raise CheckpointError("no such file", path=where)
+    if path.stat().st_size == 0:
+        raise CheckpointError("empty file (0 bytes): a write that never completed", path=where)
     # A damaged zip raises many kinds (BadZipFile, EOFError, struct.error, zlib.error...).
     try:
-        with zipfile.ZipFile(p) as z:
+        with zipfile.ZipFile(path) as z:
             bad = z.testzip()
     except MemoryError:
         raise
     except Exception as exc:
-        raise _refuse(p, f"not a complete checkpoint archive (truncated or not a torch "
-                         f"file): {exc}", exc) from exc  # fmt: skip
+        raise CheckpointError(f"not a complete checkpoint archive (truncated or not a torch "
+                              f"file): {exc}", path=where) from exc  # fmt: skip
     if bad is not None:
-        raise _refuse(p, f"corrupt: the archive member {bad!r} fails its CRC check")
+        raise CheckpointError(
+            f"corrupt: the archive member {bad!r} fails its CRC check", path=where
+        )
     try:
-        payload = torch.load(p, map_location=map_location, weights_only=True)
+        payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         what = ("refused by safe loading (weights_only=True): it holds objects other than "
                 "tensors and plain containers, so it is not a trainbus checkpoint and may be "
                 f"crafted to run code ({one_line_reason(exc)})")  # fmt: skip
-        raise _refuse(p, what, exc) from exc
+        raise CheckpointError(what, path=where) from exc
     except MemoryError:
         raise
     except Exception as exc:
-        raise _refuse(p, f"torch.load cannot read it: {one_line_reason(exc)}", exc) from exc
-    return parse_payload(payload, p)
+        why = one_line_reason(exc)
+        raise CheckpointError(f"torch.load cannot read it: {why}", path=where) from exc
+    return parse_payload(payload, path)
 
 
 def rank_file(rank: int) -> str:
