@@ -230,7 +230,6 @@ def run_metadata(
         "trainbus_version": _trainbus_version(),
         "torch_version": str(torch.__version__),
         "world_size": int(world_size),
-        # The original module's names: a torch.compile'd model's are the same.
         "param_shapes": {
             n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
         },
