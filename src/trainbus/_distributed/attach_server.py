@@ -99,7 +99,7 @@ def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None)
 
 
 class _Unavailable(Exception):
-    """The run cannot listen in its folder (the reason is the message)."""
+    """The run cannot listen in its folder: the message says why."""
 
 
 class AttachServer:

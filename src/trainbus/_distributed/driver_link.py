@@ -30,9 +30,7 @@ STREAM_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceErro
 ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
                     ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
                     ev.CommandApplied})  # fmt: skip
-"""Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
-report names. Every other type only when a driver subscriber wants it (the loop never builds
-unwanted ones)."""
+"""Streamed even with no driver subscriber for them: cheap, and what a failure report names."""
 
 
 def wanted_names(bus: DriverBus, extra: Iterable[type[ev.BaseEvent]] = ()) -> list[str]:

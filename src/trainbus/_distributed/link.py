@@ -1,8 +1,5 @@
-"""The link between rank 0 and a driver: the protocol, apart from what carries it.
-
-A driver (``trainbus launch``, or :mod:`trainbus.ray`) runs the user's subscribers; rank 0's
-bus streams its events there and receives the driver's commands, over any transport (the
-loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
+"""The link between rank 0 and a driver (``trainbus launch``, :mod:`trainbus.ray`), whatever
+transport carries it::
 
     worker (rank 0)                                     driver
     hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
@@ -11,10 +8,9 @@ loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
                                     ◄───────────────    commands (trainbus._wire records)
     bye {sent}                      ───────────────►    the link ended
 
-JSON lines only, never pickles. :class:`WorkerLink` is the worker's end: a sender thread
-encodes and batches events (a tensor read waits for the device: never on the training thread
-or the event loop), a reader thread feeds commands to ``bus.send``. The driver's end is
-:class:`~trainbus._distributed.driver_link.DriverLink`.
+JSON lines only, never pickles. :class:`WorkerLink` is the worker's end; its sender thread
+encodes events (a tensor read waits for the device: never on the training thread or the event
+loop). The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations

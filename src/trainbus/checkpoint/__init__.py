@@ -1,8 +1,4 @@
-"""Checkpoints: safe files (atomic, validated, ``weights_only``) and what they hold.
-
-Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions``,
-``_validate``, ``events``) only, never the bus, the loop or the trainer.
-"""
+"""Checkpoints: safe files (atomic, validated, ``weights_only``) and what they hold."""
 
 from .._exceptions import CheckpointWriteError as CheckpointWriteError
 from ._data_order import EpochSampler as EpochSampler
