@@ -15,7 +15,7 @@ the same order, so the collectives pair up) and reported as the median µs per c
 - ``exchange([StopTraining])``: a sync point where rank 0 has a command (same collective, plus
   JSON encode/decode).
 - ``all_gather uint8[8]``: the bare collective of a few bytes, for scale.
-- ``all_gather uint8[512]``: the bare collective ``exchange`` runs (its default capacity).
+- ``all_gather uint8[512]``: the bare collective ``agree`` runs (its default capacity).
 - ``broadcast int64[1]``: the per-step broadcast a naive protocol would pay every step.
 
 Writes ``benchmarks/results/agreement.json``.
@@ -35,8 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from trainbus import commands as cmd
-from trainbus._distributed.agreement import CommandAgreement
 from trainbus._distributed.group import ProcessGroup
+from trainbus._distributed.sync import RankSync
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=2000)
     args = parser.parse_args()
     group = ProcessGroup.from_env(timeout=60)
-    agreement = CommandAgreement(group)
+    agreement = RankSync(group)
     stop = [cmd.StopTraining(reason="bench")] if group.rank == 0 else []
     few = torch.zeros(8, dtype=torch.uint8)
     rows = [torch.empty_like(few) for _ in range(group.world_size)]
@@ -57,8 +57,8 @@ def main() -> None:
     variants = {
         "all_reduce float64[4]": lambda: dist.all_reduce(window),
         "reduce_metrics_flags": lambda: agreement.reduce_metrics_flags(metrics, (False,)),
-        "exchange([])": lambda: agreement.exchange([]),
-        "exchange([StopTraining])": lambda: agreement.exchange(stop),
+        "exchange([])": lambda: agreement.agree([]),
+        "exchange([StopTraining])": lambda: agreement.agree(stop),
         "all_gather uint8[8]": lambda: dist.all_gather(rows, few),
         "all_gather uint8[512]": lambda: dist.all_gather(rows512, buf512),
         "broadcast int64[1]": lambda: dist.broadcast(word, 0),

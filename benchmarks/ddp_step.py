@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import interleaved_rounds, load_average, median, write_json
 
 from trainbus import Trainer
-from trainbus._distributed.agreement import CommandAgreement
 from trainbus._distributed.group import ProcessGroup
+from trainbus._distributed.sync import RankSync
 
 LOG_EVERY = 50
 
@@ -60,7 +60,7 @@ def build(kind: str) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Te
     return torch.nn.Sequential(*layers), batches
 
 
-def plain(kind: str, steps: int, agreement: CommandAgreement | None) -> float:
+def plain(kind: str, steps: int, agreement: RankSync | None) -> float:
     model, batches = build(kind)
     ddp = DistributedDataParallel(model)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
@@ -75,7 +75,7 @@ def plain(kind: str, steps: int, agreement: CommandAgreement | None) -> float:
         if agreement is not None and i % LOG_EVERY == 0:
             _, (pending,) = agreement.reduce_metrics_flags({"loss": loss.item()}, (False,))
             if pending:
-                agreement.exchange([])
+                agreement.agree([])
     return (time.perf_counter() - t0) / steps * 1e6
 
 
@@ -100,7 +100,7 @@ def main() -> None:
     # The list of batches is not a DataLoader: silence the data_not_sharded warning.
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     group = ProcessGroup.from_env(timeout=60)
-    agreement = CommandAgreement(group)
+    agreement = RankSync(group)
     steps = {"tiny": 600 if args.quick else 2000, "wide": 40 if args.quick else 150}
     results: dict[str, Any] = {}
     for kind in ("tiny", "wide"):

@@ -44,7 +44,6 @@ EXPORTS: dict[str, set[str]] = {
         "Perplexity",
         "SetMetric",
         "StepContext",
-        "SubscriberError",
         "TokenAccuracy",
         "TrainContext",
         "TrainbusError",

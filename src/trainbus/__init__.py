@@ -17,7 +17,6 @@ from ._exceptions import LaunchError as LaunchError
 from ._exceptions import LostWorkError as LostWorkError
 from ._exceptions import MissingExtraError as MissingExtraError
 from ._exceptions import NonFiniteLossError as NonFiniteLossError
-from ._exceptions import SubscriberError as SubscriberError
 from ._exceptions import TrainbusError as TrainbusError
 from ._exceptions import TrainingError as TrainingError
 from ._launcher import Launcher as Launcher
@@ -64,7 +63,6 @@ __all__ = [
     "Perplexity",
     "SetMetric",
     "StepContext",
-    "SubscriberError",
     "TokenAccuracy",
     "TrainContext",
     "TrainbusError",

@@ -5,7 +5,6 @@ The hierarchy::
     TrainbusError                       base of everything trainbus raises
     ├── ConfigError (+ ValueError)      bad configuration or argument, raised at the call
     ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
-    ├── SubscriberError                 no longer raised (kept importable; see its docstring)
     ├── LostWorkError (+ RuntimeError)  async work was dropped, cancelled or failed and the
     │                                   bus was made with ``on_lost="raise"``
     ├── MissingExtraError (+ ImportError) an optional integration's package is not installed
@@ -41,7 +40,6 @@ __all__ = [
     "MissingExtraError",
     "NonFiniteLossError",
     "RecordedError",
-    "SubscriberError",
     "TrainbusError",
     "TrainingError",
 ]
@@ -65,20 +63,6 @@ class ConfigError(TrainbusError, ValueError):
 
 class BusClosedError(TrainbusError, RuntimeError):
     """The bus is not running: it was never opened, or it has been closed."""
-
-
-class SubscriberError(TrainbusError):
-    """No longer raised: kept importable for code that names it.
-
-    A subscriber with ``on_error="raise"`` now fails the run with its own exception, which
-    ``fit()`` / ``fit_sync()`` / closing the bus raise as itself (``except MyError`` matches),
-    with a note (``add_note``) naming the subscription and the event it handled.
-    """
-
-    def __init__(self, subscription: str, error: BaseException) -> None:
-        super().__init__(f"subscriber {subscription!r} failed: {error!r}")
-        self.subscription = subscription
-        self.error = error
 
 
 class LostWorkError(TrainbusError, RuntimeError):

@@ -156,7 +156,7 @@ def test_latest_orders_by_step_number_not_by_name(tmp_path: Path) -> None:
 
 def test_latest_of_a_missing_or_empty_folder_is_none(tmp_path: Path) -> None:
     assert latest_checkpoint(tmp_path / "none") is None
-    assert CheckpointStore(tmp_path).load_latest() is None
+    assert CheckpointStore(tmp_path).find_latest().checkpoint is None
     assert not (tmp_path / "none").exists()
 
 

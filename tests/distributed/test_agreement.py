@@ -11,8 +11,8 @@ import pytest
 
 from trainbus import ConfigError
 from trainbus import commands as cmd
-from trainbus._distributed.agreement import CommandAgreement, merge
 from trainbus._distributed.group import ProcessGroup
+from trainbus._distributed.sync import RankSync, merge
 
 from ._torchrun import torchrun
 
@@ -39,23 +39,23 @@ def test_merge_keeps_only_the_first_stop() -> None:
 
 
 def test_single_process_needs_no_collective() -> None:
-    agreement = CommandAgreement(ProcessGroup.single())
+    agreement = RankSync(ProcessGroup.single())
     stop = cmd.StopTraining()
-    agreed = agreement.exchange([stop, cmd.StopTraining(reason="again")])
+    agreed = agreement.agree([stop, cmd.StopTraining(reason="again")])
     assert agreed == [stop] and agreed[0] is stop  # the sender's own object: request() resolves
     assert agreement.reduce_metrics({"loss": 2.0}) == {"loss": 2.0}
     flags = agreement.reduce_metrics_flags({"loss": 2.0}, (False, True))
     assert flags == ({"loss": 2.0}, [False, True])
-    assert agreement.any_rank(True) and not agreement.any_rank(False)
-    assert agreement.min_step(7) == 7 and agreement.min_step(None) is None
+    assert agreement.any_nonfinite(True) and not agreement.any_nonfinite(False)
+    assert agreement.first_nonfinite(7) == 7 and agreement.first_nonfinite(None) is None
     assert agreement.collectives == 0
 
 
 def test_capacity_and_metrics_are_validated() -> None:
     with pytest.raises(ConfigError, match="capacity"):
-        CommandAgreement(ProcessGroup.single(), capacity=8)
+        RankSync(ProcessGroup.single(), capacity=8)
     with pytest.raises(ConfigError, match="metrics"):
-        CommandAgreement(ProcessGroup.single()).reduce_metrics({"loss": "high"})  # type: ignore[dict-item]
+        RankSync(ProcessGroup.single()).reduce_metrics({"loss": "high"})  # type: ignore[dict-item]
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,8 @@ on a Unix domain socket in the run folder and any number of attachments connect 
     commands (trainbus._wire records)    ────────────►   logged with their source, bus.send
                                         ◄────────────   bye {sent} at the end of the run
 
-Each attachment is one :meth:`WorkerLink.accepted <trainbus._distributed.link.WorkerLink.
-accepted>` link, subscribed only while connected (nobody attached: the loop builds nothing
-for it). Files ``attach.sock`` and ``attach.token`` (0600) live in the run folder until it
-ends; a folder owned by another user is never listened in.
+Each attachment is one accepted :class:`~trainbus._distributed.link.WorkerLink`, subscribed
+only while connected. The files and the rules are docs/attach.md's.
 """
 
 from __future__ import annotations
@@ -54,9 +52,7 @@ __all__ = [
 log = get_logger(__name__)
 
 SOCKET_NAME = "attach.sock"
-"""The listener's file in the run folder."""
 TOKEN_NAME = "attach.token"
-"""The run's token file, beside the socket."""
 _HANDSHAKE_S = 5.0
 _SEND_TIMEOUT_S = 30  # an attachment that stops reading for this long is let go
 _STATUS_EVERY_S = 1.0
@@ -68,8 +64,7 @@ def max_socket_path() -> int:
 
 
 def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
-    """The ``(pid, uid)`` of the process at the other end of a Unix socket (``SO_PEERCRED``),
-    or None where the platform does not say."""
+    """The peer's ``(pid, uid)`` (``SO_PEERCRED``), or None where the platform does not say."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
         return None
@@ -81,21 +76,9 @@ def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
 
 
 def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None) -> Path | None:
-    """The folder a run listens in, from ``Trainer(attach=...)``.
-
-    Args:
-        attach: True (the default): the ``checkpoint_dir``, when there is one and the
-            platform has Unix domain sockets (else nothing, silently); a folder: that one
-            (created at ``fit()`` when missing); False: never.
-        checkpoint_dir: The run's checkpoint folder.
-
-    Returns:
-        The folder, or None: the run is not attachable.
-
-    Raises:
-        ConfigError: ``attach`` is neither a bool nor a path; a folder given on a platform
-            without ``AF_UNIX`` (Windows), one that is a file, or one owned by another user.
-    """
+    """The folder a run listens in from ``Trainer(attach=...)`` (True: ``checkpoint_dir``
+    where ``AF_UNIX`` exists), or None; ``ConfigError`` for neither a bool nor a path, or a
+    folder that cannot be (no ``AF_UNIX``, a file, another user's)."""
     if isinstance(attach, bool):
         if not attach or checkpoint_dir is None or not hasattr(socket, "AF_UNIX"):
             return None
@@ -116,22 +99,12 @@ def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None)
 
 
 class _Unavailable(Exception):
-    """The run cannot listen in its folder (the reason is the message)."""
+    """The run cannot listen in its folder: the message says why."""
 
 
 class AttachServer:
-    """Rank 0's listener for attachments (see the module docstring).
-
-    ::
-
-        server = AttachServer.start(bus, folder)   # on the event-loop thread; None: unavailable
-        ... run ...                                # attachments come and go
-        server.close()                             # after the bus delivered the run's events
-
-    Args:
-        bus: Rank 0's bus.
-        folder: The run folder.
-    """
+    """Rank 0's listener for attachments in ``folder``: :meth:`start`, then :meth:`close`
+    after the bus delivered the run's events."""
 
     def __init__(self, bus: BusLike, folder: Path) -> None:
         self._bus = bus
@@ -150,7 +123,6 @@ class AttachServer:
         self._accepted = 0
         self._refused = 0
 
-    # ------------------------------------------------------------------ queries
     @property
     def attached(self) -> int:
         """Attachments connected now."""
@@ -160,12 +132,8 @@ class AttachServer:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, bus: BusLike, folder: Path) -> AttachServer | None:
-        """Listen in ``folder``; call on the event-loop thread the bus runs on.
-
-        Returns:
-            The server, or None when the run cannot listen there (logged as
-            ``attach_unavailable`` with the folder and the reason; the run goes on).
-        """
+        """Listen in ``folder`` (on the bus' event-loop thread); None when the run cannot
+        (logged as ``attach_unavailable`` with the reason)."""
         server = cls(bus, folder)
         try:
             server._listen()
@@ -177,9 +145,8 @@ class AttachServer:
         return server
 
     def close(self) -> None:
-        """Stop listening, remove the socket and the token, and end every attachment (each
-        gets what was queued for it, then ``bye``). Call on the event-loop thread, after the
-        bus delivered the run's events. Idempotent."""
+        """On the event-loop thread: stop listening, remove the files, end every attachment
+        (what was queued for it, then ``bye``); idempotent."""
         if self._closed.is_set():
             return
         self._closed.set()
@@ -237,8 +204,7 @@ class AttachServer:
             threading.Thread(target=fn, name=f"trainbus-attach-{name}", daemon=True).start()
 
     def _clear_stale(self) -> None:
-        """A socket left by a job that died is removed; a live one means another job listens
-        in this folder (this run then does not)."""
+        """Remove a dead job's socket; ``_Unavailable`` when a live job listens there."""
         path = self.path
         if not os.path.lexists(path):
             return
@@ -341,27 +307,24 @@ class AttachServer:
         def left() -> None:
             self._left(link)
 
-        link = WorkerLink.accepted(transport, self._token, wanted, timeout=5.0, source=source,
-                                   on_end=left)  # fmt: skip
+        link = WorkerLink(
+            transport, self._token, timeout=5.0, source=source, on_end=left, wanted=wanted
+        )
         try:
             conn.settimeout(None)
             with contextlib.suppress(OSError, AttributeError):  # a platform without it
                 conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
                                 struct.pack("ll", _SEND_TIMEOUT_S, 0))  # fmt: skip
             conn.sendall(control_record("welcome", events=[t.__name__ for t in wanted],
-                                        pid=os.getpid(), rank=self._bus_rank(),
+                                        pid=os.getpid(), rank=0,
                                         folder=str(self.folder)))  # fmt: skip
             anyio.from_thread.run_sync(self._admit, link, token=self._loop)
         except (OSError, RuntimeError) as exc:  # the peer left, or the run's loop is gone
             log.debug("attach_not_admitted", source=source, error=repr(exc))
             transport.close(b"")
 
-    def _bus_rank(self) -> int:
-        rank = getattr(self._bus, "rank", 0)
-        return rank if isinstance(rank, int) else 0
-
     def _admit(self, link: WorkerLink) -> None:
-        """On the event-loop thread: subscribe the attachment's wanted types."""
+        """On the event-loop thread: subscribe the attachment."""
         if self._closed.is_set():
             link.transport.close(control_record("bye", sent=0))
             return
@@ -374,7 +337,7 @@ class AttachServer:
                  attached=len(self._links))  # fmt: skip
 
     def _left(self, link: WorkerLink) -> None:
-        """From the attachment's reader thread: it went away (detached, or died)."""
+        """From the attachment's reader thread: it went away."""
         with self._lock:
             if link not in self._links:
                 return  # close() is ending it
@@ -387,8 +350,7 @@ class AttachServer:
         log.info("attach_detached", source=link.source, sent=link.sent, received=link.received)
 
     def _status_loop(self) -> None:
-        """While someone is attached: every second, a ``status`` record from the bus'
-        statistics (what holds training back, which sync subscriber blocked)."""
+        """While someone is attached: a ``status`` record of the bus' statistics every second."""
         while True:
             self._someone.wait()
             if self._closed.wait(_STATUS_EVERY_S):

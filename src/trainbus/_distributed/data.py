@@ -1,6 +1,8 @@
-"""The model and the data under ``torchrun``: DDP wrapping (:func:`wrap_model`; checkpoints
-save :func:`unwrap_model`'s module, the same with or without DDP) and per-rank shards
-(:func:`shard_loader`).
+"""The model and the data under ``torchrun``: DDP wrapping, the checks of a sharded (FSDP2)
+model, and per-rank shards (the rules are docs/distributed.md's, "What runs where" and FSDP2).
+
+A ``fully_shard`` model reduces its own gradients and is never wrapped in DDP (which cannot
+flatten its DTensor parameters); its mesh spans every rank, as the run's collectives do.
 """
 
 from __future__ import annotations
@@ -12,13 +14,22 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
 
+from .._exceptions import ConfigError
 from .._loaders import with_sampler
 from .._log import get_logger
+from .._tensors import is_dtensor, is_sharded_model
 from .group import ProcessGroup
 
-__all__ = ["is_ray_data_shard", "release_model", "shard_loader", "unwrap_model", "wrap_model"]
+__all__ = [
+    "check_ddp",
+    "check_mesh",
+    "is_ray_data_shard",
+    "release_model",
+    "shard_loader",
+    "unwrap_model",
+    "wrap_model",
+]
 
-# What a DistributedDataParallel holds that keeps the process group (and gloo's threads) alive.
 _GROUP_HOLDERS = ("logger", "reducer", "process_group")
 
 log = get_logger(__name__)
@@ -34,30 +45,48 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def wrap_model(model: torch.nn.Module, group: ProcessGroup) -> torch.nn.Module:
     """``DistributedDataParallel(model)`` on the group's device, or ``model`` when it is
-    already wrapped or the group is a single process.
-
-    Args:
-        model: The model, already on ``group.device``.
-        group: The process group.
-
-    Returns:
-        The module the loop trains.
-    """
+    already wrapped or the group is a single process."""
     if not group.distributed or isinstance(model, DistributedDataParallel):
         return model
     device_ids = [group.device] if group.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def release_model(model: torch.nn.Module) -> None:
-    """Let go of the process group a ``DistributedDataParallel`` made by :func:`wrap_model`
-    holds (its reducer, logger and group), after the ranks' last barrier: left to interpreter
-    exit, gloo's threads can abort the finished process (SIGABRT). The wrapper cannot train
-    afterwards; ``model.module`` is untouched.
+def check_ddp(ddp: object, model: torch.nn.Module) -> bool:
+    """Whether the run wraps ``model`` in DDP, from ``Trainer(ddp=...)`` (None: unless it is
+    sharded); ``ConfigError`` for another value, or True for a sharded model."""
+    if ddp is not None and not isinstance(ddp, bool):
+        raise ConfigError.invalid("ddp", ddp, "None (DDP unless the model is sharded with "
+                                  "fully_shard), True or False")  # fmt: skip
+    sharded = is_sharded_model(model)
+    if ddp is True and sharded:
+        raise ConfigError.invalid(
+            "ddp", True, "None (the default) or False for a model sharded with fully_shard: "
+            "FSDP2 reduces its own gradients, and DistributedDataParallel cannot wrap its "
+            "DTensor parameters",
+        )  # fmt: skip
+    return not sharded if ddp is None else ddp
 
-    Args:
-        model: The module :func:`wrap_model` returned (anything else is left alone).
-    """
+
+def check_mesh(model: torch.nn.Module, world_size: int) -> None:
+    """``ConfigError`` naming both sizes when a sharded model's device mesh does not span the
+    ``world_size`` ranks."""
+    for name, param in model.named_parameters():
+        if not is_dtensor(param):
+            continue
+        size = int(param.device_mesh.size())  # type: ignore[attr-defined]
+        if size != world_size:
+            raise ConfigError.invalid(
+                "model", f"parameter {name!r} sharded over a device mesh of {size} rank(s)",
+                f"a mesh over all {world_size} ranks of the process group "
+                f"(init_device_mesh(device_type, ({world_size},)) or fully_shard's default)",
+            )  # fmt: skip
+
+
+def release_model(model: torch.nn.Module) -> None:
+    """After the ranks' last barrier, drop what a ``DistributedDataParallel`` holds of the
+    process group (left to interpreter exit, gloo's threads can abort the process); the
+    wrapper cannot train afterwards, ``model.module`` is untouched."""
     if not isinstance(model, DistributedDataParallel):
         return
     for name in _GROUP_HOLDERS:
@@ -66,31 +95,15 @@ def release_model(model: torch.nn.Module) -> None:
 
 
 def is_ray_data_shard(data: object) -> bool:
-    """Whether ``data`` is a Ray Data iterable (a ``DataIterator`` from
-    ``ray.train.get_dataset_shard(name)``, or what its ``iter_torch_batches()`` /
-    ``iter_batches()`` return): Ray Data already gives each worker its own shard. Told by the
-    type's module (``ray.data...``), so Ray is never imported here."""
+    """Whether ``data`` is a Ray Data iterable (each worker's own shard already), told by its
+    type's module so that Ray is never imported here."""
     module = type(data).__module__
     return module == "ray.data" or module.startswith("ray.data.")
 
 
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:
-    """Each rank's shard of ``data``.
-
-    A map-style ``DataLoader`` is rebuilt around a seeded ``DistributedSampler`` (shuffling when
-    its sampler was a ``RandomSampler`` and ``train``); an iterable, a list of batches or a custom
-    batch sampler is returned unchanged with a ``data_not_sharded`` warning (every rank reads all
-    of it); a Ray Data shard is returned unchanged (it is this rank's part already).
-
-    Args:
-        data: The training or evaluation data.
-        group: The process group.
-        seed: The sampler's seed (the same on every rank, so the shards partition the data).
-        train: Training data (shuffling kept) or evaluation data (never shuffled).
-
-    Returns:
-        The data this rank iterates.
-    """
+    """This rank's shard of ``data`` (training data keeps its shuffling, evaluation data is
+    never shuffled; ``seed`` is the same on every rank)."""
     if not group.distributed:
         return data
     if is_ray_data_shard(data):

@@ -1,8 +1,6 @@
-"""The driver's end of the link protocol (see :mod:`trainbus._distributed.link`), whatever
-carries it. A transport's driver side hands :class:`DriverLink` what arrives:
-:meth:`DriverLink.greet` the hello line (token checked, one link per run),
-:meth:`DriverLink.receive` event lines (published on the driver's bus in rank 0's order; a
-``bye`` ends the link); :meth:`DriverLink.forward` sends the driver bus' commands back.
+"""The driver's end of the link (:mod:`trainbus._distributed.link`), whatever carries it: a
+transport hands :class:`DriverLink` the hello line and the event lines that arrive, and sends
+what :meth:`DriverLink.forward` gives it.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ STREAM_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceErro
 ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
                     ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
                     ev.CommandApplied})  # fmt: skip
-"""Streamed even with no driver subscriber for them: cheap (not per step) and what a failure
-report names. Every other type only when a driver subscriber wants it (the loop never builds
-unwanted ones)."""
+"""Streamed even with no driver subscriber for them: cheap, and what a failure report names."""
 
 
 def wanted_names(bus: DriverBus, extra: Iterable[type[ev.BaseEvent]] = ()) -> list[str]:
@@ -45,24 +41,19 @@ def wanted_names(bus: DriverBus, extra: Iterable[type[ev.BaseEvent]] = ()) -> li
 
 
 class CommandSource(Protocol):
-    """What the driver's end takes commands from: the bus' loop face
-    (:class:`trainbus._bus.LoopPort`), as the training loop does."""
+    """The bus' loop face (:class:`trainbus._bus.LoopPort`): the driver drains it as a loop."""
 
-    def poll_commands(self) -> list[cmd.Command]:
-        """Take the commands sent so far."""
-        ...
+    def poll_commands(self) -> list[cmd.Command]: ...
 
     @property
-    def failure(self) -> Exception | None:
-        """The exception of a subscriber that failed the run, if any."""
-        ...
+    def failure(self) -> Exception | None: ...
 
 
 _NOT_JSON = object()
 
 
 def _parse(line: bytes) -> Any:
-    """One line's JSON value, or ``_NOT_JSON`` (logged as ``driver_record_refused``)."""
+    """One line's JSON value, or ``_NOT_JSON`` (logged)."""
     try:
         return json.loads(line)
     except ValueError as exc:
@@ -75,34 +66,24 @@ class DriverBus(Protocol):
 
     max_queue: int
 
-    def wants(self, event_type: type[ev.BaseEvent]) -> bool:
-        """Some subscription wants the type."""
-        ...
+    def wants(self, event_type: type[ev.BaseEvent]) -> bool: ...
 
-    def publish(self, event: ev.BaseEvent) -> None:
-        """Queue an event for delivery."""
-        ...
+    def publish(self, event: ev.BaseEvent) -> None: ...
 
-    def port(self) -> CommandSource:
-        """The bus' loop face (obtained once: the driver forwards its commands)."""
-        ...
+    def port(self) -> CommandSource: ...
 
-    def statistics(self) -> Any:
-        """A record with ``queue_depth``."""
-        ...
+    def statistics(self) -> Any: ...
 
 
 class DriverLink:
-    """The driver's end of one run's link (see the module docstring).
+    """The driver's end of one run's link.
 
     Args:
         bus: The driver's bus.
         token: The run's token (what a worker's hello must carry).
         keep_events: How many of the last events :attr:`events` keeps.
-        relink: Accept a new hello with the token while a worker is linked, as the same run's
-            rank 0 restarted by Ray: the new link replaces the old one (counted in
-            :attr:`links`, and a :class:`~trainbus.events.WorkersRestarted` is published).
-            False (``trainbus launch``): a second hello is refused.
+        relink: A new hello with the token replaces the linked worker (rank 0 restarted by
+            Ray: a :class:`~trainbus.events.WorkersRestarted` is published); False: refused.
     """
 
     def __init__(
@@ -164,17 +145,15 @@ class DriverLink:
         """Rank 0's ``FitEnded``, once it arrived."""
         return self._ended
 
-    def backlogged(self) -> bool:
-        """The driver's subscribers are behind: a transport should stop reading for a while
-        (so the worker's side holds the events, not this process' memory)."""
-        depth: int = self.bus.statistics().queue_depth
-        return depth > self.bus.max_queue
+    async def wait_room(self) -> None:
+        """Wait while the driver's subscribers are behind, so the worker's side holds the
+        events, not this process' memory (polled: the bus has no "room" event)."""
+        while self.bus.statistics().queue_depth > self.bus.max_queue:  # noqa: ASYNC110
+            await anyio.sleep(0.01)
 
     # ------------------------------------------------------------------ protocol
     def greet(self, hello: bytes, peer: str) -> bytes | None:
-        """Answer a worker's ``hello`` line from ``peer``: the welcome line, or None when refused
-        (counted, logged with ``peer`` and the reason).
-        """
+        """The welcome line answering ``hello`` from ``peer``, or None: refused (logged)."""
         record = check_hello(hello, self._token)
         reason = None
         if record is None:
@@ -195,14 +174,13 @@ class DriverLink:
         return control_record("welcome", events=wanted_names(self.bus))
 
     def welcomed(self, peer: str) -> None:
-        """The link is up, its handshake done by the other side (an attachment connected to a
-        run's listener and was welcomed): events and commands flow from now on."""
+        """The link is up, its handshake done by the other side (an attachment's)."""
         self._links += 1
         self._linked.set()
         log.debug("attach_linked", peer=peer)
 
     def _restarted(self) -> ev.WorkersRestarted:
-        """The event of a relink: the attempt starting, and why the last one ended."""
+        """The event of a relink: the new attempt, and why the last one ended."""
         ended, self._attempt_ended = self._attempt_ended, None
         last = self.last_event
         if ended is not None and ended.error is not None:
@@ -215,8 +193,8 @@ class DriverLink:
                                    attempt=self._links, reason=reason)  # fmt: skip
 
     def receive(self, data: bytes) -> None:
-        """Publish the events of ``data`` (JSON lines) on the driver's bus; a refused record
-        is logged (``driver_record_refused``) and skipped; ``bye`` ends the link."""
+        """Publish the events of ``data`` (JSON lines); a refused record is logged and skipped;
+        ``bye`` ends the link."""
         lines = [line for line in data.splitlines() if line.strip()]
         try:
             # One parse for the whole batch (a parse per line cost a third of the driver's
@@ -253,11 +231,11 @@ class DriverLink:
         self.bus.publish(message)
 
     def end(self) -> None:
-        """The link ended (a bye, or the transport closed). Idempotent."""
+        """The link ended (a bye, or the transport closed); idempotent."""
         self._unlinked.set()
 
     async def wait_unlinked(self, timeout: float) -> bool:  # noqa: ASYNC109
-        """Wait (at most ``timeout`` seconds) for the link to end: True when it did."""
+        """Wait at most ``timeout`` seconds for the link to end: True when it did."""
         with anyio.move_on_after(timeout):
             await self._unlinked.wait()
         return self.unlinked
@@ -269,14 +247,9 @@ class DriverLink:
         on_failure: Callable[[], object] | None = None,
         interval: float = 0.01,
     ) -> None:
-        """Send the driver bus' commands to the worker every ``interval`` seconds until cancelled
-        (commands sent before the worker linked wait for it).
-
-        Args:
-            send: The transport's send; an ``OSError`` or a closed stream drops the batch.
-            on_failure: Called once when a driver subscriber fails the run (after
-                ``StopTraining(reason="driver_subscriber_failed")`` was queued).
-            interval: Seconds between polls of the bus.
+        """Until cancelled, ``send`` the driver bus' commands every ``interval`` seconds (held
+        until a worker linked; a gone stream drops the batch). A driver subscriber failing the
+        run queues ``StopTraining(reason="driver_subscriber_failed")`` and calls ``on_failure``.
         """
         outbox: list[cmd.Command] = []
         failed = False

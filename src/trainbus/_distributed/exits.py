@@ -1,22 +1,7 @@
-"""How each rank exited, read from torchrun's failure summary on standard error.
-
-When a worker fails, torchrun stops the others (SIGTERM) and prints one block per failed rank,
-the first failure last, under ``Root Cause``::
-
-    Failures:
-    [1]:
-      rank      : 0 (local_rank: 0)
-      exitcode  : -15 (pid: 4711)
-      ...
-    Root Cause (first observed failure):
-    [0]:
-      rank      : 1 (local_rank: 1)
-      exitcode  : -9 (pid: 4712)
-      traceback : Signal 9 (SIGKILL) received by PID 4712
-
-Each ``rank`` line pairs only with the ``exitcode`` line right under it (an earlier log line
-such as ``failed (exitcode: -9) local_rank: 1`` must not be blamed). Lines are read as they
-stream, so a long traceback cannot push the blocks out of a tail.
+"""How each rank exited, read line by line from torchrun's failure summary on standard error
+(a sample is in tests/distributed/test_exits.py): one block per failed rank, the first failure
+last, under ``Root Cause``. A ``rank`` line pairs only with the ``exitcode`` line right under
+it, so an earlier log line naming an exit code is never blamed.
 """
 
 from __future__ import annotations
@@ -35,15 +20,8 @@ _SIGNALS = {s.value: s.name for s in signal.Signals}
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RankExit:
-    """One failed rank, as torchrun reported it.
-
-    Attributes:
-        rank: The global rank.
-        local_rank: Its rank on its machine.
-        exitcode: Its exit status; negative: killed by that signal (``-9``: SIGKILL).
-        root_cause: True for the first failure (torchrun's ``Root Cause``), False for a rank
-            torchrun stopped because another failed.
-    """
+    """One failed rank, as torchrun reported it (a negative ``exitcode``: killed by that
+    signal; ``root_cause``: the first failure, not a rank torchrun stopped)."""
 
     rank: int
     local_rank: int
@@ -92,8 +70,7 @@ class RankExits:
 
     @property
     def root_cause(self) -> RankExit | None:
-        """The first failure: torchrun's ``Root Cause`` block, else the only block; None when
-        torchrun reported none (or several without naming the first)."""
+        """torchrun's ``Root Cause`` block, else the only block, else None."""
         roots = [e for e in self._exits if e.root_cause]
         if roots:
             return roots[-1]

@@ -1,22 +1,10 @@
 """The process group: who this process is among the ranks, and the one place that starts and
 ends ``torch.distributed``.
 
-::
-
-    group = ProcessGroup.from_env()     # torchrun's RANK, WORLD_SIZE, LOCAL_RANK, MASTER_*
-    group.rank, group.world_size, group.device
-    group.barrier()
-    group.close()                       # destroys the default group only if it created it
-
-Without ``WORLD_SIZE`` (or with 1) the group is a single process with no collectives; a group
-the application initialised is adopted and never destroyed. The backend follows the run's
-device (gloo for CPU, NCCL for CUDA; a CUDA rank computes on ``cuda:<LOCAL_RANK>``).
-
 Nothing may hold the default group past :meth:`ProcessGroup.close`: gloo's threads would run
-into interpreter teardown and can abort a finished process (SIGABRT). torch's own
+into interpreter teardown and can abort a finished process (SIGABRT). torch's
 ``torch.distributed.nn.functional`` binds the group as a default argument when first imported,
-so this module imports it first, while no group exists; :meth:`ProcessGroup.close` logs
-``process_group_outlives_destroy`` when something still holds it (docs/distributed.md).
+so this module imports it first, while no group exists (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -27,8 +15,7 @@ import importlib
 import os
 import weakref
 from collections.abc import Mapping
-from types import TracebackType
-from typing import Literal, Self
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -41,8 +28,7 @@ __all__ = ["ENV_VARS", "ProcessGroup", "check_local_rank", "choose_backend"]
 
 log = get_logger(__name__)
 
-ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-"""The environment variables torchrun sets and :meth:`ProcessGroup.from_env` reads."""
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  # torchrun's
 
 Backend = Literal["gloo", "nccl"]
 
@@ -67,9 +53,8 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
 
 
 def choose_backend(device: torch.device | None, backend: Backend | None = None) -> Backend:
-    """The backend for a run on ``device``: ``backend`` when given, else NCCL for a CUDA device
-    and gloo for any other; with no device, NCCL when CUDA is available.
-    """
+    """``backend`` when given, else NCCL for a CUDA ``device`` (no device: CUDA available),
+    gloo otherwise."""
     if backend is not None:
         return backend
     if device is None:
@@ -78,9 +63,7 @@ def choose_backend(device: torch.device | None, backend: Backend | None = None) 
 
 
 def check_local_rank(local_rank: int, backend: str) -> None:
-    """A CUDA (NCCL) rank needs its own GPU: ``ConfigError`` naming ``LOCAL_RANK`` and the
-    device count when ``LOCAL_RANK`` is not below it (read without a CUDA context).
-    """
+    """``ConfigError`` when an NCCL rank has no GPU of its own (no CUDA context made)."""
     if backend != "nccl":
         return
     count = torch.cuda.device_count()
@@ -94,16 +77,9 @@ def check_local_rank(local_rank: int, backend: str) -> None:
 
 
 class ProcessGroup:
-    """This process' place among the ranks (see the module docstring). Built with
-    :meth:`from_env` or :meth:`single`; :meth:`close` tears down exactly what it started.
-
-    Attributes:
-        rank: This process' rank, from 0.
-        world_size: Number of ranks.
-        local_rank: Rank on this machine (chooses the CUDA device).
-        backend: ``"gloo"``, ``"nccl"``, or None for a single process.
-        device: The device this rank computes on (``cuda:<local_rank>`` under nccl, else cpu).
-    """
+    """This process' place among the ranks, built with :meth:`from_env` or :meth:`single`;
+    :meth:`close` tears down exactly what it started. ``backend`` is None for a single process;
+    ``device`` is ``cuda:<local_rank>`` under NCCL, else the CPU."""
 
     def __init__(
         self,
@@ -123,12 +99,9 @@ class ProcessGroup:
         self._created = created
         self._closed = False
 
-    # ------------------------------------------------------------------ building
     @classmethod
     def single(cls, device: torch.device | None = None) -> ProcessGroup:
-        """The single-process group: rank 0 of 1, no collectives, on ``device`` (default: CUDA
-        when available, else the CPU).
-        """
+        """Rank 0 of 1, no collectives, on ``device`` (default: CUDA when available)."""
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return cls(rank=0, world_size=1, local_rank=0, backend=None, device=device,
@@ -143,26 +116,15 @@ class ProcessGroup:
         timeout: float = 300.0,
         device: torch.device | None = None,
     ) -> ProcessGroup:
-        """The group this process belongs to: an initialised ``torch.distributed`` adopted
-        (:meth:`close` leaves it alone), :meth:`single` without ``WORLD_SIZE`` > 1, else
-        ``init_process_group(init_method="env://")`` with torchrun's variables, ``LOCAL_RANK``
-        checked against the GPUs first.
-
-        Args:
-            env: The environment to read (default: ``os.environ``; ``env://`` reads the process
-                environment anyway, so a custom mapping is for validation and tests).
-            backend: Force ``"gloo"`` or ``"nccl"`` (default: :func:`choose_backend`).
-            timeout: Seconds to wait for every rank to join (also torch's collective timeout).
-            device: The run's device, which the backend follows (see :func:`choose_backend`).
-
-        Returns:
-            The :class:`ProcessGroup`.
+        """An initialised ``torch.distributed`` adopted (never destroyed), :meth:`single`
+        without ``WORLD_SIZE`` > 1, else ``init_process_group("env://")`` with torchrun's
+        variables (``env`` is read for validation; default ``os.environ``) and a ``timeout``
+        (seconds) for joining and for collectives.
 
         Raises:
             ConfigError: a torchrun variable is missing or not an integer, a bad ``backend``
                 or ``timeout``, more local ranks than GPUs for a CUDA run.
-            DistributedError: the group did not form within ``timeout`` (an unreachable
-                ``MASTER_ADDR:MASTER_PORT``, a rank that never started).
+            DistributedError: the group did not form within ``timeout``.
         """
         env = os.environ if env is None else env
         if backend not in (None, "gloo", "nccl"):
@@ -217,7 +179,6 @@ class ProcessGroup:
     def _device(backend: str, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
 
-    # ------------------------------------------------------------------ queries
     @property
     def distributed(self) -> bool:
         """True when there is more than one rank (collectives run)."""
@@ -230,22 +191,19 @@ class ProcessGroup:
 
     @property
     def owns_group(self) -> bool:
-        """True when this object initialised ``torch.distributed`` (and :meth:`close` ends it)."""
+        """This object initialised ``torch.distributed`` (and :meth:`close` ends it)."""
         return self._created
 
-    # ------------------------------------------------------------------ operations
     def barrier(self) -> None:
-        """Wait until every rank reaches this call (nothing on a single process);
-        ``DistributedError`` once closed.
-        """
+        """Wait until every rank reaches this call; ``DistributedError`` once closed."""
         if self._closed:
             raise DistributedError("barrier() on a closed ProcessGroup")
         if self.distributed:
             dist.barrier()
 
     def close(self) -> None:
-        """Destroy the default process group if this object created it, then warn
-        (``process_group_outlives_destroy``) if something still holds it; idempotent."""
+        """Destroy the default group if this object created it, and warn when something still
+        holds it; idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -255,33 +213,18 @@ class ProcessGroup:
             del world
             dist.destroy_process_group()
             log.debug("process_group_destroyed", rank=self.rank, world_size=self.world_size)
-            if held is not None:
-                self._check_released(held)
-
-    def _check_released(self, held: weakref.ref[dist.ProcessGroup]) -> None:
-        if held() is None:
-            return
-        gc.collect()  # only here, where something held it: a reference cycle may be all it is
-        if held() is None:
-            return
-        log.warning("process_group_outlives_destroy", rank=self.rank,
-                    reason="something still holds the destroyed default process group (a "
-                    "DistributedDataParallel model of your own, or torch.distributed.nn."
-                    "functional first imported after init_process_group); its gloo threads "
-                    "run on into interpreter exit, where they can abort the process "
-                    "(SIGABRT): drop the holder, or import trainbus before "
-                    "init_process_group")  # fmt: skip
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+            if held is not None and held() is not None:
+                gc.collect()  # only where something held it: a reference cycle may be all it is
+                if held() is not None:
+                    log.warning(
+                        "process_group_outlives_destroy", rank=self.rank,
+                        reason="something still holds the destroyed default process group (a "
+                        "DistributedDataParallel model of your own, or torch.distributed.nn."
+                        "functional first imported after init_process_group); its gloo threads "
+                        "run on into interpreter exit, where they can abort the process "
+                        "(SIGABRT): drop the holder, or import trainbus before "
+                        "init_process_group",
+                    )  # fmt: skip
 
     def __repr__(self) -> str:
         return (f"<ProcessGroup rank={self.rank} world_size={self.world_size} "

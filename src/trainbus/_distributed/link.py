@@ -1,8 +1,5 @@
-"""The link between rank 0 and a driver: the protocol, apart from what carries it.
-
-A driver (``trainbus launch``, or :mod:`trainbus.ray`) runs the user's subscribers; rank 0's
-bus streams its events there and receives the driver's commands, over any transport (the
-loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
+"""The link between rank 0 and a driver (``trainbus launch``, :mod:`trainbus.ray`), whatever
+transport carries it::
 
     worker (rank 0)                                     driver
     hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
@@ -11,13 +8,9 @@ loopback socket of :mod:`~trainbus._distributed.socket_link`, Ray's actor)::
                                     ◄───────────────    commands (trainbus._wire records)
     bye {sent}                      ───────────────►    the link ended
 
-JSON lines only, never pickles. :data:`ADDR_ENV` says where the driver is (its scheme picks the
-transport, :func:`register_transport`) and :data:`TOKEN_ENV` the run's token.
-
-:class:`WorkerLink` is the worker's end: the handshake, a sender thread that encodes events
-(a tensor read waits for the device: never on the training thread or the event loop) and
-batches them, and a reader thread that feeds commands to ``bus.send`` and takes ``wants``
-records. The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
+JSON lines only, never pickles. :class:`WorkerLink` is the worker's end; its sender thread
+encodes events (a tensor read waits for the device: never on the training thread or the event
+loop). The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
 """
 
 from __future__ import annotations
@@ -27,8 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from types import TracebackType
-from typing import Any, Protocol, Self
+from typing import Any, Protocol
 
 import anyio.from_thread
 import anyio.lowlevel
@@ -65,39 +57,30 @@ _MAX_BATCH = 4096  # events per transport call
 class BusLike(Protocol):
     """What the link needs of a bus (a :class:`trainbus.EventBus` is one)."""
 
-    def stream(self, *event_types: type[ev.BaseEvent]) -> Any:
-        """An observable of those event types."""
-        ...
+    def stream(self, *event_types: type[ev.BaseEvent]) -> Any: ...
 
-    def send(self, command: cmd.Command) -> None:
-        """Put a command on the back-channel; thread-safe."""
-        ...
+    def send(self, command: cmd.Command) -> None: ...
 
 
 class WorkerTransport(Protocol):
-    """What carries the worker's end of the link (blocking calls, from the link's threads).
-
-    Attributes:
-        where: Where the driver is, for messages.
-        linger: Seconds the sender waits after an event for more to join its batch (0: none;
-            a transport whose every call costs asks for more).
-    """
+    """What carries the worker's end of the link (blocking calls, from the link's threads):
+    ``where`` names the driver for messages; the sender waits ``linger`` seconds after an event
+    for more to join its batch."""
 
     where: str
     linger: float
 
     def open(self, hello: bytes) -> bytes:
-        """Reach the driver, send the hello line, return its one-line answer (``b""``: refused).
-        Raises ``LaunchError`` when the driver is unreachable or did not answer in time.
-        """
+        """Send the hello line, return the answer (``b""``: refused); ``LaunchError``: no
+        driver, or no answer in time."""
         ...
 
     def send(self, data: bytes) -> None:
-        """Write event lines to the driver; ``OSError`` once it is gone."""
+        """Write event lines; ``OSError`` once the driver is gone."""
         ...
 
     def receive(self) -> bytes:
-        """Block until command lines arrive (whole lines); ``b""`` once the link is closed."""
+        """Block until whole command lines arrive; ``b""`` once the link is closed."""
         ...
 
     def close(self, bye: bytes) -> None:
@@ -110,10 +93,8 @@ _TRANSPORTS: dict[str, TransportFactory] = {}
 
 
 def register_transport(scheme: str, factory: TransportFactory) -> None:
-    """Make addresses ``<scheme>:...`` build their worker transport with ``factory(address,
-    timeout)`` (:mod:`trainbus.ray` registers ``"ray"``; an address without a registered scheme
-    is a loopback ``host:port``). Raises ``ConfigError`` for a scheme that is not letters.
-    """
+    """Addresses ``<scheme>:...`` build their transport with ``factory(address, timeout)``
+    (others are a loopback ``host:port``); ``ConfigError`` for a scheme not of letters."""
     if not (isinstance(scheme, str) and scheme.isalpha()):
         raise ConfigError.invalid("scheme", scheme, "a word of letters (e.g. 'ray')")
     _TRANSPORTS[scheme] = factory
@@ -129,25 +110,17 @@ def transport_for(address: str, timeout: float) -> WorkerTransport:
 
 
 class WorkerLink:
-    """The worker end of the link (see the module docstring).
-
-    ::
-
-        link = WorkerLink.from_env()      # None when no driver started this process
-        if link is not None and group.is_main:
-            link.start(bus)              # connects; before the bus publishes its first event
-        ... run ...                       # the bus closes: every event was delivered
-        link.close()                      # flush, say bye, join the threads
+    """The worker end of the link: :meth:`start` before the bus' first event, :meth:`close`
+    after its last was delivered.
 
     Args:
         transport: What carries the link, or an address as in :data:`ADDR_ENV`.
         token: The run's token.
-        timeout: Seconds for connecting and the handshake, and for :meth:`close` to flush and
-            join its threads.
-        source: Who the peer is: each command it sends is logged (``link_command_received``)
-            before it reaches ``bus.send``; None (a driver): not logged.
-        on_end: Called once from the reader thread when the peer closed the link (not when
-            :meth:`close` did): a listener with several peers lets that one go.
+        timeout: Seconds for the handshake, and for :meth:`close` to flush and join.
+        source: Who the peer is, logged with each command it sends (None: a driver, not logged).
+        on_end: Called once from the reader thread when the peer closed the link.
+        wanted: The event types to stream when the listening side did the handshake (an
+            accepted attachment); None: :meth:`start` connects first.
 
     Raises:
         ConfigError: a malformed address, an empty token, a bad timeout.
@@ -161,6 +134,7 @@ class WorkerLink:
         timeout: float = 10.0,
         source: str | None = None,
         on_end: Callable[[], object] | None = None,
+        wanted: tuple[type[ev.BaseEvent], ...] | None = None,
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         if isinstance(transport, str):
@@ -169,9 +143,9 @@ class WorkerLink:
             raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
         self.transport = transport
         self._token = token
-        self._open = False
+        self._open = wanted is not None
         self._closed = False
-        self._wanted: tuple[type[ev.BaseEvent], ...] = ()
+        self._wanted: tuple[type[ev.BaseEvent], ...] = tuple(wanted or ())
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._subscription: Any = None
@@ -184,25 +158,9 @@ class WorkerLink:
         self._on_end = on_end
 
     @classmethod
-    def accepted(
-        cls,
-        transport: WorkerTransport,
-        token: str,
-        wanted: tuple[type[ev.BaseEvent], ...],
-        **kw: Any,
-    ) -> WorkerLink:
-        """A link whose handshake the listening side did (an accepted attachment):
-        :meth:`start` streams ``wanted`` without connecting; ``kw`` as for the class."""
-        link = cls(transport, token, **kw)
-        link._wanted = tuple(wanted)
-        link._open = True
-        return link
-
-    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **kw: Any) -> WorkerLink | None:
-        """The link described by :data:`ADDR_ENV` / :data:`TOKEN_ENV`, or None when this process
-        was not started by a driver; ``ConfigError`` when only one is set or the address is bad.
-        """
+        """The link :data:`ADDR_ENV` / :data:`TOKEN_ENV` describe (None: neither is set);
+        ``ConfigError`` when only one is set or the address is bad."""
         env = os.environ if env is None else env
         addr, token = env.get(ADDR_ENV), env.get(TOKEN_ENV)
         if addr is None and token is None:
@@ -223,15 +181,8 @@ class WorkerLink:
         """Commands received from the driver so far."""
         return self._received
 
-    @property
-    def ended(self) -> bool:
-        """The link is over: closed, or the peer went away."""
-        return self._closed or self._broken
-
     def post(self, line: bytes) -> None:
-        """Queue a control line (a ``status`` record) to go out between the events, from the
-        sender thread (never two writers on one transport).
-        """
+        """Queue a control line to go out between the events (one writer per transport)."""
         if not self._closed:
             self._queue.put(line)
 
@@ -242,9 +193,8 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ lifecycle
     def connect(self) -> None:
-        """Reach the driver, prove the token, learn the wanted event types; ``LaunchError`` when
-        the driver is unreachable, refused the token, or did not answer in time.
-        """
+        """The handshake: ``LaunchError`` when the driver is unreachable, refused the token, or
+        did not answer in time."""
         where = self.transport.where
         reply = self.transport.open(hello_record(self._token))
         wanted = control_types(reply, "welcome")
@@ -259,13 +209,8 @@ class WorkerLink:
         log.debug("driver_linked", address=where, events=len(self._wanted))
 
     def start(self, bus: BusLike) -> None:
-        """Stream ``bus``' wanted events to the driver and feed its commands into ``bus.send``
-        (connecting first if needed). Call it before the bus publishes the first event the driver
-        should see.
-
-        Raises:
-            LaunchError: see :meth:`connect`; already started.
-        """
+        """Stream ``bus``' wanted events and feed the peer's commands into ``bus.send``
+        (connecting first if needed); ``LaunchError`` as :meth:`connect`, or already started."""
         if not self._open:
             self.connect()
         if self._threads:
@@ -286,9 +231,7 @@ class WorkerLink:
             t.start()
 
     def want(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        """Stream ``wanted`` from now on (the peer's ``wants`` record; on the event-loop thread),
-        then tell the peer with a ``streams`` record. Nothing once the link ended.
-        """
+        """On the event-loop thread: stream ``wanted`` from now on, and tell the peer."""
         if self._closed or self._broken or self._bus is None:
             return
         self.unsubscribe()
@@ -305,17 +248,13 @@ class WorkerLink:
             )
 
     def unsubscribe(self) -> None:
-        """Stop taking the bus' events (on the event-loop thread); what was queued still goes
-        out at :meth:`close`. Idempotent.
-        """
+        """On the event-loop thread: stop taking the bus' events (the queued ones still go)."""
         subscription, self._subscription = self._subscription, None
         if subscription is not None:
             subscription.dispose()
 
     def close(self) -> None:
-        """Write every queued event, say bye, close the transport and join the threads (each
-        bounded by ``timeout``). Idempotent.
-        """
+        """Write every queued event, say bye, close, join the threads; idempotent."""
         if not self._open or self._closed:
             return
         self._closed = True
@@ -329,22 +268,9 @@ class WorkerLink:
                 t.join(self.timeout)
         log.debug("driver_unlinked", sent=self._sent, received=self._received)
 
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
     # ------------------------------------------------------------------ threads
     def _batch(self) -> tuple[list[Any], bool]:
-        """The next batch of queued events (waiting ``linger`` for more), and whether the close
-        sentinel came.
-        """
+        """The next queued events (``linger`` for more), and whether the close came."""
         batch = [self._queue.get()]
         deadline = time.monotonic() + self.transport.linger
         while batch[-1] is not _CLOSE and len(batch) < _MAX_BATCH:
@@ -374,7 +300,7 @@ class WorkerLink:
                 return
 
     def _rewant(self, wanted: tuple[type[ev.BaseEvent], ...]) -> None:
-        """From the reader thread: the peer's wanted types changed (a ``wants`` record)."""
+        """From the reader thread: the peer's ``wants`` record."""
         if self._closed:
             return  # close() is joining this thread: the loop would not run want() now
         names = [t.__name__ for t in wanted]

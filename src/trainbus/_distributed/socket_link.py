@@ -1,8 +1,5 @@
 """The loopback socket transport of the link (``trainbus launch``): JSON lines over TCP on
-127.0.0.1. The worker's side (:class:`SocketTransport`) is a blocking socket used by the link's
-two threads; the driver's (:class:`SocketDriver`) an anyio listener that hands each
-connection's hello to :meth:`DriverLink.greet` and its lines to :meth:`DriverLink.receive`, and
-stops reading while the driver's subscribers are behind, so TCP holds rank 0's sender back.
+127.0.0.1, a blocking socket on the worker's side, an anyio listener on the driver's.
 """
 
 from __future__ import annotations
@@ -28,14 +25,8 @@ _MAX_LINE = 16 * 1024 * 1024  # one event record; a bigger one is a broken peer
 
 
 class SocketConnection:
-    """A connected blocking socket as the worker's end of a link (a
-    :class:`~.link.WorkerTransport` whose handshake is done: rank 0's end of an attachment).
-
-    Args:
-        sock: The socket (None: not connected yet).
-        file: Its ``makefile("rb")``.
-        where: The peer, for messages.
-    """
+    """A connected socket (and its ``makefile("rb")``) as a worker transport whose handshake
+    is done: rank 0's end of an attachment."""
 
     linger = 0.0  # a socket write is cheap: send what is queued at once
 
@@ -45,17 +36,14 @@ class SocketConnection:
         self.where = where
 
     def open(self, hello: bytes) -> bytes:
-        """Refused: the connection is open already."""
         raise OSError("the connection is open already")
 
     def send(self, data: bytes) -> None:
-        """Write lines (blocks while the peer does not read); ``OSError`` once it is gone."""
         if self._sock is None:
             raise OSError("the link is closed")
         self._sock.sendall(data)
 
     def receive(self) -> bytes:
-        """The next line, ``b""`` at the end of the connection."""
         file = self._file
         if file is None:
             return b""
@@ -66,7 +54,6 @@ class SocketConnection:
         return line
 
     def close(self, bye: bytes) -> None:
-        """Send ``bye`` and close the connection (a blocked :meth:`receive` returns)."""
         sock, self._sock = self._sock, None
         if sock is None:
             return
@@ -81,15 +68,8 @@ class SocketConnection:
 
 
 class SocketTransport(SocketConnection):
-    """The worker's side of the socket transport: connects to the driver on :meth:`open`.
-
-    Args:
-        address: The driver's ``host:port``; the host must be a loopback address.
-        timeout: Seconds for connecting and the handshake.
-
-    Raises:
-        ConfigError: a malformed or non-loopback address (naming ``TRAINBUS_DRIVER_ADDR``).
-    """
+    """The worker's side: connects to the driver's loopback ``host:port`` on :meth:`open`
+    (``ConfigError`` naming ``TRAINBUS_DRIVER_ADDR`` for another address)."""
 
     def __init__(self, address: str, timeout: float = 10.0) -> None:
         host, _, port = address.rpartition(":")
@@ -101,11 +81,6 @@ class SocketTransport(SocketConnection):
         self.timeout = check_seconds("timeout", timeout)
 
     def open(self, hello: bytes) -> bytes:
-        """Connect, send ``hello``, return the driver's answer line.
-
-        Raises:
-            LaunchError: the driver is unreachable or did not answer within ``timeout``.
-        """
         try:
             sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         except OSError as exc:
@@ -122,13 +97,8 @@ class SocketTransport(SocketConnection):
 
 
 class SocketDriver:
-    """The driver's side of the socket transport: listens on 127.0.0.1 (an ephemeral port, built
-    with :meth:`listen`) for one link, served into a :class:`DriverLink` by :meth:`serve`.
-
-    Args:
-        listener: A bound listener.
-        connect_timeout: Seconds a connection has to send its hello.
-    """
+    """The driver's side: a listener on 127.0.0.1 (:meth:`listen`) served into a
+    :class:`DriverLink`; a connection has ``connect_timeout`` seconds to send its hello."""
 
     def __init__(self, listener: anyio.abc.Listener[Any], *, connect_timeout: float) -> None:
         self._listener = listener
@@ -139,22 +109,18 @@ class SocketDriver:
 
     @classmethod
     async def listen(cls, *, connect_timeout: float = 10.0) -> SocketDriver:
-        """A listener on 127.0.0.1, on an ephemeral port."""
         listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
         return cls(listener, connect_timeout=check_seconds("connect_timeout", connect_timeout))
 
     async def serve(self, link: DriverLink) -> None:
-        """Accept connections until cancelled (each handled by the link's protocol)."""
         async with anyio.create_task_group() as tg:
             await self._listener.serve(lambda stream: self._handle(stream, link), tg)
 
     async def send(self, data: bytes) -> None:
-        """Write command lines to the linked worker (dropped when none is linked)."""
         if self._stream is not None:
             await self._stream.send(data)
 
     async def aclose(self) -> None:
-        """Stop listening."""
         await self._listener.aclose()
 
     async def _handle(self, stream: anyio.abc.SocketStream, link: DriverLink) -> None:
@@ -184,9 +150,9 @@ async def read_lines(
     *,
     backpressure: bool = True,
 ) -> None:
-    """Hand ``reader``'s lines to ``link`` (those ``control`` returns True for excepted) until
-    the stream or the link ends, then end the link. With ``backpressure``, every 256 lines it
-    stops reading while the driver's subscribers are behind: TCP then holds the sender back."""
+    """Hand ``reader``'s lines to ``link`` (except those ``control`` takes) until the stream
+    or the link ends, then end the link; with ``backpressure``, waiting for room (TCP then holds
+    the sender back)."""
     count = 0
     try:
         while not link.unlinked:
@@ -195,9 +161,7 @@ async def read_lines(
                 link.receive(line)
             count += 1
             if backpressure and count % 256 == 0:
-                # Polled: the bus has no "room" event for the loop thread.
-                while link.backlogged():  # noqa: ASYNC110
-                    await anyio.sleep(0.01)
+                await link.wait_room()
     except STREAM_GONE:
         pass
     finally:

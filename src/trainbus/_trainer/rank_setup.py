@@ -10,10 +10,9 @@ import torch
 
 from .._bus import EventBus
 from .._distributed.attach_server import AttachServer
-from .._distributed.data import release_model, shard_loader, wrap_model
+from .._distributed.data import check_mesh, release_model, shard_loader, wrap_model
 from .._distributed.group import ProcessGroup
 from .._distributed.link import WorkerLink
-from .._distributed.sharding import check_mesh
 from .._loop import FitResult, Settings
 
 __all__ = ["RankSetup"]

@@ -17,8 +17,7 @@ import torch
 from .. import events as ev
 from .._bus import EventBus, Tier
 from .._distributed.attach_server import attach_folder
-from .._distributed.data import unwrap_model
-from .._distributed.sharding import check_ddp
+from .._distributed.data import check_ddp, unwrap_model
 from .._distributed.sync import RankSync
 from .._exceptions import ConfigError, LostWorkError, TrainbusError
 from .._hookpoints import HookPoint

@@ -1,18 +1,13 @@
-"""Checkpoints: safe files (atomic, validated, ``weights_only``) and what they hold.
-
-Layer rule: this package imports torch and trainbus' leaf modules (``_exceptions``,
-``_validate``, ``events``) only, never the bus, the loop or the trainer.
-"""
+"""Checkpoints: safe files (atomic, validated, ``weights_only``) and what they hold."""
 
 from .._exceptions import CheckpointWriteError as CheckpointWriteError
 from ._data_order import EpochSampler as EpochSampler
 from ._data_order import capture_data_order as capture_data_order
 from ._data_order import replay_epoch as replay_epoch
 from ._data_order import set_sampler_epoch as set_sampler_epoch
-from ._export import export_full as export_full
-from ._reading import read_folder as read_folder
 from ._rng import capture_rng as capture_rng
 from ._rng import restore_rng as restore_rng
+from ._sharded import export_full as export_full
 from ._sharded import load_sharded as load_sharded
 from ._sharded import save_sharded as save_sharded
 from ._state import FORMAT_VERSION as FORMAT_VERSION
@@ -24,6 +19,7 @@ from ._store import check_checkpoint_dir as check_checkpoint_dir
 from ._store import latest_checkpoint as latest_checkpoint
 from ._store import load_checkpoint as load_checkpoint
 from ._store import read_checkpoint as read_checkpoint
+from ._store import read_folder as read_folder
 from ._store import save_checkpoint as save_checkpoint
 
 __all__ = [

@@ -1,16 +1,9 @@
 """The data order: what it takes to replay an epoch's batches after a resume.
 
-A shuffling ``DataLoader`` draws its permutation when the epoch's iterator is created and first
-advanced, from one random generator. Capturing that generator's state *before* ``iter(loader)``
-is enough to draw the same permutation again; skipping the batches already consumed then puts
-the resumed run at the exact batch it stopped at.
-
-Each loader is classified by the source of its order (``generator``, ``sampler``, ``global``,
-``sequential``, ``sequence``, ``distributed``, ``iterable``); docs/reliability.md tables which
-resume exactly. A custom sampler with its own state, or an iterable, cannot be rewound.
-
-Skipped batches are loaded and dropped (as the loop did before): resuming late in a long epoch
-costs that epoch's data loading up to the resume point.
+A shuffling ``DataLoader`` draws its permutation from one random generator when the epoch's
+iterator is first advanced: that generator's state captured *before* ``iter(loader)`` draws the
+same permutation again, and the batches already consumed are loaded and dropped. Each loader is
+classified by the source of its order; docs/reliability.md tables which kinds resume exactly.
 """
 
 from __future__ import annotations

@@ -89,7 +89,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 
 
 def _restore_cuda(states: list[torch.Tensor]) -> None:
-    """Set each existing CUDA device's generator from its saved (CPU byte tensor) state."""
+    """Set each existing CUDA device's generator from its saved state."""
     count = torch.cuda.device_count()
     if len(states) != count:
         log.warning(
@@ -104,21 +104,9 @@ def _restore_cuda(states: list[torch.Tensor]) -> None:
 
 @contextmanager
 def isolated_rng(device: torch.device) -> Iterator[None]:
-    """Run a block whose random draws leave the training's generators where they were.
-
-    An evaluation draws from the global generators (a ``DataLoader``'s base seed, a metric, a
-    model in eval mode); set back afterwards, those draws never shift the training's stream, so a
-    run with evaluations trains as the same run without, and a resume that skips an evaluation
-    draws what it would have. Kept: Python's ``random``, torch's CPU generator, NumPy's global
-    state and, on CUDA, the run's device's generator (host-side: no kernel, no sync). Paid once
-    per evaluation round.
-
-    Args:
-        device: The run's device (its CUDA generator is kept when it is a CUDA device).
-
-    Yields:
-        Nothing: the block runs, then the generators are set back.
-    """
+    """Run a block (an evaluation) whose random draws leave the training's generators (Python,
+    torch's CPU one, NumPy's, ``device``'s CUDA one) where they were, so a run with evaluations
+    trains as the same run without."""
     py = random.getstate()
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None

@@ -1,21 +1,6 @@
-"""Sharded checkpoints: one folder per save, written and resumed by every rank of an FSDP2 run.
-
-Under ``fully_shard`` each rank holds its own part of every parameter and optimizer moment, so
-every rank writes its part through ``torch.distributed.checkpoint`` (DCP) into one folder::
-
-    step-00000042[-tag]/
-        .metadata            DCP's index: which file holds which shard of which tensor
-        __0_0.distcp ...     DCP's per-rank files: model and optimizer state
-        trainbus.pt          rank 0: everything else of a one-file checkpoint (train state,
-                             metrics, scheduler, scaler, callbacks, metadata with full
-                             ``param_shapes`` and ``sharded``); empty ``model``/``optimizer``
-        rank-<r>.pt          each rank's RNG states and data order
-
-The write is atomic: every rank writes into a hidden temporary folder, the ranks agree that
-every part was written, rank 0 renames it into place; a failure on any rank removes it and is
-raised on every rank. Reading checks every file before anything is loaded; resuming
-(:func:`load_sharded`) agrees across ranks that each read its part of the same folder, then
-DCP loads the shards (resharded when the world size changed).
+"""Sharded checkpoints: one folder per save, written and resumed by every rank of an FSDP2 run
+through ``torch.distributed.checkpoint`` (DCP), and exported as one plain file. The folder's
+layout and its guarantees are docs/distributed.md's (FSDP2).
 """
 
 from __future__ import annotations
@@ -23,10 +8,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -34,14 +20,26 @@ import torch.distributed as dist
 from .._durable import fsync_file, fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
-from ._reading import STATE_FILE, one_line_reason, rank_file, read_folder, read_rank_file
 from ._rng import capture_rng
 from ._state import Checkpoint, TrainState, build_payload, check_plain
-from ._store import CheckpointStore, folder_name, temp_name
+from ._store import (
+    STATE_FILE,
+    CheckpointStore,
+    folder_name,
+    one_line_reason,
+    rank_file,
+    read_folder,
+    read_rank_file,
+    temp_name,
+    write_atomic,
+)
 
-__all__ = ["folder_name", "load_sharded", "save_sharded"]
+__all__ = ["export_full", "folder_name", "load_sharded", "save_sharded"]
 
 log = get_logger(__name__)
+
+_PREFIX = "model."  # the model entries of a DCP index
+T = TypeVar("T")
 
 
 def rank_and_world() -> tuple[int, int]:
@@ -50,10 +48,17 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _gather(value: T) -> list[T]:
+    """Every rank's ``value``, in rank order (a collective)."""
+    _, world = rank_and_world()
+    out = [value] * world
+    if world > 1:
+        dist.all_gather_object(out, value)
+    return out
+
+
 class RankFailure(NamedTuple):
-    """One rank's failure as every rank hears of it: ``text`` is ``"<type>: <message>"``;
-    ``errno`` / ``strerror`` those of a write the disk refused, else None.
-    """
+    """One rank's failure, ``"<type>: <message>"`` (and a refused write's errno)."""
 
     rank: int
     text: str
@@ -62,29 +67,13 @@ class RankFailure(NamedTuple):
 
 
 def gather_errors(error: BaseException | None) -> list[RankFailure]:
-    """Every rank's error, for the ranks that had one (``error``: this rank's, or None): a
-    collective, the same list on every rank.
-    """
-    rank, world = rank_and_world()
+    """A collective: every rank's failure, given this rank's error (or None)."""
     mine: tuple[str, int | None, str | None] | None = None
     if isinstance(error, CheckpointWriteError):
         mine = (f"{type(error).__name__}: {error}", error.errno, error.strerror)
     elif error is not None:
         mine = (f"{type(error).__name__}: {error}", None, None)
-    if world == 1:
-        return [] if mine is None else [RankFailure(rank, *mine)]
-    found: list[tuple[str, int | None, str | None] | None] = [None] * world
-    dist.all_gather_object(found, mine)
-    return [RankFailure(r, *f) for r, f in enumerate(found) if f is not None]
-
-
-def _broadcast(value: str) -> str:
-    _, world = rank_and_world()
-    if world == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    return [RankFailure(r, *f) for r, f in enumerate(_gather(mine)) if f is not None]
 
 
 def _torch_save(obj: object, path: Path) -> None:
@@ -113,18 +102,14 @@ def save_sharded(
     callback_states: Mapping[str, Mapping[str, Any]] | None = None,
     run: Mapping[str, Any] | None = None,
 ) -> Path:
-    """Write a sharded checkpoint folder ``directory / name``; every rank calls it.
+    """Write a sharded checkpoint folder ``directory / name`` atomically; every rank calls it.
 
     Args:
-        directory: The checkpoint folder (created on the first save).
         name: The checkpoint's folder name (``step-<n>[-<tag>]``).
-        state: Where the loop is.
         model, optimizer: The sharded model and its optimizer (saved through DCP).
-        scheduler, scaler: Saved through their ``state_dict()`` by rank 0 (None: absent).
-        metrics: The last evaluation's metrics.
         data_order: This rank's :func:`~trainbus.checkpoint.capture_data_order`.
-        callback_states: ``{name: state dict}`` (rank 0's are written).
-        run: The run's cadences and data shape, compared by a resume (``meta["run"]``).
+        directory, state, scheduler, scaler, metrics, callback_states, run: As for
+            :func:`~trainbus.checkpoint.save_checkpoint` (rank 0's written).
 
     Returns:
         The folder's path, the same on every rank; complete when this returns.
@@ -134,7 +119,7 @@ def save_sharded(
         CheckpointWriteError: this rank's or another rank's part could not be written (an
             ``OSError``, on every rank).
         CheckpointError: another rank's part failed otherwise (naming it). Nothing is
-            left half-written: the temporary folder is removed, earlier checkpoints stay.
+            left half-written.
     """
     rank, world = rank_and_world()
     final = directory / name
@@ -158,7 +143,7 @@ def save_sharded(
     except BaseException as exc:  # raised below on this rank, after the others heard of it
         error = exc
     _raise_agreed(error, gather_errors(error), final, None)
-    tmp = directory / _broadcast(tmp_name)
+    tmp = directory / _gather(tmp_name)[0]  # rank 0's
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
@@ -184,11 +169,8 @@ def save_sharded(
 def _raise_agreed(
     error: BaseException | None, failed: list[RankFailure], final: Path, tmp: Path | None
 ) -> None:
-    """After an agreement: when any rank failed, remove the temporary folder (rank 0) and
-    raise on every rank, of the same kind, so every rank's loop takes the same path: this
-    rank's own error; else the disk's refusal on another rank as a ``CheckpointWriteError``, a
-    state that cannot be saved as a ``ConfigError``, anything else as a ``CheckpointError``
-    naming the others' errors."""
+    """When any rank failed: remove the temporary folder and raise on every rank, of the same
+    kind (this rank's own error, else the others' as the error of that kind)."""
     if not failed:
         return
     rank, _ = rank_and_world()
@@ -209,8 +191,7 @@ def _raise_agreed(
 
 
 def _publish(tmp: Path, final: Path) -> None:
-    """Rename the complete temporary folder into place (rank 0), replacing an older folder of
-    the same name (a final save at a step saved before) only once the new one is complete."""
+    """Rank 0: rename the complete folder into place (over an older one of its name)."""
     fsync_folder(tmp)
     old: Path | None = None
     if final.exists():
@@ -224,11 +205,7 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _agree_path(path: str) -> None:
     """Every rank resumes the same checkpoint (a collective)."""
-    _, world = rank_and_world()
-    if world == 1:
-        return
-    paths: list[str | None] = [None] * world
-    dist.all_gather_object(paths, path)
+    paths = _gather(path)
     if len(set(paths)) > 1:
         raise CheckpointError("the ranks found different checkpoints to resume ("
                               + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
@@ -238,10 +215,8 @@ def _agree_path(path: str) -> None:
 def _find_sharded(
     resume: str | os.PathLike[str], checkpoint_dir: Path | None
 ) -> tuple[Checkpoint | None, str]:
-    """The sharded checkpoint to resume, this rank's view: ``"latest"`` in
-    ``checkpoint_dir`` or a folder. Returns it (None: ``"latest"`` found none) and what the folder
-    held, in words; ``CheckpointError`` for a one-file checkpoint or a damaged folder.
-    """
+    """This rank's view of the checkpoint to resume (None: none found) and what the folder
+    held; ``CheckpointError`` for a one-file checkpoint or a damaged folder."""
     advice = ("a sharded (fully_shard) model resumes from a checkpoint folder written by a "
               "sharded run; to start from an unsharded run's weights, load them into the model "
               "before fully_shard and start a fresh run")  # fmt: skip
@@ -269,12 +244,8 @@ def load_sharded(
     scheduler: Any | None,
     scaler: Any | None,
 ) -> tuple[Checkpoint | None, str]:
-    """Find, check and restore a sharded checkpoint on every rank (every rank calls it).
-
-    Each rank reads and checks the folder and its own ``rank-<r>.pt``; the ranks agree that
-    every one succeeded and found the same folder; then DCP loads each rank's shards of the
-    model and optimizer state (resharded when the world size changed), and the scheduler and
-    grad scaler are restored.
+    """Find, check and restore a sharded checkpoint (every rank calls it; DCP reshards for
+    another world size).
 
     Args:
         resume: ``"latest"`` or a checkpoint folder.
@@ -360,3 +331,57 @@ def _restore_state(
         scheduler.load_state_dict(checkpoint.scheduler)
     if scaler is not None and checkpoint.scaler is not None:
         scaler.load_state_dict(checkpoint.scaler)
+
+
+def _allocate(folder: Path) -> dict[str, torch.Tensor]:
+    """An empty full-size tensor for every model entry of the DCP index."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(folder)).read_metadata()
+    out: dict[str, torch.Tensor] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        if key.startswith(_PREFIX) and isinstance(item, TensorStorageMetadata):
+            out[key[len(_PREFIX) :]] = torch.empty(item.size, dtype=item.properties.dtype)
+    return out
+
+
+def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) -> Path:
+    """Write the full model state of a sharded checkpoint folder as one plain file, in one
+    process (no process group, no GPU), atomically.
+
+    Args:
+        folder: A sharded run's checkpoint folder (``step-<n>[-<tag>]/``).
+        path: The file to write (``model.pt``); its folder must exist.
+
+    Returns:
+        ``path``: a ``torch.save`` file of ``{parameter or buffer name: full tensor}`` (each equal
+        to its sharded parameter's ``full_tensor()``), for ``model.load_state_dict``.
+
+    Raises:
+        CheckpointError: ``folder`` is not a valid sharded checkpoint folder (a one-file
+            checkpoint is refused: it is plain already), or its shards cannot be read.
+        CheckpointWriteError: ``path`` cannot be written (an ``OSError``).
+    """
+    source = Path(folder)
+    if source.is_file():
+        raise CheckpointError("a one-file checkpoint: its 'model' entry is the full state "
+                              "already; export_full reads a sharded run's checkpoint folder",
+                              path=str(source))  # fmt: skip
+    read_folder(source)  # the folder checks first: index, shard files, trainbus.pt
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
+    model = _allocate(source)
+    try:
+        with warnings.catch_warnings():
+            # DCP warns that it loads in one process: what this call means to do.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp_load({"model": model}, checkpoint_id=str(source), no_dist=True)
+    except Exception as exc:
+        raise CheckpointError(f"its shards cannot be read: {exc}", path=str(source)) from exc
+    target = Path(path)
+    try:
+        write_atomic(model, target)
+    except OSError as exc:
+        raise CheckpointWriteError(str(target), exc) from exc
+    return target

@@ -50,12 +50,10 @@ FORMAT_VERSION = 2
 
 _PLAIN = (int, float, str, bool, type(None), torch.Tensor)
 
-# Parameter names as checkpoints write them: the original module's. ``torch.compile`` puts
-# ``_orig_mod`` in the keys of what it wraps (whole model or a submodule); checkpoints leave it
-# out and loading maps the keys onto the live model's, so a compiled run's checkpoint loads into
-# the plain model and back (``_orig_mod.`` keys written by hand load too).
-
-_WRAPPER = "_orig_mod"  # the attribute torch.compile's OptimizedModule keeps the module under
+# Checkpoints write the original module's parameter names, without the ``_orig_mod`` parts
+# torch.compile adds, and loading maps them onto the live model's: a compiled run's checkpoint
+# loads into the plain model and back.
+_WRAPPER = "_orig_mod"
 V = TypeVar("V")
 
 
@@ -72,18 +70,13 @@ def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
 
 
 def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
-    """A model's ``state_dict()`` under canonical keys, its ``_metadata`` (module versions read by
-    ``load_state_dict``) keyed the same way (wrapper and wrapped module map to one prefix: the
-    wrapped one, listed later, wins).
-    """
+    """A model's ``state_dict()`` (and its ``_metadata``) under canonical keys."""
     return _rekeyed(state, canonical_key, canonical_key)
 
 
 def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
-    """A saved state dict (canonical keys, or a compiled model's) keyed as ``model`` names its
-    entries (``saved`` itself when they match already; a key the model lacks stays as it is, so
-    ``load_state_dict`` names it).
-    """
+    """A saved state dict keyed as ``model`` names its entries (a key it lacks stays, for
+    ``load_state_dict`` to name)."""
     live_keys = list(model.state_dict().keys())
     if set(saved) == set(live_keys):
         return saved
@@ -107,18 +100,9 @@ def _rekeyed(
 class TrainState:
     """Where the loop is: enough to resume exactly. The one owner of the run's position.
 
-    The fields are read-only; the position advances only through the methods below (the loop
-    calls them at the points docs/events.md names), and a checkpoint reads and restores it
-    through :meth:`as_dict` / :meth:`from_dict`.
-
-    Args:
-        step: Optimizer steps completed.
-        epoch: The epoch in progress (or about to start).
-        batch_in_epoch: Training batches of ``epoch`` already consumed.
-        samples_seen: Training samples consumed since the run began (across resumes).
-        evaluated_step: The step whose evaluation round ran last (-1: none yet).
-        closed_epoch: The last epoch whose end work (its evaluation, an epoch scheduler's
-            step) ran (-1: none yet).
+    Each keyword argument sets the read-only property of its name; the position advances only
+    through the methods below, and a checkpoint stores it through :meth:`as_dict` /
+    :meth:`from_dict`.
     """
 
     __slots__ = (
@@ -241,14 +225,11 @@ def _trainbus_version() -> str:
 def run_metadata(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
 ) -> dict[str, Any]:
-    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume:
-    ``{"trainbus_version", "torch_version", "world_size", "param_shapes", "optimizer"}``.
-    """
+    """What a checkpoint records about the run that wrote it, to refuse a mismatched resume."""
     return {
         "trainbus_version": _trainbus_version(),
         "torch_version": str(torch.__version__),
         "world_size": int(world_size),
-        # The original module's names: a torch.compile'd model's are the same.
         "param_shapes": {
             n: list(p.shape) for n, p in canonical_names(model.named_parameters()).items()
         },
@@ -257,16 +238,8 @@ def run_metadata(
 
 
 def check_plain(value: object, where: str) -> None:
-    """Refuse anything ``torch.load(weights_only=True)`` could not load back.
-
-    Args:
-        value: A state to be saved.
-        where: Its name in the error message, e.g. ``"callback_states['EarlyStopping']"``.
-
-    Raises:
-        ConfigError: ``value`` holds something other than tensors, dict/list/tuple and
-            int/float/str/bool/None (dict keys must be str or int).
-    """
+    """``ConfigError`` naming where in ``value`` (a state to save, called ``where``) something
+    is that ``torch.load(weights_only=True)`` could not load back."""
     stack: list[tuple[object, str]] = [(value, where)]
     while stack:
         item, at = stack.pop()
@@ -299,19 +272,9 @@ def build_payload(
     sharded: bool = False,
     run: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The dictionary written to a checkpoint file (see the module docstring).
-
-    Args:
-        sharded: A sharded run's ``trainbus.pt``: the model and optimizer
-            entries are empty (their state is in the DCP files) and the metadata says so.
-            A DTensor parameter's shape is the full one: the metadata is the unsharded model's.
-        run: The run's cadences and data shape (``meta["run"]``), which a resume compares with
-            its own to warn when exactness is lost; None: not recorded.
-
-    Raises:
-        ConfigError: a callback state or the data order holds a value that
-            ``weights_only=True`` could not load.
-    """
+    """The payload of the module docstring (``sharded``: a sharded run's ``trainbus.pt``, with
+    empty model and optimizer entries); ``ConfigError`` for a state ``weights_only`` could not
+    load."""
     callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
     check_plain(callbacks, "callback_states")
     check_plain(data_order, "data_order")
@@ -492,12 +455,8 @@ def _rng_ok(rng: object) -> bool:
 
 
 def parse_payload(payload: object, path: Path) -> Checkpoint:
-    """Check the structure of a loaded payload and wrap it.
-
-    Raises:
-        CheckpointError: not a trainbus checkpoint (wrong magic), another format version, or a
-            missing / mistyped entry; the message names the file and the entry.
-    """
+    """A loaded payload, checked and wrapped; ``CheckpointError`` naming the file and the
+    entry that is wrong."""
     if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
         old = isinstance(payload, dict) and payload.get("format") == 1
         raise CheckpointError(

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import secrets
 import shutil
 import tempfile
 import threading
+import zipfile
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,11 +30,11 @@ from .._durable import fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from .._tensors import is_sharded_model
-from ._reading import read_file, read_folder
 from ._rng import capture_rng
-from ._state import Checkpoint, TrainState, build_payload
+from ._state import Checkpoint, TrainState, build_payload, parse_payload
 
 __all__ = [
+    "STATE_FILE",
     "TEMP_SUFFIX",
     "CheckpointStore",
     "LatestScan",
@@ -41,10 +43,14 @@ __all__ = [
     "folder_name",
     "latest_checkpoint",
     "load_checkpoint",
+    "one_line_reason",
     "parse_checkpoint_name",
+    "rank_file",
     "read_checkpoint",
+    "read_file",
+    "read_folder",
+    "read_rank_file",
     "save_checkpoint",
-    "save_synced",
     "temp_name",
     "write_atomic",
 ]
@@ -116,6 +122,139 @@ def check_checkpoint_dir(path: object) -> Path:
     return folder
 
 
+STATE_FILE = "trainbus.pt"
+"""The file of a checkpoint folder holding trainbus' own state (rank 0 writes it)."""
+_METADATA = ".metadata"
+
+
+def one_line_reason(exc: BaseException) -> str:
+    """An exception in one line (torch.load's refusals are a page around one line)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error" in line:
+            return " ".join(lines[i : i + 2])
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
+
+
+def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
+    """:func:`~trainbus.checkpoint.read_checkpoint` of a file."""
+    where = str(path)
+    if not path.is_file():
+        raise CheckpointError("no such file", path=where)
+    if path.stat().st_size == 0:
+        raise CheckpointError("empty file (0 bytes): a write that never completed", path=where)
+    # A damaged zip raises many kinds (BadZipFile, EOFError, struct.error, zlib.error...).
+    try:
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except MemoryError:
+        raise
+    except Exception as exc:
+        raise CheckpointError(f"not a complete checkpoint archive (truncated or not a torch "
+                              f"file): {exc}", path=where) from exc  # fmt: skip
+    if bad is not None:
+        raise CheckpointError(
+            f"corrupt: the archive member {bad!r} fails its CRC check", path=where
+        )
+    try:
+        payload = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        what = ("refused by safe loading (weights_only=True): it holds objects other than "
+                "tensors and plain containers, so it is not a trainbus checkpoint and may be "
+                f"crafted to run code ({one_line_reason(exc)})")  # fmt: skip
+        raise CheckpointError(what, path=where) from exc
+    except MemoryError:
+        raise
+    except Exception as exc:
+        why = one_line_reason(exc)
+        raise CheckpointError(f"torch.load cannot read it: {why}", path=where) from exc
+    return parse_payload(payload, path)
+
+
+def rank_file(rank: int) -> str:
+    """Rank ``rank``'s own file in a checkpoint folder."""
+    return f"rank-{rank}.pt"
+
+
+def _check_dcp_files(folder: Path) -> None:
+    """The DCP index parses and names files that are all present and long enough."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    if not (folder / _METADATA).is_file():
+        raise CheckpointError("no DCP index (.metadata): not a complete sharded checkpoint",
+                              path=str(folder))  # fmt: skip
+    try:
+        metadata = FileSystemReader(str(folder)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"its DCP index (.metadata) cannot be read: {one_line_reason(exc)}",
+                              path=str(folder)) from exc  # fmt: skip
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for relative, end in sorted(needed.items()):
+        file = folder / relative
+        if not file.is_file():
+            raise CheckpointError(f"missing the shard file {relative} (a rank's part of the "
+                                  "model and optimizer state)", path=str(folder))  # fmt: skip
+        size = file.stat().st_size
+        if size < end:
+            raise CheckpointError(f"the shard file {relative} is truncated ({size} bytes, the "
+                                  f"index needs {end})", path=str(folder))  # fmt: skip
+
+
+def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
+    """Read and check a sharded checkpoint folder; nothing is applied to a model yet.
+
+    Args:
+        folder: The checkpoint folder (``step-<n>[-<tag>]/``).
+
+    Returns:
+        The :class:`~trainbus.checkpoint.Checkpoint` of ``trainbus.pt`` (``meta["sharded"]``
+        True; empty ``model`` and ``optimizer``: they are in the DCP files).
+
+    Raises:
+        CheckpointError: not a folder, the DCP index is missing or unreadable, a shard file
+            or a rank's ``rank-<r>.pt`` is missing or truncated, or ``trainbus.pt`` is not a
+            valid trainbus payload. The message names the folder.
+    """
+    path = Path(folder)
+    if not path.is_dir():
+        raise CheckpointError("no such checkpoint folder", path=str(path))
+    _check_dcp_files(path)
+    if not (path / STATE_FILE).is_file():
+        raise CheckpointError(f"missing {STATE_FILE} (trainbus' own state, written by rank 0)",
+                              path=str(path))  # fmt: skip
+    inner = read_file(path / STATE_FILE)
+    checkpoint = replace(inner, path=path)
+    if not checkpoint.meta.get("sharded"):
+        raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",
+                              path=str(path))  # fmt: skip
+    world = int(checkpoint.meta["world_size"])
+    missing = [rank_file(r) for r in range(world) if not (path / rank_file(r)).is_file()]
+    if missing:
+        raise CheckpointError(f"missing {', '.join(missing)} (each rank's RNG and data order; "
+                              f"written by {world} ranks)", path=str(path))  # fmt: skip
+    return checkpoint
+
+
+def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s RNG states and data order; ``CheckpointError`` when it is missing,
+    damaged or foreign."""
+    path = folder / rank_file(rank)
+    try:
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+    except FileNotFoundError as exc:
+        raise CheckpointError(f"missing {rank_file(rank)}", path=str(folder)) from exc
+    except Exception as exc:
+        why = one_line_reason(exc)
+        raise CheckpointError(f"{rank_file(rank)} cannot be read (damaged, or not written by "
+                              f"trainbus): {why}", path=str(folder)) from exc  # fmt: skip
+    if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
+        raise CheckpointError(f"{rank_file(rank)} is not a trainbus rank file", path=str(folder))
+    return saved
+
+
 def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
     """Read and check a checkpoint (a ``.pt`` file, or a sharded run's folder); nothing is
     applied to a model yet.
@@ -139,36 +278,14 @@ def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") 
     return read_file(p, map_location=map_location)
 
 
-def save_synced(obj: Any, file: Any) -> None:
-    """``torch.save`` ``obj`` into the open binary ``file``, then flush and fsync it.
-
-    Raises:
-        OSError: the disk refused a write (its own error, not torch's errno-less
-            ``RuntimeError``).
-    """
-    sink = _Sink(file)
-    try:
-        torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
-    except OSError:
-        raise
-    except Exception as exc:
-        if sink.error is not None:
-            raise sink.error from exc
-        raise
-    file.flush()
-    os.fsync(file.fileno())
-
-
 def temp_name(name: str) -> str:
-    """A hidden temp name for writing ``name``: its writer's pid, so that
-    :meth:`CheckpointStore.clean_stale` can tell when the writer is gone."""
+    """A hidden temp name for writing ``name``, holding the writer's pid."""
     return f".{name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}"
 
 
 def write_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically: into a temp file beside it (named so
-    :meth:`CheckpointStore.clean_stale` knows a killed writer's), fsynced, renamed over ``path``,
-    the folder fsynced. Raises the ``OSError`` of a refused write (the temp file removed)."""
+    """``torch.save`` ``obj`` to ``path`` atomically (the module docstring's write); a refused
+    write's ``OSError``, the temp file removed."""
     tmp_name = temp_name(path.name)
     tmp = path.with_name(tmp_name)
     with _in_flight_lock:
@@ -179,7 +296,15 @@ def write_atomic(obj: Any, path: Path) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
                      0o666)  # fmt: skip
         with os.fdopen(fd, "wb") as f:
-            save_synced(obj, f)
+            sink = _Sink(f)
+            try:
+                torch.save(obj, sink)  # type: ignore[arg-type]  # write + flush suffice
+            except Exception as exc:  # torch reports a refused write without its errno
+                if sink.error is None or isinstance(exc, OSError):
+                    raise
+                raise sink.error from exc
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):  # also NotADirectoryError: a path under a file
@@ -192,8 +317,7 @@ def write_atomic(obj: Any, path: Path) -> None:
 
 
 class _Sink:
-    """The file ``torch.save`` writes to, remembering the ``OSError`` a write raised (torch
-    reports it as a ``RuntimeError`` without the errno)."""
+    """``torch.save``'s file, remembering the ``OSError`` a write raised."""
 
     __slots__ = ("_file", "error")
 
@@ -329,8 +453,6 @@ class CheckpointStore:
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             write_atomic(payload, path)
-        except CheckpointWriteError:
-            raise
         except OSError as exc:
             # The OS error alone names no file (torch.save's ENOSPC names nothing at all).
             raise CheckpointWriteError(str(path), exc) from exc
@@ -358,18 +480,9 @@ class CheckpointStore:
         found.sort(key=lambda t: (t[0], t[1]), reverse=True)
         return [p for _, _, p in found]
 
-    def load_latest(self, *, map_location: Any = "cpu") -> Checkpoint | None:
+    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
         """Read the newest valid checkpoint, skipping the others (each logged as
         ``checkpoint_skipped`` with its reason, never deleted).
-
-        Returns:
-            The newest valid checkpoint, or None when the folder holds none.
-        """
-        return self.find_latest(map_location=map_location).checkpoint
-
-    def find_latest(self, *, map_location: Any = "cpu") -> LatestScan:
-        """:meth:`load_latest`, also reporting what the folder held (what a resume says when it
-        finds nothing to load).
 
         Returns:
             The scan: the newest valid checkpoint (or None), the files skipped and why, and what
@@ -391,8 +504,8 @@ class CheckpointStore:
                           others=tuple(o for o in others if o not in dict(skipped)))  # fmt: skip
 
     def latest_valid(self) -> Path | None:
-        """Path of the newest valid checkpoint (see :meth:`load_latest`), or None."""
-        found = self.load_latest()
+        """Path of the newest valid checkpoint (see :meth:`find_latest`), or None."""
+        found = self.find_latest().checkpoint
         return None if found is None else found.path
 
 

@@ -1,19 +1,8 @@
 """The same training function on a Ray cluster, with its events and commands at the driver.
 
-::
-
-    import trainbus.ray
-    from ray.train import ScalingConfig
-
-    def train_fn(config):                       # runs on every Ray Train worker
-        trainer = Trainer(model, optimizer, loader, ...)
-        trainer.fit_sync()                           # rank 0 links to the driver by itself
-
-    result = trainbus.ray.launch(train_fn, scaling_config=ScalingConfig(num_workers=2),
-                                 setup=lambda bus: bus.stream(ev.MetricsLogged).subscribe(print))
-
 Needs the ``ray`` extra (``pip install 'trainbus[ray]'``); without it, :func:`launch` and
-:class:`RayLauncher` raise :class:`~trainbus.MissingExtraError`. See ``docs/distributed.md``.
+:class:`RayLauncher` raise :class:`~trainbus.MissingExtraError`. See docs/distributed.md
+("Ray: trainbus.ray") for an example.
 """
 
 from __future__ import annotations

@@ -51,9 +51,8 @@ class RayLaunchResult(LaunchResult):
 
 
 class _WorkerEntry:
-    """What every Ray Train worker runs: ``train_fn`` with the driver's address and token in its
-    environment (so rank 0's Trainer links by itself), restored after.
-    """
+    """What every worker runs: ``train_fn`` with the driver's address and token in its
+    environment (rank 0's Trainer links by itself)."""
 
     def __init__(self, train_fn: Callable[..., Any], address: str, token: str) -> None:
         self.train_fn = train_fn
@@ -95,30 +94,15 @@ def _required_params(fn: Callable[..., Any]) -> int:
 
 class RayLauncher(DriverBase):
     """Runs ``train_fn`` on a Ray Train ``TorchTrainer``; rank 0's events feed :attr:`bus`.
-
-    Inside ``train_fn`` build a :class:`~trainbus.Trainer` and fit as in any script: rank 0
-    links to this driver by itself, and this bus' commands are agreed across ranks as under
-    torchrun.
+    See docs/distributed.md ("Ray").
 
     Args:
         train_fn: The function every worker runs (no argument, or the ``config`` dict).
         scaling_config: A ``ray.train.ScalingConfig`` (workers, resources).
         run_config: A ``ray.train.RunConfig``, or None.
         train_loop_config: The dict ``train_fn`` receives, or None (an empty one).
-        setup: A function of the bus, called once before the launch.
-        callbacks: Callbacks set up on the driver's bus (instances or classes; no hooks).
-        bus: The driver's bus (default: a new :class:`~trainbus.EventBus`).
-        keep_events: How many of the last events the result or error carries.
-        stop_timeout: Seconds between the graceful stop of a Ctrl-C (or of a driver
-            subscriber failing the run) and killing the workers.
-        on_signal: As the Trainer's: SIGINT/SIGTERM on the main thread stop the workers
-            gracefully (the first sends ``StopTraining(reason="signal")``: every rank stops at
-            the same step and writes its final checkpoint; a second kills them at once and the
-            launch raises); then ``"return"`` returns with ``signal`` set, ``"raise"`` raises
-            ``KeyboardInterrupt`` (``SystemExit(143)`` for SIGTERM); None installs no handler.
-
-    Attributes:
-        bus: The driver's bus, where the subscribers run.
+        setup, callbacks, bus, keep_events, stop_timeout, on_signal: As
+            :class:`~trainbus.Launcher`'s (a second signal kills the workers).
 
     Raises:
         MissingExtraError: Ray Train is not installed (``pip install 'trainbus[ray]'``).
@@ -166,7 +150,6 @@ class RayLauncher(DriverBase):
         self._aborted = False  # the workers were killed (second signal, stop_timeout passed)
         self._driver: Any = None  # the RayDriver while launched
 
-    # ------------------------------------------------------------------ queries
     @property
     def refused(self) -> int:
         """Hellos refused so far (wrong token, or a second link)."""
@@ -174,12 +157,9 @@ class RayLauncher(DriverBase):
 
     @property
     def stop_reason(self) -> str | None:
-        """Why the workers stopped: their ``FitEnded.stop_reason`` once it arrived, else the
-        reason this driver asked them to stop with, else None.
-        """
+        """Why the workers stopped: theirs once it arrived, else this driver's, else None."""
         return self._workers_stop_reason()
 
-    # ------------------------------------------------------------------ control
     def stop(self, reason: str = "requested") -> None:
         """Ask the workers to stop gracefully (every rank at its next sync point). Safe from
         the event loop only."""
@@ -260,9 +240,8 @@ class RayLauncher(DriverBase):
             what += f"; {self._so_far()}"
         return LaunchError(what, returncode=None, **self._outcome())
 
-    # ------------------------------------------------------------------ stopping
     async def _abort(self) -> None:
-        """Kill the Ray Train workers (Ray then ends the run as failed)."""
+        """Kill the workers (Ray then ends the run as failed)."""
         if self._driver is None or self._aborted:
             return
         self._aborted = True

@@ -23,13 +23,8 @@ log = get_logger(__name__)
 class ReportToRay(Callback):
     """Calls ``ray.train.report`` on every rank at each checkpoint the Trainer writes (and,
     with ``evaluations=True``, after each evaluation), so the Ray ``Result`` holds the run's
-    metrics and latest checkpoint.
-
-    ``ray.train.report`` is a collective of every worker, so this callback runs on every rank
-    (``ranks = "all"``) and only at points every rank reaches alike (``CheckpointSaved``,
-    ``EvaluationEnded``); each report runs in a worker thread, in order. Rank 0 hands Ray a
-    folder holding the checkpoint file (a hard link, else a copy); the other ranks report their
-    metrics only.
+    metrics and latest checkpoint. Runs on every rank (``ray.train.report`` is a collective),
+    off the training thread; see docs/distributed.md ("Reporting to Ray").
 
     Args:
         evaluations: Also report after each evaluation (metrics, no checkpoint).

@@ -10,13 +10,10 @@ rank 0 and the driver.
     push(id, seq, lines)  (non-waiting) ──►  chunks ───── take() ────────►  DriverLink.receive
     commands(id, wait)  (long poll) ◄─────  commands ◄── put_commands() ──  DriverLink.forward
 
-- The worker pushes fire-and-forget, one call per batch (the sender lingers :data:`LINGER`
-  seconds for more: a Ray call costs about a tiny training step), each with a sequence
-  number so the driver reads them in rank 0's order.
-- The driver long-polls :meth:`_Mailbox.take` (returns with everything queued, or after
-  ``poll_interval`` with nothing): few calls, since each takes CPU from the workers.
-- Only the accepted link's pushes are kept. What crosses is :mod:`trainbus._wire` JSON lines
-  as bytes, never a pickled event or command.
+The worker pushes fire-and-forget, one call per batch (a Ray call costs about a tiny training
+step), numbered so the driver reads them in order; the driver long-polls :meth:`_Mailbox.take`
+(each call takes CPU from the workers). Only the accepted link's pushes are kept; what crosses
+is :mod:`trainbus._wire` JSON lines, never a pickle.
 """
 
 from __future__ import annotations
@@ -38,13 +35,12 @@ from .._validate import check_seconds
 
 __all__ = ["LINGER", "RayDriver", "RayTransport", "register_worker"]
 
-LINGER = 0.05
-"""Seconds the worker's sender waits after an event for more to join its batch."""
+LINGER = 0.05  # seconds the worker's sender waits after an event for more to join its batch
 _COMMAND_WAIT = 0.5  # seconds a worker's long poll for commands lasts
 
 
 class _Mailbox:
-    """The actor between rank 0 and the driver (see the module docstring)."""
+    """The actor between rank 0 and the driver."""
 
     def __init__(self) -> None:
         self._hellos: list[tuple[str, bytes]] = []
@@ -59,7 +55,6 @@ class _Mailbox:
         self._workers: list[Any] = []
         self._aborted = False
 
-    # ------------------------------------------------------------------ the worker's calls
     async def hello(self, link_id: str, line: bytes, wait: float) -> bytes:
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._replies[link_id] = future
@@ -92,26 +87,23 @@ class _Mailbox:
         self._wake.set()
 
     def register(self, worker: Any) -> bool:
-        """A Ray Train worker (its actor handle) starts ``train_fn``: True when the driver already
-        aborted the run (the worker must not start it).
-        """
+        """A worker's actor handle, before ``train_fn``: True when the run was aborted."""
         if not self._aborted:
             self._workers.append(worker)
         return self._aborted
 
-    # ------------------------------------------------------------------ the driver's calls
     def ready(self) -> bool:
         return True
 
     def abort(self) -> list[Any]:
-        """The registered workers' handles (for the driver to kill); later ones are refused."""
+        """The registered workers' handles, to kill; later ones are refused."""
         self._aborted = True
         workers, self._workers = self._workers, []
         return workers
 
     async def take(self, wait: float) -> tuple[list[tuple[str, bytes]], list[bytes]]:
-        """The hellos and the batches in order queued since the last take; waits up to
-        ``wait`` seconds for one when there is none."""
+        """The hellos and the batches (in order) since the last take, waiting up to ``wait``
+        seconds for one."""
         if not self._hellos and self._next not in self._chunks:
             await _wait(self._arrived, wait)
         hellos, self._hellos = self._hellos, []
@@ -145,9 +137,7 @@ _MailboxActor: Any = ray.remote(num_cpus=0)(_Mailbox)
 
 
 def parse_address(address: str) -> tuple[str, str]:
-    """``ray:<namespace>/<name>`` -> (namespace, name); ``ConfigError`` naming
-    ``TRAINBUS_DRIVER_ADDR`` when malformed.
-    """
+    """``ray:<namespace>/<name>`` -> (namespace, name); ``ConfigError`` when malformed."""
     scheme, _, rest = address.partition(":")
     namespace, _, name = rest.rpartition("/")
     if scheme != "ray" or not name or not namespace:
@@ -156,11 +146,8 @@ def parse_address(address: str) -> tuple[str, str]:
 
 
 def register_worker(address: str) -> bool:
-    """In a Ray Train worker, before ``train_fn``: hand the driver's mailbox this worker's actor
-    (so :meth:`RayDriver.abort_workers` can end it). Returns True when the driver already aborted
-    the run; raises ``ConfigError`` for a malformed address, ``LaunchError`` when the mailbox is
-    gone.
-    """
+    """In a Ray Train worker, before ``train_fn``: register it for
+    :meth:`RayDriver.abort_workers`; True when the run was aborted already."""
     me = ray.get_runtime_context().current_actor
     return bool(ray.get(_mailbox(address).register.remote(me)))
 
@@ -175,16 +162,8 @@ def _mailbox(address: str) -> Any:
 
 
 class RayTransport:
-    """The worker's side of the Ray transport (a :class:`~trainbus._distributed.link.
-    WorkerTransport`).
-
-    Args:
-        address: ``ray:<namespace>/<name>`` of the driver's mailbox actor.
-        timeout: Seconds for the handshake.
-
-    Raises:
-        ConfigError: a malformed address.
-    """
+    """The worker's side, for the mailbox at ``ray:<namespace>/<name>`` (``ConfigError``
+    when malformed)."""
 
     linger = LINGER
 
@@ -198,9 +177,6 @@ class RayTransport:
         self._closed = False
 
     def open(self, hello: bytes) -> bytes:
-        """Find the mailbox, send ``hello``, wait for the driver's answer; ``LaunchError`` when
-        the driver is gone or did not answer within ``timeout``.
-        """
         self._actor = _mailbox(self.where)
         try:
             reply: bytes = ray.get(
@@ -211,14 +187,12 @@ class RayTransport:
         return reply
 
     def send(self, data: bytes) -> None:
-        """Push event lines (a non-waiting call)."""
         if self._actor is None or self._closed:
             raise OSError("the link is closed")
         self._actor.push.remote(self._id, self._seq, data)
         self._seq += 1
 
     def receive(self) -> bytes:
-        """Long-poll the mailbox for command lines; ``b""`` once closed or refused."""
         while not self._closed and self._actor is not None:
             try:
                 out: bytes | None = ray.get(self._actor.commands.remote(self._id, _COMMAND_WAIT))
@@ -231,7 +205,6 @@ class RayTransport:
         return b""
 
     def close(self, bye: bytes) -> None:
-        """Push ``bye`` and release the long poll."""
         if self._actor is None or self._closed:
             return
         if bye:
@@ -241,14 +214,8 @@ class RayTransport:
 
 
 class RayDriver:
-    """The driver's side of the Ray transport: a named mailbox actor in this job's namespace
-    (Ray initialised), built with :meth:`start`.
-
-    Args:
-        actor: The mailbox actor's handle.
-        address: ``ray:<namespace>/<name>``.
-        poll_interval: The longest one read of the mailbox waits for a hello or a batch.
-    """
+    """The driver's side: a named mailbox actor in this job's namespace (:meth:`start`);
+    one read of it waits at most ``poll_interval`` seconds."""
 
     def __init__(self, actor: Any, address: str, *, poll_interval: float = 0.5) -> None:
         self._actor = actor
@@ -257,7 +224,7 @@ class RayDriver:
 
     @classmethod
     async def start(cls, *, poll_interval: float = 0.5) -> RayDriver:
-        """Start the mailbox actor and wait until it runs (a handshake never waits for it)."""
+        """Start the mailbox actor and wait until it runs."""
         namespace = ray.get_runtime_context().namespace
         name = f"trainbus-link-{secrets.token_hex(8)}"
         actor = _MailboxActor.options(name=name, namespace=namespace).remote()
@@ -265,7 +232,6 @@ class RayDriver:
         return cls(actor, f"ray:{namespace}/{name}", poll_interval=poll_interval)
 
     async def serve(self, link: DriverLink) -> None:
-        """Read the mailbox into the link until cancelled."""
         while True:
             ref = self._actor.take.remote(self.poll_interval)
             # Abandoned on cancel: the long poll ends by itself, or with the actor (aclose).
@@ -275,17 +241,13 @@ class RayDriver:
             for link_id, line in hellos:
                 reply = link.greet(line, f"ray worker {link_id}")
                 self._actor.answer.remote(link_id, reply or b"")
-            while link.backlogged():  # noqa: ASYNC110  (the bus has no "room" event)
-                await anyio.sleep(0.01)
+            await link.wait_room()
 
     async def send(self, data: bytes) -> None:
-        """Queue command lines for the linked worker (a non-waiting call)."""
         self._actor.put_commands.remote(data)
 
     async def abort_workers(self) -> int:
-        """Kill every Ray Train worker of the run at once (no graceful stop); workers Ray starts
-        afterwards return without running ``train_fn``. Returns how many were killed.
-        """
+        """Kill every worker of the run now (later ones never run ``train_fn``); how many."""
         workers = await anyio.to_thread.run_sync(ray.get, self._actor.abort.remote())
         for worker in workers:
             try:
@@ -295,5 +257,4 @@ class RayDriver:
         return len(workers)
 
     async def aclose(self) -> None:
-        """End the mailbox actor."""
         ray.kill(self._actor)

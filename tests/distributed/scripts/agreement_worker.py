@@ -1,4 +1,4 @@
-"""Run under torchrun (2 ranks, gloo): exercises CommandAgreement at sync points of a plain loop
+"""Run under torchrun (2 ranks, gloo): exercises RankSync at sync points of a plain loop
 and writes what each rank saw to <out>/rank<r>.json for tests/distributed/test_agreement.py."""
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 from trainbus import commands as cmd
-from trainbus._distributed.agreement import CommandAgreement
 from trainbus._distributed.group import ProcessGroup
+from trainbus._distributed.sync import RankSync
 
 LOG_EVERY = 4
 DECIDE_EVERY = 7
 MAX_STEPS = 60
 
 
-def simulated_run(agreement: CommandAgreement, group: ProcessGroup, seed: int) -> dict[str, int]:
+def simulated_run(agreement: RankSync, group: ProcessGroup, seed: int) -> dict[str, int]:
     """A plain loop: a gradient all-reduce per step (what DDP does, and what hangs when one rank
     stops alone), sync points at log-window closes (piggybacked flag) and decision steps."""
     rng = random.Random(seed * 1000 + group.rank)  # each rank decides alone, unknown to the other
@@ -42,11 +42,11 @@ def simulated_run(agreement: CommandAgreement, group: ProcessGroup, seed: int) -
             _, (any_pending,) = agreement.reduce_metrics_flags({"loss": 1.0}, (bool(pending),))
             if any_pending:
                 flagged += 1
-                agreed = agreement.exchange(pending)
+                agreed = agreement.agree(pending)
                 pending = []
         elif step % DECIDE_EVERY == 0:
             syncs += 1
-            agreed = agreement.exchange(pending)
+            agreed = agreement.agree(pending)
             pending = []
         if any(isinstance(c, cmd.StopTraining) for c in agreed):
             return {
@@ -69,7 +69,7 @@ def main() -> None:
     out = Path(sys.argv[1])
     runs = int(sys.argv[2])
     group = ProcessGroup.from_env(timeout=30)
-    agreement = CommandAgreement(group)
+    agreement = RankSync(group)
     result: dict[str, object] = {
         "rank": group.rank,
         "world_size": group.world_size,
@@ -77,13 +77,13 @@ def main() -> None:
     }
     # 1. a command on rank 1 only is applied by both
     only = [cmd.SetLearningRate(lr=0.5)] if group.rank == 1 else []
-    result["rank1_only"] = [repr(c) for c in agreement.exchange(only)]
+    result["rank1_only"] = [repr(c) for c in agreement.agree(only)]
     # 2. the same command from both ranks once; StopTraining once whatever the reasons
     both = [cmd.Evaluate(), cmd.StopTraining(reason=f"r{group.rank}")]
-    result["both"] = [repr(c) for c in agreement.exchange(both)]
+    result["both"] = [repr(c) for c in agreement.agree(both)]
     # 3. more than the first buffer holds: a second round
     many = [cmd.SaveCheckpoint(tag=f"t{i}") for i in range(40)] if group.rank == 1 else []
-    result["many"] = len(agreement.exchange(many))
+    result["many"] = len(agreement.agree(many))
     # 4. reduce_metrics averages
     result["mean"] = agreement.reduce_metrics({"loss": group.rank + 1.0, "acc": 10.0 * group.rank})
     # 5. a rank-0 StopTraining at a random step, many times over

@@ -25,13 +25,13 @@ import torch.distributed as dist
 from trainbus import EventBus, LaunchError
 from trainbus import commands as cmd
 from trainbus import events as ev
-from trainbus._distributed.agreement import CommandAgreement
 from trainbus._distributed.group import ProcessGroup
 from trainbus._distributed.link import ADDR_ENV, WorkerLink
+from trainbus._distributed.sync import RankSync
 
 
 def train(bus: EventBus, group: ProcessGroup, mode: str, max_steps: int) -> dict[str, object]:
-    agreement = CommandAgreement(group)
+    agreement = RankSync(group)
     bus.publish(ev.FitStarted(step=0, epoch=0, max_steps=max_steps, max_epochs=None,
                               device="cpu"))  # fmt: skip
     reason, stop_reason, step = "completed", None, 0
@@ -45,7 +45,7 @@ def train(bus: EventBus, group: ProcessGroup, mode: str, max_steps: int) -> dict
             time.sleep(0.5)  # what was published reaches the driver; then a hard death
             os.kill(os.getpid(), signal.SIGKILL)
         if step % 2 == 0:  # a sync point
-            for c in agreement.exchange(bus.port().poll_commands()):
+            for c in agreement.agree(bus.port().poll_commands()):
                 bus.publish(ev.CommandApplied(step=step, epoch=0, command=c))
                 if isinstance(c, cmd.StopTraining):
                     reason, stop_reason = "stopped", c.reason
