@@ -278,7 +278,6 @@ class PublishQueue:
         self._unpark_event: anyio.Event | None = None
         self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
-    # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
         """Queue ``event`` for delivery (any thread); waits while ``max_queue`` events wait.
 
@@ -320,7 +319,6 @@ class PublishQueue:
             self._room.clear()
             self._room.wait(self.flush_interval)
 
-    # ================================================================== counters
     def __len__(self) -> int:
         return len(self._events)
 
@@ -328,7 +326,6 @@ class PublishQueue:
         """Position of ``event`` (by identity) in the queue, or None."""
         return next((i for i, e in enumerate(self._events) if e is event), None)
 
-    # ================================================================== lifecycle
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
         self._running = True
@@ -346,7 +343,6 @@ class PublishQueue:
             self._events = _ClosedQueue(self._events)
         self._room.set()
 
-    # ================================================================== dispatch side
     def drain(self, limit: int | None = None) -> None:
         """Deliver the queued events (or the first ``limit``) in one slice on this thread;
         what subscribers publish meanwhile is delivered right after its cause."""
