@@ -137,11 +137,10 @@ class BusHolder:
 
     async def aclose(self) -> None:
         """Close a bus that does not run, then end the training thread. Idempotent."""
-        state = self._bus.state
-        if state in ("closing", "closed"):
+        if self.closed:
             self._end_thread()
             return
-        if state == "running" or self._portal is not None:
+        if self._bus.state == "running" or self._portal is not None:
             raise TrainbusError("aclose(): the bus runs in a `with` or `async with` block; "
                                 "leaving it closes the bus")  # fmt: skip
         try:
