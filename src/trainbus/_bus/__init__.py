@@ -250,7 +250,6 @@ class EventBus:
         """The back-channel as an Rx observer: ``pipeline.subscribe(bus.commands)``."""
         routes.register((ev.CommandApplied,), Observer(channel.acknowledge), "internal")
 
-    # ================================================================== state
     def port(self) -> LoopPort:
         """The loop's face of this bus (:class:`~trainbus._bus.LoopPort`), for loop
         implementers; the same object for the bus' lifetime."""
@@ -286,7 +285,6 @@ class EventBus:
         subscription counters."""
         return self._lifecycle.statistics()
 
-    # ================================================================== subscribing side
     @property
     def events(self) -> BusObservable[ev.BaseEvent]:
         """Every event, as a hot Observable whose subscribers run on the event-loop thread."""
@@ -451,7 +449,6 @@ class EventBus:
             ranks=ranks,
         )
 
-    # ================================================================== decision steps
     def declare_decision_steps(
         self, *, every: int | None = None, at: int | Iterable[int] | None = None
     ) -> abc.DisposableBase:
@@ -487,7 +484,6 @@ class EventBus:
         """
         return self._routes.tier(tier)
 
-    # ================================================================== delivery
     def flush(self) -> None:
         """Deliver every queued event now, on the calling thread.
 
@@ -511,7 +507,6 @@ class EventBus:
         """
         return await self._barrier.wait_delivered(timeout, event)
 
-    # ================================================================== cancelling
     def cancel_pending(self) -> dict[str, int]:
         """Cancel every async subscriber's pending work now, and what they receive later,
         counted as lost work (a close that waits too long). Event-loop thread only.
@@ -521,7 +516,6 @@ class EventBus:
         """
         return self._lifecycle.cancel_pending()
 
-    # ================================================================== commands
     def send(self, command: cmd.Command) -> None:
         """Put ``command`` on the back-channel. Safe from any thread; never blocks.
 
@@ -545,7 +539,6 @@ class EventBus:
         """
         return await self._channel.request(command)
 
-    # ================================================================== lifecycle
     async def __aenter__(self) -> Self:
         await self._lifecycle.open()
         return self

@@ -114,12 +114,8 @@ class StepClock:
 
     def next_decision(self, after_step: int) -> int | None:
         """The smallest declared decision step greater than ``after_step`` (None: none)."""
-        best: int | None = None
-        for steps in self._decision_steps:
-            step = steps.next_after(after_step)
-            if step is not None and (best is None or step < best):
-                best = step
-        return best
+        steps = [d.next_after(after_step) for d in self._decision_steps]
+        return min((step for step in steps if step is not None), default=None)
 
 
 ITEM_STEP: contextvars.ContextVar[int | None] = contextvars.ContextVar(

@@ -155,16 +155,13 @@ class RouteTable:
         self._doorbell = doorbell
         self._roots: list[Root] = []
         # Event type -> observers, in delivery order; replaced on change (copy-on-write).
-        self.cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
+        self._cache: dict[type, tuple[abc.ObserverBase[Any], ...]] = {}
         self._tier: Tier = "user"  # of the roots registered now
         self._demands: dict[type, Demand] = {}  # for the types a publisher asked about
 
     def wants(self, event_type: type) -> bool:
         """True when some root would receive events of ``event_type``."""
-        routes = self.cache.get(event_type)
-        if routes is None:
-            routes = self.resolve(event_type)
-        return bool(routes)
+        return bool(self.routes(event_type))
 
     def demand(self, event_type: type) -> Demand:
         """The :class:`Demand` of ``event_type`` (the same object for the table's lifetime)."""
@@ -176,16 +173,17 @@ class RouteTable:
 
     def _update_demands(self, passed: bool = False) -> None:
         for event_type, demand in self._demands.items():
-            roots = [r.observer for r in self._roots if issubclass(event_type, r.types)]
+            roots = self.routes(event_type)
             gates = [o for o in roots if isinstance(o, Sampled)]
             demand.update(len(gates) < len(roots), gates, passed=passed)
 
-    def resolve(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
-        """The observers ``event_type`` goes to, computed and cached."""
-        observers = tuple(r.observer for r in self._roots if issubclass(event_type, r.types))
-        routes = dict(self.cache)  # copy-on-write: a dispatch in progress keeps its view
-        routes[event_type] = observers
-        self.cache = routes
+    def routes(self, event_type: type) -> tuple[abc.ObserverBase[Any], ...]:
+        """The observers ``event_type`` goes to, in delivery order (cached)."""
+        observers = self._cache.get(event_type)
+        if observers is None:
+            observers = tuple(r.observer for r in self._roots if issubclass(event_type, r.types))
+            # Copy-on-write: a dispatch in progress keeps its view.
+            self._cache = {**self._cache, event_type: observers}
         return observers
 
     def register(
@@ -204,18 +202,19 @@ class RouteTable:
         root = Root(types, observer, TIER_ORDER[tier or self._tier])
         self._roots.append(root)
         self._roots.sort(key=lambda r: r.tier)  # stable: in order of subscription within a tier
-        self.cache = {}
-        self._update_demands()
-        self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
+        self._changed()
         return root
 
     def unregister(self, root: Root) -> None:
         """Remove ``root`` (idempotent)."""
         if root in self._roots:
             self._roots.remove(root)
-            self.cache = {}
-            self._update_demands()
-            self._doorbell.ring()
+            self._changed()
+
+    def _changed(self) -> None:
+        self._cache = {}
+        self._update_demands()
+        self._doorbell.ring()  # after the change: the loop that hears it re-reads its demand
 
     def observers(self) -> list[abc.ObserverBase[Any]]:
         """Every root observer, in delivery order (a copy: closing completes them)."""
@@ -278,7 +277,6 @@ class PublishQueue:
         self._unpark_event: anyio.Event | None = None
         self._call_soon: Callable[[Callable[[], None]], object] | None = None
 
-    # ================================================================== publishing side
     def publish(self, event: ev.BaseEvent) -> None:
         """Queue ``event`` for delivery (any thread); waits while ``max_queue`` events wait.
 
@@ -320,7 +318,6 @@ class PublishQueue:
             self._room.clear()
             self._room.wait(self.flush_interval)
 
-    # ================================================================== counters
     def __len__(self) -> int:
         return len(self._events)
 
@@ -328,7 +325,6 @@ class PublishQueue:
         """Position of ``event`` (by identity) in the queue, or None."""
         return next((i for i, e in enumerate(self._events) if e is event), None)
 
-    # ================================================================== lifecycle
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
         self._running = True
@@ -346,7 +342,6 @@ class PublishQueue:
             self._events = _ClosedQueue(self._events)
         self._room.set()
 
-    # ================================================================== dispatch side
     def drain(self, limit: int | None = None) -> None:
         """Deliver the queued events (or the first ``limit``) in one slice on this thread;
         what subscribers publish meanwhile is delivered right after its cause."""
@@ -377,12 +372,8 @@ class PublishQueue:
     def _deliver(self, event: ev.BaseEvent) -> None:
         self._stamp.step = event.step
         self._stamp.event_id = id(event)
-        table = self._routes
         # Re-read per event: a subscriber may subscribe during the slice.
-        observers = table.cache.get(type(event))
-        if observers is None:
-            observers = table.resolve(type(event))
-        for observer in observers:
+        for observer in self._routes.routes(type(event)):
             try:
                 observer.on_next(event)
             except Exception as exc:  # an operator that raised past RxPY: isolated

@@ -57,7 +57,6 @@ class AnyioScheduler(PeriodicScheduler):
         self._offset = 0.0
         self._on_failure = on_failure
 
-    # ------------------------------------------------------------------ scheduling
     def schedule(
         self, action: typing.ScheduledAction[_TState], state: _TState | None = None
     ) -> abc.DisposableBase:
@@ -115,7 +114,6 @@ class AnyioScheduler(PeriodicScheduler):
         if self._wake is not None:
             self._wake.set()
 
-    # ------------------------------------------------------------------ the timer task
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Run due actions until cancelled. Started by the bus in its task group."""
         self._token = anyio.lowlevel.current_token()

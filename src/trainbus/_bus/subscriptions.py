@@ -629,9 +629,9 @@ def env_rank(env: Mapping[str, str] | None = None) -> int:
     try:
         rank = int(text)
     except ValueError:
-        raise ConfigError.invalid("RANK", text, "an integer >= 0 (set by torchrun)") from None
+        rank = -1
     if rank < 0:
-        raise ConfigError.invalid("RANK", rank, "an integer >= 0 (set by torchrun)")
+        raise ConfigError.invalid("RANK", text, "an integer >= 0 (set by torchrun)")
     return rank
 
 

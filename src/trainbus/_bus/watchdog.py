@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol, TypeAlias, get_args
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError
-from .._log import get_logger
+from .._log import get_logger, worth_logging
 from .commands import Doorbell
 
 __all__ = [
@@ -30,7 +30,6 @@ __all__ = [
 ]
 
 
-# ================================================================== the watchdog
 log = get_logger(__name__)
 
 DEFAULT_WATCHDOG_S = 5.0
@@ -93,7 +92,6 @@ class Watchdog:
         self._stop.set()
         thread.join()
 
-    # ------------------------------------------------------------------ the watchdog thread
     def _watch(self) -> None:
         threshold = self.threshold
         assert threshold is not None
@@ -136,9 +134,6 @@ class Watchdog:
     def _ended(self, sub: Watched, blocked_s: float) -> None:
         sub.stalled(blocked_s, ended=True)
         log.info("subscriber_unblocked", subscription=sub.name, blocked_s=round(blocked_s, 3))
-
-
-# ================================================================== the failure ledger
 
 
 def check_policy(policy: ErrorPolicy | None) -> ErrorPolicy | None:
@@ -184,9 +179,9 @@ class FailureLedger:
         """Count, log (throttled) and apply ``sub``'s policy to ``exc`` raised on ``item``."""
         self.failed += 1
         policy = sub.on_error or self.default_policy
-        # Logged with its traceback the first time, then only at 10, 100, 1000, ... failures.
+        # The traceback only with the first failure (and the last).
         n = sub.failed
-        if n == 1 or ended or (n >= 10 and n == 10 ** (len(str(n)) - 1)):
+        if ended or worth_logging(n):
             log.error(
                 "subscriber_failed",
                 subscription=sub.name,

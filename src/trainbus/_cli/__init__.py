@@ -15,7 +15,6 @@ from .logs import configure_logging
 __all__ = ["main"]
 
 
-# ----------------------------------------------------------------------------- replay, plot, export
 def run_replay(args: argparse.Namespace) -> int:
     """Print the events of a recorded run ``--type`` and ``--steps`` select, one a line."""
     import dataclasses
@@ -74,7 +73,6 @@ def run_export(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------------------- entry point
 def _positive_int(text: str) -> int:
     try:
         value = int(text)

@@ -39,6 +39,11 @@ class HfOption:
 
 
 _OPT = "the optimizer you build: "
+_EVAL_STRATEGY = (
+    '`eval_schedule=EvalSchedule(every_steps=N, epoch_end=False)` for `"steps"`, '
+    '`EvalSchedule(epoch_end=True)` (the default, with `eval_data`) for `"epoch"`; no '
+    '`eval_data` for `"no"`'
+)
 
 
 def _ckpt(args: str) -> str:
@@ -92,13 +97,8 @@ HF_OPTIONS: tuple[HfOption, ...] = (
     HfOption("report_to", "`callbacks=[TensorBoardLogger(...)]`, `MLflowLogger(...)`, "
              "`WandbLogger(...)` or `JsonlEventLog(...)`", "callbacks"),
     HfOption("disable_tqdm", "`progress=False`", "progress"),
-    HfOption("eval_strategy", '`eval_schedule=EvalSchedule(every_steps=N, epoch_end=False)` '
-             'for `"steps"`, `EvalSchedule(epoch_end=True)` (the default, with `eval_data`) '
-             'for `"epoch"`; no `eval_data` for `"no"`', "eval_schedule"),
-    HfOption("evaluation_strategy", '`eval_schedule=EvalSchedule(every_steps=N, '
-             'epoch_end=False)` for `"steps"`, `EvalSchedule(epoch_end=True)` (the default, '
-             'with `eval_data`) for `"epoch"`; no `eval_data` for `"no"`', "eval_schedule",
-             current=False),
+    HfOption("eval_strategy", _EVAL_STRATEGY, "eval_schedule"),
+    HfOption("evaluation_strategy", _EVAL_STRATEGY, "eval_schedule", current=False),
     HfOption("eval_steps", "`eval_schedule=EvalSchedule(every_steps=N, epoch_end=False)` "
              "(`epoch_end=True`, the default, also evaluates at each epoch's end)",
              "eval_schedule"),

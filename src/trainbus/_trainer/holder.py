@@ -68,7 +68,6 @@ class BusHolder:
             raise TrainbusError(f"{block}: its bus runs already (an enclosing `with` or "
                                 "`async with`); enter it once")  # fmt: skip
 
-    # ================================================================== sync
     def enter(self) -> None:
         """``with trainer:``: start the portal every sync call of the block runs through."""
         self._check_enter("with trainer")
@@ -126,7 +125,6 @@ class BusHolder:
         with anyio.from_thread.start_blocking_portal(backend) as portal:
             return portal_call(portal, fn)
 
-    # ================================================================== async
     async def aenter(self) -> None:
         self._check_enter("async with trainer")
         await self._bus.__aenter__()
@@ -139,11 +137,10 @@ class BusHolder:
 
     async def aclose(self) -> None:
         """Close a bus that does not run, then end the training thread. Idempotent."""
-        state = self._bus.state
-        if state in ("closing", "closed"):
+        if self.closed:
             self._end_thread()
             return
-        if state == "running" or self._portal is not None:
+        if self._bus.state == "running" or self._portal is not None:
             raise TrainbusError("aclose(): the bus runs in a `with` or `async with` block; "
                                 "leaving it closes the bus")  # fmt: skip
         try:

@@ -196,7 +196,6 @@ class Trainer:
                                          callbacks=tuple(type(cb).__name__
                                                          for cb in self.callbacks)))  # fmt: skip
 
-    # ================================================================== callbacks and hooks
     def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
         """Add a callback (class or instance); while ``fit()`` runs, on the event-loop thread.
 
@@ -228,7 +227,6 @@ class Trainer:
         check_hook(point, fn)
         return self.hooks.add(point, fn, tier="user")
 
-    # ================================================================== lifetime
     def __enter__(self) -> Self:
         """``with Trainer(...) as t:``: the sync twins run through one portal until
         :meth:`close` at the block's end.
@@ -283,7 +281,6 @@ class Trainer:
         """
         await self._holder.aclose()
 
-    # ================================================================== running
     @explains_fit_keywords("fit_sync")
     def fit_sync(
         self,
