@@ -22,10 +22,10 @@ from .hooks import StepContext
 if TYPE_CHECKING:
     from ..checkpoint import TrainState
     from .hooks import Hooks
-    from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
-    from .trace import Tracer
+    from .wants import Tracer
+    from .window import UserMetrics
 
 __all__ = ["StepRunner", "TrainContext", "default_train_step"]
 

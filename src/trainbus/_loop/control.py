@@ -58,7 +58,7 @@ class CommandHandler:
         checkpoints: CheckpointWriter,
         evaluator: Evaluator,
         sync: RankSync | None = None,
-        log_metric: Callable[[str, float], None] | None = None,
+        log_metric: Callable[[str, float], None],
         stop: RunStop,
     ) -> None:
         self._s, self._port, self._state = settings, port, state
@@ -163,8 +163,6 @@ class CommandHandler:
                     for g in self._groups(group, name):
                         g["lr"] = g["lr"] * factor
                 case cmd.LogMetric(name=name, value=value):
-                    if self._log_metric is None:
-                        raise ConfigError.invalid("LogMetric", name, "a training run")
                     self._log_metric(name, value)
                 case _:
                     assert_never(command)

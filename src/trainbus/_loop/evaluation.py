@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import reprlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,7 +14,7 @@ from .._exceptions import ConfigError, TrainingError
 from .._hookpoints import HookPoint, StepContext
 from .._tensors import batch_size, move_to_device
 from ..checkpoint._rng import isolated_rng
-from .forward import forward_loss, metric_targets
+from .forward import loss_of, metric_targets, model_outputs
 from .set_metrics import MetricFailures, SetTotals, Totals
 
 if TYPE_CHECKING:
@@ -24,9 +24,7 @@ if TYPE_CHECKING:
     from .settings import Settings
     from .wants import Wants
 
-__all__ = ["EvalTrigger", "Evaluator", "evaluation_metric_names", "hooked_batch", "metric_name"]
-
-EvalTrigger: TypeAlias = ev.EvalTrigger
+__all__ = ["Evaluator", "evaluation_metric_names", "hooked_batch", "metric_name"]
 
 
 def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
@@ -237,7 +235,8 @@ class Evaluator:
                     skipped, batch = hooked_batch(s, st, hooks, bi, batch, "eval", dataset, trigger)
                     if not skipped:
                         with want.trace("forward", "eval", bi, None, dataset), s.autocast():
-                            outputs, loss = forward_loss(s, batch)
+                            outputs, targets = model_outputs(s, batch)
+                            loss = loss_of(s, outputs, targets)
                         loss, n = loss.detach(), batch_size(batch)
                         self._add(sums, totals, outputs, batch, n)
                         count += n

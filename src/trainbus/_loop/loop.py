@@ -23,9 +23,8 @@ from ..checkpoint._store import parse_checkpoint_name
 from .context import StepRunner
 from .control import BarrierWait, CommandHandler, RunStop
 from .data import EpochData
-from .evaluation import EvalTrigger, Evaluator
+from .evaluation import Evaluator
 from .hooks import Hooks
-from .logged import UserMetrics
 from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
 from .result import CancelFlag, Cancelled, FitResult
@@ -81,7 +80,6 @@ class Loop:
         self._sync = sync
         self.result: FitResult | None = None
         self._wants = Wants(port, state, settings.trace)
-        user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
         # No part refers back to one that refers to it: a dropped Trainer frees without gc.
         self._stop = RunStop(port.doorbell)
         self._guard = NonFiniteGuard(
@@ -90,7 +88,8 @@ class Loop:
             stop=self._stop.stop,
             agree=None if sync is None else sync.any_nonfinite,
         )
-        self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync, user=user)
+        self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync)
+        user = self._log_window.user  # ctx.log, LogMetric
         self._checkpoints = CheckpointWriter(settings, port, state, callback_states,
                                              window=self._log_window, guard=self._guard,
                                              sync=sync)  # fmt: skip
@@ -356,7 +355,7 @@ class Loop:
         ends_epoch = ends_epoch and running
         ends: tuple[ev.EvaluationEnded, ...] = ()
         if s.eval_data is not None and st.evaluated_step != st.step:
-            triggers: list[EvalTrigger] = []
+            triggers: list[ev.EvalTrigger] = []
             if cadence and s.eval_every is not None and st.step % s.eval_every == 0:
                 triggers.append("steps")
             if ends_epoch and s.eval_at_epoch_end:

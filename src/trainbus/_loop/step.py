@@ -19,9 +19,7 @@ from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
 from .context import TrainContext
-from .data import END
 from .forward import metric_targets
-from .nonfinite import mean_tensor
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
@@ -35,7 +33,10 @@ if TYPE_CHECKING:
     from .wants import Wants
     from .window import LogWindow
 
-__all__ = ["GradSync", "Step", "StepOutcome", "count_items", "item_weights"]
+__all__ = ["END", "GradSync", "Step", "StepOutcome", "count_items", "item_weights"]
+
+END = object()
+"""What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
 
 
 class StepOutcome(NamedTuple):
@@ -156,7 +157,8 @@ class Step:
             self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
-        step_loss = losses[0] if len(losses) == 1 else mean_tensor(losses)
+        # The mean with each loss divided before the sum (nonfinite.mean's rule), on the device.
+        step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).div(len(losses)).sum()
         if not self._guard.per_step and self._guard.active:
             step_loss = runner.checked(step_loss)
         ended: ev.StepEnded | None = None
@@ -260,7 +262,7 @@ class GradSync:
     def __init__(self, model: torch.nn.Module) -> None:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._deferring = False
-        self.deferred = 0  # backwards run without a reduction since the last reduced one
+        self._deferred = 0  # backwards run without a reduction since the last reduced one
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True
 
@@ -276,7 +278,7 @@ class GradSync:
     def backward_done(self) -> None:
         """A micro-batch's backward ran: its gradients are averaged (the last micro-batch's
         all-reduce covers what accumulated before it) or deferred."""
-        self.deferred = self.deferred + 1 if self._deferring else 0
+        self._deferred = self._deferred + 1 if self._deferring else 0
 
     def finish(self) -> None:
         """Before the optimizer step: DDP reduces again from the next backward, and gradients
@@ -286,9 +288,9 @@ class GradSync:
             return
         ddp.require_backward_grad_sync = True
         self._deferring = False
-        if not self.deferred:
+        if not self._deferred:
             return
-        self.deferred = 0
+        self._deferred = 0
         world = dist.get_world_size()
         for p in ddp.parameters():
             if p.grad is not None:
