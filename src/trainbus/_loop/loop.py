@@ -25,11 +25,10 @@ from .control import BarrierWait, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
 from .hooks import Hooks
-from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
 from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
-from .step import Step, StepOutcome
+from .step import SchedulerStepper, Step, StepOutcome
 from .wants import Wants
 from .window import LogWindow
 
@@ -312,19 +311,16 @@ class Loop:
         elif outcome.barrier_event is not None:
             self._control.barrier_then_poll(outcome.barrier_event)
         elif self._port.doorbell.rings != self._rings_seen:  # else nothing happened: one compare
-            self._poll_if_pending()
+            # Poll only when a subscriber failed, a command waits, a cancel was asked or a
+            # "block" buffer is full (each rings; other rings, a subscription made, need none).
+            port = self._port
+            self._rings_seen = port.doorbell.rings
+            pending = port.failure is not None or port.has_commands() or port.held
+            if pending or self._cancel.requested:
+                self._control.poll()
+                self._rings_seen = -1  # look again next step: the poll may have left some pending
         if self._sync is not None and self._log_window.agree_due():
             self._control.agree()  # a rank had commands at this log window's close
-
-    def _poll_if_pending(self) -> None:
-        """The poll point of a plain step after the doorbell rang: poll only when a subscriber
-        failed, a command waits, a cancel was asked or a ``"block"`` buffer is full (each rings
-        the doorbell; other rings, a subscription made say, need no poll)."""
-        port = self._port
-        self._rings_seen = port.doorbell.rings  # it rang since the last look (the caller asked)
-        if port.failure is not None or port.has_commands() or self._cancel.requested or port.held:
-            self._control.poll()
-            self._rings_seen = -1  # look again next step: the poll may have left some pending
 
     def _next_decision(self, step: int) -> int:
         """The first declared decision step after ``step`` (-1: none)."""
