@@ -6,6 +6,7 @@ and the opt-in trace: each part of a step ``Trainer(trace=...)`` names
 
 from __future__ import annotations
 
+import contextlib
 import time
 from types import TracebackType
 from typing import TYPE_CHECKING
@@ -19,19 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["Tracer", "Wants"]
 
 
-class _Off:
-    """The context of a part nobody traces: does nothing."""
-
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_OFF = _Off()
+_OFF = contextlib.nullcontext()
+"""The context of a part nobody traces."""
 
 
 class _Timed:
@@ -79,7 +69,7 @@ class Tracer:
         batch_index: int | None = None,
         micro_batch: int | None = None,
         dataset: str | None = None,
-    ) -> _Off | _Timed:
+    ) -> contextlib.nullcontext[None] | _Timed:
         """The context that times ``span`` (a do-nothing one when it is not traced)."""
         if not self.on or span not in self._spans:
             return _OFF
