@@ -83,11 +83,7 @@ class CommandHandler:
         self.poll(common=common)
 
     def decide(
-        self,
-        ended: ev.StepEnded | None,
-        barrier: ev.BaseEvent | None = None,
-        *,
-        common: bool = False,
+        self, ended: ev.StepEnded | None, barrier: ev.BaseEvent | None, *, common: bool
     ) -> None:
         """A decision step: wait at the step's ``barrier`` event (if any), then at its
         ``StepEnded`` whatever the barrier types (None: everything published), then poll."""
@@ -151,7 +147,7 @@ class CommandHandler:
                         raise ConfigError.invalid("eval_data", None, "data to evaluate on")
                     ends = self._evaluator.last_ends
                     if st.evaluated_step != st.step or not ends:
-                        ends = self._evaluator.run("command")
+                        ends = self._evaluator.run(("command",))
                         # applied on every rank alike
                         self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
                     # else: answered with this step's evaluation, not run again

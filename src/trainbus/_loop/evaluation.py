@@ -114,16 +114,15 @@ class Evaluator:
 
     def run(
         self,
-        trigger: ev.EvalTrigger,
+        triggers: tuple[ev.EvalTrigger, ...],
         sets: Sequence[tuple[str, Iterable[Any]]] | None = None,
-        *,
-        triggers: tuple[ev.EvalTrigger, ...] = (),
     ) -> tuple[ev.EvaluationEnded, ...]:
-        """One round over ``sets`` (default: the settings'), its hooks and events, every
-        ``XEnded`` published even when it raises; returns each set's ``EvaluationEnded``."""
+        """One round for ``triggers`` (the first is the round's ``trigger``) over ``sets``
+        (default: the settings'), its hooks and events, every ``XEnded`` published even when it
+        raises; returns each set's ``EvaluationEnded``."""
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
-        triggers = triggers or (trigger,)
+        trigger = triggers[0]
         self._wants.refresh()
         pub(ev.EvaluationRoundStarted(step=st.step, epoch=st.epoch, trigger=trigger,
                                       datasets=tuple(n for n, _ in sets),
@@ -136,7 +135,7 @@ class Evaluator:
                 try:
                     self._round_hooks("before_evaluation", trigger, None)
                     for name, data in sets:
-                        ended = self._run_set(trigger, triggers, name, data)
+                        ended = self._run_set(triggers, name, data)
                         ends.append(ended)
                         merged.update(ended.metrics)
                         if self._should_stop():
@@ -186,13 +185,10 @@ class Evaluator:
             raise first
 
     def _run_set(
-        self,
-        trigger: ev.EvalTrigger,
-        triggers: tuple[ev.EvalTrigger, ...],
-        name: str,
-        data: Iterable[Any],
+        self, triggers: tuple[ev.EvalTrigger, ...], name: str, data: Iterable[Any]
     ) -> ev.EvaluationEnded:
         s, pub, st = self._s, self._port.publish, self._state
+        trigger = triggers[0]
         model = s.model
         pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
                                  triggers=triggers))  # fmt: skip
@@ -362,7 +358,7 @@ class StandaloneRun:
         use_device(self._s.device)  # the training thread's current CUDA device
         evaluator = Evaluator(self._s, self._port, self._state, self._wants, self._check_cancel,
                               self._hooks, self.should_stop)  # fmt: skip
-        evaluator.run("standalone", sets)
+        evaluator.run(("standalone",), sets)
         return evaluator.metrics
 
     def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None,

@@ -363,7 +363,7 @@ class Loop:
                     and (s.eval_every is not None or s.eval_at_epoch_end)):  # fmt: skip
                 triggers.append("end")
             if triggers:
-                ends = self._evaluator.run(triggers[0], triggers=tuple(triggers))
+                ends = self._evaluator.run(tuple(triggers))
         if ends_epoch:
             st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":
