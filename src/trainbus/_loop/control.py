@@ -1,4 +1,5 @@
-"""Poll points and command application: how the loop obeys the back-channel (docs/bus.md)."""
+"""Poll points and command application: how the loop obeys the back-channel (docs/bus.md);
+the cancel and stop flags that end a run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
+from .result import Cancelled
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
@@ -18,13 +20,34 @@ if TYPE_CHECKING:
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["BarrierWait", "CommandHandler", "RunStop"]
+__all__ = ["BarrierWait", "CancelFlag", "CommandHandler", "RunStop"]
 
 # wait(event, resume) -> "done", "timeout" or "request" (apply it, then resume=True); event
 # None: the end of the run.
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
 
 _MAX_ROUNDS = 100  # drains of the commands sent while commands are applied
+
+
+class CancelFlag:
+    """A run's cancel request: asked from any thread (ringing ``doorbell``), checked by the
+    loop's parts."""
+
+    __slots__ = ("_doorbell", "requested")
+
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+        self.requested = False
+
+    def request(self) -> None:
+        """Ask the run to stop at its next check. Safe from any thread."""
+        self.requested = True
+        self._doorbell.ring()
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` when a cancel was asked."""
+        if self.requested:
+            raise Cancelled
 
 
 class RunStop:

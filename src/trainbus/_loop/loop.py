@@ -21,12 +21,12 @@ from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
 from .context import StepRunner
-from .control import BarrierWait, CommandHandler, RunStop
+from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
 from .hooks import Hooks
 from .nonfinite import NonFiniteGuard
-from .result import CancelFlag, Cancelled, FitResult
+from .result import Cancelled, FitResult
 from .saving import CheckpointWriter
 from .step import SchedulerStepper, Step, StepOutcome
 from .wants import Wants

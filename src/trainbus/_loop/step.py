@@ -26,9 +26,9 @@ if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
     from .context import StepRunner
+    from .control import CancelFlag
     from .hooks import Hooks
     from .nonfinite import NonFiniteGuard
-    from .result import CancelFlag
     from .settings import Settings
     from .wants import Wants
     from .window import LogWindow
