@@ -1,4 +1,4 @@
-"""The opt-in trace (``Trainer(trace=...)``, ``_loop/trace.py``): one ``SpanTraced`` per part
+"""The opt-in trace (``Trainer(trace=...)``, ``_loop/wants.py``): one ``SpanTraced`` per part
 of a step, off by default, with the error of a part that raised."""
 
 from __future__ import annotations

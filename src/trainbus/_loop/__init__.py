@@ -2,11 +2,11 @@
 (ARCHITECTURE.md, "The loop"). This package imports the bus only for types."""
 
 from .context import TrainContext as TrainContext
+from .evaluation import StandaloneRun as StandaloneRun
 from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
 from .hooks import HookHandle as HookHandle
 from .hooks import Hooks as Hooks
-from .logged import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 from .loop import Loop as Loop
 from .outputs import PadValue as PadValue
 from .outputs import PadValues as PadValues
@@ -16,7 +16,7 @@ from .result import FitResult as FitResult
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
-from .standalone import StandaloneRun as StandaloneRun
+from .window import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 
 __all__ = [
     "TRAIN_METRIC_NAMES",

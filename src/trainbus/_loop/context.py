@@ -22,10 +22,10 @@ from .hooks import StepContext
 if TYPE_CHECKING:
     from ..checkpoint import TrainState
     from .hooks import Hooks
-    from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
-    from .trace import Tracer
+    from .wants import Tracer
+    from .window import UserMetrics
 
 __all__ = ["StepRunner", "TrainContext", "default_train_step"]
 
@@ -194,20 +194,16 @@ class StepRunner:
         step's: ``accumulate_by="items"``) instead of ``1 / accumulation_steps``."""
         self._weight = weight
 
-    def hook_context(self, bi: int, micro: int, batch: Any) -> StepContext:
-        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step."""
+    def hook_context(
+        self, bi: int, micro: int, batch: Any, optimizer: torch.optim.Optimizer | None = None
+    ) -> StepContext:
+        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step, at
+        a step of ``optimizer`` (None: the run's)."""
         st, s = self.state, self.settings
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=batch, model=s.model, optimizer=s.optimizer,
+                           batch=batch, model=s.model,
+                           optimizer=s.optimizer if optimizer is None else optimizer,
                            metrics_sink=self.user.log)  # fmt: skip
-
-    def _after_hook_context(
-        self, optimizer: torch.optim.Optimizer, ctx: TrainContext
-    ) -> StepContext:
-        """The hook context of the step's last micro-batch at an optimizer step."""
-        hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
-        hc.optimizer = optimizer
-        return hc
 
     def annotate(self, exc: BaseException, where: str, bi: int) -> None:
         """Add a note naming the part, step, epoch and batch to an exception from the step."""
@@ -430,13 +426,13 @@ class StepRunner:
             self._unscaled = True
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
-            hc = self._after_hook_context(opt, ctx)
+            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
             self.run_hooks("before_optimizer_step", hooks, hc)
             if hc.skip:
                 self.zero_grad(opt, ctx.batch_index)
                 return False
         if self._own and self._clean:
-            self._warn_no_backward(name)
+            self._warn_no_backward(opt)
         grad_norm: torch.Tensor | None = None
         if s.clip_grad_norm is not None:
             params = s.model.parameters() if name is None else _params_of(opt)
@@ -457,7 +453,7 @@ class StepRunner:
         self.zero_grad(opt, ctx.batch_index)
         hooks = self._hooks.by_point["after_optimizer_step"]
         if hooks:
-            hc = self._after_hook_context(opt, ctx)
+            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
             hc.step = self.step + 1  # the step this update completes
             self.run_hooks("after_optimizer_step", hooks, hc)
         return True
@@ -525,13 +521,9 @@ class StepRunner:
         if not stepped:
             return False, None
         self.state.step_done()  # named optimizers stepped: the step is taken now
-        if len(stepped) == 1:
-            return True, next(iter(stepped.values()))
         norms = [n for n in stepped.values() if n is not None]
-        if not norms:
-            return True, None
-        if len(norms) == 1:
-            return True, norms[0]
+        if len(norms) <= 1:
+            return True, norms[0] if norms else None
         return True, torch.linalg.vector_norm(torch.stack(norms))
 
     def _check_called(self, ctx: TrainContext) -> None:
@@ -565,14 +557,12 @@ class StepRunner:
                 log.warning("optimizer_not_stepped", step_fn=self.name, optimizer=name,
                             step=self.state.step)  # fmt: skip
 
-    def _warn_no_backward(self, name: str | None) -> None:
+    def _warn_no_backward(self, opt: torch.optim.Optimizer) -> None:
         """A custom step stepped an optimizer with no ``ctx.backward`` since its last step:
         warned once when no parameter has a gradient (the step trains nothing)."""
         if "backward" in self._warned:
             return
         self._warned.add("backward")  # checked once: a step that trains keeps training
-        s = self.settings
-        opt = s.optimizer if name is None else s.optimizers[name]
         if any(p.grad is not None for p in _params_of(opt)):
             return  # a backward of its own (loss.backward()): it trains
         warnings.warn(

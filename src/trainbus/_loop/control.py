@@ -1,4 +1,5 @@
-"""Poll points and command application: how the loop obeys the back-channel (docs/bus.md)."""
+"""Poll points and command application: how the loop obeys the back-channel (docs/bus.md);
+the cancel and stop flags that end a run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING, Any, assert_never
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
+from .result import Cancelled
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
@@ -18,13 +20,34 @@ if TYPE_CHECKING:
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["BarrierWait", "CommandHandler", "RunStop"]
+__all__ = ["BarrierWait", "CancelFlag", "CommandHandler", "RunStop"]
 
 # wait(event, resume) -> "done", "timeout" or "request" (apply it, then resume=True); event
 # None: the end of the run.
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
 
 _MAX_ROUNDS = 100  # drains of the commands sent while commands are applied
+
+
+class CancelFlag:
+    """A run's cancel request: asked from any thread (ringing ``doorbell``), checked by the
+    loop's parts."""
+
+    __slots__ = ("_doorbell", "requested")
+
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+        self.requested = False
+
+    def request(self) -> None:
+        """Ask the run to stop at its next check. Safe from any thread."""
+        self.requested = True
+        self._doorbell.ring()
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` when a cancel was asked."""
+        if self.requested:
+            raise Cancelled
 
 
 class RunStop:
@@ -58,7 +81,7 @@ class CommandHandler:
         checkpoints: CheckpointWriter,
         evaluator: Evaluator,
         sync: RankSync | None = None,
-        log_metric: Callable[[str, float], None] | None = None,
+        log_metric: Callable[[str, float], None],
         stop: RunStop,
     ) -> None:
         self._s, self._port, self._state = settings, port, state
@@ -83,11 +106,7 @@ class CommandHandler:
         self.poll(common=common)
 
     def decide(
-        self,
-        ended: ev.StepEnded | None,
-        barrier: ev.BaseEvent | None = None,
-        *,
-        common: bool = False,
+        self, ended: ev.StepEnded | None, barrier: ev.BaseEvent | None, *, common: bool
     ) -> None:
         """A decision step: wait at the step's ``barrier`` event (if any), then at its
         ``StepEnded`` whatever the barrier types (None: everything published), then poll."""
@@ -151,7 +170,7 @@ class CommandHandler:
                         raise ConfigError.invalid("eval_data", None, "data to evaluate on")
                     ends = self._evaluator.last_ends
                     if st.evaluated_step != st.step or not ends:
-                        ends = self._evaluator.run("command")
+                        ends = self._evaluator.run(("command",))
                         # applied on every rank alike
                         self.barrier_then_poll(ends[-1], *ends[:-1], common=True)
                     # else: answered with this step's evaluation, not run again
@@ -163,8 +182,6 @@ class CommandHandler:
                     for g in self._groups(group, name):
                         g["lr"] = g["lr"] * factor
                 case cmd.LogMetric(name=name, value=value):
-                    if self._log_metric is None:
-                        raise ConfigError.invalid("LogMetric", name, "a training run")
                     self._log_metric(name, value)
                 case _:
                     assert_never(command)

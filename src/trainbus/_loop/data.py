@@ -1,5 +1,5 @@
 """The training data's side of the run: each epoch's batch iterator, its data order kept for
-checkpoints or replayed on resume. The step fetches with ``next(it, END)``.
+checkpoints or replayed on resume.
 """
 
 from __future__ import annotations
@@ -19,12 +19,9 @@ if TYPE_CHECKING:
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["END", "EpochData", "hint_pin_memory"]
+__all__ = ["EpochData", "hint_pin_memory"]
 
 log = get_logger(__name__)
-
-END = object()
-"""What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
 
 _hinted = False
 """The pin-memory hint was logged in this process (it is not repeated for every run)."""

@@ -1,32 +1,36 @@
-"""The evaluation pass: every evaluation set scored with the forward of ``forward.py``."""
+"""The evaluation pass: every evaluation set scored with the forward of ``forward.py``; and
+``trainer.evaluate()`` and ``trainer.predict()`` (:class:`StandaloneRun`): on the training thread
+like the loop, on the same bus and hooks; between batches ``StopTraining`` ends the pass, any
+other command is refused."""
 
 from __future__ import annotations
 
 import math
 import reprlib
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import ConfigError, TrainingError
 from .._hookpoints import HookPoint, StepContext
-from .._tensors import batch_size, move_to_device
+from .._tensors import batch_size, move_to_device, use_device
 from ..checkpoint._rng import isolated_rng
-from .forward import forward_loss, metric_targets
+from .forward import loss_of, metric_targets, model_outputs
+from .outputs import KeptOutputs, PadValues, map_tensors, without_keys
+from .result import Cancelled
 from .set_metrics import MetricFailures, SetTotals, Totals
+from .wants import Wants
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
     from .hooks import HookFn, Hooks
     from .settings import Settings
-    from .wants import Wants
 
-__all__ = ["EvalTrigger", "Evaluator", "evaluation_metric_names", "hooked_batch", "metric_name"]
-
-EvalTrigger: TypeAlias = ev.EvalTrigger
+__all__ = ["Evaluator", "StandaloneRun", "evaluation_metric_names", "hooked_batch", "metric_name"]
 
 
 def _metric_value(name: str, value: Any, device: torch.device) -> torch.Tensor:
@@ -110,16 +114,15 @@ class Evaluator:
 
     def run(
         self,
-        trigger: ev.EvalTrigger,
+        triggers: tuple[ev.EvalTrigger, ...],
         sets: Sequence[tuple[str, Iterable[Any]]] | None = None,
-        *,
-        triggers: tuple[ev.EvalTrigger, ...] = (),
     ) -> tuple[ev.EvaluationEnded, ...]:
-        """One round over ``sets`` (default: the settings'), its hooks and events, every
-        ``XEnded`` published even when it raises; returns each set's ``EvaluationEnded``."""
+        """One round for ``triggers`` (the first is the round's ``trigger``) over ``sets``
+        (default: the settings'), its hooks and events, every ``XEnded`` published even when it
+        raises; returns each set's ``EvaluationEnded``."""
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
-        triggers = triggers or (trigger,)
+        trigger = triggers[0]
         self._wants.refresh()
         pub(ev.EvaluationRoundStarted(step=st.step, epoch=st.epoch, trigger=trigger,
                                       datasets=tuple(n for n, _ in sets),
@@ -132,7 +135,7 @@ class Evaluator:
                 try:
                     self._round_hooks("before_evaluation", trigger, None)
                     for name, data in sets:
-                        ended = self._run_set(trigger, triggers, name, data)
+                        ended = self._run_set(triggers, name, data)
                         ends.append(ended)
                         merged.update(ended.metrics)
                         if self._should_stop():
@@ -182,13 +185,10 @@ class Evaluator:
             raise first
 
     def _run_set(
-        self,
-        trigger: ev.EvalTrigger,
-        triggers: tuple[ev.EvalTrigger, ...],
-        name: str,
-        data: Iterable[Any],
+        self, triggers: tuple[ev.EvalTrigger, ...], name: str, data: Iterable[Any]
     ) -> ev.EvaluationEnded:
         s, pub, st = self._s, self._port.publish, self._state
+        trigger = triggers[0]
         model = s.model
         pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
                                  triggers=triggers))  # fmt: skip
@@ -237,7 +237,8 @@ class Evaluator:
                     skipped, batch = hooked_batch(s, st, hooks, bi, batch, "eval", dataset, trigger)
                     if not skipped:
                         with want.trace("forward", "eval", bi, None, dataset), s.autocast():
-                            outputs, loss = forward_loss(s, batch)
+                            outputs, targets = model_outputs(s, batch)
+                            loss = loss_of(s, outputs, targets)
                         loss, n = loss.detach(), batch_size(batch)
                         self._add(sums, totals, outputs, batch, n)
                         count += n
@@ -309,3 +310,114 @@ class Evaluator:
                 continue
             out[metric_name(dataset, name, named=s.eval_named)] = value
         return out
+
+
+class StandaloneRun:
+    """One ``evaluate()`` or ``predict()`` call; ``state`` stamps the events (the trainer's
+    last train state, or a fresh one). ``stop_reason``: the ``StopTraining`` reason that ended
+    the pass early, else None."""
+
+    def __init__(self, settings: Settings, port: LoopPort, hooks: Hooks, state: TrainState) -> None:
+        self._s, self._port, self._hooks, self._state = settings, port, hooks, state
+        self._wants = Wants(port, self._state, self._s.trace)
+        self._cancel = False
+        self.stop_reason: str | None = None
+
+    def request_cancel(self) -> None:
+        """Stop at the next batch (the call was cancelled). Safe from any thread."""
+        self._cancel = True
+
+    def _check_cancel(self) -> None:
+        if self._cancel:
+            raise Cancelled
+
+    def should_stop(self) -> bool:
+        """A poll point: wait while a ``"block"`` buffer is full, raise a ``raise`` subscriber's
+        failure, apply the queued commands; True once a ``StopTraining`` arrived."""
+        port, st = self._port, self._state
+        if port.held and self.stop_reason is None:
+            port.wait_for_room(lambda: self._cancel)
+        failure = port.failure
+        if failure is not None:
+            raise failure
+        for command in port.poll_commands():
+            error: ConfigError | None = None
+            if isinstance(command, cmd.StopTraining):
+                self.stop_reason = self.stop_reason or command.reason
+            else:
+                error = ConfigError.invalid(
+                    "command", type(command).__name__,
+                    "StopTraining: the only command applied outside fit()",
+                )  # fmt: skip
+            port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
+                                          error=error))  # fmt: skip
+        return self.stop_reason is not None
+
+    def evaluate(self, sets: Sequence[tuple[str, Iterable[Any]]]) -> dict[str, float]:
+        """Score ``sets`` in one ``trigger="standalone"`` round; return the merged metrics."""
+        use_device(self._s.device)  # the training thread's current CUDA device
+        evaluator = Evaluator(self._s, self._port, self._state, self._wants, self._check_cancel,
+                              self._hooks, self.should_stop)  # fmt: skip
+        evaluator.run(("standalone",), sets)
+        return evaluator.metrics
+
+    def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None,
+                ignore: frozenset[str] = frozenset()) -> list[Any]:  # fmt: skip
+        """Run the model on every batch of ``data`` inside ``PredictionStarted/Ended``; with
+        ``keep``, return every batch's outputs without the ``ignore`` keys, detached and on the
+        host, each checked as it comes to be joinable with ``pad`` (else ``[]``)."""
+        s, port, st, w = self._s, self._port, self._state, self._wants
+        kept = KeptOutputs(pad or PadValues(), s.device) if keep else None
+        use_device(s.device)  # the training thread's current CUDA device
+        pub = port.publish
+        w.refresh()
+        try:
+            total: int | None = len(data)  # type: ignore[arg-type]
+        except TypeError:
+            total = None
+        pub(ev.PredictionStarted(step=st.step, epoch=st.epoch, batches=total))
+        hooks = self._hooks.by_point["eval_batch"]
+        on_cpu = s.device.type == "cpu"
+        done = 0
+        error: BaseException | None = None
+        model = s.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                for bi, batch in enumerate(data):
+                    self._check_cancel()
+                    if self.should_stop():
+                        break
+                    w.refresh()
+                    skipped, batch = hooked_batch(s, st, hooks, bi, batch, "predict")
+                    if skipped:
+                        continue
+                    try:
+                        with w.trace("forward", "predict", bi), s.autocast():
+                            outputs = model_outputs(s, batch, targets=False)[0]
+                            outputs = without_keys(
+                                map_tensors(torch.Tensor.detach, outputs), ignore
+                            )
+                    except BaseException as exc:
+                        exc.add_note(f"trainbus: raised in predict, batch {bi}")
+                        raise
+                    done += 1
+                    if kept is not None:
+                        kept.add(outputs, bi)
+                    if w.prediction_batch_ended:
+                        # A copy: a CUDA graph's next replay overwrites them (docs/compile.md).
+                        if not on_cpu:
+                            outputs = map_tensors(torch.Tensor.clone, outputs)
+                        pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
+                                                    outputs=outputs,
+                                                    samples=batch_size(batch)))  # fmt: skip
+                    del outputs  # hold no batch past its event
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            model.train(was_training)
+            pub(ev.PredictionEnded(step=st.step, epoch=st.epoch, batches=done, error=error,
+                                   stopped=self.stop_reason is not None))  # fmt: skip
+        return [] if kept is None else kept.batches()

@@ -15,23 +15,16 @@ from .._exceptions import TrainingError
 if TYPE_CHECKING:
     from .settings import Settings
 
-__all__ = ["forward_loss", "loss_of", "metric_targets", "model_outputs", "split_batch"]
+__all__ = ["loss_of", "metric_targets", "model_outputs"]
 
-
-def split_batch(batch: Any) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of a two-element tuple/list batch, else ``TrainingError``."""
-    if isinstance(batch, tuple | list) and len(batch) == 2:
-        return batch[0], batch[1]
-    raise TrainingError(
-        f"with loss_fn, each batch must be (inputs, targets); got {type(batch).__name__}"
-        + (f" of length {len(batch)}" if isinstance(batch, tuple | list) else "")
-    )
+_PAIR = (tuple, list)
+"""The types of an ``(inputs, targets)`` batch (of two elements)."""
 
 
 def metric_targets(batch: Any) -> Any:
     """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md); a
     mapping without ``"labels"`` is a ``TrainingError``."""
-    if isinstance(batch, tuple | list) and len(batch) == 2:
+    if isinstance(batch, _PAIR) and len(batch) == 2:
         return batch[1]
     if isinstance(batch, Mapping):
         if "labels" not in batch:
@@ -49,15 +42,17 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
     input as a whole instead of a ``TrainingError``."""
     model = s.model
     if s.loss_fn is not None:
-        if type(batch) is tuple and len(batch) == 2:  # the common batch, without a call
+        if isinstance(batch, _PAIR) and len(batch) == 2:
             return model(batch[0]), batch[1]
-        if targets or (isinstance(batch, tuple | list) and len(batch) == 2):
-            inputs, wanted = split_batch(batch)
-            return model(inputs), wanted
+        if targets:
+            raise TrainingError(
+                f"with loss_fn, each batch must be (inputs, targets); got {type(batch).__name__}"
+                + (f" of length {len(batch)}" if isinstance(batch, _PAIR) else "")
+            )
     try:
         return (model(**batch) if isinstance(batch, Mapping) else model(batch)), None
     except TypeError as exc:
-        if s.loss_fn is None and isinstance(batch, tuple | list):
+        if s.loss_fn is None and isinstance(batch, _PAIR):
             exc.add_note(
                 f"trainbus: without loss_fn the model is called with the whole batch (a "
                 f"{type(batch).__name__} of {len(batch)}); for (inputs, targets) batches pass "
@@ -82,9 +77,3 @@ def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
         f"the model returned {type(outputs).__name__} with no loss: without loss_fn the model "
         "must return the loss, a mapping with a 'loss' key, or an object with a .loss attribute"
     )
-
-
-def forward_loss(s: Settings, batch: Any) -> tuple[Any, Any]:
-    """``(outputs, loss)``: :func:`model_outputs` then :func:`loss_of` (no hook between)."""
-    outputs, targets = model_outputs(s, batch)
-    return outputs, loss_of(s, outputs, targets)

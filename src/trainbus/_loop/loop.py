@@ -21,16 +21,14 @@ from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
 from .context import StepRunner
-from .control import BarrierWait, CommandHandler, RunStop
+from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
 from .data import EpochData
-from .evaluation import EvalTrigger, Evaluator
+from .evaluation import Evaluator
 from .hooks import Hooks
-from .logged import UserMetrics
-from .lr_schedule import SchedulerStepper
 from .nonfinite import NonFiniteGuard
-from .result import CancelFlag, Cancelled, FitResult
+from .result import Cancelled, FitResult
 from .saving import CheckpointWriter
-from .step import Step, StepOutcome
+from .step import SchedulerStepper, Step, StepOutcome
 from .wants import Wants
 from .window import LogWindow
 
@@ -81,7 +79,6 @@ class Loop:
         self._sync = sync
         self.result: FitResult | None = None
         self._wants = Wants(port, state, settings.trace)
-        user = UserMetrics()  # ctx.log, LogMetric: joined to the log window's metrics
         # No part refers back to one that refers to it: a dropped Trainer frees without gc.
         self._stop = RunStop(port.doorbell)
         self._guard = NonFiniteGuard(
@@ -90,7 +87,8 @@ class Loop:
             stop=self._stop.stop,
             agree=None if sync is None else sync.any_nonfinite,
         )
-        self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync, user=user)
+        self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync)
+        user = self._log_window.user  # ctx.log, LogMetric
         self._checkpoints = CheckpointWriter(settings, port, state, callback_states,
                                              window=self._log_window, guard=self._guard,
                                              sync=sync)  # fmt: skip
@@ -313,19 +311,16 @@ class Loop:
         elif outcome.barrier_event is not None:
             self._control.barrier_then_poll(outcome.barrier_event)
         elif self._port.doorbell.rings != self._rings_seen:  # else nothing happened: one compare
-            self._poll_if_pending()
+            # Poll only when a subscriber failed, a command waits, a cancel was asked or a
+            # "block" buffer is full (each rings; other rings, a subscription made, need none).
+            port = self._port
+            self._rings_seen = port.doorbell.rings
+            pending = port.failure is not None or port.has_commands() or port.held
+            if pending or self._cancel.requested:
+                self._control.poll()
+                self._rings_seen = -1  # look again next step: the poll may have left some pending
         if self._sync is not None and self._log_window.agree_due():
             self._control.agree()  # a rank had commands at this log window's close
-
-    def _poll_if_pending(self) -> None:
-        """The poll point of a plain step after the doorbell rang: poll only when a subscriber
-        failed, a command waits, a cancel was asked or a ``"block"`` buffer is full (each rings
-        the doorbell; other rings, a subscription made say, need no poll)."""
-        port = self._port
-        self._rings_seen = port.doorbell.rings  # it rang since the last look (the caller asked)
-        if port.failure is not None or port.has_commands() or self._cancel.requested or port.held:
-            self._control.poll()
-            self._rings_seen = -1  # look again next step: the poll may have left some pending
 
     def _next_decision(self, step: int) -> int:
         """The first declared decision step after ``step`` (-1: none)."""
@@ -356,7 +351,7 @@ class Loop:
         ends_epoch = ends_epoch and running
         ends: tuple[ev.EvaluationEnded, ...] = ()
         if s.eval_data is not None and st.evaluated_step != st.step:
-            triggers: list[EvalTrigger] = []
+            triggers: list[ev.EvalTrigger] = []
             if cadence and s.eval_every is not None and st.step % s.eval_every == 0:
                 triggers.append("steps")
             if ends_epoch and s.eval_at_epoch_end:
@@ -368,7 +363,7 @@ class Loop:
                     and (s.eval_every is not None or s.eval_at_epoch_end)):  # fmt: skip
                 triggers.append("end")
             if triggers:
-                ends = self._evaluator.run(triggers[0], triggers=tuple(triggers))
+                ends = self._evaluator.run(tuple(triggers))
         if ends_epoch:
             st.epoch_closed()
             if s.scheduler is not None and s.scheduler_interval == "epoch":

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from ..checkpoint import TrainState
     from .settings import Settings
 
-__all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "mean", "mean_tensor"]
+__all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "mean"]
 
 log = get_logger(__name__)
 
@@ -32,11 +32,6 @@ def mean(values: list[float]) -> float:
     non-finite only when a value is (two losses of 1e308 sum to inf)."""
     n = len(values)
     return sum(v / n for v in values)
-
-
-def mean_tensor(losses: list[torch.Tensor]) -> torch.Tensor:
-    """:func:`mean` on the device, of one step's micro-batch losses (no sync)."""
-    return torch.stack(losses).div(len(losses)).sum()
 
 
 class NonFiniteGuard:

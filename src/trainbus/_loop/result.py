@@ -1,6 +1,5 @@
 """How a run of the loop ends: the :class:`FitResult` it returns (``fit()`` hands it on with
-the bus' figures added), the :class:`CancelFlag` a caller sets, and :class:`Cancelled`, raised
-inside the loop to end it."""
+the bus' figures added), and :class:`Cancelled`, raised inside the loop to end it."""
 
 from __future__ import annotations
 
@@ -12,10 +11,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import events as ev
 
 if TYPE_CHECKING:
-    from .._bus.commands import Doorbell
     from .._bus.subscriptions import BusStatistics, LostWork
 
-__all__ = ["CancelFlag", "Cancelled", "FitResult"]
+__all__ = ["Cancelled", "FitResult"]
 
 # Attributes of earlier versions -> the one that replaced each.
 _RENAMED = {"metrics": "eval_metrics", "checkpoint": "last_checkpoint", "lost": "lost_work"}
@@ -23,27 +21,6 @@ _RENAMED = {"metrics": "eval_metrics", "checkpoint": "last_checkpoint", "lost": 
 
 class Cancelled(BaseException):
     """Raised inside the loop when fit() was cancelled or a second SIGINT arrived."""
-
-
-class CancelFlag:
-    """A run's cancel request: asked from any thread (ringing ``doorbell``), checked by the
-    loop's parts."""
-
-    __slots__ = ("_doorbell", "requested")
-
-    def __init__(self, doorbell: Doorbell) -> None:
-        self._doorbell = doorbell
-        self.requested = False
-
-    def request(self) -> None:
-        """Ask the run to stop at its next check. Safe from any thread."""
-        self.requested = True
-        self._doorbell.ring()
-
-    def check(self) -> None:
-        """Raise :class:`Cancelled` when a cancel was asked."""
-        if self.requested:
-            raise Cancelled
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

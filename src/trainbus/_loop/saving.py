@@ -84,10 +84,10 @@ class CheckpointWriter:
         settings: Settings,
         port: LoopPort,
         state: TrainState,
-        callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None = None,
+        callback_states: Callable[[], Mapping[str, Mapping[str, Any]]] | None,
         *,
-        window: LogWindow | None = None,
-        guard: NonFiniteGuard | None = None,
+        window: LogWindow,
+        guard: NonFiniteGuard,
         sync: RankSync | None = None,
     ) -> None:
         self._settings, self._port, self._state = settings, port, state
@@ -151,10 +151,8 @@ class CheckpointWriter:
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")
-        if self._window is not None:
-            self._window.check_pending()
-        if self._guard is not None:
-            self._guard.check_parameters(s.model)
+        self._window.check_pending()
+        self._guard.check_parameters(s.model)
         self._port.publish(ev.CheckpointSaving(step=st.step, epoch=st.epoch, tag=tag))
         sync, folder = self._sync, s.checkpoint_dir
 

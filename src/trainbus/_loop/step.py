@@ -7,6 +7,7 @@ scheduler, ``StepEnded`` and the log window. Each event is built only when its
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -19,23 +20,31 @@ from .. import events as ev
 from .._exceptions import TrainingError
 from .._tensors import batch_size, move_to_device
 from .context import TrainContext
-from .data import END
 from .forward import metric_targets
-from .nonfinite import mean_tensor
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
     from .context import StepRunner
+    from .control import CancelFlag
     from .hooks import Hooks
-    from .lr_schedule import SchedulerStepper
     from .nonfinite import NonFiniteGuard
-    from .result import CancelFlag
     from .settings import Settings
     from .wants import Wants
     from .window import LogWindow
 
-__all__ = ["GradSync", "Step", "StepOutcome", "count_items", "item_weights"]
+__all__ = [
+    "END",
+    "GradSync",
+    "SchedulerStepper",
+    "Step",
+    "StepOutcome",
+    "count_items",
+    "item_weights",
+]
+
+END = object()
+"""What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
 
 
 class StepOutcome(NamedTuple):
@@ -67,12 +76,11 @@ class Step:
         self._s, self._port, self._state, self._wants = settings, port, state, wants
         self._hooks, self._runner, self._guard = hooks, runner, guard
         self._log_window, self._scheduler, self._cancel = log_window, scheduler, cancel
-        # Loaders yield CPU tensors: on the CPU the device move would be a no-op traversal.
+        # Off the CPU the batch moves to the device (loaders yield CPU tensors: on the CPU the
+        # move would be a no-op traversal) and the loss handed on is a copy: a loss a CUDA graph
+        # returns (torch.compile's mode="reduce-overhead") lives in the graph's output buffer,
+        # which the next replay overwrites before a subscriber or the log window reads it.
         self._move = settings.device.type != "cpu"
-        # On an accelerator the loss handed on is a copy: a loss a CUDA graph returns
-        # (torch.compile's mode="reduce-overhead") lives in the graph's output buffer, which
-        # the next replay overwrites before a subscriber or the log window reads it.
-        self._copy = settings.device.type != "cpu"
         self._grad_sync = GradSync(settings.model)
         self._ctx = TrainContext(runner)  # the run's one: the runner keeps no reference to it
         by = settings.accumulate_by
@@ -135,7 +143,7 @@ class Step:
             loss = runner.call(self._ctx, batch, bi, micro, accumulation_steps, hook_ctx)
             if loss is None:  # a hook skipped the micro-batch
                 continue
-            if self._copy:
+            if self._move:
                 loss = loss.clone()
             # Weighed by items, the step's loss (the mean of `losses`) is the item-weighted
             # mean, what one batch of the step's items reports.
@@ -156,7 +164,8 @@ class Step:
             self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
-        step_loss = losses[0] if len(losses) == 1 else mean_tensor(losses)
+        # The mean with each loss divided before the sum (nonfinite.mean's rule), on the device.
+        step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).div(len(losses)).sum()
         if not self._guard.per_step and self._guard.active:
             step_loss = runner.checked(step_loss)
         ended: ev.StepEnded | None = None
@@ -260,7 +269,7 @@ class GradSync:
     def __init__(self, model: torch.nn.Module) -> None:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._deferring = False
-        self.deferred = 0  # backwards run without a reduction since the last reduced one
+        self._unreduced = False  # the last backward ran without a reduction
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True
 
@@ -276,7 +285,7 @@ class GradSync:
     def backward_done(self) -> None:
         """A micro-batch's backward ran: its gradients are averaged (the last micro-batch's
         all-reduce covers what accumulated before it) or deferred."""
-        self.deferred = self.deferred + 1 if self._deferring else 0
+        self._unreduced = self._deferring
 
     def finish(self) -> None:
         """Before the optimizer step: DDP reduces again from the next backward, and gradients
@@ -286,11 +295,52 @@ class GradSync:
             return
         ddp.require_backward_grad_sync = True
         self._deferring = False
-        if not self.deferred:
+        if not self._unreduced:
             return
-        self.deferred = 0
+        self._unreduced = False
         world = dist.get_world_size()
         for p in ddp.parameters():
             if p.grad is not None:
                 dist.all_reduce(p.grad)
                 p.grad.div_(world)
+
+
+# ---------------------------------------------------------------------- the LR scheduler
+_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+"""torch's warning for a scheduler stepped before its optimizer in this process."""
+
+
+class SchedulerStepper:
+    """Steps the scheduler and publishes ``SchedulerStepped``."""
+
+    def __init__(self, settings: Settings, port: LoopPort, state: TrainState, wants: Wants) -> None:
+        self._s = settings
+        self._port = port
+        self._state = state
+        self._wants = wants
+
+    def lr(self) -> float:
+        """The optimizer's current learning rate of parameter group 0."""
+        return float(self._s.optimizer.param_groups[0]["lr"])
+
+    def step(self, *, always: bool, replayed: bool = False) -> None:
+        """``scheduler.step()`` (traced), then ``SchedulerStepped`` (with ``error=`` when it
+        raised), wanted or not with ``always``. ``replayed``: a resume replays an epoch's end
+        before its first optimizer step, so torch's "scheduler before optimizer" warning is
+        silenced (the uninterrupted run stepped the optimizer first)."""
+        pub, st, w, s = self._port.publish, self._state, self._wants, self._s
+        assert s.scheduler is not None
+        try:
+            with w.trace("scheduler_step"):
+                if replayed:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+                        s.scheduler.step()
+                else:
+                    s.scheduler.step()
+        except BaseException as exc:
+            if always or w.scheduler_stepped:
+                pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))
+            raise
+        if always or w.scheduler_stepped:
+            pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr()))

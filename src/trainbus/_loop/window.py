@@ -1,14 +1,17 @@
-"""The log window: what the loop reads off the device every ``log_every`` steps."""
+"""The log window: what the loop reads off the device every ``log_every`` steps, with the
+user's own metrics (``ctx.log``, ``LogMetric``; docs/trainer.md, "Metrics of your own"), which
+stay on their device until the window reads them."""
 
 from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .. import events as ev
+from .._exceptions import ConfigError
 from .._tensors import plain_value
 from .nonfinite import mean
 
@@ -16,17 +19,69 @@ if TYPE_CHECKING:
     from .._bus import LoopPort
     from .._distributed.sync import RankSync
     from ..checkpoint import TrainState
-    from .logged import UserMetrics
     from .nonfinite import NonFiniteGuard
     from .settings import Settings
 
-__all__ = ["LogWindow"]
+__all__ = ["TRAIN_METRIC_NAMES", "LogWindow", "UserMetrics"]
+
+TRAIN_METRIC_NAMES = frozenset(
+    {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
+)
+"""The log window's own keys in ``MetricsLogged.metrics`` (and ``lr/<name>`` per optimizer):
+names a user's metric may not take."""
+
+
+class UserMetrics:
+    """The values logged since the last window close, per name, in the order logged (used on
+    the training thread only)."""
+
+    def __init__(self) -> None:
+        self._values: dict[str, list[Any]] = {}
+
+    def log(self, name: str, value: torch.Tensor | float) -> None:
+        """Add one value of ``name`` to the open window; ``ConfigError`` for a name that is
+        empty or one of the window's own, or a value that is not a real number or a
+        one-element tensor."""
+        reserved = isinstance(name, str) and (name in TRAIN_METRIC_NAMES or name.startswith("lr/"))
+        if not isinstance(name, str) or not name or reserved:
+            raise ConfigError.invalid(
+                "name", name, "a non-empty string other than the window's own metrics ("
+                + ", ".join(sorted(TRAIN_METRIC_NAMES)) + ", lr/<optimizer>)",
+            )  # fmt: skip
+        if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise ConfigError.invalid(
+                    f"value of {name!r}", f"a tensor of shape {tuple(value.shape)}",
+                    "a number or a one-element tensor",
+                )  # fmt: skip
+            kept: Any = value.detach().reshape(())
+        elif isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError.invalid(
+                f"value of {name!r}", type(value).__name__, "a number or a one-element tensor"
+            )
+        else:
+            kept = float(value)
+        self._values.setdefault(name, []).append(kept)
+
+    def take(self) -> dict[str, float]:
+        """``{name: mean}`` of the values since the last call, in the order first logged (one
+        device read per name), and forget them."""
+        out: dict[str, float] = {}
+        for name, values in self._values.items():
+            tensors = [v for v in values if isinstance(v, torch.Tensor)]
+            floats = [v for v in values if not isinstance(v, torch.Tensor)]
+            if tensors:
+                floats += [float(x) for x in torch.stack([t.float() for t in tensors]).tolist()]
+            out[name] = mean(floats)
+        self._values = {}
+        return out
 
 
 class LogWindow:
     """Aggregates per-step losses and grad norms between two log steps: :meth:`add` reads
     nothing off the device; :meth:`close` reads the window once, publishes ``MetricsLogged``
-    and hands the first non-finite loss to the guard. :attr:`metrics`: the last closed window's.
+    and hands the first non-finite loss to the guard. :attr:`metrics`: the last closed window's;
+    :attr:`user`: the user's metrics, closed with it.
 
     Args:
         sync: Under several ranks: a closed window's metrics are averaged across ranks in one
@@ -41,13 +96,12 @@ class LogWindow:
         *,
         guard: NonFiniteGuard,
         sync: RankSync | None = None,
-        user: UserMetrics | None = None,
     ) -> None:
         self._s, self._port, self._state = settings, port, state
         self._guard = guard
         self._sync = sync
         self._agree = False  # the last reduction found commands waiting on some rank
-        self._user = user
+        self.user = UserMetrics()
         self.metrics: dict[str, float] = {}
         self._checked = 0  # losses of the window already read by check_pending
         # One detached 0-d loss per step taken: the i-th is step step0 + i + 1's.
@@ -90,8 +144,6 @@ class LogWindow:
     def finish(self) -> None:
         """At the normal end of a run: the partial last window sets :attr:`metrics` too (for
         ``FitResult.train_metrics``); nothing is published."""
-        if self._state.step == self._step0:
-            return
         if not self._losses:
             return
         metrics, _ = self._measure()
@@ -136,8 +188,7 @@ class LogWindow:
         if len(s.optimizers) > 1:
             for name, opt in s.optimizers.items():
                 metrics[f"lr/{name}"] = float(opt.param_groups[0]["lr"])
-        if self._user is not None:
-            metrics.update(self._user.take())
+        metrics.update(self.user.take())
         return metrics, bad
 
     def check_pending(self) -> None:
