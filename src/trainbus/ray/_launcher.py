@@ -231,16 +231,7 @@ class RayLauncher(DriverBase[RayLaunchResult]):
 
 
 def launch(
-    train_fn: Callable[..., Any],
-    *,
-    scaling_config: Any,
-    run_config: Any = None,
-    train_loop_config: Mapping[str, Any] | None = None,
-    setup: Callable[[EventBus], Any] | None = None,
-    callbacks: Iterable[Callback | type[Callback]] = (),
-    bus: EventBus | None = None,
-    backend: str = "asyncio",
-    **kwargs: Any,
+    train_fn: Callable[..., Any], *, backend: str = "asyncio", **kwargs: Any
 ) -> RayLaunchResult:
     """Run ``train_fn`` on Ray Train with the subscribers in this process: a
     :class:`RayLauncher` (same arguments) run to the end.
@@ -253,7 +244,4 @@ def launch(
         ConfigError: a bad argument.
         LaunchError: see :meth:`RayLauncher.launch`.
     """
-    launcher = RayLauncher(train_fn, scaling_config=scaling_config, run_config=run_config,
-                           train_loop_config=train_loop_config, setup=setup,
-                           callbacks=callbacks, bus=bus, **kwargs)  # fmt: skip
-    return launcher.run(backend=backend)
+    return RayLauncher(train_fn, **kwargs).run(backend=backend)
