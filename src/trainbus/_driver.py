@@ -10,7 +10,7 @@ import signal
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from functools import partial
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import anyio
 import anyio.abc
@@ -33,6 +33,8 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+R = TypeVar("R")
 
 
 def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> None:
@@ -73,9 +75,10 @@ def interrupt_after(signum: signal.Signals) -> BaseException:
     return exc
 
 
-class DriverBase(abc.ABC):
+class DriverBase(abc.ABC, Generic[R]):
     """The part of a launcher that does not depend on how the workers run: the bus, the link
-    to rank 0, the signals. A subclass ends the workers in :meth:`_abort`."""
+    to rank 0, the signals. A subclass runs them in :meth:`launch`, ends them in
+    :meth:`_abort`."""
 
     def __init__(
         self,
@@ -102,17 +105,33 @@ class DriverBase(abc.ABC):
         self._signal: int | None = None  # the first signal the driver received
         self._stop_reason: str | None = None
 
-    def _workers_stop_reason(self) -> str | None:
-        """The workers' own ``FitEnded.stop_reason`` once it arrived (a run that did not
-        complete), else the reason this driver asked them to stop with, else None."""
+    @property
+    def refused(self) -> int:
+        """Links refused so far (wrong token, or a second link)."""
+        return 0 if self._link is None else self._link.refused
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
+        the reason this driver asked them to stop with (``"signal"``), else None."""
         ended = None if self._link is None else self._link.ended
         if ended is not None and ended.reason != "completed":
             return ended.stop_reason or self._stop_reason
         return self._stop_reason
 
-    def _ask_stop(self, reason: str) -> None:
+    def stop(self, reason: str = "requested") -> None:
+        """Ask the workers to stop gracefully: ``StopTraining(reason)`` to rank 0 (applied by
+        every rank at the next sync point). Safe from the event loop only."""
         self._stop_reason = reason
         self.bus.send(cmd.StopTraining(reason=reason))
+
+    def run(self, *, backend: str = "asyncio") -> R:
+        """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
+        return anyio.run(self.launch, backend=backend)
+
+    @abc.abstractmethod
+    async def launch(self) -> R:
+        """Start the workers, serve rank 0's link, and wait until they end."""
 
     def _serve(
         self,
@@ -134,7 +153,7 @@ class DriverBase(abc.ABC):
         link = self._link
         assert link is not None
         return {"events": link.events, "received": link.received, "last_event": link.last_event,
-                "stop_reason": self._workers_stop_reason(), "signal": self._signal,
+                "stop_reason": self.stop_reason, "signal": self._signal,
                 "ending": None if link.ended is None else link.ended.ending}  # fmt: skip
 
     def _so_far(self) -> str:
@@ -165,7 +184,7 @@ class DriverBase(abc.ABC):
                     await self._abort()
                     continue
                 log.warning("launch_stopping", signal=signum, timeout=self.stop_timeout)
-                self._ask_stop("signal")
+                self.stop("signal")
                 tg.start_soon(self._abort_after, self.stop_timeout)
 
     async def _abort_after(self, seconds: float) -> None:

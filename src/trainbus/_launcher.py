@@ -11,7 +11,6 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,7 +63,7 @@ class LaunchResult:
     signal: int | None = None
 
 
-class Launcher(DriverBase):
+class Launcher(DriverBase[LaunchResult]):
     """Runs ``script`` under torchrun; rank 0's events feed this process' :attr:`bus`.
 
     Args:
@@ -125,12 +124,6 @@ class Launcher(DriverBase):
         self._exits = RankExits()
         self._process: anyio.abc.Process | None = None
 
-    # ------------------------------------------------------------------ queries
-    @property
-    def refused(self) -> int:
-        """Connections refused so far (wrong token, or a second link)."""
-        return 0 if self._link is None else self._link.refused
-
     def command_line(self) -> list[str]:
         """The torchrun command this launcher runs."""
         addressed = any(a.startswith(_TORCHRUN_ADDRESSING) for a in self.torchrun_args)
@@ -138,16 +131,6 @@ class Launcher(DriverBase):
         nproc = f"--nproc_per_node={self.nproc_per_node}"
         return [self.python, "-m", "torch.distributed.run", *extra, *self.torchrun_args, nproc,
                 str(self.script), *self.args]  # fmt: skip
-
-    # ------------------------------------------------------------------ control
-    def stop(self, reason: str = "requested") -> None:
-        """Ask the workers to stop gracefully: ``StopTraining(reason)`` to rank 0 (applied by
-        every rank at the next sync point). Safe from the event loop only."""
-        self._ask_stop(reason)
-
-    def run(self, *, backend: str = "asyncio") -> LaunchResult:
-        """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
-        return anyio.run(self.launch, backend=backend)
 
     async def launch(self) -> LaunchResult:
         """Start torchrun, serve rank 0's link, and wait until the workers exit.
@@ -195,12 +178,6 @@ class Launcher(DriverBase):
             raise self._failure(returncode)
         self._raise_if_interrupted()
         return LaunchResult(returncode=returncode, **self._outcome())
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the workers stopped: their own ``FitEnded.stop_reason`` once it arrived, else
-        the reason this driver asked them to stop with (``"signal"``), else None."""
-        return self._workers_stop_reason()
 
     # ------------------------------------------------------------------ tasks
     def _failure(self, returncode: int | None) -> LaunchError:
@@ -275,4 +252,4 @@ def launch(
         ConfigError: a bad argument.
         LaunchError: the workers failed (see :meth:`Launcher.launch`).
     """
-    return anyio.run(partial(Launcher(script, *args, **kwargs).launch), backend=backend)
+    return Launcher(script, *args, **kwargs).run(backend=backend)

@@ -3,7 +3,6 @@ JSON-lines event log for machines, and :func:`write_in_batches` for every file-b
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -114,15 +113,15 @@ class _Writer:
 
     def __init__(self, path: Path, append: bool) -> None:
         self.path = path
-        self.mode = "a" if append else "w"
+        self.mode = "ab" if append else "wb"
 
     def write(self, batch: list[ev.BaseEvent]) -> None:
-        text = "".join(json.dumps(wire.encode(e), allow_nan=True) + "\n" for e in batch)
+        data = b"".join(wire.dumps(e) for e in batch)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # Reopened per batch (about once per flush_s): nothing to close when the run ends.
-        with open(self.path, self.mode, encoding="utf-8") as f:
-            f.write(text)
-        self.mode = "a"
+        with open(self.path, self.mode) as f:
+            f.write(data)
+        self.mode = "ab"
 
 
 class JsonlEventLog(Callback):

@@ -21,7 +21,7 @@ from .._durable import fsync_file, fsync_folder
 from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger
 from ._rng import capture_rng
-from ._state import Checkpoint, TrainState, build_payload, check_plain
+from ._state import Checkpoint, TrainState, build_payload, check_plain, restore_scheduler_scaler
 from ._store import (
     STATE_FILE,
     CheckpointStore,
@@ -327,10 +327,7 @@ def _restore_state(
                               path=str(checkpoint.path)) from exc  # fmt: skip
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"])  # fmt: skip
-    if scheduler is not None and checkpoint.scheduler is not None:
-        scheduler.load_state_dict(checkpoint.scheduler)
-    if scaler is not None and checkpoint.scaler is not None:
-        scaler.load_state_dict(checkpoint.scaler)
+    restore_scheduler_scaler(checkpoint, scheduler=scheduler, scaler=scaler)
 
 
 def _allocate(folder: Path) -> dict[str, torch.Tensor]:

@@ -41,6 +41,7 @@ __all__ = [
     "build_payload",
     "check_plain",
     "parse_payload",
+    "restore_scheduler_scaler",
     "run_metadata",
 ]
 
@@ -399,10 +400,7 @@ class Checkpoint:
         self.check_compatible(model=model, optimizer=optimizer, world_size=world_size)
         model.load_state_dict(live_state(self.model, model))
         optimizer.load_state_dict(self.optimizer)
-        if scheduler is not None and self.scheduler is not None:
-            scheduler.load_state_dict(self.scheduler)
-        if scaler is not None and self.scaler is not None:
-            scaler.load_state_dict(self.scaler)
+        restore_scheduler_scaler(self, scheduler=scheduler, scaler=scaler)
         if rng and self.rng is not None:
             restore_rng(self.rng)
 
@@ -429,6 +427,16 @@ class Checkpoint:
         ``optimizer`` empty, no ``scheduler`` / ``scaler``): what a resumed run keeps, so no
         second copy of the weights stays alive."""
         return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
+
+
+def restore_scheduler_scaler(
+    checkpoint: Checkpoint, *, scheduler: Any | None, scaler: Any | None
+) -> None:
+    """Load the saved scheduler and scaler states (each skipped when None here or there)."""
+    if scheduler is not None and checkpoint.scheduler is not None:
+        scheduler.load_state_dict(checkpoint.scheduler)
+    if scaler is not None and checkpoint.scaler is not None:
+        scaler.load_state_dict(checkpoint.scaler)
 
 
 def _need(payload: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:

@@ -92,7 +92,7 @@ def _required_params(fn: Callable[..., Any]) -> int:
     )
 
 
-class RayLauncher(DriverBase):
+class RayLauncher(DriverBase[RayLaunchResult]):
     """Runs ``train_fn`` on a Ray Train ``TorchTrainer``; rank 0's events feed :attr:`bus`.
     See docs/distributed.md ("Ray").
 
@@ -149,25 +149,6 @@ class RayLauncher(DriverBase):
         self.train_loop_config = dict(train_loop_config or {})
         self._aborted = False  # the workers were killed (second signal, stop_timeout passed)
         self._driver: Any = None  # the RayDriver while launched
-
-    @property
-    def refused(self) -> int:
-        """Hellos refused so far (wrong token, or a second link)."""
-        return 0 if self._link is None else self._link.refused
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the workers stopped: theirs once it arrived, else this driver's, else None."""
-        return self._workers_stop_reason()
-
-    def stop(self, reason: str = "requested") -> None:
-        """Ask the workers to stop gracefully (every rank at its next sync point). Safe from
-        the event loop only."""
-        self._ask_stop(reason)
-
-    def run(self, *, backend: str = "asyncio") -> RayLaunchResult:
-        """Synchronous twin of :meth:`launch`: ``anyio.run(self.launch, backend=backend)``."""
-        return anyio.run(self.launch, backend=backend)
 
     async def launch(self) -> RayLaunchResult:
         """Run the ``TorchTrainer`` (``ray.init()`` first if needed), serve rank 0's link, and
@@ -250,16 +231,7 @@ class RayLauncher(DriverBase):
 
 
 def launch(
-    train_fn: Callable[..., Any],
-    *,
-    scaling_config: Any,
-    run_config: Any = None,
-    train_loop_config: Mapping[str, Any] | None = None,
-    setup: Callable[[EventBus], Any] | None = None,
-    callbacks: Iterable[Callback | type[Callback]] = (),
-    bus: EventBus | None = None,
-    backend: str = "asyncio",
-    **kwargs: Any,
+    train_fn: Callable[..., Any], *, backend: str = "asyncio", **kwargs: Any
 ) -> RayLaunchResult:
     """Run ``train_fn`` on Ray Train with the subscribers in this process: a
     :class:`RayLauncher` (same arguments) run to the end.
@@ -272,7 +244,4 @@ def launch(
         ConfigError: a bad argument.
         LaunchError: see :meth:`RayLauncher.launch`.
     """
-    launcher = RayLauncher(train_fn, scaling_config=scaling_config, run_config=run_config,
-                           train_loop_config=train_loop_config, setup=setup,
-                           callbacks=callbacks, bus=bus, **kwargs)  # fmt: skip
-    return launcher.run(backend=backend)
+    return RayLauncher(train_fn, **kwargs).run(backend=backend)
