@@ -153,12 +153,11 @@ def _remedies(overflow: str) -> str:
 
 def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None:
     """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``."""
-    done_rate, in_rate = sub.rates()
     log.warning(
         "training_waits_for_subscriber",
         subscription=sub.name,
-        rate_per_s=round(done_rate, 3),
-        events_per_s=round(in_rate, 3),
+        received=sub.received,  # counts: rates over the first items' microseconds mislead
+        completed=sub.completed,
         reason=reason,
         remedies=remedies,
     )
@@ -416,7 +415,6 @@ class AsyncSubscription(Subscription):
         self._workers: TaskSet | None = None
         self._cancelling = False  # cancel() came: the workers stop (when they start)
         self._ready: anyio.Event | None = None
-        self._first_at: float | None = None  # monotonic time of the first item (for rates())
         # Which dispatched event pushed the last item, and the count after it (received_from).
         self._stamp = stamp
         self._source = 0
@@ -456,20 +454,11 @@ class AsyncSubscription(Subscription):
         many items it had received then; else None."""
         return self._source_count if self._source == event_id else None
 
-    def rates(self) -> tuple[float, float]:
-        """(items finished per second, items received per second) since its first item."""
-        if self._first_at is None:
-            return 0.0, 0.0
-        span = max(time.monotonic() - self._first_at, 1e-9)
-        return self.completed / span, self.received / span
-
     def push(self, item: Any) -> None:
         """Accept one item from the observable (loop thread, never awaits)."""
         self.received += 1
         self._source = self._stamp.event_id
         self._source_count = self.received
-        if self._first_at is None:
-            self._first_at = time.monotonic()
         if self.finished:
             # Cancelled at close while the drain goes on: no worker will run it.
             self.cancelled += 1
