@@ -436,3 +436,41 @@ def test_tracker_keeps_the_best_values_step_across_its_state() -> None:
     # A state saved before the step was kept loads with the step unknown.
     restored.load_state_dict({"best": 1.0, "bad": 0, "cooling": 0, "reductions": 0})
     assert (restored.best, restored.best_step) == (1.0, None)
+
+
+@pytest.mark.parametrize(
+    ("decide", "stop_at"),
+    [
+        pytest.param(lambda: tbops.patience("test/score", patience=1), 4, id="patience"),
+        pytest.param(lambda: tbops.threshold("test/score", below=0.5), 2, id="threshold"),
+    ],
+)
+def test_a_named_sets_metric_in_a_users_pipeline_reads_only_that_set(
+    decide: Any, stop_at: int
+) -> None:
+    """The README's pipeline on a run with named evaluation sets: the "val" set's evaluations,
+    which lack test/score, are skipped (they were a ConfigError that killed the pipeline and
+    left the run to train on), and the stop lands on the test set's evaluation."""
+    import torch
+    import torch.nn.functional as F
+
+    from trainbus import EvalSchedule, Trainer
+    from trainbus.testing import tiny_loader, tiny_model
+
+    model = tiny_model()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_loader(20),
+        loss_fn=F.cross_entropy,
+        eval_data={"val": tiny_loader(1, seed=1), "test": tiny_loader(1, seed=2)},
+        metrics={"score": lambda outputs, targets: 0.1},
+        eval_schedule=EvalSchedule(every_steps=2),
+        max_steps=20,
+        progress=False,
+    )
+    bus = trainer.bus
+    bus.stream(ev.EvaluationEnded).pipe(decide()).subscribe(bus.commands)
+    result = trainer.fit_sync()
+    assert result.reason == "stopped", result
+    assert result.steps == stop_at and result.subscriber_failures == {}

@@ -18,6 +18,7 @@ from reactivex import operators as ops
 from .. import events as ev
 from .._exceptions import ConfigError
 from .._validate import explains_unknown_keywords, unknown_keyword_message
+from ..operators._decide import reads_metric
 
 if TYPE_CHECKING:
     from .._bus import EventBus
@@ -33,17 +34,6 @@ __all__ = [
 
 P = ParamSpec("P")
 R = TypeVar("R")
-
-
-# Words of a metric name that mean higher is better: Keras' "auto" rule ("acc" in the name), by
-# whole words and widened.
-def reads_metric(metric: str) -> Callable[[Any], bool]:
-    """A predicate: False only for an ``EvaluationEnded`` of a named set other than the one
-    ``metric`` (``"test/acc"``) names."""
-    dataset = metric.split("/", 1)[0] if "/" in metric else None
-    return lambda e: (
-        dataset is None or not isinstance(e, ev.EvaluationEnded) or e.dataset == dataset
-    )
 
 
 def evaluations(

@@ -12,6 +12,7 @@ from reactivex import Observable, abc
 from reactivex import operators as ops
 
 from .. import commands as cmd
+from .. import events as ev
 from .._exceptions import ConfigError
 from .._validate import check_int, check_metric, check_mode, check_number
 
@@ -106,6 +107,15 @@ def _read_metric(event: Any, name: str) -> float:
     return float(metrics[name])
 
 
+def reads_metric(metric: str) -> Callable[[Any], bool]:
+    """A predicate: False only for an ``EvaluationEnded`` of a named set other than the one
+    ``metric`` (``"test/acc"``) names."""
+    dataset = metric.split("/", 1)[0] if "/" in metric else None
+    return lambda e: (
+        dataset is None or not isinstance(e, ev.EvaluationEnded) or e.dataset == dataset
+    )
+
+
 def _decide(
     tracker: Tracker | None,
     name: str,
@@ -122,6 +132,7 @@ def _decide(
         def subscribed(_: abc.SchedulerBase) -> Observable[Any]:
             state = tracker if tracker is not None else Tracker()
             return source.pipe(
+                ops.filter(reads_metric(name)),  # a named set's metric: that set's evaluations
                 ops.map(lambda event: step(state, _read_metric(event, name), event)),
                 ops.filter(lambda out: out is not None),
                 ops.take_while(lambda _: not done(state), inclusive=True),
@@ -149,7 +160,8 @@ def patience(
         patience(p=3):      ---------S|      S = StopTraining(reason="early stopping: ...")
 
     Args:
-        metric: Key in the events' ``metrics`` (``"val_loss"``).
+        metric: Key in the events' ``metrics`` (``"val_loss"``); a named set's (``"test/acc"``)
+            reads only that set's evaluations.
         mode: ``"min"`` if lower is better, ``"max"`` otherwise, ``"auto"``: from the metric's
             name, as the callbacks (docs/callbacks/index.md).
         patience: Evaluations without improvement before stopping (>= 1).
