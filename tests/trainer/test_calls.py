@@ -573,6 +573,16 @@ def test_an_unawaited_call_shows_what_to_do_in_a_notebook_cell() -> None:
         call.close()  # closed: no warning
 
 
+def test_reading_the_result_of_an_unawaited_call_says_where_the_result_comes_from() -> None:
+    call = make_trainer().fit()  # `result = trainer.fit(); result.steps`, the Lightning habit
+    try:
+        said = r"'steps' of the coroutine Trainer\.fit\(\) returns: .*await trainer.*fit_sync"
+        with pytest.raises(AttributeError, match=said):
+            call.steps  # type: ignore[attr-defined]  # noqa: B018
+    finally:
+        call.close()
+
+
 def test_evaluating_from_a_subscriber_during_fit_is_told_to_send_a_command() -> None:
     """The mistake a user makes: evaluate from a subscriber while fit() runs, sync or async.
     Each failure the bus logs names the command that does it."""

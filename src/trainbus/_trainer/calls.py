@@ -103,6 +103,16 @@ class _Call(Coroutine[Any, Any, T]):
         self._used = True
         self._coro.close()
 
+    def __getattr__(self, attr: str) -> Any:
+        # `result = trainer.fit(...); result.steps`: say where the result comes from.
+        raise AttributeError(
+            f"{attr!r} of the coroutine Trainer.{self._name}() returns: its result is what "
+            f"awaiting it gives (result = await trainer.{self._name}(...)), or call "
+            f"trainer.{self._name}_sync(...) from synchronous code",
+            name=attr,
+            obj=self,
+        )
+
     def __repr__(self) -> str:
         return (
             f"<the coroutine of Trainer.{self._name}(): await it, or call "
