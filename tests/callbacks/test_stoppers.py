@@ -33,6 +33,7 @@ from .conftest import make_trainer
         (lambda: TimeLimit(10, margin_s=-1), "margin_s"),
         (lambda: TimeLimit(10, steps_margin=0), "steps_margin"),
         (lambda: TimeLimit(10, save=1), "save"),  # type: ignore[arg-type]
+        (lambda: TimeLimit(2.0), "margin_s"),  # the default margin_s=60 would stop at once
     ],
 )
 def test_invalid_options_fail_at_construction(build: Any, name: str) -> None:

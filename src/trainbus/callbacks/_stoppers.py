@@ -266,7 +266,8 @@ class TimeLimit(Callback):
         seconds: Run time allowed, from ``FitStarted`` (> 0).
         deadline: Or: the absolute end, a ``datetime`` (naive: local time) or a Unix
             timestamp. Give exactly one of the two.
-        margin_s: Seconds kept free before the limit (>= 0).
+        margin_s: Seconds kept free before the limit (>= 0; default 60, for a job's hours:
+            below ``seconds``).
         steps_margin: Longest step gaps kept free on top (int >= 1).
         save: Send ``SaveCheckpoint(tag="time_limit")`` before ``StopTraining``.
 
@@ -292,6 +293,14 @@ class TimeLimit(Callback):
         self.margin_s = check_number("margin_s", margin_s)
         self.steps_margin = check_int("steps_margin", steps_margin, 1)
         self.save = check_bool("save", save)
+        if self.seconds is not None and self.margin_s >= self.seconds:
+            raise ConfigError.invalid(
+                "margin_s",
+                margin_s,
+                f"seconds kept free below seconds={seconds:g} (the default 60 is for a job's "
+                f"hours; this limit would stop at once), e.g. TimeLimit({seconds:g}, "
+                f"margin_s={self.seconds / 10:g})",
+            )
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""
