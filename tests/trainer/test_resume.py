@@ -349,3 +349,25 @@ def test_a_save_at_the_end_of_an_epoch_of_unknown_length_resumes_at_the_next(
     assert [e.step for e in rec3.of_type(ev.EvaluationEnded)] == [8, 16, 24]
     _same_weights(model, again)
     assert _after(rec3, 8) == _after(rec, 8)
+
+
+def test_resuming_past_this_runs_end_says_nothing_is_left_to_train(tmp_path: Path) -> None:
+    """A checkpoint at step 8 resumed with max_steps=5: the run trains nothing, and says so."""
+    import torch.nn.functional as F
+    from structlog.testing import capture_logs
+
+    from trainbus.testing import tiny_loader, tiny_model
+
+    def trainer(max_steps: int) -> Trainer:
+        model = tiny_model()
+        return Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(8),
+                       loss_fn=F.cross_entropy, max_steps=max_steps, checkpoint_dir=tmp_path,
+                       progress=False)  # fmt: skip
+
+    assert trainer(8).fit_sync().steps == 8
+    with capture_logs() as logs:
+        result = trainer(5).fit_sync(resume="latest")
+    assert result.steps == 8
+    (said,) = [x for x in logs if x["event"] == "resume_past_the_end"]
+    assert (said["step"], said["max_steps"], said["log_level"]) == (8, 5, "warning")
+    assert "raise max_steps" in said["action"]

@@ -166,7 +166,22 @@ class CallbackStates:
     @staticmethod
     def warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
         """Warn (``resume_config_differs``) when this run's cadences, accumulation or data
-        differ from those of the run that wrote ``checkpoint`` (``s``: after sharding)."""
+        differ from those of the run that wrote ``checkpoint`` (``s``: after sharding), and
+        (``resume_past_the_end``) when it already reached this run's ``max_steps`` or
+        ``max_epochs``: nothing is left to train."""
+        st = checkpoint.state
+        if (s.max_steps is not None and st.step >= s.max_steps) or (
+            s.max_epochs is not None and st.epoch >= s.max_epochs
+        ):
+            log.warning(
+                "resume_past_the_end",
+                path=str(checkpoint.path),
+                step=st.step,
+                epoch=st.epoch,
+                max_steps=s.max_steps,
+                max_epochs=s.max_epochs,
+                action="nothing to train: raise max_steps / max_epochs to go on",
+            )
         saved = checkpoint.meta.get("run")
         if not isinstance(saved, dict):
             return
