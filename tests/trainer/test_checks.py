@@ -683,3 +683,23 @@ def test_max_time_names_the_time_limit_callback() -> None:
     with pytest.raises(TypeError) as info:
         _precision_trainer(max_time=3600)
     assert "callbacks=[TimeLimit(seconds)]" in str(info.value)
+
+
+def test_a_model_without_forward_and_eval_data_is_refused_up_front() -> None:
+    """A GAN's ``ModuleDict`` trained by its own step: evaluation would call ``model(inputs)``,
+    which it cannot, one epoch in; it is refused before any step."""
+    from trainbus import TrainContext
+    from trainbus.testing import tiny_loader
+
+    gan = torch.nn.ModuleDict({"g": torch.nn.Linear(32, 32), "d": torch.nn.Linear(32, 10)})
+
+    def step(ctx: TrainContext) -> torch.Tensor:
+        loss = F.cross_entropy(gan["d"](gan["g"](ctx.batch[0])), ctx.batch[1])
+        ctx.backward(loss)
+        ctx.optimizer_step()
+        return loss
+
+    said = r"^eval_data=.* is invalid: None for a model without forward\(\) \(ModuleDict\)"
+    with pytest.raises(ConfigError, match=said):
+        Trainer(gan, torch.optim.SGD(gan.parameters(), lr=0.1), tiny_loader(4),
+                eval_data=tiny_loader(1, seed=1), train_step=step, max_steps=4)  # fmt: skip

@@ -675,6 +675,14 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
             f"'32' or 'bf16' on {device.type}: {given!r} is fp16 with a grad scaler, which "
             f"needs CUDA; mixed precision on {device.type} is precision='bf16'",
         )  # fmt: skip
+    if options["eval_data"] is not None and type(model).forward is torch.nn.Module.forward:
+        # A ModuleDict of a GAN, say: its custom train_step calls the parts; evaluation cannot.
+        raise ConfigError.invalid(
+            "eval_data", type(options["eval_data"]).__name__,
+            f"None for a model without forward() ({type(model).__name__}): "
+            "evaluation calls model(inputs); evaluate in a subscriber of your own instead, or "
+            "give the model a forward",
+        )  # fmt: skip
     schedule: EvalSchedule = options["eval_schedule"]
     if schedule.every_steps is not None and options["eval_data"] is None:
         raise ConfigError.invalid("eval_schedule.every_steps", schedule.every_steps,
