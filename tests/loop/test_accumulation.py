@@ -281,3 +281,24 @@ def test_a_custom_steps_backward_is_weighed_too() -> None:
     got, _ = accumulated_grads(MICRO, accumulate=Accumulate(2, by="items"), train_step=step)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-7)
+
+
+def test_a_scheduler_that_counted_batches_is_told_how_many_steps_an_epoch_has() -> None:
+    """OneCycleLR's total_steps counted from batches // accumulate: the last short step of
+    each epoch overruns it, and the error says how trainbus steps the scheduler."""
+    import pytest
+    import torch.nn.functional as F
+
+    from trainbus import Trainer
+    from trainbus.testing import tiny_loader, tiny_model
+
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = tiny_loader(6)  # 6 batches, accumulate=4: 2 steps an epoch, the second short
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=(6 // 4) * 2)
+    trainer = Trainer(model, opt, data, loss_fn=F.cross_entropy, scheduler=sched, accumulate=4,
+                      max_epochs=2, progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="Tried to step") as info:
+        trainer.fit_sync()
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert "steps once per optimizer step (here step 3, epoch 1): 2 per epoch" in notes

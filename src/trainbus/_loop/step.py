@@ -341,6 +341,14 @@ class SchedulerStepper:
         except BaseException as exc:
             if always or w.scheduler_stepped:
                 pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))
+            if s.scheduler_interval == "step" and "Tried to step" in str(exc):
+                # OneCycleLR's total_steps counted batches, or the last short step of an epoch
+                per_epoch = "?" if s.train_len is None else -(-s.train_len // s.accumulate)
+                exc.add_note(
+                    f"trainbus: the scheduler steps once per optimizer step (here step "
+                    f"{st.step}, epoch {st.epoch}): {per_epoch} per epoch, ceil(batches / "
+                    f"accumulate={s.accumulate}), the last short one included"
+                )
             raise
         if always or w.scheduler_stepped:
             pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr()))
