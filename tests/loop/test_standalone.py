@@ -211,6 +211,13 @@ def test_predict_rejects_what_is_not_an_iterable_of_batches(data: Any) -> None:
         make_trainer().predict_sync(data)
 
 
+def test_predict_on_a_dataset_says_to_wrap_it_in_a_dataloader() -> None:
+    dataset = torch.utils.data.TensorDataset(torch.zeros(8, 32), torch.zeros(8))
+    with pytest.raises(ConfigError, match=r"^data='TensorDataset' is invalid: .*a Dataset gives "
+                       r"single samples; wrap it, DataLoader\(dataset, batch_size=N"):  # fmt: skip
+        make_trainer().predict_sync(dataset)
+
+
 def test_predict_rejects_a_non_bool_return_outputs() -> None:
     with pytest.raises(ConfigError, match=r"^return_outputs="):
         make_trainer().predict_sync([], return_outputs=1)  # type: ignore[arg-type]

@@ -214,15 +214,19 @@ def trace(name: str, value: Any) -> frozenset[str]:
     return spans
 
 
-def check_loader(name: str, value: Any) -> int | None:
-    """A non-empty iterable of batches; its length when it has one."""
-    # A map-style Dataset yields samples, not batches: say how to batch it.
+def refuse_dataset(name: str, value: Any) -> None:
+    """A map-style Dataset yields samples, not batches: refused, saying how to batch it."""
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
         raise ConfigError.invalid(
             name, type(value).__name__,
             "an iterable of batches: a Dataset gives single samples; wrap it, "
             "DataLoader(dataset, batch_size=N, shuffle=..., collate_fn=...)",
         )  # fmt: skip
+
+
+def check_loader(name: str, value: Any) -> int | None:
+    """A non-empty iterable of batches; its length when it has one."""
+    refuse_dataset(name, value)
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Iterable):
         raise ConfigError.invalid(
             name, type(value).__name__, "an iterable of batches, such as a DataLoader or a list"

@@ -71,6 +71,7 @@ from .options import (
     eval_sets,
     explains_fit_keywords,
     explains_unknown_options,
+    refuse_dataset,
 )
 from .rank_setup import RankSetup
 from .resume import CallbackStates, check_resume, load_weights
@@ -579,6 +580,7 @@ class Trainer:
             TrainingError: with ``return_outputs``, outputs that cannot be joined.
             Exception: whatever the model raised (``PredictionEnded.error`` carried it first).
         """
+        refuse_dataset("data", data)
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):
             raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
         if not isinstance(return_outputs, bool):
