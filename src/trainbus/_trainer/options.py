@@ -679,8 +679,10 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
             f"'32' or 'bf16' on {device.type}: {given!r} is fp16 with a grad scaler, which "
             f"needs CUDA; mixed precision on {device.type} is precision='bf16'",
         )  # fmt: skip
-    if options["eval_data"] is not None and type(model).forward is torch.nn.Module.forward:
+    no_forward = getattr(model.forward, "__func__", None) is torch.nn.Module.forward
+    if options["eval_data"] is not None and no_forward:
         # A ModuleDict of a GAN, say: its custom train_step calls the parts; evaluation cannot.
+        # (Read on the instance: torch.compile's module sets its forward there.)
         raise ConfigError.invalid(
             "eval_data", type(options["eval_data"]).__name__,
             f"None for a model without forward() ({type(model).__name__}): "
