@@ -7,6 +7,7 @@ waited (``FitResult.waited_s``, zero for a loop that never waited), never on dur
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -373,3 +374,68 @@ async def test_short_waits_on_a_decider_add_up_to_one_warning() -> None:
     assert result.waited_s["judge"] >= 0.5  # five waits of about 0.2 s each
     (warning,) = [x for x in logs if x["event"] == "training_waits_for_subscriber"]
     assert warning["subscription"] == "judge"
+
+
+# ------------------------------------------------------------------ a slow sync subscriber
+POST_SYNC_S = 0.015
+
+
+def _slow_sync_run(barriers: tuple[type[ev.BaseEvent], ...] | None, epochs: int) -> Any:
+    """A user's sync logger that takes 15 ms per StepEnded (a blocking HTTP post, a file write)
+    on 40 steps an epoch, slower than its events arrive; and a fast sync recorder."""
+    model = tiny_model()
+    bus = EventBus() if barriers is None else EventBus(barriers=barriers)
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(40),
+                      loss_fn=F.cross_entropy, max_epochs=epochs, on_signal=None, bus=bus,
+                      progress=False)  # fmt: skip
+    posted: list[int] = []
+    seen: list[int] = []
+
+    def post(e: ev.StepEnded) -> None:
+        time.sleep(POST_SYNC_S)
+        posted.append(e.step)
+
+    trainer.bus.subscribe(trainer.bus.stream(ev.StepEnded), post, name="post")
+    trainer.bus.subscribe(
+        trainer.bus.stream(ev.StepEnded), lambda e: seen.append(e.step), name="recorder"
+    )
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert posted == seen == list(range(1, 40 * epochs + 1))  # nothing lost
+    return result, [x for x in logs if x["event"] == "training_waits_for_subscriber"]
+
+
+@pytest.mark.parametrize(
+    ("barriers", "epochs"),
+    [(None, 1), (None, 2), ((), 2), ((ev.StepEnded,), 1), ((ev.EpochEnded,), 1)],
+)
+def test_a_slow_sync_subscriber_that_holds_training_at_barriers_is_counted_and_named(
+    barriers: tuple[type[ev.BaseEvent], ...] | None, epochs: int
+) -> None:
+    """Training outruns it; each barrier (an epoch's end, every step, or only the run's last)
+    delivers its backlog while training waits: the seconds are its ``waited_s``, and the
+    warning names it once, with the remedy. The fast recorder beside it is never charged."""
+    result, warnings = _slow_sync_run(barriers, epochs)
+    # 40 * epochs calls of at least 15 ms (0.6 s an epoch, over the warning's 0.5 s): training
+    # waited for the part it did not overlap, at most all of it (sleeps overshoot: x2).
+    calls_s = POST_SYNC_S * 40 * epochs
+    assert calls_s / 2 < result.waited_s["post"] <= calls_s * 2
+    assert "recorder" not in result.waited_s
+    assert [w["subscription"] for w in warnings] == ["post"]
+    assert "make it async def" in warnings[0]["remedies"]
+    assert "sync subscriber" in warnings[0]["reason"]
+
+
+def test_a_sync_subscriber_that_keeps_up_is_never_counted_nor_named() -> None:
+    """A sync subscriber as fast as the delivery: the barriers find no backlog."""
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), tiny_loader(40),
+                      loss_fn=F.cross_entropy, max_epochs=3, on_signal=None, progress=False,
+                      eval_data=tiny_loader(2, seed=1))  # fmt: skip
+    seen: list[ev.BaseEvent] = []
+    trainer.bus.events.subscribe(seen.append)
+    with capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert result.steps == 120 and len(seen) > 120
+    assert result.waited_s == {}
+    assert not [x for x in logs if x["event"] == "training_waits_for_subscriber"]

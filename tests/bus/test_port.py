@@ -20,9 +20,9 @@ from trainbus.testing import tiny_loader, tiny_model
 
 # What only the loop, the session and the distributed link call: on the port, not on the bus.
 LOOP_NAMES = {
-    "demand", "declare", "doorbell", "failure", "has_commands", "held", "next_decision",
-    "poll_commands", "publish", "request_cancel_pending", "decision_steps", "statistics",
-    "wait_barrier",
+    "barrier_requested", "demand", "declare", "doorbell", "failure", "has_commands", "held",
+    "next_decision", "poll_commands", "publish", "request_cancel_pending", "decision_steps",
+    "statistics", "wait_barrier",
     "wait_for_room", "wants", "withdraw",
 }  # fmt: skip
 GONE_FROM_THE_BUS = {

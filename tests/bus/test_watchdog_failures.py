@@ -127,7 +127,11 @@ def test_a_faulty_subscriber_never_stops_training_nor_hangs_fit(tmp_path: Path, 
     else:
         assert sub.failed == sub.cancelled == sub.dropped == 0
         assert sub.completed == sub.received == STEPS + 2  # every StepEnded and EpochEnded
-        assert result.subscriber_failures == {} and "fault" not in result.waited_s
+        assert result.subscriber_failures == {}
+        if fault == "slow_async":  # it does not decide: nothing waits for it
+            assert "fault" not in result.waited_s
+        else:  # on the event loop: the barriers waited for its backlog, at most all its calls
+            assert result.waited_s.get("fault", 0.0) <= 0.002 * (STEPS + 2) * 2
 
 
 def test_a_hung_block_subscriber_holds_training_says_so_and_a_stop_still_ends_the_run(

@@ -90,6 +90,7 @@ class LoopPort:
         has_commands, poll_commands, withdraw: The command channel's (never block).
         wait_for_room: Block while an ``overflow="block"`` buffer is full; the seconds waited.
         wait_barrier: The loop's barrier, on the event-loop thread.
+        barrier_requested: Said by the training thread just before it waits at a barrier.
         request_cancel_pending: Ask a waiting end or close to cancel pending async work.
     """
 
@@ -117,6 +118,7 @@ class LoopPort:
         self.withdraw = channel.withdraw
         self.wait_for_room = subs.backpressure.wait_for_room
         self.wait_barrier = barrier.wait_barrier
+        self.barrier_requested = barrier.requested
         self.request_cancel_pending = lifecycle.request_cancel_pending
         self._clock = clock
         self._ledger = ledger

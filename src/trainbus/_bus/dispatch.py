@@ -23,7 +23,7 @@ from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
 from .commands import CommandChannel, DecisionStamp, Doorbell
 from .scheduler import TaskSet
-from .subscriptions import AsyncSubscription, SubscriptionSet, announce_wait
+from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet, announce_wait
 from .watchdog import FailureLedger
 
 __all__ = [
@@ -453,6 +453,18 @@ _REASON = (
     "it was made with decides=True and received this barrier's event: training waits until "
     "it has finished what it received, so that its commands apply before the next step"
 )
+_SYNC_FLOOR = 0.001
+"""Seconds a sync subscription's calls ran in one barrier wait from which they are charged to
+it (below: the delivery every barrier makes, not a backlog)."""
+_SYNC_REASON = (
+    "a sync subscriber runs on the event-loop thread, and a barrier delivers every queued event "
+    "before training goes on: training waited for this subscriber's backlog"
+)
+_SYNC_REMEDIES = (
+    "make it async def (await the slow call, or anyio.to_thread.run_sync), or sample at the "
+    "stream: bus.stream(T, every_steps=n) / bus.stream(T, every_s=x); EventBus(barriers=...) "
+    "names the events the loop waits at"
+)
 _REMEDIES = (
     "decides=False (the default) when its commands need not land on this step (an async "
     "subscriber that only posts, uploads or logs never holds training); a faster fn; "
@@ -475,6 +487,29 @@ class Barrier:
         self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
         self._announced: set[int] = set()  # subscriptions named in a warning already
         self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
+        self._busy_mark: dict[int, float] | None = None  # sync run times when a wait began
+
+    def requested(self) -> None:
+        """The training thread is about to wait at a barrier (its thread): from now on, what
+        the sync subscribers run holds it, and is charged to them."""
+        self._busy_mark = self._busy_now()
+
+    def _busy_now(self) -> dict[int, float]:
+        return {id(s): s.busy_s for s in self._subscriptions.all() if s.kind == "sync"}
+
+    def _charge_sync(self) -> None:
+        """Charge each sync subscription that ran ``_SYNC_FLOOR`` or more since the mark its
+        run time (the barrier waited for it); name one that held training long enough."""
+        mark, now = self._busy_mark or {}, self._busy_now()
+        for sub in self._subscriptions.all():
+            ran = now.get(id(sub), 0.0) - mark.get(id(sub), 0.0)
+            if ran < _SYNC_FLOOR:
+                continue
+            self._charge(sub, ran)
+            if self._waited[id(sub)] >= _ANNOUNCE_AFTER and id(sub) not in self._announced:
+                self._announced.add(id(sub))
+                announce_wait(sub, reason=_SYNC_REASON, remedies=_SYNC_REMEDIES)
+        self._busy_mark = now  # a resumed wait charges from here
 
     async def wait_delivered(
         self, timeout: float | None = None, event: ev.BaseEvent | None = None
@@ -576,7 +611,7 @@ class Barrier:
             log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
         return status
 
-    def _charge(self, sub: AsyncSubscription, seconds: float) -> None:
+    def _charge(self, sub: Subscription, seconds: float) -> None:
         sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
 
@@ -591,6 +626,8 @@ class Barrier:
         """Deliver, then wait for the deciders that received ``event`` (None: anything
         delivered now): ``"done"``, ``"timeout"`` or ``"request"`` (the loop applies it, then
         resumes the same wait with ``resume=True``)."""
+        if self._busy_mark is None:  # a wait the training thread did not announce
+            self._busy_mark = self._busy_now()
         if resume and self._pending is not None:
             targets, deadline = self._pending
             self._queue.drain()  # delivers the CommandApplied the requester is waiting for
@@ -602,6 +639,9 @@ class Barrier:
             status: BarrierStatus = "request"
         else:
             status = await self._wait_targets(targets, deadline, timeout, barrier=True)
+        self._charge_sync()
         if status == "request":
             self._pending = (targets, deadline)
+        else:
+            self._busy_mark = None
         return status

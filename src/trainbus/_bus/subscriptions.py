@@ -78,7 +78,8 @@ class SubscriptionStatistics:
     blocked_s: float = 0.0
     """Seconds those calls blocked the event loop (to within the watchdog's poll)."""
     waited_s: float = 0.0
-    """Seconds the training thread waited on it (a full ``"block"`` buffer, a barrier)."""
+    """Seconds the training thread waited on it (a full ``"block"`` buffer, a barrier: a
+    decider's wait, a sync subscriber's backlog)."""
     end_waited_s: float = 0.0
     """Seconds the ends of calls (and the close) waited for this async subscription to finish
     what it had received, each at most ``close_timeout``."""
@@ -151,7 +152,7 @@ def _remedies(overflow: str) -> str:
     )
 
 
-def announce_wait(sub: AsyncSubscription, *, reason: str, remedies: str) -> None:
+def announce_wait(sub: Subscription, *, reason: str, remedies: str) -> None:
     """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``."""
     log.warning(
         "training_waits_for_subscriber",
@@ -243,6 +244,8 @@ class Subscription(abc.DisposableBase):
         self.last_error: str | None = None
         self.stalls = 0
         self.blocked_s = 0.0
+        self.busy_s = 0.0
+        """Seconds its calls ran on the event-loop thread (sync; a barrier charges its share)."""
         self.upstream: abc.DisposableBase | None = None  # the chain, and its decision steps
         self._stop_sent = False
 
@@ -340,12 +343,14 @@ class GuardedObserver(abc.ObserverBase[Any]):
         watchdog = self._watchdog
         outer = watchdog.current  # a subscriber may flush(): the inner call restores it
         watchdog.current = sub  # with sub.received (just counted), it names this very call
+        start = time.perf_counter()
         try:
             self._on_next(value)
         except Exception as exc:
             sub.fail(exc, value)
         finally:
             watchdog.current = outer
+            sub.busy_s += time.perf_counter() - start
         sub.completed += 1
 
     def on_error(self, error: Exception) -> None:

@@ -60,7 +60,8 @@ class FitResult:
     """Failures per subscription name (only those that failed)."""
     waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Seconds training waited on each subscription that held it (an ``overflow="block"``
-    buffer that was full, a barrier or decision step it decides at); absent: never waited."""
+    buffer that was full, a barrier or decision step it decides at, a sync subscriber's
+    backlog a barrier delivered); absent: never waited. See docs/bus.md."""
     end_waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
     """Seconds the call's end waited for each async subscription to finish what it received
     (at most the bus' ``close_timeout``), after training; absent: it had finished."""

@@ -270,6 +270,8 @@ class CallRunner:
         stop signal, so the final checkpoint is reached); the bus' status."""
         if self._signals.received is not None:
             return "done"
+        if not resume:
+            self.port.barrier_requested()
         status: str = self._thread.call(
             self.port.wait_barrier, self._bus.barrier_timeout, event, resume
         )
