@@ -166,6 +166,7 @@ class StepRunner:
         # What the grad scaler unscales and steps for the run's optimizer: each of several.
         self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._keep = guard.active  # the backward losses are kept for the non-finite check
+        self._per_step = guard.per_step  # and checked before each update
         self._mixed = settings.precision != "32"
         self._warned: set[str] = set()
         self._hook_ctx: StepContext | None = None  # the micro-batch's, once a hook needed one
@@ -415,9 +416,21 @@ class StepRunner:
         """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
         if self._skip or name in self._stepped:
             return False
-        if self._losses and self._guard.per_step and self._bad_losses(name, ctx):
-            return False
         s = self.settings
+        if self._losses and self._per_step:  # the non-finite check of the losses not checked yet
+            pending, self._losses = self._losses, []
+            try:
+                self._skip = self._guard.skip_update(pending, self.step + 1)
+            except BaseException as exc:
+                if self._own:
+                    names = s.optimizers if name is None else (name,)
+                    exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
+                                 f"{self.name} before stepping optimizer "
+                                 f"{', '.join(map(repr, names))}")  # fmt: skip
+                raise
+            if self._skip:  # no update in this step
+                self.zero_grad(s.optimizer, ctx.batch_index)
+                return False
         opt = s.optimizer if name is None else s.optimizers[name]
         scaler = s.scaler
         if scaler is not None:
@@ -458,24 +471,6 @@ class StepRunner:
             self.run_hooks("after_optimizer_step", hooks, hc)
         return True
 
-    def _bad_losses(self, name: str | None, ctx: TrainContext) -> bool:
-        """The non-finite check of the backward losses not checked yet; True when the step's
-        update is skipped (``"skip"`` or ``"stop"``)."""
-        pending, self._losses = self._losses, []
-        try:
-            bad = self._guard.skip_update(pending, self.step + 1)
-        except BaseException as exc:
-            if self._own:
-                names = self.settings.optimizers if name is None else (name,)
-                exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
-                             f"{self.name} before stepping optimizer "
-                             f"{', '.join(map(repr, names))}")  # fmt: skip
-            raise
-        if bad:  # no update in this step
-            self._skip = True
-            self.zero_grad(self.settings.optimizer, ctx.batch_index)
-        return bad
-
     def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
         scaler = self.settings.scaler
         if scaler is None:
@@ -509,10 +504,10 @@ class StepRunner:
         optimizers' pre-clip norms (None without clipping)."""
         for name in self._deferred:
             self._step_now(name, ctx)
-        s, stepped = self.settings, self._stepped
+        stepped = self._stepped
         if self._unscaled:
-            assert s.scaler is not None
-            s.scaler.update()
+            assert self.settings.scaler is not None
+            self.settings.scaler.update()
         if self._own:
             self._check_called(ctx)
         ctx.batch = None  # the batch is not kept past its step

@@ -268,9 +268,6 @@ class Loop:
                         complete = True
                         break
                 outcome = step.run(it, accumulation_steps)
-                if outcome.batches == 0:
-                    complete = True
-                    break
                 if outcome.taken:
                     self._after_step(outcome)
                 if outcome.exhausted:

@@ -50,9 +50,8 @@ END = object()
 class StepOutcome(NamedTuple):
     """What one :meth:`Step.run` did."""
 
-    batches: int  # consumed (0: the data was exhausted before the first)
     taken: bool  # an optimizer step was taken: only then does a poll point follow
-    exhausted: bool  # fewer batches than the step's micro-batches
+    exhausted: bool  # fewer batches than the step's micro-batches (none included)
     ended: ev.StepEnded | None = None  # None: nobody wanted it
     barrier_event: ev.BaseEvent | None = None  # StepEnded or MetricsLogged, when in `barriers`
 
@@ -88,11 +87,12 @@ class Step:
         if by != "batches":
             self._count = count_items if by == "items" else by
         self._schedule = settings.scheduler is not None and settings.scheduler_interval == "step"
+        self._check_later = guard.active and not guard.per_step  # the log window reads the loss
 
     def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
         """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
         ``Cancelled`` when a cancel was asked between them."""
-        st, s, w, runner = self._state, self._s, self._wants, self._runner
+        st, runner, trace = self._state, self._runner, self._wants.trace
         bell = self._port.doorbell
         rings = bell.rings  # a ring from here on (a cancel) is heard between micro-batches
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
@@ -110,8 +110,8 @@ class Step:
                     self._cancel.check()
                 tf = time.monotonic()
             if ahead is None:
-                if w.trace.on:
-                    with w.trace("data_wait", "train", st.batch_in_epoch, micro):
+                if trace.on:
+                    with trace("data_wait", "train", st.batch_in_epoch, micro):
                         batch = next(it, END)
                 else:
                     batch = next(it, END)
@@ -125,7 +125,7 @@ class Step:
             bi = st.batch_taken()
             consumed += 1
             if self._move:
-                batch = move_to_device(batch, s.device)
+                batch = move_to_device(batch, self._s.device)
             if several:  # before the forward: DDP decides there
                 self._grad_sync.begin(micro, accumulation_steps)
             hook_ctx = None
@@ -136,7 +136,7 @@ class Step:
                     continue
                 batch = hook_ctx.batch
                 if self._move:  # a hook may replace the batch: the model sees the run's device
-                    batch = move_to_device(batch, s.device)
+                    batch = move_to_device(batch, self._s.device)
             samples += batch_size(batch)
             if weights:  # the backward's scale
                 runner.weigh(weights[micro])
@@ -156,18 +156,19 @@ class Step:
         exhausted = consumed < accumulation_steps
         if not losses:
             runner.drop_gradients()
-            return StepOutcome(consumed, False, exhausted)
+            return StepOutcome(False, exhausted)
         took, grad_norm = runner.finish(self._ctx)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
-            return StepOutcome(consumed, False, exhausted)
+            return StepOutcome(False, exhausted)
         if not runner.same:  # a custom step returned other losses than it gave to backward
             self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
         # The mean with each loss divided before the sum (nonfinite.mean's rule), on the device.
         step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).div(len(losses)).sum()
-        if not self._guard.per_step and self._guard.active:
+        if self._check_later:
             step_loss = runner.checked(step_loss)
+        w, s = self._wants, self._s
         ended: ev.StepEnded | None = None
         barrier: ev.BaseEvent | None = None
         if w.step_ended or (w.step_ended_sampled and w.step_ended_demand.takes(step + 1, t0)):
@@ -186,7 +187,7 @@ class Step:
             logged = self._log_window.close(w.metrics_logged)
             if logged is not None and ev.MetricsLogged in s.barriers:
                 barrier = logged
-        return StepOutcome(consumed, True, exhausted, ended, barrier)
+        return StepOutcome(True, exhausted, ended, barrier)
 
     def _check_returned(self, losses: list[torch.Tensor], step: int) -> None:
         """Where the guard reads every step: check the losses a custom step returned that it
