@@ -86,21 +86,19 @@ class Step:
         """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
         ``Cancelled`` when a cancel was asked between them."""
         st, runner, trace = self._state, self._runner, self._wants.trace
-        bell = self._port.doorbell
-        rings = bell.rings  # a ring from here on (a cancel) is heard between micro-batches
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
         step = runner.begin()
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
         losses: list[torch.Tensor] = []
-        samples = consumed = 0
+        samples = 0
         data_wait = 0.0
+        exhausted = False  # the data ended before the step's last micro-batch
         several = accumulation_steps > 1
         ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
         weights: list[float] = []
         for micro in range(accumulation_steps):
             if micro:
-                if bell.rings != rings:
-                    self._cancel.check()
+                self._cancel.check()
                 tf = time.monotonic()
             if ahead is None:
                 if trace.on:
@@ -114,9 +112,9 @@ class Step:
                 batch = ahead.popleft() if ahead else END
             data_wait += time.monotonic() - tf
             if batch is END:
+                exhausted = True
                 break
             bi = st.batch_taken()
-            consumed += 1
             if self._move:
                 batch = move_to_device(batch, self._s.device)
             if several:  # before the forward: DDP decides there
@@ -146,7 +144,6 @@ class Step:
         if several:
             self._grad_sync.finish()  # a step cut short after no_sync() backwards
         st.samples_done(samples)
-        exhausted = consumed < accumulation_steps
         if not losses:
             runner.drop_gradients()
             return StepOutcome(False, exhausted)
