@@ -1,7 +1,5 @@
-"""The training step as a user writes one (:func:`default_train_step`), the
-:class:`TrainContext` it gets per micro-batch, and the :class:`StepRunner` that does what the
-context asks. See docs/trainer.md, "Custom steps".
-"""
+"""The training step as a user writes one, its context, and the runner that does what the
+context asks (docs/trainer.md, "Custom steps")."""
 
 from __future__ import annotations
 
@@ -143,10 +141,8 @@ class TrainContext:
 
 
 class StepRunner:
-    """Calls ``train_step`` for :class:`~trainbus._loop.step.Step` and does what its context
-    asks (forward, backward, optimizer steps), with their hooks and traces. ``same``: every
-    loss returned this step was given to ``ctx.backward`` (its non-finite check covers them).
-    """
+    """Calls ``train_step`` and does what its context asks. ``same``: every loss returned this
+    step was given to ``ctx.backward`` (its non-finite check covers them)."""
 
     def __init__(
         self,
@@ -166,6 +162,7 @@ class StepRunner:
         # What the grad scaler unscales and steps for the run's optimizer: each of several.
         self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
         self._keep = guard.active  # the backward losses are kept for the non-finite check
+        self._per_step = guard.per_step  # and checked before each update
         self._mixed = settings.precision != "32"
         self._warned: set[str] = set()
         self._hook_ctx: StepContext | None = None  # the micro-batch's, once a hook needed one
@@ -175,8 +172,7 @@ class StepRunner:
         self.begin()
 
     def begin(self) -> int:
-        """Start a step: reset the bookkeeping, drop stale gradients (a custom step may leave
-        some in an optimizer it did not step); return the optimizer steps completed before it."""
+        """Start a step (dropping gradients a custom step left); return the steps done before."""
         self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
         self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
         self._called: set[str | None] = set()  # asked to step (a custom step's)
@@ -185,20 +181,17 @@ class StepRunner:
         self.step = self.state.step
         self.same = True
         if not self._clean:
-            self.settings.optimizer.zero_grad(set_to_none=True)
-            self._clean = True
+            self.drop_gradients()
         return self.step
 
     def weigh(self, weight: float) -> None:
-        """Scale the coming backward(s) of this micro-batch by ``weight`` (its items over the
-        step's: ``accumulate_by="items"``) instead of ``1 / accumulation_steps``."""
+        """Weigh this micro-batch's backwards by ``weight``, not ``1 / accumulation_steps``."""
         self._weight = weight
 
     def hook_context(
         self, bi: int, micro: int, batch: Any, optimizer: torch.optim.Optimizer | None = None
     ) -> StepContext:
-        """A fresh hook context for batch ``bi`` (micro-batch ``micro``) of the current step, at
-        a step of ``optimizer`` (None: the run's)."""
+        """A fresh hook context for batch ``bi`` of the step (``optimizer`` None: the run's)."""
         st, s = self.state, self.settings
         return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
                            batch=batch, model=s.model,
@@ -206,7 +199,7 @@ class StepRunner:
                            metrics_sink=self.user.log)  # fmt: skip
 
     def annotate(self, exc: BaseException, where: str, bi: int) -> None:
-        """Add a note naming the part, step, epoch and batch to an exception from the step."""
+        """Note the part, step, epoch and batch on an exception from the step."""
         st = self.state
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, "
                      f"batch {bi}")  # fmt: skip
@@ -221,8 +214,8 @@ class StepRunner:
         accumulation_steps: int,
         hook_ctx: StepContext | None,
     ) -> torch.Tensor | None:
-        """Call ``train_step`` on ``ctx`` set to one micro-batch: the loss it returned, detached
-        (0-d), or None when a hook skipped the batch. A custom step's exception gets a note."""
+        """Call ``train_step`` on one micro-batch: the loss it returned, detached and 0-d, or
+        None when a hook skipped the batch."""
         ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
         ctx.accumulation_steps = accumulation_steps
         self._hook_ctx, self._last = hook_ctx, None
@@ -276,8 +269,7 @@ class StepRunner:
 
     # ------------------------------------------------------------------ forward and loss
     def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
-        """``ctx.compute_loss()``: the forward (traced, under the run's precision, the
-        ``after_forward`` hooks inside), then the ``loss`` hooks; None when a hook skipped."""
+        """``ctx.compute_loss()``; None when a hook skipped the batch."""
         trace = self._trace
         try:
             if trace.on or self._mixed:
@@ -304,8 +296,7 @@ class StepRunner:
         return loss
 
     def _outputs_and_loss(self, ctx: TrainContext) -> tuple[Any, torch.Tensor | None]:
-        """The model's outputs, the ``after_forward`` hooks (they may replace the outputs or
-        skip: loss None), the loss."""
+        """The outputs after the ``after_forward`` hooks, and the loss (None: skipped)."""
         s = self.settings
         outputs, targets = model_outputs(s, ctx.batch)
         hooks = self._hooks.by_point["after_forward"]
@@ -321,9 +312,8 @@ class StepRunner:
         return outputs, loss_of(s, outputs, targets)
 
     def run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
-        """Run ``hooks`` on ``hc``. At a point whose hook replaces a value (``batch``,
-        ``after_forward``, ``loss``), a hook that returns one instead of setting ``hc``'s field
-        is warned about once (None and a bool, a ``lambda``'s ``a and b``, are not)."""
+        """Run ``hooks`` on ``hc``; warn once per point about a hook that returns the value it
+        should set (None and a bool, a ``lambda``'s ``a and b``, are not warned about)."""
         field = _REPLACED.get(point)
         for hook in hooks:
             out = hook(hc)
@@ -340,8 +330,7 @@ class StepRunner:
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: Any, ctx: TrainContext) -> None:
-        """``ctx.backward``: check the loss, keep it for the non-finite check, then the
-        backward (traced ``"backward"``) and the ``after_backward`` hooks."""
+        """``ctx.backward(loss)``."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             self._refuse(loss, ctx.batch_index)
         if self._keep:  # read only for its value: kept as it is
@@ -378,8 +367,7 @@ class StepRunner:
             self.run_hooks("after_backward", hooks, hc)
 
     def _refuse(self, loss: Any, bi: int) -> None:
-        """Raise the error for a loss that is not a scalar tensor that requires grad (checked
-        on metadata only: never syncs the device)."""
+        """Raise the error for a loss that is not a scalar tensor that requires grad."""
         st = self.state
         where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -397,7 +385,7 @@ class StepRunner:
 
     # ------------------------------------------------------------------ optimizer steps
     def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
-        """``ctx.optimizer_step``: step now at the last micro-batch, else defer."""
+        """``ctx.optimizer_step(name)``: step at the last micro-batch, else defer."""
         if name is not None and name not in self.settings.optimizers:
             raise ConfigError.invalid(
                 f"ctx.optimizer_step in train_step {self.name}", name,
@@ -415,9 +403,21 @@ class StepRunner:
         """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
         if self._skip or name in self._stepped:
             return False
-        if self._losses and self._guard.per_step and self._bad_losses(name, ctx):
-            return False
         s = self.settings
+        if self._losses and self._per_step:  # the non-finite check of the losses not checked yet
+            pending, self._losses = self._losses, []
+            try:
+                self._skip = self._guard.skip_update(pending, self.step + 1)
+            except BaseException as exc:
+                if self._own:
+                    names = s.optimizers if name is None else (name,)
+                    exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
+                                 f"{self.name} before stepping optimizer "
+                                 f"{', '.join(map(repr, names))}")  # fmt: skip
+                raise
+            if self._skip:  # no update in this step
+                self.zero_grad(s.optimizer, ctx.batch_index)
+                return False
         opt = s.optimizer if name is None else s.optimizers[name]
         scaler = s.scaler
         if scaler is not None:
@@ -458,24 +458,6 @@ class StepRunner:
             self.run_hooks("after_optimizer_step", hooks, hc)
         return True
 
-    def _bad_losses(self, name: str | None, ctx: TrainContext) -> bool:
-        """The non-finite check of the backward losses not checked yet; True when the step's
-        update is skipped (``"skip"`` or ``"stop"``)."""
-        pending, self._losses = self._losses, []
-        try:
-            bad = self._guard.skip_update(pending, self.step + 1)
-        except BaseException as exc:
-            if self._own:
-                names = self.settings.optimizers if name is None else (name,)
-                exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
-                             f"{self.name} before stepping optimizer "
-                             f"{', '.join(map(repr, names))}")  # fmt: skip
-            raise
-        if bad:  # no update in this step
-            self._skip = True
-            self.zero_grad(self.settings.optimizer, ctx.batch_index)
-        return bad
-
     def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
         scaler = self.settings.scaler
         if scaler is None:
@@ -485,7 +467,7 @@ class StepRunner:
                 scaler.step(o)
 
     def drop_gradients(self) -> None:
-        """Drop every gradient (a step that computed no loss), untraced."""
+        """Drop every gradient, untraced."""
         self.settings.optimizer.zero_grad(set_to_none=True)
         self._clean = True
 
@@ -504,15 +486,14 @@ class StepRunner:
             self._clean = True
 
     def finish(self, ctx: TrainContext) -> tuple[bool, torch.Tensor | None]:
-        """After the micro-batches: the deferred optimizer steps, the scaler's update, a custom
-        step's checks. Returns ``(some optimizer stepped, grad norm)``, the norm of the stepped
-        optimizers' pre-clip norms (None without clipping)."""
+        """After the micro-batches: the deferred steps, the scaler's update, a custom step's
+        checks; ``(some optimizer stepped, the pre-clip grad norm or None)``."""
         for name in self._deferred:
             self._step_now(name, ctx)
-        s, stepped = self.settings, self._stepped
+        stepped = self._stepped
         if self._unscaled:
-            assert s.scaler is not None
-            s.scaler.update()
+            assert self.settings.scaler is not None
+            self.settings.scaler.update()
         if self._own:
             self._check_called(ctx)
         ctx.batch = None  # the batch is not kept past its step
@@ -527,9 +508,8 @@ class StepRunner:
         return True, torch.linalg.vector_norm(torch.stack(norms))
 
     def _check_called(self, ctx: TrainContext) -> None:
-        """A custom step's calls of ``ctx.optimizer_step`` in the step that ends, unless the
-        data cut it short or a hook skipped a micro-batch: none is an error; an optimizer never
-        asked for (and not all at once) is warned about once."""
+        """A whole step of a custom step that stepped no optimizer is an error; one that left
+        a named optimizer out is warned about once."""
         called = self._called
         whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
         if not whole or self._skip:
@@ -558,8 +538,8 @@ class StepRunner:
                             step=self.state.step)  # fmt: skip
 
     def _warn_no_backward(self, opt: torch.optim.Optimizer) -> None:
-        """A custom step stepped an optimizer with no ``ctx.backward`` since its last step:
-        warned once when no parameter has a gradient (the step trains nothing)."""
+        """Warn once when a custom step steps an optimizer none of whose parameters has a
+        gradient (no ``ctx.backward`` since its last step)."""
         if "backward" in self._warned:
             return
         self._warned.add("backward")  # checked once: a step that trains keeps training
@@ -574,17 +554,16 @@ class StepRunner:
         )
 
     def checked(self, loss: torch.Tensor) -> torch.Tensor:
-        """The step's ``loss`` as the log window keeps it where the guard reads at the next
-        sync: NaN when a loss given to ``ctx.backward`` in the step was not finite (the read
-        then finds this step). On the device: no sync."""
+        """``loss``, or NaN when a loss given to ``ctx.backward`` was not finite (on the
+        device: the log window's read finds this step)."""
         if self.same or not self._losses:
             return loss
         finite = torch.isfinite(torch.stack([x.detach() for x in self._losses])).all()
         return torch.where(finite, loss, loss.new_full((), math.nan))
 
 
+# The hook points whose hooks replace a value, and the context's field they set.
 _REPLACED = {"batch": "ctx.batch", "after_forward": "ctx.outputs", "loss": "ctx.loss"}
-"""The hook points whose hooks replace a value, and the context's field they set."""
 
 
 def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

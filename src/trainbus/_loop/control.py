@@ -22,16 +22,14 @@ if TYPE_CHECKING:
 
 __all__ = ["BarrierWait", "CancelFlag", "CommandHandler", "RunStop"]
 
-# wait(event, resume) -> "done", "timeout" or "request" (apply it, then resume=True); event
-# None: the end of the run.
+# wait(event or None at the end, resume) -> "done", "timeout" or "request" (then resume=True)
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
 
 _MAX_ROUNDS = 100  # drains of the commands sent while commands are applied
 
 
 class CancelFlag:
-    """A run's cancel request: asked from any thread (ringing ``doorbell``), checked by the
-    loop's parts."""
+    """A run's cancel request: asked from any thread, checked by the loop's parts."""
 
     __slots__ = ("_doorbell", "requested")
 
@@ -51,8 +49,7 @@ class CancelFlag:
 
 
 class RunStop:
-    """Whether the run stops (``reason``: the first one given; None while it goes on); a stop
-    rings ``doorbell`` so that the loop looks after the current step."""
+    """Whether the run stops (``reason``: the first one given); a stop rings the doorbell."""
 
     __slots__ = ("_doorbell", "reason")
 
@@ -66,9 +63,8 @@ class RunStop:
 
 
 class CommandHandler:
-    """Drains the command queue at the loop's poll points, applies each command and
-    acknowledges it with ``CommandApplied``; under torchrun (``sync``) only at the points every
-    rank reaches together (docs/distributed.md)."""
+    """Applies the commands at the loop's poll points (docs/bus.md; under torchrun only at
+    the points every rank reaches: docs/distributed.md)."""
 
     def __init__(
         self,
@@ -98,8 +94,7 @@ class CommandHandler:
     def barrier_then_poll(
         self, event: ev.BaseEvent | None, *earlier: ev.BaseEvent, common: bool = False
     ) -> None:
-        """Wait at ``earlier`` then ``event`` (None: the end of the run) where they are barrier
-        types, then :meth:`poll`."""
+        """Wait at ``earlier`` then ``event`` where they are barrier types, then poll."""
         for e in (*earlier, event):
             if e is None or type(e) in self._s.barriers:
                 self._barrier(e)
@@ -108,8 +103,8 @@ class CommandHandler:
     def decide(
         self, ended: ev.StepEnded | None, barrier: ev.BaseEvent | None, *, common: bool
     ) -> None:
-        """A decision step: wait at the step's ``barrier`` event (if any), then at its
-        ``StepEnded`` whatever the barrier types (None: everything published), then poll."""
+        """A decision step: wait at its ``barrier`` event, then at its ``StepEnded`` (None:
+        everything published), then poll."""
         if barrier is not None:
             self._barrier(barrier)
         if barrier is None or (ended is not None and ended is not barrier):
@@ -124,9 +119,8 @@ class CommandHandler:
             status = self._wait_barrier(event, True)
 
     def poll(self, *, common: bool = False) -> None:
-        """Wait while a ``"block"`` buffer is full (not once the run stops), raise a ``raise``
-        subscriber's failure or the cancellation, apply the commands (under torchrun only when
-        ``common``: every rank is at this point)."""
+        """Wait for room in a full ``"block"`` buffer, raise a failure or the cancel, apply the
+        commands (under torchrun only when ``common``)."""
         port = self._port
         if port.held and self._stop.reason is None:
             port.wait_for_room()
@@ -145,15 +139,13 @@ class CommandHandler:
                 self.apply(command)
 
     def agree(self) -> None:
-        """Exchange every rank's pending commands and apply the agreed list (a collective).
-        One round: what they make subscribers send waits for the next common point."""
+        """Apply the commands every rank agreed on (one collective round)."""
         assert self._sync is not None
         for command in self._sync.agree(self._port.poll_commands()):
             self.apply(command)
 
     def apply(self, command: cmd.Command) -> None:
-        """Apply one command and publish ``CommandApplied``; a refused one carries its error,
-        anything else (a failing evaluation) propagates."""
+        """Apply one command and publish ``CommandApplied`` (with the error of a refusal)."""
         st = self._state
         result: ev.BaseEvent | None = None
         error: BaseException | None = None
@@ -191,8 +183,7 @@ class CommandHandler:
                                             result=result, error=error))  # fmt: skip
 
     def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:
-        """The parameter groups a learning-rate command sets (``group`` counted within
-        ``optimizer``, or across them in name order)."""
+        """The parameter groups a learning-rate command sets."""
         opts = self._s.optimizers
         if optimizer is not None and optimizer not in opts:
             allowed = "one of the optimizers: " + ", ".join(map(repr, opts))

@@ -1,6 +1,4 @@
-"""The training data's side of the run: each epoch's batch iterator, its data order kept for
-checkpoints or replayed on resume.
-"""
+"""Each epoch's batch iterator, its data order kept for checkpoints or replayed on resume."""
 
 from __future__ import annotations
 
@@ -23,13 +21,11 @@ __all__ = ["EpochData", "hint_pin_memory"]
 
 log = get_logger(__name__)
 
-_hinted = False
-"""The pin-memory hint was logged in this process (it is not repeated for every run)."""
+_hinted = False  # the pin-memory hint was logged in this process
 
 
 def hint_pin_memory(data: Any, device: torch.device) -> bool:
-    """Log ``pin_memory_hint`` once per process for a CUDA run on a ``DataLoader`` with
-    ``pin_memory=False``; True when this call logged it."""
+    """Log ``pin_memory_hint`` once per process for a CUDA run without pinned memory."""
     global _hinted
     if _hinted or device.type != "cuda" or not isinstance(data, DataLoader) or data.pin_memory:
         return False
@@ -59,9 +55,8 @@ class EpochData:
         self._resume = resume
 
     def start(self) -> int | None:
-        """Before the first epoch: the pin-memory hint, and a run resumed from a checkpoint
-        saved after an epoch's end work moves on to the next epoch. Returns the optimizer steps
-        per epoch (None when the training data has no length)."""
+        """Before the first epoch (a resume past an epoch's end moves on); returns the steps per
+        epoch (None: data of no length)."""
         s, st = self._s, self._state
         hint_pin_memory(s.train_data, s.device)
         if st.closed_epoch == st.epoch or (
@@ -88,8 +83,7 @@ class EpochData:
         )
 
     def open(self) -> Iterator[Any]:
-        """The epoch's iterator over its (remaining) batches; its data order is captured right
-        before ``iter()`` draws the permutation, or on resume replayed (``replay_epoch``)."""
+        """The epoch's iterator over its remaining batches, its data order captured or replayed."""
         s, st, resume = self._s, self._state, self._resume
         set_sampler_epoch(s.train_data, st.epoch)  # a DistributedSampler's shuffle per epoch
         if resume is not None:

@@ -1,7 +1,5 @@
-"""The evaluation pass: every evaluation set scored with the forward of ``forward.py``; and
-``trainer.evaluate()`` and ``trainer.predict()`` (:class:`StandaloneRun`): on the training thread
-like the loop, on the same bus and hooks; between batches ``StopTraining`` ends the pass, any
-other command is refused."""
+"""The evaluation round of ``fit()``, and ``evaluate()`` / ``predict()`` outside it (on the
+training thread, the same bus and hooks; only ``StopTraining`` is applied)."""
 
 from __future__ import annotations
 
@@ -69,8 +67,7 @@ def hooked_batch(
     dataset: str | None = None,
     trigger: ev.EvalTrigger | None = None,
 ) -> tuple[bool, Any]:
-    """``(skipped, batch)``: ``batch`` on the device after the ``eval_batch`` hooks (which may
-    replace or skip it)."""
+    """``(skipped, batch)``: ``batch`` on the device after the ``eval_batch`` hooks."""
     batch = move_to_device(batch, s.device)
     if not hooks:
         return False, batch
@@ -83,12 +80,8 @@ def hooked_batch(
 
 
 class Evaluator:
-    """Scores the evaluation sets and publishes the rounds (docs/trainer.md, "Metric functions").
-
-    Sums stay on the device and are read once per set; a round never moves the training's
-    random generators. ``should_stop`` (standalone runs) ends a round early; under torchrun
-    ``reduce`` averages the ranks' metrics and ``sum_totals`` adds their set-metric totals.
-    """
+    """Scores the evaluation sets (sums read once per set, the training's RNG untouched).
+    ``should_stop`` ends a round early; torchrun: ``reduce`` and ``sum_totals`` join ranks."""
 
     def __init__(
         self,
@@ -117,9 +110,8 @@ class Evaluator:
         triggers: tuple[ev.EvalTrigger, ...],
         sets: Sequence[tuple[str, Iterable[Any]]] | None = None,
     ) -> tuple[ev.EvaluationEnded, ...]:
-        """One round for ``triggers`` (the first is the round's ``trigger``) over ``sets``
-        (default: the settings'), its hooks and events, every ``XEnded`` published even when it
-        raises; returns each set's ``EvaluationEnded``."""
+        """One round for ``triggers`` over ``sets`` (None: the settings'), its hooks and events;
+        returns each set's ``EvaluationEnded``."""
         s, pub, st = self._s, self._port.publish, self._state
         sets = s.eval_sets if sets is None else tuple(sets)
         trigger = triggers[0]
@@ -162,8 +154,7 @@ class Evaluator:
     def _round_hooks(
         self, point: HookPoint, trigger: ev.EvalTrigger, error: BaseException | None
     ) -> None:
-        """``"after_evaluation"`` unwinds like nested context managers: in reverse order, all
-        of them, the first exception raised after the last."""
+        """``"after_evaluation"`` unwinds like nested context managers (reversed, all run)."""
         hooks = self._hooks.by_point[point]
         if not hooks:
             return
@@ -313,9 +304,8 @@ class Evaluator:
 
 
 class StandaloneRun:
-    """One ``evaluate()`` or ``predict()`` call; ``state`` stamps the events (the trainer's
-    last train state, or a fresh one). ``stop_reason``: the ``StopTraining`` reason that ended
-    the pass early, else None."""
+    """One ``evaluate()`` or ``predict()`` call; ``stop_reason``: the ``StopTraining`` reason
+    that ended it early, else None."""
 
     def __init__(self, settings: Settings, port: LoopPort, hooks: Hooks, state: TrainState) -> None:
         self._s, self._port, self._hooks, self._state = settings, port, hooks, state
@@ -332,8 +322,8 @@ class StandaloneRun:
             raise Cancelled
 
     def should_stop(self) -> bool:
-        """A poll point: wait while a ``"block"`` buffer is full, raise a ``raise`` subscriber's
-        failure, apply the queued commands; True once a ``StopTraining`` arrived."""
+        """Wait for room in a full ``"block"`` buffer, raise a failure, apply the commands; True
+        once a ``StopTraining`` arrived."""
         port, st = self._port, self._state
         if port.held and self.stop_reason is None:
             port.wait_for_room(lambda: self._cancel)
@@ -363,9 +353,8 @@ class StandaloneRun:
 
     def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None,
                 ignore: frozenset[str] = frozenset()) -> list[Any]:  # fmt: skip
-        """Run the model on every batch of ``data`` inside ``PredictionStarted/Ended``; with
-        ``keep``, return every batch's outputs without the ``ignore`` keys, detached and on the
-        host, each checked as it comes to be joinable with ``pad`` (else ``[]``)."""
+        """Run the model on every batch of ``data``; with ``keep``, return every batch's outputs
+        without the ``ignore`` keys, on the host (else ``[]``)."""
         s, port, st, w = self._s, self._port, self._state, self._wants
         kept = KeptOutputs(pad or PadValues(), s.device) if keep else None
         use_device(s.device)  # the training thread's current CUDA device

@@ -1,7 +1,4 @@
-"""The forward: the model's outputs for a batch and their loss, for training (the
-``after_forward`` hooks run between the two), evaluation and prediction. The batch conventions
-are docs/trainer.md's.
-"""
+"""The one forward of training, evaluation and prediction (batch conventions: docs/trainer.md)."""
 
 from __future__ import annotations
 
@@ -17,13 +14,11 @@ if TYPE_CHECKING:
 
 __all__ = ["loss_of", "metric_targets", "model_outputs"]
 
-_PAIR = (tuple, list)
-"""The types of an ``(inputs, targets)`` batch (of two elements)."""
+_PAIR = (tuple, list)  # the types of an (inputs, targets) batch
 
 
 def metric_targets(batch: Any) -> Any:
-    """What a metric function receives as ``targets`` for ``batch`` (docs/trainer.md); a
-    mapping without ``"labels"`` is a ``TrainingError``."""
+    """What a metric function receives as ``targets`` for ``batch``."""
     if isinstance(batch, _PAIR) and len(batch) == 2:
         return batch[1]
     if isinstance(batch, Mapping):
@@ -37,9 +32,8 @@ def metric_targets(batch: Any) -> Any:
 
 
 def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any, Any]:
-    """``(outputs, targets)`` for ``batch``; targets is None without ``loss_fn``. With
-    ``targets=False`` (prediction) a batch that is not ``(inputs, targets)`` is the model's
-    input as a whole instead of a ``TrainingError``."""
+    """``(outputs, targets)`` (targets None without ``loss_fn``); ``targets=False``: a batch
+    that is not ``(inputs, targets)`` is the model's input as a whole (prediction)."""
     model = s.model
     if s.loss_fn is not None:
         if isinstance(batch, _PAIR) and len(batch) == 2:
@@ -62,8 +56,7 @@ def model_outputs(s: Settings, batch: Any, *, targets: bool = True) -> tuple[Any
 
 
 def loss_of(s: Settings, outputs: Any, targets: Any) -> Any:
-    """``loss_fn(outputs, targets)``, or the loss the model returned (not yet checked to be a
-    scalar that requires grad); ``TrainingError`` when the outputs carry none."""
+    """``loss_fn(outputs, targets)``, or the loss the model returned (unchecked)."""
     if s.loss_fn is not None:
         return s.loss_fn(outputs, targets)
     if isinstance(outputs, torch.Tensor):

@@ -1,6 +1,5 @@
-"""Inline hooks: functions run on the training thread at a point of the step
-(:mod:`trainbus._hookpoints`) with a mutable :class:`StepContext`; their exceptions propagate.
-"""
+"""Inline hooks: functions run on the training thread at a point of the step with a mutable
+:class:`StepContext`; their exceptions propagate."""
 
 from __future__ import annotations
 
@@ -63,8 +62,7 @@ class Hooks:
             self._rebuild(point)
 
     def which(self, exc: BaseException) -> tuple[HookPoint, str] | None:
-        """The point and name of the hook that raised ``exc`` (a hook's code in a frame of its
-        traceback), or None."""
+        """The point and name of the hook whose code is in ``exc``'s traceback, or None."""
         codes: dict[Any, tuple[HookPoint, str]] = {}
         for point, fns in self.by_point.items():
             for fn in fns:

@@ -1,8 +1,5 @@
 """The training loop: the run, its epochs, and after each step taken its evaluation and poll
-point (event order: docs/events.md; parts: ARCHITECTURE.md, "The loop"). The loop re-reads its
-``Wants`` and next decision step, and a plain step's poll point polls, only after the port's
-doorbell rang (a routing change, a decision step, a command, a failure, a stop, a cancel...).
-"""
+point (event order: docs/events.md; parts: ARCHITECTURE.md, "The loop")."""
 
 from __future__ import annotations
 
@@ -41,19 +38,13 @@ __all__ = ["Cancelled", "FitResult", "Loop"]
 
 log = get_logger(__name__)
 
-_NO_END = 2**62
-"""A step number no run reaches: the epoch length or last step of a run that has none."""
+_NO_END = 2**62  # a step no run reaches: the epoch length or last step of a run with none
 
 
 class Loop:
-    """One run of the training loop, built by :class:`~trainbus.Trainer`; not reusable.
-    :attr:`result` is how it ended (None until :meth:`run` returns).
-
-    Args:
-        resume: The checkpoint ``state`` was loaded from (already restored into the model,
-            optimizer, scheduler and scaler): its epoch's data order and RNG states are replayed.
-        sync: The ranks' agreement under torchrun with several ranks; None: no collective ever.
-    """
+    """One run of the training loop, not reusable; :attr:`result`: how it ended. ``resume``:
+    the checkpoint ``state`` was loaded from (its epoch's data order is replayed); ``sync``:
+    the ranks' agreement under torchrun (None: no collective ever)."""
 
     def __init__(
         self,
@@ -110,25 +101,20 @@ class Loop:
         self._demand_rings = -1  # the doorbell's count when wants and decision step were read
         self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
-        # Under torchrun: the union of every rank's decision steps, agreed at the run's
-        # start ((every periods), (at steps)); None: the bus' own clock decides.
+        # torchrun: the agreed decision steps ((every periods), (at steps)); None: the bus'.
         self._agreed: tuple[tuple[int, ...], tuple[int, ...]] | None = None
-        # The step that reaches either closes its evaluation and the epoch's end work before
-        # its poll point (_close_step).
         self._epoch_len = settings.train_len if settings.train_len is not None else _NO_END
         self._last_step = settings.max_steps if settings.max_steps is not None else _NO_END
         self._eval_every = settings.eval_every or _NO_END
         self._first_step = state.step  # no optimizer step in this process before it
 
     def request_cancel(self) -> None:
-        """Ask the loop to stop at its next check: the run ends with
-        ``FitEnded(reason="cancelled")``. Safe from any thread."""
+        """End the run at the loop's next check (``"cancelled"``). Safe from any thread."""
         self._cancel.request()
 
     def _resumed(self, resume: Checkpoint) -> None:
-        """Carry on from ``resume`` what the run that wrote it had: the last evaluation's
-        metrics (its later saves and the result carry them) and that save itself, of this
-        step (a ``SaveCheckpoint`` of the same step and tag is answered with it)."""
+        """Carry on ``resume``'s last evaluation metrics, and the save itself (a
+        ``SaveCheckpoint`` of its step and tag is answered with it)."""
         st = self._state
         self._evaluator.metrics = dict(resume.metrics)
         name = parse_checkpoint_name(resume.path.name)
@@ -218,8 +204,7 @@ class Loop:
         return self.result
 
     def _no_step_error(self) -> TrainingError:
-        """A whole epoch took no optimizer step and only ``max_steps`` ends the run: it never
-        would (a hook that skips every update, or every batch)."""
+        """An epoch took no step and only ``max_steps`` ends the run: it never would."""
         st = self._state
         return TrainingError(
             f"epoch {st.epoch - 1} ended without an optimizer step (still at step {st.step}) and "
@@ -268,9 +253,6 @@ class Loop:
                         complete = True
                         break
                 outcome = step.run(it, accumulation_steps)
-                if outcome.batches == 0:
-                    complete = True
-                    break
                 if outcome.taken:
                     self._after_step(outcome)
                 if outcome.exhausted:
@@ -297,9 +279,8 @@ class Loop:
         return complete
 
     def _after_step(self, outcome: StepOutcome) -> None:
-        """After a step taken: its evaluation if due, then its poll point. The evaluation comes
-        first so that a checkpoint the poll applies holds the state after it: a resume never
-        repeats it (docs/reliability.md)."""
+        """After a step taken: its evaluation if due, then its poll point (a checkpoint the poll
+        writes holds the evaluation: docs/reliability.md)."""
         st = self._state
         step, ends_epoch = st.step, st.batch_in_epoch >= self._epoch_len
         if ends_epoch or step == self._last_step or step % self._eval_every == 0:
@@ -332,9 +313,8 @@ class Loop:
         return -1 if nxt is None else nxt
 
     def _agree_schedules(self) -> None:
-        """torchrun: every rank takes the union of the decision steps the ranks declared, for
-        the whole run (one all-gather), so a command decided at one is applied there on every
-        rank. Later declarations do not join: they would hang the ranks that lack them."""
+        """torchrun: every rank takes the union of the decision steps declared at the start (one
+        all-gather); later declarations do not join (they would hang the ranks that lack them)."""
         assert self._sync is not None
         schedules = self._port.decision_steps
         every = [int(n) for n in (getattr(x, "n", None) for x in schedules) if n is not None]
@@ -343,9 +323,8 @@ class Loop:
         self._decision_step = self._next_decision(self._state.step)
 
     def _close_step(self, *, ends_epoch: bool, cadence: bool) -> None:
-        """The step's evaluation, one round for every cadence due and never twice for one
-        step; then, with ``ends_epoch`` (ignored once stopping), the epoch's end work.
-        ``cadence``: ask the ``eval_every`` cadence too (not at an epoch's end found later)."""
+        """The step's evaluation (one round for the cadences due), then with ``ends_epoch`` the
+        epoch's end work; ``cadence``: the ``eval_every`` cadence is asked too."""
         s, st = self._s, self._state
         running = self._stop.reason is None
         ends_epoch = ends_epoch and running

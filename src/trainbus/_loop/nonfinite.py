@@ -1,7 +1,4 @@
-"""The non-finite guard: a NaN/inf loss never goes unnoticed and never reaches a checkpoint
-(docs/trainer.md, "Non-finite losses"; under several ranks every decision is agreed:
-docs/distributed.md).
-"""
+"""The non-finite guard (docs/trainer.md, "Non-finite losses"; ranks: docs/distributed.md)."""
 
 from __future__ import annotations
 
@@ -23,8 +20,7 @@ __all__ = ["MAX_CONSECUTIVE_SKIPS", "NonFiniteGuard", "mean"]
 
 log = get_logger(__name__)
 
-MAX_CONSECUTIVE_SKIPS = 100
-"""With ``on_nonfinite="skip"``, this many non-finite steps in a row fail the run."""
+MAX_CONSECUTIVE_SKIPS = 100  # with on_nonfinite="skip", this many in a row fail the run
 
 
 def mean(values: list[float]) -> float:
@@ -35,14 +31,9 @@ def mean(values: list[float]) -> float:
 
 
 class NonFiniteGuard:
-    """Applies ``on_nonfinite`` to non-finite losses and refuses checkpoints of a bad state.
-    ``per_step``: losses are read every step before the update (the CPU, or ``"skip"``), else
-    the log window reads them at its syncs and hands a bad one to :meth:`found`.
-
-    Args:
-        agree: Under several ranks, a collective: takes "this rank's losses are not all
-            finite", returns whether any rank's are not. None: one process.
-    """
+    """Applies ``on_nonfinite`` and refuses checkpoints of a bad state. ``per_step``: losses
+    are read before each update (the CPU, or ``"skip"``), else by the log window at its syncs.
+    ``agree(bad here) -> bad on any rank``: a collective (None: one process)."""
 
     def __init__(
         self,
@@ -65,10 +56,8 @@ class NonFiniteGuard:
         self._consecutive = 0
 
     def skip_update(self, losses: list[torch.Tensor], step: int) -> bool:
-        """Per-step check of the micro-batch losses of ``step``, before its update: True when
-        the update must not be applied (``"skip"``, or ``"stop"``: the model stays as it was);
-        ``NonFiniteLossError`` under ``"raise"`` or after :data:`MAX_CONSECUTIVE_SKIPS`."""
-        # A loss is one element: 0-d, or of shape (1,).
+        """Check ``step``'s losses (each of one element) before its update: True when it must
+        not be applied; ``NonFiniteLossError`` under ``"raise"`` or after too many skips."""
         if len(losses) == 1:
             finite = math.isfinite(losses[0].item())
         else:
@@ -110,8 +99,7 @@ class NonFiniteGuard:
         self._stop(message)
 
     def check_parameters(self, model: torch.nn.Module) -> None:
-        """``CheckpointError`` for a checkpoint of a bad state: after a ``"stop"``, or with a
-        non-finite parameter (one device read for all parameters)."""
+        """``CheckpointError`` after a ``"stop"`` or for a non-finite parameter."""
         st = self._state
         if self.tripped:
             raise CheckpointError(

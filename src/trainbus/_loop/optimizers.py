@@ -1,10 +1,5 @@
-"""Several optimizers and schedulers, named, behind the one optimizer the loop knows.
-
-``Trainer(model, {"g": opt_g, "d": opt_d}, ...)`` runs on an :class:`OptimizerSet` of them,
-used wherever one optimizer is (``param_groups`` in name order, ``zero_grad``, ``step``,
-``state_dict`` per name); :class:`SchedulerSet` does the same for ``scheduler={"g": sched_g,
-...}`` (docs/trainer.md, "Several optimizers").
-"""
+"""Several optimizers and schedulers, named, behind the one optimizer the loop knows
+(docs/trainer.md, "Several optimizers")."""
 
 from __future__ import annotations
 
@@ -17,8 +12,7 @@ from .._exceptions import CheckpointError, ConfigError
 
 __all__ = ["DEFAULT_NAME", "OptimizerSet", "SchedulerSet"]
 
-DEFAULT_NAME = "default"
-"""The name of the one optimizer of a run given a single optimizer (``optimizers["default"]``)."""
+DEFAULT_NAME = "default"  # the name of a run's single optimizer
 
 
 class OptimizerSet(torch.optim.Optimizer):

@@ -206,10 +206,8 @@ def join_outputs(
 
 
 class KeptOutputs:
-    """The outputs ``predict(return_outputs=True)`` keeps: each batch's checked against the
-    first batch's (kept as meta tensors) by :func:`join_outputs`' rules, so that outputs it
-    could not join fail at that batch, then copied to the host (on CUDA into pinned memory,
-    non-blocking: :meth:`batches` waits once for all of them)."""
+    """The outputs ``predict(return_outputs=True)`` keeps: each batch checked as it comes to
+    join with the first, and copied to the host (CUDA: pinned, non-blocking)."""
 
     def __init__(self, pad: PadValues, device: torch.device) -> None:
         self._pad = pad
@@ -221,9 +219,7 @@ class KeptOutputs:
         self._batches: list[Any] = []
 
     def add(self, outputs: Any, index: int) -> None:
-        """Keep batch ``index``'s outputs: ``TrainingError`` for a tensor padding cannot join
-        to the first batch's; ``ConfigError`` for an unknown ``pad_value`` key or a pad value
-        its tensor cannot hold."""
+        """Keep batch ``index``'s outputs; ``TrainingError`` for outputs that cannot join."""
         if self._batches:
             self._check(self._first, outputs, index, "outputs", None)
         else:

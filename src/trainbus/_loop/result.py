@@ -1,5 +1,4 @@
-"""How a run of the loop ends: the :class:`FitResult` it returns (``fit()`` hands it on with
-the bus' figures added), and :class:`Cancelled`, raised inside the loop to end it."""
+"""How a run of the loop ends: :class:`FitResult`, and :class:`Cancelled`, which ends it."""
 
 from __future__ import annotations
 
@@ -51,23 +50,18 @@ class FitResult:
     """The checkpoint file this run loaded (``fit(resume=...)``), None for a fresh start,
     ``resume="latest"`` finding no valid checkpoint included."""
     failed_saves: int = 0
-    """Checkpoint writes the disk refused (full, read-only): each logged as
-    ``checkpoint_save_failed`` naming the file; the earlier checkpoints stay valid."""
+    """Checkpoint writes the disk refused (docs/reliability.md)."""
     metric_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Evaluations in which each ``set_metrics`` metric raised (logged as
     ``set_metric_failed``, left out of those evaluations' metrics). Only metrics that failed."""
     subscriber_failures: Mapping[str, int] = dataclasses.field(default_factory=dict)
     """Failures per subscription name (only those that failed)."""
     waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds training waited on each subscription that held it (an ``overflow="block"``
-    buffer that was full, a barrier or decision step it decides at, a sync subscriber's
-    backlog a barrier delivered); absent: never waited. See docs/bus.md."""
+    """Seconds training waited on each subscription that held it (docs/bus.md)."""
     end_waited_s: Mapping[str, float] = dataclasses.field(default_factory=dict)
-    """Seconds the call's end waited for each async subscription to finish what it received
-    (at most the bus' ``close_timeout``), after training; absent: it had finished."""
+    """Seconds the call's end waited for each async subscription to finish (docs/bus.md)."""
     lost_work: Mapping[str, LostWork] = dataclasses.field(default_factory=dict)
-    """Work each subscription lost (dropped, cancelled, failed); only subscriptions that lost
-    something, so it is empty when every item was handled."""
+    """Work each subscription lost (dropped, cancelled, failed); empty when none did."""
 
     def __getattr__(self, name: str) -> Any:
         """An attribute of an earlier version (``metrics``, ``checkpoint``, ``lost``): an

@@ -50,8 +50,7 @@ _SPELLED = {
 
 
 def run_config(settings: Settings) -> dict[str, Any]:
-    """The cadences and data shape a checkpoint records (``meta["run"]``), which an exact
-    resume needs unchanged."""
+    """The cadences and data shape a checkpoint records, which an exact resume needs unchanged."""
     s = settings
     return {
         "eval_every": s.eval_every if s.eval_data is not None else None,
@@ -63,8 +62,7 @@ def run_config(settings: Settings) -> dict[str, Any]:
 
 
 def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list[str]:
-    """One sentence per :func:`run_config` entry both record that differs between ``saved``
-    and ``now``, saying what exactness it costs (empty: the resume can be exact)."""
+    """One sentence per :func:`run_config` entry that differs, saying what exactness it costs."""
     out = []
     for key, lost in _LOST.items():
         if key in saved and key in now and saved[key] != now[key]:
@@ -75,9 +73,8 @@ def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list
 
 
 class CheckpointWriter:
-    """Writes the run's checkpoints into ``settings.checkpoint_dir`` (a sharded model: every
-    rank into one folder; else rank 0 under torchrun), after the ``window``'s unread losses
-    and the ``guard`` allowed it; ``callback_states()`` is called at each save."""
+    """Writes the run's checkpoints (a sharded model: every rank; else rank 0), once the
+    ``window``'s unread losses and the ``guard`` allow it."""
 
     def __init__(
         self,
@@ -104,16 +101,14 @@ class CheckpointWriter:
         self._run = run_config(settings)
 
     def resumed_from(self, saved: ev.CheckpointSaved) -> None:
-        """The run resumed from ``saved``: in this run's ``checkpoint_dir`` it is the last
-        checkpoint (no final copy; a ``SaveCheckpoint`` of that step and tag gets it)."""
+        """The run resumed from ``saved``: in this ``checkpoint_dir``, the last checkpoint."""
         path, folder = Path(saved.path), self._settings.checkpoint_dir
         if folder is not None and path.parent.resolve() == folder.resolve():
             self.last_checkpoint, self.last_checkpoint_step = saved.path, saved.step
             self._once = (saved, self._state.as_dict())
 
     def save_once(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
-        """:meth:`save` for a ``SaveCheckpoint``; a second one of the same step, tag and train
-        state is answered with the first's ``CheckpointSaved``."""
+        """:meth:`save`, unless the last one had this step, tag and train state: its event."""
         now = self._state.as_dict()
         if self._once is not None:
             saved, state = self._once
@@ -128,8 +123,7 @@ class CheckpointWriter:
         self._data_order = data_order
 
     def _order_to_save(self) -> dict[str, Any] | None:
-        """The order the resumed run replays: the epoch in progress', or, past its last batch
-        or its end work, the next epoch's, captured now."""
+        """The data order a resume replays: the epoch in progress', or past its end the next's."""
         s, st, order = self._settings, self._state, self._data_order
         if st.closed_epoch == st.epoch or (
             s.train_len is not None and st.batch_in_epoch >= s.train_len
@@ -145,9 +139,8 @@ class CheckpointWriter:
         return self._settings.checkpoint_dir is not None
 
     def save(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
-        """Write a checkpoint of the current state (``tag`` in its name) and publish
-        ``CheckpointSaved``. ``ConfigError`` without ``checkpoint_dir``; what the window and
-        the guard raise; ``CheckpointWriteError`` when the disk refused (counted, logged)."""
+        """Write a checkpoint and publish ``CheckpointSaved``; ``CheckpointWriteError`` when the
+        disk refused (counted, logged)."""
         s, st = self._settings, self._state
         if s.checkpoint_dir is None:
             raise ConfigError.invalid("checkpoint_dir", None, "a folder, to save checkpoints")

@@ -121,8 +121,7 @@ class TokenAccuracy:
 
 
 class MetricFailures:
-    """Set metrics that raised, counted per name and logged (bounded) as
-    ``set_metric_failed``."""
+    """Set metrics that raised, counted per name and logged as ``set_metric_failed``."""
 
     def __init__(self) -> None:
         self._counts: dict[str, int] = {}

@@ -1,8 +1,4 @@
-"""One optimizer step, in the event order of docs/events.md: per micro-batch the fetch, the
-``batch`` hooks and one call of ``train_step`` (:mod:`~trainbus._loop.context`); then the
-scheduler, ``StepEnded`` and the log window. Each event is built only when its
-:class:`~trainbus._loop.wants.Wants` flag says someone listens; what follows a step is the loop's.
-"""
+"""One optimizer step (ARCHITECTURE.md, "The loop"; event order: docs/events.md)."""
 
 from __future__ import annotations
 
@@ -43,16 +39,14 @@ __all__ = [
     "item_weights",
 ]
 
-END = object()
-"""What a fetch returns when the epoch's iterator is exhausted (``next(it, END)``)."""
+END = object()  # what next(it, END) returns from an exhausted iterator
 
 
 class StepOutcome(NamedTuple):
     """What one :meth:`Step.run` did."""
 
-    batches: int  # consumed (0: the data was exhausted before the first)
     taken: bool  # an optimizer step was taken: only then does a poll point follow
-    exhausted: bool  # fewer batches than the step's micro-batches
+    exhausted: bool  # fewer batches than the step's micro-batches (none included)
     ended: ev.StepEnded | None = None  # None: nobody wanted it
     barrier_event: ev.BaseEvent | None = None  # StepEnded or MetricsLogged, when in `barriers`
 
@@ -76,10 +70,8 @@ class Step:
         self._s, self._port, self._state, self._wants = settings, port, state, wants
         self._hooks, self._runner, self._guard = hooks, runner, guard
         self._log_window, self._scheduler, self._cancel = log_window, scheduler, cancel
-        # Off the CPU the batch moves to the device (loaders yield CPU tensors: on the CPU the
-        # move would be a no-op traversal) and the loss handed on is a copy: a loss a CUDA graph
-        # returns (torch.compile's mode="reduce-overhead") lives in the graph's output buffer,
-        # which the next replay overwrites before a subscriber or the log window reads it.
+        # Off the CPU the batch moves to the device and the loss handed on is a copy: a CUDA
+        # graph's next replay overwrites its output buffer (docs/compile.md).
         self._move = settings.device.type != "cpu"
         self._grad_sync = GradSync(settings.model)
         self._ctx = TrainContext(runner)  # the run's one: the runner keeps no reference to it
@@ -88,30 +80,29 @@ class Step:
         if by != "batches":
             self._count = count_items if by == "items" else by
         self._schedule = settings.scheduler is not None and settings.scheduler_interval == "step"
+        self._check_later = guard.active and not guard.per_step  # the log window reads the loss
 
     def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
         """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
         ``Cancelled`` when a cancel was asked between them."""
-        st, s, w, runner = self._state, self._s, self._wants, self._runner
-        bell = self._port.doorbell
-        rings = bell.rings  # a ring from here on (a cancel) is heard between micro-batches
+        st, runner, trace = self._state, self._runner, self._wants.trace
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
         step = runner.begin()
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
         losses: list[torch.Tensor] = []
-        samples = consumed = 0
+        samples = 0
         data_wait = 0.0
+        exhausted = False  # the data ended before the step's last micro-batch
         several = accumulation_steps > 1
         ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
         weights: list[float] = []
         for micro in range(accumulation_steps):
             if micro:
-                if bell.rings != rings:
-                    self._cancel.check()
+                self._cancel.check()
                 tf = time.monotonic()
             if ahead is None:
-                if w.trace.on:
-                    with w.trace("data_wait", "train", st.batch_in_epoch, micro):
+                if trace.on:
+                    with trace("data_wait", "train", st.batch_in_epoch, micro):
                         batch = next(it, END)
                 else:
                     batch = next(it, END)
@@ -121,11 +112,11 @@ class Step:
                 batch = ahead.popleft() if ahead else END
             data_wait += time.monotonic() - tf
             if batch is END:
+                exhausted = True
                 break
             bi = st.batch_taken()
-            consumed += 1
             if self._move:
-                batch = move_to_device(batch, s.device)
+                batch = move_to_device(batch, self._s.device)
             if several:  # before the forward: DDP decides there
                 self._grad_sync.begin(micro, accumulation_steps)
             hook_ctx = None
@@ -136,7 +127,7 @@ class Step:
                     continue
                 batch = hook_ctx.batch
                 if self._move:  # a hook may replace the batch: the model sees the run's device
-                    batch = move_to_device(batch, s.device)
+                    batch = move_to_device(batch, self._s.device)
             samples += batch_size(batch)
             if weights:  # the backward's scale
                 runner.weigh(weights[micro])
@@ -153,21 +144,21 @@ class Step:
         if several:
             self._grad_sync.finish()  # a step cut short after no_sync() backwards
         st.samples_done(samples)
-        exhausted = consumed < accumulation_steps
         if not losses:
             runner.drop_gradients()
-            return StepOutcome(consumed, False, exhausted)
+            return StepOutcome(False, exhausted)
         took, grad_norm = runner.finish(self._ctx)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
-            return StepOutcome(consumed, False, exhausted)
+            return StepOutcome(False, exhausted)
         if not runner.same:  # a custom step returned other losses than it gave to backward
             self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
         # The mean with each loss divided before the sum (nonfinite.mean's rule), on the device.
         step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).div(len(losses)).sum()
-        if not self._guard.per_step and self._guard.active:
+        if self._check_later:
             step_loss = runner.checked(step_loss)
+        w, s = self._wants, self._s
         ended: ev.StepEnded | None = None
         barrier: ev.BaseEvent | None = None
         if w.step_ended or (w.step_ended_sampled and w.step_ended_demand.takes(step + 1, t0)):
@@ -186,11 +177,10 @@ class Step:
             logged = self._log_window.close(w.metrics_logged)
             if logged is not None and ev.MetricsLogged in s.barriers:
                 barrier = logged
-        return StepOutcome(consumed, True, exhausted, ended, barrier)
+        return StepOutcome(True, exhausted, ended, barrier)
 
     def _check_returned(self, losses: list[torch.Tensor], step: int) -> None:
-        """Where the guard reads every step: check the losses a custom step returned that it
-        did not give to ``ctx.backward``, under ``"raise"`` / ``"stop"`` (the update is taken)."""
+        """The per-step check of the losses a custom step returned but did not backward."""
         guard, runner = self._guard, self._runner
         if not guard.per_step or guard.policy == "skip":
             return
@@ -203,8 +193,7 @@ class Step:
     def _prefetch(
         self, it: Iterator[Any], first: Any, accumulation_steps: int, count: Callable[[Any], int]
     ) -> tuple[deque[Any], list[float]]:
-        """The step's batches after ``first``, fetched now (the first fetch's data-wait span
-        covers them), and ``n_i / N`` for ``first`` and each of them."""
+        """The step's batches after ``first``, fetched now, and each batch's ``n_i / N``."""
         ahead: deque[Any] = deque()
         for _ in range(accumulation_steps - 1):
             batch = next(it, END)
@@ -218,13 +207,11 @@ class Step:
 # Accumulate(n, by="items" | fn) weighs micro-batch i by n_i / N (docs/trainer.md, "Gradient
 # accumulation"): N is needed before the first backward, so such a step fetches its batches first.
 
-IGNORE_INDEX = -100
-"""The label value that marks an item the loss ignores (PyTorch's and Hugging Face's)."""
+IGNORE_INDEX = -100  # the label of an item the loss ignores (PyTorch's and Hugging Face's)
 
 
 def count_items(batch: Any) -> int:
-    """The labels ``!= -100`` of ``batch`` (a mapping's ``"labels"`` or an ``(inputs, targets)``
-    batch's targets), counted before the batch moves to the device."""
+    """The labels ``!= -100`` of ``batch`` (its metric targets), counted on the host."""
     labels: Any = None
     if isinstance(batch, Mapping | tuple | list):
         try:
@@ -242,8 +229,7 @@ def count_items(batch: Any) -> int:
 
 
 def item_weights(count: Callable[[Any], int], batches: Sequence[Any]) -> list[float]:
-    """``n_i / N`` for each of a step's ``batches`` (all 0 when the step holds no item);
-    ``TrainingError`` naming ``count`` when it returns anything but an int >= 0."""
+    """``n_i / N`` for each of a step's ``batches`` (all 0 when the step holds no item)."""
     counts: list[int] = []
     for batch in batches:
         n = count(batch)
@@ -262,20 +248,18 @@ def item_weights(count: Callable[[Any], int], batches: Sequence[Any]) -> list[fl
 
 # ---------------------------------------------------------------------- DDP's gradient sync
 class GradSync:
-    """Under DDP, lets only a step's last micro-batch's backward all-reduce, by the public
-    ``require_backward_grad_sync`` (what ``no_sync()`` flips); the constructor sets it back on
-    after a run that failed mid-step."""
+    """Under DDP, lets only a step's last micro-batch's backward all-reduce (what
+    ``no_sync()`` does, by its public flag)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self._ddp = model if isinstance(model, DistributedDataParallel) else None
         self._deferring = False
         self._unreduced = False  # the last backward ran without a reduction
         if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = True
+            self._ddp.require_backward_grad_sync = True  # a failed run may have left it off
 
     def begin(self, micro: int, accumulation_steps: int) -> None:
-        """Micro-batch ``micro`` of ``accumulation_steps`` starts (before its forward): under
-        DDP, its backward reduces only when it is the last."""
+        """Before micro-batch ``micro``'s forward: its backward reduces only if it is the last."""
         ddp = self._ddp
         if ddp is None:
             return
@@ -283,13 +267,11 @@ class GradSync:
         ddp.require_backward_grad_sync = not self._deferring
 
     def backward_done(self) -> None:
-        """A micro-batch's backward ran: its gradients are averaged (the last micro-batch's
-        all-reduce covers what accumulated before it) or deferred."""
+        """A micro-batch's backward ran (reduced, or deferred to the last one)."""
         self._unreduced = self._deferring
 
     def finish(self) -> None:
-        """Before the optimizer step: DDP reduces again from the next backward, and gradients
-        left unreduced by a step cut short are averaged (one all-reduce per parameter)."""
+        """Before the optimizer step: reduce again, and average what a step cut short left."""
         ddp = self._ddp
         if ddp is None:
             return
@@ -306,28 +288,23 @@ class GradSync:
 
 
 # ---------------------------------------------------------------------- the LR scheduler
+# torch's warning for a scheduler stepped before its optimizer in this process.
 _BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
-"""torch's warning for a scheduler stepped before its optimizer in this process."""
 
 
 class SchedulerStepper:
     """Steps the scheduler and publishes ``SchedulerStepped``."""
 
     def __init__(self, settings: Settings, port: LoopPort, state: TrainState, wants: Wants) -> None:
-        self._s = settings
-        self._port = port
-        self._state = state
-        self._wants = wants
+        self._s, self._port, self._state, self._wants = settings, port, state, wants
 
     def lr(self) -> float:
         """The optimizer's current learning rate of parameter group 0."""
         return float(self._s.optimizer.param_groups[0]["lr"])
 
     def step(self, *, always: bool, replayed: bool = False) -> None:
-        """``scheduler.step()`` (traced), then ``SchedulerStepped`` (with ``error=`` when it
-        raised), wanted or not with ``always``. ``replayed``: a resume replays an epoch's end
-        before its first optimizer step, so torch's "scheduler before optimizer" warning is
-        silenced (the uninterrupted run stepped the optimizer first)."""
+        """``scheduler.step()``, then ``SchedulerStepped`` (if wanted, or ``always``).
+        ``replayed``: a resume's epoch end before any optimizer step (torch's warning muted)."""
         pub, st, w, s = self._port.publish, self._state, self._wants, self._s
         assert s.scheduler is not None
         try:

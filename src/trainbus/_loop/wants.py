@@ -1,8 +1,5 @@
-"""Which per-step events someone listens to, so that the loop builds no event nobody wants
-(``port.wants(T)`` walks the routing table: :class:`Wants` caches it until the doorbell rings),
-and the opt-in trace: each part of a step ``Trainer(trace=...)`` names
-(:data:`~trainbus.events.TRACED_SPANS`) timed and published as one ``SpanTraced``.
-"""
+"""Which per-step events someone listens to (cached until the doorbell rings), and the
+opt-in trace: each part ``Trainer(trace=...)`` names published as one ``SpanTraced``."""
 
 from __future__ import annotations
 
@@ -20,8 +17,7 @@ if TYPE_CHECKING:
 __all__ = ["Tracer", "Wants"]
 
 
-_OFF = contextlib.nullcontext()
-"""The context of a part nobody traces."""
+_OFF = contextlib.nullcontext()  # the context of a part nobody traces
 
 
 class _Timed:
@@ -80,9 +76,8 @@ class Tracer:
 
 
 class Wants:
-    """Cached ``port.wants(T)`` for every event the loop publishes per step or per eval batch,
-    one flag named after each. ``step_ended_sampled``: only sampled subscriptions
-    (``stream(StepEnded, every_s=)``) want ``StepEnded``; ``step_ended_demand`` says when."""
+    """Cached ``port.wants(T)`` of each per-step or per-batch event, one flag each;
+    ``step_ended_sampled``: only sampled streams want ``StepEnded`` (the demand says when)."""
 
     __slots__ = (
         "_port",
@@ -113,9 +108,7 @@ class Wants:
         rings = port.doorbell.rings
         if rings == self.rings:
             return
-        # The count is read first: a subscription made while the flags are read rings again,
-        # and the next compare catches that.
-        self.rings = rings
+        self.rings = rings  # first: a subscription made while the flags are read rings again
         wants = port.wants
         self.scheduler_stepped = wants(ev.SchedulerStepped)
         demand = self.step_ended_demand

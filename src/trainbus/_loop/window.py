@@ -1,6 +1,5 @@
-"""The log window: what the loop reads off the device every ``log_every`` steps, with the
-user's own metrics (``ctx.log``, ``LogMetric``; docs/trainer.md, "Metrics of your own"), which
-stay on their device until the window reads them."""
+"""The log window: what the loop reads off the device every ``log_every`` steps, the user's
+metrics included (docs/trainer.md, "Metrics of your own")."""
 
 from __future__ import annotations
 
@@ -27,21 +26,17 @@ __all__ = ["TRAIN_METRIC_NAMES", "LogWindow", "UserMetrics"]
 TRAIN_METRIC_NAMES = frozenset(
     {"loss", "lr", "steps_per_s", "samples_per_s", "grad_norm", "skipped_nonfinite"}
 )
-"""The log window's own keys in ``MetricsLogged.metrics`` (and ``lr/<name>`` per optimizer):
-names a user's metric may not take."""
+"""The log window's own keys (and ``lr/<name>``): names a user's metric may not take."""
 
 
 class UserMetrics:
-    """The values logged since the last window close, per name, in the order logged (used on
-    the training thread only)."""
+    """The values logged since the last window close, per name (training thread only)."""
 
     def __init__(self) -> None:
         self._values: dict[str, list[Any]] = {}
 
     def log(self, name: str, value: torch.Tensor | float) -> None:
-        """Add one value of ``name`` to the open window; ``ConfigError`` for a name that is
-        empty or one of the window's own, or a value that is not a real number or a
-        one-element tensor."""
+        """Add one value of ``name``; ``ConfigError`` for a reserved name or a bad value."""
         reserved = isinstance(name, str) and (name in TRAIN_METRIC_NAMES or name.startswith("lr/"))
         if not isinstance(name, str) or not name or reserved:
             raise ConfigError.invalid(
@@ -64,8 +59,7 @@ class UserMetrics:
         self._values.setdefault(name, []).append(kept)
 
     def take(self) -> dict[str, float]:
-        """``{name: mean}`` of the values since the last call, in the order first logged (one
-        device read per name), and forget them."""
+        """``{name: mean}`` of the values since the last call (one read per name)."""
         out: dict[str, float] = {}
         for name, values in self._values.items():
             tensors = [v for v in values if isinstance(v, torch.Tensor)]
@@ -78,15 +72,9 @@ class UserMetrics:
 
 
 class LogWindow:
-    """Aggregates per-step losses and grad norms between two log steps: :meth:`add` reads
-    nothing off the device; :meth:`close` reads the window once, publishes ``MetricsLogged``
-    and hands the first non-finite loss to the guard. :attr:`metrics`: the last closed window's;
-    :attr:`user`: the user's metrics, closed with it.
-
-    Args:
-        sync: Under several ranks: a closed window's metrics are averaged across ranks in one
-            collective, which also agrees on the first non-finite step and on pending commands.
-    """
+    """The losses and grad norms between two log steps, read once at :meth:`close`.
+    ``sync``: ranks average a closed window in one collective (which also agrees on the first
+    non-finite step and on pending commands)."""
 
     def __init__(
         self,
@@ -119,8 +107,7 @@ class LogWindow:
         self._samples += samples
 
     def close(self, publish: bool) -> ev.MetricsLogged | None:
-        """Close the window (one device read for its metrics and the NaN check); return the
-        ``MetricsLogged`` published when ``publish``, else None."""
+        """Close the window (one device read); return the ``MetricsLogged`` if ``publish``."""
         st, guard = self._state, self._guard
         metrics, bad = self._measure()
         step0 = self._step0
@@ -142,8 +129,7 @@ class LogWindow:
         return logged
 
     def finish(self) -> None:
-        """At the normal end of a run: the partial last window sets :attr:`metrics` too (for
-        ``FitResult.train_metrics``); nothing is published."""
+        """At a run's normal end the partial last window sets :attr:`metrics`, unpublished."""
         if not self._losses:
             return
         metrics, _ = self._measure()
@@ -154,14 +140,12 @@ class LogWindow:
         self.metrics = metrics
 
     def agree_due(self) -> bool:
-        """Under torchrun: the last closed window found commands waiting on some rank (answered
-        once)."""
+        """torchrun: the last close found commands waiting on some rank (answered once)."""
         due, self._agree = self._agree, False
         return due
 
     def _measure(self) -> tuple[dict[str, float], int | None]:
-        """The open window's metrics (one device read) and the index of its first non-finite
-        loss (None: none)."""
+        """The open window's metrics and the index of its first non-finite loss (or None)."""
         st, s, guard = self._state, self._s, self._guard
         losses_kept = self._losses
         steps = st.step - self._step0
@@ -192,9 +176,8 @@ class LogWindow:
         return metrics, bad
 
     def check_pending(self) -> None:
-        """For a guard that does not read every step: read the losses added since the last read
-        (one sync) and report a non-finite one; called where a sync happens anyway (before a
-        checkpoint write, at the end of the run)."""
+        """Where a sync happens anyway (a save, the run's end): report a non-finite loss added
+        since the last read, for a guard that does not read every step."""
         guard = self._guard
         if not guard.active or guard.per_step or guard.tripped:
             return  # the same on every rank: the policy, and a stop that was agreed
@@ -211,5 +194,5 @@ class LogWindow:
 
 
 def _read(losses: list[torch.Tensor]) -> list[float]:
-    """The values of ``losses`` (0-d tensors), read with one stack (one device sync)."""
+    """The values of 0-d ``losses``, in one device read."""
     return torch.stack(losses).tolist() if losses else []
