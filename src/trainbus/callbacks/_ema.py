@@ -300,10 +300,10 @@ class EMA(Callback):
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile``."""
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
-            model = model.module
-            continue
-        inner = getattr(model, "_orig_mod", None)
+        wrapped = isinstance(
+            model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+        )
+        inner = model.module if wrapped else getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner

@@ -124,7 +124,8 @@ class _Writer:
 
 class JsonlEventLog(Callback):
     """Writes events to ``path`` as JSON lines for :func:`trainbus.replay`, in batches from a
-    worker thread. See docs/callbacks/jsonl-event-log.md.
+    worker thread. Tensors become floats (lists when not scalar), exceptions their ``repr``.
+    See docs/callbacks/jsonl-event-log.md.
 
     Args:
         path: The ``.jsonl`` file.

@@ -229,7 +229,8 @@ class Throughput:
     data_wait_s: float
     """Mean seconds a step waited for the data iterable (``StepEnded.data_wait_s``)."""
     data_wait_fraction: float
-    """Share of the steps' own time spent waiting for data."""
+    """Share of the steps' own time spent waiting for data (above a few percent: the loader is
+    the bottleneck)."""
 
 
 class _Meter:
