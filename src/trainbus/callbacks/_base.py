@@ -7,7 +7,7 @@ import inspect
 import re
 import threading
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import PurePath
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
@@ -60,11 +60,9 @@ class RunPlan:
         external_evaluations: An added callback publishes ``ExternalEvaluationEnded``
             (:class:`~trainbus.callbacks.EvaluateCheckpoints`): metrics whose names only its
             jobs know may come.
-        config: The Trainer's settings that are plain values (``max_epochs``, ``accumulate``,
-            ``precision``, ``log_every``...; devices and paths as strings), for loggers that
-            record a run's configuration (models, data and callables left out).
-        sharded: The model is sharded (FSDP2 ``fully_shard``): each rank holds only its
-            shards and checkpoints are folders of every rank's files.
+        config: The Trainer's plain settings (``max_epochs``, ``precision``...; devices and
+            paths as strings), for loggers that record a run's configuration.
+        sharded: The model is sharded (FSDP2 ``fully_shard``): checkpoints are folders.
     """
 
     eval_metrics: frozenset[str]
@@ -103,20 +101,16 @@ def plain_settings(settings: object) -> dict[str, PlainValue]:
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SubscribeOptions:
     """How a :class:`Callback`'s ``on_*`` methods subscribe: the options of
-    :meth:`EventBus.subscribe_async <trainbus.bus.EventBus.subscribe_async>` (``on_error`` also
-    for plain ``def on_*`` methods), same names and defaults. Set on the class:
-    ``subscribe_options = SubscribeOptions(overflow="block")``.
+    :meth:`EventBus.subscribe_async <trainbus.bus.EventBus.subscribe_async>`, same names and
+    defaults (``on_error`` also for plain ``def on_*`` methods). See docs/bus.md.
 
     Args:
         on_error: ``"log"``, ``"stop"`` or ``"raise"`` (None: the bus' default).
         concurrency: Concurrent calls of each ``async def on_*`` method.
-        buffer: Items each ``async def on_*`` method may have waiting (None: the bus'
-            default, 64).
+        buffer: Items each ``async def on_*`` method may have waiting (None: the bus').
         overflow: What a full buffer does (None: ``"block"`` for a decider, else
-            ``"drop_oldest"``, which never holds training back; see docs/bus.md).
-        decides: True when an ``async def on_*`` method sends commands that must land on the
-            step they were decided for: barriers delivering it an event wait for it
-            (docs/bus.md, "Barriers").
+            ``"drop_oldest"``).
+        decides: Barriers delivering an event to an ``async def on_*`` method wait for it.
 
     Raises:
         ConfigError: naming the field (``SubscribeOptions.overflow``...), the value and what
@@ -151,9 +145,8 @@ class Callback:
     Attributes:
         subscribe_options: How its ``on_*`` methods subscribe (:class:`SubscribeOptions`: the
             options of ``EventBus.subscribe_async``, with its defaults), a class attribute.
-        state_key: The name of this callback's state in checkpoints (a property: the class
-            name until set; ``cb.state_key = "..."`` sets it).
-            Two stateful callbacks with one key in a Trainer are a ``ConfigError``.
+        state_key: The name of this callback's state in checkpoints (the class name until
+            set); two stateful callbacks with one key in a Trainer are a ``ConfigError``.
         ranks: Where its ``on_*`` methods and ``setup`` pipelines run under torchrun: None
             (rank 0), ``"all"``, a rank or ranks; ``hook_*`` methods run on every rank.
     """
@@ -162,13 +155,11 @@ class Callback:
     _state_key: str | None = None
     ranks: int | Iterable[int] | Literal["all"] | None = None
     publishes: ClassVar[tuple[type[ev.BaseEvent], ...]] = ()
-    """Event types this callback publishes itself (``ExternalEvaluationEnded`` for
-    :class:`~trainbus.callbacks.EvaluateCheckpoints`): what :class:`RunPlan` tells the others."""
+    """Event types this callback publishes itself (what :class:`RunPlan` tells the others)."""
 
     @property
     def state_key(self) -> str:
-        """The name this callback's state is saved under in checkpoints: the one set
-        (``cb.state_key = "..."``, a built-in's ``state_key=``), else the class name."""
+        """The name of its state in checkpoints: the one set, else the class name."""
         return self._state_key or type(self).__name__
 
     @state_key.setter
@@ -196,9 +187,8 @@ class Callback:
         return None
 
     def check(self, plan: RunPlan) -> None:
-        """Refuse a run this callback cannot work in: ``Trainer.fit()`` calls it on every rank
-        before ``FitStarted``, so a monitored metric no evaluation produces fails up front.
-        Default: nothing to check.
+        """Refuse a run this callback cannot work in (called on every rank before
+        ``FitStarted``). Default: nothing to check.
 
         Raises:
             ConfigError: naming the option, its value and what this run allows.
@@ -206,18 +196,14 @@ class Callback:
         return None
 
     def weights_at_end(self) -> str | None:
-        """The checkpoint whose weights the model should hold when ``fit()`` returns, or None
-        to keep the last weights. Asked after a run that ended without an exception delivered
-        every event, before :meth:`after_fit`; the first path given is loaded on every rank
-        (``Trainer.load_weights``). Default: None.
-        """
+        """The checkpoint whose weights the model should hold when ``fit()`` returns (asked
+        before :meth:`after_fit`; the first path given is loaded), or None. Default: None."""
         return None
 
     def after_fit(self, result: FitResult) -> None:
-        """Called by ``Trainer.fit()`` on every rank once a run that ended without an exception
-        delivered every event, before ``fit()`` returns. It may raise to end the call (as
-        ``OptunaPruning`` raises ``optuna.TrialPruned``); ``trainer.result`` then holds
-        ``result``. Default: nothing.
+        """Called on every rank once a run that ended without an exception delivered every
+        event, before ``fit()`` returns; it may raise to end the call (``trainer.result`` holds
+        ``result``). Default: nothing.
 
         Args:
             result: The run's result.
@@ -225,8 +211,7 @@ class Callback:
         return None
 
     def setup(self, bus: EventBus) -> None:
-        """Build Rx pipelines on ``bus``. Called once when the callback is added; the
-        subscriptions made here are disposed when the callback is removed. Default: none."""
+        """Build Rx pipelines on ``bus`` (once when added; disposed when removed)."""
         return None
 
     # Process-wide registration as a context manager: `with MyCallback(): trainer.fit_sync()`.
@@ -277,9 +262,8 @@ class Callback:
         return subs, hooks
 
     def subscribe_to(self, bus: EventBus) -> None:
-        """Subscribe this callback's ``on_*`` methods to ``bus`` (with its
-        ``subscribe_options``) and call :meth:`setup`, all on its ``ranks``; its ``hook_*``
-        methods are the Trainer's to add.
+        """Subscribe its ``on_*`` methods (with its ``subscribe_options``) and call
+        :meth:`setup`, on its ``ranks``.
 
         Raises:
             ConfigError: a misspelt ``on_*`` / ``hook_*`` method, or bad ``ranks``.
@@ -294,10 +278,9 @@ class Callback:
                 method = getattr(self, name)
                 label = f"{type(self).__name__}.{name}"
                 if inspect.iscoroutinefunction(method):
-                    bus.subscribe_async(bus.stream(event_type), method,
-                                        concurrency=options.concurrency, buffer=options.buffer,
-                                        overflow=options.overflow, on_error=options.on_error,
-                                        decides=options.decides, name=label)  # fmt: skip
+                    bus.subscribe_async(
+                        bus.stream(event_type), method, name=label, **asdict(options)
+                    )
                 else:
                     bus.subscribe(bus.stream(event_type), method, on_error=options.on_error,
                                   name=label)  # fmt: skip
@@ -305,8 +288,7 @@ class Callback:
 
 
 def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
-    """The user's ``BaseEvent`` subclass that ``name`` (``on_<snake_case>``) names; else a
-    ``ConfigError`` (none, several, or a removed event)."""
+    """The user's ``BaseEvent`` subclass ``name`` names; else a ``ConfigError``."""
     found: dict[str, type[ev.BaseEvent]] = {}
     stack: list[type[ev.BaseEvent]] = [ev.BaseEvent]
     while stack:

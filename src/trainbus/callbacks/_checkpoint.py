@@ -38,9 +38,8 @@ log = get_logger(__name__)
 
 
 def copy_as_best(source: Path, step: int) -> Path:
-    """Copy ``source`` (of ``step``) to ``step-<step>-best[.pt]`` beside it, atomically;
-    return the copy's path. The temporary name is not the store's ``.trainbus-tmp`` pattern,
-    whose cleanup at each save would race with this copy."""
+    """Copy ``source`` (of ``step``) to ``step-<step>-best[.pt]`` beside it, atomically; return
+    the copy's path. (Not the store's ``.trainbus-tmp`` name: its cleanup would race.)"""
     folder = source.is_dir()
     target = source.with_name(f"step-{step:08d}-best" + ("" if folder else ".pt"))
     if target == source:
@@ -75,8 +74,8 @@ def _remove(path: Path) -> None:
 
 
 class _Retention:
-    """Which files of this run to delete after each ``CheckpointSaved``, and which is the best;
-    a lineage each checkpoint's state names, adopted by a resumed run (:meth:`adopt`)."""
+    """Which files of this run to delete after each ``CheckpointSaved``, and the best; the
+    lineage a resumed run adopts."""
 
     def __init__(
         self, keep_last: int | None, keep_best: int | None, monitor: str | None,
@@ -161,9 +160,8 @@ class _Retention:
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
-        """Take over the lineage ``resumed``'s state named when it lies in ``directory``, and
-        redo the pruning its own ``CheckpointSaved`` did after the state was collected; return
-        the paths now surplus."""
+        """Take over ``resumed``'s lineage when it lies in ``directory``, redo the pruning done
+        after its state was collected; return the paths now surplus."""
         restored, self._restored = self._restored, None
         if restored is None:
             return []
@@ -187,9 +185,7 @@ class _Retention:
             step, tag, value = parsed[0], parsed[1], saving[2]
             # A "final" checkpoint resumed from no longer ends the run: it counts as untagged.
             surplus = self._record(str(resumed), step, None if tag == "final" else tag, value)
-            # A cadence save and a "best" save of one step are written in one poll, the
-            # cadence's first, so its lineage cannot name the other: resumed from the
-            # cadence's file, the step's "best" file (or folder) beside it is this run's too.
+            # A step's cadence save cannot name its "best" save of the same poll: adopt it.
             if tag is None and self.monitor is not None and value is not None:
                 named = (directory / f"step-{step:08d}-best{ext}" for ext in (".pt", ""))
                 sibling = next((p for p in named if p.exists()), None)
@@ -209,8 +205,8 @@ class _Retention:
         return surplus
 
 
-# What the checkpoint layer names a checkpoint (``step-00000042[-<tag>].pt``, or a sharded
-# run's folder without ``.pt``); the layer rules keep callbacks off that package.
+# The checkpoint layer's names (``step-00000042[-<tag>].pt``, a sharded run's folder without
+# ``.pt``), copied: the layer rules keep callbacks off that package.
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+?))?(\.pt)?$")
 
 
@@ -239,16 +235,7 @@ def _same_folder(a: Path, b: Path) -> bool:
 
 class Checkpointing(Callback):
     """Sends ``SaveCheckpoint`` on a cadence and when a monitored metric improves, and deletes
-    the files of this run that ``keep_last`` / ``keep_best`` make surplus.
-
-    Pipelines::
-
-        StepEnded       -> every(every_steps)                      -> SaveCheckpoint()
-        EpochEnded      -> filter((epoch + 1) % every_epochs == 0) -> SaveCheckpoint()
-        EvaluationEnded -> scan(best so far) -> filter(improved)   -> SaveCheckpoint(tag="best")
-        ExternalEvaluationEnded -> filter(has monitor) -> filter(improved) -> copy as best
-
-    Cadences, evaluation jobs' best copies and retention across resumes: see
+    the files of this run that ``keep_last`` / ``keep_best`` make surplus. See
     docs/callbacks/checkpointing.md.
 
     Args:
@@ -260,15 +247,12 @@ class Checkpointing(Callback):
         mode: ``"min"`` if lower ``monitor`` is better, ``"max"`` if higher is; ``"auto"``:
             from the name (see docs/callbacks/index.md).
         min_delta: Smallest change of ``monitor`` that counts as an improvement.
-        keep_last: Keep only the N newest cadence (untagged) checkpoints of this run; None
-            keeps all.
-        keep_best: Keep only the N best ``tag="best"`` checkpoints of this run by ``monitor``;
-            None keeps all. Needs ``monitor``.
-        load_best_at_end: When ``fit()`` ends without an exception, load the weights of
-            :attr:`best_path` into the model on every rank. Needs ``monitor``; not with a
-            sharded (FSDP2) model.
-        state_key: Name of its state (the best value, the files kept) in checkpoints; None:
-            ``"Checkpointing"``.
+        keep_last: Keep only the N newest untagged checkpoints of this run (None: all).
+        keep_best: Keep only the N best ``tag="best"`` checkpoints of this run (None: all).
+            Needs ``monitor``.
+        load_best_at_end: When ``fit()`` ends without an exception, load :attr:`best_path`'s
+            weights. Needs ``monitor``; not with a sharded (FSDP2) model.
+        state_key: Name of its state in checkpoints (None: ``"Checkpointing"``).
 
     Raises:
         ConfigError: for an argument out of range, or when nothing would ever be saved;
@@ -317,14 +301,12 @@ class Checkpointing(Callback):
 
     @property
     def best_path(self) -> str | None:
-        """The best ``"best"`` checkpoint of this run by ``monitor`` (the newest among equals;
-        one written before a resume too), or None; copies made for evaluation jobs not
-        counted."""
+        """The best ``"best"`` checkpoint of this run by ``monitor`` (the newest among equals),
+        or None."""
         return self._retention.best_path
 
     def weights_at_end(self) -> str | None:
-        """:attr:`best_path` with ``load_best_at_end=True``, else None (see
-        :meth:`Callback.weights_at_end`)."""
+        """:attr:`best_path` with ``load_best_at_end=True``, else None."""
         return self.best_path if self.load_best_at_end else None
 
     def after_fit(self, result: FitResult) -> None:
@@ -335,8 +317,8 @@ class Checkpointing(Callback):
                      "last weights")  # fmt: skip
 
     def state_dict(self) -> dict[str, Any]:
-        """The best ``monitor`` value so far (``"best"``: None before any evaluation) and,
-        under ``"files"``, the files this run keeps, by name, and the one being written."""
+        """The best ``monitor`` value so far (``"best"``) and the files this run keeps
+        (``"files"``)."""
         state: dict[str, Any] = {"best": self.tracker.best}
         if self._retention.tracking:
             state["files"] = self._retention.state_dict()
@@ -413,8 +395,7 @@ class Checkpointing(Callback):
             )
         self._retention = _Retention(self.keep_last, self.keep_best, self.monitor, self.mode)
         if self._retention.tracking:
-            # Every rank keeps the books (load_best_at_end loads on every rank); rank 0, the
-            # one that writes the files, deletes.
+            # Every rank keeps the books (load_best_at_end loads on each); rank 0 deletes.
             books = bus.stream(ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved,
                                ev.CheckpointLoaded)  # fmt: skip
             bus.subscribe(books, partial(self._keep_books, delete=bus.rank == 0), ranks="all",

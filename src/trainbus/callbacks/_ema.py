@@ -29,8 +29,8 @@ class EMA(Callback):
 
         average = torch.lerp(average, weight, 1 - decay)    # average + (1-decay)(weight-average)
 
-    The first update copies the weights; non-floating-point buffers are always copied. How it
-    is evaluated and saved: see docs/callbacks/ema.md.
+    The first update copies the weights; non-floating-point buffers are always copied. See
+    docs/callbacks/ema.md.
 
     Args:
         decay: The weight of the old average at each update, in [0, 1) (0.999: about the last
@@ -42,11 +42,9 @@ class EMA(Callback):
         warmup_gamma: The warmup's time scale in updates (timm's default 1).
         buffers: ``"average"`` (timm's default) or ``"copy"`` floating-point buffers
             (BatchNorm statistics).
-        device: Where the average lives: None, the model's device; ``"cpu"`` keeps it off an
-            accelerator (each update then copies the weights to the host).
+        device: Where the average lives (None: the model's device).
         evaluate: Swap the average in around evaluations (False: only average and save it).
-        state_key: Name of its state in checkpoints (None: ``"EMA"``); two EMA callbacks in one
-            Trainer need two names.
+        state_key: Name of its state in checkpoints (None: ``"EMA"``).
 
     Raises:
         ConfigError: an argument out of range, naming it.
@@ -121,8 +119,7 @@ class EMA(Callback):
         return max(0.0, min(self.decay, float(warm)))
 
     def averaged_state_dict(self) -> dict[str, torch.Tensor]:
-        """The average as a state dict of the (unwrapped) model: ``model.load_state_dict``
-        takes it. The tensors are the live average (clone them to keep a snapshot).
+        """The average as a state dict of the (unwrapped) model: the live tensors.
 
         Raises:
             TrainingError: no update happened yet, or the average is in the model right now
@@ -154,7 +151,7 @@ class EMA(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """``{"updates": n, "weights": averaged_state_dict()}`` (no ``"weights"`` before the
-        first update): saved with every checkpoint.
+        first update).
 
         Raises:
             TrainingError: read during an evaluation round (the average is in the model).
@@ -164,8 +161,7 @@ class EMA(Callback):
         return {"updates": self._updates, "weights": self.averaged_state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the average is moved and checked against the model at
-        its first use.
+        """Restore :meth:`state_dict` (checked against the model at its first use).
 
         Raises:
             CheckpointError: the state is not an EMA state.
@@ -208,7 +204,7 @@ class EMA(Callback):
 
     @torch.no_grad()
     def update(self, model: torch.nn.Module) -> None:
-        """Fold ``model``'s weights into the average once (what the hook does at its steps).
+        """Fold ``model``'s weights into the average once.
 
         Raises:
             CheckpointError: a restored average does not fit the model.
@@ -240,8 +236,8 @@ class EMA(Callback):
         self._updates = update
 
     def swap_in(self, model: torch.nn.Module) -> None:
-        """Exchange the model's weights with the average (nothing before the first update, or
-        when already swapped in). :meth:`swap_out` undoes it.
+        """Exchange the model's weights with the average (no-op before the first update or
+        when swapped in).
 
         Raises:
             CheckpointError: a restored average does not fit the model.
@@ -258,8 +254,7 @@ class EMA(Callback):
         self._swapped = pairs
 
     def swap_out(self) -> None:
-        """Put the training weights back where :meth:`swap_in` took them (no-op when not
-        swapped in): bit for bit what they were."""
+        """Put the training weights back, bit for bit (no-op when not swapped in)."""
         pairs = self._swapped
         if pairs is None:
             return
@@ -305,27 +300,25 @@ class EMA(Callback):
 def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
     """The module inside ``DistributedDataParallel`` / ``DataParallel`` / ``torch.compile``."""
     while True:
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel):
-            model = model.module
-            continue
-        inner = getattr(model, "_orig_mod", None)
+        wrapped = isinstance(
+            model, torch.nn.parallel.DistributedDataParallel | torch.nn.DataParallel
+        )
+        inner = model.module if wrapped else getattr(model, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module):
             return model
         model = inner
 
 
 class ModelTensors:
-    """The (unwrapped) model's state-dict tensors: ``unique`` by first name (tied weights
-    once), ``aliases`` every key to its name in ``unique``, ``params`` the parameters' names."""
+    """The model's state-dict tensors: ``unique`` by first name, ``aliases`` every key to its
+    name in ``unique``, ``params`` the parameters' names."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         seen: dict[int, str] = {}
         self.unique: dict[str, torch.Tensor] = {}
         self.aliases: dict[str, str] = {}
         params: list[str] = []
-        # keep_vars: the live parameters (as Parameters) and buffers, not detached copies. One
-        # walk of the modules, at every update and swap: a model moved with .to() (its buffers
-        # replaced) or a buffer reassigned is followed, never a stale tensor averaged.
+        # keep_vars: the live tensors, walked at every update and swap (never a stale one).
         for key, value in unwrapped(model).state_dict(keep_vars=True).items():
             if not isinstance(value, torch.Tensor):
                 continue  # a module's extra state: not a weight
@@ -358,8 +351,7 @@ class ModelTensors:
 
 @torch.no_grad()
 def exchange(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Exchange the contents of each pair bit for bit, all or nothing (a failure undoes the
-    ones done)."""
+    """Exchange the contents of each pair bit for bit, all or nothing."""
 
     def swap(a: torch.Tensor, b: torch.Tensor) -> None:
         held = a.clone()  # one tensor's worth of extra memory at a time

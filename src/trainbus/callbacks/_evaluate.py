@@ -47,10 +47,7 @@ def _metrics(value: object, source: str, **context: Any) -> dict[str, float]:
 
 class EvaluateCheckpoints(Callback):
     """Runs an evaluation job for every saved checkpoint, off the training loop, and publishes
-    its result as ``ExternalEvaluationEnded(checkpoint, metrics, error)``.
-
-    A failed job gives an event whose ``error`` is an
-    :class:`~trainbus.callbacks.EvaluationJobError`; the run goes on. See
+    its result as ``ExternalEvaluationEnded(checkpoint, metrics, error)``. See
     docs/callbacks/evaluate.md.
 
     Args:
@@ -125,8 +122,7 @@ class EvaluateCheckpoints(Callback):
         )  # fmt: skip
 
     async def evaluate(self, saved: ev.CheckpointSaved) -> ev.ExternalEvaluationEnded:
-        """Run the job for ``saved`` and build its result event (never raises for a job's
-        failure: it is in the event's ``error``).
+        """Run the job for ``saved`` (a failure is the event's ``error``, never raised).
 
         Args:
             saved: The checkpoint to evaluate.

@@ -1,5 +1,5 @@
-"""Logging built-ins: structlog lines for humans (structlog configured by the application), a
-JSON-lines event log for machines, and :func:`write_in_batches` for every file-backed logger."""
+"""Logging built-ins: structlog lines for humans, a JSON-lines event log for machines, and
+:func:`write_in_batches` for every file-backed logger."""
 
 from __future__ import annotations
 
@@ -33,9 +33,8 @@ def _flatten(metrics: Mapping[str, float]) -> dict[str, float]:
 
 
 class MetricsLogger(Callback):
-    """Logs what a human follows during a run, one structlog line per fact (``metrics_logged``,
-    ``evaluation_ended``, ``checkpoint_saved``, ``fit_ended``); a metric named like a line's
-    own key (``step``) becomes ``metric_step``. See docs/callbacks/metrics-logger.md.
+    """Logs what a human follows during a run, one structlog line per fact. See
+    docs/callbacks/metrics-logger.md.
 
     Args:
         every_s: Log at most one ``metrics_logged`` line per ``every_s`` seconds
@@ -95,9 +94,8 @@ def write_in_batches(
     name: str,
     buffer: int | None = None,
 ) -> None:
-    """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, each run in a
-    worker thread, in order; lossless (``overflow="block"``): a writer that falls behind makes
-    training wait rather than drop a metric."""
+    """Subscribe ``write(batch)`` to ``source`` in batches of ``flush_s`` seconds, run in a
+    worker thread in order; lossless (a writer that falls behind makes training wait)."""
 
     async def run(batch: list[Any]) -> None:
         await anyio.to_thread.run_sync(write, batch)
@@ -126,9 +124,8 @@ class _Writer:
 
 class JsonlEventLog(Callback):
     """Writes events to ``path`` as JSON lines for :func:`trainbus.replay`, in batches from a
-    worker thread (nothing dropped; ``FitEnded`` is in the file when ``fit()`` returns). Tensors
-    become floats (lists when not scalar), exceptions their ``repr``, NaN ``NaN``. See
-    docs/callbacks/jsonl-event-log.md.
+    worker thread. Tensors become floats (lists when not scalar), exceptions their ``repr``.
+    See docs/callbacks/jsonl-event-log.md.
 
     Args:
         path: The ``.jsonl`` file.
@@ -137,8 +134,7 @@ class JsonlEventLog(Callback):
         append: Append to an existing file instead of replacing it (resumed runs).
 
     Raises:
-        ConfigError: ``path`` is not a file path, ``events`` holds something that is not an
-            event class or is empty, ``flush_s`` is not positive, ``append`` is not a bool.
+        ConfigError: a bad ``path``, ``events``, ``flush_s`` or ``append``, naming it.
     """
 
     def __init__(

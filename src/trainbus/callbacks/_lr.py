@@ -23,14 +23,8 @@ __all__ = ["LearningRateMonitor", "ReduceLROnPlateau"]
 
 
 class ReduceLROnPlateau(Callback):
-    """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving.
-
-    Pipeline::
-
-        EvaluationEnded -> filter(no error) -> operators.plateau(monitor, ...) -> bus.commands
-
-    Each reduction is a ``ScaleLearningRate(factor)`` on every parameter group; it composes
-    with any scheduler. See docs/callbacks/reduce-lr-on-plateau.md.
+    """Multiplies the learning rate by ``factor`` when ``monitor`` stops improving. See
+    docs/callbacks/reduce-lr-on-plateau.md.
 
     Args:
         monitor: Evaluation metric to watch.

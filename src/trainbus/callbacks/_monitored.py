@@ -1,12 +1,4 @@
-"""Metric monitors: which evaluation events they read, what they check, the tracker they keep.
-
-With ``eval_data={"val": a, "test": b}`` each set's ``EvaluationEnded`` carries only its own
-keys (``val/loss``, ``test/acc``). A monitor of ``"test/acc"`` reads the ``test`` set's events
-and skips the others; a monitor of a name without ``/`` (``"val_loss"``) reads every evaluation,
-so a name no set has still fails loudly with the keys the event does have.
-
-A monitor's ``mode="auto"`` is resolved once, at construction, by ``_validate.check_mode``.
-"""
+"""Metric monitors: which evaluation events they read and what they check before a run."""
 
 from __future__ import annotations
 
@@ -39,9 +31,8 @@ R = TypeVar("R")
 def evaluations(
     bus: EventBus, metric: str, *types: type[ev.EvaluationEnded | ev.ExternalEvaluationEnded]
 ) -> BusObservable[Any]:
-    """The evaluations of ``types`` a monitor of ``metric`` reads: those without error, of
-    ``EvaluationEnded`` the metric's own set's, of ``ExternalEvaluationEnded`` those carrying
-    it (a job may score other metrics)."""
+    """The evaluations of ``types`` without error that a monitor of ``metric`` reads (its own
+    set's; of the evaluation jobs, those carrying it)."""
     reads = reads_metric(metric)
 
     def read(e: Any) -> bool:
@@ -56,9 +47,8 @@ def evaluations(
 def check_monitored(
     plan: RunPlan, option: str, metric: str, *, external: bool = False, train: bool = False
 ) -> None:
-    """``ConfigError`` naming ``option`` (``"EarlyStopping.monitor"``) when nothing in ``plan``
-    produces ``metric``: its evaluations, evaluation jobs (``external``) or its training
-    metrics (``train``)."""
+    """``ConfigError`` naming ``option`` when nothing in ``plan`` produces ``metric``: its
+    evaluations, evaluation jobs (``external``) or training metrics (``train``)."""
     if train:
         if metric not in plan.train_metrics:
             raise ConfigError.invalid(option, metric, "a training metric of MetricsLogged: "
@@ -83,8 +73,8 @@ def check_monitored(
 def lightning_names(
     owner: str, lightning: str, table: Mapping[str, str]
 ) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """Decorate ``owner``'s ``__init__``: an unknown keyword is a ``TypeError`` that names its
-    trainbus spelling when ``table`` has it as an argument of Lightning's ``lightning``."""
+    """Decorate ``owner``'s ``__init__``: an unknown keyword that ``table`` has (an argument
+    of Lightning's ``lightning``) is a ``TypeError`` naming its trainbus spelling."""
 
     def message(name: str, value: Any, known: list[str]) -> str:
         use = table.get(name)

@@ -36,13 +36,13 @@ __all__ = [
 
 
 def total_grad_norm(parameters: object, norm_type: float = 2.0) -> torch.Tensor | None:
-    """The total gradient norm (as clipping computes it), a detached 0-dim device tensor; None
-    without gradients. A collective for sharded (DTensor) gradients."""
+    """The total gradient norm (as clipping computes it), a detached 0-dim tensor; None without
+    gradients. A collective for sharded (DTensor) gradients."""
     grads = [p.grad.detach() for p in parameters if p.grad is not None]  # type: ignore[attr-defined]
     if not grads:
         return None
     if any(is_dtensor(g) for g in grads):
-        # torch's own total norm (what clipping computes) reduces the DTensor shards' norms.
+        # torch's own total norm reduces the DTensor shards' norms.
         return plain_value(torch.nn.utils.get_total_norm(grads, norm_type))
     norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
     total: torch.Tensor = torch.linalg.vector_norm(norms, norm_type)
@@ -93,8 +93,7 @@ def _number(value: Any) -> float | None:
     if isinstance(value, bool) or value is None:
         return None
     try:
-        # A tensor hyper-parameter (capturable optimizers) is a 1-element tensor; on CUDA this
-        # read waits for the device, which is why the monitor samples every n steps only.
+        # A tensor hyper-parameter (capturable optimizers): on CUDA this read waits for it.
         return float(value)
     except (TypeError, ValueError, RuntimeError):
         return None
@@ -223,15 +222,15 @@ class Throughput:
     """Optimizer steps that ended in the window."""
     samples: int
     elapsed_s: float
-    """Wall time those steps took: from the previous window's last step end (for the first
-    window, from the start of its first step) to this window's last step end."""
+    """Wall time from the previous window's last step end (the first window: from its first
+    step's start) to this window's last step end."""
     steps_per_s: float
     samples_per_s: float
     data_wait_s: float
     """Mean seconds a step waited for the data iterable (``StepEnded.data_wait_s``)."""
     data_wait_fraction: float
-    """Share of the steps' own time spent waiting for data: above a few percent, the loader
-    is the bottleneck."""
+    """Share of the steps' own time spent waiting for data (above a few percent: the loader is
+    the bottleneck)."""
 
 
 class _Meter:
@@ -263,7 +262,7 @@ class _Meter:
 
 class ThroughputMonitor(Callback):
     """Logs training throughput (a ``"throughput"`` line of :class:`Throughput`'s fields) once
-    per ``window_s`` seconds, from ``StepEnded`` and the events' own timestamps.
+    per ``window_s`` seconds. See docs/callbacks/throughput-monitor.md.
 
     Args:
         window_s: Seconds per window (> 0).

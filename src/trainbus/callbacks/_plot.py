@@ -56,10 +56,7 @@ def render(
     title: str | None = None,
 ) -> None:
     """Draw the curves to ``path`` (PNG, written atomically) with matplotlib's Agg canvas (no
-    pyplot: safe off the main thread). Left: training loss and every ``*loss*`` validation
-    metric; right (when any): the other validation metrics.
-    """
-    # Optional dependency; Figure + Agg leave pyplot's global state and backend alone.
+    pyplot: safe off the main thread). Left: the losses; right: the other metrics."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -99,8 +96,7 @@ def render(
 
 
 def _warm_up() -> None:
-    """Import matplotlib and load its fonts (seconds, the first time in a process), so that
-    the render at the run's end does not hold the call's end that long."""
+    """Import matplotlib and load its fonts (seconds, the first time) before the run ends."""
     with contextlib.suppress(ImportError):  # the render reports it
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -113,8 +109,7 @@ def _warm_up() -> None:
 
 class CurvePlot(Callback):
     """Writes a PNG of the loss curves and validation metrics when the run ends, however it
-    ended; the bus waits for the file before ``fit()`` returns. The training curve has one point
-    per log window (its mean loss: no device read here). Requires matplotlib.
+    ended. Requires matplotlib. See docs/callbacks/curve-plot.md.
 
     Args:
         path: The ``.png`` file to write (parent folders are created).

@@ -26,8 +26,8 @@ log = structlog.get_logger("trainbus")
 
 
 def progress_by_default() -> bool:
-    """Whether a ``Trainer`` shows a :class:`Progress` when not told (``progress=None``):
-    when stderr is a terminal and this process is rank 0 (``RANK`` absent or ``"0"``)."""
+    """Whether ``Trainer(progress=None)`` shows a :class:`Progress`: stderr is a terminal, on
+    rank 0 (``RANK`` absent or ``"0"``)."""
     if os.environ.get("RANK", "0").strip() not in ("", "0"):
         return False
     try:
@@ -49,8 +49,8 @@ def terminal_columns(stream: Any) -> int | None:
 
 
 class _Pace:
-    """One run's length (``max_steps``, ``max_epochs x steps_per_epoch``, else estimated from
-    the first complete epoch) and its step rate over the last ``window`` steps."""
+    """One run's length (known, else estimated from the first complete epoch) and its step
+    rate over the last ``window`` steps."""
 
     def __init__(self, window: int = 50) -> None:
         self.total: int | None = None
@@ -108,8 +108,8 @@ class _Pace:
 
 
 class Progress(Callback):
-    """Shows training progress (step / total, epoch, loss, learning rate), refreshed at most
-    once per ``refresh_s`` on the event-loop thread. See docs/callbacks/progress.md.
+    """Shows training progress (step / total, epoch, loss, learning rate). See
+    docs/callbacks/progress.md.
 
     Args:
         refresh_s: Minimum seconds between two refreshes (> 0).
@@ -120,8 +120,7 @@ class Progress(Callback):
         desc: Label of the bar.
 
     Attributes:
-        bar: The current tqdm bar (None in log mode or before ``FitStarted``); it stays
-            readable after it is closed.
+        bar: The current tqdm bar (None in log mode or before ``FitStarted``).
         step: The last step shown (None before the first).
         total_steps: The total shown (None while unknown).
 
@@ -206,9 +205,8 @@ class Progress(Callback):
     def _open(self, initial: int) -> None:
         if self._tqdm is None or self.bar is not None:
             return
-        # mininterval=0: the sampling upstream already decides when to draw. A terminal that
-        # reports zero columns (some CI pseudo-terminals) would get a bar of no width, so
-        # nothing: draw it at a fixed width there instead of following the terminal.
+        # mininterval=0: the sampling upstream decides when to draw. A terminal that reports
+        # zero columns (some CI pseudo-terminals) gets a fixed width, not a bar of none.
         width = terminal_columns(sys.stderr)
         fixed = width is not None and width <= 0
         self.bar = self._tqdm(
@@ -262,8 +260,8 @@ class Progress(Callback):
 
 
 class RuntimeEstimator(Callback):
-    """Publishes ``RuntimeEstimated`` at most once per ``every_s`` seconds, from the step rate
-    over the last ``window`` steps and the run's length. See docs/callbacks/runtime-estimator.md.
+    """Publishes ``RuntimeEstimated`` at most once per ``every_s`` seconds. See
+    docs/callbacks/runtime-estimator.md.
 
     Args:
         every_s: At most one estimate per ``every_s`` seconds (> 0).

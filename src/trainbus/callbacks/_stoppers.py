@@ -44,25 +44,15 @@ _LIGHTNING = {
 
 class EarlyStopping(Callback):
     """Sends ``StopTraining`` once ``monitor`` has not improved for ``patience`` evaluations.
-
-    Pipeline::
-
-        EvaluationEnded | ExternalEvaluationEnded carrying monitor
-            -> filter(no error) -> operators.patience(monitor, ...) -> bus.commands
-
-    The run ends at the step of the evaluation that decided it; NaN never improves. See
-    docs/callbacks/early-stopping.md.
+    See docs/callbacks/early-stopping.md.
 
     Args:
         monitor: Evaluation metric to watch (``"val_loss"``, ``"val_acc"``...).
         patience: Evaluations without improvement before stopping (>= 1).
         mode: ``"min"`` if lower is better, ``"max"`` if higher is; ``"auto"``: from the
-            name (``"max"`` for accuracy-like names such as ``val_acc``, see
-            docs/callbacks/index.md).
+            name (see docs/callbacks/index.md).
         min_delta: Smallest change that counts as an improvement (>= 0).
-        state_key: Name of its state in checkpoints (None: ``"EarlyStopping"``). A resumed run
-            keeps counting its patience, and one resumed at the step it decided to stop stops
-            again (unless ``patience`` is now larger).
+        state_key: Name of its state in checkpoints (None: ``"EarlyStopping"``).
 
     Raises:
         ConfigError: for an argument out of range, naming it.
@@ -87,11 +77,9 @@ class EarlyStopping(Callback):
         self.state_key = state_key
         self.tracker = tbops.Tracker()
         """Its best value and evaluations without improvement (a fresh one each run)."""
-        # The bus' back-channel, not the bus: the bus holds this callback's subscription, so
-        # holding the bus would be a cycle that keeps a dropped Trainer until a gc pass.
+        # The bus' back-channel, not the bus (a cycle would keep a dropped Trainer until gc).
         self._commands: CommandSink | None = None
-        self._stop: cmd.StopTraining | None = None
-        """The stop this run decided (saved with the tracker: a resume at its step repeats it)."""
+        self._stop: cmd.StopTraining | None = None  # the stop this run decided
 
     def check(self, plan: RunPlan) -> None:
         """Refuse a ``monitor`` no evaluation of the run produces.
@@ -126,8 +114,8 @@ class EarlyStopping(Callback):
                 "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a state saved after the stop was decided sends it again
-        (before the resumed run's first step), unless ``patience`` now allows more.
+        """Restore :meth:`state_dict`; a stop already decided is sent again unless
+        ``patience`` now allows more.
 
         Raises:
             ConfigError: ``state`` is not a tracker state.
@@ -146,12 +134,6 @@ Source = Literal["auto", "train", "eval"]
 
 class ThresholdStopping(Callback):
     """Sends ``StopTraining`` the first time ``monitor`` goes above ``above`` or below ``below``.
-
-    Pipeline::
-
-        EvaluationEnded (no error) | MetricsLogged
-            -> operators.threshold(monitor, ...) -> bus.commands
-
     See docs/callbacks/stoppers.md.
 
     Args:
@@ -239,8 +221,7 @@ class _Clock:
             gap = e.time - self.last_step_end if self.last_step_end is not None else e.duration_s
             self.last_step_end = e.time
             self.longest = max(self.longest, gap)
-        # The command is applied at a poll point after the next step at the latest; the
-        # longest gap between two step ends seen so far (evaluations included) bounds it.
+        # A command lands at the next poll point: the longest step gap so far bounds it.
         needed = lim.margin_s + lim.steps_margin * self.longest
         left = self.deadline - e.time
         if left > needed:
@@ -253,21 +234,13 @@ class _Clock:
 
 class TimeLimit(Callback):
     """Saves a checkpoint and stops the run before a time limit (a cluster job's wall time).
-
-    Pipeline::
-
-        FitStarted | StepEnded | EvaluationEnded | EpochEnded
-            -> map(time left <= margin_s + steps_margin x longest step gap ?) -> first
-            -> [SaveCheckpoint(tag="time_limit"), StopTraining] -> bus.commands
-
     See docs/callbacks/stoppers.md.
 
     Args:
         seconds: Run time allowed, from ``FitStarted`` (> 0).
         deadline: Or: the absolute end, a ``datetime`` (naive: local time) or a Unix
             timestamp. Give exactly one of the two.
-        margin_s: Seconds kept free before the limit (>= 0; default 60, for a job's hours:
-            below ``seconds``).
+        margin_s: Seconds kept free before the limit (>= 0, below ``seconds``).
         steps_margin: Longest step gaps kept free on top (int >= 1).
         save: Send ``SaveCheckpoint(tag="time_limit")`` before ``StopTraining``.
 

@@ -43,8 +43,8 @@ def _run_params(started: ev.FitStarted) -> dict[str, Any]:
 
 @dataclass(slots=True)
 class _Runs:
-    """A logger's runs, written in a worker thread one batch at a time (so no lock); events of
-    a run whose ``FitStarted`` it did not see are skipped."""
+    """A logger's runs, written in a worker thread one batch at a time; events of a run whose
+    ``FitStarted`` it did not see are skipped."""
 
     open: Callable[[ev.FitStarted], None]
     record: Callable[[ev.BaseEvent], None]
@@ -85,8 +85,8 @@ def _check_options(log_checkpoints: bool, buffer: int) -> int:
 
 
 class TensorBoardLogger(Callback):
-    """Writes a run to TensorBoard event files in ``log_dir``, from a worker thread. What it
-    writes: see docs/callbacks/tensorboard.md.
+    """Writes a run to TensorBoard event files in ``log_dir``, from a worker thread. See
+    docs/callbacks/tensorboard.md.
 
     Args:
         log_dir: Folder for the event files (``SummaryWriter(log_dir)``).
@@ -105,7 +105,7 @@ class TensorBoardLogger(Callback):
         hparams: Mapping[str, Any] | None = None,
         flush_s: float = 1.0,
     ) -> None:
-        try:  # imported here: trainbus never needs tensorboard unless this logger is used
+        try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as exc:
             raise MissingExtraError("TensorBoardLogger", "tensorboard", "tensorboard") from exc
@@ -129,8 +129,7 @@ class TensorBoardLogger(Callback):
 
     def _open(self, started: ev.FitStarted) -> None:
         self._writer = self._writer_type(log_dir=os.fspath(self.log_dir))
-        # run_name="." keeps the HPARAMS record in this run's folder (torch's default is a new
-        # timestamped sub-folder, which TensorBoard would show as a second run).
+        # run_name=".": in this run's folder, not a new sub-folder TensorBoard shows as a run.
         self._writer.add_hparams(
             {**_run_params(started), **self.hparams}, {}, run_name=".", global_step=started.step
         )
@@ -162,8 +161,7 @@ def _env(name: str) -> str | None:
 
 class MLflowLogger(Callback):
     """Records a run in MLflow (params, metrics, checkpoints as artifacts, the end status),
-    from a worker thread. What it records and where the run goes (arguments, then MLflow's
-    environment variables, read when the logger is built): see docs/callbacks/mlflow.md.
+    from a worker thread. See docs/callbacks/mlflow.md.
 
     Args:
         run_dir: Folder for the default local store (``<run_dir>/mlflow.db``).
@@ -194,7 +192,7 @@ class MLflowLogger(Callback):
         flush_s: float = 1.0,
         buffer: int = 64,
     ) -> None:
-        try:  # imported here: trainbus never needs mlflow unless this logger is used
+        try:
             from mlflow.entities import Metric
             from mlflow.tracking import MlflowClient
         except ImportError as exc:
@@ -203,8 +201,7 @@ class MLflowLogger(Callback):
         self.run_dir = check_folder("run_dir", run_dir)
         if tracking_uri is not None and (not isinstance(tracking_uri, str) or not tracking_uri):
             raise ConfigError.invalid("tracking_uri", tracking_uri, "a non-empty URI or None")
-        # MLflow 3 refuses its file: store (maintenance mode); a SQLite file is as local and
-        # offline. Artifacts go next to it (the default root would be relative to the cwd).
+        # A SQLite file (MLflow 3 refuses its file: store), artifacts beside it (not the cwd).
         self.tracking_uri: str = (
             tracking_uri
             or _env("MLFLOW_TRACKING_URI")
@@ -239,8 +236,7 @@ class MLflowLogger(Callback):
         runs.subscribe(bus, "MLflowLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _experiment_id(self, client: Any) -> str:
-        # MLflow's order (mlflow.tracking.fluent): a name wins, and an id set beside it must
-        # be that experiment's; an id alone must exist (get_experiment raises otherwise).
+        # MLflow's order: a name wins (an id beside it must be its); an id alone must exist.
         if self.experiment is None:
             assert self.experiment_id is not None
             return str(client.get_experiment(self.experiment_id).experiment_id)
@@ -289,8 +285,7 @@ _EXIT_CODE = {"completed": 0, "stopped": 0, "failed": 1, "cancelled": 1}
 
 class WandbLogger(Callback):
     """Records a run in Weights & Biases (its configuration, metrics, optionally checkpoints
-    as artifacts, the end), from a worker thread; wandb's environment variables apply as in
-    ``wandb.init``, an argument given here wins. See docs/callbacks/wandb.md.
+    as artifacts, the end), from a worker thread. See docs/callbacks/wandb.md.
 
     Args:
         project: W&B project (default: ``WANDB_PROJECT``, else wandb's default).
@@ -317,7 +312,7 @@ class WandbLogger(Callback):
         flush_s: float = 1.0,
         buffer: int = 64,
     ) -> None:
-        try:  # imported here: trainbus never needs wandb unless this logger is used
+        try:
             import wandb
         except ImportError as exc:
             raise MissingExtraError("WandbLogger", "wandb", "wandb") from exc
@@ -336,8 +331,7 @@ class WandbLogger(Callback):
         self.flush_s = check_seconds("flush_s", flush_s)
         self._settings: dict[str, PlainValue] = {}
         self._run: Any = None
-        # wandb drops a row logged at a step below its last one, and metrics of one step go
-        # into one row: gathered per step until the batch ends.
+        # One row per step, gathered until the batch ends (wandb drops a row of an older step).
         self._rows: dict[int, dict[str, float]] = {}
         self.run_id: str | None = None
         """The W&B run id of the last ``fit()`` (None before the first)."""
