@@ -27,15 +27,12 @@ from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet, ann
 from .watchdog import FailureLedger
 
 __all__ = [
-    "BARRIER_TYPES",
     "DEFAULT_BARRIERS",
     "Barrier",
     "BarrierStatus",
     "Demand",
     "PublishQueue",
-    "Root",
     "RouteTable",
-    "Sampled",
     "Tier",
     "check_barriers",
 ]
@@ -448,7 +445,8 @@ def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
 
 
 _ANNOUNCE_AFTER = 0.5
-"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it."""
+"""Seconds barriers waited on a subscription (one wait, or all of them) after which a warning
+names it."""
 _REASON = (
     "it was made with decides=True and received this barrier's event: training waits until "
     "it has finished what it received, so that its commands apply before the next step"
@@ -503,12 +501,8 @@ class Barrier:
         mark, now = self._busy_mark or {}, self._busy_now()
         for sub in self._subscriptions.all():
             ran = now.get(id(sub), 0.0) - mark.get(id(sub), 0.0)
-            if ran < _SYNC_FLOOR:
-                continue
-            self._charge(sub, ran)
-            if self._waited[id(sub)] >= _ANNOUNCE_AFTER and id(sub) not in self._announced:
-                self._announced.add(id(sub))
-                announce_wait(sub, reason=_SYNC_REASON, remedies=_SYNC_REMEDIES)
+            if ran >= _SYNC_FLOOR:
+                self._charge(sub, ran, _SYNC_REASON, _SYNC_REMEDIES)
         self._busy_mark = now  # a resumed wait charges from here
 
     async def wait_delivered(
@@ -589,7 +583,7 @@ class Barrier:
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
-                        self._announce(sub)
+                        self._announce(sub, _REASON, _REMEDIES)
 
             if waiting:
                 for sub, target in waiting:
@@ -605,20 +599,23 @@ class Barrier:
             for sub, _ in waiting:
                 if id(sub) in unsettled:  # timed out or interrupted: charged up to now
                     self._charge(sub, elapsed)
-                if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
-                    self._announce(sub)  # many short waits add up to a warning too
         if status == "timeout":
             log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
         return status
 
-    def _charge(self, sub: Subscription, seconds: float) -> None:
+    def _charge(
+        self, sub: Subscription, seconds: float, reason: str = _REASON, remedies: str = _REMEDIES
+    ) -> None:
+        """Add ``seconds`` to what ``sub`` held training; many short waits add up to a warning."""
         sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
+        if self._waited[id(sub)] >= _ANNOUNCE_AFTER:
+            self._announce(sub, reason, remedies)
 
-    def _announce(self, sub: AsyncSubscription) -> None:
+    def _announce(self, sub: Subscription, reason: str, remedies: str) -> None:
         if id(sub) not in self._announced:
             self._announced.add(id(sub))
-            announce_wait(sub, reason=_REASON, remedies=_REMEDIES)
+            announce_wait(sub, reason=reason, remedies=remedies)
 
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
@@ -28,10 +28,8 @@ from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
 __all__ = [
-    "DEFAULT_OVERFLOW",
     "OVERFLOWS",
     "AsyncSubscription",
-    "Backpressure",
     "BusObservable",
     "BusStatistics",
     "CommandSink",
@@ -286,24 +284,8 @@ class Subscription(abc.DisposableBase):
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""
-        return SubscriptionStatistics(
-            name=self.name,
-            kind=self.kind,
-            active=self.active,
-            received=self.received,
-            delivered=self.delivered,
-            completed=self.completed,
-            failed=self.failed,
-            dropped=self.dropped,
-            queued=self.queued,
-            in_flight=self.in_flight,
-            cancelled=self.cancelled,
-            last_error=self.last_error,
-            stalls=self.stalls,
-            blocked_s=self.blocked_s,
-            waited_s=self.waited_s,
-            end_waited_s=self.end_waited_s,
-        )
+        names = (f.name for f in fields(SubscriptionStatistics))
+        return SubscriptionStatistics(**{name: getattr(self, name) for name in names})
 
     @property
     def queued(self) -> int:
@@ -380,8 +362,6 @@ class GuardedObserver(abc.ObserverBase[Any]):
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What a full async buffer does (``subscribe_async(overflow=)``; docs/bus.md)."""
 OVERFLOWS: tuple[str, ...] = get_args(Overflow)
-DEFAULT_OVERFLOW: Overflow = "drop_oldest"
-"""The default: a slow subscriber never holds training back."""
 
 
 class AsyncSubscription(Subscription):
@@ -895,8 +875,8 @@ class SubscriptionSet:
         check_int("concurrency", concurrency, 1)
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
-        if overflow is None:  # a decider sees every item it may decide on
-            overflow = "block" if decides else DEFAULT_OVERFLOW
+        if overflow is None:  # a decider sees every item it may decide on; others never wait
+            overflow = "block" if decides else "drop_oldest"
         if overflow not in OVERFLOWS:
             raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
         if buffer is None:
