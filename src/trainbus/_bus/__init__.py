@@ -1,7 +1,5 @@
 """The event bus: :class:`EventBus`, the users' face over parts that each own their state, and
-:class:`LoopPort` (``bus.port()``), the training loop's. The parts' modules import only those
-before them (ARCHITECTURE.md, "Module map"); none imports torch or the loop.
-"""
+:class:`LoopPort` (``bus.port()``), the training loop's (ARCHITECTURE.md, "Module map")."""
 
 from __future__ import annotations
 
@@ -213,7 +211,7 @@ class EventBus:
         self.on_lost: Literal["warn", "raise"] = on_lost
         ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
         bell = Doorbell()
-        clock = StepClock(bell)
+        self._clock = clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
         ledger = FailureLedger(on_error, channel.send, bell)
@@ -221,7 +219,6 @@ class EventBus:
         if rx_scheduler is None:
             rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
-        self._clock = clock
         self._routes = routes = RouteTable(bell)
         watchdog = Watchdog(self.watchdog_s)
         subs = SubscriptionSet(ledger, bell, stamp, watchdog, ranks, clock, rx_scheduler)
@@ -355,8 +352,7 @@ class EventBus:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
         Args:
-            observable: A bus stream, possibly piped, or any Observable built from bus streams
-                (``reactivex.merge(...)``); its time-based operators get the bus' Rx scheduler.
+            observable: A bus stream, possibly piped or merged (docs/bus.md, "Streams").
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
             on_error: The error policy: what a failure of ``on_next`` does (``"log"``,
                 ``"stop"``, ``"raise"``; default: the bus').
@@ -403,8 +399,7 @@ class EventBus:
 
         Args:
             observable: A bus stream, possibly piped through operators.
-            fn: An async function of one item (``async def``, a ``functools.partial`` of
-                one, or an object whose ``__call__`` is ``async def``).
+            fn: An async function of one item (docs/bus.md, "Async subscribers").
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
             overflow: What a full buffer does: ``"drop_oldest"``, ``"latest"`` or ``"block"``

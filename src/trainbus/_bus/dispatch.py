@@ -29,8 +29,6 @@ from .watchdog import FailureLedger
 __all__ = [
     "DEFAULT_BARRIERS",
     "Barrier",
-    "BarrierStatus",
-    "Demand",
     "PublishQueue",
     "RouteTable",
     "Tier",
@@ -192,8 +190,7 @@ class RouteTable:
         every_s: float | None = None,
         every_steps: int | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
-        ``every_steps``."""
+        """Add a root in ``tier`` (default: the current one), sampled by every_s or every_steps."""
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps, self._update_demands)
         root = Root(types, observer, TIER_ORDER[tier or self._tier])

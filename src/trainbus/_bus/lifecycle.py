@@ -20,7 +20,7 @@ from .scheduler import AnyioScheduler, TaskSet
 from .subscriptions import BusStatistics, LostWork, SubscriptionSet
 from .watchdog import FailureLedger, Watchdog
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle", "State"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle"]
 
 log = get_logger(__name__)
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
-from reactivex import Observable, abc
+from reactivex import Observable, Observer, abc
 from reactivex.disposable import CompositeDisposable
 
 from .. import commands as cmd
@@ -237,7 +237,6 @@ class Subscription(abc.DisposableBase):
         self.dropped = 0
         self.cancelled = 0
         self.waited_s = 0.0
-        """Seconds the training thread waited on this subscription."""
         self.end_waited_s = 0.0
         self.last_error: str | None = None
         self.stalls = 0
@@ -262,14 +261,6 @@ class Subscription(abc.DisposableBase):
             self._ledger.count()
         else:
             self._ledger.subscriber_failed(self, exc, item, ended=ended)
-
-    def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """Count a call that blocked the event loop past the watchdog's threshold (watchdog
-        thread): once when seen, and its seconds once it has returned."""
-        if ended:
-            self.blocked_s += blocked_s
-        else:
-            self.stalls += 1
 
     def claim_stop(self) -> bool:
         """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
@@ -570,25 +561,6 @@ class AsyncSubscription(Subscription):
             await self._finished.wait()
 
 
-class _AsyncFeeder(abc.ObserverBase[Any]):
-    """Observer end of an async subscription: hands items to its buffer."""
-
-    __slots__ = ("_sub",)
-
-    def __init__(self, sub: AsyncSubscription) -> None:
-        self._sub = sub
-
-    def on_next(self, value: Any) -> None:
-        self._sub.push(value)
-
-    def on_error(self, error: Exception) -> None:
-        self._sub.fail(error, None, ended=True)
-        self._sub.close_input()
-
-    def on_completed(self) -> None:
-        self._sub.close_input()
-
-
 # ================================================================== ranks
 Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
 """``None`` (the default: rank 0, or what ``bus.on_ranks`` set), ``"all"``, a rank, or ranks."""
@@ -655,10 +627,8 @@ _T = TypeVar("_T")
 
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
-    the observer and hands the bus' Rx scheduler to the chain's time-based operators.
-    Subscribing declares the ``decision_steps`` of the operators piped so far (none on a stream
-    of events not published per step: ``per_step=False``).
-    """
+    the observer and hands the bus' Rx scheduler to the chain's time-based operators
+    (docs/bus.md, "Streams")."""
 
     def __init__(
         self,
@@ -706,9 +676,8 @@ class BusObservable(Observable[_T], Generic[_T]):
         name: str | None = None,
         ranks: Any = None,
     ) -> Subscription:
-        """Subscribe under the bus' guard. The positional slots are RxPY's (``on_next,
-        on_error, on_completed``), so reactivex operators keep working; by keyword,
-        ``on_error=`` is the error policy, as in ``bus.subscribe``.
+        """Subscribe under the bus' guard; ``on_error=`` is the error policy, RxPY's error
+        callback is ``on_rx_error`` (docs/bus.md, "Errors").
 
         Args:
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
@@ -865,13 +834,11 @@ class SubscriptionSet:
         """:meth:`EventBus.subscribe_async` (options validated on every rank alike); on a rank
         it does not run on, an inert subscription."""
         if not _is_async(fn):
-            raise ConfigError.invalid(
-                "fn",
-                getattr(fn, "__qualname__", repr(fn)),
-                "an async def function of one "
-                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
-                "the event loop",
+            allowed = (
+                "an async def function of one item; for a plain function use "
+                "bus.subscribe(stream, fn), which runs it on the event loop"
             )
+            raise ConfigError.invalid("fn", getattr(fn, "__qualname__", repr(fn)), allowed)
         check_int("concurrency", concurrency, 1)
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
@@ -905,7 +872,13 @@ class SubscriptionSet:
         if self._tasks is not None:
             # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
-        self._attach(sub, source, _AsyncFeeder(sub), self.rx_scheduler, declares=decides)
+
+        def ended(error: Exception) -> None:
+            sub.fail(error, None, ended=True)
+            sub.close_input()
+
+        feeder = Observer(sub.push, ended, sub.close_input)  # hands items to its buffer
+        self._attach(sub, source, feeder, self.rx_scheduler, declares=decides)
         return sub
 
     def _attach(
