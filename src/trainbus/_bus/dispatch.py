@@ -6,6 +6,7 @@ slice per ``flush_interval`` on the event-loop thread), and the barriers (docs/b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections import deque
@@ -264,7 +265,6 @@ class PublishQueue:
         self._stamp = stamp
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
-        self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
@@ -280,7 +280,7 @@ class PublishQueue:
         """
         if not isinstance(event, ev.BaseEvent):
             raise ConfigError.invalid("event", event, "an instance of a trainbus event class")
-        if self._dispatching and threading.get_ident() == self._dispatch_thread:
+        if self._dispatching and threading.get_ident() == self._stamp.loop_thread:
             self._derived.append(event)  # published by a subscriber: delivered right after
             return
         q = self._events
@@ -294,10 +294,9 @@ class PublishQueue:
         self.parked = False
         call_soon = self._call_soon
         if call_soon is not None:
-            try:
+            # The loop may have closed (trio: RunFinishedError, a RuntimeError).
+            with contextlib.suppress(RuntimeError):
                 call_soon(self._unpark)
-            except RuntimeError:  # the loop has closed (trio: RunFinishedError, a RuntimeError)
-                pass
 
     def _unpark(self) -> None:
         event = self._unpark_event
@@ -351,7 +350,7 @@ class PublishQueue:
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
         if not outer:
-            self._dispatch_thread = stamp.loop_thread = threading.get_ident()
+            stamp.loop_thread = threading.get_ident()
         self._dispatching = True
         try:
             for _ in range(n):
