@@ -189,10 +189,7 @@ class CommandChannel:
     def poll_commands(self) -> list[cmd.Command]:
         """Take every command waiting on the back-channel, oldest first (never blocks)."""
         q = self._commands
-        out: list[cmd.Command] = []
-        while q:
-            out.append(q.popleft())
-        return out
+        return [q.popleft() for _ in range(len(q))]  # popleft: a sender may append meanwhile
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
         """Remove the queued commands ``match`` accepts; returns how many."""

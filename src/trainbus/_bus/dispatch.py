@@ -315,7 +315,6 @@ class PublishQueue:
         return len(self._events)
 
     def index(self, event: ev.BaseEvent) -> int | None:
-        """Position of ``event`` (by identity) in the queue, or None."""
         return next((i for i, e in enumerate(self._events) if e is event), None)
 
     def open(self, loop_thread: int) -> None:

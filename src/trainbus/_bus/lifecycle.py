@@ -86,8 +86,7 @@ class Lifecycle:
         previous = self.state
         self.state = "running"
         self._queue.open(threading.get_ident())
-        stack = contextlib.AsyncExitStack()
-        self._stack = stack
+        self._stack = stack = contextlib.AsyncExitStack()
         try:
             tg = await stack.enter_async_context(anyio.create_task_group())
             tasks = self._tasks = TaskSet(tg)

@@ -602,7 +602,6 @@ class RankFilter:
         self._default: frozenset[int] | Literal["all"] = frozenset({0})
 
     def runs_here(self, ranks: Ranks) -> bool:
-        """True when a subscription for ``ranks`` runs on this rank."""
         chosen = _normalise(ranks)
         if chosen is None:
             chosen = self._default
@@ -791,12 +790,8 @@ class SubscriptionSet:
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
             allowed = "an Rx error callback or None; an error policy goes in on_error="
             raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
-        callbacks = (
-            ("on_next", on_next),
-            ("on_rx_error", on_rx_error),
-            ("on_completed", on_completed),
-        )
-        for field, value in callbacks:
+        callbacks = {"on_next": on_next, "on_rx_error": on_rx_error, "on_completed": on_completed}
+        for field, value in callbacks.items():
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
             if value is not None and _is_async(value):
@@ -912,11 +907,9 @@ class SubscriptionSet:
             sub.suspend()
 
     def all(self) -> tuple[Subscription, ...]:
-        """Every subscription, in order (inactive ones included)."""
         return tuple(self._subs)
 
     def asyncs(self) -> list[AsyncSubscription]:
-        """The async subscriptions, in order."""
         return [s for s in self._subs if isinstance(s, AsyncSubscription)]
 
     def pending(self) -> dict[str, int]:
