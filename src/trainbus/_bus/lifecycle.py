@@ -127,14 +127,13 @@ class Lifecycle:
             await stack.aclose()
 
     async def _poll(self) -> None:
-        interval = self._queue.flush_interval
         q = self._queue
         # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
         # intervals the poller parks until the next publish wakes it.
         empty = 0
         while True:
             if empty < _IDLE_TICKS:
-                await anyio.sleep(interval)
+                await anyio.sleep(q.flush_interval)
             else:
                 await q.wait_published(_PARK_BACKSTOP)
             if q:
