@@ -1,7 +1,5 @@
 """The event bus: :class:`EventBus`, the users' face over parts that each own their state, and
-:class:`LoopPort` (``bus.port()``), the training loop's. The parts' modules import only those
-before them (ARCHITECTURE.md, "Module map"); none imports torch or the loop.
-"""
+:class:`LoopPort` (``bus.port()``), the training loop's (ARCHITECTURE.md, "Module map")."""
 
 from __future__ import annotations
 
@@ -77,21 +75,8 @@ def _unknown_option(name: str, value: object, options: list[str]) -> str:
 
 class LoopPort:
     """The loop's end of one bus (``bus.port()``): each name is the owning part's own method
-    or state, bound once.
-
-    Attributes:
-        publish: Queue an event (any thread).
-        wants: True when some subscription would receive events of a type.
-        demand: The :class:`~trainbus._bus.dispatch.Demand` of an event type (sampled streams).
-        doorbell: Rung after every change the loop must act on: re-read the rest only when
-            ``doorbell.rings`` grew.
-        declare, next_decision: Declare decision steps; the next one after a step (or None).
-        statistics: The bus' counters now.
-        has_commands, poll_commands, withdraw: The command channel's (never block).
-        wait_for_room: Block while an ``overflow="block"`` buffer is full; the seconds waited.
-        wait_barrier: The loop's barrier, on the event-loop thread.
-        barrier_requested: Said by the training thread just before it waits at a barrier.
-        request_cancel_pending: Ask a waiting end or close to cancel pending async work.
+    or state, bound once (each documented there). ``doorbell`` rings after every change the
+    loop must act on: re-read the rest only when ``doorbell.rings`` grew.
     """
 
     def __init__(
@@ -172,7 +157,7 @@ class EventBus:
     Raises:
         ConfigError: for an argument out of range.
 
-    ``async with EventBus() as bus:`` runs it; see docs/bus.md, "Lifecycle".
+    See docs/bus.md.
     """
 
     publish: Callable[[ev.BaseEvent], None]
@@ -226,7 +211,7 @@ class EventBus:
         self.on_lost: Literal["warn", "raise"] = on_lost
         ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
         bell = Doorbell()
-        clock = StepClock(bell)
+        self._clock = clock = StepClock(bell)
         stamp = DecisionStamp()
         self._channel = channel = CommandChannel(stamp, bell)
         ledger = FailureLedger(on_error, channel.send, bell)
@@ -234,7 +219,6 @@ class EventBus:
         if rx_scheduler is None:
             rx_scheduler = own = AnyioScheduler(ledger.count)
         self.rx_scheduler: abc.SchedulerBase = rx_scheduler
-        self._clock = clock
         self._routes = routes = RouteTable(bell)
         watchdog = Watchdog(self.watchdog_s)
         subs = SubscriptionSet(ledger, bell, stamp, watchdog, ranks, clock, rx_scheduler)
@@ -264,7 +248,7 @@ class EventBus:
 
     def on_ranks(self, ranks: Ranks) -> AbstractContextManager[None]:
         """Subscriptions made inside ``with bus.on_ranks("all"):`` without ``ranks=`` run on
-        those ranks (what ``Trainer.add_callback`` does with a callback's ``ranks``).
+        those ranks.
 
         Raises:
             ConfigError: ``ranks`` is not None, ``"all"``, a rank or an iterable of ranks.
@@ -316,12 +300,10 @@ class EventBus:
         every_steps: int | None = None,
     ) -> BusObservable[Any]:
         """Events of the given types (subclasses included), as a typed hot Observable.
-        Subscribing makes :meth:`wants` true for those types.
 
         Args:
             event_types: The event classes to receive.
-            every_s: Sample: each subscription takes the first event, then none stamped less
-                than ``every_s`` seconds after the last one it took (docs/bus.md, "Streams").
+            every_s: Sample by time: at most one event per ``every_s`` seconds (docs/bus.md).
             every_steps: Sample by step: only the events whose ``step`` is a multiple of it.
 
         Raises:
@@ -370,8 +352,7 @@ class EventBus:
         """Subscribe a sync observer (function or Rx observer) under the bus' guard.
 
         Args:
-            observable: A bus stream, possibly piped, or any Observable built from bus streams
-                (``reactivex.merge(...)``); its time-based operators get the bus' Rx scheduler.
+            observable: A bus stream, possibly piped or merged (docs/bus.md, "Streams").
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
             on_error: The error policy: what a failure of ``on_next`` does (``"log"``,
                 ``"stop"``, ``"raise"``; default: the bus').
@@ -418,17 +399,15 @@ class EventBus:
 
         Args:
             observable: A bus stream, possibly piped through operators.
-            fn: An async function of one item (``async def``, a ``functools.partial`` of
-                one, or an object whose ``__call__`` is ``async def``).
+            fn: An async function of one item (docs/bus.md, "Async subscribers").
             concurrency: Worker tasks awaiting ``fn`` at once (order kept only with 1).
             buffer: Items that may wait; default 64 (``"latest"``: 1, and only 1 is allowed).
             overflow: What a full buffer does: ``"drop_oldest"``, ``"latest"`` or ``"block"``
-                (docs/bus.md, "Async subscribers"); default ``"block"`` for a decider (it sees
-                every item it may decide on), else ``"drop_oldest"``.
+                (docs/bus.md); default ``"block"`` for a decider, else ``"drop_oldest"``.
             on_error: Error policy for exceptions from ``fn`` (default: the bus').
             name: Name in logs and statistics (default: the function's qualified name).
             decides: True when ``fn``'s commands must land on the step they were decided for:
-                barriers that deliver it an item wait for it (docs/bus.md, "Barriers").
+                barriers that deliver it an item wait for it (docs/bus.md).
             ranks: Where it runs under torchrun (default rank 0; ``"all"``, a rank or ranks).
 
         Returns:
@@ -478,8 +457,8 @@ class EventBus:
         return self._clock.declare(*steps_)
 
     def tier(self, tier: Tier) -> AbstractContextManager[None]:
-        """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier:
-        every event reaches core subscribers first, then user ones, then global ones.
+        """Subscriptions made inside ``with bus.tier("core"):`` are delivered in that tier
+        (core first, then user, then global).
 
         Raises:
             ConfigError: ``tier`` is not one of internal, core, user, global.
@@ -511,7 +490,7 @@ class EventBus:
 
     def cancel_pending(self) -> dict[str, int]:
         """Cancel every async subscriber's pending work now, and what they receive later,
-        counted as lost work (a close that waits too long). Event-loop thread only.
+        counted as lost work. Event-loop thread only.
 
         Returns:
             Items pending per subscription when cancelled (only those that had any).
@@ -555,8 +534,7 @@ class EventBus:
         return None
 
     async def suspend(self, *, raise_fatal: bool = True) -> None:
-        """Stop running until the next ``async with bus`` (or trainer call), streams open
-        (docs/bus.md, "Lifecycle").
+        """Stop running until the next ``async with bus`` (or trainer call), streams open.
 
         Args:
             raise_fatal: Raise a ``"raise"`` subscription's failure (False while another

@@ -1,7 +1,5 @@
-"""What the loop acts on between steps: the doorbell (the parts ring it after each change the
-loop must see), the decision steps (docs/events.md, "When a command takes effect") and the
-command channel.
-"""
+"""What the loop acts on between steps: the doorbell, the decision steps (docs/events.md,
+"When a command takes effect") and the command channel."""
 
 from __future__ import annotations
 
@@ -61,7 +59,6 @@ class Every:
     n: int
 
     def next_after(self, step: int) -> int:
-        """The smallest multiple of ``n`` greater than ``step``."""
         return (step // self.n + 1) * self.n
 
 
@@ -72,7 +69,6 @@ class At:
     step: int
 
     def next_after(self, step: int) -> int | None:
-        """``step`` when it is still ahead of ``step``, else None."""
         return self.step if self.step > step else None
 
 
@@ -88,7 +84,8 @@ class StepClock:
         self._doorbell = doorbell
         self._ids = itertools.count()
         self._declared: dict[int, DecisionSteps] = {}
-        self._decision_steps: tuple[DecisionSteps, ...] = ()
+        self.decision_steps: tuple[DecisionSteps, ...] = ()
+        """Every declaration, in order of declaration."""
 
     def declare(self, *decision_steps: DecisionSteps) -> abc.DisposableBase:
         """Add ``decision_steps`` until the returned disposable is disposed."""
@@ -104,17 +101,12 @@ class StepClock:
         return Disposable(remove)
 
     def _changed(self) -> None:
-        self._decision_steps = tuple(self._declared.values())
+        self.decision_steps = tuple(self._declared.values())
         self._doorbell.ring()  # after the change: the loop that hears it reads the new set
-
-    @property
-    def decision_steps(self) -> tuple[DecisionSteps, ...]:
-        """Every declaration, in order of declaration."""
-        return self._decision_steps
 
     def next_decision(self, after_step: int) -> int | None:
         """The smallest declared decision step greater than ``after_step`` (None: none)."""
-        steps = [d.next_after(after_step) for d in self._decision_steps]
+        steps = [d.next_after(after_step) for d in self.decision_steps]
         return min((step for step in steps if step is not None), default=None)
 
 
@@ -197,10 +189,7 @@ class CommandChannel:
     def poll_commands(self) -> list[cmd.Command]:
         """Take every command waiting on the back-channel, oldest first (never blocks)."""
         q = self._commands
-        out: list[cmd.Command] = []
-        while q:
-            out.append(q.popleft())
-        return out
+        return [q.popleft() for _ in range(len(q))]  # popleft: a sender may append meanwhile
 
     def withdraw(self, match: Callable[[cmd.Command], bool]) -> int:
         """Remove the queued commands ``match`` accepts; returns how many."""
@@ -260,7 +249,6 @@ class CommandChannel:
         return self._wake
 
     def disarm_wake(self) -> None:
-        """The barrier stopped waiting."""
         self._wake = None
 
     def close(self) -> None:

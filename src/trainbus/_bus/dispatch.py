@@ -6,6 +6,7 @@ slice per ``flush_interval`` on the event-loop thread), and the barriers (docs/b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import threading
 from collections import deque
@@ -27,15 +28,10 @@ from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet, ann
 from .watchdog import FailureLedger
 
 __all__ = [
-    "BARRIER_TYPES",
     "DEFAULT_BARRIERS",
     "Barrier",
-    "BarrierStatus",
-    "Demand",
     "PublishQueue",
-    "Root",
     "RouteTable",
-    "Sampled",
     "Tier",
     "check_barriers",
 ]
@@ -195,8 +191,7 @@ class RouteTable:
         every_s: float | None = None,
         every_steps: int | None = None,
     ) -> Root:
-        """Add a root in ``tier`` (default: the current tier); sampled with ``every_s`` or
-        ``every_steps``."""
+        """Add a root in ``tier`` (default: the current one), sampled by every_s or every_steps."""
         if every_s is not None or every_steps is not None:
             observer = Sampled(observer, every_s, every_steps, self._update_demands)
         root = Root(types, observer, TIER_ORDER[tier or self._tier])
@@ -270,7 +265,6 @@ class PublishQueue:
         self._stamp = stamp
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
-        self._dispatch_thread: int | None = None
         self._derived: deque[ev.BaseEvent] = deque()
         # The parked poller (see wait_published): publish reads ``parked`` once per event.
         self.parked = False
@@ -286,7 +280,7 @@ class PublishQueue:
         """
         if not isinstance(event, ev.BaseEvent):
             raise ConfigError.invalid("event", event, "an instance of a trainbus event class")
-        if self._dispatching and threading.get_ident() == self._dispatch_thread:
+        if self._dispatching and threading.get_ident() == self._stamp.loop_thread:
             self._derived.append(event)  # published by a subscriber: delivered right after
             return
         q = self._events
@@ -300,10 +294,9 @@ class PublishQueue:
         self.parked = False
         call_soon = self._call_soon
         if call_soon is not None:
-            try:
+            # The loop may have closed (trio: RunFinishedError, a RuntimeError).
+            with contextlib.suppress(RuntimeError):
                 call_soon(self._unpark)
-            except RuntimeError:  # the loop has closed (trio: RunFinishedError, a RuntimeError)
-                pass
 
     def _unpark(self) -> None:
         event = self._unpark_event
@@ -322,7 +315,6 @@ class PublishQueue:
         return len(self._events)
 
     def index(self, event: ev.BaseEvent) -> int | None:
-        """Position of ``event`` (by identity) in the queue, or None."""
         return next((i for i, e in enumerate(self._events) if e is event), None)
 
     def open(self, loop_thread: int) -> None:
@@ -357,7 +349,7 @@ class PublishQueue:
         # Re-entrant (a subscriber calling flush()): the outer slice keeps its flag.
         outer = self._dispatching
         if not outer:
-            self._dispatch_thread = stamp.loop_thread = threading.get_ident()
+            stamp.loop_thread = threading.get_ident()
         self._dispatching = True
         try:
             for _ in range(n):
@@ -448,7 +440,8 @@ def check_barriers(value: object) -> frozenset[type[ev.BaseEvent]]:
 
 
 _ANNOUNCE_AFTER = 0.5
-"""Seconds of waiting on a decider (one wait, or all of them) after which a warning names it."""
+"""Seconds barriers waited on a subscription (one wait, or all of them) after which a warning
+names it."""
 _REASON = (
     "it was made with decides=True and received this barrier's event: training waits until "
     "it has finished what it received, so that its commands apply before the next step"
@@ -503,12 +496,8 @@ class Barrier:
         mark, now = self._busy_mark or {}, self._busy_now()
         for sub in self._subscriptions.all():
             ran = now.get(id(sub), 0.0) - mark.get(id(sub), 0.0)
-            if ran < _SYNC_FLOOR:
-                continue
-            self._charge(sub, ran)
-            if self._waited[id(sub)] >= _ANNOUNCE_AFTER and id(sub) not in self._announced:
-                self._announced.add(id(sub))
-                announce_wait(sub, reason=_SYNC_REASON, remedies=_SYNC_REMEDIES)
+            if ran >= _SYNC_FLOOR:
+                self._charge(sub, ran, _SYNC_REASON, _SYNC_REMEDIES)
         self._busy_mark = now  # a resumed wait charges from here
 
     async def wait_delivered(
@@ -589,7 +578,7 @@ class Barrier:
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
-                        self._announce(sub)
+                        self._announce(sub, _REASON, _REMEDIES)
 
             if waiting:
                 for sub, target in waiting:
@@ -605,20 +594,23 @@ class Barrier:
             for sub, _ in waiting:
                 if id(sub) in unsettled:  # timed out or interrupted: charged up to now
                     self._charge(sub, elapsed)
-                if self._waited.get(id(sub), 0.0) >= _ANNOUNCE_AFTER:
-                    self._announce(sub)  # many short waits add up to a warning too
         if status == "timeout":
             log.warning("barrier_timeout", timeout=timeout, waiting=[s.name for s, _ in targets])
         return status
 
-    def _charge(self, sub: Subscription, seconds: float) -> None:
+    def _charge(
+        self, sub: Subscription, seconds: float, reason: str = _REASON, remedies: str = _REMEDIES
+    ) -> None:
+        """Add ``seconds`` to what ``sub`` held training; many short waits add up to a warning."""
         sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
+        if self._waited[id(sub)] >= _ANNOUNCE_AFTER:
+            self._announce(sub, reason, remedies)
 
-    def _announce(self, sub: AsyncSubscription) -> None:
+    def _announce(self, sub: Subscription, reason: str, remedies: str) -> None:
         if id(sub) not in self._announced:
             self._announced.add(id(sub))
-            announce_wait(sub, reason=_REASON, remedies=_REMEDIES)
+            announce_wait(sub, reason=reason, remedies=remedies)
 
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool

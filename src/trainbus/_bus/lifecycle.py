@@ -20,7 +20,7 @@ from .scheduler import AnyioScheduler, TaskSet
 from .subscriptions import BusStatistics, LostWork, SubscriptionSet
 from .watchdog import FailureLedger, Watchdog
 
-__all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle", "State"]
+__all__ = ["DEFAULT_CLOSE_TIMEOUT", "Lifecycle"]
 
 log = get_logger(__name__)
 
@@ -86,8 +86,7 @@ class Lifecycle:
         previous = self.state
         self.state = "running"
         self._queue.open(threading.get_ident())
-        stack = contextlib.AsyncExitStack()
-        self._stack = stack
+        self._stack = stack = contextlib.AsyncExitStack()
         try:
             tg = await stack.enter_async_context(anyio.create_task_group())
             tasks = self._tasks = TaskSet(tg)
@@ -128,14 +127,13 @@ class Lifecycle:
             await stack.aclose()
 
     async def _poll(self) -> None:
-        interval = self._queue.flush_interval
         q = self._queue
         # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
         # intervals the poller parks until the next publish wakes it.
         empty = 0
         while True:
             if empty < _IDLE_TICKS:
-                await anyio.sleep(interval)
+                await anyio.sleep(q.flush_interval)
             else:
                 await q.wait_published(_PARK_BACKSTOP)
             if q:

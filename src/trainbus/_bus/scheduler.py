@@ -141,11 +141,8 @@ class AnyioScheduler(PeriodicScheduler):
                     await anyio.lowlevel.checkpoint()
                     continue
                 wake = self._wake = anyio.Event()
-                if delay is None:
+                with anyio.move_on_after(delay):  # None: until woken
                     await wake.wait()
-                else:
-                    with anyio.move_on_after(delay):
-                        await wake.wait()
         finally:
             self._wake = None
             self._thread = None

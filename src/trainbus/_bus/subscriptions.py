@@ -12,11 +12,11 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
-from reactivex import Observable, abc
+from reactivex import Observable, Observer, abc
 from reactivex.disposable import CompositeDisposable
 
 from .. import commands as cmd
@@ -28,10 +28,8 @@ from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
 __all__ = [
-    "DEFAULT_OVERFLOW",
     "OVERFLOWS",
     "AsyncSubscription",
-    "Backpressure",
     "BusObservable",
     "BusStatistics",
     "CommandSink",
@@ -239,7 +237,6 @@ class Subscription(abc.DisposableBase):
         self.dropped = 0
         self.cancelled = 0
         self.waited_s = 0.0
-        """Seconds the training thread waited on this subscription."""
         self.end_waited_s = 0.0
         self.last_error: str | None = None
         self.stalls = 0
@@ -265,14 +262,6 @@ class Subscription(abc.DisposableBase):
         else:
             self._ledger.subscriber_failed(self, exc, item, ended=ended)
 
-    def stalled(self, blocked_s: float, *, ended: bool) -> None:
-        """Count a call that blocked the event loop past the watchdog's threshold (watchdog
-        thread): once when seen, and its seconds once it has returned."""
-        if ended:
-            self.blocked_s += blocked_s
-        else:
-            self.stalls += 1
-
     def claim_stop(self) -> bool:
         """True the first time only: the ``"stop"`` policy sends one ``StopTraining``."""
         first, self._stop_sent = not self._stop_sent, True
@@ -286,24 +275,8 @@ class Subscription(abc.DisposableBase):
 
     def statistics(self) -> SubscriptionStatistics:
         """A frozen snapshot of this subscription's counters."""
-        return SubscriptionStatistics(
-            name=self.name,
-            kind=self.kind,
-            active=self.active,
-            received=self.received,
-            delivered=self.delivered,
-            completed=self.completed,
-            failed=self.failed,
-            dropped=self.dropped,
-            queued=self.queued,
-            in_flight=self.in_flight,
-            cancelled=self.cancelled,
-            last_error=self.last_error,
-            stalls=self.stalls,
-            blocked_s=self.blocked_s,
-            waited_s=self.waited_s,
-            end_waited_s=self.end_waited_s,
-        )
+        names = (f.name for f in fields(SubscriptionStatistics))
+        return SubscriptionStatistics(**{name: getattr(self, name) for name in names})
 
     @property
     def queued(self) -> int:
@@ -380,8 +353,6 @@ class GuardedObserver(abc.ObserverBase[Any]):
 Overflow: TypeAlias = Literal["block", "drop_oldest", "latest"]
 """What a full async buffer does (``subscribe_async(overflow=)``; docs/bus.md)."""
 OVERFLOWS: tuple[str, ...] = get_args(Overflow)
-DEFAULT_OVERFLOW: Overflow = "drop_oldest"
-"""The default: a slow subscriber never holds training back."""
 
 
 class AsyncSubscription(Subscription):
@@ -590,25 +561,6 @@ class AsyncSubscription(Subscription):
             await self._finished.wait()
 
 
-class _AsyncFeeder(abc.ObserverBase[Any]):
-    """Observer end of an async subscription: hands items to its buffer."""
-
-    __slots__ = ("_sub",)
-
-    def __init__(self, sub: AsyncSubscription) -> None:
-        self._sub = sub
-
-    def on_next(self, value: Any) -> None:
-        self._sub.push(value)
-
-    def on_error(self, error: Exception) -> None:
-        self._sub.fail(error, None, ended=True)
-        self._sub.close_input()
-
-    def on_completed(self) -> None:
-        self._sub.close_input()
-
-
 # ================================================================== ranks
 Ranks: TypeAlias = int | Iterable[int] | Literal["all"] | None
 """``None`` (the default: rank 0, or what ``bus.on_ranks`` set), ``"all"``, a rank, or ranks."""
@@ -650,7 +602,6 @@ class RankFilter:
         self._default: frozenset[int] | Literal["all"] = frozenset({0})
 
     def runs_here(self, ranks: Ranks) -> bool:
-        """True when a subscription for ``ranks`` runs on this rank."""
         chosen = _normalise(ranks)
         if chosen is None:
             chosen = self._default
@@ -675,10 +626,8 @@ _T = TypeVar("_T")
 
 class BusObservable(Observable[_T], Generic[_T]):
     """An Observable born on the bus: ``pipe`` keeps it a bus observable, ``subscribe`` guards
-    the observer and hands the bus' Rx scheduler to the chain's time-based operators.
-    Subscribing declares the ``decision_steps`` of the operators piped so far (none on a stream
-    of events not published per step: ``per_step=False``).
-    """
+    the observer and hands the bus' Rx scheduler to the chain's time-based operators
+    (docs/bus.md, "Streams")."""
 
     def __init__(
         self,
@@ -726,9 +675,8 @@ class BusObservable(Observable[_T], Generic[_T]):
         name: str | None = None,
         ranks: Any = None,
     ) -> Subscription:
-        """Subscribe under the bus' guard. The positional slots are RxPY's (``on_next,
-        on_error, on_completed``), so reactivex operators keep working; by keyword,
-        ``on_error=`` is the error policy, as in ``bus.subscribe``.
+        """Subscribe under the bus' guard; ``on_error=`` is the error policy, RxPY's error
+        callback is ``on_rx_error`` (docs/bus.md, "Errors").
 
         Args:
             on_next: A function of one item, or an Rx observer (``bus.commands`` included).
@@ -842,12 +790,8 @@ class SubscriptionSet:
         if isinstance(on_rx_error, str):  # a policy where RxPY's error callback goes
             allowed = "an Rx error callback or None; an error policy goes in on_error="
             raise ConfigError.invalid("on_rx_error", on_rx_error, allowed)
-        callbacks = (
-            ("on_next", on_next),
-            ("on_rx_error", on_rx_error),
-            ("on_completed", on_completed),
-        )
-        for field, value in callbacks:
+        callbacks = {"on_next": on_next, "on_rx_error": on_rx_error, "on_completed": on_completed}
+        for field, value in callbacks.items():
             if value is not None and not callable(value):
                 raise ConfigError.invalid(field, value, "a callable or None")
             if value is not None and _is_async(value):
@@ -885,18 +829,16 @@ class SubscriptionSet:
         """:meth:`EventBus.subscribe_async` (options validated on every rank alike); on a rank
         it does not run on, an inert subscription."""
         if not _is_async(fn):
-            raise ConfigError.invalid(
-                "fn",
-                getattr(fn, "__qualname__", repr(fn)),
-                "an async def function of one "
-                "item; for a plain function use bus.subscribe(stream, fn), which runs it on "
-                "the event loop",
+            allowed = (
+                "an async def function of one item; for a plain function use "
+                "bus.subscribe(stream, fn), which runs it on the event loop"
             )
+            raise ConfigError.invalid("fn", getattr(fn, "__qualname__", repr(fn)), allowed)
         check_int("concurrency", concurrency, 1)
         if not isinstance(decides, bool):
             raise ConfigError.invalid("decides", decides, "True or False")
-        if overflow is None:  # a decider sees every item it may decide on
-            overflow = "block" if decides else DEFAULT_OVERFLOW
+        if overflow is None:  # a decider sees every item it may decide on; others never wait
+            overflow = "block" if decides else "drop_oldest"
         if overflow not in OVERFLOWS:
             raise ConfigError.invalid("overflow", overflow, f"one of {OVERFLOWS}")
         if buffer is None:
@@ -925,7 +867,13 @@ class SubscriptionSet:
         if self._tasks is not None:
             # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
-        self._attach(sub, source, _AsyncFeeder(sub), self.rx_scheduler, declares=decides)
+
+        def ended(error: Exception) -> None:
+            sub.fail(error, None, ended=True)
+            sub.close_input()
+
+        feeder = Observer(sub.push, ended, sub.close_input)  # hands items to its buffer
+        self._attach(sub, source, feeder, self.rx_scheduler, declares=decides)
         return sub
 
     def _attach(
@@ -959,11 +907,9 @@ class SubscriptionSet:
             sub.suspend()
 
     def all(self) -> tuple[Subscription, ...]:
-        """Every subscription, in order (inactive ones included)."""
         return tuple(self._subs)
 
     def asyncs(self) -> list[AsyncSubscription]:
-        """The async subscriptions, in order."""
         return [s for s in self._subs if isinstance(s, AsyncSubscription)]
 
     def pending(self) -> dict[str, int]:

@@ -24,7 +24,6 @@ __all__ = [
     "ErrorPolicy",
     "FailureLedger",
     "Watchdog",
-    "Watched",
     "check_policy",
     "name_of",
 ]
@@ -53,8 +52,8 @@ class Watched(Protocol):
     received: int
     on_error: ErrorPolicy | None
     failed: int
-
-    def stalled(self, blocked_s: float, *, ended: bool) -> None: ...
+    stalls: int
+    blocked_s: float
 
     def claim_stop(self) -> bool: ...
 
@@ -62,8 +61,7 @@ class Watched(Protocol):
 class Watchdog:
     """Watches the event-loop thread from a daemon thread: the guard sets :attr:`current`
     around each call (loop thread only); the same call seen on polls ``threshold`` apart is
-    warned about once, with the loop thread's stack. Not seen: Rx operators upstream of the
-    guard, and an ``async def`` subscriber that blocks between its awaits."""
+    warned about once, with the loop thread's stack (docs/reliability.md)."""
 
     __slots__ = ("_loop_thread", "_stop", "_thread", "current", "threshold")
 
@@ -116,7 +114,7 @@ class Watchdog:
             self._ended(seen, time.monotonic() - since)
 
     def _warn(self, sub: Watched, blocked_s: float) -> None:
-        sub.stalled(blocked_s, ended=False)
+        sub.stalls += 1  # its seconds are counted once it has returned (_ended)
         frame = sys._current_frames().get(self._loop_thread)
         stack = "".join(traceback.format_stack(frame)[-_STACK_FRAMES:]) if frame else ""
         del frame
@@ -132,7 +130,7 @@ class Watchdog:
         )
 
     def _ended(self, sub: Watched, blocked_s: float) -> None:
-        sub.stalled(blocked_s, ended=True)
+        sub.blocked_s += blocked_s
         log.info("subscriber_unblocked", subscription=sub.name, blocked_s=round(blocked_s, 3))
 
 
