@@ -165,7 +165,7 @@ def _snake(name: str) -> str:
 def _lightning_methods() -> dict[str, str]:
     """Lightning's ``Callback`` methods and what a trainbus ``Callback`` defines instead, from
     the migration table (migration.toml, rendered as docs/migration.md)."""
-    table = tomllib.loads(resources.files("trainbus").joinpath("migration.toml").read_text())
+    table = tomllib.loads(resources.files("trainbus").joinpath("migration.toml").read_text("utf-8"))
     methods = {}
     for row in table["entries"]:
         if row["framework"] != "lightning" or not row["name"].startswith("on_"):

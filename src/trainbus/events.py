@@ -294,7 +294,6 @@ class EvaluationStarted(BaseEvent):
     dataset: str = "val"
     """The set's name: its key in an ``eval_data`` mapping, ``"val"`` for a single loader."""
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
@@ -330,7 +329,6 @@ class EvaluationEnded(BaseEvent):
     error: BaseException | None = None
     dataset: str = "val"
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
@@ -345,7 +343,6 @@ class EvaluationRoundEnded(BaseEvent):
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
