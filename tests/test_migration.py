@@ -1,6 +1,6 @@
-"""docs/migration.toml: every trainbus name it gives exists, and docs/migration.md is its rendering
-(with the ``TrainingArguments`` table from ``trainbus._trainer.hf_options``, which the Trainer's
-``TypeError`` for a Hugging Face option name reads too).
+"""src/trainbus/migration.toml: every trainbus name it gives exists, and docs/migration.md is its
+rendering (with the ``TrainingArguments`` table from ``trainbus._trainer.hf_options``, which the
+Trainer's ``TypeError`` for a Hugging Face option name reads too).
 
 Run ``python tests/test_migration.py`` to rewrite docs/migration.md after editing the data.
 """
@@ -19,9 +19,9 @@ from trainbus import commands, events
 from trainbus._hookpoints import HOOK_POINTS
 from trainbus._trainer.hf_options import HF_OPTIONS
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
-DATA = DOCS / "migration.toml"
-PAGE = DOCS / "migration.md"
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "src" / "trainbus" / "migration.toml"
+PAGE = ROOT / "docs" / "migration.md"
 
 
 def load() -> dict[str, Any]:
@@ -47,7 +47,8 @@ def render(data: dict[str, Any]) -> str:
     lines = [
         "# Migrating from other trainers",
         "",
-        "<!-- generated from migration.toml by `python tests/test_migration.py`; edit the data -->",
+        "<!-- generated from src/trainbus/migration.toml by `python tests/test_migration.py`; "
+        "edit the data -->",
         "",
         "Each hook of the trainer you come from, next to what replaces it in trainbus: an "
         "**event** (subscribe with `on_<event_in_snake_case>` on a `Callback`, or "

@@ -20,7 +20,7 @@ same way, for the configurations those tests use and a few more:
   follow ``Trainer._train_loop`` / ``_iter_dataloader`` and ``create_interval_scheduler``.
 
 trainbus' events (and the inline hooks of rows that name only a hook) are turned into the
-peer's hook names through docs/migration.toml, the table a porter reads. Where trainbus
+peer's hook names through src/trainbus/migration.toml, the table a porter reads. Where trainbus
 differs from the peer, the row says so in its ``differs`` list, each with a ``kind`` that the
 expectation functions below know: the comparison uses the peer's expectation with exactly the
 stated differences applied, and each stated difference must change that expectation in some
@@ -46,7 +46,7 @@ from trainbus import events as ev
 from trainbus.callbacks import Checkpointing
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
-TABLE = Path(__file__).resolve().parent.parent / "docs" / "migration.toml"
+TABLE = Path(__file__).resolve().parent.parent / "src" / "trainbus" / "migration.toml"
 
 
 def rows(framework: str) -> list[dict[str, Any]]:

@@ -1,8 +1,5 @@
-"""Attach to a running job: watch its events and steer it from another process (docs/attach.md).
-
-The job's rank 0 listens on ``attach.sock`` in its run folder; an :class:`Attachment` is the
-driver's end of the same link protocol as :func:`trainbus.launch`'s.
-"""
+"""Attach to a running job: watch its events and steer it from another process (docs/attach.md);
+an :class:`Attachment` is the driver's end of :func:`trainbus.launch`'s link protocol."""
 
 from __future__ import annotations
 
@@ -76,15 +73,8 @@ def _owned(path: Path, folder: Path, what: str) -> os.stat_result:
 
 
 def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
-    """Where to connect for the job in ``run_dir``, and its token, after every check.
-
-    Returns:
-        The socket's path (a symbolic link followed) and the token.
-
-    Raises:
-        AttachError: no such folder, no job listening there, another user's folder or socket,
-            a token file others may read, a platform without ``AF_UNIX``.
-    """
+    """The socket's path (a symbolic link followed) and the token of the job in ``run_dir``,
+    after every check (``AttachError`` naming the one that failed)."""
     folder = Path(run_dir)
     if not hasattr(socket, "AF_UNIX"):
         raise _refused(
@@ -136,9 +126,7 @@ def locate(run_dir: str | os.PathLike[str]) -> tuple[str, str]:
 
 class Attachment:
     """One attachment to the job running in ``run_dir``: this process' bus receives the job's
-    events and sends it commands, as a :func:`trainbus.launch` driver's does. The job streams
-    what this bus' subscriptions want (told again when they change) plus its cheap per-run
-    events; detaching leaves the run untouched.
+    events and sends it commands (docs/attach.md); detaching leaves the run untouched.
 
     Args:
         run_dir: The job's run folder (where ``attach.sock`` is).
@@ -185,24 +173,20 @@ class Attachment:
         return self.bus.events
 
     def stream(self, *event_types: type[ev.BaseEvent], **kw: Any) -> BusObservable[Any]:
-        """See :meth:`EventBus.stream`. Subscribed before connecting, the job streams the types
-        from the start; subscribed while connected, from when the job hears of it."""
+        """See :meth:`EventBus.stream` (and :meth:`wait_streaming`)."""
         return self.bus.stream(*event_types, **kw)
 
     def subscribe(self, observable: Any, on_next: Any, **kw: Any) -> Subscription:
-        """See :meth:`EventBus.subscribe` (inside ``with attach(...)``, from another thread:
-        made on the bus' thread)."""
+        """See :meth:`EventBus.subscribe` (made on the bus' thread)."""
         return self._on_bus_thread(partial(self.bus.subscribe, observable, on_next, **kw))
 
     def subscribe_async(
         self, observable: Any, fn: Callable[[Any], Awaitable[Any]], **kw: Any
     ) -> Any:
-        """See :meth:`EventBus.subscribe_async` (inside ``with attach(...)``, from another
-        thread: made on the bus' thread)."""
+        """See :meth:`EventBus.subscribe_async` (made on the bus' thread)."""
         return self._on_bus_thread(partial(self.bus.subscribe_async, observable, fn, **kw))
 
     def _on_bus_thread(self, fn: Callable[[], T]) -> T:
-        # Under `with attach(...)` the bus runs in the portal's thread, where its routes change.
         if self._portal is not None and threading.get_ident() != self._loop_thread:
             return self._portal.call(fn)
         return fn()
@@ -212,16 +196,7 @@ class Attachment:
         self.bus.send(command)
 
     async def request(self, command: cmd.Command) -> ev.BaseEvent:
-        """Send a command and wait until the job applied it.
-
-        Returns:
-            The event it produced (``CheckpointSaved``, ``EvaluationEnded``), else its
-            ``CommandApplied``; either carries the step at which it took effect.
-
-        Raises:
-            CommandError: the job could not apply it.
-            BusClosedError: the job ended (or this attachment closed) before applying it.
-        """
+        """Send a command and wait until the job applied it (see :meth:`EventBus.request`)."""
         return await self.bus.request(command)
 
     def request_sync(self, command: cmd.Command) -> ev.BaseEvent:
@@ -237,8 +212,7 @@ class Attachment:
     @property
     def job(self) -> dict[str, Any]:
         """What the job said when it welcomed this attachment: ``pid``, ``rank``, ``folder``,
-        ``events`` (the names of the types it streams here; updated when the job confirms a
-        change of this side's wants)."""
+        ``events`` (the types it streams here)."""
         return dict(self._welcome)
 
     @property
@@ -277,9 +251,8 @@ class Attachment:
         return self._sync().call(self.wait, timeout)
 
     async def wait_streaming(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
-        """Wait until the job streams every event type this side wants now: after a
-        subscription made while connected, until the job confirmed it (milliseconds), so
-        that every event of those types it publishes from then on arrives here.
+        """Wait until the job streams every event type this side wants now (it confirms a
+        subscription made while connected within milliseconds).
 
         Returns:
             True when it does, False when ``timeout`` seconds passed first (or the link
@@ -371,8 +344,7 @@ class Attachment:
         return _refused(self.run_dir, why)
 
     async def _tell_wants(self, send: Callable[[bytes], Awaitable[None]]) -> None:
-        """While connected: when this bus' subscriptions changed (its doorbell rang), send the
-        job the types wanted now, if they differ from what it was last asked for."""
+        """While connected: send the job the types wanted now when they changed."""
         doorbell = self.bus.port().doorbell
         rings = -1  # compare once at the start: a subscription made while connecting counts
         while True:
@@ -449,17 +421,11 @@ class Attachment:
 
 
 def attach(run_dir: str | os.PathLike[str], **kw: Any) -> Attachment:
-    """An :class:`Attachment` to the job running in ``run_dir`` (connects on entering its
-    ``with`` / ``async with`` block).
+    """An :class:`Attachment` to the job running in ``run_dir`` (its ``checkpoint_dir`` or
+    ``attach=`` folder), connecting on entering its ``with`` / ``async with`` block.
 
     Args:
-        run_dir: The job's run folder (its ``checkpoint_dir``, or its ``attach=`` folder).
-        kw: See :class:`Attachment`.
-
-    Returns:
-        The attachment, not yet connected.
-
-    Raises:
-        ConfigError: a bad argument.
+        run_dir: The job's run folder.
+        kw: See :class:`Attachment` (``ConfigError`` for a bad one).
     """
     return Attachment(run_dir, **kw)

@@ -1,10 +1,5 @@
-"""Making what was written survive a power cut: fsync of files and of the folders holding them.
-
-A file's data is durable once the file is fsynced; its name (a create or an ``os.replace``)
-once its folder is. Every checkpoint writer uses these: the store's single files, a sharded
-run's folders, the copy of a best checkpoint. POSIX only for folders: Windows cannot open a
-folder for fsync, and NTFS journals renames.
-"""
+"""fsync of files and of the folders holding them (a name is durable once its folder is);
+folders on POSIX only: NTFS journals renames."""
 
 from __future__ import annotations
 

@@ -1,26 +1,6 @@
-"""Exceptions raised by trainbus.
-
-The hierarchy::
-
-    TrainbusError                       base of everything trainbus raises
-    ├── ConfigError (+ ValueError)      bad configuration or argument, raised at the call
-    ├── BusClosedError (+ RuntimeError) the bus is not running (publish/request after close)
-    ├── LostWorkError (+ RuntimeError)  async work was dropped, cancelled or failed and the
-    │                                   bus was made with ``on_lost="raise"``
-    ├── MissingExtraError (+ ImportError) an optional integration's package is not installed
-    ├── EvaluationJobError (+ RuntimeError) an EvaluateCheckpoints job failed (in the event)
-    ├── DistributedError (+ RuntimeError) the process group could not start, or ranks disagree
-    ├── LaunchError (+ RuntimeError)    a launched worker died, or the launch could not start
-    ├── RecordedError                   an exception of a recorded or remote run (its repr)
-    ├── CheckpointError                 a checkpoint file is truncated, corrupt, foreign or does
-    │   │                               not fit the model / optimizer / world size resuming it
-    │   └── CheckpointWriteError (+ OSError) the disk refused a checkpoint (full, read-only):
-    │                                   names the file and the OS error
-    └── TrainingError (+ RuntimeError)  a problem found while training, naming step and batch
-        └── NonFiniteLossError          the loss became NaN/inf and the policy is "raise"
-
-Every subclass that a user would naturally catch as a builtin also inherits that builtin, so
-``except ValueError`` keeps working around a ``Trainer(...)`` call (the httpx/anyio habit).
+"""Exceptions raised by trainbus: each derives from :class:`TrainbusError`, and one a user would
+naturally catch as a builtin also inherits that builtin (``except ValueError`` keeps working
+around a ``Trainer(...)`` call, the httpx/anyio habit).
 """
 
 from __future__ import annotations

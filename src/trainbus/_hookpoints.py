@@ -1,5 +1,5 @@
-"""The inline hook points and the :class:`StepContext` a hook sees (a leaf module: the loop and
-the callbacks both import it). What each point may change: docs/trainer.md, "Callbacks"."""
+"""The inline hook points and the :class:`StepContext` a hook sees. What each point may change:
+docs/trainer.md, "Callbacks"."""
 
 from __future__ import annotations
 
@@ -39,25 +39,18 @@ class StepContext:
         epoch: Current epoch.
         batch_index: Index of the current batch in the epoch.
         micro_batch: Position among the step's micro-batches (gradient accumulation).
-        batch: The batch (on the device); a ``"batch"`` hook may replace it. At
-            ``"before_optimizer_step"`` and ``"after_optimizer_step"``: the step's last
-            micro-batch.
-        outputs: Model outputs (from the ``"after_forward"`` point on); an ``"after_forward"``
-            hook may replace them (the loss is computed from the replacement).
-        loss: The loss tensor (from ``"loss"`` on); a ``"loss"`` hook may replace it.
+        batch: The (micro-)batch, on the device; a ``"batch"`` hook may replace it.
+        outputs: Model outputs (from ``"after_forward"`` on, which may replace them).
+        loss: The loss tensor (from ``"loss"`` on, which may replace it).
         model: The model being trained.
         optimizer: Its optimizer.
         skip: Set it (or call :meth:`skip_batch`) to skip the rest of this batch; at
             ``"before_optimizer_step"`` it skips the optimizer step and drops the gradients.
         phase: ``"train"``, ``"eval"`` or ``"predict"``.
         dataset: The evaluation set's name at ``"eval_batch"`` in evaluation, else None.
-        trigger: Why the evaluation round runs (``"epoch"``, ``"steps"``, ``"command"``,
-            ``"standalone"``) at ``"before_evaluation"``, ``"eval_batch"`` and
-            ``"after_evaluation"`` in evaluation; None elsewhere.
-        error: At ``"after_evaluation"``: the exception the round is ending with (the model's,
-            a hook's, a cancellation), None when it completed. None elsewhere.
-        metrics_sink: Where :meth:`log` puts a value (set by the training loop; None in
-            evaluation and prediction).
+        trigger: Why the evaluation round runs (``EvalTrigger``), in evaluation; else None.
+        error: At ``"after_evaluation"``: the exception the round is ending with, else None.
+        metrics_sink: Where :meth:`log` puts a value (None in evaluation and prediction).
     """
 
     step: int

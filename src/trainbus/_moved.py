@@ -3,14 +3,17 @@ replaces Lightning's callback method names (:func:`lightning_method_hint`)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
+import re
 import sys
+import tomllib
 from collections.abc import Sequence
+from importlib import resources
 from types import ModuleType
 
 __all__ = [
-    "LIGHTNING_METHODS",
     "lightning_method_hint",
     "moved_name",
     "renamed",
@@ -154,48 +157,32 @@ def report_moved_modules() -> None:
         sys.meta_path.append(_MovedModules())
 
 
-_EVAL_ROUND = "on_evaluation_round_{}ed (hook_{} to swap weights {})"
-# fmt: off
-LIGHTNING_METHODS: dict[str, str] = {
-    "on_fit_start": "on_fit_started", "on_train_start": "on_fit_started",
-    "on_fit_end": "on_fit_ended", "on_train_end": "on_fit_ended",
-    "on_exception": "on_fit_ended (FitEnded.error)",
-    "on_sanity_check_start": "no sanity check: trainer.evaluate_sync() before fit_sync()",
-    "on_sanity_check_end": "no sanity check: trainer.evaluate_sync() before fit_sync()",
-    "on_train_epoch_start": "on_epoch_started", "on_train_epoch_end": "on_epoch_ended",
-    "on_train_batch_start": "hook_batch (inline, before the forward)",
-    "on_train_batch_end": "on_step_ended (after each optimizer step)",
-    "on_validation_start": _EVAL_ROUND.format("start", "before_evaluation", "in"),
-    "on_test_start": _EVAL_ROUND.format("start", "before_evaluation", "in"),
-    "on_validation_end": _EVAL_ROUND.format("end", "after_evaluation", "back"),
-    "on_test_end": _EVAL_ROUND.format("end", "after_evaluation", "back"),
-    "on_validation_epoch_start": "on_evaluation_started (one per evaluation set)",
-    "on_test_epoch_start": "on_evaluation_started (one per evaluation set)",
-    "on_validation_epoch_end": "on_evaluation_ended (its metrics)",
-    "on_test_epoch_end": "on_evaluation_ended (its metrics)",
-    "on_validation_batch_start": "on_eval_batch_started, or hook_eval_batch (inline)",
-    "on_test_batch_start": "on_eval_batch_started, or hook_eval_batch (inline)",
-    "on_validation_batch_end": "on_eval_batch_ended", "on_test_batch_end": "on_eval_batch_ended",
-    "on_predict_start": "on_prediction_started", "on_predict_epoch_start": "on_prediction_started",
-    "on_predict_end": "on_prediction_ended", "on_predict_epoch_end": "on_prediction_ended",
-    "on_predict_batch_start": "hook_eval_batch (inline; ctx.phase == 'predict')",
-    "on_predict_batch_end": "on_prediction_batch_ended",
-    "on_save_checkpoint": "on_checkpoint_saving; a callback's own state: override state_dict()",
-    "on_load_checkpoint": "on_checkpoint_loaded; a callback's own state: load_state_dict()",
-    "on_before_backward": "hook_loss (inline: may scale or replace the loss)",
-    "on_after_backward": "hook_after_backward (inline)",
-    "on_before_optimizer_step": "hook_before_optimizer_step (inline)",
-    "on_before_zero_grad": "on_span_traced (span 'zero_grad', with Trainer(trace=True)); "
-    "inline: hook_after_optimizer_step",
-}
-# fmt: on
-"""Lightning's ``Callback`` methods and the trainbus method (``on_<event>`` subscriber or
-``hook_<point>``) a trainbus ``Callback`` defines instead (docs/migration.md's table)."""
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@functools.cache
+def _lightning_methods() -> dict[str, str]:
+    """Lightning's ``Callback`` methods and what a trainbus ``Callback`` defines instead, from
+    the migration table (migration.toml, rendered as docs/migration.md)."""
+    table = tomllib.loads(resources.files("trainbus").joinpath("migration.toml").read_text("utf-8"))
+    methods = {}
+    for row in table["entries"]:
+        if row["framework"] != "lightning" or not row["name"].startswith("on_"):
+            continue
+        events = row.get("event", [])
+        uses = [f"on_{_snake(e)}" for e in ([events] if isinstance(events, str) else events)]
+        if "match" in row:
+            uses[-1] += " where " + ", ".join(f"{k}={v!r}" for k, v in row["match"].items())
+        use = " or ".join(uses + ([f"hook_{row['hook']}"] if "hook" in row else []))
+        note = row.get("note", "").replace("`", "")
+        methods[row["name"]] = f"{use} ({note})" if use and note else use or note
+    return methods
 
 
 def lightning_method_hint(name: str) -> str | None:
     """What a trainbus ``Callback`` defines instead of Lightning's method ``name``, or None."""
-    use = LIGHTNING_METHODS.get(name)
+    use = _lightning_methods().get(name)
     if use is None:
         return None
     return f"that is Lightning's Callback.{name}; in trainbus: {use}"

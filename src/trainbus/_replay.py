@@ -69,11 +69,7 @@ class EventFilter:
 
 def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
     """The events of a ``JsonlEventLog`` file (or of what :func:`resolve_run` finds for a run
-    folder), rebuilt as their event classes.
-
-    Raises:
-        ConfigError: no such file, a line that is not a record of an event (naming the line).
-    """
+    folder); ``ConfigError`` for no such file or a line that is not an event's record."""
     file = resolve_run(path)
     if not file.is_file():
         raise ConfigError.invalid(

@@ -1,9 +1,5 @@
-"""Folders of runs: ``runs/demo/<timestamp>`` with a ``latest`` pointer to the newest.
-
-``trainbus demo`` creates them (:func:`new_run_dir`); ``trainbus replay``/``plot`` and
-:func:`trainbus._replay` read a path through :func:`resolve_run`, so ``runs/demo`` means its
-newest run.
-"""
+"""Folders of runs: ``runs/demo/<timestamp>`` with a ``latest`` pointer to the newest, which
+:func:`resolve_run` follows (``runs/demo`` means its newest run)."""
 
 from __future__ import annotations
 

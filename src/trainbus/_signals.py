@@ -14,12 +14,8 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def not_ignored(signums: tuple[signal.Signals, ...] = STOP_SIGNALS) -> tuple[signal.Signals, ...]:
-    """The signals of ``signums`` the process does not ignore now.
-
-    A signal ignored when a call starts stays ignored for the call, as Python leaves an
-    ignored SIGINT alone at start-up: a script's background job (``python train.py &``)
-    ignores SIGINT so that a Ctrl-C meant for the script's foreground does not reach it.
-    """
+    """The signals of ``signums`` the process does not ignore now (one ignored stays so, as
+    for a background job's SIGINT)."""
     return tuple(s for s in signums if signal.getsignal(s) is not signal.SIG_IGN)
 
 
@@ -28,11 +24,8 @@ OnSignal = Literal["raise", "return"]
 
 
 def check_on_signal(value: object) -> OnSignal | None:
-    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler.
-
-    Raises:
-        ConfigError: ``value`` is neither ``"raise"``, ``"return"`` nor None.
-    """
+    """``on_signal=``: an :data:`OnSignal`, or None for no signal handler (else
+    ``ConfigError``)."""
     if value is None or value in ("raise", "return"):
         return value
     raise ConfigError.invalid(

@@ -1,8 +1,5 @@
-"""Eager argument checks shared by the trainer, the operators and the built-in callbacks.
-
-Each check raises :class:`~trainbus.ConfigError` naming the argument, the value received and what
-is allowed, at construction time: a typo fails where it was written, not inside the event loop.
-"""
+"""Eager argument checks: each raises :class:`~trainbus.ConfigError` naming the argument, the
+value received and what is allowed, where the typo was written."""
 
 from __future__ import annotations
 

@@ -96,13 +96,8 @@ def _build(rec: Mapping[str, Any]) -> Message:
 
 
 def decode(rec: Mapping[str, Any]) -> Message:
-    """Rebuild the event or command of a record from :func:`encode` (``v`` optional: records
-    before versioning are version 1).
-
-    Raises:
-        ConfigError: not a mapping, an unknown version or type, a missing field, or a
-            command value its class refuses.
-    """
+    """Rebuild the event or command of a record from :func:`encode` (no ``v``: version 1);
+    ``ConfigError`` for anything else."""
     if not isinstance(rec, Mapping):
         raise ConfigError.invalid("record", rec, "a JSON object")
     version = rec.get("v", 1)
@@ -119,11 +114,7 @@ def dumps(message: Message) -> bytes:
 
 
 def loads(line: bytes | str) -> Message:
-    """The event or command of one JSON line.
-
-    Raises:
-        ConfigError: not JSON, or see :func:`decode`.
-    """
+    """The event or command of one JSON line (``ConfigError``: not JSON, or see :func:`decode`)."""
     try:
         rec = json.loads(line)
     except ValueError as exc:

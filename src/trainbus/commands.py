@@ -1,13 +1,6 @@
-"""The command vocabulary: what subscribers tell the loop.
-
-Frozen dataclasses sent on the back-channel (``bus.send``, ``bus.commands``), applied in order
-at the loop's poll points and acknowledged with ``events.CommandApplied`` (docs/events.md,
-"Commands"); ``Command`` is their union. Values are checked when a command is built: a bad
-learning rate is a ``ConfigError`` in the subscriber that made it.
-
-Every command carries ``decided_at``: the step of the event being handled when it was sent
-(stamped by ``bus.send``), None when sent from outside a subscriber (applied as soon as
-possible). It takes no part in equality (docs/events.md, "When a command takes effect").
+"""The command vocabulary: what subscribers tell the loop (``bus.send``), acknowledged with
+``events.CommandApplied``; values are checked when a command is built. Each carries
+``decided_at``, stamped by ``bus.send`` (docs/events.md, "When a command takes effect").
 """
 
 from __future__ import annotations

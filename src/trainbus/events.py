@@ -1,9 +1,6 @@
-"""The event vocabulary: what the training loop tells the world.
-
-Frozen, slotted, keyword-only dataclasses, one class per fact, named in the past tense;
-:data:`Event` is their union, for an exhaustive ``match`` with ``assert_never``. When each
-comes, in which order, and the rules every event follows (the common fields, spans paired even
-on failure, device values read on the subscriber's thread): docs/events.md.
+"""The event vocabulary: what the training loop tells the world, one frozen dataclass per fact;
+:data:`Event` is their union. When each comes, in which order, and the rules every event
+follows: docs/events.md.
 """
 
 from __future__ import annotations
@@ -75,12 +72,9 @@ ResumeSource: TypeAlias = Literal["path", "checkpoint_dir", "ray"]
 
 
 class Ending(StrEnum):
-    """How a run ended, as one typed value: ``FitEnded.reason`` with a stop's cause told apart.
-
-    ``PRUNED`` and ``SIGNAL`` are stops (``reason == "stopped"``) whose ``StopTraining.reason``
-    was ``"pruned"`` (a pruner's, e.g. :mod:`trainbus.integrations.optuna`) or ``"signal"``
-    (SIGINT/SIGTERM); any other stop is ``STOPPED``. A ``StrEnum``: members equal their
-    strings (``Ending.PRUNED == "pruned"``), so logs and JSON keep plain words.
+    """How a run ended: ``FitEnded.reason`` with a stop's cause told apart (``PRUNED``,
+    ``SIGNAL``: a ``StopTraining.reason`` of ``"pruned"`` or ``"signal"``; any other stop is
+    ``STOPPED``). Members equal their strings (``Ending.PRUNED == "pruned"``).
     """
 
     COMPLETED = "completed"
@@ -107,10 +101,7 @@ class Ending(StrEnum):
 
 
 EvalTrigger: TypeAlias = Literal["epoch", "steps", "end", "command", "standalone"]
-"""Why an evaluation runs: at an epoch end, every ``EvalSchedule.every_steps`` steps, at the end
-of a completed run whose last step was not evaluated (``EvalSchedule.at_end``), an ``Evaluate``
-command, or a standalone ``trainer.evaluate()`` outside ``fit()``. A step is evaluated once
-however many ask for it (docs/events.md, "One evaluation per step")."""
+"""Why an evaluation runs (docs/events.md, "One evaluation per step")."""
 _EMPTY: Mapping[str, float] = MappingProxyType({})
 
 
@@ -129,11 +120,8 @@ def as_float(value: None) -> None: ...
 @overload
 def as_float(value: Scalar) -> float: ...
 def as_float(value: Scalar | None) -> float | None:
-    """Read a scalar payload (a 0-dim tensor or a float) as a Python float.
-
-    Reading a CUDA tensor waits for the device on *the calling thread*; call it in subscribers,
-    never in a hook on the training thread unless you mean to.
-    """
+    """Read a scalar payload (a 0-dim tensor or a float) as a Python float: a CUDA tensor
+    waits for the device on the calling thread (docs/events.md)."""
     if value is None:
         return None
     return float(value)
@@ -154,9 +142,8 @@ class BaseEvent:
 # --------------------------------------------------------------------------- run
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TrainerBuilt(BaseEvent):
-    """The :class:`~trainbus.Trainer` was built: its settings are valid and the callbacks given
-    to it are added. Published once, at the end of ``Trainer.__init__``; delivered when the
-    bus first runs (``fit``, ``evaluate`` or ``predict``)."""
+    """The :class:`~trainbus.Trainer` was built (published at the end of ``__init__``, delivered
+    when the bus first runs)."""
 
     device: str
     callbacks: tuple[str, ...] = ()
@@ -175,13 +162,10 @@ class FitStarted(BaseEvent):
     max_epochs: int | None
     device: str
     resumed_from: str | None = None
-    """The checkpoint file the run loaded (``fit(resume=...)``): the file itself, also for
-    ``resume="latest"``; None for a fresh start, ``"latest"`` finding nothing included."""
+    """The checkpoint file the run loaded (``fit(resume=...)``); None for a fresh start."""
     resume_source: ResumeSource | None = None
-    """Where ``resumed_from`` was found: ``"path"`` (``fit(resume=<path>)``), ``"ray"``
-    (``resume="latest"`` in a Ray Train worker that Ray handed a checkpoint,
-    ``ray.train.get_checkpoint()``), ``"checkpoint_dir"`` (``resume="latest"``: the newest
-    valid file there); None for a fresh start."""
+    """Where ``resumed_from`` was found: ``"path"`` (``fit(resume=<path>)``), ``"ray"`` (Ray's
+    checkpoint) or ``"checkpoint_dir"`` (its newest valid file); None for a fresh start."""
     steps_per_epoch: int | None = None
     """Optimizer steps in one full epoch (the training data's length with gradient accumulation
     applied), None when the data has no length."""
@@ -236,26 +220,20 @@ TRACED_SPANS: tuple[TracedSpan, ...] = get_args(TracedSpan)
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpanTraced(BaseEvent):
-    """One part of a step timed, published when it ended, also when it raised (opt-in:
-    ``Trainer(trace=...)``; docs/events.md, "Tracing"). ``step`` and ``epoch`` are those when
-    the part began; ``"forward"`` is also traced in evaluation and prediction (``phase``).
-    """
+    """One part of a step timed, published when it ended or raised (opt-in:
+    ``Trainer(trace=...)``; docs/events.md, "Tracing")."""
 
     span: TracedSpan
-    """Which part: ``"data_wait"`` (the data iterable's ``next``), ``"forward"`` (the model and
-    the loss), ``"backward"``, ``"optimizer_step"`` (the update after clipping),
-    ``"zero_grad"``, ``"scheduler_step"``."""
+    """Which part (:data:`TracedSpan`)."""
     started: float
     """:func:`time.monotonic` when the part began."""
     ended: float
     """:func:`time.monotonic` when it ended (or raised)."""
     phase: Phase = "train"
     batch_index: int | None = None
-    """The batch's index in the epoch (or the evaluation); None for the optimizer step,
-    ``zero_grad`` and the scheduler step."""
+    """The batch's index in the epoch (or the evaluation); None for the per-step parts."""
     micro_batch: int | None = None
-    """Position among the step's micro-batches (training's ``"data_wait"``, ``"forward"`` and
-    ``"backward"``); else None."""
+    """Position among the step's micro-batches (training's per-batch parts); else None."""
     dataset: str | None = None
     """The evaluation set's name (``phase="eval"``); else None."""
     error: BaseException | None = None
@@ -316,7 +294,6 @@ class EvaluationStarted(BaseEvent):
     dataset: str = "val"
     """The set's name: its key in an ``eval_data`` mapping, ``"val"`` for a single loader."""
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "triggers", _triggers(self.trigger, self.triggers))
@@ -352,7 +329,6 @@ class EvaluationEnded(BaseEvent):
     error: BaseException | None = None
     dataset: str = "val"
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
@@ -367,7 +343,6 @@ class EvaluationRoundEnded(BaseEvent):
     trigger: EvalTrigger = "epoch"
     error: BaseException | None = None
     triggers: tuple[EvalTrigger, ...] = ()
-    """Every cadence this evaluation stands for, ``trigger`` first; default ``(trigger,)``."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "metrics", _frozen_mapping(self.metrics))
@@ -465,24 +440,19 @@ class CommandApplied(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class WorkersRestarted(BaseEvent):
-    """A driver's workers were started again within one launch (``trainbus.ray``, after a
-    failure); on the driver's bus only, before the new ``FitStarted`` (docs/events.md)."""
+    """A driver's workers were started again after a failure (``trainbus.ray``; docs/events.md)."""
 
     attempt: int
     """The attempt starting now: 2 after the first restart, 3 after the second..."""
     reason: str | None = None
-    """Why the previous attempt ended, as far as the driver saw it: its ``FitEnded.error``
-    when that arrived, else a sentence saying its rank 0 vanished without one (a worker
-    died); None when nothing is known."""
+    """Why the previous attempt ended (its ``FitEnded.error``, or that rank 0 vanished); None
+    when nothing is known."""
 
 
 # --------------------------------------------------------------------------- monitor callbacks
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GradientNormMeasured(BaseEvent):
-    """``GradientNormMonitor`` measured the total gradient norm, before the optimizer step.
-
-    ``step`` is the steps completed before this update.
-    """
+    """``GradientNormMonitor`` measured the total gradient norm, before the optimizer step."""
 
     grad_norm: Scalar
     """Total norm of all gradients, before clipping (detached tensor on the device)."""
@@ -491,11 +461,8 @@ class GradientNormMeasured(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class OptimizerStatsMeasured(BaseEvent):
-    """``OptimizerMonitor`` read the optimizer's hyper-parameters after an update.
-
-    Each ``*_by_group`` mapping holds one entry per parameter group, keyed ``"group<i>"``; a
-    group without the hyper-parameter (SGD has no ``betas``) has no entry.
-    """
+    """``OptimizerMonitor`` read the optimizer's hyper-parameters after an update: one entry per
+    parameter group that has it, keyed ``"group<i>"``."""
 
     lr_by_group: Mapping[str, float]
     momentum_by_group: Mapping[str, float] = field(default_factory=lambda: _EMPTY)
@@ -541,8 +508,7 @@ class RuntimeEstimated(BaseEvent):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ExternalEvaluationEnded(BaseEvent):
-    """An evaluation job that :class:`trainbus.callbacks.EvaluateCheckpoints` launched on a
-    saved checkpoint ended (never a barrier); ``step`` and ``epoch`` are the checkpoint's
+    """An :class:`trainbus.callbacks.EvaluateCheckpoints` job on a saved checkpoint ended
     (docs/callbacks/evaluate.md)."""
 
     checkpoint: str
@@ -625,8 +591,7 @@ REMOVED: Mapping[str, str] = MappingProxyType(
 
 
 def __getattr__(name: str) -> object:
-    """A removed per-step event's name is an ``ImportError`` naming what replaces it (``from
-    trainbus.events import X`` shows it); any other unknown name an ``AttributeError``."""
+    """A removed per-step event's name is an ``ImportError`` naming what replaces it."""
     if name in REMOVED:
         raise ImportError(
             f"trainbus.events.{name} was removed: the per-step phases are one opt-in trace "

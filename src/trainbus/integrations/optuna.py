@@ -49,15 +49,10 @@ class OptunaPruning(Callback):
     Raises:
         MissingExtraError: optuna is not installed (names ``pip install 'trainbus[optuna]'``).
         ConfigError: ``trial`` is not an Optuna trial (nor None on a rank other than 0), or
-            ``monitor`` is not a non-empty str.
-
-    During the run (the run fails with it, ``on_error="raise"``):
-        ConfigError: ``monitor`` was in neither the first evaluation round nor the first
-            ``MetricsLogged`` (or, in a run without one of them, nowhere in the run), naming
-            the metrics that exist.
-        PrunerError: the pruner or ``trial.report`` raised.
-    After a pruned run, ``fit()``/``fit_sync()`` raise ``optuna.TrialPruned`` (from
-    :meth:`after_fit`, once the run ended and every event was delivered).
+            ``monitor`` is not a non-empty str. During the run (which fails with it): a
+            ``monitor`` no evaluation or log window carries.
+        PrunerError: during the run, the pruner or ``trial.report`` raised.
+        optuna.TrialPruned: from ``fit()`` after a pruned run (:meth:`after_fit`).
     """
 
     subscribe_options: ClassVar[SubscribeOptions] = SubscribeOptions(on_error="raise")
@@ -95,8 +90,8 @@ class OptunaPruning(Callback):
         self._bus = weakref.ref(bus)
 
     def check(self, plan: RunPlan) -> None:
-        """Start a run: declare the log steps as decision steps when ``monitor`` may come in
-        ``MetricsLogged`` (not one of this run's evaluation metrics)."""
+        """Declare the log steps as decision steps when ``monitor`` may come in
+        ``MetricsLogged``."""
         self._known, self._found, self._checked, self.pruned_at = set(), False, False, None
         self._evaluated = self._logged = False
         self._train_names = plan.train_metrics
@@ -127,12 +122,8 @@ class OptunaPruning(Callback):
             self._report(event.metrics[self.monitor], event.step)
 
     def on_evaluation_round_ended(self, event: ev.EvaluationRoundEnded) -> None:
-        """At the first round, once a log window closed too, fail the run when ``monitor``
-        appeared in neither.
-
-        Raises:
-            ConfigError: naming ``monitor`` and the metrics that exist.
-        """
+        """At the first round (once a log window closed too): ``ConfigError`` when ``monitor``
+        appeared in neither."""
         if self._checked or event.error is not None or event.trigger == "standalone":
             return
         self._evaluated = True

@@ -42,10 +42,8 @@ def of_type(*types: type) -> Callable[[Observable[Any]], Observable[Any]]:
 
 
 class DecisionOperator(Generic[_T]):
-    """An operator that declares decision steps: ``pipe()`` on a bus stream reads its
-    ``decision_steps``, and subscribing declares them to the bus' step clock, so the loop
-    applies the pipeline's commands at exactly those steps (docs/events.md, "When a command
-    takes effect").
+    """An operator that declares decision steps: subscribed on a bus stream, the loop applies the
+    pipeline's commands at exactly those steps (docs/events.md, "When a command takes effect").
 
     Args:
         operator: The operator itself.

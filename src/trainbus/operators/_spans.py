@@ -37,10 +37,8 @@ def span_durations(
     """Pair each ``XStarted`` event with its ``XEnded`` event and emit their :class:`Span`.
 
     ``start=None`` times every span of :data:`trainbus.events.SPANS`; ``start=X`` only that kind,
-    ``end`` defaulting to its partner (give ``end`` to time from any event to any other). The
-    loop guarantees each pair even on failure. Nested spans of one kind pair innermost first; an
-    end without a start is dropped. Durations come from the events' ``time`` stamps. (The parts
-    of a step are timed by ``Trainer(trace=...)``'s ``SpanTraced`` instead.)
+    ``end`` defaulting to its partner (or any event class). Nested spans of one kind pair
+    innermost first; an end without a start is dropped.
 
     ::
 
