@@ -1,18 +1,6 @@
-"""Rank 0's attach listener: other processes of the same user attach to a running job.
-
-The link protocol of :mod:`~trainbus._distributed.link` with the roles reversed: rank 0 listens
-on a Unix domain socket in the run folder and any number of attachments connect in::
-
-    attachment (trainbus.attach)                        rank 0 (AttachServer)
-    hello {token, pid, events: wanted}  ────────────►   token checked (hmac), peer uid checked
-                                        ◄────────────   welcome {events, pid, rank, folder} | closed
-                                        ◄────────────   events (trainbus._wire records), status
-    commands (trainbus._wire records)    ────────────►   logged with their source, bus.send
-                                        ◄────────────   bye {sent} at the end of the run
-
-Each attachment is one accepted :class:`~trainbus._distributed.link.WorkerLink`, subscribed
-only while connected. The files and the rules are docs/attach.md's.
-"""
+"""Rank 0's attach listener: the link protocol with the roles reversed, on a Unix socket in the
+run folder; each attachment of the same user is one accepted
+:class:`~trainbus._distributed.link.WorkerLink`. The files and rules are docs/attach.md's."""
 
 from __future__ import annotations
 

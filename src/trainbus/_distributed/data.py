@@ -1,9 +1,5 @@
 """The model and the data under ``torchrun``: DDP wrapping, the checks of a sharded (FSDP2)
-model, and per-rank shards (the rules are docs/distributed.md's, "What runs where" and FSDP2).
-
-A ``fully_shard`` model reduces its own gradients and is never wrapped in DDP (which cannot
-flatten its DTensor parameters); its mesh spans every rank, as the run's collectives do.
-"""
+model, and per-rank shards (docs/distributed.md, "What runs where" and FSDP2)."""
 
 from __future__ import annotations
 

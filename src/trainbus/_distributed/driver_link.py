@@ -1,7 +1,5 @@
-"""The driver's end of the link (:mod:`trainbus._distributed.link`), whatever carries it: a
-transport hands :class:`DriverLink` the hello line and the event lines that arrive, and sends
-what :meth:`DriverLink.forward` gives it.
-"""
+"""The driver's end of the link, whatever carries it: a transport hands :class:`DriverLink`
+the lines that arrive, and sends what :meth:`DriverLink.forward` gives it."""
 
 from __future__ import annotations
 

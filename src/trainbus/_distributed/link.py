@@ -1,17 +1,6 @@
-"""The link between rank 0 and a driver (``trainbus launch``, :mod:`trainbus.ray`), whatever
-transport carries it::
-
-    worker (rank 0)                                     driver
-    hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
-                                    ◄───────────────    welcome {events: wanted types} | refused
-    events (trainbus._wire records)  ───────────────►    published on the driver's bus
-                                    ◄───────────────    commands (trainbus._wire records)
-    bye {sent}                      ───────────────►    the link ended
-
-JSON lines only, never pickles. :class:`WorkerLink` is the worker's end; its sender thread
-encodes events (a tensor read waits for the device: never on the training thread or the event
-loop). The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
-"""
+"""The worker's end of the link to a driver (docs/distributed.md, "One link, several
+transports"): hello with the token, the driver's welcome naming the wanted events, then event
+lines out and command lines in until bye; JSON lines only, never pickles."""
 
 from __future__ import annotations
 
@@ -33,8 +22,7 @@ from .._log import get_logger
 from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
-from .protocol import control_record as control_record
-from .protocol import control_types, hello_record
+from .protocol import control_record, control_types, hello_record
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -43,7 +31,6 @@ __all__ = [
     "BusLike",
     "WorkerLink",
     "WorkerTransport",
-    "control_record",
     "register_transport",
     "transport_for",
 ]

@@ -1,9 +1,5 @@
-"""The ranks' collectives under torchrun: :class:`RankSync` agrees on commands (the rules of
-docs/distributed.md, "Rank-agreed commands"), reduces the log window's and an evaluation's
-metrics, and writes a checkpoint on rank 0 only. Commands cross ranks as
-:mod:`~trainbus._wire` records (JSON, never pickles); a rank's own commands come back as the
-objects it sent (``bus.request(c)`` resolves by identity).
-"""
+"""The ranks' collectives: agreed commands (docs/distributed.md, "Rank-agreed commands") as
+JSON wire records, reduced metrics, a checkpoint written on rank 0 only."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The data order: what it takes to replay an epoch's batches after a resume.
-
-A shuffling ``DataLoader`` draws its permutation from one random generator when the epoch's
-iterator is first advanced: that generator's state captured *before* ``iter(loader)`` draws the
-same permutation again, and the batches already consumed are loaded and dropped. Each loader is
-classified by the source of its order; docs/reliability.md tables which kinds resume exactly.
-"""
+"""The data order: the generator state captured before ``iter(loader)`` that draws an epoch's
+permutation again after a resume (docs/reliability.md tables which kinds resume exactly)."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""The Ray transport of the link (:mod:`trainbus._distributed.link`): a mailbox actor between
-rank 0 and the driver.
-
-::
-
-    rank 0 (a Ray Train worker)            _Mailbox (an async actor,        driver
-                                            num_cpus=0, named)
-    hello(id, line) ──── waits ──────────►  hellos ────── take() ────────►  DriverLink.greet
-                    ◄─── welcome | b"" ───  answer(id, reply) ◄─────────────
-    push(id, seq, lines)  (non-waiting) ──►  chunks ───── take() ────────►  DriverLink.receive
-    commands(id, wait)  (long poll) ◄─────  commands ◄── put_commands() ──  DriverLink.forward
-
-The worker pushes fire-and-forget, one call per batch (a Ray call costs about a tiny training
-step), numbered so the driver reads them in order; the driver long-polls :meth:`_Mailbox.take`
-(each call takes CPU from the workers). Only the accepted link's pushes are kept; what crosses
-is :mod:`trainbus._wire` JSON lines, never a pickle.
-"""
+"""The Ray transport of the link: a named mailbox actor between rank 0 and the driver. The
+worker pushes numbered batches fire-and-forget and long-polls for commands; the driver
+long-polls :meth:`_Mailbox.take`. Only the accepted link's pushes are kept."""
 
 from __future__ import annotations
 
