@@ -50,9 +50,8 @@ class BusLike(Protocol):
 
 
 class WorkerTransport(Protocol):
-    """What carries the worker's end of the link (blocking calls, from the link's threads):
-    ``where`` names the driver for messages; the sender waits ``linger`` seconds after an event
-    for more to join its batch."""
+    """What carries the worker's end of the link (blocking calls, from the link's threads); the
+    sender waits ``linger`` seconds after an event for more to join its batch."""
 
     where: str
     linger: float
@@ -98,20 +97,9 @@ def transport_for(address: str, timeout: float) -> WorkerTransport:
 
 class WorkerLink:
     """The worker end of the link: :meth:`start` before the bus' first event, :meth:`close`
-    after its last was delivered.
-
-    Args:
-        transport: What carries the link, or an address as in :data:`ADDR_ENV`.
-        token: The run's token.
-        timeout: Seconds for the handshake, and for :meth:`close` to flush and join.
-        source: Who the peer is, logged with each command it sends (None: a driver, not logged).
-        on_end: Called once from the reader thread when the peer closed the link.
-        wanted: The event types to stream when the listening side did the handshake (an
-            accepted attachment); None: :meth:`start` connects first.
-
-    Raises:
-        ConfigError: a malformed address, an empty token, a bad timeout.
-    """
+    after its last was delivered. ``source``: the peer, logged with each command it sends (None:
+    a driver); ``on_end``: called from the reader thread when the peer closed the link;
+    ``wanted``: the events of an accepted attachment (None: :meth:`start` connects first)."""
 
     def __init__(
         self,

@@ -114,14 +114,13 @@ def replay_epoch(
     skip: int,
     rng: dict[str, Any] | None = None,
 ) -> tuple[Iterator[Any], dict[str, Any]]:
-    """An iterator over ``epoch`` of ``data`` positioned after its first ``skip`` batches, with
-    the random generators in the state ``rng`` holds, as if the run had never stopped. ``order``
-    is used only when it was captured for ``epoch``; otherwise the epoch starts from ``rng`` like
-    any fresh epoch.
+    """An iterator over ``epoch`` of ``data`` after its first ``skip`` batches, with the random
+    generators in the state ``rng`` holds, as if the run had never stopped.
 
     Args:
         data: The training data, built as in the interrupted run.
-        order: What :func:`capture_data_order` returned at the start of the saved epoch.
+        order: What :func:`capture_data_order` returned at the start of the saved epoch (used
+            only when captured for ``epoch``).
         epoch: The epoch being resumed (``TrainState.epoch``).
         skip: Batches of it already consumed (``TrainState.batch_in_epoch``).
         rng: The checkpoint's RNG states (:func:`~trainbus.checkpoint.capture_rng`); None leaves

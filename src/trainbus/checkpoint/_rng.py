@@ -59,11 +59,8 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set every generator from a :func:`capture_rng` result.
-
-    CUDA states are restored only when CUDA is available, GPU ``i``'s to GPU ``i`` for the GPUs
-    both hosts see (a different count logs ``rng_cuda_devices_differ``); NumPy's only when NumPy
-    is installed.
+    """Set every generator from a :func:`capture_rng` result (CUDA's only when available, GPU
+    ``i``'s to GPU ``i``; NumPy's only when installed).
 
     Args:
         state: What :func:`capture_rng` returned (possibly after a save/load round trip).
