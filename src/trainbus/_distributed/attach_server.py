@@ -34,7 +34,6 @@ __all__ = [
     "AttachServer",
     "attach_folder",
     "max_socket_path",
-    "peer_credentials",
 ]
 
 log = get_logger(__name__)
@@ -51,7 +50,7 @@ def max_socket_path() -> int:
     return 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
 
 
-def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
+def _peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
     """The peer's ``(pid, uid)`` (``SO_PEERCRED``), or None where the platform does not say."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
@@ -263,7 +262,7 @@ class AttachServer:
                              daemon=True).start()  # fmt: skip
 
     def _greet(self, conn: socket.socket) -> None:
-        credentials = peer_credentials(conn)
+        credentials = _peer_credentials(conn)
         pid = credentials[0] if credentials else None
         try:
             conn.settimeout(_HANDSHAKE_S)

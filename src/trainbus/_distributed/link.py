@@ -32,7 +32,6 @@ __all__ = [
     "WorkerLink",
     "WorkerTransport",
     "register_transport",
-    "transport_for",
 ]
 
 log = get_logger(__name__)
@@ -86,7 +85,7 @@ def register_transport(scheme: str, factory: TransportFactory) -> None:
     _TRANSPORTS[scheme] = factory
 
 
-def transport_for(address: str, timeout: float) -> WorkerTransport:
+def _transport_for(address: str, timeout: float) -> WorkerTransport:
     """The worker transport an :data:`ADDR_ENV` value names (``ConfigError`` when malformed)."""
     scheme = address.split(":", 1)[0]
     factory = _TRANSPORTS.get(scheme)
@@ -113,7 +112,7 @@ class WorkerLink:
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         if isinstance(transport, str):
-            transport = transport_for(transport, self.timeout)
+            transport = _transport_for(transport, self.timeout)
         if not isinstance(token, str) or not token:
             raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
         self.transport = transport

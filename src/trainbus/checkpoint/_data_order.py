@@ -47,9 +47,8 @@ def _kind(data: Iterable[Any]) -> tuple[str, torch.Generator | None]:
 
 
 class EpochSampler(RandomSampler):
-    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only: what
-    ``Trainer(seed=)`` puts in place of a ``DataLoader(shuffle=True)``'s sampler, so no other
-    thread's draws change it and an epoch's order survives a resume (:func:`set_sampler_epoch`).
+    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only, so an epoch's
+    order survives a resume: what ``Trainer(seed=)`` puts in place of ``shuffle=True``'s.
 
     Args:
         data_source: The dataset.

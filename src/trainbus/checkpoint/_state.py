@@ -19,17 +19,15 @@ from ._rng import restore_rng
 
 __all__ = [
     "FORMAT_VERSION",
-    "MAGIC",
     "Checkpoint",
     "TrainState",
     "build_payload",
     "check_plain",
     "parse_payload",
     "restore_scheduler_scaler",
-    "run_metadata",
 ]
 
-MAGIC = "trainbus-checkpoint"
+_MAGIC = "trainbus-checkpoint"
 FORMAT_VERSION = 2
 """1: trainbus 0.1 before the weights_only format (pickled Python RNG state); 2: this one."""
 
@@ -201,7 +199,7 @@ def _trainbus_version() -> str:
         return "unknown"
 
 
-def run_metadata(
+def _run_metadata(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
 ) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it, to refuse a mismatched resume."""
@@ -255,14 +253,14 @@ def build_payload(
     callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
     check_plain(callbacks, "callback_states")
     check_plain(data_order, "data_order")
-    meta = run_metadata(model, optimizer, world_size=world_size)
+    meta = _run_metadata(model, optimizer, world_size=world_size)
     if sharded:
         meta["sharded"] = True
     if run is not None:
         meta["run"] = dict(run)
         check_plain(meta["run"], "meta['run']")
     return {
-        "magic": MAGIC,
+        "magic": _MAGIC,
         "format": FORMAT_VERSION,
         "meta": meta,
         "state": state.as_dict(),
@@ -314,7 +312,7 @@ class Checkpoint:
         Raises:
             CheckpointError: naming what differs, saved value against current value.
         """
-        now = run_metadata(model, optimizer, world_size=world_size)
+        now = _run_metadata(model, optimizer, world_size=world_size)
         problems: list[str] = []
         saved_shapes: dict[str, list[int]] = canonical_names(self.meta["param_shapes"].items())
         shapes: dict[str, list[int]] = now["param_shapes"]
@@ -439,7 +437,7 @@ def _rng_ok(rng: object) -> bool:
 
 def parse_payload(payload: object, path: Path) -> Checkpoint:
     """A loaded payload, checked; ``CheckpointError`` naming the file and the wrong entry."""
-    if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
+    if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
         old = isinstance(payload, dict) and payload.get("format") == 1
         raise CheckpointError(
             "written by an older trainbus (format 1, not loadable safely); resume from a newer "
