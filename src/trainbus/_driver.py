@@ -18,7 +18,7 @@ import anyio.abc
 from . import commands as cmd
 from ._bus import EventBus
 from ._distributed.driver_link import DriverLink
-from ._exceptions import ConfigError
+from ._exceptions import ConfigError, LaunchError
 from ._log import get_logger
 from ._signals import OnSignal, check_on_signal, not_ignored
 from ._trainer.added import hook_methods, instance
@@ -28,7 +28,6 @@ from .callbacks._base import Callback
 __all__ = [
     "DriverBase",
     "add_driver_callback",
-    "interrupt_after",
     "unknown_launcher_keyword",
 ]
 
@@ -38,13 +37,8 @@ R = TypeVar("R")
 
 
 def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> None:
-    """Subscribe a callback's ``on_*`` methods (and its ``setup``) to a driver's bus: as
-    ``Trainer.add_callback``, minus the hooks, which run on a training thread, and there is
-    none in the driver.
-
-    Raises:
-        ConfigError: not a Callback, or one with ``hook_*`` methods (naming them).
-    """
+    """Subscribe a callback's ``on_*`` methods (and its ``setup``) to a driver's bus;
+    ``ConfigError`` for one with ``hook_*`` methods (they run on the workers' training thread)."""
     cb = instance(callback)
     hooks_map = hook_methods(cb)
     if hooks_map:
@@ -65,14 +59,6 @@ def unknown_launcher_keyword(owner: str) -> Callable[[str, Any, list[str]], str]
         return unknown_keyword_message(owner, name, known, hint)
 
     return message
-
-
-def interrupt_after(signum: signal.Signals) -> BaseException:
-    """What ``on_signal="raise"`` raises once the workers stopped after ``signum``."""
-    note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
-    exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
-    exc.add_note(note + " the LaunchResult instead")
-    return exc
 
 
 class DriverBase(abc.ABC, Generic[R]):
@@ -133,6 +119,13 @@ class DriverBase(abc.ABC, Generic[R]):
     async def launch(self) -> R:
         """Start the workers, serve rank 0's link, and wait until they end."""
 
+    def _open_link(self, *, relink: bool = False) -> DriverLink:
+        """The run's link; ``LaunchError`` on a second launch."""
+        if self._link is not None:
+            raise LaunchError(f"a {type(self).__name__} launches once; build a new one")
+        self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events, relink=relink)
+        return self._link
+
     def _serve(
         self,
         tg: anyio.abc.TaskGroup,
@@ -147,6 +140,13 @@ class DriverBase(abc.ABC, Generic[R]):
         tg.start_soon(partial(link.forward, send, on_failure=on_failure))
         if self.on_signal is not None and threading.current_thread() is threading.main_thread():
             tg.start_soon(self._watch_signals, tg)
+
+    async def _drain(self, link: DriverLink, tg: anyio.abc.TaskGroup) -> None:
+        """The workers are done: take the last events still in transit, deliver, stop serving."""
+        if link.linked:
+            await link.wait_unlinked(5)
+        await self.bus.wait_delivered(5)
+        tg.cancel_scope.cancel()
 
     def _outcome(self) -> dict[str, Any]:
         """The fields a :class:`~trainbus.LaunchResult` and a ``LaunchError`` share."""
@@ -165,8 +165,14 @@ class DriverBase(abc.ABC, Generic[R]):
                 f"{last.step if last else '?'})")  # fmt: skip
 
     def _raise_if_interrupted(self) -> None:
-        if self._signal is not None and self.on_signal == "raise":
-            raise interrupt_after(signal.Signals(self._signal))
+        """What ``on_signal="raise"`` raises once the workers stopped after a signal."""
+        if self._signal is None or self.on_signal != "raise":
+            return
+        signum = signal.Signals(self._signal)
+        note = f"trainbus: {signum.name} stopped the workers gracefully; on_signal='return' returns"
+        exc = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + int(signum))
+        exc.add_note(note + " the LaunchResult instead")
+        raise exc
 
     async def _watch_signals(self, tg: anyio.abc.TaskGroup) -> None:
         """The first signal stops the workers gracefully (ended after ``stop_timeout``); a

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,8 +20,6 @@ import anyio.abc
 
 from . import events as ev
 from ._bus import EventBus
-from ._distributed.driver_link import DriverLink
-from ._distributed.exits import RankExit, RankExits
 from ._distributed.protocol import ADDR_ENV, TOKEN_ENV
 from ._distributed.socket_link import SocketDriver
 from ._driver import DriverBase, unknown_launcher_keyword
@@ -36,6 +35,72 @@ log = get_logger(__name__)
 
 _TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--master-addr",
                         "--rdzv", "--standalone", "--nnodes")  # fmt: skip
+
+# torchrun's failure summary on stderr: one block per failed rank, the first failure last,
+# under "Root Cause"; a rank line pairs only with the exitcode line right under it.
+_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*$")
+_EXITCODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)\b")
+_ROOT = re.compile(r"^\s*Root Cause\b")
+_SIGNALS = {s.value: s.name for s in signal.Signals}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RankExit:
+    """One failed rank, as torchrun reported it (a negative ``exitcode``: killed by that
+    signal; ``root_cause``: the first failure, not a rank torchrun stopped)."""
+
+    rank: int
+    local_rank: int
+    exitcode: int
+    root_cause: bool
+
+    @property
+    def signal(self) -> str | None:
+        """The name of the signal that killed it (``"SIGKILL"``), or None."""
+        return _SIGNALS.get(-self.exitcode) if self.exitcode < 0 else None
+
+    def describe(self) -> str:
+        """``rank 1 exited with code -9 (SIGKILL)``."""
+        name = f" ({self.signal})" if self.signal else ""
+        return f"rank {self.rank} exited with code {self.exitcode}{name}"
+
+
+class RankExits:
+    """Reads torchrun's standard error line by line and keeps every rank's failure block."""
+
+    def __init__(self) -> None:
+        self._exits: list[RankExit] = []
+        self._pending: tuple[int, int] | None = None
+        self._in_root = False
+
+    def feed(self, line: str) -> None:
+        """Read one line of torchrun's standard error (with or without its newline)."""
+        if _ROOT.match(line):
+            self._in_root = True
+            return
+        rank = _RANK.match(line)
+        if rank:
+            self._pending = (int(rank.group(1)), int(rank.group(2)))
+            return
+        pending, self._pending = self._pending, None
+        code = _EXITCODE.match(line)
+        if pending is not None and code:
+            self._exits.append(RankExit(rank=pending[0], local_rank=pending[1],
+                                        exitcode=int(code.group(1)),
+                                        root_cause=self._in_root))  # fmt: skip
+
+    @property
+    def exits(self) -> tuple[RankExit, ...]:
+        """Every failed rank torchrun reported, in its order (the root cause last)."""
+        return tuple(self._exits)
+
+    @property
+    def root_cause(self) -> RankExit | None:
+        """torchrun's ``Root Cause`` block, else the only block, else None."""
+        roots = [e for e in self._exits if e.root_cause]
+        if roots:
+            return roots[-1]
+        return self._exits[0] if len(self._exits) == 1 else None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,9 +209,7 @@ class Launcher(DriverBase[LaunchResult]):
             Exception: a driver subscriber with ``on_error="raise"`` failed: its own exception
                 (the workers are stopped first).
         """
-        if self._link is not None:
-            raise LaunchError("a Launcher launches once; build a new one")
-        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events)
+        link = self._open_link()
         driver = await SocketDriver.listen(connect_timeout=self.connect_timeout)
         env = dict(os.environ) | {ADDR_ENV: driver.address, TOKEN_ENV: self._token}
         returncode: int | None = None
@@ -166,10 +229,7 @@ class Launcher(DriverBase[LaunchResult]):
                     tg.start_soon(self._pump_stderr, process.stderr)
                     self._serve(tg, link, driver.serve, driver.send)
                     returncode = await process.wait()
-                    if link.linked:  # the last events still in the socket
-                        await link.wait_unlinked(5)
-                    await self.bus.wait_delivered(5)
-                    tg.cancel_scope.cancel()
+                    await self._drain(link, tg)
         finally:
             with anyio.CancelScope(shield=True):
                 await driver.aclose()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainbus._distributed.exits import RankExits
+from trainbus._launcher import RankExits
 
 # What torchrun 2.x prints when rank 1 is SIGKILLed and it then stops rank 0 (abridged).
 SUMMARY = """\

@@ -1,18 +1,6 @@
-"""Rank 0's attach listener: other processes of the same user attach to a running job.
-
-The link protocol of :mod:`~trainbus._distributed.link` with the roles reversed: rank 0 listens
-on a Unix domain socket in the run folder and any number of attachments connect in::
-
-    attachment (trainbus.attach)                        rank 0 (AttachServer)
-    hello {token, pid, events: wanted}  ────────────►   token checked (hmac), peer uid checked
-                                        ◄────────────   welcome {events, pid, rank, folder} | closed
-                                        ◄────────────   events (trainbus._wire records), status
-    commands (trainbus._wire records)    ────────────►   logged with their source, bus.send
-                                        ◄────────────   bye {sent} at the end of the run
-
-Each attachment is one accepted :class:`~trainbus._distributed.link.WorkerLink`, subscribed
-only while connected. The files and the rules are docs/attach.md's.
-"""
+"""Rank 0's attach listener: the link protocol with the roles reversed, on a Unix socket in the
+run folder; each attachment of the same user is one accepted
+:class:`~trainbus._distributed.link.WorkerLink`. The files and rules are docs/attach.md's."""
 
 from __future__ import annotations
 
@@ -46,7 +34,6 @@ __all__ = [
     "AttachServer",
     "attach_folder",
     "max_socket_path",
-    "peer_credentials",
 ]
 
 log = get_logger(__name__)
@@ -63,7 +50,7 @@ def max_socket_path() -> int:
     return 103 if sys.platform == "darwin" or "bsd" in sys.platform else 107
 
 
-def peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
+def _peer_credentials(conn: socket.socket) -> tuple[int, int] | None:
     """The peer's ``(pid, uid)`` (``SO_PEERCRED``), or None where the platform does not say."""
     option = getattr(socket, "SO_PEERCRED", None)
     if option is None:
@@ -275,7 +262,7 @@ class AttachServer:
                              daemon=True).start()  # fmt: skip
 
     def _greet(self, conn: socket.socket) -> None:
-        credentials = peer_credentials(conn)
+        credentials = _peer_credentials(conn)
         pid = credentials[0] if credentials else None
         try:
             conn.settimeout(_HANDSHAKE_S)

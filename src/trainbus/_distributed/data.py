@@ -1,9 +1,5 @@
 """The model and the data under ``torchrun``: DDP wrapping, the checks of a sharded (FSDP2)
-model, and per-rank shards (the rules are docs/distributed.md's, "What runs where" and FSDP2).
-
-A ``fully_shard`` model reduces its own gradients and is never wrapped in DDP (which cannot
-flatten its DTensor parameters); its mesh spans every rank, as the run's collectives do.
-"""
+model, and per-rank shards (docs/distributed.md, "What runs where" and FSDP2)."""
 
 from __future__ import annotations
 
@@ -23,7 +19,6 @@ from .group import ProcessGroup
 __all__ = [
     "check_ddp",
     "check_mesh",
-    "is_ray_data_shard",
     "release_model",
     "shard_loader",
     "unwrap_model",
@@ -94,19 +89,13 @@ def release_model(model: torch.nn.Module) -> None:
             del model.__dict__[name]
 
 
-def is_ray_data_shard(data: object) -> bool:
-    """Whether ``data`` is a Ray Data iterable (each worker's own shard already), told by its
-    type's module so that Ray is never imported here."""
-    module = type(data).__module__
-    return module == "ray.data" or module.startswith("ray.data.")
-
-
 def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: bool) -> Any:
     """This rank's shard of ``data`` (training data keeps its shuffling, evaluation data is
     never shuffled; ``seed`` is the same on every rank)."""
     if not group.distributed:
         return data
-    if is_ray_data_shard(data):
+    module = type(data).__module__  # not importing Ray
+    if module == "ray.data" or module.startswith("ray.data."):
         return data  # ray.train.get_dataset_shard(...): each rank's own rows already
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
         log.warning("data_not_sharded", kind=type(data).__name__, rank=group.rank,

@@ -1,7 +1,5 @@
-"""The driver's end of the link (:mod:`trainbus._distributed.link`), whatever carries it: a
-transport hands :class:`DriverLink` the hello line and the event lines that arrive, and sends
-what :meth:`DriverLink.forward` gives it.
-"""
+"""The driver's end of the link, whatever carries it: a transport hands :class:`DriverLink`
+the lines that arrive, and sends what :meth:`DriverLink.forward` gives it."""
 
 from __future__ import annotations
 
@@ -76,15 +74,8 @@ class DriverBus(Protocol):
 
 
 class DriverLink:
-    """The driver's end of one run's link.
-
-    Args:
-        bus: The driver's bus.
-        token: The run's token (what a worker's hello must carry).
-        keep_events: How many of the last events :attr:`events` keeps.
-        relink: A new hello with the token replaces the linked worker (rank 0 restarted by
-            Ray: a :class:`~trainbus.events.WorkersRestarted` is published); False: refused.
-    """
+    """The driver's end of one run's link. ``relink``: a new hello with the token replaces the
+    linked worker (Ray restarted it: a ``WorkersRestarted`` is published), else it is refused."""
 
     def __init__(
         self, bus: DriverBus, token: str, *, keep_events: int = 100, relink: bool = False
@@ -245,16 +236,13 @@ class DriverLink:
         send: Callable[[bytes], Awaitable[None]],
         *,
         on_failure: Callable[[], object] | None = None,
-        interval: float = 0.01,
     ) -> None:
-        """Until cancelled, ``send`` the driver bus' commands every ``interval`` seconds (held
-        until a worker linked; a gone stream drops the batch). A driver subscriber failing the
-        run queues ``StopTraining(reason="driver_subscriber_failed")`` and calls ``on_failure``.
-        """
+        """Until cancelled, ``send`` the bus' commands every 10 ms once linked; a driver
+        subscriber failing the run stops the workers and calls ``on_failure``."""
         outbox: list[cmd.Command] = []
         failed = False
         while True:
-            await anyio.sleep(interval)
+            await anyio.sleep(0.01)
             outbox.extend(self._commands.poll_commands())
             if self._commands.failure is not None and not failed:
                 failed = True  # a driver subscriber failed the run: stop the workers

@@ -1,11 +1,5 @@
 """The process group: who this process is among the ranks, and the one place that starts and
-ends ``torch.distributed``.
-
-Nothing may hold the default group past :meth:`ProcessGroup.close`: gloo's threads would run
-into interpreter teardown and can abort a finished process (SIGABRT). torch's
-``torch.distributed.nn.functional`` binds the group as a default argument when first imported,
-so this module imports it first, while no group exists (docs/distributed.md).
-"""
+ends ``torch.distributed``."""
 
 from __future__ import annotations
 
@@ -33,7 +27,9 @@ ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")  #
 Backend = Literal["gloo", "nccl"]
 
 
-# Imported while no process group exists (see the module docstring).
+# Nothing may hold the default group past close() (gloo's threads can abort the finished
+# process); torch.distributed.nn.functional binds it as a default argument when first
+# imported, so it is imported here while no group exists.
 if dist.is_available() and not dist.is_initialized():
     importlib.import_module("torch.distributed.nn.functional")
 

@@ -1,17 +1,6 @@
-"""The link between rank 0 and a driver (``trainbus launch``, :mod:`trainbus.ray`), whatever
-transport carries it::
-
-    worker (rank 0)                                     driver
-    hello {token, rank, pid}        ───────────────►    token checked (hmac), one link only
-                                    ◄───────────────    welcome {events: wanted types} | refused
-    events (trainbus._wire records)  ───────────────►    published on the driver's bus
-                                    ◄───────────────    commands (trainbus._wire records)
-    bye {sent}                      ───────────────►    the link ended
-
-JSON lines only, never pickles. :class:`WorkerLink` is the worker's end; its sender thread
-encodes events (a tensor read waits for the device: never on the training thread or the event
-loop). The driver's end is :class:`~trainbus._distributed.driver_link.DriverLink`.
-"""
+"""The worker's end of the link to a driver (docs/distributed.md, "One link, several
+transports"): hello with the token, the driver's welcome naming the wanted events, then event
+lines out and command lines in until bye; JSON lines only, never pickles."""
 
 from __future__ import annotations
 
@@ -33,8 +22,7 @@ from .._log import get_logger
 from .._validate import check_seconds
 from .protocol import ADDR_ENV as ADDR_ENV
 from .protocol import TOKEN_ENV as TOKEN_ENV
-from .protocol import control_record as control_record
-from .protocol import control_types, hello_record
+from .protocol import control_record, control_types, hello_record
 from .socket_link import SocketTransport
 
 __all__ = [
@@ -43,9 +31,7 @@ __all__ = [
     "BusLike",
     "WorkerLink",
     "WorkerTransport",
-    "control_record",
     "register_transport",
-    "transport_for",
 ]
 
 log = get_logger(__name__)
@@ -63,9 +49,8 @@ class BusLike(Protocol):
 
 
 class WorkerTransport(Protocol):
-    """What carries the worker's end of the link (blocking calls, from the link's threads):
-    ``where`` names the driver for messages; the sender waits ``linger`` seconds after an event
-    for more to join its batch."""
+    """What carries the worker's end of the link (blocking calls, from the link's threads); the
+    sender waits ``linger`` seconds after an event for more to join its batch."""
 
     where: str
     linger: float
@@ -100,7 +85,7 @@ def register_transport(scheme: str, factory: TransportFactory) -> None:
     _TRANSPORTS[scheme] = factory
 
 
-def transport_for(address: str, timeout: float) -> WorkerTransport:
+def _transport_for(address: str, timeout: float) -> WorkerTransport:
     """The worker transport an :data:`ADDR_ENV` value names (``ConfigError`` when malformed)."""
     scheme = address.split(":", 1)[0]
     factory = _TRANSPORTS.get(scheme)
@@ -111,20 +96,9 @@ def transport_for(address: str, timeout: float) -> WorkerTransport:
 
 class WorkerLink:
     """The worker end of the link: :meth:`start` before the bus' first event, :meth:`close`
-    after its last was delivered.
-
-    Args:
-        transport: What carries the link, or an address as in :data:`ADDR_ENV`.
-        token: The run's token.
-        timeout: Seconds for the handshake, and for :meth:`close` to flush and join.
-        source: Who the peer is, logged with each command it sends (None: a driver, not logged).
-        on_end: Called once from the reader thread when the peer closed the link.
-        wanted: The event types to stream when the listening side did the handshake (an
-            accepted attachment); None: :meth:`start` connects first.
-
-    Raises:
-        ConfigError: a malformed address, an empty token, a bad timeout.
-    """
+    after its last was delivered. ``source``: the peer, logged with each command it sends (None:
+    a driver); ``on_end``: called from the reader thread when the peer closed the link;
+    ``wanted``: the events of an accepted attachment (None: :meth:`start` connects first)."""
 
     def __init__(
         self,
@@ -138,7 +112,7 @@ class WorkerLink:
     ) -> None:
         self.timeout = check_seconds("timeout", timeout)
         if isinstance(transport, str):
-            transport = transport_for(transport, self.timeout)
+            transport = _transport_for(transport, self.timeout)
         if not isinstance(token, str) or not token:
             raise ConfigError.invalid(TOKEN_ENV, "<empty>", "the run's token")
         self.transport = transport

@@ -1,7 +1,5 @@
-"""The link protocol's vocabulary (:mod:`trainbus._distributed.link` draws it): the
-environment variables, the control records and the two halves of the handshake. Every end and
-transport of the link imports it; it imports none of them.
-"""
+"""The link protocol's vocabulary: the environment variables, the control records and the
+handshake. Every end and transport of the link imports it; it imports none of them."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The loopback socket transport of the link (``trainbus launch``): JSON lines over TCP on
-127.0.0.1, a blocking socket on the worker's side, an anyio listener on the driver's.
-"""
+"""The loopback socket transport of the link (``trainbus launch``): a blocking socket on the
+worker's side, an anyio listener on 127.0.0.1 on the driver's."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The ranks' collectives under torchrun: :class:`RankSync` agrees on commands (the rules of
-docs/distributed.md, "Rank-agreed commands"), reduces the log window's and an evaluation's
-metrics, and writes a checkpoint on rank 0 only. Commands cross ranks as
-:mod:`~trainbus._wire` records (JSON, never pickles); a rank's own commands come back as the
-objects it sent (``bus.request(c)`` resolves by identity).
-"""
+"""The ranks' collectives: agreed commands (docs/distributed.md, "Rank-agreed commands") as
+JSON wire records, reduced metrics, a checkpoint written on rank 0 only."""
 
 from __future__ import annotations
 
@@ -213,10 +209,8 @@ class RankSync:
     def reduce_window(
         self, metrics: Mapping[str, float], *, pending: bool, nonfinite: int | None = None
     ) -> tuple[dict[str, float], bool, int | None]:
-        """A log window's metrics across ranks (means; ``samples_per_s`` summed), whether some
-        rank has pending commands, and the first step with a non-finite loss on any rank (None:
-        none): one all-reduce, a second only when some rank saw one.
-        """
+        """A log window's metrics across ranks (``samples_per_s`` summed), whether some rank has
+        pending commands, and the first non-finite loss' step on any rank (None: none)."""
         out, (flag, bad) = self.reduce_metrics_flags(metrics, (pending, nonfinite is not None))
         for name in _SUMMED & out.keys():
             out[name] *= self.world_size
@@ -262,10 +256,8 @@ class RankSync:
         return int(t.item())
 
     def on_main(self, write: Callable[[], str]) -> str:
-        """Run ``write`` on rank 0 and hand its result (a path) to every rank, so no rank goes
-        on before rank 0's checkpoint is complete. Raises ``CheckpointError`` on the other
-        ranks when rank 0's write failed; on rank 0, whatever ``write`` raised.
-        """
+        """Run ``write`` on rank 0 and hand its result (a path) to every rank; when it failed,
+        rank 0 raises its error and the others a ``CheckpointError``."""
         error: BaseException | None = None
         text = ""
         if self.group.is_main:

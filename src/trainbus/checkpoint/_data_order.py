@@ -1,10 +1,5 @@
-"""The data order: what it takes to replay an epoch's batches after a resume.
-
-A shuffling ``DataLoader`` draws its permutation from one random generator when the epoch's
-iterator is first advanced: that generator's state captured *before* ``iter(loader)`` draws the
-same permutation again, and the batches already consumed are loaded and dropped. Each loader is
-classified by the source of its order; docs/reliability.md tables which kinds resume exactly.
-"""
+"""The data order: the generator state captured before ``iter(loader)`` that draws an epoch's
+permutation again after a resume (docs/reliability.md tables which kinds resume exactly)."""
 
 from __future__ import annotations
 
@@ -52,9 +47,8 @@ def _kind(data: Iterable[Any]) -> tuple[str, torch.Generator | None]:
 
 
 class EpochSampler(RandomSampler):
-    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only: what
-    ``Trainer(seed=)`` puts in place of a ``DataLoader(shuffle=True)``'s sampler, so no other
-    thread's draws change it and an epoch's order survives a resume (:func:`set_sampler_epoch`).
+    """A shuffling sampler whose order is a function of ``(seed, epoch)`` only, so an epoch's
+    order survives a resume: what ``Trainer(seed=)`` puts in place of ``shuffle=True``'s.
 
     Args:
         data_source: The dataset.
@@ -119,14 +113,13 @@ def replay_epoch(
     skip: int,
     rng: dict[str, Any] | None = None,
 ) -> tuple[Iterator[Any], dict[str, Any]]:
-    """An iterator over ``epoch`` of ``data`` positioned after its first ``skip`` batches, with
-    the random generators in the state ``rng`` holds, as if the run had never stopped. ``order``
-    is used only when it was captured for ``epoch``; otherwise the epoch starts from ``rng`` like
-    any fresh epoch.
+    """An iterator over ``epoch`` of ``data`` after its first ``skip`` batches, with the random
+    generators in the state ``rng`` holds, as if the run had never stopped.
 
     Args:
         data: The training data, built as in the interrupted run.
-        order: What :func:`capture_data_order` returned at the start of the saved epoch.
+        order: What :func:`capture_data_order` returned at the start of the saved epoch (used
+            only when captured for ``epoch``).
         epoch: The epoch being resumed (``TrainState.epoch``).
         skip: Batches of it already consumed (``TrainState.batch_in_epoch``).
         rng: The checkpoint's RNG states (:func:`~trainbus.checkpoint.capture_rng`); None leaves

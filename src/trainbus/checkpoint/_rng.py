@@ -30,9 +30,8 @@ def capture_rng() -> dict[str, Any]:
     """The state of every random number generator a training step may draw from.
 
     Returns:
-        ``{"python": ..., "torch": ..., "cuda": [...], "numpy": ...}``: ``cuda`` only when CUDA
-        is available, ``numpy`` only when NumPy is installed; every value is a tensor or a plain
-        container, so the result can be saved and loaded with ``weights_only=True``.
+        ``{"python": ..., "torch": ..., "cuda": [...], "numpy": ...}`` (``cuda`` and ``numpy``
+        when available) of tensors and plain containers, loadable with ``weights_only=True``.
     """
     version, internal, gauss = random.getstate()
     state: dict[str, Any] = {
@@ -59,18 +58,14 @@ def capture_rng() -> dict[str, Any]:
 
 
 def restore_rng(state: dict[str, Any]) -> None:
-    """Set every generator from a :func:`capture_rng` result.
-
-    CUDA states are restored only when CUDA is available, GPU ``i``'s to GPU ``i`` for the GPUs
-    both hosts see (a different count logs ``rng_cuda_devices_differ``); NumPy's only when NumPy
-    is installed.
+    """Set every generator from a :func:`capture_rng` result (CUDA's only when available, GPU
+    ``i``'s to GPU ``i``; NumPy's only when installed).
 
     Args:
         state: What :func:`capture_rng` returned (possibly after a save/load round trip).
 
     Raises:
-        KeyError, TypeError, ValueError: ``state`` is malformed (the loader checks its shape
-            first and reports a ``CheckpointError``).
+        KeyError, TypeError, ValueError: ``state`` is malformed.
     """
     py = state["python"]
     internal = tuple(int(x) for x in py["internal"].tolist())

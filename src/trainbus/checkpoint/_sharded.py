@@ -118,8 +118,7 @@ def save_sharded(
         ConfigError: a callback state or the data order cannot be saved safely (on every rank).
         CheckpointWriteError: this rank's or another rank's part could not be written (an
             ``OSError``, on every rank).
-        CheckpointError: another rank's part failed otherwise (naming it). Nothing is
-            left half-written.
+        CheckpointError: another rank's part failed otherwise (naming it).
     """
     rank, world = rank_and_world()
     final = directory / name
@@ -260,7 +259,7 @@ def load_sharded(
     Raises:
         CheckpointError: on every rank, when any rank could not read or check its part
             (naming the rank and why), the ranks found different checkpoints, or DCP could
-            not load the state; nothing is trained from a half-restored model.
+            not load the state.
     """
     rank, world = rank_and_world()
     checkpoint: Checkpoint | None = None

@@ -1,22 +1,6 @@
-"""What a checkpoint holds, as tensors and plain containers only.
-
-Everything in the payload is a tensor, a ``dict`` / ``list`` / ``tuple`` of them, or an
-``int`` / ``float`` / ``str`` / ``bool`` / ``None``, so it loads with
-``torch.load(weights_only=True)``, which cannot run code from the file. The payload::
-
-    magic        "trainbus-checkpoint"
-    format       FORMAT_VERSION
-    meta         trainbus_version, torch_version, world_size, param_shapes, optimizer,
-                 run (the cadences and data shape a resume compares: ``run_config``)
-    state        TrainState as a dict: step, epoch, batch_in_epoch, samples_seen,
-                 evaluated_step, closed_epoch (the last two absent in files of earlier
-                 versions: read as -1)
-    model, optimizer, scheduler, scaler      their state_dict() (None when absent)
-    metrics      {name: float}, the last evaluation's
-    rng          capture_rng(): python, torch, cuda (when present), numpy (when installed)
-    data_order   capture_data_order() of the epoch in progress, or None
-    callbacks    {name: state dict} of the callbacks that keep state
-"""
+"""What a checkpoint holds: :func:`build_payload`'s dict of tensors and plain containers only,
+so it loads with ``torch.load(weights_only=True)``, which cannot run code from the file;
+:func:`parse_payload` checks it back into a :class:`Checkpoint`."""
 
 from __future__ import annotations
 
@@ -35,17 +19,15 @@ from ._rng import restore_rng
 
 __all__ = [
     "FORMAT_VERSION",
-    "MAGIC",
     "Checkpoint",
     "TrainState",
     "build_payload",
     "check_plain",
     "parse_payload",
     "restore_scheduler_scaler",
-    "run_metadata",
 ]
 
-MAGIC = "trainbus-checkpoint"
+_MAGIC = "trainbus-checkpoint"
 FORMAT_VERSION = 2
 """1: trainbus 0.1 before the weights_only format (pickled Python RNG state); 2: this one."""
 
@@ -66,7 +48,7 @@ def canonical_key(key: str) -> str:
 
 
 def canonical_names(items: Iterable[tuple[str, V]]) -> dict[str, V]:
-    """``{canonical_key(name): value}`` for ``(name, value)`` pairs (``named_parameters()``)."""
+    """``{canonical_key(name): value}`` for ``(name, value)`` pairs."""
     return {canonical_key(name): value for name, value in items}
 
 
@@ -76,8 +58,7 @@ def canonical_state(state: Mapping[str, Any]) -> OrderedDict[str, Any]:
 
 
 def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str, Any]:
-    """A saved state dict keyed as ``model`` names its entries (a key it lacks stays, for
-    ``load_state_dict`` to name)."""
+    """A saved state dict keyed as ``model`` names its entries (a key it lacks stays)."""
     live_keys = list(model.state_dict().keys())
     if set(saved) == set(live_keys):
         return saved
@@ -99,12 +80,8 @@ def _rekeyed(
 
 
 class TrainState:
-    """Where the loop is: enough to resume exactly. The one owner of the run's position.
-
-    Each keyword argument sets the read-only property of its name; the position advances only
-    through the methods below, and a checkpoint stores it through :meth:`as_dict` /
-    :meth:`from_dict`.
-    """
+    """Where the loop is: enough to resume exactly. Each keyword argument sets the read-only
+    property of its name; the position advances only through the methods below."""
 
     __slots__ = (
         "_batch_in_epoch", "_closed_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step"
@@ -195,8 +172,7 @@ class TrainState:
 
     @classmethod
     def from_dict(cls, saved: Mapping[str, int]) -> TrainState:
-        """The position a checkpoint stored (:meth:`as_dict`'s output; :attr:`OPTIONAL` fields
-        may be missing).
+        """The position a checkpoint stored (:attr:`OPTIONAL` fields may be missing).
 
         Raises:
             KeyError: a field is missing (the reader checks the names first).
@@ -223,7 +199,7 @@ def _trainbus_version() -> str:
         return "unknown"
 
 
-def run_metadata(
+def _run_metadata(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, *, world_size: int = 1
 ) -> dict[str, Any]:
     """What a checkpoint records about the run that wrote it, to refuse a mismatched resume."""
@@ -239,8 +215,7 @@ def run_metadata(
 
 
 def check_plain(value: object, where: str) -> None:
-    """``ConfigError`` naming where in ``value`` (a state to save, called ``where``) something
-    is that ``torch.load(weights_only=True)`` could not load back."""
+    """``ConfigError`` naming where in ``value`` is what ``weights_only`` could not load."""
     stack: list[tuple[object, str]] = [(value, where)]
     while stack:
         item, at = stack.pop()
@@ -273,20 +248,19 @@ def build_payload(
     sharded: bool = False,
     run: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The payload of the module docstring (``sharded``: a sharded run's ``trainbus.pt``, with
-    empty model and optimizer entries); ``ConfigError`` for a state ``weights_only`` could not
-    load."""
+    """A checkpoint's payload (``sharded``: empty model and optimizer entries); ``ConfigError``
+    as :func:`check_plain`."""
     callbacks = {str(k): dict(v) for k, v in (callback_states or {}).items()}
     check_plain(callbacks, "callback_states")
     check_plain(data_order, "data_order")
-    meta = run_metadata(model, optimizer, world_size=world_size)
+    meta = _run_metadata(model, optimizer, world_size=world_size)
     if sharded:
         meta["sharded"] = True
     if run is not None:
         meta["run"] = dict(run)
         check_plain(meta["run"], "meta['run']")
     return {
-        "magic": MAGIC,
+        "magic": _MAGIC,
         "format": FORMAT_VERSION,
         "meta": meta,
         "state": state.as_dict(),
@@ -338,7 +312,7 @@ class Checkpoint:
         Raises:
             CheckpointError: naming what differs, saved value against current value.
         """
-        now = run_metadata(model, optimizer, world_size=world_size)
+        now = _run_metadata(model, optimizer, world_size=world_size)
         problems: list[str] = []
         saved_shapes: dict[str, list[int]] = canonical_names(self.meta["param_shapes"].items())
         shapes: dict[str, list[int]] = now["param_shapes"]
@@ -423,9 +397,8 @@ class Checkpoint:
             raise CheckpointError(f"does not fit the model: {exc}", path=str(self.path)) from exc
 
     def restored(self) -> Checkpoint:
-        """A copy without the states :meth:`restore` loaded into live objects (``model`` and
-        ``optimizer`` empty, no ``scheduler`` / ``scaler``): what a resumed run keeps, so no
-        second copy of the weights stays alive."""
+        """A copy without the states :meth:`restore` loaded (model, optimizer, scheduler,
+        scaler): what a resumed run keeps, so no second copy of the weights stays alive."""
         return replace(self, model={}, optimizer={}, scheduler=None, scaler=None)
 
 
@@ -463,9 +436,8 @@ def _rng_ok(rng: object) -> bool:
 
 
 def parse_payload(payload: object, path: Path) -> Checkpoint:
-    """A loaded payload, checked and wrapped; ``CheckpointError`` naming the file and the
-    entry that is wrong."""
-    if not isinstance(payload, dict) or payload.get("magic") != MAGIC:
+    """A loaded payload, checked; ``CheckpointError`` naming the file and the wrong entry."""
+    if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
         old = isinstance(payload, dict) and payload.get("format") == 1
         raise CheckpointError(
             "written by an older trainbus (format 1, not loadable safely); resume from a newer "

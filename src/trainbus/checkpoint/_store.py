@@ -1,12 +1,6 @@
 """The checkpoint folder: atomic writes, safe reads, the newest valid checkpoint, stale temps;
-and the three calls the loop and the trainer make (save, load, find the latest).
-
-A write goes to a hidden temporary file in the same folder, fsynced, renamed over its final
-name (``os.replace``) and the folder fsynced: a crash at any moment leaves the previous files
-or the complete new one, and a killed writer's temp file is removed the next time a
-:class:`CheckpointStore` opens the folder. A read never runs code from the file: the zip's
-CRCs are checked first, then ``torch.load(weights_only=True)`` and the payload's structure.
-"""
+and the three calls the loop and the trainer make (save, load, find the latest). The
+guarantees are docs/reliability.md's ("Checkpoint files")."""
 
 from __future__ import annotations
 
@@ -39,7 +33,6 @@ __all__ = [
     "CheckpointStore",
     "LatestScan",
     "check_checkpoint_dir",
-    "checkpoint_name",
     "folder_name",
     "latest_checkpoint",
     "load_checkpoint",
@@ -47,7 +40,6 @@ __all__ = [
     "parse_checkpoint_name",
     "rank_file",
     "read_checkpoint",
-    "read_file",
     "read_folder",
     "read_rank_file",
     "save_checkpoint",
@@ -85,9 +77,7 @@ def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
 
 
 def check_checkpoint_dir(path: object) -> Path:
-    """Check up front that ``path`` can hold checkpoints, leaving nothing behind: an existing
-    writable folder, or a path whose nearest existing ancestor is one (a folder is made there
-    and removed).
+    """Check up front that ``path`` is, or can be made, a writable folder; nothing is left behind.
 
     Args:
         path: The ``checkpoint_dir`` setting.
@@ -256,8 +246,7 @@ def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
 
 
 def read_checkpoint(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Checkpoint:
-    """Read and check a checkpoint (a ``.pt`` file, or a sharded run's folder); nothing is
-    applied to a model yet.
+    """Read and check a ``.pt`` checkpoint or a sharded run's folder; nothing is applied yet.
 
     Args:
         path: The ``.pt`` file, or a ``step-<n>[-<tag>]/`` folder a sharded run wrote.
@@ -284,8 +273,7 @@ def temp_name(name: str) -> str:
 
 
 def write_atomic(obj: Any, path: Path) -> None:
-    """``torch.save`` ``obj`` to ``path`` atomically (the module docstring's write); a refused
-    write's ``OSError``, the temp file removed."""
+    """``torch.save`` to a fsynced temp file renamed over ``path``; ``OSError``: none is left."""
     tmp_name = temp_name(path.name)
     tmp = path.with_name(tmp_name)
     with _in_flight_lock:
@@ -356,9 +344,7 @@ class LatestScan:
     others: tuple[str, ...] = field(default=(), kw_only=True)
 
     def describe(self, *, limit: int = 5) -> str:
-        """What the folder held, in words: ``"no such folder"``, ``"an empty folder"``,
-        ``"3 checkpoint files, all invalid: ..."`` or ``"no checkpoint file (step-<n>.pt);
-        2 other entries: ..."``.
+        """What the folder held, in words (``"no such folder"``, ``"an empty folder"``, ...).
 
         Args:
             limit: Names listed at most (then ``"... and N more"``).
@@ -382,9 +368,8 @@ class LatestScan:
 
 
 class CheckpointStore:
-    """One checkpoint folder: writes files atomically, finds the newest valid one. Opening a
-    store removes the temp files killed writers left (:meth:`clean_stale`); the folder is created
-    by the first :meth:`save`.
+    """One checkpoint folder: writes files atomically, finds the newest valid one; the folder is
+    created by the first :meth:`save`.
 
     Args:
         directory: The checkpoint folder.
@@ -397,8 +382,7 @@ class CheckpointStore:
             self.clean_stale()
 
     def clean_stale(self) -> list[Path]:
-        """Remove temp files whose writer is gone: its pid in the name is not running, or is this
-        process but not a file it is writing now.
+        """Remove the temp files whose writer is gone (its pid is not running, or is this one's).
 
         Returns:
             The files removed.
@@ -445,9 +429,8 @@ class CheckpointStore:
             The final path; it exists and is complete when this returns.
 
         Raises:
-            CheckpointWriteError: an ``OSError`` naming the file: the folder cannot be created
-                or written (disk full, permissions); the temp file is removed and any earlier
-                checkpoint is untouched.
+            CheckpointWriteError: an ``OSError`` naming the file (disk full, permissions);
+                earlier checkpoints are untouched.
         """
         path = self._directory / checkpoint_name(step, tag)
         try:
@@ -545,8 +528,7 @@ def save_checkpoint(
 
     Raises:
         ConfigError: a callback state or the data order cannot be saved safely, or the
-            model is sharded (FSDP2: each rank holds only its shards; every rank saves a
-            folder with :func:`~trainbus.checkpoint.save_sharded`, as the Trainer does).
+            model is sharded (:func:`~trainbus.checkpoint.save_sharded` saves it).
         OSError: the folder cannot be written; earlier checkpoints are untouched.
     """
     if is_sharded_model(model):
@@ -564,10 +546,8 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest valid checkpoint in ``directory`` (highest step, then latest written), or
-    None. Damaged and foreign files are skipped with a ``checkpoint_skipped`` warning; stale temp
-    files are removed.
-    """
+    """The newest valid checkpoint in ``directory`` (:meth:`CheckpointStore.find_latest`), or
+    None."""
     return CheckpointStore(directory).latest_valid()
 
 
@@ -583,9 +563,6 @@ def load_checkpoint(
     world_size: int = 1,
 ) -> tuple[TrainState, dict[str, float]]:
     """Restore everything saved by :func:`save_checkpoint`; return the train state and metrics.
-
-    Use :func:`~trainbus.checkpoint.read_checkpoint` to also get the data order and the
-    callback states.
 
     Args:
         path: The checkpoint file.

@@ -12,7 +12,6 @@ import anyio
 import anyio.to_thread
 
 from .._bus import EventBus
-from .._distributed.driver_link import DriverLink
 from .._distributed.protocol import ADDR_ENV, TOKEN_ENV
 from .._driver import DriverBase, unknown_launcher_keyword
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
@@ -169,14 +168,11 @@ class RayLauncher(DriverBase[RayLaunchResult]):
 
         from ._transport import RayDriver
 
-        if self._link is not None:
-            raise LaunchError("a RayLauncher launches once; build a new one")
         if not ray.is_initialized():
             await anyio.to_thread.run_sync(ray.init)
         # relink: after a failure Ray restarts the worker group (FailureConfig.max_failures);
         # the new rank 0 links again and the driver's bus goes on, one run for one launch.
-        link = self._link = DriverLink(self.bus, self._token, keep_events=self.keep_events,
-                                       relink=True)  # fmt: skip
+        link = self._open_link(relink=True)
         driver = self._driver = await RayDriver.start()
         trainer = TorchTrainer(
             _WorkerEntry(self.train_fn, driver.address, self._token),
@@ -194,10 +190,7 @@ class RayLauncher(DriverBase[RayLaunchResult]):
                     result = await anyio.to_thread.run_sync(trainer.fit, abandon_on_cancel=True)
                 except Exception as exc:  # Ray's TrainingFailedError and kin
                     failure = exc
-                if link.linked:  # the last events still in the mailbox
-                    await link.wait_unlinked(5)
-                await self.bus.wait_delivered(5)
-                tg.cancel_scope.cancel()
+                await self._drain(link, tg)
         finally:
             with anyio.CancelScope(shield=True):
                 await driver.aclose()

@@ -21,10 +21,8 @@ log = get_logger(__name__)
 
 
 class ReportToRay(Callback):
-    """Calls ``ray.train.report`` on every rank at each checkpoint the Trainer writes (and,
-    with ``evaluations=True``, after each evaluation), so the Ray ``Result`` holds the run's
-    metrics and latest checkpoint. Runs on every rank (``ray.train.report`` is a collective),
-    off the training thread; see docs/distributed.md ("Reporting to Ray").
+    """Calls ``ray.train.report`` on every rank at each checkpoint the Trainer writes, so the
+    Ray ``Result`` holds it; see docs/distributed.md ("Reporting to Ray").
 
     Args:
         evaluations: Also report after each evaluation (metrics, no checkpoint).

@@ -1,20 +1,6 @@
-"""The Ray transport of the link (:mod:`trainbus._distributed.link`): a mailbox actor between
-rank 0 and the driver.
-
-::
-
-    rank 0 (a Ray Train worker)            _Mailbox (an async actor,        driver
-                                            num_cpus=0, named)
-    hello(id, line) ──── waits ──────────►  hellos ────── take() ────────►  DriverLink.greet
-                    ◄─── welcome | b"" ───  answer(id, reply) ◄─────────────
-    push(id, seq, lines)  (non-waiting) ──►  chunks ───── take() ────────►  DriverLink.receive
-    commands(id, wait)  (long poll) ◄─────  commands ◄── put_commands() ──  DriverLink.forward
-
-The worker pushes fire-and-forget, one call per batch (a Ray call costs about a tiny training
-step), numbered so the driver reads them in order; the driver long-polls :meth:`_Mailbox.take`
-(each call takes CPU from the workers). Only the accepted link's pushes are kept; what crosses
-is :mod:`trainbus._wire` JSON lines, never a pickle.
-"""
+"""The Ray transport of the link: a named mailbox actor between rank 0 and the driver. The
+worker pushes numbered batches fire-and-forget and long-polls for commands; the driver
+long-polls :meth:`_Mailbox.take`. Only the accepted link's pushes are kept."""
 
 from __future__ import annotations
 
@@ -37,6 +23,7 @@ __all__ = ["LINGER", "RayDriver", "RayTransport", "register_worker"]
 
 LINGER = 0.05  # seconds the worker's sender waits after an event for more to join its batch
 _COMMAND_WAIT = 0.5  # seconds a worker's long poll for commands lasts
+_TAKE_WAIT = 0.5  # seconds the driver's long poll for hellos and batches lasts
 
 
 class _Mailbox:
@@ -214,26 +201,24 @@ class RayTransport:
 
 
 class RayDriver:
-    """The driver's side: a named mailbox actor in this job's namespace (:meth:`start`);
-    one read of it waits at most ``poll_interval`` seconds."""
+    """The driver's side: a named mailbox actor in this job's namespace (:meth:`start`)."""
 
-    def __init__(self, actor: Any, address: str, *, poll_interval: float = 0.5) -> None:
+    def __init__(self, actor: Any, address: str) -> None:
         self._actor = actor
         self.address = address
-        self.poll_interval = check_seconds("poll_interval", poll_interval)
 
     @classmethod
-    async def start(cls, *, poll_interval: float = 0.5) -> RayDriver:
+    async def start(cls) -> RayDriver:
         """Start the mailbox actor and wait until it runs."""
         namespace = ray.get_runtime_context().namespace
         name = f"trainbus-link-{secrets.token_hex(8)}"
         actor = _MailboxActor.options(name=name, namespace=namespace).remote()
         await anyio.to_thread.run_sync(ray.get, actor.ready.remote())
-        return cls(actor, f"ray:{namespace}/{name}", poll_interval=poll_interval)
+        return cls(actor, f"ray:{namespace}/{name}")
 
     async def serve(self, link: DriverLink) -> None:
         while True:
-            ref = self._actor.take.remote(self.poll_interval)
+            ref = self._actor.take.remote(_TAKE_WAIT)
             # Abandoned on cancel: the long poll ends by itself, or with the actor (aclose).
             hellos, chunks = await anyio.to_thread.run_sync(ray.get, ref, abandon_on_cancel=True)
             for data in chunks:  # the linked worker's, before a hello that may replace it
