@@ -300,22 +300,18 @@ class CallRunner:
         settings.model.to(settings.device)
         run = StandaloneRun(settings, self.port, self._hooks,
                             state if state is not None else TrainState())  # fmt: skip
-        box: dict[str, Any] = {}
 
-        def call() -> None:  # raised after the closing events, not as an exception group
+        def call() -> tuple[bool, Any]:  # raised after the closing events, not in a group
             try:
-                box["result"] = fn(run)
+                return True, fn(run)
             except BaseException as exc:
-                box["error"] = exc
+                return False, exc
 
         async with self.open(), watching_cancel(run, self._thread):
-            await self._thread.run(call)
-        error = box.get("error")
-        if isinstance(error, Cancelled):
+            outcome = await self._thread.run(call)
+        if isinstance(outcome[1], Cancelled):
             await anyio.lowlevel.checkpoint()  # let the pending cancellation out
-        if error is not None:
-            raise error
-        return box["result"]
+        return unboxed(outcome)
 
 
 class SignalWatcher:

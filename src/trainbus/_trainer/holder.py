@@ -15,9 +15,13 @@ from .._bus import EventBus
 from .._exceptions import ConfigError, TrainbusError
 from .calls import TrainingThread, unboxed
 
-__all__ = ["BusHolder"]
+__all__ = ["DURING_FIT", "BusHolder"]
 
 BACKENDS = ("asyncio", "trio")
+DURING_FIT = (
+    "; during fit(), evaluate or save with a command: trainer.bus.send(commands.Evaluate()) "
+    "or SaveCheckpoint() (await trainer.bus.request(...) from an async subscriber waits for it)"
+)
 
 _T = TypeVar("_T")
 
@@ -117,8 +121,7 @@ class BusHolder:
             raise TrainbusError(
                 f"{name}_sync(): the trainer's bus runs in an event loop already (a fit() "
                 "running, `async with trainer` or `async with trainer.bus`); there, `await "
-                f"trainer.{name}(...)`, and during fit() send a command instead: "
-                "trainer.bus.send(commands.Evaluate()) or SaveCheckpoint()"
+                f"trainer.{name}(...)`{DURING_FIT}"
             )
         self.check_open(f"{name}()")
         self._backend = backend  # close() closes the bus on the backend it ran on

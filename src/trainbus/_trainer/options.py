@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -23,10 +22,16 @@ from .._loop.set_metrics import SetMetric
 from .._loop.settings import Precision
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, is_sharded_model, resolve_device
-from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
+from .._validate import (
+    check_bool,
+    check_int,
+    check_number,
+    explains_unknown_keywords,
+    unknown_keyword_message,
+)
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
-from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
+from .hf_options import fit_hint, option_hint
 
 __all__ = [
     "CHECKS",
@@ -65,7 +70,6 @@ def _none_or(kind: type) -> Callable[[Any], bool]:
     return lambda value: value is None or isinstance(value, kind)
 
 
-boolean = accepting("True or False", lambda value: isinstance(value, bool))
 progress = accepting("None (when stderr is a terminal), True or False", _none_or(bool))
 bus = accepting("a trainbus.EventBus or None", _none_or(EventBus))
 train_step = accepting(
@@ -91,12 +95,7 @@ def loss_fn(name: str, value: Any) -> Any:
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
-    if value is None:
-        return None
-    if not (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):  # fmt: skip
-        raise ConfigError.invalid(name, value, "a finite number > 0 or None")
-    return float(value)
+    return None if value is None else check_number(name, value, positive=True)
 
 
 def accumulate_by(name: str, value: Any) -> Any:
@@ -476,8 +475,8 @@ class EvalSchedule:
 
     def __post_init__(self) -> None:
         check_int("EvalSchedule.every_steps", self.every_steps, 1, optional=True)
-        boolean("EvalSchedule.epoch_end", self.epoch_end)
-        boolean("EvalSchedule.at_end", self.at_end)
+        check_bool("EvalSchedule.epoch_end", self.epoch_end)
+        check_bool("EvalSchedule.at_end", self.at_end)
 
 
 def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
@@ -635,9 +634,7 @@ def bus_hint(name: str, value: Any) -> str | None:
 
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
-    hint = (
-        hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
-    )
+    hint = option_hint(name, value) or bus_hint(name, value)
     return unknown_keyword_message("Trainer", name, options, hint)
 
 

@@ -19,6 +19,7 @@ from .._log import get_logger
 from .._loop import Settings
 from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
+from .._validate import check_bool
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
 from .added import AddedCallbacks
 from .calls import TrainingThread
@@ -33,8 +34,7 @@ def check_resume(
 ) -> str | Path | None:
     """``fit(resume=..., require_checkpoint=...)`` checked: None, ``"latest"`` (with a
     ``checkpoint_dir``) or an existing checkpoint's ``Path``."""
-    if not isinstance(require_checkpoint, bool):
-        raise ConfigError.invalid("require_checkpoint", require_checkpoint, "True or False")
+    check_bool("require_checkpoint", require_checkpoint)
     if resume is None:
         if require_checkpoint:
             raise ConfigError.invalid("require_checkpoint", True, "False unless resume is "
