@@ -208,8 +208,7 @@ LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
 
 
 def option_hint(name: str, value: Any) -> str | None:
-    """What replaces ``name=value``, a Hugging Face, Lightning or former Trainer option, or
-    None."""
+    """What replaces ``name=value`` (a Hugging Face, Lightning or former option), or None."""
     if name in _BY_NAME:
         hf = _BY_NAME[name]
         return f"that is Hugging Face's {hf.source}.{name}; in trainbus: {hf.plain_use}"

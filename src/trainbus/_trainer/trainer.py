@@ -51,6 +51,8 @@ from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
 from .calls import (
+    DURING_FIT,
+    BusHolder,
     CallRunner,
     SignalWatcher,
     TrainingThread,
@@ -60,7 +62,6 @@ from .calls import (
     warns_unawaited,
     watching_cancel,
 )
-from .holder import DURING_FIT, BusHolder
 from .options import (
     Accumulate,
     CheckpointDir,
@@ -95,32 +96,23 @@ class Trainer:
             (docs/trainer.md, "Custom steps"). None: the default step.
         loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches; None:
             the model returns the loss (docs/trainer.md).
-        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
-            (metrics ``val_<name>``, or ``<set>/<name>`` for named sets).
+        eval_data: Evaluation batches, or a mapping of set names to them (docs/trainer.md).
         max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
         max_steps: Optimizer steps to train.
-        scheduler: An LR scheduler stepped every optimizer step (with several optimizers, a
-            mapping of their names to schedulers); ``PerEpoch(scheduler)``: once per epoch.
+        scheduler: An LR scheduler stepped every optimizer step, or ``PerEpoch(scheduler)``.
         accumulate: Micro-batches per optimizer step, or an :class:`Accumulate`.
-        clip_grad_norm: Clip the total gradient norm to this value (the pre-clip norm is
-            ``grad_norm`` on the events).
-        precision: ``"32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a grad scaler,
-            CUDA only), or Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        clip_grad_norm: Clip the total gradient norm to this value (events carry the norm).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (CUDA), or Lightning's spellings.
         device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
         seed: Seeds the generators and the data order when ``fit()`` starts (docs/trainer.md).
         metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``.
-        set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as
-            ``val_ppl`` (:class:`~trainbus.SetMetric`).
+        set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}``.
         eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`).
         log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
-        checkpoint_dir: Where ``SaveCheckpoint`` and the final checkpoint write, or a
-            :class:`CheckpointDir`; checked now, created at the first save.
-        callbacks: Callback classes or instances (user tier); stateful ones need distinct
-            ``state_key`` values.
-        progress: A :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr is
-            a terminal on rank 0, True always, False never.
-        on_nonfinite: A NaN/inf loss: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``
-            (docs/trainer.md, "Non-finite losses").
+        checkpoint_dir: Where checkpoints are written, or a :class:`CheckpointDir`.
+        callbacks: Callback classes or instances (user tier).
+        progress: A progress bar: None (when stderr is a terminal on rank 0), True or False.
+        on_nonfinite: A NaN/inf loss: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``.
         on_signal: SIGINT/SIGTERM stop ``fit()`` gracefully, then ``"raise"`` (default) their
             interrupt or ``"return"`` the result; None: no handler (docs/trainer.md).
         bus: The :class:`EventBus` to run on (default: a new one), with the bus' own options.
@@ -369,8 +361,8 @@ class Trainer:
         loop: Loop | None = None
         try:
             self._check_callbacks()
-            group = ranks.join(s.device)
-            s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order
+            group, s = ranks.join(s)
+            s = self.settings = seeded_run(s)  # the run's generators, data order
             s.model.to(s.device)
             checkpoint = (
                 None
