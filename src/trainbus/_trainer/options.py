@@ -98,16 +98,14 @@ def clip_grad_norm(name: str, value: Any) -> float | None:
     return None if value is None else check_number(name, value, positive=True)
 
 
-def accumulate_by(name: str, value: Any) -> Any:
-    if (
+accumulate_by = accepting(
+    "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int",
+    lambda value: (
         value in ("batches", "items")
         if isinstance(value, str)
         else callable(value) and not isinstance(value, type)
-    ):
-        return value
-    raise ConfigError.invalid(
-        name, value, "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int"
-    )
+    ),
+)
 
 
 def _refuses_arguments(fn: Callable[..., Any], count: int) -> str | None:
