@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,13 +23,7 @@ from .._loop.set_metrics import SetMetric
 from .._loop.settings import Precision
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, is_sharded_model, resolve_device
-from .._validate import (
-    check_bool,
-    check_int,
-    check_number,
-    explains_unknown_keywords,
-    unknown_keyword_message,
-)
+from .._validate import check_bool, check_int, explains_unknown_keywords, unknown_keyword_message
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
 from .hf_options import fit_hint, option_hint
@@ -95,7 +90,12 @@ def loss_fn(name: str, value: Any) -> Any:
 
 
 def clip_grad_norm(name: str, value: Any) -> float | None:
-    return None if value is None else check_number(name, value, positive=True)
+    if value is None:
+        return None
+    if not (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):  # fmt: skip
+        raise ConfigError.invalid(name, value, "a finite number > 0 or None")
+    return float(value)
 
 
 accumulate_by = accepting(
