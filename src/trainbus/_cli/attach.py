@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TextIO
 
 import anyio
@@ -40,11 +40,8 @@ class CommandSyntaxError(ValueError):
 
 
 def parse_command(line: str) -> cmd.Command | str | None:
-    """One prompt line as a command, ``"help"``/``"detach"``, or None for an empty line.
-
-    Raises:
-        CommandSyntaxError: an unknown or malformed command (the message lists the commands).
-    """
+    """One prompt line as a command, ``"help"``/``"detach"``, or None for an empty line;
+    ``CommandSyntaxError`` for anything else."""
     words = line.split()
     if not words:
         return None
@@ -225,6 +222,11 @@ async def _watch_status(att: Attachment, view: View) -> None:
         view.status(att.status)
 
 
+async def _then_set(wait: Callable[[], Awaitable[object]], done: anyio.Event) -> None:
+    await wait()
+    done.set()
+
+
 async def _attach(args: argparse.Namespace, commands: list[cmd.Command]) -> int:
     view = View(sys.stdout, json_records=args.json)
     att = Attachment(args.run_dir, events=_VIEW, timeout=args.timeout)
@@ -245,17 +247,9 @@ async def _attach(args: argparse.Namespace, commands: list[cmd.Command]) -> int:
         async with anyio.create_task_group() as tg:
             tg.start_soon(_prompt, att, view, done)
             tg.start_soon(_watch_status, att, view)
-
-            async def ended() -> None:
-                await att.wait()
-                done.set()
-
-            async def reader_gone() -> None:  # the pipe's reader closed it: detach
-                await view.gone.wait()
-                done.set()
-
-            tg.start_soon(ended)
-            tg.start_soon(reader_gone)
+            # Detach when the run ends or the pipe's reader closed it.
+            tg.start_soon(_then_set, att.wait, done)
+            tg.start_soon(_then_set, view.gone.wait, done)
             await done.wait()
             tg.cancel_scope.cancel()
         if att.ended is None and not args.json:

@@ -67,12 +67,9 @@ def run_launch(tokens: Sequence[str]) -> int:
         launcher = Launcher(script, *args, nproc_per_node=nproc, torchrun_args=options,
                             callbacks=[MetricsLogger()])  # fmt: skip
         result = launcher.run()
-    except ConfigError as exc:
+    except (ConfigError, LaunchError) as exc:
         print(f"trainbus launch: {exc}", file=sys.stderr)
-        return 2
-    except LaunchError as exc:
-        print(f"trainbus launch: {exc}", file=sys.stderr)
-        return 1
+        return 2 if isinstance(exc, ConfigError) else 1
     last = result.last_event
     print(f"launch ended: {result.received} events from rank 0"
           + (f", last {type(last).__name__} at step {last.step}" if last else "")

@@ -38,26 +38,18 @@ def configure_logging(*, json_logs: bool) -> None:
     """Configure structlog for the CLI: console lines for humans, or JSON lines."""
     import structlog
 
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        structlog.processors.add_log_level,
-    ]
-    if json_logs:
-        processors = [
-            *shared,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.dict_tracebacks,
-            structlog.processors.JSONRenderer(),
-        ]
-    else:
-        processors = [
-            *shared,
-            structlog.processors.TimeStamper(fmt="%H:%M:%S", utc=False),
+    p = structlog.processors
+    rendering: list[Any] = (
+        [p.TimeStamper(fmt="iso", utc=True), p.dict_tracebacks, p.JSONRenderer()]
+        if json_logs
+        else [
+            p.TimeStamper(fmt="%H:%M:%S", utc=False),
             _round_floats,
             structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty()),
         ]
+    )
     structlog.configure(
-        processors=processors,
+        processors=[structlog.contextvars.merge_contextvars, p.add_log_level, *rendering],
         logger_factory=lambda *args: _StderrLogger(),
         wrapper_class=structlog.make_filtering_bound_logger(20),  # INFO and above
         cache_logger_on_first_use=False,

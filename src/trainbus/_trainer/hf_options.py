@@ -13,9 +13,7 @@ __all__ = [
     "REMOVED_OPTIONS",
     "HfOption",
     "fit_hint",
-    "hf_hint",
-    "lightning_hint",
-    "removed_hint",
+    "option_hint",
 ]
 
 Source = Literal["TrainingArguments", "Trainer", "EarlyStoppingCallback"]
@@ -153,14 +151,6 @@ HF_OPTIONS: tuple[HfOption, ...] = (
 _BY_NAME = {o.name: o for o in HF_OPTIONS}
 
 
-def hf_hint(name: str) -> str | None:
-    """What replaces the Hugging Face option ``name`` in trainbus (plain text), or None."""
-    option = _BY_NAME.get(name)
-    if option is None:
-        return None
-    return f"that is Hugging Face's {option.source}.{name}; in trainbus: {option.plain_use}"
-
-
 def _signals(value: Any) -> str:
     if value is False:
         return "on_signal=None (no signal handler)"
@@ -192,14 +182,6 @@ REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
 option that replaces it, value -> what to write instead)}``."""
 
 
-def removed_hint(name: str, value: Any) -> str | None:
-    """What replaces the removed trainbus option ``name=value``, or None."""
-    removed = REMOVED_OPTIONS.get(name)
-    if removed is None:
-        return None
-    return f"{name} is no Trainer option now; in trainbus: {removed[1](value)}"
-
-
 LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
     "accumulate_grad_batches": ("accumulate", "accumulate=N"),
     "gradient_clip_val": ("clip_grad_norm", "clip_grad_norm=..."),
@@ -225,12 +207,16 @@ LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {
 """Lightning's ``Trainer`` options trainbus spells otherwise: ``{name: (option, use)}``."""
 
 
-def lightning_hint(name: str) -> str | None:
-    """What replaces the Lightning ``Trainer`` option ``name`` in trainbus, or None."""
-    found = LIGHTNING_OPTIONS.get(name)
-    if found is None:
-        return None
-    return f"that is Lightning's Trainer.{name}; in trainbus: {found[1]}"
+def option_hint(name: str, value: Any) -> str | None:
+    """What replaces ``name=value`` (a Hugging Face, Lightning or former option), or None."""
+    if name in _BY_NAME:
+        hf = _BY_NAME[name]
+        return f"that is Hugging Face's {hf.source}.{name}; in trainbus: {hf.plain_use}"
+    if name in LIGHTNING_OPTIONS:
+        return f"that is Lightning's Trainer.{name}; in trainbus: {LIGHTNING_OPTIONS[name][1]}"
+    if name in REMOVED_OPTIONS:
+        return f"{name} is no Trainer option now; in trainbus: {REMOVED_OPTIONS[name][1](value)}"
+    return None
 
 
 FIT_OPTIONS = {

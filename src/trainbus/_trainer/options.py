@@ -23,10 +23,10 @@ from .._loop.set_metrics import SetMetric
 from .._loop.settings import Precision
 from .._signals import check_on_signal
 from .._tensors import bf16_supported, is_sharded_model, resolve_device
-from .._validate import check_int, explains_unknown_keywords, unknown_keyword_message
+from .._validate import check_bool, check_int, explains_unknown_keywords, unknown_keyword_message
 from ..callbacks._base import Callback
 from ..checkpoint import check_checkpoint_dir
-from .hf_options import fit_hint, hf_hint, lightning_hint, removed_hint
+from .hf_options import fit_hint, option_hint
 
 __all__ = [
     "CHECKS",
@@ -65,7 +65,6 @@ def _none_or(kind: type) -> Callable[[Any], bool]:
     return lambda value: value is None or isinstance(value, kind)
 
 
-boolean = accepting("True or False", lambda value: isinstance(value, bool))
 progress = accepting("None (when stderr is a terminal), True or False", _none_or(bool))
 bus = accepting("a trainbus.EventBus or None", _none_or(EventBus))
 train_step = accepting(
@@ -99,16 +98,14 @@ def clip_grad_norm(name: str, value: Any) -> float | None:
     return float(value)
 
 
-def accumulate_by(name: str, value: Any) -> Any:
-    if (
+accumulate_by = accepting(
+    "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int",
+    lambda value: (
         value in ("batches", "items")
         if isinstance(value, str)
         else callable(value) and not isinstance(value, type)
-    ):
-        return value
-    raise ConfigError.invalid(
-        name, value, "'batches', 'items' (labels != -100 per micro-batch) or fn(batch) -> int"
-    )
+    ),
+)
 
 
 def _refuses_arguments(fn: Callable[..., Any], count: int) -> str | None:
@@ -462,8 +459,8 @@ class EvalSchedule:
     Args:
         every_steps: Also evaluate every N optimizer steps (None: not by steps).
         epoch_end: Evaluate after each epoch.
-        at_end: Evaluate the final weights of a completed run once more when its last step was
-            not (docs/trainer.md, "Evaluation at the end of training").
+        at_end: Evaluate the final weights once more when the last step was not evaluated
+            (docs/trainer.md).
 
     Raises:
         ConfigError: naming the field (``EvalSchedule.every_steps``...), the value and what
@@ -476,8 +473,8 @@ class EvalSchedule:
 
     def __post_init__(self) -> None:
         check_int("EvalSchedule.every_steps", self.every_steps, 1, optional=True)
-        boolean("EvalSchedule.epoch_end", self.epoch_end)
-        boolean("EvalSchedule.at_end", self.at_end)
+        check_bool("EvalSchedule.epoch_end", self.epoch_end)
+        check_bool("EvalSchedule.at_end", self.at_end)
 
 
 def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
@@ -490,14 +487,12 @@ def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
 
 @dataclass(frozen=True, slots=True, init=False)
 class Accumulate:
-    """Gradient accumulation with a weighing of its own: ``accumulate=Accumulate(4,
-    by="items")`` (``accumulate=4`` is ``Accumulate(4)``).
+    """Gradient accumulation with a weighing of its own (``accumulate=4`` is ``Accumulate(4)``).
 
     Args:
         micro_batches: Micro-batches per optimizer step.
-        by: How the step's micro-batches weigh: ``"batches"`` alike, ``"items"`` by their
-            labels ``!= -100`` (Hugging Face's ``num_items_in_batch``), or by
-            ``fn(batch) -> items`` (docs/trainer.md, "Gradient accumulation").
+        by: How the micro-batches weigh: ``"batches"`` alike, ``"items"`` by their labels
+            ``!= -100``, or ``fn(batch) -> items`` (docs/trainer.md).
 
     Raises:
         ConfigError: naming the field (``Accumulate.micro_batches``, ``Accumulate.by``).
@@ -517,8 +512,7 @@ class Accumulate:
 
 @dataclass(frozen=True, slots=True)
 class CheckpointDir:
-    """A checkpoint folder with a final-checkpoint policy of its own:
-    ``checkpoint_dir=CheckpointDir("runs/x", skip_final={"pruned"})``.
+    """A checkpoint folder with a final-checkpoint policy of its own (docs/trainer.md).
 
     Args:
         path: The folder; checked now (creatable, writable), created at the first save.
@@ -544,8 +538,7 @@ class CheckpointDir:
 
 @dataclass(frozen=True, slots=True)
 class PerEpoch:
-    """An LR scheduler stepped once per epoch instead of once per optimizer step:
-    ``scheduler=PerEpoch(scheduler)``.
+    """An LR scheduler stepped once per epoch instead of once per optimizer step.
 
     Args:
         scheduler: The scheduler, or a mapping of optimizer names to schedulers.
@@ -560,35 +553,24 @@ def _scheduler(name: str, value: Any) -> tuple[Any, Literal["step", "epoch"]]:
     return value, "step"
 
 
-def _group(cls: type, *, plain: Callable[[Any], Any] | None = None) -> Check:
-    """An instance of the group ``cls``, or what ``plain`` makes of the value."""
-
-    def check(name: str, value: Any) -> Any:
-        if isinstance(value, cls):
-            return value
-        if plain is not None:
-            return plain(value)
-        raise ConfigError.invalid(name, value, f"a trainbus.{cls.__name__}")
-
-    return check
-
-
-def _plain_accumulate(value: Any) -> Accumulate:
+def _accumulate(name: str, value: Any) -> Accumulate:
+    if isinstance(value, Accumulate):
+        return value
     try:
         return Accumulate(value)
     except ConfigError:
         raise ConfigError.invalid(
-            "accumulate", value,
+            name, value,
             "an int >= 1 (micro-batches per step) or trainbus.Accumulate(micro_batches, by=...)",
         ) from None  # fmt: skip
 
 
-def _plain_checkpoint_dir(value: Any) -> CheckpointDir | None:
-    if value is None:
-        return None
+def _checkpoint_dir(name: str, value: Any) -> CheckpointDir | None:
+    if value is None or isinstance(value, CheckpointDir):
+        return value
     if not isinstance(value, str | os.PathLike):
         raise ConfigError.invalid(
-            "checkpoint_dir", value,
+            name, value,
             "None, a folder (str or Path) or trainbus.CheckpointDir(path, skip_final=...)",
         )  # fmt: skip
     return CheckpointDir(value)
@@ -601,16 +583,18 @@ CHECKS: dict[str, Check] = {
     "max_epochs": int_at_least(1, optional=True),
     "max_steps": int_at_least(1, optional=True),
     "scheduler": _scheduler,
-    "accumulate": _group(Accumulate, plain=_plain_accumulate),
+    "accumulate": _accumulate,
     "clip_grad_norm": clip_grad_norm,
     "precision": precision,
     "device": lambda _, value: resolve_device(value),  # resolved once, for every thread
     "seed": int_at_least(0, optional=True),
     "metrics": metrics,
     "set_metrics": set_metrics,
-    "eval_schedule": _group(EvalSchedule),
+    "eval_schedule": accepting(
+        "a trainbus.EvalSchedule", lambda value: isinstance(value, EvalSchedule)
+    ),
     "log_every": int_at_least(1),
-    "checkpoint_dir": _group(CheckpointDir, plain=_plain_checkpoint_dir),
+    "checkpoint_dir": _checkpoint_dir,
     "callbacks": callbacks,
     "progress": progress,
     "on_nonfinite": on_nonfinite,
@@ -635,9 +619,7 @@ def bus_hint(name: str, value: Any) -> str | None:
 
 
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
-    hint = (
-        hf_hint(name) or lightning_hint(name) or removed_hint(name, value) or bus_hint(name, value)
-    )
+    hint = option_hint(name, value) or bus_hint(name, value)
     return unknown_keyword_message("Trainer", name, options, hint)
 
 

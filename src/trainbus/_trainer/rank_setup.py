@@ -32,18 +32,13 @@ class RankSetup:
         self._link: WorkerLink | None = None
         self._wrapped: torch.nn.Module | None = None
 
-    def join(self, device: torch.device | None = None) -> ProcessGroup:
-        """Join the process group the environment describes, kept for :meth:`close`."""
-        self._group = ProcessGroup.from_env(device=device)
-        return self._group
-
-    def place(self, s: Settings) -> Settings:
-        """The settings with this rank's own GPU as device (unchanged on one process)."""
-        group = self._group
-        assert group is not None, "join() first"
+    def join(self, s: Settings) -> tuple[ProcessGroup, Settings]:
+        """Join the process group the environment describes (kept for :meth:`close`); the
+        settings with this rank's own GPU as device (unchanged on one process)."""
+        group = self._group = ProcessGroup.from_env(device=s.device)
         if group.distributed and group.device.type == "cuda" and s.device.type == "cuda":
-            return dataclasses.replace(s, device=group.device)
-        return s
+            s = dataclasses.replace(s, device=group.device)
+        return group, s
 
     def distribute(self, s: Settings) -> Settings:
         """The settings one rank trains with: DDP model, sharded data (same on one process)."""

@@ -19,6 +19,7 @@ from .._log import get_logger
 from .._loop import Settings
 from .._loop.saving import config_differences, run_config
 from .._tensors import is_sharded_model
+from .._validate import check_bool
 from ..checkpoint import Checkpoint, CheckpointStore, load_sharded, read_checkpoint
 from .added import AddedCallbacks
 from .calls import TrainingThread
@@ -33,8 +34,7 @@ def check_resume(
 ) -> str | Path | None:
     """``fit(resume=..., require_checkpoint=...)`` checked: None, ``"latest"`` (with a
     ``checkpoint_dir``) or an existing checkpoint's ``Path``."""
-    if not isinstance(require_checkpoint, bool):
-        raise ConfigError.invalid("require_checkpoint", require_checkpoint, "True or False")
+    check_bool("require_checkpoint", require_checkpoint)
     if resume is None:
         if require_checkpoint:
             raise ConfigError.invalid("require_checkpoint", True, "False unless resume is "
@@ -88,10 +88,8 @@ class CallbackStates:
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False
     ) -> Checkpoint | None:
-        """Load the checkpoint ``resume`` names (``"latest"``: Ray's, else the newest valid one)
-        and restore all but the RNG states; the checkpoint without them, or None when
-        ``"latest"`` found none (``CheckpointError`` when ``required``). docs/reliability.md.
-        """
+        """Load ``resume`` (``"latest"``: Ray's, else the newest valid one) and restore all but
+        the RNG states; None when ``"latest"`` found none (docs/reliability.md)."""
         self.resume_source = None
         latest = resume == "latest"
         where = s.checkpoint_dir if latest else resume
@@ -165,10 +163,8 @@ class CallbackStates:
 
     @staticmethod
     def warn_differences(s: Settings, checkpoint: Checkpoint) -> None:
-        """Warn (``resume_config_differs``) when this run's cadences, accumulation or data
-        differ from those of the run that wrote ``checkpoint`` (``s``: after sharding), and
-        (``resume_past_the_end``) when it already reached this run's ``max_steps`` or
-        ``max_epochs``: nothing is left to train."""
+        """Warn when ``checkpoint`` already reached this run's limits, and when this run (``s``:
+        after sharding) differs from the one that wrote it."""
         st = checkpoint.state
         if (s.max_steps is not None and st.step >= s.max_steps) or (
             s.max_epochs is not None and st.epoch >= s.max_epochs

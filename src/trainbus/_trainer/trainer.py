@@ -44,12 +44,15 @@ from .._loop.set_metrics import SetMetric
 from .._seeding import seeded_run
 from .._signals import OnSignal
 from .._tensors import is_sharded_model
+from .._validate import check_bool
 from ..callbacks._base import Callback, RunPlan, global_callbacks, plain_settings
 from ..callbacks._progress import Progress, progress_by_default
 from ..checkpoint import TrainState
 from ..events import TracedSpan
 from .added import AddedCallbacks
 from .calls import (
+    DURING_FIT,
+    BusHolder,
     CallRunner,
     SignalWatcher,
     TrainingThread,
@@ -59,7 +62,6 @@ from .calls import (
     warns_unawaited,
     watching_cancel,
 )
-from .holder import BusHolder
 from .options import (
     Accumulate,
     CheckpointDir,
@@ -88,41 +90,29 @@ class Trainer:
     Args:
         model: The ``torch.nn.Module`` to train.
         optimizer: A ``torch.optim.Optimizer`` over the model's parameters, or a mapping of
-            names to optimizers over disjoint parameters (``{"g": opt_g, "d": opt_d}``): the
-            default step steps them all, a ``train_step`` by name (docs/trainer.md).
+            names to optimizers over disjoint parameters (docs/trainer.md).
         train_data: Any iterable of batches (a ``DataLoader``, a list, a generator factory...).
         train_step: Your own step, ``fn(ctx: TrainContext) -> loss`` per micro-batch
             (docs/trainer.md, "Custom steps"). None: the default step.
-        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches.
-            Without it, ``model(batch)`` (``model(**batch)`` for a mapping) returns the loss, a
-            mapping with ``"loss"`` or an object with ``.loss`` (the Hugging Face convention).
-        eval_data: Iterable of evaluation batches, or a mapping of set names to iterables
-            (metrics ``val_<name>``, or ``<set>/<name>`` for named sets).
+        loss_fn: ``loss_fn(model(inputs), targets)`` for ``(inputs, targets)`` batches; None:
+            the model returns the loss (docs/trainer.md).
+        eval_data: Evaluation batches, or a mapping of set names to them (docs/trainer.md).
         max_epochs: Epochs to train; with ``max_steps`` the first limit reached ends the run.
         max_steps: Optimizer steps to train.
-        scheduler: An LR scheduler stepped every optimizer step (with several optimizers, a
-            mapping of their names to schedulers); ``PerEpoch(scheduler)``: once per epoch.
+        scheduler: An LR scheduler stepped every optimizer step, or ``PerEpoch(scheduler)``.
         accumulate: Micro-batches per optimizer step, or an :class:`Accumulate`.
-        clip_grad_norm: Clip the total gradient norm to this value (the pre-clip norm is
-            ``grad_norm`` on the events).
-        precision: ``"32"``, ``"bf16"`` (autocast) or ``"fp16"`` (autocast and a grad scaler,
-            CUDA only), or Lightning's ``"32-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        clip_grad_norm: Clip the total gradient norm to this value (events carry the norm).
+        precision: ``"32"``, ``"bf16"`` or ``"fp16"`` (CUDA), or Lightning's spellings.
         device: ``"auto"`` (CUDA, then MPS, then CPU), a device string or ``torch.device``.
-        seed: Seeds the generators when ``fit()`` starts, and the data order
-            (docs/trainer.md, "Seeds").
+        seed: Seeds the generators and the data order when ``fit()`` starts (docs/trainer.md).
         metrics: ``{"acc": fn(outputs, targets)}``, averaged over samples as ``val_acc``.
-        set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}`` as
-            ``val_ppl`` (:class:`~trainbus.SetMetric`).
+        set_metrics: Metrics of the whole evaluation set, ``{"ppl": Perplexity()}``.
         eval_schedule: When ``eval_data`` is evaluated (:class:`EvalSchedule`).
         log_every: Steps per ``MetricsLogged`` (one device read of the window's losses).
-        checkpoint_dir: Where ``SaveCheckpoint`` and the final checkpoint write, or a
-            :class:`CheckpointDir`; checked now, created at the first save.
-        callbacks: Callback classes or instances (user tier); stateful ones need distinct
-            ``state_key`` values.
-        progress: A :class:`~trainbus.callbacks.Progress` bar: None (default) when stderr is
-            a terminal on rank 0, True always, False never.
-        on_nonfinite: A NaN/inf loss: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``
-            (docs/trainer.md, "Non-finite losses").
+        checkpoint_dir: Where checkpoints are written, or a :class:`CheckpointDir`.
+        callbacks: Callback classes or instances (user tier).
+        progress: A progress bar: None (when stderr is a terminal on rank 0), True or False.
+        on_nonfinite: A NaN/inf loss: ``"raise"``, ``"stop"``, ``"skip"`` or ``"ignore"``.
         on_signal: SIGINT/SIGTERM stop ``fit()`` gracefully, then ``"raise"`` (default) their
             interrupt or ``"return"`` the result; None: no handler (docs/trainer.md).
         bus: The :class:`EventBus` to run on (default: a new one), with the bus' own options.
@@ -247,8 +237,7 @@ class Trainer:
         self.close()
 
     def close(self) -> None:
-        """Close the bus (deliver, complete the streams, wait for async subscribers) and end
-        the training thread. Idempotent.
+        """Close the bus and end the training thread (docs/trainer.md). Idempotent.
 
         Raises:
             TrainbusError: the bus runs in an ``async with trainer`` block (leave it instead).
@@ -290,8 +279,7 @@ class Trainer:
         backend: str = "asyncio",
         require_checkpoint: bool = False,
     ) -> FitResult:
-        """Synchronous twin of :meth:`fit`, through an anyio blocking portal (also where an
-        event loop runs on this thread, a notebook).
+        """Synchronous twin of :meth:`fit`, through an anyio blocking portal (docs/trainer.md).
 
         Args:
             resume: As for :meth:`fit`.
@@ -339,10 +327,8 @@ class Trainer:
                 ``require_checkpoint`` and nothing was found.
             CheckpointWriteError: the final checkpoint could not be written.
             TypeError: another framework's keyword (``ckpt_path``), naming ``resume``.
-            KeyboardInterrupt: after a graceful stop by SIGINT (unless ``on_signal="return"``),
-                or a second SIGINT.
-            SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM (unless
-                ``on_signal="return"``).
+            KeyboardInterrupt: after a graceful stop by SIGINT, or a second SIGINT.
+            SystemExit: ``SystemExit(143)`` after a graceful stop by SIGTERM.
             Exception: the training exception (``FitEnded`` delivered and ``trainer.result``
                 set first); a ``"raise"`` subscriber's; a callback's ``after_fit``'s.
         """
@@ -375,8 +361,8 @@ class Trainer:
         loop: Loop | None = None
         try:
             self._check_callbacks()
-            group = ranks.join(s.device)
-            s = self.settings = seeded_run(ranks.place(s))  # the run's generators, data order
+            group, s = ranks.join(s)
+            s = self.settings = seeded_run(s)  # the run's generators, data order
             s.model.to(s.device)
             checkpoint = (
                 None
@@ -483,7 +469,7 @@ class Trainer:
         if self._call is not None:
             raise TrainbusError(
                 f"{call} cannot run while {self._call}() runs on this Trainer (one call at a "
-                f"time: await it first){_DURING_FIT if self._call == 'fit' else ''}"
+                f"time: await it first){DURING_FIT if self._call == 'fit' else ''}"
             )
 
     async def _standalone(
@@ -557,9 +543,7 @@ class Trainer:
         ignore_keys: Iterable[str] | None = None,
     ) -> Any:
         """Run the model on every batch of ``data`` (no loss, no gradients), outside ``fit()``,
-        publishing each batch's outputs (docs/trainer.md, "Evaluate and predict outside fit()"):
-        with ``loss_fn``, ``model(inputs)`` of ``(inputs, targets)`` batches, else
-        ``model(batch)`` (``model(**batch)`` for a mapping).
+        publishing each batch's outputs (docs/trainer.md, "Evaluate and predict outside fit()").
 
         Args:
             data: An iterable of batches.
@@ -583,8 +567,7 @@ class Trainer:
         refuse_dataset("data", data)
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):
             raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
-        if not isinstance(return_outputs, bool):
-            raise ConfigError.invalid("return_outputs", return_outputs, "True or False")
+        check_bool("return_outputs", return_outputs)
         pad = PadValues.check(pad_value)
         ignore = ignored_keys(self.settings.model, ignore_keys)
         kept = await self._standalone("predict",
@@ -611,9 +594,3 @@ class Trainer:
                                                         pad_value=pad_value,
                                                         ignore_keys=ignore_keys),
                                    backend, "predict")  # fmt: skip
-
-
-_DURING_FIT = (
-    "; during fit(), evaluate or save with a command: trainer.bus.send(commands.Evaluate()) "
-    "or SaveCheckpoint() (await trainer.bus.request(...) from an async subscriber waits for it)"
-)
