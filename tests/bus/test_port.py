@@ -22,7 +22,7 @@ from trainbus.testing import tiny_loader, tiny_model
 LOOP_NAMES = {
     "barrier_requested", "demand", "declare", "doorbell", "failure", "has_commands", "held",
     "next_decision", "poll_commands", "publish", "request_cancel_pending", "decision_steps",
-    "statistics", "wait_barrier",
+    "statistics", "wait_barrier", "resume_polls", "end_polls",
     "wait_for_room", "wants", "withdraw",
 }  # fmt: skip
 GONE_FROM_THE_BUS = {

@@ -16,10 +16,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
+from structlog.testing import capture_logs
 
 from trainbus import ConfigError, EvalSchedule, EventBus, FitResult, TrainbusError, Trainer
 from trainbus import commands as cmd
 from trainbus import events as ev
+from trainbus.bus import BusClosedError
 from trainbus.testing import EventRecorder, tiny_loader, tiny_model
 
 CALL_ENDS = (ev.FitEnded, ev.EvaluationRoundEnded, ev.PredictionEnded)
@@ -607,3 +609,74 @@ def test_evaluating_from_a_subscriber_during_fit_is_told_to_send_a_command() -> 
     for failure in failures:
         assert "during fit() send a command" in failure or "during fit(), evaluate" in failure
         assert "trainer.bus.send(commands.Evaluate())" in failure
+
+
+# ------------------------------------------------------------------ commands between calls
+def _send_late(bus: EventBus) -> None:
+    """A late time-budget thread's stop and an LR change, sent while no call runs: dropped,
+    and logged (the stop at info, as a stop after the end; the other as a warning)."""
+    with capture_logs() as logs:
+        bus.send(cmd.StopTraining(reason="time budget"))
+        bus.send(cmd.SetLearningRate(lr=0.5))
+    (stop,) = [x for x in logs if x["event"] == "stop_after_the_end"]
+    (lost,) = [x for x in logs if x["event"] == "commands_not_applied"]
+    assert "no call is running" in stop["reason"] and "SetLearningRate" in lost["commands"][0]
+    assert lost["log_level"] == "warning"
+
+
+@pytest.mark.parametrize("with_block", [False, True])
+def test_a_command_sent_between_calls_is_dropped_not_carried_into_the_next_call(
+    with_block: bool,
+) -> None:
+    """No loop polls between calls, and the next call must not inherit what was sent then: an
+    ``evaluate()`` over no batch, a ``fit()`` stopped at its first poll, an LR set at step 0."""
+    trainer = make_trainer(eval_data=tiny_loader(4, seed=1))
+    bus = trainer.bus
+    applied = EventRecorder(bus)
+
+    def calls() -> tuple[dict[str, float], dict[str, float], FitResult]:
+        first = trainer.evaluate_sync()
+        _send_late(bus)
+        second = trainer.evaluate_sync()
+        _send_late(bus)
+        return first, second, trainer.fit_sync()
+
+    if with_block:
+        with trainer:
+            first, second, fitted = calls()
+    else:
+        first, second, fitted = calls()
+    assert len(applied.of_type(ev.EvaluationEnded)) == 2
+    assert len(applied.of_type(ev.EvalBatchEnded)) == 8  # each over the whole set
+    assert first == second != {}
+    assert (fitted.reason, fitted.steps) == ("completed", 3)  # not stopped at its first poll
+    assert [e.lr for e in applied.of_type(ev.StepEnded)] == [0.1] * 3  # no LR change
+    assert applied.of_type(ev.CommandApplied) == []
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("async_with", [False, True])
+async def test_a_request_between_calls_raises_at_once_instead_of_waiting_forever(
+    async_with: bool,
+) -> None:
+    """Also where the bus runs across calls (``async with trainer``): between them, no loop
+    polls; a stale stop does not empty the next ``evaluate()``."""
+    trainer = make_trainer(eval_data=tiny_loader(4, seed=1))
+    applied = EventRecorder(trainer.bus)
+
+    async def calls() -> FitResult:
+        first = await trainer.evaluate()
+        with anyio.fail_after(5), pytest.raises(BusClosedError, match="no call is running"):
+            await trainer.bus.request(cmd.SaveCheckpoint(tag="late"))
+        _send_late(trainer.bus)
+        assert await trainer.evaluate() == first != {}
+        return await trainer.fit()  # the bus is as good as before
+
+    if async_with:
+        async with trainer:
+            result = await calls()
+    else:
+        result = await calls()
+    assert (result.reason, result.steps) == ("completed", 3)
+    assert len(applied.of_type(ev.EvalBatchEnded)) == 8
+    assert applied.of_type(ev.CommandApplied) == []

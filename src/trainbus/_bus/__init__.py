@@ -101,6 +101,7 @@ class LoopPort:
         self.has_commands = channel.has_commands
         self.poll_commands = channel.poll_commands
         self.withdraw = channel.withdraw
+        self.resume_polls, self.end_polls = channel.resume_polls, channel.end_polls
         self.wait_for_room = subs.backpressure.wait_for_room
         self.wait_barrier = barrier.wait_barrier
         self.barrier_requested = barrier.requested
@@ -498,7 +499,8 @@ class EventBus:
         return self._lifecycle.cancel_pending()
 
     def send(self, command: cmd.Command) -> None:
-        """Put ``command`` on the back-channel. Safe from any thread; never blocks.
+        """Put ``command`` on the back-channel. Safe from any thread; never blocks. Between
+        calls it is dropped and logged, not carried into the next call (docs/bus.md).
 
         Raises:
             ConfigError: ``command`` is not a trainbus command.
@@ -516,7 +518,8 @@ class EventBus:
         Raises:
             ConfigError: ``command`` is not a trainbus command.
             CommandError: the loop could not apply it (the cause is attached).
-            BusClosedError: the bus closed before the command was applied.
+            BusClosedError: the bus closed, or the call ended, before the command was
+                applied; no call is running.
         """
         return await self._channel.request(command)
 

@@ -160,7 +160,7 @@ class CommandChannel:
         self._wake: anyio.Event | None = None
         self._closed = False
         self._sealed = False
-        self._polls_over = False
+        self._polls_over = False  # before the first call: the first loop polls them
 
     def send(self, command: cmd.Command) -> None:
         """:meth:`EventBus.send`."""
@@ -170,6 +170,10 @@ class CommandChannel:
                 f"the bus is closed (its run is over): no loop will apply {command!r}; send "
                 "commands while fit(), evaluate() or predict() runs"
             )
+        if self._polls_over:  # no loop polls until the next call: not carried into it
+            self._drop([command], "no call is running (a command applies in the call it is "
+                       "sent during)")  # fmt: skip
+            return
         self._commands.append(self.stamped(command))
         self._doorbell.ring()  # after the append: the loop that hears it finds the command
 
@@ -210,8 +214,8 @@ class CommandChannel:
             raise BusClosedError("the bus is closed: no loop will apply this command")
         if self._polls_over:
             raise BusClosedError(
-                "the call has made its last poll point (it is ending): no loop will apply this "
-                "command in it; request it while fit(), evaluate() or predict() runs"
+                "no call is running (or it made its last poll point): no loop will apply this "
+                "command; request it while fit(), evaluate() or predict() runs"
             )
         _check_command(command)
         # Stamped before it is registered: the acknowledgement carries the queued object.
@@ -265,23 +269,27 @@ class CommandChannel:
             done.set()
 
     def end_polls(self) -> None:
-        """The loop made its last poll point: drop the queued commands; ``request()`` raises
-        until :meth:`resume_polls`."""
+        """The loop made its last poll point: drop the queued commands; until
+        :meth:`resume_polls` (the next call), ``send`` drops and ``request()`` raises."""
         self._polls_over = True
         self.drop_unapplied()
         self._release_waiters()
 
     def resume_polls(self) -> None:
-        """The call's end is over: requests wait for the next call's loop again."""
+        """A call starts: its loop polls the commands sent from now on."""
         self._polls_over = False
 
     def drop_unapplied(self) -> None:
         """Log and drop the commands sent after the loop's last poll point."""
-        # A stop after the last poll asks for what already happened: no warning.
-        stops = [c for c in self._commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
-        lost = [c for c in self._commands if c not in stops]
-        if stops:
-            log.info("stop_after_the_end", commands=[repr(c) for c in stops])
-        if lost:
-            log.warning("commands_not_applied", commands=[repr(c) for c in lost])
+        commands = list(self._commands)
         self._commands.clear()  # none carries over into the next call
+        self._drop(commands, "sent after the call's last poll point")
+
+    def _drop(self, commands: list[cmd.Command], reason: str) -> None:
+        # A stop no loop applies asks for what already happened: no warning.
+        stops = [c for c in commands if isinstance(c, cmd.StopTraining | cmd.StopEpoch)]
+        lost = [c for c in commands if c not in stops]
+        if stops:
+            log.info("stop_after_the_end", commands=[repr(c) for c in stops], reason=reason)
+        if lost:
+            log.warning("commands_not_applied", commands=[repr(c) for c in lost], reason=reason)

@@ -85,6 +85,7 @@ class Lifecycle:
             )
         previous = self.state
         self.state = "running"
+        self._channel.resume_polls()
         self._queue.open(threading.get_ident())
         self._stack = stack = contextlib.AsyncExitStack()
         try:
@@ -203,7 +204,6 @@ class Lifecycle:
             await self._wait_pending(wait, deadline)
         finally:
             self._channel.drop_unapplied()  # sent (not requested) while they finished
-            self._channel.resume_polls()
 
     async def _wait_pending(self, wait: Callable[[], Awaitable[None]], deadline: float) -> None:
         """Await ``wait()`` until ``deadline``, or until :meth:`request_cancel_pending`."""

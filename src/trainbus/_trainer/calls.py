@@ -287,9 +287,13 @@ class CallRunner:
         """Run the bus for one call (suspended at its end), or use it as is when it runs;
         either way deliver what the call published."""
         bus = self._bus
-        if bus.state == "running":
-            yield
-            await bus.wait_delivered(bus.barrier_timeout)
+        if bus.state == "running":  # across calls (async with): commands apply in this one
+            self.port.resume_polls()
+            try:
+                yield
+                await bus.wait_delivered(bus.barrier_timeout)
+            finally:
+                self.port.end_polls()
             return
         await bus.__aenter__()
         try:
