@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from reactivex import operators as ops
 
 from trainbus import (
     Callback,
@@ -156,3 +157,49 @@ def test_an_on_method_naming_two_event_classes_is_refused() -> None:
 
     with pytest.raises(ConfigError, match=r"several match: .*LayerStats.*LayerStats"):
         trainer(callbacks=[Stats()])
+
+
+# ------------------------------------------------------------------ the partial last window
+@pytest.mark.parametrize(
+    ("steps", "log_every", "stop_at", "logged_at"),
+    [
+        (48, 50, None, [48]),  # a short fine-tune: fewer steps than log_every
+        (24, 10, None, [10, 20, 24]),
+        (30, 10, None, [10, 20, 30]),  # no partial window: nothing twice
+        (40, 10, 23, [10, 20, 23]),  # a stop (what SIGTERM sends) mid-window
+        (40, 1, 5, [1, 2, 3, 4, 5]),
+    ],
+)
+def test_the_partial_last_window_reaches_the_loggers(
+    tmp_path: Path, steps: int, log_every: int, stop_at: int | None, logged_at: list[int]
+) -> None:
+    """The steps after the last multiple of ``log_every`` (and a ``ctx.log`` in them) reach a
+    logger as one more ``MetricsLogged`` when the run completes or stops; the JSONL log has
+    it too, before ``FitEnded``."""
+    model = tiny_model()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(steps),
+                loss_fn=F.cross_entropy, progress=False, on_signal=None, max_epochs=1,
+                log_every=log_every,
+                callbacks=[JsonlEventLog(tmp_path / "events.jsonl")])  # fmt: skip
+    t.add_hook("loss", lambda ctx: ctx.log("marker", float(ctx.step)))
+    if stop_at is not None:  # declared: the stop lands on the step it was decided for
+        t.bus.stream(ev.StepEnded).pipe(ops.filter(lambda e: e.step == stop_at)).subscribe(
+            lambda _: t.bus.send(cmd.StopTraining(reason="budget"))
+        )
+        t.bus.declare_decision_steps(at=stop_at)
+    logged: list[ev.MetricsLogged] = []
+    t.bus.stream(ev.MetricsLogged).subscribe(logged.append)
+    result = t.fit_sync()
+    assert result.steps == (stop_at or steps)
+    assert [e.step for e in logged] == logged_at
+    last = logged[-1]
+    assert last.metrics == result.train_metrics  # what FitResult holds, a logger has too
+    first_in_window = logged_at[-2] if len(logged_at) > 1 else 0
+    # The window's steps only: the hook ran at steps first..last-1 (ctx.step before update).
+    assert last.metrics["marker"] == pytest.approx(
+        sum(range(first_in_window, last.step)) / (last.step - first_in_window)
+    )
+    lines = [json.loads(x) for x in (tmp_path / "events.jsonl").read_text().splitlines()]
+    names = [x["type"] for x in lines]
+    assert names.count("MetricsLogged") == len(logged_at)
+    assert names.index("FitEnded") > max(i for i, n in enumerate(names) if n == "MetricsLogged")

@@ -129,15 +129,10 @@ class LogWindow:
         return logged
 
     def finish(self) -> None:
-        """At a run's normal end the partial last window sets :attr:`metrics`, unpublished."""
-        if not self._losses:
-            return
-        metrics, _ = self._measure()
-        if self._sync is not None:
-            metrics, self._agree, _ = self._sync.reduce_window(
-                metrics, pending=self._port.has_commands()
-            )
-        self.metrics = metrics
+        """At a run's normal end: close the partial last window, published like the others
+        (its step is the run's last, not a multiple of ``log_every``)."""
+        if self._losses:
+            self.close(self._port.wants(ev.MetricsLogged))
 
     def agree_due(self) -> bool:
         """torchrun: the last close found commands waiting on some rank (answered once)."""
