@@ -125,7 +125,7 @@ def test_monitor_skips_failed_evaluations_and_reports_a_missing_metric(
     assert vbus.port().poll_commands() == []
     subs = {s.name: s for s in vbus.statistics().subscriptions}
     assert set(subs) == {"Checkpointing.best", "Checkpointing.best_external",
-                         "Checkpointing.retention"}  # fmt: skip
+                         "Checkpointing.retention", "Checkpointing.removal"}  # fmt: skip
     sub = subs["Checkpointing.best"]
     assert sub.failed == 1
     assert "monitor='val_los'" in (sub.last_error or "") and "val_loss" in (sub.last_error or "")

@@ -4,9 +4,11 @@ best weights loaded at the end (load_best_at_end)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import structlog
 import torch
@@ -42,22 +44,69 @@ def _saved(bus: EventBus, folder: Path, step: int, tag: str | None, **metrics: f
     return path
 
 
-def _names(folder: Path) -> list[str]:
+def _names(folder: Path, bus: EventBus | None = None) -> list[str]:
+    """The folder's files, once ``bus`` (when given) has run the removals its books asked for:
+    they run off the event loop, in an async subscription."""
+    if bus is not None:
+
+        async def settle() -> None:
+            async with bus:
+                await bus.wait_delivered()
+
+        anyio.run(settle)
     return sorted(p.name for p in folder.iterdir())
+
+
+@pytest.mark.parametrize(("keep_last", "keep_best"), [(2, 2), (1, 1), (3, 1)])
+def test_a_slow_disk_deleting_old_checkpoints_never_holds_training(
+    tmp_path: Path,
+    trainer_factory: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    keep_last: int | None,
+    keep_best: int | None,
+) -> None:
+    """A network disk that takes 30 ms per delete: the removals run off the event loop, so no
+    barrier waits for them (``waited_s`` stays empty on a healthy run), and the call's end
+    waits for them: the folder holds what retention keeps when ``fit`` returns."""
+    unlink = Path.unlink
+    deleted: list[str] = []
+
+    def slow_unlink(self: Path, missing_ok: bool = False) -> None:
+        if self.name.startswith("step-"):  # a checkpoint (not the run's other files)
+            time.sleep(0.03)
+            deleted.append(self.name)
+        unlink(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(Path, "unlink", slow_unlink)
+    trainer = trainer_factory(
+        [Checkpointing(every_epochs=1, monitor="val_score", keep_last=keep_last,
+                       keep_best=keep_best)],
+        epochs=8, batches=2, score=[8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0],
+        checkpoint_dir=tmp_path,
+    )  # fmt: skip
+    with structlog.testing.capture_logs() as logs:
+        result = trainer.fit_sync()
+    assert result.reason == "completed" and result.steps == 16
+    assert result.waited_s == {} and result.lost_work == {}
+    removed = [x["path"] for x in logs if x["event"] == "checkpoint_removed"]
+    assert len(removed) == len(deleted) == 16 - keep_last - keep_best  # 8 saves of each kind
+    kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
+    assert not any(Path(r).name in kept for r in removed)
+    assert len(kept) == keep_last + keep_best
 
 
 def test_keep_best_in_max_mode_keeps_the_highest(vbus: EventBus, tmp_path: Path) -> None:
     Checkpointing(every_epochs=None, monitor="acc", mode="max", keep_best=2).setup(vbus)
     for step, acc in [(1, 0.5), (2, 0.7), (3, 0.6), (4, 0.9)]:
         _saved(vbus, tmp_path, step, "best", acc=acc)
-    assert _names(tmp_path) == ["step-00000002-best.pt", "step-00000004-best.pt"]
+    assert _names(tmp_path, vbus) == ["step-00000002-best.pt", "step-00000004-best.pt"]
 
 
 def test_the_file_just_saved_is_never_deleted(vbus: EventBus, tmp_path: Path) -> None:
     Checkpointing(every_epochs=None, monitor="loss", keep_best=1).setup(vbus)
     _saved(vbus, tmp_path, 1, "best", loss=0.1)
     _saved(vbus, tmp_path, 2, "best", loss=0.9)  # worse, sent by hand: it is still the newest
-    assert _names(tmp_path) == ["step-00000002-best.pt"]
+    assert _names(tmp_path, vbus) == ["step-00000002-best.pt"]
 
 
 def test_final_and_other_tags_are_kept(vbus: EventBus, tmp_path: Path) -> None:
@@ -67,7 +116,7 @@ def test_final_and_other_tags_are_kept(vbus: EventBus, tmp_path: Path) -> None:
     _saved(vbus, tmp_path, 3, None)
     _saved(vbus, tmp_path, 4, None)
     _saved(vbus, tmp_path, 4, None)  # the same file written twice is one file
-    assert _names(tmp_path) == ["step-00000001-final.pt", "step-00000002-mine.pt",
+    assert _names(tmp_path, vbus) == ["step-00000001-final.pt", "step-00000002-mine.pt",
                                 "step-00000004.pt"]  # fmt: skip
 
 

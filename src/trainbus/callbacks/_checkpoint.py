@@ -9,12 +9,14 @@ import re
 import secrets
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio.to_thread
 from reactivex import operators as ops
+from reactivex.subject import Subject
 
 from .. import commands as cmd
 from .. import events as ev
@@ -58,6 +60,19 @@ def copy_as_best(source: Path, step: int) -> Path:
     finally:
         _remove(tmp)  # only left when the copy failed
     return target
+
+
+@dataclass(frozen=True, slots=True)
+class _Removal:
+    path: Path
+    step: int
+    reason: str
+
+
+async def _remove_logged(removal: _Removal) -> None:
+    await anyio.to_thread.run_sync(_remove, removal.path)
+    log.info("checkpoint_removed", step=removal.step, path=str(removal.path),
+             reason=removal.reason)  # fmt: skip
 
 
 def _remove(path: Path) -> None:
@@ -395,10 +410,16 @@ class Checkpointing(Callback):
             )
         self._retention = _Retention(self.keep_last, self.keep_best, self.monitor, self.mode)
         if self._retention.tracking:
-            # Every rank keeps the books (load_best_at_end loads on each); rank 0 deletes.
+            # Every rank keeps the books (load_best_at_end loads on each), in event order; rank
+            # 0 deletes, off the event loop (a barrier never waits for a slow disk), in order.
+            removals: Subject[_Removal] | None = None
+            if bus.rank == 0:
+                removals = Subject()
+                bus.subscribe_async(removals, _remove_logged, overflow="block",
+                                    name="Checkpointing.removal")  # fmt: skip
             books = bus.stream(ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved,
                                ev.CheckpointLoaded)  # fmt: skip
-            bus.subscribe(books, partial(self._keep_books, delete=bus.rank == 0), ranks="all",
+            bus.subscribe(books, partial(self._keep_books, removals=removals), ranks="all",
                           name="Checkpointing.retention")  # fmt: skip
 
     async def _mark_best(self, event: ev.ExternalEvaluationEnded) -> None:
@@ -407,7 +428,7 @@ class Checkpointing(Callback):
         log.info("checkpoint_marked_best", step=event.step, path=str(best), source=str(source),
                  metrics=dict(event.metrics))  # fmt: skip
 
-    def _keep_books(self, event: ev.BaseEvent, *, delete: bool) -> None:
+    def _keep_books(self, event: ev.BaseEvent, *, removals: Subject[_Removal] | None) -> None:
         retention = self._retention
         match event:
             case ev.EvaluationEnded():
@@ -421,6 +442,6 @@ class Checkpointing(Callback):
                 reason = "keep_last" if event.tag is None else "keep_best"
             case _:
                 return
-        for path in surplus if delete else ():  # every rank keeps the books: rank 0 deletes
-            _remove(Path(path))
-            log.info("checkpoint_removed", step=event.step, path=path, reason=reason)
+        if removals is not None:  # rank 0 deletes
+            for path in surplus:
+                removals.on_next(_Removal(Path(path), event.step, reason))
