@@ -917,6 +917,25 @@ async def test_close_waits_by_default_and_says_what_is_pending(step_event) -> No
 
 
 @pytest.mark.asyncio
+async def test_a_close_that_lasts_warns_within_seconds_at_the_default_level(step_event) -> None:
+    """The first notice is info (the wait is the documented one); one that lasts 5 s is a
+    warning, what a user sees at the default level, long before the next 30 s notice."""
+
+    async def slow(e: ev.StepEnded) -> None:
+        await anyio.sleep(5.6)
+
+    bus = EventBus(flush_interval=0.001)
+    bus.subscribe_async(bus.stream(ev.StepEnded), slow, name="slow")
+    with capture_logs() as logs:
+        async with bus:
+            publish_range(bus, step_event, 0, 1)
+            await bus.wait_delivered(timeout=0)
+    notices = [x for x in logs if x["event"] == "bus_close_waiting"]
+    assert [x["log_level"] for x in notices] == ["info", "warning"]
+    assert 4.5 <= notices[1]["waited_s"] < 5.6 and notices[1]["pending"] == {"slow": 1}
+
+
+@pytest.mark.asyncio
 async def test_a_close_that_finds_quick_async_work_says_nothing(step_event) -> None:
     # Only a wait that lasts (1 s) is announced: a run whose async subscriber keeps up
     # ends without a bus_close_waiting warning.

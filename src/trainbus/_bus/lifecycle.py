@@ -40,6 +40,8 @@ _NOTICE_AFTER = 1.0
 """Seconds a call's end or a close waits for async subscribers before it says so."""
 _NOTICE_EVERY = 30.0
 """Seconds between two ``bus_close_waiting`` warnings, at most (a tenth of ``close_timeout``)."""
+_WARN_AFTER = 5.0
+"""Seconds of a wait after which ``bus_close_waiting`` is a warning (the first: info)."""
 _LOST = ("dropped", "cancelled", "failed")
 
 
@@ -221,12 +223,12 @@ class Lifecycle:
         async def notice() -> None:
             # Only a wait that lasts is announced, and again while it lasts.
             await anyio.sleep(min(_NOTICE_AFTER, every))
-            say = log.info  # the wait is the documented one; a wait that lasts is a warning
+            said = False  # the first is info (the documented wait); a wait that lasts warns
             while True:
                 pending = self._subscriptions.pending()
                 now = anyio.current_time()
                 if pending:
-                    say(
+                    (log.warning if said else log.info)(
                         "bus_close_waiting",
                         pending=pending,
                         close_timeout=timeout,
@@ -237,7 +239,10 @@ class Lifecycle:
                         hint="EventBus.cancel_pending() (or Ctrl-C) cancels them now, counted "
                         "as lost work; EventBus(close_timeout=...) bounds the wait",
                     )
-                    say = log.warning
+                    if not said:  # the first warning soon after: at the default level, it is
+                        said = True  # the first thing a user sees of the wait
+                        await anyio.sleep(min(_WARN_AFTER - _NOTICE_AFTER, every))
+                        continue
                 await anyio.sleep(every)
 
         async with anyio.create_task_group() as tg:
