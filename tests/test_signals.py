@@ -598,3 +598,47 @@ def test_one_sigint_to_the_process_group_stops_gracefully(tmp_path: Path, method
     received = [line for line in output if "signal_received" in line]
     assert len(received) == 1 and "stop after this step" in received[0], text
     assert "abort" not in text and "exited unexpectedly" not in text, text
+
+
+def test_a_second_sigint_after_the_stop_took_effect_says_the_run_ended_gracefully(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two Ctrl-C in quick succession: the second lands while the final checkpoint is being
+    written, after the first's stop took effect. Nothing can be aborted any more; the
+    ``KeyboardInterrupt`` says that the run stopped gracefully, and where its checkpoint is."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+    from structlog.testing import capture_logs
+
+    from trainbus import Trainer
+    from trainbus.testing import tiny_loader, tiny_model
+
+    def interrupt_and_wait(handled: int) -> None:
+        """Send SIGINT to this process; return once the trainer's handler has run."""
+        os.kill(os.getpid(), signal.SIGINT)
+        deadline = time.monotonic() + GUARD_S
+        while sum(x["event"] == "signal_received" for x in logs) < handled:
+            assert time.monotonic() < deadline, "the signal was never handled"
+            time.sleep(0.005)
+
+    save = torch.save
+
+    def final_save(obj: object, f: object, *args: object, **kwargs: object) -> None:
+        interrupt_and_wait(2)  # the second Ctrl-C, while the final checkpoint is written
+        save(obj, f, *args, **kwargs)  # type: ignore[arg-type]
+
+    model = tiny_model()
+    trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(40),
+                      loss_fn=F.cross_entropy, max_steps=40, checkpoint_dir=tmp_path,
+                      progress=False)  # fmt: skip
+    trainer.add_hook("loss", lambda ctx: interrupt_and_wait(1) if ctx.step == 3 else None)
+    monkeypatch.setattr(torch, "save", final_save)  # the only save: the final one
+    with capture_logs() as logs, pytest.raises(KeyboardInterrupt) as raised:
+        trainer.fit_sync()
+    assert "came after the run had ended (stopped at step 4" in str(raised.value)
+    result = trainer.result
+    assert result is not None and (result.reason, result.stop_reason) == ("stopped", "signal")
+    assert result.last_checkpoint is not None and result.last_checkpoint.endswith("-final.pt")
+    assert Path(result.last_checkpoint).is_file() and result.last_checkpoint in str(raised.value)

@@ -544,7 +544,7 @@ class SignalWatcher:
             self.aborted = True
             if run is not None:
                 run.request_cancel()
-            action = "abort now"
+            action = "abort now, unless the first signal's stop has taken effect"
         # The handler may interrupt a write to the same stream (a reentrant call raises).
         with contextlib.suppress(Exception):
             log.warning("signal_received", signal=signal.Signals(signum).name, action=action)

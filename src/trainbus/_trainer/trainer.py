@@ -405,8 +405,17 @@ class Trainer:
             raise ran.error
         if self.bus.on_lost == "raise" and self.result.lost_work and ran.reason != "cancelled":
             raise LostWorkError(self.result.lost_work, self.result)
-        if self._signals.aborted:
+        if self._signals.aborted and ran.reason == "cancelled":
             raise KeyboardInterrupt("trainbus: aborted by a second SIGINT")
+        if self._signals.aborted:  # too late to abort: the run had ended, and says how
+            where = f"at step {ran.steps}" + (
+                f", checkpoint {ran.last_checkpoint}" if ran.last_checkpoint else ""
+            )
+            raise KeyboardInterrupt(
+                f"trainbus: a second SIGINT came after the run had ended ({ran.reason} {where}); "
+                "trainer.result holds the result"
+                + (", and FitResult.lost_work what it cancelled" if self.result.lost_work else "")
+            )
         interrupted = self._signals.received is not None and self.on_signal == "raise"
         if ran.reason != "cancelled" and not interrupted:  # the interrupt goes first
             self._load_weights_at_end()
