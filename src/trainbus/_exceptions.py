@@ -40,6 +40,16 @@ class ConfigError(TrainbusError, ValueError):
         """Build the standard message: ``field=value is invalid: allowed``."""
         return cls(f"{field}={value!r} is invalid: {allowed}")
 
+    @classmethod
+    def wrong_kind(cls, field: str, value: object, allowed: str) -> ConfigError:
+        """:meth:`invalid` naming what ``value`` is (its type's name; a class, or None, as
+        such): ``optimizer=torch.optim.SGD`` is a class to build, not a wrong type."""
+        if isinstance(value, type):
+            name = value.__qualname__
+            return cls(f"{field}=<class {name}> is invalid: {allowed} (the class itself was "
+                       f"given: pass an instance, {name}(...))")  # fmt: skip
+        return cls.invalid(field, None if value is None else type(value).__name__, allowed)
+
 
 class BusClosedError(TrainbusError, RuntimeError):
     """The bus is not running: it was never opened, or it has been closed."""

@@ -707,3 +707,33 @@ def test_a_model_without_forward_and_eval_data_is_refused_up_front() -> None:
     with pytest.raises(ConfigError, match=said):
         Trainer(gan, torch.optim.SGD(gan.parameters(), lr=0.1), tiny_loader(4),
                 eval_data=tiny_loader(1, seed=1), train_step=step, max_steps=4)  # fmt: skip
+
+
+# ------------------------------------------------------------------ a class, or None, given
+@pytest.mark.parametrize(
+    ("field", "given", "says"),
+    [
+        ("optimizer", torch.optim.SGD, "optimizer=<class SGD> is invalid: a torch.optim.Optimizer"),
+        ("optimizer", None, "optimizer=None is invalid: a torch.optim.Optimizer"),
+        ("model", torch.nn.Linear, "model=<class Linear> is invalid: a torch.nn.Module"),
+        ("train_data", None, "train_data=None is invalid: an iterable of batches"),
+        ("train_data", 3, "train_data='int' is invalid: an iterable of batches"),
+        ("scheduler", torch.optim.lr_scheduler.StepLR,
+         "scheduler=<class StepLR> is invalid: an LR scheduler"),
+    ],
+)  # fmt: skip
+def test_a_class_or_none_given_for_an_argument_is_named_as_such(
+    field: str, given: Any, says: str
+) -> None:
+    """The Lightning habit of passing the class (``optimizer=torch.optim.SGD``) is told to
+    build it; None reads as None, not as the name of its type."""
+    model = tiny_model()
+    args: dict[str, Any] = dict(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                train_data=tiny_loader(3))  # fmt: skip
+    kwargs: dict[str, Any] = dict(loss_fn=F.cross_entropy, max_steps=2, on_signal=None)
+    (args if field in args else kwargs)[field] = given
+    with pytest.raises(ConfigError) as raised:
+        Trainer(args["model"], args["optimizer"], args["train_data"], **kwargs)
+    assert str(raised.value).startswith(says)
+    if isinstance(given, type):
+        assert f"pass an instance, {given.__qualname__}(...)" in str(raised.value)

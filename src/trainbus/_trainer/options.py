@@ -55,7 +55,9 @@ def accepting(allowed: str, ok: Callable[[Any], bool], *, by_type: bool = False)
 
     def check(name: str, value: Any) -> Any:
         if not ok(value):
-            raise ConfigError.invalid(name, type(value).__name__ if by_type else value, allowed)
+            if by_type:
+                raise ConfigError.wrong_kind(name, value, allowed)
+            raise ConfigError.invalid(name, value, allowed)
         return value
 
     return check
@@ -225,8 +227,8 @@ def check_loader(name: str, value: Any) -> int | None:
     """A non-empty iterable of batches; its length when it has one."""
     refuse_dataset(name, value)
     if isinstance(value, torch.Tensor | str | bytes) or not isinstance(value, Iterable):
-        raise ConfigError.invalid(
-            name, type(value).__name__, "an iterable of batches, such as a DataLoader or a list"
+        raise ConfigError.wrong_kind(
+            name, value, "an iterable of batches, such as a DataLoader or a list"
         )
     try:
         length = len(value)  # type: ignore[arg-type]
@@ -333,7 +335,7 @@ def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
 
 def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None:
     if not isinstance(opt, torch.optim.Optimizer):
-        raise ConfigError.invalid(name, type(opt).__name__, "a torch.optim.Optimizer")
+        raise ConfigError.wrong_kind(name, opt, "a torch.optim.Optimizer")
     if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
         raise ConfigError.invalid(
             name, type(opt).__name__,
@@ -354,8 +356,8 @@ def check_optimizers(
         _over_model("optimizer", optimizer, params, sharded=sharded)
         return optimizer, {DEFAULT_NAME: optimizer}
     if not isinstance(optimizer, Mapping):
-        raise ConfigError.invalid(
-            "optimizer", type(optimizer).__name__,
+        raise ConfigError.wrong_kind(
+            "optimizer", optimizer,
             "a torch.optim.Optimizer, or a mapping of names to optimizers "
             "(e.g. {'g': opt_g, 'd': opt_d})",
         )  # fmt: skip
@@ -386,8 +388,8 @@ def check_optimizers(
 
 
 def _stepper(name: str, scheduler: Any) -> None:
-    if not callable(getattr(scheduler, "step", None)):
-        raise ConfigError.invalid(name, type(scheduler).__name__, "an LR scheduler with .step()")
+    if isinstance(scheduler, type) or not callable(getattr(scheduler, "step", None)):
+        raise ConfigError.wrong_kind(name, scheduler, "an LR scheduler with .step()")
     if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau):
         raise ConfigError.invalid(
             name,
@@ -639,7 +641,7 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     """The loop's :class:`Settings`, after the checks of the positional arguments and of
     options that depend on each other."""
     if not isinstance(model, torch.nn.Module):
-        raise ConfigError.invalid("model", type(model).__name__, "a torch.nn.Module")
+        raise ConfigError.wrong_kind("model", model, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
     train_len = check_loader("train_data", train_data)
     if options["max_epochs"] is None and options["max_steps"] is None:

@@ -575,7 +575,7 @@ class Trainer:
         """
         refuse_dataset("data", data)
         if isinstance(data, torch.Tensor | str | Mapping) or not isinstance(data, Iterable):
-            raise ConfigError.invalid("data", type(data).__name__, "an iterable of batches")
+            raise ConfigError.wrong_kind("data", data, "an iterable of batches")
         check_bool("return_outputs", return_outputs)
         pad = PadValues.check(pad_value)
         ignore = ignored_keys(self.settings.model, ignore_keys)
