@@ -175,7 +175,7 @@ HF_CONFIGS = {
 }
 
 HF_KINDS = frozenset({
-    "substep-last-micro-batch", "log-evaluation", "log-train-summary",
+    "substep-last-micro-batch", "log-evaluation", "log-train-summary", "log-partial-window",
     "final-save-after-epoch-end", "epoch-eval-before-epoch-end",
 })  # fmt: skip
 """The differences :func:`hugging_face_expected` knows how to apply."""
@@ -240,6 +240,8 @@ def hugging_face_expected(c: HF, differs: frozenset[str] = frozenset()) -> list[
             expected += [*at_epoch_end, "on_epoch_end"]
         else:
             expected += ["on_epoch_end", *at_epoch_end]
+    if "log-partial-window" in differs and step % c.logging_steps:
+        expected.append("on_log")
     if final_save_later:
         expected.append("on_save")
     expected += [] if "log-train-summary" in differs else ["on_log"]
