@@ -5,6 +5,7 @@ around a ``Trainer(...)`` call, the httpx/anyio habit).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -44,10 +45,11 @@ class ConfigError(TrainbusError, ValueError):
     def wrong_kind(cls, field: str, value: object, allowed: str) -> ConfigError:
         """:meth:`invalid` naming what ``value`` is (its type's name; a class, or None, as
         such): ``optimizer=torch.optim.SGD`` is a class to build, not a wrong type."""
-        if isinstance(value, type):
+        if isinstance(value, type | types.FunctionType):
+            kind = "class" if isinstance(value, type) else "function"
             name = value.__qualname__
-            return cls(f"{field}=<class {name}> is invalid: {allowed} (the class itself was "
-                       f"given: pass an instance, {name}(...))")  # fmt: skip
+            return cls(f"{field}=<{kind} {name}> is invalid: {allowed} (the {kind} itself was "
+                       f"given: pass what it builds, {name}(...))")  # fmt: skip
         return cls.invalid(field, None if value is None else type(value).__name__, allowed)
 
 

@@ -189,10 +189,18 @@ def test_the_partial_last_window_reaches_the_loggers(
         t.bus.declare_decision_steps(at=stop_at)
     logged: list[ev.MetricsLogged] = []
     t.bus.stream(ev.MetricsLogged).subscribe(logged.append)
+    # A loss-threshold stopper that fires on the partial window: no step is left to stop.
+    t.bus.stream(ev.MetricsLogged).pipe(ops.filter(lambda e: e.step % log_every != 0)).subscribe(
+        lambda _: t.bus.send(cmd.StopTraining(reason="threshold"))
+    )
+    ended: list[ev.StepEnded] = []
+    t.bus.stream(ev.StepEnded).subscribe(ended.append)
     result = t.fit_sync()
     assert result.steps == (stop_at or steps)
+    assert result.reason == ("completed" if stop_at is None else "stopped")
     assert [e.step for e in logged] == logged_at
     last = logged[-1]
+    assert last.epoch == ended[-1].epoch == 0  # the epoch of its steps, not the next one
     assert last.metrics == result.train_metrics  # what FitResult holds, a logger has too
     first_in_window = logged_at[-2] if len(logged_at) > 1 else 0
     # The window's steps only: the hook ran at steps first..last-1 (ctx.step before update).
@@ -203,3 +211,17 @@ def test_the_partial_last_window_reaches_the_loggers(
     names = [x["type"] for x in lines]
     assert names.count("MetricsLogged") == len(logged_at)
     assert names.index("FitEnded") > max(i for i, n in enumerate(names) if n == "MetricsLogged")
+
+
+def test_the_partial_last_window_of_a_run_of_several_epochs_is_of_its_last_epoch() -> None:
+    """The run ends past its last epoch's end (the state counts the next one): the partial
+    window is stamped with the epoch of its steps, not one past the run's last."""
+    model = tiny_model()
+    t = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), tiny_loader(7),
+                loss_fn=F.cross_entropy, progress=False, on_signal=None, max_epochs=3,
+                log_every=5)  # fmt: skip
+    logged: list[ev.MetricsLogged] = []
+    t.bus.stream(ev.MetricsLogged).subscribe(logged.append)
+    result = t.fit_sync()
+    assert (result.reason, result.steps) == ("completed", 21)
+    assert [(e.step, e.epoch) for e in logged] == [(5, 0), (10, 1), (15, 2), (20, 2), (21, 2)]

@@ -716,6 +716,7 @@ def test_a_model_without_forward_and_eval_data_is_refused_up_front() -> None:
         ("optimizer", torch.optim.SGD, "optimizer=<class SGD> is invalid: a torch.optim.Optimizer"),
         ("optimizer", None, "optimizer=None is invalid: a torch.optim.Optimizer"),
         ("model", torch.nn.Linear, "model=<class Linear> is invalid: a torch.nn.Module"),
+        ("model", tiny_model, "model=<function tiny_model> is invalid: a torch.nn.Module"),
         ("train_data", None, "train_data=None is invalid: an iterable of batches"),
         ("train_data", 3, "train_data='int' is invalid: an iterable of batches"),
         ("scheduler", torch.optim.lr_scheduler.StepLR,
@@ -735,5 +736,5 @@ def test_a_class_or_none_given_for_an_argument_is_named_as_such(
     with pytest.raises(ConfigError) as raised:
         Trainer(args["model"], args["optimizer"], args["train_data"], **kwargs)
     assert str(raised.value).startswith(says)
-    if isinstance(given, type):
-        assert f"pass an instance, {given.__qualname__}(...)" in str(raised.value)
+    if callable(given):
+        assert f"pass what it builds, {given.__qualname__}(...)" in str(raised.value)

@@ -151,10 +151,11 @@ class Loop:
                     st.epoch_done()
                     if st.step == before and s.max_epochs is None:
                         raise self._no_step_error()
-            self._log_window.check_pending()
-            self._log_window.finish()  # the partial last window's MetricsLogged
             # A last sync point: apply what subscribers sent for the final steps.
             control.barrier_then_poll(None, common=True)
+            self._log_window.check_pending()
+            # After the last poll: a stop decided on it cannot stop a run with no step left.
+            self._log_window.finish()
             checkpoints = self._checkpoints
             ending = ev.Ending.of("completed" if self._stop.reason is None else "stopped",
                                   self._stop.reason)  # fmt: skip

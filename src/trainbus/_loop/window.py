@@ -106,8 +106,9 @@ class LogWindow:
             self._norms.append(plain_value(grad_norm))  # a DTensor norm read as one tensor
         self._samples += samples
 
-    def close(self, publish: bool) -> ev.MetricsLogged | None:
-        """Close the window (one device read); return the ``MetricsLogged`` if ``publish``."""
+    def close(self, publish: bool, epoch: int | None = None) -> ev.MetricsLogged | None:
+        """Close the window (one device read); return the ``MetricsLogged`` if ``publish``
+        (of ``epoch``, default the current one)."""
         st, guard = self._state, self._guard
         metrics, bad = self._measure()
         step0 = self._step0
@@ -122,7 +123,9 @@ class LogWindow:
         self._samples, self._t0, self._step0 = 0, time.monotonic(), st.step
         logged = None
         if publish:
-            logged = ev.MetricsLogged(step=st.step, epoch=st.epoch, metrics=metrics)
+            logged = ev.MetricsLogged(
+                step=st.step, epoch=st.epoch if epoch is None else epoch, metrics=metrics
+            )
             self._port.publish(logged)
         if bad_step is not None and guard.active:
             guard.found(bad_step)
@@ -130,9 +133,13 @@ class LogWindow:
 
     def finish(self) -> None:
         """At a run's normal end: close the partial last window, published like the others
-        (its step is the run's last, not a multiple of ``log_every``)."""
+        (its step is the run's last, not a multiple of ``log_every``; its epoch that step's,
+        though the run may have gone past the epoch's end since)."""
         if self._losses:
-            self.close(self._port.wants(ev.MetricsLogged))
+            st = self._state
+            past_its_end = st.batch_in_epoch == 0 and st.epoch > 0  # the epoch was closed
+            epoch = st.epoch - 1 if past_its_end else st.epoch
+            self.close(self._port.wants(ev.MetricsLogged), epoch)
 
     def agree_due(self) -> bool:
         """torchrun: the last close found commands waiting on some rank (answered once)."""
