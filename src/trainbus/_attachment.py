@@ -415,8 +415,10 @@ class Attachment:
 
     def _sync(self) -> anyio.from_thread.BlockingPortal:
         if self._portal is None:
-            raise TrainbusError("the *_sync methods work inside `with attach(...)`; in async "
-                                "code use `async with` and await request()/wait()")  # fmt: skip
+            raise TrainbusError(
+                "the *_sync methods work inside `with attach(...)`; in async "
+                "code use `async with` and await request()/wait()"
+            )
         return self._portal
 
 

@@ -43,9 +43,11 @@ def add_driver_callback(bus: EventBus, callback: Callback | type[Callback]) -> N
     hooks_map = hook_methods(cb)
     if hooks_map:
         raise ConfigError.invalid(
-            "callbacks", cb, "callbacks without hook_* methods (hooks change the step on the "
+            "callbacks",
+            cb,
+            "callbacks without hook_* methods (hooks change the step on the "
             f"training thread, which is in the workers: {sorted(hooks_map)})",
-        )  # fmt: skip
+        )
     cb.subscribe_to(bus)
 
 
@@ -152,17 +154,24 @@ class DriverBase(abc.ABC, Generic[R]):
         """The fields a :class:`~trainbus.LaunchResult` and a ``LaunchError`` share."""
         link = self._link
         assert link is not None
-        return {"events": link.events, "received": link.received, "last_event": link.last_event,
-                "stop_reason": self.stop_reason, "signal": self._signal,
-                "ending": None if link.ended is None else link.ended.ending}  # fmt: skip
+        return {
+            "events": link.events,
+            "received": link.received,
+            "last_event": link.last_event,
+            "stop_reason": self.stop_reason,
+            "signal": self._signal,
+            "ending": None if link.ended is None else link.ended.ending,
+        }
 
     def _so_far(self) -> str:
         """``after N events from rank 0 (last: X at step S)``."""
         assert self._link is not None
         last = self._link.last_event
         name = type(last).__name__ if last else None
-        return (f"after {self._link.received} events from rank 0 (last: {name} at step "
-                f"{last.step if last else '?'})")  # fmt: skip
+        return (
+            f"after {self._link.received} events from rank 0 (last: {name} at step "
+            f"{last.step if last else '?'})"
+        )
 
     def _raise_if_interrupted(self) -> None:
         """What ``on_signal="raise"`` raises once the workers stopped after a signal."""

@@ -48,8 +48,10 @@ class ConfigError(TrainbusError, ValueError):
         if isinstance(value, type | types.FunctionType):
             kind = "class" if isinstance(value, type) else "function"
             name = value.__qualname__
-            return cls(f"{field}=<{kind} {name}> is invalid: {allowed} (the {kind} itself was "
-                       f"given: pass what it builds, {name}(...))")  # fmt: skip
+            return cls(
+                f"{field}=<{kind} {name}> is invalid: {allowed} (the {kind} itself was "
+                f"given: pass what it builds, {name}(...))"
+            )
         return cls.invalid(field, None if value is None else type(value).__name__, allowed)
 
 

@@ -33,8 +33,15 @@ __all__ = ["LaunchResult", "Launcher", "launch"]
 
 log = get_logger(__name__)
 
-_TORCHRUN_ADDRESSING = ("--master_port", "--master-port", "--master_addr", "--master-addr",
-                        "--rdzv", "--standalone", "--nnodes")  # fmt: skip
+_TORCHRUN_ADDRESSING = (
+    "--master_port",
+    "--master-port",
+    "--master_addr",
+    "--master-addr",
+    "--rdzv",
+    "--standalone",
+    "--nnodes",
+)
 
 # torchrun's failure summary on stderr: one block per failed rank, the first failure last,
 # under "Root Cause"; a rank line pairs only with the exitcode line right under it.
@@ -85,9 +92,14 @@ class RankExits:
         pending, self._pending = self._pending, None
         code = _EXITCODE.match(line)
         if pending is not None and code:
-            self._exits.append(RankExit(rank=pending[0], local_rank=pending[1],
-                                        exitcode=int(code.group(1)),
-                                        root_cause=self._in_root))  # fmt: skip
+            self._exits.append(
+                RankExit(
+                    rank=pending[0],
+                    local_rank=pending[1],
+                    exitcode=int(code.group(1)),
+                    root_cause=self._in_root,
+                )
+            )
 
     @property
     def exits(self) -> tuple[RankExit, ...]:
@@ -181,8 +193,14 @@ class Launcher(DriverBase[LaunchResult]):
         if isinstance(torchrun_args, str) or not all(isinstance(a, str) for a in torchrun_args):
             raise ConfigError.invalid("torchrun_args", torchrun_args, "a sequence of strings")
         self.torchrun_args = tuple(torchrun_args)
-        super().__init__(callbacks=callbacks, setup=setup, bus=bus, stop_timeout=stop_timeout,
-                         keep_events=keep_events, on_signal=on_signal)  # fmt: skip
+        super().__init__(
+            callbacks=callbacks,
+            setup=setup,
+            bus=bus,
+            stop_timeout=stop_timeout,
+            keep_events=keep_events,
+            on_signal=on_signal,
+        )
         self.connect_timeout = check_seconds("connect_timeout", connect_timeout)
         self.python = python or sys.executable
         self._stderr: deque[str] = deque(maxlen=40)
@@ -194,8 +212,16 @@ class Launcher(DriverBase[LaunchResult]):
         addressed = any(a.startswith(_TORCHRUN_ADDRESSING) for a in self.torchrun_args)
         extra = [] if addressed else ["--standalone"]
         nproc = f"--nproc_per_node={self.nproc_per_node}"
-        return [self.python, "-m", "torch.distributed.run", *extra, *self.torchrun_args, nproc,
-                str(self.script), *self.args]  # fmt: skip
+        return [
+            self.python,
+            "-m",
+            "torch.distributed.run",
+            *extra,
+            *self.torchrun_args,
+            nproc,
+            str(self.script),
+            *self.args,
+        ]
 
     async def launch(self) -> LaunchResult:
         """Start torchrun, serve rank 0's link, and wait until the workers exit.
@@ -217,13 +243,21 @@ class Launcher(DriverBase[LaunchResult]):
             async with self.bus:
                 try:
                     process = self._process = await anyio.open_process(
-                        self.command_line(), env=env, stdin=subprocess.DEVNULL, stdout=None,
-                        stderr=subprocess.PIPE, start_new_session=True,
-                    )  # fmt: skip
+                        self.command_line(),
+                        env=env,
+                        stdin=subprocess.DEVNULL,
+                        stdout=None,
+                        stderr=subprocess.PIPE,
+                        start_new_session=True,
+                    )
                 except OSError as exc:
                     raise LaunchError(f"cannot start torchrun with {self.python!r}: {exc}") from exc
-                log.info("launch_started", pid=process.pid, nproc_per_node=self.nproc_per_node,
-                         script=str(self.script))  # fmt: skip
+                log.info(
+                    "launch_started",
+                    pid=process.pid,
+                    nproc_per_node=self.nproc_per_node,
+                    script=str(self.script),
+                )
                 assert process.stderr is not None
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._pump_stderr, process.stderr)
@@ -243,8 +277,10 @@ class Launcher(DriverBase[LaunchResult]):
     def _failure(self, returncode: int | None) -> LaunchError:
         assert self._link is not None
         if not self._link.linked:
-            what = ("before rank 0 linked to the driver (did the script fail to import, or "
-                    "never attach a WorkerLink?)")  # fmt: skip
+            what = (
+                "before rank 0 linked to the driver (did the script fail to import, or "
+                "never attach a WorkerLink?)"
+            )
         else:
             what = self._so_far()
         first: RankExit | None = self._exits.root_cause
@@ -255,10 +291,13 @@ class Launcher(DriverBase[LaunchResult]):
                 what += f" (first; then {', '.join(others)})"
         return LaunchError(
             f"the workers failed: torchrun exited with code {returncode} {what}",
-            returncode=returncode, stderr="".join(self._stderr),
-            rank=first.rank if first else None, rank_exitcode=first.exitcode if first else None,
-            rank_signal=first.signal if first else None, **self._outcome(),
-        )  # fmt: skip
+            returncode=returncode,
+            stderr="".join(self._stderr),
+            rank=first.rank if first else None,
+            rank_exitcode=first.exitcode if first else None,
+            rank_signal=first.signal if first else None,
+            **self._outcome(),
+        )
 
     async def _pump_stderr(self, stream: anyio.abc.ByteReceiveStream) -> None:
         # Passed through to our stderr, the tail kept for errors.

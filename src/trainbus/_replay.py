@@ -73,9 +73,10 @@ def load_events(path: str | os.PathLike[str]) -> Iterator[ev.BaseEvent]:
     file = resolve_run(path)
     if not file.is_file():
         raise ConfigError.invalid(
-            "path", os.fspath(path),
+            "path",
+            os.fspath(path),
             "a JsonlEventLog file, a run folder, or a folder of runs with a 'latest' pointer",
-        )  # fmt: skip
+        )
     with open(file, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():

@@ -29,7 +29,8 @@ def check_on_signal(value: object) -> OnSignal | None:
     if value is None or value in ("raise", "return"):
         return value
     raise ConfigError.invalid(
-        "on_signal", value,
+        "on_signal",
+        value,
         "'raise' (the interrupt reaches the caller after the graceful stop), 'return' "
         "(the result is returned) or None (no handler: Python's own SIGINT and SIGTERM)",
-    )  # fmt: skip
+    )

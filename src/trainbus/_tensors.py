@@ -56,9 +56,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         return resolved
     if not torch.cuda.is_available():
         raise ConfigError.invalid(
-            "device", str(device), "'auto' or 'cpu': CUDA is not available here "
+            "device",
+            str(device),
+            "'auto' or 'cpu': CUDA is not available here "
             "(torch.cuda.is_available() is False; no CUDA device or a CPU-only torch)",
-        )  # fmt: skip
+        )
     count = torch.cuda.device_count()
     index = resolved.index
     if index is None:
@@ -67,9 +69,11 @@ def resolve_device(device: str | torch.device) -> torch.device:
         index = torch.cuda.current_device() if torch.cuda.is_initialized() else 0
     if index >= count:
         raise ConfigError.invalid(
-            "device", str(device), f"a device this process sees: {_cuda_devices(count)}, "
+            "device",
+            str(device),
+            f"a device this process sees: {_cuda_devices(count)}, "
             "or 'auto' (CUDA_VISIBLE_DEVICES limits which GPUs a process sees)",
-        )  # fmt: skip
+        )
     return torch.device("cuda", index)
 
 

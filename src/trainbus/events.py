@@ -95,8 +95,9 @@ class Ending(StrEnum):
         if reason == "stopped" and stop_reason in (cls.PRUNED, cls.SIGNAL):
             return cls(stop_reason)
         if reason not in ("completed", "stopped", "failed", "cancelled"):
-            raise ValueError(f"{reason!r} is not an end reason (completed, stopped, failed, "
-                             "cancelled)")  # fmt: skip
+            raise ValueError(
+                f"{reason!r} is not an end reason (completed, stopped, failed, cancelled)"
+            )
         return cls(reason)
 
 
@@ -572,21 +573,31 @@ SPANS: Mapping[type[BaseEvent], type[BaseEvent]] = MappingProxyType(
 
 REMOVED: Mapping[str, str] = MappingProxyType(
     {
-        **{name: '``SpanTraced(span="data_wait")``' for name in (
-            "DataWaitStarted", "DataWaitEnded", "BatchFetched")},
-        **{name: '``SpanTraced(span="forward")`` or the hook points "after_forward" / "loss"'
-           for name in ("ForwardStarted", "ForwardEnded", "LossComputed")},
-        **{name: '``SpanTraced(span="backward")`` or the hook point "after_backward"'
-           for name in ("BackwardStarted", "BackwardEnded", "MicroBatchEnded")},
-        **{name: '``SpanTraced(span="optimizer_step")`` or the hook points '
-           '"before_optimizer_step" / "after_optimizer_step"'
-           for name in ("OptimizerStepStarted", "OptimizerStepEnded")},
-        **{name: '``SpanTraced(span="zero_grad")``' for name in (
-            "ZeroGradStarted", "ZeroGradEnded")},
+        **{
+            name: '``SpanTraced(span="data_wait")``'
+            for name in ("DataWaitStarted", "DataWaitEnded", "BatchFetched")
+        },
+        **{
+            name: '``SpanTraced(span="forward")`` or the hook points "after_forward" / "loss"'
+            for name in ("ForwardStarted", "ForwardEnded", "LossComputed")
+        },
+        **{
+            name: '``SpanTraced(span="backward")`` or the hook point "after_backward"'
+            for name in ("BackwardStarted", "BackwardEnded", "MicroBatchEnded")
+        },
+        **{
+            name: '``SpanTraced(span="optimizer_step")`` or the hook points '
+            '"before_optimizer_step" / "after_optimizer_step"'
+            for name in ("OptimizerStepStarted", "OptimizerStepEnded")
+        },
+        **{
+            name: '``SpanTraced(span="zero_grad")``'
+            for name in ("ZeroGradStarted", "ZeroGradEnded")
+        },
         "SchedulerStepping": '``SpanTraced(span="scheduler_step")`` or ``SchedulerStepped``',
         "StepBegan": 'the hook point "batch" or ``SpanTraced(span="data_wait")``',
     }
-)  # fmt: skip
+)
 """Each removed per-step event's name mapped to what replaces it."""
 
 

@@ -171,8 +171,9 @@ class CommandChannel:
                 "commands while fit(), evaluate() or predict() runs"
             )
         if self._polls_over:  # no loop polls until the next call: not carried into it
-            self._drop([command], "no call is running (a command applies in the call it is "
-                       "sent during)")  # fmt: skip
+            self._drop(
+                [command], "no call is running (a command applies in the call it is sent during)"
+            )
             return
         self._commands.append(self.stamped(command))
         self._doorbell.ring()  # after the append: the loop that hears it finds the command

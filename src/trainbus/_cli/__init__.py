@@ -30,8 +30,10 @@ def run_replay(args: argparse.Namespace) -> int:
             for f in dataclasses.fields(e)
             if f.name not in ("time", "step", "epoch")
         )
-        print(f"{e.time - t0:9.3f}s step={e.step:<6} epoch={e.epoch:<3} "
-              f"{type(e).__name__} {fields}".rstrip())  # fmt: skip
+        print(
+            f"{e.time - t0:9.3f}s step={e.step:<6} epoch={e.epoch:<3} "
+            f"{type(e).__name__} {fields}".rstrip()
+        )
     return 0
 
 
@@ -44,8 +46,11 @@ def run_plot(args: argparse.Namespace) -> int:
 
     events = list(load_events(args.run_dir))
     train = [(e.step, float(e.loss)) for e in events if isinstance(e, ev.StepEnded)]
-    val = [(e.step, e.metrics) for e in events
-           if isinstance(e, ev.EvaluationEnded) and e.error is None and e.metrics]  # fmt: skip
+    val = [
+        (e.step, e.metrics)
+        for e in events
+        if isinstance(e, ev.EvaluationEnded) and e.error is None and e.metrics
+    ]
     out: Path = args.output or resolve_run(args.run_dir).parent / "curves.png"
     render(out, train, val, f"trainbus: {args.run_dir}")
     print(f"wrote {out}")
@@ -102,41 +107,73 @@ def build_parser() -> argparse.ArgumentParser:
         default=15,
         help="maximum epochs (default: 15; early stopping may stop sooner)",
     )
-    demo.add_argument("--run-dir", type=Path, default=None,
-                      help="run folder (default: runs/demo/<timestamp>, with "
-                      "runs/demo/latest pointing at it)")  # fmt: skip
+    demo.add_argument(
+        "--run-dir",
+        type=Path,
+        default=None,
+        help="run folder (default: runs/demo/<timestamp>, with runs/demo/latest pointing at it)",
+    )
     demo.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
-    demo.add_argument("--json-logs", action="store_true",
-                      help="log JSON lines instead of console lines (on stderr)")  # fmt: skip
+    demo.add_argument(
+        "--json-logs",
+        action="store_true",
+        help="log JSON lines instead of console lines (on stderr)",
+    )
     sub.add_parser(
         "launch",
         help="run a script under torchrun with the subscribers in this driver process",
         description=LAUNCH_USAGE,
         add_help=False,
     )
-    sub.add_parser("attach", help="watch a running job live and steer it (stop, save, "
-                   "evaluate, lr)", add_help=False)  # fmt: skip
-    for name, text in (("replay", "print a recorded run, one line per event"),
-                       ("plot", "draw the curves PNG of a recorded run")):  # fmt: skip
+    sub.add_parser(
+        "attach",
+        help="watch a running job live and steer it (stop, save, evaluate, lr)",
+        add_help=False,
+    )
+    for name, text in (
+        ("replay", "print a recorded run, one line per event"),
+        ("plot", "draw the curves PNG of a recorded run"),
+    ):
         p = sub.add_parser(name, help=text, description=text + " (its events.jsonl).")
-        p.add_argument("run_dir", type=Path, metavar="RUN_DIR",
-                       help="run folder holding events.jsonl, the .jsonl file, or a folder "
-                       "of runs (runs/demo: its latest run)")  # fmt: skip
+        p.add_argument(
+            "run_dir",
+            type=Path,
+            metavar="RUN_DIR",
+            help="run folder holding events.jsonl, the .jsonl file, or a folder "
+            "of runs (runs/demo: its latest run)",
+        )
         if name == "plot":
-            p.add_argument("--output", type=Path, default=None,
-                           help="PNG to write (default: RUN_DIR/curves.png)")  # fmt: skip
+            p.add_argument(
+                "--output",
+                type=Path,
+                default=None,
+                help="PNG to write (default: RUN_DIR/curves.png)",
+            )
         else:
-            p.add_argument("--type", action="append", metavar="EVENT",
-                           help="only events of this class (StepEnded; repeat or use commas "
-                           "for several)")  # fmt: skip
-            p.add_argument("--steps", metavar="START:END", default=None,
-                           help="only events with START <= step <= END "
-                           "(10:20, 10:, :20)")  # fmt: skip
+            p.add_argument(
+                "--type",
+                action="append",
+                metavar="EVENT",
+                help="only events of this class (StepEnded; repeat or use commas for several)",
+            )
+            p.add_argument(
+                "--steps",
+                metavar="START:END",
+                default=None,
+                help="only events with START <= step <= END (10:20, 10:, :20)",
+            )
         p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
-    p = sub.add_parser("export", help="turn a sharded checkpoint folder into one plain file",
-                       description=EXPORT_DESCRIPTION)  # fmt: skip
-    p.add_argument("folder", type=Path, metavar="FOLDER",
-                   help="the checkpoint folder (checkpoints/step-00000042)")  # fmt: skip
+    p = sub.add_parser(
+        "export",
+        help="turn a sharded checkpoint folder into one plain file",
+        description=EXPORT_DESCRIPTION,
+    )
+    p.add_argument(
+        "folder",
+        type=Path,
+        metavar="FOLDER",
+        help="the checkpoint folder (checkpoints/step-00000042)",
+    )
     p.add_argument("output", type=Path, metavar="OUTPUT", help="the file to write (model.pt)")
     p.add_argument("--json-logs", action="store_true", help=argparse.SUPPRESS)
     return parser

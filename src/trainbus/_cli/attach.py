@@ -31,8 +31,16 @@ __all__ = ["COMMANDS", "main", "parse_command"]
 COMMANDS = "stop [reason], save [tag], evaluate, lr VALUE, help, detach"
 """What the prompt takes."""
 
-_VIEW = (ev.FitStarted, ev.FitEnded, ev.EpochEnded, ev.StepEnded, ev.MetricsLogged,
-         ev.EvaluationEnded, ev.CheckpointSaved, ev.CommandApplied)  # fmt: skip
+_VIEW = (
+    ev.FitStarted,
+    ev.FitEnded,
+    ev.EpochEnded,
+    ev.StepEnded,
+    ev.MetricsLogged,
+    ev.EvaluationEnded,
+    ev.CheckpointSaved,
+    ev.CommandApplied,
+)
 
 
 class CommandSyntaxError(ValueError):
@@ -60,24 +68,30 @@ def parse_command(line: str) -> cmd.Command | str | None:
         try:
             return cmd.SetLearningRate(lr=float(rest[0]))
         except (ValueError, ConfigError):
-            raise CommandSyntaxError(f"lr needs a positive number, not {rest[0]!r} "
-                                     f"(commands: {COMMANDS})") from None  # fmt: skip
-    raise CommandSyntaxError(f"unknown or malformed command {line.strip()!r} "
-                             f"(commands: {COMMANDS})")  # fmt: skip
+            raise CommandSyntaxError(
+                f"lr needs a positive number, not {rest[0]!r} (commands: {COMMANDS})"
+            ) from None
+    raise CommandSyntaxError(
+        f"unknown or malformed command {line.strip()!r} (commands: {COMMANDS})"
+    )
 
 
 def short(command: Any) -> str:
     """A command as ``Name(field=value, ...)`` without its bookkeeping (``decided_at``)."""
-    fields = ", ".join(f"{f.name}={getattr(command, f.name)!r}" for f in dataclasses.fields(command)
-                       if f.name != "decided_at")  # fmt: skip
+    fields = ", ".join(
+        f"{f.name}={getattr(command, f.name)!r}"
+        for f in dataclasses.fields(command)
+        if f.name != "decided_at"
+    )
     return f"{type(command).__name__}({fields})"
 
 
 def _fmt(values: Any) -> str:
     if not isinstance(values, dict):
         return ""
-    return "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in values.items())  # fmt: skip
+    return "  ".join(
+        f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in values.items()
+    )
 
 
 class View:
@@ -128,13 +142,16 @@ class View:
             if now - self._last_progress >= 1.0:
                 self._last_progress = now
                 total = f"/{self._max_steps}" if self._max_steps else ""
-                self.line(f"step {e.step}{total}  epoch {e.epoch}  loss {float(e.loss):.4g}  "
-                          f"lr {e.lr:.3g}")  # fmt: skip
+                self.line(
+                    f"step {e.step}{total}  epoch {e.epoch}  loss {float(e.loss):.4g}  "
+                    f"lr {e.lr:.3g}"
+                )
         elif isinstance(e, ev.MetricsLogged):
             self.line(f"metrics @ step {e.step}: {_fmt(dict(e.metrics))}")
         elif isinstance(e, ev.EvaluationEnded):
-            self.line(f"evaluation {e.dataset} @ step {e.step} ({e.trigger}): "
-                      f"{_fmt(dict(e.metrics))}")  # fmt: skip
+            self.line(
+                f"evaluation {e.dataset} @ step {e.step} ({e.trigger}): {_fmt(dict(e.metrics))}"
+            )
         elif isinstance(e, ev.CheckpointSaved):
             self.line(f"checkpoint @ step {e.step}: {e.path}")
         elif isinstance(e, ev.EpochEnded):
@@ -151,19 +168,31 @@ class View:
         """Warnings from the job's status record, each when it changes."""
         if self.json:
             if status:
-                self._write(json.dumps({"v": wire.FORMAT_VERSION, "type": "status",
-                                        **status}) + "\n")  # fmt: skip
+                self._write(
+                    json.dumps({"v": wire.FORMAT_VERSION, "type": "status", **status}) + "\n"
+                )
             return
         for s in status.get("holding", ()):
-            self._warn(f"hold:{s['name']}", s["waited_s"], f"warning: training waits for "
-                       f"subscriber {s['name']} (waited {s['waited_s']:.1f} s so far)")  # fmt: skip
+            self._warn(
+                f"hold:{s['name']}",
+                s["waited_s"],
+                f"warning: training waits for "
+                f"subscriber {s['name']} (waited {s['waited_s']:.1f} s so far)",
+            )
         for s in status.get("stalled", ()):
-            self._warn(f"stall:{s['name']}", s["stalls"], f"warning: sync subscriber "
-                       f"{s['name']} blocked the job's event loop {s['stalls']} time(s) "
-                       f"({s['blocked_s']:.1f} s)")  # fmt: skip
+            self._warn(
+                f"stall:{s['name']}",
+                s["stalls"],
+                f"warning: sync subscriber "
+                f"{s['name']} blocked the job's event loop {s['stalls']} time(s) "
+                f"({s['blocked_s']:.1f} s)",
+            )
         for s in status.get("failed", ()):
-            self._warn(f"fail:{s['name']}", s["failed"], f"warning: subscriber {s['name']} "
-                       f"failed {s['failed']} time(s): {s['last_error']}")  # fmt: skip
+            self._warn(
+                f"fail:{s['name']}",
+                s["failed"],
+                f"warning: subscriber {s['name']} failed {s['failed']} time(s): {s['last_error']}",
+            )
 
     def _warn(self, key: str, value: Any, text: str) -> None:
         if self._warned.get(key) != value:
@@ -194,8 +223,12 @@ async def _ask(att: Attachment, command: cmd.Command, view: View) -> bool:
 
 async def _prompt(att: Attachment, view: View, done: anyio.Event) -> None:
     send, receive = anyio.create_memory_object_stream[str | None](64)
-    threading.Thread(target=_stdin_lines, args=(send, anyio.lowlevel.current_token()),
-                     name="trainbus-attach-stdin", daemon=True).start()  # fmt: skip
+    threading.Thread(
+        target=_stdin_lines,
+        args=(send, anyio.lowlevel.current_token()),
+        name="trainbus-attach-stdin",
+        daemon=True,
+    ).start()
     async with anyio.create_task_group() as tg:
         async for line in receive:
             if line is None:  # stdin ended: keep watching when it is not a terminal
@@ -234,8 +267,10 @@ async def _attach(args: argparse.Namespace, commands: list[cmd.Command]) -> int:
     async with att:
         job = att.job
         if not args.json:
-            view.line(f"attached to {args.run_dir} (pid {job.get('pid')}, rank "
-                      f"{job.get('rank')}); commands: {COMMANDS}")  # fmt: skip
+            view.line(
+                f"attached to {args.run_dir} (pid {job.get('pid')}, rank "
+                f"{job.get('rank')}); commands: {COMMANDS}"
+            )
         if commands:
             ok = True
             for c in commands:
@@ -266,17 +301,28 @@ def build_parser() -> argparse.ArgumentParser:
         f"Prompt commands: {COMMANDS}.",
     )
     p.add_argument("run_dir", metavar="RUN_DIR", help="the job's run folder")
-    p.add_argument("--json", action="store_true",
-                   help="print the events as wire records, one JSON object per line")  # fmt: skip
-    p.add_argument("--stop", nargs="?", const="attach", metavar="REASON",
-                   help="stop the run (at its next step), then detach")  # fmt: skip
-    p.add_argument("--save", nargs="?", const="", metavar="TAG",
-                   help="save a checkpoint now (optionally tagged), then detach")  # fmt: skip
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the events as wire records, one JSON object per line",
+    )
+    p.add_argument(
+        "--stop",
+        nargs="?",
+        const="attach",
+        metavar="REASON",
+        help="stop the run (at its next step), then detach",
+    )
+    p.add_argument(
+        "--save",
+        nargs="?",
+        const="",
+        metavar="TAG",
+        help="save a checkpoint now (optionally tagged), then detach",
+    )
     p.add_argument("--evaluate", action="store_true", help="evaluate now, then detach")
-    p.add_argument("--lr", type=float, metavar="VALUE",
-                   help="set the learning rate, then detach")  # fmt: skip
-    p.add_argument("--timeout", type=float, default=5.0,
-                   help="seconds to connect (default 5)")  # fmt: skip
+    p.add_argument("--lr", type=float, metavar="VALUE", help="set the learning rate, then detach")
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds to connect (default 5)")
     return p
 
 

@@ -30,8 +30,9 @@ def _digits_loaders(seed: int, batch_size: int = 64) -> tuple[Any, Any]:
         )
 
     gen = torch.Generator().manual_seed(seed)
-    train = DataLoader(dataset(x_train, y_train), batch_size=batch_size, shuffle=True,
-                       generator=gen)  # fmt: skip
+    train = DataLoader(
+        dataset(x_train, y_train), batch_size=batch_size, shuffle=True, generator=gen
+    )
     val = DataLoader(dataset(x_val, y_val), batch_size=256)
     return train, val
 
@@ -68,9 +69,17 @@ def run_demo(args: argparse.Namespace) -> int:
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     trainer = Trainer(
-        model, optimizer, train, loss_fn=F.cross_entropy, eval_data=val,
-        max_epochs=args.epochs, checkpoint_dir=run_dir / "checkpoints", seed=args.seed,
-        metrics={"acc": _accuracy}, device="cpu", log_every=10,
+        model,
+        optimizer,
+        train,
+        loss_fn=F.cross_entropy,
+        eval_data=val,
+        max_epochs=args.epochs,
+        checkpoint_dir=run_dir / "checkpoints",
+        seed=args.seed,
+        metrics={"acc": _accuracy},
+        device="cpu",
+        log_every=10,
         progress=False if args.json_logs else None,
         callbacks=[
             # A terminal gets the Trainer's default bar (progress=None); a log gets no bar,
@@ -82,15 +91,18 @@ def run_demo(args: argparse.Namespace) -> int:
             EarlyStopping(monitor="val_loss", patience=3),
             CurvePlot(run_dir / "curves.png", title="trainbus demo: digits MLP"),
         ],
-    )  # fmt: skip
+    )
     log.info("demo_started", run_dir=str(run_dir), max_epochs=args.epochs, seed=args.seed)
     try:
         result = trainer.fit_sync()
     except KeyboardInterrupt:  # Ctrl-C: after the graceful stop (on_signal="raise"), or aborted
         stopped = trainer.result
         if stopped is not None and stopped.ending is Ending.SIGNAL:
-            print(f"stopped by Ctrl-C after {stopped.steps} steps; checkpoint: "
-                  f"{stopped.last_checkpoint}; run folder: {run_dir}", file=sys.stderr)  # fmt: skip
+            print(
+                f"stopped by Ctrl-C after {stopped.steps} steps; checkpoint: "
+                f"{stopped.last_checkpoint}; run folder: {run_dir}",
+                file=sys.stderr,
+            )
         else:
             print(f"aborted; run folder: {run_dir}", file=sys.stderr)
         return 130
@@ -99,7 +111,9 @@ def run_demo(args: argparse.Namespace) -> int:
         return 1
     acc = result.eval_metrics.get("val_acc")
     print(f"run folder: {run_dir}")
-    print(f"ended: {result.ending} after {result.steps} steps ({result.epochs} epochs)"
-          + (f" - {result.stop_reason}" if result.stop_reason else ""))  # fmt: skip
+    print(
+        f"ended: {result.ending} after {result.steps} steps ({result.epochs} epochs)"
+        + (f" - {result.stop_reason}" if result.stop_reason else "")
+    )
     print("final val accuracy: " + (f"{acc:.2%}" if acc is not None else "n/a"))
     return 0 if result.reason in ("completed", "stopped") else 1

@@ -64,16 +64,19 @@ def run_launch(tokens: Sequence[str]) -> int:
     from ..callbacks import MetricsLogger
 
     try:
-        launcher = Launcher(script, *args, nproc_per_node=nproc, torchrun_args=options,
-                            callbacks=[MetricsLogger()])  # fmt: skip
+        launcher = Launcher(
+            script, *args, nproc_per_node=nproc, torchrun_args=options, callbacks=[MetricsLogger()]
+        )
         result = launcher.run()
     except (ConfigError, LaunchError) as exc:
         print(f"trainbus launch: {exc}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
     last = result.last_event
-    print(f"launch ended: {result.received} events from rank 0"
-          + (f", last {type(last).__name__} at step {last.step}" if last else "")
-          + (f" (stopped: {result.stop_reason})" if result.stop_reason else ""))  # fmt: skip
+    print(
+        f"launch ended: {result.received} events from rank 0"
+        + (f", last {type(last).__name__} at step {last.step}" if last else "")
+        + (f" (stopped: {result.stop_reason})" if result.stop_reason else "")
+    )
     # Stopped gracefully by Ctrl-C/SIGTERM: the shell's convention, 128 + the signal's number
     # (a script that runs launches in turn sees the interrupt, as with any program).
     return 0 if result.signal is None else 128 + result.signal

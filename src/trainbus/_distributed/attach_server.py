@@ -71,17 +71,24 @@ def attach_folder(attach: object, checkpoint_dir: str | os.PathLike[str] | None)
             return None
         return Path(checkpoint_dir)
     if not isinstance(attach, str | os.PathLike) or not os.fspath(attach):
-        raise ConfigError.invalid("attach", attach, "True (listen in checkpoint_dir), False, "
-                                  "or a folder to listen in")  # fmt: skip
+        raise ConfigError.invalid(
+            "attach", attach, "True (listen in checkpoint_dir), False, or a folder to listen in"
+        )
     if not hasattr(socket, "AF_UNIX"):
-        raise ConfigError.invalid("attach", os.fspath(attach), "False on this platform (no Unix "
-                                  "domain sockets: attaching needs AF_UNIX)")  # fmt: skip
+        raise ConfigError.invalid(
+            "attach",
+            os.fspath(attach),
+            "False on this platform (no Unix domain sockets: attaching needs AF_UNIX)",
+        )
     folder = Path(attach)
     if folder.exists() and not folder.is_dir():
         raise ConfigError.invalid("attach", os.fspath(attach), "a folder (this is a file)")
     if folder.is_dir() and hasattr(os, "getuid") and folder.stat().st_uid != os.getuid():
-        raise ConfigError.invalid("attach", os.fspath(attach), "a folder you own (this one is "
-                                  f"owned by uid {folder.stat().st_uid})")  # fmt: skip
+        raise ConfigError.invalid(
+            "attach",
+            os.fspath(attach),
+            f"a folder you own (this one is owned by uid {folder.stat().st_uid})",
+        )
     return folder
 
 
@@ -148,8 +155,9 @@ class AttachServer:
             links, self._links = self._links, []
         for link in links:
             link.close()
-        log.info("attach_closed", folder=str(self.folder), accepted=self._accepted,
-                 refused=self._refused)  # fmt: skip
+        log.info(
+            "attach_closed", folder=str(self.folder), accepted=self._accepted, refused=self._refused
+        )
 
     # ------------------------------------------------------------------ setting up
     def _listen(self) -> None:
@@ -258,8 +266,9 @@ class AttachServer:
                 conn, _ = sock.accept()
             except OSError:
                 return  # closed
-            threading.Thread(target=self._greet, args=(conn,), name="trainbus-attach-greet",
-                             daemon=True).start()  # fmt: skip
+            threading.Thread(
+                target=self._greet, args=(conn,), name="trainbus-attach-greet", daemon=True
+            ).start()
 
     def _greet(self, conn: socket.socket) -> None:
         credentials = _peer_credentials(conn)
@@ -285,8 +294,9 @@ class AttachServer:
             return
         if pid is None and isinstance(record.get("pid"), int):
             pid = record["pid"]
-        wanted = event_types(record.get("events")) or tuple(t for t in ev.EVENT_TYPES
-                                                                if t in ALWAYS)  # fmt: skip
+        wanted = event_types(record.get("events")) or tuple(
+            t for t in ev.EVENT_TYPES if t in ALWAYS
+        )
         source = f"attach:pid={pid}"
         transport = SocketConnection(conn, reader, source)
         link: WorkerLink
@@ -300,11 +310,18 @@ class AttachServer:
         try:
             conn.settimeout(None)
             with contextlib.suppress(OSError, AttributeError):  # a platform without it
-                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                struct.pack("ll", _SEND_TIMEOUT_S, 0))  # fmt: skip
-            conn.sendall(control_record("welcome", events=[t.__name__ for t in wanted],
-                                        pid=os.getpid(), rank=0,
-                                        folder=str(self.folder)))  # fmt: skip
+                conn.setsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", _SEND_TIMEOUT_S, 0)
+                )
+            conn.sendall(
+                control_record(
+                    "welcome",
+                    events=[t.__name__ for t in wanted],
+                    pid=os.getpid(),
+                    rank=0,
+                    folder=str(self.folder),
+                )
+            )
             anyio.from_thread.run_sync(self._admit, link, token=self._loop)
         except (OSError, RuntimeError) as exc:  # the peer left, or the run's loop is gone
             log.debug("attach_not_admitted", source=source, error=repr(exc))
@@ -320,8 +337,12 @@ class AttachServer:
             self._links.append(link)
         self._accepted += 1
         self._someone.set()
-        log.info("attach_connected", source=link.source, events=len(link.wanted),
-                 attached=len(self._links))  # fmt: skip
+        log.info(
+            "attach_connected",
+            source=link.source,
+            events=len(link.wanted),
+            attached=len(self._links),
+        )
 
     def _left(self, link: WorkerLink) -> None:
         """From the attachment's reader thread: it went away."""
@@ -362,11 +383,18 @@ class AttachServer:
         subs = [s for s in snapshot.subscriptions if not s.name.startswith("attach:")]
         return {
             "queue_depth": snapshot.queue_depth,
-            "holding": [{"name": s.name, "waited_s": round(s.waited_s, 3)}
-                        for s in subs if s.waited_s > 0],
-            "stalled": [{"name": s.name, "stalls": s.stalls, "blocked_s": round(s.blocked_s, 3)}
-                        for s in subs if s.stalls > 0],
-            "failed": [{"name": s.name, "failed": s.failed, "last_error": s.last_error}
-                       for s in subs if s.failed > 0],
+            "holding": [
+                {"name": s.name, "waited_s": round(s.waited_s, 3)} for s in subs if s.waited_s > 0
+            ],
+            "stalled": [
+                {"name": s.name, "stalls": s.stalls, "blocked_s": round(s.blocked_s, 3)}
+                for s in subs
+                if s.stalls > 0
+            ],
+            "failed": [
+                {"name": s.name, "failed": s.failed, "last_error": s.last_error}
+                for s in subs
+                if s.failed > 0
+            ],
             "attached": self.attached,
-        }  # fmt: skip
+        }

@@ -51,15 +51,18 @@ def check_ddp(ddp: object, model: torch.nn.Module) -> bool:
     """Whether the run wraps ``model`` in DDP, from ``Trainer(ddp=...)`` (None: unless it is
     sharded); ``ConfigError`` for another value, or True for a sharded model."""
     if ddp is not None and not isinstance(ddp, bool):
-        raise ConfigError.invalid("ddp", ddp, "None (DDP unless the model is sharded with "
-                                  "fully_shard), True or False")  # fmt: skip
+        raise ConfigError.invalid(
+            "ddp", ddp, "None (DDP unless the model is sharded with fully_shard), True or False"
+        )
     sharded = is_sharded_model(model)
     if ddp is True and sharded:
         raise ConfigError.invalid(
-            "ddp", True, "None (the default) or False for a model sharded with fully_shard: "
+            "ddp",
+            True,
+            "None (the default) or False for a model sharded with fully_shard: "
             "FSDP2 reduces its own gradients, and DistributedDataParallel cannot wrap its "
             "DTensor parameters",
-        )  # fmt: skip
+        )
     return not sharded if ddp is None else ddp
 
 
@@ -72,10 +75,11 @@ def check_mesh(model: torch.nn.Module, world_size: int) -> None:
         size = int(param.device_mesh.size())  # type: ignore[attr-defined]
         if size != world_size:
             raise ConfigError.invalid(
-                "model", f"parameter {name!r} sharded over a device mesh of {size} rank(s)",
+                "model",
+                f"parameter {name!r} sharded over a device mesh of {size} rank(s)",
                 f"a mesh over all {world_size} ranks of the process group "
                 f"(init_device_mesh(device_type, ({world_size},)) or fully_shard's default)",
-            )  # fmt: skip
+            )
 
 
 def release_model(model: torch.nn.Module) -> None:
@@ -98,19 +102,30 @@ def shard_loader(data: Iterable[Any], group: ProcessGroup, *, seed: int, train: 
     if module == "ray.data" or module.startswith("ray.data."):
         return data  # ray.train.get_dataset_shard(...): each rank's own rows already
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset):
-        log.warning("data_not_sharded", kind=type(data).__name__, rank=group.rank,
-                    reason="only a map-style DataLoader can be sharded; every rank reads all "
-                    "of it")  # fmt: skip
+        log.warning(
+            "data_not_sharded",
+            kind=type(data).__name__,
+            rank=group.rank,
+            reason="only a map-style DataLoader can be sharded; every rank reads all of it",
+        )
         return data
     if isinstance(data.sampler, DistributedSampler):
         return data
     if data.batch_size is None:
-        log.warning("data_not_sharded", kind="DataLoader(batch_sampler=...)", rank=group.rank,
-                    reason="a custom batch sampler cannot be rebuilt per rank")  # fmt: skip
+        log.warning(
+            "data_not_sharded",
+            kind="DataLoader(batch_sampler=...)",
+            rank=group.rank,
+            reason="a custom batch sampler cannot be rebuilt per rank",
+        )
         return data
     shuffle = train and isinstance(data.sampler, RandomSampler)
     sampler: DistributedSampler[Any] = DistributedSampler(
-        data.dataset, num_replicas=group.world_size, rank=group.rank, shuffle=shuffle,
-        seed=seed, drop_last=False,
-    )  # fmt: skip
+        data.dataset,
+        num_replicas=group.world_size,
+        rank=group.rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=False,
+    )
     return with_sampler(data, sampler)

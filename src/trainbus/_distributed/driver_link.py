@@ -21,13 +21,27 @@ __all__ = ["ALWAYS", "STREAM_GONE", "CommandSource", "DriverBus", "DriverLink", 
 
 log = get_logger(__name__)
 
-STREAM_GONE = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
-               anyio.ClosedResourceError, OSError)  # fmt: skip
+STREAM_GONE = (
+    anyio.EndOfStream,
+    anyio.IncompleteRead,
+    anyio.BrokenResourceError,
+    anyio.ClosedResourceError,
+    OSError,
+)
 """What reading or writing an anyio stream raises once the other side is gone."""
 
-ALWAYS = frozenset({ev.FitStarted, ev.FitEnded, ev.EpochStarted, ev.EpochEnded,
-                    ev.EvaluationEnded, ev.CheckpointSaved, ev.MetricsLogged,
-                    ev.CommandApplied})  # fmt: skip
+ALWAYS = frozenset(
+    {
+        ev.FitStarted,
+        ev.FitEnded,
+        ev.EpochStarted,
+        ev.EpochEnded,
+        ev.EvaluationEnded,
+        ev.CheckpointSaved,
+        ev.MetricsLogged,
+        ev.CommandApplied,
+    }
+)
 """Streamed even with no driver subscriber for them: cheap, and what a failure report names."""
 
 
@@ -180,8 +194,12 @@ class DriverLink:
             reason = f"rank 0's fit {ended.reason}; another worker failed"
         else:
             reason = "rank 0 streamed no FitEnded: a worker died or was killed"
-        return ev.WorkersRestarted(step=last.step if last else 0, epoch=last.epoch if last else 0,
-                                   attempt=self._links, reason=reason)  # fmt: skip
+        return ev.WorkersRestarted(
+            step=last.step if last else 0,
+            epoch=last.epoch if last else 0,
+            attempt=self._links,
+            reason=reason,
+        )
 
     def receive(self, data: bytes) -> None:
         """Publish the events of ``data`` (JSON lines); a refused record is logged and skipped;

@@ -40,9 +40,11 @@ def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
         value = int(text)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         raise ConfigError.invalid(
-            name, text, f"an integer >= {minimum} (set by torchrun; is every variable of "
-            f"{', '.join(ENV_VARS)} set?)"
-        ) from None  # fmt: skip
+            name,
+            text,
+            f"an integer >= {minimum} (set by torchrun; is every variable of "
+            f"{', '.join(ENV_VARS)} set?)",
+        ) from None
     if value < minimum:
         raise ConfigError.invalid(name, value, f"an integer >= {minimum}")
     return value
@@ -100,8 +102,7 @@ class ProcessGroup:
         """Rank 0 of 1, no collectives, on ``device`` (default: CUDA when available)."""
         if device is None:
             device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return cls(rank=0, world_size=1, local_rank=0, backend=None, device=device,
-                   created=False)  # fmt: skip
+        return cls(rank=0, world_size=1, local_rank=0, backend=None, device=device, created=False)
 
     @classmethod
     def from_env(
@@ -131,8 +132,14 @@ class ProcessGroup:
             local = _env_int(env, "LOCAL_RANK", 0) if "LOCAL_RANK" in env else 0
             check_local_rank(local, chosen)
             device = cls._device(chosen, local)
-            return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local,
-                       backend=chosen, device=device, created=False)  # fmt: skip
+            return cls(
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                local_rank=local,
+                backend=chosen,
+                device=device,
+                created=False,
+            )
         if "WORLD_SIZE" not in env or _env_int(env, "WORLD_SIZE", 1) == 1:
             return cls.single(device)
         world_size = _env_int(env, "WORLD_SIZE", 1)
@@ -168,8 +175,14 @@ class ProcessGroup:
                 "every rank started (torchrun --nproc_per_node=N)?"
             ) from exc
         log.debug("process_group_started", rank=rank, world_size=world_size, backend=chosen)
-        return cls(rank=rank, world_size=world_size, local_rank=local_rank, backend=chosen,
-                   device=device, created=True)  # fmt: skip
+        return cls(
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            backend=chosen,
+            device=device,
+            created=True,
+        )
 
     @staticmethod
     def _device(backend: str, local_rank: int) -> torch.device:
@@ -213,15 +226,18 @@ class ProcessGroup:
                 gc.collect()  # only where something held it: a reference cycle may be all it is
                 if held() is not None:
                     log.warning(
-                        "process_group_outlives_destroy", rank=self.rank,
+                        "process_group_outlives_destroy",
+                        rank=self.rank,
                         reason="something still holds the destroyed default process group (a "
                         "DistributedDataParallel model of your own, or torch.distributed.nn."
                         "functional first imported after init_process_group); its gloo threads "
                         "run on into interpreter exit, where they can abort the process "
                         "(SIGABRT): drop the holder, or import trainbus before "
                         "init_process_group",
-                    )  # fmt: skip
+                    )
 
     def __repr__(self) -> str:
-        return (f"<ProcessGroup rank={self.rank} world_size={self.world_size} "
-                f"backend={self.backend} device={self.device}>")  # fmt: skip
+        return (
+            f"<ProcessGroup rank={self.rank} world_size={self.world_size} "
+            f"backend={self.backend} device={self.device}>"
+        )

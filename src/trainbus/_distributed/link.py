@@ -279,8 +279,12 @@ class WorkerLink:
             return  # close() is joining this thread: the loop would not run want() now
         names = [t.__name__ for t in wanted]
         if self._loop is None:
-            log.warning("link_wants_refused", source=self.source, events=names,
-                        reason="the link was started outside an event loop")  # fmt: skip
+            log.warning(
+                "link_wants_refused",
+                source=self.source,
+                events=names,
+                reason="the link was started outside an event loop",
+            )
             return
         log.info("link_wants_received", source=self.source, events=names)
         try:
@@ -304,8 +308,9 @@ class WorkerLink:
                     if isinstance(message, cmd.COMMAND_TYPES):
                         self._received += 1
                         if self.source is not None:
-                            log.info("link_command_received", source=self.source,
-                                     command=repr(message))  # fmt: skip
+                            log.info(
+                                "link_command_received", source=self.source, command=repr(message)
+                            )
                         bus.send(message)  # type: ignore[arg-type]
         except Exception as exc:  # a bus that refuses: never an unhandled thread exception
             log.warning("driver_command_dropped", error=repr(exc), source=self.source)

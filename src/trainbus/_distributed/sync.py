@@ -191,8 +191,9 @@ class RankSync:
         # exact in float64.
         c = float(zlib.crc32("\x00".join(names).encode()) & 0xFFFFF)
         n = len(flags)
-        t = torch.tensor([*values, c, c * c, *(1.0 if f else 0.0 for f in flags)],
-                         dtype=torch.float64)  # fmt: skip
+        t = torch.tensor(
+            [*values, c, c * c, *(1.0 if f else 0.0 for f in flags)], dtype=torch.float64
+        )
         t = t.to(self.group.device)
         dist.all_reduce(t, op=dist.ReduceOp.SUM)
         self._collectives += 1
@@ -229,8 +230,7 @@ class RankSync:
     ) -> dict[str, dict[str, float] | None]:
         """Every rank's sums of the evaluation set's metrics added (:func:`add_totals`), in one
         all-gather; ``totals``: per metric, this rank's sums (None where it raised)."""
-        per_rank = self.gather_json({k: None if v is None else dict(v)
-                                     for k, v in totals.items()})  # fmt: skip
+        per_rank = self.gather_json({k: None if v is None else dict(v) for k, v in totals.items()})
         return add_totals(per_rank, names=list(totals))
 
     # ------------------------------------------------------------------ decisions

@@ -193,16 +193,21 @@ class StepRunner:
     ) -> StepContext:
         """A fresh hook context for batch ``bi`` of the step (``optimizer`` None: the run's)."""
         st, s = self.state, self.settings
-        return StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=micro,
-                           batch=batch, model=s.model,
-                           optimizer=s.optimizer if optimizer is None else optimizer,
-                           metrics_sink=self.user.log)  # fmt: skip
+        return StepContext(
+            step=st.step,
+            epoch=st.epoch,
+            batch_index=bi,
+            micro_batch=micro,
+            batch=batch,
+            model=s.model,
+            optimizer=s.optimizer if optimizer is None else optimizer,
+            metrics_sink=self.user.log,
+        )
 
     def annotate(self, exc: BaseException, where: str, bi: int) -> None:
         """Note the part, step, epoch and batch on an exception from the step."""
         st = self.state
-        exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, "
-                     f"batch {bi}")  # fmt: skip
+        exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {bi}")
 
     # ------------------------------------------------------------------ the call
     def call(
@@ -224,8 +229,10 @@ class StepRunner:
         except BaseException as exc:
             if self._own:
                 st = self.state
-                exc.add_note(f"trainbus: raised in train_step {self.name} at step "
-                             f"{st.step + 1}, epoch {st.epoch}, batch {bi}")  # fmt: skip
+                exc.add_note(
+                    f"trainbus: raised in train_step {self.name} at step "
+                    f"{st.step + 1}, epoch {st.epoch}, batch {bi}"
+                )
             raise
         backwarded = self._last
         if backwarded is not None and out is backwarded:  # given to ctx.backward: checked
@@ -257,10 +264,15 @@ class StepRunner:
         if isinstance(loss, int | float) and not isinstance(loss, bool):
             loss = torch.tensor(float(loss))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = "None" if loss is None else (
-                f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                else type(out).__name__
-            )  # fmt: skip
+            got = (
+                "None"
+                if loss is None
+                else (
+                    f"a tensor of shape {tuple(loss.shape)}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(out).__name__
+                )
+            )
             raise TrainingError(
                 f"train_step {self.name} returned {got} {where}: return the step's loss (a "
                 "scalar tensor) or a mapping with a 'loss' entry"
@@ -273,8 +285,10 @@ class StepRunner:
         trace = self._trace
         try:
             if trace.on or self._mixed:
-                with trace("forward", "train", ctx.batch_index, ctx.micro_batch), \
-                        self.settings.autocast():  # fmt: skip
+                with (
+                    trace("forward", "train", ctx.batch_index, ctx.micro_batch),
+                    self.settings.autocast(),
+                ):
                     outputs, loss = self._outputs_and_loss(ctx)
             else:
                 outputs, loss = self._outputs_and_loss(ctx)
@@ -371,8 +385,11 @@ class StepRunner:
         st = self.state
         where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            got = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
-                   else repr(type(loss)))  # fmt: skip
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else repr(type(loss))
+            )
             fix = "Reduce it (e.g. .mean()) in loss_fn or the model"
             if self.settings.loss_fn is None:
                 fix = (
@@ -380,17 +397,19 @@ class StepRunner:
                     "torch.nn.CrossEntropyLoss()) if it returns outputs"
                 )
             raise TrainingError(f"the loss must be a scalar tensor; got {got} {where}. {fix}")
-        raise TrainingError(f"the loss does not require grad {where}: it is detached from the "
-                            "model's parameters")  # fmt: skip
+        raise TrainingError(
+            f"the loss does not require grad {where}: it is detached from the model's parameters"
+        )
 
     # ------------------------------------------------------------------ optimizer steps
     def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
         """``ctx.optimizer_step(name)``: step at the last micro-batch, else defer."""
         if name is not None and name not in self.settings.optimizers:
             raise ConfigError.invalid(
-                f"ctx.optimizer_step in train_step {self.name}", name,
+                f"ctx.optimizer_step in train_step {self.name}",
+                name,
                 "one of the optimizers: " + ", ".join(map(repr, self.settings.optimizers)),
-            )  # fmt: skip
+            )
         if self._own:
             self._called.add(name)
         if ctx.micro_batch != ctx.accumulation_steps - 1:
@@ -411,9 +430,11 @@ class StepRunner:
             except BaseException as exc:
                 if self._own:
                     names = s.optimizers if name is None else (name,)
-                    exc.add_note(f"trainbus: a loss given to ctx.backward in train_step "
-                                 f"{self.name} before stepping optimizer "
-                                 f"{', '.join(map(repr, names))}")  # fmt: skip
+                    exc.add_note(
+                        f"trainbus: a loss given to ctx.backward in train_step "
+                        f"{self.name} before stepping optimizer "
+                        f"{', '.join(map(repr, names))}"
+                    )
                 raise
             if self._skip:  # no update in this step
                 self.zero_grad(s.optimizer, ctx.batch_index)
@@ -534,8 +555,9 @@ class StepRunner:
                     RuntimeWarning,
                     stacklevel=3,
                 )
-                log.warning("optimizer_not_stepped", step_fn=self.name, optimizer=name,
-                            step=self.state.step)  # fmt: skip
+                log.warning(
+                    "optimizer_not_stepped", step_fn=self.name, optimizer=name, step=self.state.step
+                )
 
     def _warn_no_backward(self, opt: torch.optim.Optimizer) -> None:
         """Warn once when a custom step steps an optimizer none of whose parameters has a

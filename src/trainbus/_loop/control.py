@@ -179,8 +179,11 @@ class CommandHandler:
                     assert_never(command)
         except (ConfigError, CheckpointError, OSError) as exc:  # refused: never kills the run
             error = exc
-        self._port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
-                                            result=result, error=error))  # fmt: skip
+        self._port.publish(
+            ev.CommandApplied(
+                step=st.step, epoch=st.epoch, command=command, result=result, error=error
+            )
+        )
 
     def _groups(self, group: int | None, optimizer: str | None) -> list[dict[str, Any]]:
         """The parameter groups a learning-rate command sets."""

@@ -88,8 +88,13 @@ class EpochData:
         set_sampler_epoch(s.train_data, st.epoch)  # a DistributedSampler's shuffle per epoch
         if resume is not None:
             self._resume = None
-            it, order = replay_epoch(s.train_data, resume.data_order, epoch=st.epoch,
-                                     skip=st.batch_in_epoch, rng=resume.rng)  # fmt: skip
+            it, order = replay_epoch(
+                s.train_data,
+                resume.data_order,
+                epoch=st.epoch,
+                skip=st.batch_in_epoch,
+                rng=resume.rng,
+            )
         else:
             order = capture_data_order(s.train_data, epoch=st.epoch)
             it = iter(s.train_data)

@@ -71,9 +71,18 @@ def hooked_batch(
     batch = move_to_device(batch, s.device)
     if not hooks:
         return False, batch
-    ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=bi, micro_batch=0, batch=batch,
-                      model=s.model, optimizer=s.optimizer, phase=phase, dataset=dataset,
-                      trigger=trigger)  # fmt: skip
+    ctx = StepContext(
+        step=st.step,
+        epoch=st.epoch,
+        batch_index=bi,
+        micro_batch=0,
+        batch=batch,
+        model=s.model,
+        optimizer=s.optimizer,
+        phase=phase,
+        dataset=dataset,
+        trigger=trigger,
+    )
     for hook in hooks:
         hook(ctx)
     return ctx.skip, None if ctx.skip else move_to_device(ctx.batch, s.device)
@@ -116,9 +125,15 @@ class Evaluator:
         sets = s.eval_sets if sets is None else tuple(sets)
         trigger = triggers[0]
         self._wants.refresh()
-        pub(ev.EvaluationRoundStarted(step=st.step, epoch=st.epoch, trigger=trigger,
-                                      datasets=tuple(n for n, _ in sets),
-                                      triggers=triggers))  # fmt: skip
+        pub(
+            ev.EvaluationRoundStarted(
+                step=st.step,
+                epoch=st.epoch,
+                trigger=trigger,
+                datasets=tuple(n for n, _ in sets),
+                triggers=triggers,
+            )
+        )
         ends: list[ev.EvaluationEnded] = []
         merged: dict[str, float] = {}
         error: BaseException | None = None
@@ -140,9 +155,14 @@ class Evaluator:
             error = exc
             raise
         finally:
-            done = ev.EvaluationRoundEnded(step=st.step, epoch=st.epoch, metrics=merged,
-                                           trigger=trigger, error=error,
-                                           triggers=triggers)  # fmt: skip
+            done = ev.EvaluationRoundEnded(
+                step=st.step,
+                epoch=st.epoch,
+                metrics=merged,
+                trigger=trigger,
+                error=error,
+                triggers=triggers,
+            )
             pub(done)
             self.last_round = done
         self.metrics = merged
@@ -159,9 +179,18 @@ class Evaluator:
         if not hooks:
             return
         s, st = self._s, self._state
-        ctx = StepContext(step=st.step, epoch=st.epoch, batch_index=0, micro_batch=0,
-                          batch=None, model=s.model, optimizer=s.optimizer, phase="eval",
-                          trigger=trigger, error=error)  # fmt: skip
+        ctx = StepContext(
+            step=st.step,
+            epoch=st.epoch,
+            batch_index=0,
+            micro_batch=0,
+            batch=None,
+            model=s.model,
+            optimizer=s.optimizer,
+            phase="eval",
+            trigger=trigger,
+            error=error,
+        )
         if point == "before_evaluation":
             for hook in hooks:
                 hook(ctx)
@@ -181,8 +210,11 @@ class Evaluator:
         s, pub, st = self._s, self._port.publish, self._state
         trigger = triggers[0]
         model = s.model
-        pub(ev.EvaluationStarted(step=st.step, epoch=st.epoch, trigger=trigger, dataset=name,
-                                 triggers=triggers))  # fmt: skip
+        pub(
+            ev.EvaluationStarted(
+                step=st.step, epoch=st.epoch, trigger=trigger, dataset=name, triggers=triggers
+            )
+        )
         metrics: dict[str, float] = {}
         error: BaseException | None = None
         was_training = model.training
@@ -197,9 +229,15 @@ class Evaluator:
             raise
         finally:
             model.train(was_training)
-            ended = ev.EvaluationEnded(step=st.step, epoch=st.epoch, metrics=metrics,
-                                       trigger=trigger, error=error, dataset=name,
-                                       triggers=triggers)  # fmt: skip
+            ended = ev.EvaluationEnded(
+                step=st.step,
+                epoch=st.epoch,
+                metrics=metrics,
+                trigger=trigger,
+                error=error,
+                dataset=name,
+                triggers=triggers,
+            )
             pub(ended)
         return ended
 
@@ -220,8 +258,11 @@ class Evaluator:
                 if should_stop():
                     break
                 if want.eval_batch_started:
-                    pub(ev.EvalBatchStarted(step=st.step, epoch=st.epoch, batch_index=bi,
-                                            dataset=dataset))  # fmt: skip
+                    pub(
+                        ev.EvalBatchStarted(
+                            step=st.step, epoch=st.epoch, batch_index=bi, dataset=dataset
+                        )
+                    )
                 n, error = -1, None  # n -1: an eval_batch hook skipped the batch
                 loss: torch.Tensor | None = None
                 try:
@@ -245,9 +286,17 @@ class Evaluator:
                         shown = (
                             math.nan if n < 0 or loss is None else loss if on_cpu else loss.clone()
                         )
-                        pub(ev.EvalBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                              loss=shown, samples=max(n, 0), dataset=dataset,
-                                              error=error))  # fmt: skip
+                        pub(
+                            ev.EvalBatchEnded(
+                                step=st.step,
+                                epoch=st.epoch,
+                                batch_index=bi,
+                                loss=shown,
+                                samples=max(n, 0),
+                                dataset=dataset,
+                                error=error,
+                            )
+                        )
         if count == 0:
             if batches == 0 and should_stop():
                 return {}  # stopped before the first batch: nothing to report
@@ -258,8 +307,10 @@ class Evaluator:
             )
         read = (torch.stack([total_loss, *sums]) / count).tolist()  # the one device read
         names = ("loss", *s.metrics)
-        metrics = {metric_name(dataset, name, named=s.eval_named): v
-                   for name, v in zip(names, read, strict=True)}  # fmt: skip
+        metrics = {
+            metric_name(dataset, name, named=s.eval_named): v
+            for name, v in zip(names, read, strict=True)
+        }
         if self._reduce is not None:
             metrics = self._reduce(metrics, count)
         if totals is not None:
@@ -273,8 +324,9 @@ class Evaluator:
         s = self._s
         if s.metrics:
             target = metric_targets(batch)
-            values = [_metric_value(name, fn(outputs, target), s.device)
-                      for name, fn in s.metrics.items()]  # fmt: skip
+            values = [
+                _metric_value(name, fn(outputs, target), s.device) for name, fn in s.metrics.items()
+            ]
             for i, value in enumerate(values):
                 sums[i] += value.detach().double().mean() * n
         if totals is not None:  # a failure is counted, not raised
@@ -291,8 +343,13 @@ class Evaluator:
             summed = read[name]
             if summed is None:
                 error = totals.errors.get(name)
-                fail(name, error, dataset=dataset, step=step,
-                     stage="update" if error is not None else "another rank")  # fmt: skip
+                fail(
+                    name,
+                    error,
+                    dataset=dataset,
+                    step=step,
+                    stage="update" if error is not None else "another rank",
+                )
                 continue
             try:
                 value = float(metric.compute(summed))
@@ -336,23 +393,38 @@ class StandaloneRun:
                 self.stop_reason = self.stop_reason or command.reason
             else:
                 error = ConfigError.invalid(
-                    "command", type(command).__name__,
+                    "command",
+                    type(command).__name__,
                     "StopTraining: the only command applied outside fit()",
-                )  # fmt: skip
-            port.publish(ev.CommandApplied(step=st.step, epoch=st.epoch, command=command,
-                                          error=error))  # fmt: skip
+                )
+            port.publish(
+                ev.CommandApplied(step=st.step, epoch=st.epoch, command=command, error=error)
+            )
         return self.stop_reason is not None
 
     def evaluate(self, sets: Sequence[tuple[str, Iterable[Any]]]) -> dict[str, float]:
         """Score ``sets`` in one ``trigger="standalone"`` round; return the merged metrics."""
         use_device(self._s.device)  # the training thread's current CUDA device
-        evaluator = Evaluator(self._s, self._port, self._state, self._wants, self._check_cancel,
-                              self._hooks, self.should_stop)  # fmt: skip
+        evaluator = Evaluator(
+            self._s,
+            self._port,
+            self._state,
+            self._wants,
+            self._check_cancel,
+            self._hooks,
+            self.should_stop,
+        )
         evaluator.run(("standalone",), sets)
         return evaluator.metrics
 
-    def predict(self, data: Iterable[Any], *, keep: bool, pad: PadValues | None = None,
-                ignore: frozenset[str] = frozenset()) -> list[Any]:  # fmt: skip
+    def predict(
+        self,
+        data: Iterable[Any],
+        *,
+        keep: bool,
+        pad: PadValues | None = None,
+        ignore: frozenset[str] = frozenset(),
+    ) -> list[Any]:
         """Run the model on every batch of ``data``; with ``keep``, return every batch's outputs
         without the ``ignore`` keys, on the host (else ``[]``)."""
         s, port, st, w = self._s, self._port, self._state, self._wants
@@ -398,15 +470,28 @@ class StandaloneRun:
                         # A copy: a CUDA graph's next replay overwrites them (docs/compile.md).
                         if not on_cpu:
                             outputs = map_tensors(torch.Tensor.clone, outputs)
-                        pub(ev.PredictionBatchEnded(step=st.step, epoch=st.epoch, batch_index=bi,
-                                                    outputs=outputs,
-                                                    samples=batch_size(batch)))  # fmt: skip
+                        pub(
+                            ev.PredictionBatchEnded(
+                                step=st.step,
+                                epoch=st.epoch,
+                                batch_index=bi,
+                                outputs=outputs,
+                                samples=batch_size(batch),
+                            )
+                        )
                     del outputs  # hold no batch past its event
         except BaseException as exc:
             error = exc
             raise
         finally:
             model.train(was_training)
-            pub(ev.PredictionEnded(step=st.step, epoch=st.epoch, batches=done, error=error,
-                                   stopped=self.stop_reason is not None))  # fmt: skip
+            pub(
+                ev.PredictionEnded(
+                    step=st.step,
+                    epoch=st.epoch,
+                    batches=done,
+                    error=error,
+                    stopped=self.stop_reason is not None,
+                )
+            )
         return [] if kept is None else kept.batches()

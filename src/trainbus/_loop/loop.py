@@ -80,24 +80,54 @@ class Loop:
         )
         self._log_window = LogWindow(settings, port, state, guard=self._guard, sync=sync)
         user = self._log_window.user  # ctx.log, LogMetric
-        self._checkpoints = CheckpointWriter(settings, port, state, callback_states,
-                                             window=self._log_window, guard=self._guard,
-                                             sync=sync)  # fmt: skip
-        self._evaluator = Evaluator(settings, port, state, self._wants, self._cancel.check, hooks,
-                                    reduce=None if sync is None else sync.reduce_eval,
-                                    sum_totals=None if sync is None else sync.sum_eval)  # fmt: skip
-        self._control = CommandHandler(settings, port, state, wait_barrier=barrier,
-                                       check_cancel=self._cancel.check,
-                                       checkpoints=self._checkpoints,
-                                       evaluator=self._evaluator, sync=sync,
-                                       log_metric=user.log, stop=self._stop)  # fmt: skip
+        self._checkpoints = CheckpointWriter(
+            settings,
+            port,
+            state,
+            callback_states,
+            window=self._log_window,
+            guard=self._guard,
+            sync=sync,
+        )
+        self._evaluator = Evaluator(
+            settings,
+            port,
+            state,
+            self._wants,
+            self._cancel.check,
+            hooks,
+            reduce=None if sync is None else sync.reduce_eval,
+            sum_totals=None if sync is None else sync.sum_eval,
+        )
+        self._control = CommandHandler(
+            settings,
+            port,
+            state,
+            wait_barrier=barrier,
+            check_cancel=self._cancel.check,
+            checkpoints=self._checkpoints,
+            evaluator=self._evaluator,
+            sync=sync,
+            log_metric=user.log,
+            stop=self._stop,
+        )
         if resume is not None:
             self._resumed(resume)
         self._data = EpochData(settings, state, self._checkpoints, resume)
         self._scheduler = SchedulerStepper(settings, port, state, self._wants)
         runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
-        self._step = Step(settings, port, state, self._wants, hooks, runner, self._guard,
-                          self._log_window, self._scheduler, self._cancel)  # fmt: skip
+        self._step = Step(
+            settings,
+            port,
+            state,
+            self._wants,
+            hooks,
+            runner,
+            self._guard,
+            self._log_window,
+            self._scheduler,
+            self._cancel,
+        )
         self._demand_rings = -1  # the doorbell's count when wants and decision step were read
         self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
@@ -119,10 +149,15 @@ class Loop:
         self._evaluator.metrics = dict(resume.metrics)
         name = parse_checkpoint_name(resume.path.name)
         if name is not None and name[0] == st.step:
-            self._checkpoints.resumed_from(ev.CheckpointSaved(
-                step=st.step, epoch=st.epoch, path=str(resume.path), tag=name[1],
-                metrics=resume.metrics,
-            ))  # fmt: skip
+            self._checkpoints.resumed_from(
+                ev.CheckpointSaved(
+                    step=st.step,
+                    epoch=st.epoch,
+                    path=str(resume.path),
+                    tag=name[1],
+                    metrics=resume.metrics,
+                )
+            )
 
     def run(self) -> FitResult:
         """Run to the end; always publishes FitEnded. Returns how it ended."""
@@ -133,14 +168,20 @@ class Loop:
         use_device(s.device)  # CUDA's current device is per thread: this worker's is the run's
         s.model.train()
         steps_per_epoch = self._data.start()
-        pub(ev.FitStarted(step=st.step, epoch=st.epoch, max_steps=s.max_steps,
-                          max_epochs=s.max_epochs, device=str(s.device),
-                          resumed_from=self._resumed_from,
-                          resume_source=self._resume_source,
-                          steps_per_epoch=steps_per_epoch,
-                          rank=0 if self._sync is None else self._sync.rank,
-                          world_size=1 if self._sync is None else self._sync.world_size,
-                          ))  # fmt: skip
+        pub(
+            ev.FitStarted(
+                step=st.step,
+                epoch=st.epoch,
+                max_steps=s.max_steps,
+                max_epochs=s.max_epochs,
+                device=str(s.device),
+                resumed_from=self._resumed_from,
+                resume_source=self._resume_source,
+                steps_per_epoch=steps_per_epoch,
+                rank=0 if self._sync is None else self._sync.rank,
+                world_size=1 if self._sync is None else self._sync.world_size,
+            )
+        )
         try:
             if self._sync is not None:
                 self._agree_schedules()
@@ -157,10 +198,14 @@ class Loop:
             # After the last poll: a stop decided on it cannot stop a run with no step left.
             self._log_window.finish()
             checkpoints = self._checkpoints
-            ending = ev.Ending.of("completed" if self._stop.reason is None else "stopped",
-                                  self._stop.reason)  # fmt: skip
-            if (checkpoints.enabled and not self._guard.tripped
-                    and ending not in s.skip_final_checkpoint):  # fmt: skip
+            ending = ev.Ending.of(
+                "completed" if self._stop.reason is None else "stopped", self._stop.reason
+            )
+            if (
+                checkpoints.enabled
+                and not self._guard.tripped
+                and ending not in s.skip_final_checkpoint
+            ):
                 if checkpoints.last_checkpoint_step != st.step:
                     try:
                         checkpoints.save("final", self._evaluator.metrics)
@@ -173,20 +218,31 @@ class Loop:
         except BaseException as exc:
             reason, error = "failed", exc
             if isinstance(exc, NonFiniteLossError):
-                exc.add_note("trainbus: last checkpoint: "
-                             f"{self._checkpoints.last_checkpoint or 'none'}")  # fmt: skip
+                exc.add_note(
+                    f"trainbus: last checkpoint: {self._checkpoints.last_checkpoint or 'none'}"
+                )
             hook = self._hooks.which(exc)
             if hook is not None:
-                exc.add_note(f"trainbus: raised by hook {hook[1]!r} at {hook[0]!r} (step "
-                             f"{st.step}, epoch {st.epoch}); the run failed")  # fmt: skip
+                exc.add_note(
+                    f"trainbus: raised by hook {hook[1]!r} at {hook[0]!r} (step "
+                    f"{st.step}, epoch {st.epoch}); the run failed"
+                )
         else:
             if self._stop.reason is not None:
                 reason = "stopped"
         finally:
-            pub(ev.FitEnded(step=st.step, epoch=st.epoch, reason=reason, error=error,
-                            stop_reason=self._stop.reason))  # fmt: skip
-        log.debug("fit_ended", reason=reason, step=st.step, epoch=st.epoch,
-                  stop_reason=self._stop.reason)  # fmt: skip
+            pub(
+                ev.FitEnded(
+                    step=st.step,
+                    epoch=st.epoch,
+                    reason=reason,
+                    error=error,
+                    stop_reason=self._stop.reason,
+                )
+            )
+        log.debug(
+            "fit_ended", reason=reason, step=st.step, epoch=st.epoch, stop_reason=self._stop.reason
+        )
         self.result = FitResult(
             reason=reason,
             error=error,
@@ -272,8 +328,9 @@ class Loop:
             error = exc
             raise
         finally:
-            ended = ev.EpochEnded(step=st.step, epoch=st.epoch, batches=st.batch_in_epoch,
-                                  error=error)  # fmt: skip
+            ended = ev.EpochEnded(
+                step=st.step, epoch=st.epoch, batches=st.batch_in_epoch, error=error
+            )
             pub(ended)
             if error is None:
                 control.barrier_then_poll(ended, common=True)
@@ -288,8 +345,9 @@ class Loop:
             self._close_step(ends_epoch=ends_epoch, cadence=True)
         if step == self._decision_step:
             self._decision_step = self._next_decision(step)
-            self._control.decide(outcome.ended, outcome.barrier_event,
-                                 common=self._sync is not None)  # fmt: skip
+            self._control.decide(
+                outcome.ended, outcome.barrier_event, common=self._sync is not None
+            )
         elif outcome.barrier_event is not None:
             self._control.barrier_then_poll(outcome.barrier_event)
         elif self._port.doorbell.rings != self._rings_seen:  # else nothing happened: one compare
@@ -339,8 +397,12 @@ class Loop:
             last = st.step >= self._last_step or (
                 ends_epoch and s.max_epochs is not None and st.epoch + 1 >= s.max_epochs
             )
-            if (last and running and s.eval_at_end
-                    and (s.eval_every is not None or s.eval_at_epoch_end)):  # fmt: skip
+            if (
+                last
+                and running
+                and s.eval_at_end
+                and (s.eval_every is not None or s.eval_at_epoch_end)
+            ):
                 triggers.append("end")
             if triggers:
                 ends = self._evaluator.run(tuple(triggers))

@@ -70,8 +70,9 @@ class NonFiniteGuard:
         if self.policy == "skip":
             self.skipped += 1
             self._consecutive += 1
-            log.warning("nonfinite_skipped", step=step, epoch=self._state.epoch,
-                        skipped=self.skipped)  # fmt: skip
+            log.warning(
+                "nonfinite_skipped", step=step, epoch=self._state.epoch, skipped=self.skipped
+            )
             if self._consecutive >= MAX_CONSECUTIVE_SKIPS:  # read at call time: patchable
                 raise NonFiniteLossError(
                     f"{self._consecutive} non-finite losses in a row up to step {step} "
@@ -116,10 +117,16 @@ class NonFiniteGuard:
             finite = not self._agree(not finite)
         if finite:
             return
-        names = [n for n, p in model.named_parameters()
-                 if not bool(torch.isfinite(local_part(p.detach())).all())]  # fmt: skip
-        where = (f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
-                 if names else "another rank's shard of the parameters")  # fmt: skip
+        names = [
+            n
+            for n, p in model.named_parameters()
+            if not bool(torch.isfinite(local_part(p.detach())).all())
+        ]
+        where = (
+            f"parameter(s) {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}"
+            if names
+            else "another rank's shard of the parameters"
+        )
         raise CheckpointError(
             f"not writing a checkpoint at step {st.step}: non-finite values in {where}; a "
             "checkpoint never holds NaN/inf weights"

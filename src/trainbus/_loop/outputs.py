@@ -12,8 +12,15 @@ import torch
 
 from .._exceptions import ConfigError, TrainingError
 
-__all__ = ["KeptOutputs", "PadValue", "PadValues", "ignored_keys", "join_outputs",
-           "map_tensors", "without_keys"]  # fmt: skip
+__all__ = [
+    "KeptOutputs",
+    "PadValue",
+    "PadValues",
+    "ignored_keys",
+    "join_outputs",
+    "map_tensors",
+    "without_keys",
+]
 
 PadValue = bool | int | float
 
@@ -124,8 +131,9 @@ class PadValues:
             elif isinstance(key, str):
                 by_key[key] = _check_scalar(field, value)
             else:
-                raise ConfigError.invalid("pad_value", key, "keys that are output keys (str) "
-                                          "or torch dtypes")  # fmt: skip
+                raise ConfigError.invalid(
+                    "pad_value", key, "keys that are output keys (str) or torch dtypes"
+                )
         return cls(by_key=by_key, by_dtype=by_dtype)
 
     def for_tensor(self, key: str | None, dtype: torch.dtype) -> PadValue:
@@ -146,9 +154,11 @@ class PadValues:
         if not _representable(value, dtype):
             where = f"output {key!r}" if key is not None else "an output"
             raise ConfigError.invalid(
-                field, value, f"a value {dtype} can hold ({where} is {dtype}); give that "
+                field,
+                value,
+                f"a value {dtype} can hold ({where} is {dtype}); give that "
                 f"output its own: pad_value={{{(key or dtype)!r}: ...}}",
-            )  # fmt: skip
+            )
         return value
 
 
@@ -199,10 +209,13 @@ def join_outputs(
     if not all(_alike(first, b) for b in batches):
         return list(batches)
     if isinstance(first, tuple | list):
-        return _sequence_like(first, [join_outputs([b[i] for b in batches], pad, _key=_key)
-                                      for i in range(len(first))])  # fmt: skip
-    return _mapping_like(first, {k: join_outputs([b[k] for b in batches], pad, _key=str(k))
-                                 for k in first})  # fmt: skip
+        return _sequence_like(
+            first,
+            [join_outputs([b[i] for b in batches], pad, _key=_key) for i in range(len(first))],
+        )
+    return _mapping_like(
+        first, {k: join_outputs([b[k] for b in batches], pad, _key=str(k)) for k in first}
+    )
 
 
 class KeptOutputs:
@@ -228,10 +241,11 @@ class KeptOutputs:
             unknown = sorted(set(self._pad.by_key) - keys)
             if unknown:
                 raise ConfigError.invalid(
-                    f"pad_value[{unknown[0]!r}]", self._pad.by_key[unknown[0]],
+                    f"pad_value[{unknown[0]!r}]",
+                    self._pad.by_key[unknown[0]],
                     f"keys of the outputs ({', '.join(sorted(keys)) or 'they have none'}) or "
                     "torch dtypes",
-                )  # fmt: skip
+                )
         self._batches.append(map_tensors(self._tensor_to_host, outputs))
 
     def _check(self, first: Any, other: Any, index: int, path: str, key: str | None) -> None:

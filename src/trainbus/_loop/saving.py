@@ -67,8 +67,9 @@ def config_differences(saved: Mapping[str, Any], now: Mapping[str, Any]) -> list
     for key, lost in _LOST.items():
         if key in saved and key in now and saved[key] != now[key]:
             name = _SPELLED.get(key, key)
-            out.append(f"{name} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} "
-                       f"now: {lost}")  # fmt: skip
+            out.append(
+                f"{name} was {saved[key]!r} in the checkpoint's run and is {now[key]!r} now: {lost}"
+            )
     return out
 
 
@@ -173,8 +174,9 @@ class CheckpointWriter:
             self._refused(exc, tag)
             raise
         self.last_checkpoint, self.last_checkpoint_step = path, st.step
-        saved = ev.CheckpointSaved(step=st.step, epoch=st.epoch, path=path, tag=tag,
-                                   metrics=metrics)  # fmt: skip
+        saved = ev.CheckpointSaved(
+            step=st.step, epoch=st.epoch, path=path, tag=tag, metrics=metrics
+        )
         self._port.publish(saved)
         return saved
 
@@ -186,6 +188,14 @@ class CheckpointWriter:
         note = "no partial file is left; the earlier checkpoints stay valid"
         if n >= _LOGGED_FIRST:
             note += "; from now on logged at 10, 100, 1000, ... (FitResult.failed_saves)"
-        log.warning("checkpoint_save_failed", step=st.step, epoch=st.epoch, tag=tag,
-                    path=exc.path, error=f"[Errno {exc.errno}] {exc.strerror}",
-                    failed_saves=n, last_checkpoint=self.last_checkpoint, note=note)  # fmt: skip
+        log.warning(
+            "checkpoint_save_failed",
+            step=st.step,
+            epoch=st.epoch,
+            tag=tag,
+            path=exc.path,
+            error=f"[Errno {exc.errno}] {exc.strerror}",
+            failed_saves=n,
+            last_checkpoint=self.last_checkpoint,
+            note=note,
+        )

@@ -48,9 +48,9 @@ class SetMetric(Protocol):
 def _logits(outputs: Any) -> torch.Tensor:
     if isinstance(outputs, torch.Tensor):
         return outputs
-    logits = outputs.get("logits") if isinstance(outputs, Mapping) else getattr(
-        outputs, "logits", None
-    )  # fmt: skip
+    logits = (
+        outputs.get("logits") if isinstance(outputs, Mapping) else getattr(outputs, "logits", None)
+    )
     if not isinstance(logits, torch.Tensor):
         raise TrainingError(
             f"the model returned {type(outputs).__name__} without logits: a token metric "
@@ -90,8 +90,9 @@ class Perplexity:
     def update(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
         """``{"nll": summed cross-entropy, "tokens": counted tokens}`` of the batch."""
         logits, labels, counted = _aligned(outputs, targets, self.shift, self.ignore_index)
-        nll = F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index,
-                              reduction="sum")  # fmt: skip
+        nll = F.cross_entropy(
+            logits.float(), labels, ignore_index=self.ignore_index, reduction="sum"
+        )
         return {"nll": nll, "tokens": counted.sum()}
 
     def compute(self, totals: Mapping[str, float]) -> float:
@@ -111,8 +112,7 @@ class TokenAccuracy:
     def update(self, outputs: Any, targets: Any) -> dict[str, torch.Tensor]:
         """``{"correct": ..., "tokens": ...}`` of the batch."""
         logits, labels, counted = _aligned(outputs, targets, self.shift, self.ignore_index)
-        return {"correct": ((logits.argmax(-1) == labels) & counted).sum(),
-                "tokens": counted.sum()}  # fmt: skip
+        return {"correct": ((logits.argmax(-1) == labels) & counted).sum(), "tokens": counted.sum()}
 
     def compute(self, totals: Mapping[str, float]) -> float:
         """``correct / tokens`` (NaN for a set without a counted token)."""
@@ -143,9 +143,16 @@ class MetricFailures:
         """Count and log one failure (``exc`` None: it failed on another rank)."""
         n = self._counts[name] = self._counts.get(name, 0) + 1
         if worth_logging(n):
-            log.error("set_metric_failed", metric=name, dataset=dataset, step=step, stage=stage,
-                      failures=n, exc_info=exc if n == 1 and exc is not None else None,
-                      error=None if exc is None else repr(exc))  # fmt: skip
+            log.error(
+                "set_metric_failed",
+                metric=name,
+                dataset=dataset,
+                step=step,
+                stage=stage,
+                failures=n,
+                exc_info=exc if n == 1 and exc is not None else None,
+                error=None if exc is None else repr(exc),
+            )
 
 
 class SetTotals:

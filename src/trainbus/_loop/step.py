@@ -163,10 +163,15 @@ class Step:
         barrier: ev.BaseEvent | None = None
         if w.step_ended or (w.step_ended_sampled and w.step_ended_demand.takes(step + 1, t0)):
             ended = ev.StepEnded(
-                step=step + 1, epoch=st.epoch, loss=step_loss, lr=self._scheduler.lr(),
-                grad_norm=grad_norm, samples=samples, data_wait_s=data_wait,
+                step=step + 1,
+                epoch=st.epoch,
+                loss=step_loss,
+                lr=self._scheduler.lr(),
+                grad_norm=grad_norm,
+                samples=samples,
+                data_wait_s=data_wait,
                 duration_s=time.monotonic() - t0,
-            )  # fmt: skip
+            )
             if w.step_ended_sampled:  # the sampled streams measure the next one from its stamp
                 w.step_ended_demand.built(ended.time)
             self._port.publish(ended)

@@ -39,9 +39,8 @@ class _Timed:
         tb: TracebackType | None,
     ) -> None:
         self._port.publish(
-            ev.SpanTraced(started=self._started, ended=time.monotonic(), error=exc,
-                          **self._event)  # type: ignore[arg-type]
-        )  # fmt: skip
+            ev.SpanTraced(started=self._started, ended=time.monotonic(), error=exc, **self._event)  # type: ignore[arg-type]
+        )
 
 
 class Tracer:
@@ -70,9 +69,18 @@ class Tracer:
         if not self.on or span not in self._spans:
             return _OFF
         st = self._state
-        return _Timed(self._port, {"step": st.step, "epoch": st.epoch, "span": span,
-                                   "phase": phase, "batch_index": batch_index,
-                                   "micro_batch": micro_batch, "dataset": dataset})  # fmt: skip
+        return _Timed(
+            self._port,
+            {
+                "step": st.step,
+                "epoch": st.epoch,
+                "span": span,
+                "phase": phase,
+                "batch_index": batch_index,
+                "micro_batch": micro_batch,
+                "dataset": dataset,
+            },
+        )
 
 
 class Wants:

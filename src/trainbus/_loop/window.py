@@ -40,15 +40,19 @@ class UserMetrics:
         reserved = isinstance(name, str) and (name in TRAIN_METRIC_NAMES or name.startswith("lr/"))
         if not isinstance(name, str) or not name or reserved:
             raise ConfigError.invalid(
-                "name", name, "a non-empty string other than the window's own metrics ("
-                + ", ".join(sorted(TRAIN_METRIC_NAMES)) + ", lr/<optimizer>)",
-            )  # fmt: skip
+                "name",
+                name,
+                "a non-empty string other than the window's own metrics ("
+                + ", ".join(sorted(TRAIN_METRIC_NAMES))
+                + ", lr/<optimizer>)",
+            )
         if isinstance(value, torch.Tensor):
             if value.numel() != 1:
                 raise ConfigError.invalid(
-                    f"value of {name!r}", f"a tensor of shape {tuple(value.shape)}",
+                    f"value of {name!r}",
+                    f"a tensor of shape {tuple(value.shape)}",
                     "a number or a one-element tensor",
-                )  # fmt: skip
+                )
             kept: Any = value.detach().reshape(())
         elif isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError.invalid(

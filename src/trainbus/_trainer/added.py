@@ -63,9 +63,11 @@ class AddedCallbacks:
             for other, *_ in self._entries.values():
                 if other.stateful and other.state_key == key:
                     raise ConfigError.invalid(
-                        "state_key", key, f"a name no other stateful callback has: {other!r} "
+                        "state_key",
+                        key,
+                        f"a name no other stateful callback has: {other!r} "
                         f"and {cb!r} both save their state as {key!r}; pass state_key= to one",
-                    )  # fmt: skip
+                    )
         hooks_map = hook_methods(cb)
         bus = self._bus
         mark = len(bus.subscriptions)

@@ -309,8 +309,9 @@ class CallRunner:
         """``fn(run)`` (evaluate/predict) on the training thread with the bus running; what it
         raised is raised after the closing events were delivered."""
         settings.model.to(settings.device)
-        run = StandaloneRun(settings, self.port, self._hooks,
-                            state if state is not None else TrainState())  # fmt: skip
+        run = StandaloneRun(
+            settings, self.port, self._hooks, state if state is not None else TrainState()
+        )
 
         def call() -> tuple[bool, Any]:  # raised after the closing events, not in a group
             try:
@@ -375,8 +376,10 @@ class BusHolder:
     def _check_enter(self, block: str) -> None:
         self.check_open(block)
         if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError(f"{block}: its bus runs already (an enclosing `with` or "
-                                "`async with`); enter it once")  # fmt: skip
+            raise TrainbusError(
+                f"{block}: its bus runs already (an enclosing `with` or "
+                "`async with`); enter it once"
+            )
 
     def enter(self) -> None:
         """``with trainer:``: start the portal every sync call of the block runs through."""
@@ -407,9 +410,11 @@ class BusHolder:
                 elif not self.closed:
                     portal.call(self._run_to_close)
         if self._bus.state == "running":
-            raise TrainbusError("close(): the bus runs in an event loop (`async with trainer` "
-                                "or `async with trainer.bus`); leave that block, which closes "
-                                "it, or `await trainer.aclose()` after it")  # fmt: skip
+            raise TrainbusError(
+                "close(): the bus runs in an event loop (`async with trainer` "
+                "or `async with trainer.bus`); leave that block, which closes "
+                "it, or `await trainer.aclose()` after it"
+            )
         if not self.closed:
             with anyio.from_thread.start_blocking_portal(self._backend) as temporary:
                 temporary.call(self._run_to_close)
@@ -420,8 +425,9 @@ class BusHolder:
             raise ConfigError.invalid("backend", backend, f"one of {BACKENDS}")
         if self._portal is not None:
             if backend != self._backend:
-                raise ConfigError.invalid("backend", backend, f"{self._backend!r}, the backend "
-                                          "`with trainer:` runs")  # fmt: skip
+                raise ConfigError.invalid(
+                    "backend", backend, f"{self._backend!r}, the backend `with trainer:` runs"
+                )
             return portal_call(self._portal, fn)
         if self._bus.state == "running":
             raise TrainbusError(
@@ -450,8 +456,10 @@ class BusHolder:
             self._end_thread()
             return
         if self._bus.state == "running" or self._portal is not None:
-            raise TrainbusError("aclose(): the bus runs in a `with` or `async with` block; "
-                                "leaving it closes the bus")  # fmt: skip
+            raise TrainbusError(
+                "aclose(): the bus runs in a `with` or `async with` block; "
+                "leaving it closes the bus"
+            )
         try:
             await self._run_to_close()
         finally:

@@ -94,8 +94,12 @@ def loss_fn(name: str, value: Any) -> Any:
 def clip_grad_norm(name: str, value: Any) -> float | None:
     if value is None:
         return None
-    if not (isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0):  # fmt: skip
+    if not (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    ):
         raise ConfigError.invalid(name, value, "a finite number > 0 or None")
     return float(value)
 
@@ -127,17 +131,20 @@ def check_hook(point: Any, fn: Any) -> None:
     """A hook point and a callable ``fn(ctx)`` for ``Trainer.add_hook``."""
     if point not in HOOK_POINTS:
         raise ConfigError.invalid(
-            "point", point,
+            "point",
+            point,
             "one of " + ", ".join(map(repr, HOOK_POINTS)) + " (a hook runs inline and may "
             "change the step); to observe a step or an epoch, subscribe to its event: "
             "trainer.bus.stream(events.StepEnded).subscribe(fn)",
-        )  # fmt: skip
+        )
     taken = _refuses_arguments(fn, 1) if callable(fn) else None
     if taken is not None:
         raise ConfigError.invalid(
-            "fn", fn, f"fn(ctx): a {point!r} hook is called with one argument, the "
+            "fn",
+            fn,
+            f"fn(ctx): a {point!r} hook is called with one argument, the "
             f"StepContext; this one takes {taken}",
-        )  # fmt: skip
+        )
 
 
 def _named(
@@ -195,8 +202,9 @@ def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
     if isinstance(value, bool):
         return value
     if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ConfigError.invalid(name, value, "True (listen in checkpoint_dir), False, or a "
-                                  "folder to listen in")  # fmt: skip
+        raise ConfigError.invalid(
+            name, value, "True (listen in checkpoint_dir), False, or a folder to listen in"
+        )
     return value
 
 
@@ -217,10 +225,11 @@ def refuse_dataset(name: str, value: Any) -> None:
     """A map-style Dataset yields samples, not batches: refused, saying how to batch it."""
     if isinstance(value, torch.utils.data.Dataset) and not isinstance(value, Iterable):
         raise ConfigError.invalid(
-            name, type(value).__name__,
+            name,
+            type(value).__name__,
             "an iterable of batches: a Dataset gives single samples; wrap it, "
             "DataLoader(dataset, batch_size=N, shuffle=..., collate_fn=...)",
-        )  # fmt: skip
+        )
 
 
 def check_loader(name: str, value: Any) -> int | None:
@@ -241,34 +250,56 @@ def check_loader(name: str, value: Any) -> int | None:
     return length
 
 
-def check_passes(train_data: Any, sets: Iterable[tuple[str, Any]], named: bool,
-                 max_epochs: int | None) -> None:  # fmt: skip
+def check_passes(
+    train_data: Any, sets: Iterable[tuple[str, Any]], named: bool, max_epochs: int | None
+) -> None:
     """Refuse a one-shot iterator the run iterates twice (without an ``iter()``, which would
     start a ``DataLoader``'s workers)."""
-    twice = [(f"eval_data[{name!r}]" if named else "eval_data", data,
-              "each evaluation makes a new pass", "") for name, data in sets]  # fmt: skip
+    twice = [
+        (
+            f"eval_data[{name!r}]" if named else "eval_data",
+            data,
+            "each evaluation makes a new pass",
+            "",
+        )
+        for name, data in sets
+    ]
     if max_epochs is not None and max_epochs > 1:
-        twice.insert(0, ("train_data", train_data, f"max_epochs={max_epochs} makes a new pass "
-                         "per epoch", "; or keep it, leave max_epochs out and set a max_steps "
-                         "within its one pass"))  # fmt: skip
+        twice.insert(
+            0,
+            (
+                "train_data",
+                train_data,
+                f"max_epochs={max_epochs} makes a new pass per epoch",
+                "; or keep it, leave max_epochs out and set a max_steps within its one pass",
+            ),
+        )
     for name, value, why, alternative in twice:
         if isinstance(value, Iterator):
             raise ConfigError.invalid(
-                name, f"<one-shot {type(value).__name__}>",
+                name,
+                f"<one-shot {type(value).__name__}>",
                 f"data that can be iterated again ({why}, and a {type(value).__name__} is "
                 "spent after its first pass): a list of batches, a DataLoader, or an "
                 "IterableDataset whose __iter__ starts a new pass (wrapped in a DataLoader)"
                 f"{alternative}",
-            )  # fmt: skip
+            )
 
 
 PRECISION_SPELLINGS: Mapping[str, Precision] = {
-    "32": "32", "bf16": "bf16", "fp16": "fp16",
+    "32": "32",
+    "bf16": "bf16",
+    "fp16": "fp16",
     # Lightning's spellings of the same three (a user's Trainer(precision=...) carried over).
-    "32-true": "32", "bf16-mixed": "bf16", "16-mixed": "fp16",
-}  # fmt: skip
-_TRUE_DTYPES = {"16-true": "torch.float16", "bf16-true": "torch.bfloat16",
-                "64-true": "torch.float64"}  # fmt: skip
+    "32-true": "32",
+    "bf16-mixed": "bf16",
+    "16-mixed": "fp16",
+}
+_TRUE_DTYPES = {
+    "16-true": "torch.float16",
+    "bf16-true": "torch.bfloat16",
+    "64-true": "torch.float64",
+}
 
 
 def precision(name: str, value: Any) -> str:
@@ -278,15 +309,18 @@ def precision(name: str, value: Any) -> str:
         return value
     if isinstance(value, str) and value in _TRUE_DTYPES:
         raise ConfigError.invalid(
-            "precision", value,
+            "precision",
+            value,
             f"one of {allowed}; trainbus does not cast the model: for weights in another "
             f"dtype cast it yourself (model.to({_TRUE_DTYPES[value]})) and train with "
             "precision='32'",
-        )  # fmt: skip
+        )
     if isinstance(value, int) and not isinstance(value, bool):
-        raise ConfigError.invalid("precision", value,
-                                  f"one of {allowed} (strings: precision='{value}' if that is "
-                                  "one of them)")  # fmt: skip
+        raise ConfigError.invalid(
+            "precision",
+            value,
+            f"one of {allowed} (strings: precision='{value}' if that is one of them)",
+        )
     raise ConfigError.invalid("precision", value, f"one of {allowed}")
 
 
@@ -303,9 +337,11 @@ def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bo
         for name, data in eval_data.items():
             if not isinstance(name, str) or not name or "/" in name:
                 raise ConfigError.invalid(
-                    "eval_data", name, "set names that are non-empty strings without '/' "
+                    "eval_data",
+                    name,
+                    "set names that are non-empty strings without '/' "
                     "(metrics are keyed '<set>/<metric>')",
-                )  # fmt: skip
+                )
             check_loader(f"eval_data[{name!r}]", data)
             sets.append((name, data))
         return tuple(sets), True
@@ -338,12 +374,14 @@ def _over_model(name: str, opt: Any, params: set[int], *, sharded: bool) -> None
         raise ConfigError.wrong_kind(name, opt, "a torch.optim.Optimizer")
     if not any(id(p) in params for g in opt.param_groups for p in g["params"]):
         raise ConfigError.invalid(
-            name, type(opt).__name__,
+            name,
+            type(opt).__name__,
             "an optimizer built after fully_shard(model), over its sharded (DTensor) "
             "parameters: fully_shard replaces every parameter, so an optimizer built before "
-            "it would step the old, unsharded ones" if sharded
+            "it would step the old, unsharded ones"
+            if sharded
             else "an optimizer over this model's parameters",
-        )  # fmt: skip
+        )
 
 
 def check_optimizers(
@@ -357,10 +395,11 @@ def check_optimizers(
         return optimizer, {DEFAULT_NAME: optimizer}
     if not isinstance(optimizer, Mapping):
         raise ConfigError.wrong_kind(
-            "optimizer", optimizer,
+            "optimizer",
+            optimizer,
             "a torch.optim.Optimizer, or a mapping of names to optimizers "
             "(e.g. {'g': opt_g, 'd': opt_d})",
-        )  # fmt: skip
+        )
     if not optimizer:
         raise ConfigError.invalid("optimizer", "<empty mapping>", "at least one optimizer")
     seen: dict[int, str] = {}  # optimizer id -> its name
@@ -371,17 +410,19 @@ def check_optimizers(
         _over_model(f"optimizer[{name!r}]", opt, params, sharded=sharded)
         if id(opt) in seen:
             raise ConfigError.invalid(
-                f"optimizer[{name!r}]", type(opt).__name__,
+                f"optimizer[{name!r}]",
+                type(opt).__name__,
                 f"a different optimizer than optimizer[{seen[id(opt)]!r}]",
-            )  # fmt: skip
+            )
         seen[id(opt)] = name
         for p in (q for g in opt.param_groups for q in g["params"]):
             if id(p) in owner:
                 raise ConfigError.invalid(
-                    f"optimizer[{name!r}]", type(opt).__name__,
+                    f"optimizer[{name!r}]",
+                    type(opt).__name__,
                     f"optimizers over disjoint parameters (it shares one with "
                     f"optimizer[{owner[id(p)]!r}])",
-                )  # fmt: skip
+                )
             owner[id(p)] = name
     named = dict(optimizer)
     return OptimizerSet(named), named
@@ -423,10 +464,10 @@ def check_schedulers(
             else "pass a mapping of optimizer names to schedulers"
         )
         raise ConfigError.invalid(
-            "scheduler", type(scheduler).__name__,
-            f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); "
-            + where,
-        )  # fmt: skip
+            "scheduler",
+            type(scheduler).__name__,
+            f"one scheduler per optimizer with several optimizers ({sorted(optimizers)}); " + where,
+        )
     pairs = dict(scheduler) if named else {next(iter(optimizers)): scheduler}
     for name, sched in pairs.items():
         field = f"scheduler[{name!r}]" if named else "scheduler"
@@ -441,10 +482,11 @@ def check_schedulers(
             whose = f"optimizer {name!r}" if named else "the Trainer's optimizer"
             drives = f"optimizer {other!r}" if other else "another one"
             raise ConfigError.invalid(
-                field, type(sched).__name__,
+                field,
+                type(sched).__name__,
                 f"a scheduler of {whose}; it drives {drives}, so the run's learning rate "
                 "would never change: build it on that optimizer",
-            )  # fmt: skip
+            )
     return (SchedulerSet(scheduler) if named else scheduler), pairs
 
 
@@ -481,10 +523,14 @@ class EvalSchedule:
 
 def _accumulate_keyword(name: str, value: Any, known: list[str]) -> str:
     return unknown_keyword_message(
-        "Accumulate", name, ["micro_batches", "by"],
+        "Accumulate",
+        name,
+        ["micro_batches", "by"],
         f"the micro-batches per step are micro_batches: Accumulate({value!r}) or "
-        f"Accumulate(micro_batches={value!r})" if isinstance(value, int) else None,
-    )  # fmt: skip
+        f"Accumulate(micro_batches={value!r})"
+        if isinstance(value, int)
+        else None,
+    )
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -562,9 +608,10 @@ def _accumulate(name: str, value: Any) -> Accumulate:
         return Accumulate(value)
     except ConfigError:
         raise ConfigError.invalid(
-            name, value,
+            name,
+            value,
             "an int >= 1 (micro-batches per step) or trainbus.Accumulate(micro_batches, by=...)",
-        ) from None  # fmt: skip
+        ) from None
 
 
 def _checkpoint_dir(name: str, value: Any) -> CheckpointDir | None:
@@ -572,9 +619,10 @@ def _checkpoint_dir(name: str, value: Any) -> CheckpointDir | None:
         return value
     if not isinstance(value, str | os.PathLike):
         raise ConfigError.invalid(
-            name, value,
+            name,
+            value,
             "None, a folder (str or Path) or trainbus.CheckpointDir(path, skip_final=...)",
-        )  # fmt: skip
+        )
     return CheckpointDir(value)
 
 
@@ -631,13 +679,15 @@ explains_unknown_options = explains_unknown_keywords(unknown_option_message)
 def explains_fit_keywords(owner: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """``fit`` / ``fit_sync`` refusing another framework's keyword naming ``fit(resume=...)``."""
     return explains_unknown_keywords(
-        lambda name, value, known: unknown_keyword_message(owner, name, known,
-                                                           fit_hint(name, value))
-    )  # fmt: skip
+        lambda name, value, known: unknown_keyword_message(
+            owner, name, known, fit_hint(name, value)
+        )
+    )
 
 
-def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any],
-                   bus: EventBus) -> Settings:  # fmt: skip
+def build_settings(
+    model: Any, optimizer: Any, train_data: Any, options: Mapping[str, Any], bus: EventBus
+) -> Settings:
     """The loop's :class:`Settings`, after the checks of the positional arguments and of
     options that depend on each other."""
     if not isinstance(model, torch.nn.Module):
@@ -653,55 +703,79 @@ def build_settings(model: Any, optimizer: Any, train_data: Any, options: Mapping
     if precision == "bf16" and not bf16_supported(device):
         props = torch.cuda.get_device_properties(device)
         raise ConfigError.invalid(
-            "precision", given, f"'32' or 'fp16' on {device} ({props.name}, compute "
+            "precision",
+            given,
+            f"'32' or 'fp16' on {device} ({props.name}, compute "
             f"capability {props.major}.{props.minor}): bf16 needs compute capability 8.0 or "
             "later (torch would only emulate it, slower than fp32)",
-        )  # fmt: skip
+        )
     if precision == "fp16" and device.type != "cuda":
         raise ConfigError.invalid(
-            "precision", given,
+            "precision",
+            given,
             f"'32' or 'bf16' on {device.type}: {given!r} is fp16 with a grad scaler, which "
             f"needs CUDA; mixed precision on {device.type} is precision='bf16'",
-        )  # fmt: skip
+        )
     no_forward = getattr(model.forward, "__func__", None) is torch.nn.Module.forward
     if options["eval_data"] is not None and no_forward:
         # A ModuleDict of a GAN, say: its custom train_step calls the parts; evaluation cannot.
         # (Read on the instance: torch.compile's module sets its forward there.)
         raise ConfigError.invalid(
-            "eval_data", type(options["eval_data"]).__name__,
+            "eval_data",
+            type(options["eval_data"]).__name__,
             f"None for a model without forward() ({type(model).__name__}): "
             "evaluation calls model(inputs); evaluate in a subscriber of your own instead, or "
             "give the model a forward",
-        )  # fmt: skip
+        )
     schedule: EvalSchedule = options["eval_schedule"]
     if schedule.every_steps is not None and options["eval_data"] is None:
-        raise ConfigError.invalid("eval_schedule.every_steps", schedule.every_steps,
-                                  "None unless eval_data is given")  # fmt: skip
+        raise ConfigError.invalid(
+            "eval_schedule.every_steps", schedule.every_steps, "None unless eval_data is given"
+        )
     sets, named = eval_sets(options["eval_data"])
     for name in options["set_metrics"]:
         if name == "loss" or name in options["metrics"]:
             raise ConfigError.invalid(
-                f"set_metrics[{name!r}]", options["set_metrics"][name],
+                f"set_metrics[{name!r}]",
+                options["set_metrics"][name],
                 f"a name that is neither 'loss' nor one of metrics= ({sorted(options['metrics'])}):"
                 " both would be the same key in EvaluationEnded.metrics",
-            )  # fmt: skip
+            )
     check_passes(train_data, sets, named, options["max_epochs"])
     accumulate: Accumulate = options["accumulate"]
     folder: CheckpointDir | None = options["checkpoint_dir"]
     return Settings(
-        model=model, optimizer=optimizer, train_data=train_data, train_len=train_len,
-        loss_fn=options["loss_fn"], eval_data=options["eval_data"],
-        max_epochs=options["max_epochs"], max_steps=options["max_steps"],
-        scheduler=scheduler, scheduler_interval=interval,
-        accumulate=accumulate.micro_batches, accumulate_by=accumulate.by,
-        clip_grad_norm=options["clip_grad_norm"], precision=precision, device=device,
-        seed=options["seed"], metrics=options["metrics"], set_metrics=options["set_metrics"],
-        eval_every=schedule.every_steps, eval_at_epoch_end=schedule.epoch_end,
-        eval_at_end=schedule.at_end, log_every=options["log_every"],
+        model=model,
+        optimizer=optimizer,
+        train_data=train_data,
+        train_len=train_len,
+        loss_fn=options["loss_fn"],
+        eval_data=options["eval_data"],
+        max_epochs=options["max_epochs"],
+        max_steps=options["max_steps"],
+        scheduler=scheduler,
+        scheduler_interval=interval,
+        accumulate=accumulate.micro_batches,
+        accumulate_by=accumulate.by,
+        clip_grad_norm=options["clip_grad_norm"],
+        precision=precision,
+        device=device,
+        seed=options["seed"],
+        metrics=options["metrics"],
+        set_metrics=options["set_metrics"],
+        eval_every=schedule.every_steps,
+        eval_at_epoch_end=schedule.epoch_end,
+        eval_at_end=schedule.at_end,
+        log_every=options["log_every"],
         checkpoint_dir=None if folder is None else Path(folder.path),
         skip_final_checkpoint=frozenset(map(ev.Ending, folder.skip_final if folder else ())),
-        barriers=bus.barriers, on_nonfinite=options["on_nonfinite"],
+        barriers=bus.barriers,
+        on_nonfinite=options["on_nonfinite"],
         scaler=torch.amp.GradScaler("cuda") if precision == "fp16" else None,
-        eval_sets=sets, eval_named=named, optimizers=optimizers, schedulers=schedulers,
-        train_step=options["train_step"], trace=options["trace"],
-    )  # fmt: skip
+        eval_sets=sets,
+        eval_named=named,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        train_step=options["train_step"],
+        trace=options["trace"],
+    )

@@ -37,8 +37,11 @@ def check_resume(
     check_bool("require_checkpoint", require_checkpoint)
     if resume is None:
         if require_checkpoint:
-            raise ConfigError.invalid("require_checkpoint", True, "False unless resume is "
-                                      "given (resume='latest' or a checkpoint path)")  # fmt: skip
+            raise ConfigError.invalid(
+                "require_checkpoint",
+                True,
+                "False unless resume is given (resume='latest' or a checkpoint path)",
+            )
         return None
     if resume == "latest":
         if checkpoint_dir is None:
@@ -48,8 +51,11 @@ def check_resume(
         raise ConfigError.invalid("resume", resume, "a checkpoint path, 'latest' or None")
     path = Path(resume)
     if not path.exists():
-        raise ConfigError.invalid("resume", str(path), "an existing checkpoint file (or a "
-                                  "sharded run's checkpoint folder)")  # fmt: skip
+        raise ConfigError.invalid(
+            "resume",
+            str(path),
+            "an existing checkpoint file (or a sharded run's checkpoint folder)",
+        )
     return path
 
 
@@ -101,9 +107,14 @@ class CallbackStates:
         found = ""  # what the folder held, when nothing in it was valid
         # Read to the host: load_state_dict puts each tensor where the live objects keep it.
         if sharded:
-            checkpoint, found = load_sharded(resume, s.checkpoint_dir, model=s.model,
-                                             optimizer=s.optimizer, scheduler=s.scheduler,
-                                             scaler=s.scaler)  # fmt: skip
+            checkpoint, found = load_sharded(
+                resume,
+                s.checkpoint_dir,
+                model=s.model,
+                optimizer=s.optimizer,
+                scheduler=s.scheduler,
+                scaler=s.scaler,
+            )
         elif handed is not None:
             checkpoint, source = handed, "ray"
         elif latest:
@@ -118,10 +129,13 @@ class CallbackStates:
                     f"no valid checkpoint to resume from (resume='latest', "
                     f"require_checkpoint=True); the folder held: {found}",
                     path=str(s.checkpoint_dir),
-                )  # fmt: skip
-            log.warning("resume_found_nothing", checkpoint_dir=str(s.checkpoint_dir),
-                        found=found, action="training from step 0; pass "
-                        "require_checkpoint=True to make this an error")  # fmt: skip
+                )
+            log.warning(
+                "resume_found_nothing",
+                checkpoint_dir=str(s.checkpoint_dir),
+                found=found,
+                action="training from step 0; pass require_checkpoint=True to make this an error",
+            )
             return None
         self.resume_source = source
         saved = int(checkpoint.meta.get("world_size", 1))
@@ -140,9 +154,14 @@ class CallbackStates:
             if st.batch_in_epoch > 0:
                 st.epoch_done()
         if not sharded:
-            checkpoint.restore(model=unwrap_model(s.model), optimizer=s.optimizer,
-                               scheduler=s.scheduler, scaler=s.scaler, world_size=saved,
-                               rng=False)  # fmt: skip
+            checkpoint.restore(
+                model=unwrap_model(s.model),
+                optimizer=s.optimizer,
+                scheduler=s.scheduler,
+                scaler=s.scaler,
+                world_size=saved,
+                rng=False,
+            )
         return self._restored(checkpoint)
 
     def _restored(self, checkpoint: Checkpoint) -> Checkpoint:
@@ -151,14 +170,18 @@ class CallbackStates:
         for key, state in checkpoint.callbacks.items():
             cb = by_key.get(key)
             if cb is None:
-                log.warning("callback_state_unmatched", name=key, path=str(checkpoint.path),
-                            reason="no added stateful callback has this state_key; its "
-                            "state is ignored")  # fmt: skip
+                log.warning(
+                    "callback_state_unmatched",
+                    name=key,
+                    path=str(checkpoint.path),
+                    reason="no added stateful callback has this state_key; its state is ignored",
+                )
                 continue
             cb.load_state_dict(state)
         st = checkpoint.state
-        self._bus.publish(ev.CheckpointLoaded(step=st.step, epoch=st.epoch,
-                                              path=str(checkpoint.path)))  # fmt: skip
+        self._bus.publish(
+            ev.CheckpointLoaded(step=st.step, epoch=st.epoch, path=str(checkpoint.path))
+        )
         return checkpoint.restored()
 
     @staticmethod
@@ -183,10 +206,14 @@ class CallbackStates:
             return
         differences = config_differences(saved, run_config(s))
         if differences:
-            log.warning("resume_config_differs", path=str(checkpoint.path),
-                        step=checkpoint.state.step, differences=differences,
-                        action="resuming anyway; the run will not match an uninterrupted run "
-                        "of the checkpoint's configuration")  # fmt: skip
+            log.warning(
+                "resume_config_differs",
+                path=str(checkpoint.path),
+                step=checkpoint.state.step,
+                differences=differences,
+                action="resuming anyway; the run will not match an uninterrupted run "
+                "of the checkpoint's configuration",
+            )
 
 
 def read_ray_checkpoint() -> Checkpoint | None:
@@ -209,7 +236,10 @@ def read_ray_checkpoint() -> Checkpoint | None:
                 continue
             log.info("resume_ray_checkpoint", path=str(path), step=checkpoint.state.step)
             return checkpoint
-    log.warning("resume_ray_checkpoint_unreadable", ray_checkpoint=str(handed.path),
-                errors=errors or ["no file in it"],
-                action="resuming from checkpoint_dir instead")  # fmt: skip
+    log.warning(
+        "resume_ray_checkpoint_unreadable",
+        ray_checkpoint=str(handed.path),
+        errors=errors or ["no file in it"],
+        action="resuming from checkpoint_dir instead",
+    )
     return None

@@ -183,9 +183,14 @@ class Trainer:
         ):
             self.add_callback(Progress(), tier="core")
         self._state: TrainState | None = None  # the last run's, for standalone calls after it
-        self.bus.publish(ev.TrainerBuilt(step=0, epoch=0, device=str(self.settings.device),
-                                         callbacks=tuple(type(cb).__name__
-                                                         for cb in self.callbacks)))  # fmt: skip
+        self.bus.publish(
+            ev.TrainerBuilt(
+                step=0,
+                epoch=0,
+                device=str(self.settings.device),
+                callbacks=tuple(type(cb).__name__ for cb in self.callbacks),
+            )
+        )
 
     def add_callback(self, callback: Callback | type[Callback], *, tier: Tier = "user") -> Callback:
         """Add a callback (class or instance); while ``fit()`` runs, on the event-loop thread.
@@ -298,8 +303,9 @@ class Trainer:
         with self._signals.installed(self.on_signal is not None):
             result: FitResult = self._holder.call(
                 lambda: self._fit(resume=resume, require_checkpoint=require_checkpoint),
-                backend, "fit",
-            )  # fmt: skip
+                backend,
+                "fit",
+            )
             self._raise_interrupt(result)  # on this thread: in the portal it would end the loop
             return result
 
@@ -355,8 +361,11 @@ class Trainer:
             )
         resume = check_resume(resume, self.settings.checkpoint_dir, require_checkpoint)
         s = self.settings
-        globals_ = [self.add_callback(cb, tier="global") for cb in global_callbacks()
-                    if cb not in self._added]  # fmt: skip
+        globals_ = [
+            self.add_callback(cb, tier="global")
+            for cb in global_callbacks()
+            if cb not in self._added
+        ]
         ranks = RankSetup(self.bus, ddp=self.ddp, attach=self._attach_folder)
         loop: Loop | None = None
         try:
@@ -375,13 +384,19 @@ class Trainer:
             ranks.connect()
             state = checkpoint.state if checkpoint is not None else TrainState()
             loop = Loop(
-                s, self._calls.port, self.hooks, self._calls.barrier, state, resume=checkpoint,
+                s,
+                self._calls.port,
+                self.hooks,
+                self._calls.barrier,
+                state,
+                resume=checkpoint,
                 resumed_from=None if checkpoint is None else str(checkpoint.path),
                 resume_source=None if checkpoint is None else self._states.resume_source,
-                callback_states=self._states.collect_from_thread if self._states.any_stateful
+                callback_states=self._states.collect_from_thread
+                if self._states.any_stateful
                 else None,
                 sync=RankSync(group) if group.distributed else None,
-            )  # fmt: skip
+            )
             self._call = "fit"
             self._signals.watch(loop)
             with self._signals.installed(self.on_signal is not None):
@@ -448,29 +463,42 @@ class Trainer:
             return
         cb, path = asked[0]
         if len(asked) > 1:
-            log.warning("weights_at_end_ignored", path=str(path),
-                        ignored=[str(p) for _, p in asked[1:]],
-                        reason="several callbacks ask for weights at the end; the first "
-                        "added wins")  # fmt: skip
+            log.warning(
+                "weights_at_end_ignored",
+                path=str(path),
+                ignored=[str(p) for _, p in asked[1:]],
+                reason="several callbacks ask for weights at the end; the first added wins",
+            )
         if not os.path.exists(path):
-            log.warning("weights_at_end_missing", path=str(path), callback=type(cb).__name__,
-                        action="the model keeps its last weights")  # fmt: skip
+            log.warning(
+                "weights_at_end_missing",
+                path=str(path),
+                callback=type(cb).__name__,
+                action="the model keeps its last weights",
+            )
             return
         step = load_weights(self.settings.model, path).state.step
-        log.info("weights_loaded", path=str(path), step=step, callback=type(cb).__name__,
-                 reason="weights_at_end")  # fmt: skip
+        log.info(
+            "weights_loaded",
+            path=str(path),
+            step=step,
+            callback=type(cb).__name__,
+            reason="weights_at_end",
+        )
 
     def _check_callbacks(self) -> None:
         s = self.settings
         callbacks = self.callbacks
         plan = RunPlan(
-            eval_metrics=evaluation_metric_names(s), train_metrics=TRAIN_METRIC_NAMES,
+            eval_metrics=evaluation_metric_names(s),
+            train_metrics=TRAIN_METRIC_NAMES,
             checkpoint_dir=None if s.checkpoint_dir is None else str(s.checkpoint_dir),
-            external_evaluations=any(ev.ExternalEvaluationEnded in cb.publishes
-                                     for cb in callbacks),
+            external_evaluations=any(
+                ev.ExternalEvaluationEnded in cb.publishes for cb in callbacks
+            ),
             config=plain_settings(s),
             sharded=is_sharded_model(unwrap_model(s.model)),
-        )  # fmt: skip
+        )
         for cb in callbacks:
             cb.check(plan)
 
@@ -518,8 +546,9 @@ class Trainer:
         s = self.settings
         if data is None:
             if not s.eval_sets:
-                raise ConfigError.invalid("data", None, "data to evaluate on (the Trainer has "
-                                          "no eval_data)")  # fmt: skip
+                raise ConfigError.invalid(
+                    "data", None, "data to evaluate on (the Trainer has no eval_data)"
+                )
             sets, named = s.eval_sets, s.eval_named
         else:
             sets, named = eval_sets(data)
@@ -579,10 +608,12 @@ class Trainer:
         check_bool("return_outputs", return_outputs)
         pad = PadValues.check(pad_value)
         ignore = ignored_keys(self.settings.model, ignore_keys)
-        kept = await self._standalone("predict",
-                                      lambda run: run.predict(data, keep=return_outputs,
-                                                              pad=pad, ignore=ignore),
-                                      self.settings, [data])  # fmt: skip
+        kept = await self._standalone(
+            "predict",
+            lambda run: run.predict(data, keep=return_outputs, pad=pad, ignore=ignore),
+            self.settings,
+            [data],
+        )
         return join_outputs(kept, pad) if return_outputs else None
 
     def predict_sync(
@@ -599,7 +630,10 @@ class Trainer:
         Raises:
             Exception: what :meth:`predict` and :meth:`fit_sync` raise.
         """
-        return self._holder.call(lambda: self.predict(data, return_outputs=return_outputs,
-                                                        pad_value=pad_value,
-                                                        ignore_keys=ignore_keys),
-                                   backend, "predict")  # fmt: skip
+        return self._holder.call(
+            lambda: self.predict(
+                data, return_outputs=return_outputs, pad_value=pad_value, ignore_keys=ignore_keys
+            ),
+            backend,
+            "predict",
+        )

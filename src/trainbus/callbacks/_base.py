@@ -125,13 +125,15 @@ class SubscribeOptions:
 
     def __post_init__(self) -> None:
         if self.on_error is not None and self.on_error not in ERROR_POLICIES:
-            raise ConfigError.invalid("SubscribeOptions.on_error", self.on_error,
-                                      f"None or one of {ERROR_POLICIES}")  # fmt: skip
+            raise ConfigError.invalid(
+                "SubscribeOptions.on_error", self.on_error, f"None or one of {ERROR_POLICIES}"
+            )
         check_int("SubscribeOptions.concurrency", self.concurrency, 1)
         check_int("SubscribeOptions.buffer", self.buffer, 1, optional=True)
         if self.overflow is not None and self.overflow not in OVERFLOWS:
-            raise ConfigError.invalid("SubscribeOptions.overflow", self.overflow,
-                                      f"one of {OVERFLOWS}")  # fmt: skip
+            raise ConfigError.invalid(
+                "SubscribeOptions.overflow", self.overflow, f"one of {OVERFLOWS}"
+            )
         check_bool("SubscribeOptions.decides", self.decides)
 
 
@@ -271,8 +273,11 @@ class Callback:
         subs_map, _ = type(self).methods()
         options = self.subscribe_options
         if not isinstance(options, SubscribeOptions):
-            raise ConfigError.invalid(f"{type(self).__name__}.subscribe_options", options,
-                                      "a trainbus.callbacks.SubscribeOptions")  # fmt: skip
+            raise ConfigError.invalid(
+                f"{type(self).__name__}.subscribe_options",
+                options,
+                "a trainbus.callbacks.SubscribeOptions",
+            )
         with bus.on_ranks(self.ranks):
             for name, event_type in sorted(subs_map.items()):
                 method = getattr(self, name)
@@ -282,8 +287,9 @@ class Callback:
                         bus.stream(event_type), method, name=label, **asdict(options)
                     )
                 else:
-                    bus.subscribe(bus.stream(event_type), method, on_error=options.on_error,
-                                  name=label)  # fmt: skip
+                    bus.subscribe(
+                        bus.stream(event_type), method, on_error=options.on_error, name=label
+                    )
             self.setup(bus)
 
 
@@ -300,23 +306,27 @@ def _user_event(cls: type, name: str) -> type[ev.BaseEvent]:
         return next(iter(found.values()))
     if found:
         raise ConfigError.invalid(
-            f"{cls.__name__}.{name}", name,
-            "a method naming one event class; several match: " + ", ".join(sorted(found))
+            f"{cls.__name__}.{name}",
+            name,
+            "a method naming one event class; several match: "
+            + ", ".join(sorted(found))
             + " (rename one, or subscribe with bus.stream(TheClass))",
-        )  # fmt: skip
+        )
     removed = next((old for old in ev.REMOVED if f"on_{_snake(old)}" == name), None)
     if removed is not None:
         raise ConfigError.invalid(
-            f"{cls.__name__}.{name}", name,
+            f"{cls.__name__}.{name}",
+            name,
             f"an event's method; {removed} was removed: use {ev.REMOVED[removed]} "
             "(on_span_traced, with Trainer(trace=True))",
-        )  # fmt: skip
+        )
     raise ConfigError.invalid(
-        f"{cls.__name__}.{name}", name,
+        f"{cls.__name__}.{name}",
+        name,
         "on_<event in snake_case>, e.g. on_step_ended, or of your own event class (a "
         "subclass of trainbus.events.BaseEvent, defined before the callback is added); "
         "known: " + ", ".join(sorted(EVENT_METHODS)),
-    )  # fmt: skip
+    )
 
 
 class GlobalCallbackHandle:

@@ -71,8 +71,7 @@ class _Removal:
 
 async def _remove_logged(removal: _Removal) -> None:
     await anyio.to_thread.run_sync(_remove, removal.path)
-    log.info("checkpoint_removed", step=removal.step, path=str(removal.path),
-             reason=removal.reason)  # fmt: skip
+    log.info("checkpoint_removed", step=removal.step, path=str(removal.path), reason=removal.reason)
 
 
 def _remove(path: Path) -> None:
@@ -93,9 +92,12 @@ class _Retention:
     lineage a resumed run adopts."""
 
     def __init__(
-        self, keep_last: int | None, keep_best: int | None, monitor: str | None,
+        self,
+        keep_last: int | None,
+        keep_best: int | None,
+        monitor: str | None,
         mode: Literal["min", "max"],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.keep_last, self.keep_best = keep_last, keep_best
         self.monitor, self.mode = monitor, mode
         self._last: list[str] = []  # oldest first
@@ -161,17 +163,33 @@ class _Retention:
         best: Any = state.get("best")
         saving: Any = state.get("saving")
         ok = (
-            isinstance(last, list) and all(isinstance(n, str) for n in last)
+            isinstance(last, list)
+            and all(isinstance(n, str) for n in last)
             and isinstance(best, list)
-            and all(isinstance(e, list | tuple) and len(e) == 3 and isinstance(e[0], float | int)
-                    and isinstance(e[1], int) and isinstance(e[2], str) for e in best)
-            and (saving is None or (isinstance(saving, list | tuple) and len(saving) == 3
-                                    and isinstance(saving[0], int)))
-        )  # fmt: skip
+            and all(
+                isinstance(e, list | tuple)
+                and len(e) == 3
+                and isinstance(e[0], float | int)
+                and isinstance(e[1], int)
+                and isinstance(e[2], str)
+                for e in best
+            )
+            and (
+                saving is None
+                or (
+                    isinstance(saving, list | tuple)
+                    and len(saving) == 3
+                    and isinstance(saving[0], int)
+                )
+            )
+        )
         if not ok:
-            raise ConfigError.invalid("Checkpointing state", dict(state),
-                                      "{'last': [name], 'best': [[score, step, name]], "
-                                      "'saving': [step, tag, value] | None}")  # fmt: skip
+            raise ConfigError.invalid(
+                "Checkpointing state",
+                dict(state),
+                "{'last': [name], 'best': [[score, step, name]], "
+                "'saving': [step, tag, value] | None}",
+            )
         self._restored = {"last": list(last), "best": [tuple(e) for e in best], "saving": saving}
 
     def adopt(self, resumed: Path, directory: Path | None) -> list[str]:
@@ -181,18 +199,27 @@ class _Retention:
         if restored is None:
             return []
         if directory is None or not _same_folder(resumed.parent, directory):
-            log.info("checkpoint_lineage_left", path=str(resumed), checkpoint_dir=str(directory),
-                     reason="the resumed checkpoint is not in this run's checkpoint_dir: "
-                     "retention starts afresh and deletes none of the earlier files")  # fmt: skip
+            log.info(
+                "checkpoint_lineage_left",
+                path=str(resumed),
+                checkpoint_dir=str(directory),
+                reason="the resumed checkpoint is not in this run's checkpoint_dir: "
+                "retention starts afresh and deletes none of the earlier files",
+            )
             return []
-        self._last = [str(directory / n) for n in restored["last"]
-                      if self.keep_last is not None and (directory / n).exists()]  # fmt: skip
+        self._last = [
+            str(directory / n)
+            for n in restored["last"]
+            if self.keep_last is not None and (directory / n).exists()
+        ]
         self._best = sorted(
-            ((float(score), int(step), str(directory / name))
-             for score, step, name in restored["best"]
-             if self.monitor is not None and (directory / name).exists()),
+            (
+                (float(score), int(step), str(directory / name))
+                for score, step, name in restored["best"]
+                if self.monitor is not None and (directory / name).exists()
+            ),
             key=lambda e: (e[0], -e[1]),
-        )  # fmt: skip
+        )
         saving = restored["saving"]
         parsed = _parse_checkpoint_entry(resumed.name)
         surplus: list[str] = []
@@ -214,9 +241,13 @@ class _Retention:
                 if (entry := _parse_checkpoint_entry(p.name)) and entry[0] > parsed[0]
             )
             if newer:
-                log.info("checkpoint_newer_left", step=parsed[0], names=newer,
-                         reason="written after the checkpoint resumed from; retention deletes "
-                         "only the files named in its lineage")  # fmt: skip
+                log.info(
+                    "checkpoint_newer_left",
+                    step=parsed[0],
+                    names=newer,
+                    reason="written after the checkpoint resumed from; retention deletes "
+                    "only the files named in its lineage",
+                )
         return surplus
 
 
@@ -303,16 +334,21 @@ class Checkpointing(Callback):
         if self.keep_best is not None and self.monitor is None:
             raise ConfigError.invalid("keep_best", keep_best, "None unless monitor is set")
         if check_bool("load_best_at_end", load_best_at_end) and self.monitor is None:
-            raise ConfigError.invalid("load_best_at_end", True, "False unless monitor is set "
-                                      "(the best checkpoint is the best by monitor)")  # fmt: skip
+            raise ConfigError.invalid(
+                "load_best_at_end",
+                True,
+                "False unless monitor is set (the best checkpoint is the best by monitor)",
+            )
         self.load_best_at_end = load_best_at_end
         self._retention = _Retention(self.keep_last, self.keep_best, self.monitor, self.mode)
         self._checkpoint_dir: Path | None = None
         if self.every_steps is None and self.every_epochs is None and self.monitor is None:
             raise ConfigError.invalid(
-                "every_epochs", None, "an int >= 1 when every_steps and monitor are None too "
+                "every_epochs",
+                None,
+                "an int >= 1 when every_steps and monitor are None too "
                 "(otherwise Checkpointing never saves)",
-            )  # fmt: skip
+            )
 
     @property
     def best_path(self) -> str | None:
@@ -327,9 +363,13 @@ class Checkpointing(Callback):
     def after_fit(self, result: FitResult) -> None:
         """With ``load_best_at_end``, log when no ``"best"`` checkpoint was written."""
         if self.load_best_at_end and self.best_path is None:
-            log.info("best_checkpoint_none", monitor=self.monitor, steps=result.steps,
-                     action="no evaluation improved on the best so far; the model keeps its "
-                     "last weights")  # fmt: skip
+            log.info(
+                "best_checkpoint_none",
+                monitor=self.monitor,
+                steps=result.steps,
+                action="no evaluation improved on the best so far; the model keeps its "
+                "last weights",
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """The best ``monitor`` value so far (``"best"``) and the files this run keeps
@@ -352,8 +392,9 @@ class Checkpointing(Callback):
         files = state.get("files")  # absent in checkpoints of runs that kept no files
         if files is not None:
             if not isinstance(files, Mapping):
-                raise ConfigError.invalid("Checkpointing state", dict(state),
-                                          "{'best': float | None, 'files': {...}}")  # fmt: skip
+                raise ConfigError.invalid(
+                    "Checkpointing state", dict(state), "{'best': float | None, 'files': {...}}"
+                )
             self._retention.load_state_dict(files)
 
     def check(self, plan: RunPlan) -> None:
@@ -365,14 +406,19 @@ class Checkpointing(Callback):
                 ``load_best_at_end`` with a sharded model.
         """
         if plan.checkpoint_dir is None:
-            raise ConfigError.invalid("checkpoint_dir", None, "a folder when Checkpointing is "
-                                      "added (Trainer(checkpoint_dir=...))")  # fmt: skip
+            raise ConfigError.invalid(
+                "checkpoint_dir",
+                None,
+                "a folder when Checkpointing is added (Trainer(checkpoint_dir=...))",
+            )
         if self.load_best_at_end and plan.sharded:
             raise ConfigError.invalid(
-                "load_best_at_end", True, "False with a sharded (fully_shard) model: its best "
+                "load_best_at_end",
+                True,
+                "False with a sharded (fully_shard) model: its best "
                 "checkpoint is a folder of every rank's shards; load it after fit() with "
                 "trainbus.checkpoint.export_full, or resume from it",
-            )  # fmt: skip
+            )
         self._checkpoint_dir = Path(plan.checkpoint_dir)
         if self.monitor is not None:
             check_monitored(plan, "Checkpointing.monitor", self.monitor, external=True)
@@ -415,18 +461,29 @@ class Checkpointing(Callback):
             removals: Subject[_Removal] | None = None
             if bus.rank == 0:
                 removals = Subject()
-                bus.subscribe_async(removals, _remove_logged, overflow="block",
-                                    name="Checkpointing.removal")  # fmt: skip
-            books = bus.stream(ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved,
-                               ev.CheckpointLoaded)  # fmt: skip
-            bus.subscribe(books, partial(self._keep_books, removals=removals), ranks="all",
-                          name="Checkpointing.retention")  # fmt: skip
+                bus.subscribe_async(
+                    removals, _remove_logged, overflow="block", name="Checkpointing.removal"
+                )
+            books = bus.stream(
+                ev.EvaluationEnded, ev.CheckpointSaving, ev.CheckpointSaved, ev.CheckpointLoaded
+            )
+            bus.subscribe(
+                books,
+                partial(self._keep_books, removals=removals),
+                ranks="all",
+                name="Checkpointing.retention",
+            )
 
     async def _mark_best(self, event: ev.ExternalEvaluationEnded) -> None:
         source = Path(event.checkpoint)
         best = await anyio.to_thread.run_sync(copy_as_best, source, event.step)
-        log.info("checkpoint_marked_best", step=event.step, path=str(best), source=str(source),
-                 metrics=dict(event.metrics))  # fmt: skip
+        log.info(
+            "checkpoint_marked_best",
+            step=event.step,
+            path=str(best),
+            source=str(source),
+            metrics=dict(event.metrics),
+        )
 
     def _keep_books(self, event: ev.BaseEvent, *, removals: Subject[_Removal] | None) -> None:
         retention = self._retention

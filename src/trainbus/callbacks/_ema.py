@@ -64,8 +64,7 @@ class EMA(Callback):
         evaluate: bool = True,
         state_key: str | None = None,
     ) -> None:
-        if (not isinstance(decay, int | float) or isinstance(decay, bool)
-                or not 0.0 <= decay < 1.0):  # fmt: skip
+        if not isinstance(decay, int | float) or isinstance(decay, bool) or not 0.0 <= decay < 1.0:
             raise ConfigError.invalid("EMA.decay", decay, "a number in [0, 1), e.g. 0.999")
         if buffers not in ("average", "copy"):
             raise ConfigError.invalid("EMA.buffers", buffers, "'average' or 'copy'")
@@ -74,9 +73,10 @@ class EMA(Callback):
                 device = torch.device(device)
             except (RuntimeError, TypeError) as exc:
                 raise ConfigError.invalid(
-                    "EMA.device", device, "None (the model's device) or a torch device such as "
-                    "'cpu' or 'cuda:0'"
-                ) from exc  # fmt: skip
+                    "EMA.device",
+                    device,
+                    "None (the model's device) or a torch device such as 'cpu' or 'cuda:0'",
+                ) from exc
         self.decay = float(decay)
         self.every = check_int("EMA.every", every, 1)
         self.start_step = check_int("EMA.start_step", start_step, 0)
@@ -168,10 +168,19 @@ class EMA(Callback):
         """
         updates = state.get("updates")
         weights = state.get("weights")
-        if (not isinstance(updates, int) or isinstance(updates, bool) or updates < 0
-                or (weights is None) != (updates == 0)
-                or (weights is not None and not (isinstance(weights, Mapping) and all(
-                    isinstance(v, torch.Tensor) for v in weights.values())))):  # fmt: skip
+        if (
+            not isinstance(updates, int)
+            or isinstance(updates, bool)
+            or updates < 0
+            or (weights is None) != (updates == 0)
+            or (
+                weights is not None
+                and not (
+                    isinstance(weights, Mapping)
+                    and all(isinstance(v, torch.Tensor) for v in weights.values())
+                )
+            )
+        ):
             raise CheckpointError(
                 f"the {self.state_key!r} callback state is not an EMA state "
                 f"(updates={updates!r}, weights of type {type(weights).__name__})"
@@ -212,8 +221,9 @@ class EMA(Callback):
                 is swapped in.
         """
         if self._swapped is not None:
-            raise TrainingError("EMA.update() during an evaluation round (the average is in "
-                                "the model)")  # fmt: skip
+            raise TrainingError(
+                "EMA.update() during an evaluation round (the average is in the model)"
+            )
         tensors = ModelTensors(model)
         average = self._current(tensors)
         update = self._updates + 1

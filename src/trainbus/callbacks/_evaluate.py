@@ -81,9 +81,11 @@ class EvaluateCheckpoints(Callback):
             or (isinstance(run, Sequence) and len(run) > 0 and all(isinstance(a, str) for a in run))
         ):
             raise ConfigError.invalid(
-                "run", run, "a command as a list of strings (e.g. ['python', 'eval.py', "
+                "run",
+                run,
+                "a command as a list of strings (e.g. ['python', 'eval.py', "
                 "'{checkpoint}']) or an async def fn(event) -> Mapping[str, float]",
-            )  # fmt: skip
+            )
         self.run: tuple[str, ...] | EvaluationFn = (
             run if inspect.iscoroutinefunction(run) else tuple(run)  # type: ignore[arg-type]
         )
@@ -105,21 +107,38 @@ class EvaluateCheckpoints(Callback):
             result = await self.evaluate(saved)
             self._results.append(result)
             if result.error is not None:
-                log.warning("external_evaluation_ended", step=result.step, epoch=result.epoch,
-                            checkpoint=result.checkpoint, error=str(result.error))  # fmt: skip
+                log.warning(
+                    "external_evaluation_ended",
+                    step=result.step,
+                    epoch=result.epoch,
+                    checkpoint=result.checkpoint,
+                    error=str(result.error),
+                )
             else:
-                log.info("external_evaluation_ended", step=result.step, epoch=result.epoch,
-                         checkpoint=result.checkpoint, **dict(result.metrics))  # fmt: skip
+                log.info(
+                    "external_evaluation_ended",
+                    step=result.step,
+                    epoch=result.epoch,
+                    checkpoint=result.checkpoint,
+                    **dict(result.metrics),
+                )
             if bus.state == "running":
                 bus.publish(result)
             else:  # the bus completed its streams: nobody could receive it
-                log.warning("external_evaluation_not_delivered", checkpoint=result.checkpoint,
-                            reason="the run had ended")  # fmt: skip
+                log.warning(
+                    "external_evaluation_not_delivered",
+                    checkpoint=result.checkpoint,
+                    reason="the run had ended",
+                )
 
         bus.subscribe_async(
-            bus.stream(ev.CheckpointSaved), job, concurrency=self.jobs,
-            buffer=self.job_buffer, overflow="block", name="EvaluateCheckpoints",
-        )  # fmt: skip
+            bus.stream(ev.CheckpointSaved),
+            job,
+            concurrency=self.jobs,
+            buffer=self.job_buffer,
+            overflow="block",
+            name="EvaluateCheckpoints",
+        )
 
     async def evaluate(self, saved: ev.CheckpointSaved) -> ev.ExternalEvaluationEnded:
         """Run the job for ``saved`` (a failure is the event's ``error``, never raised).
@@ -138,17 +157,21 @@ class EvaluateCheckpoints(Callback):
             except EvaluationJobError as exc:
                 error = exc
             except Exception as exc:  # the user's function failed: report, never fail the run
-                error = EvaluationJobError(f"the evaluation function raised {exc!r}",
-                                           checkpoint=saved.path)  # fmt: skip
+                error = EvaluationJobError(
+                    f"the evaluation function raised {exc!r}", checkpoint=saved.path
+                )
                 error.__cause__ = exc
         if scope.cancelled_caught:
             error = EvaluationJobError(
                 f"the evaluation job timed out after {self.timeout} s", checkpoint=saved.path
             )
         return ev.ExternalEvaluationEnded(
-            step=saved.step, epoch=saved.epoch, checkpoint=saved.path,
-            metrics=metrics if error is None else {}, error=error,
-        )  # fmt: skip
+            step=saved.step,
+            epoch=saved.epoch,
+            checkpoint=saved.path,
+            metrics=metrics if error is None else {},
+            error=error,
+        )
 
     async def _job(self, saved: ev.CheckpointSaved) -> dict[str, float]:
         if not isinstance(self.run, tuple):
@@ -158,8 +181,9 @@ class EvaluateCheckpoints(Callback):
         try:
             done = await anyio.run_process(args, check=False, cwd=self.cwd)
         except OSError as exc:  # command not found, not executable
-            raise EvaluationJobError(f"could not start {args[0]!r}: {exc}",
-                                     checkpoint=saved.path) from exc  # fmt: skip
+            raise EvaluationJobError(
+                f"could not start {args[0]!r}: {exc}", checkpoint=saved.path
+            ) from exc
         stderr = (done.stderr or b"").decode("utf-8", errors="replace").rstrip()
         tail = "\n".join(stderr.splitlines()[-_STDERR_LINES:])
         context: dict[str, Any] = {

@@ -66,14 +66,25 @@ class MetricsLogger(Callback):
                 log.info("evaluation_ended", **fields, **_flatten(e.metrics))
 
         def checkpoint_saved(e: ev.CheckpointSaved) -> None:
-            log.info("checkpoint_saved", step=e.step, epoch=e.epoch, path=e.path, tag=e.tag,
-                     **_flatten(e.metrics))  # fmt: skip
+            log.info(
+                "checkpoint_saved",
+                step=e.step,
+                epoch=e.epoch,
+                path=e.path,
+                tag=e.tag,
+                **_flatten(e.metrics),
+            )
 
         def fit_ended(e: ev.FitEnded) -> None:
             level = log.error if e.reason == "failed" else log.info
-            level("fit_ended", step=e.step, epoch=e.epoch, reason=e.reason,
-                  stop_reason=e.stop_reason,
-                  error=None if e.error is None else repr(e.error))  # fmt: skip
+            level(
+                "fit_ended",
+                step=e.step,
+                epoch=e.epoch,
+                reason=e.reason,
+                stop_reason=e.stop_reason,
+                error=None if e.error is None else repr(e.error),
+            )
 
         metrics.subscribe(metrics_logged, name="MetricsLogger.metrics_logged")
         bus.stream(ev.EvaluationEnded).subscribe(
@@ -102,8 +113,11 @@ def write_in_batches(
 
     bus.subscribe_async(
         source.pipe(ops.buffer_with_time(flush_s), ops.filter(bool)),
-        run, buffer=buffer, overflow="block", name=name,
-    )  # fmt: skip
+        run,
+        buffer=buffer,
+        overflow="block",
+        name=name,
+    )
 
 
 class _Writer:

@@ -56,9 +56,13 @@ class ReduceLROnPlateau(Callback):
         monitor = check_metric("monitor", monitor)
         mode = check_mode(mode, monitor)
         self._options: dict[str, Any] = dict(
-            mode=mode, patience=patience, factor=factor, min_delta=min_delta, cooldown=cooldown,
+            mode=mode,
+            patience=patience,
+            factor=factor,
+            min_delta=min_delta,
+            cooldown=cooldown,
             max_reductions=max_reductions,
-        )  # fmt: skip
+        )
         tbops.plateau(monitor, **self._options)  # validates now
         self.monitor, self.patience, self.factor, self.mode = monitor, patience, factor, mode
         self.state_key = state_key
@@ -121,9 +125,15 @@ class LearningRateMonitor(Callback):
             c = e.command
             fields = {"lr": c.lr} if isinstance(c, cmd.SetLearningRate) else {"factor": c.factor}  # type: ignore[union-attr]
             level = log.warning if e.error is not None else log.info
-            level("lr_command_applied", step=e.step, epoch=e.epoch, command=type(c).__name__,
-                  **fields, param_group=c.param_group,  # type: ignore[union-attr]
-                  error=None if e.error is None else repr(e.error))  # fmt: skip
+            level(
+                "lr_command_applied",
+                step=e.step,
+                epoch=e.epoch,
+                command=type(c).__name__,
+                **fields,
+                param_group=c.param_group,  # type: ignore[union-attr]
+                error=None if e.error is None else repr(e.error),
+            )
 
         bus.stream(ev.SchedulerStepped, ev.StepEnded).pipe(
             ops.distinct_until_changed(lambda e: e.lr),

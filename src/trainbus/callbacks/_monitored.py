@@ -51,23 +51,31 @@ def check_monitored(
     evaluations, evaluation jobs (``external``) or training metrics (``train``)."""
     if train:
         if metric not in plan.train_metrics:
-            raise ConfigError.invalid(option, metric, "a training metric of MetricsLogged: "
-                                      + ", ".join(sorted(plan.train_metrics)))  # fmt: skip
+            raise ConfigError.invalid(
+                option,
+                metric,
+                "a training metric of MetricsLogged: " + ", ".join(sorted(plan.train_metrics)),
+            )
         return
     if plan.eval_metrics:
         if metric not in plan.eval_metrics:
             raise ConfigError.invalid(
-                option, metric, "a metric this run's evaluation produces: "
-                + ", ".join(sorted(plan.eval_metrics)) + " (the metrics= functions, per set)",
-            )  # fmt: skip
+                option,
+                metric,
+                "a metric this run's evaluation produces: "
+                + ", ".join(sorted(plan.eval_metrics))
+                + " (the metrics= functions, per set)",
+            )
         return
     if external and plan.external_evaluations:
         return  # only the evaluation jobs know their metrics' names
     jobs = " or add EvaluateCheckpoints" if external else ""
     raise ConfigError.invalid(
-        option, metric, f"a metric some evaluation produces, but this run has no eval_data: "
+        option,
+        metric,
+        f"a metric some evaluation produces, but this run has no eval_data: "
         f"give the Trainer eval_data{jobs}, or remove the callback",
-    )  # fmt: skip
+    )
 
 
 def lightning_names(

@@ -85,8 +85,11 @@ class GradientNormMonitor(Callback):
             return
         norm = total_grad_norm(ctx.model.parameters(), self.norm_type)
         if norm is not None and wanted:
-            bus.publish(ev.GradientNormMeasured(step=ctx.step, epoch=ctx.epoch, grad_norm=norm,
-                                                norm_type=self.norm_type))  # fmt: skip
+            bus.publish(
+                ev.GradientNormMeasured(
+                    step=ctx.step, epoch=ctx.epoch, grad_norm=norm, norm_type=self.norm_type
+                )
+            )
 
 
 def _number(value: Any) -> float | None:
@@ -111,9 +114,13 @@ def optimizer_stats(
             if (number := _number(raw)) is not None:
                 stats[name][f"group{i}"] = number
     return ev.OptimizerStatsMeasured(
-        step=step, epoch=epoch, lr_by_group=stats["lr"], momentum_by_group=stats["momentum"],
-        beta2_by_group=stats["beta2"], weight_decay_by_group=stats["weight_decay"],
-    )  # fmt: skip
+        step=step,
+        epoch=epoch,
+        lr_by_group=stats["lr"],
+        momentum_by_group=stats["momentum"],
+        beta2_by_group=stats["beta2"],
+        weight_decay_by_group=stats["weight_decay"],
+    )
 
 
 class OptimizerMonitor(Callback):
@@ -200,11 +207,15 @@ class MemoryMonitor(Callback):
             cuda = device[0].startswith("cuda") and torch.cuda.is_available()
             # Host-side allocator counters: no device sync.
             self.last = ev.MemoryMeasured(
-                step=e.step, epoch=e.epoch, rss_bytes=rss, rss_source=source, device=device[0],
+                step=e.step,
+                epoch=e.epoch,
+                rss_bytes=rss,
+                rss_source=source,
+                device=device[0],
                 cuda_allocated_bytes=torch.cuda.memory_allocated(device[0]) if cuda else None,
                 cuda_reserved_bytes=torch.cuda.memory_reserved(device[0]) if cuda else None,
                 cuda_peak_bytes=torch.cuda.max_memory_allocated(device[0]) if cuda else None,
-            )  # fmt: skip
+            )
             bus.publish(self.last)
 
         bus.stream(ev.FitStarted).subscribe(started, name="MemoryMonitor.fit_started")
@@ -254,10 +265,16 @@ class _Meter:
         wait = sum(e.data_wait_s for e in steps)
         busy = sum(e.duration_s for e in steps)
         return Throughput(
-            step=last.step, epoch=last.epoch, steps=len(steps), samples=samples,
-            elapsed_s=elapsed, steps_per_s=len(steps) / elapsed, samples_per_s=samples / elapsed,
-            data_wait_s=wait / len(steps), data_wait_fraction=wait / busy if busy > 0 else 0.0,
-        )  # fmt: skip
+            step=last.step,
+            epoch=last.epoch,
+            steps=len(steps),
+            samples=samples,
+            elapsed_s=elapsed,
+            steps_per_s=len(steps) / elapsed,
+            samples_per_s=samples / elapsed,
+            data_wait_s=wait / len(steps),
+            data_wait_fraction=wait / busy if busy > 0 else 0.0,
+        )
 
 
 class ThroughputMonitor(Callback):

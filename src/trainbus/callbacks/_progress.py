@@ -210,10 +210,15 @@ class Progress(Callback):
         width = terminal_columns(sys.stderr)
         fixed = width is not None and width <= 0
         self.bar = self._tqdm(
-            total=self._pace.total, initial=initial, desc=self.desc, unit="step",
-            file=sys.stderr, mininterval=0, dynamic_ncols=not fixed,
+            total=self._pace.total,
+            initial=initial,
+            desc=self.desc,
+            unit="step",
+            file=sys.stderr,
+            mininterval=0,
+            dynamic_ncols=not fixed,
             ncols=FALLBACK_COLUMNS if fixed else None,
-        )  # fmt: skip
+        )
 
     def _values(self) -> dict[str, Any]:
         """Loss and LR of the latest step (the loss read once per new step shown)."""
@@ -234,9 +239,15 @@ class Progress(Callback):
             return  # nothing new since the last line (e.g. the epoch's last step)
         self._logged = state
         pace = self._pace
-        log.info("progress", step=step, epoch=epoch, total_steps=pace.total,
-                 steps_per_s=pace.steps_per_s, remaining_s=pace.remaining_s(step),
-                 **{"loss": None, "lr": None, **self._values()})  # fmt: skip
+        log.info(
+            "progress",
+            step=step,
+            epoch=epoch,
+            total_steps=pace.total,
+            steps_per_s=pace.steps_per_s,
+            remaining_s=pace.remaining_s(step),
+            **{"loss": None, "lr": None, **self._values()},
+        )
 
     def _update(self, step: int, epoch: int, *, draw: bool) -> None:
         self.step, self._epoch = step, epoch
@@ -294,9 +305,14 @@ class RuntimeEstimator(Callback):
                 None if remaining is None else time.time() - (time.monotonic() - e.time) + remaining
             )
             self.last = ev.RuntimeEstimated(
-                step=e.step, epoch=e.epoch, elapsed_s=e.time - start.time, remaining_s=remaining,
-                eta=eta, steps_per_s=rate, total_steps=pace.total,
-            )  # fmt: skip
+                step=e.step,
+                epoch=e.epoch,
+                elapsed_s=e.time - start.time,
+                remaining_s=remaining,
+                eta=eta,
+                steps_per_s=rate,
+                total_steps=pace.total,
+            )
             bus.publish(self.last)
 
         bus.stream(ev.StepEnded).pipe(ops.throttle_first(self.every_s)).subscribe(

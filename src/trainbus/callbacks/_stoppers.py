@@ -110,8 +110,10 @@ class EarlyStopping(Callback):
 
     def state_dict(self) -> dict[str, Any]:
         """The tracker's state and the reason of the stop it decided (None: none yet)."""
-        return {**self.tracker.state_dict(),
-                "stop_reason": None if self._stop is None else self._stop.reason}  # fmt: skip
+        return {
+            **self.tracker.state_dict(),
+            "stop_reason": None if self._stop is None else self._stop.reason,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`state_dict`; a stop already decided is sent again unless
@@ -173,8 +175,9 @@ class ThresholdStopping(Callback):
         Raises:
             ConfigError: naming ``monitor`` and the metrics the source has.
         """
-        check_monitored(plan, "ThresholdStopping.monitor", self.monitor,
-                        train=self.source == "train")  # fmt: skip
+        check_monitored(
+            plan, "ThresholdStopping.monitor", self.monitor, train=self.source == "train"
+        )
 
     def setup(self, bus: EventBus) -> None:
         """Subscribe the decision pipeline to ``bus.commands``."""

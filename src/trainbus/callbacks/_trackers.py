@@ -36,8 +36,11 @@ def _metrics(event: ev.BaseEvent) -> tuple[str, Mapping[str, float]] | None:
 
 def _run_params(started: ev.FitStarted) -> dict[str, Any]:
     """The run's limits and device, those set."""
-    run = {"max_steps": started.max_steps, "max_epochs": started.max_epochs,
-           "device": started.device}  # fmt: skip
+    run = {
+        "max_steps": started.max_steps,
+        "max_epochs": started.max_epochs,
+        "device": started.device,
+    }
     return {k: v for k, v in run.items() if v is not None}
 
 
@@ -150,8 +153,12 @@ class TensorBoardLogger(Callback):
         self._writer = None
 
 
-_STATUS = {"completed": "FINISHED", "stopped": "FINISHED", "failed": "FAILED",
-           "cancelled": "KILLED"}  # fmt: skip
+_STATUS = {
+    "completed": "FINISHED",
+    "stopped": "FINISHED",
+    "failed": "FAILED",
+    "cancelled": "KILLED",
+}
 
 
 def _env(name: str) -> str | None:
@@ -242,14 +249,15 @@ class MLflowLogger(Callback):
             return str(client.get_experiment(self.experiment_id).experiment_id)
         found = client.get_experiment_by_name(self.experiment)
         if found is None:
-            return str(client.create_experiment(
-                self.experiment, artifact_location=self.artifact_location
-            ))  # fmt: skip
+            return str(
+                client.create_experiment(self.experiment, artifact_location=self.artifact_location)
+            )
         if self.experiment_id is not None and self.experiment_id != found.experiment_id:
             raise ConfigError.invalid(
-                "MLFLOW_EXPERIMENT_ID", self.experiment_id,
+                "MLFLOW_EXPERIMENT_ID",
+                self.experiment_id,
                 f"the id of experiment {self.experiment!r} ({found.experiment_id}), or unset",
-            )  # fmt: skip
+            )
         return str(found.experiment_id)
 
     def _open(self, started: ev.FitStarted) -> None:
@@ -266,8 +274,10 @@ class MLflowLogger(Callback):
         elif (found := _metrics(event)) is not None:
             kind, metrics = found
             prefix, now_ms = "external/" if kind == "external" else "", int(time.time() * 1000)
-            self._metrics.extend(self._metric_type(prefix + k, float(v), now_ms, event.step)
-                                 for k, v in metrics.items())  # fmt: skip
+            self._metrics.extend(
+                self._metric_type(prefix + k, float(v), now_ms, event.step)
+                for k, v in metrics.items()
+            )
 
     def _flush(self) -> None:
         if self._metrics:
@@ -350,16 +360,23 @@ class WandbLogger(Callback):
         runs.subscribe(bus, "WandbLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _open(self, started: ev.FitStarted) -> None:
-        fit = {"max_steps": started.max_steps, "max_epochs": started.max_epochs,
-               "device": started.device, "steps_per_epoch": started.steps_per_epoch,
-               "world_size": started.world_size, "resumed_from": started.resumed_from}  # fmt: skip
+        fit = {
+            "max_steps": started.max_steps,
+            "max_epochs": started.max_epochs,
+            "device": started.device,
+            "steps_per_epoch": started.steps_per_epoch,
+            "world_size": started.world_size,
+            "resumed_from": started.resumed_from,
+        }
         wandb = self._wandb
         run = self._run = wandb.init(
-            project=self.project, name=self.name,
+            project=self.project,
+            name=self.name,
             dir=None if self.dir is None else os.fspath(self.dir),
             config={**self._settings, **fit, **self.config},
-            reinit="create_new", settings=wandb.Settings(console="off", silent=True),
-        )  # fmt: skip
+            reinit="create_new",
+            settings=wandb.Settings(console="off", silent=True),
+        )
         self.run_id = run.id
         self.run_dir = Path(run.dir).parent
 

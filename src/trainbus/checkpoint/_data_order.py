@@ -87,12 +87,19 @@ def capture_data_order(data: Iterable[Any], *, epoch: int) -> dict[str, Any]:
         state = generator.get_state()
     elif kind == "global":
         state = torch.get_rng_state()
-    order: dict[str, Any] = {"kind": kind, "epoch": int(epoch), "exact": kind in EXACT_KINDS,
-                             "state": state}  # fmt: skip
+    order: dict[str, Any] = {
+        "kind": kind,
+        "epoch": int(epoch),
+        "exact": kind in EXACT_KINDS,
+        "state": state,
+    }
     if kind == "distributed":
         sampler = data.sampler  # type: ignore[attr-defined]
-        order["sampler"] = {"seed": int(sampler.seed), "num_replicas": int(sampler.num_replicas),
-                            "shuffle": bool(sampler.shuffle)}  # fmt: skip
+        order["sampler"] = {
+            "seed": int(sampler.seed),
+            "num_replicas": int(sampler.num_replicas),
+            "shuffle": bool(sampler.shuffle),
+        }
     return order
 
 
@@ -148,9 +155,12 @@ def replay_epoch(
             )
         if not order.get("exact", False):
             log.warning(
-                "data_order_inexact", kind=kind, epoch=epoch, batch_in_epoch=skip,
+                "data_order_inexact",
+                kind=kind,
+                epoch=epoch,
+                batch_in_epoch=skip,
                 reason="an iterable cannot be rewound; the consumed batches are skipped",
-            )  # fmt: skip
+            )
         if skip == 0 and rng is not None:
             restore_rng(rng)
         state = order.get("state")

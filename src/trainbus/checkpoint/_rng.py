@@ -88,11 +88,13 @@ def _restore_cuda(states: list[torch.Tensor]) -> None:
     count = torch.cuda.device_count()
     if len(states) != count:
         log.warning(
-            "rng_cuda_devices_differ", saved_devices=len(states), devices=count,
+            "rng_cuda_devices_differ",
+            saved_devices=len(states),
+            devices=count,
             restored=min(len(states), count),
             reason="the checkpoint was written where another number of GPUs was visible; "
             "each GPU seen by both is restored, the others keep their state",
-        )  # fmt: skip
+        )
     for index, saved in enumerate(states[:count]):
         torch.cuda.set_rng_state(saved.cpu(), index)
 

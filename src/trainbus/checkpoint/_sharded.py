@@ -128,11 +128,20 @@ def save_sharded(
     try:  # the local part that may fail, agreed before the first collective write
         check_plain(data_order, "data_order")
         if rank == 0:
-            payload = build_payload(state=state, model=model, optimizer=optimizer,
-                                    scheduler=scheduler, scaler=scaler, metrics=metrics,
-                                    rng=None, data_order=data_order,
-                                    callback_states=callback_states, world_size=world,
-                                    sharded=True, run=run)  # fmt: skip
+            payload = build_payload(
+                state=state,
+                model=model,
+                optimizer=optimizer,
+                scheduler=scheduler,
+                scaler=scaler,
+                metrics=metrics,
+                rng=None,
+                data_order=data_order,
+                callback_states=callback_states,
+                world_size=world,
+                sharded=True,
+                run=run,
+            )
             try:
                 directory.mkdir(parents=True, exist_ok=True)
                 tmp_name = temp_name(name)
@@ -179,14 +188,17 @@ def _raise_agreed(
         raise error
     for f in failed:
         if f.errno is not None:
-            raise CheckpointWriteError(str(final), OSError(f.errno, f"{f.strerror} (on rank "
-                                                                    f"{f.rank})"))  # fmt: skip
+            raise CheckpointWriteError(
+                str(final), OSError(f.errno, f"{f.strerror} (on rank {f.rank})")
+            )
     for f in failed:
         if f.text.startswith("ConfigError: "):  # a state that cannot be saved: the same error
             raise ConfigError(f"{f.text.removeprefix('ConfigError: ')} (on rank {f.rank})")
     what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
-    raise CheckpointError(f"not written: another rank's part failed ({what}); the earlier "
-                          "checkpoints are untouched", path=str(final))  # fmt: skip
+    raise CheckpointError(
+        f"not written: another rank's part failed ({what}); the earlier checkpoints are untouched",
+        path=str(final),
+    )
 
 
 def _publish(tmp: Path, final: Path) -> None:
@@ -206,9 +218,11 @@ def _agree_path(path: str) -> None:
     """Every rank resumes the same checkpoint (a collective)."""
     paths = _gather(path)
     if len(set(paths)) > 1:
-        raise CheckpointError("the ranks found different checkpoints to resume ("
-                              + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
-                              + "): every rank must see the same checkpoint folder")  # fmt: skip
+        raise CheckpointError(
+            "the ranks found different checkpoints to resume ("
+            + "; ".join(f"rank {r}: {p or 'none'}" for r, p in enumerate(paths))
+            + "): every rank must see the same checkpoint folder"
+        )
 
 
 def _find_sharded(
@@ -216,21 +230,26 @@ def _find_sharded(
 ) -> tuple[Checkpoint | None, str]:
     """This rank's view of the checkpoint to resume (None: none found) and what the folder
     held; ``CheckpointError`` for a one-file checkpoint or a damaged folder."""
-    advice = ("a sharded (fully_shard) model resumes from a checkpoint folder written by a "
-              "sharded run; to start from an unsharded run's weights, load them into the model "
-              "before fully_shard and start a fresh run")  # fmt: skip
+    advice = (
+        "a sharded (fully_shard) model resumes from a checkpoint folder written by a "
+        "sharded run; to start from an unsharded run's weights, load them into the model "
+        "before fully_shard and start a fresh run"
+    )
     if resume == "latest":
         assert checkpoint_dir is not None
         scan = CheckpointStore(checkpoint_dir).find_latest(map_location="cpu")
         found = scan.checkpoint
         if found is not None and not found.meta.get("sharded"):
-            raise CheckpointError(f"the newest checkpoint is a one-file checkpoint (an "
-                                  f"unsharded run's): {advice}", path=str(found.path))  # fmt: skip
+            raise CheckpointError(
+                f"the newest checkpoint is a one-file checkpoint (an unsharded run's): {advice}",
+                path=str(found.path),
+            )
         return found, scan.describe()
     path = Path(resume)
     if path.is_file():
-        raise CheckpointError(f"a one-file checkpoint (an unsharded run's): {advice}",
-                              path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"a one-file checkpoint (an unsharded run's): {advice}", path=str(path)
+        )
     return read_folder(path), ""
 
 
@@ -280,15 +299,20 @@ def load_sharded(
     if checkpoint is None:
         return None, found
     try:
-        _restore_state(checkpoint, model=model, optimizer=optimizer, scheduler=scheduler,
-                       scaler=scaler)  # fmt: skip
+        _restore_state(
+            checkpoint, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler
+        )
     except BaseException as exc:
         error = exc
     _raise_load(error, gather_errors(error), checkpoint.path)
     if own is None:
-        log.warning("resume_rng_not_saved", rank=rank, world_size=world,
-                    saved_world_size=int(checkpoint.meta["world_size"]),
-                    action="this rank keeps its seeded random state")  # fmt: skip
+        log.warning(
+            "resume_rng_not_saved",
+            rank=rank,
+            world_size=world,
+            saved_world_size=int(checkpoint.meta["world_size"]),
+            action="this rank keeps its seeded random state",
+        )
         return replace(checkpoint, rng=None), found
     order = own["data_order"] if own["data_order"] is not None else checkpoint.data_order
     return replace(checkpoint, rng=own["rng"], data_order=order), found
@@ -302,8 +326,9 @@ def _raise_load(
     if isinstance(error, CheckpointError):
         raise error
     what = "; ".join(f"rank {f.rank}: {f.text}" for f in failed)
-    raise CheckpointError(f"cannot resume: {what}",
-                          path=None if path is None else str(path)) from error  # fmt: skip
+    raise CheckpointError(
+        f"cannot resume: {what}", path=None if path is None else str(path)
+    ) from error
 
 
 def _restore_state(
@@ -322,10 +347,12 @@ def _restore_state(
         dcp_load(state, checkpoint_id=str(checkpoint.path))  # a collective, errors agreed
     except Exception as exc:
         why = one_line_reason(exc)
-        raise CheckpointError(f"DCP could not load the model and optimizer shards: {why}",
-                              path=str(checkpoint.path)) from exc  # fmt: skip
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"])  # fmt: skip
+        raise CheckpointError(
+            f"DCP could not load the model and optimizer shards: {why}", path=str(checkpoint.path)
+        ) from exc
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
     restore_scheduler_scaler(checkpoint, scheduler=scheduler, scaler=scaler)
 
 
@@ -361,9 +388,11 @@ def export_full(folder: str | os.PathLike[str], path: str | os.PathLike[str]) ->
     """
     source = Path(folder)
     if source.is_file():
-        raise CheckpointError("a one-file checkpoint: its 'model' entry is the full state "
-                              "already; export_full reads a sharded run's checkpoint folder",
-                              path=str(source))  # fmt: skip
+        raise CheckpointError(
+            "a one-file checkpoint: its 'model' entry is the full state "
+            "already; export_full reads a sharded run's checkpoint folder",
+            path=str(source),
+        )
     read_folder(source)  # the folder checks first: index, shard files, trainbus.pt
     from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 

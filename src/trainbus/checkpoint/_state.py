@@ -64,8 +64,11 @@ def live_state(saved: Mapping[str, Any], model: torch.nn.Module) -> Mapping[str,
         return saved
     to_live = {canonical_key(k): k for k in live_keys}
     prefixes = {canonical_key(name): name for name, _ in model.named_modules()}
-    return _rekeyed(saved, lambda k: to_live.get(canonical_key(k), canonical_key(k)),
-                    lambda k: prefixes.get(canonical_key(k), k))  # fmt: skip
+    return _rekeyed(
+        saved,
+        lambda k: to_live.get(canonical_key(k), canonical_key(k)),
+        lambda k: prefixes.get(canonical_key(k), k),
+    )
 
 
 def _rekeyed(
@@ -84,8 +87,13 @@ class TrainState:
     property of its name; the position advances only through the methods below."""
 
     __slots__ = (
-        "_batch_in_epoch", "_closed_epoch", "_epoch", "_evaluated_step", "_samples_seen", "_step"
-    )  # fmt: skip
+        "_batch_in_epoch",
+        "_closed_epoch",
+        "_epoch",
+        "_evaluated_step",
+        "_samples_seen",
+        "_step",
+    )
 
     FIELDS = ("step", "epoch", "batch_in_epoch", "samples_seen", "evaluated_step", "closed_epoch")
     """The names :meth:`as_dict` writes and :meth:`from_dict` expects, in order."""
@@ -228,9 +236,10 @@ def check_plain(value: object, where: str) -> None:
             stack.extend((v, f"{at}[{i}]") for i, v in enumerate(item))
         elif not isinstance(item, _PLAIN):
             raise ConfigError.invalid(
-                at, type(item).__name__,
+                at,
+                type(item).__name__,
                 "tensors, dict/list/tuple and int/float/str/bool/None (what weights_only loads)",
-            )  # fmt: skip
+            )
 
 
 def build_payload(
@@ -324,21 +333,28 @@ class Checkpoint:
             problems.append(f"parameters {extra} are in the model but not in the checkpoint")
         for name in sorted(set(saved_shapes) & set(shapes)):
             if list(saved_shapes[name]) != shapes[name]:
-                problems.append(f"parameter {name!r} has shape {list(saved_shapes[name])} in the "
-                                f"checkpoint but {shapes[name]} in the model")  # fmt: skip
+                problems.append(
+                    f"parameter {name!r} has shape {list(saved_shapes[name])} in the "
+                    f"checkpoint but {shapes[name]} in the model"
+                )
         if self.meta["optimizer"] != now["optimizer"]:
-            problems.append(f"the optimizer is {self.meta['optimizer']} in the checkpoint but "
-                            f"{now['optimizer']} now")  # fmt: skip
+            problems.append(
+                f"the optimizer is {self.meta['optimizer']} in the checkpoint but "
+                f"{now['optimizer']} now"
+            )
         if self.meta["world_size"] != now["world_size"]:
-            problems.append(f"the world size is {self.meta['world_size']} in the checkpoint but "
-                            f"{now['world_size']} now")  # fmt: skip
+            problems.append(
+                f"the world size is {self.meta['world_size']} in the checkpoint but "
+                f"{now['world_size']} now"
+            )
         if problems:
             raise CheckpointError(
-                "does not fit this run: " + "; ".join(problems[:6])
+                "does not fit this run: "
+                + "; ".join(problems[:6])
                 + (f"; and {len(problems) - 6} more" if len(problems) > 6 else "")
                 + ". Resume with the model and optimizer that wrote it, or start a fresh run",
                 path=str(self.path),
-            )  # fmt: skip
+            )
 
     def restore(
         self,
@@ -370,7 +386,7 @@ class Checkpoint:
                 "or turn it into one file an unsharded model loads with "
                 "trainbus.checkpoint.export_full(folder, path) (CLI: trainbus export)",
                 path=str(self.path),
-            )  # fmt: skip
+            )
         self.check_compatible(model=model, optimizer=optimizer, world_size=world_size)
         model.load_state_dict(live_state(self.model, model))
         optimizer.load_state_dict(self.optimizer)
@@ -389,8 +405,9 @@ class Checkpoint:
         if self.meta.get("sharded"):
             raise CheckpointError(
                 "a sharded checkpoint folder: load its weights into an unsharded model with "
-                "trainbus.checkpoint.export_full(folder, path) first", path=str(self.path),
-            )  # fmt: skip
+                "trainbus.checkpoint.export_full(folder, path) first",
+                path=str(self.path),
+            )
         try:
             model.load_state_dict(live_state(self.model, model))
         except RuntimeError as exc:  # missing, unexpected or mis-shaped keys
@@ -414,12 +431,16 @@ def restore_scheduler_scaler(
 
 def _need(payload: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
     if key not in payload:
-        raise CheckpointError(f"missing the {key!r} entry; the file is not a complete trainbus "
-                              "checkpoint", path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"missing the {key!r} entry; the file is not a complete trainbus checkpoint",
+            path=str(path),
+        )
     value = payload[key]
     if not isinstance(value, kind):
-        raise CheckpointError(f"the {key!r} entry is a {type(value).__name__}, not what trainbus "
-                              "writes", path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"the {key!r} entry is a {type(value).__name__}, not what trainbus writes",
+            path=str(path),
+        )
     return value
 
 
@@ -441,13 +462,16 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
         old = isinstance(payload, dict) and payload.get("format") == 1
         raise CheckpointError(
             "written by an older trainbus (format 1, not loadable safely); resume from a newer "
-            "checkpoint or start fresh" if old
+            "checkpoint or start fresh"
+            if old
             else "not a trainbus checkpoint (no trainbus magic marker)",
             path=str(path),
-        )  # fmt: skip
+        )
     if payload.get("format") != FORMAT_VERSION:
-        raise CheckpointError(f"format version {payload.get('format')!r}, this trainbus reads "
-                              f"{FORMAT_VERSION}", path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"format version {payload.get('format')!r}, this trainbus reads {FORMAT_VERSION}",
+            path=str(path),
+        )
     meta = _need(payload, "meta", dict, path)
     for key, kind in (("param_shapes", dict), ("optimizer", str), ("world_size", int)):
         _need(meta, key, kind, path)
@@ -455,19 +479,22 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
     names = TrainState.FIELDS
     raw_state = {**TrainState.OPTIONAL, **raw_state}  # an earlier version's file lacks these
     if set(raw_state) != set(names) or not all(
-        isinstance(raw_state[n], int) and not isinstance(raw_state[n], bool)
+        isinstance(raw_state[n], int)
+        and not isinstance(raw_state[n], bool)
         and raw_state[n] >= TrainState.OPTIONAL.get(n, 0)
         for n in names
-    ):  # fmt: skip
-        raise CheckpointError(f"the 'state' entry {raw_state!r} is not a train state",
-                              path=str(path))  # fmt: skip
+    ):
+        raise CheckpointError(
+            f"the 'state' entry {raw_state!r} is not a train state", path=str(path)
+        )
     model = _need(payload, "model", dict, path)
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
         raise CheckpointError("the 'model' entry is not a state dict of tensors", path=str(path))
     optimizer = _need(payload, "optimizer", dict, path)
     if not {"state", "param_groups"} <= set(optimizer):
-        raise CheckpointError("the 'optimizer' entry is not an optimizer state dict",
-                              path=str(path))  # fmt: skip
+        raise CheckpointError(
+            "the 'optimizer' entry is not an optimizer state dict", path=str(path)
+        )
     metrics = _need(payload, "metrics", dict, path)
     if not all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items()):
         raise CheckpointError("the 'metrics' entry is not {name: float}", path=str(path))

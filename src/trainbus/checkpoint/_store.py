@@ -99,16 +99,19 @@ def check_checkpoint_dir(path: object) -> Path:
         raise ConfigError.invalid("checkpoint_dir", str(folder), "a folder (this path is a file)")
     if not probe.is_dir():
         raise ConfigError.invalid(
-            "checkpoint_dir", str(folder), f"a folder path; {probe} is a file, so no folder can "
-            "be created under it",
-        )  # fmt: skip
+            "checkpoint_dir",
+            str(folder),
+            f"a folder path; {probe} is a file, so no folder can be created under it",
+        )
     try:  # a real folder made and removed: os.access alone trusts root on /proc, say
         os.rmdir(tempfile.mkdtemp(prefix=".trainbus-probe-", dir=probe))
     except OSError as exc:
         raise ConfigError.invalid(
-            "checkpoint_dir", str(folder), f"a folder this process can write; no folder can be "
+            "checkpoint_dir",
+            str(folder),
+            f"a folder this process can write; no folder can be "
             f"created in {probe} ({exc.strerror})",
-        ) from None  # fmt: skip
+        ) from None
     return folder
 
 
@@ -140,8 +143,9 @@ def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
     except MemoryError:
         raise
     except Exception as exc:
-        raise CheckpointError(f"not a complete checkpoint archive (truncated or not a torch "
-                              f"file): {exc}", path=where) from exc  # fmt: skip
+        raise CheckpointError(
+            f"not a complete checkpoint archive (truncated or not a torch file): {exc}", path=where
+        ) from exc
     if bad is not None:
         raise CheckpointError(
             f"corrupt: the archive member {bad!r} fails its CRC check", path=where
@@ -149,9 +153,11 @@ def read_file(path: Path, *, map_location: Any = "cpu") -> Checkpoint:
     try:
         payload = torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
-        what = ("refused by safe loading (weights_only=True): it holds objects other than "
-                "tensors and plain containers, so it is not a trainbus checkpoint and may be "
-                f"crafted to run code ({one_line_reason(exc)})")  # fmt: skip
+        what = (
+            "refused by safe loading (weights_only=True): it holds objects other than "
+            "tensors and plain containers, so it is not a trainbus checkpoint and may be "
+            f"crafted to run code ({one_line_reason(exc)})"
+        )
         raise CheckpointError(what, path=where) from exc
     except MemoryError:
         raise
@@ -171,13 +177,15 @@ def _check_dcp_files(folder: Path) -> None:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     if not (folder / _METADATA).is_file():
-        raise CheckpointError("no DCP index (.metadata): not a complete sharded checkpoint",
-                              path=str(folder))  # fmt: skip
+        raise CheckpointError(
+            "no DCP index (.metadata): not a complete sharded checkpoint", path=str(folder)
+        )
     try:
         metadata = FileSystemReader(str(folder)).read_metadata()
     except Exception as exc:
-        raise CheckpointError(f"its DCP index (.metadata) cannot be read: {one_line_reason(exc)}",
-                              path=str(folder)) from exc  # fmt: skip
+        raise CheckpointError(
+            f"its DCP index (.metadata) cannot be read: {one_line_reason(exc)}", path=str(folder)
+        ) from exc
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)
@@ -185,12 +193,17 @@ def _check_dcp_files(folder: Path) -> None:
     for relative, end in sorted(needed.items()):
         file = folder / relative
         if not file.is_file():
-            raise CheckpointError(f"missing the shard file {relative} (a rank's part of the "
-                                  "model and optimizer state)", path=str(folder))  # fmt: skip
+            raise CheckpointError(
+                f"missing the shard file {relative} (a rank's part of the "
+                "model and optimizer state)",
+                path=str(folder),
+            )
         size = file.stat().st_size
         if size < end:
-            raise CheckpointError(f"the shard file {relative} is truncated ({size} bytes, the "
-                                  f"index needs {end})", path=str(folder))  # fmt: skip
+            raise CheckpointError(
+                f"the shard file {relative} is truncated ({size} bytes, the index needs {end})",
+                path=str(folder),
+            )
 
 
 def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
@@ -213,18 +226,21 @@ def read_folder(folder: str | os.PathLike[str]) -> Checkpoint:
         raise CheckpointError("no such checkpoint folder", path=str(path))
     _check_dcp_files(path)
     if not (path / STATE_FILE).is_file():
-        raise CheckpointError(f"missing {STATE_FILE} (trainbus' own state, written by rank 0)",
-                              path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"missing {STATE_FILE} (trainbus' own state, written by rank 0)", path=str(path)
+        )
     inner = read_file(path / STATE_FILE)
     checkpoint = replace(inner, path=path)
     if not checkpoint.meta.get("sharded"):
-        raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's",
-                              path=str(path))  # fmt: skip
+        raise CheckpointError(f"its {STATE_FILE} is not a sharded checkpoint's", path=str(path))
     world = int(checkpoint.meta["world_size"])
     missing = [rank_file(r) for r in range(world) if not (path / rank_file(r)).is_file()]
     if missing:
-        raise CheckpointError(f"missing {', '.join(missing)} (each rank's RNG and data order; "
-                              f"written by {world} ranks)", path=str(path))  # fmt: skip
+        raise CheckpointError(
+            f"missing {', '.join(missing)} (each rank's RNG and data order; "
+            f"written by {world} ranks)",
+            path=str(path),
+        )
     return checkpoint
 
 
@@ -238,8 +254,10 @@ def read_rank_file(folder: Path, rank: int) -> dict[str, Any]:
         raise CheckpointError(f"missing {rank_file(rank)}", path=str(folder)) from exc
     except Exception as exc:
         why = one_line_reason(exc)
-        raise CheckpointError(f"{rank_file(rank)} cannot be read (damaged, or not written by "
-                              f"trainbus): {why}", path=str(folder)) from exc  # fmt: skip
+        raise CheckpointError(
+            f"{rank_file(rank)} cannot be read (damaged, or not written by trainbus): {why}",
+            path=str(folder),
+        ) from exc
     if not isinstance(saved, dict) or not {"rng", "data_order"} <= set(saved):
         raise CheckpointError(f"{rank_file(rank)} is not a trainbus rank file", path=str(folder))
     return saved
@@ -281,8 +299,7 @@ def write_atomic(obj: Any, path: Path) -> None:
     try:
         # O_EXCL: never write through a file someone else put there; 0o666 & ~umask like
         # a plain open().
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
-                     0o666)  # fmt: skip
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
         with os.fdopen(fd, "wb") as f:
             sink = _Sink(f)
             try:
@@ -362,8 +379,11 @@ class LatestScan:
             n = len(self.others)
             more = f", ... and {n - limit} more" if n > limit else ""
             prefix = "" if self.skipped else "no checkpoint file (step-<n>.pt); "
-            parts.append(f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
-                         + ", ".join(self.others[:limit]) + more)  # fmt: skip
+            parts.append(
+                f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
+                + ", ".join(self.others[:limit])
+                + more
+            )
         return "; ".join(parts) if parts else "an empty folder"
 
 
@@ -483,8 +503,13 @@ class CheckpointStore:
                 continue
             return LatestScan(self._directory, found, exists=True, skipped=tuple(skipped))
         others = sorted(e.name for e in self._directory.iterdir() if _TEMP.match(e.name) is None)
-        return LatestScan(self._directory, None, exists=True, skipped=tuple(skipped),
-                          others=tuple(o for o in others if o not in dict(skipped)))  # fmt: skip
+        return LatestScan(
+            self._directory,
+            None,
+            exists=True,
+            skipped=tuple(skipped),
+            others=tuple(o for o in others if o not in dict(skipped)),
+        )
 
     def latest_valid(self) -> Path | None:
         """Path of the newest valid checkpoint (see :meth:`find_latest`), or None."""
@@ -533,15 +558,25 @@ def save_checkpoint(
     """
     if is_sharded_model(model):
         raise ConfigError.invalid(
-            "model", type(model).__name__, "an unsharded model: a fully_shard model's "
+            "model",
+            type(model).__name__,
+            "an unsharded model: a fully_shard model's "
             "state_dict holds only this rank's shards; save it from every rank with "
             "trainbus.checkpoint.save_sharded (the Trainer does)",
-        )  # fmt: skip
+        )
     payload = build_payload(
-        state=state, model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-        metrics=metrics, rng=capture_rng() if rng is None else rng, data_order=data_order,
-        callback_states=callback_states, world_size=world_size, run=run,
-    )  # fmt: skip
+        state=state,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        metrics=metrics,
+        rng=capture_rng() if rng is None else rng,
+        data_order=data_order,
+        callback_states=callback_states,
+        world_size=world_size,
+        run=run,
+    )
     return CheckpointStore(directory).save(payload, step=state.step, tag=tag)
 
 
@@ -576,6 +611,12 @@ def load_checkpoint(
             fit the model, optimizer or world size (nothing is restored then).
     """
     checkpoint = read_checkpoint(path, map_location=map_location)
-    checkpoint.restore(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                       world_size=world_size, rng=restore_rng)  # fmt: skip
+    checkpoint.restore(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        world_size=world_size,
+        rng=restore_rng,
+    )
     return checkpoint.state, dict(checkpoint.metrics)

@@ -65,10 +65,13 @@ class OptunaPruning(Callback):
         if trial is None and env_rank() != 0:
             pass  # under torchrun the trial lives on rank 0, where this callback decides
         elif not isinstance(trial, optuna.trial.BaseTrial):
-            raise ConfigError.invalid("trial", type(trial).__name__,
-                                      "an optuna.Trial (the argument Optuna passes to the "
-                                      "objective); None only on the ranks other than 0 "
-                                      "under torchrun")  # fmt: skip
+            raise ConfigError.invalid(
+                "trial",
+                type(trial).__name__,
+                "an optuna.Trial (the argument Optuna passes to the "
+                "objective); None only on the ranks other than 0 "
+                "under torchrun",
+            )
         self.trial = trial
         self.monitor = check_metric("monitor", monitor)
         self._pruned_exc: type[BaseException] = optuna.TrialPruned
@@ -110,8 +113,7 @@ class OptunaPruning(Callback):
         if self.monitor in event.metrics:
             self._report(event.metrics[self.monitor], event.step)
         if self._evaluated and not self._checked:
-            self._check_exists(f"the first evaluation and the first log window (step "
-                               f"{event.step})")  # fmt: skip
+            self._check_exists(f"the first evaluation and the first log window (step {event.step})")
 
     def on_evaluation_ended(self, event: ev.EvaluationEnded) -> None:
         """Report ``monitor`` when this evaluation carries it (a barrier: decided here)."""
@@ -129,18 +131,20 @@ class OptunaPruning(Callback):
         self._evaluated = True
         self._known.update(event.metrics)
         if self._logged:
-            self._check_exists(f"the first evaluation (step {event.step}) and the log windows "
-                               "before it")  # fmt: skip
+            self._check_exists(
+                f"the first evaluation (step {event.step}) and the log windows before it"
+            )
 
     def _check_exists(self, where: str) -> None:
         self._checked = True
         if not self._found and self.monitor not in self._train_names | self._known:
             raise ConfigError.invalid(
-                "OptunaPruning.monitor", self.monitor,
+                "OptunaPruning.monitor",
+                self.monitor,
                 f"a metric of the run's evaluations or MetricsLogged; {where} found none of "
                 "that name; metrics that exist: "
                 + (", ".join(sorted(self._train_names | self._known)) or "none"),
-            )  # fmt: skip
+            )
 
     def on_fit_ended(self, event: ev.FitEnded) -> None:
         """The run ended: release the decision steps."""
@@ -161,9 +165,11 @@ class OptunaPruning(Callback):
         if not self._checked and result.ending in (ev.Ending.COMPLETED, ev.Ending.STOPPED):
             self._check_exists("the whole run")
         if self.pruned_at is not None and result.ending is ev.Ending.PRUNED:
-            raise self._pruned_exc(f"trainbus: trial {getattr(self.trial, 'number', '?')} "
-                                   f"pruned at step {self.pruned_at} on {self.monitor}; the "
-                                   f"run stopped at step {result.steps}")  # fmt: skip
+            raise self._pruned_exc(
+                f"trainbus: trial {getattr(self.trial, 'number', '?')} "
+                f"pruned at step {self.pruned_at} on {self.monitor}; the "
+                f"run stopped at step {result.steps}"
+            )
 
     def _report(self, value: float, step: int) -> None:
         self._found = True
@@ -179,13 +185,16 @@ class OptunaPruning(Callback):
                 f"{getattr(self.trial, 'number', '?')} failed: {type(exc).__name__}: {exc} "
                 "(the study's pruner or storage raised)"
             ) from exc
-        log.debug("optuna_reported", step=step, metric=self.monitor, value=value,
-                  prune=prune)  # fmt: skip
+        log.debug("optuna_reported", step=step, metric=self.monitor, value=value, prune=prune)
         if prune:
             self.pruned_at = step
             bus = None if self._bus is None else self._bus()
             assert bus is not None  # added: the bus delivers this very event
             bus.send(cmd.StopTraining(reason=PRUNED))
-            log.info("trial_pruned", step=step, metric=self.monitor,
-                     value=value if math.isfinite(value) else str(value),
-                     trial=getattr(self.trial, "number", None))  # fmt: skip
+            log.info(
+                "trial_pruned",
+                step=step,
+                metric=self.monitor,
+                value=value if math.isfinite(value) else str(value),
+                trial=getattr(self.trial, "number", None),
+            )

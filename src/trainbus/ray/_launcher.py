@@ -133,15 +133,22 @@ class RayLauncher(DriverBase[RayLaunchResult]):
             )
         if not isinstance(scaling_config, ray.train.ScalingConfig):
             raise ConfigError.invalid(
-                "scaling_config", scaling_config,
+                "scaling_config",
+                scaling_config,
                 "a ray.train.ScalingConfig, e.g. ScalingConfig(num_workers=2)",
-            )  # fmt: skip
+            )
         if run_config is not None and not isinstance(run_config, ray.train.RunConfig):
             raise ConfigError.invalid("run_config", run_config, "None or a ray.train.RunConfig")
         if train_loop_config is not None and not isinstance(train_loop_config, Mapping):
             raise ConfigError.invalid("train_loop_config", train_loop_config, "None or a dict")
-        super().__init__(callbacks=callbacks, setup=setup, bus=bus, stop_timeout=stop_timeout,
-                         keep_events=keep_events, on_signal=on_signal)  # fmt: skip
+        super().__init__(
+            callbacks=callbacks,
+            setup=setup,
+            bus=bus,
+            stop_timeout=stop_timeout,
+            keep_events=keep_events,
+            on_signal=on_signal,
+        )
         self.train_fn = train_fn
         self.scaling_config = scaling_config
         self.run_config = run_config
@@ -176,16 +183,20 @@ class RayLauncher(DriverBase[RayLaunchResult]):
         driver = self._driver = await RayDriver.start()
         trainer = TorchTrainer(
             _WorkerEntry(self.train_fn, driver.address, self._token),
-            scaling_config=self.scaling_config, run_config=self.run_config,
+            scaling_config=self.scaling_config,
+            run_config=self.run_config,
             train_loop_config=self.train_loop_config,
-        )  # fmt: skip
+        )
         failure: BaseException | None = None
         result: Any = None
         try:
             async with self.bus, anyio.create_task_group() as tg:
                 self._serve(tg, link, driver.serve, driver.send)
-                log.info("launch_started", workers=self.scaling_config.num_workers,
-                         address=driver.address)  # fmt: skip
+                log.info(
+                    "launch_started",
+                    workers=self.scaling_config.num_workers,
+                    address=driver.address,
+                )
                 try:
                     result = await anyio.to_thread.run_sync(trainer.fit, abandon_on_cancel=True)
                 except Exception as exc:  # Ray's TrainingFailedError and kin
@@ -195,9 +206,10 @@ class RayLauncher(DriverBase[RayLaunchResult]):
             with anyio.CancelScope(shield=True):
                 await driver.aclose()
         if self._aborted:
-            raise self._failure("the workers were killed (a second signal, or the graceful "
-                                f"stop took longer than stop_timeout={self.stop_timeout} s)"
-                                ) from failure  # fmt: skip
+            raise self._failure(
+                "the workers were killed (a second signal, or the graceful "
+                f"stop took longer than stop_timeout={self.stop_timeout} s)"
+            ) from failure
         if failure is not None:
             raise self._failure(f"Ray reported the training failed: {failure}") from failure
         if not link.linked:
