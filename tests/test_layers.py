@@ -269,3 +269,16 @@ def test_the_hall_holds_public_modules_and_shared_internals_only() -> None:
     # public modules.
     private = {p.stem for p in SRC.glob("_*.py")} - {"__init__", "__main__"}
     assert private == HALL_INTERNALS, private ^ HALL_INTERNALS
+
+
+def test_src_is_laid_out_by_ruff_format_alone() -> None:
+    # A `# fmt: skip` packs a call or a condition into fewer lines than ruff format gives it:
+    # the package's size is counted as ruff lays the code out.
+    marker = "fmt: " + "skip"
+    packed = [
+        f"{path.relative_to(SRC)}:{number}"
+        for path in sorted(SRC.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if line.rstrip().endswith(marker)
+    ]
+    assert not packed, f"lines ruff format may not lay out: {packed}"
