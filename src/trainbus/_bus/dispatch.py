@@ -24,7 +24,7 @@ from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
 from .commands import CommandChannel, DecisionStamp, Doorbell
 from .scheduler import TaskSet
-from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet, announce_wait
+from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet
 from .watchdog import FailureLedger
 
 __all__ = [
@@ -478,7 +478,6 @@ class Barrier:
         self._channel = channel
         # A wait interrupted by a request: its targets and deadline, resumed by the next call.
         self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
-        self._announced: set[int] = set()  # subscriptions named in a warning already
         self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
         self._busy_mark: dict[int, float] | None = None  # sync run times when a wait began
 
@@ -578,7 +577,7 @@ class Barrier:
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
-                        self._announce(sub, _REASON, _REMEDIES)
+                        sub.announce_wait(_REASON, _REMEDIES)
 
             if waiting:
                 for sub, target in waiting:
@@ -605,12 +604,7 @@ class Barrier:
         sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
         if self._waited[id(sub)] >= _ANNOUNCE_AFTER:
-            self._announce(sub, reason, remedies)
-
-    def _announce(self, sub: Subscription, reason: str, remedies: str) -> None:
-        if id(sub) not in self._announced:
-            self._announced.add(id(sub))
-            announce_wait(sub, reason=reason, remedies=remedies)
+            sub.announce_wait(reason, remedies)
 
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool
