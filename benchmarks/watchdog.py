@@ -36,7 +36,7 @@ class Unmarked(Subscription):
     def on_next(self, value: Any) -> None:
         self.received += 1
         try:
-            self._fn(value)  # type: ignore[misc]
+            self._fn(value)
         except Exception as exc:
             self.fail(exc, value)
         self.completed += 1
@@ -62,7 +62,7 @@ def main() -> None:
         return None
 
     def guard(cls: type[Subscription]) -> Subscription:
-        return cls(ledger, "bench", None, Watchdog(5.0), noop)
+        return cls(ledger, "bench", None, noop, Watchdog(5.0))
 
     unmarked, marked = guard(Unmarked), guard(Subscription)
     results = interleaved_rounds(

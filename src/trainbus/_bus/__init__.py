@@ -102,7 +102,6 @@ class LoopPort:
         self.wants = routes.wants
         self.demand = routes.demand
         self.doorbell = doorbell
-        self.declare = clock.declare
         self.next_decision = clock.next_decision
         self.statistics = lifecycle.statistics
         self.has_commands = channel.has_commands

@@ -1,4 +1,4 @@
-"""Subscriptions: their records and statistics, the guard ending a sync chain, async workers,
+"""Subscriptions: their records and statistics (each one its chain's observer), async workers,
 back-pressure, ranks, and the :class:`SubscriptionSet` every :class:`BusObservable` subscribes
 through. Counters are plain ints touched on the event-loop thread only.
 """
@@ -213,8 +213,8 @@ class Subscription(abc.DisposableBase, abc.ObserverBase[Any]):
         ledger: FailureLedger,
         name: str,
         policy: ErrorPolicy | None,
+        fn: Callable[[Any], Any],
         watchdog: Watchdog | None = None,
-        fn: Callable[[Any], Any] | None = None,
         on_rx_error: Callable[[Exception], Any] | None = None,
         on_completed: Callable[[], Any] | None = None,
     ) -> None:
@@ -238,6 +238,7 @@ class Subscription(abc.DisposableBase, abc.ObserverBase[Any]):
         self.blocked_s = 0.0
         self.busy_s = 0.0
         """Seconds its calls ran on the event-loop thread (sync; a barrier charges its share)."""
+        self.in_flight = 0  # async: items its workers run now
         self.upstream: abc.DisposableBase | None = None  # the chain, and its decision steps
         self._stop_sent = False
         self._announced: set[str] = set()
@@ -249,7 +250,7 @@ class Subscription(abc.DisposableBase, abc.ObserverBase[Any]):
     def on_next(self, value: Any) -> None:
         """The end of its chain (sync): count, run the function, mark the call on the
         watchdog, report a failure to the ledger."""
-        assert self._fn is not None and self._watchdog is not None
+        assert self._watchdog is not None
         self.received += 1
         watchdog = self._watchdog
         outer = watchdog.current  # a subscriber may flush(): the inner call restores it
@@ -329,10 +330,6 @@ class Subscription(abc.DisposableBase, abc.ObserverBase[Any]):
     def queued(self) -> int:
         return 0
 
-    @property
-    def in_flight(self) -> int:
-        return 0
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} active={self.active}>"
 
@@ -365,8 +362,7 @@ class AsyncSubscription(Subscription):
         decides: bool,
         stamp: DecisionStamp,
     ) -> None:
-        super().__init__(ledger, name, policy)
-        self.fn = fn
+        super().__init__(ledger, name, policy, fn)
         self.decides = decides
         """Barriers that deliver it an item wait for it (``EventBus.subscribe_async``)."""
         self.concurrency = concurrency
@@ -374,7 +370,6 @@ class AsyncSubscription(Subscription):
         self.overflow = overflow
         self.buffer: deque[Any] = deque()
         self.started = 0
-        self.running = 0
         self.input_closed = False
         self._backpressure = backpressure
         self._workers: TaskSet | None = None
@@ -397,10 +392,6 @@ class AsyncSubscription(Subscription):
         return len(self.buffer)
 
     @property
-    def in_flight(self) -> int:
-        return self.running
-
-    @property
     def settled(self) -> int:
         """Items that need no more work: dropped, finished or cancelled."""
         return self.dropped + self.completed + self.cancelled
@@ -412,7 +403,7 @@ class AsyncSubscription(Subscription):
     @property
     def pending(self) -> int:
         """Items waiting or running: the work a close waits for."""
-        return len(self.buffer) + self.running
+        return len(self.buffer) + self.in_flight
 
     def received_from(self, event_id: int) -> int | None:
         """When the last item came from the dispatched event with ``id() == event_id``: how
@@ -498,9 +489,9 @@ class AsyncSubscription(Subscription):
                 for _ in range(self.concurrency):
                     workers.start_soon(self._worker)
         finally:
-            self.cancelled += len(self.buffer) + self.running
+            self.cancelled += self.pending
             self.buffer.clear()
-            self.running = 0
+            self.in_flight = 0
             if not self._suspending:
                 self.active = False
             self._backpressure.relieve(self)
@@ -521,18 +512,18 @@ class AsyncSubscription(Subscription):
             if len(buf) <= self.capacity:
                 self._backpressure.relieve(self)
             self.started += 1
-            self.running += 1
+            self.in_flight += 1
             # A command sent while running the item is stamped with the item's step.
             step = getattr(item, "step", None)
             token = ITEM_STEP.set(step if type(step) is int else None)
             try:
-                await self.fn(item)
+                await self._fn(item)
             except Exception as exc:
                 self.fail(exc, item)
             finally:
                 ITEM_STEP.reset(token)
-            # Not in a ``finally``: a cancelled await stays in ``running`` (_run: cancelled).
-            self.running -= 1
+            # Not in a ``finally``: a cancelled await stays in ``in_flight`` (_run: cancelled).
+            self.in_flight -= 1
             self.completed += 1
             self._progressed()
 
@@ -797,15 +788,15 @@ class SubscriptionSet:
                 raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
         if not self.ranks.runs_here(ranks):
-            inert = Subscription(self._ledger, name or "inert", policy)
+            inert = Subscription(self._ledger, name or "inert", policy, on_next)
             inert.dispose()  # registered nowhere: it costs nothing
             return inert
         sub = Subscription(
             self._ledger,
             name or name_of(on_next),
             policy,
-            self._watchdog,
             on_next,
+            self._watchdog,
             on_rx_error,
             on_completed,
         )
