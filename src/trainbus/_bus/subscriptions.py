@@ -19,11 +19,10 @@ import anyio
 from reactivex import Observable, abc
 from reactivex.disposable import CompositeDisposable
 
-from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
 from .._validate import check_int
-from .commands import ITEM_STEP, DecisionStamp, DecisionSteps, Doorbell, StepClock
+from .commands import ITEM_STEP, CommandSink, DecisionStamp, DecisionSteps, Doorbell, StepClock
 from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
@@ -32,7 +31,6 @@ __all__ = [
     "AsyncSubscription",
     "BusObservable",
     "BusStatistics",
-    "CommandSink",
     "LostWork",
     "Overflow",
     "RankFilter",
@@ -684,24 +682,6 @@ class BusObservable(Observable[_T], Generic[_T]):
         return self.subscriptions.subscribe(
             self, on_next, on_rx_error, on_completed, on_error, name, ranks, scheduler
         )
-
-
-class CommandSink(abc.ObserverBase[Any]):
-    """``bus.commands``: the back-channel as an Rx Observer of commands (a non-command is a
-    ``ConfigError``, reported as the subscription's failure)."""
-
-    def __init__(self, send: Callable[[cmd.Command], None]) -> None:
-        self.send = send
-        """Put a command on the back-channel (what ``on_next`` does)."""
-
-    def on_next(self, value: cmd.Command) -> None:
-        self.send(value)
-
-    def on_error(self, error: Exception) -> None:
-        raise error
-
-    def on_completed(self) -> None:
-        return None
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
