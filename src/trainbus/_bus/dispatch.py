@@ -258,8 +258,7 @@ class PublishQueue:
         self._routes = routes
         self._ledger = ledger
         self._room = threading.Event()  # set by the dispatcher after each drain
-        self._running = False
-        self._loop_thread: int | None = None
+        self._loop_thread: int | None = None  # while the bus runs (dispatches)
         self.delivered = 0
         self.publisher_waits = 0
         self._stamp = stamp
@@ -304,10 +303,10 @@ class PublishQueue:
             event.set()
 
     def _wait_for_room(self) -> None:
-        if not self._running or threading.get_ident() == self._loop_thread:
+        if self._loop_thread in (None, threading.get_ident()):
             return  # never block the loop itself, nor a bus that is not dispatching
         self.publisher_waits += 1
-        while len(self._events) > self._max_queue and self._running:
+        while len(self._events) > self._max_queue and self._loop_thread is not None:
             self._room.clear()
             self._room.wait(self.flush_interval)
 
@@ -319,14 +318,12 @@ class PublishQueue:
 
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
-        self._running = True
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
     def stop(self, *, close: bool = False) -> None:
         """Stop dispatching until :meth:`open`; with ``close``, for good (``publish`` raises:
         an append that refuses, no check per publish)."""
-        self._running = False
         self._loop_thread = None
         self._call_soon = None
         self.parked = False
