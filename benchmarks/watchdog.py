@@ -2,15 +2,15 @@
 
 Run: ``.venv/bin/python benchmarks/watchdog.py`` (about 20 s; ``--rounds``, ``--calls``).
 
-Every sync subscriber call goes through ``GuardedObserver.on_next``, which now marks the running
+Every sync subscriber call goes through ``Subscription.on_next``, which now marks the running
 subscription on the bus' :class:`~trainbus._bus.watchdog.Watchdog` (read the outer mark, write
 the subscription, restore the mark in a ``finally``; the call is named by the subscription's
-``received`` count, which the guard bumps anyway). Variants, in
+``received`` count, which it bumps anyway). Variants, in
 interleaved rounds (see ``_common.py``), each calling ``on_next`` ``--calls`` times with a
 no-op subscriber function:
 
 - ``unmarked``: the guard's body without the marks (what it was before the watchdog);
-- ``marked``: the real ``GuardedObserver.on_next``.
+- ``marked``: the real ``Subscription.on_next``.
 
 Printed: the median nanoseconds per call over rounds, and the ratio to ``unmarked``. The
 watchdog thread itself is not in the loop: it polls every ``watchdog_s / 10`` (at most 0.5 s),
@@ -26,26 +26,23 @@ from typing import Any
 from _common import format_table, interleaved_rounds, median, ratio
 
 from trainbus._bus.commands import Doorbell
-from trainbus._bus.subscriptions import GuardedObserver, Subscription
+from trainbus._bus.subscriptions import Subscription
 from trainbus._bus.watchdog import FailureLedger, Watchdog
 
 
-class Unmarked(GuardedObserver):
+class Unmarked(Subscription):
     """The guard as it was before the watchdog: counts and isolation, no marks."""
 
-    __slots__ = ()
-
     def on_next(self, value: Any) -> None:
-        sub = self._sub
-        sub.received += 1
+        self.received += 1
         try:
-            self._on_next(value)
+            self._fn(value)
         except Exception as exc:
-            sub.fail(exc, value)
-        sub.completed += 1
+            self.fail(exc, value)
+        self.completed += 1
 
 
-def per_call_ns(guard: GuardedObserver, calls: int) -> float:
+def per_call_ns(guard: Subscription, calls: int) -> float:
     on_next = guard.on_next
     item = object()
     start = time.perf_counter_ns()
@@ -64,10 +61,10 @@ def main() -> None:
     def noop(_: object) -> None:
         return None
 
-    def guard(cls: type[GuardedObserver]) -> GuardedObserver:
-        return cls(Subscription(ledger, "bench", None), noop, None, None, Watchdog(5.0))
+    def guard(cls: type[Subscription]) -> Subscription:
+        return cls(ledger, "bench", None, noop, Watchdog(5.0))
 
-    unmarked, marked = guard(Unmarked), guard(GuardedObserver)
+    unmarked, marked = guard(Unmarked), guard(Subscription)
     results = interleaved_rounds(
         {"unmarked": lambda: per_call_ns(unmarked, args.calls),
          "marked": lambda: per_call_ns(marked, args.calls)},

@@ -20,7 +20,7 @@ from trainbus.testing import tiny_loader, tiny_model
 
 # What only the loop, the session and the distributed link call: on the port, not on the bus.
 LOOP_NAMES = {
-    "barrier_requested", "demand", "declare", "doorbell", "failure", "has_commands", "held",
+    "barrier_requested", "demand", "doorbell", "failure", "has_commands", "held",
     "next_decision", "poll_commands", "publish", "request_cancel_pending", "decision_steps",
     "statistics", "wait_barrier", "resume_polls", "end_polls",
     "wait_for_room", "wants", "withdraw",

@@ -315,6 +315,16 @@ def test_on_lost_is_checked_up_front(value: Any) -> None:
                 loss_fn=F.cross_entropy, max_steps=1, bus=EventBus(on_lost=value))  # fmt: skip
 
 
+@pytest.mark.parametrize("value", ["log", "stop"])
+def test_an_error_policy_given_as_on_lost_says_where_it_goes(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        EventBus(on_lost=value)  # type: ignore[arg-type]
+    message = str(info.value)
+    assert message.startswith(f"on_lost={value!r} is invalid: 'warn'")
+    assert f"{value!r} is an error policy: it goes in on_error=" in message
+    EventBus(on_error=value, on_lost="warn")  # where it belongs, it is accepted
+
+
 # ------------------------------------------------------------------ a bounded end
 def test_the_end_of_a_call_waits_a_bounded_time_by_default() -> None:
     model = tiny_model()

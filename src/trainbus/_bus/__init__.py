@@ -25,6 +25,7 @@ from .commands import (
     At,
     CommandChannel,
     CommandError,
+    CommandSink,
     DecisionStamp,
     DecisionSteps,
     Doorbell,
@@ -45,7 +46,6 @@ from .subscriptions import (
     AsyncSubscription,
     BusObservable,
     BusStatistics,
-    CommandSink,
     Overflow,
     RankFilter,
     Ranks,
@@ -53,7 +53,14 @@ from .subscriptions import (
     SubscriptionSet,
     env_rank,
 )
-from .watchdog import DEFAULT_WATCHDOG_S, ErrorPolicy, FailureLedger, Watchdog, check_policy
+from .watchdog import (
+    DEFAULT_WATCHDOG_S,
+    ERROR_POLICIES,
+    ErrorPolicy,
+    FailureLedger,
+    Watchdog,
+    check_policy,
+)
 
 __all__ = ["CommandError", "EventBus", "LoopPort", "Tier"]
 
@@ -95,7 +102,6 @@ class LoopPort:
         self.wants = routes.wants
         self.demand = routes.demand
         self.doorbell = doorbell
-        self.declare = clock.declare
         self.next_decision = clock.next_decision
         self.statistics = lifecycle.statistics
         self.has_commands = channel.has_commands
@@ -208,7 +214,10 @@ class EventBus:
             raise ConfigError.invalid("barrier_timeout", barrier_timeout, "seconds > 0")
         self.barrier_timeout = float(barrier_timeout)
         if on_lost not in ("warn", "raise"):
-            raise ConfigError.invalid("on_lost", on_lost, "'warn' or 'raise'")
+            allowed = "'warn' (log lost work and go on) or 'raise' (also raise LostWorkError)"
+            if on_lost in ERROR_POLICIES:
+                allowed += f"; {on_lost!r} is an error policy: it goes in on_error="
+            raise ConfigError.invalid("on_lost", on_lost, allowed)
         self.on_lost: Literal["warn", "raise"] = on_lost
         ranks = RankFilter(env_rank() if rank is None else check_int("rank", rank, 0))
         bell = Doorbell()

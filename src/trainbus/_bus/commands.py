@@ -1,5 +1,5 @@
 """What the loop acts on between steps: the doorbell, the decision steps (docs/events.md,
-"When a command takes effect") and the command channel."""
+"When a command takes effect") and the command channel (with its Rx face, ``bus.commands``)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ __all__ = [
     "At",
     "CommandChannel",
     "CommandError",
+    "CommandSink",
     "DecisionStamp",
     "DecisionSteps",
     "Doorbell",
@@ -294,3 +295,21 @@ class CommandChannel:
             log.info("stop_after_the_end", commands=[repr(c) for c in stops], reason=reason)
         if lost:
             log.warning("commands_not_applied", commands=[repr(c) for c in lost], reason=reason)
+
+
+class CommandSink(abc.ObserverBase[Any]):
+    """``bus.commands``: the back-channel as an Rx Observer of commands (a non-command is a
+    ``ConfigError``, reported as the subscription's failure)."""
+
+    def __init__(self, send: Callable[[cmd.Command], None]) -> None:
+        self.send = send
+        """Put a command on the back-channel (what ``on_next`` does)."""
+
+    def on_next(self, value: cmd.Command) -> None:
+        self.send(value)
+
+    def on_error(self, error: Exception) -> None:
+        raise error
+
+    def on_completed(self) -> None:
+        return None

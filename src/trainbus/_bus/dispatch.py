@@ -24,7 +24,7 @@ from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
 from .commands import CommandChannel, DecisionStamp, Doorbell
 from .scheduler import TaskSet
-from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet, announce_wait
+from .subscriptions import AsyncSubscription, Subscription, SubscriptionSet
 from .watchdog import FailureLedger
 
 __all__ = [
@@ -258,8 +258,7 @@ class PublishQueue:
         self._routes = routes
         self._ledger = ledger
         self._room = threading.Event()  # set by the dispatcher after each drain
-        self._running = False
-        self._loop_thread: int | None = None
+        self._loop_thread: int | None = None  # while the bus runs (dispatches)
         self.delivered = 0
         self.publisher_waits = 0
         self._stamp = stamp
@@ -304,10 +303,10 @@ class PublishQueue:
             event.set()
 
     def _wait_for_room(self) -> None:
-        if not self._running or threading.get_ident() == self._loop_thread:
+        if self._loop_thread in (None, threading.get_ident()):
             return  # never block the loop itself, nor a bus that is not dispatching
         self.publisher_waits += 1
-        while len(self._events) > self._max_queue and self._running:
+        while len(self._events) > self._max_queue and self._loop_thread is not None:
             self._room.clear()
             self._room.wait(self.flush_interval)
 
@@ -319,14 +318,12 @@ class PublishQueue:
 
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
-        self._running = True
         self._loop_thread = loop_thread
         self._call_soon = _threadsafe_call_soon()
 
     def stop(self, *, close: bool = False) -> None:
         """Stop dispatching until :meth:`open`; with ``close``, for good (``publish`` raises:
         an append that refuses, no check per publish)."""
-        self._running = False
         self._loop_thread = None
         self._call_soon = None
         self.parked = False
@@ -478,7 +475,6 @@ class Barrier:
         self._channel = channel
         # A wait interrupted by a request: its targets and deadline, resumed by the next call.
         self._pending: tuple[list[tuple[AsyncSubscription, int]], float] | None = None
-        self._announced: set[int] = set()  # subscriptions named in a warning already
         self._waited: dict[int, float] = {}  # seconds barriers waited per subscription
         self._busy_mark: dict[int, float] | None = None  # sync run times when a wait began
 
@@ -578,7 +574,7 @@ class Barrier:
                 await anyio.sleep(_ANNOUNCE_AFTER)
                 for sub, _ in waiting:
                     if id(sub) in unsettled:
-                        self._announce(sub, _REASON, _REMEDIES)
+                        sub.announce_wait(_REASON, _REMEDIES)
 
             if waiting:
                 for sub, target in waiting:
@@ -605,12 +601,7 @@ class Barrier:
         sub.waited_s += seconds  # what the user reads (back-pressure's waits included)
         self._waited[id(sub)] = self._waited.get(id(sub), 0.0) + seconds
         if self._waited[id(sub)] >= _ANNOUNCE_AFTER:
-            self._announce(sub, reason, remedies)
-
-    def _announce(self, sub: Subscription, reason: str, remedies: str) -> None:
-        if id(sub) not in self._announced:
-            self._announced.add(id(sub))
-            announce_wait(sub, reason=reason, remedies=remedies)
+            sub.announce_wait(reason, remedies)
 
     async def wait_barrier(
         self, timeout: float, event: ev.BaseEvent | None, resume: bool

@@ -190,7 +190,7 @@ class Lifecycle:
         asyncs = [sub for sub in self._subscriptions.asyncs() if close or sub.active]
         if close:
             for sub in asyncs:
-                sub.close_input()
+                sub.on_completed()
 
         async def wait() -> None:
             for sub in asyncs:

@@ -1,4 +1,4 @@
-"""Subscriptions: their records and statistics, the guard ending a sync chain, async workers,
+"""Subscriptions: their records and statistics (each one its chain's observer), async workers,
 back-pressure, ranks, and the :class:`SubscriptionSet` every :class:`BusObservable` subscribes
 through. Counters are plain ints touched on the event-loop thread only.
 """
@@ -16,14 +16,13 @@ from dataclasses import dataclass, fields
 from typing import Any, Generic, Literal, TypeAlias, TypeVar, get_args
 
 import anyio
-from reactivex import Observable, Observer, abc
+from reactivex import Observable, abc
 from reactivex.disposable import CompositeDisposable
 
-from .. import commands as cmd
 from .._exceptions import BusClosedError, ConfigError
 from .._log import get_logger
 from .._validate import check_int
-from .commands import ITEM_STEP, DecisionStamp, DecisionSteps, Doorbell, StepClock
+from .commands import ITEM_STEP, CommandSink, DecisionStamp, DecisionSteps, Doorbell, StepClock
 from .scheduler import ChainScheduler, TaskSet
 from .watchdog import ErrorPolicy, FailureLedger, Watchdog, check_policy, name_of
 
@@ -32,8 +31,6 @@ __all__ = [
     "AsyncSubscription",
     "BusObservable",
     "BusStatistics",
-    "CommandSink",
-    "GuardedObserver",
     "LostWork",
     "Overflow",
     "RankFilter",
@@ -41,7 +38,6 @@ __all__ = [
     "Subscription",
     "SubscriptionSet",
     "SubscriptionStatistics",
-    "announce_wait",
     "env_rank",
 ]
 
@@ -150,23 +146,11 @@ def _remedies(overflow: str) -> str:
     )
 
 
-def announce_wait(sub: Subscription, *, reason: str, remedies: str) -> None:
-    """Log ``training_waits_for_subscriber``: the training thread waits on ``sub``."""
-    log.warning(
-        "training_waits_for_subscriber",
-        subscription=sub.name,
-        received=sub.received,  # counts: rates over the first items' microseconds mislead
-        completed=sub.completed,
-        reason=reason,
-        remedies=remedies,
-    )
-
-
 class Backpressure:
     """The ``"block"`` subscriptions over capacity (changed on the event-loop thread), and the
     training thread's wait for them (it reads ``active``)."""
 
-    __slots__ = ("_doorbell", "_holders", "_room", "_warned", "active")
+    __slots__ = ("_doorbell", "_holders", "_room", "active")
 
     def __init__(self, doorbell: Doorbell) -> None:
         self.active = False
@@ -174,7 +158,6 @@ class Backpressure:
         self._holders: dict[int, AsyncSubscription] = {}
         self._room = threading.Event()
         self._room.set()
-        self._warned: set[int] = set()
 
     def signal(self, sub: AsyncSubscription) -> None:
         """``sub``'s buffer went over capacity (event-loop thread)."""
@@ -202,16 +185,13 @@ class Backpressure:
         while self.active and bell.rings == seen and not (stop is not None and stop()):
             holding = tuple(list(self._holders.values()))  # a snapshot: the loop thread edits
             for sub in holding:
-                if id(sub) not in self._warned:
-                    self._warned.add(id(sub))
-                    announce_wait(
-                        sub,
-                        reason="its overflow='block' buffer is full: training goes at its pace "
-                        "so that nothing is dropped",
-                        remedies=_remedies(
-                            "overflow='drop_oldest' or 'latest' (drops are counted as lost work)"
-                        ),
-                    )
+                sub.announce_wait(
+                    "its overflow='block' buffer is full: training goes at its pace so that "
+                    "nothing is dropped",
+                    _remedies(
+                        "overflow='drop_oldest' or 'latest' (drops are counted as lost work)"
+                    ),
+                )
             self._room.wait(_SLICE)
             now = time.monotonic()
             for sub in holding:
@@ -221,15 +201,28 @@ class Backpressure:
 
 
 # ================================================================== subscription records
-class Subscription(abc.DisposableBase):
+class Subscription(abc.DisposableBase, abc.ObserverBase[Any]):
     """Handle of a bus subscription: dispose it to unsubscribe; read its ``statistics()``."""
 
     kind: Literal["sync", "async"] = "sync"
 
-    def __init__(self, ledger: FailureLedger, name: str, on_error: ErrorPolicy | None) -> None:
+    def __init__(
+        self,
+        ledger: FailureLedger,
+        name: str,
+        policy: ErrorPolicy | None,
+        fn: Callable[[Any], Any],
+        watchdog: Watchdog | None = None,
+        on_rx_error: Callable[[Exception], Any] | None = None,
+        on_completed: Callable[[], Any] | None = None,
+    ) -> None:
         self._ledger = ledger
         self.name = name
-        self.on_error = on_error
+        self.policy = policy
+        self._watchdog = watchdog
+        self._fn = fn
+        self._on_rx_error = on_rx_error
+        self._on_completed = on_completed
         self.active = True
         self.received = 0
         self.completed = 0
@@ -243,12 +236,51 @@ class Subscription(abc.DisposableBase):
         self.blocked_s = 0.0
         self.busy_s = 0.0
         """Seconds its calls ran on the event-loop thread (sync; a barrier charges its share)."""
+        self.in_flight = 0  # async: items its workers run now
         self.upstream: abc.DisposableBase | None = None  # the chain, and its decision steps
         self._stop_sent = False
+        self._announced: set[str] = set()
 
     @property
     def delivered(self) -> int:
         return self.received - self.dropped
+
+    def on_next(self, value: Any) -> None:
+        """The end of its chain (sync): count, run the function, mark the call on the
+        watchdog, report a failure to the ledger."""
+        assert self._watchdog is not None
+        self.received += 1
+        watchdog = self._watchdog
+        outer = watchdog.current  # a subscriber may flush(): the inner call restores it
+        watchdog.current = self  # with received (just counted), it names this very call
+        start = time.perf_counter()
+        try:
+            self._fn(value)
+        except Exception as exc:
+            self.fail(exc, value)
+        finally:
+            watchdog.current = outer
+            self.busy_s += time.perf_counter() - start
+        self.completed += 1
+
+    def on_error(self, error: Exception) -> None:
+        self.active = False
+        if self._on_rx_error is None:
+            self.fail(error, None, ended=True)
+            return
+        self.fail(error, None, handled=True)
+        try:
+            self._on_rx_error(error)
+        except Exception as exc:
+            self.fail(exc, None, ended=True)
+
+    def on_completed(self) -> None:
+        self.active = False
+        if self._on_completed is not None:
+            try:
+                self._on_completed()
+            except Exception as exc:
+                self.fail(exc, None, ended=True)
 
     def fail(
         self, exc: Exception, item: Any, *, ended: bool = False, handled: bool = False
@@ -267,6 +299,20 @@ class Subscription(abc.DisposableBase):
         first, self._stop_sent = not self._stop_sent, True
         return first
 
+    def announce_wait(self, reason: str, remedies: str) -> None:
+        """Log ``training_waits_for_subscriber`` once per ``reason``: training waits on it."""
+        if reason in self._announced:
+            return
+        self._announced.add(reason)
+        log.warning(
+            "training_waits_for_subscriber",
+            subscription=self.name,
+            received=self.received,  # counts: rates over the first items' microseconds mislead
+            completed=self.completed,
+            reason=reason,
+            remedies=remedies,
+        )
+
     def dispose(self) -> None:
         """Unsubscribe. Idempotent."""
         self.active = False
@@ -282,70 +328,8 @@ class Subscription(abc.DisposableBase):
     def queued(self) -> int:
         return 0
 
-    @property
-    def in_flight(self) -> int:
-        return 0
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} active={self.active}>"
-
-
-class GuardedObserver(abc.ObserverBase[Any]):
-    """The end of every sync chain: counts, reports failures (and an upstream error nobody
-    handles) to the ledger, and marks each call on the :class:`Watchdog`."""
-
-    __slots__ = ("_on_completed", "_on_error", "_on_next", "_sub", "_watchdog")
-
-    def __init__(
-        self,
-        sub: Subscription,
-        on_next: Callable[[Any], Any],
-        on_error: Callable[[Exception], Any] | None,
-        on_completed: Callable[[], Any] | None,
-        watchdog: Watchdog,
-    ) -> None:
-        self._sub = sub
-        self._on_next = on_next
-        self._on_error = on_error
-        self._on_completed = on_completed
-        self._watchdog = watchdog
-
-    def on_next(self, value: Any) -> None:
-        sub = self._sub
-        sub.received += 1
-        watchdog = self._watchdog
-        outer = watchdog.current  # a subscriber may flush(): the inner call restores it
-        watchdog.current = sub  # with sub.received (just counted), it names this very call
-        start = time.perf_counter()
-        try:
-            self._on_next(value)
-        except Exception as exc:
-            sub.fail(exc, value)
-        finally:
-            watchdog.current = outer
-            sub.busy_s += time.perf_counter() - start
-        sub.completed += 1
-
-    def on_error(self, error: Exception) -> None:
-        sub = self._sub
-        sub.active = False
-        if self._on_error is None:
-            sub.fail(error, None, ended=True)
-            return
-        sub.fail(error, None, handled=True)
-        try:
-            self._on_error(error)
-        except Exception as exc:
-            sub.fail(exc, None, ended=True)
-
-    def on_completed(self) -> None:
-        sub = self._sub
-        sub.active = False
-        if self._on_completed is not None:
-            try:
-                self._on_completed()
-            except Exception as exc:
-                sub.fail(exc, None, ended=True)
 
 
 # ================================================================== async subscriptions
@@ -357,7 +341,7 @@ OVERFLOWS: tuple[str, ...] = get_args(Overflow)
 
 class AsyncSubscription(Subscription):
     """An ``async def fn(item)`` fed from a bounded buffer by ``concurrency`` worker tasks.
-    ``push`` never awaits: a full ``"block"`` buffer takes the item and signals back-pressure
+    ``on_next`` never awaits: a full ``"block"`` buffer takes the item and signals back-pressure
     (the training loop waits for room, the dispatch does not)."""
 
     kind = "async"
@@ -371,13 +355,12 @@ class AsyncSubscription(Subscription):
         concurrency: int,
         buffer: int,
         overflow: Overflow,
-        on_error: ErrorPolicy | None,
+        policy: ErrorPolicy | None,
         backpressure: Backpressure,
         decides: bool,
         stamp: DecisionStamp,
     ) -> None:
-        super().__init__(ledger, name, on_error)
-        self.fn = fn
+        super().__init__(ledger, name, policy, fn)
         self.decides = decides
         """Barriers that deliver it an item wait for it (``EventBus.subscribe_async``)."""
         self.concurrency = concurrency
@@ -385,7 +368,6 @@ class AsyncSubscription(Subscription):
         self.overflow = overflow
         self.buffer: deque[Any] = deque()
         self.started = 0
-        self.running = 0
         self.input_closed = False
         self._backpressure = backpressure
         self._workers: TaskSet | None = None
@@ -408,10 +390,6 @@ class AsyncSubscription(Subscription):
         return len(self.buffer)
 
     @property
-    def in_flight(self) -> int:
-        return self.running
-
-    @property
     def settled(self) -> int:
         """Items that need no more work: dropped, finished or cancelled."""
         return self.dropped + self.completed + self.cancelled
@@ -423,15 +401,15 @@ class AsyncSubscription(Subscription):
     @property
     def pending(self) -> int:
         """Items waiting or running: the work a close waits for."""
-        return len(self.buffer) + self.running
+        return len(self.buffer) + self.in_flight
 
     def received_from(self, event_id: int) -> int | None:
         """When the last item came from the dispatched event with ``id() == event_id``: how
         many items it had received then; else None."""
         return self._source_count if self._source == event_id else None
 
-    def push(self, item: Any) -> None:
-        """Accept one item from the observable (loop thread, never awaits)."""
+    def on_next(self, item: Any) -> None:
+        """Accept one item into the buffer (loop thread, never awaits)."""
         self.received += 1
         self._source = self._stamp.event_id
         self._source_count = self.received
@@ -463,7 +441,11 @@ class AsyncSubscription(Subscription):
         if self._ready is not None:
             self._ready.set()
 
-    def close_input(self) -> None:
+    def on_error(self, error: Exception) -> None:
+        self.fail(error, None, ended=True)
+        self.on_completed()
+
+    def on_completed(self) -> None:
         """No more items will come: workers finish the buffer and exit."""
         self.input_closed = True
         if self._ready is not None:
@@ -471,7 +453,7 @@ class AsyncSubscription(Subscription):
 
     def dispose(self) -> None:
         super().dispose()
-        self.close_input()
+        self.on_completed()
 
     def start(self, tasks: TaskSet) -> None:
         """Start the workers among the bus' tasks (called once the bus runs)."""
@@ -505,9 +487,9 @@ class AsyncSubscription(Subscription):
                 for _ in range(self.concurrency):
                     workers.start_soon(self._worker)
         finally:
-            self.cancelled += len(self.buffer) + self.running
+            self.cancelled += self.pending
             self.buffer.clear()
-            self.running = 0
+            self.in_flight = 0
             if not self._suspending:
                 self.active = False
             self._backpressure.relieve(self)
@@ -528,18 +510,18 @@ class AsyncSubscription(Subscription):
             if len(buf) <= self.capacity:
                 self._backpressure.relieve(self)
             self.started += 1
-            self.running += 1
+            self.in_flight += 1
             # A command sent while running the item is stamped with the item's step.
             step = getattr(item, "step", None)
             token = ITEM_STEP.set(step if type(step) is int else None)
             try:
-                await self.fn(item)
+                await self._fn(item)
             except Exception as exc:
                 self.fail(exc, item)
             finally:
                 ITEM_STEP.reset(token)
-            # Not in a ``finally``: a cancelled await stays in ``running`` (_run: cancelled).
-            self.running -= 1
+            # Not in a ``finally``: a cancelled await stays in ``in_flight`` (_run: cancelled).
+            self.in_flight -= 1
             self.completed += 1
             self._progressed()
 
@@ -702,24 +684,6 @@ class BusObservable(Observable[_T], Generic[_T]):
         )
 
 
-class CommandSink(abc.ObserverBase[Any]):
-    """``bus.commands``: the back-channel as an Rx Observer of commands (a non-command is a
-    ``ConfigError``, reported as the subscription's failure)."""
-
-    def __init__(self, send: Callable[[cmd.Command], None]) -> None:
-        self.send = send
-        """Put a command on the back-channel (what ``on_next`` does)."""
-
-    def on_next(self, value: cmd.Command) -> None:
-        self.send(value)
-
-    def on_error(self, error: Exception) -> None:
-        raise error
-
-    def on_completed(self) -> None:
-        return None
-
-
 def _is_async(fn: Callable[..., Any]) -> bool:
     """True for an ``async def`` function or method, a ``functools.partial`` of one, or an
     object whose ``__call__`` is ``async def``."""
@@ -774,8 +738,8 @@ class SubscriptionSet:
         ranks: Ranks,
         scheduler: abc.SchedulerBase | None = None,
     ) -> Subscription:
-        """:meth:`BusObservable.subscribe`: behind a :class:`GuardedObserver`; on a rank it
-        does not run on, an inert subscription."""
+        """:meth:`BusObservable.subscribe`; on a rank it does not run on, an inert
+        subscription."""
         self._check_open()
         on_next = observer
         if isinstance(observer, CommandSink):
@@ -804,13 +768,20 @@ class SubscriptionSet:
                 raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
         if not self.ranks.runs_here(ranks):
-            inert = Subscription(self._ledger, name or "inert", policy)
+            inert = Subscription(self._ledger, name or "inert", policy, on_next)
             inert.dispose()  # registered nowhere: it costs nothing
             return inert
-        sub = Subscription(self._ledger, name or name_of(on_next), policy)
-        guard = GuardedObserver(sub, on_next, on_rx_error, on_completed, self._watchdog)
+        sub = Subscription(
+            self._ledger,
+            name or name_of(on_next),
+            policy,
+            on_next,
+            self._watchdog,
+            on_rx_error,
+            on_completed,
+        )
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
-        self._attach(sub, source, guard, chain, declares=True)
+        self._attach(sub, source, chain, declares=True)
         return sub
 
     def subscribe_async(
@@ -855,7 +826,7 @@ class SubscriptionSet:
             concurrency=concurrency,
             buffer=buffer,
             overflow=overflow,
-            on_error=on_error,
+            policy=on_error,
             backpressure=self.backpressure,
             decides=decides,
             stamp=self._stamp,
@@ -867,28 +838,21 @@ class SubscriptionSet:
         if self._tasks is not None:
             # Its workers belong to the event loop, whichever thread subscribes.
             self._tasks.on_loop(sub.start, self._tasks)
-
-        def ended(error: Exception) -> None:
-            sub.fail(error, None, ended=True)
-            sub.close_input()
-
-        feeder = Observer(sub.push, ended, sub.close_input)  # hands items to its buffer
-        self._attach(sub, source, feeder, self.rx_scheduler, declares=decides)
+        self._attach(sub, source, self.rx_scheduler, declares=decides)
         return sub
 
     def _attach(
         self,
         sub: Subscription,
         source: BusObservable[Any],
-        observer: abc.ObserverBase[Any],
         scheduler: abc.SchedulerBase,
         *,
         declares: bool,
     ) -> None:
-        """Subscribe ``observer`` to the chain for ``sub``; with ``declares``, the chain's
-        decision steps hold while ``sub`` does."""
+        """Subscribe ``sub`` to the chain; with ``declares``, the chain's decision steps hold
+        while ``sub`` does."""
         self._subs.append(sub)
-        upstream = source.source.subscribe(observer, scheduler=scheduler)
+        upstream = source.source.subscribe(sub, scheduler=scheduler)
         if declares and source.decision_steps and sub.active:
             upstream = CompositeDisposable(upstream, self._clock.declare(*source.decision_steps))
         sub.upstream = upstream

@@ -50,7 +50,7 @@ class Watched(Protocol):
 
     name: str
     received: int
-    on_error: ErrorPolicy | None
+    policy: ErrorPolicy | None
     failed: int
     stalls: int
     blocked_s: float
@@ -176,7 +176,7 @@ class FailureLedger:
     ) -> None:
         """Count, log (throttled) and apply ``sub``'s policy to ``exc`` raised on ``item``."""
         self.failed += 1
-        policy = sub.on_error or self.default_policy
+        policy = sub.policy or self.default_policy
         # The traceback only with the first failure (and the last).
         n = sub.failed
         if ended or worth_logging(n):

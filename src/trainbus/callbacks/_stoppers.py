@@ -29,7 +29,7 @@ from ._monitored import check_monitored, evaluations, lightning_names
 
 if TYPE_CHECKING:
     from .._bus import EventBus
-    from .._bus.subscriptions import CommandSink
+    from .._bus.commands import CommandSink
     from ._base import RunPlan
 
 __all__ = ["EarlyStopping", "ThresholdStopping", "TimeLimit"]
