@@ -40,8 +40,7 @@ def run_replay(args: argparse.Namespace) -> int:
 def run_plot(args: argparse.Namespace) -> int:
     """Draw the curves of a recorded run with CurvePlot's renderer."""
     from .. import events as ev
-    from .._replay import load_events
-    from .._rundirs import resolve_run
+    from .._replay import load_events, resolve_run
     from ..callbacks._plot import render
 
     events = list(load_events(args.run_dir))
