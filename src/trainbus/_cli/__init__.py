@@ -325,7 +325,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trainbus {args.command}: {exc}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())
