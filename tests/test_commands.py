@@ -107,3 +107,15 @@ def test_commands_compare_by_value() -> None:
     assert cmd.StopTraining(reason="x") == cmd.StopTraining(reason="x")
     assert cmd.StopTraining(reason="x") != cmd.StopTraining(reason="y")
     assert cmd.StopEpoch() != cmd.Evaluate()
+
+
+@pytest.mark.parametrize("cls", cmd.COMMAND_TYPES, ids=lambda c: c.__name__)
+def test_a_positional_argument_names_the_keywords(cls: type) -> None:
+    with pytest.raises(TypeError, match=rf"^{cls.__name__} takes keyword arguments only: "):
+        cls("x")
+
+
+def test_the_positional_error_shows_the_call_to_write() -> None:
+    with pytest.raises(TypeError) as exc:
+        cmd.StopTraining("x")  # type: ignore[call-arg]
+    assert str(exc.value) == "StopTraining takes keyword arguments only: StopTraining(reason=...)"

@@ -25,7 +25,6 @@ LEAF = {
     "_validate",
     "_log",
     "_tensors",
-    "_loaders",
     "_hookpoints",
     "_durable",
     "_signals",
@@ -45,8 +44,8 @@ ALLOWED: dict[str, set[str]] = {
     "callbacks": {"bus", "events", "commands", "operators", "wire"},
     # trainbus.integrations.<tool>: callbacks for other tools (Optuna), built like callbacks/.
     "integrations": {"callbacks", "bus", "events", "commands", "operators"},
-    # "top": the facades and tools (trainer, cli, testing, replay, __init__; _rundirs, the run
-    # folders they share) may use every layer.
+    # "top": the facades and tools (trainer, cli, testing, replay and the run folders,
+    # __init__) may use every layer.
 }
 # Edges allowed only inside `if TYPE_CHECKING:` (annotations): the loop is handed a bus.
 # (events name the Command type of CommandApplied.)
@@ -66,9 +65,7 @@ TOP = {
     "_replay",
     "__main__",
     "_launcher",
-    "_rundirs",
     "_seeding",
-    "_driver",
     "ray",
     "_trainer",
     "_attachment",
@@ -80,9 +77,6 @@ HALL_INTERNALS = {
     "_validate",
     "_log",
     "_tensors",
-    "_loaders",
-    "_rundirs",
-    "_driver",
     "_durable",
     "_signals",
     "_moved",

@@ -28,8 +28,8 @@ from ._distributed.attach_server import SOCKET_NAME, TOKEN_NAME, max_socket_path
 from ._distributed.driver_link import STREAM_GONE, DriverLink, wanted_names
 from ._distributed.protocol import control_record, control_types, hello_record
 from ._distributed.socket_link import read_lines
-from ._driver import add_driver_callback
 from ._exceptions import ConfigError, TrainbusError
+from ._launcher import add_driver_callback
 from ._log import get_logger
 from ._validate import check_seconds
 from .callbacks._base import Callback

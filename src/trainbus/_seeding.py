@@ -9,7 +9,7 @@ import random
 import torch
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 
-from ._loaders import with_sampler
+from ._distributed.data import with_sampler
 from ._loop import Settings
 from ._validate import check_int
 from .checkpoint import EpochSampler

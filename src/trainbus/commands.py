@@ -5,8 +5,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import TypeAlias
+from dataclasses import dataclass, field, fields
+from typing import Any, Self, TypeAlias
 
 from ._exceptions import ConfigError
 from ._validate import check_int, check_number
@@ -31,8 +31,22 @@ def _check_target(param_group: int | None, optimizer: str | None) -> None:
         raise ConfigError.invalid("optimizer", optimizer, "an optimizer's name or None")
 
 
+class _KeywordOnly:
+    """The commands' base: a positional argument is a ``TypeError`` naming the keywords."""
+
+    __slots__ = ()
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        if args:
+            names = [f"{f.name}=..." for f in fields(cls) if f.name != "decided_at"]  # type: ignore[arg-type]
+            raise TypeError(
+                f"{cls.__name__} takes keyword arguments only: {cls.__name__}({', '.join(names)})"
+            )
+        return super().__new__(cls)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StopTraining:
+class StopTraining(_KeywordOnly):
     """Stop the run after the current step; ``FitEnded(reason="stopped")`` follows."""
 
     reason: str = "requested"
@@ -40,14 +54,14 @@ class StopTraining:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StopEpoch:
+class StopEpoch(_KeywordOnly):
     """End the current epoch now; training continues with the next one (if any)."""
 
     decided_at: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SaveCheckpoint:
+class SaveCheckpoint(_KeywordOnly):
     """Write a checkpoint now; answered by ``CheckpointSaved``."""
 
     tag: str | None = None
@@ -66,14 +80,14 @@ class SaveCheckpoint:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class Evaluate:
+class Evaluate(_KeywordOnly):
     """Run evaluation now; answered by ``EvaluationEnded(trigger="command")``."""
 
     decided_at: int | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SetLearningRate:
+class SetLearningRate(_KeywordOnly):
     """Set the learning rate of every parameter group (or of ``param_group``) of every
     optimizer (or of the one named ``optimizer``, with several)."""
 
@@ -89,7 +103,7 @@ class SetLearningRate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ScaleLearningRate:
+class ScaleLearningRate(_KeywordOnly):
     """Multiply the learning rate of every parameter group (or of ``param_group``) of every
     optimizer (or of the one named ``optimizer``, with several)."""
 
@@ -105,7 +119,7 @@ class ScaleLearningRate:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LogMetric:
+class LogMetric(_KeywordOnly):
     """Add a named value to the training metrics: a subscriber's ``ctx.log`` (docs/trainer.md,
     "Metrics of your own")."""
 

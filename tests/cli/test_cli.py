@@ -110,7 +110,7 @@ def test_demo_default_folder_latest_pointer_and_few_files(
 def test_a_pointer_file_where_links_fail(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from trainbus._rundirs import new_run_dir, resolve_run
+    from trainbus._replay import new_run_dir, resolve_run
 
     def no_links(self: Path, *args: object, **kwargs: object) -> None:
         raise OSError("symbolic links are not supported here")

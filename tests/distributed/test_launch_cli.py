@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from trainbus._cli import main
-from trainbus._cli.launch import split_launch_args
+from trainbus._cli import main, split_launch_args
 
 from ._torchrun import SCRIPTS, env
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from trainbus import ConfigError, LaunchError
-from trainbus._distributed.link import ADDR_ENV, TOKEN_ENV, WorkerLink
+from trainbus._distributed.link import WorkerLink
+from trainbus._distributed.protocol import ADDR_ENV, TOKEN_ENV
 
 from ._torchrun import free_port
 

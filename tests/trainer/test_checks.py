@@ -208,7 +208,7 @@ def test_a_lightning_callback_method_is_a_config_error_naming_the_trainbus_one()
 
 
 def test_a_lightning_callback_method_is_refused_by_a_driver_too() -> None:
-    from trainbus._driver import add_driver_callback
+    from trainbus._launcher import add_driver_callback
 
     with pytest.raises(ConfigError, match="in trainbus: on_step_ended"):
         add_driver_callback(EventBus(), _LightningStyle)

@@ -7,7 +7,6 @@ import argparse
 import contextlib
 import dataclasses
 import itertools
-import json
 import os
 import sys
 import threading
@@ -24,6 +23,7 @@ from .. import commands as cmd
 from .. import events as ev
 from .._attachment import AttachError, Attachment
 from .._bus import CommandError
+from .._distributed.protocol import control_record
 from .._exceptions import BusClosedError, ConfigError
 
 __all__ = ["COMMANDS", "main", "parse_command"]
@@ -40,6 +40,22 @@ _VIEW = (
     ev.EvaluationEnded,
     ev.CheckpointSaved,
     ev.CommandApplied,
+)
+
+
+# The status record's lists: (its key, the count that changes, the warning).
+_WARNINGS = (
+    (
+        "holding",
+        "waited_s",
+        "training waits for subscriber {name} (waited {waited_s:.1f} s so far)",
+    ),
+    (
+        "stalled",
+        "stalls",
+        "sync subscriber {name} blocked the job's event loop {stalls} time(s) ({blocked_s:.1f} s)",
+    ),
+    ("failed", "failed", "subscriber {name} failed {failed} time(s): {last_error}"),
 )
 
 
@@ -168,36 +184,14 @@ class View:
         """Warnings from the job's status record, each when it changes."""
         if self.json:
             if status:
-                self._write(
-                    json.dumps({"v": wire.FORMAT_VERSION, "type": "status", **status}) + "\n"
-                )
+                self._write(control_record("status", **status).decode())
             return
-        for s in status.get("holding", ()):
-            self._warn(
-                f"hold:{s['name']}",
-                s["waited_s"],
-                f"warning: training waits for "
-                f"subscriber {s['name']} (waited {s['waited_s']:.1f} s so far)",
-            )
-        for s in status.get("stalled", ()):
-            self._warn(
-                f"stall:{s['name']}",
-                s["stalls"],
-                f"warning: sync subscriber "
-                f"{s['name']} blocked the job's event loop {s['stalls']} time(s) "
-                f"({s['blocked_s']:.1f} s)",
-            )
-        for s in status.get("failed", ()):
-            self._warn(
-                f"fail:{s['name']}",
-                s["failed"],
-                f"warning: subscriber {s['name']} failed {s['failed']} time(s): {s['last_error']}",
-            )
-
-    def _warn(self, key: str, value: Any, text: str) -> None:
-        if self._warned.get(key) != value:
-            self._warned[key] = value
-            self.line(text)
+        for kind, count, text in _WARNINGS:
+            for s in status.get(kind, ()):
+                key = f"{kind}:{s['name']}"
+                if self._warned.get(key) != s[count]:
+                    self._warned[key] = s[count]
+                    self.line("warning: " + text.format(**s))
 
 
 def _stdin_lines(send: Any, token: Any) -> None:

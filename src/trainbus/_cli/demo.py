@@ -59,7 +59,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from ..events import Ending
 
     log = structlog.get_logger("trainbus._cli")
-    from .._rundirs import new_run_dir
+    from .._replay import new_run_dir
 
     run_dir: Path = args.run_dir or new_run_dir(Path("runs") / "demo")
     seed_everything(args.seed)  # first: the model's initial weights

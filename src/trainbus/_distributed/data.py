@@ -1,5 +1,6 @@
 """The model and the data under ``torchrun``: DDP wrapping, the checks of a sharded (FSDP2)
-model, and per-rank shards (docs/distributed.md, "What runs where" and FSDP2)."""
+model, per-rank shards, a loader rebuilt around another sampler (a shard, a seeded order);
+docs/distributed.md, "What runs where" and FSDP2."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler
 
 from .._exceptions import ConfigError
-from .._loaders import with_sampler
 from .._log import get_logger
 from .._tensors import is_dtensor, is_sharded_model
 from .group import ProcessGroup
@@ -22,12 +22,36 @@ __all__ = [
     "release_model",
     "shard_loader",
     "unwrap_model",
+    "with_sampler",
     "wrap_model",
 ]
 
 _GROUP_HOLDERS = ("logger", "reducer", "process_group")
 
 log = get_logger(__name__)
+
+
+def with_sampler(data: DataLoader[Any], sampler: Sampler[Any]) -> DataLoader[Any]:
+    """A new loader like ``data`` (map-style, with a ``batch_size``) drawing indices from
+    ``sampler``; ``data`` is left as it is."""
+    workers = data.num_workers > 0
+    return DataLoader(
+        data.dataset,
+        batch_size=data.batch_size,
+        sampler=sampler,
+        num_workers=data.num_workers,
+        collate_fn=data.collate_fn,
+        pin_memory=data.pin_memory,
+        drop_last=data.drop_last,
+        timeout=data.timeout,
+        worker_init_fn=data.worker_init_fn,
+        multiprocessing_context=data.multiprocessing_context if workers else None,
+        generator=data.generator,
+        prefetch_factor=data.prefetch_factor if workers else None,
+        persistent_workers=data.persistent_workers if workers else False,
+        pin_memory_device=data.pin_memory_device,
+        in_order=data.in_order,
+    )
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:

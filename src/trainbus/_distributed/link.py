@@ -20,19 +20,10 @@ from .. import events as ev
 from .._exceptions import ConfigError, LaunchError
 from .._log import get_logger
 from .._validate import check_seconds
-from .protocol import ADDR_ENV as ADDR_ENV
-from .protocol import TOKEN_ENV as TOKEN_ENV
-from .protocol import control_record, control_types, hello_record
+from .protocol import ADDR_ENV, TOKEN_ENV, control_record, control_types, hello_record
 from .socket_link import SocketTransport
 
-__all__ = [
-    "ADDR_ENV",
-    "TOKEN_ENV",
-    "BusLike",
-    "WorkerLink",
-    "WorkerTransport",
-    "register_transport",
-]
+__all__ = ["BusLike", "WorkerLink", "WorkerTransport", "register_transport"]
 
 log = get_logger(__name__)
 

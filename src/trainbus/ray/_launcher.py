@@ -13,9 +13,8 @@ import anyio.to_thread
 
 from .._bus import EventBus
 from .._distributed.protocol import ADDR_ENV, TOKEN_ENV
-from .._driver import DriverBase, unknown_launcher_keyword
 from .._exceptions import ConfigError, LaunchError, MissingExtraError
-from .._launcher import LaunchResult
+from .._launcher import DriverBase, LaunchResult, unknown_launcher_keyword
 from .._log import get_logger
 from .._signals import OnSignal
 from .._validate import explains_unknown_keywords

@@ -15,13 +15,12 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 
 from .._distributed.driver_link import DriverLink
-from .._distributed.link import ADDR_ENV
+from .._distributed.protocol import ADDR_ENV
 from .._exceptions import ConfigError, LaunchError
 from .._validate import check_seconds
 
-__all__ = ["LINGER", "RayDriver", "RayTransport", "register_worker"]
+__all__ = ["RayDriver", "RayTransport", "register_worker"]
 
-LINGER = 0.05  # seconds the worker's sender waits after an event for more to join its batch
 _COMMAND_WAIT = 0.5  # seconds a worker's long poll for commands lasts
 _TAKE_WAIT = 0.5  # seconds the driver's long poll for hellos and batches lasts
 
@@ -152,7 +151,7 @@ class RayTransport:
     """The worker's side, for the mailbox at ``ray:<namespace>/<name>`` (``ConfigError``
     when malformed)."""
 
-    linger = LINGER
+    linger = 0.05  # seconds the sender waits after an event for more to join its batch
 
     def __init__(self, address: str, timeout: float = 10.0) -> None:
         parse_address(address)  # ConfigError now, not at open()

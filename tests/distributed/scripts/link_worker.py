@@ -26,7 +26,8 @@ from trainbus import EventBus, LaunchError
 from trainbus import commands as cmd
 from trainbus import events as ev
 from trainbus._distributed.group import ProcessGroup
-from trainbus._distributed.link import ADDR_ENV, WorkerLink
+from trainbus._distributed.link import WorkerLink
+from trainbus._distributed.protocol import ADDR_ENV
 from trainbus._distributed.sync import RankSync
 
 
