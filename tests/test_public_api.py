@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import re
 from pathlib import Path
 from types import ModuleType
 
@@ -252,6 +253,19 @@ def test_an_import_of_a_moved_module_names_where_it_lives_now(statement: str, na
     with pytest.raises(ImportError, match="is private now") as caught:
         exec(statement, {})
     assert named in str(caught.value)
+
+
+def test_a_moved_module_error_names_only_modules_that_exist() -> None:
+    from trainbus._moved import MOVED_MODULES
+
+    for old in MOVED_MODULES:
+        with pytest.raises(ImportError) as caught:
+            importlib.import_module(old)
+        message = str(caught.value)
+        named = re.findall(r"\btrainbus(?:\.\w+)+", message.partition(";")[0])
+        for module in named[1:]:  # the first is the old name itself
+            importlib.import_module(module)
+        assert "trainbus" in message.partition(";")[2], message  # what to import instead
 
 
 @pytest.mark.parametrize(

@@ -40,8 +40,9 @@ MOVED_NAMES = {
     "RecordedError": "trainbus.events",
 }
 
-# Old module (and every module under it) -> (its private place now, what to do instead).
-MOVED_MODULES = {
+# Old module (and every module under it) -> (the private package it is under now, what to do
+# instead).
+MOVED_MODULES: dict[str, tuple[str | None, str]] = {
     "trainbus.loop": (
         "trainbus._loop",
         "import Trainer, TrainContext, StepContext and SetMetric from trainbus",
@@ -65,7 +66,8 @@ MOVED_MODULES = {
     "trainbus.wire": ("trainbus._wire", "trainbus.replay() reads a JSONL event log"),
     "trainbus.cli": ("trainbus._cli", "run the `trainbus` command (python -m trainbus)"),
 }
-# The submodules of the public packages went private; their names stay in the package.
+# The submodules of the public packages went private (and many were merged since): the error
+# names the public package.
 OLD_SUBMODULES = {
     "bus": (
         "async_subscription barrier channel clock doorbell failures host lifecycle observable "
@@ -79,18 +81,10 @@ OLD_SUBMODULES = {
     "checkpoint": ("api data_order export keys reading rng sharded sharded_resume state store"),
     "operators": "decide select spans",
 }
-# Old callbacks modules folded into the private module of their concept.
-_FOLDED = {
-    "early_stopping": "stoppers",
-    "runtime": "progress",
-    **dict.fromkeys(("tensorboard", "mlflow", "wandb"), "trackers"),
-    **dict.fromkeys(("grad_norm", "memory", "optimizer_stats", "throughput"), "monitors"),
-}
 for _package, _names in OLD_SUBMODULES.items():
     for _name in _names.split():
-        _home = _FOLDED.get(_name, _name) if _package == "callbacks" else _name
         MOVED_MODULES[f"trainbus.{_package}.{_name}"] = (
-            f"trainbus._bus.{_name}" if _package == "bus" else f"trainbus.{_package}._{_home}",
+            None,
             f"import its public names from trainbus.{_package}",
         )
 
@@ -129,10 +123,8 @@ def _import_error(fullname: str) -> ImportError | None:
         return ImportError(f"{fullname} is {RENAMED[fullname]} now", name=package)
     for old, (new, public) in MOVED_MODULES.items():
         if fullname == old or fullname.startswith(old + "."):
-            where = new + fullname[len(old) :]
-            return ModuleNotFoundError(
-                f"{fullname} is private now ({where}); {public}", name=fullname
-            )
+            where = "" if new is None else f" (under {new})"
+            return ModuleNotFoundError(f"{fullname} is private now{where}; {public}", name=fullname)
     return None
 
 
