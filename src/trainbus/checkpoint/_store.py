@@ -65,13 +65,8 @@ def folder_name(step: int, tag: str | None) -> str:
     return f"step-{step:08d}" + (f"-{tag}" if tag else "")
 
 
-def checkpoint_name(step: int, tag: str | None) -> str:
-    """``step-00000042.pt`` or ``step-00000042-best.pt``."""
-    return folder_name(step, tag) + ".pt"
-
-
 def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
-    """``(step, tag)`` of a name made by :func:`checkpoint_name`, or None for any other name."""
+    """``(step, tag)`` of a ``step-<n>[-<tag>].pt`` name, or None for any other name."""
     m = _NAME.match(name)
     return None if m is None else (int(m.group(1)), m.group(2))
 
@@ -433,8 +428,8 @@ class CheckpointStore:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        except (PermissionError, OSError):  # alive under another user, or cannot tell: keep
-            return False
+        except OSError:  # alive under another user, or cannot tell: keep
+            pass
         return False
 
     def save(self, payload: dict[str, Any], *, step: int, tag: str | None = None) -> Path:
@@ -452,7 +447,7 @@ class CheckpointStore:
             CheckpointWriteError: an ``OSError`` naming the file (disk full, permissions);
                 earlier checkpoints are untouched.
         """
-        path = self._directory / checkpoint_name(step, tag)
+        path = self._directory / f"{folder_name(step, tag)}.pt"
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             write_atomic(payload, path)
@@ -467,14 +462,11 @@ class CheckpointStore:
             return []
         found: list[tuple[int, int, Path]] = []
         for entry in self._directory.iterdir():
-            folder = _FOLDER.match(entry.name)
-            if folder is not None and entry.is_dir():  # a sharded checkpoint (sharded.py)
-                step = int(folder.group(1))
-            else:
-                parsed = parse_checkpoint_name(entry.name)
-                if parsed is None or not entry.is_file():
-                    continue
-                step = parsed[0]
+            file = entry.name.endswith(".pt")  # else a sharded checkpoint's folder (sharded.py)
+            m = _FOLDER.match(entry.name.removesuffix(".pt"))
+            if m is None or not (entry.is_file() if file else entry.is_dir()):
+                continue
+            step = int(m.group(1))
             try:
                 mtime = entry.stat().st_mtime_ns
             except FileNotFoundError:  # removed meanwhile (retention)
@@ -581,8 +573,7 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest valid checkpoint in ``directory`` (:meth:`CheckpointStore.find_latest`), or
-    None."""
+    """The newest valid checkpoint in ``directory``, or None (:meth:`CheckpointStore.find_latest`)."""
     return CheckpointStore(directory).latest_valid()
 
 
