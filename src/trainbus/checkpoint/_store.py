@@ -573,7 +573,8 @@ def save_checkpoint(
 
 
 def latest_checkpoint(directory: Path) -> Path | None:
-    """The newest valid checkpoint in ``directory``, or None (:meth:`CheckpointStore.find_latest`)."""
+    """The newest valid checkpoint in ``directory`` (:meth:`CheckpointStore.find_latest`), or
+    None."""
     return CheckpointStore(directory).latest_valid()
 
 
