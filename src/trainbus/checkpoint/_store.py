@@ -363,22 +363,20 @@ class LatestScan:
         """
         if not self.exists:
             return "no such folder"
+
+        def listed(names: list[str], sep: str) -> str:
+            more = f"{sep}... and {len(names) - limit} more" if len(names) > limit else ""
+            return sep.join(names[:limit]) + more
+
         parts: list[str] = []
-        if self.skipped:
-            n = len(self.skipped)
-            names = [f"{name} ({reason})" for name, reason in self.skipped[:limit]]
-            more = f"; ... and {n - limit} more" if n > limit else ""
+        if n := len(self.skipped):
             what = "file, invalid" if n == 1 else "files, all invalid"
-            parts.append(f"{n} checkpoint {what}: " + "; ".join(names) + more)
-        if self.checkpoint is None and self.others:
-            n = len(self.others)
-            more = f", ... and {n - limit} more" if n > limit else ""
+            names = [f"{name} ({reason})" for name, reason in self.skipped]
+            parts.append(f"{n} checkpoint {what}: " + listed(names, "; "))
+        if self.checkpoint is None and (n := len(self.others)):
             prefix = "" if self.skipped else "no checkpoint file (step-<n>.pt); "
-            parts.append(
-                f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
-                + ", ".join(self.others[:limit])
-                + more
-            )
+            entries = f"entr{'y' if n == 1 else 'ies'}"
+            parts.append(f"{prefix}{n} other {entries}: " + listed(list(self.others), ", "))
         return "; ".join(parts) if parts else "an empty folder"
 
 
