@@ -166,22 +166,8 @@ class _Retention:
             isinstance(last, list)
             and all(isinstance(n, str) for n in last)
             and isinstance(best, list)
-            and all(
-                isinstance(e, list | tuple)
-                and len(e) == 3
-                and isinstance(e[0], float | int)
-                and isinstance(e[1], int)
-                and isinstance(e[2], str)
-                for e in best
-            )
-            and (
-                saving is None
-                or (
-                    isinstance(saving, list | tuple)
-                    and len(saving) == 3
-                    and isinstance(saving[0], int)
-                )
-            )
+            and all(_shaped(e, float | int, int, str) for e in best)
+            and (saving is None or _shaped(saving, int, object, object))
         )
         if not ok:
             raise ConfigError.invalid(
@@ -254,6 +240,15 @@ class _Retention:
 # The checkpoint layer's names (``step-00000042[-<tag>].pt``, a sharded run's folder without
 # ``.pt``), copied: the layer rules keep callbacks off that package.
 _CHECKPOINT_NAME = re.compile(r"^step-(\d+)(?:-([A-Za-z0-9_.-]+?))?(\.pt)?$")
+
+
+def _shaped(value: object, *kinds: Any) -> bool:
+    """``value`` is a list or tuple of one item of each of ``kinds``, in order."""
+    return (
+        isinstance(value, list | tuple)
+        and len(value) == len(kinds)
+        and all(isinstance(v, k) for v, k in zip(value, kinds, strict=True))
+    )
 
 
 def _parse_checkpoint_entry(name: str) -> tuple[int, str | None] | None:

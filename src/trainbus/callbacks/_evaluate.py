@@ -106,22 +106,14 @@ class EvaluateCheckpoints(Callback):
         async def job(saved: ev.CheckpointSaved) -> None:
             result = await self.evaluate(saved)
             self._results.append(result)
-            if result.error is not None:
-                log.warning(
-                    "external_evaluation_ended",
-                    step=result.step,
-                    epoch=result.epoch,
-                    checkpoint=result.checkpoint,
-                    error=str(result.error),
-                )
-            else:
-                log.info(
-                    "external_evaluation_ended",
-                    step=result.step,
-                    epoch=result.epoch,
-                    checkpoint=result.checkpoint,
-                    **dict(result.metrics),
-                )
+            failed = result.error is not None
+            (log.warning if failed else log.info)(
+                "external_evaluation_ended",
+                step=result.step,
+                epoch=result.epoch,
+                checkpoint=result.checkpoint,
+                **({"error": str(result.error)} if failed else dict(result.metrics)),
+            )
             if bus.state == "running":
                 bus.publish(result)
             else:  # the bus completed its streams: nobody could receive it

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -44,42 +43,38 @@ def _run_params(started: ev.FitStarted) -> dict[str, Any]:
     return {k: v for k, v in run.items() if v is not None}
 
 
-@dataclass(slots=True)
-class _Runs:
-    """A logger's runs, written in a worker thread one batch at a time; events of a run whose
-    ``FitStarted`` it did not see are skipped."""
+class _Tracker(Callback):
+    """A tracking service's logger: its runs are written in a worker thread one batch at a time;
+    events of a run whose ``FitStarted`` it did not see are skipped."""
 
-    open: Callable[[ev.FitStarted], None]
-    record: Callable[[ev.BaseEvent], None]
-    flush: Callable[[], None]
-    close: Callable[[ev.FitEnded], None]
-    recording: bool = False
+    _recording = False
 
-    def subscribe(
-        self,
-        bus: EventBus,
-        name: str,
-        types: list[type[ev.BaseEvent]],
-        *,
-        flush_s: float,
-        buffer: int | None = None,
+    def _open(self, started: ev.FitStarted) -> None: ...
+    def _record(self, event: ev.BaseEvent) -> None: ...
+    def _flush(self) -> None: ...
+    def _close(self, ended: ev.FitEnded) -> None: ...
+
+    def _subscribe(
+        self, bus: EventBus, types: list[type[ev.BaseEvent]], *, flush_s: float, buffer: int | None
     ) -> None:
+        self._recording = False
         source = bus.stream(ev.FitStarted, ev.FitEnded, *types)
-        write_in_batches(bus, source, self.write, flush_s=flush_s, name=name, buffer=buffer)
+        name = type(self).__name__
+        write_in_batches(bus, source, self._write, flush_s=flush_s, name=name, buffer=buffer)
 
-    def write(self, batch: list[ev.BaseEvent]) -> None:
+    def _write(self, batch: list[ev.BaseEvent]) -> None:
         for event in batch:
             if isinstance(event, ev.FitStarted):
-                self.open(event)
-                self.recording = True
-            elif self.recording and isinstance(event, ev.FitEnded):
-                self.flush()
-                self.close(event)
-                self.recording = False
-            elif self.recording:
-                self.record(event)
-        if self.recording:
-            self.flush()
+                self._open(event)
+                self._recording = True
+            elif self._recording and isinstance(event, ev.FitEnded):
+                self._flush()
+                self._close(event)
+                self._recording = False
+            elif self._recording:
+                self._record(event)
+        if self._recording:
+            self._flush()
 
 
 def _check_options(log_checkpoints: bool, buffer: int) -> int:
@@ -87,7 +82,7 @@ def _check_options(log_checkpoints: bool, buffer: int) -> int:
     return check_int("buffer", buffer, 1)
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(_Tracker):
     """Writes a run to TensorBoard event files in ``log_dir``, from a worker thread. See
     docs/callbacks/tensorboard.md.
 
@@ -125,10 +120,7 @@ class TensorBoardLogger(Callback):
     def setup(self, bus: EventBus) -> None:
         """Subscribe the batching pipeline and its writer."""
         types = [ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded]
-        runs = _Runs(self._open, self._record, self._flush, self._close)
-        runs.subscribe(
-            bus, "TensorBoardLogger", [*types, ev.SchedulerStepped], flush_s=self.flush_s
-        )
+        self._subscribe(bus, [*types, ev.SchedulerStepped], flush_s=self.flush_s, buffer=None)
 
     def _open(self, started: ev.FitStarted) -> None:
         self._writer = self._writer_type(log_dir=os.fspath(self.log_dir))
@@ -166,7 +158,7 @@ def _env(name: str) -> str | None:
     return os.environ.get(name) or None
 
 
-class MLflowLogger(Callback):
+class MLflowLogger(_Tracker):
     """Records a run in MLflow (params, metrics, checkpoints as artifacts, the end status),
     from a worker thread. See docs/callbacks/mlflow.md.
 
@@ -239,8 +231,7 @@ class MLflowLogger(Callback):
         """Subscribe the batching pipeline and its MLflow worker."""
         types = [ev.MetricsLogged, ev.EvaluationEnded, ev.ExternalEvaluationEnded]
         types += [ev.CheckpointSaved] if self.log_checkpoints else []
-        runs = _Runs(self._open, self._record, self._flush, self._close)
-        runs.subscribe(bus, "MLflowLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
+        self._subscribe(bus, types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _experiment_id(self, client: Any) -> str:
         # MLflow's order: a name wins (an id beside it must be its); an id alone must exist.
@@ -293,7 +284,7 @@ class MLflowLogger(Callback):
 _EXIT_CODE = {"completed": 0, "stopped": 0, "failed": 1, "cancelled": 1}
 
 
-class WandbLogger(Callback):
+class WandbLogger(_Tracker):
     """Records a run in Weights & Biases (its configuration, metrics, optionally checkpoints
     as artifacts, the end), from a worker thread. See docs/callbacks/wandb.md.
 
@@ -356,8 +347,7 @@ class WandbLogger(Callback):
         """Subscribe the batching pipeline and its wandb worker."""
         types: list[type[ev.BaseEvent]] = [ev.MetricsLogged, ev.EvaluationEnded]
         types += [ev.CheckpointSaved] if self.log_checkpoints else []
-        runs = _Runs(self._open, self._record, self._flush, self._close)
-        runs.subscribe(bus, "WandbLogger", types, flush_s=self.flush_s, buffer=self.job_buffer)
+        self._subscribe(bus, types, flush_s=self.flush_s, buffer=self.job_buffer)
 
     def _open(self, started: ev.FitStarted) -> None:
         fit = {

@@ -141,18 +141,18 @@ def replay_epoch(
     """
     if order is not None and int(order.get("epoch", -1)) != epoch:
         order = None
+    kind, generator = _kind(data)
+    if order is not None and order.get("kind") != kind:
+        raise CheckpointError(
+            f"the data order was saved for a {order.get('kind')!r} loader but the training "
+            f"data now is a {kind!r} one; build the loader as in the saved run, or resume "
+            "without the data order"
+        )
+    if skip == 0 and rng is not None:
+        restore_rng(rng)
     if order is None:
-        if rng is not None and skip == 0:
-            restore_rng(rng)
         order = capture_data_order(data, epoch=epoch)
     else:
-        kind, generator = _kind(data)
-        if order.get("kind") != kind:
-            raise CheckpointError(
-                f"the data order was saved for a {order.get('kind')!r} loader but the training "
-                f"data now is a {kind!r} one; build the loader as in the saved run, or resume "
-                "without the data order"
-            )
         if not order.get("exact", False):
             log.warning(
                 "data_order_inexact",
@@ -161,8 +161,6 @@ def replay_epoch(
                 batch_in_epoch=skip,
                 reason="an iterable cannot be rewound; the consumed batches are skipped",
             )
-        if skip == 0 and rng is not None:
-            restore_rng(rng)
         state = order.get("state")
         # Generator states are CPU byte tensors, whatever device the generator draws for.
         if generator is not None and state is not None:

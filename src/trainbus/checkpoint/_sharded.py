@@ -150,7 +150,7 @@ def save_sharded(
                 raise CheckpointWriteError(str(final), exc) from exc
     except BaseException as exc:  # raised below on this rank, after the others heard of it
         error = exc
-    _raise_agreed(error, gather_errors(error), final, None)
+    _raise_agreed(error, final, None)
     tmp = directory / _gather(tmp_name)[0]  # rank 0's
     try:
         from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
@@ -164,21 +164,20 @@ def save_sharded(
         error = CheckpointWriteError(str(final), exc)
     except BaseException as exc:
         error = exc
-    _raise_agreed(error, gather_errors(error), final, tmp)
+    _raise_agreed(error, final, tmp)
     if rank == 0:
         try:
             _publish(tmp, final)
         except OSError as exc:
             error = CheckpointWriteError(str(final), exc)
-    _raise_agreed(error, gather_errors(error), final, tmp)
+    _raise_agreed(error, final, tmp)
     return final
 
 
-def _raise_agreed(
-    error: BaseException | None, failed: list[RankFailure], final: Path, tmp: Path | None
-) -> None:
-    """When any rank failed: remove the temporary folder and raise on every rank, of the same
-    kind (this rank's own error, else the others' as the error of that kind)."""
+def _raise_agreed(error: BaseException | None, final: Path, tmp: Path | None) -> None:
+    """A collective: when any rank failed, remove the temporary folder and raise on every rank,
+    of the same kind (this rank's own error, else the others' as the error of that kind)."""
+    failed = gather_errors(error)
     if not failed:
         return
     rank, _ = rank_and_world()
@@ -294,7 +293,7 @@ def load_sharded(
                 own = read_rank_file(checkpoint.path, rank)
     except BaseException as exc:  # agreed below, then raised on every rank
         error = exc
-    _raise_load(error, gather_errors(error))
+    _raise_load(error)
     _agree_path("" if checkpoint is None else str(checkpoint.path))
     if checkpoint is None:
         return None, found
@@ -304,7 +303,7 @@ def load_sharded(
         )
     except BaseException as exc:
         error = exc
-    _raise_load(error, gather_errors(error), checkpoint.path)
+    _raise_load(error, checkpoint.path)
     if own is None:
         log.warning(
             "resume_rng_not_saved",
@@ -318,9 +317,9 @@ def load_sharded(
     return replace(checkpoint, rng=own["rng"], data_order=order), found
 
 
-def _raise_load(
-    error: BaseException | None, failed: list[RankFailure], path: Path | None = None
-) -> None:
+def _raise_load(error: BaseException | None, path: Path | None = None) -> None:
+    """A collective: when any rank failed to load, raise on every rank."""
+    failed = gather_errors(error)
     if not failed:
         return
     if isinstance(error, CheckpointError):

@@ -431,17 +431,17 @@ def restore_scheduler_scaler(
 
 def _need(payload: Mapping[str, Any], key: str, kind: type | tuple[type, ...], path: Path) -> Any:
     if key not in payload:
-        raise CheckpointError(
-            f"missing the {key!r} entry; the file is not a complete trainbus checkpoint",
-            path=str(path),
+        raise _bad(
+            path, f"missing the {key!r} entry; the file is not a complete trainbus checkpoint"
         )
     value = payload[key]
     if not isinstance(value, kind):
-        raise CheckpointError(
-            f"the {key!r} entry is a {type(value).__name__}, not what trainbus writes",
-            path=str(path),
-        )
+        raise _bad(path, f"the {key!r} entry is a {type(value).__name__}, not what trainbus writes")
     return value
+
+
+def _bad(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(what, path=str(path))
 
 
 def _rng_ok(rng: object) -> bool:
@@ -460,18 +460,16 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
     """A loaded payload, checked; ``CheckpointError`` naming the file and the wrong entry."""
     if not isinstance(payload, dict) or payload.get("magic") != _MAGIC:
         old = isinstance(payload, dict) and payload.get("format") == 1
-        raise CheckpointError(
+        raise _bad(
+            path,
             "written by an older trainbus (format 1, not loadable safely); resume from a newer "
             "checkpoint or start fresh"
             if old
             else "not a trainbus checkpoint (no trainbus magic marker)",
-            path=str(path),
         )
     if payload.get("format") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"format version {payload.get('format')!r}, this trainbus reads {FORMAT_VERSION}",
-            path=str(path),
-        )
+        found = payload.get("format")
+        raise _bad(path, f"format version {found!r}, this trainbus reads {FORMAT_VERSION}")
     meta = _need(payload, "meta", dict, path)
     for key, kind in (("param_shapes", dict), ("optimizer", str), ("world_size", int)):
         _need(meta, key, kind, path)
@@ -484,26 +482,22 @@ def parse_payload(payload: object, path: Path) -> Checkpoint:
         and raw_state[n] >= TrainState.OPTIONAL.get(n, 0)
         for n in names
     ):
-        raise CheckpointError(
-            f"the 'state' entry {raw_state!r} is not a train state", path=str(path)
-        )
+        raise _bad(path, f"the 'state' entry {raw_state!r} is not a train state")
     model = _need(payload, "model", dict, path)
     if not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in model.items()):
-        raise CheckpointError("the 'model' entry is not a state dict of tensors", path=str(path))
+        raise _bad(path, "the 'model' entry is not a state dict of tensors")
     optimizer = _need(payload, "optimizer", dict, path)
     if not {"state", "param_groups"} <= set(optimizer):
-        raise CheckpointError(
-            "the 'optimizer' entry is not an optimizer state dict", path=str(path)
-        )
+        raise _bad(path, "the 'optimizer' entry is not an optimizer state dict")
     metrics = _need(payload, "metrics", dict, path)
     if not all(isinstance(k, str) and isinstance(v, float) for k, v in metrics.items()):
-        raise CheckpointError("the 'metrics' entry is not {name: float}", path=str(path))
+        raise _bad(path, "the 'metrics' entry is not {name: float}")
     rng = _need(payload, "rng", (dict, type(None)), path)
     if rng is not None and not _rng_ok(rng):
-        raise CheckpointError("the 'rng' entry is not a saved RNG state", path=str(path))
+        raise _bad(path, "the 'rng' entry is not a saved RNG state")
     callbacks = _need(payload, "callbacks", dict, path)
     if not all(isinstance(k, str) and isinstance(v, dict) for k, v in callbacks.items()):
-        raise CheckpointError("the 'callbacks' entry is not {name: state dict}", path=str(path))
+        raise _bad(path, "the 'callbacks' entry is not {name: state dict}")
     return Checkpoint(
         path=path,
         state=TrainState.from_dict(raw_state),

@@ -65,13 +65,8 @@ def folder_name(step: int, tag: str | None) -> str:
     return f"step-{step:08d}" + (f"-{tag}" if tag else "")
 
 
-def checkpoint_name(step: int, tag: str | None) -> str:
-    """``step-00000042.pt`` or ``step-00000042-best.pt``."""
-    return folder_name(step, tag) + ".pt"
-
-
 def parse_checkpoint_name(name: str) -> tuple[int, str | None] | None:
-    """``(step, tag)`` of a name made by :func:`checkpoint_name`, or None for any other name."""
+    """``(step, tag)`` of a ``step-<n>[-<tag>].pt`` name, or None for any other name."""
     m = _NAME.match(name)
     return None if m is None else (int(m.group(1)), m.group(2))
 
@@ -368,22 +363,20 @@ class LatestScan:
         """
         if not self.exists:
             return "no such folder"
+
+        def listed(names: list[str], sep: str) -> str:
+            more = f"{sep}... and {len(names) - limit} more" if len(names) > limit else ""
+            return sep.join(names[:limit]) + more
+
         parts: list[str] = []
-        if self.skipped:
-            n = len(self.skipped)
-            names = [f"{name} ({reason})" for name, reason in self.skipped[:limit]]
-            more = f"; ... and {n - limit} more" if n > limit else ""
+        if n := len(self.skipped):
             what = "file, invalid" if n == 1 else "files, all invalid"
-            parts.append(f"{n} checkpoint {what}: " + "; ".join(names) + more)
-        if self.checkpoint is None and self.others:
-            n = len(self.others)
-            more = f", ... and {n - limit} more" if n > limit else ""
+            names = [f"{name} ({reason})" for name, reason in self.skipped]
+            parts.append(f"{n} checkpoint {what}: " + listed(names, "; "))
+        if self.checkpoint is None and (n := len(self.others)):
             prefix = "" if self.skipped else "no checkpoint file (step-<n>.pt); "
-            parts.append(
-                f"{prefix}{n} other entr{'y' if n == 1 else 'ies'}: "
-                + ", ".join(self.others[:limit])
-                + more
-            )
+            entries = f"entr{'y' if n == 1 else 'ies'}"
+            parts.append(f"{prefix}{n} other {entries}: " + listed(list(self.others), ", "))
         return "; ".join(parts) if parts else "an empty folder"
 
 
@@ -433,8 +426,8 @@ class CheckpointStore:
             os.kill(pid, 0)
         except ProcessLookupError:
             return True
-        except (PermissionError, OSError):  # alive under another user, or cannot tell: keep
-            return False
+        except OSError:  # alive under another user, or cannot tell: keep
+            pass
         return False
 
     def save(self, payload: dict[str, Any], *, step: int, tag: str | None = None) -> Path:
@@ -452,7 +445,7 @@ class CheckpointStore:
             CheckpointWriteError: an ``OSError`` naming the file (disk full, permissions);
                 earlier checkpoints are untouched.
         """
-        path = self._directory / checkpoint_name(step, tag)
+        path = self._directory / f"{folder_name(step, tag)}.pt"
         try:
             self._directory.mkdir(parents=True, exist_ok=True)
             write_atomic(payload, path)
@@ -467,14 +460,11 @@ class CheckpointStore:
             return []
         found: list[tuple[int, int, Path]] = []
         for entry in self._directory.iterdir():
-            folder = _FOLDER.match(entry.name)
-            if folder is not None and entry.is_dir():  # a sharded checkpoint (sharded.py)
-                step = int(folder.group(1))
-            else:
-                parsed = parse_checkpoint_name(entry.name)
-                if parsed is None or not entry.is_file():
-                    continue
-                step = parsed[0]
+            file = entry.name.endswith(".pt")  # else a sharded checkpoint's folder (sharded.py)
+            m = _FOLDER.match(entry.name.removesuffix(".pt"))
+            if m is None or not (entry.is_file() if file else entry.is_dir()):
+                continue
+            step = int(m.group(1))
             try:
                 mtime = entry.stat().st_mtime_ns
             except FileNotFoundError:  # removed meanwhile (retention)
