@@ -17,7 +17,6 @@ from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
-from .context import StepRunner
 from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
@@ -115,14 +114,12 @@ class Loop:
             self._resumed(resume)
         self._data = EpochData(settings, state, self._checkpoints, resume)
         self._scheduler = SchedulerStepper(settings, port, state, self._wants)
-        runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(
             settings,
             port,
             state,
             self._wants,
             hooks,
-            runner,
             self._guard,
             self._log_window,
             self._scheduler,
