@@ -87,7 +87,7 @@ class TrainContext:
         Returns:
             The loss, or None when an ``after_forward`` or ``loss`` hook skipped the batch.
         """
-        return self._runner.compute_loss()
+        return self._runner.compute_loss(self)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss``, weighed for accumulation and scaled under fp16, then the
@@ -96,7 +96,7 @@ class TrainContext:
         Raises:
             TrainingError: ``loss`` is not a scalar tensor that requires grad.
         """
-        self._runner.backward(loss)
+        self._runner.backward(loss, self)
 
     def optimizer_step(self, name: str | None = None) -> bool:
         """Step the run's optimizer (every one of several; ``name``: that one) at the step's
@@ -110,7 +110,7 @@ class TrainContext:
         Raises:
             ConfigError: ``name`` is not one of the run's optimizers.
         """
-        return self._runner.optimizer_step(name)
+        return self._runner.optimizer_step(name, self)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The run's mixed-precision context for a forward (a no-op at ``precision="32"``)."""

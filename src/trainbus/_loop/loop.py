@@ -17,6 +17,7 @@ from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
+from .context import TrainContext
 from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
@@ -125,6 +126,7 @@ class Loop:
             self._scheduler,
             self._cancel,
         )
+        self._ctx = TrainContext(self._step)  # the run's one
         self._demand_rings = -1  # the doorbell's count when wants and decision step were read
         self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
@@ -306,7 +308,7 @@ class Loop:
                     if accumulation_steps <= 0:
                         complete = True
                         break
-                outcome = step.run(it, accumulation_steps)
+                outcome = step.run(self._ctx, it, accumulation_steps)
                 if outcome.taken:
                     self._after_step(outcome)
                 if outcome.exhausted:

@@ -19,13 +19,14 @@ from .. import events as ev
 from .._exceptions import ConfigError, TrainingError
 from .._log import get_logger
 from .._tensors import batch_size, move_to_device, plain_value
-from .context import TrainContext, default_train_step
+from .context import default_train_step
 from .forward import loss_of, metric_targets, model_outputs
 from .hooks import StepContext
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
+    from .context import TrainContext
     from .control import CancelFlag
     from .hooks import Hooks
     from .nonfinite import NonFiniteGuard
@@ -86,7 +87,6 @@ class Step:
         # graph's next replay overwrites its output buffer (docs/compile.md).
         self._move = settings.device.type != "cpu"
         self._grad_sync = GradSync(settings.model)
-        self._ctx = TrainContext(self)  # the run's one
         by = settings.accumulate_by
         self._count: Callable[[Any], int] | None = None
         if by != "batches":
@@ -105,10 +105,11 @@ class Step:
         self._weight: float | None = None
         self._begin()
 
-    def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
-        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
-        ``Cancelled`` when a cancel was asked between them."""
-        st, trace, ctx = self.state, self._trace, self._ctx
+    def run(self, ctx: TrainContext, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
+        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it`` on
+        ``ctx``, the run's one (kept by the caller: it refers to this step); ``Cancelled`` when
+        a cancel was asked between them."""
+        st, trace = self.state, self._trace
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
         step = self._begin()
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
@@ -156,7 +157,7 @@ class Step:
                 self._weight = weights[micro]
             ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
             ctx.accumulation_steps = accumulation_steps
-            loss = self._call(hook_ctx)
+            loss = self._call(ctx, hook_ctx)
             if loss is None:  # a hook skipped the micro-batch
                 continue
             if self._move:
@@ -172,7 +173,7 @@ class Step:
         if not losses:
             self._drop_gradients()
             return StepOutcome(False, exhausted)
-        took, grad_norm = self._finish()
+        took, grad_norm = self._finish(ctx)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(False, exhausted)
         if not self.same:  # a custom step returned other losses than it gave to backward
@@ -267,10 +268,9 @@ class Step:
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {bi}")
 
     # ------------------------------------------------------------------ the call
-    def _call(self, hook_ctx: StepContext | None) -> torch.Tensor | None:
-        """Call ``train_step`` on the context's micro-batch: the loss it returned, detached and
-        0-d, or None when a hook skipped the batch."""
-        ctx = self._ctx
+    def _call(self, ctx: TrainContext, hook_ctx: StepContext | None) -> torch.Tensor | None:
+        """Call ``train_step`` on ``ctx``'s micro-batch: the loss it returned, detached and 0-d,
+        or None when a hook skipped the batch."""
         bi = ctx.batch_index
         self._hook_ctx, self._last = hook_ctx, None
         try:
@@ -329,18 +329,18 @@ class Step:
         return loss
 
     # ------------------------------------------------------------------ forward and loss
-    def compute_loss(self) -> torch.Tensor | None:
+    def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
         """``ctx.compute_loss()``; None when a hook skipped the batch."""
-        trace, ctx = self._trace, self._ctx
+        trace = self._trace
         try:
             if trace.on or self._mixed:
                 with (
                     trace("forward", "train", ctx.batch_index, ctx.micro_batch),
                     self.settings.autocast(),
                 ):
-                    outputs, loss = self._outputs_and_loss()
+                    outputs, loss = self._outputs_and_loss(ctx)
             else:
-                outputs, loss = self._outputs_and_loss()
+                outputs, loss = self._outputs_and_loss(ctx)
         except BaseException as exc:
             self.annotate(exc, "forward", ctx.batch_index)
             raise
@@ -358,9 +358,9 @@ class Step:
             loss = hc.loss
         return loss
 
-    def _outputs_and_loss(self) -> tuple[Any, torch.Tensor | None]:
+    def _outputs_and_loss(self, ctx: TrainContext) -> tuple[Any, torch.Tensor | None]:
         """The outputs after the ``after_forward`` hooks, and the loss (None: skipped)."""
-        s, ctx = self.settings, self._ctx
+        s = self.settings
         outputs, targets = model_outputs(s, ctx.batch)
         hooks = self._hooks.by_point["after_forward"]
         if hooks:
@@ -392,9 +392,8 @@ class Step:
             )
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: Any) -> None:
+    def backward(self, loss: Any, ctx: TrainContext) -> None:
         """``ctx.backward(loss)``."""
-        ctx = self._ctx
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
             self._refuse(loss, ctx.batch_index)
         if self._keep:  # read only for its value: kept as it is
@@ -452,9 +451,8 @@ class Step:
         )
 
     # ------------------------------------------------------------------ optimizer steps
-    def optimizer_step(self, name: str | None) -> bool:
+    def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
         """``ctx.optimizer_step(name)``: step at the last micro-batch, else defer."""
-        ctx = self._ctx
         if name is not None and name not in self.settings.optimizers:
             raise ConfigError.invalid(
                 f"ctx.optimizer_step in train_step {self.name}",
@@ -467,13 +465,13 @@ class Step:
             if name not in self._deferred:
                 self._deferred.append(name)
             return False
-        return self._step_now(name)
+        return self._step_now(name, ctx)
 
-    def _step_now(self, name: str | None) -> bool:
+    def _step_now(self, name: str | None, ctx: TrainContext) -> bool:
         """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
         if self._skip or name in self._stepped:
             return False
-        s, ctx = self.settings, self._ctx
+        s = self.settings
         if self._losses and self._per_step:  # the non-finite check of the losses not checked yet
             pending, self._losses = self._losses, []
             try:
@@ -557,18 +555,17 @@ class Step:
         if optimizer is self.settings.optimizer:
             self._clean = True
 
-    def _finish(self) -> tuple[bool, torch.Tensor | None]:
+    def _finish(self, ctx: TrainContext) -> tuple[bool, torch.Tensor | None]:
         """After the micro-batches: the deferred steps, the scaler's update, a custom step's
         checks; ``(some optimizer stepped, the pre-clip grad norm or None)``."""
-        ctx = self._ctx
         for name in self._deferred:
-            self._step_now(name)
+            self._step_now(name, ctx)
         stepped = self._stepped
         if self._unscaled:
             assert self.settings.scaler is not None
             self.settings.scaler.update()
         if self._own:
-            self._check_called()
+            self._check_called(ctx)
         ctx.batch = None  # the batch is not kept past its step
         if None in stepped:  # the run's update: the step was counted then
             return True, stepped[None]
@@ -580,10 +577,10 @@ class Step:
             return True, norms[0] if norms else None
         return True, torch.linalg.vector_norm(torch.stack(norms))
 
-    def _check_called(self) -> None:
+    def _check_called(self, ctx: TrainContext) -> None:
         """A whole step of a custom step that stepped no optimizer is an error; one that left
         a named optimizer out is warned about once."""
-        called, ctx = self._called, self._ctx
+        called = self._called
         whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
         if not whole or self._skip:
             return
