@@ -103,7 +103,6 @@ class Step:
         self._last: torch.Tensor | None = None  # the loss of the call's ctx.backward
         self._clean = True  # every gradient is None: the step need not zero them first
         self._weight: float | None = None
-        self._begin()
 
     def run(self, ctx: TrainContext, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
         """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it`` on
@@ -111,7 +110,16 @@ class Step:
         a cancel was asked between them."""
         st, trace = self.state, self._trace
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
-        step = self._begin()
+        self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
+        self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
+        self._called: set[str | None] = set()  # asked to step (a custom step's)
+        self._losses: list[torch.Tensor] = []  # given to ctx.backward, not checked yet
+        self._skip = self._unscaled = self._skipped = self._skipped_any = False
+        step = self.step = st.step  # the steps done before this one
+        self.same = True
+        if not self._clean:  # gradients a custom step left
+            self._drop_gradients()
+        ctx.accumulation_steps = accumulation_steps
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
         losses: list[torch.Tensor] = []
         samples = 0
@@ -156,8 +164,7 @@ class Step:
             if weights:  # the backward's scale, not 1 / accumulation_steps
                 self._weight = weights[micro]
             ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
-            ctx.accumulation_steps = accumulation_steps
-            loss = self._call(ctx, hook_ctx)
+            loss = self._call(ctx, bi, hook_ctx)
             if loss is None:  # a hook skipped the micro-batch
                 continue
             if self._move:
@@ -233,19 +240,6 @@ class Step:
             ahead.append(batch)
         return ahead, item_weights(count, [first, *ahead])
 
-    def _begin(self) -> int:
-        """Start a step (dropping gradients a custom step left); return the steps done before."""
-        self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
-        self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
-        self._called: set[str | None] = set()  # asked to step (a custom step's)
-        self._losses: list[torch.Tensor] = []  # given to ctx.backward, not checked yet
-        self._skip = self._unscaled = self._skipped = self._skipped_any = False
-        self.step = self.state.step
-        self.same = True
-        if not self._clean:
-            self._drop_gradients()
-        return self.step
-
     def hook_context(
         self, bi: int, micro: int, batch: Any, optimizer: torch.optim.Optimizer | None = None
     ) -> StepContext:
@@ -268,10 +262,11 @@ class Step:
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {bi}")
 
     # ------------------------------------------------------------------ the call
-    def _call(self, ctx: TrainContext, hook_ctx: StepContext | None) -> torch.Tensor | None:
-        """Call ``train_step`` on ``ctx``'s micro-batch: the loss it returned, detached and 0-d,
-        or None when a hook skipped the batch."""
-        bi = ctx.batch_index
+    def _call(
+        self, ctx: TrainContext, bi: int, hook_ctx: StepContext | None
+    ) -> torch.Tensor | None:
+        """Call ``train_step`` on ``ctx``'s micro-batch (batch ``bi``): the loss it returned,
+        detached and 0-d, or None when a hook skipped the batch."""
         self._hook_ctx, self._last = hook_ctx, None
         try:
             out = self._fn(ctx)
