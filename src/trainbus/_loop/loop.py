@@ -272,7 +272,7 @@ class Loop:
         s, st = self._s, self._state
         return (
             self._stop.reason is not None
-            or (s.max_steps is not None and st.step >= s.max_steps)
+            or st.step >= self._last_step
             or (s.max_epochs is not None and st.epoch >= s.max_epochs)
         )
 
@@ -285,36 +285,30 @@ class Loop:
         error: BaseException | None = None
         try:
             it = self._data.open()
-            total = s.train_len
-            accumulate = s.accumulate
-            # Past this batch of the epoch a step is its last, short one.
-            short_after = total - accumulate if total is not None else _NO_END
-            max_steps = s.max_steps if s.max_steps is not None else -1
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
             while True:
                 if control.stop_epoch:
                     complete = True
                     break
-                if self._stop.reason is not None or st.step == max_steps:
+                if self._stop.reason is not None or st.step == self._last_step:
                     break
                 if bell.rings != self._demand_rings:  # a cancel rings too
                     self._demand_rings = bell.rings  # first: a ring from now on is heard
                     self._cancel.check()
                     self._wants.refresh()
                     self._decision_step = self._next_decision(st.step)
-                accumulation_steps = accumulate
-                if st.batch_in_epoch > short_after:
-                    accumulation_steps = total - st.batch_in_epoch  # type: ignore[operator]
-                    if accumulation_steps <= 0:
-                        complete = True
-                        break
+                # An epoch's last step may be short.
+                accumulation_steps = min(s.accumulate, self._epoch_len - st.batch_in_epoch)
+                if accumulation_steps <= 0:
+                    complete = True
+                    break
                 outcome = step.run(self._ctx, it, accumulation_steps)
                 if outcome.taken:
                     self._after_step(outcome)
                 if outcome.exhausted:
                     complete = self._stop.reason is None
                     break
-            if total is not None and st.batch_in_epoch >= total and self._stop.reason is None:
+            if st.batch_in_epoch >= self._epoch_len and self._stop.reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.closed_epoch == st.epoch:  # its last step did the epoch's end work
                 complete = True
@@ -389,7 +383,7 @@ class Loop:
         ends: tuple[ev.EvaluationEnded, ...] = ()
         if s.eval_data is not None and st.evaluated_step != st.step:
             triggers: list[ev.EvalTrigger] = []
-            if cadence and s.eval_every is not None and st.step % s.eval_every == 0:
+            if cadence and st.step % self._eval_every == 0:
                 triggers.append("steps")
             if ends_epoch and s.eval_at_epoch_end:
                 triggers.append("epoch")
