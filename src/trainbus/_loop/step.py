@@ -153,8 +153,8 @@ class Step:
                 self._grad_sync.begin(micro, accumulation_steps)
             hook_ctx = None
             if batch_hooks:
-                hook_ctx = self.hook_context(bi, micro, batch)
-                self.run_hooks("batch", batch_hooks, hook_ctx)
+                hook_ctx = self._hook_context(bi, micro, batch)
+                self._run_hooks("batch", batch_hooks, hook_ctx)
                 if hook_ctx.skip:
                     continue
                 batch = hook_ctx.batch
@@ -240,7 +240,7 @@ class Step:
             ahead.append(batch)
         return ahead, item_weights(count, [first, *ahead])
 
-    def hook_context(
+    def _hook_context(
         self, bi: int, micro: int, batch: Any, optimizer: torch.optim.Optimizer | None = None
     ) -> StepContext:
         """A fresh hook context for batch ``bi`` of the step (``optimizer`` None: the run's)."""
@@ -256,7 +256,7 @@ class Step:
             metrics_sink=self.user.log,
         )
 
-    def annotate(self, exc: BaseException, where: str, bi: int) -> None:
+    def _annotate(self, exc: BaseException, where: str, bi: int) -> None:
         """Note the part, step, epoch and batch on an exception from the step."""
         st = self.state
         exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {bi}")
@@ -337,16 +337,16 @@ class Step:
             else:
                 outputs, loss = self._outputs_and_loss(ctx)
         except BaseException as exc:
-            self.annotate(exc, "forward", ctx.batch_index)
+            self._annotate(exc, "forward", ctx.batch_index)
             raise
         if loss is None:
             self._skipped = True
             return None
         hooks = self._hooks.by_point["loss"]
         if hooks:
-            hc = self._hook_ctx or self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+            hc = self._hook_ctx or self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc.outputs, hc.loss = outputs, loss
-            self.run_hooks("loss", hooks, hc)
+            self._run_hooks("loss", hooks, hc)
             if hc.skip:
                 self._skipped = True
                 return None
@@ -360,16 +360,16 @@ class Step:
         hooks = self._hooks.by_point["after_forward"]
         if hooks:
             if self._hook_ctx is None:
-                self._hook_ctx = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+                self._hook_ctx = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc = self._hook_ctx
             hc.outputs = outputs
-            self.run_hooks("after_forward", hooks, hc)
+            self._run_hooks("after_forward", hooks, hc)
             outputs = hc.outputs
             if hc.skip:
                 return outputs, None
         return outputs, loss_of(s, outputs, targets)
 
-    def run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
+    def _run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
         """Run ``hooks`` on ``hc``; warn once per point about a hook that returns the value it
         should set (None and a bool, a ``lambda``'s ``a and b``, are not warned about)."""
         field = _REPLACED.get(point)
@@ -411,7 +411,7 @@ class Step:
             else:
                 scaled.backward()
         except BaseException as exc:
-            self.annotate(exc, "backward", ctx.batch_index)
+            self._annotate(exc, "backward", ctx.batch_index)
             if "backward through the graph a second time" in str(exc):
                 exc.add_note(
                     "trainbus: this loss's graph was already backwarded (ctx.backward or "
@@ -420,9 +420,9 @@ class Step:
             raise
         hooks = self._hooks.by_point["after_backward"]
         if hooks:
-            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
             hc.loss = loss
-            self.run_hooks("after_backward", hooks, hc)
+            self._run_hooks("after_backward", hooks, hc)
 
     def _refuse(self, loss: Any, bi: int) -> None:
         """Raise the error for a loss that is not a scalar tensor that requires grad."""
@@ -491,8 +491,8 @@ class Step:
             self._unscaled = True
         hooks = self._hooks.by_point["before_optimizer_step"]
         if hooks:
-            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
-            self.run_hooks("before_optimizer_step", hooks, hc)
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
+            self._run_hooks("before_optimizer_step", hooks, hc)
             if hc.skip:
                 self.zero_grad(opt, ctx.batch_index)
                 return False
@@ -510,7 +510,7 @@ class Step:
             else:
                 self._update(opt, name)
         except BaseException as exc:
-            self.annotate(exc, "optimizer step", ctx.batch_index)
+            self._annotate(exc, "optimizer step", ctx.batch_index)
             raise
         if name is None:  # the run's one update: the step is taken now
             self.state.step_done()
@@ -518,9 +518,9 @@ class Step:
         self.zero_grad(opt, ctx.batch_index)
         hooks = self._hooks.by_point["after_optimizer_step"]
         if hooks:
-            hc = self.hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
             hc.step = self.step + 1  # the step this update completes
-            self.run_hooks("after_optimizer_step", hooks, hc)
+            self._run_hooks("after_optimizer_step", hooks, hc)
         return True
 
     def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
@@ -545,7 +545,7 @@ class Step:
             else:
                 optimizer.zero_grad(set_to_none=True)
         except BaseException as exc:
-            self.annotate(exc, "zero_grad", bi)
+            self._annotate(exc, "zero_grad", bi)
             raise
         if optimizer is self.settings.optimizer:
             self._clean = True
