@@ -86,7 +86,8 @@ class Step:
         # Off the CPU the batch moves to the device and the loss handed on is a copy: a CUDA
         # graph's next replay overwrites its output buffer (docs/compile.md).
         self._move = settings.device.type != "cpu"
-        self._grad_sync = GradSync(settings.model)
+        model = settings.model
+        self._grad_sync = GradSync(model) if isinstance(model, DistributedDataParallel) else None
         by = settings.accumulate_by
         self._count: Callable[[Any], int] | None = None
         if by != "batches":
@@ -125,7 +126,7 @@ class Step:
         samples = 0
         data_wait = 0.0
         exhausted = False  # the data ended before the step's last micro-batch
-        several = accumulation_steps > 1
+        sync = self._grad_sync if accumulation_steps > 1 else None
         ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
         weights: list[float] = []
         for micro in range(accumulation_steps):
@@ -149,8 +150,8 @@ class Step:
             bi = st.batch_taken()
             if self._move:
                 batch = move_to_device(batch, self.settings.device)
-            if several:  # before the forward: DDP decides there
-                self._grad_sync.begin(micro, accumulation_steps)
+            if sync is not None:  # before the forward: DDP decides there
+                sync.begin(micro, accumulation_steps)
             hook_ctx = None
             if batch_hooks:
                 hook_ctx = self._hook_context(bi, micro, batch)
@@ -172,10 +173,10 @@ class Step:
             # Weighed by items, the step's loss (the mean of `losses`) is the item-weighted
             # mean, what one batch of the step's items reports.
             losses.append(loss if not weights else loss * (weights[micro] * len(weights)))
-            if several:
-                self._grad_sync.backward_done()
-        if several:
-            self._grad_sync.finish()  # a step cut short after no_sync() backwards
+            if sync is not None:
+                sync.backward_done()
+        if sync is not None:
+            sync.finish()  # a step cut short after no_sync() backwards
         st.samples_done(samples)
         if not losses:
             self._drop_gradients()
@@ -685,20 +686,16 @@ class GradSync:
     """Under DDP, lets only a step's last micro-batch's backward all-reduce (what
     ``no_sync()`` does, by its public flag)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._ddp = ddp
         self._deferring = False
         self._unreduced = False  # the last backward ran without a reduction
-        if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = True  # a failed run may have left it off
+        ddp.require_backward_grad_sync = True  # a failed run may have left it off
 
     def begin(self, micro: int, accumulation_steps: int) -> None:
         """Before micro-batch ``micro``'s forward: its backward reduces only if it is the last."""
-        ddp = self._ddp
-        if ddp is None:
-            return
         self._deferring = micro < accumulation_steps - 1
-        ddp.require_backward_grad_sync = not self._deferring
+        self._ddp.require_backward_grad_sync = not self._deferring
 
     def backward_done(self) -> None:
         """A micro-batch's backward ran (reduced, or deferred to the last one)."""
@@ -707,8 +704,6 @@ class GradSync:
     def finish(self) -> None:
         """Before the optimizer step: reduce again, and average what a step cut short left."""
         ddp = self._ddp
-        if ddp is None:
-            return
         ddp.require_backward_grad_sync = True
         self._deferring = False
         if not self._unreduced:
