@@ -285,6 +285,8 @@ class Loop:
         error: BaseException | None = None
         try:
             it = self._data.open()
+            accumulate = s.accumulate
+            short_after = self._epoch_len - accumulate  # past it, a step is the epoch's short last
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
             while True:
                 if control.stop_epoch:
@@ -297,11 +299,12 @@ class Loop:
                     self._cancel.check()
                     self._wants.refresh()
                     self._decision_step = self._next_decision(st.step)
-                # An epoch's last step may be short.
-                accumulation_steps = min(s.accumulate, self._epoch_len - st.batch_in_epoch)
-                if accumulation_steps <= 0:
-                    complete = True
-                    break
+                accumulation_steps = accumulate
+                if st.batch_in_epoch > short_after:
+                    accumulation_steps = self._epoch_len - st.batch_in_epoch
+                    if accumulation_steps <= 0:
+                        complete = True
+                        break
                 outcome = step.run(self._ctx, it, accumulation_steps)
                 if outcome.taken:
                     self._after_step(outcome)

@@ -157,7 +157,8 @@ class LogWindow:
         steps = st.step - self._step0
         values = _read(losses_kept)  # the one device read
         mean_loss = mean(values) if values else math.nan
-        bad = _first_nonfinite(values)
+        # A finite mean has only finite values: then no search.
+        bad = None if math.isfinite(mean_loss) else _first_nonfinite(values)
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done once the device has run them.
