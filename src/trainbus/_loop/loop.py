@@ -7,12 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
-from .._exceptions import (
-    CheckpointError,
-    CheckpointWriteError,
-    NonFiniteLossError,
-    TrainingError,
-)
+from .._exceptions import NonFiniteLossError, TrainingError
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
@@ -196,22 +191,10 @@ class Loop:
             self._log_window.check_pending()
             # After the last poll: a stop decided on it cannot stop a run with no step left.
             self._log_window.finish()
-            checkpoints = self._checkpoints
             ending = ev.Ending.of(
                 "completed" if self._stop.reason is None else "stopped", self._stop.reason
             )
-            if (
-                checkpoints.enabled
-                and not self._guard.tripped
-                and ending not in s.skip_final_checkpoint
-            ):
-                if checkpoints.last_checkpoint_step != st.step:
-                    try:
-                        checkpoints.save("final", self._evaluator.metrics)
-                    except CheckpointWriteError:  # the disk refused it: the run fails
-                        raise
-                    except CheckpointError as exc:  # non-finite weights: keep the last good one
-                        log.warning("final_checkpoint_refused", step=st.step, error=str(exc))
+            self._checkpoints.save_final(ending, self._evaluator.metrics)
         except Cancelled:
             reason = "cancelled"
         except BaseException as exc:
