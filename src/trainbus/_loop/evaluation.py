@@ -16,9 +16,9 @@ from .._exceptions import ConfigError, TrainingError
 from .._hookpoints import HookPoint, StepContext
 from .._tensors import batch_size, move_to_device, use_device
 from ..checkpoint._rng import isolated_rng
+from .control import CancelFlag
 from .forward import loss_of, metric_targets, model_outputs
 from .outputs import KeptOutputs, PadValues, map_tensors, without_keys
-from .result import Cancelled
 from .set_metrics import MetricFailures, SetTotals, Totals
 from .wants import Wants
 
@@ -367,23 +367,19 @@ class StandaloneRun:
     def __init__(self, settings: Settings, port: LoopPort, hooks: Hooks, state: TrainState) -> None:
         self._s, self._port, self._hooks, self._state = settings, port, hooks, state
         self._wants = Wants(port, self._state, self._s.trace)
-        self._cancel = False
+        self._cancel = CancelFlag(port.doorbell)
         self.stop_reason: str | None = None
 
     def request_cancel(self) -> None:
         """Stop at the next batch (the call was cancelled). Safe from any thread."""
-        self._cancel = True
-
-    def _check_cancel(self) -> None:
-        if self._cancel:
-            raise Cancelled
+        self._cancel.request()
 
     def should_stop(self) -> bool:
         """Wait for room in a full ``"block"`` buffer, raise a failure, apply the commands; True
         once a ``StopTraining`` arrived."""
         port, st = self._port, self._state
         if port.held and self.stop_reason is None:
-            port.wait_for_room(lambda: self._cancel)
+            port.wait_for_room(lambda: self._cancel.requested)
         failure = port.failure
         if failure is not None:
             raise failure
@@ -410,7 +406,7 @@ class StandaloneRun:
             self._port,
             self._state,
             self._wants,
-            self._check_cancel,
+            self._cancel.check,
             self._hooks,
             self.should_stop,
         )
@@ -447,7 +443,7 @@ class StandaloneRun:
         try:
             with torch.no_grad():
                 for bi, batch in enumerate(data):
-                    self._check_cancel()
+                    self._cancel.check()
                     if self.should_stop():
                         break
                     w.refresh()

@@ -7,17 +7,12 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from .. import events as ev
-from .._exceptions import (
-    CheckpointError,
-    CheckpointWriteError,
-    NonFiniteLossError,
-    TrainingError,
-)
+from .._exceptions import NonFiniteLossError, TrainingError
 from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
-from .context import StepRunner
+from .context import TrainContext
 from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
@@ -115,19 +110,18 @@ class Loop:
             self._resumed(resume)
         self._data = EpochData(settings, state, self._checkpoints, resume)
         self._scheduler = SchedulerStepper(settings, port, state, self._wants)
-        runner = StepRunner(settings, state, hooks, self._guard, self._wants.trace, user)
         self._step = Step(
             settings,
             port,
             state,
             self._wants,
             hooks,
-            runner,
             self._guard,
             self._log_window,
             self._scheduler,
             self._cancel,
         )
+        self._ctx = TrainContext(self._step)  # the run's one
         self._demand_rings = -1  # the doorbell's count when wants and decision step were read
         self._rings_seen = -1  # the doorbell's count at the last poll point that looked
         self._decision_step = -1
@@ -197,22 +191,10 @@ class Loop:
             self._log_window.check_pending()
             # After the last poll: a stop decided on it cannot stop a run with no step left.
             self._log_window.finish()
-            checkpoints = self._checkpoints
             ending = ev.Ending.of(
                 "completed" if self._stop.reason is None else "stopped", self._stop.reason
             )
-            if (
-                checkpoints.enabled
-                and not self._guard.tripped
-                and ending not in s.skip_final_checkpoint
-            ):
-                if checkpoints.last_checkpoint_step != st.step:
-                    try:
-                        checkpoints.save("final", self._evaluator.metrics)
-                    except CheckpointWriteError:  # the disk refused it: the run fails
-                        raise
-                    except CheckpointError as exc:  # non-finite weights: keep the last good one
-                        log.warning("final_checkpoint_refused", step=st.step, error=str(exc))
+            self._checkpoints.save_final(ending, self._evaluator.metrics)
         except Cancelled:
             reason = "cancelled"
         except BaseException as exc:
@@ -273,7 +255,7 @@ class Loop:
         s, st = self._s, self._state
         return (
             self._stop.reason is not None
-            or (s.max_steps is not None and st.step >= s.max_steps)
+            or st.step >= self._last_step
             or (s.max_epochs is not None and st.epoch >= s.max_epochs)
         )
 
@@ -286,17 +268,14 @@ class Loop:
         error: BaseException | None = None
         try:
             it = self._data.open()
-            total = s.train_len
             accumulate = s.accumulate
-            # Past this batch of the epoch a step is its last, short one.
-            short_after = total - accumulate if total is not None else _NO_END
-            max_steps = s.max_steps if s.max_steps is not None else -1
+            short_after = self._epoch_len - accumulate  # past it, a step is the epoch's short last
             complete = False  # the data ran out or StopEpoch: not cut by max_steps / a stop
             while True:
                 if control.stop_epoch:
                     complete = True
                     break
-                if self._stop.reason is not None or st.step == max_steps:
+                if self._stop.reason is not None or st.step == self._last_step:
                     break
                 if bell.rings != self._demand_rings:  # a cancel rings too
                     self._demand_rings = bell.rings  # first: a ring from now on is heard
@@ -305,17 +284,17 @@ class Loop:
                     self._decision_step = self._next_decision(st.step)
                 accumulation_steps = accumulate
                 if st.batch_in_epoch > short_after:
-                    accumulation_steps = total - st.batch_in_epoch  # type: ignore[operator]
+                    accumulation_steps = self._epoch_len - st.batch_in_epoch
                     if accumulation_steps <= 0:
                         complete = True
                         break
-                outcome = step.run(it, accumulation_steps)
+                outcome = step.run(self._ctx, it, accumulation_steps)
                 if outcome.taken:
                     self._after_step(outcome)
                 if outcome.exhausted:
                     complete = self._stop.reason is None
                     break
-            if total is not None and st.batch_in_epoch >= total and self._stop.reason is None:
+            if st.batch_in_epoch >= self._epoch_len and self._stop.reason is None:
                 complete = True  # max_steps reached on the epoch's last batch
             if st.closed_epoch == st.epoch:  # its last step did the epoch's end work
                 complete = True
@@ -390,7 +369,7 @@ class Loop:
         ends: tuple[ev.EvaluationEnded, ...] = ()
         if s.eval_data is not None and st.evaluated_step != st.step:
             triggers: list[ev.EvalTrigger] = []
-            if cadence and s.eval_every is not None and st.step % s.eval_every == 0:
+            if cadence and st.step % self._eval_every == 0:
                 triggers.append("steps")
             if ends_epoch and s.eval_at_epoch_end:
                 triggers.append("epoch")

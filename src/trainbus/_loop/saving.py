@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .. import events as ev
-from .._exceptions import CheckpointWriteError, ConfigError
+from .._exceptions import CheckpointError, CheckpointWriteError, ConfigError
 from .._log import get_logger, worth_logging
 from .._tensors import is_sharded_model
 from ..checkpoint import TrainState, capture_data_order, save_checkpoint, save_sharded
@@ -134,10 +134,23 @@ class CheckpointWriter:
             return capture_data_order(s.train_data, epoch=st.epoch)
         return order
 
-    @property
-    def enabled(self) -> bool:
-        """The run has a ``checkpoint_dir``."""
-        return self._settings.checkpoint_dir is not None
+    def save_final(self, ending: ev.Ending, metrics: dict[str, float]) -> None:
+        """The run's last checkpoint, unless the step has one, ``skip_final`` names ``ending``
+        or a non-finite loss stopped the run; refused for non-finite weights (logged)."""
+        s, st = self._settings, self._state
+        if (
+            s.checkpoint_dir is None
+            or self._guard.tripped
+            or ending in s.skip_final_checkpoint
+            or self.last_checkpoint_step == st.step
+        ):
+            return
+        try:
+            self.save("final", metrics)
+        except CheckpointWriteError:  # the disk refused it: the run fails
+            raise
+        except CheckpointError as exc:  # non-finite weights: keep the last good one
+            log.warning("final_checkpoint_refused", step=st.step, error=str(exc))
 
     def save(self, tag: str | None, metrics: dict[str, float]) -> ev.CheckpointSaved:
         """Write a checkpoint and publish ``CheckpointSaved``; ``CheckpointWriteError`` when the

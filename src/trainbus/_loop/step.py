@@ -1,7 +1,10 @@
-"""One optimizer step (ARCHITECTURE.md, "The loop"; event order: docs/events.md)."""
+"""One optimizer step: the user's ``train_step`` (or the default one) called on each
+micro-batch, and what its context asks done (ARCHITECTURE.md, "The loop"; event order:
+docs/events.md)."""
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 from collections import deque
@@ -13,15 +16,17 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import events as ev
-from .._exceptions import TrainingError
-from .._tensors import batch_size, move_to_device
-from .context import TrainContext
-from .forward import metric_targets
+from .._exceptions import ConfigError, TrainingError
+from .._log import get_logger
+from .._tensors import batch_size, move_to_device, plain_value
+from .context import default_train_step
+from .forward import loss_of, metric_targets, model_outputs
+from .hooks import StepContext
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
     from ..checkpoint import TrainState
-    from .context import StepRunner
+    from .context import TrainContext
     from .control import CancelFlag
     from .hooks import Hooks
     from .nonfinite import NonFiniteGuard
@@ -39,6 +44,8 @@ __all__ = [
     "item_weights",
 ]
 
+log = get_logger(__name__)
+
 END = object()  # what next(it, END) returns from an exhausted iterator
 
 
@@ -52,7 +59,50 @@ class StepOutcome(NamedTuple):
 
 
 class Step:
-    """Runs one optimizer step per :meth:`run` (see the module's docstring)."""
+    """Runs one optimizer step per :meth:`run`, calling ``train_step`` on each micro-batch and
+    doing what its :class:`TrainContext` asks. ``same``: every loss returned this step was
+    given to ``ctx.backward`` (its non-finite check covers them)."""
+
+    __slots__ = (
+        "_called",
+        "_cancel",
+        "_check_later",
+        "_clean",
+        "_count",
+        "_deferred",
+        "_each",
+        "_fn",
+        "_grad_sync",
+        "_guard",
+        "_hook_ctx",
+        "_hooks",
+        "_keep",
+        "_last",
+        "_log_window",
+        "_losses",
+        "_mixed",
+        "_move",
+        "_own",
+        "_per_step",
+        "_port",
+        "_schedule",
+        "_scheduler",
+        "_skip",
+        "_skipped",
+        "_skipped_any",
+        "_stepped",
+        "_trace",
+        "_unscaled",
+        "_wants",
+        "_warned",
+        "_weight",
+        "name",
+        "same",
+        "settings",
+        "state",
+        "step",
+        "user",
+    )
 
     def __init__(
         self,
@@ -61,39 +111,63 @@ class Step:
         state: TrainState,
         wants: Wants,
         hooks: Hooks,
-        runner: StepRunner,
         guard: NonFiniteGuard,
         log_window: LogWindow,
         scheduler: SchedulerStepper,
         cancel: CancelFlag,
     ) -> None:
-        self._s, self._port, self._state, self._wants = settings, port, state, wants
-        self._hooks, self._runner, self._guard = hooks, runner, guard
+        self.settings, self.state, self.user = settings, state, log_window.user
+        self._port, self._wants, self._trace = port, wants, wants.trace
+        self._hooks, self._guard = hooks, guard
         self._log_window, self._scheduler, self._cancel = log_window, scheduler, cancel
+        fn = settings.train_step or default_train_step
+        self._fn: Callable[[TrainContext], Any] = fn
+        self._own = fn is not default_train_step
+        self.name = getattr(fn, "__qualname__", None) or repr(fn)
         # Off the CPU the batch moves to the device and the loss handed on is a copy: a CUDA
         # graph's next replay overwrites its output buffer (docs/compile.md).
         self._move = settings.device.type != "cpu"
-        self._grad_sync = GradSync(settings.model)
-        self._ctx = TrainContext(runner)  # the run's one: the runner keeps no reference to it
+        model = settings.model
+        self._grad_sync = GradSync(model) if isinstance(model, DistributedDataParallel) else None
         by = settings.accumulate_by
         self._count: Callable[[Any], int] | None = None
         if by != "batches":
             self._count = count_items if by == "items" else by
         self._schedule = settings.scheduler is not None and settings.scheduler_interval == "step"
         self._check_later = guard.active and not guard.per_step  # the log window reads the loss
+        # What the grad scaler unscales and steps for the run's optimizer: each of several.
+        self._each = tuple(settings.optimizers.values()) or (settings.optimizer,)
+        self._keep = guard.active  # the backward losses are kept for the non-finite check
+        self._per_step = guard.per_step  # and checked before each update
+        self._mixed = settings.precision != "32"
+        self._warned: set[str] = set()
+        self._hook_ctx: StepContext | None = None  # the micro-batch's, once a hook needed one
+        self._last: torch.Tensor | None = None  # the loss of the call's ctx.backward
+        self._clean = True  # every gradient is None: the step need not zero them first
+        self._weight: float | None = None
 
-    def run(self, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
-        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it``;
-        ``Cancelled`` when a cancel was asked between them."""
-        st, runner, trace = self._state, self._runner, self._wants.trace
+    def run(self, ctx: TrainContext, it: Iterator[Any], accumulation_steps: int) -> StepOutcome:
+        """Run one optimizer step of up to ``accumulation_steps`` micro-batches from ``it`` on
+        ``ctx``, the run's one (kept by the caller: it refers to this step); ``Cancelled`` when
+        a cancel was asked between them."""
+        st, trace = self.state, self._trace
         batch_hooks = self._hooks.by_point["batch"]  # hooks may come and go between steps
-        step = runner.begin()
+        self._stepped: dict[str | None, torch.Tensor | None] = {}  # optimizer -> grad norm
+        self._deferred: list[str | None] = []  # asked to step at an earlier micro-batch
+        self._called: set[str | None] = set()  # asked to step (a custom step's)
+        self._losses: list[torch.Tensor] = []  # given to ctx.backward, not checked yet
+        self._skip = self._unscaled = self._skipped = self._skipped_any = False
+        step = self.step = st.step  # the steps done before this one
+        self.same = True
+        if not self._clean:  # gradients a custom step left
+            self._drop_gradients()
+        ctx.accumulation_steps = accumulation_steps
         t0 = tf = time.monotonic()  # the step's first fetch starts with it
         losses: list[torch.Tensor] = []
         samples = 0
         data_wait = 0.0
         exhausted = False  # the data ended before the step's last micro-batch
-        several = accumulation_steps > 1
+        sync = self._grad_sync if accumulation_steps > 1 else None
         ahead: deque[Any] | None = None  # the step's prefetched batches (by items)
         weights: list[float] = []
         for micro in range(accumulation_steps):
@@ -116,22 +190,23 @@ class Step:
                 break
             bi = st.batch_taken()
             if self._move:
-                batch = move_to_device(batch, self._s.device)
-            if several:  # before the forward: DDP decides there
-                self._grad_sync.begin(micro, accumulation_steps)
+                batch = move_to_device(batch, self.settings.device)
+            if sync is not None:  # before the forward: DDP decides there
+                sync.begin(micro, accumulation_steps)
             hook_ctx = None
             if batch_hooks:
-                hook_ctx = runner.hook_context(bi, micro, batch)
-                runner.run_hooks("batch", batch_hooks, hook_ctx)
+                hook_ctx = self._hook_context(bi, micro, batch)
+                self._run_hooks("batch", batch_hooks, hook_ctx)
                 if hook_ctx.skip:
                     continue
                 batch = hook_ctx.batch
                 if self._move:  # a hook may replace the batch: the model sees the run's device
-                    batch = move_to_device(batch, self._s.device)
+                    batch = move_to_device(batch, self.settings.device)
             samples += batch_size(batch)
-            if weights:  # the backward's scale
-                runner.weigh(weights[micro])
-            loss = runner.call(self._ctx, batch, bi, micro, accumulation_steps, hook_ctx)
+            if weights:  # the backward's scale, not 1 / accumulation_steps
+                self._weight = weights[micro]
+            ctx.batch, ctx.batch_index, ctx.micro_batch = batch, bi, micro
+            loss = self._call(ctx, bi, hook_ctx)
             if loss is None:  # a hook skipped the micro-batch
                 continue
             if self._move:
@@ -139,26 +214,26 @@ class Step:
             # Weighed by items, the step's loss (the mean of `losses`) is the item-weighted
             # mean, what one batch of the step's items reports.
             losses.append(loss if not weights else loss * (weights[micro] * len(weights)))
-            if several:
-                self._grad_sync.backward_done()
-        if several:
-            self._grad_sync.finish()  # a step cut short after no_sync() backwards
+            if sync is not None:
+                sync.backward_done()
+        if sync is not None:
+            sync.finish()  # a step cut short after no_sync() backwards
         st.samples_done(samples)
         if not losses:
-            runner.drop_gradients()
+            self._drop_gradients()
             return StepOutcome(False, exhausted)
-        took, grad_norm = runner.finish(self._ctx)
+        took, grad_norm = self._finish(ctx)
         if not took:  # skipped by a hook or the non-finite check: no scheduler, no StepEnded
             return StepOutcome(False, exhausted)
-        if not runner.same:  # a custom step returned other losses than it gave to backward
+        if not self.same:  # a custom step returned other losses than it gave to backward
             self._check_returned(losses, step + 1)
         if self._schedule:
             self._scheduler.step(always=False)
         # The mean with each loss divided before the sum (nonfinite.mean's rule), on the device.
         step_loss = losses[0] if len(losses) == 1 else torch.stack(losses).div(len(losses)).sum()
         if self._check_later:
-            step_loss = runner.checked(step_loss)
-        w, s = self._wants, self._s
+            step_loss = self._checked(step_loss)
+        w, s = self._wants, self.settings
         ended: ev.StepEnded | None = None
         barrier: ev.BaseEvent | None = None
         if w.step_ended or (w.step_ended_sampled and w.step_ended_demand.takes(step + 1, t0)):
@@ -186,13 +261,13 @@ class Step:
 
     def _check_returned(self, losses: list[torch.Tensor], step: int) -> None:
         """The per-step check of the losses a custom step returned but did not backward."""
-        guard, runner = self._guard, self._runner
+        guard = self._guard
         if not guard.per_step or guard.policy == "skip":
             return
         try:
             guard.skip_update(losses, step)
         except BaseException as exc:
-            exc.add_note(f"trainbus: the loss train_step {runner.name} returned")
+            exc.add_note(f"trainbus: the loss train_step {self.name} returned")
             raise
 
     def _prefetch(
@@ -206,6 +281,402 @@ class Step:
                 break
             ahead.append(batch)
         return ahead, item_weights(count, [first, *ahead])
+
+    def _hook_context(
+        self, bi: int, micro: int, batch: Any, optimizer: torch.optim.Optimizer | None = None
+    ) -> StepContext:
+        """A fresh hook context for batch ``bi`` of the step (``optimizer`` None: the run's)."""
+        st, s = self.state, self.settings
+        return StepContext(
+            step=st.step,
+            epoch=st.epoch,
+            batch_index=bi,
+            micro_batch=micro,
+            batch=batch,
+            model=s.model,
+            optimizer=s.optimizer if optimizer is None else optimizer,
+            metrics_sink=self.user.log,
+        )
+
+    def _annotate(self, exc: BaseException, where: str, bi: int) -> None:
+        """Note the part, step, epoch and batch on an exception from the step."""
+        st = self.state
+        exc.add_note(f"trainbus: raised in {where} at step {st.step}, epoch {st.epoch}, batch {bi}")
+
+    # ------------------------------------------------------------------ the call
+    def _call(
+        self, ctx: TrainContext, bi: int, hook_ctx: StepContext | None
+    ) -> torch.Tensor | None:
+        """Call ``train_step`` on ``ctx``'s micro-batch (batch ``bi``): the loss it returned,
+        detached and 0-d, or None when a hook skipped the batch."""
+        self._hook_ctx, self._last = hook_ctx, None
+        try:
+            out = self._fn(ctx)
+        except BaseException as exc:
+            if self._own:
+                st = self.state
+                exc.add_note(
+                    f"trainbus: raised in train_step {self.name} at step "
+                    f"{st.step + 1}, epoch {st.epoch}, batch {bi}"
+                )
+            raise
+        backwarded = self._last
+        if backwarded is not None and out is backwarded:  # given to ctx.backward: checked
+            loss = backwarded
+        elif out is None and self._skipped:
+            self._skipped, self._skipped_any = False, True
+            return None
+        else:  # another loss than the backward's: checked after the update too
+            self.same = False
+            loss = self._returned(out, bi)
+        loss = loss.detach()
+        return loss.reshape(()) if loss.dim() else loss
+
+    def _returned(self, out: Any, bi: int) -> torch.Tensor:
+        """The loss in what ``train_step`` returned (a mapping's other entries are logged)."""
+        where = f"at step {self.step + 1}, batch {bi}"
+        if isinstance(out, Mapping) and "loss" not in out:
+            raise TrainingError(
+                f"train_step {self.name} returned a mapping without a 'loss' entry (keys: "
+                f"{', '.join(map(repr, out))}) {where}: return the step's loss (a scalar "
+                "tensor) or a mapping with a 'loss' entry"
+            )
+        loss: Any = out
+        if isinstance(out, Mapping):
+            loss = out.get("loss")
+            for key, value in out.items():
+                if key != "loss":
+                    self.user.log(str(key), value)
+        if isinstance(loss, int | float) and not isinstance(loss, bool):
+            loss = torch.tensor(float(loss))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (
+                "None"
+                if loss is None
+                else (
+                    f"a tensor of shape {tuple(loss.shape)}"
+                    if isinstance(loss, torch.Tensor)
+                    else type(out).__name__
+                )
+            )
+            raise TrainingError(
+                f"train_step {self.name} returned {got} {where}: return the step's loss (a "
+                "scalar tensor) or a mapping with a 'loss' entry"
+            )
+        return loss
+
+    # ------------------------------------------------------------------ forward and loss
+    def compute_loss(self, ctx: TrainContext) -> torch.Tensor | None:
+        """``ctx.compute_loss()``; None when a hook skipped the batch."""
+        trace = self._trace
+        try:
+            if trace.on or self._mixed:
+                with (
+                    trace("forward", "train", ctx.batch_index, ctx.micro_batch),
+                    self.settings.autocast(),
+                ):
+                    outputs, loss = self._outputs_and_loss(ctx)
+            else:
+                outputs, loss = self._outputs_and_loss(ctx)
+        except BaseException as exc:
+            self._annotate(exc, "forward", ctx.batch_index)
+            raise
+        if loss is None:
+            self._skipped = True
+            return None
+        hooks = self._hooks.by_point["loss"]
+        if hooks:
+            hc = self._hook_ctx or self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+            hc.outputs, hc.loss = outputs, loss
+            self._run_hooks("loss", hooks, hc)
+            if hc.skip:
+                self._skipped = True
+                return None
+            loss = hc.loss
+        return loss
+
+    def _outputs_and_loss(self, ctx: TrainContext) -> tuple[Any, torch.Tensor | None]:
+        """The outputs after the ``after_forward`` hooks, and the loss (None: skipped)."""
+        s = self.settings
+        outputs, targets = model_outputs(s, ctx.batch)
+        hooks = self._hooks.by_point["after_forward"]
+        if hooks:
+            if self._hook_ctx is None:
+                self._hook_ctx = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+            hc = self._hook_ctx
+            hc.outputs = outputs
+            self._run_hooks("after_forward", hooks, hc)
+            outputs = hc.outputs
+            if hc.skip:
+                return outputs, None
+        return outputs, loss_of(s, outputs, targets)
+
+    def _run_hooks(self, point: str, hooks: tuple[Any, ...], hc: StepContext) -> None:
+        """Run ``hooks`` on ``hc``; warn once per point about a hook that returns the value it
+        should set (None and a bool, a ``lambda``'s ``a and b``, are not warned about)."""
+        field = _REPLACED.get(point)
+        for hook in hooks:
+            out = hook(hc)
+            if field is None or out is None or isinstance(out, bool) or point in self._warned:
+                continue
+            self._warned.add(point)
+            warnings.warn(
+                f"the {point!r} hook {getattr(hook, '__qualname__', hook)!r} returned a value, "
+                f"which trainbus ignores: set {field} = ... (or ctx.skip = True) instead "
+                "(warned once per point)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: Any, ctx: TrainContext) -> None:
+        """``ctx.backward(loss)``."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            self._refuse(loss, ctx.batch_index)
+        if self._keep:  # read only for its value: kept as it is
+            self._losses.append(loss)
+        self._last, self._clean = loss, False
+        weight = self._weight
+        if weight is not None:
+            scaled = loss * weight
+        elif ctx.accumulation_steps > 1:
+            scaled = loss / ctx.accumulation_steps
+        else:
+            scaled = loss
+        scaler = self.settings.scaler
+        if scaler is not None:
+            scaled = scaler.scale(scaled)
+        try:
+            if self._trace.on:
+                with self._trace("backward", "train", ctx.batch_index, ctx.micro_batch):
+                    scaled.backward()
+            else:
+                scaled.backward()
+        except BaseException as exc:
+            self._annotate(exc, "backward", ctx.batch_index)
+            if "backward through the graph a second time" in str(exc):
+                exc.add_note(
+                    "trainbus: this loss's graph was already backwarded (ctx.backward or "
+                    "loss.backward() twice on one loss): call it once per loss"
+                )
+            raise
+        hooks = self._hooks.by_point["after_backward"]
+        if hooks:
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch)
+            hc.loss = loss
+            self._run_hooks("after_backward", hooks, hc)
+
+    def _refuse(self, loss: Any, bi: int) -> None:
+        """Raise the error for a loss that is not a scalar tensor that requires grad."""
+        st = self.state
+        where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            got = (
+                f"a tensor of shape {tuple(loss.shape)}"
+                if isinstance(loss, torch.Tensor)
+                else repr(type(loss))
+            )
+            fix = "Reduce it (e.g. .mean()) in loss_fn or the model"
+            if self.settings.loss_fn is None:
+                fix = (
+                    "Without loss_fn the model must return the loss: pass loss_fn= (e.g. "
+                    "torch.nn.CrossEntropyLoss()) if it returns outputs"
+                )
+            raise TrainingError(f"the loss must be a scalar tensor; got {got} {where}. {fix}")
+        raise TrainingError(
+            f"the loss does not require grad {where}: it is detached from the model's parameters"
+        )
+
+    # ------------------------------------------------------------------ optimizer steps
+    def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
+        """``ctx.optimizer_step(name)``: step at the last micro-batch, else defer."""
+        if name is not None and name not in self.settings.optimizers:
+            raise ConfigError.invalid(
+                f"ctx.optimizer_step in train_step {self.name}",
+                name,
+                "one of the optimizers: " + ", ".join(map(repr, self.settings.optimizers)),
+            )
+        if self._own:
+            self._called.add(name)
+        if ctx.micro_batch != ctx.accumulation_steps - 1:
+            if name not in self._deferred:
+                self._deferred.append(name)
+            return False
+        return self._step_now(name, ctx)
+
+    def _step_now(self, name: str | None, ctx: TrainContext) -> bool:
+        """Check the pending backward losses, then step optimizer ``name`` (None: the run's)."""
+        if self._skip or name in self._stepped:
+            return False
+        s = self.settings
+        if self._losses and self._per_step:  # the non-finite check of the losses not checked yet
+            pending, self._losses = self._losses, []
+            try:
+                self._skip = self._guard.skip_update(pending, self.step + 1)
+            except BaseException as exc:
+                if self._own:
+                    names = s.optimizers if name is None else (name,)
+                    exc.add_note(
+                        f"trainbus: a loss given to ctx.backward in train_step "
+                        f"{self.name} before stepping optimizer "
+                        f"{', '.join(map(repr, names))}"
+                    )
+                raise
+            if self._skip:  # no update in this step
+                self.zero_grad(s.optimizer, ctx.batch_index)
+                return False
+        opt = s.optimizer if name is None else s.optimizers[name]
+        scaler = s.scaler
+        if scaler is not None:
+            for o in self._each if name is None else (opt,):
+                scaler.unscale_(o)
+            self._unscaled = True
+        hooks = self._hooks.by_point["before_optimizer_step"]
+        if hooks:
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
+            self._run_hooks("before_optimizer_step", hooks, hc)
+            if hc.skip:
+                self.zero_grad(opt, ctx.batch_index)
+                return False
+        if self._own and self._clean:
+            self._warn_no_backward(opt)
+        grad_norm: torch.Tensor | None = None
+        if s.clip_grad_norm is not None:
+            params = s.model.parameters() if name is None else _params_of(opt)
+            # A sharded (FSDP2) model's norm is a replicated DTensor: its plain value.
+            grad_norm = plain_value(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm))
+        try:
+            if self._trace.on:
+                with self._trace("optimizer_step"):
+                    self._update(opt, name)
+            else:
+                self._update(opt, name)
+        except BaseException as exc:
+            self._annotate(exc, "optimizer step", ctx.batch_index)
+            raise
+        if name is None:  # the run's one update: the step is taken now
+            self.state.step_done()
+        self._stepped[name] = grad_norm
+        self.zero_grad(opt, ctx.batch_index)
+        hooks = self._hooks.by_point["after_optimizer_step"]
+        if hooks:
+            hc = self._hook_context(ctx.batch_index, ctx.micro_batch, ctx.batch, opt)
+            hc.step = self.step + 1  # the step this update completes
+            self._run_hooks("after_optimizer_step", hooks, hc)
+        return True
+
+    def _update(self, opt: torch.optim.Optimizer, name: str | None) -> None:
+        scaler = self.settings.scaler
+        if scaler is None:
+            opt.step()
+        else:
+            for o in self._each if name is None else (opt,):
+                scaler.step(o)
+
+    def _drop_gradients(self) -> None:
+        """Drop every gradient, untraced."""
+        self.settings.optimizer.zero_grad(set_to_none=True)
+        self._clean = True
+
+    def zero_grad(self, optimizer: torch.optim.Optimizer, bi: int) -> None:
+        """``optimizer.zero_grad(set_to_none=True)``, traced as ``"zero_grad"``."""
+        try:
+            if self._trace.on:
+                with self._trace("zero_grad"):
+                    optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.zero_grad(set_to_none=True)
+        except BaseException as exc:
+            self._annotate(exc, "zero_grad", bi)
+            raise
+        if optimizer is self.settings.optimizer:
+            self._clean = True
+
+    def _finish(self, ctx: TrainContext) -> tuple[bool, torch.Tensor | None]:
+        """After the micro-batches: the deferred steps, the scaler's update, a custom step's
+        checks; ``(some optimizer stepped, the pre-clip grad norm or None)``."""
+        for name in self._deferred:
+            self._step_now(name, ctx)
+        stepped = self._stepped
+        if self._unscaled:
+            assert self.settings.scaler is not None
+            self.settings.scaler.update()
+        if self._own:
+            self._check_called(ctx)
+        ctx.batch = None  # the batch is not kept past its step
+        if None in stepped:  # the run's update: the step was counted then
+            return True, stepped[None]
+        if not stepped:
+            return False, None
+        self.state.step_done()  # named optimizers stepped: the step is taken now
+        norms = [n for n in stepped.values() if n is not None]
+        if len(norms) <= 1:
+            return True, norms[0] if norms else None
+        return True, torch.linalg.vector_norm(torch.stack(norms))
+
+    def _check_called(self, ctx: TrainContext) -> None:
+        """A whole step of a custom step that stepped no optimizer is an error; one that left
+        a named optimizer out is warned about once."""
+        called = self._called
+        whole = ctx.micro_batch == ctx.accumulation_steps - 1 and not self._skipped_any
+        if not whole or self._skip:
+            return
+        if not called:
+            raise TrainingError(
+                f"train_step {self.name} never called ctx.optimizer_step() in step "
+                f"{self.step + 1} (epoch {self.state.epoch}, batch {ctx.batch_index}): "
+                "call it in every step (it steps at the step's last micro-batch), or the run "
+                "never counts a step; it replaces an optimizer.step() of your own, and "
+                "Trainer(accumulate=n) an accumulation of your own"
+            )
+        if None in called:
+            return
+        for name in self.settings.optimizers:
+            if name not in called and name not in self._warned:
+                self._warned.add(name)
+                warnings.warn(
+                    f"train_step {self.name} did not step optimizer {name!r} at step "
+                    f"{self.step + 1}: call ctx.optimizer_step({name!r}) (warned once per "
+                    "optimizer)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                log.warning(
+                    "optimizer_not_stepped", step_fn=self.name, optimizer=name, step=self.state.step
+                )
+
+    def _warn_no_backward(self, opt: torch.optim.Optimizer) -> None:
+        """Warn once when a custom step steps an optimizer none of whose parameters has a
+        gradient (no ``ctx.backward`` since its last step)."""
+        if "backward" in self._warned:
+            return
+        self._warned.add("backward")  # checked once: a step that trains keeps training
+        if any(p.grad is not None for p in _params_of(opt)):
+            return  # a backward of its own (loss.backward()): it trains
+        warnings.warn(
+            f"train_step {self.name} stepped the optimizer with no gradients at step "
+            f"{self.step + 1}: call ctx.backward(loss) before ctx.optimizer_step() (warned "
+            "once)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+    def _checked(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss``, or NaN when a loss given to ``ctx.backward`` was not finite (on the
+        device: the log window's read finds this step)."""
+        if self.same or not self._losses:
+            return loss
+        finite = torch.isfinite(torch.stack([x.detach() for x in self._losses])).all()
+        return torch.where(finite, loss, loss.new_full((), math.nan))
+
+
+# The hook points whose hooks replace a value, and the context's field they set.
+_REPLACED = {"batch": "ctx.batch", "after_forward": "ctx.outputs", "loss": "ctx.loss"}
+
+
+def _params_of(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The parameters ``optimizer`` updates (what a named optimizer step clips)."""
+    return [p for g in optimizer.param_groups for p in g["params"]]
 
 
 # ---------------------------------------------------------------------- accumulation
@@ -256,20 +727,16 @@ class GradSync:
     """Under DDP, lets only a step's last micro-batch's backward all-reduce (what
     ``no_sync()`` does, by its public flag)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self._ddp = model if isinstance(model, DistributedDataParallel) else None
+    def __init__(self, ddp: DistributedDataParallel) -> None:
+        self._ddp = ddp
         self._deferring = False
         self._unreduced = False  # the last backward ran without a reduction
-        if self._ddp is not None:
-            self._ddp.require_backward_grad_sync = True  # a failed run may have left it off
+        ddp.require_backward_grad_sync = True  # a failed run may have left it off
 
     def begin(self, micro: int, accumulation_steps: int) -> None:
         """Before micro-batch ``micro``'s forward: its backward reduces only if it is the last."""
-        ddp = self._ddp
-        if ddp is None:
-            return
         self._deferring = micro < accumulation_steps - 1
-        ddp.require_backward_grad_sync = not self._deferring
+        self._ddp.require_backward_grad_sync = not self._deferring
 
     def backward_done(self) -> None:
         """A micro-batch's backward ran (reduced, or deferred to the last one)."""
@@ -278,8 +745,6 @@ class GradSync:
     def finish(self) -> None:
         """Before the optimizer step: reduce again, and average what a step cut short left."""
         ddp = self._ddp
-        if ddp is None:
-            return
         ddp.require_backward_grad_sync = True
         self._deferring = False
         if not self._unreduced:

@@ -157,9 +157,8 @@ class LogWindow:
         steps = st.step - self._step0
         values = _read(losses_kept)  # the one device read
         mean_loss = mean(values) if values else math.nan
-        bad = None  # a finite mean has only finite values: then no search
-        if values and not math.isfinite(mean_loss):
-            bad = next(i for i, v in enumerate(values) if not math.isfinite(v))
+        # A finite mean has only finite values: then no search.
+        bad = None if math.isfinite(mean_loss) else _first_nonfinite(values)
         norms = self._norms
         norms_read = [float(v) for v in torch.stack(norms).tolist()] if norms else []
         # Timed after the read: the window's steps are done once the device has run them.
@@ -191,12 +190,17 @@ class LogWindow:
         values = _read(pending) if pending else []
         first = self._checked
         self._checked = len(self._losses)
-        bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
+        bad = _first_nonfinite(values)
         bad_step = None if bad is None else self._step0 + first + bad + 1
         if self._sync is not None:
             bad_step = self._sync.first_nonfinite(bad_step)  # a collective on every rank
         if bad_step is not None:
             guard.found(bad_step)
+
+
+def _first_nonfinite(values: list[float]) -> int | None:
+    """The index of the first non-finite value (None: all are finite)."""
+    return next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
 
 
 def _read(losses: list[torch.Tensor]) -> list[float]:
