@@ -292,18 +292,30 @@ REFUSED: dict[str, Any] = {
     "on_nonfinite": "warn", "on_signal": "exit", "bus": object(), "ddp": "yes", "attach": 3,
     "trace": {"forward", "loss"},
 }  # fmt: skip
-CHECKED_ELSEWHERE = {"scheduler": "check_schedulers, with the optimizers"}
+CHECKED_ELSEWHERE = {
+    "scheduler": "check_schedulers, with the optimizers",
+    "eval_data": "build_settings, with the model",
+    "ddp": "check_ddp, with the model",
+    "attach": "attach_folder, with checkpoint_dir",
+}
 
 
 def test_every_option_has_a_refused_value_or_says_who_checks_it() -> None:
     assert set(REFUSED) | set(CHECKED_ELSEWHERE) == set(OPTIONS)
 
 
-@pytest.mark.parametrize("name", sorted(REFUSED))
+@pytest.mark.parametrize("name", sorted(set(REFUSED) - set(CHECKED_ELSEWHERE)))
 def test_each_check_refuses_naming_its_option(name: str) -> None:
     given = {n: p.default for n, p in OPTIONS.items()} | {name: REFUSED[name]}
     with pytest.raises(ConfigError, match=rf"^{re.escape(name)}\b"):
         check_options(given)
+
+
+@pytest.mark.parametrize("name", sorted(set(REFUSED) & set(CHECKED_ELSEWHERE)))
+def test_an_option_checked_elsewhere_is_refused_by_the_trainer(name: str) -> None:
+    assert check_options({n: p.default for n, p in OPTIONS.items()} | {name: REFUSED[name]})
+    with pytest.raises(ConfigError, match=rf"^{re.escape(name)}\b"):
+        _trainer(**{name: REFUSED[name]})
 
 
 def test_the_scheduler_is_checked_with_the_optimizers() -> None:

@@ -452,16 +452,14 @@ class BusHolder:
 
     async def aclose(self) -> None:
         """Close a bus that does not run, then end the training thread. Idempotent."""
-        if self.closed:
-            self._end_thread()
-            return
-        if self._bus.state == "running" or self._portal is not None:
+        if not self.closed and (self._bus.state == "running" or self._portal is not None):
             raise TrainbusError(
                 "aclose(): the bus runs in a `with` or `async with` block; "
                 "leaving it closes the bus"
             )
         try:
-            await self._run_to_close()
+            if not self.closed:
+                await self._run_to_close()
         finally:
             self._end_thread()
 

@@ -178,8 +178,8 @@ REMOVED_OPTIONS: dict[str, tuple[str, Callable[[Any], str]]] = {
         lambda v: f"checkpoint_dir=CheckpointDir(path, skip_final={v!r})",
     ),
 }
-"""Former Trainer options (the bus' own are named by ``options.bus_hint``): ``{name: (the
-option that replaces it, value -> what to write instead)}``."""
+"""Former Trainer options (the bus' own are named by ``options.unknown_option_message``):
+``{name: (the option that replaces it, value -> what to write instead)}``."""
 
 
 LIGHTNING_OPTIONS: dict[str, tuple[str, str]] = {

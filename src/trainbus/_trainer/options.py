@@ -76,9 +76,6 @@ on_nonfinite = accepting(
     "'raise', 'stop', 'skip' or 'ignore'",
     lambda value: value in ("raise", "stop", "skip", "ignore"),
 )
-ddp = accepting(
-    "None (DDP unless the model is sharded with fully_shard), True or False", _none_or(bool)
-)
 
 
 def loss_fn(name: str, value: Any) -> Any:
@@ -198,13 +195,8 @@ def callbacks(name: str, value: Any) -> tuple[Callback | type[Callback], ...]:
     return out
 
 
-def attach(name: str, value: Any) -> bool | str | os.PathLike[str]:
-    if isinstance(value, bool):
-        return value
-    if not isinstance(value, str | os.PathLike) or not os.fspath(value):
-        raise ConfigError.invalid(
-            name, value, "True (listen in checkpoint_dir), False, or a folder to listen in"
-        )
+def checked_later(name: str, value: Any) -> Any:
+    """The value as given: checked with the other arguments (``build_settings``, the Trainer)."""
     return value
 
 
@@ -250,40 +242,34 @@ def check_loader(name: str, value: Any) -> int | None:
     return length
 
 
+def _refuse_one_shot(name: str, value: Any, why: str, alternative: str = "") -> None:
+    """Refuse ``value`` when it is a one-shot iterator (tested without an ``iter()``, which
+    would start a ``DataLoader``'s workers)."""
+    if isinstance(value, Iterator):
+        raise ConfigError.invalid(
+            name,
+            f"<one-shot {type(value).__name__}>",
+            f"data that can be iterated again ({why}, and a {type(value).__name__} is "
+            "spent after its first pass): a list of batches, a DataLoader, or an "
+            "IterableDataset whose __iter__ starts a new pass (wrapped in a DataLoader)"
+            f"{alternative}",
+        )
+
+
 def check_passes(
     train_data: Any, sets: Iterable[tuple[str, Any]], named: bool, max_epochs: int | None
 ) -> None:
-    """Refuse a one-shot iterator the run iterates twice (without an ``iter()``, which would
-    start a ``DataLoader``'s workers)."""
-    twice = [
-        (
-            f"eval_data[{name!r}]" if named else "eval_data",
-            data,
-            "each evaluation makes a new pass",
-            "",
-        )
-        for name, data in sets
-    ]
+    """Refuse a one-shot iterator the run iterates twice."""
     if max_epochs is not None and max_epochs > 1:
-        twice.insert(
-            0,
-            (
-                "train_data",
-                train_data,
-                f"max_epochs={max_epochs} makes a new pass per epoch",
-                "; or keep it, leave max_epochs out and set a max_steps within its one pass",
-            ),
+        _refuse_one_shot(
+            "train_data",
+            train_data,
+            f"max_epochs={max_epochs} makes a new pass per epoch",
+            "; or keep it, leave max_epochs out and set a max_steps within its one pass",
         )
-    for name, value, why, alternative in twice:
-        if isinstance(value, Iterator):
-            raise ConfigError.invalid(
-                name,
-                f"<one-shot {type(value).__name__}>",
-                f"data that can be iterated again ({why}, and a {type(value).__name__} is "
-                "spent after its first pass): a list of batches, a DataLoader, or an "
-                "IterableDataset whose __iter__ starts a new pass (wrapped in a DataLoader)"
-                f"{alternative}",
-            )
+    for name, data in sets:
+        field = f"eval_data[{name!r}]" if named else "eval_data"
+        _refuse_one_shot(field, data, "each evaluation makes a new pass")
 
 
 PRECISION_SPELLINGS: Mapping[str, Precision] = {
@@ -347,11 +333,6 @@ def eval_sets(eval_data: Any) -> tuple[tuple[tuple[str, Iterable[Any]], ...], bo
         return tuple(sets), True
     check_loader("eval_data", eval_data)
     return (("val", eval_data),), False
-
-
-def eval_data(name: str, value: Any) -> Any:
-    eval_sets(value)  # raises on a bad set; the settings build the sets
-    return value
 
 
 def skip_final(name: str, value: Any) -> frozenset[ev.Ending]:
@@ -629,7 +610,7 @@ def _checkpoint_dir(name: str, value: Any) -> CheckpointDir | None:
 CHECKS: dict[str, Check] = {
     "train_step": train_step,
     "loss_fn": loss_fn,
-    "eval_data": eval_data,
+    "eval_data": checked_later,  # eval_sets
     "max_epochs": int_at_least(1, optional=True),
     "max_steps": int_at_least(1, optional=True),
     "scheduler": _scheduler,
@@ -650,8 +631,8 @@ CHECKS: dict[str, Check] = {
     "on_nonfinite": on_nonfinite,
     "on_signal": lambda _, value: check_on_signal(value),
     "bus": bus,
-    "ddp": ddp,
-    "attach": attach,
+    "ddp": checked_later,  # check_ddp
+    "attach": checked_later,  # attach_folder
     "trace": trace,
 }
 """The check of each keyword option of ``Trainer.__init__``, in its signature's order."""
@@ -662,14 +643,10 @@ def check_options(given: Mapping[str, Any]) -> dict[str, Any]:
     return {name: check(name, given[name]) for name, check in CHECKS.items()}
 
 
-def bus_hint(name: str, value: Any) -> str | None:
-    if name not in inspect.signature(EventBus).parameters:
-        return None
-    return f"bus=EventBus({name}={value!r}) (an option of the bus)"
-
-
 def unknown_option_message(name: str, value: Any, options: Iterable[str]) -> str:
-    hint = option_hint(name, value) or bus_hint(name, value)
+    hint = option_hint(name, value)
+    if hint is None and name in inspect.signature(EventBus).parameters:
+        hint = f"bus=EventBus({name}={value!r}) (an option of the bus)"
     return unknown_keyword_message("Trainer", name, options, hint)
 
 
@@ -694,6 +671,7 @@ def build_settings(
         raise ConfigError.wrong_kind("model", model, "a torch.nn.Module")
     optimizer, optimizers = check_optimizers(model, optimizer)
     train_len = check_loader("train_data", train_data)
+    sets, named = eval_sets(options["eval_data"])
     if options["max_epochs"] is None and options["max_steps"] is None:
         raise ConfigError.invalid("max_epochs", None, "set max_epochs or max_steps (or both)")
     given_scheduler, interval = options["scheduler"]
@@ -732,7 +710,6 @@ def build_settings(
         raise ConfigError.invalid(
             "eval_schedule.every_steps", schedule.every_steps, "None unless eval_data is given"
         )
-    sets, named = eval_sets(options["eval_data"])
     for name in options["set_metrics"]:
         if name == "loss" or name in options["metrics"]:
             raise ConfigError.invalid(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -77,19 +78,16 @@ class CallbackStates:
         # Where the last load() found its checkpoint (FitStarted.resume_source), else None.
         self.resume_source: ev.ResumeSource | None = None
 
-    @property
-    def any_stateful(self) -> bool:
-        """Whether an added callback has state to save."""
-        return any(cb.stateful for cb in self._added.callbacks)
+    def collector(self) -> Callable[[], dict[str, dict[str, Any]]] | None:
+        """For the training thread at each save: ``{state_key: state_dict}`` of the stateful
+        callbacks, collected on the event-loop thread; None when no added callback has state."""
+        if not any(cb.stateful for cb in self._added.callbacks):
+            return None
+        return lambda: self._thread.call_sync(self._collect)
 
     def _collect(self) -> dict[str, dict[str, Any]]:
         self._bus.flush()  # every event published before the save delivered
         return {cb.state_key: cb.state_dict() for cb in self._added.callbacks if cb.stateful}
-
-    def collect_from_thread(self) -> dict[str, dict[str, Any]]:
-        """From the training thread at each save: ``{state_key: state_dict}`` of the stateful
-        callbacks, collected on the event-loop thread (``Cancelled`` when fit() was)."""
-        return self._thread.call_sync(self._collect)
 
     def load(
         self, s: Settings, resume: str | Path, group: ProcessGroup, *, required: bool = False

@@ -392,9 +392,7 @@ class Trainer:
                 resume=checkpoint,
                 resumed_from=None if checkpoint is None else str(checkpoint.path),
                 resume_source=None if checkpoint is None else self._states.resume_source,
-                callback_states=self._states.collect_from_thread
-                if self._states.any_stateful
-                else None,
+                callback_states=self._states.collector(),
                 sync=RankSync(group) if group.distributed else None,
             )
             self._call = "fit"
