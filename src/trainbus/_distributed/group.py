@@ -3,10 +3,12 @@ ends ``torch.distributed``."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import importlib
 import os
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Literal
@@ -18,7 +20,13 @@ from .._exceptions import ConfigError, DistributedError
 from .._log import get_logger
 from .._validate import check_seconds
 
-__all__ = ["ENV_VARS", "ProcessGroup", "check_local_rank", "choose_backend"]
+__all__ = [
+    "ENV_VARS",
+    "ProcessGroup",
+    "check_local_rank",
+    "choose_backend",
+    "release_sharding_caches",
+]
 
 log = get_logger(__name__)
 
@@ -32,6 +40,32 @@ Backend = Literal["gloo", "nccl"]
 # imported, so it is imported here while no group exists.
 if dist.is_available() and not dist.is_initialized():
     importlib.import_module("torch.distributed.nn.functional")
+
+
+def release_sharding_caches() -> None:
+    """Empty torch's process-wide DTensor caches, which keep device meshes (and so their
+    process groups) alive past ``destroy_process_group()``; they refill on the next use."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return  # no DTensor ever ran: nothing cached
+    clears = []
+    debug = importlib.import_module("torch.distributed.tensor.debug")
+    clears.append(getattr(debug, "_clear_sharding_prop_cache", None))  # DTensorSpecs
+    redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
+    clears.append(getattr(redistribute, "clear_redistribute_planner_cache", None))  # planners
+    transforms = getattr(redistribute, "_gen_transform_infos", None)  # DTensorSpecs
+    clears.append(getattr(transforms, "cache_clear", None))
+    collectives = importlib.import_module("torch.distributed.tensor._collective_utils")
+    topology = getattr(getattr(collectives, "MeshTopoInfo", None), "build_from_mesh", None)
+    clears.append(getattr(topology, "cache_clear", None))  # meshes
+    for clear in clears:
+        if clear is not None:
+            clear()
+    gc.collect()  # a planner holds its mesh in a reference cycle
+
+
+# A script that ends with DTensor work after its last fit: the caches let go at exit, while
+# Python is whole, rather than leaving gloo's threads to interpreter teardown.
+atexit.register(release_sharding_caches)
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
@@ -216,6 +250,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
+        release_sharding_caches()  # a sharded model's last collective has run
         if self._created and dist.is_initialized():
             world = dist.group.WORLD
             held = None if world is None else weakref.ref(world)
