@@ -45,19 +45,21 @@ if dist.is_available() and not dist.is_initialized():
 def release_sharding_caches() -> None:
     """Empty torch's process-wide DTensor caches, which keep device meshes (and so their
     process groups) alive past ``destroy_process_group()``; they refill on the next use."""
-    if "torch.distributed.tensor" not in sys.modules:
+    if "torch.distributed.tensor._api" not in sys.modules:
         return  # no DTensor ever ran: nothing cached
-    clears = []
-    debug = importlib.import_module("torch.distributed.tensor.debug")
-    clears.append(getattr(debug, "_clear_sharding_prop_cache", None))  # DTensorSpecs
-    redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
-    clears.append(getattr(redistribute, "clear_redistribute_planner_cache", None))  # planners
+    try:  # sharding propagation (Python and native): DTensorSpecs
+        importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache()
+    except (ImportError, AttributeError):  # an older torch
+        pass
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    collectives = sys.modules.get("torch.distributed.tensor._collective_utils")
     transforms = getattr(redistribute, "_gen_transform_infos", None)  # DTensorSpecs
-    clears.append(getattr(transforms, "cache_clear", None))
-    collectives = importlib.import_module("torch.distributed.tensor._collective_utils")
     topology = getattr(getattr(collectives, "MeshTopoInfo", None), "build_from_mesh", None)
-    clears.append(getattr(topology, "cache_clear", None))  # meshes
-    for clear in clears:
+    for clear in (
+        getattr(transforms, "cache_clear", None),
+        getattr(topology, "cache_clear", None),  # meshes
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners: meshes
+    ):
         if clear is not None:
             clear()
     gc.collect()  # a planner holds its mesh in a reference cycle
