@@ -3,7 +3,7 @@
 The abort it guards against (``terminate called without an active exception``, SIGABRT, a rank
 that had finished, about 1 launch in 23) comes from a destroyed group that something still
 holds: ``destroy_process_group()`` then leaves gloo's threads running until the interpreter
-tears them down at exit. Two holders were found:
+tears them down at exit. Three holders were found:
 
 - the DDP wrapper the Trainer keeps: ``fit()`` releases it after the ranks' last barrier (the
   workers here keep their Trainer alive until exit, as a script's top-level ``t``);
@@ -11,7 +11,10 @@ tears them down at exit. Two holders were found:
   argument when first imported after ``init_process_group``, which the first optimizer does
   (scripts/torch_gloo_threads.py, pure torch). ``trainbus._distributed.group`` imports it before
   any group exists, so a script that imports trainbus, owns its group and builds its
-  optimizers afterwards (test_trainer_ddp.py's fixture) leaves nothing running either.
+  optimizers afterwards (test_trainer_ddp.py's fixture) leaves nothing running either;
+- torch's DTensor caches (sharding propagation, redistribute planners and transforms, mesh
+  topology), which keep a sharded model's device mesh for the life of the process: trainbus
+  empties them when a fit ends and, for DTensor work after it, in an exit handler.
 """
 
 from __future__ import annotations

@@ -43,8 +43,9 @@ if dist.is_available() and not dist.is_initialized():
 
 
 def release_sharding_caches() -> None:
-    """Empty torch's process-wide DTensor caches, which keep device meshes (and so their
-    process groups) alive past ``destroy_process_group()``; they refill on the next use."""
+    """Empty torch's DTensor caches, which keep device meshes (and so their process groups)
+    alive past ``destroy_process_group()``; they refill on the next use. The native sharding
+    cache is per thread: only the calling thread's is emptied."""
     if "torch.distributed.tensor._api" not in sys.modules:
         return  # no DTensor ever ran: nothing cached
     try:  # sharding propagation (Python and native): DTensorSpecs
