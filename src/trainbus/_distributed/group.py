@@ -48,27 +48,29 @@ def release_sharding_caches() -> None:
     cache is per thread: only the calling thread's is emptied."""
     if "torch.distributed.tensor._api" not in sys.modules:
         return  # no DTensor ever ran: nothing cached
-    try:  # sharding propagation (Python and native): DTensorSpecs
-        importlib.import_module("torch.distributed.tensor.debug")._clear_sharding_prop_cache()
-    except (ImportError, AttributeError):  # an older torch
-        pass
+    dtensor = sys.modules["torch.distributed.tensor._api"].DTensor
+    propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
     collectives = sys.modules.get("torch.distributed.tensor._collective_utils")
     transforms = getattr(redistribute, "_gen_transform_infos", None)  # DTensorSpecs
     topology = getattr(getattr(collectives, "MeshTopoInfo", None), "build_from_mesh", None)
     for clear in (
+        getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # this thread's
         getattr(transforms, "cache_clear", None),
         getattr(topology, "cache_clear", None),  # meshes
         getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners: meshes
     ):
         if clear is not None:
             clear()
-    gc.collect()  # a planner holds its mesh in a reference cycle
 
 
-# A script that ends with DTensor work after its last fit: the caches let go at exit, while
-# Python is whole, rather than leaving gloo's threads to interpreter teardown.
-atexit.register(release_sharding_caches)
+@atexit.register
+def _release_at_exit() -> None:
+    """DTensor work after the last fit: the caches let go while Python is whole, rather than
+    leaving gloo's threads to interpreter teardown."""
+    release_sharding_caches()
+    gc.collect()  # a redistribute planner holds its mesh in a reference cycle
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
