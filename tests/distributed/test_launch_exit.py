@@ -3,7 +3,7 @@
 The abort it guards against (``terminate called without an active exception``, SIGABRT, a rank
 that had finished, about 1 launch in 23) comes from a destroyed group that something still
 holds: ``destroy_process_group()`` then leaves gloo's threads running until the interpreter
-tears them down at exit. Two holders were found:
+tears them down at exit. Three holders were found:
 
 - the DDP wrapper the Trainer keeps: ``fit()`` releases it after the ranks' last barrier (the
   workers here keep their Trainer alive until exit, as a script's top-level ``t``);
@@ -11,7 +11,10 @@ tears them down at exit. Two holders were found:
   argument when first imported after ``init_process_group``, which the first optimizer does
   (scripts/torch_gloo_threads.py, pure torch). ``trainbus._distributed.group`` imports it before
   any group exists, so a script that imports trainbus, owns its group and builds its
-  optimizers afterwards (test_trainer_ddp.py's fixture) leaves nothing running either.
+  optimizers afterwards (test_trainer_ddp.py's fixture) leaves nothing running either;
+- torch's DTensor caches (sharding propagation, redistribute planners and transforms, mesh
+  topology), which keep a sharded model's device mesh for the life of the process: trainbus
+  empties them when a fit ends and, for DTensor work after it, in an exit handler.
 """
 
 from __future__ import annotations
@@ -112,3 +115,16 @@ def test_a_group_held_past_close_is_logged() -> None:
     threads = record["threads"]
     assert record["group_alive"] and isinstance(threads, list) and "pt_gloo_runloop" in threads
     assert record["logs"] == ["process_group_destroyed", "process_group_outlives_destroy"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/task")
+@pytest.mark.timeout(300)
+def test_a_sharded_model_leaves_no_gloo_thread_at_exit(tmp_path: Path) -> None:
+    # torch's DTensor caches (sharding propagation, redistribute planners and transforms, mesh
+    # topology) keep the device mesh, and so the destroyed group, for the life of the process;
+    # trainbus's exit handler empties them while Python is whole.
+    torchrun("fsdp_exit_threads.py", str(tmp_path), timeout=240)  # asserts exit 0
+    for rank in (0, 1):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert "pt_gloo_runloop" in record["destroyed"], record  # torch's caches hold it
+        assert record["exit"] == [], record

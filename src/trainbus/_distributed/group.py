@@ -3,10 +3,12 @@ ends ``torch.distributed``."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
 import importlib
 import os
+import sys
 import weakref
 from collections.abc import Mapping
 from typing import Literal
@@ -18,7 +20,13 @@ from .._exceptions import ConfigError, DistributedError
 from .._log import get_logger
 from .._validate import check_seconds
 
-__all__ = ["ENV_VARS", "ProcessGroup", "check_local_rank", "choose_backend"]
+__all__ = [
+    "ENV_VARS",
+    "ProcessGroup",
+    "check_local_rank",
+    "choose_backend",
+    "release_sharding_caches",
+]
 
 log = get_logger(__name__)
 
@@ -32,6 +40,37 @@ Backend = Literal["gloo", "nccl"]
 # imported, so it is imported here while no group exists.
 if dist.is_available() and not dist.is_initialized():
     importlib.import_module("torch.distributed.nn.functional")
+
+
+def release_sharding_caches() -> None:
+    """Empty torch's DTensor caches, which keep device meshes (and so their process groups)
+    alive past ``destroy_process_group()``; they refill on the next use. The native sharding
+    cache is per thread: only the calling thread's is emptied."""
+    if "torch.distributed.tensor._api" not in sys.modules:
+        return  # no DTensor ever ran: nothing cached
+    dtensor = sys.modules["torch.distributed.tensor._api"].DTensor
+    propagator = getattr(getattr(dtensor, "_op_dispatcher", None), "sharding_propagator", None)
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    collectives = sys.modules.get("torch.distributed.tensor._collective_utils")
+    transforms = getattr(redistribute, "_gen_transform_infos", None)  # DTensorSpecs
+    topology = getattr(getattr(collectives, "MeshTopoInfo", None), "build_from_mesh", None)
+    for clear in (
+        getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None),
+        getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None),  # this thread's
+        getattr(transforms, "cache_clear", None),
+        getattr(topology, "cache_clear", None),  # meshes
+        getattr(redistribute, "clear_redistribute_planner_cache", None),  # planners: meshes
+    ):
+        if clear is not None:
+            clear()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """DTensor work after the last fit: the caches let go while Python is whole, rather than
+    leaving gloo's threads to interpreter teardown."""
+    release_sharding_caches()
+    gc.collect()  # a redistribute planner holds its mesh in a reference cycle
 
 
 def _env_int(env: Mapping[str, str], name: str, minimum: int) -> int:
@@ -216,6 +255,7 @@ class ProcessGroup:
         if self._closed:
             return
         self._closed = True
+        release_sharding_caches()  # a sharded model's last collective has run
         if self._created and dist.is_initialized():
             world = dist.group.WORLD
             held = None if world is None else weakref.ref(world)
