@@ -269,8 +269,9 @@ class ProcessGroup:
                         "process_group_outlives_destroy",
                         rank=self.rank,
                         reason="something still holds the destroyed default process group (a "
-                        "DistributedDataParallel model of your own, or torch.distributed.nn."
-                        "functional first imported after init_process_group); its gloo threads "
+                        "DistributedDataParallel model of your own, a model sharded with "
+                        "fully_shard still referenced, or torch.distributed.nn.functional "
+                        "first imported after init_process_group); its gloo threads "
                         "run on into interpreter exit, where they can abort the process "
                         "(SIGABRT): drop the holder, or import trainbus before "
                         "init_process_group",
