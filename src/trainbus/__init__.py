@@ -20,9 +20,9 @@ from ._exceptions import (
     TrainingError,
 )
 from ._launcher import Launcher, LaunchResult, launch
-from ._loop.context import TrainContext, default_train_step
 from ._loop.hooks import HookHandle, StepContext
 from ._loop.set_metrics import Perplexity, SetMetric, TokenAccuracy
+from ._loop.step import TrainContext, default_train_step
 from ._moved import moved_name, report_moved_modules
 from ._replay import replay
 from ._seeding import seed_everything

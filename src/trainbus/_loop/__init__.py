@@ -1,7 +1,6 @@
 """The training thread's side: the loop and its parts, one object each owning its state
 (ARCHITECTURE.md, "The loop"). This package imports the bus only for types."""
 
-from .context import TrainContext as TrainContext
 from .evaluation import StandaloneRun as StandaloneRun
 from .evaluation import evaluation_metric_names as evaluation_metric_names
 from .hooks import HookFn as HookFn
@@ -16,6 +15,7 @@ from .result import FitResult as FitResult
 from .settings import NonFinitePolicy as NonFinitePolicy
 from .settings import Precision as Precision
 from .settings import Settings as Settings
+from .step import TrainContext as TrainContext
 from .window import TRAIN_METRIC_NAMES as TRAIN_METRIC_NAMES
 
 __all__ = [

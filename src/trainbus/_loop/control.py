@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, assert_never
 from .. import commands as cmd
 from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
-from .result import Cancelled
 
 if TYPE_CHECKING:
     from .._bus import LoopPort
@@ -20,32 +19,12 @@ if TYPE_CHECKING:
     from .saving import CheckpointWriter
     from .settings import Settings
 
-__all__ = ["BarrierWait", "CancelFlag", "CommandHandler", "RunStop"]
+__all__ = ["BarrierWait", "CommandHandler", "RunStop"]
 
 # wait(event or None at the end, resume) -> "done", "timeout" or "request" (then resume=True)
 BarrierWait = Callable[[ev.BaseEvent | None, bool], str]
 
 _MAX_ROUNDS = 100  # drains of the commands sent while commands are applied
-
-
-class CancelFlag:
-    """A run's cancel request: asked from any thread, checked by the loop's parts."""
-
-    __slots__ = ("_doorbell", "requested")
-
-    def __init__(self, doorbell: Doorbell) -> None:
-        self._doorbell = doorbell
-        self.requested = False
-
-    def request(self) -> None:
-        """Ask the run to stop at its next check. Safe from any thread."""
-        self.requested = True
-        self._doorbell.ring()
-
-    def check(self) -> None:
-        """Raise :class:`Cancelled` when a cancel was asked."""
-        if self.requested:
-            raise Cancelled
 
 
 class RunStop:

@@ -16,9 +16,9 @@ from .._exceptions import ConfigError, TrainingError
 from .._hookpoints import HookPoint, StepContext
 from .._tensors import batch_size, move_to_device, use_device
 from ..checkpoint._rng import isolated_rng
-from .control import CancelFlag
 from .forward import loss_of, metric_targets, model_outputs
 from .outputs import KeptOutputs, PadValues, map_tensors, without_keys
+from .result import CancelFlag
 from .set_metrics import MetricFailures, SetTotals, Totals
 from .wants import Wants
 

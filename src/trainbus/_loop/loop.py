@@ -12,15 +12,14 @@ from .._log import get_logger
 from .._tensors import use_device
 from ..checkpoint import Checkpoint, TrainState
 from ..checkpoint._store import parse_checkpoint_name
-from .context import TrainContext
-from .control import BarrierWait, CancelFlag, CommandHandler, RunStop
+from .control import BarrierWait, CommandHandler, RunStop
 from .data import EpochData
 from .evaluation import Evaluator
 from .hooks import Hooks
 from .nonfinite import NonFiniteGuard
-from .result import Cancelled, FitResult
+from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
-from .step import SchedulerStepper, Step, StepOutcome
+from .step import SchedulerStepper, Step, StepOutcome, TrainContext
 from .wants import Wants
 from .window import LogWindow
 

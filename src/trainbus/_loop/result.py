@@ -1,4 +1,5 @@
-"""How a run of the loop ends: :class:`FitResult`, and :class:`Cancelled`, which ends it."""
+"""How a run of the loop ends: :class:`FitResult`, and :class:`Cancelled`, which ends it when its
+:class:`CancelFlag` is raised."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from .. import events as ev
 
 if TYPE_CHECKING:
+    from .._bus.commands import Doorbell
     from .._bus.subscriptions import BusStatistics, LostWork
 
-__all__ = ["Cancelled", "FitResult"]
+__all__ = ["CancelFlag", "Cancelled", "FitResult"]
 
 # Attributes of earlier versions -> the one that replaced each.
 _RENAMED = {"metrics": "eval_metrics", "checkpoint": "last_checkpoint", "lost": "lost_work"}
@@ -97,3 +99,23 @@ def _by_name(pairs: Iterable[tuple[str, Any]]) -> dict[str, Any]:
     for name, value in pairs:
         out[name] = value if name not in out else out[name] + value
     return out
+
+
+class CancelFlag:
+    """A run's cancel request: asked from any thread, checked by the loop's parts."""
+
+    __slots__ = ("_doorbell", "requested")
+
+    def __init__(self, doorbell: Doorbell) -> None:
+        self._doorbell = doorbell
+        self.requested = False
+
+    def request(self) -> None:
+        """Ask the run to stop at its next check. Safe from any thread."""
+        self.requested = True
+        self._doorbell.ring()
+
+    def check(self) -> None:
+        """Raise :class:`Cancelled` when a cancel was asked."""
+        if self.requested:
+            raise Cancelled
