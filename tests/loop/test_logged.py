@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reactivex import operators as ops
+from structlog.testing import capture_logs
 
 from trainbus import (
     Callback,
@@ -225,3 +226,37 @@ def test_the_partial_last_window_of_a_run_of_several_epochs_is_of_its_last_epoch
     result = t.fit_sync()
     assert (result.reason, result.steps) == ("completed", 21)
     assert [(e.step, e.epoch) for e in logged] == [(5, 0), (10, 1), (15, 2), (20, 2), (21, 2)]
+
+
+def test_a_save_decided_on_the_partial_last_window_is_dropped_and_the_final_checkpoint_holds_it(
+    tmp_path: Path,
+) -> None:
+    """Keeping checkpoints by the training loss (a pipeline on ``MetricsLogged``, docs/callbacks/
+    checkpointing.md): the saves decided on whole windows land on their steps; the one decided
+    on the last, partial window comes after the last poll point and is dropped, named, and the
+    final checkpoint holds the run's last weights."""
+    model = tiny_model()
+    t = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.05),
+        tiny_loader(47),
+        loss_fn=F.cross_entropy,
+        progress=False,
+        on_signal=None,
+        max_epochs=1,
+        log_every=10,
+        checkpoint_dir=tmp_path,
+    )
+    t.bus.stream(ev.MetricsLogged).pipe(
+        ops.map(lambda e: cmd.SaveCheckpoint(tag="best"))
+    ).subscribe(t.bus.commands)
+    t.bus.declare_decision_steps(every=10)
+    with capture_logs() as logs:
+        result = t.fit_sync()
+    assert result.steps == 47
+    saved = sorted(p.name for p in tmp_path.glob("step-*.pt"))
+    assert saved == [f"step-{s:08d}-best.pt" for s in (10, 20, 30, 40)] + ["step-00000047-final.pt"]
+    dropped = [x for x in logs if x["event"] == "commands_not_applied"]
+    assert len(dropped) == 1 and "SaveCheckpoint" in str(dropped[0]), logs
+    final = torch.load(tmp_path / "step-00000047-final.pt", weights_only=False)
+    assert final["state"]["step"] == 47
