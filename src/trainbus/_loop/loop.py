@@ -17,9 +17,10 @@ from .data import EpochData
 from .evaluation import Evaluator
 from .hooks import Hooks
 from .nonfinite import NonFiniteGuard
+from .optimizers import SchedulerStepper
 from .result import CancelFlag, Cancelled, FitResult
 from .saving import CheckpointWriter
-from .step import SchedulerStepper, Step, StepOutcome, TrainContext
+from .step import Step, StepOutcome, TrainContext
 from .wants import Wants
 from .window import LogWindow
 

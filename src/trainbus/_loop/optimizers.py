@@ -1,16 +1,24 @@
 """Several optimizers and schedulers, named, behind the one optimizer the loop knows
-(docs/trainer.md, "Several optimizers")."""
+(docs/trainer.md, "Several optimizers"); and the scheduler's step with its ``SchedulerStepped``."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import events as ev
 from .._exceptions import CheckpointError, ConfigError
 
-__all__ = ["DEFAULT_NAME", "OptimizerSet", "SchedulerSet"]
+if TYPE_CHECKING:
+    from .._bus import LoopPort
+    from ..checkpoint import TrainState
+    from .settings import Settings
+    from .wants import Wants
+
+__all__ = ["DEFAULT_NAME", "OptimizerSet", "SchedulerSet", "SchedulerStepper"]
 
 DEFAULT_NAME = "default"  # the name of a run's single optimizer
 
@@ -129,3 +137,46 @@ class SchedulerSet:
             )
         for name, sched in self.schedulers.items():
             sched.load_state_dict(state_dict[name])
+
+
+# torch's warning for a scheduler stepped before its optimizer in this process.
+_BEFORE_OPTIMIZER = r"Detected call of `lr_scheduler\.step\(\)` before `optimizer\.step\(\)`"
+
+
+class SchedulerStepper:
+    """Steps the scheduler and publishes ``SchedulerStepped``."""
+
+    def __init__(self, settings: Settings, port: LoopPort, state: TrainState, wants: Wants) -> None:
+        self._s, self._port, self._state, self._wants = settings, port, state, wants
+
+    def lr(self) -> float:
+        """The optimizer's current learning rate of parameter group 0."""
+        return float(self._s.optimizer.param_groups[0]["lr"])
+
+    def step(self, *, always: bool, replayed: bool = False) -> None:
+        """``scheduler.step()``, then ``SchedulerStepped`` (if wanted, or ``always``).
+        ``replayed``: a resume's epoch end before any optimizer step (torch's warning muted)."""
+        pub, st, w, s = self._port.publish, self._state, self._wants, self._s
+        assert s.scheduler is not None
+        try:
+            with w.trace("scheduler_step"):
+                if replayed:
+                    with warnings.catch_warnings():
+                        warnings.filterwarnings("ignore", _BEFORE_OPTIMIZER, UserWarning)
+                        s.scheduler.step()
+                else:
+                    s.scheduler.step()
+        except BaseException as exc:
+            if always or w.scheduler_stepped:
+                pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr(), error=exc))
+            if s.scheduler_interval == "step" and "Tried to step" in str(exc):
+                # OneCycleLR's total_steps counted batches, or the last short step of an epoch
+                per_epoch = "?" if s.train_len is None else -(-s.train_len // s.accumulate)
+                exc.add_note(
+                    f"trainbus: the scheduler steps once per optimizer step (here step "
+                    f"{st.step}, epoch {st.epoch}): {per_epoch} per epoch, ceil(batches / "
+                    f"accumulate={s.accumulate}), the last short one included"
+                )
+            raise
+        if always or w.scheduler_stepped:
+            pub(ev.SchedulerStepped(step=st.step, epoch=st.epoch, lr=self.lr()))
