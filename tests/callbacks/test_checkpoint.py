@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from structlog.testing import capture_logs
 
 from trainbus import ConfigError, EventBus
 from trainbus import commands as cmd
@@ -181,3 +182,20 @@ def test_every_steps_alone_also_saves_every_epoch_as_documented(
     assert sorted(p.name for p in steps_only.iterdir()) == [
         "step-00000003.pt", "step-00000006.pt", "step-00000008-final.pt",  # the loop's final save
     ]  # fmt: skip
+
+
+def test_an_evaluate_after_fit_is_not_one_of_the_runs_evaluations(tmp_path: Path) -> None:
+    """fit() then evaluate(), as a script or a notebook does: the standalone evaluation's better
+    score neither asks for a save no step is left for (no ``commands_not_applied``) nor moves
+    the best the checkpoints were kept by."""
+    cb = Checkpointing(monitor="val_score", mode="max", keep_best=1)
+    t = make_trainer([cb], epochs=2, score=[1.0, 2.0, 5.0], checkpoint_dir=tmp_path)
+    result = t.fit_sync()
+    assert result.eval_metrics["val_score"] == 2.0
+    best, files = cb.best_path, sorted(p.name for p in tmp_path.glob("*.pt"))
+    with capture_logs() as logs:
+        assert t.evaluate_sync()["val_score"] == 5.0  # better than any of the run's
+    assert [x for x in logs if x["event"] == "commands_not_applied"] == []
+    assert cb.best_path == best
+    assert sorted(p.name for p in tmp_path.glob("*.pt")) == files
+    assert cb.state_dict()["best"] == 2.0

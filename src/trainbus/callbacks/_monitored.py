@@ -32,13 +32,16 @@ def evaluations(
     bus: EventBus, metric: str, *types: type[ev.EvaluationEnded | ev.ExternalEvaluationEnded]
 ) -> BusObservable[Any]:
     """The evaluations of ``types`` without error that a monitor of ``metric`` reads (its own
-    set's; of the evaluation jobs, those carrying it)."""
+    set's; of the evaluation jobs, those carrying it). A standalone ``evaluate()`` is not one
+    of the run's: no step is left for what a monitor would send."""
     reads = reads_metric(metric)
 
     def read(e: Any) -> bool:
         if e.error is not None:
             return False
-        return metric in e.metrics if isinstance(e, ev.ExternalEvaluationEnded) else reads(e)
+        if isinstance(e, ev.ExternalEvaluationEnded):
+            return metric in e.metrics
+        return e.trigger != "standalone" and reads(e)
 
     found: BusObservable[Any] = bus.stream(*types).pipe(ops.filter(read))
     return found
