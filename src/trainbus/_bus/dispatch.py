@@ -5,7 +5,6 @@ slice per ``flush_interval`` on the event-loop thread), and the barriers (docs/b
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import threading
@@ -13,6 +12,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, get_args
 
 import anyio
@@ -37,6 +37,11 @@ __all__ = [
 ]
 
 log = get_logger(__name__)
+
+_IDLE_TICKS = 3
+"""Empty flush intervals after which the poller parks until the next publish."""
+_PARK_BACKSTOP = 1.0
+"""Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 
 
 # ================================================================== the route table
@@ -265,10 +270,9 @@ class PublishQueue:
         # True while a slice dispatches: what its thread publishes meanwhile goes to _derived.
         self._dispatching = False
         self._derived: deque[ev.BaseEvent] = deque()
-        # The parked poller (see wait_published): publish reads ``parked`` once per event.
+        # The parked poller (see run): publish reads ``parked`` once per event.
         self.parked = False
-        self._unpark_event: anyio.Event | None = None
-        self._call_soon: Callable[[Callable[[], None]], object] | None = None
+        self._wake: Callable[[], object] = lambda: None
 
     def publish(self, event: ev.BaseEvent) -> None:
         """Queue ``event`` for delivery (any thread); waits while ``max_queue`` events wait.
@@ -285,22 +289,11 @@ class PublishQueue:
         q = self._events
         q.append(event)
         if self.parked:  # the first event after a quiet spell: wake the poller, once
-            self._wake_poller()
+            self.parked = False
+            with contextlib.suppress(RuntimeError):  # anyio's RunFinishedError
+                self._wake()
         if len(q) > self._max_queue:
             self._wait_for_room()
-
-    def _wake_poller(self) -> None:
-        self.parked = False
-        call_soon = self._call_soon
-        if call_soon is not None:
-            # The loop may have closed (trio: RunFinishedError, a RuntimeError).
-            with contextlib.suppress(RuntimeError):
-                call_soon(self._unpark)
-
-    def _unpark(self) -> None:
-        event = self._unpark_event
-        if event is not None:
-            event.set()
 
     def _wait_for_room(self) -> None:
         if self._loop_thread in (None, threading.get_ident()):
@@ -319,14 +312,11 @@ class PublishQueue:
     def open(self, loop_thread: int) -> None:
         """The bus runs, dispatching on ``loop_thread``: publishers may wait for room."""
         self._loop_thread = loop_thread
-        self._call_soon = _threadsafe_call_soon()
 
     def stop(self, *, close: bool = False) -> None:
         """Stop dispatching until :meth:`open`; with ``close``, for good (``publish`` raises:
         an append that refuses, no check per publish)."""
         self._loop_thread = None
-        self._call_soon = None
-        self.parked = False
         if close:
             self._events = _ClosedQueue(self._events)
         self._room.set()
@@ -369,21 +359,30 @@ class PublishQueue:
                 self._ledger.operator_failed(observer, exc, event)
         self.delivered += 1
 
-    async def wait_published(self, backstop: float) -> None:
-        """Park the poller until something is published, or ``backstop`` seconds. ``parked`` is
-        raised before the queue is looked at: a later append sees it and wakes this wait."""
-        if self._call_soon is None:  # no way to be woken: keep the plain interval
-            await anyio.sleep(self.flush_interval)
-            return
-        event = self._unpark_event = anyio.Event()
-        self.parked = True
-        try:
-            if not self._events:
-                with anyio.move_on_after(backstop):
-                    await event.wait()
-        finally:
-            self.parked = False
-            self._unpark_event = None
+    async def run(self) -> None:
+        """The poller: drain once per ``flush_interval``; after ``_IDLE_TICKS`` empty ones, park
+        until a publish wakes it (each wake costs the training thread a GIL hand-over)."""
+        token = anyio.lowlevel.current_token()
+        empty = 0
+        while True:
+            if empty < _IDLE_TICKS:
+                await anyio.sleep(self.flush_interval)
+            else:
+                unparked = anyio.Event()
+                run_soon = token.backend_class.run_sync_soon
+                self._wake = partial(run_soon, unparked.set, (), token.native_token)
+                self.parked = True  # before the queue is looked at: a later append sees it
+                try:
+                    with anyio.move_on_after(_PARK_BACKSTOP):
+                        if not self._events:
+                            await unparked.wait()
+                finally:
+                    self.parked = False
+            if self._events:
+                empty = 0
+                self.drain(limit=len(self._events))
+            else:
+                empty += 1
 
     def flush(self) -> None:
         """:meth:`EventBus.flush`."""
@@ -394,16 +393,6 @@ class PublishQueue:
                 "token=token), the token taken on that loop by anyio.lowlevel.current_token()"
             )
         self.drain()
-
-
-def _threadsafe_call_soon() -> Callable[[Callable[[], None]], object] | None:
-    """Run a callable on the running event loop from any thread without waiting; None when the
-    backend has no way (the poller then never parks)."""
-    native = anyio.lowlevel.current_token().native_token
-    if isinstance(native, asyncio.AbstractEventLoop):
-        return native.call_soon_threadsafe
-    run_sync_soon = getattr(native, "run_sync_soon", None)  # trio's TrioToken
-    return run_sync_soon if callable(run_sync_soon) else None
 
 
 # ================================================================== barriers

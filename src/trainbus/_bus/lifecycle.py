@@ -30,10 +30,6 @@ DEFAULT_CLOSE_TIMEOUT = 300.0
 """Seconds a close or a call's end waits for pending async work by default: long enough for a
 real upload, short enough that a hung one cannot hold a job's machines for hours."""
 
-_IDLE_TICKS = 3
-"""Empty flush intervals after which the poller parks until the next publish."""
-_PARK_BACKSTOP = 1.0
-"""Seconds a parked poller waits at most (a safety net: a publish wakes it at once)."""
 _CANCEL_POLL = 0.1
 """Seconds between two looks at a cancel request while a call's end or a close waits."""
 _NOTICE_AFTER = 1.0
@@ -96,7 +92,7 @@ class Lifecycle:
             if self._own_scheduler is not None:
                 tasks.start_soon(self._own_scheduler.run)
             self._subscriptions.start(tasks)
-            tasks.start_soon(self._poll, name="trainbus-bus-poller")
+            tasks.start_soon(self._queue.run, name="trainbus-bus-poller")
             # A checkpoint, as every async call is: one cancelled already (a deadline passed)
             # stops here, and the bus stays as it was.
             await anyio.lowlevel.checkpoint()
@@ -128,22 +124,6 @@ class Lifecycle:
             tasks.stop()
         if stack is not None:
             await stack.aclose()
-
-    async def _poll(self) -> None:
-        q = self._queue
-        # Each wake costs the training thread a GIL hand-over: after _IDLE_TICKS empty
-        # intervals the poller parks until the next publish wakes it.
-        empty = 0
-        while True:
-            if empty < _IDLE_TICKS:
-                await anyio.sleep(q.flush_interval)
-            else:
-                await q.wait_published(_PARK_BACKSTOP)
-            if q:
-                empty = 0
-                q.drain(limit=len(q))
-            else:
-                empty += 1
 
     async def end(self, *, close: bool, raise_fatal: bool) -> None:
         """Suspend (:meth:`EventBus.suspend`) or close; with ``raise_fatal``, raise a

@@ -767,19 +767,14 @@ class SubscriptionSet:
                 )
                 raise ConfigError.invalid(field, name_of(value), allowed)
         policy = check_policy(on_error)
-        if not self.ranks.runs_here(ranks):
-            inert = Subscription(self._ledger, name or "inert", policy, on_next)
-            inert.dispose()  # registered nowhere: it costs nothing
-            return inert
+        here = self.ranks.runs_here(ranks)
+        name = name or (name_of(on_next) if here else "inert")
         sub = Subscription(
-            self._ledger,
-            name or name_of(on_next),
-            policy,
-            on_next,
-            self._watchdog,
-            on_rx_error,
-            on_completed,
+            self._ledger, name, policy, on_next, self._watchdog, on_rx_error, on_completed
         )
+        if not here:
+            sub.dispose()  # registered nowhere: it costs nothing
+            return sub
         chain = ChainScheduler(scheduler) if scheduler else self.rx_scheduler
         self._attach(sub, source, chain, declares=True)
         return sub
