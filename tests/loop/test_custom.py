@@ -669,3 +669,42 @@ def test_a_step_with_its_own_optimizer_step_is_told_what_replaces_it() -> None:
     with pytest.raises(TrainingError, match=r"it replaces an optimizer\.step\(\) of your own, "
                        r"and Trainer\(accumulate=n\) an accumulation of your own"):  # fmt: skip
         trainer.fit_sync()
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+@pytest.mark.parametrize(
+    ("given", "match"),
+    [
+        (lambda ctx: 1.0, r"must be a scalar tensor; got <class 'float'> at step 0"),
+        (lambda ctx: "loss", r"must be a scalar tensor; got <class 'str'> at step 0"),
+        (lambda ctx: torch.ones(3, requires_grad=True), r"got a tensor of shape \(3,\) at step 0"),
+        (lambda ctx: ctx.compute_loss().detach(), r"does not require grad at step 0, epoch 0"),
+    ],
+    ids=["float", "str", "vector", "detached"],
+)
+def test_ctx_backward_of_what_is_not_a_loss_is_a_training_error(
+    given: Any, match: str, accumulate: int
+) -> None:
+    """``ctx.backward`` given a number, a string, a vector or a detached loss: a
+    ``TrainingError`` saying what a loss must be, caused by torch's own error."""
+
+    def step(ctx: TrainContext) -> torch.Tensor:
+        ctx.backward(given(ctx))
+        ctx.optimizer_step()
+        return torch.zeros(())
+
+    model = tiny_model()
+    trainer = Trainer(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        tiny_loader(4),
+        loss_fn=F.cross_entropy,
+        max_steps=1,
+        accumulate=accumulate,
+        train_step=step,
+        progress=False,
+    )
+    with pytest.raises(TrainingError, match=match) as info:
+        trainer.fit_sync()
+    assert info.value.__cause__ is not None
+    assert trainer.result is not None and trainer.result.reason == "failed"

@@ -542,29 +542,30 @@ class Step:
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: Any, ctx: TrainContext) -> None:
-        """``ctx.backward(loss)``."""
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
-            self._refuse(loss, ctx.batch_index)
+        """``ctx.backward(loss)``; a loss that is not a scalar tensor requiring grad is refused
+        when its backward fails (torch checks it there)."""
         if self._keep:  # read only for its value: kept as it is
             self._losses.append(loss)
         self._last, self._clean = loss, False
         weight = self._weight
-        if weight is not None:
-            scaled = loss * weight
-        elif ctx.accumulation_steps > 1:
-            scaled = loss / ctx.accumulation_steps
-        else:
-            scaled = loss
-        scaler = self.settings.scaler
-        if scaler is not None:
-            scaled = scaler.scale(scaled)
         try:
+            if weight is not None:
+                scaled = loss * weight
+            elif ctx.accumulation_steps > 1:
+                scaled = loss / ctx.accumulation_steps
+            else:
+                scaled = loss
+            scaler = self.settings.scaler
+            if scaler is not None:
+                scaled = scaler.scale(scaled)
             if self._trace.on:
                 with self._trace("backward", "train", ctx.batch_index, ctx.micro_batch):
                     scaled.backward()
             else:
                 scaled.backward()
         except BaseException as exc:
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+                self._refuse(loss, ctx.batch_index, exc)
             self._annotate(exc, "backward", ctx.batch_index)
             if "backward through the graph a second time" in str(exc):
                 exc.add_note(
@@ -578,7 +579,7 @@ class Step:
             hc.loss = loss
             self._run_hooks("after_backward", hooks, hc)
 
-    def _refuse(self, loss: Any, bi: int) -> None:
+    def _refuse(self, loss: Any, bi: int, exc: BaseException) -> None:
         """Raise the error for a loss that is not a scalar tensor that requires grad."""
         st = self.state
         where = f"at step {st.step}, epoch {st.epoch}, batch {bi}"
@@ -594,10 +595,12 @@ class Step:
                     "Without loss_fn the model must return the loss: pass loss_fn= (e.g. "
                     "torch.nn.CrossEntropyLoss()) if it returns outputs"
                 )
-            raise TrainingError(f"the loss must be a scalar tensor; got {got} {where}. {fix}")
+            raise TrainingError(
+                f"the loss must be a scalar tensor; got {got} {where}. {fix}"
+            ) from exc
         raise TrainingError(
             f"the loss does not require grad {where}: it is detached from the model's parameters"
-        )
+        ) from exc
 
     # ------------------------------------------------------------------ optimizer steps
     def optimizer_step(self, name: str | None, ctx: TrainContext) -> bool:
